@@ -1,0 +1,67 @@
+/* The one parameter struct shared by every backend (flash-attention's Flash_fwd_params).
+ *
+ * Legend of dimension letters, used by every file in csrc/:
+ *   B   batch (number of sequences in varlen)     Hq  query heads     Hk  key/value heads
+ *   Sq  query rows per batch item (varlen: rows of the packed tensor, Tq)
+ *   Sk  key rows per batch item   (varlen: Tk)    D   q/k head dim    Dv  v head dim
+ *   Hb  heads of the bias / mask: 1, Hk or Hq (query head h reads head h / (Hq / Hb))
+ *
+ * Every tensor is described by a base pointer and int64 element strides, so non-contiguous and
+ * broadcast (stride 0) inputs are read in place. A feature that is off is a NULL pointer.
+ * Varlen is not a separate entry point: with cu_seqlens set, the tensors have B = 1 in memory and
+ * sequence b starts at row cu_seqlens[b] of that one batch item (see seqlen.h).
+ */
+#ifndef ATTNEXT_ATTN_PARAMS_H
+#define ATTNEXT_ATTN_PARAMS_H
+
+#include <stdint.h>
+
+typedef enum { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2, DT_F64 = 3 } attn_dtype;
+
+typedef enum { CAUSAL_NONE = 0, CAUSAL_BOTTOM_RIGHT = 1, CAUSAL_TOP_LEFT = 2 } attn_causal;
+
+/* A strided 4-D view: element [i0, i1, i2, i3] lives at ptr + i0*s[0] + ... + i3*s[3]
+ * (strides in elements, any sign, 0 for a broadcast dimension). */
+typedef struct {
+    void *ptr;
+    int64_t s[4];
+} tensor4;
+
+typedef struct {
+    /* problem size */
+    int64_t B, Sq, Sk, Hq, Hk, D, Dv;
+    attn_dtype dtype;            /* q, k, v, out, dout, dq, dk, dv */
+
+    /* q (B, Sq, Hq, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv), out (B, Sq, Hq, Dv) */
+    tensor4 q, k, v, out;
+    /* lse (B, Hq, Sq), float32 (float64 for DT_F64): s[0], s[1], s[2] used */
+    tensor4 lse;
+
+    /* varlen: cu_seqlens_* (B + 1), seqused_* (B); non-varlen seqlens_* use seqused_* alone */
+    const int32_t *cu_seqlens_q, *cu_seqlens_k;
+    const int32_t *seqused_q, *seqused_k;
+
+    /* bias (B, Hb, Sq, Sk) in its own dtype bias_dtype; mask (B, Hb, Sq, Sk) bool (1 byte) */
+    tensor4 bias;
+    attn_dtype bias_dtype;
+    int64_t bias_heads;
+    tensor4 mask;
+    int64_t mask_heads;
+    /* alibi slopes (B, Hq), float32 or float64 (alibi_dtype): s[0], s[1] used */
+    tensor4 alibi;
+    attn_dtype alibi_dtype;
+
+    double scale;                /* multiplies q.k */
+    double softcap;              /* 0 = off */
+    attn_causal causal;
+    int64_t window_left, window_right;   /* -1 = unbounded on that side */
+
+    /* backward: dout like out, dq like q, dk like k, dv like v (all written, never accumulated
+     * into). dbias (B, Hb, Sq, Sk) float32 (float64 for DT_F64) is accumulated into: broadcast
+     * dimensions have stride 0, so the sum over them lands in one element. */
+    tensor4 dout, dq, dk, dv, dbias;
+
+    int num_threads;             /* <= 0: the OpenMP default */
+} attn_params;
+
+#endif

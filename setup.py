@@ -1,0 +1,56 @@
+"""Builds attnext._C from csrc/*.c: C11, -O3, warnings on, OpenMP where the compiler has it.
+
+No CUDA, no NumPy headers: the extension reads arrays through the buffer protocol. Nothing
+is tuned to the build machine (never -march=native); SIMD variants are chosen at run time.
+"""
+import glob
+import os
+import subprocess
+import sys
+import tempfile
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+def _compiler_accepts(compiler, flag):
+    """True when the C compiler builds and links a tiny OpenMP program with `flag`."""
+    src = "#include <omp.h>\nint main(void){return omp_get_max_threads() > 0 ? 0 : 1;}\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "t.c")
+        with open(path, "w") as f:
+            f.write(src)
+        cmd = list(compiler) + [flag, path, "-o", os.path.join(tmp, "t")]
+        try:
+            return subprocess.run(cmd, capture_output=True).returncode == 0
+        except OSError:
+            return False
+
+
+class BuildExt(build_ext):
+    def build_extensions(self):
+        cc = self.compiler.compiler_so[:1] if hasattr(self.compiler, "compiler_so") else ["cc"]
+        use_omp = os.environ.get("ATTNEXT_NO_OPENMP") != "1" and _compiler_accepts(cc, "-fopenmp")
+        sanitize = os.environ.get("ATTNEXT_SANITIZE") == "1"
+        for ext in self.extensions:
+            args = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Wno-unused-parameter",
+                    "-fno-strict-aliasing", "-fvisibility=hidden"]
+            link = []
+            if use_omp:
+                args.append("-fopenmp")
+                link.append("-fopenmp")
+            if sanitize:
+                args += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1", "-g"]
+                link += ["-fsanitize=address,undefined"]
+            ext.extra_compile_args = args
+            ext.extra_link_args = link + ["-ldl", "-lm"]
+        if not use_omp:
+            print("attnext: the C compiler has no OpenMP; the CPU backend runs serially", file=sys.stderr)
+        super().build_extensions()
+
+
+setup(
+    ext_modules=[Extension("attnext._C", sources=sorted(glob.glob("csrc/*.c")),
+                           depends=sorted(glob.glob("csrc/*.h")), include_dirs=["csrc"])],
+    cmdclass={"build_ext": BuildExt},
+)
