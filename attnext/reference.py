@@ -1,0 +1,365 @@
+"""The float64 NumPy reference: what every attnext backend must compute.
+
+Legend: B batch, Hq / Hk query / key-value heads, Sq / Sk padded sequence lengths, Tq / Tk packed
+rows (varlen), D / Dv head dims of q-k / v. For one sequence b and query head h, Lq and Lk are the
+actual lengths; r is a query row and c a key column, both counted from the start of the sequence.
+
+    s0 = scale * q[r] . k[c]                     scale defaults to 1 / sqrt(D)
+    s1 = softcap * tanh(s0 / softcap)            (s1 = s0 without softcap)
+    s2 = s1 + bias[b, hb, r, c] - slope[b, h] * |r + Lk - Lq - c|
+    s3 = score_mod(s2, b, h, r, c)
+    P  = softmax of s3 over the kept c;  out[r] = sum_c P v[c];  lse[r] = log sum_c exp(s3)
+
+Causal masks and windows are anchored on a diagonal. For Sq != Sk (x kept, . masked):
+
+    causal=True / "bottom_right"         causal="top_left"
+    keeps c <= r + Lk - Lq               keeps c <= r
+          c: 0 1 2 3 4                         c: 0 1 2 3 4
+    r = 0    x x x x .                   r = 0    x . . . .
+    r = 1    x x x x x                   r = 1    x x . . .
+
+With more queries than keys, the bottom-right alignment leaves the first rows with nothing:
+
+          c: 0 1
+    r = 0    . .    <- fully masked row: out = 0, lse = -inf, zero gradients
+    r = 1    . .
+    r = 2    . .
+    r = 3    x .
+    r = 4    x x
+
+window=(left, right) keeps r + Lk - Lq - left <= c <= r + Lk - Lq + right (-1: that side
+unbounded), always on the bottom-right diagonal. A row with no kept column (fully masked, or a
+padding row r >= Lq), or whose kept scores are all -inf, gives out = 0, lse = -inf and zero
+gradients: never NaN, never a warning.
+
+Everything is computed and returned in float64, one block of ROW_BLOCK query rows at a time, so
+memory is O(ROW_BLOCK * Sk): nothing of size Sq * Sk is allocated (except a dbias whose given
+bias has that shape).
+"""
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from ._types import Grads
+
+ROW_BLOCK = 128
+# Central-difference step for score_mod' (relative to max(1, |s|)): eps ** (1/3) balances the
+# truncation error (~step**2) against the rounding error (~eps / step).
+_FD_STEP = np.finfo(np.float64).eps ** (1 / 3)
+
+
+def _bhsd(x, layout):
+    """View x as (batch, heads, rows, dim) without copying; packed "thd" becomes a batch of one."""
+    if layout == "bshd":
+        return x.transpose(0, 2, 1, 3)
+    if layout == "bhsd":
+        return x
+    return x.transpose(1, 0, 2)[None]
+
+
+def _seq(b, cu_seqlens, seqused, static_len):
+    """(batch index into the _bhsd view, first row, actual length) of sequence b.
+
+    The one place that knows where a sequence lives: seqused (seqlens_* for padded batches)
+    first, then the cu_seqlens segment, then the static length.
+    """
+    if cu_seqlens is None:
+        view_b, start, length = b, 0, static_len
+    else:
+        view_b, start = 0, int(cu_seqlens[b])
+        length = int(cu_seqlens[b + 1]) - start
+    if seqused is not None:
+        length = int(seqused[b])
+    return view_b, start, length
+
+
+def _as_4d(x):
+    """A bias or mask as a (B, H, rows, cols) view with size-1 axes where it broadcasts."""
+    x = np.asarray(x)
+    return x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
+class _Head(NamedTuple):
+    """One (sequence, query head) problem: q (Lq, D), k (Lk, D), v (Lk, Dv) in float64."""
+    b: int
+    h: int
+    hk: int
+    bq: int      # batch index of the sequence's rows in the q / out / dout views
+    q0: int      # first row of the sequence there
+    lq: int
+    bk: int      # same for the k / v views
+    k0: int
+    lk: int
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+
+
+class _Scores(NamedTuple):
+    """Scores of one row block (rows, Lk): s0 and s2 as in the module docstring, s3 with -inf
+    where a pair is not kept, the kept mask, and the (b, h, q_idx, kv_idx) arrays of the kept
+    pairs that score_mod was called on (None without a score_mod or without a kept pair)."""
+    s0: np.ndarray
+    s2: np.ndarray
+    s3: np.ndarray
+    keep: np.ndarray
+    pairs: Optional[tuple]
+
+
+class _Problem:
+    """The arguments of one call, normalised so that every layout and varlen read alike."""
+
+    def __init__(self, q, k, v, *, layout, cu_q, cu_k, used_q, used_k, causal, window, scale,
+                 softcap, alibi_slopes, bias, mask, score_mod, mask_mod):
+        self.varlen = cu_q is not None
+        self.layout = "thd" if self.varlen else layout
+        self.q, self.k, self.v = (np.asarray(x) for x in (q, k, v))
+        self.q4, self.k4, self.v4 = (_bhsd(x, self.layout) for x in (self.q, self.k, self.v))
+        self.hq, self.hk = self.q4.shape[1], self.k4.shape[1]
+        self.nseq = len(cu_q) - 1 if self.varlen else self.q4.shape[0]
+        self.cu_q, self.cu_k, self.used_q, self.used_k = cu_q, cu_k, used_q, used_k
+        self.scale = 1 / np.sqrt(self.q.shape[-1]) if scale is None else float(scale)
+        self.softcap = None if softcap is None else float(softcap)
+        self.causal = causal if isinstance(causal, str) else ("bottom_right" if causal else None)
+        self.window = window
+        self.slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, dtype=np.float64)
+        self.bias_shape = None if bias is None else np.shape(bias)
+        self.bias4 = None if bias is None else _as_4d(bias)
+        self.mask4 = None if mask is None else _as_4d(mask)
+        self.score_mod = score_mod
+        self.mask_mod = mask_mod
+
+    def out_and_lse(self):
+        """Zeroed out (q's shape, last dim Dv) and lse (-inf), with their (batch, head, row) views."""
+        out = np.zeros(self.q.shape[:-1] + self.v.shape[-1:])
+        s = self.q4.shape
+        lse = np.full((self.hq, s[2]) if self.varlen else (s[0], self.hq, s[2]), -np.inf)
+        return out, lse, _bhsd(out, self.layout), (lse[None] if self.varlen else lse)
+
+    def heads(self):
+        """Yield a _Head for every (sequence, query head) with at least one query and one key."""
+        group = self.hq // self.hk
+        for b in range(self.nseq):
+            bq, q0, lq = _seq(b, self.cu_q, self.used_q, self.q4.shape[2])
+            bk, k0, lk = _seq(b, self.cu_k, self.used_k, self.k4.shape[2])
+            if lq == 0 or lk == 0:
+                continue
+            for hk in range(self.hk):
+                k = np.asarray(self.k4[bk, hk, k0:k0 + lk], dtype=np.float64)
+                v = np.asarray(self.v4[bk, hk, k0:k0 + lk], dtype=np.float64)
+                for h in range(hk * group, (hk + 1) * group):
+                    q = np.asarray(self.q4[bq, h, q0:q0 + lq], dtype=np.float64)
+                    yield _Head(b, h, hk, bq, q0, lq, bk, k0, lk, q, k, v)
+
+    def block_index(self, x4, hd, r0, r1):
+        """Index of the rows r0:r1, columns :Lk block of a 4-D bias or mask for head hd.
+
+        Broadcast (size-1) axes are indexed 0:1 so the block stays broadcastable; the bias head
+        read by query head h is h // (Hq // H), H being 1, Hk or Hq.
+        """
+        nb, nh, nr, nc = x4.shape
+        return (hd.b if nb > 1 else 0, hd.h // (self.hq // nh),
+                slice(r0, r1) if nr > 1 else slice(0, 1),
+                slice(0, hd.lk) if nc > 1 else slice(0, 1))
+
+
+def _row_blocks(lq):
+    for r0 in range(0, lq, ROW_BLOCK):
+        yield r0, min(r0 + ROW_BLOCK, lq)
+
+
+def _pairs(hd, q_idx, kv_idx):
+    """The int64 (b, h, q_idx, kv_idx) arrays a score_mod / mask_mod is called with."""
+    n = q_idx.size
+    return (np.full(n, hd.b, dtype=np.int64), np.full(n, hd.h, dtype=np.int64),
+            q_idx.astype(np.int64), kv_idx.astype(np.int64))
+
+
+def _scores(pb, hd, r0, r1):
+    """Steps 1-6 of the semantics for query rows r0:r1 of one (sequence, head): a _Scores."""
+    r = np.arange(r0, r1)[:, None]
+    c = np.arange(hd.lk)[None, :]
+    diag = r + hd.lk - hd.lq   # the key column on row r's bottom-right diagonal
+    s0 = pb.scale * (hd.q[r0:r1] @ hd.k.T)
+    s = s0 if pb.softcap is None else pb.softcap * np.tanh(s0 / pb.softcap)
+    if pb.bias4 is not None:
+        s = s + np.asarray(pb.bias4[pb.block_index(pb.bias4, hd, r0, r1)], dtype=np.float64)
+    if pb.slopes is not None:
+        slope = pb.slopes[hd.h] if pb.slopes.ndim == 1 else pb.slopes[hd.b, hd.h]
+        s = s - slope * np.abs(diag - c)
+
+    keep = np.ones(s.shape, dtype=bool)
+    if pb.causal == "top_left":
+        keep &= c <= r
+    elif pb.causal == "bottom_right":
+        keep &= c <= diag
+    if pb.window is not None:
+        left, right = pb.window
+        if left >= 0:
+            keep &= c >= diag - left
+        if right >= 0:
+            keep &= c <= diag + right
+    if pb.mask4 is not None:
+        keep &= np.asarray(pb.mask4[pb.block_index(pb.mask4, hd, r0, r1)], dtype=bool)
+    rr, cc = np.broadcast_arrays(r, c)
+    if pb.mask_mod is not None:
+        kept = pb.mask_mod(*_pairs(hd, rr.ravel(), cc.ravel()))
+        keep &= np.broadcast_to(np.asarray(kept, dtype=bool), (keep.size,)).reshape(keep.shape)
+
+    s3 = np.where(keep, s, -np.inf)
+    pairs = None
+    if pb.score_mod is not None and keep.any():
+        pairs = _pairs(hd, rr[keep], cc[keep])
+        s3[keep] = _call_score_mod(pb.score_mod, s[keep], pairs)
+    return _Scores(s0, s, s3, keep, pairs)
+
+
+def _call_score_mod(score_mod, s, pairs):
+    return np.broadcast_to(np.asarray(score_mod(s, *pairs), dtype=np.float64), s.shape)
+
+
+def _softmax(s3):
+    """Row softmax and log-sum-exp of scores with -inf where masked.
+
+    A row with no finite score gives p = 0 and lse = -inf (no NaN, no warning).
+    """
+    m = s3.max(axis=1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)   # an all -inf row: exp(-inf - 0) = 0, not NaN
+    e = np.exp(s3 - m)
+    total = e.sum(axis=1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        lse = (m + np.log(total))[:, 0]
+    return e / np.where(total > 0, total, 1.0), lse
+
+
+def _through_score_mod(score_mod, ds3, sc):
+    """dS2 = dS3 * score_mod'(s2) on the kept pairs, score_mod' by a central difference.
+
+    A pair whose dS3 is exactly 0 (P = 0: masked, or a -inf score) gets 0 whatever the
+    difference quotient is there.
+    """
+    ds2 = np.zeros_like(ds3)
+    if sc.pairs is None:
+        return ds2
+    s = sc.s2[sc.keep]
+    s = np.where(np.isfinite(s), s, 0.0)
+    step = _FD_STEP * np.maximum(1.0, np.abs(s))
+    hi, lo = s + step, s - step
+    d = ds3[sc.keep]
+    with np.errstate(invalid="ignore", over="ignore"):
+        slope = (_call_score_mod(score_mod, hi, sc.pairs)
+                 - _call_score_mod(score_mod, lo, sc.pairs)) / (hi - lo)
+        ds2[sc.keep] = np.where(d == 0, 0.0, d * slope)
+    return ds2
+
+
+def _forward(pb, return_lse):
+    out, lse, out4, lse3 = pb.out_and_lse()
+    for hd in pb.heads():
+        for r0, r1 in _row_blocks(hd.lq):
+            p, lse_block = _softmax(_scores(pb, hd, r0, r1).s3)
+            rows = slice(hd.q0 + r0, hd.q0 + r1)
+            out4[hd.bq, hd.h, rows] = p @ hd.v
+            lse3[hd.bq, hd.h, rows] = lse_block
+    return (out, lse) if return_lse else out
+
+
+def _backward(pb, dout):
+    dq, dk, dv = (np.zeros(x.shape) for x in (pb.q, pb.k, pb.v))
+    dq4, dk4, dv4 = (_bhsd(x, pb.layout) for x in (dq, dk, dv))
+    dout4 = _bhsd(np.asarray(dout), pb.layout)
+    dbias4 = None if pb.bias4 is None else np.zeros(pb.bias4.shape)
+    for hd in pb.heads():
+        keys = slice(hd.k0, hd.k0 + hd.lk)
+        for r0, r1 in _row_blocks(hd.lq):
+            sc = _scores(pb, hd, r0, r1)
+            p, _ = _softmax(sc.s3)
+            rows = slice(hd.q0 + r0, hd.q0 + r1)
+            do = np.asarray(dout4[hd.bq, hd.h, rows], dtype=np.float64)
+            dp = do @ hd.v.T
+            ds = p * (dp - (p * dp).sum(axis=1, keepdims=True))   # dS3
+            if pb.score_mod is not None:
+                ds = _through_score_mod(pb.score_mod, ds, sc)      # dS2
+            if dbias4 is not None:
+                _, _, nr, nc = dbias4.shape
+                dbias4[pb.block_index(dbias4, hd, r0, r1)] += ds.sum(
+                    axis=tuple(a for a, n in ((0, nr), (1, nc)) if n == 1), keepdims=True)
+            if pb.softcap is not None:
+                ds = ds * (1 - np.tanh(sc.s0 / pb.softcap) ** 2)   # dS0
+            dq4[hd.bq, hd.h, rows] = pb.scale * (ds @ hd.k)
+            dk4[hd.bk, hd.hk, keys] += pb.scale * (ds.T @ hd.q[r0:r1])
+            dv4[hd.bk, hd.hk, keys] += p.T @ do
+    dbias = None if dbias4 is None else dbias4.reshape(pb.bias_shape)
+    return Grads(dq, dk, dv, dbias, {})
+
+
+def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
+              bias=None, mask=None, score_mod=None, mask_mod=None, seqlens_q=None,
+              seqlens_k=None, layout="bshd", return_lse=False, **ignored):
+    """Attention over padded batches, in float64: out, or (out, lse) with return_lse.
+
+    q (B, Sq, Hq, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv) for layout "bshd"; "bhsd" puts heads
+    second. out is q's shape with last dim Dv, lse (B, Hq, Sq). seqlens_q / seqlens_k (B,) give
+    the actual lengths; rows past them are padding. bias and mask broadcast to (B, H, Sq, Sk)
+    whatever the layout. The semantics, the causal alignment for Sq != Sk and what a fully
+    masked row returns (out = 0, lse = -inf) are in the module docstring.
+    """
+    pb = _Problem(q, k, v, layout=layout, cu_q=None, cu_k=None, used_q=seqlens_q,
+                  used_k=seqlens_k, causal=causal, window=window, scale=scale, softcap=softcap,
+                  alibi_slopes=alibi_slopes, bias=bias, mask=mask, score_mod=score_mod,
+                  mask_mod=mask_mod)
+    return _forward(pb, return_lse)
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
+                     seqused_q=None, seqused_k=None, causal=False, window=None, scale=None,
+                     softcap=None, alibi_slopes=None, bias=None, mask=None, score_mod=None,
+                     mask_mod=None, return_lse=False, **ignored):
+    """Attention over packed sequences, in float64: out, or (out, lse) with return_lse.
+
+    q (Tq, Hq, D), k (Tk, Hk, D), v (Tk, Hk, Dv); sequence i occupies rows
+    cu_seqlens[i]:cu_seqlens[i + 1], of which the first seqused[i] are real when seqused is
+    given. out (Tq, Hq, Dv), lse (Hq, Tq); rows that are not real are padding (out = 0,
+    lse = -inf). bias and mask broadcast to (num_seqs, H, max_seqlen_q, max_seqlen_k) and are
+    read at the in-sequence positions; max_seqlen_* only bound those shapes (the API checks
+    them) and are not needed here.
+    """
+    pb = _Problem(q, k, v, layout="thd", cu_q=cu_seqlens_q, cu_k=cu_seqlens_k,
+                  used_q=seqused_q, used_k=seqused_k, causal=causal, window=window, scale=scale,
+                  softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
+                  score_mod=score_mod, mask_mod=mask_mod)
+    return _forward(pb, return_lse)
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None,
+                       softcap=None, alibi_slopes=None, bias=None, mask=None, score_mod=None,
+                       mask_mod=None, seqlens_q=None, seqlens_k=None, layout="bshd", **ignored):
+    """Gradients of attention() in float64: Grads(dq, dk, dv, dbias, dtensors).
+
+    The forward is recomputed: out and lse are not read. dq, dk, dv have the shapes of q, k, v
+    (a broadcast k gets a full-shape dk); dbias has the bias's shape (summed over its broadcast
+    axes), None without a bias; padding and fully masked rows get zero gradients. The score_mod
+    derivative is a central difference; dtensors is {} for now.
+    """
+    pb = _Problem(q, k, v, layout=layout, cu_q=None, cu_k=None, used_q=seqlens_q,
+                  used_k=seqlens_k, causal=causal, window=window, scale=scale, softcap=softcap,
+                  alibi_slopes=alibi_slopes, bias=bias, mask=mask, score_mod=score_mod,
+                  mask_mod=mask_mod)
+    return _backward(pb, dout)
+
+
+def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
+                              max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
+                              seqused_k=None, causal=False, window=None, scale=None,
+                              softcap=None, alibi_slopes=None, bias=None, mask=None,
+                              score_mod=None, mask_mod=None, **ignored):
+    """Gradients of varlen_attention() in float64: Grads(dq, dk, dv, dbias, dtensors).
+
+    As attention_backward; rows that are not real (past seqused, or after cu_seqlens[-1]) get
+    exactly zero dq, dk, dv.
+    """
+    pb = _Problem(q, k, v, layout="thd", cu_q=cu_seqlens_q, cu_k=cu_seqlens_k,
+                  used_q=seqused_q, used_k=seqused_k, causal=causal, window=window, scale=scale,
+                  softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
+                  score_mod=score_mod, mask_mod=mask_mod)
+    return _backward(pb, dout)
