@@ -34,7 +34,7 @@ class BuildExt(build_ext):
         sanitize = os.environ.get("ATTNEXT_SANITIZE") == "1"
         for ext in self.extensions:
             args = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Wno-unused-parameter",
-                    "-fno-strict-aliasing", "-fvisibility=hidden"]
+                    "-fno-strict-aliasing", "-ffp-contract=fast", "-fvisibility=hidden"]
             link = []
             if use_omp:
                 args.append("-fopenmp")

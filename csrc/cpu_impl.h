@@ -1,0 +1,560 @@
+/* The CPU backend: FlashAttention's tiled online-softmax algorithm, forward and backward, for one
+ * accumulation type T. Included once per type by cpu.c with these names defined:
+ *   T            float or double              SUF        f32 or f64
+ *   OPS          simd_f32() / simd_f64()      LOAD_ROW   load_row_f32 / load_row_f64
+ *   STORE_ROW    store_row_f32 / _f64         TANH, LOG, EXP2  libm functions for T
+ *
+ * Legend (attn_params.h): q (B, Sq, Hq, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv),
+ * out (B, Sq, Hq, Dv), lse (B, Hq, Sq), bias and mask (B, Hb, Sq, Sk).
+ *
+ * K and V (and in the backward Q and dO) are first packed into T tiles padded for the SIMD
+ * product: memory linear in the sequence length, never Sq * Sk. Work is split over (batch, head,
+ * query block) in the forward and (batch, kv head, key chunk) in the backward; every reduction
+ * runs in a fixed order, so results do not depend on the thread count or the schedule.
+ */
+
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+#define FN(name) CAT(name, SUF)
+
+/* Per-sequence tile bookkeeping: tile i of sequence b is packed at index off[b] + i. */
+typedef struct {
+    int64_t *off;       /* (B + 1) prefix sums of tiles per sequence */
+    int64_t max_tiles;  /* most tiles in one sequence */
+} FN(tiling);
+
+static int FN(tiling_init)(FN(tiling) *t, const attn_params *p, int is_q, int64_t tile)
+{
+    t->off = (int64_t *)malloc(sizeof(int64_t) * (p->B + 1));
+    if (!t->off)
+        return -1;
+    t->off[0] = 0;
+    t->max_tiles = 0;
+    for (int64_t b = 0; b < p->B; b++) {
+        seq_t s = is_q ? seq_q(p, b) : seq_k(p, b);
+        int64_t n = (s.len + tile - 1) / tile;
+        t->off[b + 1] = t->off[b] + n;
+        t->max_tiles = imax64(t->max_tiles, n);
+    }
+    return 0;
+}
+
+/* Sequence b holding packed tile g (binary search in the prefix sums). */
+static int64_t FN(tiling_seq)(const FN(tiling) *t, int64_t B, int64_t g)
+{
+    int64_t lo = 0, hi = B;
+    while (hi - lo > 1) {
+        int64_t mid = (lo + hi) / 2;
+        if (t->off[mid] <= g)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    while (lo + 1 < B && t->off[lo + 1] <= g)   /* skip empty sequences */
+        lo++;
+    return lo;
+}
+
+static void *FN(alloc)(size_t n_elems)
+{
+    size_t bytes = (n_elems * sizeof(T) + 63) / 64 * 64;
+    return bytes ? aligned_alloc(64, bytes) : aligned_alloc(64, 64);
+}
+
+static int FN(nthreads)(const attn_params *p)
+{
+#ifdef _OPENMP
+    return p->num_threads > 0 ? p->num_threads : omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+/* Pointer to row `row` of head `h` of batch item `b` of a (B, S, H, D)-strided tensor. */
+static inline const char *FN(row_ptr)(const tensor4 *t, attn_dtype dt, int64_t b, int64_t row,
+                                      int64_t h)
+{
+    return (const char *)t->ptr + (b * t->s[0] + row * t->s[1] + h * t->s[2]) * (int64_t)dtype_size(dt);
+}
+
+/* Pack the key rows of tile kb of sequence b, head hk, into (all optional):
+ *   kt (D x BK) transposed, kr (BK x DP) row-major, vr (BK x DvP) row-major, vt (Dv x BK).
+ * Columns/rows past the sequence's length are zero. */
+static void FN(pack_kv)(const attn_params *p, int64_t b, int64_t hk, int64_t kb, int64_t DP,
+                        int64_t DvP, T *kt, T *kr, T *vr, T *vt, T *row)
+{
+    seq_t sk = seq_k(p, b);
+    int64_t D = p->D, Dv = p->Dv;
+    for (int64_t j = 0; j < BK; j++) {
+        int64_t c = kb * BK + j;
+        int valid = c < sk.len;
+        if (kt || kr) {
+            if (valid)
+                LOAD_ROW(FN(row_ptr)(&p->k, p->dtype, sk.mem_b, sk.start + c, hk), p->k.s[3], D, p->dtype, row);
+            for (int64_t d = 0; d < D; d++) {
+                T x = valid ? row[d] : 0;
+                if (kt) kt[d * BK + j] = x;
+                if (kr) kr[j * DP + d] = x;
+            }
+            if (kr)
+                for (int64_t d = D; d < DP; d++) kr[j * DP + d] = 0;
+        }
+        if (vr || vt) {
+            if (valid)
+                LOAD_ROW(FN(row_ptr)(&p->v, p->dtype, sk.mem_b, sk.start + c, hk), p->v.s[3], Dv, p->dtype, row);
+            for (int64_t d = 0; d < Dv; d++) {
+                T x = valid ? row[d] : 0;
+                if (vr) vr[j * DvP + d] = x;
+                if (vt) vt[d * BK + j] = x;
+            }
+            if (vr)
+                for (int64_t d = Dv; d < DvP; d++) vr[j * DvP + d] = 0;
+        }
+    }
+}
+
+/* Load rows [r0, r0 + nr) of head h of a (B, S, H, n)-tensor into dst (rows padded to Mr with
+ * zeros, ld columns, columns past n zero). */
+static void FN(load_rows)(const tensor4 *t, attn_dtype dt, seq_t s, int64_t h, int64_t r0,
+                          int64_t nr, int64_t Mr, int64_t n, int64_t ld, T *dst)
+{
+    for (int64_t i = 0; i < Mr; i++) {
+        T *d = dst + i * ld;
+        if (i < nr)
+            LOAD_ROW(FN(row_ptr)(t, dt, s.mem_b, s.start + r0 + i, h), t->s[3], n, dt, d);
+        for (int64_t x = i < nr ? n : 0; x < ld; x++)
+            d[x] = 0;
+    }
+}
+
+/* The score pipeline of DESIGN.md steps 1-4 and 6 over a tile S[nr x n] of raw q.k products for
+ * rows r0.., columns c0..: scale, softcap, bias, alibi, then -inf for every pair a mask drops.
+ * With `tanh_out`, also stores tanh(s / softcap) for the backward. */
+static void FN(score_tile)(const attn_params *p, int64_t b, int64_t h, int64_t r0, int64_t nr,
+                           int64_t c0, int64_t n, int64_t Lq, int64_t Lk, T *S, T *tanh_out,
+                           T *rowbuf, unsigned char *maskbuf)
+{
+    const T scale = (T)p->scale, cap = (T)p->softcap;
+    const int64_t off = Lk - Lq;
+    T slope = 0;
+    if (p->alibi.ptr) {
+        const char *a = (const char *)p->alibi.ptr
+                        + (b * p->alibi.s[0] + h * p->alibi.s[1]) * (int64_t)dtype_size(p->alibi_dtype);
+        LOAD_ROW(a, 1, 1, p->alibi_dtype, &slope);
+    }
+    for (int64_t i = 0; i < nr; i++) {
+        const int64_t r = r0 + i;
+        T *s = S + i * BK;
+        int64_t lo, hi;
+        kv_range(p, r, r + 1, Lq, Lk, &lo, &hi);
+        for (int64_t j = 0; j < n; j++)
+            s[j] *= scale;
+        if (cap > 0) {
+            T *t = tanh_out ? tanh_out + i * BK : NULL;
+            for (int64_t j = 0; j < n; j++) {
+                T th = TANH(s[j] / cap);
+                s[j] = cap * th;
+                if (t) t[j] = th;
+            }
+        }
+        if (p->bias.ptr) {
+            int64_t hb = h / (p->Hq / p->bias_heads);
+            const char *src = (const char *)p->bias.ptr
+                + (b * p->bias.s[0] + hb * p->bias.s[1] + r * p->bias.s[2] + c0 * p->bias.s[3])
+                  * (int64_t)dtype_size(p->bias_dtype);
+            LOAD_ROW(src, p->bias.s[3], n, p->bias_dtype, rowbuf);
+            for (int64_t j = 0; j < n; j++)
+                s[j] += rowbuf[j];
+        }
+        if (p->alibi.ptr)
+            for (int64_t j = 0; j < n; j++) {
+                int64_t dist = r + off - (c0 + j);
+                s[j] -= slope * (T)(dist < 0 ? -dist : dist);
+            }
+        if (p->mask.ptr) {
+            int64_t hm = h / (p->Hq / p->mask_heads);
+            const unsigned char *m = (const unsigned char *)p->mask.ptr
+                + b * p->mask.s[0] + hm * p->mask.s[1] + r * p->mask.s[2] + c0 * p->mask.s[3];
+            for (int64_t j = 0; j < n; j++)
+                maskbuf[j] = m[j * p->mask.s[3]];
+            for (int64_t j = 0; j < n; j++)
+                if (!maskbuf[j])
+                    s[j] = -INFINITY;
+        }
+        for (int64_t j = 0; j < n; j++) {
+            int64_t c = c0 + j;
+            if (c < lo || c >= hi)
+                s[j] = -INFINITY;
+        }
+    }
+}
+
+/* True when a tile needs no per-element work beyond the scale: every pair kept, nothing added. */
+static int FN(tile_is_plain)(const attn_params *p, int64_t r0, int64_t nr, int64_t c0, int64_t n,
+                             int64_t Lq, int64_t Lk)
+{
+    return !p->bias.ptr && !p->mask.ptr && !p->alibi.ptr && p->softcap <= 0
+           && tile_inside_band(p, r0, r0 + nr, c0, c0 + n, Lq, Lk);
+}
+
+#define LOG2E 1.4426950408889634
+#define LN2 0.6931471805599453
+
+/* ---------------------------------------------------------------------------------------- */
+/* Forward                                                                                   */
+/* ---------------------------------------------------------------------------------------- */
+
+int FN(cpu_forward)(const attn_params *p)
+{
+    const int64_t B = p->B, Hq = p->Hq, Hk = p->Hk, D = p->D, Dv = p->Dv;
+    const int64_t DP = ROUND_UP(D, SIMD_N_ALIGN), DvP = ROUND_UP(Dv, SIMD_N_ALIGN);
+    const int64_t G = Hq / Hk;
+    const size_t lse_size = dtype_size(p->dtype == DT_F64 ? DT_F64 : DT_F32);
+    int err = 0;
+    FN(tiling) kt_tiles = {0};
+    T *kt = NULL, *vr = NULL;
+    if (FN(tiling_init)(&kt_tiles, p, 0, BK))
+        return -1;
+    const int64_t n_kv_tiles = kt_tiles.off[B] * Hk;
+    kt = (T *)FN(alloc)((size_t)n_kv_tiles * D * BK);
+    vr = (T *)FN(alloc)((size_t)n_kv_tiles * BK * DvP);
+    if (!kt || !vr) {
+        err = -1;
+        goto done;
+    }
+
+    int64_t max_rows = 0;
+    for (int64_t b = 0; b < B; b++)
+        max_rows = imax64(max_rows, seq_q(p, b).rows);
+    const int64_t nqb = (max_rows + BQ - 1) / BQ;
+    const int nt = FN(nthreads)(p);
+
+#pragma omp parallel num_threads(nt)
+    {
+        T *row = (T *)FN(alloc)(imax64(imax64(D, Dv), BK));
+        T *Qs = (T *)FN(alloc)(BQ * DP);
+        T *S = (T *)FN(alloc)(BQ * BK);
+        T *O = (T *)FN(alloc)(BQ * DvP);
+        T *m = (T *)FN(alloc)(BQ), *l = (T *)FN(alloc)(BQ), *alpha = (T *)FN(alloc)(BQ);
+        unsigned char *maskbuf = (unsigned char *)malloc(BK);
+        int ok = row && Qs && S && O && m && l && alpha && maskbuf;
+        if (!ok) {
+#pragma omp atomic write
+            err = -1;
+        }
+
+        /* pack K^T and V tiles */
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t g = 0; g < n_kv_tiles; g++) {
+            if (!ok) continue;
+            int64_t tile = g / Hk, hk = g % Hk;
+            int64_t b = FN(tiling_seq)(&kt_tiles, B, tile);
+            FN(pack_kv)(p, b, hk, tile - kt_tiles.off[b], DP, DvP, kt + g * D * BK, NULL,
+                        vr + g * BK * DvP, NULL, row);
+        }
+
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < B * Hq * nqb; task++) {
+            if (!ok) continue;
+            const int64_t b = task / (Hq * nqb), h = (task / nqb) % Hq, qb = task % nqb;
+            const int64_t hk = h / G;
+            const seq_t sq = seq_q(p, b), sk = seq_k(p, b);
+            const int64_t r0 = qb * BQ;
+            if (r0 >= sq.rows) continue;
+            const int64_t r1 = imin64(r0 + BQ, sq.rows);
+            const int64_t nr = imax64(0, imin64(sq.len - r0, r1 - r0));   /* real rows */
+            const int64_t Mr = ROUND_UP(nr, SIMD_M_ALIGN);
+            for (int64_t i = 0; i < nr; i++) {
+                m[i] = -INFINITY;
+                l[i] = 0;
+            }
+            if (nr > 0) {
+                FN(load_rows)(&p->q, p->dtype, sq, h, r0, nr, Mr, D, DP, Qs);
+                memset(O, 0, sizeof(T) * Mr * DvP);
+                int64_t lo, hi;
+                kv_range(p, r0, r0 + nr, sq.len, sk.len, &lo, &hi);
+                for (int64_t kb = imax64(lo, 0) / BK; kb * BK < hi; kb++) {
+                    const int64_t c0 = kb * BK, n = imin64(BK, sk.len - c0);
+                    const int64_t g = (kt_tiles.off[b] + kb) * Hk + hk;
+                    OPS->gemm((int)Mr, BK, (int)D, Qs, DP, kt + g * D * BK, BK, S, BK, 0);
+                    T mult = (T)(p->scale * LOG2E);
+                    if (!FN(tile_is_plain)(p, r0, nr, c0, n, sq.len, sk.len)) {
+                        FN(score_tile)(p, b, h, r0, nr, c0, n, sq.len, sk.len, S, NULL, row, maskbuf);
+                        mult = (T)LOG2E;
+                    }
+                    OPS->softmax_step((int)nr, (int)n, BK, S, mult, m, l, alpha);
+                    for (int64_t i = 0; i < nr; i++)
+                        if (alpha[i] != 1)
+                            for (int64_t d = 0; d < Dv; d++)
+                                O[i * DvP + d] *= alpha[i];
+                    OPS->gemm((int)Mr, (int)DvP, (int)n, S, BK, vr + g * BK * DvP, DvP, O, DvP, 1);
+                }
+            }
+            for (int64_t i = 0; i < r1 - r0; i++) {
+                const int64_t r = r0 + i;
+                char *dst = (char *)FN(row_ptr)(&p->out, p->dtype, sq.mem_b, sq.start + r, h);
+                T lse = -INFINITY;
+                if (i < nr && l[i] > 0 && m[i] > -INFINITY) {
+                    T inv = 1 / l[i];
+                    for (int64_t d = 0; d < Dv; d++)
+                        row[d] = O[i * DvP + d] * inv;
+                    lse = m[i] * (T)LN2 + LOG(l[i]);
+                } else {
+                    memset(row, 0, sizeof(T) * Dv);
+                }
+                STORE_ROW(dst, p->out.s[3], Dv, p->dtype, row);
+                char *lp = (char *)p->lse.ptr
+                           + (sq.mem_b * p->lse.s[0] + h * p->lse.s[1] + (sq.start + r) * p->lse.s[2]) * (int64_t)lse_size;
+                STORE_ROW(lp, 1, 1, p->dtype == DT_F64 ? DT_F64 : DT_F32, &lse);
+            }
+        }
+
+        /* rows of a packed batch after its last sequence */
+#pragma omp for
+        for (int64_t t = packed_end_q(p); t < p->Sq; t++) {
+            for (int64_t h = 0; h < Hq; h++) {
+                T zero_lse = -INFINITY;
+                char *dst = (char *)FN(row_ptr)(&p->out, p->dtype, 0, t, h);
+                for (int64_t d = 0; d < Dv; d++) row[d] = 0;
+                STORE_ROW(dst, p->out.s[3], Dv, p->dtype, row);
+                char *lp = (char *)p->lse.ptr + (h * p->lse.s[1] + t * p->lse.s[2]) * (int64_t)lse_size;
+                STORE_ROW(lp, 1, 1, p->dtype == DT_F64 ? DT_F64 : DT_F32, &zero_lse);
+            }
+        }
+        free(row); free(Qs); free(S); free(O); free(m); free(l); free(alpha); free(maskbuf);
+    }
+done:
+    free(kt_tiles.off);
+    free(kt);
+    free(vr);
+    return err;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Backward                                                                                  */
+/* ---------------------------------------------------------------------------------------- */
+
+/* Write rows of a (B, S, H, n) gradient tensor that no sequence owns (padding) as zeros. */
+static void FN(zero_padding_rows)(const tensor4 *t, attn_dtype dt, const attn_params *p, int is_q,
+                                  int64_t H, int64_t n, T *zeros)
+{
+    for (int64_t b = 0; b < p->B; b++) {
+        seq_t s = is_q ? seq_q(p, b) : seq_k(p, b);
+        for (int64_t r = s.len; r < s.rows; r++)
+            for (int64_t h = 0; h < H; h++)
+                STORE_ROW((char *)FN(row_ptr)(t, dt, s.mem_b, s.start + r, h), t->s[3], n, dt, zeros);
+    }
+    int64_t end = is_q ? packed_end_q(p) : packed_end_k(p), S = is_q ? p->Sq : p->Sk;
+    for (int64_t r = end; r < S; r++)
+        for (int64_t h = 0; h < H; h++)
+            STORE_ROW((char *)FN(row_ptr)(t, dt, 0, r, h), t->s[3], n, dt, zeros);
+}
+
+int FN(cpu_backward)(const attn_params *p)
+{
+    const int64_t B = p->B, Hq = p->Hq, Hk = p->Hk, D = p->D, Dv = p->Dv;
+    const int64_t DP = ROUND_UP(D, SIMD_N_ALIGN), DvP = ROUND_UP(Dv, SIMD_N_ALIGN);
+    const int64_t G = Hq / Hk;
+    const size_t lse_size = dtype_size(p->dtype == DT_F64 ? DT_F64 : DT_F32);
+    const int has_dbias = p->dbias.ptr != NULL;
+    int err = 0;
+    FN(tiling) kt_tiles = {0}, q_tiles = {0};
+    T *kt = NULL, *kr = NULL, *vt = NULL, *qr = NULL, *dor = NULL, *lse2 = NULL, *delta = NULL,
+      *dqp = NULL;
+    if (FN(tiling_init)(&kt_tiles, p, 0, BK) || FN(tiling_init)(&q_tiles, p, 1, BQ)) {
+        err = -1;
+        goto done;
+    }
+    const int64_t n_kv_tiles = kt_tiles.off[B] * Hk, n_q_tiles = q_tiles.off[B] * Hq;
+
+    /* Tasks: (batch, kv head, key chunk). A dbias broadcast over batch, heads or columns would be
+     * written by several tasks at once, so such a dimension is walked inside one task instead. */
+    const int share_b = has_dbias && B > 1 && p->dbias.s[0] == 0;
+    const int share_h = has_dbias && Hk > 1 && p->bias_heads == 1;
+    const int share_c = has_dbias && p->dbias.s[3] == 0;
+    const int64_t TB = share_b ? 1 : B, TH = share_h ? 1 : Hk;
+    const int64_t max_kb = kt_tiles.max_tiles;
+    int64_t NC = share_c ? 1 : imin64(imax64(max_kb, 1), (MIN_BWD_TASKS + TB * TH - 1) / (TB * TH));
+    if (NC < 1) NC = 1;
+
+    kt = (T *)FN(alloc)((size_t)n_kv_tiles * D * BK);
+    kr = (T *)FN(alloc)((size_t)n_kv_tiles * BK * DP);
+    vt = (T *)FN(alloc)((size_t)n_kv_tiles * Dv * BK);
+    qr = (T *)FN(alloc)((size_t)n_q_tiles * BQ * DP);
+    dor = (T *)FN(alloc)((size_t)n_q_tiles * BQ * DvP);
+    lse2 = (T *)FN(alloc)((size_t)n_q_tiles * BQ);
+    delta = (T *)FN(alloc)((size_t)n_q_tiles * BQ);
+    dqp = (T *)FN(alloc)((size_t)NC * n_q_tiles * BQ * DP);
+    if (!kt || !kr || !vt || !qr || !dor || !lse2 || !delta || !dqp) {
+        err = -1;
+        goto done;
+    }
+    memset(dqp, 0, sizeof(T) * (size_t)NC * n_q_tiles * BQ * DP);
+
+    const int nt = FN(nthreads)(p);
+#pragma omp parallel num_threads(nt)
+    {
+        const int64_t W = imax64(imax64(DP, DvP), BK);
+        T *row = (T *)FN(alloc)(W), *row2 = (T *)FN(alloc)(W);
+        T *S = (T *)FN(alloc)(BQ * BK), *dP = (T *)FN(alloc)(BQ * BK);
+        T *th = (T *)FN(alloc)(BQ * BK), *Pt = (T *)FN(alloc)(BK * BQ);
+        T *dK = (T *)FN(alloc)(BK * DP), *dV = (T *)FN(alloc)(BK * DvP);
+        unsigned char *maskbuf = (unsigned char *)malloc(BK);
+        int ok = row && row2 && S && dP && th && Pt && dK && dV && maskbuf;
+        if (!ok) {
+#pragma omp atomic write
+            err = -1;
+        }
+
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t g = 0; g < n_kv_tiles; g++) {
+            if (!ok) continue;
+            int64_t tile = g / Hk, hk = g % Hk;
+            int64_t b = FN(tiling_seq)(&kt_tiles, B, tile);
+            FN(pack_kv)(p, b, hk, tile - kt_tiles.off[b], DP, DvP, kt + g * D * BK,
+                        kr + g * BK * DP, NULL, vt + g * Dv * BK, row);
+        }
+
+        /* pack Q and dO tiles, lse in log2 units, delta = rowsum(dO * O) */
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t g = 0; g < n_q_tiles; g++) {
+            if (!ok) continue;
+            int64_t tile = g / Hq, h = g % Hq;
+            int64_t b = FN(tiling_seq)(&q_tiles, B, tile);
+            seq_t sq = seq_q(p, b);
+            int64_t r0 = (tile - q_tiles.off[b]) * BQ, nr = imin64(BQ, sq.len - r0);
+            FN(load_rows)(&p->q, p->dtype, sq, h, r0, nr, BQ, D, DP, qr + g * BQ * DP);
+            FN(load_rows)(&p->dout, p->dtype, sq, h, r0, nr, BQ, Dv, DvP, dor + g * BQ * DvP);
+            for (int64_t i = 0; i < BQ; i++) {
+                T L = -INFINITY, dl = 0;
+                if (i < nr) {
+                    const char *lp = (const char *)p->lse.ptr
+                        + (sq.mem_b * p->lse.s[0] + h * p->lse.s[1] + (sq.start + r0 + i) * p->lse.s[2]) * (int64_t)lse_size;
+                    LOAD_ROW(lp, 1, 1, p->dtype == DT_F64 ? DT_F64 : DT_F32, &L);
+                    LOAD_ROW(FN(row_ptr)(&p->out, p->dtype, sq.mem_b, sq.start + r0 + i, h), p->out.s[3], Dv, p->dtype, row);
+                    const T *dor_i = dor + g * BQ * DvP + i * DvP;
+                    for (int64_t d = 0; d < Dv; d++)
+                        dl += row[d] * dor_i[d];
+                }
+                lse2[g * BQ + i] = L * (T)LOG2E;
+                delta[g * BQ + i] = dl;
+            }
+        }
+
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < TB * TH * NC; task++) {
+            if (!ok) continue;
+            const int64_t tb = task / (TH * NC), th_ = (task / NC) % TH, ch = task % NC;
+            for (int64_t b = share_b ? 0 : tb; b < (share_b ? B : tb + 1); b++) {
+                const seq_t sq = seq_q(p, b), sk = seq_k(p, b);
+                const int64_t nkb = kt_tiles.off[b + 1] - kt_tiles.off[b];
+                const int64_t kb_lo = ch * max_kb / NC, kb_hi = imin64((ch + 1) * max_kb / NC, nkb);
+                for (int64_t hk = share_h ? 0 : th_; hk < (share_h ? Hk : th_ + 1); hk++) {
+                    for (int64_t kb = kb_lo; kb < kb_hi; kb++) {
+                        const int64_t c0 = kb * BK, n = imin64(BK, sk.len - c0);
+                        const int64_t gk = (kt_tiles.off[b] + kb) * Hk + hk;
+                        memset(dK, 0, sizeof(T) * BK * DP);
+                        memset(dV, 0, sizeof(T) * BK * DvP);
+                        int64_t qlo, qhi;
+                        q_range(p, c0, c0 + n, sq.len, sk.len, &qlo, &qhi);
+                        for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
+                            for (int64_t qb = imax64(qlo, 0) / BQ; qb * BQ < qhi; qb++) {
+                                const int64_t r0 = qb * BQ, nr = imin64(BQ, sq.len - r0);
+                                const int64_t Mr = ROUND_UP(nr, SIMD_M_ALIGN);
+                                const int64_t gq = (q_tiles.off[b] + qb) * Hq + h;
+                                const T *Q = qr + gq * BQ * DP, *dO = dor + gq * BQ * DvP;
+                                OPS->gemm((int)Mr, BK, (int)D, Q, DP, kt + gk * D * BK, BK, S, BK, 0);
+                                T mult = (T)(p->scale * LOG2E);
+                                int plain = FN(tile_is_plain)(p, r0, nr, c0, n, sq.len, sk.len);
+                                if (!plain) {
+                                    FN(score_tile)(p, b, h, r0, nr, c0, n, sq.len, sk.len, S,
+                                                   p->softcap > 0 ? th : NULL, row, maskbuf);
+                                    mult = (T)LOG2E;
+                                }
+                                OPS->exp_rows((int)nr, (int)n, BK, S, mult, lse2 + gq * BQ);
+                                /* P's padding (rows >= nr, columns >= n) must be 0 */
+                                for (int64_t i = 0; i < Mr; i++)
+                                    for (int64_t j = (i < nr ? n : 0); j < BK; j++)
+                                        S[i * BK + j] = 0;
+                                OPS->gemm((int)Mr, BK, (int)Dv, dO, DvP, vt + gk * Dv * BK, BK, dP, BK, 0);
+                                for (int64_t j = 0; j < BK; j++)
+                                    for (int64_t i = 0; i < Mr; i++)
+                                        Pt[j * BQ + i] = S[i * BK + j];
+                                OPS->gemm(BK, (int)DvP, (int)Mr, Pt, BQ, dO, DvP, dV, DvP, 1);
+                                /* dS = P * (dP - delta), in place in S */
+                                const T *dl = delta + gq * BQ;
+                                for (int64_t i = 0; i < Mr; i++)
+                                    for (int64_t j = 0; j < BK; j++)
+                                        S[i * BK + j] *= dP[i * BK + j] - (i < nr ? dl[i] : 0);
+                                if (has_dbias) {
+                                    int64_t hb = h / (Hq / p->bias_heads);
+                                    for (int64_t i = 0; i < nr; i++) {
+                                        T *db = (T *)p->dbias.ptr + b * p->dbias.s[0] + hb * p->dbias.s[1]
+                                                + (r0 + i) * p->dbias.s[2] + c0 * p->dbias.s[3];
+                                        for (int64_t j = 0; j < n; j++)
+                                            db[j * p->dbias.s[3]] += S[i * BK + j];
+                                    }
+                                }
+                                if (!plain && p->softcap > 0)
+                                    for (int64_t i = 0; i < nr; i++)
+                                        for (int64_t j = 0; j < n; j++)
+                                            S[i * BK + j] *= 1 - th[i * BK + j] * th[i * BK + j];
+                                for (int64_t j = 0; j < BK; j++)
+                                    for (int64_t i = 0; i < Mr; i++)
+                                        Pt[j * BQ + i] = S[i * BK + j];
+                                OPS->gemm(BK, (int)DP, (int)Mr, Pt, BQ, Q, DP, dK, DP, 1);
+                                T *dq = dqp + ((size_t)ch * n_q_tiles + gq) * BQ * DP;
+                                OPS->gemm((int)Mr, (int)DP, (int)n, S, BK, kr + gk * BK * DP, DP, dq, DP, 1);
+                            }
+                        }
+                        for (int64_t j = 0; j < n; j++) {
+                            for (int64_t d = 0; d < D; d++)
+                                row[d] = dK[j * DP + d] * (T)p->scale;
+                            STORE_ROW((char *)FN(row_ptr)(&p->dk, p->dtype, sk.mem_b, sk.start + c0 + j, hk), p->dk.s[3], D, p->dtype, row);
+                            STORE_ROW((char *)FN(row_ptr)(&p->dv, p->dtype, sk.mem_b, sk.start + c0 + j, hk), p->dv.s[3], Dv, p->dtype, dV + j * DvP);
+                        }
+                    }
+                }
+            }
+        }
+
+        /* dq = scale * sum over key chunks, in chunk order */
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t g = 0; g < n_q_tiles; g++) {
+            if (!ok) continue;
+            int64_t tile = g / Hq, h = g % Hq;
+            int64_t b = FN(tiling_seq)(&q_tiles, B, tile);
+            seq_t sq = seq_q(p, b);
+            int64_t r0 = (tile - q_tiles.off[b]) * BQ, nr = imin64(BQ, sq.len - r0);
+            for (int64_t i = 0; i < nr; i++) {
+                for (int64_t d = 0; d < D; d++) {
+                    T acc = 0;
+                    for (int64_t c = 0; c < NC; c++)
+                        acc += dqp[((size_t)c * n_q_tiles + g) * BQ * DP + i * DP + d];
+                    row[d] = acc * (T)p->scale;
+                }
+                STORE_ROW((char *)FN(row_ptr)(&p->dq, p->dtype, sq.mem_b, sq.start + r0 + i, h), p->dq.s[3], D, p->dtype, row);
+            }
+        }
+
+#pragma omp single
+        {
+            if (ok) {
+                memset(row, 0, sizeof(T) * W);
+                FN(zero_padding_rows)(&p->dq, p->dtype, p, 1, Hq, D, row);
+                FN(zero_padding_rows)(&p->dk, p->dtype, p, 0, Hk, D, row);
+                FN(zero_padding_rows)(&p->dv, p->dtype, p, 0, Hk, Dv, row);
+            }
+        }
+        free(row); free(row2); free(S); free(dP); free(th); free(Pt); free(dK); free(dV);
+        free(maskbuf);
+    }
+done:
+    free(kt_tiles.off); free(q_tiles.off);
+    free(kt); free(kr); free(vt); free(qr); free(dor); free(lse2); free(delta); free(dqp);
+    return err;
+}
+
+#undef FN
+#undef CAT
+#undef CAT_

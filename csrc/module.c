@@ -1,0 +1,329 @@
+/* attnext._C: the extension module. Turns a checked problem description from attnext/api.py into
+ * an attn_params (buffers read in place through their strides), releases the GIL, runs the
+ * backend and maps its error codes to Python exceptions.
+ *
+ * forward(prob) and backward(prob) take one object whose attributes are the arrays and options
+ * (see api.py's _Problem). Arrays arrive as buffer exporters in the shapes of attn_params.h:
+ * q (Bm, Sq, Hq, D), k (Bm, Sk, Hk, D), v (Bm, Sk, Hk, Dv), out (Bm, Sq, Hq, Dv), lse (Bm, Hq, Sq),
+ * bias / mask / dbias (B, Hb, *, *), alibi (B, Hq), cu_seqlens (B + 1) and seqused (B) int32;
+ * Bm is B, or 1 for a packed batch. bfloat16 arrives as uint16 (NumPy cannot export ml_dtypes
+ * through the buffer protocol) and its dtype code says what it is.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "attn_params.h"
+#include "cpu.h"
+#include "simd.h"
+
+#define MAX_BUFFERS 24
+
+typedef struct {
+    Py_buffer views[MAX_BUFFERS];
+    int n;
+} buffer_set;
+
+static void buffers_release(buffer_set *bs)
+{
+    for (int i = 0; i < bs->n; i++)
+        PyBuffer_Release(&bs->views[i]);
+    bs->n = 0;
+}
+
+static size_t itemsize_of(attn_dtype dt) { return dt == DT_F64 ? 8 : dt == DT_F32 ? 4 : 2; }
+
+static int format_matches(const char *fmt, attn_dtype dt)
+{
+    if (!fmt)
+        return 0;
+    if (fmt[0] == '<' || fmt[0] == '=' || fmt[0] == '@')
+        fmt++;
+    switch (dt) {
+    case DT_F16: return !strcmp(fmt, "e");
+    case DT_BF16: return !strcmp(fmt, "H");
+    case DT_F32: return !strcmp(fmt, "f");
+    case DT_F64: return !strcmp(fmt, "d");
+    }
+    return 0;
+}
+
+static int get_long(PyObject *prob, const char *name, long long *out)
+{
+    PyObject *o = PyObject_GetAttrString(prob, name);
+    if (!o)
+        return -1;
+    *out = PyLong_AsLongLong(o);
+    Py_DECREF(o);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int get_double(PyObject *prob, const char *name, double *out)
+{
+    PyObject *o = PyObject_GetAttrString(prob, name);
+    if (!o)
+        return -1;
+    *out = PyFloat_AsDouble(o);
+    Py_DECREF(o);
+    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* Acquire attribute `name` as a buffer of `ndim` dims. kind: a dtype code, or -1 for bool/uint8
+ * (mask), -2 for int32 (lengths). Fills t (element strides, dims padded at the front to 4) and
+ * shape; a None attribute leaves t->ptr NULL. */
+static int get_tensor(PyObject *prob, const char *name, int ndim, int kind, int writable,
+                      buffer_set *bs, tensor4 *t, Py_ssize_t *shape)
+{
+    memset(t, 0, sizeof *t);
+    PyObject *o = PyObject_GetAttrString(prob, name);
+    if (!o)
+        return -1;
+    if (o == Py_None) {
+        Py_DECREF(o);
+        return 0;
+    }
+    if (bs->n >= MAX_BUFFERS) {
+        Py_DECREF(o);
+        PyErr_SetString(PyExc_RuntimeError, "attnext._C: too many buffers");
+        return -1;
+    }
+    Py_buffer *v = &bs->views[bs->n];
+    int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    int rc = PyObject_GetBuffer(o, v, flags);
+    Py_DECREF(o);
+    if (rc < 0)
+        return -1;
+    bs->n++;
+    size_t item = kind >= 0 ? itemsize_of((attn_dtype)kind) : kind == -1 ? 1 : 4;
+    int fmt_ok = kind >= 0 ? format_matches(v->format, (attn_dtype)kind)
+                 : kind == -1 ? (!strcmp(v->format, "?") || !strcmp(v->format, "B"))
+                              : (v->format[strlen(v->format) - 1] == 'i');
+    if (v->ndim != ndim || (size_t)v->itemsize != item || !fmt_ok) {
+        PyErr_Format(PyExc_TypeError, "attnext._C: %s has format '%s', itemsize %zd and %d dims",
+                     name, v->format ? v->format : "?", v->itemsize, v->ndim);
+        return -1;
+    }
+    if (kind == -2 && v->strides[0] != 4) {
+        PyErr_Format(PyExc_ValueError, "attnext._C: %s must be contiguous", name);
+        return -1;
+    }
+    for (int i = 0; i < 4; i++) {
+        int src = i - (4 - ndim);
+        if (src < 0) {
+            t->s[i] = 0;
+            if (shape) shape[i] = 1;
+            continue;
+        }
+        if (v->strides[src] % (Py_ssize_t)item) {
+            PyErr_Format(PyExc_ValueError, "attnext._C: %s has a stride not a multiple of its itemsize", name);
+            return -1;
+        }
+        t->s[i] = v->strides[src] / (Py_ssize_t)item;
+        if (shape) shape[i] = v->shape[src];
+    }
+    t->ptr = v->buf;
+    return 0;
+}
+
+static int shape_is(const char *name, const Py_ssize_t *shape, long long a, long long b,
+                    long long c, long long d)
+{
+    if (shape[0] == a && shape[1] == b && shape[2] == c && shape[3] == d)
+        return 0;
+    PyErr_Format(PyExc_ValueError, "attnext._C: %s has shape (%zd, %zd, %zd, %zd), expected "
+                 "(%lld, %lld, %lld, %lld)", name, shape[0], shape[1], shape[2], shape[3], a, b, c, d);
+    return -1;
+}
+
+/* Everything the forward and backward share: dims, q/k/v/out/lse, lengths, masks, options. */
+static int fill_common(PyObject *prob, attn_params *p, buffer_set *bs)
+{
+    long long dtype, B, causal, wl, wr, nthreads, bias_dtype, alibi_dtype, bias_heads, mask_heads;
+    Py_ssize_t qs[4], ks[4], vs[4], os[4], ls[4], sh[4];
+    tensor4 t;
+    memset(p, 0, sizeof *p);
+    if (get_long(prob, "dtype", &dtype) || get_long(prob, "B", &B) || get_long(prob, "causal", &causal)
+        || get_long(prob, "window_left", &wl) || get_long(prob, "window_right", &wr)
+        || get_long(prob, "num_threads", &nthreads) || get_long(prob, "bias_dtype", &bias_dtype)
+        || get_long(prob, "alibi_dtype", &alibi_dtype) || get_long(prob, "bias_heads", &bias_heads)
+        || get_long(prob, "mask_heads", &mask_heads) || get_double(prob, "scale", &p->scale)
+        || get_double(prob, "softcap", &p->softcap))
+        return -1;
+    if (dtype < DT_F16 || dtype > DT_F64 || bias_dtype < DT_F16 || bias_dtype > DT_F64
+        || alibi_dtype < DT_F16 || alibi_dtype > DT_F64) {
+        PyErr_SetString(PyExc_ValueError, "attnext._C: bad dtype code");
+        return -1;
+    }
+    p->dtype = (attn_dtype)dtype;
+    p->bias_dtype = (attn_dtype)bias_dtype;
+    p->alibi_dtype = (attn_dtype)alibi_dtype;
+    p->causal = (attn_causal)causal;
+    p->window_left = wl;
+    p->window_right = wr;
+    p->num_threads = (int)nthreads;
+    p->B = B;
+    if (get_tensor(prob, "q", 4, p->dtype, 0, bs, &p->q, qs) || get_tensor(prob, "k", 4, p->dtype, 0, bs, &p->k, ks)
+        || get_tensor(prob, "v", 4, p->dtype, 0, bs, &p->v, vs))
+        return -1;
+    if (!p->q.ptr || !p->k.ptr || !p->v.ptr) {
+        PyErr_SetString(PyExc_ValueError, "attnext._C: q, k and v are required");
+        return -1;
+    }
+    p->Sq = qs[1]; p->Hq = qs[2]; p->D = qs[3];
+    p->Sk = ks[1]; p->Hk = ks[2]; p->Dv = vs[3];
+    long long Bm = qs[0];
+    if (shape_is("k", ks, Bm, p->Sk, p->Hk, p->D) || shape_is("v", vs, Bm, p->Sk, p->Hk, p->Dv))
+        return -1;
+    if (p->Hk <= 0 || p->Hq % p->Hk) {
+        PyErr_SetString(PyExc_ValueError, "attnext._C: Hq must be a multiple of Hk");
+        return -1;
+    }
+    if (get_tensor(prob, "out", 4, p->dtype, 1, bs, &p->out, os) || shape_is("out", os, Bm, p->Sq, p->Hq, p->Dv))
+        return -1;
+    attn_dtype lse_dt = p->dtype == DT_F64 ? DT_F64 : DT_F32;
+    if (get_tensor(prob, "lse", 3, lse_dt, 1, bs, &p->lse, ls) || shape_is("lse", ls, 1, Bm, p->Hq, p->Sq))
+        return -1;
+    p->lse.s[0] = p->lse.s[1]; p->lse.s[1] = p->lse.s[2]; p->lse.s[2] = p->lse.s[3]; p->lse.s[3] = 0;
+    if (!p->out.ptr || !p->lse.ptr) {
+        PyErr_SetString(PyExc_ValueError, "attnext._C: out and lse are required");
+        return -1;
+    }
+
+    const char *len_names[4] = {"cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k"};
+    const int32_t **len_ptrs[4] = {&p->cu_seqlens_q, &p->cu_seqlens_k, &p->seqused_q, &p->seqused_k};
+    for (int i = 0; i < 4; i++) {
+        if (get_tensor(prob, len_names[i], 1, -2, 0, bs, &t, sh))
+            return -1;
+        if (t.ptr && sh[3] != B + (i < 2)) {
+            PyErr_Format(PyExc_ValueError, "attnext._C: %s has %zd entries for %lld sequences",
+                         len_names[i], sh[3], B);
+            return -1;
+        }
+        *len_ptrs[i] = (const int32_t *)t.ptr;
+    }
+    if ((p->cu_seqlens_q != NULL) != (p->cu_seqlens_k != NULL) || (p->cu_seqlens_q && Bm != 1)
+        || (!p->cu_seqlens_q && Bm != B)) {
+        PyErr_SetString(PyExc_ValueError, "attnext._C: inconsistent batch / cu_seqlens");
+        return -1;
+    }
+
+    if (get_tensor(prob, "bias", 4, p->bias_dtype, 0, bs, &p->bias, sh))
+        return -1;
+    p->bias_heads = bias_heads;
+    if (p->bias.ptr && (sh[0] != B || sh[1] != bias_heads || bias_heads <= 0 || p->Hq % bias_heads)) {
+        PyErr_SetString(PyExc_ValueError, "attnext._C: bias dims disagree");
+        return -1;
+    }
+    if (get_tensor(prob, "mask", 4, -1, 0, bs, &p->mask, sh))
+        return -1;
+    p->mask_heads = mask_heads;
+    if (p->mask.ptr && (sh[0] != B || sh[1] != mask_heads || mask_heads <= 0 || p->Hq % mask_heads)) {
+        PyErr_SetString(PyExc_ValueError, "attnext._C: mask dims disagree");
+        return -1;
+    }
+    if (get_tensor(prob, "alibi", 2, p->alibi_dtype, 0, bs, &p->alibi, sh))
+        return -1;
+    if (p->alibi.ptr) {
+        if (sh[2] != B || sh[3] != p->Hq) {
+            PyErr_SetString(PyExc_ValueError, "attnext._C: alibi dims disagree");
+            return -1;
+        }
+        p->alibi.s[0] = p->alibi.s[2]; p->alibi.s[1] = p->alibi.s[3]; p->alibi.s[2] = p->alibi.s[3] = 0;
+    }
+    return 0;
+}
+
+static PyObject *run(int (*fn)(const attn_params *), attn_params *p, buffer_set *bs)
+{
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fn(p);
+    Py_END_ALLOW_THREADS
+    buffers_release(bs);
+    if (rc) {
+        PyErr_SetString(PyExc_MemoryError, "attnext: the CPU backend ran out of memory for its tiles");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *c_forward(PyObject *module, PyObject *prob)
+{
+    buffer_set bs = {.n = 0};
+    attn_params p;
+    if (fill_common(prob, &p, &bs)) {
+        buffers_release(&bs);
+        return NULL;
+    }
+    return run(cpu_forward, &p, &bs);
+}
+
+static PyObject *c_backward(PyObject *module, PyObject *prob)
+{
+    buffer_set bs = {.n = 0};
+    attn_params p;
+    Py_ssize_t sh[4];
+    long long Bm;
+    if (fill_common(prob, &p, &bs))
+        goto fail;
+    Bm = p.cu_seqlens_q ? 1 : p.B;
+    attn_dtype acc = p.dtype == DT_F64 ? DT_F64 : DT_F32;
+    if (get_tensor(prob, "dout", 4, p.dtype, 0, &bs, &p.dout, sh) || shape_is("dout", sh, Bm, p.Sq, p.Hq, p.Dv)
+        || get_tensor(prob, "dq", 4, p.dtype, 1, &bs, &p.dq, sh) || shape_is("dq", sh, Bm, p.Sq, p.Hq, p.D)
+        || get_tensor(prob, "dk", 4, p.dtype, 1, &bs, &p.dk, sh) || shape_is("dk", sh, Bm, p.Sk, p.Hk, p.D)
+        || get_tensor(prob, "dv", 4, p.dtype, 1, &bs, &p.dv, sh) || shape_is("dv", sh, Bm, p.Sk, p.Hk, p.Dv)
+        || get_tensor(prob, "dbias", 4, acc, 1, &bs, &p.dbias, sh))
+        goto fail;
+    if (!p.dout.ptr || !p.dq.ptr || !p.dk.ptr || !p.dv.ptr || (p.dbias.ptr != NULL) != (p.bias.ptr != NULL)) {
+        PyErr_SetString(PyExc_ValueError, "attnext._C: dout, dq, dk, dv (and dbias with a bias) are required");
+        goto fail;
+    }
+    return run(cpu_backward, &p, &bs);
+fail:
+    buffers_release(&bs);
+    return NULL;
+}
+
+static PyObject *c_simd(PyObject *module, PyObject *unused)
+{
+    return PyUnicode_FromString(simd_name());
+}
+
+static PyObject *c_openmp_threads(PyObject *module, PyObject *unused)
+{
+#ifdef _OPENMP
+    return PyLong_FromLong(omp_get_max_threads());
+#else
+    return PyLong_FromLong(0);
+#endif
+}
+
+static PyMethodDef methods[] = {
+    {"forward", c_forward, METH_O, "forward(prob): out and lse written in place."},
+    {"backward", c_backward, METH_O, "backward(prob): dq, dk, dv written, dbias accumulated."},
+    {"simd", c_simd, METH_NOARGS, "The SIMD variant the CPU backend runs: avx512, avx2 or portable."},
+    {"openmp_threads", c_openmp_threads, METH_NOARGS, "OpenMP's default thread count; 0 without OpenMP."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyModuleDef_Slot slots[] = {
+#if PY_VERSION_HEX >= 0x030C0000
+    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+#endif
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "attnext._C",
+    .m_doc = "attnext's C extension: the CPU backend (and, later, the CUDA host side).",
+    .m_size = 0,
+    .m_methods = methods,
+    .m_slots = slots,
+};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&module_def); }

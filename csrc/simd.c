@@ -1,0 +1,182 @@
+/* SIMD variants of the CPU backend's hot loops (see simd.h), generated from one macro body per
+ * (type, instruction set): GCC/Clang vector extensions for the register-blocked matrix product,
+ * `omp simd` loops for the softmax passes. The best variant is picked once, at run time, from
+ * what the CPU reports; the build never targets the build machine. */
+#include "simd.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LOG2_MIN_NORMAL_F32 (-126.0f)
+
+/* 2^x for x <= 0, float: split x = i + f with |f| <= 1/2, 2^f by its Taylor series to degree 7
+ * (relative error < 1e-8, below float's rounding), 2^i through the exponent bits. Results under
+ * float's normal range flush to 0, so exp2(-inf) = 0 exactly as masked scores need. */
+static inline __attribute__((always_inline)) float exp2_f32(float x)
+{
+    float xc = x < LOG2_MIN_NORMAL_F32 ? LOG2_MIN_NORMAL_F32 : (x > 127.0f ? 127.0f : x);
+    float r = rintf(xc);
+    float f = (xc - r) * 0.6931471805599453f;   /* f * ln 2 */
+    float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120
+              + f * (1.0f / 720 + f * (1.0f / 5040)))))));
+    int32_t bits = ((int32_t)r + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < LOG2_MIN_NORMAL_F32 ? 0.0f : p * scale;
+}
+
+static inline __attribute__((always_inline)) double exp2_f64(double x) { return exp2(x); }
+
+/* One variant. VT is a vector of VL elements of T; the product keeps an MR x NV block of vectors
+ * of C in registers and streams K. */
+#define DEFINE_VARIANT(SUF, TARGET, T, VT, VL, MR, NV, EXP2)                                        \
+    typedef T VT##_u __attribute__((vector_size(VL * sizeof(T)), aligned(sizeof(T))));             \
+                                                                                                    \
+    TARGET static void gemm_##SUF(int M, int N, int K, const T *A, int64_t lda, const T *B,        \
+                                  int64_t ldb, T *C, int64_t ldc, int accumulate)                   \
+    {                                                                                               \
+        for (int i = 0; i < M; i += MR) {                                                           \
+            for (int j = 0; j < N; j += VL * NV) {                                                  \
+                VT##_u acc[MR][NV];                                                                 \
+                for (int a = 0; a < MR; a++)                                                        \
+                    for (int v = 0; v < NV; v++)                                                    \
+                        acc[a][v] = accumulate ? *(const VT##_u *)(C + (i + a) * ldc + j + v * VL) \
+                                               : (VT##_u){0};                                       \
+                const T *Ai = A + (int64_t)i * lda;                                                 \
+                const T *Bj = B + j;                                                                \
+                for (int k = 0; k < K; k++) {                                                       \
+                    VT##_u b[NV];                                                                   \
+                    for (int v = 0; v < NV; v++)                                                    \
+                        b[v] = *(const VT##_u *)(Bj + k * ldb + v * VL);                            \
+                    for (int a = 0; a < MR; a++) {                                                  \
+                        T s = Ai[a * lda + k];                                                      \
+                        for (int v = 0; v < NV; v++)                                                \
+                            acc[a][v] += s * b[v];                                                  \
+                    }                                                                               \
+                }                                                                                   \
+                for (int a = 0; a < MR; a++)                                                        \
+                    for (int v = 0; v < NV; v++)                                                    \
+                        *(VT##_u *)(C + (i + a) * ldc + j + v * VL) = acc[a][v];                    \
+            }                                                                                       \
+        }                                                                                           \
+    }                                                                                               \
+                                                                                                    \
+    TARGET static void softmax_step_##SUF(int rows, int n, int64_t ld, T *S, T mult, T *m, T *l,   \
+                                          T *alpha)                                                 \
+    {                                                                                               \
+        for (int i = 0; i < rows; i++) {                                                            \
+            T *s = S + (int64_t)i * ld;                                                             \
+            T mx = -INFINITY;                                                                       \
+            _Pragma("omp simd reduction(max:mx)")                                                   \
+            for (int j = 0; j < n; j++) {                                                           \
+                T t = s[j] * mult;                                                                  \
+                mx = t > mx ? t : mx;                                                               \
+            }                                                                                       \
+            T m_new = m[i] > mx ? m[i] : mx;                                                        \
+            if (m_new == -INFINITY) {                                                               \
+                memset(s, 0, sizeof(T) * n);                                                        \
+                alpha[i] = 1;                                                                       \
+                continue;                                                                           \
+            }                                                                                       \
+            T sum = 0;                                                                              \
+            _Pragma("omp simd reduction(+:sum)")                                                    \
+            for (int j = 0; j < n; j++) {                                                           \
+                T p = EXP2(s[j] * mult - m_new);                                                    \
+                s[j] = p;                                                                           \
+                sum += p;                                                                           \
+            }                                                                                       \
+            alpha[i] = EXP2(m[i] - m_new);                                                          \
+            l[i] = l[i] * alpha[i] + sum;                                                           \
+            m[i] = m_new;                                                                           \
+        }                                                                                           \
+    }                                                                                               \
+                                                                                                    \
+    TARGET static void exp_rows_##SUF(int rows, int n, int64_t ld, T *S, T mult, const T *lse2)    \
+    {                                                                                               \
+        for (int i = 0; i < rows; i++) {                                                            \
+            T *s = S + (int64_t)i * ld;                                                             \
+            T off = lse2[i];                                                                        \
+            if (off == -INFINITY) {                                                                 \
+                memset(s, 0, sizeof(T) * n);                                                        \
+                continue;                                                                           \
+            }                                                                                       \
+            _Pragma("omp simd")                                                                     \
+            for (int j = 0; j < n; j++)                                                             \
+                s[j] = EXP2(s[j] * mult - off);                                                     \
+        }                                                                                           \
+    }
+
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define TARGET_AVX512 __attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma")))
+#define TARGET_AVX2 __attribute__((target("avx2,fma")))
+DEFINE_VARIANT(f32_avx512, TARGET_AVX512, float, vf32_512, 16, 8, 2, exp2_f32)
+DEFINE_VARIANT(f64_avx512, TARGET_AVX512, double, vf64_512, 8, 8, 2, exp2_f64)
+DEFINE_VARIANT(f32_avx2, TARGET_AVX2, float, vf32_256, 8, 4, 2, exp2_f32)
+DEFINE_VARIANT(f64_avx2, TARGET_AVX2, double, vf64_256, 4, 4, 2, exp2_f64)
+#define HAVE_X86_VARIANTS 1
+#endif
+DEFINE_VARIANT(f32_portable, , float, vf32_128, 4, 4, 2, exp2_f32)
+DEFINE_VARIANT(f64_portable, , double, vf64_128, 2, 4, 2, exp2_f64)
+
+#define OPS(T, SUF, NAME) {NAME, gemm_##SUF, softmax_step_##SUF, exp_rows_##SUF}
+
+static const simd_ops_f32 ops_f32_portable = OPS(float, f32_portable, "portable");
+static const simd_ops_f64 ops_f64_portable = OPS(double, f64_portable, "portable");
+#ifdef HAVE_X86_VARIANTS
+static const simd_ops_f32 ops_f32_avx512 = OPS(float, f32_avx512, "avx512");
+static const simd_ops_f64 ops_f64_avx512 = OPS(double, f64_avx512, "avx512");
+static const simd_ops_f32 ops_f32_avx2 = OPS(float, f32_avx2, "avx2");
+static const simd_ops_f64 ops_f64_avx2 = OPS(double, f64_avx2, "avx2");
+#endif
+
+/* 0 portable, 1 avx2, 2 avx512; ATTNEXT_SIMD=portable|avx2|avx512 caps it (tests run every
+ * variant this CPU has). Racing first calls compute the same value, so no lock is needed. */
+static int chosen_level(void)
+{
+    static volatile int level = -1;
+    if (level >= 0)
+        return level;
+    int best = 0;
+#ifdef HAVE_X86_VARIANTS
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        best = 1;
+    if (best == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl")
+        && __builtin_cpu_supports("avx512dq"))
+        best = 2;
+#endif
+    const char *env = getenv("ATTNEXT_SIMD");
+    if (env) {
+        int cap = !strcmp(env, "portable") ? 0 : !strcmp(env, "avx2") ? 1 : 2;
+        if (cap < best)
+            best = cap;
+    }
+    level = best;
+    return best;
+}
+
+const simd_ops_f32 *simd_f32(void)
+{
+#ifdef HAVE_X86_VARIANTS
+    switch (chosen_level()) {
+    case 2: return &ops_f32_avx512;
+    case 1: return &ops_f32_avx2;
+    }
+#endif
+    return &ops_f32_portable;
+}
+
+const simd_ops_f64 *simd_f64(void)
+{
+#ifdef HAVE_X86_VARIANTS
+    switch (chosen_level()) {
+    case 2: return &ops_f64_avx512;
+    case 1: return &ops_f64_avx2;
+    }
+#endif
+    return &ops_f64_portable;
+}
+
+const char *simd_name(void) { return simd_f32()->name; }

@@ -1,0 +1,46 @@
+/* The CPU backend's hot loops: tile matrix products and the softmax passes, one table of
+ * function pointers per accumulation type, filled at first use with the best variant this CPU
+ * runs (AVX-512, AVX2+FMA, or portable C). Nothing here is tuned to the build machine.
+ *
+ * Tiles are row-major with a leading dimension (ld, in elements). For gemm, M must be a multiple
+ * of SIMD_M_ALIGN and N a multiple of SIMD_N_ALIGN; K is any. Callers pad their tiles (with zeros
+ * where a padded element could reach a result they read).
+ */
+#ifndef ATTNEXT_SIMD_H
+#define ATTNEXT_SIMD_H
+
+#include <stdint.h>
+
+#define SIMD_M_ALIGN 8
+#define SIMD_N_ALIGN 32
+
+typedef struct {
+    const char *name;
+    /* C[M x N] (+)= A[M x K] * B[K x N]; accumulate = 0 overwrites C */
+    void (*gemm)(int M, int N, int K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                 float *C, int64_t ldc, int accumulate);
+    /* Online-softmax step over a tile of scores S[rows x n] (row stride ld). With t = S * mult
+     * (log2 units): m_new = max(m, max_j t); S <- exp2(t - m_new); l <- l * alpha + rowsum;
+     * alpha[i] = exp2(m_old - m_new) (1 for a row still without a finite score, whose P is 0). */
+    void (*softmax_step)(int rows, int n, int64_t ld, float *S, float mult, float *m, float *l,
+                         float *alpha);
+    /* S[i, j] <- exp2(S[i, j] * mult - lse2[i]); rows with lse2 = -inf get 0 (backward's P). */
+    void (*exp_rows)(int rows, int n, int64_t ld, float *S, float mult, const float *lse2);
+} simd_ops_f32;
+
+typedef struct {
+    const char *name;
+    void (*gemm)(int M, int N, int K, const double *A, int64_t lda, const double *B, int64_t ldb,
+                 double *C, int64_t ldc, int accumulate);
+    void (*softmax_step)(int rows, int n, int64_t ld, double *S, double mult, double *m, double *l,
+                         double *alpha);
+    void (*exp_rows)(int rows, int n, int64_t ld, double *S, double mult, const double *lse2);
+} simd_ops_f64;
+
+const simd_ops_f32 *simd_f32(void);
+const simd_ops_f64 *simd_f64(void);
+
+/* "avx512", "avx2" or "portable": what simd_f32() chose (ATTNEXT_SIMD overrides, for tests). */
+const char *simd_name(void);
+
+#endif
