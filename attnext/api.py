@@ -1,0 +1,494 @@
+"""The public functions and every argument check, in one place.
+
+Each public call is checked here, normalised into a `_Problem` (q, k, v, out in (B, S, H, D)
+order as strided NumPy views, bias and mask as views broadcast to (B, Hb, Sq, Sk) without copying,
+lengths as int32) and handed to a backend: `attnext._C` for the CPU, or `attnext.reference`.
+
+Causal alignment when Sq != Sk (here Sq = 2, Sk = 5; x = attended)::
+
+    causal=True / "bottom_right"        causal="top_left"
+        k: 0 1 2 3 4                       k: 0 1 2 3 4
+    q0:    x x x x .                   q0:    x . . . .
+    q1:    x x x x x                   q1:    x x . . .
+
+A row that keeps no key (fully masked, or past its sequence's length) returns out = 0 and
+lse = -inf, with zero gradients; never NaN.
+"""
+import math
+import os
+import types
+
+import ml_dtypes
+import numpy as np
+
+from . import _C, reference
+from ._types import Grads
+
+_DTYPE_CODES = {np.dtype(np.float16): 0, np.dtype(ml_dtypes.bfloat16): 1,
+                np.dtype(np.float32): 2, np.dtype(np.float64): 3}
+_DEVICES = ("cpu", "cuda", "reference")
+_LAYOUTS = ("bshd", "bhsd")
+_CAUSAL = {False: 0, None: 0, True: 1, "bottom_right": 1, "top_left": 2}
+_PRECISIONS = (None, "ieee", "tf32")
+MAX_HEAD_DIM = 256
+
+
+def _fmt(x):
+    return repr(x) if not isinstance(x, np.ndarray) else f"array(shape={x.shape}, dtype={x.dtype})"
+
+
+def _array(name, x):
+    """A host array (never copied unless misaligned). GPU arrays and non-arrays raise TypeError."""
+    if isinstance(x, np.ndarray):
+        a = x
+    elif hasattr(x, "__array_interface__") or hasattr(x, "__array__"):
+        try:
+            a = np.asarray(x)
+        except Exception as e:   # e.g. a CUDA tensor refusing host conversion
+            raise TypeError(f"{name} must be a NumPy array or array-like on the host, got "
+                            f"{type(x).__name__}: {e}") from None
+    else:
+        raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
+    if a.dtype.kind == "f" and not a.dtype.isnative:
+        raise TypeError(f"{name} has non-native byte order ({a.dtype.str}); use "
+                        f"{name}.astype({name}.dtype.newbyteorder('='))")
+    if not a.flags.aligned:
+        a = a.copy()
+    return a
+
+
+def _float_array(name, x):
+    a = _array(name, x)
+    if a.dtype not in _DTYPE_CODES:
+        raise TypeError(f"{name} has dtype {a.dtype}; expected float16, bfloat16, float32 or float64")
+    return a
+
+
+def _int_array(name, x, length):
+    a = _array(name, x)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
+    if a.ndim != 1 or a.shape[0] != length:
+        raise ValueError(f"{name} must have shape ({length},), got {a.shape}")
+    if a.size and (a.min() < 0 or a.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"{name} must hold values in [0, 2**31), got {a.tolist()[:8]}")
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+def _c_view(a):
+    """What the C extension reads: bfloat16 as uint16 (NumPy cannot export it as a buffer)."""
+    return a.view(np.uint16) if a.dtype == ml_dtypes.bfloat16 else a
+
+
+def _resolve_device(device):
+    if device is None:
+        device = os.environ.get("ATTNEXT_DEVICE") or "cpu"
+    if device not in _DEVICES:
+        raise ValueError(f"device must be one of {_DEVICES} or None, got {device!r}")
+    if device == "cuda":
+        raise RuntimeError("device='cuda': the CUDA backend is not available in this build of "
+                           "attnext (attnext.info() lists the usable backends)")
+    return device
+
+
+def _num_threads():
+    env = os.environ.get("ATTNEXT_NUM_THREADS")
+    if not env:
+        return 0
+    try:
+        n = int(env)
+    except ValueError:
+        raise ValueError(f"ATTNEXT_NUM_THREADS must be a positive integer, got {env!r}") from None
+    if n < 1:
+        raise ValueError(f"ATTNEXT_NUM_THREADS must be a positive integer, got {env!r}")
+    return n
+
+
+def _check_options(o, D, Hq, B):
+    """Checks the scalar and small-array options; fills codes into o (a SimpleNamespace)."""
+    if o.scale is None:
+        o.scale_value = 1.0 / math.sqrt(D) if D > 0 else 1.0
+    else:
+        if isinstance(o.scale, bool) or not isinstance(o.scale, (int, float, np.number)):
+            raise TypeError(f"scale must be a real number, got {_fmt(o.scale)}")
+        if not math.isfinite(float(o.scale)):
+            raise ValueError(f"scale must be finite, got {o.scale!r}")
+        o.scale_value = float(o.scale)
+    if o.softcap is None:
+        o.softcap_value = 0.0
+    else:
+        if isinstance(o.softcap, bool) or not isinstance(o.softcap, (int, float, np.number)):
+            raise TypeError(f"softcap must be a positive real number, got {_fmt(o.softcap)}")
+        if not (math.isfinite(float(o.softcap)) and float(o.softcap) > 0):
+            raise ValueError(f"softcap must be positive and finite, got {o.softcap!r}")
+        o.softcap_value = float(o.softcap)
+    try:
+        o.causal_code = _CAUSAL[o.causal]
+    except (KeyError, TypeError):
+        raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left', got {o.causal!r}") from None
+    if o.window is None:
+        o.window_left = o.window_right = -1
+    else:
+        w = o.window
+        if (not isinstance(w, (tuple, list)) or len(w) != 2
+                or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in w)):
+            raise ValueError(f"window must be a pair of ints (left, right), -1 = unbounded, got {w!r}")
+        if w[0] < -1 or w[1] < -1:
+            raise ValueError(f"window sides must be >= -1 (-1 = unbounded), got {tuple(w)!r}")
+        o.window_left, o.window_right = int(w[0]), int(w[1])
+    if o.precision not in _PRECISIONS:
+        raise ValueError(f"precision must be one of {_PRECISIONS}, got {o.precision!r}")
+    for name in ("score_mod", "mask_mod"):
+        f = getattr(o, name)
+        if f is not None and not callable(f):
+            raise TypeError(f"{name} must be callable or None, got {type(f).__name__}")
+    o.alibi = None
+    if o.alibi_slopes is not None:
+        a = _array("alibi_slopes", o.alibi_slopes)
+        if a.dtype.kind != "f":
+            raise TypeError(f"alibi_slopes must be a float array, got dtype {a.dtype}")
+        if a.shape not in ((Hq,), (B, Hq)):
+            raise ValueError(f"alibi_slopes must have shape ({Hq},) or ({B}, {Hq}), got {a.shape}")
+        a = a.astype(np.float64 if a.dtype == np.float64 else np.float32)
+        if not np.all(np.isfinite(a)):
+            raise ValueError("alibi_slopes must be finite")
+        o.alibi = np.broadcast_to(a, (B, Hq))
+
+
+def _broadcast_4d(name, x, B, Hq, Hk, Sq, Sk, is_mask):
+    """bias or mask as a (B, Hb, Sq, Sk) view (no copy) and Hb in {1, Hk, Hq}."""
+    a = _array(name, x)
+    if is_mask and a.dtype != np.bool_:
+        raise TypeError(f"mask must be a bool array (True = attend), got dtype {a.dtype}")
+    if not is_mask and a.dtype not in _DTYPE_CODES:
+        raise TypeError(f"bias has dtype {a.dtype}; expected float16, bfloat16, float32 or float64")
+    if a.ndim > 4:
+        raise ValueError(f"{name} must have at most 4 dims (B, H, Sq, Sk), got shape {a.shape}")
+    a4 = a.reshape((1,) * (4 - a.ndim) + a.shape)
+    heads = a4.shape[1]
+    ok = (a4.shape[0] in (1, B) and heads in (1, Hk, Hq) and a4.shape[2] in (1, Sq)
+          and a4.shape[3] in (1, Sk))
+    if not ok:
+        raise ValueError(f"{name} of shape {a.shape} does not broadcast to (B, H, Sq, Sk) = "
+                         f"({B}, H, {Sq}, {Sk}) with H in {{1, {Hk}, {Hq}}}")
+    return a, np.broadcast_to(a4, (B, heads, Sq, Sk)), heads
+
+
+def _normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+               max_seqlen_k=None, seqused_q=None, seqused_k=None, varlen=False):
+    """Checks q, k, v and every option; returns a SimpleNamespace with the views the backends read."""
+    o = types.SimpleNamespace(**opts)
+    o.device = _resolve_device(o.device)
+    q = _float_array("q", q)
+    k = _float_array("k", k)
+    v = _float_array("v", v)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    o.q, o.k, o.v = q, k, v
+    if varlen:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.ndim != 3:
+                raise ValueError(f"{name} must have 3 dims (T, H, D) for varlen, got shape {x.shape}")
+        Tq, Hq, D = q.shape
+        Tk, Hk, _ = k.shape
+        Dv = v.shape[2]
+        if k.shape[2] != D or v.shape[:2] != (Tk, Hk):
+            raise ValueError(f"shapes disagree: q {q.shape}, k {k.shape}, v {v.shape} "
+                             "(expected k (Tk, Hk, D), v (Tk, Hk, Dv))")
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("cu_seqlens_q and cu_seqlens_k are required")
+        cq_a = _array("cu_seqlens_q", cu_seqlens_q)
+        ck_a = _array("cu_seqlens_k", cu_seqlens_k)
+        if cq_a.ndim != 1 or cq_a.shape[0] < 1 or ck_a.ndim != 1:
+            raise ValueError(f"cu_seqlens_q must have shape (B + 1,), got {cq_a.shape}")
+        B = cq_a.shape[0] - 1
+        cq = _int_array("cu_seqlens_q", cq_a, B + 1)
+        ck = _int_array("cu_seqlens_k", ck_a, B + 1)
+        for name, cu, T in (("cu_seqlens_q", cq, Tq), ("cu_seqlens_k", ck, Tk)):
+            if cu[0] != 0:
+                raise ValueError(f"{name} must start at 0, got {cu[0]}")
+            if np.any(np.diff(cu) < 0):
+                raise ValueError(f"{name} must not decrease, got {cu.tolist()}")
+            if cu[-1] > T:
+                raise ValueError(f"{name}[-1] = {cu[-1]} is past the end of the packed tensor ({T} rows)")
+        seg_q, seg_k = np.diff(cq), np.diff(ck)
+        uq = uk = None
+        if seqused_q is not None:
+            uq = _int_array("seqused_q", seqused_q, B)
+            if np.any(uq > seg_q):
+                raise ValueError(f"seqused_q {uq.tolist()} exceeds the segment lengths {seg_q.tolist()}")
+        if seqused_k is not None:
+            uk = _int_array("seqused_k", seqused_k, B)
+            if np.any(uk > seg_k):
+                raise ValueError(f"seqused_k {uk.tolist()} exceeds the segment lengths {seg_k.tolist()}")
+        lq = uq if uq is not None else seg_q
+        lk = uk if uk is not None else seg_k
+        longest_q = int(lq.max()) if B else 0
+        longest_k = int(lk.max()) if B else 0
+        for name, m, longest in (("max_seqlen_q", max_seqlen_q, longest_q),
+                                 ("max_seqlen_k", max_seqlen_k, longest_k)):
+            if m is not None:
+                if isinstance(m, bool) or not isinstance(m, (int, np.integer)):
+                    raise TypeError(f"{name} must be an int, got {_fmt(m)}")
+                if m < longest:
+                    raise ValueError(f"{name} = {m} is smaller than the longest sequence ({longest})")
+        o.max_q = longest_q if max_seqlen_q is None else int(max_seqlen_q)
+        o.max_k = longest_k if max_seqlen_k is None else int(max_seqlen_k)
+        o.cu_q, o.cu_k, o.used_q, o.used_k = cq, ck, uq, uk
+        o.q4, o.k4, o.v4 = q[None], k[None], v[None]
+        o.B, o.Sq, o.Sk = B, o.max_q, o.max_k
+        o.out_shape, o.lse_shape = (Tq, Hq, Dv), (Hq, Tq)
+    else:
+        if o.layout not in _LAYOUTS:
+            raise ValueError(f"layout must be one of {_LAYOUTS}, got {o.layout!r}")
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.ndim != 4:
+                raise ValueError(f"{name} must have 4 dims for layout {o.layout!r}, got shape {x.shape}")
+        if o.layout == "bhsd":
+            q4, k4, v4 = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+        else:
+            q4, k4, v4 = q, k, v
+        B, Sq, Hq, D = q4.shape
+        _, Sk, Hk, _ = k4.shape
+        Dv = v4.shape[3]
+        if k4.shape != (B, Sk, Hk, D) or v4.shape[:3] != (B, Sk, Hk):
+            raise ValueError(f"shapes disagree for layout {o.layout!r}: q {q.shape}, k {k.shape}, "
+                             f"v {v.shape}")
+        o.cu_q = o.cu_k = None
+        o.used_q = o.used_k = None
+        if o.seqlens_q is not None:
+            o.used_q = _int_array("seqlens_q", o.seqlens_q, B)
+            if np.any(o.used_q > Sq):
+                raise ValueError(f"seqlens_q {o.used_q.tolist()} exceeds Sq = {Sq}")
+        if o.seqlens_k is not None:
+            o.used_k = _int_array("seqlens_k", o.seqlens_k, B)
+            if np.any(o.used_k > Sk):
+                raise ValueError(f"seqlens_k {o.used_k.tolist()} exceeds Sk = {Sk}")
+        o.q4, o.k4, o.v4 = q4, k4, v4
+        o.B, o.Sq, o.Sk = B, Sq, Sk
+        o.out_shape = (B, Sq, Hq, Dv) if o.layout == "bshd" else (B, Hq, Sq, Dv)
+        o.lse_shape = (B, Hq, Sq)
+    if Hk == 0 or Hq % Hk:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hk})")
+    for name, d in (("D", D), ("Dv", Dv)):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"head dim {name} = {d} is outside [1, {MAX_HEAD_DIM}]")
+    o.Hq, o.Hk, o.D, o.Dv, o.varlen = Hq, Hk, D, Dv, varlen
+    _check_options(o, D, Hq, o.B)
+    o.bias4 = o.mask4 = None
+    o.bias_heads = o.mask_heads = 1
+    if o.bias is not None:
+        o.bias, o.bias4, o.bias_heads = _broadcast_4d("bias", o.bias, o.B, Hq, Hk, o.Sq, o.Sk, False)
+    if o.mask is not None:
+        o.mask, o.mask4, o.mask_heads = _broadcast_4d("mask", o.mask, o.B, Hq, Hk, o.Sq, o.Sk, True)
+    o.acc_dtype = np.float64 if q.dtype == np.float64 else np.float32
+    return o
+
+
+def _check_out(name, x, shape, dtype, inputs):
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
+    if x.shape != tuple(shape) or x.dtype != dtype:
+        raise ValueError(f"{name} must have shape {tuple(shape)} and dtype {dtype}, got "
+                         f"{x.shape} and {x.dtype}")
+    if not x.flags.writeable:
+        raise ValueError(f"{name} is read-only")
+    for other_name, other in inputs:
+        if other is not None and np.shares_memory(x, other):
+            raise ValueError(f"{name} shares memory with {other_name}")
+
+
+def _problem(o, out4, lse3):
+    """The attribute bag _C.forward / _C.backward read (see csrc/module.c)."""
+    return types.SimpleNamespace(
+        dtype=_DTYPE_CODES[o.q.dtype], B=o.B,
+        q=_c_view(o.q4), k=_c_view(o.k4), v=_c_view(o.v4), out=_c_view(out4), lse=lse3,
+        cu_seqlens_q=o.cu_q, cu_seqlens_k=o.cu_k, seqused_q=o.used_q, seqused_k=o.used_k,
+        bias=None if o.bias4 is None else _c_view(o.bias4),
+        bias_dtype=_DTYPE_CODES[o.bias4.dtype] if o.bias4 is not None else 0,
+        bias_heads=o.bias_heads,
+        mask=o.mask4, mask_heads=o.mask_heads,
+        alibi=o.alibi, alibi_dtype=_DTYPE_CODES[o.alibi.dtype] if o.alibi is not None else 0,
+        scale=o.scale_value, softcap=o.softcap_value, causal=o.causal_code,
+        window_left=o.window_left, window_right=o.window_right, num_threads=_num_threads())
+
+
+def _as_bshd(o, x):
+    """A (B, S, H, D) view of an array in the caller's layout (varlen: a leading 1)."""
+    if o.varlen:
+        return x[None]
+    return x.transpose(0, 2, 1, 3) if o.layout == "bhsd" else x
+
+
+def _lse_3d(o, lse):
+    return lse[None] if o.varlen else lse
+
+
+def _runs_on_reference(o):
+    return o.device == "reference" or o.score_mod is not None or o.mask_mod is not None
+
+
+def _reference_kwargs(o):
+    kw = dict(causal=o.causal, window=o.window, scale=o.scale, softcap=o.softcap,
+              alibi_slopes=o.alibi_slopes, bias=o.bias, mask=o.mask, score_mod=o.score_mod,
+              mask_mod=o.mask_mod)
+    if o.varlen:
+        kw.update(max_seqlen_q=o.max_q, max_seqlen_k=o.max_k, seqused_q=o.used_q, seqused_k=o.used_k)
+    else:
+        kw.update(seqlens_q=o.seqlens_q, seqlens_k=o.seqlens_k, layout=o.layout)
+    return kw
+
+
+def _forward(o):
+    inputs = [("q", o.q), ("k", o.k), ("v", o.v)]
+    if o.out is not None:
+        _check_out("out", o.out, o.out_shape, o.q.dtype, inputs)
+        out = o.out
+    else:
+        out = np.empty(o.out_shape, dtype=o.q.dtype)
+    lse = np.empty(o.lse_shape, dtype=o.acc_dtype)
+    if _runs_on_reference(o):
+        if o.varlen:
+            r_out, r_lse = reference.varlen_attention(o.q, o.k, o.v, o.cu_q, o.cu_k, return_lse=True,
+                                                      **_reference_kwargs(o))
+        else:
+            r_out, r_lse = reference.attention(o.q, o.k, o.v, return_lse=True, **_reference_kwargs(o))
+        out[...] = r_out.astype(out.dtype)
+        lse[...] = r_lse
+    else:
+        _C.forward(_problem(o, _as_bshd(o, out), _lse_3d(o, lse)))
+    return (out, lse) if o.return_lse else out
+
+
+def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
+              bias=None, mask=None, score_mod=None, mask_mod=None, seqlens_q=None, seqlens_k=None,
+              layout="bshd", return_lse=False, device=None, out=None, precision=None):
+    """Scaled-dot-product attention; see the module docstring for the causal alignment.
+
+    q (B, Sq, Hq, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv) for layout "bshd" ("bhsd": heads
+    second). Returns out (the caller's layout, Dv wide, q's dtype) and with return_lse the
+    natural-log lse (B, Hq, Sq), float32 (float64 for float64 inputs). Rows that keep no key give
+    out = 0 and lse = -inf.
+    """
+    o = _normalise(q, k, v, dict(
+        causal=causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
+        bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, seqlens_q=seqlens_q,
+        seqlens_k=seqlens_k, layout=layout, return_lse=return_lse, device=device, out=out,
+        precision=precision))
+    return _forward(o)
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
+                     seqused_q=None, seqused_k=None, causal=False, window=None, scale=None,
+                     softcap=None, alibi_slopes=None, bias=None, mask=None, score_mod=None,
+                     mask_mod=None, return_lse=False, device=None, out=None, precision=None):
+    """Attention over a packed batch: q (Tq, Hq, D), k (Tk, Hk, D), v (Tk, Hk, Dv).
+
+    Sequence i is rows cu_seqlens[i]:cu_seqlens[i+1]; with seqused, only its first seqused[i]
+    rows are real. Rows that are not real (and rows after cu_seqlens[-1]) give out = 0 and
+    lse = -inf. lse is (Hq, Tq). bias and mask broadcast to (B, H, max_seqlen_q, max_seqlen_k),
+    indexed by sequence and positions inside it.
+    """
+    o = _normalise(q, k, v, dict(
+        causal=causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
+        bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, seqlens_q=None,
+        seqlens_k=None, layout="thd", return_lse=return_lse, device=device, out=out,
+        precision=precision), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+        seqused_k, varlen=True)
+    return _forward(o)
+
+
+def _backward(o, dout, out, lse, deterministic):
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {_fmt(deterministic)}")
+    dout = _float_array("dout", dout)
+    out = _float_array("out", out)
+    lse = _array("lse", lse)
+    for name, x in (("dout", dout), ("out", out)):
+        if x.shape != o.out_shape or x.dtype != o.q.dtype:
+            raise ValueError(f"{name} must have the forward output's shape {o.out_shape} and dtype "
+                             f"{o.q.dtype}, got {x.shape} and {x.dtype}")
+    if lse.shape != o.lse_shape or lse.dtype != o.acc_dtype:
+        raise ValueError(f"lse must have shape {o.lse_shape} and dtype {np.dtype(o.acc_dtype)} "
+                         f"(as the forward returned it), got {lse.shape} and {lse.dtype}")
+    if _runs_on_reference(o):
+        if o.varlen:
+            g = reference.varlen_attention_backward(dout, o.q, o.k, o.v, out, lse, o.cu_q, o.cu_k,
+                                                    **_reference_kwargs(o))
+        else:
+            g = reference.attention_backward(dout, o.q, o.k, o.v, out, lse, **_reference_kwargs(o))
+        dbias = None if g.dbias is None else g.dbias.astype(o.bias.dtype)
+        return Grads(g.dq.astype(o.q.dtype), g.dk.astype(o.q.dtype), g.dv.astype(o.q.dtype),
+                     dbias, g.dtensors)
+    dq = np.empty(o.q.shape, dtype=o.q.dtype)
+    dk = np.empty(o.k.shape, dtype=o.q.dtype)
+    dv = np.empty(o.v.shape, dtype=o.q.dtype)
+    prob = _problem(o, _as_bshd(o, out), _lse_3d(o, lse))
+    prob.out = _c_view(_as_bshd(o, out))
+    prob.dout = _c_view(_as_bshd(o, dout))
+    prob.dq, prob.dk, prob.dv = (_c_view(_as_bshd(o, x)) for x in (dq, dk, dv))
+    prob.dbias = dbias_acc = None
+    if o.bias is not None:
+        # accumulate into the bias's own (compact) shape; broadcast dims get stride 0
+        compact = o.bias.reshape((1,) * (4 - o.bias.ndim) + o.bias.shape)
+        dbias_acc = np.zeros(compact.shape, dtype=o.acc_dtype)
+        target = o.bias4.shape
+        strides = tuple(0 if c == 1 and t != 1 else s
+                        for c, t, s in zip(compact.shape, target, dbias_acc.strides))
+        prob.dbias = np.lib.stride_tricks.as_strided(dbias_acc, target, strides)
+    _C.backward(prob)
+    dbias = None if dbias_acc is None else dbias_acc.reshape(o.bias.shape).astype(o.bias.dtype)
+    return Grads(dq, dk, dv, dbias, {})
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None,
+                       softcap=None, alibi_slopes=None, bias=None, mask=None, score_mod=None,
+                       mask_mod=None, seqlens_q=None, seqlens_k=None, layout="bshd", device=None,
+                       precision=None, deterministic=True):
+    """Gradients of attention(q, k, v, ...) for the output gradient dout.
+
+    out and lse are the forward's results (lse as returned with return_lse=True). Returns
+    Grads(dq, dk, dv, dbias, dtensors): dq, dk, dv in the shapes of q, k, v; dbias in the shape
+    of the bias given (summed over its broadcast dims), None without one. The CPU backend is
+    deterministic whatever `deterministic` says.
+    """
+    o = _normalise(q, k, v, dict(
+        causal=causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
+        bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, seqlens_q=seqlens_q,
+        seqlens_k=seqlens_k, layout=layout, return_lse=False, device=device, out=None,
+        precision=precision))
+    return _backward(o, dout, out, lse, deterministic)
+
+
+def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
+                              max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
+                              seqused_k=None, causal=False, window=None, scale=None, softcap=None,
+                              alibi_slopes=None, bias=None, mask=None, score_mod=None,
+                              mask_mod=None, device=None, precision=None, deterministic=True):
+    """Gradients of varlen_attention; padding rows get exactly zero gradients."""
+    o = _normalise(q, k, v, dict(
+        causal=causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
+        bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, seqlens_q=None,
+        seqlens_k=None, layout="thd", return_lse=False, device=device, out=None,
+        precision=precision), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+        seqused_k, varlen=True)
+    return _backward(o, dout, out, lse, deterministic)
+
+
+def info():
+    """What this build can run, and why not where it cannot."""
+    from . import __version__
+    return {
+        "version": __version__,
+        "backends": {
+            "reference": "usable",
+            "cpu": f"usable ({_C.simd()} SIMD, "
+                   f"{'OpenMP, %d threads' % _C.openmp_threads() if _C.openmp_threads() else 'no OpenMP: serial'})",
+            "cuda": "unavailable: the CUDA backend is not built yet",
+        },
+        "score_mod": "cpu: run by the NumPy reference (the C interpreter is not built yet)",
+        "device_name": None,
+        "nvrtc_version": None,
+        "cache_dir": os.environ.get("ATTNEXT_CACHE_DIR",
+                                    os.path.join(os.path.expanduser("~"), ".cache", "attnext")),
+    }
