@@ -395,12 +395,12 @@ int FN(cpu_backward)(const attn_params *p)
 #pragma omp parallel num_threads(nt)
     {
         const int64_t W = imax64(imax64(DP, DvP), BK);
-        T *row = (T *)FN(alloc)(W), *row2 = (T *)FN(alloc)(W);
+        T *row = (T *)FN(alloc)(W);
         T *S = (T *)FN(alloc)(BQ * BK), *dP = (T *)FN(alloc)(BQ * BK);
-        T *th = (T *)FN(alloc)(BQ * BK), *Pt = (T *)FN(alloc)(BK * BQ);
+        T *th = (T *)FN(alloc)(BQ * BK);
         T *dK = (T *)FN(alloc)(BK * DP), *dV = (T *)FN(alloc)(BK * DvP);
         unsigned char *maskbuf = (unsigned char *)malloc(BK);
-        int ok = row && row2 && S && dP && th && Pt && dK && dV && maskbuf;
+        int ok = row && S && dP && th && dK && dV && maskbuf;
         if (!ok) {
 #pragma omp atomic write
             err = -1;
@@ -477,10 +477,7 @@ int FN(cpu_backward)(const attn_params *p)
                                     for (int64_t j = (i < nr ? n : 0); j < BK; j++)
                                         S[i * BK + j] = 0;
                                 OPS->gemm((int)Mr, BK, (int)Dv, dO, DvP, vt + gk * Dv * BK, BK, dP, BK, 0);
-                                for (int64_t j = 0; j < BK; j++)
-                                    for (int64_t i = 0; i < Mr; i++)
-                                        Pt[j * BQ + i] = S[i * BK + j];
-                                OPS->gemm(BK, (int)DvP, (int)Mr, Pt, BQ, dO, DvP, dV, DvP, 1);
+                                OPS->gemm_tn(BK, (int)DvP, (int)Mr, S, BK, dO, DvP, dV, DvP, 1);
                                 /* dS = P * (dP - delta), in place in S */
                                 const T *dl = delta + gq * BQ;
                                 for (int64_t i = 0; i < Mr; i++)
@@ -499,10 +496,7 @@ int FN(cpu_backward)(const attn_params *p)
                                     for (int64_t i = 0; i < nr; i++)
                                         for (int64_t j = 0; j < n; j++)
                                             S[i * BK + j] *= 1 - th[i * BK + j] * th[i * BK + j];
-                                for (int64_t j = 0; j < BK; j++)
-                                    for (int64_t i = 0; i < Mr; i++)
-                                        Pt[j * BQ + i] = S[i * BK + j];
-                                OPS->gemm(BK, (int)DP, (int)Mr, Pt, BQ, Q, DP, dK, DP, 1);
+                                OPS->gemm_tn(BK, (int)DP, (int)Mr, S, BK, Q, DP, dK, DP, 1);
                                 T *dq = dqp + ((size_t)ch * n_q_tiles + gq) * BQ * DP;
                                 OPS->gemm((int)Mr, (int)DP, (int)n, S, BK, kr + gk * BK * DP, DP, dq, DP, 1);
                             }
@@ -546,7 +540,7 @@ int FN(cpu_backward)(const attn_params *p)
                 FN(zero_padding_rows)(&p->dv, p->dtype, p, 0, Hk, Dv, row);
             }
         }
-        free(row); free(row2); free(S); free(dP); free(th); free(Pt); free(dK); free(dV);
+        free(row); free(S); free(dP); free(th); free(dK); free(dV);
         free(maskbuf);
     }
 done:

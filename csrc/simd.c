@@ -28,13 +28,12 @@ static inline __attribute__((always_inline)) float exp2_f32(float x)
 
 static inline __attribute__((always_inline)) double exp2_f64(double x) { return exp2(x); }
 
-/* One variant. VT is a vector of VL elements of T; the product keeps an MR x NV block of vectors
- * of C in registers and streams K. */
-#define DEFINE_VARIANT(SUF, TARGET, T, VT, VL, MR, NV, EXP2)                                        \
-    typedef T VT##_u __attribute__((vector_size(VL * sizeof(T)), aligned(sizeof(T))));             \
-                                                                                                    \
-    TARGET static void gemm_##SUF(int M, int N, int K, const T *A, int64_t lda, const T *B,        \
-                                  int64_t ldb, T *C, int64_t ldc, int accumulate)                   \
+/* The register-blocked product: an MR x NV block of vectors of C stays in registers while K
+ * streams. A_BLOCK is where the block's A starts and A_AT reads its element (row a, step k), so
+ * one body serves A (gemm) and A stored transposed (gemm_tn). */
+#define GEMM_FN(NAME, TARGET, T, VT, VL, MR, NV, A_BLOCK, A_AT)                                             \
+    TARGET static void NAME(int M, int N, int K, const T *A, int64_t lda, const T *B, int64_t ldb, \
+                            T *C, int64_t ldc, int accumulate)                                      \
     {                                                                                               \
         for (int i = 0; i < M; i += MR) {                                                           \
             for (int j = 0; j < N; j += VL * NV) {                                                  \
@@ -43,14 +42,14 @@ static inline __attribute__((always_inline)) double exp2_f64(double x) { return 
                     for (int v = 0; v < NV; v++)                                                    \
                         acc[a][v] = accumulate ? *(const VT##_u *)(C + (i + a) * ldc + j + v * VL) \
                                                : (VT##_u){0};                                       \
-                const T *Ai = A + (int64_t)i * lda;                                                 \
+                const T *Ai = A_BLOCK;                                                              \
                 const T *Bj = B + j;                                                                \
                 for (int k = 0; k < K; k++) {                                                       \
                     VT##_u b[NV];                                                                   \
                     for (int v = 0; v < NV; v++)                                                    \
                         b[v] = *(const VT##_u *)(Bj + k * ldb + v * VL);                            \
                     for (int a = 0; a < MR; a++) {                                                  \
-                        T s = Ai[a * lda + k];                                                      \
+                        T s = A_AT;                                                                 \
                         for (int v = 0; v < NV; v++)                                                \
                             acc[a][v] += s * b[v];                                                  \
                     }                                                                               \
@@ -60,7 +59,15 @@ static inline __attribute__((always_inline)) double exp2_f64(double x) { return 
                         *(VT##_u *)(C + (i + a) * ldc + j + v * VL) = acc[a][v];                    \
             }                                                                                       \
         }                                                                                           \
-    }                                                                                               \
+    }
+
+/* One variant. VT is a vector of VL elements of T; the product keeps an MR x NV block of vectors
+ * of C in registers and streams K. */
+#define DEFINE_VARIANT(SUF, TARGET, T, VT, VL, MR, NV, EXP2)                                        \
+    typedef T VT##_u __attribute__((vector_size(VL * sizeof(T)), aligned(sizeof(T))));             \
+                                                                                                    \
+    GEMM_FN(gemm_##SUF, TARGET, T, VT, VL, MR, NV, A + (int64_t)i * lda, Ai[(int64_t)a * lda + k]) \
+    GEMM_FN(gemm_tn_##SUF, TARGET, T, VT, VL, MR, NV, A + i, Ai[(int64_t)k * lda + a])         \
                                                                                                     \
     TARGET static void softmax_step_##SUF(int rows, int n, int64_t ld, T *S, T mult, T *m, T *l,   \
                                           T *alpha)                                                 \
@@ -120,7 +127,7 @@ DEFINE_VARIANT(f64_avx2, TARGET_AVX2, double, vf64_256, 4, 4, 2, exp2_f64)
 DEFINE_VARIANT(f32_portable, , float, vf32_128, 4, 4, 2, exp2_f32)
 DEFINE_VARIANT(f64_portable, , double, vf64_128, 2, 4, 2, exp2_f64)
 
-#define OPS(T, SUF, NAME) {NAME, gemm_##SUF, softmax_step_##SUF, exp_rows_##SUF}
+#define OPS(T, SUF, NAME) {NAME, gemm_##SUF, gemm_tn_##SUF, softmax_step_##SUF, exp_rows_##SUF}
 
 static const simd_ops_f32 ops_f32_portable = OPS(float, f32_portable, "portable");
 static const simd_ops_f64 ops_f64_portable = OPS(double, f64_portable, "portable");

@@ -19,6 +19,9 @@ typedef struct {
     /* C[M x N] (+)= A[M x K] * B[K x N]; accumulate = 0 overwrites C */
     void (*gemm)(int M, int N, int K, const float *A, int64_t lda, const float *B, int64_t ldb,
                  float *C, int64_t ldc, int accumulate);
+    /* C[M x N] (+)= A^T B with A stored (K x M) row-major: the backward's P^T dO and dS^T Q */
+    void (*gemm_tn)(int M, int N, int K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                    float *C, int64_t ldc, int accumulate);
     /* Online-softmax step over a tile of scores S[rows x n] (row stride ld). With t = S * mult
      * (log2 units): m_new = max(m, max_j t); S <- exp2(t - m_new); l <- l * alpha + rowsum;
      * alpha[i] = exp2(m_old - m_new) (1 for a row still without a finite score, whose P is 0). */
@@ -32,6 +35,8 @@ typedef struct {
     const char *name;
     void (*gemm)(int M, int N, int K, const double *A, int64_t lda, const double *B, int64_t ldb,
                  double *C, int64_t ldc, int accumulate);
+    void (*gemm_tn)(int M, int N, int K, const double *A, int64_t lda, const double *B, int64_t ldb,
+                    double *C, int64_t ldc, int accumulate);
     void (*softmax_step)(int rows, int n, int64_t ld, double *S, double mult, double *m, double *l,
                          double *alpha);
     void (*exp_rows)(int rows, int n, int64_t ld, double *S, double mult, const double *lse2);
