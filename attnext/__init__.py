@@ -8,8 +8,31 @@
 """
 __version__ = "0.1.0"
 
-from . import reference
-from ._types import CompileError, Grads
+import os as _os
+
+
+def _load_extension():
+    """Import attnext._C with OpenMP's workers waiting passively.
+
+    libgomp reads OMP_WAIT_POLICY once, when it loads with the extension. Its default spins idle
+    workers after every call, and they fight NumPy's BLAS threads for the cores (alternating an
+    attnext call with a matrix product ran 10x slower here). The variable is set only for the
+    load, so it does not leak to other libraries; a value the user set wins.
+    """
+    ours = "OMP_WAIT_POLICY" not in _os.environ
+    if ours:
+        _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        from . import _C  # noqa: F401
+    finally:
+        if ours:
+            del _os.environ["OMP_WAIT_POLICY"]
+
+
+_load_extension()
+
+from . import reference  # noqa: E402
+from ._types import CompileError, Grads  # noqa: E402
 from .api import (attention, attention_backward, info, varlen_attention,
                   varlen_attention_backward)
 

@@ -356,7 +356,11 @@ def _forward(o):
         out[...] = r_out.astype(out.dtype)
         lse[...] = r_lse
     else:
-        _C.forward(_problem(o, _as_bshd(o, out), _lse_3d(o, lse)))
+        # the C backend writes through aligned element pointers; a misaligned out= gets a copy
+        target = out if out.flags.aligned else np.empty(o.out_shape, dtype=o.q.dtype)
+        _C.forward(_problem(o, _as_bshd(o, target), _lse_3d(o, lse)))
+        if target is not out:
+            out[...] = target
     return (out, lse) if o.return_lse else out
 
 

@@ -373,9 +373,8 @@ int FN(cpu_backward)(const attn_params *p)
     const int share_h = has_dbias && Hk > 1 && p->bias_heads == 1;
     const int share_c = has_dbias && p->dbias.s[3] == 0;
     const int64_t TB = share_b ? 1 : B, TH = share_h ? 1 : Hk;
-    const int64_t max_kb = kt_tiles.max_tiles;
-    int64_t NC = share_c ? 1 : imin64(imax64(max_kb, 1), (MIN_BWD_TASKS + TB * TH - 1) / (TB * TH));
-    if (NC < 1) NC = 1;
+    const int64_t max_kb = kt_tiles.max_tiles, outer = imax64(TB * TH, 1);
+    const int64_t NC = share_c ? 1 : imin64(imax64(max_kb, 1), (MIN_BWD_TASKS + outer - 1) / outer);
 
     kt = (T *)FN(alloc)((size_t)n_kv_tiles * D * BK);
     kr = (T *)FN(alloc)((size_t)n_kv_tiles * BK * DP);

@@ -139,8 +139,9 @@ static int shape_is(const char *name, const Py_ssize_t *shape, long long a, long
     return -1;
 }
 
-/* Everything the forward and backward share: dims, q/k/v/out/lse, lengths, masks, options. */
-static int fill_common(PyObject *prob, attn_params *p, buffer_set *bs)
+/* Everything the forward and backward share: dims, q/k/v/out/lse, lengths, masks, options.
+ * out and lse are written by the forward (writable) and only read by the backward. */
+static int fill_common(PyObject *prob, attn_params *p, buffer_set *bs, int forward)
 {
     long long dtype, B, causal, wl, wr, nthreads, bias_dtype, alibi_dtype, bias_heads, mask_heads;
     Py_ssize_t qs[4], ks[4], vs[4], os[4], ls[4], sh[4];
@@ -182,10 +183,10 @@ static int fill_common(PyObject *prob, attn_params *p, buffer_set *bs)
         PyErr_SetString(PyExc_ValueError, "attnext._C: Hq must be a multiple of Hk");
         return -1;
     }
-    if (get_tensor(prob, "out", 4, p->dtype, 1, bs, &p->out, os) || shape_is("out", os, Bm, p->Sq, p->Hq, p->Dv))
+    if (get_tensor(prob, "out", 4, p->dtype, forward, bs, &p->out, os) || shape_is("out", os, Bm, p->Sq, p->Hq, p->Dv))
         return -1;
     attn_dtype lse_dt = p->dtype == DT_F64 ? DT_F64 : DT_F32;
-    if (get_tensor(prob, "lse", 3, lse_dt, 1, bs, &p->lse, ls) || shape_is("lse", ls, 1, Bm, p->Hq, p->Sq))
+    if (get_tensor(prob, "lse", 3, lse_dt, forward, bs, &p->lse, ls) || shape_is("lse", ls, 1, Bm, p->Hq, p->Sq))
         return -1;
     p->lse.s[0] = p->lse.s[1]; p->lse.s[1] = p->lse.s[2]; p->lse.s[2] = p->lse.s[3]; p->lse.s[3] = 0;
     if (!p->out.ptr || !p->lse.ptr) {
@@ -255,7 +256,7 @@ static PyObject *c_forward(PyObject *module, PyObject *prob)
 {
     buffer_set bs = {.n = 0};
     attn_params p;
-    if (fill_common(prob, &p, &bs)) {
+    if (fill_common(prob, &p, &bs, 1)) {
         buffers_release(&bs);
         return NULL;
     }
@@ -268,7 +269,7 @@ static PyObject *c_backward(PyObject *module, PyObject *prob)
     attn_params p;
     Py_ssize_t sh[4];
     long long Bm;
-    if (fill_common(prob, &p, &bs))
+    if (fill_common(prob, &p, &bs, 0))
         goto fail;
     Bm = p.cu_seqlens_q ? 1 : p.B;
     attn_dtype acc = p.dtype == DT_F64 ? DT_F64 : DT_F32;

@@ -530,10 +530,6 @@ def test_inputs_read_only_and_unchanged(dtype, varlen, rng):
     assert g.dq.flags.writeable and g.dbias.shape == opts["bias"].shape
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the C backward asks for writable buffers of out "
-                   "and lse (fill_common in csrc/module.c, shared with the forward), so a "
-                   "read-only out or lse given to attention_backward raises 'buffer source array "
-                   "is read-only'")
 @pytest.mark.parametrize("frozen", ["out", "lse"])
 def test_backward_reads_read_only_out_and_lse(frozen, rng):
     q, k, v = make_qkv(rng, 1, 8, 8, 1, 1, 4, 4, F32)
