@@ -9,6 +9,8 @@
 #include <string.h>
 
 #define LOG2_MIN_NORMAL_F32 (-126.0f)
+/* a variant may replace a generic function with a hand-written one (softmax_avx512.c) */
+#define UNUSED __attribute__((unused))
 
 /* 2^x for x <= 0, float: split x = i + f with |f| <= 1/2, 2^f by its Taylor series to degree 7
  * (relative error < 1e-8, below float's rounding), 2^i through the exponent bits. Results under
@@ -69,7 +71,7 @@ static inline __attribute__((always_inline)) double exp2_f64(double x) { return 
     GEMM_FN(gemm_##SUF, TARGET, T, VT, VL, MR, NV, A + (int64_t)i * lda, Ai[(int64_t)a * lda + k]) \
     GEMM_FN(gemm_tn_##SUF, TARGET, T, VT, VL, MR, NV, A + i, Ai[(int64_t)k * lda + a])         \
                                                                                                     \
-    TARGET static void softmax_step_##SUF(int rows, int n, int64_t ld, T *S, T mult, T *m, T *l,   \
+    TARGET UNUSED static void softmax_step_##SUF(int rows, int n, int64_t ld, T *S, T mult, T *m, T *l,   \
                                           T *alpha)                                                 \
     {                                                                                               \
         for (int i = 0; i < rows; i++) {                                                            \
@@ -99,7 +101,7 @@ static inline __attribute__((always_inline)) double exp2_f64(double x) { return 
         }                                                                                           \
     }                                                                                               \
                                                                                                     \
-    TARGET static void exp_rows_##SUF(int rows, int n, int64_t ld, T *S, T mult, const T *lse2)    \
+    TARGET UNUSED static void exp_rows_##SUF(int rows, int n, int64_t ld, T *S, T mult, const T *lse2)    \
     {                                                                                               \
         for (int i = 0; i < rows; i++) {                                                            \
             T *s = S + (int64_t)i * ld;                                                             \
@@ -132,7 +134,12 @@ DEFINE_VARIANT(f64_portable, , double, vf64_128, 2, 4, 2, exp2_f64)
 static const simd_ops_f32 ops_f32_portable = OPS(float, f32_portable, "portable");
 static const simd_ops_f64 ops_f64_portable = OPS(double, f64_portable, "portable");
 #ifdef HAVE_X86_VARIANTS
-static const simd_ops_f32 ops_f32_avx512 = OPS(float, f32_avx512, "avx512");
+/* softmax_avx512.c: the float32 softmax passes written with AVX-512 intrinsics */
+void softmax_step_f32_avx512x(int rows, int n, int64_t ld, float *S, float mult, float *m, float *l,
+                              float *alpha);
+void exp_rows_f32_avx512x(int rows, int n, int64_t ld, float *S, float mult, const float *lse2);
+static const simd_ops_f32 ops_f32_avx512 = {"avx512", gemm_f32_avx512, gemm_tn_f32_avx512,
+                                            softmax_step_f32_avx512x, exp_rows_f32_avx512x};
 static const simd_ops_f64 ops_f64_avx512 = OPS(double, f64_avx512, "avx512");
 static const simd_ops_f32 ops_f32_avx2 = OPS(float, f32_avx2, "avx2");
 static const simd_ops_f64 ops_f64_avx2 = OPS(double, f64_avx2, "avx2");
