@@ -39,10 +39,10 @@ import os
 import types
 import zlib
 
-# The tests alternate the CPU backend (OpenMP threads, which spin a while after each parallel
-# region) with the NumPy reference (OpenBLAS threads, which spin too). On a small machine the two
-# pools fight over the cores and the suite runs about 20x slower; the reference's matrices are
-# small, so one BLAS thread costs it nothing. Must be set before NumPy loads OpenBLAS.
+# The tests alternate the CPU backend with the NumPy reference, whose OpenBLAS threads spin a while
+# after each product and take the cores from the backend's OpenMP workers (attnext makes its own
+# workers wait passively, but cannot change OpenBLAS's). The reference's matrices are small, so
+# one BLAS thread costs it nothing. Must be set before NumPy loads OpenBLAS.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import ml_dtypes  # noqa: E402
