@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -663,6 +664,33 @@ def test_concurrent_threads(rng):
         t.join()
     for a, b in zip(got, want):
         assert np.array_equal(a, b)
+
+
+def test_gil_released_during_a_call(rng, monkeypatch):
+    """Another Python thread keeps running while a long call is in C: its longest pause stays far
+    below the call's length (with the GIL held it would span the whole call)."""
+    monkeypatch.setenv("ATTNEXT_NUM_THREADS", "1")
+    q, k, v = make_qkv(rng, 1, 4096, 4096, 4, 4, 64, 64, F32)
+    started, done = threading.Event(), threading.Event()
+    span = []
+
+    def work():
+        started.set()
+        t0 = time.perf_counter()
+        attnext.attention(q, k, v, device="cpu")
+        span.append(time.perf_counter() - t0)
+        done.set()
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    started.wait()
+    last, longest_pause = time.perf_counter(), 0.0
+    while not done.is_set():
+        now = time.perf_counter()
+        longest_pause, last = max(longest_pause, now - last), now
+    worker.join()
+    assert span[0] > 0.05, "the call is too short to tell"
+    assert longest_pause < span[0] / 3, (longest_pause, span[0])
 
 
 def test_device_selection(rng, monkeypatch):
