@@ -14,9 +14,15 @@
 #ifndef ATTNEXT_ATTN_PARAMS_H
 #define ATTNEXT_ATTN_PARAMS_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 typedef enum { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2, DT_F64 = 3 } attn_dtype;
+
+static inline size_t dtype_size(attn_dtype dt) { return dt == DT_F64 ? 8 : dt == DT_F32 ? 4 : 2; }
+
+/* What lse and dbias are stored in, and what a backend accumulates in, for inputs of `dt`. */
+static inline attn_dtype acc_dtype(attn_dtype dt) { return dt == DT_F64 ? DT_F64 : DT_F32; }
 
 typedef enum { CAUSAL_NONE = 0, CAUSAL_BOTTOM_RIGHT = 1, CAUSAL_TOP_LEFT = 2 } attn_causal;
 

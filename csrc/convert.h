@@ -102,6 +102,4 @@ static inline void store_row_f64(void *dst, int64_t stride, int64_t n, attn_dtyp
     }
 }
 
-static inline size_t dtype_size(attn_dtype dt) { return dt == DT_F64 ? 8 : dt == DT_F32 ? 4 : 2; }
-
 #endif

@@ -2,7 +2,7 @@
  * accumulation type T. Included once per type by cpu.c with these names defined:
  *   T            float or double              SUF        f32 or f64
  *   OPS          simd_f32() / simd_f64()      LOAD_ROW   load_row_f32 / load_row_f64
- *   STORE_ROW    store_row_f32 / _f64         TANH, LOG, EXP2  libm functions for T
+ *   STORE_ROW    store_row_f32 / _f64         TANH, LOG  libm functions for T
  *
  * Legend (attn_params.h): q (B, Sq, Hq, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv),
  * out (B, Sq, Hq, Dv), lse (B, Hq, Sq), bias and mask (B, Hb, Sq, Sk).
@@ -50,9 +50,7 @@ static int64_t FN(tiling_seq)(const FN(tiling) *t, int64_t B, int64_t g)
         else
             hi = mid;
     }
-    while (lo + 1 < B && t->off[lo + 1] <= g)   /* skip empty sequences */
-        lo++;
-    return lo;
+    return lo;   /* off[lo] <= g < off[lo + 1]: empty sequences are never returned */
 }
 
 static void *FN(alloc)(size_t n_elems)
@@ -75,6 +73,24 @@ static inline const char *FN(row_ptr)(const tensor4 *t, attn_dtype dt, int64_t b
                                       int64_t h)
 {
     return (const char *)t->ptr + (b * t->s[0] + row * t->s[1] + h * t->s[2]) * (int64_t)dtype_size(dt);
+}
+
+/* lse[b, h, row] (b the batch index in memory); lse is stored in T, the accumulation type. */
+static inline T *FN(lse_at)(const attn_params *p, int64_t b, int64_t h, int64_t row)
+{
+    return (T *)p->lse.ptr + b * p->lse.s[0] + h * p->lse.s[1] + row * p->lse.s[2];
+}
+
+/* Query tile g of a tiling with H heads per tile: its sequence, head, first row and real rows. */
+static seq_t FN(q_tile)(const FN(tiling) *t, const attn_params *p, int64_t H, int64_t g,
+                        int64_t *h, int64_t *r0, int64_t *nr)
+{
+    int64_t tile = g / H, b = FN(tiling_seq)(t, p->B, tile);
+    seq_t sq = seq_q(p, b);
+    *h = g % H;
+    *r0 = (tile - t->off[b]) * BQ;
+    *nr = imin64(BQ, sq.len - *r0);
+    return sq;
 }
 
 /* Pack the key rows of tile kb of sequence b, head hk, into (all optional):
@@ -209,7 +225,6 @@ int FN(cpu_forward)(const attn_params *p)
     const int64_t B = p->B, Hq = p->Hq, Hk = p->Hk, D = p->D, Dv = p->Dv;
     const int64_t DP = ROUND_UP(D, SIMD_N_ALIGN), DvP = ROUND_UP(Dv, SIMD_N_ALIGN);
     const int64_t G = Hq / Hk;
-    const size_t lse_size = dtype_size(p->dtype == DT_F64 ? DT_F64 : DT_F32);
     int err = 0;
     FN(tiling) kt_tiles = {0};
     T *kt = NULL, *vr = NULL;
@@ -303,22 +318,19 @@ int FN(cpu_forward)(const attn_params *p)
                     memset(row, 0, sizeof(T) * Dv);
                 }
                 STORE_ROW(dst, p->out.s[3], Dv, p->dtype, row);
-                char *lp = (char *)p->lse.ptr
-                           + (sq.mem_b * p->lse.s[0] + h * p->lse.s[1] + (sq.start + r) * p->lse.s[2]) * (int64_t)lse_size;
-                STORE_ROW(lp, 1, 1, p->dtype == DT_F64 ? DT_F64 : DT_F32, &lse);
+                *FN(lse_at)(p, sq.mem_b, h, sq.start + r) = lse;
             }
         }
 
         /* rows of a packed batch after its last sequence */
 #pragma omp for
         for (int64_t t = packed_end_q(p); t < p->Sq; t++) {
+            if (!ok) continue;
             for (int64_t h = 0; h < Hq; h++) {
-                T zero_lse = -INFINITY;
                 char *dst = (char *)FN(row_ptr)(&p->out, p->dtype, 0, t, h);
                 for (int64_t d = 0; d < Dv; d++) row[d] = 0;
                 STORE_ROW(dst, p->out.s[3], Dv, p->dtype, row);
-                char *lp = (char *)p->lse.ptr + (h * p->lse.s[1] + t * p->lse.s[2]) * (int64_t)lse_size;
-                STORE_ROW(lp, 1, 1, p->dtype == DT_F64 ? DT_F64 : DT_F32, &zero_lse);
+                *FN(lse_at)(p, 0, h, t) = -INFINITY;
             }
         }
         free(row); free(Qs); free(S); free(O); free(m); free(l); free(alpha); free(maskbuf);
@@ -355,7 +367,6 @@ int FN(cpu_backward)(const attn_params *p)
     const int64_t B = p->B, Hq = p->Hq, Hk = p->Hk, D = p->D, Dv = p->Dv;
     const int64_t DP = ROUND_UP(D, SIMD_N_ALIGN), DvP = ROUND_UP(Dv, SIMD_N_ALIGN);
     const int64_t G = Hq / Hk;
-    const size_t lse_size = dtype_size(p->dtype == DT_F64 ? DT_F64 : DT_F32);
     const int has_dbias = p->dbias.ptr != NULL;
     int err = 0;
     FN(tiling) kt_tiles = {0}, q_tiles = {0};
@@ -418,18 +429,14 @@ int FN(cpu_backward)(const attn_params *p)
 #pragma omp for schedule(dynamic, 4)
         for (int64_t g = 0; g < n_q_tiles; g++) {
             if (!ok) continue;
-            int64_t tile = g / Hq, h = g % Hq;
-            int64_t b = FN(tiling_seq)(&q_tiles, B, tile);
-            seq_t sq = seq_q(p, b);
-            int64_t r0 = (tile - q_tiles.off[b]) * BQ, nr = imin64(BQ, sq.len - r0);
+            int64_t h, r0, nr;
+            seq_t sq = FN(q_tile)(&q_tiles, p, Hq, g, &h, &r0, &nr);
             FN(load_rows)(&p->q, p->dtype, sq, h, r0, nr, BQ, D, DP, qr + g * BQ * DP);
             FN(load_rows)(&p->dout, p->dtype, sq, h, r0, nr, BQ, Dv, DvP, dor + g * BQ * DvP);
             for (int64_t i = 0; i < BQ; i++) {
                 T L = -INFINITY, dl = 0;
                 if (i < nr) {
-                    const char *lp = (const char *)p->lse.ptr
-                        + (sq.mem_b * p->lse.s[0] + h * p->lse.s[1] + (sq.start + r0 + i) * p->lse.s[2]) * (int64_t)lse_size;
-                    LOAD_ROW(lp, 1, 1, p->dtype == DT_F64 ? DT_F64 : DT_F32, &L);
+                    L = *FN(lse_at)(p, sq.mem_b, h, sq.start + r0 + i);
                     LOAD_ROW(FN(row_ptr)(&p->out, p->dtype, sq.mem_b, sq.start + r0 + i, h), p->out.s[3], Dv, p->dtype, row);
                     const T *dor_i = dor + g * BQ * DvP + i * DvP;
                     for (int64_t d = 0; d < Dv; d++)
@@ -443,12 +450,12 @@ int FN(cpu_backward)(const attn_params *p)
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < TB * TH * NC; task++) {
             if (!ok) continue;
-            const int64_t tb = task / (TH * NC), th_ = (task / NC) % TH, ch = task % NC;
+            const int64_t tb = task / (TH * NC), task_hk = (task / NC) % TH, ch = task % NC;
             for (int64_t b = share_b ? 0 : tb; b < (share_b ? B : tb + 1); b++) {
                 const seq_t sq = seq_q(p, b), sk = seq_k(p, b);
                 const int64_t nkb = kt_tiles.off[b + 1] - kt_tiles.off[b];
                 const int64_t kb_lo = ch * max_kb / NC, kb_hi = imin64((ch + 1) * max_kb / NC, nkb);
-                for (int64_t hk = share_h ? 0 : th_; hk < (share_h ? Hk : th_ + 1); hk++) {
+                for (int64_t hk = share_h ? 0 : task_hk; hk < (share_h ? Hk : task_hk + 1); hk++) {
                     for (int64_t kb = kb_lo; kb < kb_hi; kb++) {
                         const int64_t c0 = kb * BK, n = imin64(BK, sk.len - c0);
                         const int64_t gk = (kt_tiles.off[b] + kb) * Hk + hk;
@@ -491,7 +498,7 @@ int FN(cpu_backward)(const attn_params *p)
                                             db[j * p->dbias.s[3]] += S[i * BK + j];
                                     }
                                 }
-                                if (!plain && p->softcap > 0)
+                                if (p->softcap > 0)
                                     for (int64_t i = 0; i < nr; i++)
                                         for (int64_t j = 0; j < n; j++)
                                             S[i * BK + j] *= 1 - th[i * BK + j] * th[i * BK + j];
@@ -515,10 +522,8 @@ int FN(cpu_backward)(const attn_params *p)
 #pragma omp for schedule(dynamic, 4)
         for (int64_t g = 0; g < n_q_tiles; g++) {
             if (!ok) continue;
-            int64_t tile = g / Hq, h = g % Hq;
-            int64_t b = FN(tiling_seq)(&q_tiles, B, tile);
-            seq_t sq = seq_q(p, b);
-            int64_t r0 = (tile - q_tiles.off[b]) * BQ, nr = imin64(BQ, sq.len - r0);
+            int64_t h, r0, nr;
+            seq_t sq = FN(q_tile)(&q_tiles, p, Hq, g, &h, &r0, &nr);
             for (int64_t i = 0; i < nr; i++) {
                 for (int64_t d = 0; d < D; d++) {
                     T acc = 0;

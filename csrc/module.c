@@ -19,6 +19,7 @@
 
 #include "attn_params.h"
 #include "cpu.h"
+#include "seqlen.h"
 #include "simd.h"
 
 #define MAX_BUFFERS 24
@@ -35,12 +36,8 @@ static void buffers_release(buffer_set *bs)
     bs->n = 0;
 }
 
-static size_t itemsize_of(attn_dtype dt) { return dt == DT_F64 ? 8 : dt == DT_F32 ? 4 : 2; }
-
 static int format_matches(const char *fmt, attn_dtype dt)
 {
-    if (!fmt)
-        return 0;
     if (fmt[0] == '<' || fmt[0] == '=' || fmt[0] == '@')
         fmt++;
     switch (dt) {
@@ -98,8 +95,9 @@ static int get_tensor(PyObject *prob, const char *name, int ndim, int kind, int 
     if (rc < 0)
         return -1;
     bs->n++;
-    size_t item = kind >= 0 ? itemsize_of((attn_dtype)kind) : kind == -1 ? 1 : 4;
-    int fmt_ok = kind >= 0 ? format_matches(v->format, (attn_dtype)kind)
+    size_t item = kind >= 0 ? dtype_size((attn_dtype)kind) : kind == -1 ? 1 : 4;
+    int fmt_ok = !v->format ? 0
+                 : kind >= 0 ? format_matches(v->format, (attn_dtype)kind)
                  : kind == -1 ? (!strcmp(v->format, "?") || !strcmp(v->format, "B"))
                               : (v->format[strlen(v->format) - 1] == 'i');
     if (v->ndim != ndim || (size_t)v->itemsize != item || !fmt_ok) {
@@ -139,9 +137,13 @@ static int shape_is(const char *name, const Py_ssize_t *shape, long long a, long
     return -1;
 }
 
+static int heads_ok(const attn_params *p, long long heads) { return heads > 0 && p->Hq % heads == 0; }
+
 /* Everything the forward and backward share: dims, q/k/v/out/lse, lengths, masks, options.
- * out and lse are written by the forward (writable) and only read by the backward. */
-static int fill_common(PyObject *prob, attn_params *p, buffer_set *bs, int forward)
+ * out and lse are written by the forward (writable) and only read by the backward. bias_shape
+ * receives the bias's 4-D shape, which a dbias must have. */
+static int fill_common(PyObject *prob, attn_params *p, buffer_set *bs, int forward,
+                       Py_ssize_t *bias_shape)
 {
     long long dtype, B, causal, wl, wr, nthreads, bias_dtype, alibi_dtype, bias_heads, mask_heads;
     Py_ssize_t qs[4], ks[4], vs[4], os[4], ls[4], sh[4];
@@ -185,7 +187,7 @@ static int fill_common(PyObject *prob, attn_params *p, buffer_set *bs, int forwa
     }
     if (get_tensor(prob, "out", 4, p->dtype, forward, bs, &p->out, os) || shape_is("out", os, Bm, p->Sq, p->Hq, p->Dv))
         return -1;
-    attn_dtype lse_dt = p->dtype == DT_F64 ? DT_F64 : DT_F32;
+    attn_dtype lse_dt = acc_dtype(p->dtype);
     if (get_tensor(prob, "lse", 3, lse_dt, forward, bs, &p->lse, ls) || shape_is("lse", ls, 1, Bm, p->Hq, p->Sq))
         return -1;
     p->lse.s[0] = p->lse.s[1]; p->lse.s[1] = p->lse.s[2]; p->lse.s[2] = p->lse.s[3]; p->lse.s[3] = 0;
@@ -212,17 +214,26 @@ static int fill_common(PyObject *prob, attn_params *p, buffer_set *bs, int forwa
         return -1;
     }
 
-    if (get_tensor(prob, "bias", 4, p->bias_dtype, 0, bs, &p->bias, sh))
+    /* bias and mask are read at [b, head, r, c] for r < Lq, c < Lk of sequence b */
+    long long max_lq = 0, max_lk = 0;
+    for (long long b = 0; b < B; b++) {
+        seq_t sq = seq_q(p, b), sk = seq_k(p, b);
+        if (sq.len > max_lq) max_lq = sq.len;
+        if (sk.len > max_lk) max_lk = sk.len;
+    }
+    if (get_tensor(prob, "bias", 4, p->bias_dtype, 0, bs, &p->bias, bias_shape))
         return -1;
     p->bias_heads = bias_heads;
-    if (p->bias.ptr && (sh[0] != B || sh[1] != bias_heads || bias_heads <= 0 || p->Hq % bias_heads)) {
+    if (p->bias.ptr && (!heads_ok(p, bias_heads) || bias_shape[0] != B || bias_shape[1] != bias_heads
+                        || bias_shape[2] < max_lq || bias_shape[3] < max_lk)) {
         PyErr_SetString(PyExc_ValueError, "attnext._C: bias dims disagree");
         return -1;
     }
     if (get_tensor(prob, "mask", 4, -1, 0, bs, &p->mask, sh))
         return -1;
     p->mask_heads = mask_heads;
-    if (p->mask.ptr && (sh[0] != B || sh[1] != mask_heads || mask_heads <= 0 || p->Hq % mask_heads)) {
+    if (p->mask.ptr && (!heads_ok(p, mask_heads) || sh[0] != B || sh[1] != mask_heads
+                        || sh[2] < max_lq || sh[3] < max_lk)) {
         PyErr_SetString(PyExc_ValueError, "attnext._C: mask dims disagree");
         return -1;
     }
@@ -256,7 +267,8 @@ static PyObject *c_forward(PyObject *module, PyObject *prob)
 {
     buffer_set bs = {.n = 0};
     attn_params p;
-    if (fill_common(prob, &p, &bs, 1)) {
+    Py_ssize_t bias_shape[4];
+    if (fill_common(prob, &p, &bs, 1, bias_shape)) {
         buffers_release(&bs);
         return NULL;
     }
@@ -267,17 +279,18 @@ static PyObject *c_backward(PyObject *module, PyObject *prob)
 {
     buffer_set bs = {.n = 0};
     attn_params p;
-    Py_ssize_t sh[4];
+    Py_ssize_t sh[4], bias_shape[4];
     long long Bm;
-    if (fill_common(prob, &p, &bs, 0))
+    if (fill_common(prob, &p, &bs, 0, bias_shape))
         goto fail;
     Bm = p.cu_seqlens_q ? 1 : p.B;
-    attn_dtype acc = p.dtype == DT_F64 ? DT_F64 : DT_F32;
+    attn_dtype acc = acc_dtype(p.dtype);
     if (get_tensor(prob, "dout", 4, p.dtype, 0, &bs, &p.dout, sh) || shape_is("dout", sh, Bm, p.Sq, p.Hq, p.Dv)
         || get_tensor(prob, "dq", 4, p.dtype, 1, &bs, &p.dq, sh) || shape_is("dq", sh, Bm, p.Sq, p.Hq, p.D)
         || get_tensor(prob, "dk", 4, p.dtype, 1, &bs, &p.dk, sh) || shape_is("dk", sh, Bm, p.Sk, p.Hk, p.D)
         || get_tensor(prob, "dv", 4, p.dtype, 1, &bs, &p.dv, sh) || shape_is("dv", sh, Bm, p.Sk, p.Hk, p.Dv)
-        || get_tensor(prob, "dbias", 4, acc, 1, &bs, &p.dbias, sh))
+        || get_tensor(prob, "dbias", 4, acc, 1, &bs, &p.dbias, sh)
+        || (p.dbias.ptr && shape_is("dbias", sh, bias_shape[0], bias_shape[1], bias_shape[2], bias_shape[3])))
         goto fail;
     if (!p.dout.ptr || !p.dq.ptr || !p.dk.ptr || !p.dv.ptr || (p.dbias.ptr != NULL) != (p.bias.ptr != NULL)) {
         PyErr_SetString(PyExc_ValueError, "attnext._C: dout, dq, dk, dv (and dbias with a bias) are required");
