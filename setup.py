@@ -4,6 +4,7 @@ No CUDA, no NumPy headers: the extension reads arrays through the buffer protoco
 is tuned to the build machine (never -march=native); SIMD variants are chosen at run time.
 """
 import glob
+import itertools
 import os
 import subprocess
 import sys
@@ -13,14 +14,14 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 
-def _compiler_accepts(compiler, flag):
-    """True when the C compiler builds and links a tiny OpenMP program with `flag`."""
+def _has_openmp(compiler):
+    """True when the C compiler builds and links a tiny OpenMP program with -fopenmp."""
     src = "#include <omp.h>\nint main(void){return omp_get_max_threads() > 0 ? 0 : 1;}\n"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "t.c")
         with open(path, "w") as f:
             f.write(src)
-        cmd = list(compiler) + [flag, path, "-o", os.path.join(tmp, "t")]
+        cmd = list(compiler) + ["-fopenmp", path, "-o", os.path.join(tmp, "t")]
         try:
             return subprocess.run(cmd, capture_output=True).returncode == 0
         except OSError:
@@ -29,8 +30,10 @@ def _compiler_accepts(compiler, flag):
 
 class BuildExt(build_ext):
     def build_extensions(self):
-        cc = self.compiler.compiler_so[:1] if hasattr(self.compiler, "compiler_so") else ["cc"]
-        use_omp = os.environ.get("ATTNEXT_NO_OPENMP") != "1" and _compiler_accepts(cc, "-fopenmp")
+        # the compiler command without its flags ("ccache gcc -pthread ..." -> ["ccache", "gcc"])
+        cmd = getattr(self.compiler, "compiler_so", None) or ["cc"]
+        cc = list(itertools.takewhile(lambda a: not a.startswith("-"), cmd))
+        use_omp = os.environ.get("ATTNEXT_NO_OPENMP") != "1" and _has_openmp(cc)
         sanitize = os.environ.get("ATTNEXT_SANITIZE") == "1"
         for ext in self.extensions:
             args = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Wno-unused-parameter",
@@ -43,7 +46,7 @@ class BuildExt(build_ext):
                 args += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1", "-g"]
                 link += ["-fsanitize=address,undefined"]
             ext.extra_compile_args = args
-            ext.extra_link_args = link + ["-ldl", "-lm"]
+            ext.extra_link_args = link + ["-lm"]
         if not use_omp:
             print("attnext: the C compiler has no OpenMP; the CPU backend runs serially", file=sys.stderr)
         super().build_extensions()

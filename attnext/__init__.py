@@ -16,9 +16,14 @@ def _load_extension():
 
     libgomp reads OMP_WAIT_POLICY once, when it loads with the extension. Its default spins idle
     workers after every call, and they fight NumPy's BLAS threads for the cores (alternating an
-    attnext call with a matrix product ran 10x slower here). The variable is set only for the
-    load, so it does not leak to other libraries; a value the user set wins.
+    attnext call with a matrix product ran 10x slower here). The variable is set only while the
+    extension loads: it reaches the libgomp that loads with it (and any other user of that same
+    libgomp), nothing loaded later; a value the user set wins, and a libgomp already loaded keeps
+    its own setting.
     """
+    simd = _os.environ.get("ATTNEXT_SIMD")
+    if simd is not None and simd not in ("portable", "avx2", "avx512"):
+        raise ValueError(f"ATTNEXT_SIMD must be portable, avx2 or avx512, got {simd!r}")
     ours = "OMP_WAIT_POLICY" not in _os.environ
     if ours:
         _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"

@@ -29,7 +29,8 @@ _DTYPE_CODES = {np.dtype(np.float16): 0, np.dtype(ml_dtypes.bfloat16): 1,
 _DEVICES = ("cpu", "cuda", "reference")
 _LAYOUTS = ("bshd", "bhsd")
 _CAUSAL = {False: 0, None: 0, True: 1, "bottom_right": 1, "top_left": 2}
-_PRECISIONS = (None, "ieee", "tf32")
+_PRECISIONS = (None, "tf32")
+MAX_THREADS = 1024
 MAX_HEAD_DIM = 256
 
 
@@ -53,7 +54,9 @@ def _array(name, x):
         raise TypeError(f"{name} has non-native byte order ({a.dtype.str}); use "
                         f"{name}.astype({name}.dtype.newbyteorder('='))")
     if not a.flags.aligned:
-        a = a.copy()
+        # copy only what the strides reach (a broadcast stays a broadcast), then view it again
+        base = a[tuple(slice(0, 1) if s == 0 else slice(None) for s in a.strides)]
+        a = np.broadcast_to(base.copy(), a.shape)
     return a
 
 
@@ -73,6 +76,11 @@ def _int_array(name, x, length):
     if a.size and (a.min() < 0 or a.max() > np.iinfo(np.int32).max):
         raise ValueError(f"{name} must hold values in [0, 2**31), got {a.tolist()[:8]}")
     return np.ascontiguousarray(a, dtype=np.int32)
+
+
+def _new_output(shape, dtype):
+    """Every result buffer a backend fills (the tests poison these to catch unwritten elements)."""
+    return np.empty(shape, dtype=dtype)
 
 
 def _c_view(a):
@@ -98,18 +106,22 @@ def _num_threads():
     try:
         n = int(env)
     except ValueError:
-        raise ValueError(f"ATTNEXT_NUM_THREADS must be a positive integer, got {env!r}") from None
-    if n < 1:
-        raise ValueError(f"ATTNEXT_NUM_THREADS must be a positive integer, got {env!r}")
+        raise ValueError(f"ATTNEXT_NUM_THREADS must be an integer in [1, {MAX_THREADS}], got {env!r}") from None
+    if not 1 <= n <= MAX_THREADS:
+        raise ValueError(f"ATTNEXT_NUM_THREADS must be an integer in [1, {MAX_THREADS}], got {env!r}")
     return n
+
+
+def _is_real(x):
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
 
 def _check_options(o, D, Hq, B):
     """Checks the scalar and small-array options; fills codes into o (a SimpleNamespace)."""
     if o.scale is None:
-        o.scale_value = 1.0 / math.sqrt(D) if D > 0 else 1.0
+        o.scale_value = 1.0 / math.sqrt(D)
     else:
-        if isinstance(o.scale, bool) or not isinstance(o.scale, (int, float, np.number)):
+        if not _is_real(o.scale):
             raise TypeError(f"scale must be a real number, got {_fmt(o.scale)}")
         if not math.isfinite(float(o.scale)):
             raise ValueError(f"scale must be finite, got {o.scale!r}")
@@ -117,15 +129,15 @@ def _check_options(o, D, Hq, B):
     if o.softcap is None:
         o.softcap_value = 0.0
     else:
-        if isinstance(o.softcap, bool) or not isinstance(o.softcap, (int, float, np.number)):
+        if not _is_real(o.softcap):
             raise TypeError(f"softcap must be a positive real number, got {_fmt(o.softcap)}")
         if not (math.isfinite(float(o.softcap)) and float(o.softcap) > 0):
             raise ValueError(f"softcap must be positive and finite, got {o.softcap!r}")
         o.softcap_value = float(o.softcap)
-    try:
-        o.causal_code = _CAUSAL[o.causal]
-    except (KeyError, TypeError):
-        raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left', got {o.causal!r}") from None
+    causal = bool(o.causal) if isinstance(o.causal, np.bool_) else o.causal
+    if not (causal is None or isinstance(causal, (bool, str))) or causal not in _CAUSAL:
+        raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left', got {o.causal!r}")
+    o.causal_code = _CAUSAL[causal]
     if o.window is None:
         o.window_left = o.window_right = -1
     else:
@@ -135,7 +147,10 @@ def _check_options(o, D, Hq, B):
             raise ValueError(f"window must be a pair of ints (left, right), -1 = unbounded, got {w!r}")
         if w[0] < -1 or w[1] < -1:
             raise ValueError(f"window sides must be >= -1 (-1 = unbounded), got {tuple(w)!r}")
-        o.window_left, o.window_right = int(w[0]), int(w[1])
+        # no query is farther than Sq + Sk from a key: a wider side is unbounded, and clamping
+        # keeps the kernels' int64 index arithmetic from wrapping
+        far = o.Sq + o.Sk
+        o.window_left, o.window_right = (min(int(x), far) for x in w)
     if o.precision not in _PRECISIONS:
         raise ValueError(f"precision must be one of {_PRECISIONS}, got {o.precision!r}")
     for name in ("score_mod", "mask_mod"):
@@ -155,7 +170,7 @@ def _check_options(o, D, Hq, B):
         o.alibi = np.broadcast_to(a, (B, Hq))
 
 
-def _broadcast_4d(name, x, B, Hq, Hk, Sq, Sk, is_mask):
+def _broadcast_4d(name, x, B, Hq, Hk, Sq, Sk, is_mask, varlen):
     """bias or mask as a (B, Hb, Sq, Sk) view (no copy) and Hb in {1, Hk, Hq}."""
     a = _array(name, x)
     if is_mask and a.dtype != np.bool_:
@@ -169,8 +184,10 @@ def _broadcast_4d(name, x, B, Hq, Hk, Sq, Sk, is_mask):
     ok = (a4.shape[0] in (1, B) and heads in (1, Hk, Hq) and a4.shape[2] in (1, Sq)
           and a4.shape[3] in (1, Sk))
     if not ok:
-        raise ValueError(f"{name} of shape {a.shape} does not broadcast to (B, H, Sq, Sk) = "
-                         f"({B}, H, {Sq}, {Sk}) with H in {{1, {Hk}, {Hq}}}")
+        rows = "max_seqlen_q, max_seqlen_k" if varlen else "Sq, Sk"
+        heads = " or ".join(str(h) for h in sorted({1, Hk, Hq}))
+        raise ValueError(f"{name} of shape {a.shape} does not broadcast to (B, H, {rows}) = "
+                         f"({B}, H, {Sq}, {Sk}) with H = {heads}")
     return a, np.broadcast_to(a4, (B, heads, Sq, Sk)), heads
 
 
@@ -199,8 +216,9 @@ def _normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q
             raise ValueError("cu_seqlens_q and cu_seqlens_k are required")
         cq_a = _array("cu_seqlens_q", cu_seqlens_q)
         ck_a = _array("cu_seqlens_k", cu_seqlens_k)
-        if cq_a.ndim != 1 or cq_a.shape[0] < 1 or ck_a.ndim != 1:
-            raise ValueError(f"cu_seqlens_q must have shape (B + 1,), got {cq_a.shape}")
+        for name, cu in (("cu_seqlens_q", cq_a), ("cu_seqlens_k", ck_a)):
+            if cu.ndim != 1 or cu.shape[0] < 1:
+                raise ValueError(f"{name} must have shape (B + 1,), got {cu.shape}")
         B = cq_a.shape[0] - 1
         cq = _int_array("cu_seqlens_q", cq_a, B + 1)
         ck = _int_array("cu_seqlens_k", ck_a, B + 1)
@@ -278,9 +296,9 @@ def _normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q
     o.bias4 = o.mask4 = None
     o.bias_heads = o.mask_heads = 1
     if o.bias is not None:
-        o.bias, o.bias4, o.bias_heads = _broadcast_4d("bias", o.bias, o.B, Hq, Hk, o.Sq, o.Sk, False)
+        o.bias, o.bias4, o.bias_heads = _broadcast_4d("bias", o.bias, o.B, Hq, Hk, o.Sq, o.Sk, False, varlen)
     if o.mask is not None:
-        o.mask, o.mask4, o.mask_heads = _broadcast_4d("mask", o.mask, o.B, Hq, Hk, o.Sq, o.Sk, True)
+        o.mask, o.mask4, o.mask_heads = _broadcast_4d("mask", o.mask, o.B, Hq, Hk, o.Sq, o.Sk, True, varlen)
     o.acc_dtype = np.float64 if q.dtype == np.float64 else np.float32
     return o
 
@@ -293,6 +311,9 @@ def _check_out(name, x, shape, dtype, inputs):
                          f"{x.shape} and {x.dtype}")
     if not x.flags.writeable:
         raise ValueError(f"{name} is read-only")
+    if any(s == 0 and n > 1 for s, n in zip(x.strides, x.shape)):
+        raise ValueError(f"{name} has a zero stride (strides {x.strides}): it would write one "
+                         "element for several results")
     for other_name, other in inputs:
         if other is not None and np.shares_memory(x, other):
             raise ValueError(f"{name} shares memory with {other_name}")
@@ -340,13 +361,15 @@ def _reference_kwargs(o):
 
 
 def _forward(o):
-    inputs = [("q", o.q), ("k", o.k), ("v", o.v)]
+    inputs = [("q", o.q), ("k", o.k), ("v", o.v), ("bias", o.bias), ("mask", o.mask),
+              ("alibi_slopes", o.alibi_slopes), ("cu_seqlens_q", o.cu_q), ("cu_seqlens_k", o.cu_k),
+              ("seqused_q", o.used_q), ("seqused_k", o.used_k)]
     if o.out is not None:
         _check_out("out", o.out, o.out_shape, o.q.dtype, inputs)
         out = o.out
     else:
-        out = np.empty(o.out_shape, dtype=o.q.dtype)
-    lse = np.empty(o.lse_shape, dtype=o.acc_dtype)
+        out = _new_output(o.out_shape, o.q.dtype)
+    lse = _new_output(o.lse_shape, o.acc_dtype)
     if _runs_on_reference(o):
         if o.varlen:
             r_out, r_lse = reference.varlen_attention(o.q, o.k, o.v, o.cu_q, o.cu_k, return_lse=True,
@@ -357,7 +380,7 @@ def _forward(o):
         lse[...] = r_lse
     else:
         # the C backend writes through aligned element pointers; a misaligned out= gets a copy
-        target = out if out.flags.aligned else np.empty(o.out_shape, dtype=o.q.dtype)
+        target = out if out.flags.aligned else _new_output(o.out_shape, o.q.dtype)
         _C.forward(_problem(o, _as_bshd(o, target), _lse_3d(o, lse)))
         if target is not out:
             out[...] = target
@@ -424,11 +447,10 @@ def _backward(o, dout, out, lse, deterministic):
         dbias = None if g.dbias is None else g.dbias.astype(o.bias.dtype)
         return Grads(g.dq.astype(o.q.dtype), g.dk.astype(o.q.dtype), g.dv.astype(o.q.dtype),
                      dbias, g.dtensors)
-    dq = np.empty(o.q.shape, dtype=o.q.dtype)
-    dk = np.empty(o.k.shape, dtype=o.q.dtype)
-    dv = np.empty(o.v.shape, dtype=o.q.dtype)
+    dq = _new_output(o.q.shape, o.q.dtype)
+    dk = _new_output(o.k.shape, o.q.dtype)
+    dv = _new_output(o.v.shape, o.q.dtype)
     prob = _problem(o, _as_bshd(o, out), _lse_3d(o, lse))
-    prob.out = _c_view(_as_bshd(o, out))
     prob.dout = _c_view(_as_bshd(o, dout))
     prob.dq, prob.dk, prob.dv = (_c_view(_as_bshd(o, x)) for x in (dq, dk, dv))
     prob.dbias = dbias_acc = None

@@ -232,7 +232,7 @@ def _header(threads, ref_max_s):
     cpu = attnext.info()["backends"]["cpu"]
     env = os.environ.get("ATTNEXT_NUM_THREADS", "unset")
     lines = [f"attnext {attnext.__version__} CPU backend: {cpu}; threads {threads} "
-             f"(ATTNEXT_NUM_THREADS={env}, os.cpu_count()={os.cpu_count()})"]
+             f"(ATTNEXT_NUM_THREADS={env}, OpenMP default {attnext._C.openmp_threads()})"]
     if torch is not None:
         torch.set_num_threads(threads)
         lines.append(f"torch {torch.__version__} CPU SDPA, torch.set_num_threads({threads}) "
@@ -263,7 +263,7 @@ def main(argv=None):
         print("CUDA benchmark: not available yet")
         return 0
 
-    threads = int(os.environ.get("ATTNEXT_NUM_THREADS") or os.cpu_count())
+    threads = int(os.environ.get("ATTNEXT_NUM_THREADS") or attnext._C.openmp_threads() or 1)
     header = _header(threads, args.reference_max_s)
     print("\n".join(header))
     print(" ".join(f"{title:<{w}}" if key == "case" else f"{title:>{w}}"

@@ -34,7 +34,9 @@ gradients: never NaN, never a warning.
 
 Everything is computed and returned in float64, one block of ROW_BLOCK query rows at a time, so
 memory is O(ROW_BLOCK * Sk): nothing of size Sq * Sk is allocated (except a dbias whose given
-bias has that shape).
+bias has that shape). The functions take the public API's signatures; device, out, precision and
+deterministic are accepted and ignored, and inputs are assumed valid (attnext.attention(...,
+device="reference") checks them first).
 """
 from typing import NamedTuple, Optional
 
@@ -43,6 +45,9 @@ import numpy as np
 from ._types import Grads
 
 ROW_BLOCK = 128
+# Farther than any query is from any key: window sides are clamped to it so that int64 index
+# arithmetic cannot wrap (a side that large is as good as unbounded).
+_FAR = 2 ** 62
 # Central-difference step for score_mod' (relative to max(1, |s|)): eps ** (1/3) balances the
 # truncation error (~step**2) against the rounding error (~eps / step).
 _FD_STEP = np.finfo(np.float64).eps ** (1 / 3)
@@ -194,7 +199,7 @@ def _scores(pb, hd, r0, r1):
     elif pb.causal == "bottom_right":
         keep &= c <= diag
     if pb.window is not None:
-        left, right = pb.window
+        left, right = (min(int(w), _FAR) for w in pb.window)
         if left >= 0:
             keep &= c >= diag - left
         if right >= 0:
@@ -295,7 +300,8 @@ def _backward(pb, dout):
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
               bias=None, mask=None, score_mod=None, mask_mod=None, seqlens_q=None,
-              seqlens_k=None, layout="bshd", return_lse=False, **ignored):
+              seqlens_k=None, layout="bshd", return_lse=False, device=None, out=None,
+              precision=None):
     """Attention over padded batches, in float64: out, or (out, lse) with return_lse.
 
     q (B, Sq, Hq, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv) for layout "bshd"; "bhsd" puts heads
@@ -314,7 +320,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, a
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
                      seqused_q=None, seqused_k=None, causal=False, window=None, scale=None,
                      softcap=None, alibi_slopes=None, bias=None, mask=None, score_mod=None,
-                     mask_mod=None, return_lse=False, **ignored):
+                     mask_mod=None, return_lse=False, device=None, out=None, precision=None):
     """Attention over packed sequences, in float64: out, or (out, lse) with return_lse.
 
     q (Tq, Hq, D), k (Tk, Hk, D), v (Tk, Hk, Dv); sequence i occupies rows
@@ -333,7 +339,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None,
                        softcap=None, alibi_slopes=None, bias=None, mask=None, score_mod=None,
-                       mask_mod=None, seqlens_q=None, seqlens_k=None, layout="bshd", **ignored):
+                       mask_mod=None, seqlens_q=None, seqlens_k=None, layout="bshd", device=None,
+                       precision=None, deterministic=True):
     """Gradients of attention() in float64: Grads(dq, dk, dv, dbias, dtensors).
 
     The forward is recomputed: out and lse are not read. dq, dk, dv have the shapes of q, k, v
@@ -352,7 +359,8 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
                               seqused_k=None, causal=False, window=None, scale=None,
                               softcap=None, alibi_slopes=None, bias=None, mask=None,
-                              score_mod=None, mask_mod=None, **ignored):
+                              score_mod=None, mask_mod=None, device=None, precision=None,
+                              deterministic=True):
     """Gradients of varlen_attention() in float64: Grads(dq, dk, dv, dbias, dtensors).
 
     As attention_backward; rows that are not real (past seqused, or after cu_seqlens[-1]) get

@@ -116,6 +116,13 @@ def poisoned(shape, dtype):
     return np.full(shape, np.nan, dtype=dtype)
 
 
+@pytest.fixture(autouse=True)
+def poison_results(monkeypatch):
+    """Every result buffer attnext allocates (out, lse, dq, dk, dv) starts as NaN, so an element a
+    backend forgets to write fails the test instead of passing on recycled zeros."""
+    monkeypatch.setattr(attnext.api, "_new_output", poisoned)
+
+
 # --- the accuracy check ---
 
 def allowed_error(dtype, scale, floor=0.0, cond=1.0):

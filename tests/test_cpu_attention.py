@@ -803,3 +803,34 @@ def test_info_reports_the_cpu_backend():
     assert info["version"] == attnext.__version__
     assert info["backends"]["cpu"].startswith("usable") and _C.simd() in info["backends"]["cpu"]
     assert info["backends"]["reference"] == "usable"
+
+
+@pytest.mark.parametrize("window", [(2 ** 63 - 1, 2 ** 63 - 1), (2 ** 63 - 1, -1), (-1, 2 ** 64),
+                                    (10 ** 30, 3)])
+def test_huge_windows_are_unbounded_sides(window, rng):
+    """A side wider than any distance is unbounded; int64 arithmetic must not wrap on the way."""
+    q, k, v = make_qkv(rng, 1, 40, 70, 2, 1, 16, 16, F32)
+    same = tuple(-1 if w > 10 ** 6 else w for w in window)
+    check_cpu(q, k, v, rng, window=window)
+    got = attnext.attention(q, k, v, window=window, device="cpu")
+    assert np.array_equal(got, attnext.attention(q, k, v, window=same, device="cpu"))
+
+
+def test_misaligned_broadcast_bias_stays_a_broadcast(rng, monkeypatch):
+    """Realigning a misaligned broadcast bias copies its base, not the broadcast shape."""
+    q, k, v = make_qkv(rng, 2, 30, 50, 2, 2, 16, 16, F32)
+    raw = np.zeros(50 * 4 + 1, np.uint8)[1:].view(F32)
+    raw[:] = rng.standard_normal(50)
+    bias = np.broadcast_to(raw, (2, 2, 30, 50))
+    assert not bias.flags.aligned
+    seen = {}
+    real = attnext.api._broadcast_4d
+
+    def spy(name, x, *args):
+        res = real(name, x, *args)
+        seen[name] = res[0]
+        return res
+
+    monkeypatch.setattr(attnext.api, "_broadcast_4d", spy)
+    check_cpu(q, k, v, rng, bias=bias)
+    assert seen["bias"].flags.aligned and seen["bias"].base.size == 50
