@@ -311,7 +311,7 @@ def _check_out(name, x, shape, dtype, inputs):
                          f"{x.shape} and {x.dtype}")
     if not x.flags.writeable:
         raise ValueError(f"{name} is read-only")
-    if any(s == 0 and n > 1 for s, n in zip(x.strides, x.shape)):
+    if x.size and any(s == 0 and n > 1 for s, n in zip(x.strides, x.shape)):
         raise ValueError(f"{name} has a zero stride (strides {x.strides}): it would write one "
                          "element for several results")
     for other_name, other in inputs:
