@@ -93,12 +93,18 @@ static seq_t FN(q_tile)(const FN(tiling) *t, const attn_params *p, int64_t H, in
     return sq;
 }
 
-/* Pack the key rows of tile kb of sequence b, head hk, into (all optional):
- *   kt (D x BK) transposed, kr (BK x DP) row-major, vr (BK x DvP) row-major, vt (Dv x BK).
- * Columns/rows past the sequence's length are zero. */
-static void FN(pack_kv)(const attn_params *p, int64_t b, int64_t hk, int64_t kb, int64_t DP,
+/* Pack key tile g of the tiling (tile index * Hk + kv head) into those of these that are not
+ * NULL, each an array of tiles: kt (D x BK) transposed, kr (BK x DP) row-major,
+ * vr (BK x DvP) row-major, vt (Dv x BK). Columns/rows past the sequence's length are zero. */
+static void FN(pack_kv)(const attn_params *p, const FN(tiling) *tiles, int64_t g, int64_t DP,
                         int64_t DvP, T *kt, T *kr, T *vr, T *vt, T *row)
 {
+    const int64_t tile = g / p->Hk, hk = g % p->Hk, b = FN(tiling_seq)(tiles, p->B, tile);
+    const int64_t kb = tile - tiles->off[b];
+    if (kt) kt += g * p->D * BK;
+    if (kr) kr += g * BK * DP;
+    if (vr) vr += g * BK * DvP;
+    if (vt) vt += g * p->Dv * BK;
     seq_t sk = seq_k(p, b);
     int64_t D = p->D, Dv = p->Dv;
     for (int64_t j = 0; j < BK; j++) {
@@ -260,13 +266,9 @@ int FN(cpu_forward)(const attn_params *p)
 
         /* pack K^T and V tiles */
 #pragma omp for schedule(dynamic, 4)
-        for (int64_t g = 0; g < n_kv_tiles; g++) {
-            if (!ok) continue;
-            int64_t tile = g / Hk, hk = g % Hk;
-            int64_t b = FN(tiling_seq)(&kt_tiles, B, tile);
-            FN(pack_kv)(p, b, hk, tile - kt_tiles.off[b], DP, DvP, kt + g * D * BK, NULL,
-                        vr + g * BK * DvP, NULL, row);
-        }
+        for (int64_t g = 0; g < n_kv_tiles; g++)
+            if (ok)
+                FN(pack_kv)(p, &kt_tiles, g, DP, DvP, kt, NULL, vr, NULL, row);
 
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < B * Hq * nqb; task++) {
@@ -417,13 +419,9 @@ int FN(cpu_backward)(const attn_params *p)
         }
 
 #pragma omp for schedule(dynamic, 4)
-        for (int64_t g = 0; g < n_kv_tiles; g++) {
-            if (!ok) continue;
-            int64_t tile = g / Hk, hk = g % Hk;
-            int64_t b = FN(tiling_seq)(&kt_tiles, B, tile);
-            FN(pack_kv)(p, b, hk, tile - kt_tiles.off[b], DP, DvP, kt + g * D * BK,
-                        kr + g * BK * DP, NULL, vt + g * Dv * BK, row);
-        }
+        for (int64_t g = 0; g < n_kv_tiles; g++)
+            if (ok)
+                FN(pack_kv)(p, &kt_tiles, g, DP, DvP, kt, kr, NULL, vt, row);
 
         /* pack Q and dO tiles, lse in log2 units, delta = rowsum(dO * O) */
 #pragma omp for schedule(dynamic, 4)

@@ -1,7 +1,8 @@
 /* SIMD variants of the CPU backend's hot loops (see simd.h), generated from one macro body per
  * (type, instruction set): GCC/Clang vector extensions for the register-blocked matrix product,
- * `omp simd` loops for the softmax passes. The best variant is picked once, at run time, from
- * what the CPU reports; the build never targets the build machine. */
+ * `omp simd` loops for the softmax passes (float32 on AVX-512 uses softmax_avx512.c's intrinsics
+ * instead). The best variant is picked once, at run time, from what the CPU reports; the build
+ * never targets the build machine. */
 #include "simd.h"
 
 #include <math.h>
@@ -19,7 +20,7 @@ static inline __attribute__((always_inline)) float exp2_f32(float x)
 {
     float xc = x < LOG2_MIN_NORMAL_F32 ? LOG2_MIN_NORMAL_F32 : (x > 127.0f ? 127.0f : x);
     float r = rintf(xc);
-    float f = (xc - r) * 0.6931471805599453f;   /* f * ln 2 */
+    float f = (xc - r) * SIMD_LN2_F32;
     float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120
               + f * (1.0f / 720 + f * (1.0f / 5040)))))));
     int32_t bits = ((int32_t)r + 127) << 23;

@@ -14,6 +14,9 @@
 #define SIMD_M_ALIGN 8
 #define SIMD_N_ALIGN 32
 
+/* ln 2, float: every exp2 variant computes 2^f as e^(f ln 2) by its Taylor series */
+#define SIMD_LN2_F32 0.6931471805599453f
+
 typedef struct {
     const char *name;
     /* C[M x N] (+)= A[M x K] * B[K x N]; accumulate = 0 overwrites C */

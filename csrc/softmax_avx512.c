@@ -20,7 +20,7 @@ TARGET static inline __m512 exp2_ps(__m512 x)
 {
     x = _mm512_max_ps(_mm512_set1_ps(EXP2_FLOOR), x);   /* NaN in x wins (second operand) */
     __m512 r = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_mul_ps(_mm512_sub_ps(x, r), _mm512_set1_ps(0.6931471805599453f));
+    __m512 f = _mm512_mul_ps(_mm512_sub_ps(x, r), _mm512_set1_ps(SIMD_LN2_F32));
     __m512 p = _mm512_set1_ps(1.0f / 5040);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));

@@ -120,7 +120,7 @@ def qkv(rng, sq, sk, layout="bshd", b=B, hq=HQ, hk=HK):
             rng.standard_normal(shape(sk, hk, DV)))
 
 
-def assert_close(actual, expected):
+def assert_close_f64(actual, expected):
     assert not np.isnan(actual).any()
     np.testing.assert_allclose(actual, expected, rtol=1e-10, atol=1e-12)
 
@@ -177,8 +177,8 @@ def test_forward_matches_dense(case, sq, sk, layout, strict):
     out, lse = ref.attention(q, k, v, layout=layout, return_lse=True, **opts)
     want_out, want_lse = dense(q, k, v, layout=layout, **opts)
     assert out.dtype == lse.dtype == np.float64
-    assert_close(out, want_out)
-    assert_close(lse, want_lse)
+    assert_close_f64(out, want_out)
+    assert_close_f64(lse, want_lse)
 
 
 @pytest.mark.parametrize("bias_shape", [(B, HQ, 23, 37), (1, 1, 23, 37), (HK, 1, 37), (37,),
@@ -190,8 +190,8 @@ def test_bias_and_mask_broadcast(bias_shape, strict):
     mask = rng.random(bias_shape) < 0.7
     out, lse = ref.attention(q, k, v, layout="bhsd", bias=bias, mask=mask, return_lse=True)
     want_out, want_lse = dense(q, k, v, layout="bhsd", bias=bias, mask=mask)
-    assert_close(out, want_out)
-    assert_close(lse, want_lse)
+    assert_close_f64(out, want_out)
+    assert_close_f64(lse, want_lse)
 
 
 def varlen_data(rng, hq=HQ, hk=HK):
@@ -222,8 +222,8 @@ def test_varlen_matches_dense(opts, seqused, strict):
     out, lse = ref.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, **used, **opts)
     want_out, want_lse = dense_varlen(q, k, v, cu_q, cu_k, **used, **opts)
     assert out.shape == (24, HQ, DV) and lse.shape == (HQ, 24)
-    assert_close(out, want_out)
-    assert_close(lse, want_lse)
+    assert_close_f64(out, want_out)
+    assert_close_f64(lse, want_lse)
     real = np.zeros(24, dtype=bool)
     for b in range(3):
         n = used_q[b] if seqused else cu_q[b + 1] - cu_q[b]
@@ -237,9 +237,9 @@ def test_document_mask_mod(strict):
     doc = np.repeat([0, 1, 2, 3], [5, 17, 1, 17])
     mask_mod = document_mask(doc)
     out = ref.attention(q, k, v, mask_mod=mask_mod)
-    assert_close(out, dense(q, k, v, mask_mod=mask_mod)[0])
+    assert_close_f64(out, dense(q, k, v, mask_mod=mask_mod)[0])
     r, c = np.meshgrid(np.arange(40), np.arange(40), indexing="ij")
-    assert_close(out, ref.attention(q, k, v, mask=(doc[r] == doc[c]) & (c <= r)))
+    assert_close_f64(out, ref.attention(q, k, v, mask=(doc[r] == doc[c]) & (c <= r)))
 
 
 def test_fully_masked_rows(strict):
@@ -255,7 +255,7 @@ def test_fully_masked_rows(strict):
     dead = [0, 1, 2, 3, 4, 6, 7]
     assert (out[:, dead] == 0).all() and (lse[:, :, dead] == -np.inf).all()
     assert np.isfinite(out).all() and np.isfinite(lse[:, :, [5, 8]]).all()
-    assert_close(out, dense(q, k, v, **opts)[0])
+    assert_close_f64(out, dense(q, k, v, **opts)[0])
     dout = rng.standard_normal(out.shape)
     g = ref.attention_backward(dout, q, k, v, out, lse, **opts)
     assert all(np.isfinite(x).all() for x in g[:4])
@@ -301,8 +301,8 @@ def test_many_rows_match_dense(strict):
     assert 300 > ref.ROW_BLOCK
     out, lse = ref.attention(q, k, v, return_lse=True, **opts)
     want_out, want_lse = dense(q, k, v, **opts)
-    assert_close(out, want_out)
-    assert_close(lse, want_lse)
+    assert_close_f64(out, want_out)
+    assert_close_f64(lse, want_lse)
 
 
 def test_block_size_does_not_change_the_answer(monkeypatch, strict):
@@ -316,8 +316,8 @@ def test_block_size_does_not_change_the_answer(monkeypatch, strict):
     monkeypatch.setattr(ref, "ROW_BLOCK", 7)
     out7, lse7 = ref.attention(q, k, v, return_lse=True, **opts)
     g7 = ref.attention_backward(dout, q, k, v, out, lse, **opts)
-    assert_close(out7, out)
-    assert_close(lse7, lse)
+    assert_close_f64(out7, out)
+    assert_close_f64(lse7, lse)
     for a, b in zip(g7[:4], g[:4]):   # score_mod' is a difference quotient: ~1e-10 relative
         np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10)
 
@@ -396,7 +396,7 @@ def test_inputs_unchanged_read_only_and_broadcast(strict):
     np.testing.assert_array_equal(lse, lse_copy)
     assert g.dk.shape == k.shape and g.dk.strides != k.strides
     assert g.dbias.shape == bias.shape
-    assert_close(out, dense(q, np.ascontiguousarray(k), v, **opts)[0])
+    assert_close_f64(out, dense(q, np.ascontiguousarray(k), v, **opts)[0])
 
 
 def test_backward_ignores_the_callers_out_and_lse():
@@ -418,7 +418,7 @@ def test_low_precision_inputs_are_read_exactly(dtype):
     out, lse = ref.attention(q, k, v, bias=bias, return_lse=True, device="cpu", precision=None)
     assert out.dtype == lse.dtype == np.float64
     wide = [x.astype(np.float64) for x in (q, k, v)]
-    assert_close(out, ref.attention(*wide, bias=bias.astype(np.float64)))
+    assert_close_f64(out, ref.attention(*wide, bias=bias.astype(np.float64)))
     g = ref.attention_backward(out, q, k, v, out, lse, bias=bias, deterministic=True)
     assert all(x.dtype == np.float64 for x in g[:4])
 
