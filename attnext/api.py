@@ -160,7 +160,7 @@ def _check_options(o, D, Hq, B):
     o.alibi = None
     if o.alibi_slopes is not None:
         a = _array("alibi_slopes", o.alibi_slopes)
-        if a.dtype.kind != "f":
+        if a.dtype not in _DTYPE_CODES:
             raise TypeError(f"alibi_slopes must be a float array, got dtype {a.dtype}")
         if a.shape not in ((Hq,), (B, Hq)):
             raise ValueError(f"alibi_slopes must have shape ({Hq},) or ({B}, {Hq}), got {a.shape}")
