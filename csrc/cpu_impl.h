@@ -233,13 +233,13 @@ int FN(cpu_forward)(const attn_params *p)
     const int64_t G = Hq / Hk;
     int err = 0;
     FN(tiling) kt_tiles = {0};
-    T *kt = NULL, *vr = NULL;
+    T *kr = NULL, *vr = NULL;
     if (FN(tiling_init)(&kt_tiles, p, 0, BK))
         return -1;
     const int64_t n_kv_tiles = kt_tiles.off[B] * Hk;
-    kt = (T *)FN(alloc)((size_t)n_kv_tiles * D * BK);
+    kr = (T *)FN(alloc)((size_t)n_kv_tiles * BK * DP);
     vr = (T *)FN(alloc)((size_t)n_kv_tiles * BK * DvP);
-    if (!kt || !vr) {
+    if (!kr || !vr) {
         err = -1;
         goto done;
     }
@@ -253,22 +253,22 @@ int FN(cpu_forward)(const attn_params *p)
 #pragma omp parallel num_threads(nt)
     {
         T *row = (T *)FN(alloc)(imax64(imax64(D, Dv), BK));
-        T *Qs = (T *)FN(alloc)(BQ * DP);
-        T *S = (T *)FN(alloc)(BQ * BK);
+        T *Qs = (T *)FN(alloc)(BQ * DP), *Qt = (T *)FN(alloc)(DP * BQ);
+        T *St = (T *)FN(alloc)(BK * BQ), *S = (T *)FN(alloc)(BQ * BK);
         T *O = (T *)FN(alloc)(BQ * DvP);
         T *m = (T *)FN(alloc)(BQ), *l = (T *)FN(alloc)(BQ), *alpha = (T *)FN(alloc)(BQ);
         unsigned char *maskbuf = (unsigned char *)malloc(BK);
-        int ok = row && Qs && S && O && m && l && alpha && maskbuf;
+        int ok = row && Qs && Qt && St && S && O && m && l && alpha && maskbuf;
         if (!ok) {
 #pragma omp atomic write
             err = -1;
         }
 
-        /* pack K^T and V tiles */
+        /* pack K and V tiles */
 #pragma omp for schedule(dynamic, 4)
         for (int64_t g = 0; g < n_kv_tiles; g++)
             if (ok)
-                FN(pack_kv)(p, &kt_tiles, g, DP, DvP, kt, NULL, vr, NULL, row);
+                FN(pack_kv)(p, &kt_tiles, g, DP, DvP, NULL, kr, vr, NULL, row);
 
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < B * Hq * nqb; task++) {
@@ -281,30 +281,42 @@ int FN(cpu_forward)(const attn_params *p)
             const int64_t r1 = imin64(r0 + BQ, sq.rows);
             const int64_t nr = imax64(0, imin64(sq.len - r0, r1 - r0));   /* real rows */
             const int64_t Mr = ROUND_UP(nr, SIMD_M_ALIGN);
-            for (int64_t i = 0; i < nr; i++) {
+            for (int64_t i = 0; i < BQ; i++) {
                 m[i] = -INFINITY;
                 l[i] = 0;
             }
             if (nr > 0) {
-                FN(load_rows)(&p->q, p->dtype, sq, h, r0, nr, Mr, D, DP, Qs);
-                memset(O, 0, sizeof(T) * Mr * DvP);
+                /* scores transposed, St = K Q^T (a query per column), so the softmax's maxima and
+                 * sums are vertical vector operations; P V is then St^T V */
+                FN(load_rows)(&p->q, p->dtype, sq, h, r0, nr, BQ, D, DP, Qs);
+                for (int64_t d = 0; d < D; d++)
+                    for (int64_t i = 0; i < BQ; i++)
+                        Qt[d * BQ + i] = Qs[i * DP + d];
+                memset(O, 0, sizeof(T) * BQ * DvP);
                 int64_t lo, hi;
                 kv_range(p, r0, r0 + nr, sq.len, sk.len, &lo, &hi);
                 for (int64_t kb = imax64(lo, 0) / BK; kb * BK < hi; kb++) {
                     const int64_t c0 = kb * BK, n = imin64(BK, sk.len - c0);
                     const int64_t g = (kt_tiles.off[b] + kb) * Hk + hk;
-                    OPS->gemm((int)Mr, BK, (int)D, Qs, DP, kt + g * D * BK, BK, S, BK, 0);
+                    OPS->gemm((int)ROUND_UP(n, SIMD_M_ALIGN), BQ, (int)D, kr + g * BK * DP, DP, Qt, BQ, St, BQ, 0);
                     T mult = (T)(p->scale * LOG2E);
                     if (!FN(tile_is_plain)(p, r0, nr, c0, n, sq.len, sk.len)) {
+                        /* the per-element pipeline works on rows of queries */
+                        for (int64_t i = 0; i < nr; i++)
+                            for (int64_t j = 0; j < n; j++)
+                                S[i * BK + j] = St[j * BQ + i];
                         FN(score_tile)(p, b, h, r0, nr, c0, n, sq.len, sk.len, S, NULL, row, maskbuf);
+                        for (int64_t j = 0; j < n; j++)
+                            for (int64_t i = 0; i < nr; i++)
+                                St[j * BQ + i] = S[i * BK + j];
                         mult = (T)LOG2E;
                     }
-                    OPS->softmax_step((int)nr, (int)n, BK, S, mult, m, l, alpha);
+                    OPS->softmax_cols((int)n, BQ, BQ, St, mult, m, l, alpha);
                     for (int64_t i = 0; i < nr; i++)
                         if (alpha[i] != 1)
                             for (int64_t d = 0; d < Dv; d++)
                                 O[i * DvP + d] *= alpha[i];
-                    OPS->gemm((int)Mr, (int)DvP, (int)n, S, BK, vr + g * BK * DvP, DvP, O, DvP, 1);
+                    OPS->gemm_tn(BQ, (int)DvP, (int)n, St, BQ, vr + g * BK * DvP, DvP, O, DvP, 1);
                 }
             }
             for (int64_t i = 0; i < r1 - r0; i++) {
@@ -335,11 +347,12 @@ int FN(cpu_forward)(const attn_params *p)
                 *FN(lse_at)(p, 0, h, t) = -INFINITY;
             }
         }
-        free(row); free(Qs); free(S); free(O); free(m); free(l); free(alpha); free(maskbuf);
+        free(row); free(Qs); free(Qt); free(St); free(S); free(O); free(m); free(l); free(alpha);
+        free(maskbuf);
     }
 done:
     free(kt_tiles.off);
-    free(kt);
+    free(kr);
     free(vr);
     return err;
 }

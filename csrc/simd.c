@@ -1,7 +1,7 @@
 /* SIMD variants of the CPU backend's hot loops (see simd.h), generated from one macro body per
  * (type, instruction set): GCC/Clang vector extensions for the register-blocked matrix product,
- * `omp simd` loops for the softmax passes (float32 on AVX-512 uses softmax_avx512.c's intrinsics
- * instead). The best variant is picked once, at run time, from what the CPU reports; the build
+ * `omp simd` loops for the softmax passes (float32's exp_rows on AVX-512 uses softmax_avx512.c's
+ * intrinsics instead). The best variant is picked once, at run time, from what the CPU reports; the build
  * never targets the build machine. */
 #include "simd.h"
 
@@ -72,34 +72,44 @@ static inline __attribute__((always_inline)) double exp2_f64(double x) { return 
     GEMM_FN(gemm_##SUF, TARGET, T, VT, VL, MR, NV, A + (int64_t)i * lda, Ai[(int64_t)a * lda + k]) \
     GEMM_FN(gemm_tn_##SUF, TARGET, T, VT, VL, MR, NV, A + i, Ai[(int64_t)k * lda + a])         \
                                                                                                     \
-    TARGET UNUSED static void softmax_step_##SUF(int rows, int n, int64_t ld, T *S, T mult, T *m, T *l,   \
+    /* Online-softmax step over transposed scores (see simd.h): every pass is a vertical        \
+     * vector operation across the `cols` queries, with no horizontal reduction. */             \
+    TARGET UNUSED static void softmax_cols_##SUF(int n, int cols, int64_t ld, T *St, T mult, T *m, T *l, \
                                           T *alpha)                                                 \
     {                                                                                               \
-        for (int i = 0; i < rows; i++) {                                                            \
-            T *s = S + (int64_t)i * ld;                                                             \
-            T mx = -INFINITY;                                                                       \
-            _Pragma("omp simd reduction(max:mx)")                                                   \
-            for (int j = 0; j < n; j++) {                                                           \
-                T t = s[j] * mult;                                                                  \
-                mx = t > mx ? t : mx;                                                               \
-            }                                                                                       \
-            T m_new = m[i] > mx ? m[i] : mx;                                                        \
-            if (m_new == -INFINITY) {                                                               \
-                memset(s, 0, sizeof(T) * n);                                                        \
-                alpha[i] = 1;                                                                       \
-                continue;                                                                           \
-            }                                                                                       \
-            T sum = 0;                                                                              \
-            _Pragma("omp simd reduction(+:sum)")                                                    \
-            for (int j = 0; j < n; j++) {                                                           \
-                T p = EXP2(s[j] * mult - m_new);                                                    \
-                s[j] = p;                                                                           \
-                sum += p;                                                                           \
-            }                                                                                       \
-            alpha[i] = EXP2(m[i] - m_new);                                                          \
-            l[i] = l[i] * alpha[i] + sum;                                                           \
-            m[i] = m_new;                                                                           \
+        T mx[SIMD_MAX_COLS], sum[SIMD_MAX_COLS];                                                    \
+        for (int c = 0; c < cols; c++) {                                                            \
+            mx[c] = m[c];                                                                           \
+            sum[c] = 0;                                                                             \
         }                                                                                           \
+        for (int j = 0; j < n; j++) {                                                               \
+            const T *s = St + (int64_t)j * ld;                                                      \
+            _Pragma("omp simd")                                                                     \
+            for (int c = 0; c < cols; c++) {                                                        \
+                T t = s[c] * mult;                                                                  \
+                mx[c] = t > mx[c] ? t : mx[c];                                                      \
+            }                                                                                       \
+        }                                                                                           \
+        /* a query with no finite score yet keeps m = -inf; 0 stands in so that its p and alpha \
+         * come out 0 (exp2(-inf)) rather than NaN */                                               \
+        _Pragma("omp simd")                                                                         \
+        for (int c = 0; c < cols; c++) {                                                            \
+            T safe = mx[c] == -INFINITY ? 0 : mx[c];                                                \
+            alpha[c] = EXP2(m[c] - safe);                                                           \
+            m[c] = mx[c];                                                                           \
+            mx[c] = safe;                                                                           \
+        }                                                                                           \
+        for (int j = 0; j < n; j++) {                                                               \
+            T *s = St + (int64_t)j * ld;                                                            \
+            _Pragma("omp simd")                                                                     \
+            for (int c = 0; c < cols; c++) {                                                        \
+                T p = EXP2(s[c] * mult - mx[c]);                                                    \
+                s[c] = p;                                                                           \
+                sum[c] += p;                                                                        \
+            }                                                                                       \
+        }                                                                                           \
+        for (int c = 0; c < cols; c++)                                                              \
+            l[c] = l[c] * alpha[c] + sum[c];                                                        \
     }                                                                                               \
                                                                                                     \
     TARGET UNUSED static void exp_rows_##SUF(int rows, int n, int64_t ld, T *S, T mult, const T *lse2)    \
@@ -130,17 +140,17 @@ DEFINE_VARIANT(f64_avx2, TARGET_AVX2, double, vf64_256, 4, 4, 2, exp2_f64)
 DEFINE_VARIANT(f32_portable, , float, vf32_128, 4, 4, 2, exp2_f32)
 DEFINE_VARIANT(f64_portable, , double, vf64_128, 2, 4, 2, exp2_f64)
 
-#define OPS(T, SUF, NAME) {NAME, gemm_##SUF, gemm_tn_##SUF, softmax_step_##SUF, exp_rows_##SUF}
+#define OPS(T, SUF, NAME) {NAME, gemm_##SUF, gemm_tn_##SUF, softmax_cols_##SUF, exp_rows_##SUF}
 
 static const simd_ops_f32 ops_f32_portable = OPS(float, f32_portable, "portable");
 static const simd_ops_f64 ops_f64_portable = OPS(double, f64_portable, "portable");
 #ifdef HAVE_X86_VARIANTS
 /* softmax_avx512.c: the float32 softmax passes written with AVX-512 intrinsics */
-void softmax_step_f32_avx512x(int rows, int n, int64_t ld, float *S, float mult, float *m, float *l,
-                              float *alpha);
+void softmax_cols_f32_avx512x(int n, int cols, int64_t ld, float *St, float mult, float *m,
+                              float *l, float *alpha);
 void exp_rows_f32_avx512x(int rows, int n, int64_t ld, float *S, float mult, const float *lse2);
 static const simd_ops_f32 ops_f32_avx512 = {"avx512", gemm_f32_avx512, gemm_tn_f32_avx512,
-                                            softmax_step_f32_avx512x, exp_rows_f32_avx512x};
+                                            softmax_cols_f32_avx512x, exp_rows_f32_avx512x};
 static const simd_ops_f64 ops_f64_avx512 = OPS(double, f64_avx512, "avx512");
 static const simd_ops_f32 ops_f32_avx2 = OPS(float, f32_avx2, "avx2");
 static const simd_ops_f64 ops_f64_avx2 = OPS(double, f64_avx2, "avx2");

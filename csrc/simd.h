@@ -13,6 +13,7 @@
 
 #define SIMD_M_ALIGN 8
 #define SIMD_N_ALIGN 32
+#define SIMD_MAX_COLS 256
 
 /* ln 2, float: every exp2 variant computes 2^f as e^(f ln 2) by its Taylor series */
 #define SIMD_LN2_F32 0.6931471805599453f
@@ -25,10 +26,11 @@ typedef struct {
     /* C[M x N] (+)= A^T B with A stored (K x M) row-major: the backward's P^T dO and dS^T Q */
     void (*gemm_tn)(int M, int N, int K, const float *A, int64_t lda, const float *B, int64_t ldb,
                     float *C, int64_t ldc, int accumulate);
-    /* Online-softmax step over a tile of scores S[rows x n] (row stride ld). With t = S * mult
-     * (log2 units): m_new = max(m, max_j t); S <- exp2(t - m_new); l <- l * alpha + rowsum;
-     * alpha[i] = exp2(m_old - m_new) (1 for a row still without a finite score, whose P is 0). */
-    void (*softmax_step)(int rows, int n, int64_t ld, float *S, float mult, float *m, float *l,
+    /* Online-softmax step over transposed scores St[n keys x cols queries] (row stride ld): with
+     * t = St * mult (log2 units), per query c: m_new = max(m, max_j t); St <- exp2(t - m_new);
+     * l <- l * alpha + column sum; alpha[c] = exp2(m_old - m_new). A query still without a finite
+     * score keeps m = -inf and gets P = 0, alpha = 0. cols <= SIMD_MAX_COLS. */
+    void (*softmax_cols)(int n, int cols, int64_t ld, float *St, float mult, float *m, float *l,
                          float *alpha);
     /* S[i, j] <- exp2(S[i, j] * mult - lse2[i]); rows with lse2 = -inf get 0 (backward's P). */
     void (*exp_rows)(int rows, int n, int64_t ld, float *S, float mult, const float *lse2);
@@ -40,7 +42,7 @@ typedef struct {
                  double *C, int64_t ldc, int accumulate);
     void (*gemm_tn)(int M, int N, int K, const double *A, int64_t lda, const double *B, int64_t ldb,
                     double *C, int64_t ldc, int accumulate);
-    void (*softmax_step)(int rows, int n, int64_t ld, double *S, double mult, double *m, double *l,
+    void (*softmax_cols)(int n, int cols, int64_t ld, double *St, double mult, double *m, double *l,
                          double *alpha);
     void (*exp_rows)(int rows, int n, int64_t ld, double *S, double mult, const double *lse2);
 } simd_ops_f64;

@@ -1,7 +1,7 @@
-/* The float32 softmax passes (simd.h's softmax_step and exp_rows) written for AVX-512, which the
- * generic loops in simd.c leave about 2.5x slower: exp2 here is a polynomial and one vscalefps
- * (p * 2^r without integer bit games), and a row's tail is a lane mask instead of a scalar loop.
- * Picked at run time with the other AVX-512 variants; never called on a CPU without AVX-512. */
+/* The float32 softmax passes (simd.h's softmax_cols and exp_rows) written for AVX-512: exp2 is a
+ * polynomial and one vscalefps (p * 2^r without integer bit games), and a row's tail is a lane
+ * mask instead of a scalar loop. Picked at run time with the other AVX-512 variants; never called
+ * on a CPU without AVX-512. */
 #include "simd.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -34,37 +34,30 @@ TARGET static inline __m512 exp2_ps(__m512 x)
 
 static inline __mmask16 tail_mask(int left) { return left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1); }
 
-TARGET void softmax_step_f32_avx512x(int rows, int n, int64_t ld, float *S, float mult, float *m,
+/* simd.h's softmax_cols, 16 queries at a time (cols is a multiple of SIMD_N_ALIGN). */
+TARGET void softmax_cols_f32_avx512x(int n, int cols, int64_t ld, float *St, float mult, float *m,
                                      float *l, float *alpha)
 {
     const __m512 vmult = _mm512_set1_ps(mult), ninf = _mm512_set1_ps(-INFINITY);
-    for (int i = 0; i < rows; i++) {
-        float *s = S + (int64_t)i * ld;
-        __m512 vmax = ninf;
-        for (int j = 0; j < n; j += 16) {
-            __mmask16 k = tail_mask(n - j);
-            __m512 t = _mm512_mask_mul_ps(ninf, k, _mm512_maskz_loadu_ps(k, s + j), vmult);
-            vmax = _mm512_max_ps(vmax, t);
+    for (int c = 0; c < cols; c += 16) {
+        __m512 mx = _mm512_loadu_ps(m + c);
+        for (int j = 0; j < n; j++)
+            mx = _mm512_max_ps(mx, _mm512_mul_ps(_mm512_loadu_ps(St + (int64_t)j * ld + c), vmult));
+        /* a query with no finite score yet keeps m = -inf; 0 stands in for it so that its p and
+         * alpha come out 0 rather than NaN */
+        __m512 safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ), mx,
+                                           _mm512_setzero_ps());
+        __m512 a = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(m + c), safe));
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < n; j++) {
+            float *s = St + (int64_t)j * ld + c;
+            __m512 p = exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s), vmult, safe));
+            _mm512_storeu_ps(s, p);
+            sum = _mm512_add_ps(sum, p);
         }
-        float mx = _mm512_reduce_max_ps(vmax);
-        float m_new = m[i] > mx ? m[i] : mx;
-        if (m_new == -INFINITY) {
-            memset(s, 0, sizeof(float) * n);
-            alpha[i] = 1;
-            continue;
-        }
-        const __m512 vm = _mm512_set1_ps(m_new);
-        __m512 vsum = _mm512_setzero_ps();
-        for (int j = 0; j < n; j += 16) {
-            __mmask16 k = tail_mask(n - j);
-            __m512 p = exp2_ps(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + j), vmult, vm));
-            _mm512_mask_storeu_ps(s + j, k, p);
-            vsum = _mm512_mask_add_ps(vsum, k, vsum, p);
-        }
-        __m512 a = exp2_ps(_mm512_set1_ps(m[i] - m_new));
-        alpha[i] = _mm512_cvtss_f32(a);
-        l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(vsum);
-        m[i] = m_new;
+        _mm512_storeu_ps(alpha + c, a);
+        _mm512_storeu_ps(l + c, _mm512_fmadd_ps(_mm512_loadu_ps(l + c), a, sum));
+        _mm512_storeu_ps(m + c, mx);
     }
 }
 
