@@ -137,7 +137,13 @@ static int shape_is(const char *name, const Py_ssize_t *shape, long long a, long
     return -1;
 }
 
-static int heads_ok(const attn_params *p, long long heads) { return heads > 0 && p->Hq % heads == 0; }
+/* A bias or mask (B, heads, rows, cols) is read at [b, head, r, c] for r < Lq, c < Lk of sequence b. */
+static int extent_ok(const attn_params *p, const Py_ssize_t *shape, long long heads, long long max_lq,
+                     long long max_lk)
+{
+    return heads > 0 && p->Hq % heads == 0 && shape[0] == p->B && shape[1] == heads
+           && shape[2] >= max_lq && shape[3] >= max_lk;
+}
 
 /* Everything the forward and backward share: dims, q/k/v/out/lse, lengths, masks, options.
  * out and lse are written by the forward (writable) and only read by the backward. bias_shape
@@ -214,7 +220,6 @@ static int fill_common(PyObject *prob, attn_params *p, buffer_set *bs, int forwa
         return -1;
     }
 
-    /* bias and mask are read at [b, head, r, c] for r < Lq, c < Lk of sequence b */
     long long max_lq = 0, max_lk = 0;
     for (long long b = 0; b < B; b++) {
         seq_t sq = seq_q(p, b), sk = seq_k(p, b);
@@ -224,16 +229,14 @@ static int fill_common(PyObject *prob, attn_params *p, buffer_set *bs, int forwa
     if (get_tensor(prob, "bias", 4, p->bias_dtype, 0, bs, &p->bias, bias_shape))
         return -1;
     p->bias_heads = bias_heads;
-    if (p->bias.ptr && (!heads_ok(p, bias_heads) || bias_shape[0] != B || bias_shape[1] != bias_heads
-                        || bias_shape[2] < max_lq || bias_shape[3] < max_lk)) {
+    if (p->bias.ptr && !extent_ok(p, bias_shape, bias_heads, max_lq, max_lk)) {
         PyErr_SetString(PyExc_ValueError, "attnext._C: bias dims disagree");
         return -1;
     }
     if (get_tensor(prob, "mask", 4, -1, 0, bs, &p->mask, sh))
         return -1;
     p->mask_heads = mask_heads;
-    if (p->mask.ptr && (!heads_ok(p, mask_heads) || sh[0] != B || sh[1] != mask_heads
-                        || sh[2] < max_lq || sh[3] < max_lk)) {
+    if (p->mask.ptr && !extent_ok(p, sh, mask_heads, max_lq, max_lk)) {
         PyErr_SetString(PyExc_ValueError, "attnext._C: mask dims disagree");
         return -1;
     }
