@@ -1,7 +1,8 @@
 """Builds attnext._C from csrc/*.c: C11, -O3, warnings on, OpenMP where the compiler has it.
 
-No CUDA, no NumPy headers: the extension reads arrays through the buffer protocol. Nothing
-is tuned to the build machine (never -march=native); SIMD variants are chosen at run time.
+No CUDA, no NumPy headers: the extension reads arrays through the buffer protocol and loads
+libcuda and libnvrtc with dlopen at run time. Nothing is tuned to the build machine (never
+-march=native); SIMD variants are chosen at run time.
 """
 import glob
 import itertools
@@ -46,7 +47,8 @@ class BuildExt(build_ext):
                 args += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1", "-g"]
                 link += ["-fsanitize=address,undefined"]
             ext.extra_compile_args = args
-            ext.extra_link_args = link + ["-lm"]
+            # libcuda and libnvrtc are dlopened at run time, never linked
+            ext.extra_link_args = link + ["-lm", "-ldl"]
         if not use_omp:
             print("attnext: the C compiler has no OpenMP; the CPU backend runs serially", file=sys.stderr)
         super().build_extensions()

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import _C, reference
 from ._types import Grads
+from .devview import DevView
 
 _DTYPE_CODES = {np.dtype(np.float16): 0, np.dtype(ml_dtypes.bfloat16): 1,
                 np.dtype(np.float32): 2, np.dtype(np.float64): 3}
@@ -38,10 +39,24 @@ def _fmt(x):
     return repr(x) if not isinstance(x, np.ndarray) else f"array(shape={x.shape}, dtype={x.dtype})"
 
 
-def _array(name, x):
-    """A host array (never copied unless misaligned). GPU arrays and non-arrays raise TypeError."""
+def _device_view(x):
+    """A DevView of a CUDA array (__cuda_array_interface__ / __dlpack__), None for host data."""
+    if isinstance(x, np.ndarray) or not (hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__")):
+        return None
+    from . import device
+    return device.as_device_view(x)
+
+
+def _array(name, x, host=False):
+    """A host array (never copied unless misaligned), or a DevView of a CUDA array (host=True:
+    copied to the host, for the small arrays the checks read). Non-arrays raise TypeError."""
     if isinstance(x, np.ndarray):
         a = x
+    elif (dv := _device_view(x)) is not None:
+        if not host:
+            return dv
+        from . import cuda_backend
+        a = cuda_backend.to_host(dv)
     elif hasattr(x, "__array_interface__") or hasattr(x, "__array__"):
         try:
             a = np.asarray(x)
@@ -68,7 +83,7 @@ def _float_array(name, x):
 
 
 def _int_array(name, x, length):
-    a = _array(name, x)
+    a = _array(name, x, host=True)
     if a.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
     if a.ndim != 1 or a.shape[0] != length:
@@ -88,14 +103,35 @@ def _c_view(a):
     return a.view(np.uint16) if a.dtype == ml_dtypes.bfloat16 else a
 
 
-def _resolve_device(device):
-    if device is None:
-        device = os.environ.get("ATTNEXT_DEVICE") or "cpu"
-    if device not in _DEVICES:
+def _resolve_device(device, q, k, v):
+    """The backend for this call. CUDA arrays run on the GPU. device=None (or ATTNEXT_DEVICE)
+    picks the GPU for host arrays when it is usable and has kernels for their dtype (float16,
+    bfloat16), else the CPU."""
+    if device is not None and device not in _DEVICES:
         raise ValueError(f"device must be one of {_DEVICES} or None, got {device!r}")
+    on_gpu = [isinstance(x, DevView) for x in (q, k, v)]
+    if any(on_gpu) and not all(on_gpu):
+        where = ", ".join(f"{n} on {'cuda' if g else 'the host'}" for n, g in zip("qkv", on_gpu))
+        raise TypeError(f"q, k and v must all live on the GPU or all on the host, got {where}")
+    from . import cuda_backend
+    if on_gpu[0]:
+        if device not in (None, "cuda"):
+            raise ValueError(f"device={device!r} cannot read q, k, v: they are CUDA arrays "
+                             f"(on cuda:{q.device}); pass device='cuda' or None")
+        device = "cuda"
+    elif device is None:
+        device = os.environ.get("ATTNEXT_DEVICE") or None
+        if device is not None and device not in _DEVICES:
+            raise ValueError(f"ATTNEXT_DEVICE: device must be one of {_DEVICES}, got {device!r}")
+        if device is None:
+            device = "cuda" if q.dtype in cuda_backend.DTYPES and cuda_backend.usable() else "cpu"
     if device == "cuda":
-        raise RuntimeError("device='cuda': the CUDA backend is not available in this build of "
-                           "attnext (attnext.info() lists the usable backends)")
+        why = cuda_backend.unavailable_reason()
+        if why:
+            raise RuntimeError(f"device='cuda': the CUDA backend is unavailable: {why}")
+        if q.dtype not in cuda_backend.DTYPES:
+            raise TypeError(f"device='cuda' runs float16 and bfloat16; q has dtype {q.dtype} "
+                            "(float64 stays on the CPU)")
     return device
 
 
@@ -159,7 +195,7 @@ def _check_options(o, D, Hq, B):
             raise TypeError(f"{name} must be callable or None, got {type(f).__name__}")
     o.alibi = None
     if o.alibi_slopes is not None:
-        a = _array("alibi_slopes", o.alibi_slopes)
+        a = _array("alibi_slopes", o.alibi_slopes, host=True)
         if a.dtype not in _DTYPE_CODES:
             raise TypeError(f"alibi_slopes must be a float array, got dtype {a.dtype}")
         if a.shape not in ((Hq,), (B, Hq)):
@@ -188,19 +224,27 @@ def _broadcast_4d(name, x, B, Hq, Hk, Sq, Sk, is_mask, varlen):
         heads = " or ".join(str(h) for h in sorted({1, Hk, Hq}))
         raise ValueError(f"{name} of shape {a.shape} does not broadcast to (B, H, {rows}) = "
                          f"({B}, H, {Sq}, {Sk}) with H = {heads}")
-    return a, np.broadcast_to(a4, (B, heads, Sq, Sk)), heads
+    return a, _broadcast_to(a4, (B, heads, Sq, Sk)), heads
+
+
+def _broadcast_to(a, shape):
+    return a.broadcast_to(shape) if isinstance(a, DevView) else np.broadcast_to(a, shape)
 
 
 def _normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                max_seqlen_k=None, seqused_q=None, seqused_k=None, varlen=False):
     """Checks q, k, v and every option; returns a SimpleNamespace with the views the backends read."""
     o = types.SimpleNamespace(**opts)
-    o.device = _resolve_device(o.device)
+    o.like = q                  # results of a GPU call come back as q's library's arrays
     q = _float_array("q", q)
     k = _float_array("k", k)
     v = _float_array("v", v)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    o.device = _resolve_device(o.device, q, k, v)
+    o.on_gpu = isinstance(q, DevView)
+    o.cuda_device = q.device if o.on_gpu else 0
+    o.cuda_stream = q.stream if o.on_gpu else 0
     o.q, o.k, o.v = q, k, v
     if varlen:
         for name, x in (("q", q), ("k", k), ("v", v)):
@@ -303,6 +347,26 @@ def _normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q
     return o
 
 
+def _check_device_out(name, x, shape, dtype, inputs):
+    """out= for a GPU call: a CUDA array; returns its DevView."""
+    dv = _device_view(x)
+    if dv is None:
+        raise TypeError(f"{name} must be a CUDA array like q (this call runs on the GPU), got "
+                        f"{type(x).__name__}")
+    if dv.shape != tuple(shape) or dv.dtype != dtype:
+        raise ValueError(f"{name} must have shape {tuple(shape)} and dtype {dtype}, got "
+                         f"{dv.shape} and {dv.dtype}")
+    if dv.readonly:
+        raise ValueError(f"{name} is read-only")
+    if dv.size and any(s == 0 and n > 1 for s, n in zip(dv.strides, dv.shape)):
+        raise ValueError(f"{name} has a zero stride (strides {dv.strides}): it would write one "
+                         "element for several results")
+    for other_name, other in inputs:
+        if isinstance(other, DevView) and dv.overlaps(other):
+            raise ValueError(f"{name} shares memory with {other_name}")
+    return dv
+
+
 def _check_out(name, x, shape, dtype, inputs):
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
@@ -364,6 +428,8 @@ def _forward(o):
     inputs = [("q", o.q), ("k", o.k), ("v", o.v), ("bias", o.bias), ("mask", o.mask),
               ("alibi_slopes", o.alibi_slopes), ("cu_seqlens_q", o.cu_q), ("cu_seqlens_k", o.cu_k),
               ("seqused_q", o.used_q), ("seqused_k", o.used_k)]
+    if o.device == "cuda" and o.on_gpu:
+        return _forward_on_gpu(o, inputs)
     if o.out is not None:
         _check_out("out", o.out, o.out_shape, o.q.dtype, inputs)
         out = o.out
@@ -378,12 +444,30 @@ def _forward(o):
             r_out, r_lse = reference.attention(o.q, o.k, o.v, return_lse=True, **_reference_kwargs(o))
         out[...] = r_out.astype(out.dtype)
         lse[...] = r_lse
+    elif o.device == "cuda":
+        from . import cuda_backend
+        cuda_backend.forward(o, out, lse)
     else:
         # the C backend writes through aligned element pointers; a misaligned out= gets a copy
         target = out if out.flags.aligned else _new_output(o.out_shape, o.q.dtype)
         _C.forward(_problem(o, _as_bshd(o, target), _lse_3d(o, lse)))
         if target is not out:
             out[...] = target
+    return (out, lse) if o.return_lse else out
+
+
+def _forward_on_gpu(o, inputs):
+    """CUDA arrays in, the caller's library's arrays out (or out= written in place)."""
+    from . import cuda_backend, device
+    if _runs_on_reference(o):
+        raise NotImplementedError("score_mod / mask_mod on CUDA arrays: the GPU code generator "
+                                  "is not built yet; pass NumPy arrays (they run on the reference)")
+    user_out = o.out
+    if o.out is not None:
+        o.out = _check_device_out("out", o.out, o.out_shape, o.q.dtype, inputs)
+    out, lse = cuda_backend.forward(o, None, None)
+    out = user_out if user_out is not None else device.to_caller(out, o.like)
+    lse = device.to_caller(lse, o.like)
     return (out, lse) if o.return_lse else out
 
 
@@ -438,6 +522,11 @@ def _backward(o, dout, out, lse, deterministic):
     if lse.shape != o.lse_shape or lse.dtype != o.acc_dtype:
         raise ValueError(f"lse must have shape {o.lse_shape} and dtype {np.dtype(o.acc_dtype)} "
                          f"(as the forward returned it), got {lse.shape} and {lse.dtype}")
+    if o.device == "cuda" and o.on_gpu:
+        return _backward_on_gpu(o, dout, out, lse, deterministic)
+    if any(isinstance(x, DevView) for x in (dout, out, lse)) and (o.device != "cuda" or _runs_on_reference(o)):
+        raise TypeError("dout, out and lse are CUDA arrays but q, k, v live on the host; pass all "
+                        "of them on the GPU or all on the host")
     if _runs_on_reference(o):
         if o.varlen:
             g = reference.varlen_attention_backward(dout, o.q, o.k, o.v, out, lse, o.cu_q, o.cu_k,
@@ -450,6 +539,14 @@ def _backward(o, dout, out, lse, deterministic):
     dq = _new_output(o.q.shape, o.q.dtype)
     dk = _new_output(o.k.shape, o.q.dtype)
     dv = _new_output(o.v.shape, o.q.dtype)
+    if o.device == "cuda":
+        from . import cuda_backend
+        dbias_acc = None
+        if o.bias is not None:
+            dbias_acc = np.zeros((1,) * (4 - o.bias.ndim) + o.bias.shape, dtype=o.acc_dtype)
+        cuda_backend.backward(o, dout, out, lse, dq, dk, dv, dbias_acc, deterministic)
+        dbias = None if dbias_acc is None else dbias_acc.reshape(o.bias.shape).astype(o.bias.dtype)
+        return Grads(dq, dk, dv, dbias, {})
     prob = _problem(o, _as_bshd(o, out), _lse_3d(o, lse))
     prob.dout = _c_view(_as_bshd(o, dout))
     prob.dq, prob.dk, prob.dv = (_c_view(_as_bshd(o, x)) for x in (dq, dk, dv))
@@ -464,6 +561,18 @@ def _backward(o, dout, out, lse, deterministic):
         prob.dbias = np.lib.stride_tricks.as_strided(dbias_acc, target, strides)
     _C.backward(prob)
     dbias = None if dbias_acc is None else dbias_acc.reshape(o.bias.shape).astype(o.bias.dtype)
+    return Grads(dq, dk, dv, dbias, {})
+
+
+def _backward_on_gpu(o, dout, out, lse, deterministic):
+    """CUDA arrays in, gradients back as the caller's library's arrays."""
+    from . import cuda_backend, device
+    if _runs_on_reference(o):
+        raise NotImplementedError("score_mod / mask_mod on CUDA arrays: the GPU code generator "
+                                  "is not built yet; pass NumPy arrays (they run on the reference)")
+    dq, dk, dv, dbias = cuda_backend.backward(o, dout, out, lse, None, None, None, None, deterministic)
+    dq, dk, dv = (device.to_caller(x, o.like) for x in (dq, dk, dv))
+    dbias = None if dbias is None else device.to_caller(dbias, o.like)
     return Grads(dq, dk, dv, dbias, {})
 
 

@@ -1,6 +1,7 @@
 """Forward and backward timings: attnext against PyTorch's SDPA and the float64 reference.
 
     python -m attnext.bench [--device cpu] [--quick] [--reps N] [--rows TEXT] [--json PATH]
+    python -m attnext.bench --device cuda ...     the GPU benchmark: attnext/bench_cuda.py
 
 Every row is validated before it is timed (the kernel lab rule): attnext's out, lse, dq, dk and
 dv are compared with `attnext.reference` on the row's own shape when the reference is timed there
@@ -249,8 +250,16 @@ def _header(threads, ref_max_s):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    pre = argparse.ArgumentParser(prog="python -m attnext.bench", add_help=False)
+    pre.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    if pre.parse_known_args(argv)[0].device == "cuda":
+        from . import bench_cuda   # imports torch only when it runs
+        return bench_cuda.main(argv)
+
     p = argparse.ArgumentParser(prog="python -m attnext.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the GPU benchmark, its own options (--device cuda --help)")
     p.add_argument("--quick", action="store_true", help="a few small rows (smoke test)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (big rows: at most 3)")
     p.add_argument("--warmup", type=int, default=1)
@@ -259,10 +268,6 @@ def main(argv=None):
     p.add_argument("--rows", help="only the rows whose case name contains this text")
     p.add_argument("--json", metavar="PATH", help="also write the rows to this JSON file")
     args = p.parse_args(argv)
-    if args.device == "cuda":
-        print("CUDA benchmark: not available yet")
-        return 0
-
     threads = int(os.environ.get("ATTNEXT_NUM_THREADS") or attnext._C.openmp_threads() or 1)
     header = _header(threads, args.reference_max_s)
     print("\n".join(header))

@@ -14,15 +14,31 @@
 #ifndef ATTNEXT_ATTN_PARAMS_H
 #define ATTNEXT_ATTN_PARAMS_H
 
+/* The same text compiles as C (the CPU backend, the host side) and, handed to NVRTC as an
+ * in-memory header, as CUDA: no standard header exists there, so the fixed-width types are
+ * spelled out. ATTN_FN marks the small helpers both sides call. */
+#ifdef __CUDACC_RTC__
+typedef signed char int8_t;
+typedef int int32_t;
+typedef long long int64_t;
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+typedef unsigned long size_t;
+#define ATTN_FN static __device__ __forceinline__
+#else
 #include <stddef.h>
 #include <stdint.h>
+#define ATTN_FN static inline
+#endif
 
 typedef enum { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2, DT_F64 = 3 } attn_dtype;
 
-static inline size_t dtype_size(attn_dtype dt) { return dt == DT_F64 ? 8 : dt == DT_F32 ? 4 : 2; }
+ATTN_FN size_t dtype_size(attn_dtype dt) { return dt == DT_F64 ? 8 : dt == DT_F32 ? 4 : 2; }
 
 /* What lse and dbias are stored in, and what a backend accumulates in, for inputs of `dt`. */
-static inline attn_dtype acc_dtype(attn_dtype dt) { return dt == DT_F64 ? DT_F64 : DT_F32; }
+ATTN_FN attn_dtype acc_dtype(attn_dtype dt) { return dt == DT_F64 ? DT_F64 : DT_F32; }
 
 typedef enum { CAUSAL_NONE = 0, CAUSAL_BOTTOM_RIGHT = 1, CAUSAL_TOP_LEFT = 2 } attn_causal;
 
@@ -66,6 +82,9 @@ typedef struct {
      * into). dbias (B, Hb, Sq, Sk) float32 (float64 for DT_F64) is accumulated into: broadcast
      * dimensions have stride 0, so the sum over them lands in one element. */
     tensor4 dout, dq, dk, dv, dbias;
+    /* GPU backward scratch (the CPU backend keeps its own): delta (B, Hq, Sq) float32 =
+     * rowsum(dout * out) per row, laid out like lse; dq_accum (B, Sq, Hq, D) float32 */
+    tensor4 delta, dq_accum;
 
     int num_threads;             /* <= 0: the OpenMP default */
 } attn_params;

@@ -10,11 +10,11 @@
 
 #include "attn_params.h"
 
-static inline int64_t imin64(int64_t a, int64_t b) { return a < b ? a : b; }
-static inline int64_t imax64(int64_t a, int64_t b) { return a > b ? a : b; }
+ATTN_FN int64_t imin64(int64_t a, int64_t b) { return a < b ? a : b; }
+ATTN_FN int64_t imax64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* Key columns [*lo, *hi) that rows [r0, r1) may attend to (empty when *lo >= *hi). */
-static inline void kv_range(const attn_params *p, int64_t r0, int64_t r1, int64_t Lq, int64_t Lk,
+ATTN_FN void kv_range(const attn_params *p, int64_t r0, int64_t r1, int64_t Lq, int64_t Lk,
                             int64_t *lo, int64_t *hi)
 {
     int64_t off = Lk - Lq, l = 0, h = Lk;
@@ -31,7 +31,7 @@ static inline void kv_range(const attn_params *p, int64_t r0, int64_t r1, int64_
 }
 
 /* Query rows [*lo, *hi) that may attend to some key in [c0, c1). */
-static inline void q_range(const attn_params *p, int64_t c0, int64_t c1, int64_t Lq, int64_t Lk,
+ATTN_FN void q_range(const attn_params *p, int64_t c0, int64_t c1, int64_t Lq, int64_t Lk,
                            int64_t *lo, int64_t *hi)
 {
     int64_t off = Lk - Lq, l = 0, h = Lq;
@@ -48,7 +48,7 @@ static inline void q_range(const attn_params *p, int64_t c0, int64_t c1, int64_t
 }
 
 /* True when causal and window keep every pair of rows [r0, r1) x columns [c0, c1). */
-static inline int tile_inside_band(const attn_params *p, int64_t r0, int64_t r1, int64_t c0,
+ATTN_FN int tile_inside_band(const attn_params *p, int64_t r0, int64_t r1, int64_t c0,
                                    int64_t c1, int64_t Lq, int64_t Lk)
 {
     int64_t lo_last, hi_first, lo, hi;

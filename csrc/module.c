@@ -19,6 +19,9 @@
 
 #include "attn_params.h"
 #include "cpu.h"
+#include "cuda_driver.h"
+
+int attnext_cuda_attn_exec(PyObject *module);   /* cuda_attn.c */
 #include "seqlen.h"
 #include "simd.h"
 
@@ -328,6 +331,8 @@ static PyMethodDef methods[] = {
 };
 
 static PyModuleDef_Slot slots[] = {
+    {Py_mod_exec, (void *)attnext_cuda_exec},   /* the CUDA functions and PinnedBuffer */
+    {Py_mod_exec, (void *)attnext_cuda_attn_exec},   /* the attention launches */
 #if PY_VERSION_HEX >= 0x030C0000
     {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
 #endif
@@ -337,7 +342,7 @@ static PyModuleDef_Slot slots[] = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "attnext._C",
-    .m_doc = "attnext's C extension: the CPU backend (and, later, the CUDA host side).",
+    .m_doc = "attnext's C extension: the CPU backend and the CUDA host side.",
     .m_size = 0,
     .m_methods = methods,
     .m_slots = slots,

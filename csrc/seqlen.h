@@ -16,7 +16,7 @@ typedef struct {
     int64_t start, rows, len, mem_b;
 } seq_t;
 
-static inline seq_t seq_of(const int32_t *cu, const int32_t *used, int64_t static_len, int64_t b)
+ATTN_FN seq_t seq_of(const int32_t *cu, const int32_t *used, int64_t static_len, int64_t b)
 {
     seq_t s;
     s.start = cu ? cu[b] : 0;
@@ -26,23 +26,23 @@ static inline seq_t seq_of(const int32_t *cu, const int32_t *used, int64_t stati
     return s;
 }
 
-static inline seq_t seq_q(const attn_params *p, int64_t b)
+ATTN_FN seq_t seq_q(const attn_params *p, int64_t b)
 {
     return seq_of(p->cu_seqlens_q, p->seqused_q, p->Sq, b);
 }
 
-static inline seq_t seq_k(const attn_params *p, int64_t b)
+ATTN_FN seq_t seq_k(const attn_params *p, int64_t b)
 {
     return seq_of(p->cu_seqlens_k, p->seqused_k, p->Sk, b);
 }
 
 /* Rows of the q (or k) tensor past the last segment: padding of a packed batch. */
-static inline int64_t packed_end_q(const attn_params *p)
+ATTN_FN int64_t packed_end_q(const attn_params *p)
 {
     return p->cu_seqlens_q ? p->cu_seqlens_q[p->B] : p->Sq;
 }
 
-static inline int64_t packed_end_k(const attn_params *p)
+ATTN_FN int64_t packed_end_k(const attn_params *p)
 {
     return p->cu_seqlens_k ? p->cu_seqlens_k[p->B] : p->Sk;
 }

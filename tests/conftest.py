@@ -57,6 +57,11 @@ F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 DTYPES = [F16, BF16, F32, F64]
 DTYPE_IDS = {F16: "f16", BF16: "bf16", F32: "f32", F64: "f64"}
 
+# The backend the CPU suite runs on: ATTNEXT_TEST_DEVICE=cuda reruns the whole suite on the GPU
+# (tests/test_cuda.py does that under `pytest -m gpu`); dtypes the GPU has no kernels for skip.
+TEST_DEVICE = os.environ.get("ATTNEXT_TEST_DEVICE", "cpu")
+GPU_DTYPES = (F16, BF16)
+
 F64_RTOL, F64_ATOL = 1e-10, 1e-12
 F32_RTOL, F32_ATOL = 2e-5, 1e-6
 LOW_FACTOR = 3.0
@@ -109,6 +114,12 @@ def make_varlen_qkv(rng, tq, tk, hq, hk, d, dv=None, dtype=F32):
     dv = d if dv is None else dv
     return (randn(rng, (tq, hq, d), dtype), randn(rng, (tk, hk, d), dtype),
             randn(rng, (tk, hk, dv), dtype))
+
+
+def skip_unless_device_has(*dtypes):
+    """Skips a test of the CPU suite rerun on the GPU when the GPU has no kernel for a dtype."""
+    if TEST_DEVICE == "cuda" and any(np.dtype(d) not in GPU_DTYPES for d in dtypes):
+        pytest.skip(f"cuda: no kernels for {[str(np.dtype(d)) for d in dtypes]}")
 
 
 def poisoned(shape, dtype):
@@ -277,9 +288,9 @@ def rounded_out_allowance(q, k, v, dout, out, ref_out, varlen, opts):
     return a_dq, a_dk, _sum_to_bias_shape(pe, np.shape(bias))
 
 
-def check_cpu(q, k, v, rng, *, varlen=None, backward=True, out=None, dout=None, cond=1.0,
+def check_backend(q, k, v, rng, *, varlen=None, backward=True, out=None, dout=None, cond=1.0,
               **opts):
-    """Runs device="cpu" forward (and backward) and the reference on the same inputs; checks
+    """Runs the TEST_DEVICE backend's forward (and backward) and the reference on the same inputs; checks
     out, lse, dq, dk, dv and dbias (shapes, dtypes, values). Returns what it computed.
 
     varlen: None for attention(), else the dict of varlen_attention's length arguments
@@ -297,7 +308,8 @@ def check_cpu(q, k, v, rng, *, varlen=None, backward=True, out=None, dout=None, 
         rfwd, rbwd = reference.varlen_attention, reference.varlen_attention_backward
         lengths = dict(varlen)
     dtype = np.dtype(q.dtype)
-    res_out, lse = fwd(q, k, v, **lengths, device="cpu", return_lse=True, out=out, **opts)
+    skip_unless_device_has(dtype)
+    res_out, lse = fwd(q, k, v, **lengths, device=TEST_DEVICE, return_lse=True, out=out, **opts)
     r_out, r_lse = rfwd(q, k, v, **lengths, return_lse=True, **opts)
     if out is not None:
         assert res_out is out
@@ -312,7 +324,7 @@ def check_cpu(q, k, v, rng, *, varlen=None, backward=True, out=None, dout=None, 
         return result
     if dout is None:
         dout = randn(rng, res_out.shape, dtype)
-    g = bwd(dout, q, k, v, res_out, lse, **lengths, device="cpu", **opts)
+    g = bwd(dout, q, k, v, res_out, lse, **lengths, device=TEST_DEVICE, **opts)
     rg = rbwd(dout, q, k, v, res_out, lse, **lengths, **opts)
     floor = max(float(np.abs(x).max(initial=0.0)) for x in rg[:3])
     allowance = []

@@ -1,8 +1,16 @@
-"""Smoke test for `python -m attnext.bench`: the quick table runs, validates and writes its JSON."""
+"""Smoke tests for `python -m attnext.bench`: the quick CPU table runs, validates and writes its
+JSON; the CUDA benchmark's helpers and its row logic work without a GPU."""
 import json
 import math
 import subprocess
 import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import attnext
+from attnext import bench_cuda as bc
 
 TIMED = ("attnext_fwd_ms", "attnext_bwd_ms", "reference_fwd_ms", "reference_bwd_ms")
 KEYS = {"case", "B", "H", "S", "D", "causal", "seqlens", "note", "reps", "validated_on",
@@ -34,7 +42,296 @@ def test_quick_bench_writes_valid_rows(tmp_path):
             assert (_positive(row[key]) if torch_ran else row[key] is None), (row["case"], key)
 
 
-def test_cuda_placeholder_exits_cleanly():
-    proc = subprocess.run([sys.executable, "-m", "attnext.bench", "--device", "cuda"],
+# --- the CUDA benchmark, on a machine without CUDA ---
+
+def _torch_has_cuda():
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(_torch_has_cuda(), reason="this machine has CUDA: the benchmark would run")
+def test_cuda_bench_without_cuda_says_so_and_exits_2(tmp_path):
+    """Documented: exit status 2 and one clear line when nothing can be measured; no traceback,
+    no JSON written."""
+    path = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, "-m", "attnext.bench", "--device", "cuda", "--quick",
+                           "--json", str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "nothing measured" in proc.stdout
+    assert "Traceback" not in proc.stderr
+    assert not path.exists()
+
+
+def test_cuda_bench_help_and_bad_peer():
+    proc = subprocess.run([sys.executable, "-m", "attnext.bench", "--device=cuda", "--help"],
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and "not available yet" in proc.stdout
+    assert proc.returncode == 0 and "--plot" in proc.stdout and "--peers" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "attnext.bench", "--device", "cuda", "--peers",
+                           "flash,sdpa"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown peers" in proc.stderr
+
+
+def test_bench_cuda_imports_without_torch():
+    """attnext.bench_cuda (and the CPU benchmark's dispatch to it) import torch only to run."""
+    code = "import sys, attnext.bench_cuda; print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "False", proc.stdout + proc.stderr
+
+
+def test_flops_counting():
+    assert bc.attention_flops(2, 16, 2048, 2048, 128) == 4 * 2 * 16 * 2048 * 2048 * 128
+    assert bc.attention_flops(2, 16, 2048, 2048, 128, causal=True) == 2 * 2 * 16 * 2048 * 2048 * 128
+    assert bc.attention_flops(1, 8, 512, 512, 64, causal=True, backward=True) == \
+        2.5 * bc.attention_flops(1, 8, 512, 512, 64, causal=True)
+    # every plain row does the same work per token-pair budget: B*S = 16k tokens, H*D = 2048
+    case = bc.plain_case(4096, 64, False)
+    assert (case.B, case.Hq, case.Hk) == (4, 32, 32)
+    assert case.flops() == 4 * 4 * 32 * 4096 ** 2 * 64
+    assert case.flops(backward=True) == 2.5 * case.flops()
+    assert bc.tflops(1e12, 1000.0) == pytest.approx(1.0) and bc.tflops(1e12, None) is None
+
+
+def test_packed_flops_and_document_split():
+    lens = bc.document_lengths()
+    assert len(lens) == bc.DOCS == 7 and sum(lens) == bc.TOKENS == 16384
+    assert all(n >= 1 for n in lens) and len(set(lens)) > 1
+    assert lens == bc.document_lengths()                       # seeded: the same every run
+    assert sum(bc.document_lengths(100, 7, seed=3)) == 100
+    packed = next(c for c in bc.cases() if c.kind == "packed")
+    assert packed.lens == lens and packed.causal and (packed.Hq, packed.D) == (16, 128)
+    assert packed.flops() == sum(2 * 16 * n * n * 128 for n in lens)   # causal: half of 4*H*n^2*D
+    assert packed.flops() < bc.attention_flops(1, 16, 16384, 16384, 128, causal=True)
+
+
+def test_decode_bytes_and_case_grid():
+    decode = [c for c in bc.cases() if c.kind == "decode"]
+    assert [(c.B, c.Sk) for c in decode] == [(1, 32768), (8, 8192), (64, 4096)]
+    assert all((c.Sq, c.Hq, c.Hk, c.D) == (1, 32, 8, 128) for c in decode)
+    assert decode[0].kv_bytes() == 2 * 32768 * 8 * 128 * 2
+    assert bc.gbps(1e9, 1000.0) == pytest.approx(1.0)
+    full = bc.cases()
+    plain = [c for c in full if c.kind == "plain"]
+    assert len(plain) == 24 and {c.Sq for c in plain} == set(bc.SEQLENS)
+    assert all(c.B * c.Sq == 16384 and c.Hq * c.D == 2048 for c in plain)
+    assert len({c.name for c in full}) == len(full)
+    quick = bc.cases(quick=True)
+    assert {c.kind for c in quick} == {"plain", "packed", "decode", "numpy"}
+    assert all(c.Sq == 2048 and c.D == 128 for c in quick if c.kind == "plain")
+    assert sum(c.kind == "decode" for c in quick) == 1
+
+
+def _result(ms, status="ok", reason=None, note=None):
+    return {"ms": ms, "status": status, "reason": reason, "note": note}
+
+
+def test_row_ratios_targets_and_table():
+    case = bc.plain_case(2048, 128, True)
+    results = {"attnext": {"fwd": _result(1.0),
+                           "bwd": _result(None, "error", "NotImplementedError: x")},
+               "flash": {"fwd": _result(1.25), "bwd": _result(2.0)},
+               "cudnn": {"fwd": _result(0.8), "bwd": _result(1.0)},
+               "efficient": {"fwd": _result(None, "error", "RuntimeError: no kernel")},
+               "flex": {"fwd": _result(None, "WRONG", "out off by 1")}}
+    fwd = bc._finish(case, "fwd", results, 3.0)
+    assert fwd["attnext_rate"] == pytest.approx(case.flops() / 1e9)
+    assert fwd["ratio_flash"] == pytest.approx(1.25) and fwd["ratio_best"] == pytest.approx(0.8)
+    assert fwd["best_peer"] == "cudnn"
+    assert fwd["target"] == ">=1.0x flash" and fwd["target_met"] is True
+    bwd = bc._finish(case, "bwd", results, 3.0)
+    assert bwd["attnext_rate"] is None and bwd["ratio_flash"] is None and bwd["target_met"] is None
+    assert bwd["flex_status"] == "skipped"
+    assert bwd["flash_rate"] == pytest.approx(2.5 * case.flops() / 2e9)
+
+    line = bc.format_row(fwd)
+    cells = line.split()
+    assert line.startswith(case.name) and "WRONG" in cells and "1.25x" in cells
+    assert "ok >=1.0x flash" in line
+    title = bc.format_header("plain")
+    assert title.index("flash") < title.index("cudnn") < title.index("ax/flash")
+    assert len(line.split("ok")[0]) == len(title.split("target")[0])   # columns line up
+    assert bc.format_row(bwd).split()[len(case.name.split()):][:3] == ["bwd", "-", "-"]
+    text = "\n".join(bc.notes([fwd, bwd]))
+    assert "attnext error" in text and "NotImplementedError: x" in text
+    assert "flex WRONG" in text and "efficient error" in text
+
+
+def test_plot_without_matplotlib(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert bc.write_plot([], str(tmp_path / "p.png")).startswith("no plot: matplotlib")
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_plot_with_matplotlib(tmp_path):
+    pytest.importorskip("matplotlib")
+    case = bc.plain_case(2048, 128, False)
+    rows = [bc._finish(case, d, {"attnext": {d: _result(1.0)}, "flash": {d: _result(1.1)}}, 1.0)
+            for d in ("fwd", "bwd")]
+    path = tmp_path / "p.png"
+    assert bc.write_plot(rows, str(path)) == f"plot written to {path}"
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+# --- the row logic end to end, on CPU torch tensors with a stand-in for attnext's GPU API ---
+
+class FakeAttnext:
+    """attnext's CUDA-facing API on CPU torch tensors, computed by the benchmark's own float32
+    reference; `fault` makes it return wrong numbers ("wrong") or raise in the backward."""
+
+    def __init__(self, fault=None):
+        self.fault = fault
+
+    def _give(self, out_f32, out, q, lse_shape, return_lse):
+        import torch
+        res = out_f32.to(torch.bfloat16) + (1 if self.fault == "wrong" else 0)
+        if out is not None:
+            out.copy_(res)
+            res = out
+        return (res, torch.zeros(lse_shape)) if return_lse else res
+
+    def attention(self, q, k, v, *, causal=False, device=None, out=None, return_lse=False):
+        assert device == "cuda"
+        if isinstance(q, np.ndarray):
+            o, _ = bc.reference(*(bc._numpy_to_bf16(x, "cpu") for x in (q, k, v)), causal=causal)
+            return bc._bf16_to_numpy(self._give(o, None, None, None, False))
+        o, _ = bc.reference(q, k, v, causal=causal)
+        return self._give(o, out, q, (q.shape[0], q.shape[2], q.shape[1]), return_lse)
+
+    def attention_backward(self, dout, q, k, v, out, lse, *, causal=False, device=None):
+        if self.fault == "raise":
+            raise NotImplementedError("the CUDA backward is not built yet")
+        _, g = bc.reference(q, k, v, dout, causal)
+        return self._grads(g, q)
+
+    def _grads(self, g, q):
+        shift = 1 if self.fault == "wrong" else 0
+        return attnext.Grads(*(x.to(q.dtype) + shift for x in g), None, {})
+
+    def varlen_attention(self, q, k, v, cu_q, cu_k, *, max_seqlen_q, max_seqlen_k, causal,
+                         device, out=None, return_lse=False):
+        assert max_seqlen_q == int(np.diff(cu_q.numpy()).max())
+        o, _ = bc.packed_reference(q, k, v, q, np.diff(cu_q.numpy()))
+        return self._give(o, out, q, (q.shape[1], q.shape[0]), return_lse)
+
+    def varlen_attention_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, **kw):
+        if self.fault == "raise":
+            raise NotImplementedError("the CUDA backward is not built yet")
+        _, g = bc.packed_reference(q, k, v, dout, np.diff(cu_q.numpy()))
+        return self._grads(g, q)
+
+
+def _cpu_run(monkeypatch, fault=None, peers=("flash", "cudnn")):
+    pytest.importorskip("torch")
+    monkeypatch.setattr(bc, "attnext", FakeAttnext(fault))
+
+    def one_call(fn):
+        fn()
+        return 1.0
+    return bc.Run("cpu", one_call, peers)
+
+
+def test_plain_rows_on_cpu(monkeypatch):
+    run = _cpu_run(monkeypatch)
+    case = bc.Case("plain", 2, 96, 96, 4, 4, 32, True)
+    fwd, bwd = bc.case_rows(run, case)
+    for row in (fwd, bwd):
+        assert row["attnext_status"] == "ok", row["attnext_reason"]
+        assert row["attnext_ms"] == 1.0 and _positive(row["attnext_wall_ms"])
+        assert all(e < bc.TOL for e in row["attnext_rel_errors"].values())
+        assert row["flash_status"] == "ok", row["flash_reason"]   # CPU SDPA has a flash kernel
+        assert row["ratio_flash"] == pytest.approx(1.0)
+        assert row["cudnn_status"] == "error" and row["cudnn_reason"]
+        assert row["efficient_status"] == row["flex_status"] == "skipped"
+    assert set(bwd["attnext_rel_errors"]) == {"dq", "dk", "dv"}
+    json.dumps([fwd, bwd])
+
+
+def test_wrong_results_are_not_timed(monkeypatch):
+    run = _cpu_run(monkeypatch, "wrong", peers=())
+    fwd, bwd = bc.case_rows(run, bc.Case("plain", 1, 64, 64, 2, 2, 16, False))
+    assert fwd["attnext_status"] == "WRONG" and fwd["attnext_ms"] is None
+    assert "out off by" in fwd["attnext_reason"]
+    assert bwd["attnext_status"] == "WRONG" and "dq off by" in bwd["attnext_reason"]
+    assert "WRONG" in bc.format_row(fwd).split()
+
+
+def test_attnext_exception_is_a_dash_with_its_text(monkeypatch):
+    run = _cpu_run(monkeypatch, "raise", peers=())
+    fwd, bwd = bc.case_rows(run, bc.Case("plain", 1, 64, 64, 2, 2, 16, True))
+    assert fwd["attnext_status"] == "ok"
+    assert bwd["attnext_status"] == "error" and bwd["attnext_ms"] is None
+    assert bwd["attnext_reason"] == "NotImplementedError: the CUDA backward is not built yet"
+    assert "the CUDA backward is not built yet" in "\n".join(bc.notes([fwd, bwd]))
+
+
+def test_packed_rows_on_cpu(monkeypatch):
+    """attnext varlen and SDPA flash on the padded batch both match the per-document reference."""
+    run = _cpu_run(monkeypatch)
+    lens = (5, 37, 18)
+    case = bc.Case("packed", 1, sum(lens), sum(lens), 2, 2, 16, True, lens)
+    fwd, bwd = bc.case_rows(run, case)
+    for row in (fwd, bwd):
+        assert row["attnext_status"] == "ok", row["attnext_reason"]
+        assert row["flash_status"] == "ok", row["flash_reason"]
+        assert row["target"] == ">=1.0x flex" and row["target_met"] is None   # flex not run
+    assert fwd["attnext_rate"] == pytest.approx(case.flops() / 1e9)
+
+
+def test_decode_rows_on_cpu(monkeypatch):
+    run = _cpu_run(monkeypatch)
+    case = bc.Case("decode", 3, 1, 50, 4, 2, 16, False)
+    (row,) = bc.case_rows(run, case)
+    assert row["unit"] == "GB/s" and row["attnext_rate"] == pytest.approx(case.kv_bytes() / 1e6)
+    assert row["attnext_status"] == "ok", row["attnext_reason"]
+    assert row["flash_status"] == "ok", row["flash_reason"]
+    assert row["target"] == ">=0.9x best" and row["target_met"] is True
+
+
+def test_numpy_row_on_cpu(monkeypatch):
+    """The NumPy path validates and times; the pinned floor needs CUDA and says so."""
+    import torch
+    run = _cpu_run(monkeypatch)
+    (row,) = bc.case_rows(run, bc.plain_case(64, 16, True, "numpy", B=2))
+    assert row["attnext_status"] == "ok", row["attnext_reason"]
+    assert _positive(row["attnext_ms"])
+    assert row["bytes_in"] == 3 * row["bytes_out"] == 3 * 2 * 64 * (2048 // 16) * 16 * 2
+    if not torch.cuda.is_available():
+        assert row["floor_ms"] is None and row["floor_status"] == "error"
+        assert row["target_met"] is None
+    assert bc.format_row(row).startswith("numpy B2 S64")
+    q = np.random.default_rng(0).standard_normal((3, 5)).astype(ml_dtypes.bfloat16)
+    assert (bc._bf16_to_numpy(bc._numpy_to_bf16(q, "cpu")) == q).all()
+
+
+@pytest.mark.parametrize("fault, status", [(None, 0), ("wrong", 1)])
+def test_main_end_to_end_on_cpu(monkeypatch, tmp_path, capsys, fault, status):
+    """main() as on the GPU (sections, table, notes, JSON, plot line, exit status), with the
+    rows run on CPU tensors: exit 1 when an attnext result is WRONG."""
+    import torch
+    _cpu_run(monkeypatch, fault)
+    monkeypatch.setattr(bc, "DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bc, "header", lambda timing: ["GPU name, date", f"times: {timing}"])
+    monkeypatch.setattr(bc, "make_timer", lambda warmup, rep: ((lambda fn: (fn(), 1.0)[1]), "fake"))
+    tiny = [bc.Case("plain", 1, 80, 80, 2, 2, 16, c) for c in (False, True)] + [
+        bc.Case("packed", 1, 40, 40, 2, 2, 16, True, (9, 31)),
+        bc.Case("decode", 2, 1, 70, 4, 2, 16, False), bc.plain_case(32, 16, False, "numpy", B=1)]
+    monkeypatch.setattr(bc, "cases", lambda quick: tiny)
+    path = tmp_path / "rows.json"
+    assert bc.main(["--device", "cuda", "--peers", "flash", "--json", str(path),
+                    "--plot", str(tmp_path / "p.png")]) == status
+    text = capsys.readouterr().out
+    for title in bc.SECTION_TITLES.values():
+        assert title in text
+    assert "total" in text and ("no plot" in text or "plot written" in text)
+    saved = json.loads(path.read_text())
+    assert saved["header"][1] == "times: fake"
+    rows = saved["rows"]
+    assert len(rows) == 2 * 2 + 2 + 1 + 1
+    want = "WRONG" if fault else "ok"
+    assert {r["attnext_status"] for r in rows} == {want}
+    assert all(r["cudnn_status"] == "skipped" for r in rows if r["section"] != "numpy")

@@ -1,6 +1,7 @@
-"""The CPU backend (device="cpu") against the float64 reference, forward and backward.
+"""The CPU backend against the float64 reference, forward and backward.
 
-Every check goes through conftest.check_cpu: out, lse, dq, dk, dv and dbias against the
+With ATTNEXT_TEST_DEVICE=cuda the same tests run on the GPU (DEVICE; tests/test_cuda.py).
+Every check goes through conftest.check_backend: out, lse, dq, dk, dv and dbias against the
 reference on the same inputs, with the three-way tolerance described in conftest.py.
 """
 import os
@@ -15,8 +16,10 @@ import pytest
 
 import attnext
 from attnext import _C, reference
-from conftest import (BF16, DTYPES, F16, F32, F64, assert_close, check_cpu, dtype_id, make_qkv,
-                      make_varlen_qkv, poisoned, randn)
+from conftest import (BF16, DTYPES, F16, F32, F64, TEST_DEVICE, assert_close, check_backend,
+                      dtype_id, make_qkv, make_varlen_qkv, poisoned, randn)
+
+DEVICE = TEST_DEVICE
 
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
@@ -37,7 +40,7 @@ CAUSAL = [False, True, "top_left"]
 def test_grid(dtype, heads, causal, window, sq, sk, layout, rng):
     hq, hk = HEADS[heads]
     q, k, v = make_qkv(rng, 2, sq, sk, hq, hk, 40, 33, dtype, layout)
-    check_cpu(q, k, v, rng, causal=causal, window=window, layout=layout)
+    check_backend(q, k, v, rng, causal=causal, window=window, layout=layout)
 
 
 HEAD_DIMS = [(1, 1), (40, 40), (59, 59), (96, 96), (128, 128), (192, 128), (256, 256), (59, 17),
@@ -50,7 +53,7 @@ HEAD_DIMS = [(1, 1), (40, 40), (59, 59), (96, 96), (128, 128), (192, 128), (256,
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_head_dims(dtype, d, dv, sq, sk, causal, rng):
     q, k, v = make_qkv(rng, 1, sq, sk, 2, 1, d, dv, dtype)
-    check_cpu(q, k, v, rng, causal=causal)
+    check_backend(q, k, v, rng, causal=causal)
 
 
 WINDOWS = [(0, 0), (-1, 0), (0, -1), (5, -1), (-1, 3), (1, 1), (300, 300), (40, 2)]
@@ -62,7 +65,7 @@ WINDOWS = [(0, 0), (-1, 0), (0, -1), (5, -1), (-1, 3), (1, 1), (300, 300), (40, 
 @pytest.mark.parametrize("window", WINDOWS, ids=[f"win{a}_{b}" for a, b in WINDOWS])
 def test_windows(window, sq, sk, causal, rng):
     q, k, v = make_qkv(rng, 1, sq, sk, 2, 2, 24, 16, F32)
-    check_cpu(q, k, v, rng, causal=causal, window=window)
+    check_backend(q, k, v, rng, causal=causal, window=window)
 
 
 SMALL_CASES = {
@@ -99,7 +102,7 @@ def _small_case(rng, dtype, case, sq, sk):
 def test_small_grid(dtype, case, sq, sk, rng):
     """Every feature once per dtype: the set each SIMD variant runs (test_simd_variants)."""
     q, k, v, varlen, opts = _small_case(rng, dtype, case, sq, sk)
-    check_cpu(q, k, v, rng, varlen=varlen, **opts)
+    check_backend(q, k, v, rng, varlen=varlen, **opts)
 
 
 def test_simd_name():
@@ -176,7 +179,7 @@ def test_varlen(dtype, causal, seqused, heads, rng):
     varlen = dict(cu_seqlens_q=VARLEN_CU_Q, cu_seqlens_k=VARLEN_CU_K)
     if seqused:
         varlen.update(seqused_q=VARLEN_USED_Q, seqused_k=VARLEN_USED_K)
-    res = check_cpu(q, k, v, rng, varlen=varlen, causal=causal)
+    res = check_backend(q, k, v, rng, varlen=varlen, causal=causal)
     assert res.out.shape == (TQ, hq, 24) and res.lse.shape == (hq, TQ)
     _check_varlen_padding(res, seqused)
 
@@ -198,7 +201,7 @@ def test_varlen_everything(dtype, seqused, rng):
                 bias=randn(rng, (nseq, hk, mq, mk), F32),
                 mask=rng.random((nseq, 1, 1, mk)) < 0.85,
                 alibi_slopes=rng.uniform(0.0, 0.2, (nseq, hq)))
-    res = check_cpu(q, k, v, rng, varlen=varlen, **opts)
+    res = check_backend(q, k, v, rng, varlen=varlen, **opts)
     _check_varlen_padding(res, seqused)
 
 
@@ -206,7 +209,7 @@ def test_varlen_all_padding(rng):
     """cu_seqlens of only empty sequences: every row is padding."""
     q, k, v = make_varlen_qkv(rng, 5, 4, 2, 1, 8)
     varlen = dict(cu_seqlens_q=np.array([0, 0, 0]), cu_seqlens_k=np.array([0, 0, 0]))
-    res = check_cpu(q, k, v, rng, varlen=varlen, out=poisoned((5, 2, 8), F32))
+    res = check_backend(q, k, v, rng, varlen=varlen, out=poisoned((5, 2, 8), F32))
     assert (res.out == 0).all() and (res.lse == -np.inf).all()
     assert all((x == 0).all() for x in res.grads[:3])
 
@@ -219,7 +222,7 @@ def test_seqlens(dtype, causal, layout, rng):
     sq, sk = 70, 90
     seqlens_q, seqlens_k = np.array([70, 0, 17, 33]), np.array([41, 90, 0, 90])
     q, k, v = make_qkv(rng, 4, sq, sk, 4, 2, 24, 20, dtype, layout)
-    res = check_cpu(q, k, v, rng, causal=causal, layout=layout, seqlens_q=seqlens_q,
+    res = check_backend(q, k, v, rng, causal=causal, layout=layout, seqlens_q=seqlens_q,
                     seqlens_k=seqlens_k, bias=randn(rng, (4, 1, sq, sk), F32))
     out, dq, dk, dv = res.out, res.grads.dq, res.grads.dk, res.grads.dv
     if layout == "bhsd":
@@ -261,7 +264,7 @@ def test_bias_shapes(dtype, shape, given, bias_dtype, rng):
     else:   # negative strides
         bias = np.flip(randn(rng, declared, bias_dtype))
     q, k, v = make_qkv(rng, B_, SQ_, SK_, HQ_, HK_, 32, 24, dtype)
-    res = check_cpu(q, k, v, rng, bias=bias, causal="top_left")
+    res = check_backend(q, k, v, rng, bias=bias, causal="top_left")
     assert res.grads.dbias.shape == declared and res.grads.dbias.dtype == bias_dtype
 
 
@@ -270,15 +273,15 @@ def test_bias_is_indexed_batch_head_row_col(layout, rng):
     """The bias broadcasts to (B, H, Sq, Sk) whatever the layout of q, k, v."""
     q, k, v = make_qkv(rng, 2, 30, 40, 4, 2, 16, 16, F64, layout)
     bias = randn(rng, (2, 4, 30, 40), F64)
-    check_cpu(q, k, v, rng, bias=bias, layout=layout)
+    check_backend(q, k, v, rng, bias=bias, layout=layout)
 
 
 def test_scalar_bias_and_mask(rng):
     """0-d bias and mask broadcast to everything; dbias comes back 0-d."""
     q, k, v = make_qkv(rng, 2, 20, 30, 2, 1, 8, 8, F32)
-    res = check_cpu(q, k, v, rng, bias=np.array(0.5, F32), mask=np.array(True), causal=True)
+    res = check_backend(q, k, v, rng, bias=np.array(0.5, F32), mask=np.array(True), causal=True)
     assert res.grads.dbias.shape == ()
-    res = check_cpu(q, k, v, rng, mask=np.array(False))
+    res = check_backend(q, k, v, rng, mask=np.array(False))
     assert (res.out == 0).all() and (res.lse == -np.inf).all()
 
 
@@ -290,7 +293,7 @@ def test_bias_with_neg_inf(rng):
     bias[1, 0, 5, 10:] = -np.inf               # the rest of a causal row
     bias[1, 0, 7, ::2] = -np.inf               # some entries
     bias[:, :, :, 29] = -np.inf                # a whole column
-    res = check_cpu(q, k, v, rng, bias=bias, causal="top_left")
+    res = check_backend(q, k, v, rng, bias=bias, causal="top_left")
     assert (res.lse[0, :, 3] == -np.inf).all() and (res.out[0, 3] == 0).all()
     assert (res.grads.dq[0, 3] == 0).all()
     assert np.isfinite(res.lse[1, :, 5]).all()
@@ -319,7 +322,7 @@ def test_mask_shapes(dtype, shape, given, rng):
     else:   # negative strides
         mask = np.flip(rng.random(declared) < 0.7)
     q, k, v = make_qkv(rng, B_, SQ_, SK_, HQ_, HK_, 32, 24, dtype)
-    check_cpu(q, k, v, rng, mask=mask, bias=randn(rng, (SK_,), F32))
+    check_backend(q, k, v, rng, mask=mask, bias=randn(rng, (SK_,), F32))
 
 
 @pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal", "top_left"])
@@ -331,7 +334,7 @@ def test_fully_masked_rows(dtype, causal, rng):
     mask = rng.random((2, 1, sq, sk)) < 0.6
     mask[0, 0, [0, 17, 64, 65, 89]] = False        # rows across tiles
     mask[1, 0, :, :] = mask[1, 0, :, :] & (np.arange(sq) % 3 != 0)[:, None]
-    res = check_cpu(q, k, v, rng, mask=mask, causal=causal, bias=randn(rng, (sq, sk), F32))
+    res = check_backend(q, k, v, rng, mask=mask, causal=causal, bias=randn(rng, (sq, sk), F32))
     for b, rows in ((0, [0, 17, 64, 65, 89]), (1, list(range(0, sq, 3)))):
         assert (res.lse[b, :, rows] == -np.inf).all()
         assert (res.out[b, rows] == 0).all() and (res.grads.dq[b, rows] == 0).all()
@@ -340,7 +343,7 @@ def test_fully_masked_rows(dtype, causal, rng):
 def test_mask_all_false(rng):
     q, k, v = make_qkv(rng, 2, 33, 65, 2, 2, 8, 8, F32)
     mask = np.broadcast_to(np.zeros((1, 1, 1, 1), bool), (2, 2, 33, 65))
-    res = check_cpu(q, k, v, rng, mask=mask, bias=randn(rng, (2, 1, 1, 65), F32))
+    res = check_backend(q, k, v, rng, mask=mask, bias=randn(rng, (2, 1, 1, 65), F32))
     assert (res.out == 0).all() and (res.lse == -np.inf).all()
     assert all((x == 0).all() for x in res.grads[:4])
 
@@ -354,20 +357,20 @@ def test_mask_all_false(rng):
 def test_alibi(dtype, causal, per_batch, slopes_dtype, rng):
     q, k, v = make_qkv(rng, 2, 50, 83, 4, 2, 24, 24, dtype)
     slopes = rng.uniform(0.0, 0.5, (2, 4) if per_batch else (4,)).astype(slopes_dtype)
-    check_cpu(q, k, v, rng, alibi_slopes=slopes, causal=causal)
+    check_backend(q, k, v, rng, alibi_slopes=slopes, causal=causal)
 
 
 @pytest.mark.parametrize("softcap", [0.3, 2.0, 50.0])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_softcap(dtype, softcap, rng):
     q, k, v = make_qkv(rng, 2, 66, 131, 4, 1, 48, 40, dtype)
-    check_cpu(q, k, v, rng, softcap=softcap, scale=0.5, causal=True)
+    check_backend(q, k, v, rng, softcap=softcap, scale=0.5, causal=True)
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.4, 0.05, 2.5, 7])
 def test_scale(scale, rng):
     q, k, v = make_qkv(rng, 1, 70, 90, 2, 2, 20, 20, F64)
-    check_cpu(q, k, v, rng, scale=scale, causal="top_left")
+    check_backend(q, k, v, rng, scale=scale, causal="top_left")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
@@ -380,7 +383,7 @@ def test_large_scores(dtype, rng):
     bias[:, :, ::7, ::3] = -1e4
     # |scores| reach ~200 (> log(FLT_MAX) = 88): their own float32 round-off, 200 * eps ~ 2.4e-5,
     # moves P by as much relative, so the relative allowance (2e-5) is scaled by cond
-    check_cpu(q, k, v, rng, scale=8.0, bias=bias, causal=True, cond=4.0)
+    check_backend(q, k, v, rng, scale=8.0, bias=bias, causal=True, cond=4.0)
 
 
 COMBO_LENGTHS = [(1, 1), (37, 200), (200, 37), (128, 128)]
@@ -399,7 +402,7 @@ def test_everything_together(dtype, causal, sq, sk, layout, rng):
                 mask=rng.random((1, 1, sq, sk)) < 0.9,
                 alibi_slopes=rng.uniform(0, 0.1, (b, hq)),
                 seqlens_q=np.array([sq, max(sq - 5, 0)]), seqlens_k=np.array([max(sk - 9, 1), sk]))
-    check_cpu(q, k, v, rng, **opts)
+    check_backend(q, k, v, rng, **opts)
 
 
 # --- strides, broadcasting, read-only inputs, out= ---
@@ -430,7 +433,7 @@ def _noncontiguous(rng, kind, dtype, b=2, sq=41, sk=67, hq=4, hk=2, d=24, dv=16)
 def test_noncontiguous(dtype, kind, causal, rng):
     q, k, v = _noncontiguous(rng, kind, dtype)
     assert not (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous)
-    res = check_cpu(q, k, v, rng, causal=causal)
+    res = check_backend(q, k, v, rng, causal=causal)
     g = res.grads
     assert g.dk.shape == k.shape and g.dv.shape == v.shape and g.dq.shape == q.shape
     if kind.startswith("broadcast"):   # a gradient per broadcast copy, not their sum
@@ -443,7 +446,7 @@ def test_noncontiguous_varlen(rng):
     v = randn(rng, (TK, 2, 16), F32)[::-1]
     varlen = dict(cu_seqlens_q=VARLEN_CU_Q, cu_seqlens_k=VARLEN_CU_K, seqused_q=VARLEN_USED_Q,
                   seqused_k=VARLEN_USED_K)
-    res = check_cpu(q, k, v, rng, varlen=varlen, causal=True)
+    res = check_backend(q, k, v, rng, varlen=varlen, causal=True)
     _check_varlen_padding(res, True)
 
 
@@ -460,14 +463,14 @@ def _misaligned(values):
 def test_misaligned(dtype, rng):
     q, k, v = (_misaligned(x) for x in make_qkv(rng, 2, 37, 50, 4, 2, 24, 16, dtype))
     out = _misaligned(poisoned((2, 37, 4, 16), dtype))
-    check_cpu(q, k, v, rng, out=out, causal=True, bias=_misaligned(randn(rng, (37, 50), F32)))
+    check_backend(q, k, v, rng, out=out, causal=True, bias=_misaligned(randn(rng, (37, 50), F32)))
 
 
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 def test_backward_reads_strided_dout_out_lse(layout, rng):
     """dout, out and lse as strided views give the same bits as contiguous copies."""
     q, k, v = make_qkv(rng, 2, 70, 90, 4, 2, 24, 16, F32, layout)
-    opts = dict(causal=True, layout=layout, bias=randn(rng, (90,), F32), device="cpu")
+    opts = dict(causal=True, layout=layout, bias=randn(rng, (90,), F32), device=DEVICE)
     out, lse = attnext.attention(q, k, v, return_lse=True, **opts)
     dout = randn(rng, out.shape, F32)
     want = attnext.attention_backward(dout, q, k, v, out, lse, **opts)
@@ -512,17 +515,17 @@ def test_inputs_read_only_and_unchanged(dtype, varlen, rng):
     fq, fk, fv = frozen.pop("q"), frozen.pop("k"), frozen.pop("v")
     if varlen:
         cu = (frozen.pop("cu_seqlens_q"), frozen.pop("cu_seqlens_k"))
-        out, lse = attnext.varlen_attention(fq, fk, fv, *cu, device="cpu", return_lse=True,
+        out, lse = attnext.varlen_attention(fq, fk, fv, *cu, device=DEVICE, return_lse=True,
                                             **frozen)
         dout = _frozen(randn(rng, out.shape, dtype))
         saved = (out.copy(), lse.copy(), dout.copy())
-        g = attnext.varlen_attention_backward(dout, fq, fk, fv, out, lse, *cu, device="cpu",
+        g = attnext.varlen_attention_backward(dout, fq, fk, fv, out, lse, *cu, device=DEVICE,
                                               **frozen)
     else:
-        out, lse = attnext.attention(fq, fk, fv, device="cpu", return_lse=True, **frozen)
+        out, lse = attnext.attention(fq, fk, fv, device=DEVICE, return_lse=True, **frozen)
         dout = _frozen(randn(rng, out.shape, dtype))
         saved = (out.copy(), lse.copy(), dout.copy())
-        g = attnext.attention_backward(dout, fq, fk, fv, out, lse, device="cpu", **frozen)
+        g = attnext.attention_backward(dout, fq, fk, fv, out, lse, device=DEVICE, **frozen)
     for name, x in arrays.items():
         if isinstance(x, np.ndarray):
             np.testing.assert_array_equal(x, copies[name], err_msg=name)
@@ -534,10 +537,10 @@ def test_inputs_read_only_and_unchanged(dtype, varlen, rng):
 @pytest.mark.parametrize("frozen", ["out", "lse"])
 def test_backward_reads_read_only_out_and_lse(frozen, rng):
     q, k, v = make_qkv(rng, 1, 8, 8, 1, 1, 4, 4, F32)
-    out, lse = attnext.attention(q, k, v, device="cpu", return_lse=True)
+    out, lse = attnext.attention(q, k, v, device=DEVICE, return_lse=True)
     saved = out.copy(), lse.copy()
     out, lse = (_frozen(x) if name == frozen else x for name, x in (("out", out), ("lse", lse)))
-    g = attnext.attention_backward(np.ones_like(out), q, k, v, out, lse, device="cpu")
+    g = attnext.attention_backward(np.ones_like(out), q, k, v, out, lse, device=DEVICE)
     want = reference.attention_backward(np.ones_like(out), q, k, v, out, lse)
     assert_close("dq", g.dq, want.dq)
     np.testing.assert_array_equal(out, saved[0])
@@ -553,11 +556,11 @@ def test_out_poisoned(dtype, layout, rng):
         varlen = dict(cu_seqlens_q=VARLEN_CU_Q, cu_seqlens_k=VARLEN_CU_K, seqused_q=VARLEN_USED_Q,
                       seqused_k=VARLEN_USED_K)
         out = poisoned((TQ, 4, 20), dtype)
-        check_cpu(q, k, v, rng, varlen=varlen, out=out, causal=True)
+        check_backend(q, k, v, rng, varlen=varlen, out=out, causal=True)
     else:
         q, k, v = make_qkv(rng, 2, 65, 129, 4, 2, 24, 20, dtype, layout)
         out = poisoned((2, 65, 4, 20) if layout == "bshd" else (2, 4, 65, 20), dtype)
-        check_cpu(q, k, v, rng, out=out, layout=layout, causal=True,
+        check_backend(q, k, v, rng, out=out, layout=layout, causal=True,
                   seqlens_q=np.array([65, 30]), seqlens_k=np.array([129, 0]))
 
 
@@ -566,7 +569,7 @@ def test_out_strided(rng):
     q, k, v = make_qkv(rng, 2, 33, 47, 2, 2, 16, 12, F32)
     big = poisoned((2, 33, 2, 24), F32)
     out = big[..., ::2]
-    check_cpu(q, k, v, rng, out=out, causal=True)
+    check_backend(q, k, v, rng, out=out, causal=True)
     assert np.isnan(big[..., 1::2]).all()
 
 
@@ -579,13 +582,13 @@ def test_out_strided(rng):
 def test_decode(dtype, sq, causal, window, rng):
     """KV-cache decode: a few queries against a long cache, both causal alignments."""
     q, k, v = make_qkv(rng, 2, sq, 1000, 8, 2, 64, 64, dtype)
-    check_cpu(q, k, v, rng, causal=causal, window=window, seqlens_k=np.array([1000, 731]))
+    check_backend(q, k, v, rng, causal=causal, window=window, seqlens_k=np.array([1000, 731]))
 
 
 @pytest.mark.parametrize("sq, sk", [(4095, 4097)])
 def test_long(sq, sk, rng):
     q, k, v = make_qkv(rng, 1, sq, sk, 1, 1, 16, 16, F32)
-    check_cpu(q, k, v, rng, causal=True, window=(3000, -1))
+    check_backend(q, k, v, rng, causal=True, window=(3000, -1))
 
 
 # --- determinism, threads, SIMD variants ---
@@ -595,8 +598,8 @@ def _bits(x):
 
 
 def _run_all(q, k, v, dout, **opts):
-    out, lse = attnext.attention(q, k, v, device="cpu", return_lse=True, **opts)
-    g = attnext.attention_backward(dout, q, k, v, out, lse, device="cpu", **opts)
+    out, lse = attnext.attention(q, k, v, device=DEVICE, return_lse=True, **opts)
+    g = attnext.attention_backward(dout, q, k, v, out, lse, device=DEVICE, **opts)
     return [out, lse, g.dq, g.dk, g.dv, g.dbias]
 
 
@@ -611,7 +614,7 @@ def test_deterministic_backward(bias_shape, rng, monkeypatch):
     first = _run_all(q, k, v, dout, **opts)
     again = _run_all(q, k, v, dout, **opts)
     out, lse = first[:2]
-    g = attnext.attention_backward(dout, q, k, v, out, lse, device="cpu", deterministic=False,
+    g = attnext.attention_backward(dout, q, k, v, out, lse, device=DEVICE, deterministic=False,
                                    **opts)
     for name, a, b in zip(["dq", "dk", "dv", "dbias"], first[2:], g[:4]):
         assert np.array_equal(_bits(a), _bits(b)), f"{name} with deterministic=False"
@@ -634,10 +637,10 @@ def test_deterministic_varlen(rng, monkeypatch):
     bias = randn(rng, (5, 1, 70, 86), F32)   # longest seqused_q, longest key segment
 
     def run():
-        out, lse = attnext.varlen_attention(q, k, v, **varlen, bias=bias, device="cpu",
+        out, lse = attnext.varlen_attention(q, k, v, **varlen, bias=bias, device=DEVICE,
                                             return_lse=True)
         g = attnext.varlen_attention_backward(dout, q, k, v, out, lse, **varlen, bias=bias,
-                                              device="cpu")
+                                              device=DEVICE)
         return [out, lse, g.dq, g.dk, g.dv, g.dbias]
 
     monkeypatch.setenv("ATTNEXT_NUM_THREADS", "1")
@@ -650,12 +653,12 @@ def test_deterministic_varlen(rng, monkeypatch):
 def test_concurrent_threads(rng):
     """The GIL is released while attention runs; calls from several threads stay correct."""
     cases = [make_qkv(rng, 1, 150, 170, 2, 1, 32, 32, F32) for _ in range(4)]
-    want = [attnext.attention(q, k, v, device="cpu", causal=True) for q, k, v in cases]
+    want = [attnext.attention(q, k, v, device=DEVICE, causal=True) for q, k, v in cases]
     got = [None] * len(cases)
 
     def work(i):
         for _ in range(3):
-            got[i] = attnext.attention(*cases[i], device="cpu", causal=True)
+            got[i] = attnext.attention(*cases[i], device=DEVICE, causal=True)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
     for t in threads:
@@ -677,7 +680,7 @@ def test_gil_released_during_a_call(rng, monkeypatch):
     def work():
         started.set()
         t0 = time.perf_counter()
-        attnext.attention(q, k, v, device="cpu")
+        attnext.attention(q, k, v, device=DEVICE)
         span.append(time.perf_counter() - t0)
         done.set()
 
@@ -697,7 +700,7 @@ def test_device_selection(rng, monkeypatch):
     """device=None runs the CPU (no GPU in this build); ATTNEXT_DEVICE overrides it."""
     q, k, v = make_qkv(rng, 1, 20, 30, 2, 1, 8, 8, F32)
     monkeypatch.delenv("ATTNEXT_DEVICE", raising=False)
-    cpu = attnext.attention(q, k, v, device="cpu")
+    cpu = attnext.attention(q, k, v, device=DEVICE)
     assert np.array_equal(attnext.attention(q, k, v), cpu)
     monkeypatch.setenv("ATTNEXT_DEVICE", "reference")
     ref_out = attnext.attention(q, k, v)
@@ -707,7 +710,7 @@ def test_device_selection(rng, monkeypatch):
 
 def test_precision_tf32_on_cpu_keeps_float32_accuracy(rng):
     q, k, v = make_qkv(rng, 2, 64, 96, 2, 2, 32, 32, F32)
-    check_cpu(q, k, v, rng, precision="tf32", causal=True)
+    check_backend(q, k, v, rng, precision="tf32", causal=True)
 
 
 # --- score_mod / mask_mod (run by the reference on the CPU for now) ---
@@ -729,14 +732,14 @@ def test_score_and_mask_mods(dtype, mods, rng):
         opts["score_mod"] = _rel_bias_mod(rng.standard_normal((4, 8)))
     if mods in ("mask", "both"):
         opts["mask_mod"] = lambda b, h, qi, ki: (qi + ki + h) % 5 != 0
-    check_cpu(q, k, v, rng, **opts)
+    check_backend(q, k, v, rng, **opts)
 
 
 def test_score_mod_varlen(rng):
     q, k, v = make_varlen_qkv(rng, TQ, TK, 4, 2, 16, 16, F32)
     varlen = dict(cu_seqlens_q=VARLEN_CU_Q, cu_seqlens_k=VARLEN_CU_K, seqused_q=VARLEN_USED_Q,
                   seqused_k=VARLEN_USED_K)
-    res = check_cpu(q, k, v, rng, varlen=varlen, score_mod=_tanh_mod,
+    res = check_backend(q, k, v, rng, varlen=varlen, score_mod=_tanh_mod,
                     mask_mod=lambda b, h, qi, ki: ki <= qi + b)
     _check_varlen_padding(res, True)
 
@@ -795,7 +798,7 @@ def test_varlen_many_sequences(seqused, rng):
         len_k = rng.integers(0, seg_k + 1)
         varlen.update(seqused_q=rng.integers(0, seg_q + 1), seqused_k=len_k)
     bias = randn(rng, (nseq, 1, 1, len_k.max()), F32)
-    check_cpu(q, k, v, rng, varlen=varlen, causal="top_left", bias=bias)
+    check_backend(q, k, v, rng, varlen=varlen, causal="top_left", bias=bias)
 
 
 def test_info_reports_the_cpu_backend():
@@ -811,9 +814,9 @@ def test_huge_windows_are_unbounded_sides(window, rng):
     """A side wider than any distance is unbounded; int64 arithmetic must not wrap on the way."""
     q, k, v = make_qkv(rng, 1, 40, 70, 2, 1, 16, 16, F32)
     same = tuple(-1 if w > 10 ** 6 else w for w in window)
-    check_cpu(q, k, v, rng, window=window)
-    got = attnext.attention(q, k, v, window=window, device="cpu")
-    assert np.array_equal(got, attnext.attention(q, k, v, window=same, device="cpu"))
+    check_backend(q, k, v, rng, window=window)
+    got = attnext.attention(q, k, v, window=window, device=DEVICE)
+    assert np.array_equal(got, attnext.attention(q, k, v, window=same, device=DEVICE))
 
 
 def test_misaligned_broadcast_bias_stays_a_broadcast(rng, monkeypatch):
@@ -832,5 +835,5 @@ def test_misaligned_broadcast_bias_stays_a_broadcast(rng, monkeypatch):
         return res
 
     monkeypatch.setattr(attnext.api, "_broadcast_4d", spy)
-    check_cpu(q, k, v, rng, bias=bias)
+    check_backend(q, k, v, rng, bias=bias)
     assert seen["bias"].flags.aligned and seen["bias"].base.size == 50

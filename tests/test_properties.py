@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import F32, F64, check_cpu, randn
+from conftest import F32, F64, check_backend, randn
 
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
@@ -73,7 +73,7 @@ def test_padded_matches_reference(data):
     if draw(st.booleans()):
         opts["seqlens_q"] = np.array(draw(st.lists(st.integers(0, sq), min_size=b, max_size=b)))
         opts["seqlens_k"] = np.array(draw(st.lists(st.integers(0, sk), min_size=b, max_size=b)))
-    check_cpu(q, k, v, rng, **opts)
+    check_backend(q, k, v, rng, **opts)
 
 
 @SETTINGS
@@ -102,7 +102,7 @@ def test_varlen_matches_reference(data):
     varlen.update(max_seqlen_q=mq, max_seqlen_k=mk)
     opts = draw(options(hq))
     opts.update(_bias_and_mask(draw, rng, dtype, nseq, hq, hk, mq, mk))
-    res = check_cpu(q, k, v, rng, varlen=varlen, **opts)
+    res = check_backend(q, k, v, rng, varlen=varlen, **opts)
     real_q = np.zeros(tq, bool)
     for b in range(nseq):
         real_q[cu_q[b]:cu_q[b] + lq[b]] = True

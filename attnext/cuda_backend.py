@@ -1,0 +1,338 @@
+"""The CUDA backend's host side: where each array lives, NumPy staging, kernel choice, launches.
+
+api.py has checked every argument; arrays arrive as NumPy views or DevViews (GPU memory read in
+place). NumPy inputs are copied once into pinned host memory and from there to the device;
+results go back the same way. GPU inputs are read where they are, on the stream their
+protocol names (0, the legacy default stream, when it names none), and results come back as the
+caller's library's arrays (DLPack) or attnext.DeviceArray.
+"""
+import contextlib
+import math
+import threading
+import types
+
+import ml_dtypes
+import numpy as np
+
+from . import _C, kernels
+from .devview import DevView
+
+DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))   # what the GPU kernels take
+_lock = threading.Lock()
+_status = None            # None: not probed yet; "" usable; else why not
+
+
+def unavailable_reason():
+    """'' when the CUDA backend can run here, else why not (driver, device or NVRTC)."""
+    global _status
+    with _lock:
+        if _status is None:
+            try:
+                _C.cuda_load()
+                kernels.nvrtc()
+                _status = ""
+            except RuntimeError as e:
+                _status = str(e)
+            except AttributeError:
+                _status = "this build of attnext._C has no CUDA host code"
+        return _status
+
+
+def usable():
+    return unavailable_reason() == ""
+
+
+def device_arch(device):
+    """NVRTC's architecture name for the device: sm_90a on Hopper (its wgmma path), else sm_XY."""
+    major, minor = _C.cuda_info(device)["compute_capability"]
+    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
+
+
+_info_cache = {}
+
+
+def device_info(device):
+    if device not in _info_cache:
+        _info_cache[device] = _C.cuda_info(device)
+    return _info_cache[device]
+
+
+# ---------------------------------------------------------------- memory and staging
+def empty(shape, dtype, device, stream):
+    from .device import empty as _empty
+    return _empty(shape, dtype, device, stream)
+
+
+class _Staging:
+    """One call's host<->device traffic for NumPy arrays: uploads into fresh device buffers
+    (kept alive until the call ends) and downloads after the kernels, through pinned memory."""
+
+    def __init__(self, device, stream):
+        self.device, self.stream = device, stream
+        self.keep = []
+
+    def upload(self, a):
+        """A DevView of a NumPy array (a broadcast view uploads only its compact base)."""
+        a = np.asarray(a)
+        compact_idx = tuple(slice(0, 1) if s == 0 and n > 1 else slice(None)
+                            for s, n in zip(a.strides, a.shape))
+        base = np.ascontiguousarray(a[compact_idx])
+        buf = empty(base.shape, base.dtype, self.device, self.stream)
+        self.keep.append(buf)
+        if base.nbytes:
+            pinned = _pinned(base.nbytes)
+            np.copyto(np.frombuffer(pinned, dtype=np.uint8, count=base.nbytes), base.reshape(-1).view(np.uint8))
+            _C.memcpy_htod(buf.ptr, memoryview(pinned)[:base.nbytes], self.stream)
+            _C.stream_synchronize(self.stream)      # the pinned buffer is reused by the next upload
+        view = DevView.contiguous(buf.ptr, base.shape, base.dtype, self.device, self.stream, buf)
+        return view.broadcast_to(a.shape)
+
+    def scratch(self, shape, dtype):
+        buf = empty(shape, dtype, self.device, self.stream)
+        self.keep.append(buf)
+        return DevView.contiguous(buf.ptr, shape, dtype, self.device, self.stream, buf)
+
+    def download(self, view, dst):
+        """Copies a contiguous DevView into the NumPy array dst (any strides)."""
+        nbytes = view.size * view.itemsize
+        if nbytes == 0:
+            return
+        pinned = _pinned(nbytes)
+        _C.memcpy_dtoh(memoryview(pinned)[:nbytes], view.ptr, self.stream)
+        _C.stream_synchronize(self.stream)
+        dst[...] = np.frombuffer(pinned, dtype=view.dtype, count=view.size).reshape(view.shape)
+
+
+_pinned_buf = None
+
+
+def _pinned(nbytes):
+    """The process's pinned staging buffer, grown to at least nbytes (callers hold _call_lock)."""
+    global _pinned_buf
+    if _pinned_buf is None or len(_pinned_buf) < nbytes:
+        _pinned_buf = None
+        _pinned_buf = _C.host_alloc(max(nbytes, 1 << 20))
+    return _pinned_buf
+
+
+_call_lock = threading.Lock()     # staging buffers are shared: one NumPy-staged call at a time
+
+
+# ---------------------------------------------------------------- forward
+def _vec_ok(view, D):
+    """16-byte cp.async loads: D a multiple of 8 contiguous elements on 16-byte rows."""
+    return (D % 8 == 0 and view.strides[3] == 1 and view.ptr % 16 == 0
+            and all(s % 8 == 0 for s in view.strides[:3]))
+
+
+def _t(x):
+    return None if x is None else x.as_tuple()
+
+
+def _lengths(stage, o):
+    out = {}
+    for name, a in (("cu_seqlens_q", o.cu_q), ("cu_seqlens_k", o.cu_k), ("seqused_q", o.used_q),
+                    ("seqused_k", o.used_k)):
+        out[name] = None if a is None else _t(stage.upload(np.ascontiguousarray(a, np.int32)))
+    return out
+
+
+def _put(stage, x):
+    """A DevView of x: GPU arrays as they are, NumPy arrays uploaded."""
+    return None if x is None else stage.upload(x) if isinstance(x, np.ndarray) else x
+
+
+def _result(stage, host, shape, dtype):
+    """(view the kernel writes, what the caller gets): a scratch buffer for a NumPy call (copied
+    out afterwards), else a DeviceArray the caller keeps."""
+    if host:
+        v = stage.scratch(shape, dtype)
+        return v, v
+    arr = empty(shape, dtype, stage.device, stage.stream)
+    return DevView(arr.ptr, arr.shape, arr.strides, arr.dtype, stage.device, stage.stream, arr), arr
+
+
+def _kernel_layout(o, x):
+    """A result in the caller's layout as the kernels' (Bm, S, H, D) view."""
+    if o.varlen:
+        return x[None]
+    return x.transpose(0, 2, 1, 3) if o.layout == "bhsd" else x
+
+
+def _common(o, stage, q4, k4, v4):
+    """Everything forward and backward launches share: options, masks, lengths, kernel defines."""
+    bias4 = _put(stage, o.bias4)
+    mask4 = None if o.mask4 is None else _put(stage, o.mask4.view(np.uint8) if isinstance(o.mask4, np.ndarray) else o.mask4)
+    alibi = None if o.alibi is None else stage.upload(np.ascontiguousarray(o.alibi, np.float32))
+    features = dict(
+        dtype=kernels.dtype_name(o.q.dtype), D=o.D, Dv=o.Dv,
+        vec=all(_vec_ok(x, x.shape[3]) for x in (q4, k4, v4)), softcap=o.softcap_value > 0,
+        bias_dtype=None if bias4 is None else kernels.dtype_name(bias4.dtype),
+        alibi_dtype=None if alibi is None else "float32", mask=mask4 is not None)
+    prob = types.SimpleNamespace(
+        device=stage.device, stream=stage.stream, dtype=kernels.DTYPE_CODES[features["dtype"]],
+        B=o.B, causal=o.causal_code, window_left=o.window_left, window_right=o.window_right,
+        bias_dtype=kernels.DTYPE_CODES[features["bias_dtype"] or "float32"],
+        alibi_dtype=kernels.DTYPE_CODES["float32"], bias_heads=o.bias_heads,
+        mask_heads=o.mask_heads, scale=o.scale_value, softcap=o.softcap_value,
+        q=_t(q4), k=_t(k4), v=_t(v4), bias=_t(bias4), mask=_t(mask4), alibi=_t(alibi),
+        out=None, lse=None, dout=None, dq=None, dk=None, dv=None, dbias=None, delta=None,
+        dq_accum=None,
+        **_lengths(stage, o))
+    return prob, features
+
+
+def _query_tiles(o, block_m):
+    """Query tiles per (head, sequence): the longest segment's rows (varlen) or Sq."""
+    rows = (int(np.max(np.diff(o.cu_q))) if o.B else 0) if o.varlen else o.Sq
+    return max(1, math.ceil(rows / block_m))
+
+
+def forward(o, out_host, lse_host):
+    """The forward of a problem api.py normalised. With NumPy inputs, fills out_host and lse_host
+    and returns them; with GPU inputs (both None) returns (out, lse) as DeviceArrays, or o.out
+    (a DevView from out=) in place of out."""
+    host = out_host is not None
+    with _call_lock if host else contextlib.nullcontext():
+        stage = _Staging(o.cuda_device, o.cuda_stream)
+        q4, k4, v4 = (_put(stage, x) for x in (o.q4, o.k4, o.v4))
+        if isinstance(o.out, DevView):
+            out, out_res = o.out, o.out
+        else:
+            out, out_res = _result(stage, host, o.out_shape, o.q.dtype)
+        lse, lse_res = _result(stage, host, o.lse_shape, np.float32)
+        prob, features = _common(o, stage, q4, k4, v4)
+        tile = kernels.tile_config(o.D, o.Dv)
+        defines = kernels.fwd_defines(**features, tile=tile)
+        prob.smem = kernels.fwd_smem_bytes(o.D, o.Dv, tile)
+        prob.fn = kernels.function("attn_fwd", "attn_fwd", defines, stage.device,
+                                   device_arch(stage.device), prob.smem)
+        prob.grid = (_query_tiles(o, tile[0]), o.Hq, o.B + (1 if o.varlen else 0))
+        prob.block = (tile[2] * 32, 1, 1)
+        prob.out = _t(_kernel_layout(o, out))
+        prob.lse = _t(lse[None] if o.varlen else lse)
+        if o.Hq and prob.grid[2]:
+            _C.cuda_launch_attention(prob)
+        if host:
+            stage.download(out, out_host)
+            stage.download(lse, lse_host)
+            return out_host, lse_host
+        return out_res, lse_res
+
+
+# ---------------------------------------------------------------- backward
+PRE_ROWS, PRE_THREADS = 64, 256   # attn_bwd.cu's row kernels (delta, dq_convert)
+
+
+def _key_tiles(o, block_n):
+    """Key tiles per (kv head, sequence): the longest key segment's rows (varlen) or Sk."""
+    rows = (int(np.max(np.diff(o.cu_k))) if o.B else 0) if o.varlen else o.Sk
+    return max(1, math.ceil(rows / block_n))
+
+
+def _dbias_buffer(stage, o, host):
+    """dbias in the bias's own dtype and compact shape, zeroed (elements past every sequence's
+    length are never written): (kernel view broadcast to (B, Hb, Sq, Sk) with stride 0 along the
+    bias's broadcast dims, what the caller gets)."""
+    dtype = np.dtype(o.bias.dtype)
+    compact = (1,) * (4 - len(o.bias.shape)) + tuple(o.bias.shape)
+    if host:
+        res = stage.scratch(compact, dtype)
+        ptr = res.ptr
+    else:
+        res = empty(tuple(o.bias.shape), dtype, stage.device, stage.stream)
+        ptr = res.ptr
+    nbytes = math.prod(compact) * dtype.itemsize
+    if nbytes:
+        _C.memset_d8(ptr, 0, nbytes, stage.stream, stage.device)
+    view = DevView.contiguous(ptr, compact, dtype, stage.device, stage.stream, res)
+    return view.broadcast_to(tuple(o.bias4.shape)), res
+
+
+def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, deterministic):
+    """The backward of a problem api.py normalised; dout, out (caller's layout) and lse as the
+    forward returned them (NumPy arrays or DevViews).
+
+    NumPy call (dq_host, dk_host, dv_host given; dbias_host the float32 compact dbias when there
+    is a bias): fills them and returns them. GPU call (all None): returns (dq, dk, dv, dbias) as
+    DeviceArrays, dbias None without a bias.
+
+    deterministic=True: attn_bwd_dq recomputes S and dP per query tile and owns its dq rows (the
+    same bits every run). False: the dkdv kernel adds dS K into a float32 dq_accum with atomics
+    (one product fewer; the order of the additions varies), converted by attn_bwd_dq_convert.
+    """
+    host = dq_host is not None
+    with _call_lock if host else contextlib.nullcontext():
+        stage = _Staging(o.cuda_device, o.cuda_stream)
+        q4, k4, v4 = (_put(stage, x) for x in (o.q4, o.k4, o.v4))
+        dout4 = _kernel_layout(o, _put(stage, dout))
+        out4 = _kernel_layout(o, _put(stage, out))
+        lse_v = _put(stage, lse)
+        dq, dq_res = _result(stage, host, o.q.shape, o.q.dtype)
+        dk, dk_res = _result(stage, host, o.k.shape, o.q.dtype)
+        dv, dv_res = _result(stage, host, o.v.shape, o.q.dtype)
+        delta = stage.scratch(o.lse_shape, np.float32)
+        prob, features = _common(o, stage, q4, k4, v4)
+        features["vec"] = features["vec"] and _vec_ok(dout4, o.Dv)
+        tile = kernels.bwd_tile_config(o.D, o.Dv)
+        atomic = not deterministic
+        defines = kernels.bwd_defines(**features, tile=tile, atomic=atomic)
+        smem = kernels.bwd_smem_bytes(o.D, o.Dv, tile, atomic)
+        arch = device_arch(stage.device)
+        prob.out, prob.dout = _t(out4), _t(dout4)
+        prob.lse = _t(lse_v[None] if o.varlen else lse_v)
+        prob.delta = _t(delta[None] if o.varlen else delta)
+        prob.dq, prob.dk, prob.dv = (_t(_kernel_layout(o, x)) for x in (dq, dk, dv))
+        prob.dq_accum = None
+        if atomic:
+            prob.dq_accum = _t(stage.scratch((q4.shape[0], q4.shape[1], o.Hq, o.D), np.float32))
+        dbias = dbias_res = None
+        if o.bias is not None:
+            dbias, dbias_res = _dbias_buffer(stage, o, host)
+            prob.dbias = _t(dbias)
+        tail = 1 if o.varlen else 0
+
+        def launch(name, grid, warps):
+            prob.smem = smem[name]
+            prob.fn = kernels.function("attn_bwd", name, defines, stage.device, arch, prob.smem)
+            prob.grid, prob.block = grid, (warps * 32, 1, 1)
+            if all(grid):
+                _C.cuda_launch_attention(prob)
+
+        if o.Hq:
+            launch("attn_bwd_pre", (_query_tiles(o, PRE_ROWS), o.Hq, o.B), PRE_THREADS // 32)
+            kv_grid = (_key_tiles(o, 16 * tile["kv_warps"]), o.Hk, o.B + tail)
+            for name in (("attn_bwd_dv", "attn_bwd_dk") if tile["kv_split"] else ("attn_bwd_dkdv",)):
+                launch(name, kv_grid, tile["kv_warps"])
+            if atomic:
+                launch("attn_bwd_dq_convert", (_query_tiles(o, PRE_ROWS), o.Hq, o.B + tail), PRE_THREADS // 32)
+            else:
+                launch("attn_bwd_dq", (_query_tiles(o, tile["q_block_m"]), o.Hq, o.B + tail), tile["q_warps"])
+            if dbias is not None:
+                bcast = [s == 0 for s in dbias.strides]
+                rows, cols = dbias.shape[2], dbias.shape[3]
+                grid = (1 if bcast[2] else math.ceil(rows / tile["q_block_m"]),
+                        1 if bcast[3] else math.ceil(cols / tile["q_block_n"]),
+                        (1 if bcast[0] else o.B) * o.bias_heads)
+                launch("attn_bwd_dbias", grid, tile["q_warps"])
+        if host:
+            for view, dst in ((dq, dq_host), (dk, dk_host), (dv, dv_host)):
+                stage.download(view, dst)
+            if dbias is not None:
+                stage.download(dbias_res, dbias_host.reshape(dbias_res.shape))
+            return dq_host, dk_host, dv_host, dbias_host
+        return dq_res, dk_res, dv_res, dbias_res
+
+
+def to_host(view):
+    """A NumPy copy of a DevView (the small arrays the checks read: lengths, slopes)."""
+    if view.size == 0:
+        return np.empty(view.shape, view.dtype)
+    lo, hi = view.byte_span()
+    with _call_lock:
+        pinned = _pinned(hi - lo)
+        _C.memcpy_dtoh(memoryview(pinned)[:hi - lo], lo, view.stream)
+        _C.stream_synchronize(view.stream)
+        raw = np.frombuffer(pinned, np.uint8, count=hi - lo).copy()
+    return np.ndarray(view.shape, view.dtype, buffer=raw, offset=view.ptr - lo,
+                      strides=tuple(st * view.itemsize for st in view.strides)).copy()

@@ -1,0 +1,101 @@
+"""DevView: a strided view of GPU memory that api.py's checks can read like a NumPy array.
+
+It carries what the checks look at (shape, dtype, ndim, strides) and what a kernel needs (the
+device address of element [0, ..., 0] and element strides), and supports the few reshapes the
+checks make: transpose, a leading new axis, leading ones, broadcast_to. It never reads or
+writes device memory itself.
+"""
+import math
+
+import numpy as np
+
+
+class DevView:
+    __slots__ = ("ptr", "shape", "strides", "dtype", "device", "stream", "keep", "readonly")
+
+    def __init__(self, ptr, shape, strides, dtype, device, stream=0, keep=None, readonly=False):
+        self.ptr = int(ptr)
+        self.shape = tuple(int(n) for n in shape)
+        self.strides = tuple(int(s) for s in strides)     # in elements
+        self.dtype = np.dtype(dtype)
+        self.device = int(device)
+        self.stream = int(stream or 0)
+        self.keep = keep                                   # what keeps the memory alive
+        self.readonly = readonly
+
+    @classmethod
+    def contiguous(cls, ptr, shape, dtype, device, stream=0, keep=None):
+        strides, acc = [], 1
+        for n in reversed(shape):
+            strides.append(acc)
+            acc *= max(int(n), 1)
+        return cls(ptr, shape, tuple(reversed(strides)), dtype, device, stream, keep)
+
+    def _like(self, ptr, shape, strides):
+        return DevView(ptr, shape, strides, self.dtype, self.device, self.stream, self.keep,
+                       self.readonly)
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def size(self):
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self):
+        return self.dtype.itemsize
+
+    def transpose(self, *axes):
+        return self._like(self.ptr, [self.shape[a] for a in axes], [self.strides[a] for a in axes])
+
+    def __getitem__(self, key):
+        if key is None:
+            return self._like(self.ptr, (1,) + self.shape, (0,) + self.strides)
+        raise TypeError("DevView supports only [None]")
+
+    def reshape(self, shape):
+        """Adds or drops leading dims of size 1 (all api.py asks of it)."""
+        shape = tuple(shape)
+        core = self.shape
+        while core and core[0] == 1 and len(core) > len(shape):
+            core = core[1:]
+        lead = len(shape) - len(core)
+        if lead < 0 or shape[lead:] != core or any(n != 1 for n in shape[:lead]):
+            raise ValueError(f"DevView cannot reshape {self.shape} to {shape}")
+        return self._like(self.ptr, shape, (0,) * lead + self.strides[len(self.shape) - len(core):])
+
+    def broadcast_to(self, shape):
+        shape = tuple(shape)
+        if len(shape) != self.ndim:
+            raise ValueError(f"DevView cannot broadcast {self.shape} to {shape}")
+        strides = []
+        for n, m, s in zip(self.shape, shape, self.strides):
+            if n != m and n != 1:
+                raise ValueError(f"DevView cannot broadcast {self.shape} to {shape}")
+            strides.append(s if n == m else 0)
+        return self._like(self.ptr, shape, strides)
+
+    def byte_span(self):
+        """[lo, hi) bytes of device memory the view can touch (empty for a zero-size view)."""
+        if self.size == 0:
+            return self.ptr, self.ptr
+        lo = hi = self.ptr
+        for n, s in zip(self.shape, self.strides):
+            off = (n - 1) * s * self.itemsize
+            lo, hi = (lo + off, hi) if off < 0 else (lo, hi + off)
+        return lo, hi + self.itemsize
+
+    def overlaps(self, other):
+        a0, a1 = self.byte_span()
+        b0, b1 = other.byte_span()
+        return self.device == other.device and a0 < b1 and b0 < a1
+
+    def as_tuple(self):
+        """What csrc/cuda_attn.c reads: (ptr, shape, strides in elements)."""
+        return (self.ptr, self.shape, self.strides)
+
+    def __repr__(self):
+        return (f"DevView(shape={self.shape}, dtype={self.dtype}, strides={self.strides}, "
+                f"device=cuda:{self.device})")

@@ -1,0 +1,239 @@
+"""The CUDA kernels' variants: source assembly, #defines, tile sizes, and loaded functions.
+
+One source per kernel (kernels/attn_fwd.cu, ...), specialised by #defines at NVRTC time. The
+headers it includes are handed to NVRTC from memory (csrc/attn_params.h, seqlen.h, block.h and
+kernels/attn_common.cuh), so the kernels and the C host code read one attn_params definition.
+Compiled cubins go through kernel_cache.CubinCache (memory LRU + disk); loaded functions are
+kept per device in a bounded LRU here.
+"""
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from . import _C
+from .kernel_cache import LRU, CubinCache
+
+_ROOT = Path(__file__).resolve().parent.parent
+KERNEL_DIR = Path(os.environ.get("ATTNEXT_KERNEL_DIR", _ROOT / "kernels"))
+HEADER_FILES = (_ROOT / "csrc" / "attn_params.h", _ROOT / "csrc" / "seqlen.h",
+                _ROOT / "csrc" / "block.h", KERNEL_DIR / "attn_common.cuh")
+# every architecture CI compiles for (warmup --check) and the ones attnext targets
+ARCHS = ("sm_80", "sm_90a")
+SMEM_PAD = 8           # elements of padding per shared-memory row (attn_common.cuh)
+MAX_SMEM_SM80 = 163 * 1024
+
+DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
+
+
+def _round_up(x, m):
+    return (x + m - 1) // m * m
+
+
+def tile_config(D, Dv):
+    """(BLOCK_M, BLOCK_N, NUM_WARPS) of the forward for head dims D, Dv: the one place that
+    chooses. Register budget (255 per thread, measured with -Xptxas -v): O holds
+    BLOCK_M / NUM_WARPS * Dv floats per warp row group, S BLOCK_M / NUM_WARPS * BLOCK_N."""
+    env = os.environ.get("ATTNEXT_TILE_FWD")       # the kernel lab's override: "128,64,8"
+    if env:
+        m, n, w = (int(x) for x in env.split(","))
+        return m, n, w
+    dvp = _round_up(Dv, 16)
+    if dvp <= 64:
+        return 128, 64, 4
+    if dvp <= 128:
+        return 128, 64, 8
+    return 128, 64, 8
+
+
+def fwd_smem_bytes(D, Dv, tile):
+    bm, bn, _ = tile
+    dp, dvp = _round_up(D, 16), _round_up(Dv, 16)
+    return 2 * (bm * (dp + SMEM_PAD) + bn * (dp + SMEM_PAD) + bn * (dvp + SMEM_PAD))
+
+
+def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile):
+    """The #defines of one forward variant. bias_dtype / alibi_dtype: a dtype name or None."""
+    bm, bn, w = tile
+    return {
+        "ELEM_BF16": int(dtype == "bfloat16"), "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
+        "HAS_SOFTCAP": int(softcap), "HAS_BIAS": int(bias_dtype is not None),
+        "BIAS_DT": DTYPE_CODES[bias_dtype or "float32"], "HAS_ALIBI": int(alibi_dtype is not None),
+        "ALIBI_DT": DTYPE_CODES[alibi_dtype or "float32"], "HAS_MASK": int(mask),
+        "BLOCK_M": bm, "BLOCK_N": bn, "NUM_WARPS": w,
+    }
+
+
+def _headers():
+    return [(p.name, p.read_text()) for p in HEADER_FILES]
+
+
+def options(defines, arch):
+    return ([f"--gpu-architecture={arch}", "--std=c++17", "-lineinfo"]
+            + [f"-D{k}={v}" for k, v in sorted(defines.items())])
+
+
+_nvrtc_lock = threading.Lock()
+_nvrtc_version = None
+_cubins = None
+
+
+def nvrtc_candidates():
+    """Where NVRTC is looked for, in order: ATTNEXT_NVRTC, the nvidia-cuda-nvrtc wheel's lib
+    folders, $CUDA_HOME/lib64, /usr/local/cuda/lib64, then the plain sonames."""
+    out = []
+    if os.environ.get("ATTNEXT_NVRTC"):
+        out.append(os.environ["ATTNEXT_NVRTC"])
+    try:
+        import nvidia
+        for base in nvidia.__path__:
+            for sub in ("cu13/lib", "cuda_nvrtc/lib", "cu12/lib"):
+                d = os.path.join(base, sub)
+                if os.path.isdir(d):
+                    out.append(d)
+    except ImportError:
+        pass
+    if os.environ.get("CUDA_HOME"):
+        out.append(os.path.join(os.environ["CUDA_HOME"], "lib64"))
+    out += ["/usr/local/cuda/lib64", "libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+    return out
+
+
+def nvrtc():
+    """Loads NVRTC once; returns its version (major, minor). RuntimeError says what was tried."""
+    global _nvrtc_version, _cubins
+    with _nvrtc_lock:
+        if _nvrtc_version is None:
+            _C.nvrtc_load(nvrtc_candidates())
+            _nvrtc_version = tuple(_C.nvrtc_version())
+            _cubins = CubinCache(_C.nvrtc_compile)
+        return _nvrtc_version
+
+
+def cubin(kernel, defines, arch):
+    """The compiled cubin of kernels/<kernel>.cu with these defines for arch (cached)."""
+    version = nvrtc()
+    src = (KERNEL_DIR / f"{kernel}.cu").read_text()
+    return _cubins.get(src, f"{kernel}.cu", options(defines, arch), _headers(), arch,
+                       ".".join(map(str, version)))
+
+
+def cache_info():
+    return _cubins.info() if _cubins is not None else None
+
+
+_functions = LRU(64)
+_functions_lock = threading.Lock()
+
+
+def function(kernel, name, defines, device, arch, smem):
+    """The loaded function `name` of kernels/<kernel>.cu in this variant on `device` (a capsule),
+    its dynamic shared memory limit raised to smem bytes."""
+    key = (kernel, name, tuple(sorted(defines.items())), device, arch, smem)
+    with _functions_lock:
+        fn = _functions.get(key)
+    if fn is None:
+        module = _C.module_load(cubin(kernel, defines, arch), device)
+        fn = _C.module_function(module, name, smem)
+        with _functions_lock:
+            _functions.put(key, fn)
+    return fn
+
+
+def fwd_variants():
+    """The forward variants warmup compiles: both dtypes, the common head dims, each feature on
+    its own, vector and element loads."""
+    out = []
+    for dtype in ("bfloat16", "float16"):
+        for D, Dv in ((64, 64), (128, 128), (256, 256), (96, 96), (192, 128), (59, 40)):
+            vec = D % 8 == 0 and Dv % 8 == 0
+            base = dict(dtype=dtype, D=D, Dv=Dv, vec=vec, softcap=False, bias_dtype=None,
+                        alibi_dtype=None, mask=False, tile=tile_config(D, Dv))
+            out.append(base)
+            if (D, Dv) == (128, 128):
+                out.append({**base, "vec": False})
+                out.append({**base, "softcap": True})
+                out.append({**base, "bias_dtype": dtype})
+                out.append({**base, "bias_dtype": "float32", "mask": True, "alibi_dtype": "float32"})
+    return [("attn_fwd", fwd_defines(**v)) for v in out]
+
+
+def bwd_tile_config(D, Dv):
+    """The backward's tiles for head dims D, Dv: the one place that chooses. Returns a dict:
+    kv_block_m, kv_warps (dkdv: query rows per streamed tile; warps, 16 key rows each),
+    kv_split (dV and dK in two passes), q_block_m, q_block_n, q_warps (dq and dbias).
+
+    Register budget (255 per thread, measured with -Xptxas -v, no spills): a dkdv thread holds
+    (DP + DVP) / 2 floats of dK and dV plus 2 * kv_block_m / 2 of S^T and dP^T; a dq thread DP / 2
+    of dQ plus q_block_n of S and dP. Shared memory stays under sm_80's 163 KB."""
+    env = os.environ.get("ATTNEXT_TILE_BWD")   # the kernel lab's override: "32,8,0,128,64,8"
+    if env:
+        kbm, kw, split, qbm, qbn, qw = (int(x) for x in env.split(","))
+        return dict(kv_block_m=kbm, kv_warps=kw, kv_split=split, q_block_m=qbm, q_block_n=qbn, q_warps=qw)
+    dp, dvp = _round_up(D, 16), _round_up(Dv, 16)
+    if dp + dvp <= 128:
+        return dict(kv_block_m=64, kv_warps=8, kv_split=0, q_block_m=128, q_block_n=64, q_warps=8)
+    if dp + dvp <= 256:
+        return dict(kv_block_m=32, kv_warps=8, kv_split=0, q_block_m=128, q_block_n=64, q_warps=8)
+    if dp <= 192 and dvp <= 192:
+        return dict(kv_block_m=32, kv_warps=8, kv_split=1, q_block_m=128, q_block_n=32, q_warps=8)
+    return dict(kv_block_m=32, kv_warps=4, kv_split=1, q_block_m=64, q_block_n=32, q_warps=4)
+
+
+def bwd_smem_bytes(D, Dv, tile, atomic):
+    """Dynamic shared memory of each backward kernel (attn_bwd.cu's layouts), by kernel name."""
+    dp, dvp = _round_up(D, 16) + SMEM_PAD, _round_up(Dv, 16) + SMEM_PAD
+    bm, bn = tile["kv_block_m"], 16 * tile["kv_warps"]
+    dkdv_common = bn * dp + 2 * bm * dp + 2 * bm * dvp
+    extra = 4 * 4 * bm + (2 * bn * (bm + SMEM_PAD) if atomic else 0)
+    qm, qn, qw = tile["q_block_m"], tile["q_block_n"], tile["q_warps"]
+    return {
+        "attn_bwd_dkdv": 2 * (dkdv_common + bn * dvp) + extra,
+        "attn_bwd_dk": 2 * (dkdv_common + bn * dvp) + extra,
+        "attn_bwd_dv": 2 * dkdv_common + extra,
+        "attn_bwd_dq": 2 * (qm * dp + qm * dvp + 2 * qn * dp + qn * dvp),
+        "attn_bwd_dbias": 2 * (qm * dp + qm * dvp + qn * dp + qn * dvp) + 4 * qw * qn,
+        "attn_bwd_pre": 0,
+        "attn_bwd_dq_convert": 0,
+    }
+
+
+def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile, atomic):
+    """The #defines of one backward variant (kernels/attn_bwd.cu: every backward kernel of it).
+    atomic: deterministic=False's dq_accum path."""
+    d = fwd_defines(dtype=dtype, D=D, Dv=Dv, vec=vec, softcap=softcap, bias_dtype=bias_dtype,
+                    alibi_dtype=alibi_dtype, mask=mask, tile=(0, 0, 0))
+    for k in ("BLOCK_M", "BLOCK_N", "NUM_WARPS"):
+        del d[k]
+    d.update(KV_BLOCK_M=tile["kv_block_m"], KV_WARPS=tile["kv_warps"], KV_SPLIT=tile["kv_split"],
+             DQ_ATOMIC=int(atomic), Q_BLOCK_M=tile["q_block_m"], Q_BLOCK_N=tile["q_block_n"],
+             Q_WARPS=tile["q_warps"])
+    return d
+
+
+def bwd_variants():
+    """The backward variants warmup compiles: the forward's list, each deterministic, plus the
+    atomic dq path of the common head dims."""
+    out = []
+    for _, fd in fwd_variants():
+        dtype = "bfloat16" if fd["ELEM_BF16"] else "float16"
+        D, Dv = fd["HEAD_DIM"], fd["HEAD_DIM_V"]
+        names = {v: k for k, v in DTYPE_CODES.items()}
+        features = dict(dtype=dtype, D=D, Dv=Dv, vec=bool(fd["VEC_LOAD"]), softcap=bool(fd["HAS_SOFTCAP"]),
+                        bias_dtype=names[fd["BIAS_DT"]] if fd["HAS_BIAS"] else None,
+                        alibi_dtype=names[fd["ALIBI_DT"]] if fd["HAS_ALIBI"] else None,
+                        mask=bool(fd["HAS_MASK"]), tile=bwd_tile_config(D, Dv))
+        out.append(bwd_defines(**features, atomic=False))
+        if not (fd["HAS_SOFTCAP"] or fd["HAS_BIAS"] or fd["HAS_MASK"]) and (D, Dv) in ((64, 64), (128, 128)):
+            out.append(bwd_defines(**features, atomic=True))
+    return [("attn_bwd", d) for d in out]
+
+
+def variants():
+    return fwd_variants() + bwd_variants()
+
+
+def dtype_name(dt):
+    dt = np.dtype(dt)
+    return "bfloat16" if dt.name == "bfloat16" else dt.name

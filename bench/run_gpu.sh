@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine (the device tool): build the extension in place, compile the
+# kernels for this GPU, then run what was asked; logs land in $OUT.
+#   bash bench/run_gpu.sh [smoke|tests|sanitize|bench|quick] ...   (several steps run in order)
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+OUT=${OUT:-/tmp/attnext-out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+python3 -m attnext.warmup 2>&1 | tail -3
+for step in "$@"; do
+  case "$step" in
+    smoke) python3 -m pytest -m gpu -q -x tests/test_cuda.py -k "not cpu_suite" 2>&1 | tee "$OUT/smoke.log" | tail -25 ;;
+    tests) python3 -m pytest -m gpu -q tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    sanitize) compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -x \
+                tests/test_cuda.py -k "head_dims and bf16 or varlen or everything" 2>&1 \
+                | tee "$OUT/memcheck.log" | tail -15 ;;
+    quick) python3 -m attnext.bench --device cuda --quick --json "$OUT/bench_quick.json" 2>&1 | tee "$OUT/bench_quick.log" | tail -40 ;;
+    bench) python3 -m attnext.bench --device cuda --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -60 ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done

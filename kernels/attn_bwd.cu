@@ -1,0 +1,816 @@
+/* Attention backward: FlashAttention-2's recomputation of P from the forward's lse, on mma.sync
+ * tensor cores, deterministic by construction (every output element is written by one thread,
+ * after a reduction in a fixed order).
+ *
+ *   q (B, Sq, Hq, D)  k (B, Sk, Hk, D)  v (B, Sk, Hk, Dv)  out, dout (B, Sq, Hq, Dv)
+ *   lse, delta (B, Hq, Sq) float32        dq (B, Sq, Hq, D)  dk (B, Sk, Hk, D)  dv (B, Sk, Hk, Dv)
+ *   dq_accum (B, Sq, Hq, D) float32 (DQ_ATOMIC only)   dbias (B, Hb, Sq, Sk) in the bias's dtype,
+ *   stride 0 along the dims the bias broadcasts
+ *   varlen: B = 1 in memory, sequence b at rows cu_seqlens[b].. (seqlen.h)
+ *
+ * Kernels, in launch order (attnext/cuda_backend.py):
+ *   attn_bwd_pre        delta = rowsum(dout * out) (0 for padding rows); zeroes dq_accum
+ *   attn_bwd_dkdv       one CTA per (key tile, kv head, sequence): K, V stay in shared memory,
+ *                       the query tiles of every query head of the GQA group stream past
+ *                       (q_range: only tiles inside the causal / window band);
+ *                       S^T = K Q^T, P^T = exp2(S^T log2e - lse log2e), dV += P^T dO,
+ *                       dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.
+ *                       KV_SPLIT: D + Dv too wide for both accumulators at once, so
+ *                       attn_bwd_dv and attn_bwd_dk run the two halves as separate passes.
+ *                       DQ_ATOMIC (deterministic=False): also dQ += dS K into dq_accum with
+ *                       float atomics (order varies from run to run)
+ *   attn_bwd_dq         deterministic dQ: one CTA per (query tile, head, sequence) over the key
+ *                       tiles kv_range allows; recomputes S, dP; dQ += dS K
+ *   attn_bwd_dq_convert (DQ_ATOMIC) dq = dq_accum * scale
+ *   attn_bwd_dbias      one CTA per tile of the bias's compact shape; loops in a fixed order over
+ *                       every (batch, head, row tile, column tile) that lands on it
+ * Varlen: the block row b = B (one past the last sequence) zeroes the packed rows after
+ * cu_seqlens[B].
+ *
+ * Switches beyond attn_common.cuh's (bwd_defines in kernels.py):
+ *   KV_BLOCK_M, KV_WARPS   dkdv: query rows per streamed tile; warps (16 key rows each)
+ *   KV_SPLIT               1: dV and dK in two passes (wide head dims)
+ *   DQ_ATOMIC              1: the dkdv kernel accumulates dQ into dq_accum (non-deterministic)
+ *   Q_BLOCK_M, Q_BLOCK_N, Q_WARPS   dq and dbias: query rows per CTA, key tile, warps
+ *
+ * Gradients in natural units: dS = dL/ds for the final score s (after softcap, bias, alibi),
+ * so dbias = dS, and dq, dk carry dS * score_grad * scale.
+ */
+#include "attn_common.cuh"
+
+#define NEG_INF __int_as_float(0xff800000)
+#define POS_INF __int_as_float(0x7f800000)
+
+#define KV_THREADS (KV_WARPS * 32)
+#define KV_BLOCK_N (KV_WARPS * 16)       /* key rows per dkdv CTA: one m16 tile per warp */
+#define KV_NT (KV_BLOCK_M / 8)           /* n8 tiles of S^T per warp */
+#define Q_THREADS (Q_WARPS * 32)
+#define Q_WARP_M (Q_BLOCK_M / Q_WARPS)   /* query rows per warp (dq, dbias) */
+#define Q_MT (Q_WARP_M / 16)
+#define Q_NT (Q_BLOCK_N / 8)
+#define PRE_ROWS 64                      /* rows per CTA of the small row kernels */
+#define PRE_THREADS 256
+
+/* ---------------------------------------------------------------- warp products */
+/* acc[mt][nt] += A[mt*16 .., 0..KP) . B[nt*8 .., 0..KP)^T: A and B row-major in shared memory with
+ * row stride KP + SMEM_PAD, sA at the warp's first A row, sB at B's first row. */
+template <int MT, int NT, int KP>
+DEV void mma_abt(float (&acc)[MT][NT][4], const elem_t *sA, const elem_t *sB, int lane)
+{
+    constexpr int LD = KP + SMEM_PAD;
+    /* one shared address per operand: the unrolled steps add constants to it */
+    const uint32_t a0 = smem_addr(sA) + 2 * ((lane & 15) * LD + (lane >> 4) * 8);
+    const uint32_t b0 = smem_addr(sB) + 2 * (((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8);
+#pragma unroll
+    for (int kk = 0; kk < KP / 16; kk++) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+            ldmatrix_x4(a0 + 2 * (mt * 16 * LD + kk * 16), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+#pragma unroll
+        for (int np = 0; np < NT / 2; np++) {
+            uint32_t x0, x1, x2, x3;
+            ldmatrix_x4(b0 + 2 * (np * 16 * LD + kk * 16), x0, x1, x2, x3);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma16816(acc[mt][2 * np], a[mt], x0, x1);
+                mma16816(acc[mt][2 * np + 1], a[mt], x2, x3);
+            }
+        }
+    }
+}
+
+/* acc[mt][nt] += A . B[0..KS*16, nt*8 ..): A as packed A fragments (KS k16 steps, from C
+ * fragments: pack_frag), B row-major [k][n] in shared memory with row stride LD. */
+template <int MT, int KS, int NT, int LD>
+DEV void mma_fb(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][KS][4], const elem_t *sB, int lane)
+{
+    const uint32_t b0 = smem_addr(sB) + 2 * (((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8);
+#pragma unroll
+    for (int kk = 0; kk < KS; kk++)
+#pragma unroll
+        for (int np = 0; np < NT / 2; np++) {
+            uint32_t x0, x1, x2, x3;
+            ldmatrix_x4_trans(b0 + 2 * (kk * 16 * LD + np * 16), x0, x1, x2, x3);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma16816(acc[mt][2 * np], a[mt][kk], x0, x1);
+                mma16816(acc[mt][2 * np + 1], a[mt][kk], x2, x3);
+            }
+        }
+}
+
+/* The C fragments of an m16 x (2 KS n8) product as the A fragments of the next product. */
+template <int MT, int KS>
+DEV void pack_frag(uint32_t (&a)[MT][KS][4], const float (&f)[MT][2 * KS][4])
+{
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int kk = 0; kk < KS; kk++) {
+            a[mt][kk][0] = pack2(f[mt][2 * kk][0], f[mt][2 * kk][1]);
+            a[mt][kk][1] = pack2(f[mt][2 * kk][2], f[mt][2 * kk][3]);
+            a[mt][kk][2] = pack2(f[mt][2 * kk + 1][0], f[mt][2 * kk + 1][1]);
+            a[mt][kk][3] = pack2(f[mt][2 * kk + 1][2], f[mt][2 * kk + 1][3]);
+        }
+}
+
+template <int MT, int NT>
+DEV void zero_acc(float (&acc)[MT][NT][4])
+{
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                acc[mt][nt][e] = 0.f;
+}
+
+DEV void red_add_f32(float *p, float v) { asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory"); }
+
+/* f stored as an element of attn_dtype dt at p[i] (dbias, in the bias's own dtype). */
+DEV void store_from_f32(void *p, int64_t i, int dt, float f)
+{
+    uint16_t h;
+    switch (dt) {
+    case DT_F16:
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+        ((uint16_t *)p)[i] = h;
+        break;
+    case DT_BF16:
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+        ((uint16_t *)p)[i] = h;
+        break;
+    case DT_F32: ((float *)p)[i] = f; break;
+    default: ((double *)p)[i] = (double)f; break;
+    }
+}
+
+/* lse of a row in log2 units, +inf for a row that keeps nothing: exp2(s - that) is then 0. */
+DEV float lse_log2(float lse) { return lse == NEG_INF ? POS_INF : lse * LOG2E; }
+
+/* Rows [first, rows) x cols [0, cols) of one head of a 16-bit tensor set to 0, rows spread over
+ * blockIdx.x (the packed rows after the last sequence). */
+DEV void zero_rows(elem_t *base, int64_t s_row, int64_t s_col, int64_t first, int64_t rows, int cols,
+                   int threads)
+{
+    for (int64_t r = first + (int64_t)blockIdx.x * PRE_ROWS; r < rows; r += (int64_t)gridDim.x * PRE_ROWS)
+        for (int i = threadIdx.x; i < PRE_ROWS * cols; i += threads) {
+            const int64_t row = r + i / cols;
+            if (row < rows)
+                base[row * s_row + (i % cols) * s_col] = 0;
+        }
+}
+
+/* ---------------------------------------------------------------- delta */
+/* Grid (row tiles of PRE_ROWS, Hq, B). delta[r] = sum_d dout[r, d] * out[r, d] for the rows of
+ * the sequence, 0 for its padding rows; dq_accum's rows zeroed when it is given. */
+extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __grid_constant__ attn_params p)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t h = blockIdx.y, b = blockIdx.z;
+    const seq_t sq = seq_q(&p, b);
+    const elem_t *gdo = (const elem_t *)p.dout.ptr + sq.mem_b * p.dout.s[0] + sq.start * p.dout.s[1] + h * p.dout.s[2];
+    const elem_t *go = (const elem_t *)p.out.ptr + sq.mem_b * p.out.s[0] + sq.start * p.out.s[1] + h * p.out.s[2];
+    float *gd = (float *)p.delta.ptr + sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + sq.start * p.delta.s[2];
+    float *gacc = (float *)p.dq_accum.ptr;
+    if (gacc)
+        gacc += sq.mem_b * p.dq_accum.s[0] + sq.start * p.dq_accum.s[1] + h * p.dq_accum.s[2];
+    for (int i = warp; i < PRE_ROWS; i += PRE_THREADS / 32) {
+        const int64_t r = (int64_t)blockIdx.x * PRE_ROWS + i;
+        if (r >= sq.rows)
+            break;
+        float acc = 0.f;
+        if (r < sq.len)
+            for (int d = lane; d < HEAD_DIM_V; d += 32)
+                acc += elem_to_f32(gdo[r * p.dout.s[1] + d * p.dout.s[3]])
+                       * elem_to_f32(go[r * p.out.s[1] + d * p.out.s[3]]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (lane == 0)
+            gd[r * p.delta.s[2]] = acc;
+        if (gacc)
+            for (int d = lane; d < HEAD_DIM; d += 32)
+                gacc[r * p.dq_accum.s[1] + d * p.dq_accum.s[3]] = 0.f;
+    }
+}
+
+/* ---------------------------------------------------------------- dK, dV */
+/* Query tile j of the CTA's work list (the query heads of the group, each over the same tiles)
+ * into buffer `buf`: Q, dO by cp.async (the caller commits); lse (log2) and delta of row
+ * threadIdx.x returned in *l, *d for the caller to store once the buffer is free. */
+DEV void dkdv_prefetch(const attn_params &p, const seq_t &sq, int64_t hk, int group, int m_first, int nm,
+                       int j, elem_t *sQ, elem_t *sdO, float *l, float *d)
+{
+    const int64_t h = hk * group + j / nm;
+    const int m0 = (m_first + j % nm) * KV_BLOCK_M, Lq = (int)sq.len;
+    const elem_t *gq = (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + (sq.start + m0) * p.q.s[1] + h * p.q.s[2];
+    const elem_t *gdo = (const elem_t *)p.dout.ptr + sq.mem_b * p.dout.s[0] + (sq.start + m0) * p.dout.s[1]
+                        + h * p.dout.s[2];
+    load_tile<KV_BLOCK_M, DP, KV_THREADS>(sQ, gq, p.q.s[1], p.q.s[3], Lq - m0, HEAD_DIM, threadIdx.x);
+    load_tile<KV_BLOCK_M, DVP, KV_THREADS>(sdO, gdo, p.dout.s[1], p.dout.s[3], Lq - m0, HEAD_DIM_V, threadIdx.x);
+    *l = POS_INF;
+    *d = 0.f;
+    const int r = m0 + threadIdx.x;
+    if (threadIdx.x < KV_BLOCK_M && r < Lq) {
+        const int64_t row = sq.start + r;
+        *l = lse_log2(((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + row * p.lse.s[2]]);
+        *d = ((const float *)p.delta.ptr)[sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + row * p.delta.s[2]];
+    }
+}
+
+/* PART: 1 dV, 2 dK, 3 both. Grid (key tiles, Hk, B [+1 varlen]); warp w owns key rows
+ * [16 w, 16 w + 16) of the tile, so dK and dV never leave its registers. */
+template <int PART>
+DEV void dkdv(const attn_params &p, unsigned char *smem_raw)
+{
+    constexpr bool DO_DV = PART & 1, DO_DK = PART & 2;
+    constexpr int BM = KV_BLOCK_M, BN = KV_BLOCK_N;
+    elem_t *sK = (elem_t *)smem_raw;                               /* BN x (DP + pad) */
+    elem_t *sV = sK + BN * (DP + SMEM_PAD);                        /* BN x (DVP + pad), dK only */
+    elem_t *sQ = sV + (DO_DK ? BN * (DVP + SMEM_PAD) : 0);         /* 2 x BM x (DP + pad) */
+    elem_t *sdO = sQ + 2 * BM * (DP + SMEM_PAD);                   /* 2 x BM x (DVP + pad) */
+    float *sL = (float *)(sdO + 2 * BM * (DVP + SMEM_PAD));        /* 2 x BM lse, log2 units */
+    float *sD = sL + 2 * BM;                                       /* 2 x BM delta */
+    elem_t *sdS = (elem_t *)(sD + 2 * BM);                         /* DQ_ATOMIC: BN x (BM + pad) */
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int64_t hk = blockIdx.y, b = blockIdx.z;
+    if (b == p.B) {                       /* packed rows after the last sequence */
+        const int64_t first = p.cu_seqlens_k[p.B];
+        if (DO_DK)
+            zero_rows((elem_t *)p.dk.ptr + hk * p.dk.s[2], p.dk.s[1], p.dk.s[3], first, p.Sk, HEAD_DIM, KV_THREADS);
+        if (DO_DV)
+            zero_rows((elem_t *)p.dv.ptr + hk * p.dv.s[2], p.dv.s[1], p.dv.s[3], first, p.Sk, HEAD_DIM_V, KV_THREADS);
+        return;
+    }
+    const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
+    const int n0 = blockIdx.x * BN;
+    if (n0 >= sk.rows)
+        return;
+    const int group = (int)(p.Hq / p.Hk), Lq = (int)sq.len, Lk = (int)sk.len;
+
+    /* the query tiles that see some key of this tile, and the query rows each of this thread's
+     * two key rows is seen by (the exact inverse of kv_range, so the forward's kept set) */
+    int m_first = 0, nm = 0;
+    if (n0 < Lk) {
+        int64_t lo, hi;
+        q_range(&p, n0, min(n0 + BN, Lk), Lq, Lk, &lo, &hi);
+        if (hi > lo) {
+            m_first = (int)(lo / BM);
+            nm = (int)((hi - 1) / BM) - m_first + 1;
+        }
+    }
+    int qlo[2], qhi[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int c = n0 + warp * 16 + g + i * 8;
+        int64_t lo = 0, hi = 0;
+        if (c < Lk)
+            q_range(&p, c, c + 1, Lq, Lk, &lo, &hi);
+        qlo[i] = (int)lo;
+        qhi[i] = (int)hi;
+    }
+
+    const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + (sk.start + n0) * p.k.s[1] + hk * p.k.s[2];
+    const elem_t *gv = (const elem_t *)p.v.ptr + sk.mem_b * p.v.s[0] + (sk.start + n0) * p.v.s[1] + hk * p.v.s[2];
+    const int items = group * nm;
+    if (items > 0) {
+        load_tile<BN, DP, KV_THREADS>(sK, gk, p.k.s[1], p.k.s[3], Lk - n0, HEAD_DIM, tid);
+        if (DO_DK)
+            load_tile<BN, DVP, KV_THREADS>(sV, gv, p.v.s[1], p.v.s[3], Lk - n0, HEAD_DIM_V, tid);
+        float l, d;
+        dkdv_prefetch(p, sq, hk, group, m_first, nm, 0, sQ, sdO, &l, &d);
+        cp_async_commit();
+        if (tid < BM) {
+            sL[tid] = l;
+            sD[tid] = d;
+        }
+    }
+
+    float dk[1][DO_DK ? DP / 8 : 2][4], dv[1][DO_DV ? DVP / 8 : 2][4];
+    zero_acc(dk);
+    zero_acc(dv);
+    for (int j = 0; j < items; j++) {
+        const int buf = j & 1;
+        const int64_t h = hk * group + j / nm;
+        const int m0 = (m_first + j % nm) * BM;
+        const elem_t *qb = sQ + buf * BM * (DP + SMEM_PAD), *dob = sdO + buf * BM * (DVP + SMEM_PAD);
+        const float *lb = sL + buf * BM, *db = sD + buf * BM;
+        cp_async_wait_all();
+        __syncthreads();                  /* item j in buffer buf; every warp is done with buf ^ 1 */
+        float nl = POS_INF, nd = 0.f;
+        if (j + 1 < items)
+            dkdv_prefetch(p, sq, hk, group, m_first, nm, j + 1, sQ + (buf ^ 1) * BM * (DP + SMEM_PAD),
+                          sdO + (buf ^ 1) * BM * (DVP + SMEM_PAD), &nl, &nd);
+        cp_async_commit();
+        const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
+        const float scale_log2 = sc.scale * LOG2E;
+
+        /* S^T = K Q^T for this warp's key rows */
+        float s[1][KV_NT][4];
+        zero_acc(s);
+        mma_abt<1, KV_NT, DP>(s, sK + warp * 16 * (DP + SMEM_PAD), qb, lane);
+
+        /* P^T (packed for dV) and P^T * score_grad (kept in s for dS); pairs (e, e + 1) share a
+         * key row and sit on adjacent query columns */
+        const bool need_mask = HAS_MASK || n0 + BN > Lk || m0 + BM > Lq
+                               || !tile_inside_band(&p, m0, min(m0 + BM, Lq), n0, n0 + BN, Lq, Lk);
+        uint32_t pp[1][KV_NT / 2][4];
+#pragma unroll
+        for (int nt = 0; nt < KV_NT; nt++)
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                float pr[2];
+#pragma unroll
+                for (int x = 0; x < 2; x++) {
+                    const int e = half * 2 + x;
+                    const int c = n0 + warp * 16 + g + half * 8;
+                    const int rl = nt * 8 + 2 * t + x, r = m0 + rl;
+                    const bool keep = !need_mask || (r >= qlo[half] && r < qhi[half] && mask_keeps(sc, r, c));
+                    const float raw = s[0][nt][e];
+                    float pv = 0.f, grad = 1.f;
+                    if (keep) {
+#if SCORE_IS_PLAIN
+                        pv = fast_exp2(raw * scale_log2 - lb[rl]);
+#else
+                        pv = fast_exp2(score_of(sc, raw, r, c) * LOG2E - lb[rl]);
+#endif
+                        grad = score_grad(sc, raw);
+                    }
+                    pr[x] = pv;
+                    s[0][nt][e] = pv * grad;
+                }
+                pp[0][nt / 2][(nt & 1) * 2 + half] = pack2(pr[0], pr[1]);
+            }
+
+        if (DO_DV)                        /* dV += P^T dO */
+            mma_fb<1, KV_NT / 2, DO_DV ? DVP / 8 : 2, DVP + SMEM_PAD>(dv, pp, dob, lane);
+
+        if (DO_DK) {
+            /* dP^T = V dO^T, dS^T = P^T (dP^T - delta) score_grad, dK += dS^T Q */
+            float dp[1][KV_NT][4];
+            zero_acc(dp);
+            mma_abt<1, KV_NT, DVP>(dp, sV + warp * 16 * (DVP + SMEM_PAD), dob, lane);
+#pragma unroll
+            for (int nt = 0; nt < KV_NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    s[0][nt][e] *= dp[0][nt][e] - db[nt * 8 + 2 * t + (e & 1)];
+            pack_frag<1, KV_NT / 2>(pp, s);
+            mma_fb<1, KV_NT / 2, DO_DK ? DP / 8 : 2, DP + SMEM_PAD>(dk, pp, qb, lane);
+#if DQ_ATOMIC
+            {
+                /* dS^T to shared memory, then dQ (BM x DP) = dS K split over the warps:
+                 * warp (wm, wd) owns query rows 16 wm .. and the 16-column groups wd, wd + WD, .. */
+                constexpr int WM = BM / 16, WD = KV_WARPS / WM, NPW = (DP / 16 + WD - 1) / WD;
+                constexpr int LDS = BM + SMEM_PAD;
+                elem_t *row = sdS + (warp * 16 + g) * LDS + 2 * t;
+#pragma unroll
+                for (int kk = 0; kk < KV_NT / 2; kk++) {
+                    *(uint32_t *)(row + kk * 16) = pp[0][kk][0];
+                    *(uint32_t *)(row + 8 * LDS + kk * 16) = pp[0][kk][1];
+                    *(uint32_t *)(row + kk * 16 + 8) = pp[0][kk][2];
+                    *(uint32_t *)(row + 8 * LDS + kk * 16 + 8) = pp[0][kk][3];
+                }
+                __syncthreads();
+                const int wm = warp % WM, wd = warp / WM;
+                float acc[NPW][2][4];
+#pragma unroll
+                for (int i = 0; i < NPW; i++)
+#pragma unroll
+                    for (int e = 0; e < 8; e++)
+                        acc[i][e / 4][e % 4] = 0.f;
+#pragma unroll
+                for (int kk = 0; kk < BN / 16; kk++) {
+                    uint32_t a[4];
+                    ldmatrix_x4_trans(smem_addr(sdS + (kk * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * LDS
+                                                + wm * 16 + ((lane >> 3) & 1) * 8),
+                                      a[0], a[1], a[2], a[3]);
+#pragma unroll
+                    for (int i = 0; i < NPW; i++) {
+                        const int np = wd + i * WD;
+                        if (np < DP / 16) {
+                            uint32_t b0, b1, b2, b3;
+                            ldmatrix_x4_trans(smem_addr(sK + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * (DP + SMEM_PAD)
+                                                        + np * 16 + (lane >> 4) * 8),
+                                              b0, b1, b2, b3);
+                            mma16816(acc[i][0], a, b0, b1);
+                            mma16816(acc[i][1], a, b2, b3);
+                        }
+                    }
+                }
+                float *gacc = (float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + sq.start * p.dq_accum.s[1]
+                              + h * p.dq_accum.s[2];
+#pragma unroll
+                for (int i = 0; i < NPW; i++)
+#pragma unroll
+                    for (int e = 0; e < 8; e++) {
+                        const int r = m0 + wm * 16 + g + ((e % 4) / 2) * 8;
+                        const int dcol = (wd + i * WD) * 16 + (e / 4) * 8 + 2 * t + (e & 1);
+                        if (r < Lq && dcol < HEAD_DIM)
+                            red_add_f32(gacc + (int64_t)r * p.dq_accum.s[1] + dcol * p.dq_accum.s[3], acc[i][e / 4][e % 4]);
+                    }
+            }
+#endif
+        }
+        if (tid < BM) {                   /* the next item's lse and delta, now that buf ^ 1 is free */
+            sL[(buf ^ 1) * BM + tid] = nl;
+            sD[(buf ^ 1) * BM + tid] = nd;
+        }
+    }
+    cp_async_wait_all();
+
+    /* dk = dK * scale, dv = dV; key rows past the length come out 0 (P was 0 there) */
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int c = n0 + warp * 16 + g + i * 8;
+        if (c >= sk.rows)
+            continue;
+        if (DO_DK) {
+            const float scale = (float)p.scale;
+            elem_t *row = (elem_t *)p.dk.ptr + sk.mem_b * p.dk.s[0] + (sk.start + c) * p.dk.s[1] + hk * p.dk.s[2];
+#pragma unroll
+            for (int nt = 0; nt < (DO_DK ? DP / 8 : 2); nt++) {
+                const int d = nt * 8 + 2 * t;
+                if (d < HEAD_DIM)
+                    row[d * p.dk.s[3]] = f32_to_elem(dk[0][nt][i * 2] * scale);
+                if (d + 1 < HEAD_DIM)
+                    row[(d + 1) * p.dk.s[3]] = f32_to_elem(dk[0][nt][i * 2 + 1] * scale);
+            }
+        }
+        if (DO_DV) {
+            elem_t *row = (elem_t *)p.dv.ptr + sk.mem_b * p.dv.s[0] + (sk.start + c) * p.dv.s[1] + hk * p.dv.s[2];
+#pragma unroll
+            for (int nt = 0; nt < (DO_DV ? DVP / 8 : 2); nt++) {
+                const int d = nt * 8 + 2 * t;
+                if (d < HEAD_DIM_V)
+                    row[d * p.dv.s[3]] = f32_to_elem(dv[0][nt][i * 2]);
+                if (d + 1 < HEAD_DIM_V)
+                    row[(d + 1) * p.dv.s[3]] = f32_to_elem(dv[0][nt][i * 2 + 1]);
+            }
+        }
+    }
+}
+
+#if KV_SPLIT
+extern "C" __global__ void __launch_bounds__(KV_THREADS) attn_bwd_dv(const __grid_constant__ attn_params p)
+{
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    dkdv<1>(p, smem_raw);
+}
+
+extern "C" __global__ void __launch_bounds__(KV_THREADS) attn_bwd_dk(const __grid_constant__ attn_params p)
+{
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    dkdv<2>(p, smem_raw);
+}
+#else
+extern "C" __global__ void __launch_bounds__(KV_THREADS) attn_bwd_dkdv(const __grid_constant__ attn_params p)
+{
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    dkdv<3>(p, smem_raw);
+}
+#endif
+
+/* ---------------------------------------------------------------- dQ (and the dS of dbias) */
+/* What a warp of the dq and dbias kernels knows about each of its 2 * Q_MT rows. */
+struct row_info {
+    int lo[2 * Q_MT], hi[2 * Q_MT];   /* kept key columns (kv_range); empty past the length */
+    float lse2[2 * Q_MT], delta[2 * Q_MT];
+};
+
+DEV void load_row_info(const attn_params &p, const seq_t &sq, const seq_t &sk, int64_t h, int m0, row_info &ri)
+{
+    const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+    const int Lq = (int)sq.len, Lk = (int)sk.len;
+#pragma unroll
+    for (int i = 0; i < 2 * Q_MT; i++) {
+        const int r = m0 + warp * Q_WARP_M + (i / 2) * 16 + g + (i % 2) * 8;
+        int64_t lo = 0, hi = 0;
+        ri.lse2[i] = POS_INF;
+        ri.delta[i] = 0.f;
+        if (r < Lq) {
+            kv_range(&p, r, r + 1, Lq, Lk, &lo, &hi);
+            const int64_t row = sq.start + r;
+            ri.lse2[i] = lse_log2(((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + row * p.lse.s[2]]);
+            ri.delta[i] = ((const float *)p.delta.ptr)[sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + row * p.delta.s[2]];
+        }
+        ri.lo[i] = (int)lo;
+        ri.hi[i] = (int)hi;
+    }
+}
+
+/* dS for this warp's rows x the key tile at c0, in place of s (S = Q K^T, raw dots) from dp
+ * (dO V^T): natural units (dbias) or WITH_GRAD times score_grad (dq). Pairs outside the kept
+ * set give exactly 0. */
+template <bool WITH_GRAD>
+DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], const attn_params &p,
+                 const score_ctx &sc, const row_info &ri, int m0, int c0, int Lq, int Lk)
+{
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const float scale_log2 = sc.scale * LOG2E;
+    const bool need_mask = HAS_MASK || c0 + Q_BLOCK_N > Lk || m0 + Q_BLOCK_M > Lq
+                           || !tile_inside_band(&p, m0, min(m0 + Q_BLOCK_M, Lq), c0, c0 + Q_BLOCK_N, Lq, Lk);
+#pragma unroll
+    for (int mt = 0; mt < Q_MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < Q_NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int i = mt * 2 + e / 2;
+                const int r = m0 + warp * Q_WARP_M + mt * 16 + g + (e / 2) * 8;
+                const int c = c0 + nt * 8 + 2 * t + (e & 1);
+                const bool keep = !need_mask || (c >= ri.lo[i] && c < ri.hi[i] && mask_keeps(sc, r, c));
+                const float raw = s[mt][nt][e];
+                float ds = 0.f;
+                if (keep) {
+#if SCORE_IS_PLAIN
+                    const float pv = fast_exp2(raw * scale_log2 - ri.lse2[i]);
+#else
+                    const float pv = fast_exp2(score_of(sc, raw, r, c) * LOG2E - ri.lse2[i]);
+#endif
+                    ds = pv * (dp[mt][nt][e] - ri.delta[i]);
+                    if (WITH_GRAD)
+                        ds *= score_grad(sc, raw);
+                }
+                s[mt][nt][e] = ds;
+            }
+}
+
+/* Grid (query tiles, Hq, B [+1 varlen]). Warp w owns query rows [w Q_WARP_M, (w + 1) Q_WARP_M).
+ * K double-buffered (K[n+1] loads during tile n), V loads while dS K runs. */
+extern "C" __global__ void __launch_bounds__(Q_THREADS) attn_bwd_dq(const __grid_constant__ attn_params p)
+{
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    elem_t *sQ = (elem_t *)smem_raw;                            /* Q_BLOCK_M x (DP + pad) */
+    elem_t *sdO = sQ + Q_BLOCK_M * (DP + SMEM_PAD);             /* Q_BLOCK_M x (DVP + pad) */
+    elem_t *sK = sdO + Q_BLOCK_M * (DVP + SMEM_PAD);            /* 2 x Q_BLOCK_N x (DP + pad) */
+    elem_t *sV = sK + 2 * Q_BLOCK_N * (DP + SMEM_PAD);          /* Q_BLOCK_N x (DVP + pad) */
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int64_t h = blockIdx.y, b = blockIdx.z;
+    if (b == p.B) {
+        zero_rows((elem_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], p.cu_seqlens_q[p.B], p.Sq, HEAD_DIM,
+                  Q_THREADS);
+        return;
+    }
+    const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * Q_BLOCK_M;     /* the longest causal rows first */
+    if (m0 >= sq.rows)
+        return;
+    const int64_t hk = h / (p.Hq / p.Hk);
+    const int Lq = (int)sq.len, Lk = (int)sk.len;
+    int64_t lo = 0, hi = 0;
+    if (m0 < Lq)
+        kv_range(&p, m0, min(m0 + Q_BLOCK_M, Lq), Lq, Lk, &lo, &hi);
+    const int n_first = (int)(lo / Q_BLOCK_N), n_last = hi > lo ? (int)((hi - 1) / Q_BLOCK_N) : -1;
+    row_info ri;
+    load_row_info(p, sq, sk, h, m0, ri);
+
+    const elem_t *gq = (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + (sq.start + m0) * p.q.s[1] + h * p.q.s[2];
+    const elem_t *gdo = (const elem_t *)p.dout.ptr + sq.mem_b * p.dout.s[0] + (sq.start + m0) * p.dout.s[1]
+                        + h * p.dout.s[2];
+    const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + sk.start * p.k.s[1] + hk * p.k.s[2];
+    const elem_t *gv = (const elem_t *)p.v.ptr + sk.mem_b * p.v.s[0] + sk.start * p.v.s[1] + hk * p.v.s[2];
+    const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
+
+    if (n_last >= n_first) {
+        const int c0 = n_first * Q_BLOCK_N;
+        load_tile<Q_BLOCK_M, DP, Q_THREADS>(sQ, gq, p.q.s[1], p.q.s[3], Lq - m0, HEAD_DIM, tid);
+        load_tile<Q_BLOCK_M, DVP, Q_THREADS>(sdO, gdo, p.dout.s[1], p.dout.s[3], Lq - m0, HEAD_DIM_V, tid);
+        load_tile<Q_BLOCK_N, DP, Q_THREADS>(sK, gk + (int64_t)c0 * p.k.s[1], p.k.s[1], p.k.s[3], Lk - c0, HEAD_DIM, tid);
+        load_tile<Q_BLOCK_N, DVP, Q_THREADS>(sV, gv + (int64_t)c0 * p.v.s[1], p.v.s[1], p.v.s[3], Lk - c0, HEAD_DIM_V, tid);
+        cp_async_commit();
+    }
+    float dq[Q_MT][DP / 8][4];
+    zero_acc(dq);
+    for (int n = n_first; n <= n_last; n++) {
+        const int c0 = n * Q_BLOCK_N;
+        elem_t *kb = sK + ((n - n_first) & 1) * Q_BLOCK_N * (DP + SMEM_PAD);
+        elem_t *kn = sK + ((n - n_first + 1) & 1) * Q_BLOCK_N * (DP + SMEM_PAD);
+        cp_async_wait_all();
+        __syncthreads();                  /* K[n], V[n] in; every warp is done with K[n - 1] */
+        if (n < n_last)
+            load_tile<Q_BLOCK_N, DP, Q_THREADS>(kn, gk + (int64_t)(c0 + Q_BLOCK_N) * p.k.s[1], p.k.s[1], p.k.s[3],
+                                                Lk - (c0 + Q_BLOCK_N), HEAD_DIM, tid);
+        cp_async_commit();
+
+        float s[Q_MT][Q_NT][4], dp[Q_MT][Q_NT][4];
+        zero_acc(s);
+        zero_acc(dp);
+        mma_abt<Q_MT, Q_NT, DP>(s, sQ + warp * Q_WARP_M * (DP + SMEM_PAD), kb, lane);
+        mma_abt<Q_MT, Q_NT, DVP>(dp, sdO + warp * Q_WARP_M * (DVP + SMEM_PAD), sV, lane);
+        __syncthreads();                  /* every warp is done with V[n] */
+        if (n < n_last)
+            load_tile<Q_BLOCK_N, DVP, Q_THREADS>(sV, gv + (int64_t)(c0 + Q_BLOCK_N) * p.v.s[1], p.v.s[1], p.v.s[3],
+                                                 Lk - (c0 + Q_BLOCK_N), HEAD_DIM_V, tid);
+        cp_async_commit();
+
+        ds_tile<true>(s, dp, p, sc, ri, m0, c0, Lq, Lk);
+        uint32_t a[Q_MT][Q_NT / 2][4];
+        pack_frag<Q_MT, Q_NT / 2>(a, s);
+        mma_fb<Q_MT, Q_NT / 2, DP / 8, DP + SMEM_PAD>(dq, a, kb, lane);
+    }
+    cp_async_wait_all();
+
+    /* dq = dQ * scale; padding rows (and rows that keep nothing) come out 0 */
+    const float scale = sc.scale;
+    elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
+#pragma unroll
+    for (int i = 0; i < 2 * Q_MT; i++) {
+        const int mt = i / 2, e0 = (i % 2) * 2;
+        const int r = m0 + warp * Q_WARP_M + mt * 16 + g + (i % 2) * 8;
+        if (r >= sq.rows)
+            continue;
+        elem_t *row = gdq + (int64_t)r * p.dq.s[1];
+#pragma unroll
+        for (int nt = 0; nt < DP / 8; nt++) {
+            const int d = nt * 8 + 2 * t;
+            if (d < HEAD_DIM)
+                row[d * p.dq.s[3]] = f32_to_elem(dq[mt][nt][e0] * scale);
+            if (d + 1 < HEAD_DIM)
+                row[(d + 1) * p.dq.s[3]] = f32_to_elem(dq[mt][nt][e0 + 1] * scale);
+        }
+    }
+}
+
+/* Grid (row tiles of PRE_ROWS, Hq, B [+1 varlen]): dq = dq_accum * scale, 0 on padding rows. */
+extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_dq_convert(const __grid_constant__ attn_params p)
+{
+    const int64_t h = blockIdx.y, b = blockIdx.z;
+    if (b == p.B) {
+        zero_rows((elem_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], p.cu_seqlens_q[p.B], p.Sq, HEAD_DIM,
+                  PRE_THREADS);
+        return;
+    }
+    const seq_t sq = seq_q(&p, b);
+    const float scale = (float)p.scale;
+    elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
+    const float *gacc = (const float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + sq.start * p.dq_accum.s[1]
+                        + h * p.dq_accum.s[2];
+    for (int i = threadIdx.x; i < PRE_ROWS * HEAD_DIM; i += PRE_THREADS) {
+        const int64_t r = (int64_t)blockIdx.x * PRE_ROWS + i / HEAD_DIM;
+        const int d = i % HEAD_DIM;
+        if (r < sq.rows)
+            gdq[r * p.dq.s[1] + d * p.dq.s[3]] =
+                r < sq.len ? f32_to_elem(gacc[r * p.dq_accum.s[1] + d * p.dq_accum.s[3]] * scale) : (elem_t)0;
+    }
+}
+
+/* ---------------------------------------------------------------- dbias */
+/* Grid (row tiles, column tiles, Bc * Hb) of dbias's compact shape (a broadcast dim: one tile,
+ * Bc = 1 when the batch is broadcast). Each CTA owns its elements: it visits, in a fixed order,
+ * every batch item, query head of its bias head, row tile and column tile landing on them, sums
+ * dS in registers, reduces over the broadcast rows / columns in a fixed order and writes once.
+ * Elements past every sequence's length are left as the caller's zeros. */
+extern "C" __global__ void __launch_bounds__(Q_THREADS) attn_bwd_dbias(const __grid_constant__ attn_params p)
+{
+#if HAS_BIAS
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    elem_t *sQ = (elem_t *)smem_raw;                            /* Q_BLOCK_M x (DP + pad) */
+    elem_t *sdO = sQ + Q_BLOCK_M * (DP + SMEM_PAD);             /* Q_BLOCK_M x (DVP + pad) */
+    elem_t *sK = sdO + Q_BLOCK_M * (DVP + SMEM_PAD);            /* Q_BLOCK_N x (DP + pad) */
+    elem_t *sV = sK + Q_BLOCK_N * (DP + SMEM_PAD);              /* Q_BLOCK_N x (DVP + pad) */
+    float *sRed = (float *)(sV + Q_BLOCK_N * (DVP + SMEM_PAD)); /* Q_WARPS x Q_BLOCK_N */
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int mc = blockIdx.x, nc = blockIdx.y;
+    const int64_t hb = blockIdx.z % p.bias_heads, bz = blockIdx.z / p.bias_heads;
+    const bool bcast_b = p.dbias.s[0] == 0, bcast_r = p.dbias.s[2] == 0, bcast_c = p.dbias.s[3] == 0;
+    const int64_t heads_per = p.Hq / p.bias_heads;
+
+    float acc[Q_MT][Q_NT][4];
+    zero_acc(acc);
+    int rlim = 0, clim = 0;
+    for (int64_t b = bcast_b ? 0 : bz; b < (bcast_b ? p.B : bz + 1); b++) {
+        const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
+        const int Lq = (int)sq.len, Lk = (int)sk.len;
+        rlim = max(rlim, Lq);
+        clim = max(clim, Lk);
+        const int mt_lo = bcast_r ? 0 : mc;
+        const int mt_hi = bcast_r ? (Lq + Q_BLOCK_M - 1) / Q_BLOCK_M : (mc * Q_BLOCK_M < Lq ? mc + 1 : mc);
+        for (int64_t hh = 0; hh < heads_per; hh++) {
+            const int64_t h = hb * heads_per + hh, hk = h / (p.Hq / p.Hk);
+            const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
+            for (int mi = mt_lo; mi < mt_hi; mi++) {
+                const int m0 = mi * Q_BLOCK_M;
+                int64_t lo, hi;
+                kv_range(&p, m0, min(m0 + Q_BLOCK_M, Lq), Lq, Lk, &lo, &hi);
+                if (hi <= lo)
+                    continue;
+                int n_lo = (int)(lo / Q_BLOCK_N), n_hi = (int)((hi - 1) / Q_BLOCK_N);
+                if (!bcast_c) {
+                    if (nc < n_lo || nc > n_hi)
+                        continue;
+                    n_lo = n_hi = nc;
+                }
+                row_info ri;
+                load_row_info(p, sq, sk, h, m0, ri);
+                const elem_t *gq = (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + (sq.start + m0) * p.q.s[1] + h * p.q.s[2];
+                const elem_t *gdo = (const elem_t *)p.dout.ptr + sq.mem_b * p.dout.s[0]
+                                    + (sq.start + m0) * p.dout.s[1] + h * p.dout.s[2];
+                const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + sk.start * p.k.s[1] + hk * p.k.s[2];
+                const elem_t *gv = (const elem_t *)p.v.ptr + sk.mem_b * p.v.s[0] + sk.start * p.v.s[1] + hk * p.v.s[2];
+                for (int n = n_lo; n <= n_hi; n++) {
+                    const int c0 = n * Q_BLOCK_N;
+                    __syncthreads();      /* every warp is done with the previous tiles */
+                    if (n == n_lo) {
+                        load_tile<Q_BLOCK_M, DP, Q_THREADS>(sQ, gq, p.q.s[1], p.q.s[3], Lq - m0, HEAD_DIM, tid);
+                        load_tile<Q_BLOCK_M, DVP, Q_THREADS>(sdO, gdo, p.dout.s[1], p.dout.s[3], Lq - m0, HEAD_DIM_V, tid);
+                    }
+                    load_tile<Q_BLOCK_N, DP, Q_THREADS>(sK, gk + (int64_t)c0 * p.k.s[1], p.k.s[1], p.k.s[3], Lk - c0,
+                                                        HEAD_DIM, tid);
+                    load_tile<Q_BLOCK_N, DVP, Q_THREADS>(sV, gv + (int64_t)c0 * p.v.s[1], p.v.s[1], p.v.s[3], Lk - c0,
+                                                         HEAD_DIM_V, tid);
+                    cp_async_commit();
+                    cp_async_wait_all();
+                    __syncthreads();
+                    float s[Q_MT][Q_NT][4], dp[Q_MT][Q_NT][4];
+                    zero_acc(s);
+                    zero_acc(dp);
+                    mma_abt<Q_MT, Q_NT, DP>(s, sQ + warp * Q_WARP_M * (DP + SMEM_PAD), sK, lane);
+                    mma_abt<Q_MT, Q_NT, DVP>(dp, sdO + warp * Q_WARP_M * (DVP + SMEM_PAD), sV, lane);
+                    ds_tile<false>(s, dp, p, sc, ri, m0, c0, Lq, Lk);
+#pragma unroll
+                    for (int mt = 0; mt < Q_MT; mt++)
+#pragma unroll
+                        for (int nt = 0; nt < Q_NT; nt++)
+#pragma unroll
+                            for (int e = 0; e < 4; e++)
+                                acc[mt][nt][e] += s[mt][nt][e];
+                }
+            }
+        }
+    }
+
+    char *out = (char *)p.dbias.ptr + (bz * p.dbias.s[0] + hb * p.dbias.s[1]) * dtype_size((attn_dtype)BIAS_DT);
+    const int r_base = mc * Q_BLOCK_M + warp * Q_WARP_M + g, c_base = nc * Q_BLOCK_N + 2 * t;
+    if (!bcast_r && !bcast_c) {
+#pragma unroll
+        for (int mt = 0; mt < Q_MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < Q_NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int r = r_base + mt * 16 + (e / 2) * 8, c = c_base + nt * 8 + (e & 1);
+                    if (r < rlim && c < clim)
+                        store_from_f32(out, (int64_t)r * p.dbias.s[2] + (int64_t)c * p.dbias.s[3], BIAS_DT,
+                                       acc[mt][nt][e]);
+                }
+    } else if (!bcast_r) {                /* sum over the columns: a quad holds a row */
+#pragma unroll
+        for (int i = 0; i < 2 * Q_MT; i++) {
+            float x = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < Q_NT; nt++)
+                x += acc[i / 2][nt][(i % 2) * 2] + acc[i / 2][nt][(i % 2) * 2 + 1];
+            x += __shfl_xor_sync(0xffffffffu, x, 1);
+            x += __shfl_xor_sync(0xffffffffu, x, 2);
+            const int r = r_base + (i / 2) * 16 + (i % 2) * 8;
+            if (t == 0 && r < rlim)
+                store_from_f32(out, (int64_t)r * p.dbias.s[2], BIAS_DT, x);
+        }
+    } else {                              /* sum over the rows (and the columns when both) */
+        float col[Q_NT][2];
+#pragma unroll
+        for (int nt = 0; nt < Q_NT; nt++)
+#pragma unroll
+            for (int x = 0; x < 2; x++) {
+                float v = 0.f;
+#pragma unroll
+                for (int mt = 0; mt < Q_MT; mt++)
+                    v += acc[mt][nt][x] + acc[mt][nt][2 + x];
+                v += __shfl_xor_sync(0xffffffffu, v, 4);
+                v += __shfl_xor_sync(0xffffffffu, v, 8);
+                v += __shfl_xor_sync(0xffffffffu, v, 16);
+                col[nt][x] = v;
+            }
+        if (g == 0)
+#pragma unroll
+            for (int nt = 0; nt < Q_NT; nt++) {
+                sRed[warp * Q_BLOCK_N + nt * 8 + 2 * t] = col[nt][0];
+                sRed[warp * Q_BLOCK_N + nt * 8 + 2 * t + 1] = col[nt][1];
+            }
+        __syncthreads();
+        if (!bcast_c) {
+            if (tid < Q_BLOCK_N) {
+                float v = 0.f;
+                for (int w = 0; w < Q_WARPS; w++)
+                    v += sRed[w * Q_BLOCK_N + tid];
+                const int c = nc * Q_BLOCK_N + tid;
+                if (c < clim)
+                    store_from_f32(out, (int64_t)c * p.dbias.s[3], BIAS_DT, v);
+            }
+        } else if (tid == 0) {
+            float v = 0.f;
+            for (int w = 0; w < Q_WARPS; w++)
+                for (int c = 0; c < Q_BLOCK_N; c++)
+                    v += sRed[w * Q_BLOCK_N + c];
+            store_from_f32(out, 0, BIAS_DT, v);
+        }
+    }
+#endif
+}

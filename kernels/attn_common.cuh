@@ -1,0 +1,255 @@
+/* What the forward and backward kernels share: tensor-core and copy instructions as inline PTX
+ * (no CUDA toolkit header is included: NVRTC needs no include path), element conversions,
+ * tile loads into padded shared memory, and the per-score hook (softcap, bias, alibi, then the
+ * score_mod slot) with the mask predicate.
+ *
+ * Compile-time switches (set by attnext/kernels.py):
+ *   ELEM_BF16      1: q/k/v/out are bfloat16, 0: float16
+ *   HEAD_DIM, HEAD_DIM_V      D and Dv, any value 1..256
+ *   VEC_LOAD       1: every q/k/v row is 16-byte aligned and its D elements contiguous, so tiles
+ *                  load with 16-byte cp.async; 0: element loads (odd strides, odd D, misaligned)
+ *   HAS_SOFTCAP, HAS_BIAS (+ BIAS_DT), HAS_ALIBI (+ ALIBI_DT), HAS_MASK
+ * Causal and window are run-time fields of attn_params: they decide which tiles are visited
+ * (block.h) and which tiles need the per-element mask, never the inner loop's code.
+ *
+ * Fragment legend of mma.m16n8k16 (g = lane / 4, t = lane % 4):
+ *   A 16x16 : a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
+ *   B 16x8  : b0 (k 2t..2t+1, n g)  b1 (k 2t+8.., n g)
+ *   C 16x8  : c0 c1 (g, 2t..2t+1)   c2 c3 (g+8, 2t..2t+1)
+ */
+#ifndef ATTNEXT_ATTN_COMMON_CUH
+#define ATTNEXT_ATTN_COMMON_CUH
+
+#include "attn_params.h"
+#include "seqlen.h"
+#include "block.h"
+
+#define DEV static __device__ __forceinline__
+#define ROUND_UP(x, m) (((x) + (m) - 1) / (m) * (m))
+#define DP ROUND_UP(HEAD_DIM, 16)          /* D padded to the mma's k step */
+#define DVP ROUND_UP(HEAD_DIM_V, 16)       /* Dv padded to two n8 tiles */
+#define SMEM_PAD 8                         /* elements: 16 bytes per row keep ldmatrix conflict-free */
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+typedef uint16_t elem_t;                   /* the raw 16 bits of a bfloat16 or float16 */
+
+/* ---------------------------------------------------------------- conversions */
+DEV float bf16_to_f32(uint16_t x) { return __uint_as_float(((uint32_t)x) << 16); }
+
+DEV float f16_to_f32(uint16_t x)
+{
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    return f;
+}
+
+DEV float elem_to_f32(elem_t x)
+{
+#if ELEM_BF16
+    return bf16_to_f32(x);
+#else
+    return f16_to_f32(x);
+#endif
+}
+
+DEV elem_t f32_to_elem(float f)
+{
+    uint16_t r;
+#if ELEM_BF16
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+#else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+#endif
+    return r;
+}
+
+/* Two floats to one register of two 16-bit elements, lo in the low half. */
+DEV uint32_t pack2(float lo, float hi)
+{
+    uint32_t r;
+#if ELEM_BF16
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+/* A float of any attn_dtype at p[i]. */
+DEV float load_as_f32(const void *p, int64_t i, int dt)
+{
+    switch (dt) {
+    case DT_F16: return f16_to_f32(((const uint16_t *)p)[i]);
+    case DT_BF16: return bf16_to_f32(((const uint16_t *)p)[i]);
+    case DT_F32: return ((const float *)p)[i];
+    default: return (float)((const double *)p)[i];
+    }
+}
+
+DEV float fast_exp2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+/* ---------------------------------------------------------------- shared memory and copies */
+DEV uint32_t smem_addr(const void *p)
+{
+    uint32_t a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+/* 16 bytes global -> shared; src_bytes < 16 zero-fills the rest (0: all zeros, src unread). */
+DEV void cp_async16(uint32_t dst, const void *src, int src_bytes)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+DEV void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+DEV void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+DEV void ldmatrix_x4(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+DEV void ldmatrix_x4_trans(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+/* c += a * b, one m16n8k16 tensor-core product, float32 accumulate. */
+DEV void mma16816(float *c, const uint32_t *a, uint32_t b0, uint32_t b1)
+{
+#if ELEM_BF16
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+#endif
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* Rows [0, ROWS) x cols [0, COLS_P) of a tile into shared memory (row stride COLS_P + SMEM_PAD),
+ * from global rows src + r * row_stride (element strides, col stride col_stride). Rows at or past
+ * `valid` and cols at or past `cols` are zero: a padded key row must hold 0, not garbage, since
+ * its probability 0 times a NaN would still be NaN. VEC_LOAD issues cp.async (commit and wait are
+ * the caller's); otherwise plain loads and stores, complete on return. */
+template <int ROWS, int COLS_P, int THREADS>
+DEV void load_tile(elem_t *smem, const elem_t *src, int64_t row_stride, int64_t col_stride,
+                   int valid, int cols, int tid)
+{
+#if VEC_LOAD
+    constexpr int CHUNKS = COLS_P / 8;
+    for (int i = tid; i < ROWS * CHUNKS; i += THREADS) {
+        int r = i / CHUNKS, c = (i % CHUNKS) * 8;
+        bool ok = r < valid && c < cols;
+        const elem_t *g = ok ? src + r * row_stride + c : src;
+        cp_async16(smem_addr(smem + r * (COLS_P + SMEM_PAD) + c), g, ok ? 16 : 0);
+    }
+#else
+    for (int i = tid; i < ROWS * COLS_P; i += THREADS) {
+        int r = i / COLS_P, c = i % COLS_P;
+        elem_t x = 0;
+        if (r < valid && c < cols)
+            x = src[r * row_stride + c * col_stride];
+        smem[r * (COLS_P + SMEM_PAD) + c] = x;
+    }
+#endif
+}
+
+/* ---------------------------------------------------------------- the score hook */
+/* What one (batch, query head) block needs to finish a raw q.k into a score. */
+struct score_ctx {
+    float scale;             /* multiplies q.k */
+    float softcap, inv_softcap;
+    const void *bias;        /* at [b, hb] already; indexed by r * bias_sr + c * bias_sc */
+    int64_t bias_sr, bias_sc;
+    const uint8_t *mask;     /* likewise */
+    int64_t mask_sr, mask_sc;
+    float slope;             /* alibi slope of (b, h) */
+    int diag;                /* Lk - Lq: row r's diagonal is column r + diag */
+};
+
+DEV score_ctx make_score_ctx(const attn_params &p, int64_t b, int64_t h, const seq_t &sq, const seq_t &sk)
+{
+    score_ctx s;
+    s.scale = (float)p.scale;
+    s.softcap = (float)p.softcap;
+    s.inv_softcap = p.softcap > 0 ? (float)(1.0 / p.softcap) : 0.f;
+    s.bias = 0;
+    s.mask = 0;
+    s.bias_sr = s.bias_sc = s.mask_sr = s.mask_sc = 0;
+    s.diag = (int)(sk.len - sq.len);
+    s.slope = 0.f;
+#if HAS_BIAS
+    {
+        int64_t hb = h / (p.Hq / p.bias_heads);
+        s.bias = (const char *)p.bias.ptr + (b * p.bias.s[0] + hb * p.bias.s[1]) * dtype_size((attn_dtype)BIAS_DT);
+        s.bias_sr = p.bias.s[2];
+        s.bias_sc = p.bias.s[3];
+    }
+#endif
+#if HAS_MASK
+    {
+        int64_t hm = h / (p.Hq / p.mask_heads);
+        s.mask = (const uint8_t *)p.mask.ptr + b * p.mask.s[0] + hm * p.mask.s[1];
+        s.mask_sr = p.mask.s[2];
+        s.mask_sc = p.mask.s[3];
+    }
+#endif
+#if HAS_ALIBI
+    s.slope = load_as_f32(p.alibi.ptr, b * p.alibi.s[0] + h * p.alibi.s[1], ALIBI_DT);
+#endif
+    return s;
+}
+
+/* True when the options change a score beyond the scale (else the kernel folds scale * log2(e)
+ * into one multiply). */
+#define SCORE_IS_PLAIN (!HAS_SOFTCAP && !HAS_BIAS && !HAS_ALIBI)
+
+/* Steps 1-5 of DESIGN's semantics for the pair (r, c), natural-log units. The score_mod slot is
+ * the identity here; [3/4]'s generator fills it. */
+DEV float score_of(const score_ctx &s, float dot, int r, int c)
+{
+    float x = dot * s.scale;
+#if HAS_SOFTCAP
+    x = s.softcap * tanhf(x * s.inv_softcap);
+#endif
+#if HAS_BIAS
+    x += load_as_f32(s.bias, r * s.bias_sr + c * s.bias_sc, BIAS_DT);
+#endif
+#if HAS_ALIBI
+    x -= s.slope * fabsf((float)(r + s.diag - c));
+#endif
+    return x;
+}
+
+/* d score / d (scale * dot) at (r, c), for the backward: only softcap bends the score. */
+DEV float score_grad(const score_ctx &s, float dot)
+{
+#if HAS_SOFTCAP
+    float t = tanhf(dot * s.scale * s.inv_softcap);
+    return 1.f - t * t;
+#else
+    return 1.f;
+#endif
+}
+
+/* The mask array's verdict (causal, window and lengths are checked through the row bounds). */
+DEV bool mask_keeps(const score_ctx &s, int r, int c)
+{
+#if HAS_MASK
+    return s.mask[r * s.mask_sr + c * s.mask_sc] != 0;
+#else
+    return true;
+#endif
+}
+
+#endif

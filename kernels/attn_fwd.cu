@@ -1,0 +1,253 @@
+/* Attention forward: FlashAttention-2's tiled online softmax on mma.sync tensor cores.
+ *
+ *   q (B, Sq, Hq, D)  k (B, Sk, Hk, D)  v (B, Sk, Hk, Dv)  ->  out (B, Sq, Hq, Dv), lse (B, Hq, Sq)
+ *   varlen: B = 1 in memory, sequence b at rows cu_seqlens[b].. (seqlen.h)
+ *
+ * Grid (query tiles, Hq, B [+1 under varlen: the block row b = B zeroes the packed rows after the
+ * last sequence]). Block: NUM_WARPS warps; warp w owns query rows [w * WARP_M, (w + 1) * WARP_M)
+ * of the tile, so the softmax's row statistics never leave a warp (a quad of 4 lanes per row).
+ * Key tiles are visited last to first (the tiles that need the causal mask come first) and only
+ * inside [kv_range): tiles outside the causal / window band are skipped, not masked. K of the
+ * next tile loads while P V runs, V while Q K^T runs (cp.async, one buffer each).
+ *
+ * Switches beyond attn_common.cuh's: BLOCK_M, BLOCK_N, NUM_WARPS (tile_config in kernels.py).
+ */
+#include "attn_common.cuh"
+
+#define THREADS (NUM_WARPS * 32)
+#define WARP_M (BLOCK_M / NUM_WARPS)      /* query rows per warp */
+#define MT (WARP_M / 16)                  /* m16 tiles per warp */
+#define NT (BLOCK_N / 8)                  /* n8 tiles of S per warp */
+#define OT (DVP / 8)                      /* n8 tiles of O per warp */
+#define NEG_INF __int_as_float(0xff800000)
+
+/* Packed rows after the last sequence (varlen): zero output, lse -inf. */
+DEV void zero_tail(const attn_params &p, int64_t h)
+{
+    int64_t first = p.cu_seqlens_q[p.B];
+    elem_t *out = (elem_t *)p.out.ptr + h * p.out.s[2];
+    float *lse = (float *)p.lse.ptr + h * p.lse.s[1];
+    for (int64_t r = first + blockIdx.x * BLOCK_M; r < p.Sq; r += (int64_t)gridDim.x * BLOCK_M)
+        for (int i = threadIdx.x; i < BLOCK_M * HEAD_DIM_V; i += THREADS) {
+            int64_t row = r + i / HEAD_DIM_V;
+            if (row < p.Sq) {
+                out[row * p.out.s[1] + (i % HEAD_DIM_V) * p.out.s[3]] = 0;
+                if (i % HEAD_DIM_V == 0)
+                    lse[row * p.lse.s[2]] = NEG_INF;
+            }
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_constant__ attn_params p)
+{
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    elem_t *sQ = (elem_t *)smem_raw;                    /* BLOCK_M x (DP + pad) */
+    elem_t *sK = sQ + BLOCK_M * (DP + SMEM_PAD);        /* BLOCK_N x (DP + pad) */
+    elem_t *sV = sK + BLOCK_N * (DP + SMEM_PAD);        /* BLOCK_N x (DVP + pad) */
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int64_t h = blockIdx.y, b = blockIdx.z;
+    if (b == p.B) {
+        zero_tail(p, h);
+        return;
+    }
+    const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;
+    if (m0 >= sq.rows)
+        return;
+    const int64_t hk = h / (p.Hq / p.Hk);
+    const int Lq = (int)sq.len, Lk = (int)sk.len;
+    const int r_end = min(m0 + BLOCK_M, Lq);
+
+    /* key columns this tile visits, and each of this thread's rows keeps */
+    int64_t lo = 0, hi = 0;
+    if (m0 < Lq)
+        kv_range(&p, m0, r_end, Lq, Lk, &lo, &hi);
+    const int n_first = (int)(lo / BLOCK_N), n_last = hi > lo ? (int)((hi - 1) / BLOCK_N) : -1;
+    int row_lo[2 * MT], row_hi[2 * MT];
+#pragma unroll
+    for (int i = 0; i < 2 * MT; i++) {
+        int r = m0 + warp * WARP_M + (i / 2) * 16 + g + (i % 2) * 8;
+        int64_t a = 0, z = 0;
+        if (r < Lq)
+            kv_range(&p, r, r + 1, Lq, Lk, &a, &z);
+        row_lo[i] = (int)a;
+        row_hi[i] = (int)z;
+    }
+
+    const elem_t *gq = (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + (sq.start + m0) * p.q.s[1] + h * p.q.s[2];
+    const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + sk.start * p.k.s[1] + hk * p.k.s[2];
+    const elem_t *gv = (const elem_t *)p.v.ptr + sk.mem_b * p.v.s[0] + sk.start * p.v.s[1] + hk * p.v.s[2];
+    const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
+    const float scale_log2 = sc.scale * LOG2E;
+
+    float o[MT][OT][4];
+    float m[2 * MT], l[2 * MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < OT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                o[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 2 * MT; i++) {
+        m[i] = NEG_INF;
+        l[i] = 0.f;
+    }
+
+    if (n_last >= n_first) {
+        load_tile<BLOCK_M, DP, THREADS>(sQ, gq, p.q.s[1], p.q.s[3], r_end - m0, HEAD_DIM, tid);
+        load_tile<BLOCK_N, DP, THREADS>(sK, gk + (int64_t)n_last * BLOCK_N * p.k.s[1], p.k.s[1], p.k.s[3],
+                                        Lk - n_last * BLOCK_N, HEAD_DIM, tid);
+        cp_async_commit();
+    }
+    for (int n = n_last; n >= n_first; n--) {
+        const int c0 = n * BLOCK_N;
+        cp_async_wait_all();
+        __syncthreads();                                 /* K[n] (and Q) in shared memory */
+        load_tile<BLOCK_N, DVP, THREADS>(sV, gv + (int64_t)c0 * p.v.s[1], p.v.s[1], p.v.s[3], Lk - c0,
+                                         HEAD_DIM_V, tid);
+        cp_async_commit();
+
+        /* S = Q K^T for this warp's rows */
+        float s[MT][NT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    s[mt][nt][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < DP / 16; kk++) {
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+                ldmatrix_x4(smem_addr(sQ + (warp * WARP_M + mt * 16 + (lane & 15)) * (DP + SMEM_PAD)
+                                      + kk * 16 + (lane >> 4) * 8),
+                            a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+#pragma unroll
+            for (int np = 0; np < NT / 2; np++) {
+                uint32_t b0, b1, b2, b3;
+                ldmatrix_x4(smem_addr(sK + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * (DP + SMEM_PAD)
+                                      + kk * 16 + ((lane >> 3) & 1) * 8),
+                            b0, b1, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mma16816(s[mt][2 * np], a[mt], b0, b1);
+                    mma16816(s[mt][2 * np + 1], a[mt], b2, b3);
+                }
+            }
+        }
+
+        /* scores in log2 units; masked pairs -inf. A tile inside the band, inside both lengths
+         * and without a mask array needs no per-element test. */
+        const bool need_mask = HAS_MASK || c0 + BLOCK_N > Lk || m0 + BLOCK_M > Lq
+                               || !tile_inside_band(&p, m0, r_end, c0, c0 + BLOCK_N, Lq, Lk);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int i = mt * 2 + e / 2;
+                    const int r = m0 + warp * WARP_M + mt * 16 + g + (e / 2) * 8;
+                    const int c = c0 + nt * 8 + 2 * t + (e & 1);
+                    const bool keep = !need_mask || (c >= row_lo[i] && c < row_hi[i] && mask_keeps(sc, r, c));
+#if SCORE_IS_PLAIN
+                    s[mt][nt][e] = keep ? s[mt][nt][e] * scale_log2 : NEG_INF;
+#else
+                    s[mt][nt][e] = keep ? score_of(sc, s[mt][nt][e], r, c) * LOG2E : NEG_INF;
+#endif
+                }
+
+        /* online softmax: new row maxima (over the quad), rescale O and l, P = exp2(S - max) */
+#pragma unroll
+        for (int i = 0; i < 2 * MT; i++) {
+            const int mt = i / 2, e0 = (i % 2) * 2;
+            float mx = m[i];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+                mx = fmaxf(mx, fmaxf(s[mt][nt][e0], s[mt][nt][e0 + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float base = mx == NEG_INF ? 0.f : mx;   /* a row with nothing kept yet stays 0 */
+            const float corr = fast_exp2(m[i] - base);
+            m[i] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                s[mt][nt][e0] = fast_exp2(s[mt][nt][e0] - base);
+                s[mt][nt][e0 + 1] = fast_exp2(s[mt][nt][e0 + 1] - base);
+                sum += s[mt][nt][e0] + s[mt][nt][e0 + 1];
+            }
+            l[i] = l[i] * corr + sum;
+#pragma unroll
+            for (int nt = 0; nt < OT; nt++) {
+                o[mt][nt][e0] *= corr;
+                o[mt][nt][e0 + 1] *= corr;
+            }
+        }
+
+        cp_async_wait_all();
+        __syncthreads();                                 /* V[n] in; every warp is done with K[n] */
+        if (n > n_first)
+            load_tile<BLOCK_N, DP, THREADS>(sK, gk + (int64_t)(c0 - BLOCK_N) * p.k.s[1], p.k.s[1], p.k.s[3],
+                                            Lk - (c0 - BLOCK_N), HEAD_DIM, tid);
+        cp_async_commit();
+
+        /* O += P V: the C fragments of S are the A fragments of P, two n8 tiles per k16 step */
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; kk++) {
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                a[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                a[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                a[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                a[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int np = 0; np < OT / 2; np++) {
+                uint32_t b0, b1, b2, b3;
+                ldmatrix_x4_trans(smem_addr(sV + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * (DVP + SMEM_PAD)
+                                            + np * 16 + (lane >> 4) * 8),
+                                  b0, b1, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mma16816(o[mt][2 * np], a[mt], b0, b1);
+                    mma16816(o[mt][2 * np + 1], a[mt], b2, b3);
+                }
+            }
+        }
+    }
+    cp_async_wait_all();
+
+    /* out = O / l, lse = log(l) + max; rows with nothing kept (and padding rows) get 0 and -inf */
+    elem_t *gout = (elem_t *)p.out.ptr + sq.mem_b * p.out.s[0] + sq.start * p.out.s[1] + h * p.out.s[2];
+    float *glse = (float *)p.lse.ptr + sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + sq.start * p.lse.s[2];
+#pragma unroll
+    for (int i = 0; i < 2 * MT; i++) {
+        const int mt = i / 2, e0 = (i % 2) * 2;
+        float li = l[i];
+        li += __shfl_xor_sync(0xffffffffu, li, 1);
+        li += __shfl_xor_sync(0xffffffffu, li, 2);
+        const int r = m0 + warp * WARP_M + mt * 16 + g + (i % 2) * 8;
+        if (r >= sq.rows)
+            continue;
+        const bool live = r < Lq && li > 0.f;
+        const float inv = live ? 1.f / li : 0.f;
+        elem_t *orow = gout + (int64_t)r * p.out.s[1];
+#pragma unroll
+        for (int nt = 0; nt < OT; nt++) {
+            const int d = nt * 8 + 2 * t;
+            if (d < HEAD_DIM_V)
+                orow[d * p.out.s[3]] = f32_to_elem(o[mt][nt][e0] * inv);
+            if (d + 1 < HEAD_DIM_V)
+                orow[(d + 1) * p.out.s[3]] = f32_to_elem(o[mt][nt][e0 + 1] * inv);
+        }
+        if (t == 0)
+            glse[(int64_t)r * p.lse.s[2]] = live ? (m[i] + log2f(li)) * LN2 : NEG_INF;
+    }
+}

@@ -1,0 +1,117 @@
+"""The CUDA backend (`pytest -m gpu`, on a machine with a GPU) against the float64 reference.
+
+What the CPU suite checks reruns here on the GPU (test_cpu_suite_on_cuda); the rest is what only
+the GPU has: CUDA array inputs read in place (CuPy, PyTorch), results as the caller's arrays,
+out= on the device, head dims and tile edges of the GPU kernels.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import attnext
+from attnext import reference
+from conftest import BF16, F16, assert_close, assert_lse_close, make_qkv, make_varlen_qkv, randn
+
+pytestmark = pytest.mark.gpu
+
+HEAD_DIMS = [(64, 64), (128, 128), (256, 256), (96, 96), (192, 128), (59, 40), (40, 59), (8, 8), (1, 3)]
+LENGTHS = [(1, 1), (113, 203), (127, 129), (129, 127), (128, 128), (239, 1), (1, 4097), (4095, 4097)]
+
+
+def _check_forward(q, k, v, dtype, *, varlen=None, **opts):
+    fwd, rfwd = ((attnext.attention, reference.attention) if varlen is None
+                 else (attnext.varlen_attention, reference.varlen_attention))
+    lengths = varlen or {}
+    out, lse = fwd(q, k, v, **lengths, device="cuda", return_lse=True, **opts)
+    r_out, r_lse = rfwd(q, k, v, **lengths, return_lse=True, **opts)
+    assert out.dtype == dtype and out.shape == r_out.shape
+    assert_close("out", out, r_out, dtype)
+    assert_lse_close(lse, r_lse, dtype)
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("d, dv", HEAD_DIMS, ids=[f"d{a}_dv{b}" for a, b in HEAD_DIMS])
+def test_head_dims(dtype, d, dv, rng):
+    q, k, v = make_qkv(rng, 2, 131, 197, 4, 2, d, dv, dtype)
+    _check_forward(q, k, v, dtype)
+    _check_forward(q, k, v, dtype, causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True, "top_left"], ids=["full", "causal", "top_left"])
+@pytest.mark.parametrize("sq, sk", LENGTHS, ids=[f"{a}x{b}" for a, b in LENGTHS])
+def test_lengths(sq, sk, causal, rng):
+    q, k, v = make_qkv(rng, 1, sq, sk, 2, 1, 64, 64, BF16)
+    _check_forward(q, k, v, BF16, causal=causal)
+
+
+def test_everything_at_once(rng):
+    """bias (broadcast, odd strides), mask, alibi, softcap, window, GQA, bhsd, element loads."""
+    q, k, v = make_qkv(rng, 2, 77, 150, 6, 2, 59, 40, F16, layout="bhsd")
+    bias = randn(rng, (6, 1, 150), np.float32)            # broadcast over batch and rows
+    mask = rng.random((2, 1, 77, 150)) > 0.2
+    slopes = rng.random(6).astype(np.float32)
+    _check_forward(q, k, v, F16, layout="bhsd", bias=bias, mask=mask, alibi_slopes=slopes,
+                   softcap=5.0, window=(40, 3), causal=True)
+
+
+def test_varlen_with_padding(rng):
+    cu_q = np.array([0, 0, 37, 300, 301, 520], np.int32)
+    cu_k = np.array([0, 5, 5, 270, 400, 640], np.int32)
+    used_q = np.array([0, 30, 263, 1, 100], np.int32)
+    q, k, v = make_varlen_qkv(rng, 530, 650, 4, 2, 128, 128, BF16)
+    varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q)
+    out, lse = _check_forward(q, k, v, BF16, varlen=varlen, causal=True)
+    assert (out[520:] == 0).all() and np.isneginf(lse[:, 520:]).all()
+
+
+@pytest.fixture
+def torch():
+    return pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_torch_tensors_in_place(layout, rng, torch):
+    q, k, v = make_qkv(rng, 2, 300, 300, 8, 2, 128, 128, BF16, layout=layout)
+    tq, tk, tv = (torch.from_numpy(x.view(np.uint16).astype(np.int16)).view(torch.bfloat16).cuda()
+                  for x in (q, k, v))
+    out = attnext.attention(tq, tk, tv, causal=True, layout=layout)
+    assert isinstance(out, torch.Tensor) and out.is_cuda and out.dtype == torch.bfloat16
+    got = out.float().cpu().numpy()
+    assert_close("out", got.astype(BF16), reference.attention(q, k, v, causal=True, layout=layout), BF16)
+    # out= on the device is written in place and returned
+    dst = torch.empty_like(out)
+    res = attnext.attention(tq, tk, tv, causal=True, layout=layout, out=dst)
+    assert res is dst and torch.equal(dst, out)
+
+
+def test_torch_noncontiguous_and_sdpa(torch):
+    """A transposed (B, H, S, D) torch view read in place; agrees with PyTorch's own SDPA."""
+    x = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.float16)
+    v = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.float16)
+    out = attnext.attention(x, k, v, layout="bhsd", causal=True)
+    want = torch.nn.functional.scaled_dot_product_attention(x.float(), k.float(), v.float(), is_causal=True)
+    assert (out.float() - want).abs().max().item() < 2e-3
+
+
+def test_cupy_arrays(rng):
+    cp = pytest.importorskip("cupy")
+    q, k, v = make_qkv(rng, 1, 200, 333, 4, 4, 64, 64, F16)
+    out = attnext.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=True)
+    assert isinstance(out, cp.ndarray)
+    assert_close("out", cp.asnumpy(out), reference.attention(q, k, v, causal=True), F16)
+
+
+def test_cpu_suite_on_cuda():
+    """The CPU backend's whole test file, rerun with device="cuda" (float16/bfloat16 cases)."""
+    here = os.path.dirname(__file__)
+    env = dict(os.environ, ATTNEXT_TEST_DEVICE="cuda")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        "test_cpu_attention.py", "-k", "not simd_variants"],
+                       cwd=here, env=env, capture_output=True, text=True)
+    print(r.stdout[-6000:], r.stderr[-3000:])
+    assert r.returncode == 0, r.stdout[-6000:]

@@ -1,0 +1,236 @@
+"""The CUDA backward (`pytest -m gpu`) against the float64 reference's analytic gradients.
+
+The forward's out and lse come from the reference (out rounded to the input dtype, as a forward
+stores it), so these tests hold the backward kernels alone to the reference; one test runs the
+GPU forward first. Every check is conftest's three-way tolerance (assert_close with the
+rounded-out allowance), plus exact zeros where the contract says exactly zero: padding rows,
+rows after cu_seqlens[-1], rows that keep no key, and bit-identical reruns (deterministic=True).
+"""
+import numpy as np
+import pytest
+
+import attnext
+from attnext import reference
+from conftest import (BF16, F16, assert_close, coarser, make_qkv, make_varlen_qkv, randn,
+                      rounded_out_allowance)
+
+pytestmark = pytest.mark.gpu
+
+HEAD_DIMS = [(64, 64), (128, 128), (59, 40), (96, 96), (192, 128), (256, 256)]
+HEADS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (3, 1)}
+LENGTHS = [(1, 1), (113, 203), (127, 129), (129, 127), (257, 129), (1, 257)]
+CAUSAL = [False, True, "top_left"]
+
+
+def _grads(q, k, v, rng, *, varlen=None, deterministic=True, gpu_forward=False, **opts):
+    """Runs the GPU backward on the reference forward's (rounded) out and lse (gpu_forward: on
+    the GPU forward's) and checks dq, dk, dv and dbias against the reference; returns (grads,
+    reference grads, (dout, out, lse))."""
+    dtype = np.dtype(q.dtype)
+    lengths = dict(varlen or {})
+    if varlen is None:
+        fwd, bwd = attnext.attention, attnext.attention_backward
+        rfwd, rbwd = reference.attention, reference.attention_backward
+    else:
+        fwd, bwd = attnext.varlen_attention, attnext.varlen_attention_backward
+        rfwd, rbwd = reference.varlen_attention, reference.varlen_attention_backward
+    r_out, r_lse = rfwd(q, k, v, **lengths, return_lse=True, **opts)
+    if gpu_forward:
+        out, lse = fwd(q, k, v, **lengths, return_lse=True, device="cuda", **opts)
+    else:
+        out, lse = r_out.astype(dtype), r_lse.astype(np.float32)
+    dout = randn(rng, out.shape, dtype)
+    g = bwd(dout, q, k, v, out, lse, **lengths, device="cuda", deterministic=deterministic, **opts)
+    rg = rbwd(dout, q, k, v, out, lse, **lengths, **opts)
+    floor = max(float(np.abs(x).max(initial=0.0)) for x in rg[:3])
+    allowance = []
+
+    def extra(i):
+        def get():
+            if not allowance:
+                allowance.extend(rounded_out_allowance(q, k, v, dout, out, r_out, varlen, opts))
+            return allowance[i]
+        return get
+
+    for name, got, want, x, ex in (("dq", g.dq, rg.dq, q, extra(0)), ("dk", g.dk, rg.dk, k, extra(1)),
+                                   ("dv", g.dv, rg.dv, v, None)):
+        assert got.shape == x.shape and got.dtype == dtype, (name, got.shape, got.dtype)
+        assert_close(name, got, want, dtype, floor, ex)
+    # rows that keep no key: dq exactly 0
+    dead = np.isneginf(r_lse)
+    dead = dead.T if varlen is not None else (dead if opts.get("layout") == "bhsd" else dead.transpose(0, 2, 1))
+    assert (g.dq[dead] == 0).all(), "dq: a row that keeps no key is not exactly 0"
+    bias = opts.get("bias")
+    if bias is None:
+        assert g.dbias is None
+    else:
+        assert g.dbias.shape == bias.shape and g.dbias.dtype == bias.dtype, (g.dbias.shape, g.dbias.dtype)
+        assert_close("dbias", g.dbias, rg.dbias, coarser(dtype, bias.dtype), floor, extra(2))
+    return g, rg, (dout, out, lse)
+
+
+# --- head dims, both dtypes ---
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d, dv", HEAD_DIMS, ids=[f"d{a}_dv{b}" for a, b in HEAD_DIMS])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+def test_head_dims(dtype, d, dv, causal, rng):
+    q, k, v = make_qkv(rng, 2, 131, 197, 4, 2, d, dv, dtype)
+    _grads(q, k, v, rng, causal=causal)
+
+
+# --- the stacked grid: heads x causal x window x lengths ---
+
+@pytest.mark.parametrize("sq, sk", LENGTHS, ids=[f"{a}x{b}" for a, b in LENGTHS])
+@pytest.mark.parametrize("window", [None, (19, 7), (0, -1)], ids=["nowin", "win19_7", "win0_inf"])
+@pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal", "top_left"])
+@pytest.mark.parametrize("heads", list(HEADS))
+def test_grid(heads, causal, window, sq, sk, rng):
+    hq, hk = HEADS[heads]
+    q, k, v = make_qkv(rng, 2, sq, sk, hq, hk, 64, 64, BF16)
+    _grads(q, k, v, rng, causal=causal, window=window)
+
+
+@pytest.mark.parametrize("sq, sk", [(256, 256), (200, 64), (64, 300)], ids=["256x256", "200x64", "64x300"])
+def test_long_window_and_layout(sq, sk, rng):
+    """Tiles wholly inside and wholly outside the band (skipped, not masked), bhsd layout."""
+    q, k, v = make_qkv(rng, 1, sq, sk, 4, 2, 128, 128, F16, layout="bhsd")
+    _grads(q, k, v, rng, layout="bhsd", causal=True, window=(70, 0))
+    _grads(q, k, v, rng, layout="bhsd", window=(33, 45))
+
+
+# --- score options ---
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+def test_softcap_alibi_mask(dtype, rng):
+    q, k, v = make_qkv(rng, 2, 113, 150, 4, 2, 64, 64, dtype)
+    _grads(q, k, v, rng, softcap=2.0, causal=True)
+    _grads(q, k, v, rng, alibi_slopes=rng.random((2, 4)).astype(np.float32), window=(40, 10))
+    mask = rng.random((2, 1, 113, 150)) > 0.3
+    mask[0, 0, 5] = False                                  # a row that keeps nothing
+    _grads(q, k, v, rng, mask=mask)
+
+
+BIAS_SHAPES = {"full": (2, 4, 113, 150), "batch1": (1, 4, 113, 150), "cols": (2, 1, 1, 150),
+               "rows": (113, 1), "kvheads": (2, 113, 150), "scalar": (1, 1, 1, 1), "2d": (113, 150),
+               "heads_rows": (1, 4, 113, 1)}
+
+
+@pytest.mark.parametrize("bias_dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", list(BIAS_SHAPES))
+def test_bias_shapes(shape, bias_dtype, rng):
+    """dbias summed over every broadcast pattern (batch, heads, rows, columns), GQA."""
+    q, k, v = make_qkv(rng, 2, 113, 150, 4, 2, 64, 64, BF16)
+    bias = randn(rng, BIAS_SHAPES[shape], bias_dtype)
+    _grads(q, k, v, rng, bias=bias, causal=True)
+
+
+def test_everything_at_once(rng):
+    """bias (broadcast, non-contiguous), mask, alibi, softcap, window, GQA, bhsd, element loads."""
+    q, k, v = make_qkv(rng, 2, 77, 150, 6, 2, 59, 40, F16, layout="bhsd")
+    bias = randn(rng, (6, 150, 1), np.float32).transpose(0, 2, 1)   # (6, 1, 150), strided
+    mask = rng.random((2, 1, 77, 150)) > 0.2
+    slopes = rng.random(6).astype(np.float32)
+    _grads(q, k, v, rng, layout="bhsd", bias=bias, mask=mask, alibi_slopes=slopes, softcap=5.0,
+           window=(40, 3), causal=True)
+
+
+# --- lengths: seqlens, varlen with empty sequences, seqused and trailing padding ---
+
+def test_seqlens(rng):
+    q, k, v = make_qkv(rng, 3, 150, 140, 4, 2, 64, 64, BF16)
+    sq, sk = np.array([150, 0, 37]), np.array([100, 140, 0])
+    g, _, _ = _grads(q, k, v, rng, seqlens_q=sq, seqlens_k=sk, causal=True)
+    for b in range(3):
+        assert (g.dq[b, sq[b]:] == 0).all() and (g.dk[b, sk[b]:] == 0).all() and (g.dv[b, sk[b]:] == 0).all()
+    assert (g.dq[2] == 0).all() and (g.dk[1] == 0).all()
+
+
+@pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal", "top_left"])
+@pytest.mark.parametrize("dv", [64, 128])
+def test_varlen(causal, dv, rng):
+    cu_q = np.array([0, 50, 50, 179, 180, 300], np.int32)      # an empty sequence; 20 rows after
+    cu_k = np.array([0, 70, 71, 71, 241, 290], np.int32)      # an empty key sequence; 10 after
+    used_q = np.array([50, 0, 100, 1, 120], np.int32)         # rows 129..178 of sequence 2 unused
+    used_k = np.array([64, 1, 0, 170, 40], np.int32)
+    q, k, v = make_varlen_qkv(rng, 320, 300, 4, 2, dv, dv, BF16)
+    varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k)
+    g, _, _ = _grads(q, k, v, rng, varlen=varlen, causal=causal, window=(90, 30) if causal else None)
+    real_q = np.zeros(320, bool)
+    real_k = np.zeros(300, bool)
+    for b in range(5):
+        real_q[cu_q[b]:cu_q[b] + used_q[b]] = True
+        real_k[cu_k[b]:cu_k[b] + used_k[b]] = True
+    assert (g.dq[~real_q] == 0).all(), "dq: padding rows are not exactly 0"
+    assert (g.dk[~real_k] == 0).all() and (g.dv[~real_k] == 0).all(), "dk/dv: padding rows are not 0"
+
+
+def test_varlen_bias_and_no_sequences(rng):
+    cu_q = np.array([0, 40, 41, 140], np.int32)
+    cu_k = np.array([0, 0, 60, 200], np.int32)
+    q, k, v = make_varlen_qkv(rng, 150, 210, 4, 4, 64, 64, F16)
+    bias = randn(rng, (3, 1, 99, 140), np.float32)
+    _grads(q, k, v, rng, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k), bias=bias, causal=True)
+    empty = np.zeros(1, np.int32)
+    g, _, _ = _grads(q, k, v, rng, varlen=dict(cu_seqlens_q=empty, cu_seqlens_k=empty))
+    assert (g.dq == 0).all() and (g.dk == 0).all() and (g.dv == 0).all()
+
+
+# --- determinism, the atomic path, the GPU forward ---
+
+def _bits(g):
+    return [np.asarray(x).view(np.uint8).copy() for x in (g.dq, g.dk, g.dv) + ((g.dbias,) if g.dbias is not None else ())]
+
+
+def test_deterministic(rng):
+    """The same bits on every run, with GQA sums and a broadcast bias (ordered reductions)."""
+    q, k, v = make_qkv(rng, 2, 300, 333, 6, 2, 128, 128, BF16)
+    bias = randn(rng, (1, 6, 1, 333), np.float32)
+    g, _, (dout, out, lse) = _grads(q, k, v, rng, bias=bias, causal=True)
+    for _ in range(2):
+        again = attnext.attention_backward(dout, q, k, v, out, lse, bias=bias, causal=True, device="cuda")
+        assert all(np.array_equal(a, b) for a, b in zip(_bits(g), _bits(again)))
+
+
+@pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (59, 40), (256, 256)], ids=["d64", "d128", "d59_40", "d256"])
+def test_atomic_dq(d, dv, rng):
+    """deterministic=False: dq through float atomics into dq_accum, within the same tolerance."""
+    q, k, v = make_qkv(rng, 2, 257, 190, 4, 2, d, dv, BF16)
+    _grads(q, k, v, rng, deterministic=False, causal=True)
+    cu = np.array([0, 0, 100, 257], np.int32)
+    qv, kv, vv = (x[0] for x in (q, k, v))
+    _grads(qv, kv[:190], vv[:190], rng, varlen=dict(cu_seqlens_q=cu, cu_seqlens_k=np.array([0, 10, 10, 150], np.int32)),
+           deterministic=False)
+
+
+def test_after_gpu_forward(rng):
+    q, k, v = make_qkv(rng, 2, 200, 177, 4, 1, 96, 96, F16)
+    _grads(q, k, v, rng, gpu_forward=True, causal=True)
+
+
+# --- CUDA arrays in place ---
+
+def test_torch_tensors(rng):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    q, k, v = make_qkv(rng, 2, 129, 140, 4, 2, 64, 64, BF16)
+    bias = randn(rng, (4, 1, 140), np.float32)
+    g, _, (dout, out, lse) = _grads(q, k, v, rng, bias=bias, causal=True)
+
+    def t(x):
+        dt = torch.bfloat16 if x.dtype == BF16 else torch.float32
+        return torch.from_numpy(np.asarray(x, np.float32)).to("cuda", dt)
+
+    args = [t(x) for x in (dout, q, k, v, out, lse)]
+    before = [x.clone() for x in args]
+    tb = t(bias)
+    gt = attnext.attention_backward(*args, bias=tb, causal=True)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(args, before)), "an input was modified"
+    for name in ("dq", "dk", "dv", "dbias"):
+        x = getattr(gt, name)
+        assert isinstance(x, torch.Tensor) and x.is_cuda, (name, type(x))
+        want = getattr(g, name)
+        assert tuple(x.shape) == want.shape
+        assert np.array_equal(x.float().cpu().numpy(), np.asarray(want, np.float32)), name

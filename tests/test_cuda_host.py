@@ -1,0 +1,702 @@
+"""The CUDA host primitives of attnext._C and attnext.device.
+
+Without a GPU (CI, this file's default run): libcuda's absence is reported, NVRTC compiles real
+CUBINs from the nvidia-cuda-nvrtc wheel, and DLPack capsules round-trip through attnext and NumPy
+(host memory, or fake device addresses nothing dereferences). With `-m gpu`: memory, copies,
+launches and the exchange with PyTorch / CuPy on a real device.
+
+NVRTC and libcuda load once per process, so what must start from nothing runs in a subprocess.
+"""
+import gc
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import textwrap
+import weakref
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import attnext
+from attnext import _C, device
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+KDL_CPU, KDL_CUDA = 1, 2
+ELF_MAGIC = b"\x7fELF"
+FAKE_PTR = 0x7F00_0000_1000      # a device-looking address; these tests never dereference it
+
+TINY_KERNEL = textwrap.dedent("""
+    #include "fill.h"
+    struct fill_params { float *x; float value; int n; };
+    extern "C" __global__ void fill(struct fill_params p)
+    {
+        extern __shared__ float scratch[];
+        int i = blockIdx.x * blockDim.x + threadIdx.x;
+        scratch[threadIdx.x] = p.value * SCALE;
+        if (i < p.n)
+            p.x[i] = scratch[threadIdx.x];
+    }
+""")
+FILL_HEADER = ("fill.h", "#define SCALE 2.0f\n")
+
+
+def _nvrtc_wheel_dir():
+    """The lib folder of the nvidia-cuda-nvrtc wheel (a test dependency)."""
+    spec = importlib.util.find_spec("nvidia")
+    assert spec is not None, "the nvidia-cuda-nvrtc wheel is missing: pip install -e '.[test]'"
+    for base in spec.submodule_search_locations:
+        for sub in sorted(os.listdir(base)):
+            lib = os.path.join(base, sub, "lib")
+            if os.path.isdir(lib) and any(f.startswith("libnvrtc.so") for f in os.listdir(lib)):
+                return lib
+    raise AssertionError(f"no libnvrtc.so* under {list(spec.submodule_search_locations)}")
+
+
+@pytest.fixture(scope="module")
+def nvrtc():
+    """NVRTC loaded in this process (from the wheel unless something loaded it already)."""
+    return _C.nvrtc_load([_nvrtc_wheel_dir()])
+
+
+def _run(code, **env):
+    """Runs code in a fresh interpreter; returns its stdout (fails the test on a crash)."""
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                         text=True, env={**os.environ, **env}, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+# --- libcuda ---
+
+def test_without_a_driver_every_cuda_call_raises_the_reason():
+    out = _run("""
+        import attnext
+        from attnext import _C
+        for call in (_C.cuda_load, lambda: _C.cuda_info(0), lambda: _C.mem_alloc(16, 0),
+                     lambda: _C.host_alloc(16), lambda: _C.pointer_device(4096)):
+            try:
+                call()
+            except RuntimeError as e:
+                print(e)
+        print(_C.mem_alloc(0, 0))
+    """, ATTNEXT_LIBCUDA="/nonexistent/libcuda.so.1")
+    lines = out.splitlines()
+    assert len(lines) == 6 and lines[-1] == "0", out
+    for line in lines[:5]:
+        assert line.startswith("attnext: CUDA is unusable: /nonexistent/libcuda.so.1 not found"), line
+        assert "ATTNEXT_LIBCUDA" in line
+
+
+def test_cuda_load_here_loads_or_says_why():
+    try:
+        _C.cuda_load()
+    except RuntimeError as e:
+        assert "CUDA is unusable" in str(e) and ("not found" in str(e) or "failed" in str(e))
+    else:
+        assert _C.cuda_device_count() >= 1
+
+
+# --- a fake libcuda: the driver-side code paths, run on host memory without a GPU ---
+
+FAKE_LIBCUDA = r"""
+#include <stdlib.h>
+#include <string.h>
+typedef unsigned long long ptr_t;
+enum { OK = 0, OUT_OF_MEMORY = 2, NOT_FOUND = 500 };
+static void *current;
+int cuInit(unsigned flags) { return getenv("FAKE_CUINIT") ? atoi(getenv("FAKE_CUINIT")) : OK; }
+int cuDriverGetVersion(int *v) { *v = 12080; return OK; }
+int cuDeviceGet(int *d, int ordinal) { *d = ordinal; return OK; }
+int cuDeviceGetCount(int *n) { *n = 1; return OK; }
+int cuDeviceGetName(char *name, int len, int d) { strncpy(name, "Fake GPU", len); return OK; }
+int cuDeviceGetAttribute(int *v, int attr, int d)
+{
+    *v = attr == 75 ? 9 : attr == 76 ? 0 : attr == 16 ? 132 : attr == 97 ? 232448
+       : attr == 38 ? 52428800 : attr == 115 ? 1 : 0;
+    return OK;
+}
+int cuDeviceTotalMem_v2(size_t *b, int d) { *b = (size_t)80 << 30; return OK; }
+int cuDevicePrimaryCtxRetain(void **c, int d) { *c = (void *)0x100; return OK; }
+int cuCtxSetCurrent(void *c) { current = c; return OK; }
+int cuCtxGetCurrent(void **c) { *c = current; return OK; }
+int cuModuleLoadData(void **m, const void *image) { *m = (void *)0x200; return OK; }
+int cuModuleUnload(void *m) { return OK; }
+int cuModuleGetFunction(void **f, void *m, const char *name)
+{
+    *f = (void *)0x300;
+    return strcmp(name, "missing") ? OK : NOT_FOUND;
+}
+int cuFuncSetAttribute(void *f, int attr, int v) { return OK; }
+int cuFuncGetAttribute(int *v, int attr, void *f) { *v = attr; return OK; }
+int cuLaunchKernel(void) { return OK; }
+#ifndef NO_ALLOC_ASYNC
+int cuMemAllocAsync(ptr_t *p, size_t n, void *s)
+{
+    if (n > ((size_t)1 << 40))
+        return OUT_OF_MEMORY;
+    *p = (ptr_t)malloc(n);
+    return OK;
+}
+#endif
+int cuMemFreeAsync(ptr_t p, void *s) { free((void *)p); return OK; }
+int cuMemAlloc_v2(ptr_t *p, size_t n) { *p = (ptr_t)malloc(n); return OK; }
+int cuMemFree_v2(ptr_t p) { free((void *)p); return OK; }
+int cuMemcpyHtoDAsync_v2(ptr_t d, const void *s, size_t n, void *st) { memcpy((void *)d, s, n); return OK; }
+int cuMemcpyDtoHAsync_v2(void *d, ptr_t s, size_t n, void *st) { memcpy(d, (void *)s, n); return OK; }
+int cuMemcpyDtoDAsync_v2(ptr_t d, ptr_t s, size_t n, void *st) { memcpy((void *)d, (void *)s, n); return OK; }
+int cuMemsetD8Async(ptr_t d, unsigned char v, size_t n, void *st) { memset((void *)d, v, n); return OK; }
+int cuMemHostAlloc(void **p, size_t n, unsigned flags) { *p = malloc(n); return OK; }
+int cuMemFreeHost(void *p) { free(p); return OK; }
+int cuStreamCreate(void **s, unsigned flags) { *s = (void *)0x5000; return OK; }
+int cuStreamDestroy_v2(void *s) { return OK; }
+int cuStreamSynchronize(void *s) { return OK; }
+int waits;   /* cuStreamWaitEvent calls, read by the test through ctypes */
+int cuStreamWaitEvent(void *s, void *e, unsigned flags) { waits++; return OK; }
+int cuEventCreate(void **e, unsigned flags) { *e = (void *)0x6000; return OK; }
+int cuEventRecord(void *e, void *s) { return OK; }
+int cuEventSynchronize(void *e) { return OK; }
+int cuEventDestroy_v2(void *e) { return OK; }
+int cuPointerGetAttribute(void *v, int attr, ptr_t p)
+{
+    if (attr == 2)
+        *(unsigned *)v = 2;
+    else
+        *(int *)v = 0;
+    return OK;
+}
+static const char *name_of(int e)
+{
+    return e == OUT_OF_MEMORY ? "CUDA_ERROR_OUT_OF_MEMORY" : e == 100 ? "CUDA_ERROR_NO_DEVICE"
+         : e == NOT_FOUND ? "CUDA_ERROR_NOT_FOUND" : 0;
+}
+int cuGetErrorName(int e, const char **s) { *s = name_of(e); return *s ? OK : 1; }
+int cuGetErrorString(int e, const char **s)
+{
+    *s = e == OUT_OF_MEMORY ? "out of memory" : e == 100 ? "no CUDA-capable device is detected"
+       : e == NOT_FOUND ? "named symbol not found" : 0;
+    return *s ? OK : 1;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_libcuda(tmp_path_factory):
+    """Builds the fake driver (and one lacking cuMemAllocAsync) with the C compiler."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler for the fake libcuda")
+    d = tmp_path_factory.mktemp("fake_libcuda")
+    (d / "fake.c").write_text(FAKE_LIBCUDA)
+    libs = {}
+    for name, flags in (("full", []), ("old", ["-DNO_ALLOC_ASYNC"])):
+        libs[name] = str(d / f"libcuda_{name}.so")
+        subprocess.run([cc, "-shared", "-fPIC", *flags, str(d / "fake.c"), "-o", libs[name]], check=True)
+    return libs
+
+
+def test_fake_driver_failures_name_the_cause(fake_libcuda):
+    code = """
+        from attnext import _C
+        try:
+            _C.cuda_load()
+        except RuntimeError as e:
+            print(e)
+    """
+    no_device = _run(code, ATTNEXT_LIBCUDA=fake_libcuda["full"], FAKE_CUINIT="100")
+    assert no_device.strip() == ("attnext: CUDA is unusable: cuInit failed: CUDA_ERROR_NO_DEVICE "
+                                 "(no CUDA-capable device is detected)")
+    old = _run(code, ATTNEXT_LIBCUDA=fake_libcuda["old"])
+    assert "has no cuMemAllocAsync" in old
+
+
+def test_fake_driver_runs_the_host_side(fake_libcuda):
+    """Every Python-facing path through the driver table, the fake's "device memory" being host
+    memory: errors, memory, copies, DeviceArray, pinned buffers, modules, DLPack stream waits."""
+    out = _run(r"""
+        import ctypes, os, re
+        import numpy as np
+        from attnext import _C, device
+        fake = ctypes.CDLL(os.environ["ATTNEXT_LIBCUDA"])
+        _C.cuda_load()
+        info = _C.cuda_info(0)
+        assert info == {"name": "Fake GPU", "compute_capability": (9, 0), "multiprocessor_count": 132,
+                        "max_shared_memory_per_block_optin": 232448, "l2_cache_size": 52428800,
+                        "total_memory": 80 << 30, "driver_version": (12, 8), "memory_pools": True}, info
+        try:
+            _C.cuda_info(1)
+        except ValueError as e:
+            assert str(e) == "attnext: CUDA device 1 does not exist (1 device)", e
+        try:
+            _C.mem_alloc(1 << 41, 0)
+        except MemoryError as e:
+            assert re.fullmatch(r"cuMemAllocAsync of 2199023255552 bytes on device 0 failed: "
+                                r"CUDA_ERROR_OUT_OF_MEMORY \(out of memory\) at "
+                                r"csrc/cuda_module.c:\d+", str(e)), e
+
+        host = np.arange(24, dtype=np.float32).reshape(4, 6)
+        a = device.empty(host.shape, host.dtype, 0, 0)
+        _C.memcpy_htod(a.ptr, host, 0)
+        np.testing.assert_array_equal(a.numpy(), host)
+        view = device.DeviceArray(a.ptr + 4 * 5, (4, 3), np.float32, strides=(6, -2), owner=a)
+        np.testing.assert_array_equal(np.asarray(view), host[:, 5::-2])
+        b = device.empty((24,), np.float32)
+        _C.memcpy_dtod(b.ptr, a.ptr, a.nbytes, 0)
+        _C.memset_d8(a.ptr, 0, a.nbytes, 0)
+        assert not a.numpy().any() and (b.numpy() == host.ravel()).all()
+        assert device.to_caller(b, host) is not None and (device.to_caller(b, host) == host.ravel()).all()
+
+        dv = device.as_device_view(view)
+        assert (dv.ptr, dv.shape, dv.strides, dv.dtype, dv.device) == (view.ptr, (4, 3), (6, -2), np.float32, 0)
+        waits = ctypes.c_int.in_dll(fake, "waits")
+        c = device.empty((8,), np.float16, 0, stream=0x5000)
+        c.__dlpack__()                       # the legacy stream waits for 0x5000
+        c.__dlpack__(stream=-1)              # no synchronisation asked
+        assert waits.value == 1 and c.owner.streams == {1}, (waits.value, c.owner.streams)
+        del c                                # the free waits for the consumer stream first
+        assert waits.value == 2, waits.value
+
+        pinned = _C.host_alloc(64)
+        np.frombuffer(pinned, np.uint8)[:] = 7
+        _C.memcpy_dtoh(memoryview(pinned)[:16], b.ptr, 0)
+        assert len(pinned) == 64 and bytes(pinned)[:16] == host.ravel()[:4].tobytes()
+        del pinned
+
+        fn = _C.module_function(_C.module_load(b"\x7fELF", 0), "attn", 100000)
+        assert _C.function_attributes(fn)["num_regs"] == 4
+        _C.launch(fn, (1, 1, 1), (128, 1, 1), 100000, 0, b"params")
+        try:
+            _C.module_function(_C.module_load(b"\x7fELF", 0), "missing", 0)
+        except RuntimeError as e:
+            assert str(e).startswith('cuModuleGetFunction("missing") failed: CUDA_ERROR_NOT_FOUND '
+                                     '(named symbol not found) at csrc/cuda_module.c:'), e
+        s = _C.stream_create()
+        _C.stream_wait(s, 0)
+        _C.stream_synchronize(s)
+        _C.stream_destroy(s)
+        assert _C.pointer_device(a.ptr) == 0
+        fake.cuCtxSetCurrent(ctypes.c_void_p(0x999))
+        del a, b, view, dv                   # finalizers free: the caller's context stays current
+        current = ctypes.c_void_p()
+        fake.cuCtxGetCurrent(ctypes.byref(current))
+        assert current.value == 0x999, current
+        print("ok")
+    """, ATTNEXT_LIBCUDA=fake_libcuda["full"])
+    assert out.strip() == "ok"
+
+
+# --- NVRTC ---
+
+def test_nvrtc_loads_from_the_wheel_and_reports_what_it_tried():
+    wheel = _nvrtc_wheel_dir()
+    out = _run(f"""
+        from attnext import _C
+        try:
+            _C.nvrtc_load(["/nonexistent/libnvrtc.so.13", "/nonexistent-dir", "libnvrtc-nope.so"])
+        except RuntimeError as e:
+            print(repr(str(e)))
+        try:
+            _C.nvrtc_version()
+        except RuntimeError as e:
+            print(repr(str(e)))
+        print(repr(_C.nvrtc_load(["/nonexistent/libnvrtc.so", {wheel!r}])))
+        print(repr(_C.nvrtc_load(["/ignored/once/loaded"])))
+        print(_C.nvrtc_version())
+    """)
+    tried, not_loaded, path, again, version = (eval(line) for line in out.splitlines())
+    for name in ("/nonexistent/libnvrtc.so.13", "/nonexistent-dir", "libnvrtc-nope.so", "ATTNEXT_NVRTC"):
+        assert name in tried
+    assert "nvrtc_load first" in not_loaded
+    assert os.path.dirname(path) == wheel and os.path.basename(path).startswith("libnvrtc.so")
+    assert again == path
+    wheel_major = int(importlib.metadata.version("nvidia-cuda-nvrtc").split(".")[0])
+    assert version[0] == wheel_major and version[1] >= 0
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_nvrtc_compiles_a_cubin(nvrtc, arch):
+    cubin, log = _C.nvrtc_compile(TINY_KERNEL, "fill.cu", [f"--gpu-architecture={arch}", "-std=c++17"],
+                                  [FILL_HEADER])
+    assert isinstance(cubin, bytes) and cubin[:4] == ELF_MAGIC and len(cubin) > 1000
+    assert isinstance(log, str)
+
+
+def test_nvrtc_finds_in_memory_headers_only_when_given(nvrtc):
+    with pytest.raises(attnext.CompileError) as info:
+        _C.nvrtc_compile(TINY_KERNEL, "fill.cu", ["--gpu-architecture=sm_80"], [])
+    assert "fill.h" in info.value.log
+    cubin, _ = _C.nvrtc_compile(TINY_KERNEL, "fill.cu", ["--gpu-architecture=sm_80"],
+                                [("other.h", "#error never included\n"), FILL_HEADER])
+    assert cubin[:4] == ELF_MAGIC
+
+
+def test_nvrtc_compile_error_carries_log_and_source(nvrtc):
+    source = 'extern "C" __global__ void broken(float *x) { x[0] = 1.0f }\n'
+    with pytest.raises(attnext.CompileError) as info:
+        _C.nvrtc_compile(source, "broken.cu", ["--gpu-architecture=sm_80"], [])
+    e = info.value
+    assert isinstance(e, RuntimeError)
+    assert e.source == source
+    assert "broken.cu(1): error" in e.log and "broken.cu(1): error" in str(e)
+
+
+def test_nvrtc_bad_options_and_virtual_architectures_raise_runtime_error(nvrtc):
+    with pytest.raises(RuntimeError, match="NVRTC_ERROR_INVALID_OPTION.*--no-such-option"):
+        _C.nvrtc_compile(TINY_KERNEL, "fill.cu", ["--no-such-option"], [FILL_HEADER])
+    with pytest.raises(RuntimeError, match="no CUBIN.*real architecture") as info:
+        _C.nvrtc_compile(TINY_KERNEL, "fill.cu", ["--gpu-architecture=compute_80"], [FILL_HEADER])
+    assert not isinstance(info.value, attnext.CompileError)
+
+
+def test_nvrtc_compile_argument_errors(nvrtc):
+    with pytest.raises(TypeError, match=r"options\[1\] must be a str"):
+        _C.nvrtc_compile(TINY_KERNEL, "fill.cu", ["--gpu-architecture=sm_80", 3], [])
+    with pytest.raises(TypeError, match="header 0 must be a"):
+        _C.nvrtc_compile(TINY_KERNEL, "fill.cu", [], ["fill.h"])
+    with pytest.raises(ValueError, match="NUL"):
+        _C.nvrtc_compile("int x;\0", "x.cu", [], [])
+
+
+# --- DLPack, on the host ---
+
+class _Owner:
+    pass
+
+
+class _Exporter:
+    """What np.from_dlpack needs around a capsule."""
+
+    def __init__(self, capsule, dl_device):
+        self.capsule, self.dl_device = capsule, dl_device
+
+    def __dlpack__(self, **kwargs):
+        capsule, self.capsule = self.capsule, None
+        return capsule
+
+    def __dlpack_device__(self):
+        return self.dl_device
+
+
+@pytest.mark.parametrize("versioned", [False, True])
+def test_dlpack_export_import_round_trip(versioned):
+    owner = _Owner()
+    alive = weakref.ref(owner)
+    cap = _C.dlpack_export(FAKE_PTR, (2, 3, 5), (1, 2, 6), (4, 16, 1), 3, owner, KDL_CUDA, versioned)
+    del owner
+    assert alive() is not None, "the capsule keeps its owner"
+    imported = _C.dlpack_import(cap)
+    keep, ptr, shape, strides, dtype, dev, readonly = imported
+    assert (ptr, shape, strides, dtype, dev, readonly) == (FAKE_PTR, (2, 3, 5), (1, 2, 6), (4, 16, 1),
+                                                          (KDL_CUDA, 3), False)
+    with pytest.raises(TypeError, match="used_dltensor"):
+        _C.dlpack_import(cap)
+    del cap
+    gc.collect()
+    assert alive() is not None, "the consumer's owner keeps the tensor"
+    del keep, imported
+    gc.collect()
+    assert alive() is None, "the deleter released the owner"
+
+
+@pytest.mark.parametrize("versioned", [False, True])
+def test_dlpack_unconsumed_capsule_releases_its_owner(versioned):
+    owner = _Owner()
+    alive = weakref.ref(owner)
+    cap = _C.dlpack_export(FAKE_PTR, (4,), None, (2, 32, 1), 0, owner, KDL_CUDA, versioned)
+    del owner, cap
+    gc.collect()
+    assert alive() is None
+
+
+def test_dlpack_export_contiguous_strides_and_scalars():
+    cap = _C.dlpack_export(FAKE_PTR, (2, 3, 4), None, (2, 32, 1), 0, None)
+    assert _C.dlpack_import(cap)[2:4] == ((2, 3, 4), (12, 4, 1))
+    cap = _C.dlpack_export(FAKE_PTR, (), None, (2, 32, 1), 0, None)
+    assert _C.dlpack_import(cap)[2:4] == ((), ())
+
+
+def test_dlpack_export_bad_arguments():
+    with pytest.raises(ValueError, match="2 strides for 3 dims"):
+        _C.dlpack_export(FAKE_PTR, (2, 3, 4), (1, 2), (2, 32, 1), 0, None)
+    with pytest.raises(ValueError, match=r"shape\[1\] is -3"):
+        _C.dlpack_export(FAKE_PTR, (2, -3), None, (2, 32, 1), 0, None)
+    with pytest.raises(ValueError, match="bad dtype"):
+        _C.dlpack_export(FAKE_PTR, (2,), None, (2, 32, 0), 0, None)
+    with pytest.raises(OverflowError):
+        _C.dlpack_export(-1, (2,), None, (2, 32, 1), 0, None)
+    with pytest.raises(TypeError, match="capsule"):
+        _C.dlpack_import(np.zeros(3))
+
+
+@pytest.mark.parametrize("versioned", [False, True])
+def test_numpy_consumes_our_capsules(versioned):
+    """NumPy reads a host array through attnext's DLPack structs: the layout matches dlpack.h."""
+    base = np.arange(60, dtype=np.float32).reshape(3, 4, 5)
+    view = base[::2, 1:, ::-2]             # non-contiguous, a negative stride
+    alive = weakref.ref(base)
+    strides = tuple(s // base.itemsize for s in view.strides)
+    cap = _C.dlpack_export(view.ctypes.data, view.shape, strides, (2, 32, 1), 0, base, KDL_CPU,
+                           versioned)
+    got = np.from_dlpack(_Exporter(cap, (KDL_CPU, 0)))
+    np.testing.assert_array_equal(got, view)
+    assert got.ctypes.data == view.ctypes.data, "a view, not a copy"
+    del base, view, cap
+    gc.collect()
+    assert alive() is not None, "NumPy's array keeps the owner"
+    del got
+    gc.collect()
+    assert alive() is None
+
+
+@pytest.mark.parametrize("versioned", [False, True])
+def test_we_consume_numpys_capsules(versioned):
+    a = np.arange(24, dtype=np.int16).reshape(4, 6)[:, ::2]
+    a.flags.writeable = not versioned      # NumPy exports read-only arrays only in DLPack 1.x
+    cap = a.__dlpack__(max_version=(1, 0)) if versioned else a.__dlpack__()
+    owner, ptr, shape, strides, dtype, dev, readonly = _C.dlpack_import(cap)
+    assert (ptr, shape, strides, dtype, dev) == (a.ctypes.data, (4, 3), (6, 2), (0, 16, 1), (KDL_CPU, 0))
+    assert readonly == versioned
+
+
+# --- DeviceArray without a GPU (nothing here touches device memory) ---
+
+def test_device_array_describes_itself():
+    a = device.DeviceArray(FAKE_PTR, (2, 3), np.float16, device=1)
+    assert (a.ndim, a.size, a.nbytes, a.itemsize, a.strides) == (2, 6, 12, 2, (3, 1))
+    assert a.__dlpack_device__() == (KDL_CUDA, 1)
+    assert a.__cuda_array_interface__ == {"shape": (2, 3), "typestr": "<f2", "data": (FAKE_PTR, False),
+                                          "strides": None, "version": 3, "stream": 1}
+    assert repr(a) == "DeviceArray(shape=(2, 3), dtype=float16, device=cuda:1)"
+    t = device.DeviceArray(FAKE_PTR, (3, 2), BF16, strides=(1, 3), stream=0xABC)
+    cai = t.__cuda_array_interface__
+    assert (cai["typestr"], cai["strides"], cai["stream"]) == ("<V2", (2, 6), 0xABC)
+    assert "strides=(1, 3)" in repr(t) and "bfloat16" in repr(t)
+
+
+@pytest.mark.parametrize("max_version", [None, (1, 0)])
+def test_device_array_dlpack_on_its_own_stream(max_version):
+    """On the array's own stream (the legacy default, by default) no stream call is needed."""
+    a = device.DeviceArray(FAKE_PTR, (4, 5), BF16, strides=(10, 2), device=2)
+    cap = a.__dlpack__(max_version=max_version)
+    owner, ptr, shape, strides, dtype, dev, _ = _C.dlpack_import(cap)
+    assert (ptr, shape, strides, dtype, dev) == (FAKE_PTR, (4, 5), (10, 2), (4, 16, 1), (KDL_CUDA, 2))
+    with pytest.raises(BufferError, match="copy=True"):
+        a.__dlpack__(copy=True)
+    with pytest.raises(BufferError, match="not"):
+        a.__dlpack__(dl_device=(KDL_CUDA, 0))
+    a.__dlpack__(stream=-1, dl_device=(KDL_CUDA, 2))
+
+
+def test_device_array_keeps_its_owner_through_a_capsule():
+    owner = _Owner()
+    alive = weakref.ref(owner)
+    cap = device.DeviceArray(FAKE_PTR, (8,), np.float32, owner=owner).__dlpack__()
+    del owner
+    gc.collect()
+    assert alive() is not None
+    del cap
+    gc.collect()
+    assert alive() is None
+
+
+def test_to_caller_returns_the_device_array_for_unknown_libraries():
+    a = device.DeviceArray(FAKE_PTR, (2,), np.float32)
+    assert device.to_caller(a, a) is a
+    assert device.to_caller(a, _Owner()) is a
+
+
+def test_host_data_is_not_a_device_view():
+    assert device.as_device_view(np.zeros(3)) is None
+    assert device.as_device_view([1.0, 2.0]) is None
+    torch = pytest.importorskip("torch")
+    assert device.as_device_view(torch.zeros(3)) is None
+
+
+# --- on a GPU ---
+
+@pytest.fixture
+def gpu():
+    try:
+        _C.cuda_load()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    return 0
+
+
+@pytest.fixture
+def torch_cuda(gpu):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    return torch
+
+
+def _arch(dev):
+    major, minor = _C.cuda_info(dev)["compute_capability"]
+    return f"sm_{major}{minor}"
+
+
+@pytest.mark.gpu
+def test_cuda_info(gpu):
+    info = _C.cuda_info(gpu)
+    assert set(info) == {"name", "compute_capability", "multiprocessor_count",
+                         "max_shared_memory_per_block_optin", "l2_cache_size", "total_memory",
+                         "driver_version", "memory_pools"}
+    assert info["compute_capability"] >= (8, 0) and info["multiprocessor_count"] > 0
+    assert info["max_shared_memory_per_block_optin"] >= 48 * 1024 and info["total_memory"] > 2 ** 30
+    with pytest.raises(ValueError, match="does not exist"):
+        _C.cuda_info(_C.cuda_device_count())
+
+
+@pytest.mark.gpu
+def test_alloc_copy_round_trip(gpu):
+    stream = _C.stream_create(gpu)
+    try:
+        host = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+        a = device.empty((1000,), np.float32, gpu, stream)
+        b = device.empty((1000,), np.float32, gpu, stream)
+        assert a.ptr % 256 == 0 and _C.pointer_device(a.ptr) == gpu
+        _C.memcpy_htod(a.ptr, host, stream, gpu)
+        _C.memcpy_dtod(b.ptr, a.ptr, a.nbytes, stream, gpu)
+        _C.memset_d8(a.ptr, 0, a.nbytes, stream, gpu)
+        back = np.empty_like(host)
+        _C.memcpy_dtoh(back, b.ptr, stream, gpu)
+        np.testing.assert_array_equal(back, host)
+        np.testing.assert_array_equal(np.asarray(a), np.zeros(1000, np.float32))
+        np.testing.assert_array_equal(b.numpy(), host)
+        del a, b
+        _C.stream_synchronize(stream, gpu)
+    finally:
+        _C.stream_destroy(stream, gpu)
+
+
+@pytest.mark.gpu
+def test_strided_device_array_to_numpy(gpu):
+    host = np.arange(24, dtype=np.float16).reshape(4, 6)
+    a = device.empty(host.shape, host.dtype, gpu)
+    _C.memcpy_htod(a.ptr, host, 0, gpu)
+    view = device.DeviceArray(a.ptr + 2 * 5, (3, 2), np.float16, gpu, strides=(6, -2), owner=a)
+    np.testing.assert_array_equal(view.numpy(), host[:3, 5:2:-2])
+
+
+@pytest.mark.gpu
+def test_pinned_memory(gpu):
+    pinned = _C.host_alloc(4096, gpu)
+    assert len(pinned) == pinned.nbytes == 4096 and "PinnedBuffer" in repr(pinned)
+    src = np.frombuffer(pinned, np.uint8)
+    src[:] = np.arange(4096) % 251
+    dst = device.empty((4096,), np.uint8, gpu)
+    _C.memcpy_htod(dst.ptr, memoryview(pinned), 0, gpu)
+    out = _C.host_alloc(4096, gpu)
+    _C.memcpy_dtoh(memoryview(out), dst.ptr, 0, gpu)
+    _C.stream_synchronize(0, gpu)
+    np.testing.assert_array_equal(np.frombuffer(out, np.uint8), src)
+    with pytest.raises(ValueError, match="host memory"):
+        _C.pointer_device(pinned.ptr)
+    assert len(_C.host_alloc(0)) == 0
+
+
+@pytest.mark.gpu
+def test_pointer_device_refuses_unknown_memory(gpu):
+    # pageable memory: unknown to CUDA, or host memory where the driver tracks it (HMM)
+    with pytest.raises(ValueError, match="0x[0-9a-f]+ is (not memory CUDA knows of|host memory)"):
+        _C.pointer_device(np.zeros(4).ctypes.data)
+
+
+@pytest.mark.gpu
+def test_out_of_memory_is_memory_error(gpu):
+    with pytest.raises(MemoryError, match="bytes on device"):
+        _C.mem_alloc(1 << 50, 0, gpu)
+
+
+@pytest.mark.gpu
+def test_compile_load_launch(gpu, nvrtc):
+    cubin, _ = _C.nvrtc_compile(TINY_KERNEL, "fill.cu", [f"--gpu-architecture={_arch(gpu)}"],
+                                [FILL_HEADER])
+    module = _C.module_load(cubin, gpu)
+    smem = 64 * 1024                     # above the 48 KiB default: the limit must be raised
+    fn = _C.module_function(module, "fill", smem)
+    del module                           # the function keeps its module
+    attrs = _C.function_attributes(fn)
+    assert attrs["max_dynamic_shared_size_bytes"] == smem and attrs["num_regs"] > 0
+    assert attrs["max_threads_per_block"] >= 256 and attrs["local_size_bytes"] == 0
+    n = 1000
+    x = device.empty((n,), np.float32, gpu)
+    _C.launch(fn, ((n + 255) // 256, 1, 1), (256, 1, 1), smem, 0, struct.pack("<Qfi", x.ptr, 1.5, n))
+    np.testing.assert_array_equal(x.numpy(), np.full(n, 3.0, np.float32))
+    with pytest.raises(ValueError, match="must be positive"):
+        _C.launch(fn, (0, 1, 1), (256, 1, 1), 0, 0, b"")
+    with pytest.raises(RuntimeError, match="cuModuleGetFunction"):
+        _C.module_function(_C.module_load(cubin, gpu), "no_such_kernel", 0)
+    with pytest.raises(TypeError, match="module_function"):
+        _C.launch(cubin, (1, 1, 1), (1, 1, 1), 0, 0, b"")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_torch_round_trip(torch_cuda, dtype):
+    torch = torch_cuda
+    t = torch.randn(4, 6, device="cuda", dtype=getattr(torch, dtype))[:, ::2]
+    view = device.as_device_view(t)
+    assert view.ptr == t.data_ptr() and view.shape == (4, 3) and view.strides == (6, 2)
+    assert view.dtype == (BF16 if dtype == "bfloat16" else np.dtype(dtype))
+    assert view.device == t.device.index
+    a = device.DeviceArray(view.ptr, view.shape, view.dtype, view.device, view.strides, owner=view)
+    back = device.to_caller(a, t)
+    assert isinstance(back, torch.Tensor) and back.data_ptr() == t.data_ptr()
+    assert torch.equal(back, t)
+    np.testing.assert_array_equal(np.asarray(a).astype(np.float32), t.float().cpu().numpy())
+
+
+@pytest.mark.gpu
+def test_torch_through_dlpack_only(torch_cuda):
+    torch = torch_cuda
+
+    class OnlyDLPack:
+        def __init__(self, t):
+            self.t = t
+
+        def __dlpack__(self, **kw):
+            return self.t.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.t.__dlpack_device__()
+
+    t = torch.arange(12, device="cuda", dtype=torch.bfloat16).reshape(3, 4).t()
+    view = device.as_device_view(OnlyDLPack(t))
+    assert (view.ptr, view.shape, view.strides, view.dtype) == (t.data_ptr(), (4, 3), (1, 4), BF16)
+
+
+@pytest.mark.gpu
+def test_results_on_a_side_stream_reach_torch(torch_cuda):
+    """A DeviceArray written on one stream, read by torch on its current stream."""
+    torch = torch_cuda
+    side = _C.stream_create(0)
+    try:
+        host = np.arange(1 << 20, dtype=np.float32)
+        a = device.empty(host.shape, host.dtype, 0, side)
+        _C.memcpy_htod(a.ptr, host, side, 0)
+        t = device.to_caller(a, torch.empty(0, device="cuda"))
+        assert torch.equal(t.cpu(), torch.from_numpy(host))
+        del a, t
+        torch.cuda.synchronize()
+    finally:
+        _C.stream_destroy(side, 0)
+
+
+@pytest.mark.gpu
+def test_cupy_round_trip(gpu):
+    cp = pytest.importorskip("cupy")
+    x = cp.arange(10, dtype=cp.float32)[::2]
+    view = device.as_device_view(x)
+    assert (view.ptr, view.shape, view.strides) == (x.data.ptr, (5,), (2,))
+    a = device.empty((5,), np.float32, 0)
+    packed = cp.ascontiguousarray(x)
+    _C.memcpy_dtod(a.ptr, packed.data.ptr, packed.nbytes, 0, 0)
+    back = device.to_caller(a, x)
+    assert isinstance(back, cp.ndarray) and cp.array_equal(back, x)
+    assert cp.array_equal(cp.asarray(a), x)      # through __cuda_array_interface__
