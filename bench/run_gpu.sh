@@ -9,9 +9,10 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-python3 -m attnext.warmup 2>&1 | tail -3
+
 for step in "$@"; do
   case "$step" in
+    warmup) python3 -m attnext.warmup 2>&1 | tail -3 ;;
     smoke) python3 -m pytest -m gpu -q -x tests/test_cuda.py -k "not cpu_suite" 2>&1 | tee "$OUT/smoke.log" | tail -25 ;;
     tests) python3 -m pytest -m gpu -q tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     sanitize) compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -x \
