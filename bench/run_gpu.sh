@@ -13,7 +13,7 @@ python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -30 "$
 for step in "$@"; do
   case "$step" in
     warmup) python3 -m attnext.warmup 2>&1 | tail -3 ;;
-    smoke) python3 -m pytest -m gpu -q -x tests/test_cuda.py -k "not cpu_suite" 2>&1 | tee "$OUT/smoke.log" | tail -25 ;;
+    smoke) python3 -m pytest -m gpu -q --maxfail=20 tests/test_cuda.py tests/test_cuda_host.py -k "not cpu_suite" 2>&1 | tee "$OUT/smoke.log" | tail -25 ;;
     tests) python3 -m pytest -m gpu -q tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     sanitize) compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -x \
                 tests/test_cuda.py -k "head_dims and bf16 or varlen or everything" 2>&1 \
