@@ -258,8 +258,8 @@ def _normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q
                              "(expected k (Tk, Hk, D), v (Tk, Hk, Dv))")
         if cu_seqlens_q is None or cu_seqlens_k is None:
             raise ValueError("cu_seqlens_q and cu_seqlens_k are required")
-        cq_a = _array("cu_seqlens_q", cu_seqlens_q)
-        ck_a = _array("cu_seqlens_k", cu_seqlens_k)
+        cq_a = _array("cu_seqlens_q", cu_seqlens_q, host=True)
+        ck_a = _array("cu_seqlens_k", cu_seqlens_k, host=True)
         for name, cu in (("cu_seqlens_q", cq_a), ("cu_seqlens_k", ck_a)):
             if cu.ndim != 1 or cu.shape[0] < 1:
                 raise ValueError(f"{name} must have shape (B + 1,), got {cu.shape}")

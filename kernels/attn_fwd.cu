@@ -64,17 +64,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
     if (m0 < Lq)
         kv_range(&p, m0, r_end, Lq, Lk, &lo, &hi);
     const int n_first = (int)(lo / BLOCK_N), n_last = hi > lo ? (int)((hi - 1) / BLOCK_N) : -1;
-    int row_lo[2 * MT], row_hi[2 * MT];
-#pragma unroll
-    for (int i = 0; i < 2 * MT; i++) {
-        int r = m0 + warp * WARP_M + (i / 2) * 16 + g + (i % 2) * 8;
-        int64_t a = 0, z = 0;
-        if (r < Lq)
-            kv_range(&p, r, r + 1, Lq, Lk, &a, &z);
-        row_lo[i] = (int)a;
-        row_hi[i] = (int)z;
-    }
-
     const elem_t *gq = (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + (sq.start + m0) * p.q.s[1] + h * p.q.s[2];
     const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + sk.start * p.k.s[1] + hk * p.k.s[2];
     const elem_t *gv = (const elem_t *)p.v.ptr + sk.mem_b * p.v.s[0] + sk.start * p.v.s[1] + hk * p.v.s[2];
@@ -146,21 +135,28 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
         const bool need_mask = HAS_MASK || c0 + BLOCK_N > Lk || m0 + BLOCK_M > Lq
                                || !tile_inside_band(&p, m0, r_end, c0, c0 + BLOCK_N, Lq, Lk);
 #pragma unroll
-        for (int mt = 0; mt < MT; mt++)
+        for (int i = 0; i < 2 * MT; i++) {
+            const int mt = i / 2, e0 = (i % 2) * 2;
+            const int r = m0 + warp * WARP_M + mt * 16 + g + (i % 2) * 8;
+            int64_t lo_r = 0, hi_r = Lk;                 /* the columns row r keeps */
+            if (need_mask) {
+                hi_r = 0;
+                if (r < Lq)
+                    kv_range(&p, r, r + 1, Lq, Lk, &lo_r, &hi_r);
+            }
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int i = mt * 2 + e / 2;
-                    const int r = m0 + warp * WARP_M + mt * 16 + g + (e / 2) * 8;
+                for (int e = e0; e < e0 + 2; e++) {
                     const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                    const bool keep = !need_mask || (c >= row_lo[i] && c < row_hi[i] && mask_keeps(sc, r, c));
+                    const bool keep = !need_mask || (c >= lo_r && c < hi_r && mask_keeps(sc, r, c));
 #if SCORE_IS_PLAIN
                     s[mt][nt][e] = keep ? s[mt][nt][e] * scale_log2 : NEG_INF;
 #else
                     s[mt][nt][e] = keep ? score_of(sc, s[mt][nt][e], r, c) * LOG2E : NEG_INF;
 #endif
                 }
+        }
 
         /* online softmax: new row maxima (over the quad), rescale O and l, P = exp2(S - max) */
 #pragma unroll

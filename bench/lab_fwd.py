@@ -1,0 +1,53 @@
+"""Kernel lab: the forward's tile configurations side by side on one GPU, each validated first.
+
+    python bench/lab_fwd.py "128,64,4" "128,32,4" ...     (BLOCK_M,BLOCK_N,NUM_WARPS)
+
+For each head dim / causal case: attnext under each configuration (ATTNEXT_TILE_FWD) against
+PyTorch SDPA's flash backend, bf16, triton.testing.do_bench medians, B*S = 16k tokens.
+"""
+import os
+import sys
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import attnext
+
+CASES = [(64, 2048, False), (64, 2048, True), (128, 2048, False), (128, 2048, True), (128, 8192, True),
+         (256, 2048, False)]
+
+
+def main(configs):
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}  configs {configs}")
+    for D, S, causal in CASES:
+        B, H = 16384 // S, 2048 // D
+        q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        flops = 4 * B * H * S * S * D / (2 if causal else 1)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
+            t_flash = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal), return_mode="median")
+        row = [f"D{D} S{S} {'causal' if causal else 'full  '}  flash {flops / t_flash / 1e9:6.1f}"]
+        out = torch.empty_like(q)
+        for cfg in configs:
+            os.environ["ATTNEXT_TILE_FWD"] = cfg
+            try:
+                out.fill_(float("nan"))
+                attnext.attention(q, k, v, causal=causal, out=out)
+                err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                if not err < 2e-2:
+                    row.append(f"{cfg}: WRONG {err:.2g}")
+                    continue
+                t = triton.testing.do_bench(lambda: attnext.attention(q, k, v, causal=causal, out=out),
+                                            return_mode="median")
+                row.append(f"{cfg} {flops / t / 1e9:6.1f} ({t_flash / t:.2f}x)")
+            except Exception as e:   # a configuration that does not fit this head dim
+                row.append(f"{cfg}: {type(e).__name__} {str(e)[:60]}")
+        print("  ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["128,64,4", "128,32,4", "128,64,8", "64,64,4"])
