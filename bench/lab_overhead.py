@@ -1,0 +1,45 @@
+"""Kernel lab: host overhead of one attnext call against its kernel alone (same launch, replayed).
+
+    python bench/lab_overhead.py
+"""
+import torch
+import triton
+
+import attnext
+from attnext import _C, kernels
+
+
+def main():
+    captured = {}
+    launch = _C.cuda_launch_attention
+
+    def capture(prob):
+        captured["prob"] = prob
+        return launch(prob)
+
+    _C.cuda_launch_attention = capture
+    for D, S, causal in ((64, 2048, False), (128, 2048, False), (128, 8192, True)):
+        B, H = 16384 // S, 2048 // D
+        q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out = torch.empty_like(q)
+        flops = 4 * B * H * S * S * D / (2 if causal else 1)
+        t_call = triton.testing.do_bench(lambda: attnext.attention(q, k, v, causal=causal, out=out),
+                                         return_mode="median")
+        prob = captured["prob"]
+        t_kernel = triton.testing.do_bench(lambda: launch(prob), return_mode="median")
+        attrs = _C.function_attributes(prob.fn)
+        import time
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            attnext.attention(q, k, v, causal=causal, out=out)
+        host = (time.perf_counter() - t0) / 50
+        torch.cuda.synchronize()
+        print(f"D{D} S{S} causal={causal}: call {flops / t_call / 1e9:.1f} TF/s, kernel alone "
+              f"{flops / t_kernel / 1e9:.1f} TF/s, host per call (async) {host * 1e3:.3f} ms, "
+              f"kernel {t_kernel:.3f} ms; regs {attrs['num_regs']} local {attrs['local_size_bytes']} B "
+              f"tile {kernels.tile_config(D, D)} grid {prob.grid}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
