@@ -524,7 +524,8 @@ def _backward(o, dout, out, lse, deterministic):
                          f"(as the forward returned it), got {lse.shape} and {lse.dtype}")
     if o.device == "cuda" and o.on_gpu:
         return _backward_on_gpu(o, dout, out, lse, deterministic)
-    if any(isinstance(x, DevView) for x in (dout, out, lse)) and (o.device != "cuda" or _runs_on_reference(o)):
+    on_host = o.device != "cuda" or _runs_on_reference(o)
+    if on_host and any(isinstance(x, DevView) for x in (dout, out, lse)):
         raise TypeError("dout, out and lse are CUDA arrays but q, k, v live on the host; pass all "
                         "of them on the GPU or all on the host")
     if _runs_on_reference(o):

@@ -285,7 +285,7 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
         prob.dq, prob.dk, prob.dv = (_t(_kernel_layout(o, x)) for x in (dq, dk, dv))
         prob.dq_accum = None
         if atomic:
-            prob.dq_accum = _t(stage.scratch((q4.shape[0], q4.shape[1], o.Hq, o.D), np.float32))
+            prob.dq_accum = _t(stage.scratch((q4.shape[0], q4.shape[1], o.Hq, o.D + o.D % 2), np.float32))
         dbias = dbias_res = None
         if o.bias is not None:
             dbias, dbias_res = _dbias_buffer(stage, o, host)
@@ -305,7 +305,8 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
             for name in (("attn_bwd_dv", "attn_bwd_dk") if tile["kv_split"] else ("attn_bwd_dkdv",)):
                 launch(name, kv_grid, tile["kv_warps"])
             if atomic:
-                launch("attn_bwd_dq_convert", (_query_tiles(o, PRE_ROWS), o.Hq, o.B + tail), PRE_THREADS // 32)
+                launch("attn_bwd_dq_convert", (_query_tiles(o, PRE_ROWS), o.Hq, o.B + tail),
+                       PRE_THREADS // 32)
             else:
                 launch("attn_bwd_dq", (_query_tiles(o, tile["q_block_m"]), o.Hq, o.B + tail), tile["q_warps"])
             if dbias is not None:

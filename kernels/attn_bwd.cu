@@ -4,7 +4,8 @@
  *
  *   q (B, Sq, Hq, D)  k (B, Sk, Hk, D)  v (B, Sk, Hk, Dv)  out, dout (B, Sq, Hq, Dv)
  *   lse, delta (B, Hq, Sq) float32        dq (B, Sq, Hq, D)  dk (B, Sk, Hk, D)  dv (B, Sk, Hk, Dv)
- *   dq_accum (B, Sq, Hq, D) float32 (DQ_ATOMIC only)   dbias (B, Hb, Sq, Sk) in the bias's dtype,
+ *   dq_accum (B, Sq, Hq, D + D % 2) float32, contiguous (DQ_ATOMIC only: pairs of columns are
+ *   added by one vector atomic)   dbias (B, Hb, Sq, Sk) in the bias's dtype,
  *   stride 0 along the dims the bias broadcasts
  *   varlen: B = 1 in memory, sequence b at rows cu_seqlens[b].. (seqlen.h)
  *
@@ -32,6 +33,7 @@
  *   KV_SPLIT               1: dV and dK in two passes (wide head dims)
  *   DQ_ATOMIC              1: the dkdv kernel accumulates dQ into dq_accum (non-deterministic)
  *   Q_BLOCK_M, Q_BLOCK_N, Q_WARPS   dq and dbias: query rows per CTA, key tile, warps
+ *   KV_MINB, Q_MINB        CTAs per SM the register allocation must allow (__launch_bounds__)
  *
  * Gradients in natural units: dS = dL/ds for the final score s (after softcap, bias, alibi),
  * so dbias = dS, and dq, dk carry dS * score_grad * scale.
@@ -127,7 +129,16 @@ DEV void zero_acc(float (&acc)[MT][NT][4])
                 acc[mt][nt][e] = 0.f;
 }
 
-DEV void red_add_f32(float *p, float v) { asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory"); }
+/* p[0] += a, p[1] += b by float atomics (one vector reduction on sm_90; p 8-byte aligned). */
+DEV void red_add_f32x2(float *p, float a, float b)
+{
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(a) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p + 1), "f"(b) : "memory");
+#endif
+}
 
 /* f stored as an element of attn_dtype dt at p[i] (dbias, in the bias's own dtype). */
 DEV void store_from_f32(void *p, int64_t i, int dt, float f)
@@ -407,11 +418,12 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw)
 #pragma unroll
                 for (int i = 0; i < NPW; i++)
 #pragma unroll
-                    for (int e = 0; e < 8; e++) {
+                    for (int e = 0; e < 8; e += 2) {
                         const int r = m0 + wm * 16 + g + ((e % 4) / 2) * 8;
-                        const int dcol = (wd + i * WD) * 16 + (e / 4) * 8 + 2 * t + (e & 1);
+                        const int dcol = (wd + i * WD) * 16 + (e / 4) * 8 + 2 * t;
                         if (r < Lq && dcol < HEAD_DIM)
-                            red_add_f32(gacc + (int64_t)r * p.dq_accum.s[1] + dcol * p.dq_accum.s[3], acc[i][e / 4][e % 4]);
+                            red_add_f32x2(gacc + (int64_t)r * p.dq_accum.s[1] + dcol, acc[i][e / 4][e % 4],
+                                          acc[i][e / 4][e % 4 + 1]);
                     }
             }
 #endif
@@ -456,19 +468,19 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw)
 }
 
 #if KV_SPLIT
-extern "C" __global__ void __launch_bounds__(KV_THREADS) attn_bwd_dv(const __grid_constant__ attn_params p)
+extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dv(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     dkdv<1>(p, smem_raw);
 }
 
-extern "C" __global__ void __launch_bounds__(KV_THREADS) attn_bwd_dk(const __grid_constant__ attn_params p)
+extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dk(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     dkdv<2>(p, smem_raw);
 }
 #else
-extern "C" __global__ void __launch_bounds__(KV_THREADS) attn_bwd_dkdv(const __grid_constant__ attn_params p)
+extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     dkdv<3>(p, smem_raw);
@@ -542,7 +554,7 @@ DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], co
 
 /* Grid (query tiles, Hq, B [+1 varlen]). Warp w owns query rows [w Q_WARP_M, (w + 1) Q_WARP_M).
  * K double-buffered (K[n+1] loads during tile n), V loads while dS K runs. */
-extern "C" __global__ void __launch_bounds__(Q_THREADS) attn_bwd_dq(const __grid_constant__ attn_params p)
+extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t *sQ = (elem_t *)smem_raw;                            /* Q_BLOCK_M x (DP + pad) */
@@ -666,7 +678,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_dq_convert(co
  * every batch item, query head of its bias head, row tile and column tile landing on them, sums
  * dS in registers, reduces over the broadcast rows / columns in a fixed order and writes once.
  * Elements past every sequence's length are left as the caller's zeros. */
-extern "C" __global__ void __launch_bounds__(Q_THREADS) attn_bwd_dbias(const __grid_constant__ attn_params p)
+extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dbias(const __grid_constant__ attn_params p)
 {
 #if HAS_BIAS
     extern __shared__ __align__(16) unsigned char smem_raw[];
