@@ -127,9 +127,9 @@ DEV void ldmatrix_x4_trans(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &
 DEV void mma16816(float *c, const uint32_t *a, uint32_t b0, uint32_t b1)
 {
 #if ELEM_BF16
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
 #else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
 #endif
                  "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -147,11 +147,15 @@ DEV void load_tile(elem_t *smem, const elem_t *src, int64_t row_stride, int64_t 
 {
 #if VEC_LOAD
     constexpr int CHUNKS = COLS_P / 8;
-    for (int i = tid; i < ROWS * CHUNKS; i += THREADS) {
-        int r = i / CHUNKS, c = (i % CHUNKS) * 8;
-        bool ok = r < valid && c < cols;
-        const elem_t *g = ok ? src + r * row_stride + c : src;
-        cp_async16(smem_addr(smem + r * (COLS_P + SMEM_PAD) + c), g, ok ? 16 : 0);
+    const uint32_t base = smem_addr(smem);
+#pragma unroll
+    for (int j = 0; j < (ROWS * CHUNKS + THREADS - 1) / THREADS; j++) {
+        const int i = tid + j * THREADS;
+        const int r = i / CHUNKS, c = (i % CHUNKS) * 8;
+        if ((ROWS * CHUNKS) % THREADS == 0 || r < ROWS) {
+            const bool ok = r < valid && c < cols;
+            cp_async16(base + 2 * (r * (COLS_P + SMEM_PAD) + c), ok ? src + r * row_stride + c : src, ok ? 16 : 0);
+        }
     }
 #else
     for (int i = tid; i < ROWS * COLS_P; i += THREADS) {

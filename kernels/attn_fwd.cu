@@ -70,6 +70,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
     const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
     const float scale_log2 = sc.scale * LOG2E;
 
+    /* each lane's ldmatrix row addresses (shared-state space, bytes); the per-tile offsets
+     * below are compile-time constants that fold into the instructions' immediates */
+    const uint32_t q_lane = smem_addr(sQ) + 2 * ((warp * WARP_M + (lane & 15)) * (DP + SMEM_PAD) + (lane >> 4) * 8);
+    const uint32_t k_lane = smem_addr(sK) + 2 * (((lane & 7) + ((lane >> 4) << 3)) * (DP + SMEM_PAD) + ((lane >> 3) & 1) * 8);
+    const uint32_t v_lane = smem_addr(sV) + 2 * (((lane & 7) + ((lane >> 3) & 1) * 8) * (DVP + SMEM_PAD) + (lane >> 4) * 8);
+
     float o[MT][OT][4];
     float m[2 * MT], l[2 * MT];
 #pragma unroll
@@ -113,15 +119,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
             uint32_t a[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
-                ldmatrix_x4(smem_addr(sQ + (warp * WARP_M + mt * 16 + (lane & 15)) * (DP + SMEM_PAD)
-                                      + kk * 16 + (lane >> 4) * 8),
-                            a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+                ldmatrix_x4(q_lane + 2 * (mt * 16 * (DP + SMEM_PAD) + kk * 16), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
 #pragma unroll
             for (int np = 0; np < NT / 2; np++) {
                 uint32_t b0, b1, b2, b3;
-                ldmatrix_x4(smem_addr(sK + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * (DP + SMEM_PAD)
-                                      + kk * 16 + ((lane >> 3) & 1) * 8),
-                            b0, b1, b2, b3);
+                ldmatrix_x4(k_lane + 2 * (np * 16 * (DP + SMEM_PAD) + kk * 16), b0, b1, b2, b3);
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
                     mma16816(s[mt][2 * np], a[mt], b0, b1);
@@ -134,31 +136,43 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
          * and without a mask array needs no per-element test. */
         const bool need_mask = HAS_MASK || c0 + BLOCK_N > Lk || m0 + BLOCK_M > Lq
                                || !tile_inside_band(&p, m0, r_end, c0, c0 + BLOCK_N, Lq, Lk);
+        if (!need_mask) {
 #pragma unroll
-        for (int i = 0; i < 2 * MT; i++) {
-            const int mt = i / 2, e0 = (i % 2) * 2;
-            const int r = m0 + warp * WARP_M + mt * 16 + g + (i % 2) * 8;
-            int64_t lo_r = 0, hi_r = Lk;                 /* the columns row r keeps */
-            if (need_mask) {
-                hi_r = 0;
-                if (r < Lq)
-                    kv_range(&p, r, r + 1, Lq, Lk, &lo_r, &hi_r);
-            }
+            for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++)
+                for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                for (int e = e0; e < e0 + 2; e++) {
-                    const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                    const bool keep = !need_mask || (c >= lo_r && c < hi_r && mask_keeps(sc, r, c));
+                    for (int e = 0; e < 4; e++) {
 #if SCORE_IS_PLAIN
-                    s[mt][nt][e] = keep ? s[mt][nt][e] * scale_log2 : NEG_INF;
+                        s[mt][nt][e] *= scale_log2;
 #else
-                    s[mt][nt][e] = keep ? score_of(sc, s[mt][nt][e], r, c) * LOG2E : NEG_INF;
+                        const int r = m0 + warp * WARP_M + mt * 16 + g + (e / 2) * 8;
+                        const int c = c0 + nt * 8 + 2 * t + (e & 1);
+                        s[mt][nt][e] = score_of(sc, s[mt][nt][e], r, c) * LOG2E;
 #endif
-                }
+                    }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 2 * MT; i++) {
+                const int mt = i / 2, e0 = (i % 2) * 2;
+                const int r = m0 + warp * WARP_M + mt * 16 + g + (i % 2) * 8;
+                int64_t lo64 = 0, hi64 = 0;              /* the columns row r keeps */
+                if (r < Lq)
+                    kv_range(&p, r, r + 1, Lq, Lk, &lo64, &hi64);
+                const int lo_r = (int)lo64, hi_r = (int)hi64;
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int e = e0; e < e0 + 2; e++) {
+                        const int c = c0 + nt * 8 + 2 * t + (e & 1);
+                        const bool keep = c >= lo_r && c < hi_r && mask_keeps(sc, r, c);
+                        s[mt][nt][e] = keep ? score_of(sc, s[mt][nt][e], r, c) * LOG2E : NEG_INF;
+                    }
+            }
         }
 
         /* online softmax: new row maxima (over the quad), rescale O and l, P = exp2(S - max) */
+        float corrs[2 * MT];
 #pragma unroll
         for (int i = 0; i < 2 * MT; i++) {
             const int mt = i / 2, e0 = (i % 2) * 2;
@@ -179,11 +193,21 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
                 sum += s[mt][nt][e0] + s[mt][nt][e0 + 1];
             }
             l[i] = l[i] * corr + sum;
+            corrs[i] = corr;
+        }
+        /* rescale O only when some row's maximum moved (after the first tiles it rarely does) */
+        bool moved = false;
 #pragma unroll
-            for (int nt = 0; nt < OT; nt++) {
-                o[mt][nt][e0] *= corr;
-                o[mt][nt][e0 + 1] *= corr;
-            }
+        for (int i = 0; i < 2 * MT; i++)
+            moved |= corrs[i] != 1.f;
+        if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+            for (int i = 0; i < 2 * MT; i++)
+#pragma unroll
+                for (int nt = 0; nt < OT; nt++) {
+                    o[i / 2][nt][(i % 2) * 2] *= corrs[i];
+                    o[i / 2][nt][(i % 2) * 2 + 1] *= corrs[i];
+                }
         }
 
         cp_async_wait_all();
@@ -207,9 +231,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
 #pragma unroll
             for (int np = 0; np < OT / 2; np++) {
                 uint32_t b0, b1, b2, b3;
-                ldmatrix_x4_trans(smem_addr(sV + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * (DVP + SMEM_PAD)
-                                            + np * 16 + (lane >> 4) * 8),
-                                  b0, b1, b2, b3);
+                ldmatrix_x4_trans(v_lane + 2 * (kk * 16 * (DVP + SMEM_PAD) + np * 16), b0, b1, b2, b3);
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
                     mma16816(o[mt][2 * np], a[mt], b0, b1);
