@@ -109,8 +109,10 @@ def test_cupy_arrays(rng):
 def test_cpu_suite_on_cuda():
     """The CPU backend's whole test file, rerun with device="cuda" (float16/bfloat16 cases)."""
     here = os.path.dirname(__file__)
-    env = dict(os.environ, ATTNEXT_TEST_DEVICE="cuda")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+    root = os.path.dirname(here)        # the checkout, importable without an install
+    env = dict(os.environ, ATTNEXT_TEST_DEVICE="cuda",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--maxfail=10", "-p", "no:cacheprovider",
                         "test_cpu_attention.py", "-k", "not simd_variants"],
                        cwd=here, env=env, capture_output=True, text=True)
     print(r.stdout[-6000:], r.stderr[-3000:])
