@@ -355,3 +355,15 @@ def check_backend(q, k, v, rng, *, varlen=None, backward=True, out=None, dout=No
         assert_close("dbias", g.dbias, rg.dbias, coarser(dtype, bias.dtype), floor, extra(2), cond)
     result.grads, result.ref_grads, result.dout = g, rg, dout
     return result
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """On the GPU rerun, a test of the CPU suite that feeds float32/float64 to the GPU (which has
+    no kernels for them yet: attnext raises TypeError saying so) is reported as skipped."""
+    outcome = yield
+    if TEST_DEVICE != "cuda" or outcome.excinfo is None:
+        return
+    exc = outcome.excinfo[1]
+    if isinstance(exc, TypeError) and "device='cuda' runs float16 and bfloat16" in str(exc):
+        outcome.force_exception(pytest.skip.Exception(f"cuda: {exc}", _use_item_location=True))

@@ -112,8 +112,13 @@ def test_cpu_suite_on_cuda():
     root = os.path.dirname(here)        # the checkout, importable without an install
     env = dict(os.environ, ATTNEXT_TEST_DEVICE="cuda",
                PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    try:
+        import xdist  # noqa: F401  (the reference's CPU work dominates: spread it over the cores)
+        workers = ["-n", str(min(8, os.cpu_count() or 1))]
+    except ImportError:
+        workers = []
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--maxfail=10", "-p", "no:cacheprovider",
-                        "test_cpu_attention.py", "-k", "not simd_variants"],
+                        *workers, "test_cpu_attention.py", "-k", "not simd_variants"],
                        cwd=here, env=env, capture_output=True, text=True)
     print(r.stdout[-6000:], r.stderr[-3000:])
     assert r.returncode == 0, r.stdout[-6000:]
