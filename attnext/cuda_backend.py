@@ -177,6 +177,7 @@ def _common(o, stage, q4, k4, v4):
         mask_heads=o.mask_heads, scale=o.scale_value, softcap=o.softcap_value,
         q=_t(q4), k=_t(k4), v=_t(v4), bias=_t(bias4), mask=_t(mask4), alibi=_t(alibi),
         out=None, lse=None, dout=None, dq=None, dk=None, dv=None, dbias=None, delta=None,
+        o_accum=None, lse_accum=None, num_splits=1,
         dq_accum=None,
         **_lengths(stage, o))
     return prob, features
@@ -186,6 +187,27 @@ def _query_tiles(o, block_m):
     """Query tiles per (head, sequence): the longest segment's rows (varlen) or Sq."""
     rows = (int(np.max(np.diff(o.cu_q))) if o.B else 0) if o.varlen else o.Sq
     return max(1, math.ceil(rows / block_m))
+
+
+def _decode_plan(o, features, device):
+    """(pack_gqa, num_splits) for the forward. Decode-shaped calls (few query rows, GQA, long
+    K/V) pack the query heads of a group into one block's rows, and when the blocks cannot fill
+    the GPU, split the keys over several blocks (attn_fwd.cu's PACK_GQA / SPLIT_KV)."""
+    group = o.Hq // o.Hk if o.Hk else 1
+    per_head = features["bias_dtype"] is None and features["alibi_dtype"] is None and not features["mask"]
+    pack = group > 1 and not o.varlen and per_head and o.Sq * group <= 2 * kernels.DECODE_TILE[0]
+    if o.varlen or not o.B or not o.Hq:
+        return pack, 1
+    bm, bn, _ = kernels.DECODE_TILE
+    blocks = math.ceil(o.Sq * (group if pack else 1) / bm) * (o.Hk if pack else o.Hq) * o.B
+    sms = device_info(device)["multiprocessor_count"]
+    key_tiles = math.ceil(o.Sk / bn)
+    if blocks >= sms or key_tiles < 8:
+        return pack, 1
+    return pack, max(1, min(MAX_SPLITS, (2 * sms) // blocks, key_tiles // 4))
+
+
+MAX_SPLITS = 128    # attn_fwd_combine keeps one weight per split in shared memory
 
 
 def forward(o, out_host, lse_host):
@@ -202,17 +224,29 @@ def forward(o, out_host, lse_host):
             out, out_res = _result(stage, host, o.out_shape, o.q.dtype)
         lse, lse_res = _result(stage, host, o.lse_shape, np.float32)
         prob, features = _common(o, stage, q4, k4, v4)
-        tile = kernels.tile_config(o.D, o.Dv)
-        defines = kernels.fwd_defines(**features, tile=tile)
+        pack, splits = _decode_plan(o, features, stage.device)
+        tile = kernels.DECODE_TILE if pack or splits > 1 else kernels.tile_config(o.D, o.Dv)
+        defines = kernels.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1)
+        arch = device_arch(stage.device)
         prob.smem = kernels.fwd_smem_bytes(o.D, o.Dv, tile)
-        prob.fn = kernels.function("attn_fwd", "attn_fwd", defines, stage.device,
-                                   device_arch(stage.device), prob.smem)
-        prob.grid = (_query_tiles(o, tile[0]), o.Hq, o.B + (1 if o.varlen else 0))
+        prob.fn = kernels.function("attn_fwd", "attn_fwd", defines, stage.device, arch, prob.smem)
+        rows = o.Sq * (o.Hq // o.Hk) if pack else None
+        q_tiles = math.ceil(rows / tile[0]) if pack else _query_tiles(o, tile[0])
+        prob.grid = (q_tiles * splits, o.Hk if pack else o.Hq, o.B + (1 if o.varlen else 0))
         prob.block = (tile[2] * 32, 1, 1)
         prob.out = _t(_kernel_layout(o, out))
         prob.lse = _t(lse[None] if o.varlen else lse)
+        prob.num_splits = splits
+        prob.o_accum = prob.lse_accum = None
+        if splits > 1:
+            prob.o_accum = _t(stage.scratch((splits * o.B * o.Hq * o.Sq * o.Dv,), np.float32))
+            prob.lse_accum = _t(stage.scratch((splits * o.B * o.Hq * o.Sq,), np.float32))
         if o.Hq and prob.grid[2]:
             _C.cuda_launch_attention(prob)
+            if splits > 1:
+                prob.fn = kernels.function("attn_fwd", "attn_fwd_combine", defines, stage.device, arch, 0)
+                prob.grid, prob.block, prob.smem = (o.Sq, o.Hq, o.B), (128, 1, 1), 0
+                _C.cuda_launch_attention(prob)
         if host:
             stage.download(out, out_host)
             stage.download(lse, lse_host)

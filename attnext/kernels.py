@@ -53,10 +53,15 @@ def fwd_smem_bytes(D, Dv, tile):
     return 2 * (bm * (dp + SMEM_PAD) + bn * (dp + SMEM_PAD) + bn * (dvp + SMEM_PAD))
 
 
-def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile):
+DECODE_TILE = (64, 64, 4)    # packed-GQA / split-KV forward: few query rows, K and V streamed
+
+
+def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile,
+                pack_gqa=False, split_kv=False):
     """The #defines of one forward variant. bias_dtype / alibi_dtype: a dtype name or None."""
     bm, bn, w = tile
     return {
+        "PACK_GQA": int(pack_gqa), "SPLIT_KV": int(split_kv),
         "ELEM_BF16": int(dtype == "bfloat16"), "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
         "HAS_SOFTCAP": int(softcap), "HAS_BIAS": int(bias_dtype is not None),
         "BIAS_DT": DTYPE_CODES[bias_dtype or "float32"], "HAS_ALIBI": int(alibi_dtype is not None),
@@ -152,6 +157,9 @@ def fwd_variants():
                         alibi_dtype=None, mask=False, tile=tile_config(D, Dv))
             out.append(base)
             if (D, Dv) == (128, 128):
+                out.append({**base, "tile": DECODE_TILE, "pack_gqa": True, "split_kv": True})
+                out.append({**base, "tile": DECODE_TILE, "pack_gqa": True})
+                out.append({**base, "tile": DECODE_TILE, "split_kv": True})
                 out.append({**base, "vec": False})
                 out.append({**base, "softcap": True})
                 out.append({**base, "bias_dtype": dtype})

@@ -85,6 +85,10 @@ typedef struct {
     /* GPU backward scratch (the CPU backend keeps its own): delta (B, Hq, Sq) float32 =
      * rowsum(dout * out) per row, laid out like lse; dq_accum (B, Sq, Hq, D) float32 */
     tensor4 delta, dq_accum;
+    /* GPU split-KV forward scratch: num_splits partial results per row, contiguous,
+     * o_accum [split][B][Hq][Sq][Dv] and lse_accum [split][B][Hq][Sq] float32 (natural log) */
+    float *o_accum, *lse_accum;
+    int num_splits;
 
     int num_threads;             /* <= 0: the OpenMP default */
 } attn_params;

@@ -136,6 +136,14 @@ static PyObject *c_cuda_launch_attention(PyObject *module, PyObject *prob)
             return NULL;
         *len_ptrs[i] = (const int32_t *)t.ptr;
     }
+    long long splits;
+    if (attr_tensor(prob, "o_accum", 1, &t, NULL))
+        return NULL;
+    p.o_accum = (float *)t.ptr;
+    if (attr_tensor(prob, "lse_accum", 1, &t, NULL) || attr_long(prob, "num_splits", &splits))
+        return NULL;
+    p.lse_accum = (float *)t.ptr;
+    p.num_splits = (int)splits;
     p.Sq = qs[1]; p.Hq = qs[2]; p.D = qs[3];
     p.Sk = ks[1]; p.Hk = ks[2]; p.Dv = vs[3];
     if (!p.q.ptr || !p.k.ptr || !p.v.ptr || p.Hk <= 0 || p.Hq % p.Hk) {

@@ -136,14 +136,13 @@ DEV void mma16816(float *c, const uint32_t *a, uint32_t b0, uint32_t b1)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-/* Rows [0, ROWS) x cols [0, COLS_P) of a tile into shared memory (row stride COLS_P + SMEM_PAD),
- * from global rows src + r * row_stride (element strides, col stride col_stride). Rows at or past
- * `valid` and cols at or past `cols` are zero: a padded key row must hold 0, not garbage, since
- * its probability 0 times a NaN would still be NaN. VEC_LOAD issues cp.async (commit and wait are
- * the caller's); otherwise plain loads and stores, complete on return. */
-template <int ROWS, int COLS_P, int THREADS>
-DEV void load_tile(elem_t *smem, const elem_t *src, int64_t row_stride, int64_t col_stride,
-                   int valid, int cols, int tid)
+/* Rows [0, ROWS) x cols [0, COLS_P) of a tile into shared memory (row stride COLS_P + SMEM_PAD);
+ * row r is read from row_ptr(r) with column stride col_stride. Rows at or past `valid` and cols
+ * at or past `cols` are zero: a padded key row must hold 0, not garbage, since its probability 0
+ * times a NaN would still be NaN. VEC_LOAD issues cp.async (commit and wait are the caller's);
+ * otherwise plain loads and stores, complete on return. */
+template <int ROWS, int COLS_P, int THREADS, typename RowPtr>
+DEV void load_rows(elem_t *smem, RowPtr row_ptr, int64_t col_stride, int valid, int cols, int tid)
 {
 #if VEC_LOAD
     constexpr int CHUNKS = COLS_P / 8;
@@ -154,7 +153,8 @@ DEV void load_tile(elem_t *smem, const elem_t *src, int64_t row_stride, int64_t 
         const int r = i / CHUNKS, c = (i % CHUNKS) * 8;
         if ((ROWS * CHUNKS) % THREADS == 0 || r < ROWS) {
             const bool ok = r < valid && c < cols;
-            cp_async16(base + 2 * (r * (COLS_P + SMEM_PAD) + c), ok ? src + r * row_stride + c : src, ok ? 16 : 0);
+            const elem_t *src = ok ? row_ptr(r) + c : row_ptr(0);
+            cp_async16(base + 2 * (r * (COLS_P + SMEM_PAD) + c), src, ok ? 16 : 0);
         }
     }
 #else
@@ -162,10 +162,19 @@ DEV void load_tile(elem_t *smem, const elem_t *src, int64_t row_stride, int64_t 
         int r = i / COLS_P, c = i % COLS_P;
         elem_t x = 0;
         if (r < valid && c < cols)
-            x = src[r * row_stride + c * col_stride];
+            x = row_ptr(r)[c * col_stride];
         smem[r * (COLS_P + SMEM_PAD) + c] = x;
     }
 #endif
+}
+
+/* load_rows for rows evenly spaced by row_stride from src. */
+template <int ROWS, int COLS_P, int THREADS>
+DEV void load_tile(elem_t *smem, const elem_t *src, int64_t row_stride, int64_t col_stride,
+                   int valid, int cols, int tid)
+{
+    load_rows<ROWS, COLS_P, THREADS>(smem, [=](int r) { return src + r * row_stride; }, col_stride,
+                                     valid, cols, tid);
 }
 
 /* ---------------------------------------------------------------- the score hook */

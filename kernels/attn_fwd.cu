@@ -10,6 +10,14 @@
  * inside [kv_range): tiles outside the causal / window band are skipped, not masked. K of the
  * next tile loads while P V runs, V while Q K^T runs (cp.async, one buffer each).
  *
+ * Decode (few query rows, long K/V) has two more switches:
+ *   PACK_GQA  the G = Hq / Hk query heads that share a kv head are one block's rows: packed row
+ *             pr is query row pr / G of head hk * G + pr % G (grid.y = Hk), so K and V are read
+ *             once per kv head instead of G times. Not with bias, mask or alibi (per-head data).
+ *   SPLIT_KV  grid.x = query tiles x p.num_splits; split s visits its share of the key tiles and
+ *             writes a normalised partial result and its lse to o_accum / lse_accum;
+ *             attn_fwd_combine merges the splits (whole GPU streaming K and V for Sq = 1).
+ *
  * Switches beyond attn_common.cuh's: BLOCK_M, BLOCK_N, NUM_WARPS (tile_config in kernels.py).
  */
 #include "attn_common.cuh"
@@ -46,25 +54,44 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
     elem_t *sV = sK + BLOCK_N * (DP + SMEM_PAD);        /* BLOCK_N x (DVP + pad) */
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int64_t h = blockIdx.y, b = blockIdx.z;
+    const int64_t b = blockIdx.z;
+#if PACK_GQA
+    const int G = (int)(p.Hq / p.Hk);                  /* packed rows per query row */
+    const int64_t hk = blockIdx.y, h = hk * G;         /* h: the group's first query head */
+#else
+    const int G = 1;
+    const int64_t h = blockIdx.y, hk = h / (p.Hq / p.Hk);
+#endif
     if (b == p.B) {
         zero_tail(p, h);
         return;
     }
+#if SPLIT_KV
+    const int split = blockIdx.x % p.num_splits, m_block = blockIdx.x / p.num_splits;
+    const int m_blocks = gridDim.x / p.num_splits;
+#else
+    const int split = 0, m_block = blockIdx.x, m_blocks = gridDim.x;
+#endif
     const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;
-    if (m0 >= sq.rows)
+    const int m0 = (m_blocks - 1 - m_block) * BLOCK_M; /* packed rows [m0, m0 + BLOCK_M) */
+    if (m0 >= sq.rows * G)
         return;
-    const int64_t hk = h / (p.Hq / p.Hk);
     const int Lq = (int)sq.len, Lk = (int)sk.len;
-    const int r_end = min(m0 + BLOCK_M, Lq);
+    const int r_end = min(m0 + BLOCK_M, Lq * G);       /* packed rows with a real query */
 
-    /* key columns this tile visits, and each of this thread's rows keeps */
+    /* key columns this tile visits (its query rows [m0 / G, (r_end - 1) / G]), this split's share */
     int64_t lo = 0, hi = 0;
-    if (m0 < Lq)
-        kv_range(&p, m0, r_end, Lq, Lk, &lo, &hi);
-    const int n_first = (int)(lo / BLOCK_N), n_last = hi > lo ? (int)((hi - 1) / BLOCK_N) : -1;
-    const elem_t *gq = (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + (sq.start + m0) * p.q.s[1] + h * p.q.s[2];
+    if (m0 < Lq * G)
+        kv_range(&p, m0 / G, (r_end - 1) / G + 1, Lq, Lk, &lo, &hi);
+    int n_first = (int)(lo / BLOCK_N), n_last = hi > lo ? (int)((hi - 1) / BLOCK_N) : -1;
+#if SPLIT_KV
+    {
+        const int per = (n_last - n_first + p.num_splits) / p.num_splits;
+        n_first += split * per;
+        n_last = min(n_last, n_first + per - 1);
+    }
+#endif
+    const elem_t *gq = (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + sq.start * p.q.s[1] + h * p.q.s[2];
     const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + sk.start * p.k.s[1] + hk * p.k.s[2];
     const elem_t *gv = (const elem_t *)p.v.ptr + sk.mem_b * p.v.s[0] + sk.start * p.v.s[1] + hk * p.v.s[2];
     const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
@@ -92,7 +119,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
     }
 
     if (n_last >= n_first) {
-        load_tile<BLOCK_M, DP, THREADS>(sQ, gq, p.q.s[1], p.q.s[3], r_end - m0, HEAD_DIM, tid);
+        load_rows<BLOCK_M, DP, THREADS>(
+            sQ, [&](int r) { return gq + (int64_t)((m0 + r) / G) * p.q.s[1] + (int64_t)((m0 + r) % G) * p.q.s[2]; },
+            p.q.s[3], r_end - m0, HEAD_DIM, tid);
         load_tile<BLOCK_N, DP, THREADS>(sK, gk + (int64_t)n_last * BLOCK_N * p.k.s[1], p.k.s[1], p.k.s[3],
                                         Lk - n_last * BLOCK_N, HEAD_DIM, tid);
         cp_async_commit();
@@ -134,8 +163,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
 
         /* scores in log2 units; masked pairs -inf. A tile inside the band, inside both lengths
          * and without a mask array needs no per-element test. */
-        const bool need_mask = HAS_MASK || c0 + BLOCK_N > Lk || m0 + BLOCK_M > Lq
-                               || !tile_inside_band(&p, m0, r_end, c0, c0 + BLOCK_N, Lq, Lk);
+        const bool need_mask = HAS_MASK || c0 + BLOCK_N > Lk || m0 + BLOCK_M > Lq * G
+                               || !tile_inside_band(&p, m0 / G, (r_end - 1) / G + 1, c0, c0 + BLOCK_N, Lq, Lk);
         if (!need_mask) {
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
@@ -155,7 +184,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
 #pragma unroll
             for (int i = 0; i < 2 * MT; i++) {
                 const int mt = i / 2, e0 = (i % 2) * 2;
-                const int r = m0 + warp * WARP_M + mt * 16 + g + (i % 2) * 8;
+                const int r = (m0 + warp * WARP_M + mt * 16 + g + (i % 2) * 8) / G;
                 int64_t lo64 = 0, hi64 = 0;              /* the columns row r keeps */
                 if (r < Lq)
                     kv_range(&p, r, r + 1, Lq, Lk, &lo64, &hi64);
@@ -242,21 +271,37 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
     }
     cp_async_wait_all();
 
-    /* out = O / l, lse = log(l) + max; rows with nothing kept (and padding rows) get 0 and -inf */
-    elem_t *gout = (elem_t *)p.out.ptr + sq.mem_b * p.out.s[0] + sq.start * p.out.s[1] + h * p.out.s[2];
-    float *glse = (float *)p.lse.ptr + sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + sq.start * p.lse.s[2];
+    /* out = O / l, lse = log(l) + max; rows with nothing kept (and padding rows) get 0 and -inf.
+     * Under SPLIT_KV the same normalised pair goes to this split's slot of o_accum / lse_accum. */
 #pragma unroll
     for (int i = 0; i < 2 * MT; i++) {
         const int mt = i / 2, e0 = (i % 2) * 2;
         float li = l[i];
         li += __shfl_xor_sync(0xffffffffu, li, 1);
         li += __shfl_xor_sync(0xffffffffu, li, 2);
-        const int r = m0 + warp * WARP_M + mt * 16 + g + (i % 2) * 8;
+        const int pr = m0 + warp * WARP_M + mt * 16 + g + (i % 2) * 8;
+        const int r = pr / G;
+        const int64_t hr = h + pr % G;
         if (r >= sq.rows)
             continue;
         const bool live = r < Lq && li > 0.f;
         const float inv = live ? 1.f / li : 0.f;
-        elem_t *orow = gout + (int64_t)r * p.out.s[1];
+        const float lse_r = live ? (m[i] + log2f(li)) * LN2 : NEG_INF;
+#if SPLIT_KV
+        const int64_t slot = ((split * p.B + b) * p.Hq + hr) * p.Sq + r;
+        float *orow = p.o_accum + slot * HEAD_DIM_V;
+#pragma unroll
+        for (int nt = 0; nt < OT; nt++) {
+            const int d = nt * 8 + 2 * t;
+            if (d < HEAD_DIM_V)
+                orow[d] = o[mt][nt][e0] * inv;
+            if (d + 1 < HEAD_DIM_V)
+                orow[d + 1] = o[mt][nt][e0 + 1] * inv;
+        }
+        if (t == 0)
+            p.lse_accum[slot] = lse_r;
+#else
+        elem_t *orow = (elem_t *)p.out.ptr + sq.mem_b * p.out.s[0] + (sq.start + r) * p.out.s[1] + hr * p.out.s[2];
 #pragma unroll
         for (int nt = 0; nt < OT; nt++) {
             const int d = nt * 8 + 2 * t;
@@ -266,6 +311,47 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
                 orow[(d + 1) * p.out.s[3]] = f32_to_elem(o[mt][nt][e0 + 1] * inv);
         }
         if (t == 0)
-            glse[(int64_t)r * p.lse.s[2]] = live ? (m[i] + log2f(li)) * LN2 : NEG_INF;
+            ((float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + hr * p.lse.s[1] + (sq.start + r) * p.lse.s[2]] = lse_r;
+#endif
     }
+}
+
+/* Merges the num_splits partial results of SPLIT_KV: lse = log sum_s exp(lse_s), out = sum_s
+ * exp(lse_s - lse) o_s. Grid (Sq, Hq, B), one block per row; rows past the sequence's real
+ * length come out as 0 and -inf like every other row that keeps no key. */
+extern "C" __global__ void __launch_bounds__(128) attn_fwd_combine(const __grid_constant__ attn_params p)
+{
+    __shared__ float w[128];
+    __shared__ float lse_sh;
+    const int64_t r = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int S = p.num_splits;
+    const int64_t row0 = (b * p.Hq + h) * p.Sq + r, stride = p.B * p.Hq * p.Sq;
+    if (threadIdx.x < 32) {
+        float mx = NEG_INF;
+        for (int s = threadIdx.x; s < S; s += 32)
+            mx = fmaxf(mx, p.lse_accum[s * stride + row0]);
+        for (int o = 16; o; o >>= 1)
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        const float base = mx == NEG_INF ? 0.f : mx;
+        float sum = 0.f;
+        for (int s = threadIdx.x; s < S; s += 32)
+            sum += fast_exp2((p.lse_accum[s * stride + row0] - base) * LOG2E);
+        for (int o = 16; o; o >>= 1)
+            sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        const float lse = sum > 0.f ? base + logf(sum) : NEG_INF;
+        for (int s = threadIdx.x; s < S; s += 32)
+            w[s] = sum > 0.f ? fast_exp2((p.lse_accum[s * stride + row0] - lse) * LOG2E) : 0.f;
+        if (threadIdx.x == 0)
+            lse_sh = lse;
+    }
+    __syncthreads();
+    elem_t *orow = (elem_t *)p.out.ptr + b * p.out.s[0] + r * p.out.s[1] + h * p.out.s[2];
+    for (int d = threadIdx.x; d < HEAD_DIM_V; d += 128) {
+        float acc = 0.f;
+        for (int s = 0; s < S; s++)
+            acc += w[s] * p.o_accum[(s * stride + row0) * HEAD_DIM_V + d];
+        orow[d * p.out.s[3]] = f32_to_elem(acc);
+    }
+    if (threadIdx.x == 0)
+        ((float *)p.lse.ptr)[b * p.lse.s[0] + h * p.lse.s[1] + r * p.lse.s[2]] = lse_sh;
 }

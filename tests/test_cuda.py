@@ -122,3 +122,31 @@ def test_cpu_suite_on_cuda():
                        cwd=here, env=env, capture_output=True, text=True)
     print(r.stdout[-6000:], r.stderr[-3000:])
     assert r.returncode == 0, r.stdout[-6000:]
+
+
+DECODE = [(1, "none"), (1, "causal"), (3, "causal"), (16, "top_left"), (5, "window")]
+
+
+@pytest.mark.parametrize("sq, mask", DECODE, ids=[f"sq{a}_{b}" for a, b in DECODE])
+@pytest.mark.parametrize("b, sk", [(1, 5000), (3, 2000)], ids=["B1_Sk5000", "B3_Sk2000"])
+def test_decode_split_kv(b, sk, sq, mask, rng):
+    """KV-cache shapes: packed GQA and split-KV (B * Hk blocks cannot fill the GPU)."""
+    from attnext import cuda_backend
+    q, k, v = make_qkv(rng, b, sq, sk, 8, 2, 128, 128, BF16)
+    opts = {"none": {}, "causal": {"causal": True}, "top_left": {"causal": "top_left"},
+            "window": {"window": (700, 0)}}[mask]
+    seqlens_k = rng.integers(1, sk + 1, size=b).astype(np.int32)
+    seqlens_k[0] = sk
+    o = attnext.api._normalise(q, k, v, dict(opts, scale=None, softcap=None, alibi_slopes=None,
+                               bias=None, mask=None, score_mod=None, mask_mod=None, seqlens_q=None,
+                               seqlens_k=None, layout="bshd", return_lse=False, device="cuda",
+                               out=None, precision=None))
+    pack, splits = cuda_backend._decode_plan(o, dict(bias_dtype=None, alibi_dtype=None, mask=False), 0)
+    assert pack and splits > 1
+    _check_forward(q, k, v, BF16, seqlens_k=seqlens_k, **opts)
+
+
+def test_decode_with_bias_is_not_packed(rng):
+    q, k, v = make_qkv(rng, 1, 2, 3000, 8, 2, 64, 64, F16)
+    bias = randn(rng, (1, 8, 2, 3000), np.float32)
+    _check_forward(q, k, v, F16, bias=bias, causal=True)
