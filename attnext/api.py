@@ -613,18 +613,28 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 def info():
     """What this build can run, and why not where it cannot."""
-    from . import __version__
+    from . import __version__, cuda_backend, kernels
+    why = cuda_backend.unavailable_reason()
+    device_name = None
+    if not why:
+        d = cuda_backend.device_info(0)
+        device_name = f"{d['name']} (sm_{d['compute_capability'][0]}{d['compute_capability'][1]})"
+    try:
+        nvrtc = ".".join(map(str, kernels.nvrtc()))
+    except RuntimeError:
+        nvrtc = None
+    cache = kernels.cache_info()
     return {
         "version": __version__,
         "backends": {
             "reference": "usable",
             "cpu": f"usable ({_C.simd()} SIMD, "
                    f"{'OpenMP, %d threads' % _C.openmp_threads() if _C.openmp_threads() else 'no OpenMP: serial'})",
-            "cuda": "unavailable: the CUDA backend is not built yet",
+            "cuda": "usable (float16, bfloat16)" if not why else f"unavailable: {why}",
         },
-        "score_mod": "cpu: run by the NumPy reference (the C interpreter is not built yet)",
-        "device_name": None,
-        "nvrtc_version": None,
-        "cache_dir": os.environ.get("ATTNEXT_CACHE_DIR",
-                                    os.path.join(os.path.expanduser("~"), ".cache", "attnext")),
+        "score_mod": "cpu and cuda: run by the NumPy reference for NumPy inputs (the interpreter and "
+                     "the code generator are not built yet)",
+        "device_name": device_name,
+        "nvrtc_version": nvrtc,
+        "cache_dir": cache["cache_dir"] if cache else None,
     }
