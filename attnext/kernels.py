@@ -214,11 +214,13 @@ def bwd_smem_bytes(D, Dv, tile, atomic):
 
 def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile, atomic):
     """The #defines of one backward variant (kernels/attn_bwd.cu: every backward kernel of it).
-    atomic: deterministic=False's dq_accum path."""
-    d = fwd_defines(dtype=dtype, D=D, Dv=Dv, vec=vec, softcap=softcap, bias_dtype=bias_dtype,
-                    alibi_dtype=alibi_dtype, mask=mask, tile=(0, 0, 0))
-    for k in ("BLOCK_M", "BLOCK_N", "NUM_WARPS"):
-        del d[k]
+    atomic: the lab's dq_accum path (deterministic=False with ATTNEXT_BWD_DQ=atomic)."""
+    d = {
+        "ELEM_BF16": int(dtype == "bfloat16"), "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
+        "HAS_SOFTCAP": int(softcap), "HAS_BIAS": int(bias_dtype is not None),
+        "BIAS_DT": DTYPE_CODES[bias_dtype or "float32"], "HAS_ALIBI": int(alibi_dtype is not None),
+        "ALIBI_DT": DTYPE_CODES[alibi_dtype or "float32"], "HAS_MASK": int(mask),
+    }
     d.update(KV_BLOCK_M=tile["kv_block_m"], KV_WARPS=tile["kv_warps"], KV_SPLIT=tile["kv_split"],
              KV_MINB=tile["kv_minb"], DQ_ATOMIC=int(atomic), Q_BLOCK_M=tile["q_block_m"],
              Q_BLOCK_N=tile["q_block_n"], Q_WARPS=tile["q_warps"], Q_MINB=tile["q_minb"])
@@ -226,8 +228,8 @@ def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
 
 
 def bwd_variants():
-    """The backward variants warmup compiles: the forward's list, each deterministic, plus the
-    atomic dq path of the common head dims."""
+    """The backward variants warmup compiles: those of the forward's list (the backward has no
+    pack-GQA or split-KV variants), plus the lab's atomic dq path of the common head dims."""
     out = []
     for _, fd in fwd_variants():
         dtype = "bfloat16" if fd["ELEM_BF16"] else "float16"
@@ -240,7 +242,8 @@ def bwd_variants():
         out.append(bwd_defines(**features, atomic=False))
         if not (fd["HAS_SOFTCAP"] or fd["HAS_BIAS"] or fd["HAS_MASK"]) and (D, Dv) in ((64, 64), (128, 128)):
             out.append(bwd_defines(**features, atomic=True))
-    return [("attn_bwd", d) for d in out]
+    unique = {tuple(sorted(d.items())): d for d in out}
+    return [("attn_bwd", d) for d in unique.values()]
 
 
 def variants():

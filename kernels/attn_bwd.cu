@@ -18,8 +18,9 @@
  *                       dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.
  *                       KV_SPLIT: D + Dv too wide for both accumulators at once, so
  *                       attn_bwd_dv and attn_bwd_dk run the two halves as separate passes.
- *                       DQ_ATOMIC (deterministic=False): also dQ += dS K into dq_accum with
- *                       float atomics (order varies from run to run)
+ *                       DQ_ATOMIC: also dQ += dS K into dq_accum with float atomics (the
+ *                       order varies from run to run; deterministic=False with the kernel lab's
+ *                       ATTNEXT_BWD_DQ=atomic: slower than attn_bwd_dq on an H100)
  *   attn_bwd_dq         deterministic dQ: one CTA per (query tile, head, sequence) over the key
  *                       tiles kv_range allows; recomputes S, dP; dQ += dS K
  *   attn_bwd_dq_convert (DQ_ATOMIC) dq = dq_accum * scale

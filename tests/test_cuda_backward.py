@@ -197,8 +197,10 @@ def test_deterministic(rng):
 
 @pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (59, 40), (256, 256)],
                          ids=["d64", "d128", "d59_40", "d256"])
-def test_atomic_dq(d, dv, rng):
-    """deterministic=False: dq through float atomics into dq_accum, within the same tolerance."""
+def test_atomic_dq(d, dv, rng, monkeypatch):
+    """The kernel lab's atomic dq path (deterministic=False, ATTNEXT_BWD_DQ=atomic): dq through
+    float atomics into dq_accum, within the same tolerance."""
+    monkeypatch.setenv("ATTNEXT_BWD_DQ", "atomic")
     q, k, v = make_qkv(rng, 2, 257, 190, 4, 2, d, dv, BF16)
     _grads(q, k, v, rng, deterministic=False, causal=True)
     cu = np.array([0, 0, 100, 257], np.int32)
