@@ -280,7 +280,6 @@ int FN(cpu_forward)(const attn_params *p)
             if (r0 >= sq.rows) continue;
             const int64_t r1 = imin64(r0 + BQ, sq.rows);
             const int64_t nr = imax64(0, imin64(sq.len - r0, r1 - r0));   /* real rows */
-            const int64_t Mr = ROUND_UP(nr, SIMD_M_ALIGN);
             for (int64_t i = 0; i < BQ; i++) {
                 m[i] = -INFINITY;
                 l[i] = 0;
