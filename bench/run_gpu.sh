@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (the device tool): build the extension in place, compile the
 # kernels for this GPU, then run what was asked; logs land in $OUT.
-#   bash bench/run_gpu.sh [smoke|tests|sanitize|bench|quick] ...   (several steps run in order)
+#   bash bench/run_gpu.sh [warmup|smoke|tests|suite0..suite3|sanitize|bench|quick] ...   (in order)
+# suiteN reruns a quarter of the CPU test file on the GPU (a few minutes each, one per call).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 OUT=${OUT:-/tmp/attnext-out}
@@ -14,10 +15,15 @@ for step in "$@"; do
   case "$step" in
     warmup) python3 -m attnext.warmup 2>&1 | tail -3 ;;
     smoke) python3 -m pytest -m gpu -q --maxfail=20 tests/test_cuda.py tests/test_cuda_host.py -k "not cpu_suite" 2>&1 | tee "$OUT/smoke.log" | tail -25 ;;
-    tests) python3 -m pytest -m gpu -q tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
-    sanitize) compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -x \
-                tests/test_cuda.py -k "head_dims and bf16 or varlen or everything" 2>&1 \
-                | tee "$OUT/memcheck.log" | tail -15 ;;
+    tests) python3 -m pytest -m gpu -q -n 4 tests/ -k "not cpu_suite" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    suite[0-3]) python3 -m pytest -m gpu -q tests/test_cuda.py -k "cpu_suite and shard${step#suite}" 2>&1 \
+                | tee "$OUT/$step.log" | tail -30 ;;
+    sanitize) compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q \
+                -p no:cacheprovider tests/test_cuda.py tests/test_cuda_backward.py -k "not cpu_suite" 2>&1 \
+                | tee "$OUT/memcheck.log" | tail -5
+              compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -m gpu -q -x \
+                -p no:cacheprovider tests/test_cuda.py -k "head_dims and bf16 and d128_dv128 or varlen_with_padding" 2>&1 \
+                | tee "$OUT/racecheck.log" | tail -5 ;;
     quick) python3 -m attnext.bench --device cuda --quick --json "$OUT/bench_quick.json" 2>&1 | tee "$OUT/bench_quick.log" | tail -40 ;;
     bench) python3 -m attnext.bench --device cuda --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -60 ;;
     *) echo "unknown step $step"; exit 2 ;;

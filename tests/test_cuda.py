@@ -106,19 +106,27 @@ def test_cupy_arrays(rng):
     assert_close("out", cp.asnumpy(out), reference.attention(q, k, v, causal=True), F16)
 
 
-def test_cpu_suite_on_cuda():
-    """The CPU backend's whole test file, rerun with device="cuda" (float16/bfloat16 cases)."""
+# The CPU suite's rerun in shards, so each fits one command on a lent GPU machine (several minutes
+# apiece: thousands of small cases, each checked against the float64 reference).
+_MAIN_GROUPS = ["test_grid", "test_head_dims or test_windows or test_small_grid or test_varlen or test_seqlens",
+                "test_bias or test_mask or test_fully_masked or test_alibi or test_softcap or test_score"]
+CPU_SUITE_SHARDS = _MAIN_GROUPS + [" and ".join(f"not ({g})" for g in _MAIN_GROUPS)]
+
+
+@pytest.mark.parametrize("shard", CPU_SUITE_SHARDS, ids=[f"shard{i}" for i in range(len(CPU_SUITE_SHARDS))])
+def test_cpu_suite_on_cuda(shard):
+    """The CPU backend's test file, rerun with device="cuda" (float16/bfloat16 cases)."""
     here = os.path.dirname(__file__)
     root = os.path.dirname(here)        # the checkout, importable without an install
     env = dict(os.environ, ATTNEXT_TEST_DEVICE="cuda",
                PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     try:
         import xdist  # noqa: F401  (the reference's CPU work dominates: spread it over the cores)
-        workers = ["-n", str(min(8, os.cpu_count() or 1))]
+        workers = ["-n", str(min(14, os.cpu_count() or 1))]
     except ImportError:
         workers = []
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--maxfail=10", "-p", "no:cacheprovider",
-                        *workers, "test_cpu_attention.py", "-k", "not simd_variants"],
+                        *workers, "test_cpu_attention.py", "-k", f"not simd_variants and ({shard})"],
                        cwd=here, env=env, capture_output=True, text=True)
     print(r.stdout[-6000:], r.stderr[-3000:])
     assert r.returncode == 0, r.stdout[-6000:]
