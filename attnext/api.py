@@ -115,6 +115,9 @@ def _resolve_device(device, q, k, v):
         raise TypeError(f"q, k and v must all live on the GPU or all on the host, got {where}")
     from . import cuda_backend
     if on_gpu[0]:
+        if len({x.device for x in (q, k, v)}) > 1:
+            raise ValueError(f"q, k and v live on different GPUs: cuda:{q.device}, cuda:{k.device}, "
+                             f"cuda:{v.device}")
         if device not in (None, "cuda"):
             raise ValueError(f"device={device!r} cannot read q, k, v: they are CUDA arrays "
                              f"(on cuda:{q.device}); pass device='cuda' or None")
@@ -343,6 +346,10 @@ def _normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q
         o.bias, o.bias4, o.bias_heads = _broadcast_4d("bias", o.bias, o.B, Hq, Hk, o.Sq, o.Sk, False, varlen)
     if o.mask is not None:
         o.mask, o.mask4, o.mask_heads = _broadcast_4d("mask", o.mask, o.B, Hq, Hk, o.Sq, o.Sk, True, varlen)
+    for name, x in (("bias", o.bias4), ("mask", o.mask4)):
+        if isinstance(x, DevView) and (o.device != "cuda" or x.device != o.cuda_device):
+            where = f"device={o.device!r}" if o.device != "cuda" else f"q on cuda:{o.cuda_device}"
+            raise TypeError(f"{name} is a CUDA array on cuda:{x.device} but the call runs with {where}")
     o.acc_dtype = np.float64 if q.dtype == np.float64 else np.float32
     return o
 

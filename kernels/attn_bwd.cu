@@ -118,18 +118,6 @@ DEV void pack_frag(uint32_t (&a)[MT][KS][4], const float (&f)[MT][2 * KS][4])
         }
 }
 
-template <int MT, int NT>
-DEV void zero_acc(float (&acc)[MT][NT][4])
-{
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                acc[mt][nt][e] = 0.f;
-}
-
 /* p[0] += a, p[1] += b by float atomics (one vector reduction on sm_90; p 8-byte aligned). */
 DEV void red_add_f32x2(float *p, float a, float b)
 {

@@ -136,6 +136,19 @@ DEV void mma16816(float *c, const uint32_t *a, uint32_t b0, uint32_t b1)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+/* Zeroes a warp's mma accumulators (MT m16 tiles x NT n8 tiles). */
+template <int MT, int NT>
+DEV void zero_acc(float (&acc)[MT][NT][4])
+{
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                acc[mt][nt][e] = 0.f;
+}
+
 /* Rows [0, ROWS) x cols [0, COLS_P) of a tile into shared memory (row stride COLS_P + SMEM_PAD);
  * row r is read from row_ptr(r) with column stride col_stride. Rows at or past `valid` and cols
  * at or past `cols` are zero: a padded key row must hold 0, not garbage, since its probability 0

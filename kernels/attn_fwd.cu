@@ -105,13 +105,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
 
     float o[MT][OT][4];
     float m[2 * MT], l[2 * MT];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int nt = 0; nt < OT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                o[mt][nt][e] = 0.f;
+    zero_acc(o);
 #pragma unroll
     for (int i = 0; i < 2 * MT; i++) {
         m[i] = NEG_INF;
@@ -136,13 +130,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
 
         /* S = Q K^T for this warp's rows */
         float s[MT][NT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    s[mt][nt][e] = 0.f;
+        zero_acc(s);
 #pragma unroll
         for (int kk = 0; kk < DP / 16; kk++) {
             uint32_t a[MT][4];
