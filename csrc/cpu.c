@@ -1,6 +1,7 @@
 /* Instantiates the CPU backend (cpu_impl.h) for float and double accumulation and routes a call
  * by dtype: float16, bfloat16 and float32 accumulate in float32, float64 in float64. */
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -20,6 +21,34 @@
 #define BK 64
 #define MIN_BWD_TASKS 16
 #define ROUND_UP(x, a) (((x) + (a) - 1) / (a) * (a))
+
+/* libgomp's worker pool does not survive fork(): a child entering a parallel region of several
+ * threads waits forever for workers that were never copied into it. A forked child therefore
+ * runs the backend on its one thread (same results: they never depend on the thread count). */
+static volatile int in_forked_child;
+
+static void mark_forked_child(void) { in_forked_child = 1; }
+
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, mark_forked_child); }
+
+void cpu_init(void)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, register_fork_handler);
+}
+
+/* Threads for one call: 1 in a forked child, else the caller's count or OpenMP's default. */
+static int cpu_threads(int requested)
+{
+#ifdef _OPENMP
+    if (in_forked_child)
+        return 1;
+    return requested > 0 ? requested : omp_get_max_threads();
+#else
+    (void)requested;
+    return 1;
+#endif
+}
 
 #define T float
 #define SUF f32

@@ -9,5 +9,7 @@
 int cpu_forward(const attn_params *p);
 /* dq, dk, dv written, dbias accumulated into, from dout, q, k, v, out, lse */
 int cpu_backward(const attn_params *p);
+/* Once per process, before any call: a child forked after the backend ran keeps working. */
+void cpu_init(void);
 
 #endif

@@ -59,14 +59,7 @@ static void *FN(alloc)(size_t n_elems)
     return bytes ? aligned_alloc(64, bytes) : aligned_alloc(64, 64);
 }
 
-static int FN(nthreads)(const attn_params *p)
-{
-#ifdef _OPENMP
-    return p->num_threads > 0 ? p->num_threads : omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
+static int FN(nthreads)(const attn_params *p) { return cpu_threads(p->num_threads); }
 
 /* Pointer to row `row` of head `h` of batch item `b` of a (B, S, H, D)-strided tensor. */
 static inline const char *FN(row_ptr)(const tensor4 *t, attn_dtype dt, int64_t b, int64_t row,

@@ -330,7 +330,14 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static int cpu_exec(PyObject *module)
+{
+    cpu_init();
+    return 0;
+}
+
 static PyModuleDef_Slot slots[] = {
+    {Py_mod_exec, (void *)cpu_exec},            /* the CPU backend survives fork() */
     {Py_mod_exec, (void *)attnext_cuda_exec},   /* the CUDA functions and PinnedBuffer */
     {Py_mod_exec, (void *)attnext_cuda_attn_exec},   /* the attention launches */
 #if PY_VERSION_HEX >= 0x030C0000

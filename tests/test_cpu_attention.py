@@ -837,3 +837,32 @@ def test_misaligned_broadcast_bias_stays_a_broadcast(rng, monkeypatch):
     monkeypatch.setattr(attnext.api, "_broadcast_4d", spy)
     check_backend(q, k, v, rng, bias=bias)
     assert seen["bias"].flags.aligned and seen["bias"].base.size == 50
+
+
+# --- processes ---
+
+FORK_SCRIPT = textwrap.dedent("""
+    import os
+    import numpy as np
+    import attnext
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 300, 4, 64), dtype=np.float32) for _ in range(3))
+    out, lse = attnext.attention(q, k, v, causal=True, device="cpu", return_lse=True)
+    g = attnext.attention_backward(out, q, k, v, out, lse, causal=True, device="cpu")
+    pid = os.fork()
+    if pid == 0:   # the child: OpenMP's workers were not copied; the backend must not wait for them
+        out2, lse2 = attnext.attention(q, k, v, causal=True, device="cpu", return_lse=True)
+        g2 = attnext.attention_backward(out, q, k, v, out, lse, causal=True, device="cpu")
+        same = np.array_equal(out, out2) and all(np.array_equal(a, b) for a, b in zip(g[:3], g2[:3]))
+        os._exit(0 if same else 3)
+    _, status = os.waitpid(pid, 0)
+    print("child", os.waitstatus_to_exitcode(status))
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_fork_after_use():
+    """A child forked after the parent ran the CPU backend gets the parent's bits, without hanging."""
+    r = subprocess.run([sys.executable, "-c", FORK_SCRIPT], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, ATTNEXT_NUM_THREADS="2"))
+    assert r.returncode == 0 and "child 0" in r.stdout, r.stdout + r.stderr
