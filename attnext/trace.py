@@ -1,0 +1,873 @@
+"""Tracing score_mod / mask_mod into an expression graph, its evaluation and its derivative.
+
+A score_mod(score, b, h, q_idx, kv_idx) or mask_mod(b, h, q_idx, kv_idx) is called once with
+proxy values: `score` is a float ("f32": the accumulation dtype), the indices are int64 ("i64").
+Every operation on a proxy records a Node; the returned proxy is the graph's output.
+
+Supported, on traced values (anything else raises TypeError naming the operation):
+
+    Python operators     + - * / // % ** (unary -, +), abs(), < <= > >= == !=, & | ^ ~
+    NumPy ufuncs         np.add subtract multiply divide (true_divide) floor_divide remainder
+                         (mod) power square negative positive absolute (abs) minimum maximum
+                         less less_equal greater greater_equal equal not_equal
+                         logical_and logical_or logical_xor logical_not
+                         bitwise_and bitwise_or bitwise_xor invert (bitwise_not)
+                         exp exp2 log log2 sqrt tanh sin cos
+    NumPy functions      np.where(cond, a, b), np.clip(x, lo, hi)
+    constants            Python / NumPy ints and bools (part of the graph's structure), Python /
+                         NumPy floats (kernel parameters: their values are not part of the
+                         structure, so a sweep over one compiles once)
+    lookups              table[i, j] into a captured NumPy array (bool, integer or float),
+                         indexed by integer expressions or ints, every axis in one subscript
+                         (table[i][j] raises: on NumPy index arrays it means something else);
+                         negative indices count from the end. A 0-d
+                         captured array is a scalar lookup. .shape / .ndim / .size / .dtype /
+                         len() of a captured array are plain Python values.
+
+A sigmoid is written `1 / (1 + np.exp(-x))`; there is no sigmoid op. Unsupported ufuncs (for
+example np.floor, np.arctan2, np.tan, np.log1p) raise TypeError naming the ufunc.
+
+Types. i64 op i64 stays i64 for + - * // % ** (the exponent of an integer power must be a
+non-negative int constant); / and the transcendental ufuncs give f32; anything with an f32
+operand is f32 (casts are explicit "cast" nodes). Comparisons give bool; & | ^ ~ take bool or
+i64, never f32. Arithmetic with only bool operands raises (NumPy's bool + bool is a logical or).
+Integer // and % by zero give 0, as NumPy does (without its warning).
+
+Python control flow on a traced value (`if`, `while`, `and`/`or`/`not`, chained comparisons,
+min()/max(), bool(), int(), float(), math.*) raises TypeError: use np.where and & | ~.
+
+How captured arrays are found and named. Before the call, the function is rebuilt with
+types.FunctionType from the same code object, with every NumPy array it can reach by name
+replaced by a named array proxy: closure cells (named by the free variable), globals named in
+its code or in the code of functions / lambdas defined inside it (named by the global name; the
+globals dict is copied, the module's own is untouched), and default arguments (named by the
+parameter). The name is the key of the array's gradient in `dtensors`. Limits: arrays reached
+any other way (an attribute `self.table`, an item of a list or dict, a global read by another
+function that this one calls, a functools.partial argument, a callable object) are not
+captured: indexing one with a traced value raises TypeError (NumPy asks for __index__), as
+does indexing a Python list or tuple. Two different arrays under one name raise TypeError.
+Non-function callables are called as they are, without array capture.
+
+The graph is hash-consed within one trace (structurally equal nodes are one object), so a
+subexpression used twice, e.g. the same lookup, is one node. `Traced.key` is a SHA-256 of the
+canonical structure: ops, dtypes, integer constants, the number and positions of the float
+parameters, and each array's dtype and shape (not its name, values or id()). The same function
+defined twice gives the same key; a different function a different one.
+
+evaluate() runs a graph on NumPy arrays with broadcasting; grad() builds the reverse-mode
+derivative as another graph over the same nodes plus a `dout` leaf; evaluate_grad() runs it and
+scatter-adds the array gradients (np.add.at: sequential, deterministic).
+"""
+import hashlib
+import types
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+INPUTS = ("score", "b", "h", "q_idx", "kv_idx")
+F, I, B = "f32", "i64", "bool"
+
+_LN2 = float(np.log(2.0))
+_I64_MIN, _I64_MAX = -2 ** 63, 2 ** 63 - 1
+
+
+class Node:
+    """One immutable graph node: op, dtype ("f32" / "i64" / "bool") and args.
+
+    Leaves: an input ("score", "b", "h", "q_idx", "kv_idx"; "dout" in gradient graphs), "const"
+    (an int or bool, part of the structure), "fconst" (a float fixed by the derivative rules, part
+    of the structure), "param" (args = (k,): the k-th float constant of the traced function, its
+    value outside the structure) and "array" (args = (name, dtype name, shape)). "load" has args
+    (array node, index nodes...). Every other op has Node args.
+    """
+    __slots__ = ("op", "dtype", "args")
+
+    def __init__(self, op, dtype, args):
+        object.__setattr__(self, "op", op)
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "args", tuple(args))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Node is immutable")
+
+    def __repr__(self):
+        return f"Node({format_expr(self)} : {self.dtype})"
+
+
+_LEAVES = ("score", "b", "h", "q_idx", "kv_idx", "dout", "const", "fconst", "param", "array")
+
+
+def _children(node):
+    if node.op in _LEAVES:
+        return ()
+    return node.args
+
+
+def topo(*roots):
+    """Nodes reachable from roots, each after its arguments (iterative post-order DFS)."""
+    order, seen = [], set()
+    for root in roots:
+        stack = [(root, False)]
+        while stack:
+            n, done = stack.pop()
+            if done:
+                order.append(n)
+                continue
+            if id(n) in seen:
+                continue
+            seen.add(id(n))
+            stack.append((n, True))
+            for a in reversed(_children(n)):
+                if id(a) not in seen:
+                    stack.append((a, False))
+    return order
+
+
+_INFIX = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%",
+          "pow": "**", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=",
+          "and": "&", "or": "|", "xor": "^"}
+
+
+def format_expr(node, params=None):
+    """A readable, fully parenthesised rendering of a node (for messages and reprs)."""
+    memo = {}
+    for n in topo(node):
+        a = [memo.get(id(x)) for x in _children(n)]
+        if n.op in ("score", "b", "h", "q_idx", "kv_idx", "dout"):
+            s = n.op
+        elif n.op == "const":
+            s = repr(n.args[0])
+        elif n.op == "fconst":
+            s = repr(n.args[0])
+        elif n.op == "param":
+            s = f"p{n.args[0]}" if params is None else f"{params[n.args[0]]!r}"
+        elif n.op == "array":
+            s = n.args[0]
+        elif n.op == "load":
+            s = f"{a[0]}[{', '.join(a[1:])}]"
+        elif n.op in _INFIX:
+            s = f"({a[0]} {_INFIX[n.op]} {a[1]})"
+        elif n.op == "neg":
+            s = f"(-{a[0]})"
+        elif n.op == "not":
+            s = f"(~{a[0]})"
+        elif n.op == "cast":
+            s = f"{n.dtype}({a[0]})"
+        else:
+            s = f"{n.op}({', '.join(a)})"
+        memo[id(n)] = s
+    return memo[id(node)]
+
+
+class _Graph:
+    """Hash-consing node factory of one trace; also holds the float parameters and arrays."""
+
+    def __init__(self):
+        self._interned = {}
+        self.params = []
+        self.arrays = {}      # name -> np.ndarray
+
+    def node(self, op, dtype, *args):
+        key = (op, dtype, tuple(("n", id(a)) if isinstance(a, Node) else
+                                (type(a).__name__, repr(a)) for a in args))
+        n = self._interned.get(key)
+        if n is None:
+            n = self._interned[key] = Node(op, dtype, args)
+        return n
+
+    def param(self, value):
+        self.params.append(float(value))
+        return Node("param", F, (len(self.params) - 1,))   # never merged: one per occurrence
+
+    def const(self, value):
+        if isinstance(value, (bool, np.bool_)):
+            return self.node("const", B, bool(value))
+        value = int(value)
+        if not _I64_MIN <= value <= _I64_MAX:
+            raise TypeError(f"integer constant {value} does not fit in int64")
+        return self.node("const", I, value)
+
+    def fconst(self, value):
+        return self.node("fconst", F, float(value))
+
+    def cast(self, n, dtype):
+        return n if n.dtype == dtype else self.node("cast", dtype, n)
+
+    def array(self, name, arr):
+        known = self.arrays.get(name)
+        if known is not None and known is not arr:
+            raise TypeError(f"two different arrays are captured under the name {name!r}")
+        self.arrays[name] = arr
+        kind = _array_kind(arr)
+        dt = arr.dtype.newbyteorder("=").name
+        return self.node("array", kind, name, dt, tuple(int(s) for s in arr.shape))
+
+
+def _array_kind(arr):
+    if arr.dtype == np.bool_:
+        return B
+    if np.issubdtype(arr.dtype, np.integer):
+        return I
+    if np.issubdtype(arr.dtype, np.floating):
+        return F
+    return None
+
+
+# --- tracing ---------------------------------------------------------------------------------
+
+class Proxy:
+    """A traced value: the Node it stands for and the graph it belongs to."""
+    __slots__ = ("node", "graph")
+    __hash__ = None
+
+    def __init__(self, node, graph):
+        self.node = node
+        self.graph = graph
+
+    def __repr__(self):
+        return f"Proxy({format_expr(self.node, self.graph.params)} : {self.node.dtype})"
+
+    def _expr(self):
+        return format_expr(self.node, self.graph.params)
+
+    # Python control flow and conversions ----------------------------------------------------
+    def __bool__(self):
+        raise TypeError(
+            f"Python control flow on a traced value: bool({self._expr()}) (from `if`, `while`, "
+            "`and` / `or` / `not`, a chained comparison, min() / max() or bool()); use "
+            "np.where(cond, a, b) for values and & | ~ for conditions")
+
+    def __int__(self):
+        raise TypeError(f"int() of a traced value {self._expr()}: the value is not known while "
+                        "tracing; keep it an expression")
+
+    def __index__(self):
+        raise TypeError(
+            f"a traced value {self._expr()} used as a Python index (int() / __index__): only "
+            "NumPy arrays captured by name (closure, global or default argument) can be indexed "
+            "with traced values, not lists, tuples, attributes or arrays built inside the "
+            "function")
+
+    def __float__(self):
+        raise TypeError(f"float() of a traced value {self._expr()} (math.* functions call it): "
+                        "use the NumPy ufunc, e.g. np.exp")
+
+    def __complex__(self):
+        raise TypeError(f"complex() of a traced value {self._expr()} is not supported")
+
+    def __round__(self, ndigits=None):
+        raise TypeError(f"round() of a traced value {self._expr()} is not supported")
+
+    def __trunc__(self):
+        raise TypeError(f"math.trunc() of a traced value {self._expr()} is not supported")
+
+    def __floor__(self):
+        raise TypeError(f"math.floor() of a traced value {self._expr()} is not supported")
+
+    def __ceil__(self):
+        raise TypeError(f"math.ceil() of a traced value {self._expr()} is not supported")
+
+    def __iter__(self):
+        raise TypeError(f"iterating over a traced value {self._expr()} is not supported")
+
+    # operators -------------------------------------------------------------------------------
+    def __add__(self, o): return _apply("add", self, o)
+    def __radd__(self, o): return _apply("add", o, self)
+    def __sub__(self, o): return _apply("sub", self, o)
+    def __rsub__(self, o): return _apply("sub", o, self)
+    def __mul__(self, o): return _apply("mul", self, o)
+    def __rmul__(self, o): return _apply("mul", o, self)
+    def __truediv__(self, o): return _apply("truediv", self, o)
+    def __rtruediv__(self, o): return _apply("truediv", o, self)
+    def __floordiv__(self, o): return _apply("floordiv", self, o)
+    def __rfloordiv__(self, o): return _apply("floordiv", o, self)
+    def __mod__(self, o): return _apply("mod", self, o)
+    def __rmod__(self, o): return _apply("mod", o, self)
+    def __pow__(self, o): return _apply("pow", self, o)
+    def __rpow__(self, o): return _apply("pow", o, self)
+    def __and__(self, o): return _apply("and", self, o)
+    def __rand__(self, o): return _apply("and", o, self)
+    def __or__(self, o): return _apply("or", self, o)
+    def __ror__(self, o): return _apply("or", o, self)
+    def __xor__(self, o): return _apply("xor", self, o)
+    def __rxor__(self, o): return _apply("xor", o, self)
+    def __lt__(self, o): return _apply("lt", self, o)
+    def __le__(self, o): return _apply("le", self, o)
+    def __gt__(self, o): return _apply("gt", self, o)
+    def __ge__(self, o): return _apply("ge", self, o)
+    def __eq__(self, o): return _apply("eq", self, o)
+    def __ne__(self, o): return _apply("ne", self, o)
+    def __neg__(self): return _apply("neg", self)
+    def __pos__(self): return self
+    def __abs__(self): return _apply("abs", self)
+    def __invert__(self): return _apply("not", self)
+
+    # NumPy ----------------------------------------------------------------------------------
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        name = f"np.{ufunc.__name__}"
+        if method != "__call__":
+            raise TypeError(f"{name}.{method} on a traced value is not supported")
+        if kwargs:
+            raise TypeError(f"{name} with keyword arguments {sorted(kwargs)} is not supported "
+                            "on traced values")
+        op = _UFUNCS.get(ufunc)
+        if op is None:
+            raise TypeError(f"unsupported operation {name} on a traced value (supported: "
+                            f"{', '.join(sorted(u.__name__ for u in _UFUNCS))})")
+        if op == "pos":
+            return _coerce(inputs[0], self.graph, name)
+        if op == "square":
+            return _apply("mul", inputs[0], inputs[0], what=name)
+        return _apply(op, *inputs, what=name)
+
+    def __array_function__(self, func, types_, args, kwargs):
+        if func is np.where:
+            if kwargs or len(args) != 3:
+                raise TypeError("np.where on traced values needs exactly (cond, a, b)")
+            return _apply("where", *args, what="np.where")
+        if func is np.clip:
+            if kwargs or len(args) != 3:
+                raise TypeError("np.clip on traced values needs exactly (x, lo, hi)")
+            x, lo, hi = args
+            return _apply("minimum", _apply("maximum", x, lo, what="np.clip"), hi,
+                          what="np.clip")
+        raise TypeError(f"unsupported operation np.{func.__name__} on a traced value")
+
+
+class ArrayProxy:
+    """A captured NumPy array while tracing: indexing it records a lookup."""
+    __slots__ = ("name", "array", "graph")
+
+    def __init__(self, name, array, graph):
+        self.name, self.array, self.graph = name, array, graph
+
+    @property
+    def shape(self): return self.array.shape
+    @property
+    def ndim(self): return self.array.ndim
+    @property
+    def size(self): return self.array.size
+    @property
+    def dtype(self): return self.array.dtype
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __getattr__(self, attr):
+        raise TypeError(f"array {self.name!r}: .{attr} is not traced; only lookups "
+                        f"{self.name}[i, ...] and .shape / .ndim / .size / .dtype / len() are")
+
+    def __repr__(self):
+        return f"ArrayProxy({self.name!r}, shape={self.array.shape}, dtype={self.array.dtype})"
+
+    def __getitem__(self, key):
+        key = key if isinstance(key, tuple) else (key,)
+        idx = []
+        for k in key:
+            axis = len(idx)
+            if axis >= self.array.ndim:
+                raise IndexError(f"too many indices for array {self.name!r}: it is "
+                                 f"{self.array.ndim}-dimensional")
+            if isinstance(k, Proxy):
+                if k.graph is not self.graph:
+                    raise TypeError("a traced value from another trace was used")
+                if k.node.dtype != I:
+                    raise TypeError(f"array {self.name!r} indexed by a {k.node.dtype} expression "
+                                    f"{k._expr()}: indices must be integer expressions")
+                idx.append(k.node)
+            elif isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_)):
+                n = self.array.shape[axis]
+                if not -n <= int(k) < n:
+                    raise IndexError(f"index {int(k)} is out of bounds for axis {axis} of array "
+                                     f"{self.name!r} with size {n}")
+                idx.append(self.graph.const(int(k)))
+            else:
+                raise TypeError(f"array {self.name!r} indexed by {k!r}: only integer expressions "
+                                "and ints are supported (no slices, None, ..., floats, bools or "
+                                "arrays)")
+        if len(idx) < self.array.ndim:
+            # table[i][j] is not table[i, j] on NumPy index arrays (the reference's calls).
+            raise TypeError(f"array {self.name!r} of shape {self.array.shape} indexed by "
+                            f"{len(idx)} of its {self.array.ndim} axes: index every axis at "
+                            "once, as table[i, j] (table[i][j] means something else on index "
+                            "arrays)")
+        return _load(self.graph, self.name, self.array, idx)
+
+    def _unindexed(self, *_args, **_kw):
+        raise TypeError(f"array {self.name!r} of shape {self.shape} used in an expression "
+                        "without indexing it down to one element")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _unindexed
+    __truediv__ = __rtruediv__ = __lt__ = __le__ = __gt__ = __ge__ = _unindexed
+    __eq__ = __ne__ = __neg__ = __abs__ = __bool__ = __array__ = _unindexed
+    __hash__ = None
+
+
+def _load(graph, name, arr, idx):
+    if _array_kind(arr) is None:
+        raise TypeError(f"array {name!r} has dtype {arr.dtype}; lookups need bool, integer or "
+                        "float arrays")
+    a = graph.array(name, arr)
+    return Proxy(graph.node("load", a.dtype, a, *idx), graph)
+
+
+def _coerce(x, graph, what):
+    """A Proxy for an operand: proxies as they are, Python / NumPy scalars as constants."""
+    if isinstance(x, Proxy):
+        if x.graph is not graph:
+            raise TypeError("a traced value from another trace was used")
+        return x
+    if isinstance(x, (bool, np.bool_)):
+        return Proxy(graph.const(x), graph)
+    if isinstance(x, (int, np.integer)):
+        return Proxy(graph.const(x), graph)
+    if isinstance(x, (float, np.floating)):
+        return Proxy(graph.param(x), graph)
+    if isinstance(x, ArrayProxy):
+        x._unindexed()
+    if isinstance(x, np.ndarray):
+        raise TypeError(f"{what}: a NumPy array of shape {x.shape} that was not captured by name "
+                        "is combined with a traced value; capture it (closure, global or "
+                        "default argument) and index it")
+    raise TypeError(f"{what}: unsupported operand of type {type(x).__name__} for a traced value")
+
+
+_ARITH = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "minimum", "maximum")
+_COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
+_BITWISE = ("and", "or", "xor")
+_UNARY_FLOAT = ("exp", "exp2", "log", "log2", "sqrt", "tanh", "sin", "cos")
+_OP_NAMES = {**_INFIX, "neg": "unary -", "abs": "abs()", "not": "~"}
+
+
+def _apply(op, *operands, what=None):
+    graph = next(x.graph for x in operands if isinstance(x, Proxy))
+    what = what or _OP_NAMES.get(op, op)
+    xs = [_coerce(x, graph, what).node for x in operands]
+    g = graph
+    dts = {x.dtype for x in xs}
+
+    if op in _ARITH:
+        if dts == {B}:
+            raise TypeError(f"{what} on bool values is not supported; use np.where(c, 1, 0)")
+        if op == "pow" and F not in dts:
+            e = xs[1]
+            if e.op != "const" or e.args[0] < 0:
+                raise TypeError(f"{what}: an integer power needs a non-negative int constant "
+                                "exponent; use a float base for anything else")
+        dt = F if (F in dts or op == "truediv") else I
+        return Proxy(g.node(op, dt, *(g.cast(x, dt) for x in xs)), g)
+    if op in _COMPARE:
+        dt = F if F in dts else (I if I in dts else B)
+        return Proxy(g.node(op, B, *(g.cast(x, dt) for x in xs)), g)
+    if op in _BITWISE or op == "not":
+        if F in dts:
+            raise TypeError(f"{what} on a float value is not supported; & | ^ ~ take bool or "
+                            "integer values")
+        dt = I if I in dts else B
+        return Proxy(g.node(op, dt, *(g.cast(x, dt) for x in xs)), g)
+    if op in ("land", "lor", "lxor", "lnot"):
+        if dts != {B}:
+            raise TypeError(f"{what} needs bool operands (got {sorted(dts)})")
+        return Proxy(g.node({"land": "and", "lor": "or", "lxor": "xor", "lnot": "not"}[op],
+                            B, *xs), g)
+    if op in ("neg", "abs"):
+        if dts == {B}:
+            raise TypeError(f"{what} on a bool value is not supported")
+        return Proxy(g.node(op, xs[0].dtype, xs[0]), g)
+    if op in _UNARY_FLOAT:
+        return Proxy(g.node(op, F, g.cast(xs[0], F)), g)
+    if op == "where":
+        c, a, b = xs
+        if c.dtype == I:
+            c = g.node("ne", B, c, g.const(0))
+        elif c.dtype != B:
+            raise TypeError(f"{what}: the condition is a float expression; compare it first")
+        dt = F if F in (a.dtype, b.dtype) else (I if I in (a.dtype, b.dtype) else B)
+        return Proxy(g.node("where", dt, c, g.cast(a, dt), g.cast(b, dt)), g)
+    raise TypeError(f"unsupported operation {what} on a traced value")
+
+
+_UFUNCS = {
+    np.add: "add", np.subtract: "sub", np.multiply: "mul", np.true_divide: "truediv",
+    np.floor_divide: "floordiv", np.remainder: "mod", np.power: "pow", np.square: "square",
+    np.negative: "neg", np.positive: "pos", np.absolute: "abs",
+    np.minimum: "minimum", np.maximum: "maximum",
+    np.less: "lt", np.less_equal: "le", np.greater: "gt", np.greater_equal: "ge",
+    np.equal: "eq", np.not_equal: "ne",
+    np.logical_and: "land", np.logical_or: "lor", np.logical_xor: "lxor", np.logical_not: "lnot",
+    np.bitwise_and: "and", np.bitwise_or: "or", np.bitwise_xor: "xor", np.invert: "not",
+    np.exp: "exp", np.exp2: "exp2", np.log: "log", np.log2: "log2", np.sqrt: "sqrt",
+    np.tanh: "tanh", np.sin: "sin", np.cos: "cos",
+}
+
+
+def _global_names(code):
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _global_names(c)
+    return names
+
+
+def _with_array_proxies(fn, graph):
+    """fn rebuilt so that the NumPy arrays it names are ArrayProxy objects (module docstring)."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+
+    def proxy(name, value):
+        if not isinstance(value, np.ndarray):
+            return value
+        if value.ndim == 0:
+            return _load(graph, name, value, [])
+        return ArrayProxy(name, value, graph)
+
+    code = fn.__code__
+    closure = fn.__closure__
+    if closure is not None:
+        cells = []
+        for name, cell in zip(code.co_freevars, closure):
+            try:
+                value = cell.cell_contents
+            except ValueError:   # an empty cell (a variable assigned later)
+                cells.append(cell)
+                continue
+            cells.append(types.CellType(proxy(name, value))
+                         if isinstance(value, np.ndarray) else cell)
+        closure = tuple(cells)
+    glob = fn.__globals__
+    arrays = {n: glob[n] for n in _global_names(code) if isinstance(glob.get(n), np.ndarray)}
+    if arrays:
+        glob = dict(glob)
+        glob.update({n: proxy(n, a) for n, a in arrays.items()})
+    defaults = fn.__defaults__
+    if defaults:
+        pos = code.co_varnames[:code.co_argcount]
+        defaults = tuple(proxy(n, d) for n, d in zip(pos[len(pos) - len(defaults):], defaults))
+    new = types.FunctionType(code, glob, fn.__name__, defaults, closure)
+    if fn.__kwdefaults__:
+        new.__kwdefaults__ = {n: proxy(n, d) for n, d in fn.__kwdefaults__.items()}
+    return new
+
+
+class Traced(NamedTuple):
+    """A traced score_mod / mask_mod.
+
+    kind "score_mod" or "mask_mod"; out the output Node (f32 or bool); params the float constants
+    in the order they were met (kernel parameters); arrays name -> the captured np.ndarray (the
+    object itself: its values are read at evaluation); structure the canonical text of the graph
+    and key its SHA-256 (see the module docstring); graph the node factory (grad() adds to it).
+    """
+    kind: str
+    out: Node
+    params: tuple
+    arrays: dict
+    structure: str
+    key: str
+    graph: _Graph
+
+
+def structure_of(kind, roots, nparams):
+    """Canonical text of the graphs at roots: one line per node, in post-order, arrays by
+    position (dtype and shape, not name)."""
+    num, arr_num, lines = {}, {}, [f"{kind} params={nparams}"]
+    for n in topo(*roots):
+        num[id(n)] = len(num)
+        if n.op == "array":
+            arr_num.setdefault(n.args[0], len(arr_num))
+            body = f"array#{arr_num[n.args[0]]} {n.args[1]} {n.args[2]}"
+        elif n.op in ("const", "fconst", "param"):
+            body = f"{n.op} {n.args[0]!r}"
+        elif n.op in _LEAVES:
+            body = n.op
+        else:
+            body = f"{n.op} " + " ".join(f"%{num[id(a)]}" for a in n.args)
+        lines.append(f"%{num[id(n)]} = {n.dtype} {body}")
+    lines.append("return " + " ".join(f"%{num[id(r)]}" for r in roots))
+    return "\n".join(lines)
+
+
+def _trace(fn, kind):
+    if not callable(fn):
+        raise TypeError(f"{kind} must be callable, got {type(fn).__name__}")
+    graph = _Graph()
+    inputs = INPUTS if kind == "score_mod" else INPUTS[1:]
+    proxies = [Proxy(graph.node(n, F if n == "score" else I), graph) for n in inputs]
+    try:
+        result = _with_array_proxies(fn, graph)(*proxies)
+    except IndexError as e:
+        # NumPy refuses a proxy as an index with this IndexError, never calling __index__.
+        if not str(e).startswith("only integers, slices"):
+            raise
+        raise TypeError(f"{kind}: a NumPy array that was not captured by name (an attribute, "
+                        "an item of a container, an array built inside the function, ...) "
+                        "was indexed by a traced value; only arrays captured by name (closure, "
+                        "global or default argument) can be looked up") from e
+    if isinstance(result, ArrayProxy):
+        result._unindexed()
+    if kind == "score_mod":
+        if isinstance(result, (bool, np.bool_)) or (
+                isinstance(result, Proxy) and result.node.dtype == B):
+            raise TypeError("score_mod returned a bool value; it must return a float score "
+                            "(a mask belongs in mask_mod)")
+        if not isinstance(result, (Proxy, int, float, np.integer, np.floating)):
+            raise TypeError(f"score_mod must return a float expression, got "
+                            f"{type(result).__name__}")
+        out = graph.cast(_coerce(result, graph, "return").node, F)
+    else:
+        if isinstance(result, (bool, np.bool_)) or (
+                isinstance(result, Proxy) and result.node.dtype == B):
+            out = _coerce(result, graph, "return").node
+        else:
+            got = (f"a {result.node.dtype} expression" if isinstance(result, Proxy)
+                   else type(result).__name__)
+            raise TypeError(f"mask_mod must return a bool expression, got {got}")
+    params = tuple(graph.params)
+    reached = topo(out)
+    arrays = {n.args[0]: graph.arrays[n.args[0]] for n in reached if n.op == "array"}
+    text = structure_of(kind, [out], len(params))
+    return Traced(kind, out, params, arrays, text,
+                  hashlib.sha256(text.encode()).hexdigest(), graph)
+
+
+def trace_score_mod(fn):
+    """Trace score_mod(score, b, h, q_idx, kv_idx) -> float into a Traced."""
+    return _trace(fn, "score_mod")
+
+
+def trace_mask_mod(fn):
+    """Trace mask_mod(b, h, q_idx, kv_idx) -> bool into a Traced."""
+    return _trace(fn, "mask_mod")
+
+
+# --- evaluation ------------------------------------------------------------------------------
+
+_EVAL = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "truediv": np.true_divide,
+    "floordiv": np.floor_divide, "mod": np.remainder, "pow": np.power, "neg": np.negative,
+    "abs": np.absolute, "minimum": np.minimum, "maximum": np.maximum,
+    "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
+    "eq": np.equal, "ne": np.not_equal,
+    "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor, "not": np.invert,
+    "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "sqrt": np.sqrt,
+    "tanh": np.tanh, "sin": np.sin, "cos": np.cos, "where": np.where,
+    # dmul(g, d) = g * d, but 0 where g == 0: an adjoint of 0 (an unchosen np.where branch, a
+    # masked pair) contributes 0 even where the local derivative d is inf or NaN.
+    "dmul": lambda g, d: np.where(g == 0, np.zeros((), g.dtype), g * d),
+}
+
+
+def _np_dtype(dtype, float_dtype):
+    return {F: float_dtype, I: np.int64, B: np.bool_}[dtype]
+
+
+def _normalised(name, shape, idx):
+    """int64 index arrays with negative ones counted from the end; IndexError naming the array
+    if one is out of range (checked before anything is read)."""
+    idx = [np.asarray(i, dtype=np.int64) for i in idx]
+    fixed = []
+    for axis, (i, n) in enumerate(zip(idx, shape)):
+        bad = (i < -n) | (i >= n)
+        if bad.any():
+            raise IndexError(f"index {int(i[bad].flat[0])} is out of bounds for axis {axis} of "
+                             f"array {name!r} with size {n}")
+        fixed.append(np.where(i < 0, i + n, i))
+    return tuple(fixed)
+
+
+def _run(roots, values, params, arrays, float_dtype):
+    """Evaluate the nodes reachable from roots: id(node) -> value; values maps the input leaves'
+    op names to arrays."""
+    memo = {}
+    with np.errstate(all="ignore"):
+        for n in topo(*roots):
+            a = [memo[id(x)] for x in _children(n)]
+            if n.op in values:
+                v = values[n.op]
+                if v is None:
+                    raise ValueError(f"evaluate needs a value for {n.op!r}")
+                v = np.asarray(v, dtype=_np_dtype(n.dtype, float_dtype))
+            elif n.op == "const":
+                v = _np_dtype(n.dtype, float_dtype)(n.args[0])
+            elif n.op == "fconst":
+                v = float_dtype(n.args[0])
+            elif n.op == "param":
+                v = float_dtype(params[n.args[0]])
+            elif n.op == "array":
+                v = None
+            elif n.op == "load":
+                name = n.args[0].args[0]
+                arr = np.asarray(arrays[name])
+                v = arr[_normalised(name, arr.shape, a[1:])]
+            elif n.op == "cast":
+                v = np.asarray(a[0]).astype(_np_dtype(n.dtype, float_dtype))
+            else:
+                fn = _EVAL.get(n.op)
+                if fn is None:
+                    raise TypeError(f"evaluate: no rule for op {n.op!r}")
+                v = fn(*a)
+            if v is not None:
+                v = np.asarray(v)
+                want = _np_dtype(n.dtype, float_dtype)
+                if v.dtype != want:
+                    v = v.astype(want)
+            memo[id(n)] = v
+    return memo
+
+
+def evaluate(traced, score, b, h, q_idx, kv_idx, params=None, arrays=None,
+             float_dtype=np.float32):
+    """traced's output on NumPy arrays (broadcast together), floats in float_dtype, indices in
+    int64. score is ignored (may be None) for a mask_mod. params replaces traced.params and
+    arrays (name -> array) the captured arrays, which are otherwise read as they are now."""
+    values = {"score": score, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx}
+    memo = _run([traced.out], values, traced.params if params is None else params,
+                {**traced.arrays, **(arrays or {})}, float_dtype)
+    return memo[id(traced.out)]
+
+
+# --- derivative ------------------------------------------------------------------------------
+
+class Grad(NamedTuple):
+    """Reverse-mode derivative of a traced score_mod, as graphs over the forward nodes plus a
+    "dout" leaf (the incoming gradient). dscore: d out / d score times dout. darrays: name ->
+    tuple of (index nodes, adjoint node), one per distinct lookup of that float array; the
+    array's gradient is the scatter-add of every adjoint at its (normalised) indices.
+    structure / key: canonical text and SHA-256 of all these graphs together."""
+    dscore: Node
+    darrays: dict
+    structure: str
+    key: str
+
+
+def grad(traced):
+    """The symbolic derivative of a score_mod (see Grad).
+
+    Rules: np.where, minimum and maximum send the adjoint only to the chosen operand (ties of
+    minimum / maximum go to the first operand, the one NumPy returns); abs' derivative is sign(x)
+    with 0 at 0; a // b has derivative 0 and a % b has derivatives 1 and -(a // b); a ** b has
+    b * a ** (b - 1) and, where b depends on the score or an array, a ** b * log(a). Integer
+    and bool subgraphs (indices, comparisons) carry no gradient. Each adjoint times a local
+    derivative is a "dmul": 0 where the adjoint is 0, so an unchosen branch never leaks NaN.
+    """
+    if traced.kind != "score_mod":
+        raise TypeError("only a score_mod has a derivative; a mask_mod is piecewise constant")
+    g = traced.graph
+    order = topo(traced.out)
+    diff = set()
+    for n in order:
+        if n.dtype != F:
+            continue
+        if n.op == "score" or n.op == "load" or any(id(a) in diff for a in _children(n)):
+            diff.add(id(n))
+    dout = g.node("dout", F)
+    zero, one = g.fconst(0.0), g.fconst(1.0)
+    node = g.node
+
+    def dmul(adj, d):
+        return node("dmul", F, adj, d)
+
+    contrib = {id(traced.out): [dout]} if id(traced.out) in diff else {}
+    dscore = zero
+    darrays = {}
+
+    def push(x, c):
+        if id(x) in diff:
+            contrib.setdefault(id(x), []).append(c)
+
+    for n in reversed(order):
+        cs = contrib.get(id(n))
+        if not cs:
+            continue
+        adj = cs[0]
+        for c in cs[1:]:
+            adj = node("add", F, adj, c)
+        op, a = n.op, n.args
+        if op == "score":
+            dscore = adj
+        elif op == "load":
+            darrays.setdefault(a[0].args[0], []).append((a[1:], adj))
+        elif op == "add":
+            push(a[0], adj), push(a[1], adj)
+        elif op == "sub":
+            push(a[0], adj), push(a[1], node("neg", F, adj))
+        elif op == "mul":
+            push(a[0], dmul(adj, a[1])), push(a[1], dmul(adj, a[0]))
+        elif op == "truediv":
+            push(a[0], dmul(adj, node("truediv", F, one, a[1])))
+            push(a[1], dmul(adj, node("neg", F, node("truediv", F, n, a[1]))))
+        elif op == "floordiv":
+            pass
+        elif op == "mod":
+            push(a[0], adj)
+            push(a[1], dmul(adj, node("neg", F, node("floordiv", F, a[0], a[1]))))
+        elif op == "pow":
+            push(a[0], dmul(adj, node("mul", F, a[1],
+                                      node("pow", F, a[0], node("sub", F, a[1], one)))))
+            if id(a[1]) in diff:
+                push(a[1], dmul(adj, node("mul", F, n, node("log", F, a[0]))))
+        elif op == "neg":
+            push(a[0], node("neg", F, adj))
+        elif op == "abs":
+            push(a[0], node("where", F, node("gt", B, a[0], zero), adj,
+                            node("where", F, node("lt", B, a[0], zero),
+                                 node("neg", F, adj), zero)))
+        elif op in ("minimum", "maximum", "where"):
+            if op == "where":
+                c, x, y = a
+            else:
+                c = node("le" if op == "minimum" else "ge", B, a[0], a[1])
+                x, y = a
+            push(x, node("where", F, c, adj, zero))
+            push(y, node("where", F, c, zero, adj))
+        elif op == "exp":
+            push(a[0], dmul(adj, n))
+        elif op == "exp2":
+            push(a[0], dmul(adj, node("mul", F, n, g.fconst(_LN2))))
+        elif op == "log":
+            push(a[0], dmul(adj, node("truediv", F, one, a[0])))
+        elif op == "log2":
+            push(a[0], dmul(adj, node("truediv", F, one, node("mul", F, a[0], g.fconst(_LN2)))))
+        elif op == "sqrt":
+            push(a[0], dmul(adj, node("truediv", F, g.fconst(0.5), n)))
+        elif op == "tanh":
+            push(a[0], dmul(adj, node("sub", F, one, node("mul", F, n, n))))
+        elif op == "sin":
+            push(a[0], dmul(adj, node("cos", F, a[0])))
+        elif op == "cos":
+            push(a[0], dmul(adj, node("neg", F, node("sin", F, a[0]))))
+        else:
+            raise TypeError(f"no derivative rule for op {op!r}")
+    darrays = {k: tuple(v) for k, v in sorted(darrays.items())}
+    roots = [dscore] + [x for k in darrays for idx, adj in darrays[k] for x in (*idx, adj)]
+    text = structure_of("grad", roots, len(traced.params))
+    return Grad(dscore, darrays, text, hashlib.sha256(text.encode()).hexdigest())
+
+
+def evaluate_grad(traced, g, score, b, h, q_idx, kv_idx, dout, params=None, arrays=None,
+                  float_dtype=np.float32):
+    """(d_score, {name: d_array}) for the incoming gradient dout, all broadcast together.
+
+    d_score has the broadcast shape of the inputs; d_array the array's shape, in float_dtype,
+    with every lookup's adjoint scatter-added (np.add.at) at its normalised indices."""
+    arrays = {**traced.arrays, **(arrays or {})}
+    values = {"score": score, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx, "dout": dout}
+    roots = [g.dscore] + [x for k in g.darrays for idx, adj in g.darrays[k] for x in (*idx, adj)]
+    # The forward's lookups are evaluated too, so that one out of range raises here as well.
+    load_nodes = [n for n in topo(traced.out) if n.op == "load"]
+    memo = _run(roots + load_nodes, values, traced.params if params is None else params,
+                arrays, float_dtype)
+    shape = np.broadcast_shapes(*(np.shape(v) for v in values.values()))
+    d_score = np.broadcast_to(memo[id(g.dscore)], shape).astype(float_dtype)
+    out = {}
+    for name, terms in g.darrays.items():
+        acc = np.zeros(np.shape(arrays[name]), dtype=float_dtype)
+        for idx, adj in terms:
+            vals = np.broadcast_to(memo[id(adj)], shape)
+            if not idx:   # a 0-d array
+                acc += vals.sum(dtype=float_dtype)
+                continue
+            fixed = _normalised(name, acc.shape, [memo[id(i)] for i in idx])
+            parts = np.broadcast_arrays(*fixed, vals)
+            np.add.at(acc, tuple(p.ravel() for p in parts[:-1]), parts[-1].ravel())
+        out[name] = acc
+    return d_score, out

@@ -1,0 +1,343 @@
+"""attnext.trace: tracing score_mod / mask_mod, evaluating the graph, its symbolic derivative and
+its cache key. CPU only, fast.
+
+Every mod of tests/mods.py is checked against itself called on NumPy arrays (its NumPy twin),
+in float64 (to 1e-12) and in float32 (to float32 round-off); every score_mod's derivative against
+central differences in float64, for the score and every captured float array.
+"""
+import numpy as np
+import pytest
+
+import mods
+from attnext import trace
+from attnext.trace import evaluate, evaluate_grad, grad, trace_mask_mod, trace_score_mod
+
+SCORE_MODS = mods.score_mods()
+MASK_MODS = mods.mask_mods()
+
+
+def _pairs(rng, n_batch=2, n_heads=mods.H_MAX, s=mods.S_MAX):
+    """Flat int64 (b, h, q_idx, kv_idx) of every pair and a float64 score for each."""
+    b, h, q, k = (x.ravel().astype(np.int64) for x in
+                  np.meshgrid(np.arange(n_batch), np.arange(n_heads), np.arange(s), np.arange(s),
+                              indexing="ij"))
+    return rng.standard_normal(b.size) * 2, b, h, q, k
+
+
+@pytest.fixture
+def pairs():
+    return _pairs(np.random.default_rng(0))
+
+
+def _direct(fn, score, *idx):
+    return np.broadcast_to(np.asarray(fn(score, *idx), dtype=np.float64), score.shape)
+
+
+# --- evaluate() against the function itself ---------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(SCORE_MODS))
+def test_score_mod_evaluate_matches_numpy(name, pairs):
+    fn = SCORE_MODS[name]
+    score, *idx = pairs
+    tr = trace_score_mod(fn)
+    want = _direct(fn, score, *idx)
+    got64 = np.broadcast_to(evaluate(tr, score, *idx, float_dtype=np.float64), score.shape)
+    np.testing.assert_allclose(got64, want, rtol=1e-12, atol=1e-12)
+    got32 = evaluate(tr, score.astype(np.float32), *idx)
+    assert got32.dtype == np.float32
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(np.broadcast_to(got32, score.shape), want, rtol=1e-5,
+                               atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("name", sorted(MASK_MODS))
+def test_mask_mod_evaluate_matches_numpy(name, pairs):
+    fn = MASK_MODS[name]
+    _, *idx = pairs
+    tr = trace_mask_mod(fn)
+    got = evaluate(tr, None, *idx)
+    assert got.dtype == np.bool_
+    want = np.broadcast_to(np.asarray(fn(*idx), dtype=bool), idx[0].shape)
+    np.testing.assert_array_equal(np.broadcast_to(got, want.shape), want)
+
+
+def test_evaluate_broadcasts_and_reads_arrays_afresh():
+    table = np.arange(12.0).reshape(3, 4)
+    tr = trace_score_mod(lambda s, b, h, q, k: s + table[h, q - k])   # q - k < 0: from the end
+    q, k = np.arange(4)[:, None], np.arange(4)[None, :]
+    got = evaluate(tr, np.zeros((4, 4)), 0, 2, q, k, float_dtype=np.float64)
+    np.testing.assert_array_equal(got, table[2, q - k])
+    table[2] += 100   # the trace holds the array itself, not a copy of its values
+    np.testing.assert_array_equal(evaluate(tr, 0.0, 0, 2, q, k, float_dtype=np.float64),
+                                  table[2, q - k])
+    other = np.ones((3, 4))
+    np.testing.assert_array_equal(evaluate(tr, 0.0, 0, 2, q, k, arrays={"table": other}), 1.0)
+
+
+def test_params_replace_float_constants():
+    tr = trace_score_mod(lambda s, b, h, q, k: 30.0 * np.tanh(s / 30.0))
+    assert tr.params == (30.0, 30.0)
+    s = np.linspace(-5, 5, 11)
+    got = evaluate(tr, s, 0, 0, 0, 0, params=(2.0, 2.0), float_dtype=np.float64)
+    np.testing.assert_allclose(got, 2.0 * np.tanh(s / 2.0), rtol=1e-15)
+
+
+def test_hash_consing_shares_a_lookup_used_twice():
+    table = np.ones((4, 8))
+    tr = trace_score_mod(lambda s, b, h, q, k: table[h, q] * s + table[h, q])
+    loads = [n for n in trace.topo(tr.out) if n.op == "load"]
+    assert len(loads) == 1
+    with pytest.raises(AttributeError):
+        tr.out.op = "sub"
+
+
+# --- the derivative against central differences ----------------------------------------------
+
+def _fd_arrays(fn, tr, score, idx, dout, step=1e-6):
+    """d sum(dout * f) / d array[i] for every element of every captured float array."""
+    grads = {}
+    for name, arr in tr.arrays.items():
+        if not np.issubdtype(arr.dtype, np.floating):
+            continue
+        base = np.asarray(arr, dtype=np.float64)
+        d = np.zeros(base.shape)
+        for i in np.ndindex(base.shape):
+            hi, lo = base.copy(), base.copy()
+            hi[i] += step
+            lo[i] -= step
+            f = [evaluate(tr, score, *idx, arrays={name: x}, float_dtype=np.float64)
+                 for x in (hi, lo)]
+            d[i] = np.sum(dout * (f[0] - f[1])) / (2 * step)
+        grads[name] = d
+    return grads
+
+
+@pytest.mark.parametrize("name", sorted(SCORE_MODS))
+def test_score_mod_grad_matches_central_differences(name):
+    rng = np.random.default_rng(1)
+    score, *idx = _pairs(rng, n_batch=2, n_heads=mods.H_MAX, s=6)
+    fn = SCORE_MODS[name]
+    tr = trace_score_mod(fn)
+    g = grad(tr)
+    dout = rng.standard_normal(score.shape)
+    d_score, d_arrays = evaluate_grad(tr, g, score, *idx, dout, float_dtype=np.float64)
+
+    step = 1e-6
+    fd = (_direct(fn, score + step, *idx) - _direct(fn, score - step, *idx)) / (2 * step) * dout
+    np.testing.assert_allclose(d_score, fd, rtol=1e-6, atol=1e-7)
+
+    fd_arrays = _fd_arrays(fn, tr, score, idx, dout)
+    float_arrays = {n for n, a in tr.arrays.items() if np.issubdtype(a.dtype, np.floating)}
+    assert set(d_arrays) <= float_arrays
+    for n in float_arrays:
+        got = d_arrays.get(n, np.zeros(tr.arrays[n].shape))
+        np.testing.assert_allclose(got, fd_arrays[n], rtol=1e-6, atol=1e-6, err_msg=n)
+
+
+def test_grad_of_an_array_indexed_twice_at_one_element():
+    t = np.array([[0.5, -1.5, 2.0]])
+    tr = trace_score_mod(lambda s, b, h, q, k: t[0, q] * t[0, k] * s)
+    d_score, d = evaluate_grad(tr, grad(tr), np.array([2.0]), 0, 0, np.array([1]), np.array([1]),
+                               np.array([1.0]), float_dtype=np.float64)
+    np.testing.assert_allclose(d["t"], [[0.0, 2 * 2.0 * -1.5, 0.0]])   # d(x^2 s)/dx = 2 x s
+    np.testing.assert_allclose(d_score, [(-1.5) ** 2])
+
+
+def test_grad_where_does_not_leak_nan_from_the_unchosen_branch():
+    tr = trace_score_mod(lambda s, b, h, q, k: np.where(s > 0, np.log(s), s))
+    s = np.array([-1.0, 0.0, 2.0])
+    d_score, _ = evaluate_grad(tr, grad(tr), s, 0, 0, 0, 0, np.ones(3), float_dtype=np.float64)
+    np.testing.assert_array_equal(d_score, [1.0, 1.0, 0.5])
+
+
+def test_grad_ties_and_kinks():
+    s = np.array([0.0, 1.0])
+    for fn, want in [(lambda s, b, h, q, k: np.minimum(s, 1.0), [1.0, 1.0]),   # ties: 1st
+                     (lambda s, b, h, q, k: np.maximum(1.0, s), [0.0, 0.0]),
+                     (lambda s, b, h, q, k: abs(s), [0.0, 1.0]),
+                     (lambda s, b, h, q, k: s // 0.5 + s % 0.75, [1.0, 1.0])]:
+        tr = trace_score_mod(fn)
+        d, _ = evaluate_grad(tr, grad(tr), s, 0, 0, 0, 0, np.ones(2), float_dtype=np.float64)
+        np.testing.assert_array_equal(d, want)
+
+
+def test_integer_subgraphs_and_constant_outputs_have_no_gradient():
+    tr = trace_score_mod(lambda s, b, h, q, k: (q - k) * 0.5)
+    g = grad(tr)
+    assert g.dscore.op == "fconst" and g.darrays == {}
+    tr = trace_score_mod(lambda s, b, h, q, k: 1.5)
+    assert tr.params == (1.5,)
+    np.testing.assert_array_equal(evaluate(tr, np.zeros(3), 0, 0, 0, 0), 1.5)
+    with pytest.raises(TypeError, match="mask_mod"):
+        grad(trace_mask_mod(mods.causal))
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+def _if_score(s, b, h, q, k):
+    if s > 0:
+        return s
+    return -s
+
+
+@pytest.mark.parametrize("fn, match", [
+    (_if_score, r"Python control flow.*bool\(\(score > "),
+    (lambda s, b, h, q, k: s if q > k else 0.0, "Python control flow"),
+    (lambda s, b, h, q, k: s + int(q_idx_of(q)), r"int\(\) of a traced value"),
+    (lambda s, b, h, q, k: float(s) * 2, r"float\(\) of a traced value"),
+    (lambda s, b, h, q, k: min(s, 1.0), "Python control flow"),
+    (lambda s, b, h, q, k: (s > 0) and s, "Python control flow"),
+    (lambda s, b, h, q, k: np.floor(s), "unsupported operation np.floor"),
+    (lambda s, b, h, q, k: np.arctan2(s, 1.0), "unsupported operation np.arctan2"),
+    (lambda s, b, h, q, k: np.add.reduce(s), r"np.add.reduce"),
+    (lambda s, b, h, q, k: s & 1, "& on a float value"),
+    (lambda s, b, h, q, k: q ** k, "integer power"),
+    (lambda s, b, h, q, k: s + np.arange(3)[q], "not captured by name"),
+    (lambda s, b, h, q, k: s + np.ones(3), "not captured by name"),
+    (lambda s, b, h, q, k: None, "must return a float expression, got NoneType"),
+    (lambda s, b, h, q, k: q >= k, "score_mod returned a bool"),
+    (lambda s, b, h, q, k: (s, s), "must return a float expression, got tuple"),
+])
+def test_score_mod_errors(fn, match):
+    with pytest.raises(TypeError, match=match):
+        trace_score_mod(fn)
+
+
+def q_idx_of(q):
+    return q
+
+
+LIST = [1.0, 2.0, 3.0]
+TABLE = np.zeros((2, 3))
+
+
+@pytest.mark.parametrize("fn, match", [
+    (lambda b, h, q, k: q - k, "must return a bool expression, got a i64 expression"),
+    (lambda b, h, q, k: 1, "must return a bool expression, got int"),
+    (lambda b, h, q, k: LIST[q] > 0, "used as a Python index"),        # a captured list
+    (lambda b, h, q, k: TABLE[h, 0.5] > 0, "indexed by 0.5"),
+    (lambda b, h, q, k: TABLE[h, 1:] > 0, "indexed by slice"),
+    (lambda b, h, q, k: TABLE[h, q > k] > 0, "indexed by a bool expression"),
+    (lambda b, h, q, k: TABLE > 0, "without indexing"),
+    (lambda b, h, q, k: TABLE[h] > 0, r"indexed by 1 of its 2 axes"),
+    (lambda b, h, q, k: TABLE[h][q] > 0, r"indexed by 1 of its 2 axes"),
+    (lambda b, h, q, k: TABLE.T[h, q] > 0, "'TABLE'"),
+    (lambda b, h, q, k: bool(q > k), "Python control flow"),
+])
+def test_mask_mod_errors(fn, match):
+    with pytest.raises(TypeError, match=match):
+        trace_mask_mod(fn)
+
+
+def test_constant_index_out_of_range_at_trace_time():
+    with pytest.raises(IndexError, match="'TABLE'"):
+        trace_mask_mod(lambda b, h, q, k: TABLE[h, 3] > 0)
+    with pytest.raises(IndexError, match="too many indices for array 'TABLE'"):
+        trace_mask_mod(lambda b, h, q, k: TABLE[h, q, k] > 0)
+
+
+def test_lookup_out_of_range_raises_index_error_naming_the_array():
+    table = np.zeros((4, 8))
+    tr = trace_score_mod(lambda s, b, h, q, k: s + table[h, q - k + 4])
+    q = np.arange(8)
+    evaluate(tr, np.zeros(8), 0, 1, q, q)                     # q - k + 4 = 4: fine
+    evaluate(tr, np.zeros(8), 0, 1, q, np.full(8, 7))         # down to -3: from the end
+    with pytest.raises(IndexError, match=r"index 8 is out of bounds for axis 1 of array 'table' "
+                                         r"with size 8"):
+        evaluate(tr, np.zeros(8), 0, 1, q, np.full(8, 0))
+    with pytest.raises(IndexError, match=r"index -9 .* array 'table'"):
+        evaluate(tr, np.zeros(8), 0, 1, np.zeros(8, np.int64), np.full(8, 13))
+    with pytest.raises(IndexError, match="array 'table'"):
+        evaluate_grad(tr, grad(tr), np.zeros(8), 0, 1, q, np.zeros(8, np.int64), np.ones(8))
+
+
+def test_two_arrays_under_one_name():
+    def make():
+        table = np.zeros(3)
+        return lambda s, b, h, q, k: s + table[q] + TABLE2[q]
+
+    global TABLE2
+    TABLE2 = np.zeros(3)
+    tr = trace_score_mod(make())
+    assert set(tr.arrays) == {"table", "TABLE2"}
+
+
+# --- cache keys ------------------------------------------------------------------------------
+
+def test_keys():
+    key = lambda fn: trace_score_mod(fn).key                               # noqa: E731
+    assert key(lambda s, b, h, q, k: s * 2) != key(lambda s, b, h, q, k: s + 2)
+    assert key(lambda s, b, h, q, k: s * 2) != key(lambda s, b, h, q, k: s * 3)   # int: structure
+    assert key(mods.softcap(1.0)) == key(mods.softcap(50.0))              # float: a parameter
+    assert key(lambda s, b, h, q, k: s * 2.0) == key(lambda s, b, h, q, k: s * 3.5)
+    t1, t2 = np.ones((4, 33)), np.zeros((4, 33))
+    assert key(mods.rel_bias(t1)) == key(mods.rel_bias(t2))              # values do not matter
+    assert key(mods.rel_bias(t1)) == key(mods.rel_bias_global)            # nor names
+    assert key(mods.rel_bias(t1)) != key(mods.rel_bias(np.ones((4, 34))))  # shapes do
+    assert key(mods.rel_bias(t1)) != key(mods.rel_bias(t1.astype(np.float32)))   # dtypes too
+    mkey = lambda fn: trace_mask_mod(fn).key                               # noqa: E731
+    assert mkey(mods.sliding_window(3)) == mkey(mods.sliding_window(3))
+    assert mkey(mods.sliding_window(3)) != mkey(mods.sliding_window(4))   # an int closure
+
+
+def test_same_function_defined_twice_shares_a_key():
+    def make():
+        def mod(score, b, h, q_idx, kv_idx):
+            return np.where(q_idx >= kv_idx, score * 0.5, -np.inf)
+        return mod
+    a, b = make(), make()
+    assert a is not b
+    assert trace_score_mod(a).key == trace_score_mod(b).key
+    m1 = trace_mask_mod(mods.document_causal(mods.DOC_ID))
+    m2 = trace_mask_mod(mods.document_causal(mods.DOC_ID.copy()))
+    assert m1.key == m2.key != trace_mask_mod(mods.causal).key
+    assert trace_mask_mod(mods.causal).key != trace_score_mod(mods.identity).key
+
+
+def test_grad_keys_follow_the_forward():
+    a = grad(trace_score_mod(mods.softcap(1.0)))
+    b = grad(trace_score_mod(mods.softcap(20.0)))
+    c = grad(trace_score_mod(mods.sigmoid))
+    assert a.key == b.key != c.key
+
+
+# --- capture and constants -------------------------------------------------------------------
+
+def test_numpy_scalars_are_constants():
+    tr = trace_score_mod(lambda s, b, h, q, k: np.float32(2) * s + np.int64(3) * q + np.float64(.5))
+    assert tr.params == (2.0, 0.5)
+    assert "const 3" in tr.structure
+    got = evaluate(tr, np.array([1.0]), 0, 0, np.array([2]), 0, float_dtype=np.float64)
+    np.testing.assert_array_equal(got, [2.0 + 6 + 0.5])
+
+
+def test_arrays_captured_from_defaults_nested_functions_and_globals():
+    tab = np.arange(5.0)
+
+    def fn(s, b, h, q, k, t=tab):
+        look = lambda i: t[i] + mods.REL_TABLE.shape[0] + REL_TABLE[h, i]   # noqa: E731
+        return s + look(q)
+
+    tr = trace_score_mod(fn)
+    assert sorted(tr.arrays) == ["REL_TABLE", "t"]
+    assert tr.arrays["t"] is tab
+    q = np.array([1, -1])
+    np.testing.assert_allclose(evaluate(tr, 0.0, 0, 2, q, 0, float_dtype=np.float64),
+                               tab[q] + 4 + REL_TABLE[2, q])
+    assert isinstance(globals()["REL_TABLE"], np.ndarray)   # the module's globals are untouched
+    _, d = evaluate_grad(tr, grad(tr), np.zeros(2), 0, 2, q, 0, np.array([1.0, 2.0]),
+                         float_dtype=np.float64)
+    np.testing.assert_array_equal(d["t"], [0, 1, 0, 0, 2])
+    assert d["REL_TABLE"][2, 1] == 1 and d["REL_TABLE"][2, -1] == 2 and d["REL_TABLE"].sum() == 3
+
+
+REL_TABLE = mods.REL_TABLE
+
+
+def test_int_and_bool_arrays_have_no_gradient():
+    ids = np.arange(6) % 3
+    flags = np.arange(6) < 2
+    tr = trace_score_mod(lambda s, b, h, q, k: np.where(flags[q], s, ids[k] * s))
+    _, d = evaluate_grad(tr, grad(tr), np.ones(6), 0, 0, np.arange(6), np.arange(6), np.ones(6))
+    assert d == {}
+    assert sorted(tr.arrays) == ["flags", "ids"]
