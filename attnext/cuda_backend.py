@@ -45,7 +45,7 @@ def usable():
 
 def device_arch(device):
     """NVRTC's architecture name for the device: sm_90a on Hopper (its wgmma path), else sm_XY."""
-    major, minor = _C.cuda_info(device)["compute_capability"]
+    major, minor = device_info(device)["compute_capability"]      # cached: no driver call per launch
     return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
 
 
