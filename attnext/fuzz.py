@@ -1,0 +1,805 @@
+"""Differential fuzzing: random problems, every backend against the float64 reference.
+
+    python -m attnext.fuzz --minutes 10 [--seed 0] [--backends cpu,cuda] [--verbose]
+    python -m attnext.fuzz --replay "{'seed': ..., ...}"      # rerun one printed case
+
+Hypothesis draws a *spec* for a whole case: a plain dict of Python values (shapes, dtype,
+layout, options, how each array is laid out in memory, a seed for the data). `build(spec)`
+turns it into arrays, so a printed spec replays exactly (`run_case(spec)`, or `--replay`).
+
+What a spec covers: forward, or forward + backward; attention() (B, Sq, Sk from 0, mostly
+small, now and then up to ~1100; seqlens_q/k) or varlen_attention() (cu_seqlens with empty
+segments, seqused, trailing padding rows, max_seqlen_* above the longest); float16, bfloat16,
+float32, float64; MHA / GQA / MQA; D and Dv in 1..256; "bshd" / "bhsd"; causal False / True /
+"top_left"; window (left, right) with -1; softcap; scale (zero and negative included); ALiBi
+slopes (Hq,) or (B, Hq); a bias of any float dtype and broadcast shape (with heads 1, Hk or Hq),
+passed compact, as a stride-0 broadcast view, reversed or strided, now and then holding -inf; a
+bool mask of broadcast shape with some rows fully False; q, k, v non-contiguous (Fortran order,
+padded last dim, strided, reversed, permuted in memory, stride-0 broadcast), read-only inputs,
+out= buffers; rarely a score_mod / mask_mod from a small library.
+
+How a case is checked (`run_case`), for each backend in the set (cpu always; cuda where
+`attnext.info()` says it is usable, for float16 / bfloat16 without a score_mod):
+* out, lse, dq, dk, dv, dbias against the reference with the three-way tolerance of
+  tests/conftest.py (`allowed_error`, `assert_close`, `rounded_out_allowance` there; copied
+  below as `_allowed_error`, `_compare`, `_rounded_out_allowance`, since the package does not
+  import from tests/). NaN is always a mismatch, and so are a different -inf pattern, a wrong
+  dtype or shape, and an exception from a backend where the reference ran;
+* result buffers attnext allocates start as NaN (as the test suite poisons them), so an
+  unwritten element is a NaN mismatch;
+* rows that keep no key (reference lse = -inf) have out and dq exactly 0; in varlen, packed
+  rows outside every real sequence have dk and dv exactly 0;
+* no input is modified (each array and the buffer it views are compared before and after).
+"""
+import argparse
+import ast
+import contextlib
+import functools
+import os
+import sys
+import time
+import traceback
+import warnings
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # as tests/conftest.py: see the note there
+
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+
+import attnext  # noqa: E402
+from attnext import reference  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+DTYPES = {"float16": F16, "bfloat16": BF16, "float32": F32, "float64": F64}
+GPU_DTYPES = (F16, BF16)
+
+# Tolerances: the same numbers as tests/conftest.py.
+F64_RTOL, F64_ATOL = 1e-10, 1e-12
+F32_RTOL, F32_ATOL = 2e-5, 1e-6
+LOW_FACTOR = 3.0
+_EPS = {F16: float(np.finfo(np.float16).eps), BF16: float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps),
+        F32: float(np.finfo(np.float32).eps), F64: float(np.finfo(np.float64).eps)}
+
+# The largest problem a case may be: B * Hq * Sq * Sk * (D + Dv) multiply-adds, so that one case
+# (the reference's float64 forward and backward included) takes well under a second here.
+MAX_WORK = 1.5e7
+
+
+# --- the three-way check (tests/conftest.py, returning a message instead of asserting) ---------
+
+def _coarser(a, b):
+    a, b = np.dtype(a), np.dtype(b)
+    return a if _EPS[a] >= _EPS[b] else b
+
+
+def _acc_dtype(dtype):
+    return F64 if np.dtype(dtype) == F64 else F32
+
+
+def _allowed_error(dtype, scale, floor=0.0, cond=1.0):
+    """tests/conftest.py `allowed_error`: the largest |actual - expected| allowed."""
+    dtype = np.dtype(dtype)
+    big = max(scale, floor)
+    if dtype == F64:
+        return cond * F64_RTOL * big + F64_ATOL
+    if dtype == F32:
+        return cond * F32_RTOL * big + F32_ATOL
+    same_dtype = 0.5 * _EPS[dtype] * scale
+    return LOW_FACTOR * same_dtype + cond * F32_RTOL * big + F32_ATOL
+
+
+def _where(mask):
+    return tuple(int(i) for i in np.argwhere(mask)[0])
+
+
+def _compare(name, actual, expected, dtype=None, floor=0.0, extra=None, cond=1.0):
+    """tests/conftest.py `assert_close`: None if `actual` passes, else what is wrong."""
+    actual = np.asarray(actual)
+    expected = np.asarray(expected, dtype=np.float64)
+    if actual.shape != expected.shape:
+        return f"{name}: shape {actual.shape} != {expected.shape}"
+    dtype = np.dtype(actual.dtype if dtype is None else dtype)
+    a = actual.astype(np.float64)
+    nan = np.isnan(a)
+    if nan.any():
+        return f"{name}: NaN at {_where(nan)} ({int(nan.sum())} NaN in all)"
+    if np.isnan(expected).any():
+        return f"{name}: the reference has NaN"
+    neg = np.isneginf(expected)
+    bad = np.isneginf(a) != neg
+    if bad.any():
+        return (f"{name}: -inf pattern differs at {_where(bad)}: got {a[_where(bad)]}, "
+                f"reference {expected[_where(bad)]}")
+    finite = np.isfinite(expected)
+    if finite.sum() + neg.sum() != expected.size:
+        return f"{name}: the reference has +inf"
+    bad = finite & ~np.isfinite(a)
+    if bad.any():
+        return f"{name}: {a[_where(bad)]} at {_where(bad)} where the reference is finite"
+    if not finite.any():
+        return None
+    err = np.where(finite, np.abs(a - np.where(finite, expected, 0.0)), 0.0)
+    scale = float(np.abs(expected[finite]).max())
+    limit = _allowed_error(dtype, scale, floor, cond)
+    if err.max() <= limit:
+        return None
+    excess = err - limit
+    note = ""
+    if extra is not None:
+        allowance = np.broadcast_to(extra(), err.shape) * (1 + LOW_FACTOR * 0.5 * _EPS[dtype])
+        excess = excess - allowance
+        note = " + the rounded-out allowance"
+    worst = _where(excess == excess.max())
+    if excess.max() <= 0:
+        return None
+    return (f"{name} ({dtype}): error {err[worst]:.3g} at {worst} (got {a[worst]!r}, reference "
+            f"{expected[worst]!r}) exceeds {limit:.3g}{note} by {excess[worst]:.3g} "
+            f"(max |reference| {scale:.3g})")
+
+
+def _canonical(x, varlen, layout):
+    if varlen:
+        return x.transpose(1, 0, 2)[None]
+    return x if layout == "bhsd" else x.transpose(0, 2, 1, 3)
+
+
+def _from_canonical(x, varlen, layout):
+    if varlen:
+        return x[0].transpose(1, 0, 2)
+    return x if layout == "bhsd" else x.transpose(0, 2, 1, 3)
+
+
+def _sum_to_bias_shape(full, bias_shape):
+    b4 = (1,) * (4 - len(bias_shape)) + tuple(bias_shape)
+    nb, hq, sq, sk = full.shape
+    full = full.reshape(nb, b4[1], hq // b4[1], sq, sk).sum(axis=2)
+    axes = tuple(i for i in (0, 2, 3) if b4[i] == 1 and full.shape[i] != 1)
+    return full.sum(axis=axes, keepdims=True).reshape(bias_shape)
+
+
+def _rounded_out_allowance(q, k, v, dout, out, ref_out, lengths, opts):
+    """tests/conftest.py `rounded_out_allowance`: per-element bounds (dq, dk, dbias) on how far
+    an exact backward that reads the forward's rounded `out` lands from the float64 gradients."""
+    layout = opts.get("layout", "bshd")
+    is_varlen = lengths is not None
+    lengths = dict(lengths or {})
+    sk = k.shape[0] if is_varlen else (k.shape[1] if layout == "bshd" else k.shape[2])
+    eye = np.eye(sk)
+    if is_varlen:
+        v_eye = np.broadcast_to(eye[:, None, :], (sk, k.shape[1], sk))
+        p = reference.varlen_attention(q, k, v_eye, **lengths, **opts)
+    else:
+        eye4 = eye[None, :, None, :] if layout == "bshd" else eye[None, None]
+        p = reference.attention(q, k, np.broadcast_to(eye4, k.shape[:3] + (sk,)), **opts)
+    p = _canonical(p, is_varlen, layout)
+    qc, kc = (np.abs(_canonical(np.asarray(x, np.float64), is_varlen, layout)) for x in (q, k))
+    e = np.abs(np.sum(_canonical(np.asarray(dout, np.float64), is_varlen, layout)
+                      * (_canonical(np.asarray(out, np.float64), is_varlen, layout)
+                         - _canonical(ref_out, is_varlen, layout)), axis=-1))
+    group = qc.shape[1] // kc.shape[1]
+    scale = opts.get("scale")
+    scale = abs(1 / np.sqrt(q.shape[-1]) if scale is None else float(scale))
+    a_dq = scale * e[..., None] * np.einsum("bhij,bhjd->bhid", p, np.repeat(kc, group, axis=1))
+    a_dk = scale * np.einsum("bhij,bhid->bhjd", p, e[..., None] * qc)
+    a_dk = a_dk.reshape(kc.shape[0], kc.shape[1], group, *kc.shape[2:]).sum(axis=2)
+    a_dq, a_dk = (_from_canonical(x, is_varlen, layout) for x in (a_dq, a_dk))
+    bias = opts.get("bias")
+    if bias is None:
+        return a_dq, a_dk, None
+    pe = p * e[..., None]
+    if is_varlen:
+        cu_q, cu_k = (np.asarray(lengths[n]) for n in ("cu_seqlens_q", "cu_seqlens_k"))
+        lq = np.diff(cu_q) if lengths.get("seqused_q") is None else np.asarray(lengths["seqused_q"])
+        lk = np.diff(cu_k) if lengths.get("seqused_k") is None else np.asarray(lengths["seqused_k"])
+        mq = max(int(lengths.get("max_seqlen_q") or 0), int(lq.max(initial=0)))
+        mk = max(int(lengths.get("max_seqlen_k") or 0), int(lk.max(initial=0)))
+        full = np.zeros((len(lq), pe.shape[1], mq, mk))
+        for b in range(len(lq)):
+            full[b, :, :lq[b], :lk[b]] = pe[0, :, cu_q[b]:cu_q[b] + lq[b], cu_k[b]:cu_k[b] + lk[b]]
+        pe = full
+    return a_dq, a_dk, _sum_to_bias_shape(pe, np.shape(bias))
+
+
+# --- score_mods and mask_mods (after tests/mods.py) ---------------------------------------------
+
+def _score_mods(hq, smax, rng):
+    """name -> score_mod for a problem with hq query heads and sequences of at most smax rows."""
+    table = rng.standard_normal((hq, 2 * smax + 1))
+    slopes = rng.uniform(0.1, 1.0, hq)
+    return {
+        "times_two": lambda s, b, h, q, kv: s * 2,
+        "trig": lambda s, b, h, q, kv: np.sin(s) + np.cos(0.5 * s) * 0.25,
+        "head_offset": lambda s, b, h, q, kv: s + h * 0.125 - b,
+        "where_causal_decay": lambda s, b, h, q, kv: np.where(q >= kv, s, s * 0.5 - 1.0),
+        "clamp": lambda s, b, h, q, kv: np.minimum(np.maximum(s, -1.0), np.clip(s, 0.5, 2.0)),
+        "int_arith": lambda s, b, h, q, kv: s + (q % 3) * 0.1 - (kv // 2) * 0.01,
+        "softcap": lambda s, b, h, q, kv: 2.5 * np.tanh(s / 2.5),
+        "rel_bias": lambda s, b, h, q, kv: s + table[h, q - kv + smax],
+        "alibi": lambda s, b, h, q, kv: s - slopes[h] * np.abs(q - kv),
+    }
+
+
+def _mask_mods():
+    return {
+        "causal": lambda b, h, q, kv: q >= kv,
+        "sliding_window": lambda b, h, q, kv: (q - kv >= 0) & (q - kv < 3),
+        "prefix_lm": lambda b, h, q, kv: (kv < 5) | (q >= kv),
+        "not_diagonal": lambda b, h, q, kv: ~(q == kv),
+        "head_dependent": lambda b, h, q, kv: (h % 2 == 0) | ((q >= kv) & ~(kv == 0)),
+        "parity": lambda b, h, q, kv: (q + kv + b) % 2 == 0,
+    }
+
+
+SCORE_MODS = sorted(_score_mods(1, 1, np.random.default_rng(0)))
+MASK_MODS = sorted(_mask_mods())
+VIEWS = ["contig", "fortran", "pad", "step", "flip", "perm", "bcast"]
+ARG_VIEWS = ["plain", "bcast", "flip", "step"]
+
+
+# --- the strategy -----------------------------------------------------------------------------
+
+def _strategies():
+    """Hypothesis is imported only when fuzzing (the package does not depend on it)."""
+    from hypothesis import strategies as st
+
+    def length(draw, label, zero=True):
+        bucket = draw(st.integers(0, 99), label=f"{label}_bucket")
+        if bucket < 3 and zero:
+            return 0
+        if bucket < 80:
+            return draw(st.integers(1, 40), label=label)
+        if bucket < 97:
+            return draw(st.integers(41, 300), label=label)
+        return draw(st.integers(301, 1100), label=label)
+
+    def head_dim(draw, label):
+        if draw(st.integers(0, 9)) < 8:
+            return draw(st.integers(1, 64), label=label)
+        return draw(st.integers(65, 256), label=label)
+
+    def view(draw, ndim, shape):
+        kind = draw(st.sampled_from(VIEWS))
+        if kind == "contig" or kind == "fortran" or kind == "pad":
+            return (kind, draw(st.integers(1, 5))) if kind == "pad" else (kind,)
+        if kind == "perm":
+            return (kind, tuple(draw(st.permutations(range(ndim)))))
+        axis = draw(st.integers(0, ndim - 1))
+        if kind == "bcast" and shape[axis] < 2:
+            return ("contig",)
+        return (kind, axis)
+
+    def broadcast_shape(draw, full, heads):
+        nb, sq, sk = full
+        shape = [draw(st.sampled_from([1, nb])), draw(st.sampled_from(heads)),
+                 draw(st.sampled_from([1, sq])), draw(st.sampled_from([1, sk]))]
+        while len(shape) > 1 and shape[0] == 1 and draw(st.booleans()):
+            shape.pop(0)
+        return tuple(shape)
+
+    @st.composite
+    def specs(draw, cuda=False):
+        spec = {"seed": draw(st.integers(0, 2**32 - 1), label="seed")}
+        spec["api"] = draw(st.sampled_from(["attention", "varlen"]))
+        spec["backward"] = draw(st.booleans())
+        dtypes = ["float16", "bfloat16"] if cuda and draw(st.booleans()) else list(DTYPES)
+        spec["dtype"] = dtype = draw(st.sampled_from(dtypes))
+        hk = draw(st.integers(1, 4))
+        group = draw(st.sampled_from([1, 1, 2, 3, 4, 8]))
+        d, dv = head_dim(draw, "D"), head_dim(draw, "Dv")
+        if spec["api"] == "attention":
+            nb = 0 if draw(st.integers(0, 49)) == 0 else draw(st.integers(1, 4))
+            sq, sk = length(draw, "Sq"), length(draw, "Sk")
+            spec["layout"] = draw(st.sampled_from(["bshd", "bhsd"]))
+            lq = lk = None
+            if nb and draw(st.integers(0, 3)) == 0:
+                lq = [draw(st.integers(0, sq)) for _ in range(nb)]
+                lk = [draw(st.integers(0, sk)) for _ in range(nb)]
+            spec.update(seqlens_q=lq, seqlens_k=lk)
+            rows_q, rows_k = sq, sk
+        else:
+            nb = draw(st.integers(1, 5))
+            seg_q = [0 if draw(st.integers(0, 5)) == 0 else length(draw, "seg_q")
+                     for _ in range(nb)]
+            seg_k = [0 if draw(st.integers(0, 5)) == 0 else length(draw, "seg_k")
+                     for _ in range(nb)]
+            while sum(seg_q) > 1200 or sum(seg_k) > 1200:   # a packed batch stays moderate
+                seg_q, seg_k = [n // 2 for n in seg_q], [n // 2 for n in seg_k]
+            lq, lk = seg_q, seg_k
+            used = draw(st.integers(0, 3)) == 0
+            if used:
+                lq = [draw(st.integers(0, n)) for n in seg_q]
+                lk = [draw(st.integers(0, n)) for n in seg_k]
+            spec.update(seg_q=seg_q, seg_k=seg_k, used_q=lq if used else None,
+                        used_k=lk if used else None,
+                        pad_q=draw(st.sampled_from([0, 0, 1, 3, 17])),
+                        pad_k=draw(st.sampled_from([0, 0, 1, 3, 17])),
+                        max_q=max(lq) + draw(st.sampled_from([0, 0, 1, 5])),
+                        max_k=max(lk) + draw(st.sampled_from([0, 0, 2, 7])))
+            sq, sk = spec["max_q"], spec["max_k"]
+            rows_q, rows_k = sum(seg_q) + spec["pad_q"], sum(seg_k) + spec["pad_k"]
+            spec["layout"] = "thd"
+        # keep one case cheap: halve head dims, then heads, until the work fits
+        pairs = (max(nb, 1) * sq * sk if spec["api"] == "attention"
+                 else sum(a * b for a, b in zip(spec["seg_q"], spec["seg_k"])))
+        while True:
+            work = hk * group * pairs * (d + dv)
+            if work <= MAX_WORK:
+                break
+            if d + dv > 16:
+                d, dv = max(1, d // 2), max(1, dv // 2)
+            elif hk * group > 1:
+                hk, group = max(1, hk // 2), (group // 2 if hk == 1 else group)
+                group = max(1, group)
+            else:
+                break
+        hq = hk * group
+        spec.update(B=nb, Sq=sq, Sk=sk, Hq=hq, Hk=hk, D=d, Dv=dv)
+        if spec["layout"] == "thd":
+            shapes = {"q": (rows_q, hq, d), "k": (rows_k, hk, d), "v": (rows_k, hk, dv)}
+        elif spec["layout"] == "bshd":
+            shapes = {"q": (nb, sq, hq, d), "k": (nb, sk, hk, d), "v": (nb, sk, hk, dv)}
+        else:
+            shapes = {"q": (nb, hq, sq, d), "k": (nb, hk, sk, d), "v": (nb, hk, sk, dv)}
+        spec["views"] = {n: view(draw, len(s), s) for n, s in shapes.items()}
+        spec["readonly"] = draw(st.integers(0, 4)) == 0
+        spec["mag"] = draw(st.sampled_from([1.0, 1.0, 1.0, 0.01, 3.0, 10.0]))
+        spec["causal"] = draw(st.sampled_from([False, False, True, "top_left"]))
+        spec["window"] = None
+        if draw(st.integers(0, 3)) == 0:
+            side = st.one_of(st.just(-1), st.integers(0, 8), st.integers(0, max(sk, 1)))
+            spec["window"] = (draw(side), draw(side))
+        spec["softcap"] = draw(st.sampled_from([0.05, 0.5, 1.0, 5.0, 30.0])) \
+            if draw(st.integers(0, 3)) == 0 else None
+        spec["scale"] = draw(st.sampled_from([0.0, -0.3, 0.05, 0.4, 1.0, -1.5])) \
+            if draw(st.integers(0, 3)) == 0 else None
+        spec["alibi"] = draw(st.sampled_from([None, None, None, "h", "bh"]))
+        heads = sorted({1, hk, hq})
+        spec["bias"] = None
+        if draw(st.integers(0, 2)) == 0:
+            bdtypes = ["float16", "bfloat16", "float32"] if cuda else list(DTYPES)
+            spec["bias"] = {"shape": broadcast_shape(draw, (nb, sq, sk), heads),
+                            "dtype": draw(st.sampled_from([dtype, dtype] + bdtypes)),
+                            "view": draw(st.sampled_from(ARG_VIEWS)),
+                            "mag": draw(st.sampled_from([0.1, 1.0, 4.0])),
+                            "neginf": draw(st.integers(0, 9)) == 0}
+        spec["mask"] = None
+        if draw(st.integers(0, 2)) == 0:
+            spec["mask"] = {"shape": broadcast_shape(draw, (nb, sq, sk), heads),
+                            "p": draw(st.sampled_from([0.0, 0.3, 0.7, 0.95, 1.0])),
+                            "dead_rows": draw(st.integers(0, 3)),
+                            "view": draw(st.sampled_from(ARG_VIEWS))}
+        spec["score_mod"] = spec["mask_mod"] = None
+        if draw(st.integers(0, 19)) == 0 and sq * sk * max(nb, 1) * hq <= 200_000:
+            spec["score_mod"] = draw(st.sampled_from([None] + SCORE_MODS))
+            spec["mask_mod"] = draw(st.sampled_from([None] + MASK_MODS))
+            if spec["score_mod"] is not None and spec["bias"] is not None:
+                spec["bias"]["neginf"] = False   # sin(-inf) etc.: NaN by the user's function
+        spec["out"] = draw(st.sampled_from([None, None, None, "contig", "step"]))
+        spec["deterministic"] = draw(st.booleans())
+        return spec
+
+    return specs
+
+
+# --- building a case --------------------------------------------------------------------------
+
+def _randn_mag(rng, shape, dtype, mag=1.0):
+    return (mag * rng.standard_normal(shape)).astype(dtype)
+
+
+_randn = _randn_mag
+
+
+def _materialise(rng, shape, dtype, how, mag=1.0):
+    """Random data of `shape` (standard normal times mag) laid out in memory as `how` says."""
+    kind = how[0]
+    _randn = functools.partial(_randn_mag, mag=mag)
+    if kind == "contig":
+        return _randn(rng, shape, dtype)
+    if kind == "fortran":
+        return np.asfortranarray(_randn(rng, shape, dtype))
+    if kind == "pad":       # a slice of a wider last dim
+        return _randn(rng, shape[:-1] + (shape[-1] + how[1],), dtype)[..., :shape[-1]]
+    if kind == "perm":      # allocated in another axis order
+        perm = how[1]
+        base = _randn(rng, tuple(shape[p] for p in perm), dtype)
+        return base.transpose(np.argsort(perm))
+    axis = how[1]
+    if kind == "step":      # every other element along one axis
+        big = list(shape)
+        big[axis] = 2 * shape[axis]
+        return _randn(rng, big, dtype)[(slice(None),) * axis + (slice(None, None, 2),)]
+    if kind == "flip":      # negative stride along one axis
+        return np.flip(_randn(rng, shape, dtype), axis)
+    if kind == "bcast":     # stride 0 along one axis
+        small = list(shape)
+        small[axis] = 1
+        return np.broadcast_to(_randn(rng, small, dtype), shape)
+    raise ValueError(f"unknown view {how!r}")
+
+
+def _arg_view(rng, arr, full_shape, how):
+    """bias / mask passed compact, as a broadcast view toward full_shape, reversed or strided."""
+    if how == "bcast":
+        target = tuple(f if s == 1 and rng.random() < 0.5 else s
+                       for s, f in zip(arr.shape, full_shape[4 - arr.ndim:]))
+        return np.broadcast_to(arr, target)
+    if how == "flip" and arr.ndim:
+        return np.flip(arr, -1)
+    if how == "step" and arr.ndim:
+        return np.repeat(arr, 2, axis=-1)[..., ::2]
+    return arr
+
+
+class Case:
+    """The arrays of one spec: q, k, v, the length arguments and the keyword options."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        rng = np.random.default_rng(spec["seed"])
+        self.dtype = dtype = DTYPES[spec["dtype"]]
+        self.varlen = spec["api"] == "varlen"
+        nb, hq, hk = spec["B"], spec["Hq"], spec["Hk"]
+        sq, sk, d, dv = spec["Sq"], spec["Sk"], spec["D"], spec["Dv"]
+        layout = spec["layout"]
+        if self.varlen:
+            rows_q = sum(spec["seg_q"]) + spec["pad_q"]
+            rows_k = sum(spec["seg_k"]) + spec["pad_k"]
+            shapes = {"q": (rows_q, hq, d), "k": (rows_k, hk, d), "v": (rows_k, hk, dv)}
+        elif layout == "bshd":
+            shapes = {"q": (nb, sq, hq, d), "k": (nb, sk, hk, d), "v": (nb, sk, hk, dv)}
+        else:
+            shapes = {"q": (nb, hq, sq, d), "k": (nb, hk, sk, d), "v": (nb, hk, sk, dv)}
+        mag = spec.get("mag", 1.0)   # the size of q and k: large scores, or nearly uniform ones
+        self.q, self.k, self.v = (_materialise(rng, shapes[n], dtype, spec["views"][n],
+                                               mag if n != "v" else 1.0) for n in ("q", "k", "v"))
+        if self.varlen:
+            self.lengths = dict(cu_seqlens_q=np.cumsum([0] + spec["seg_q"]),
+                                cu_seqlens_k=np.cumsum([0] + spec["seg_k"]),
+                                max_seqlen_q=spec["max_q"], max_seqlen_k=spec["max_k"])
+            if spec["used_q"] is not None:
+                self.lengths.update(seqused_q=np.array(spec["used_q"]),
+                                    seqused_k=np.array(spec["used_k"]))
+        else:
+            self.lengths = {}
+        opts = {"causal": spec["causal"]}
+        if not self.varlen:
+            opts["layout"] = layout
+            if spec["seqlens_q"] is not None:
+                opts.update(seqlens_q=np.array(spec["seqlens_q"]),
+                            seqlens_k=np.array(spec["seqlens_k"]))
+        for name in ("window", "softcap", "scale"):
+            if spec[name] is not None:
+                opts[name] = spec[name]
+        if spec["alibi"] is not None:
+            shape = (hq,) if spec["alibi"] == "h" else (nb, hq)
+            opts["alibi_slopes"] = rng.uniform(0.0, 1.0, shape)
+        full = (nb, hq, sq, sk)
+        if spec["bias"] is not None:
+            b = spec["bias"]
+            bias = (b["mag"] * rng.standard_normal(b["shape"])).astype(DTYPES[b["dtype"]])
+            if b["neginf"] and bias.size:
+                bias[rng.random(bias.shape) < 0.2] = -np.inf
+            opts["bias"] = _arg_view(rng, bias, full, b["view"])
+        if spec["mask"] is not None:
+            m = spec["mask"]
+            mask = rng.random(m["shape"]) < m["p"]
+            if mask.ndim >= 2 and mask.shape[-2] > 1:
+                for _ in range(m["dead_rows"]):
+                    mask[..., rng.integers(mask.shape[-2]), :] = False
+            opts["mask"] = _arg_view(rng, mask, full, m["view"])
+        if spec["score_mod"] is not None or spec["mask_mod"] is not None:
+            smax = max(sq, sk, 1)
+            if spec["score_mod"] is not None:
+                opts["score_mod"] = _score_mods(hq, smax, rng)[spec["score_mod"]]
+            if spec["mask_mod"] is not None:
+                opts["mask_mod"] = _mask_mods()[spec["mask_mod"]]
+        self.opts = opts
+        self.rng = rng
+        if spec["readonly"]:
+            for x in self.arrays():
+                with contextlib.suppress(ValueError):
+                    x.flags.writeable = False
+
+    def arrays(self):
+        """Every array argument (to check that none is modified)."""
+        xs = [self.q, self.k, self.v]
+        xs += [x for x in self.lengths.values() if isinstance(x, np.ndarray)]
+        xs += [x for x in self.opts.values() if isinstance(x, np.ndarray)]
+        return xs
+
+
+def _snapshot(arrays):
+    """Copies of the arrays and of the memory they view, to compare after the calls."""
+    snap = []
+    for x in arrays:
+        base = x
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        snap.append((x, np.array(x, copy=True), base, np.array(base, copy=True)))
+    return snap
+
+
+def _modified(snap):
+    for i, (x, xc, base, bc) in enumerate(snap):
+        if not (np.array_equal(x, xc, equal_nan=True) and np.array_equal(base, bc, equal_nan=True)):
+            return i
+    return None
+
+
+@contextlib.contextmanager
+def _poisoned_outputs():
+    """Result buffers attnext allocates start as NaN (tests/conftest.py `poison_results`)."""
+    api = attnext.api
+    saved = getattr(api, "_new_output", None)
+    if saved is None:
+        yield
+        return
+    api._new_output = lambda shape, dtype: np.full(shape, np.nan, dtype=dtype)
+    try:
+        yield
+    finally:
+        api._new_output = saved
+
+
+def usable_backends(requested=("cpu", "cuda")):
+    ok = [b for b in requested if b == "cpu"]
+    if "cuda" in requested and str(attnext.info()["backends"].get("cuda", "")).startswith("usable"):
+        ok.append("cuda")
+    return ok
+
+
+def _cond(case):
+    """A factor on the relative float32 / float64 allowance (tests/conftest.py's `cond`) for
+    problems whose scores are large: a score s computed in float32 is off by about eps * |s|
+    before the softmax exponentiates it, so every probability is off by that much relative.
+    cond is 1 until 4 ulps at the largest |score| exceed F32_RTOL. The largest |score| is bounded
+    by the largest |scale * q.k| (computed; packed rows of different sequences included) plus
+    the largest finite |bias| and the largest ALiBi term."""
+    o, spec = case.opts, case.spec
+    layout = "thd" if case.varlen else spec["layout"]
+    q = _canonical(np.asarray(case.q, np.float32), case.varlen, layout)
+    k = _canonical(np.asarray(case.k, np.float32), case.varlen, layout)
+    scale = o.get("scale", 1 / np.sqrt(spec["D"]))
+    smax = 0.0
+    if q.size and k.size:
+        k = np.repeat(k, q.shape[1] // k.shape[1], axis=1)
+        smax = abs(scale) * max(float(np.abs(q[b, h] @ k[b, h].T).max(initial=0.0))
+                                for b in range(q.shape[0]) for h in range(q.shape[1]))
+    # softcap's slope is at most 1, so s0's error passes to s undiminished; the backward's
+    # factor 1 - tanh^2(s0 / softcap) is off by up to 2 err(s0) / softcap relative
+    if o.get("softcap") is not None and spec["backward"]:
+        smax *= 1 + 2 / o["softcap"]
+    bias = o.get("bias")
+    if bias is not None and bias.size:
+        b64 = np.asarray(bias, np.float64)
+        smax += float(np.abs(b64[np.isfinite(b64)]).max(initial=0.0))
+    if o.get("alibi_slopes") is not None:
+        smax += float(np.abs(o["alibi_slopes"]).max(initial=0.0)) * (spec["Sq"] + spec["Sk"])
+    return max(1.0, 4 * _EPS[F32] * smax / F32_RTOL)
+
+
+def _reduced(bias, spec):
+    """How many (b, h, r, c) terms each dbias element sums: round-off in a float32 sum grows
+    like its square root (cancelling terms: a bias constant along the keys has exact dbias 0)."""
+    full = max(spec["B"], 1) * spec["Hq"] * max(spec["Sq"], 1) * max(spec["Sk"], 1)
+    return max(1, full // max(1, bias.size))
+
+
+def run_case(spec, backends=("cpu",)):
+    """Runs one spec on each backend (those that apply) and the reference; returns a list of
+    mismatch messages (empty: all agree)."""
+    case = Case(spec)
+    o, lengths, dtype = case.opts, case.lengths, case.dtype
+    if case.varlen:
+        fwd, bwd = attnext.varlen_attention, attnext.varlen_attention_backward
+        rfwd, rbwd = reference.varlen_attention, reference.varlen_attention_backward
+    else:
+        fwd, bwd = attnext.attention, attnext.attention_backward
+        rfwd, rbwd = reference.attention, reference.attention_backward
+    problems = []
+    snap = _snapshot(case.arrays())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        try:
+            r_out, r_lse = rfwd(case.q, case.k, case.v, **lengths, return_lse=True, **o)
+        except Exception as e:  # a spec the reference refuses is a bug of the strategy or of it
+            return [f"reference forward raised {type(e).__name__}: {e}"]
+    dout = _randn(case.rng, r_out.shape, dtype) if spec["backward"] else None
+    cond = _cond(case)
+    for backend in backends:
+        if backend == "cuda" and (dtype not in GPU_DTYPES or spec["score_mod"] is not None):
+            continue
+        tag = f"[{backend}] "
+        try:
+            with _poisoned_outputs(), warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)
+                found = _check_one(case, backend, fwd, bwd, r_out, r_lse, dout, rbwd, cond)
+            problems += [tag + p for p in found]
+        except Exception as e:
+            tb = traceback.format_exception_only(type(e), e)[-1].strip()
+            problems.append(f"{tag}raised {tb}")
+        i = _modified(snap)
+        if i is not None:
+            problems.append(f"{tag}input #{i} (q, k, v, lengths, options in order) was modified")
+            snap = _snapshot(case.arrays())
+    return problems
+
+
+def _check_one(case, backend, fwd, bwd, r_out, r_lse, dout, rbwd, cond):
+    spec, o, lengths, dtype = case.spec, case.opts, case.lengths, case.dtype
+    problems = []
+    out_buf = None
+    if spec["out"] == "contig":
+        out_buf = np.full(r_out.shape, np.nan, dtype)
+    elif spec["out"] == "step":
+        out_buf = np.full(r_out.shape[:-1] + (2 * r_out.shape[-1],), np.nan, dtype)[..., ::2]
+    res, lse = fwd(case.q, case.k, case.v, **lengths, device=backend, return_lse=True,
+                   out=out_buf, **o)
+    if out_buf is not None and res is not out_buf:
+        problems.append("out: the result is not the out= buffer")
+    if res.dtype != dtype or res.shape != r_out.shape:
+        return problems + [f"out: {res.shape} {res.dtype}, expected {r_out.shape} {dtype}"]
+    if lse.dtype != _acc_dtype(dtype):
+        problems.append(f"lse dtype {lse.dtype} for {dtype} inputs")
+    for p in (_compare("out", res, r_out, dtype, cond=cond),
+              _compare("lse", lse, r_lse, lse.dtype, cond=cond)):
+        if p:
+            problems.append(p)
+    dead = np.isneginf(r_lse)
+    if case.varlen:
+        dead = dead.T
+    elif spec["layout"] == "bshd":
+        dead = dead.transpose(0, 2, 1)
+    if not (res[dead] == 0).all():
+        problems.append("out: a row that keeps no key is not exactly 0")
+    if not spec["backward"]:
+        return problems
+    g = bwd(dout, case.q, case.k, case.v, res, lse, **lengths, device=backend,
+            deterministic=spec["deterministic"], **o)
+    rg = rbwd(dout, case.q, case.k, case.v, res, lse, **lengths, **o)
+    floor = max(float(np.abs(x).max(initial=0.0)) for x in rg[:3])
+    allowance = []
+
+    def extra(i):
+        if dtype not in (F16, BF16):
+            return None
+
+        def get():
+            if not allowance:
+                allowance.extend(_rounded_out_allowance(case.q, case.k, case.v, dout, res, r_out,
+                                                        lengths if case.varlen else None, o))
+            return allowance[i]
+        return get
+
+    for name, got, want, x, ex in (("dq", g.dq, rg.dq, case.q, extra(0)),
+                                   ("dk", g.dk, rg.dk, case.k, extra(1)),
+                                   ("dv", g.dv, rg.dv, case.v, None)):
+        if got.shape != np.shape(x) or got.dtype != dtype:
+            problems.append(f"{name}: {got.shape} {got.dtype}, expected {np.shape(x)} {dtype}")
+            continue
+        p = _compare(name, got, want, dtype, floor, ex, cond)
+        if p:
+            problems.append(p)
+    if g.dq.shape == case.q.shape and not (g.dq[dead] == 0).all():
+        problems.append("dq: a row that keeps no key is not exactly 0")
+    if case.varlen:
+        real_k = np.zeros(case.k.shape[0], bool)
+        cu_k = lengths["cu_seqlens_k"]
+        lk = spec["used_k"] if spec["used_k"] is not None else spec["seg_k"]
+        for b, n in enumerate(lk):
+            real_k[cu_k[b]:cu_k[b] + n] = True
+        for name, got in (("dk", g.dk), ("dv", g.dv)):
+            if got.shape[0] == real_k.size and not (got[~real_k] == 0).all():
+                problems.append(f"{name}: a packed row outside every sequence is not exactly 0")
+    bias = o.get("bias")
+    if bias is None:
+        if g.dbias is not None:
+            problems.append("dbias: given without a bias")
+    elif g.dbias is None or g.dbias.shape != bias.shape or g.dbias.dtype != bias.dtype:
+        got = (None, None) if g.dbias is None else (g.dbias.shape, g.dbias.dtype)
+        problems.append(f"dbias: {got[0]} {got[1]}, expected {bias.shape} {bias.dtype}")
+    else:
+        p = _compare("dbias", g.dbias, rg.dbias, _coarser(dtype, bias.dtype), floor, extra(2),
+                     cond * np.sqrt(_reduced(bias, spec)))
+        if p:
+            problems.append(p)
+    return problems
+
+
+# --- the driver -------------------------------------------------------------------------------
+
+class _TimeUp(BaseException):
+    """Ends a hypothesis run when the time budget is spent (a BaseException, so hypothesis does
+    not take it for a failing example and shrink it)."""
+
+
+def describe(spec):
+    """One line naming the case's shapes and options (the spec itself replays it)."""
+    s = spec
+    shape = (f"{s['api']} {s['dtype']} B={s['B']} Sq={s['Sq']} Sk={s['Sk']} Hq={s['Hq']} "
+             f"Hk={s['Hk']} D={s['D']} Dv={s['Dv']} layout={s['layout']}")
+    if s["api"] == "varlen":
+        shape += f" seg_q={s['seg_q']} seg_k={s['seg_k']} used_q={s['used_q']} used_k={s['used_k']}"
+    keys = ("mag", "backward", "causal", "window", "softcap", "scale", "alibi", "bias", "mask",
+            "score_mod", "mask_mod", "views", "out", "readonly")
+    return shape + " " + " ".join(f"{k}={s[k]}" for k in keys if s.get(k) not in (None, False))
+
+
+def fuzz(seconds, seed=0, backends=("cpu",), verbose=False, log=print, max_examples=10**9):
+    """Runs hypothesis for about `seconds` (a case in flight is finished) with a fixed seed and
+    no example database; returns (cases run, [(spec, problems), ...])."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hyp_seed
+
+    backends = tuple(backends)
+    specs = _strategies()
+    stop = time.monotonic() + seconds
+    ran, mismatches = [0], []
+
+    @hyp_seed(seed)
+    @settings(max_examples=max_examples, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                     HealthCheck.filter_too_much, HealthCheck.large_base_example],
+              derandomize=False, print_blob=False)
+    @given(spec=specs(cuda="cuda" in backends))
+    def one(spec):
+        if time.monotonic() > stop:
+            raise _TimeUp
+        t0 = time.monotonic()
+        try:
+            problems = run_case(spec, backends)
+        except Exception:   # the harness itself failed: report it like a mismatch
+            problems = ["fuzz harness error: " + traceback.format_exc(limit=-3)]
+        ran[0] += 1
+        if verbose:
+            log(f"case {ran[0]} ({time.monotonic() - t0:.2f} s): {describe(spec)}"
+                + (f"  -> {len(problems)} MISMATCH" if problems else ""))
+        if problems:
+            mismatches.append((spec, problems))
+            log(f"MISMATCH in case {ran[0]} (seed {seed}): {describe(spec)}")
+            for p in problems:
+                log(f"    {p}")
+            log(f"    replay: python -m attnext.fuzz --replay \"{spec!r}\"")
+
+    with contextlib.suppress(_TimeUp):
+        one()
+    return ran[0], mismatches
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m attnext.fuzz", description=__doc__.split("\n")[0])
+    ap.add_argument("--minutes", type=float, default=1.0, help="time budget (default 1)")
+    ap.add_argument("--seed", type=int, default=None, help="hypothesis seed (default: random)")
+    ap.add_argument("--backends", default="cpu,cuda",
+                    help="comma-separated; cuda runs only where it is usable (default cpu,cuda)")
+    ap.add_argument("--verbose", action="store_true", help="print every case")
+    ap.add_argument("--replay", metavar="SPEC", help="run one printed spec and exit")
+    args = ap.parse_args(argv)
+    requested = [b.strip() for b in args.backends.split(",") if b.strip()]
+    bad = [b for b in requested if b not in ("cpu", "cuda")]
+    if bad:
+        ap.error(f"unknown backends {bad}; choose from cpu, cuda")
+    backends = usable_backends(requested)
+    if args.replay:
+        spec = ast.literal_eval(args.replay)
+        problems = run_case(spec, backends)
+        print(describe(spec))
+        for p in problems:
+            print(f"    {p}")
+        print("mismatch" if problems else "ok")
+        return 1 if problems else 0
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    print(f"attnext.fuzz: seed {seed}, backends {','.join(backends)}, {args.minutes} min",
+          flush=True)
+    t0 = time.monotonic()
+    ran, mismatches = fuzz(args.minutes * 60, seed, backends, args.verbose,
+                           log=lambda s: print(s, flush=True))
+    print(f"cases run: {ran}, mismatches: {len(mismatches)} ({time.monotonic() - t0:.0f} s, "
+          f"seed {seed})")
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
