@@ -20,10 +20,8 @@ out= buffers; rarely a score_mod / mask_mod from a small library.
 
 How a case is checked (`run_case`), for each backend in the set (cpu always; cuda where
 `attnext.info()` says it is usable, for float16 / bfloat16 without a score_mod):
-* out, lse, dq, dk, dv, dbias against the reference with the three-way tolerance of
-  tests/conftest.py (`allowed_error`, `assert_close`, `rounded_out_allowance` there; copied
-  below as `_allowed_error`, `_compare`, `_rounded_out_allowance`, since the package does not
-  import from tests/). NaN is always a mismatch, and so are a different -inf pattern, a wrong
+* out, lse, dq, dk, dv, dbias against the reference with the three-way tolerance the test
+  suite uses (attnext/accuracy.py), plus the `_cond` term below. NaN is always a mismatch, and so are a different -inf pattern, a wrong
   dtype or shape, and an exception from a backend where the reference ran;
 * result buffers attnext allocates start as NaN (as the test suite poisons them), so an
   unwritten element is a NaN mismatch;
@@ -43,165 +41,20 @@ import warnings
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # as tests/conftest.py: see the note there
 
-import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 import attnext  # noqa: E402
 from attnext import reference  # noqa: E402
+from attnext.accuracy import (BF16, EPS, F16, F32, F32_RTOL, F64, acc_dtype,  # noqa: E402
+                              canonical, coarser, compare, rounded_out_allowance)
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 DTYPES = {"float16": F16, "bfloat16": BF16, "float32": F32, "float64": F64}
 GPU_DTYPES = (F16, BF16)
-
-# Tolerances: the same numbers as tests/conftest.py.
-F64_RTOL, F64_ATOL = 1e-10, 1e-12
-F32_RTOL, F32_ATOL = 2e-5, 1e-6
-LOW_FACTOR = 3.0
-_EPS = {F16: float(np.finfo(np.float16).eps), BF16: float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps),
-        F32: float(np.finfo(np.float32).eps), F64: float(np.finfo(np.float64).eps)}
 
 # The largest problem a case may be: B * Hq * Sq * Sk * (D + Dv) multiply-adds, so that one case
 # (the reference's float64 forward and backward included) takes well under a second here.
 MAX_WORK = 1.5e7
 
-
-# --- the three-way check (tests/conftest.py, returning a message instead of asserting) ---------
-
-def _coarser(a, b):
-    a, b = np.dtype(a), np.dtype(b)
-    return a if _EPS[a] >= _EPS[b] else b
-
-
-def _acc_dtype(dtype):
-    return F64 if np.dtype(dtype) == F64 else F32
-
-
-def _allowed_error(dtype, scale, floor=0.0, cond=1.0):
-    """tests/conftest.py `allowed_error`: the largest |actual - expected| allowed."""
-    dtype = np.dtype(dtype)
-    big = max(scale, floor)
-    if dtype == F64:
-        return cond * F64_RTOL * big + F64_ATOL
-    if dtype == F32:
-        return cond * F32_RTOL * big + F32_ATOL
-    same_dtype = 0.5 * _EPS[dtype] * scale
-    return LOW_FACTOR * same_dtype + cond * F32_RTOL * big + F32_ATOL
-
-
-def _where(mask):
-    return tuple(int(i) for i in np.argwhere(mask)[0])
-
-
-def _compare(name, actual, expected, dtype=None, floor=0.0, extra=None, cond=1.0):
-    """tests/conftest.py `assert_close`: None if `actual` passes, else what is wrong."""
-    actual = np.asarray(actual)
-    expected = np.asarray(expected, dtype=np.float64)
-    if actual.shape != expected.shape:
-        return f"{name}: shape {actual.shape} != {expected.shape}"
-    dtype = np.dtype(actual.dtype if dtype is None else dtype)
-    a = actual.astype(np.float64)
-    nan = np.isnan(a)
-    if nan.any():
-        return f"{name}: NaN at {_where(nan)} ({int(nan.sum())} NaN in all)"
-    if np.isnan(expected).any():
-        return f"{name}: the reference has NaN"
-    neg = np.isneginf(expected)
-    bad = np.isneginf(a) != neg
-    if bad.any():
-        return (f"{name}: -inf pattern differs at {_where(bad)}: got {a[_where(bad)]}, "
-                f"reference {expected[_where(bad)]}")
-    finite = np.isfinite(expected)
-    if finite.sum() + neg.sum() != expected.size:
-        return f"{name}: the reference has +inf"
-    bad = finite & ~np.isfinite(a)
-    if bad.any():
-        return f"{name}: {a[_where(bad)]} at {_where(bad)} where the reference is finite"
-    if not finite.any():
-        return None
-    err = np.where(finite, np.abs(a - np.where(finite, expected, 0.0)), 0.0)
-    scale = float(np.abs(expected[finite]).max())
-    limit = _allowed_error(dtype, scale, floor, cond)
-    if err.max() <= limit:
-        return None
-    excess = err - limit
-    note = ""
-    if extra is not None:
-        allowance = np.broadcast_to(extra(), err.shape) * (1 + LOW_FACTOR * 0.5 * _EPS[dtype])
-        excess = excess - allowance
-        note = " + the rounded-out allowance"
-    worst = _where(excess == excess.max())
-    if excess.max() <= 0:
-        return None
-    return (f"{name} ({dtype}): error {err[worst]:.3g} at {worst} (got {a[worst]!r}, reference "
-            f"{expected[worst]!r}) exceeds {limit:.3g}{note} by {excess[worst]:.3g} "
-            f"(max |reference| {scale:.3g})")
-
-
-def _canonical(x, varlen, layout):
-    if varlen:
-        return x.transpose(1, 0, 2)[None]
-    return x if layout == "bhsd" else x.transpose(0, 2, 1, 3)
-
-
-def _from_canonical(x, varlen, layout):
-    if varlen:
-        return x[0].transpose(1, 0, 2)
-    return x if layout == "bhsd" else x.transpose(0, 2, 1, 3)
-
-
-def _sum_to_bias_shape(full, bias_shape):
-    b4 = (1,) * (4 - len(bias_shape)) + tuple(bias_shape)
-    nb, hq, sq, sk = full.shape
-    full = full.reshape(nb, b4[1], hq // b4[1], sq, sk).sum(axis=2)
-    axes = tuple(i for i in (0, 2, 3) if b4[i] == 1 and full.shape[i] != 1)
-    return full.sum(axis=axes, keepdims=True).reshape(bias_shape)
-
-
-def _rounded_out_allowance(q, k, v, dout, out, ref_out, lengths, opts):
-    """tests/conftest.py `rounded_out_allowance`: per-element bounds (dq, dk, dbias) on how far
-    an exact backward that reads the forward's rounded `out` lands from the float64 gradients."""
-    layout = opts.get("layout", "bshd")
-    is_varlen = lengths is not None
-    lengths = dict(lengths or {})
-    sk = k.shape[0] if is_varlen else (k.shape[1] if layout == "bshd" else k.shape[2])
-    eye = np.eye(sk)
-    if is_varlen:
-        v_eye = np.broadcast_to(eye[:, None, :], (sk, k.shape[1], sk))
-        p = reference.varlen_attention(q, k, v_eye, **lengths, **opts)
-    else:
-        eye4 = eye[None, :, None, :] if layout == "bshd" else eye[None, None]
-        p = reference.attention(q, k, np.broadcast_to(eye4, k.shape[:3] + (sk,)), **opts)
-    p = _canonical(p, is_varlen, layout)
-    qc, kc = (np.abs(_canonical(np.asarray(x, np.float64), is_varlen, layout)) for x in (q, k))
-    e = np.abs(np.sum(_canonical(np.asarray(dout, np.float64), is_varlen, layout)
-                      * (_canonical(np.asarray(out, np.float64), is_varlen, layout)
-                         - _canonical(ref_out, is_varlen, layout)), axis=-1))
-    group = qc.shape[1] // kc.shape[1]
-    scale = opts.get("scale")
-    scale = abs(1 / np.sqrt(q.shape[-1]) if scale is None else float(scale))
-    a_dq = scale * e[..., None] * np.einsum("bhij,bhjd->bhid", p, np.repeat(kc, group, axis=1))
-    a_dk = scale * np.einsum("bhij,bhid->bhjd", p, e[..., None] * qc)
-    a_dk = a_dk.reshape(kc.shape[0], kc.shape[1], group, *kc.shape[2:]).sum(axis=2)
-    a_dq, a_dk = (_from_canonical(x, is_varlen, layout) for x in (a_dq, a_dk))
-    bias = opts.get("bias")
-    if bias is None:
-        return a_dq, a_dk, None
-    pe = p * e[..., None]
-    if is_varlen:
-        cu_q, cu_k = (np.asarray(lengths[n]) for n in ("cu_seqlens_q", "cu_seqlens_k"))
-        lq = np.diff(cu_q) if lengths.get("seqused_q") is None else np.asarray(lengths["seqused_q"])
-        lk = np.diff(cu_k) if lengths.get("seqused_k") is None else np.asarray(lengths["seqused_k"])
-        mq = max(int(lengths.get("max_seqlen_q") or 0), int(lq.max(initial=0)))
-        mk = max(int(lengths.get("max_seqlen_k") or 0), int(lk.max(initial=0)))
-        full = np.zeros((len(lq), pe.shape[1], mq, mk))
-        for b in range(len(lq)):
-            full[b, :, :lq[b], :lk[b]] = pe[0, :, cu_q[b]:cu_q[b] + lq[b], cu_k[b]:cu_k[b] + lk[b]]
-        pe = full
-    return a_dq, a_dk, _sum_to_bias_shape(pe, np.shape(bias))
-
-
-# --- score_mods and mask_mods (after tests/mods.py) ---------------------------------------------
 
 def _score_mods(hq, smax, rng):
     """name -> score_mod for a problem with hq query heads and sequences of at most smax rows."""
@@ -559,8 +412,8 @@ def _cond(case):
     the largest finite |bias| and the largest ALiBi term."""
     o, spec = case.opts, case.spec
     layout = "thd" if case.varlen else spec["layout"]
-    q = _canonical(np.asarray(case.q, np.float32), case.varlen, layout)
-    k = _canonical(np.asarray(case.k, np.float32), case.varlen, layout)
+    q = canonical(np.asarray(case.q, np.float32), case.varlen, layout)
+    k = canonical(np.asarray(case.k, np.float32), case.varlen, layout)
     scale = o.get("scale", 1 / np.sqrt(spec["D"]))
     smax = 0.0
     if q.size and k.size:
@@ -577,7 +430,7 @@ def _cond(case):
         smax += float(np.abs(b64[np.isfinite(b64)]).max(initial=0.0))
     if o.get("alibi_slopes") is not None:
         smax += float(np.abs(o["alibi_slopes"]).max(initial=0.0)) * (spec["Sq"] + spec["Sk"])
-    return max(1.0, 4 * _EPS[F32] * smax / F32_RTOL)
+    return max(1.0, 4 * EPS[F32] * smax / F32_RTOL)
 
 
 def _reduced(bias, spec):
@@ -641,10 +494,10 @@ def _check_one(case, backend, fwd, bwd, r_out, r_lse, dout, rbwd, cond):
         problems.append("out: the result is not the out= buffer")
     if res.dtype != dtype or res.shape != r_out.shape:
         return problems + [f"out: {res.shape} {res.dtype}, expected {r_out.shape} {dtype}"]
-    if lse.dtype != _acc_dtype(dtype):
+    if lse.dtype != acc_dtype(dtype):
         problems.append(f"lse dtype {lse.dtype} for {dtype} inputs")
-    for p in (_compare("out", res, r_out, dtype, cond=cond),
-              _compare("lse", lse, r_lse, lse.dtype, cond=cond)):
+    for p in (compare("out", res, r_out, dtype, cond=cond),
+              compare("lse", lse, r_lse, lse.dtype, cond=cond)):
         if p:
             problems.append(p)
     dead = np.isneginf(r_lse)
@@ -668,7 +521,7 @@ def _check_one(case, backend, fwd, bwd, r_out, r_lse, dout, rbwd, cond):
 
         def get():
             if not allowance:
-                allowance.extend(_rounded_out_allowance(case.q, case.k, case.v, dout, res, r_out,
+                allowance.extend(rounded_out_allowance(case.q, case.k, case.v, dout, res, r_out,
                                                         lengths if case.varlen else None, o))
             return allowance[i]
         return get
@@ -679,7 +532,7 @@ def _check_one(case, backend, fwd, bwd, r_out, r_lse, dout, rbwd, cond):
         if got.shape != np.shape(x) or got.dtype != dtype:
             problems.append(f"{name}: {got.shape} {got.dtype}, expected {np.shape(x)} {dtype}")
             continue
-        p = _compare(name, got, want, dtype, floor, ex, cond)
+        p = compare(name, got, want, dtype, floor, ex, cond)
         if p:
             problems.append(p)
     if g.dq.shape == case.q.shape and not (g.dq[dead] == 0).all():
@@ -701,7 +554,7 @@ def _check_one(case, backend, fwd, bwd, r_out, r_lse, dout, rbwd, cond):
         got = (None, None) if g.dbias is None else (g.dbias.shape, g.dbias.dtype)
         problems.append(f"dbias: {got[0]} {got[1]}, expected {bias.shape} {bias.dtype}")
     else:
-        p = _compare("dbias", g.dbias, rg.dbias, _coarser(dtype, bias.dtype), floor, extra(2),
+        p = compare("dbias", g.dbias, rg.dbias, coarser(dtype, bias.dtype), floor, extra(2),
                      cond * np.sqrt(_reduced(bias, spec)))
         if p:
             problems.append(p)

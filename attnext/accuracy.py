@@ -1,0 +1,195 @@
+"""The accuracy rules every backend is held to (DESIGN.md "Testing", STYLE.md #12): one copy,
+used by the test suite (tests/conftest.py) and the differential fuzzer (attnext/fuzz.py).
+
+Accuracy (STYLE.md #12, DESIGN.md "Testing"). A backend result is cast to float64 and compared
+with the float64 reference fed the *same* inputs (a float16 / bfloat16 input converts to float64
+exactly, so the reference gives the exact answer for the rounded inputs). With `scale` = the
+largest |reference| value of the array, the largest error allowed is:
+
+* float64: 1e-10 * scale + 1e-12.
+* float32: F32_RTOL * scale + F32_ATOL (about 1e-5 relative).
+* float16 / bfloat16: LOW_FACTOR * same_dtype + the float32 allowance, where `same_dtype` is
+  the error of the same computation done at that dtype. It is estimated by the error that
+  merely *storing* the reference's own result at that dtype makes, half an ulp at the array's
+  largest magnitude (0.5 * eps(dtype) * scale): every implementation returning that dtype has
+  at least this error, and a NumPy computation at that dtype has more (its products and sums
+  round too), so this is stricter than comparing with a plain float16 NumPy attention. The
+  float32 allowance covers the backend's float32 accumulation.
+
+Gradients need two more terms, both from honest sources of error, not slack:
+
+* Cancellation. dS = P * (dP - delta) cancels (exactly, with one key per row: dq = dk = 0), so
+  round-off in dq, dk and dbias is relative to the size of dP, not of the result. For them
+  (and dv) the float32 term is relative to the largest gradient of the call (`floor`).
+* The rounded forward output. The backward reads `out`, which is stored at q's dtype, and forms
+  delta_i = sum(dout_i * out_i) from it (as FlashAttention does); the float64 reference uses the
+  exact output. For float16 / bfloat16, `rounded_out_allowance` bounds, per element, how far an
+  exact backward fed that rounded `out` lands from the reference. It is computed only when the
+  limit above is exceeded, and it is the whole error where the exact gradient is 0, e.g. the
+  dbias of a bias constant along the keys (the softmax ignores such a bias).
+
+A gradient computed at q's dtype but stored in a finer one (a float32 dbias for float16 q) gets
+the coarser dtype's allowance. lse is float32 for float16 / bfloat16 / float32 inputs and is
+computed from exact inputs in float32, so it is held to the float32 allowance whatever q's dtype.
+
+NaN always fails. Where the reference is -inf (lse of a row that keeps no key) the backend must
+give exactly -inf, and where the reference is finite the backend must be finite. Rows that keep
+no key must have out and dq exactly 0.
+"""
+import ml_dtypes
+import numpy as np
+
+from . import reference
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+
+F64_RTOL, F64_ATOL = 1e-10, 1e-12
+F32_RTOL, F32_ATOL = 2e-5, 1e-6
+LOW_FACTOR = 3.0
+EPS = {F16: float(np.finfo(np.float16).eps), BF16: float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps),
+        F32: float(np.finfo(np.float32).eps), F64: float(np.finfo(np.float64).eps)}
+
+# The largest problem a case may be: B * Hq * Sq * Sk * (D + Dv) multiply-adds, so that one case
+# (the reference's float64 forward and backward included) takes well under a second here.
+
+
+def coarser(a, b):
+    a, b = np.dtype(a), np.dtype(b)
+    return a if EPS[a] >= EPS[b] else b
+
+
+def acc_dtype(dtype):
+    return F64 if np.dtype(dtype) == F64 else F32
+
+
+def allowed_error(dtype, scale, floor=0.0, cond=1.0):
+    """The largest |actual - expected| allowed for a result of `dtype` whose reference has
+    largest magnitude `scale`; `floor` is the magnitude the float32 round-off is relative to when
+    it exceeds `scale`, `cond` a factor on the relative terms for an ill-conditioned problem."""
+    dtype = np.dtype(dtype)
+    big = max(scale, floor)
+    if dtype == F64:
+        return cond * F64_RTOL * big + F64_ATOL
+    if dtype == F32:
+        return cond * F32_RTOL * big + F32_ATOL
+    same_dtype = 0.5 * EPS[dtype] * scale
+    return LOW_FACTOR * same_dtype + cond * F32_RTOL * big + F32_ATOL
+
+
+def _where(mask):
+    return tuple(int(i) for i in np.argwhere(mask)[0])
+
+
+def compare(name, actual, expected, dtype=None, floor=0.0, extra=None, cond=1.0):
+    """The three-way check of one result: None if `actual` passes, else what is wrong. dtype
+    defaults to actual's; extra: None, or a function returning a per-element allowance
+    (broadcastable to actual) added to the limit, called only when the limit alone is exceeded."""
+    actual = np.asarray(actual)
+    expected = np.asarray(expected, dtype=np.float64)
+    if actual.shape != expected.shape:
+        return f"{name}: shape {actual.shape} != {expected.shape}"
+    dtype = np.dtype(actual.dtype if dtype is None else dtype)
+    a = actual.astype(np.float64)
+    nan = np.isnan(a)
+    if nan.any():
+        return f"{name}: NaN at {_where(nan)} ({int(nan.sum())} NaN in all)"
+    if np.isnan(expected).any():
+        return f"{name}: the reference has NaN"
+    neg = np.isneginf(expected)
+    bad = np.isneginf(a) != neg
+    if bad.any():
+        return (f"{name}: -inf pattern differs at {_where(bad)}: got {a[_where(bad)]}, "
+                f"reference {expected[_where(bad)]}")
+    finite = np.isfinite(expected)
+    if finite.sum() + neg.sum() != expected.size:
+        return f"{name}: the reference has +inf"
+    bad = finite & ~np.isfinite(a)
+    if bad.any():
+        return f"{name}: {a[_where(bad)]} at {_where(bad)} where the reference is finite"
+    if not finite.any():
+        return None
+    err = np.where(finite, np.abs(a - np.where(finite, expected, 0.0)), 0.0)
+    scale = float(np.abs(expected[finite]).max())
+    limit = allowed_error(dtype, scale, floor, cond)
+    if err.max() <= limit:
+        return None
+    excess = err - limit
+    note = ""
+    if extra is not None:
+        allowance = np.broadcast_to(extra(), err.shape) * (1 + LOW_FACTOR * 0.5 * EPS[dtype])
+        excess = excess - allowance
+        note = " + the rounded-out allowance"
+    worst = _where(excess == excess.max())
+    if excess.max() <= 0:
+        return None
+    return (f"{name} ({dtype}): error {err[worst]:.3g} at {worst} (got {a[worst]!r}, reference "
+            f"{expected[worst]!r}) exceeds {limit:.3g}{note} by {excess[worst]:.3g} "
+            f"(max |reference| {scale:.3g})")
+
+
+def canonical(x, varlen, layout):
+    if varlen:
+        return x.transpose(1, 0, 2)[None]
+    return x if layout == "bhsd" else x.transpose(0, 2, 1, 3)
+
+
+def from_canonical(x, varlen, layout):
+    if varlen:
+        return x[0].transpose(1, 0, 2)
+    return x if layout == "bhsd" else x.transpose(0, 2, 1, 3)
+
+
+def sum_to_bias_shape(full, bias_shape):
+    b4 = (1,) * (4 - len(bias_shape)) + tuple(bias_shape)
+    nb, hq, sq, sk = full.shape
+    full = full.reshape(nb, b4[1], hq // b4[1], sq, sk).sum(axis=2)
+    axes = tuple(i for i in (0, 2, 3) if b4[i] == 1 and full.shape[i] != 1)
+    return full.sum(axis=axes, keepdims=True).reshape(bias_shape)
+
+
+def rounded_out_allowance(q, k, v, dout, out, ref_out, lengths, opts):
+    """Per-element bounds (dq, dk, dbias) on how far an exact backward that reads the forward's
+    rounded `out` lands from the float64 gradients (module docstring). lengths: None for
+    attention(), else varlen_attention's length arguments."""
+    layout = opts.get("layout", "bshd")
+    is_varlen = lengths is not None
+    lengths = dict(lengths or {})
+    sk = k.shape[0] if is_varlen else (k.shape[1] if layout == "bshd" else k.shape[2])
+    eye = np.eye(sk)
+    if is_varlen:
+        v_eye = np.broadcast_to(eye[:, None, :], (sk, k.shape[1], sk))
+        p = reference.varlen_attention(q, k, v_eye, **lengths, **opts)
+    else:
+        eye4 = eye[None, :, None, :] if layout == "bshd" else eye[None, None]
+        p = reference.attention(q, k, np.broadcast_to(eye4, k.shape[:3] + (sk,)), **opts)
+    p = canonical(p, is_varlen, layout)
+    qc, kc = (np.abs(canonical(np.asarray(x, np.float64), is_varlen, layout)) for x in (q, k))
+    e = np.abs(np.sum(canonical(np.asarray(dout, np.float64), is_varlen, layout)
+                      * (canonical(np.asarray(out, np.float64), is_varlen, layout)
+                         - canonical(ref_out, is_varlen, layout)), axis=-1))
+    group = qc.shape[1] // kc.shape[1]
+    scale = opts.get("scale")
+    scale = abs(1 / np.sqrt(q.shape[-1]) if scale is None else float(scale))
+    a_dq = scale * e[..., None] * np.einsum("bhij,bhjd->bhid", p, np.repeat(kc, group, axis=1))
+    a_dk = scale * np.einsum("bhij,bhid->bhjd", p, e[..., None] * qc)
+    a_dk = a_dk.reshape(kc.shape[0], kc.shape[1], group, *kc.shape[2:]).sum(axis=2)
+    a_dq, a_dk = (from_canonical(x, is_varlen, layout) for x in (a_dq, a_dk))
+    bias = opts.get("bias")
+    if bias is None:
+        return a_dq, a_dk, None
+    pe = p * e[..., None]
+    if is_varlen:
+        cu_q, cu_k = (np.asarray(lengths[n]) for n in ("cu_seqlens_q", "cu_seqlens_k"))
+        lq = np.diff(cu_q) if lengths.get("seqused_q") is None else np.asarray(lengths["seqused_q"])
+        lk = np.diff(cu_k) if lengths.get("seqused_k") is None else np.asarray(lengths["seqused_k"])
+        mq = max(int(lengths.get("max_seqlen_q") or 0), int(lq.max(initial=0)))
+        mk = max(int(lengths.get("max_seqlen_k") or 0), int(lk.max(initial=0)))
+        full = np.zeros((len(lq), pe.shape[1], mq, mk))
+        for b in range(len(lq)):
+            full[b, :, :lq[b], :lk[b]] = pe[0, :, cu_q[b]:cu_q[b] + lq[b], cu_k[b]:cu_k[b] + lk[b]]
+        pe = full
+    return a_dq, a_dk, sum_to_bias_shape(pe, np.shape(bias))
+
+
+# --- score_mods and mask_mods (after tests/mods.py) ---------------------------------------------
