@@ -193,3 +193,43 @@ def rounded_out_allowance(q, k, v, dout, out, ref_out, lengths, opts):
 
 
 # --- score_mods and mask_mods (after tests/mods.py) ---------------------------------------------
+
+
+def compare_grads(g, rg, q, k, v, dout, out, ref_out, lengths, opts, cond=1.0, dbias_cond=None):
+    """The checks of a backward's dq, dk, dv and dbias (shapes, dtypes, values) against the
+    reference's gradients rg, with the rounded-out allowance for float16 / bfloat16 (computed
+    once, only when the plain limit is exceeded). lengths: None, or varlen_attention's length
+    arguments; opts: the shared keyword options (bias included); dbias_cond: cond for dbias
+    (default cond). Returns what is wrong, an empty list when everything passes."""
+    dtype = np.dtype(q.dtype)
+    floor = max(float(np.abs(x).max(initial=0.0)) for x in rg[:3])
+    allowance = []
+
+    def extra(i):
+        if dtype not in (F16, BF16):
+            return None
+
+        def get():
+            if not allowance:
+                allowance.extend(rounded_out_allowance(q, k, v, dout, out, ref_out, lengths, opts))
+            return allowance[i]
+        return get
+
+    problems = []
+    for name, got, want, x, ex in (("dq", g.dq, rg.dq, q, extra(0)), ("dk", g.dk, rg.dk, k, extra(1)),
+                                   ("dv", g.dv, rg.dv, v, None)):
+        if got.shape != np.shape(x) or got.dtype != dtype:
+            problems.append(f"{name}: {got.shape} {got.dtype}, expected {np.shape(x)} {dtype}")
+        else:
+            problems.append(compare(name, got, want, dtype, floor, ex, cond))
+    bias = opts.get("bias")
+    if bias is None:
+        if g.dbias is not None:
+            problems.append("dbias: given without a bias")
+    elif g.dbias is None or g.dbias.shape != np.shape(bias) or g.dbias.dtype != bias.dtype:
+        got = (None, None) if g.dbias is None else (g.dbias.shape, g.dbias.dtype)
+        problems.append(f"dbias: {got[0]} {got[1]}, expected {np.shape(bias)} {bias.dtype}")
+    else:
+        problems.append(compare("dbias", g.dbias, rg.dbias, coarser(dtype, bias.dtype), floor,
+                                extra(2), cond if dbias_cond is None else dbias_cond))
+    return [p for p in problems if p]

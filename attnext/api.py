@@ -248,6 +248,9 @@ def _normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q
     o.on_gpu = isinstance(q, DevView)
     o.cuda_device = q.device if o.on_gpu else 0
     o.cuda_stream = q.stream if o.on_gpu else 0
+    if o.on_gpu and (o.score_mod is not None or o.mask_mod is not None):
+        raise NotImplementedError("score_mod / mask_mod on CUDA arrays: the GPU code generator "
+                                  "is not built yet; pass NumPy arrays (they run on the reference)")
     o.q, o.k, o.v = q, k, v
     if varlen:
         for name, x in (("q", q), ("k", k), ("v", v)):
@@ -466,9 +469,6 @@ def _forward(o):
 def _forward_on_gpu(o, inputs):
     """CUDA arrays in, the caller's library's arrays out (or out= written in place)."""
     from . import cuda_backend, device
-    if _runs_on_reference(o):
-        raise NotImplementedError("score_mod / mask_mod on CUDA arrays: the GPU code generator "
-                                  "is not built yet; pass NumPy arrays (they run on the reference)")
     user_out = o.out
     if o.out is not None:
         o.out = _check_device_out("out", o.out, o.out_shape, o.q.dtype, inputs)
@@ -575,9 +575,6 @@ def _backward(o, dout, out, lse, deterministic):
 def _backward_on_gpu(o, dout, out, lse, deterministic):
     """CUDA arrays in, gradients back as the caller's library's arrays."""
     from . import cuda_backend, device
-    if _runs_on_reference(o):
-        raise NotImplementedError("score_mod / mask_mod on CUDA arrays: the GPU code generator "
-                                  "is not built yet; pass NumPy arrays (they run on the reference)")
     dq, dk, dv, dbias = cuda_backend.backward(o, dout, out, lse, None, None, None, None, deterministic)
     dq, dk, dv = (device.to_caller(x, o.like) for x in (dq, dk, dv))
     dbias = None if dbias is None else device.to_caller(dbias, o.like)

@@ -46,7 +46,7 @@ import numpy as np  # noqa: E402
 import attnext  # noqa: E402
 from attnext import reference  # noqa: E402
 from attnext.accuracy import (BF16, EPS, F16, F32, F32_RTOL, F64, acc_dtype,  # noqa: E402
-                              canonical, coarser, compare, rounded_out_allowance)
+                              canonical, compare, compare_grads)
 
 DTYPES = {"float16": F16, "bfloat16": BF16, "float32": F32, "float64": F64}
 GPU_DTYPES = (F16, BF16)
@@ -512,29 +512,10 @@ def _check_one(case, backend, fwd, bwd, r_out, r_lse, dout, rbwd, cond):
     g = bwd(dout, case.q, case.k, case.v, res, lse, **lengths, device=backend,
             deterministic=spec["deterministic"], **o)
     rg = rbwd(dout, case.q, case.k, case.v, res, lse, **lengths, **o)
-    floor = max(float(np.abs(x).max(initial=0.0)) for x in rg[:3])
-    allowance = []
-
-    def extra(i):
-        if dtype not in (F16, BF16):
-            return None
-
-        def get():
-            if not allowance:
-                allowance.extend(rounded_out_allowance(case.q, case.k, case.v, dout, res, r_out,
-                                                        lengths if case.varlen else None, o))
-            return allowance[i]
-        return get
-
-    for name, got, want, x, ex in (("dq", g.dq, rg.dq, case.q, extra(0)),
-                                   ("dk", g.dk, rg.dk, case.k, extra(1)),
-                                   ("dv", g.dv, rg.dv, case.v, None)):
-        if got.shape != np.shape(x) or got.dtype != dtype:
-            problems.append(f"{name}: {got.shape} {got.dtype}, expected {np.shape(x)} {dtype}")
-            continue
-        p = compare(name, got, want, dtype, floor, ex, cond)
-        if p:
-            problems.append(p)
+    bias = o.get("bias")
+    dbias_cond = None if bias is None else cond * np.sqrt(_reduced(bias, spec))
+    problems += compare_grads(g, rg, case.q, case.k, case.v, dout, res, r_out,
+                              lengths if case.varlen else None, o, cond, dbias_cond)
     if g.dq.shape == case.q.shape and not (g.dq[dead] == 0).all():
         problems.append("dq: a row that keeps no key is not exactly 0")
     if case.varlen:
@@ -546,18 +527,6 @@ def _check_one(case, backend, fwd, bwd, r_out, r_lse, dout, rbwd, cond):
         for name, got in (("dk", g.dk), ("dv", g.dv)):
             if got.shape[0] == real_k.size and not (got[~real_k] == 0).all():
                 problems.append(f"{name}: a packed row outside every sequence is not exactly 0")
-    bias = o.get("bias")
-    if bias is None:
-        if g.dbias is not None:
-            problems.append("dbias: given without a bias")
-    elif g.dbias is None or g.dbias.shape != bias.shape or g.dbias.dtype != bias.dtype:
-        got = (None, None) if g.dbias is None else (g.dbias.shape, g.dbias.dtype)
-        problems.append(f"dbias: {got[0]} {got[1]}, expected {bias.shape} {bias.dtype}")
-    else:
-        p = compare("dbias", g.dbias, rg.dbias, coarser(dtype, bias.dtype), floor, extra(2),
-                     cond * np.sqrt(_reduced(bias, spec)))
-        if p:
-            problems.append(p)
     return problems
 
 

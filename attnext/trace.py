@@ -60,7 +60,7 @@ scatter-adds the array gradients (np.add.at: sequential, deterministic).
 """
 import hashlib
 import types
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import numpy as np
 

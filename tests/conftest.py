@@ -18,8 +18,8 @@ import pytest  # noqa: E402
 
 import attnext  # noqa: E402
 from attnext import reference  # noqa: E402
-from attnext.accuracy import (BF16, F16, F32, F64, acc_dtype, coarser, compare,  # noqa: E402
-                              rounded_out_allowance)
+from attnext.accuracy import (BF16, F16, F32, F64, acc_dtype, compare,  # noqa: E402,F401
+                              compare_grads)
 
 DTYPES = [F16, BF16, F32, F64]
 DTYPE_IDS = {F16: "f16", BF16: "bf16", F32: "f32", F64: "f64"}
@@ -97,7 +97,7 @@ def assert_lse_close(lse, expected, q_dtype, cond=1.0):
 
 # --- running the CPU backend next to the reference ---
 
-def _dead_rows(ref_lse, varlen, layout):
+def dead_rows(ref_lse, varlen, layout):
     """Where the reference's lse is -inf (a row that keeps no key), as a mask over out's and dq's
     leading dims: (Tq, Hq) varlen, (B, Sq, Hq) "bshd", (B, Hq, Sq) "bhsd"."""
     dead = np.isneginf(ref_lse)
@@ -134,7 +134,7 @@ def check_backend(q, k, v, rng, *, varlen=None, backward=True, out=None, dout=No
     assert res_out.dtype == dtype and res_out.shape == r_out.shape
     assert_close("out", res_out, r_out, dtype, cond=cond)
     assert_lse_close(lse, r_lse, dtype, cond)
-    dead = _dead_rows(r_lse, varlen is not None, opts.get("layout", "bshd"))
+    dead = dead_rows(r_lse, varlen is not None, opts.get("layout", "bshd"))
     assert (res_out[dead] == 0).all(), "out: a row that keeps no key is not exactly 0"
     result = types.SimpleNamespace(out=res_out, lse=lse, ref_out=r_out, ref_lse=r_lse,
                                    grads=None, ref_grads=None, dout=None)
@@ -144,33 +144,9 @@ def check_backend(q, k, v, rng, *, varlen=None, backward=True, out=None, dout=No
         dout = randn(rng, res_out.shape, dtype)
     g = bwd(dout, q, k, v, res_out, lse, **lengths, device=TEST_DEVICE, **opts)
     rg = rbwd(dout, q, k, v, res_out, lse, **lengths, **opts)
-    floor = max(float(np.abs(x).max(initial=0.0)) for x in rg[:3])
-    allowance = []
-
-    def extra(i):
-        """The rounded-out allowance (dq, dk or dbias), computed once and only if needed."""
-        if dtype not in (F16, BF16):
-            return None
-
-        def get():
-            if not allowance:
-                allowance.extend(rounded_out_allowance(q, k, v, dout, res_out, r_out, varlen, opts))
-            return allowance[i]
-        return get
-
-    for name, got, want, x, ex in (("dq", g.dq, rg.dq, q, extra(0)),
-                                   ("dk", g.dk, rg.dk, k, extra(1)),
-                                   ("dv", g.dv, rg.dv, v, None)):
-        assert got.shape == np.shape(x) and got.dtype == dtype, (name, got.shape, got.dtype)
-        assert_close(name, got, want, dtype, floor, ex, cond)
+    problems = compare_grads(g, rg, q, k, v, dout, res_out, r_out, varlen, opts, cond)
+    assert not problems, "\n".join(problems)
     assert (g.dq[dead] == 0).all(), "dq: a row that keeps no key is not exactly 0"
-    bias = opts.get("bias")
-    if bias is None:
-        assert g.dbias is None
-    else:
-        assert g.dbias.shape == np.shape(bias) and g.dbias.dtype == bias.dtype, \
-            (g.dbias.shape, g.dbias.dtype)
-        assert_close("dbias", g.dbias, rg.dbias, coarser(dtype, bias.dtype), floor, extra(2), cond)
     result.grads, result.ref_grads, result.dout = g, rg, dout
     return result
 

@@ -2,7 +2,7 @@
 
 The forward's out and lse come from the reference (out rounded to the input dtype, as a forward
 stores it), so these tests hold the backward kernels alone to the reference; one test runs the
-GPU forward first. Every check is conftest's three-way tolerance (assert_close with the
+GPU forward first. Every check is conftest's three-way tolerance (accuracy.compare_grads with the
 rounded-out allowance), plus exact zeros where the contract says exactly zero: padding rows,
 rows after cu_seqlens[-1], rows that keep no key, and bit-identical reruns (deterministic=True).
 """
@@ -11,8 +11,8 @@ import pytest
 
 import attnext
 from attnext import reference
-from conftest import (BF16, F16, assert_close, coarser, make_qkv, make_varlen_qkv, randn,
-                      rounded_out_allowance)
+from conftest import (BF16, F16, compare_grads, dead_rows, make_qkv, make_varlen_qkv,
+                      randn)
 
 pytestmark = pytest.mark.gpu
 
@@ -42,33 +42,10 @@ def _grads(q, k, v, rng, *, varlen=None, deterministic=True, gpu_forward=False, 
     dout = randn(rng, out.shape, dtype)
     g = bwd(dout, q, k, v, out, lse, **lengths, device="cuda", deterministic=deterministic, **opts)
     rg = rbwd(dout, q, k, v, out, lse, **lengths, **opts)
-    floor = max(float(np.abs(x).max(initial=0.0)) for x in rg[:3])
-    allowance = []
-
-    def extra(i):
-        def get():
-            if not allowance:
-                allowance.extend(rounded_out_allowance(q, k, v, dout, out, r_out, varlen, opts))
-            return allowance[i]
-        return get
-
-    for name, got, want, x, ex in (("dq", g.dq, rg.dq, q, extra(0)), ("dk", g.dk, rg.dk, k, extra(1)),
-                                   ("dv", g.dv, rg.dv, v, None)):
-        assert got.shape == x.shape and got.dtype == dtype, (name, got.shape, got.dtype)
-        assert_close(name, got, want, dtype, floor, ex)
-    # rows that keep no key: dq exactly 0
-    dead = np.isneginf(r_lse)
-    if varlen is not None:
-        dead = dead.T
-    elif opts.get("layout") != "bhsd":
-        dead = dead.transpose(0, 2, 1)
+    problems = compare_grads(g, rg, q, k, v, dout, out, r_out, varlen, opts)
+    assert not problems, "\n".join(problems)
+    dead = dead_rows(r_lse, varlen is not None, opts.get("layout", "bshd"))
     assert (g.dq[dead] == 0).all(), "dq: a row that keeps no key is not exactly 0"
-    bias = opts.get("bias")
-    if bias is None:
-        assert g.dbias is None
-    else:
-        assert g.dbias.shape == bias.shape and g.dbias.dtype == bias.dtype, (g.dbias.shape, g.dbias.dtype)
-        assert_close("dbias", g.dbias, rg.dbias, coarser(dtype, bias.dtype), floor, extra(2))
     return g, rg, (dout, out, lse)
 
 
