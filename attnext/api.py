@@ -474,8 +474,7 @@ def _forward_on_gpu(o, inputs):
         o.out = _check_device_out("out", o.out, o.out_shape, o.q.dtype, inputs)
     out, lse = cuda_backend.forward(o, None, None)
     out = user_out if user_out is not None else device.to_caller(out, o.like)
-    lse = device.to_caller(lse, o.like)
-    return (out, lse) if o.return_lse else out
+    return (out, device.to_caller(lse, o.like)) if o.return_lse else out
 
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,

@@ -1,12 +1,12 @@
 """The CUDA backend's host side: where each array lives, NumPy staging, kernel choice, launches.
 
 api.py has checked every argument; arrays arrive as NumPy views or DevViews (GPU memory read in
-place). NumPy inputs are copied once into pinned host memory and from there to the device;
-results go back the same way. GPU inputs are read where they are, on the stream their
-protocol names (0, the legacy default stream, when it names none), and results come back as the
-caller's library's arrays (DLPack) or attnext.DeviceArray.
+place). NumPy inputs travel through staging.py's pinned rings, results come back the same way
+(a large NumPy forward runs in batch slices whose copies overlap the kernels). GPU inputs are
+read where they are, on the stream their protocol names (0, the legacy default stream, when
+it names none), and results come back as the caller's library's arrays (DLPack) or
+attnext.DeviceArray.
 """
-import contextlib
 import math
 import os
 import threading
@@ -15,8 +15,9 @@ import types
 import ml_dtypes
 import numpy as np
 
-from . import _C, kernels
+from . import _C, kernels, staging
 from .devview import DevView
+from .staging import to_host  # noqa: F401  (api.py reads GPU arrays' lengths through here)
 
 DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))   # what the GPU kernels take
 _lock = threading.Lock()
@@ -58,65 +59,10 @@ def device_info(device):
     return _info_cache[device]
 
 
-# ---------------------------------------------------------------- memory and staging
+# ---------------------------------------------------------------- device memory
 def empty(shape, dtype, device, stream):
     from .device import empty as _empty
     return _empty(shape, dtype, device, stream)
-
-
-class _Staging:
-    """One call's host<->device traffic for NumPy arrays: uploads into fresh device buffers
-    (kept alive until the call ends) and downloads after the kernels, through pinned memory."""
-
-    def __init__(self, device, stream):
-        self.device, self.stream = device, stream
-        self.keep = []
-
-    def upload(self, a):
-        """A DevView of a NumPy array (a broadcast view uploads only its compact base)."""
-        a = np.asarray(a)
-        compact_idx = tuple(slice(0, 1) if s == 0 and n > 1 else slice(None)
-                            for s, n in zip(a.strides, a.shape))
-        base = np.ascontiguousarray(a[compact_idx])
-        buf = empty(base.shape, base.dtype, self.device, self.stream)
-        self.keep.append(buf)
-        if base.nbytes:
-            pinned = _pinned(base.nbytes)
-            np.copyto(np.frombuffer(pinned, dtype=np.uint8, count=base.nbytes), base.reshape(-1).view(np.uint8))
-            _C.memcpy_htod(buf.ptr, memoryview(pinned)[:base.nbytes], self.stream)
-            _C.stream_synchronize(self.stream)      # the pinned buffer is reused by the next upload
-        view = DevView.contiguous(buf.ptr, base.shape, base.dtype, self.device, self.stream, buf)
-        return view.broadcast_to(a.shape)
-
-    def scratch(self, shape, dtype):
-        buf = empty(shape, dtype, self.device, self.stream)
-        self.keep.append(buf)
-        return DevView.contiguous(buf.ptr, shape, dtype, self.device, self.stream, buf)
-
-    def download(self, view, dst):
-        """Copies a contiguous DevView into the NumPy array dst (any strides)."""
-        nbytes = view.size * view.itemsize
-        if nbytes == 0:
-            return
-        pinned = _pinned(nbytes)
-        _C.memcpy_dtoh(memoryview(pinned)[:nbytes], view.ptr, self.stream)
-        _C.stream_synchronize(self.stream)
-        dst[...] = np.frombuffer(pinned, dtype=view.dtype, count=view.size).reshape(view.shape)
-
-
-_pinned_buf = None
-
-
-def _pinned(nbytes):
-    """The process's pinned staging buffer, grown to at least nbytes (callers hold _call_lock)."""
-    global _pinned_buf
-    if _pinned_buf is None or len(_pinned_buf) < nbytes:
-        _pinned_buf = None
-        _pinned_buf = _C.host_alloc(max(nbytes, 1 << 20))
-    return _pinned_buf
-
-
-_call_lock = threading.Lock()     # staging buffers are shared: one NumPy-staged call at a time
 
 
 # ---------------------------------------------------------------- forward
@@ -211,13 +157,14 @@ def _decode_plan(o, features, device):
 MAX_SPLITS = 128    # attn_fwd_combine keeps one weight per split in shared memory
 
 
-def forward(o, out_host, lse_host):
+def forward(o, out_host, lse_host, stage=None):
     """The forward of a problem api.py normalised. With NumPy inputs, fills out_host and lse_host
     and returns them; with GPU inputs (both None) returns (out, lse) as DeviceArrays, or o.out
-    (a DevView from out=) in place of out."""
+    (a DevView from out=) in place of out. stage: _forward_sliced's, for one batch slice."""
     host = out_host is not None
-    with _call_lock if host else contextlib.nullcontext():
-        stage = _Staging(o.cuda_device, o.cuda_stream)
+    if host and stage is None and (slices := _batch_slices(o)):
+        return _forward_sliced(o, out_host, lse_host, slices)
+    with stage or staging.Staging(o.cuda_device, o.cuda_stream) as stage:
         q4, k4, v4 = (_put(stage, x) for x in (o.q4, o.k4, o.v4))
         if isinstance(o.out, DevView):
             out, out_res = o.out, o.out
@@ -253,6 +200,55 @@ def forward(o, out_host, lse_host):
             stage.download(lse, lse_host)
             return out_host, lse_host
         return out_res, lse_res
+
+
+SLICE_BYTES = 128 << 20   # a NumPy forward moving at least twice this runs in batch slices
+
+
+def _batch_slices(o):
+    """[(b0, b1), ...]: the batch slices of a NumPy forward worth pipelining (each slice's upload
+    overlapping the kernel and the download of the one before), or None to run it in one go."""
+    if o.varlen or o.bias4 is not None or o.mask4 is not None or o.B < 2:
+        return None
+    moved = sum(x.size * x.itemsize for x in (o.q4, o.k4, o.v4))
+    moved += math.prod(o.out_shape) * np.dtype(o.q.dtype).itemsize
+    n = min(o.B, moved // SLICE_BYTES)
+    if n < 2:
+        return None
+    edges = [o.B * i // n for i in range(n + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _rows(view, b0, b1):
+    """view[b0:b1] of a DevView."""
+    return DevView(view.ptr + b0 * view.strides[0] * view.itemsize, (b1 - b0,) + view.shape[1:],
+                   view.strides, view.dtype, view.device, view.stream, view.keep)
+
+
+def _forward_sliced(o, out_host, lse_host, slices):
+    """forward() as one forward per batch slice. The device memory of q, k, v is allocated first
+    and every upload waits for those allocations only, so slice i+1 uploads while slice i
+    computes; the stage downloads each slice's results on a thread of its own meanwhile."""
+    with staging.Staging(o.cuda_device, o.cuda_stream, background=True) as stage:
+        inputs = [(x, stage.allocate(x)) for x in (o.q4, o.k4, o.v4)]
+        allocated = stage.fence()
+        for b0, b1 in slices:
+            part = types.SimpleNamespace(**vars(o))
+            part.B = b1 - b0
+            part.out_shape = (b1 - b0,) + tuple(o.out_shape[1:])
+            part.lse_shape = (b1 - b0,) + tuple(o.lse_shape[1:])
+            for name in ("alibi", "used_q", "used_k"):
+                x = getattr(o, name)
+                setattr(part, name, None if x is None else x[b0:b1])
+            views = []
+            for x, dev in inputs:
+                rows = _rows(dev, b0, b1)
+                if dev.strides[0] or b0 == 0:      # a batch-broadcast input travels once
+                    stage.copy_in(x[b0:b1], rows, after=allocated)
+                views.append(rows)
+            part.q4, part.k4, part.v4 = views
+            forward(part, out_host[b0:b1], lse_host[b0:b1], stage)
+    return out_host, lse_host
 
 
 # ---------------------------------------------------------------- backward
@@ -299,8 +295,7 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
     D=64), so deterministic=False takes it only when the kernel lab asks (ATTNEXT_BWD_DQ=atomic).
     """
     host = dq_host is not None
-    with _call_lock if host else contextlib.nullcontext():
-        stage = _Staging(o.cuda_device, o.cuda_stream)
+    with staging.Staging(o.cuda_device, o.cuda_stream) as stage:
         q4, k4, v4 = (_put(stage, x) for x in (o.q4, o.k4, o.v4))
         dout4 = _kernel_layout(o, _put(stage, dout))
         out4 = _kernel_layout(o, _put(stage, out))
@@ -360,17 +355,3 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
                 stage.download(dbias_res, dbias_host.reshape(dbias_res.shape))
             return dq_host, dk_host, dv_host, dbias_host
         return dq_res, dk_res, dv_res, dbias_res
-
-
-def to_host(view):
-    """A NumPy copy of a DevView (the small arrays the checks read: lengths, slopes)."""
-    if view.size == 0:
-        return np.empty(view.shape, view.dtype)
-    lo, hi = view.byte_span()
-    with _call_lock:
-        pinned = _pinned(hi - lo)
-        _C.memcpy_dtoh(memoryview(pinned)[:hi - lo], lo, view.stream)
-        _C.stream_synchronize(view.stream)
-        raw = np.frombuffer(pinned, np.uint8, count=hi - lo).copy()
-    return np.ndarray(view.shape, view.dtype, buffer=raw, offset=view.ptr - lo,
-                      strides=tuple(st * view.itemsize for st in view.strides)).copy()

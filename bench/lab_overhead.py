@@ -1,7 +1,11 @@
 """Kernel lab: host overhead of one attnext call against its kernel alone (same launch, replayed).
 
-    python bench/lab_overhead.py
+    python bench/lab_overhead.py [--profile]     (--profile: cProfile of 200 calls per case)
 """
+import cProfile
+import pstats
+import sys
+
 import torch
 import triton
 
@@ -36,6 +40,14 @@ def main():
             attnext.attention(q, k, v, causal=causal, out=out)
         host = (time.perf_counter() - t0) / 50
         torch.cuda.synchronize()
+        if "--profile" in sys.argv:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                attnext.attention(q, k, v, causal=causal, out=out)
+            prof.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
         print(f"D{D} S{S} causal={causal}: call {flops / t_call / 1e9:.1f} TF/s, kernel alone "
               f"{flops / t_kernel / 1e9:.1f} TF/s, host per call (async) {host * 1e3:.3f} ms, "
               f"kernel {t_kernel:.3f} ms; regs {attrs['num_regs']} local {attrs['local_size_bytes']} B "
