@@ -14,6 +14,8 @@ Causal alignment when Sq != Sk (here Sq = 2, Sk = 5; x = attended)::
 A row that keeps no key (fully masked, or past its sequence's length) returns out = 0 and
 lse = -inf, with zero gradients; never NaN.
 """
+import functools
+import inspect
 import math
 import os
 import types
@@ -50,6 +52,9 @@ def _device_view(x):
 def _array(name, x, host=False):
     """A host array (never copied unless misaligned), or a DevView of a CUDA array (host=True:
     copied to the host, for the small arrays the checks read). Non-arrays raise TypeError."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a masked array: attnext would read its data and ignore its mask; "
+                        f"pass {name}.filled(...) or np.ma.getdata({name}), and mask= for masking")
     if isinstance(x, np.ndarray):
         a = x
     elif (dv := _device_view(x)) is not None:
@@ -155,14 +160,48 @@ def _is_real(x):
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
 
+def _float_value(x):
+    """float(x), with an int too large for a float (10**400) as infinity."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
+# the arguments score_mod and mask_mod are called with
+_MOD_ARGS = {"score_mod": "score, b, h, q_idx, kv_idx", "mask_mod": "b, h, q_idx, kv_idx"}
+
+
+def _check_arity(name, f):
+    """score_mod / mask_mod must accept their positional arguments; a callable whose signature
+    Python cannot read (some builtins) is let through to the call."""
+    args = _MOD_ARGS[name]
+    n = args.count(",") + 1
+    if isinstance(f, np.ufunc):
+        if f.nin != n:
+            raise TypeError(f"{name} must take {n} arguments ({args}); the ufunc {f.__name__} takes {f.nin}")
+        return
+    try:
+        sig = inspect.signature(f)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(*range(n))
+    except TypeError:
+        raise TypeError(f"{name} must take {n} arguments ({args}), got "
+                        f"{getattr(f, '__name__', type(f).__name__)}{sig}") from None
+
+
 def _check_options(o, D, Hq, B):
     """Checks the scalar and small-array options; fills codes into o (a SimpleNamespace)."""
+    if not isinstance(o.return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {_fmt(o.return_lse)}")
     if o.scale is None:
         o.scale_value = 1.0 / math.sqrt(D)
     else:
         if not _is_real(o.scale):
             raise TypeError(f"scale must be a real number, got {_fmt(o.scale)}")
-        if not math.isfinite(float(o.scale)):
+        if not math.isfinite(_float_value(o.scale)):
             raise ValueError(f"scale must be finite, got {o.scale!r}")
         o.scale_value = float(o.scale)
     if o.softcap is None:
@@ -170,7 +209,7 @@ def _check_options(o, D, Hq, B):
     else:
         if not _is_real(o.softcap):
             raise TypeError(f"softcap must be a positive real number, got {_fmt(o.softcap)}")
-        if not (math.isfinite(float(o.softcap)) and float(o.softcap) > 0):
+        if not (math.isfinite(_float_value(o.softcap)) and float(o.softcap) > 0):
             raise ValueError(f"softcap must be positive and finite, got {o.softcap!r}")
         o.softcap_value = float(o.softcap)
     causal = bool(o.causal) if isinstance(o.causal, np.bool_) else o.causal
@@ -196,6 +235,8 @@ def _check_options(o, D, Hq, B):
         f = getattr(o, name)
         if f is not None and not callable(f):
             raise TypeError(f"{name} must be callable or None, got {type(f).__name__}")
+        if f is not None:
+            _check_arity(name, f)
     o.alibi = None
     if o.alibi_slopes is not None:
         a = _array("alibi_slopes", o.alibi_slopes, host=True)
@@ -227,7 +268,13 @@ def _broadcast_4d(name, x, B, Hq, Hk, Sq, Sk, is_mask, varlen):
         heads = " or ".join(str(h) for h in sorted({1, Hk, Hq}))
         raise ValueError(f"{name} of shape {a.shape} does not broadcast to (B, H, {rows}) = "
                          f"({B}, H, {Sq}, {Sk}) with H = {heads}")
-    return a, _broadcast_to(a4, (B, heads, Sq, Sk)), heads
+    try:
+        view = _broadcast_to(a4, (B, heads, Sq, Sk))
+    except ValueError as e:     # more elements than an index can count
+        rows = "max_seqlen_q, max_seqlen_k" if varlen else "Sq, Sk"
+        raise ValueError(f"{name} of shape {a.shape} cannot be viewed as (B, H, {rows}) = "
+                         f"({B}, {heads}, {Sq}, {Sk}): {e}") from None
+    return a, view, heads
 
 
 def _broadcast_to(a, shape):
@@ -270,6 +317,9 @@ def _normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q
             if cu.ndim != 1 or cu.shape[0] < 1:
                 raise ValueError(f"{name} must have shape (B + 1,), got {cu.shape}")
         B = cq_a.shape[0] - 1
+        if ck_a.shape != cq_a.shape:
+            raise ValueError(f"cu_seqlens_k must have shape {cq_a.shape} like cu_seqlens_q (B + 1 = "
+                             f"{B + 1} entries), got {ck_a.shape}")
         cq = _int_array("cu_seqlens_q", cq_a, B + 1)
         ck = _int_array("cu_seqlens_k", ck_a, B + 1)
         for name, cu, T in (("cu_seqlens_q", cq, Tq), ("cu_seqlens_k", ck, Tk)):
@@ -300,6 +350,8 @@ def _normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q
                     raise TypeError(f"{name} must be an int, got {_fmt(m)}")
                 if m < longest:
                     raise ValueError(f"{name} = {m} is smaller than the longest sequence ({longest})")
+                if m > np.iinfo(np.int32).max:
+                    raise ValueError(f"{name} = {m} is past the largest sequence length (2**31 - 1)")
         o.max_q = longest_q if max_seqlen_q is None else int(max_seqlen_q)
         o.max_k = longest_k if max_seqlen_k is None else int(max_seqlen_k)
         o.cu_q, o.cu_k, o.used_q, o.used_k = cq, ck, uq, uk
@@ -377,6 +429,62 @@ def _check_device_out(name, x, shape, dtype, inputs):
     return dv
 
 
+@functools.lru_cache(maxsize=None)
+def _memory_limit():
+    """Bytes of RAM plus swap on this machine (Linux; None where the system does not say)."""
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    swap = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("SwapTotal:"):
+                    swap = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return ram + swap
+
+
+def _nbytes(shape, dtype):
+    return math.prod(int(n) for n in shape) * np.dtype(dtype).itemsize
+
+
+def _check_memory(o, backward, out_given=False):
+    """MemoryError, before anything is allocated or computed, when the host buffers a call needs
+    (its results, and the CPU backend's packed copies of its inputs) exceed the machine's RAM and
+    swap: a broadcast (stride-0) input costs nothing to pass but its full size to compute on."""
+    limit = _memory_limit()
+    if limit is None or o.on_gpu:
+        return
+    dt, acc, f64 = o.q.dtype, o.acc_dtype, np.float64
+    if backward:
+        parts = [("dq", o.q.shape, dt), ("dk", o.k.shape, dt), ("dv", o.v.shape, dt)]
+    else:
+        parts = [] if out_given else [("out", o.out_shape, dt)]
+        parts.append(("lse", o.lse_shape, acc))
+    if o.device == "reference":
+        # float64 results, and one (sequence, head)'s keys and values in float64 at a time
+        if backward:
+            parts += [(f"float64 {n}", s, f64) for n, s, _ in parts]
+        else:
+            parts.append(("float64 out", o.out_shape, f64))
+        parts.append(("float64 k and v of one head", (o.k4.shape[1], o.D + o.Dv), f64))
+    elif o.device == "cpu":
+        # the backend packs k and v (the backward also q, dout and a transposed k) in tiles
+        parts += [("packed k", o.k.shape, acc), ("packed v", o.v.shape, acc)]
+        if backward:
+            parts += [("packed q", o.q.shape, acc), ("packed dout", o.out_shape, acc),
+                      ("packed k transposed", o.k.shape, acc)]
+    need = sum(_nbytes(s, d) for _, s, d in parts)
+    if need > limit:
+        what = ", ".join(f"{n} {tuple(s)} {np.dtype(d)}" for n, s, d in parts)
+        raise MemoryError(f"attnext: q {o.q.shape}, k {o.k.shape}, v {o.v.shape} need at least "
+                          f"{need / 2**30:.1f} GiB ({what}), more than this machine's memory "
+                          f"({limit / 2**30:.1f} GiB)")
+
+
 def _check_out(name, x, shape, dtype, inputs):
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
@@ -440,6 +548,7 @@ def _forward(o):
               ("seqused_q", o.used_q), ("seqused_k", o.used_k)]
     if o.device == "cuda" and o.on_gpu:
         return _forward_on_gpu(o, inputs)
+    _check_memory(o, backward=False, out_given=o.out is not None)
     if o.out is not None:
         _check_out("out", o.out, o.out_shape, o.q.dtype, inputs)
         out = o.out
@@ -520,7 +629,7 @@ def _backward(o, dout, out, lse, deterministic):
         raise TypeError(f"deterministic must be a bool, got {_fmt(deterministic)}")
     dout = _float_array("dout", dout)
     out = _float_array("out", out)
-    lse = _array("lse", lse)
+    lse = _float_array("lse", lse)
     for name, x in (("dout", dout), ("out", out)):
         if x.shape != o.out_shape or x.dtype != o.q.dtype:
             raise ValueError(f"{name} must have the forward output's shape {o.out_shape} and dtype "
@@ -534,6 +643,7 @@ def _backward(o, dout, out, lse, deterministic):
     if on_host and any(isinstance(x, DevView) for x in (dout, out, lse)):
         raise TypeError("dout, out and lse are CUDA arrays but q, k, v live on the host; pass all "
                         "of them on the GPU or all on the host")
+    _check_memory(o, backward=True)
     if _runs_on_reference(o):
         if o.varlen:
             g = reference.varlen_attention_backward(dout, o.q, o.k, o.v, out, lse, o.cu_q, o.cu_k,

@@ -315,7 +315,9 @@ int FN(cpu_forward)(const attn_params *p)
                 const int64_t r = r0 + i;
                 char *dst = (char *)FN(row_ptr)(&p->out, p->dtype, sq.mem_b, sq.start + r, h);
                 T lse = -INFINITY;
-                if (i < nr && l[i] > 0 && m[i] > -INFINITY) {
+                /* a dead row keeps no key: every p was exp2(-inf) = 0. A NaN score (or a +inf
+                 * one, inf - inf) makes l NaN: that row is NaN, as IEEE arithmetic says, not 0 */
+                if (i < nr && l[i] != 0) {
                     T inv = 1 / l[i];
                     for (int64_t d = 0; d < Dv; d++)
                         row[d] = O[i * DvP + d] * inv;

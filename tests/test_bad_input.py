@@ -1,0 +1,620 @@
+"""The bad-input battery: every public function x every argument x every kind of wrong value.
+
+tests/test_errors.py holds hand-picked cases with exact messages; this file generates its cases
+from tables, so that each argument of each public function meets the same kinds of wrong value:
+wrong types, dtypes (int, complex, object, big-endian, mixed), ranks and shapes, lengths and
+offsets, option values, out=, backward inputs from another forward, callbacks, and sizes past the
+machine's memory (stride-0 views, so the test allocates nothing big). Each case asserts the
+documented exception (DESIGN.md, Errors) and that the message names the argument. Then: zero-size
+dimensions give empty results, inputs are never modified, and NaN / Inf in the data propagate.
+
+The count of distinct bad inputs tried is the number of cases collected from the BAD_* tables:
+    python -m pytest tests/test_bad_input.py --collect-only -q -k bad_input
+"""
+import re
+import warnings
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import attnext
+from attnext import reference
+
+F16, BF16, F32, F64 = np.float16, ml_dtypes.bfloat16, np.float32, np.float64
+B, SQ, SK, HQ, HK, D, DV = 2, 5, 7, 4, 2, 8, 6
+TQ, TK = 11, 8
+CU_Q, CU_K = np.array([0, 3, 3, 9], np.int32), np.array([0, 4, 6, 6], np.int32)
+NSEQ = len(CU_Q) - 1
+
+
+def _randn(seed, shape, dtype=F32):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+# one valid call of each public function; a case changes one argument of it
+Q, K, V = _randn(1, (B, SQ, HQ, D)), _randn(2, (B, SK, HK, D)), _randn(3, (B, SK, HK, DV))
+OUT, LSE = attnext.attention(Q, K, V, device="cpu", return_lse=True)
+DOUT = _randn(4, OUT.shape)
+VQ, VK, VV = _randn(5, (TQ, HQ, D)), _randn(6, (TK, HK, D)), _randn(7, (TK, HK, DV))
+VOUT, VLSE = attnext.varlen_attention(VQ, VK, VV, CU_Q, CU_K, device="cpu", return_lse=True)
+VDOUT = _randn(8, VOUT.shape)
+
+GOOD = {
+    "attention": dict(q=Q, k=K, v=V),
+    "varlen_attention": dict(q=VQ, k=VK, v=VV, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K),
+    "attention_backward": dict(dout=DOUT, q=Q, k=K, v=V, out=OUT, lse=LSE),
+    "varlen_attention_backward": dict(dout=VDOUT, q=VQ, k=VK, v=VV, out=VOUT, lse=VLSE,
+                                      cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K),
+}
+FUNCTIONS = list(GOOD)
+PADDED = ["attention", "attention_backward"]
+VARLEN = ["varlen_attention", "varlen_attention_backward"]
+FORWARD = ["attention", "varlen_attention"]
+BACKWARD = ["attention_backward", "varlen_attention_backward"]
+
+
+def call(fn, **changes):
+    args = {**GOOD[fn], "device": "cpu", **changes}
+    return getattr(attnext, fn)(**args)
+
+
+def _big_endian(x):
+    return x.astype(x.dtype.newbyteorder(">"))
+
+
+def _read_only(x):
+    x = x.copy()
+    x.flags.writeable = False
+    return x
+
+
+class _Unconvertible:
+    """Claims the array protocol but fails converting, as a CUDA tensor asked for host data does."""
+
+    def __array__(self, dtype=None, copy=None):
+        raise RuntimeError("cannot convert")
+
+
+# --- the kinds of wrong value, per kind of argument: (label, value, exception) ---
+
+def _wrong_types(x, optional):
+    cases = [("str", "abc", TypeError), ("float", 1.5, TypeError), ("bytes", b"\0" * 16, TypeError),
+             ("list_of_str", ["a", "b"], TypeError), ("dict", {"a": x}, TypeError),
+             ("unconvertible", _Unconvertible(), TypeError)]
+    if not optional:
+        cases.append(("none", None, TypeError))
+    return cases
+
+
+def float_tensor_cases(x, optional=False, rank_checked=True):
+    """q, k, v, dout, out, lse, bias: a float array of one rank (bias: of rank <= 4)."""
+    cases = _wrong_types(x, optional)
+    for dt in (np.int8, np.int32, np.int64, np.uint16, np.bool_, np.complex64, np.complex128,
+               object, np.longdouble, "datetime64[s]", [("re", "f4")]):
+        label = np.dtype(dt).name if not isinstance(dt, list) else "structured"
+        cases.append((f"dtype_{label}", np.zeros(x.shape, dt), TypeError))
+    cases += [("big_endian", _big_endian(x), TypeError),
+              ("big_endian_f16", _big_endian(x.astype(F16)), TypeError),
+              ("masked_array", np.ma.masked_array(x, mask=np.zeros(x.shape, bool)), TypeError)]
+    if rank_checked:
+        cases += [("rank_minus_1", x[0], ValueError), ("rank_plus_1", x[None], ValueError),
+                  ("rank_0", np.array(1.0, x.dtype), ValueError)]
+    else:
+        cases.append(("rank_5", x.reshape((1,) * (5 - x.ndim) + x.shape), ValueError))
+    return cases
+
+
+def int_array_cases(x, optional):
+    """cu_seqlens, seqused, seqlens: 1-D integer arrays of a given length."""
+    cases = [c for c in _wrong_types(x, optional) if c[0] != "none"]
+    cases += [("list", x.tolist(), TypeError), ("tuple", tuple(x.tolist()), TypeError),
+              ("int", int(x[-1]), TypeError)]
+    for dt in (np.float32, np.float64, np.bool_, np.complex128, object, np.float16):
+        cases.append((f"dtype_{np.dtype(dt).name}", x.astype(dt), TypeError))
+    big = x.astype(np.int64)
+    big[-1] = 2 ** 31
+    huge = x.astype(np.uint64)
+    huge[-1] = 2 ** 64 - 1
+    neg = x.astype(np.int64)
+    neg[len(x) // 2] = -1
+    cases += [("rank_2", x[None], ValueError), ("rank_0", np.array(x[0]), ValueError),
+              ("too_long", np.append(x, x[-1]), ValueError), ("too_short", x[:-1], ValueError),
+              ("empty", x[:0], ValueError), ("negative", neg, ValueError),
+              ("past_int32", big, ValueError), ("uint64_max", huge, ValueError)]
+    return cases
+
+
+def _cu_cases(x, rows):
+    bad_start, bad_order, past = x.copy(), x.copy(), x.copy()
+    bad_start[0] = 1
+    bad_order[1], bad_order[2] = x[2] + 1, x[1]
+    past[-1] = rows + 1
+    return [("not_starting_at_0", bad_start, ValueError), ("decreasing", bad_order, ValueError),
+            ("past_packed_length", past, ValueError), ("none", None, ValueError)]
+
+
+SEQUSED_Q, SEQUSED_K = np.array([3, 0, 5]), np.array([4, 1, 0])
+SEQLENS = np.array([SQ, SQ - 1])
+
+
+def _not_callable():
+    return [("float", 3.0, TypeError), ("str", "causal", TypeError), ("list", [abs], TypeError)]
+
+
+SCALAR_CASES = {
+    "scale": [("nan", float("nan"), ValueError), ("inf", float("inf"), ValueError),
+              ("minus_inf", -np.inf, ValueError), ("f16_nan", np.float16("nan"), ValueError),
+              ("huge_int", 10 ** 400, ValueError), ("str", "0.1", TypeError),
+              ("bool", True, TypeError), ("complex", 1j, TypeError),
+              ("array", np.array([0.1, 0.2]), TypeError), ("list", [0.1], TypeError)],
+    "softcap": [("zero", 0, ValueError), ("zero_float", 0.0, ValueError),
+                ("negative", -30.0, ValueError), ("nan", float("nan"), ValueError),
+                ("inf", np.inf, ValueError), ("huge_int", 10 ** 400, ValueError),
+                ("str", "30", TypeError), ("bool", True, TypeError),
+                ("complex", np.complex64(30), TypeError)],
+    "window": [("int", 4, ValueError), ("triple", (1, 2, 3), ValueError),
+               ("single", (1,), ValueError), ("floats", (2.0, 1.0), ValueError),
+               ("bools", (True, False), ValueError), ("none_side", (None, 2), ValueError),
+               ("str", "(1, 2)", ValueError), ("minus_2", (-2, 0), ValueError),
+               ("right_minus_5", (0, -5), ValueError), ("array", np.array([1, 2]), ValueError)],
+    "causal": [("misspelt", "bottom-right", ValueError), ("upper", "TOP_LEFT", ValueError),
+               ("int", 1, ValueError), ("float", 1.0, ValueError), ("bytes", b"top_left", ValueError),
+               ("list", [True], ValueError)],
+    "device": [("gpu", "gpu", ValueError), ("upper", "CPU", ValueError), ("int", 0, ValueError),
+               ("list", ["cpu"], ValueError)],
+    "precision": [("fp8", "fp8", ValueError), ("upper", "TF32", ValueError), ("int", 1, ValueError)],
+    "alibi_slopes": [("kv_heads", np.ones(HK, F32), ValueError),
+                     ("rank_3", np.ones((1, 1, HQ), F32), ValueError),
+                     ("int", np.ones(HQ, np.int32), TypeError),
+                     ("complex", np.ones(HQ, np.complex64), TypeError),
+                     ("big_endian", np.ones(HQ, ">f4"), TypeError),
+                     ("nan", np.array([0.1, np.nan, 0.2, 0.3]), ValueError),
+                     ("inf", np.full(HQ, np.inf), ValueError),
+                     ("scalar", 0.5, TypeError), ("list_of_str", ["a"] * HQ, TypeError),
+                     ("masked", np.ma.masked_array(np.ones(HQ)), TypeError)],
+    "mask": [("float", np.ones((SQ, SK), F32), TypeError), ("int8", np.ones((SQ, SK), np.int8), TypeError),
+             ("uint8", np.ones((SQ, SK), np.uint8), TypeError), ("object", np.ones((SQ, SK), object), TypeError),
+             ("list", [[True] * SK] * SQ, TypeError), ("rank_5", np.ones((1, 1, 1, SQ, SK), bool), ValueError),
+             ("not_broadcastable", np.ones((SK, SQ), bool), ValueError),
+             ("bad_heads", np.ones((3, SQ, SK), bool), ValueError)],
+    "bias": float_tensor_cases(np.ones((SQ, SK), F32), optional=True, rank_checked=False) + [
+             ("not_broadcastable", np.ones((SQ, SK + 1), F32), ValueError),
+             ("bad_heads", np.ones((3, SQ, SK), F32), ValueError),
+             ("bad_batch", np.ones((B + 1, 1, SQ, SK), F32), ValueError)],
+    "score_mod": _not_callable() + [
+        ("arity_3", lambda s, b, h: s, TypeError), ("arity_4", lambda s, b, h, q: s, TypeError),
+        ("arity_6", lambda s, b, h, q, kv, x: s, TypeError), ("ufunc_2", np.add, TypeError),
+        ("ufunc_1", np.tanh, TypeError), ("keyword_only", lambda *, s, b, h, q, kv: s, TypeError)],
+    "mask_mod": _not_callable() + [
+        ("arity_5", lambda s, b, h, q, kv: True, TypeError),
+        ("arity_3", lambda b, h, q: True, TypeError), ("ufunc_2", np.less, TypeError)],
+}
+# the varlen functions read bias and mask at (B, H, max_seqlen_q, max_seqlen_k) = (3, H, 6, 4)
+VARLEN_SCALAR_CASES = dict(SCALAR_CASES)
+VARLEN_SCALAR_CASES["alibi_slopes"] = [c for c in SCALAR_CASES["alibi_slopes"]] + [
+    ("padded_batch", np.ones((B, HQ), F32), ValueError)]
+VARLEN_SCALAR_CASES["mask"] = [c for c in SCALAR_CASES["mask"] if c[0] != "bad_heads"] + [
+    ("padded_shape", np.ones((SQ, SK), bool), ValueError)]
+VARLEN_SCALAR_CASES["bias"] = [c for c in SCALAR_CASES["bias"] if c[0] not in ("bad_heads", "bad_batch")] + [
+    ("padded_shape", np.ones((B, 1, SQ, SK), F32), ValueError)]
+
+
+def _build_cases():
+    cases = []   # (function, argument, label, value, exception)
+
+    def add(fns, arg, entries):
+        for fn in fns:
+            for label, value, exc in entries:
+                cases.append((fn, arg, label, value, exc))
+
+    for fn in FUNCTIONS:
+        for arg, x in GOOD[fn].items():
+            if arg.startswith("cu_seqlens"):
+                rows = TQ if arg.endswith("q") else TK
+                add([fn], arg, int_array_cases(x, optional=False) + _cu_cases(x, rows))
+            else:
+                add([fn], arg, float_tensor_cases(x))
+        table = VARLEN_SCALAR_CASES if fn in VARLEN else SCALAR_CASES
+        for arg, entries in table.items():
+            add([fn], arg, entries)
+    # lengths
+    add(PADDED, "seqlens_q", int_array_cases(SEQLENS, optional=True)
+        + [("past_sq", np.array([SQ + 1, 1]), ValueError)])
+    add(PADDED, "seqlens_k", int_array_cases(SEQLENS, optional=True)
+        + [("past_sk", np.array([1, SK + 1]), ValueError)])
+    add(VARLEN, "seqused_q", int_array_cases(SEQUSED_Q, optional=True)
+        + [("past_segment", np.array([3, 1, 5]), ValueError)])
+    add(VARLEN, "seqused_k", int_array_cases(SEQUSED_K, optional=True)
+        + [("past_segment", np.array([4, 3, 0]), ValueError)])
+    for arg, longest in (("max_seqlen_q", 6), ("max_seqlen_k", 4)):
+        add(VARLEN, arg, [("float", float(longest), TypeError), ("bool", True, TypeError),
+                          ("str", str(longest), TypeError), ("array", np.array([longest]), TypeError),
+                          ("negative", -1, ValueError), ("too_small", longest - 1, ValueError),
+                          ("past_int32", 2 ** 31, ValueError), ("huge", 2 ** 62, ValueError)])
+    # layout (padded only) and the flags
+    add(PADDED, "layout", [("thd", "thd", ValueError), ("sbhd", "sbhd", ValueError),
+                           ("upper", "BSHD", ValueError), ("none", None, ValueError),
+                           ("list", ["bshd"], ValueError)])
+    add(FORWARD, "return_lse", [("str", "yes", TypeError), ("int", 1, TypeError),
+                                ("none", None, TypeError), ("array", np.array([1, 0]), TypeError)])
+    add(BACKWARD, "deterministic", [("str", "yes", TypeError), ("int", 1, TypeError),
+                                    ("none", None, TypeError)])
+    return cases
+
+
+BAD_INPUTS = _build_cases()
+
+
+def _id(case):
+    fn, arg, label = case[:3]
+    return f"{fn}-{arg}-{label}"
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[_id(c) for c in BAD_INPUTS])
+def test_bad_input(case):
+    fn, arg, label, value, exc = case
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(exc) as info:
+            call(fn, **{arg: value})
+    message = str(info.value)
+    assert re.search(rf"\b{re.escape(arg)}\b", message), f"{exc.__name__} does not name {arg}: {message}"
+
+
+# --- mixed dtypes, disagreeing shapes, unknown keywords: several arguments at once ---
+
+def _mixed_cases():
+    cases = []
+    for fn in FUNCTIONS:
+        g = GOOD[fn]
+        for dt in (F64, F16, BF16):
+            cases.append((fn, f"k_{np.dtype(dt).name}", dict(k=g["k"].astype(dt)), TypeError, "q, k and v"))
+        cases.append((fn, "v_f64_q_f16", dict(q=g["q"].astype(F16), v=g["v"].astype(F64)), TypeError, "q, k and v"))
+        cases.append((fn, "k_fewer_rows_than_v", dict(k=g["k"][:-1] if fn in VARLEN else g["k"][:, :-1]),
+                      ValueError, "shapes disagree"))
+        cases.append((fn, "k_other_head_dim", dict(k=g["k"][..., :-1]), ValueError, "shapes disagree"))
+        cases.append((fn, "v_other_heads", dict(v=g["v"][..., :1, :]), ValueError, "shapes disagree"))
+        cases.append((fn, "hq_not_multiple_of_hk",
+                      dict(k=np.ones(g["k"].shape[:-2] + (3, D), F32), v=np.ones(g["v"].shape[:-2] + (3, DV), F32)),
+                      ValueError, r"query heads \(4\) must be a multiple of key/value heads \(3\)"))
+        cases.append((fn, "head_dim_257",
+                      dict(q=np.ones(g["q"].shape[:-1] + (257,), F32), k=np.ones(g["k"].shape[:-1] + (257,), F32)),
+                      ValueError, r"head dim D = 257"))
+        for kw in ("casual", "dropout_p", "seqlen_q", "is_causal", "attn_mask"):
+            cases.append((fn, f"unknown_keyword_{kw}", {kw: True}, TypeError, rf"unexpected keyword argument '{kw}'"))
+    for fn in BACKWARD:
+        cases += [(fn, "return_lse_keyword", dict(return_lse=True), TypeError, "return_lse"),
+                  (fn, "out_of_place_keyword", dict(out_=None), TypeError, "out_")]
+    for fn in FORWARD:
+        cases.append((fn, "deterministic_keyword", dict(deterministic=True), TypeError, "deterministic"))
+    for fn in VARLEN:
+        cases += [(fn, "layout_keyword", dict(layout="thd"), TypeError, "layout"),
+                  (fn, "seqlens_keyword", dict(seqlens_q=np.array([1, 1, 1])), TypeError, "seqlens_q")]
+    return cases
+
+
+BAD_COMBINATIONS = _mixed_cases()
+
+
+@pytest.mark.parametrize("fn, label, changes, exc, match", BAD_COMBINATIONS,
+                         ids=[f"{c[0]}-{c[1]}" for c in BAD_COMBINATIONS])
+def test_bad_input_combination(fn, label, changes, exc, match):
+    with pytest.raises(exc, match=match):
+        call(fn, **changes)
+
+
+@pytest.mark.parametrize("fn", FUNCTIONS)
+def test_bad_input_extra_positional(fn):
+    with pytest.raises(TypeError, match="positional argument"):
+        getattr(attnext, fn)(*GOOD[fn].values(), True)
+
+
+def test_bad_input_info_takes_nothing():
+    with pytest.raises(TypeError):
+        attnext.info(1)
+    with pytest.raises(TypeError):
+        attnext.info(device="cpu")
+
+
+# --- out= ---
+
+def _out_cases():
+    cases = []
+    for fn, shape in (("attention", OUT.shape), ("varlen_attention", VOUT.shape)):
+        g = GOOD[fn]
+        good = np.zeros(shape, F32)
+        zero_stride = np.lib.stride_tricks.as_strided(np.zeros(shape[-1], F32), shape,
+                                                      (0,) * (len(shape) - 1) + (4,))
+        cases += [
+            (fn, "wider", np.empty(shape[:-1] + (shape[-1] + 1,), F32), ValueError),
+            (fn, "rank_plus_1", good[None], ValueError),
+            (fn, "transposed", np.empty(shape[::-1], F32), ValueError),
+            (fn, "f64", good.astype(F64), ValueError), (fn, "f16", good.astype(F16), ValueError),
+            (fn, "int32", good.astype(np.int32), ValueError),
+            (fn, "big_endian", _big_endian(good), ValueError),
+            (fn, "list", good.tolist(), TypeError), (fn, "str", "out", TypeError),
+            (fn, "read_only", _read_only(good), ValueError),
+            (fn, "zero_stride", zero_stride, ValueError),
+        ]
+        # aliasing an input: out and the input are views of one buffer
+        for name in ("q", "k", "v"):
+            buf = np.zeros(max(good.size, g[name].size), F32)
+            x = buf[:g[name].size].reshape(g[name].shape)
+            x[...] = g[name]
+            cases.append((fn, f"aliases_{name}", (name, x, buf[:good.size].reshape(shape)), ValueError))
+        bias = np.zeros(good.size, F32)
+        cols = SK if fn == "attention" else 4      # varlen: max_seqlen_k
+        cases.append((fn, "aliases_bias", ("bias", bias[:cols], bias.reshape(shape)), ValueError))
+    return cases
+
+
+BAD_OUTS = _out_cases()
+
+
+@pytest.mark.parametrize("fn, label, value, exc", BAD_OUTS, ids=[f"{c[0]}-{c[1]}" for c in BAD_OUTS])
+def test_bad_input_out(fn, label, value, exc):
+    changes = {}
+    if isinstance(value, tuple):
+        name, shared, value = value
+        changes[name] = shared
+    with pytest.raises(exc, match=r"\bout\b"):
+        call(fn, out=value, **changes)
+
+
+# --- backward inputs that do not match the forward ---
+
+def _mismatch_cases():
+    lse_f64, out_bhsd = LSE.astype(F64), OUT.transpose(0, 2, 1, 3)
+    other_out, other_lse = attnext.attention(Q[:, :4], K, V, device="cpu", return_lse=True)
+    cases = [
+        ("attention_backward", "dout", other_out, ValueError),
+        ("attention_backward", "out", other_out, ValueError),
+        ("attention_backward", "lse", other_lse, ValueError),
+        ("attention_backward", "lse", lse_f64, ValueError),
+        ("attention_backward", "lse", LSE.transpose(0, 2, 1), ValueError),
+        ("attention_backward", "lse", LSE[..., None], ValueError),
+        ("attention_backward", "lse", VLSE, ValueError),
+        ("attention_backward", "out", out_bhsd, ValueError),
+        ("attention_backward", "dout", DOUT.astype(F64), ValueError),
+        ("attention_backward", "out", OUT[..., :-1], ValueError),
+        ("varlen_attention_backward", "lse", LSE, ValueError),
+        ("varlen_attention_backward", "lse", VLSE.T, ValueError),
+        ("varlen_attention_backward", "lse", VLSE[:, :-1], ValueError),
+        ("varlen_attention_backward", "out", VOUT[:-1], ValueError),
+        ("varlen_attention_backward", "dout", VDOUT[None], ValueError),
+        ("varlen_attention_backward", "dout", VDOUT.astype(F16), ValueError),
+    ]
+    return cases
+
+
+BAD_MISMATCHES = _mismatch_cases()
+
+
+@pytest.mark.parametrize("fn, arg, value, exc", BAD_MISMATCHES,
+                         ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(BAD_MISMATCHES)])
+def test_bad_input_backward_mismatch(fn, arg, value, exc):
+    with pytest.raises(exc, match=rf"\b{arg}\b"):
+        call(fn, **{arg: value})
+
+
+def test_backward_of_a_varlen_forward_with_other_lengths():
+    """Lengths that differ from the forward's but fit the same packed tensors cannot be detected;
+    they run (the gradient is then of another problem) and must not crash."""
+    g = call("varlen_attention_backward", cu_seqlens_q=np.array([0, 1, 2, 3]))
+    assert g.dq.shape == VQ.shape
+
+
+# --- sizes past the machine's memory: MemoryError before any allocation or work ---
+
+def _broadcast(shape, dtype=F32):
+    """A full-looking array of any size that owns one element (stride 0 everywhere)."""
+    return np.broadcast_to(np.ones((1,) * len(shape), dtype), shape)
+
+
+HUGE = [
+    # (function, arguments): out alone would be 1 TiB; the last overflows 2**63 bytes
+    ("attention", dict(q=_broadcast((2 ** 16, 2 ** 16, 8, 8)), k=_broadcast((2 ** 16, 1, 8, 8)),
+                       v=_broadcast((2 ** 16, 1, 8, 8)))),
+    ("attention", dict(q=_broadcast((1, 2 ** 34, 1, 16)), k=_broadcast((1, 1, 1, 16)),
+                       v=_broadcast((1, 1, 1, 16)), return_lse=True)),
+    ("attention", dict(q=_broadcast((2 ** 24, 2 ** 24, 128, 1)), k=_broadcast((2 ** 24, 1, 1, 1)),
+                       v=_broadcast((2 ** 24, 1, 1, 256)))),
+    ("attention", dict(q=_broadcast((1, 2 ** 20, 1, 16)), k=_broadcast((1, 2 ** 36, 1, 16)),
+                       v=_broadcast((1, 2 ** 36, 1, 16)))),
+    ("varlen_attention", dict(q=_broadcast((2 ** 38, 2, 16)), k=_broadcast((4, 2, 16)),
+                              v=_broadcast((4, 2, 16)), cu_seqlens_q=np.array([0, 2]),
+                              cu_seqlens_k=np.array([0, 4]))),
+    ("attention_backward", dict(dout=_broadcast((2 ** 16, 2 ** 16, 8, 8)), q=_broadcast((2 ** 16, 2 ** 16, 8, 8)),
+                                k=_broadcast((2 ** 16, 1, 8, 8)), v=_broadcast((2 ** 16, 1, 8, 8)),
+                                out=_broadcast((2 ** 16, 2 ** 16, 8, 8)), lse=_broadcast((2 ** 16, 8, 2 ** 16)))),
+    ("varlen_attention_backward", dict(dout=_broadcast((2 ** 38, 2, 16)), q=_broadcast((2 ** 38, 2, 16)),
+                                       k=_broadcast((4, 2, 16)), v=_broadcast((4, 2, 16)),
+                                       out=_broadcast((2 ** 38, 2, 16)), lse=_broadcast((2, 2 ** 38)),
+                                       cu_seqlens_q=np.array([0, 2]), cu_seqlens_k=np.array([0, 4]))),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", "reference"])
+@pytest.mark.parametrize("fn, args", HUGE, ids=[f"{c[0]}-{i}" for i, c in enumerate(HUGE)])
+def test_bad_input_past_memory(fn, args, device, monkeypatch):
+    def no_work(*a, **kw):
+        raise AssertionError("work started before the size was refused")
+
+    for name in ("forward", "backward"):
+        monkeypatch.setattr(attnext.api._C, name, no_work)
+    monkeypatch.setattr(attnext.api, "_new_output", no_work)
+    for name in ("attention", "varlen_attention", "attention_backward", "varlen_attention_backward"):
+        monkeypatch.setattr(attnext.api.reference, name, no_work)
+    with pytest.raises(MemoryError, match=r"GiB.*more than this machine's memory") as info:
+        getattr(attnext, fn)(**args, device=device)
+    assert re.search(r"\bq \(", str(info.value)), str(info.value)
+
+
+# --- zero-size dimensions: empty results, never errors, forward and backward ---
+
+ZERO_PADDED = [  # (B, Sq, Sk, Hq, Hk)
+    (0, 5, 7, 4, 2), (2, 0, 7, 4, 2), (2, 5, 0, 4, 2), (0, 0, 0, 4, 2), (2, 0, 0, 4, 2),
+    (2, 5, 7, 0, 2), (0, 5, 7, 0, 2), (1, 1, 0, 1, 1), (3, 0, 1, 2, 1),
+]
+ZERO_OPTIONS = {
+    "plain": {}, "causal": dict(causal=True), "top_left": dict(causal="top_left"),
+    "window": dict(window=(2, 0)), "softcap": dict(softcap=5.0),
+    "bias_mask": dict(bias=np.ones(1, F32), mask=np.ones(1, bool)),
+    "alibi": "alibi", "seqlens": "seqlens",
+}
+
+
+def _opts(name, b, hq, sq, sk):
+    o = ZERO_OPTIONS[name]
+    if o == "alibi":
+        return dict(alibi_slopes=np.ones((b, hq), F32))
+    if o == "seqlens":
+        return dict(seqlens_q=np.full(b, sq), seqlens_k=np.zeros(b, np.int64))
+    return o
+
+
+@pytest.mark.parametrize("opt", list(ZERO_OPTIONS))
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("dims", ZERO_PADDED, ids=["B{}_Sq{}_Sk{}_Hq{}_Hk{}".format(*d) for d in ZERO_PADDED])
+def test_zero_size_padded(dims, layout, opt):
+    b, sq, sk, hq, hk = dims
+    seed = zlib.crc32(repr((dims, layout, opt)).encode())
+
+    def arr(s, h, n):
+        return _randn(seed, (b, s, h, n) if layout == "bshd" else (b, h, s, n), F32)
+
+    q, k, v = arr(sq, hq, D), arr(sk, hk, D), arr(sk, hk, DV)
+    opts = dict(layout=layout, device="cpu", **_opts(opt, b, hq, sq, sk))
+    out, lse = attnext.attention(q, k, v, return_lse=True, **opts)
+    want = (b, sq, hq, DV) if layout == "bshd" else (b, hq, sq, DV)
+    assert out.shape == want and lse.shape == (b, hq, sq) and out.dtype == F32
+    if sk == 0 or opt == "seqlens":
+        assert (out == 0).all() and (lse == -np.inf).all()
+    g = attnext.attention_backward(np.ones(want, F32), q, k, v, out, lse, **opts)
+    assert (g.dq.shape, g.dk.shape, g.dv.shape) == (q.shape, k.shape, v.shape)
+    assert all(np.isfinite(x).all() for x in g[:3])
+    if "bias" in opts:
+        assert g.dbias.shape == (1,) and np.isfinite(g.dbias).all()
+
+
+ZERO_VARLEN = [  # (Tq, Tk, cu_q, cu_k, seqused_q, seqused_k)
+    (0, 6, [0, 0], [0, 6], None, None), (5, 0, [0, 5], [0, 0], None, None),
+    (0, 0, [0, 0, 0], [0, 0, 0], None, None), (0, 0, [0], [0], None, None),
+    (4, 3, [0], [0], None, None), (6, 5, [0, 3, 6], [0, 2, 5], [0, 0], [2, 3]),
+    (6, 5, [0, 3, 6], [0, 2, 5], [3, 1], [0, 0]),
+]
+
+
+@pytest.mark.parametrize("opt", ["plain", "causal", "window", "bias_mask", "alibi"])
+@pytest.mark.parametrize("case", ZERO_VARLEN, ids=[f"Tq{c[0]}_Tk{c[1]}_nseq{len(c[2]) - 1}_{i}"
+                                                   for i, c in enumerate(ZERO_VARLEN)])
+def test_zero_size_varlen(case, opt):
+    tq, tk, cu_q, cu_k, used_q, used_k = case
+    nseq = len(cu_q) - 1
+    q, k, v = _randn(1, (tq, HQ, D)), _randn(2, (tk, HK, D)), _randn(3, (tk, HK, DV))
+    lengths = dict(cu_seqlens_q=np.array(cu_q), cu_seqlens_k=np.array(cu_k))
+    if used_q is not None:
+        lengths.update(seqused_q=np.array(used_q), seqused_k=np.array(used_k))
+    opts = _opts(opt, nseq, HQ, 0, 0)
+    out, lse = attnext.varlen_attention(q, k, v, **lengths, return_lse=True, device="cpu", **opts)
+    assert out.shape == (tq, HQ, DV) and lse.shape == (HQ, tq)
+    assert (out == 0).all() and (lse == -np.inf).all()
+    g = attnext.varlen_attention_backward(np.ones_like(out), q, k, v, out, lse, **lengths,
+                                          device="cpu", **opts)
+    assert (g.dq.shape, g.dk.shape, g.dv.shape) == (q.shape, k.shape, v.shape)
+    assert all((x == 0).all() for x in g[:3])
+
+
+# --- inputs are never modified; read-only inputs work ---
+
+def _checksum(x):
+    return zlib.crc32(np.ascontiguousarray(x).view(np.uint8).tobytes()), x.shape, x.dtype, x.strides
+
+
+UNCHANGED_OPTIONS = {
+    "plain": {}, "causal_window": dict(causal=True, window=(3, 1)),
+    "bias_mask_alibi": "arrays", "softcap_scale": dict(softcap=3.0, scale=0.7),
+    "score_mod": "mods",
+}
+
+
+def _option_arrays(opt, varlen):
+    o = UNCHANGED_OPTIONS[opt]
+    if o == "arrays":
+        rows, cols = (5, 4) if varlen else (SQ, SK)   # varlen: the longest seqused
+        return dict(bias=_randn(9, (HQ, rows, cols)), mask=np.random.default_rng(10).random((rows, cols)) < 0.8,
+                    alibi_slopes=np.abs(_randn(11, (HQ,))))
+    if o == "mods":
+        table = _randn(12, (HQ, 16))
+        return dict(score_mod=lambda s, b, h, qi, ki: s + table[h, np.abs(qi - ki) % 16],
+                    mask_mod=lambda b, h, qi, ki: (qi + ki) % 3 != 0)
+    return dict(o)
+
+
+@pytest.mark.parametrize("read_only", [False, True], ids=["writeable", "read_only"])
+@pytest.mark.parametrize("opt", list(UNCHANGED_OPTIONS))
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
+@pytest.mark.parametrize("dtype", [F16, BF16, F32, F64], ids=["f16", "bf16", "f32", "f64"])
+def test_inputs_never_modified(dtype, varlen, opt, read_only):
+    if varlen:
+        arrays = dict(q=VQ.astype(dtype), k=VK.astype(dtype), v=VV.astype(dtype),
+                      cu_seqlens_q=CU_Q.copy(), cu_seqlens_k=CU_K.copy(),
+                      seqused_q=SEQUSED_Q.copy(), seqused_k=SEQUSED_K.copy())
+        fwd, bwd = attnext.varlen_attention, attnext.varlen_attention_backward
+    else:
+        arrays = dict(q=Q.astype(dtype), k=K.astype(dtype), v=V.astype(dtype), seqlens_q=SEQLENS.copy())
+        fwd, bwd = attnext.attention, attnext.attention_backward
+    arrays.update(_option_arrays(opt, varlen))
+    if read_only:
+        for name, x in arrays.items():
+            if isinstance(x, np.ndarray):
+                x.flags.writeable = False
+    before = {n: _checksum(x) for n, x in arrays.items() if isinstance(x, np.ndarray)}
+    out, lse = fwd(**arrays, return_lse=True, device="cpu")
+    dout = _randn(13, out.shape, dtype)
+    if read_only:
+        for x in (out, lse, dout):
+            x.flags.writeable = False
+    seen = {"out": _checksum(out), "lse": _checksum(lse), "dout": _checksum(dout)}
+    g = bwd(dout, out=out, lse=lse, **arrays, device="cpu")
+    after = {n: _checksum(x) for n, x in arrays.items() if isinstance(x, np.ndarray)}
+    assert after == before
+    assert {"out": _checksum(out), "lse": _checksum(lse), "dout": _checksum(dout)} == seen
+    assert g.dq.shape == arrays["q"].shape
+
+
+# --- NaN and Inf in the data propagate as IEEE arithmetic says; never a crash ---
+
+NONFINITE = [("q", (0, 2, 1, 3)), ("k", (1, 3, 0, 0)), ("v", (0, 4, 1, 5)), ("bias", (0, 1, 2, 3))]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "minus_inf"])
+@pytest.mark.parametrize("where, index", NONFINITE, ids=[w for w, _ in NONFINITE])
+@pytest.mark.parametrize("dtype", [F16, BF16, F32, F64], ids=["f16", "bf16", "f32", "f64"])
+def test_nonfinite_data_propagate(dtype, where, index, value, causal):
+    """out is NaN exactly where the reference's is (a NaN or +inf score poisons its row, a NaN key
+    every row that sees it), lse is non-finite exactly where the reference's is, and no NaN of the
+    reference's gradients goes missing (the backend may have more: 0 * NaN is NaN)."""
+    arrays = dict(q=_randn(21, (2, 9, 2, 8), dtype), k=_randn(22, (2, 11, 2, 8), dtype),
+                  v=_randn(23, (2, 11, 2, 8), dtype), bias=_randn(24, (2, 2, 9, 11), F32))
+    arrays[where][index] = value
+    opts = dict(causal=causal, bias=arrays.pop("bias"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out, lse = attnext.attention(**arrays, **opts, return_lse=True, device="cpu")
+        r_out, r_lse = reference.attention(**arrays, **opts, return_lse=True)
+        assert np.array_equal(np.isnan(out), np.isnan(r_out))
+        assert np.array_equal(np.isfinite(lse), np.isfinite(r_lse))
+        assert np.array_equal(lse == -np.inf, r_lse == -np.inf)
+        finite = np.isfinite(r_out)
+        tol = 1e-10 if dtype == F64 else 1e-5 if dtype == F32 else 5e-2
+        np.testing.assert_allclose(out[finite].astype(F64), r_out[finite], rtol=tol, atol=tol)
+        dout = _randn(25, out.shape, dtype)
+        g = attnext.attention_backward(dout, **arrays, out=out, lse=lse, **opts, device="cpu")
+        rg = reference.attention_backward(dout, **arrays, out=r_out.astype(dtype), lse=r_lse, **opts)
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), g[:4], rg[:4]):
+        lost = np.isnan(b.astype(F64)) & ~np.isnan(a.astype(F64))
+        assert not lost.any(), f"{name}: NaN of the reference's missing at {np.argwhere(lost)[:4].tolist()}"
