@@ -23,7 +23,7 @@ import types
 import ml_dtypes
 import numpy as np
 
-from . import _C, reference
+from . import _C, interp, reference
 from ._types import Grads
 from .devview import DevView
 
@@ -297,7 +297,7 @@ def _normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q
     o.cuda_stream = q.stream if o.on_gpu else 0
     if o.on_gpu and (o.score_mod is not None or o.mask_mod is not None):
         raise NotImplementedError("score_mod / mask_mod on CUDA arrays: the GPU code generator "
-                                  "is not built yet; pass NumPy arrays (they run on the reference)")
+                                  "is not built yet; pass NumPy arrays (they run on the CPU)")
     o.q, o.k, o.v = q, k, v
     if varlen:
         for name, x in (("q", q), ("k", k), ("v", v)):
@@ -513,7 +513,8 @@ def _problem(o, out4, lse3):
         mask=o.mask4, mask_heads=o.mask_heads,
         alibi=o.alibi, alibi_dtype=_DTYPE_CODES[o.alibi.dtype] if o.alibi is not None else 0,
         scale=o.scale_value, softcap=o.softcap_value, causal=o.causal_code,
-        window_left=o.window_left, window_right=o.window_right, num_threads=_num_threads())
+        window_left=o.window_left, window_right=o.window_right, num_threads=_num_threads(),
+        mods=None)
 
 
 def _as_bshd(o, x):
@@ -528,7 +529,13 @@ def _lse_3d(o, lse):
 
 
 def _runs_on_reference(o):
-    return o.device == "reference" or o.score_mod is not None or o.mask_mod is not None
+    return o.device == "reference"
+
+
+def _has_mods(o):
+    """score_mod / mask_mod with host arrays run on the CPU backend's interpreter, whatever the
+    device (the GPU code generator is not built yet)."""
+    return o.score_mod is not None or o.mask_mod is not None
 
 
 def _reference_kwargs(o):
@@ -563,13 +570,15 @@ def _forward(o):
             r_out, r_lse = reference.attention(o.q, o.k, o.v, return_lse=True, **_reference_kwargs(o))
         out[...] = r_out.astype(out.dtype)
         lse[...] = r_lse
-    elif o.device == "cuda":
+    elif o.device == "cuda" and not _has_mods(o):
         from . import cuda_backend
         cuda_backend.forward(o, out, lse)
     else:
         # the C backend writes through aligned element pointers; a misaligned out= gets a copy
         target = out if out.flags.aligned else _new_output(o.out_shape, o.q.dtype)
-        _C.forward(_problem(o, _as_bshd(o, target), _lse_3d(o, lse)))
+        prob = _problem(o, _as_bshd(o, target), _lse_3d(o, lse))
+        prob.mods = interp.bind(o.score_mod, o.mask_mod, o.acc_dtype)
+        _C.forward(prob)
         if target is not out:
             out[...] = target
     return (out, lse) if o.return_lse else out
@@ -639,7 +648,7 @@ def _backward(o, dout, out, lse, deterministic):
                          f"(as the forward returned it), got {lse.shape} and {lse.dtype}")
     if o.device == "cuda" and o.on_gpu:
         return _backward_on_gpu(o, dout, out, lse, deterministic)
-    on_host = o.device != "cuda" or _runs_on_reference(o)
+    on_host = o.device != "cuda" or _runs_on_reference(o) or _has_mods(o)
     if on_host and any(isinstance(x, DevView) for x in (dout, out, lse)):
         raise TypeError("dout, out and lse are CUDA arrays but q, k, v live on the host; pass all "
                         "of them on the GPU or all on the host")
@@ -656,7 +665,7 @@ def _backward(o, dout, out, lse, deterministic):
     dq = _new_output(o.q.shape, o.q.dtype)
     dk = _new_output(o.k.shape, o.q.dtype)
     dv = _new_output(o.v.shape, o.q.dtype)
-    if o.device == "cuda":
+    if o.device == "cuda" and not _has_mods(o):
         from . import cuda_backend
         dbias_acc = None
         if o.bias is not None:
@@ -668,6 +677,7 @@ def _backward(o, dout, out, lse, deterministic):
     prob.dout = _c_view(_as_bshd(o, dout))
     prob.dq, prob.dk, prob.dv = (_c_view(_as_bshd(o, x)) for x in (dq, dk, dv))
     prob.dbias = dbias_acc = None
+    prob.mods = interp.bind(o.score_mod, o.mask_mod, o.acc_dtype, backward=True)
     if o.bias is not None:
         # accumulate into the bias's own (compact) shape; broadcast dims get stride 0
         compact = o.bias.reshape((1,) * (4 - o.bias.ndim) + o.bias.shape)
@@ -678,7 +688,7 @@ def _backward(o, dout, out, lse, deterministic):
         prob.dbias = np.lib.stride_tricks.as_strided(dbias_acc, target, strides)
     _C.backward(prob)
     dbias = None if dbias_acc is None else dbias_acc.reshape(o.bias.shape).astype(o.bias.dtype)
-    return Grads(dq, dk, dv, dbias, {})
+    return Grads(dq, dk, dv, dbias, interp.dtensors(prob.mods))
 
 
 def _backward_on_gpu(o, dout, out, lse, deterministic):
@@ -724,6 +734,22 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     return _backward(o, dout, out, lse, deterministic)
 
 
+# The caches of compiled score_mod / mask_mod programs, by backend: name -> function returning
+# a dict with at least hits, misses, compiles and compile_seconds (the CUDA kernels' cache can
+# join here when its code generator lands).
+_PROGRAM_CACHES = {"cpu": interp.cache_info}
+
+
+def cache_info():
+    """Counters of the score_mod / mask_mod program caches: hits, misses, compiles and
+    compile_seconds summed over the backends, and each backend's own counters under its name
+    ("cpu": the interpreter's lowered programs, keyed by the graph's structure)."""
+    per = {name: fn() for name, fn in _PROGRAM_CACHES.items()}
+    total = {k: sum(p[k] for p in per.values())
+             for k in ("hits", "misses", "compiles", "compile_seconds")}
+    return {**total, **per}
+
+
 def info():
     """What this build can run, and why not where it cannot."""
     from . import __version__, cuda_backend, kernels
@@ -745,8 +771,9 @@ def info():
                    f"{'OpenMP, %d threads' % _C.openmp_threads() if _C.openmp_threads() else 'no OpenMP: serial'})",
             "cuda": "usable (float16, bfloat16)" if not why else f"unavailable: {why}",
         },
-        "score_mod": "cpu and cuda: run by the NumPy reference for NumPy inputs (the interpreter and "
-                     "the code generator are not built yet)",
+        "score_mod": "NumPy inputs: the CPU backend's interpreter (forward, backward, mask_mod block "
+                     "skipping), whatever the device; CUDA arrays: not yet (the code generator "
+                     "is not built)",
         "device_name": device_name,
         "nvrtc_version": nvrtc,
         "cache_dir": cache["cache_dir"] if cache else None,

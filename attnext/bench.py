@@ -1,4 +1,5 @@
-"""Forward and backward timings: attnext against PyTorch's SDPA and the float64 reference.
+"""Forward and backward timings: attnext against PyTorch's SDPA and the float64 reference, and a
+score_mod (tanh softcap, run by the CPU interpreter) against its built-in twin softcap=.
 
     python -m attnext.bench [--device cpu] [--quick] [--reps N] [--rows TEXT] [--json PATH]
     python -m attnext.bench --device cuda ...     the GPU benchmark: attnext/bench_cuda.py
@@ -205,6 +206,73 @@ def _ratio(a, b):
     return None if a is None or b is None else a / b
 
 
+# --- score_mod against its built-in twin --------------------------------------------------------
+
+SOFTCAP = 20.0
+SCORE_MOD_TARGET = 1.5       # the issue's bound: a score_mod at most 1.5x its built-in twin
+
+
+def _softcap_mod(cap):
+    return lambda score, b, h, q_idx, kv_idx: cap * np.tanh(score / cap)
+
+
+def score_mod_cases(quick):
+    if quick:
+        return [Case(1, 256, 64, True)]
+    return [Case(1, S, 64, c) for S in (1024, 4096) for c in (False, True)] + [
+        Case(1, 2048, 128, True)]
+
+
+def run_score_mod_case(case, args):
+    """score_mod tanh softcap against softcap= on one shape, forward and backward, validated
+    against the reference (on the shape shrunk to about VALIDATE_S) before timing."""
+    name = f"softcap score_mod vs softcap= {case.name}"
+    row = {"case": name, "B": case.B, "H": H, "S": case.S, "D": case.D, "causal": case.causal,
+           "softcap": SOFTCAP}
+    mod = _softcap_mod(SOFTCAP)
+    variants = {"builtin": dict(softcap=SOFTCAP), "score_mod": dict(score_mod=mod)}
+    small = case.shrunk()
+    q, k, v, dout, _ = _inputs(small)
+    r_out, r_lse = reference.attention(q, k, v, causal=small.causal, softcap=SOFTCAP,
+                                       return_lse=True)
+    r_g = reference.attention_backward(dout, q, k, v, r_out, r_lse, causal=small.causal,
+                                       softcap=SOFTCAP)
+    for key, opts in variants.items():
+        out, lse = attnext.attention(q, k, v, causal=small.causal, return_lse=True, **opts)
+        g = attnext.attention_backward(dout, q, k, v, out, lse, causal=small.causal, **opts)
+        for what, got, want in (("out", out, r_out), ("dq", g.dq, r_g.dq), ("dk", g.dk, r_g.dk)):
+            err = float(np.max(np.abs(got - want))) / max(float(np.max(np.abs(want))), 1e-30)
+            if not err <= TOL:
+                row["error"] = f"FAIL: {key} {what} off by {err:.2e} on {small.name}"
+                return row
+    q, k, v, dout, _ = _inputs(case)
+    fns = {}
+    for key, opts in variants.items():
+        out, lse = attnext.attention(q, k, v, causal=case.causal, return_lse=True, **opts)
+        fns[f"{key}_fwd_ms"] = (lambda o=opts: attnext.attention(
+            q, k, v, causal=case.causal, return_lse=True, **o))
+        fns[f"{key}_bwd_ms"] = (lambda o=opts, out=out, lse=lse: attnext.attention_backward(
+            dout, q, k, v, out, lse, causal=case.causal, **o))
+    row["reps"] = reps = min(args.reps, 3) if case.flops() > BIG_ROW_FLOPS else args.reps
+    row.update(_time(fns, args.warmup, reps))
+    for d in ("fwd", "bwd"):
+        row[f"score_mod_over_builtin_{d}"] = row[f"score_mod_{d}_ms"] / row[f"builtin_{d}_ms"]
+    return row
+
+
+MOD_COLUMNS = [("case", "case", 58), ("builtin_fwd_ms", "softcap=", 9),
+               ("score_mod_fwd_ms", "score_mod", 10), ("score_mod_over_builtin_fwd", "mod/b", 6),
+               ("builtin_bwd_ms", "softcap=", 9), ("score_mod_bwd_ms", "score_mod", 10),
+               ("score_mod_over_builtin_bwd", "mod/b", 6)]
+
+
+def _format_mod_row(row):
+    if "error" in row:
+        return f"{row['case']:<{MOD_COLUMNS[0][2]}} {row['error']}"
+    return " ".join([f"{row['case']:<{MOD_COLUMNS[0][2]}}"]
+                    + [f"{_cell(row[key]):>{w}}" for key, _, w in MOD_COLUMNS[1:]])
+
+
 COLUMNS = [("case", "case", 35), ("attnext_fwd_ms", "fwd ms", 9), ("torch_fwd_ms", "torch", 9),
            ("torch_over_attnext_fwd", "t/ax", 6), ("reference_fwd_ms", "ref", 9),
            ("reference_over_attnext_fwd", "ref/ax", 7), ("attnext_bwd_ms", "bwd ms", 9),
@@ -281,10 +349,22 @@ def main(argv=None):
         print(_format_row(rows[-1]), flush=True)
     for note in sorted({r["note"] for r in rows if r["note"]}):
         print(f"* {note}")
+    mod_rows = []
+    mod_cases = [c for c in score_mod_cases(args.quick)
+                 if not args.rows or args.rows in f"softcap score_mod vs softcap= {c.name}"]
+    if mod_cases:
+        print(f"\nscore_mod tanh softcap (cap {SOFTCAP}, the CPU interpreter) against the built-in "
+              f"softcap=: forward and backward ms, mod/b = score_mod / built-in (target <= "
+              f"{SCORE_MOD_TARGET})")
+        print(" ".join(f"{title:<{w}}" if key == "case" else f"{title:>{w}}"
+                       for key, title, w in MOD_COLUMNS), flush=True)
+    for case in mod_cases:
+        mod_rows.append(run_score_mod_case(case, args))
+        print(_format_mod_row(mod_rows[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"header": header, "rows": rows}, f, indent=1)
-    return 1 if any("error" in r for r in rows) else 0
+            json.dump({"header": header, "rows": rows, "score_mod_rows": mod_rows}, f, indent=1)
+    return 1 if any("error" in r for r in rows + mod_rows) else 0
 
 
 if __name__ == "__main__":

@@ -42,15 +42,21 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from . import trace
 from ._types import Grads
 
 ROW_BLOCK = 128
 # Farther than any query is from any key: window sides are clamped to it so that int64 index
 # arithmetic cannot wrap (a side that large is as good as unbounded).
 _FAR = 2 ** 62
-# Central-difference step for score_mod' (relative to max(1, |s|)): eps ** (1/3) balances the
-# truncation error (~step**2) against the rounding error (~eps / step).
-_FD_STEP = np.finfo(np.float64).eps ** (1 / 3)
+# score_mod's derivatives (w.r.t. the score and its float arrays) are central differences,
+# each refined by one Richardson step (steps h and h / 2 cancel the h**2 term), at two step
+# sizes relative to max(1, |x|): _FD_BIG (eps ** (1/5): truncation ~h**4 and rounding ~eps / h
+# balance near 1e-12) where the two agree to _FD_AGREE, else _FD_SMALL (eps ** (1/3)), which
+# straddles a kink (np.abs, np.minimum, np.clip) only within 6e-6 of it.
+_FD_BIG = np.finfo(np.float64).eps ** (1 / 5)
+_FD_SMALL = np.finfo(np.float64).eps ** (1 / 3)
+_FD_AGREE = 1e-11
 
 
 def _bhsd(x, layout):
@@ -237,25 +243,81 @@ def _softmax(s3):
     return e / np.where(total > 0, total, 1.0), lse
 
 
-def _through_score_mod(score_mod, ds3, sc):
-    """dS2 = dS3 * score_mod'(s2) on the kept pairs, score_mod' by a central difference.
+def _derivative(quotient, x):
+    """A derivative at x (an array, or a scalar) from quotient(h), the central difference
+    quotient with steps h (an array like x), as the module's _FD_* constants say."""
+    scale = np.maximum(1.0, np.abs(np.asarray(x, dtype=np.float64)))
 
-    A pair whose dS3 is exactly 0 (P = 0: masked, or a -inf score) gets 0 whatever the
-    difference quotient is there.
-    """
-    ds2 = np.zeros_like(ds3)
+    def refined(h):
+        coarse, fine = quotient(h), quotient(h / 2)
+        return fine + (fine - coarse) / 3
+
+    with np.errstate(all="ignore"):
+        big, small = refined(_FD_BIG * scale), refined(_FD_SMALL * scale)
+        smooth = np.abs(big - small) <= _FD_AGREE * np.maximum(1.0, np.abs(small))
+        return np.where(smooth, big, small)
+
+
+def _kept(ds3, sc):
+    """(s2, dS3, pairs) at the kept pairs whose dS3 is not 0 (None if there is none): the only
+    pairs through which score_mod reaches the loss. A non-finite s2 is replaced by 0."""
     if sc.pairs is None:
-        return ds2
-    s = sc.s2[sc.keep]
-    s = np.where(np.isfinite(s), s, 0.0)
-    step = _FD_STEP * np.maximum(1.0, np.abs(s))
-    hi, lo = s + step, s - step
+        return None
     d = ds3[sc.keep]
+    live = d != 0
+    if not live.any():
+        return None
+    s = sc.s2[sc.keep][live]
+    return np.where(np.isfinite(s), s, 0.0), d[live], tuple(p[live] for p in sc.pairs)
+
+
+def _through_score_mod(score_mod, ds3, sc):
+    """dS2 = dS3 * score_mod'(s2) on the kept pairs (0 where dS3 is exactly 0: masked, or a
+    -inf score, whatever the difference quotient is there)."""
+    ds2 = np.zeros_like(ds3)
+    kept = _kept(ds3, sc)
+    if kept is None:
+        return ds2
+    s, d, pairs = kept
+
+    def quotient(h):
+        hi, lo = s + h, s - h
+        return (_call_score_mod(score_mod, hi, pairs)
+                - _call_score_mod(score_mod, lo, pairs)) / (hi - lo)
+
+    where = np.flatnonzero(sc.keep.ravel())[ds3[sc.keep] != 0]
     with np.errstate(invalid="ignore", over="ignore"):
-        slope = (_call_score_mod(score_mod, hi, sc.pairs)
-                 - _call_score_mod(score_mod, lo, sc.pairs)) / (hi - lo)
-        ds2[sc.keep] = np.where(d == 0, 0.0, d * slope)
+        ds2.ravel()[where] = d * _derivative(quotient, s)
     return ds2
+
+
+def _add_dtensors(score_mod, arrays, ds3, sc, dtensors):
+    """dtensors[name] += d(sum of dS3 * score_mod(s2)) / d array, for each float array the
+    score_mod captures, one element at a time on a float64 working copy (independent of the
+    tracer's symbolic derivative; keep the arrays small)."""
+    kept = _kept(ds3, sc)
+    if kept is None:
+        return
+    s, d, pairs = kept
+    for name, base in arrays.items():
+        work = np.array(base, dtype=np.float64)
+        fn = trace.with_arrays(score_mod, {name: work})
+        flat, acc = work.reshape(-1), dtensors[name].reshape(-1)
+        for e in range(flat.size):
+            x0 = flat[e]
+
+            def at(t):
+                flat[e] = t
+                try:
+                    return _call_score_mod(fn, s, pairs)
+                finally:
+                    flat[e] = x0
+
+            def quotient(h):
+                hi, lo = x0 + h, x0 - h
+                # pair by pair first: the pairs that do not read element e cancel exactly
+                return np.sum(d * (at(hi) - at(lo))) / (hi - lo)
+            acc[e] += _derivative(quotient, x0)
 
 
 def _forward(pb, return_lse):
@@ -274,6 +336,9 @@ def _backward(pb, dout):
     dq4, dk4, dv4 = (_bhsd(x, pb.layout) for x in (dq, dk, dv))
     dout4 = _bhsd(np.asarray(dout), pb.layout)
     dbias4 = None if pb.bias4 is None else np.zeros(pb.bias4.shape)
+    arrays = {} if pb.score_mod is None else {
+        n: a for n, a in trace.captured_arrays(pb.score_mod).items() if a.dtype.kind == "f"}
+    dtensors = {n: np.zeros(a.shape) for n, a in arrays.items()}
     for hd in pb.heads():
         keys = slice(hd.k0, hd.k0 + hd.lk)
         for r0, r1 in _row_blocks(hd.lq):
@@ -284,6 +349,7 @@ def _backward(pb, dout):
             dp = do @ hd.v.T
             ds = p * (dp - (p * dp).sum(axis=1, keepdims=True))   # dS3
             if pb.score_mod is not None:
+                _add_dtensors(pb.score_mod, arrays, ds, sc, dtensors)
                 ds = _through_score_mod(pb.score_mod, ds, sc)      # dS2
             if dbias4 is not None:
                 _, _, nr, nc = dbias4.shape
@@ -295,7 +361,7 @@ def _backward(pb, dout):
             dk4[hd.bk, hd.hk, keys] += pb.scale * (ds.T @ hd.q[r0:r1])
             dv4[hd.bk, hd.hk, keys] += p.T @ do
     dbias = None if dbias4 is None else dbias4.reshape(pb.bias_shape)
-    return Grads(dq, dk, dv, dbias, {})
+    return Grads(dq, dk, dv, dbias, dtensors)
 
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
@@ -345,8 +411,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
 
     The forward is recomputed: out and lse are not read. dq, dk, dv have the shapes of q, k, v
     (a broadcast k gets a full-shape dk); dbias has the bias's shape (summed over its broadcast
-    axes), None without a bias; padding and fully masked rows get zero gradients. The score_mod
-    derivative is a central difference; dtensors is {} for now.
+    axes), None without a bias; padding and fully masked rows get zero gradients. score_mod's
+    derivatives are extrapolated central differences; dtensors maps each float array the
+    score_mod captures (closure, globals, defaults) to its gradient, float64.
     """
     pb = _Problem(q, k, v, layout=layout, cu_q=None, cu_k=None, used_q=seqlens_q,
                   used_k=seqlens_k, causal=causal, window=window, scale=scale, softcap=softcap,

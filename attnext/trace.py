@@ -509,17 +509,15 @@ def _global_names(code):
     return names
 
 
-def _with_array_proxies(fn, graph):
-    """fn rebuilt so that the NumPy arrays it names are ArrayProxy objects (module docstring)."""
+def _rebound(fn, replace):
+    """fn rebuilt from the same code object with every NumPy array it names (closure cells,
+    globals named in its code, default arguments; module docstring) replaced by
+    replace(name, array). Non-function callables are returned as they are."""
     if not isinstance(fn, types.FunctionType):
         return fn
 
-    def proxy(name, value):
-        if not isinstance(value, np.ndarray):
-            return value
-        if value.ndim == 0:
-            return _load(graph, name, value, [])
-        return ArrayProxy(name, value, graph)
+    def swap(name, value):
+        return replace(name, value) if isinstance(value, np.ndarray) else value
 
     code = fn.__code__
     closure = fn.__closure__
@@ -531,22 +529,48 @@ def _with_array_proxies(fn, graph):
             except ValueError:   # an empty cell (a variable assigned later)
                 cells.append(cell)
                 continue
-            cells.append(types.CellType(proxy(name, value))
+            cells.append(types.CellType(swap(name, value))
                          if isinstance(value, np.ndarray) else cell)
         closure = tuple(cells)
     glob = fn.__globals__
     arrays = {n: glob[n] for n in _global_names(code) if isinstance(glob.get(n), np.ndarray)}
     if arrays:
         glob = dict(glob)
-        glob.update({n: proxy(n, a) for n, a in arrays.items()})
+        glob.update({n: swap(n, a) for n, a in arrays.items()})
     defaults = fn.__defaults__
     if defaults:
         pos = code.co_varnames[:code.co_argcount]
-        defaults = tuple(proxy(n, d) for n, d in zip(pos[len(pos) - len(defaults):], defaults))
+        defaults = tuple(swap(n, d) for n, d in zip(pos[len(pos) - len(defaults):], defaults))
     new = types.FunctionType(code, glob, fn.__name__, defaults, closure)
     if fn.__kwdefaults__:
-        new.__kwdefaults__ = {n: proxy(n, d) for n, d in fn.__kwdefaults__.items()}
+        new.__kwdefaults__ = {n: swap(n, d) for n, d in fn.__kwdefaults__.items()}
     return new
+
+
+def _with_array_proxies(fn, graph):
+    """fn rebuilt so that the NumPy arrays it names are ArrayProxy objects (module docstring)."""
+    def proxy(name, value):
+        if value.ndim == 0:
+            return _load(graph, name, value, [])
+        return ArrayProxy(name, value, graph)
+    return _rebound(fn, proxy)
+
+
+def captured_arrays(fn):
+    """name -> NumPy array, for every array fn names the way tracing captures them (closure,
+    globals named in its code, defaults), whether or not fn reads it."""
+    found = {}
+
+    def record(name, value):
+        found[name] = value
+        return value
+    _rebound(fn, record)
+    return found
+
+
+def with_arrays(fn, arrays):
+    """fn rebuilt with the captured arrays named in `arrays` (name -> array) replaced."""
+    return _rebound(fn, lambda name, value: arrays.get(name, value))
 
 
 class Traced(NamedTuple):

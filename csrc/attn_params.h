@@ -91,6 +91,9 @@ typedef struct {
     int num_splits;
 
     int num_threads;             /* <= 0: the OpenMP default */
+
+    /* CPU backend: the call's score_mod / mask_mod programs (interp.h); NULL without them */
+    const struct interp_mods *mods;
 } attn_params;
 
 #endif

@@ -11,6 +11,7 @@
 #include "block.h"
 #include "convert.h"
 #include "cpu.h"
+#include "interp.h"
 #include "seqlen.h"
 #include "simd.h"
 
@@ -20,7 +21,12 @@
 #define BQ 64
 #define BK 64
 #define MIN_BWD_TASKS 16
+/* most memory the backward spends on per-task copies of score_mod's array gradients */
+#define DTENSOR_BYTES ((double)(256 << 20))
 #define ROUND_UP(x, a) (((x) + (a) - 1) / (a) * (a))
+
+/* What a mask_mod does to a tile: drops every pair, keeps some, keeps every pair. */
+enum { TILE_EMPTY = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
 
 /* libgomp's worker pool does not survive fork(): a child entering a parallel region of several
  * threads waits forever for workers that were never copied into it. A forked child therefore

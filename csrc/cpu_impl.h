@@ -53,11 +53,13 @@ static int64_t FN(tiling_seq)(const FN(tiling) *t, int64_t B, int64_t g)
     return lo;   /* off[lo] <= g < off[lo + 1]: empty sequences are never returned */
 }
 
-static void *FN(alloc)(size_t n_elems)
+static void *FN(alloc_bytes)(size_t bytes)
 {
-    size_t bytes = (n_elems * sizeof(T) + 63) / 64 * 64;
-    return bytes ? aligned_alloc(64, bytes) : aligned_alloc(64, 64);
+    bytes = (bytes + 63) / 64 * 64;
+    return aligned_alloc(64, bytes ? bytes : 64);
 }
+
+static void *FN(alloc)(size_t n_elems) { return FN(alloc_bytes)(n_elems * sizeof(T)); }
 
 static int FN(nthreads)(const attn_params *p) { return cpu_threads(p->num_threads); }
 
@@ -142,12 +144,53 @@ static void FN(load_rows)(const tensor4 *t, attn_dtype dt, seq_t s, int64_t h, i
     }
 }
 
-/* The score pipeline of DESIGN.md steps 1-4 and 6 over a tile S[nr x n] of raw q.k products for
- * rows r0.., columns c0..: scale, softcap, bias, alibi, then -inf for every pair a mask drops.
- * With `tanh_out`, also stores tanh(s / softcap) for the backward. */
-static void FN(score_tile)(const attn_params *p, int64_t b, int64_t h, int64_t r0, int64_t nr,
-                           int64_t c0, int64_t n, int64_t Lq, int64_t Lk, T *S, T *tanh_out,
-                           T *rowbuf, unsigned char *maskbuf)
+/* A thread's buffers for score_mod / mask_mod (interp.h): the interpreter's registers, the kept
+ * pairs of a tile, the pairs inside the lengths, mask_mod's result, and (backward) the scores
+ * score_mod was given. All tiles are BQ x BK, row-major. */
+typedef struct {
+    void *scratch;
+    unsigned char *keep, *inside, *mk;
+    T *s2;
+} FN(mod_bufs);
+
+static int FN(mod_bufs_init)(FN(mod_bufs) *mb, const interp_mods *mods, int with_s2)
+{
+    memset(mb, 0, sizeof *mb);
+    if (!mods)
+        return 0;
+    mb->scratch = FN(alloc_bytes)((size_t)interp_scratch_bytes(mods, sizeof(T)));
+    mb->keep = (unsigned char *)malloc(BQ * BK);
+    mb->inside = (unsigned char *)malloc(BQ * BK);
+    mb->mk = (unsigned char *)malloc(BQ * BK);
+    if (with_s2 && interp_has(&mods->score))
+        mb->s2 = (T *)FN(alloc)(BQ * BK);
+    return mb->scratch && mb->keep && mb->inside && mb->mk
+           && (mb->s2 || !with_s2 || !interp_has(&mods->score)) ? 0 : -1;
+}
+
+static void FN(mod_bufs_free)(FN(mod_bufs) *mb)
+{
+    free(mb->scratch); free(mb->keep); free(mb->inside); free(mb->mk); free(mb->s2);
+}
+
+/* Marks pairs (i < nr, j < n) of a BQ x BK tile as inside the sequence lengths. */
+static void FN(mark_inside)(unsigned char *inside, int64_t nr, int64_t n)
+{
+    for (int64_t i = 0; i < nr; i++)
+        for (int64_t j = 0; j < BK; j++)
+            inside[i * BK + j] = j < n;
+}
+
+/* The score pipeline of DESIGN.md steps 1-6 over a tile S[nr x n] of raw q.k products for
+ * rows r0.., columns c0..: scale, softcap, bias, alibi, score_mod, then -inf for every pair a
+ * mask drops. With `tanh_out`, also stores tanh(s / softcap) for the backward. With score_mod or
+ * mask_mod (mb not NULL), the kept pairs are found first (mask_mod is skipped when mask_full: the
+ * block mask says it keeps the whole tile), score_mod runs on them only, mb->keep holds them
+ * afterwards and mb->s2 (when allocated) the scores score_mod was given. Returns 0, or -1 when a
+ * lookup was out of range (p->mods->err says where). */
+static int FN(score_tile)(const attn_params *p, int64_t b, int64_t h, int64_t r0, int64_t nr,
+                          int64_t c0, int64_t n, int64_t Lq, int64_t Lk, T *S, T *tanh_out,
+                          T *rowbuf, unsigned char *maskbuf, FN(mod_bufs) *mb, int mask_full)
 {
     const T scale = (T)p->scale, cap = (T)p->softcap;
     const int64_t off = Lk - Lq;
@@ -192,16 +235,48 @@ static void FN(score_tile)(const attn_params *p, int64_t b, int64_t h, int64_t r
                 + b * p->mask.s[0] + hm * p->mask.s[1] + r * p->mask.s[2] + c0 * p->mask.s[3];
             for (int64_t j = 0; j < n; j++)
                 maskbuf[j] = m[j * p->mask.s[3]];
+        }
+        if (mb) {
+            unsigned char *keep = mb->keep + i * BK;
+            for (int64_t j = 0; j < BK; j++)
+                keep[j] = j < n && c0 + j >= lo && c0 + j < hi && (!p->mask.ptr || maskbuf[j]);
+            for (int64_t j = n; j < BK; j++)
+                s[j] = 0;   /* columns past the keys: defined values for the interpreter */
+            continue;
+        }
+        if (p->mask.ptr)
             for (int64_t j = 0; j < n; j++)
                 if (!maskbuf[j])
                     s[j] = -INFINITY;
-        }
         for (int64_t j = 0; j < n; j++) {
             int64_t c = c0 + j;
             if (c < lo || c >= hi)
                 s[j] = -INFINITY;
         }
     }
+    if (!mb)
+        return 0;
+    const interp_mods *mods = p->mods;
+    const int64_t np = nr * BK;
+    if (interp_has(&mods->mask) && !mask_full) {
+        interp_tile t = {b, h, r0, c0, BK, np, mb->inside};
+        FN(mark_inside)(mb->inside, nr, n);
+        if (FN(interp_eval)(mods, &mods->mask, &t, NULL, NULL, NULL, mb->mk, NULL, mb->scratch))
+            return -1;
+        for (int64_t k = 0; k < np; k++)
+            mb->keep[k] &= mb->mk[k];
+    }
+    if (interp_has(&mods->score)) {
+        interp_tile t = {b, h, r0, c0, BK, np, mb->keep};
+        if (mb->s2)
+            memcpy(mb->s2, S, sizeof(T) * np);
+        if (FN(interp_eval)(mods, &mods->score, &t, S, NULL, S, NULL, NULL, mb->scratch))
+            return -1;
+    }
+    for (int64_t k = 0; k < np; k++)
+        if (!mb->keep[k])
+            S[k] = -INFINITY;
+    return 0;
 }
 
 /* True when a tile needs no per-element work beyond the scale: every pair kept, nothing added. */
@@ -210,6 +285,87 @@ static int FN(tile_is_plain)(const attn_params *p, int64_t r0, int64_t nr, int64
 {
     return !p->bias.ptr && !p->mask.ptr && !p->alibi.ptr && p->softcap <= 0
            && tile_inside_band(p, r0, r0 + nr, c0, c0 + n, Lq, Lk);
+}
+
+/* mask_mod's block mask: the state (TILE_EMPTY / TILE_PARTIAL / TILE_FULL, cpu.c) of every
+ * BQ x BK tile of every sequence, for each query head (or one for all heads when mask_mod does
+ * not read h). Tile (qt, kt) of sequence b, head slot hm lives at
+ * state[off[b] + (hm * nq(b) + qt) * nk(b) + kt], nq / nk the sequence's tiles: O(Lq Lk / tile^2)
+ * bytes. mask_mod is evaluated at every pair inside the lengths, as the reference does, so a
+ * lookup out of range there raises whatever the other masks say. */
+typedef struct {
+    FN(tiling) q, k;
+    int64_t *off, heads;
+    unsigned char *state;
+} FN(block_mask);
+
+static void FN(block_mask_free)(FN(block_mask) *bm)
+{
+    free(bm->q.off); free(bm->k.off); free(bm->off); free(bm->state);
+}
+
+static unsigned char FN(block_state)(const FN(block_mask) *bm, int64_t b, int64_t h, int64_t qt,
+                                     int64_t kt)
+{
+    const int64_t nq = bm->q.off[b + 1] - bm->q.off[b], nk = bm->k.off[b + 1] - bm->k.off[b];
+    const int64_t hm = bm->heads == 1 ? 0 : h;
+    return bm->state[bm->off[b] + (hm * nq + qt) * nk + kt];
+}
+
+/* 0, -1 when memory runs out, -2 when a lookup was out of range */
+static int FN(block_mask_build)(const attn_params *p, FN(block_mask) *bm)
+{
+    const interp_mods *mods = p->mods;
+    memset(bm, 0, sizeof *bm);
+    bm->heads = mods->mask_uses_h ? p->Hq : 1;
+    bm->off = (int64_t *)malloc(sizeof(int64_t) * (p->B + 1));
+    if (!bm->off || FN(tiling_init)(&bm->q, p, 1, BQ) || FN(tiling_init)(&bm->k, p, 0, BK))
+        return -1;
+    bm->off[0] = 0;
+    for (int64_t b = 0; b < p->B; b++)
+        bm->off[b + 1] = bm->off[b] + bm->heads * (bm->q.off[b + 1] - bm->q.off[b])
+                                      * (bm->k.off[b + 1] - bm->k.off[b]);
+    bm->state = (unsigned char *)malloc(bm->off[p->B] ? bm->off[p->B] : 1);
+    if (!bm->state)
+        return -1;
+    const int64_t n_tasks = bm->q.off[p->B] * bm->heads;
+    int err = 0;
+    const int nt = FN(nthreads)(p);
+#pragma omp parallel num_threads(nt)
+    {
+        FN(mod_bufs) mb;
+        int ok = !FN(mod_bufs_init)(&mb, mods, 0);
+        if (!ok) {
+#pragma omp atomic write
+            err = -1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < n_tasks; task++) {
+            int failed;
+#pragma omp atomic read
+            failed = mods->err->failed;
+            if (!ok || failed) continue;
+            const int64_t g = task / bm->heads, hm = task % bm->heads;
+            const int64_t b = FN(tiling_seq)(&bm->q, p->B, g), qt = g - bm->q.off[b];
+            const seq_t sq = seq_q(p, b), sk = seq_k(p, b);
+            const int64_t nq = bm->q.off[b + 1] - bm->q.off[b], nk = bm->k.off[b + 1] - bm->k.off[b];
+            const int64_t r0 = qt * BQ, nr = imin64(BQ, sq.len - r0);
+            unsigned char *st = bm->state + bm->off[b] + (hm * nq + qt) * nk;
+            for (int64_t kt = 0; kt < nk; kt++) {
+                const int64_t c0 = kt * BK, n = imin64(BK, sk.len - c0);
+                interp_tile t = {b, hm, r0, c0, BK, nr * BK, mb.inside};
+                FN(mark_inside)(mb.inside, nr, n);
+                if (FN(interp_eval)(mods, &mods->mask, &t, NULL, NULL, NULL, mb.mk, NULL, mb.scratch))
+                    break;
+                int64_t kept = 0;
+                for (int64_t k = 0; k < nr * BK; k++)
+                    kept += mb.mk[k] & mb.inside[k];
+                st[kt] = kept == 0 ? TILE_EMPTY : kept == nr * n ? TILE_FULL : TILE_PARTIAL;
+            }
+        }
+        FN(mod_bufs_free)(&mb);
+    }
+    return err ? err : mods->err->failed ? -2 : 0;
 }
 
 #define LOG2E 1.4426950408889634
@@ -224,8 +380,12 @@ int FN(cpu_forward)(const attn_params *p)
     const int64_t B = p->B, Hq = p->Hq, Hk = p->Hk, D = p->D, Dv = p->Dv;
     const int64_t DP = ROUND_UP(D, SIMD_N_ALIGN), DvP = ROUND_UP(Dv, SIMD_N_ALIGN);
     const int64_t G = Hq / Hk;
+    const interp_mods *mods = p->mods;
+    const int has_score_mod = mods && interp_has(&mods->score);
+    const int has_mask_mod = mods && interp_has(&mods->mask);
     int err = 0;
     FN(tiling) kt_tiles = {0};
+    FN(block_mask) bm = {0};
     T *kr = NULL, *vr = NULL;
     if (FN(tiling_init)(&kt_tiles, p, 0, BK))
         return -1;
@@ -242,6 +402,8 @@ int FN(cpu_forward)(const attn_params *p)
         max_rows = imax64(max_rows, seq_q(p, b).rows);
     const int64_t nqb = (max_rows + BQ - 1) / BQ;
     const int nt = FN(nthreads)(p);
+    if (has_mask_mod && (err = FN(block_mask_build)(p, &bm)))
+        goto done;
 
 #pragma omp parallel num_threads(nt)
     {
@@ -251,7 +413,9 @@ int FN(cpu_forward)(const attn_params *p)
         T *O = (T *)FN(alloc)(BQ * DvP);
         T *m = (T *)FN(alloc)(BQ), *l = (T *)FN(alloc)(BQ), *alpha = (T *)FN(alloc)(BQ);
         unsigned char *maskbuf = (unsigned char *)malloc(BK);
-        int ok = row && Qs && Qt && St && S && O && m && l && alpha && maskbuf;
+        FN(mod_bufs) mb;
+        int ok = !FN(mod_bufs_init)(&mb, mods, 0);
+        ok = ok && row && Qs && Qt && St && S && O && m && l && alpha && maskbuf;
         if (!ok) {
 #pragma omp atomic write
             err = -1;
@@ -265,7 +429,12 @@ int FN(cpu_forward)(const attn_params *p)
 
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < B * Hq * nqb; task++) {
-            if (!ok) continue;
+            int failed = 0;
+            if (mods) {
+#pragma omp atomic read
+                failed = mods->err->failed;
+            }
+            if (!ok || failed) continue;
             const int64_t b = task / (Hq * nqb), h = (task / nqb) % Hq, qb = task % nqb;
             const int64_t hk = h / G;
             const seq_t sq = seq_q(p, b), sk = seq_k(p, b);
@@ -290,14 +459,20 @@ int FN(cpu_forward)(const attn_params *p)
                 for (int64_t kb = imax64(lo, 0) / BK; kb * BK < hi; kb++) {
                     const int64_t c0 = kb * BK, n = imin64(BK, sk.len - c0);
                     const int64_t g = (kt_tiles.off[b] + kb) * Hk + hk;
+                    const int state = has_mask_mod ? FN(block_state)(&bm, b, h, qb, kb) : TILE_FULL;
+                    if (state == TILE_EMPTY)
+                        continue;
+                    const int mods_here = has_score_mod || state == TILE_PARTIAL;
                     OPS->gemm((int)ROUND_UP(n, SIMD_M_ALIGN), BQ, (int)D, kr + g * BK * DP, DP, Qt, BQ, St, BQ, 0);
                     T mult = (T)(p->scale * LOG2E);
-                    if (!FN(tile_is_plain)(p, r0, nr, c0, n, sq.len, sk.len)) {
+                    if (mods_here || !FN(tile_is_plain)(p, r0, nr, c0, n, sq.len, sk.len)) {
                         /* the per-element pipeline works on rows of queries */
                         for (int64_t i = 0; i < nr; i++)
                             for (int64_t j = 0; j < n; j++)
                                 S[i * BK + j] = St[j * BQ + i];
-                        FN(score_tile)(p, b, h, r0, nr, c0, n, sq.len, sk.len, S, NULL, row, maskbuf);
+                        if (FN(score_tile)(p, b, h, r0, nr, c0, n, sq.len, sk.len, S, NULL, row, maskbuf,
+                                           mods_here ? &mb : NULL, state == TILE_FULL))
+                            break;
                         for (int64_t j = 0; j < n; j++)
                             for (int64_t i = 0; i < nr; i++)
                                 St[j * BQ + i] = S[i * BK + j];
@@ -343,8 +518,12 @@ int FN(cpu_forward)(const attn_params *p)
         }
         free(row); free(Qs); free(Qt); free(St); free(S); free(O); free(m); free(l); free(alpha);
         free(maskbuf);
+        FN(mod_bufs_free)(&mb);
     }
+    if (!err && mods && mods->err->failed)
+        err = -2;
 done:
+    FN(block_mask_free)(&bm);
     free(kt_tiles.off);
     free(kr);
     free(vr);
@@ -377,8 +556,14 @@ int FN(cpu_backward)(const attn_params *p)
     const int64_t DP = ROUND_UP(D, SIMD_N_ALIGN), DvP = ROUND_UP(Dv, SIMD_N_ALIGN);
     const int64_t G = Hq / Hk;
     const int has_dbias = p->dbias.ptr != NULL;
+    const interp_mods *mods = p->mods;
+    const int has_score_mod = mods && interp_has(&mods->score);
+    const int has_mask_mod = mods && interp_has(&mods->mask);
+    const int64_t n_grad = has_score_mod ? mods->n_grad : 0;
     int err = 0;
     FN(tiling) kt_tiles = {0}, q_tiles = {0};
+    FN(block_mask) bm = {0};
+    double *dacc = NULL;
     T *kt = NULL, *kr = NULL, *vt = NULL, *qr = NULL, *dor = NULL, *lse2 = NULL, *delta = NULL,
       *dqp = NULL;
     if (FN(tiling_init)(&kt_tiles, p, 0, BK) || FN(tiling_init)(&q_tiles, p, 1, BQ)) {
@@ -388,10 +573,14 @@ int FN(cpu_backward)(const attn_params *p)
     const int64_t n_kv_tiles = kt_tiles.off[B] * Hk, n_q_tiles = q_tiles.off[B] * Hq;
 
     /* Tasks: (batch, kv head, key chunk). A dbias broadcast over batch, heads or columns would be
-     * written by several tasks at once, so such a dimension is walked inside one task instead. */
-    const int share_b = has_dbias && B > 1 && p->dbias.s[0] == 0;
-    const int share_h = has_dbias && Hk > 1 && p->bias_heads == 1;
-    const int share_c = has_dbias && p->dbias.s[3] == 0;
+     * written by several tasks at once, so such a dimension is walked inside one task instead.
+     * score_mod's array gradients are accumulated per task and summed in task order; when that
+     * would take more than DTENSOR_BYTES, one task walks everything. */
+    const int one_task = n_grad > 0 && (double)B * Hk * imax64(kt_tiles.max_tiles, 1) * n_grad
+                                       * sizeof(double) > DTENSOR_BYTES;
+    const int share_b = one_task || (has_dbias && B > 1 && p->dbias.s[0] == 0);
+    const int share_h = one_task || (has_dbias && Hk > 1 && p->bias_heads == 1);
+    const int share_c = one_task || (has_dbias && p->dbias.s[3] == 0);
     const int64_t TB = share_b ? 1 : B, TH = share_h ? 1 : Hk;
     const int64_t max_kb = kt_tiles.max_tiles, outer = imax64(TB * TH, 1);
     const int64_t NC = share_c ? 1 : imin64(imax64(max_kb, 1), (MIN_BWD_TASKS + outer - 1) / outer);
@@ -409,6 +598,13 @@ int FN(cpu_backward)(const attn_params *p)
         goto done;
     }
     memset(dqp, 0, sizeof(T) * (size_t)NC * n_q_tiles * BQ * DP);
+    const int64_t n_tasks = TB * TH * NC;
+    if (n_grad > 0 && !(dacc = (double *)calloc((size_t)(n_tasks * n_grad), sizeof(double)))) {
+        err = -1;
+        goto done;
+    }
+    if (has_mask_mod && (err = FN(block_mask_build)(p, &bm)))
+        goto done;
 
     const int nt = FN(nthreads)(p);
 #pragma omp parallel num_threads(nt)
@@ -419,7 +615,9 @@ int FN(cpu_backward)(const attn_params *p)
         T *th = (T *)FN(alloc)(BQ * BK);
         T *dK = (T *)FN(alloc)(BK * DP), *dV = (T *)FN(alloc)(BK * DvP);
         unsigned char *maskbuf = (unsigned char *)malloc(BK);
-        int ok = row && S && dP && th && dK && dV && maskbuf;
+        FN(mod_bufs) mb;
+        int ok = !FN(mod_bufs_init)(&mb, mods, 1);
+        ok = ok && row && S && dP && th && dK && dV && maskbuf;
         if (!ok) {
 #pragma omp atomic write
             err = -1;
@@ -453,9 +651,15 @@ int FN(cpu_backward)(const attn_params *p)
         }
 
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < TB * TH * NC; task++) {
-            if (!ok) continue;
+        for (int64_t task = 0; task < n_tasks; task++) {
+            int failed = 0;
+            if (mods) {
+#pragma omp atomic read
+                failed = mods->err->failed;
+            }
+            if (!ok || failed) continue;
             const int64_t tb = task / (TH * NC), task_hk = (task / NC) % TH, ch = task % NC;
+            double *task_dacc = dacc ? dacc + task * n_grad : NULL;
             for (int64_t b = share_b ? 0 : tb; b < (share_b ? B : tb + 1); b++) {
                 const seq_t sq = seq_q(p, b), sk = seq_k(p, b);
                 const int64_t nkb = kt_tiles.off[b + 1] - kt_tiles.off[b];
@@ -469,17 +673,25 @@ int FN(cpu_backward)(const attn_params *p)
                         int64_t qlo, qhi;
                         q_range(p, c0, c0 + n, sq.len, sk.len, &qlo, &qhi);
                         for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
-                            for (int64_t qb = imax64(qlo, 0) / BQ; qb * BQ < qhi; qb++) {
+                            for (int64_t qb = imax64(qlo, 0) / BQ; qb * BQ < qhi && !failed; qb++) {
                                 const int64_t r0 = qb * BQ, nr = imin64(BQ, sq.len - r0);
+                                const int state = has_mask_mod ? FN(block_state)(&bm, b, h, qb, kb) : TILE_FULL;
+                                if (state == TILE_EMPTY)
+                                    continue;
+                                const int mods_here = has_score_mod || state == TILE_PARTIAL;
                                 const int64_t Mr = ROUND_UP(nr, SIMD_M_ALIGN);
                                 const int64_t gq = (q_tiles.off[b] + qb) * Hq + h;
                                 const T *Q = qr + gq * BQ * DP, *dO = dor + gq * BQ * DvP;
                                 OPS->gemm((int)Mr, BK, (int)D, Q, DP, kt + gk * D * BK, BK, S, BK, 0);
                                 T mult = (T)(p->scale * LOG2E);
-                                int plain = FN(tile_is_plain)(p, r0, nr, c0, n, sq.len, sk.len);
+                                int plain = !mods_here && FN(tile_is_plain)(p, r0, nr, c0, n, sq.len, sk.len);
                                 if (!plain) {
-                                    FN(score_tile)(p, b, h, r0, nr, c0, n, sq.len, sk.len, S,
-                                                   p->softcap > 0 ? th : NULL, row, maskbuf);
+                                    if (FN(score_tile)(p, b, h, r0, nr, c0, n, sq.len, sk.len, S,
+                                                       p->softcap > 0 ? th : NULL, row, maskbuf,
+                                                       mods_here ? &mb : NULL, state == TILE_FULL)) {
+                                        failed = 1;
+                                        break;
+                                    }
                                     mult = (T)LOG2E;
                                 }
                                 OPS->exp_rows((int)nr, (int)n, BK, S, mult, lse2 + gq * BQ);
@@ -494,6 +706,18 @@ int FN(cpu_backward)(const attn_params *p)
                                 for (int64_t i = 0; i < Mr; i++)
                                     for (int64_t j = 0; j < BK; j++)
                                         S[i * BK + j] *= dP[i * BK + j] - (i < nr ? dl[i] : 0);
+                                if (has_score_mod) {
+                                    /* through score_mod: dS of its input, and its arrays' gradients */
+                                    interp_tile t = {b, h, r0, c0, BK, nr * BK, mb.keep};
+                                    if (FN(interp_eval)(mods, &mods->grad, &t, mb.s2, S, S, NULL,
+                                                        task_dacc, mb.scratch)) {
+                                        failed = 1;
+                                        break;
+                                    }
+                                    for (int64_t k = 0; k < nr * BK; k++)
+                                        if (!mb.keep[k])
+                                            S[k] = 0;
+                                }
                                 if (has_dbias) {
                                     int64_t hb = h / (Hq / p->bias_heads);
                                     for (int64_t i = 0; i < nr; i++) {
@@ -551,8 +775,18 @@ int FN(cpu_backward)(const attn_params *p)
         }
         free(row); free(S); free(dP); free(th); free(dK); free(dV);
         free(maskbuf);
+        FN(mod_bufs_free)(&mb);
     }
+    if (!err && mods && mods->err->failed)
+        err = -2;
+    /* score_mod's array gradients: the tasks' sums, in task order */
+    if (!err && n_grad > 0)
+        for (int64_t t = 0; t < n_tasks; t++)
+            for (int64_t e = 0; e < n_grad; e++)
+                mods->dtensors[e] += dacc[t * n_grad + e];
 done:
+    FN(block_mask_free)(&bm);
+    free(dacc);
     free(kt_tiles.off); free(q_tiles.off);
     free(kt); free(kr); free(vt); free(qr); free(dor); free(lse2); free(delta); free(dqp);
     return err;

@@ -20,6 +20,7 @@
 #include "attn_params.h"
 #include "cpu.h"
 #include "cuda_driver.h"
+#include "interp.h"
 
 int attnext_cuda_attn_exec(PyObject *module);   /* cuda_attn.c */
 #include "seqlen.h"
@@ -255,13 +256,245 @@ static int fill_common(PyObject *prob, attn_params *p, buffer_set *bs, int forwa
     return 0;
 }
 
-static PyObject *run(int (*fn)(const attn_params *), attn_params *p, buffer_set *bs)
+/* --- score_mod / mask_mod: prob.mods (attnext/interp.py's bind()) as an interp_mods --------- */
+
+typedef struct {
+    interp_mods mods;
+    interp_error err;
+    interp_array *arrays[2];     /* the score_mod's and the mask_mod's captured arrays */
+    Py_buffer *views;
+    int n_views, cap_views;
+    PyObject *names[2];          /* their names (for IndexError), borrowed from prob.mods */
+    PyObject *owner;             /* prob.mods */
+} mods_store;
+
+static void mods_release(mods_store *st)
+{
+    for (int i = 0; i < st->n_views; i++)
+        PyBuffer_Release(&st->views[i]);
+    PyMem_Free(st->views);
+    PyMem_Free(st->arrays[0]);
+    PyMem_Free(st->arrays[1]);
+    Py_XDECREF(st->owner);
+    memset(st, 0, sizeof *st);
+}
+
+/* A C-contiguous buffer of o with items of `itemsize` bytes (kept until mods_release). */
+static Py_buffer *mods_buffer(mods_store *st, PyObject *o, const char *what, Py_ssize_t itemsize,
+                              int writable)
+{
+    if (st->n_views == st->cap_views) {
+        int cap = st->cap_views ? 2 * st->cap_views : 16;
+        Py_buffer *v = PyMem_Realloc(st->views, sizeof(Py_buffer) * cap);
+        if (!v) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        st->views = v;
+        st->cap_views = cap;
+    }
+    Py_buffer *v = &st->views[st->n_views];
+    if (PyObject_GetBuffer(o, v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return NULL;
+    st->n_views++;
+    if (v->itemsize != itemsize) {
+        PyErr_Format(PyExc_TypeError, "attnext._C: mods.%s has items of %zd bytes, expected %zd",
+                     what, v->itemsize, itemsize);
+        return NULL;
+    }
+    return v;
+}
+
+/* Program `name` (int64 header and body, see interp.py's _pack) with its float values. */
+static int read_program(mods_store *st, PyObject *m, const char *name, const char *floats_name,
+                        int fn, interp_prog *pg)
+{
+    memset(pg, 0, sizeof *pg);
+    pg->n_instr = -1;
+    PyObject *code = PyObject_GetAttrString(m, name);
+    if (!code)
+        return -1;
+    if (code == Py_None) {
+        Py_DECREF(code);
+        return 0;
+    }
+    Py_buffer *v = mods_buffer(st, code, name, 8, 0);
+    Py_DECREF(code);
+    if (!v)
+        return -1;
+    const int64_t *c = (const int64_t *)v->buf, len = v->len / 8;
+    if (len < 7 || c[0] < 0 || c[5] < 0 || c[6] < 0 || 7 + 5 * c[0] + c[5] + c[6] != len) {
+        PyErr_Format(PyExc_ValueError, "attnext._C: mods.%s is not a program", name);
+        return -1;
+    }
+    pg->n_instr = c[0];
+    pg->n_fregs = c[1];
+    pg->n_iregs = c[2];
+    pg->out = c[3];
+    pg->out_is_int = c[4] != 0;
+    pg->n_aux = c[5];
+    pg->n_iconst = c[6];
+    pg->instr = c + 7;
+    pg->aux = pg->instr + 5 * pg->n_instr;
+    pg->iconst = pg->aux + pg->n_aux;
+    pg->fn = fn;
+    PyObject *fl = PyObject_GetAttrString(m, floats_name);
+    if (!fl)
+        return -1;
+    v = mods_buffer(st, fl, floats_name, 8, 0);
+    Py_DECREF(fl);
+    if (!v)
+        return -1;
+    pg->floats = (const double *)v->buf;
+    pg->n_floats = v->len / 8;
+    return 0;
+}
+
+/* Captured arrays: mods.<name> is a tuple of (kind, contiguous array); offsets (or NULL) the
+ * gradient offset of each. */
+static int read_arrays(mods_store *st, PyObject *m, const char *name, PyObject *offsets,
+                       attn_dtype acc, int which)
+{
+    PyObject *tup = PyObject_GetAttrString(m, name);
+    if (!tup)
+        return -1;
+    if (!PyTuple_Check(tup)) {
+        Py_DECREF(tup);
+        PyErr_Format(PyExc_TypeError, "attnext._C: mods.%s must be a tuple", name);
+        return -1;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(tup);
+    st->arrays[which] = PyMem_Calloc(n ? n : 1, sizeof(interp_array));
+    if (!st->arrays[which]) {
+        Py_DECREF(tup);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        interp_array *a = &st->arrays[which][i];
+        PyObject *item = PyTuple_GET_ITEM(tup, i);
+        long kind;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2
+            || ((kind = PyLong_AsLong(PyTuple_GET_ITEM(item, 0))) == -1 && PyErr_Occurred())
+            || kind < ARR_FLOAT || kind > ARR_BOOL) {
+            Py_DECREF(tup);
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_TypeError, "attnext._C: mods.%s[%zd] must be (kind, array)", name, i);
+            return -1;
+        }
+        Py_ssize_t item_size = kind == ARR_FLOAT ? (Py_ssize_t)dtype_size(acc) : kind == ARR_INT ? 8 : 1;
+        Py_buffer *v = mods_buffer(st, PyTuple_GET_ITEM(item, 1), name, item_size, 0);
+        if (!v) {
+            Py_DECREF(tup);
+            return -1;
+        }
+        a->kind = (interp_array_kind)kind;
+        a->ndim = v->ndim;
+        a->shape = (const int64_t *)v->shape;   /* Py_ssize_t is int64_t here (checked below) */
+        a->size = v->len / item_size;
+        a->data = v->buf;
+        a->grad_offset = -1;
+        if (offsets) {
+            PyObject *o = PyTuple_GetItem(offsets, i);
+            if (!o || ((a->grad_offset = PyLong_AsLongLong(o)) == -1 && PyErr_Occurred())) {
+                Py_DECREF(tup);
+                return -1;
+            }
+        }
+    }
+    Py_DECREF(tup);
+    return (int)n;
+}
+
+/* prob.mods into st (p->mods pointing at it), or p->mods = NULL when it is None. */
+static int fill_mods(PyObject *prob, attn_params *p, mods_store *st, int backward)
+{
+    Py_BUILD_ASSERT(sizeof(Py_ssize_t) == sizeof(int64_t));
+    memset(st, 0, sizeof *st);
+    PyObject *m = PyObject_GetAttrString(prob, "mods");
+    if (!m)
+        return -1;
+    if (m == Py_None) {
+        Py_DECREF(m);
+        return 0;
+    }
+    st->owner = m;
+    interp_mods *mods = &st->mods;
+    attn_dtype acc = acc_dtype(p->dtype);
+    long long uses_h;
+    int n_score, n_mask;
+    PyObject *offsets = NULL;
+    if (read_program(st, m, "score", "score_floats", 0, &mods->score)
+        || read_program(st, m, "mask", "mask_floats", 1, &mods->mask)
+        || (backward && read_program(st, m, "grad", "grad_floats", 0, &mods->grad))
+        || get_long(m, "mask_uses_h", &uses_h))
+        return -1;
+    if (!backward) {
+        memset(&mods->grad, 0, sizeof mods->grad);
+        mods->grad.n_instr = -1;
+    }
+    if (backward && interp_has(&mods->score) && !(offsets = PyObject_GetAttrString(m, "grad_offsets")))
+        return -1;
+    n_score = read_arrays(st, m, "score_arrays", offsets, acc, 0);
+    Py_XDECREF(offsets);
+    if (n_score < 0 || (n_mask = read_arrays(st, m, "mask_arrays", NULL, acc, 1)) < 0)
+        return -1;
+    if (backward && interp_has(&mods->score) && !interp_has(&mods->grad)) {
+        PyErr_SetString(PyExc_ValueError, "attnext._C: a backward with a score_mod needs mods.grad");
+        return -1;
+    }
+    mods->score.arrays = mods->grad.arrays = st->arrays[0];
+    mods->score.n_arrays = mods->grad.n_arrays = n_score;
+    mods->mask.arrays = st->arrays[1];
+    mods->mask.n_arrays = n_mask;
+    mods->mask_uses_h = uses_h != 0;
+    if (backward && interp_has(&mods->score)) {
+        PyObject *d = PyObject_GetAttrString(m, "dtensors");
+        if (!d)
+            return -1;
+        Py_buffer *v = mods_buffer(st, d, "dtensors", 8, 1);
+        Py_DECREF(d);
+        if (!v)
+            return -1;
+        mods->dtensors = (double *)v->buf;
+        mods->n_grad = v->len / 8;
+        memset(mods->dtensors, 0, v->len);
+    }
+    const interp_prog *progs[3] = {&mods->score, &mods->mask, &mods->grad};
+    for (int i = 0; i < 3; i++) {
+        const char *why = interp_check(mods, progs[i]);
+        if (why) {
+            PyErr_Format(PyExc_ValueError, "attnext._C: bad %s program: %s",
+                         i == 0 ? "score_mod" : i == 1 ? "mask_mod" : "score_mod derivative", why);
+            return -1;
+        }
+    }
+    mods->err = &st->err;
+    p->mods = mods;
+    return 0;
+}
+
+static PyObject *run(int (*fn)(const attn_params *), attn_params *p, buffer_set *bs, mods_store *st)
 {
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = fn(p);
     Py_END_ALLOW_THREADS
     buffers_release(bs);
+    if (rc == -2) {
+        /* a score_mod / mask_mod lookup out of range, named as NumPy would */
+        const interp_error *e = &st->err;
+        PyObject *names = PyObject_GetAttrString(st->owner, e->fn ? "mask_names" : "score_names");
+        PyObject *name = names && PyTuple_Check(names) ? PyTuple_GetItem(names, e->array) : NULL;
+        if (name)
+            PyErr_Format(PyExc_IndexError, "%s: index %lld is out of bounds for axis %lld of array "
+                         "%R with size %lld", e->fn ? "mask_mod" : "score_mod", (long long)e->index,
+                         (long long)e->axis, name, (long long)e->size);
+        Py_XDECREF(names);
+        mods_release(st);
+        return NULL;
+    }
+    mods_release(st);
     if (rc) {
         PyErr_SetString(PyExc_MemoryError, "attnext: the CPU backend ran out of memory for its tiles");
         return NULL;
@@ -272,13 +505,16 @@ static PyObject *run(int (*fn)(const attn_params *), attn_params *p, buffer_set 
 static PyObject *c_forward(PyObject *module, PyObject *prob)
 {
     buffer_set bs = {.n = 0};
+    mods_store st;
     attn_params p;
     Py_ssize_t bias_shape[4];
-    if (fill_common(prob, &p, &bs, 1, bias_shape)) {
+    memset(&st, 0, sizeof st);
+    if (fill_common(prob, &p, &bs, 1, bias_shape) || fill_mods(prob, &p, &st, 0)) {
         buffers_release(&bs);
+        mods_release(&st);
         return NULL;
     }
-    return run(cpu_forward, &p, &bs);
+    return run(cpu_forward, &p, &bs, &st);
 }
 
 static PyObject *c_backward(PyObject *module, PyObject *prob)
@@ -287,7 +523,9 @@ static PyObject *c_backward(PyObject *module, PyObject *prob)
     attn_params p;
     Py_ssize_t sh[4], bias_shape[4];
     long long Bm;
-    if (fill_common(prob, &p, &bs, 0, bias_shape))
+    mods_store st;
+    memset(&st, 0, sizeof st);
+    if (fill_common(prob, &p, &bs, 0, bias_shape) || fill_mods(prob, &p, &st, 1))
         goto fail;
     Bm = p.cu_seqlens_q ? 1 : p.B;
     attn_dtype acc = acc_dtype(p.dtype);
@@ -302,9 +540,10 @@ static PyObject *c_backward(PyObject *module, PyObject *prob)
         PyErr_SetString(PyExc_ValueError, "attnext._C: dout, dq, dk, dv (and dbias with a bias) are required");
         goto fail;
     }
-    return run(cpu_backward, &p, &bs);
+    return run(cpu_backward, &p, &bs, &st);
 fail:
     buffers_release(&bs);
+    mods_release(&st);
     return NULL;
 }
 
@@ -322,9 +561,26 @@ static PyObject *c_openmp_threads(PyObject *module, PyObject *unused)
 #endif
 }
 
+static PyObject *c_interp_ops(PyObject *module, PyObject *unused)
+{
+    PyObject *t = PyTuple_New(OP_COUNT);
+    if (!t)
+        return NULL;
+    for (int i = 0; i < OP_COUNT; i++) {
+        PyObject *s = PyUnicode_FromString(interp_op_names[i]);
+        if (!s) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, i, s);
+    }
+    return t;
+}
+
 static PyMethodDef methods[] = {
     {"forward", c_forward, METH_O, "forward(prob): out and lse written in place."},
     {"backward", c_backward, METH_O, "backward(prob): dq, dk, dv written, dbias accumulated."},
+    {"interp_ops", c_interp_ops, METH_NOARGS, "The score_mod interpreter's op names, in opcode order."},
     {"simd", c_simd, METH_NOARGS, "The SIMD variant the CPU backend runs: avx512, avx2 or portable."},
     {"openmp_threads", c_openmp_threads, METH_NOARGS, "OpenMP's default thread count; 0 without OpenMP."},
     {NULL, NULL, 0, NULL},

@@ -1,0 +1,313 @@
+"""Lowering traced score_mods / mask_mods to programs for the CPU interpreter (csrc/interp.h).
+
+A program is a flat list of instructions over registers that each hold a vector of pairs (the
+C side runs it over a tile of scores, VL pairs at a time). Leaves live in fixed registers: the
+score and dout (float 0 and 1), q_idx, kv_idx, b, h (int 0-3); every float constant of the
+graph gets a float register whose value is given per call (a traced function's float constants
+are parameters, so a sweep over one reuses the program), every int / bool constant an int
+register (part of the program). Bools are int registers holding 0 / 1. Temporaries are
+allocated in topological order and reused after their last use.
+
+`lower(traced)` builds a score_mod's forward and derivative programs (trace.grad) or a
+mask_mod's program; `programs(traced)` looks them up in a bounded LRU keyed by the graph's
+structural key (Traced.key: never id() or a name), and `bind(...)` attaches one call's float
+values and captured arrays, in the form attnext._C reads.
+"""
+import threading
+import time
+import types
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from . import _C, trace
+from .kernel_cache import LRU
+from .trace import B, F, I
+
+OPS = {name: code for code, name in enumerate(_C.interp_ops())}
+F_SCORE, F_DOUT, F_FIRST_CONST = 0, 1, 2
+I_LEAVES = {"q_idx": 0, "kv_idx": 1, "b": 2, "h": 3}
+I_FIRST_CONST = 4
+CACHE_CAPACITY = 256
+
+_TYPED = ("add", "sub", "mul", "floordiv", "mod", "pow", "minimum", "maximum", "neg", "abs",
+          "where")
+_FLOAT_ONLY = ("truediv", "dmul", "exp", "exp2", "log", "log2", "sqrt", "tanh", "sin", "cos")
+_COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
+
+
+class Program(NamedTuple):
+    """One lowered graph. code packs the header and instructions for _C (see _pack); floats
+    lists each float constant register's source: ("param", k) or ("fconst", value)."""
+    code: np.ndarray
+    floats: tuple
+    n_instr: int
+
+
+class Lowered(NamedTuple):
+    """What the cache holds for one structure: the forward (score or mask) program, the
+    derivative program (score_mods), each captured array's kind by position, which of them have
+    a gradient, and whether the result depends on h."""
+    kind: str
+    forward: Program
+    grad: Optional[Program]
+    array_kinds: tuple
+    grad_arrays: tuple
+    uses_h: bool
+
+
+def _opname(n):
+    op, dt = n.op, n.dtype
+    if op in _TYPED:
+        return ("f_" if dt == F else "i_") + op
+    if op in _FLOAT_ONLY:
+        return "f_" + op
+    if op in _COMPARE:
+        return ("f_" if n.args[0].dtype == F else "i_") + op
+    if op in ("and", "or", "xor"):
+        return "i_" + op
+    if op == "not":
+        return "b_not" if dt == B else "i_not"
+    if op == "load":
+        return "load_f" if dt == F else "load_i"
+    if op == "cast" and dt == F:
+        return "f_from_i"
+    raise TypeError(f"the CPU interpreter has no instruction for {op!r} ({dt}): "
+                    f"{trace.format_expr(n)}")
+
+
+def _array_positions(out):
+    """Captured array name -> position, in the forward graph's topological order (the same for
+    every function of one structure)."""
+    pos = {}
+    for n in trace.topo(out):
+        if n.op == "array":
+            pos.setdefault(n.args[0], len(pos))
+    return pos
+
+
+def _alias(n):
+    """The node whose register n shares: a bool -> int cast is the same 0 / 1."""
+    while n.op == "cast" and n.dtype != F:
+        if n.args[0].dtype == F:
+            raise TypeError(f"the CPU interpreter cannot cast a float to {n.dtype}")
+        n = n.args[0]
+    return n
+
+
+def _lower(result, scatters, arrays, want_int):
+    """A Program computing `result` and, for a derivative, scatter-adding each (array name,
+    index nodes, adjoint node) of `scatters`. arrays: name -> position."""
+    roots = [result] + [x for _, idx, adj in scatters for x in (*idx, adj)]
+    order = trace.topo(*roots)
+    where = {}             # id(node) -> ("f" | "i", register)
+    floats, iconsts, temps = [], [], []
+    for n in order:
+        if n.op == "param":
+            where[id(n)] = ("f", F_FIRST_CONST + len(floats))
+            floats.append(("param", n.args[0]))
+        elif n.op == "fconst":
+            where[id(n)] = ("f", F_FIRST_CONST + len(floats))
+            floats.append(("fconst", n.args[0]))
+        elif n.op == "const":
+            where[id(n)] = ("i", I_FIRST_CONST + len(iconsts))
+            iconsts.append(int(n.args[0]))
+        elif n.op in ("score", "dout"):
+            where[id(n)] = ("f", F_SCORE if n.op == "score" else F_DOUT)
+        elif n.op in I_LEAVES:
+            where[id(n)] = ("i", I_LEAVES[n.op])
+        elif n.op == "array" or _alias(n) is not n:
+            pass
+        elif n.op in trace._LEAVES:
+            raise TypeError(f"the CPU interpreter has no input {n.op!r}")
+        else:
+            temps.append(n)
+
+    def operands(n):
+        return [_alias(a) for a in (n.args[1:] if n.op == "load" else n.args)]
+
+    last = {}              # id(temporary) -> index of the instruction that reads it last
+    for i, n in enumerate(temps):
+        for a in operands(n):
+            last[id(a)] = i
+    for r in roots:
+        last[id(_alias(r))] = len(temps)
+    free = {"f": [], "i": []}
+    count = {"f": F_FIRST_CONST + len(floats), "i": I_FIRST_CONST + len(iconsts)}
+    instr, aux = [], []
+
+    def reg(x):
+        return where[id(_alias(x))][1]
+
+    def index_list(idx):
+        aux.extend(reg(x) for x in idx)
+        return len(aux) - len(idx)
+
+    is_temp = {id(n) for n in temps}
+    for i, n in enumerate(temps):
+        # operands read for the last time free their registers first: every instruction is
+        # elementwise, so its result may overwrite an operand
+        for a in {id(a): a for a in operands(n)}.values():
+            if id(a) in is_temp and last[id(a)] == i:
+                free[where[id(a)][0]].append(where[id(a)])
+        file = "f" if n.dtype == F else "i"
+        loc = free[file].pop() if free[file] else (file, count[file])
+        if loc[1] == count[file]:
+            count[file] += 1
+        if n.op == "load":
+            ops = [arrays[n.args[0].args[0]], index_list(n.args[1:]), len(n.args) - 1]
+        else:
+            ops = [reg(a) for a in n.args] + [0] * (3 - len(n.args))
+        instr.append([OPS[_opname(n)], loc[1]] + ops)
+        where[id(n)] = loc
+    for name, idx, adj in scatters:
+        instr.append([OPS["scatter"], reg(adj), arrays[name], index_list(idx), len(idx)])
+    out_file, out_reg = where[id(_alias(result))]
+    if (out_file == "i") != want_int:
+        raise TypeError("the program's result has the wrong type")
+    return Program(_pack(instr, aux, iconsts, count, out_reg, want_int), tuple(floats),
+                   len(instr))
+
+
+def _pack(instr, aux, iconsts, count, out, out_is_int):
+    """The int64 array _C reads: n_instr, n_fregs, n_iregs, out, out_is_int, n_aux, n_iconst,
+    then the instructions (5 each), the aux entries and the int constants."""
+    head = [len(instr), count["f"], count["i"], out, int(out_is_int), len(aux), len(iconsts)]
+    body = [x for ins in instr for x in ins] + list(aux) + list(iconsts)
+    return np.array(head + body, dtype=np.int64)
+
+
+def lower(traced):
+    """The Lowered programs of a traced score_mod or mask_mod."""
+    arrays = _array_positions(traced.out)
+    kinds = {}
+    for n in trace.topo(traced.out):
+        if n.op == "array":
+            kinds[n.args[0]] = n.dtype
+    array_kinds = tuple(kinds[name] for name in arrays)
+    uses_h = any(n.op == "h" for n in trace.topo(traced.out))
+    if traced.kind == "mask_mod":
+        return Lowered("mask_mod", _lower(traced.out, [], arrays, True), None, array_kinds, (),
+                       uses_h)
+    forward = _lower(traced.out, [], arrays, False)
+    g = trace.grad(traced)
+    scatters = [(name, idx, adj) for name, terms in g.darrays.items() for idx, adj in terms]
+    grad = _lower(g.dscore, scatters, arrays, False)
+    grad_arrays = tuple(sorted(arrays[name] for name in g.darrays))
+    return Lowered("score_mod", forward, grad, array_kinds, grad_arrays, uses_h)
+
+
+# --- the cache ------------------------------------------------------------------------------
+
+_cache = LRU(CACHE_CAPACITY)
+_stats_lock = threading.Lock()
+_stats = dict(hits=0, misses=0, compiles=0, compile_seconds=0.0)
+
+
+def programs(traced):
+    """lower(traced), from the cache when a function of the same structure was lowered before."""
+    key = (traced.kind, traced.key)
+    hit = _cache.get(key)
+    if hit is not None:
+        with _stats_lock:
+            _stats["hits"] += 1
+        return hit
+    t0 = time.perf_counter()
+    lowered = lower(traced)
+    seconds = time.perf_counter() - t0
+    _cache.put(key, lowered)
+    with _stats_lock:
+        _stats["misses"] += 1
+        _stats["compiles"] += 1
+        _stats["compile_seconds"] += seconds
+    return lowered
+
+
+def cache_info():
+    """The program cache's counters: hits, misses, compiles (lowerings), compile_seconds, and
+    entries / capacity."""
+    with _stats_lock:
+        out = dict(_stats)
+    out.update(entries=len(_cache), capacity=_cache.capacity)
+    return out
+
+
+def cache_clear():
+    """Forgets every lowered program (the counters are kept)."""
+    _cache.clear()
+
+
+# --- one call -------------------------------------------------------------------------------
+
+_KIND_CODES = {F: 0, I: 1, B: 2}
+
+
+def _float_values(prog, params):
+    return np.array([params[v] if src == "param" else v for src, v in prog.floats],
+                    dtype=np.float64)
+
+
+def _bind_arrays(traced, lowered, acc_dtype):
+    """The captured arrays by position, as the interpreter reads them (contiguous; floats in
+    acc_dtype, ints int64, bools one byte), read afresh now."""
+    out = []
+    for name, kind in zip(_array_positions(traced.out), lowered.array_kinds):
+        a = np.asarray(traced.arrays[name])
+        dt = {F: acc_dtype, I: np.int64, B: np.uint8}[kind]
+        out.append((_KIND_CODES[kind], np.asarray(a, dtype=dt, order="C")))
+    return tuple(out)
+
+
+def bind(score_mod, mask_mod, acc_dtype, backward=False):
+    """The `mods` object _C.forward / _C.backward read for one call (None without mods):
+    programs, float values, captured arrays; for the backward also the gradient accumulator
+    (float64) and where each float array's gradient lies in it. Traces the functions (TypeError
+    for an unsupported one)."""
+    if score_mod is None and mask_mod is None:
+        return None
+    m = types.SimpleNamespace(score=None, score_floats=None, grad=None, grad_floats=None,
+                              score_arrays=(), score_names=(), mask=None, mask_floats=None,
+                              mask_arrays=(), mask_names=(), mask_uses_h=0, grad_offsets=(),
+                              dtensors=None)
+    if score_mod is not None:
+        t = trace.trace_score_mod(score_mod)
+        low = programs(t)
+        m.score, m.score_floats = low.forward.code, _float_values(low.forward, t.params)
+        m.score_arrays = _bind_arrays(t, low, acc_dtype)
+        m.score_names = tuple(_array_positions(t.out))
+        m.score_sources = tuple(np.asarray(t.arrays[name]) for name in m.score_names)
+        if backward:
+            m.grad, m.grad_floats = low.grad.code, _float_values(low.grad, t.params)
+            offsets, total = [], 0
+            for pos, (_, data) in enumerate(m.score_arrays):
+                offsets.append(total if pos in low.grad_arrays else -1)
+                total += data.size if pos in low.grad_arrays else 0
+            m.grad_offsets = tuple(offsets)
+            m.dtensors = np.zeros(total, dtype=np.float64)
+    if mask_mod is not None:
+        t = trace.trace_mask_mod(mask_mod)
+        low = programs(t)
+        m.mask, m.mask_floats = low.forward.code, _float_values(low.forward, t.params)
+        m.mask_arrays = _bind_arrays(t, low, acc_dtype)
+        m.mask_names = tuple(_array_positions(t.out))
+        m.mask_uses_h = int(low.uses_h)
+    return m
+
+
+def dtensors(mods):
+    """{name: gradient} after a backward with bound mods: each float array the score_mod reads,
+    in its own dtype and shape (zeros for an array that reaches the score only through
+    comparisons or indices); {} without a score_mod."""
+    out = {}
+    if mods is None:
+        return out
+    for pos, name in enumerate(mods.score_names):
+        kind, data = mods.score_arrays[pos]
+        if kind != _KIND_CODES[F]:
+            continue
+        src = mods.score_sources[pos]
+        off = mods.grad_offsets[pos]
+        g = (np.zeros(src.shape) if off < 0
+             else mods.dtensors[off:off + data.size].reshape(src.shape))
+        out[name] = g.astype(src.dtype)
+    return out
