@@ -130,10 +130,14 @@ def _common(o, stage, q4, k4, v4):
     return prob, features
 
 
+def _query_rows(o):
+    """The longest query segment's rows (varlen) or Sq."""
+    return (int(np.max(np.diff(o.cu_q))) if o.B else 0) if o.varlen else o.Sq
+
+
 def _query_tiles(o, block_m):
-    """Query tiles per (head, sequence): the longest segment's rows (varlen) or Sq."""
-    rows = (int(np.max(np.diff(o.cu_q))) if o.B else 0) if o.varlen else o.Sq
-    return max(1, math.ceil(rows / block_m))
+    """Query tiles per (head, sequence)."""
+    return max(1, math.ceil(_query_rows(o) / block_m))
 
 
 def _decode_plan(o, features, device):
@@ -173,11 +177,12 @@ def forward(o, out_host, lse_host, stage=None):
         lse, lse_res = _result(stage, host, o.lse_shape, np.float32)
         prob, features = _common(o, stage, q4, k4, v4)
         pack, splits = _decode_plan(o, features, stage.device)
-        tile = kernels.DECODE_TILE if pack or splits > 1 else kernels.tile_config(o.D, o.Dv)
-        defines = kernels.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1)
         arch = device_arch(stage.device)
-        prob.smem = kernels.fwd_smem_bytes(o.D, o.Dv, tile)
-        prob.fn = kernels.function("attn_fwd", "attn_fwd", defines, stage.device, arch, prob.smem)
+        kernel, tile = kernels.fwd_kernel(arch, o.D, o.Dv, features["vec"], pack or splits > 1,
+                                          _query_rows(o))
+        defines = kernels.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1)
+        prob.smem = kernels.fwd_smem_bytes(o.D, o.Dv, tile, kernel)
+        prob.fn = kernels.function(kernel, kernel, defines, stage.device, arch, prob.smem)
         rows = o.Sq * (o.Hq // o.Hk) if pack else None
         q_tiles = math.ceil(rows / tile[0]) if pack else _query_tiles(o, tile[0])
         prob.grid = (q_tiles * splits, o.Hk if pack else o.Hq, o.B + (1 if o.varlen else 0))

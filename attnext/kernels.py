@@ -18,7 +18,8 @@ from .kernel_cache import LRU, CubinCache
 _ROOT = Path(__file__).resolve().parent.parent
 KERNEL_DIR = Path(os.environ.get("ATTNEXT_KERNEL_DIR", _ROOT / "kernels"))
 HEADER_FILES = (_ROOT / "csrc" / "attn_params.h", _ROOT / "csrc" / "seqlen.h",
-                _ROOT / "csrc" / "block.h", KERNEL_DIR / "attn_common.cuh")
+                _ROOT / "csrc" / "block.h", KERNEL_DIR / "attn_common.cuh",
+                KERNEL_DIR / "attn_fwd_tile.cuh", KERNEL_DIR / "wgmma.cuh")
 # every architecture CI compiles for (warmup --check) and the ones attnext targets
 ARCHS = ("sm_80", "sm_90a")
 SMEM_PAD = 8           # elements of padding per shared-memory row (attn_common.cuh)
@@ -47,20 +48,46 @@ def tile_config(D, Dv):
     return 128, 64, 8          # 201 (128x128x8: 186, 64x64: 172)
 
 
-def fwd_smem_bytes(D, Dv, tile):
-    bm, bn, _ = tile
+DECODE_TILE = (64, 64, 4)    # packed-GQA / split-KV forward: few query rows, K and V streamed
+# attn_fwd_sm90 (H100 bf16, bench/lab_fwd.py, TFLOP/s against SDPA flash in the same run):
+# 128 x 128 (two warpgroups, one CTA per SM) is best at D=128 from S=2k (1.08x at 2k, 1.31x at
+# 16k); 64 x 64 (one warpgroup, two CTAs per SM overlapping each other) at D=64 (0.91x at S=512,
+# 1.06x at 2k) and at D=128 for short sequences (0.84x at 512, against 0.79x).
+SM90_TILE_LONG = (128, 128, 8)
+SM90_TILE_SHORT = (64, 64, 4)
+SM90_SHORT_ROWS = 1024
+
+
+def fwd_kernel(arch, D, Dv, vec, decode, rows):
+    """(kernel source, tile) of the forward: kernels/attn_fwd_sm90.cu (wgmma) on sm_90a for
+    16-byte-loadable inputs with D, Dv in {64, 128}, else kernels/attn_fwd.cu (mma.sync, every
+    shape, and the decode paths). rows: the longest query sequence. ATTNEXT_FWD_SM90=0 keeps
+    Hopper on attn_fwd.cu (the lab's and the tests' comparison)."""
+    if (arch == "sm_90a" and not decode and vec and D in (64, 128) and Dv in (64, 128)
+            and os.environ.get("ATTNEXT_FWD_SM90", "1") != "0"):
+        env = os.environ.get("ATTNEXT_TILE_SM90")      # the kernel lab's override: "128,64,8"
+        if env:
+            return "attn_fwd_sm90", tuple(int(x) for x in env.split(","))
+        short = max(D, Dv) <= 64 or rows <= SM90_SHORT_ROWS
+        return "attn_fwd_sm90", SM90_TILE_SHORT if short else SM90_TILE_LONG
+    return "attn_fwd", DECODE_TILE if decode else tile_config(D, Dv)
+
+
+def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd"):
+    bm, bn = tile[:2]
+    if kernel == "attn_fwd_sm90":     # Q, K[2], V[2] in 128-byte swizzled rows, 1024-aligned
+        return 2 * (bm * D + 2 * bn * D + 2 * bn * Dv) + 1024
     dp, dvp = _round_up(D, 16), _round_up(Dv, 16)
     return 2 * (bm * (dp + SMEM_PAD) + bn * (dp + SMEM_PAD) + bn * (dvp + SMEM_PAD))
 
 
-DECODE_TILE = (64, 64, 4)    # packed-GQA / split-KV forward: few query rows, K and V streamed
-
-
 def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile,
                 pack_gqa=False, split_kv=False):
-    """The #defines of one forward variant. bias_dtype / alibi_dtype: a dtype name or None."""
-    bm, bn, w = tile
+    """The #defines of one forward variant. bias_dtype / alibi_dtype: a dtype name or None.
+    tile: (BLOCK_M, BLOCK_N, NUM_WARPS[, MIN_BLOCKS: CTAs per SM the registers must allow])."""
+    bm, bn, w = tile[:3]
     return {
+        "MIN_BLOCKS": tile[3] if len(tile) > 3 else 1,
         "PACK_GQA": int(pack_gqa), "SPLIT_KV": int(split_kv),
         "ELEM_BF16": int(dtype == "bfloat16"), "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
         "HAS_SOFTCAP": int(softcap), "HAS_BIAS": int(bias_dtype is not None),
@@ -246,8 +273,26 @@ def bwd_variants():
     return [("attn_bwd", d) for d in unique.values()]
 
 
-def variants():
-    return fwd_variants() + bwd_variants()
+def sm90_fwd_variants():
+    """attn_fwd_sm90's variants (sm_90a only): both dtypes, the head dims it takes, and each
+    feature on its own at D = 128."""
+    out = []
+    for dtype in ("bfloat16", "float16"):
+        for D, Dv in ((64, 64), (128, 128), (128, 64), (64, 128)):
+            base = dict(dtype=dtype, D=D, Dv=Dv, vec=True, softcap=False, bias_dtype=None,
+                        alibi_dtype=None, mask=False, tile=SM90_TILE_LONG)
+            out.append(base)
+            out.append({**base, "tile": SM90_TILE_SHORT})
+            if (D, Dv) == (128, 128):
+                out.append({**base, "softcap": True})
+                out.append({**base, "bias_dtype": dtype})
+                out.append({**base, "bias_dtype": "float32", "mask": True, "alibi_dtype": "float32"})
+    return [("attn_fwd_sm90", fwd_defines(**v)) for v in out]
+
+
+def variants(arch=None):
+    """Every (kernel, defines) warmup compiles for arch (None: those of every architecture)."""
+    return fwd_variants() + bwd_variants() + (sm90_fwd_variants() if arch in (None, "sm_90a") else [])
 
 
 def dtype_name(dt):

@@ -22,7 +22,7 @@ def run(archs, out=sys.stdout):
     for arch in archs:
         t0 = time.perf_counter()
         n = 0
-        for kernel, defines in kernels.variants():
+        for kernel, defines in kernels.variants(arch):
             try:
                 kernels.cubin(kernel, defines, arch)
                 n += 1

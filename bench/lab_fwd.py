@@ -1,8 +1,10 @@
 """Kernel lab: the forward's tile configurations side by side on one GPU, each validated first.
 
-    python bench/lab_fwd.py "128,64,4" "128,32,4" ...     (BLOCK_M,BLOCK_N,NUM_WARPS)
+    python bench/lab_fwd.py "128,64,4" "sm90" "sm90:128,64,8" ...
 
-For each head dim / causal case: attnext under each configuration (ATTNEXT_TILE_FWD) against
+A configuration is attn_fwd.cu's tile "BLOCK_M,BLOCK_N,NUM_WARPS" (ATTNEXT_TILE_FWD, the wgmma
+kernel off), or "sm90" / "sm90:BLOCK_M,BLOCK_N,WARPS" for attn_fwd_sm90.cu (ATTNEXT_TILE_SM90).
+For each head dim / causal case: attnext under each configuration against
 PyTorch SDPA's flash backend, bf16, triton.testing.do_bench medians, B*S = 16k tokens.
 """
 import os
@@ -14,8 +16,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attnext
 
-CASES = [(64, 2048, False), (64, 2048, True), (128, 2048, False), (128, 2048, True), (128, 8192, True),
-         (256, 2048, False)]
+CASES = [(64, 512, False), (64, 2048, False), (64, 2048, True), (128, 512, False), (128, 2048, False),
+         (128, 2048, True), (128, 8192, True), (128, 16384, False)]
 
 
 def main(configs):
@@ -33,7 +35,12 @@ def main(configs):
         row = [f"D{D} S{S} {'causal' if causal else 'full  '}  flash {flops / t_flash / 1e9:6.1f}"]
         out = torch.empty_like(q)
         for cfg in configs:
-            os.environ["ATTNEXT_TILE_FWD"] = cfg
+            kind, _, tile = cfg.partition(":") if cfg.startswith("sm90") else ("", "", cfg)
+            os.environ["ATTNEXT_FWD_SM90"] = "1" if kind == "sm90" else "0"
+            os.environ.pop("ATTNEXT_TILE_FWD", None)
+            os.environ.pop("ATTNEXT_TILE_SM90", None)
+            if tile:
+                os.environ["ATTNEXT_TILE_SM90" if kind == "sm90" else "ATTNEXT_TILE_FWD"] = tile
             try:
                 out.fill_(float("nan"))
                 attnext.attention(q, k, v, causal=causal, out=out)
@@ -50,4 +57,4 @@ def main(configs):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["128,64,4", "128,32,4", "128,64,8", "64,64,4"])
+    main(sys.argv[1:] or ["128,64,4", "128,32,4", "sm90"])

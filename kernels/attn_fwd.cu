@@ -20,31 +20,13 @@
  *
  * Switches beyond attn_common.cuh's: BLOCK_M, BLOCK_N, NUM_WARPS (tile_config in kernels.py).
  */
-#include "attn_common.cuh"
+#include "attn_fwd_tile.cuh"
 
 #define THREADS (NUM_WARPS * 32)
 #define WARP_M (BLOCK_M / NUM_WARPS)      /* query rows per warp */
 #define MT (WARP_M / 16)                  /* m16 tiles per warp */
 #define NT (BLOCK_N / 8)                  /* n8 tiles of S per warp */
 #define OT (DVP / 8)                      /* n8 tiles of O per warp */
-#define NEG_INF __int_as_float(0xff800000)
-
-/* Packed rows after the last sequence (varlen): zero output, lse -inf. */
-DEV void zero_tail(const attn_params &p, int64_t h)
-{
-    int64_t first = p.cu_seqlens_q[p.B];
-    elem_t *out = (elem_t *)p.out.ptr + h * p.out.s[2];
-    float *lse = (float *)p.lse.ptr + h * p.lse.s[1];
-    for (int64_t r = first + blockIdx.x * BLOCK_M; r < p.Sq; r += (int64_t)gridDim.x * BLOCK_M)
-        for (int i = threadIdx.x; i < BLOCK_M * HEAD_DIM_V; i += THREADS) {
-            int64_t row = r + i / HEAD_DIM_V;
-            if (row < p.Sq) {
-                out[row * p.out.s[1] + (i % HEAD_DIM_V) * p.out.s[3]] = 0;
-                if (i % HEAD_DIM_V == 0)
-                    lse[row * p.lse.s[2]] = NEG_INF;
-            }
-        }
-}
 
 extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_constant__ attn_params p)
 {
@@ -53,7 +35,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
     elem_t *sK = sQ + BLOCK_M * (DP + SMEM_PAD);        /* BLOCK_N x (DP + pad) */
     elem_t *sV = sK + BLOCK_N * (DP + SMEM_PAD);        /* BLOCK_N x (DVP + pad) */
 
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int64_t b = blockIdx.z;
 #if PACK_GQA
     const int G = (int)(p.Hq / p.Hk);                  /* packed rows per query row */
@@ -63,7 +45,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
     const int64_t h = blockIdx.y, hk = h / (p.Hq / p.Hk);
 #endif
     if (b == p.B) {
-        zero_tail(p, h);
+        zero_tail<BLOCK_M, THREADS>(p, h);
         return;
     }
 #if SPLIT_KV
@@ -95,7 +77,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
     const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + sk.start * p.k.s[1] + hk * p.k.s[2];
     const elem_t *gv = (const elem_t *)p.v.ptr + sk.mem_b * p.v.s[0] + sk.start * p.v.s[1] + hk * p.v.s[2];
     const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
-    const float scale_log2 = sc.scale * LOG2E;
 
     /* each lane's ldmatrix row addresses (shared-state space, bytes); the per-tile offsets
      * below are compile-time constants that fold into the instructions' immediates */
@@ -149,83 +130,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
             }
         }
 
-        /* scores in log2 units; masked pairs -inf. A tile inside the band, inside both lengths
-         * and without a mask array needs no per-element test. */
-        const bool need_mask = HAS_MASK || c0 + BLOCK_N > Lk || m0 + BLOCK_M > Lq * G
-                               || !tile_inside_band(&p, m0 / G, (r_end - 1) / G + 1, c0, c0 + BLOCK_N, Lq, Lk);
-        if (!need_mask) {
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-#if SCORE_IS_PLAIN
-                        s[mt][nt][e] *= scale_log2;
-#else
-                        const int r = m0 + warp * WARP_M + mt * 16 + g + (e / 2) * 8;
-                        const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                        s[mt][nt][e] = score_of(sc, s[mt][nt][e], r, c) * LOG2E;
-#endif
-                    }
-        } else {
-#pragma unroll
-            for (int i = 0; i < 2 * MT; i++) {
-                const int mt = i / 2, e0 = (i % 2) * 2;
-                const int r = (m0 + warp * WARP_M + mt * 16 + g + (i % 2) * 8) / G;
-                int64_t lo64 = 0, hi64 = 0;              /* the columns row r keeps */
-                if (r < Lq)
-                    kv_range(&p, r, r + 1, Lq, Lk, &lo64, &hi64);
-                const int lo_r = (int)lo64, hi_r = (int)hi64;
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int e = e0; e < e0 + 2; e++) {
-                        const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                        const bool keep = c >= lo_r && c < hi_r && mask_keeps(sc, r, c);
-                        s[mt][nt][e] = keep ? score_of(sc, s[mt][nt][e], r, c) * LOG2E : NEG_INF;
-                    }
-            }
-        }
-
-        /* online softmax: new row maxima (over the quad), rescale O and l, P = exp2(S - max) */
-        float corrs[2 * MT];
-#pragma unroll
-        for (int i = 0; i < 2 * MT; i++) {
-            const int mt = i / 2, e0 = (i % 2) * 2;
-            float mx = m[i];
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-                mx = fmaxf(mx, fmaxf(s[mt][nt][e0], s[mt][nt][e0 + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float base = mx == NEG_INF ? 0.f : mx;   /* a row with nothing kept yet stays 0 */
-            const float corr = fast_exp2(m[i] - base);
-            m[i] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                s[mt][nt][e0] = fast_exp2(s[mt][nt][e0] - base);
-                s[mt][nt][e0 + 1] = fast_exp2(s[mt][nt][e0 + 1] - base);
-                sum += s[mt][nt][e0] + s[mt][nt][e0 + 1];
-            }
-            l[i] = l[i] * corr + sum;
-            corrs[i] = corr;
-        }
-        /* rescale O only when some row's maximum moved (after the first tiles it rarely does) */
-        bool moved = false;
-#pragma unroll
-        for (int i = 0; i < 2 * MT; i++)
-            moved |= corrs[i] != 1.f;
-        if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-            for (int i = 0; i < 2 * MT; i++)
-#pragma unroll
-                for (int nt = 0; nt < OT; nt++) {
-                    o[i / 2][nt][(i % 2) * 2] *= corrs[i];
-                    o[i / 2][nt][(i % 2) * 2 + 1] *= corrs[i];
-                }
-        }
+        const bool need_mask = tile_needs_mask(p, m0, BLOCK_M, r_end, c0, BLOCK_N, G, Lq, Lk);
+        softmax_step(p, sc, s, o, m, l, m0 + warp * WARP_M, c0, need_mask, G, Lq, Lk);
 
         cp_async_wait_all();
         __syncthreads();                                 /* V[n] in; every warp is done with K[n] */
@@ -239,12 +145,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
         for (int kk = 0; kk < BLOCK_N / 16; kk++) {
             uint32_t a[MT][4];
 #pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                a[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                a[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                a[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                a[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-            }
+            for (int mt = 0; mt < MT; mt++)
+                p_fragment(s, mt, kk, a[mt]);
 #pragma unroll
             for (int np = 0; np < OT / 2; np++) {
                 uint32_t b0, b1, b2, b3;
@@ -259,49 +161,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
     }
     cp_async_wait_all();
 
-    /* out = O / l, lse = log(l) + max; rows with nothing kept (and padding rows) get 0 and -inf.
-     * Under SPLIT_KV the same normalised pair goes to this split's slot of o_accum / lse_accum. */
-#pragma unroll
-    for (int i = 0; i < 2 * MT; i++) {
-        const int mt = i / 2, e0 = (i % 2) * 2;
-        float li = l[i];
-        li += __shfl_xor_sync(0xffffffffu, li, 1);
-        li += __shfl_xor_sync(0xffffffffu, li, 2);
-        const int pr = m0 + warp * WARP_M + mt * 16 + g + (i % 2) * 8;
-        const int r = pr / G;
-        const int64_t hr = h + pr % G;
-        if (r >= sq.rows)
-            continue;
-        const bool live = r < Lq && li > 0.f;
-        const float inv = live ? 1.f / li : 0.f;
-        const float lse_r = live ? (m[i] + log2f(li)) * LN2 : NEG_INF;
-#if SPLIT_KV
-        const int64_t slot = ((split * p.B + b) * p.Hq + hr) * p.Sq + r;
-        float *orow = p.o_accum + slot * HEAD_DIM_V;
-#pragma unroll
-        for (int nt = 0; nt < OT; nt++) {
-            const int d = nt * 8 + 2 * t;
-            if (d < HEAD_DIM_V)
-                orow[d] = o[mt][nt][e0] * inv;
-            if (d + 1 < HEAD_DIM_V)
-                orow[d + 1] = o[mt][nt][e0 + 1] * inv;
-        }
-        if (t == 0)
-            p.lse_accum[slot] = lse_r;
-#else
-        elem_t *orow = (elem_t *)p.out.ptr + sq.mem_b * p.out.s[0] + (sq.start + r) * p.out.s[1] + hr * p.out.s[2];
-#pragma unroll
-        for (int nt = 0; nt < OT; nt++) {
-            const int d = nt * 8 + 2 * t;
-            if (d < HEAD_DIM_V)
-                orow[d * p.out.s[3]] = f32_to_elem(o[mt][nt][e0] * inv);
-            if (d + 1 < HEAD_DIM_V)
-                orow[(d + 1) * p.out.s[3]] = f32_to_elem(o[mt][nt][e0 + 1] * inv);
-        }
-        if (t == 0)
-            ((float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + hr * p.lse.s[1] + (sq.start + r) * p.lse.s[2]] = lse_r;
-#endif
-    }
+    write_out(p, sq, o, m, l, m0 + warp * WARP_M, b, h, G, split, Lq);
 }
 
 /* Merges the num_splits partial results of SPLIT_KV: lse = log sum_s exp(lse_s), out = sum_s

@@ -68,6 +68,32 @@ def test_varlen_with_padding(rng):
     assert (out[520:] == 0).all() and np.isneginf(lse[:, 520:]).all()
 
 
+@pytest.mark.parametrize("kernel", ["default", "mma_sync"])
+@pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (128, 64), (64, 128)],
+                         ids=["d64", "d128", "d128_dv64", "d64_dv128"])
+def test_forward_kernels_with_every_option(kernel, d, dv, rng, monkeypatch):
+    """On Hopper these head dims run attn_fwd_sm90 (wgmma) by default; "mma_sync" forces
+    attn_fwd.cu, so both kernels meet every option on tile edges (300 x 333: neither length a
+    multiple of 64) and on a packed batch."""
+    if kernel == "mma_sync":
+        monkeypatch.setenv("ATTNEXT_FWD_SM90", "0")
+    q, k, v = make_qkv(rng, 2, 300, 333, 4, 2, d, dv, BF16)
+    _check_forward(q, k, v, BF16)
+    _check_forward(q, k, v, BF16, causal=True)
+    _check_forward(q, k, v, BF16, causal="top_left", window=(70, 0))
+    bias = randn(rng, (4, 300, 1), np.float32)              # broadcast over batch and keys
+    mask = rng.random((2, 1, 300, 333)) > 0.1
+    slopes = rng.random(4).astype(np.float32)
+    _check_forward(q, k, v, BF16, bias=bias, mask=mask, alibi_slopes=slopes, softcap=5.0,
+                   window=(100, 7), causal=True)
+    cu_q = np.array([0, 1, 130, 130, 400], np.int32)
+    cu_k = np.array([0, 200, 200, 329, 600], np.int32)
+    q, k, v = make_varlen_qkv(rng, 410, 600, 4, 1, d, dv, F16)
+    varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=np.array([150, 0, 129, 33], np.int32))
+    out, lse = _check_forward(q, k, v, F16, varlen=varlen, causal=True)
+    assert (out[400:] == 0).all() and np.isneginf(lse[:, 400:]).all()
+
+
 @pytest.fixture
 def torch():
     return pytest.importorskip("torch")

@@ -20,9 +20,8 @@ def test_warmup_check_compiles_every_variant(tmp_path):
     r = subprocess.run([sys.executable, "-m", "attnext.warmup", "--check"], env=env,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    n = len(kernels.variants())
     for arch in kernels.ARCHS:
-        assert f"{arch}: {n} variants" in r.stdout, r.stdout
+        assert f"{arch}: {len(kernels.variants(arch))} variants" in r.stdout, r.stdout
     # a second run finds every cubin on disk and compiles nothing
     r = subprocess.run([sys.executable, "-m", "attnext.warmup", "--check"], env=env,
                        capture_output=True, text=True)
@@ -35,3 +34,22 @@ def test_tile_configs_fit_shared_memory():
         if kernel == "attn_fwd":
             tile = (d["BLOCK_M"], d["BLOCK_N"], d["NUM_WARPS"])
             assert kernels.fwd_smem_bytes(d["HEAD_DIM"], d["HEAD_DIM_V"], tile) <= kernels.MAX_SMEM_SM80
+
+
+def test_hopper_takes_the_wgmma_forward_where_it_applies(monkeypatch):
+    assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 4096) == ("attn_fwd_sm90", kernels.SM90_TILE_LONG)
+    assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 512) == ("attn_fwd_sm90", kernels.SM90_TILE_SHORT)
+    assert kernels.fwd_kernel("sm_90a", 64, 128, True, False, 4096)[0] == "attn_fwd_sm90"
+    # other head dims, element loads, decode and other architectures: attn_fwd.cu
+    for args in (("sm_90a", 96, 96, True, False), ("sm_90a", 128, 128, False, False),
+                 ("sm_90a", 128, 128, True, True), ("sm_80", 128, 128, True, False)):
+        assert kernels.fwd_kernel(*args, 4096)[0] == "attn_fwd", args
+    monkeypatch.setenv("ATTNEXT_FWD_SM90", "0")
+    assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 4096)[0] == "attn_fwd"
+
+
+def test_sm90_forward_fits_shared_memory():
+    for kernel, d in kernels.variants("sm_90a"):
+        if kernel == "attn_fwd_sm90":
+            tile = (d["BLOCK_M"], d["BLOCK_N"], d["NUM_WARPS"])
+            assert kernels.fwd_smem_bytes(d["HEAD_DIM"], d["HEAD_DIM_V"], tile, kernel) <= 227 * 1024

@@ -1,0 +1,224 @@
+/* Attention forward for Hopper (sm_90a): attn_fwd.cu's tiles and online softmax, with both
+ * products on warpgroup tensor-core instructions (wgmma.mma_async) that read Q, K and V straight
+ * from 128-byte swizzled shared memory (wgmma.cuh).
+ *
+ *   q (B, Sq, Hq, D)  k (B, Sk, Hk, D)  v (B, Sk, Hk, Dv)  ->  out (B, Sq, Hq, Dv), lse (B, Hq, Sq)
+ *
+ * Grid (query tiles, Hq, B [+1 under varlen]) as attn_fwd.cu. Block: BLOCK_M / 64 warpgroups;
+ * warpgroup w owns query rows [64w, 64w + 64) of the tile. Per key tile (last to first, only
+ * inside the causal / window band): S = Q K^T by m64nBLOCK_Nk16 steps from shared memory, the
+ * softmax on S in registers (attn_fwd_tile.cuh, the same code as attn_fwd.cu), O += P V with P
+ * from registers and V read transposed from shared memory. K and V are double-buffered: tile
+ * n - 1 loads by cp.async while tile n computes.
+ *
+ * Applies to VEC_LOAD inputs with D and Dv multiples of 64 (kernels.fwd_kernel chooses); every
+ * option of the score hook, masks, causal / window and varlen as attn_fwd.cu. Switches beyond
+ * attn_common.cuh's: BLOCK_M (64 or 128), BLOCK_N (64 or 128), MIN_BLOCKS (CTAs per SM the
+ * registers must allow).
+ */
+#include "attn_fwd_tile.cuh"
+#include "wgmma.cuh"
+
+#define NUM_WG (BLOCK_M / 64)
+#define THREADS (NUM_WG * 128)
+#define NT (BLOCK_N / 8)                  /* n8 column groups of S per warp */
+#define OT (HEAD_DIM_V / 8)               /* n8 column groups of O per warp */
+#define Q_BYTES (BLOCK_M * HEAD_DIM * 2)
+#define K_BYTES (BLOCK_N * HEAD_DIM * 2)
+#define V_BYTES (BLOCK_N * HEAD_DIM_V * 2)
+
+#if HEAD_DIM % 64 || HEAD_DIM_V % 64 || !VEC_LOAD || PACK_GQA || SPLIT_KV
+#error "attn_fwd_sm90: D and Dv multiples of 64, 16-byte loads, no decode switches"
+#endif
+
+/* S (+)= Q K^T for one k16 step of this warpgroup's 64 rows. */
+DEV void s_step(float (&s)[NT][4], uint64_t dq, uint64_t dk, int accumulate)
+{
+#if BLOCK_N == 128
+    wgmma_m64n128_ss(s, dq, dk, accumulate);
+#else
+    wgmma_m64n64_ss(s, dq, dk, accumulate);
+#endif
+}
+
+/* O += P V for one k16 step (16 keys). */
+DEV void o_step(float (&o)[OT][4], const uint32_t (&a)[4], uint64_t dv)
+{
+#if HEAD_DIM_V == 128
+    wgmma_m64n128_rs_t(o, a, dv);
+#else
+    wgmma_m64n64_rs_t(o, a, dv);
+#endif
+}
+
+/* out = O * inv through shared memory at sO (the Q and K buffers: free once every S product is
+ * done): each warp's rows as 16-bit pairs into a padded tile (row stride OS: conflict-free),
+ * then whole rows out with 16-byte stores. For outputs whose rows are contiguous and 16-byte
+ * aligned; store_o (attn_fwd_tile.cuh) serves the others. */
+#define OS (HEAD_DIM_V + 8)
+static_assert(BLOCK_M * OS * 2 <= Q_BYTES + 2 * K_BYTES, "the staged O tile does not fit");
+
+DEV void store_o_staged(const attn_params &p, const seq_t &sq, const float (&o)[OT][4], const float (&inv)[2],
+                        uint32_t sO, int m0, int64_t h)
+{
+    const int tid = threadIdx.x, warp = tid >> 5, g = (tid & 31) >> 2, t = tid & 3;
+    __syncthreads();                                     /* every warp is past its last S product */
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const uint32_t row = sO + 2 * (warp * 16 + g + i * 8) * OS;
+#pragma unroll
+        for (int nt = 0; nt < OT; nt++)
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(row + 2 * (nt * 8 + 2 * t)),
+                         "r"(pack2(o[nt][2 * i] * inv[i], o[nt][2 * i + 1] * inv[i])));
+    }
+    __syncthreads();
+    constexpr int CH = HEAD_DIM_V / 8;
+    const int rows = min(BLOCK_M, (int)sq.rows - m0);
+    elem_t *out = (elem_t *)p.out.ptr + sq.mem_b * p.out.s[0] + (sq.start + m0) * p.out.s[1] + h * p.out.s[2];
+    for (int i = tid; i < rows * CH; i += THREADS) {
+        const int r = i / CH, c = i % CH;
+        uint32_t x0, x1, x2, x3;
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(x0), "=r"(x1), "=r"(x2), "=r"(x3) : "r"(sO + 2 * (r * OS + c * 8)));
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(out + r * p.out.s[1] + c * 8),
+                     "r"(x0), "r"(x1), "r"(x2), "r"(x3) : "memory");
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(const __grid_constant__ attn_params p)
+{
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    /* Q, then K[2], then V[2]; 1024-byte aligned (kernels.fwd_smem_bytes adds the slack) */
+    const uint32_t sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const uint32_t sK = sQ + Q_BYTES, sV = sK + 2 * K_BYTES;
+
+    const int tid = threadIdx.x, warp = tid >> 5, wg = tid >> 7;
+    const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (p.Hq / p.Hk);
+    if (b == p.B) {
+        zero_tail<BLOCK_M, THREADS>(p, h);
+        return;
+    }
+    const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;
+    if (m0 >= sq.rows)
+        return;
+    const int Lq = (int)sq.len, Lk = (int)sk.len;
+    const int r_end = min(m0 + BLOCK_M, Lq);
+
+    int64_t lo = 0, hi = 0;
+    if (m0 < Lq)
+        kv_range(&p, m0, r_end, Lq, Lk, &lo, &hi);
+    const int n_first = (int)(lo / BLOCK_N), n_last = hi > lo ? (int)((hi - 1) / BLOCK_N) : -1;
+    const elem_t *gq = (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + sq.start * p.q.s[1] + h * p.q.s[2];
+    const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + sk.start * p.k.s[1] + hk * p.k.s[2];
+    const elem_t *gv = (const elem_t *)p.v.ptr + sk.mem_b * p.v.s[0] + sk.start * p.v.s[1] + hk * p.v.s[2];
+    const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
+    const int64_t ks = p.k.s[1], vs = p.v.s[1];
+
+    const int row0 = m0 + warp * 16;                    /* this warp's first row */
+    float o[1][OT][4];
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    zero_acc(o);
+
+    auto load_k = [&](int n) {
+        const int64_t c0 = n * BLOCK_N;
+        load_sw128<BLOCK_N, HEAD_DIM, THREADS>(sK + (n & 1) * K_BYTES, gk + c0 * ks, ks, Lk - c0, tid);
+    };
+    auto load_v = [&](int n) {
+        const int64_t c0 = n * BLOCK_N;
+        load_sw128<BLOCK_N, HEAD_DIM_V, THREADS>(sV + (n & 1) * V_BYTES, gv + c0 * vs, vs, Lk - c0, tid);
+    };
+    /* S = Q K[n]^T for this warpgroup's 64 rows, issued (the caller commits and waits) */
+    auto issue_s = [&](float (&s)[NT][4], int n) {
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
+            const uint32_t off = (kk & 3) * 32;
+            s_step(s, sw128_desc(sQ + (kk >> 2) * (BLOCK_M * 128) + wg * 64 * 128 + off, 16, 1024),
+                   sw128_desc(sK + (n & 1) * K_BYTES + (kk >> 2) * (BLOCK_N * 128) + off, 16, 1024), kk > 0);
+        }
+    };
+    /* the scores of tile n in s become P (and the row statistics move); corrs: O's factors */
+    auto softmax = [&](float (&s)[1][NT][4], int n, float (&corrs)[2]) {
+        const int c0 = n * BLOCK_N;
+        score_tile(p, sc, s, row0, c0, tile_needs_mask(p, m0, BLOCK_M, r_end, c0, BLOCK_N, 1, Lq, Lk), 1, Lq, Lk);
+        softmax_update(s, m, l, corrs);
+    };
+
+    if (n_last < n_first) {
+        write_out(p, sq, o, m, l, row0, b, h, 1, 0, Lq);
+        return;
+    }
+
+    /* Pipeline. Tile n's S and P come one step ahead of its P V: while the tensor cores run
+     * P[n] V[n], the softmax of tile n - 1 (whose S was issued first) runs beside them. Loads run
+     * one step further ahead: during the step of tile n, V[n - 1] and K[n - 2] arrive into the
+     * buffers V[n + 1] and K[n] used (tile x's K and V live in buffer x & 1). */
+    load_sw128<BLOCK_M, HEAD_DIM, THREADS>(sQ, gq + m0 * p.q.s[1], p.q.s[1], r_end - m0, tid);
+    load_k(n_last);
+    cp_async_commit();
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();
+    load_v(n_last);
+    if (n_last > n_first)
+        load_k(n_last - 1);
+    cp_async_commit();
+
+    uint32_t pa[BLOCK_N / 16][4];                       /* P of the tile whose P V is next */
+    {
+        float s[1][NT][4], corrs[2];
+        issue_s(s[0], n_last);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_acc(s[0]);
+        softmax(s, n_last, corrs);
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; kk++)
+            p_fragment(s, 0, kk, pa[kk]);
+    }
+    auto issue_pv = [&](int n) {
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; kk++)
+            o_step(o[0], pa[kk], sw128_desc(sV + (n & 1) * V_BYTES + kk * 16 * 128, BLOCK_N * 128, 1024));
+        wgmma_commit();
+    };
+    auto next_loads = [&](int n) {                      /* tile n's step: V[n - 1], K[n - 2] */
+        cp_async_wait_all();                             /* V[n], K[n - 1] */
+        fence_proxy_async();
+        __syncthreads();                                 /* ... from every thread; tile n + 1 done */
+        if (n - 1 >= n_first)
+            load_v(n - 1);
+        if (n - 2 >= n_first)
+            load_k(n - 2);
+        cp_async_commit();
+    };
+    for (int n = n_last; n > n_first; n--) {
+        next_loads(n);
+        float s[1][NT][4], corrs[2];
+        issue_s(s[0], n - 1);
+        wgmma_commit();
+        issue_pv(n);
+        wgmma_wait<1>();                                 /* S[n - 1]; P[n] V[n] may still run */
+        fence_acc(s[0]);
+        softmax(s, n - 1, corrs);
+        wgmma_wait<0>();
+        fence_acc(o[0]);
+        rescale_o(o, corrs);
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; kk++)
+            p_fragment(s, 0, kk, pa[kk]);
+    }
+    next_loads(n_first);
+    issue_pv(n_first);
+    wgmma_wait<0>();
+    fence_acc(o[0]);
+    float inv[2];
+    finish_rows<1>(p, sq, m, l, row0, b, h, 1, 0, Lq, inv);
+    const bool rows_16b = p.out.s[3] == 1 && (((uint64_t)p.out.ptr | (uint64_t)(p.out.s[0] | p.out.s[1] | p.out.s[2]) * 2) & 15) == 0;
+    if (rows_16b)
+        store_o_staged(p, sq, o[0], inv, sQ, m0, h);
+    else
+        store_o(p, sq, o, inv, row0, b, h, 1, 0);
+}

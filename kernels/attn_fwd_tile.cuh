@@ -1,0 +1,254 @@
+/* What both forward kernels (attn_fwd.cu on mma.sync, attn_fwd_sm90.cu on wgmma) do to a tile
+ * once its scores are in registers, and how they finish: the score hook and masks, the online
+ * softmax step, the epilogue writing out and lse, and the zero rows after a packed batch.
+ *
+ * Register layout: a warp's scores are MT m16 tiles x NT n8 tiles in the mma C-fragment layout
+ * (attn_common.cuh's legend); wgmma's m64nN accumulator is the same layout per warp (warp w of
+ * the warpgroup owns rows 16w..16w+15), so both kernels call these with their own MT and NT.
+ * Row numbers are packed rows: under PACK_GQA packed row pr is query row pr / G of head
+ * h + pr % G; otherwise G = 1.
+ *
+ * Switches beyond attn_common.cuh's: PACK_GQA, SPLIT_KV (attn_fwd.cu's decode paths; 0 when
+ * undefined).
+ */
+#ifndef ATTNEXT_ATTN_FWD_TILE_CUH
+#define ATTNEXT_ATTN_FWD_TILE_CUH
+
+#include "attn_common.cuh"
+
+#ifndef PACK_GQA
+#define PACK_GQA 0
+#endif
+#ifndef SPLIT_KV
+#define SPLIT_KV 0
+#endif
+#define NEG_INF __int_as_float(0xff800000)
+
+/* Packed rows after the last sequence (varlen): zero output, lse -inf. */
+template <int TILE_M, int NTHREADS>
+DEV void zero_tail(const attn_params &p, int64_t h)
+{
+    int64_t first = p.cu_seqlens_q[p.B];
+    elem_t *out = (elem_t *)p.out.ptr + h * p.out.s[2];
+    float *lse = (float *)p.lse.ptr + h * p.lse.s[1];
+    for (int64_t r = first + blockIdx.x * TILE_M; r < p.Sq; r += (int64_t)gridDim.x * TILE_M)
+        for (int i = threadIdx.x; i < TILE_M * HEAD_DIM_V; i += NTHREADS) {
+            int64_t row = r + i / HEAD_DIM_V;
+            if (row < p.Sq) {
+                out[row * p.out.s[1] + (i % HEAD_DIM_V) * p.out.s[3]] = 0;
+                if (i % HEAD_DIM_V == 0)
+                    lse[row * p.lse.s[2]] = NEG_INF;
+            }
+        }
+}
+
+/* Whether the tile of packed rows [m0, m0 + block_m) x key columns [c0, c0 + block_n) needs the
+ * per-element tests: a mask array, a tile past either length, or a tile crossing the causal /
+ * window band. r_end: the end of the packed rows with a real query. */
+DEV bool tile_needs_mask(const attn_params &p, int m0, int block_m, int r_end, int c0, int block_n,
+                         int G, int Lq, int Lk)
+{
+    return HAS_MASK || c0 + block_n > Lk || m0 + block_m > Lq * G
+           || !tile_inside_band(&p, m0 / G, (r_end - 1) / G + 1, c0, c0 + block_n, Lq, Lk);
+}
+
+/* One key tile's raw q.k in s become scores in log2 units for a warp's rows: scale, the score
+ * hook, and -inf for masked pairs. row0: the packed row of the warp's first row; c0: the tile's
+ * first key column. A tile that needs no mask takes one multiply per score when the options
+ * leave the score plain. */
+template <int MT, int NT>
+DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT][4], int row0, int c0,
+                    bool need_mask, int G, int Lq, int Lk)
+{
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    if (!need_mask) {
+        const float scale_log2 = sc.scale * LOG2E;
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+#if SCORE_IS_PLAIN
+                    s[mt][nt][e] *= scale_log2;
+#else
+                    const int r = (row0 + mt * 16 + g + (e / 2) * 8) / G;
+                    const int c = c0 + nt * 8 + 2 * t + (e & 1);
+                    s[mt][nt][e] = score_of(sc, s[mt][nt][e], r, c) * LOG2E;
+#endif
+                }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 2 * MT; i++) {
+            const int mt = i / 2, e0 = (i % 2) * 2;
+            const int r = (row0 + mt * 16 + g + (i % 2) * 8) / G;
+            int64_t lo64 = 0, hi64 = 0;                  /* the columns row r keeps */
+            if (r < Lq)
+                kv_range(&p, r, r + 1, Lq, Lk, &lo64, &hi64);
+            const int lo_r = (int)lo64, hi_r = (int)hi64;
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = e0; e < e0 + 2; e++) {
+                    const int c = c0 + nt * 8 + 2 * t + (e & 1);
+                    const bool keep = c >= lo_r && c < hi_r && mask_keeps(sc, r, c);
+                    s[mt][nt][e] = keep ? score_of(sc, s[mt][nt][e], r, c) * LOG2E : NEG_INF;
+                }
+        }
+    }
+}
+
+/* The online softmax over one tile of scores (log2 units): new row maxima m (over the quad), l
+ * rescaled and summed, s overwritten by P = exp2(S - max), unnormalised; corrs[i] is the factor
+ * O's row i must be multiplied by (1 when its maximum did not move). */
+template <int MT, int NT>
+DEV void softmax_update(float (&s)[MT][NT][4], float (&m)[2 * MT], float (&l)[2 * MT], float (&corrs)[2 * MT])
+{
+#pragma unroll
+    for (int i = 0; i < 2 * MT; i++) {
+        const int mt = i / 2, e0 = (i % 2) * 2;
+        float mx = m[i];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+            mx = fmaxf(mx, fmaxf(s[mt][nt][e0], s[mt][nt][e0 + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float base = mx == NEG_INF ? 0.f : mx;   /* a row with nothing kept yet stays 0 */
+        const float corr = fast_exp2(m[i] - base);
+        m[i] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            s[mt][nt][e0] = fast_exp2(s[mt][nt][e0] - base);
+            s[mt][nt][e0 + 1] = fast_exp2(s[mt][nt][e0 + 1] - base);
+            sum += s[mt][nt][e0] + s[mt][nt][e0 + 1];
+        }
+        l[i] = l[i] * corr + sum;
+        corrs[i] = corr;
+    }
+}
+
+/* O's rows times corrs, skipped when no row of the warp moved (after the first tiles the
+ * maxima rarely do). */
+template <int MT, int OT>
+DEV void rescale_o(float (&o)[MT][OT][4], const float (&corrs)[2 * MT])
+{
+    bool moved = false;
+#pragma unroll
+    for (int i = 0; i < 2 * MT; i++)
+        moved |= corrs[i] != 1.f;
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+        for (int i = 0; i < 2 * MT; i++)
+#pragma unroll
+            for (int nt = 0; nt < OT; nt++) {
+                o[i / 2][nt][(i % 2) * 2] *= corrs[i];
+                o[i / 2][nt][(i % 2) * 2 + 1] *= corrs[i];
+            }
+    }
+}
+
+/* One key tile of the online softmax for a warp's rows: score_tile, softmax_update, rescale_o. */
+template <int MT, int NT, int OT>
+DEV void softmax_step(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT][4],
+                      float (&o)[MT][OT][4], float (&m)[2 * MT], float (&l)[2 * MT], int row0, int c0,
+                      bool need_mask, int G, int Lq, int Lk)
+{
+    float corrs[2 * MT];
+    score_tile(p, sc, s, row0, c0, need_mask, G, Lq, Lk);
+    softmax_update(s, m, l, corrs);
+    rescale_o(o, corrs);
+}
+
+/* The A fragment (mma m16n8k16 / wgmma m64nNk16 register operand) of P's keys 16kk..16kk+15. */
+template <int MT, int NT>
+DEV void p_fragment(const float (&s)[MT][NT][4], int mt, int kk, uint32_t (&a)[4])
+{
+    a[0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+    a[1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+    a[2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+    a[3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+}
+
+/* The end of a warp's rows: inv[i] = 1 / l (0 for rows that keep nothing and for padding
+ * rows), and lse = log(l) + max (-inf for those rows) written to lse, or under SPLIT_KV to this
+ * split's lse_accum slot. row0: the packed row of the warp's first row; h: the block's (first)
+ * query head. */
+template <int MT>
+DEV void finish_rows(const attn_params &p, const seq_t &sq, const float (&m)[2 * MT],
+                     const float (&l)[2 * MT], int row0, int64_t b, int64_t h, int G, int split, int Lq,
+                     float (&inv)[2 * MT])
+{
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 2 * MT; i++) {
+        float li = l[i];
+        li += __shfl_xor_sync(0xffffffffu, li, 1);
+        li += __shfl_xor_sync(0xffffffffu, li, 2);
+        const int pr = row0 + (i / 2) * 16 + g + (i % 2) * 8;
+        const int r = pr / G;
+        const int64_t hr = h + pr % G;
+        const bool live = r < Lq && li > 0.f;
+        inv[i] = live ? 1.f / li : 0.f;
+        if (t != 0 || r >= sq.rows)
+            continue;
+        const float lse_r = live ? (m[i] + log2f(li)) * LN2 : NEG_INF;
+#if SPLIT_KV
+        p.lse_accum[((split * p.B + b) * p.Hq + hr) * p.Sq + r] = lse_r;
+#else
+        ((float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + hr * p.lse.s[1] + (sq.start + r) * p.lse.s[2]] = lse_r;
+#endif
+    }
+}
+
+/* out = O * inv for a warp's rows, element by element through out's strides (under SPLIT_KV: the
+ * float32 partial into this split's o_accum slot). */
+template <int MT, int OT>
+DEV void store_o(const attn_params &p, const seq_t &sq, const float (&o)[MT][OT][4],
+                 const float (&inv)[2 * MT], int row0, int64_t b, int64_t h, int G, int split)
+{
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 2 * MT; i++) {
+        const int mt = i / 2, e0 = (i % 2) * 2;
+        const int pr = row0 + mt * 16 + g + (i % 2) * 8;
+        const int r = pr / G;
+        const int64_t hr = h + pr % G;
+        if (r >= sq.rows)
+            continue;
+#if SPLIT_KV
+        float *orow = p.o_accum + (((split * p.B + b) * p.Hq + hr) * p.Sq + r) * HEAD_DIM_V;
+#pragma unroll
+        for (int nt = 0; nt < OT; nt++) {
+            const int d = nt * 8 + 2 * t;
+            if (d < HEAD_DIM_V)
+                orow[d] = o[mt][nt][e0] * inv[i];
+            if (d + 1 < HEAD_DIM_V)
+                orow[d + 1] = o[mt][nt][e0 + 1] * inv[i];
+        }
+#else
+        elem_t *orow = (elem_t *)p.out.ptr + sq.mem_b * p.out.s[0] + (sq.start + r) * p.out.s[1] + hr * p.out.s[2];
+#pragma unroll
+        for (int nt = 0; nt < OT; nt++) {
+            const int d = nt * 8 + 2 * t;
+            if (d < HEAD_DIM_V)
+                orow[d * p.out.s[3]] = f32_to_elem(o[mt][nt][e0] * inv[i]);
+            if (d + 1 < HEAD_DIM_V)
+                orow[(d + 1) * p.out.s[3]] = f32_to_elem(o[mt][nt][e0 + 1] * inv[i]);
+        }
+#endif
+    }
+}
+
+/* finish_rows, then store_o. */
+template <int MT, int OT>
+DEV void write_out(const attn_params &p, const seq_t &sq, const float (&o)[MT][OT][4],
+                   const float (&m)[2 * MT], const float (&l)[2 * MT], int row0, int64_t b, int64_t h,
+                   int G, int split, int Lq)
+{
+    float inv[2 * MT];
+    finish_rows<MT>(p, sq, m, l, row0, b, h, G, split, Lq, inv);
+    store_o(p, sq, o, inv, row0, b, h, G, split);
+}
+
+#endif
