@@ -75,6 +75,10 @@ def _build(tmp):
     shutil.copy2(built[0], run / "attnext" / built[0].name)
     shutil.copytree(os.path.join(ROOT, "tests"), run / "tests",
                     ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("kernels", "bench", "examples"):      # the CUDA sources warmup --check compiles
+        if os.path.isdir(os.path.join(ROOT, name)):
+            shutil.copytree(os.path.join(ROOT, name), run / name,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.json", "*.png"))
     for name in ("pyproject.toml", "setup.py"):
         shutil.copy2(os.path.join(ROOT, name), run / name)
     return run, run / "attnext" / built[0].name
