@@ -329,22 +329,31 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
             prob.dbias = _t(dbias)
         tail = 1 if o.varlen else 0
 
-        def launch(name, grid, warps):
-            prob.smem = smem[name]
-            prob.fn = kernels.function("attn_bwd", name, defines, stage.device, arch, prob.smem)
+        def launch(name, grid, warps, source="attn_bwd", defs=defines, smem_of=smem):
+            prob.smem = smem_of[name]
+            prob.fn = kernels.function(source, name, defs, stage.device, arch, prob.smem)
             prob.grid, prob.block = grid, (warps * 32, 1, 1)
             if all(grid):
                 _C.cuda_launch_attention(prob)
 
+        hopper = kernels.bwd_sm90_tile(arch, o.D, o.Dv, features["vec"], atomic)
         if o.Hq:
             launch("attn_bwd_pre", (_query_tiles(o, PRE_ROWS), o.Hq, o.B), PRE_THREADS // 32)
-            kv_grid = (_key_tiles(o, 16 * tile["kv_warps"]), o.Hk, o.B + tail)
-            for name in (("attn_bwd_dv", "attn_bwd_dk") if tile["kv_split"] else ("attn_bwd_dkdv",)):
-                launch(name, kv_grid, tile["kv_warps"])
+            if hopper:               # dK, dV and dQ on wgmma (attn_bwd_sm90.cu)
+                defs90 = kernels.bwd_defines(**features, tile=hopper, atomic=False)
+                smem90 = kernels.bwd_sm90_smem_bytes(o.D, o.Dv, hopper)
+                launch("attn_bwd_dkdv_sm90", (_key_tiles(o, 16 * hopper["kv_warps"]), o.Hk, o.B + tail),
+                       hopper["kv_warps"], "attn_bwd_sm90", defs90, smem90)
+                launch("attn_bwd_dq_sm90", (_query_tiles(o, hopper["q_block_m"]), o.Hq, o.B + tail),
+                       hopper["q_warps"], "attn_bwd_sm90", defs90, smem90)
+            else:
+                kv_grid = (_key_tiles(o, 16 * tile["kv_warps"]), o.Hk, o.B + tail)
+                for name in (("attn_bwd_dv", "attn_bwd_dk") if tile["kv_split"] else ("attn_bwd_dkdv",)):
+                    launch(name, kv_grid, tile["kv_warps"])
             if atomic:
                 launch("attn_bwd_dq_convert", (_query_tiles(o, PRE_ROWS), o.Hq, o.B + tail),
                        PRE_THREADS // 32)
-            else:
+            elif not hopper:
                 launch("attn_bwd_dq", (_query_tiles(o, tile["q_block_m"]), o.Hq, o.B + tail), tile["q_warps"])
             if dbias is not None:
                 bcast = [s == 0 for s in dbias.strides]

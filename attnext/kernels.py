@@ -19,7 +19,7 @@ _ROOT = Path(__file__).resolve().parent.parent
 KERNEL_DIR = Path(os.environ.get("ATTNEXT_KERNEL_DIR", _ROOT / "kernels"))
 HEADER_FILES = (_ROOT / "csrc" / "attn_params.h", _ROOT / "csrc" / "seqlen.h",
                 _ROOT / "csrc" / "block.h", KERNEL_DIR / "attn_common.cuh",
-                KERNEL_DIR / "attn_fwd_tile.cuh", KERNEL_DIR / "wgmma.cuh")
+                KERNEL_DIR / "attn_fwd_tile.cuh", KERNEL_DIR / "attn_bwd_tile.cuh", KERNEL_DIR / "wgmma.cuh")
 # every architecture CI compiles for (warmup --check) and the ones attnext targets
 ARCHS = ("sm_80", "sm_90a")
 SMEM_PAD = 8           # elements of padding per shared-memory row (attn_common.cuh)
@@ -239,6 +239,36 @@ def bwd_smem_bytes(D, Dv, tile, atomic):
     }
 
 
+# attn_bwd_sm90: 64 keys per dK/dV CTA and 64 query rows per dQ CTA (one warpgroup each), 64-row
+# streamed tiles
+SM90_BWD_TILE = dict(kv_block_m=64, kv_warps=4, kv_split=0, kv_minb=1, q_block_m=64, q_block_n=64,
+                     q_warps=4, q_minb=1)
+
+
+def bwd_sm90_tile(arch, D, Dv, vec, atomic):
+    """The tile of attn_bwd_sm90.cu (wgmma dK, dV, dQ) when it applies: sm_90a, 16-byte loads,
+    D, Dv in {64, 128}, the deterministic dQ; else None (attn_bwd.cu). ATTNEXT_BWD_SM90=0 keeps
+    Hopper on attn_bwd.cu (the lab's and the tests' comparison)."""
+    if (arch == "sm_90a" and vec and not atomic and D in (64, 128) and Dv in (64, 128)
+            and os.environ.get("ATTNEXT_BWD_SM90", "1") != "0"):
+        env = os.environ.get("ATTNEXT_TILE_BWD_SM90")   # the kernel lab's override: "8,8" (warps)
+        if env:
+            kv, q = (int(x) for x in env.split(","))
+            return {**SM90_BWD_TILE, "kv_warps": kv, "q_warps": q, "q_block_m": 16 * q}
+        return SM90_BWD_TILE
+    return None
+
+
+def bwd_sm90_smem_bytes(D, Dv, tile):
+    """Dynamic shared memory of attn_bwd_sm90.cu's kernels (SW128 tiles, 1024-aligned)."""
+    bn, bm = 16 * tile["kv_warps"], tile["kv_block_m"]
+    qm, qn = tile["q_block_m"], tile["q_block_n"]
+    return {
+        "attn_bwd_dkdv_sm90": 2 * (bn * D + bn * Dv + 2 * bm * D + 2 * bm * Dv) + 4 * 4 * bm + 1024,
+        "attn_bwd_dq_sm90": 2 * (qm * D + qm * Dv + 2 * qn * D + 2 * qn * Dv) + 1024,
+    }
+
+
 def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile, atomic):
     """The #defines of one backward variant (kernels/attn_bwd.cu: every backward kernel of it).
     atomic: the lab's dq_accum path (deterministic=False with ATTNEXT_BWD_DQ=atomic)."""
@@ -290,9 +320,25 @@ def sm90_fwd_variants():
     return [("attn_fwd_sm90", fwd_defines(**v)) for v in out]
 
 
+def sm90_bwd_variants():
+    """attn_bwd_sm90's variants (sm_90a only): those of sm90_fwd_variants' features."""
+    out = []
+    for _, fd in sm90_fwd_variants():
+        if (fd["BLOCK_M"], fd["BLOCK_N"]) != SM90_TILE_LONG[:2]:
+            continue
+        names = {v: k for k, v in DTYPE_CODES.items()}
+        out.append(bwd_defines(
+            dtype="bfloat16" if fd["ELEM_BF16"] else "float16", D=fd["HEAD_DIM"], Dv=fd["HEAD_DIM_V"], vec=True,
+            softcap=bool(fd["HAS_SOFTCAP"]), bias_dtype=names[fd["BIAS_DT"]] if fd["HAS_BIAS"] else None,
+            alibi_dtype=names[fd["ALIBI_DT"]] if fd["HAS_ALIBI"] else None, mask=bool(fd["HAS_MASK"]),
+            tile=SM90_BWD_TILE, atomic=False))
+    return [("attn_bwd_sm90", d) for d in out]
+
+
 def variants(arch=None):
     """Every (kernel, defines) warmup compiles for arch (None: those of every architecture)."""
-    return fwd_variants() + bwd_variants() + (sm90_fwd_variants() if arch in (None, "sm_90a") else [])
+    hopper = sm90_fwd_variants() + sm90_bwd_variants() if arch in (None, "sm_90a") else []
+    return fwd_variants() + bwd_variants() + hopper
 
 
 def dtype_name(dt):

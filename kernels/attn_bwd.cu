@@ -39,19 +39,11 @@
  * Gradients in natural units: dS = dL/ds for the final score s (after softcap, bias, alibi),
  * so dbias = dS, and dq, dk carry dS * score_grad * scale.
  */
-#include "attn_common.cuh"
+#include "attn_bwd_tile.cuh"
 
-#define NEG_INF __int_as_float(0xff800000)
-#define POS_INF __int_as_float(0x7f800000)
 
 #define KV_THREADS (KV_WARPS * 32)
 #define KV_BLOCK_N (KV_WARPS * 16)       /* key rows per dkdv CTA: one m16 tile per warp */
-#define KV_NT (KV_BLOCK_M / 8)           /* n8 tiles of S^T per warp */
-#define Q_THREADS (Q_WARPS * 32)
-#define Q_WARP_M (Q_BLOCK_M / Q_WARPS)   /* query rows per warp (dq, dbias) */
-#define Q_MT (Q_WARP_M / 16)
-#define Q_NT (Q_BLOCK_N / 8)
-#define PRE_ROWS 64                      /* rows per CTA of the small row kernels */
 #define PRE_THREADS 256
 
 /* ---------------------------------------------------------------- warp products */
@@ -103,21 +95,6 @@ DEV void mma_fb(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][KS][4], const e
         }
 }
 
-/* The C fragments of an m16 x (2 KS n8) product as the A fragments of the next product. */
-template <int MT, int KS>
-DEV void pack_frag(uint32_t (&a)[MT][KS][4], const float (&f)[MT][2 * KS][4])
-{
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int kk = 0; kk < KS; kk++) {
-            a[mt][kk][0] = pack2(f[mt][2 * kk][0], f[mt][2 * kk][1]);
-            a[mt][kk][1] = pack2(f[mt][2 * kk][2], f[mt][2 * kk][3]);
-            a[mt][kk][2] = pack2(f[mt][2 * kk + 1][0], f[mt][2 * kk + 1][1]);
-            a[mt][kk][3] = pack2(f[mt][2 * kk + 1][2], f[mt][2 * kk + 1][3]);
-        }
-}
-
 /* p[0] += a, p[1] += b by float atomics (one vector reduction on sm_90; p 8-byte aligned). */
 DEV void red_add_f32x2(float *p, float a, float b)
 {
@@ -145,22 +122,6 @@ DEV void store_from_f32(void *p, int64_t i, int dt, float f)
     case DT_F32: ((float *)p)[i] = f; break;
     default: ((double *)p)[i] = (double)f; break;
     }
-}
-
-/* lse of a row in log2 units, +inf for a row that keeps nothing: exp2(s - that) is then 0. */
-DEV float lse_log2(float lse) { return lse == NEG_INF ? POS_INF : lse * LOG2E; }
-
-/* Rows [first, rows) x cols [0, cols) of one head of a 16-bit tensor set to 0, rows spread over
- * blockIdx.x (the packed rows after the last sequence). */
-DEV void zero_rows(elem_t *base, int64_t s_row, int64_t s_col, int64_t first, int64_t rows, int cols,
-                   int threads)
-{
-    for (int64_t r = first + (int64_t)blockIdx.x * PRE_ROWS; r < rows; r += (int64_t)gridDim.x * PRE_ROWS)
-        for (int i = threadIdx.x; i < PRE_ROWS * cols; i += threads) {
-            const int64_t row = r + i / cols;
-            if (row < rows)
-                base[row * s_row + (i % cols) * s_col] = 0;
-        }
 }
 
 /* ---------------------------------------------------------------- delta */
@@ -252,27 +213,8 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw)
         return;
     const int group = (int)(p.Hq / p.Hk), Lq = (int)sq.len, Lk = (int)sk.len;
 
-    /* the query tiles that see some key of this tile, and the query rows each of this thread's
-     * two key rows is seen by (the exact inverse of kv_range, so the forward's kept set) */
-    int m_first = 0, nm = 0;
-    if (n0 < Lk) {
-        int64_t lo, hi;
-        q_range(&p, n0, min(n0 + BN, Lk), Lq, Lk, &lo, &hi);
-        if (hi > lo) {
-            m_first = (int)(lo / BM);
-            nm = (int)((hi - 1) / BM) - m_first + 1;
-        }
-    }
-    int qlo[2], qhi[2];
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int c = n0 + warp * 16 + g + i * 8;
-        int64_t lo = 0, hi = 0;
-        if (c < Lk)
-            q_range(&p, c, c + 1, Lq, Lk, &lo, &hi);
-        qlo[i] = (int)lo;
-        qhi[i] = (int)hi;
-    }
+    int m_first, nm, qlo[2], qhi[2];
+    kv_tile_rows(p, n0, BN, BM, n0 + warp * 16, Lq, Lk, m_first, nm, qlo, qhi);
 
     const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + (sk.start + n0) * p.k.s[1] + hk * p.k.s[2];
     const elem_t *gv = (const elem_t *)p.v.ptr + sk.mem_b * p.v.s[0] + (sk.start + n0) * p.v.s[1] + hk * p.v.s[2];
@@ -314,37 +256,10 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw)
         zero_acc(s);
         mma_abt<1, KV_NT, DP>(s, sK + warp * 16 * (DP + SMEM_PAD), qb, lane);
 
-        /* P^T (packed for dV) and P^T * score_grad (kept in s for dS); pairs (e, e + 1) share a
-         * key row and sit on adjacent query columns */
         const bool need_mask = HAS_MASK || n0 + BN > Lk || m0 + BM > Lq
                                || !tile_inside_band(&p, m0, min(m0 + BM, Lq), n0, n0 + BN, Lq, Lk);
         uint32_t pp[1][KV_NT / 2][4];
-#pragma unroll
-        for (int nt = 0; nt < KV_NT; nt++)
-#pragma unroll
-            for (int half = 0; half < 2; half++) {
-                float pr[2];
-#pragma unroll
-                for (int x = 0; x < 2; x++) {
-                    const int e = half * 2 + x;
-                    const int c = n0 + warp * 16 + g + half * 8;
-                    const int rl = nt * 8 + 2 * t + x, r = m0 + rl;
-                    const bool keep = !need_mask || (r >= qlo[half] && r < qhi[half] && mask_keeps(sc, r, c));
-                    const float raw = s[0][nt][e];
-                    float pv = 0.f, grad = 1.f;
-                    if (keep) {
-#if SCORE_IS_PLAIN
-                        pv = fast_exp2(raw * scale_log2 - lb[rl]);
-#else
-                        pv = fast_exp2(score_of(sc, raw, r, c) * LOG2E - lb[rl]);
-#endif
-                        grad = score_grad(sc, raw);
-                    }
-                    pr[x] = pv;
-                    s[0][nt][e] = pv * grad;
-                }
-                pp[0][nt / 2][(nt & 1) * 2 + half] = pack2(pr[0], pr[1]);
-            }
+        pt_tile(s, pp, sc, lb, n0 + warp * 16, m0, qlo, qhi, need_mask);
 
         if (DO_DV)                        /* dV += P^T dO */
             mma_fb<1, KV_NT / 2, DO_DV ? DVP / 8 : 2, DVP + SMEM_PAD>(dv, pp, dob, lane);
@@ -354,11 +269,7 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw)
             float dp[1][KV_NT][4];
             zero_acc(dp);
             mma_abt<1, KV_NT, DVP>(dp, sV + warp * 16 * (DVP + SMEM_PAD), dob, lane);
-#pragma unroll
-            for (int nt = 0; nt < KV_NT; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    s[0][nt][e] *= dp[0][nt][e] - db[nt * 8 + 2 * t + (e & 1)];
+            dst_tile(s, dp, db);
             pack_frag<1, KV_NT / 2>(pp, s);
             mma_fb<1, KV_NT / 2, DO_DK ? DP / 8 : 2, DP + SMEM_PAD>(dk, pp, qb, lane);
 #if DQ_ATOMIC
@@ -424,36 +335,7 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw)
     }
     cp_async_wait_all();
 
-    /* dk = dK * scale, dv = dV; key rows past the length come out 0 (P was 0 there) */
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int c = n0 + warp * 16 + g + i * 8;
-        if (c >= sk.rows)
-            continue;
-        if (DO_DK) {
-            const float scale = (float)p.scale;
-            elem_t *row = (elem_t *)p.dk.ptr + sk.mem_b * p.dk.s[0] + (sk.start + c) * p.dk.s[1] + hk * p.dk.s[2];
-#pragma unroll
-            for (int nt = 0; nt < (DO_DK ? DP / 8 : 2); nt++) {
-                const int d = nt * 8 + 2 * t;
-                if (d < HEAD_DIM)
-                    row[d * p.dk.s[3]] = f32_to_elem(dk[0][nt][i * 2] * scale);
-                if (d + 1 < HEAD_DIM)
-                    row[(d + 1) * p.dk.s[3]] = f32_to_elem(dk[0][nt][i * 2 + 1] * scale);
-            }
-        }
-        if (DO_DV) {
-            elem_t *row = (elem_t *)p.dv.ptr + sk.mem_b * p.dv.s[0] + (sk.start + c) * p.dv.s[1] + hk * p.dv.s[2];
-#pragma unroll
-            for (int nt = 0; nt < (DO_DV ? DVP / 8 : 2); nt++) {
-                const int d = nt * 8 + 2 * t;
-                if (d < HEAD_DIM_V)
-                    row[d * p.dv.s[3]] = f32_to_elem(dv[0][nt][i * 2]);
-                if (d + 1 < HEAD_DIM_V)
-                    row[(d + 1) * p.dv.s[3]] = f32_to_elem(dv[0][nt][i * 2 + 1]);
-            }
-        }
-    }
+    store_dkdv(p, sk, hk, dk, dv, n0 + warp * 16, DO_DK, DO_DV);
 }
 
 #if KV_SPLIT
@@ -477,70 +359,6 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv(
 #endif
 
 /* ---------------------------------------------------------------- dQ (and the dS of dbias) */
-/* What a warp of the dq and dbias kernels knows about each of its 2 * Q_MT rows. */
-struct row_info {
-    int lo[2 * Q_MT], hi[2 * Q_MT];   /* kept key columns (kv_range); empty past the length */
-    float lse2[2 * Q_MT], delta[2 * Q_MT];
-};
-
-DEV void load_row_info(const attn_params &p, const seq_t &sq, const seq_t &sk, int64_t h, int m0, row_info &ri)
-{
-    const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
-    const int Lq = (int)sq.len, Lk = (int)sk.len;
-#pragma unroll
-    for (int i = 0; i < 2 * Q_MT; i++) {
-        const int r = m0 + warp * Q_WARP_M + (i / 2) * 16 + g + (i % 2) * 8;
-        int64_t lo = 0, hi = 0;
-        ri.lse2[i] = POS_INF;
-        ri.delta[i] = 0.f;
-        if (r < Lq) {
-            kv_range(&p, r, r + 1, Lq, Lk, &lo, &hi);
-            const int64_t row = sq.start + r;
-            ri.lse2[i] = lse_log2(((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + row * p.lse.s[2]]);
-            ri.delta[i] = ((const float *)p.delta.ptr)[sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + row * p.delta.s[2]];
-        }
-        ri.lo[i] = (int)lo;
-        ri.hi[i] = (int)hi;
-    }
-}
-
-/* dS for this warp's rows x the key tile at c0, in place of s (S = Q K^T, raw dots) from dp
- * (dO V^T): natural units (dbias) or WITH_GRAD times score_grad (dq). Pairs outside the kept
- * set give exactly 0. */
-template <bool WITH_GRAD>
-DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], const attn_params &p,
-                 const score_ctx &sc, const row_info &ri, int m0, int c0, int Lq, int Lk)
-{
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const float scale_log2 = sc.scale * LOG2E;
-    const bool need_mask = HAS_MASK || c0 + Q_BLOCK_N > Lk || m0 + Q_BLOCK_M > Lq
-                           || !tile_inside_band(&p, m0, min(m0 + Q_BLOCK_M, Lq), c0, c0 + Q_BLOCK_N, Lq, Lk);
-#pragma unroll
-    for (int mt = 0; mt < Q_MT; mt++)
-#pragma unroll
-        for (int nt = 0; nt < Q_NT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int i = mt * 2 + e / 2;
-                const int r = m0 + warp * Q_WARP_M + mt * 16 + g + (e / 2) * 8;
-                const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                const bool keep = !need_mask || (c >= ri.lo[i] && c < ri.hi[i] && mask_keeps(sc, r, c));
-                const float raw = s[mt][nt][e];
-                float ds = 0.f;
-                if (keep) {
-#if SCORE_IS_PLAIN
-                    const float pv = fast_exp2(raw * scale_log2 - ri.lse2[i]);
-#else
-                    const float pv = fast_exp2(score_of(sc, raw, r, c) * LOG2E - ri.lse2[i]);
-#endif
-                    ds = pv * (dp[mt][nt][e] - ri.delta[i]);
-                    if (WITH_GRAD)
-                        ds *= score_grad(sc, raw);
-                }
-                s[mt][nt][e] = ds;
-            }
-}
-
 /* Grid (query tiles, Hq, B [+1 varlen]). Warp w owns query rows [w Q_WARP_M, (w + 1) Q_WARP_M).
  * K double-buffered (K[n+1] loads during tile n), V loads while dS K runs. */
 extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(const __grid_constant__ attn_params p)

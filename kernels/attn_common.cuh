@@ -31,6 +31,8 @@
 #define SMEM_PAD 8                         /* elements: 16 bytes per row keep ldmatrix conflict-free */
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
+#define NEG_INF __int_as_float(0xff800000)
+#define POS_INF __int_as_float(0x7f800000)
 
 typedef uint16_t elem_t;                   /* the raw 16 bits of a bfloat16 or float16 */
 

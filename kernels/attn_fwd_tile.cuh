@@ -22,7 +22,6 @@
 #ifndef SPLIT_KV
 #define SPLIT_KV 0
 #endif
-#define NEG_INF __int_as_float(0xff800000)
 
 /* Packed rows after the last sequence (varlen): zero output, lse -inf. */
 template <int TILE_M, int NTHREADS>

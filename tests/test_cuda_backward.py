@@ -217,3 +217,27 @@ def test_torch_tensors(rng):
         want = getattr(g, name)
         assert tuple(x.shape) == want.shape
         assert np.array_equal(x.float().cpu().numpy(), np.asarray(want, np.float32)), name
+
+
+@pytest.mark.parametrize("kernel", ["default", "mma_sync"])
+@pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (128, 64), (64, 128)],
+                         ids=["d64", "d128", "d128_dv64", "d64_dv128"])
+def test_backward_kernels_with_every_option(kernel, d, dv, rng, monkeypatch):
+    """On Hopper these head dims run attn_bwd_sm90 (wgmma dK, dV, dQ) by default; "mma_sync"
+    forces attn_bwd.cu: both under every option on tile edges, GQA, and a packed batch."""
+    if kernel == "mma_sync":
+        monkeypatch.setenv("ATTNEXT_BWD_SM90", "0")
+    q, k, v = make_qkv(rng, 2, 300, 333, 6, 2, d, dv, BF16)
+    _grads(q, k, v, rng)
+    _grads(q, k, v, rng, causal=True)
+    _grads(q, k, v, rng, causal="top_left", window=(70, 0))
+    bias = randn(rng, (6, 300, 1), np.float32)
+    mask = rng.random((2, 1, 300, 333)) > 0.1
+    slopes = rng.random(6).astype(np.float32)
+    _grads(q, k, v, rng, bias=bias, mask=mask, alibi_slopes=slopes, softcap=5.0, window=(100, 7), causal=True)
+    cu_q = np.array([0, 1, 130, 130, 400], np.int32)
+    cu_k = np.array([0, 200, 200, 329, 600], np.int32)
+    q, k, v = make_varlen_qkv(rng, 410, 600, 4, 1, d, dv, F16)
+    varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=np.array([150, 0, 129, 33], np.int32))
+    g, _, _ = _grads(q, k, v, rng, varlen=varlen, causal=True)
+    assert (g.dq[400:] == 0).all() and (g.dk[600:] == 0).all() and (g.dv[600:] == 0).all()

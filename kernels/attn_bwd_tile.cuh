@@ -1,0 +1,234 @@
+/* What the backward kernels (attn_bwd.cu on mma.sync, attn_bwd_sm90.cu on wgmma) share: the
+ * row statistics of a query tile, P^T and dS^T of a dK/dV tile, dS of a dQ tile, fragment
+ * packing, and the zero rows after a packed batch.
+ *
+ * Register layout: the mma C-fragment layout (attn_common.cuh's legend) per warp; wgmma's m64
+ * accumulators are the same per warp (warp w of a warpgroup owns rows 16w..16w+15), so both
+ * kernel families call these. Switches: Q_BLOCK_M, Q_BLOCK_N, Q_WARPS (dQ and dbias tiles: rows
+ * per CTA, keys per tile, warps), KV_BLOCK_M (dK/dV: query rows per streamed tile).
+ */
+#ifndef ATTNEXT_ATTN_BWD_TILE_CUH
+#define ATTNEXT_ATTN_BWD_TILE_CUH
+
+#include "attn_common.cuh"
+
+#define Q_THREADS (Q_WARPS * 32)
+#define Q_WARP_M (Q_BLOCK_M / Q_WARPS)   /* query rows per warp (dq, dbias) */
+#define Q_MT (Q_WARP_M / 16)
+#define Q_NT (Q_BLOCK_N / 8)
+#define KV_NT (KV_BLOCK_M / 8)           /* n8 tiles of S^T per warp */
+#define PRE_ROWS 64                      /* rows per CTA of the small row kernels */
+
+/* The C fragments of an m16 x (2 KS n8) product as the A fragments of the next product. */
+template <int MT, int KS>
+DEV void pack_frag(uint32_t (&a)[MT][KS][4], const float (&f)[MT][2 * KS][4])
+{
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int kk = 0; kk < KS; kk++) {
+            a[mt][kk][0] = pack2(f[mt][2 * kk][0], f[mt][2 * kk][1]);
+            a[mt][kk][1] = pack2(f[mt][2 * kk][2], f[mt][2 * kk][3]);
+            a[mt][kk][2] = pack2(f[mt][2 * kk + 1][0], f[mt][2 * kk + 1][1]);
+            a[mt][kk][3] = pack2(f[mt][2 * kk + 1][2], f[mt][2 * kk + 1][3]);
+        }
+}
+
+/* lse of a row in log2 units, +inf for a row that keeps nothing: exp2(s - that) is then 0. */
+DEV float lse_log2(float lse) { return lse == NEG_INF ? POS_INF : lse * LOG2E; }
+
+/* Rows [first, rows) x cols [0, cols) of one head of a 16-bit tensor set to 0, rows spread over
+ * blockIdx.x (the packed rows after the last sequence). */
+DEV void zero_rows(elem_t *base, int64_t s_row, int64_t s_col, int64_t first, int64_t rows, int cols,
+                   int threads)
+{
+    for (int64_t r = first + (int64_t)blockIdx.x * PRE_ROWS; r < rows; r += (int64_t)gridDim.x * PRE_ROWS)
+        for (int i = threadIdx.x; i < PRE_ROWS * cols; i += threads) {
+            const int64_t row = r + i / cols;
+            if (row < rows)
+                base[row * s_row + (i % cols) * s_col] = 0;
+        }
+}
+
+/* P^T for a warp's 16 key rows x the query tile at m0, from S^T = K Q^T (raw dots in s; rows are
+ * keys n0w + g (+ 8), columns query rows m0 + 8 nt + 2 t (+ 1)): P^T packed into pp (the A
+ * fragments of dV += P^T dO), and s overwritten by P^T * score_grad (for dS^T). lb: the tile's
+ * lse rows in log2 units; qlo, qhi: the query rows each of the thread's two key rows is seen
+ * by; a tile that needs no mask skips the tests. */
+template <int NT>
+DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score_ctx &sc, const float *lb,
+                 int n0w, int m0, const int (&qlo)[2], const int (&qhi)[2], bool need_mask)
+{
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const float scale_log2 = sc.scale * LOG2E;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            float pr[2];
+#pragma unroll
+            for (int x = 0; x < 2; x++) {
+                const int e = half * 2 + x;
+                const int c = n0w + g + half * 8;
+                const int rl = nt * 8 + 2 * t + x, r = m0 + rl;
+                const bool keep = !need_mask || (r >= qlo[half] && r < qhi[half] && mask_keeps(sc, r, c));
+                const float raw = s[0][nt][e];
+                float pv = 0.f, grad = 1.f;
+                if (keep) {
+#if SCORE_IS_PLAIN
+                    pv = fast_exp2(raw * scale_log2 - lb[rl]);
+#else
+                    pv = fast_exp2(score_of(sc, raw, r, c) * LOG2E - lb[rl]);
+#endif
+                    grad = score_grad(sc, raw);
+                }
+                pr[x] = pv;
+                s[0][nt][e] = pv * grad;
+            }
+            pp[0][nt / 2][(nt & 1) * 2 + half] = pack2(pr[0], pr[1]);
+        }
+}
+
+/* For a dK/dV tile of bn keys at n0 (query tiles of bm rows): the query tiles [m_first, m_first +
+ * nm) that see some key of it, and the query rows [qlo[i], qhi[i]) each of this thread's two key
+ * rows (n0w + g, n0w + g + 8) is seen by: the exact inverse of kv_range, so the forward's kept set. */
+DEV void kv_tile_rows(const attn_params &p, int n0, int bn, int bm, int n0w, int Lq, int Lk, int &m_first,
+                      int &nm, int (&qlo)[2], int (&qhi)[2])
+{
+    const int g = (threadIdx.x & 31) >> 2;
+    m_first = nm = 0;
+    if (n0 < Lk) {
+        int64_t lo, hi;
+        q_range(&p, n0, min(n0 + bn, Lk), Lq, Lk, &lo, &hi);
+        if (hi > lo) {
+            m_first = (int)(lo / bm);
+            nm = (int)((hi - 1) / bm) - m_first + 1;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int c = n0w + g + i * 8;
+        int64_t lo = 0, hi = 0;
+        if (c < Lk)
+            q_range(&p, c, c + 1, Lq, Lk, &lo, &hi);
+        qlo[i] = (int)lo;
+        qhi[i] = (int)hi;
+    }
+}
+
+/* dk = dK * scale, dv = dV for a warp's 16 key rows from n0w (mma C layout); rows past the
+ * sequence's length come out 0 (P was 0 there). */
+template <int NK, int NV>
+DEV void store_dkdv(const attn_params &p, const seq_t &sk, int64_t hk, const float (&dk)[1][NK][4],
+                    const float (&dv)[1][NV][4], int n0w, bool do_dk, bool do_dv)
+{
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int c = n0w + g + i * 8;
+        if (c >= sk.rows)
+            continue;
+        if (do_dk) {
+            const float scale = (float)p.scale;
+            elem_t *row = (elem_t *)p.dk.ptr + sk.mem_b * p.dk.s[0] + (sk.start + c) * p.dk.s[1] + hk * p.dk.s[2];
+#pragma unroll
+            for (int nt = 0; nt < NK; nt++) {
+                const int d = nt * 8 + 2 * t;
+                if (d < HEAD_DIM)
+                    row[d * p.dk.s[3]] = f32_to_elem(dk[0][nt][i * 2] * scale);
+                if (d + 1 < HEAD_DIM)
+                    row[(d + 1) * p.dk.s[3]] = f32_to_elem(dk[0][nt][i * 2 + 1] * scale);
+            }
+        }
+        if (do_dv) {
+            elem_t *row = (elem_t *)p.dv.ptr + sk.mem_b * p.dv.s[0] + (sk.start + c) * p.dv.s[1] + hk * p.dv.s[2];
+#pragma unroll
+            for (int nt = 0; nt < NV; nt++) {
+                const int d = nt * 8 + 2 * t;
+                if (d < HEAD_DIM_V)
+                    row[d * p.dv.s[3]] = f32_to_elem(dv[0][nt][i * 2]);
+                if (d + 1 < HEAD_DIM_V)
+                    row[(d + 1) * p.dv.s[3]] = f32_to_elem(dv[0][nt][i * 2 + 1]);
+            }
+        }
+    }
+}
+
+/* dS^T = P^T score_grad (dP^T - delta), in place of s, from dp (dP^T = V dO^T); db: the tile's
+ * delta rows (the columns). */
+template <int NT>
+DEV void dst_tile(float (&s)[1][NT][4], const float (&dp)[1][NT][4], const float *db)
+{
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            s[0][nt][e] *= dp[0][nt][e] - db[nt * 8 + 2 * t + (e & 1)];
+}
+
+/* What a warp of the dq and dbias kernels knows about each of its 2 * Q_MT rows. */
+struct row_info {
+    int lo[2 * Q_MT], hi[2 * Q_MT];   /* kept key columns (kv_range); empty past the length */
+    float lse2[2 * Q_MT], delta[2 * Q_MT];
+};
+
+DEV void load_row_info(const attn_params &p, const seq_t &sq, const seq_t &sk, int64_t h, int m0, row_info &ri)
+{
+    const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+    const int Lq = (int)sq.len, Lk = (int)sk.len;
+#pragma unroll
+    for (int i = 0; i < 2 * Q_MT; i++) {
+        const int r = m0 + warp * Q_WARP_M + (i / 2) * 16 + g + (i % 2) * 8;
+        int64_t lo = 0, hi = 0;
+        ri.lse2[i] = POS_INF;
+        ri.delta[i] = 0.f;
+        if (r < Lq) {
+            kv_range(&p, r, r + 1, Lq, Lk, &lo, &hi);
+            const int64_t row = sq.start + r;
+            ri.lse2[i] = lse_log2(((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + row * p.lse.s[2]]);
+            ri.delta[i] = ((const float *)p.delta.ptr)[sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + row * p.delta.s[2]];
+        }
+        ri.lo[i] = (int)lo;
+        ri.hi[i] = (int)hi;
+    }
+}
+
+/* dS for this warp's rows x the key tile at c0, in place of s (S = Q K^T, raw dots) from dp
+ * (dO V^T): natural units (dbias) or WITH_GRAD times score_grad (dq). Pairs outside the kept
+ * set give exactly 0. */
+template <bool WITH_GRAD>
+DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], const attn_params &p,
+                 const score_ctx &sc, const row_info &ri, int m0, int c0, int Lq, int Lk)
+{
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const float scale_log2 = sc.scale * LOG2E;
+    const bool need_mask = HAS_MASK || c0 + Q_BLOCK_N > Lk || m0 + Q_BLOCK_M > Lq
+                           || !tile_inside_band(&p, m0, min(m0 + Q_BLOCK_M, Lq), c0, c0 + Q_BLOCK_N, Lq, Lk);
+#pragma unroll
+    for (int mt = 0; mt < Q_MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < Q_NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int i = mt * 2 + e / 2;
+                const int r = m0 + warp * Q_WARP_M + mt * 16 + g + (e / 2) * 8;
+                const int c = c0 + nt * 8 + 2 * t + (e & 1);
+                const bool keep = !need_mask || (c >= ri.lo[i] && c < ri.hi[i] && mask_keeps(sc, r, c));
+                const float raw = s[mt][nt][e];
+                float ds = 0.f;
+                if (keep) {
+#if SCORE_IS_PLAIN
+                    const float pv = fast_exp2(raw * scale_log2 - ri.lse2[i]);
+#else
+                    const float pv = fast_exp2(score_of(sc, raw, r, c) * LOG2E - ri.lse2[i]);
+#endif
+                    ds = pv * (dp[mt][nt][e] - ri.delta[i]);
+                    if (WITH_GRAD)
+                        ds *= score_grad(sc, raw);
+                }
+                s[mt][nt][e] = ds;
+            }
+}
+
+#endif
