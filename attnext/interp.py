@@ -45,12 +45,16 @@ class Program(NamedTuple):
 
 
 class Lowered(NamedTuple):
-    """What the cache holds for one structure: the forward (score or mask) program, the
-    derivative program (score_mods), each captured array's kind by position, which of them have
-    a gradient, and whether the result depends on h."""
+    """What the cache holds for one structure: the forward (score or mask) program; for a
+    score_mod, the backward's forward program (which stashes, per pair, the n_fstash float and
+    n_istash int values the derivative reads) and the derivative program; each captured array's
+    kind by position, which of them have a gradient, and whether the result depends on h."""
     kind: str
     forward: Program
+    forward_bwd: Optional[Program]
     grad: Optional[Program]
+    n_fstash: int
+    n_istash: int
     array_kinds: tuple
     grad_arrays: tuple
     uses_h: bool
@@ -95,11 +99,24 @@ def _alias(n):
     return n
 
 
-def _lower(result, scatters, arrays, want_int):
+def _lower(result, scatters, arrays, want_int, stash_out=None, stash_in=None):
     """A Program computing `result` and, for a derivative, scatter-adding each (array name,
-    index nodes, adjoint node) of `scatters`. arrays: name -> position."""
-    roots = [result] + [x for _, idx, adj in scatters for x in (*idx, adj)]
-    order = trace.topo(*roots)
+    index nodes, adjoint node) of `scatters`. arrays: name -> position. stash_out: id(node) ->
+    stash slot of the values to keep for the derivative program; stash_in: id(node) -> slot
+    of those the derivative reads back instead of computing (nothing above them is lowered)."""
+    stash_out, stash_in = stash_out or {}, stash_in or {}
+    kept = [n for n in trace.topo(*[result] + [x for _, idx, adj in scatters
+                                               for x in (*idx, adj)]) if id(n) in stash_out]
+    roots = [result] + [x for _, idx, adj in scatters for x in (*idx, adj)] + kept
+    reach, stack = set(), list(roots)
+    while stack:
+        n = stack.pop()
+        if id(n) in reach:
+            continue
+        reach.add(id(n))
+        if id(n) not in stash_in and n.op not in trace._LEAVES:
+            stack.extend(n.args)
+    order = [n for n in trace.topo(*roots) if id(n) in reach]
     where = {}             # id(node) -> ("f" | "i", register)
     floats, iconsts, temps = [], [], []
     for n in order:
@@ -116,6 +133,8 @@ def _lower(result, scatters, arrays, want_int):
             where[id(n)] = ("f", F_SCORE if n.op == "score" else F_DOUT)
         elif n.op in I_LEAVES:
             where[id(n)] = ("i", I_LEAVES[n.op])
+        elif id(n) in stash_in:
+            temps.append(n)
         elif n.op == "array" or _alias(n) is not n:
             pass
         elif n.op in trace._LEAVES:
@@ -124,6 +143,8 @@ def _lower(result, scatters, arrays, want_int):
             temps.append(n)
 
     def operands(n):
+        if id(n) in stash_in:
+            return []
         return [_alias(a) for a in (n.args[1:] if n.op == "load" else n.args)]
 
     last = {}              # id(temporary) -> index of the instruction that reads it last
@@ -154,6 +175,10 @@ def _lower(result, scatters, arrays, want_int):
         loc = free[file].pop() if free[file] else (file, count[file])
         if loc[1] == count[file]:
             count[file] += 1
+        if id(n) in stash_in:
+            instr.append([OPS["unstash_" + file], loc[1], stash_in[id(n)], 0, 0])
+            where[id(n)] = loc
+            continue
         if n.op == "load":
             ops = [arrays[n.args[0].args[0]], index_list(n.args[1:]), len(n.args) - 1]
         else:
@@ -162,6 +187,9 @@ def _lower(result, scatters, arrays, want_int):
         where[id(n)] = loc
     for name, idx, adj in scatters:
         instr.append([OPS["scatter"], reg(adj), arrays[name], index_list(idx), len(idx)])
+    for n in kept:
+        file = where[id(_alias(n))][0]
+        instr.append([OPS["stash_" + file], reg(n), stash_out[id(n)], 0, 0])
     out_file, out_reg = where[id(_alias(result))]
     if (out_file == "i") != want_int:
         raise TypeError("the program's result has the wrong type")
@@ -187,14 +215,41 @@ def lower(traced):
     array_kinds = tuple(kinds[name] for name in arrays)
     uses_h = any(n.op == "h" for n in trace.topo(traced.out))
     if traced.kind == "mask_mod":
-        return Lowered("mask_mod", _lower(traced.out, [], arrays, True), None, array_kinds, (),
-                       uses_h)
+        return Lowered("mask_mod", _lower(traced.out, [], arrays, True), None, None, 0, 0,
+                       array_kinds, (), uses_h)
     forward = _lower(traced.out, [], arrays, False)
     g = trace.grad(traced)
     scatters = [(name, idx, adj) for name, terms in g.darrays.items() for idx, adj in terms]
-    grad = _lower(g.dscore, scatters, arrays, False)
+    # the forward's computed values that the derivative reads: stashed, not computed twice
+    forward_ids = {id(n) for n in trace.topo(traced.out)}
+
+    def computed(n):
+        n = _alias(n)
+        return id(n) in forward_ids and n.op not in trace._LEAVES
+
+    grad_roots = [g.dscore] + [x for _, idx, adj in scatters for x in (*idx, adj)]
+    crossing = {}
+    for n in trace.topo(*grad_roots):
+        if id(n) in forward_ids or n.op in trace._LEAVES:
+            continue
+        for a in (n.args[1:] if n.op == "load" else n.args):
+            if computed(a):
+                crossing.setdefault(id(_alias(a)), _alias(a))
+    for r in grad_roots:
+        if computed(r):
+            crossing.setdefault(id(_alias(r)), _alias(r))
+    slots, count = {}, {F: 0, I: 0}
+    for key, n in crossing.items():
+        kind = F if n.dtype == F else I
+        slots[key] = count[kind]
+        count[kind] += 1
+    forward_bwd = _lower(traced.out, [], arrays, False, stash_out=slots)
+    grad = _lower(g.dscore, scatters, arrays, False, stash_in=slots)
+    if forward_bwd.floats != forward.floats:
+        raise TypeError("the backward's forward program has other float constants")
     grad_arrays = tuple(sorted(arrays[name] for name in g.darrays))
-    return Lowered("score_mod", forward, grad, array_kinds, grad_arrays, uses_h)
+    return Lowered("score_mod", forward, forward_bwd, grad, count[F], count[I], array_kinds,
+                   grad_arrays, uses_h)
 
 
 # --- the cache ------------------------------------------------------------------------------
@@ -265,10 +320,10 @@ def bind(score_mod, mask_mod, acc_dtype, backward=False):
     for an unsupported one)."""
     if score_mod is None and mask_mod is None:
         return None
-    m = types.SimpleNamespace(score=None, score_floats=None, grad=None, grad_floats=None,
-                              score_arrays=(), score_names=(), mask=None, mask_floats=None,
-                              mask_arrays=(), mask_names=(), mask_uses_h=0, grad_offsets=(),
-                              dtensors=None)
+    m = types.SimpleNamespace(score=None, score_floats=None, score_bwd=None, grad=None,
+                              grad_floats=None, n_fstash=0, n_istash=0, score_arrays=(),
+                              score_names=(), mask=None, mask_floats=None, mask_arrays=(),
+                              mask_names=(), mask_uses_h=0, grad_offsets=(), dtensors=None)
     if score_mod is not None:
         t = trace.trace_score_mod(score_mod)
         low = programs(t)
@@ -277,6 +332,7 @@ def bind(score_mod, mask_mod, acc_dtype, backward=False):
         m.score_names = tuple(_array_positions(t.out))
         m.score_sources = tuple(np.asarray(t.arrays[name]) for name in m.score_names)
         if backward:
+            m.score_bwd, m.n_fstash, m.n_istash = low.forward_bwd.code, low.n_fstash, low.n_istash
             m.grad, m.grad_floats = low.grad.code, _float_values(low.grad, t.params)
             offsets, total = [], 0
             for pos, (_, data) in enumerate(m.score_arrays):

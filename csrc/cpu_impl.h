@@ -151,6 +151,7 @@ typedef struct {
     void *scratch;
     unsigned char *keep, *inside, *mk;
     T *s2;
+    void *stash;
 } FN(mod_bufs);
 
 static int FN(mod_bufs_init)(FN(mod_bufs) *mb, const interp_mods *mods, int with_s2)
@@ -162,15 +163,18 @@ static int FN(mod_bufs_init)(FN(mod_bufs) *mb, const interp_mods *mods, int with
     mb->keep = (unsigned char *)malloc(BQ * BK);
     mb->inside = (unsigned char *)malloc(BQ * BK);
     mb->mk = (unsigned char *)malloc(BQ * BK);
-    if (with_s2 && interp_has(&mods->score))
+    if (with_s2 && interp_has(&mods->score)) {
         mb->s2 = (T *)FN(alloc)(BQ * BK);
-    return mb->scratch && mb->keep && mb->inside && mb->mk
-           && (mb->s2 || !with_s2 || !interp_has(&mods->score)) ? 0 : -1;
+        mb->stash = FN(alloc_bytes)((size_t)interp_stash_bytes(mods, sizeof(T), BQ * BK));
+        if (!mb->s2 || !mb->stash)
+            return -1;
+    }
+    return mb->scratch && mb->keep && mb->inside && mb->mk ? 0 : -1;
 }
 
 static void FN(mod_bufs_free)(FN(mod_bufs) *mb)
 {
-    free(mb->scratch); free(mb->keep); free(mb->inside); free(mb->mk); free(mb->s2);
+    free(mb->scratch); free(mb->keep); free(mb->inside); free(mb->mk); free(mb->s2); free(mb->stash);
 }
 
 /* Marks pairs (i < nr, j < n) of a BQ x BK tile as inside the sequence lengths. */
@@ -261,16 +265,18 @@ static int FN(score_tile)(const attn_params *p, int64_t b, int64_t h, int64_t r0
     if (interp_has(&mods->mask) && !mask_full) {
         interp_tile t = {b, h, r0, c0, BK, np, mb->inside};
         FN(mark_inside)(mb->inside, nr, n);
-        if (FN(interp_eval)(mods, &mods->mask, &t, NULL, NULL, NULL, mb->mk, NULL, mb->scratch))
+        if (FN(interp_eval)(mods, &mods->mask, &t, NULL, NULL, NULL, mb->mk, NULL, NULL, mb->scratch))
             return -1;
         for (int64_t k = 0; k < np; k++)
             mb->keep[k] &= mb->mk[k];
     }
     if (interp_has(&mods->score)) {
         interp_tile t = {b, h, r0, c0, BK, np, mb->keep};
+        /* the backward keeps score_mod's input and the values its derivative reads */
+        const interp_prog *pg = mb->s2 ? &mods->score_bwd : &mods->score;
         if (mb->s2)
             memcpy(mb->s2, S, sizeof(T) * np);
-        if (FN(interp_eval)(mods, &mods->score, &t, S, NULL, S, NULL, NULL, mb->scratch))
+        if (FN(interp_eval)(mods, pg, &t, S, NULL, S, NULL, NULL, mb->stash, mb->scratch))
             return -1;
     }
     for (int64_t k = 0; k < np; k++)
@@ -355,7 +361,7 @@ static int FN(block_mask_build)(const attn_params *p, FN(block_mask) *bm)
                 const int64_t c0 = kt * BK, n = imin64(BK, sk.len - c0);
                 interp_tile t = {b, hm, r0, c0, BK, nr * BK, mb.inside};
                 FN(mark_inside)(mb.inside, nr, n);
-                if (FN(interp_eval)(mods, &mods->mask, &t, NULL, NULL, NULL, mb.mk, NULL, mb.scratch))
+                if (FN(interp_eval)(mods, &mods->mask, &t, NULL, NULL, NULL, mb.mk, NULL, NULL, mb.scratch))
                     break;
                 int64_t kept = 0;
                 for (int64_t k = 0; k < nr * BK; k++)
@@ -710,7 +716,7 @@ int FN(cpu_backward)(const attn_params *p)
                                     /* through score_mod: dS of its input, and its arrays' gradients */
                                     interp_tile t = {b, h, r0, c0, BK, nr * BK, mb.keep};
                                     if (FN(interp_eval)(mods, &mods->grad, &t, mb.s2, S, S, NULL,
-                                                        task_dacc, mb.scratch)) {
+                                                        task_dacc, mb.stash, mb.scratch)) {
                                         failed = 1;
                                         break;
                                     }

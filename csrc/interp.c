@@ -116,6 +116,8 @@ static const char *op_signature(interp_op op)
     case OP_i_where: return "iiii";
     case OP_load_f: case OP_scatter: return "f...";
     case OP_load_i: return "i...";
+    case OP_stash_f: case OP_unstash_f: return "f:--";
+    case OP_stash_i: case OP_unstash_i: return "i;--";
     default:
         return op < OP_i_add ? "fff-" : "iii-";
     }
@@ -137,6 +139,11 @@ const char *interp_check(const interp_mods *mods, const interp_prog *pg)
             int64_t r = in[1 + j], lim = sig[j] == 'f' ? pg->n_fregs : sig[j] == 'i' ? pg->n_iregs : 1;
             if ((sig[j] == 'f' || sig[j] == 'i') && (r < 0 || r >= lim))
                 return "register out of range";
+        }
+        if (sig[1] == ':' || sig[1] == ';') {
+            if (in[2] < 0 || in[2] >= (sig[1] == ':' ? mods->n_fstash : mods->n_istash))
+                return "stash slot out of range";
+            continue;
         }
         if (sig[1] != '.')
             continue;
@@ -170,10 +177,18 @@ static int64_t prog_scratch(const interp_prog *pg, int64_t elem_size)
 
 int64_t interp_scratch_bytes(const interp_mods *mods, int64_t elem_size)
 {
-    int64_t a = prog_scratch(&mods->score, elem_size), b = prog_scratch(&mods->mask, elem_size);
-    int64_t c = prog_scratch(&mods->grad, elem_size);
-    int64_t m = a > b ? a : b;
-    return m > c ? m : c;
+    const interp_prog *progs[4] = {&mods->score, &mods->mask, &mods->score_bwd, &mods->grad};
+    int64_t m = 0;
+    for (int i = 0; i < 4; i++) {
+        int64_t b = prog_scratch(progs[i], elem_size);
+        m = b > m ? b : m;
+    }
+    return m;
+}
+
+int64_t interp_stash_bytes(const interp_mods *mods, int64_t elem_size, int64_t n)
+{
+    return n * (mods->n_fstash * elem_size + mods->n_istash * 8);
 }
 
 #define T float

@@ -57,7 +57,9 @@
     /* int x int -> bool */                                                                     \
     X(i_lt) X(i_le) X(i_gt) X(i_ge) X(i_eq) X(i_ne)                                             \
     /* lookups into a float array (-> float) or an int / bool array (-> int); scatter-add */    \
-    X(load_f) X(load_i) X(scatter)
+    X(load_f) X(load_i) X(scatter)                                                              \
+    /* a register to / from stash slot a (float or int) for the pairs of the tile */           \
+    X(stash_f) X(stash_i) X(unstash_f) X(unstash_i)
 
 #define INTERP_ENUM(name) OP_##name,
 typedef enum { INTERP_OPS(INTERP_ENUM) OP_COUNT } interp_op;
@@ -99,10 +101,13 @@ typedef struct {
     int64_t fn, array, axis, index, size;
 } interp_error;
 
-/* A call's score_mod (its forward and derivative programs) and mask_mod. A program with
- * n_instr < 0 is absent. */
+/* A call's score_mod and mask_mod. A program with n_instr < 0 is absent. The backward runs
+ * score_bwd (score with stash instructions: the values its derivative reads, kept per pair of
+ * the tile in n_fstash float and n_istash int slots) and then grad, which unstashes them instead
+ * of computing them again. */
 typedef struct interp_mods {
-    interp_prog score, mask, grad;
+    interp_prog score, mask, score_bwd, grad;
+    int64_t n_fstash, n_istash;
     int64_t n_grad;              /* gradient elements of the score_mod's float arrays */
     double *dtensors;            /* backward: those gradients (n_grad), written */
     int mask_uses_h;             /* 0: one block mask serves every head */
@@ -125,15 +130,19 @@ const char *interp_check(const interp_mods *mods, const interp_prog *pg);
 /* Scratch for one thread's evaluations of any program of mods, in bytes. */
 int64_t interp_scratch_bytes(const interp_mods *mods, int64_t elem_size);
 
+/* Stash bytes for a tile of n pairs. */
+int64_t interp_stash_bytes(const interp_mods *mods, int64_t elem_size, int64_t n);
+
 /* Evaluate pg over the tile. score: the scores (float programs; NULL for masks); dout: the
  * incoming gradient (derivative programs); out_f receives a float result, out_b a mask (may
- * alias score / dout); dacc: the gradient accumulator scatters add into (NULL without one).
+ * alias score / dout); dacc: the gradient accumulator scatters add into (NULL without one);
+ * stash: the slots of score_bwd / grad (interp_stash_bytes for t->n pairs; float slots first).
  * Returns 0, or -1 after recording an index out of range in mods->err. */
 int interp_eval_f32(const interp_mods *mods, const interp_prog *pg, const interp_tile *t,
                     const float *score, const float *dout, float *out_f, unsigned char *out_b,
-                    double *dacc, void *scratch);
+                    double *dacc, void *stash, void *scratch);
 int interp_eval_f64(const interp_mods *mods, const interp_prog *pg, const interp_tile *t,
                     const double *score, const double *dout, double *out_f, unsigned char *out_b,
-                    double *dacc, void *scratch);
+                    double *dacc, void *stash, void *scratch);
 
 #endif

@@ -56,8 +56,10 @@ static inline T FN(float_max)(T a, T b) { return (isnan(a) || a >= b) ? a : b; }
 
 int FN(interp_eval)(const interp_mods *mods, const interp_prog *pg, const interp_tile *t,
                     const T *score, const T *dout, T *out_f, unsigned char *out_b, double *dacc,
-                    void *scratch)
+                    void *stash, void *scratch)
 {
+    T *fstash = (T *)stash;
+    int64_t *istash = (int64_t *)(fstash + mods->n_fstash * t->n);
     const int64_t VL = INTERP_VL, nf = pg->n_fregs, ni = pg->n_iregs;
     /* scratch: float registers, int registers, their pointers, lookup offsets (interp.c) */
     char *s = (char *)scratch;
@@ -268,6 +270,18 @@ int FN(interp_eval)(const interp_mods *mods, const interp_prog *pg, const interp
                         acc[offs[k]] += (double)x[k];
                 break;
             }
+            case OP_stash_f:
+                memcpy(fstash + a * t->n + base, fr[d], sizeof(T) * m);
+                break;
+            case OP_stash_i:
+                memcpy(istash + a * t->n + base, ir[d], sizeof(int64_t) * m);
+                break;
+            case OP_unstash_f:
+                memcpy(fr[d], fstash + a * t->n + base, sizeof(T) * m);
+                break;
+            case OP_unstash_i:
+                memcpy(ir[d], istash + a * t->n + base, sizeof(int64_t) * m);
+                break;
             case OP_COUNT:
                 break;
             }

@@ -421,30 +421,34 @@ static int fill_mods(PyObject *prob, attn_params *p, mods_store *st, int backwar
     st->owner = m;
     interp_mods *mods = &st->mods;
     attn_dtype acc = acc_dtype(p->dtype);
-    long long uses_h;
+    long long uses_h, n_fstash, n_istash;
     int n_score, n_mask;
     PyObject *offsets = NULL;
     if (read_program(st, m, "score", "score_floats", 0, &mods->score)
         || read_program(st, m, "mask", "mask_floats", 1, &mods->mask)
+        || (backward && read_program(st, m, "score_bwd", "score_floats", 0, &mods->score_bwd))
         || (backward && read_program(st, m, "grad", "grad_floats", 0, &mods->grad))
-        || get_long(m, "mask_uses_h", &uses_h))
+        || get_long(m, "mask_uses_h", &uses_h) || get_long(m, "n_fstash", &n_fstash)
+        || get_long(m, "n_istash", &n_istash))
         return -1;
     if (!backward) {
         memset(&mods->grad, 0, sizeof mods->grad);
-        mods->grad.n_instr = -1;
+        mods->grad.n_instr = mods->score_bwd.n_instr = -1;
     }
+    mods->n_fstash = n_fstash;
+    mods->n_istash = n_istash;
     if (backward && interp_has(&mods->score) && !(offsets = PyObject_GetAttrString(m, "grad_offsets")))
         return -1;
     n_score = read_arrays(st, m, "score_arrays", offsets, acc, 0);
     Py_XDECREF(offsets);
     if (n_score < 0 || (n_mask = read_arrays(st, m, "mask_arrays", NULL, acc, 1)) < 0)
         return -1;
-    if (backward && interp_has(&mods->score) && !interp_has(&mods->grad)) {
-        PyErr_SetString(PyExc_ValueError, "attnext._C: a backward with a score_mod needs mods.grad");
+    if (backward && interp_has(&mods->score) && !(interp_has(&mods->grad) && interp_has(&mods->score_bwd))) {
+        PyErr_SetString(PyExc_ValueError, "attnext._C: a backward with a score_mod needs mods.grad and mods.score_bwd");
         return -1;
     }
-    mods->score.arrays = mods->grad.arrays = st->arrays[0];
-    mods->score.n_arrays = mods->grad.n_arrays = n_score;
+    mods->score.arrays = mods->score_bwd.arrays = mods->grad.arrays = st->arrays[0];
+    mods->score.n_arrays = mods->score_bwd.n_arrays = mods->grad.n_arrays = n_score;
     mods->mask.arrays = st->arrays[1];
     mods->mask.n_arrays = n_mask;
     mods->mask_uses_h = uses_h != 0;
@@ -460,12 +464,16 @@ static int fill_mods(PyObject *prob, attn_params *p, mods_store *st, int backwar
         mods->n_grad = v->len / 8;
         memset(mods->dtensors, 0, v->len);
     }
-    const interp_prog *progs[3] = {&mods->score, &mods->mask, &mods->grad};
-    for (int i = 0; i < 3; i++) {
+    const interp_prog *progs[4] = {&mods->score, &mods->mask, &mods->score_bwd, &mods->grad};
+    const char *what[4] = {"score_mod", "mask_mod", "score_mod (backward)", "score_mod derivative"};
+    if (n_fstash < 0 || n_istash < 0) {
+        PyErr_SetString(PyExc_ValueError, "attnext._C: negative stash counts");
+        return -1;
+    }
+    for (int i = 0; i < 4; i++) {
         const char *why = interp_check(mods, progs[i]);
         if (why) {
-            PyErr_Format(PyExc_ValueError, "attnext._C: bad %s program: %s",
-                         i == 0 ? "score_mod" : i == 1 ? "mask_mod" : "score_mod derivative", why);
+            PyErr_Format(PyExc_ValueError, "attnext._C: bad %s program: %s", what[i], why);
             return -1;
         }
     }

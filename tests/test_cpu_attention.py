@@ -713,7 +713,7 @@ def test_precision_tf32_on_cpu_keeps_float32_accuracy(rng):
     check_backend(q, k, v, rng, precision="tf32", causal=True)
 
 
-# --- score_mod / mask_mod (run by the reference on the CPU for now) ---
+# --- score_mod / mask_mod (the CPU interpreter; the zoo: tests/test_score_mod_cpu.py) ---
 
 def _tanh_mod(s, b, h, qi, ki):
     return s + 0.5 * np.tanh(s) * (h + 1)
