@@ -75,7 +75,7 @@ def _build(tmp):
     shutil.copy2(built[0], run / "attnext" / built[0].name)
     shutil.copytree(os.path.join(ROOT, "tests"), run / "tests",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("kernels", "bench", "examples"):      # the CUDA sources warmup --check compiles
+    for name in ("kernels", "csrc", "bench", "examples"):   # sources warmup --check compiles
         if os.path.isdir(os.path.join(ROOT, name)):
             shutil.copytree(os.path.join(ROOT, name), run / name,
                             ignore=shutil.ignore_patterns("__pycache__", "*.json", "*.png"))
