@@ -293,11 +293,10 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
     is a bias): fills them and returns them. GPU call (all None): returns (dq, dk, dv, dbias) as
     DeviceArrays, dbias None without a bias.
 
-    dq: attn_bwd_dq recomputes S and dP per query tile and owns its dq rows, so every run gives
-    the same bits. The other way, the dkdv kernel adding dS K into a float32 dq_accum with atomics
-    (one product fewer, the order of the additions varying from run to run), measured slower on
-    an H100 (0.42x of FlashAttention-2's backward against 0.50x at D=128, 0.44x against 0.49x at
-    D=64), so deterministic=False takes it only when the kernel lab asks (ATTNEXT_BWD_DQ=atomic).
+    dq: with deterministic=True the dQ kernel (attn_bwd_dq / attn_bwd_dq_sm90) recomputes S and
+    dP per query tile and owns its dq rows, so every run gives the same bits. deterministic=False
+    may instead add dS K into a float32 dq_accum by atomics from the dK/dV kernel (two products
+    fewer, the order of the additions varying from run to run): kernels.bwd_atomic_dq says when.
     """
     host = dq_host is not None
     with staging.Staging(o.cuda_device, o.cuda_stream) as stage:
@@ -312,10 +311,10 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
         prob, features = _common(o, stage, q4, k4, v4)
         features["vec"] = features["vec"] and _vec_ok(dout4, o.Dv)
         tile = kernels.bwd_tile_config(o.D, o.Dv)
-        atomic = not deterministic and os.environ.get("ATTNEXT_BWD_DQ") == "atomic"
+        arch = device_arch(stage.device)
+        atomic = kernels.bwd_atomic_dq(deterministic)
         defines = kernels.bwd_defines(**features, tile=tile, atomic=atomic)
         smem = kernels.bwd_smem_bytes(o.D, o.Dv, tile, atomic)
-        arch = device_arch(stage.device)
         prob.out, prob.dout = _t(out4), _t(dout4)
         prob.lse = _t(lse_v[None] if o.varlen else lse_v)
         prob.delta = _t(delta[None] if o.varlen else delta)
@@ -336,16 +335,17 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
             if all(grid):
                 _C.cuda_launch_attention(prob)
 
-        hopper = kernels.bwd_sm90_tile(arch, o.D, o.Dv, features["vec"], atomic)
+        hopper = kernels.bwd_sm90_tile(arch, o.D, o.Dv, features["vec"])
         if o.Hq:
             launch("attn_bwd_pre", (_query_tiles(o, PRE_ROWS), o.Hq, o.B), PRE_THREADS // 32)
             if hopper:               # dK, dV and dQ on wgmma (attn_bwd_sm90.cu)
-                defs90 = kernels.bwd_defines(**features, tile=hopper, atomic=False)
+                defs90 = kernels.bwd_defines(**features, tile=hopper, atomic=atomic)
                 smem90 = kernels.bwd_sm90_smem_bytes(o.D, o.Dv, hopper)
                 launch("attn_bwd_dkdv_sm90", (_key_tiles(o, 16 * hopper["kv_warps"]), o.Hk, o.B + tail),
                        hopper["kv_warps"], "attn_bwd_sm90", defs90, smem90)
-                launch("attn_bwd_dq_sm90", (_query_tiles(o, hopper["q_block_m"]), o.Hq, o.B + tail),
-                       hopper["q_warps"], "attn_bwd_sm90", defs90, smem90)
+                if not atomic:
+                    launch("attn_bwd_dq_sm90", (_query_tiles(o, hopper["q_block_m"]), o.Hq, o.B + tail),
+                           hopper["q_warps"], "attn_bwd_sm90", defs90, smem90)
             else:
                 kv_grid = (_key_tiles(o, 16 * tile["kv_warps"]), o.Hk, o.B + tail)
                 for name in (("attn_bwd_dv", "attn_bwd_dk") if tile["kv_split"] else ("attn_bwd_dkdv",)):

@@ -245,11 +245,11 @@ SM90_BWD_TILE = dict(kv_block_m=64, kv_warps=4, kv_split=0, kv_minb=1, q_block_m
                      q_warps=4, q_minb=1)
 
 
-def bwd_sm90_tile(arch, D, Dv, vec, atomic):
+def bwd_sm90_tile(arch, D, Dv, vec):
     """The tile of attn_bwd_sm90.cu (wgmma dK, dV, dQ) when it applies: sm_90a, 16-byte loads,
-    D, Dv in {64, 128}, the deterministic dQ; else None (attn_bwd.cu). ATTNEXT_BWD_SM90=0 keeps
-    Hopper on attn_bwd.cu (the lab's and the tests' comparison)."""
-    if (arch == "sm_90a" and vec and not atomic and D in (64, 128) and Dv in (64, 128)
+    D, Dv in {64, 128}; else None (attn_bwd.cu). ATTNEXT_BWD_SM90=0 keeps Hopper on attn_bwd.cu
+    (the lab's and the tests' comparison)."""
+    if (arch == "sm_90a" and vec and D in (64, 128) and Dv in (64, 128)
             and os.environ.get("ATTNEXT_BWD_SM90", "1") != "0"):
         env = os.environ.get("ATTNEXT_TILE_BWD_SM90")   # the kernel lab's override: "8,8" (warps)
         if env:
@@ -259,12 +259,22 @@ def bwd_sm90_tile(arch, D, Dv, vec, atomic):
     return None
 
 
+def bwd_atomic_dq(deterministic):
+    """Whether the backward adds dQ by float atomics from the dK/dV kernel (5 products, the
+    order of the additions varying from run to run) instead of the dQ kernel's recomputation (7
+    products, the same bits every run). Only when not deterministic and the kernel lab asks
+    (ATTNEXT_BWD_DQ=atomic): on an H100 it measured slower on both kernel families (bench/NOTES.md:
+    0.70-0.76x of FA2 against 0.76-0.81x on wgmma, 0.42-0.51x against 0.47-0.57x on mma.sync)."""
+    return not deterministic and os.environ.get("ATTNEXT_BWD_DQ") == "atomic"
+
+
 def bwd_sm90_smem_bytes(D, Dv, tile):
     """Dynamic shared memory of attn_bwd_sm90.cu's kernels (SW128 tiles, 1024-aligned)."""
     bn, bm = 16 * tile["kv_warps"], tile["kv_block_m"]
     qm, qn = tile["q_block_m"], tile["q_block_n"]
     return {
-        "attn_bwd_dkdv_sm90": 2 * (bn * D + bn * Dv + 2 * bm * D + 2 * bm * Dv) + 4 * 4 * bm + 1024,
+        # + lse and delta (2 buffers each), padded to 1024 bytes, then dS^T (64 x 64 per warpgroup)
+        "attn_bwd_dkdv_sm90": 2 * (bn * D + bn * Dv + 2 * bm * D + 2 * bm * Dv) + 1024 + 2 * 64 * bn + 1024,
         "attn_bwd_dq_sm90": 2 * (qm * D + qm * Dv + 2 * qn * D + 2 * qn * Dv) + 1024,
     }
 
@@ -332,6 +342,7 @@ def sm90_bwd_variants():
             softcap=bool(fd["HAS_SOFTCAP"]), bias_dtype=names[fd["BIAS_DT"]] if fd["HAS_BIAS"] else None,
             alibi_dtype=names[fd["ALIBI_DT"]] if fd["HAS_ALIBI"] else None, mask=bool(fd["HAS_MASK"]),
             tile=SM90_BWD_TILE, atomic=False))
+    out += [{**d, "DQ_ATOMIC": 1} for d in out[:2]]
     return [("attn_bwd_sm90", d) for d in out]
 
 

@@ -3,7 +3,7 @@
     python bench/lab_bwd.py mma sm90 "sm90:8,8" ...
 
 A configuration is "mma" (attn_bwd.cu; ATTNEXT_BWD_SM90=0) or "sm90" / "sm90:KV_WARPS,Q_WARPS"
-(attn_bwd_sm90.cu; ATTNEXT_TILE_BWD_SM90). For each head dim / causal case: attnext's backward
+(attn_bwd_sm90.cu; ATTNEXT_TILE_BWD_SM90), with "+atomic" for deterministic=False's atomic dQ. For each head dim / causal case: attnext's backward
 (from a forward's out and lse) against PyTorch SDPA's flash backend (autograd), bf16,
 triton.testing.do_bench medians, B*S = 16k tokens, TFLOP/s counting 2.5x the forward's FLOPs.
 """
@@ -39,20 +39,23 @@ def main(configs):
         qd, kd, vd = (x.detach() for x in (q, k, v))
         out, lse = attnext.attention(qd, kd, vd, causal=causal, return_lse=True)
         for cfg in configs:
-            kind, _, tile = cfg.partition(":")
+            kind, _, tile = cfg.removesuffix("+atomic").partition(":")
+            det = not cfg.endswith("+atomic")
+            os.environ["ATTNEXT_BWD_DQ"] = "" if det else "atomic"
             os.environ["ATTNEXT_BWD_SM90"] = "1" if kind == "sm90" else "0"
             os.environ.pop("ATTNEXT_TILE_BWD_SM90", None)
             if tile:
                 os.environ["ATTNEXT_TILE_BWD_SM90"] = tile
             try:
-                g = attnext.attention_backward(dout, qd, kd, vd, out, lse, causal=causal)
+                g = attnext.attention_backward(dout, qd, kd, vd, out, lse, causal=causal, deterministic=det)
                 err = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
                           for a, b in zip(g[:3], ref))
                 if not err < 2e-2:
                     row.append(f"{cfg}: WRONG {err:.2g}")
                     continue
                 t = triton.testing.do_bench(
-                    lambda: attnext.attention_backward(dout, qd, kd, vd, out, lse, causal=causal),
+                    lambda: attnext.attention_backward(dout, qd, kd, vd, out, lse, causal=causal,
+                                                       deterministic=det),
                     return_mode="median")
                 row.append(f"{cfg} {flops / t / 1e9:6.1f} ({t_flash / t:.2f}x)")
             except Exception as e:   # a configuration that does not fit this head dim
@@ -61,4 +64,4 @@ def main(configs):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["mma", "sm90"])
+    main(sys.argv[1:] or ["mma", "sm90", "sm90+atomic"])

@@ -1,6 +1,7 @@
-"""Kernel lab: one attnext forward call (for ncu / compute-sanitizer to look at).
+"""Kernel lab: one attnext forward (and with "bwd" its backward) call, for ncu /
+compute-sanitizer to look at.
 
-    python bench/lab_one.py D S [causal]
+    python bench/lab_one.py D S [causal] [bwd]
 """
 import sys
 
@@ -9,10 +10,12 @@ import torch
 import attnext
 
 D, S = int(sys.argv[1]), int(sys.argv[2])
-causal = len(sys.argv) > 3
+causal = "causal" in sys.argv[3:]
 B, H = 16384 // S, 2048 // D
 q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 out = torch.empty_like(q)
 for _ in range(3):
-    attnext.attention(q, k, v, causal=causal, out=out)
+    out, lse = attnext.attention(q, k, v, causal=causal, return_lse=True)
+    if "bwd" in sys.argv[3:]:
+        attnext.attention_backward(torch.randn_like(out), q, k, v, out, lse, causal=causal)
 torch.cuda.synchronize()

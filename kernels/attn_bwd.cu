@@ -95,17 +95,6 @@ DEV void mma_fb(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][KS][4], const e
         }
 }
 
-/* p[0] += a, p[1] += b by float atomics (one vector reduction on sm_90; p 8-byte aligned). */
-DEV void red_add_f32x2(float *p, float a, float b)
-{
-#if __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
-#else
-    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(a) : "memory");
-    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p + 1), "f"(b) : "memory");
-#endif
-}
-
 /* f stored as an element of attn_dtype dt at p[i] (dbias, in the bias's own dtype). */
 DEV void store_from_f32(void *p, int64_t i, int dt, float f)
 {

@@ -9,6 +9,10 @@
  *                       double-buffered: S^T = K Q^T and dP^T = V dO^T from shared memory,
  *                       P^T and dS^T in registers (attn_bwd_tile.cuh, as attn_bwd.cu), dV +=
  *                       P^T dO and dK += dS^T Q with the register operand and dO, Q transposed.
+ *                       DQ_ATOMIC (deterministic=False): also dQ += dS K, dS^T staged in
+ *                       shared memory and read transposed, added into dq_accum (float32) by
+ *                       vector atomics whose order varies from run to run; attn_bwd.cu's
+ *                       attn_bwd_dq_convert scales it into dq (5 products instead of 7).
  *   attn_bwd_dq_sm90    one CTA per (query tile of Q_BLOCK_M = 64 per warpgroup, head,
  *                       sequence) over the key tiles (Q_BLOCK_N = 64) kv_range allows, K and V
  *                       double-buffered: S = Q K^T, dP = dO V^T, dS (ds_tile), dQ += dS K.
@@ -26,7 +30,7 @@
 #define NTV (HEAD_DIM_V / 8)            /* of dV */
 
 #if HEAD_DIM % 64 || HEAD_DIM_V % 64 || !VEC_LOAD || KV_BLOCK_M != 64 || Q_BLOCK_N != 64 \
-    || Q_BLOCK_M != 16 * Q_WARPS || KV_SPLIT || DQ_ATOMIC
+    || Q_BLOCK_M != 16 * Q_WARPS || KV_SPLIT
 #error "attn_bwd_sm90: D and Dv multiples of 64, 16-byte loads, 64-row streamed tiles"
 #endif
 
@@ -59,6 +63,54 @@ DEV void mma_rs(float (&acc)[N / 8][4], const uint32_t (&a)[1][4][4], uint32_t b
 }
 
 /* ---------------------------------------------------------------- dK, dV */
+#if DQ_ATOMIC
+/* dQ += dS K for this warpgroup's 64 keys x the query tile at m0, into dq_accum by atomics. pd:
+ * dS^T as A fragments (rows keys, columns query rows); staged at sds as an SW128 tile with rows =
+ * keys, so that read MN-major it is dS (M = query rows); K read MN-major (N = D) from its keys'
+ * rows at sk. D in 64-column chunks to keep the accumulator at 32 registers. */
+DEV void dq_atomic(const attn_params &p, const seq_t &sq, int64_t h, int m0, int Lq,
+                   const uint32_t (&pd)[1][KV_NT / 2][4], uint32_t sds, uint32_t sk)
+{
+    const int warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    /* pd[kk]: keys (16 warp + g, + 8) x query columns 16 kk + 2 t (+ 8), pairs of adjacent columns */
+#pragma unroll
+    for (int kk = 0; kk < KV_NT / 2; kk++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int key = warp * 16 + g + (x & 1) * 8, col = kk * 16 + (x >> 1) * 8 + 2 * t;
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(sds + sw128_offset<64>(key, col >> 3) + (col & 7) * 2),
+                         "r"(pd[0][kk][x]));
+        }
+    fence_proxy_async();
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + (int)(threadIdx.x >> 7)));   /* this warpgroup's rows */
+    float *acc_row = (float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + sq.start * p.dq_accum.s[1]
+                     + h * p.dq_accum.s[2];
+#pragma unroll
+    for (int chunk = 0; chunk < HEAD_DIM / 64; chunk++) {
+        float acc[8][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++)
+            wgmma_m64n64_ss_tt(acc, sw128_desc(sds + kk * 16 * 128, 64 * 128, 1024),
+                               sw128_desc(sk + chunk * (KV_BLOCK_N * 128) + kk * 16 * 128, KV_BLOCK_N * 128, 1024),
+                               kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_acc(acc);
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int r = m0 + warp * 16 + g + i * 8;
+            if (r < Lq)
+#pragma unroll
+                for (int nt = 0; nt < 8; nt++)
+                    red_add_f32x2(acc_row + (int64_t)r * p.dq_accum.s[1] + chunk * 64 + nt * 8 + 2 * t,
+                                  acc[nt][2 * i], acc[nt][2 * i + 1]);
+        }
+    }
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + (int)(threadIdx.x >> 7)));   /* sds free for the next item */
+}
+#endif
+
 #define KQ_BYTES (KV_BLOCK_M * HEAD_DIM * 2)
 #define KDO_BYTES (KV_BLOCK_M * HEAD_DIM_V * 2)
 
@@ -70,6 +122,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_sm90(c
     const uint32_t sV = sK + KV_BLOCK_N * HEAD_DIM * 2, sQ = sV + KV_BLOCK_N * HEAD_DIM_V * 2;
     const uint32_t sdO = sQ + 2 * KQ_BYTES;
     float *sL = (float *)(smem_raw + (sdO + 2 * KDO_BYTES - smem_addr(smem_raw))), *sD = sL + 2 * KV_BLOCK_M;
+    const uint32_t sdS = sdO + 2 * KDO_BYTES + 1024;     /* DQ_ATOMIC: dS^T, 64 x 64 per warpgroup */
 
     const int tid = threadIdx.x, warp = tid >> 5, wg = tid >> 7;
     const int64_t hk = blockIdx.y, b = blockIdx.z;
@@ -162,6 +215,9 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_sm90(c
         wgmma_fence();
         mma_rs<HEAD_DIM>(dk[0], pd, qb);             /* dK += dS^T Q */
         wgmma_commit();
+#if DQ_ATOMIC
+        dq_atomic(p, sq, h, m0, Lq, pd, sdS + wg * 64 * 128, sK + wg * 64 * 128);
+#endif
         wgmma_wait<0>();
         fence_acc(dv[0]);
         fence_acc(dk[0]);

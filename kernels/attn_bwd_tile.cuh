@@ -50,6 +50,17 @@ DEV void zero_rows(elem_t *base, int64_t s_row, int64_t s_col, int64_t first, in
         }
 }
 
+/* p[0] += a, p[1] += b by float atomics (one vector reduction on sm_90; p 8-byte aligned). */
+DEV void red_add_f32x2(float *p, float a, float b)
+{
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(a) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p + 1), "f"(b) : "memory");
+#endif
+}
+
 /* P^T for a warp's 16 key rows x the query tile at m0, from S^T = K Q^T (raw dots in s; rows are
  * keys n0w + g (+ 8), columns query rows m0 + 8 nt + 2 t (+ 1)): P^T packed into pp (the A
  * fragments of dV += P^T dO), and s overwritten by P^T * score_grad (for dS^T). lb: the tile's

@@ -186,9 +186,9 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd_combine(const __grid_
             sum += fast_exp2((p.lse_accum[s * stride + row0] - base) * LOG2E);
         for (int o = 16; o; o >>= 1)
             sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        const float lse = sum > 0.f ? base + logf(sum) : NEG_INF;
+        const float lse = sum != 0.f ? base + logf(sum) : NEG_INF;   /* NaN stays NaN */
         for (int s = threadIdx.x; s < S; s += 32)
-            w[s] = sum > 0.f ? fast_exp2((p.lse_accum[s * stride + row0] - lse) * LOG2E) : 0.f;
+            w[s] = sum != 0.f ? fast_exp2((p.lse_accum[s * stride + row0] - lse) * LOG2E) : 0.f;
         if (threadIdx.x == 0)
             lse_sh = lse;
     }

@@ -187,7 +187,7 @@ DEV void finish_rows(const attn_params &p, const seq_t &sq, const float (&m)[2 *
         const int pr = row0 + (i / 2) * 16 + g + (i % 2) * 8;
         const int r = pr / G;
         const int64_t hr = h + pr % G;
-        const bool live = r < Lq && li > 0.f;
+        const bool live = r < Lq && li != 0.f;          /* l is a sum of exp2 >= 0; NaN stays NaN */
         inv[i] = live ? 1.f / li : 0.f;
         if (t != 0 || r >= sq.rows)
             continue;

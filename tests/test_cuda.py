@@ -94,6 +94,25 @@ def test_forward_kernels_with_every_option(kernel, d, dv, rng, monkeypatch):
     assert (out[400:] == 0).all() and np.isneginf(lse[:, 400:]).all()
 
 
+@pytest.mark.parametrize("kernel", ["default", "mma_sync"])
+@pytest.mark.parametrize("sq, sk", [(200, 300), (1, 5000)], ids=["tiles", "split_kv"])
+def test_nan_propagates(kernel, sq, sk, rng, monkeypatch):
+    """A NaN in a query row makes that row's out and lse NaN, as IEEE and the reference say; it is
+    not taken for a row that keeps no key (0, -inf). Other rows are untouched. "split_kv": the
+    decode path's combine step."""
+    if kernel == "mma_sync":
+        monkeypatch.setenv("ATTNEXT_FWD_SM90", "0")
+    q, k, v = make_qkv(rng, 2, sq, sk, 8, 2, 128, 128, BF16)
+    q[1, sq - 1, 3, 5] = np.nan
+    out, lse = attnext.attention(q, k, v, device="cuda", return_lse=True)
+    r_out, r_lse = reference.attention(q, k, v, return_lse=True)
+    assert np.isnan(out[1, sq - 1, 3].astype(np.float32)).all() and np.isnan(lse[1, 3, sq - 1])
+    keep = np.ones(out.shape[:3], bool)
+    keep[1, sq - 1, 3] = False
+    assert_close("out", out[keep], r_out[keep], BF16)
+    assert np.isfinite(lse[keep.transpose(0, 2, 1)]).all()
+
+
 @pytest.fixture
 def torch():
     return pytest.importorskip("torch")

@@ -172,12 +172,16 @@ def test_deterministic(rng):
         assert all(np.array_equal(a, b) for a, b in zip(_bits(g), _bits(again)))
 
 
-@pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (59, 40), (256, 256)],
-                         ids=["d64", "d128", "d59_40", "d256"])
-def test_atomic_dq(d, dv, rng, monkeypatch):
-    """The kernel lab's atomic dq path (deterministic=False, ATTNEXT_BWD_DQ=atomic): dq through
-    float atomics into dq_accum, within the same tolerance."""
+@pytest.mark.parametrize("kernel", ["default", "mma_sync"])
+@pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (128, 64), (59, 40), (256, 256)],
+                         ids=["d64", "d128", "d128_dv64", "d59_40", "d256"])
+def test_atomic_dq(d, dv, kernel, rng, monkeypatch):
+    """The lab's atomic dq path (deterministic=False, ATTNEXT_BWD_DQ=atomic): dq through float
+    atomics into dq_accum, within the same tolerance; on Hopper through attn_bwd_sm90.cu
+    ("default") and attn_bwd.cu ("mma_sync")."""
     monkeypatch.setenv("ATTNEXT_BWD_DQ", "atomic")
+    if kernel == "mma_sync":
+        monkeypatch.setenv("ATTNEXT_BWD_SM90", "0")
     q, k, v = make_qkv(rng, 2, 257, 190, 4, 2, d, dv, BF16)
     _grads(q, k, v, rng, deterministic=False, causal=True)
     cu = np.array([0, 0, 100, 257], np.int32)
