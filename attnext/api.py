@@ -41,9 +41,15 @@ def _fmt(x):
     return repr(x) if not isinstance(x, np.ndarray) else f"array(shape={x.shape}, dtype={x.dtype})"
 
 
+def _has(x, name):
+    """hasattr without evaluating a property (torch builds its __cuda_array_interface__ dict on
+    every read: this runs on every GPU call's hot path)."""
+    return hasattr(type(x), name) or name in getattr(x, "__dict__", ())
+
+
 def _device_view(x):
     """A DevView of a CUDA array (__cuda_array_interface__ / __dlpack__), None for host data."""
-    if isinstance(x, np.ndarray) or not (hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__")):
+    if isinstance(x, np.ndarray) or not (_has(x, "__cuda_array_interface__") or _has(x, "__dlpack__")):
         return None
     from . import device
     return device.as_device_view(x)

@@ -174,7 +174,9 @@ def forward(o, out_host, lse_host, stage=None):
             out, out_res = o.out, o.out
         else:
             out, out_res = _result(stage, host, o.out_shape, o.q.dtype)
-        lse, lse_res = _result(stage, host, o.lse_shape, np.float32)
+        lse = lse_res = None                  # a GPU call that returns no lse writes none
+        if host or o.return_lse:
+            lse, lse_res = _result(stage, host, o.lse_shape, np.float32)
         prob, features = _common(o, stage, q4, k4, v4)
         pack, splits = _decode_plan(o, features, stage.device)
         arch = device_arch(stage.device)
@@ -188,7 +190,7 @@ def forward(o, out_host, lse_host, stage=None):
         prob.grid = (q_tiles * splits, o.Hk if pack else o.Hq, o.B + (1 if o.varlen else 0))
         prob.block = (tile[2] * 32, 1, 1)
         prob.out = _t(_kernel_layout(o, out))
-        prob.lse = _t(lse[None] if o.varlen else lse)
+        prob.lse = None if lse is None else _t(lse[None] if o.varlen else lse)
         prob.num_splits = splits
         prob.o_accum = prob.lse_accum = None
         if splits > 1:

@@ -204,6 +204,15 @@ def _cuda_array_interface(x):
         return None
 
 
+_count = []
+
+
+def _device_count():
+    if not _count:
+        _count.append(_C.cuda_device_count())
+    return _count[0]
+
+
 def _from_interface(x, cai, stream):
     if cai.get("mask") is not None:
         raise ValueError(f"{type(x).__name__}: masked CUDA arrays (__cuda_array_interface__ "
@@ -221,8 +230,9 @@ def _from_interface(x, cai, stream):
             raise ValueError(f"{type(x).__name__}: strides {tuple(cai['strides'])} (bytes) are not "
                              f"multiples of the itemsize {dtype.itemsize}")
         strides = tuple(s // dtype.itemsize for s in cai["strides"])
-    # the interface does not say which device: the driver knows (nothing is read when empty)
-    device = _C.pointer_device(ptr) if ptr else 0
+    # the interface does not say which device: the driver knows (nothing is read when empty;
+    # with one GPU there is nothing to ask)
+    device = _C.pointer_device(ptr) if ptr and _device_count() > 1 else 0
     produced_on = cai.get("stream") if cai.get("version", 0) >= 3 else None
     if stream is None:
         stream = produced_on

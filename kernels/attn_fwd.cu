@@ -200,6 +200,6 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd_combine(const __grid_
             acc += w[s] * p.o_accum[(s * stride + row0) * HEAD_DIM_V + d];
         orow[d * p.out.s[3]] = f32_to_elem(acc);
     }
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0 && p.lse.ptr)
         ((float *)p.lse.ptr)[b * p.lse.s[0] + h * p.lse.s[1] + r * p.lse.s[2]] = lse_sh;
 }

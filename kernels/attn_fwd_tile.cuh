@@ -35,7 +35,7 @@ DEV void zero_tail(const attn_params &p, int64_t h)
             int64_t row = r + i / HEAD_DIM_V;
             if (row < p.Sq) {
                 out[row * p.out.s[1] + (i % HEAD_DIM_V) * p.out.s[3]] = 0;
-                if (i % HEAD_DIM_V == 0)
+                if (i % HEAD_DIM_V == 0 && lse)
                     lse[row * p.lse.s[2]] = NEG_INF;
             }
         }
@@ -195,7 +195,8 @@ DEV void finish_rows(const attn_params &p, const seq_t &sq, const float (&m)[2 *
 #if SPLIT_KV
         p.lse_accum[((split * p.B + b) * p.Hq + hr) * p.Sq + r] = lse_r;
 #else
-        ((float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + hr * p.lse.s[1] + (sq.start + r) * p.lse.s[2]] = lse_r;
+        if (p.lse.ptr)                                   /* a GPU call returning no lse has none */
+            ((float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + hr * p.lse.s[1] + (sq.start + r) * p.lse.s[2]] = lse_r;
 #endif
     }
 }

@@ -133,6 +133,18 @@ def test_torch_tensors_in_place(layout, rng, torch):
     assert res is dst and torch.equal(dst, out)
 
 
+@pytest.mark.parametrize("sq, sk", [(300, 300), (1, 5000)], ids=["tiles", "split_kv"])
+def test_torch_without_lse(sq, sk, rng, torch):
+    """A GPU call that does not ask for lse writes none (no buffer): the same out as with it."""
+    q, k, v = make_qkv(rng, 2, sq, sk, 8, 2, 128, 128, BF16)
+    tq, tk, tv = (torch.from_numpy(x.view(np.uint16).astype(np.int16)).view(torch.bfloat16).cuda()
+                  for x in (q, k, v))
+    out = attnext.attention(tq, tk, tv, causal=True)
+    again, lse = attnext.attention(tq, tk, tv, causal=True, return_lse=True)
+    assert torch.equal(out, again) and lse.shape == (2, 8, sq)
+    assert_close("out", out.float().cpu().numpy().astype(BF16), reference.attention(q, k, v, causal=True), BF16)
+
+
 def test_torch_noncontiguous_and_sdpa(torch):
     """A transposed (B, H, S, D) torch view read in place; agrees with PyTorch's own SDPA."""
     x = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.float16)
