@@ -146,16 +146,16 @@ def _decode_plan(o, features, device):
     the GPU, split the keys over several blocks (attn_fwd.cu's PACK_GQA / SPLIT_KV)."""
     group = o.Hq // o.Hk if o.Hk else 1
     per_head = features["bias_dtype"] is None and features["alibi_dtype"] is None and not features["mask"]
-    pack = group > 1 and not o.varlen and per_head and o.Sq * group <= 2 * kernels.DECODE_TILE[0]
+    pack = group > 1 and not o.varlen and per_head and o.Sq * group <= kernels.DECODE_PACK_ROWS
     if o.varlen or not o.B or not o.Hq:
         return pack, 1
-    bm, bn, _ = kernels.DECODE_TILE
+    bm, bn = kernels.decode_tile()[:2]
     blocks = math.ceil(o.Sq * (group if pack else 1) / bm) * (o.Hk if pack else o.Hq) * o.B
     sms = device_info(device)["multiprocessor_count"]
     key_tiles = math.ceil(o.Sk / bn)
     if blocks >= sms or key_tiles < 8:
         return pack, 1
-    return pack, max(1, min(MAX_SPLITS, (2 * sms) // blocks, key_tiles // 4))
+    return pack, max(1, min(MAX_SPLITS, (kernels.decode_ctas_per_sm() * sms) // blocks, key_tiles // 4))
 
 
 MAX_SPLITS = 128    # attn_fwd_combine keeps one weight per split in shared memory

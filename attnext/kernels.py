@@ -49,6 +49,18 @@ def tile_config(D, Dv):
 
 
 DECODE_TILE = (64, 64, 4)    # packed-GQA / split-KV forward: few query rows, K and V streamed
+DECODE_PACK_ROWS = 128       # a call packs its GQA heads into one block's rows up to Sq * group rows
+DECODE_CTAS_PER_SM = 2       # the split-KV grid aims at this many CTAs per SM
+
+
+def decode_tile():
+    """attn_fwd.cu's tile for decode calls; the kernel lab's override: ATTNEXT_TILE_DECODE="16,64,1"."""
+    env = os.environ.get("ATTNEXT_TILE_DECODE")
+    return tuple(int(x) for x in env.split(",")) if env else DECODE_TILE
+
+
+def decode_ctas_per_sm():
+    return int(os.environ.get("ATTNEXT_DECODE_CTAS", DECODE_CTAS_PER_SM))
 # attn_fwd_sm90 (H100 bf16, bench/lab_fwd.py, TFLOP/s against SDPA flash in the same run):
 # 128 x 128 (two warpgroups, one CTA per SM) is best at D=128 from S=2k (1.08x at 2k, 1.31x at
 # 16k); 64 x 64 (one warpgroup, two CTAs per SM overlapping each other) at D=64 (0.91x at S=512,
@@ -70,7 +82,7 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows):
             return "attn_fwd_sm90", tuple(int(x) for x in env.split(","))
         short = max(D, Dv) <= 64 or rows <= SM90_SHORT_ROWS
         return "attn_fwd_sm90", SM90_TILE_SHORT if short else SM90_TILE_LONG
-    return "attn_fwd", DECODE_TILE if decode else tile_config(D, Dv)
+    return "attn_fwd", decode_tile() if decode else tile_config(D, Dv)
 
 
 def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd"):
