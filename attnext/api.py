@@ -55,6 +55,15 @@ def _device_view(x):
     return device.as_device_view(x)
 
 
+def _cuda_view(name, x):
+    """_device_view, its TypeErrors (a dtype, byte order or refusal of the producer) naming the
+    argument."""
+    try:
+        return _device_view(x)
+    except TypeError as e:
+        raise TypeError(f"{name}: {e}") from None
+
+
 def _array(name, x, host=False):
     """A host array (never copied unless misaligned), or a DevView of a CUDA array (host=True:
     copied to the host, for the small arrays the checks read). Non-arrays raise TypeError."""
@@ -63,7 +72,7 @@ def _array(name, x, host=False):
                         f"pass {name}.filled(...) or np.ma.getdata({name}), and mask= for masking")
     if isinstance(x, np.ndarray):
         a = x
-    elif (dv := _device_view(x)) is not None:
+    elif (dv := _cuda_view(name, x)) is not None:
         if not host:
             return dv
         from . import cuda_backend
@@ -301,6 +310,10 @@ def _normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q
     o.on_gpu = isinstance(q, DevView)
     o.cuda_device = q.device if o.on_gpu else 0
     o.cuda_stream = q.stream if o.on_gpu else 0
+    for name in ("score_mod", "mask_mod"):        # a non-callable is a TypeError before anything else
+        f = getattr(o, name)
+        if f is not None and not callable(f):
+            raise TypeError(f"{name} must be callable or None, got {type(f).__name__}")
     if o.on_gpu and (o.score_mod is not None or o.mask_mod is not None):
         raise NotImplementedError("score_mod / mask_mod on CUDA arrays: the GPU code generator "
                                   "is not built yet; pass NumPy arrays (they run on the CPU)")

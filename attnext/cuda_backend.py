@@ -196,7 +196,7 @@ def forward(o, out_host, lse_host, stage=None):
         if splits > 1:
             prob.o_accum = _t(stage.scratch((splits * o.B * o.Hq * o.Sq * o.Dv,), np.float32))
             prob.lse_accum = _t(stage.scratch((splits * o.B * o.Hq * o.Sq,), np.float32))
-        if o.Hq and prob.grid[2]:
+        if all(prob.grid):                    # an empty grid (no heads, rows or batch) has nothing to write
             _C.cuda_launch_attention(prob)
             if splits > 1:
                 prob.fn = kernels.function("attn_fwd", "attn_fwd_combine", defines, stage.device, arch, 0)

@@ -202,6 +202,9 @@ def _cuda_array_interface(x):
         return x.__cuda_array_interface__
     except AttributeError:     # e.g. a CPU torch tensor: the property exists but refuses
         return None
+    except RuntimeError as e:  # torch refuses a tensor that requires grad (and DLPack does too)
+        raise TypeError(f"{type(x).__name__} refused to share its memory ({e}); pass a tensor that "
+                        "does not require grad (.detach())") from None
 
 
 _count = []

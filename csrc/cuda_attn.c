@@ -146,7 +146,10 @@ static PyObject *c_cuda_launch_attention(PyObject *module, PyObject *prob)
     p.num_splits = (int)splits;
     p.Sq = qs[1]; p.Hq = qs[2]; p.D = qs[3];
     p.Sk = ks[1]; p.Hk = ks[2]; p.Dv = vs[3];
-    if (!p.q.ptr || !p.k.ptr || !p.v.ptr || p.Hk <= 0 || p.Hq % p.Hk) {
+    /* an empty q, k or v (S = 0, or no key rows at all) may come with a null address: the
+     * kernels then read nothing from it (every row keeps no key, or there is no row) */
+    const int q_empty = qs[0] * qs[1] == 0, kv_empty = ks[0] * ks[1] == 0;
+    if ((!p.q.ptr && !q_empty) || ((!p.k.ptr || !p.v.ptr) && !kv_empty) || p.Hk <= 0 || p.Hq % p.Hk) {
         PyErr_SetString(PyExc_ValueError, "attnext._C: q, k, v missing or heads disagree");
         return NULL;
     }

@@ -113,6 +113,21 @@ def test_nan_propagates(kernel, sq, sk, rng, monkeypatch):
     assert np.isfinite(lse[keep.transpose(0, 2, 1)]).all()
 
 
+@pytest.mark.parametrize("sq, sk", [(19, 0), (0, 33), (0, 0)], ids=["no_keys", "no_queries", "neither"])
+def test_empty_sequences(sq, sk, rng):
+    """S = 0 (an empty q, k or v may come with no address at all): out rows 0, lse -inf, zero
+    gradients, never an error (the fuzzer found Sk = 0 refused by the launch's checks)."""
+    q, k, v = make_qkv(rng, 2, sq, sk, 4, 2, 64, 64, BF16)
+    out, lse = attnext.attention(q, k, v, device="cuda", return_lse=True)
+    assert out.shape == (2, sq, 4, 64) and (out == 0).all() and np.isneginf(lse).all()
+    g = attnext.attention_backward(np.ones_like(out), q, k, v, out, lse, device="cuda")
+    assert all((x == 0).all() for x in g[:3])
+    cu_q, cu_k = np.array([0, 7, 12], np.int32), np.array([0, 0, 0], np.int32)
+    qv, kv, vv = make_varlen_qkv(rng, 12, 0, 4, 2, 64, 64, F16)
+    out = attnext.varlen_attention(qv, kv, vv, cu_q, cu_k, device="cuda")
+    assert (out == 0).all()
+
+
 @pytest.fixture
 def torch():
     return pytest.importorskip("torch")
