@@ -21,6 +21,10 @@ Gradients need two more terms, both from honest sources of error, not slack:
 * Cancellation. dS = P * (dP - delta) cancels (exactly, with one key per row: dq = dk = 0), so
   round-off in dq, dk and dbias is relative to the size of dP, not of the result. For them
   (and dv) the float32 term is relative to the largest gradient of the call (`floor`).
+* 16-bit products. Tensor cores multiply 16-bit operands, so a GPU backward rounds P and dS to
+  q's dtype before dS K and dS^T Q: each term is off by up to eps |dS k|, however much the terms
+  cancel; `rounded_out_allowance` adds LOW_FACTOR * eps * scale * sqrt(sum (dS k)^2) (the
+  roundings are independent) to dq, dk for float16 / bfloat16.
 * The rounded forward output. The backward reads `out`, which is stored at q's dtype, and forms
   delta_i = sum(dout_i * out_i) from it (as FlashAttention does); the float64 reference uses the
   exact output. For float16 / bfloat16, `rounded_out_allowance` bounds, per element, how far an
@@ -171,8 +175,21 @@ def rounded_out_allowance(q, k, v, dout, out, ref_out, lengths, opts):
     group = qc.shape[1] // kc.shape[1]
     scale = opts.get("scale")
     scale = abs(1 / np.sqrt(q.shape[-1]) if scale is None else float(scale))
-    a_dq = scale * e[..., None] * np.einsum("bhij,bhjd->bhid", p, np.repeat(kc, group, axis=1))
+    kg = np.repeat(kc, group, axis=1)
+    a_dq = scale * e[..., None] * np.einsum("bhij,bhjd->bhid", p, kg)
     a_dk = scale * np.einsum("bhij,bhid->bhjd", p, e[..., None] * qc)
+    # tensor-core products take 16-bit operands: dS (and the P it comes from) rounded to q's
+    # dtype before dS K and dS^T Q, each term dS_j k_j off by up to eps |dS_j k_j|, however much
+    # the terms cancel (keys all alike: dq exactly 0). The roundings are independent, so their
+    # sum grows like the root of the sum of squares: LOW_FACTOR of that (the worst case, the
+    # plain sum, would let a bf16 dq be 50% off at S = 4k)
+    vg = np.repeat(canonical(np.asarray(v, np.float64), is_varlen, layout), group, axis=1)
+    do = canonical(np.asarray(dout, np.float64), is_varlen, layout)
+    delta = np.sum(do * canonical(ref_out, is_varlen, layout), axis=-1)
+    ds2 = (p * (np.einsum("bhid,bhjd->bhij", do, vg) - delta[..., None])) ** 2
+    rounding = LOW_FACTOR * EPS[np.dtype(q.dtype)] * scale
+    a_dq = a_dq + rounding * np.sqrt(np.einsum("bhij,bhjd->bhid", ds2, kg ** 2))
+    a_dk = a_dk + rounding * np.sqrt(np.einsum("bhij,bhid->bhjd", ds2, qc ** 2))
     a_dk = a_dk.reshape(kc.shape[0], kc.shape[1], group, *kc.shape[2:]).sum(axis=2)
     a_dq, a_dk = (from_canonical(x, is_varlen, layout) for x in (a_dq, a_dk))
     bias = opts.get("bias")
