@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (the device tool): build the extension in place, compile the
 # kernels for this GPU, then run what was asked; logs land in $OUT.
-#   bash bench/run_gpu.sh [warmup|smoke|tests|suite0..suite3|sanitize|bench|quick] ...   (in order)
-# suiteN reruns a quarter of the CPU test file on the GPU (a few minutes each, one per call).
+#   bash bench/run_gpu.sh [warmup|smoke|tests|suite0..suite4|sanitize|bench|quick] ...   (in order)
+# suiteN reruns a fifth of the CPU test file on the GPU (a few minutes each, one per call).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 OUT=${OUT:-/tmp/attnext-out}
@@ -16,7 +16,7 @@ for step in "$@"; do
     warmup) python3 -m attnext.warmup 2>&1 | tail -3 ;;
     smoke) python3 -m pytest -m gpu -q --maxfail=20 tests/test_cuda.py tests/test_cuda_host.py -k "not cpu_suite" 2>&1 | tee "$OUT/smoke.log" | tail -25 ;;
     tests) python3 -m pytest -m gpu -q -n 4 tests/ -k "not cpu_suite" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
-    suite[0-3]) python3 -m pytest -m gpu -q tests/test_cuda.py -k "cpu_suite and shard${step#suite}" 2>&1 \
+    suite[0-4]) python3 -m pytest -m gpu -q tests/test_cuda.py -k "cpu_suite and shard${step#suite}" 2>&1 \
                 | tee "$OUT/$step.log" | tail -30 ;;
     sanitize) compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q \
                 -p no:cacheprovider tests/test_cuda.py tests/test_cuda_backward.py -k "not cpu_suite" 2>&1 \
