@@ -53,3 +53,21 @@ def test_sm90_forward_fits_shared_memory():
         if kernel == "attn_fwd_sm90":
             tile = (d["BLOCK_M"], d["BLOCK_N"], d["NUM_WARPS"])
             assert kernels.fwd_smem_bytes(d["HEAD_DIM"], d["HEAD_DIM_V"], tile, kernel) <= 227 * 1024
+
+
+def test_hopper_backward_choice_and_shared_memory(monkeypatch):
+    """attn_bwd_sm90 takes D, Dv in {64, 128} with 16-byte rows on sm_90a and fits 227 KB of
+    shared memory in every tile the lab can ask for; dQ by atomics only when asked."""
+    assert kernels.bwd_sm90_tile("sm_90a", 128, 64, True) == kernels.SM90_BWD_TILE
+    for args in (("sm_80", 128, 128, True), ("sm_90a", 96, 96, True), ("sm_90a", 128, 128, False)):
+        assert kernels.bwd_sm90_tile(*args) is None, args
+    for warps in ("4,4", "8,4", "4,8", "8,8"):
+        monkeypatch.setenv("ATTNEXT_TILE_BWD_SM90", warps)
+        tile = kernels.bwd_sm90_tile("sm_90a", 128, 128, True)
+        assert max(kernels.bwd_sm90_smem_bytes(128, 128, tile).values()) <= 227 * 1024, warps
+    monkeypatch.setenv("ATTNEXT_BWD_SM90", "0")
+    assert kernels.bwd_sm90_tile("sm_90a", 128, 128, True) is None
+    assert not kernels.bwd_atomic_dq(deterministic=True)
+    assert not kernels.bwd_atomic_dq(deterministic=False)
+    monkeypatch.setenv("ATTNEXT_BWD_DQ", "atomic")
+    assert kernels.bwd_atomic_dq(deterministic=False) and not kernels.bwd_atomic_dq(deterministic=True)
