@@ -17,7 +17,7 @@ import pytest
 import attnext
 from attnext import _C, reference
 from conftest import (BF16, DTYPES, F16, F32, F64, TEST_DEVICE, assert_close, check_backend,
-                      dtype_id, make_qkv, make_varlen_qkv, poisoned, randn)
+                      dtype_id, make_qkv, make_varlen_qkv, poisoned, randn, skip_unless_device_has)
 
 DEVICE = TEST_DEVICE
 
@@ -672,6 +672,7 @@ def test_concurrent_threads(rng):
 def test_gil_released_during_a_call(rng, monkeypatch):
     """Another Python thread keeps running while a long call is in C: its longest pause stays far
     below the call's length (with the GIL held it would span the whole call)."""
+    skip_unless_device_has(F32)
     monkeypatch.setenv("ATTNEXT_NUM_THREADS", "1")
     q, k, v = make_qkv(rng, 1, 4096, 4096, 4, 4, 64, 64, F32)
     started, done = threading.Event(), threading.Event()
@@ -679,10 +680,12 @@ def test_gil_released_during_a_call(rng, monkeypatch):
 
     def work():
         started.set()
-        t0 = time.perf_counter()
-        attnext.attention(q, k, v, device=DEVICE)
-        span.append(time.perf_counter() - t0)
-        done.set()
+        try:
+            t0 = time.perf_counter()
+            attnext.attention(q, k, v, device=DEVICE)
+            span.append(time.perf_counter() - t0)
+        finally:
+            done.set()      # a call that raises must not leave the loop below spinning forever
 
     worker = threading.Thread(target=work)
     worker.start()
@@ -692,6 +695,7 @@ def test_gil_released_during_a_call(rng, monkeypatch):
         now = time.perf_counter()
         longest_pause, last = max(longest_pause, now - last), now
     worker.join()
+    assert span, "the call raised (the thread's traceback is above)"
     assert span[0] > 0.05, "the call is too short to tell"
     assert longest_pause < span[0] / 3, (longest_pause, span[0])
 
