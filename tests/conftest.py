@@ -4,6 +4,8 @@ The accuracy rules (the three-way check, its allowances for gradients and rounde
 attnext/accuracy.py's, shared with the differential fuzzer; this file wraps them in asserts.
 """
 import os
+import threading
+import time
 import types
 import zlib
 
@@ -69,6 +71,30 @@ def skip_unless_device_has(*dtypes):
     if TEST_DEVICE == "cuda" and any(np.dtype(d) not in GPU_DTYPES for d in dtypes):
         pytest.skip(f"cuda: no kernels for {[str(np.dtype(d)) for d in dtypes]}")
 
+
+
+def in_threads(work, n, join_seconds):
+    """work(i) in n threads started together (a barrier); their results, after asserting none
+    raised and all finished within join_seconds (else: a deadlock)."""
+    errors, results = [], [None] * n
+    barrier = threading.Barrier(n)
+
+    def target(i):
+        try:
+            barrier.wait()
+            results[i] = work(i)
+        except BaseException as e:                     # noqa: BLE001 - reported below
+            errors.append((i, repr(e)))
+
+    threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + join_seconds
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"threads still running after {join_seconds} s: deadlock?"
+    assert not errors, errors
+    return results
 
 def poisoned(shape, dtype):
     """An output buffer full of NaN: an element the kernel forgets to write fails the check."""

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import attnext
-from conftest import BF16, F16, F32, F64, make_qkv, make_varlen_qkv, randn
+from conftest import BF16, F16, F32, F64, in_threads, make_qkv, make_varlen_qkv, randn
 
 N_THREADS = 8
 JOIN_SECONDS = 300
@@ -52,28 +52,6 @@ def _run(kind, q, k, v, opts, dout):
     return [_bits(x) for x in (out, lse, g.dq, g.dk, g.dv, g.dbias)]
 
 
-def _in_threads(work, n):
-    errors, results = [], [None] * n
-    barrier = threading.Barrier(n)
-
-    def target(i):
-        try:
-            barrier.wait()
-            results[i] = work(i)
-        except BaseException as e:                     # noqa: BLE001 - reported below
-            errors.append((i, repr(e)))
-
-    threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + JOIN_SECONDS
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    assert not any(t.is_alive() for t in threads), f"threads still running after {JOIN_SECONDS} s: deadlock?"
-    assert not errors, errors
-    return results
-
-
 @pytest.mark.parametrize("omp_threads", ["1", "2"])
 def test_eight_threads_forward_and_backward_get_the_single_thread_bits(rng, monkeypatch, omp_threads):
     monkeypatch.setenv("ATTNEXT_NUM_THREADS", omp_threads)
@@ -86,7 +64,7 @@ def test_eight_threads_forward_and_backward_get_the_single_thread_bits(rng, monk
     def work(i):
         return [_run(*problems[i], douts[i]) for _ in range(5)]
 
-    for i, runs in enumerate(_in_threads(work, N_THREADS)):
+    for i, runs in enumerate(in_threads(work, N_THREADS, JOIN_SECONDS)):
         for r in runs:
             for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), r, want[i]):
                 assert (a is None and b is None) or np.array_equal(a, b), f"problem {i}: {name}"
@@ -108,7 +86,7 @@ def test_eight_threads_on_one_problem_share_inputs(rng):
             g = attnext.attention_backward(dout, q, k, v, want, lse, causal=True, device="cpu")
         return out, g
 
-    for out, g in _in_threads(work, N_THREADS):
+    for out, g in in_threads(work, N_THREADS, JOIN_SECONDS):
         assert np.array_equal(_bits(out), _bits(want))
         for a, b in zip(g[:3], g_want[:3]):
             assert np.array_equal(_bits(a), _bits(b))
@@ -129,7 +107,7 @@ def test_threads_mixing_good_and_bad_calls(rng):
                 got.append(attnext.attention(q, k, v, device="cpu"))
         return got
 
-    for got in _in_threads(work, N_THREADS):
+    for got in in_threads(work, N_THREADS, JOIN_SECONDS):
         assert all(np.array_equal(x, want) for x in got)
 
 

@@ -32,8 +32,8 @@ import pytest
 import attnext
 import test_bad_input as bad
 from attnext import _C, device, kernels, reference, staging
-from conftest import (BF16, F16, F32, F64, assert_close, assert_lse_close, compare_grads, make_qkv,
-                      make_varlen_qkv, randn)
+from conftest import (BF16, F16, F32, F64, assert_close, assert_lse_close, compare_grads, in_threads,
+                      make_qkv, make_varlen_qkv, randn)
 
 pytestmark = pytest.mark.gpu
 
@@ -99,29 +99,6 @@ class ReadOnlyCuda:
         return cai
 
 
-def _in_threads(work, n=N_THREADS):
-    """work(i) in n threads started together; their results, after checking none failed or hung."""
-    errors, results = [], [None] * n
-    barrier = threading.Barrier(n)
-
-    def target(i):
-        try:
-            barrier.wait()
-            results[i] = work(i)
-        except BaseException as e:                     # noqa: BLE001 - reported below
-            errors.append((i, repr(e)))
-
-    threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + JOIN_SECONDS
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    assert not any(t.is_alive() for t in threads), f"threads still running after {JOIN_SECONDS} s: deadlock?"
-    assert not errors, errors
-    return results
-
-
 # --- 1. threads on the GPU ---
 
 def _torch_problems(torch, rng):
@@ -181,7 +158,7 @@ def test_eight_threads_on_torch_tensors_get_the_single_thread_bits(torch, rng):
         # its own problem three times, and the problem of thread i + 4 once
         return [(j, _torch_run(problems[j])) for j in (i, i, (i + 4) % N_THREADS, i)]
 
-    results = _in_threads(work)
+    results = in_threads(work, N_THREADS, JOIN_SECONDS)
     torch.cuda.synchronize()
     for i, runs in enumerate(results):
         for j, got in runs:
@@ -235,7 +212,7 @@ def test_eight_threads_on_numpy_float16_get_the_single_thread_bits(cuda, rng):
     def work(i):
         return [_numpy_run(problems[i]) for _ in range(2)]
 
-    for i, runs in enumerate(_in_threads(work)):
+    for i, runs in enumerate(in_threads(work, N_THREADS, JOIN_SECONDS)):
         for got in runs:
             for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), got, want[i]):
                 assert (a is None and b is None) or np.array_equal(a, b), f"problem {i}: {name} differs"

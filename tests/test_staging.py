@@ -11,15 +11,16 @@ import gc
 import threading
 import types
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import attnext
 from attnext import _C, cuda_backend, staging
 from attnext.devview import DevView
+from conftest import BF16, in_threads
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
+JOIN_SECONDS = 120       # the concurrent tests' deadlock guard
+
 SMALL_RING = dict(CHUNK_BYTES=4096, RING_SLOTS=3, SHARE_BYTES=512, SMALL_BYTES=256, COPY_THREADS=4)
 
 
@@ -295,25 +296,15 @@ def test_fake_background_error_is_raised(fake, rng):
 
 def test_fake_concurrent_calls(fake, rng):
     arrays = [_random(rng, (7, 1111 + 13 * i), [BF16, np.float32][i % 2]) for i in range(8)]
-    errors, results = [], {}
 
     def work(i):
-        try:
-            for _ in range(5):
-                with staging.Staging(0, 0) as stage:
-                    base, got = _roundtrip(stage, arrays[i])
-                    if not np.array_equal(_bits(got), _bits(base)):
-                        results[i] = "mismatch"
-                        return
-            results[i] = "ok"
-        except BaseException as e:
-            errors.append(e)
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors and results == {i: "ok" for i in range(8)}
+        for _ in range(5):
+            with staging.Staging(0, 0) as stage:
+                base, got = _roundtrip(stage, arrays[i])
+                if not np.array_equal(_bits(got), _bits(base)):
+                    return "mismatch"
+        return "ok"
+    assert in_threads(work, 8, JOIN_SECONDS) == ["ok"] * 8
 
 
 def test_fake_rings_are_bounded_and_freed(fake, rng):
@@ -446,25 +437,15 @@ def test_gpu_to_host(gpu, rng):
 @pytest.mark.gpu
 def test_gpu_concurrent_calls(ring, rng):
     arrays = [_random(rng, (3, (1 << 20) + 77 * i), [BF16, np.float16][i % 2]) for i in range(8)]
-    errors, results = [], {}
 
     def work(i):
-        try:
-            for _ in range(4):
-                with staging.Staging(0, 0) as stage:
-                    base, got = _roundtrip(stage, arrays[i], "strided")
-                    if not np.array_equal(_bits(got), _bits(base)):
-                        results[i] = "mismatch"
-                        return
-            results[i] = "ok"
-        except BaseException as e:
-            errors.append(e)
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors and results == {i: "ok" for i in range(8)}
+        for _ in range(4):
+            with staging.Staging(0, 0) as stage:
+                base, got = _roundtrip(stage, arrays[i], "strided")
+                if not np.array_equal(_bits(got), _bits(base)):
+                    return "mismatch"
+        return "ok"
+    assert in_threads(work, 8, JOIN_SECONDS) == ["ok"] * 8
 
 
 @pytest.fixture
