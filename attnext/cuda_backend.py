@@ -8,7 +8,6 @@ it names none), and results come back as the caller's library's arrays (DLPack) 
 attnext.DeviceArray.
 """
 import math
-import os
 import threading
 import types
 
@@ -180,13 +179,12 @@ def forward(o, out_host, lse_host, stage=None):
         prob, features = _common(o, stage, q4, k4, v4)
         pack, splits = _decode_plan(o, features, stage.device)
         arch = device_arch(stage.device)
-        kernel, tile = kernels.fwd_kernel(arch, o.D, o.Dv, features["vec"], pack or splits > 1,
-                                          _query_rows(o))
+        rows = _query_rows(o)                 # the longest query segment (one pass over cu_seqlens)
+        kernel, tile = kernels.fwd_kernel(arch, o.D, o.Dv, features["vec"], pack or splits > 1, rows)
         defines = kernels.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1)
         prob.smem = kernels.fwd_smem_bytes(o.D, o.Dv, tile, kernel)
         prob.fn = kernels.function(kernel, kernel, defines, stage.device, arch, prob.smem)
-        rows = o.Sq * (o.Hq // o.Hk) if pack else None
-        q_tiles = math.ceil(rows / tile[0]) if pack else _query_tiles(o, tile[0])
+        q_tiles = math.ceil(o.Sq * (o.Hq // o.Hk) / tile[0]) if pack else max(1, math.ceil(rows / tile[0]))
         prob.grid = (q_tiles * splits, o.Hk if pack else o.Hq, o.B + (1 if o.varlen else 0))
         prob.block = (tile[2] * 32, 1, 1)
         prob.out = _t(_kernel_layout(o, out))
