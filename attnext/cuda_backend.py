@@ -124,7 +124,7 @@ def _common(o, stage, q4, k4, v4):
         q=_t(q4), k=_t(k4), v=_t(v4), bias=_t(bias4), mask=_t(mask4), alibi=_t(alibi),
         out=None, lse=None, dout=None, dq=None, dk=None, dv=None, dbias=None, delta=None,
         o_accum=None, lse_accum=None, num_splits=1,
-        dq_accum=None,
+        dq_accum=None, dq_sem=None,
         **_lengths(stage, o))
     return prob, features
 
@@ -293,10 +293,10 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
     is a bias): fills them and returns them. GPU call (all None): returns (dq, dk, dv, dbias) as
     DeviceArrays, dbias None without a bias.
 
-    dq: with deterministic=True the dQ kernel (attn_bwd_dq / attn_bwd_dq_sm90) recomputes S and
-    dP per query tile and owns its dq rows, so every run gives the same bits. deterministic=False
-    may instead add dS K into a float32 dq_accum by atomics from the dK/dV kernel (two products
-    fewer, the order of the additions varying from run to run): kernels.bwd_atomic_dq says when.
+    dq: kernels.bwd_dq_mode chooses between the dQ kernel's recomputation (attn_bwd_dq /
+    attn_bwd_dq_sm90: owns its dq rows) and the dK/dV kernel adding dS K into a float32 dq_accum,
+    either in a fixed order (dq_sem's counters: the same bits every run) or, with
+    deterministic=False, by plain atomics.
     """
     host = dq_host is not None
     with staging.Staging(o.cuda_device, o.cuda_stream) as stage:
@@ -312,8 +312,10 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
         features["vec"] = features["vec"] and _vec_ok(dout4, o.Dv)
         tile = kernels.bwd_tile_config(o.D, o.Dv)
         arch = device_arch(stage.device)
-        atomic = kernels.bwd_atomic_dq(deterministic)
-        defines = kernels.bwd_defines(**features, tile=tile, atomic=atomic)
+        sm90 = kernels.bwd_sm90_applies(arch, o.D, o.Dv, features["vec"])
+        dq_mode = kernels.bwd_dq_mode(sm90, o.D, deterministic)
+        atomic = dq_mode != "recompute"
+        defines = kernels.bwd_defines(**features, tile=tile, dq=dq_mode)
         smem = kernels.bwd_smem_bytes(o.D, o.Dv, tile, atomic)
         prob.out, prob.dout = _t(out4), _t(dout4)
         prob.lse = _t(lse_v[None] if o.varlen else lse_v)
@@ -321,7 +323,11 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
         prob.dq, prob.dk, prob.dv = (_t(_kernel_layout(o, x)) for x in (dq, dk, dv))
         prob.dq_accum = None
         if atomic:
-            prob.dq_accum = _t(stage.scratch((q4.shape[0], q4.shape[1], o.Hq, o.D + o.D % 2), np.float32))
+            # (B, Hq, S, D) in memory, so a head's 64-row tile is one contiguous block
+            acc = stage.scratch((q4.shape[0], o.Hq, q4.shape[1], o.D + o.D % 2), np.float32)
+            prob.dq_accum = _t(acc.transpose(0, 2, 1, 3))
+        if dq_mode == "ordered":   # one counter per (sequence, head, 64-row query tile)
+            prob.dq_sem = _t(stage.scratch((o.B, o.Hq, _query_tiles(o, PRE_ROWS)), np.int32))
         dbias = dbias_res = None
         if o.bias is not None:
             dbias, dbias_res = _dbias_buffer(stage, o, host)
@@ -335,11 +341,11 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
             if all(grid):
                 _C.cuda_launch_attention(prob)
 
-        hopper = kernels.bwd_sm90_tile(arch, o.D, o.Dv, features["vec"])
+        hopper = kernels.bwd_sm90_tile(o.D, dq_mode) if sm90 else None
         if o.Hq:
             launch("attn_bwd_pre", (_query_tiles(o, PRE_ROWS), o.Hq, o.B), PRE_THREADS // 32)
             if hopper:               # dK, dV and dQ on wgmma (attn_bwd_sm90.cu)
-                defs90 = kernels.bwd_defines(**features, tile=hopper, atomic=atomic)
+                defs90 = kernels.bwd_defines(**features, tile=hopper, dq=dq_mode)
                 smem90 = kernels.bwd_sm90_smem_bytes(o.D, o.Dv, hopper)
                 launch("attn_bwd_dkdv_sm90", (_key_tiles(o, 16 * hopper["kv_warps"]), o.Hk, o.B + tail),
                        hopper["kv_warps"], "attn_bwd_sm90", defs90, smem90)

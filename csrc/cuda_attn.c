@@ -123,11 +123,13 @@ static PyObject *c_cuda_launch_attention(PyObject *module, PyObject *prob)
         || attr_tensor(prob, "dout", 4, &p.dout, NULL) || attr_tensor(prob, "dq", 4, &p.dq, NULL)
         || attr_tensor(prob, "dk", 4, &p.dk, NULL) || attr_tensor(prob, "dv", 4, &p.dv, NULL)
         || attr_tensor(prob, "dbias", 4, &p.dbias, NULL)
-        || attr_tensor(prob, "delta", 3, &p.delta, NULL) || attr_tensor(prob, "dq_accum", 4, &p.dq_accum, NULL))
+        || attr_tensor(prob, "delta", 3, &p.delta, NULL) || attr_tensor(prob, "dq_accum", 4, &p.dq_accum, NULL)
+        || attr_tensor(prob, "dq_sem", 3, &p.dq_sem, NULL))
         return NULL;
     /* lse (Bm, Hq, Sq) and alibi (B, Hq) arrive padded at the front; move them to s[0].. */
     p.lse.s[0] = p.lse.s[1]; p.lse.s[1] = p.lse.s[2]; p.lse.s[2] = p.lse.s[3]; p.lse.s[3] = 0;
     p.delta.s[0] = p.delta.s[1]; p.delta.s[1] = p.delta.s[2]; p.delta.s[2] = p.delta.s[3]; p.delta.s[3] = 0;
+    p.dq_sem.s[0] = p.dq_sem.s[1]; p.dq_sem.s[1] = p.dq_sem.s[2]; p.dq_sem.s[2] = p.dq_sem.s[3]; p.dq_sem.s[3] = 0;
     p.alibi.s[0] = p.alibi.s[2]; p.alibi.s[1] = p.alibi.s[3]; p.alibi.s[2] = p.alibi.s[3] = 0;
     const char *len_names[4] = {"cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k"};
     const int32_t **len_ptrs[4] = {&p.cu_seqlens_q, &p.cu_seqlens_k, &p.seqused_q, &p.seqused_k};
