@@ -571,7 +571,9 @@ def packed_results(run, case):
     T, lens, longest = case.Sq, case.lens, max(case.lens)
     q, k, v, dout = (_randn(run, T, case.Hq, case.D) for _ in range(4))
     refs = packed_reference(q, k, v, dout, lens)
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device=run.device)
+    # cu_seqlens as the data loader has them, on the host: CUDA cu_seqlens would be read back
+    # for their checks, a device synchronisation per call (README: varlen)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     kw = {"max_seqlen_q": longest, "max_seqlen_k": longest, "causal": True, "device": "cuda"}
     results = {"attnext": _measure_attnext(
         run, lambda **o: attnext.varlen_attention(q, k, v, cu, cu, **kw, **o),
