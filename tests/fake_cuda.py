@@ -28,12 +28,46 @@ def build(out_dir, name="full", flags=()):
     return str(lib)
 
 
-class LaunchRecord(ctypes.Structure):
-    """The fake's `last_launch` without its attn_params, which follow it (params_offset)."""
-    _fields_ = [("fn", ctypes.c_void_p), ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p)]
-
-
 def counter(lib, name):
     """The fake's int counter `name` (waits, launches, allocs, frees, record) as a ctypes int."""
     return ctypes.c_int.in_dll(lib, name)
+
+
+class Tensor4(ctypes.Structure):
+    _fields_ = [("ptr", ctypes.c_void_p), ("s", ctypes.c_int64 * 4)]
+
+
+_I64, _INT, _PTR, _F64 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_double
+
+
+class AttnParams(ctypes.Structure):
+    """csrc/attn_params.h's attn_params, field for field."""
+    _fields_ = ([(n, _I64) for n in ("B", "Sq", "Sk", "Hq", "Hk", "D", "Dv")] + [("dtype", _INT)]
+                + [(n, Tensor4) for n in ("q", "k", "v", "out", "lse")]
+                + [(n, _PTR) for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")]
+                + [("bias", Tensor4), ("bias_dtype", _INT), ("bias_heads", _I64), ("mask", Tensor4),
+                   ("mask_heads", _I64), ("alibi", Tensor4), ("alibi_dtype", _INT), ("scale", _F64),
+                   ("softcap", _F64), ("causal", _INT), ("window_left", _I64), ("window_right", _I64)]
+                + [(n, Tensor4) for n in ("dout", "dq", "dk", "dv", "dbias", "delta", "dq_accum")]
+                + [("o_accum", _PTR), ("lse_accum", _PTR), ("num_splits", _INT), ("num_threads", _INT),
+                   ("mods", _PTR)])
+
+
+class LaunchRecord(ctypes.Structure):
+    """The fake's `last_launch`."""
+    _fields_ = [("fn", ctypes.c_void_p), ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p), ("params", AttnParams)]
+
+
+def last_launch(lib):
+    return LaunchRecord.in_dll(lib, "last_launch")
+
+
+def params_dict(p):
+    """An AttnParams as a dict of plain values (tensors as (ptr, strides))."""
+    out = {}
+    for name, _ in AttnParams._fields_:
+        v = getattr(p, name)
+        out[name] = (v.ptr or 0, tuple(v.s)) if isinstance(v, Tensor4) else (v or 0 if name in (
+            "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "o_accum", "lse_accum", "mods") else v)
+    return out

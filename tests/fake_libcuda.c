@@ -31,6 +31,7 @@ int cuDeviceTotalMem_v2(size_t *b, int d) { *b = (size_t)80 << 30; return OK; }
 int cuDevicePrimaryCtxRetain(void **c, int d) { *c = (void *)0x100; return OK; }
 int cuCtxSetCurrent(void *c) { current = c; return OK; }
 int cuCtxGetCurrent(void **c) { *c = current; return OK; }
+int cuCtxSynchronize(void) { return OK; }
 int cuModuleLoadData(void **m, const void *image) { *m = (void *)0x200; return OK; }
 int cuModuleUnload(void *m) { return OK; }
 int cuModuleGetFunction(void **f, void *m, const char *name)
