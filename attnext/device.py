@@ -31,6 +31,7 @@ per-thread default stream, else a handle (torch's `cuda_stream`, CuPy's `ptr`).
 """
 import atexit
 import collections
+import functools
 import math
 import os
 import sys
@@ -59,7 +60,9 @@ def _legacy(stream):
     return 0 if stream in (None, 0, 1) else stream
 
 
+@functools.lru_cache(maxsize=1024)
 def _contiguous_strides(shape):
+    """C-order strides (elements) of a shape (a tuple of ints): cached, every GPU call asks."""
     strides, step = [], 1
     for n in reversed(shape):
         strides.append(step)
@@ -130,8 +133,9 @@ class DeviceArray:
 
     def is_contiguous(self):
         """C-contiguous (strides of size-1 dims do not matter)."""
-        return all(n == 1 or s == c for n, s, c in
-                   zip(self.shape, self.strides, _contiguous_strides(self.shape)))
+        want = _contiguous_strides(self.shape)
+        return self.strides == want or all(n == 1 or s == c for n, s, c in
+                                           zip(self.shape, self.strides, want))
 
     @property
     def __cuda_array_interface__(self):
@@ -312,23 +316,37 @@ def _device_count():
     return _count[0]
 
 
+_TYPESTRS = {}     # __cuda_array_interface__ typestr -> NumPy dtype
+
+
+def _dtype_of(typestr):
+    dtype = _TYPESTRS.get(typestr)
+    if dtype is None:
+        dtype = BFLOAT16 if typestr[1:] == "V2" else np.dtype(typestr)
+        _TYPESTRS[typestr] = dtype
+    return dtype
+
+
 def _from_interface(x, cai, stream):
     if cai.get("mask") is not None:
         raise ValueError(f"{type(x).__name__}: masked CUDA arrays (__cuda_array_interface__ "
                          "'mask') are not supported")
     typestr = cai["typestr"]
-    dtype = BFLOAT16 if typestr[1:] == "V2" else np.dtype(typestr)
+    dtype = _dtype_of(typestr)
     if dtype.byteorder == ">":
         raise TypeError(f"{type(x).__name__}: big-endian data ({typestr!r}) is not supported")
-    shape = tuple(int(n) for n in cai["shape"])
+    shape = tuple(map(int, cai["shape"]))
     ptr, readonly = cai["data"]
-    if cai.get("strides") is None:
+    byte_strides = cai.get("strides")
+    if byte_strides is None:
         strides = _contiguous_strides(shape)
     else:
-        if any(s % dtype.itemsize for s in cai["strides"]):
-            raise ValueError(f"{type(x).__name__}: strides {tuple(cai['strides'])} (bytes) are not "
-                             f"multiples of the itemsize {dtype.itemsize}")
-        strides = tuple(s // dtype.itemsize for s in cai["strides"])
+        item = dtype.itemsize
+        if any(s % item for s in byte_strides):
+            raise ValueError(f"{type(x).__name__}: strides {tuple(byte_strides)} (bytes) are not "
+                             f"multiples of the itemsize {item}")
+        strides = tuple([int(s) // item for s in byte_strides])
+    ptr = int(ptr)
     # the interface does not say which device: the driver knows (nothing is read when empty;
     # with one GPU there is nothing to ask)
     device = _C.pointer_device(ptr) if ptr and _device_count() > 1 else 0
@@ -337,7 +355,7 @@ def _from_interface(x, cai, stream):
         stream = produced_on
     elif produced_on is not None and _legacy(produced_on) != _legacy(stream):
         _C.stream_wait(stream, produced_on, device)
-    return DevView(ptr, shape, strides, dtype, device, _legacy(stream), x, bool(readonly))
+    return DevView._made(ptr, shape, strides, dtype, device, int(_legacy(stream) or 0), x, bool(readonly))
 
 
 def _from_dlpack(x, stream):
