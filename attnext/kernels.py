@@ -27,6 +27,34 @@ MAX_SMEM_SM80 = 163 * 1024
 
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 
+# The kernel lab's overrides of the choices below, read when a choice is made; cuda_backend's
+# plans are keyed on their values (knobs()), so a change takes effect at the next call.
+FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "ATTNEXT_FWD_SM90",
+             "ATTNEXT_TILE_SM90")
+BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_DQ")
+# os.environ.get costs ~0.5 us a name (key encoding, Mapping.get); the dict behind os.environ
+# is what it reads (bytes keys where the OS environment is bytes, as on Linux)
+_ENV = getattr(os.environ, "_data", None)
+_ENV_BYTES = isinstance(_ENV, dict) and os.name == "posix"
+
+
+def knobs(names):
+    """The values of these environment variables (None where unset), cheaply: on every call."""
+    if _ENV_BYTES:
+        get = _ENV.get
+        return tuple([get(n) for n in _encoded(names)])
+    return tuple([os.environ.get(n) for n in names])
+
+
+_ENCODED = {}
+
+
+def _encoded(names):
+    try:
+        return _ENCODED[names]
+    except KeyError:
+        return _ENCODED.setdefault(names, tuple(os.fsencode(n) for n in names))
+
 
 def _round_up(x, m):
     return (x + m - 1) // m * m
