@@ -106,8 +106,8 @@ class DeviceArray:
 
     def __init__(self, ptr, shape, dtype, device=0, strides=None, stream=0, owner=None):
         self.ptr = int(ptr)
-        self.shape = tuple(int(n) for n in shape)
-        self.strides = _contiguous_strides(self.shape) if strides is None else tuple(int(s) for s in strides)
+        self.shape = tuple(map(int, shape))
+        self.strides = _contiguous_strides(self.shape) if strides is None else tuple(map(int, strides))
         if len(self.strides) != len(self.shape):
             raise ValueError(f"DeviceArray: {len(self.strides)} strides for shape {self.shape}")
         self.dtype = np.dtype(dtype)
@@ -207,7 +207,7 @@ class DeviceArray:
 def empty(shape, dtype, device=0, stream=0):
     """An uninitialised C-contiguous DeviceArray, allocated and (when unreferenced) freed in the
     order of `stream`. MemoryError when the device is out of memory."""
-    shape = tuple(int(n) for n in shape)
+    shape = tuple(map(int, shape))
     dtype = np.dtype(dtype)
     ptr = _C.mem_alloc(math.prod(shape) * dtype.itemsize, stream, device)
     return DeviceArray(ptr, shape, dtype, device, None, stream, _Allocation(ptr, stream, device))

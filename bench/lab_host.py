@@ -1,14 +1,18 @@
 """Kernel lab: the host path of one GPU call (api.py -> cuda_backend.py -> _C -> the driver), timed
 per call over many calls, and where its time goes (cProfile's self time summed per module).
 
-    python bench/lab_host.py --fake [--calls 10000] [--profile] [--cases plain,decode1,...]
-    python bench/lab_host.py [--torch]          (a real GPU: DeviceArray or torch inputs)
+    python bench/lab_host.py --fake [--calls 10000] [--parts] [--profile] [--cases plain,decode1,...]
+    python bench/lab_host.py [--torch] [--parts]   (a real GPU: DeviceArray or torch inputs)
 
 --fake builds tests/fake_libcuda.c (the driver on host memory: launches do nothing) and runs
 on it, so no GPU is needed and the numbers are the host path alone, this machine's. On a GPU
 the calls are asynchronous: the per-call time is the host's as long as the kernels keep up.
 Inputs are attnext.DeviceArrays (their __cuda_array_interface__ costs little); --torch takes
-torch tensors instead (whose interface property costs ~10 us per array on the H100's host).
+torch tensors instead (whose interface property builds a dict on every read).
+
+--parts splits the call: "checks" is api._normalise replayed alone (argument checks, views of
+the CUDA arrays), "launch" the call's _C.cuda_launch_attention calls replayed alone (argument
+parsing and the driver's launch), "backend" the rest (out= checks, plan, scratch, results).
 """
 import argparse
 import cProfile
@@ -86,6 +90,35 @@ def profile(call, n):
     return dict(per), stats
 
 
+def parts(attnext, _C, call, n, sync):
+    """(seconds per call of api._normalise, of the call's launches), each replayed alone with
+    the arguments one call gave them."""
+    normalise, launch = attnext.api._normalise, _C.cuda_launch_attention
+    seen = {"normalise": [], "launch": []}
+
+    def spy_normalise(*a, **kw):
+        seen["normalise"].append((a, kw))
+        return normalise(*a, **kw)
+
+    def spy_launch(*a):
+        seen["launch"].append(a)
+        return launch(*a)
+
+    attnext.api._normalise, _C.cuda_launch_attention = spy_normalise, spy_launch
+    try:
+        call()
+    finally:
+        attnext.api._normalise, _C.cuda_launch_attention = normalise, launch
+    (a, kw), = seen["normalise"]
+    launches = seen["launch"]
+    t_checks = min(timed(lambda: normalise(*a, **kw), n, sync) for _ in range(3))
+
+    def relaunch():
+        for args in launches:
+            launch(*args)
+    return t_checks, min(timed(relaunch, n, sync) for _ in range(3))
+
+
 def timed(call, n, sync):
     sync()
     t0 = time.perf_counter()
@@ -102,6 +135,7 @@ def main():
     ap.add_argument("--calls", type=int, default=10000)
     ap.add_argument("--profile", action="store_true", help="cProfile: self time per module")
     ap.add_argument("--top", type=int, default=0, help="with --profile: the top N functions too")
+    ap.add_argument("--parts", action="store_true", help="time checks, backend and launch apart")
     ap.add_argument("--cases", default=",".join(CASES))
     args = ap.parse_args()
     if args.fake:
@@ -128,12 +162,16 @@ def main():
         what, B, Sq, Sk, Hq, Hk, D, opts = case
         print(f"{name:10s} {what:7s} B{B} Sq{Sq} Sk{Sk} Hq{Hq} Hk{Hk} D{D} {opts}: "
               f"{per_call * 1e6:7.1f} us per call", flush=True)
+        if args.parts:
+            checks, launch = parts(attnext, _C, call, args.calls, sync)
+            print(f"    checks {checks * 1e6:.1f} us, backend {(per_call - checks - launch) * 1e6:.1f} us, "
+                  f"launch {launch * 1e6:.1f} us", flush=True)
         if args.profile:
             per, stats = profile(call, min(args.calls, 2000))
             total = sum(per.values())
-            parts = sorted(per.items(), key=lambda kv: -kv[1])
+            shares = sorted(per.items(), key=lambda kv: -kv[1])
             print("    self time under cProfile (scaled to the unprofiled call): " + ", ".join(
-                f"{m} {t / total * per_call * 1e6:.1f}" for m, t in parts if t / total > 0.02))
+                f"{m} {t / total * per_call * 1e6:.1f}" for m, t in shares if t / total > 0.02))
             if args.top:
                 stats.sort_stats("tottime").print_stats(args.top)
 

@@ -1,0 +1,411 @@
+"""The GPU call's host path on the fake driver (tests/fake_libcuda.c), without a GPU: plans
+(cuda_backend's cache of everything a call's launches derive from), the launch template, and
+the per-stream scratch buffer. `-m gpu` adds the same promises checked on a real device.
+
+- A plan is reused only by calls of its key: calls differing in one stride, option, dtype,
+  alignment or lab override get plans of their own, whose launches are those a cold cache
+  gives; scale and softcap values reach the launch without a plan of their own. The cache is
+  bounded (PLAN_CAPACITY).
+- The split-KV forward's scratch is allocated once per stream and reused; a call never shares
+  its scratch with a call in flight (threads on one stream, threads on their own streams);
+  release_scratch() frees it all.
+- attn_template / cuda_launch_attention refuse malformed arguments with TypeError / ValueError.
+
+The driver and NVRTC load once per process, so the fake-driver checks run in a subprocess; the
+kernels there are stand-ins (the fake loads any image), so no kernel is compiled.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fake_cuda
+from attnext import _C
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def fake_driver(tmp_path_factory):
+    if fake_cuda.compiler() is None:
+        pytest.skip("no C compiler for the fake libcuda")
+    return fake_cuda.build(tmp_path_factory.mktemp("fake_libcuda"))
+
+
+# What every subprocess starts with: attnext on the fake driver, kernels.function standing in
+# for NVRTC (a capsule per kernel variant, named in FN), launches recorded in LAUNCHES.
+PRELUDE = r"""
+import ctypes, os, sys, threading, time
+import numpy as np, ml_dtypes
+import attnext
+import fake_cuda
+from attnext import _C, cuda_backend, device, kernels
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+lib = ctypes.CDLL(os.environ["ATTNEXT_LIBCUDA"])
+fake_cuda.counter(lib, "record").value = 1
+FN, LAUNCHES = {}, []
+_module = None
+
+
+def function(kernel, name, defines, dev, arch, smem):
+    global _module
+    if _module is None:
+        _module = _C.module_load(b"\x7fELF", dev)
+    fn = _C.module_function(_module, name, smem)
+    FN[id(fn)] = (kernel, name, tuple(sorted(defines.items())), smem)
+    KEEP.append(fn)
+    return fn
+
+
+KEEP = []
+kernels.function = function
+_launch = _C.cuda_launch_attention
+
+
+def launch(fn, grid, block, smem, stream, template, ptrs, scale, softcap):
+    _launch(fn, grid, block, smem, stream, template, ptrs, scale, softcap)
+    rec = fake_cuda.last_launch(lib)
+    p = fake_cuda.params_dict(rec.params)
+    p = {k: (v[1] if isinstance(v, tuple) else v) for k, v in p.items()    # strides, not addresses
+         if k not in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "o_accum", "lse_accum")}
+    LAUNCHES.append((FN[id(fn)], tuple(rec.grid), tuple(rec.block), rec.smem, rec.stream or 0, p, ptrs))
+
+
+_C.cuda_launch_attention = launch
+
+
+def dev(shape, dtype=BF16, stream=0, strides=None, offset=0):
+    # a DeviceArray of uninitialised fake device memory (the kernels are stand-ins)
+    base = device.empty((int(np.prod(shape)) * 2 + 64,), dtype, 0, stream)
+    return device.DeviceArray(base.ptr + offset * np.dtype(dtype).itemsize, shape, dtype, 0, strides,
+                              stream, base)
+
+
+def qkv(B, Sq, Sk, Hq, Hk, D, stream=0):
+    return dev((B, Sq, Hq, D), stream=stream), dev((B, Sk, Hk, D), stream=stream), dev((B, Sk, Hk, D), stream=stream)
+
+
+def record(call):
+    # the launches of one call, without addresses
+    n = len(LAUNCHES)
+    call()
+    return [l[:6] for l in LAUNCHES[n:]]
+"""
+
+
+def _run(fake_driver, body, **env):
+    code = PRELUDE + textwrap.dedent(body)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "ATTNEXT_LIBCUDA": fake_driver,
+                              "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+                              **env})
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert res.stdout.strip().endswith("ok"), res.stdout[-2000:]
+    return res.stdout
+
+
+def test_a_plan_is_reused_by_its_key_only(fake_driver):
+    _run(fake_driver, r"""
+        q, k, v = qkv(2, 130, 200, 8, 2, 128)
+        out = dev((2, 130, 8, 128))
+        base = dict(out=out)
+        k_strided = device.DeviceArray(k.ptr, k.shape, BF16, 0, (200 * 2 * 256, 2 * 256, 128, 1), 0, k)
+        q_odd = dev((2, 130, 8, 128), offset=4)            # 8 bytes past a 16-byte boundary
+        out_heads_first = dev((2, 130, 8, 128), strides=(8 * 130 * 128, 128, 130 * 128, 1))
+        cases = [
+            ("plain", lambda: attnext.attention(q, k, v, **base)),
+            ("k stride", lambda: attnext.attention(q, k_strided, v, **base)),
+            ("causal", lambda: attnext.attention(q, k, v, causal=True, **base)),
+            ("top_left", lambda: attnext.attention(q, k, v, causal="top_left", **base)),
+            ("window", lambda: attnext.attention(q, k, v, window=(5, 0), **base)),
+            ("window 6", lambda: attnext.attention(q, k, v, window=(6, 0), **base)),
+            ("softcap", lambda: attnext.attention(q, k, v, softcap=3.0, **base)),
+            ("lse", lambda: attnext.attention(q, k, v, return_lse=True, **base)),
+            ("out stride", lambda: attnext.attention(q, k, v, out=out_heads_first)),
+            ("unaligned q", lambda: attnext.attention(q_odd, k, v, **base)),
+            ("alibi", lambda: attnext.attention(q, k, v, alibi_slopes=np.ones(8, np.float32), **base)),
+            ("bias", lambda: attnext.attention(q, k, v, bias=dev((8, 130, 200), np.float32), **base)),
+            ("bias bcast", lambda: attnext.attention(q, k, v, bias=dev((8, 1, 200), np.float32), **base)),
+            ("mask", lambda: attnext.attention(q, k, v, mask=dev((130, 200), np.bool_), **base)),
+            ("seqlens", lambda: attnext.attention(q, k, v, seqlens_k=np.array([3, 200]), **base)),
+            ("decode", lambda: attnext.attention(*qkv(1, 1, 8192, 32, 8, 128))),
+            ("backward", lambda: attnext.attention_backward(out, q, k, v, out, lse)),
+            ("backward causal", lambda: attnext.attention_backward(out, q, k, v, out, lse, causal=True)),
+        ]
+        lse = dev((2, 8, 130), np.float32)
+        cuda_backend.clear_plans()
+        warm = {}
+        for i, (name, call) in enumerate(cases):
+            first = record(call)
+            assert cuda_backend.plan_count() == i + 1, (name, cuda_backend.plan_count())
+            again = record(call)
+            assert cuda_backend.plan_count() == i + 1, (name, "a second call made a plan")
+            assert first == again and first, name
+            warm[name] = first
+        # each key's launches differ from plain's where they should, and a cold cache gives them too
+        for name, call in cases:
+            cuda_backend.clear_plans()
+            assert record(call) == warm[name], name
+            if name not in ("plain", "seqlens", "decode", "backward", "backward causal"):
+                assert warm[name] != warm["plain"], name
+        attnext.attention(q, k, v, seqlens_k=np.array([3, 200]), **base)
+        assert LAUNCHES[-1][6][13] and not LAUNCHES[-1][6][12]       # seqused_k given, seqused_q not
+        assert warm["k stride"][0][5]["k"] == (200 * 2 * 256, 2 * 256, 128, 1)
+        assert dict(warm["unaligned q"][0][0][2])["VEC_LOAD"] == 0 == 1 - dict(warm["plain"][0][0][2])["VEC_LOAD"]
+        assert [l[0][1] for l in warm["decode"]] == ["attn_fwd", "attn_fwd_combine"]
+
+        # a fresh (contiguous) out is out= of the same layout: one plan
+        attnext.attention(q, k, v, **base)
+        n = cuda_backend.plan_count()
+        assert record(lambda: attnext.attention(q, k, v)) == warm["plain"] and cuda_backend.plan_count() == n
+
+        # scale and softcap values ride on the plan of their key
+        cuda_backend.clear_plans()
+        a = record(lambda: attnext.attention(q, k, v, scale=0.5, softcap=2.0, **base))
+        b = record(lambda: attnext.attention(q, k, v, scale=0.25, softcap=4.0, **base))
+        assert cuda_backend.plan_count() == 1
+        assert (a[0][5]["scale"], a[0][5]["softcap"], b[0][5]["scale"], b[0][5]["softcap"]) == (0.5, 2.0, 0.25, 4.0)
+        assert {**a[0][5], "scale": 0, "softcap": 0} == {**b[0][5], "scale": 0, "softcap": 0}
+
+        # the lab's overrides are part of the key
+        dq, dk, dv = qkv(1, 1, 32768, 32, 8, 128)
+        before = record(lambda: attnext.attention(dq, dk, dv))
+        os.environ["ATTNEXT_DECODE_CTAS"] = "4"
+        after = record(lambda: attnext.attention(dq, dk, dv))
+        del os.environ["ATTNEXT_DECODE_CTAS"]
+        assert after[0][1][0] == 2 * before[0][1][0], (before[0][1], after[0][1])
+        assert record(lambda: attnext.attention(dq, dk, dv)) == before
+
+        # bounded
+        cuda_backend.clear_plans()
+        for s in range(1, cuda_backend.PLAN_CAPACITY + 40):
+            attnext.attention(*qkv(1, s, 8, 2, 2, 64))
+        assert cuda_backend.plan_count() == cuda_backend.PLAN_CAPACITY
+        print("ok")
+    """)
+
+
+def test_split_kv_scratch_is_reused_per_stream(fake_driver):
+    _run(fake_driver, r"""
+        allocs, frees = (fake_cuda.counter(lib, n) for n in ("allocs", "frees"))
+        q, k, v = qkv(1, 1, 32768, 32, 8, 128)
+        out = dev((1, 1, 32, 128))
+        attnext.attention(q, k, v, out=out)
+        assert device.scratch_info() == {(0, 0): device.SCRATCH_MIN_BYTES}, device.scratch_info()
+        a0, f0 = allocs.value, frees.value
+        for _ in range(200):
+            attnext.attention(q, k, v, out=out)
+        assert (allocs.value, frees.value) == (a0, f0), "a call allocated"
+        accums = {l[6][5] for l in LAUNCHES[-400:]}
+        assert len(accums) == 1 and None not in accums        # one o_accum, every call
+        # a larger need grows it (the smaller one freed), then it stays
+        big = [dev((8, 4, 32, 128)), dev((8, 32768, 8, 128)), dev((8, 32768, 8, 128))]
+        big_out = dev((8, 4, 32, 128))
+        a0, f0 = allocs.value, frees.value
+        attnext.attention(*big, out=big_out)
+        grown = device.scratch_info()[(0, 0)]
+        assert grown > device.SCRATCH_MIN_BYTES and (allocs.value - a0, frees.value - f0) == (1, 1)
+        attnext.attention(q, k, v, out=out)
+        assert device.scratch_info() == {(0, 0): grown}
+        # the backward's delta uses it too
+        lse = dev((1, 32, 1), np.float32)
+        attnext.attention_backward(out, q, k, v, out, lse)
+        assert device.scratch_info() == {(0, 0): grown}
+        import gc
+        gc.collect()
+        device.release_scratch()
+        assert device.scratch_info() == {}
+        del big, big_out
+        gc.collect()
+        print("ok")
+    """)
+
+
+def test_scratch_under_threads(fake_driver):
+    """8 threads on one stream and 8 on streams of their own: no buffer is lent to two calls at
+    once, each stream keeps one, and every buffer is freed in the end."""
+    _run(fake_driver, r"""
+        import gc
+        allocs, frees = (fake_cuda.counter(lib, n) for n in ("allocs", "frees"))
+        lent, errors, lock = {}, [], threading.Lock()
+        borrow, give_back = device.borrow_scratch, device.give_back_scratch
+
+        def borrow_checked(nbytes, dev_, stream):
+            buf = borrow(nbytes, dev_, stream)
+            with lock:
+                if buf[0] in lent:
+                    errors.append(("lent twice", buf[0]))
+                lent[buf[0]] = stream
+            time.sleep(0.0005)           # hand the GIL over while the buffer is out
+            return buf
+
+        def give_back_checked(buf, dev_, stream):
+            with lock:
+                if lent.pop(buf[0], None) != stream:
+                    errors.append(("given back wrong", buf[0]))
+            give_back(buf, dev_, stream)
+
+        device.borrow_scratch, device.give_back_scratch = borrow_checked, give_back_checked
+        a0, f0 = allocs.value, frees.value
+        problems = []
+        for i in range(16):
+            stream = 0 if i < 8 else 0x7000 + i          # 8 on the legacy stream, 8 on their own
+            q, k, v = qkv(1, 1, 8192, 32, 8, 128, stream=stream)
+            problems.append((q, k, v, dev((1, 1, 32, 128), stream=stream)))
+
+        def work(i):
+            q, k, v, out = problems[i]
+            for _ in range(50):
+                attnext.attention(q, k, v, out=out)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads)
+        assert not errors and not lent, (errors, lent)
+        idle = device.scratch_info()
+        assert set(idle) == {(0, 0)} | {(0, 0x7000 + i) for i in range(8, 16)}, idle
+        device.release_scratch()
+        del problems, threads, q, k, v
+        gc.collect()
+        assert device.scratch_info() == {}
+        assert allocs.value - a0 == frees.value - f0, (allocs.value - a0, frees.value - f0)
+        print("ok")
+    """)
+
+
+def test_scratch_is_bounded_to_scratch_streams(fake_driver):
+    _run(fake_driver, r"""
+        for i in range(device.SCRATCH_STREAMS + 5):
+            q, k, v = qkv(1, 1, 8192, 32, 8, 128, stream=0x9000 + i)
+            attnext.attention(q, k, v)
+        idle = device.scratch_info()
+        assert len(idle) == device.SCRATCH_STREAMS, idle
+        assert (0, 0x9000) not in idle and (0, 0x9000 + device.SCRATCH_STREAMS + 4) in idle
+        print("ok")
+    """)
+
+
+# --- the C entry points' argument checks (no driver needed: they refuse before using it) ---
+
+def _prob(**changes):
+    t = ((0, (2, 16, 4, 64), (4096, 256, 64, 1)))
+    prob = types.SimpleNamespace(
+        device=0, dtype=1, B=2, causal=0, window_left=-1, window_right=-1, bias_dtype=2, alibi_dtype=2,
+        bias_heads=1, mask_heads=1, num_splits=1, q=t, k=t, v=t, out=t, lse=None, bias=None, mask=None,
+        alibi=None, dout=None, dq=None, dk=None, dv=None, dbias=None, delta=None, dq_accum=None)
+    vars(prob).update(changes)
+    return prob
+
+
+def test_attn_template_reads_shapes_and_strides():
+    import ctypes
+    template = _C.attn_template(_prob())
+    p = fake_cuda.AttnParams.from_buffer_copy(template[:ctypes.sizeof(fake_cuda.AttnParams)])
+    assert (p.B, p.Sq, p.Hq, p.D, p.Sk, p.Hk, p.Dv, p.dtype) == (2, 16, 4, 64, 16, 4, 64, 1)
+    assert tuple(p.k.s) == (4096, 256, 64, 1) and not p.q.ptr and not p.out.ptr
+
+
+@pytest.mark.parametrize("changes, exc, match", [
+    (dict(k=(0, (2, 16, 3, 64), (3072, 192, 64, 1))), ValueError, "heads disagree"),
+    (dict(q=(0, (2, 16, 4), (64, 4, 1))), ValueError, "q must have 4 dims"),
+    (dict(lse=(0, (2, 4, 16, 1), (64, 16, 1, 1))), ValueError, "lse must have 3 dims"),
+    (dict(B="two"), TypeError, "integer"),
+])
+def test_attn_template_refuses(changes, exc, match):
+    with pytest.raises(exc, match=match):
+        _C.attn_template(_prob(**changes))
+
+
+@pytest.mark.parametrize("i, value, exc, match", [
+    (1, (1, 1), TypeError, "grid must be a 3-tuple"),
+    (2, [128, 1, 1], TypeError, "block must be a 3-tuple"),
+    (5, b"short", TypeError, "template must come from attn_template"),
+    (6, (1,) * 22, TypeError, "ptrs must be a tuple of at most 21"),
+    (6, (None, 16, 16), ValueError, "q, k, v missing"),
+    (6, (16, None, 16), ValueError, "q, k, v missing"),
+    (0, "not a capsule", TypeError, "capsule from module_function"),
+])
+def test_cuda_launch_attention_refuses(i, value, exc, match):
+    args = ["fn", (1, 1, 1), (128, 1, 1), 0, 0, _C.attn_template(_prob()), (16, 16, 16, 16), 1.0, 0.0]
+    args[i] = value
+    with pytest.raises(exc, match=match):
+        _C.cuda_launch_attention(*args)
+    with pytest.raises(TypeError, match="takes 9 arguments"):
+        _C.cuda_launch_attention(*args[:8])
+
+
+# --- the same on a GPU ---
+
+@pytest.fixture(scope="module")
+def torch_cuda():
+    from attnext import cuda_backend
+    if cuda_backend.unavailable_reason():
+        pytest.skip(f"attnext's CUDA backend is unavailable: {cuda_backend.unavailable_reason()}")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    return torch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 1, 32768, 32, 8), (8, 1, 8192, 32, 8), (2, 300, 300, 8, 2)],
+                         ids=["decode_b1", "decode_b8", "plain"])
+def test_warm_plans_and_reused_scratch_give_the_cold_bits(torch_cuda, shape):
+    import attnext
+    from attnext import cuda_backend, device
+    torch = torch_cuda
+    B, Sq, Sk, Hq, Hk = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, s, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+               for s, h in ((Sq, Hq), (Sk, Hk), (Sk, Hk)))
+    cuda_backend.clear_plans()
+    device.release_scratch()
+    cold, cold_lse = attnext.attention(q, k, v, return_lse=True)
+    for _ in range(3):
+        warm, warm_lse = attnext.attention(q, k, v, return_lse=True)
+        assert torch.equal(warm, cold) and torch.equal(warm_lse, cold_lse)
+
+
+@pytest.mark.gpu
+def test_threads_on_their_own_streams_get_the_single_thread_bits(torch_cuda):
+    """Split-KV decode from 8 threads, each on a torch stream of its own (each stream's scratch
+    reused across its calls), gives the bits of one thread on the default stream."""
+    import threading
+    import attnext
+    torch = torch_cuda
+    g = torch.Generator(device="cuda").manual_seed(1)
+    problems = [[torch.randn(1, s, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+                 for s, h in ((1, 32), (4096 * (i % 3 + 1), 8), (4096 * (i % 3 + 1), 8))] for i in range(8)]
+    want = [attnext.attention(*p) for p in problems]
+    got, errors = [None] * 8, []
+    streams = [torch.cuda.Stream() for _ in range(8)]
+
+    def work(i):
+        try:
+            with torch.cuda.stream(streams[i]):
+                for _ in range(20):
+                    out = attnext.attention(*problems[i])
+                streams[i].synchronize()
+                got[i] = out
+        except Exception as e:     # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    torch.cuda.synchronize()
+    for i in range(8):
+        assert torch.equal(got[i], want[i]), f"thread {i}"
