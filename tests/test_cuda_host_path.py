@@ -6,9 +6,9 @@ the per-stream scratch buffer. `-m gpu` adds the same promises checked on a real
   alignment or lab override get plans of their own, whose launches are those a cold cache
   gives; scale and softcap values reach the launch without a plan of their own. The cache is
   bounded (PLAN_CAPACITY).
-- The split-KV forward's scratch is allocated once per stream and reused; a call never shares
-  its scratch with a call in flight (threads on one stream, threads on their own streams);
-  release_scratch() frees it all.
+- The split-KV forward's scratch is allocated once per stream and reused (not for the
+  per-thread default stream); a call never shares its scratch with a call in flight (threads on
+  one stream, threads on their own streams); release_scratch() frees it all.
 - attn_template / cuda_launch_attention refuse malformed arguments with TypeError / ValueError.
 
 The driver and NVRTC load once per process, so the fake-driver checks run in a subprocess; the
@@ -291,6 +291,14 @@ def test_scratch_is_bounded_to_scratch_streams(fake_driver):
         idle = device.scratch_info()
         assert len(idle) == device.SCRATCH_STREAMS, idle
         assert (0, 0x9000) not in idle and (0, 0x9000 + device.SCRATCH_STREAMS + 4) in idle
+        # the per-thread default stream is another stream in every thread: nothing kept for it
+        allocs, frees = (fake_cuda.counter(lib, n) for n in ("allocs", "frees"))
+        q, k, v = qkv(1, 1, 8192, 32, 8, 128, stream=device.PER_THREAD_STREAM)
+        out = dev((1, 1, 32, 128), stream=device.PER_THREAD_STREAM)
+        a0, f0 = allocs.value, frees.value
+        attnext.attention(q, k, v, out=out)
+        assert (0, device.PER_THREAD_STREAM) not in device.scratch_info()
+        assert (allocs.value - a0, frees.value - f0) == (1, 1)
         print("ok")
     """)
 
