@@ -83,13 +83,13 @@ def clear_plans():
 
 
 def plan_count():
-    return len(_plans._data)
+    return len(_plans)
 
 
 class _Plan:
     """A call's launches: template (the attn_params less addresses and scalars), launches
-    [(fn, grid, block, smem)] in order, scratch bytes (0: none) and the byte offsets of its
-    arrays in the scratch buffer."""
+    [(fn, grid, block, smem)] in order, scratch bytes (0: none) and offsets, a pair (address
+    slot, byte offset in the scratch buffer) per scratch array."""
 
     __slots__ = ("template", "launches", "scratch", "offsets")
 
@@ -113,31 +113,23 @@ def _scratch_layout(*sizes):
 
 def _launch(plan, stage, ptrs, o):
     """plan's launches on the call's stream with these addresses (in _C.cuda_launch_attention's
-    order); `ptrs` ends with the scratch arrays' slots (None) when the plan has scratch, which
-    get the borrowed buffer's addresses."""
+    order). The slots of the plan's scratch arrays (None in ptrs) get addresses in the stream's
+    scratch buffer, borrowed until the launches are enqueued."""
     if not plan.launches:
         return
-    if not plan.scratch:
-        for fn, grid, block, smem in plan.launches:
-            _C.cuda_launch_attention(fn, grid, block, smem, stage.stream, plan.template, ptrs,
-                                     o.scale_value, o.softcap_value)
-        return
-    buf = _device.borrow_scratch(plan.scratch, stage.device, stage.stream)
+    buf = _device.borrow_scratch(plan.scratch, stage.device, stage.stream) if plan.scratch else None
     try:
-        ptrs = _with_scratch(ptrs, buf[0], plan.offsets)
+        if buf is not None:
+            ptrs = list(ptrs)
+            for slot, offset in plan.offsets:
+                ptrs[slot] = buf[0] + offset
+            ptrs = tuple(ptrs)
         for fn, grid, block, smem in plan.launches:
             _C.cuda_launch_attention(fn, grid, block, smem, stage.stream, plan.template, ptrs,
                                      o.scale_value, o.softcap_value)
     finally:
-        _device.give_back_scratch(buf, stage.device, stage.stream)
-
-
-def _with_scratch(ptrs, base, offsets):
-    """ptrs with its scratch slots (pairs (slot, offset) in `offsets`) pointing into base."""
-    ptrs = list(ptrs)
-    for slot, offset in offsets:
-        ptrs[slot] = base + offset
-    return tuple(ptrs)
+        if buf is not None:
+            _device.give_back_scratch(buf, stage.device, stage.stream)
 
 
 # _C.cuda_launch_attention's address slots (csrc/cuda_attn.c's PTR_FIELDS)

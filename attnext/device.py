@@ -27,7 +27,8 @@ per-thread default stream, else a handle (torch's `cuda_stream`, CuPy's `ptr`).
   ordered after those kernels, so it may reuse the memory at once. Concurrent calls on one
   stream get a buffer each. At most SCRATCH_STREAMS streams keep one; a buffer pushed out, and
   every buffer at exit (`release_scratch`), is freed after a device-wide synchronisation, so a
-  stream destroyed meanwhile is never named again.
+  stream destroyed meanwhile is never named again. The per-thread default stream (2) names a
+  different stream in each thread, so its scratch is not kept: freed after each call, in order.
 """
 import atexit
 import collections
@@ -213,6 +214,7 @@ def empty(shape, dtype, device=0, stream=0):
     return DeviceArray(ptr, shape, dtype, device, None, stream, _Allocation(ptr, stream, device))
 
 
+PER_THREAD_STREAM = 2            # CU_STREAM_PER_THREAD: each thread's own default stream
 SCRATCH_STREAMS = 32             # streams that keep a scratch buffer between calls
 SCRATCH_MIN_BYTES = 1 << 20      # scratch grows in powers of two from here
 SCRATCH_KEEP_BYTES = 64 << 20    # a larger buffer is freed after its call, not kept
@@ -239,6 +241,9 @@ def borrow_scratch(nbytes, device, stream):
 def give_back_scratch(buf, device, stream):
     """Returns borrow_scratch's buffer once the work using it is enqueued on `stream`."""
     key = (device, _legacy(stream))
+    if key[1] == PER_THREAD_STREAM:
+        _C.mem_free(buf[0], stream, device)
+        return
     drop = None
     with _scratch_lock:
         idle = _scratch.pop(key, None)

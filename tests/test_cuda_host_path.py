@@ -6,9 +6,9 @@ the per-stream scratch buffer. `-m gpu` adds the same promises checked on a real
   alignment or lab override get plans of their own, whose launches are those a cold cache
   gives; scale and softcap values reach the launch without a plan of their own. The cache is
   bounded (PLAN_CAPACITY).
-- The split-KV forward's scratch is allocated once per stream and reused; a call never shares
-  its scratch with a call in flight (threads on one stream, threads on their own streams);
-  release_scratch() frees it all.
+- The split-KV forward's scratch is allocated once per stream and reused (not for the
+  per-thread default stream); a call never shares its scratch with a call in flight (threads on
+  one stream, threads on their own streams); release_scratch() frees it all.
 - attn_template / cuda_launch_attention refuse malformed arguments with TypeError / ValueError.
 
 The driver and NVRTC load once per process, so the fake-driver checks run in a subprocess; the
@@ -291,6 +291,14 @@ def test_scratch_is_bounded_to_scratch_streams(fake_driver):
         idle = device.scratch_info()
         assert len(idle) == device.SCRATCH_STREAMS, idle
         assert (0, 0x9000) not in idle and (0, 0x9000 + device.SCRATCH_STREAMS + 4) in idle
+        # the per-thread default stream is another stream in every thread: nothing kept for it
+        allocs, frees = (fake_cuda.counter(lib, n) for n in ("allocs", "frees"))
+        q, k, v = qkv(1, 1, 8192, 32, 8, 128, stream=device.PER_THREAD_STREAM)
+        out = dev((1, 1, 32, 128), stream=device.PER_THREAD_STREAM)
+        a0, f0 = allocs.value, frees.value
+        attnext.attention(q, k, v, out=out)
+        assert (0, device.PER_THREAD_STREAM) not in device.scratch_info()
+        assert (allocs.value - a0, frees.value - f0) == (1, 1)
         print("ok")
     """)
 
@@ -378,25 +386,30 @@ def test_warm_plans_and_reused_scratch_give_the_cold_bits(torch_cuda, shape):
 
 @pytest.mark.gpu
 def test_threads_on_their_own_streams_get_the_single_thread_bits(torch_cuda):
-    """Split-KV decode from 8 threads, each on a torch stream of its own (each stream's scratch
-    reused across its calls), gives the bits of one thread on the default stream."""
+    """Split-KV decode from 8 threads, each on a stream of its own (its scratch reused across its
+    calls), gives the bits of one thread on the legacy stream. The inputs are DeviceArrays over
+    torch's memory naming the thread's stream (torch's own interface names none)."""
     import threading
     import attnext
+    from attnext import device
     torch = torch_cuda
     g = torch.Generator(device="cuda").manual_seed(1)
-    problems = [[torch.randn(1, s, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-                 for s, h in ((1, 32), (4096 * (i % 3 + 1), 8), (4096 * (i % 3 + 1), 8))] for i in range(8)]
-    want = [attnext.attention(*p) for p in problems]
+    tensors = [[torch.randn(1, s, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+                for s, h in ((1, 32), (4096 * (i % 3 + 1), 8), (4096 * (i % 3 + 1), 8))] for i in range(8)]
+    torch.cuda.synchronize()
+    streams = [_C.stream_create(0, True) for _ in range(8)]
+
+    def on(t, stream):
+        return device.DeviceArray(t.data_ptr(), tuple(t.shape), BF16, 0, None, stream, t)
+
+    want = [attnext.attention(*(on(t, 0) for t in p)).numpy() for p in tensors]
     got, errors = [None] * 8, []
-    streams = [torch.cuda.Stream() for _ in range(8)]
 
     def work(i):
         try:
-            with torch.cuda.stream(streams[i]):
-                for _ in range(20):
-                    out = attnext.attention(*problems[i])
-                streams[i].synchronize()
-                got[i] = out
+            for _ in range(20):
+                out = attnext.attention(*(on(t, streams[i]) for t in tensors[i]))
+            got[i] = out.numpy()            # in the order of the thread's stream
         except Exception as e:     # noqa: BLE001 - reported below
             errors.append(repr(e))
 
@@ -406,6 +419,9 @@ def test_threads_on_their_own_streams_get_the_single_thread_bits(torch_cuda):
     for t in threads:
         t.join(120)
     assert not errors, errors
-    torch.cuda.synchronize()
     for i in range(8):
-        assert torch.equal(got[i], want[i]), f"thread {i}"
+        assert np.array_equal(got[i].view(np.uint16), want[i].view(np.uint16)), f"thread {i}"
+    assert {(0, s) for s in streams} <= set(device.scratch_info())
+    device.release_scratch()
+    for s in streams:
+        _C.stream_destroy(s, 0)
