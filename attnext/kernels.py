@@ -279,12 +279,6 @@ def bwd_smem_bytes(D, Dv, tile, atomic):
     }
 
 
-# attn_bwd_sm90: 64 keys per dK/dV CTA and 64 query rows per dQ CTA (one warpgroup each), 64-row
-# streamed tiles
-SM90_BWD_TILE = dict(kv_block_m=64, kv_warps=4, kv_split=0, kv_minb=1, q_block_m=64, q_block_n=64,
-                     q_warps=4, q_minb=1)
-
-
 def bwd_sm90_applies(arch, D, Dv, vec):
     """Whether attn_bwd_sm90.cu (wgmma dK, dV, dQ) runs: sm_90a, 16-byte loads, D, Dv in {64,
     128}; else attn_bwd.cu. ATTNEXT_BWD_SM90=0 keeps Hopper on attn_bwd.cu (the lab's and the
