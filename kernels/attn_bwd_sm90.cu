@@ -183,7 +183,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
     const uint32_t sV = sK + KV_BLOCK_N * HEAD_DIM * 2, sQ = sV + KV_BLOCK_N * HEAD_DIM_V * 2;
     const uint32_t sdO = sQ + 2 * KQ_BYTES;
     float *sL = (float *)(smem_raw + (sdO + 2 * KDO_BYTES - smem_addr(smem_raw))), *sD = sL + 2 * KV_BLOCK_M;
-    const uint32_t sdS = sdO + 2 * KDO_BYTES + 1024;     /* DQ_ATOMIC: dS^T, 64 x 64 per warpgroup */
+    const uint32_t sdS = sdO + 2 * KDO_BYTES + 1024;     /* DQ_ATOMIC: dS^T, KV_BLOCK_N keys x 64 */
 
     const int tid = threadIdx.x, warp = tid >> 5, wg = tid >> 7;
     const int64_t hk = blockIdx.y, b = blockIdx.z;

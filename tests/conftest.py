@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import attnext  # noqa: E402
-from attnext import reference  # noqa: E402
+from attnext import _C, reference  # noqa: E402
 from attnext.accuracy import (BF16, F16, F32, F64, acc_dtype, compare,  # noqa: E402,F401
                               compare_grads)
 
@@ -41,6 +41,16 @@ def dtype_id(dt):
 def rng(request):
     """A generator seeded from the test's node id: fresh data per test, identical on a rerun."""
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def gpu():
+    """The ordinal of a usable GPU (0), or the test is skipped with why CUDA is unavailable."""
+    try:
+        _C.cuda_load()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    return 0
 
 
 def randn(rng, shape, dtype=F64):

@@ -433,15 +433,6 @@ def test_host_data_is_not_a_device_view():
 # --- on a GPU ---
 
 @pytest.fixture
-def gpu():
-    try:
-        _C.cuda_load()
-    except RuntimeError as e:
-        pytest.skip(str(e))
-    return 0
-
-
-@pytest.fixture
 def torch_cuda(gpu):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

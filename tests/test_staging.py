@@ -405,15 +405,6 @@ def test_batch_slices(monkeypatch):
 
 
 # ---------------------------------------------------------------- on the GPU
-@pytest.fixture
-def gpu():
-    try:
-        _C.cuda_load()
-    except RuntimeError as e:
-        pytest.skip(str(e))
-    return 0
-
-
 @pytest.fixture(params=["default", "small"])
 def ring(request, monkeypatch, gpu):
     """The shipped ring, and a small one (many chunks, every slot reused)."""
