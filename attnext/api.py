@@ -314,9 +314,6 @@ def _normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q
         f = getattr(o, name)
         if f is not None and not callable(f):
             raise TypeError(f"{name} must be callable or None, got {type(f).__name__}")
-    if o.on_gpu and (o.score_mod is not None or o.mask_mod is not None):
-        raise NotImplementedError("score_mod / mask_mod on CUDA arrays: the GPU code generator "
-                                  "is not built yet; pass NumPy arrays (they run on the CPU)")
     o.q, o.k, o.v = q, k, v
     if varlen:
         for name, x in (("q", q), ("k", k), ("v", v)):
@@ -553,7 +550,7 @@ def _runs_on_reference(o):
 
 def _has_mods(o):
     """score_mod / mask_mod with host arrays run on the CPU backend's interpreter, whatever the
-    device (the GPU code generator is not built yet)."""
+    device; with CUDA arrays, the code generator's kernels (codegen.py)."""
     return o.score_mod is not None or o.mask_mod is not None
 
 
@@ -716,7 +713,7 @@ def _backward_on_gpu(o, dout, out, lse, deterministic):
     dq, dk, dv, dbias = cuda_backend.backward(o, dout, out, lse, None, None, None, None, deterministic)
     dq, dk, dv = (device.to_caller(x, o.like) for x in (dq, dk, dv))
     dbias = None if dbias is None else device.to_caller(dbias, o.like)
-    return Grads(dq, dk, dv, dbias, {})
+    return Grads(dq, dk, dv, dbias, getattr(o, "dtensors", {}))
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None,

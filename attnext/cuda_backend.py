@@ -14,7 +14,7 @@ import types
 import ml_dtypes
 import numpy as np
 
-from . import _C, kernels, staging
+from . import _C, codegen, kernels, staging, trace
 from .devview import DevView
 from .staging import to_host  # noqa: F401  (api.py reads GPU arrays' lengths through here)
 
@@ -129,6 +129,77 @@ def _common(o, stage, q4, k4, v4):
     return prob, features
 
 
+# ---------------------------------------------------------------- score_mod / mask_mod
+def _has_mods(o):
+    return o.score_mod is not None or o.mask_mod is not None
+
+
+def _bind_mods(o, stage, backward):
+    """One call's generated score_mod / mask_mod, or None without them: a namespace with gen
+    (codegen.Generated), gmods (the attn_mods_gpu bytes cuda_launch_attention copies into
+    attn_params), err (the device error record, zeroed) and, for a backward with array
+    gradients, dacc (the zeroed accumulator) and offsets (array number -> first element).
+    Traces the functions (TypeError for an unsupported one); the captured arrays are read
+    afresh and uploaded in the kernels' storage types."""
+    if not _has_mods(o):
+        return None
+    ts = trace.trace_score_mod(o.score_mod) if o.score_mod is not None else None
+    tm = trace.trace_mask_mod(o.mask_mod) if o.mask_mod is not None else None
+    gen = codegen.generated(ts, tm)
+    floats = list(ts.params if ts is not None else ()) + list(tm.params if tm is not None else ())
+    arrays, sources = [], []
+    for kind, name, vt in gen.arrays:
+        src = np.asarray((ts if kind == "score_mod" else tm).arrays[name])
+        a = codegen.storage(src, vt)
+        view = stage.upload(a) if a.size else None      # an empty array is never read
+        arrays.append((0 if view is None else view.ptr, a.shape,
+                       tuple(a.strides[i] // a.itemsize for i in range(a.ndim))))
+        sources.append(src)
+    bound = types.SimpleNamespace(gen=gen, sources=sources, dacc=None, offsets={})
+    bound.err = stage.scratch((5,), np.int64)
+    _C.memset_d8(bound.err.ptr, 0, 5 * 8, stage.stream, stage.device)
+    dacc_ptr = 0
+    if backward and gen.grad_arrays:
+        total = 0
+        for i in gen.grad_arrays:
+            bound.offsets[i] = total
+            total += sources[i].size
+        if total:
+            bound.dacc = stage.scratch((total, codegen.WORDS), np.uint64)
+            _C.memset_d8(bound.dacc.ptr, 0, total * codegen.WORDS * 8, stage.stream, stage.device)
+            dacc_ptr = bound.dacc.ptr
+    bound.gmods = codegen.pack(gen, floats, arrays, bound.err.ptr, dacc_ptr, bound.offsets)
+    return bound
+
+
+def _finish_mods(stage, bound):
+    """After the launches: IndexError for a lookup the kernels found out of range; else the
+    score_mod's array gradients {name: array of the captured array's shape and dtype} (zeros
+    for a float array the score reaches only through indices or comparisons)."""
+    if bound is None:
+        return {}
+    err = np.zeros(5, np.int64)
+    stage.download(bound.err, err)
+    if err[0]:
+        raise codegen.index_error(bound.gen, err)
+    out = {}
+    words = None
+    if bound.dacc is not None:
+        words = np.zeros(bound.dacc.shape, np.uint64)
+        stage.download(bound.dacc, words)
+    for i, (kind, name, vt) in enumerate(bound.gen.arrays):
+        if kind != "score_mod" or vt != trace.F:
+            continue
+        src = bound.sources[i]
+        if i in bound.offsets and words is not None:
+            w = words[bound.offsets[i]:bound.offsets[i] + src.size]
+            g = codegen.limbs_to_float(w).reshape(src.shape)
+        else:
+            g = np.zeros(src.shape)
+        out[name] = g.astype(src.dtype)
+    return out
+
+
 def _query_rows(o):
     """The longest query segment's rows (varlen) or Sq."""
     return (int(np.max(np.diff(o.cu_q))) if o.B else 0) if o.varlen else o.Sq
@@ -144,7 +215,8 @@ def _decode_plan(o, features, device):
     K/V) pack the query heads of a group into one block's rows, and when the blocks cannot fill
     the GPU, split the keys over several blocks (attn_fwd.cu's PACK_GQA / SPLIT_KV)."""
     group = o.Hq // o.Hk if o.Hk else 1
-    per_head = features["bias_dtype"] is None and features["alibi_dtype"] is None and not features["mask"]
+    per_head = (features["bias_dtype"] is None and features["alibi_dtype"] is None and not features["mask"]
+                and not _has_mods(o))
     pack = group > 1 and not o.varlen and per_head and o.Sq * group <= kernels.DECODE_PACK_ROWS
     if o.varlen or not o.B or not o.Hq:
         return pack, 1
@@ -177,13 +249,17 @@ def forward(o, out_host, lse_host, stage=None):
         if host or o.return_lse:
             lse, lse_res = _result(stage, host, o.lse_shape, np.float32)
         prob, features = _common(o, stage, q4, k4, v4)
+        mods = _bind_mods(o, stage, backward=False)
+        gen = None if mods is None else mods.gen
+        generated = None if mods is None else gen.source
+        prob.gmods = None if mods is None else mods.gmods
         pack, splits = _decode_plan(o, features, stage.device)
         arch = device_arch(stage.device)
         rows = _query_rows(o)                 # the longest query segment (one pass over cu_seqlens)
         kernel, tile = kernels.fwd_kernel(arch, o.D, o.Dv, features["vec"], pack or splits > 1, rows)
-        defines = kernels.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1)
+        defines = kernels.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen)
         prob.smem = kernels.fwd_smem_bytes(o.D, o.Dv, tile, kernel)
-        prob.fn = kernels.function(kernel, kernel, defines, stage.device, arch, prob.smem)
+        prob.fn = kernels.function(kernel, kernel, defines, stage.device, arch, prob.smem, generated)
         q_tiles = math.ceil(o.Sq * (o.Hq // o.Hk) / tile[0]) if pack else max(1, math.ceil(rows / tile[0]))
         prob.grid = (q_tiles * splits, o.Hk if pack else o.Hq, o.B + (1 if o.varlen else 0))
         prob.block = (tile[2] * 32, 1, 1)
@@ -197,9 +273,11 @@ def forward(o, out_host, lse_host, stage=None):
         if all(prob.grid):                    # an empty grid (no heads, rows or batch) has nothing to write
             _C.cuda_launch_attention(prob)
             if splits > 1:
-                prob.fn = kernels.function("attn_fwd", "attn_fwd_combine", defines, stage.device, arch, 0)
+                prob.fn = kernels.function("attn_fwd", "attn_fwd_combine", defines, stage.device, arch, 0,
+                                           generated)
                 prob.grid, prob.block, prob.smem = (o.Sq, o.Hq, o.B), (128, 1, 1), 0
                 _C.cuda_launch_attention(prob)
+        _finish_mods(stage, mods)
         if host:
             stage.download(out, out_host)
             stage.download(lse, lse_host)
@@ -213,7 +291,7 @@ SLICE_BYTES = 128 << 20   # a NumPy forward moving at least twice this runs in b
 def _batch_slices(o):
     """[(b0, b1), ...]: the batch slices of a NumPy forward worth pipelining (each slice's upload
     overlapping the kernel and the download of the one before), or None to run it in one go."""
-    if o.varlen or o.bias4 is not None or o.mask4 is not None or o.B < 2:
+    if o.varlen or o.bias4 is not None or o.mask4 is not None or o.B < 2 or _has_mods(o):
         return None
     moved = sum(x.size * x.itemsize for x in (o.q4, o.k4, o.v4))
     moved += math.prod(o.out_shape) * np.dtype(o.q.dtype).itemsize
@@ -297,10 +375,17 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
     dP per query tile and owns its dq rows, so every run gives the same bits. deterministic=False
     may instead add dS K into a float32 dq_accum by atomics from the dK/dV kernel (two products
     fewer, the order of the additions varying from run to run): kernels.bwd_atomic_dq says when.
+
+    score_mod / mask_mod: o.dtensors receives the score_mod's array gradients (NumPy arrays in
+    the captured arrays' dtypes), scattered exactly by the dQ kernels (codegen.py), so the same
+    bits every run; a lookup out of range raises IndexError after the launches.
     """
     host = dq_host is not None
     with staging.Staging(o.cuda_device, o.cuda_stream) as stage:
         q4, k4, v4 = (_put(stage, x) for x in (o.q4, o.k4, o.v4))
+        mods = _bind_mods(o, stage, backward=True)
+        gen = None if mods is None else mods.gen
+        generated = None if mods is None else gen.source
         dout4 = _kernel_layout(o, _put(stage, dout))
         out4 = _kernel_layout(o, _put(stage, out))
         lse_v = _put(stage, lse)
@@ -309,11 +394,13 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
         dv, dv_res = _result(stage, host, o.v.shape, o.q.dtype)
         delta = stage.scratch(o.lse_shape, np.float32)
         prob, features = _common(o, stage, q4, k4, v4)
+        prob.gmods = None if mods is None else mods.gmods
         features["vec"] = features["vec"] and _vec_ok(dout4, o.Dv)
         tile = kernels.bwd_tile_config(o.D, o.Dv)
         arch = device_arch(stage.device)
-        atomic = kernels.bwd_atomic_dq(deterministic)
-        defines = kernels.bwd_defines(**features, tile=tile, atomic=atomic)
+        # the dQ kernels scatter the score_mod's array gradients: no atomic dQ with mods
+        atomic = kernels.bwd_atomic_dq(deterministic) and mods is None
+        defines = kernels.bwd_defines(**features, tile=tile, atomic=atomic, mods=gen)
         smem = kernels.bwd_smem_bytes(o.D, o.Dv, tile, atomic)
         prob.out, prob.dout = _t(out4), _t(dout4)
         prob.lse = _t(lse_v[None] if o.varlen else lse_v)
@@ -330,7 +417,7 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
 
         def launch(name, grid, warps, source="attn_bwd", defs=defines, smem_of=smem):
             prob.smem = smem_of[name]
-            prob.fn = kernels.function(source, name, defs, stage.device, arch, prob.smem)
+            prob.fn = kernels.function(source, name, defs, stage.device, arch, prob.smem, generated)
             prob.grid, prob.block = grid, (warps * 32, 1, 1)
             if all(grid):
                 _C.cuda_launch_attention(prob)
@@ -339,7 +426,7 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
         if o.Hq:
             launch("attn_bwd_pre", (_query_tiles(o, PRE_ROWS), o.Hq, o.B), PRE_THREADS // 32)
             if hopper:               # dK, dV and dQ on wgmma (attn_bwd_sm90.cu)
-                defs90 = kernels.bwd_defines(**features, tile=hopper, atomic=atomic)
+                defs90 = kernels.bwd_defines(**features, tile=hopper, atomic=atomic, mods=gen)
                 smem90 = kernels.bwd_sm90_smem_bytes(o.D, o.Dv, hopper)
                 launch("attn_bwd_dkdv_sm90", (_key_tiles(o, 16 * hopper["kv_warps"]), o.Hk, o.B + tail),
                        hopper["kv_warps"], "attn_bwd_sm90", defs90, smem90)
@@ -362,6 +449,7 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
                         1 if bcast[3] else math.ceil(cols / tile["q_block_n"]),
                         (1 if bcast[0] else o.B) * o.bias_heads)
                 launch("attn_bwd_dbias", grid, tile["q_warps"])
+        o.dtensors = _finish_mods(stage, mods)
         if host:
             for view, dst in ((dq, dq_host), (dk, dk_host), (dv, dv_host)):
                 stage.download(view, dst)

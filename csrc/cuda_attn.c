@@ -10,6 +10,8 @@
  *   q, k, v, out, dout, dq, dk, dv, lse, dbias, bias, mask, alibi, cu_seqlens_q, cu_seqlens_k,
  *   seqused_q, seqused_k, and the scratch buffers the backward names: each None or a tuple
  *   (ptr, shape, strides) with shape and strides (in elements) of the ranks in attn_params.h.
+ *   gmods (optional)  None, or the bytes of the generated score_mod / mask_mod's attn_mods_gpu
+ *                     (attnext/codegen.py: pack)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -90,6 +92,35 @@ static int attr_dims(PyObject *prob, const char *name, unsigned out[3])
     return rc;
 }
 
+/* prob.gmods (absent or None: zeros) into g; its size must be the struct's */
+static int read_gmods(PyObject *prob, attn_mods_gpu *g)
+{
+    PyObject *o = PyObject_GetAttrString(prob, "gmods");
+    if (!o) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    int rc = 0;
+    if (o != Py_None) {
+        Py_buffer buf;
+        rc = PyObject_GetBuffer(o, &buf, PyBUF_SIMPLE);
+        if (!rc) {
+            if (buf.len != (Py_ssize_t)sizeof *g) {
+                PyErr_Format(PyExc_ValueError, "attnext._C: gmods has %zd bytes, attn_mods_gpu %zu",
+                             buf.len, sizeof *g);
+                rc = -1;
+            } else {
+                memcpy(g, buf.buf, sizeof *g);
+            }
+            PyBuffer_Release(&buf);
+        }
+    }
+    Py_DECREF(o);
+    return rc;
+}
+
 static PyObject *c_cuda_launch_attention(PyObject *module, PyObject *prob)
 {
     attn_params p;
@@ -144,6 +175,8 @@ static PyObject *c_cuda_launch_attention(PyObject *module, PyObject *prob)
         return NULL;
     p.lse_accum = (float *)t.ptr;
     p.num_splits = (int)splits;
+    if (read_gmods(prob, &p.gmods))
+        return NULL;
     p.Sq = qs[1]; p.Hq = qs[2]; p.D = qs[3];
     p.Sk = ks[1]; p.Hk = ks[2]; p.Dv = vs[3];
     /* an empty q, k or v (S = 0, or no key rows at all) may come with a null address: the
