@@ -23,7 +23,7 @@ import types
 import ml_dtypes
 import numpy as np
 
-from . import _C, interp, reference
+from . import _C, codegen, interp, reference
 from ._types import Grads
 from .devview import DevView
 
@@ -751,15 +751,16 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 
 # The caches of compiled score_mod / mask_mod programs, by backend: name -> function returning
-# a dict with at least hits, misses, compiles and compile_seconds (the CUDA kernels' cache can
-# join here when its code generator lands).
-_PROGRAM_CACHES = {"cpu": interp.cache_info}
+# a dict with at least hits, misses, compiles and compile_seconds ("cuda": the generated
+# sources; NVRTC's cubins are kernels.cache_info()).
+_PROGRAM_CACHES = {"cpu": interp.cache_info, "cuda": codegen.cache_info}
 
 
 def cache_info():
     """Counters of the score_mod / mask_mod program caches: hits, misses, compiles and
     compile_seconds summed over the backends, and each backend's own counters under its name
-    ("cpu": the interpreter's lowered programs, keyed by the graph's structure)."""
+    ("cpu": the interpreter's lowered programs, "cuda": the generated CUDA sources, both keyed by
+    the graph's structure)."""
     per = {name: fn() for name, fn in _PROGRAM_CACHES.items()}
     total = {k: sum(p[k] for p in per.values())
              for k in ("hits", "misses", "compiles", "compile_seconds")}
@@ -788,8 +789,8 @@ def info():
             "cuda": "usable (float16, bfloat16)" if not why else f"unavailable: {why}",
         },
         "score_mod": "NumPy inputs: the CPU backend's interpreter (forward, backward, mask_mod block "
-                     "skipping), whatever the device; CUDA arrays: not yet (the code generator "
-                     "is not built)",
+                     "skipping), whatever the device; CUDA arrays: generated CUDA code compiled "
+                     "into the kernels (forward, backward; no block skipping yet)",
         "device_name": device_name,
         "nvrtc_version": nvrtc,
         "cache_dir": cache["cache_dir"] if cache else None,

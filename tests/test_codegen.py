@@ -20,6 +20,7 @@ import pytest
 from attnext import codegen, trace
 
 import mods
+from test_cuda_host import _run, fake_libcuda  # noqa: F401  (the fake driver fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INCLUDES = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "kernels")]
@@ -340,3 +341,68 @@ def test_unsupported_shapes_name_the_limit():
                 + a8[qi])
     with pytest.raises(TypeError, match="at most 8 captured arrays"):
         codegen.generate(trace.trace_score_mod(many))
+
+
+# --- the host side of a GPU call, on the fake driver ---------------------------------------------
+
+def test_gpu_call_binds_reports_and_returns_on_the_fake_driver(fake_libcuda):
+    """attention / attention_backward with CUDA arrays and a score_mod through api.py and
+    cuda_backend to the launch, on test_cuda_host's fake libcuda (its device memory is host
+    memory, its launches do nothing; NVRTC compiles the real kernels): what the launch gets
+    (the float constant, the uploaded table, the error record and accumulator), the IndexError
+    made from the error record, and dtensors made from the accumulator's words."""
+    out = _run(r"""
+        import ctypes
+        import numpy as np
+        import attnext
+        from attnext import _C, codegen, device
+        _C.cuda_load()
+        rng = np.random.default_rng(0)
+
+        def dev(x):
+            a = device.empty(x.shape, x.dtype, 0, 0)
+            _C.memcpy_htod(a.ptr, np.ascontiguousarray(x), 0)
+            return a
+
+        q, k, v = (dev(rng.standard_normal((1, 10, 2, 59)).astype(np.float16)) for _ in range(3))
+        table = rng.standard_normal(5)
+        seen, mode = [], {"what": "error"}
+
+        def fake_launch(prob):
+            rec = np.frombuffer(prob.gmods, codegen.MODS_DTYPE)[0]
+            seen.append(rec)
+            a = rec["a"][0]
+            data = np.frombuffer(ctypes.string_at(int(a["ptr"]), 40), np.float32)
+            assert tuple(a["shape"]) == (5, 1, 1, 1) and a["s"][0] == 1, a
+            assert np.array_equal(data[:5], table.astype(np.float32)), data
+            assert abs(rec["f"][0] - 0.375) < 1e-7, rec["f"][:2]
+            if mode["what"] == "error":
+                err = np.array([1, 0, 0, 7, 5], np.int64)
+                ctypes.memmove(int(rec["err"]), err.ctypes.data, err.nbytes)
+            elif rec["dacc"]:
+                assert a["grad"] == 0
+                words = np.zeros((5, codegen.WORDS), np.uint64)
+                words[2, 6] = 3 << 4               # 1.5 = 3 * 2^-1 = (3 << 148) * 2^-149
+                ctypes.memmove(int(rec["dacc"]), words.ctypes.data, words.nbytes)
+
+        _C.cuda_launch_attention = fake_launch
+
+        def score_mod(s, b, h, qi, ki):
+            return s * 0.375 + table[ki]
+
+        try:
+            attnext.attention(q, k, v, score_mod=score_mod)
+            raise SystemExit("no IndexError")
+        except IndexError as e:
+            assert str(e) == ("score_mod: index 7 is out of bounds for axis 0 of array 'table' "
+                              "with size 5"), e
+        mode["what"] = "grad"
+        out = dev(np.zeros((1, 10, 2, 59), np.float16))
+        lse = dev(np.zeros((1, 2, 10), np.float32))
+        g = attnext.attention_backward(out, q, k, v, out, lse, score_mod=score_mod)
+        assert set(g.dtensors) == {"table"} and g.dtensors["table"].dtype == np.float64
+        assert np.array_equal(g.dtensors["table"], [0, 0, 1.5, 0, 0]), g.dtensors
+        assert len(seen) >= 3 and all(r["dacc"] for r in seen[1:])
+        print("ok")
+    """, ATTNEXT_LIBCUDA=fake_libcuda["full"], ATTNEXT_CACHE_DIR="off")
+    assert out.strip() == "ok"
