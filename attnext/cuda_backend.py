@@ -131,7 +131,7 @@ def _common(o, stage, q4, k4, v4):
 
 # ---------------------------------------------------------------- score_mod / mask_mod
 def _has_mods(o):
-    return o.score_mod is not None or o.mask_mod is not None
+    return getattr(o, "score_mod", None) is not None or getattr(o, "mask_mod", None) is not None
 
 
 def _bind_mods(o, stage, backward):
