@@ -41,6 +41,18 @@ def _fmt(x):
     return repr(x) if not isinstance(x, np.ndarray) else f"array(shape={x.shape}, dtype={x.dtype})"
 
 
+_GPU_MODULES = []
+
+
+def _gpu():
+    """(cuda_backend, device), imported on the first GPU call: `import attnext` does not load
+    the CUDA host side, and a `from . import` inside a function costs ~1 us on every call."""
+    if not _GPU_MODULES:
+        from . import cuda_backend, device
+        _GPU_MODULES[:] = (cuda_backend, device)
+    return _GPU_MODULES
+
+
 def _has(x, name):
     """hasattr without evaluating a property (torch builds its __cuda_array_interface__ dict on
     every read: this runs on every GPU call's hot path)."""
@@ -51,8 +63,7 @@ def _device_view(x):
     """A DevView of a CUDA array (__cuda_array_interface__ / __dlpack__), None for host data."""
     if isinstance(x, np.ndarray) or not (_has(x, "__cuda_array_interface__") or _has(x, "__dlpack__")):
         return None
-    from . import device
-    return device.as_device_view(x)
+    return _gpu()[1].as_device_view(x)
 
 
 def _cuda_view(name, x):
@@ -75,8 +86,7 @@ def _array(name, x, host=False):
     elif (dv := _cuda_view(name, x)) is not None:
         if not host:
             return dv
-        from . import cuda_backend
-        a = cuda_backend.to_host(dv)
+        a = _gpu()[0].to_host(dv)
     elif hasattr(x, "__array_interface__") or hasattr(x, "__array__"):
         try:
             a = np.asarray(x)
@@ -133,7 +143,7 @@ def _resolve_device(device, q, k, v):
     if any(on_gpu) and not all(on_gpu):
         where = ", ".join(f"{n} on {'cuda' if g else 'the host'}" for n, g in zip("qkv", on_gpu))
         raise TypeError(f"q, k and v must all live on the GPU or all on the host, got {where}")
-    from . import cuda_backend
+    cuda_backend = _gpu()[0]
     if on_gpu[0]:
         if len({x.device for x in (q, k, v)}) > 1:
             raise ValueError(f"q, k and v live on different GPUs: cuda:{q.device}, cuda:{k.device}, "
@@ -587,8 +597,7 @@ def _forward(o):
         out[...] = r_out.astype(out.dtype)
         lse[...] = r_lse
     elif o.device == "cuda" and not _has_mods(o):
-        from . import cuda_backend
-        cuda_backend.forward(o, out, lse)
+        _gpu()[0].forward(o, out, lse)
     else:
         # the C backend writes through aligned element pointers; a misaligned out= gets a copy
         target = out if out.flags.aligned else _new_output(o.out_shape, o.q.dtype)
@@ -602,7 +611,7 @@ def _forward(o):
 
 def _forward_on_gpu(o, inputs):
     """CUDA arrays in, the caller's library's arrays out (or out= written in place)."""
-    from . import cuda_backend, device
+    cuda_backend, device = _gpu()
     user_out = o.out
     if o.out is not None:
         o.out = _check_device_out("out", o.out, o.out_shape, o.q.dtype, inputs)
@@ -682,7 +691,7 @@ def _backward(o, dout, out, lse, deterministic):
     dk = _new_output(o.k.shape, o.q.dtype)
     dv = _new_output(o.v.shape, o.q.dtype)
     if o.device == "cuda" and not _has_mods(o):
-        from . import cuda_backend
+        cuda_backend = _gpu()[0]
         dbias_acc = None
         if o.bias is not None:
             dbias_acc = np.zeros((1,) * (4 - o.bias.ndim) + o.bias.shape, dtype=o.acc_dtype)
@@ -709,7 +718,7 @@ def _backward(o, dout, out, lse, deterministic):
 
 def _backward_on_gpu(o, dout, out, lse, deterministic):
     """CUDA arrays in, gradients back as the caller's library's arrays."""
-    from . import cuda_backend, device
+    cuda_backend, device = _gpu()
     dq, dk, dv, dbias = cuda_backend.backward(o, dout, out, lse, None, None, None, None, deterministic)
     dq, dk, dv = (device.to_caller(x, o.like) for x in (dq, dk, dv))
     dbias = None if dbias is None else device.to_caller(dbias, o.like)

@@ -59,7 +59,9 @@ PEERS = ("flash", "cudnn", "efficient", "flex")
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                  "efficient": "EFFICIENT_ATTENTION"}
 TARGETS = {("plain", "fwd"): ("flash", 1.0), ("plain", "bwd"): ("flash", 0.9),
+           ("plain", "bwd_nd"): ("flash", 0.9),
            ("packed", "fwd"): ("flex", 1.0), ("packed", "bwd"): ("flex", 1.0),
+           ("packed", "bwd_nd"): ("flex", 1.0),
            ("decode", "fwd"): ("best", 0.9)}
 NUMPY_TARGET = 1.3                 # attnext's NumPy-in/NumPy-out time over the pinned-copy floor
 SECTION_TITLES = {"plain": "plain attention (TFLOP/s)",
@@ -276,7 +278,7 @@ def _finish(case, direction, results, case_s):
         row["unit"], row["work"] = "GB/s", case.kv_bytes()
         rate = gbps
     else:
-        row["unit"], row["work"] = "TFLOP/s", case.flops(direction == "bwd")
+        row["unit"], row["work"] = "TFLOP/s", case.flops(direction != "fwd")
         rate = tflops
     for who in ("attnext",) + PEERS:
         res = results.get(who, {}).get(direction) or {"status": "skipped", "reason": "not run"}
@@ -411,7 +413,9 @@ def _randn(run, *shape):
 
 def _measure_attnext(run, attend, attend_backward, o, dout, refs):
     """attend(**kw): attnext's forward with out= (the timed form) or return_lse=True;
-    attend_backward(out, lse): its backward. Returns {"fwd": result[, "bwd": result]}."""
+    attend_backward(out, lse, **kw): its backward. Returns {"fwd": result[, "bwd": result,
+    "bwd_nd": result]}: bwd_nd is the backward with deterministic=False (dq's additions in any
+    order, as FlashAttention's), bwd the default (the same bits every run)."""
     def fwd():
         return attend(out=o)
 
@@ -431,7 +435,20 @@ def _measure_attnext(run, attend, attend_backward, o, dout, refs):
             return bwd()
         res["bwd"] = _attempt(run.time, first_bwd,
                               lambda g: _grad_checks((g.dq, g.dk, g.dv), refs[1]), bwd, run.wall)
+
+        def bwd_nd():
+            return attend_backward(*saved, deterministic=False)
+        res["bwd_nd"] = _attempt(run.time, bwd_nd,
+                                 lambda g: _grad_checks((g.dq, g.dk, g.dv), refs[1]), bwd_nd, run.wall)
     return res
+
+
+def _peer_backward_for_both(results):
+    """The peers' one backward stands beside both of attnext's (bwd and bwd_nd)."""
+    for who, res in results.items():
+        if who != "attnext" and "bwd" in res:
+            res["bwd_nd"] = res["bwd"]
+    return results
 
 
 def _measure_peer(run, call, inputs, dout, refs, grad_forward=False, view=lambda x: x):
@@ -519,7 +536,7 @@ def plain_results(run, case):
     kw = {"causal": case.causal, "device": "cuda"}
     results = {"attnext": _measure_attnext(
         run, lambda **o: attnext.attention(q, k, v, **kw, **o),
-        lambda out, lse: attnext.attention_backward(dout, q, k, v, out, lse, **kw),
+        lambda out, lse, **o: attnext.attention_backward(dout, q, k, v, out, lse, **kw, **o),
         q.new_empty(q.shape), dout, refs)}
 
     def measure(peer):
@@ -532,7 +549,7 @@ def plain_results(run, case):
         with _sdpa_backend(peer):
             return _measure_peer(run, _sdpa_call(case.causal), (q, k, v), dout, refs)
     results.update(_peers(run, ("fwd", "bwd"), measure))
-    return results
+    return _peer_backward_for_both(results)
 
 
 def packed_reference(q, k, v, dout, lens):
@@ -554,11 +571,13 @@ def packed_results(run, case):
     T, lens, longest = case.Sq, case.lens, max(case.lens)
     q, k, v, dout = (_randn(run, T, case.Hq, case.D) for _ in range(4))
     refs = packed_reference(q, k, v, dout, lens)
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device=run.device)
+    # cu_seqlens as the data loader has them, on the host: CUDA cu_seqlens would be read back
+    # for their checks, a device synchronisation per call (README: varlen)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     kw = {"max_seqlen_q": longest, "max_seqlen_k": longest, "causal": True, "device": "cuda"}
     results = {"attnext": _measure_attnext(
         run, lambda **o: attnext.varlen_attention(q, k, v, cu, cu, **kw, **o),
-        lambda out, lse: attnext.varlen_attention_backward(dout, q, k, v, out, lse, cu, cu, **kw),
+        lambda out, lse, **o: attnext.varlen_attention_backward(dout, q, k, v, out, lse, cu, cu, **kw, **o),
         q.new_empty(q.shape), dout, refs)}
     starts = cu[:-1].tolist()
 
@@ -591,7 +610,7 @@ def packed_results(run, case):
         with _sdpa_backend(peer):
             return _measure_peer(run, _sdpa_call(True), padded, dout_p, refs, view=unpad)
     results.update(_peers(run, ("fwd", "bwd"), measure))
-    return results
+    return _peer_backward_for_both(results)
 
 
 def decode_results(run, case):
@@ -689,7 +708,7 @@ SECTIONS = {"plain": plain_results, "packed": packed_results, "decode": decode_r
 def case_rows(run, case):
     """The rows of one case (one per direction); an unexpected failure becomes rows that say so."""
     t0 = time.perf_counter()
-    directions = ("fwd",) if case.kind == "decode" else ("fwd", "bwd")
+    directions = ("fwd",) if case.kind == "decode" else ("fwd", "bwd", "bwd_nd")
     try:
         if case.kind == "numpy":
             return numpy_row(run, case, t0)

@@ -6,6 +6,18 @@ place). NumPy inputs travel through staging.py's pinned rings, results come back
 read where they are, on the stream their protocol names (0, the legacy default stream, when
 it names none), and results come back as the caller's library's arrays (DLPack) or
 attnext.DeviceArray.
+
+Plans. Everything a call's launches are derived from -- its arrays' shapes, strides and dtypes,
+whether q, k, v start on 16-byte boundaries, its options, the device and the kernel lab's
+overrides -- keys a plan: the kernels (loaded), grids, shared memory, scratch sizes and the
+launch template (_C.attn_template) of every launch. A call with the key of an earlier one
+reuses its plan and only hands the launches its addresses and scalars (scale, softcap), so the
+decisions below run once per shape, not once per call. The plans sit in a bounded LRU.
+
+score_mod / mask_mod. The generated code (codegen.py, keyed by the traced graphs' structure) is
+part of a plan's key: it changes the kernels. What one call binds to it -- the float constants,
+the uploaded captured arrays, the error record and the gradient accumulator -- travels with the
+call's addresses as the attn_mods_gpu bytes cuda_launch_attention copies into attn_params.
 """
 import math
 import threading
@@ -14,8 +26,9 @@ import types
 import ml_dtypes
 import numpy as np
 
-from . import _C, codegen, kernels, staging, trace
+from . import _C, codegen, device as _device, kernels, staging, trace
 from .devview import DevView
+from .kernel_cache import LRU
 from .staging import to_host  # noqa: F401  (api.py reads GPU arrays' lengths through here)
 
 DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))   # what the GPU kernels take
@@ -60,11 +73,89 @@ def device_info(device):
 
 # ---------------------------------------------------------------- device memory
 def empty(shape, dtype, device, stream):
-    from .device import empty as _empty
-    return _empty(shape, dtype, device, stream)
+    return _device.empty(shape, dtype, device, stream)
 
 
-# ---------------------------------------------------------------- forward
+# ---------------------------------------------------------------- plans
+PLAN_CAPACITY = 256        # plans kept (each holds its loaded kernels)
+SCRATCH_ALIGN = 256        # bytes: where each scratch array of a plan starts
+_plans = LRU(PLAN_CAPACITY)
+
+
+def clear_plans():
+    """Forgets every plan (the tests that stand in for kernels or devices call it)."""
+    _plans.clear()
+
+
+def plan_count():
+    return len(_plans._data)
+
+
+class _Plan:
+    """A call's launches: template (the attn_params less addresses and scalars), launches
+    [(fn, grid, block, smem)] in order, scratch bytes (0: none) and the byte offsets of its
+    arrays in the scratch buffer."""
+
+    __slots__ = ("template", "launches", "scratch", "offsets")
+
+    def __init__(self, template, launches, scratch=0, offsets=()):
+        self.template, self.launches, self.scratch, self.offsets = template, launches, scratch, offsets
+
+
+def _desc(view):
+    """What a plan depends on of an array: shape, strides and dtype (None: absent)."""
+    return None if view is None else (view.shape, view.strides, view.dtype)
+
+
+def _scratch_layout(*sizes):
+    """(total bytes, byte offset of each array) of arrays of these byte sizes in one buffer."""
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // SCRATCH_ALIGN) * SCRATCH_ALIGN
+    return total, tuple(offsets)
+
+
+def _launch(plan, stage, ptrs, o, gmods=None):
+    """plan's launches on the call's stream with these addresses (in _C.cuda_launch_attention's
+    order); `ptrs` ends with the scratch arrays' slots (None) when the plan has scratch, which
+    get the borrowed buffer's addresses. gmods: the call's bound score_mod / mask_mod (the
+    attn_mods_gpu bytes) or None."""
+    if not plan.launches:
+        return
+    launch = _C.cuda_launch_attention if gmods is None else _with_gmods(gmods)
+    if not plan.scratch:
+        for fn, grid, block, smem in plan.launches:
+            launch(fn, grid, block, smem, stage.stream, plan.template, ptrs, o.scale_value, o.softcap_value)
+        return
+    buf = _device.borrow_scratch(plan.scratch, stage.device, stage.stream)
+    try:
+        ptrs = _with_scratch(ptrs, buf[0], plan.offsets)
+        for fn, grid, block, smem in plan.launches:
+            launch(fn, grid, block, smem, stage.stream, plan.template, ptrs, o.scale_value, o.softcap_value)
+    finally:
+        _device.give_back_scratch(buf, stage.device, stage.stream)
+
+
+def _with_gmods(gmods):
+    """_C.cuda_launch_attention with these attn_mods_gpu bytes as its last argument."""
+    def launch(*args):
+        _C.cuda_launch_attention(*args, gmods)
+    return launch
+
+
+def _with_scratch(ptrs, base, offsets):
+    """ptrs with its scratch slots (pairs (slot, offset) in `offsets`) pointing into base."""
+    ptrs = list(ptrs)
+    for slot, offset in offsets:
+        ptrs[slot] = base + offset
+    return tuple(ptrs)
+
+
+# _C.cuda_launch_attention's address slots (csrc/cuda_attn.c's PTR_FIELDS)
+SLOT_O_ACCUM, SLOT_LSE_ACCUM, SLOT_DELTA, SLOT_DQ_ACCUM, SLOT_DQ_SEM = 5, 6, 19, 20, 21
+
+
 def _vec_ok(view, D):
     """16-byte cp.async loads: D a multiple of 8 contiguous elements on 16-byte rows."""
     return (D % 8 == 0 and view.strides[3] == 1 and view.ptr % 16 == 0
@@ -73,14 +164,6 @@ def _vec_ok(view, D):
 
 def _t(x):
     return None if x is None else x.as_tuple()
-
-
-def _lengths(stage, o):
-    out = {}
-    for name, a in (("cu_seqlens_q", o.cu_q), ("cu_seqlens_k", o.cu_k), ("seqused_q", o.used_q),
-                    ("seqused_k", o.used_k)):
-        out[name] = None if a is None else _t(stage.upload(np.ascontiguousarray(a, np.int32)))
-    return out
 
 
 def _put(stage, x):
@@ -105,27 +188,49 @@ def _kernel_layout(o, x):
     return x.transpose(0, 2, 1, 3) if o.layout == "bhsd" else x
 
 
-def _common(o, stage, q4, k4, v4):
-    """Everything forward and backward launches share: options, masks, lengths, kernel defines."""
+_NO_EXTRAS = (None,) * 7
+
+
+def _extras(o, stage):
+    """(bias4, mask4, alibi, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) as DevViews (NumPy
+    ones uploaded), None where absent."""
+    if (o.bias4 is None and o.mask4 is None and o.alibi is None and o.cu_q is None
+            and o.used_q is None and o.used_k is None):
+        return _NO_EXTRAS
     bias4 = _put(stage, o.bias4)
     mask4 = None if o.mask4 is None else _put(stage, o.mask4.view(np.uint8) if isinstance(o.mask4, np.ndarray) else o.mask4)
     alibi = None if o.alibi is None else stage.upload(np.ascontiguousarray(o.alibi, np.float32))
+    lengths = tuple(None if a is None else stage.upload(np.ascontiguousarray(a, np.int32))
+                    for a in (o.cu_q, o.cu_k, o.used_q, o.used_k))
+    return (bias4, mask4, alibi) + lengths
+
+
+def _extras_key(o, extra):
+    """The part of a plan's key the optional arrays and options decide."""
+    if extra is _NO_EXTRAS:
+        return None
+    return (_desc(extra[0]), _desc(extra[1]), _desc(extra[2]), o.bias_heads, o.mask_heads,
+            o.cu_q is None, o.used_q is None, o.used_k is None)
+
+
+def _common(o, device, q4, k4, v4, extra):
+    """Everything forward and backward templates share: options, masks, kernel features. Returns
+    (prob, features): prob the attribute bag _C.attn_template reads, its tensors filled by the
+    caller."""
+    bias4, mask4, alibi = extra[:3]
     features = dict(
         dtype=kernels.dtype_name(o.q.dtype), D=o.D, Dv=o.Dv,
         vec=all(_vec_ok(x, x.shape[3]) for x in (q4, k4, v4)), softcap=o.softcap_value > 0,
         bias_dtype=None if bias4 is None else kernels.dtype_name(bias4.dtype),
         alibi_dtype=None if alibi is None else "float32", mask=mask4 is not None)
     prob = types.SimpleNamespace(
-        device=stage.device, stream=stage.stream, dtype=kernels.DTYPE_CODES[features["dtype"]],
+        device=device, dtype=kernels.DTYPE_CODES[features["dtype"]],
         B=o.B, causal=o.causal_code, window_left=o.window_left, window_right=o.window_right,
         bias_dtype=kernels.DTYPE_CODES[features["bias_dtype"] or "float32"],
         alibi_dtype=kernels.DTYPE_CODES["float32"], bias_heads=o.bias_heads,
-        mask_heads=o.mask_heads, scale=o.scale_value, softcap=o.softcap_value,
-        q=_t(q4), k=_t(k4), v=_t(v4), bias=_t(bias4), mask=_t(mask4), alibi=_t(alibi),
-        out=None, lse=None, dout=None, dq=None, dk=None, dv=None, dbias=None, delta=None,
-        o_accum=None, lse_accum=None, num_splits=1,
-        dq_accum=None,
-        **_lengths(stage, o))
+        mask_heads=o.mask_heads, q=_t(q4), k=_t(k4), v=_t(v4), bias=_t(bias4), mask=_t(mask4),
+        alibi=_t(alibi), out=None, lse=None, dout=None, dq=None, dk=None, dv=None, dbias=None,
+        delta=None, dq_accum=None, dq_sem=None, num_splits=1)
     return prob, features
 
 
@@ -205,9 +310,9 @@ def _query_rows(o):
     return (int(np.max(np.diff(o.cu_q))) if o.B else 0) if o.varlen else o.Sq
 
 
-def _query_tiles(o, block_m):
-    """Query tiles per (head, sequence)."""
-    return max(1, math.ceil(_query_rows(o) / block_m))
+def _query_tiles(rows, block_m):
+    """Query tiles per (head, sequence) for the longest query segment's rows."""
+    return max(1, math.ceil(rows / block_m))
 
 
 def _decode_plan(o, features, device):
@@ -232,6 +337,46 @@ def _decode_plan(o, features, device):
 MAX_SPLITS = 128    # attn_fwd_combine keeps one weight per split in shared memory
 
 
+def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None):
+    """The forward's plan for this call (made on the first call of its key); gen: the generated
+    score_mod / mask_mod (codegen.Generated) or None."""
+    rows = _query_rows(o) if o.varlen else o.Sq
+    key = ("fwd", device, o.B, o.Sq, o.Sk, rows, o.varlen, o.causal_code, o.window_left,
+           o.window_right, o.softcap_value > 0, (q4.ptr | k4.ptr | v4.ptr) % 16 == 0,
+           _desc(q4), _desc(k4), _desc(v4), _desc(out4), _desc(lse3), _extras_key(o, extra),
+           kernels.knobs(kernels.FWD_KNOBS), None if gen is None else gen.source)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen)
+        _plans.put(key, plan)
+    return plan
+
+
+def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
+    prob, features = _common(o, device, q4, k4, v4, extra)
+    generated = None if gen is None else gen.source
+    pack, splits = _decode_plan(o, features, device)
+    arch = device_arch(device)
+    kernel, tile = kernels.fwd_kernel(arch, o.D, o.Dv, features["vec"], pack or splits > 1, rows)
+    defines = kernels.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen)
+    smem = kernels.fwd_smem_bytes(o.D, o.Dv, tile, kernel)
+    q_tiles = math.ceil(o.Sq * (o.Hq // o.Hk) / tile[0]) if pack else _query_tiles(rows, tile[0])
+    grid = (q_tiles * splits, o.Hk if pack else o.Hq, o.B + (1 if o.varlen else 0))
+    prob.out, prob.lse, prob.num_splits = _t(out4), _t(lse3), splits
+    template = _C.attn_template(prob)
+    if not all(grid):                       # an empty grid (no heads, rows or batch) has nothing to write
+        return _Plan(template, ())
+    launches = [(kernels.function(kernel, kernel, defines, device, arch, smem, generated), grid,
+                 (tile[2] * 32, 1, 1), smem)]
+    if splits == 1:
+        return _Plan(template, tuple(launches))
+    combine = kernels.function("attn_fwd", "attn_fwd_combine", defines, device, arch, 0, generated)
+    launches.append((combine, (o.Sq, o.Hq, o.B), (128, 1, 1), 0))
+    partials = splits * o.B * o.Hq * o.Sq
+    total, (o_off, lse_off) = _scratch_layout(4 * partials * o.Dv, 4 * partials)
+    return _Plan(template, tuple(launches), total, ((SLOT_O_ACCUM, o_off), (SLOT_LSE_ACCUM, lse_off)))
+
+
 def forward(o, out_host, lse_host, stage=None):
     """The forward of a problem api.py normalised. With NumPy inputs, fills out_host and lse_host
     and returns them; with GPU inputs (both None) returns (out, lse) as DeviceArrays, or o.out
@@ -245,39 +390,24 @@ def forward(o, out_host, lse_host, stage=None):
             out, out_res = o.out, o.out
         else:
             out, out_res = _result(stage, host, o.out_shape, o.q.dtype)
-        lse = lse_res = None                  # a GPU call that returns no lse writes none
+        lse = lse_res = lse3 = None           # a GPU call that returns no lse writes none
         if host or o.return_lse:
             lse, lse_res = _result(stage, host, o.lse_shape, np.float32)
-        prob, features = _common(o, stage, q4, k4, v4)
+            lse3 = lse[None] if o.varlen else lse
+        extra = _extras(o, stage)
+        out4 = _kernel_layout(o, out)
         mods = _bind_mods(o, stage, backward=False)
-        gen = None if mods is None else mods.gen
-        generated = None if mods is None else gen.source
-        prob.gmods = None if mods is None else mods.gmods
-        pack, splits = _decode_plan(o, features, stage.device)
-        arch = device_arch(stage.device)
-        rows = _query_rows(o)                 # the longest query segment (one pass over cu_seqlens)
-        kernel, tile = kernels.fwd_kernel(arch, o.D, o.Dv, features["vec"], pack or splits > 1, rows)
-        defines = kernels.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen)
-        prob.smem = kernels.fwd_smem_bytes(o.D, o.Dv, tile, kernel)
-        prob.fn = kernels.function(kernel, kernel, defines, stage.device, arch, prob.smem, generated)
-        q_tiles = math.ceil(o.Sq * (o.Hq // o.Hk) / tile[0]) if pack else max(1, math.ceil(rows / tile[0]))
-        prob.grid = (q_tiles * splits, o.Hk if pack else o.Hq, o.B + (1 if o.varlen else 0))
-        prob.block = (tile[2] * 32, 1, 1)
-        prob.out = _t(_kernel_layout(o, out))
-        prob.lse = None if lse is None else _t(lse[None] if o.varlen else lse)
-        prob.num_splits = splits
-        prob.o_accum = prob.lse_accum = None
-        if splits > 1:
-            prob.o_accum = _t(stage.scratch((splits * o.B * o.Hq * o.Sq * o.Dv,), np.float32))
-            prob.lse_accum = _t(stage.scratch((splits * o.B * o.Hq * o.Sq,), np.float32))
-        if all(prob.grid):                    # an empty grid (no heads, rows or batch) has nothing to write
-            _C.cuda_launch_attention(prob)
-            if splits > 1:
-                prob.fn = kernels.function("attn_fwd", "attn_fwd_combine", defines, stage.device, arch, 0,
-                                           generated)
-                prob.grid, prob.block, prob.smem = (o.Sq, o.Hq, o.B), (128, 1, 1), 0
-                _C.cuda_launch_attention(prob)
-        _finish_mods(stage, mods)
+        plan = _forward_plan(o, stage.device, q4, k4, v4, out4, lse3, extra, None if mods is None else mods.gen)
+        ptrs = (q4.ptr, k4.ptr, v4.ptr, out4.ptr, None if lse3 is None else lse3.ptr)
+        if extra is not _NO_EXTRAS:
+            ptrs += (None, None) + tuple(None if x is None else x.ptr for x in extra)
+        elif plan.scratch:
+            ptrs += (None, None)
+        if mods is None:
+            _launch(plan, stage, ptrs, o)
+        else:
+            _launch(plan, stage, ptrs, o, mods.gmods)
+            _finish_mods(stage, mods)
         if host:
             stage.download(out, out_host)
             stage.download(lse, lse_host)
@@ -338,10 +468,9 @@ def _forward_sliced(o, out_host, lse_host, slices):
 PRE_ROWS, PRE_THREADS = 64, 256   # attn_bwd.cu's row kernels (delta, dq_convert)
 
 
-def _key_tiles(o, block_n):
-    """Key tiles per (kv head, sequence): the longest key segment's rows (varlen) or Sk."""
-    rows = (int(np.max(np.diff(o.cu_k))) if o.B else 0) if o.varlen else o.Sk
-    return max(1, math.ceil(rows / block_n))
+def _key_rows(o):
+    """The longest key segment's rows (varlen) or Sk."""
+    return (int(np.max(np.diff(o.cu_k))) if o.B else 0) if o.varlen else o.Sk
 
 
 def _dbias_buffer(stage, o, host):
@@ -363,6 +492,93 @@ def _dbias_buffer(stage, o, host):
     return view.broadcast_to(tuple(o.bias4.shape)), res
 
 
+def _backward_plan(o, device, views, extra, deterministic, gen=None):
+    """The backward's plan for this call (made on the first call of its key). views: q4, k4, v4,
+    dout4, out4, lse3, dq4, dk4, dv4, dbias4 (the kernels' views, dbias4 None without a bias);
+    gen: the generated score_mod / mask_mod or None."""
+    q_rows = _query_rows(o) if o.varlen else o.Sq
+    k_rows = _key_rows(o) if o.varlen else o.Sk
+    q4, k4, v4, dout4 = views[:4]
+    key = ("bwd", device, o.B, o.Sq, o.Sk, q_rows, k_rows, o.varlen, o.causal_code, o.window_left,
+           o.window_right, o.softcap_value > 0, (q4.ptr | k4.ptr | v4.ptr | dout4.ptr) % 16 == 0,
+           tuple(_desc(x) for x in views), _extras_key(o, extra), bool(deterministic),
+           kernels.knobs(kernels.BWD_KNOBS), None if gen is None else gen.source)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, gen)
+        _plans.put(key, plan)
+    return plan
+
+
+def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, gen):
+    q4, k4, v4, dout4, out4, lse3, dq4, dk4, dv4, dbias4 = views
+    prob, features = _common(o, device, q4, k4, v4, extra)
+    generated = None if gen is None else gen.source
+    features["vec"] = features["vec"] and _vec_ok(dout4, o.Dv)
+    tile = kernels.bwd_tile_config(o.D, o.Dv)
+    arch = device_arch(device)
+    sm90 = kernels.bwd_sm90_applies(arch, o.D, o.Dv, features["vec"])
+    # the dQ kernels scatter the score_mod's array gradients (ds_tile): with mods dQ is recomputed
+    # whatever deterministic and ATTNEXT_BWD_DQ say
+    dq_mode = kernels.bwd_dq_mode(sm90, o.D, deterministic) if gen is None else "recompute"
+    atomic = dq_mode != "recompute"
+    defines = kernels.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen)
+    smem = kernels.bwd_smem_bytes(o.D, o.Dv, tile, atomic)
+    delta = DevView.contiguous(0, o.lse_shape, np.float32, device)   # laid out like lse
+    # dq_accum (B, Hq, S, D) in memory, so a head's 64-row tile is one contiguous block; dq_sem
+    # one counter per (sequence, head, 64-row query tile) for the ordered additions
+    accum_shape = (q4.shape[0], o.Hq, q4.shape[1], o.D + o.D % 2)
+    sem_shape = (o.B, o.Hq, _query_tiles(q_rows, PRE_ROWS))
+    prob.out, prob.dout, prob.lse, prob.dbias = _t(out4), _t(dout4), _t(lse3), _t(dbias4)
+    prob.dq, prob.dk, prob.dv = _t(dq4), _t(dk4), _t(dv4)
+    prob.delta = _t(delta[None] if o.varlen else delta)
+    if atomic:
+        prob.dq_accum = _t(DevView.contiguous(0, accum_shape, np.float32, device).transpose(0, 2, 1, 3))
+    if dq_mode == "ordered":
+        prob.dq_sem = _t(DevView.contiguous(0, sem_shape, np.int32, device))
+    template = _C.attn_template(prob)
+    tail = 1 if o.varlen else 0
+    launches = []
+
+    def launch(name, grid, warps, source="attn_bwd", defs=defines, smem_of=smem):
+        if all(grid):
+            fn = kernels.function(source, name, defs, device, arch, smem_of[name], generated)
+            launches.append((fn, grid, (warps * 32, 1, 1), smem_of[name]))
+
+    hopper = kernels.bwd_sm90_tile(o.D, dq_mode) if sm90 else None
+    if o.Hq:
+        launch("attn_bwd_pre", (_query_tiles(q_rows, PRE_ROWS), o.Hq, o.B), PRE_THREADS // 32)
+        if hopper:               # dK, dV and dQ on wgmma (attn_bwd_sm90.cu)
+            defs90 = kernels.bwd_defines(**features, tile=hopper, dq=dq_mode, mods=gen)
+            smem90 = kernels.bwd_sm90_smem_bytes(o.D, o.Dv, hopper)
+            launch("attn_bwd_dkdv_sm90", (_query_tiles(k_rows, 16 * hopper["kv_warps"]), o.Hk, o.B + tail),
+                   hopper["kv_warps"], "attn_bwd_sm90", defs90, smem90)
+            if not atomic:
+                launch("attn_bwd_dq_sm90", (_query_tiles(q_rows, hopper["q_block_m"]), o.Hq, o.B + tail),
+                       hopper["q_warps"], "attn_bwd_sm90", defs90, smem90)
+        else:
+            kv_grid = (_query_tiles(k_rows, 16 * tile["kv_warps"]), o.Hk, o.B + tail)
+            for name in (("attn_bwd_dv", "attn_bwd_dk") if tile["kv_split"] else ("attn_bwd_dkdv",)):
+                launch(name, kv_grid, tile["kv_warps"])
+        if atomic:
+            launch("attn_bwd_dq_convert", (_query_tiles(q_rows, PRE_ROWS), o.Hq, o.B + tail),
+                   PRE_THREADS // 32)
+        elif not hopper:
+            launch("attn_bwd_dq", (_query_tiles(q_rows, tile["q_block_m"]), o.Hq, o.B + tail), tile["q_warps"])
+        if dbias4 is not None:
+            bcast = [s == 0 for s in dbias4.strides]
+            rows, cols = dbias4.shape[2], dbias4.shape[3]
+            grid = (1 if bcast[2] else math.ceil(rows / tile["q_block_m"]),
+                    1 if bcast[3] else math.ceil(cols / tile["q_block_n"]),
+                    (1 if bcast[0] else o.B) * o.bias_heads)
+            launch("attn_bwd_dbias", grid, tile["q_warps"])
+    sizes = ([4 * delta.size] + ([4 * math.prod(accum_shape)] if atomic else [])
+             + ([4 * math.prod(sem_shape)] if dq_mode == "ordered" else []))
+    total, offsets = _scratch_layout(*sizes)
+    return _Plan(template, tuple(launches), total,
+                 tuple(zip((SLOT_DELTA, SLOT_DQ_ACCUM, SLOT_DQ_SEM), offsets)))
+
+
 def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, deterministic):
     """The backward of a problem api.py normalised; dout, out (caller's layout) and lse as the
     forward returned them (NumPy arrays or DevViews).
@@ -371,85 +587,44 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
     is a bias): fills them and returns them. GPU call (all None): returns (dq, dk, dv, dbias) as
     DeviceArrays, dbias None without a bias.
 
-    dq: with deterministic=True the dQ kernel (attn_bwd_dq / attn_bwd_dq_sm90) recomputes S and
-    dP per query tile and owns its dq rows, so every run gives the same bits. deterministic=False
-    may instead add dS K into a float32 dq_accum by atomics from the dK/dV kernel (two products
-    fewer, the order of the additions varying from run to run): kernels.bwd_atomic_dq says when.
+    dq: kernels.bwd_dq_mode chooses between the dQ kernel's recomputation (attn_bwd_dq /
+    attn_bwd_dq_sm90: owns its dq rows) and the dK/dV kernel adding dS K into a float32 dq_accum,
+    either in a fixed order (dq_sem's counters: the same bits every run) or, with
+    deterministic=False, by plain atomics. delta (the row sums of dout * out), dq_accum and dq_sem
+    live in the stream's scratch buffer.
 
     score_mod / mask_mod: o.dtensors receives the score_mod's array gradients (NumPy arrays in
     the captured arrays' dtypes), scattered exactly by the dQ kernels (codegen.py), so the same
-    bits every run; a lookup out of range raises IndexError after the launches.
+    bits every run (dQ is always recomputed with mods); a lookup out of range raises IndexError
+    after the launches.
     """
     host = dq_host is not None
     with staging.Staging(o.cuda_device, o.cuda_stream) as stage:
         q4, k4, v4 = (_put(stage, x) for x in (o.q4, o.k4, o.v4))
-        mods = _bind_mods(o, stage, backward=True)
-        gen = None if mods is None else mods.gen
-        generated = None if mods is None else gen.source
         dout4 = _kernel_layout(o, _put(stage, dout))
         out4 = _kernel_layout(o, _put(stage, out))
         lse_v = _put(stage, lse)
+        lse3 = lse_v[None] if o.varlen else lse_v
         dq, dq_res = _result(stage, host, o.q.shape, o.q.dtype)
         dk, dk_res = _result(stage, host, o.k.shape, o.q.dtype)
         dv, dv_res = _result(stage, host, o.v.shape, o.q.dtype)
-        delta = stage.scratch(o.lse_shape, np.float32)
-        prob, features = _common(o, stage, q4, k4, v4)
-        prob.gmods = None if mods is None else mods.gmods
-        features["vec"] = features["vec"] and _vec_ok(dout4, o.Dv)
-        tile = kernels.bwd_tile_config(o.D, o.Dv)
-        arch = device_arch(stage.device)
-        # the dQ kernels scatter the score_mod's array gradients: no atomic dQ with mods
-        atomic = kernels.bwd_atomic_dq(deterministic) and mods is None
-        defines = kernels.bwd_defines(**features, tile=tile, atomic=atomic, mods=gen)
-        smem = kernels.bwd_smem_bytes(o.D, o.Dv, tile, atomic)
-        prob.out, prob.dout = _t(out4), _t(dout4)
-        prob.lse = _t(lse_v[None] if o.varlen else lse_v)
-        prob.delta = _t(delta[None] if o.varlen else delta)
-        prob.dq, prob.dk, prob.dv = (_t(_kernel_layout(o, x)) for x in (dq, dk, dv))
-        prob.dq_accum = None
-        if atomic:
-            prob.dq_accum = _t(stage.scratch((q4.shape[0], q4.shape[1], o.Hq, o.D + o.D % 2), np.float32))
+        dq4, dk4, dv4 = (_kernel_layout(o, x) for x in (dq, dk, dv))
         dbias = dbias_res = None
         if o.bias is not None:
             dbias, dbias_res = _dbias_buffer(stage, o, host)
-            prob.dbias = _t(dbias)
-        tail = 1 if o.varlen else 0
-
-        def launch(name, grid, warps, source="attn_bwd", defs=defines, smem_of=smem):
-            prob.smem = smem_of[name]
-            prob.fn = kernels.function(source, name, defs, stage.device, arch, prob.smem, generated)
-            prob.grid, prob.block = grid, (warps * 32, 1, 1)
-            if all(grid):
-                _C.cuda_launch_attention(prob)
-
-        hopper = kernels.bwd_sm90_tile(arch, o.D, o.Dv, features["vec"])
-        if o.Hq:
-            launch("attn_bwd_pre", (_query_tiles(o, PRE_ROWS), o.Hq, o.B), PRE_THREADS // 32)
-            if hopper:               # dK, dV and dQ on wgmma (attn_bwd_sm90.cu)
-                defs90 = kernels.bwd_defines(**features, tile=hopper, atomic=atomic, mods=gen)
-                smem90 = kernels.bwd_sm90_smem_bytes(o.D, o.Dv, hopper)
-                launch("attn_bwd_dkdv_sm90", (_key_tiles(o, 16 * hopper["kv_warps"]), o.Hk, o.B + tail),
-                       hopper["kv_warps"], "attn_bwd_sm90", defs90, smem90)
-                if not atomic:
-                    launch("attn_bwd_dq_sm90", (_query_tiles(o, hopper["q_block_m"]), o.Hq, o.B + tail),
-                           hopper["q_warps"], "attn_bwd_sm90", defs90, smem90)
-            else:
-                kv_grid = (_key_tiles(o, 16 * tile["kv_warps"]), o.Hk, o.B + tail)
-                for name in (("attn_bwd_dv", "attn_bwd_dk") if tile["kv_split"] else ("attn_bwd_dkdv",)):
-                    launch(name, kv_grid, tile["kv_warps"])
-            if atomic:
-                launch("attn_bwd_dq_convert", (_query_tiles(o, PRE_ROWS), o.Hq, o.B + tail),
-                       PRE_THREADS // 32)
-            elif not hopper:
-                launch("attn_bwd_dq", (_query_tiles(o, tile["q_block_m"]), o.Hq, o.B + tail), tile["q_warps"])
-            if dbias is not None:
-                bcast = [s == 0 for s in dbias.strides]
-                rows, cols = dbias.shape[2], dbias.shape[3]
-                grid = (1 if bcast[2] else math.ceil(rows / tile["q_block_m"]),
-                        1 if bcast[3] else math.ceil(cols / tile["q_block_n"]),
-                        (1 if bcast[0] else o.B) * o.bias_heads)
-                launch("attn_bwd_dbias", grid, tile["q_warps"])
-        o.dtensors = _finish_mods(stage, mods)
+        extra = _extras(o, stage)
+        mods = _bind_mods(o, stage, backward=True)
+        views = (q4, k4, v4, dout4, out4, lse3, dq4, dk4, dv4, dbias)
+        plan = _backward_plan(o, stage.device, views, extra, deterministic, None if mods is None else mods.gen)
+        ptrs = ((q4.ptr, k4.ptr, v4.ptr, out4.ptr, lse3.ptr, None, None)
+                + tuple(None if x is None else x.ptr for x in extra)
+                + (dout4.ptr, dq4.ptr, dk4.ptr, dv4.ptr, None if dbias is None else dbias.ptr, None, None,
+                   None))
+        if mods is None:
+            _launch(plan, stage, ptrs, o)
+        else:
+            _launch(plan, stage, ptrs, o, mods.gmods)
+            o.dtensors = _finish_mods(stage, mods)
         if host:
             for view, dst in ((dq, dq_host), (dk, dk_host), (dv, dv_host)):
                 stage.download(view, dst)

@@ -11,17 +11,27 @@ import numpy as np
 
 
 class DevView:
-    __slots__ = ("ptr", "shape", "strides", "dtype", "device", "stream", "keep", "readonly")
+    __slots__ = ("ptr", "shape", "strides", "dtype", "device", "stream", "keep", "readonly", "_span")
 
     def __init__(self, ptr, shape, strides, dtype, device, stream=0, keep=None, readonly=False):
         self.ptr = int(ptr)
-        self.shape = tuple(int(n) for n in shape)
-        self.strides = tuple(int(s) for s in strides)     # in elements
+        self.shape = tuple(map(int, shape))
+        self.strides = tuple(map(int, strides))           # in elements
         self.dtype = np.dtype(dtype)
         self.device = int(device)
         self.stream = int(stream or 0)
         self.keep = keep                                   # what keeps the memory alive
         self.readonly = readonly
+        self._span = None                                  # byte_span(), once asked
+
+    @classmethod
+    def _made(cls, ptr, shape, strides, dtype, device, stream, keep, readonly):
+        """A view of values __init__ would leave as they are (ints, tuples of ints, a NumPy
+        dtype): the hot path's constructor (every GPU call makes several views)."""
+        view = cls.__new__(cls)
+        view.ptr, view.shape, view.strides, view.dtype = ptr, shape, strides, dtype
+        view.device, view.stream, view.keep, view.readonly, view._span = device, stream, keep, readonly, None
+        return view
 
     @classmethod
     def contiguous(cls, ptr, shape, dtype, device, stream=0, keep=None):
@@ -32,8 +42,8 @@ class DevView:
         return cls(ptr, shape, tuple(reversed(strides)), dtype, device, stream, keep)
 
     def _like(self, ptr, shape, strides):
-        return DevView(ptr, shape, strides, self.dtype, self.device, self.stream, self.keep,
-                       self.readonly)
+        return DevView._made(ptr, tuple(shape), tuple(strides), self.dtype, self.device, self.stream,
+                             self.keep, self.readonly)
 
     @property
     def ndim(self):
@@ -48,7 +58,8 @@ class DevView:
         return self.dtype.itemsize
 
     def transpose(self, *axes):
-        return self._like(self.ptr, [self.shape[a] for a in axes], [self.strides[a] for a in axes])
+        shape, strides = self.shape, self.strides
+        return self._like(self.ptr, [shape[a] for a in axes], [strides[a] for a in axes])
 
     def __getitem__(self, key):
         if key is None:
@@ -57,7 +68,7 @@ class DevView:
 
     def reshape(self, shape):
         """Adds or drops leading dims of size 1 (all api.py asks of it)."""
-        shape = tuple(shape)
+        shape = tuple(map(int, shape))
         core = self.shape
         while core and core[0] == 1 and len(core) > len(shape):
             core = core[1:]
@@ -67,7 +78,7 @@ class DevView:
         return self._like(self.ptr, shape, (0,) * lead + self.strides[len(self.shape) - len(core):])
 
     def broadcast_to(self, shape):
-        shape = tuple(shape)
+        shape = tuple(map(int, shape))
         if len(shape) != self.ndim:
             raise ValueError(f"DevView cannot broadcast {self.shape} to {shape}")
         strides = []
@@ -79,13 +90,20 @@ class DevView:
 
     def byte_span(self):
         """[lo, hi) bytes of device memory the view can touch (empty for a zero-size view)."""
-        if self.size == 0:
-            return self.ptr, self.ptr
-        lo = hi = self.ptr
-        for n, s in zip(self.shape, self.strides):
-            off = (n - 1) * s * self.itemsize
-            lo, hi = (lo + off, hi) if off < 0 else (lo, hi + off)
-        return lo, hi + self.itemsize
+        if self._span is None:
+            if 0 in self.shape:
+                self._span = self.ptr, self.ptr
+            else:
+                item = self.dtype.itemsize
+                lo = hi = self.ptr
+                for n, s in zip(self.shape, self.strides):
+                    off = (n - 1) * s * item
+                    if off < 0:
+                        lo += off
+                    else:
+                        hi += off
+                self._span = lo, hi + item
+        return self._span
 
     def overlaps(self, other):
         a0, a1 = self.byte_span()

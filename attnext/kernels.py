@@ -31,6 +31,34 @@ MAX_SMEM_SM80 = 163 * 1024
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 MODS_HEADER = KERNEL_DIR / "attn_mods.cuh"
 
+# The kernel lab's overrides of the choices below, read when a choice is made; cuda_backend's
+# plans are keyed on their values (knobs()), so a change takes effect at the next call.
+FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "ATTNEXT_FWD_SM90",
+             "ATTNEXT_TILE_SM90")
+BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_DQ")
+# os.environ.get costs ~0.5 us a name (key encoding, Mapping.get); the dict behind os.environ
+# is what it reads (bytes keys where the OS environment is bytes, as on Linux)
+_ENV = getattr(os.environ, "_data", None)
+_ENV_BYTES = isinstance(_ENV, dict) and os.name == "posix"
+
+
+def knobs(names):
+    """The values of these environment variables (None where unset), cheaply: on every call."""
+    if _ENV_BYTES:
+        get = _ENV.get
+        return tuple([get(n) for n in _encoded(names)])
+    return tuple([os.environ.get(n) for n in names])
+
+
+_ENCODED = {}
+
+
+def _encoded(names):
+    try:
+        return _ENCODED[names]
+    except KeyError:
+        return _ENCODED.setdefault(names, tuple(os.fsencode(n) for n in names))
+
 
 def _round_up(x, m):
     return (x + m - 1) // m * m
@@ -280,27 +308,64 @@ SM90_BWD_TILE = dict(kv_block_m=64, kv_warps=4, kv_split=0, kv_minb=1, q_block_m
                      q_warps=4, q_minb=1)
 
 
-def bwd_sm90_tile(arch, D, Dv, vec):
-    """The tile of attn_bwd_sm90.cu (wgmma dK, dV, dQ) when it applies: sm_90a, 16-byte loads,
-    D, Dv in {64, 128}; else None (attn_bwd.cu). ATTNEXT_BWD_SM90=0 keeps Hopper on attn_bwd.cu
-    (the lab's and the tests' comparison)."""
-    if (arch == "sm_90a" and vec and D in (64, 128) and Dv in (64, 128)
-            and os.environ.get("ATTNEXT_BWD_SM90", "1") != "0"):
-        env = os.environ.get("ATTNEXT_TILE_BWD_SM90")   # the kernel lab's override: "8,8" (warps)
-        if env:
-            kv, q = (int(x) for x in env.split(","))
-            return {**SM90_BWD_TILE, "kv_warps": kv, "q_warps": q, "q_block_m": 16 * q}
-        return SM90_BWD_TILE
-    return None
+def bwd_sm90_applies(arch, D, Dv, vec):
+    """Whether attn_bwd_sm90.cu (wgmma dK, dV, dQ) runs: sm_90a, 16-byte loads, D, Dv in {64,
+    128}; else attn_bwd.cu. ATTNEXT_BWD_SM90=0 keeps Hopper on attn_bwd.cu (the lab's and the
+    tests' comparison)."""
+    return (arch == "sm_90a" and vec and D in (64, 128) and Dv in (64, 128)
+            and os.environ.get("ATTNEXT_BWD_SM90", "1") != "0")
 
 
-def bwd_atomic_dq(deterministic):
-    """Whether the backward adds dQ by float atomics from the dK/dV kernel (5 products, the
-    order of the additions varying from run to run) instead of the dQ kernel's recomputation (7
-    products, the same bits every run). Only when not deterministic and the kernel lab asks
-    (ATTNEXT_BWD_DQ=atomic): on an H100 it measured slower on both kernel families (bench/NOTES.md:
-    0.70-0.76x of FA2 against 0.76-0.81x on wgmma, 0.42-0.51x against 0.47-0.57x on mma.sync)."""
-    return not deterministic and os.environ.get("ATTNEXT_BWD_DQ") == "atomic"
+DQ_MODES = ("recompute", "atomic", "ordered")
+
+
+def bwd_dq_mode(sm90, D, deterministic):
+    """How the backward gets dQ:
+      "recompute"  the dQ kernel recomputes S and dP per query tile and owns its rows (7 products;
+                   the same bits every run);
+      "ordered"    the dK/dV kernel adds dS K into a float32 dq_accum, the key blocks taking turns
+                   at each query tile in a fixed order (5 products; the same bits every run;
+                   attn_bwd_sm90.cu only);
+      "atomic"     the same additions by float atomics in whatever order they land (5 products;
+                   bits vary from run to run: deterministic=False only).
+    deterministic=False on Hopper at D = 128 takes atomic (0.80-0.96x FA2 against recompute's
+    0.76-0.83x on an H100); everything else recomputes: ordered measured no faster than recompute
+    (its turn-taking costs a round trip through L2 per tile on the critical path) and atomic no
+    faster at D = 64 (bench/NOTES.md, backward v3). ATTNEXT_BWD_DQ names a mode for the lab and
+    the tests; a mode a call does not allow falls back to the nearest it does."""
+    mode = os.environ.get("ATTNEXT_BWD_DQ", "")
+    if mode not in DQ_MODES:
+        mode = "atomic" if sm90 and D == 128 and not deterministic else "recompute"
+    if mode == "atomic" and deterministic:
+        mode = "ordered"
+    if mode == "ordered" and not sm90:
+        mode = "recompute"
+    return mode
+
+
+# attn_bwd_sm90.cu's tiles: one warpgroup (64 keys) per dK/dV CTA, two CTAs per SM at D = 128,
+# three at D = 64 (168 registers: 1.15x faster than two on an H100); two warpgroups (128 keys,
+# dQ's columns split between them: half the additions) when the dK/dV kernel adds dQ at D = 128
+SM90_BWD_TILE = dict(kv_block_m=64, kv_warps=4, kv_split=0, kv_minb=1, q_block_m=64, q_block_n=64,
+                     q_warps=4, q_minb=1)
+SM90_BWD_TILE_D64 = {**SM90_BWD_TILE, "kv_minb": 3, "q_minb": 3}
+SM90_BWD_TILE_DQ = {**SM90_BWD_TILE, "kv_warps": 8}
+
+
+def bwd_sm90_tile(D, mode):
+    """The tile of attn_bwd_sm90.cu for head dim D and dq mode. ATTNEXT_TILE_BWD_SM90="KV,Q[,KV_MINB,
+    Q_MINB]" (warps of the dK/dV and dQ kernels, CTAs per SM their registers allow) is the kernel
+    lab's override; ordered additions take one
+    dQ partial per CTA, so two warpgroups there need D = 128 (split columns)."""
+    tile = SM90_BWD_TILE_D64 if D == 64 else SM90_BWD_TILE_DQ if mode != "recompute" else SM90_BWD_TILE
+    env = os.environ.get("ATTNEXT_TILE_BWD_SM90")
+    if env:
+        kv, q, kv_minb, q_minb = ([int(x) for x in env.split(",")] + [1, 1])[:4]
+        if mode == "ordered" and D < 128:
+            kv = 4
+        tile = {**tile, "kv_warps": kv, "q_warps": q, "q_block_m": 16 * q, "kv_minb": kv_minb,
+                "q_minb": q_minb}
+    return tile
 
 
 def bwd_sm90_smem_bytes(D, Dv, tile):
@@ -314,10 +379,11 @@ def bwd_sm90_smem_bytes(D, Dv, tile):
     }
 
 
-def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile, atomic, mods=None):
-    """The #defines of one backward variant (kernels/attn_bwd.cu: every backward kernel of it).
-    atomic: the lab's dq_accum path (deterministic=False with ATTNEXT_BWD_DQ=atomic); mods: as
-    for fwd_defines."""
+def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile, dq="recompute",
+                mods=None):
+    """The #defines of one backward variant (kernels/attn_bwd.cu: every backward kernel of it;
+    attn_bwd_sm90.cu the same); dq: bwd_dq_mode's answer ("recompute" whenever there are mods:
+    the dQ kernels' ds_tile scatters the array gradients); mods: as for fwd_defines."""
     d = {
         "ELEM_BF16": int(dtype == "bfloat16"), "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
         "HAS_SOFTCAP": int(softcap), "HAS_BIAS": int(bias_dtype is not None),
@@ -325,7 +391,8 @@ def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
         "ALIBI_DT": DTYPE_CODES[alibi_dtype or "float32"], "HAS_MASK": int(mask),
     }
     d.update(KV_BLOCK_M=tile["kv_block_m"], KV_WARPS=tile["kv_warps"], KV_SPLIT=tile["kv_split"],
-             KV_MINB=tile["kv_minb"], DQ_ATOMIC=int(atomic), Q_BLOCK_M=tile["q_block_m"],
+             KV_MINB=tile["kv_minb"], DQ_ATOMIC=int(dq != "recompute"), DQ_ORDERED=int(dq == "ordered"),
+             Q_BLOCK_M=tile["q_block_m"],
              Q_BLOCK_N=tile["q_block_n"], Q_WARPS=tile["q_warps"], Q_MINB=tile["q_minb"])
     return mod_defines(d, mods)
 
@@ -342,9 +409,9 @@ def bwd_variants():
                         bias_dtype=names[fd["BIAS_DT"]] if fd["HAS_BIAS"] else None,
                         alibi_dtype=names[fd["ALIBI_DT"]] if fd["HAS_ALIBI"] else None,
                         mask=bool(fd["HAS_MASK"]), tile=bwd_tile_config(D, Dv))
-        out.append(bwd_defines(**features, atomic=False))
+        out.append(bwd_defines(**features))
         if not (fd["HAS_SOFTCAP"] or fd["HAS_BIAS"] or fd["HAS_MASK"]) and (D, Dv) in ((64, 64), (128, 128)):
-            out.append(bwd_defines(**features, atomic=True))
+            out.append(bwd_defines(**features, dq="atomic"))
     unique = {tuple(sorted(d.items())): d for d in out}
     return [("attn_bwd", d) for d in unique.values()]
 
@@ -367,19 +434,23 @@ def sm90_fwd_variants():
 
 
 def sm90_bwd_variants():
-    """attn_bwd_sm90's variants (sm_90a only): those of sm90_fwd_variants' features."""
+    """attn_bwd_sm90's variants (sm_90a only): those of sm90_fwd_variants' features, each in the
+    dq modes a deterministic and a non-deterministic call choose."""
     out = []
+    names = {v: k for k, v in DTYPE_CODES.items()}
     for _, fd in sm90_fwd_variants():
         if (fd["BLOCK_M"], fd["BLOCK_N"]) != SM90_TILE_LONG[:2]:
             continue
-        names = {v: k for k, v in DTYPE_CODES.items()}
-        out.append(bwd_defines(
-            dtype="bfloat16" if fd["ELEM_BF16"] else "float16", D=fd["HEAD_DIM"], Dv=fd["HEAD_DIM_V"], vec=True,
+        D = fd["HEAD_DIM"]
+        features = dict(
+            dtype="bfloat16" if fd["ELEM_BF16"] else "float16", D=D, Dv=fd["HEAD_DIM_V"], vec=True,
             softcap=bool(fd["HAS_SOFTCAP"]), bias_dtype=names[fd["BIAS_DT"]] if fd["HAS_BIAS"] else None,
-            alibi_dtype=names[fd["ALIBI_DT"]] if fd["HAS_ALIBI"] else None, mask=bool(fd["HAS_MASK"]),
-            tile=SM90_BWD_TILE, atomic=False))
-    out += [{**d, "DQ_ATOMIC": 1} for d in out[:2]]
-    return [("attn_bwd_sm90", d) for d in out]
+            alibi_dtype=names[fd["ALIBI_DT"]] if fd["HAS_ALIBI"] else None, mask=bool(fd["HAS_MASK"]))
+        for deterministic in (True, False):
+            mode = bwd_dq_mode(True, D, deterministic)
+            out.append(bwd_defines(**features, tile=bwd_sm90_tile(D, mode), dq=mode))
+    unique = {tuple(sorted(d.items())): d for d in out}
+    return [("attn_bwd_sm90", d) for d in unique.values()]
 
 
 def variants(arch=None):
@@ -419,11 +490,11 @@ def mod_variants(arch=None):
     odd = dict(every, D=59, Dv=59, vec=False, softcap=False, bias_dtype=None, mask=False,
                alibi_dtype=None)
     out = [("attn_fwd", fwd_defines(**every, tile=tile_config(128, 128), mods=gen)),
-           ("attn_bwd", bwd_defines(**every, tile=bwd_tile_config(128, 128), atomic=False, mods=gen)),
+           ("attn_bwd", bwd_defines(**every, tile=bwd_tile_config(128, 128), mods=gen)),
            ("attn_fwd", fwd_defines(**odd, tile=tile_config(59, 59), mods=gen))]
     if arch in (None, "sm_90a"):
         out += [("attn_fwd_sm90", fwd_defines(**every, tile=SM90_TILE_LONG, mods=gen)),
-                ("attn_bwd_sm90", bwd_defines(**every, tile=SM90_BWD_TILE, atomic=False, mods=gen))]
+                ("attn_bwd_sm90", bwd_defines(**every, tile=bwd_sm90_tile(128, "recompute"), mods=gen))]
     return [(k, d, gen.source) for k, d in out]
 
 

@@ -3,7 +3,8 @@
     python bench/lab_bwd.py mma sm90 "sm90:8,8" ...
 
 A configuration is "mma" (attn_bwd.cu; ATTNEXT_BWD_SM90=0) or "sm90" / "sm90:KV_WARPS,Q_WARPS"
-(attn_bwd_sm90.cu; ATTNEXT_TILE_BWD_SM90), with "+atomic" for deterministic=False's atomic dQ. For each head dim / causal case: attnext's backward
+(attn_bwd_sm90.cu; ATTNEXT_TILE_BWD_SM90), with "+recompute", "+ordered" or "+atomic" (deterministic=False)
+naming the dq mode (ATTNEXT_BWD_DQ; none: the default's). For each head dim / causal case: attnext's backward
 (from a forward's out and lse) against PyTorch SDPA's flash backend (autograd), bf16,
 triton.testing.do_bench medians, B*S = 16k tokens, TFLOP/s counting 2.5x the forward's FLOPs.
 """
@@ -39,9 +40,10 @@ def main(configs):
         qd, kd, vd = (x.detach() for x in (q, k, v))
         out, lse = attnext.attention(qd, kd, vd, causal=causal, return_lse=True)
         for cfg in configs:
-            kind, _, tile = cfg.removesuffix("+atomic").partition(":")
-            det = not cfg.endswith("+atomic")
-            os.environ["ATTNEXT_BWD_DQ"] = "" if det else "atomic"
+            base, _, mode = cfg.partition("+")
+            kind, _, tile = base.partition(":")
+            det = mode != "atomic"
+            os.environ["ATTNEXT_BWD_DQ"] = mode
             os.environ["ATTNEXT_BWD_SM90"] = "1" if kind == "sm90" else "0"
             os.environ.pop("ATTNEXT_TILE_BWD_SM90", None)
             if tile:

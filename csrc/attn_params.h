@@ -107,8 +107,9 @@ typedef struct {
      * dimensions have stride 0, so the sum over them lands in one element. */
     tensor4 dout, dq, dk, dv, dbias;
     /* GPU backward scratch (the CPU backend keeps its own): delta (B, Hq, Sq) float32 =
-     * rowsum(dout * out) per row, laid out like lse; dq_accum (B, Sq, Hq, D) float32 */
-    tensor4 delta, dq_accum;
+     * rowsum(dout * out) per row, laid out like lse; dq_accum (B, Sq, Hq, D) float32;
+     * dq_sem (B, Hq, query tiles) int32: the ordered dq additions' counters (s[0..2]) */
+    tensor4 delta, dq_accum, dq_sem;
     /* GPU split-KV forward scratch: num_splits partial results per row, contiguous,
      * o_accum [split][B][Hq][Sq][Dv] and lse_accum [split][B][Hq][Sq] float32 (natural log) */
     float *o_accum, *lse_accum;

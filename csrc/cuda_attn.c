@@ -2,20 +2,31 @@
  * device pointers, and launches a compiled kernel (attnext/kernels.py chose and compiled it;
  * attnext/cuda_backend.py allocated and checked every array).
  *
- * cuda_launch_attention(prob) reads these attributes of prob:
- *   fn                a function capsule (module_function); grid, block: 3-tuples; smem: bytes
- *   device, stream    ints (stream 0: the legacy default stream)
+ * Two steps, so that a call's launch parses no attribute: attnext/cuda_backend.py's plan cache
+ * (keyed on shapes, strides, dtypes and options) builds a launch template once per plan, and each
+ * call hands it the call's device addresses.
+ *
+ * attn_template(prob) -> bytes reads these attributes of prob:
+ *   device            the CUDA ordinal the kernels run on
  *   dtype, B, causal, window_left, window_right, bias_dtype, alibi_dtype, bias_heads, mask_heads,
- *   scale, softcap    as for _C.forward
- *   q, k, v, out, dout, dq, dk, dv, lse, dbias, bias, mask, alibi, cu_seqlens_q, cu_seqlens_k,
- *   seqused_q, seqused_k, and the scratch buffers the backward names: each None or a tuple
- *   (ptr, shape, strides) with shape and strides (in elements) of the ranks in attn_params.h.
- *   gmods (optional)  None, or the bytes of the generated score_mod / mask_mod's attn_mods_gpu
- *                     (attnext/codegen.py: pack)
+ *   num_splits        as for _C.forward (num_splits: the split-KV forward's key splits, else 1)
+ *   q, k, v, out, dout, dq, dk, dv, lse, dbias, bias, mask, alibi, delta, dq_accum, dq_sem: each None or a
+ *   tuple (ptr, shape, strides) with shape and strides (in elements) of the ranks in
+ *   attn_params.h; only their shapes and strides are kept (None: the feature is off)
+ *
+ * cuda_launch_attention(fn, grid, block, smem, stream, template, ptrs, scale, softcap) launches
+ *   fn (a module_function capsule) over grid and block (3-tuples) with smem bytes of dynamic
+ *   shared memory on stream (0: the legacy default stream), the template's attn_params given
+ *   this call's addresses: ptrs, a tuple of ints or None (NULL) in the order of PTR_FIELDS
+ *   below (a shorter tuple leaves the rest NULL), and the scalars scale and softcap. An optional
+ *   10th argument gmods, None or the bytes of this call's attn_mods_gpu (the generated
+ *   score_mod / mask_mod's constants, arrays, error record and gradient accumulator;
+ *   attnext/codegen.py: pack), fills p->gmods; without it gmods stays zero.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <stddef.h>
 #include <string.h>
 
 #include "attn_params.h"
@@ -29,16 +40,6 @@ static int attr_long(PyObject *prob, const char *name, long long *out)
     *out = PyLong_AsLongLong(o);
     Py_DECREF(o);
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
-}
-
-static int attr_double(PyObject *prob, const char *name, double *out)
-{
-    PyObject *o = PyObject_GetAttrString(prob, name);
-    if (!o)
-        return -1;
-    *out = PyFloat_AsDouble(o);
-    Py_DECREF(o);
-    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }
 
 /* A (ptr, shape, strides) tuple of `ndim` dims into t, dims padded at the front to 4; shape4
@@ -82,136 +83,177 @@ done:
     return rc;
 }
 
-static int attr_dims(PyObject *prob, const char *name, unsigned out[3])
-{
-    PyObject *o = PyObject_GetAttrString(prob, name);
-    if (!o)
-        return -1;
-    int rc = PyArg_ParseTuple(o, "III", &out[0], &out[1], &out[2]) ? 0 : -1;
-    Py_DECREF(o);
-    return rc;
-}
-
-/* prob.gmods (absent or None: zeros) into g; its size must be the struct's */
-static int read_gmods(PyObject *prob, attn_mods_gpu *g)
-{
-    PyObject *o = PyObject_GetAttrString(prob, "gmods");
-    if (!o) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
-            return -1;
-        PyErr_Clear();
-        return 0;
-    }
-    int rc = 0;
-    if (o != Py_None) {
-        Py_buffer buf;
-        rc = PyObject_GetBuffer(o, &buf, PyBUF_SIMPLE);
-        if (!rc) {
-            if (buf.len != (Py_ssize_t)sizeof *g) {
-                PyErr_Format(PyExc_ValueError, "attnext._C: gmods has %zd bytes, attn_mods_gpu %zu",
-                             buf.len, sizeof *g);
-                rc = -1;
-            } else {
-                memcpy(g, buf.buf, sizeof *g);
-            }
-            PyBuffer_Release(&buf);
-        }
-    }
-    Py_DECREF(o);
-    return rc;
-}
-
-static PyObject *c_cuda_launch_attention(PyObject *module, PyObject *prob)
-{
+/* What attn_template returns: the parameters less the call's addresses and scalars, and what the
+ * launch checks those addresses against. */
+typedef struct {
     attn_params p;
-    long long dtype, B, causal, wl, wr, bias_dtype, alibi_dtype, bias_heads, mask_heads, device,
-        stream, smem, qs[4], ks[4], vs[4];
-    unsigned grid[3], block[3];
-    memset(&p, 0, sizeof p);
+    long long device;
+    int q_empty, kv_empty;       /* an empty q, or k and v without a row: a NULL address is fine */
+} attn_template;
+
+/* The pointer fields a launch fills from its `ptrs`, in that tuple's order (the forward's first,
+ * so its tuple stays short). */
+#define PTR_FIELD(f) offsetof(attn_params, f)
+static const size_t PTR_FIELDS[] = {
+    PTR_FIELD(q.ptr), PTR_FIELD(k.ptr), PTR_FIELD(v.ptr), PTR_FIELD(out.ptr), PTR_FIELD(lse.ptr),
+    PTR_FIELD(o_accum), PTR_FIELD(lse_accum), PTR_FIELD(bias.ptr), PTR_FIELD(mask.ptr),
+    PTR_FIELD(alibi.ptr), PTR_FIELD(cu_seqlens_q), PTR_FIELD(cu_seqlens_k), PTR_FIELD(seqused_q),
+    PTR_FIELD(seqused_k), PTR_FIELD(dout.ptr), PTR_FIELD(dq.ptr), PTR_FIELD(dk.ptr),
+    PTR_FIELD(dv.ptr), PTR_FIELD(dbias.ptr), PTR_FIELD(delta.ptr), PTR_FIELD(dq_accum.ptr),
+    PTR_FIELD(dq_sem.ptr),
+};
+#define N_PTR_FIELDS ((Py_ssize_t)(sizeof PTR_FIELDS / sizeof PTR_FIELDS[0]))
+
+static PyObject *c_attn_template(PyObject *module, PyObject *prob)
+{
+    attn_template t;
+    attn_params *p = &t.p;
+    long long dtype, B, causal, wl, wr, bias_dtype, alibi_dtype, bias_heads, mask_heads, splits,
+        qs[4], ks[4], vs[4];
+    memset(&t, 0, sizeof t);
     if (attr_long(prob, "dtype", &dtype) || attr_long(prob, "B", &B) || attr_long(prob, "causal", &causal)
         || attr_long(prob, "window_left", &wl) || attr_long(prob, "window_right", &wr)
         || attr_long(prob, "bias_dtype", &bias_dtype) || attr_long(prob, "alibi_dtype", &alibi_dtype)
         || attr_long(prob, "bias_heads", &bias_heads) || attr_long(prob, "mask_heads", &mask_heads)
-        || attr_long(prob, "device", &device) || attr_long(prob, "stream", &stream)
-        || attr_long(prob, "smem", &smem) || attr_double(prob, "scale", &p.scale)
-        || attr_double(prob, "softcap", &p.softcap) || attr_dims(prob, "grid", grid)
-        || attr_dims(prob, "block", block))
+        || attr_long(prob, "device", &t.device) || attr_long(prob, "num_splits", &splits))
         return NULL;
-    p.dtype = (attn_dtype)dtype;
-    p.B = B;
-    p.causal = (attn_causal)causal;
-    p.window_left = wl;
-    p.window_right = wr;
-    p.bias_dtype = (attn_dtype)bias_dtype;
-    p.alibi_dtype = (attn_dtype)alibi_dtype;
-    p.bias_heads = bias_heads;
-    p.mask_heads = mask_heads;
-    tensor4 t;
-    if (attr_tensor(prob, "q", 4, &p.q, qs) || attr_tensor(prob, "k", 4, &p.k, ks)
-        || attr_tensor(prob, "v", 4, &p.v, vs) || attr_tensor(prob, "out", 4, &p.out, NULL)
-        || attr_tensor(prob, "lse", 3, &p.lse, NULL) || attr_tensor(prob, "bias", 4, &p.bias, NULL)
-        || attr_tensor(prob, "mask", 4, &p.mask, NULL) || attr_tensor(prob, "alibi", 2, &p.alibi, NULL)
-        || attr_tensor(prob, "dout", 4, &p.dout, NULL) || attr_tensor(prob, "dq", 4, &p.dq, NULL)
-        || attr_tensor(prob, "dk", 4, &p.dk, NULL) || attr_tensor(prob, "dv", 4, &p.dv, NULL)
-        || attr_tensor(prob, "dbias", 4, &p.dbias, NULL)
-        || attr_tensor(prob, "delta", 3, &p.delta, NULL) || attr_tensor(prob, "dq_accum", 4, &p.dq_accum, NULL))
+    p->dtype = (attn_dtype)dtype;
+    p->B = B;
+    p->causal = (attn_causal)causal;
+    p->window_left = wl;
+    p->window_right = wr;
+    p->bias_dtype = (attn_dtype)bias_dtype;
+    p->alibi_dtype = (attn_dtype)alibi_dtype;
+    p->bias_heads = bias_heads;
+    p->mask_heads = mask_heads;
+    p->num_splits = (int)splits;
+    if (attr_tensor(prob, "q", 4, &p->q, qs) || attr_tensor(prob, "k", 4, &p->k, ks)
+        || attr_tensor(prob, "v", 4, &p->v, vs) || attr_tensor(prob, "out", 4, &p->out, NULL)
+        || attr_tensor(prob, "lse", 3, &p->lse, NULL) || attr_tensor(prob, "bias", 4, &p->bias, NULL)
+        || attr_tensor(prob, "mask", 4, &p->mask, NULL) || attr_tensor(prob, "alibi", 2, &p->alibi, NULL)
+        || attr_tensor(prob, "dout", 4, &p->dout, NULL) || attr_tensor(prob, "dq", 4, &p->dq, NULL)
+        || attr_tensor(prob, "dk", 4, &p->dk, NULL) || attr_tensor(prob, "dv", 4, &p->dv, NULL)
+        || attr_tensor(prob, "dbias", 4, &p->dbias, NULL)
+        || attr_tensor(prob, "delta", 3, &p->delta, NULL) || attr_tensor(prob, "dq_accum", 4, &p->dq_accum, NULL)
+        || attr_tensor(prob, "dq_sem", 3, &p->dq_sem, NULL))
         return NULL;
     /* lse (Bm, Hq, Sq) and alibi (B, Hq) arrive padded at the front; move them to s[0].. */
-    p.lse.s[0] = p.lse.s[1]; p.lse.s[1] = p.lse.s[2]; p.lse.s[2] = p.lse.s[3]; p.lse.s[3] = 0;
-    p.delta.s[0] = p.delta.s[1]; p.delta.s[1] = p.delta.s[2]; p.delta.s[2] = p.delta.s[3]; p.delta.s[3] = 0;
-    p.alibi.s[0] = p.alibi.s[2]; p.alibi.s[1] = p.alibi.s[3]; p.alibi.s[2] = p.alibi.s[3] = 0;
-    const char *len_names[4] = {"cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k"};
-    const int32_t **len_ptrs[4] = {&p.cu_seqlens_q, &p.cu_seqlens_k, &p.seqused_q, &p.seqused_k};
-    for (int i = 0; i < 4; i++) {
-        if (attr_tensor(prob, len_names[i], 1, &t, NULL))
-            return NULL;
-        *len_ptrs[i] = (const int32_t *)t.ptr;
-    }
-    long long splits;
-    if (attr_tensor(prob, "o_accum", 1, &t, NULL))
-        return NULL;
-    p.o_accum = (float *)t.ptr;
-    if (attr_tensor(prob, "lse_accum", 1, &t, NULL) || attr_long(prob, "num_splits", &splits))
-        return NULL;
-    p.lse_accum = (float *)t.ptr;
-    p.num_splits = (int)splits;
-    if (read_gmods(prob, &p.gmods))
-        return NULL;
-    p.Sq = qs[1]; p.Hq = qs[2]; p.D = qs[3];
-    p.Sk = ks[1]; p.Hk = ks[2]; p.Dv = vs[3];
-    /* an empty q, k or v (S = 0, or no key rows at all) may come with a null address: the
-     * kernels then read nothing from it (every row keeps no key, or there is no row) */
-    const int q_empty = qs[0] * qs[1] == 0, kv_empty = ks[0] * ks[1] == 0;
-    if ((!p.q.ptr && !q_empty) || ((!p.k.ptr || !p.v.ptr) && !kv_empty) || p.Hk <= 0 || p.Hq % p.Hk) {
+    p->lse.s[0] = p->lse.s[1]; p->lse.s[1] = p->lse.s[2]; p->lse.s[2] = p->lse.s[3]; p->lse.s[3] = 0;
+    p->delta.s[0] = p->delta.s[1]; p->delta.s[1] = p->delta.s[2]; p->delta.s[2] = p->delta.s[3]; p->delta.s[3] = 0;
+    p->dq_sem.s[0] = p->dq_sem.s[1]; p->dq_sem.s[1] = p->dq_sem.s[2]; p->dq_sem.s[2] = p->dq_sem.s[3]; p->dq_sem.s[3] = 0;
+    p->alibi.s[0] = p->alibi.s[2]; p->alibi.s[1] = p->alibi.s[3]; p->alibi.s[2] = p->alibi.s[3] = 0;
+    p->Sq = qs[1]; p->Hq = qs[2]; p->D = qs[3];
+    p->Sk = ks[1]; p->Hk = ks[2]; p->Dv = vs[3];
+    if (p->Hk <= 0 || p->Hq % p->Hk) {
         PyErr_SetString(PyExc_ValueError, "attnext._C: q, k, v missing or heads disagree");
         return NULL;
     }
+    /* an empty q, k or v (S = 0, or no key rows at all) may come with a null address: the
+     * kernels then read nothing from it (every row keeps no key, or there is no row) */
+    t.q_empty = qs[0] * qs[1] == 0;
+    t.kv_empty = ks[0] * ks[1] == 0;
+    /* the addresses are the launch's */
+    for (Py_ssize_t i = 0; i < N_PTR_FIELDS; i++)
+        memset((char *)p + PTR_FIELDS[i], 0, sizeof(void *));
+    return PyBytes_FromStringAndSize((const char *)&t, sizeof t);
+}
 
-    PyObject *fn_obj = PyObject_GetAttrString(prob, "fn");
-    if (!fn_obj)
-        return NULL;
-    CUfunction fn = cuda_function_from_capsule(fn_obj);
-    int fn_device = cuda_function_device(fn_obj);
-    Py_DECREF(fn_obj);
-    if (!fn)
-        return NULL;
-    if (fn_device != device) {
-        PyErr_Format(PyExc_ValueError, "attnext._C: the kernel was loaded on cuda:%d, the arrays live on cuda:%lld",
-                     fn_device, device);
+static int dims3(PyObject *o, const char *name, unsigned out[3])
+{
+    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != 3) {
+        PyErr_Format(PyExc_TypeError, "cuda_launch_attention: %s must be a 3-tuple", name);
+        return -1;
+    }
+    for (int i = 0; i < 3; i++) {
+        unsigned long v = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(o, i));
+        if (v == (unsigned long)-1 && PyErr_Occurred())
+            return -1;
+        out[i] = (unsigned)v;
+    }
+    return 0;
+}
+
+static PyObject *c_cuda_launch_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    unsigned grid[3], block[3];
+    if (nargs != 9 && nargs != 10) {
+        PyErr_Format(PyExc_TypeError, "cuda_launch_attention takes 9 or 10 arguments (fn, grid, "
+                     "block, smem, stream, template, ptrs, scale, softcap[, gmods]), got %zd", nargs);
         return NULL;
     }
-    if (cuda_device_enter((int)device))
+    PyObject *fn_obj = args[0], *tmpl = args[5], *ptrs = args[6];
+    if (dims3(args[1], "grid", grid) || dims3(args[2], "block", block))
+        return NULL;
+    unsigned long smem = PyLong_AsUnsignedLong(args[3]);
+    if (smem == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    void *stream = PyLong_AsVoidPtr(args[4]);
+    if (!stream && PyErr_Occurred())
+        return NULL;
+    if (!PyBytes_Check(tmpl) || PyBytes_GET_SIZE(tmpl) != (Py_ssize_t)sizeof(attn_template)) {
+        PyErr_SetString(PyExc_TypeError, "cuda_launch_attention: template must come from attn_template()");
+        return NULL;
+    }
+    if (!PyTuple_Check(ptrs) || PyTuple_GET_SIZE(ptrs) > N_PTR_FIELDS) {
+        PyErr_Format(PyExc_TypeError, "cuda_launch_attention: ptrs must be a tuple of at most %zd "
+                     "addresses", N_PTR_FIELDS);
+        return NULL;
+    }
+    attn_template t;
+    memcpy(&t, PyBytes_AS_STRING(tmpl), sizeof t);
+    attn_params *p = &t.p;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(ptrs); i++) {
+        PyObject *o = PyTuple_GET_ITEM(ptrs, i);
+        void *ptr = o == Py_None ? NULL : PyLong_AsVoidPtr(o);
+        if (!ptr && PyErr_Occurred())
+            return NULL;
+        memcpy((char *)p + PTR_FIELDS[i], &ptr, sizeof ptr);
+    }
+    p->scale = PyFloat_AsDouble(args[7]);
+    if (p->scale == -1.0 && PyErr_Occurred())
+        return NULL;
+    p->softcap = PyFloat_AsDouble(args[8]);
+    if (p->softcap == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (nargs == 10 && args[9] != Py_None) {
+        PyObject *g = args[9];
+        if (!PyBytes_Check(g) || PyBytes_GET_SIZE(g) != (Py_ssize_t)sizeof p->gmods) {
+            PyErr_Format(PyExc_ValueError, "cuda_launch_attention: gmods must be %zu bytes of "
+                         "attn_mods_gpu", sizeof p->gmods);
+            return NULL;
+        }
+        memcpy(&p->gmods, PyBytes_AS_STRING(g), sizeof p->gmods);
+    }
+    if ((!p->q.ptr && !t.q_empty) || ((!p->k.ptr || !p->v.ptr) && !t.kv_empty)) {
+        PyErr_SetString(PyExc_ValueError, "attnext._C: q, k, v missing or heads disagree");
+        return NULL;
+    }
+    CUfunction fn = cuda_function_from_capsule(fn_obj);
+    if (!fn)
+        return NULL;
+    int fn_device = cuda_function_device(fn_obj);
+    if (fn_device != t.device) {
+        PyErr_Format(PyExc_ValueError, "attnext._C: the kernel was loaded on cuda:%d, the arrays live on cuda:%lld",
+                     fn_device, t.device);
+        return NULL;
+    }
+    if (cuda_device_enter((int)t.device))
         return NULL;
     CU_CHECK_RC("cuLaunchKernel (attention)",
-                cuda_launch_struct(fn, grid, block, (unsigned)smem, (CUstream)(intptr_t)stream, &p));
+                cuda_launch_struct(fn, grid, block, (unsigned)smem, (CUstream)stream, p));
     Py_RETURN_NONE;
 fail:
     return NULL;
 }
 
 static PyMethodDef attnext_cuda_attn_methods[] = {
-    {"cuda_launch_attention", c_cuda_launch_attention, METH_O,
-     "cuda_launch_attention(prob): launch prob.fn over the attn_params built from prob's device arrays."},
+    {"attn_template", c_attn_template, METH_O,
+     "attn_template(prob) -> bytes: the attn_params of prob's shapes, strides and options, for "
+     "cuda_launch_attention."},
+    {"cuda_launch_attention", (PyCFunction)(void (*)(void))c_cuda_launch_attention, METH_FASTCALL,
+     "cuda_launch_attention(fn, grid, block, smem, stream, template, ptrs, scale, softcap[, gmods]): "
+     "launch fn over the template's attn_params with this call's device addresses (and score_mod / "
+     "mask_mod inputs)."},
     {NULL, NULL, 0, NULL},
 };
 

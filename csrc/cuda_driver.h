@@ -90,6 +90,7 @@ enum { NVRTC_SUCCESS = 0, NVRTC_ERROR_COMPILATION = 6 };
     X(cuDevicePrimaryCtxRetain, (CUcontext *ctx, CUdevice device))                             \
     X(cuCtxSetCurrent, (CUcontext ctx))                                                        \
     X(cuCtxGetCurrent, (CUcontext *ctx))                                                       \
+    X(cuCtxSynchronize, (void))                                                                \
     X(cuModuleLoadData, (CUmodule *module, const void *image))                                 \
     X(cuModuleUnload, (CUmodule module))                                                       \
     X(cuModuleGetFunction, (CUfunction *fn, CUmodule module, const char *name))                \

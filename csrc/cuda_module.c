@@ -654,6 +654,21 @@ fail:
     return NULL;
 }
 
+static PyObject *c_device_synchronize(PyObject *module, PyObject *args)
+{
+    int device = 0;
+    CUresult rc;
+    if (!PyArg_ParseTuple(args, "|i:device_synchronize", &device) || cuda_device_enter(device))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = CU.cuCtxSynchronize();
+    Py_END_ALLOW_THREADS
+    CU_CHECK_RC("cuCtxSynchronize", rc);
+    Py_RETURN_NONE;
+fail:
+    return NULL;
+}
+
 static PyObject *c_stream_create(PyObject *module, PyObject *args)
 {
     int device = 0, non_blocking = 1;
@@ -1186,6 +1201,9 @@ PyMethodDef attnext_cuda_methods[] = {
      "memset_d8(ptr: int, value: int, nbytes: int, stream: int, device: int = 0, /) -> None"},
     {"stream_synchronize", c_stream_synchronize, METH_VARARGS,
      "stream_synchronize(stream: int, device: int = 0, /) -> None, GIL released while waiting."},
+    {"device_synchronize", c_device_synchronize, METH_VARARGS,
+     "device_synchronize(device: int = 0, /) -> None: waits for all work on the device, every "
+     "stream's (GIL released)."},
     {"stream_create", c_stream_create, METH_VARARGS,
      "stream_create(device: int = 0, non_blocking: bool = True, /) -> int: a new stream; "
      "non-blocking streams do not synchronize with the legacy default stream."},

@@ -115,7 +115,7 @@ DEV void store_from_f32(void *p, int64_t i, int dt, float f)
 
 /* ---------------------------------------------------------------- delta */
 /* Grid (row tiles of PRE_ROWS, Hq, B). delta[r] = sum_d dout[r, d] * out[r, d] for the rows of
- * the sequence, 0 for its padding rows; dq_accum's rows zeroed when it is given. */
+ * the sequence, 0 for its padding rows; dq_accum's rows and dq_sem's counters zeroed when given. */
 extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __grid_constant__ attn_params p)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -145,6 +145,8 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
             for (int d = lane; d < HEAD_DIM; d += 32)
                 gacc[r * p.dq_accum.s[1] + d * p.dq_accum.s[3]] = 0.f;
     }
+    if (p.dq_sem.ptr && threadIdx.x == 0)      /* this row tile's counter (PRE_ROWS = its rows) */
+        ((int *)p.dq_sem.ptr)[b * p.dq_sem.s[0] + h * p.dq_sem.s[1] + blockIdx.x * p.dq_sem.s[2]] = 0;
 }
 
 /* ---------------------------------------------------------------- dK, dV */

@@ -26,6 +26,7 @@
 
 #define KV_THREADS (KV_WARPS * 32)
 #define KV_BLOCK_N (KV_WARPS * 16)
+#define KV_WG (KV_WARPS / 4)            /* warpgroups of the dK/dV kernel */
 #define NTK (HEAD_DIM / 8)              /* n8 column groups of dK, dQ per warp */
 #define NTV (HEAD_DIM_V / 8)            /* of dV */
 
@@ -64,57 +65,117 @@ DEV void mma_rs(float (&acc)[N / 8][4], const uint32_t (&a)[1][4][4], uint32_t b
 
 /* ---------------------------------------------------------------- dK, dV */
 #if DQ_ATOMIC
-/* dQ += dS K for this warpgroup's 64 keys x the query tile at m0, into dq_accum by atomics. pd:
- * dS^T as A fragments (rows keys, columns query rows); staged at sds as an SW128 tile with rows =
- * keys, so that read MN-major it is dS (M = query rows); K read MN-major (N = D) from its keys'
- * rows at sk. D in 64-column chunks to keep the accumulator at 32 registers. */
-DEV void dq_atomic(const attn_params &p, const seq_t &sq, int64_t h, int m0, int Lq,
-                   const uint32_t (&pd)[1][KV_NT / 2][4], uint32_t sds, uint32_t sk)
+/* dQ += dS K for the CTA's KV_BLOCK_N keys x the query tile at m0, into dq_accum by vector float
+ * atomics. pd: this warpgroup's dS^T as A fragments (rows keys, columns query rows), staged at
+ * sds (an SW128 tile of KV_BLOCK_N rows = keys, 64 columns = query rows) so that read MN-major it
+ * is dS (M = query rows); K read MN-major (N = D) from sk. The warpgroups split dQ's columns when
+ * each gets at least 64 of them (every warpgroup then reads every key: half the atomics of one
+ * partial per warpgroup), else each adds its own keys' partial over every column. All products
+ * are issued at once behind dK's and waited for together; the next item's barrier at the loop's
+ * top keeps sds until every warpgroup's products are done. */
+#define DQ_SPLIT (HEAD_DIM / KV_WG >= 64)
+#if DQ_ORDERED && !DQ_SPLIT && KV_WG > 1
+#error "DQ_ORDERED: one dQ partial per CTA (one warpgroup, or the columns split)"
+#endif
+#if DQ_ORDERED
+/* DQ_ORDERED (deterministic): the key blocks add into a query tile one at a time, in descending
+ * key-block order, so every element of dq_accum sees the same additions in the same order on
+ * every run. dq_sem (B, Hq, query tiles; zeroed by attn_bwd_pre) counts the blocks that have
+ * added into a tile; block n's turn at tile m is (the last block that sees m) - n, since the
+ * blocks that see a tile are consecutive (kv_tile_rows is kv_range's exact inverse). The grid
+ * runs the key blocks in reverse (the last first), so a CTA only ever waits for CTAs launched
+ * before it: those are running or done, whatever else shares the GPU. Causal and window blocks
+ * reach their tiles in the same order (lockstep); without a mask block n first waits for the n
+ * blocks above it. A wait that outlasts SEM_SPINS polls (a miscount: never expected) goes on
+ * unordered rather than hang. */
+#define SEM_SPINS (1 << 22)
+DEV void sem_wait(const int *sem, int turn)
 {
-    const int warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    for (int spins = 0; spins < SEM_SPINS; spins++) {
+        int v;
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(sem) : "memory");
+        if (v >= turn)
+            return;
+        if (spins >= 64)
+            __nanosleep(256);
+    }
+}
+
+/* After a barrier that follows every thread's additions: the next block's turn. */
+DEV void sem_signal(int *sem)
+{
+    asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.s32 [%0], 1;" ::"l"(sem) : "memory");
+}
+
+/* The tile's counter and this block's turn at it. */
+DEV int *sem_of(const attn_params &p, int64_t b, int64_t h, int m0, int Lq, int Lk, int n_block, int &turn)
+{
+    int64_t lo, hi;
+    kv_range(&p, m0, min(m0 + KV_BLOCK_M, Lq), Lq, Lk, &lo, &hi);
+    turn = (int)((hi - 1) / KV_BLOCK_N) - n_block;
+    return (int *)p.dq_sem.ptr + b * p.dq_sem.s[0] + h * p.dq_sem.s[1] + (m0 / KV_BLOCK_M) * p.dq_sem.s[2];
+}
+#endif
+#define DQ_COLS (DQ_SPLIT ? HEAD_DIM / KV_WG : HEAD_DIM)   /* dQ columns per warpgroup */
+#define DQ_KEYS (DQ_SPLIT ? KV_BLOCK_N : 64)             /* keys each warpgroup's product reads */
+DEV void dq_atomic(const attn_params &p, const seq_t &sq, int64_t h, int m0, int Lq,
+                   const uint32_t (&pd)[1][KV_NT / 2][4], uint32_t sds, uint32_t sk, int *sem, int turn)
+{
+    const int warp = (threadIdx.x >> 5) & 3, wg = threadIdx.x >> 7, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     /* pd[kk]: keys (16 warp + g, + 8) x query columns 16 kk + 2 t (+ 8), pairs of adjacent columns */
 #pragma unroll
     for (int kk = 0; kk < KV_NT / 2; kk++)
 #pragma unroll
         for (int x = 0; x < 4; x++) {
-            const int key = warp * 16 + g + (x & 1) * 8, col = kk * 16 + (x >> 1) * 8 + 2 * t;
-            asm volatile("st.shared.b32 [%0], %1;" ::"r"(sds + sw128_offset<64>(key, col >> 3) + (col & 7) * 2),
+            const int key = wg * 64 + warp * 16 + g + (x & 1) * 8, col = kk * 16 + (x >> 1) * 8 + 2 * t;
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(sds + sw128_offset<KV_BLOCK_N>(key, col >> 3) + (col & 7) * 2),
                          "r"(pd[0][kk][x]));
         }
     fence_proxy_async();
-    asm volatile("bar.sync %0, 128;" ::"r"(1 + (int)(threadIdx.x >> 7)));   /* this warpgroup's rows */
-    float *acc_row = (float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + sq.start * p.dq_accum.s[1]
-                     + h * p.dq_accum.s[2];
+#if DQ_ORDERED
+    if (threadIdx.x == 0)
+        sem_wait(sem, turn);
+#endif
+    if (DQ_ORDERED || (DQ_SPLIT && KV_WG > 1))
+        __syncthreads();                                     /* every warpgroup's keys; our turn */
+    else
+        asm volatile("bar.sync %0, 128;" ::"r"(1 + wg));                        /* this warpgroup's keys */
+    const int col0 = DQ_SPLIT ? wg * DQ_COLS : 0, key0 = DQ_SPLIT ? 0 : wg * 64;
+    float acc[DQ_COLS / 64][8][4];
+    wgmma_fence();
 #pragma unroll
-    for (int chunk = 0; chunk < HEAD_DIM / 64; chunk++) {
-        float acc[8][4];
-        wgmma_fence();
+    for (int chunk = 0; chunk < DQ_COLS / 64; chunk++)
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++)
-            wgmma_m64n64_ss_tt(acc, sw128_desc(sds + kk * 16 * 128, 64 * 128, 1024),
-                               sw128_desc(sk + chunk * (KV_BLOCK_N * 128) + kk * 16 * 128, KV_BLOCK_N * 128, 1024),
+        for (int kk = 0; kk < DQ_KEYS / 16; kk++)
+            wgmma_m64n64_ss_tt(acc[chunk], sw128_desc(sds + (key0 + kk * 16) * 128, KV_BLOCK_N * 128, 1024),
+                               sw128_desc(sk + (col0 / 64 + chunk) * (KV_BLOCK_N * 128) + (key0 + kk * 16) * 128,
+                                          KV_BLOCK_N * 128, 1024),
                                kk > 0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_acc(acc);
+    wgmma_commit();
+    wgmma_wait<0>();
 #pragma unroll
-        for (int i = 0; i < 2; i++) {
-            const int r = m0 + warp * 16 + g + i * 8;
-            if (r < Lq)
+    for (int chunk = 0; chunk < DQ_COLS / 64; chunk++)
+        fence_acc(acc[chunk]);
+    float *acc_row = (float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + sq.start * p.dq_accum.s[1]
+                     + h * p.dq_accum.s[2] + col0;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int r = m0 + warp * 16 + g + i * 8;
+        if (r < Lq)
+#pragma unroll
+            for (int chunk = 0; chunk < DQ_COLS / 64; chunk++)
 #pragma unroll
                 for (int nt = 0; nt < 8; nt++)
                     red_add_f32x2(acc_row + (int64_t)r * p.dq_accum.s[1] + chunk * 64 + nt * 8 + 2 * t,
-                                  acc[nt][2 * i], acc[nt][2 * i + 1]);
-        }
+                                  acc[chunk][nt][2 * i], acc[chunk][nt][2 * i + 1]);
     }
-    asm volatile("bar.sync %0, 128;" ::"r"(1 + (int)(threadIdx.x >> 7)));   /* sds free for the next item */
 }
 #endif
 
 #define KQ_BYTES (KV_BLOCK_M * HEAD_DIM * 2)
 #define KDO_BYTES (KV_BLOCK_M * HEAD_DIM_V * 2)
 
-extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_sm90(const __grid_constant__ attn_params p)
+extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_sm90(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     /* K, V (the CTA's keys), Q[2], dO[2] (the streamed query tiles), then lse[2], delta[2] */
@@ -133,7 +194,12 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_sm90(c
         return;
     }
     const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
-    const int n0 = blockIdx.x * KV_BLOCK_N;
+#if DQ_ORDERED
+    const int n_block = gridDim.x - 1 - blockIdx.x;     /* the last key block first */
+#else
+    const int n_block = blockIdx.x;
+#endif
+    const int n0 = n_block * KV_BLOCK_N;
     if (n0 >= sk.rows)
         return;
     const int group = (int)(p.Hq / p.Hk), Lq = (int)sq.len, Lk = (int)sk.len;
@@ -178,6 +244,9 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_sm90(c
             sD[tid] = nd;
         }
     }
+#if DQ_ORDERED
+    int *done = NULL;                     /* thread 0: the counter of the tile just added into */
+#endif
     for (int j = 0; j < items; j++) {
         const int buf = j & 1;
         const int64_t h = hk * group + j / nm;
@@ -185,6 +254,10 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_sm90(c
         cp_async_wait_all();
         fence_proxy_async();
         __syncthreads();                  /* item j in buffer buf; every warp is done with item j - 1 */
+#if DQ_ORDERED
+        if (tid == 0 && done)
+            sem_signal(done);             /* item j - 1's additions are all in */
+#endif
         nl = POS_INF;
         nd = 0.f;
         if (j + 1 < items)
@@ -215,8 +288,13 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_sm90(c
         wgmma_fence();
         mma_rs<HEAD_DIM>(dk[0], pd, qb);             /* dK += dS^T Q */
         wgmma_commit();
-#if DQ_ATOMIC
-        dq_atomic(p, sq, h, m0, Lq, pd, sdS + wg * 64 * 128, sK + wg * 64 * 128);
+#if DQ_ORDERED
+        int turn;
+        int *sem = sem_of(p, b, h, m0, Lq, Lk, n_block, turn);
+        dq_atomic(p, sq, h, m0, Lq, pd, sdS, sK, sem, turn);
+        done = sem;
+#elif DQ_ATOMIC
+        dq_atomic(p, sq, h, m0, Lq, pd, sdS, sK, NULL, 0);
 #endif
         wgmma_wait<0>();
         fence_acc(dv[0]);
@@ -227,6 +305,11 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_sm90(c
         }
     }
     cp_async_wait_all();
+#if DQ_ORDERED
+    __syncthreads();
+    if (tid == 0 && done)
+        sem_signal(done);
+#endif
     store_dkdv(p, sk, hk, dk, dv, n0 + warp * 16, true, true);
 }
 
@@ -234,7 +317,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_sm90(c
 #define QK_BYTES (Q_BLOCK_N * HEAD_DIM * 2)
 #define QV_BYTES (Q_BLOCK_N * HEAD_DIM_V * 2)
 
-extern "C" __global__ void __launch_bounds__(Q_THREADS, 1) attn_bwd_dq_sm90(const __grid_constant__ attn_params p)
+extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq_sm90(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     /* Q, dO (the CTA's rows), K[2], V[2] (the key tiles) */

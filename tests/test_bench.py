@@ -199,7 +199,7 @@ class FakeAttnext:
         o, _ = bc.reference(q, k, v, causal=causal)
         return self._give(o, out, q, (q.shape[0], q.shape[2], q.shape[1]), return_lse)
 
-    def attention_backward(self, dout, q, k, v, out, lse, *, causal=False, device=None):
+    def attention_backward(self, dout, q, k, v, out, lse, *, causal=False, device=None, deterministic=True):
         if self.fault == "raise":
             raise NotImplementedError("the CUDA backward is not built yet")
         _, g = bc.reference(q, k, v, dout, causal)
@@ -211,14 +211,14 @@ class FakeAttnext:
 
     def varlen_attention(self, q, k, v, cu_q, cu_k, *, max_seqlen_q, max_seqlen_k, causal,
                          device, out=None, return_lse=False):
-        assert max_seqlen_q == int(np.diff(cu_q.numpy()).max())
-        o, _ = bc.packed_reference(q, k, v, q, np.diff(cu_q.numpy()))
+        assert max_seqlen_q == int(np.diff(np.asarray(cu_q)).max())
+        o, _ = bc.packed_reference(q, k, v, q, np.diff(np.asarray(cu_q)))
         return self._give(o, out, q, (q.shape[1], q.shape[0]), return_lse)
 
     def varlen_attention_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, **kw):
         if self.fault == "raise":
             raise NotImplementedError("the CUDA backward is not built yet")
-        _, g = bc.packed_reference(q, k, v, dout, np.diff(cu_q.numpy()))
+        _, g = bc.packed_reference(q, k, v, dout, np.diff(np.asarray(cu_q)))
         return self._grads(g, q)
 
 
@@ -235,8 +235,8 @@ def _cpu_run(monkeypatch, fault=None, peers=("flash", "cudnn")):
 def test_plain_rows_on_cpu(monkeypatch):
     run = _cpu_run(monkeypatch)
     case = bc.Case("plain", 2, 96, 96, 4, 4, 32, True)
-    fwd, bwd = bc.case_rows(run, case)
-    for row in (fwd, bwd):
+    fwd, bwd, bwd_nd = bc.case_rows(run, case)
+    for row in (fwd, bwd, bwd_nd):
         assert row["attnext_status"] == "ok", row["attnext_reason"]
         assert row["attnext_ms"] == 1.0 and _positive(row["attnext_wall_ms"])
         assert all(e < bc.TOL for e in row["attnext_rel_errors"].values())
@@ -244,13 +244,14 @@ def test_plain_rows_on_cpu(monkeypatch):
         assert row["ratio_flash"] == pytest.approx(1.0)
         assert row["cudnn_status"] == "error" and row["cudnn_reason"]
         assert row["efficient_status"] == row["flex_status"] == "skipped"
-    assert set(bwd["attnext_rel_errors"]) == {"dq", "dk", "dv"}
-    json.dumps([fwd, bwd])
+    assert set(bwd["attnext_rel_errors"]) == set(bwd_nd["attnext_rel_errors"]) == {"dq", "dk", "dv"}
+    assert bwd_nd["flash_ms"] == bwd["flash_ms"]     # the peers' one backward beside both
+    json.dumps([fwd, bwd, bwd_nd])
 
 
 def test_wrong_results_are_not_timed(monkeypatch):
     run = _cpu_run(monkeypatch, "wrong", peers=())
-    fwd, bwd = bc.case_rows(run, bc.Case("plain", 1, 64, 64, 2, 2, 16, False))
+    fwd, bwd, _ = bc.case_rows(run, bc.Case("plain", 1, 64, 64, 2, 2, 16, False))
     assert fwd["attnext_status"] == "WRONG" and fwd["attnext_ms"] is None
     assert "out off by" in fwd["attnext_reason"]
     assert bwd["attnext_status"] == "WRONG" and "dq off by" in bwd["attnext_reason"]
@@ -259,7 +260,7 @@ def test_wrong_results_are_not_timed(monkeypatch):
 
 def test_attnext_exception_is_a_dash_with_its_text(monkeypatch):
     run = _cpu_run(monkeypatch, "raise", peers=())
-    fwd, bwd = bc.case_rows(run, bc.Case("plain", 1, 64, 64, 2, 2, 16, True))
+    fwd, bwd, _ = bc.case_rows(run, bc.Case("plain", 1, 64, 64, 2, 2, 16, True))
     assert fwd["attnext_status"] == "ok"
     assert bwd["attnext_status"] == "error" and bwd["attnext_ms"] is None
     assert bwd["attnext_reason"] == "NotImplementedError: the CUDA backward is not built yet"
@@ -271,8 +272,8 @@ def test_packed_rows_on_cpu(monkeypatch):
     run = _cpu_run(monkeypatch)
     lens = (5, 37, 18)
     case = bc.Case("packed", 1, sum(lens), sum(lens), 2, 2, 16, True, lens)
-    fwd, bwd = bc.case_rows(run, case)
-    for row in (fwd, bwd):
+    fwd, bwd, bwd_nd = bc.case_rows(run, case)
+    for row in (fwd, bwd, bwd_nd):
         assert row["attnext_status"] == "ok", row["attnext_reason"]
         assert row["flash_status"] == "ok", row["flash_reason"]
         assert row["target"] == ">=1.0x flex" and row["target_met"] is None   # flex not run
@@ -331,7 +332,7 @@ def test_main_end_to_end_on_cpu(monkeypatch, tmp_path, capsys, fault, status):
     saved = json.loads(path.read_text())
     assert saved["header"][1] == "times: fake"
     rows = saved["rows"]
-    assert len(rows) == 2 * 2 + 2 + 1 + 1
+    assert len(rows) == 2 * 3 + 3 + 1 + 1     # plain and packed: fwd, bwd, bwd_nd
     want = "WRONG" if fault else "ok"
     assert {r["attnext_status"] for r in rows} == {want}
     assert all(r["cudnn_status"] == "skipped" for r in rows if r["section"] != "numpy")

@@ -349,14 +349,20 @@ def test_gpu_call_binds_reports_and_returns_on_the_fake_driver(fake_libcuda):
     """attention / attention_backward with CUDA arrays and a score_mod through api.py and
     cuda_backend to the launch, on test_cuda_host's fake libcuda (its device memory is host
     memory, its launches do nothing; NVRTC compiles the real kernels): what the launch gets
-    (the float constant, the uploaded table, the error record and accumulator), the IndexError
-    made from the error record, and dtensors made from the accumulator's words."""
+    (the float constant, the uploaded table, the error record and accumulator, copied into
+    attn_params.gmods by _C.cuda_launch_attention), the IndexError made from the error record,
+    dtensors made from the accumulator's words, and the plans: the generated code is part of a
+    plan's key, the constants are not."""
     out = _run(r"""
         import ctypes
+        import os
         import numpy as np
         import attnext
-        from attnext import _C, codegen, device
+        import fake_cuda
+        from attnext import _C, codegen, cuda_backend, device
         _C.cuda_load()
+        lib = ctypes.CDLL(os.environ["ATTNEXT_LIBCUDA"])
+        fake_cuda.counter(lib, "record").value = 1
         rng = np.random.default_rng(0)
 
         def dev(x):
@@ -366,16 +372,23 @@ def test_gpu_call_binds_reports_and_returns_on_the_fake_driver(fake_libcuda):
 
         q, k, v = (dev(rng.standard_normal((1, 10, 2, 59)).astype(np.float16)) for _ in range(3))
         table = rng.standard_normal(5)
-        seen, mode = [], {"what": "error"}
+        seen, accum, mode = [], [], {"what": "error", "scale": 0.375}
+        real_launch = _C.cuda_launch_attention
 
-        def fake_launch(prob):
-            rec = np.frombuffer(prob.gmods, codegen.MODS_DTYPE)[0]
+        def fake_launch(*args):
+            assert len(args) == 10 and args[9] is not None, len(args)
+            real_launch(*args)
+            gmods = args[9]
+            params = fake_cuda.last_launch(lib).params
+            assert bytes(params.gmods) == gmods
+            accum.append(params.dq_accum.ptr)
+            rec = np.frombuffer(gmods, codegen.MODS_DTYPE)[0]
             seen.append(rec)
             a = rec["a"][0]
             data = np.frombuffer(ctypes.string_at(int(a["ptr"]), 40), np.float32)
             assert tuple(a["shape"]) == (5, 1, 1, 1) and a["s"][0] == 1, a
             assert np.array_equal(data[:5], table.astype(np.float32)), data
-            assert abs(rec["f"][0] - 0.375) < 1e-7, rec["f"][:2]
+            assert abs(rec["f"][0] - mode["scale"]) < 1e-7, rec["f"][:2]
             if mode["what"] == "error":
                 err = np.array([1, 0, 0, 7, 5], np.int64)
                 ctypes.memmove(int(rec["err"]), err.ctypes.data, err.nbytes)
@@ -388,7 +401,7 @@ def test_gpu_call_binds_reports_and_returns_on_the_fake_driver(fake_libcuda):
         _C.cuda_launch_attention = fake_launch
 
         def score_mod(s, b, h, qi, ki):
-            return s * 0.375 + table[ki]
+            return s * mode["scale"] + table[ki]
 
         try:
             attnext.attention(q, k, v, score_mod=score_mod)
@@ -397,12 +410,29 @@ def test_gpu_call_binds_reports_and_returns_on_the_fake_driver(fake_libcuda):
             assert str(e) == ("score_mod: index 7 is out of bounds for axis 0 of array 'table' "
                               "with size 5"), e
         mode["what"] = "grad"
+        plans = cuda_backend.plan_count()
+        mode["scale"] = 0.5                        # another constant: the same plan
+        attnext.attention(q, k, v, score_mod=score_mod)
+        assert cuda_backend.plan_count() == plans, (plans, cuda_backend.plan_count())
+        attnext.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s * mode["scale"] + table[qi])
+        assert cuda_backend.plan_count() == plans + 1
+        _C.cuda_launch_attention = real_launch     # without mods: 9 arguments, gmods zero
+        attnext.attention(q, k, v)
+        assert not any(fake_cuda.last_launch(lib).params.gmods)
+        _C.cuda_launch_attention = fake_launch
+        mode["scale"] = 0.375
         out = dev(np.zeros((1, 10, 2, 59), np.float16))
         lse = dev(np.zeros((1, 2, 10), np.float32))
-        g = attnext.attention_backward(out, q, k, v, out, lse, score_mod=score_mod)
-        assert set(g.dtensors) == {"table"} and g.dtensors["table"].dtype == np.float64
-        assert np.array_equal(g.dtensors["table"], [0, 0, 1.5, 0, 0]), g.dtensors
-        assert len(seen) >= 3 and all(r["dacc"] for r in seen[1:])
+        os.environ["ATTNEXT_BWD_DQ"] = "atomic"    # what mods overrule: dQ is recomputed (no
+        del accum[:]                               # dq_accum), as its kernels scatter the dtensors
+        for deterministic in (True, False):
+            g = attnext.attention_backward(out, q, k, v, out, lse, score_mod=score_mod,
+                                           deterministic=deterministic)
+            assert set(g.dtensors) == {"table"} and g.dtensors["table"].dtype == np.float64
+            assert np.array_equal(g.dtensors["table"], [0, 0, 1.5, 0, 0]), g.dtensors
+        assert len(seen) >= 5 and all(r["dacc"] for r in seen[-2:])
+        assert accum and not any(accum), accum
         print("ok")
-    """, ATTNEXT_LIBCUDA=fake_libcuda["full"], ATTNEXT_CACHE_DIR="off")
+    """, ATTNEXT_LIBCUDA=fake_libcuda["full"], ATTNEXT_CACHE_DIR="off", PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]))
     assert out.strip() == "ok"

@@ -172,22 +172,33 @@ def test_deterministic(rng):
         assert all(np.array_equal(a, b) for a, b in zip(_bits(g), _bits(again)))
 
 
-@pytest.mark.parametrize("kernel", ["default", "mma_sync"])
+@pytest.mark.parametrize("mode", ["atomic", "ordered"])
+@pytest.mark.parametrize("kernel", ["default", "sm90_2wg", "mma_sync"])
 @pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (128, 64), (59, 40), (256, 256)],
                          ids=["d64", "d128", "d128_dv64", "d59_40", "d256"])
-def test_atomic_dq(d, dv, kernel, rng, monkeypatch):
-    """The lab's atomic dq path (deterministic=False, ATTNEXT_BWD_DQ=atomic): dq through float
-    atomics into dq_accum, within the same tolerance; on Hopper through attn_bwd_sm90.cu
-    ("default") and attn_bwd.cu ("mma_sync")."""
-    monkeypatch.setenv("ATTNEXT_BWD_DQ", "atomic")
+def test_dq_added_by_the_dkdv_kernel(d, dv, kernel, mode, rng, monkeypatch):
+    """dq as additions of dS K into dq_accum from the dK/dV kernel (kernels.bwd_dq_mode), by
+    plain atomics (deterministic=False) or in a fixed order (then the same bits on a second run),
+    within the same tolerance; on Hopper through attn_bwd_sm90.cu ("default"; "sm90_2wg": two
+    warpgroups, which split dQ's columns at D = 128) and attn_bwd.cu ("mma_sync": atomic only,
+    ordered falls back to the dQ kernel)."""
+    monkeypatch.setenv("ATTNEXT_BWD_DQ", mode)
+    if kernel == "sm90_2wg":
+        monkeypatch.setenv("ATTNEXT_TILE_BWD_SM90", "8,4")
     if kernel == "mma_sync":
         monkeypatch.setenv("ATTNEXT_BWD_SM90", "0")
+    det = mode == "ordered"
     q, k, v = make_qkv(rng, 2, 257, 190, 4, 2, d, dv, BF16)
-    _grads(q, k, v, rng, deterministic=False, causal=True)
+    g, _, (dout, out, lse) = _grads(q, k, v, rng, deterministic=det, causal=True)
+    if det:
+        again = attnext.attention_backward(dout, q, k, v, out, lse, causal=True, device="cuda")
+        assert all(np.array_equal(a, b) for a, b in zip(_bits(g), _bits(again)))
     cu = np.array([0, 0, 100, 257], np.int32)
     qv, kv, vv = (x[0] for x in (q, k, v))
     cu_k = np.array([0, 10, 10, 150], np.int32)
-    _grads(qv, kv, vv, rng, varlen=dict(cu_seqlens_q=cu, cu_seqlens_k=cu_k), deterministic=False)
+    _grads(qv, kv, vv, rng, varlen=dict(cu_seqlens_q=cu, cu_seqlens_k=cu_k), deterministic=det)
+    _grads(q, k, v, rng, deterministic=det, window=(70, 3), causal="bottom_right")
+    _grads(q, k, v, rng, deterministic=det)
 
 
 def test_after_gpu_forward(rng):

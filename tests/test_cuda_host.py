@@ -11,7 +11,6 @@ import gc
 import importlib.metadata
 import importlib.util
 import os
-import shutil
 import struct
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import numpy as np
 import pytest
 
 import attnext
+import fake_cuda
 from attnext import _C, device
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -103,100 +103,14 @@ def test_cuda_load_here_loads_or_says_why():
 
 # --- a fake libcuda: the driver-side code paths, run on host memory without a GPU ---
 
-FAKE_LIBCUDA = r"""
-#include <stdlib.h>
-#include <string.h>
-typedef unsigned long long ptr_t;
-enum { OK = 0, OUT_OF_MEMORY = 2, NOT_FOUND = 500 };
-static void *current;
-int cuInit(unsigned flags) { return getenv("FAKE_CUINIT") ? atoi(getenv("FAKE_CUINIT")) : OK; }
-int cuDriverGetVersion(int *v) { *v = 12080; return OK; }
-int cuDeviceGet(int *d, int ordinal) { *d = ordinal; return OK; }
-int cuDeviceGetCount(int *n) { *n = 1; return OK; }
-int cuDeviceGetName(char *name, int len, int d) { strncpy(name, "Fake GPU", len); return OK; }
-int cuDeviceGetAttribute(int *v, int attr, int d)
-{
-    *v = attr == 75 ? 9 : attr == 76 ? 0 : attr == 16 ? 132 : attr == 97 ? 232448
-       : attr == 38 ? 52428800 : attr == 115 ? 1 : 0;
-    return OK;
-}
-int cuDeviceTotalMem_v2(size_t *b, int d) { *b = (size_t)80 << 30; return OK; }
-int cuDevicePrimaryCtxRetain(void **c, int d) { *c = (void *)0x100; return OK; }
-int cuCtxSetCurrent(void *c) { current = c; return OK; }
-int cuCtxGetCurrent(void **c) { *c = current; return OK; }
-int cuModuleLoadData(void **m, const void *image) { *m = (void *)0x200; return OK; }
-int cuModuleUnload(void *m) { return OK; }
-int cuModuleGetFunction(void **f, void *m, const char *name)
-{
-    *f = (void *)0x300;
-    return strcmp(name, "missing") ? OK : NOT_FOUND;
-}
-int cuFuncSetAttribute(void *f, int attr, int v) { return OK; }
-int cuFuncGetAttribute(int *v, int attr, void *f) { *v = attr; return OK; }
-int cuLaunchKernel(void) { return OK; }
-#ifndef NO_ALLOC_ASYNC
-int cuMemAllocAsync(ptr_t *p, size_t n, void *s)
-{
-    if (n > ((size_t)1 << 40))
-        return OUT_OF_MEMORY;
-    *p = (ptr_t)malloc(n);
-    return OK;
-}
-#endif
-int cuMemFreeAsync(ptr_t p, void *s) { free((void *)p); return OK; }
-int cuMemAlloc_v2(ptr_t *p, size_t n) { *p = (ptr_t)malloc(n); return OK; }
-int cuMemFree_v2(ptr_t p) { free((void *)p); return OK; }
-int cuMemcpyHtoDAsync_v2(ptr_t d, const void *s, size_t n, void *st) { memcpy((void *)d, s, n); return OK; }
-int cuMemcpyDtoHAsync_v2(void *d, ptr_t s, size_t n, void *st) { memcpy(d, (void *)s, n); return OK; }
-int cuMemcpyDtoDAsync_v2(ptr_t d, ptr_t s, size_t n, void *st) { memcpy((void *)d, (void *)s, n); return OK; }
-int cuMemsetD8Async(ptr_t d, unsigned char v, size_t n, void *st) { memset((void *)d, v, n); return OK; }
-int cuMemHostAlloc(void **p, size_t n, unsigned flags) { *p = malloc(n); return OK; }
-int cuMemFreeHost(void *p) { free(p); return OK; }
-int cuStreamCreate(void **s, unsigned flags) { *s = (void *)0x5000; return OK; }
-int cuStreamDestroy_v2(void *s) { return OK; }
-int cuStreamSynchronize(void *s) { return OK; }
-int waits;   /* cuStreamWaitEvent calls, read by the test through ctypes */
-int cuStreamWaitEvent(void *s, void *e, unsigned flags) { waits++; return OK; }
-int cuEventCreate(void **e, unsigned flags) { *e = (void *)0x6000; return OK; }
-int cuEventRecord(void *e, void *s) { return OK; }
-int cuEventSynchronize(void *e) { return OK; }
-int cuEventDestroy_v2(void *e) { return OK; }
-int cuPointerGetAttribute(void *v, int attr, ptr_t p)
-{
-    if (attr == 2)
-        *(unsigned *)v = 2;
-    else
-        *(int *)v = 0;
-    return OK;
-}
-static const char *name_of(int e)
-{
-    return e == OUT_OF_MEMORY ? "CUDA_ERROR_OUT_OF_MEMORY" : e == 100 ? "CUDA_ERROR_NO_DEVICE"
-         : e == NOT_FOUND ? "CUDA_ERROR_NOT_FOUND" : 0;
-}
-int cuGetErrorName(int e, const char **s) { *s = name_of(e); return *s ? OK : 1; }
-int cuGetErrorString(int e, const char **s)
-{
-    *s = e == OUT_OF_MEMORY ? "out of memory" : e == 100 ? "no CUDA-capable device is detected"
-       : e == NOT_FOUND ? "named symbol not found" : 0;
-    return *s ? OK : 1;
-}
-"""
-
-
 @pytest.fixture(scope="module")
 def fake_libcuda(tmp_path_factory):
-    """Builds the fake driver (and one lacking cuMemAllocAsync) with the C compiler."""
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
+    """Builds the fake driver (tests/fake_libcuda.c, and one lacking cuMemAllocAsync)."""
+    if fake_cuda.compiler() is None:
         pytest.skip("no C compiler for the fake libcuda")
     d = tmp_path_factory.mktemp("fake_libcuda")
-    (d / "fake.c").write_text(FAKE_LIBCUDA)
-    libs = {}
-    for name, flags in (("full", []), ("old", ["-DNO_ALLOC_ASYNC"])):
-        libs[name] = str(d / f"libcuda_{name}.so")
-        subprocess.run([cc, "-shared", "-fPIC", *flags, str(d / "fake.c"), "-o", libs[name]], check=True)
-    return libs
+    return {name: fake_cuda.build(d, name, flags)
+            for name, flags in (("full", []), ("old", ["-DNO_ALLOC_ASYNC"]))}
 
 
 def test_fake_driver_failures_name_the_cause(fake_libcuda):

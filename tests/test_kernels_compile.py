@@ -59,17 +59,33 @@ def test_sm90_forward_fits_shared_memory():
 
 def test_hopper_backward_choice_and_shared_memory(monkeypatch):
     """attn_bwd_sm90 takes D, Dv in {64, 128} with 16-byte rows on sm_90a and fits 227 KB of
-    shared memory in every tile the lab can ask for; dQ by atomics only when asked."""
-    assert kernels.bwd_sm90_tile("sm_90a", 128, 64, True) == kernels.SM90_BWD_TILE
+    shared memory in every tile the lab can ask for."""
+    assert kernels.bwd_sm90_applies("sm_90a", 128, 64, True)
     for args in (("sm_80", 128, 128, True), ("sm_90a", 96, 96, True), ("sm_90a", 128, 128, False)):
-        assert kernels.bwd_sm90_tile(*args) is None, args
-    for warps in ("4,4", "8,4", "4,8", "8,8"):
-        monkeypatch.setenv("ATTNEXT_TILE_BWD_SM90", warps)
-        tile = kernels.bwd_sm90_tile("sm_90a", 128, 128, True)
-        assert max(kernels.bwd_sm90_smem_bytes(128, 128, tile).values()) <= 227 * 1024, warps
+        assert not kernels.bwd_sm90_applies(*args), args
+    for mode in kernels.DQ_MODES:
+        for warps in ("4,4", "8,4", "4,8", "8,8"):
+            monkeypatch.setenv("ATTNEXT_TILE_BWD_SM90", warps)
+            tile = kernels.bwd_sm90_tile(128, mode)
+            assert max(kernels.bwd_sm90_smem_bytes(128, 128, tile).values()) <= 227 * 1024, warps
+    monkeypatch.delenv("ATTNEXT_TILE_BWD_SM90")
     monkeypatch.setenv("ATTNEXT_BWD_SM90", "0")
-    assert kernels.bwd_sm90_tile("sm_90a", 128, 128, True) is None
-    assert not kernels.bwd_atomic_dq(deterministic=True)
-    assert not kernels.bwd_atomic_dq(deterministic=False)
+    assert not kernels.bwd_sm90_applies("sm_90a", 128, 128, True)
+
+
+def test_dq_mode(monkeypatch):
+    """dQ by atomic additions from the dK/dV kernel on Hopper at D = 128 with deterministic=False,
+    by the dQ kernel elsewhere; the lab's ATTNEXT_BWD_DQ never makes a
+    deterministic call order-dependent, nor asks attn_bwd.cu for ordered additions."""
+    mode = kernels.bwd_dq_mode
+    assert mode(True, 128, True) == "recompute" and mode(True, 128, False) == "atomic"
+    assert mode(True, 64, True) == mode(True, 64, False) == mode(False, 128, True) == "recompute"
+    assert kernels.bwd_sm90_tile(128, "ordered")["kv_warps"] == kernels.bwd_sm90_tile(128, "atomic")["kv_warps"] == 8
+    assert kernels.bwd_sm90_tile(128, "recompute")["kv_warps"] == 4
     monkeypatch.setenv("ATTNEXT_BWD_DQ", "atomic")
-    assert kernels.bwd_atomic_dq(deterministic=False) and not kernels.bwd_atomic_dq(deterministic=True)
+    assert mode(True, 64, False) == "atomic" and mode(True, 64, True) == "ordered"
+    assert mode(False, 64, False) == "atomic" and mode(False, 64, True) == "recompute"
+    monkeypatch.setenv("ATTNEXT_BWD_DQ", "recompute")
+    assert mode(True, 128, True) == mode(True, 128, False) == "recompute"
+    monkeypatch.setenv("ATTNEXT_TILE_BWD_SM90", "8,4")
+    assert kernels.bwd_sm90_tile(64, "ordered")["kv_warps"] == 4   # one dQ partial per CTA

@@ -7,6 +7,7 @@ too early shows up as wrong data. With `-m gpu`: the same round trips on the dev
 calls, and NumPy forwards (batch-sliced or not) against the same inputs as torch CUDA tensors.
 """
 import collections
+import ctypes
 import gc
 import threading
 import types
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 import attnext
+import fake_cuda
 from attnext import _C, cuda_backend, staging
 from attnext.devview import DevView
 from conftest import BF16, in_threads
@@ -337,20 +339,31 @@ def _fake_view(fake, arr_tuple, dtype):
 def fake_kernel(fake, monkeypatch):
     """cuda_backend over the fake, its forward kernel a stand-in on the call's stream:
     out = v and lse[b, h, s] = q[b, s, h, 0] + k[b, s, h, 0] (float32), read and written through
-    the views the kernel gets."""
-    def launch(prob):
+    the views the kernel gets (the addresses of the launch, the shapes and strides of its
+    template)."""
+    def launch(fn, grid, block, smem, stream, template, ptrs, scale, softcap):
+        p = fake_cuda.AttnParams.from_buffer_copy(template[:ctypes.sizeof(fake_cuda.AttnParams)])
+
+        def view(name, ptr, shape, dtype):
+            return _fake_view(fake, (ptr, shape, tuple(getattr(p, name).s)[4 - len(shape):]), dtype)
+
         def run():
-            q, k, v = (_fake_view(fake, t, BF16) for t in (prob.q, prob.k, prob.v))
-            out, lse = _fake_view(fake, prob.out, BF16), _fake_view(fake, prob.lse, np.float32)
+            q = view("q", ptrs[0], (p.B, p.Sq, p.Hq, p.D), BF16)
+            k = view("k", ptrs[1], (p.B, p.Sk, p.Hk, p.D), BF16)
+            v = view("v", ptrs[2], (p.B, p.Sk, p.Hk, p.Dv), BF16)
+            out = view("out", ptrs[3], (p.B, p.Sq, p.Hq, p.Dv), BF16)
+            lse = _fake_view(fake, (ptrs[4], (p.B, p.Hq, p.Sq), tuple(p.lse.s)[:3]), np.float32)
             out[...] = v
             lse[...] = (q[..., 0].astype(np.float32) + k[..., 0].astype(np.float32)).transpose(0, 2, 1)
-        fake.enqueue(prob.stream, run, kernel=True)
+        fake.enqueue(stream, run, kernel=True)
     monkeypatch.setattr(_C, "cuda_launch_attention", launch, raising=False)
     monkeypatch.setattr(cuda_backend, "_status", "")
     monkeypatch.setattr(cuda_backend, "device_arch", lambda device: "sm_90a")
     monkeypatch.setattr(cuda_backend, "device_info", lambda device: {"multiprocessor_count": 1})
     monkeypatch.setattr(cuda_backend.kernels, "function", lambda *a, **kw: "fn")
-    return fake
+    cuda_backend.clear_plans()        # plans made here hold the stand-in "fn"
+    yield fake
+    cuda_backend.clear_plans()
 
 
 @pytest.mark.parametrize("sliced", [False, True], ids=["one_go", "batch_slices"])

@@ -1,0 +1,68 @@
+"""Kernel lab: the document-causal packed row (the bench's 7 documents in 16k tokens, D = 128,
+16 heads) as one varlen call (cu_seqlens on the GPU, then on the host) against each document as
+its own plain causal call, forward and backward, so the varlen grid's cost shows apart from the
+kernel's and the host's.
+
+    python bench/lab_docs.py            (timings)
+    python bench/lab_docs.py once       (one call of each, for ncu)
+"""
+import sys
+
+import numpy as np
+import torch
+import triton
+
+import attnext
+from attnext.bench_cuda import document_lengths
+
+H, D = 16, 128
+
+
+def main(once):
+    lens = document_lengths()
+    T = sum(lens)
+    q, k, v, dout = (torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    cu_host = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    cu = torch.tensor(cu_host, device="cuda")
+    longest = max(lens)
+    kw = dict(max_seqlen_q=longest, max_seqlen_k=longest, causal=True)
+    out, lse = attnext.varlen_attention(q, k, v, cu, cu, return_lse=True, **kw)
+    bounds = np.concatenate([[0], np.cumsum(lens)])
+    docs = [tuple(x[a:b][None] for x in (q, k, v, dout)) for a, b in zip(bounds[:-1], bounds[1:])]
+    per_doc = [attnext.attention(dq, dk, dv, causal=True, return_lse=True) for dq, dk, dv, _ in docs]
+
+    def varlen_fwd():
+        attnext.varlen_attention(q, k, v, cu, cu, out=out, **kw)
+
+    def varlen_fwd_host_cu():
+        attnext.varlen_attention(q, k, v, cu_host, cu_host, out=out, **kw)
+
+    def varlen_bwd_host_cu():
+        attnext.varlen_attention_backward(dout, q, k, v, out, lse, cu_host, cu_host, **kw)
+
+    def varlen_bwd():
+        attnext.varlen_attention_backward(dout, q, k, v, out, lse, cu, cu, **kw)
+
+    def docs_fwd():
+        for (dq, dk, dv, _), (o, _) in zip(docs, per_doc):
+            attnext.attention(dq, dk, dv, causal=True, out=o)
+
+    def docs_bwd():
+        for (dq, dk, dv, do), (o, l) in zip(docs, per_doc):
+            attnext.attention_backward(do, dq, dk, dv, o, l, causal=True)
+
+    flops = sum(4 * H * n * n * D / 2 for n in lens)
+    for name, fn, mult in (("varlen fwd", varlen_fwd, 1), ("  host cu", varlen_fwd_host_cu, 1),
+                           ("per-doc fwd", docs_fwd, 1), ("varlen bwd", varlen_bwd, 2.5),
+                           ("  host cu", varlen_bwd_host_cu, 2.5), ("per-doc bwd", docs_bwd, 2.5)):
+        if once:
+            fn()
+            torch.cuda.synchronize()
+            continue
+        t = triton.testing.do_bench(fn, return_mode="median")
+        print(f"{name:12s} {t:7.3f} ms  {mult * flops / t / 1e9:6.1f} TFLOP/s")
+    print(f"documents {lens}")
+
+
+if __name__ == "__main__":
+    main("once" in sys.argv[1:])
