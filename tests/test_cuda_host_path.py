@@ -54,7 +54,7 @@ FN, LAUNCHES = {}, []
 _module = None
 
 
-def function(kernel, name, defines, dev, arch, smem):
+def function(kernel, name, defines, dev, arch, smem, generated=None):
     global _module
     if _module is None:
         _module = _C.module_load(b"\x7fELF", dev)
@@ -310,7 +310,7 @@ def _prob(**changes):
     prob = types.SimpleNamespace(
         device=0, dtype=1, B=2, causal=0, window_left=-1, window_right=-1, bias_dtype=2, alibi_dtype=2,
         bias_heads=1, mask_heads=1, num_splits=1, q=t, k=t, v=t, out=t, lse=None, bias=None, mask=None,
-        alibi=None, dout=None, dq=None, dk=None, dv=None, dbias=None, delta=None, dq_accum=None)
+        alibi=None, dout=None, dq=None, dk=None, dv=None, dbias=None, delta=None, dq_accum=None, dq_sem=None)
     vars(prob).update(changes)
     return prob
 
@@ -338,7 +338,7 @@ def test_attn_template_refuses(changes, exc, match):
     (1, (1, 1), TypeError, "grid must be a 3-tuple"),
     (2, [128, 1, 1], TypeError, "block must be a 3-tuple"),
     (5, b"short", TypeError, "template must come from attn_template"),
-    (6, (1,) * 22, TypeError, "ptrs must be a tuple of at most 21"),
+    (6, (1,) * 23, TypeError, "ptrs must be a tuple of at most 22"),
     (6, (None, 16, 16), ValueError, "q, k, v missing"),
     (6, (16, None, 16), ValueError, "q, k, v missing"),
     (0, "not a capsule", TypeError, "capsule from module_function"),
@@ -348,7 +348,7 @@ def test_cuda_launch_attention_refuses(i, value, exc, match):
     args[i] = value
     with pytest.raises(exc, match=match):
         _C.cuda_launch_attention(*args)
-    with pytest.raises(TypeError, match="takes 9 arguments"):
+    with pytest.raises(TypeError, match="takes 9 or 10 arguments"):
         _C.cuda_launch_attention(*args[:8])
 
 
