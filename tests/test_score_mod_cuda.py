@@ -191,7 +191,9 @@ def test_lookup_out_of_range_raises_index_error(rng, torch):
     def score_mod(s, b, h, qi, ki):
         return s + table[ki]
 
-    with pytest.raises(IndexError, match=r"score_mod: index 5 is out of bounds for axis 0 of "
+    # the GPU names the first out-of-range lookup a thread records (any of 5..11 here), the
+    # reference the first in row order
+    with pytest.raises(IndexError, match=r"score_mod: index ([5-9]|1[01]) is out of bounds for axis 0 of "
                                          r"array 'table' with size 5"):
         attnext.attention(q, k, v, score_mod=score_mod)
     out, lse = attnext.attention(q, k, v, return_lse=True)
@@ -274,7 +276,7 @@ def test_cache_a_float_sweep_compiles_once(rng, torch):
             return s * c - 7901.5
         out, lse = attnext.attention(q, k, v, score_mod=sm, return_lse=True)
         attnext.attention_backward(torch.ones_like(out), q, k, v, out, lse, score_mod=sm)
-        counts.append(_lookups())
         want = attnext.attention(q, k, v, scale=float(c) / 8.0)     # s * c - const: softmax of s * c
+        counts.append(_lookups())
         assert torch.allclose(out.float(), want.float(), atol=2e-3, rtol=2e-3)
     assert len(set(counts)) == 1, counts
