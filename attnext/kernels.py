@@ -132,6 +132,7 @@ def mod_defines(defines, mods):
     if mods is None:
         return defines
     d = dict(defines, **mods.defines)
+    d["ATTN_GMODS"] = 1          # attn_params.h: the kernels' parameter carries gmods
     d["MASK_ARRAY"] = defines["HAS_MASK"]
     d["HAS_MASK"] = int(defines["HAS_MASK"] or mods.defines["HAS_MASK_MOD"])
     return d

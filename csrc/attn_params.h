@@ -119,8 +119,13 @@ typedef struct {
 
     /* CPU backend: the call's score_mod / mask_mod programs (interp.h); NULL without them */
     const struct interp_mods *mods;
-    /* GPU backend: the generated score_mod / mask_mod's constants, arrays and outputs */
+    /* GPU backend: the generated score_mod / mask_mod's constants, arrays and outputs. Last, and
+     * in the kernels' view of the struct only when they have mods (ATTN_GMODS, kernels.py:
+     * mod_defines): the driver copies a kernel's declared parameter size, so a plain kernel's
+     * launch moves the ~840 bytes before it, not these ~900 too. */
+#if !defined(__CUDACC_RTC__) || ATTN_GMODS
     attn_mods_gpu gmods;
+#endif
 } attn_params;
 
 #endif

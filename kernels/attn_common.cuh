@@ -244,7 +244,11 @@ DEV score_ctx make_score_ctx(const attn_params &p, int64_t b, int64_t h, const s
     s.slope = 0.f;
     s.b = b;
     s.h = h;
+#if ATTN_GMODS
     s.mods = &p.gmods;
+#else
+    s.mods = 0;
+#endif
 #if HAS_BIAS
     {
         int64_t hb = h / (p.Hq / p.bias_heads);
