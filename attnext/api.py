@@ -23,7 +23,7 @@ import types
 import ml_dtypes
 import numpy as np
 
-from . import _C, interp, reference
+from . import _C, codegen, interp, reference
 from ._types import Grads
 from .devview import DevView
 
@@ -324,9 +324,6 @@ def _normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q
         f = getattr(o, name)
         if f is not None and not callable(f):
             raise TypeError(f"{name} must be callable or None, got {type(f).__name__}")
-    if o.on_gpu and (o.score_mod is not None or o.mask_mod is not None):
-        raise NotImplementedError("score_mod / mask_mod on CUDA arrays: the GPU code generator "
-                                  "is not built yet; pass NumPy arrays (they run on the CPU)")
     o.q, o.k, o.v = q, k, v
     if varlen:
         for name, x in (("q", q), ("k", k), ("v", v)):
@@ -563,7 +560,7 @@ def _runs_on_reference(o):
 
 def _has_mods(o):
     """score_mod / mask_mod with host arrays run on the CPU backend's interpreter, whatever the
-    device (the GPU code generator is not built yet)."""
+    device; with CUDA arrays, the code generator's kernels (codegen.py)."""
     return o.score_mod is not None or o.mask_mod is not None
 
 
@@ -725,7 +722,7 @@ def _backward_on_gpu(o, dout, out, lse, deterministic):
     dq, dk, dv, dbias = cuda_backend.backward(o, dout, out, lse, None, None, None, None, deterministic)
     dq, dk, dv = (device.to_caller(x, o.like) for x in (dq, dk, dv))
     dbias = None if dbias is None else device.to_caller(dbias, o.like)
-    return Grads(dq, dk, dv, dbias, {})
+    return Grads(dq, dk, dv, dbias, getattr(o, "dtensors", {}))
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None,
@@ -763,15 +760,16 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 
 # The caches of compiled score_mod / mask_mod programs, by backend: name -> function returning
-# a dict with at least hits, misses, compiles and compile_seconds (the CUDA kernels' cache can
-# join here when its code generator lands).
-_PROGRAM_CACHES = {"cpu": interp.cache_info}
+# a dict with at least hits, misses, compiles and compile_seconds ("cuda": the generated
+# sources; NVRTC's cubins are kernels.cache_info()).
+_PROGRAM_CACHES = {"cpu": interp.cache_info, "cuda": codegen.cache_info}
 
 
 def cache_info():
     """Counters of the score_mod / mask_mod program caches: hits, misses, compiles and
     compile_seconds summed over the backends, and each backend's own counters under its name
-    ("cpu": the interpreter's lowered programs, keyed by the graph's structure)."""
+    ("cpu": the interpreter's lowered programs, "cuda": the generated CUDA sources, both keyed by
+    the graph's structure)."""
     per = {name: fn() for name, fn in _PROGRAM_CACHES.items()}
     total = {k: sum(p[k] for p in per.values())
              for k in ("hits", "misses", "compiles", "compile_seconds")}
@@ -800,8 +798,8 @@ def info():
             "cuda": "usable (float16, bfloat16)" if not why else f"unavailable: {why}",
         },
         "score_mod": "NumPy inputs: the CPU backend's interpreter (forward, backward, mask_mod block "
-                     "skipping), whatever the device; CUDA arrays: not yet (the code generator "
-                     "is not built)",
+                     "skipping), whatever the device; CUDA arrays: generated CUDA code compiled "
+                     "into the kernels (forward, backward; no block skipping yet)",
         "device_name": device_name,
         "nvrtc_version": nvrtc,
         "cache_dir": cache["cache_dir"] if cache else None,

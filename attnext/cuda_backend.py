@@ -13,6 +13,11 @@ overrides -- keys a plan: the kernels (loaded), grids, shared memory, scratch si
 launch template (_C.attn_template) of every launch. A call with the key of an earlier one
 reuses its plan and only hands the launches its addresses and scalars (scale, softcap), so the
 decisions below run once per shape, not once per call. The plans sit in a bounded LRU.
+
+score_mod / mask_mod. The generated code (codegen.py, keyed by the traced graphs' structure) is
+part of a plan's key: it changes the kernels. What one call binds to it -- the float constants,
+the uploaded captured arrays, the error record and the gradient accumulator -- travels with the
+call's addresses as the attn_mods_gpu bytes cuda_launch_attention copies into attn_params.
 """
 import math
 import threading
@@ -21,7 +26,7 @@ import types
 import ml_dtypes
 import numpy as np
 
-from . import _C, device as _device, kernels, staging
+from . import _C, codegen, device as _device, kernels, staging, trace
 from .devview import DevView
 from .kernel_cache import LRU
 from .staging import to_host  # noqa: F401  (api.py reads GPU arrays' lengths through here)
@@ -111,12 +116,14 @@ def _scratch_layout(*sizes):
     return total, tuple(offsets)
 
 
-def _launch(plan, stage, ptrs, o):
+def _launch(plan, stage, ptrs, o, gmods=None):
     """plan's launches on the call's stream with these addresses (in _C.cuda_launch_attention's
     order). The slots of the plan's scratch arrays (None in ptrs) get addresses in the stream's
-    scratch buffer, borrowed until the launches are enqueued."""
+    scratch buffer, borrowed until the launches are enqueued. gmods: the call's bound score_mod /
+    mask_mod (the attn_mods_gpu bytes) or None."""
     if not plan.launches:
         return
+    launch = _C.cuda_launch_attention if gmods is None else _with_gmods(gmods)
     buf = _device.borrow_scratch(plan.scratch, stage.device, stage.stream) if plan.scratch else None
     try:
         if buf is not None:
@@ -125,11 +132,17 @@ def _launch(plan, stage, ptrs, o):
                 ptrs[slot] = buf[0] + offset
             ptrs = tuple(ptrs)
         for fn, grid, block, smem in plan.launches:
-            _C.cuda_launch_attention(fn, grid, block, smem, stage.stream, plan.template, ptrs,
-                                     o.scale_value, o.softcap_value)
+            launch(fn, grid, block, smem, stage.stream, plan.template, ptrs, o.scale_value, o.softcap_value)
     finally:
         if buf is not None:
             _device.give_back_scratch(buf, stage.device, stage.stream)
+
+
+def _with_gmods(gmods):
+    """_C.cuda_launch_attention with these attn_mods_gpu bytes as its last argument."""
+    def launch(*args):
+        _C.cuda_launch_attention(*args, gmods)
+    return launch
 
 
 # _C.cuda_launch_attention's address slots (csrc/cuda_attn.c's PTR_FIELDS)
@@ -214,6 +227,77 @@ def _common(o, device, q4, k4, v4, extra):
     return prob, features
 
 
+# ---------------------------------------------------------------- score_mod / mask_mod
+def _has_mods(o):
+    return getattr(o, "score_mod", None) is not None or getattr(o, "mask_mod", None) is not None
+
+
+def _bind_mods(o, stage, backward):
+    """One call's generated score_mod / mask_mod, or None without them: a namespace with gen
+    (codegen.Generated), gmods (the attn_mods_gpu bytes cuda_launch_attention copies into
+    attn_params), err (the device error record, zeroed) and, for a backward with array
+    gradients, dacc (the zeroed accumulator) and offsets (array number -> first element).
+    Traces the functions (TypeError for an unsupported one); the captured arrays are read
+    afresh and uploaded in the kernels' storage types."""
+    if not _has_mods(o):
+        return None
+    ts = trace.trace_score_mod(o.score_mod) if o.score_mod is not None else None
+    tm = trace.trace_mask_mod(o.mask_mod) if o.mask_mod is not None else None
+    gen = codegen.generated(ts, tm)
+    floats = list(ts.params if ts is not None else ()) + list(tm.params if tm is not None else ())
+    arrays, sources = [], []
+    for kind, name, vt in gen.arrays:
+        src = np.asarray((ts if kind == "score_mod" else tm).arrays[name])
+        a = codegen.storage(src, vt)
+        view = stage.upload(a) if a.size else None      # an empty array is never read
+        arrays.append((0 if view is None else view.ptr, a.shape,
+                       tuple(a.strides[i] // a.itemsize for i in range(a.ndim))))
+        sources.append(src)
+    bound = types.SimpleNamespace(gen=gen, sources=sources, dacc=None, offsets={})
+    bound.err = stage.scratch((5,), np.int64)
+    _C.memset_d8(bound.err.ptr, 0, 5 * 8, stage.stream, stage.device)
+    dacc_ptr = 0
+    if backward and gen.grad_arrays:
+        total = 0
+        for i in gen.grad_arrays:
+            bound.offsets[i] = total
+            total += sources[i].size
+        if total:
+            bound.dacc = stage.scratch((total, codegen.WORDS), np.uint64)
+            _C.memset_d8(bound.dacc.ptr, 0, total * codegen.WORDS * 8, stage.stream, stage.device)
+            dacc_ptr = bound.dacc.ptr
+    bound.gmods = codegen.pack(gen, floats, arrays, bound.err.ptr, dacc_ptr, bound.offsets)
+    return bound
+
+
+def _finish_mods(stage, bound):
+    """After the launches: IndexError for a lookup the kernels found out of range; else the
+    score_mod's array gradients {name: array of the captured array's shape and dtype} (zeros
+    for a float array the score reaches only through indices or comparisons)."""
+    if bound is None:
+        return {}
+    err = np.zeros(5, np.int64)
+    stage.download(bound.err, err)
+    if err[0]:
+        raise codegen.index_error(bound.gen, err)
+    out = {}
+    words = None
+    if bound.dacc is not None:
+        words = np.zeros(bound.dacc.shape, np.uint64)
+        stage.download(bound.dacc, words)
+    for i, (kind, name, vt) in enumerate(bound.gen.arrays):
+        if kind != "score_mod" or vt != trace.F:
+            continue
+        src = bound.sources[i]
+        if i in bound.offsets and words is not None:
+            w = words[bound.offsets[i]:bound.offsets[i] + src.size]
+            g = codegen.limbs_to_float(w).reshape(src.shape)
+        else:
+            g = np.zeros(src.shape)
+        out[name] = g.astype(src.dtype)
+    return out
+
+
 def _query_rows(o):
     """The longest query segment's rows (varlen) or Sq."""
     return (int(np.max(np.diff(o.cu_q))) if o.B else 0) if o.varlen else o.Sq
@@ -229,7 +313,8 @@ def _decode_plan(o, features, device):
     K/V) pack the query heads of a group into one block's rows, and when the blocks cannot fill
     the GPU, split the keys over several blocks (attn_fwd.cu's PACK_GQA / SPLIT_KV)."""
     group = o.Hq // o.Hk if o.Hk else 1
-    per_head = features["bias_dtype"] is None and features["alibi_dtype"] is None and not features["mask"]
+    per_head = (features["bias_dtype"] is None and features["alibi_dtype"] is None and not features["mask"]
+                and not _has_mods(o))
     pack = group > 1 and not o.varlen and per_head and o.Sq * group <= kernels.DECODE_PACK_ROWS
     if o.varlen or not o.B or not o.Hq:
         return pack, 1
@@ -245,26 +330,28 @@ def _decode_plan(o, features, device):
 MAX_SPLITS = 128    # attn_fwd_combine keeps one weight per split in shared memory
 
 
-def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra):
-    """The forward's plan for this call (made on the first call of its key)."""
+def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None):
+    """The forward's plan for this call (made on the first call of its key); gen: the generated
+    score_mod / mask_mod (codegen.Generated) or None."""
     rows = _query_rows(o) if o.varlen else o.Sq
     key = ("fwd", device, o.B, o.Sq, o.Sk, rows, o.varlen, o.causal_code, o.window_left,
            o.window_right, o.softcap_value > 0, (q4.ptr | k4.ptr | v4.ptr) % 16 == 0,
            _desc(q4), _desc(k4), _desc(v4), _desc(out4), _desc(lse3), _extras_key(o, extra),
-           kernels.knobs(kernels.FWD_KNOBS))
+           kernels.knobs(kernels.FWD_KNOBS), None if gen is None else gen.source)
     plan = _plans.get(key)
     if plan is None:
-        plan = _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows)
+        plan = _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen)
         _plans.put(key, plan)
     return plan
 
 
-def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows):
+def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     prob, features = _common(o, device, q4, k4, v4, extra)
+    generated = None if gen is None else gen.source
     pack, splits = _decode_plan(o, features, device)
     arch = device_arch(device)
     kernel, tile = kernels.fwd_kernel(arch, o.D, o.Dv, features["vec"], pack or splits > 1, rows)
-    defines = kernels.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1)
+    defines = kernels.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen)
     smem = kernels.fwd_smem_bytes(o.D, o.Dv, tile, kernel)
     q_tiles = math.ceil(o.Sq * (o.Hq // o.Hk) / tile[0]) if pack else _query_tiles(rows, tile[0])
     grid = (q_tiles * splits, o.Hk if pack else o.Hq, o.B + (1 if o.varlen else 0))
@@ -272,10 +359,11 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows):
     template = _C.attn_template(prob)
     if not all(grid):                       # an empty grid (no heads, rows or batch) has nothing to write
         return _Plan(template, ())
-    launches = [(kernels.function(kernel, kernel, defines, device, arch, smem), grid, (tile[2] * 32, 1, 1), smem)]
+    launches = [(kernels.function(kernel, kernel, defines, device, arch, smem, generated), grid,
+                 (tile[2] * 32, 1, 1), smem)]
     if splits == 1:
         return _Plan(template, tuple(launches))
-    combine = kernels.function("attn_fwd", "attn_fwd_combine", defines, device, arch, 0)
+    combine = kernels.function("attn_fwd", "attn_fwd_combine", defines, device, arch, 0, generated)
     launches.append((combine, (o.Sq, o.Hq, o.B), (128, 1, 1), 0))
     partials = splits * o.B * o.Hq * o.Sq
     total, (o_off, lse_off) = _scratch_layout(4 * partials * o.Dv, 4 * partials)
@@ -301,13 +389,18 @@ def forward(o, out_host, lse_host, stage=None):
             lse3 = lse[None] if o.varlen else lse
         extra = _extras(o, stage)
         out4 = _kernel_layout(o, out)
-        plan = _forward_plan(o, stage.device, q4, k4, v4, out4, lse3, extra)
+        mods = _bind_mods(o, stage, backward=False)
+        plan = _forward_plan(o, stage.device, q4, k4, v4, out4, lse3, extra, None if mods is None else mods.gen)
         ptrs = (q4.ptr, k4.ptr, v4.ptr, out4.ptr, None if lse3 is None else lse3.ptr)
         if extra is not _NO_EXTRAS:
             ptrs += (None, None) + tuple(None if x is None else x.ptr for x in extra)
         elif plan.scratch:
             ptrs += (None, None)
-        _launch(plan, stage, ptrs, o)
+        if mods is None:
+            _launch(plan, stage, ptrs, o)
+        else:
+            _launch(plan, stage, ptrs, o, mods.gmods)
+            _finish_mods(stage, mods)
         if host:
             stage.download(out, out_host)
             stage.download(lse, lse_host)
@@ -321,7 +414,7 @@ SLICE_BYTES = 128 << 20   # a NumPy forward moving at least twice this runs in b
 def _batch_slices(o):
     """[(b0, b1), ...]: the batch slices of a NumPy forward worth pipelining (each slice's upload
     overlapping the kernel and the download of the one before), or None to run it in one go."""
-    if o.varlen or o.bias4 is not None or o.mask4 is not None or o.B < 2:
+    if o.varlen or o.bias4 is not None or o.mask4 is not None or o.B < 2 or _has_mods(o):
         return None
     moved = sum(x.size * x.itemsize for x in (o.q4, o.k4, o.v4))
     moved += math.prod(o.out_shape) * np.dtype(o.q.dtype).itemsize
@@ -392,33 +485,37 @@ def _dbias_buffer(stage, o, host):
     return view.broadcast_to(tuple(o.bias4.shape)), res
 
 
-def _backward_plan(o, device, views, extra, deterministic):
+def _backward_plan(o, device, views, extra, deterministic, gen=None):
     """The backward's plan for this call (made on the first call of its key). views: q4, k4, v4,
-    dout4, out4, lse3, dq4, dk4, dv4, dbias4 (the kernels' views, dbias4 None without a bias)."""
+    dout4, out4, lse3, dq4, dk4, dv4, dbias4 (the kernels' views, dbias4 None without a bias);
+    gen: the generated score_mod / mask_mod or None."""
     q_rows = _query_rows(o) if o.varlen else o.Sq
     k_rows = _key_rows(o) if o.varlen else o.Sk
     q4, k4, v4, dout4 = views[:4]
     key = ("bwd", device, o.B, o.Sq, o.Sk, q_rows, k_rows, o.varlen, o.causal_code, o.window_left,
            o.window_right, o.softcap_value > 0, (q4.ptr | k4.ptr | v4.ptr | dout4.ptr) % 16 == 0,
            tuple(_desc(x) for x in views), _extras_key(o, extra), bool(deterministic),
-           kernels.knobs(kernels.BWD_KNOBS))
+           kernels.knobs(kernels.BWD_KNOBS), None if gen is None else gen.source)
     plan = _plans.get(key)
     if plan is None:
-        plan = _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows)
+        plan = _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, gen)
         _plans.put(key, plan)
     return plan
 
 
-def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows):
+def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, gen):
     q4, k4, v4, dout4, out4, lse3, dq4, dk4, dv4, dbias4 = views
     prob, features = _common(o, device, q4, k4, v4, extra)
+    generated = None if gen is None else gen.source
     features["vec"] = features["vec"] and _vec_ok(dout4, o.Dv)
     tile = kernels.bwd_tile_config(o.D, o.Dv)
     arch = device_arch(device)
     sm90 = kernels.bwd_sm90_applies(arch, o.D, o.Dv, features["vec"])
-    dq_mode = kernels.bwd_dq_mode(sm90, o.D, deterministic)
+    # the dQ kernels scatter the score_mod's array gradients (ds_tile): with mods dQ is recomputed
+    # whatever deterministic and ATTNEXT_BWD_DQ say
+    dq_mode = kernels.bwd_dq_mode(sm90, o.D, deterministic) if gen is None else "recompute"
     atomic = dq_mode != "recompute"
-    defines = kernels.bwd_defines(**features, tile=tile, dq=dq_mode)
+    defines = kernels.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen)
     smem = kernels.bwd_smem_bytes(o.D, o.Dv, tile, atomic)
     delta = DevView.contiguous(0, o.lse_shape, np.float32, device)   # laid out like lse
     # dq_accum (B, Hq, S, D) in memory, so a head's 64-row tile is one contiguous block; dq_sem
@@ -438,14 +535,14 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows):
 
     def launch(name, grid, warps, source="attn_bwd", defs=defines, smem_of=smem):
         if all(grid):
-            fn = kernels.function(source, name, defs, device, arch, smem_of[name])
+            fn = kernels.function(source, name, defs, device, arch, smem_of[name], generated)
             launches.append((fn, grid, (warps * 32, 1, 1), smem_of[name]))
 
     hopper = kernels.bwd_sm90_tile(o.D, dq_mode) if sm90 else None
     if o.Hq:
         launch("attn_bwd_pre", (_query_tiles(q_rows, PRE_ROWS), o.Hq, o.B), PRE_THREADS // 32)
         if hopper:               # dK, dV and dQ on wgmma (attn_bwd_sm90.cu)
-            defs90 = kernels.bwd_defines(**features, tile=hopper, dq=dq_mode)
+            defs90 = kernels.bwd_defines(**features, tile=hopper, dq=dq_mode, mods=gen)
             smem90 = kernels.bwd_sm90_smem_bytes(o.D, o.Dv, hopper)
             launch("attn_bwd_dkdv_sm90", (_query_tiles(k_rows, 16 * hopper["kv_warps"]), o.Hk, o.B + tail),
                    hopper["kv_warps"], "attn_bwd_sm90", defs90, smem90)
@@ -488,6 +585,11 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
     either in a fixed order (dq_sem's counters: the same bits every run) or, with
     deterministic=False, by plain atomics. delta (the row sums of dout * out), dq_accum and dq_sem
     live in the stream's scratch buffer.
+
+    score_mod / mask_mod: o.dtensors receives the score_mod's array gradients (NumPy arrays in
+    the captured arrays' dtypes), scattered exactly by the dQ kernels (codegen.py), so the same
+    bits every run (dQ is always recomputed with mods); a lookup out of range raises IndexError
+    after the launches.
     """
     host = dq_host is not None
     with staging.Staging(o.cuda_device, o.cuda_stream) as stage:
@@ -504,13 +606,18 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
         if o.bias is not None:
             dbias, dbias_res = _dbias_buffer(stage, o, host)
         extra = _extras(o, stage)
+        mods = _bind_mods(o, stage, backward=True)
         views = (q4, k4, v4, dout4, out4, lse3, dq4, dk4, dv4, dbias)
-        plan = _backward_plan(o, stage.device, views, extra, deterministic)
+        plan = _backward_plan(o, stage.device, views, extra, deterministic, None if mods is None else mods.gen)
         ptrs = ((q4.ptr, k4.ptr, v4.ptr, out4.ptr, lse3.ptr, None, None)
                 + tuple(None if x is None else x.ptr for x in extra)
                 + (dout4.ptr, dq4.ptr, dk4.ptr, dv4.ptr, None if dbias is None else dbias.ptr, None, None,
                    None))
-        _launch(plan, stage, ptrs, o)
+        if mods is None:
+            _launch(plan, stage, ptrs, o)
+        else:
+            _launch(plan, stage, ptrs, o, mods.gmods)
+            o.dtensors = _finish_mods(stage, mods)
         if host:
             for view, dst in ((dq, dq_host), (dk, dk_host), (dv, dv_host)):
                 stage.download(view, dst)

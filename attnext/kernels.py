@@ -5,6 +5,9 @@ headers it includes are handed to NVRTC from memory (csrc/attn_params.h, seqlen.
 kernels/attn_common.cuh), so the kernels and the C host code read one attn_params definition.
 Compiled cubins go through kernel_cache.CubinCache (memory LRU + disk); loaded functions are
 kept per device in a bounded LRU here.
+
+A score_mod / mask_mod variant adds two headers: kernels/attn_mods.cuh and the generated
+attn_mod_gen.cuh (codegen.py), plus the switches of mod_defines; the cache keys on both.
 """
 import os
 import threading
@@ -26,6 +29,7 @@ SMEM_PAD = 8           # elements of padding per shared-memory row (attn_common.
 MAX_SMEM_SM80 = 163 * 1024
 
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
+MODS_HEADER = KERNEL_DIR / "attn_mods.cuh"
 
 # The kernel lab's overrides of the choices below, read when a choice is made; cuda_backend's
 # plans are keyed on their values (knobs()), so a change takes effect at the next call.
@@ -121,12 +125,26 @@ def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd"):
     return 2 * (bm * (dp + SMEM_PAD) + bn * (dp + SMEM_PAD) + bn * (dvp + SMEM_PAD))
 
 
+def mod_defines(defines, mods):
+    """defines with a generated score_mod / mask_mod's switches (mods: a codegen.Generated or
+    None): HAS_MASK then says that some pair needs the per-element test, MASK_ARRAY whether a
+    mask array is one of the reasons."""
+    if mods is None:
+        return defines
+    d = dict(defines, **mods.defines)
+    d["ATTN_GMODS"] = 1          # attn_params.h: the kernels' parameter carries gmods
+    d["MASK_ARRAY"] = defines["HAS_MASK"]
+    d["HAS_MASK"] = int(defines["HAS_MASK"] or mods.defines["HAS_MASK_MOD"])
+    return d
+
+
 def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile,
-                pack_gqa=False, split_kv=False):
+                pack_gqa=False, split_kv=False, mods=None):
     """The #defines of one forward variant. bias_dtype / alibi_dtype: a dtype name or None.
-    tile: (BLOCK_M, BLOCK_N, NUM_WARPS[, MIN_BLOCKS: CTAs per SM the registers must allow])."""
+    tile: (BLOCK_M, BLOCK_N, NUM_WARPS[, MIN_BLOCKS: CTAs per SM the registers must allow]).
+    mods: the generated score_mod / mask_mod (codegen.Generated) or None."""
     bm, bn, w = tile[:3]
-    return {
+    return mod_defines({
         "MIN_BLOCKS": tile[3] if len(tile) > 3 else 1,
         "PACK_GQA": int(pack_gqa), "SPLIT_KV": int(split_kv),
         "ELEM_BF16": int(dtype == "bfloat16"), "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
@@ -134,11 +152,16 @@ def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
         "BIAS_DT": DTYPE_CODES[bias_dtype or "float32"], "HAS_ALIBI": int(alibi_dtype is not None),
         "ALIBI_DT": DTYPE_CODES[alibi_dtype or "float32"], "HAS_MASK": int(mask),
         "BLOCK_M": bm, "BLOCK_N": bn, "NUM_WARPS": w,
-    }
+    }, mods)
 
 
-def _headers():
-    return [(p.name, p.read_text()) for p in HEADER_FILES]
+def _headers(generated=None):
+    """The in-memory headers NVRTC gets; generated: the source of attn_mod_gen.cuh, or None."""
+    out = [(p.name, p.read_text()) for p in HEADER_FILES]
+    if generated is not None:
+        from .codegen import HEADER
+        out += [(MODS_HEADER.name, MODS_HEADER.read_text()), (HEADER, generated)]
+    return out
 
 
 def options(defines, arch):
@@ -183,11 +206,12 @@ def nvrtc():
         return _nvrtc_version
 
 
-def cubin(kernel, defines, arch):
-    """The compiled cubin of kernels/<kernel>.cu with these defines for arch (cached)."""
+def cubin(kernel, defines, arch, generated=None):
+    """The compiled cubin of kernels/<kernel>.cu with these defines for arch (cached);
+    generated: the generated score_mod / mask_mod header's source, or None."""
     version = nvrtc()
     src = (KERNEL_DIR / f"{kernel}.cu").read_text()
-    return _cubins.get(src, f"{kernel}.cu", options(defines, arch), _headers(), arch,
+    return _cubins.get(src, f"{kernel}.cu", options(defines, arch), _headers(generated), arch,
                        ".".join(map(str, version)))
 
 
@@ -199,14 +223,14 @@ _functions = LRU(64)
 _functions_lock = threading.Lock()
 
 
-def function(kernel, name, defines, device, arch, smem):
+def function(kernel, name, defines, device, arch, smem, generated=None):
     """The loaded function `name` of kernels/<kernel>.cu in this variant on `device` (a capsule),
-    its dynamic shared memory limit raised to smem bytes."""
-    key = (kernel, name, tuple(sorted(defines.items())), device, arch, smem)
+    its dynamic shared memory limit raised to smem bytes; generated: as for cubin()."""
+    key = (kernel, name, tuple(sorted(defines.items())), device, arch, smem, generated)
     with _functions_lock:
         fn = _functions.get(key)
     if fn is None:
-        module = _C.module_load(cubin(kernel, defines, arch), device)
+        module = _C.module_load(cubin(kernel, defines, arch, generated), device)
         fn = _C.module_function(module, name, smem)
         with _functions_lock:
             _functions.put(key, fn)
@@ -350,9 +374,11 @@ def bwd_sm90_smem_bytes(D, Dv, tile):
     }
 
 
-def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile, dq="recompute"):
+def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile, dq="recompute",
+                mods=None):
     """The #defines of one backward variant (kernels/attn_bwd.cu: every backward kernel of it;
-    attn_bwd_sm90.cu the same); dq: bwd_dq_mode's answer."""
+    attn_bwd_sm90.cu the same); dq: bwd_dq_mode's answer ("recompute" whenever there are mods:
+    the dQ kernels' ds_tile scatters the array gradients); mods: as for fwd_defines."""
     d = {
         "ELEM_BF16": int(dtype == "bfloat16"), "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
         "HAS_SOFTCAP": int(softcap), "HAS_BIAS": int(bias_dtype is not None),
@@ -363,7 +389,7 @@ def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
              KV_MINB=tile["kv_minb"], DQ_ATOMIC=int(dq != "recompute"), DQ_ORDERED=int(dq == "ordered"),
              Q_BLOCK_M=tile["q_block_m"],
              Q_BLOCK_N=tile["q_block_n"], Q_WARPS=tile["q_warps"], Q_MINB=tile["q_minb"])
-    return d
+    return mod_defines(d, mods)
 
 
 def bwd_variants():
@@ -426,6 +452,45 @@ def variants(arch=None):
     """Every (kernel, defines) warmup compiles for arch (None: those of every architecture)."""
     hopper = sm90_fwd_variants() + sm90_bwd_variants() if arch in (None, "sm_90a") else []
     return fwd_variants() + bwd_variants() + hopper
+
+
+def mod_sample():
+    """The generated code of a representative score_mod and mask_mod (softcap, a relative
+    position table with a gradient, a scalar array, int rules; a document mask from an int
+    array and a bool table) that warmup --check compiles into every kernel."""
+    from . import codegen, trace
+    table = np.zeros((4, 129), np.float32)
+    w = np.zeros((), np.float32)
+    doc = np.zeros(64, np.int64)
+    allowed = np.ones((64, 64), bool)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        s = 30.0 * np.tanh(score / 30.0) + table[h, q_idx - kv_idx + 64] * w
+        return np.where((q_idx - kv_idx) % 4 == 0, s, np.maximum(s, -1.0) - (kv_idx // 3) * 0.01)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & allowed[q_idx, kv_idx] | (kv_idx == 0)
+
+    return codegen.generate(trace.trace_score_mod(score_mod), trace.trace_mask_mod(mask_mod))
+
+
+def mod_variants(arch=None):
+    """(kernel, defines, generated source) of the score_mod / mask_mod variants warmup --check
+    compiles: mod_sample with every built-in option in the forward and backward kernels (both
+    kernel families on sm_90a), and the forward with element loads at an odd head dim. A few:
+    each takes NVRTC 3-20 s."""
+    gen = mod_sample()
+    every = dict(dtype="bfloat16", D=128, Dv=128, vec=True, softcap=True, bias_dtype="float32",
+                 mask=True, alibi_dtype="float32")
+    odd = dict(every, D=59, Dv=59, vec=False, softcap=False, bias_dtype=None, mask=False,
+               alibi_dtype=None)
+    out = [("attn_fwd", fwd_defines(**every, tile=tile_config(128, 128), mods=gen)),
+           ("attn_bwd", bwd_defines(**every, tile=bwd_tile_config(128, 128), mods=gen)),
+           ("attn_fwd", fwd_defines(**odd, tile=tile_config(59, 59), mods=gen))]
+    if arch in (None, "sm_90a"):
+        out += [("attn_fwd_sm90", fwd_defines(**every, tile=SM90_TILE_LONG, mods=gen)),
+                ("attn_bwd_sm90", bwd_defines(**every, tile=bwd_sm90_tile(128, "recompute"), mods=gen))]
+    return [(k, d, gen.source) for k, d in out]
 
 
 def dtype_name(dt):

@@ -30,6 +30,16 @@ def run(archs, out=sys.stdout):
                 failures += 1
                 print(f"{kernel} {arch} {defines}: {e}\n{e.log}", file=out)
         print(f"{arch}: {n} variants in {time.perf_counter() - t0:.1f} s", file=out)
+        t0, n = time.perf_counter(), 0
+        for kernel, defines, generated in kernels.mod_variants(arch):
+            try:
+                kernels.cubin(kernel, defines, arch, generated)
+                n += 1
+            except CompileError as e:
+                failures += 1
+                print(f"{kernel} {arch} {defines} with score_mod / mask_mod: {e}\n{e.log}", file=out)
+        print(f"{arch}: {n} score_mod / mask_mod variants in {time.perf_counter() - t0:.1f} s",
+              file=out)
     info = kernels.cache_info()
     if info:
         print(f"compiles {info['compiles']} ({info['compile_seconds']:.1f} s), "

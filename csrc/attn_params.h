@@ -49,6 +49,30 @@ typedef struct {
     int64_t s[4];
 } tensor4;
 
+/* The GPU's generated score_mod / mask_mod (attnext/codegen.py) read their run-time inputs
+ * here: the float constants (parameters, so a sweep over one compiles once) and the captured
+ * arrays. Arrays are numbered score_mod's first, then mask_mod's; elements are float32, int64
+ * or one byte (bool) by the array's kind, shape and element strides padded at the back. */
+#define ATTN_MOD_FLOATS 64
+#define ATTN_MOD_ARRAYS 8
+#define ATTN_MOD_DIMS 4
+typedef struct {
+    const void *ptr;
+    int64_t shape[ATTN_MOD_DIMS], s[ATTN_MOD_DIMS];
+    int64_t grad;                /* first element of its gradient in dacc; -1: none */
+} attn_mod_array;
+
+typedef struct {
+    float f[ATTN_MOD_FLOATS];
+    attn_mod_array a[ATTN_MOD_ARRAYS];
+    /* err (5 int64, zeroed): the first lookup out of range sets err[0] = 1 and writes its array,
+     * axis, index and size to err[1..4] (attn_mods.cuh) */
+    int64_t *err;
+    /* the score_mod's array gradients (backward): ATTN_MOD_WORDS words per element, the exact
+     * fixed-point sum of every adjoint (attn_mods.cuh: mod_scatter) */
+    uint64_t *dacc;
+} attn_mods_gpu;
+
 typedef struct {
     /* problem size */
     int64_t B, Sq, Sk, Hq, Hk, D, Dv;
@@ -95,6 +119,13 @@ typedef struct {
 
     /* CPU backend: the call's score_mod / mask_mod programs (interp.h); NULL without them */
     const struct interp_mods *mods;
+    /* GPU backend: the generated score_mod / mask_mod's constants, arrays and outputs. Last, and
+     * in the kernels' view of the struct only when they have mods (ATTN_GMODS, kernels.py:
+     * mod_defines): the driver copies a kernel's declared parameter size, so a plain kernel's
+     * launch moves the ~840 bytes before it, not these ~900 too. */
+#if !defined(__CUDACC_RTC__) || ATTN_GMODS
+    attn_mods_gpu gmods;
+#endif
 } attn_params;
 
 #endif

@@ -18,7 +18,10 @@
  *   fn (a module_function capsule) over grid and block (3-tuples) with smem bytes of dynamic
  *   shared memory on stream (0: the legacy default stream), the template's attn_params given
  *   this call's addresses: ptrs, a tuple of ints or None (NULL) in the order of PTR_FIELDS
- *   below (a shorter tuple leaves the rest NULL), and the scalars scale and softcap.
+ *   below (a shorter tuple leaves the rest NULL), and the scalars scale and softcap. An optional
+ *   10th argument gmods, None or the bytes of this call's attn_mods_gpu (the generated
+ *   score_mod / mask_mod's constants, arrays, error record and gradient accumulator;
+ *   attnext/codegen.py: pack), fills p->gmods; without it gmods stays zero.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -173,9 +176,9 @@ static int dims3(PyObject *o, const char *name, unsigned out[3])
 static PyObject *c_cuda_launch_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     unsigned grid[3], block[3];
-    if (nargs != 9) {
-        PyErr_Format(PyExc_TypeError, "cuda_launch_attention takes 9 arguments (fn, grid, block, "
-                     "smem, stream, template, ptrs, scale, softcap), got %zd", nargs);
+    if (nargs != 9 && nargs != 10) {
+        PyErr_Format(PyExc_TypeError, "cuda_launch_attention takes 9 or 10 arguments (fn, grid, "
+                     "block, smem, stream, template, ptrs, scale, softcap[, gmods]), got %zd", nargs);
         return NULL;
     }
     PyObject *fn_obj = args[0], *tmpl = args[5], *ptrs = args[6];
@@ -212,6 +215,15 @@ static PyObject *c_cuda_launch_attention(PyObject *module, PyObject *const *args
     p->softcap = PyFloat_AsDouble(args[8]);
     if (p->softcap == -1.0 && PyErr_Occurred())
         return NULL;
+    if (nargs == 10 && args[9] != Py_None) {
+        PyObject *g = args[9];
+        if (!PyBytes_Check(g) || PyBytes_GET_SIZE(g) != (Py_ssize_t)sizeof p->gmods) {
+            PyErr_Format(PyExc_ValueError, "cuda_launch_attention: gmods must be %zu bytes of "
+                         "attn_mods_gpu", sizeof p->gmods);
+            return NULL;
+        }
+        memcpy(&p->gmods, PyBytes_AS_STRING(g), sizeof p->gmods);
+    }
     if ((!p->q.ptr && !t.q_empty) || ((!p->k.ptr || !p->v.ptr) && !t.kv_empty)) {
         PyErr_SetString(PyExc_ValueError, "attnext._C: q, k, v missing or heads disagree");
         return NULL;
@@ -239,8 +251,9 @@ static PyMethodDef attnext_cuda_attn_methods[] = {
      "attn_template(prob) -> bytes: the attn_params of prob's shapes, strides and options, for "
      "cuda_launch_attention."},
     {"cuda_launch_attention", (PyCFunction)(void (*)(void))c_cuda_launch_attention, METH_FASTCALL,
-     "cuda_launch_attention(fn, grid, block, smem, stream, template, ptrs, scale, softcap): launch "
-     "fn over the template's attn_params with this call's device addresses."},
+     "cuda_launch_attention(fn, grid, block, smem, stream, template, ptrs, scale, softcap[, gmods]): "
+     "launch fn over the template's attn_params with this call's device addresses (and score_mod / "
+     "mask_mod inputs)."},
     {NULL, NULL, 0, NULL},
 };
 

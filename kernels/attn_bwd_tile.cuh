@@ -91,7 +91,7 @@ DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score
 #else
                     pv = fast_exp2(score_of(sc, raw, r, c) * LOG2E - lb[rl]);
 #endif
-                    grad = score_grad(sc, raw);
+                    grad = score_grad(sc, raw, r, c);
                 }
                 pr[x] = pv;
                 s[0][nt][e] = pv * grad;
@@ -206,8 +206,9 @@ DEV void load_row_info(const attn_params &p, const seq_t &sq, const seq_t &sk, i
 }
 
 /* dS for this warp's rows x the key tile at c0, in place of s (S = Q K^T, raw dots) from dp
- * (dO V^T): natural units (dbias) or WITH_GRAD times score_grad (dq). Pairs outside the kept
- * set give exactly 0. */
+ * (dO V^T): the gradient of the score before score_mod (dbias) or WITH_GRAD times score_grad
+ * (dq; its kernels also scatter the score_mod's array gradients, each pair once). Pairs outside
+ * the kept set give exactly 0. */
 template <bool WITH_GRAD>
 DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], const attn_params &p,
                  const score_ctx &sc, const row_info &ri, int m0, int c0, int Lq, int Lk)
@@ -235,8 +236,12 @@ DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], co
                     const float pv = fast_exp2(score_of(sc, raw, r, c) * LOG2E - ri.lse2[i]);
 #endif
                     ds = pv * (dp[mt][nt][e] - ri.delta[i]);
-                    if (WITH_GRAD)
-                        ds *= score_grad(sc, raw);
+                    if (WITH_GRAD) {
+                        score_dtensors(sc, raw, r, c, ds);
+                        ds *= score_grad(sc, raw, r, c);
+                    } else if (HAS_SCORE_MOD) {
+                        ds *= score_mod_grad(sc, raw, r, c);
+                    }
                 }
                 s[mt][nt][e] = ds;
             }

@@ -8,7 +8,14 @@
  *   HEAD_DIM, HEAD_DIM_V      D and Dv, any value 1..256
  *   VEC_LOAD       1: every q/k/v row is 16-byte aligned and its D elements contiguous, so tiles
  *                  load with 16-byte cp.async; 0: element loads (odd strides, odd D, misaligned)
- *   HAS_SOFTCAP, HAS_BIAS (+ BIAS_DT), HAS_ALIBI (+ ALIBI_DT), HAS_MASK
+ *   HAS_SOFTCAP, HAS_BIAS (+ BIAS_DT), HAS_ALIBI (+ ALIBI_DT)
+ *   HAS_MASK       1: some pair inside the causal / window band and the lengths may still be
+ *                  masked, so every tile takes the per-element test: a mask array (MASK_ARRAY,
+ *                  which defaults to HAS_MASK) and / or a mask_mod
+ *   HAS_SCORE_MOD, HAS_MASK_MOD, HAS_DTENSORS   the generated score_mod / mask_mod (attnext/
+ *                  codegen.py: the in-memory header attn_mod_gen.cuh) fill the score_mod and
+ *                  mask_mod slots below; HAS_DTENSORS: the dQ kernels' ds_tile also scatters the
+ *                  score_mod's array gradients
  * Causal and window are run-time fields of attn_params: they decide which tiles are visited
  * (block.h) and which tiles need the per-element mask, never the inner loop's code.
  *
@@ -33,6 +40,23 @@
 #define LN2 0.6931471805599453f
 #define NEG_INF __int_as_float(0xff800000)
 #define POS_INF __int_as_float(0x7f800000)
+
+#ifndef HAS_SCORE_MOD
+#define HAS_SCORE_MOD 0
+#endif
+#ifndef HAS_MASK_MOD
+#define HAS_MASK_MOD 0
+#endif
+#ifndef HAS_DTENSORS
+#define HAS_DTENSORS 0
+#endif
+#ifndef MASK_ARRAY
+#define MASK_ARRAY HAS_MASK
+#endif
+#if HAS_SCORE_MOD || HAS_MASK_MOD
+#include "attn_mods.cuh"
+#include "attn_mod_gen.cuh"
+#endif
 
 typedef uint16_t elem_t;                   /* the raw 16 bits of a bfloat16 or float16 */
 
@@ -203,6 +227,8 @@ struct score_ctx {
     int64_t mask_sr, mask_sc;
     float slope;             /* alibi slope of (b, h) */
     int diag;                /* Lk - Lq: row r's diagonal is column r + diag */
+    int64_t b, h;            /* what score_mod / mask_mod see: the sequence and query head */
+    const attn_mods_gpu *mods;   /* their constants and arrays (in the kernel parameter) */
 };
 
 DEV score_ctx make_score_ctx(const attn_params &p, int64_t b, int64_t h, const seq_t &sq, const seq_t &sk)
@@ -216,6 +242,13 @@ DEV score_ctx make_score_ctx(const attn_params &p, int64_t b, int64_t h, const s
     s.bias_sr = s.bias_sc = s.mask_sr = s.mask_sc = 0;
     s.diag = (int)(sk.len - sq.len);
     s.slope = 0.f;
+    s.b = b;
+    s.h = h;
+#if ATTN_GMODS
+    s.mods = &p.gmods;
+#else
+    s.mods = 0;
+#endif
 #if HAS_BIAS
     {
         int64_t hb = h / (p.Hq / p.bias_heads);
@@ -224,7 +257,7 @@ DEV score_ctx make_score_ctx(const attn_params &p, int64_t b, int64_t h, const s
         s.bias_sc = p.bias.s[3];
     }
 #endif
-#if HAS_MASK
+#if MASK_ARRAY
     {
         int64_t hm = h / (p.Hq / p.mask_heads);
         s.mask = (const uint8_t *)p.mask.ptr + b * p.mask.s[0] + hm * p.mask.s[1];
@@ -240,11 +273,10 @@ DEV score_ctx make_score_ctx(const attn_params &p, int64_t b, int64_t h, const s
 
 /* True when the options change a score beyond the scale (else the kernel folds scale * log2(e)
  * into one multiply). */
-#define SCORE_IS_PLAIN (!HAS_SOFTCAP && !HAS_BIAS && !HAS_ALIBI)
+#define SCORE_IS_PLAIN (!HAS_SOFTCAP && !HAS_BIAS && !HAS_ALIBI && !HAS_SCORE_MOD)
 
-/* Steps 1-5 of DESIGN's semantics for the pair (r, c), natural-log units. The score_mod slot is
- * the identity here; [3/4]'s generator fills it. */
-DEV float score_of(const score_ctx &s, float dot, int r, int c)
+/* Steps 1-4 of DESIGN's semantics for the pair (r, c), natural-log units: what score_mod gets. */
+DEV float score_base(const score_ctx &s, float dot, int r, int c)
 {
     float x = dot * s.scale;
 #if HAS_SOFTCAP
@@ -259,25 +291,59 @@ DEV float score_of(const score_ctx &s, float dot, int r, int c)
     return x;
 }
 
-/* d score / d (scale * dot) at (r, c), for the backward: only softcap bends the score. */
-DEV float score_grad(const score_ctx &s, float dot)
+/* Steps 1-5: the score_mod slot (the identity without one). */
+DEV float score_of(const score_ctx &s, float dot, int r, int c)
 {
-#if HAS_SOFTCAP
-    float t = tanhf(dot * s.scale * s.inv_softcap);
-    return 1.f - t * t;
+#if HAS_SCORE_MOD
+    return mod_score(score_base(s, dot, r, c), s.b, s.h, r, c, s.mods);
+#else
+    return score_base(s, dot, r, c);
+#endif
+}
+
+/* d score_mod / d its score argument at (r, c) (1 without one): what dbias carries. */
+DEV float score_mod_grad(const score_ctx &s, float dot, int r, int c)
+{
+#if HAS_SCORE_MOD
+    return mod_dscore(score_base(s, dot, r, c), s.b, s.h, r, c, 1.f, s.mods);
 #else
     return 1.f;
 #endif
 }
 
-/* The mask array's verdict (causal, window and lengths are checked through the row bounds). */
+/* d score / d (scale * dot) at (r, c), for the backward: softcap's slope times score_mod's. */
+DEV float score_grad(const score_ctx &s, float dot, int r, int c)
+{
+#if HAS_SOFTCAP
+    float t = tanhf(dot * s.scale * s.inv_softcap);
+    return (1.f - t * t) * score_mod_grad(s, dot, r, c);
+#else
+    return score_mod_grad(s, dot, r, c);
+#endif
+}
+
+/* The score_mod's array gradients at (r, c) for dS (the gradient of the final score) scattered
+ * into the accumulator, exactly and in any order (attn_mods.cuh). */
+DEV void score_dtensors(const score_ctx &s, float dot, int r, int c, float ds)
+{
+#if HAS_DTENSORS
+    if (ds != 0.f)
+        mod_dtensors(score_base(s, dot, r, c), s.b, s.h, r, c, ds, s.mods);
+#endif
+}
+
+/* The mask array's and the mask_mod's verdict (causal, window and lengths are checked through
+ * the row bounds, first: mask_mod runs only inside the lengths). */
 DEV bool mask_keeps(const score_ctx &s, int r, int c)
 {
-#if HAS_MASK
-    return s.mask[r * s.mask_sr + c * s.mask_sc] != 0;
-#else
-    return true;
+    bool keep = true;
+#if MASK_ARRAY
+    keep = s.mask[r * s.mask_sr + c * s.mask_sc] != 0;
 #endif
+#if HAS_MASK_MOD
+    keep = mod_mask(s.b, s.h, r, c, s.mods) && keep;
+#endif
+    return keep;
 }
 
 #endif

@@ -38,6 +38,9 @@ class Tensor4(ctypes.Structure):
 
 
 _I64, _INT, _PTR, _F64 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_double
+# attn_mods_gpu: 64 floats, 8 arrays of (ptr, shape[4], s[4], grad), err, dacc (attnext.codegen's
+# MODS_DTYPE reads these bytes)
+GMODS_BYTES = 64 * 4 + 8 * (8 + 4 * 8 + 4 * 8 + 8) + 2 * 8
 
 
 class AttnParams(ctypes.Structure):
@@ -50,7 +53,7 @@ class AttnParams(ctypes.Structure):
                    ("softcap", _F64), ("causal", _INT), ("window_left", _I64), ("window_right", _I64)]
                 + [(n, Tensor4) for n in ("dout", "dq", "dk", "dv", "dbias", "delta", "dq_accum", "dq_sem")]
                 + [("o_accum", _PTR), ("lse_accum", _PTR), ("num_splits", _INT), ("num_threads", _INT),
-                   ("mods", _PTR)])
+                   ("mods", _PTR), ("gmods", ctypes.c_uint64 * (GMODS_BYTES // 8))])
 
 
 class LaunchRecord(ctypes.Structure):
@@ -64,10 +67,13 @@ def last_launch(lib):
 
 
 def params_dict(p):
-    """An AttnParams as a dict of plain values (tensors as (ptr, strides))."""
+    """An AttnParams as a dict of plain values (tensors as (ptr, strides), gmods as bytes)."""
     out = {}
     for name, _ in AttnParams._fields_:
         v = getattr(p, name)
+        if name == "gmods":
+            out[name] = bytes(v)
+            continue
         out[name] = (v.ptr or 0, tuple(v.s)) if isinstance(v, Tensor4) else (v or 0 if name in (
             "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "o_accum", "lse_accum", "mods") else v)
     return out

@@ -54,7 +54,7 @@ FN, LAUNCHES = {}, []
 _module = None
 
 
-def function(kernel, name, defines, dev, arch, smem):
+def function(kernel, name, defines, dev, arch, smem, generated=None):
     global _module
     if _module is None:
         _module = _C.module_load(b"\x7fELF", dev)
@@ -348,7 +348,7 @@ def test_cuda_launch_attention_refuses(i, value, exc, match):
     args[i] = value
     with pytest.raises(exc, match=match):
         _C.cuda_launch_attention(*args)
-    with pytest.raises(TypeError, match="takes 9 arguments"):
+    with pytest.raises(TypeError, match="takes 9 or 10 arguments"):
         _C.cuda_launch_attention(*args[:8])
 
 

@@ -527,12 +527,8 @@ def _names(arg):
 
 @pytest.mark.parametrize("case", bad.BAD_INPUTS, ids=[bad._id(c) for c in bad.BAD_INPUTS])
 def test_bad_input_with_cuda_arrays(case, torch, gpu_good):
-    """test_bad_input's battery with q, k, v (and every array it can) as CUDA tensors. score_mod
-    and mask_mod with CUDA arrays raise NotImplementedError before their value is looked at (the
-    GPU code generator is not built); a non-callable may instead give the table's TypeError."""
+    """test_bad_input's battery with q, k, v (and every array it can) as CUDA tensors."""
     fn, arg, label, value, exc = case
-    if arg in ("score_mod", "mask_mod"):
-        exc = (exc, NotImplementedError)
     _refused(torch, gpu_good, fn, {arg: _gpu_value(torch, arg, value)}, exc, _names(arg))
 
 
@@ -631,14 +627,6 @@ def test_float32_cuda_tensors_are_a_type_error(torch, rng):
     with pytest.raises(TypeError, match=r"q has dtype float32"):
         attnext.attention(q, k, v, device="cuda", precision="tf32")
     assert all(_same_bits(torch, a, b) for a, b in zip((q, k, v), before))
-
-
-def test_score_mod_with_cuda_arrays_is_not_implemented(torch, gpu_good):
-    table = np.ones(4, F32)
-    _refused(torch, gpu_good, "attention", {"score_mod": lambda s, b, h, qi, ki: s + table[h]},
-             NotImplementedError, "score_mod")
-    _refused(torch, gpu_good, "attention_backward", {"mask_mod": lambda b, h, qi, ki: qi >= ki},
-             NotImplementedError, "mask_mod")
 
 
 # --- 6. NaN and Inf in CUDA arrays ---

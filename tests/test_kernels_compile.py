@@ -22,6 +22,8 @@ def test_warmup_check_compiles_every_variant(tmp_path):
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     for arch in kernels.ARCHS:
         assert f"{arch}: {len(kernels.variants(arch))} variants" in r.stdout, r.stdout
+        assert (f"{arch}: {len(kernels.mod_variants(arch))} score_mod / mask_mod variants"
+                in r.stdout), r.stdout
     # a second run finds every cubin on disk and compiles nothing
     r = subprocess.run([sys.executable, "-m", "attnext.warmup", "--check"], env=env,
                        capture_output=True, text=True)

@@ -1,0 +1,363 @@
+"""CUDA code generation for traced score_mods / mask_mods (the GPU twin of interp.py).
+
+A traced graph (trace.py) becomes C source: device functions that the kernels call from their
+one score_mod slot and one mask_mod slot (kernels/attn_common.cuh: score_of, score_grad,
+mask_keeps, and ds_tile for the array gradients):
+
+    float mod_score(float score, int64_t b, int64_t h, int64_t q_idx, int64_t kv_idx, const attn_mods_gpu *m)
+    float mod_dscore(... the same ..., float dout, m)      d out / d score times dout (trace.grad)
+    void  mod_dtensors(... the same ..., float dout, m)    each float array's adjoint, scatter-added
+    int   mod_mask(int64_t b, int64_t h, int64_t q_idx, int64_t kv_idx, m)
+
+The source is one in-memory header, "attn_mod_gen.cuh", handed to NVRTC beside the fixed ones
+(kernels.py); the kernels include it, with kernels/attn_mods.cuh (NumPy's integer and float
+rules, checked lookups, the exact gradient scatter), when HAS_SCORE_MOD / HAS_MASK_MOD are set.
+The cubin cache keys on the header's text and the options, and the text depends only on the
+graph's structure (Traced.key: ops, integer constants, array dtypes and shapes), never on a
+name, an id() or a float constant's value.
+
+How one call's values reach the kernel: `attn_mods_gpu` (csrc/attn_params.h), a field of the
+one __grid_constant__ attn_params, holds the float constants (m->f: a sweep over a constant
+reuses the kernel), each captured array's pointer, shape and strides, the device error flag and
+the gradient accumulator; the generated code reads it through the pointer score_ctx carries. A
+field of attn_params rather than a second kernel parameter: every kernel keeps its one-argument
+signature and launch, the CPU side ignores it (it is zeroed there), and the 880 bytes fit the
+kernel parameter space beside the rest. Arrays are numbered score_mod's first, then mask_mod's;
+float constants likewise.
+
+Table-driven rendering (STYLE.md #4): one op -> C-expression table per value type, fully
+parenthesised; values are named in topological order, a value used once is inlined, and every
+lookup is a statement of its own, evaluated whatever np.where chooses, so that a lookup out of
+range is reported where the reference (which evaluates both branches) reports it. A node the
+tables cannot render raises TypeError naming it.
+
+Gradients of the captured float arrays are accumulated exactly: integer fixed-point limbs added
+by atomics (attn_mods.cuh), so the result is the same bits whatever order the GPU threads add
+in; limbs_to_float turns them into the arrays' gradients on the host.
+"""
+import math
+import threading
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from . import trace
+from .kernel_cache import LRU
+from .trace import B, F, I
+
+HEADER = "attn_mod_gen.cuh"
+MAX_FLOATS = 64            # ATTN_MOD_FLOATS (csrc/attn_params.h)
+MAX_ARRAYS = 8             # ATTN_MOD_ARRAYS
+MAX_DIMS = 4               # ATTN_MOD_DIMS
+LIMBS, LIMB_BITS, LIMB_LSB = 12, 24, -149      # attn_mods.cuh
+WORDS = LIMBS + 1
+CACHE_CAPACITY = 256
+
+C_TYPE = {F: "float", I: "int64_t", B: "int"}
+SCORE_ARGS = "float score, int64_t b, int64_t h, int64_t q_idx, int64_t kv_idx"
+MASK_ARGS = "int64_t b, int64_t h, int64_t q_idx, int64_t kv_idx"
+M_ARG = "const attn_mods_gpu *m"
+
+# op -> C expression over the operands {0}, {1}, {2}, by the result's value type
+_FLOAT_OPS = {
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "truediv": "({0} / {1})",
+    "floordiv": "mod_ffloordiv({0}, {1})", "mod": "mod_fmod({0}, {1})", "pow": "powf({0}, {1})",
+    "minimum": "mod_fmin({0}, {1})", "maximum": "mod_fmax({0}, {1})", "neg": "(-{0})",
+    "abs": "fabsf({0})", "exp": "expf({0})", "exp2": "exp2f({0})", "log": "logf({0})",
+    "log2": "log2f({0})", "sqrt": "sqrtf({0})", "tanh": "tanhf({0})", "sin": "sinf({0})",
+    "cos": "cosf({0})", "where": "({0} ? {1} : {2})", "dmul": "mod_dmul({0}, {1})",
+    "cast": "((float)({0}))",
+}
+_INT_OPS = {
+    "add": "mod_iadd({0}, {1})", "sub": "mod_isub({0}, {1})", "mul": "mod_imul({0}, {1})",
+    "floordiv": "mod_ifloordiv({0}, {1})", "mod": "mod_imod({0}, {1})",
+    "pow": "mod_ipow({0}, {1})", "minimum": "({0} <= {1} ? {0} : {1})",
+    "maximum": "({0} >= {1} ? {0} : {1})", "neg": "mod_ineg({0})", "abs": "mod_iabs({0})",
+    "and": "({0} & {1})", "or": "({0} | {1})", "xor": "({0} ^ {1})", "not": "(~{0})",
+    "where": "({0} ? {1} : {2})", "cast": "((int64_t)({0}))",
+}
+_BOOL_OPS = {
+    "lt": "({0} < {1})", "le": "({0} <= {1})", "gt": "({0} > {1})", "ge": "({0} >= {1})",
+    "eq": "({0} == {1})", "ne": "({0} != {1})", "and": "({0} & {1})", "or": "({0} | {1})",
+    "xor": "({0} ^ {1})", "not": "(!{0})", "where": "({0} ? {1} : {2})",
+}
+_TABLES = {F: _FLOAT_OPS, I: _INT_OPS, B: _BOOL_OPS}
+_LOAD = {F: "mod_load_f", I: "mod_load_i", B: "mod_load_b"}
+_INPUT_NAMES = ("score", "b", "h", "q_idx", "kv_idx", "dout")
+
+# every op the tracer can produce (trace.py's _ARITH, _COMPARE, _BITWISE, _UNARY_FLOAT, ...) and
+# the derivative's own (dmul): tests/test_codegen.py checks that this covers trace's list
+SUPPORTED_OPS = frozenset(_FLOAT_OPS) | frozenset(_INT_OPS) | frozenset(_BOOL_OPS) | {"load"}
+
+
+def _float_literal(x):
+    if math.isnan(x):
+        return "(0.f / 0.f)"
+    if math.isinf(x):
+        return "(1.f / 0.f)" if x > 0 else "(-1.f / 0.f)"
+    return f"((float){float(x)!r})"
+
+
+def _int_literal(n, dtype):
+    if dtype == B:
+        return "1" if n else "0"
+    n = int(n)
+    if n == -2 ** 63:
+        return "((int64_t)(-9223372036854775807LL - 1))"
+    return f"((int64_t){n}LL)"
+
+
+class _Renderer:
+    """Renders the nodes reachable from some roots as C statements of one function."""
+
+    def __init__(self, arrays, float_base):
+        self.arrays = arrays          # array name -> its global number
+        self.float_base = float_base  # this function's first float constant in m->f
+        self.lines = []
+        self.expr = {}
+
+    def render(self, roots):
+        order = trace.topo(*roots)
+        uses = {}
+        for n in order:
+            for a in trace._children(n):
+                uses[id(a)] = uses.get(id(a), 0) + 1
+        for r in roots:
+            uses[id(r)] = uses.get(id(r), 0) + 2          # a root is always named
+        for n in order:
+            e = self._expr_of(n)
+            if e is None:
+                continue
+            named = n.op == "load" or (n.op not in trace._LEAVES and uses.get(id(n), 0) > 1)
+            if named:
+                name = f"v{len(self.lines)}"
+                self.lines.append(f"    const {C_TYPE[n.dtype]} {name} = {e};")
+                e = name
+            self.expr[id(n)] = e
+
+    def _expr_of(self, n):
+        op = n.op
+        if op in _INPUT_NAMES:
+            return op
+        if op == "const":
+            return _int_literal(n.args[0], n.dtype)
+        if op == "fconst":
+            return _float_literal(n.args[0])
+        if op == "param":
+            k = self.float_base + n.args[0]
+            if k >= MAX_FLOATS:
+                raise TypeError(f"the GPU code generator takes at most {MAX_FLOATS} float "
+                                "constants in score_mod and mask_mod together")
+            return f"m->f[{k}]"
+        if op == "array":
+            return None
+        if op == "load":
+            return f"{_LOAD[n.dtype]}(m, {self.arrays[n.args[0].args[0]]}, {self.offset(n.args[0], n.args[1:])})"
+        table = _TABLES.get(n.dtype, {})
+        if op not in table:
+            raise TypeError(f"the GPU code generator cannot render {op!r} ({n.dtype}): "
+                            f"{trace.format_expr(n)}")
+        return table[op].format(*(self.expr[id(a)] for a in n.args))
+
+    def offset(self, array_node, idx):
+        name, shape = array_node.args[0], array_node.args[2]
+        if len(shape) > MAX_DIMS:
+            raise TypeError(f"array {name!r} has {len(shape)} dims; the GPU code generator "
+                            f"takes arrays of at most {MAX_DIMS}")
+        args = [self.expr[id(i)] for i in idx] + ["0"] * (MAX_DIMS - len(idx))
+        return f"mod_offset(m, {self.arrays[name]}, {len(idx)}, {', '.join(args)})"
+
+
+def _function(signature, roots, arrays, float_base, tail):
+    r = _Renderer(arrays, float_base)
+    r.render(roots)
+    body = r.lines + [t.format(*(r.expr[id(x)] for x in roots)) if isinstance(t, str) else
+                      t(r) for t in tail]
+    return "DEV " + signature + "\n{\n" + "\n".join(body) + "\n}\n"
+
+
+def array_order(traced):
+    """Captured array names of a traced function by position (its graph's topological order,
+    the same for every function of one structure)."""
+    pos = []
+    for n in trace.topo(traced.out):
+        if n.op == "array" and n.args[0] not in pos:
+            pos.append(n.args[0])
+    return pos
+
+
+class Generated(NamedTuple):
+    """The generated header and what a call binds to it. source: the header's text; defines:
+    the kernel switches (HAS_SCORE_MOD, HAS_MASK_MOD, HAS_DTENSORS); arrays: (kind "score_mod"
+    / "mask_mod", name, value type) by global number; grad_arrays: the global numbers of the
+    score_mod's float arrays that have a gradient term; n_score_floats: where mask_mod's float
+    constants start in m->f; uses_h: whether a mod reads h."""
+    source: str
+    defines: dict
+    arrays: tuple
+    grad_arrays: tuple
+    n_score_floats: int
+    uses_h: bool
+
+
+def generate(score=None, mask=None):
+    """The Generated code of a traced score_mod and / or mask_mod (trace.Traced or None)."""
+    parts = [f"/* generated by attnext/codegen.py: {HEADER} */",
+             "#ifndef ATTNEXT_ATTN_MOD_GEN_CUH", "#define ATTNEXT_ATTN_MOD_GEN_CUH", ""]
+    arrays, numbers = [], {}
+    for kind, t in (("score_mod", score), ("mask_mod", mask)):
+        if t is None:
+            continue
+        for name in array_order(t):
+            node = next(n for n in trace.topo(t.out) if n.op == "array" and n.args[0] == name)
+            numbers[(kind, name)] = len(arrays)
+            arrays.append((kind, name, node.dtype))
+    if len(arrays) > MAX_ARRAYS:
+        raise TypeError(f"the GPU code generator takes at most {MAX_ARRAYS} captured arrays in "
+                        f"score_mod and mask_mod together, got {len(arrays)}")
+    defines = dict(HAS_SCORE_MOD=int(score is not None), HAS_MASK_MOD=int(mask is not None),
+                   HAS_DTENSORS=0)
+    grad_arrays, uses_h = [], False
+    n_score_floats = len(score.params) if score is not None else 0
+    if score is not None:
+        amap = {name: numbers[("score_mod", name)] for name in array_order(score)}
+        g = trace.grad(score)
+        uses_h |= any(n.op == "h" for n in trace.topo(score.out))
+        parts.append(f"/* score_mod {score.key[:16]} */")
+        parts.append(_function(f"float mod_score({SCORE_ARGS}, {M_ARG})", [score.out], amap, 0,
+                               ["    return {0};"]))
+        parts.append(_function(f"float mod_dscore({SCORE_ARGS}, float dout, {M_ARG})", [g.dscore],
+                               amap, 0, ["    return {0};"]))
+        terms = [(name, idx, adj) for name, ts in g.darrays.items() for idx, adj in ts]
+        if terms:
+            defines["HAS_DTENSORS"] = 1
+            grad_arrays = sorted({amap[name] for name, _, _ in terms})
+            roots = [x for _, idx, adj in terms for x in (*idx, adj)]
+
+            def scatters(r):
+                return "\n".join(
+                    f"    mod_scatter(m, {amap[name]}, "
+                    f"{r.offset(next(n for n in trace.topo(score.out) if n.op == 'array' and n.args[0] == name), idx)}, "
+                    f"{r.expr[id(adj)]});" for name, idx, adj in terms)
+            parts.append(_function(f"void mod_dtensors({SCORE_ARGS}, float dout, {M_ARG})", roots,
+                                   amap, 0, [scatters]))
+    if mask is not None:
+        amap = {name: numbers[("mask_mod", name)] for name in array_order(mask)}
+        uses_h |= any(n.op == "h" for n in trace.topo(mask.out))
+        parts.append(f"/* mask_mod {mask.key[:16]} */")
+        parts.append(_function(f"int mod_mask({MASK_ARGS}, {M_ARG})", [mask.out], amap,
+                               n_score_floats, ["    return {0};"]))
+    if n_score_floats + (len(mask.params) if mask is not None else 0) > MAX_FLOATS:
+        raise TypeError(f"the GPU code generator takes at most {MAX_FLOATS} float constants in "
+                        "score_mod and mask_mod together")
+    parts.append("#endif\n")
+    return Generated("\n".join(parts), defines, tuple(arrays), tuple(grad_arrays),
+                     n_score_floats, uses_h)
+
+
+# --- the cache ------------------------------------------------------------------------------
+
+_cache = LRU(CACHE_CAPACITY)
+_stats_lock = threading.Lock()
+_stats = dict(hits=0, misses=0, compiles=0, compile_seconds=0.0)
+
+
+def generated(score=None, mask=None):
+    """generate(score, mask), from an LRU keyed by the graphs' structural keys."""
+    key = (score.key if score is not None else None, mask.key if mask is not None else None)
+    hit = _cache.get(key)
+    if hit is not None:
+        with _stats_lock:
+            _stats["hits"] += 1
+        return hit
+    t0 = time.perf_counter()
+    gen = generate(score, mask)
+    seconds = time.perf_counter() - t0
+    _cache.put(key, gen)
+    with _stats_lock:
+        _stats["misses"] += 1
+        _stats["compiles"] += 1
+        _stats["compile_seconds"] += seconds
+    return gen
+
+
+def cache_info():
+    """The generator cache's counters (code generations; NVRTC's are kernels.cache_info())."""
+    with _stats_lock:
+        out = dict(_stats)
+    out.update(entries=len(_cache), capacity=_cache.capacity)
+    return out
+
+
+# --- one call's parameters -------------------------------------------------------------------
+
+ARRAY_DTYPE = np.dtype([("ptr", "u8"), ("shape", "i8", MAX_DIMS), ("s", "i8", MAX_DIMS),
+                        ("grad", "i8")], align=True)
+MODS_DTYPE = np.dtype([("f", "f4", MAX_FLOATS), ("a", ARRAY_DTYPE, MAX_ARRAYS), ("err", "u8"),
+                       ("dacc", "u8")], align=True)
+STORAGE = {F: np.float32, I: np.int64, B: np.uint8}     # what the kernels read, by value type
+
+
+def storage(a, kind):
+    """A captured array as the kernels read it: contiguous float32, int64 or uint8 (bool)."""
+    a = np.asarray(a)
+    return np.ascontiguousarray(a, dtype=STORAGE[kind]).reshape(a.shape)    # 0-d stays 0-d
+
+
+def pack(gen, floats, arrays, err_ptr, dacc_ptr, grad_offsets):
+    """The bytes of one call's attn_mods_gpu. floats: the float constants in m->f order;
+    arrays: (ptr, shape, element strides) by global number; grad_offsets: global number ->
+    first gradient element (others -1)."""
+    rec = np.zeros((), MODS_DTYPE)
+    rec["f"][:len(floats)] = np.asarray(floats, np.float32)
+    for i, (ptr, shape, strides) in enumerate(arrays):
+        a = rec["a"][i]
+        a["ptr"] = ptr
+        a["shape"][:] = 1
+        a["s"][:] = 0
+        a["shape"][:len(shape)] = shape
+        a["s"][:len(strides)] = strides
+    rec["a"]["grad"] = -1
+    for i, off in grad_offsets.items():
+        rec["a"][i]["grad"] = off
+    rec["err"] = err_ptr
+    rec["dacc"] = dacc_ptr
+    return rec.tobytes()
+
+
+def _carry(limbs):
+    """Carries up in place, so that every limb but the last is a digit in [0, 2^LIMB_BITS)."""
+    for j in range(LIMBS - 1):
+        carry = limbs[..., j] >> LIMB_BITS     # arithmetic shift: floor division
+        limbs[..., j] &= (1 << LIMB_BITS) - 1
+        limbs[..., j + 1] += carry
+
+
+def limbs_to_float(words):
+    """The float64 values of gradient accumulators: words (..., WORDS) uint64 as the kernels
+    left them (attn_mods.cuh: signed limbs, then a flags word). Negative sums are negated
+    first, so the float64 sum of the digits adds terms of one sign, from the largest: within an
+    ulp of float64, whatever the magnitudes."""
+    w = np.asarray(words, dtype=np.uint64)
+    limbs = w[..., :LIMBS].view(np.int64).copy()
+    flags = w[..., LIMBS]
+    _carry(limbs)
+    neg = limbs[..., LIMBS - 1] < 0
+    limbs[neg] = -limbs[neg]
+    _carry(limbs)
+    out = np.zeros(limbs.shape[:-1], np.float64)
+    for j in reversed(range(LIMBS)):
+        out += np.ldexp(limbs[..., j].astype(np.float64), LIMB_BITS * j + LIMB_LSB)
+    out = np.where(neg, -out, out)
+    nan = ((flags & 1) != 0) | (((flags & 2) != 0) & ((flags & 4) != 0))
+    out = np.where((flags & 2) != 0, np.inf, out)
+    out = np.where((flags & 4) != 0, -np.inf, out)
+    return np.where(nan, np.nan, out)
+
+
+def index_error(gen, err):
+    """The IndexError for a device error record err = (flag, array, axis, index, size)."""
+    kind, name, _ = gen.arrays[int(err[1])]
+    return IndexError(f"{kind}: index {int(err[3])} is out of bounds for axis {int(err[2])} of "
+                      f"array {name!r} with size {int(err[4])}")

@@ -1,0 +1,438 @@
+"""The CUDA code generator (attnext/codegen.py) without a GPU.
+
+The generated device functions and kernels/attn_mods.cuh are plain C as well: here they are
+built with the host C compiler (DEV = static inline) into a small program that evaluates them
+over a grid of (score, b, h, q_idx, kv_idx, dout) and compared with trace.evaluate /
+trace.evaluate_grad, for the zoo of tests/mods.py and NumPy's integer rules. Also: lookups out
+of range set the error record and read nothing outside the array, the exact gradient
+accumulator is the correctly rounded sum in any order, the attn_mods_gpu layout matches
+codegen.pack's, and the op tables cover everything the tracer produces. The real kernels with
+generated code are compiled by NVRTC in tests/test_kernels_compile.py.
+"""
+import math
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from attnext import codegen, trace
+
+import mods
+from test_cuda_host import _run, fake_libcuda  # noqa: F401  (the fake driver fixture)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INCLUDES = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "kernels")]
+
+HARNESS = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <stddef.h>
+#define DEV static inline
+#include "attn_params.h"
+#include "attn_mods.cuh"
+#include "attn_mod_gen.cuh"
+
+static void *take(FILE *f, size_t n)
+{
+    void *p = calloc(n ? n : 1, 1);
+    if (n && fread(p, 1, n, f) != n)
+        exit(3);
+    return p;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 3) {   /* the struct layout, for codegen.MODS_DTYPE */
+        printf("%zu %zu %zu %zu %zu %zu\n", sizeof(attn_mods_gpu), offsetof(attn_mods_gpu, a),
+               sizeof(attn_mod_array), offsetof(attn_mods_gpu, err), offsetof(attn_mods_gpu, dacc),
+               offsetof(attn_mod_array, grad));
+        return 0;
+    }
+    FILE *in = fopen(argv[1], "rb"), *out = fopen(argv[2], "wb");
+    int64_t *hdr = (int64_t *)take(in, 3 * 8);
+    const int64_t n = hdr[0], narr = hdr[1], words = hdr[2];
+    attn_mods_gpu *m = (attn_mods_gpu *)take(in, sizeof(attn_mods_gpu));
+    for (int64_t i = 0; i < narr; i++) {
+        int64_t *nb = (int64_t *)take(in, 8);
+        m->a[i].ptr = take(in, (size_t)*nb);
+    }
+    int64_t err[5] = {0, 0, 0, 0, 0};
+    m->err = err;
+    m->dacc = (uint64_t *)calloc((size_t)(words + 1), 8);
+    float *score = (float *)take(in, n * 4), *dout = (float *)take(in, n * 4);
+    int64_t *idx = (int64_t *)take(in, n * 32);
+    float *res = (float *)calloc((size_t)(2 * n + 1), 4);
+    int32_t *keep = (int32_t *)calloc((size_t)(n + 1), 4);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t b = idx[i], h = idx[n + i], q = idx[2 * n + i], kv = idx[3 * n + i];
+#if HAS_SCORE_MOD
+        res[i] = mod_score(score[i], b, h, q, kv, m);
+        res[n + i] = mod_dscore(score[i], b, h, q, kv, dout[i], m);
+#if HAS_DTENSORS
+        mod_dtensors(score[i], b, h, q, kv, dout[i], m);
+#endif
+#endif
+#if HAS_MASK_MOD
+        keep[i] = mod_mask(b, h, q, kv, m);
+#endif
+    }
+    fwrite(res, 4, (size_t)(2 * n), out);
+    fwrite(keep, 4, (size_t)n, out);
+    fwrite(err, 8, 5, out);
+    fwrite(m->dacc, 8, (size_t)words, out);
+    fclose(out);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def cc():
+    exe = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if exe is None:
+        pytest.skip("no C compiler")
+    return exe
+
+
+def build(cc, tmp_path, gen):
+    d = tmp_path / "gen"
+    d.mkdir(exist_ok=True)
+    (d / codegen.HEADER).write_text(gen.source)
+    (d / "main.c").write_text(HARNESS)
+    exe = d / "main"
+    flags = [f"-D{k}={v}" for k, v in gen.defines.items()]
+    subprocess.run([cc, "-std=c11", "-O1", "-Wall", "-Werror", "-Wno-unused-variable",
+                    "-Wno-unused-function", "-Wno-unused-but-set-variable", *flags,
+                    *(f"-I{p}" for p in INCLUDES + [str(d)]), str(d / "main.c"), "-o", str(exe),
+                    "-lm"], check=True, capture_output=True, text=True)
+    return exe
+
+
+def run(exe, tmp_path, gen, bound, points, floats=()):
+    """Runs the harness over points = (score, b, h, q, kv, dout) arrays; bound: the captured
+    arrays by global number, floats: the float constants. Returns (fwd, dscore, keep, err,
+    {array number: gradient})."""
+    score, b, h, q, kv, dout = (np.asarray(x) for x in points)
+    n = score.size
+    offsets, total = {}, 0
+    for i in gen.grad_arrays:
+        offsets[i] = total
+        total += bound[i].size
+    arrays = [(0, a.shape, [s // a.itemsize for s in a.strides]) for a in bound]
+    blob = [np.array([n, len(bound), total * codegen.WORDS], np.int64).tobytes(),
+            codegen.pack(gen, floats, arrays, 0, 0, offsets)]
+    for a in bound:
+        blob += [np.array([a.nbytes], np.int64).tobytes(), a.tobytes()]
+    blob += [score.astype(np.float32).tobytes(), dout.astype(np.float32).tobytes(),
+             np.stack([b, h, q, kv]).astype(np.int64).tobytes()]
+    (tmp_path / "in.bin").write_bytes(b"".join(blob))
+    subprocess.run([str(exe), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
+    raw = (tmp_path / "out.bin").read_bytes()
+    res = np.frombuffer(raw, np.float32, 2 * n)
+    keep = np.frombuffer(raw, np.int32, n, 8 * n)
+    err = np.frombuffer(raw, np.int64, 5, 12 * n)
+    words = np.frombuffer(raw, np.uint64, total * codegen.WORDS, 12 * n + 40)
+    grads = {}
+    for i in gen.grad_arrays:
+        w = words[offsets[i] * codegen.WORDS:(offsets[i] + bound[i].size) * codegen.WORDS]
+        grads[i] = codegen.limbs_to_float(w.reshape(-1, codegen.WORDS)).reshape(bound[i].shape)
+    return res[:n], res[n:], keep, err, grads
+
+
+def grid(rng, scores=(-2.3, -0.4, 0.0, 0.7, 1.9)):
+    b, h, q, kv, s = np.meshgrid(np.arange(2), np.arange(mods.H_MAX), np.arange(mods.S_MAX),
+                                 np.arange(mods.S_MAX), np.array(scores, np.float32),
+                                 indexing="ij")
+    s = s.ravel() + rng.uniform(-0.05, 0.05, s.size).astype(np.float32)
+    return s.astype(np.float32), b.ravel(), h.ravel(), q.ravel(), kv.ravel(), \
+        rng.standard_normal(s.size).astype(np.float32)
+
+
+def bind(t, gen, kind):
+    """Captured arrays of t in the kernels' storage, by global number (of this kind)."""
+    return [codegen.storage(t.arrays[name], vt) for k, name, vt in gen.arrays if k == kind]
+
+
+def close(got, want, what, rtol=3e-5, atol=3e-5):
+    want = np.asarray(want, np.float64)
+    got = np.asarray(got, np.float64)
+    scale = np.maximum(1.0, np.abs(want))
+    bad = ~((np.isnan(got) & np.isnan(want)) | (got == want)
+            | (np.abs(got - want) <= atol * scale + rtol * np.abs(want)))
+    assert not bad.any(), (what, np.flatnonzero(bad)[:5], got[bad][:5], want[bad][:5])
+
+
+def int_rules(s, b, h, qi, ki):
+    d = qi - ki
+    ints = d // (ki % 4 - 1) + d % (qi % 3 - 1) * 3 + (-d) // 3 + (d % -4) + (d ** 3) % 5
+    floats = np.floor_divide(s, 0.7) * 0.1 + np.remainder(s, -0.45)
+    flags = (qi > 3) * 2 + ((qi & 1) ^ (ki | 2)) - (~d)
+    return s + ints * 0.01 + floats + flags * 0.05 + np.where(d != 0, 1.0, 0.0)
+
+
+def score_zoo():
+    zoo = dict(mods.score_mods())
+    zoo["int_rules"] = int_rules
+    return zoo
+
+
+@pytest.mark.parametrize("name", sorted(score_zoo()))
+def test_score_mod_matches_evaluate(name, cc, tmp_path, rng):
+    fn = score_zoo()[name]
+    t = trace.trace_score_mod(fn)
+    gen = codegen.generate(t)
+    bound = bind(t, gen, "score_mod")
+    exe = build(cc, tmp_path, gen)
+    pts = grid(rng)
+    fwd, dscore, _, err, grads = run(exe, tmp_path, gen, bound, pts, t.params)
+    assert err[0] == 0
+    with np.errstate(all="ignore"):
+        want = trace.evaluate(t, *pts[:5])
+        g = trace.grad(t)
+        want_ds, want_arrays = trace.evaluate_grad(t, g, *pts, float_dtype=np.float64)
+    close(fwd, want, "forward")
+    close(dscore, want_ds, "d score")
+    names = {i: name for i, (k, name, _) in enumerate(gen.arrays)}
+    assert sorted(names[i] for i in gen.grad_arrays) == sorted(g.darrays)
+    for i, got in grads.items():
+        w = want_arrays[names[i]]
+        close(got, w, f"d {names[i]}", atol=1e-4 * max(1.0, float(np.abs(w).max())))
+
+
+@pytest.mark.parametrize("name", sorted(mods.mask_mods()))
+def test_mask_mod_matches_evaluate(name, cc, tmp_path, rng):
+    t = trace.trace_mask_mod(mods.mask_mods()[name])
+    gen = codegen.generate(None, t)
+    exe = build(cc, tmp_path, gen)
+    pts = grid(rng, scores=(0.0,))
+    _, _, keep, err, _ = run(exe, tmp_path, gen, bind(t, gen, "mask_mod"), pts, t.params)
+    assert err[0] == 0
+    want = np.broadcast_to(trace.evaluate(t, None, *pts[1:5]), keep.shape)
+    np.testing.assert_array_equal(keep.astype(bool), want)
+
+
+def test_score_and_mask_mod_together_number_arrays_and_floats(cc, tmp_path, rng):
+    table = rng.standard_normal((mods.H_MAX, 2 * mods.S_MAX + 1))
+    allowed = rng.random((mods.S_MAX, mods.S_MAX)) < 0.5
+
+    def score_mod(s, b, h, qi, ki):
+        return s * 0.5 + table[h, qi - ki + mods.S_MAX] - 1.25
+
+    def mask_mod(b, h, qi, ki):
+        return allowed[qi, ki] | (qi * 1.5 > ki + 2.5)
+
+    ts, tm = trace.trace_score_mod(score_mod), trace.trace_mask_mod(mask_mod)
+    gen = codegen.generate(ts, tm)
+    assert [a[:2] for a in gen.arrays] == [("score_mod", "table"), ("mask_mod", "allowed")]
+    assert gen.n_score_floats == 2 and gen.grad_arrays == (0,)
+    exe = build(cc, tmp_path, gen)
+    pts = grid(rng)
+    bound = bind(ts, gen, "score_mod") + bind(tm, gen, "mask_mod")
+    fwd, _, keep, err, _ = run(exe, tmp_path, gen, bound, pts, ts.params + tm.params)
+    assert err[0] == 0
+    close(fwd, trace.evaluate(ts, *pts[:5]), "forward")
+    np.testing.assert_array_equal(keep.astype(bool), trace.evaluate(tm, None, *pts[1:5]))
+
+
+def test_lookup_out_of_range_sets_the_error_record_and_reads_inside(cc, tmp_path, rng):
+    table = np.arange(5, dtype=np.float32) + 1
+
+    def score_mod(s, b, h, qi, ki):
+        return s + table[ki - 2]
+
+    t = trace.trace_score_mod(score_mod)
+    gen = codegen.generate(t)
+    exe = build(cc, tmp_path, gen)
+    pts = grid(rng, scores=(0.0,))
+    fwd, _, _, err, _ = run(exe, tmp_path, gen, bind(t, gen, "score_mod"), pts)
+    assert list(err) == [1, 0, 0, 5, 5]               # ki = 7 reads the first index past the end
+    assert set(np.round(fwd - pts[0], 5)) <= set(table)   # clamped, never outside
+    msg = str(codegen.index_error(gen, err))
+    assert msg == "score_mod: index 5 is out of bounds for axis 0 of array 'table' with size 5"
+
+
+def test_negative_indices_count_from_the_end(cc, tmp_path, rng):
+    table = np.arange(mods.S_MAX, dtype=np.int64) * 3
+
+    def mask_mod(b, h, qi, ki):
+        return table[-1 - qi] > ki
+
+    t = trace.trace_mask_mod(mask_mod)
+    gen = codegen.generate(None, t)
+    exe = build(cc, tmp_path, gen)
+    pts = grid(rng, scores=(0.0,))
+    _, _, keep, err, _ = run(exe, tmp_path, gen, bind(t, gen, "mask_mod"), pts)
+    assert err[0] == 0
+    np.testing.assert_array_equal(keep.astype(bool), table[-1 - pts[3]] > pts[4])
+
+
+def test_gradient_accumulator_is_exact_in_any_order(cc, tmp_path, rng):
+    """mod_scatter adds float32 values of every magnitude (denormals to 1e38, both signs,
+    cancelling) exactly: the result is the correctly rounded sum, the same words in any order."""
+    vals = np.concatenate([rng.standard_normal(200) * 10.0 ** rng.integers(-40, 38, 200),
+                           [3e38, -3e38, 1e-45, -1e-45, 2.5, -2.5, 1.0, 1e-30]]).astype(np.float32)
+    scale = np.zeros((), np.float32)
+
+    def score_mod(s, b, h, qi, ki):
+        return s * scale
+
+    t = trace.trace_score_mod(score_mod)
+    gen = codegen.generate(t)
+    exe = build(cc, tmp_path, gen)
+    n = vals.size
+    zeros = np.zeros(n, np.int64)
+    words = []
+    for perm in (np.arange(n), rng.permutation(n), rng.permutation(n)):
+        # d/d scale of s * scale is s: the adjoints are dout * s with dout = 1
+        _, _, _, err, grads = run(exe, tmp_path, gen, bind(t, gen, "score_mod"),
+                                  (vals[perm], zeros, zeros, zeros, zeros, np.ones(n, np.float32)))
+        words.append(grads[0])
+    assert words[0] == words[1] == words[2]
+    assert float(words[0]) == math.fsum(float(v) for v in vals)
+
+
+def test_limbs_to_float_specials():
+    w = np.zeros((4, codegen.WORDS), np.uint64)
+    w[0, -1], w[1, -1], w[2, -1], w[3, -1] = 1, 2, 4, 6
+    got = codegen.limbs_to_float(w)
+    assert np.isnan(got[0]) and got[1] == np.inf and got[2] == -np.inf and np.isnan(got[3])
+
+
+def test_struct_layout_matches_pack(cc, tmp_path):
+    t = trace.trace_score_mod(mods.times_two)
+    exe = build(cc, tmp_path, codegen.generate(t))
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
+    size, a_off, a_size, err_off, dacc_off, grad_off = map(int, out)
+    d = codegen.MODS_DTYPE
+    assert (size, a_off, err_off, dacc_off) == (d.itemsize, d.fields["a"][1], d.fields["err"][1],
+                                                d.fields["dacc"][1])
+    assert (a_size, grad_off) == (codegen.ARRAY_DTYPE.itemsize, codegen.ARRAY_DTYPE.fields["grad"][1])
+
+
+def test_tables_cover_every_traced_op():
+    produced = set(trace._ARITH) | set(trace._COMPARE) | set(trace._BITWISE) | set(
+        trace._UNARY_FLOAT) | {"neg", "abs", "not", "where", "cast", "load", "dmul"}
+    assert produced <= codegen.SUPPORTED_OPS, produced - codegen.SUPPORTED_OPS
+    assert set(trace._EVAL) | {"load", "cast"} == codegen.SUPPORTED_OPS
+
+
+def test_same_structure_same_source_floats_are_parameters():
+    a = codegen.generate(trace.trace_score_mod(mods.softcap(2.0)))
+    b = codegen.generate(trace.trace_score_mod(mods.softcap(30.0)))
+    c = codegen.generate(trace.trace_score_mod(lambda s, b, h, qi, ki: s + qi * 7))
+    d = codegen.generate(trace.trace_score_mod(lambda s, b, h, qi, ki: s + ki * 7))
+    assert a.source == b.source and c.source != d.source
+    assert "2.0" not in a.source and "30.0" not in a.source
+
+
+def test_unsupported_shapes_name_the_limit():
+    big = np.zeros((1, 1, 1, 1, 2))
+    with pytest.raises(TypeError, match="at most 4"):
+        codegen.generate(trace.trace_score_mod(lambda s, b, h, qi, ki: s + big[0, 0, 0, 0, qi]))
+    arrays = [np.zeros(3) for _ in range(9)]
+    a0, a1, a2, a3, a4, a5, a6, a7, a8 = arrays
+
+    def many(s, b, h, qi, ki):
+        return (s + a0[qi] + a1[qi] + a2[qi] + a3[qi] + a4[qi] + a5[qi] + a6[qi] + a7[qi]
+                + a8[qi])
+    with pytest.raises(TypeError, match="at most 8 captured arrays"):
+        codegen.generate(trace.trace_score_mod(many))
+
+
+# --- the host side of a GPU call, on the fake driver ---------------------------------------------
+
+def test_gpu_call_binds_reports_and_returns_on_the_fake_driver(fake_libcuda):
+    """attention / attention_backward with CUDA arrays and a score_mod through api.py and
+    cuda_backend to the launch, on test_cuda_host's fake libcuda (its device memory is host
+    memory, its launches do nothing; NVRTC compiles the real kernels): what the launch gets
+    (the float constant, the uploaded table, the error record and accumulator, copied into
+    attn_params.gmods by _C.cuda_launch_attention), the IndexError made from the error record,
+    dtensors made from the accumulator's words, and the plans: the generated code is part of a
+    plan's key, the constants are not."""
+    out = _run(r"""
+        import ctypes
+        import os
+        import numpy as np
+        import attnext
+        import fake_cuda
+        from attnext import _C, codegen, cuda_backend, device
+        _C.cuda_load()
+        lib = ctypes.CDLL(os.environ["ATTNEXT_LIBCUDA"])
+        fake_cuda.counter(lib, "record").value = 1
+        rng = np.random.default_rng(0)
+
+        def dev(x):
+            a = device.empty(x.shape, x.dtype, 0, 0)
+            _C.memcpy_htod(a.ptr, np.ascontiguousarray(x), 0)
+            return a
+
+        q, k, v = (dev(rng.standard_normal((1, 10, 2, 59)).astype(np.float16)) for _ in range(3))
+        table = rng.standard_normal(5)
+        seen, accum, mode = [], [], {"what": "error", "scale": 0.375}
+        real_launch = _C.cuda_launch_attention
+
+        def fake_launch(*args):
+            assert len(args) == 10 and args[9] is not None, len(args)
+            real_launch(*args)
+            gmods = args[9]
+            params = fake_cuda.last_launch(lib).params
+            assert bytes(params.gmods) == gmods
+            accum.append(params.dq_accum.ptr)
+            rec = np.frombuffer(gmods, codegen.MODS_DTYPE)[0]
+            seen.append(rec)
+            a = rec["a"][0]
+            data = np.frombuffer(ctypes.string_at(int(a["ptr"]), 40), np.float32)
+            assert tuple(a["shape"]) == (5, 1, 1, 1) and a["s"][0] == 1, a
+            assert np.array_equal(data[:5], table.astype(np.float32)), data
+            assert abs(rec["f"][0] - mode["scale"]) < 1e-7, rec["f"][:2]
+            if mode["what"] == "error":
+                err = np.array([1, 0, 0, 7, 5], np.int64)
+                ctypes.memmove(int(rec["err"]), err.ctypes.data, err.nbytes)
+            elif rec["dacc"]:
+                assert a["grad"] == 0
+                words = np.zeros((5, codegen.WORDS), np.uint64)
+                words[2, 6] = 3 << 4               # 1.5 = 3 * 2^-1 = (3 << 148) * 2^-149
+                ctypes.memmove(int(rec["dacc"]), words.ctypes.data, words.nbytes)
+
+        _C.cuda_launch_attention = fake_launch
+
+        def score_mod(s, b, h, qi, ki):
+            return s * mode["scale"] + table[ki]
+
+        try:
+            attnext.attention(q, k, v, score_mod=score_mod)
+            raise SystemExit("no IndexError")
+        except IndexError as e:
+            assert str(e) == ("score_mod: index 7 is out of bounds for axis 0 of array 'table' "
+                              "with size 5"), e
+        mode["what"] = "grad"
+        plans = cuda_backend.plan_count()
+        mode["scale"] = 0.5                        # another constant: the same plan
+        attnext.attention(q, k, v, score_mod=score_mod)
+        assert cuda_backend.plan_count() == plans, (plans, cuda_backend.plan_count())
+        attnext.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s * mode["scale"] + table[qi])
+        assert cuda_backend.plan_count() == plans + 1
+        _C.cuda_launch_attention = real_launch     # without mods: 9 arguments, gmods zero
+        attnext.attention(q, k, v)
+        assert not any(fake_cuda.last_launch(lib).params.gmods)
+        _C.cuda_launch_attention = fake_launch
+        mode["scale"] = 0.375
+        out = dev(np.zeros((1, 10, 2, 59), np.float16))
+        lse = dev(np.zeros((1, 2, 10), np.float32))
+        os.environ["ATTNEXT_BWD_DQ"] = "atomic"    # what mods overrule: dQ is recomputed (no
+        del accum[:]                               # dq_accum), as its kernels scatter the dtensors
+        for deterministic in (True, False):
+            g = attnext.attention_backward(out, q, k, v, out, lse, score_mod=score_mod,
+                                           deterministic=deterministic)
+            assert set(g.dtensors) == {"table"} and g.dtensors["table"].dtype == np.float64
+            assert np.array_equal(g.dtensors["table"], [0, 0, 1.5, 0, 0]), g.dtensors
+        assert len(seen) >= 5 and all(r["dacc"] for r in seen[-2:])
+        assert accum and not any(accum), accum
+        print("ok")
+    """, ATTNEXT_LIBCUDA=fake_libcuda["full"], ATTNEXT_CACHE_DIR="off", PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]))
+    assert out.strip() == "ok"

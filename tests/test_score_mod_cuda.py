@@ -1,0 +1,282 @@
+"""score_mod / mask_mod on the GPU (`pytest -m gpu`): the code generator's kernels (codegen.py)
+against the float64 reference, on torch CUDA tensors (float16, bfloat16).
+
+The zoo of tests/mods.py forward and backward with the array gradients (dtensors), the built-in
+options combined with them, varlen (b is the sequence), lookups out of range (IndexError through
+the device error record; nothing observable where a mask removes the pair), bit-identical
+reruns of the backward, and the kernel cache: two different functions get two kernels, the same
+function defined twice shares one, a sweep over a float constant compiles once.
+"""
+import numpy as np
+import pytest
+
+import attnext
+from attnext import kernels, reference
+from conftest import (BF16, F16, assert_close, assert_lse_close, compare_grads, dead_rows,
+                      make_qkv, make_varlen_qkv, randn)
+
+import mods
+from test_score_mod_cpu import COMBOS
+
+pytestmark = pytest.mark.gpu
+
+S, H = mods.S_MAX, mods.H_MAX
+DTYPES = [F16, BF16]
+
+
+@pytest.fixture(scope="module")
+def torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    return torch
+
+
+def to_gpu(torch, x):
+    """A NumPy float16 / bfloat16 (or int / bool) array as a CUDA tensor with the same bits."""
+    if x is None or not isinstance(x, np.ndarray):
+        return x
+    if x.dtype == BF16:
+        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16).cuda()
+    return torch.from_numpy(np.ascontiguousarray(x)).cuda()
+
+
+def to_host(torch, t):
+    if t is None:
+        return None
+    if t.dtype == torch.bfloat16:
+        return t.cpu().view(torch.int16).numpy().view(BF16)
+    return t.cpu().numpy()
+
+
+GPU_OPTS = ("bias", "mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
+            "seqused_k")
+
+
+def run_gpu(torch, q, k, v, *, varlen=None, backward=True, **opts):
+    """Forward (and backward) on CUDA tensors, then the reference on the same NumPy inputs;
+    checks out, lse, dq, dk, dv, dbias and the dtensors. Returns (grads, reference grads)."""
+    lengths = dict(varlen or {})
+    if varlen is None:
+        fwd, bwd = attnext.attention, attnext.attention_backward
+        rfwd, rbwd = reference.attention, reference.attention_backward
+    else:
+        fwd, bwd = attnext.varlen_attention, attnext.varlen_attention_backward
+        rfwd, rbwd = reference.varlen_attention, reference.varlen_attention_backward
+    dtype = np.dtype(q.dtype)
+    gopts = {n: (to_gpu(torch, x) if n in GPU_OPTS else x) for n, x in {**opts, **lengths}.items()}
+    tq, tk, tv = (to_gpu(torch, x) for x in (q, k, v))
+    t_out, t_lse = fwd(tq, tk, tv, return_lse=True, **gopts)
+    assert isinstance(t_out, torch.Tensor) and t_out.is_cuda
+    out, lse = to_host(torch, t_out), to_host(torch, t_lse)
+    r_out, r_lse = rfwd(q, k, v, return_lse=True, **lengths, **opts)
+    assert_close("out", out, r_out, dtype)
+    assert_lse_close(lse, r_lse, dtype)
+    dead = dead_rows(r_lse, varlen is not None, opts.get("layout", "bshd"))
+    assert (out[dead] == 0).all(), "out: a row that keeps no key is not exactly 0"
+    if not backward:
+        return None, None
+    dout = randn(np.random.default_rng(5), out.shape, dtype)
+    g = bwd(to_gpu(torch, dout), tq, tk, tv, t_out, t_lse, **gopts)
+    host = type(g)(*(to_host(torch, x) for x in g[:4]), g.dtensors)
+    rg = rbwd(dout, q, k, v, out, lse, **lengths, **opts)
+    problems = compare_grads(host, rg, q, k, v, dout, out, r_out, varlen, opts)
+    assert not problems, "\n".join(problems)
+    check_dtensors(host, rg, opts.get("score_mod"), dtype)
+    return host, rg
+
+
+def check_dtensors(g, rg, score_mod, dtype):
+    """Every float array the score_mod reads, in its own dtype and shape, against the
+    reference's gradient with q's dtype's allowance relative to the largest gradient."""
+    got, want = g.dtensors, rg.dtensors
+    assert set(got) <= set(want), (set(got), set(want))
+    floor = max(float(np.abs(x).max(initial=0.0)) for x in rg[:3])
+    for name, w in want.items():
+        if name not in got:
+            assert not np.any(w), f"{name}: a gradient the GPU does not report"
+            continue
+        src = np.asarray(attnext.trace.captured_arrays(score_mod)[name])
+        assert got[name].shape == src.shape and got[name].dtype == src.dtype, name
+        assert_close(f"dtensors[{name!r}]", got[name].astype(np.float64), w, dtype,
+                     max(floor, float(np.abs(w).max(initial=0.0))))
+
+
+# --- the zoo ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f16", "bf16"])
+@pytest.mark.parametrize("name", sorted(mods.score_mods()))
+def test_score_mod_zoo(name, dtype, rng, torch):
+    q, k, v = make_qkv(rng, 2, 13, S, H, 2, 64, 64, dtype)
+    run_gpu(torch, q, k, v, score_mod=mods.score_mods()[name])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f16", "bf16"])
+@pytest.mark.parametrize("name", sorted(mods.mask_mods()))
+def test_mask_mod_zoo(name, dtype, rng, torch):
+    q, k, v = make_qkv(rng, 2, S, 11, H, 1, 64, 64, dtype)
+    run_gpu(torch, q, k, v, mask_mod=mods.mask_mods()[name])
+
+
+@pytest.mark.parametrize("d", [59, 128], ids=["d59", "d128"])
+def test_odd_and_wgmma_head_dims(d, rng, torch):
+    """Element loads (D = 59) and, on Hopper, the wgmma kernels (D = 128)."""
+    q, k, v = make_qkv(rng, 2, S, S, H, 2, d, d, BF16)
+    run_gpu(torch, q, k, v, score_mod=mods.score_mods()["softcap_alibi_rel"],
+            mask_mod=mods.mask_mods()["document_causal"])
+
+
+@pytest.mark.parametrize("combo", sorted(COMBOS))
+def test_combined_with_builtin_options(combo, rng, torch):
+    spec = dict(COMBOS[combo])
+    score_mod = mods.score_mods()[spec.pop("score")]
+    mask_mod = mods.mask_mods()[spec.pop("mask_mod")] if "mask_mod" in spec else None
+    layout = spec.pop("layout", "bshd")
+    q, k, v = make_qkv(rng, 2, 15, S, H, 2, 64, 64, F16, layout)
+    opts = dict(score_mod=score_mod, mask_mod=mask_mod, layout=layout)
+    if spec.pop("bias", False):
+        opts["bias"] = randn(rng, (2, 1, 15, S), np.float32)
+    if spec.pop("bool_mask", False):
+        opts["mask"] = rng.random((15, S)) < 0.8
+    if spec.pop("alibi", False):
+        opts["alibi_slopes"] = rng.uniform(0.1, 0.5, H).astype(np.float32)
+    opts.update(spec)
+    run_gpu(torch, q, k, v, **opts)
+
+
+def test_longer_sequences_cross_tiles(rng, torch):
+    """Several query and key tiles (full, partial and masked ones), GQA, a table over the
+    relative position of every pair, with its gradient."""
+    sq, sk = 300, 263
+    table = rng.standard_normal((4, sq + sk + 1)).astype(np.float32)
+
+    def score_mod(s, b, h, qi, ki):
+        return s + table[h, qi - ki + sk] * 0.5
+
+    doc = np.repeat(np.arange(6), [64, 64, 30, 40, 2, 100])
+    doc_k = np.concatenate([doc[:sk], np.full(max(0, sk - doc.size), 9)])
+
+    def mask_mod(b, h, qi, ki):
+        return (doc[qi] == doc_k[ki]) | (ki < 5)
+
+    q, k, v = make_qkv(rng, 1, sq, sk, 4, 2, 64, 64, BF16)
+    run_gpu(torch, q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+    run_gpu(torch, q, k, v, score_mod=score_mod, causal=True)
+
+
+def test_varlen_b_is_the_sequence(rng, torch):
+    cu_q, cu_k = np.array([0, 9, 9, 25, 30], np.int32), np.array([0, 14, 14, 30, 46], np.int32)
+    used_q, used_k = np.array([7, 0, 16, 5], np.int32), np.array([12, 0, 16, 11], np.int32)
+    q, k, v = make_varlen_qkv(rng, 33, 48, H, 2, 64, 64, F16)
+    table = rng.standard_normal((4, 2 * S + 1))
+    doc = mods.DOC_ID
+
+    def score_mod(s, b, h, qi, ki):
+        return s + table[b, qi - ki + S] * (h + 1) * 0.5
+
+    def mask_mod(b, h, qi, ki):
+        return (ki <= qi + b) | (doc[qi] == doc[ki])
+
+    varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k)
+    g, _ = run_gpu(torch, q, k, v, varlen=varlen, score_mod=score_mod, mask_mod=mask_mod)
+    assert (g.dq[30:] == 0).all() and (g.dk[[12, 13, 41, 42]] == 0).all()
+
+
+# --- lookups out of range -----------------------------------------------------------------------
+
+def test_lookup_out_of_range_raises_index_error(rng, torch):
+    q, k, v = (to_gpu(torch, x) for x in make_qkv(rng, 1, 10, 12, 2, 2, 64, 64, F16))
+    table = rng.standard_normal(5)
+
+    def score_mod(s, b, h, qi, ki):
+        return s + table[ki]
+
+    # the GPU names the first out-of-range lookup a thread records (any of 5..11 here), the
+    # reference the first in row order
+    with pytest.raises(IndexError, match=r"score_mod: index ([5-9]|1[01]) is out of bounds for axis 0 of "
+                                         r"array 'table' with size 5"):
+        attnext.attention(q, k, v, score_mod=score_mod)
+    out, lse = attnext.attention(q, k, v, return_lse=True)
+    with pytest.raises(IndexError, match="'table'"):
+        attnext.attention_backward(torch.ones_like(out), q, k, v, out, lse, score_mod=score_mod)
+    flags = np.ones(10, dtype=bool)
+    with pytest.raises(IndexError, match=r"mask_mod: index 1\d .* array 'flags' with size 10"):
+        attnext.attention(q, k, v, mask_mod=lambda b, h, qi, ki: flags[ki])
+    attnext.attention(q, k, v)          # the library stays usable
+
+
+def test_lookup_out_of_range_only_where_masked_is_not_observable(rng, torch):
+    q, k, v = make_qkv(rng, 1, 10, 12, 2, 2, 64, 64, F16)
+    table = rng.standard_normal(5)
+    run_gpu(torch, q, k, v, score_mod=lambda s, b, h, qi, ki: s + table[ki],
+            mask_mod=lambda b, h, qi, ki: ki < 5)
+    run_gpu(torch, q, k, v, score_mod=lambda s, b, h, qi, ki: s * table[qi - ki - 2],
+            causal=True, window=(2, 0))
+
+
+# --- determinism --------------------------------------------------------------------------------
+
+def test_backward_is_bit_identical_run_to_run(rng, torch):
+    """The array gradients are integer sums on the device: the same bits whatever order the
+    threads add in (a table read twice per pair, many pairs per element)."""
+    sq = 150
+    q, k, v = (to_gpu(torch, x) for x in make_qkv(rng, 2, sq, sq, 4, 4, 64, 64, BF16))
+    table = rng.standard_normal((4, 2 * sq + 1)).astype(np.float32)
+
+    def sm(s, b, h, qi, ki):
+        return s * table[h, qi] + table[h, qi - ki + sq]
+
+    out, lse = attnext.attention(q, k, v, score_mod=sm, return_lse=True)
+    dout = torch.randn_like(out)
+    runs = [attnext.attention_backward(dout, q, k, v, out, lse, score_mod=sm) for _ in range(3)]
+    for g in runs[1:]:
+        assert np.array_equal(g.dtensors["table"], runs[0].dtensors["table"])
+        assert torch.equal(g.dq, runs[0].dq) and torch.equal(g.dk, runs[0].dk)
+
+
+# --- the kernel cache ---------------------------------------------------------------------------
+
+def _lookups():
+    """Cubins that had to be produced (compiled now or read from the disk cache): a kernel this
+    process had not built yet."""
+    info = kernels.cache_info()
+    return info["compiles"] + info["disk_hits"]
+
+
+def test_cache_two_different_lambdas_get_two_kernels(rng, torch):
+    q, k, v = (to_gpu(torch, x) for x in make_qkv(rng, 1, 8, 8, 1, 1, 64, 64, F16))
+    attnext.attention(q, k, v)
+    before = _lookups()
+    attnext.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + qi * 7919)
+    attnext.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + ki * 7919)
+    assert _lookups() == before + 2
+
+
+def test_cache_the_same_function_defined_twice_shares_one(rng, torch):
+    q, k, v = (to_gpu(torch, x) for x in make_qkv(rng, 1, 8, 8, 1, 1, 64, 64, F16))
+
+    def first(s, b, h, qi, ki):
+        return s - (qi - ki) % 7907
+
+    def second(s, b, h, qi, ki):
+        return s - (qi - ki) % 7907
+
+    before = _lookups()
+    a = attnext.attention(q, k, v, score_mod=first)
+    b = attnext.attention(q, k, v, score_mod=second)
+    assert _lookups() == before + 1
+    assert torch.equal(a, b)
+
+
+def test_cache_a_float_sweep_compiles_once(rng, torch):
+    q, k, v = (to_gpu(torch, x) for x in make_qkv(rng, 1, 8, 8, 1, 1, 64, 64, F16))
+    counts = []
+    for c in np.linspace(0.25, 7.0, 6):
+        def sm(s, b, h, qi, ki):
+            return s * c - 7901.5
+        out, lse = attnext.attention(q, k, v, score_mod=sm, return_lse=True)
+        attnext.attention_backward(torch.ones_like(out), q, k, v, out, lse, score_mod=sm)
+        want = attnext.attention(q, k, v, scale=float(c) / 8.0)     # s * c - const: softmax of s * c
+        counts.append(_lookups())
+        assert torch.allclose(out.float(), want.float(), atol=2e-3, rtol=2e-3)
+    assert len(set(counts)) == 1, counts
