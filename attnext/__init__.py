@@ -38,8 +38,9 @@ _load_extension()
 
 from . import reference  # noqa: E402
 from ._types import CompileError, Grads  # noqa: E402
+from .blockmask import BlockMask, block_mask  # noqa: E402
 from .api import (attention, attention_backward, cache_info, info, varlen_attention,
                   varlen_attention_backward)
 
 __all__ = ["attention", "varlen_attention", "attention_backward", "varlen_attention_backward",
-           "info", "cache_info", "reference", "Grads", "CompileError", "__version__"]
+           "info", "cache_info", "block_mask", "BlockMask", "reference", "Grads", "CompileError", "__version__"]

@@ -16,14 +16,15 @@ The cubin cache keys on the header's text and the options, and the text depends 
 graph's structure (Traced.key: ops, integer constants, array dtypes and shapes), never on a
 name, an id() or a float constant's value.
 
-How one call's values reach the kernel: `attn_mods_gpu` (csrc/attn_params.h), a field of the
-one __grid_constant__ attn_params, holds the float constants (m->f: a sweep over a constant
-reuses the kernel), each captured array's pointer, shape and strides, the device error flag and
-the gradient accumulator; the generated code reads it through the pointer score_ctx carries. A
-field of attn_params rather than a second kernel parameter: every kernel keeps its one-argument
-signature and launch, the CPU side ignores it (it is zeroed there), and the 880 bytes fit the
-kernel parameter space beside the rest. Arrays are numbered score_mod's first, then mask_mod's;
-float constants likewise.
+How one call's values reach the kernel: `attn_mods_gpu` (csrc/attn_params.h), the last field of
+the one __grid_constant__ attn_params, holds the float constants (m->f: a sweep over a constant
+reuses the kernel), each captured array's pointer, shape and strides, the device error flag, the
+gradient accumulator and the block mask; the generated code reads it through the pointer
+score_ctx carries. A field of attn_params rather than a second kernel parameter: every kernel
+keeps its one-argument signature and launch, and the CPU side ignores it (it is zeroed there).
+Only kernels with mods declare it (ATTN_GMODS), so plain kernels' launches copy ~940 fewer
+parameter bytes. Arrays are numbered score_mod's first, then mask_mod's; float constants
+likewise.
 
 Table-driven rendering (STYLE.md #4): one op -> C-expression table per value type, fully
 parenthesised; values are named in topological order, a value used once is inlined, and every
@@ -192,13 +193,16 @@ class Generated(NamedTuple):
     the kernel switches (HAS_SCORE_MOD, HAS_MASK_MOD, HAS_DTENSORS); arrays: (kind "score_mod"
     / "mask_mod", name, value type) by global number; grad_arrays: the global numbers of the
     score_mod's float arrays that have a gradient term; n_score_floats: where mask_mod's float
-    constants start in m->f; uses_h: whether a mod reads h."""
+    constants start in m->f; uses_h: whether a mod reads h; mask_uses_b / mask_uses_h: whether
+    mask_mod reads b / h (the block mask has one slice per b / h only then)."""
     source: str
     defines: dict
     arrays: tuple
     grad_arrays: tuple
     n_score_floats: int
     uses_h: bool
+    mask_uses_b: bool = False
+    mask_uses_h: bool = False
 
 
 def generate(score=None, mask=None):
@@ -252,8 +256,9 @@ def generate(score=None, mask=None):
         raise TypeError(f"the GPU code generator takes at most {MAX_FLOATS} float constants in "
                         "score_mod and mask_mod together")
     parts.append("#endif\n")
+    leaves = {n.op for n in trace.topo(mask.out)} if mask is not None else set()
     return Generated("\n".join(parts), defines, tuple(arrays), tuple(grad_arrays),
-                     n_score_floats, uses_h)
+                     n_score_floats, uses_h, "b" in leaves, "h" in leaves)
 
 
 # --- the cache ------------------------------------------------------------------------------
@@ -295,7 +300,8 @@ def cache_info():
 ARRAY_DTYPE = np.dtype([("ptr", "u8"), ("shape", "i8", MAX_DIMS), ("s", "i8", MAX_DIMS),
                         ("grad", "i8")], align=True)
 MODS_DTYPE = np.dtype([("f", "f4", MAX_FLOATS), ("a", ARRAY_DTYPE, MAX_ARRAYS), ("err", "u8"),
-                       ("dacc", "u8")], align=True)
+                       ("dacc", "u8"), ("blocks", "u8"), ("blk", "i8", 4)], align=True)
+BLOCK = 64                 # ATTN_BLOCK: the block mask's cells are BLOCK x BLOCK pairs
 STORAGE = {F: np.float32, I: np.int64, B: np.uint8}     # what the kernels read, by value type
 
 
@@ -305,10 +311,11 @@ def storage(a, kind):
     return np.ascontiguousarray(a, dtype=STORAGE[kind]).reshape(a.shape)    # 0-d stays 0-d
 
 
-def pack(gen, floats, arrays, err_ptr, dacc_ptr, grad_offsets):
+def pack(gen, floats, arrays, err_ptr, dacc_ptr, grad_offsets, blocks=(0, 0, 0, 0, 0)):
     """The bytes of one call's attn_mods_gpu. floats: the float constants in m->f order;
     arrays: (ptr, shape, element strides) by global number; grad_offsets: global number ->
-    first gradient element (others -1)."""
+    first gradient element (others -1); blocks: the block mask's (ptr, blk_sb, blk_sh,
+    blk_rows, blk_cols), ptr 0 for none."""
     rec = np.zeros((), MODS_DTYPE)
     rec["f"][:len(floats)] = np.asarray(floats, np.float32)
     for i, (ptr, shape, strides) in enumerate(arrays):
@@ -323,6 +330,8 @@ def pack(gen, floats, arrays, err_ptr, dacc_ptr, grad_offsets):
         rec["a"][i]["grad"] = off
     rec["err"] = err_ptr
     rec["dacc"] = dacc_ptr
+    rec["blocks"] = blocks[0]
+    rec["blk"][:] = blocks[1:]
     return rec.tobytes()
 
 

@@ -266,8 +266,36 @@ def _bind_mods(o, stage, backward):
             bound.dacc = stage.scratch((total, codegen.WORDS), np.uint64)
             _C.memset_d8(bound.dacc.ptr, 0, total * codegen.WORDS * 8, stage.stream, stage.device)
             dacc_ptr = bound.dacc.ptr
-    bound.gmods = codegen.pack(gen, floats, arrays, bound.err.ptr, dacc_ptr, bound.offsets)
+    bound.cells = _block_cells(o, gen) if tm is not None else None
+    blocks = (0, 0, 0, 0, 0)
+    if bound.cells is not None:
+        nb, nh, rows, cols = bound.cells
+        bound.blocks = stage.scratch((max(nb * nh * rows * cols, 1),), np.uint8)
+        blocks = (bound.blocks.ptr, nh * rows * cols if nb > 1 else 0, rows * cols if nh > 1 else 0, rows, cols)
+    bound.gmods = codegen.pack(gen, floats, arrays, bound.err.ptr, dacc_ptr, bound.offsets, blocks)
     return bound
+
+
+def _block_cells(o, gen):
+    """The block mask's layout for this call, (sequences, heads, row cells, column cells): one
+    slice per sequence when mask_mod reads b or the lengths differ between them (varlen,
+    seqlens), one per query head when it reads h; codegen.BLOCK-square cells of the longest
+    sequence's rows and columns."""
+    per_b = gen.mask_uses_b or o.varlen or o.used_q is not None or o.used_k is not None
+    return (o.B if per_b else min(o.B, 1), o.Hq if gen.mask_uses_h else min(o.Hq, 1),
+            -(-_query_rows(o) // codegen.BLOCK), -(-_key_rows(o) // codegen.BLOCK))
+
+
+def _build_block_mask(plan, stage, ptrs, o, bound, device):
+    """Launches attn_block_mask.cu, which fills the call's block mask (bound.blocks) on the
+    call's stream before the attention kernels that read it."""
+    if bound is None or bound.cells is None or not plan.launches or not all(bound.cells):
+        return
+    nb, nh, rows, cols = bound.cells
+    fn = kernels.function("attn_block_mask", "attn_block_mask", kernels.block_mask_defines(bound.gen), device,
+                          device_arch(device), 0, bound.gen.source)
+    _C.cuda_launch_attention(fn, (cols, rows, nb * nh), (128, 1, 1), 0, stage.stream, plan.template,
+                             tuple(ptrs), o.scale_value, o.softcap_value, bound.gmods)
 
 
 def _finish_mods(stage, bound):
@@ -399,6 +427,7 @@ def forward(o, out_host, lse_host, stage=None):
         if mods is None:
             _launch(plan, stage, ptrs, o)
         else:
+            _build_block_mask(plan, stage, ptrs, o, mods, stage.device)
             _launch(plan, stage, ptrs, o, mods.gmods)
             _finish_mods(stage, mods)
         if host:
@@ -616,6 +645,7 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
         if mods is None:
             _launch(plan, stage, ptrs, o)
         else:
+            _build_block_mask(plan, stage, ptrs, o, mods, stage.device)
             _launch(plan, stage, ptrs, o, mods.gmods)
             o.dtensors = _finish_mods(stage, mods)
         if host:

@@ -155,6 +155,14 @@ def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
     }, mods)
 
 
+def block_mask_defines(mods):
+    """The #defines of kernels/attn_block_mask.cu for a generated mask_mod: one variant per
+    mask_mod whatever the attention call's dtype, head dims and options (it reads none of them),
+    so the forward and the backward share it."""
+    return fwd_defines(dtype="bfloat16", D=64, Dv=64, vec=False, softcap=False, bias_dtype=None,
+                       alibi_dtype=None, mask=False, tile=(64, 64, 4), mods=mods)
+
+
 def _headers(generated=None):
     """The in-memory headers NVRTC gets; generated: the source of attn_mod_gen.cuh, or None."""
     out = [(p.name, p.read_text()) for p in HEADER_FILES]
@@ -486,7 +494,8 @@ def mod_variants(arch=None):
                alibi_dtype=None)
     out = [("attn_fwd", fwd_defines(**every, tile=tile_config(128, 128), mods=gen)),
            ("attn_bwd", bwd_defines(**every, tile=bwd_tile_config(128, 128), mods=gen)),
-           ("attn_fwd", fwd_defines(**odd, tile=tile_config(59, 59), mods=gen))]
+           ("attn_fwd", fwd_defines(**odd, tile=tile_config(59, 59), mods=gen)),
+           ("attn_block_mask", block_mask_defines(gen))]
     if arch in (None, "sm_90a"):
         out += [("attn_fwd_sm90", fwd_defines(**every, tile=SM90_TILE_LONG, mods=gen)),
                 ("attn_bwd_sm90", bwd_defines(**every, tile=bwd_sm90_tile(128, "recompute"), mods=gen))]

@@ -71,7 +71,18 @@ typedef struct {
     /* the score_mod's array gradients (backward): ATTN_MOD_WORDS words per element, the exact
      * fixed-point sum of every adjoint (attn_mods.cuh: mod_scatter) */
     uint64_t *dacc;
+    /* mask_mod's block mask (kernels/attn_block_mask.cu), NULL without one: a byte per
+     * ATTN_BLOCK x ATTN_BLOCK cell of a sequence, [b * blk_sb + h * blk_sh + i * blk_cols + j]
+     * (blk_sb / blk_sh 0 when mask_mod reads neither b nor h and the lengths are the same for
+     * every b, or does not read h). Bit 0: mask_mod keeps some pair of the cell inside the
+     * lengths; bit 1: it masks some such pair (ATTN_BLOCK_KEPT / ATTN_BLOCK_MASKED). */
+    const uint8_t *blocks;
+    int64_t blk_sb, blk_sh, blk_rows, blk_cols;
 } attn_mods_gpu;
+
+#define ATTN_BLOCK 64
+#define ATTN_BLOCK_KEPT 1
+#define ATTN_BLOCK_MASKED 2
 
 typedef struct {
     /* problem size */

@@ -206,6 +206,12 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw)
 
     int m_first, nm, qlo[2], qhi[2];
     kv_tile_rows(p, n0, BN, BM, n0 + warp * 16, Lq, Lk, m_first, nm, qlo, qhi);
+    {                                     /* mask_mod's empty query tiles at either end */
+        int m_last = m_first + nm - 1;
+        mod_narrow(make_score_ctx(p, b, hk * group, sq, sk), group, false, n0, min(n0 + BN, Lk), BM, Lq,
+                   m_first, m_last);
+        nm = max(m_last - m_first + 1, 0);
+    }
 
     const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + (sk.start + n0) * p.k.s[1] + hk * p.k.s[2];
     const elem_t *gv = (const elem_t *)p.v.ptr + sk.mem_b * p.v.s[0] + (sk.start + n0) * p.v.s[1] + hk * p.v.s[2];
@@ -247,7 +253,8 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw)
         zero_acc(s);
         mma_abt<1, KV_NT, DP>(s, sK + warp * 16 * (DP + SMEM_PAD), qb, lane);
 
-        const bool need_mask = HAS_MASK || n0 + BN > Lk || m0 + BM > Lq
+        const bool need_mask = tile_maybe_masked(sc, m0, min(m0 + BM, Lq), n0, min(n0 + BN, Lk))
+                               || n0 + BN > Lk || m0 + BM > Lq
                                || !tile_inside_band(&p, m0, min(m0 + BM, Lq), n0, n0 + BN, Lq, Lk);
         uint32_t pp[1][KV_NT / 2][4];
         pt_tile(s, pp, sc, lb, n0 + warp * 16, m0, qlo, qhi, need_mask);
@@ -376,7 +383,7 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(cons
     int64_t lo = 0, hi = 0;
     if (m0 < Lq)
         kv_range(&p, m0, min(m0 + Q_BLOCK_M, Lq), Lq, Lk, &lo, &hi);
-    const int n_first = (int)(lo / Q_BLOCK_N), n_last = hi > lo ? (int)((hi - 1) / Q_BLOCK_N) : -1;
+    int n_first = (int)(lo / Q_BLOCK_N), n_last = hi > lo ? (int)((hi - 1) / Q_BLOCK_N) : -1;
     row_info ri;
     load_row_info(p, sq, sk, h, m0, ri);
 
@@ -386,6 +393,7 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(cons
     const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + sk.start * p.k.s[1] + hk * p.k.s[2];
     const elem_t *gv = (const elem_t *)p.v.ptr + sk.mem_b * p.v.s[0] + sk.start * p.v.s[1] + hk * p.v.s[2];
     const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
+    mod_narrow(sc, 1, true, m0, min(m0 + Q_BLOCK_M, Lq), Q_BLOCK_N, Lk, n_first, n_last);   /* mask_mod's empty end tiles */
 
     if (n_last >= n_first) {
         const int c0 = n_first * Q_BLOCK_N;

@@ -205,6 +205,12 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
     const int group = (int)(p.Hq / p.Hk), Lq = (int)sq.len, Lk = (int)sk.len;
     int m_first, nm, qlo[2], qhi[2];
     kv_tile_rows(p, n0, KV_BLOCK_N, KV_BLOCK_M, n0 + warp * 16, Lq, Lk, m_first, nm, qlo, qhi);
+    {                                     /* mask_mod's empty query tiles at either end */
+        int m_last = m_first + nm - 1;
+        mod_narrow(make_score_ctx(p, b, hk * group, sq, sk), group, false, n0, min(n0 + KV_BLOCK_N, Lk), KV_BLOCK_M, Lq,
+                   m_first, m_last);
+        nm = max(m_last - m_first + 1, 0);
+    }
     const int items = group * nm;         /* (query head, query tile) pairs, head-major */
 
     /* item j: Q and dO by cp.async into buffer j & 1; its lse (log2) and delta of row tid */
@@ -276,7 +282,8 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
         fence_acc(s[0]);
         fence_acc(dp[0]);
 
-        const bool need_mask = HAS_MASK || n0 + KV_BLOCK_N > Lk || m0 + KV_BLOCK_M > Lq
+        const bool need_mask = tile_maybe_masked(sc, m0, min(m0 + KV_BLOCK_M, Lq), n0, min(n0 + KV_BLOCK_N, Lk))
+                               || n0 + KV_BLOCK_N > Lk || m0 + KV_BLOCK_M > Lq
                                || !tile_inside_band(&p, m0, min(m0 + KV_BLOCK_M, Lq), n0, n0 + KV_BLOCK_N, Lq, Lk);
         uint32_t pp[1][KV_NT / 2][4], pd[1][KV_NT / 2][4];
         pt_tile(s, pp, sc, sL + buf * KV_BLOCK_M, n0 + warp * 16, m0, qlo, qhi, need_mask);
@@ -341,10 +348,11 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq_sm90
     int64_t lo = 0, hi = 0;
     if (m0 < Lq)
         kv_range(&p, m0, min(m0 + Q_BLOCK_M, Lq), Lq, Lk, &lo, &hi);
-    const int n_first = (int)(lo / Q_BLOCK_N), n_last = hi > lo ? (int)((hi - 1) / Q_BLOCK_N) : -1;
+    int n_first = (int)(lo / Q_BLOCK_N), n_last = hi > lo ? (int)((hi - 1) / Q_BLOCK_N) : -1;
     row_info ri;
     load_row_info(p, sq, sk, h, m0, ri);
     const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
+    mod_narrow(sc, 1, true, m0, min(m0 + Q_BLOCK_M, Lq), Q_BLOCK_N, Lk, n_first, n_last);   /* mask_mod's empty end tiles */
     const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + sk.start * p.k.s[1] + hk * p.k.s[2];
     const elem_t *gv = (const elem_t *)p.v.ptr + sk.mem_b * p.v.s[0] + sk.start * p.v.s[1] + hk * p.v.s[2];
     auto load_kv = [&](int n) {           /* key tile n into buffer (n - n_first) & 1 */

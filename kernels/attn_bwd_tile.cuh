@@ -215,7 +215,8 @@ DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], co
 {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const float scale_log2 = sc.scale * LOG2E;
-    const bool need_mask = HAS_MASK || c0 + Q_BLOCK_N > Lk || m0 + Q_BLOCK_M > Lq
+    const bool need_mask = tile_maybe_masked(sc, m0, min(m0 + Q_BLOCK_M, Lq), c0, min(c0 + Q_BLOCK_N, Lk))
+                           || c0 + Q_BLOCK_N > Lk || m0 + Q_BLOCK_M > Lq
                            || !tile_inside_band(&p, m0, min(m0 + Q_BLOCK_M, Lq), c0, c0 + Q_BLOCK_N, Lq, Lk);
 #pragma unroll
     for (int mt = 0; mt < Q_MT; mt++)

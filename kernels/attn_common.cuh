@@ -346,4 +346,67 @@ DEV bool mask_keeps(const score_ctx &s, int r, int c)
     return keep;
 }
 
+/* mask_mod's block mask over rows [r0, r1) x columns [c0, c1) inside the lengths, for query
+ * head h of s's sequence: the OR of its cells' ATTN_BLOCK_KEPT / ATTN_BLOCK_MASKED bits
+ * (attn_block_mask.cu); both bits without one. */
+DEV int mod_block_bits(const score_ctx &s, int64_t h, int64_t r0, int64_t r1, int64_t c0, int64_t c1)
+{
+#if HAS_MASK_MOD
+    const attn_mods_gpu *m = s.mods;
+    if (!m->blocks)
+        return ATTN_BLOCK_KEPT | ATTN_BLOCK_MASKED;
+    if (r1 <= r0 || c1 <= c0)
+        return 0;
+    const uint8_t *cells = m->blocks + s.b * m->blk_sb + h * m->blk_sh;
+    const int64_t i1 = min((r1 - 1) / ATTN_BLOCK, m->blk_rows - 1), j1 = min((c1 - 1) / ATTN_BLOCK, m->blk_cols - 1);
+    int bits = 0;
+    for (int64_t i = r0 / ATTN_BLOCK; i <= i1; i++)
+        for (int64_t j = c0 / ATTN_BLOCK; j <= j1; j++)
+            bits |= cells[i * m->blk_cols + j];
+    return bits;
+#else
+    return ATTN_BLOCK_KEPT | ATTN_BLOCK_MASKED;
+#endif
+}
+
+/* Whether the mask array or mask_mod may mask some pair of rows [r0, r1) x columns [c0, c1)
+ * (inside the lengths) of s's sequence and head: the tile then takes the per-element test; else
+ * only the lengths and the causal / window band may mask it. */
+DEV bool tile_maybe_masked(const score_ctx &s, int64_t r0, int64_t r1, int64_t c0, int64_t c1)
+{
+#if MASK_ARRAY
+    return true;
+#elif HAS_MASK_MOD
+    return (mod_block_bits(s, s.h, r0, r1, c0, c1) & ATTN_BLOCK_MASKED) != 0;
+#else
+    return false;
+#endif
+}
+
+/* Drops from both ends of the tile range [first, last] the tiles that mask_mod masks entirely
+ * for every query head h of [s.h, s.h + heads): keys: key tiles of bn columns seen by rows
+ * [a0, a1); else query tiles of bn rows seeing columns [a0, a1) (the dK/dV kernels). len: the
+ * tiles' sequence length. Empty tiles between kept ones stay: computed, fully masked. */
+DEV void mod_narrow(const score_ctx &s, int heads, bool keys, int64_t a0, int64_t a1, int bn, int64_t len,
+                    int &first, int &last)
+{
+#if HAS_MASK_MOD
+    if (!s.mods->blocks)
+        return;
+    if (!s.mods->blk_sh)
+        heads = 1;
+    auto kept = [&](int n) {
+        const int64_t t0 = (int64_t)n * bn, t1 = min(t0 + bn, len);
+        int bits = 0;
+        for (int64_t h = s.h; h < s.h + heads; h++)
+            bits |= keys ? mod_block_bits(s, h, a0, a1, t0, t1) : mod_block_bits(s, h, t0, t1, a0, a1);
+        return (bits & ATTN_BLOCK_KEPT) != 0;
+    };
+    while (first <= last && !kept(first))
+        first++;
+    while (last >= first && !kept(last))
+        last--;
+#endif
+}
+
 #endif

@@ -61,11 +61,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
     const int Lq = (int)sq.len, Lk = (int)sk.len;
     const int r_end = min(m0 + BLOCK_M, Lq * G);       /* packed rows with a real query */
 
-    /* key columns this tile visits (its query rows [m0 / G, (r_end - 1) / G]), this split's share */
+    const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
+
+    /* key columns this tile visits (its query rows [m0 / G, (r_end - 1) / G]; mask_mod's empty
+     * tiles at the ends dropped), this split's share */
     int64_t lo = 0, hi = 0;
     if (m0 < Lq * G)
         kv_range(&p, m0 / G, (r_end - 1) / G + 1, Lq, Lk, &lo, &hi);
     int n_first = (int)(lo / BLOCK_N), n_last = hi > lo ? (int)((hi - 1) / BLOCK_N) : -1;
+    mod_narrow(sc, 1, true, m0 / G, (r_end - 1) / G + 1, BLOCK_N, Lk, n_first, n_last);
 #if SPLIT_KV
     {
         const int per = (n_last - n_first + p.num_splits) / p.num_splits;
@@ -76,7 +80,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
     const elem_t *gq = (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + sq.start * p.q.s[1] + h * p.q.s[2];
     const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + sk.start * p.k.s[1] + hk * p.k.s[2];
     const elem_t *gv = (const elem_t *)p.v.ptr + sk.mem_b * p.v.s[0] + sk.start * p.v.s[1] + hk * p.v.s[2];
-    const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
 
     /* each lane's ldmatrix row addresses (shared-state space, bytes); the per-tile offsets
      * below are compile-time constants that fold into the instructions' immediates */
@@ -130,7 +133,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
             }
         }
 
-        const bool need_mask = tile_needs_mask(p, m0, BLOCK_M, r_end, c0, BLOCK_N, G, Lq, Lk);
+        const bool need_mask = tile_needs_mask(p, sc, m0, BLOCK_M, r_end, c0, BLOCK_N, G, Lq, Lk);
         softmax_step(p, sc, s, o, m, l, m0 + warp * WARP_M, c0, need_mask, G, Lq, Lk);
 
         cp_async_wait_all();

@@ -108,11 +108,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
     int64_t lo = 0, hi = 0;
     if (m0 < Lq)
         kv_range(&p, m0, r_end, Lq, Lk, &lo, &hi);
-    const int n_first = (int)(lo / BLOCK_N), n_last = hi > lo ? (int)((hi - 1) / BLOCK_N) : -1;
+    int n_first = (int)(lo / BLOCK_N), n_last = hi > lo ? (int)((hi - 1) / BLOCK_N) : -1;
     const elem_t *gq = (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + sq.start * p.q.s[1] + h * p.q.s[2];
     const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + sk.start * p.k.s[1] + hk * p.k.s[2];
     const elem_t *gv = (const elem_t *)p.v.ptr + sk.mem_b * p.v.s[0] + sk.start * p.v.s[1] + hk * p.v.s[2];
     const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
+    mod_narrow(sc, 1, true, m0, r_end, BLOCK_N, Lk, n_first, n_last);   /* mask_mod's empty end tiles */
     const int64_t ks = p.k.s[1], vs = p.v.s[1];
 
     const int row0 = m0 + warp * 16;                    /* this warp's first row */
@@ -141,7 +142,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
     /* the scores of tile n in s become P (and the row statistics move); corrs: O's factors */
     auto softmax = [&](float (&s)[1][NT][4], int n, float (&corrs)[2]) {
         const int c0 = n * BLOCK_N;
-        score_tile(p, sc, s, row0, c0, tile_needs_mask(p, m0, BLOCK_M, r_end, c0, BLOCK_N, 1, Lq, Lk), 1, Lq, Lk);
+        score_tile(p, sc, s, row0, c0, tile_needs_mask(p, sc, m0, BLOCK_M, r_end, c0, BLOCK_N, 1, Lq, Lk), 1, Lq, Lk);
         softmax_update(s, m, l, corrs);
     };
 

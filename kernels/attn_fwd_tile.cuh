@@ -42,12 +42,14 @@ DEV void zero_tail(const attn_params &p, int64_t h)
 }
 
 /* Whether the tile of packed rows [m0, m0 + block_m) x key columns [c0, c0 + block_n) needs the
- * per-element tests: a mask array, a tile past either length, or a tile crossing the causal /
- * window band. r_end: the end of the packed rows with a real query. */
-DEV bool tile_needs_mask(const attn_params &p, int m0, int block_m, int r_end, int c0, int block_n,
-                         int G, int Lq, int Lk)
+ * per-element tests: a mask array or a mask_mod that may mask some pair of it, a tile past either
+ * length, or a tile crossing the causal / window band. r_end: the end of the packed rows with a
+ * real query. */
+DEV bool tile_needs_mask(const attn_params &p, const score_ctx &sc, int m0, int block_m, int r_end, int c0,
+                         int block_n, int G, int Lq, int Lk)
 {
-    return HAS_MASK || c0 + block_n > Lk || m0 + block_m > Lq * G
+    return tile_maybe_masked(sc, m0 / G, (r_end - 1) / G + 1, c0, min(c0 + block_n, Lk))
+           || c0 + block_n > Lk || m0 + block_m > Lq * G
            || !tile_inside_band(&p, m0 / G, (r_end - 1) / G + 1, c0, c0 + block_n, Lq, Lk);
 }
 

@@ -182,6 +182,79 @@ def test_varlen_b_is_the_sequence(rng, torch):
     assert (g.dq[30:] == 0).all() and (g.dk[[12, 13, 41, 42]] == 0).all()
 
 
+# --- block sparsity -----------------------------------------------------------------------------
+# Lengths of several 64-pair cells and kernel tiles, so mask_mod's block mask has empty tiles at
+# the ends of a tile's range (skipped), empty ones between kept ones, full tiles (no per-element
+# test) and partial ones; every result against the reference.
+
+DOCS = np.repeat(np.arange(5), [70, 200, 64, 1, 365])          # 700 positions, uneven documents
+
+
+def _doc_causal(b, h, qi, ki):
+    return (DOCS[qi] == DOCS[ki]) & (ki <= qi)
+
+
+def _global_and_window(b, h, qi, ki):
+    return (ki < 8) | (np.abs(qi - ki) < 64)        # tiles between the first and the band: empty
+
+
+@pytest.mark.parametrize("d", [59, 64, 128], ids=["d59", "d64", "d128"])
+@pytest.mark.parametrize("mask", ["doc_causal", "global_and_window"])
+def test_block_sparse_masks(mask, d, rng, torch):
+    mask_mod = {"doc_causal": _doc_causal, "global_and_window": _global_and_window}[mask]
+    q, k, v = make_qkv(rng, 1, 700, 700, 2, 1, d, d, BF16)
+    run_gpu(torch, q, k, v, mask_mod=mask_mod)
+
+
+def test_block_sparse_with_causal_window_and_score_mod(rng, torch):
+    """mask_mod's tiles beside the built-in band (causal, window), with a score_mod reading a table."""
+    table = rng.standard_normal(1400).astype(np.float32)
+
+    def score_mod(s, b, h, qi, ki):
+        return s + table[qi - ki + 700] * 0.25
+
+    q, k, v = make_qkv(rng, 2, 600, 700, 2, 2, 128, 128, BF16)
+    run_gpu(torch, q, k, v, mask_mod=_doc_causal, causal=True)
+    run_gpu(torch, q, k, v, mask_mod=_global_and_window, window=(300, 0), score_mod=score_mod)
+
+
+def test_block_sparse_per_head_under_gqa(rng, torch):
+    """A mask_mod reading h: one block mask per query head; the dK/dV kernels take the union of
+    the group's heads."""
+    def mask_mod(b, h, qi, ki):
+        return np.abs(qi - ki) <= 40 * (h + 1) + (h == 3) * 1000
+
+    for d in (64, 128):
+        q, k, v = make_qkv(rng, 1, 520, 520, 4, 2, d, d, F16)
+        run_gpu(torch, q, k, v, mask_mod=mask_mod)
+
+
+def test_block_sparse_varlen_per_sequence(rng, torch):
+    """varlen: one block mask per sequence (b is the sequence; lengths differ), padding rows 0."""
+    cu_q, cu_k = np.array([0, 300, 300, 710], np.int32), np.array([0, 260, 260, 760], np.int32)
+    used_q = np.array([290, 0, 400], np.int32)
+
+    def mask_mod(b, h, qi, ki):
+        span = 100 + b * 40
+        return (qi // span == ki // span) | (ki == 0)
+
+    q, k, v = make_varlen_qkv(rng, 720, 770, 2, 2, 128, 128, BF16)
+    varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q)
+    g, _ = run_gpu(torch, q, k, v, varlen=varlen, mask_mod=mask_mod)
+    assert (g.dq[290:300] == 0).all() and (g.dq[700:] == 0).all()
+
+
+def test_block_sparse_decode_and_everything_or_nothing(rng, torch):
+    """Few query rows against many keys (split-KV), interior empty key tiles; a mask_mod that
+    keeps nothing (zeros, no NaN) and one that keeps everything (the plain result)."""
+    q, k, v = make_qkv(rng, 2, 5, 900, 4, 2, 128, 128, BF16)
+    run_gpu(torch, q, k, v, mask_mod=lambda b, h, qi, ki: ki % 256 < 100)
+    q, k, v = make_qkv(rng, 1, 300, 330, 2, 2, 64, 64, BF16)
+    g, _ = run_gpu(torch, q, k, v, mask_mod=lambda b, h, qi, ki: ki < 0)
+    assert not any(np.any(x) for x in g[:3])
+    run_gpu(torch, q, k, v, mask_mod=lambda b, h, qi, ki: ki >= 0, causal=True)
+
+
 # --- lookups out of range -----------------------------------------------------------------------
 
 def test_lookup_out_of_range_raises_index_error(rng, torch):

@@ -1,0 +1,83 @@
+"""mask_mod's block sparsity, for a notebook: which tiles a mask_mod masks entirely (skipped by the
+kernels), keeps entirely (no per-element test) or cuts through.
+
+    bm = attnext.block_mask(mask_mod, Sq, Sk, B=1, H=1)
+    print(bm)            # a picture, one character per tile: its density
+    bm.sparsity          # the fraction of tiles skipped
+
+The states are those the backends compute for themselves at every call (the CPU's block_mask_build
+in csrc/cpu_impl.h, the GPU's kernels/attn_block_mask.cu): mask_mod is evaluated at every pair
+inside the lengths, and a tile is EMPTY when it keeps none, FULL when it keeps all, else PARTIAL.
+Here mask_mod is called on NumPy index arrays as the reference calls it (no tracing), one row of
+tiles at a time: memory grows with block_size * Sk, never Sq * Sk.
+"""
+import numpy as np
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+SHADES = " .:-=+*#%@"          # density 0 (nothing kept) .. 1 (everything kept)
+
+
+class BlockMask:
+    """kinds: (B, H, query tiles, key tiles) uint8, EMPTY / PARTIAL / FULL; density: the same shape,
+    float64, the fraction of each tile's pairs kept; block_size: the tiles' side."""
+
+    def __init__(self, kinds, density, block_size, Sq, Sk):
+        self.kinds, self.density, self.block_size = kinds, density, block_size
+        self.Sq, self.Sk = Sq, Sk
+
+    @property
+    def sparsity(self):
+        """The fraction of tiles that are EMPTY (skipped, not computed)."""
+        return float((self.kinds == EMPTY).mean()) if self.kinds.size else 0.0
+
+    def counts(self):
+        """{"empty": n, "partial": n, "full": n} over every tile."""
+        return {name: int((self.kinds == k).sum())
+                for name, k in (("empty", EMPTY), ("partial", PARTIAL), ("full", FULL))}
+
+    def picture(self, b=0, h=0):
+        """The tiles of (b, h) as text, a character per tile from SHADES by density: ' ' skipped,
+        '@' every pair kept."""
+        d = self.density[b, h]
+        idx = np.minimum((d * (len(SHADES) - 1)).round().astype(int), len(SHADES) - 1)
+        idx[(self.kinds[b, h] != EMPTY) & (idx == 0)] = 1        # a kept pair is never blank
+        idx[(self.kinds[b, h] != FULL) & (idx == len(SHADES) - 1)] = len(SHADES) - 2
+        return "\n".join("|" + "".join(SHADES[i] for i in row) + "|" for row in idx)
+
+    def __repr__(self):
+        B, H, nq, nk = self.kinds.shape
+        c = self.counts()
+        head = (f"BlockMask(B={B}, H={H}, Sq={self.Sq}, Sk={self.Sk}, block_size={self.block_size}: "
+                f"{nq}x{nk} tiles, {c['empty']} empty, {c['partial']} partial, {c['full']} full, "
+                f"sparsity {self.sparsity:.1%})")
+        return head if nq > 64 or nk > 128 else head + "\n" + self.picture()
+
+
+def block_mask(mask_mod, Sq, Sk, *, B=1, H=1, block_size=64):
+    """The BlockMask of mask_mod(b, h, q_idx, kv_idx) over b < B, h < H, q_idx < Sq, kv_idx < Sk,
+    in block_size x block_size tiles (64: the GPU kernels' cells)."""
+    for name, x in (("Sq", Sq), ("Sk", Sk), ("B", B), ("H", H)):
+        if not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < 0:
+            raise ValueError(f"block_mask: {name} must be an int >= 0, got {x!r}")
+    if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_mask: block_size must be an int >= 1, got {block_size!r}")
+    if not callable(mask_mod):
+        raise TypeError(f"block_mask: mask_mod must be callable, got {type(mask_mod).__name__}")
+    nq, nk = -(-Sq // block_size), -(-Sk // block_size)
+    density = np.zeros((B, H, nq, nk))
+    cols = np.arange(Sk, dtype=np.int64)
+    col_tile = cols // block_size
+    col_count = np.bincount(col_tile, minlength=nk)
+    for b in range(B):
+        for h in range(H):
+            for i in range(nq):
+                rows = np.arange(i * block_size, min((i + 1) * block_size, Sq), dtype=np.int64)
+                r, c = (x.ravel() for x in np.broadcast_arrays(rows[:, None], cols[None, :]))
+                kept = mask_mod(np.full(r.size, b, np.int64), np.full(r.size, h, np.int64), r, c)
+                kept = np.broadcast_to(np.asarray(kept, dtype=bool), (r.size,)).reshape(rows.size, Sk)
+                per_tile = np.bincount(col_tile, weights=kept.sum(axis=0), minlength=nk)
+                density[b, h, i] = per_tile / np.maximum(col_count * rows.size, 1)
+    kinds = np.full(density.shape, PARTIAL, np.uint8)
+    kinds[density == 0] = EMPTY
+    kinds[density == 1] = FULL
+    return BlockMask(kinds, density, block_size, Sq, Sk)

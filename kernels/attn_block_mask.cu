@@ -1,0 +1,38 @@
+/* mask_mod's block mask: one byte per ATTN_BLOCK x ATTN_BLOCK cell of query rows x key columns of
+ * a sequence (csrc/attn_params.h: attn_mods_gpu.blocks), saying whether mask_mod keeps some pair
+ * of the cell inside the lengths (ATTN_BLOCK_KEPT) and whether it masks some (ATTN_BLOCK_MASKED).
+ * The attention kernels read it (attn_common.cuh: mod_block_bits) to skip the key or query
+ * tiles at either end of their range that mask_mod masks entirely, and to leave out the
+ * per-element mask_mod test on tiles it keeps entirely.
+ *
+ * mask_mod is evaluated at every pair inside the lengths, as the reference does (a lookup out of
+ * range anywhere there is reported), whatever causal and window say: they are the kernels' own
+ * business. Grid: (column cells, row cells, slices), a slice being one (b, h) of blocks' layout
+ * (b and h are 0 when mask_mod reads neither and blk_sb / blk_sh are 0); 128 threads: thread t
+ * takes row t % 64 of the cell and half its columns.
+ *
+ * Compile-time switches: those of attn_common.cuh with HAS_MASK_MOD (kernels.block_mask_defines).
+ */
+#include "attn_common.cuh"
+
+extern "C" __global__ void __launch_bounds__(128) attn_block_mask(const __grid_constant__ attn_params p)
+{
+#if HAS_MASK_MOD
+    const attn_mods_gpu *m = &p.gmods;
+    const int64_t heads = m->blk_sh ? p.Hq : 1;
+    const int64_t b = blockIdx.z / heads, h = blockIdx.z % heads;
+    const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
+    const int64_t r = (int64_t)blockIdx.y * ATTN_BLOCK + (threadIdx.x % ATTN_BLOCK);
+    const int64_t c0 = (int64_t)blockIdx.x * ATTN_BLOCK + (threadIdx.x / ATTN_BLOCK) * (ATTN_BLOCK / 2);
+    int bits = 0;
+    if (r < sq.len) {
+        const int64_t c1 = min(c0 + ATTN_BLOCK / 2, sk.len);
+        for (int64_t c = c0; c < c1; c++)
+            bits |= mod_mask(b, h, r, c, m) ? ATTN_BLOCK_KEPT : ATTN_BLOCK_MASKED;
+    }
+    const int kept = __syncthreads_or(bits & ATTN_BLOCK_KEPT), masked = __syncthreads_or(bits & ATTN_BLOCK_MASKED);
+    if (threadIdx.x == 0)
+        ((uint8_t *)m->blocks)[b * m->blk_sb + h * m->blk_sh + blockIdx.y * m->blk_cols + blockIdx.x] =
+            (kept ? ATTN_BLOCK_KEPT : 0) | (masked ? ATTN_BLOCK_MASKED : 0);
+#endif
+}
