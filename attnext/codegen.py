@@ -365,8 +365,17 @@ def limbs_to_float(words):
     return np.where(nan, np.nan, out)
 
 
-def index_error(gen, err):
-    """The IndexError for a device error record err = (flag, array, axis, index, size)."""
-    kind, name, _ = gen.arrays[int(err[1])]
+def call_arrays(score=None, mask=None):
+    """(kind, name) of a call's captured arrays by global number, in its own functions' names:
+    gen.arrays holds the names of whichever function of that structure was generated first
+    (`table` in one lambda is `REL_TABLE` in another)."""
+    return [(kind, name) for kind, t in (("score_mod", score), ("mask_mod", mask)) if t is not None
+            for name in array_order(t)]
+
+
+def index_error(names, err):
+    """The IndexError for a device error record err = (flag, array, axis, index, size); names:
+    call_arrays()."""
+    kind, name = names[int(err[1])]
     return IndexError(f"{kind}: index {int(err[3])} is out of bounds for axis {int(err[2])} of "
                       f"array {name!r} with size {int(err[4])}")

@@ -245,15 +245,15 @@ def _bind_mods(o, stage, backward):
     tm = trace.trace_mask_mod(o.mask_mod) if o.mask_mod is not None else None
     gen = codegen.generated(ts, tm)
     floats = list(ts.params if ts is not None else ()) + list(tm.params if tm is not None else ())
-    arrays, sources = [], []
-    for kind, name, vt in gen.arrays:
+    arrays, sources, names = [], [], codegen.call_arrays(ts, tm)
+    for (kind, name), (_, _, vt) in zip(names, gen.arrays):
         src = np.asarray((ts if kind == "score_mod" else tm).arrays[name])
         a = codegen.storage(src, vt)
         view = stage.upload(a) if a.size else None      # an empty array is never read
         arrays.append((0 if view is None else view.ptr, a.shape,
                        tuple(a.strides[i] // a.itemsize for i in range(a.ndim))))
         sources.append(src)
-    bound = types.SimpleNamespace(gen=gen, sources=sources, dacc=None, offsets={})
+    bound = types.SimpleNamespace(gen=gen, names=names, sources=sources, dacc=None, offsets={})
     bound.err = stage.scratch((5,), np.int64)
     _C.memset_d8(bound.err.ptr, 0, 5 * 8, stage.stream, stage.device)
     dacc_ptr = 0
@@ -307,13 +307,13 @@ def _finish_mods(stage, bound):
     err = np.zeros(5, np.int64)
     stage.download(bound.err, err)
     if err[0]:
-        raise codegen.index_error(bound.gen, err)
+        raise codegen.index_error(bound.names, err)
     out = {}
     words = None
     if bound.dacc is not None:
         words = np.zeros(bound.dacc.shape, np.uint64)
         stage.download(bound.dacc, words)
-    for i, (kind, name, vt) in enumerate(bound.gen.arrays):
+    for i, ((kind, name), (_, _, vt)) in enumerate(zip(bound.names, bound.gen.arrays)):
         if kind != "score_mod" or vt != trace.F:
             continue
         src = bound.sources[i]
@@ -378,7 +378,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     generated = None if gen is None else gen.source
     pack, splits = _decode_plan(o, features, device)
     arch = device_arch(device)
-    kernel, tile = kernels.fwd_kernel(arch, o.D, o.Dv, features["vec"], pack or splits > 1, rows)
+    kernel, tile = kernels.fwd_kernel(arch, o.D, o.Dv, features["vec"], pack or splits > 1, rows, gen is not None)
     defines = kernels.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen)
     smem = kernels.fwd_smem_bytes(o.D, o.Dv, tile, kernel)
     q_tiles = math.ceil(o.Sq * (o.Hq // o.Hk) / tile[0]) if pack else _query_tiles(rows, tile[0])

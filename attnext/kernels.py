@@ -99,21 +99,25 @@ def decode_ctas_per_sm():
 # 1.06x at 2k) and at D=128 for short sequences (0.84x at 512, against 0.79x).
 SM90_TILE_LONG = (128, 128, 8)
 SM90_TILE_SHORT = (64, 64, 4)
+# with a score_mod / mask_mod: 64 keys a tile, so the generated code's registers fit beside S and
+# O (the 128-key tile spills 136-576 bytes with them; this one spills none, NVRTC -Xptxas=-v)
+SM90_TILE_MODS = (128, 64, 8)
 SM90_SHORT_ROWS = 1024
 
 
-def fwd_kernel(arch, D, Dv, vec, decode, rows):
+def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=False):
     """(kernel source, tile) of the forward: kernels/attn_fwd_sm90.cu (wgmma) on sm_90a for
     16-byte-loadable inputs with D, Dv in {64, 128}, else kernels/attn_fwd.cu (mma.sync, every
-    shape, and the decode paths). rows: the longest query sequence. ATTNEXT_FWD_SM90=0 keeps
-    Hopper on attn_fwd.cu (the lab's and the tests' comparison)."""
+    shape, and the decode paths). rows: the longest query sequence; mods: a generated score_mod
+    / mask_mod is compiled in. ATTNEXT_FWD_SM90=0 keeps Hopper on attn_fwd.cu (the lab's and the
+    tests' comparison)."""
     if (arch == "sm_90a" and not decode and vec and D in (64, 128) and Dv in (64, 128)
             and os.environ.get("ATTNEXT_FWD_SM90", "1") != "0"):
         env = os.environ.get("ATTNEXT_TILE_SM90")      # the kernel lab's override: "128,64,8"
         if env:
             return "attn_fwd_sm90", tuple(int(x) for x in env.split(","))
         short = max(D, Dv) <= 64 or rows <= SM90_SHORT_ROWS
-        return "attn_fwd_sm90", SM90_TILE_SHORT if short else SM90_TILE_LONG
+        return "attn_fwd_sm90", SM90_TILE_SHORT if short else SM90_TILE_MODS if mods else SM90_TILE_LONG
     return "attn_fwd", decode_tile() if decode else tile_config(D, Dv)
 
 
@@ -497,7 +501,7 @@ def mod_variants(arch=None):
            ("attn_fwd", fwd_defines(**odd, tile=tile_config(59, 59), mods=gen)),
            ("attn_block_mask", block_mask_defines(gen))]
     if arch in (None, "sm_90a"):
-        out += [("attn_fwd_sm90", fwd_defines(**every, tile=SM90_TILE_LONG, mods=gen)),
+        out += [("attn_fwd_sm90", fwd_defines(**every, tile=SM90_TILE_MODS, mods=gen)),
                 ("attn_bwd_sm90", bwd_defines(**every, tile=bwd_sm90_tile(128, "recompute"), mods=gen))]
     return [(k, d, gen.source) for k, d in out]
 

@@ -1,7 +1,7 @@
 """Kernel lab: score_mod / mask_mod on the GPU against FlexAttention (torch.compile'd), same run,
 bf16, forward and backward, and the first call's time (NVRTC compiles included).
 
-    python3 bench/lab_mods.py [--cases softcap,relbias,doc,doc_causal,window] [--reps 1]
+    python3 bench/lab_mods.py [--cases softcap,relbias,doc,doc_causal,window] [--kernels]
 
 Rows ([3/4]'s): softcap and a relative-bias table (causal, D=128, S=8k, B=2, H=16), the document
 causal mask (16k tokens, the bench's 7 documents, H=16, D=128) given as a mask_mod alone and as
@@ -97,9 +97,31 @@ def run(name, flex):
     return row
 
 
+def kernel_times(call):
+    """[(kernel name, ms)] of the launches one call makes, each replayed alone (do_bench)."""
+    from attnext import _C
+    launch, seen = _C.cuda_launch_attention, []
+
+    def capture(*args):
+        seen.append(args)
+        return launch(*args)
+    _C.cuda_launch_attention = capture
+    try:
+        call()
+        torch.cuda.synchronize()
+    finally:
+        _C.cuda_launch_attention = launch
+    out = []
+    for args in seen:
+        grid = "x".join(map(str, args[1]))
+        out.append((f"grid {grid}", triton.testing.do_bench(lambda: launch(*args))))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="softcap,relbias,doc,doc_causal,window")
+    ap.add_argument("--kernels", action="store_true", help="also time each launch of a call alone")
     args = ap.parse_args()
     flex = torch.compile(flex_attention, dynamic=False)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H{H} D{D}", flush=True)
@@ -111,6 +133,14 @@ def main():
         except Exception as e:                      # one failing row does not hide the others
             print(f"{name:11} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
+        if args.kernels:
+            kw, _, _, (b, s), _ = make_case(name)
+            q, k, v, dout = (torch.randn(b, s, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            out, lse = attnext.attention(q, k, v, return_lse=True, **kw)
+            for d, call in (("fwd", lambda: attnext.attention(q, k, v, **kw)),
+                            ("bwd", lambda: attnext.attention_backward(dout, q, k, v, out, lse, **kw))):
+                print(f"  {name} {d} kernels: " + ", ".join(f"{g} {ms:.3f} ms" for g, ms in kernel_times(call)),
+                      flush=True)
         print(f"{name:11} {r['ax_fwd']:9.3f} {r['flex_fwd']:7.3f} {r['fwd_ratio']:5.2f}x "
               f"{r['ax_bwd']:9.3f} {r['flex_bwd']:7.3f} {r['bwd_ratio']:5.2f}x "
               f"{r['ax_fwd_tflops']:5.0f}/{r['ax_bwd_tflops']:<5.0f} "

@@ -386,7 +386,10 @@ DEV bool tile_maybe_masked(const score_ctx &s, int64_t r0, int64_t r1, int64_t c
 /* Drops from both ends of the tile range [first, last] the tiles that mask_mod masks entirely
  * for every query head h of [s.h, s.h + heads): keys: key tiles of bn columns seen by rows
  * [a0, a1); else query tiles of bn rows seeing columns [a0, a1) (the dK/dV kernels). len: the
- * tiles' sequence length. Empty tiles between kept ones stay: computed, fully masked. */
+ * tiles' sequence length. Empty tiles between kept ones stay: computed, fully masked. Every
+ * warp scans 32 tiles a step, one per lane (a document far from the sequence's start skips
+ * hundreds of tiles: one by one, their loads' latencies would add up); call it with all 32
+ * lanes of every warp. */
 DEV void mod_narrow(const score_ctx &s, int heads, bool keys, int64_t a0, int64_t a1, int bn, int64_t len,
                     int &first, int &last)
 {
@@ -402,10 +405,25 @@ DEV void mod_narrow(const score_ctx &s, int heads, bool keys, int64_t a0, int64_
             bits |= keys ? mod_block_bits(s, h, a0, a1, t0, t1) : mod_block_bits(s, h, t0, t1, a0, a1);
         return (bits & ATTN_BLOCK_KEPT) != 0;
     };
-    while (first <= last && !kept(first))
-        first++;
-    while (last >= first && !kept(last))
-        last--;
+    const int lane = threadIdx.x & 31;
+    int f = last + 1;
+    for (int base = first; base <= last; base += 32) {
+        const unsigned hit = __ballot_sync(0xffffffffu, base + lane <= last && kept(base + lane));
+        if (hit) {
+            f = base + __ffs(hit) - 1;
+            break;
+        }
+    }
+    int l = f - 1;
+    for (int base = last; base >= f; base -= 32) {
+        const unsigned hit = __ballot_sync(0xffffffffu, base - lane >= f && kept(base - lane));
+        if (hit) {
+            l = base - (__ffs(hit) - 1);
+            break;
+        }
+    }
+    first = f;
+    last = l;
 #endif
 }
 

@@ -251,8 +251,26 @@ def test_lookup_out_of_range_sets_the_error_record_and_reads_inside(cc, tmp_path
     fwd, _, _, err, _ = run(exe, tmp_path, gen, bind(t, gen, "score_mod"), pts)
     assert list(err) == [1, 0, 0, 5, 5]               # ki = 7 reads the first index past the end
     assert set(np.round(fwd - pts[0], 5)) <= set(table)   # clamped, never outside
-    msg = str(codegen.index_error(gen, err))
+    msg = str(codegen.index_error(codegen.call_arrays(t), err))
     assert msg == "score_mod: index 5 is out of bounds for axis 0 of array 'table' with size 5"
+
+
+def test_same_structure_other_names_binds_its_own_arrays(rng):
+    """Two functions of one structure share their Generated (named after the first), but each
+    call binds and reports its own arrays by position."""
+    first, other = rng.standard_normal(7), rng.standard_normal(7)
+
+    def a(s, b, h, qi, ki):
+        return s + first[ki]
+
+    def c(s, b, h, qi, ki):
+        return s + other[ki]
+
+    ta, tc = trace.trace_score_mod(a), trace.trace_score_mod(c)
+    assert codegen.generated(ta) is codegen.generated(tc)
+    assert codegen.call_arrays(ta) == [("score_mod", "first")]
+    assert codegen.call_arrays(tc) == [("score_mod", "other")]
+    assert "'other'" in str(codegen.index_error(codegen.call_arrays(tc), [1, 0, 0, 9, 7]))
 
 
 def test_negative_indices_count_from_the_end(cc, tmp_path, rng):

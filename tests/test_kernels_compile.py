@@ -41,6 +41,8 @@ def test_tile_configs_fit_shared_memory():
 def test_hopper_takes_the_wgmma_forward_where_it_applies(monkeypatch):
     assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 4096) == ("attn_fwd_sm90", kernels.SM90_TILE_LONG)
     assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 512) == ("attn_fwd_sm90", kernels.SM90_TILE_SHORT)
+    assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 4096, mods=True) == ("attn_fwd_sm90",
+                                                                                    kernels.SM90_TILE_MODS)
     assert kernels.fwd_kernel("sm_90a", 64, 128, True, False, 4096)[0] == "attn_fwd_sm90"
     # other head dims, element loads, decode and other architectures: attn_fwd.cu
     for args in (("sm_90a", 96, 96, True, False), ("sm_90a", 128, 128, False, False),
