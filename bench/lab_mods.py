@@ -97,25 +97,30 @@ def run(name, flex):
     return row
 
 
-def kernel_times(call):
-    """[(kernel name, ms)] of the launches one call makes, each replayed alone (do_bench)."""
+def kernel_times(call, reps=5):
+    """[(grid, ms)] of the launches one call makes: CUDA events around each launch on its stream,
+    the median over reps calls (a replay alone would read the call's scratch after its end)."""
     from attnext import _C
     launch, seen = _C.cuda_launch_attention, []
 
-    def capture(*args):
-        seen.append(args)
-        return launch(*args)
-    _C.cuda_launch_attention = capture
+    def timed(*args):
+        stream = torch.cuda.ExternalStream(args[4]) if args[4] else torch.cuda.default_stream()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record(stream)
+        launch(*args)
+        e1.record(stream)
+        seen.append(("x".join(map(str, args[1])), e0, e1))
+    _C.cuda_launch_attention = timed
+    runs = []
     try:
-        call()
-        torch.cuda.synchronize()
+        for _ in range(reps):
+            seen.clear()
+            call()
+            torch.cuda.synchronize()
+            runs.append([(g, e0.elapsed_time(e1)) for g, e0, e1 in seen])
     finally:
         _C.cuda_launch_attention = launch
-    out = []
-    for args in seen:
-        grid = "x".join(map(str, args[1]))
-        out.append((f"grid {grid}", triton.testing.do_bench(lambda: launch(*args))))
-    return out
+    return [(runs[0][i][0], float(np.median([r[i][1] for r in runs]))) for i in range(len(runs[0]))]
 
 
 def main():
