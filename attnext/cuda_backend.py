@@ -393,6 +393,8 @@ def forward(o, out_host, lse_host, stage=None):
         extra = _extras(o, stage)
         out4 = _kernel_layout(o, out)
         mods = _bind_mods(o, stage, backward=False)
+        if pin:
+            stage.uploads_done()
         plan = _forward_plan(o, stage.device, q4, k4, v4, out4, lse3, extra, None if mods is None else mods.gen)
         ptrs = (q4.ptr, k4.ptr, v4.ptr, out4.ptr, None if lse3 is None else lse3.ptr)
         if extra is not _NO_EXTRAS:
@@ -463,6 +465,8 @@ def _forward_sliced(o, out_host, lse_host, slices):
                 views.append(rows)
             part.q4, part.k4, part.v4 = views
             forward(part, out_host[b0:b1], lse_host[b0:b1], stage)
+            if b1 == o.B:
+                stage.uploads_done()
     return out_host, lse_host
 
 
@@ -618,6 +622,8 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
             dbias, dbias_res = _dbias_buffer(stage, o, host)
         extra = _extras(o, stage)
         mods = _bind_mods(o, stage, backward=True)
+        if host:
+            stage.uploads_done()
         views = (q4, k4, v4, dout4, out4, lse3, dq4, dk4, dv4, dbias)
         plan = _backward_plan(o, stage.device, views, extra, deterministic, None if mods is None else mods.gen)
         ptrs = ((q4.ptr, k4.ptr, v4.ptr, out4.ptr, lse3.ptr, None, None)

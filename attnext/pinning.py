@@ -5,6 +5,7 @@ run straight from and to it, with no host copy through staging.py's pinned rings
     pins.start(pool)                             # registration runs on the pool's threads
     parts = pins.parts(a)                        # [(offset, nbytes, piece)] or None: the rings
     piece.direct()                               # waits for the piece: True = page-locked
+    pins.take_read()                             # the input-only pieces, to give back early
     pins.release()                               # after every DMA using them is done
 
 Spans. An array travels directly when it is C-contiguous (its bytes one run) and at least
@@ -197,10 +198,10 @@ def read_only_supported(device):
 class Piece:
     """A page-aligned range of one call's memory and its registration (a future on the pool)."""
 
-    __slots__ = ("lo", "hi", "future")
+    __slots__ = ("lo", "hi", "written", "future")
 
-    def __init__(self, lo, hi, future):
-        self.lo, self.hi, self.future = lo, hi, future
+    def __init__(self, lo, hi, written, future):
+        self.lo, self.hi, self.written, self.future = lo, hi, written, future
 
     def direct(self):
         """Waits until the piece is settled: True when page-locked (DMA straight from / to it),
@@ -228,23 +229,30 @@ class Pins:
             if a is not None and a.flags.c_contiguous and a.nbytes >= MIN_BYTES:
                 spans.append(byte_range(a) + (written, i))
         read_only = read_only_supported(device) if spans else False
-        self.plan = []           # (first use, lo, hi, read_only, probe)
+        self.plan = []           # (first use, lo, hi, written, probe)
         for ulo, uhi in unions([s[:2] for s in spans]):
             for lo, hi in cut(ulo, uhi, PIECE_BYTES):
                 touching = [s for s in spans if s[0] < hi and lo < s[1]]
                 probe = (max(lo, min(s[0] for s in touching)), min(hi, max(s[1] for s in touching)) - 1)
-                self.plan.append((min(s[3] for s in touching), lo, hi,
-                                  read_only and not any(s[2] for s in touching), probe))
+                self.plan.append((min(s[3] for s in touching), lo, hi, any(s[2] for s in touching), probe))
         self.plan.sort()         # in the order the call uses them
+        self.read_only = read_only
         self.pieces = []         # sorted by address
 
     def start(self, pool):
         """Submits every piece's registration to pool (the pieces submitted before an error
         are still given back by release())."""
-        for _, lo, hi, read_only, probe in self.plan:
-            future = pool.submit(_acquire, lo, hi, self.device, read_only, probe)
-            self.pieces.append(Piece(lo, hi, future))
-            self.pieces.sort(key=lambda p: p.lo)
+        for _, lo, hi, written, probe in self.plan:
+            future = pool.submit(_acquire, lo, hi, self.device, self.read_only and not written, probe)
+            self.pieces = sorted(self.pieces + [Piece(lo, hi, written, future)], key=lambda p: p.lo)
+
+    def take_read(self):
+        """The pieces no output touches, taken out of this call's pins (later copies of their
+        bytes go through the rings): the table entries to give back once the uploads from them
+        are done (release_entries), waiting for their registrations first."""
+        taken = [p for p in self.pieces if not p.written]
+        self.pieces = [p for p in self.pieces if p.written]
+        return [e for e in (p.held() for p in taken) if e is not None]
 
     def parts(self, a):
         """a's bytes (C-contiguous) along this call's pieces: [(offset, nbytes, piece)], or None
@@ -259,16 +267,21 @@ class Pins:
         (the unregistering on `pool` when given). Call it only once every DMA from or to the
         pieces is done. Raises the first unregister error, after trying them all."""
         pieces, self.pieces = self.pieces, []
-        held = [e for e in (p.held() for p in pieces) if e is not None]
-        if pool is not None and len(held) > 1:
-            errors = [f.exception() for f in [pool.submit(_release, e) for e in held]]
-        else:
-            errors = []
-            for e in held:
-                try:
-                    _release(e)
-                except RuntimeError as err:
-                    errors.append(err)
-        errors = [e for e in errors if e is not None]
-        if errors:
-            raise errors[0]
+        release_entries([e for e in (p.held() for p in pieces) if e is not None], pool)
+
+
+def release_entries(held, pool=None):
+    """Gives back table entries (unregistering what no other call uses), on `pool` when given;
+    raises the first error after trying them all."""
+    if pool is not None and len(held) > 1:
+        errors = [f.exception() for f in [pool.submit(_release, e) for e in held]]
+    else:
+        errors = []
+        for e in held:
+            try:
+                _release(e)
+            except RuntimeError as err:
+                errors.append(err)
+    errors = [e for e in errors if e is not None]
+    if errors:
+        raise errors[0]

@@ -437,6 +437,7 @@ class Staging:
         self._errors = []
         self._pins = None
         self._dma = {}           # "up" / "down" -> the stream of this stage's direct DMAs
+        self._early = []         # futures: input pins given back while the kernels run
 
     def __enter__(self):
         self._depth += 1
@@ -477,12 +478,29 @@ class Staging:
             self._pins = pins
             pins.start(_workers()[0])
 
+    def uploads_done(self):
+        """The call uploads nothing more: the pins only uploads read are given back on the copy
+        threads once the upload DMAs are done, beside the kernels and the downloads (unpinning
+        is not free), not at the call's end."""
+        if self._pins is None or self._early:
+            return
+        up = self._dma.get("up")
+        pool = _workers()[0]
+
+        def give_back(entry):
+            if up is not None:
+                _C.stream_synchronize(up, self.device)    # GPU work only: no pool task awaited
+            pinning.release_entries([entry])
+        self._early = [pool.submit(give_back, e) for e in self._pins.take_read()]
+
     def _unpin(self):
         """After every direct DMA: synchronises and destroys the DMA streams, gives back the pins.
         Errors go to self._errors (the first one raised by finish)."""
+        early, self._early = self._early, []
         dma, self._dma = self._dma, {}
         pins, self._pins = self._pins, None
-        steps = [functools.partial(_C.stream_synchronize, s, self.device) for s in dma.values()]
+        steps = [f.result for f in early]       # before the upload stream goes
+        steps += [functools.partial(_C.stream_synchronize, s, self.device) for s in dma.values()]
         steps += [functools.partial(_C.stream_destroy, s, self.device) for s in dma.values()]
         if pins is not None:
             steps.append(functools.partial(pins.release, _workers()[0]))

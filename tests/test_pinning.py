@@ -6,6 +6,8 @@ of attnext._C (late DMAs, which assert that the memory they read or write is sti
 when they run), its host_register refusing overlapping ranges as the driver does. With
 `-m gpu`: ring and register give the same bits on a real device.
 """
+import mmap
+
 import numpy as np
 import pytest
 
@@ -102,9 +104,11 @@ def test_read_only_inputs_register_read_only(pins, rng, monkeypatch):
     monkeypatch.setattr(_C, "host_register", lambda ptr, n, device=0, read_only=False: (
         flags.append(read_only) or pins.host_register(ptr, n, device, read_only)))
     a = _arrays(rng, BF16)["readonly"]
-    base, got = _through(a)
+    own_pages = mmap.mmap(-1, a.nbytes)                # the output shares no page with the input
+    base, got = _through(a, np.frombuffer(own_pages, BF16).reshape(a.shape))
     np.testing.assert_array_equal(_bits(got), _bits(base))
     assert True in flags and False in flags           # the input read-only, the output writable
+    del got
 
 
 def test_non_contiguous_arrays_use_the_ring(pins, rng):
@@ -190,6 +194,27 @@ def test_nothing_stays_registered_when_the_call_raises(pins, rng, monkeypatch):
     monkeypatch.setattr(_C, "memcpy_htod", failing)
     with pytest.raises(RuntimeError, match="ILLEGAL_ADDRESS"):
         _through(a)
+    assert pins.registered == []
+
+
+def test_input_pins_are_given_back_once_the_uploads_are_done(pins, rng):
+    """uploads_done(): the input's pieces are unregistered after their DMAs (a late DMA from
+    memory no longer locked fails the fake), the output's stay until the stage finishes."""
+    n, gap = 9 * 7001, 2 * PAGE // 4                       # two pages apart: no shared page
+    buf = np.empty(2 * n + gap, np.float32)
+    a, got = buf[:n], buf[n + gap:]
+    a[...] = _random(rng, n, np.float32)
+    with staging.Staging(0, 0) as stage:
+        stage.pin([a], [got])
+        view = stage.upload(a)
+        stage.uploads_done()
+        assert stage._early
+        for f in stage._early:
+            f.result()
+        out_lo, out_hi = pinning.unions([pinning.byte_range(got)])[0]
+        assert pins.registered and all(out_lo <= lo and hi <= out_hi for lo, hi, _ in pins.registered)
+        stage.download(view, got)
+    np.testing.assert_array_equal(got, a)
     assert pins.registered == []
 
 
