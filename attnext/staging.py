@@ -23,8 +23,9 @@ arrays up front (pin()) registers their memory on the copy threads meanwhile, an
 from or to a C-contiguous array inside those registrations skips the ring: DMAs straight from
 and to the caller's pages, on a DMA stream per direction of the stage's own (ordered like a
 slot's stream), each registered piece's DMA as soon as it is locked; a piece that could not be
-registered goes through the ring. The pins are given back when the stage finishes, after its
-DMA streams have been synchronised.
+registered goes through the ring. The pins only uploads read are given back once the caller
+says the uploads are done (uploads_done(): on the copy threads, after the upload DMAs, while the
+kernels run), the rest when the stage finishes, after its DMA streams have been synchronised.
 
 Layout legend: a host array has any strides and may be broadcast (stride 0); its compact base
 (broadcast dims cut to 1) is what travels, C-contiguous in device memory.
@@ -424,7 +425,8 @@ class Staging:
     `with` blocks on one stage are allowed (only the outermost one finishes).
 
     pin(inputs, outputs) first: the copies from and to those arrays' memory run without the
-    rings where it can be registered (pinning.py), until the stage finishes.
+    rings where it can be registered (pinning.py); uploads_done() after the last upload lets
+    the inputs' registrations go early, the rest go when the stage finishes.
     """
 
     def __init__(self, device, stream, background=False):
@@ -488,9 +490,11 @@ class Staging:
         pool = _workers()[0]
 
         def give_back(entry):
-            if up is not None:
-                _C.stream_synchronize(up, self.device)    # GPU work only: no pool task awaited
-            pinning.release_entries([entry])
+            try:
+                if up is not None:
+                    _C.stream_synchronize(up, self.device)    # GPU work only: no pool task awaited
+            finally:                                  # a faulted stream runs no DMA any more
+                pinning.release_entries([entry])
         self._early = [pool.submit(give_back, e) for e in self._pins.take_read()]
 
     def _unpin(self):
