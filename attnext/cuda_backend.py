@@ -1,11 +1,11 @@
 """The CUDA backend's host side: where each array lives, NumPy staging, kernel choice, launches.
 
 api.py has checked every argument; arrays arrive as NumPy views or DevViews (GPU memory read in
-place). NumPy inputs travel through staging.py's pinned rings, results come back the same way
-(a large NumPy forward runs in batch slices whose copies overlap the kernels). GPU inputs are
-read where they are, on the stream their protocol names (0, the legacy default stream, when
-it names none), and results come back as the caller's library's arrays (DLPack) or
-attnext.DeviceArray.
+place). NumPy inputs travel through staging.py (their memory registered in place where it can
+be, else its pinned rings), results come back the same way (a large NumPy forward runs in batch
+slices whose copies overlap the kernels). GPU inputs are read where they are, on the stream
+their protocol names (0, the legacy default stream, when it names none), and results come back
+as the caller's library's arrays (DLPack) or attnext.DeviceArray.
 
 Plans. Everything a call's launches are derived from -- its arrays' shapes, strides and dtypes,
 whether q, k, v start on 16-byte boundaries, its options, the device and the kernel lab's
@@ -405,7 +405,10 @@ def forward(o, out_host, lse_host, stage=None):
     host = out_host is not None
     if host and stage is None and (slices := _batch_slices(o)):
         return _forward_sliced(o, out_host, lse_host, slices)
+    pin = host and stage is None
     with stage or staging.Staging(o.cuda_device, o.cuda_stream) as stage:
+        if pin:
+            stage.pin(_host_inputs(o), (out_host, lse_host))
         q4, k4, v4 = (_put(stage, x) for x in (o.q4, o.k4, o.v4))
         if isinstance(o.out, DevView):
             out, out_res = o.out, o.out
@@ -418,6 +421,8 @@ def forward(o, out_host, lse_host, stage=None):
         extra = _extras(o, stage)
         out4 = _kernel_layout(o, out)
         mods = _bind_mods(o, stage, backward=False)
+        if pin:
+            stage.uploads_done()
         plan = _forward_plan(o, stage.device, q4, k4, v4, out4, lse3, extra, None if mods is None else mods.gen)
         ptrs = (q4.ptr, k4.ptr, v4.ptr, out4.ptr, None if lse3 is None else lse3.ptr)
         if extra is not _NO_EXTRAS:
@@ -435,6 +440,11 @@ def forward(o, out_host, lse_host, stage=None):
             stage.download(lse, lse_host)
             return out_host, lse_host
         return out_res, lse_res
+
+
+def _host_inputs(o, *more):
+    """The large arrays a NumPy call uploads (staging pins those it can)."""
+    return (o.q4, o.k4, o.v4, o.bias4, o.mask4) + more
 
 
 SLICE_BYTES = 128 << 20   # a NumPy forward moving at least twice this runs in batch slices
@@ -465,6 +475,7 @@ def _forward_sliced(o, out_host, lse_host, slices):
     and every upload waits for those allocations only, so slice i+1 uploads while slice i
     computes; the stage downloads each slice's results on a thread of its own meanwhile."""
     with staging.Staging(o.cuda_device, o.cuda_stream, background=True) as stage:
+        stage.pin(_host_inputs(o), (out_host, lse_host))
         inputs = [(x, stage.allocate(x)) for x in (o.q4, o.k4, o.v4)]
         allocated = stage.fence()
         for b0, b1 in slices:
@@ -483,6 +494,8 @@ def _forward_sliced(o, out_host, lse_host, slices):
                 views.append(rows)
             part.q4, part.k4, part.v4 = views
             forward(part, out_host[b0:b1], lse_host[b0:b1], stage)
+            if b1 == o.B:
+                stage.uploads_done()
     return out_host, lse_host
 
 
@@ -622,6 +635,8 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
     """
     host = dq_host is not None
     with staging.Staging(o.cuda_device, o.cuda_stream) as stage:
+        if host:
+            stage.pin(_host_inputs(o, dout, out, lse), (dq_host, dk_host, dv_host))
         q4, k4, v4 = (_put(stage, x) for x in (o.q4, o.k4, o.v4))
         dout4 = _kernel_layout(o, _put(stage, dout))
         out4 = _kernel_layout(o, _put(stage, out))
@@ -636,6 +651,8 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
             dbias, dbias_res = _dbias_buffer(stage, o, host)
         extra = _extras(o, stage)
         mods = _bind_mods(o, stage, backward=True)
+        if host:
+            stage.uploads_done()
         views = (q4, k4, v4, dout4, out4, lse3, dq4, dk4, dv4, dbias)
         plan = _backward_plan(o, stage.device, views, extra, deterministic, None if mods is None else mods.gen)
         ptrs = ((q4.ptr, k4.ptr, v4.ptr, out4.ptr, lse3.ptr, None, None)

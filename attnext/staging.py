@@ -18,12 +18,22 @@ the call's stream waits for them before its next kernel; a download's DMAs wait 
 stream (its kernels done), or a Fence. A Fence is a point in the call's stream that later copies
 can wait for (a stream of its own waiting on it: the primitives here have no event object).
 
+Pinned in place (pinning.py, ATTNEXT_STAGING=register): a Staging told the call's large host
+arrays up front (pin()) registers their memory on the copy threads meanwhile, and a copy
+from or to a C-contiguous array inside those registrations skips the ring: DMAs straight from
+and to the caller's pages, on a DMA stream per direction of the stage's own (ordered like a
+slot's stream), each registered piece's DMA as soon as it is locked; a piece that could not be
+registered goes through the ring. The pins only uploads read are given back once the caller
+says the uploads are done (uploads_done(): on the copy threads, after the upload DMAs, while the
+kernels run), the rest when the stage finishes, after its DMA streams have been synchronised.
+
 Layout legend: a host array has any strides and may be broadcast (stride 0); its compact base
 (broadcast dims cut to 1) is what travels, C-contiguous in device memory.
 """
 import atexit
 import collections
 import concurrent.futures
+import functools
 import math
 import os
 import queue
@@ -31,7 +41,7 @@ import threading
 
 import numpy as np
 
-from . import _C
+from . import _C, pinning
 from .device import empty
 from .devview import DevView
 
@@ -241,6 +251,7 @@ def _forget_after_fork():
     global _state_lock, _up, _down, _pool
     _state_lock = threading.Lock()
     _up = _down = _pool = None
+    pinning.forget_after_fork()
 
 
 atexit.register(reset)
@@ -412,6 +423,10 @@ class Staging:
     thread of the stage's own, so the caller goes on with further uploads and launches; the
     copies are done, or their first error raised, when the outermost `with` ends. Nested
     `with` blocks on one stage are allowed (only the outermost one finishes).
+
+    pin(inputs, outputs) first: the copies from and to those arrays' memory run without the
+    rings where it can be registered (pinning.py); uploads_done() after the last upload lets
+    the inputs' registrations go early, the rest go when the stage finishes.
     """
 
     def __init__(self, device, stream, background=False):
@@ -422,6 +437,9 @@ class Staging:
         self._depth = 0
         self._queue = self._thread = None
         self._errors = []
+        self._pins = None
+        self._dma = {}           # "up" / "down" -> the stream of this stage's direct DMAs
+        self._early = []         # futures: input pins given back while the kernels run
 
     def __enter__(self):
         self._depth += 1
@@ -434,8 +452,9 @@ class Staging:
         return False
 
     def finish(self, raise_errors=True):
-        """Waits for the queued downloads and closes the fences; raises the first download error
-        (unless the caller is already raising one of its own)."""
+        """Waits for the queued downloads, closes the fences, waits for the direct DMAs and gives
+        back the pins; raises the first error (unless the caller is already raising one of its
+        own)."""
         try:
             if self._thread is not None:
                 self._queue.put(None)
@@ -445,8 +464,103 @@ class Staging:
             fences, self.fences = self.fences, []
             for f in fences:
                 f.close()
+            self._unpin()
         if self._errors and raise_errors:
             raise self._errors[0]
+
+    def pin(self, inputs=(), outputs=()):
+        """Starts registering the call's large C-contiguous NumPy arrays (inputs only read, by
+        their compact bases; outputs written) on the copy threads, unless ATTNEXT_STAGING=ring.
+        None entries and GPU arrays are ignored; call it once, before the copies."""
+        if self._pins is not None or pinning.mode() != "register":
+            return
+        pins = pinning.Pins(self.device, [compact(a) for a in inputs if isinstance(a, np.ndarray)],
+                            [a for a in outputs if isinstance(a, np.ndarray)])
+        if pins.plan:
+            self._pins = pins
+            pins.start(_workers()[0])
+
+    def uploads_done(self):
+        """The call uploads nothing more: the pins only uploads read are given back on the copy
+        threads once the upload DMAs are done, beside the kernels and the downloads (unpinning
+        is not free), not at the call's end."""
+        if self._pins is None or self._early:
+            return
+        up = self._dma.get("up")
+        pool = _workers()[0]
+
+        def give_back(entry):
+            try:
+                if up is not None:
+                    _C.stream_synchronize(up, self.device)    # GPU work only: no pool task awaited
+            finally:                                  # a faulted stream runs no DMA any more
+                pinning.release_entries([entry])
+        self._early = [pool.submit(give_back, e) for e in self._pins.take_read()]
+
+    def _unpin(self):
+        """After every direct DMA: synchronises and destroys the DMA streams, gives back the pins.
+        Errors go to self._errors (the first one raised by finish)."""
+        early, self._early = self._early, []
+        dma, self._dma = self._dma, {}
+        pins, self._pins = self._pins, None
+        steps = [f.result for f in early]       # before the upload stream goes
+        steps += [functools.partial(_C.stream_synchronize, s, self.device) for s in dma.values()]
+        steps += [functools.partial(_C.stream_destroy, s, self.device) for s in dma.values()]
+        if pins is not None:
+            steps.append(functools.partial(pins.release, _workers()[0]))
+        for step in steps:        # each one tried: a faulted stream still lets the pins go
+            try:
+                step()
+            except BaseException as e:
+                self._errors.append(e)
+
+    def _dma_stream(self, direction):
+        if direction not in self._dma:
+            self._dma[direction] = _C.stream_create(self.device, True)
+        return self._dma[direction]
+
+    def _parts(self, a):
+        """[(offset, nbytes, piece)] of a's bytes inside the pins, or None: the ring."""
+        if self._pins is None or a.nbytes <= SMALL_BYTES:
+            return None
+        return self._pins.parts(a)
+
+    def _upload_direct(self, raw, parts, ptr, after):
+        """raw (an array's bytes) into ptr, each part straight from its registered piece on the
+        stage's upload stream, or through the ring where the piece is not registered."""
+        s = self._dma_stream("up")
+        _order(s, after, self.stream, self.device)
+        try:
+            for off, n, piece in parts:
+                if piece.direct():
+                    _C.memcpy_htod(ptr + off, raw[off:off + n], s, self.device)
+                else:
+                    _upload(raw[off:off + n], ptr + off, self.device, self.stream, after)
+        finally:
+            _C.stream_wait(self.stream, s, self.device)    # the kernels read what it wrote
+
+    def _download_direct(self, ptr, raw, parts, after):
+        """Device bytes at ptr into raw (an array's bytes), each part straight into its
+        registered piece, or through the ring; done on return."""
+        s = self._dma_stream("down")
+        _order(s, after, self.stream, self.device)
+        try:
+            for off, n, piece in parts:
+                if piece.direct():
+                    _C.memcpy_dtoh(raw[off:off + n], ptr + off, s, self.device)
+                else:
+                    _download(ptr + off, raw.dtype, raw[off:off + n], self.device, self.stream, after)
+        finally:
+            _C.stream_synchronize(s, self.device)
+
+    def _copy_out(self, view, dst, after):
+        """A contiguous DevView into dst: direct when dst is C-contiguous in the pins with the
+        view's dtype, else through the ring."""
+        parts = self._parts(dst) if dst.dtype == view.dtype else None
+        if parts is None:
+            _download(view.ptr, view.dtype, dst, self.device, self.stream, after)
+        else:
+            self._download_direct(view.ptr, dst.reshape(-1).view(np.uint8), parts, after)
 
     def fence(self):
         """A Fence at the call's stream as it is now (closed when the stage finishes)."""
@@ -473,7 +587,11 @@ class Staging:
         if base.shape != want or base.dtype != view.dtype:
             raise ValueError(f"copy_in: {base.shape} {base.dtype} into a view of compact shape "
                              f"{want} {view.dtype}")
-        _upload(base, view.ptr, self.device, self.stream, after)
+        parts = self._parts(base)
+        if parts is None:
+            _upload(base, view.ptr, self.device, self.stream, after)
+        else:
+            self._upload_direct(base.reshape(-1).view(np.uint8), parts, view.ptr, after)
 
     def upload(self, a):
         """A DevView of a NumPy array, copied to the device (a broadcast view uploads only its
@@ -493,7 +611,7 @@ class Staging:
         if tuple(dst.shape) != tuple(view.shape):
             raise ValueError(f"download: {view.shape} into an array of shape {dst.shape}")
         if not self.background:
-            _download(view.ptr, view.dtype, dst, self.device, self.stream, None)
+            self._copy_out(view, dst, None)
             return
         after = self.fence()
         if self._thread is None:
@@ -508,7 +626,7 @@ class Staging:
             view, dst, after = job
             if not self._errors:
                 try:
-                    _download(view.ptr, view.dtype, dst, self.device, self.stream, after)
+                    self._copy_out(view, dst, after)
                 except BaseException as e:     # raised by finish() in the caller's thread
                     self._errors.append(e)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (the device tool): build the extension in place, compile the
 # kernels for this GPU, then run what was asked; logs land in $OUT.
-#   bash bench/run_gpu.sh [warmup|smoke|tests|suite0..suite4|sanitize|bench|quick] ...   (in order)
+#   bash bench/run_gpu.sh [warmup|smoke|tests|suite0..suite4|sanitize|bench|quick|register] ...   (in order)
 # suiteN reruns a fifth of the CPU test file on the GPU (a few minutes each, one per call).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -24,6 +24,8 @@ for step in "$@"; do
               compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -m gpu -q -x \
                 -p no:cacheprovider tests/test_cuda.py -k "head_dims and bf16 and d128_dv128 or varlen_with_padding" 2>&1 \
                 | tee "$OUT/racecheck.log" | tail -5 ;;
+    register) python3 -m pytest -m gpu -q tests/test_pinning.py tests/test_staging.py 2>&1 | tee "$OUT/register_tests.log" | tail -15
+              python3 bench/lab_register.py 2>&1 | tee "$OUT/lab_register.log" ;;
     quick) python3 -m attnext.bench --device cuda --quick --json "$OUT/bench_quick.json" 2>&1 | tee "$OUT/bench_quick.log" | tail -40 ;;
     bench) python3 -m attnext.bench --device cuda --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -60 ;;
     *) echo "unknown step $step"; exit 2 ;;

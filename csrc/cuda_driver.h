@@ -37,7 +37,8 @@ typedef unsigned long long CUdeviceptr;
 typedef int nvrtcResult;
 typedef struct _nvrtcProgram *nvrtcProgram;
 
-enum { CUDA_SUCCESS = 0, CUDA_ERROR_INVALID_VALUE = 1, CUDA_ERROR_OUT_OF_MEMORY = 2 };
+enum { CUDA_SUCCESS = 0, CUDA_ERROR_INVALID_VALUE = 1, CUDA_ERROR_OUT_OF_MEMORY = 2,
+       CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712 };
 
 /* CUdevice_attribute */
 enum {
@@ -46,6 +47,7 @@ enum {
     CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75,
     CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76,
     CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97,
+    CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED = 113,
     CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED = 115,
 };
 
@@ -67,6 +69,7 @@ enum {
 enum { CU_MEMORYTYPE_HOST = 1, CU_MEMORYTYPE_DEVICE = 2 };
 
 enum { CU_MEMHOSTALLOC_PORTABLE = 0x01 };   /* pinned memory usable from every context */
+enum { CU_MEMHOSTREGISTER_READ_ONLY = 0x08 }; /* the device only reads it (read-only mappings) */
 enum { CU_STREAM_NON_BLOCKING = 0x01 };     /* no implicit sync with the legacy default stream */
 enum { CU_EVENT_DISABLE_TIMING = 0x02 };
 
@@ -110,6 +113,8 @@ enum { NVRTC_SUCCESS = 0, NVRTC_ERROR_COMPILATION = 6 };
     X(cuMemsetD8Async, (CUdeviceptr dst, unsigned char value, size_t bytes, CUstream stream))  \
     X(cuMemHostAlloc, (void **ptr, size_t bytes, unsigned int flags))                          \
     X(cuMemFreeHost, (void *ptr))                                                              \
+    X(cuMemHostRegister_v2, (void *ptr, size_t bytes, unsigned int flags))                     \
+    X(cuMemHostUnregister, (void *ptr))                                                        \
     X(cuStreamCreate, (CUstream *stream, unsigned int flags))                                  \
     X(cuStreamDestroy_v2, (CUstream stream))                                                   \
     X(cuStreamSynchronize, (CUstream stream))                                                  \

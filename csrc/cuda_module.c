@@ -1,5 +1,6 @@
 /* attnext._C's CUDA functions: loading, NVRTC compiles, modules and launches, device memory,
- * streams, pinned host memory and DLPack. attnext/device.py builds device arrays on them.
+ * streams, pinned host memory (allocated, or the caller's registered in place) and DLPack.
+ * attnext/device.py builds device arrays on them.
  *
  * Conventions of every function here:
  * - Device pointers, streams and handles cross into Python as ints. A stream is a CUstream
@@ -11,7 +12,7 @@
  *   module capsules) restores the caller's context afterwards, since it runs inside whatever
  *   code dropped the last reference.
  * - The GIL is released around the calls that wait: synchronisation, copies to or from
- *   pageable memory, pinned allocation and NVRTC compiles.
+ *   pageable memory, pinned allocation, registering host memory and NVRTC compiles.
  */
 #include "cuda_driver.h"
 
@@ -85,7 +86,7 @@ fail:
 
 static PyObject *c_cuda_info(PyObject *module, PyObject *args)
 {
-    int device = 0, version, major, minor, sms, smem, l2, pools;
+    int device = 0, version, major, minor, sms, smem, l2, pools, ro_register;
     CUdevice dev;
     size_t total;
     char name[256];
@@ -100,12 +101,14 @@ static PyObject *c_cuda_info(PyObject *module, PyObject *args)
     CU_CHECK(cuDeviceGetAttribute, &smem, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev);
     CU_CHECK(cuDeviceGetAttribute, &l2, CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, dev);
     CU_CHECK(cuDeviceGetAttribute, &pools, CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED, dev);
+    CU_CHECK(cuDeviceGetAttribute, &ro_register, CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED, dev);
     /* the driver encodes CUDA 12.8 as 12080 */
-    return Py_BuildValue("{s:s,s:(ii),s:i,s:i,s:i,s:n,s:(ii),s:O}", "name", name,
+    return Py_BuildValue("{s:s,s:(ii),s:i,s:i,s:i,s:n,s:(ii),s:O,s:O}", "name", name,
                          "compute_capability", major, minor, "multiprocessor_count", sms,
                          "max_shared_memory_per_block_optin", smem, "l2_cache_size", l2,
                          "total_memory", (Py_ssize_t)total, "driver_version", version / 1000,
-                         version % 1000 / 10, "memory_pools", pools ? Py_True : Py_False);
+                         version % 1000 / 10, "memory_pools", pools ? Py_True : Py_False,
+                         "read_only_host_register", ro_register ? Py_True : Py_False);
 fail:
     return NULL;
 }
@@ -740,6 +743,68 @@ fail:
     return NULL;
 }
 
+/* --- the caller's host memory, page-locked in place --- */
+
+/* Pinning walks and locks every page (faulting in the ones never touched): slow for large
+ * ranges, so the GIL is released meanwhile. */
+static PyObject *c_host_register(PyObject *module, PyObject *args)
+{
+    CUdeviceptr ptr;
+    Py_ssize_t nbytes;
+    int device = 0, read_only = 0;
+    CUresult rc;
+    if (!PyArg_ParseTuple(args, "O&n|ip:host_register", as_ptr, &ptr, &nbytes, &device, &read_only)
+        || nonnegative("host_register", "nbytes", nbytes) || cuda_device_enter(device))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = CU.cuMemHostRegister_v2((void *)(uintptr_t)ptr, (size_t)nbytes,
+                                 read_only ? CU_MEMHOSTREGISTER_READ_ONLY : 0);
+    Py_END_ALLOW_THREADS
+    if (rc == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)
+        Py_RETURN_FALSE;
+    if (rc != CUDA_SUCCESS) {
+        cu_raise(rc, __FILE__, __LINE__, "cuMemHostRegister_v2 of %zd bytes at 0x%llx%s", nbytes,
+                 ptr, read_only ? " (read-only)" : "");
+        return NULL;
+    }
+    Py_RETURN_TRUE;
+}
+
+static PyObject *c_host_unregister(PyObject *module, PyObject *args)
+{
+    CUdeviceptr ptr;
+    int device = 0;
+    CUresult rc;
+    if (!PyArg_ParseTuple(args, "O&|i:host_unregister", as_ptr, &ptr, &device)
+        || cuda_device_enter(device))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = CU.cuMemHostUnregister((void *)(uintptr_t)ptr);
+    Py_END_ALLOW_THREADS
+    if (rc != CUDA_SUCCESS) {
+        cu_raise(rc, __FILE__, __LINE__, "cuMemHostUnregister(0x%llx)", ptr);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *c_host_pinned(PyObject *module, PyObject *args)
+{
+    CUdeviceptr ptr;
+    unsigned int type;
+    int device = 0;
+    CUresult rc;
+    if (!PyArg_ParseTuple(args, "O&|i:host_pinned", as_ptr, &ptr, &device) || cuda_device_enter(device))
+        return NULL;
+    rc = CU.cuPointerGetAttribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr);
+    if (rc == CUDA_ERROR_INVALID_VALUE)     /* memory CUDA does not know of: pageable */
+        Py_RETURN_FALSE;
+    CU_CHECK_RC("cuPointerGetAttribute(MEMORY_TYPE)", rc);
+    return PyBool_FromLong(type == CU_MEMORYTYPE_HOST);
+fail:
+    return NULL;
+}
+
 /* --- pinned host memory --- */
 
 typedef struct {
@@ -1148,7 +1213,8 @@ PyMethodDef attnext_cuda_methods[] = {
     {"cuda_info", c_cuda_info, METH_VARARGS,
      "cuda_info(device=0, /) -> dict: name, compute_capability (major, minor), "
      "multiprocessor_count, max_shared_memory_per_block_optin, l2_cache_size, total_memory "
-     "(bytes), driver_version (major, minor), memory_pools (bool). Creates no context."},
+     "(bytes), driver_version (major, minor), memory_pools (bool), read_only_host_register "
+     "(bool: host_register's read_only is supported). Creates no context."},
     {"nvrtc_load", c_nvrtc_load, METH_O,
      "nvrtc_load(candidates: list[str], /) -> str: load the first candidate (a libnvrtc file, "
      "a directory holding libnvrtc.so*, or a soname) that works and return its path; once "
@@ -1216,6 +1282,19 @@ PyMethodDef attnext_cuda_methods[] = {
     {"pointer_device", c_pointer_device, METH_O,
      "pointer_device(ptr: int, /) -> int: the device ordinal of device (or managed) memory; "
      "ValueError for host memory or an address CUDA does not know."},
+    {"host_register", c_host_register, METH_VARARGS,
+     "host_register(ptr: int, nbytes: int, device: int = 0, read_only: bool = False, /) -> bool: "
+     "page-locks the host range in place (cuMemHostRegister) for DMA in the device's context; "
+     "read_only: the device only reads it (CU_MEMHOSTREGISTER_READ_ONLY, needed for read-only "
+     "mappings; cuda_info's read_only_host_register says whether the device takes it). False, "
+     "doing nothing, when part of the range is registered already; RuntimeError naming the "
+     "CUDA error otherwise. GIL released while the pages are locked."},
+    {"host_unregister", c_host_unregister, METH_VARARGS,
+     "host_unregister(ptr: int, device: int = 0, /) -> None: undoes the host_register that "
+     "started at ptr (cuMemHostUnregister). No copy may still be using the range. GIL released."},
+    {"host_pinned", c_host_pinned, METH_VARARGS,
+     "host_pinned(ptr: int, device: int = 0, /) -> bool: whether ptr is page-locked host "
+     "memory CUDA knows of (registered, or from cuMemHostAlloc / host_alloc)."},
     {"dlpack_import", c_dlpack_import, METH_O,
      "dlpack_import(capsule, /) -> (owner, ptr, shape, strides, (code, bits, lanes), "
      "(device_type, device_id), readonly): consumes a \"dltensor\" or \"dltensor_versioned\" "

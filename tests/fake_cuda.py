@@ -29,7 +29,8 @@ def build(out_dir, name="full", flags=()):
 
 
 def counter(lib, name):
-    """The fake's int counter `name` (waits, launches, allocs, frees, record) as a ctypes int."""
+    """The fake's int counter `name` (waits, launches, allocs, frees, registered, registrations,
+    register_error, record) as a ctypes int."""
     return ctypes.c_int.in_dll(lib, name)
 
 

@@ -5,7 +5,9 @@
  *
  * FAKE_CUINIT=<code>: cuInit returns that error. -DNO_ALLOC_ASYNC: a driver without
  * cuMemAllocAsync. Counters the tests read through ctypes: `waits` (cuStreamWaitEvent),
- * `launches` (cuLaunchKernel), `allocs` and `frees` (device memory). With `record` set, each
+ * `launches` (cuLaunchKernel), `allocs` and `frees` (device memory), `registered` (host ranges
+ * registered now) and `registrations` (cuMemHostRegister calls that succeeded); setting
+ * `register_error` makes every cuMemHostRegister fail with that code. With `record` set, each
  * launch is copied into `last_launch`, its argument read as the attn_params attnext's attention
  * launches pass (built with -I csrc).
  */
@@ -15,7 +17,8 @@
 
 #include "attn_params.h"
 typedef unsigned long long ptr_t;
-enum { OK = 0, OUT_OF_MEMORY = 2, NOT_FOUND = 500 };
+enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_FOUND = 500, ALREADY_REGISTERED = 712,
+       NOT_REGISTERED = 713 };
 static void *current;
 int cuInit(unsigned flags) { return getenv("FAKE_CUINIT") ? atoi(getenv("FAKE_CUINIT")) : OK; }
 int cuDriverGetVersion(int *v) { *v = 12080; return OK; }
@@ -25,7 +28,7 @@ int cuDeviceGetName(char *name, int len, int d) { strncpy(name, "Fake GPU", len)
 int cuDeviceGetAttribute(int *v, int attr, int d)
 {
     *v = attr == 75 ? 9 : attr == 76 ? 0 : attr == 16 ? 132 : attr == 97 ? 232448
-       : attr == 38 ? 52428800 : attr == 115 ? 1 : 0;
+       : attr == 38 ? 52428800 : attr == 115 ? 1 : attr == 113 ? 1 : 0;
     return OK;
 }
 int cuDeviceTotalMem_v2(size_t *b, int d) { *b = (size_t)80 << 30; return OK; }
@@ -120,6 +123,54 @@ int cuMemcpyDtoDAsync_v2(ptr_t d, ptr_t s, size_t n, void *st) { memcpy((void *)
 int cuMemsetD8Async(ptr_t d, unsigned char v, size_t n, void *st) { memset((void *)d, v, n); return OK; }
 int cuMemHostAlloc(void **p, size_t n, unsigned flags) { *p = malloc(n); return OK; }
 int cuMemFreeHost(void *p) { free(p); return OK; }
+/* Registered host ranges, as the driver keeps them: a range overlapping one already registered
+ * is refused, and only a registered range's start unregisters it. */
+#define MAX_REGISTERED 256
+static struct { char *lo, *hi; } ranges[MAX_REGISTERED];
+int registered, registrations, register_error;
+static pthread_mutex_t range_lock = PTHREAD_MUTEX_INITIALIZER;
+int cuMemHostRegister_v2(void *p, size_t n, unsigned flags)
+{
+    char *lo = p, *hi = lo + n;
+    int rc = OK;
+    if (register_error)
+        return register_error;
+    if (n == 0)
+        return INVALID_VALUE;
+    pthread_mutex_lock(&range_lock);
+    for (int i = 0; i < registered && rc == OK; i++)
+        if (lo < ranges[i].hi && ranges[i].lo < hi)
+            rc = ALREADY_REGISTERED;
+    if (rc == OK && registered == MAX_REGISTERED)
+        rc = OUT_OF_MEMORY;
+    if (rc == OK) {
+        ranges[registered].lo = lo, ranges[registered++].hi = hi;
+        registrations++;
+    }
+    pthread_mutex_unlock(&range_lock);
+    return rc;
+}
+int cuMemHostUnregister(void *p)
+{
+    int rc = NOT_REGISTERED;
+    pthread_mutex_lock(&range_lock);
+    for (int i = 0; i < registered && rc != OK; i++)
+        if (ranges[i].lo == (char *)p) {
+            ranges[i] = ranges[--registered];
+            rc = OK;
+        }
+    pthread_mutex_unlock(&range_lock);
+    return rc;
+}
+static int is_registered(ptr_t p)
+{
+    int found = 0;
+    pthread_mutex_lock(&range_lock);
+    for (int i = 0; i < registered && !found; i++)
+        found = ranges[i].lo <= (char *)p && (char *)p < ranges[i].hi;
+    pthread_mutex_unlock(&range_lock);
+    return found;
+}
 int cuStreamCreate(void **s, unsigned flags) { *s = (void *)0x5000; return OK; }
 int cuStreamDestroy_v2(void *s) { return OK; }
 int cuStreamSynchronize(void *s) { return OK; }
@@ -131,8 +182,8 @@ int cuEventSynchronize(void *e) { return OK; }
 int cuEventDestroy_v2(void *e) { return OK; }
 int cuPointerGetAttribute(void *v, int attr, ptr_t p)
 {
-    if (attr == 2)
-        *(unsigned *)v = 2;
+    if (attr == 2)      /* MEMORY_TYPE: registered host ranges are host memory, the rest device */
+        *(unsigned *)v = is_registered(p) ? 1 : 2;
     else
         *(int *)v = 0;
     return OK;
@@ -140,12 +191,16 @@ int cuPointerGetAttribute(void *v, int attr, ptr_t p)
 static const char *name_of(int e)
 {
     return e == OUT_OF_MEMORY ? "CUDA_ERROR_OUT_OF_MEMORY" : e == 100 ? "CUDA_ERROR_NO_DEVICE"
-         : e == NOT_FOUND ? "CUDA_ERROR_NOT_FOUND" : 0;
+         : e == NOT_FOUND ? "CUDA_ERROR_NOT_FOUND" : e == INVALID_VALUE ? "CUDA_ERROR_INVALID_VALUE"
+         : e == ALREADY_REGISTERED ? "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"
+         : e == NOT_REGISTERED ? "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED" : 0;
 }
 int cuGetErrorName(int e, const char **s) { *s = name_of(e); return *s ? OK : 1; }
 int cuGetErrorString(int e, const char **s)
 {
     *s = e == OUT_OF_MEMORY ? "out of memory" : e == 100 ? "no CUDA-capable device is detected"
-       : e == NOT_FOUND ? "named symbol not found" : 0;
+       : e == NOT_FOUND ? "named symbol not found" : e == INVALID_VALUE ? "invalid argument"
+       : e == ALREADY_REGISTERED ? "part or all of the requested memory range is already mapped"
+       : e == NOT_REGISTERED ? "pointer does not correspond to a registered memory region" : 0;
     return *s ? OK : 1;
 }

@@ -140,7 +140,8 @@ def test_fake_driver_runs_the_host_side(fake_libcuda):
         info = _C.cuda_info(0)
         assert info == {"name": "Fake GPU", "compute_capability": (9, 0), "multiprocessor_count": 132,
                         "max_shared_memory_per_block_optin": 232448, "l2_cache_size": 52428800,
-                        "total_memory": 80 << 30, "driver_version": (12, 8), "memory_pools": True}, info
+                        "total_memory": 80 << 30, "driver_version": (12, 8), "memory_pools": True,
+                        "read_only_host_register": True}, info
         try:
             _C.cuda_info(1)
         except ValueError as e:
@@ -198,6 +199,44 @@ def test_fake_driver_runs_the_host_side(fake_libcuda):
         current = ctypes.c_void_p()
         fake.cuCtxGetCurrent(ctypes.byref(current))
         assert current.value == 0x999, current
+        print("ok")
+    """, ATTNEXT_LIBCUDA=fake_libcuda["full"])
+    assert out.strip() == "ok"
+
+
+def test_fake_driver_registers_host_memory(fake_libcuda):
+    """host_register / host_unregister / host_pinned against the fake's record of registered
+    ranges, which refuses overlaps as the driver does."""
+    out = _run(r"""
+        import ctypes, os, re
+        import numpy as np
+        from attnext import _C
+        fake = ctypes.CDLL(os.environ["ATTNEXT_LIBCUDA"])
+        registered = ctypes.c_int.in_dll(fake, "registered")
+        a = np.zeros(3 << 12, np.uint8)
+        lo = a.ctypes.data
+        assert not _C.host_pinned(lo)
+        assert _C.host_register(lo, 2 << 12, 0, True) is True and registered.value == 1
+        assert _C.host_pinned(lo + 100) and not _C.host_pinned(lo + (2 << 12))
+        assert _C.host_register(lo + 4096, 4096) is False       # overlaps: refused, nothing done
+        assert _C.host_register(lo, 2 << 12) is False and registered.value == 1
+
+        def message(exc, fn, *args):
+            try:
+                fn(*args)
+            except exc as e:
+                return str(e)
+            raise AssertionError(f"{fn.__name__}{args} did not raise {exc.__name__}")
+        e = message(RuntimeError, _C.host_unregister, lo + 1)
+        assert re.fullmatch(r"cuMemHostUnregister\(0x[0-9a-f]+\) failed: "
+                            r"CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED \(.*\) at "
+                            r"csrc/cuda_module.c:\d+", e), e
+        _C.host_unregister(lo)
+        assert registered.value == 0 and not _C.host_pinned(lo)
+        ctypes.c_int.in_dll(fake, "register_error").value = 2
+        e = message(MemoryError, _C.host_register, lo, 4096)
+        assert e.startswith("cuMemHostRegister_v2 of 4096 bytes at 0x") and "CUDA_ERROR_OUT_OF_MEMORY" in e, e
+        assert "nbytes must be >= 0" in message(ValueError, _C.host_register, lo, -1)
         print("ok")
     """, ATTNEXT_LIBCUDA=fake_libcuda["full"])
     assert out.strip() == "ok"

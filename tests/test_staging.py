@@ -17,7 +17,7 @@ import pytest
 
 import attnext
 import fake_cuda
-from attnext import _C, cuda_backend, staging
+from attnext import _C, cuda_backend, pinning, staging
 from attnext.devview import DevView
 from conftest import BF16, in_threads
 
@@ -95,6 +95,9 @@ class FakeCuda:
         self.lock = threading.RLock()
         self.mem = {}                                  # device address -> uint8 array
         self.pinned = []                               # (lo, hi) host addresses
+        self.registered = []                           # (lo, hi, read_only) host_register'ed
+        self.registrations = 0
+        self.register_error = None                     # set: host_register raises this
         self.queues = collections.defaultdict(list)    # stream -> operations, in order
         self.done = collections.Counter()              # stream -> operations run
         self.next_ptr, self.next_stream = 1 << 40, 1000
@@ -106,9 +109,13 @@ class FakeCuda:
                 return arr, ptr - base
         raise AssertionError(f"device range 0x{ptr:x} + {n} is not allocated (freed too early?)")
 
-    def _is_pinned(self, host):
-        lo = host.ctypes.data
-        return any(a <= lo < b for a, b in self.pinned)
+    def _is_pinned(self, host, writes=False):
+        """host's bytes lie in page-locked memory (a PinnedBuffer, or a registration: one the
+        device may write when `writes`)."""
+        lo, hi = host.ctypes.data, host.ctypes.data + host.nbytes
+        with self.lock:
+            return (any(a <= lo and hi <= b for a, b in self.pinned)
+                    or any(a <= lo and hi <= b and not (writes and ro) for a, b, ro in self.registered))
 
     def _run(self, stream, upto=None):
         with self.lock:
@@ -149,6 +156,7 @@ class FakeCuda:
             data = data.copy()                         # pageable: staged at once
 
         def copy():
+            assert not pinned or self._is_pinned(data), "a DMA from memory no longer page-locked"
             arr, off = self._find(dst, data.size)
             arr[off:off + data.size] = data
         self.dma["htod"] += pinned
@@ -158,9 +166,10 @@ class FakeCuda:
         out = np.asarray(memoryview(dst)).view(np.uint8).reshape(-1)
 
         def copy():
+            assert not pinned or self._is_pinned(out, True), "a DMA into memory no longer page-locked"
             arr, off = self._find(src, out.size)
             out[:] = arr[off:off + out.size]
-        pinned = self._is_pinned(out)
+        pinned = self._is_pinned(out, True)
         self.dma["dtoh"] += pinned
         self.enqueue(stream, copy)
         if not pinned:                                 # pageable: done on return
@@ -182,16 +191,44 @@ class FakeCuda:
     def stream_destroy(self, stream, device=0):
         pass                                           # what it holds still runs when needed
 
+    def host_register(self, ptr, nbytes, device=0, read_only=False):
+        """As the driver: False for a range overlapping a registered one."""
+        with self.lock:
+            if self.register_error is not None:
+                raise self.register_error
+            if any(a < ptr + nbytes and ptr < b for a, b, _ in self.registered):
+                return False
+            self.registered.append((ptr, ptr + nbytes, read_only))
+            self.registrations += 1
+            return True
+
+    def host_unregister(self, ptr, device=0):
+        with self.lock:
+            for r in self.registered:
+                if r[0] == ptr:
+                    self.registered.remove(r)
+                    return
+        raise RuntimeError(f"cuMemHostUnregister(0x{ptr:x}) failed: CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED")
+
+    def host_pinned(self, ptr, device=0):
+        with self.lock:
+            return any(a <= ptr < b for a, b, _ in self.registered) or any(a <= ptr < b for a, b in self.pinned)
+
+    def cuda_info(self, device=0):
+        return {"read_only_host_register": True}
+
 
 @pytest.fixture(params=["late", "early", "kernels_late"])
 def fake(request, monkeypatch):
     f = FakeCuda(request.param)
     staging.reset()
     for name in ("mem_alloc", "mem_free", "host_alloc", "memcpy_htod", "memcpy_dtoh",
-                 "stream_synchronize", "stream_wait", "stream_create", "stream_destroy"):
+                 "stream_synchronize", "stream_wait", "stream_create", "stream_destroy",
+                 "host_register", "host_unregister", "host_pinned", "cuda_info"):
         monkeypatch.setattr(_C, name, getattr(f, name))
     for name, value in SMALL_RING.items():
         monkeypatch.setattr(staging, name, value)
+    monkeypatch.setattr(pinning, "_read_only_ok", {})   # the fake's answer, not a real device's
     yield f
     gc.collect()
     staging.reset()                                   # with the fake still in place

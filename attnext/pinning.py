@@ -1,0 +1,287 @@
+"""The caller's NumPy memory page-locked in place for one call (cuMemHostRegister), so its DMAs
+run straight from and to it, with no host copy through staging.py's pinned rings.
+
+    pins = Pins(device, inputs, outputs)         # plans the pieces
+    pins.start(pool)                             # registration runs on the pool's threads
+    parts = pins.parts(a)                        # [(offset, nbytes, piece)] or None: the rings
+    piece.direct()                               # waits for the piece: True = page-locked
+    pins.take_read()                             # the input-only pieces, to give back early
+    pins.release()                               # after every DMA using them is done
+
+Spans. An array travels directly when it is C-contiguous (its bytes one run) and at least
+MIN_BYTES long. Its span is that run widened to whole pages (the driver locks pages). The spans
+of one call that overlap merge into one union (q, k, v slices of one buffer; the same array
+passed twice; an output sharing a page with an input), since the driver refuses a range that
+overlaps one registered already. A union is cut into pieces of PIECE_BYTES, each one
+registration, submitted in the order the call uses them: the first piece's DMA starts while
+later ones are still being locked, and a fresh output's pages (never touched: locking them is
+their first touch) fault in while the inputs upload.
+
+Ownership. A table, process-wide, holds attnext's own registrations and the number of calls
+using each: a piece inside one of them is shared (the last user unregisters it), a piece
+partly overlapping one goes through the rings. A piece the driver refuses as registered
+already while none of ours overlaps it was pinned by the caller (cuMemHostRegister,
+cudaHostAlloc, torch's pin_memory): used as it is when its first and last data bytes are
+page-locked host memory, and never unregistered. Any other failure (no memory to lock, an
+unsupported mapping, a faulted context) sends the piece's bytes through the rings: a failed
+registration never fails the call.
+
+Read-only. A piece no output touches is registered CU_MEMHOSTREGISTER_READ_ONLY where the device
+supports it: the device only reads it, which a read-only mapping (np.frombuffer of bytes, a
+read-only np.memmap) needs; a piece an output touches is registered writable.
+
+ATTNEXT_STAGING=register (the default) pins; =ring keeps every copy on the rings (the kernel
+lab compares the two).
+"""
+import mmap
+import os
+import threading
+
+from . import _C
+
+PAGE = mmap.PAGESIZE
+MIN_BYTES = 8 << 20        # a smaller array goes through the rings (to be tuned on the GPU)
+PIECE_BYTES = 32 << 20     # one registration: its DMAs start once it is locked
+MODES = ("register", "ring")
+DEFAULT_MODE = "register"
+
+OWN, SHARED, FOREIGN, REFUSED = "own", "shared", "foreign", "refused"   # how a piece is held
+PENDING, LIVE, FAILED, CLOSING = "pending", "live", "failed", "closing"  # a table entry's state
+
+
+def mode():
+    """ATTNEXT_STAGING, read at every call: "register" (the default) or "ring"."""
+    m = os.environ.get("ATTNEXT_STAGING") or DEFAULT_MODE
+    if m not in MODES:
+        raise ValueError(f"ATTNEXT_STAGING must be one of {MODES}, got {m!r}")
+    return m
+
+
+# ---------------------------------------------------------------- planning (pure, no CUDA)
+def byte_range(a):
+    """[lo, hi) host addresses of a C-contiguous array's bytes."""
+    lo = a.__array_interface__["data"][0]
+    return lo, lo + a.nbytes
+
+
+def unions(spans, page=PAGE):
+    """The byte ranges (lo, hi) widened to whole pages, overlapping ones merged, in address
+    order."""
+    out = []
+    for lo, hi in sorted((lo // page * page, -(-hi // page) * page) for lo, hi in spans if hi > lo):
+        if out and lo < out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [tuple(u) for u in out]
+
+
+def cut(lo, hi, piece, page=PAGE):
+    """A page-aligned [lo, hi) as consecutive pieces of at most `piece` bytes (whole pages)."""
+    step = max(page, piece // page * page)
+    return [(p, min(p + step, hi)) for p in range(lo, hi, step)]
+
+
+def cover(lo, hi, pieces):
+    """[lo, hi) along the sorted, disjoint pieces [(plo, phi, x)]: [(offset from lo, nbytes, x)],
+    or None when some byte lies outside every piece."""
+    out, at = [], lo
+    for plo, phi, x in pieces:
+        if phi <= at or plo >= hi:
+            continue
+        if plo > at:
+            return None
+        end = min(phi, hi)
+        out.append((at - lo, end - at, x))
+        at = end
+        if at == hi:
+            return out
+    return out if at >= hi else None
+
+
+# ---------------------------------------------------------------- attnext's registrations
+class _Entry:
+    """One range attnext registered (or is registering), and the calls using it."""
+
+    __slots__ = ("lo", "hi", "device", "read_only", "users", "state", "done")
+
+    def __init__(self, lo, hi, device, read_only):
+        self.lo, self.hi, self.device, self.read_only = lo, hi, device, read_only
+        self.users = 1
+        self.state = PENDING
+        self.done = threading.Event()      # set when the state leaves PENDING
+
+
+_table_lock = threading.Lock()
+_table = []          # never two overlapping entries: the driver would refuse the second
+
+
+def _acquire(lo, hi, device, read_only, probe):
+    """Locks [lo, hi) for one call: (entry, OWN) registered now, (entry, SHARED) another call's
+    (perhaps still pending: the user waits for entry.done, never a pool thread), (None, FOREIGN)
+    the caller's own pinned memory, or (None, REFUSED): its bytes go through the rings.
+    probe: the first and last data bytes of the piece, for the caller-pinned check."""
+    with _table_lock:
+        for e in _table:
+            if e.lo < hi and lo < e.hi:
+                if (e.lo <= lo and hi <= e.hi and e.device == device and e.state != CLOSING
+                        and (read_only or not e.read_only)):
+                    e.users += 1
+                    return e, SHARED
+                return None, REFUSED
+        entry = _Entry(lo, hi, device, read_only)
+        _table.append(entry)
+    try:
+        ok = _C.host_register(lo, hi - lo, device, read_only)
+    except (RuntimeError, MemoryError, ValueError):
+        ok = None
+    with _table_lock:
+        entry.state = LIVE if ok else FAILED
+        if not ok:
+            _table.remove(entry)
+    entry.done.set()
+    if ok:
+        return entry, OWN
+    if ok is False and _pinned(probe, device):
+        return None, FOREIGN
+    return None, REFUSED
+
+
+def _pinned(probe, device):
+    try:
+        return all(_C.host_pinned(p, device) for p in probe)
+    except RuntimeError:
+        return False
+
+
+def _release(entry):
+    """One user fewer; the last one unregisters (the entry stays in the table, CLOSING, until
+    the driver has let go, so no call mistakes the range for the caller's own meanwhile)."""
+    with _table_lock:
+        entry.users -= 1
+        if entry.users:
+            return
+        entry.state = CLOSING
+    try:
+        _C.host_unregister(entry.lo, entry.device)
+    finally:
+        with _table_lock:
+            _table.remove(entry)
+
+
+def registered():
+    """[(lo, hi)] attnext holds registered now (the tests check that a call leaves none)."""
+    with _table_lock:
+        return [(e.lo, e.hi) for e in _table]
+
+
+def forget_after_fork():
+    """A forked child holds none of its parent's registrations."""
+    global _table_lock, _table
+    _table_lock = threading.Lock()
+    _table = []
+
+
+_read_only_ok = {}         # device -> whether it takes CU_MEMHOSTREGISTER_READ_ONLY
+
+
+def read_only_supported(device):
+    if device not in _read_only_ok:
+        try:
+            _read_only_ok[device] = bool(_C.cuda_info(device).get("read_only_host_register"))
+        except RuntimeError:
+            return False          # no answer: register writable (a read-only mapping then fails)
+    return _read_only_ok[device]
+
+
+# ---------------------------------------------------------------- one call's pins
+class Piece:
+    """A page-aligned range of one call's memory and its registration (a future on the pool)."""
+
+    __slots__ = ("lo", "hi", "written", "future")
+
+    def __init__(self, lo, hi, written, future):
+        self.lo, self.hi, self.written, self.future = lo, hi, written, future
+
+    def direct(self):
+        """Waits until the piece is settled: True when page-locked (DMA straight from / to it),
+        False when its bytes go through the rings."""
+        entry, how = self.future.result()
+        if how == SHARED:
+            entry.done.wait()
+            return entry.state == LIVE
+        return how in (OWN, FOREIGN)
+
+    def held(self):
+        """The table entry this call must give back (after direct() has settled), or None."""
+        entry, how = self.future.result()
+        return entry if how == OWN or (how == SHARED and self.direct()) else None
+
+
+class Pins:
+    """One call's registrations of its large C-contiguous host arrays (inputs read, outputs
+    written): planned here, started by start(), given back by release()."""
+
+    def __init__(self, device, inputs, outputs):
+        self.device = device
+        spans = []               # (lo, hi, written, order of first use)
+        for i, (a, written) in enumerate([(a, False) for a in inputs] + [(a, True) for a in outputs]):
+            if a is not None and a.flags.c_contiguous and a.nbytes >= MIN_BYTES:
+                spans.append(byte_range(a) + (written, i))
+        read_only = read_only_supported(device) if spans else False
+        self.plan = []           # (first use, lo, hi, written, probe)
+        for ulo, uhi in unions([s[:2] for s in spans]):
+            for lo, hi in cut(ulo, uhi, PIECE_BYTES):
+                touching = [s for s in spans if s[0] < hi and lo < s[1]]
+                probe = (max(lo, min(s[0] for s in touching)), min(hi, max(s[1] for s in touching)) - 1)
+                self.plan.append((min(s[3] for s in touching), lo, hi, any(s[2] for s in touching), probe))
+        self.plan.sort()         # in the order the call uses them
+        self.read_only = read_only
+        self.pieces = []         # sorted by address
+
+    def start(self, pool):
+        """Submits every piece's registration to pool (the pieces submitted before an error
+        are still given back by release())."""
+        for _, lo, hi, written, probe in self.plan:
+            future = pool.submit(_acquire, lo, hi, self.device, self.read_only and not written, probe)
+            self.pieces = sorted(self.pieces + [Piece(lo, hi, written, future)], key=lambda p: p.lo)
+
+    def take_read(self):
+        """The pieces no output touches, taken out of this call's pins (later copies of their
+        bytes go through the rings): the table entries to give back once the uploads from them
+        are done (release_entries), waiting for their registrations first."""
+        taken = [p for p in self.pieces if not p.written]
+        self.pieces = [p for p in self.pieces if p.written]
+        return [e for e in (p.held() for p in taken) if e is not None]
+
+    def parts(self, a):
+        """a's bytes (C-contiguous) along this call's pieces: [(offset, nbytes, piece)], or None
+        when some of them lies outside every piece."""
+        if not self.pieces or not a.flags.c_contiguous or a.nbytes == 0:
+            return None
+        lo, hi = byte_range(a)
+        return cover(lo, hi, [(p.lo, p.hi, p) for p in self.pieces])
+
+    def release(self, pool=None):
+        """Waits for every registration still running, then gives back what this call holds
+        (the unregistering on `pool` when given). Call it only once every DMA from or to the
+        pieces is done. Raises the first unregister error, after trying them all."""
+        pieces, self.pieces = self.pieces, []
+        release_entries([e for e in (p.held() for p in pieces) if e is not None], pool)
+
+
+def release_entries(held, pool=None):
+    """Gives back table entries (unregistering what no other call uses), on `pool` when given;
+    raises the first error after trying them all."""
+    if pool is not None and len(held) > 1:
+        errors = [f.exception() for f in [pool.submit(_release, e) for e in held]]
+    else:
+        errors = []
+        for e in held:
+            try:
+                _release(e)
+            except RuntimeError as err:
+                errors.append(err)
+    errors = [e for e in errors if e is not None]
+    if errors:
+        raise errors[0]

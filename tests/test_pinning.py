@@ -1,0 +1,336 @@
+"""attnext.pinning and staging's direct path: the caller's memory registered in place
+(cuMemHostRegister), DMAs straight from and to it.
+
+Without a GPU: the span arithmetic, and whole copies and NumPy forwards over test_staging's fake
+of attnext._C (late DMAs, which assert that the memory they read or write is still page-locked
+when they run), its host_register refusing overlapping ranges as the driver does. With
+`-m gpu`: ring and register give the same bits on a real device.
+"""
+import mmap
+
+import numpy as np
+import pytest
+
+import attnext
+from attnext import _C, cuda_backend, pinning, staging
+from attnext.devview import DevView
+from conftest import BF16, in_threads
+from test_staging import _bits, _random, fake, fake_kernel  # noqa: F401  (fixtures)
+
+PAGE = pinning.PAGE
+JOIN_SECONDS = 120
+
+
+# ---------------------------------------------------------------- the arithmetic
+def test_unions_widen_to_pages_and_merge_overlaps():
+    assert pinning.unions([(PAGE + 8, 3 * PAGE - 8)]) == [(PAGE, 3 * PAGE)]
+    # a page shared by two arrays: one union; ranges that only touch stay apart
+    assert pinning.unions([(0, PAGE + 8), (PAGE + 8, 2 * PAGE)]) == [(0, 2 * PAGE)]
+    assert pinning.unions([(2 * PAGE, 3 * PAGE), (0, 2 * PAGE)]) == [(0, 2 * PAGE), (2 * PAGE, 3 * PAGE)]
+    # the same range twice, one inside another, and an empty one
+    assert pinning.unions([(0, 100), (0, 100), (10, 20), (5 * PAGE, 5 * PAGE)]) == [(0, PAGE)]
+
+
+def test_cut_in_whole_pages():
+    assert pinning.cut(0, 5 * PAGE, 2 * PAGE) == [(0, 2 * PAGE), (2 * PAGE, 4 * PAGE), (4 * PAGE, 5 * PAGE)]
+    assert pinning.cut(PAGE, 2 * PAGE, 10) == [(PAGE, 2 * PAGE)]       # never below a page
+    assert pinning.cut(0, 3 * PAGE, 3 * PAGE + 5) == [(0, 3 * PAGE)]
+
+
+def test_cover_splits_at_pieces_and_finds_gaps():
+    pieces = [(0, 10, "a"), (10, 20, "b"), (30, 40, "c")]
+    assert pinning.cover(5, 15, pieces) == [(0, 5, "a"), (5, 5, "b")]
+    assert pinning.cover(10, 20, pieces) == [(0, 10, "b")]
+    assert pinning.cover(32, 35, pieces) == [(0, 3, "c")]
+    assert pinning.cover(15, 35, pieces) is None                       # 20..30 is not pinned
+    assert pinning.cover(35, 45, pieces) is None
+
+
+def test_mode_reads_the_environment(monkeypatch):
+    monkeypatch.delenv("ATTNEXT_STAGING", raising=False)
+    assert pinning.mode() == pinning.DEFAULT_MODE
+    monkeypatch.setenv("ATTNEXT_STAGING", "ring")
+    assert pinning.mode() == "ring"
+    monkeypatch.setenv("ATTNEXT_STAGING", "pinned")
+    with pytest.raises(ValueError, match="ATTNEXT_STAGING"):
+        pinning.mode()
+
+
+# ---------------------------------------------------------------- over the fake
+@pytest.fixture
+def pins(fake, monkeypatch):
+    """The fake with pinning on for arrays of a page or more, in pieces of two pages; checks
+    that nothing attnext registered outlives the test."""
+    monkeypatch.delenv("ATTNEXT_STAGING", raising=False)
+    monkeypatch.setattr(pinning, "MIN_BYTES", PAGE)
+    monkeypatch.setattr(pinning, "PIECE_BYTES", 2 * PAGE)
+    yield fake
+    assert pinning.registered() == []
+
+
+def _through(a, out_like=None, pin=True):
+    """a uploaded, its device copy downloaded into a fresh array: both pinned (unless pin is
+    False), as a call's inputs and outputs are."""
+    base = staging.compact(a)
+    got = np.empty(base.shape, a.dtype) if out_like is None else out_like
+    with staging.Staging(0, 0) as stage:
+        if pin:
+            stage.pin([a], [got])
+        view = stage.upload(a)
+        stage.download(DevView.contiguous(view.ptr, base.shape, a.dtype, 0, 0), got)
+    return base, got
+
+
+def _arrays(rng, dtype):
+    x = _random(rng, (9, 7001), dtype)
+    return {"contiguous": x, "odd_offset": x.reshape(-1)[13:-29],
+            "broadcast": np.broadcast_to(x[:1], (5,) + x.shape[1:]),    # its compact base travels
+            "readonly": np.frombuffer(x.tobytes(), dtype).reshape(x.shape)}
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float32, np.uint8], ids=lambda d: np.dtype(d).name)
+def test_pinned_roundtrips_skip_the_ring(pins, rng, dtype):
+    for name, a in _arrays(rng, dtype).items():
+        before = pins.registrations
+        base, got = _through(a)
+        np.testing.assert_array_equal(_bits(got), _bits(base), err_msg=name)
+        assert pins.registrations > before, name
+        assert pins.registered == [], name
+    assert pins.pinned == [], "a ring slot was allocated: some copy did not go direct"
+
+
+def test_read_only_inputs_register_read_only(pins, rng, monkeypatch):
+    flags = []
+    monkeypatch.setattr(_C, "host_register", lambda ptr, n, device=0, read_only=False: (
+        flags.append(read_only) or pins.host_register(ptr, n, device, read_only)))
+    a = _arrays(rng, BF16)["readonly"]
+    own_pages = mmap.mmap(-1, a.nbytes)                # the output shares no page with the input
+    base, got = _through(a, np.frombuffer(own_pages, BF16).reshape(a.shape))
+    np.testing.assert_array_equal(_bits(got), _bits(base))
+    assert True in flags and False in flags           # the input read-only, the output writable
+    del got
+
+
+def test_non_contiguous_arrays_use_the_ring(pins, rng):
+    a = _random(rng, (64, 300), np.float32).T
+    got = np.empty((600, 64), np.float32)[::2]
+    base, got = _through(a, got)
+    np.testing.assert_array_equal(got, base)
+    assert pins.registrations == 0 and pins.pinned != []
+
+
+def test_ring_mode_registers_nothing(pins, rng, monkeypatch):
+    monkeypatch.setenv("ATTNEXT_STAGING", "ring")
+    base, got = _through(_random(rng, (9, 7001), np.float32))
+    np.testing.assert_array_equal(got, base)
+    assert pins.registrations == 0
+
+
+def test_a_failed_registration_falls_back_to_the_ring(pins, rng):
+    pins.register_error = RuntimeError("cuMemHostRegister_v2 failed: CUDA_ERROR_NOT_SUPPORTED")
+    base, got = _through(_random(rng, (9, 7001), BF16))
+    np.testing.assert_array_equal(_bits(got), _bits(base))
+    assert pins.registrations == 0 and pins.pinned != []
+
+
+def test_some_pieces_failing_mix_direct_and_ring(pins, rng, monkeypatch):
+    calls = []
+
+    def every_other(ptr, n, device=0, read_only=False):
+        calls.append(ptr)
+        if len(calls) % 2:
+            raise MemoryError("cuMemHostRegister_v2 failed: CUDA_ERROR_OUT_OF_MEMORY")
+        return pins.host_register(ptr, n, device, read_only)
+    monkeypatch.setattr(_C, "host_register", every_other)
+    base, got = _through(_random(rng, (9, 7001), BF16))
+    np.testing.assert_array_equal(_bits(got), _bits(base))
+    assert pins.registrations > 0 and pins.pinned != [] and pins.registered == []
+
+
+def test_memory_the_caller_registered_is_used_and_kept(pins, rng):
+    a = _random(rng, (9, 7001), np.float32)
+    lo = a.ctypes.data
+    assert pins.host_register(lo, a.nbytes)               # the caller's own, not page-aligned
+    try:
+        got = np.empty_like(a)
+        with staging.Staging(0, 0) as stage:
+            stage.pin([a], [])
+            view = stage.upload(a)
+            stage.download(view, got)
+        np.testing.assert_array_equal(got, a)
+        assert pins.registered == [(lo, lo + a.nbytes, False)]
+        assert pins.dma["htod"] >= 1
+    finally:
+        pins.host_unregister(lo)
+
+
+def test_a_range_partly_registered_by_someone_else_uses_the_ring(pins, rng):
+    a = _random(rng, (9, 7001), np.float32)
+    lo = (a.ctypes.data // PAGE + 2) * PAGE                # one page inside, not covering it
+    assert pins.host_register(lo, PAGE)
+    try:
+        base, got = _through(a)
+        np.testing.assert_array_equal(got, base)
+        assert pins.registered == [(lo, lo + PAGE, False)]
+    finally:
+        pins.host_unregister(lo)
+
+
+def test_nothing_stays_registered_when_the_call_raises(pins, rng, monkeypatch):
+    a = _random(rng, (9, 7001), np.float32)
+    with pytest.raises(ZeroDivisionError):
+        with staging.Staging(0, 0) as stage:
+            stage.pin([a], [])
+            stage.upload(a)
+            raise ZeroDivisionError
+    assert pins.registered == []
+    count = []
+
+    def failing(dst, src, stream, device=0):
+        count.append(1)
+        if len(count) == 2:
+            raise RuntimeError("cuMemcpyHtoDAsync_v2 failed: CUDA_ERROR_ILLEGAL_ADDRESS")
+        return pins.memcpy_htod(dst, src, stream, device)
+    monkeypatch.setattr(_C, "memcpy_htod", failing)
+    with pytest.raises(RuntimeError, match="ILLEGAL_ADDRESS"):
+        _through(a)
+    assert pins.registered == []
+
+
+def test_input_pins_are_given_back_once_the_uploads_are_done(pins, rng):
+    """uploads_done(): the input's pieces are unregistered after their DMAs (a late DMA from
+    memory no longer locked fails the fake), the output's stay until the stage finishes."""
+    n, gap = 9 * 7001, 2 * PAGE // 4                       # two pages apart: no shared page
+    buf = np.empty(2 * n + gap, np.float32)
+    a, got = buf[:n], buf[n + gap:]
+    a[...] = _random(rng, n, np.float32)
+    with staging.Staging(0, 0) as stage:
+        stage.pin([a], [got])
+        view = stage.upload(a)
+        stage.uploads_done()
+        assert stage._early
+        for f in stage._early:
+            f.result()
+        out_lo, out_hi = pinning.unions([pinning.byte_range(got)])[0]
+        assert pins.registered and all(out_lo <= lo and hi <= out_hi for lo, hi, _ in pins.registered)
+        stage.download(view, got)
+    np.testing.assert_array_equal(got, a)
+    assert pins.registered == []
+
+
+def test_concurrent_calls_share_one_array(pins, rng):
+    shared = _random(rng, (9, 7001), BF16)
+
+    def work(i):
+        for _ in range(4):
+            base, got = _through(shared)
+            if not np.array_equal(_bits(got), _bits(base)):
+                return "mismatch"
+        return "ok"
+    assert in_threads(work, 6, JOIN_SECONDS) == ["ok"] * 6
+    assert pins.registered == []
+
+
+def _forward(q, k, v, **kw):
+    return attnext.attention(q, k, v, device="cuda", return_lse=True, **kw)
+
+
+@pytest.mark.parametrize("sliced", [False, True], ids=["one_go", "batch_slices"])
+def test_forward_with_views_of_one_buffer(fake_kernel, pins, monkeypatch, rng, sliced):
+    """q, k, v slices of one qkv buffer (their pages shared), k passed again as v, an out=:
+    the same results as the ring, every copy direct."""
+    monkeypatch.setattr(cuda_backend, "SLICE_BYTES", 1 << 12 if sliced else 1 << 60)
+    B, S, H, D = 4, 70, 3, 32
+    qkv = _random(rng, (3 * B * S * H * D + 5,), BF16)[5:].reshape(3, B, S, H, D)   # not page-aligned
+    q, k, v = qkv
+    results = {}
+    for mode in ("register", "ring"):
+        monkeypatch.setenv("ATTNEXT_STAGING", mode)
+        out = np.full(q.shape, np.nan, BF16)
+        results[mode] = (_forward(q, k, v), _forward(q, k, k), _forward(q, k, v, out=out))
+        if mode == "register":      # every upload direct: the upload ring never got memory
+            assert pins.registrations > 0
+            assert staging._up is None or all(slot.buf is None for slot in staging._up.slots)
+    for got, want in zip(results["register"], results["ring"]):
+        np.testing.assert_array_equal(_bits(got[0]), _bits(want[0]))
+        np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(_bits(results["register"][0][0]), _bits(v))
+    np.testing.assert_array_equal(_bits(results["register"][1][0]), _bits(k))
+    assert pins.registered == []
+
+
+# ---------------------------------------------------------------- on the GPU
+@pytest.fixture
+def gpu_pins(gpu, monkeypatch):
+    """Pinning for arrays of 1 MiB and more, in 1 MiB pieces (several per array)."""
+    monkeypatch.setattr(pinning, "MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(pinning, "PIECE_BYTES", 1 << 20)
+    yield
+    assert pinning.registered() == []
+
+
+def _both_modes(monkeypatch, call):
+    got = {}
+    for mode in ("ring", "register"):
+        monkeypatch.setenv("ATTNEXT_STAGING", mode)
+        got[mode] = call()
+    return got["ring"], got["register"]
+
+
+def _same_bits(a, b):
+    for x, y in zip(a, b):
+        if x is not None:
+            np.testing.assert_array_equal(_bits(np.asarray(x)), _bits(np.asarray(y)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sliced", [False, True], ids=["one_go", "batch_slices"])
+def test_gpu_register_equals_ring_bit_for_bit(gpu_pins, monkeypatch, rng, sliced):
+    monkeypatch.setattr(cuda_backend, "SLICE_BYTES", 1 << 20 if sliced else 1 << 60)
+    shape = (4, 1024, 8, 64)
+    q, k, v = (_random(rng, shape, BF16) for _ in range(3))
+    ring, reg = _both_modes(monkeypatch, lambda: attnext.attention(q, k, v, causal=True, return_lse=True))
+    _same_bits(ring, reg)
+    out = np.full(shape, np.nan, BF16)
+    _, reg_out = _both_modes(monkeypatch, lambda: attnext.attention(q, k, v, causal=True, out=out).copy())
+    _same_bits([ring[0]], [reg_out])
+    dout = _random(rng, shape, BF16)
+    g_ring, g_reg = _both_modes(monkeypatch, lambda: attnext.attention_backward(
+        dout, q, k, v, ring[0], ring[1], causal=True)[:3])
+    _same_bits(g_ring, g_reg)
+
+
+@pytest.mark.gpu
+def test_gpu_views_of_one_buffer_and_a_repeated_array(gpu_pins, monkeypatch, rng):
+    qkv = _random(rng, (3 * 2 * 1024 * 8 * 64 + 3,), BF16)[3:].reshape(3, 2, 1024, 8, 64)
+    q, k, v = qkv
+    _same_bits(*_both_modes(monkeypatch, lambda: attnext.attention(q, k, v, return_lse=True)))
+    _same_bits(*_both_modes(monkeypatch, lambda: attnext.attention(q, k, k, return_lse=True)))
+    ro = np.frombuffer(q.tobytes(), BF16).reshape(q.shape)          # read-only input
+    _same_bits(*_both_modes(monkeypatch, lambda: attnext.attention(ro, k, v, return_lse=True)))
+
+
+@pytest.mark.gpu
+def test_gpu_memory_the_caller_pinned_stays_pinned(gpu_pins, monkeypatch, rng):
+    q, k, v = (_random(rng, (2, 1024, 8, 64), BF16) for _ in range(3))
+    pinned = _C.host_alloc(q.nbytes)
+    qp = np.frombuffer(pinned, BF16).reshape(q.shape)
+    qp[...] = q
+    _same_bits(*_both_modes(monkeypatch, lambda: attnext.attention(qp, k, v, return_lse=True)))
+    assert _C.host_pinned(qp.ctypes.data)
+    assert not _C.host_pinned(k.ctypes.data)                           # ours were let go
+    del qp, pinned
+
+
+@pytest.mark.gpu
+def test_gpu_concurrent_calls_share_inputs(gpu_pins, monkeypatch, rng):
+    monkeypatch.setenv("ATTNEXT_STAGING", "register")
+    q, k, v = (_random(rng, (2, 1024, 8, 64), BF16) for _ in range(3))
+    want = attnext.attention(q, k, v)
+
+    def work(i):
+        for _ in range(3):
+            if not np.array_equal(_bits(attnext.attention(q, k, v)), _bits(want)):
+                return "mismatch"
+        return "ok"
+    assert in_threads(work, 4, JOIN_SECONDS) == ["ok"] * 4
