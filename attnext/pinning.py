@@ -43,7 +43,11 @@ PAGE = mmap.PAGESIZE
 MIN_BYTES = 8 << 20        # a smaller array goes through the rings (to be tuned on the GPU)
 PIECE_BYTES = 32 << 20     # one registration: its DMAs start once it is locked
 MODES = ("register", "ring")
-DEFAULT_MODE = "register"
+# H100 host (bench/lab_register.py, session 5): pinning runs at 37-53 GB/s for touched memory and
+# 5-7 GB/s for a fresh np.empty, so register + unregister costs about what the ring's copies
+# cost; the register path measured 6.0-6.8x the pinned-copy floor against the ring's 4.7-4.9x
+# (4.05-4.40x vs 4.37-4.85x with out=). The ring stays the default; register is the lab's.
+DEFAULT_MODE = "ring"
 
 OWN, SHARED, FOREIGN, REFUSED = "own", "shared", "foreign", "refused"   # how a piece is held
 PENDING, LIVE, FAILED, CLOSING = "pending", "live", "failed", "closing"  # a table entry's state

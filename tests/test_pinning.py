@@ -59,9 +59,9 @@ def test_mode_reads_the_environment(monkeypatch):
 # ---------------------------------------------------------------- over the fake
 @pytest.fixture
 def pins(fake, monkeypatch):
-    """The fake with pinning on for arrays of a page or more, in pieces of two pages; checks
-    that nothing attnext registered outlives the test."""
-    monkeypatch.delenv("ATTNEXT_STAGING", raising=False)
+    """The fake with pinning on (ATTNEXT_STAGING=register) for arrays of a page or more, in pieces
+    of two pages; checks that nothing attnext registered outlives the test."""
+    monkeypatch.setenv("ATTNEXT_STAGING", "register")
     monkeypatch.setattr(pinning, "MIN_BYTES", PAGE)
     monkeypatch.setattr(pinning, "PIECE_BYTES", 2 * PAGE)
     yield fake
@@ -262,7 +262,9 @@ def test_forward_with_views_of_one_buffer(fake_kernel, pins, monkeypatch, rng, s
 # ---------------------------------------------------------------- on the GPU
 @pytest.fixture
 def gpu_pins(gpu, monkeypatch):
-    """Pinning for arrays of 1 MiB and more, in 1 MiB pieces (several per array)."""
+    """Pinning (ATTNEXT_STAGING=register) for arrays of 1 MiB and more, in 1 MiB pieces (several
+    per array)."""
+    monkeypatch.setenv("ATTNEXT_STAGING", "register")
     monkeypatch.setattr(pinning, "MIN_BYTES", 1 << 20)
     monkeypatch.setattr(pinning, "PIECE_BYTES", 1 << 20)
     yield
