@@ -489,7 +489,8 @@ def test_cuda_info(gpu):
     info = _C.cuda_info(gpu)
     assert set(info) == {"name", "compute_capability", "multiprocessor_count",
                          "max_shared_memory_per_block_optin", "l2_cache_size", "total_memory",
-                         "driver_version", "memory_pools"}
+                         "driver_version", "memory_pools", "read_only_host_register"}
+    assert isinstance(info["read_only_host_register"], bool)
     assert info["compute_capability"] >= (8, 0) and info["multiprocessor_count"] > 0
     assert info["max_shared_memory_per_block_optin"] >= 48 * 1024 and info["total_memory"] > 2 ** 30
     with pytest.raises(ValueError, match="does not exist"):
