@@ -37,14 +37,12 @@ by atomics (attn_mods.cuh), so the result is the same bits whatever order the GP
 in; limbs_to_float turns them into the arrays' gradients on the host.
 """
 import math
-import threading
-import time
 from typing import NamedTuple
 
 import numpy as np
 
 from . import trace
-from .kernel_cache import LRU
+from .kernel_cache import CountedCache
 from .trace import B, F, I
 
 HEADER = "attn_mod_gen.cuh"
@@ -263,36 +261,18 @@ def generate(score=None, mask=None):
 
 # --- the cache ------------------------------------------------------------------------------
 
-_cache = LRU(CACHE_CAPACITY)
-_stats_lock = threading.Lock()
-_stats = dict(hits=0, misses=0, compiles=0, compile_seconds=0.0)
+_cache = CountedCache(CACHE_CAPACITY)
 
 
 def generated(score=None, mask=None):
     """generate(score, mask), from an LRU keyed by the graphs' structural keys."""
     key = (score.key if score is not None else None, mask.key if mask is not None else None)
-    hit = _cache.get(key)
-    if hit is not None:
-        with _stats_lock:
-            _stats["hits"] += 1
-        return hit
-    t0 = time.perf_counter()
-    gen = generate(score, mask)
-    seconds = time.perf_counter() - t0
-    _cache.put(key, gen)
-    with _stats_lock:
-        _stats["misses"] += 1
-        _stats["compiles"] += 1
-        _stats["compile_seconds"] += seconds
-    return gen
+    return _cache.get_or_make(key, lambda: generate(score, mask))
 
 
 def cache_info():
     """The generator cache's counters (code generations; NVRTC's are kernels.cache_info())."""
-    with _stats_lock:
-        out = dict(_stats)
-    out.update(entries=len(_cache), capacity=_cache.capacity)
-    return out
+    return _cache.info()
 
 
 # --- one call's parameters -------------------------------------------------------------------

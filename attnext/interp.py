@@ -13,15 +13,13 @@ mask_mod's program; `programs(traced)` looks them up in a bounded LRU keyed by t
 structural key (Traced.key: never id() or a name), and `bind(...)` attaches one call's float
 values and captured arrays, in the form attnext._C reads.
 """
-import threading
-import time
 import types
 from typing import NamedTuple, Optional
 
 import numpy as np
 
 from . import _C, trace
-from .kernel_cache import LRU
+from .kernel_cache import CountedCache
 from .trace import B, F, I
 
 OPS = {name: code for code, name in enumerate(_C.interp_ops())}
@@ -254,37 +252,18 @@ def lower(traced):
 
 # --- the cache ------------------------------------------------------------------------------
 
-_cache = LRU(CACHE_CAPACITY)
-_stats_lock = threading.Lock()
-_stats = dict(hits=0, misses=0, compiles=0, compile_seconds=0.0)
+_cache = CountedCache(CACHE_CAPACITY)
 
 
 def programs(traced):
     """lower(traced), from the cache when a function of the same structure was lowered before."""
-    key = (traced.kind, traced.key)
-    hit = _cache.get(key)
-    if hit is not None:
-        with _stats_lock:
-            _stats["hits"] += 1
-        return hit
-    t0 = time.perf_counter()
-    lowered = lower(traced)
-    seconds = time.perf_counter() - t0
-    _cache.put(key, lowered)
-    with _stats_lock:
-        _stats["misses"] += 1
-        _stats["compiles"] += 1
-        _stats["compile_seconds"] += seconds
-    return lowered
+    return _cache.get_or_make((traced.kind, traced.key), lambda: lower(traced))
 
 
 def cache_info():
     """The program cache's counters: hits, misses, compiles (lowerings), compile_seconds, and
     entries / capacity."""
-    with _stats_lock:
-        out = dict(_stats)
-    out.update(entries=len(_cache), capacity=_cache.capacity)
-    return out
+    return _cache.info()
 
 
 def cache_clear():

@@ -199,6 +199,44 @@ def _debug_enabled():
     return os.environ.get("ATTNEXT_DEBUG", "").strip().lower() not in _DISABLED
 
 
+
+class CountedCache:
+    """An LRU of things made from a key (lowered programs, generated code), counting hits,
+    misses, makes ("compiles") and the seconds making took, for cache_info()."""
+
+    def __init__(self, capacity):
+        self._lru = LRU(capacity)
+        self._lock = threading.Lock()
+        self._stats = dict(hits=0, misses=0, compiles=0, compile_seconds=0.0)
+
+    def get_or_make(self, key, make):
+        hit = self._lru.get(key)
+        if hit is not None:
+            with self._lock:
+                self._stats["hits"] += 1
+            return hit
+        t0 = time.perf_counter()
+        value = make()
+        seconds = time.perf_counter() - t0
+        self._lru.put(key, value)
+        with self._lock:
+            self._stats["misses"] += 1
+            self._stats["compiles"] += 1
+            self._stats["compile_seconds"] += seconds
+        return value
+
+    def info(self):
+        """hits, misses, compiles, compile_seconds, entries, capacity."""
+        with self._lock:
+            out = dict(self._stats)
+        out.update(entries=len(self._lru), capacity=self._lru.capacity)
+        return out
+
+    def clear(self):
+        """Forgets every entry (the counters are kept)."""
+        self._lru.clear()
+
+
 class CubinCache:
     """Compiled kernels by key: a bounded LRU in memory, one file per kernel on disk, NVRTC last.
 
