@@ -39,9 +39,9 @@ class Tensor4(ctypes.Structure):
 
 
 _I64, _INT, _PTR, _F64 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_double
-# attn_mods_gpu: 64 floats, 8 arrays of (ptr, shape[4], s[4], grad), err, dacc (attnext.codegen's
-# MODS_DTYPE reads these bytes)
-GMODS_BYTES = 64 * 4 + 8 * (8 + 4 * 8 + 4 * 8 + 8) + 2 * 8
+# attn_mods_gpu: 64 floats, 8 arrays of (ptr, shape[4], s[4], grad), err, dacc, blocks and the
+# block mask's 4 strides / sizes (attnext.codegen's MODS_DTYPE reads these bytes)
+GMODS_BYTES = 64 * 4 + 8 * (8 + 4 * 8 + 4 * 8 + 8) + 3 * 8 + 4 * 8
 
 
 class AttnParams(ctypes.Structure):
