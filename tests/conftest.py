@@ -142,6 +142,16 @@ def dead_rows(ref_lse, varlen, layout):
     return dead if layout == "bhsd" else dead.transpose(0, 2, 1)
 
 
+
+def entry_points(varlen):
+    """(forward, backward, reference forward, reference backward): attention's (varlen None) or
+    varlen_attention's."""
+    if varlen is None:
+        return (attnext.attention, attnext.attention_backward, reference.attention,
+                reference.attention_backward)
+    return (attnext.varlen_attention, attnext.varlen_attention_backward, reference.varlen_attention,
+            reference.varlen_attention_backward)
+
 def check_backend(q, k, v, rng, *, varlen=None, backward=True, out=None, dout=None, cond=1.0,
               **opts):
     """Runs the TEST_DEVICE backend's forward (and backward) and the reference on the same inputs; checks
@@ -153,14 +163,8 @@ def check_backend(q, k, v, rng, *, varlen=None, backward=True, out=None, dout=No
     float32 / float64 allowance, for problems whose scores are large enough that their own
     round-off (eps * |score|) exceeds it.
     """
-    if varlen is None:
-        fwd, bwd = attnext.attention, attnext.attention_backward
-        rfwd, rbwd = reference.attention, reference.attention_backward
-        lengths = {}
-    else:
-        fwd, bwd = attnext.varlen_attention, attnext.varlen_attention_backward
-        rfwd, rbwd = reference.varlen_attention, reference.varlen_attention_backward
-        lengths = dict(varlen)
+    fwd, bwd, rfwd, rbwd = entry_points(varlen)
+    lengths = dict(varlen or {})
     dtype = np.dtype(q.dtype)
     skip_unless_device_has(dtype)
     res_out, lse = fwd(q, k, v, **lengths, device=TEST_DEVICE, return_lse=True, out=out, **opts)

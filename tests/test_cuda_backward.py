@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 import attnext
-from attnext import reference
-from conftest import (BF16, F16, compare_grads, dead_rows, make_qkv, make_varlen_qkv,
+from conftest import (BF16, F16, compare_grads, dead_rows, entry_points, make_qkv, make_varlen_qkv,
                       randn)
 
 pytestmark = pytest.mark.gpu
@@ -28,12 +27,7 @@ def _grads(q, k, v, rng, *, varlen=None, deterministic=True, gpu_forward=False, 
     reference grads, (dout, out, lse))."""
     dtype = np.dtype(q.dtype)
     lengths = dict(varlen or {})
-    if varlen is None:
-        fwd, bwd = attnext.attention, attnext.attention_backward
-        rfwd, rbwd = reference.attention, reference.attention_backward
-    else:
-        fwd, bwd = attnext.varlen_attention, attnext.varlen_attention_backward
-        rfwd, rbwd = reference.varlen_attention, reference.varlen_attention_backward
+    fwd, bwd, rfwd, rbwd = entry_points(varlen)
     r_out, r_lse = rfwd(q, k, v, **lengths, return_lse=True, **opts)
     if gpu_forward:
         out, lse = fwd(q, k, v, **lengths, return_lse=True, device="cuda", **opts)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import attnext
-from attnext import kernels, reference
-from conftest import (BF16, F16, assert_close, assert_lse_close, compare_grads, dead_rows,
+from attnext import kernels
+from conftest import (BF16, F16, assert_close, assert_lse_close, compare_grads, dead_rows, entry_points,
                       make_qkv, make_varlen_qkv, randn)
 
 import mods
@@ -57,12 +57,7 @@ def run_gpu(torch, q, k, v, *, varlen=None, backward=True, **opts):
     """Forward (and backward) on CUDA tensors, then the reference on the same NumPy inputs;
     checks out, lse, dq, dk, dv, dbias and the dtensors. Returns (grads, reference grads)."""
     lengths = dict(varlen or {})
-    if varlen is None:
-        fwd, bwd = attnext.attention, attnext.attention_backward
-        rfwd, rbwd = reference.attention, reference.attention_backward
-    else:
-        fwd, bwd = attnext.varlen_attention, attnext.varlen_attention_backward
-        rfwd, rbwd = reference.varlen_attention, reference.varlen_attention_backward
+    fwd, bwd, rfwd, rbwd = entry_points(varlen)
     dtype = np.dtype(q.dtype)
     gopts = {n: (to_gpu(torch, x) if n in GPU_OPTS else x) for n, x in {**opts, **lengths}.items()}
     tq, tk, tv = (to_gpu(torch, x) for x in (q, k, v))
