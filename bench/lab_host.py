@@ -35,7 +35,29 @@ CASES = {
     "decode1": ("fwd", 1, 1, 32768, 32, 8, 128, {}),
     "decode8": ("fwd", 8, 1, 8192, 32, 8, 128, {}),
     "bwd": ("bwd", 8, 2048, 2048, 16, 16, 128, dict(causal=True)),
+    # score_mod / mask_mod ([3/4]'s rows, bench/lab_mods.py): the trace, the captured arrays and
+    # the block mask are part of every call's host path
+    "softcap": ("fwd", 2, 8192, 8192, 16, 16, 128, dict(causal=True, score_mod="softcap")),
+    "relbias": ("fwd", 2, 8192, 8192, 16, 16, 128, dict(causal=True, score_mod="relbias")),
+    "doc": ("fwd", 1, 16384, 16384, 16, 16, 128, dict(mask_mod="doc")),
+    "doc_bwd": ("bwd", 1, 16384, 16384, 16, 16, 128, dict(mask_mod="doc")),
 }
+
+
+def _mods(opts, Sk, Hq):
+    """opts with the named score_mod / mask_mod made into functions (their arrays: NumPy)."""
+    import numpy as np
+    opts = dict(opts)
+    if opts.get("score_mod") == "softcap":
+        opts["score_mod"] = lambda s, b, h, qi, ki: 30.0 * np.tanh(s / 30.0)
+    elif opts.get("score_mod") == "relbias":
+        table = np.random.default_rng(0).standard_normal((Hq, 2 * Sk)).astype(np.float32)
+        opts["score_mod"] = lambda s, b, h, qi, ki: s + table[h, qi - ki + Sk]
+    if opts.get("mask_mod") == "doc":
+        from attnext.bench_cuda import document_lengths
+        doc = np.repeat(np.arange(len(document_lengths())), document_lengths())
+        opts["mask_mod"] = lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi)
+    return opts
 
 
 def _fake_driver():
@@ -49,6 +71,7 @@ def _fake_driver():
 
 def _inputs(attnext, device, case, use_torch):
     what, B, Sq, Sk, Hq, Hk, D, opts = case
+    opts = _mods(opts, Sk, Hq)
     import ml_dtypes
     import numpy as np
     bf16 = np.dtype(ml_dtypes.bfloat16)
