@@ -26,7 +26,7 @@ import types
 import ml_dtypes
 import numpy as np
 
-from . import _C, codegen, device as _device, kernels, staging, trace
+from . import _C, codegen, device as _device, kernels, mod_cache, staging, trace
 from .devview import DevView
 from .kernel_cache import LRU
 from .staging import to_host  # noqa: F401  (api.py reads GPU arrays' lengths through here)
@@ -245,15 +245,16 @@ def _bind_mods(o, stage, backward):
     tm = trace.trace_mask_mod(o.mask_mod) if o.mask_mod is not None else None
     gen = codegen.generated(ts, tm)
     floats = list(ts.params if ts is not None else ()) + list(tm.params if tm is not None else ())
-    arrays, sources, names = [], [], codegen.call_arrays(ts, tm)
+    arrays, sources, serials, names = [], [], {}, codegen.call_arrays(ts, tm)
     for (kind, name), (_, _, vt) in zip(names, gen.arrays):
         src = np.asarray((ts if kind == "score_mod" else tm).arrays[name])
-        a = codegen.storage(src, vt)
-        view = stage.upload(a) if a.size else None      # an empty array is never read
-        arrays.append((0 if view is None else view.ptr, a.shape,
-                       tuple(a.strides[i] // a.itemsize for i in range(a.ndim))))
+        copy = mod_cache.array_copy(src, lambda h, vt=vt: codegen.storage(h, vt), stage.device, stage.stream)
+        a = copy.dev
+        arrays.append((a.ptr if a.size else 0, a.shape, a.strides))     # an empty array is never read
         sources.append(src)
-    bound = types.SimpleNamespace(gen=gen, names=names, sources=sources, dacc=None, offsets={})
+        serials.setdefault(kind, []).append(copy.serial)
+    bound = types.SimpleNamespace(gen=gen, names=names, sources=sources, dacc=None, offsets={}, keep_mask=None,
+                                  mask_built=False)
     bound.err = stage.scratch((5,), np.int64)
     _C.memset_d8(bound.err.ptr, 0, 5 * 8, stage.stream, stage.device)
     dacc_ptr = 0
@@ -270,7 +271,11 @@ def _bind_mods(o, stage, backward):
     blocks = (0, 0, 0, 0, 0)
     if bound.cells is not None:
         nb, nh, rows, cols = bound.cells
-        bound.blocks = stage.scratch((max(nb * nh * rows * cols, 1),), np.uint8)
+        key = _block_mask_key(o, stage, tm, serials.get("mask_mod", ()), bound.cells)
+        bound.blocks = mod_cache.block_mask(key, stage.stream)
+        if bound.blocks is None:                        # built by this call's first launch
+            bound.blocks = _device.empty((max(nb * nh * rows * cols, 1),), np.uint8, stage.device, stage.stream)
+            bound.keep_mask = key
         blocks = (bound.blocks.ptr, nh * rows * cols if nb > 1 else 0, rows * cols if nh > 1 else 0, rows, cols)
     bound.gmods = codegen.pack(gen, floats, arrays, bound.err.ptr, dacc_ptr, bound.offsets, blocks)
     return bound
@@ -286,16 +291,28 @@ def _block_cells(o, gen):
             -(-_query_rows(o) // codegen.BLOCK), -(-_key_rows(o) // codegen.BLOCK))
 
 
+def _block_mask_key(o, stage, tm, serials, cells):
+    """What a block mask is made from (mod_cache keeps it under this): mask_mod's structure and
+    float constants, its captured arrays' contents (mod_cache's serials), the lengths and the
+    cells."""
+    lengths = tuple(None if a is None else np.asarray(a, np.int64).tobytes()
+                    for a in (o.cu_q, o.cu_k, o.used_q, o.used_k))
+    return (stage.device, tm.key, tuple(tm.params), tuple(serials), o.B, o.Sq, o.Sk, lengths, cells)
+
+
 def _build_block_mask(plan, stage, ptrs, o, bound, device):
     """Launches attn_block_mask.cu, which fills the call's block mask (bound.blocks) on the
-    call's stream before the attention kernels that read it."""
-    if bound is None or bound.cells is None or not plan.launches or not all(bound.cells):
+    call's stream before the attention kernels that read it, unless an earlier call's mask
+    (mod_cache) serves this one."""
+    if (bound is None or bound.cells is None or bound.keep_mask is None or not plan.launches
+            or not all(bound.cells)):
         return
     nb, nh, rows, cols = bound.cells
     fn = kernels.function("attn_block_mask", "attn_block_mask", kernels.block_mask_defines(bound.gen), device,
                           device_arch(device), 0, bound.gen.source)
     _C.cuda_launch_attention(fn, (cols, rows, nb * nh), (128, 1, 1), 0, stage.stream, plan.template,
                              tuple(ptrs), o.scale_value, o.softcap_value, bound.gmods)
+    bound.mask_built = True
 
 
 def _finish_mods(stage, bound):
@@ -309,6 +326,8 @@ def _finish_mods(stage, bound):
         stage.download(bound.err, err)
     if err[0]:
         raise codegen.index_error(bound.names, err)
+    if bound.mask_built:        # built without a lookup out of range: later calls may use it
+        mod_cache.keep_block_mask(bound.keep_mask, bound.blocks)
     out = {}
     words = None
     if bound.dacc is not None:
