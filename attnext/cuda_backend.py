@@ -254,7 +254,7 @@ def _bind_mods(o, stage, backward):
         sources.append(src)
         serials.setdefault(kind, []).append(copy.serial)
     bound = types.SimpleNamespace(gen=gen, names=names, sources=sources, dacc=None, offsets={}, keep_mask=None,
-                                  mask_built=False)
+                                  mask_built=False, backward=backward)
     bound.err = stage.scratch((5,), np.int64)
     _C.memset_d8(bound.err.ptr, 0, 5 * 8, stage.stream, stage.device)
     dacc_ptr = 0
@@ -316,9 +316,9 @@ def _build_block_mask(plan, stage, ptrs, o, bound, device):
 
 
 def _finish_mods(stage, bound):
-    """After the launches: IndexError for a lookup the kernels found out of range; else the
-    score_mod's array gradients {name: array of the captured array's shape and dtype} (zeros
-    for a float array the score reaches only through indices or comparisons)."""
+    """After the launches: IndexError for a lookup the kernels found out of range; else, for a
+    backward, the score_mod's array gradients {name: array of the captured array's shape and
+    dtype} (zeros for a float array the score reaches only through indices or comparisons)."""
     if bound is None:
         return {}
     err = np.zeros(5, np.int64)
@@ -329,6 +329,8 @@ def _finish_mods(stage, bound):
     if bound.mask_built:        # built without a lookup out of range: later calls may use it
         mod_cache.keep_block_mask(bound.keep_mask, bound.blocks)
     out = {}
+    if not bound.backward:
+        return out
     words = None
     if bound.dacc is not None:
         words = np.zeros(bound.dacc.shape, np.uint64)

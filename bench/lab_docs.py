@@ -1,7 +1,9 @@
 """Kernel lab: the document-causal packed row (the bench's 7 documents in 16k tokens, D = 128,
 16 heads) as one varlen call (cu_seqlens on the GPU, then on the host) against each document as
 its own plain causal call, forward and backward, so the varlen grid's cost shows apart from the
-kernel's and the host's.
+kernel's and the host's; and the same documents as one sequence with a document mask_mod
+(alone, and beside causal=True), and a mask_mod of plain causality against causal=True, so
+the generated kernels' cost shows apart from the block sparsity's.
 
     python bench/lab_docs.py            (timings)
     python bench/lab_docs.py once       (one call of each, for ncu)
@@ -51,9 +53,27 @@ def main(once):
         for (dq, dk, dv, do), (o, l) in zip(docs, per_doc):
             attnext.attention_backward(do, dq, dk, dv, o, l, causal=True)
 
+    doc = np.repeat(np.arange(len(lens)), lens)
+    q1, k1, v1, o1 = (x[None] for x in (q, k, v, out))
+
+    def mask_fwd():
+        attnext.attention(q1, k1, v1, out=o1, mask_mod=lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi))
+
+    def mask_causal_fwd():
+        attnext.attention(q1, k1, v1, out=o1, causal=True, mask_mod=lambda b, h, qi, ki: doc[qi] == doc[ki])
+
+    def causal_mod_fwd():
+        attnext.attention(q1, k1, v1, out=o1, mask_mod=lambda b, h, qi, ki: ki <= qi)
+
+    def causal_fwd():
+        attnext.attention(q1, k1, v1, out=o1, causal=True)
+
     flops = sum(4 * H * n * n * D / 2 for n in lens)
+    full = 4 * H * T * T * D / 2
     for name, fn, mult in (("varlen fwd", varlen_fwd, 1), ("  host cu", varlen_fwd_host_cu, 1),
-                           ("per-doc fwd", docs_fwd, 1), ("varlen bwd", varlen_bwd, 2.5),
+                           ("per-doc fwd", docs_fwd, 1), ("mask_mod fwd", mask_fwd, 1),
+                           ("  +causal", mask_causal_fwd, 1), ("causal mod", causal_mod_fwd, full / flops),
+                           ("causal=True", causal_fwd, full / flops), ("varlen bwd", varlen_bwd, 2.5),
                            ("  host cu", varlen_bwd_host_cu, 2.5), ("per-doc bwd", docs_bwd, 2.5)):
         if once:
             fn()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import attnext
-from attnext import kernels
+from attnext import kernels, mod_cache
 from conftest import (BF16, F16, assert_close, assert_lse_close, compare_grads, dead_rows, entry_points,
                       make_qkv, make_varlen_qkv, randn)
 
@@ -248,6 +248,29 @@ def test_block_sparse_decode_and_everything_or_nothing(rng, torch):
     g, _ = run_gpu(torch, q, k, v, mask_mod=lambda b, h, qi, ki: ki < 0)
     assert not any(np.any(x) for x in g[:3])
     run_gpu(torch, q, k, v, mask_mod=lambda b, h, qi, ki: ki >= 0, causal=True)
+
+
+def test_block_mask_kept_across_calls_follows_the_captured_array(rng, torch):
+    """A call's block mask serves the next calls with the same mask_mod (mod_cache), and a
+    captured array changed in place between calls gives the new mask; a call whose mask_mod
+    looks up out of range raises every time (its mask is not kept)."""
+    docs = DOCS.copy()
+
+    def mask_mod(b, h, qi, ki):
+        return (docs[qi] == docs[ki]) & (ki <= qi)
+
+    q, k, v = make_qkv(rng, 1, 700, 700, 2, 1, 128, 128, BF16)
+    hits = mod_cache.info()["block_masks"]["hits"]
+    run_gpu(torch, q, k, v, mask_mod=mask_mod)
+    run_gpu(torch, q, k, v, mask_mod=mask_mod)
+    assert mod_cache.info()["block_masks"]["hits"] >= hits + 3    # backward, forward, backward
+    docs[:] = np.repeat(np.arange(3), [300, 100, 300])
+    run_gpu(torch, q, k, v, mask_mod=mask_mod)
+    flags = np.ones(600, bool)
+    tq, tk, tv = (to_gpu(torch, x) for x in (q, k, v))
+    for _ in range(2):
+        with pytest.raises(IndexError, match="'flags'"):
+            attnext.attention(tq, tk, tv, mask_mod=lambda b, h, qi, ki: flags[qi] & flags[ki])
 
 
 # --- lookups out of range -----------------------------------------------------------------------
