@@ -34,7 +34,8 @@ tables cannot render raises TypeError naming it.
 
 Gradients of the captured float arrays are accumulated exactly: integer fixed-point limbs added
 by atomics (attn_mods.cuh), so the result is the same bits whatever order the GPU threads add
-in; limbs_to_float turns them into the arrays' gradients on the host.
+in; kernels/attn_dtensors.cu turns them into the arrays' gradients on the device, by the rule
+limbs_to_float spells out on the host (the tests hold the two to the same bits).
 """
 import math
 from typing import NamedTuple

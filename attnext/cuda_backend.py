@@ -331,21 +331,32 @@ def _finish_mods(stage, bound):
     out = {}
     if not bound.backward:
         return out
-    words = None
+    sums = None
     if bound.dacc is not None:
-        words = np.zeros(bound.dacc.shape, np.uint64)
-        stage.download(bound.dacc, words)
+        sums = np.zeros(bound.dacc.shape[0], np.float64)
+        stage.download(_dtensor_sums(stage, bound.dacc), sums)
     for i, ((kind, name), (_, _, vt)) in enumerate(zip(bound.names, bound.gen.arrays)):
         if kind != "score_mod" or vt != trace.F:
             continue
         src = bound.sources[i]
-        if i in bound.offsets and words is not None:
-            w = words[bound.offsets[i]:bound.offsets[i] + src.size]
-            g = codegen.limbs_to_float(w).reshape(src.shape)
+        if i in bound.offsets and sums is not None:
+            g = sums[bound.offsets[i]:bound.offsets[i] + src.size].reshape(src.shape)
         else:
             g = np.zeros(src.shape)
         out[name] = g.astype(src.dtype)
     return out
+
+
+def _dtensor_sums(stage, dacc):
+    """The float64 values of the exact gradient accumulators dacc (n, codegen.WORDS), summed on
+    the device (kernels/attn_dtensors.cu: codegen.limbs_to_float's steps) into call scratch."""
+    n = dacc.shape[0]
+    sums = stage.scratch((n,), np.float64)
+    # attn_mods.cuh reaches NVRTC beside a generated header; this kernel needs only the former
+    fn = kernels.function("attn_dtensors", "attn_dtensors", {}, stage.device, device_arch(stage.device), 0, "")
+    params = np.array([(dacc.ptr, sums.ptr, n)], np.dtype([("dacc", "u8"), ("out", "u8"), ("n", "i8")]))
+    _C.launch(fn, (-(-n // 256), 1, 1), (256, 1, 1), 0, stage.stream, params.tobytes())
+    return sums
 
 
 def _query_rows(o):

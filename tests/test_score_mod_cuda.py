@@ -273,6 +273,24 @@ def test_block_mask_kept_across_calls_follows_the_captured_array(rng, torch):
             attnext.attention(tq, tk, tv, mask_mod=lambda b, h, qi, ki: flags[qi] & flags[ki])
 
 
+def test_dtensor_sums_on_the_device_are_the_host_rule(rng, torch):
+    """kernels/attn_dtensors.cu against codegen.limbs_to_float, bit for bit: limbs of both signs
+    and any size (carries, negative totals, the last limb's rounding), and the flags."""
+    from attnext import codegen, cuda_backend, staging
+    n = 4096
+    limbs = rng.integers(-2 ** 40, 2 ** 40, (n, codegen.LIMBS))
+    limbs[: n // 4, 6:] = 0                                   # small sums
+    limbs[n // 4: n // 2, -1] = rng.integers(-2 ** 62, 2 ** 62, n // 4)
+    words = np.zeros((n, codegen.WORDS), np.uint64)
+    words[:, :codegen.LIMBS] = limbs.view(np.uint64)
+    words[-8:, -1] = [1, 2, 4, 6, 3, 5, 7, 0]
+    with staging.Staging(0, 0) as stage:
+        sums = np.zeros(n, np.float64)
+        stage.download(cuda_backend._dtensor_sums(stage, stage.upload(words)), sums)
+    want = codegen.limbs_to_float(words)
+    assert np.array_equal(sums.view(np.uint64), want.view(np.uint64))
+
+
 # --- lookups out of range -----------------------------------------------------------------------
 
 def test_lookup_out_of_range_raises_index_error(rng, torch):
