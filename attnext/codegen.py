@@ -65,7 +65,7 @@ _FLOAT_OPS = {
     "floordiv": "mod_ffloordiv({0}, {1})", "mod": "mod_fmod({0}, {1})", "pow": "powf({0}, {1})",
     "minimum": "mod_fmin({0}, {1})", "maximum": "mod_fmax({0}, {1})", "neg": "(-{0})",
     "abs": "fabsf({0})", "exp": "expf({0})", "exp2": "exp2f({0})", "log": "logf({0})",
-    "log2": "log2f({0})", "sqrt": "sqrtf({0})", "tanh": "tanhf({0})", "sin": "sinf({0})",
+    "log2": "log2f({0})", "sqrt": "sqrtf({0})", "tanh": "fast_tanh({0})", "sin": "sinf({0})",
     "cos": "cosf({0})", "where": "({0} ? {1} : {2})", "dmul": "mod_dmul({0}, {1})",
     "cast": "((float)({0}))",
 }

@@ -53,6 +53,23 @@
 #ifndef MASK_ARRAY
 #define MASK_ARRAY HAS_MASK
 #endif
+DEV float fast_exp2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+/* tanh by the hardware's approximation (relative error 2^-10.99, below the rounding of the
+ * 16-bit inputs and of P; FlashAttention-3's softcap takes it too): softcap and score_mod's
+ * np.tanh (the generated code calls it; attn_mods.cuh gives host C tanhf under this name) */
+DEV float fast_tanh(float x)
+{
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 #if HAS_SCORE_MOD || HAS_MASK_MOD
 #include "attn_mods.cuh"
 #include "attn_mod_gen.cuh"
@@ -111,13 +128,6 @@ DEV float load_as_f32(const void *p, int64_t i, int dt)
     case DT_F32: return ((const float *)p)[i];
     default: return (float)((const double *)p)[i];
     }
-}
-
-DEV float fast_exp2(float x)
-{
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
 }
 
 /* ---------------------------------------------------------------- shared memory and copies */
@@ -280,7 +290,7 @@ DEV float score_base(const score_ctx &s, float dot, int r, int c)
 {
     float x = dot * s.scale;
 #if HAS_SOFTCAP
-    x = s.softcap * tanhf(x * s.inv_softcap);
+    x = s.softcap * fast_tanh(x * s.inv_softcap);
 #endif
 #if HAS_BIAS
     x += load_as_f32(s.bias, r * s.bias_sr + c * s.bias_sc, BIAS_DT);
@@ -315,7 +325,7 @@ DEV float score_mod_grad(const score_ctx &s, float dot, int r, int c)
 DEV float score_grad(const score_ctx &s, float dot, int r, int c)
 {
 #if HAS_SOFTCAP
-    float t = tanhf(dot * s.scale * s.inv_softcap);
+    float t = fast_tanh(dot * s.scale * s.inv_softcap);
     return (1.f - t * t) * score_mod_grad(s, dot, r, c);
 #else
     return score_mod_grad(s, dot, r, c);

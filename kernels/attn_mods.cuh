@@ -124,6 +124,11 @@ DEV float mod_fmod(float a, float b)
     return mod;
 }
 
+#ifndef __CUDACC_RTC__
+/* np.tanh: the GPU's is attn_common.cuh's (tanh.approx.f32), host C's the C library's */
+DEV float fast_tanh(float x) { return tanhf(x); }
+#endif
+
 /* minimum / maximum: a NaN operand wins; a tie gives the first operand */
 DEV float mod_fmin(float a, float b) { return (a != a || a <= b) ? a : b; }
 DEV float mod_fmax(float a, float b) { return (a != a || a >= b) ? a : b; }
