@@ -53,6 +53,17 @@
 #ifndef MASK_ARRAY
 #define MASK_ARRAY HAS_MASK
 #endif
+#ifndef ATTN_GMODS
+#define ATTN_GMODS 0                 /* 1: a kernel with generated mods (kernels.py: mod_defines) */
+#endif
+/* Which entry points a compile emits: every one of the file, or with ATTN_ENTRY_ONLY only those
+ * whose ATTN_ENTRY_<name> is 1 (kernels.py compiles a kernel with generated mods one entry point
+ * at a time: only the code a call runs, and the entry points in parallel). */
+#if ATTN_ENTRY_ONLY
+#define ENTRY(name) ATTN_ENTRY_##name
+#else
+#define ENTRY(name) 1
+#endif
 #if HAS_SCORE_MOD || HAS_MASK_MOD
 #include "attn_mods.cuh"
 #include "attn_mod_gen.cuh"

@@ -132,7 +132,12 @@ DEV float mod_fmax(float a, float b) { return (a != a || a >= b) ? a : b; }
 DEV float mod_dmul(float g, float d) { return g == 0.f ? 0.f : g * d; }
 
 /* ---------------------------------------------------------------- lookups */
-DEV void mod_fail(const attn_mods_gpu *m, int arr, int axis, int64_t i, int64_t n)
+#ifdef __CUDACC_RTC__
+__noinline__ __device__
+#else
+DEV
+#endif
+void mod_fail(const attn_mods_gpu *m, int arr, int axis, int64_t i, int64_t n)
 {
     int64_t *e = m->err;
 #ifdef __CUDACC_RTC__
