@@ -154,12 +154,38 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
     /* Pipeline. Tile n's S and P come one step ahead of its P V: while the tensor cores run
      * P[n] V[n], the softmax of tile n - 1 (whose S was issued first) runs beside them. Loads run
      * one step further ahead: during the step of tile n, V[n - 1] and K[n - 2] arrive into the
-     * buffers V[n + 1] and K[n] used (tile x's K and V live in buffer x & 1). The step "n_last
-     * + 1" is the prologue: tile n_last's S and P, with no P V before them. The plain kernel
-     * peels it out of the loop; with generated mods it runs as the loop's first step, so the
-     * softmax, which inlines the generated code once per score, exists once: half the code,
-     * half the NVRTC time. */
+     * buffers V[n + 1] and K[n] used (tile x's K and V live in buffer x & 1). The prologue, tile
+     * n_last's S and P with no P V before them, is step n_last + 1: the plain kernel peels it
+     * out of the loop; with generated mods it runs as the loop's first step, so that the softmax,
+     * which inlines the generated code at every score, exists once (half the code and NVRTC's
+     * time). */
+    load_sw128<BLOCK_M, HEAD_DIM, THREADS>(sQ, gq + m0 * p.q.s[1], p.q.s[1], r_end - m0, tid);
+    load_k(n_last);
+    cp_async_commit();
+#if !ATTN_GMODS
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();
+    load_v(n_last);
+    if (n_last > n_first)
+        load_k(n_last - 1);
+    cp_async_commit();
+#endif
+
     uint32_t pa[BLOCK_N / 16][4];                       /* P of the tile whose P V is next */
+#if !ATTN_GMODS
+    {
+        float s[1][NT][4], corrs[2];
+        issue_s(s[0], n_last);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_acc(s[0]);
+        softmax(s, n_last, corrs);
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; kk++)
+            p_fragment(s, 0, kk, pa[kk]);
+    }
+#endif
     auto issue_pv = [&](int n) {
         wgmma_fence();
 #pragma unroll
@@ -177,26 +203,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
             load_k(n - 2);
         cp_async_commit();
     };
-    load_sw128<BLOCK_M, HEAD_DIM, THREADS>(sQ, gq + m0 * p.q.s[1], p.q.s[1], r_end - m0, tid);
-    load_k(n_last);
-    cp_async_commit();
-    int n = n_last + 1;
-#if !ATTN_GMODS
-    next_loads(n);
-    {
-        float s[1][NT][4], corrs[2];
-        issue_s(s[0], n_last);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_acc(s[0]);
-        softmax(s, n_last, corrs);
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; kk++)
-            p_fragment(s, 0, kk, pa[kk]);
-    }
-    n = n_last;
-#endif
-    for (; n > n_first; n--) {
+    for (int n = ATTN_GMODS ? n_last + 1 : n_last; n > n_first; n--) {
         next_loads(n);
         float s[1][NT][4], corrs[2];
         issue_s(s[0], n - 1);
