@@ -170,25 +170,34 @@ class _Renderer:
         args = [self.expr[id(i)] for i in idx] + ["0"] * (MAX_DIMS - len(idx))
         self.lookups = True
         return (f"mod_offset(m, {self.arrays[name]}, {len(idx)}, {', '.join(args)}, "
-                f"{'0' if self.check else '&bad'})")
+                f"{'0' if self.check else 'bad'})")
 
 
 def _function(ret, name, params, roots, arrays, float_base, tail):
-    """`DEV ret name(params)` computing roots, then tail (str formats of the roots' expressions,
-    or callables of the renderer). With lookups, lookups only clamp and note a bad index, and
-    one branch calls name_check (MOD_COLD, attn_mods.cuh), the same lookups reporting it."""
+    """Three functions for `ret name(params)`, computing roots then tail (str formats of the
+    roots' expressions, or callables of the renderer):
+      name_q (..., int *bad)  what the kernels inline at every score: a lookup out of range is
+                              clamped and sets *bad, branch-free
+      name_check (...)        MOD_COLD (attn_mods.cuh): the same lookups, each reporting an index
+                              out of range (mod_fail); nothing else. A kernel calls it once per
+                              tile that noted one (attn_common.cuh: mods_report)
+      name (...)              name_q, then name_check if it noted one (the host C tests)"""
     r = _Renderer(arrays, float_base)
     r.render(roots)
     body = [t.format(*(r.expr[id(x)] for x in roots)) if isinstance(t, str) else t(r) for t in tail]
-    if not r.lookups:
-        return f"DEV {ret} {name}({params})\n{{\n" + "\n".join(r.lines + body) + "\n}\n"
     c = _Renderer(arrays, float_base, check=True)
     c.render(roots)
     check = c.lines + [t(c) for t in tail if not isinstance(t, str)]
-    args = ", ".join(p.split()[-1].lstrip("*") for p in params.split(", "))
-    return (f"MOD_COLD void {name}_check({params})\n{{\n" + "\n".join(check) + "\n}\n\n"
-            f"DEV {ret} {name}({params})\n{{\n    int bad = 0;\n" + "\n".join(r.lines)
-            + f"\n    if (bad)\n        {name}_check({args});\n" + "\n".join(body) + "\n}\n")
+    names = [p.split()[-1].lstrip("*") for p in params.split(", ")]
+    call = f"{name}_q({', '.join(names)}, &bad)"
+    return (f"MOD_COLD void {name}_check({params})\n{{\n" + "\n".join(check or ["    (void)m;"])
+            + "\n}\n\n"
+            + f"DEV {ret} {name}_q({params}, int *bad)\n{{\n" + ("" if r.lookups else "    (void)bad;\n")
+            + "\n".join(r.lines + body) + "\n}\n\n"
+            + f"DEV {ret} {name}({params})\n{{\n    int bad = 0;\n"
+            + (f"    {call};\n" if ret == "void" else f"    const {ret} v = {call};\n")
+            + f"    if (bad)\n        {name}_check({', '.join(names)});\n"
+            + ("" if ret == "void" else "    return v;\n") + "}\n")
 
 
 def array_order(traced):

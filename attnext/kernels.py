@@ -7,7 +7,11 @@ Compiled cubins go through kernel_cache.CubinCache (memory LRU + disk); loaded f
 kept per device in a bounded LRU here.
 
 A score_mod / mask_mod variant adds two headers: kernels/attn_mods.cuh and the generated
-attn_mod_gen.cuh (codegen.py), plus the switches of mod_defines; the cache keys on both.
+attn_mod_gen.cuh (codegen.py), plus the switches of mod_defines; the cache keys on both. Such a
+variant is compiled at a call, so for its first call's latency (module_of, prefetch): one entry
+point per compile (ATTN_ENTRY_ONLY), the entry points of a call in parallel threads, and the
+entry points that read no mod taken from the plain variant (warmup's cache). The plain variants
+stay whole files, one compile for all their entry points. bench/lab_compile.py measures it.
 """
 import concurrent.futures
 import os

@@ -18,6 +18,13 @@ mod misses it whatever ran before. For each mod (D = 128, bfloat16, no other opt
 The score_mods: softcap, rel_bias (a table lookup), alibi (slopes lookup), doc_mask (a mask_mod
 over a document-id array), rel_bias+doc_mask; --all adds `heavy` (kernels.mod_sample's pair:
 integer rules, three arrays, tanh).
+
+    python bench/lab_compile.py --speed [--mods ...]
+
+times the mods' kernels instead (GPU, torch: forward and backward ms, B = 8, S = 2048, H = 16,
+causal, medians of 20 after a warm-up), through the public API only: the same file run from
+another checkout's root (git show compile-time:bench/lab_compile.py > /tmp/lab.py;
+PYTHONPATH=. python /tmp/lab.py --speed) times that checkout's kernels.
 """
 import argparse
 import ctypes
@@ -211,6 +218,36 @@ def init_gpu(torch):
     torch.cuda.synchronize()
 
 
+def speed(names):
+    """ms of each mod's forward and backward (real kernels; compiles happen in the warm-up)."""
+    import torch
+    import attnext
+    B, H = 16384 // S, 16
+    q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    print(f"{torch.cuda.get_device_name()}, attnext from {os.path.dirname(attnext.__file__)}; "
+          f"B={B} S={S} H={H} D={D} causal bf16, ms (median of 20)")
+
+    def ms(fn):
+        fn()
+        times = []
+        for _ in range(20):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        return sorted(times)[len(times) // 2]
+
+    for name in ["plain"] + names:
+        sm, mm = MODS.get(name, (None, None))
+        out, lse = attnext.attention(q, k, v, causal=True, score_mod=sm, mask_mod=mm, return_lse=True)
+        fwd = ms(lambda: attnext.attention(q, k, v, causal=True, score_mod=sm, mask_mod=mm))
+        bwd = ms(lambda: attnext.attention_backward(dout, q, k, v, out, lse, causal=True, score_mod=sm,
+                                                    mask_mod=mm))
+        print(f"    {name:22s} forward {fwd:7.3f} ms  backward {bwd:7.3f} ms")
+
+
 def hit(arch, names):
     """The disk-cache hit of a fresh process (run by main in a subprocess): JSON on stdout."""
     t0 = time.perf_counter()
@@ -240,9 +277,12 @@ def main():
     ap.add_argument("--mods", help=f"comma-separated, of {', '.join(MODS)}")
     ap.add_argument("--all", action="store_true", help="every mod, the heavy one too")
     ap.add_argument("--split", action="store_true", help="front end and ptxas of each kernel")
+    ap.add_argument("--speed", action="store_true", help="time the mods' kernels (GPU) instead")
     ap.add_argument("--hit", help=argparse.SUPPRESS)
     args = ap.parse_args()
     names = list(MODS) if args.all else args.mods.split(",") if args.mods else list(DEFAULT_MODS)
+    if args.speed:
+        return speed(names)
     if args.hit:
         return hit(args.arch, args.hit.split(","))
     cache = tempfile.mkdtemp(prefix="attnext-lab-compile-")

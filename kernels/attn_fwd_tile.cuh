@@ -62,6 +62,7 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #if ATTN_GMODS
     /* one copy of the generated code per score, not one per path (each copy costs compile time) */
+    mod_fault fault = no_fault();
 #pragma unroll
     for (int i = 0; i < 2 * MT; i++) {
         const int mt = i / 2, e0 = (i % 2) * 2;
@@ -75,11 +76,16 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
 #pragma unroll
             for (int e = e0; e < e0 + 2; e++) {
                 const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                const bool keep = !need_mask || (c >= lo_r && c < hi_r && mask_keeps(sc, r, c));
-                s[mt][nt][e] = keep ? score_of(sc, s[mt][nt][e], r, c) * LOG2E : NEG_INF;
+                const float dot = s[mt][nt][e];
+                int bad = 0;
+                const bool keep = !need_mask || (c >= lo_r && c < hi_r && mask_keeps(sc, r, c, bad));
+                s[mt][nt][e] = keep ? score_of(sc, dot, r, c, bad) * LOG2E : NEG_INF;
+                note_fault(fault, bad, r, c, dot);
             }
     }
+    report_fault(sc, fault);
 #else
+    int bad = 0;                                         /* no generated code: never set */
     if (!need_mask) {
         const float scale_log2 = sc.scale * LOG2E;
 #pragma unroll
@@ -93,7 +99,7 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
 #else
                     const int r = (row0 + mt * 16 + g + (e / 2) * 8) / G;
                     const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                    s[mt][nt][e] = score_of(sc, s[mt][nt][e], r, c) * LOG2E;
+                    s[mt][nt][e] = score_of(sc, s[mt][nt][e], r, c, bad) * LOG2E;
 #endif
                 }
     } else {
@@ -110,8 +116,8 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
 #pragma unroll
                 for (int e = e0; e < e0 + 2; e++) {
                     const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                    const bool keep = c >= lo_r && c < hi_r && mask_keeps(sc, r, c);
-                    s[mt][nt][e] = keep ? score_of(sc, s[mt][nt][e], r, c) * LOG2E : NEG_INF;
+                    const bool keep = c >= lo_r && c < hi_r && mask_keeps(sc, r, c, bad);
+                    s[mt][nt][e] = keep ? score_of(sc, s[mt][nt][e], r, c, bad) * LOG2E : NEG_INF;
                 }
         }
     }
