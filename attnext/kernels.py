@@ -538,7 +538,7 @@ def mod_variants(arch=None):
     """(kernel, defines, generated source) of the score_mod / mask_mod variants warmup --check
     compiles: mod_sample with every built-in option in the forward and backward kernels (both
     kernel families on sm_90a), and the forward with element loads at an odd head dim. A few:
-    each takes NVRTC 3-20 s."""
+    each takes NVRTC 3-10 s (whole files; a call compiles only its entry points: module_of)."""
     gen = mod_sample()
     every = dict(dtype="bfloat16", D=128, Dv=128, vec=True, softcap=True, bias_dtype="float32",
                  mask=True, alibi_dtype="float32")
