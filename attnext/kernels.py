@@ -266,7 +266,11 @@ def module_of(kernel, name, defines, generated):
 def prefetch(specs, arch):
     """Compiles the cubins of these entry points ((kernel, name, defines, generated) each) that
     are in no cache, in parallel threads (NVRTC runs without the GIL, one core a compile): a
-    call's first use of new kernels waits for the slowest compile, not for their sum."""
+    call's first use of new kernels waits for the slowest compile, not for their sum. Only for
+    calls with mods: plain variants come from warmup, and a plan of plain kernels made for new
+    shapes should not pay for a thread pool to find its cubins in memory."""
+    if all(generated is None for *_, generated in specs):
+        return
     modules = {}
     for kernel, name, defines, generated in specs:
         k, d, g = module_of(kernel, name, defines, generated)

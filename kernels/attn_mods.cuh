@@ -133,10 +133,11 @@ DEV float mod_dmul(float g, float d) { return g == 0.f ? 0.f : g * d; }
 
 /* ---------------------------------------------------------------- lookups */
 /* Out-of-line code: what runs only after a lookup went out of range. Each generated function
- * that looks arrays up has a _check twin of this kind (codegen.py): the function itself only
- * clamps and notes that an index was out of range (selects, no branch per index); then one
- * branch calls the twin, which repeats the lookups and reports the first bad one. A report
- * inlined at every index of every score cost NVRTC seconds and the kernels registers. */
+ * has a _check twin of this kind (codegen.py): the function the kernels inline (_q) only clamps
+ * and notes that an index was out of range (selects, no branch per index); a kernel's tile calls
+ * the twins once for a pair that noted one (attn_common.cuh: mods_report), which repeat its
+ * lookups and report the first bad one. A report inlined at every index of every score cost
+ * NVRTC seconds and the kernels registers. */
 #ifdef __CUDACC_RTC__
 #define MOD_COLD static __device__ __noinline__
 #else
