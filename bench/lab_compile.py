@@ -21,7 +21,7 @@ integer rules, three arrays, tanh).
 
     python bench/lab_compile.py --speed [--mods ...]
 
-times the mods' kernels instead (GPU, torch: forward and backward ms, B = 8, S = 2048, H = 16,
+times the mods' kernels instead (GPU, torch: forward and backward ms, B = 8, S = 2048, H = 8,
 causal, medians of 20 after a warm-up), through the public API only: the same file run from
 another checkout's root (git show compile-time:bench/lab_compile.py > /tmp/lab.py;
 PYTHONPATH=. python /tmp/lab.py --speed) times that checkout's kernels.
@@ -222,7 +222,7 @@ def speed(names):
     """ms of each mod's forward and backward (real kernels; compiles happen in the warm-up)."""
     import torch
     import attnext
-    B, H = 16384 // S, 16
+    B, H = 16384 // S, HEADS                 # the tables have HEADS rows
     q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     print(f"{torch.cuda.get_device_name()}, attnext from {os.path.dirname(attnext.__file__)}; "
           f"B={B} S={S} H={H} D={D} causal bf16, ms (median of 20)")
