@@ -149,8 +149,8 @@ def per_kernel(arch, specs, ptx):
         front = None
         if ptx:
             src, fn, opts, hdrs = args
-            opts = [o.replace(f"--gpu-architecture={arch}", f"--gpu-architecture={arch.replace('sm_', 'compute_')}")
-                    for o in opts]
+            virtual = f"--gpu-architecture={arch.replace('sm_', 'compute_')}"
+            opts = [virtual if o == f"--gpu-architecture={arch}" else o for o in opts]
             front = ptx.seconds(src, fn, opts, hdrs)
         out.append((name, total, front, ""))
     return out
