@@ -113,3 +113,25 @@ def test_a_call_with_mods_compiles_its_entry_points_alone():
     kernels.nvrtc()
     cubin, _ = _C.nvrtc_compile(*kernels.compile_args(k, d, "sm_90a", g))
     assert b"attn_bwd_dq_sm90" in cubin and b"attn_bwd_dkdv_sm90" not in cubin
+
+
+def test_block_mask_kernel_compiles_alone_and_reports_out_of_line():
+    """A call with a mask_mod prefetches attn_block_mask beside its entry points (block_mask_specs:
+    none without one); it is compiled alone like them, and its lookups report through the
+    generated mod_mask_check (once per thread, as the tiles do), not inline at every pair."""
+    if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
+        pytest.skip("ATTNEXT_NO_NVRTC=1")
+    import numpy as np
+
+    from attnext import _C, codegen, trace
+    doc = np.repeat(np.arange(4), 16)
+    gen = codegen.generate(None, trace.trace_mask_mod(lambda b, h, q, kv: doc[q] == doc[kv]))
+    assert kernels.block_mask_specs(None) == []
+    assert kernels.block_mask_specs(codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s * 2.0))) == []
+    [spec] = kernels.block_mask_specs(gen)
+    k, d, g = kernels.module_of(*spec)
+    assert k == "attn_block_mask" and d["ATTN_ENTRY_ONLY"] == 1 and d["ATTN_ENTRY_attn_block_mask"] == 1
+    kernels.nvrtc()
+    for arch in ("sm_80", "sm_90a"):
+        cubin, _ = _C.nvrtc_compile(*kernels.compile_args(k, d, arch, g))
+        assert b"attn_block_mask" in cubin and b"mod_mask_check" in cubin, arch
