@@ -193,6 +193,15 @@ def block_mask_defines(mods):
                        alibi_dtype=None, mask=False, tile=(64, 64, 4), mods=mods)
 
 
+def block_mask_specs(mods):
+    """[(kernel, entry point, defines, generated)] of the block-mask kernel a call with these
+    generated mods launches before its attention kernels (none without a mask_mod): for prefetch,
+    so that it compiles beside them."""
+    if mods is None or not mods.defines["HAS_MASK_MOD"]:
+        return []
+    return [("attn_block_mask", "attn_block_mask", block_mask_defines(mods), mods.source)]
+
+
 def _headers(generated=None):
     """The in-memory headers NVRTC gets; generated: the source of attn_mod_gen.cuh, or None."""
     out = [(p.name, p.read_text()) for p in HEADER_FILES]

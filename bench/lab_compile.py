@@ -5,13 +5,15 @@
 Needs NVRTC, not a GPU. The cache is a fresh temporary folder (ATTNEXT_CACHE_DIR), so every
 mod misses it whatever ran before. For each mod (D = 128, bfloat16, no other option):
   per kernel   the NVRTC seconds of each module a call compiles, as cuda_backend plans it:
-               the forward (attn_fwd_sm90's long and short tiles on sm_90a, attn_fwd.cu's
-               generic kernel) and the backward's entry points (attn_bwd_pre comes from the
-               plain variant: warmup's cache, no compile); with --split the front end (source
-               -> PTX for compute_XX) and ptxas (the rest) of each
+               the forward (attn_fwd_sm90's long tile with mods, SM90_TILE_MODS, and short tile
+               on sm_90a, attn_fwd.cu's generic kernel), the backward's entry points
+               (attn_bwd_pre comes from the plain variant: warmup's cache, no compile) and,
+               with a mask_mod, attn_block_mask (shared by both); with --split the front end
+               (source -> PTX for compute_XX) and ptxas (the rest) of each
   first call   the wall time of the compiles of a forward call and of a backward call
-               (kernels.prefetch: the backward's entry points in parallel threads); with a GPU
-               (torch) the wall time of the real calls instead, S = 2048, causal
+               (kernels.prefetch: a call's entry points and the block-mask kernel in parallel
+               threads); with a GPU (torch) the wall time of the real calls instead, S = 2048,
+               causal
   disk hit     a fresh Python process with the disk cache filled: tracing, code generation,
                hashing and reading the cubins (with a GPU: the real calls, after a plain call
                has initialised CUDA)
@@ -88,12 +90,14 @@ def generated(name):
 
 
 def forward_specs(arch, gen, rows=S, generic=False):
-    """The (kernel, entry point, defines, generated) a forward call loads (cuda_backend's plan)."""
+    """The (kernel, entry point, defines, generated) a forward call loads (cuda_backend's plan),
+    the block-mask kernel last when there is a mask_mod."""
     from attnext import kernels
-    kernel, tile = kernels.fwd_kernel(arch, D, D, True, False, rows)
+    kernel, tile = kernels.fwd_kernel(arch, D, D, True, False, rows, mods=True)
     if generic:
         kernel, tile = "attn_fwd", kernels.tile_config(D, D)
-    return [(kernel, kernel, kernels.fwd_defines(**FEATURES, tile=tile, mods=gen), gen.source)]
+    return ([(kernel, kernel, kernels.fwd_defines(**FEATURES, tile=tile, mods=gen), gen.source)]
+            + kernels.block_mask_specs(gen))
 
 
 def backward_specs(arch, gen):
@@ -103,9 +107,10 @@ def backward_specs(arch, gen):
     out = [("attn_bwd", "attn_bwd_pre", defines, gen.source)]
     if kernels.bwd_sm90_applies(arch, D, D, True):
         d90 = kernels.bwd_defines(**FEATURES, tile=kernels.bwd_sm90_tile(D, "recompute"), mods=gen)
-        return out + [("attn_bwd_sm90", n, d90, gen.source) for n in ("attn_bwd_dkdv_sm90", "attn_bwd_dq_sm90")]
+        return (out + [("attn_bwd_sm90", n, d90, gen.source) for n in ("attn_bwd_dkdv_sm90", "attn_bwd_dq_sm90")]
+                + kernels.block_mask_specs(gen))
     kv = ("attn_bwd_dv", "attn_bwd_dk") if tile["kv_split"] else ("attn_bwd_dkdv",)
-    return out + [("attn_bwd", n, defines, gen.source) for n in kv + ("attn_bwd_dq",)]
+    return out + [("attn_bwd", n, defines, gen.source) for n in kv + ("attn_bwd_dq",)] + kernels.block_mask_specs(gen)
 
 
 class PtxOnly:
@@ -311,12 +316,12 @@ def main():
         rows = per_kernel(arch, forward_specs(arch, gen), ptx)
         if arch == "sm_90a":
             rows += [(n + " short", t, f, note) for n, t, f, note in
-                     per_kernel(arch, forward_specs(arch, gen, rows=512), ptx)]
+                     per_kernel(arch, forward_specs(arch, gen, rows=512)[:1], ptx)]
             rows += [(n + " generic", t, f, note) for n, t, f, note in
-                     per_kernel(arch, forward_specs(arch, gen, generic=True), ptx)]
+                     per_kernel(arch, forward_specs(arch, gen, generic=True)[:1], ptx)]
         print_kernels(rows)
-        print("  backward, per kernel:")
-        print_kernels(per_kernel(arch, backward_specs(arch, gen), ptx))
+        print("  backward, per kernel (attn_block_mask: the forward's):")
+        print_kernels(per_kernel(arch, [s for s in backward_specs(arch, gen) if s[0] != "attn_block_mask"], ptx))
         warm_plain(arch, forward_specs(arch, gen) + backward_specs(arch, gen))
         before = kernels.cache_info()["compiles"]
         if torch is not None:
