@@ -111,11 +111,13 @@ def _int_literal(n, dtype):
 class _Renderer:
     """Renders the nodes reachable from some roots as C statements of one function."""
 
-    def __init__(self, arrays, float_base):
+    def __init__(self, arrays, float_base, check=False):
         self.arrays = arrays          # array name -> its global number
         self.float_base = float_base  # this function's first float constant in m->f
+        self.check = check            # the _check twin: lookups report, nothing else is done
         self.lines = []
         self.expr = {}
+        self.lookups = False
 
     def render(self, roots):
         order = trace.topo(*roots)
@@ -166,15 +168,36 @@ class _Renderer:
             raise TypeError(f"array {name!r} has {len(shape)} dims; the GPU code generator "
                             f"takes arrays of at most {MAX_DIMS}")
         args = [self.expr[id(i)] for i in idx] + ["0"] * (MAX_DIMS - len(idx))
-        return f"mod_offset(m, {self.arrays[name]}, {len(idx)}, {', '.join(args)})"
+        self.lookups = True
+        return (f"mod_offset(m, {self.arrays[name]}, {len(idx)}, {', '.join(args)}, "
+                f"{'0' if self.check else 'bad'})")
 
 
-def _function(signature, roots, arrays, float_base, tail):
+def _function(ret, name, params, roots, arrays, float_base, tail):
+    """Three functions for `ret name(params)`, computing roots then tail (str formats of the
+    roots' expressions, or callables of the renderer):
+      name_q (..., int *bad)  what the kernels inline at every score: a lookup out of range is
+                              clamped and sets *bad, branch-free
+      name_check (...)        MOD_COLD (attn_mods.cuh): the same lookups, each reporting an index
+                              out of range (mod_fail); nothing else. A kernel calls it once per
+                              tile that noted one (attn_common.cuh: mods_report)
+      name (...)              name_q, then name_check if it noted one (the host C tests)"""
     r = _Renderer(arrays, float_base)
     r.render(roots)
-    body = r.lines + [t.format(*(r.expr[id(x)] for x in roots)) if isinstance(t, str) else
-                      t(r) for t in tail]
-    return "DEV " + signature + "\n{\n" + "\n".join(body) + "\n}\n"
+    body = [t.format(*(r.expr[id(x)] for x in roots)) if isinstance(t, str) else t(r) for t in tail]
+    c = _Renderer(arrays, float_base, check=True)
+    c.render(roots)
+    check = c.lines + [t(c) for t in tail if not isinstance(t, str)]
+    names = [p.split()[-1].lstrip("*") for p in params.split(", ")]
+    call = f"{name}_q({', '.join(names)}, &bad)"
+    return (f"MOD_COLD void {name}_check({params})\n{{\n" + "\n".join(check or ["    (void)m;"])
+            + "\n}\n\n"
+            + f"DEV {ret} {name}_q({params}, int *bad)\n{{\n" + ("" if r.lookups else "    (void)bad;\n")
+            + "\n".join(r.lines + body) + "\n}\n\n"
+            + f"DEV {ret} {name}({params})\n{{\n    int bad = 0;\n"
+            + (f"    {call};\n" if ret == "void" else f"    const {ret} v = {call};\n")
+            + f"    if (bad)\n        {name}_check({', '.join(names)});\n"
+            + ("" if ret == "void" else "    return v;\n") + "}\n")
 
 
 def array_order(traced):
@@ -228,9 +251,9 @@ def generate(score=None, mask=None):
         g = trace.grad(score)
         uses_h |= any(n.op == "h" for n in trace.topo(score.out))
         parts.append(f"/* score_mod {score.key[:16]} */")
-        parts.append(_function(f"float mod_score({SCORE_ARGS}, {M_ARG})", [score.out], amap, 0,
+        parts.append(_function("float", "mod_score", f"{SCORE_ARGS}, {M_ARG}", [score.out], amap, 0,
                                ["    return {0};"]))
-        parts.append(_function(f"float mod_dscore({SCORE_ARGS}, float dout, {M_ARG})", [g.dscore],
+        parts.append(_function("float", "mod_dscore", f"{SCORE_ARGS}, float dout, {M_ARG}", [g.dscore],
                                amap, 0, ["    return {0};"]))
         terms = [(name, idx, adj) for name, ts in g.darrays.items() for idx, adj in ts]
         if terms:
@@ -238,18 +261,18 @@ def generate(score=None, mask=None):
             grad_arrays = sorted({amap[name] for name, _, _ in terms})
             roots = [x for _, idx, adj in terms for x in (*idx, adj)]
 
-            def scatters(r):
+            def scatters(r):      # the _check twin only checks the offsets
                 return "\n".join(
-                    f"    mod_scatter(m, {amap[name]}, "
-                    f"{r.offset(next(n for n in trace.topo(score.out) if n.op == 'array' and n.args[0] == name), idx)}, "
-                    f"{r.expr[id(adj)]});" for name, idx, adj in terms)
-            parts.append(_function(f"void mod_dtensors({SCORE_ARGS}, float dout, {M_ARG})", roots,
+                    f"    {'(void)' if r.check else f'mod_scatter(m, {amap[name]}, '}"
+                    f"{r.offset(next(n for n in trace.topo(score.out) if n.op == 'array' and n.args[0] == name), idx)}"
+                    f"{';' if r.check else f', {r.expr[id(adj)]});'}" for name, idx, adj in terms)
+            parts.append(_function("void", "mod_dtensors", f"{SCORE_ARGS}, float dout, {M_ARG}", roots,
                                    amap, 0, [scatters]))
     if mask is not None:
         amap = {name: numbers[("mask_mod", name)] for name in array_order(mask)}
         uses_h |= any(n.op == "h" for n in trace.topo(mask.out))
         parts.append(f"/* mask_mod {mask.key[:16]} */")
-        parts.append(_function(f"int mod_mask({MASK_ARGS}, {M_ARG})", [mask.out], amap,
+        parts.append(_function("int", "mod_mask", f"{MASK_ARGS}, {M_ARG}", [mask.out], amap,
                                n_score_floats, ["    return {0};"]))
     if n_score_floats + (len(mask.params) if mask is not None else 0) > MAX_FLOATS:
         raise TypeError(f"the GPU code generator takes at most {MAX_FLOATS} float constants in "

@@ -420,6 +420,8 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     template = _C.attn_template(prob)
     if not all(grid):                       # an empty grid (no heads, rows or batch) has nothing to write
         return _Plan(template, ())
+    names = [kernel] if splits == 1 else [kernel, "attn_fwd_combine"]
+    kernels.prefetch([(kernel, name, defines, generated) for name in names] + kernels.block_mask_specs(gen), arch)
     launches = [(kernels.function(kernel, kernel, defines, device, arch, smem, generated), grid,
                  (tile[2] * 32, 1, 1), smem)]
     if splits == 1:
@@ -606,12 +608,11 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
         prob.dq_sem = _t(DevView.contiguous(0, sem_shape, np.int32, device))
     template = _C.attn_template(prob)
     tail = 1 if o.varlen else 0
-    launches = []
+    wanted = []      # (source, name, defines, smem, grid, warps): loaded once all are compiled
 
     def launch(name, grid, warps, source="attn_bwd", defs=defines, smem_of=smem):
         if all(grid):
-            fn = kernels.function(source, name, defs, device, arch, smem_of[name], generated)
-            launches.append((fn, grid, (warps * 32, 1, 1), smem_of[name]))
+            wanted.append((source, name, defs, smem_of[name], grid, warps))
 
     hopper = kernels.bwd_sm90_tile(o.D, dq_mode) if sm90 else None
     if o.Hq:
@@ -640,6 +641,10 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
                     1 if bcast[3] else math.ceil(cols / tile["q_block_n"]),
                     (1 if bcast[0] else o.B) * o.bias_heads)
             launch("attn_bwd_dbias", grid, tile["q_warps"])
+    kernels.prefetch([(src, name, defs, generated) for src, name, defs, *_ in wanted] + kernels.block_mask_specs(gen),
+                     arch)
+    launches = [(kernels.function(src, name, defs, device, arch, sm, generated), grid, (warps * 32, 1, 1), sm)
+                for src, name, defs, sm, grid, warps in wanted]
     sizes = ([4 * delta.size] + ([4 * math.prod(accum_shape)] if atomic else [])
              + ([4 * math.prod(sem_shape)] if dq_mode == "ordered" else []))
     total, offsets = _scratch_layout(*sizes)

@@ -303,7 +303,8 @@ class CubinCache:
 
     def info(self):
         """Counters and settings: memory_hits, disk_hits, misses (lookups that went to the
-        compiler), compiles (successful compiles), compile_seconds (their total time),
+        compiler), compiles (successful compiles), compile_seconds (their total time: each
+        compile's own, summed; compiles in parallel threads add up beyond the time waited),
         disk_write_errors, entries (in memory), capacity, cache_dir (None when off)."""
         with self._lock:
             out = dict(self._stats)

@@ -7,8 +7,13 @@ Compiled cubins go through kernel_cache.CubinCache (memory LRU + disk); loaded f
 kept per device in a bounded LRU here.
 
 A score_mod / mask_mod variant adds two headers: kernels/attn_mods.cuh and the generated
-attn_mod_gen.cuh (codegen.py), plus the switches of mod_defines; the cache keys on both.
+attn_mod_gen.cuh (codegen.py), plus the switches of mod_defines; the cache keys on both. Such a
+variant is compiled at a call, so for its first call's latency (module_of, prefetch): one entry
+point per compile (ATTN_ENTRY_ONLY), the entry points of a call in parallel threads, and the
+entry points that read no mod taken from the plain variant (warmup's cache). The plain variants
+stay whole files, one compile for all their entry points. bench/lab_compile.py measures it.
 """
+import concurrent.futures
 import os
 import threading
 from pathlib import Path
@@ -142,6 +147,27 @@ def mod_defines(defines, mods):
     return d
 
 
+# Entry points that read nothing of the score_mod / mask_mod (attn_params.gmods is the struct's
+# last field, so a plain kernel reads the prefix of a call's parameter that carries them): a call
+# with mods takes them from the plain variant (warmup's cache), never compiles them again
+MOD_FREE_ENTRIES = frozenset({"attn_fwd_combine", "attn_bwd_pre", "attn_bwd_dq_convert"})
+_MOD_KEYS = ("HAS_SCORE_MOD", "HAS_MASK_MOD", "HAS_DTENSORS", "ATTN_GMODS", "MASK_ARRAY")
+
+
+def plain_defines(defines):
+    """mod_defines undone: the defines of the same variant without a score_mod / mask_mod."""
+    if not defines.get("ATTN_GMODS"):
+        return defines
+    d = {k: v for k, v in defines.items() if k not in _MOD_KEYS}
+    d["HAS_MASK"] = defines["MASK_ARRAY"]
+    return d
+
+
+def entry_defines(defines, name):
+    """defines that make a compile emit entry point `name` only (attn_common.cuh: ENTRY)."""
+    return dict(defines, ATTN_ENTRY_ONLY=1, **{f"ATTN_ENTRY_{name}": 1})
+
+
 def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile,
                 pack_gqa=False, split_kv=False, mods=None):
     """The #defines of one forward variant. bias_dtype / alibi_dtype: a dtype name or None.
@@ -165,6 +191,15 @@ def block_mask_defines(mods):
     so the forward and the backward share it."""
     return fwd_defines(dtype="bfloat16", D=64, Dv=64, vec=False, softcap=False, bias_dtype=None,
                        alibi_dtype=None, mask=False, tile=(64, 64, 4), mods=mods)
+
+
+def block_mask_specs(mods):
+    """[(kernel, entry point, defines, generated)] of the block-mask kernel a call with these
+    generated mods launches before its attention kernels (none without a mask_mod): for prefetch,
+    so that it compiles beside them."""
+    if mods is None or not mods.defines["HAS_MASK_MOD"]:
+        return []
+    return [("attn_block_mask", "attn_block_mask", block_mask_defines(mods), mods.source)]
 
 
 def _headers(generated=None):
@@ -218,17 +253,54 @@ def nvrtc():
         return _nvrtc_version
 
 
+def compile_args(kernel, defines, arch, generated=None):
+    """(source, file name, options, headers): what NVRTC gets for kernels/<kernel>.cu."""
+    src = (KERNEL_DIR / f"{kernel}.cu").read_text()
+    return src, f"{kernel}.cu", options(defines, arch), _headers(generated)
+
+
 def cubin(kernel, defines, arch, generated=None):
     """The compiled cubin of kernels/<kernel>.cu with these defines for arch (cached);
     generated: the generated score_mod / mask_mod header's source, or None."""
     version = nvrtc()
-    src = (KERNEL_DIR / f"{kernel}.cu").read_text()
-    return _cubins.get(src, f"{kernel}.cu", options(defines, arch), _headers(generated), arch,
-                       ".".join(map(str, version)))
+    return _cubins.get(*compile_args(kernel, defines, arch, generated), arch, ".".join(map(str, version)))
 
 
 def cache_info():
     return _cubins.info() if _cubins is not None else None
+
+
+def module_of(kernel, name, defines, generated):
+    """(kernel, defines, generated) of the cubin that holds entry point `name`. Without mods, the
+    whole file's (warmup compiles it once for all its entry points); with mods, the plain
+    variant's for an entry point that reads none of them, else one compiled for that entry point
+    alone: only the code the call runs (the generated code is inlined at every score, so each
+    entry point costs seconds of NVRTC), and the entry points of a call compile in parallel
+    (prefetch)."""
+    if generated is None:
+        return kernel, defines, None
+    if name in MOD_FREE_ENTRIES:
+        return kernel, plain_defines(defines), None
+    return kernel, entry_defines(defines, name), generated
+
+
+def prefetch(specs, arch):
+    """Compiles the cubins of these entry points ((kernel, name, defines, generated) each) that
+    are in no cache, in parallel threads (NVRTC runs without the GIL, one core a compile): a
+    call's first use of new kernels waits for the slowest compile, not for their sum. Only for
+    calls with mods: plain variants come from warmup, and a plan of plain kernels made for new
+    shapes should not pay for a thread pool to find its cubins in memory."""
+    if all(generated is None for *_, generated in specs):
+        return
+    modules = {}
+    for kernel, name, defines, generated in specs:
+        k, d, g = module_of(kernel, name, defines, generated)
+        modules.setdefault((k, tuple(sorted(d.items())), g), (k, d, g))
+    if len(modules) < 2:
+        return
+    with concurrent.futures.ThreadPoolExecutor(min(len(modules), os.cpu_count() or 1)) as pool:
+        for f in [pool.submit(cubin, k, d, arch, g) for k, d, g in modules.values()]:
+            f.result()
 
 
 _functions = LRU(64)
@@ -242,7 +314,8 @@ def function(kernel, name, defines, device, arch, smem, generated=None):
     with _functions_lock:
         fn = _functions.get(key)
     if fn is None:
-        module = _C.module_load(cubin(kernel, defines, arch, generated), device)
+        k, d, g = module_of(kernel, name, defines, generated)
+        module = _C.module_load(cubin(k, d, arch, g), device)
         fn = _C.module_function(module, name, smem)
         with _functions_lock:
             _functions.put(key, fn)
@@ -490,7 +563,7 @@ def mod_variants(arch=None):
     """(kernel, defines, generated source) of the score_mod / mask_mod variants warmup --check
     compiles: mod_sample with every built-in option in the forward and backward kernels (both
     kernel families on sm_90a), and the forward with element loads at an odd head dim. A few:
-    each takes NVRTC 3-20 s."""
+    each takes NVRTC 3-10 s (whole files; a call compiles only its entry points: module_of)."""
     gen = mod_sample()
     every = dict(dtype="bfloat16", D=128, Dv=128, vec=True, softcap=True, bias_dtype="float32",
                  mask=True, alibi_dtype="float32")

@@ -9,12 +9,15 @@
  * range anywhere there is reported), whatever causal and window say: they are the kernels' own
  * business. Grid: (column cells, row cells, slices), a slice being one (b, h) of blocks' layout
  * (b and h are 0 when mask_mod reads neither and blk_sb / blk_sh are 0); 128 threads: thread t
- * takes row t % 64 of the cell and half its columns.
+ * takes row t % 64 of the cell and half its columns. A lookup out of range is noted branch-free
+ * at each pair (mod_mask_q) and reported once per thread, out of line (mod_mask_check), as the
+ * attention kernels' tiles do (attn_common.cuh: mod_fault).
  *
  * Compile-time switches: those of attn_common.cuh with HAS_MASK_MOD (kernels.block_mask_defines).
  */
 #include "attn_common.cuh"
 
+#if ENTRY(attn_block_mask)
 extern "C" __global__ void __launch_bounds__(128) attn_block_mask(const __grid_constant__ attn_params p)
 {
 #if HAS_MASK_MOD
@@ -25,14 +28,21 @@ extern "C" __global__ void __launch_bounds__(128) attn_block_mask(const __grid_c
     const int64_t r = (int64_t)blockIdx.y * ATTN_BLOCK + (threadIdx.x % ATTN_BLOCK);
     const int64_t c0 = (int64_t)blockIdx.x * ATTN_BLOCK + (threadIdx.x / ATTN_BLOCK) * (ATTN_BLOCK / 2);
     int bits = 0;
+    mod_fault fault = no_fault();
     if (r < sq.len) {
         const int64_t c1 = min(c0 + ATTN_BLOCK / 2, sk.len);
-        for (int64_t c = c0; c < c1; c++)
-            bits |= mod_mask(b, h, r, c, m) ? ATTN_BLOCK_KEPT : ATTN_BLOCK_MASKED;
+        for (int64_t c = c0; c < c1; c++) {
+            int bad = 0;
+            bits |= mod_mask_q(b, h, r, c, m, &bad) ? ATTN_BLOCK_KEPT : ATTN_BLOCK_MASKED;
+            note_fault(fault, bad, (int)r, (int)c, 0.f);
+        }
     }
+    if (fault.r >= 0)
+        mod_mask_check(b, h, fault.r, fault.c, m);
     const int kept = __syncthreads_or(bits & ATTN_BLOCK_KEPT), masked = __syncthreads_or(bits & ATTN_BLOCK_MASKED);
     if (threadIdx.x == 0)
         ((uint8_t *)m->blocks)[b * m->blk_sb + h * m->blk_sh + blockIdx.y * m->blk_cols + blockIdx.x] =
             (kept ? ATTN_BLOCK_KEPT : 0) | (masked ? ATTN_BLOCK_MASKED : 0);
 #endif
 }
+#endif

@@ -116,6 +116,7 @@ DEV void store_from_f32(void *p, int64_t i, int dt, float f)
 /* ---------------------------------------------------------------- delta */
 /* Grid (row tiles of PRE_ROWS, Hq, B). delta[r] = sum_d dout[r, d] * out[r, d] for the rows of
  * the sequence, 0 for its padding rows; dq_accum's rows and dq_sem's counters zeroed when given. */
+#if ENTRY(attn_bwd_pre)
 extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __grid_constant__ attn_params p)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -148,6 +149,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
     if (p.dq_sem.ptr && threadIdx.x == 0)      /* this row tile's counter (PRE_ROWS = its rows) */
         ((int *)p.dq_sem.ptr)[b * p.dq_sem.s[0] + h * p.dq_sem.s[1] + blockIdx.x * p.dq_sem.s[2]] = 0;
 }
+#endif
 
 /* ---------------------------------------------------------------- dK, dV */
 /* Query tile j of the CTA's work list (the query heads of the group, each over the same tiles)
@@ -337,28 +339,35 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw)
 }
 
 #if KV_SPLIT
+#if ENTRY(attn_bwd_dv)
 extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dv(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     dkdv<1>(p, smem_raw);
 }
+#endif
 
+#if ENTRY(attn_bwd_dk)
 extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dk(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     dkdv<2>(p, smem_raw);
 }
+#endif
 #else
+#if ENTRY(attn_bwd_dkdv)
 extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     dkdv<3>(p, smem_raw);
 }
 #endif
+#endif
 
 /* ---------------------------------------------------------------- dQ (and the dS of dbias) */
 /* Grid (query tiles, Hq, B [+1 varlen]). Warp w owns query rows [w Q_WARP_M, (w + 1) Q_WARP_M).
  * K double-buffered (K[n+1] loads during tile n), V loads while dS K runs. */
+#if ENTRY(attn_bwd_dq)
 extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -454,8 +463,10 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(cons
         }
     }
 }
+#endif
 
 /* Grid (row tiles of PRE_ROWS, Hq, B [+1 varlen]): dq = dq_accum * scale, 0 on padding rows. */
+#if ENTRY(attn_bwd_dq_convert)
 extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_dq_convert(const __grid_constant__ attn_params p)
 {
     const int64_t h = blockIdx.y, b = blockIdx.z;
@@ -477,6 +488,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_dq_convert(co
                 r < sq.len ? f32_to_elem(gacc[r * p.dq_accum.s[1] + d * p.dq_accum.s[3]] * scale) : (elem_t)0;
     }
 }
+#endif
 
 /* ---------------------------------------------------------------- dbias */
 /* Grid (row tiles, column tiles, Bc * Hb) of dbias's compact shape (a broadcast dim: one tile,
@@ -484,6 +496,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_dq_convert(co
  * every batch item, query head of its bias head, row tile and column tile landing on them, sums
  * dS in registers, reduces over the broadcast rows / columns in a fixed order and writes once.
  * Elements past every sequence's length are left as the caller's zeros. */
+#if ENTRY(attn_bwd_dbias)
 extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dbias(const __grid_constant__ attn_params p)
 {
 #if HAS_BIAS
@@ -632,3 +645,4 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dbias(c
     }
 #endif
 }
+#endif

@@ -175,6 +175,7 @@ DEV void dq_atomic(const attn_params &p, const seq_t &sq, int64_t h, int m0, int
 #define KQ_BYTES (KV_BLOCK_M * HEAD_DIM * 2)
 #define KDO_BYTES (KV_BLOCK_M * HEAD_DIM_V * 2)
 
+#if ENTRY(attn_bwd_dkdv_sm90)
 extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_sm90(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -319,11 +320,13 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
 #endif
     store_dkdv(p, sk, hk, dk, dv, n0 + warp * 16, true, true);
 }
+#endif
 
 /* ---------------------------------------------------------------- dQ */
 #define QK_BYTES (Q_BLOCK_N * HEAD_DIM * 2)
 #define QV_BYTES (Q_BLOCK_N * HEAD_DIM_V * 2)
 
+#if ENTRY(attn_bwd_dq_sm90)
 extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq_sm90(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -420,3 +423,4 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq_sm90
         }
     }
 }
+#endif

@@ -72,6 +72,7 @@ DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const float scale_log2 = sc.scale * LOG2E;
+    mod_fault fault = no_fault();
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -82,22 +83,25 @@ DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score
                 const int e = half * 2 + x;
                 const int c = n0w + g + half * 8;
                 const int rl = nt * 8 + 2 * t + x, r = m0 + rl;
-                const bool keep = !need_mask || (r >= qlo[half] && r < qhi[half] && mask_keeps(sc, r, c));
+                int bad = 0;
+                const bool keep = !need_mask || (r >= qlo[half] && r < qhi[half] && mask_keeps(sc, r, c, bad));
                 const float raw = s[0][nt][e];
                 float pv = 0.f, grad = 1.f;
                 if (keep) {
 #if SCORE_IS_PLAIN
                     pv = fast_exp2(raw * scale_log2 - lb[rl]);
 #else
-                    pv = fast_exp2(score_of(sc, raw, r, c) * LOG2E - lb[rl]);
+                    pv = fast_exp2(score_of(sc, raw, r, c, bad) * LOG2E - lb[rl]);
 #endif
                     grad = score_grad(sc, raw, r, c);
                 }
+                note_fault(fault, bad, r, c, raw);
                 pr[x] = pv;
                 s[0][nt][e] = pv * grad;
             }
             pp[0][nt / 2][(nt & 1) * 2 + half] = pack2(pr[0], pr[1]);
         }
+    report_fault(sc, fault);
 }
 
 /* For a dK/dV tile of bn keys at n0 (query tiles of bm rows): the query tiles [m_first, m_first +
@@ -218,6 +222,7 @@ DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], co
     const bool need_mask = tile_maybe_masked(sc, m0, min(m0 + Q_BLOCK_M, Lq), c0, min(c0 + Q_BLOCK_N, Lk))
                            || c0 + Q_BLOCK_N > Lk || m0 + Q_BLOCK_M > Lq
                            || !tile_inside_band(&p, m0, min(m0 + Q_BLOCK_M, Lq), c0, c0 + Q_BLOCK_N, Lq, Lk);
+    mod_fault fault = no_fault();
 #pragma unroll
     for (int mt = 0; mt < Q_MT; mt++)
 #pragma unroll
@@ -227,14 +232,15 @@ DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], co
                 const int i = mt * 2 + e / 2;
                 const int r = m0 + warp * Q_WARP_M + mt * 16 + g + (e / 2) * 8;
                 const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                const bool keep = !need_mask || (c >= ri.lo[i] && c < ri.hi[i] && mask_keeps(sc, r, c));
+                int bad = 0;
+                const bool keep = !need_mask || (c >= ri.lo[i] && c < ri.hi[i] && mask_keeps(sc, r, c, bad));
                 const float raw = s[mt][nt][e];
                 float ds = 0.f;
                 if (keep) {
 #if SCORE_IS_PLAIN
                     const float pv = fast_exp2(raw * scale_log2 - ri.lse2[i]);
 #else
-                    const float pv = fast_exp2(score_of(sc, raw, r, c) * LOG2E - ri.lse2[i]);
+                    const float pv = fast_exp2(score_of(sc, raw, r, c, bad) * LOG2E - ri.lse2[i]);
 #endif
                     ds = pv * (dp[mt][nt][e] - ri.delta[i]);
                     if (WITH_GRAD) {
@@ -244,8 +250,10 @@ DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], co
                         ds *= score_mod_grad(sc, raw, r, c);
                     }
                 }
+                note_fault(fault, bad, r, c, raw);
                 s[mt][nt][e] = ds;
             }
+    report_fault(sc, fault);
 }
 
 #endif

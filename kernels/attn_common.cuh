@@ -53,6 +53,17 @@
 #ifndef MASK_ARRAY
 #define MASK_ARRAY HAS_MASK
 #endif
+#ifndef ATTN_GMODS
+#define ATTN_GMODS 0                 /* 1: a kernel with generated mods (kernels.py: mod_defines) */
+#endif
+/* Which entry points a compile emits: every one of the file, or with ATTN_ENTRY_ONLY only those
+ * whose ATTN_ENTRY_<name> is 1 (kernels.py compiles a kernel with generated mods one entry point
+ * at a time: only the code a call runs, and the entry points in parallel). */
+#if ATTN_ENTRY_ONLY
+#define ENTRY(name) ATTN_ENTRY_##name
+#else
+#define ENTRY(name) 1
+#endif
 DEV float fast_exp2(float x)
 {
     float y;
@@ -301,21 +312,24 @@ DEV float score_base(const score_ctx &s, float dot, int r, int c)
     return x;
 }
 
-/* Steps 1-5: the score_mod slot (the identity without one). */
-DEV float score_of(const score_ctx &s, float dot, int r, int c)
+/* Steps 1-5: the score_mod slot (the identity without one). A lookup of the generated code
+ * out of range sets bad (and reads a clamped element); the tile reports it (mod_fault). */
+DEV float score_of(const score_ctx &s, float dot, int r, int c, int &bad)
 {
 #if HAS_SCORE_MOD
-    return mod_score(score_base(s, dot, r, c), s.b, s.h, r, c, s.mods);
+    return mod_score_q(score_base(s, dot, r, c), s.b, s.h, r, c, s.mods, &bad);
 #else
     return score_base(s, dot, r, c);
 #endif
 }
 
-/* d score_mod / d its score argument at (r, c) (1 without one): what dbias carries. */
+/* d score_mod / d its score argument at (r, c) (1 without one): what dbias carries. Its lookups
+ * are score_of's at the same pair, which reports them. */
 DEV float score_mod_grad(const score_ctx &s, float dot, int r, int c)
 {
 #if HAS_SCORE_MOD
-    return mod_dscore(score_base(s, dot, r, c), s.b, s.h, r, c, 1.f, s.mods);
+    int bad = 0;
+    return mod_dscore_q(score_base(s, dot, r, c), s.b, s.h, r, c, 1.f, s.mods, &bad);
 #else
     return 1.f;
 #endif
@@ -333,25 +347,26 @@ DEV float score_grad(const score_ctx &s, float dot, int r, int c)
 }
 
 /* The score_mod's array gradients at (r, c) for dS (the gradient of the final score) scattered
- * into the accumulator, exactly and in any order (attn_mods.cuh). */
+ * into the accumulator, exactly and in any order (attn_mods.cuh); lookups as score_mod_grad's. */
 DEV void score_dtensors(const score_ctx &s, float dot, int r, int c, float ds)
 {
 #if HAS_DTENSORS
+    int bad = 0;
     if (ds != 0.f)
-        mod_dtensors(score_base(s, dot, r, c), s.b, s.h, r, c, ds, s.mods);
+        mod_dtensors_q(score_base(s, dot, r, c), s.b, s.h, r, c, ds, s.mods, &bad);
 #endif
 }
 
 /* The mask array's and the mask_mod's verdict (causal, window and lengths are checked through
- * the row bounds, first: mask_mod runs only inside the lengths). */
-DEV bool mask_keeps(const score_ctx &s, int r, int c)
+ * the row bounds, first: mask_mod runs only inside the lengths); bad as for score_of. */
+DEV bool mask_keeps(const score_ctx &s, int r, int c, int &bad)
 {
     bool keep = true;
 #if MASK_ARRAY
     keep = s.mask[r * s.mask_sr + c * s.mask_sc] != 0;
 #endif
 #if HAS_MASK_MOD
-    keep = mod_mask(s.b, s.h, r, c, s.mods) && keep;
+    keep = mod_mask_q(s.b, s.h, r, c, s.mods, &bad) && keep;
 #endif
     return keep;
 }
@@ -434,6 +449,57 @@ DEV void mod_narrow(const score_ctx &s, int heads, bool keys, int64_t a0, int64_
     }
     first = f;
     last = l;
+#endif
+}
+
+/* A lookup out of range that a tile's scores noted: the last pair that noted one (r < 0: none;
+ * dot: its raw dot product). The tile reports it once, out of line (report_fault): checking
+ * and reporting inline at every index of every score cost NVRTC seconds and registers. */
+struct mod_fault {
+    int r, c;
+    float dot;
+};
+
+DEV mod_fault no_fault()
+{
+    mod_fault f;
+    f.r = -1;
+    f.c = 0;
+    f.dot = 0.f;
+    return f;
+}
+
+DEV void note_fault(mod_fault &f, int bad, int r, int c, float dot)
+{
+    if (bad) {
+        f.r = r;
+        f.c = c;
+        f.dot = dot;
+    }
+}
+
+#if ATTN_GMODS
+/* The pair's lookups again, each reporting an index out of range (the generated _check twins):
+ * mask_mod's, then score_mod's where the mask keeps the pair, as the tile evaluated them. The
+ * backward's derivative code reads the score_mod's lookups, nothing else. */
+static __device__ __noinline__ void mods_report(score_ctx s, mod_fault f)
+{
+#if HAS_MASK_MOD
+    mod_mask_check(s.b, s.h, f.r, f.c, s.mods);
+#endif
+#if HAS_SCORE_MOD
+    int bad = 0;
+    if (mask_keeps(s, f.r, f.c, bad))
+        mod_score_check(score_base(s, f.dot, f.r, f.c), s.b, s.h, f.r, f.c, s.mods);
+#endif
+}
+#endif
+
+DEV void report_fault(const score_ctx &s, const mod_fault &f)
+{
+#if ATTN_GMODS
+    if (f.r >= 0)
+        mods_report(s, f);
 #endif
 }
 

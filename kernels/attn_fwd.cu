@@ -28,6 +28,7 @@
 #define NT (BLOCK_N / 8)                  /* n8 tiles of S per warp */
 #define OT (DVP / 8)                      /* n8 tiles of O per warp */
 
+#if ENTRY(attn_fwd)
 extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -166,10 +167,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
 
     write_out(p, sq, o, m, l, m0 + warp * WARP_M, b, h, G, split, Lq);
 }
+#endif
 
 /* Merges the num_splits partial results of SPLIT_KV: lse = log sum_s exp(lse_s), out = sum_s
  * exp(lse_s - lse) o_s. Grid (Sq, Hq, B), one block per row; rows past the sequence's real
  * length come out as 0 and -inf like every other row that keeps no key. */
+#if ENTRY(attn_fwd_combine)
 extern "C" __global__ void __launch_bounds__(128) attn_fwd_combine(const __grid_constant__ attn_params p)
 {
     __shared__ float w[128];
@@ -206,3 +209,4 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd_combine(const __grid_
     if (threadIdx.x == 0 && p.lse.ptr)
         ((float *)p.lse.ptr)[b * p.lse.s[0] + h * p.lse.s[1] + r * p.lse.s[2]] = lse_sh;
 }
+#endif

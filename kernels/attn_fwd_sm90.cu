@@ -85,6 +85,7 @@ DEV void store_o_staged(const attn_params &p, const seq_t &sq, const float (&o)[
     }
 }
 
+#if ENTRY(attn_fwd_sm90)
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -154,10 +155,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
     /* Pipeline. Tile n's S and P come one step ahead of its P V: while the tensor cores run
      * P[n] V[n], the softmax of tile n - 1 (whose S was issued first) runs beside them. Loads run
      * one step further ahead: during the step of tile n, V[n - 1] and K[n - 2] arrive into the
-     * buffers V[n + 1] and K[n] used (tile x's K and V live in buffer x & 1). */
+     * buffers V[n + 1] and K[n] used (tile x's K and V live in buffer x & 1). The prologue, tile
+     * n_last's S and P with no P V before them, is step n_last + 1: the plain kernel peels it
+     * out of the loop; with generated mods it runs as the loop's first step, so that the softmax,
+     * which inlines the generated code at every score, exists once (half the code and NVRTC's
+     * time). */
     load_sw128<BLOCK_M, HEAD_DIM, THREADS>(sQ, gq + m0 * p.q.s[1], p.q.s[1], r_end - m0, tid);
     load_k(n_last);
     cp_async_commit();
+#if !ATTN_GMODS
     cp_async_wait_all();
     fence_proxy_async();
     __syncthreads();
@@ -165,8 +171,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
     if (n_last > n_first)
         load_k(n_last - 1);
     cp_async_commit();
+#endif
 
     uint32_t pa[BLOCK_N / 16][4];                       /* P of the tile whose P V is next */
+#if !ATTN_GMODS
     {
         float s[1][NT][4], corrs[2];
         issue_s(s[0], n_last);
@@ -178,6 +186,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
         for (int kk = 0; kk < BLOCK_N / 16; kk++)
             p_fragment(s, 0, kk, pa[kk]);
     }
+#endif
     auto issue_pv = [&](int n) {
         wgmma_fence();
 #pragma unroll
@@ -195,13 +204,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
             load_k(n - 2);
         cp_async_commit();
     };
-    for (int n = n_last; n > n_first; n--) {
+    for (int n = ATTN_GMODS ? n_last + 1 : n_last; n > n_first; n--) {
         next_loads(n);
         float s[1][NT][4], corrs[2];
         issue_s(s[0], n - 1);
         wgmma_commit();
-        issue_pv(n);
-        wgmma_wait<1>();                                 /* S[n - 1]; P[n] V[n] may still run */
+        if (ATTN_GMODS && n > n_last) {                  /* the prologue step */
+            wgmma_wait<0>();
+        } else {
+            issue_pv(n);
+            wgmma_wait<1>();                             /* S[n - 1]; P[n] V[n] may still run */
+        }
         fence_acc(s[0]);
         softmax(s, n - 1, corrs);
         wgmma_wait<0>();
@@ -223,3 +236,4 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
     else
         store_o(p, sq, o, inv, row0, b, h, 1, 0);
 }
+#endif

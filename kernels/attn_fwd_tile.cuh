@@ -62,6 +62,32 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
                     bool need_mask, int G, int Lq, int Lk)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#if ATTN_GMODS
+    /* one copy of the generated code per score, not one per path (each copy costs compile time) */
+    mod_fault fault = no_fault();
+#pragma unroll
+    for (int i = 0; i < 2 * MT; i++) {
+        const int mt = i / 2, e0 = (i % 2) * 2;
+        const int r = (row0 + mt * 16 + g + (i % 2) * 8) / G;
+        int64_t lo64 = 0, hi64 = 0;                      /* the columns row r keeps */
+        if (need_mask && r < Lq)
+            kv_range(&p, r, r + 1, Lq, Lk, &lo64, &hi64);
+        const int lo_r = (int)lo64, hi_r = (int)hi64;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = e0; e < e0 + 2; e++) {
+                const int c = c0 + nt * 8 + 2 * t + (e & 1);
+                const float dot = s[mt][nt][e];
+                int bad = 0;
+                const bool keep = !need_mask || (c >= lo_r && c < hi_r && mask_keeps(sc, r, c, bad));
+                s[mt][nt][e] = keep ? score_of(sc, dot, r, c, bad) * LOG2E : NEG_INF;
+                note_fault(fault, bad, r, c, dot);
+            }
+    }
+    report_fault(sc, fault);
+#else
+    int bad = 0;                                         /* no generated code: never set */
     if (!need_mask) {
         const float scale_log2 = sc.scale * LOG2E;
 #pragma unroll
@@ -75,7 +101,7 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
 #else
                     const int r = (row0 + mt * 16 + g + (e / 2) * 8) / G;
                     const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                    s[mt][nt][e] = score_of(sc, s[mt][nt][e], r, c) * LOG2E;
+                    s[mt][nt][e] = score_of(sc, s[mt][nt][e], r, c, bad) * LOG2E;
 #endif
                 }
     } else {
@@ -92,11 +118,12 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
 #pragma unroll
                 for (int e = e0; e < e0 + 2; e++) {
                     const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                    const bool keep = c >= lo_r && c < hi_r && mask_keeps(sc, r, c);
-                    s[mt][nt][e] = keep ? score_of(sc, s[mt][nt][e], r, c) * LOG2E : NEG_INF;
+                    const bool keep = c >= lo_r && c < hi_r && mask_keeps(sc, r, c, bad);
+                    s[mt][nt][e] = keep ? score_of(sc, s[mt][nt][e], r, c, bad) * LOG2E : NEG_INF;
                 }
         }
     }
+#endif
 }
 
 /* The online softmax over one tile of scores (log2 units): new row maxima m (over the quad), l

@@ -137,7 +137,19 @@ DEV float mod_fmax(float a, float b) { return (a != a || a >= b) ? a : b; }
 DEV float mod_dmul(float g, float d) { return g == 0.f ? 0.f : g * d; }
 
 /* ---------------------------------------------------------------- lookups */
-DEV void mod_fail(const attn_mods_gpu *m, int arr, int axis, int64_t i, int64_t n)
+/* Out-of-line code: what runs only after a lookup went out of range. Each generated function
+ * has a _check twin of this kind (codegen.py): the function the kernels inline (_q) only clamps
+ * and notes that an index was out of range (selects, no branch per index); a kernel's tile calls
+ * the twins once for a pair that noted one (attn_common.cuh: mods_report), which repeat its
+ * lookups and report the first bad one. A report inlined at every index of every score cost
+ * NVRTC seconds and the kernels registers. */
+#ifdef __CUDACC_RTC__
+#define MOD_COLD static __device__ __noinline__
+#else
+#define MOD_COLD static
+#endif
+
+MOD_COLD void mod_fail(const attn_mods_gpu *m, int arr, int axis, int64_t i, int64_t n)
 {
     int64_t *e = m->err;
 #ifdef __CUDACC_RTC__
@@ -154,13 +166,17 @@ DEV void mod_fail(const attn_mods_gpu *m, int arr, int axis, int64_t i, int64_t 
     e[4] = n;
 }
 
-/* One axis' index, normalised and checked; clamped after a failure; -1 for an empty axis. */
-DEV int64_t mod_axis(const attn_mods_gpu *m, int arr, int axis, int64_t i)
+/* One axis' index, normalised and checked; clamped when out of range (-1 for an empty axis),
+ * which is reported (bad NULL: the _check twins) or noted in *bad (the generated functions). */
+DEV int64_t mod_axis(const attn_mods_gpu *m, int arr, int axis, int64_t i, int *bad)
 {
     const int64_t n = m->a[arr].shape[axis];
     int64_t j = i < 0 ? i + n : i;
     if (j < 0 || j >= n) {
-        mod_fail(m, arr, axis, i, n);
+        if (bad)
+            *bad = 1;
+        else
+            mod_fail(m, arr, axis, i, n);
         j = j < 0 ? 0 : n - 1;
     }
     return j;
@@ -168,13 +184,13 @@ DEV int64_t mod_axis(const attn_mods_gpu *m, int arr, int axis, int64_t i)
 
 /* The element offset of array arr at the first nidx indices; -1 when the array is empty. */
 DEV int64_t mod_offset(const attn_mods_gpu *m, int arr, int nidx, int64_t i0, int64_t i1, int64_t i2,
-                       int64_t i3)
+                       int64_t i3, int *bad)
 {
     const int64_t idx[ATTN_MOD_DIMS] = {i0, i1, i2, i3};
     int64_t off = 0;
     int empty = 0;
     for (int ax = 0; ax < nidx; ax++) {
-        const int64_t j = mod_axis(m, arr, ax, idx[ax]);
+        const int64_t j = mod_axis(m, arr, ax, idx[ax], bad);
         empty |= j < 0;
         off += j * m->a[arr].s[ax];
     }

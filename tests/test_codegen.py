@@ -465,3 +465,62 @@ def test_gpu_call_binds_reports_and_returns_on_the_fake_driver(fake_libcuda):
     """, ATTNEXT_LIBCUDA=fake_libcuda["full"], ATTNEXT_CACHE_DIR="off", PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]))
     assert out.strip() == "ok"
+
+
+QUIET_PROGRAM = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stddef.h>
+#define DEV static inline
+#include "attn_params.h"
+#include "attn_mods.cuh"
+#include "attn_mod_gen.cuh"
+
+int main(void)
+{
+    static attn_mods_gpu m;
+    static float table[5] = {1, 2, 3, 4, 5};
+    static int64_t err[5];
+    int bad = 0;
+    m.a[0].ptr = table;
+    m.a[0].shape[0] = 5;
+    m.a[0].s[0] = 1;
+    m.err = err;
+    float v = mod_score_q(0.f, 0, 0, 0, 7, &m, &bad);      /* table[5]: clamped to table[4] */
+    printf("%g %d %lld\n", v, bad, (long long)err[0]);
+    mod_score_check(0.f, 0, 0, 0, 7, &m);
+    printf("%lld %lld %lld %lld %lld\n", (long long)err[0], (long long)err[1], (long long)err[2],
+           (long long)err[3], (long long)err[4]);
+    bad = 0;
+    v = mod_score_q(0.f, 0, 0, 0, 3, &m, &bad);
+    printf("%g %d\n", v, bad);
+    return 0;
+}
+"""
+
+
+def test_kernel_lookups_note_and_the_check_twin_reports(cc, tmp_path):
+    """What the kernels inline (mod_score_q) clamps an index out of range and sets *bad without
+    touching the error record; its out-of-line twin (mod_score_check) repeats the lookups and
+    reports (attn_common.cuh: a tile calls it once for a pair that noted one)."""
+    table = np.arange(5, dtype=np.float32) + 1
+
+    def score_mod(s, b, h, qi, ki):
+        return s + table[ki - 2]
+
+    gen = codegen.generate(trace.trace_score_mod(score_mod))
+    d = tmp_path / "quiet"
+    d.mkdir()
+    (d / codegen.HEADER).write_text(gen.source)
+    (d / "main.c").write_text(QUIET_PROGRAM)
+    exe = d / "main"
+    subprocess.run([cc, "-std=c11", "-O1", "-Wall", "-Werror", "-Wno-unused-variable",
+                    "-Wno-unused-function", "-Wno-unused-but-set-variable",
+                    *(f"-D{k}={v}" for k, v in gen.defines.items()),
+                    *(f"-I{p}" for p in INCLUDES + [str(d)]), str(d / "main.c"), "-o", str(exe), "-lm"],
+                   check=True, capture_output=True, text=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
+    assert out[0] == "5 1 0"              # clamped read, noted, not reported
+    assert out[1] == "1 0 0 5 5"          # the twin reports array 0, axis 0, index 5, size 5
+    assert out[2] == "2 0"                # in range: table[1], nothing noted

@@ -91,3 +91,47 @@ def test_dq_mode(monkeypatch):
     assert mode(True, 128, True) == mode(True, 128, False) == "recompute"
     monkeypatch.setenv("ATTNEXT_TILE_BWD_SM90", "8,4")
     assert kernels.bwd_sm90_tile(64, "ordered")["kv_warps"] == 4   # one dQ partial per CTA
+
+
+def test_a_call_with_mods_compiles_its_entry_points_alone():
+    """kernels.module_of: with mods, an entry point that reads none of them comes from the plain
+    variant (warmup's), every other one is compiled alone (ATTN_ENTRY_ONLY); without mods, the
+    whole file. The entry point compiled alone is the only function in its cubin."""
+    if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
+        pytest.skip("ATTNEXT_NO_NVRTC=1")
+    from attnext import _C, codegen, trace
+    gen = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s + (q - kv) * 0.5))
+    features = dict(dtype="bfloat16", D=128, Dv=128, vec=True, softcap=False, bias_dtype=None,
+                    alibi_dtype=None, mask=True)
+    plain = kernels.bwd_defines(**features, tile=kernels.bwd_sm90_tile(128, "recompute"))
+    with_mods = kernels.bwd_defines(**features, tile=kernels.bwd_sm90_tile(128, "recompute"), mods=gen)
+    assert kernels.plain_defines(with_mods) == plain and kernels.plain_defines(plain) is plain
+    assert kernels.module_of("attn_bwd", "attn_bwd_pre", with_mods, gen.source) == ("attn_bwd", plain, None)
+    assert kernels.module_of("attn_bwd_sm90", "attn_bwd_dq_sm90", plain, None) == ("attn_bwd_sm90", plain, None)
+    k, d, g = kernels.module_of("attn_bwd_sm90", "attn_bwd_dq_sm90", with_mods, gen.source)
+    assert d["ATTN_ENTRY_ONLY"] == 1 and d["ATTN_ENTRY_attn_bwd_dq_sm90"] == 1 and g == gen.source
+    kernels.nvrtc()
+    cubin, _ = _C.nvrtc_compile(*kernels.compile_args(k, d, "sm_90a", g))
+    assert b"attn_bwd_dq_sm90" in cubin and b"attn_bwd_dkdv_sm90" not in cubin
+
+
+def test_block_mask_kernel_compiles_alone_and_reports_out_of_line():
+    """A call with a mask_mod prefetches attn_block_mask beside its entry points (block_mask_specs:
+    none without one); it is compiled alone like them, and its lookups report through the
+    generated mod_mask_check (once per thread, as the tiles do), not inline at every pair."""
+    if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
+        pytest.skip("ATTNEXT_NO_NVRTC=1")
+    import numpy as np
+
+    from attnext import _C, codegen, trace
+    doc = np.repeat(np.arange(4), 16)
+    gen = codegen.generate(None, trace.trace_mask_mod(lambda b, h, q, kv: doc[q] == doc[kv]))
+    assert kernels.block_mask_specs(None) == []
+    assert kernels.block_mask_specs(codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s * 2.0))) == []
+    [spec] = kernels.block_mask_specs(gen)
+    k, d, g = kernels.module_of(*spec)
+    assert k == "attn_block_mask" and d["ATTN_ENTRY_ONLY"] == 1 and d["ATTN_ENTRY_attn_block_mask"] == 1
+    kernels.nvrtc()
+    for arch in ("sm_80", "sm_90a"):
+        cubin, _ = _C.nvrtc_compile(*kernels.compile_args(k, d, arch, g))
+        assert b"attn_block_mask" in cubin and b"mod_mask_check" in cubin, arch
