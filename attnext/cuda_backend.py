@@ -26,7 +26,7 @@ import types
 import ml_dtypes
 import numpy as np
 
-from . import _C, codegen, device as _device, kernels, mod_cache, staging, trace
+from . import _C, bounds, codegen, device as _device, kernels, mod_cache, staging, trace
 from .devview import DevView
 from .kernel_cache import LRU
 from .staging import to_host  # noqa: F401  (api.py reads GPU arrays' lengths through here)
@@ -245,7 +245,7 @@ def _bind_mods(o, stage, backward):
     tm = trace.trace_mask_mod(o.mask_mod) if o.mask_mod is not None else None
     gen = codegen.generated(ts, tm)
     floats = list(ts.params if ts is not None else ()) + list(tm.params if tm is not None else ())
-    arrays, sources, serials, names = [], [], {}, codegen.call_arrays(ts, tm)
+    arrays, sources, serials, values, names = [], [], {}, {}, codegen.call_arrays(ts, tm)
     for (kind, name), (_, _, vt) in zip(names, gen.arrays):
         src = np.asarray((ts if kind == "score_mod" else tm).arrays[name])
         copy = mod_cache.array_copy(src, lambda h, vt=vt: codegen.storage(h, vt), stage.device, stage.stream)
@@ -253,8 +253,11 @@ def _bind_mods(o, stage, backward):
         arrays.append((a.ptr if a.size else 0, a.shape, a.strides))     # an empty array is never read
         sources.append(src)
         serials.setdefault(kind, []).append(copy.serial)
+        if copy.values is not None:
+            values.setdefault(kind, {})[name] = copy.values
     bound = types.SimpleNamespace(gen=gen, names=names, sources=sources, dacc=None, offsets={}, keep_mask=None,
-                                  mask_built=False, backward=backward)
+                                  mask_built=False, backward=backward,
+                                  can_fail=_lookups_can_fail(o, ts, tm, values))
     bound.err = stage.scratch((5,), np.int64)
     _C.memset_d8(bound.err.ptr, 0, 5 * 8, stage.stream, stage.device)
     dacc_ptr = 0
@@ -279,6 +282,16 @@ def _bind_mods(o, stage, backward):
         blocks = (bound.blocks.ptr, nh * rows * cols if nb > 1 else 0, rows * cols if nh > 1 else 0, rows, cols)
     bound.gmods = codegen.pack(gen, floats, arrays, bound.err.ptr, dacc_ptr, bound.offsets, blocks)
     return bound
+
+
+def _lookups_can_fail(o, ts, tm, values):
+    """Whether some lookup of the call's score_mod / mask_mod may leave its array: the ones
+    attnext.bounds cannot prove in range over the call's extents (the longest sequence's rows
+    and columns, every head and sequence). When none may, the error record stays zero and the
+    call need not wait for the kernels to read it."""
+    extents = bounds.Extents(o.B, o.Hq, _query_rows(o), _key_rows(o))
+    return not all(all(bounds.in_range(t, extents, values.get(kind)))
+                   for kind, t in (("score_mod", ts), ("mask_mod", tm)) if t is not None)
 
 
 def _block_cells(o, gen):
@@ -322,7 +335,7 @@ def _finish_mods(stage, bound):
     if bound is None:
         return {}
     err = np.zeros(5, np.int64)
-    if bound.gen.arrays:        # without captured arrays nothing is looked up: no need to wait
+    if bound.can_fail:          # no lookup that may leave its array: no need to wait
         stage.download(bound.err, err)
     if err[0]:
         raise codegen.index_error(bound.names, err)

@@ -62,8 +62,10 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
                     bool need_mask, int G, int Lq, int Lk)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#if ATTN_GMODS
-    /* one copy of the generated code per score, not one per path (each copy costs compile time) */
+#if ATTN_GMODS && HAS_SCORE_MOD
+    /* one copy of the generated score_mod per score, not one per path (each copy costs compile
+     * time); a mask_mod alone has two paths, as the plain kernels: tiles the block mask keeps
+     * whole take one multiply per score, and only the others carry its code */
     mod_fault fault = no_fault();
 #pragma unroll
     for (int i = 0; i < 2 * MT; i++) {
@@ -87,7 +89,7 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
     }
     report_fault(sc, fault);
 #else
-    int bad = 0;                                         /* no generated code: never set */
+    int bad = 0;                                         /* set by a mask_mod's lookup only */
     if (!need_mask) {
         const float scale_log2 = sc.scale * LOG2E;
 #pragma unroll
@@ -105,6 +107,7 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
 #endif
                 }
     } else {
+        mod_fault fault = no_fault();                    /* a mask_mod's lookups (ATTN_GMODS) */
 #pragma unroll
         for (int i = 0; i < 2 * MT; i++) {
             const int mt = i / 2, e0 = (i % 2) * 2;
@@ -120,8 +123,13 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
                     const int c = c0 + nt * 8 + 2 * t + (e & 1);
                     const bool keep = c >= lo_r && c < hi_r && mask_keeps(sc, r, c, bad);
                     s[mt][nt][e] = keep ? score_of(sc, s[mt][nt][e], r, c, bad) * LOG2E : NEG_INF;
+#if ATTN_GMODS
+                    note_fault(fault, bad, r, c, 0.f);
+                    bad = 0;
+#endif
                 }
         }
+        report_fault(sc, fault);
     }
 #endif
 }

@@ -79,6 +79,16 @@ assert info["arrays"]["entries"] <= mod_cache.ARRAY_ENTRIES, info
 mod_cache.clear()
 assert mod_cache.info()["block_masks"]["entries"] == 0
 assert run(doc_mask)[0] == 1
+# the error record is read back (the call waits for its kernels) only when attnext.bounds cannot
+# prove every lookup in range: doc[qi] over 256 rows of a 256-long array can never fail
+from attnext import staging
+reads = []
+_download = staging.Staging.download
+staging.Staging.download = lambda self, view, dst: (reads.append(dst.shape), _download(self, view, dst))[1]
+run(doc_mask)
+assert reads == [], reads
+run(lambda b, h, qi, ki: doc[qi + 1] == doc[ki])
+assert reads == [(5,)], reads
 print("ok")
 """
 
