@@ -159,17 +159,22 @@ def in_range(traced, extents, values=None):
     return tuple(flags)
 
 
+def value_range(a):
+    """(min, max) of an integer NumPy array's values, or None (empty, not integer, or past
+    int64)."""
+    if a.size == 0 or a.dtype.kind not in "iu":
+        return None
+    return _fits(int(a.min()), int(a.max()))
+
+
 def array_values(traced, arrays):
     """{name: (min, max)} of the integer captured arrays among arrays (name -> np.ndarray on the
     host); arrays that are empty, not integer or not on the host are left out."""
     import numpy as np
     out = {}
     for n in trace.topo(traced.out):
-        if n.op != "array" or n.dtype != trace.I:
-            continue
-        a = arrays.get(n.args[0])
-        if isinstance(a, np.ndarray) and a.size:
-            iv = _fits(int(a.min()), int(a.max()))
-            if iv is not None:
-                out[n.args[0]] = iv
+        a = arrays.get(n.args[0]) if n.op == "array" and n.dtype == trace.I else None
+        iv = value_range(a) if isinstance(a, np.ndarray) else None
+        if iv is not None:
+            out[n.args[0]] = iv
     return out

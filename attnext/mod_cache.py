@@ -29,7 +29,7 @@ import threading
 
 import numpy as np
 
-from . import _C, device
+from . import _C, bounds, device
 
 ARRAY_ENTRIES = 64               # device copies kept, and their bytes
 ARRAY_BYTES = 256 << 20
@@ -107,11 +107,7 @@ def array_copy(src, stored, dev, stream):
     d = device.empty(a.shape, a.dtype, dev, stream)
     if a.size:      # from pageable memory: the driver has taken the bytes when this returns
         _C.memcpy_htod(d.ptr, a.reshape(-1).view(np.uint8), stream, dev)
-    values = None
-    if host.size and host.dtype.kind in "iu":
-        lo, hi = int(host.min()), int(host.max())
-        values = (lo, hi) if -2 ** 63 <= lo and hi < 2 ** 63 else None
-    e = ArrayEntry(d, host, values)
+    e = ArrayEntry(d, host, bounds.value_range(host))
     with _lock:
         found = _arrays.get(key)
         group = [x for x in (found[0] if found else ()) if x is not e][-(PER_SHAPE - 1):] + [e]

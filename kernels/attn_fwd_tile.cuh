@@ -53,6 +53,17 @@ DEV bool tile_needs_mask(const attn_params &p, const score_ctx &sc, int m0, int 
            || !tile_inside_band(&p, m0 / G, (r_end - 1) / G + 1, c0, c0 + block_n, Lq, Lk);
 }
 
+/* The key columns [lo, hi) row r keeps by the lengths and the causal / window band; none for a
+ * row past Lq or when the tile needs no per-element test (need false). */
+DEV void row_band(const attn_params &p, bool need, int r, int Lq, int Lk, int &lo, int &hi)
+{
+    int64_t lo64 = 0, hi64 = 0;
+    if (need && r < Lq)
+        kv_range(&p, r, r + 1, Lq, Lk, &lo64, &hi64);
+    lo = (int)lo64;
+    hi = (int)hi64;
+}
+
 /* One key tile's raw q.k in s become scores in log2 units for a warp's rows: scale, the score
  * hook, and -inf for masked pairs. row0: the packed row of the warp's first row; c0: the tile's
  * first key column. A tile that needs no mask takes one multiply per score when the options
@@ -71,10 +82,8 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
     for (int i = 0; i < 2 * MT; i++) {
         const int mt = i / 2, e0 = (i % 2) * 2;
         const int r = (row0 + mt * 16 + g + (i % 2) * 8) / G;
-        int64_t lo64 = 0, hi64 = 0;                      /* the columns row r keeps */
-        if (need_mask && r < Lq)
-            kv_range(&p, r, r + 1, Lq, Lk, &lo64, &hi64);
-        const int lo_r = (int)lo64, hi_r = (int)hi64;
+        int lo_r, hi_r;
+        row_band(p, need_mask, r, Lq, Lk, lo_r, hi_r);
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -112,10 +121,8 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
         for (int i = 0; i < 2 * MT; i++) {
             const int mt = i / 2, e0 = (i % 2) * 2;
             const int r = (row0 + mt * 16 + g + (i % 2) * 8) / G;
-            int64_t lo64 = 0, hi64 = 0;                  /* the columns row r keeps */
-            if (r < Lq)
-                kv_range(&p, r, r + 1, Lq, Lk, &lo64, &hi64);
-            const int lo_r = (int)lo64, hi_r = (int)hi64;
+            int lo_r, hi_r;
+            row_band(p, true, r, Lq, Lk, lo_r, hi_r);
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
