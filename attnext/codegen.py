@@ -322,6 +322,9 @@ def pack(gen, floats, arrays, err_ptr, dacc_ptr, grad_offsets, blocks=(0, 0, 0, 
     blk_rows, blk_cols), ptr 0 for none."""
     rec = np.zeros((), MODS_DTYPE)
     rec["f"][:len(floats)] = np.asarray(floats, np.float32)
+    rec["a"]["grad"] = -1
+    for i, off in grad_offsets.items():
+        rec["a"][i]["grad"] = off
     for i, (ptr, shape, strides) in enumerate(arrays):
         a = rec["a"][i]
         a["ptr"] = ptr
@@ -329,9 +332,11 @@ def pack(gen, floats, arrays, err_ptr, dacc_ptr, grad_offsets, blocks=(0, 0, 0, 
         a["s"][:] = 0
         a["shape"][:len(shape)] = shape
         a["s"][:len(strides)] = strides
-    rec["a"]["grad"] = -1
-    for i, off in grad_offsets.items():
-        rec["a"][i]["grad"] = off
+        if 0 in tuple(shape):
+            # the kernels read element 0 of an empty array, unused (a lookup into it is always
+            # out of range; attn_mods.cuh): any readable word serves, the error record's
+            a["ptr"] = err_ptr
+            a["grad"] = -1                  # and its gradient has no element to add into
     rec["err"] = err_ptr
     rec["dacc"] = dacc_ptr
     rec["blocks"] = blocks[0]

@@ -436,7 +436,7 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(cons
                                                  Lk - (c0 + Q_BLOCK_N), HEAD_DIM_V, tid);
         cp_async_commit();
 
-        ds_tile<true>(s, dp, p, sc, ri, m0, c0, Lq, Lk);
+        ds_tile<true>(s, dp, p, sc, ri, m0, c0, ds_needs_mask(p, sc, m0, c0, Lq, Lk), Lq, Lk);
         uint32_t a[Q_MT][Q_NT / 2][4];
         pack_frag<Q_MT, Q_NT / 2>(a, s);
         mma_fb<Q_MT, Q_NT / 2, DP / 8, DP + SMEM_PAD>(dq, a, kb, lane);
@@ -564,7 +564,7 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dbias(c
                     zero_acc(dp);
                     mma_abt<Q_MT, Q_NT, DP>(s, sQ + warp * Q_WARP_M * (DP + SMEM_PAD), sK, lane);
                     mma_abt<Q_MT, Q_NT, DVP>(dp, sdO + warp * Q_WARP_M * (DVP + SMEM_PAD), sV, lane);
-                    ds_tile<false>(s, dp, p, sc, ri, m0, c0, Lq, Lk);
+                    ds_tile<false>(s, dp, p, sc, ri, m0, c0, ds_needs_mask(p, sc, m0, c0, Lq, Lk), Lq, Lk);
 #pragma unroll
                     for (int mt = 0; mt < Q_MT; mt++)
 #pragma unroll

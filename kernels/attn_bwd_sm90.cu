@@ -279,13 +279,14 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
         mma_ss64<HEAD_DIM>(s[0], sK + wg * 64 * 128, KV_BLOCK_N, qb, KV_BLOCK_M);
         mma_ss64<HEAD_DIM_V>(dp[0], sV + wg * 64 * 128, KV_BLOCK_N, dob, KV_BLOCK_M);
         wgmma_commit();
+        /* asked while the products run (a mask_mod's block mask is a global load away) */
+        const bool need_mask = tile_maybe_masked(sc, m0, min(m0 + KV_BLOCK_M, Lq), n0, min(n0 + KV_BLOCK_N, Lk))
+                               || n0 + KV_BLOCK_N > Lk || m0 + KV_BLOCK_M > Lq
+                               || !tile_inside_band(&p, m0, min(m0 + KV_BLOCK_M, Lq), n0, n0 + KV_BLOCK_N, Lq, Lk);
         wgmma_wait<0>();
         fence_acc(s[0]);
         fence_acc(dp[0]);
 
-        const bool need_mask = tile_maybe_masked(sc, m0, min(m0 + KV_BLOCK_M, Lq), n0, min(n0 + KV_BLOCK_N, Lk))
-                               || n0 + KV_BLOCK_N > Lk || m0 + KV_BLOCK_M > Lq
-                               || !tile_inside_band(&p, m0, min(m0 + KV_BLOCK_M, Lq), n0, n0 + KV_BLOCK_N, Lq, Lk);
         uint32_t pp[1][KV_NT / 2][4], pd[1][KV_NT / 2][4];
         pt_tile(s, pp, sc, sL + buf * KV_BLOCK_M, n0 + warp * 16, m0, qlo, qhi, need_mask);
         wgmma_fence();
@@ -391,11 +392,12 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq_sm90
         mma_ss64<HEAD_DIM>(s[0], sQ + wg * 64 * 128, Q_BLOCK_M, sK + buf * QK_BYTES, Q_BLOCK_N);
         mma_ss64<HEAD_DIM_V>(dp[0], sdO + wg * 64 * 128, Q_BLOCK_M, sV + buf * QV_BYTES, Q_BLOCK_N);
         wgmma_commit();
+        const bool need = ds_needs_mask(p, sc, m0, n * Q_BLOCK_N, Lq, Lk);   /* while the products run */
         wgmma_wait<0>();
         fence_acc(s[0]);
         fence_acc(dp[0]);
 
-        ds_tile<true>(s, dp, p, sc, ri, m0, n * Q_BLOCK_N, Lq, Lk);
+        ds_tile<true>(s, dp, p, sc, ri, m0, n * Q_BLOCK_N, need, Lq, Lk);
         uint32_t a[1][Q_NT / 2][4];
         pack_frag<1, Q_NT / 2>(a, s);
         wgmma_fence();

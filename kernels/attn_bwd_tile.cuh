@@ -73,6 +73,16 @@ DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const float scale_log2 = sc.scale * LOG2E;
     mod_fault fault = no_fault();
+#if ATTN_GMODS
+    /* the generated kernels: which pairs the tile keeps first (keep_pass: a mask_mod's lookups
+     * in one batch), then the scores, branch-free where they may run anywhere (SCORE_ANYWHERE) */
+    bool keep[1][NT][4];
+    keep_pass(sc, need_mask, s, keep, fault, [&](int, int nt, int e, int &r, int &c, bool &band) {
+        c = n0w + g + (e / 2) * 8;
+        r = m0 + nt * 8 + 2 * t + (e & 1);
+        band = r >= qlo[e / 2] && r < qhi[e / 2];
+    });
+#endif
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -83,11 +93,22 @@ DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score
                 const int e = half * 2 + x;
                 const int c = n0w + g + half * 8;
                 const int rl = nt * 8 + 2 * t + x, r = m0 + rl;
-                int bad = 0;
-                const bool keep = !need_mask || (r >= qlo[half] && r < qhi[half] && mask_keeps(sc, r, c, bad));
                 const float raw = s[0][nt][e];
                 float pv = 0.f, grad = 1.f;
-                if (keep) {
+                int bad = 0;
+#if SCORE_ANYWHERE
+                const bool k = keep[0][nt][e];
+                const float pk = fast_exp2(kept_score(sc, k, raw, r, c, bad) * LOG2E - lb[rl]);
+                const float gk = score_grad(sc, raw, r, c);
+                pv = k ? pk : 0.f;
+                grad = k ? gk : 1.f;
+#else
+#if ATTN_GMODS
+                const bool k = keep[0][nt][e];
+#else
+                const bool k = !need_mask || (r >= qlo[half] && r < qhi[half] && mask_keeps(sc, r, c, bad));
+#endif
+                if (k) {
 #if SCORE_IS_PLAIN
                     pv = fast_exp2(raw * scale_log2 - lb[rl]);
 #else
@@ -95,6 +116,7 @@ DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score
 #endif
                     grad = score_grad(sc, raw, r, c);
                 }
+#endif
                 note_fault(fault, bad, r, c, raw);
                 pr[x] = pv;
                 s[0][nt][e] = pv * grad;
@@ -209,20 +231,34 @@ DEV void load_row_info(const attn_params &p, const seq_t &sq, const seq_t &sk, i
     }
 }
 
+/* Whether the dQ / dbias tile of rows m0.. x the key tile at c0 needs ds_tile's per-element
+ * tests (a kernel asks while the tile's products run). */
+DEV bool ds_needs_mask(const attn_params &p, const score_ctx &sc, int m0, int c0, int Lq, int Lk)
+{
+    return tile_maybe_masked(sc, m0, min(m0 + Q_BLOCK_M, Lq), c0, min(c0 + Q_BLOCK_N, Lk))
+           || c0 + Q_BLOCK_N > Lk || m0 + Q_BLOCK_M > Lq
+           || !tile_inside_band(&p, m0, min(m0 + Q_BLOCK_M, Lq), c0, c0 + Q_BLOCK_N, Lq, Lk);
+}
+
 /* dS for this warp's rows x the key tile at c0, in place of s (S = Q K^T, raw dots) from dp
  * (dO V^T): the gradient of the score before score_mod (dbias) or WITH_GRAD times score_grad
  * (dq; its kernels also scatter the score_mod's array gradients, each pair once). Pairs outside
  * the kept set give exactly 0. */
 template <bool WITH_GRAD>
 DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], const attn_params &p,
-                 const score_ctx &sc, const row_info &ri, int m0, int c0, int Lq, int Lk)
+                 const score_ctx &sc, const row_info &ri, int m0, int c0, bool need_mask, int Lq, int Lk)
 {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const float scale_log2 = sc.scale * LOG2E;
-    const bool need_mask = tile_maybe_masked(sc, m0, min(m0 + Q_BLOCK_M, Lq), c0, min(c0 + Q_BLOCK_N, Lk))
-                           || c0 + Q_BLOCK_N > Lk || m0 + Q_BLOCK_M > Lq
-                           || !tile_inside_band(&p, m0, min(m0 + Q_BLOCK_M, Lq), c0, c0 + Q_BLOCK_N, Lq, Lk);
     mod_fault fault = no_fault();
+#if ATTN_GMODS
+    bool keep[Q_MT][Q_NT][4];             /* as pt_tile's */
+    keep_pass(sc, need_mask, s, keep, fault, [&](int mt, int nt, int e, int &r, int &c, bool &band) {
+        r = m0 + warp * Q_WARP_M + mt * 16 + g + (e / 2) * 8;
+        c = c0 + nt * 8 + 2 * t + (e & 1);
+        band = c >= ri.lo[mt * 2 + e / 2] && c < ri.hi[mt * 2 + e / 2];
+    });
+#endif
 #pragma unroll
     for (int mt = 0; mt < Q_MT; mt++)
 #pragma unroll
@@ -232,11 +268,28 @@ DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], co
                 const int i = mt * 2 + e / 2;
                 const int r = m0 + warp * Q_WARP_M + mt * 16 + g + (e / 2) * 8;
                 const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                int bad = 0;
-                const bool keep = !need_mask || (c >= ri.lo[i] && c < ri.hi[i] && mask_keeps(sc, r, c, bad));
                 const float raw = s[mt][nt][e];
+                int bad = 0;
                 float ds = 0.f;
-                if (keep) {
+#if SCORE_ANYWHERE
+                const bool k = keep[mt][nt][e];
+                const float pv = fast_exp2(kept_score(sc, k, raw, r, c, bad) * LOG2E - ri.lse2[i]);
+                ds = k ? pv * (dp[mt][nt][e] - ri.delta[i]) : 0.f;
+                if (WITH_GRAD) {
+                    score_dtensors(sc, raw, r, c, ds);
+                    const float gk = score_grad(sc, raw, r, c);
+                    ds = k ? ds * gk : 0.f;
+                } else if (HAS_SCORE_MOD) {
+                    const float gk = score_mod_grad(sc, raw, r, c);
+                    ds = k ? ds * gk : 0.f;
+                }
+#else
+#if ATTN_GMODS
+                const bool k = keep[mt][nt][e];
+#else
+                const bool k = !need_mask || (c >= ri.lo[i] && c < ri.hi[i] && mask_keeps(sc, r, c, bad));
+#endif
+                if (k) {
 #if SCORE_IS_PLAIN
                     const float pv = fast_exp2(raw * scale_log2 - ri.lse2[i]);
 #else
@@ -250,10 +303,12 @@ DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], co
                         ds *= score_mod_grad(sc, raw, r, c);
                     }
                 }
+#endif
                 note_fault(fault, bad, r, c, raw);
                 s[mt][nt][e] = ds;
             }
     report_fault(sc, fault);
 }
+
 
 #endif

@@ -323,6 +323,24 @@ DEV float score_of(const score_ctx &s, float dot, int r, int c, int &bad)
 #endif
 }
 
+/* Whether score_of may run at a pair that no mask keeps, for a branch-free tile: the generated
+ * kernels' lookups clamp; a bias array ends with the lengths, so with one the scores run where
+ * kept only. */
+#define SCORE_ANYWHERE (ATTN_GMODS && !HAS_BIAS)
+
+/* score_of where keep, -inf elsewhere; bad as score_of's, where keep only. */
+DEV float kept_score(const score_ctx &s, bool keep, float dot, int r, int c, int &bad)
+{
+#if SCORE_ANYWHERE
+    int b = 0;
+    const float x = score_of(s, dot, r, c, b);
+    bad |= keep ? b : 0;
+    return keep ? x : NEG_INF;
+#else
+    return keep ? score_of(s, dot, r, c, bad) : NEG_INF;
+#endif
+}
+
 /* d score_mod / d its score argument at (r, c) (1 without one): what dbias carries. Its lookups
  * are score_of's at the same pair, which reports them. */
 DEV float score_mod_grad(const score_ctx &s, float dot, int r, int c)
@@ -369,6 +387,28 @@ DEV bool mask_keeps(const score_ctx &s, int r, int c, int &bad)
     keep = mod_mask_q(s.b, s.h, r, c, s.mods, &bad) && keep;
 #endif
     return keep;
+}
+
+/* Whether a tile that needs the per-element test keeps the pair (r, c), band: the pair lies
+ * inside its row's lengths and causal / window band. mask_mod runs at every pair, band or not,
+ * with no branch around it: its lookups clamp, so it can, and a tile's loads then issue together
+ * instead of one latency after another behind a branch per pair; its faults count inside the
+ * band only (bad), as if it had run there alone. The mask array is read inside the band only
+ * (it has nothing past the lengths). */
+DEV bool pair_keeps(const score_ctx &s, int r, int c, bool band, int &bad)
+{
+#if HAS_MASK_MOD
+    int b = 0;
+    const bool mod = mod_mask_q(s.b, s.h, r, c, s.mods, &b) != 0;
+    bad |= band ? b : 0;
+#else
+    const bool mod = true;
+#endif
+#if MASK_ARRAY
+    return band && mod && s.mask[r * s.mask_sr + c * s.mask_sc] != 0;
+#else
+    return band && mod;
+#endif
 }
 
 /* mask_mod's block mask over rows [r0, r1) x columns [c0, c1) inside the lengths, for query
@@ -501,6 +541,39 @@ DEV void report_fault(const score_ctx &s, const mod_fault &f)
     if (f.r >= 0)
         mods_report(s, f);
 #endif
+}
+
+/* Which pairs of a warp's MT x NT fragment of scores (mma C layout) a tile keeps: all when it
+ * needs no per-element test (need false), else pair_keeps at each; pair(mt, nt, e, r, c, band)
+ * names element [mt][nt][e]'s query row, key column and whether it lies inside the band. The
+ * generated kernels take this pass before the scores: mask_mod's code then exists once, outside
+ * the score_mod's, and a masked tile's lookups run as one batch. Faults are noted with the
+ * pair's raw dot (s). */
+template <int MT, int NT, typename Pair>
+DEV void keep_pass(const score_ctx &sc, bool need, const float (&s)[MT][NT][4], bool (&keep)[MT][NT][4],
+                   mod_fault &fault, Pair pair)
+{
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                keep[mt][nt][e] = true;
+    if (!need)
+        return;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int r, c, bad = 0;
+                bool band;
+                pair(mt, nt, e, r, c, band);
+                keep[mt][nt][e] = pair_keeps(sc, r, c, band, bad);
+                note_fault(fault, bad, r, c, s[mt][nt][e]);
+            }
 }
 
 #endif

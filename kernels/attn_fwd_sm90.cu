@@ -140,10 +140,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
                    sw128_desc(sK + (n & 1) * K_BYTES + (kk >> 2) * (BLOCK_N * 128) + off, 16, 1024), kk > 0);
         }
     };
+    /* whether tile n needs the per-element tests: asked while its S product runs (a mask_mod's
+     * block mask is a global load away) */
+    auto needs_mask = [&](int n) {
+        return tile_needs_mask(p, sc, m0, BLOCK_M, r_end, n * BLOCK_N, BLOCK_N, 1, Lq, Lk);
+    };
     /* the scores of tile n in s become P (and the row statistics move); corrs: O's factors */
-    auto softmax = [&](float (&s)[1][NT][4], int n, float (&corrs)[2]) {
-        const int c0 = n * BLOCK_N;
-        score_tile(p, sc, s, row0, c0, tile_needs_mask(p, sc, m0, BLOCK_M, r_end, c0, BLOCK_N, 1, Lq, Lk), 1, Lq, Lk);
+    auto softmax = [&](float (&s)[1][NT][4], int n, bool need, float (&corrs)[2]) {
+        score_tile(p, sc, s, row0, n * BLOCK_N, need, 1, Lq, Lk);
         softmax_update(s, m, l, corrs);
     };
 
@@ -179,9 +183,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
         float s[1][NT][4], corrs[2];
         issue_s(s[0], n_last);
         wgmma_commit();
+        const bool need = needs_mask(n_last);
         wgmma_wait<0>();
         fence_acc(s[0]);
-        softmax(s, n_last, corrs);
+        softmax(s, n_last, need, corrs);
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; kk++)
             p_fragment(s, 0, kk, pa[kk]);
@@ -209,6 +214,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
         float s[1][NT][4], corrs[2];
         issue_s(s[0], n - 1);
         wgmma_commit();
+        const bool need = needs_mask(n - 1);
         if (ATTN_GMODS && n > n_last) {                  /* the prologue step */
             wgmma_wait<0>();
         } else {
@@ -216,7 +222,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
             wgmma_wait<1>();                             /* S[n - 1]; P[n] V[n] may still run */
         }
         fence_acc(s[0]);
-        softmax(s, n - 1, corrs);
+        softmax(s, n - 1, need, corrs);
         wgmma_wait<0>();
         fence_acc(o[0]);
         rescale_o(o, corrs);

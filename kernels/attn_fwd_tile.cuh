@@ -74,31 +74,36 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #if ATTN_GMODS && HAS_SCORE_MOD
-    /* one copy of the generated score_mod per score, not one per path (each copy costs compile
-     * time); a mask_mod alone has two paths, as the plain kernels: tiles the block mask keeps
-     * whole take one multiply per score, and only the others carry its code */
+    /* a score_mod: which pairs the tile keeps first (keep_pass: a mask_mod's lookups in one
+     * batch), then one path for every tile, so that the score_mod's code exists once (each copy
+     * costs NVRTC time), branch-free (kept_score) */
     mod_fault fault = no_fault();
+    int lo[2 * MT], hi[2 * MT];
 #pragma unroll
-    for (int i = 0; i < 2 * MT; i++) {
-        const int mt = i / 2, e0 = (i % 2) * 2;
-        const int r = (row0 + mt * 16 + g + (i % 2) * 8) / G;
-        int lo_r, hi_r;
-        row_band(p, need_mask, r, Lq, Lk, lo_r, hi_r);
+    for (int i = 0; i < 2 * MT; i++)
+        row_band(p, need_mask, (row0 + (i / 2) * 16 + g + (i % 2) * 8) / G, Lq, Lk, lo[i], hi[i]);
+    bool keep[MT][NT][4];
+    keep_pass(sc, need_mask, s, keep, fault, [&](int mt, int nt, int e, int &r, int &c, bool &band) {
+        r = (row0 + mt * 16 + g + (e / 2) * 8) / G;
+        c = c0 + nt * 8 + 2 * t + (e & 1);
+        band = c >= lo[mt * 2 + e / 2] && c < hi[mt * 2 + e / 2];
+    });
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-            for (int e = e0; e < e0 + 2; e++) {
+            for (int e = 0; e < 4; e++) {
+                const int r = (row0 + mt * 16 + g + (e / 2) * 8) / G;
                 const int c = c0 + nt * 8 + 2 * t + (e & 1);
                 const float dot = s[mt][nt][e];
                 int bad = 0;
-                const bool keep = !need_mask || (c >= lo_r && c < hi_r && mask_keeps(sc, r, c, bad));
-                s[mt][nt][e] = keep ? score_of(sc, dot, r, c, bad) * LOG2E : NEG_INF;
+                s[mt][nt][e] = kept_score(sc, keep[mt][nt][e], dot, r, c, bad) * LOG2E;
                 note_fault(fault, bad, r, c, dot);
             }
-    }
     report_fault(sc, fault);
 #else
-    int bad = 0;                                         /* set by a mask_mod's lookup only */
+    int bad = 0;
     if (!need_mask) {
         const float scale_log2 = sc.scale * LOG2E;
 #pragma unroll
@@ -116,7 +121,31 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
 #endif
                 }
     } else {
-        mod_fault fault = no_fault();                    /* a mask_mod's lookups (ATTN_GMODS) */
+#if ATTN_GMODS
+        /* a mask_mod alone: its verdicts in one batch (keep_pass), then the kept scores */
+        mod_fault fault = no_fault();
+        int lo[2 * MT], hi[2 * MT];
+#pragma unroll
+        for (int i = 0; i < 2 * MT; i++)
+            row_band(p, true, (row0 + (i / 2) * 16 + g + (i % 2) * 8) / G, Lq, Lk, lo[i], hi[i]);
+        bool keep[MT][NT][4];
+        keep_pass(sc, true, s, keep, fault, [&](int mt, int nt, int e, int &r, int &c, bool &band) {
+            r = (row0 + mt * 16 + g + (e / 2) * 8) / G;
+            c = c0 + nt * 8 + 2 * t + (e & 1);
+            band = c >= lo[mt * 2 + e / 2] && c < hi[mt * 2 + e / 2];
+        });
+        report_fault(sc, fault);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int r = (row0 + mt * 16 + g + (e / 2) * 8) / G;
+                    const int c = c0 + nt * 8 + 2 * t + (e & 1);
+                    s[mt][nt][e] = kept_score(sc, keep[mt][nt][e], s[mt][nt][e], r, c, bad) * LOG2E;
+                }
+#else
 #pragma unroll
         for (int i = 0; i < 2 * MT; i++) {
             const int mt = i / 2, e0 = (i % 2) * 2;
@@ -130,13 +159,9 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
                     const int c = c0 + nt * 8 + 2 * t + (e & 1);
                     const bool keep = c >= lo_r && c < hi_r && mask_keeps(sc, r, c, bad);
                     s[mt][nt][e] = keep ? score_of(sc, s[mt][nt][e], r, c, bad) * LOG2E : NEG_INF;
-#if ATTN_GMODS
-                    note_fault(fault, bad, r, c, 0.f);
-                    bad = 0;
-#endif
                 }
         }
-        report_fault(sc, fault);
+#endif
     }
 #endif
 }

@@ -9,7 +9,7 @@
  *
  * Lookups. An index is normalised as NumPy does (negative counts from the end); one out of range
  * sets the error flag (the host raises IndexError naming the array) and reads a clamped element
- * instead, so nothing outside the array is ever read. An empty array reads as 0.
+ * instead, so nothing outside the array is ever read.
  *
  * Gradients, deterministically. Every adjoint v is a float32 m * 2^e (m < 2^24 an integer,
  * e >= -149): it is added exactly as integer digits to a fixed-point number of MOD_LIMBS
@@ -166,8 +166,9 @@ MOD_COLD void mod_fail(const attn_mods_gpu *m, int arr, int axis, int64_t i, int
     e[4] = n;
 }
 
-/* One axis' index, normalised and checked; clamped when out of range (-1 for an empty axis),
- * which is reported (bad NULL: the _check twins) or noted in *bad (the generated functions). */
+/* One axis' index, normalised and checked; clamped into [0, n - 1] when out of range (0 for an
+ * empty axis), which is reported (bad NULL: the _check twins) or noted in *bad (the generated
+ * functions). */
 DEV int64_t mod_axis(const attn_mods_gpu *m, int arr, int axis, int64_t i, int *bad)
 {
     const int64_t n = m->a[arr].shape[axis];
@@ -177,39 +178,46 @@ DEV int64_t mod_axis(const attn_mods_gpu *m, int arr, int axis, int64_t i, int *
             *bad = 1;
         else
             mod_fail(m, arr, axis, i, n);
-        j = j < 0 ? 0 : n - 1;
+        j = j < 0 || n == 0 ? 0 : n - 1;
     }
     return j;
 }
 
-/* The element offset of array arr at the first nidx indices; -1 when the array is empty. */
+/* The element offset of array arr at the first nidx indices (clamped: never outside the array,
+ * 0 for an empty one, whose pointer the host points at a readable element: a lookup into an
+ * empty array is always out of range, so what it reads is never used). */
 DEV int64_t mod_offset(const attn_mods_gpu *m, int arr, int nidx, int64_t i0, int64_t i1, int64_t i2,
                        int64_t i3, int *bad)
 {
     const int64_t idx[ATTN_MOD_DIMS] = {i0, i1, i2, i3};
     int64_t off = 0;
-    int empty = 0;
-    for (int ax = 0; ax < nidx; ax++) {
-        const int64_t j = mod_axis(m, arr, ax, idx[ax], bad);
-        empty |= j < 0;
-        off += j * m->a[arr].s[ax];
-    }
-    return empty ? -1 : off;
+    for (int ax = 0; ax < nidx; ax++)
+        off += mod_axis(m, arr, ax, idx[ax], bad) * m->a[arr].s[ax];
+    return off;
 }
+
+/* Element loads, with no branch: on the GPU through the read-only path (ld.global.nc), since
+ * the captured arrays do not change while a kernel runs; the compiler may then merge the loads
+ * of one element (a row's doc[q_idx] at every column of the row). */
+#ifdef __CUDACC_RTC__
+#define MOD_LDG(T, p) ((T)__ldg(p))
+#else
+#define MOD_LDG(T, p) ((T)*(p))
+#endif
 
 DEV float mod_load_f(const attn_mods_gpu *m, int arr, int64_t off)
 {
-    return off < 0 ? 0.f : ((const float *)m->a[arr].ptr)[off];
+    return MOD_LDG(float, (const float *)m->a[arr].ptr + off);
 }
 
 DEV int64_t mod_load_i(const attn_mods_gpu *m, int arr, int64_t off)
 {
-    return off < 0 ? 0 : ((const int64_t *)m->a[arr].ptr)[off];
+    return MOD_LDG(int64_t, (const long long *)m->a[arr].ptr + off);
 }
 
 DEV int mod_load_b(const attn_mods_gpu *m, int arr, int64_t off)
 {
-    return off < 0 ? 0 : ((const uint8_t *)m->a[arr].ptr)[off] != 0;
+    return MOD_LDG(int, (const unsigned char *)m->a[arr].ptr + off) != 0;
 }
 
 /* ---------------------------------------------------------------- gradients */
@@ -234,7 +242,7 @@ DEV void mod_or_word(uint64_t *w, uint64_t x)
 /* dacc[element off of array arr] += v, exactly (see the top of this file). */
 DEV void mod_scatter(const attn_mods_gpu *m, int arr, int64_t off, float v)
 {
-    if (off < 0 || v == 0.f || m->a[arr].grad < 0)
+    if (v == 0.f || m->a[arr].grad < 0)            /* grad -1: no gradient, or an empty array */
         return;
     uint64_t *w = m->dacc + (m->a[arr].grad + off) * ATTN_MOD_WORDS;
     union { float f; uint32_t u; } bits;

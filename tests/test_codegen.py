@@ -38,7 +38,7 @@ HARNESS = r"""
 
 static void *take(FILE *f, size_t n)
 {
-    void *p = calloc(n ? n : 1, 1);
+    void *p = calloc(n ? n : 8, 1);     /* an empty array: one readable word (codegen.pack) */
     if (n && fread(p, 1, n, f) != n)
         exit(3);
     return p;
@@ -286,6 +286,31 @@ def test_negative_indices_count_from_the_end(cc, tmp_path, rng):
     _, _, keep, err, _ = run(exe, tmp_path, gen, bind(t, gen, "mask_mod"), pts)
     assert err[0] == 0
     np.testing.assert_array_equal(keep.astype(bool), table[-1 - pts[3]] > pts[4])
+
+
+def test_empty_array_lookup_reports_and_adds_nothing(cc, tmp_path, rng):
+    """A lookup into an empty array is out of range at every pair: reported, read from the one
+    word pack points it at, and its (empty) gradient gets nothing, whatever the other arrays."""
+    empty = np.zeros((mods.H_MAX, 0), np.float32)
+    bias = rng.standard_normal(mods.S_MAX).astype(np.float32)
+
+    def score_mod(s, b, h, qi, ki):
+        return s + bias[qi] + empty[h, ki]
+
+    t = trace.trace_score_mod(score_mod)
+    gen = codegen.generate(t)
+    bound = bind(t, gen, "score_mod")
+    rec = np.frombuffer(codegen.pack(gen, t.params, [(1234, a.shape, (1,) * a.ndim) for a in bound],
+                                     777, 0, {i: 0 for i in gen.grad_arrays}), codegen.MODS_DTYPE)[0]
+    k = [name for _, name, _ in gen.arrays].index("empty")
+    assert rec["a"][k]["ptr"] == 777 and rec["a"][k]["grad"] == -1
+    assert rec["a"][1 - k]["ptr"] == 1234 and rec["a"][1 - k]["grad"] == 0
+    exe = build(cc, tmp_path, gen)
+    pts = grid(rng)
+    _, _, _, err, grads = run(exe, tmp_path, gen, bound, pts, t.params)
+    assert err[0] == 1 and err[1] == k and err[2] == 1 and err[4] == 0
+    assert grads[k].shape == empty.shape
+    assert grads[1 - k].shape == bias.shape
 
 
 def test_gradient_accumulator_is_exact_in_any_order(cc, tmp_path, rng):
