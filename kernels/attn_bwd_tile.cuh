@@ -76,7 +76,7 @@ DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score
 #if ATTN_GMODS
     /* the generated kernels: which pairs the tile keeps first (keep_pass: a mask_mod's lookups
      * in one batch), then the scores, branch-free where they may run anywhere (SCORE_ANYWHERE) */
-    bool keep[1][NT][4];
+    tile_keep<1, NT> keep;
     keep_pass(sc, need_mask, s, keep, fault, [&](int, int nt, int e, int &r, int &c, bool &band) {
         c = n0w + g + (e / 2) * 8;
         r = m0 + nt * 8 + 2 * t + (e & 1);
@@ -97,14 +97,14 @@ DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score
                 float pv = 0.f, grad = 1.f;
                 int bad = 0;
 #if SCORE_ANYWHERE
-                const bool k = keep[0][nt][e];
+                const bool k = keep.at(0, nt, e);
                 const float pk = fast_exp2(kept_score(sc, k, raw, r, c, bad) * LOG2E - lb[rl]);
                 const float gk = score_grad(sc, raw, r, c);
                 pv = k ? pk : 0.f;
                 grad = k ? gk : 1.f;
 #else
 #if ATTN_GMODS
-                const bool k = keep[0][nt][e];
+                const bool k = keep.at(0, nt, e);
 #else
                 const bool k = !need_mask || (r >= qlo[half] && r < qhi[half] && mask_keeps(sc, r, c, bad));
 #endif
@@ -252,7 +252,7 @@ DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], co
     const float scale_log2 = sc.scale * LOG2E;
     mod_fault fault = no_fault();
 #if ATTN_GMODS
-    bool keep[Q_MT][Q_NT][4];             /* as pt_tile's */
+    tile_keep<Q_MT, Q_NT> keep;             /* as pt_tile's */
     keep_pass(sc, need_mask, s, keep, fault, [&](int mt, int nt, int e, int &r, int &c, bool &band) {
         r = m0 + warp * Q_WARP_M + mt * 16 + g + (e / 2) * 8;
         c = c0 + nt * 8 + 2 * t + (e & 1);
@@ -272,7 +272,7 @@ DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], co
                 int bad = 0;
                 float ds = 0.f;
 #if SCORE_ANYWHERE
-                const bool k = keep[mt][nt][e];
+                const bool k = keep.at(mt, nt, e);
                 const float pv = fast_exp2(kept_score(sc, k, raw, r, c, bad) * LOG2E - ri.lse2[i]);
                 ds = k ? pv * (dp[mt][nt][e] - ri.delta[i]) : 0.f;
                 if (WITH_GRAD) {
@@ -285,7 +285,7 @@ DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], co
                 }
 #else
 #if ATTN_GMODS
-                const bool k = keep[mt][nt][e];
+                const bool k = keep.at(mt, nt, e);
 #else
                 const bool k = !need_mask || (c >= ri.lo[i] && c < ri.hi[i] && mask_keeps(sc, r, c, bad));
 #endif

@@ -543,23 +543,30 @@ DEV void report_fault(const score_ctx &s, const mod_fault &f)
 #endif
 }
 
-/* Which pairs of a warp's MT x NT fragment of scores (mma C layout) a tile keeps: all when it
- * needs no per-element test (need false), else pair_keeps at each; pair(mt, nt, e, r, c, band)
- * names element [mt][nt][e]'s query row, key column and whether it lies inside the band. The
- * generated kernels take this pass before the scores: mask_mod's code then exists once, outside
- * the score_mod's, and a masked tile's lookups run as one batch. Faults are noted with the
- * pair's raw dot (s). */
+/* Which pairs of a warp's MT x NT fragment of scores (mma C layout) a tile keeps, a bit each
+ * (a bool each would hold a register each: the 128 x 128 forward spilled). */
+template <int MT, int NT>
+struct tile_keep {
+    uint32_t w[(MT * NT * 4 + 31) / 32];
+    __device__ __forceinline__ bool at(int mt, int nt, int e) const
+    {
+        const int i = (mt * NT + nt) * 4 + e;
+        return (w[i >> 5] >> (i & 31)) & 1u;
+    }
+};
+
+/* keep for a tile: every pair when it needs no per-element test (need false), else
+ * pair_keeps at each; pair(mt, nt, e, r, c, band) names element [mt][nt][e]'s query row, key
+ * column and whether it lies inside the band. The generated kernels take this pass before the
+ * scores: mask_mod's code then exists once, outside the score_mod's, and a masked tile's
+ * lookups run as one batch. Faults are noted with the pair's raw dot (s). */
 template <int MT, int NT, typename Pair>
-DEV void keep_pass(const score_ctx &sc, bool need, const float (&s)[MT][NT][4], bool (&keep)[MT][NT][4],
+DEV void keep_pass(const score_ctx &sc, bool need, const float (&s)[MT][NT][4], tile_keep<MT, NT> &keep,
                    mod_fault &fault, Pair pair)
 {
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                keep[mt][nt][e] = true;
+    for (int j = 0; j < (MT * NT * 4 + 31) / 32; j++)
+        keep.w[j] = need ? 0u : ~0u;
     if (!need)
         return;
 #pragma unroll
@@ -571,7 +578,8 @@ DEV void keep_pass(const score_ctx &sc, bool need, const float (&s)[MT][NT][4], 
                 int r, c, bad = 0;
                 bool band;
                 pair(mt, nt, e, r, c, band);
-                keep[mt][nt][e] = pair_keeps(sc, r, c, band, bad);
+                const int i = (mt * NT + nt) * 4 + e;
+                keep.w[i >> 5] |= (uint32_t)pair_keeps(sc, r, c, band, bad) << (i & 31);
                 note_fault(fault, bad, r, c, s[mt][nt][e]);
             }
 }

@@ -82,7 +82,7 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
 #pragma unroll
     for (int i = 0; i < 2 * MT; i++)
         row_band(p, need_mask, (row0 + (i / 2) * 16 + g + (i % 2) * 8) / G, Lq, Lk, lo[i], hi[i]);
-    bool keep[MT][NT][4];
+    tile_keep<MT, NT> keep;
     keep_pass(sc, need_mask, s, keep, fault, [&](int mt, int nt, int e, int &r, int &c, bool &band) {
         r = (row0 + mt * 16 + g + (e / 2) * 8) / G;
         c = c0 + nt * 8 + 2 * t + (e & 1);
@@ -98,7 +98,7 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
                 const int c = c0 + nt * 8 + 2 * t + (e & 1);
                 const float dot = s[mt][nt][e];
                 int bad = 0;
-                s[mt][nt][e] = kept_score(sc, keep[mt][nt][e], dot, r, c, bad) * LOG2E;
+                s[mt][nt][e] = kept_score(sc, keep.at(mt, nt, e), dot, r, c, bad) * LOG2E;
                 note_fault(fault, bad, r, c, dot);
             }
     report_fault(sc, fault);
@@ -128,7 +128,7 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
 #pragma unroll
         for (int i = 0; i < 2 * MT; i++)
             row_band(p, true, (row0 + (i / 2) * 16 + g + (i % 2) * 8) / G, Lq, Lk, lo[i], hi[i]);
-        bool keep[MT][NT][4];
+        tile_keep<MT, NT> keep;
         keep_pass(sc, true, s, keep, fault, [&](int mt, int nt, int e, int &r, int &c, bool &band) {
             r = (row0 + mt * 16 + g + (e / 2) * 8) / G;
             c = c0 + nt * 8 + 2 * t + (e & 1);
@@ -143,7 +143,7 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
                 for (int e = 0; e < 4; e++) {
                     const int r = (row0 + mt * 16 + g + (e / 2) * 8) / G;
                     const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                    s[mt][nt][e] = kept_score(sc, keep[mt][nt][e], s[mt][nt][e], r, c, bad) * LOG2E;
+                    s[mt][nt][e] = kept_score(sc, keep.at(mt, nt, e), s[mt][nt][e], r, c, bad) * LOG2E;
                 }
 #else
 #pragma unroll
