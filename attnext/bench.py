@@ -2,7 +2,8 @@
 score_mod (tanh softcap, run by the CPU interpreter) against its built-in twin softcap=.
 
     python -m attnext.bench [--device cpu] [--quick] [--reps N] [--rows TEXT] [--json PATH]
-    python -m attnext.bench --device cuda ...     the GPU benchmark: attnext/bench_cuda.py
+    python -m attnext.bench --device cuda ...     the GPU benchmark: attnext/bench_cuda.py (its
+                                                  score_mod / mask_mod rows: bench_mods.py)
 
 Every row is validated before it is timed (the kernel lab rule): attnext's out, lse, dq, dk and
 dv are compared with `attnext.reference` on the row's own shape when the reference is timed there

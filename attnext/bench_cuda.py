@@ -1,6 +1,6 @@
 """GPU timings: attnext on torch CUDA tensors against PyTorch SDPA and FlexAttention, same run.
 
-    python -m attnext.bench --device cuda [--quick] [--rows TEXT] [--peers LIST]
+    python -m attnext.bench --device cuda [--quick] [--rows TEXT] [--peers LIST] [--first-call]
                                           [--warmup MS] [--rep MS] [--json PATH] [--plot PATH]
 
 Sections, bf16 throughout:
@@ -14,9 +14,15 @@ Sections, bf16 throughout:
   numpy   attnext.attention on ml_dtypes.bfloat16 NumPy arrays in ordinary (pageable) memory,
           NumPy out, against the floor: the same bytes through pinned torch tensors to the device
           and back (measured in the same run); wall-clock medians.
+  mods    score_mod / mask_mod rows against FlexAttention: softcap, a relative-bias table (its
+          gradient on both sides), the document mask (as a mask_mod alone and with causal=True),
+          a causal sliding window; TFLOP/s of the pairs each mask keeps (attnext/bench_mods.py).
+  first call  (--first-call) each mods row's first forward and backward in a fresh process:
+          cold (empty ATTNEXT_CACHE_DIR, compiles included) and from the disk cache.
 
 Every result, attnext's and each peer's, is validated before it is timed (the kernel lab rule):
-out, dq, dk and dv against SDPA's math backend in float32 on the same bf16 inputs, max|x - ref| /
+out, dq, dk and dv against SDPA's math backend in float32 on the same bf16 inputs (mods: a float32
+reference that materialises the modded scores, and the tables' gradients too), max|x - ref| /
 max|ref| < TOL. A failing result reads WRONG and is not timed. An attnext call or a peer that raises
 (not implemented, unsupported, out of memory, compile error) reads "-", its reason goes to the JSON
 and to the notes under the table, and the run goes on.
@@ -858,7 +864,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cuda",), default="cuda")
     p.add_argument("--quick", action="store_true",
-                   help="one row per section (D=128, S=2048; decode B=8): a smoke run")
+                   help="one row per section (D=128, S=2048; decode B=8; mods: relbias B8 S2048 "
+                        "and the document causal+mask row): a smoke run")
     p.add_argument("--rows", help="only the cases whose name contains this text")
     p.add_argument("--peers", type=_peer_list, default=PEERS,
                    help=f"comma-separated peers to run (default: {','.join(PEERS)})")
@@ -866,6 +873,10 @@ def parse_args(argv=None):
     p.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     p.add_argument("--json", metavar="PATH", help="also write the rows to this JSON file")
     p.add_argument("--plot", metavar="PATH", help="a PNG of TFLOP/s against S (needs matplotlib)")
+    p.add_argument("--first-call", action="store_true",
+                   help="also time each mods row's first forward and backward in fresh processes, "
+                        "cold (an empty ATTNEXT_CACHE_DIR) and from the disk cache (slow: about "
+                        "two processes and their compiles per row)")
     return p.parse_args(argv)
 
 
@@ -901,6 +912,10 @@ def main(argv=None):
         rows += new
         for row in new:
             print(format_row(row), flush=True)
+    from . import bench_mods
+    rows += bench_mods.sections(
+        run, [c for c in bench_mods.cases(args.quick) if not args.rows or args.rows in c.name],
+        args.first_call)
     total_s = time.perf_counter() - t_start
     print()
     for line in notes(rows):

@@ -1,100 +1,24 @@
-"""Kernel lab: score_mod / mask_mod on the GPU against FlexAttention (torch.compile'd), same run,
-bf16, forward and backward, and the first call's time (NVRTC compiles included).
+"""Kernel lab: score_mod / mask_mod on the GPU against FlexAttention, plus the time of each kernel
+launch of a call (--kernels).
 
-    python3 bench/lab_mods.py [--cases softcap,relbias,doc,doc_causal,window] [--kernels]
+    python3 bench/lab_mods.py [--cases softcap,relbias,doc,doc_causal,window] [--quick]
+                              [--kernels] [--first-call] [--json PATH]
 
-Rows ([3/4]'s): softcap and a relative-bias table (causal, D=128, S=8k, B=2, H=16), the document
-causal mask (16k tokens, the bench's 7 documents, H=16, D=128) given as a mask_mod alone and as
-causal=True plus a document mask_mod, and a causal sliding window of 1024 as a mask_mod (S=8k).
-Flex gets the same functions in torch and a block mask made once, outside the timing; attnext
-builds its block mask inside every call. Times are triton.testing.do_bench medians; TFLOP/s count
-the pairs each mask keeps. attnext is checked against Flex (max |x - y| / max |y|).
+The rows, their validation and the first-call section are attnext/bench_mods.py's (the mods and
+first-call sections of `python -m attnext.bench --device cuda`): this script runs them for the
+chosen cases only, Flex as the one peer, and adds --kernels, the per-launch times.
 """
 import argparse
-import math
+import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
-import triton
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import attnext  # noqa: E402
-from attnext.bench_cuda import document_lengths  # noqa: E402
-
-S, B, H, D, T = 8192, 2, 16, 128, 16384
-WINDOW = 1024
-
-
-def rel(x, y):
-    return float((x.float() - y.float()).abs().max() / y.float().abs().max().clamp_min(1e-30))
-
-
-def make_case(name):
-    """(attnext kwargs, flex score_mod, flex mask_mod, shape (B, S), kept pairs per head)."""
-    if name == "softcap":
-        return (dict(causal=True, score_mod=lambda s, b, h, qi, ki: 30.0 * np.tanh(s / 30.0)),
-                lambda s, b, h, qi, ki: 30.0 * torch.tanh(s / 30.0),
-                lambda b, h, qi, ki: qi >= ki, (B, S), S * (S + 1) / 2)
-    if name == "relbias":
-        table = np.random.default_rng(0).standard_normal((H, 2 * S)).astype(np.float32)
-        tt = torch.from_numpy(table).cuda()
-        return (dict(causal=True, score_mod=lambda s, b, h, qi, ki: s + table[h, qi - ki + S]),
-                lambda s, b, h, qi, ki: s + tt[h, qi - ki + S],
-                lambda b, h, qi, ki: qi >= ki, (B, S), S * (S + 1) / 2)
-    if name in ("doc", "doc_causal"):
-        lens = document_lengths()
-        doc = np.repeat(np.arange(len(lens)), lens)
-        dt = torch.from_numpy(doc).cuda()
-        kept = sum(n * (n + 1) / 2 for n in lens)
-        if name == "doc":
-            mm = dict(mask_mod=lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi))
-        else:
-            mm = dict(causal=True, mask_mod=lambda b, h, qi, ki: doc[qi] == doc[ki])
-        return (mm, None, lambda b, h, qi, ki: (dt[qi] == dt[ki]) & (qi >= ki), (1, T), kept)
-    if name == "window":
-        kept = sum(min(i + 1, WINDOW) for i in range(S))
-        return (dict(mask_mod=lambda b, h, qi, ki: (ki <= qi) & (qi - ki < WINDOW)), None,
-                lambda b, h, qi, ki: (qi >= ki) & (qi - ki < WINDOW), (B, S), kept)
-    raise SystemExit(f"unknown case {name}")
-
-
-def run(name, flex):
-    kw, f_score, f_mask, (b, s), kept = make_case(name)
-    fwd_flops = 4 * b * H * kept * D
-    q, k, v, dout = (torch.randn(b, s, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    row = {"case": name}
-    # attnext: first call (compiles), then timed
-    t0 = time.perf_counter()
-    out, lse = attnext.attention(q, k, v, return_lse=True, **kw)
-    torch.cuda.synchronize()
-    row["first_fwd_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    g = attnext.attention_backward(dout, q, k, v, out, lse, **kw)
-    torch.cuda.synchronize()
-    row["first_bwd_s"] = time.perf_counter() - t0
-    o = torch.empty_like(q)
-    row["ax_fwd"] = triton.testing.do_bench(lambda: attnext.attention(q, k, v, out=o, **kw))
-    row["ax_bwd"] = triton.testing.do_bench(lambda: attnext.attention_backward(dout, q, k, v, out, lse, **kw))
-    # flex: block mask once, outside the timing
-    bm = create_block_mask(f_mask, None, None, s, s, device="cuda")
-    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
-    fo = flex(qt, kt, vt, score_mod=f_score, block_mask=bm)
-    fg = torch.autograd.grad(fo, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True)
-    row["err_out"] = rel(out, fo.transpose(1, 2))
-    row["err_grads"] = max(rel(a, b_.transpose(1, 2)) for a, b_ in zip((g.dq, g.dk, g.dv), fg))
-    with torch.no_grad():
-        row["flex_fwd"] = triton.testing.do_bench(lambda: flex(qt, kt, vt, score_mod=f_score, block_mask=bm))
-    row["flex_bwd"] = triton.testing.do_bench(
-        lambda: torch.autograd.grad(fo, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True))
-    for d, factor in (("fwd", 1.0), ("bwd", 2.5)):
-        row[f"ax_{d}_tflops"] = factor * fwd_flops / row[f"ax_{d}"] / 1e9
-        row[f"flex_{d}_tflops"] = factor * fwd_flops / row[f"flex_{d}"] / 1e9
-        row[f"{d}_ratio"] = row[f"flex_{d}"] / row[f"ax_{d}"]
-    return row
+from attnext import bench_cuda, bench_mods  # noqa: E402
 
 
 def kernel_times(call, reps=5):
@@ -123,34 +47,42 @@ def kernel_times(call, reps=5):
     return [(runs[0][i][0], float(np.median([r[i][1] for r in runs]))) for i in range(len(runs[0]))]
 
 
+def print_kernels(case):
+    q, k, v, dout = (torch.randn(case.B, case.S, case.H, case.D, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(4))
+    kw = dict(bench_mods.attnext_mods(case), device="cuda")
+    out, lse = attnext.attention(q, k, v, return_lse=True, **kw)
+    for d, call in (("fwd", lambda: attnext.attention(q, k, v, **kw)),
+                    ("bwd", lambda: attnext.attention_backward(dout, q, k, v, out, lse, **kw))):
+        print(f"  {case.name} {d} kernels: "
+              + ", ".join(f"{g} {ms:.3f} ms" for g, ms in kernel_times(call)), flush=True)
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="softcap,relbias,doc,doc_causal,window")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default=",".join(bench_mods.KINDS))
+    ap.add_argument("--quick", action="store_true", help="the bench's --quick sizes (B8 S2048)")
     ap.add_argument("--kernels", action="store_true", help="also time each launch of a call alone")
+    ap.add_argument("--first-call", action="store_true",
+                    help="also the first calls in fresh processes, cold and from the disk cache")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows to this JSON file")
     args = ap.parse_args()
-    flex = torch.compile(flex_attention, dynamic=False)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H{H} D{D}", flush=True)
-    print(f"{'case':11} {'ax fwd ms':>9} {'flex':>7} {'x':>6} {'ax bwd ms':>9} {'flex':>7} {'x':>6} "
-          f"{'ax TF f/b':>11} {'first f/b s':>11} {'err o/g':>13}", flush=True)
-    for name in args.cases.split(","):
-        try:
-            r = run(name, flex)
-        except Exception as e:                      # one failing row does not hide the others
-            print(f"{name:11} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
-        if args.kernels:
-            kw, _, _, (b, s), _ = make_case(name)
-            q, k, v, dout = (torch.randn(b, s, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-            out, lse = attnext.attention(q, k, v, return_lse=True, **kw)
-            for d, call in (("fwd", lambda: attnext.attention(q, k, v, **kw)),
-                            ("bwd", lambda: attnext.attention_backward(dout, q, k, v, out, lse, **kw))):
-                print(f"  {name} {d} kernels: " + ", ".join(f"{g} {ms:.3f} ms" for g, ms in kernel_times(call)),
-                      flush=True)
-        print(f"{name:11} {r['ax_fwd']:9.3f} {r['flex_fwd']:7.3f} {r['fwd_ratio']:5.2f}x "
-              f"{r['ax_bwd']:9.3f} {r['flex_bwd']:7.3f} {r['bwd_ratio']:5.2f}x "
-              f"{r['ax_fwd_tflops']:5.0f}/{r['ax_bwd_tflops']:<5.0f} "
-              f"{r['first_fwd_s']:5.1f}/{r['first_bwd_s']:<5.1f} {r['err_out']:.1e}/{r['err_grads']:.1e}",
-              flush=True)
+    cases = [bench_mods.mod_case(kind, args.quick) for kind in args.cases.split(",")]
+    torch.set_float32_matmul_precision("highest")     # the float32 reference stays float32
+    time_ms, timing = bench_cuda.make_timer(25, 100)
+    run = bench_cuda.Run("cuda", time_ms, ("flex",), torch.cuda.synchronize)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, attnext "
+          f"{attnext.__version__}, bf16; {timing}", flush=True)
+    rows = bench_mods.sections(run, cases, args.first_call)
+    print()
+    for line in bench_cuda.notes(rows):
+        print(line)
+    if args.kernels:
+        for case in cases:
+            print_kernels(case)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

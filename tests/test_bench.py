@@ -11,6 +11,8 @@ import pytest
 
 import attnext
 from attnext import bench_cuda as bc
+from test_bench_mods import TINY as TINY_MODS
+from test_bench_mods import ModAttnext
 
 TIMED = ("attnext_fwd_ms", "attnext_bwd_ms", "reference_fwd_ms", "reference_bwd_ms")
 KEYS = {"case", "B", "H", "S", "D", "causal", "seqlens", "note", "reps", "validated_on",
@@ -69,6 +71,7 @@ def test_cuda_bench_help_and_bad_peer():
     proc = subprocess.run([sys.executable, "-m", "attnext.bench", "--device=cuda", "--help"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "--plot" in proc.stdout and "--peers" in proc.stdout
+    assert "--first-call" in proc.stdout and "ATTNEXT_CACHE_DIR" in proc.stdout
     proc = subprocess.run([sys.executable, "-m", "attnext.bench", "--device", "cuda", "--peers",
                            "flash,sdpa"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unknown peers" in proc.stderr
@@ -292,7 +295,7 @@ def test_decode_rows_on_cpu(monkeypatch):
 
 def test_numpy_row_on_cpu(monkeypatch):
     """The NumPy path validates and times; the pinned floor needs CUDA and says so."""
-    import torch
+    torch = pytest.importorskip("torch")
     run = _cpu_run(monkeypatch)
     (row,) = bc.case_rows(run, bc.plain_case(64, 16, True, "numpy", B=2))
     assert row["attnext_status"] == "ok", row["attnext_reason"]
@@ -306,12 +309,14 @@ def test_numpy_row_on_cpu(monkeypatch):
     assert (bc._bf16_to_numpy(bc._numpy_to_bf16(q, "cpu")) == q).all()
 
 
-@pytest.mark.parametrize("fault, status", [(None, 0), ("wrong", 1)])
-def test_main_end_to_end_on_cpu(monkeypatch, tmp_path, capsys, fault, status):
-    """main() as on the GPU (sections, table, notes, JSON, plot line, exit status), with the
-    rows run on CPU tensors: exit 1 when an attnext result is WRONG."""
-    import torch
+def _main_on_cpu(monkeypatch, fault=None):
+    """main() as on the GPU, its rows run on CPU tensors: bench_cuda's sections through
+    FakeAttnext, the mods section (tiny cases) through attnext's CPU backend."""
+    torch = pytest.importorskip("torch")
+    from attnext import bench_mods
     _cpu_run(monkeypatch, fault)
+    monkeypatch.setattr(bench_mods, "attnext", ModAttnext())
+    monkeypatch.setattr(bench_mods, "cases", lambda quick: TINY_MODS[:2])
     monkeypatch.setattr(bc, "DEVICE", "cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
@@ -322,17 +327,50 @@ def test_main_end_to_end_on_cpu(monkeypatch, tmp_path, capsys, fault, status):
         bc.Case("packed", 1, 40, 40, 2, 2, 16, True, (9, 31)),
         bc.Case("decode", 2, 1, 70, 4, 2, 16, False), bc.plain_case(32, 16, False, "numpy", B=1)]
     monkeypatch.setattr(bc, "cases", lambda quick: tiny)
+
+
+@pytest.mark.parametrize("fault, status", [(None, 0), ("wrong", 1)])
+def test_main_end_to_end_on_cpu(monkeypatch, tmp_path, capsys, fault, status):
+    """main() as on the GPU (sections, table, notes, JSON, plot line, exit status), with the
+    rows run on CPU tensors: exit 1 when an attnext result is WRONG."""
+    from attnext import bench_mods
+    _main_on_cpu(monkeypatch, fault)
     path = tmp_path / "rows.json"
     assert bc.main(["--device", "cuda", "--peers", "flash", "--json", str(path),
                     "--plot", str(tmp_path / "p.png")]) == status
     text = capsys.readouterr().out
-    for title in bc.SECTION_TITLES.values():
+    for title in list(bc.SECTION_TITLES.values()) + [bench_mods.MODS_TITLE]:
         assert title in text
+    assert bench_mods.FIRST_CALL_TITLE not in text            # only with --first-call
     assert "total" in text and ("no plot" in text or "plot written" in text)
     saved = json.loads(path.read_text())
     assert saved["header"][1] == "times: fake"
     rows = saved["rows"]
-    assert len(rows) == 2 * 3 + 3 + 1 + 1     # plain and packed: fwd, bwd, bwd_nd
+    assert len(rows) == 2 * 3 + 3 + 1 + 1 + 2 * 2     # plain and packed: fwd, bwd, bwd_nd; mods: fwd, bwd
     want = "WRONG" if fault else "ok"
-    assert {r["attnext_status"] for r in rows} == {want}
-    assert all(r["cudnn_status"] == "skipped" for r in rows if r["section"] != "numpy")
+    assert {r["attnext_status"] for r in rows if r["section"] != "mods"} == {want}
+    assert all(r["cudnn_status"] == "skipped" for r in rows if r["section"] not in ("numpy", "mods"))
+    mods = [r for r in rows if r["section"] == "mods"]
+    assert [r["case"] for r in mods] == [c.name for c in TINY_MODS[:2] for _ in "fb"]
+    assert all(r["attnext_status"] == "ok" and r["flex_status"] == "skipped" for r in mods)
+
+
+def test_main_rows_filter_reaches_the_mods_sections(monkeypatch, tmp_path, capsys):
+    """--rows picks mods rows by name as any other; --first-call adds their fresh-process rows."""
+    from attnext import bench_mods
+    _main_on_cpu(monkeypatch)
+    seen = []
+    monkeypatch.setattr(bench_mods, "first_call_row",
+                        lambda case: seen.append(case) or {"section": "first_call", "case": case.name,
+                                                           "direction": "first call", "case_s": 0.0,
+                                                           "target": "t", "target_met": None})
+    path = tmp_path / "rows.json"
+    assert bc.main(["--device", "cuda", "--peers", "flash", "--rows", "relbias", "--first-call",
+                    "--json", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert bench_mods.MODS_TITLE in text and bench_mods.FIRST_CALL_TITLE in text
+    assert bc.SECTION_TITLES["plain"] not in text
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["section"], r["case"]) for r in rows] == (
+        [("mods", TINY_MODS[1].name)] * 2 + [("first_call", TINY_MODS[1].name)])
+    assert seen == [TINY_MODS[1]]
