@@ -424,8 +424,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     generated = None if gen is None else gen.source
     pack, splits = _decode_plan(o, features, device)
     arch = device_arch(device)
-    kernel, tile = kernels.fwd_kernel(arch, o.D, o.Dv, features["vec"], pack or splits > 1, rows,
-                                      gen is not None and bool(gen.defines.get("HAS_SCORE_MOD")))
+    kernel, tile = kernels.fwd_kernel(arch, o.D, o.Dv, features["vec"], pack or splits > 1, rows, gen)
     defines = kernels.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen)
     smem = kernels.fwd_smem_bytes(o.D, o.Dv, tile, kernel)
     q_tiles = math.ceil(o.Sq * (o.Hq // o.Hk) / tile[0]) if pack else _query_tiles(rows, tile[0])

@@ -104,20 +104,23 @@ def decode_ctas_per_sm():
 # 1.06x at 2k) and at D=128 for short sequences (0.84x at 512, against 0.79x).
 SM90_TILE_LONG = (128, 128, 8)
 SM90_TILE_SHORT = (64, 64, 4)
-# with a score_mod: 64 keys a tile, so the generated code's registers fit beside S and O (the
-# 128-key tile spills 92-136 bytes with one; this one spills none, NVRTC -Xptxas=-v). A mask_mod
-# alone keeps the 128-key tile: its code runs only on the tiles the block mask does not keep
-# whole (64 bytes spilled by the document mask; measured on the H100, bench/lab_mods.py: causal
+# with a score_mod that reads captured arrays: 64 keys a tile, so the lookups' registers fit
+# beside S and O (the relative-bias table spills 308 bytes at 128 x 128, 4 at 128 x 64, NVRTC
+# -Xptxas=-v; H100, bench/lab_mods.py: 3.91 against 3.81 ms). A score_mod of arithmetic alone
+# keeps the 128-key tile (softcap: 246 registers, no spill; 2.48 against 2.64 ms), and so does a
+# mask_mod alone: its code runs only on the tiles the block mask does not keep whole (causal
 # window 0.60 -> 0.50 ms, document mask 1.50 -> 1.45 ms against 128 x 64)
 SM90_TILE_MODS = (128, 64, 8)
 SM90_SHORT_ROWS = 1024
 
 
-def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=False):
+def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None):
     """(kernel source, tile) of the forward: kernels/attn_fwd_sm90.cu (wgmma) on sm_90a for
     16-byte-loadable inputs with D, Dv in {64, 128}, else kernels/attn_fwd.cu (mma.sync, every
-    shape, and the decode paths). rows: the longest query sequence; mods: a generated score_mod
-    is compiled in (a mask_mod alone takes the plain tiles). ATTNEXT_FWD_SM90=0 keeps Hopper on attn_fwd.cu (the lab's and the
+    shape, and the decode paths). rows: the longest query sequence; mods: the generated
+    score_mod / mask_mod compiled in (codegen.Generated) or None: a score_mod with lookups into
+    captured arrays takes SM90_TILE_MODS, a mask_mod alone or a score_mod of arithmetic alone
+    the plain tiles. ATTNEXT_FWD_SM90=0 keeps Hopper on attn_fwd.cu (the lab's and the
     tests' comparison)."""
     if (arch == "sm_90a" and not decode and vec and D in (64, 128) and Dv in (64, 128)
             and os.environ.get("ATTNEXT_FWD_SM90", "1") != "0"):
@@ -125,7 +128,8 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=False):
         if env:
             return "attn_fwd_sm90", tuple(int(x) for x in env.split(","))
         short = max(D, Dv) <= 64 or rows <= SM90_SHORT_ROWS
-        return "attn_fwd_sm90", SM90_TILE_SHORT if short else SM90_TILE_MODS if mods else SM90_TILE_LONG
+        lookups = mods is not None and any(kind == "score_mod" for kind, _, _ in mods.arrays)
+        return "attn_fwd_sm90", SM90_TILE_SHORT if short else SM90_TILE_MODS if lookups else SM90_TILE_LONG
     return "attn_fwd", decode_tile() if decode else tile_config(D, Dv)
 
 

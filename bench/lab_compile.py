@@ -93,7 +93,7 @@ def forward_specs(arch, gen, rows=S, generic=False):
     """The (kernel, entry point, defines, generated) a forward call loads (cuda_backend's plan),
     the block-mask kernel last when there is a mask_mod."""
     from attnext import kernels
-    kernel, tile = kernels.fwd_kernel(arch, D, D, True, False, rows, mods=True)
+    kernel, tile = kernels.fwd_kernel(arch, D, D, True, False, rows, gen)
     if generic:
         kernel, tile = "attn_fwd", kernels.tile_config(D, D)
     return ([(kernel, kernel, kernels.fwd_defines(**FEATURES, tile=tile, mods=gen), gen.source)]

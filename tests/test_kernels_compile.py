@@ -41,8 +41,18 @@ def test_tile_configs_fit_shared_memory():
 def test_hopper_takes_the_wgmma_forward_where_it_applies(monkeypatch):
     assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 4096) == ("attn_fwd_sm90", kernels.SM90_TILE_LONG)
     assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 512) == ("attn_fwd_sm90", kernels.SM90_TILE_SHORT)
-    assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 4096, mods=True) == ("attn_fwd_sm90",
-                                                                                    kernels.SM90_TILE_MODS)
+    import numpy as np
+
+    from attnext import codegen, trace
+    table = np.zeros((4, 9), np.float32)
+    doc = np.zeros(9, np.int64)
+    lookups = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s + table[h, q - kv]))
+    arithmetic = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: 30.0 * np.tanh(s / 30.0)),
+                                  trace.trace_mask_mod(lambda b, h, q, kv: doc[q] == doc[kv]))
+    assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 4096, lookups) == ("attn_fwd_sm90",
+                                                                                 kernels.SM90_TILE_MODS)
+    assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 4096, arithmetic) == ("attn_fwd_sm90",
+                                                                                    kernels.SM90_TILE_LONG)
     assert kernels.fwd_kernel("sm_90a", 64, 128, True, False, 4096)[0] == "attn_fwd_sm90"
     # other head dims, element loads, decode and other architectures: attn_fwd.cu
     for args in (("sm_90a", 96, 96, True, False), ("sm_90a", 128, 128, False, False),
