@@ -18,6 +18,7 @@ import functools
 import inspect
 import math
 import os
+import sys
 import types
 
 import ml_dtypes
@@ -78,7 +79,9 @@ def _cuda_view(name, x):
 def _array(name, x, host=False):
     """A host array (never copied unless misaligned), or a DevView of a CUDA array (host=True:
     copied to the host, for the small arrays the checks read). Non-arrays raise TypeError."""
-    if isinstance(x, np.ma.MaskedArray):
+    # numpy.ma not imported: x is no masked array (importing it cost a first call 15-80 ms)
+    ma = sys.modules.get("numpy.ma")
+    if ma is not None and isinstance(x, ma.MaskedArray):
         raise TypeError(f"{name} is a masked array: attnext would read its data and ignore its mask; "
                         f"pass {name}.filled(...) or np.ma.getdata({name}), and mask= for masking")
     if isinstance(x, np.ndarray):
