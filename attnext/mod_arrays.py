@@ -52,11 +52,14 @@ from . import _C, codegen, device, kernels, mod_cache
 from .devview import DevView
 from .trace import B, F, I
 
-IN_PLACE = {F: np.dtype(np.float32), I: np.dtype(np.int64), B: np.dtype(np.bool_)}
+# the kernels' storage types by value type (codegen.STORAGE; a bool is read as its one byte): a
+# CUDA array of this dtype can be read in place, and a converted copy is made in it
+STORED = {F: np.dtype(np.float32), I: np.dtype(np.int64), B: np.dtype(np.bool_)}
 # attn_convert.cu's type codes, in its enum's order
 TYPE_CODES = {np.dtype(t): code for code, t in enumerate(
     (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
      np.float16, device.BFLOAT16, np.float32, np.float64))}
+DESTINATIONS = frozenset(STORED.values()) | {np.dtype(t) for t in (np.float16, device.BFLOAT16, np.float64)}
 CONVERT_DIMS = 4           # attn_convert.cu's CONVERT_DIMS (codegen.MAX_DIMS)
 CONVERT_THREADS = 256
 CONVERT_PARAMS = np.dtype([("src", "u8"), ("dst", "u8"), ("shape", "i8", CONVERT_DIMS),
@@ -91,7 +94,7 @@ def bind(kind, name, source, vt, stage, arch, grad=False):
         return Bound(_ref(a), source.shape, source.dtype, source.size, source, e.serial, e.values, False, a)
     view = _view(kind, name, source, stage)
     if not _in_place(view, vt, grad):
-        copy = stage.scratch(view.shape, codegen.STORAGE[vt])
+        copy = stage.scratch(view.shape, STORED[vt])
         convert(view, copy, stage, arch)
         return Bound(_ref(copy), view.shape, view.dtype, view.size, source, None, None, False, copy)
     return Bound(_ref(view), view.shape, view.dtype, view.size, source, None, None, True, view)
@@ -117,7 +120,7 @@ def _view(kind, name, source, stage):
 
 
 def _in_place(view, vt, grad):
-    return (view.dtype == IN_PLACE[vt] and all(s >= 0 for s in view.strides)
+    return (view.dtype == STORED[vt] and all(s >= 0 for s in view.strides)
             and view.ptr % view.itemsize == 0
             and not (grad and not device.is_contiguous(view.shape, view.strides)))
 
@@ -132,8 +135,8 @@ def convert(src, dst, stage, arch):
     nd = len(src.shape)
     if nd > CONVERT_DIMS:
         raise TypeError(f"convert: {nd} dims; at most {CONVERT_DIMS}")
-    kinds = {t.kind == "f" or t == device.BFLOAT16 for t in (src.dtype, dst.dtype)}
-    if len(kinds) != 1 or dst.dtype not in TYPE_CODES or src.dtype not in TYPE_CODES:
+    floats = {t.kind == "f" or t == device.BFLOAT16 for t in (src.dtype, dst.dtype)}
+    if len(floats) != 1 or src.dtype not in TYPE_CODES or dst.dtype not in DESTINATIONS:
         raise TypeError(f"convert: no rule from {src.dtype} to {dst.dtype}")
     p = np.zeros((), CONVERT_PARAMS)
     p["src"], p["dst"], p["n"] = src.ptr, dst.ptr, src.size

@@ -615,8 +615,9 @@ class Traced(NamedTuple):
 
     kind "score_mod" or "mask_mod"; out the output Node (f32 or bool); params the float constants
     in the order they were met (kernel parameters); arrays name -> the captured array (the
-    object itself, a NumPy or a CUDA array: its values are read at evaluation or binding); structure the canonical text of the graph
-    and key its SHA-256 (see the module docstring); graph the node factory (grad() adds to it).
+    object itself, a NumPy or a CUDA array: its values are read at evaluation or binding);
+    structure the canonical text of the graph and key its SHA-256 (see the module docstring);
+    graph the node factory (grad() adds to it).
     """
     kind: str
     out: Node
