@@ -39,9 +39,9 @@ min()/max(), bool(), int(), float(), math.*) raises TypeError: use np.where and 
 
 How captured arrays are found and named. Before the call, the function is rebuilt with
 types.FunctionType from the same code object, with every NumPy or CUDA array it can reach by
-name replaced by a named array proxy: closure cells (named by the free variable), globals named in
-its code or in the code of functions / lambdas defined inside it (named by the global name; the
-globals dict is copied, the module's own is untouched), and default arguments (named by the
+name replaced by a named array proxy: closure cells (named by the free variable), globals named
+in its code or in the code of functions / lambdas defined inside it (named by the global name;
+the globals dict is copied, the module's own is untouched), and default arguments (named by the
 parameter). The name is the key of the array's gradient in `dtensors`. Limits: arrays reached
 any other way (an attribute `self.table`, an item of a list or dict, a global read by another
 function that this one calls, a functools.partial argument, a callable object) are not
