@@ -12,14 +12,13 @@ which orders the call after the producer's stream where the protocol names one. 
 the host:
 
 - In place -- the device address and element strides go into attn_mods_gpu, and nothing is
-  copied -- when the dtype is the storage type of the values (float32, int64, bool), every
-  stride is non-negative (the generated lookups take a negative element offset for an empty
-  array's), the address is aligned to the element, and, for a float array whose gradient a
-  backward accumulates, the layout is C-contiguous (the accumulator is indexed by element
-  offset).
+  copied -- when the dtype is the storage type of the values (float32, int64, bool) and the
+  address is aligned to the element (the lookups are element loads), whatever the strides
+  (transposed, reversed, broadcast), except for a float array whose gradient a backward
+  accumulates: that one must be C-contiguous (the accumulator is indexed by element offset).
 - Otherwise converted on the device, at every call, into a contiguous copy in the call's memory
   (kernels/attn_convert.cu, NumPy's astype rules: float16 / bfloat16 / float64 to float32, any
-  integer to int64, a strided or misaligned one copied as it is). Chosen over a copy through the
+  integer to int64; a misaligned one, or a strided gradient's, copied as it is). Chosen over a copy through the
   host because it needs no synchronisation: the call stays asynchronous, and the copy is one
   small kernel on the call's stream (a 16k-token int32 id array: 128 KiB written). A copy kept
   between calls could not tell whether its source changed without reading it.
@@ -120,8 +119,7 @@ def _view(kind, name, source, stage):
 
 
 def _in_place(view, vt, grad):
-    return (view.dtype == STORED[vt] and all(s >= 0 for s in view.strides)
-            and view.ptr % view.itemsize == 0
+    return (view.dtype == STORED[vt] and view.ptr % view.itemsize == 0
             and not (grad and not device.is_contiguous(view.shape, view.strides)))
 
 

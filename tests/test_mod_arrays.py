@@ -239,12 +239,21 @@ for call in range(2):
     assert READS and all(np.array_equal(r, doc32) for r in READS), (READS, doc32)
     doc32[: S // 2] = 7                                 # changed in place: the next call converts it again
 STATE["watch"] = None
-# a strided (reversed) int64 array is copied as it is: the lookups take non-negative strides only
+# a reversed int64 array is read in place too (element [0] at its end, stride -1); a misaligned
+# one is copied as it is, and the copy is converted from its own address and strides
 rev = CudaArray(doc[::-1])
 del CONVERTS[:]
 attnext.attention(q, k, v, mask_mod=lambda b, h, qi, ki: rev[qi] == rev[ki])
-assert len(CONVERTS) == 1 and CODES[int(CONVERTS[0]["dst_type"])] == np.int64
-assert int(CONVERTS[0]["src"]) == doc.ctypes.data + (S - 1) * 8 and CONVERTS[0]["strides"][3] == -1
+a = GMODS[-1][1]["a"][0]
+assert CONVERTS == [] and int(a["ptr"]) == doc.ctypes.data + (S - 1) * 8 and a["s"][0] == -1, a
+odd = fake_memory(np.zeros(8 * S + 8, np.uint8))
+odd_view = odd[4:4 + 8 * S].view(np.int64)[::-1]            # 4 bytes past an 8-byte boundary
+odd_view[...] = doc
+skew = CudaArray(odd_view)
+attnext.attention(q, k, v, mask_mod=lambda b, h, qi, ki: skew[qi] == skew[ki])
+(p,) = CONVERTS
+assert int(p["src"]) == odd_view.ctypes.data and p["strides"][3] == -1 and p["src_type"] == p["dst_type"], p
+assert int(GMODS[-1][1]["a"][0]["ptr"]) == int(p["dst"]) and GMODS[-1][1]["a"][0]["s"][0] == 1
 
 # --- lookups indexed by a CUDA array's values can fail: the call reads the error record ---------
 reads = []
