@@ -100,7 +100,7 @@ def bind(kind, name, source, vt, stage, arch, grad=False):
 
 
 def _ref(a):
-    return (a.ptr if a.size else 0, a.shape, a.strides)        # an empty array is never read
+    return (a.ptr if a.size else 0, a.shape, a.strides)     # codegen.pack points an empty one elsewhere
 
 
 def _view(kind, name, source, stage):
