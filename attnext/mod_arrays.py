@@ -18,10 +18,11 @@ the host:
   accumulates: that one must be C-contiguous (the accumulator is indexed by element offset).
 - Otherwise converted on the device, at every call, into a contiguous copy in the call's memory
   (kernels/attn_convert.cu, NumPy's astype rules: float16 / bfloat16 / float64 to float32, any
-  integer to int64; a misaligned one, or a strided gradient's, copied as it is). Chosen over a copy through the
-  host because it needs no synchronisation: the call stays asynchronous, and the copy is one
-  small kernel on the call's stream (a 16k-token int32 id array: 128 KiB written). A copy kept
-  between calls could not tell whether its source changed without reading it.
+  integer to int64; a misaligned one, or a strided gradient's, copied as it is). Chosen over
+  a copy through the host because it needs no synchronisation: the call stays asynchronous, and
+  the copy is one small kernel on the call's stream (a 16k-token int32 id array: 128 KiB
+  written). A copy kept between calls could not tell whether its source changed without
+  reading it.
 - On another device than q, k, v: ValueError naming it.
 - Its values are unknown to the host: attnext.bounds takes an integer CUDA array's values as
   unknown, so a lookup indexed by them is checked on the device and the call waits for the
