@@ -24,9 +24,9 @@ import types
 import ml_dtypes
 import numpy as np
 
-from . import _C, codegen, interp, reference
+from . import _C, codegen, interp, reference, trace
 from ._types import Grads
-from .devview import DevView
+from .devview import DevView, may_be_device_array
 
 _DTYPE_CODES = {np.dtype(np.float16): 0, np.dtype(ml_dtypes.bfloat16): 1,
                 np.dtype(np.float32): 2, np.dtype(np.float64): 3}
@@ -54,15 +54,9 @@ def _gpu():
     return _GPU_MODULES
 
 
-def _has(x, name):
-    """hasattr without evaluating a property (torch builds its __cuda_array_interface__ dict on
-    every read: this runs on every GPU call's hot path)."""
-    return hasattr(type(x), name) or name in getattr(x, "__dict__", ())
-
-
 def _device_view(x):
     """A DevView of a CUDA array (__cuda_array_interface__ / __dlpack__), None for host data."""
-    if isinstance(x, np.ndarray) or not (_has(x, "__cuda_array_interface__") or _has(x, "__dlpack__")):
+    if not may_be_device_array(x):
         return None
     return _gpu()[1].as_device_view(x)
 
@@ -265,6 +259,8 @@ def _check_options(o, D, Hq, B):
             raise TypeError(f"{name} must be callable or None, got {type(f).__name__}")
         if f is not None:
             _check_arity(name, f)
+            if not o.on_gpu:
+                _host_arrays_only(name, f, o.device)
     o.alibi = None
     if o.alibi_slopes is not None:
         a = _array("alibi_slopes", o.alibi_slopes, host=True)
@@ -436,6 +432,19 @@ def _normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q
             raise TypeError(f"{name} is a CUDA array on cuda:{x.device} but the call runs with {where}")
     o.acc_dtype = np.float64 if q.dtype == np.float64 else np.float32
     return o
+
+
+def _host_arrays_only(name, f, device):
+    """A call on host q, k, v runs score_mod / mask_mod on the host (the CPU backend's
+    interpreter, or the reference), which reads NumPy arrays only: a captured CUDA array is a
+    TypeError naming it, never copied to the host behind the caller's back (mod_arrays.py)."""
+    for array, a in trace.captured_arrays(f).items():
+        if not isinstance(a, np.ndarray):
+            where = "the reference" if device == "reference" else "the CPU backend's interpreter"
+            raise TypeError(f"{name} captures {array!r}, a CUDA array ({type(a).__name__}), but q, k "
+                            f"and v are host arrays, so {name} runs on {where}, which reads NumPy "
+                            f"arrays only; pass q, k and v as CUDA arrays, or capture a NumPy copy of "
+                            f"{array!r}")
 
 
 def _check_device_out(name, x, shape, dtype, inputs):

@@ -7,7 +7,8 @@ functions only at pairs inside the lengths). Interval arithmetic carries them th
 graph: exactly for + - * neg abs min max where, for // and % by a divisor whose sign is known,
 for ~, for & with a non-negative operand and | ^ of non-negative ones; a cast of a bool is [0, 1]; an integer lookup
 takes the [min, max] of the array's values when the caller gives them (NumPy arrays on the
-host), and anything else is unknown. An interval that could leave int64 is unknown (the
+host; a CUDA array's values are never read on the host, so a lookup indexed by them is checked),
+and anything else is unknown. An interval that could leave int64 is unknown (the
 kernels' integer arithmetic wraps there, as NumPy's does).
 
 A lookup is in range when every index's interval lies within [-n, n) for its axis of size n:

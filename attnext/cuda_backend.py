@@ -16,8 +16,9 @@ decisions below run once per shape, not once per call. The plans sit in a bounde
 
 score_mod / mask_mod. The generated code (codegen.py, keyed by the traced graphs' structure) is
 part of a plan's key: it changes the kernels. What one call binds to it -- the float constants,
-the uploaded captured arrays, the error record and the gradient accumulator -- travels with the
-call's addresses as the attn_mods_gpu bytes cuda_launch_attention copies into attn_params.
+the captured arrays (mod_arrays.py: NumPy ones uploaded, CUDA ones in place or converted on the
+device), the error record and the gradient accumulator -- travels with the call's addresses as
+the attn_mods_gpu bytes cuda_launch_attention copies into attn_params.
 """
 import math
 import threading
@@ -26,7 +27,7 @@ import types
 import ml_dtypes
 import numpy as np
 
-from . import _C, bounds, codegen, device as _device, kernels, mod_cache, staging, trace
+from . import _C, bounds, codegen, device as _device, kernels, mod_arrays, mod_cache, staging, trace
 from .devview import DevView
 from .kernel_cache import LRU
 from .staging import to_host  # noqa: F401  (api.py reads GPU arrays' lengths through here)
@@ -238,25 +239,24 @@ def _bind_mods(o, stage, backward):
     attn_params), err (the device error record, zeroed) and, for a backward with array
     gradients, dacc (the zeroed accumulator) and offsets (array number -> first element).
     Traces the functions (TypeError for an unsupported one); the captured arrays are read
-    afresh and uploaded in the kernels' storage types."""
+    afresh (mod_arrays.py: NumPy ones uploaded, CUDA ones read in place or converted on the
+    device)."""
     if not _has_mods(o):
         return None
     ts = trace.trace_score_mod(o.score_mod) if o.score_mod is not None else None
     tm = trace.trace_mask_mod(o.mask_mod) if o.mask_mod is not None else None
     gen = codegen.generated(ts, tm)
     floats = list(ts.params if ts is not None else ()) + list(tm.params if tm is not None else ())
-    arrays, sources, serials, values, names = [], [], {}, {}, codegen.call_arrays(ts, tm)
-    for (kind, name), (_, _, vt) in zip(names, gen.arrays):
-        src = np.asarray((ts if kind == "score_mod" else tm).arrays[name])
-        copy = mod_cache.array_copy(src, lambda h, vt=vt: codegen.storage(h, vt), stage.device, stage.stream)
-        a = copy.dev
-        arrays.append((a.ptr if a.size else 0, a.shape, a.strides))     # an empty array is never read
-        sources.append(src)
-        serials.setdefault(kind, []).append(copy.serial)
-        if copy.values is not None:
-            values.setdefault(kind, {})[name] = copy.values
-    bound = types.SimpleNamespace(gen=gen, names=names, sources=sources, dacc=None, offsets={}, keep_mask=None,
-                                  mask_built=False, backward=backward,
+    names, arch = codegen.call_arrays(ts, tm), device_arch(stage.device)
+    arrays = [mod_arrays.bind(kind, name, (ts if kind == "score_mod" else tm).arrays[name], vt, stage, arch,
+                              backward and i in gen.grad_arrays)
+              for i, ((kind, name), (_, _, vt)) in enumerate(zip(names, gen.arrays))]
+    values = {}
+    for (kind, name), a in zip(names, arrays):
+        if a.values is not None:
+            values.setdefault(kind, {})[name] = a.values
+    bound = types.SimpleNamespace(gen=gen, names=names, arrays=arrays, dacc=None, offsets={}, keep_mask=None,
+                                  build_mask=False, mask_built=False, backward=backward,
                                   can_fail=_lookups_can_fail(o, ts, tm, values))
     bound.err = stage.scratch((5,), np.int64)
     _C.memset_d8(bound.err.ptr, 0, 5 * 8, stage.stream, stage.device)
@@ -265,7 +265,7 @@ def _bind_mods(o, stage, backward):
         total = 0
         for i in gen.grad_arrays:
             bound.offsets[i] = total
-            total += sources[i].size
+            total += arrays[i].size
         if total:
             bound.dacc = stage.scratch((total, codegen.WORDS), np.uint64)
             _C.memset_d8(bound.dacc.ptr, 0, total * codegen.WORDS * 8, stage.stream, stage.device)
@@ -274,13 +274,15 @@ def _bind_mods(o, stage, backward):
     blocks = (0, 0, 0, 0, 0)
     if bound.cells is not None:
         nb, nh, rows, cols = bound.cells
-        key = _block_mask_key(o, stage, tm, serials.get("mask_mod", ()), bound.cells)
-        bound.blocks = mod_cache.block_mask(key, stage.stream)
+        serials = [a.serial for (kind, _), a in zip(names, arrays) if kind == "mask_mod"]
+        # a CUDA array's contents are not seen (serial None): its mask is made every call, not kept
+        key = None if None in serials else _block_mask_key(o, stage, tm, serials, bound.cells)
+        bound.blocks = None if key is None else mod_cache.block_mask(key, stage.stream)
         if bound.blocks is None:                        # built by this call's first launch
             bound.blocks = _device.empty((max(nb * nh * rows * cols, 1),), np.uint8, stage.device, stage.stream)
-            bound.keep_mask = key
+            bound.build_mask, bound.keep_mask = True, key
         blocks = (bound.blocks.ptr, nh * rows * cols if nb > 1 else 0, rows * cols if nh > 1 else 0, rows, cols)
-    bound.gmods = codegen.pack(gen, floats, arrays, bound.err.ptr, dacc_ptr, bound.offsets, blocks)
+    bound.gmods = codegen.pack(gen, floats, [a.ref for a in arrays], bound.err.ptr, dacc_ptr, bound.offsets, blocks)
     return bound
 
 
@@ -317,7 +319,7 @@ def _build_block_mask(plan, stage, ptrs, o, bound, device):
     """Launches attn_block_mask.cu, which fills the call's block mask (bound.blocks) on the
     call's stream before the attention kernels that read it, unless an earlier call's mask
     (mod_cache) serves this one."""
-    if (bound is None or bound.cells is None or bound.keep_mask is None or not plan.launches
+    if (bound is None or bound.cells is None or not bound.build_mask or not plan.launches
             or not all(bound.cells)):
         return
     nb, nh, rows, cols = bound.cells
@@ -339,25 +341,14 @@ def _finish_mods(stage, bound):
         stage.download(bound.err, err)
     if err[0]:
         raise codegen.index_error(bound.names, err)
-    if bound.mask_built:        # built without a lookup out of range: later calls may use it
+    if bound.mask_built and bound.keep_mask is not None:   # no lookup out of range: later calls use it
         mod_cache.keep_block_mask(bound.keep_mask, bound.blocks)
-    out = {}
     if not bound.backward:
-        return out
-    sums = None
-    if bound.dacc is not None:
-        sums = np.zeros(bound.dacc.shape[0], np.float64)
-        stage.download(_dtensor_sums(stage, bound.dacc), sums)
-    for i, ((kind, name), (_, _, vt)) in enumerate(zip(bound.names, bound.gen.arrays)):
-        if kind != "score_mod" or vt != trace.F:
-            continue
-        src = bound.sources[i]
-        if i in bound.offsets and sums is not None:
-            g = sums[bound.offsets[i]:bound.offsets[i] + src.size].reshape(src.shape)
-        else:
-            g = np.zeros(src.shape)
-        out[name] = g.astype(src.dtype)
-    return out
+        return {}
+    sums = None if bound.dacc is None else _dtensor_sums(stage, bound.dacc)
+    floats = [(i, name, a) for i, ((kind, name), (_, _, vt), a) in
+              enumerate(zip(bound.names, bound.gen.arrays, bound.arrays)) if kind == "score_mod" and vt == trace.F]
+    return mod_arrays.gradients(floats, sums, bound.offsets, stage, device_arch(stage.device))
 
 
 def _dtensor_sums(stage, dacc):
@@ -679,10 +670,11 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
     deterministic=False, by plain atomics. delta (the row sums of dout * out), dq_accum and dq_sem
     live in the stream's scratch buffer.
 
-    score_mod / mask_mod: o.dtensors receives the score_mod's array gradients (NumPy arrays in
-    the captured arrays' dtypes), scattered exactly by the dQ kernels (codegen.py), so the same
-    bits every run (dQ is always recomputed with mods); a lookup out of range raises IndexError
-    after the launches.
+    score_mod / mask_mod: o.dtensors receives the score_mod's array gradients in the captured
+    arrays' dtypes (NumPy arrays for NumPy ones, the library's device arrays for CUDA ones:
+    mod_arrays.py), scattered exactly by the dQ kernels (codegen.py), so the same bits every run
+    (dQ is always recomputed with mods); a lookup out of range raises IndexError after the
+    launches.
     """
     host = dq_host is not None
     with staging.Staging(o.cuda_device, o.cuda_stream) as stage:

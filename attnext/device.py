@@ -71,6 +71,12 @@ def _contiguous_strides(shape):
     return tuple(reversed(strides))
 
 
+def is_contiguous(shape, strides):
+    """Whether element strides lay out shape in C order (strides of size-1 dims do not matter)."""
+    want = _contiguous_strides(tuple(shape))
+    return tuple(strides) == want or all(n == 1 or s == c for n, s, c in zip(shape, strides, want))
+
+
 class _Allocation:
     """Owns mem_alloc's memory; frees it on its stream after the streams it was handed to."""
 
@@ -134,9 +140,7 @@ class DeviceArray:
 
     def is_contiguous(self):
         """C-contiguous (strides of size-1 dims do not matter)."""
-        want = _contiguous_strides(self.shape)
-        return self.strides == want or all(n == 1 or s == c for n, s, c in
-                                           zip(self.shape, self.strides, want))
+        return is_contiguous(self.shape, self.strides)
 
     @property
     def __cuda_array_interface__(self):

@@ -3,11 +3,25 @@
 It carries what the checks look at (shape, dtype, ndim, strides) and what a kernel needs (the
 device address of element [0, ..., 0] and element strides), and supports the few reshapes the
 checks make: transpose, a leading new axis, leading ones, broadcast_to. It never reads or
-writes device memory itself.
+writes device memory itself. `may_be_device_array` is the cheap test api.py (arguments) and
+trace.py (captured arrays) make before asking attnext.device.as_device_view for a view.
 """
 import math
 
 import numpy as np
+
+
+def _has(x, name):
+    """hasattr without evaluating a property (torch builds its __cuda_array_interface__ dict on
+    every read: this runs on every GPU call's hot path)."""
+    return hasattr(type(x), name) or name in getattr(x, "__dict__", ())
+
+
+def may_be_device_array(x):
+    """Whether x may be another library's CUDA array: not a NumPy array, and
+    __cuda_array_interface__ or __dlpack__ on its type or instance. Only
+    attnext.device.as_device_view tells (a CPU torch tensor has both names)."""
+    return not isinstance(x, np.ndarray) and (_has(x, "__cuda_array_interface__") or _has(x, "__dlpack__"))
 
 
 class DevView:

@@ -337,7 +337,8 @@ def _backward(pb, dout):
     dout4 = _bhsd(np.asarray(dout), pb.layout)
     dbias4 = None if pb.bias4 is None else np.zeros(pb.bias4.shape)
     arrays = {} if pb.score_mod is None else {
-        n: a for n, a in trace.captured_arrays(pb.score_mod).items() if a.dtype.kind == "f"}
+        n: a for n, a in trace.captured_arrays(pb.score_mod).items()
+        if trace.array_kind(a.dtype) == trace.F}
     dtensors = {n: np.zeros(a.shape) for n, a in arrays.items()}
     for hd in pb.heads():
         keys = slice(hd.k0, hd.k0 + hd.lk)

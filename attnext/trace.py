@@ -17,8 +17,9 @@ Supported, on traced values (anything else raises TypeError naming the operation
     constants            Python / NumPy ints and bools (part of the graph's structure), Python /
                          NumPy floats (kernel parameters: their values are not part of the
                          structure, so a sweep over one compiles once)
-    lookups              table[i, j] into a captured NumPy array (bool, integer or float),
-                         indexed by integer expressions or ints, every axis in one subscript
+    lookups              table[i, j] into a captured array (bool, integer, float16/32/64 or
+                         bfloat16): a NumPy array, or a CUDA array (below), indexed by
+                         integer expressions or ints, every axis in one subscript
                          (table[i][j] raises: on NumPy index arrays it means something else);
                          negative indices count from the end. A 0-d
                          captured array is a scalar lookup. .shape / .ndim / .size / .dtype /
@@ -37,16 +38,25 @@ Python control flow on a traced value (`if`, `while`, `and`/`or`/`not`, chained 
 min()/max(), bool(), int(), float(), math.*) raises TypeError: use np.where and & | ~.
 
 How captured arrays are found and named. Before the call, the function is rebuilt with
-types.FunctionType from the same code object, with every NumPy array it can reach by name
-replaced by a named array proxy: closure cells (named by the free variable), globals named in
-its code or in the code of functions / lambdas defined inside it (named by the global name; the
-globals dict is copied, the module's own is untouched), and default arguments (named by the
+types.FunctionType from the same code object, with every NumPy or CUDA array it can reach by
+name replaced by a named array proxy: closure cells (named by the free variable), globals named
+in its code or in the code of functions / lambdas defined inside it (named by the global name;
+the globals dict is copied, the module's own is untouched), and default arguments (named by the
 parameter). The name is the key of the array's gradient in `dtensors`. Limits: arrays reached
 any other way (an attribute `self.table`, an item of a list or dict, a global read by another
 function that this one calls, a functools.partial argument, a callable object) are not
 captured: indexing one with a traced value raises TypeError (NumPy asks for __index__), as
 does indexing a Python list or tuple. Two different arrays under one name raise TypeError.
 Non-function callables are called as they are, without array capture.
+
+CUDA arrays. Any other library's array exposing `__cuda_array_interface__` or `__dlpack__` on a
+CUDA device (CuPy, PyTorch, JAX, Numba) is captured like a NumPy array: attnext.device's
+as_device_view gives its shape, dtype and device from the protocol, without reading its memory
+(a torch tensor that requires grad is refused there: capture `table.detach()`). The graph and
+its key see only dtype and shape, so a CUDA and a NumPy array of one dtype and shape share the
+generated code. `Traced.arrays` holds the object itself: the CUDA backend binds it afresh at
+every call (mod_arrays.py); evaluate() and the CPU backend read NumPy arrays only (api.py refuses
+a host call whose function captures a CUDA array).
 
 The graph is hash-consed within one trace (structurally equal nodes are one object), so a
 subexpression used twice, e.g. the same lookup, is one node. `Traced.key` is a SHA-256 of the
@@ -62,12 +72,16 @@ import hashlib
 import types
 from typing import NamedTuple
 
+import ml_dtypes
 import numpy as np
+
+from .devview import may_be_device_array
 
 INPUTS = ("score", "b", "h", "q_idx", "kv_idx")
 F, I, B = "f32", "i64", "bool"
 
 _LN2 = float(np.log(2.0))
+_BF16 = np.dtype(ml_dtypes.bfloat16)
 _I64_MIN, _I64_MAX = -2 ** 63, 2 ** 63 - 1
 
 
@@ -165,7 +179,7 @@ class _Graph:
     def __init__(self):
         self._interned = {}
         self.params = []
-        self.arrays = {}      # name -> np.ndarray
+        self.arrays = {}      # name -> the captured object (np.ndarray or a CUDA array)
 
     def node(self, op, dtype, *args):
         key = (op, dtype, tuple(("n", id(a)) if isinstance(a, Node) else
@@ -193,22 +207,25 @@ class _Graph:
     def cast(self, n, dtype):
         return n if n.dtype == dtype else self.node("cast", dtype, n)
 
-    def array(self, name, arr):
+    def array(self, name, source, desc):
+        """The "array" leaf of a captured object `source`, whose shape and dtype `desc` gives
+        (source itself for a NumPy array, a DevView for a CUDA one)."""
         known = self.arrays.get(name)
-        if known is not None and known is not arr:
+        if known is not None and known is not source:
             raise TypeError(f"two different arrays are captured under the name {name!r}")
-        self.arrays[name] = arr
-        kind = _array_kind(arr)
-        dt = arr.dtype.newbyteorder("=").name
-        return self.node("array", kind, name, dt, tuple(int(s) for s in arr.shape))
+        self.arrays[name] = source
+        kind = array_kind(desc.dtype)
+        dt = desc.dtype.newbyteorder("=").name
+        return self.node("array", kind, name, dt, tuple(int(s) for s in desc.shape))
 
 
-def _array_kind(arr):
-    if arr.dtype == np.bool_:
+def array_kind(dtype):
+    """The value type of an array's elements: B, I, F (bfloat16 is a float), None for others."""
+    if dtype == np.bool_:
         return B
-    if np.issubdtype(arr.dtype, np.integer):
+    if dtype.kind in "iu":
         return I
-    if np.issubdtype(arr.dtype, np.floating):
+    if dtype.kind == "f" or dtype == _BF16:
         return F
     return None
 
@@ -335,11 +352,12 @@ class Proxy:
 
 
 class ArrayProxy:
-    """A captured NumPy array while tracing: indexing it records a lookup."""
-    __slots__ = ("name", "array", "graph")
+    """A captured array while tracing: indexing it records a lookup. source: the captured
+    object; array: what gives its shape and dtype (source itself, or a DevView of a CUDA array)."""
+    __slots__ = ("name", "source", "array", "graph")
 
-    def __init__(self, name, array, graph):
-        self.name, self.array, self.graph = name, array, graph
+    def __init__(self, name, source, array, graph):
+        self.name, self.source, self.array, self.graph = name, source, array, graph
 
     @property
     def shape(self): return self.array.shape
@@ -391,7 +409,7 @@ class ArrayProxy:
                             f"{len(idx)} of its {self.array.ndim} axes: index every axis at "
                             "once, as table[i, j] (table[i][j] means something else on index "
                             "arrays)")
-        return _load(self.graph, self.name, self.array, idx)
+        return _load(self.graph, self.name, self.source, self.array, idx)
 
     def _unindexed(self, *_args, **_kw):
         raise TypeError(f"array {self.name!r} of shape {self.shape} used in an expression "
@@ -403,11 +421,11 @@ class ArrayProxy:
     __hash__ = None
 
 
-def _load(graph, name, arr, idx):
-    if _array_kind(arr) is None:
-        raise TypeError(f"array {name!r} has dtype {arr.dtype}; lookups need bool, integer or "
+def _load(graph, name, source, desc, idx):
+    if array_kind(desc.dtype) is None:
+        raise TypeError(f"array {name!r} has dtype {desc.dtype}; lookups need bool, integer or "
                         "float arrays")
-    a = graph.array(name, arr)
+    a = graph.array(name, source, desc)
     return Proxy(graph.node("load", a.dtype, a, *idx), graph)
 
 
@@ -509,15 +527,32 @@ def _global_names(code):
     return names
 
 
+def _captured(name, value):
+    """What tracing sees of a value fn names: a NumPy array itself, a DevView of a CUDA array
+    (shape, dtype, device; its memory is not read), None for anything else. A CUDA array whose
+    library refuses to share it raises, naming it."""
+    if isinstance(value, np.ndarray):
+        return value
+    if not may_be_device_array(value):
+        return None
+    from . import device        # the CUDA host side: loaded only when such an object is captured
+    try:
+        return device.as_device_view(value)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"captured array {name!r}: {e}") from None
+
+
 def _rebound(fn, replace):
-    """fn rebuilt from the same code object with every NumPy array it names (closure cells,
-    globals named in its code, default arguments; module docstring) replaced by
-    replace(name, array). Non-function callables are returned as they are."""
+    """fn rebuilt from the same code object with every NumPy or CUDA array it names (closure
+    cells, globals named in its code, default arguments; module docstring) replaced by
+    replace(name, value, desc), desc what _captured gives. Non-function callables are returned
+    as they are."""
     if not isinstance(fn, types.FunctionType):
         return fn
 
     def swap(name, value):
-        return replace(name, value) if isinstance(value, np.ndarray) else value
+        desc = _captured(name, value)
+        return value if desc is None else replace(name, value, desc)
 
     code = fn.__code__
     closure = fn.__closure__
@@ -529,14 +564,15 @@ def _rebound(fn, replace):
             except ValueError:   # an empty cell (a variable assigned later)
                 cells.append(cell)
                 continue
-            cells.append(types.CellType(swap(name, value))
-                         if isinstance(value, np.ndarray) else cell)
+            new = swap(name, value)
+            cells.append(cell if new is value else types.CellType(new))
         closure = tuple(cells)
     glob = fn.__globals__
-    arrays = {n: glob[n] for n in _global_names(code) if isinstance(glob.get(n), np.ndarray)}
-    if arrays:
+    swapped = {n: swap(n, glob[n]) for n in _global_names(code) if n in glob}
+    swapped = {n: v for n, v in swapped.items() if v is not glob[n]}
+    if swapped:
         glob = dict(glob)
-        glob.update({n: swap(n, a) for n, a in arrays.items()})
+        glob.update(swapped)
     defaults = fn.__defaults__
     if defaults:
         pos = code.co_varnames[:code.co_argcount]
@@ -548,20 +584,21 @@ def _rebound(fn, replace):
 
 
 def _with_array_proxies(fn, graph):
-    """fn rebuilt so that the NumPy arrays it names are ArrayProxy objects (module docstring)."""
-    def proxy(name, value):
-        if value.ndim == 0:
-            return _load(graph, name, value, [])
-        return ArrayProxy(name, value, graph)
+    """fn rebuilt so that the arrays it names are ArrayProxy objects (module docstring)."""
+    def proxy(name, value, desc):
+        if desc.ndim == 0:
+            return _load(graph, name, value, desc, [])
+        return ArrayProxy(name, value, desc, graph)
     return _rebound(fn, proxy)
 
 
 def captured_arrays(fn):
-    """name -> NumPy array, for every array fn names the way tracing captures them (closure,
-    globals named in its code, defaults), whether or not fn reads it."""
+    """name -> array (the object itself: a NumPy array or a CUDA array), for every array fn
+    names the way tracing captures them (closure, globals named in its code, defaults), whether
+    or not fn reads it."""
     found = {}
 
-    def record(name, value):
+    def record(name, value, desc):
         found[name] = value
         return value
     _rebound(fn, record)
@@ -570,16 +607,17 @@ def captured_arrays(fn):
 
 def with_arrays(fn, arrays):
     """fn rebuilt with the captured arrays named in `arrays` (name -> array) replaced."""
-    return _rebound(fn, lambda name, value: arrays.get(name, value))
+    return _rebound(fn, lambda name, value, desc: arrays.get(name, value))
 
 
 class Traced(NamedTuple):
     """A traced score_mod / mask_mod.
 
     kind "score_mod" or "mask_mod"; out the output Node (f32 or bool); params the float constants
-    in the order they were met (kernel parameters); arrays name -> the captured np.ndarray (the
-    object itself: its values are read at evaluation); structure the canonical text of the graph
-    and key its SHA-256 (see the module docstring); graph the node factory (grad() adds to it).
+    in the order they were met (kernel parameters); arrays name -> the captured array (the
+    object itself, a NumPy or a CUDA array: its values are read at evaluation or binding);
+    structure the canonical text of the graph and key its SHA-256 (see the module docstring);
+    graph the node factory (grad() adds to it).
     """
     kind: str
     out: Node
