@@ -64,6 +64,26 @@ DEV void row_band(const attn_params &p, bool need, int r, int Lq, int Lk, int &l
     hi = (int)hi64;
 }
 
+#if ATTN_GMODS
+/* keep_pass over a forward tile (a warp's rows from packed row row0, key columns from c0): a
+ * pair lies in the band of its row (row_band). */
+template <int MT, int NT>
+DEV void fwd_keep(const attn_params &p, const score_ctx &sc, const float (&s)[MT][NT][4], int row0, int c0,
+                  bool need, int G, int Lq, int Lk, tile_keep<MT, NT> &keep, mod_fault &fault)
+{
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int lo[2 * MT], hi[2 * MT];
+#pragma unroll
+    for (int i = 0; i < 2 * MT; i++)
+        row_band(p, need, (row0 + (i / 2) * 16 + g + (i % 2) * 8) / G, Lq, Lk, lo[i], hi[i]);
+    keep_pass(sc, need, s, keep, fault, [&](int mt, int nt, int e, int &r, int &c, bool &band) {
+        r = (row0 + mt * 16 + g + (e / 2) * 8) / G;
+        c = c0 + nt * 8 + 2 * t + (e & 1);
+        band = c >= lo[mt * 2 + e / 2] && c < hi[mt * 2 + e / 2];
+    });
+}
+#endif
+
 /* One key tile's raw q.k in s become scores in log2 units for a warp's rows: scale, the score
  * hook, and -inf for masked pairs. row0: the packed row of the warp's first row; c0: the tile's
  * first key column. A tile that needs no mask takes one multiply per score when the options
@@ -78,16 +98,8 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
      * batch), then one path for every tile, so that the score_mod's code exists once (each copy
      * costs NVRTC time), branch-free (kept_score) */
     mod_fault fault = no_fault();
-    int lo[2 * MT], hi[2 * MT];
-#pragma unroll
-    for (int i = 0; i < 2 * MT; i++)
-        row_band(p, need_mask, (row0 + (i / 2) * 16 + g + (i % 2) * 8) / G, Lq, Lk, lo[i], hi[i]);
     tile_keep<MT, NT> keep;
-    keep_pass(sc, need_mask, s, keep, fault, [&](int mt, int nt, int e, int &r, int &c, bool &band) {
-        r = (row0 + mt * 16 + g + (e / 2) * 8) / G;
-        c = c0 + nt * 8 + 2 * t + (e & 1);
-        band = c >= lo[mt * 2 + e / 2] && c < hi[mt * 2 + e / 2];
-    });
+    fwd_keep(p, sc, s, row0, c0, need_mask, G, Lq, Lk, keep, fault);
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -124,16 +136,8 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
 #if ATTN_GMODS
         /* a mask_mod alone: its verdicts in one batch (keep_pass), then the kept scores */
         mod_fault fault = no_fault();
-        int lo[2 * MT], hi[2 * MT];
-#pragma unroll
-        for (int i = 0; i < 2 * MT; i++)
-            row_band(p, true, (row0 + (i / 2) * 16 + g + (i % 2) * 8) / G, Lq, Lk, lo[i], hi[i]);
         tile_keep<MT, NT> keep;
-        keep_pass(sc, true, s, keep, fault, [&](int mt, int nt, int e, int &r, int &c, bool &band) {
-            r = (row0 + mt * 16 + g + (e / 2) * 8) / G;
-            c = c0 + nt * 8 + 2 * t + (e & 1);
-            band = c >= lo[mt * 2 + e / 2] && c < hi[mt * 2 + e / 2];
-        });
+        fwd_keep(p, sc, s, row0, c0, true, G, Lq, Lk, keep, fault);
         report_fault(sc, fault);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
