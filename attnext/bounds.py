@@ -145,19 +145,33 @@ def loads(traced):
     return [n for n in trace.topo(traced.out) if n.op == "load"]
 
 
+CHECKED = -1     # a lookup's mode (lookup_modes): normalised, clamped and reported
+
+
+def lookup_modes(traced, extents, values=None):
+    """How each lookup of traced (loads' order) may be read over a call with these extents:
+    CHECKED when it may leave its array; else the bits of the axes whose index may be negative
+    (counted from the end), 0 when every index is in [0, n): the plain offset. values: {array
+    name: (min, max)} of integer arrays."""
+    r = ranges([traced.out], extents, values)
+    modes = []
+    for n in loads(traced):
+        shape = n.args[0].args[2]
+        mode = 0
+        for ax, (idx, size) in enumerate(zip(n.args[1:], shape)):
+            iv = r.get(id(idx))
+            if size <= 0 or iv is None or not (-size <= iv[0] and iv[1] < size):
+                mode = CHECKED
+                break
+            mode |= (1 << ax) if iv[0] < 0 else 0
+        modes.append(mode)
+    return tuple(modes)
+
+
 def in_range(traced, extents, values=None):
     """A tuple of bools, one per lookup of traced (loads' order): whether it can never leave its
     array over a call with these extents. values: {array name: (min, max)} of integer arrays."""
-    r = ranges([traced.out], extents, values)
-    flags = []
-    for n in loads(traced):
-        shape = n.args[0].args[2]
-        ok = True
-        for idx, size in zip(n.args[1:], shape):
-            iv = r.get(id(idx))
-            ok = ok and size > 0 and iv is not None and -size <= iv[0] and iv[1] < size
-        flags.append(ok)
-    return tuple(flags)
+    return tuple(m != CHECKED for m in lookup_modes(traced, extents, values))
 
 
 def value_range(a):
@@ -166,6 +180,11 @@ def value_range(a):
     if a.size == 0 or a.dtype.kind not in "iu":
         return None
     return _fits(int(a.min()), int(a.max()))
+
+
+def fits_int32(values):
+    """Whether a (min, max) range, or None (unknown), lies within int32."""
+    return values is not None and -2 ** 31 <= values[0] and values[1] < 2 ** 31
 
 
 def array_values(traced, arrays):

@@ -42,7 +42,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import trace
+from . import bounds, trace
+from .bounds import CHECKED
 from .kernel_cache import CountedCache
 from .trace import B, F, I
 
@@ -111,10 +112,12 @@ def _int_literal(n, dtype):
 class _Renderer:
     """Renders the nodes reachable from some roots as C statements of one function."""
 
-    def __init__(self, arrays, float_base, check=False):
+    def __init__(self, arrays, float_base, check=False, modes=None, narrow=frozenset()):
         self.arrays = arrays          # array name -> its global number
         self.float_base = float_base  # this function's first float constant in m->f
         self.check = check            # the _check twin: lookups report, nothing else is done
+        self.modes = modes or {}      # (array name, id of each index) -> lookup mode (Facts)
+        self.narrow = narrow          # global numbers of the integer arrays stored as int32
         self.lines = []
         self.expr = {}
         self.lookups = False
@@ -155,7 +158,9 @@ class _Renderer:
         if op == "array":
             return None
         if op == "load":
-            return f"{_LOAD[n.dtype]}(m, {self.arrays[n.args[0].args[0]]}, {self.offset(n.args[0], n.args[1:])})"
+            arr = self.arrays[n.args[0].args[0]]
+            load = "mod_load_i32" if n.dtype == I and arr in self.narrow else _LOAD[n.dtype]
+            return f"{load}(m, {arr}, {self.offset(n.args[0], n.args[1:])})"
         table = _TABLES.get(n.dtype, {})
         if op not in table:
             raise TypeError(f"the GPU code generator cannot render {op!r} ({n.dtype}): "
@@ -168,12 +173,15 @@ class _Renderer:
             raise TypeError(f"array {name!r} has {len(shape)} dims; the GPU code generator "
                             f"takes arrays of at most {MAX_DIMS}")
         args = [self.expr[id(i)] for i in idx] + ["0"] * (MAX_DIMS - len(idx))
+        mode = self.modes.get((name, tuple(id(i) for i in idx)), CHECKED)
+        if mode != CHECKED:           # proven in range (bounds.py): no check, no clamp
+            return f"mod_offset_in(m, {self.arrays[name]}, {len(idx)}, {', '.join(args)}, {mode})"
         self.lookups = True
         return (f"mod_offset(m, {self.arrays[name]}, {len(idx)}, {', '.join(args)}, "
                 f"{'0' if self.check else 'bad'})")
 
 
-def _function(ret, name, params, roots, arrays, float_base, tail):
+def _function(ret, name, params, roots, arrays, float_base, tail, modes=None, narrow=frozenset()):
     """Three functions for `ret name(params)`, computing roots then tail (str formats of the
     roots' expressions, or callables of the renderer):
       name_q (..., int *bad)  what the kernels inline at every score: a lookup out of range is
@@ -181,13 +189,14 @@ def _function(ret, name, params, roots, arrays, float_base, tail):
       name_check (...)        MOD_COLD (attn_mods.cuh): the same lookups, each reporting an index
                               out of range (mod_fail); nothing else. A kernel calls it once per
                               tile that noted one (attn_common.cuh: mods_report)
-      name (...)              name_q, then name_check if it noted one (the host C tests)"""
-    r = _Renderer(arrays, float_base)
+      name (...)              name_q, then name_check if it noted one (the host C tests)
+    modes, narrow: _Renderer's."""
+    r = _Renderer(arrays, float_base, modes=modes, narrow=narrow)
     r.render(roots)
     body = [t.format(*(r.expr[id(x)] for x in roots)) if isinstance(t, str) else t(r) for t in tail]
-    c = _Renderer(arrays, float_base, check=True)
+    c = _Renderer(arrays, float_base, check=True, modes=modes, narrow=narrow)
     c.render(roots)
-    check = c.lines + [t(c) for t in tail if not isinstance(t, str)]
+    check = c.lines + [t(c) for t in tail if not isinstance(t, str)] if c.lookups else []
     names = [p.split()[-1].lstrip("*") for p in params.split(", ")]
     call = f"{name}_q({', '.join(names)}, &bad)"
     return (f"MOD_COLD void {name}_check({params})\n{{\n" + "\n".join(check or ["    (void)m;"])
@@ -210,6 +219,24 @@ def array_order(traced):
     return pos
 
 
+class Facts(NamedTuple):
+    """What one call proves about its generated code, part of the code's key: for each lookup
+    of score_mod and of mask_mod (bounds.loads order), its mode (bounds.lookup_modes: CHECKED, or
+    read directly, counting the axes of these bits from the end when negative), and for each
+    captured array by global number whether its integers are stored as int32 (storage). No
+    Facts: every lookup checked, every integer array int64."""
+    score: tuple = ()
+    mask: tuple = ()
+    narrow: tuple = ()
+
+
+def _modes(traced, modes):
+    """(array name, ids of the indices) -> mode, for traced's lookups: the derivative's scatters
+    take the mode of the lookup whose indices they share."""
+    return {(n.args[0].args[0], tuple(id(i) for i in n.args[1:])): m
+            for n, m in zip(bounds.loads(traced), modes)} if modes else {}
+
+
 class Generated(NamedTuple):
     """The generated header and what a call binds to it. source: the header's text; defines:
     the kernel switches (HAS_SCORE_MOD, HAS_MASK_MOD, HAS_DTENSORS); arrays: (kind "score_mod"
@@ -227,8 +254,11 @@ class Generated(NamedTuple):
     mask_uses_h: bool = False
 
 
-def generate(score=None, mask=None):
-    """The Generated code of a traced score_mod and / or mask_mod (trace.Traced or None)."""
+def generate(score=None, mask=None, facts=None):
+    """The Generated code of a traced score_mod and / or mask_mod (trace.Traced or None), for a
+    call with these Facts (None: every lookup checked, every integer array int64)."""
+    facts = facts or Facts()
+    narrow = frozenset(i for i, x in enumerate(facts.narrow) if x)
     parts = [f"/* generated by attnext/codegen.py: {HEADER} */",
              "#ifndef ATTNEXT_ATTN_MOD_GEN_CUH", "#define ATTNEXT_ATTN_MOD_GEN_CUH", ""]
     arrays, numbers = [], {}
@@ -248,13 +278,14 @@ def generate(score=None, mask=None):
     n_score_floats = len(score.params) if score is not None else 0
     if score is not None:
         amap = {name: numbers[("score_mod", name)] for name in array_order(score)}
+        how = dict(modes=_modes(score, facts.score), narrow=narrow)
         g = trace.grad(score)
         uses_h |= any(n.op == "h" for n in trace.topo(score.out))
         parts.append(f"/* score_mod {score.key[:16]} */")
         parts.append(_function("float", "mod_score", f"{SCORE_ARGS}, {M_ARG}", [score.out], amap, 0,
-                               ["    return {0};"]))
+                               ["    return {0};"], **how))
         parts.append(_function("float", "mod_dscore", f"{SCORE_ARGS}, float dout, {M_ARG}", [g.dscore],
-                               amap, 0, ["    return {0};"]))
+                               amap, 0, ["    return {0};"], **how))
         terms = [(name, idx, adj) for name, ts in g.darrays.items() for idx, adj in ts]
         if terms:
             defines["HAS_DTENSORS"] = 1
@@ -267,13 +298,14 @@ def generate(score=None, mask=None):
                     f"{r.offset(next(n for n in trace.topo(score.out) if n.op == 'array' and n.args[0] == name), idx)}"
                     f"{';' if r.check else f', {r.expr[id(adj)]});'}" for name, idx, adj in terms)
             parts.append(_function("void", "mod_dtensors", f"{SCORE_ARGS}, float dout, {M_ARG}", roots,
-                                   amap, 0, [scatters]))
+                                   amap, 0, [scatters], **how))
     if mask is not None:
         amap = {name: numbers[("mask_mod", name)] for name in array_order(mask)}
         uses_h |= any(n.op == "h" for n in trace.topo(mask.out))
         parts.append(f"/* mask_mod {mask.key[:16]} */")
         parts.append(_function("int", "mod_mask", f"{MASK_ARGS}, {M_ARG}", [mask.out], amap,
-                               n_score_floats, ["    return {0};"]))
+                               n_score_floats, ["    return {0};"], modes=_modes(mask, facts.mask),
+                               narrow=narrow))
     if n_score_floats + (len(mask.params) if mask is not None else 0) > MAX_FLOATS:
         raise TypeError(f"the GPU code generator takes at most {MAX_FLOATS} float constants in "
                         "score_mod and mask_mod together")
@@ -288,10 +320,12 @@ def generate(score=None, mask=None):
 _cache = CountedCache(CACHE_CAPACITY)
 
 
-def generated(score=None, mask=None):
-    """generate(score, mask), from an LRU keyed by the graphs' structural keys."""
-    key = (score.key if score is not None else None, mask.key if mask is not None else None)
-    return _cache.get_or_make(key, lambda: generate(score, mask))
+def generated(score=None, mask=None, facts=None):
+    """generate(score, mask, facts), from an LRU keyed by the graphs' structural keys and the
+    facts."""
+    key = (score.key if score is not None else None, mask.key if mask is not None else None,
+           facts or Facts())
+    return _cache.get_or_make(key, lambda: generate(score, mask, facts))
 
 
 def cache_info():
@@ -306,13 +340,26 @@ ARRAY_DTYPE = np.dtype([("ptr", "u8"), ("shape", "i8", MAX_DIMS), ("s", "i8", MA
 MODS_DTYPE = np.dtype([("f", "f4", MAX_FLOATS), ("a", ARRAY_DTYPE, MAX_ARRAYS), ("err", "u8"),
                        ("dacc", "u8"), ("blocks", "u8"), ("blk", "i8", 4)], align=True)
 BLOCK = 64                 # ATTN_BLOCK: the block mask's cells are BLOCK x BLOCK pairs
-STORAGE = {F: np.float32, I: np.int64, B: np.uint8}     # what the kernels read, by value type
+STORAGE = {F: np.dtype(np.float32), I: np.dtype(np.int64), B: np.dtype(np.bool_)}   # by value type
+NARROW = np.dtype(np.int32)      # integers whose values fit (Facts.narrow): half the registers
+_NARROW_SOURCES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.uint8, np.uint16))
 
 
-def storage(a, kind):
-    """A captured array as the kernels read it: contiguous float32, int64 or uint8 (bool)."""
+def storage_dtype(kind, values=None, dtype=None):
+    """The dtype the kernels read a captured array of value type kind in (a bool as its one
+    byte): float32, bool, and for integers int32 when their values are known to fit (values:
+    (min, max)), or dtype (a CUDA array's, values unseen) holds nothing wider; else int64."""
+    if kind == I and (bounds.fits_int32(values) or dtype in _NARROW_SOURCES):
+        return NARROW
+    return STORAGE[kind]
+
+
+def storage(a, kind, narrow=False):
+    """A NumPy array as the kernels read it, C-contiguous in storage_dtype (narrow: int32 for
+    integers whose values fit; else int64, what generate without Facts reads)."""
     a = np.asarray(a)
-    return np.ascontiguousarray(a, dtype=STORAGE[kind]).reshape(a.shape)    # 0-d stays 0-d
+    values = bounds.value_range(a) if narrow and kind == I else None
+    return np.ascontiguousarray(a, dtype=storage_dtype(kind, values)).reshape(a.shape)   # 0-d stays 0-d
 
 
 def pack(gen, floats, arrays, err_ptr, dacc_ptr, grad_offsets, blocks=(0, 0, 0, 0, 0)):

@@ -245,19 +245,17 @@ def _bind_mods(o, stage, backward):
         return None
     ts = trace.trace_score_mod(o.score_mod) if o.score_mod is not None else None
     tm = trace.trace_mask_mod(o.mask_mod) if o.mask_mod is not None else None
-    gen = codegen.generated(ts, tm)
+    layout = codegen.generated(ts, tm)          # the arrays and gradients; the code: gen below
     floats = list(ts.params if ts is not None else ()) + list(tm.params if tm is not None else ())
     names, arch = codegen.call_arrays(ts, tm), device_arch(stage.device)
     arrays = [mod_arrays.bind(kind, name, (ts if kind == "score_mod" else tm).arrays[name], vt, stage, arch,
-                              backward and i in gen.grad_arrays)
-              for i, ((kind, name), (_, _, vt)) in enumerate(zip(names, gen.arrays))]
-    values = {}
-    for (kind, name), a in zip(names, arrays):
-        if a.values is not None:
-            values.setdefault(kind, {})[name] = a.values
+                              backward and i in layout.grad_arrays)
+              for i, ((kind, name), (_, _, vt)) in enumerate(zip(names, layout.arrays))]
+    facts = _facts(o, ts, tm, names, arrays)
+    gen = codegen.generated(ts, tm, facts)
     bound = types.SimpleNamespace(gen=gen, names=names, arrays=arrays, dacc=None, offsets={}, keep_mask=None,
                                   build_mask=False, mask_built=False, backward=backward,
-                                  can_fail=_lookups_can_fail(o, ts, tm, values))
+                                  can_fail=bounds.CHECKED in facts.score + facts.mask)
     bound.err = stage.scratch((5,), np.int64)
     _C.memset_d8(bound.err.ptr, 0, 5 * 8, stage.stream, stage.device)
     dacc_ptr = 0
@@ -286,14 +284,20 @@ def _bind_mods(o, stage, backward):
     return bound
 
 
-def _lookups_can_fail(o, ts, tm, values):
-    """Whether some lookup of the call's score_mod / mask_mod may leave its array: the ones
-    attnext.bounds cannot prove in range over the call's extents (the longest sequence's rows
-    and columns, every head and sequence). When none may, the error record stays zero and the
-    call need not wait for the kernels to read it."""
+def _facts(o, ts, tm, names, arrays):
+    """The call's codegen.Facts: how each lookup may be read (attnext.bounds over the call's
+    extents -- the longest sequence's rows and columns, every head and sequence -- and the
+    NumPy integer arrays' values) and which integer arrays are stored as int32. A call none of
+    whose lookups may leave its array leaves the error record zero: it need not wait for the
+    kernels to read it."""
     extents = bounds.Extents(o.B, o.Hq, _query_rows(o), _key_rows(o))
-    return not all(all(bounds.in_range(t, extents, values.get(kind)))
-                   for kind, t in (("score_mod", ts), ("mask_mod", tm)) if t is not None)
+    values = {}
+    for (kind, name), a in zip(names, arrays):
+        if a.values is not None:
+            values.setdefault(kind, {})[name] = a.values
+    modes = [bounds.lookup_modes(t, extents, values.get(kind)) if t is not None else ()
+             for kind, t in (("score_mod", ts), ("mask_mod", tm))]
+    return codegen.Facts(modes[0], modes[1], tuple(a.stored == codegen.NARROW for a in arrays))
 
 
 def _block_cells(o, gen):

@@ -18,10 +18,11 @@ def _has(x, name):
 
 
 def may_be_device_array(x):
-    """Whether x may be another library's CUDA array: not a NumPy array, and
-    __cuda_array_interface__ or __dlpack__ on its type or instance. Only
-    attnext.device.as_device_view tells (a CPU torch tensor has both names)."""
-    return not isinstance(x, np.ndarray) and (_has(x, "__cuda_array_interface__") or _has(x, "__dlpack__"))
+    """Whether x may be another library's CUDA array: not a NumPy array nor a class (an array
+    type such as torch.Tensor names both protocols too), and __cuda_array_interface__ or
+    __dlpack__ on its type or instance. Only attnext.device.as_device_view tells (a CPU torch
+    tensor has both names)."""
+    return not isinstance(x, (np.ndarray, type)) and (_has(x, "__cuda_array_interface__") or _has(x, "__dlpack__"))
 
 
 class DevView:

@@ -549,8 +549,10 @@ def variants(arch=None):
 def mod_sample():
     """The generated code of a representative score_mod and mask_mod (softcap, a relative
     position table with a gradient, a scalar array, int rules; a document mask from an int
-    array and a bool table) that warmup --check compiles into every kernel."""
-    from . import codegen, trace
+    array and a bool table) that warmup --check compiles into every kernel, as a call with
+    64 rows and columns reads it (codegen.Facts): the lookups read directly, the document ids
+    as int32, but the bool table's lookup checked."""
+    from . import bounds, codegen, trace
     table = np.zeros((4, 129), np.float32)
     w = np.zeros((), np.float32)
     doc = np.zeros(64, np.int64)
@@ -563,7 +565,12 @@ def mod_sample():
     def mask_mod(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & allowed[q_idx, kv_idx] | (kv_idx == 0)
 
-    return codegen.generate(trace.trace_score_mod(score_mod), trace.trace_mask_mod(mask_mod))
+    ts, tm = trace.trace_score_mod(score_mod), trace.trace_mask_mod(mask_mod)
+    ext = bounds.Extents(1, 4, 64, 64)
+    mask_modes = tuple(bounds.CHECKED if n.args[0].args[0] == "allowed" else m
+                       for n, m in zip(bounds.loads(tm), bounds.lookup_modes(tm, ext)))
+    narrow = tuple(name == "doc" for _, name, _ in codegen.generate(ts, tm).arrays)
+    return codegen.generate(ts, tm, codegen.Facts(bounds.lookup_modes(ts, ext), mask_modes, narrow))
 
 
 def mod_variants(arch=None):

@@ -2,8 +2,8 @@
 gradients its backward hands back. Captured arrays are read afresh at every call (DESIGN.md):
 the caller may change one in place between calls.
 
-NumPy arrays are uploaded in the kernels' storage types (float32, int64, one byte per bool)
-through mod_cache, which keeps them on the device and finds them again by their bits, knows an
+NumPy arrays are uploaded in the kernels' storage types (codegen.storage_dtype: float32, one byte
+per bool, int32 for integers whose values fit, else int64) through mod_cache, which keeps them on the device and finds them again by their bits, knows an
 integer array's (min, max) for attnext.bounds, and keeps the block masks made from them.
 
 CUDA arrays (any library's: `__cuda_array_interface__` or `__dlpack__`; tracing found them,
@@ -12,13 +12,13 @@ which orders the call after the producer's stream where the protocol names one. 
 the host:
 
 - In place -- the device address and element strides go into attn_mods_gpu, and nothing is
-  copied -- when the dtype is the storage type of the values (float32, int64, bool) and the
+  copied -- when the dtype is a storage type of the values (float32, int32 or int64, bool) and the
   address is aligned to the element (the lookups are element loads), whatever the strides
   (transposed, reversed, broadcast), except for a float array whose gradient a backward
   accumulates: that one must be C-contiguous (the accumulator is indexed by element offset).
 - Otherwise converted on the device, at every call, into a contiguous copy in the call's memory
   (kernels/attn_convert.cu, NumPy's astype rules: float16 / bfloat16 / float64 to float32, any
-  integer to int64; a misaligned one, or a strided gradient's, copied as it is). Chosen over
+  integers of at most 16 bits to int32, wider ones to int64; a misaligned one, or a strided gradient's, copied as it is). Chosen over
   a copy through the host because it needs no synchronisation: the call stays asynchronous, and
   the copy is one small kernel on the call's stream (a 16k-token int32 id array: 128 KiB
   written). A copy kept between calls could not tell whether its source changed without
@@ -52,14 +52,14 @@ from . import _C, codegen, device, kernels, mod_cache
 from .devview import DevView
 from .trace import B, F, I
 
-# the kernels' storage types by value type (codegen.STORAGE; a bool is read as its one byte): a
-# CUDA array of this dtype can be read in place, and a converted copy is made in it
-STORED = {F: np.dtype(np.float32), I: np.dtype(np.int64), B: np.dtype(np.bool_)}
+# the dtypes the kernels read a captured array of each value type in (codegen.storage_dtype): a
+# CUDA array of one of them can be read in place
+READABLE = {F: {codegen.STORAGE[F]}, I: {codegen.STORAGE[I], codegen.NARROW}, B: {codegen.STORAGE[B]}}
 # attn_convert.cu's type codes, in its enum's order
 TYPE_CODES = {np.dtype(t): code for code, t in enumerate(
     (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
      np.float16, device.BFLOAT16, np.float32, np.float64))}
-DESTINATIONS = frozenset(STORED.values()) | {np.dtype(t) for t in (np.float16, device.BFLOAT16, np.float64)}
+DESTINATIONS = frozenset().union(*READABLE.values()) | {np.dtype(t) for t in (np.float16, device.BFLOAT16, np.float64)}
 CONVERT_DIMS = 4           # attn_convert.cu's CONVERT_DIMS (codegen.MAX_DIMS)
 CONVERT_THREADS = 256
 CONVERT_PARAMS = np.dtype([("src", "u8"), ("dst", "u8"), ("shape", "i8", CONVERT_DIMS),
@@ -69,7 +69,8 @@ CONVERT_PARAMS = np.dtype([("src", "u8"), ("dst", "u8"), ("shape", "i8", CONVERT
 
 class Bound(NamedTuple):
     """One captured array as a call binds it. ref: (address, shape, element strides) for
-    codegen.pack; shape, dtype, size: the captured array's; source: the captured object;
+    codegen.pack; shape, dtype, size: the captured array's; stored: the dtype the kernels read
+    (codegen.storage_dtype); source: the captured object;
     serial: mod_cache's name for a NumPy array's contents, None for a CUDA array (contents not
     seen); values: (min, max) of a NumPy integer array, else None; in_place: a CUDA array read
     where it is; keep: what holds the memory the kernels read."""
@@ -77,6 +78,7 @@ class Bound(NamedTuple):
     shape: tuple
     dtype: np.dtype
     size: int
+    stored: np.dtype
     source: object
     serial: object
     values: object
@@ -89,15 +91,15 @@ def bind(kind, name, source, vt, stage, arch, grad=False):
     (trace.F / I / B), for a call on stage's device and stream; grad: a backward accumulates
     its gradient. See the module docstring."""
     if isinstance(source, np.ndarray):
-        e = mod_cache.array_copy(source, lambda h: codegen.storage(h, vt), stage.device, stage.stream)
+        e = mod_cache.array_copy(source, lambda h: codegen.storage(h, vt, narrow=True), stage.device, stage.stream)
         a = e.dev
-        return Bound(_ref(a), source.shape, source.dtype, source.size, source, e.serial, e.values, False, a)
+        return Bound(_ref(a), source.shape, source.dtype, source.size, a.dtype, source, e.serial, e.values, False, a)
     view = _view(kind, name, source, stage)
     if not _in_place(view, vt, grad):
-        copy = stage.scratch(view.shape, STORED[vt])
+        copy = stage.scratch(view.shape, codegen.storage_dtype(vt, dtype=view.dtype))
         convert(view, copy, stage, arch)
-        return Bound(_ref(copy), view.shape, view.dtype, view.size, source, None, None, False, copy)
-    return Bound(_ref(view), view.shape, view.dtype, view.size, source, None, None, True, view)
+        return Bound(_ref(copy), view.shape, view.dtype, view.size, copy.dtype, source, None, None, False, copy)
+    return Bound(_ref(view), view.shape, view.dtype, view.size, view.dtype, source, None, None, True, view)
 
 
 def _ref(a):
@@ -120,7 +122,7 @@ def _view(kind, name, source, stage):
 
 
 def _in_place(view, vt, grad):
-    return (view.dtype == STORED[vt] and view.ptr % view.itemsize == 0
+    return (view.dtype in READABLE[vt] and view.ptr % view.itemsize == 0
             and not (grad and not device.is_contiguous(view.shape, view.strides)))
 
 

@@ -7,6 +7,8 @@ the generated kernels' cost shows apart from the block sparsity's.
 
     python bench/lab_docs.py            (timings)
     python bench/lab_docs.py once       (one call of each, for ncu)
+    python bench/lab_docs.py aligned    (documents of lengths a multiple of 128, the same total:
+                                         a mask_mod's partial tiles only on the diagonal, as varlen's)
 """
 import sys
 
@@ -20,8 +22,11 @@ from attnext.bench_cuda import document_lengths
 H, D = 16, 128
 
 
-def main(once):
-    lens = document_lengths()
+ALIGNED = (640, 3712, 640, 3328, 2048, 3456, 2560)
+
+
+def main(once, aligned=False):
+    lens = ALIGNED if aligned else document_lengths()
     T = sum(lens)
     q, k, v, dout = (torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     cu_host = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
@@ -85,4 +90,4 @@ def main(once):
 
 
 if __name__ == "__main__":
-    main("once" in sys.argv[1:])
+    main("once" in sys.argv[1:], "aligned" in sys.argv[1:])

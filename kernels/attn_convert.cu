@@ -1,6 +1,7 @@
 /* Element conversions for the captured arrays of score_mod / mask_mod (attnext/mod_arrays.py):
  * a CUDA array whose dtype is not the kernels' storage type is converted here, on the call's
- * stream, into a C-contiguous copy (float32, int64 or one byte per bool), and the float64 sums
+ * stream, into a C-contiguous copy (float32, int64, int32 from integers of at most 16 bits, or one
+ * byte per bool), and the float64 sums
  * of a backward's array gradients become the captured array's own dtype. One thread per element.
  *
  *   src      element [0, ..., 0] of the source; shape / strides (elements) of its CONVERT_DIMS
@@ -87,6 +88,7 @@ DEV void store(void *p, int t, const void *src, int src_type)
         return;
     }
     case T_I64: *(int64_t *)p = load_int(src, src_type); return;
+    case T_I32: *(int32_t *)p = (int32_t)load_int(src, src_type); return;   /* from 8 / 16 bits */
     default: *(uint8_t *)p = load_int(src, src_type) != 0; return;   /* T_BOOL */
     }
 }

@@ -196,6 +196,21 @@ DEV int64_t mod_offset(const attn_mods_gpu *m, int arr, int nidx, int64_t i0, in
     return off;
 }
 
+/* The element offset of a lookup that attnext/bounds.py proved in range over the call
+ * (codegen.Facts): no check, no clamp; an index of an axis in the bits of neg may be negative
+ * and counts from the end, the others are in [0, n). */
+DEV int64_t mod_offset_in(const attn_mods_gpu *m, int arr, int nidx, int64_t i0, int64_t i1, int64_t i2,
+                          int64_t i3, int neg)
+{
+    const int64_t idx[ATTN_MOD_DIMS] = {i0, i1, i2, i3};
+    int64_t off = 0;
+    for (int ax = 0; ax < nidx; ax++) {
+        const int64_t j = (neg >> ax & 1) && idx[ax] < 0 ? idx[ax] + m->a[arr].shape[ax] : idx[ax];
+        off += j * m->a[arr].s[ax];
+    }
+    return off;
+}
+
 /* Element loads, with no branch: on the GPU through the read-only path (ld.global.nc), since
  * the captured arrays do not change while a kernel runs; the compiler may then merge the loads
  * of one element (a row's doc[q_idx] at every column of the row). */
@@ -213,6 +228,11 @@ DEV float mod_load_f(const attn_mods_gpu *m, int arr, int64_t off)
 DEV int64_t mod_load_i(const attn_mods_gpu *m, int arr, int64_t off)
 {
     return MOD_LDG(int64_t, (const long long *)m->a[arr].ptr + off);
+}
+
+DEV int64_t mod_load_i32(const attn_mods_gpu *m, int arr, int64_t off)   /* codegen.NARROW */
+{
+    return MOD_LDG(int, (const int *)m->a[arr].ptr + off);
 }
 
 DEV int mod_load_b(const attn_mods_gpu *m, int arr, int64_t off)

@@ -165,3 +165,17 @@ def test_empty_extents_and_arrays():
     empty = np.zeros((0,), np.float32)
     t = trace.trace_score_mod(lambda s, b, h, q, k: s + empty[q])
     assert bounds.in_range(t, bounds.Extents(1, 1, 4, 4)) == (False,)
+
+
+def test_lookup_modes_name_the_axes_that_may_count_from_the_end():
+    """A proven lookup's mode is the bits of its axes whose index may be negative (codegen
+    normalises only those); CHECKED when it may leave the array."""
+    ext = bounds.Extents(1, 16, S, S)
+    cases = [(lambda s, b, h, q, k: s + TABLE[h, q - k + S], (0,)),
+             (lambda s, b, h, q, k: s + TABLE[h, q - k], (2,)),
+             (lambda s, b, h, q, k: s + TABLE[h - 16, q - k], (3,)),
+             (lambda s, b, h, q, k: s + TABLE[h - 16, q] + TABLE[h, q - k - 2 * S], (1, bounds.CHECKED))]
+    for fn, want in cases:
+        t = trace.trace_score_mod(fn)
+        assert bounds.lookup_modes(t, ext) == want
+        assert bounds.in_range(t, ext) == tuple(m != bounds.CHECKED for m in want)

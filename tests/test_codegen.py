@@ -17,7 +17,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from attnext import codegen, trace
+from attnext import bounds, codegen, trace
 
 import mods
 from test_cuda_host import _run, fake_libcuda  # noqa: F401  (the fake driver fixture)
@@ -152,9 +152,26 @@ def grid(rng, scores=(-2.3, -0.4, 0.0, 0.7, 1.9)):
         rng.standard_normal(s.size).astype(np.float32)
 
 
-def bind(t, gen, kind):
-    """Captured arrays of t in the kernels' storage, by global number (of this kind)."""
-    return [codegen.storage(t.arrays[name], vt) for k, name, vt in gen.arrays if k == kind]
+def bind(t, gen, kind, narrow=False):
+    """Captured arrays of t in the kernels' storage, by global number (of this kind); narrow:
+    integers as int32 where their values fit (what a call stores, codegen.Facts.narrow)."""
+    return [codegen.storage(t.arrays[name], vt, narrow) for k, name, vt in gen.arrays if k == kind]
+
+
+def with_facts(ts, tm):
+    """The Generated of a call over grid()'s extents (codegen.Facts from attnext.bounds, integer
+    arrays narrowed where their values fit) and the arrays it reads, by global number."""
+    ext = bounds.Extents(2, mods.H_MAX, mods.S_MAX, mods.S_MAX)
+    plain = codegen.generate(ts, tm)
+    bound = (bind(ts, plain, "score_mod", True) if ts else []) + (bind(tm, plain, "mask_mod", True) if tm else [])
+    modes = [bounds.lookup_modes(t, ext, bounds.array_values(t, t.arrays)) if t else () for t in (ts, tm)]
+    facts = codegen.Facts(modes[0], modes[1], tuple(a.dtype == codegen.NARROW for a in bound))
+    gen = codegen.generate(ts, tm, facts)
+    checked = bounds.CHECKED in modes[0] + modes[1]
+    assert ("mod_offset(" in gen.source) == checked and ("mod_offset_in(" in gen.source) == any(
+        m != bounds.CHECKED for m in modes[0] + modes[1])
+    assert ("mod_load_i32" in gen.source) == any(facts.narrow)
+    return gen, bound
 
 
 def close(got, want, what, rtol=3e-5, atol=3e-5):
@@ -180,12 +197,18 @@ def score_zoo():
     return zoo
 
 
+@pytest.mark.parametrize("facts", [False, True], ids=["checked", "facts"])
 @pytest.mark.parametrize("name", sorted(score_zoo()))
-def test_score_mod_matches_evaluate(name, cc, tmp_path, rng):
+def test_score_mod_matches_evaluate(name, facts, cc, tmp_path, rng):
+    """Every lookup checked, int64 integers; and as a call reads them (lookups bounds proves in
+    range read directly, integer arrays as int32 where their values fit)."""
     fn = score_zoo()[name]
     t = trace.trace_score_mod(fn)
-    gen = codegen.generate(t)
-    bound = bind(t, gen, "score_mod")
+    if facts:
+        gen, bound = with_facts(t, None)
+    else:
+        gen = codegen.generate(t)
+        bound = bind(t, gen, "score_mod")
     exe = build(cc, tmp_path, gen)
     pts = grid(rng)
     fwd, dscore, _, err, grads = run(exe, tmp_path, gen, bound, pts, t.params)
@@ -203,13 +226,14 @@ def test_score_mod_matches_evaluate(name, cc, tmp_path, rng):
         close(got, w, f"d {names[i]}", atol=1e-4 * max(1.0, float(np.abs(w).max())))
 
 
+@pytest.mark.parametrize("facts", [False, True], ids=["checked", "facts"])
 @pytest.mark.parametrize("name", sorted(mods.mask_mods()))
-def test_mask_mod_matches_evaluate(name, cc, tmp_path, rng):
+def test_mask_mod_matches_evaluate(name, facts, cc, tmp_path, rng):
     t = trace.trace_mask_mod(mods.mask_mods()[name])
-    gen = codegen.generate(None, t)
+    gen, bound = with_facts(None, t) if facts else (codegen.generate(None, t), None)
     exe = build(cc, tmp_path, gen)
     pts = grid(rng, scores=(0.0,))
-    _, _, keep, err, _ = run(exe, tmp_path, gen, bind(t, gen, "mask_mod"), pts, t.params)
+    _, _, keep, err, _ = run(exe, tmp_path, gen, bound if facts else bind(t, gen, "mask_mod"), pts, t.params)
     assert err[0] == 0
     want = np.broadcast_to(trace.evaluate(t, None, *pts[1:5]), keep.shape)
     np.testing.assert_array_equal(keep.astype(bool), want)
@@ -253,6 +277,39 @@ def test_lookup_out_of_range_sets_the_error_record_and_reads_inside(cc, tmp_path
     assert set(np.round(fwd - pts[0], 5)) <= set(table)   # clamped, never outside
     msg = str(codegen.index_error(codegen.call_arrays(t), err))
     assert msg == "score_mod: index 5 is out of bounds for axis 0 of array 'table' with size 5"
+
+
+def test_facts_keep_the_check_where_bounds_cannot_prove_the_lookup(cc, tmp_path, rng):
+    """A call's facts read the lookup they prove in range directly and still check the other:
+    the error record names it, the value is the clamped element."""
+    table = np.arange(5, dtype=np.float32) + 1
+    ids = np.arange(mods.S_MAX, dtype=np.int64)[::-1] * (2 ** 32 // mods.S_MAX)   # past int32: stays int64
+
+    def score_mod(s, b, h, qi, ki):
+        return s + table[ki - 2] + ids[qi] * 1e-9
+
+    t = trace.trace_score_mod(score_mod)
+    gen, bound = with_facts(t, None)
+    assert "mod_offset(" in gen.source and "mod_offset_in(" in gen.source
+    assert [a.dtype for a in bound] == [np.float32, np.int64]
+    exe = build(cc, tmp_path, gen)
+    pts = grid(rng, scores=(0.0,))
+    fwd, _, _, err, _ = run(exe, tmp_path, gen, bound, pts, t.params)
+    assert list(err) == [1, 0, 0, 5, 5]
+    inside = pts[4] < 7
+    close(fwd[inside], trace.evaluate(t, *(x[inside] for x in pts[:5])), "forward")
+
+
+def test_storage_narrows_integers_that_fit_int32():
+    fits = np.array([-2 ** 31, 2 ** 31 - 1], np.int64)
+    assert codegen.storage(fits, trace.I, narrow=True).dtype == np.int32
+    assert codegen.storage(fits, trace.I).dtype == np.int64          # no Facts: int64
+    assert codegen.storage(fits + 1, trace.I, narrow=True).dtype == np.int64
+    assert codegen.storage(np.zeros(0, np.int64), trace.I, narrow=True).dtype == np.int64
+    assert codegen.storage(np.array(True), trace.B, narrow=True).dtype == np.bool_
+    for dt, want in ((np.int16, np.int32), (np.uint16, np.int32), (np.int32, np.int32),
+                     (np.uint32, np.int64), (np.int64, np.int64)):
+        assert codegen.storage_dtype(trace.I, dtype=np.dtype(dt)) == want, dt
 
 
 def test_same_structure_other_names_binds_its_own_arrays(rng):

@@ -224,20 +224,26 @@ for call in range(3):
 assert mod_cache.info()["block_masks"]["entries"] == kept
 assert COPIES == [] and CONVERTS == [], (COPIES, CONVERTS)
 
-# --- int32 ids: converted to int64 on the device at every call; the call sees the values of now ---
+# --- int32 ids: read in place as int32; int16 ids converted to int32 on the device at every call,
+# so the call sees the values of now ---
 doc32 = fake_memory(np.repeat(np.arange(4), S // 4).astype(np.int32))
 ids32 = CudaArray(doc32)
-STATE["watch"] = (np.int64, 1)
+del CONVERTS[:]
+attnext.attention(q, k, v, mask_mod=lambda b, h, qi, ki: ids32[qi] == ids32[ki])
+assert CONVERTS == [] and int(GMODS[-1][1]["a"][0]["ptr"]) == doc32.ctypes.data
+doc16 = fake_memory(np.repeat(np.arange(4), S // 4).astype(np.int16))
+ids16 = CudaArray(doc16)
+STATE["watch"] = (np.int32, 1)
 for call in range(2):
     del CONVERTS[:], READS[:]
-    attnext.attention(q, k, v, mask_mod=lambda b, h, qi, ki: ids32[qi] == ids32[ki])
+    attnext.attention(q, k, v, mask_mod=lambda b, h, qi, ki: ids16[qi] == ids16[ki])
     (p,) = CONVERTS
-    assert int(p["src"]) == doc32.ctypes.data and tuple(p["shape"]) == (1, 1, 1, S), p
-    assert CODES[int(p["src_type"])] == np.int32 and CODES[int(p["dst_type"])] == np.int64, p
+    assert int(p["src"]) == doc16.ctypes.data and tuple(p["shape"]) == (1, 1, 1, S), p
+    assert CODES[int(p["src_type"])] == np.int16 and CODES[int(p["dst_type"])] == np.int32, p
     a = GMODS[-1][1]["a"][0]
     assert int(a["ptr"]) == int(p["dst"]) and a["s"][0] == 1, (a, p)
-    assert READS and all(np.array_equal(r, doc32) for r in READS), (READS, doc32)
-    doc32[: S // 2] = 7                                 # changed in place: the next call converts it again
+    assert READS and all(np.array_equal(r, doc16) for r in READS), (READS, doc16)
+    doc16[: S // 2] = 7                                 # changed in place: the next call converts it again
 STATE["watch"] = None
 # a reversed int64 array is read in place too (element [0] at its end, stride -1); a misaligned
 # one is copied as it is, and the copy is converted from its own address and strides
