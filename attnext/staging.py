@@ -10,7 +10,8 @@ Each slot has a DMA stream of its own (per device), and a slot is written again 
 host has synchronised that stream: its last DMA is done. A ring is locked by one copy at a time,
 so concurrent calls never share a slot in flight. The host copies run on a small pool of threads
 (NumPy releases the GIL for large copies) in runs of at least SHARE_BYTES; arrays of at most
-SMALL_BYTES skip the ring and go straight from or to pageable memory on the call's stream.
+SMALL_BYTES skip the ring and go straight from or to pageable memory on the call's stream,
+through a copy in pages of their own (_private).
 
 Streams. The call's stream orders allocations and kernels. An upload's DMAs wait for the call's
 stream as it was when the copy began (its destination allocated), or for an earlier Fence, and
@@ -35,6 +36,7 @@ import collections
 import concurrent.futures
 import functools
 import math
+import mmap
 import os
 import queue
 import threading
@@ -127,6 +129,15 @@ def _bits(a):
     bfloat16 included)."""
     t = _BITS.get(a.dtype.itemsize)
     return a if t is None or a.dtype.hasobject else a.view(t)
+
+
+def _private(nbytes):
+    """nbytes of pageable host memory in pages of its own (an anonymous mapping). A small copy's
+    host side goes through one: a pageable copy whose range starts inside memory another call
+    has page-locked (pinning.py registers the caller's arrays widened to whole pages, which may
+    take in the start of a neighbouring small array) and runs past it fails with
+    CUDA_ERROR_INVALID_VALUE (seen with concurrent calls), and nobody registers these pages."""
+    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), np.uint8)[:nbytes]
 
 
 def _pack(dst, src, e0, e1):
@@ -284,7 +295,10 @@ def _upload(a, ptr, device, stream, after):
     if n == 0:
         return
     if n * item <= SMALL_BYTES:
-        _C.memcpy_htod(ptr, np.ascontiguousarray(_bits(a)).reshape(-1).view(np.uint8), stream, device)
+        src = _bits(a)
+        raw = _private(n * item)
+        np.copyto(raw.view(src.dtype).reshape(a.shape), src)
+        _C.memcpy_htod(ptr, raw, stream, device)      # from pageable memory: taken on return
         return
     src = collapse(_bits(a))
     ring = _rings()[0]
@@ -333,7 +347,7 @@ def _download(ptr, dtype, dst, device, stream, after):
     out = collapse(_bits(dst) if same else dst)
     src_dtype = out.dtype if same else dtype
     if n * item <= SMALL_BYTES and after is None:
-        raw = np.empty(n * item, np.uint8)
+        raw = _private(n * item)
         _C.memcpy_dtoh(raw, ptr, stream, device)      # into pageable memory: done on return
         _unpack(raw.view(src_dtype), out, 0, n)
         return

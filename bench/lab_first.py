@@ -2,29 +2,49 @@
 (the [3/4] target: under 50 ms). Run it twice with the same ATTNEXT_CACHE_DIR: the first run
 compiles and fills the cache, the second shows the disk path under cProfile.
 
-    ATTNEXT_CACHE_DIR=/tmp/c python3 bench/lab_first.py; ATTNEXT_CACHE_DIR=/tmp/c python3 bench/lab_first.py --profile
+    ATTNEXT_CACHE_DIR=/tmp/c python3 bench/lab_first.py [--case=relbias] [--bwd]
+    ATTNEXT_CACHE_DIR=/tmp/c python3 bench/lab_first.py [--case=relbias] [--bwd] --profile
+
+--case names one of the bench's mod rows (attnext/bench_mods.py KINDS; softcap when left out);
+--bwd profiles the first backward (after a first forward, timed but not profiled).
 """
 import cProfile
 import pstats
 import sys
 import time
+from pathlib import Path
 
-import numpy as np
 import torch
 
-import attnext
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import attnext  # noqa: E402
+from attnext import bench_mods  # noqa: E402
 
-q, k, v = (torch.randn(2, 8192, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+kind = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--case=")), "softcap")
+case = bench_mods.mod_case(kind)
+kw = dict(bench_mods.attnext_mods(case), device="cuda")
+q, k, v, dout = (torch.randn(case.B, case.S, case.H, case.D, device="cuda", dtype=torch.bfloat16)
+                 for _ in range(4))
 torch.cuda.synchronize()
 prof = cProfile.Profile() if "--profile" in sys.argv else None
-t0 = time.perf_counter()
-if prof:
-    prof.enable()
-out = attnext.attention(q, k, v, causal=True, score_mod=lambda s, b, h, qi, ki: 30.0 * np.tanh(s / 30.0))
-torch.cuda.synchronize()
-if prof:
-    prof.disable()
-print(f"first call {time.perf_counter() - t0:.4f} s", flush=True)
+
+
+def timed(what, call, profile):
+    t0 = time.perf_counter()
+    if profile:
+        prof.enable()
+    result = call()
+    torch.cuda.synchronize()
+    if profile:
+        prof.disable()
+    print(f"{case.name}: first {what} {time.perf_counter() - t0:.4f} s", flush=True)
+    return result
+
+
+bwd = "--bwd" in sys.argv
+out, lse = timed("forward", lambda: attnext.attention(q, k, v, return_lse=True, **kw), prof and not bwd)
+if bwd:
+    timed("backward", lambda: attnext.attention_backward(dout, q, k, v, out, lse, **kw), prof)
 if prof:
     st = pstats.Stats(prof)
     st.sort_stats("cumulative").print_stats(35)
