@@ -3,8 +3,9 @@ gradients its backward hands back. Captured arrays are read afresh at every call
 the caller may change one in place between calls.
 
 NumPy arrays are uploaded in the kernels' storage types (codegen.storage_dtype: float32, one byte
-per bool, int32 for integers whose values fit, else int64) through mod_cache, which keeps them on the device and finds them again by their bits, knows an
-integer array's (min, max) for attnext.bounds, and keeps the block masks made from them.
+per bool, int32 for integers whose values fit, else int64) through mod_cache, which keeps them on
+the device and finds them again by their bits, knows an integer array's (min, max) for
+attnext.bounds, and keeps the block masks made from them.
 
 CUDA arrays (any library's: `__cuda_array_interface__` or `__dlpack__`; tracing found them,
 trace.py) are taken afresh at every call by attnext.device.as_device_view on the call's stream,
@@ -17,12 +18,12 @@ the host:
   (transposed, reversed, broadcast), except for a float array whose gradient a backward
   accumulates: that one must be C-contiguous (the accumulator is indexed by element offset).
 - Otherwise converted on the device, at every call, into a contiguous copy in the call's memory
-  (kernels/attn_convert.cu, NumPy's astype rules: float16 / bfloat16 / float64 to float32, any
-  integers of at most 16 bits to int32, wider ones to int64; a misaligned one, or a strided gradient's, copied as it is). Chosen over
-  a copy through the host because it needs no synchronisation: the call stays asynchronous, and
-  the copy is one small kernel on the call's stream (a 16k-token int32 id array: 128 KiB
-  written). A copy kept between calls could not tell whether its source changed without
-  reading it.
+  (kernels/attn_convert.cu, NumPy's astype rules: float16 / bfloat16 / float64 to float32,
+  integers of at most 16 bits to int32, wider ones to int64; a misaligned one, or a strided
+  gradient's, copied as it is). Chosen over a copy through the host because it needs no
+  synchronisation: the call stays asynchronous, and the copy is one small kernel on the call's
+  stream (a 16k-token int16 id array: 64 KiB written). A copy kept between calls could not tell
+  whether its source changed without reading it.
 - On another device than q, k, v: ValueError naming it.
 - Its values are unknown to the host: attnext.bounds takes an integer CUDA array's values as
   unknown, so a lookup indexed by them is checked on the device and the call waits for the
