@@ -82,6 +82,40 @@ DEV void fwd_keep(const attn_params &p, const score_ctx &sc, const float (&s)[MT
         band = c >= lo[mt * 2 + e / 2] && c < hi[mt * 2 + e / 2];
     });
 }
+
+/* A tile of the generated kernels: which pairs it keeps first (fwd_keep: a mask_mod's verdicts,
+ * its lookups in one batch), then every score branch-free (kept_score), in log2 units; one
+ * report for the lookups of both that went out of range. score_tile's one path for every tile
+ * with a score_mod (the score_mod's code exists once: each copy costs NVRTC time), its path for
+ * the tiles a mask_mod alone may mask. */
+template <int MT, int NT>
+DEV void kept_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT][4], int row0, int c0, bool need,
+                   int G, int Lq, int Lk)
+{
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    mod_fault fault = no_fault();
+    tile_keep<MT, NT> keep;
+    fwd_keep(p, sc, s, row0, c0, need, G, Lq, Lk, keep, fault);
+#if !HAS_SCORE_MOD
+    report_fault(sc, fault);      /* mask_mod's lookups alone: reported before the scores */
+#endif
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int r = (row0 + mt * 16 + g + (e / 2) * 8) / G;
+                const int c = c0 + nt * 8 + 2 * t + (e & 1);
+                const float dot = s[mt][nt][e];
+                int bad = 0;
+                s[mt][nt][e] = kept_score(sc, keep.at(mt, nt, e), dot, r, c, bad) * LOG2E;
+                note_fault(fault, bad, r, c, dot);
+            }
+#if HAS_SCORE_MOD
+    report_fault(sc, fault);
+#endif
+}
 #endif
 
 /* One key tile's raw q.k in s become scores in log2 units for a warp's rows: scale, the score
@@ -97,23 +131,7 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
     /* a score_mod: which pairs the tile keeps first (keep_pass: a mask_mod's lookups in one
      * batch), then one path for every tile, so that the score_mod's code exists once (each copy
      * costs NVRTC time), branch-free (kept_score) */
-    mod_fault fault = no_fault();
-    tile_keep<MT, NT> keep;
-    fwd_keep(p, sc, s, row0, c0, need_mask, G, Lq, Lk, keep, fault);
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int r = (row0 + mt * 16 + g + (e / 2) * 8) / G;
-                const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                const float dot = s[mt][nt][e];
-                int bad = 0;
-                s[mt][nt][e] = kept_score(sc, keep.at(mt, nt, e), dot, r, c, bad) * LOG2E;
-                note_fault(fault, bad, r, c, dot);
-            }
-    report_fault(sc, fault);
+    kept_tile(p, sc, s, row0, c0, need_mask, G, Lq, Lk);
 #else
     int bad = 0;
     if (!need_mask) {
@@ -134,21 +152,7 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
                 }
     } else {
 #if ATTN_GMODS
-        /* a mask_mod alone: its verdicts in one batch (keep_pass), then the kept scores */
-        mod_fault fault = no_fault();
-        tile_keep<MT, NT> keep;
-        fwd_keep(p, sc, s, row0, c0, true, G, Lq, Lk, keep, fault);
-        report_fault(sc, fault);
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int r = (row0 + mt * 16 + g + (e / 2) * 8) / G;
-                    const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                    s[mt][nt][e] = kept_score(sc, keep.at(mt, nt, e), s[mt][nt][e], r, c, bad) * LOG2E;
-                }
+        kept_tile(p, sc, s, row0, c0, true, G, Lq, Lk);     /* a mask_mod alone, masked tiles only */
 #else
 #pragma unroll
         for (int i = 0; i < 2 * MT; i++) {
