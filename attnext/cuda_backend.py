@@ -596,17 +596,21 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
     tile = kernels.bwd_tile_config(o.D, o.Dv)
     arch = device_arch(device)
     sm90 = kernels.bwd_sm90_applies(arch, o.D, o.Dv, features["vec"])
-    # the dQ kernels scatter the score_mod's array gradients (ds_tile): with mods dQ is recomputed
-    # whatever deterministic and ATTNEXT_BWD_DQ say
-    dq_mode = kernels.bwd_dq_mode(sm90, o.D, deterministic) if gen is None else "recompute"
+    # the dQ kernels scatter the score_mod's array gradients (ds_tile): with those dQ is
+    # recomputed whatever deterministic and ATTNEXT_BWD_DQ say
+    grads = gen is not None and gen.defines.get("HAS_DTENSORS")
+    dq_mode = "recompute" if grads else kernels.bwd_dq_mode(sm90, o.D, deterministic)
     atomic = dq_mode != "recompute"
     defines = kernels.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen)
     smem = kernels.bwd_smem_bytes(o.D, o.Dv, tile, atomic)
     delta = DevView.contiguous(0, o.lse_shape, np.float32, device)   # laid out like lse
     # dq_accum (B, Hq, S, D) in memory, so a head's 64-row tile is one contiguous block; dq_sem
-    # one counter per (sequence, head, 64-row query tile) for the ordered additions
+    # for the ordered additions: per (sequence, head, 64-row query tile) a bit per key block of
+    # the dK/dV kernel (its grid's x) in 32-bit words
     accum_shape = (q4.shape[0], o.Hq, q4.shape[1], o.D + o.D % 2)
-    sem_shape = (o.B, o.Hq, _query_tiles(q_rows, PRE_ROWS))
+    hopper = kernels.bwd_sm90_tile(o.D, dq_mode) if sm90 else None
+    sem_words = -(-_query_tiles(k_rows, 16 * hopper["kv_warps"]) // 32) if dq_mode == "ordered" else 0
+    sem_shape = (o.B, o.Hq, _query_tiles(q_rows, PRE_ROWS) * sem_words)
     prob.out, prob.dout, prob.lse, prob.dbias = _t(out4), _t(dout4), _t(lse3), _t(dbias4)
     prob.dq, prob.dk, prob.dv = _t(dq4), _t(dk4), _t(dv4)
     prob.delta = _t(delta[None] if o.varlen else delta)
@@ -622,14 +626,14 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
         if all(grid):
             wanted.append((source, name, defs, smem_of[name], grid, warps))
 
-    hopper = kernels.bwd_sm90_tile(o.D, dq_mode) if sm90 else None
     if o.Hq:
         launch("attn_bwd_pre", (_query_tiles(q_rows, PRE_ROWS), o.Hq, o.B), PRE_THREADS // 32)
         if hopper:               # dK, dV and dQ on wgmma (attn_bwd_sm90.cu)
             defs90 = kernels.bwd_defines(**features, tile=hopper, dq=dq_mode, mods=gen)
             smem90 = kernels.bwd_sm90_smem_bytes(o.D, o.Dv, hopper)
-            launch("attn_bwd_dkdv_sm90", (_query_tiles(k_rows, 16 * hopper["kv_warps"]), o.Hk, o.B + tail),
-                   hopper["kv_warps"], "attn_bwd_sm90", defs90, smem90)
+            kv_name, kv_warps = kernels.bwd_sm90_kv_kernel(dq_mode, hopper)
+            launch(kv_name, (_query_tiles(k_rows, 16 * hopper["kv_warps"]), o.Hk, o.B + tail),
+                   kv_warps, "attn_bwd_sm90", defs90, smem90)
             if not atomic:
                 launch("attn_bwd_dq_sm90", (_query_tiles(q_rows, hopper["q_block_m"]), o.Hq, o.B + tail),
                        hopper["q_warps"], "attn_bwd_sm90", defs90, smem90)

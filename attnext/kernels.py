@@ -27,7 +27,8 @@ _ROOT = Path(__file__).resolve().parent.parent
 KERNEL_DIR = Path(os.environ.get("ATTNEXT_KERNEL_DIR", _ROOT / "kernels"))
 HEADER_FILES = (_ROOT / "csrc" / "attn_params.h", _ROOT / "csrc" / "seqlen.h",
                 _ROOT / "csrc" / "block.h", KERNEL_DIR / "attn_common.cuh",
-                KERNEL_DIR / "attn_fwd_tile.cuh", KERNEL_DIR / "attn_bwd_tile.cuh", KERNEL_DIR / "wgmma.cuh")
+                KERNEL_DIR / "attn_fwd_tile.cuh", KERNEL_DIR / "attn_bwd_tile.cuh", KERNEL_DIR / "wgmma.cuh",
+                KERNEL_DIR / "sm90_pipe.cuh")
 # every architecture CI compiles for (warmup --check) and the ones attnext targets
 ARCHS = ("sm_80", "sm_90a")
 SMEM_PAD = 8           # elements of padding per shared-memory row (attn_common.cuh)
@@ -412,27 +413,28 @@ def bwd_dq_mode(sm90, D, deterministic):
                    the same bits every run);
       "ordered"    the dK/dV kernel adds dS K into a float32 dq_accum, the key blocks taking turns
                    at each query tile in a fixed order (5 products; the same bits every run;
-                   attn_bwd_sm90.cu only);
-      "atomic"     the same additions by float atomics in whatever order they land (5 products;
-                   bits vary from run to run: deterministic=False only).
-    deterministic=False on Hopper at D = 128 takes atomic (0.80-0.96x FA2 against recompute's
-    0.76-0.83x on an H100); everything else recomputes: ordered measured no faster than recompute
-    (its turn-taking costs a round trip through L2 per tile on the critical path) and atomic no
-    faster at D = 64 (bench/NOTES.md, backward v3). ATTNEXT_BWD_DQ names a mode for the lab and
-    the tests; a mode a call does not allow falls back to the nearest it does."""
+                   attn_bwd_sm90.cu's warp-specialised kernel, D = 128);
+      "atomic"     the same additions in whatever order they land (5 products; bits vary from run
+                   to run: deterministic=False only).
+    On Hopper at D = 128 a deterministic call takes ordered and deterministic=False atomic (the
+    turns are the producer warpgroup's, off the math: bench/NOTES.md, backward v4); elsewhere dQ
+    is recomputed (attn_bwd.cu's atomic path measured no faster). ATTNEXT_BWD_DQ names a mode for
+    the lab and the tests; a mode a call does not allow falls back to the nearest it does."""
     mode = os.environ.get("ATTNEXT_BWD_DQ", "")
     if mode not in DQ_MODES:
-        mode = "atomic" if sm90 and D == 128 and not deterministic else "recompute"
+        mode = "recompute" if not (sm90 and D == 128) else "ordered" if deterministic else "atomic"
     if mode == "atomic" and deterministic:
         mode = "ordered"
-    if mode == "ordered" and not sm90:
+    if mode == "ordered" and not (sm90 and D == 128):
+        mode = "recompute"
+    if mode == "atomic" and sm90 and D != 128:
         mode = "recompute"
     return mode
 
 
-# attn_bwd_sm90.cu's tiles: one warpgroup (64 keys) per dK/dV CTA, two CTAs per SM at D = 128,
-# three at D = 64 (168 registers: 1.15x faster than two on an H100); two warpgroups (128 keys,
-# dQ's columns split between them: half the additions) when the dK/dV kernel adds dQ at D = 128
+# attn_bwd_sm90.cu's tiles: one warpgroup (64 keys) per recomputing dK/dV CTA, two CTAs per SM at
+# D = 128, three at D = 64 (168 registers: 1.15x faster than two on an H100); two consumer
+# warpgroups (128 keys, dQ's columns split between them) in the warp-specialised kernel that adds dQ
 SM90_BWD_TILE = dict(kv_block_m=64, kv_warps=4, kv_split=0, kv_minb=1, q_block_m=64, q_block_n=64,
                      q_warps=4, q_minb=1)
 SM90_BWD_TILE_D64 = {**SM90_BWD_TILE, "kv_minb": 3, "q_minb": 3}
@@ -441,27 +443,36 @@ SM90_BWD_TILE_DQ = {**SM90_BWD_TILE, "kv_warps": 8}
 
 def bwd_sm90_tile(D, mode):
     """The tile of attn_bwd_sm90.cu for head dim D and dq mode. ATTNEXT_TILE_BWD_SM90="KV,Q[,KV_MINB,
-    Q_MINB]" (warps of the dK/dV and dQ kernels, CTAs per SM their registers allow) is the kernel
-    lab's override; ordered additions take one
-    dQ partial per CTA, so two warpgroups there need D = 128 (split columns)."""
+    Q_MINB]" (warps of the recomputing dK/dV and the dQ kernels, CTAs per SM their registers
+    allow) is the kernel lab's override; the kernel that adds dQ always has two consumer
+    warpgroups."""
     tile = SM90_BWD_TILE_D64 if D == 64 else SM90_BWD_TILE_DQ if mode != "recompute" else SM90_BWD_TILE
     env = os.environ.get("ATTNEXT_TILE_BWD_SM90")
-    if env:
+    if env and mode == "recompute":
         kv, q, kv_minb, q_minb = ([int(x) for x in env.split(",")] + [1, 1])[:4]
-        if mode == "ordered" and D < 128:
-            kv = 4
         tile = {**tile, "kv_warps": kv, "q_warps": q, "q_block_m": 16 * q, "kv_minb": kv_minb,
                 "q_minb": q_minb}
     return tile
+
+
+def bwd_sm90_kv_kernel(mode, tile):
+    """attn_bwd_sm90.cu's dK/dV kernel for a dq mode and its warps: the warp-specialised one (a
+    producer warpgroup beside the tile's) when it adds dQ."""
+    if mode == "recompute":
+        return "attn_bwd_dkdv_sm90", tile["kv_warps"]
+    return "attn_bwd_dkdv_ws_sm90", tile["kv_warps"] + 4
 
 
 def bwd_sm90_smem_bytes(D, Dv, tile):
     """Dynamic shared memory of attn_bwd_sm90.cu's kernels (SW128 tiles, 1024-aligned)."""
     bn, bm = 16 * tile["kv_warps"], tile["kv_block_m"]
     qm, qn = tile["q_block_m"], tile["q_block_n"]
+    kv_common = 2 * (bn * D + bn * Dv + 2 * bm * D + 2 * bm * Dv) + 1024
     return {
-        # + lse and delta (2 buffers each), padded to 1024 bytes, then dS^T (64 x 64 per warpgroup)
-        "attn_bwd_dkdv_sm90": 2 * (bn * D + bn * Dv + 2 * bm * D + 2 * bm * Dv) + 1024 + 2 * 64 * bn + 1024,
+        # + lse and delta (2 stages each)
+        "attn_bwd_dkdv_sm90": kv_common + 4 * 4 * bm,
+        # + dS^T (2 stages, bf16), dQ (2 stages, float32), lse and delta, 8 mbarriers
+        "attn_bwd_dkdv_ws_sm90": kv_common + 2 * 2 * bn * bm + 2 * 4 * bm * D + 4 * 4 * bm + 64,
         "attn_bwd_dq_sm90": 2 * (qm * D + qm * Dv + 2 * qn * D + 2 * qn * Dv) + 1024,
     }
 
@@ -469,8 +480,8 @@ def bwd_sm90_smem_bytes(D, Dv, tile):
 def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile, dq="recompute",
                 mods=None):
     """The #defines of one backward variant (kernels/attn_bwd.cu: every backward kernel of it;
-    attn_bwd_sm90.cu the same); dq: bwd_dq_mode's answer ("recompute" whenever there are mods:
-    the dQ kernels' ds_tile scatters the array gradients); mods: as for fwd_defines."""
+    attn_bwd_sm90.cu the same); dq: bwd_dq_mode's answer ("recompute" whenever the mods have
+    array gradients: the dQ kernels' ds_tile scatters them); mods: as for fwd_defines."""
     d = {
         "ELEM_BF16": int(dtype == "bfloat16"), "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
         "HAS_SOFTCAP": int(softcap), "HAS_BIAS": int(bias_dtype is not None),

@@ -115,7 +115,7 @@ DEV void store_from_f32(void *p, int64_t i, int dt, float f)
 
 /* ---------------------------------------------------------------- delta */
 /* Grid (row tiles of PRE_ROWS, Hq, B). delta[r] = sum_d dout[r, d] * out[r, d] for the rows of
- * the sequence, 0 for its padding rows; dq_accum's rows and dq_sem's counters zeroed when given. */
+ * the sequence, 0 for its padding rows; dq_accum's rows and dq_sem's words zeroed when given. */
 #if ENTRY(attn_bwd_pre)
 extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __grid_constant__ attn_params p)
 {
@@ -146,8 +146,11 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
             for (int d = lane; d < HEAD_DIM; d += 32)
                 gacc[r * p.dq_accum.s[1] + d * p.dq_accum.s[3]] = 0.f;
     }
-    if (p.dq_sem.ptr && threadIdx.x == 0)      /* this row tile's counter (PRE_ROWS = its rows) */
-        ((int *)p.dq_sem.ptr)[b * p.dq_sem.s[0] + h * p.dq_sem.s[1] + blockIdx.x * p.dq_sem.s[2]] = 0;
+    if (p.dq_sem.ptr) {                   /* this row tile's words (PRE_ROWS = its rows; gridDim.x tiles) */
+        const int words = (int)(p.dq_sem.s[1] / gridDim.x);
+        for (int w = threadIdx.x; w < words; w += PRE_THREADS)
+            ((int *)p.dq_sem.ptr)[b * p.dq_sem.s[0] + h * p.dq_sem.s[1] + (blockIdx.x * words + w) * p.dq_sem.s[2]] = 0;
+    }
 }
 #endif
 
@@ -322,7 +325,7 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw)
                         const int r = m0 + wm * 16 + g + ((e % 4) / 2) * 8;
                         const int dcol = (wd + i * WD) * 16 + (e / 4) * 8 + 2 * t;
                         if (r < Lq && dcol < HEAD_DIM)
-                            red_add_f32x2(gacc + (int64_t)r * p.dq_accum.s[1] + dcol, acc[i][e / 4][e % 4],
+                            red_add_f32x2(gacc + (int64_t)r * p.dq_accum.s[1] + dq_col(r, dcol), acc[i][e / 4][e % 4],
                                           acc[i][e / 4][e % 4 + 1]);
                     }
             }
@@ -485,7 +488,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_dq_convert(co
         const int d = i % HEAD_DIM;
         if (r < sq.rows)
             gdq[r * p.dq.s[1] + d * p.dq.s[3]] =
-                r < sq.len ? f32_to_elem(gacc[r * p.dq_accum.s[1] + d * p.dq_accum.s[3]] * scale) : (elem_t)0;
+                r < sq.len ? f32_to_elem(gacc[r * p.dq_accum.s[1] + dq_col(r, d) * p.dq_accum.s[3]] * scale) : (elem_t)0;
     }
 }
 #endif

@@ -23,6 +23,7 @@
  */
 #include "attn_bwd_tile.cuh"
 #include "wgmma.cuh"
+#include "sm90_pipe.cuh"
 
 #define KV_THREADS (KV_WARPS * 32)
 #define KV_BLOCK_N (KV_WARPS * 16)
@@ -64,118 +65,70 @@ DEV void mma_rs(float (&acc)[N / 8][4], const uint32_t (&a)[1][4][4], uint32_t b
 }
 
 /* ---------------------------------------------------------------- dK, dV */
-#if DQ_ATOMIC
-/* dQ += dS K for the CTA's KV_BLOCK_N keys x the query tile at m0, into dq_accum by vector float
- * atomics. pd: this warpgroup's dS^T as A fragments (rows keys, columns query rows), staged at
- * sds (an SW128 tile of KV_BLOCK_N rows = keys, 64 columns = query rows) so that read MN-major it
- * is dS (M = query rows); K read MN-major (N = D) from sk. The warpgroups split dQ's columns when
- * each gets at least 64 of them (every warpgroup then reads every key: half the atomics of one
- * partial per warpgroup), else each adds its own keys' partial over every column. All products
- * are issued at once behind dK's and waited for together; the next item's barrier at the loop's
- * top keeps sds until every warpgroup's products are done. */
-#define DQ_SPLIT (HEAD_DIM / KV_WG >= 64)
-#if DQ_ORDERED && !DQ_SPLIT && KV_WG > 1
-#error "DQ_ORDERED: one dQ partial per CTA (one warpgroup, or the columns split)"
-#endif
-#if DQ_ORDERED
-/* DQ_ORDERED (deterministic): the key blocks add into a query tile one at a time, in descending
- * key-block order, so every element of dq_accum sees the same additions in the same order on
- * every run. dq_sem (B, Hq, query tiles; zeroed by attn_bwd_pre) counts the blocks that have
- * added into a tile; block n's turn at tile m is (the last block that sees m) - n, since the
- * blocks that see a tile are consecutive (kv_tile_rows is kv_range's exact inverse). The grid
- * runs the key blocks in reverse (the last first), so a CTA only ever waits for CTAs launched
- * before it: those are running or done, whatever else shares the GPU. Causal and window blocks
- * reach their tiles in the same order (lockstep); without a mask block n first waits for the n
- * blocks above it. A wait that outlasts SEM_SPINS polls (a miscount: never expected) goes on
- * unordered rather than hang. */
-#define SEM_SPINS (1 << 22)
-DEV void sem_wait(const int *sem, int turn)
-{
-    for (int spins = 0; spins < SEM_SPINS; spins++) {
-        int v;
-        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(sem) : "memory");
-        if (v >= turn)
-            return;
-        if (spins >= 64)
-            __nanosleep(256);
-    }
-}
-
-/* After a barrier that follows every thread's additions: the next block's turn. */
-DEV void sem_signal(int *sem)
-{
-    asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.s32 [%0], 1;" ::"l"(sem) : "memory");
-}
-
-/* The tile's counter and this block's turn at it. */
-DEV int *sem_of(const attn_params &p, int64_t b, int64_t h, int m0, int Lq, int Lk, int n_block, int &turn)
-{
-    int64_t lo, hi;
-    kv_range(&p, m0, min(m0 + KV_BLOCK_M, Lq), Lq, Lk, &lo, &hi);
-    turn = (int)((hi - 1) / KV_BLOCK_N) - n_block;
-    return (int *)p.dq_sem.ptr + b * p.dq_sem.s[0] + h * p.dq_sem.s[1] + (m0 / KV_BLOCK_M) * p.dq_sem.s[2];
-}
-#endif
-#define DQ_COLS (DQ_SPLIT ? HEAD_DIM / KV_WG : HEAD_DIM)   /* dQ columns per warpgroup */
-#define DQ_KEYS (DQ_SPLIT ? KV_BLOCK_N : 64)             /* keys each warpgroup's product reads */
-DEV void dq_atomic(const attn_params &p, const seq_t &sq, int64_t h, int m0, int Lq,
-                   const uint32_t (&pd)[1][KV_NT / 2][4], uint32_t sds, uint32_t sk, int *sem, int turn)
-{
-    const int warp = (threadIdx.x >> 5) & 3, wg = threadIdx.x >> 7, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    /* pd[kk]: keys (16 warp + g, + 8) x query columns 16 kk + 2 t (+ 8), pairs of adjacent columns */
-#pragma unroll
-    for (int kk = 0; kk < KV_NT / 2; kk++)
-#pragma unroll
-        for (int x = 0; x < 4; x++) {
-            const int key = wg * 64 + warp * 16 + g + (x & 1) * 8, col = kk * 16 + (x >> 1) * 8 + 2 * t;
-            asm volatile("st.shared.b32 [%0], %1;" ::"r"(sds + sw128_offset<KV_BLOCK_N>(key, col >> 3) + (col & 7) * 2),
-                         "r"(pd[0][kk][x]));
-        }
-    fence_proxy_async();
-#if DQ_ORDERED
-    if (threadIdx.x == 0)
-        sem_wait(sem, turn);
-#endif
-    if (DQ_ORDERED || (DQ_SPLIT && KV_WG > 1))
-        __syncthreads();                                     /* every warpgroup's keys; our turn */
-    else
-        asm volatile("bar.sync %0, 128;" ::"r"(1 + wg));                        /* this warpgroup's keys */
-    const int col0 = DQ_SPLIT ? wg * DQ_COLS : 0, key0 = DQ_SPLIT ? 0 : wg * 64;
-    float acc[DQ_COLS / 64][8][4];
-    wgmma_fence();
-#pragma unroll
-    for (int chunk = 0; chunk < DQ_COLS / 64; chunk++)
-#pragma unroll
-        for (int kk = 0; kk < DQ_KEYS / 16; kk++)
-            wgmma_m64n64_ss_tt(acc[chunk], sw128_desc(sds + (key0 + kk * 16) * 128, KV_BLOCK_N * 128, 1024),
-                               sw128_desc(sk + (col0 / 64 + chunk) * (KV_BLOCK_N * 128) + (key0 + kk * 16) * 128,
-                                          KV_BLOCK_N * 128, 1024),
-                               kk > 0);
-    wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int chunk = 0; chunk < DQ_COLS / 64; chunk++)
-        fence_acc(acc[chunk]);
-    float *acc_row = (float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + sq.start * p.dq_accum.s[1]
-                     + h * p.dq_accum.s[2] + col0;
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int r = m0 + warp * 16 + g + i * 8;
-        if (r < Lq)
-#pragma unroll
-            for (int chunk = 0; chunk < DQ_COLS / 64; chunk++)
-#pragma unroll
-                for (int nt = 0; nt < 8; nt++)
-                    red_add_f32x2(acc_row + (int64_t)r * p.dq_accum.s[1] + chunk * 64 + nt * 8 + 2 * t,
-                                  acc[chunk][nt][2 * i], acc[chunk][nt][2 * i + 1]);
-    }
-}
-#endif
-
 #define KQ_BYTES (KV_BLOCK_M * HEAD_DIM * 2)
 #define KDO_BYTES (KV_BLOCK_M * HEAD_DIM_V * 2)
 
-#if ENTRY(attn_bwd_dkdv_sm90)
+/* Item j of a dK/dV CTA: its query head and first query row (head-major over the query tiles
+ * [m_first, m_first + nm)). */
+DEV void item_of(int j, int nm, int m_first, int64_t hk, int group, int64_t &h, int &m0)
+{
+    h = hk * group + j / nm;
+    m0 = (m_first + j % nm) * KV_BLOCK_M;
+}
+
+/* One query tile against this warpgroup's 64 keys: rows kw0.. of the CTA's KV_BLOCK_N keys in sK,
+ * sV, this warp's from n0w; Q at qb, dO at dob, the tile's lse rows lb (log2 units) and delta rows
+ * db. S^T = K Q^T and dP^T = V dO^T from shared memory, P^T and dS^T (attn_bwd_tile.cuh), then
+ * dV += P^T dO and dK += dS^T Q issued with the register operand (committed, not waited for).
+ * dS^T is left in pd as A fragments (rows keys, columns query rows). */
+DEV void kv_item(float (&dk)[1][NTK][4], float (&dv)[1][NTV][4], uint32_t (&pd)[1][KV_NT / 2][4],
+                 const attn_params &p, const score_ctx &sc, uint32_t sK, uint32_t sV, int kw0, uint32_t qb,
+                 uint32_t dob, const float *lb, const float *db, int n0, int n0w, int m0, int Lq, int Lk,
+                 const int (&qlo)[2], const int (&qhi)[2])
+{
+    float s[1][KV_NT][4], dp[1][KV_NT][4];
+    wgmma_fence();
+    mma_ss64<HEAD_DIM>(s[0], sK + kw0 * 128, KV_BLOCK_N, qb, KV_BLOCK_M);
+    mma_ss64<HEAD_DIM_V>(dp[0], sV + kw0 * 128, KV_BLOCK_N, dob, KV_BLOCK_M);
+    wgmma_commit();
+    /* asked while the products run (a mask_mod's block mask is a global load away) */
+    const bool need_mask = tile_maybe_masked(sc, m0, min(m0 + KV_BLOCK_M, Lq), n0, min(n0 + KV_BLOCK_N, Lk))
+                           || n0 + KV_BLOCK_N > Lk || m0 + KV_BLOCK_M > Lq
+                           || !tile_inside_band(&p, m0, min(m0 + KV_BLOCK_M, Lq), n0, n0 + KV_BLOCK_N, Lq, Lk);
+    wgmma_wait<0>();
+    fence_acc(s[0]);
+    fence_acc(dp[0]);
+
+    uint32_t pp[1][KV_NT / 2][4];
+    pt_tile(s, pp, sc, lb, n0w, m0, qlo, qhi, need_mask);
+    wgmma_fence();
+    mma_rs<HEAD_DIM_V>(dv[0], pp, dob);          /* dV += P^T dO */
+    wgmma_commit();
+    dst_tile(s, dp, db);
+    pack_frag<1, KV_NT / 2>(pd, s);
+    wgmma_fence();
+    mma_rs<HEAD_DIM>(dk[0], pd, qb);             /* dK += dS^T Q */
+    wgmma_commit();
+}
+
+/* The number of items of the CTA's key tile at n0: the query tiles that see it (kv_tile_rows:
+ * [all_first, all_first + all_n)), less a mask_mod's empty tiles at either end ([m_first,
+ * m_first + nm)), times the group's heads; n0w: this warp's first key. */
+DEV int kv_items(const attn_params &p, int64_t b, int64_t hk, const seq_t &sq, const seq_t &sk, int n0, int n0w,
+                 int &m_first, int &nm, int (&qlo)[2], int (&qhi)[2], int &all_first, int &all_n)
+{
+    const int group = (int)(p.Hq / p.Hk), Lq = (int)sq.len, Lk = (int)sk.len;
+    kv_tile_rows(p, n0, KV_BLOCK_N, KV_BLOCK_M, n0w, Lq, Lk, m_first, nm, qlo, qhi);
+    all_first = m_first;
+    all_n = nm;
+    int m_last = m_first + nm - 1;
+    mod_narrow(make_score_ctx(p, b, hk * group, sq, sk), group, false, n0, min(n0 + KV_BLOCK_N, Lk), KV_BLOCK_M, Lq,
+               m_first, m_last);
+    nm = max(m_last - m_first + 1, 0);
+    return group * nm;
+}
+
+#if ENTRY(attn_bwd_dkdv_sm90) && !DQ_ATOMIC
 extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_sm90(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -184,7 +137,6 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
     const uint32_t sV = sK + KV_BLOCK_N * HEAD_DIM * 2, sQ = sV + KV_BLOCK_N * HEAD_DIM_V * 2;
     const uint32_t sdO = sQ + 2 * KQ_BYTES;
     float *sL = (float *)(smem_raw + (sdO + 2 * KDO_BYTES - smem_addr(smem_raw))), *sD = sL + 2 * KV_BLOCK_M;
-    const uint32_t sdS = sdO + 2 * KDO_BYTES + 1024;     /* DQ_ATOMIC: dS^T, KV_BLOCK_N keys x 64 */
 
     const int tid = threadIdx.x, warp = tid >> 5, wg = tid >> 7;
     const int64_t hk = blockIdx.y, b = blockIdx.z;
@@ -195,29 +147,18 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
         return;
     }
     const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
-#if DQ_ORDERED
-    const int n_block = gridDim.x - 1 - blockIdx.x;     /* the last key block first */
-#else
-    const int n_block = blockIdx.x;
-#endif
-    const int n0 = n_block * KV_BLOCK_N;
+    const int n0 = blockIdx.x * KV_BLOCK_N;
     if (n0 >= sk.rows)
         return;
     const int group = (int)(p.Hq / p.Hk), Lq = (int)sq.len, Lk = (int)sk.len;
-    int m_first, nm, qlo[2], qhi[2];
-    kv_tile_rows(p, n0, KV_BLOCK_N, KV_BLOCK_M, n0 + warp * 16, Lq, Lk, m_first, nm, qlo, qhi);
-    {                                     /* mask_mod's empty query tiles at either end */
-        int m_last = m_first + nm - 1;
-        mod_narrow(make_score_ctx(p, b, hk * group, sq, sk), group, false, n0, min(n0 + KV_BLOCK_N, Lk), KV_BLOCK_M, Lq,
-                   m_first, m_last);
-        nm = max(m_last - m_first + 1, 0);
-    }
-    const int items = group * nm;         /* (query head, query tile) pairs, head-major */
+    int m_first, nm, qlo[2], qhi[2], all_first, all_n;
+    const int items = kv_items(p, b, hk, sq, sk, n0, n0 + warp * 16, m_first, nm, qlo, qhi, all_first, all_n);
 
     /* item j: Q and dO by cp.async into buffer j & 1; its lse (log2) and delta of row tid */
     auto prefetch = [&](int j, float &l, float &d) {
-        const int64_t h = hk * group + j / nm;
-        const int m0 = (m_first + j % nm) * KV_BLOCK_M;
+        int64_t h;
+        int m0;
+        item_of(j, nm, m_first, hk, group, h, m0);
         const int64_t row0 = sq.start + m0;
         load_sw128<KV_BLOCK_M, HEAD_DIM, KV_THREADS>(
             sQ + (j & 1) * KQ_BYTES, (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + row0 * p.q.s[1] + h * p.q.s[2],
@@ -251,60 +192,23 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
             sD[tid] = nd;
         }
     }
-#if DQ_ORDERED
-    int *done = NULL;                     /* thread 0: the counter of the tile just added into */
-#endif
     for (int j = 0; j < items; j++) {
         const int buf = j & 1;
-        const int64_t h = hk * group + j / nm;
-        const int m0 = (m_first + j % nm) * KV_BLOCK_M;
+        int64_t h;
+        int m0;
+        item_of(j, nm, m_first, hk, group, h, m0);
         cp_async_wait_all();
         fence_proxy_async();
         __syncthreads();                  /* item j in buffer buf; every warp is done with item j - 1 */
-#if DQ_ORDERED
-        if (tid == 0 && done)
-            sem_signal(done);             /* item j - 1's additions are all in */
-#endif
         nl = POS_INF;
         nd = 0.f;
         if (j + 1 < items)
             prefetch(j + 1, nl, nd);
         cp_async_commit();
-        const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
-        const uint32_t qb = sQ + buf * KQ_BYTES, dob = sdO + buf * KDO_BYTES;
-
-        /* S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys */
-        float s[1][KV_NT][4], dp[1][KV_NT][4];
-        wgmma_fence();
-        mma_ss64<HEAD_DIM>(s[0], sK + wg * 64 * 128, KV_BLOCK_N, qb, KV_BLOCK_M);
-        mma_ss64<HEAD_DIM_V>(dp[0], sV + wg * 64 * 128, KV_BLOCK_N, dob, KV_BLOCK_M);
-        wgmma_commit();
-        /* asked while the products run (a mask_mod's block mask is a global load away) */
-        const bool need_mask = tile_maybe_masked(sc, m0, min(m0 + KV_BLOCK_M, Lq), n0, min(n0 + KV_BLOCK_N, Lk))
-                               || n0 + KV_BLOCK_N > Lk || m0 + KV_BLOCK_M > Lq
-                               || !tile_inside_band(&p, m0, min(m0 + KV_BLOCK_M, Lq), n0, n0 + KV_BLOCK_N, Lq, Lk);
-        wgmma_wait<0>();
-        fence_acc(s[0]);
-        fence_acc(dp[0]);
-
-        uint32_t pp[1][KV_NT / 2][4], pd[1][KV_NT / 2][4];
-        pt_tile(s, pp, sc, sL + buf * KV_BLOCK_M, n0 + warp * 16, m0, qlo, qhi, need_mask);
-        wgmma_fence();
-        mma_rs<HEAD_DIM_V>(dv[0], pp, dob);          /* dV += P^T dO */
-        wgmma_commit();
-        dst_tile(s, dp, sD + buf * KV_BLOCK_M);
-        pack_frag<1, KV_NT / 2>(pd, s);
-        wgmma_fence();
-        mma_rs<HEAD_DIM>(dk[0], pd, qb);             /* dK += dS^T Q */
-        wgmma_commit();
-#if DQ_ORDERED
-        int turn;
-        int *sem = sem_of(p, b, h, m0, Lq, Lk, n_block, turn);
-        dq_atomic(p, sq, h, m0, Lq, pd, sdS, sK, sem, turn);
-        done = sem;
-#elif DQ_ATOMIC
-        dq_atomic(p, sq, h, m0, Lq, pd, sdS, sK, NULL, 0);
-#endif
+        uint32_t pd[1][KV_NT / 2][4];
+        kv_item(dk, dv, pd, p, make_score_ctx(p, b, h, sq, sk), sK, sV, wg * 64, sQ + buf * KQ_BYTES,
+                sdO + buf * KDO_BYTES, sL + buf * KV_BLOCK_M, sD + buf * KV_BLOCK_M, n0, n0 + warp * 16, m0, Lq, Lk,
+                qlo, qhi);
         wgmma_wait<0>();
         fence_acc(dv[0]);
         fence_acc(dk[0]);
@@ -314,20 +218,278 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
         }
     }
     cp_async_wait_all();
-#if DQ_ORDERED
-    __syncthreads();
-    if (tid == 0 && done)
-        sem_signal(done);
-#endif
     store_dkdv(p, sk, hk, dk, dv, n0 + warp * 16, true, true);
 }
+#endif
+
+#if DQ_ATOMIC
+/* attn_bwd_dkdv_ws_sm90: dK, dV and dQ from one kernel, warp-specialised as FlashAttention-3's
+ * backward. A CTA owns KV_BLOCK_N = 128 keys; three warpgroups:
+ *   0  producer, its registers lowered (setmaxnreg): warps 0-1 stream the query tiles' Q, dO (by
+ *      cp.async), lse and delta into two stages (mbarriers q_full / q_empty); lane 0 of warp 2
+ *      adds each tile's dQ partial, staged in shared memory, into dq_accum with one bulk
+ *      reduction (cp.reduce.async.bulk .add.f32) and frees the stage (dq_full / dq_empty).
+ *   1, 2  consumers, registers raised: warpgroup c owns keys [64c, 64c + 64) for dK and dV
+ *      (kv_item), stages its dS^T in shared memory, and after a barrier of both computes dQ's
+ *      columns [64c, 64c + 64) over all 128 keys (dS K, both operands read MN-major), then
+ *      stores it into the dQ stage (dq_col's swizzle: conflict-free fragment stores).
+ * DQ_ORDERED: the additions into a query tile take turns in descending key-block order (dq_sem,
+ * as below), the writer lane waiting and signalling so the consumers never do: the same bits on
+ * every run. Otherwise the bulk reductions land in whatever order (deterministic=False).
+ * dq_accum's rows of one head are contiguous (B, Hq, S, HEAD_DIM in memory), so a tile's valid
+ * rows are one block. */
+#if KV_WG != 2 || HEAD_DIM != 128
+#error "attn_bwd_dkdv_ws_sm90: two consumer warpgroups, D = 128 (each adds half of dQ's columns)"
+#endif
+#define WS_THREADS (KV_THREADS + 128)
+#define LOADERS 64                        /* producer threads that load Q, dO, lse, delta */
+#define SDS_BYTES (KV_BLOCK_N * KV_BLOCK_M * 2)
+#define SDQ_BYTES (KV_BLOCK_M * HEAD_DIM * 4)
+#define CONSUMER_REGS 224
+#define PRODUCER_REGS 56
+static_assert(LOADERS == KV_BLOCK_M, "a loader per lse / delta row");
+
+#if DQ_ORDERED
+/* The key blocks add into a query tile one at a time, in descending key-block order, so every
+ * element of dq_accum sees the same additions in the same order on every run. dq_sem (B, Hq,
+ * query tiles x SEM_WORDS; zeroed by attn_bwd_pre) holds a bit per key block and tile: set once
+ * the block has added into the tile, or at the start for the tiles a mask_mod's block mask took
+ * off its ends (mod_narrow: it adds nothing there). Block n adds into tile m once every block
+ * above it that sees m (up to kv_range's last) has set its bit. The grid runs the key blocks in
+ * reverse (the last first), so a CTA only ever waits for CTAs launched before it: those are
+ * running or done, whatever else shares the GPU. A wait that outlasts SEM_SPINS polls (never
+ * expected) goes on unordered rather than hang. */
+#define SEM_SPINS (1 << 22)
+#define SEM_WORDS ((int)(gridDim.x + 31) >> 5)
+
+/* Tile m0's words, and the last key block that sees it. */
+DEV int *sem_of(const attn_params &p, int64_t b, int64_t h, int m0, int Lq, int Lk, int &last)
+{
+    int64_t lo, hi;
+    kv_range(&p, m0, min(m0 + KV_BLOCK_M, Lq), Lq, Lk, &lo, &hi);
+    last = (int)((hi - 1) / KV_BLOCK_N);
+    return (int *)p.dq_sem.ptr + b * p.dq_sem.s[0] + h * p.dq_sem.s[1] + (m0 / KV_BLOCK_M) * SEM_WORDS * p.dq_sem.s[2];
+}
+
+/* Until the bits of blocks n + 1 .. last are all set. */
+DEV void sem_wait(const int *sem, int n, int last)
+{
+    for (int w = (n + 1) >> 5; w <= last >> 5; w++) {
+        const int lo = max(n + 1, w * 32) - w * 32, hi = min(last, w * 32 + 31) - w * 32;
+        const unsigned need = (hi == 31 ? ~0u : (2u << hi) - 1) & ~((1u << lo) - 1);
+        for (int spins = 0; spins < SEM_SPINS; spins++) {
+            unsigned v;
+            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(sem + w) : "memory");
+            if ((v & need) == need)
+                break;
+            if (spins >= 64)
+                __nanosleep(256);
+        }
+    }
+}
+
+/* Block n's bit; release: after its additions are complete, or with none to order. */
+DEV void sem_set(int *sem, int n)
+{
+    asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.or.b32 [%0], %1;" ::"l"(sem + (n >> 5)),
+                 "r"(1u << (n & 31)) : "memory");
+}
+#endif
+
+#if ENTRY(attn_bwd_dkdv_ws_sm90)
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm90(const __grid_constant__ attn_params p)
+{
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    /* K, V (the CTA's keys), Q[2], dO[2] (the query tiles' stages), dS^T[2], dQ[2] (float32), then
+     * lse[2], delta[2] and the mbarriers q_full[2], q_empty[2], dq_full[2], dq_empty[2] */
+    const uint32_t base = smem_addr(smem_raw), sK = (base + 1023) & ~1023u;
+    const uint32_t sV = sK + KV_BLOCK_N * HEAD_DIM * 2, sQ = sV + KV_BLOCK_N * HEAD_DIM_V * 2;
+    const uint32_t sdO = sQ + 2 * KQ_BYTES, sdS = sdO + 2 * KDO_BYTES, sdQ = sdS + 2 * SDS_BYTES;
+    const uint32_t sLD = sdQ + 2 * SDQ_BYTES;
+    float *sL = (float *)(smem_raw + (sLD - base)), *sD = sL + 2 * KV_BLOCK_M;
+    const uint32_t q_full = sLD + 4 * 4 * KV_BLOCK_M, q_empty = q_full + 16, dq_full = q_full + 32,
+                   dq_empty = q_full + 48;
+
+    const int tid = threadIdx.x, warp = tid >> 5, wg = tid >> 7;
+    const int64_t hk = blockIdx.y, b = blockIdx.z;
+    if (b == p.B) {                       /* packed rows after the last sequence */
+        const int64_t first = p.cu_seqlens_k[p.B];
+        zero_rows((elem_t *)p.dk.ptr + hk * p.dk.s[2], p.dk.s[1], p.dk.s[3], first, p.Sk, HEAD_DIM, WS_THREADS);
+        zero_rows((elem_t *)p.dv.ptr + hk * p.dv.s[2], p.dv.s[1], p.dv.s[3], first, p.Sk, HEAD_DIM_V, WS_THREADS);
+        return;
+    }
+    const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
+#if DQ_ORDERED
+    const int n_block = gridDim.x - 1 - blockIdx.x;     /* the last key block first */
+#else
+    const int n_block = blockIdx.x;
+#endif
+    const int n0 = n_block * KV_BLOCK_N;
+    if (n0 >= sk.rows)
+        return;
+    const int group = (int)(p.Hq / p.Hk), Lq = (int)sq.len, Lk = (int)sk.len;
+    const int cw = wg - 1, cwarp = warp - 4;             /* consumer warpgroup and warp (producer: < 0) */
+    const int n0w = n0 + max(cwarp, 0) * 16;
+    int m_first, nm, qlo[2], qhi[2], all_first, all_n;
+    const int items = kv_items(p, b, hk, sq, sk, n0, n0w, m_first, nm, qlo, qhi, all_first, all_n);
+    if (tid == 0) {
+        for (int x = 0; x < 2; x++) {
+            mbar_init(q_full + 8 * x, 2 * LOADERS);      /* each loader's cp.asyncs, then its lse and delta */
+            mbar_init(q_empty + 8 * x, KV_THREADS);
+            mbar_init(dq_full + 8 * x, KV_THREADS);
+            mbar_init(dq_empty + 8 * x, 1);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 0) {                        /* ---- producer */
+        regs_lower<PRODUCER_REGS>();
+        if (tid < LOADERS) {
+            for (int j = 0; j < items; j++) {
+                const int x = j & 1;
+                int64_t h;
+                int m0;
+                item_of(j, nm, m_first, hk, group, h, m0);
+                if (j >= 2)
+                    mbar_wait(q_empty + 8 * x, ((j >> 1) - 1) & 1);
+                const int64_t row0 = sq.start + m0;
+                load_sw128<KV_BLOCK_M, HEAD_DIM, LOADERS, 1>(
+                    sQ + x * KQ_BYTES, (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + row0 * p.q.s[1] + h * p.q.s[2],
+                    p.q.s[1], Lq - m0, tid);
+                load_sw128<KV_BLOCK_M, HEAD_DIM_V, LOADERS, 1>(
+                    sdO + x * KDO_BYTES,
+                    (const elem_t *)p.dout.ptr + sq.mem_b * p.dout.s[0] + row0 * p.dout.s[1] + h * p.dout.s[2],
+                    p.dout.s[1], Lq - m0, tid);
+                mbar_arrive_cp_async(q_full + 8 * x);
+                float l = POS_INF, d = 0.f;
+                if (m0 + tid < Lq) {
+                    const int64_t row = row0 + tid;
+                    l = lse_log2(((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + row * p.lse.s[2]]);
+                    d = ((const float *)p.delta.ptr)[sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + row * p.delta.s[2]];
+                }
+                sL[x * KV_BLOCK_M + tid] = l;
+                sD[x * KV_BLOCK_M + tid] = d;
+                mbar_arrive(q_full + 8 * x);
+            }
+            cp_async_wait_all();
+        } else if (tid == 64) {           /* the dQ writer */
+#if DQ_ORDERED
+            for (int j = 0; j < group * all_n; j++) {     /* the tiles it skips: their turns pass */
+                const int m = all_first + j % all_n;
+                if (m < m_first || m >= m_first + nm) {
+                    int last;
+                    sem_set(sem_of(p, b, hk * group + j / all_n, m * KV_BLOCK_M, Lq, Lk, last), n_block);
+                }
+            }
+#endif
+            for (int j = 0; j < items; j++) {
+                const int x = j & 1;
+                int64_t h;
+                int m0;
+                item_of(j, nm, m_first, hk, group, h, m0);
+                mbar_wait(dq_full + 8 * x, (j >> 1) & 1);
+                float *dst = (float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + (sq.start + m0) * p.dq_accum.s[1]
+                             + h * p.dq_accum.s[2];
+#if DQ_ORDERED
+                int last;
+                int *sem = sem_of(p, b, h, m0, Lq, Lk, last);
+                sem_wait(sem, n_block, last);
+                fence_proxy_async_global();
+#endif
+                bulk_add_f32(dst, sdQ + x * SDQ_BYTES, min(KV_BLOCK_M, Lq - m0) * HEAD_DIM * 4);
+#if DQ_ORDERED
+                bulk_wait();
+                fence_proxy_async_global();
+                sem_set(sem, n_block);
+#else
+                bulk_wait_read();
+#endif
+                mbar_arrive(dq_empty + 8 * x);
+            }
+            bulk_wait();
+        }
+        return;
+    }
+
+    /* ---- consumers */
+    regs_raise<CONSUMER_REGS>();
+    const int ctid = tid - 128, g = (tid & 31) >> 2, t = tid & 3, w4 = cwarp & 3;
+    float dk[1][NTK][4], dv[1][NTV][4];
+    zero_acc(dk);
+    zero_acc(dv);
+    if (items > 0) {
+        const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + (sk.start + n0) * p.k.s[1] + hk * p.k.s[2];
+        const elem_t *gv = (const elem_t *)p.v.ptr + sk.mem_b * p.v.s[0] + (sk.start + n0) * p.v.s[1] + hk * p.v.s[2];
+        load_sw128<KV_BLOCK_N, HEAD_DIM, KV_THREADS>(sK, gk, p.k.s[1], Lk - n0, ctid);
+        load_sw128<KV_BLOCK_N, HEAD_DIM_V, KV_THREADS>(sV, gv, p.v.s[1], Lk - n0, ctid);
+        cp_async_commit();
+        cp_async_wait_all();
+        fence_proxy_async();
+    }
+    named_sync(1, KV_THREADS);            /* K and V in */
+    for (int j = 0; j < items; j++) {
+        const int x = j & 1;
+        int64_t h;
+        int m0;
+        item_of(j, nm, m_first, hk, group, h, m0);
+        const uint32_t qb = sQ + x * KQ_BYTES, ds = sdS + x * SDS_BYTES, dqs = sdQ + x * SDQ_BYTES;
+        const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
+        mbar_wait(q_full + 8 * x, (j >> 1) & 1);
+        uint32_t pd[1][KV_NT / 2][4];
+        kv_item(dk, dv, pd, p, sc, sK, sV, cw * 64, qb, sdO + x * KDO_BYTES, sL + x * KV_BLOCK_M,
+                sD + x * KV_BLOCK_M, n0, n0w, m0, Lq, Lk, qlo, qhi);
+
+        /* dS^T (keys x query rows) into stage x; both warpgroups' keys before dQ reads them */
+#pragma unroll
+        for (int kk = 0; kk < KV_NT / 2; kk++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int key = cw * 64 + w4 * 16 + g + (e & 1) * 8, col = kk * 16 + (e >> 1) * 8 + 2 * t;
+                asm volatile("st.shared.b32 [%0], %1;" ::"r"(ds + sw128_offset<KV_BLOCK_N>(key, col >> 3) + (col & 7) * 2),
+                             "r"(pd[0][kk][e]));
+            }
+        fence_proxy_async();
+        named_sync(1, KV_THREADS);
+
+        /* dQ[:, 64 cw .. + 64) = dS K over the CTA's keys */
+        float acc[8][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < KV_BLOCK_N / 16; kk++)
+            wgmma_m64n64_ss_tt(acc, sw128_desc(ds + kk * 16 * 128, KV_BLOCK_N * 128, 1024),
+                               sw128_desc(sK + cw * (KV_BLOCK_N * 128) + kk * 16 * 128, KV_BLOCK_N * 128, 1024), kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_acc(acc);
+        fence_acc(dv[0]);
+        fence_acc(dk[0]);
+        mbar_arrive(q_empty + 8 * x);     /* Q, dO, lse and delta of stage x read */
+
+        if (j >= 2)
+            mbar_wait(dq_empty + 8 * x, ((j >> 1) - 1) & 1);
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int r = w4 * 16 + g + i * 8;           /* m0 is a multiple of 4: dq_col's row bits */
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(dqs + r * (HEAD_DIM * 4)
+                                                                       + dq_col(r, cw * 64 + nt * 8 + 2 * t) * 4),
+                             "f"(acc[nt][2 * i]), "f"(acc[nt][2 * i + 1]));
+        }
+        fence_proxy_async();
+        mbar_arrive(dq_full + 8 * x);
+    }
+    store_dkdv(p, sk, hk, dk, dv, n0w, true, true);
+}
+#endif
 #endif
 
 /* ---------------------------------------------------------------- dQ */
 #define QK_BYTES (Q_BLOCK_N * HEAD_DIM * 2)
 #define QV_BYTES (Q_BLOCK_N * HEAD_DIM_V * 2)
 
-#if ENTRY(attn_bwd_dq_sm90)
+#if ENTRY(attn_bwd_dq_sm90) && !DQ_ATOMIC
 extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq_sm90(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];

@@ -50,6 +50,11 @@ DEV void zero_rows(elem_t *base, int64_t s_row, int64_t s_col, int64_t first, in
         }
 }
 
+/* dq_accum's column for dQ column d of its sequence's row r: with D a multiple of 32, the 8-column
+ * groups inside each 32 are swizzled by the row's low two bits, so that attn_bwd_sm90.cu's
+ * fragment stores of a tile (eight rows at the same columns per warp) hit distinct banks. */
+DEV int dq_col(int64_t r, int d) { return HEAD_DIM % 32 ? d : d ^ (((int)r & 3) << 3); }
+
 /* p[0] += a, p[1] += b by float atomics (one vector reduction on sm_90; p 8-byte aligned). */
 DEV void red_add_f32x2(float *p, float a, float b)
 {

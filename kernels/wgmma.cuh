@@ -45,21 +45,23 @@ DEV uint32_t sw128_offset(int r, int c)
 
 /* ROWS x COLS elements into an SW128 tile at shared address base by cp.async (16 bytes each,
  * consecutive threads along a row): row r from src + r * row_stride, contiguous. Rows at or past
- * `valid` are zero. A thread's chunks sit STEP rows apart (a multiple of 8), so its swizzle is
- * the same on every row: one address per tile, constant offsets. Commit and wait are the
- * caller's. */
-template <int ROWS, int COLS, int NTHREADS>
+ * `valid` are zero. A thread's chunks sit STEP rows apart; when that is a multiple of 8 its
+ * swizzle is the same on every row: one address per tile, constant offsets. Commit and wait are
+ * the caller's. UNROLL: the loop's unrolling (a producer warp short of registers takes 1). */
+template <int ROWS, int COLS, int NTHREADS, int UNROLL = ROWS * COLS / 8 / NTHREADS>
 DEV void load_sw128(uint32_t base, const elem_t *src, int64_t row_stride, int valid, int tid)
 {
     constexpr int CHUNKS = COLS / 8, STEP = NTHREADS / CHUNKS;
-    static_assert(NTHREADS % CHUNKS == 0 && STEP % 8 == 0 && ROWS % STEP == 0, "tile and block do not fit");
+    static_assert(NTHREADS % CHUNKS == 0 && ROWS % STEP == 0 && (STEP % 8 == 0 || 8 % STEP == 0),
+                  "tile and block do not fit");
     const int r0 = tid / CHUNKS, c = tid % CHUNKS;
     const elem_t *row = src + r0 * row_stride + c * 8;
     const uint32_t dst = base + sw128_offset<ROWS>(r0, c);
-#pragma unroll
+#pragma unroll UNROLL
     for (int j = 0; j < ROWS / STEP; j++) {
         const bool ok = r0 + j * STEP < valid;
-        cp_async16(dst + j * STEP * 128, ok ? row + j * STEP * row_stride : src, ok ? 16 : 0);
+        const uint32_t at = STEP % 8 == 0 ? dst + j * STEP * 128 : base + sw128_offset<ROWS>(r0 + j * STEP, c);
+        cp_async16(at, ok ? row + j * STEP * row_stride : src, ok ? 16 : 0);
     }
 }
 

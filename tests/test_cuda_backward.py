@@ -167,18 +167,16 @@ def test_deterministic(rng):
 
 
 @pytest.mark.parametrize("mode", ["atomic", "ordered"])
-@pytest.mark.parametrize("kernel", ["default", "sm90_2wg", "mma_sync"])
+@pytest.mark.parametrize("kernel", ["default", "mma_sync"])
 @pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (128, 64), (59, 40), (256, 256)],
                          ids=["d64", "d128", "d128_dv64", "d59_40", "d256"])
 def test_dq_added_by_the_dkdv_kernel(d, dv, kernel, mode, rng, monkeypatch):
     """dq as additions of dS K into dq_accum from the dK/dV kernel (kernels.bwd_dq_mode), by
     plain atomics (deterministic=False) or in a fixed order (then the same bits on a second run),
-    within the same tolerance; on Hopper through attn_bwd_sm90.cu ("default"; "sm90_2wg": two
-    warpgroups, which split dQ's columns at D = 128) and attn_bwd.cu ("mma_sync": atomic only,
-    ordered falls back to the dQ kernel)."""
+    within the same tolerance; on Hopper through attn_bwd_sm90.cu ("default": the warp-specialised
+    kernel at D = 128, the dQ kernel elsewhere) and attn_bwd.cu ("mma_sync": atomic only, ordered
+    falls back to the dQ kernel)."""
     monkeypatch.setenv("ATTNEXT_BWD_DQ", mode)
-    if kernel == "sm90_2wg":
-        monkeypatch.setenv("ATTNEXT_TILE_BWD_SM90", "8,4")
     if kernel == "mma_sync":
         monkeypatch.setenv("ATTNEXT_BWD_SM90", "0")
     det = mode == "ordered"

@@ -86,21 +86,26 @@ def test_hopper_backward_choice_and_shared_memory(monkeypatch):
 
 
 def test_dq_mode(monkeypatch):
-    """dQ by atomic additions from the dK/dV kernel on Hopper at D = 128 with deterministic=False,
-    by the dQ kernel elsewhere; the lab's ATTNEXT_BWD_DQ never makes a
-    deterministic call order-dependent, nor asks attn_bwd.cu for ordered additions."""
+    """dQ added by attn_bwd_sm90's warp-specialised dK/dV kernel on Hopper at D = 128 (in turns
+    when deterministic), by the dQ kernel elsewhere; the lab's ATTNEXT_BWD_DQ never makes a
+    deterministic call order-dependent, nor asks for additions no kernel makes."""
     mode = kernels.bwd_dq_mode
-    assert mode(True, 128, True) == "recompute" and mode(True, 128, False) == "atomic"
-    assert mode(True, 64, True) == mode(True, 64, False) == mode(False, 128, True) == "recompute"
-    assert kernels.bwd_sm90_tile(128, "ordered")["kv_warps"] == kernels.bwd_sm90_tile(128, "atomic")["kv_warps"] == 8
-    assert kernels.bwd_sm90_tile(128, "recompute")["kv_warps"] == 4
+    assert mode(True, 128, True) == "ordered" and mode(True, 128, False) == "atomic"
+    assert mode(True, 64, True) == mode(True, 64, False) == "recompute"
+    assert mode(False, 128, True) == mode(False, 128, False) == "recompute"
+    tile = kernels.bwd_sm90_tile(128, "ordered")
+    assert tile == kernels.bwd_sm90_tile(128, "atomic") and tile["kv_warps"] == 8
+    assert kernels.bwd_sm90_kv_kernel("ordered", tile) == ("attn_bwd_dkdv_ws_sm90", 12)
+    recompute = kernels.bwd_sm90_tile(128, "recompute")
+    assert kernels.bwd_sm90_kv_kernel("recompute", recompute) == ("attn_bwd_dkdv_sm90", 4)
     monkeypatch.setenv("ATTNEXT_BWD_DQ", "atomic")
-    assert mode(True, 64, False) == "atomic" and mode(True, 64, True) == "ordered"
+    assert mode(True, 128, False) == "atomic" and mode(True, 128, True) == "ordered"
+    assert mode(True, 64, False) == mode(True, 64, True) == "recompute"
     assert mode(False, 64, False) == "atomic" and mode(False, 64, True) == "recompute"
     monkeypatch.setenv("ATTNEXT_BWD_DQ", "recompute")
     assert mode(True, 128, True) == mode(True, 128, False) == "recompute"
-    monkeypatch.setenv("ATTNEXT_TILE_BWD_SM90", "8,4")
-    assert kernels.bwd_sm90_tile(64, "ordered")["kv_warps"] == 4   # one dQ partial per CTA
+    monkeypatch.setenv("ATTNEXT_TILE_BWD_SM90", "4,4")
+    assert kernels.bwd_sm90_tile(128, "ordered")["kv_warps"] == 8   # the lab's override: recompute only
 
 
 def test_a_call_with_mods_compiles_its_entry_points_alone():

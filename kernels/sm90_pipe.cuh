@@ -1,0 +1,68 @@
+/* Hopper's (sm_90a) tools for warp-specialised kernels as inline PTX: shared-memory mbarriers
+ * (arrive, the phase-parity wait, the arrive cp.async completions trigger), register
+ * reallocation between warpgroups (setmaxnreg) and the bulk asynchronous reduction of a
+ * contiguous shared-memory block into global memory.
+ *
+ * mbarrier phases: a barrier initialised with count n completes a phase after n arrivals; a
+ * waiter that wants the k-th completion (k = 0, 1, ...) waits for parity k & 1.
+ */
+#ifndef ATTNEXT_SM90_PIPE_CUH
+#define ATTNEXT_SM90_PIPE_CUH
+
+#include "attn_common.cuh"
+
+DEV void mbar_init(uint32_t bar, int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+/* After every barrier is initialised, before a CTA-wide barrier: the inits visible to all. */
+DEV void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+
+/* One arrival (release: this thread's earlier writes are seen by whoever waits for the phase). */
+DEV void mbar_arrive(uint32_t bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+/* One arrival, made when every cp.async this thread issued so far has landed. */
+DEV void mbar_arrive_cp_async(uint32_t bar)
+{
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+/* Until the phase of parity `parity` has completed (acquire). */
+DEV void mbar_wait(uint32_t bar, int parity)
+{
+    asm volatile("{\n.reg .pred done;\nwait_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra wait_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+
+/* Named barrier id (not 0: __syncthreads') across n threads, whole warps. */
+DEV void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
+
+/* The warpgroup's registers per thread raised or lowered to N (every thread of it calls). */
+template <int N>
+DEV void regs_raise() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
+template <int N>
+DEV void regs_lower() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
+
+/* dst[i] += src[i] (float32) for bytes / 4 elements, a shared block into global memory by the
+ * bulk-copy engine (both 16-byte aligned, bytes a multiple of 16); one bulk group per call. */
+DEV void bulk_add_f32(float *dst, uint32_t src, int bytes)
+{
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 "cp.async.bulk.commit_group;" ::"l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+
+/* Until this thread's bulk groups have read their shared memory (it may be rewritten). */
+DEV void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+
+/* Until this thread's bulk groups are complete: their writes performed. */
+DEV void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+/* Between the generic proxy's global accesses (flags) and the async proxy's (bulk copies). */
+DEV void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+#endif
