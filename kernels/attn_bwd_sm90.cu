@@ -288,11 +288,14 @@ DEV void sem_wait(const int *sem, int n, int last)
     }
 }
 
-/* Block n's bit; release: after its additions are complete, or with none to order. */
+/* Block n's bit, released after its additions are complete (fenced), or at once where it adds
+ * nothing (no fence: nothing to order). */
+template <bool FENCED>
 DEV void sem_set(int *sem, int n)
 {
-    asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.or.b32 [%0], %1;" ::"l"(sem + (n >> 5)),
-                 "r"(1u << (n & 31)) : "memory");
+    if (FENCED)
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    asm volatile("red.relaxed.gpu.global.or.b32 [%0], %1;" ::"l"(sem + (n >> 5)), "r"(1u << (n & 31)) : "memory");
 }
 #endif
 
@@ -379,7 +382,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                 const int m = all_first + j % all_n;
                 if (m < m_first || m >= m_first + nm) {
                     int last;
-                    sem_set(sem_of(p, b, hk * group + j / all_n, m * KV_BLOCK_M, Lq, Lk, last), n_block);
+                    sem_set<false>(sem_of(p, b, hk * group + j / all_n, m * KV_BLOCK_M, Lq, Lk, last), n_block);
                 }
             }
 #endif
@@ -401,7 +404,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
 #if DQ_ORDERED
                 bulk_wait();
                 fence_proxy_async_global();
-                sem_set(sem, n_block);
+                sem_set<true>(sem, n_block);
 #else
                 bulk_wait_read();
 #endif
