@@ -19,7 +19,8 @@ for step in "$@"; do
     suite[0-4]) python3 -m pytest -m gpu -q tests/test_cuda.py -k "cpu_suite and shard${step#suite}" 2>&1 \
                 | tee "$OUT/$step.log" | tail -30 ;;
     sanitize) compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q \
-                -p no:cacheprovider tests/test_cuda.py tests/test_cuda_backward.py -k "not cpu_suite" 2>&1 \
+                -p no:cacheprovider tests/test_cuda.py tests/test_cuda_backward.py \
+                tests/test_score_mod_cuda.py -k "not cpu_suite" 2>&1 \
                 | tee "$OUT/memcheck.log" | tail -5
               compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -m gpu -q -x \
                 -p no:cacheprovider tests/test_cuda.py -k "head_dims and bf16 and d128_dv128 or varlen_with_padding" 2>&1 \
