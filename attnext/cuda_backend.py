@@ -286,11 +286,13 @@ def _bind_mods(o, stage, backward):
 
 def _facts(o, ts, tm, names, arrays):
     """The call's codegen.Facts: how each lookup may be read (attnext.bounds over the call's
-    extents -- the longest sequence's rows and columns, every head and sequence -- and the
-    NumPy integer arrays' values) and which integer arrays are stored as int32. A call none of
-    whose lookups may leave its array leaves the error record zero: it need not wait for the
-    kernels to read it."""
-    extents = bounds.Extents(o.B, o.Hq, _query_rows(o), _key_rows(o))
+    extents -- the longest sequence's rows and columns rounded up to kernels.TILE_EDGE, where a
+    branch-free tile still evaluates the mods, every head and sequence -- and the NumPy integer
+    arrays' values) and which integer arrays are stored as int32. A call none of whose lookups
+    may leave its array leaves the error record zero: it need not wait for the kernels to read
+    it."""
+    edge = kernels.TILE_EDGE
+    extents = bounds.Extents(o.B, o.Hq, -(-_query_rows(o) // edge) * edge, -(-_key_rows(o) // edge) * edge)
     values = {}
     for (kind, name), a in zip(names, arrays):
         if a.values is not None:

@@ -29,6 +29,9 @@ HEADER_FILES = (_ROOT / "csrc" / "attn_params.h", _ROOT / "csrc" / "seqlen.h",
                 _ROOT / "csrc" / "block.h", KERNEL_DIR / "attn_common.cuh",
                 KERNEL_DIR / "attn_fwd_tile.cuh", KERNEL_DIR / "attn_bwd_tile.cuh", KERNEL_DIR / "wgmma.cuh",
                 KERNEL_DIR / "sm90_pipe.cuh")
+# the widest tile edge of any kernel: a branch-free tile evaluates score_mod and mask_mod at
+# every pair it covers, up to this far past a sequence's end (the results discarded there)
+TILE_EDGE = 128
 # every architecture CI compiles for (warmup --check) and the ones attnext targets
 ARCHS = ("sm_80", "sm_90a")
 SMEM_PAD = 8           # elements of padding per shared-memory row (attn_common.cuh)

@@ -248,7 +248,6 @@ struct score_ctx {
     int64_t mask_sr, mask_sc;
     float slope;             /* alibi slope of (b, h) */
     int diag;                /* Lk - Lq: row r's diagonal is column r + diag */
-    int last_r, last_c;      /* the last row and column inside the lengths (0 when empty) */
     int64_t b, h;            /* what score_mod / mask_mod see: the sequence and query head */
     const attn_mods_gpu *mods;   /* their constants and arrays (in the kernel parameter) */
 };
@@ -263,8 +262,6 @@ DEV score_ctx make_score_ctx(const attn_params &p, int64_t b, int64_t h, const s
     s.mask = 0;
     s.bias_sr = s.bias_sc = s.mask_sr = s.mask_sc = 0;
     s.diag = (int)(sk.len - sq.len);
-    s.last_r = (int)max(sq.len - 1, (int64_t)0);
-    s.last_c = (int)max(sk.len - 1, (int64_t)0);
     s.slope = 0.f;
     s.b = b;
     s.h = h;
@@ -315,27 +312,20 @@ DEV float score_base(const score_ctx &s, float dot, int r, int c)
     return x;
 }
 
-/* The row and column the generated mods see for the pair (r, c): clamped into the lengths. A
- * branch-free tile evaluates them past a sequence's end too (the result is discarded there), and
- * codegen.Facts proved the lookups it reads directly in range for indices inside the lengths
- * only. */
-DEV int mod_row(const score_ctx &s, int r) { return min(r, s.last_r); }
-DEV int mod_col(const score_ctx &s, int c) { return min(c, s.last_c); }
-
 /* Steps 1-5: the score_mod slot (the identity without one). A lookup of the generated code
  * out of range sets bad (and reads a clamped element); the tile reports it (mod_fault). */
 DEV float score_of(const score_ctx &s, float dot, int r, int c, int &bad)
 {
 #if HAS_SCORE_MOD
-    return mod_score_q(score_base(s, dot, r, c), s.b, s.h, mod_row(s, r), mod_col(s, c), s.mods, &bad);
+    return mod_score_q(score_base(s, dot, r, c), s.b, s.h, r, c, s.mods, &bad);
 #else
     return score_base(s, dot, r, c);
 #endif
 }
 
 /* Whether score_of may run at a pair that no mask keeps, for a branch-free tile: the generated
- * kernels' lookups clamp or are proved in range for the clamped indices (mod_row); a bias array
- * ends with the lengths, so with one the scores run where kept only. */
+ * kernels' lookups clamp; a bias array ends with the lengths, so with one the scores run where
+ * kept only. */
 #define SCORE_ANYWHERE (ATTN_GMODS && !HAS_BIAS)
 
 /* score_of where keep, -inf elsewhere; bad as score_of's, where keep only. */
@@ -357,7 +347,7 @@ DEV float score_mod_grad(const score_ctx &s, float dot, int r, int c)
 {
 #if HAS_SCORE_MOD
     int bad = 0;
-    return mod_dscore_q(score_base(s, dot, r, c), s.b, s.h, mod_row(s, r), mod_col(s, c), 1.f, s.mods, &bad);
+    return mod_dscore_q(score_base(s, dot, r, c), s.b, s.h, r, c, 1.f, s.mods, &bad);
 #else
     return 1.f;
 #endif
@@ -381,7 +371,7 @@ DEV void score_dtensors(const score_ctx &s, float dot, int r, int c, float ds)
 #if HAS_DTENSORS
     int bad = 0;
     if (ds != 0.f)
-        mod_dtensors_q(score_base(s, dot, r, c), s.b, s.h, mod_row(s, r), mod_col(s, c), ds, s.mods, &bad);
+        mod_dtensors_q(score_base(s, dot, r, c), s.b, s.h, r, c, ds, s.mods, &bad);
 #endif
 }
 
@@ -394,15 +384,14 @@ DEV bool mask_keeps(const score_ctx &s, int r, int c, int &bad)
     keep = s.mask[r * s.mask_sr + c * s.mask_sc] != 0;
 #endif
 #if HAS_MASK_MOD
-    keep = mod_mask_q(s.b, s.h, mod_row(s, r), mod_col(s, c), s.mods, &bad) && keep;
+    keep = mod_mask_q(s.b, s.h, r, c, s.mods, &bad) && keep;
 #endif
     return keep;
 }
 
 /* Whether a tile that needs the per-element test keeps the pair (r, c), band: the pair lies
  * inside its row's lengths and causal / window band. mask_mod runs at every pair, band or not,
- * with no branch around it: its lookups clamp or are proved in range for the clamped indices
- * (mod_row), so it can, and a tile's loads then issue together
+ * with no branch around it: its lookups clamp, so it can, and a tile's loads then issue together
  * instead of one latency after another behind a branch per pair; its faults count inside the
  * band only (bad), as if it had run there alone. The mask array is read inside the band only
  * (it has nothing past the lengths). */
@@ -410,7 +399,7 @@ DEV bool pair_keeps(const score_ctx &s, int r, int c, bool band, int &bad)
 {
 #if HAS_MASK_MOD
     int b = 0;
-    const bool mod = mod_mask_q(s.b, s.h, mod_row(s, r), mod_col(s, c), s.mods, &b) != 0;
+    const bool mod = mod_mask_q(s.b, s.h, r, c, s.mods, &b) != 0;
     bad |= band ? b : 0;
 #else
     const bool mod = true;

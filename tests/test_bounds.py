@@ -179,3 +179,19 @@ def test_lookup_modes_name_the_axes_that_may_count_from_the_end():
         t = trace.trace_score_mod(fn)
         assert bounds.lookup_modes(t, ext) == want
         assert bounds.in_range(t, ext) == tuple(m != bounds.CHECKED for m in want)
+
+
+def test_cuda_facts_prove_lookups_over_lengths_rounded_to_the_tile_edge():
+    """A branch-free tile evaluates the mods up to kernels.TILE_EDGE past a sequence's end (the
+    results discarded there), so the CUDA backend proves lookups over the lengths rounded up to
+    it: a document id array of exactly Sq entries is read directly only when Sq is a multiple of
+    the edge, else checked (clamped), never past its end."""
+    from types import SimpleNamespace
+
+    from attnext import cuda_backend, kernels
+    edge = kernels.TILE_EDGE
+    for sq, want in ((2 * edge, 0), (2 * edge - 60, bounds.CHECKED), (2 * edge + 1, bounds.CHECKED)):
+        doc = np.zeros(sq, np.int64)
+        t = trace.trace_mask_mod(lambda b, h, q, k: doc[q] == doc[k])
+        o = SimpleNamespace(B=1, Hq=2, varlen=False, Sq=sq, Sk=sq)
+        assert cuda_backend._facts(o, None, t, [], []).mask == (want, want), sq
