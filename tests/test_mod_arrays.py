@@ -98,7 +98,7 @@ BODY = r"""
 import ctypes
 from attnext import codegen, mod_arrays, mod_cache, staging, trace
 
-S = 200
+S = 256         # a multiple of kernels.TILE_EDGE: the lookups over it are proved
 rng = np.random.default_rng(0)
 GMODS = []          # (entry point, attn_mods_gpu record) of every launch with mods
 CONVERTS = []       # attn_convert's parameters, every launch
