@@ -128,6 +128,15 @@ DEV int kv_items(const attn_params &p, int64_t b, int64_t hk, const seq_t &sq, c
     return group * nm;
 }
 
+/* dk and dv of kv head hk zeroed on the packed rows after the last sequence (the grid's extra
+ * block row). */
+DEV void zero_tail_dkdv(const attn_params &p, int64_t hk, int threads)
+{
+    const int64_t first = p.cu_seqlens_k[p.B];
+    zero_rows((elem_t *)p.dk.ptr + hk * p.dk.s[2], p.dk.s[1], p.dk.s[3], first, p.Sk, HEAD_DIM, threads);
+    zero_rows((elem_t *)p.dv.ptr + hk * p.dv.s[2], p.dv.s[1], p.dv.s[3], first, p.Sk, HEAD_DIM_V, threads);
+}
+
 #if ENTRY(attn_bwd_dkdv_sm90) && !DQ_ATOMIC
 extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_sm90(const __grid_constant__ attn_params p)
 {
@@ -141,9 +150,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
     const int tid = threadIdx.x, warp = tid >> 5, wg = tid >> 7;
     const int64_t hk = blockIdx.y, b = blockIdx.z;
     if (b == p.B) {                       /* packed rows after the last sequence */
-        const int64_t first = p.cu_seqlens_k[p.B];
-        zero_rows((elem_t *)p.dk.ptr + hk * p.dk.s[2], p.dk.s[1], p.dk.s[3], first, p.Sk, HEAD_DIM, KV_THREADS);
-        zero_rows((elem_t *)p.dv.ptr + hk * p.dv.s[2], p.dv.s[1], p.dv.s[3], first, p.Sk, HEAD_DIM_V, KV_THREADS);
+        zero_tail_dkdv(p, hk, KV_THREADS);
         return;
     }
     const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
@@ -316,9 +323,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
     const int tid = threadIdx.x, warp = tid >> 5, wg = tid >> 7;
     const int64_t hk = blockIdx.y, b = blockIdx.z;
     if (b == p.B) {                       /* packed rows after the last sequence */
-        const int64_t first = p.cu_seqlens_k[p.B];
-        zero_rows((elem_t *)p.dk.ptr + hk * p.dk.s[2], p.dk.s[1], p.dk.s[3], first, p.Sk, HEAD_DIM, WS_THREADS);
-        zero_rows((elem_t *)p.dv.ptr + hk * p.dv.s[2], p.dv.s[1], p.dv.s[3], first, p.Sk, HEAD_DIM_V, WS_THREADS);
+        zero_tail_dkdv(p, hk, WS_THREADS);
         return;
     }
     const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
