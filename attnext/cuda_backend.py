@@ -611,7 +611,8 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
     # the dK/dV kernel (its grid's x) in 32-bit words
     accum_shape = (q4.shape[0], o.Hq, q4.shape[1], o.D + o.D % 2)
     hopper = kernels.bwd_sm90_tile(o.D, dq_mode) if sm90 else None
-    sem_words = -(-_query_tiles(k_rows, 16 * hopper["kv_warps"]) // 32) if dq_mode == "ordered" else 0
+    kv_blocks = _query_tiles(k_rows, 16 * hopper["kv_warps"]) if hopper else 0   # the dK/dV grid's x
+    sem_words = -(-kv_blocks // 32) if dq_mode == "ordered" else 0
     sem_shape = (o.B, o.Hq, _query_tiles(q_rows, PRE_ROWS) * sem_words)
     prob.out, prob.dout, prob.lse, prob.dbias = _t(out4), _t(dout4), _t(lse3), _t(dbias4)
     prob.dq, prob.dk, prob.dv = _t(dq4), _t(dk4), _t(dv4)
@@ -634,7 +635,7 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
             defs90 = kernels.bwd_defines(**features, tile=hopper, dq=dq_mode, mods=gen)
             smem90 = kernels.bwd_sm90_smem_bytes(o.D, o.Dv, hopper)
             kv_name, kv_warps = kernels.bwd_sm90_kv_kernel(dq_mode, hopper)
-            launch(kv_name, (_query_tiles(k_rows, 16 * hopper["kv_warps"]), o.Hk, o.B + tail),
+            launch(kv_name, (kv_blocks, o.Hk, o.B + tail),
                    kv_warps, "attn_bwd_sm90", defs90, smem90)
             if not atomic:
                 launch("attn_bwd_dq_sm90", (_query_tiles(q_rows, hopper["q_block_m"]), o.Hq, o.B + tail),

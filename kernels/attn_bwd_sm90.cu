@@ -382,8 +382,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
             }
             cp_async_wait_all();
         } else if (tid == 64) {           /* the dQ writer */
-#if DQ_ORDERED
-            for (int j = 0; j < group * all_n; j++) {     /* the tiles it skips: their turns pass */
+#if DQ_ORDERED && HAS_MASK_MOD
+            for (int j = 0; j < group * all_n; j++) {     /* the tiles mod_narrow took off: their turns pass */
                 const int m = all_first + j % all_n;
                 if (m < m_first || m >= m_first + nm) {
                     int last;
