@@ -493,8 +493,7 @@ def _check_memory(o, backward, out_given=False):
     """MemoryError, before anything is allocated or computed, when the host buffers a call needs
     (its results, and the CPU backend's packed copies of its inputs) exceed the machine's RAM and
     swap: a broadcast (stride-0) input costs nothing to pass but its full size to compute on."""
-    limit = _memory_limit()
-    if limit is None or o.on_gpu:
+    if o.on_gpu:
         return
     dt, acc, f64 = o.q.dtype, o.acc_dtype, np.float64
     if backward:
@@ -515,12 +514,21 @@ def _check_memory(o, backward, out_given=False):
         if backward:
             parts += [("packed q", o.q.shape, acc), ("packed dout", o.out_shape, acc),
                       ("packed k transposed", o.k.shape, acc)]
+    _check_fits(f"q {o.q.shape}, k {o.k.shape}, v {o.v.shape}", parts)
+
+
+def _check_fits(who, parts):
+    """MemoryError when the buffers `parts` ((name, shape, dtype), ...) that `who` needs exceed
+    the machine's RAM and swap (attention's results, block_mask's tiles): raised before any of
+    them is allocated, naming each."""
+    limit = _memory_limit()
+    if limit is None:
+        return
     need = sum(_nbytes(s, d) for _, s, d in parts)
     if need > limit:
         what = ", ".join(f"{n} {tuple(s)} {np.dtype(d)}" for n, s, d in parts)
-        raise MemoryError(f"attnext: q {o.q.shape}, k {o.k.shape}, v {o.v.shape} need at least "
-                          f"{need / 2**30:.1f} GiB ({what}), more than this machine's memory "
-                          f"({limit / 2**30:.1f} GiB)")
+        raise MemoryError(f"attnext: {who} need at least {need / 2**30:.1f} GiB ({what}), more "
+                          f"than this machine's memory ({limit / 2**30:.1f} GiB)")
 
 
 def _check_out(name, x, shape, dtype, inputs):

@@ -8,10 +8,15 @@ kernels), keeps entirely (no per-element test) or cuts through.
 The states are those the backends compute for themselves at every call (the CPU's block_mask_build
 in csrc/cpu_impl.h, the GPU's kernels/attn_block_mask.cu): mask_mod is evaluated at every pair
 inside the lengths, and a tile is EMPTY when it keeps none, FULL when it keeps all, else PARTIAL.
-Here mask_mod is called on NumPy index arrays as the reference calls it (no tracing), one row of
-tiles at a time: memory grows with block_size * Sk, never Sq * Sk.
+mask_mod is checked as attention() checks it (its arity, then traced once: the same TypeError for
+a function the backends cannot run, or one that returns no bool), then called on NumPy index
+arrays as the reference calls it, one row of tiles at a time: memory grows with block_size * Sk,
+never Sq * Sk, and a size past the machine's memory is a MemoryError before any work.
 """
 import numpy as np
+
+from . import trace
+from .api import _check_arity, _check_fits, _fmt
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 SHADES = " .:-=+*#%@"          # density 0 (nothing kept) .. 1 (everything kept)
@@ -37,7 +42,13 @@ class BlockMask:
 
     def picture(self, b=0, h=0):
         """The tiles of (b, h) as text, a character per tile from SHADES by density: ' ' skipped,
-        '@' every pair kept."""
+        '@' every pair kept. b and h count from the end when negative, as NumPy's indices do."""
+        for name, i, n in (("b", b, self.kinds.shape[0]), ("h", h, self.kinds.shape[1])):
+            if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+                raise TypeError(f"picture: {name} must be an int, got {_fmt(i)}")
+            if not -n <= i < n:
+                raise IndexError(f"picture: {name} = {i} is out of range for "
+                                 f"{'B' if name == 'b' else 'H'} = {n}")
         d = self.density[b, h]
         idx = np.minimum((d * (len(SHADES) - 1)).round().astype(int), len(SHADES) - 1)
         idx[(self.kinds[b, h] != EMPTY) & (idx == 0)] = 1        # a kept pair is never blank
@@ -50,20 +61,35 @@ class BlockMask:
         head = (f"BlockMask(B={B}, H={H}, Sq={self.Sq}, Sk={self.Sk}, block_size={self.block_size}: "
                 f"{nq}x{nk} tiles, {c['empty']} empty, {c['partial']} partial, {c['full']} full, "
                 f"sparsity {self.sparsity:.1%})")
-        return head if nq > 64 or nk > 128 else head + "\n" + self.picture()
+        return head if nq > 64 or nk > 128 or not B * H else head + "\n" + self.picture()
+
+
+def _check_size(name, x, least):
+    """Sizes as attention() takes lengths: an int (TypeError otherwise, bool included), at least
+    `least` (ValueError)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"block_mask: {name} must be an int, got {_fmt(x)}")
+    if x < least:
+        raise ValueError(f"block_mask: {name} must be >= {least}, got {x}")
 
 
 def block_mask(mask_mod, Sq, Sk, *, B=1, H=1, block_size=64):
     """The BlockMask of mask_mod(b, h, q_idx, kv_idx) over b < B, h < H, q_idx < Sq, kv_idx < Sk,
     in block_size x block_size tiles (64: the GPU kernels' cells)."""
-    for name, x in (("Sq", Sq), ("Sk", Sk), ("B", B), ("H", H)):
-        if not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < 0:
-            raise ValueError(f"block_mask: {name} must be an int >= 0, got {x!r}")
-    if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(f"block_mask: block_size must be an int >= 1, got {block_size!r}")
     if not callable(mask_mod):
         raise TypeError(f"block_mask: mask_mod must be callable, got {type(mask_mod).__name__}")
+    _check_arity("mask_mod", mask_mod)
+    for name, x in (("Sq", Sq), ("Sk", Sk), ("B", B), ("H", H)):
+        _check_size(name, x, 0)
+    _check_size("block_size", block_size, 1)
+    Sq, Sk, B, H, block_size = (int(x) for x in (Sq, Sk, B, H, block_size))
     nq, nk = -(-Sq // block_size), -(-Sk // block_size)
+    rows = min(block_size, Sq)
+    _check_fits(f"block_mask(Sq={Sq}, Sk={Sk}, B={B}, H={H}, block_size={block_size})", [
+        ("density", (B, H, nq, nk), np.float64), ("states", (B, H, nq, nk), np.uint8),
+        ("index arrays of a row of tiles", (4, rows, Sk), np.int64),
+        ("its mask", (rows, Sk), np.bool_), ("kv_idx and key tiles", (2, Sk), np.int64)])
+    trace.trace_mask_mod(mask_mod)
     density = np.zeros((B, H, nq, nk))
     cols = np.arange(Sk, dtype=np.int64)
     col_tile = cols // block_size
@@ -73,8 +99,12 @@ def block_mask(mask_mod, Sq, Sk, *, B=1, H=1, block_size=64):
             for i in range(nq):
                 rows = np.arange(i * block_size, min((i + 1) * block_size, Sq), dtype=np.int64)
                 r, c = (x.ravel() for x in np.broadcast_arrays(rows[:, None], cols[None, :]))
-                kept = mask_mod(np.full(r.size, b, np.int64), np.full(r.size, h, np.int64), r, c)
-                kept = np.broadcast_to(np.asarray(kept, dtype=bool), (r.size,)).reshape(rows.size, Sk)
+                kept = np.asarray(mask_mod(np.full(r.size, b, np.int64),
+                                           np.full(r.size, h, np.int64), r, c))
+                if kept.dtype != np.bool_ or kept.shape not in ((), (r.size,)):
+                    raise TypeError(f"mask_mod must return bool values, one per pair, got "
+                                    f"{kept.dtype} of shape {kept.shape} for {r.size} pairs")
+                kept = np.broadcast_to(kept, (r.size,)).reshape(rows.size, Sk)
                 per_tile = np.bincount(col_tile, weights=kept.sum(axis=0), minlength=nk)
                 density[b, h, i] = per_tile / np.maximum(col_count * rows.size, 1)
     kinds = np.full(density.shape, PARTIAL, np.uint8)

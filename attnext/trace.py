@@ -36,6 +36,7 @@ Integer // and % by zero give 0, as NumPy does (without its warning).
 
 Python control flow on a traced value (`if`, `while`, `and`/`or`/`not`, chained comparisons,
 min()/max(), bool(), int(), float(), math.*) raises TypeError: use np.where and & | ~.
+A TypeError or IndexError raised while the function is traced names it first ("score_mod: ...").
 
 How captured arrays are found and named. Before the call, the function is rebuilt with
 types.FunctionType from the same code object, with every NumPy or CUDA array it can reach by
@@ -286,6 +287,14 @@ class Proxy:
 
     def __iter__(self):
         raise TypeError(f"iterating over a traced value {self._expr()} is not supported")
+
+    def __getitem__(self, key):
+        if self.node.op == "load" and len(self.node.args) == 1:
+            name = self.node.args[0].args[0]
+            raise TypeError(f"{name}[{key!r}] on the captured 0-d array {name!r} is not "
+                            f"supported: a 0-d array is traced as its value; write {name}")
+        raise TypeError(f"indexing a traced value {self._expr()} with [{key!r}] is not supported: "
+                        "only NumPy arrays captured by name can be looked up")
 
     # operators -------------------------------------------------------------------------------
     def __add__(self, o): return _apply("add", self, o)
@@ -648,6 +657,14 @@ def structure_of(kind, roots, nparams):
     return "\n".join(lines)
 
 
+def _naming(kind, e):
+    """The TypeError / IndexError e, raised while tracing fn, with a message that names the
+    argument (score_mod or mask_mod) first; other exceptions as they are."""
+    if type(e) not in (TypeError, IndexError) or str(e).startswith(kind):
+        return e
+    return type(e)(f"{kind}: {e}")
+
+
 def _trace(fn, kind):
     if not callable(fn):
         raise TypeError(f"{kind} must be callable, got {type(fn).__name__}")
@@ -659,11 +676,18 @@ def _trace(fn, kind):
     except IndexError as e:
         # NumPy refuses a proxy as an index with this IndexError, never calling __index__.
         if not str(e).startswith("only integers, slices"):
-            raise
+            raise _naming(kind, e) from e
         raise TypeError(f"{kind}: a NumPy array that was not captured by name (an attribute, "
                         "an item of a container, an array built inside the function, ...) "
                         "was indexed by a traced value; only arrays captured by name (closure, "
                         "global or default argument) can be looked up") from e
+    except TypeError as e:
+        if e.__traceback__.tb_next is None:
+            # raised by the call itself, not inside fn: a callable whose signature Python cannot
+            # read (a builtin such as int) refused the arguments
+            raise TypeError(f"{kind} must take {len(inputs)} arguments ({', '.join(inputs)}); "
+                            f"{getattr(fn, '__name__', type(fn).__name__)} refused them: {e}") from e
+        raise _naming(kind, e) from e
     if isinstance(result, ArrayProxy):
         result._unindexed()
     if kind == "score_mod":
