@@ -8,8 +8,10 @@ machine's memory (stride-0 views, so the test allocates nothing big). Each case 
 documented exception (DESIGN.md, Errors) and that the message names the argument. Then: zero-size
 dimensions give empty results, inputs are never modified, and NaN / Inf in the data propagate.
 
-The count of distinct bad inputs tried is the number of cases collected from the BAD_* tables:
-    python -m pytest tests/test_bad_input.py --collect-only -q -k bad_input
+Every refusal case is a test named test_bad_input* (from the BAD_* tables and a few by hand); the
+other tests (zero sizes, inputs unmodified, NaN / Inf) check results, not refusals. The count of
+refusal cases (`-k bad_input` would also match this module's name and count every test in it):
+    python -m pytest tests/test_bad_input.py --collect-only -q | grep -c '::test_bad_input'
 """
 import re
 import warnings
@@ -143,6 +145,12 @@ def _not_callable():
     return [("float", 3.0, TypeError), ("str", "causal", TypeError), ("list", [abs], TypeError)]
 
 
+# arrays a score_mod / mask_mod may capture but not look up (lookups read bool, int or float)
+TABLE_C64, TABLE_OBJECT = np.ones(HQ, np.complex64), np.ones(HQ, object)
+TABLE_DATETIME = np.arange(HQ).astype("datetime64[s]")
+SCALAR_0D = np.array(0.5, F32)
+
+
 SCALAR_CASES = {
     "scale": [("nan", float("nan"), ValueError), ("inf", float("inf"), ValueError),
               ("minus_inf", -np.inf, ValueError), ("f16_nan", np.float16("nan"), ValueError),
@@ -186,10 +194,28 @@ SCALAR_CASES = {
     "score_mod": _not_callable() + [
         ("arity_3", lambda s, b, h: s, TypeError), ("arity_4", lambda s, b, h, q: s, TypeError),
         ("arity_6", lambda s, b, h, q, kv, x: s, TypeError), ("ufunc_2", np.add, TypeError),
-        ("ufunc_1", np.tanh, TypeError), ("keyword_only", lambda *, s, b, h, q, kv: s, TypeError)],
+        ("ufunc_1", np.tanh, TypeError), ("keyword_only", lambda *, s, b, h, q, kv: s, TypeError),
+        ("builtin_int", int, TypeError), ("builtin_float", float, TypeError),
+        ("returns_bool", lambda s, b, h, q, kv: q >= kv, TypeError),
+        ("returns_none", lambda s, b, h, q, kv: None, TypeError),
+        ("returns_tuple", lambda s, b, h, q, kv: (s, s), TypeError),
+        ("returns_str", lambda s, b, h, q, kv: "s", TypeError),
+        ("captures_complex64", lambda s, b, h, q, kv: s + TABLE_C64[h], TypeError),
+        ("captures_object", lambda s, b, h, q, kv: s + TABLE_OBJECT[h], TypeError),
+        ("captures_datetime64", lambda s, b, h, q, kv: s + TABLE_DATETIME[h], TypeError),
+        ("indexes_0d_array", lambda s, b, h, q, kv: s * SCALAR_0D[()], TypeError)],
     "mask_mod": _not_callable() + [
         ("arity_5", lambda s, b, h, q, kv: True, TypeError),
-        ("arity_3", lambda b, h, q: True, TypeError), ("ufunc_2", np.less, TypeError)],
+        ("arity_3", lambda b, h, q: True, TypeError), ("ufunc_2", np.less, TypeError),
+        ("builtin_int", int, TypeError), ("builtin_bool", bool, TypeError),
+        ("returns_float", lambda b, h, q, kv: q * 0.5, TypeError),
+        ("returns_int", lambda b, h, q, kv: q - kv, TypeError),
+        ("returns_int_constant", lambda b, h, q, kv: 1, TypeError),
+        ("returns_none", lambda b, h, q, kv: None, TypeError),
+        ("returns_array", lambda b, h, q, kv: np.ones(3, bool), TypeError),
+        ("captures_complex64", lambda b, h, q, kv: TABLE_C64[h] == 1, TypeError),
+        ("captures_datetime64", lambda b, h, q, kv: TABLE_DATETIME[h] == TABLE_DATETIME[0], TypeError),
+        ("indexes_0d_array", lambda b, h, q, kv: q * SCALAR_0D[()] > 1, TypeError)],
 }
 # the varlen functions read bias and mask at (B, H, max_seqlen_q, max_seqlen_k) = (3, H, 6, 4)
 VARLEN_SCALAR_CASES = dict(SCALAR_CASES)
@@ -316,6 +342,13 @@ def test_bad_input_info_takes_nothing():
         attnext.info(1)
     with pytest.raises(TypeError):
         attnext.info(device="cpu")
+
+
+@pytest.mark.parametrize("args, kw", [((1,), {}), (("cpu",), {}), ((), {"backend": "cpu"})],
+                         ids=["int", "str", "keyword"])
+def test_bad_input_cache_info_takes_nothing(args, kw):
+    with pytest.raises(TypeError, match=r"cache_info\(\)"):
+        attnext.cache_info(*args, **kw)
 
 
 # --- out= ---

@@ -51,6 +51,14 @@ def _big_endian(x):
     return x.astype(x.dtype.newbyteorder(">"))
 
 
+# arrays the callbacks below capture: dtypes a lookup cannot read, and a 0-d array (its value)
+TABLE_C64 = np.ones(HQ, np.complex64)
+TABLE_OBJECT = np.ones(HQ, object)
+TABLE_DATETIME = np.arange(HQ).astype("datetime64[s]")
+SCALE_0D = np.array(0.5, F32)
+TABLE_F32 = np.ones((HQ, 4), F32)
+
+
 # (id, keyword changes, exception, regex the message must match); every case runs through both
 # the forward and the backward of the padded entry point.
 PADDED_CASES = [
@@ -123,6 +131,36 @@ PADDED_CASES = [
     ("precision", dict(precision="fp8"), ValueError, r"precision must be one of"),
     ("score_mod_not_callable", dict(score_mod=3.0), TypeError, r"score_mod must be callable"),
     ("mask_mod_not_callable", dict(mask_mod="causal"), TypeError, r"mask_mod must be callable"),
+    # callbacks: what they return, what they capture, builtins whose signature Python cannot read
+    ("score_mod_returns_bool", dict(score_mod=lambda s, b, h, q, k: q >= k), TypeError,
+     r"score_mod returned a bool value; it must return a float score"),
+    ("score_mod_returns_none", dict(score_mod=lambda s, b, h, q, k: None), TypeError,
+     r"score_mod must return a float expression, got NoneType"),
+    ("score_mod_returns_tuple", dict(score_mod=lambda s, b, h, q, k: (s, s)), TypeError,
+     r"score_mod must return a float expression, got tuple"),
+    ("mask_mod_returns_float", dict(mask_mod=lambda b, h, q, k: q * 0.5), TypeError,
+     r"mask_mod must return a bool expression, got a f32 expression"),
+    ("mask_mod_returns_int", dict(mask_mod=lambda b, h, q, k: q - k), TypeError,
+     r"mask_mod must return a bool expression, got a i64 expression"),
+    ("score_mod_complex64_array", dict(score_mod=lambda s, b, h, q, k: s + TABLE_C64[h]), TypeError,
+     r"^score_mod: array 'TABLE_C64' has dtype complex64; lookups need bool, integer or float"),
+    ("score_mod_object_array", dict(score_mod=lambda s, b, h, q, k: s + TABLE_OBJECT[h]), TypeError,
+     r"^score_mod: array 'TABLE_OBJECT' has dtype object"),
+    ("score_mod_datetime64_array", dict(score_mod=lambda s, b, h, q, k: s + TABLE_DATETIME[h]),
+     TypeError, r"^score_mod: array 'TABLE_DATETIME' has dtype datetime64\[s\]"),
+    ("mask_mod_complex64_array", dict(mask_mod=lambda b, h, q, k: TABLE_C64[h] == 1), TypeError,
+     r"^mask_mod: array 'TABLE_C64' has dtype complex64"),
+    ("score_mod_indexes_0d_array", dict(score_mod=lambda s, b, h, q, k: s * SCALE_0D[()]), TypeError,
+     r"^score_mod: SCALE_0D\[\(\)\] on the captured 0-d array 'SCALE_0D' is not supported: a 0-d "
+     r"array is traced as its value; write SCALE_0D$"),
+    ("score_mod_builtin_int", dict(score_mod=int), TypeError,
+     r"^score_mod must take 5 arguments \(score, b, h, q_idx, kv_idx\); int refused them: int\(\)"),
+    ("mask_mod_builtin_bool", dict(mask_mod=bool), TypeError,
+     r"^mask_mod must take 4 arguments \(b, h, q_idx, kv_idx\); bool refused them"),
+    ("score_mod_python_control_flow", dict(score_mod=lambda s, b, h, q, k: s if q > k else -s),
+     TypeError, r"^score_mod: Python control flow on a traced value"),
+    ("mask_mod_constant_index_out_of_range", dict(mask_mod=lambda b, h, q, k: TABLE_F32[h, 9] > 0),
+     IndexError, r"^mask_mod: index 9 is out of bounds for axis 1 of array 'TABLE_F32' with size 4$"),
     # alibi
     ("alibi_shape", dict(alibi_slopes=np.ones(HK)), ValueError,
      r"alibi_slopes must have shape \(4,\) or \(2, 4\), got \(2,\)"),
