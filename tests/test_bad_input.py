@@ -651,3 +651,155 @@ def test_nonfinite_data_propagate(dtype, where, index, value, causal):
     for name, a, b in zip(("dq", "dk", "dv", "dbias"), g[:4], rg[:4]):
         lost = np.isnan(b.astype(F64)) & ~np.isnan(a.astype(F64))
         assert not lost.any(), f"{name}: NaN of the reference's missing at {np.argwhere(lost)[:4].tolist()}"
+
+
+# --- NaN and Inf in the backward's own inputs (dout, out, lse), and in packed q / k / v ---
+
+def _flash_backward_head(dout, q, k, v, out, lse, keep, scale):
+    """One (sequence, head) of what a backend's backward computes from the arrays it is given, in
+    float64 with IEEE arithmetic (FlashAttention's backward): P = exp(s - lse), 0 in a row whose
+    lse is -inf (it keeps no key); delta = rowsum(dout * out); dS = P * (dout v^T - delta). Every
+    pair of the sequence is computed, masked or not (a sequence shorter than the CPU's 64-row
+    tiles is one tile): a masked pair gives 0 * NaN = NaN where a NaN reaches its dout v^T."""
+    s = np.where(keep, scale * (q @ k.T), -np.inf)
+    live = (lse != -np.inf)[:, None]
+    p = np.where(live, np.exp(s - lse[:, None]), 0.0)
+    ds = p * (dout @ v.T - (dout * out).sum(axis=1, keepdims=True))
+    return scale * (ds @ k), scale * (ds.T @ q), p.T @ dout
+
+
+def _flash_backward(dout, q, k, v, out, lse, causal, cu_seqlens_q=None, cu_seqlens_k=None):
+    """(dq, dk, dv) of _flash_backward_head over every sequence and head, "bshd" or packed; rows
+    after cu_seqlens_q[-1] get none."""
+    dout, q, k, v, out, lse = (np.asarray(x, F64) for x in (dout, q, k, v, out, lse))
+    grads = [np.zeros(x.shape) for x in (q, k, v)]
+    if cu_seqlens_q is None:
+        segments = [(b, b, lse[b]) for b in range(q.shape[0])]
+    else:
+        segments = [(slice(q0, q1), slice(k0, k1), lse[:, q0:q1]) for q0, q1, k0, k1 in
+                    zip(cu_seqlens_q[:-1], cu_seqlens_q[1:], cu_seqlens_k[:-1], cu_seqlens_k[1:])]
+    group = q.shape[-2] // k.shape[-2]
+    for rows, keys, seg_lse in segments:
+        lq, lk = q[rows].shape[0], k[keys].shape[0]
+        keep = np.ones((lq, lk), bool)
+        if causal:
+            keep = np.arange(lk)[None, :] <= np.arange(lq)[:, None] + lk - lq
+        dq, dk, dv = grads[0][rows], grads[1][keys], grads[2][keys]
+        for h in range(q.shape[-2]):
+            hk = h // group
+            a, b, c = _flash_backward_head(dout[rows][:, h], q[rows][:, h], k[keys][:, hk], v[keys][:, hk],
+                                           out[rows][:, h], seg_lse[h], keep, 1 / np.sqrt(q.shape[-1]))
+            dq[:, h] = a
+            dk[:, hk] += b
+            dv[:, hk] += c
+    return grads
+
+
+# padded: q (2, 9, 4, 8), k and v (2, 11, 2, 8 / 6). Packed: q of 12 rows, the last one padding,
+# sequences of (4, 3), (0, 6) and (7, 5) rows; under causal the first rows of the first and the
+# last sequence keep no key. (arrays' varlen flag, where, index)
+PACKED_CU_Q, PACKED_CU_K = np.array([0, 4, 4, 11]), np.array([0, 3, 9, 14])
+NONFINITE_BACKWARD = [
+    (False, "dout", (0, 2, 1, 3)), (False, "out", (1, 5, 3, 2)), (False, "lse", (0, 1, 2)),
+    (True, "dout", (6, 3, 2)), (True, "out", (7, 2, 0)), (True, "lse", (1, 8)),
+    (True, "dout", (11, 0, 0)),            # the padding row: not read
+    (True, "q", (6, 1, 3)), (True, "k", (10, 0, 2)), (True, "v", (12, 1, 1)),
+]
+
+
+def _by_lse_row(x, varlen):
+    """out or dq as (..., H, S, D), indexed like lse."""
+    return x.transpose(1, 0, 2) if varlen else x.transpose(0, 2, 1, 3)
+
+
+def _nonfinite_problem(dtype, varlen, causal):
+    if varlen:
+        arrays = dict(q=_randn(31, (12, 4, 8), dtype), k=_randn(32, (14, 2, 8), dtype),
+                      v=_randn(33, (14, 2, 6), dtype))
+        lengths = dict(cu_seqlens_q=PACKED_CU_Q, cu_seqlens_k=PACKED_CU_K)
+        names = ("varlen_attention", "varlen_attention_backward")
+    else:
+        arrays = dict(q=_randn(31, (2, 9, 4, 8), dtype), k=_randn(32, (2, 11, 2, 8), dtype),
+                      v=_randn(33, (2, 11, 2, 6), dtype))
+        lengths = {}
+        names = ("attention", "attention_backward")
+    return arrays, dict(lengths, causal=causal), names
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
+def test_flash_backward_model_is_the_reference_on_finite_data(varlen, causal):
+    """The model the next test holds the backward to computes the reference's gradients."""
+    arrays, opts, (fwd, bwd) = _nonfinite_problem(F64, varlen, causal)
+    out, lse = getattr(reference, fwd)(**arrays, **opts, return_lse=True)
+    dout = _randn(35, out.shape, F64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        model = _flash_backward(dout, **arrays, out=out, lse=lse, **opts)
+    want = getattr(reference, bwd)(dout, **arrays, out=out, lse=lse, **opts)
+    for name, a, b in zip(("dq", "dk", "dv"), model, want[:3]):
+        assert np.abs(b).max() > 0.1, name
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "minus_inf"])
+@pytest.mark.parametrize("varlen, where, index", NONFINITE_BACKWARD,
+                         ids=[f"{'varlen' if c[0] else 'padded'}-{c[1]}-{'_'.join(map(str, c[2]))}"
+                              for c in NONFINITE_BACKWARD])
+@pytest.mark.parametrize("dtype", [F16, BF16, F32, F64], ids=["f16", "bf16", "f32", "f64"])
+def test_nonfinite_backward_inputs_propagate(dtype, varlen, where, index, value, causal):
+    """The rule for non-finite values: IEEE arithmetic on what each backend computes.
+
+    The backward reads out and lse as given (FlashAttention's algorithm: P = exp(s - lse),
+    delta = rowsum(dout * out), dS = P * (dout v^T - delta)); the reference recomputes both from
+    q, k, v and reads neither. So the gradients are held to those formulas evaluated in float64
+    on the very arrays the backend was given (_flash_backward): non-finite exactly where they
+    are non-finite, finite values within the dtype's tolerance elsewhere. NaN and +-inf are not
+    told apart: which one comes out depends on how a sum is ordered (for an infinite dout, the
+    reference's delta = sum P * dP adds +inf and -inf into NaN where dout . out gives +-inf, so
+    its dk is NaN where the backend's is +-inf). Against the reference: for a non-finite dout
+    (out and lse the forward's) the gradients are non-finite exactly where its are; for
+    non-finite q, k, v none of its non-finite gradients goes missing. The forward of non-finite
+    packed q, k, v: lse non-finite (and -inf) exactly where the reference's is, out NaN exactly
+    where its is, except in a row that keeps no key: out = 0 there (DESIGN, 7), where the
+    reference gives 0 * NaN = NaN for a NaN in v. Padding rows after cu_seqlens[-1] get zero
+    gradients whatever their dout.
+    """
+    arrays, opts, (fwd, bwd) = _nonfinite_problem(dtype, varlen, causal)
+    if where in arrays:
+        arrays[where][index] = value
+    tol = {F64: 1e-10, F32: 1e-5, F16: 5e-3, BF16: 1e-2}[dtype]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out, lse = getattr(attnext, fwd)(**arrays, **opts, return_lse=True, device="cpu")
+        r_out, r_lse = getattr(reference, fwd)(**arrays, **opts, return_lse=True)
+        assert np.array_equal(np.isfinite(lse), np.isfinite(r_lse))
+        keeps_none = lse == -np.inf
+        assert np.array_equal(keeps_none, r_lse == -np.inf)
+        rows, r_rows = (_by_lse_row(x, varlen) for x in (out.astype(F64), r_out))
+        assert (rows[keeps_none] == 0).all()
+        rows, r_rows = rows[~keeps_none], r_rows[~keeps_none]
+        assert np.array_equal(np.isnan(rows), np.isnan(r_rows))
+        finite = np.isfinite(r_rows)
+        np.testing.assert_allclose(rows[finite], r_rows[finite], rtol=tol, atol=tol)
+        given = dict(dout=_randn(35, out.shape, dtype), out=out.copy(), lse=lse.copy())
+        if where in given:
+            given[where][index] = value
+        g = getattr(attnext, bwd)(**given, **arrays, **opts, device="cpu")
+        rg = getattr(reference, bwd)(**given, **arrays, **opts)
+        model = _flash_backward(**given, **arrays, **opts)
+    for name, got, want, ref in zip(("dq", "dk", "dv"), g[:3], model, rg[:3]):
+        got = got.astype(F64)
+        differ = np.isfinite(got) != np.isfinite(want)
+        assert not differ.any(), (f"{name}: finite in one and not the other of the backend and the "
+                                  f"model at {np.argwhere(differ)[:4].tolist()}")
+        both = np.isfinite(want)
+        np.testing.assert_allclose(got[both], want[both], rtol=tol, atol=tol, err_msg=name)
+        if where == "dout":
+            assert np.array_equal(np.isfinite(got), np.isfinite(ref)), name
+        elif where in arrays:
+            lost = ~np.isfinite(ref) & np.isfinite(got)
+            assert not lost.any(), f"{name}: finite where the reference's is not, at {np.argwhere(lost)[:4].tolist()}"
+    if varlen:
+        assert (g.dq[PACKED_CU_Q[-1]:] == 0).all()
