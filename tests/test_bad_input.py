@@ -800,6 +800,7 @@ def test_nonfinite_backward_inputs_propagate(dtype, varlen, where, index, value,
             assert np.array_equal(np.isfinite(got), np.isfinite(ref)), name
         elif where in arrays:
             lost = ~np.isfinite(ref) & np.isfinite(got)
-            assert not lost.any(), f"{name}: finite where the reference's is not, at {np.argwhere(lost)[:4].tolist()}"
+            assert not lost.any(), (f"{name}: finite where the reference's is not, at "
+                                    f"{np.argwhere(lost)[:4].tolist()}")
     if varlen:
         assert (g.dq[PACKED_CU_Q[-1]:] == 0).all()
