@@ -20,10 +20,13 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# about 80 s on a 2-core machine; the RSS measurements are left out (ASan's shadow memory and
-# quarantine grow RSS by design), and so is this file (the child would run it again)
+# the RSS measurements are left out (ASan's shadow memory and quarantine grow RSS by design),
+# and so is this file (the child would run it again). test_score_mod_cpu.py and
+# test_block_mask.py run whole: the score_mod / mask_mod interpreter (csrc/interp.c), captured
+# array lookups, block skipping and array gradients; unsanitized they take about 5 s together
 DEFAULT_TESTS = ["tests/test_cpu_attention.py", "tests/test_errors.py", "tests/test_bad_input.py",
-                 "tests/test_properties.py", "tests/test_concurrency.py"]
+                 "tests/test_properties.py", "tests/test_concurrency.py",
+                 "tests/test_score_mod_cpu.py", "tests/test_block_mask.py"]
 DESELECT = "not memory_is_linear and not rss and not sanitize"
 CHILD = "ATTNEXT_SANITIZED_CHILD"
 
@@ -99,6 +102,10 @@ def test_cpu_suite_under_asan_and_ubsan(tmp_path):
         "UBSAN_OPTIONS": f"halt_on_error=1:print_stacktrace=1:log_path={reports}/ubsan",
         "PYTHONDONTWRITEBYTECODE": "1",
         "ATTNEXT_CACHE_DIR": str(tmp_path / "kernel-cache"),
+        # the processes the tests start (from tests/, say) import the sanitized copy too, never
+        # an installed attnext
+        "PYTHONPATH": os.pathsep.join([str(run)] + [p for p in env.get("PYTHONPATH", "").split(
+            os.pathsep) if p]),
     })
     # the child must import the sanitized copy, not the in-place build
     check = textwrap.dedent(f"""
