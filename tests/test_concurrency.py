@@ -1,6 +1,7 @@
 """Threads and memory on the CPU backend: 8 threads calling forward and backward at once get the
-single-thread bits without deadlock; the backward releases the GIL too; 10,000 small calls do not
-grow RSS.
+single-thread bits without deadlock, with score_mods and mask_mods traced concurrently on their
+first calls too; the backward releases the GIL too; 10,000 small calls, with and without
+score_mod / mask_mod, do not grow RSS.
 
 Already elsewhere: a forward's GIL release and 4 forward threads (test_cpu_attention.py), fork
 after use (test_cpu_attention.py), two processes filling one kernel cache (test_kernel_cache.py).
@@ -92,6 +93,83 @@ def test_eight_threads_on_one_problem_share_inputs(rng):
             assert np.array_equal(_bits(a), _bits(b))
 
 
+def _mod_problem(rng, i):
+    """q, k, v and dtype of problem i of eight: lengths over several 64-wide tiles, so the
+    block masks of _mod_functions have empty, partial and full tiles."""
+    j = i % 4
+    dtype = [F32, F64][i % 2]
+    sq, sk = 150 + 23 * j, 190 - 17 * j
+    q, k, v = make_qkv(rng, 2, sq, sk, 4, 2, 32, 24, dtype)
+    return q, k, v, dtype
+
+
+def _mod_functions(rng, nonce):
+    """Four (score_mod, mask_mod) pairs of different structures that capture arrays (a
+    relative-bias table with its gradient, a document id per position). Threads i and i + 4
+    share pair i % 4 (one first trace raced by two threads); `nonce`, an int constant every
+    function holds, makes each test's structures new to the program cache, so the threads
+    trace, lower and cache them concurrently on their first calls."""
+    smax = 256
+    table = rng.standard_normal((4, 2 * smax + 1)).astype(np.float32)
+    slopes = rng.uniform(0.1, 0.5, 4)
+    doc = np.sort(rng.integers(0, 5, smax))
+    big = 10 ** 6 + nonce     # q_idx, kv_idx < big always: an int constant (structure), no effect
+    return [
+        (lambda s, b, h, qi, ki: s + table[h, qi - ki + smax] - (qi >= big),
+         lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki < big)),
+        (lambda s, b, h, qi, ki: s - slopes[h] * np.abs(qi - ki) + (ki >= big),
+         lambda b, h, qi, ki: (qi - ki < 70) & (ki - qi < 3) & (qi < big)),
+        (lambda s, b, h, qi, ki: 3.0 * np.tanh(s / 3.0) + table[h, qi] * (ki < big),
+         lambda b, h, qi, ki: (ki <= qi) | (doc[ki] == 4) | (ki >= big)),
+        (lambda s, b, h, qi, ki: (np.where(doc[qi] == doc[ki], s, s - 1.0)
+                                  + table[b, ki + big - big]),
+         lambda b, h, qi, ki: ((qi + ki + b) % 3 != 1) & (ki < big)),
+    ]
+
+
+def _run_mods(q, k, v, dout, score_mod, mask_mod):
+    out, lse = attnext.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, return_lse=True,
+                                 device="cpu")
+    g = attnext.attention_backward(dout, q, k, v, out, lse, score_mod=score_mod,
+                                   mask_mod=mask_mod, device="cpu")
+    return ([_bits(x) for x in (out, lse, g.dq, g.dk, g.dv)]
+            + [(n, _bits(g.dtensors[n])) for n in sorted(g.dtensors)])
+
+
+@pytest.mark.parametrize("omp_threads", ["1", "2"])
+def test_eight_threads_with_score_mod_and_mask_mod_first_calls(rng, monkeypatch, omp_threads):
+    """8 threads whose first calls trace, lower and cache score_mods / mask_mods concurrently
+    (two threads per function), with captured arrays, block masks and array gradients: each
+    thread's results, in every round, are the bits the same calls give on one thread afterwards
+    (the programs then cached)."""
+    monkeypatch.setenv("ATTNEXT_NUM_THREADS", omp_threads)
+    nonce = int(rng.integers(1, 10 ** 6)) * 2 + int(omp_threads)
+    compiles = attnext.cache_info()["cpu"]["compiles"]
+    funcs = _mod_functions(rng, nonce)
+    problems = [_mod_problem(rng, i) for i in range(N_THREADS)]
+    douts = [randn(rng, q.shape[:-1] + (v.shape[-1],), dtype) for q, k, v, dtype in problems]
+
+    def work(i):
+        q, k, v, _ = problems[i]
+        return [_run_mods(q, k, v, douts[i], *funcs[i % 4]) for _ in range(3)]
+
+    got = in_threads(work, N_THREADS, JOIN_SECONDS)
+    # every structure is new: one program per score_mod (forward and backward) and mask_mod
+    # (at most: a race may lower one twice, but no more than once per thread)
+    made = attnext.cache_info()["cpu"]["compiles"] - compiles
+    assert 8 <= made <= 8 * 2, made
+    for i, runs in enumerate(got):
+        q, k, v, _ = problems[i]
+        want = _run_mods(q, k, v, douts[i], *funcs[i % 4])
+        assert want[5:], f"problem {i}: no array gradient"
+        for r in runs:
+            assert len(r) == len(want), f"problem {i}"
+            for n, (a, b) in enumerate(zip(r, want)):
+                same = (a[0] == b[0] and np.array_equal(a[1], b[1])) if isinstance(a, tuple) \
+                    else np.array_equal(a, b)
+                assert same, f"problem {i}: result {n} differs from the single-thread bits"
+
+
 def test_threads_mixing_good_and_bad_calls(rng):
     """Errors raised in some threads leave the others' results and the library intact."""
     q, k, v = make_qkv(rng, 1, 120, 120, 2, 2, 32, 32, F32)
@@ -181,6 +259,36 @@ RSS_SCRIPT = textwrap.dedent("""
             pass
         return g
 
+    # score_mod / mask_mod calls: captured arrays (a float table with a gradient, document
+    # ids) converted at every call, a closure made afresh each round (traced again, its program
+    # found in the cache), block masks over several tiles, array gradients, a lookup out of
+    # range refused
+    table = rng.standard_normal((2, 2 * 24 + 1)).astype(f32)
+    doc = np.sort(rng.integers(0, 3, 200))
+    mq, mk, mv = (rng.standard_normal(s).astype(f32)
+                  for s in ((1, 150, 2, 16), (1, 200, 2, 16), (1, 200, 2, 16)))
+    small = np.zeros(3, f32)
+
+    def mods_round(i):
+        score_mod = lambda s, b, h, qi, ki: s + table[h, np.clip(qi - ki, -24, 24) + 24] * 0.5
+        mask_mod = lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi + i % 3)
+        out, lse = attnext.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
+                                     return_lse=True, device="cpu")
+        g = attnext.attention_backward(out, q, k, v, out, lse, score_mod=score_mod,
+                                       mask_mod=mask_mod, device="cpu")
+        o2, l2 = attnext.attention(mq, mk, mv, mask_mod=mask_mod, score_mod=score_mod,
+                                   return_lse=True, device="cpu")
+        attnext.attention_backward(o2, mq, mk, mv, o2, l2, mask_mod=mask_mod,
+                                   score_mod=score_mod, device="cpu")
+        try:
+            attnext.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + small[ki],
+                              device="cpu")
+        except IndexError:
+            pass
+        return g
+
+    if sys.argv[2] == "mods":
+        one_round = mods_round
     calls_per_round = 5
     n = int(sys.argv[1])
     for i in range(300):                                   # warm-up: allocator pools, caches
@@ -195,12 +303,16 @@ RSS_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_rss_stays_flat_over_10000_calls():
-    """10,000 small calls (forward and backward, padded and varlen, with bias, mask, out= and a
-    refused call among them) after a warm-up: RSS may not grow by more than 2 MiB, about 1 KiB
-    a round of 5 calls; a control that keeps 1 KiB a round must show as growth."""
-    r = subprocess.run([sys.executable, "-c", RSS_SCRIPT, "10000"], capture_output=True, text=True,
-                       timeout=120, env=dict(os.environ, ATTNEXT_NUM_THREADS="2"))
+@pytest.mark.parametrize("calls", ["plain", "mods"])
+def test_rss_stays_flat_over_10000_calls(calls):
+    """10,000 small calls after a warm-up: RSS may not grow by more than 2 MiB, about 1 KiB a
+    round of 5 calls; a control that keeps 1 KiB a round must show as growth. "plain": forward
+    and backward, padded and varlen, with bias, mask, out= and a refused call among them;
+    "mods": forward and backward with a score_mod and a mask_mod capturing arrays (a float table
+    with its gradient, document ids; block masks over several tiles), a closure made afresh
+    each round, and a lookup out of range refused."""
+    r = subprocess.run([sys.executable, "-c", RSS_SCRIPT, "10000", calls], capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, ATTNEXT_NUM_THREADS="2"))
     assert r.returncode == 0, r.stderr[-3000:]
     before, after, control = (int(x) for x in r.stdout.split())
     grown = after - before
