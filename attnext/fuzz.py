@@ -4,7 +4,7 @@
     python -m attnext.fuzz --replay "{'seed': ..., ...}"      # rerun one printed case
 
 Hypothesis draws a *spec* for a whole case: a plain dict of Python values (shapes, dtype,
-layout, options, how each array is laid out in memory, a seed for the data). `build(spec)`
+layout, options, how each array is laid out in memory, a seed for the data). `Case(spec)`
 turns it into arrays, so a printed spec replays exactly (`run_case(spec)`, or `--replay`).
 
 What a spec covers: forward, or forward + backward; attention() (B, Sq, Sk from 0, mostly
@@ -16,13 +16,23 @@ slopes (Hq,) or (B, Hq); a bias of any float dtype and broadcast shape (with hea
 passed compact, as a stride-0 broadcast view, reversed or strided, now and then holding -inf; a
 bool mask of broadcast shape with some rows fully False; q, k, v non-contiguous (Fortran order,
 padded last dim, strided, reversed, permuted in memory, stride-0 broadcast), read-only inputs,
-out= buffers; rarely a score_mod / mask_mod from a small library.
+out= buffers. A third of the cases add a score_mod, a mask_mod or both from a small library,
+whatever the size and dtype, forward and backward: closed-form ones, and lookups into captured
+arrays (relative-bias tables, full and bucketed, ALiBi slopes, per-head gains and penalties, in
+float64 / float32 / float16, whose gradients come back as dtensors; document ids per position;
+a bool table). A backward case draws a score_mod whose float arrays the reference can
+differentiate in its budget (MAX_DTENSOR_WORK), and for float16 / bfloat16 one of slope at
+most 1 (SLOPE: the rounded-out allowance's bound).
 
 How a case is checked (`run_case`), for each backend in the set (cpu always; cuda where
-`attnext.info()` says it is usable, for float16 / bfloat16 without a score_mod):
+`attnext.info()` says it is usable, for float16 / bfloat16; a case with a score_mod / mask_mod
+then passes q, k, v and dout in GPU memory, see `_check_one`):
 * out, lse, dq, dk, dv, dbias against the reference with the three-way tolerance the test
-  suite uses (attnext/accuracy.py), plus the `_cond` term below. NaN is always a mismatch, and so are a different -inf pattern, a wrong
-  dtype or shape, and an exception from a backend where the reference ran;
+  suite uses (attnext/accuracy.py), plus the `_cond` term below. NaN is always a mismatch, and
+  so are a different -inf pattern, a wrong dtype or shape, and an exception from a backend
+  where the reference ran;
+* dtensors (the score_mod's float array gradients) against the reference's, as
+  tests/test_score_mod_cpu.py holds them (`compare_dtensors`), with `_dtensors_allowance`;
 * result buffers attnext allocates start as NaN (as the test suite poisons them), so an
   unwritten element is a NaN mismatch;
 * rows that keep no key (reference lse = -inf) have out and dq exactly 0; in varlen, packed
@@ -31,6 +41,7 @@ How a case is checked (`run_case`), for each backend in the set (cpu always; cud
 """
 import argparse
 import ast
+import collections
 import contextlib
 import functools
 import os
@@ -44,9 +55,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # as tests/conftest.py: see
 import numpy as np  # noqa: E402
 
 import attnext  # noqa: E402
-from attnext import reference  # noqa: E402
-from attnext.accuracy import (BF16, EPS, F16, F32, F32_RTOL, F64, acc_dtype,  # noqa: E402
-                              canonical, compare, compare_grads)
+from attnext import reference, trace  # noqa: E402
+from attnext.accuracy import (BF16, EPS, F16, F32, F32_RTOL, F64, F64_RTOL,  # noqa: E402
+                              acc_dtype, canonical, coarser, compare, compare_grads)
 
 DTYPES = {"float16": F16, "bfloat16": BF16, "float32": F32, "float64": F64}
 GPU_DTYPES = (F16, BF16)
@@ -54,12 +65,32 @@ GPU_DTYPES = (F16, BF16)
 # The largest problem a case may be: B * Hq * Sq * Sk * (D + Dv) multiply-adds, so that one case
 # (the reference's float64 forward and backward included) takes well under a second here.
 MAX_WORK = 1.5e7
+# The reference's dtensors take a pass over the pairs per float element a score_mod captures:
+# elements * Hq * pairs at most (~60 ns each), or the case draws a score_mod without such arrays.
+MAX_DTENSOR_WORK = 5e6
 
 
-def _score_mods(hq, smax, rng):
-    """name -> score_mod for a problem with hq query heads and sequences of at most smax rows."""
-    table = rng.standard_normal((hq, 2 * smax + 1))
-    slopes = rng.uniform(0.1, 1.0, hq)
+# Captured arrays. Lookups stay in range at every pair inside the lengths: q_idx < Sq and
+# kv_idx < Sk (positions inside a sequence; Sq, Sk are max_seqlen_* in varlen).
+BUCKET = 8          # rel_bias_bucket's table covers q_idx - kv_idx in [-BUCKET, BUCKET]
+
+
+def _doc_ids(rng, n):
+    """A sorted document id per position (0..3): documents of random lengths, some empty."""
+    return np.sort(rng.integers(0, 4, max(n, 1)))
+
+
+def _score_mods(hq, sq, sk, rng, fdtype=np.float64):
+    """name -> score_mod for a problem with hq query heads, at most sq query and sk key positions
+    a sequence; float arrays it captures (whose gradients the backward returns as dtensors) have
+    dtype fdtype, integer ones are document ids."""
+    smax = max(sq, sk, 1)
+    table = rng.standard_normal((hq, 2 * smax + 1)).astype(fdtype)
+    bucket = rng.standard_normal((hq, 2 * BUCKET + 1)).astype(fdtype)
+    slopes = rng.uniform(0.1, 1.0, hq).astype(fdtype)
+    gain = rng.uniform(0.5, 1.5, hq).astype(fdtype)
+    penalty = rng.uniform(0.0, 2.0, hq).astype(fdtype)
+    doc_q, doc_k = _doc_ids(rng, sq), _doc_ids(rng, sk)
     return {
         "times_two": lambda s, b, h, q, kv: s * 2,
         "trig": lambda s, b, h, q, kv: np.sin(s) + np.cos(0.5 * s) * 0.25,
@@ -69,11 +100,36 @@ def _score_mods(hq, smax, rng):
         "int_arith": lambda s, b, h, q, kv: s + (q % 3) * 0.1 - (kv // 2) * 0.01,
         "softcap": lambda s, b, h, q, kv: 2.5 * np.tanh(s / 2.5),
         "rel_bias": lambda s, b, h, q, kv: s + table[h, q - kv + smax],
+        "rel_bias_bucket": lambda s, b, h, q, kv: s + bucket[h, np.clip(q - kv, -BUCKET, BUCKET)
+                                                             + BUCKET],
         "alibi": lambda s, b, h, q, kv: s - slopes[h] * np.abs(q - kv),
+        # smooth (the reference's differences cannot see through a kink near s = 0, where
+        # small or zero scales put every score) and one-signed in gain[h]
+        "head_gain": lambda s, b, h, q, kv: s + gain[h] * np.tanh(s) ** 2 + bucket[h, BUCKET],
+        "doc_penalty": lambda s, b, h, q, kv: np.where(doc_q[q] == doc_k[kv], s,
+                                                       s - penalty[h]),
+        "doc_rel_bias": lambda s, b, h, q, kv: np.where(
+            doc_q[q] == doc_k[kv], s + bucket[h, np.clip(kv - q, -BUCKET, BUCKET) + BUCKET], s),
     }
 
 
-def _mask_mods():
+# How many float elements a score_mod's arrays hold (the reference differentiates through each
+# one separately, so its backward costs that many times the pairs), and the largest |d out / d s|
+# (score_mod's slope in the score).
+def _grad_elements(name, hq, sq, sk):
+    smax = max(sq, sk, 1)
+    return {"rel_bias": hq * (2 * smax + 1), "rel_bias_bucket": hq * (2 * BUCKET + 1),
+            "alibi": hq, "head_gain": hq + hq * (2 * BUCKET + 1), "doc_penalty": hq,
+            "doc_rel_bias": hq * (2 * BUCKET + 1)}.get(name, 0)
+
+
+SLOPE = {"times_two": 2.0, "trig": 1.125, "head_gain": 2.2}     # the others: at most 1
+
+
+def _mask_mods(sq=1, sk=1, rng=None):
+    rng = np.random.default_rng(0) if rng is None else rng
+    doc_q, doc_k = _doc_ids(rng, sq), _doc_ids(rng, sk)
+    allowed = rng.random((max(sq, 1), max(sk, 1))) < 0.7
     return {
         "causal": lambda b, h, q, kv: q >= kv,
         "sliding_window": lambda b, h, q, kv: (q - kv >= 0) & (q - kv < 3),
@@ -81,10 +137,14 @@ def _mask_mods():
         "not_diagonal": lambda b, h, q, kv: ~(q == kv),
         "head_dependent": lambda b, h, q, kv: (h % 2 == 0) | ((q >= kv) & ~(kv == 0)),
         "parity": lambda b, h, q, kv: (q + kv + b) % 2 == 0,
+        "document": lambda b, h, q, kv: doc_q[q] == doc_k[kv],
+        "document_causal": lambda b, h, q, kv: (doc_q[q] == doc_k[kv]) & (q >= kv),
+        "document_or_near": lambda b, h, q, kv: (doc_q[q] == doc_k[kv]) | (np.abs(q - kv) < 4),
+        "allowed_table": lambda b, h, q, kv: allowed[q, kv] | (h == b),
     }
 
 
-SCORE_MODS = sorted(_score_mods(1, 1, np.random.default_rng(0)))
+SCORE_MODS = sorted(_score_mods(1, 1, 1, np.random.default_rng(0)))
 MASK_MODS = sorted(_mask_mods())
 VIEWS = ["contig", "fortran", "pad", "step", "flip", "perm", "bcast"]
 ARG_VIEWS = ["plain", "bcast", "flip", "step"]
@@ -222,17 +282,24 @@ def _strategies():
                             "p": draw(st.sampled_from([0.0, 0.3, 0.7, 0.95, 1.0])),
                             "dead_rows": draw(st.integers(0, 3)),
                             "view": draw(st.sampled_from(ARG_VIEWS))}
-        spec["score_mod"] = spec["mask_mod"] = None
-        if draw(st.integers(0, 19)) == 0 and sq * sk * max(nb, 1) * hq <= 200_000:
-            spec["score_mod"] = draw(st.sampled_from([None] + SCORE_MODS))
-            spec["mask_mod"] = draw(st.sampled_from([None] + MASK_MODS))
-            if spec["score_mod"] is not None and spec["bias"] is not None:
-                spec["bias"]["neginf"] = False   # sin(-inf) etc.: NaN by the user's function
-            if spec["dtype"] in ("float16", "bfloat16") and spec["backward"]:
-                # accuracy.rounded_out_allowance does not yet scale by score_mod's slope (a
-                # times_two doubles the error the rounded `out` makes): drawn, then dropped, so
-                # the other draws stay as they were
-                spec["score_mod"] = None
+        spec["score_mod"] = spec["mask_mod"] = spec["mod_dtype"] = None
+        if draw(st.integers(0, 2)) == 0:              # a third of the cases: a callback
+            kinds = draw(st.sampled_from(["score_mod", "mask_mod", "both"]))
+            if kinds != "mask_mod":
+                names = SCORE_MODS
+                if spec["backward"]:
+                    if dtype in ("float16", "bfloat16"):
+                        # the rounded-out allowance holds for a slope of at most 1 (see SLOPE)
+                        names = [n for n in names if SLOPE.get(n, 1.0) <= 1.0]
+                    names = [n for n in names if _grad_elements(n, hq, sq, sk) * hq * pairs
+                             <= MAX_DTENSOR_WORK]
+                spec["score_mod"] = draw(st.sampled_from(names))
+                spec["mod_dtype"] = draw(st.sampled_from(["float64", "float32", "float32",
+                                                          "float16"]))
+                if spec["bias"] is not None:
+                    spec["bias"]["neginf"] = False   # sin(-inf) etc.: NaN by the user's function
+            if kinds != "score_mod":
+                spec["mask_mod"] = draw(st.sampled_from(MASK_MODS))
         spec["out"] = draw(st.sampled_from([None, None, None, "contig", "step"]))
         spec["deterministic"] = draw(st.booleans())
         return spec
@@ -347,12 +414,11 @@ class Case:
                 for _ in range(m["dead_rows"]):
                     mask[..., rng.integers(mask.shape[-2]), :] = False
             opts["mask"] = _arg_view(rng, mask, full, m["view"])
-        if spec["score_mod"] is not None or spec["mask_mod"] is not None:
-            smax = max(sq, sk, 1)
-            if spec["score_mod"] is not None:
-                opts["score_mod"] = _score_mods(hq, smax, rng)[spec["score_mod"]]
-            if spec["mask_mod"] is not None:
-                opts["mask_mod"] = _mask_mods()[spec["mask_mod"]]
+        if spec["score_mod"] is not None:
+            fdtype = DTYPES[spec.get("mod_dtype") or "float64"]
+            opts["score_mod"] = _score_mods(hq, sq, sk, rng, fdtype)[spec["score_mod"]]
+        if spec["mask_mod"] is not None:
+            opts["mask_mod"] = _mask_mods(sq, sk, rng)[spec["mask_mod"]]
         self.opts = opts
         self.rng = rng
         if spec["readonly"]:
@@ -414,7 +480,7 @@ def _cond(case):
     before the softmax exponentiates it, so every probability is off by that much relative.
     cond is 1 until 4 ulps at the largest |score| exceed F32_RTOL. The largest |score| is bounded
     by the largest |scale * q.k| (computed; packed rows of different sequences included) plus
-    the largest finite |bias| and the largest ALiBi term."""
+    the largest finite |bias| and the largest ALiBi term (built-in, or the alibi score_mod's)."""
     o, spec = case.opts, case.spec
     layout = "thd" if case.varlen else spec["layout"]
     q = canonical(np.asarray(case.q, np.float32), case.varlen, layout)
@@ -435,6 +501,12 @@ def _cond(case):
         smax += float(np.abs(b64[np.isfinite(b64)]).max(initial=0.0))
     if o.get("alibi_slopes") is not None:
         smax += float(np.abs(o["alibi_slopes"]).max(initial=0.0)) * (spec["Sq"] + spec["Sk"])
+    if spec.get("score_mod") == "alibi":
+        # the score_mod's ALiBi term, as the built-in one. It also bounds the reference's own
+        # float64 error: its central differences of score_mod take steps relative to |s| but
+        # round relative to |score_mod(s)|, hundreds of times larger at long distances
+        slopes = np.asarray(trace.captured_arrays(o["score_mod"])["slopes"], np.float64)
+        smax += float(np.abs(slopes).max(initial=0.0)) * (spec["Sq"] + spec["Sk"])
     return max(1.0, 4 * EPS[F32] * smax / F32_RTOL)
 
 
@@ -445,9 +517,10 @@ def _reduced(bias, spec):
     return max(1, full // max(1, bias.size))
 
 
-def run_case(spec, backends=("cpu",)):
+def run_case(spec, backends=("cpu",), stats=None):
     """Runs one spec on each backend (those that apply) and the reference; returns a list of
-    mismatch messages (empty: all agree)."""
+    mismatch messages (empty: all agree). stats: None, or a collections.Counter that counts what
+    was checked ("cpu", "cuda", "cpu+mods", "cuda+mods", "dtensors")."""
     case = Case(spec)
     o, lengths, dtype = case.opts, case.lengths, case.dtype
     if case.varlen:
@@ -467,13 +540,14 @@ def run_case(spec, backends=("cpu",)):
     dout = _randn(case.rng, r_out.shape, dtype) if spec["backward"] else None
     cond = _cond(case)
     for backend in backends:
-        if backend == "cuda" and (dtype not in GPU_DTYPES or spec["score_mod"] is not None):
+        if backend == "cuda" and dtype not in GPU_DTYPES:
             continue
         tag = f"[{backend}] "
         try:
             with _poisoned_outputs(), warnings.catch_warnings():
                 warnings.simplefilter("error", RuntimeWarning)
-                found = _check_one(case, backend, fwd, bwd, r_out, r_lse, dout, rbwd, cond)
+                found = _check_one(case, backend, fwd, bwd, r_out, r_lse, dout, rfwd, rbwd,
+                                   cond, stats)
             problems += [tag + p for p in found]
         except Exception as e:
             tb = traceback.format_exception_only(type(e), e)[-1].strip()
@@ -485,16 +559,40 @@ def run_case(spec, backends=("cpu",)):
     return problems
 
 
-def _check_one(case, backend, fwd, bwd, r_out, r_lse, dout, rbwd, cond):
+def _to_device(x):
+    """A copy of NumPy array x in GPU memory (C order), as an attnext DeviceArray."""
+    from attnext import _C, device
+    host = np.ascontiguousarray(x)
+    a = device.empty(host.shape, host.dtype)
+    if host.size:
+        _C.memcpy_htod(a.ptr, host.reshape(-1).view(np.uint8), 0)
+    return a
+
+
+def _check_one(case, backend, fwd, bwd, r_out, r_lse, dout, rfwd, rbwd, cond, stats=None):
     spec, o, lengths, dtype = case.spec, case.opts, case.lengths, case.dtype
+    mods = spec["score_mod"] is not None or spec["mask_mod"] is not None
+    if stats is not None:
+        stats[backend + ("+mods" if mods else "")] += 1
     problems = []
+    q, k, v = case.q, case.k, case.v
+    # A score_mod / mask_mod with host q, k, v runs on the CPU's interpreter whatever device=
+    # says (api.py); the CUDA kernels run it for q, k, v (and dout) in GPU memory. Results then
+    # come back as DeviceArrays, read back with np.asarray; the captured NumPy arrays, bias, mask
+    # and lengths stay on the host (attnext uploads them). No out= there: out= must then be a
+    # GPU array too.
+    on_gpu = backend == "cuda" and mods
+    put, get = (_to_device, np.asarray) if on_gpu else ((lambda x: x), (lambda x: x))
+    if on_gpu:
+        q, k, v = (put(x) for x in (q, k, v))
     out_buf = None
-    if spec["out"] == "contig":
+    if spec["out"] == "contig" and not on_gpu:
         out_buf = np.full(r_out.shape, np.nan, dtype)
-    elif spec["out"] == "step":
+    elif spec["out"] == "step" and not on_gpu:
         out_buf = np.full(r_out.shape[:-1] + (2 * r_out.shape[-1],), np.nan, dtype)[..., ::2]
-    res, lse = fwd(case.q, case.k, case.v, **lengths, device=backend, return_lse=True,
-                   out=out_buf, **o)
+    res_dev, lse_dev = fwd(q, k, v, **lengths, device=backend, return_lse=True, out=out_buf,
+                           **o)
+    res, lse = get(res_dev), get(lse_dev)
     if out_buf is not None and res is not out_buf:
         problems.append("out: the result is not the out= buffer")
     if res.dtype != dtype or res.shape != r_out.shape:
@@ -514,13 +612,19 @@ def _check_one(case, backend, fwd, bwd, r_out, r_lse, dout, rbwd, cond):
         problems.append("out: a row that keeps no key is not exactly 0")
     if not spec["backward"]:
         return problems
-    g = bwd(dout, case.q, case.k, case.v, res, lse, **lengths, device=backend,
+    g = bwd(put(dout), q, k, v, res_dev, lse_dev, **lengths, device=backend,
             deterministic=spec["deterministic"], **o)
+    if on_gpu:
+        g = type(g)(*(None if x is None else get(x) for x in g[:4]), g.dtensors)
     rg = rbwd(dout, case.q, case.k, case.v, res, lse, **lengths, **o)
     bias = o.get("bias")
     dbias_cond = None if bias is None else cond * np.sqrt(_reduced(bias, spec))
     problems += compare_grads(g, rg, case.q, case.k, case.v, dout, res, r_out,
                               lengths if case.varlen else None, o, cond, dbias_cond)
+    extra = _dtensors_allowance(case, rfwd, dout, res, r_out, cond) if rg.dtensors else None
+    problems += compare_dtensors(g, rg, o.get("score_mod"), dtype, cond, extra)
+    if stats is not None and rg.dtensors:
+        stats["dtensors"] += 1
     if g.dq.shape == case.q.shape and not (g.dq[dead] == 0).all():
         problems.append("dq: a row that keeps no key is not exactly 0")
     if case.varlen:
@@ -533,6 +637,92 @@ def _check_one(case, backend, fwd, bwd, r_out, r_lse, dout, rbwd, cond):
             if got.shape[0] == real_k.size and not (got[~real_k] == 0).all():
                 problems.append(f"{name}: a packed row outside every sequence is not exactly 0")
     return problems
+
+
+def compare_dtensors(g, rg, score_mod, dtype, cond=1.0, extra=None):
+    """The dtensors of a backward (g) against the reference's (rg), as tests/test_score_mod_cpu.py's
+    check_dtensors holds them: each float array the traced score_mod reads, in the array's shape
+    and dtype, within the allowance of the coarser of q's accumulation dtype and the array's,
+    relative to the largest of the reference's dq, dk, dv (an array added to every score of a
+    row has gradient 0 up to their round-off); an array the reference names beyond those must
+    have a zero gradient. cond: as for dq, dk (`_cond`); extra: None, or name -> a function
+    returning a per-element allowance added where that limit is exceeded (`_dtensors_allowance`).
+    Returns what is wrong (an empty list when all agree)."""
+    got, want = g.dtensors, rg.dtensors
+    problems = []
+    if not set(got) <= set(want):
+        problems.append(f"dtensors: {sorted(set(got) - set(want))} are not float arrays the "
+                        f"score_mod captures (the reference's: {sorted(want)})")
+    floor = max(float(np.abs(x).max(initial=0.0)) for x in rg[:3])
+    arrays = trace.captured_arrays(score_mod) if want else {}
+    for name, w in want.items():
+        if name not in got:
+            if np.any(w):
+                problems.append(f"dtensors[{name!r}]: missing, the reference's is not 0")
+            continue
+        x, src = got[name], np.asarray(arrays[name])
+        if x.shape != src.shape or x.dtype != src.dtype:
+            problems.append(f"dtensors[{name!r}]: {x.shape} {x.dtype}, expected {src.shape} "
+                            f"{src.dtype}")
+            continue
+        problems.append(compare(f"dtensors[{name!r}]", x, w, coarser(acc_dtype(dtype), src.dtype),
+                                floor, None if extra is None else extra(name), cond))
+    return [p for p in problems if p]
+
+
+def _dtensors_allowance(case, rfwd, dout, out, ref_out, cond):
+    """name -> a function giving a per-element allowance on dtensors[name], added where the plain
+    limit is exceeded, for two honest sources of error that the plain limit (relative to the
+    largest dq, dk, dv) does not scale with: the rounded forward output, and the round-off of a
+    sum whose terms are much larger than the result.
+
+    Both go through d lse_i / d x = sum_j P_ij d score_mod(s_ij) / d x, a central difference of
+    the reference's float64 lse (two forwards per element of the array: computed only where
+    needed):
+    * the backward forms delta_i = dout_i . out_i from `out` stored at q's dtype, off by
+      e_i = dout_i . (out_i - ref_out_i), so its dS is off by -P_ij e_i and x's gradient by
+      -sum_i e_i d lse_i / d x (accuracy.rounded_out_allowance's argument, carried to the
+      captured arrays): at most sum_i |e_i| |d lse_i / d x|;
+    * x's gradient sums dS_ij d score_mod(s_ij) / d x over every pair that reads x (an ALiBi
+      slope's derivative is -|q_idx - kv_idx|, up to the sequence length), and the sum's
+      accumulation round-off is relative to the sum of the terms' sizes. |dS_ij| =
+      P_ij |dout_i . v_j - delta_i| <= P_ij M_i with M_i = 2 |dout_i| max_j |v_j|, and each fuzz
+      score_mod's derivative in an array element keeps one sign over the pairs, so the terms of
+      row i sum to at most M_i |d lse_i / d x|: rtol * cond * sum_i M_i |d lse_i / d x|, rtol
+      the accumulation dtype's relative allowance."""
+    spec, o = case.spec, case.opts
+    do = np.asarray(dout, np.float64)
+    e = np.abs(np.sum(do * (np.asarray(out, np.float64) - ref_out), axis=-1))
+    v = np.asarray(case.v, np.float64)
+    vmax = float(np.sqrt(np.sum(v * v, axis=-1)).max(initial=0.0))
+    rtol = F64_RTOL if case.dtype == F64 else F32_RTOL
+    w = e + rtol * cond * 2 * np.sqrt(np.sum(do * do, axis=-1)) * vmax
+    if case.varlen:
+        w = w.T                                        # (Tq, Hq) -> lse's (Hq, Tq)
+    elif spec["layout"] == "bshd":
+        w = w.transpose(0, 2, 1)                       # (B, Sq, Hq) -> lse's (B, Hq, Sq)
+    score_mod = o["score_mod"]
+
+    def allowance(name):
+        def get():
+            work = np.array(trace.captured_arrays(score_mod)[name], dtype=np.float64)
+            fn = trace.with_arrays(score_mod, {name: work})
+            flat, acc = work.reshape(-1), np.zeros(work.size)
+            for i in range(flat.size):
+                x0 = flat[i]
+                h = 1e-5 * max(1.0, abs(x0))
+                lse = []
+                for x in (x0 + h, x0 - h):
+                    flat[i] = x
+                    lse.append(rfwd(case.q, case.k, case.v, **case.lengths, return_lse=True,
+                                    **dict(o, score_mod=fn))[1])
+                flat[i] = x0
+                live = np.isfinite(lse[0]) & np.isfinite(lse[1])
+                d = np.where(live, lse[0] - np.where(live, lse[1], 0.0), 0.0) / (2 * h)
+                acc[i] = np.sum(w * np.abs(d))
+            return acc.reshape(work.shape)
+        return get
+    return allowance
 
 
 # --- the driver -------------------------------------------------------------------------------
@@ -554,9 +744,18 @@ def describe(spec):
     return shape + " " + " ".join(f"{k}={s[k]}" for k in keys if s.get(k) not in (None, False))
 
 
-def fuzz(seconds, seed=0, backends=("cpu",), verbose=False, log=print, max_examples=10**9):
+def describe_stats(stats):
+    """"cpu 120 (41 with mods), dtensors 18" from run_case's counter."""
+    parts = [f"{b} {stats[b] + stats[b + '+mods']} ({stats[b + '+mods']} with mods)"
+             for b in ("cpu", "cuda") if stats[b] + stats[b + "+mods"]]
+    return ", ".join(parts + [f"dtensors {stats['dtensors']}"])
+
+
+def fuzz(seconds, seed=0, backends=("cpu",), verbose=False, log=print, max_examples=10**9,
+         stats=None):
     """Runs hypothesis for about `seconds` (a case in flight is finished) with a fixed seed and
-    no example database; returns (cases run, [(spec, problems), ...])."""
+    no example database; returns (cases run, [(spec, problems), ...]). stats: None, or a
+    collections.Counter that counts what was checked (run_case's)."""
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hyp_seed
 
@@ -576,7 +775,7 @@ def fuzz(seconds, seed=0, backends=("cpu",), verbose=False, log=print, max_examp
             raise _TimeUp
         t0 = time.monotonic()
         try:
-            problems = run_case(spec, backends)
+            problems = run_case(spec, backends, stats)
         except Exception:   # the harness itself failed: report it like a mismatch
             problems = ["fuzz harness error: " + traceback.format_exc(limit=-3)]
         ran[0] += 1
@@ -621,10 +820,11 @@ def main(argv=None):
     print(f"attnext.fuzz: seed {seed}, backends {','.join(backends)}, {args.minutes} min",
           flush=True)
     t0 = time.monotonic()
+    stats = collections.Counter()
     ran, mismatches = fuzz(args.minutes * 60, seed, backends, args.verbose,
-                           log=lambda s: print(s, flush=True))
+                           log=lambda s: print(s, flush=True), stats=stats)
     print(f"cases run: {ran}, mismatches: {len(mismatches)} ({time.monotonic() - t0:.0f} s, "
-          f"seed {seed})")
+          f"seed {seed}); checked: {describe_stats(stats)}")
     return 1 if mismatches else 0
 
 

@@ -8,23 +8,43 @@ names the seed and the case's spec, which `python -m attnext.fuzz --replay SPEC`
 seed rather than hypothesis's derandomize: the sequence then does not change whenever the test
 function's source does, and the same seed reruns it from the command line (--seed).
 """
+import collections
 import os
 import subprocess
 import sys
 
-from attnext import fuzz
+import numpy as np
+
+import attnext
+from attnext import fuzz, reference
 
 BUDGET_S = float(os.environ.get("ATTNEXT_FUZZ_SECONDS", "100"))
 SEED = int(os.environ.get("ATTNEXT_FUZZ_SEED", "0"))
 
 
+# The least the run must check to count: a fuzzer that silently runs nothing (a strategy that
+# rejects everything, a callback draw that never fires, a comparison that is skipped) fails.
+# 4,000 to 6,000 cases, a third of them with a score_mod / mask_mod, and 230 to 300 backward
+# cases comparing dtensors run in 100 s on a 2-core machine shared with other jobs; the floors
+# are a tenth of that or less, scaled by the budget.
+MIN_CASES_PER_S = 3.0
+MIN_MOD_FRACTION = 0.2          # score_mod / mask_mod: a third of the cases are drawn with one
+MIN_DTENSORS_PER_S = 0.25
+
+
 def test_fuzz_cpu_against_reference():
-    lines = []
+    lines, stats = [], collections.Counter()
     ran, mismatches = fuzz.fuzz(BUDGET_S, seed=SEED, backends=fuzz.usable_backends(("cpu",)),
-                                log=lines.append)
-    assert ran > 0
+                                log=lines.append, stats=stats)
+    report = (f"fuzz: {ran} cases (seed {SEED}, {BUDGET_S:.0f} s), checked: "
+              f"{fuzz.describe_stats(stats)}")
+    print(report)
     assert not mismatches, f"{len(mismatches)} mismatches in {ran} cases (seed {SEED}):\n" + \
         "\n".join(lines)
+    assert ran >= MIN_CASES_PER_S * BUDGET_S, report
+    assert stats["cpu"] + stats["cpu+mods"] == ran, report
+    assert stats["cpu+mods"] >= MIN_MOD_FRACTION * ran, report
+    assert stats["dtensors"] >= MIN_DTENSORS_PER_S * BUDGET_S, report
 
 
 def test_known_cases_replay():
@@ -47,6 +67,40 @@ def test_known_cases_replay():
     assert fuzz.run_case(packed) == []
 
 
+def test_known_callback_cases_compare_dtensors():
+    """Specs with captured arrays (a bucketed relative-bias table with its gradient, document
+    ids), forward and backward, float32 and bfloat16: they agree, and the table's gradient was
+    compared; a gradient off by one part in 10^3 is caught."""
+    base = {"seed": 11, "backward": True, "readonly": False, "causal": False, "window": None,
+            "softcap": None, "scale": None, "alibi": None, "bias": None, "mask": None,
+            "score_mod": "rel_bias_bucket", "mask_mod": "document_causal",
+            "mod_dtype": "float32", "out": None, "deterministic": True, "mag": 1.0}
+    dense = dict(base, api="attention", layout="bshd", seqlens_q=None, seqlens_k=None, B=2,
+                 Sq=37, Sk=41, Hq=4, Hk=2, D=16, Dv=8, dtype="float32",
+                 views={"q": ("contig",), "k": ("flip", 1), "v": ("contig",)})
+    packed = dict(base, api="varlen", layout="thd", seg_q=[20, 0, 13], seg_k=[25, 3, 9],
+                  used_q=None, used_k=None, pad_q=1, pad_k=0, max_q=20, max_k=25, B=3, Sq=20,
+                  Sk=25, Hq=2, Hk=1, D=8, Dv=8, dtype="bfloat16", score_mod="alibi",
+                  mask_mod="document", views={"q": ("contig",), "k": ("contig",),
+                                              "v": ("step", 0)})
+    for spec in (dense, packed):
+        stats = collections.Counter()
+        assert fuzz.run_case(spec, stats=stats) == []
+        assert stats["dtensors"] == 1 and stats["cpu+mods"] == 1, stats
+    # the comparison fails a wrong gradient
+    case = fuzz.Case(dense)
+    o = case.opts
+    out, lse = attnext.attention(case.q, case.k, case.v, return_lse=True, device="cpu", **o)
+    g = attnext.attention_backward(out, case.q, case.k, case.v, out, lse, device="cpu", **o)
+    rg = reference.attention_backward(out, case.q, case.k, case.v, out, lse, **o)
+    assert fuzz.compare_dtensors(g, rg, o["score_mod"], case.dtype) == []
+    bad = {"bucket": g.dtensors["bucket"] * np.float32(1.001)}
+    problems = fuzz.compare_dtensors(g._replace(dtensors=bad), rg, o["score_mod"], case.dtype)
+    assert len(problems) == 1 and problems[0].startswith("dtensors['bucket']"), problems
+    assert fuzz.compare_dtensors(g._replace(dtensors={}), rg, o["score_mod"], case.dtype) == \
+        ["dtensors['bucket']: missing, the reference's is not 0"]
+
+
 def test_cli_runs_and_reports():
     res = subprocess.run([sys.executable, "-m", "attnext.fuzz", "--minutes", "0.05", "--seed", "1",
                           "--backends", "cpu"], capture_output=True, text=True, timeout=300)
@@ -54,3 +108,4 @@ def test_cli_runs_and_reports():
     assert "seed 1" in res.stdout
     ran = int(res.stdout.split("cases run: ")[1].split(",")[0])
     assert ran > 0 and "mismatches: 0" in res.stdout, res.stdout
+    assert f"checked: cpu {ran} (" in res.stdout, res.stdout
