@@ -43,7 +43,7 @@ no key must have out and dq exactly 0.
 import ml_dtypes
 import numpy as np
 
-from . import reference
+from . import reference, trace
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
@@ -249,4 +249,35 @@ def compare_grads(g, rg, q, k, v, dout, out, ref_out, lengths, opts, cond=1.0, d
     else:
         problems.append(compare("dbias", g.dbias, rg.dbias, coarser(dtype, bias.dtype), floor,
                                 extra(2), cond if dbias_cond is None else dbias_cond))
+    return [p for p in problems if p]
+
+
+def compare_dtensors(g, rg, score_mod, dtype, cond=1.0, extra=None):
+    """The dtensors of a backward (g) against the reference's (rg), as the CPU tests and the fuzzer
+    hold them: each float array the traced score_mod reads, in the array's shape
+    and dtype, within the allowance of the coarser of q's accumulation dtype and the array's,
+    relative to the largest of the reference's dq, dk, dv (an array added to every score of a
+    row has gradient 0 up to their round-off); an array the reference names beyond those must
+    have a zero gradient. cond: as for dq, dk (fuzz._cond); extra: None, or name -> a function
+    returning a per-element allowance added where that limit is exceeded (fuzz._dtensors_allowance).
+    Returns what is wrong (an empty list when all agree)."""
+    got, want = g.dtensors, rg.dtensors
+    problems = []
+    if not set(got) <= set(want):
+        problems.append(f"dtensors: {sorted(set(got) - set(want))} are not float arrays the "
+                        f"score_mod captures (the reference's: {sorted(want)})")
+    floor = max(float(np.abs(x).max(initial=0.0)) for x in rg[:3])
+    arrays = trace.captured_arrays(score_mod) if want else {}
+    for name, w in want.items():
+        if name not in got:
+            if np.any(w):
+                problems.append(f"dtensors[{name!r}]: missing, the reference's is not 0")
+            continue
+        x, src = got[name], np.asarray(arrays[name])
+        if x.shape != src.shape or x.dtype != src.dtype:
+            problems.append(f"dtensors[{name!r}]: {x.shape} {x.dtype}, expected {src.shape} "
+                            f"{src.dtype}")
+            continue
+        problems.append(compare(f"dtensors[{name!r}]", x, w, coarser(acc_dtype(dtype), src.dtype),
+                                floor, None if extra is None else extra(name), cond))
     return [p for p in problems if p]

@@ -32,7 +32,7 @@ then passes q, k, v and dout in GPU memory, see `_check_one`):
   so are a different -inf pattern, a wrong dtype or shape, and an exception from a backend
   where the reference ran;
 * dtensors (the score_mod's float array gradients) against the reference's, as
-  tests/test_score_mod_cpu.py holds them (`compare_dtensors`), with `_dtensors_allowance`;
+  tests/test_score_mod_cpu.py holds them (`accuracy.compare_dtensors`), with `_dtensors_allowance`;
 * result buffers attnext allocates start as NaN (as the test suite poisons them), so an
   unwritten element is a NaN mismatch;
 * rows that keep no key (reference lse = -inf) have out and dq exactly 0; in varlen, packed
@@ -57,7 +57,7 @@ import numpy as np  # noqa: E402
 import attnext  # noqa: E402
 from attnext import reference, trace  # noqa: E402
 from attnext.accuracy import (BF16, EPS, F16, F32, F32_RTOL, F64, F64_RTOL,  # noqa: E402
-                              acc_dtype, canonical, coarser, compare, compare_grads)
+                              acc_dtype, canonical, compare, compare_dtensors, compare_grads)
 
 DTYPES = {"float16": F16, "bfloat16": BF16, "float32": F32, "float64": F64}
 GPU_DTYPES = (F16, BF16)
@@ -637,37 +637,6 @@ def _check_one(case, backend, fwd, bwd, r_out, r_lse, dout, rfwd, rbwd, cond, st
             if got.shape[0] == real_k.size and not (got[~real_k] == 0).all():
                 problems.append(f"{name}: a packed row outside every sequence is not exactly 0")
     return problems
-
-
-def compare_dtensors(g, rg, score_mod, dtype, cond=1.0, extra=None):
-    """The dtensors of a backward (g) against the reference's (rg), as tests/test_score_mod_cpu.py's
-    check_dtensors holds them: each float array the traced score_mod reads, in the array's shape
-    and dtype, within the allowance of the coarser of q's accumulation dtype and the array's,
-    relative to the largest of the reference's dq, dk, dv (an array added to every score of a
-    row has gradient 0 up to their round-off); an array the reference names beyond those must
-    have a zero gradient. cond: as for dq, dk (`_cond`); extra: None, or name -> a function
-    returning a per-element allowance added where that limit is exceeded (`_dtensors_allowance`).
-    Returns what is wrong (an empty list when all agree)."""
-    got, want = g.dtensors, rg.dtensors
-    problems = []
-    if not set(got) <= set(want):
-        problems.append(f"dtensors: {sorted(set(got) - set(want))} are not float arrays the "
-                        f"score_mod captures (the reference's: {sorted(want)})")
-    floor = max(float(np.abs(x).max(initial=0.0)) for x in rg[:3])
-    arrays = trace.captured_arrays(score_mod) if want else {}
-    for name, w in want.items():
-        if name not in got:
-            if np.any(w):
-                problems.append(f"dtensors[{name!r}]: missing, the reference's is not 0")
-            continue
-        x, src = got[name], np.asarray(arrays[name])
-        if x.shape != src.shape or x.dtype != src.dtype:
-            problems.append(f"dtensors[{name!r}]: {x.shape} {x.dtype}, expected {src.shape} "
-                            f"{src.dtype}")
-            continue
-        problems.append(compare(f"dtensors[{name!r}]", x, w, coarser(acc_dtype(dtype), src.dtype),
-                                floor, None if extra is None else extra(name), cond))
-    return [p for p in problems if p]
 
 
 def _dtensors_allowance(case, rfwd, dout, out, ref_out, cond):

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 import attnext
-from attnext import fuzz, reference
+from attnext import accuracy, fuzz, reference
 
 BUDGET_S = float(os.environ.get("ATTNEXT_FUZZ_SECONDS", "100"))
 SEED = int(os.environ.get("ATTNEXT_FUZZ_SEED", "0"))
@@ -93,11 +93,11 @@ def test_known_callback_cases_compare_dtensors():
     out, lse = attnext.attention(case.q, case.k, case.v, return_lse=True, device="cpu", **o)
     g = attnext.attention_backward(out, case.q, case.k, case.v, out, lse, device="cpu", **o)
     rg = reference.attention_backward(out, case.q, case.k, case.v, out, lse, **o)
-    assert fuzz.compare_dtensors(g, rg, o["score_mod"], case.dtype) == []
+    assert accuracy.compare_dtensors(g, rg, o["score_mod"], case.dtype) == []
     bad = {"bucket": g.dtensors["bucket"] * np.float32(1.001)}
-    problems = fuzz.compare_dtensors(g._replace(dtensors=bad), rg, o["score_mod"], case.dtype)
+    problems = accuracy.compare_dtensors(g._replace(dtensors=bad), rg, o["score_mod"], case.dtype)
     assert len(problems) == 1 and problems[0].startswith("dtensors['bucket']"), problems
-    assert fuzz.compare_dtensors(g._replace(dtensors={}), rg, o["score_mod"], case.dtype) == \
+    assert accuracy.compare_dtensors(g._replace(dtensors={}), rg, o["score_mod"], case.dtype) == \
         ["dtensors['bucket']: missing, the reference's is not 0"]
 
 

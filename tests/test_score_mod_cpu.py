@@ -11,10 +11,10 @@ import pytest
 
 import attnext
 from attnext import reference
-from attnext.accuracy import coarser
+from attnext.accuracy import compare_dtensors
 
 import mods
-from conftest import (F32, F64, acc_dtype, assert_close, check_backend, dtype_id, make_qkv,
+from conftest import (F32, F64, assert_close, check_backend, dtype_id, make_qkv,
                       make_varlen_qkv, randn)
 
 DTYPES = [F32, F64]
@@ -22,19 +22,11 @@ S, H = mods.S_MAX, mods.H_MAX
 
 
 def check_dtensors(res, score_mod, dtype):
-    """dtensors of the CPU backward against the reference's: every float array the traced
-    score_mod reads, in its dtype; arrays the reference names beyond those have zero gradient."""
-    got, want = res.grads.dtensors, res.ref_grads.dtensors
-    assert set(got) <= set(want), (set(got), set(want))
-    floor = max(float(np.abs(x).max(initial=0.0)) for x in res.ref_grads[:3])
-    for name, w in want.items():
-        if name not in got:
-            assert not np.any(w), f"{name}: a gradient the CPU backend does not report"
-            continue
-        g = got[name]
-        src = np.asarray(attnext.trace.captured_arrays(score_mod)[name])
-        assert g.shape == src.shape and g.dtype == src.dtype, (name, g.shape, g.dtype)
-        assert_close(f"dtensors[{name!r}]", g, w, coarser(acc_dtype(dtype), src.dtype), floor)
+    """dtensors of the CPU backward against the reference's (accuracy.compare_dtensors: every
+    float array the traced score_mod reads, in its dtype; arrays the reference names beyond those
+    have zero gradient)."""
+    problems = compare_dtensors(res.grads, res.ref_grads, score_mod, dtype)
+    assert not problems, problems
 
 
 # --- the zoo ------------------------------------------------------------------------------------
