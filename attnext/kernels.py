@@ -410,38 +410,42 @@ def bwd_sm90_applies(arch, D, Dv, vec):
 DQ_MODES = ("recompute", "atomic", "ordered")
 
 
-def bwd_dq_mode(sm90, D, deterministic):
+def bwd_dq_mode(sm90, D, deterministic, Dv=None):
     """How the backward gets dQ:
       "recompute"  the dQ kernel recomputes S and dP per query tile and owns its rows (7 products;
                    the same bits every run);
       "ordered"    the dK/dV kernel adds dS K into a float32 dq_accum, the key blocks taking turns
                    at each query tile in a fixed order (5 products; the same bits every run;
-                   attn_bwd_sm90.cu's warp-specialised kernel, D = 128);
+                   attn_bwd_sm90.cu's warp-specialised kernel, D = 128 or D = Dv = 64);
       "atomic"     the same additions in whatever order they land (5 products; bits vary from run
                    to run: deterministic=False only).
-    On Hopper at D = 128 a deterministic call takes ordered and deterministic=False atomic (the
-    turns are the producer warpgroup's, off the math: bench/NOTES.md, backward v4); elsewhere dQ
-    is recomputed (attn_bwd.cu's atomic path measured no faster). ATTNEXT_BWD_DQ names a mode for
-    the lab and the tests; a mode a call does not allow falls back to the nearest it does."""
+    On Hopper at D = 128 (and D = Dv = 64) a deterministic call takes ordered and
+    deterministic=False atomic (the turns are the producer warpgroup's, off the math:
+    bench/NOTES.md, backward v4 and v5); elsewhere dQ is recomputed (attn_bwd.cu's atomic path
+    measured no faster). Dv: D's when not given. ATTNEXT_BWD_DQ names a mode for the lab and the
+    tests; a mode a call does not allow falls back to the nearest it does."""
+    adds = sm90 and (D == 128 or (D == 64 and (Dv or D) == 64))   # the warp-specialised kernel takes it
     mode = os.environ.get("ATTNEXT_BWD_DQ", "")
     if mode not in DQ_MODES:
-        mode = "recompute" if not (sm90 and D == 128) else "ordered" if deterministic else "atomic"
+        mode = "recompute" if not adds else "ordered" if deterministic else "atomic"
     if mode == "atomic" and deterministic:
         mode = "ordered"
-    if mode == "ordered" and not (sm90 and D == 128):
+    if mode == "ordered" and not adds:
         mode = "recompute"
-    if mode == "atomic" and sm90 and D != 128:
+    if mode == "atomic" and sm90 and not adds:
         mode = "recompute"
     return mode
 
 
 # attn_bwd_sm90.cu's tiles: one warpgroup (64 keys) per recomputing dK/dV CTA, two CTAs per SM at
 # D = 128, three at D = 64 (168 registers: 1.15x faster than two on an H100); two consumer
-# warpgroups (128 keys, dQ's columns split between them) in the warp-specialised kernel that adds dQ
+# warpgroups (128 keys) in the warp-specialised kernel that adds dQ: 64 query rows per item at
+# D = 128 (dQ's columns split between the warpgroups), 128 at D = 64 (its rows split)
 SM90_BWD_TILE = dict(kv_block_m=64, kv_warps=4, kv_split=0, kv_minb=1, q_block_m=64, q_block_n=64,
                      q_warps=4, q_minb=1)
 SM90_BWD_TILE_D64 = {**SM90_BWD_TILE, "kv_minb": 3, "q_minb": 3}
 SM90_BWD_TILE_DQ = {**SM90_BWD_TILE, "kv_warps": 8}
+SM90_BWD_TILE_DQ_D64 = {**SM90_BWD_TILE_DQ, "kv_block_m": 128}
 
 
 def bwd_sm90_tile(D, mode):
@@ -449,7 +453,10 @@ def bwd_sm90_tile(D, mode):
     Q_MINB]" (warps of the recomputing dK/dV and the dQ kernels, CTAs per SM their registers
     allow) is the kernel lab's override; the kernel that adds dQ always has two consumer
     warpgroups."""
-    tile = SM90_BWD_TILE_D64 if D == 64 else SM90_BWD_TILE_DQ if mode != "recompute" else SM90_BWD_TILE
+    if mode != "recompute":
+        tile = SM90_BWD_TILE_DQ_D64 if D == 64 else SM90_BWD_TILE_DQ
+    else:
+        tile = SM90_BWD_TILE_D64 if D == 64 else SM90_BWD_TILE
     env = os.environ.get("ATTNEXT_TILE_BWD_SM90")
     if env and mode == "recompute":
         kv, q, kv_minb, q_minb = ([int(x) for x in env.split(",")] + [1, 1])[:4]
@@ -467,15 +474,17 @@ def bwd_sm90_kv_kernel(mode, tile):
 
 
 def bwd_sm90_smem_bytes(D, Dv, tile):
-    """Dynamic shared memory of attn_bwd_sm90.cu's kernels (SW128 tiles, 1024-aligned)."""
+    """Dynamic shared memory of attn_bwd_sm90.cu's kernels (SW128 tiles, 1024-aligned: 1024 bytes
+    of slack to round the base up with, except in the warp-specialised kernel, whose D = 64 tile
+    fills the 227 KB exactly and takes the declared alignment as given)."""
     bn, bm = 16 * tile["kv_warps"], tile["kv_block_m"]
     qm, qn = tile["q_block_m"], tile["q_block_n"]
-    kv_common = 2 * (bn * D + bn * Dv + 2 * bm * D + 2 * bm * Dv) + 1024
+    kv_tiles = 2 * (bn * D + bn * Dv + 2 * bm * D + 2 * bm * Dv)
     return {
         # + lse and delta (2 stages each)
-        "attn_bwd_dkdv_sm90": kv_common + 4 * 4 * bm,
+        "attn_bwd_dkdv_sm90": kv_tiles + 1024 + 4 * 4 * bm,
         # + dS^T (2 stages, bf16), dQ (2 stages, float32), lse and delta, 8 mbarriers
-        "attn_bwd_dkdv_ws_sm90": kv_common + 2 * 2 * bn * bm + 2 * 4 * bm * D + 4 * 4 * bm + 64,
+        "attn_bwd_dkdv_ws_sm90": kv_tiles + 2 * 2 * bn * bm + 2 * 4 * bm * D + 4 * 4 * bm + 64,
         "attn_bwd_dq_sm90": 2 * (qm * D + qm * Dv + 2 * qn * D + 2 * qn * Dv) + 1024,
     }
 
@@ -548,7 +557,7 @@ def sm90_bwd_variants():
             softcap=bool(fd["HAS_SOFTCAP"]), bias_dtype=names[fd["BIAS_DT"]] if fd["HAS_BIAS"] else None,
             alibi_dtype=names[fd["ALIBI_DT"]] if fd["HAS_ALIBI"] else None, mask=bool(fd["HAS_MASK"]))
         for deterministic in (True, False):
-            mode = bwd_dq_mode(True, D, deterministic)
+            mode = bwd_dq_mode(True, D, deterministic, fd["HEAD_DIM_V"])
             out.append(bwd_defines(**features, tile=bwd_sm90_tile(D, mode), dq=mode))
     unique = {tuple(sorted(d.items())): d for d in out}
     return [("attn_bwd_sm90", d) for d in unique.values()]

@@ -30,7 +30,7 @@ for step in "$@"; do
                 -p no:cacheprovider tests/test_cuda.py tests/test_cuda_backward.py tests/test_score_mod_cuda.py \
                 -k "test_head_dims and bf16 and d128_dv128 or varlen_with_padding or test_decode_split_kv and B3 \
                     or test_head_dims and bf16-d64_dv64-causal or test_varlen and 128-causal \
-                    or dq_added_by_the_dkdv_kernel and d128-default or score_mod_zoo and bf16 \
+                    or dq_added_by_the_dkdv_kernel and (d128-default or d64-default) or score_mod_zoo and bf16 \
                     and (rel or doc_penalty) or narrowed" 2>&1 \
                 | tee "$OUT/racecheck.log" | tail -5 || rc=1 ;;
     register) python3 -m pytest -m gpu -q tests/test_pinning.py tests/test_staging.py 2>&1 | tee "$OUT/register_tests.log" | tail -15

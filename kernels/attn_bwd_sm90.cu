@@ -31,31 +31,35 @@
 #define NTK (HEAD_DIM / 8)              /* n8 column groups of dK, dQ per warp */
 #define NTV (HEAD_DIM_V / 8)            /* of dV */
 
-#if HEAD_DIM % 64 || HEAD_DIM_V % 64 || !VEC_LOAD || KV_BLOCK_M != 64 || Q_BLOCK_N != 64 \
-    || Q_BLOCK_M != 16 * Q_WARPS || KV_SPLIT
-#error "attn_bwd_sm90: D and Dv multiples of 64, 16-byte loads, 64-row streamed tiles"
+#if HEAD_DIM % 64 || HEAD_DIM_V % 64 || !VEC_LOAD || Q_BLOCK_N != 64 || Q_BLOCK_M != 16 * Q_WARPS || KV_SPLIT \
+    || KV_BLOCK_M != (DQ_ATOMIC && HEAD_DIM == 64 ? 128 : 64)
+#error "attn_bwd_sm90: D and Dv multiples of 64, 16-byte loads, 64-row streamed tiles (128 where D = 64 adds dQ)"
 #endif
 
-/* acc (+)= A B^T for 64 rows x 64 columns over k = KD (both operands K-major SW128 tiles: A's
- * warpgroup rows at a_base, B's 64 rows at b_base; a_rows / b_rows: the tiles' heights). */
-template <int KD>
-DEV void mma_ss64(float (&acc)[8][4], uint32_t a_base, int a_rows, uint32_t b_base, int b_rows)
+/* acc (+)= A B^T for 64 rows x N columns over k = KD (both operands K-major SW128 tiles: A's
+ * warpgroup rows at a_base, B's N rows at b_base; a_rows / b_rows: the tiles' heights). */
+template <int N, int KD>
+DEV void mma_ss(float (&acc)[N / 8][4], uint32_t a_base, int a_rows, uint32_t b_base, int b_rows)
 {
 #pragma unroll
     for (int kk = 0; kk < KD / 16; kk++) {
         const uint32_t off = (kk & 3) * 32;
-        wgmma_m64n64_ss(acc, sw128_desc(a_base + (kk >> 2) * (a_rows * 128) + off, 16, 1024),
-                        sw128_desc(b_base + (kk >> 2) * (b_rows * 128) + off, 16, 1024), kk > 0);
+        const uint64_t da = sw128_desc(a_base + (kk >> 2) * (a_rows * 128) + off, 16, 1024),
+                       db = sw128_desc(b_base + (kk >> 2) * (b_rows * 128) + off, 16, 1024);
+        if constexpr (N == 128)
+            wgmma_m64n128_ss(acc, da, db, kk > 0);
+        else
+            wgmma_m64n64_ss(acc, da, db, kk > 0);
     }
 }
 
-/* acc += A B for 64 rows x N columns over k = 64 rows of B: A as register fragments (4 k16
- * steps), B an SW128 tile of 64 rows read transposed (MN-major). */
-template <int N>
-DEV void mma_rs(float (&acc)[N / 8][4], const uint32_t (&a)[1][4][4], uint32_t b_base)
+/* acc += A B for 64 rows x N columns over k = 16 KS rows of B: A as register fragments (KS k16
+ * steps), B an SW128 tile of 16 KS rows read transposed (MN-major). */
+template <int N, int KS>
+DEV void mma_rs(float (&acc)[N / 8][4], const uint32_t (&a)[1][KS][4], uint32_t b_base)
 {
 #pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
+    for (int kk = 0; kk < KS; kk++) {
         const uint64_t db = sw128_desc(b_base + kk * 16 * 128, 64 * 128, 1024);
         if constexpr (N == 128)
             wgmma_m64n128_rs_t(acc, a[0][kk], db);
@@ -88,8 +92,8 @@ DEV void kv_item(float (&dk)[1][NTK][4], float (&dv)[1][NTV][4], uint32_t (&pd)[
 {
     float s[1][KV_NT][4], dp[1][KV_NT][4];
     wgmma_fence();
-    mma_ss64<HEAD_DIM>(s[0], sK + kw0 * 128, KV_BLOCK_N, qb, KV_BLOCK_M);
-    mma_ss64<HEAD_DIM_V>(dp[0], sV + kw0 * 128, KV_BLOCK_N, dob, KV_BLOCK_M);
+    mma_ss<KV_BLOCK_M, HEAD_DIM>(s[0], sK + kw0 * 128, KV_BLOCK_N, qb, KV_BLOCK_M);
+    mma_ss<KV_BLOCK_M, HEAD_DIM_V>(dp[0], sV + kw0 * 128, KV_BLOCK_N, dob, KV_BLOCK_M);
     wgmma_commit();
     /* asked while the products run (a mask_mod's block mask is a global load away) */
     const bool need_mask = tile_maybe_masked(sc, m0, min(m0 + KV_BLOCK_M, Lq), n0, min(n0 + KV_BLOCK_N, Lk))
@@ -100,12 +104,11 @@ DEV void kv_item(float (&dk)[1][NTK][4], float (&dv)[1][NTV][4], uint32_t (&pd)[
     fence_acc(dp[0]);
 
     uint32_t pp[1][KV_NT / 2][4];
-    pt_tile(s, pp, sc, lb, n0w, m0, qlo, qhi, need_mask);
+    pt_tile<KV_NT, true>(s, pp, sc, lb, n0w, m0, qlo, qhi, need_mask, dp, db);   /* dS^T into dp */
     wgmma_fence();
     mma_rs<HEAD_DIM_V>(dv[0], pp, dob);          /* dV += P^T dO */
     wgmma_commit();
-    dst_tile(s, dp, db);
-    pack_frag<1, KV_NT / 2>(pd, s);
+    pack_frag<1, KV_NT / 2>(pd, dp);
     wgmma_fence();
     mma_rs<HEAD_DIM>(dk[0], pd, qb);             /* dK += dS^T Q */
     wgmma_commit();
@@ -245,16 +248,25 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
  * every run. Otherwise the bulk reductions land in whatever order (deterministic=False).
  * dq_accum's rows of one head are contiguous (B, Hq, S, HEAD_DIM in memory), so a tile's valid
  * rows are one block. */
-#if KV_WG != 2 || HEAD_DIM != 128
-#error "attn_bwd_dkdv_ws_sm90: two consumer warpgroups, D = 128 (each adds half of dQ's columns)"
+#if KV_WG != 2 || !(HEAD_DIM == 128 || (HEAD_DIM == 64 && HEAD_DIM_V == 64))
+#error "attn_bwd_dkdv_ws_sm90: two consumer warpgroups, D = 128 (halves of dQ's columns) or D = Dv = 64 (its rows)"
 #endif
 #define WS_THREADS (KV_THREADS + 128)
 #define LOADERS 64                        /* producer threads that load Q, dO, lse, delta */
 #define SDS_BYTES (KV_BLOCK_N * KV_BLOCK_M * 2)
 #define SDQ_BYTES (KV_BLOCK_M * HEAD_DIM * 4)
+/* D = 128: 64 query rows per item, warpgroup c adds dQ's columns [64c, 64c + 64); D = 64: 128
+ * rows (S^T of 64 keys x 128 rows per warpgroup, FlashAttention-3's hdim-64 tile), warpgroup c
+ * adds rows [64c, 64c + 64) of dQ, every column. */
+#define DQ_BY_ROWS (HEAD_DIM == 64)
+#if DQ_BY_ROWS
+#define CONSUMER_REGS 232
+#define PRODUCER_REGS 40
+#else
 #define CONSUMER_REGS 224
 #define PRODUCER_REGS 56
-static_assert(LOADERS == KV_BLOCK_M, "a loader per lse / delta row");
+#endif
+static_assert(KV_BLOCK_M % LOADERS == 0, "loaders cover the lse / delta rows");
 
 #if DQ_ORDERED
 /* The key blocks add into a query tile one at a time, in descending key-block order, so every
@@ -312,7 +324,9 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     /* K, V (the CTA's keys), Q[2], dO[2] (the query tiles' stages), dS^T[2], dQ[2] (float32), then
      * lse[2], delta[2] and the mbarriers q_full[2], q_empty[2], dq_full[2], dq_empty[2] */
-    const uint32_t base = smem_addr(smem_raw), sK = (base + 1023) & ~1023u;
+    const uint32_t base = smem_addr(smem_raw), sK = base;
+    if (base & 1023)                      /* never: declared 1024-aligned; the D = 64 layout has no byte to spare */
+        __trap();
     const uint32_t sV = sK + KV_BLOCK_N * HEAD_DIM * 2, sQ = sV + KV_BLOCK_N * HEAD_DIM_V * 2;
     const uint32_t sdO = sQ + 2 * KQ_BYTES, sdS = sdO + 2 * KDO_BYTES, sdQ = sdS + 2 * SDS_BYTES;
     const uint32_t sLD = sdQ + 2 * SDQ_BYTES;
@@ -370,14 +384,17 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                     (const elem_t *)p.dout.ptr + sq.mem_b * p.dout.s[0] + row0 * p.dout.s[1] + h * p.dout.s[2],
                     p.dout.s[1], Lq - m0, tid);
                 mbar_arrive_cp_async(q_full + 8 * x);
-                float l = POS_INF, d = 0.f;
-                if (m0 + tid < Lq) {
-                    const int64_t row = row0 + tid;
-                    l = lse_log2(((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + row * p.lse.s[2]]);
-                    d = ((const float *)p.delta.ptr)[sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + row * p.delta.s[2]];
+#pragma unroll
+                for (int r = tid; r < KV_BLOCK_M; r += LOADERS) {
+                    float l = POS_INF, d = 0.f;
+                    if (m0 + r < Lq) {
+                        const int64_t row = row0 + r;
+                        l = lse_log2(((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + row * p.lse.s[2]]);
+                        d = ((const float *)p.delta.ptr)[sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + row * p.delta.s[2]];
+                    }
+                    sL[x * KV_BLOCK_M + r] = l;
+                    sD[x * KV_BLOCK_M + r] = d;
                 }
-                sL[x * KV_BLOCK_M + tid] = l;
-                sD[x * KV_BLOCK_M + tid] = d;
                 mbar_arrive(q_full + 8 * x);
             }
             cp_async_wait_all();
@@ -460,13 +477,14 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
         fence_proxy_async();
         named_sync(1, KV_THREADS);
 
-        /* dQ[:, 64 cw .. + 64) = dS K over the CTA's keys */
+        /* dQ = dS K over the CTA's keys: rows [64 cw, + 64) (D = 64) or columns [64 cw, + 64) */
         float acc[8][4];
+        const uint32_t a_panel = DQ_BY_ROWS ? cw * (KV_BLOCK_N * 128) : 0, b_panel = DQ_BY_ROWS ? 0 : cw * (KV_BLOCK_N * 128);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < KV_BLOCK_N / 16; kk++)
-            wgmma_m64n64_ss_tt(acc, sw128_desc(ds + kk * 16 * 128, KV_BLOCK_N * 128, 1024),
-                               sw128_desc(sK + cw * (KV_BLOCK_N * 128) + kk * 16 * 128, KV_BLOCK_N * 128, 1024), kk > 0);
+            wgmma_m64n64_ss_tt(acc, sw128_desc(ds + a_panel + kk * 16 * 128, KV_BLOCK_N * 128, 1024),
+                               sw128_desc(sK + b_panel + kk * 16 * 128, KV_BLOCK_N * 128, 1024), kk > 0);
         wgmma_commit();
         wgmma_wait<0>();
         fence_acc(acc);
@@ -478,11 +496,12 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
             mbar_wait(dq_empty + 8 * x, ((j >> 1) - 1) & 1);
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            const int r = w4 * 16 + g + i * 8;           /* m0 is a multiple of 4: dq_col's row bits */
+            /* m0 is a multiple of 4: dq_col's row bits */
+            const int r = (DQ_BY_ROWS ? cw * 64 : 0) + w4 * 16 + g + i * 8, c0 = DQ_BY_ROWS ? 0 : cw * 64;
 #pragma unroll
             for (int nt = 0; nt < 8; nt++)
                 asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(dqs + r * (HEAD_DIM * 4)
-                                                                       + dq_col(r, cw * 64 + nt * 8 + 2 * t) * 4),
+                                                                       + dq_col(r, c0 + nt * 8 + 2 * t) * 4),
                              "f"(acc[nt][2 * i]), "f"(acc[nt][2 * i + 1]));
         }
         fence_proxy_async();
@@ -559,8 +578,8 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq_sm90
 
         float s[1][Q_NT][4], dp[1][Q_NT][4];
         wgmma_fence();
-        mma_ss64<HEAD_DIM>(s[0], sQ + wg * 64 * 128, Q_BLOCK_M, sK + buf * QK_BYTES, Q_BLOCK_N);
-        mma_ss64<HEAD_DIM_V>(dp[0], sdO + wg * 64 * 128, Q_BLOCK_M, sV + buf * QV_BYTES, Q_BLOCK_N);
+        mma_ss<Q_BLOCK_N, HEAD_DIM>(s[0], sQ + wg * 64 * 128, Q_BLOCK_M, sK + buf * QK_BYTES, Q_BLOCK_N);
+        mma_ss<Q_BLOCK_N, HEAD_DIM_V>(dp[0], sdO + wg * 64 * 128, Q_BLOCK_M, sV + buf * QV_BYTES, Q_BLOCK_N);
         wgmma_commit();
         const bool need = ds_needs_mask(p, sc, m0, n * Q_BLOCK_N, Lq, Lk);   /* while the products run */
         wgmma_wait<0>();

@@ -70,10 +70,12 @@ DEV void red_add_f32x2(float *p, float a, float b)
  * keys n0w + g (+ 8), columns query rows m0 + 8 nt + 2 t (+ 1)): P^T packed into pp (the A
  * fragments of dV += P^T dO), and s overwritten by P^T * score_grad (for dS^T). lb: the tile's
  * lse rows in log2 units; qlo, qhi: the query rows each of the thread's two key rows is seen
- * by; a tile that needs no mask skips the tests. */
-template <int NT>
+ * by; a tile that needs no mask skips the tests. DS: dP^T is in dp already, and dS^T (dst_tile's,
+ * the same bits) goes into dp instead, element by element: s is dead as it is read (registers). */
+template <int NT, bool DS = false>
 DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score_ctx &sc, const float *lb,
-                 int n0w, int m0, const int (&qlo)[2], const int (&qhi)[2], bool need_mask)
+                 int n0w, int m0, const int (&qlo)[2], const int (&qhi)[2], bool need_mask,
+                 float (&dp)[1][NT][4], const float *db)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const float scale_log2 = sc.scale * LOG2E;
@@ -124,7 +126,11 @@ DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score
 #endif
                 note_fault(fault, bad, r, c, raw);
                 pr[x] = pv;
-                s[0][nt][e] = pv * grad;
+                const float pg = pv * grad;
+                if constexpr (DS)
+                    dp[0][nt][e] = pg * (dp[0][nt][e] - db[rl]);
+                else
+                    s[0][nt][e] = pg;
             }
             pp[0][nt / 2][(nt & 1) * 2 + half] = pack2(pr[0], pr[1]);
         }

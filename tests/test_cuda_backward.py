@@ -174,7 +174,7 @@ def test_dq_added_by_the_dkdv_kernel(d, dv, kernel, mode, rng, monkeypatch):
     """dq as additions of dS K into dq_accum from the dK/dV kernel (kernels.bwd_dq_mode), by
     plain atomics (deterministic=False) or in a fixed order (then the same bits on a second run),
     within the same tolerance; on Hopper through attn_bwd_sm90.cu ("default": the warp-specialised
-    kernel at D = 128, the dQ kernel elsewhere) and attn_bwd.cu ("mma_sync": atomic only, ordered
+    kernel at D = 128 and D = Dv = 64, the dQ kernel elsewhere) and attn_bwd.cu ("mma_sync": atomic only, ordered
     falls back to the dQ kernel)."""
     monkeypatch.setenv("ATTNEXT_BWD_DQ", mode)
     if kernel == "mma_sync":

@@ -86,21 +86,27 @@ def test_hopper_backward_choice_and_shared_memory(monkeypatch):
 
 
 def test_dq_mode(monkeypatch):
-    """dQ added by attn_bwd_sm90's warp-specialised dK/dV kernel on Hopper at D = 128 (in turns
-    when deterministic), by the dQ kernel elsewhere; the lab's ATTNEXT_BWD_DQ never makes a
-    deterministic call order-dependent, nor asks for additions no kernel makes."""
+    """dQ added by attn_bwd_sm90's warp-specialised dK/dV kernel on Hopper at D = 128 and at D =
+    Dv = 64 (in turns when deterministic), by the dQ kernel elsewhere; the lab's ATTNEXT_BWD_DQ
+    never makes a deterministic call order-dependent, nor asks for additions no kernel makes."""
     mode = kernels.bwd_dq_mode
     assert mode(True, 128, True) == "ordered" and mode(True, 128, False) == "atomic"
-    assert mode(True, 64, True) == mode(True, 64, False) == "recompute"
+    assert mode(True, 64, True) == "ordered" and mode(True, 64, False) == "atomic"
+    assert mode(True, 64, True, 128) == mode(True, 64, False, 128) == "recompute"
     assert mode(False, 128, True) == mode(False, 128, False) == "recompute"
     tile = kernels.bwd_sm90_tile(128, "ordered")
     assert tile == kernels.bwd_sm90_tile(128, "atomic") and tile["kv_warps"] == 8
+    assert tile["kv_block_m"] == 64 and kernels.bwd_sm90_tile(64, "ordered")["kv_block_m"] == 128
     assert kernels.bwd_sm90_kv_kernel("ordered", tile) == ("attn_bwd_dkdv_ws_sm90", 12)
     recompute = kernels.bwd_sm90_tile(128, "recompute")
     assert kernels.bwd_sm90_kv_kernel("recompute", recompute) == ("attn_bwd_dkdv_sm90", 4)
+    for D in (64, 128):   # the warp-specialised kernel fits 227 KB without the base's rounding slack
+        assert kernels.bwd_sm90_smem_bytes(D, D, kernels.bwd_sm90_tile(D, "ordered"))["attn_bwd_dkdv_ws_sm90"] \
+            <= 232448
     monkeypatch.setenv("ATTNEXT_BWD_DQ", "atomic")
     assert mode(True, 128, False) == "atomic" and mode(True, 128, True) == "ordered"
-    assert mode(True, 64, False) == mode(True, 64, True) == "recompute"
+    assert mode(True, 64, False) == "atomic" and mode(True, 64, True) == "ordered"
+    assert mode(True, 64, False, 128) == mode(True, 64, True, 128) == "recompute"
     assert mode(False, 64, False) == "atomic" and mode(False, 64, True) == "recompute"
     monkeypatch.setenv("ATTNEXT_BWD_DQ", "recompute")
     assert mode(True, 128, True) == mode(True, 128, False) == "recompute"
