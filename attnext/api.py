@@ -578,6 +578,18 @@ def _runs_on_reference(o):
     return o.device == "reference"
 
 
+def _trace_mods(o):
+    """device="reference" calls score_mod / mask_mod itself on NumPy arrays (reference.py), yet
+    refuses what the backends refuse: each is traced first, as the CPU backend's interp.bind
+    does, so Python control flow on traced values, a wrong return type, a captured array no
+    lookup can read, a builtin refusing the arguments or a constant index out of range raise
+    the CPU's exception and message before the reference runs. Valid functions run as before."""
+    if o.score_mod is not None:
+        trace.trace_score_mod(o.score_mod)
+    if o.mask_mod is not None:
+        trace.trace_mask_mod(o.mask_mod)
+
+
 def _has_mods(o):
     """score_mod / mask_mod with host arrays run on the CPU backend's interpreter, whatever the
     device; with CUDA arrays, the code generator's kernels (codegen.py)."""
@@ -609,6 +621,7 @@ def _forward(o):
         out = _new_output(o.out_shape, o.q.dtype)
     lse = _new_output(o.lse_shape, o.acc_dtype)
     if _runs_on_reference(o):
+        _trace_mods(o)
         if o.varlen:
             r_out, r_lse = reference.varlen_attention(o.q, o.k, o.v, o.cu_q, o.cu_k, return_lse=True,
                                                       **_reference_kwargs(o))
@@ -699,6 +712,7 @@ def _backward(o, dout, out, lse, deterministic):
                         "of them on the GPU or all on the host")
     _check_memory(o, backward=True)
     if _runs_on_reference(o):
+        _trace_mods(o)
         if o.varlen:
             g = reference.varlen_attention_backward(dout, o.q, o.k, o.v, out, lse, o.cu_q, o.cu_k,
                                                     **_reference_kwargs(o))

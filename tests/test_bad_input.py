@@ -289,6 +289,27 @@ def test_bad_input(case):
     assert re.search(rf"\b{re.escape(arg)}\b", message), f"{exc.__name__} does not name {arg}: {message}"
 
 
+# --- callbacks on the reference: refused as on the CPU, with the same message ---
+
+CALLBACK_CASES = [c for c in BAD_INPUTS if c[1] in ("score_mod", "mask_mod")]
+
+
+@pytest.mark.parametrize("case", CALLBACK_CASES, ids=[_id(c) for c in CALLBACK_CASES])
+def test_bad_input_callback_on_the_reference(case):
+    """device="reference" calls score_mod / mask_mod itself on NumPy arrays, where a bool
+    score, a float mask or a None would pass unnoticed; it traces them first, so each callback
+    the CPU backend refuses is refused there with the same exception and message."""
+    fn, arg, label, value, exc = case
+    with pytest.raises(exc) as on_cpu:
+        call(fn, **{arg: value})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(exc) as on_reference:
+            call(fn, device="reference", **{arg: value})
+    assert type(on_reference.value) is type(on_cpu.value)
+    assert str(on_reference.value) == str(on_cpu.value)
+
+
 # --- mixed dtypes, disagreeing shapes, unknown keywords: several arguments at once ---
 
 def _mixed_cases():

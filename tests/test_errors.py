@@ -3,6 +3,7 @@
 Every check in attnext/api.py has a case here, run through the forward and the backward (they
 share the argument checks) of the padded and the packed (varlen) entry points.
 """
+import math
 import os
 import re
 import subprocess
@@ -161,6 +162,16 @@ PADDED_CASES = [
      TypeError, r"^score_mod: Python control flow on a traced value"),
     ("mask_mod_constant_index_out_of_range", dict(mask_mod=lambda b, h, q, k: TABLE_F32[h, 9] > 0),
      IndexError, r"^mask_mod: index 9 is out of bounds for axis 1 of array 'TABLE_F32' with size 4$"),
+    ("mask_mod_python_and", dict(mask_mod=lambda b, h, q, k: q >= k and k >= 0), TypeError,
+     r"^mask_mod: Python control flow on a traced value: bool\(\(q_idx >= kv_idx\)\)"),
+    ("score_mod_unsupported_ufunc", dict(score_mod=lambda s, b, h, q, k: np.floor(s)), TypeError,
+     r"^score_mod: unsupported operation np.floor on a traced value"),
+    ("score_mod_math_function", dict(score_mod=lambda s, b, h, q, k: math.exp(s)), TypeError,
+     r"^score_mod: float\(\) of a traced value score \(math.\* functions call it\)"),
+    ("score_mod_chained_index", dict(score_mod=lambda s, b, h, q, k: s + TABLE_F32[h][k]),
+     TypeError, r"^score_mod: array 'TABLE_F32' of shape \(4, 4\) indexed by 1 of its 2 axes"),
+    ("score_mod_float_index", dict(score_mod=lambda s, b, h, q, k: s + TABLE_F32[h, s]), TypeError,
+     r"^score_mod: array 'TABLE_F32' indexed by a f32 expression score"),
     # alibi
     ("alibi_shape", dict(alibi_slopes=np.ones(HK)), ValueError,
      r"alibi_slopes must have shape \(4,\) or \(2, 4\), got \(2,\)"),
@@ -208,6 +219,20 @@ PADDED_CASES = [
 def test_padded_bad_input(entry, changes, exc, match):
     with pytest.raises(exc, match=match):
         entry(**changes)
+
+
+CALLBACK_CASES = [c for c in PADDED_CASES if {"score_mod", "mask_mod"} & set(c[1])]
+
+
+@pytest.mark.parametrize("entry", [forward, backward], ids=["forward", "backward"])
+@pytest.mark.parametrize("changes, exc, match", [c[1:] for c in CALLBACK_CASES],
+                         ids=[c[0] for c in CALLBACK_CASES])
+def test_callback_refused_on_the_reference(entry, changes, exc, match):
+    """device="reference" calls the callbacks on NumPy arrays, where most of these would run
+    (and some give an answer: a bool score, np.floor, table[h][k]); it traces them first and
+    refuses them as the CPU backend does, with the same message."""
+    with pytest.raises(exc, match=match):
+        entry(**changes, device="reference")
 
 
 def test_options_are_keyword_only():

@@ -1,7 +1,8 @@
 """score_mod / mask_mod on the CPU backend's interpreter (csrc/interp.c, attnext/interp.py)
 against the reference: the zoo of tests/mods.py forward and backward (dtensors included), the
 built-in options combined with them, block skipping at tile edges, varlen, lookups out of range,
-NumPy's integer rules, determinism, and the structural program cache."""
+NumPy's integer rules, determinism, and the structural program cache. Also device="reference":
+the zoo traced first (refusals: test_errors.py, test_bad_input.py), then the reference's answer."""
 import os
 import subprocess
 import sys
@@ -99,6 +100,71 @@ def test_varlen_b_is_the_sequence(dtype, rng):
     check_dtensors(res, score_mod, dtype)
     assert (res.out[30:] == 0).all() and (res.grads.dq[30:] == 0).all()
     assert (res.grads.dk[[12, 13, 41, 42]] == 0).all()
+
+
+# --- device="reference": traced first, then the reference's own answer ---------------------------
+
+ZOO = ([("score_mod", n) for n in sorted(mods.score_mods())]
+       + [("mask_mod", n) for n in sorted(mods.mask_mods())])
+
+
+def _same_as_reference(q, k, v, rng, varlen=None, **opts):
+    """attention(..., device="reference") and its backward give the bits of attnext.reference's
+    own functions (cast to q's dtype as the API casts them): tracing changed no answer."""
+    names = ("attention", "attention_backward") if varlen is None else (
+        "varlen_attention", "varlen_attention_backward")
+    fwd, bwd = (getattr(attnext, n) for n in names)
+    r_fwd, r_bwd = (getattr(reference, n) for n in names)
+    args = dict(q=q, k=k, v=v, **(varlen or {}), **opts)
+    out, lse = fwd(**args, return_lse=True, device="reference")
+    r_out, r_lse = r_fwd(**args, return_lse=True)
+    assert np.array_equal(out, r_out.astype(q.dtype))
+    assert np.array_equal(lse, r_lse.astype(lse.dtype))
+    dout = randn(rng, out.shape, q.dtype)
+    g = bwd(dout=dout, out=out, lse=lse, **args, device="reference")
+    rg = r_bwd(dout=dout, out=out, lse=lse, **args)
+    for name in ("dq", "dk", "dv"):
+        assert np.array_equal(getattr(g, name), getattr(rg, name).astype(q.dtype)), name
+    assert g.dbias is None and g.dtensors.keys() == rg.dtensors.keys()
+    for name, d in rg.dtensors.items():
+        assert np.array_equal(g.dtensors[name], d), name
+    return out
+
+
+@pytest.mark.parametrize("kind, name", ZOO, ids=[f"{k}-{n}" for k, n in ZOO])
+def test_zoo_on_device_reference_is_the_reference(kind, name, rng):
+    mod = (mods.score_mods() if kind == "score_mod" else mods.mask_mods())[name]
+    q, k, v = make_qkv(rng, 2, 13, S, H, 2, 8, 6, F32)
+    out = _same_as_reference(q, k, v, rng, **{kind: mod})
+    assert np.isfinite(out).all()
+
+
+def test_varlen_on_device_reference_is_the_reference(rng):
+    cu_q, cu_k = np.array([0, 9, 9, 25]), np.array([0, 14, 14, 30])
+    q, k, v = make_varlen_qkv(rng, 27, 31, H, 2, 8, 8, F64)
+    varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=np.array([7, 0, 16]))
+    _same_as_reference(q, k, v, rng, varlen=varlen, score_mod=mods.score_mods()["rel_bias"],
+                       mask_mod=mods.mask_mods()["document_causal"])
+
+
+def test_device_reference_traces_once_then_calls_on_numpy_arrays(rng):
+    """The first call of each callback is the trace (proxies); every later one, the reference's
+    own, gets NumPy arrays of the pairs."""
+    seen = []
+
+    def score_mod(s, b, h, qi, ki):
+        seen.append(("score_mod", type(s).__name__, type(qi).__name__))
+        return s * 0.5 + qi
+
+    def mask_mod(b, h, qi, ki):
+        seen.append(("mask_mod", type(b).__name__, type(ki).__name__))
+        return qi >= ki
+
+    q, k, v = make_qkv(rng, 1, 5, 6, 2, 1, 8, 8, F32)
+    attnext.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, device="reference")
+    assert seen[:2] == [("score_mod", "Proxy", "Proxy"), ("mask_mod", "Proxy", "Proxy")]
+    assert {x[1:] for x in seen[2:]} == {("ndarray", "ndarray")}
+    assert {x[0] for x in seen[2:]} == {"score_mod", "mask_mod"}
 
 
 # --- block skipping -----------------------------------------------------------------------------
