@@ -6,8 +6,9 @@ as torch CUDA tensors.
 - 8 threads (torch CUDA tensors, and NumPy float16 through the pinned staging rings) get the bits
   of the same calls run one at a time, with no deadlock.
 - A long GPU call with NumPy inputs lets another Python thread run (the GIL is released).
-- 10,000 small GPU calls grow neither device memory nor RSS; NumPy calls reuse the pinned rings,
-  which reset() and interpreter exit free.
+- 10,000 small GPU calls grow neither device memory nor RSS, plain or with score_mod / mask_mod
+  (their kernels, captured arrays' device copies and block masks kept between calls); NumPy
+  calls reuse the pinned rings, which reset() and interpreter exit free.
 - A failing CUDA call (out of memory, an invalid launch) raises the documented exception naming
   the call, and the next attention call still gives the reference's answer.
 - Refused calls with CUDA arrays raise the CPU tables' exceptions naming the argument and leave
@@ -318,6 +319,92 @@ def test_10000_small_torch_calls_grow_neither_device_memory_nor_rss(torch, rng):
     assert free1 - free2 > 25 * MiB, f"the control's 50 MiB did not show ({(free1 - free2) / MiB:.1f} MiB)"
     del kept
     assert_close("out", _host(torch, dst), reference.attention(*(_host(torch, x) for x in (q, k, v))), BF16)
+
+
+def test_10000_score_mod_and_mask_mod_calls_grow_neither_device_memory_nor_rss(torch, rng):
+    """The check above with score_mod / mask_mod, whose calls keep things for the next ones:
+    kernels and generated sources found again by structure (the callbacks are closures made
+    afresh every turn, traced at every call), mod_cache's device copies of captured NumPy arrays
+    (a document-id array changed in place every other turn among six contents, more than
+    mod_cache.PER_SHAPE: copies uploaded, found again and pushed out) and the block masks made
+    from them (keyed by those contents and a window constant over seven values: more than
+    mod_cache.MASK_ENTRIES keys, masks kept, found and pushed out), a captured torch table read in
+    place, array gradients (a NumPy array's downloaded, a torch tensor's made on the device), a
+    decode forward reading captured slopes. Turns of five: forward with lse, forward into out=,
+    backward, decode forward, backward (causal); every tenth turn also a lookup out of range
+    refused (IndexError from the device's error record) and a callback refused while tracing.
+    Same bounds and control as the plain test; then one call against the reference."""
+    q, k, v = (_tensor(torch, x) for x in make_qkv(rng, 2, 128, 160, 8, 2, 64, 64, BF16))
+    dec_q, dec_k, dec_v = (_tensor(torch, x) for x in make_qkv(rng, 1, 1, 2048, 8, 2, 64, 64, BF16))
+    table = randn(rng, (8, 2 * 160 + 1), F32)              # relative position (q_idx - kv_idx)
+    ttable = _tensor(torch, table)                         # the same values as a torch tensor
+    slopes = rng.uniform(0.05, 0.5, 8).astype(F32)
+    small = np.zeros(3, F32)
+    # six document layouts of the 160 key positions, every id 0-3 present in each (the same
+    # value range: the generated code does not change with the contents)
+    docs = [np.repeat(np.arange(4), rng.multinomial(128, [0.25] * 4) + 8).astype(np.int32)
+            for _ in range(6)]
+    doc = docs[0].copy()
+
+    def callbacks(i):
+        """Call i's score_mods and mask_mod, made afresh; doc and the window w change with i."""
+        doc[:] = docs[i // 10 % len(docs)]
+        w = 24.0 + 8.0 * (i // 5 % 7)
+
+        def score_mod(s, b, h, qi, ki):
+            return s + table[h, qi - ki + 160] * 0.5
+
+        def torch_score_mod(s, b, h, qi, ki):
+            return s + ttable[h, qi - ki + 160] * 0.5
+
+        def mask_mod(b, h, qi, ki):
+            return (doc[qi] == doc[ki]) & (np.abs(qi - ki) < w)
+
+        return score_mod, torch_score_mod, mask_mod
+
+    score_mod, _, mask_mod = callbacks(0)
+    out, lse = attnext.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, return_lse=True)
+    dout = _tensor(torch, randn(rng, tuple(out.shape), BF16))
+    dst = torch.empty_like(out)
+
+    def turn(i):
+        score_mod, torch_score_mod, mask_mod = callbacks(i)
+        r = i % 5
+        if r == 0:
+            attnext.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, return_lse=True)
+        elif r == 1:
+            attnext.attention(q, k, v, score_mod=torch_score_mod, mask_mod=mask_mod, out=dst)
+        elif r == 2:
+            g = attnext.attention_backward(dout, q, k, v, out, lse, score_mod=score_mod, mask_mod=mask_mod)
+            assert isinstance(g.dtensors["table"], np.ndarray)
+        elif r == 3:
+            attnext.attention(dec_q, dec_k, dec_v,
+                              score_mod=lambda s, b, h, qi, ki: s - slopes[h] * np.abs(qi - ki))
+        else:
+            g = attnext.attention_backward(dout, q, k, v, out, lse, score_mod=torch_score_mod, causal=True)
+            assert isinstance(g.dtensors["ttable"], torch.Tensor)
+        if i % 50 == 0:
+            with pytest.raises(IndexError, match="'small'"):
+                attnext.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + small[ki])
+            with pytest.raises(TypeError, match="Python control flow"):
+                attnext.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s if qi > ki else -s)
+
+    for i in range(500):                                 # warm-up: kernels, pools, caches
+        turn(i)
+    free0, rss0 = _device_free(torch), _rss()
+    for i in range(10000):
+        turn(i)
+    free1, rss1 = _device_free(torch), _rss()
+    assert free0 - free1 < 16 * MiB, f"device memory grew by {(free0 - free1) / MiB:.1f} MiB over 10,000 calls"
+    assert rss1 - rss0 < 16 * MiB, f"RSS grew by {(rss1 - rss0) / MiB:.1f} MiB over 10,000 calls"
+    kept = [attnext.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod) for _ in range(200)]
+    free2 = _device_free(torch)
+    assert free1 - free2 > 25 * MiB, f"the control's 50 MiB did not show ({(free1 - free2) / MiB:.1f} MiB)"
+    del kept
+    score_mod, torch_score_mod, mask_mod = callbacks(10001)
+    attnext.attention(q, k, v, score_mod=torch_score_mod, mask_mod=mask_mod, out=dst)
+    want = reference.attention(*(_host(torch, x) for x in (q, k, v)), score_mod=score_mod, mask_mod=mask_mod)
+    assert_close("out", _host(torch, dst), want, BF16)
 
 
 def _pinned(rings):
