@@ -2,8 +2,8 @@
 16 heads) as one varlen call (cu_seqlens on the GPU, then on the host) against each document as
 its own plain causal call, forward and backward, so the varlen grid's cost shows apart from the
 kernel's and the host's; and the same documents as one sequence with a document mask_mod
-(alone, and beside causal=True), and a mask_mod of plain causality against causal=True, so
-the generated kernels' cost shows apart from the block sparsity's.
+(alone, and beside causal=True; forward and backward), and a mask_mod of plain causality against
+causal=True, so the generated kernels' cost shows apart from the block sparsity's.
 
     python bench/lab_docs.py            (timings)
     python bench/lab_docs.py once       (one call of each, for ncu)
@@ -73,13 +73,26 @@ def main(once, aligned=False):
     def causal_fwd():
         attnext.attention(q1, k1, v1, out=o1, causal=True)
 
+    def doc_causal(b, h, qi, ki):
+        return (doc[qi] == doc[ki]) & (ki <= qi)
+
+    do1 = dout[None]
+    mo, ml = attnext.attention(q1, k1, v1, mask_mod=doc_causal, return_lse=True)
+
+    def mask_bwd():
+        attnext.attention_backward(do1, q1, k1, v1, mo, ml, mask_mod=doc_causal)
+
+    def mask_causal_bwd():
+        attnext.attention_backward(do1, q1, k1, v1, mo, ml, causal=True, mask_mod=lambda b, h, qi, ki: doc[qi] == doc[ki])
+
     flops = sum(4 * H * n * n * D / 2 for n in lens)
     full = 4 * H * T * T * D / 2
     for name, fn, mult in (("varlen fwd", varlen_fwd, 1), ("  host cu", varlen_fwd_host_cu, 1),
                            ("per-doc fwd", docs_fwd, 1), ("mask_mod fwd", mask_fwd, 1),
                            ("  +causal", mask_causal_fwd, 1), ("causal mod", causal_mod_fwd, full / flops),
                            ("causal=True", causal_fwd, full / flops), ("varlen bwd", varlen_bwd, 2.5),
-                           ("  host cu", varlen_bwd_host_cu, 2.5), ("per-doc bwd", docs_bwd, 2.5)):
+                           ("  host cu", varlen_bwd_host_cu, 2.5), ("per-doc bwd", docs_bwd, 2.5),
+                           ("mask_mod bwd", mask_bwd, 2.5), ("  +causal", mask_causal_bwd, 2.5)):
         if once:
             fn()
             torch.cuda.synchronize()

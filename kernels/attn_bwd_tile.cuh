@@ -66,30 +66,15 @@ DEV void red_add_f32x2(float *p, float a, float b)
 #endif
 }
 
-/* P^T for a warp's 16 key rows x the query tile at m0, from S^T = K Q^T (raw dots in s; rows are
- * keys n0w + g (+ 8), columns query rows m0 + 8 nt + 2 t (+ 1)): P^T packed into pp (the A
- * fragments of dV += P^T dO), and s overwritten by P^T * score_grad (for dS^T). lb: the tile's
- * lse rows in log2 units; qlo, qhi: the query rows each of the thread's two key rows is seen
- * by; a tile that needs no mask skips the tests. DS: dP^T is in dp already, and dS^T (dst_tile's,
- * the same bits) goes into dp instead, element by element: s is dead as it is read (registers). */
-template <int NT, bool DS = false>
-DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score_ctx &sc, const float *lb,
+/* pt_tile's pass over the tile's elements; ALL: the tile keeps every pair (a generated
+ * kernel's tile that needs no test: no per-element keep bits to read). */
+template <int NT, bool DS, bool ALL>
+DEV void pt_pass(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score_ctx &sc, const float *lb,
                  int n0w, int m0, const int (&qlo)[2], const int (&qhi)[2], bool need_mask,
-                 float (&dp)[1][NT][4], const float *db)
+                 float (&dp)[1][NT][4], const float *db, const tile_keep<1, NT> &keep, mod_fault &fault)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const float scale_log2 = sc.scale * LOG2E;
-    mod_fault fault = no_fault();
-#if ATTN_GMODS
-    /* the generated kernels: which pairs the tile keeps first (keep_pass: a mask_mod's lookups
-     * in one batch), then the scores, branch-free where they may run anywhere (SCORE_ANYWHERE) */
-    tile_keep<1, NT> keep;
-    keep_pass(sc, need_mask, s, keep, fault, [&](int, int nt, int e, int &r, int &c, bool &band) {
-        c = n0w + g + (e / 2) * 8;
-        r = m0 + nt * 8 + 2 * t + (e & 1);
-        band = r >= qlo[e / 2] && r < qhi[e / 2];
-    });
-#endif
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -104,14 +89,14 @@ DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score
                 float pv = 0.f, grad = 1.f;
                 int bad = 0;
 #if SCORE_ANYWHERE
-                const bool k = keep.at(0, nt, e);
+                const bool k = ALL || keep.at(0, nt, e);
                 const float pk = fast_exp2(kept_score(sc, k, raw, r, c, bad) * LOG2E - lb[rl]);
                 const float gk = score_grad(sc, raw, r, c);
                 pv = k ? pk : 0.f;
                 grad = k ? gk : 1.f;
 #else
 #if ATTN_GMODS
-                const bool k = keep.at(0, nt, e);
+                const bool k = ALL || keep.at(0, nt, e);
 #else
                 const bool k = !need_mask || (r >= qlo[half] && r < qhi[half] && mask_keeps(sc, r, c, bad));
 #endif
@@ -134,6 +119,40 @@ DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score
             }
             pp[0][nt / 2][(nt & 1) * 2 + half] = pack2(pr[0], pr[1]);
         }
+}
+
+/* P^T for a warp's 16 key rows x the query tile at m0, from S^T = K Q^T (raw dots in s; rows are
+ * keys n0w + g (+ 8), columns query rows m0 + 8 nt + 2 t (+ 1)): P^T packed into pp (the A
+ * fragments of dV += P^T dO), and s overwritten by P^T * score_grad (for dS^T). lb: the tile's
+ * lse rows in log2 units; qlo, qhi: the query rows each of the thread's two key rows is seen
+ * by; a tile that needs no mask skips the tests. DS: dP^T is in dp already, and dS^T (dst_tile's,
+ * the same bits) goes into dp instead, element by element: s is dead as it is read (registers). */
+template <int NT, bool DS = false>
+DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score_ctx &sc, const float *lb,
+                 int n0w, int m0, const int (&qlo)[2], const int (&qhi)[2], bool need_mask,
+                 float (&dp)[1][NT][4], const float *db)
+{
+    mod_fault fault = no_fault();
+    tile_keep<1, NT> keep;
+#if ATTN_GMODS
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    /* the generated kernels: which pairs the tile keeps first (keep_pass: a mask_mod's lookups
+     * in one batch), then the scores, branch-free where they may run anywhere (SCORE_ANYWHERE);
+     * without a mask_mod, a tile that needs no test takes the pass without keep bits (softcap
+     * score_mod backward 1.36x -> 1.44x Flex; with a mask_mod's code beside it the second pass
+     * cost registers and time: bench/NOTES.md, backward v5) */
+    keep_pass(sc, need_mask, s, keep, fault, [&](int, int nt, int e, int &r, int &c, bool &band) {
+        c = n0w + g + (e / 2) * 8;
+        r = m0 + nt * 8 + 2 * t + (e & 1);
+        band = r >= qlo[e / 2] && r < qhi[e / 2];
+    });
+#if !HAS_MASK_MOD
+    if (!need_mask)
+        pt_pass<NT, DS, true>(s, pp, sc, lb, n0w, m0, qlo, qhi, need_mask, dp, db, keep, fault);
+    else
+#endif
+#endif
+        pt_pass<NT, DS, false>(s, pp, sc, lb, n0w, m0, qlo, qhi, need_mask, dp, db, keep, fault);
     report_fault(sc, fault);
 }
 
