@@ -18,8 +18,9 @@
  *                       double-buffered: S = Q K^T, dP = dO V^T, dS (ds_tile), dQ += dS K.
  *
  * Applies to VEC_LOAD inputs with D and Dv in {64, 128} (kernels.bwd_plan chooses); every option
- * of attn_bwd.cu otherwise. Switches: bwd_defines' (KV_BLOCK_M = 64, KV_WARPS = 4 per warpgroup,
- * Q_BLOCK_M = 16 * Q_WARPS, Q_BLOCK_N = 64).
+ * of attn_bwd.cu otherwise. Switches: bwd_defines' (KV_BLOCK_M = 64, or 128 where the
+ * warp-specialised kernel below takes D = 64; KV_WARPS = 4 per warpgroup, Q_BLOCK_M = 16 *
+ * Q_WARPS, Q_BLOCK_N = 64).
  */
 #include "attn_bwd_tile.cuh"
 #include "wgmma.cuh"
