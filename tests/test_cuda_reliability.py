@@ -281,6 +281,24 @@ def _device_free(torch):
     return torch.cuda.mem_get_info()[0]
 
 
+def _flat_over_10000_calls(torch, turn, control):
+    """turn(i) 500 times to warm up (kernels, pools, caches), then 10,000 times: device memory
+    and RSS grow by less than 16 MiB; then 200 results of control() kept alive (50 MiB at these
+    shapes) must show, so the measure can see such growth."""
+    for i in range(500):
+        turn(i)
+    free0, rss0 = _device_free(torch), _rss()
+    for i in range(10000):
+        turn(i)
+    free1, rss1 = _device_free(torch), _rss()
+    assert free0 - free1 < 16 * MiB, f"device memory grew by {(free0 - free1) / MiB:.1f} MiB over 10,000 calls"
+    assert rss1 - rss0 < 16 * MiB, f"RSS grew by {(rss1 - rss0) / MiB:.1f} MiB over 10,000 calls"
+    kept = [control() for _ in range(200)]
+    free2 = _device_free(torch)
+    assert free1 - free2 > 25 * MiB, f"the control's 50 MiB did not show ({(free1 - free2) / MiB:.1f} MiB)"
+    del kept
+
+
 def test_10000_small_torch_calls_grow_neither_device_memory_nor_rss(torch, rng):
     """10,000 calls in turns of five: forward with lse, forward into out=, backward, a decode
     forward (split-KV scratch), backward; every tenth turn also a refused call. Each result is
@@ -306,18 +324,7 @@ def test_10000_small_torch_calls_grow_neither_device_memory_nor_rss(torch, rng):
             with pytest.raises(ValueError, match="window"):
                 attnext.attention(q, k, v, window=(-3, 0))
 
-    for i in range(500):                                 # warm-up: kernels, pools, caches
-        turn(i)
-    free0, rss0 = _device_free(torch), _rss()
-    for i in range(10000):
-        turn(i)
-    free1, rss1 = _device_free(torch), _rss()
-    assert free0 - free1 < 16 * MiB, f"device memory grew by {(free0 - free1) / MiB:.1f} MiB over 10,000 calls"
-    assert rss1 - rss0 < 16 * MiB, f"RSS grew by {(rss1 - rss0) / MiB:.1f} MiB over 10,000 calls"
-    kept = [attnext.attention(q, k, v) for _ in range(200)]
-    free2 = _device_free(torch)
-    assert free1 - free2 > 25 * MiB, f"the control's 50 MiB did not show ({(free1 - free2) / MiB:.1f} MiB)"
-    del kept
+    _flat_over_10000_calls(torch, turn, lambda: attnext.attention(q, k, v))
     assert_close("out", _host(torch, dst), reference.attention(*(_host(torch, x) for x in (q, k, v))), BF16)
 
 
@@ -389,18 +396,8 @@ def test_10000_score_mod_and_mask_mod_calls_grow_neither_device_memory_nor_rss(t
             with pytest.raises(TypeError, match="Python control flow"):
                 attnext.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s if qi > ki else -s)
 
-    for i in range(500):                                 # warm-up: kernels, pools, caches
-        turn(i)
-    free0, rss0 = _device_free(torch), _rss()
-    for i in range(10000):
-        turn(i)
-    free1, rss1 = _device_free(torch), _rss()
-    assert free0 - free1 < 16 * MiB, f"device memory grew by {(free0 - free1) / MiB:.1f} MiB over 10,000 calls"
-    assert rss1 - rss0 < 16 * MiB, f"RSS grew by {(rss1 - rss0) / MiB:.1f} MiB over 10,000 calls"
-    kept = [attnext.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod) for _ in range(200)]
-    free2 = _device_free(torch)
-    assert free1 - free2 > 25 * MiB, f"the control's 50 MiB did not show ({(free1 - free2) / MiB:.1f} MiB)"
-    del kept
+    _flat_over_10000_calls(torch, turn,
+                           lambda: attnext.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod))
     score_mod, torch_score_mod, mask_mod = callbacks(10001)
     attnext.attention(q, k, v, score_mod=torch_score_mod, mask_mod=mask_mod, out=dst)
     want = reference.attention(*(_host(torch, x) for x in (q, k, v)), score_mod=score_mod, mask_mod=mask_mod)
