@@ -262,7 +262,7 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw)
                                || n0 + BN > Lk || m0 + BM > Lq
                                || !tile_inside_band(&p, m0, min(m0 + BM, Lq), n0, n0 + BN, Lq, Lk);
         uint32_t pp[1][KV_NT / 2][4];
-        pt_tile(s, pp, sc, lb, n0 + warp * 16, m0, qlo, qhi, need_mask, s, db);
+        pt_tile(s, pp, sc, lb, n0 + warp * 16, m0, qlo, qhi, need_mask);
 
         if (DO_DV)                        /* dV += P^T dO */
             mma_fb<1, KV_NT / 2, DO_DV ? DVP / 8 : 2, DVP + SMEM_PAD>(dv, pp, dob, lane);

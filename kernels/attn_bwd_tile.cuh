@@ -156,6 +156,14 @@ DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score
     report_fault(sc, fault);
 }
 
+/* pt_tile leaving P^T * score_grad in s (attn_bwd.cu, which computes dP^T after dV's product). */
+template <int NT>
+DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score_ctx &sc, const float *lb,
+                 int n0w, int m0, const int (&qlo)[2], const int (&qhi)[2], bool need_mask)
+{
+    pt_tile<NT, false>(s, pp, sc, lb, n0w, m0, qlo, qhi, need_mask, s, nullptr);
+}
+
 /* For a dK/dV tile of bn keys at n0 (query tiles of bm rows): the query tiles [m_first, m_first +
  * nm) that see some key of it, and the query rows [qlo[i], qhi[i]) each of this thread's two key
  * rows (n0w + g, n0w + g + 8) is seen by: the exact inverse of kv_range, so the forward's kept set. */
