@@ -382,6 +382,39 @@ def _from_dlpack(x, stream):
                    readonly)
 
 
+class _Torch:
+    """What _torch_view needs of torch, looked up once torch has been imported by the caller
+    (attnext never imports it)."""
+    tensor = None
+
+
+def _torch_view(x, stream):
+    """The DevView a plain CUDA torch.Tensor's `__cuda_array_interface__` (v2: no stream) gives,
+    read through the tensor's own accessors: torch builds that dict in Python on every read, the
+    largest item of a short GPU call's host time (bench/NOTES.md, decode B1). None where the
+    interface must decide, with its own refusals: a subclass, a CPU, sparse or other non-strided
+    tensor, a tensor that requires grad, a dtype outside the table, a __torch_function__ mode."""
+    if _Torch.tensor is None:
+        torch = sys.modules.get("torch")
+        if torch is None or not hasattr(torch, "Tensor"):
+            return None
+        _Torch.dtypes = {getattr(torch, name): np.dtype(name) for name in (
+            "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")}
+        _Torch.dtypes[torch.bfloat16] = BFLOAT16
+        _Torch.strided, _Torch.overridden = torch.strided, torch._C._has_torch_function_unary
+        _Torch.tensor = torch.Tensor
+    if (type(x) is not _Torch.tensor or not x.is_cuda or x.layout is not _Torch.strided
+            or x.requires_grad or _Torch.overridden(x)):
+        return None
+    dtype = _Torch.dtypes.get(x.dtype)
+    if dtype is None:
+        return None
+    shape = tuple(x.shape)
+    strides = _contiguous_strides(shape) if x.is_contiguous() else x.stride()
+    ptr = x.data_ptr() if x.numel() else 0
+    return DevView._made(ptr, shape, strides, dtype, x.get_device(), int(_legacy(stream)), x, False)
+
+
 def as_device_view(x, stream=None):
     """A DevView of x when x is a CUDA array (`__cuda_array_interface__` v2/v3, or `__dlpack__`
     on a kDLCUDA device), else None: the caller treats x as host data.
@@ -391,6 +424,9 @@ def as_device_view(x, stream=None):
     the module docstring). `stream`: the stream the caller will read x on; None takes the
     interface's own stream, else the legacy default stream.
     """
+    view = _torch_view(x, stream)
+    if view is not None:
+        return view
     cai = _cuda_array_interface(x)
     if cai is not None:
         return _from_interface(x, cai, stream)

@@ -597,6 +597,44 @@ def test_torch_round_trip(torch_cuda, dtype):
     np.testing.assert_array_equal(np.asarray(a).astype(np.float32), t.float().cpu().numpy())
 
 
+def _torch_cases(torch):
+    """Tensors that the accessor path reads (plain, strided, transposed, broadcast, size-1 and
+    zero-size dims, every dtype of its table) and ones it leaves to the interface."""
+    base = torch.randn(6, 8, 5, device="cuda")
+    taken = [base, base[:, ::2], base.transpose(0, 2), base[:, :1], base.expand(3, 6, 8, 5),
+             base[None], base[:0], torch.empty(2, 0, 3, device="cuda"), base[2, 3]]
+    taken += [torch.zeros(3, 4, device="cuda", dtype=getattr(torch, name))[:, 1:]
+              for name in ("float16", "bfloat16", "float64", "int8", "int16", "int32", "int64",
+                           "uint8", "bool")]
+    left = [torch.zeros(3, device="cuda", dtype=torch.complex64),
+            torch.zeros(3, device="cuda").to_sparse(), torch.zeros(3)]
+    return taken, left
+
+
+@pytest.mark.gpu
+def test_torch_accessors_give_the_interface_view(torch_cuda):
+    """device._torch_view (torch's C accessors, the hot path) gives the very view that torch's
+    __cuda_array_interface__ does, and leaves to the interface what it does not read."""
+    torch = torch_cuda
+    taken, left = _torch_cases(torch)
+    for t in taken:
+        fast = device._torch_view(t, None)
+        assert fast is not None, (t.shape, t.dtype)
+        slow = device._from_interface(t, t.__cuda_array_interface__, None)
+        for attr in ("ptr", "shape", "strides", "dtype", "device", "stream", "readonly"):
+            assert getattr(fast, attr) == getattr(slow, attr), (attr, t.shape, t.stride(), t.dtype)
+        assert fast.keep is t
+        assert device.as_device_view(t, 2).stream == 2
+    for t in left:
+        assert device._torch_view(t, None) is None
+    subclass = torch.zeros(3, device="cuda").as_subclass(type("Sub", (torch.Tensor,), {}))
+    assert device._torch_view(subclass, None) is None
+    needs_grad = torch.zeros(3, device="cuda", requires_grad=True)
+    assert device._torch_view(needs_grad, None) is None
+    with pytest.raises(TypeError, match="requires grad"):
+        device.as_device_view(needs_grad)
+
+
 @pytest.mark.gpu
 def test_torch_through_dlpack_only(torch_cuda):
     torch = torch_cuda
