@@ -214,7 +214,7 @@ def _scores(pb, hd, r0, r1):
         keep &= np.asarray(pb.mask4[pb.block_index(pb.mask4, hd, r0, r1)], dtype=bool)
     rr, cc = np.broadcast_arrays(r, c)
     if pb.mask_mod is not None:
-        kept = pb.mask_mod(*_pairs(hd, rr.ravel(), cc.ravel()))
+        kept = _call_mod("mask_mod", pb.mask_mod, _pairs(hd, rr.ravel(), cc.ravel()))
         keep &= np.broadcast_to(np.asarray(kept, dtype=bool), (keep.size,)).reshape(keep.shape)
 
     s3 = np.where(keep, s, -np.inf)
@@ -226,7 +226,24 @@ def _scores(pb, hd, r0, r1):
 
 
 def _call_score_mod(score_mod, s, pairs):
-    return np.broadcast_to(np.asarray(score_mod(s, *pairs), dtype=np.float64), s.shape)
+    return np.broadcast_to(np.asarray(_call_mod("score_mod", score_mod, (s, *pairs)), dtype=np.float64),
+                           s.shape)
+
+
+def _call_mod(kind, fn, args):
+    """fn(*args). A lookup out of range raises NumPy's IndexError, which names no array: it is
+    raised again as the CPU and CUDA backends word it (the callback, the array, the index), found
+    by evaluating the traced function on the same arguments."""
+    try:
+        return fn(*args)
+    except IndexError as e:
+        traced = trace.trace_score_mod(fn) if kind == "score_mod" else trace.trace_mask_mod(fn)
+        try:
+            trace.evaluate(traced, *(args if kind == "score_mod" else (None, *args)),
+                           float_dtype=np.float64)
+        except IndexError as named:
+            raise IndexError(f"{kind}: {named}") from e
+        raise
 
 
 def _softmax(s3):
