@@ -30,7 +30,8 @@ With more queries than keys, the bottom-right alignment leaves the first rows wi
 window=(left, right) keeps r + Lk - Lq - left <= c <= r + Lk - Lq + right (-1: that side
 unbounded), always on the bottom-right diagonal. A row with no kept column (fully masked, or a
 padding row r >= Lq), or whose kept scores are all -inf, gives out = 0, lse = -inf and zero
-gradients: never NaN, never a warning.
+gradients, and adds nothing to dk, dv and dbias: never NaN (whatever NaN or inf sits in the
+keys, values or bias it does not keep, in its q or in its dout), never a warning.
 
 Everything is computed and returned in float64, one block of ROW_BLOCK query rows at a time, so
 memory is O(ROW_BLOCK * Sk): nothing of size Sq * Sk is allocated (except a dbias whose given
@@ -337,13 +338,20 @@ def _add_dtensors(score_mod, arrays, ds3, sc, dtensors):
             acc[e] += _derivative(quotient, x0)
 
 
+def _live(lse):
+    """(rows, 1) mask of the rows that keep a key. A row whose lse is -inf keeps none: it has
+    no path to out or to any gradient, so whatever NaN or inf sits in the keys, values or bias
+    it does not keep (or in its dout) must not reach them as 0 * NaN. A NaN lse is live."""
+    return (lse != -np.inf)[:, None]
+
+
 def _forward(pb, return_lse):
     out, lse, out4, lse3 = pb.out_and_lse()
     for hd in pb.heads():
         for r0, r1 in _row_blocks(hd.lq):
             p, lse_block = _softmax(_scores(pb, hd, r0, r1).s3)
             rows = slice(hd.q0 + r0, hd.q0 + r1)
-            out4[hd.bq, hd.h, rows] = p @ hd.v
+            out4[hd.bq, hd.h, rows] = np.where(_live(lse_block), p @ hd.v, 0.0)
             lse3[hd.bq, hd.h, rows] = lse_block
     return (out, lse) if return_lse else out
 
@@ -361,11 +369,12 @@ def _backward(pb, dout):
         keys = slice(hd.k0, hd.k0 + hd.lk)
         for r0, r1 in _row_blocks(hd.lq):
             sc = _scores(pb, hd, r0, r1)
-            p, _ = _softmax(sc.s3)
+            p, lse_block = _softmax(sc.s3)
+            live = _live(lse_block)   # a dead row's dout, q and dS are taken as 0
             rows = slice(hd.q0 + r0, hd.q0 + r1)
-            do = np.asarray(dout4[hd.bq, hd.h, rows], dtype=np.float64)
+            do = np.where(live, np.asarray(dout4[hd.bq, hd.h, rows], dtype=np.float64), 0.0)
             dp = do @ hd.v.T
-            ds = p * (dp - (p * dp).sum(axis=1, keepdims=True))   # dS3
+            ds = np.where(live, p * (dp - (p * dp).sum(axis=1, keepdims=True)), 0.0)   # dS3
             if pb.score_mod is not None:
                 _add_dtensors(pb.score_mod, arrays, ds, sc, dtensors)
                 ds = _through_score_mod(pb.score_mod, ds, sc)      # dS2
@@ -374,9 +383,9 @@ def _backward(pb, dout):
                 dbias4[pb.block_index(dbias4, hd, r0, r1)] += ds.sum(
                     axis=tuple(a for a, n in ((0, nr), (1, nc)) if n == 1), keepdims=True)
             if pb.softcap is not None:
-                ds = ds * (1 - np.tanh(sc.s0 / pb.softcap) ** 2)   # dS0
-            dq4[hd.bq, hd.h, rows] = pb.scale * (ds @ hd.k)
-            dk4[hd.bk, hd.hk, keys] += pb.scale * (ds.T @ hd.q[r0:r1])
+                ds = np.where(live, ds * (1 - np.tanh(sc.s0 / pb.softcap) ** 2), 0.0)   # dS0
+            dq4[hd.bq, hd.h, rows] = np.where(live, pb.scale * (ds @ hd.k), 0.0)
+            dk4[hd.bk, hd.hk, keys] += pb.scale * (ds.T @ np.where(live, hd.q[r0:r1], 0.0))
             dv4[hd.bk, hd.hk, keys] += p.T @ do
     dbias = None if dbias4 is None else dbias4.reshape(pb.bias_shape)
     return Grads(dq, dk, dv, dbias, dtensors)

@@ -634,24 +634,34 @@ int FN(cpu_backward)(const attn_params *p)
             if (ok)
                 FN(pack_kv)(p, &kt_tiles, g, DP, DvP, kt, kr, NULL, vt, row);
 
-        /* pack Q and dO tiles, lse in log2 units, delta = rowsum(dO * O) */
+        /* pack Q and dO tiles, lse in log2 units, delta = rowsum(dO * O). A row whose lse is
+         * -inf keeps no key (and padding rows are such rows): it has no gradient path, so its
+         * q, dO and delta are packed as 0, and the task loop zeroes its dS and the dq row, so
+         * that no NaN or inf in its dO, out, q, or at keys it does not keep, reaches a gradient
+         * as 0 * NaN. */
 #pragma omp for schedule(dynamic, 4)
         for (int64_t g = 0; g < n_q_tiles; g++) {
             if (!ok) continue;
             int64_t h, r0, nr;
             seq_t sq = FN(q_tile)(&q_tiles, p, Hq, g, &h, &r0, &nr);
-            FN(load_rows)(&p->q, p->dtype, sq, h, r0, nr, BQ, D, DP, qr + g * BQ * DP);
-            FN(load_rows)(&p->dout, p->dtype, sq, h, r0, nr, BQ, Dv, DvP, dor + g * BQ * DvP);
+            T *Q = qr + g * BQ * DP, *dO = dor + g * BQ * DvP;
+            FN(load_rows)(&p->q, p->dtype, sq, h, r0, nr, BQ, D, DP, Q);
+            FN(load_rows)(&p->dout, p->dtype, sq, h, r0, nr, BQ, Dv, DvP, dO);
             for (int64_t i = 0; i < BQ; i++) {
                 T L = -INFINITY, dl = 0;
-                if (i < nr) {
+                if (i < nr)
                     L = *FN(lse_at)(p, sq.mem_b, h, sq.start + r0 + i);
+                L *= (T)LOG2E;
+                if (L == -INFINITY) {
+                    memset(Q + i * DP, 0, sizeof(T) * DP);
+                    memset(dO + i * DvP, 0, sizeof(T) * DvP);
+                } else {
                     LOAD_ROW(FN(row_ptr)(&p->out, p->dtype, sq.mem_b, sq.start + r0 + i, h), p->out.s[3], Dv, p->dtype, row);
-                    const T *dor_i = dor + g * BQ * DvP + i * DvP;
+                    const T *dor_i = dO + i * DvP;
                     for (int64_t d = 0; d < Dv; d++)
                         dl += row[d] * dor_i[d];
                 }
-                lse2[g * BQ + i] = L * (T)LOG2E;
+                lse2[g * BQ + i] = L;
                 delta[g * BQ + i] = dl;
             }
         }
@@ -707,11 +717,18 @@ int FN(cpu_backward)(const attn_params *p)
                                         S[i * BK + j] = 0;
                                 OPS->gemm((int)Mr, BK, (int)Dv, dO, DvP, vt + gk * Dv * BK, BK, dP, BK, 0);
                                 OPS->gemm_tn(BK, (int)DvP, (int)Mr, S, BK, dO, DvP, dV, DvP, 1);
-                                /* dS = P * (dP - delta), in place in S */
-                                const T *dl = delta + gq * BQ;
-                                for (int64_t i = 0; i < Mr; i++)
-                                    for (int64_t j = 0; j < BK; j++)
-                                        S[i * BK + j] *= dP[i * BK + j] - (i < nr ? dl[i] : 0);
+                                /* dS = P * (dP - delta), in place in S; 0 in a row that keeps
+                                 * no key (lse -inf: padding rows too), whatever NaN dP holds */
+                                const T *dl = delta + gq * BQ, *l2 = lse2 + gq * BQ;
+                                for (int64_t i = 0; i < Mr; i++) {
+                                    T *s = S + i * BK;
+                                    const T *dp = dP + i * BK, d = dl[i];
+                                    if (l2[i] == -INFINITY)
+                                        memset(s, 0, sizeof(T) * BK);
+                                    else
+                                        for (int64_t j = 0; j < BK; j++)
+                                            s[j] *= dp[j] - d;
+                                }
                                 if (has_score_mod) {
                                     /* through score_mod: dS of its input, and its arrays' gradients */
                                     interp_tile t = {b, h, r0, c0, BK, nr * BK, mb.keep};
@@ -735,8 +752,9 @@ int FN(cpu_backward)(const attn_params *p)
                                 }
                                 if (p->softcap > 0)
                                     for (int64_t i = 0; i < nr; i++)
-                                        for (int64_t j = 0; j < n; j++)
-                                            S[i * BK + j] *= 1 - th[i * BK + j] * th[i * BK + j];
+                                        if (l2[i] != -INFINITY)   /* else dS is 0, th maybe NaN */
+                                            for (int64_t j = 0; j < n; j++)
+                                                S[i * BK + j] *= 1 - th[i * BK + j] * th[i * BK + j];
                                 OPS->gemm_tn(BK, (int)DP, (int)Mr, S, BK, Q, DP, dK, DP, 1);
                                 T *dq = dqp + ((size_t)ch * n_q_tiles + gq) * BQ * DP;
                                 OPS->gemm((int)Mr, (int)DP, (int)n, S, BK, kr + gk * BK * DP, DP, dq, DP, 1);
@@ -753,19 +771,23 @@ int FN(cpu_backward)(const attn_params *p)
             }
         }
 
-        /* dq = scale * sum over key chunks, in chunk order */
+        /* dq = scale * sum over key chunks, in chunk order; 0 in a row that keeps no key (its
+         * dS is 0, but dS K is 0 * NaN at a NaN key) */
 #pragma omp for schedule(dynamic, 4)
         for (int64_t g = 0; g < n_q_tiles; g++) {
             if (!ok) continue;
             int64_t h, r0, nr;
             seq_t sq = FN(q_tile)(&q_tiles, p, Hq, g, &h, &r0, &nr);
             for (int64_t i = 0; i < nr; i++) {
-                for (int64_t d = 0; d < D; d++) {
-                    T acc = 0;
-                    for (int64_t c = 0; c < NC; c++)
-                        acc += dqp[((size_t)c * n_q_tiles + g) * BQ * DP + i * DP + d];
-                    row[d] = acc * (T)p->scale;
-                }
+                if (lse2[g * BQ + i] == -INFINITY)
+                    memset(row, 0, sizeof(T) * D);
+                else
+                    for (int64_t d = 0; d < D; d++) {
+                        T acc = 0;
+                        for (int64_t c = 0; c < NC; c++)
+                            acc += dqp[((size_t)c * n_q_tiles + g) * BQ * DP + i * DP + d];
+                        row[d] = acc * (T)p->scale;
+                    }
                 STORE_ROW((char *)FN(row_ptr)(&p->dq, p->dtype, sq.mem_b, sq.start + r0 + i, h), p->dq.s[3], D, p->dtype, row);
             }
         }

@@ -678,15 +678,19 @@ def test_nonfinite_data_propagate(dtype, where, index, value, causal):
 
 def _flash_backward_head(dout, q, k, v, out, lse, keep, scale):
     """One (sequence, head) of what a backend's backward computes from the arrays it is given, in
-    float64 with IEEE arithmetic (FlashAttention's backward): P = exp(s - lse), 0 in a row whose
-    lse is -inf (it keeps no key); delta = rowsum(dout * out); dS = P * (dout v^T - delta). Every
-    pair of the sequence is computed, masked or not (a sequence shorter than the CPU's 64-row
-    tiles is one tile): a masked pair gives 0 * NaN = NaN where a NaN reaches its dout v^T."""
+    float64 with IEEE arithmetic (FlashAttention's backward): P = exp(s - lse);
+    delta = rowsum(dout * out); dS = P * (dout v^T - delta). A row whose lse is -inf keeps no key
+    and has no gradient path: its P, dS and dq are 0 and its q and dout are not read, so nothing
+    of it reaches dk or dv (DESIGN, 7). Every pair of the sequence is computed, masked or not (a
+    sequence shorter than the CPU's 64-row tiles is one tile): in a row that keeps a key, a
+    masked pair gives 0 * NaN = NaN where a NaN reaches its dout v^T."""
     s = np.where(keep, scale * (q @ k.T), -np.inf)
     live = (lse != -np.inf)[:, None]
     p = np.where(live, np.exp(s - lse[:, None]), 0.0)
-    ds = p * (dout @ v.T - (dout * out).sum(axis=1, keepdims=True))
-    return scale * (ds @ k), scale * (ds.T @ q), p.T @ dout
+    do = np.where(live, dout, 0.0)
+    ds = np.where(live, p * (do @ v.T - (do * out).sum(axis=1, keepdims=True)), 0.0)
+    return (np.where(live, scale * (ds @ k), 0.0), scale * (ds.T @ np.where(live, q, 0.0)),
+            p.T @ do)
 
 
 def _flash_backward(dout, q, k, v, out, lse, causal, cu_seqlens_q=None, cu_seqlens_k=None):
@@ -783,9 +787,8 @@ def test_nonfinite_backward_inputs_propagate(dtype, varlen, where, index, value,
     (out and lse the forward's) the gradients are non-finite exactly where its are; for
     non-finite q, k, v none of its non-finite gradients goes missing. The forward of non-finite
     packed q, k, v: lse non-finite (and -inf) exactly where the reference's is, out NaN exactly
-    where its is, except in a row that keeps no key: out = 0 there (DESIGN, 7), where the
-    reference gives 0 * NaN = NaN for a NaN in v. Padding rows after cu_seqlens[-1] get zero
-    gradients whatever their dout.
+    where its is, and out = 0 in a row that keeps no key (DESIGN, 7), on both, whatever NaN
+    sits in v. Padding rows after cu_seqlens[-1] get zero gradients whatever their dout.
     """
     arrays, opts, (fwd, bwd) = _nonfinite_problem(dtype, varlen, causal)
     if where in arrays:
@@ -799,7 +802,7 @@ def test_nonfinite_backward_inputs_propagate(dtype, varlen, where, index, value,
         keeps_none = lse == -np.inf
         assert np.array_equal(keeps_none, r_lse == -np.inf)
         rows, r_rows = (_by_lse_row(x, varlen) for x in (out.astype(F64), r_out))
-        assert (rows[keeps_none] == 0).all()
+        assert (rows[keeps_none] == 0).all() and (r_rows[keeps_none] == 0).all()
         rows, r_rows = rows[~keeps_none], r_rows[~keeps_none]
         assert np.array_equal(np.isnan(rows), np.isnan(r_rows))
         finite = np.isfinite(r_rows)
