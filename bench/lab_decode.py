@@ -94,14 +94,18 @@ def main():
                 print(f"  {name}: kernels of 50 back-to-back calls")
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=6))
         if args.profile and B == 1:
-            f = calls["attnext"]
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(500):
-                f()
-            prof.disable()
-            torch.cuda.synchronize()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
+            print_profile(calls["attnext"], args.profile)
+
+
+def print_profile(f, top, n=500):
+    """cProfile's top functions (self time) over n calls of f."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        f()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
 if __name__ == "__main__":

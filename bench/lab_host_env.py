@@ -3,27 +3,14 @@ after torch.compile(flex_attention) has run; with gc off), and under cProfile in
 
     python bench/lab_host_env.py
 """
-import cProfile
 import gc
-import pstats
 import sys
-import time
 
 import torch
 import triton
 
 import attnext
-
-
-def per_call(f, n=300):
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        f()
-    host = (time.perf_counter() - t0) / n
-    torch.cuda.synchronize()
-    return host
+from lab_decode import host_per_call, print_profile   # bench/ is the script's folder
 
 
 def main():
@@ -36,7 +23,7 @@ def main():
     f()
 
     def report(state):
-        hosts = sorted(per_call(f) for _ in range(5))
+        hosts = sorted(host_per_call(f, 300) for _ in range(5))
         t = triton.testing.do_bench(f, return_mode="median")
         print(f"{state:40s} host/call {hosts[0] * 1e6:6.1f}-{hosts[-1] * 1e6:6.1f} us, do_bench {t * 1e3:6.1f} us, "
               f"gc counts {gc.get_count()}, tracked {len(gc.get_objects()) if 'objs' in sys.argv else '-'}",
@@ -56,13 +43,7 @@ def main():
     report("after a compiled flex call, gc off")
     gc.enable()
     print("sys.gettrace", sys.gettrace(), "sys.getprofile", sys.getprofile(), flush=True)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(500):
-        f()
-    prof.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+    print_profile(f, 20)
 
 
 if __name__ == "__main__":
