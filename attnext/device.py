@@ -384,8 +384,9 @@ def _from_dlpack(x, stream):
 
 class _Torch:
     """What _torch_view needs of torch, looked up once torch has been imported by the caller
-    (attnext never imports it)."""
-    tensor = None
+    (attnext never imports it): the Tensor type, torch dtype -> NumPy dtype, torch.strided, and
+    torch's test for a __torch_function__ override."""
+    tensor = dtypes = strided = overridden = None
 
 
 def _torch_view(x, stream):
