@@ -105,6 +105,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
                                         Lk - n_last * BLOCK_N, HEAD_DIM, tid);
         cp_async_commit();
     }
+    /* a warp whose rows all lie past the real ones (r_end: a packed decode block's padding) only
+     * loads; write_out gives its rows 0 and -inf, as for any row that keeps no key */
+    const bool warp_rows = m0 + warp * WARP_M < r_end;
     for (int n = n_last; n >= n_first; n--) {
         const int c0 = n * BLOCK_N;
         cp_async_wait_all();
@@ -116,26 +119,28 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
         /* S = Q K^T for this warp's rows */
         float s[MT][NT][4];
         zero_acc(s);
+        if (warp_rows) {
 #pragma unroll
-        for (int kk = 0; kk < DP / 16; kk++) {
-            uint32_t a[MT][4];
+            for (int kk = 0; kk < DP / 16; kk++) {
+                uint32_t a[MT][4];
 #pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-                ldmatrix_x4(q_lane + 2 * (mt * 16 * (DP + SMEM_PAD) + kk * 16), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+                for (int mt = 0; mt < MT; mt++)
+                    ldmatrix_x4(q_lane + 2 * (mt * 16 * (DP + SMEM_PAD) + kk * 16), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
 #pragma unroll
-            for (int np = 0; np < NT / 2; np++) {
-                uint32_t b0, b1, b2, b3;
-                ldmatrix_x4(k_lane + 2 * (np * 16 * (DP + SMEM_PAD) + kk * 16), b0, b1, b2, b3);
+                for (int np = 0; np < NT / 2; np++) {
+                    uint32_t b0, b1, b2, b3;
+                    ldmatrix_x4(k_lane + 2 * (np * 16 * (DP + SMEM_PAD) + kk * 16), b0, b1, b2, b3);
 #pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    mma16816(s[mt][2 * np], a[mt], b0, b1);
-                    mma16816(s[mt][2 * np + 1], a[mt], b2, b3);
+                    for (int mt = 0; mt < MT; mt++) {
+                        mma16816(s[mt][2 * np], a[mt], b0, b1);
+                        mma16816(s[mt][2 * np + 1], a[mt], b2, b3);
+                    }
                 }
             }
-        }
 
-        const bool need_mask = tile_needs_mask(p, sc, m0, BLOCK_M, r_end, c0, BLOCK_N, G, Lq, Lk);
-        softmax_step(p, sc, s, o, m, l, m0 + warp * WARP_M, c0, need_mask, G, Lq, Lk);
+            const bool need_mask = tile_needs_mask(p, sc, m0, BLOCK_M, r_end, c0, BLOCK_N, G, Lq, Lk);
+            softmax_step(p, sc, s, o, m, l, m0 + warp * WARP_M, c0, need_mask, G, Lq, Lk);
+        }
 
         cp_async_wait_all();
         __syncthreads();                                 /* V[n] in; every warp is done with K[n] */
@@ -145,6 +150,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
         cp_async_commit();
 
         /* O += P V: the C fragments of S are the A fragments of P, two n8 tiles per k16 step */
+        if (!warp_rows)
+            continue;
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; kk++) {
             uint32_t a[MT][4];

@@ -69,7 +69,7 @@ DEV void store_o_staged(const attn_params &p, const seq_t &sq, const float (&o)[
 #pragma unroll
         for (int nt = 0; nt < OT; nt++)
             asm volatile("st.shared.b32 [%0], %1;" ::"r"(row + 2 * (nt * 8 + 2 * t)),
-                         "r"(pack2(o[nt][2 * i] * inv[i], o[nt][2 * i + 1] * inv[i])));
+                         "r"(pack2(scaled_o(o[nt][2 * i], inv[i]), scaled_o(o[nt][2 * i + 1], inv[i]))));
     }
     __syncthreads();
     constexpr int CH = HEAD_DIM_V / 8;

@@ -278,6 +278,10 @@ DEV void finish_rows(const attn_params &p, const seq_t &sq, const float (&m)[2 *
     }
 }
 
+/* O * inv of one element: exactly 0 where inv is 0, a row that keeps no key (an unkept NaN or inf
+ * value may sit in its O as 0 * NaN). */
+DEV float scaled_o(float o, float inv) { return inv != 0.f ? o * inv : 0.f; }
+
 /* out = O * inv for a warp's rows, element by element through out's strides (under SPLIT_KV: the
  * float32 partial into this split's o_accum slot). */
 template <int MT, int OT>
@@ -299,9 +303,9 @@ DEV void store_o(const attn_params &p, const seq_t &sq, const float (&o)[MT][OT]
         for (int nt = 0; nt < OT; nt++) {
             const int d = nt * 8 + 2 * t;
             if (d < HEAD_DIM_V)
-                orow[d] = o[mt][nt][e0] * inv[i];
+                orow[d] = scaled_o(o[mt][nt][e0], inv[i]);
             if (d + 1 < HEAD_DIM_V)
-                orow[d + 1] = o[mt][nt][e0 + 1] * inv[i];
+                orow[d + 1] = scaled_o(o[mt][nt][e0 + 1], inv[i]);
         }
 #else
         elem_t *orow = (elem_t *)p.out.ptr + sq.mem_b * p.out.s[0] + (sq.start + r) * p.out.s[1] + hr * p.out.s[2];
@@ -309,9 +313,9 @@ DEV void store_o(const attn_params &p, const seq_t &sq, const float (&o)[MT][OT]
         for (int nt = 0; nt < OT; nt++) {
             const int d = nt * 8 + 2 * t;
             if (d < HEAD_DIM_V)
-                orow[d * p.out.s[3]] = f32_to_elem(o[mt][nt][e0] * inv[i]);
+                orow[d * p.out.s[3]] = f32_to_elem(scaled_o(o[mt][nt][e0], inv[i]));
             if (d + 1 < HEAD_DIM_V)
-                orow[(d + 1) * p.out.s[3]] = f32_to_elem(o[mt][nt][e0 + 1] * inv[i]);
+                orow[(d + 1) * p.out.s[3]] = f32_to_elem(scaled_o(o[mt][nt][e0 + 1], inv[i]));
         }
 #endif
     }
