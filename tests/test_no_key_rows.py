@@ -34,10 +34,10 @@ from attnext.accuracy import compare_dtensors
 from conftest import (BF16, F32, F64, assert_close, assert_lse_close, compare_grads, dead_rows,
                       entry_points, make_qkv, make_varlen_qkv, randn)
 
-# The GPU kernels do not hold this yet (README: NaN and Inf): seen on an H100 (bfloat16, head dim
-# 64), a NaN or inf in the dout of a row that keeps no key made its dq and the dk, dv of the keys
-# computed with it NaN, a NaN key it does not keep its dq, and a NaN value it does not keep its
-# out. A mask_mod with NumPy arrays runs on the CPU whatever the device (those cases pass).
+# The GPU backward kernels do not hold this yet (README: NaN and Inf): seen on an H100 (bfloat16,
+# head dim 64), a NaN or inf in the dout of a row that keeps no key made its dq and the dk, dv of
+# the keys computed with it NaN, and a NaN key it does not keep its dq. (The forward holds it: out
+# = 0 exactly.) A mask_mod with NumPy arrays runs on the CPU whatever the device (those pass).
 GPU_GAP = pytest.mark.xfail(reason="the GPU kernels compute 0 * NaN in rows that keep no key",
                             strict=False)
 DEVICES = ["reference", "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU_GAP])]
