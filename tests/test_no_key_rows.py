@@ -47,12 +47,12 @@ DTYPES = [F32, BF16]
 GPU_DTYPES = (BF16,)
 
 
-def _mask_case(rng, dtype):
+def _mask_case(rng, dtype, D=16, Dv=24):
     """bshd, B 2, Sq 70 x Sk 90 (two CPU tiles each way), GQA 4 / 2, softcap, a per-head boolean
     mask and bias. Rows that keep nothing: row 5 of batch 0 (every head), rows 64-66 of batch 0
     head 1 (the second query tile), and all of batch 1's heads 2 and 3 (kv head 1). Key 77 of
     batch 0 is kept by no row."""
-    q, k, v = make_qkv(rng, 2, 70, 90, 4, 2, 16, 24, dtype)
+    q, k, v = make_qkv(rng, 2, 70, 90, 4, 2, D, Dv, dtype)
     mask = rng.random((2, 4, 70, 90)) < 0.6
     mask[0, :, 5] = False
     mask[0, 1, 64:67] = False
@@ -135,11 +135,16 @@ CASES = {"mask": _mask_case, "causal_sq_gt_sk": _causal_case,
          "bias_minus_inf": _bias_minus_inf_case}
 
 
+# The forward's own cases: the mask case at head dim 64 too, which takes the Hopper forward
+# (attn_fwd_sm90.cu) on an H100 where the others take attn_fwd.cu.
+FWD_CASES = dict(CASES, mask_d64=lambda rng, dtype: _mask_case(rng, dtype, D=64, Dv=64))
+
+
 def _problem(name, rng, dtype):
     """The case's clean arrays and where the rows that keep no key are: dead, a mask over out's
     leading dims, and dead_lse, over lse's (from the reference on the clean data)."""
     c = types.SimpleNamespace(lengths=None, dead_kv=[], nobody_key=None, no_q=False)
-    c.__dict__.update(CASES[name](rng, dtype))
+    c.__dict__.update(FWD_CASES[name](rng, dtype))
     c.varlen = c.lengths is not None
     c.layout = c.opts.get("layout", "bshd")
     _, rfwd = entry_points(c.lengths)[::2]
@@ -290,3 +295,28 @@ def test_nan_at_a_key_no_row_keeps(dtype, case, where, value, device, rng, reque
     (k if where == "k" else v)[b, col, :, :3] = value   # every kv head of that batch item
     c.planted = q, k, v, opts, dout, dout0
     _check(c, device, every_finite=False)
+
+
+@pytest.mark.parametrize("device", ["reference", "cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("value", VALUES, ids=VALUE_IDS)
+@pytest.mark.parametrize("case", list(FWD_CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_forward_rows_that_keep_no_key(dtype, case, value, device, rng, request):
+    """The forward alone, which the GPU holds too: out exactly 0 and lse -inf in the rows that
+    keep no key, whatever NaN or inf sits in their q or in the keys and values they do not keep
+    (an unkept NaN value used to reach such a row's out as 0 * NaN), the reference's out and lse
+    elsewhere."""
+    _skip_unless(device, dtype, request)
+    c = _problem(case, rng, dtype)
+    q, k, v, opts, _, _ = _planted(c, value, rng)
+    fwd, _, rfwd, _ = entry_points(c.lengths)
+    lengths = dict(c.lengths or {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out, lse = fwd(q, k, v, **lengths, return_lse=True, device=device, **opts)
+        r_out, r_lse = rfwd(q, k, v, **lengths, return_lse=True, **opts)
+    assert np.array_equal(np.isneginf(lse), c.dead_lse), "lse: -inf not exactly in the rows that keep no key"
+    assert (out[c.dead] == 0).all(), "out: a row that keeps no key is not exactly 0"
+    assert np.isfinite(r_out).all(), "reference out: not finite"
+    assert_close("out", out, r_out, np.dtype(dtype))
+    assert_lse_close(lse, r_lse, np.dtype(dtype))
