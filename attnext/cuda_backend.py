@@ -95,12 +95,14 @@ def plan_count():
 class _Plan:
     """A call's launches: template (the attn_params less addresses and scalars), launches
     [(fn, grid, block, smem)] in order, scratch bytes (0: none) and offsets, a pair (address
-    slot, byte offset in the scratch buffer) per scratch array."""
+    slot, byte offset in the scratch buffer) per scratch array; zero: (address slot, bytes) of
+    the scratch arrays zeroed before the launches."""
 
-    __slots__ = ("template", "launches", "scratch", "offsets")
+    __slots__ = ("template", "launches", "scratch", "offsets", "zero")
 
-    def __init__(self, template, launches, scratch=0, offsets=()):
+    def __init__(self, template, launches, scratch=0, offsets=(), zero=()):
         self.template, self.launches, self.scratch, self.offsets = template, launches, scratch, offsets
+        self.zero = zero
 
 
 def _desc(view):
@@ -132,6 +134,8 @@ def _launch(plan, stage, ptrs, o, gmods=None):
             for slot, offset in plan.offsets:
                 ptrs[slot] = buf[0] + offset
             ptrs = tuple(ptrs)
+        for slot, nbytes in plan.zero:
+            _C.memset_d8(ptrs[slot], 0, nbytes, stage.stream, stage.device)
         for fn, grid, block, smem in plan.launches:
             launch(fn, grid, block, smem, stage.stream, plan.template, ptrs, o.scale_value, o.softcap_value)
     finally:
@@ -663,8 +667,11 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
     sizes = ([4 * delta.size] + ([4 * math.prod(accum_shape)] if atomic else [])
              + ([4 * math.prod(sem_shape)] if dq_mode == "ordered" else []))
     total, offsets = _scratch_layout(*sizes)
+    # the ordered mode's first addition into a query tile stores (attn_bwd_sm90.cu: DQ_STORE_FIRST),
+    # but a mask_mod's block may pass its turn: then dq_accum starts zeroed and every turn adds
+    zero = ((SLOT_DQ_ACCUM, sizes[1]),) if dq_mode == "ordered" and gen and gen.defines.get("HAS_MASK_MOD") else ()
     return _Plan(template, tuple(launches), total,
-                 tuple(zip((SLOT_DELTA, SLOT_DQ_ACCUM, SLOT_DQ_SEM), offsets)))
+                 tuple(zip((SLOT_DELTA, SLOT_DQ_ACCUM, SLOT_DQ_SEM), offsets)), zero)
 
 
 def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, deterministic):

@@ -502,6 +502,7 @@ def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
     }
     d.update(KV_BLOCK_M=tile["kv_block_m"], KV_WARPS=tile["kv_warps"], KV_SPLIT=tile["kv_split"],
              KV_MINB=tile["kv_minb"], DQ_ATOMIC=int(dq != "recompute"), DQ_ORDERED=int(dq == "ordered"),
+             DQ_TILE_M=bwd_sm90_tile(D, dq)["kv_block_m"] if dq == "ordered" else 0,
              Q_BLOCK_M=tile["q_block_m"],
              Q_BLOCK_N=tile["q_block_n"], Q_WARPS=tile["q_warps"], Q_MINB=tile["q_minb"])
     return mod_defines(d, mods)
@@ -545,7 +546,8 @@ def sm90_fwd_variants():
 
 def sm90_bwd_variants():
     """attn_bwd_sm90's variants (sm_90a only): those of sm90_fwd_variants' features, each in the
-    dq modes a deterministic and a non-deterministic call choose."""
+    dq modes a deterministic and a non-deterministic call choose, and attn_bwd.cu's (its row
+    kernels) in the ordered mode, which only Hopper takes."""
     out = []
     names = {v: k for k, v in DTYPE_CODES.items()}
     for _, fd in sm90_fwd_variants():
@@ -558,9 +560,11 @@ def sm90_bwd_variants():
             alibi_dtype=names[fd["ALIBI_DT"]] if fd["HAS_ALIBI"] else None, mask=bool(fd["HAS_MASK"]))
         for deterministic in (True, False):
             mode = bwd_dq_mode(True, D, deterministic, fd["HEAD_DIM_V"])
-            out.append(bwd_defines(**features, tile=bwd_sm90_tile(D, mode), dq=mode))
-    unique = {tuple(sorted(d.items())): d for d in out}
-    return [("attn_bwd_sm90", d) for d in unique.values()]
+            out.append(("attn_bwd_sm90", bwd_defines(**features, tile=bwd_sm90_tile(D, mode), dq=mode)))
+            if mode == "ordered":         # attn_bwd.cu's row kernels (delta, dq_convert) of that mode
+                out.append(("attn_bwd", bwd_defines(**features, tile=bwd_tile_config(D, fd["HEAD_DIM_V"]), dq=mode)))
+    unique = {(k, tuple(sorted(d.items()))): (k, d) for k, d in out}
+    return list(unique.values())
 
 
 def variants(arch=None):

@@ -114,8 +114,36 @@ DEV void store_from_f32(void *p, int64_t i, int dt, float f)
 }
 
 /* ---------------------------------------------------------------- delta */
+/* The 16-byte vector paths of the row kernels: rows of 8-element (16-byte) chunks, L lanes of a
+ * warp per row (a power of two no larger than the chunks, at most 32), so a warp covers 32 / L
+ * rows at once and every lane loads at least one chunk. */
+template <int COLS>
+struct row_chunks {
+    static constexpr int C = COLS / 8;
+    static constexpr int L = C >= 32 ? 32 : C >= 16 ? 16 : C >= 8 ? 8 : C >= 4 ? 4 : C >= 2 ? 2 : 1;
+    static constexpr int R = 32 / L;                             /* rows per warp at once */
+    static constexpr int PASSES = (PRE_ROWS + PRE_THREADS / 32 * R - 1) / (PRE_THREADS / 32 * R);
+};
+
+DEV bool aligned16(const void *x) { return ((uint64_t)x & 15) == 0; }
+
+/* sum of a[i] * b[i] over the 8 elements of two 16-byte chunks */
+DEV float dot8(uint4 a, uint4 b)
+{
+    const uint32_t x[4] = {a.x, a.y, a.z, a.w}, y[4] = {b.x, b.y, b.z, b.w};
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        acc += elem_to_f32((elem_t)(x[i] & 0xffffu)) * elem_to_f32((elem_t)(y[i] & 0xffffu));
+        acc += elem_to_f32((elem_t)(x[i] >> 16)) * elem_to_f32((elem_t)(y[i] >> 16));
+    }
+    return acc;
+}
+
 /* Grid (row tiles of PRE_ROWS, Hq, B). delta[r] = sum_d dout[r, d] * out[r, d] for the rows of
- * the sequence, 0 for its padding rows; dq_accum's rows and dq_sem's words zeroed when given. */
+ * the sequence, 0 for its padding rows; dq_accum's rows zeroed when given, except in the ordered
+ * mode (DQ_ORDERED), where the first addition into each query tile stores (attn_bwd_sm90.cu:
+ * DQ_STORE_FIRST) or the host zeroes dq_accum (a mask_mod); dq_sem's words zeroed when given. */
 #if ENTRY(attn_bwd_pre)
 extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __grid_constant__ attn_params p)
 {
@@ -125,27 +153,64 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
     const elem_t *gdo = (const elem_t *)p.dout.ptr + sq.mem_b * p.dout.s[0] + sq.start * p.dout.s[1] + h * p.dout.s[2];
     const elem_t *go = (const elem_t *)p.out.ptr + sq.mem_b * p.out.s[0] + sq.start * p.out.s[1] + h * p.out.s[2];
     float *gd = (float *)p.delta.ptr + sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + sq.start * p.delta.s[2];
-    float *gacc = (float *)p.dq_accum.ptr;
-    if (gacc)
-        gacc += sq.mem_b * p.dq_accum.s[0] + sq.start * p.dq_accum.s[1] + h * p.dq_accum.s[2];
-    for (int i = warp; i < PRE_ROWS; i += PRE_THREADS / 32) {
-        const int64_t r = (int64_t)blockIdx.x * PRE_ROWS + i;
-        if (r >= sq.rows)
-            break;
-        float acc = 0.f;
-        if (r < sq.len)
-            for (int d = lane; d < HEAD_DIM_V; d += 32)
-                acc += elem_to_f32(gdo[r * p.dout.s[1] + d * p.dout.s[3]])
-                       * elem_to_f32(go[r * p.out.s[1] + d * p.out.s[3]]);
+    const int64_t r_base = (int64_t)blockIdx.x * PRE_ROWS;
+    if (HEAD_DIM_V % 8 == 0 && p.dout.s[3] == 1 && p.out.s[3] == 1 && p.dout.s[1] % 8 == 0 && p.out.s[1] % 8 == 0
+        && aligned16(gdo) && aligned16(go)) {
+        /* 16-byte loads, all of a thread's rows in flight at once */
+        using rc = row_chunks<HEAD_DIM_V % 8 ? 8 : HEAD_DIM_V>;
+        float acc[rc::PASSES];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-            acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (lane == 0)
-            gd[r * p.delta.s[2]] = acc;
-        if (gacc)
-            for (int d = lane; d < HEAD_DIM; d += 32)
-                gacc[r * p.dq_accum.s[1] + d * p.dq_accum.s[3]] = 0.f;
+        for (int k = 0; k < rc::PASSES; k++) {
+            const int i = (k * (PRE_THREADS / 32) + warp) * rc::R + lane / rc::L;
+            const int64_t r = r_base + i;
+            acc[k] = 0.f;
+            if (i < PRE_ROWS && r < sq.len)
+#pragma unroll
+                for (int c = lane % rc::L; c < rc::C; c += rc::L)
+                    acc[k] += dot8(*(const uint4 *)(gdo + r * p.dout.s[1] + c * 8),
+                                   *(const uint4 *)(go + r * p.out.s[1] + c * 8));
+        }
+#pragma unroll
+        for (int k = 0; k < rc::PASSES; k++) {
+#pragma unroll
+            for (int o = rc::L / 2; o > 0; o >>= 1)
+                acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], o);
+            const int i = (k * (PRE_THREADS / 32) + warp) * rc::R + lane / rc::L;
+            const int64_t r = r_base + i;
+            if (lane % rc::L == 0 && i < PRE_ROWS && r < sq.rows)
+                gd[r * p.delta.s[2]] = acc[k];
+        }
+    } else {
+        for (int i = warp; i < PRE_ROWS; i += PRE_THREADS / 32) {
+            const int64_t r = r_base + i;
+            if (r >= sq.rows)
+                break;
+            float acc = 0.f;
+            if (r < sq.len)
+                for (int d = lane; d < HEAD_DIM_V; d += 32)
+                    acc += elem_to_f32(gdo[r * p.dout.s[1] + d * p.dout.s[3]])
+                           * elem_to_f32(go[r * p.out.s[1] + d * p.out.s[3]]);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+                acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            if (lane == 0)
+                gd[r * p.delta.s[2]] = acc;
+        }
     }
+#if !DQ_ORDERED
+    if (p.dq_accum.ptr && r_base < sq.rows) {
+        float *gacc = (float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + sq.start * p.dq_accum.s[1]
+                      + h * p.dq_accum.s[2] + r_base * p.dq_accum.s[1];
+        const int rows = (int)min((int64_t)PRE_ROWS, sq.rows - r_base);
+        if (HEAD_DIM % 4 == 0 && p.dq_accum.s[3] == 1 && p.dq_accum.s[1] == HEAD_DIM && aligned16(gacc)) {
+            for (int i = threadIdx.x; i < rows * HEAD_DIM / 4; i += PRE_THREADS)   /* the rows are one block */
+                ((float4 *)gacc)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        } else {
+            for (int i = threadIdx.x; i < rows * HEAD_DIM; i += PRE_THREADS)
+                gacc[(i / HEAD_DIM) * p.dq_accum.s[1] + (i % HEAD_DIM) * p.dq_accum.s[3]] = 0.f;
+        }
+    }
+#endif
     if (p.dq_sem.ptr) {                   /* this row tile's words (PRE_ROWS = its rows; gridDim.x tiles) */
         const int words = (int)(p.dq_sem.s[1] / gridDim.x);
         for (int w = threadIdx.x; w < words; w += PRE_THREADS)
@@ -468,7 +533,12 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(cons
 }
 #endif
 
-/* Grid (row tiles of PRE_ROWS, Hq, B [+1 varlen]): dq = dq_accum * scale, 0 on padding rows. */
+/* Grid (row tiles of PRE_ROWS, Hq, B [+1 varlen]): dq = dq_accum * scale, 0 on padding rows and,
+ * in the ordered mode, on the rows of a query tile (DQ_TILE_M rows: the dK/dV kernel's) that sees
+ * no key: no key block stored into their dq_accum rows. */
+#if DQ_ORDERED && (DQ_TILE_M < PRE_ROWS || DQ_TILE_M % PRE_ROWS)
+#error "attn_bwd_dq_convert: a CTA's rows inside one of the dK/dV kernel's query tiles"
+#endif
 #if ENTRY(attn_bwd_dq_convert)
 extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_dq_convert(const __grid_constant__ attn_params p)
 {
@@ -480,15 +550,49 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_dq_convert(co
     }
     const seq_t sq = seq_q(&p, b);
     const float scale = (float)p.scale;
+    const int64_t r_base = (int64_t)blockIdx.x * PRE_ROWS;
+    int64_t live = sq.len;                /* rows below it read dq_accum; the others are 0 */
+#if DQ_ORDERED
+    const int64_t m0 = r_base - r_base % DQ_TILE_M;
+    if (m0 < sq.len) {
+        int64_t lo, hi;
+        kv_range(&p, m0, min(m0 + DQ_TILE_M, sq.len), sq.len, seq_k(&p, b).len, &lo, &hi);
+        if (hi <= lo)
+            live = 0;
+    }
+#endif
     elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
     const float *gacc = (const float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + sq.start * p.dq_accum.s[1]
                         + h * p.dq_accum.s[2];
+    if (HEAD_DIM % 8 == 0 && p.dq.s[3] == 1 && p.dq.s[1] % 8 == 0 && aligned16(gdq) && p.dq_accum.s[3] == 1
+        && p.dq_accum.s[1] % 4 == 0 && aligned16(gacc)) {
+        /* 8 columns a thread: two 16-byte loads (dq_col keeps 8-column groups whole), one store */
+        constexpr int C = HEAD_DIM / 8, STEPS = (PRE_ROWS * C + PRE_THREADS - 1) / PRE_THREADS;
+#pragma unroll
+        for (int k = 0; k < STEPS; k++) {
+            const int i = threadIdx.x + k * PRE_THREADS, c = (i % C) * 8;
+            const int64_t r = r_base + i / C;
+            if (i >= PRE_ROWS * C || r >= sq.rows)
+                continue;
+            uint32_t w[4] = {0u, 0u, 0u, 0u};
+            if (r < live) {
+                const float4 *src = (const float4 *)(gacc + r * p.dq_accum.s[1] + dq_col(r, c));
+                const float4 x = src[0], y = src[1];
+                const float f[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    w[e] = (uint32_t)f32_to_elem(f[2 * e] * scale) | ((uint32_t)f32_to_elem(f[2 * e + 1] * scale) << 16);
+            }
+            *(uint4 *)(gdq + r * p.dq.s[1] + c) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < PRE_ROWS * HEAD_DIM; i += PRE_THREADS) {
-        const int64_t r = (int64_t)blockIdx.x * PRE_ROWS + i / HEAD_DIM;
+        const int64_t r = r_base + i / HEAD_DIM;
         const int d = i % HEAD_DIM;
         if (r < sq.rows)
             gdq[r * p.dq.s[1] + d * p.dq.s[3]] =
-                r < sq.len ? f32_to_elem(gacc[r * p.dq_accum.s[1] + dq_col(r, d) * p.dq_accum.s[3]] * scale) : (elem_t)0;
+                r < live ? f32_to_elem(gacc[r * p.dq_accum.s[1] + dq_col(r, d) * p.dq_accum.s[3]] * scale) : (elem_t)0;
     }
 }
 #endif

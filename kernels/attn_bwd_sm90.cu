@@ -247,6 +247,10 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
  * DQ_ORDERED: the additions into a query tile take turns in descending key-block order (dq_sem,
  * as below), the writer lane waiting and signalling so the consumers never do: the same bits on
  * every run. Otherwise the bulk reductions land in whatever order (deterministic=False).
+ * DQ_STORE_FIRST (ordered without a mask_mod, so every key block kv_range names visits the tile):
+ * the first turn, the tile's last key block, stores its partial instead of adding it, and nothing
+ * zeroes dq_accum (attn_bwd_dq_convert writes 0 for a tile no key block sees). With a mask_mod a
+ * block may pass its turn, so the host zeroes dq_accum and every turn adds.
  * dq_accum's rows of one head are contiguous (B, Hq, S, HEAD_DIM in memory), so a tile's valid
  * rows are one block. */
 #if KV_WG != 2 || !(HEAD_DIM == 128 || (HEAD_DIM == 64 && HEAD_DIM_V == 64))
@@ -269,6 +273,10 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
 #endif
 static_assert(KV_BLOCK_M % LOADERS == 0, "loaders cover the lse / delta rows");
 
+#define DQ_STORE_FIRST (DQ_ORDERED && !HAS_MASK_MOD)
+#if DQ_ORDERED && DQ_TILE_M != KV_BLOCK_M
+#error "attn_bwd_dkdv_ws_sm90: attn_bwd_dq_convert's DQ_TILE_M is this kernel's query tile"
+#endif
 #if DQ_ORDERED
 /* The key blocks add into a query tile one at a time, in descending key-block order, so every
  * element of dq_accum sees the same additions in the same order on every run. dq_sem (B, Hq,
@@ -423,7 +431,13 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                 sem_wait(sem, n_block, last);
                 fence_proxy_async_global();
 #endif
-                bulk_add_f32(dst, sdQ + x * SDQ_BYTES, min(KV_BLOCK_M, Lq - m0) * HEAD_DIM * 4);
+                const int bytes = min(KV_BLOCK_M, Lq - m0) * HEAD_DIM * 4;
+#if DQ_STORE_FIRST
+                if (n_block == last)      /* the tile's first addition: into rows never zeroed */
+                    bulk_store(dst, sdQ + x * SDQ_BYTES, bytes);
+                else
+#endif
+                    bulk_add_f32(dst, sdQ + x * SDQ_BYTES, bytes);
 #if DQ_ORDERED
                 bulk_wait();
                 fence_proxy_async_global();

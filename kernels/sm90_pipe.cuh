@@ -56,6 +56,14 @@ DEV void bulk_add_f32(float *dst, uint32_t src, int bytes)
                  "cp.async.bulk.commit_group;" ::"l"(dst), "r"(src), "r"(bytes) : "memory");
 }
 
+/* dst[i] = src[i] for bytes / 16 16-byte pieces, a shared block into global memory by the bulk-copy
+ * engine (both 16-byte aligned, bytes a multiple of 16); one bulk group per call. */
+DEV void bulk_store(void *dst, uint32_t src, int bytes)
+{
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+                 "cp.async.bulk.commit_group;" ::"l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+
 /* Until this thread's bulk groups have read their shared memory (it may be rewritten). */
 DEV void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 

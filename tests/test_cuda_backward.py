@@ -193,6 +193,23 @@ def test_dq_added_by_the_dkdv_kernel(d, dv, kernel, mode, rng, monkeypatch):
     _grads(q, k, v, rng, deterministic=det)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_ordered_dq_after_a_larger_call(d, rng):
+    """The ordered mode's first turn at a query tile stores into dq_accum, which nothing zeroes
+    (the stream's scratch still holds an earlier call's sums): after a larger call, dq matches the
+    reference and is exactly 0 on the tiles no key block sees (bottom-right causal and a window
+    with Sq > Sk leave whole 64- and 128-row tiles without keys); with a document mask_mod, whose
+    blocks may pass their turns, the host zeroes dq_accum first."""
+    big = make_qkv(rng, 2, 1024, 1024, 4, 4, d, d, BF16)
+    _grads(*big, rng)
+    q, k, v = make_qkv(rng, 2, 700, 200, 4, 2, d, d, BF16)
+    _grads(q, k, v, rng, causal="bottom_right")
+    _grads(q, k, v, rng, window=(30, 0))
+    _grads(*big, rng, causal=True)
+    doc = np.repeat(np.arange(4), [300, 1, 400, 323]).astype(np.int32)
+    _grads(*big, rng, mask_mod=lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[kv_idx])
+
+
 def test_after_gpu_forward(rng):
     q, k, v = make_qkv(rng, 2, 200, 177, 4, 1, 96, 96, F16)
     _grads(q, k, v, rng, gpu_forward=True, causal=True)

@@ -1,0 +1,72 @@
+"""Kernel lab: where the short backward rows' time goes, kernel by kernel, beside the peers.
+
+    python bench/lab_bwd_parts.py [D:S[:causal] ...]
+
+For each case (default: the [2/4] rows the v5 bench missed, and D128 S2k for scale): the whole
+backward by triton.testing.do_bench (medians, L2 flushed) for attnext (deterministic and not),
+SDPA's flash and cuDNN backends, then torch.profiler's kernel times over 20 back-to-back calls of
+each, so the pre / main / convert kernels can be compared one by one. bf16, B*S = 16k tokens,
+H = 2048 / D, TFLOP/s counting 2.5x the forward.
+"""
+import sys
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
+
+import attnext
+
+DEFAULT = ["64:512", "64:1024", "64:512:causal", "64:1024:causal", "128:512:causal", "128:512", "128:2048"]
+
+
+def kernel_table(f, n=20):
+    """(name, us per call) of every kernel f launches, over n back-to-back calls."""
+    f()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            f()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / n) for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def main(cases):
+    torch.manual_seed(0)
+    print(torch.cuda.get_device_name(), flush=True)
+    for case in cases:
+        parts = case.split(":")
+        D, S, causal = int(parts[0]), int(parts[1]), len(parts) > 2
+        B, H = 16384 // S, 2048 // D
+        q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        flops = 2.5 * 4 * B * H * S * S * D / (2 if causal else 1)
+        qd, kd, vd = (x.detach() for x in (q, k, v))
+        out, lse = attnext.attention(qd, kd, vd, causal=causal, return_lse=True)
+        dout = torch.randn_like(out)
+        calls = {
+            "attnext": lambda: attnext.attention_backward(dout, qd, kd, vd, out, lse, causal=causal),
+            "attnext_nd": lambda: attnext.attention_backward(dout, qd, kd, vd, out, lse, causal=causal,
+                                                             deterministic=False),
+        }
+        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            with sdpa_kernel(backend):
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
+            calls[name] = (lambda o=o: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True))
+        ref = calls["flash"]()
+        got = calls["attnext"]()
+        err = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(got[:3], ref))
+        print(f"\nD{D} S{S} B{B} H{H} {'causal' if causal else 'full'}  (attnext vs flash err {err:.2g})")
+        times = {name: triton.testing.do_bench(f, return_mode="median") for name, f in calls.items()}
+        print("  " + "  ".join(f"{n} {t * 1e3:7.1f} us {flops / t / 1e9:5.0f} TF/s ({times['flash'] / t:.2f}x flash)"
+                               for n, t in times.items()), flush=True)
+        for name, f in calls.items():
+            rows = kernel_table(f)
+            print(f"  {name:10s} sum {sum(t for _, t in rows):7.1f} us: "
+                  + " | ".join(f"{k[:48]} {t:.1f}" for k, t in rows[:5]), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or DEFAULT)
