@@ -633,8 +633,15 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
         if all(grid):
             wanted.append((source, name, defs, smem_of[name], grid, warps))
 
+    # the ordered mode's key blocks take turns at each query tile: without a mask_mod the first turn
+    # stores, so nothing zeroes dq_accum, and the last writes dq (attn_bwd_sm90.cu: DQ_STORE_FIRST;
+    # attn_bwd_pre writes dq's other rows); a mask_mod's block may pass its turn, so then dq_accum
+    # starts zeroed, every turn adds, and attn_bwd_dq_convert writes dq
+    mask_mod = bool(gen is not None and gen.defines.get("HAS_MASK_MOD"))
+    ordered = dq_mode == "ordered"
     if o.Hq:
-        launch("attn_bwd_pre", (_query_tiles(q_rows, PRE_ROWS), o.Hq, o.B), PRE_THREADS // 32)
+        launch("attn_bwd_pre", (_query_tiles(q_rows, PRE_ROWS), o.Hq, o.B + (tail if ordered else 0)),
+               PRE_THREADS // 32)
         if hopper:               # dK, dV and dQ on wgmma (attn_bwd_sm90.cu)
             defs90 = kernels.bwd_defines(**features, tile=hopper, dq=dq_mode, mods=gen)
             smem90 = kernels.bwd_sm90_smem_bytes(o.D, o.Dv, hopper)
@@ -648,7 +655,7 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
             kv_grid = (_query_tiles(k_rows, 16 * tile["kv_warps"]), o.Hk, o.B + tail)
             for name in (("attn_bwd_dv", "attn_bwd_dk") if tile["kv_split"] else ("attn_bwd_dkdv",)):
                 launch(name, kv_grid, tile["kv_warps"])
-        if atomic:
+        if atomic and not (ordered and not mask_mod):
             launch("attn_bwd_dq_convert", (_query_tiles(q_rows, PRE_ROWS), o.Hq, o.B + tail),
                    PRE_THREADS // 32)
         elif not hopper:
@@ -667,9 +674,7 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
     sizes = ([4 * delta.size] + ([4 * math.prod(accum_shape)] if atomic else [])
              + ([4 * math.prod(sem_shape)] if dq_mode == "ordered" else []))
     total, offsets = _scratch_layout(*sizes)
-    # the ordered mode's first addition into a query tile stores (attn_bwd_sm90.cu: DQ_STORE_FIRST),
-    # but a mask_mod's block may pass its turn: then dq_accum starts zeroed and every turn adds
-    zero = ((SLOT_DQ_ACCUM, sizes[1]),) if dq_mode == "ordered" and gen and gen.defines.get("HAS_MASK_MOD") else ()
+    zero = ((SLOT_DQ_ACCUM, sizes[1]),) if ordered and mask_mod else ()
     return _Plan(template, tuple(launches), total,
                  tuple(zip((SLOT_DELTA, SLOT_DQ_ACCUM, SLOT_DQ_SEM), offsets)), zero)
 

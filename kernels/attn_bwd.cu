@@ -140,15 +140,25 @@ DEV float dot8(uint4 a, uint4 b)
     return acc;
 }
 
-/* Grid (row tiles of PRE_ROWS, Hq, B). delta[r] = sum_d dout[r, d] * out[r, d] for the rows of
- * the sequence, 0 for its padding rows; dq_accum's rows zeroed when given, except in the ordered
- * mode (DQ_ORDERED), where the first addition into each query tile stores (attn_bwd_sm90.cu:
- * DQ_STORE_FIRST) or the host zeroes dq_accum (a mask_mod); dq_sem's words zeroed when given. */
+/* Grid (row tiles of PRE_ROWS, Hq, B [+1 varlen in the ordered mode]). delta[r] = sum_d dout[r, d]
+ * * out[r, d] for the rows of the sequence, 0 for its padding rows; dq_accum's rows zeroed when
+ * given, except in the ordered mode (DQ_ORDERED), where the first addition into each query tile
+ * stores (DQ_STORE_FIRST) or the host zeroes dq_accum (a mask_mod); dq_sem's words zeroed when
+ * given. In the ordered mode, also the dq rows no last turn writes (DQ_STORE_FIRST: the dK/dV
+ * kernel writes the others) set to 0: those past dq_live_rows and the packed rows after the
+ * last sequence. */
 #if ENTRY(attn_bwd_pre)
 extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __grid_constant__ attn_params p)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t h = blockIdx.y, b = blockIdx.z;
+#if DQ_ORDERED
+    if (b == p.B) {
+        zero_rows((elem_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], p.cu_seqlens_q[p.B], p.Sq, HEAD_DIM,
+                  PRE_THREADS);
+        return;
+    }
+#endif
     const seq_t sq = seq_q(&p, b);
     const elem_t *gdo = (const elem_t *)p.dout.ptr + sq.mem_b * p.dout.s[0] + sq.start * p.dout.s[1] + h * p.dout.s[2];
     const elem_t *go = (const elem_t *)p.out.ptr + sq.mem_b * p.out.s[0] + sq.start * p.out.s[1] + h * p.out.s[2];
@@ -197,7 +207,14 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
                 gd[r * p.delta.s[2]] = acc;
         }
     }
-#if !DQ_ORDERED
+#if DQ_ORDERED
+    {
+        elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
+        const int64_t from = max(r_base, dq_live_rows(p, sq, b, r_base)), to = min(r_base + PRE_ROWS, sq.rows);
+        for (int64_t i = threadIdx.x; i < (to - from) * HEAD_DIM; i += PRE_THREADS)
+            gdq[(from + i / HEAD_DIM) * p.dq.s[1] + (i % HEAD_DIM) * p.dq.s[3]] = 0;
+    }
+#else
     if (p.dq_accum.ptr && r_base < sq.rows) {
         float *gacc = (float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + sq.start * p.dq_accum.s[1]
                       + h * p.dq_accum.s[2] + r_base * p.dq_accum.s[1];
@@ -533,9 +550,8 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(cons
 }
 #endif
 
-/* Grid (row tiles of PRE_ROWS, Hq, B [+1 varlen]): dq = dq_accum * scale, 0 on padding rows and,
- * in the ordered mode, on the rows of a query tile (DQ_TILE_M rows: the dK/dV kernel's) that sees
- * no key: no key block stored into their dq_accum rows. */
+/* Grid (row tiles of PRE_ROWS, Hq, B [+1 varlen]): dq = dq_accum * scale, 0 where dq_live_rows
+ * says (padding rows, and in the ordered mode a query tile that sees no key). */
 #if DQ_ORDERED && (DQ_TILE_M < PRE_ROWS || DQ_TILE_M % PRE_ROWS)
 #error "attn_bwd_dq_convert: a CTA's rows inside one of the dK/dV kernel's query tiles"
 #endif
@@ -550,17 +566,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_dq_convert(co
     }
     const seq_t sq = seq_q(&p, b);
     const float scale = (float)p.scale;
-    const int64_t r_base = (int64_t)blockIdx.x * PRE_ROWS;
-    int64_t live = sq.len;                /* rows below it read dq_accum; the others are 0 */
-#if DQ_ORDERED
-    const int64_t m0 = r_base - r_base % DQ_TILE_M;
-    if (m0 < sq.len) {
-        int64_t lo, hi;
-        kv_range(&p, m0, min(m0 + DQ_TILE_M, sq.len), sq.len, seq_k(&p, b).len, &lo, &hi);
-        if (hi <= lo)
-            live = 0;
-    }
-#endif
+    const int64_t r_base = (int64_t)blockIdx.x * PRE_ROWS, live = dq_live_rows(p, sq, b, r_base);
     elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
     const float *gacc = (const float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + sq.start * p.dq_accum.s[1]
                         + h * p.dq_accum.s[2];
@@ -574,16 +580,13 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_dq_convert(co
             const int64_t r = r_base + i / C;
             if (i >= PRE_ROWS * C || r >= sq.rows)
                 continue;
-            uint32_t w[4] = {0u, 0u, 0u, 0u};
+            uint4 w = make_uint4(0u, 0u, 0u, 0u);
             if (r < live) {
                 const float4 *src = (const float4 *)(gacc + r * p.dq_accum.s[1] + dq_col(r, c));
                 const float4 x = src[0], y = src[1];
-                const float f[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    w[e] = (uint32_t)f32_to_elem(f[2 * e] * scale) | ((uint32_t)f32_to_elem(f[2 * e + 1] * scale) << 16);
+                w = pack8({x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w}, scale);
             }
-            *(uint4 *)(gdq + r * p.dq.s[1] + c) = make_uint4(w[0], w[1], w[2], w[3]);
+            *(uint4 *)(gdq + r * p.dq.s[1] + c) = w;
         }
         return;
     }

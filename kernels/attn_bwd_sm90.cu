@@ -273,7 +273,6 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
 #endif
 static_assert(KV_BLOCK_M % LOADERS == 0, "loaders cover the lse / delta rows");
 
-#define DQ_STORE_FIRST (DQ_ORDERED && !HAS_MASK_MOD)
 #if DQ_ORDERED && DQ_TILE_M != KV_BLOCK_M
 #error "attn_bwd_dkdv_ws_sm90: attn_bwd_dq_convert's DQ_TILE_M is this kernel's query tile"
 #endif
@@ -290,11 +289,12 @@ static_assert(KV_BLOCK_M % LOADERS == 0, "loaders cover the lse / delta rows");
 #define SEM_SPINS (1 << 22)
 #define SEM_WORDS ((int)(gridDim.x + 31) >> 5)
 
-/* Tile m0's words, and the last key block that sees it. */
-DEV int *sem_of(const attn_params &p, int64_t b, int64_t h, int m0, int Lq, int Lk, int &last)
+/* Tile m0's words, and the first and last key blocks that see it. */
+DEV int *sem_of(const attn_params &p, int64_t b, int64_t h, int m0, int Lq, int Lk, int &first, int &last)
 {
     int64_t lo, hi;
     kv_range(&p, m0, min(m0 + KV_BLOCK_M, Lq), Lq, Lk, &lo, &hi);
+    first = (int)(lo / KV_BLOCK_N);
     last = (int)((hi - 1) / KV_BLOCK_N);
     return (int *)p.dq_sem.ptr + b * p.dq_sem.s[0] + h * p.dq_sem.s[1] + (m0 / KV_BLOCK_M) * SEM_WORDS * p.dq_sem.s[2];
 }
@@ -327,12 +327,41 @@ DEV void sem_set(int *sem, int n)
 }
 #endif
 
+/* dq rows [m0, m0 + rows) of head h: the tile's dQ sum in the stage at st (float32 rows of
+ * HEAD_DIM, columns in dq_col's order) times scale, by the 64 threads of warps 2-3 (wt). */
+DEV void store_dq_tile(const attn_params &p, const seq_t &sq, int64_t h, int m0, int rows, uint32_t st, int wt)
+{
+    constexpr int C = HEAD_DIM / 8;
+    const float scale = (float)p.scale;
+    elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + (sq.start + m0) * p.dq.s[1] + h * p.dq.s[2];
+    const bool vec = p.dq.s[3] == 1 && p.dq.s[1] % 8 == 0 && ((uint64_t)gdq & 15) == 0;
+    for (int i = wt; i < rows * C; i += 64) {
+        const int r = i / C, c = (i % C) * 8;
+        const uint32_t src = st + (r * HEAD_DIM + dq_col(r, c)) * 4;
+        float f[8];
+        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                     : "=f"(f[0]), "=f"(f[1]), "=f"(f[2]), "=f"(f[3]) : "r"(src));
+        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                     : "=f"(f[4]), "=f"(f[5]), "=f"(f[6]), "=f"(f[7]) : "r"(src + 16));
+        const uint4 w = pack8(f, scale);
+        elem_t *row = gdq + (int64_t)r * p.dq.s[1];
+        if (vec) {
+            *(uint4 *)(row + c) = w;
+        } else {
+            const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+                row[(c + e) * p.dq.s[3]] = (elem_t)(ws[e >> 1] >> (16 * (e & 1)));
+        }
+    }
+}
+
 #if ENTRY(attn_bwd_dkdv_ws_sm90)
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm90(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     /* K, V (the CTA's keys), Q[2], dO[2] (the query tiles' stages), dS^T[2], dQ[2] (float32), then
-     * lse[2], delta[2] and the mbarriers q_full[2], q_empty[2], dq_full[2], dq_empty[2] */
+     * lse[2], delta[2] and the mbarriers q_full[2], q_empty[2], dq_full[2], dq_empty[2], dq_back */
     const uint32_t base = smem_addr(smem_raw), sK = base;
     if (base & 1023)                      /* never: declared 1024-aligned; the D = 64 layout has no byte to spare */
         __trap();
@@ -341,7 +370,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
     const uint32_t sLD = sdQ + 2 * SDQ_BYTES;
     float *sL = (float *)(smem_raw + (sLD - base)), *sD = sL + 2 * KV_BLOCK_M;
     const uint32_t q_full = sLD + 4 * 4 * KV_BLOCK_M, q_empty = q_full + 16, dq_full = q_full + 32,
-                   dq_empty = q_full + 48;
+                   dq_empty = q_full + 48, dq_back = q_full + 64;
 
     const int tid = threadIdx.x, warp = tid >> 5, wg = tid >> 7;
     const int64_t hk = blockIdx.y, b = blockIdx.z;
@@ -370,6 +399,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
             mbar_init(dq_full + 8 * x, KV_THREADS);
             mbar_init(dq_empty + 8 * x, 1);
         }
+        mbar_init(dq_back, 1);
         mbar_init_fence();
     }
     __syncthreads();
@@ -407,47 +437,74 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                 mbar_arrive(q_full + 8 * x);
             }
             cp_async_wait_all();
-        } else if (tid == 64) {           /* the dQ writer */
+        } else {                          /* warps 2-3: the dQ writer (thread 64) and dq's last turns */
+            const int wt = tid - 64;
 #if DQ_ORDERED && HAS_MASK_MOD
-            for (int j = 0; j < group * all_n; j++) {     /* the tiles mod_narrow took off: their turns pass */
+            for (int j = 0; j < group * all_n && wt == 0; j++) {     /* the tiles mod_narrow took off: their turns pass */
                 const int m = all_first + j % all_n;
                 if (m < m_first || m >= m_first + nm) {
-                    int last;
-                    sem_set<false>(sem_of(p, b, hk * group + j / all_n, m * KV_BLOCK_M, Lq, Lk, last), n_block);
+                    int first, last;
+                    sem_set<false>(sem_of(p, b, hk * group + j / all_n, m * KV_BLOCK_M, Lq, Lk, first, last), n_block);
                 }
             }
 #endif
+            int backs = 0;                /* dq_back's phases waited for */
             for (int j = 0; j < items; j++) {
                 const int x = j & 1;
                 int64_t h;
                 int m0;
                 item_of(j, nm, m_first, hk, group, h, m0);
-                mbar_wait(dq_full + 8 * x, (j >> 1) & 1);
+                const uint32_t stage = sdQ + x * SDQ_BYTES;
                 float *dst = (float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + (sq.start + m0) * p.dq_accum.s[1]
                              + h * p.dq_accum.s[2];
+                const int rows = min(KV_BLOCK_M, Lq - m0), bytes = rows * HEAD_DIM * 4;
 #if DQ_ORDERED
-                int last;
-                int *sem = sem_of(p, b, h, m0, Lq, Lk, last);
-                sem_wait(sem, n_block, last);
-                fence_proxy_async_global();
+                int first, last;
+                int *sem = sem_of(p, b, h, m0, Lq, Lk, first, last);
 #endif
-                const int bytes = min(KV_BLOCK_M, Lq - m0) * HEAD_DIM * 4;
 #if DQ_STORE_FIRST
-                if (n_block == last)      /* the tile's first addition: into rows never zeroed */
-                    bulk_store(dst, sdQ + x * SDQ_BYTES, bytes);
-                else
-#endif
-                    bulk_add_f32(dst, sdQ + x * SDQ_BYTES, bytes);
-#if DQ_ORDERED
-                bulk_wait();
-                fence_proxy_async_global();
-                sem_set<true>(sem, n_block);
+                /* the tile's last turn writes dq; alone (first == last) it converts its partial as it is */
+                const bool final = n_block == first, alone = final && n_block == last;
 #else
-                bulk_wait_read();
+                const bool final = false, alone = false;
 #endif
-                mbar_arrive(dq_empty + 8 * x);
+                /* every thread waits for every phase, and thread 64 frees the stage only once all
+                 * have (named_sync below): a parity wait can neither skip a phase nor lag two */
+                mbar_wait(dq_full + 8 * x, (j >> 1) & 1);
+                if (wt == 0 && !alone) {
+#if DQ_ORDERED
+                    sem_wait(sem, n_block, last);
+                    fence_proxy_async_global();
+#endif
+#if DQ_STORE_FIRST
+                    if (n_block == last)  /* the tile's first turn: into rows never zeroed */
+                        bulk_store(dst, stage, bytes);
+                    else
+#endif
+                        bulk_add_f32(dst, stage, bytes);
+#if DQ_ORDERED
+                    bulk_wait();
+                    fence_proxy_async_global();
+                    sem_set<true>(sem, n_block);
+#else
+                    bulk_wait_read();
+#endif
+                    if (final) {          /* the tile's sum back into the stage */
+                        mbar_arrive_expect_tx(dq_back, bytes);
+                        bulk_load(stage, dst, bytes, dq_back);
+                    }
+                }
+                if (final) {
+                    if (!alone)
+                        mbar_wait(dq_back, backs++ & 1);
+                    store_dq_tile(p, sq, h, m0, rows, stage, wt);
+                }
+                named_sync(2, 64);        /* the stage read; every thread past this phase */
+                if (wt == 0)
+                    mbar_arrive(dq_empty + 8 * x);
             }
-            bulk_wait();
+            if (wt == 0)
+                bulk_wait();
         }
         return;
     }

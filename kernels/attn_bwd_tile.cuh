@@ -34,6 +34,37 @@ DEV void pack_frag(uint32_t (&a)[MT][KS][4], const float (&f)[MT][2 * KS][4])
         }
 }
 
+/* 8 floats times scale as 8 elements (16 bytes, the first lowest). */
+DEV uint4 pack8(const float (&f)[8], float scale)
+{
+    return make_uint4(pack2(f[0] * scale, f[1] * scale), pack2(f[2] * scale, f[3] * scale),
+                      pack2(f[4] * scale, f[5] * scale), pack2(f[6] * scale, f[7] * scale));
+}
+
+/* The rows of sequence b whose dq comes from dq_accum's sums: those below the returned row; dq is
+ * 0 from it on. They are the sequence's rows (not its padding) except, in the ordered mode, where
+ * the query tile of DQ_TILE_M rows (attn_bwd_sm90.cu's) holding row r sees no key: no key block
+ * adds into it, and its dq_accum rows are never written. */
+DEV int64_t dq_live_rows(const attn_params &p, const seq_t &sq, int64_t b, int64_t r)
+{
+#if DQ_ORDERED
+    const int64_t m0 = r - r % DQ_TILE_M;
+    if (m0 < sq.len) {
+        int64_t lo, hi;
+        kv_range(&p, m0, min(m0 + DQ_TILE_M, sq.len), sq.len, seq_k(&p, b).len, &lo, &hi);
+        if (hi <= lo)
+            return 0;
+    }
+#endif
+    return sq.len;
+}
+
+/* The ordered mode's first turn at a query tile stores its dQ partial, so nothing zeroes dq_accum,
+ * and its last turn writes dq: attn_bwd_sm90.cu's warp-specialised kernel without a mask_mod,
+ * whose blocks may pass their turns (then every turn adds into a dq_accum the host zeroed, and
+ * attn_bwd_dq_convert writes dq). */
+#define DQ_STORE_FIRST (DQ_ORDERED && !HAS_MASK_MOD)
+
 /* lse of a row in log2 units, +inf for a row that keeps nothing: exp2(s - that) is then 0. */
 DEV float lse_log2(float lse) { return lse == NEG_INF ? POS_INF : lse * LOG2E; }
 

@@ -1,7 +1,7 @@
 /* Hopper's (sm_90a) tools for warp-specialised kernels as inline PTX: shared-memory mbarriers
  * (arrive, the phase-parity wait, the arrive cp.async completions trigger), register
- * reallocation between warpgroups (setmaxnreg) and the bulk asynchronous reduction of a
- * contiguous shared-memory block into global memory.
+ * reallocation between warpgroups (setmaxnreg) and the bulk asynchronous copies and reductions
+ * of contiguous blocks between shared and global memory.
  *
  * mbarrier phases: a barrier initialised with count n completes a phase after n arrivals; a
  * waiter that wants the k-th completion (k = 0, 1, ...) waits for parity k & 1.
@@ -29,6 +29,12 @@ DEV void mbar_arrive(uint32_t bar)
 DEV void mbar_arrive_cp_async(uint32_t bar)
 {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+/* One arrival that also makes the phase wait for `bytes` more of bulk-copy transfers (bulk_load). */
+DEV void mbar_arrive_expect_tx(uint32_t bar, int bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 
 /* Until the phase of parity `parity` has completed (acquire). */
@@ -62,6 +68,14 @@ DEV void bulk_store(void *dst, uint32_t src, int bytes)
 {
     asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
                  "cp.async.bulk.commit_group;" ::"l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+
+/* dst (shared) = src (global) for bytes / 16 16-byte pieces by the bulk-copy engine (both 16-byte
+ * aligned, bytes a multiple of 16); the transfer counts towards bar's phase (mbar_arrive_expect_tx). */
+DEV void bulk_load(uint32_t dst, const void *src, int bytes, uint32_t bar)
+{
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
 /* Until this thread's bulk groups have read their shared memory (it may be rewritten). */
