@@ -605,7 +605,7 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
     # the dQ kernels scatter the score_mod's array gradients (ds_tile): with those dQ is
     # recomputed whatever deterministic and ATTNEXT_BWD_DQ say
     grads = gen is not None and gen.defines.get("HAS_DTENSORS")
-    dq_mode = "recompute" if grads else kernels.bwd_dq_mode(sm90, o.D, deterministic, o.Dv)
+    dq_mode = "recompute" if grads else kernels.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, k_rows)
     atomic = dq_mode != "recompute"
     defines = kernels.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen)
     smem = kernels.bwd_smem_bytes(o.D, o.Dv, tile, atomic)

@@ -410,7 +410,14 @@ def bwd_sm90_applies(arch, D, Dv, vec):
 DQ_MODES = ("recompute", "atomic", "ordered")
 
 
-def bwd_dq_mode(sm90, D, deterministic, Dv=None):
+# deterministic=False takes the atomic additions only beyond this many keys (the dK/dV grid's key
+# blocks): up to it the ordered mode is faster, since its first turn at a query tile stores (nothing
+# zeroes dq_accum) and its last writes dq (no dq_convert); H100 D64 S512: 0.92x against 0.87x
+# flash, S1k 0.97x against 0.99x, D128 S2k 2.08 against 2.03 ms (bench/NOTES.md, session 14)
+ATOMIC_MIN_KEYS = 1025
+
+
+def bwd_dq_mode(sm90, D, deterministic, Dv=None, k_rows=None):
     """How the backward gets dQ:
       "recompute"  the dQ kernel recomputes S and dP per query tile and owns its rows (7 products;
                    the same bits every run);
@@ -423,11 +430,13 @@ def bwd_dq_mode(sm90, D, deterministic, Dv=None):
     deterministic=False atomic (the turns are the producer warpgroup's, off the math:
     bench/NOTES.md, backward v4 and v5); elsewhere dQ is recomputed (attn_bwd.cu's atomic path
     measured no faster). Dv: D's when not given. ATTNEXT_BWD_DQ names a mode for the lab and the
-    tests; a mode a call does not allow falls back to the nearest it does."""
+    tests; a mode a call does not allow falls back to the nearest it does. k_rows: the longest key
+    sequence; deterministic=False with at most ATOMIC_MIN_KEYS - 1 keys takes ordered too."""
     adds = sm90 and (D == 128 or (D == 64 and (Dv or D) == 64))   # the warp-specialised kernel takes it
     mode = os.environ.get("ATTNEXT_BWD_DQ", "")
     if mode not in DQ_MODES:
-        mode = "recompute" if not adds else "ordered" if deterministic else "atomic"
+        short = k_rows is not None and k_rows < ATOMIC_MIN_KEYS
+        mode = "recompute" if not adds else "ordered" if deterministic or short else "atomic"
     if mode == "atomic" and deterministic:
         mode = "ordered"
     if mode == "ordered" and not adds:

@@ -94,6 +94,10 @@ def test_dq_mode(monkeypatch):
     assert mode(True, 64, True) == "ordered" and mode(True, 64, False) == "atomic"
     assert mode(True, 64, True, 128) == mode(True, 64, False, 128) == "recompute"
     assert mode(False, 128, True) == mode(False, 128, False) == "recompute"
+    # deterministic=False keeps the ordered mode where it is the faster: up to 1024 keys
+    assert mode(True, 64, False, 64, 1024) == mode(True, 128, False, 128, 512) == "ordered"
+    assert mode(True, 64, False, 64, 1025) == mode(True, 128, False, 128, 16384) == "atomic"
+    assert mode(False, 64, False, 64, 512) == "recompute"
     tile = kernels.bwd_sm90_tile(128, "ordered")
     assert tile == kernels.bwd_sm90_tile(128, "atomic") and tile["kv_warps"] == 8
     assert tile["kv_block_m"] == 64 and kernels.bwd_sm90_tile(64, "ordered")["kv_block_m"] == 128
@@ -105,6 +109,7 @@ def test_dq_mode(monkeypatch):
             <= 232448
     monkeypatch.setenv("ATTNEXT_BWD_DQ", "atomic")
     assert mode(True, 128, False) == "atomic" and mode(True, 128, True) == "ordered"
+    assert mode(True, 128, False, 128, 512) == "atomic"
     assert mode(True, 64, False) == "atomic" and mode(True, 64, True) == "ordered"
     assert mode(True, 64, False, 128) == mode(True, 64, True, 128) == "recompute"
     assert mode(False, 64, False) == "atomic" and mode(False, 64, True) == "recompute"
