@@ -228,7 +228,7 @@ def _common(o, device, q4, k4, v4, extra):
         alibi_dtype=kernels.DTYPE_CODES["float32"], bias_heads=o.bias_heads,
         mask_heads=o.mask_heads, q=_t(q4), k=_t(k4), v=_t(v4), bias=_t(bias4), mask=_t(mask4),
         alibi=_t(alibi), out=None, lse=None, dout=None, dq=None, dk=None, dv=None, dbias=None,
-        delta=None, dq_accum=None, dq_sem=None, num_splits=1)
+        delta=None, dq_accum=None, dq_sem=None, num_splits=1, dq_write_last=0)
     return prob, features
 
 
@@ -623,8 +623,17 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
     prob.delta = _t(delta[None] if o.varlen else delta)
     if atomic:
         prob.dq_accum = _t(DevView.contiguous(0, accum_shape, np.float32, device).transpose(0, 2, 1, 3))
-    if dq_mode == "ordered":
+    # the ordered mode's key blocks take turns at each query tile: without a mask_mod the first turn
+    # stores, so nothing zeroes dq_accum, and with short keys the last writes dq (attn_bwd_sm90.cu:
+    # DQ_STORE_FIRST, dq_write_last; attn_bwd_pre writes dq's other rows); a mask_mod's block may
+    # pass its turn, so then dq_accum starts zeroed and every turn adds; attn_bwd_dq_convert writes
+    # dq unless the last turns do
+    mask_mod = bool(gen is not None and gen.defines.get("HAS_MASK_MOD"))
+    ordered = dq_mode == "ordered"
+    write_last = kernels.bwd_dq_write_last(dq_mode, mask_mod, k_rows)
+    if ordered:
         prob.dq_sem = _t(DevView.contiguous(0, sem_shape, np.int32, device))
+    prob.dq_write_last = int(write_last)
     template = _C.attn_template(prob)
     tail = 1 if o.varlen else 0
     wanted = []      # (source, name, defines, smem, grid, warps): loaded once all are compiled
@@ -633,12 +642,6 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
         if all(grid):
             wanted.append((source, name, defs, smem_of[name], grid, warps))
 
-    # the ordered mode's key blocks take turns at each query tile: without a mask_mod the first turn
-    # stores, so nothing zeroes dq_accum, and the last writes dq (attn_bwd_sm90.cu: DQ_STORE_FIRST;
-    # attn_bwd_pre writes dq's other rows); a mask_mod's block may pass its turn, so then dq_accum
-    # starts zeroed, every turn adds, and attn_bwd_dq_convert writes dq
-    mask_mod = bool(gen is not None and gen.defines.get("HAS_MASK_MOD"))
-    ordered = dq_mode == "ordered"
     if o.Hq:
         launch("attn_bwd_pre", (_query_tiles(q_rows, PRE_ROWS), o.Hq, o.B + (tail if ordered else 0)),
                PRE_THREADS // 32)
@@ -655,7 +658,7 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
             kv_grid = (_query_tiles(k_rows, 16 * tile["kv_warps"]), o.Hk, o.B + tail)
             for name in (("attn_bwd_dv", "attn_bwd_dk") if tile["kv_split"] else ("attn_bwd_dkdv",)):
                 launch(name, kv_grid, tile["kv_warps"])
-        if atomic and not (ordered and not mask_mod):
+        if atomic and not write_last:
             launch("attn_bwd_dq_convert", (_query_tiles(q_rows, PRE_ROWS), o.Hq, o.B + tail),
                    PRE_THREADS // 32)
         elif not hopper:

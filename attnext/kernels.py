@@ -44,7 +44,8 @@ MODS_HEADER = KERNEL_DIR / "attn_mods.cuh"
 # plans are keyed on their values (knobs()), so a change takes effect at the next call.
 FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "ATTNEXT_FWD_SM90",
              "ATTNEXT_TILE_SM90")
-BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_DQ")
+BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_DQ",
+             "ATTNEXT_BWD_DQ_WRITE")
 # os.environ.get costs ~0.5 us a name (key encoding, Mapping.get); the dict behind os.environ
 # is what it reads (bytes keys where the OS environment is bytes, as on Linux)
 _ENV = getattr(os.environ, "_data", None)
@@ -410,11 +411,12 @@ def bwd_sm90_applies(arch, D, Dv, vec):
 DQ_MODES = ("recompute", "atomic", "ordered")
 
 
-# deterministic=False takes the atomic additions only beyond this many keys (the dK/dV grid's key
-# blocks): up to it the ordered mode is faster, since its first turn at a query tile stores (nothing
-# zeroes dq_accum) and its last writes dq (no dq_convert); H100 D64 S512: 0.92x against 0.87x
-# flash, S1k 0.97x against 0.99x, D128 S2k 2.08 against 2.03 ms (bench/NOTES.md, session 14)
-ATOMIC_MIN_KEYS = 1025
+# Short keys (at most this many, the longest sequence's): the ordered mode's last turn at a query
+# tile writes dq itself (bwd_dq_write_last), and deterministic=False takes the ordered mode too, which
+# is then the faster (H100 D64 S512: 0.92x against the atomic mode's 0.87x flash). With more keys
+# that last turn's extra work (the tile's sum read back and converted) holds up its key block's
+# consumers: the main kernel measured 2.23 against 2.06 ms at D128 S2k (bench/NOTES.md, session 14)
+SHORT_KEYS = 1024
 
 
 def bwd_dq_mode(sm90, D, deterministic, Dv=None, k_rows=None):
@@ -431,11 +433,11 @@ def bwd_dq_mode(sm90, D, deterministic, Dv=None, k_rows=None):
     bench/NOTES.md, backward v4 and v5); elsewhere dQ is recomputed (attn_bwd.cu's atomic path
     measured no faster). Dv: D's when not given. ATTNEXT_BWD_DQ names a mode for the lab and the
     tests; a mode a call does not allow falls back to the nearest it does. k_rows: the longest key
-    sequence; deterministic=False with at most ATOMIC_MIN_KEYS - 1 keys takes ordered too."""
+    sequence; deterministic=False with at most SHORT_KEYS keys takes ordered too."""
     adds = sm90 and (D == 128 or (D == 64 and (Dv or D) == 64))   # the warp-specialised kernel takes it
     mode = os.environ.get("ATTNEXT_BWD_DQ", "")
     if mode not in DQ_MODES:
-        short = k_rows is not None and k_rows < ATOMIC_MIN_KEYS
+        short = k_rows is not None and k_rows <= SHORT_KEYS
         mode = "recompute" if not adds else "ordered" if deterministic or short else "atomic"
     if mode == "atomic" and deterministic:
         mode = "ordered"
@@ -444,6 +446,17 @@ def bwd_dq_mode(sm90, D, deterministic, Dv=None, k_rows=None):
     if mode == "atomic" and sm90 and not adds:
         mode = "recompute"
     return mode
+
+
+def bwd_dq_write_last(mode, mask_mod, k_rows):
+    """Whether the ordered mode's last turn at each query tile writes dq (attn_bwd_sm90.cu:
+    dq_write_last) instead of attn_bwd_dq_convert: with at most SHORT_KEYS keys and no mask_mod
+    (whose key blocks may pass their turns). ATTNEXT_BWD_DQ_WRITE=0|1 decides for the lab and the
+    tests where the mode allows it."""
+    if mode != "ordered" or mask_mod:
+        return False
+    env = os.environ.get("ATTNEXT_BWD_DQ_WRITE")
+    return env == "1" if env in ("0", "1") else k_rows <= SHORT_KEYS
 
 
 # attn_bwd_sm90.cu's tiles: one warpgroup (64 keys) per recomputing dK/dV CTA, two CTAs per SM at

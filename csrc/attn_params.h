@@ -125,6 +125,9 @@ typedef struct {
      * o_accum [split][B][Hq][Sq][Dv] and lse_accum [split][B][Hq][Sq] float32 (natural log) */
     float *o_accum, *lse_accum;
     int num_splits;
+    /* GPU backward, the ordered dq mode: 1 where the last turn at each query tile writes dq
+     * (attn_bwd_sm90.cu), 0 where attn_bwd_dq_convert does */
+    int dq_write_last;
 
     int num_threads;             /* <= 0: the OpenMP default */
 

@@ -249,8 +249,10 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
  * every run. Otherwise the bulk reductions land in whatever order (deterministic=False).
  * DQ_STORE_FIRST (ordered without a mask_mod, so every key block kv_range names visits the tile):
  * the first turn, the tile's last key block, stores its partial instead of adding it, and nothing
- * zeroes dq_accum (attn_bwd_dq_convert writes 0 for a tile no key block sees). With a mask_mod a
- * block may pass its turn, so the host zeroes dq_accum and every turn adds.
+ * zeroes dq_accum; with p.dq_write_last (short keys) the last turn, the tile's first key block,
+ * reads the sum back into its dQ stage and warps 2-3 write dq from it, else attn_bwd_dq_convert
+ * does (both 0 for a tile no key block sees). With a mask_mod a block may pass its turn, so the
+ * host zeroes dq_accum, every turn adds and attn_bwd_dq_convert writes dq.
  * dq_accum's rows of one head are contiguous (B, Hq, S, HEAD_DIM in memory), so a tile's valid
  * rows are one block. */
 #if KV_WG != 2 || !(HEAD_DIM == 128 || (HEAD_DIM == 64 && HEAD_DIM_V == 64))
@@ -463,8 +465,10 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                 int *sem = sem_of(p, b, h, m0, Lq, Lk, first, last);
 #endif
 #if DQ_STORE_FIRST
-                /* the tile's last turn writes dq; alone (first == last) it converts its partial as it is */
-                const bool final = n_block == first, alone = final && n_block == last;
+                /* the tile's last turn writes dq where the host asks (short keys: beyond them this
+                 * work holds up the last key block's consumers); alone (first == last) it converts
+                 * its partial as it is */
+                const bool final = p.dq_write_last && n_block == first, alone = final && n_block == last;
 #else
                 const bool final = false, alone = false;
 #endif

@@ -53,7 +53,8 @@ class AttnParams(ctypes.Structure):
                    ("mask_heads", _I64), ("alibi", Tensor4), ("alibi_dtype", _INT), ("scale", _F64),
                    ("softcap", _F64), ("causal", _INT), ("window_left", _I64), ("window_right", _I64)]
                 + [(n, Tensor4) for n in ("dout", "dq", "dk", "dv", "dbias", "delta", "dq_accum", "dq_sem")]
-                + [("o_accum", _PTR), ("lse_accum", _PTR), ("num_splits", _INT), ("num_threads", _INT),
+                + [("o_accum", _PTR), ("lse_accum", _PTR), ("num_splits", _INT), ("dq_write_last", _INT),
+                   ("num_threads", _INT),
                    ("mods", _PTR), ("gmods", ctypes.c_uint64 * (GMODS_BYTES // 8))])
 
 

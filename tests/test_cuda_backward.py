@@ -193,13 +193,16 @@ def test_dq_added_by_the_dkdv_kernel(d, dv, kernel, mode, rng, monkeypatch):
     _grads(q, k, v, rng, deterministic=det)
 
 
+@pytest.mark.parametrize("write_last", ["0", "1"], ids=["dq_convert", "last_turn_writes"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_ordered_dq_after_a_larger_call(d, rng):
+def test_ordered_dq_after_a_larger_call(d, write_last, rng, monkeypatch):
     """The ordered mode's first turn at a query tile stores into dq_accum, which nothing zeroes
     (the stream's scratch still holds an earlier call's sums): after a larger call, dq matches the
     reference and is exactly 0 on the tiles no key block sees (bottom-right causal and a window
-    with Sq > Sk leave whole 64- and 128-row tiles without keys); with a document mask_mod, whose
-    blocks may pass their turns, the host zeroes dq_accum first."""
+    with Sq > Sk leave whole 64- and 128-row tiles without keys), whether the last turn at each
+    tile writes dq (short keys) or attn_bwd_dq_convert does (ATTNEXT_BWD_DQ_WRITE); with a
+    document mask_mod, whose blocks may pass their turns, the host zeroes dq_accum first."""
+    monkeypatch.setenv("ATTNEXT_BWD_DQ_WRITE", write_last)
     big = make_qkv(rng, 2, 1024, 1024, 4, 4, d, d, BF16)
     _grads(*big, rng)
     q, k, v = make_qkv(rng, 2, 700, 200, 4, 2, d, d, BF16)

@@ -310,7 +310,7 @@ def _prob(**changes):
     t = ((0, (2, 16, 4, 64), (4096, 256, 64, 1)))
     prob = types.SimpleNamespace(
         device=0, dtype=1, B=2, causal=0, window_left=-1, window_right=-1, bias_dtype=2, alibi_dtype=2,
-        bias_heads=1, mask_heads=1, num_splits=1, q=t, k=t, v=t, out=t, lse=None, bias=None, mask=None,
+        bias_heads=1, mask_heads=1, num_splits=1, dq_write_last=0, q=t, k=t, v=t, out=t, lse=None, bias=None, mask=None,
         alibi=None, dout=None, dq=None, dk=None, dv=None, dbias=None, delta=None, dq_accum=None, dq_sem=None)
     vars(prob).update(changes)
     return prob

@@ -98,6 +98,14 @@ def test_dq_mode(monkeypatch):
     assert mode(True, 64, False, 64, 1024) == mode(True, 128, False, 128, 512) == "ordered"
     assert mode(True, 64, False, 64, 1025) == mode(True, 128, False, 128, 16384) == "atomic"
     assert mode(False, 64, False, 64, 512) == "recompute"
+    write = kernels.bwd_dq_write_last   # the last turn writes dq: short keys, no mask_mod
+    assert write("ordered", False, 1024) and not write("ordered", False, 1025)
+    assert not write("ordered", True, 512) and not write("atomic", False, 512)
+    monkeypatch.setenv("ATTNEXT_BWD_DQ_WRITE", "0")
+    assert not write("ordered", False, 512)
+    monkeypatch.setenv("ATTNEXT_BWD_DQ_WRITE", "1")
+    assert write("ordered", False, 8192) and not write("ordered", True, 512)
+    monkeypatch.delenv("ATTNEXT_BWD_DQ_WRITE")
     tile = kernels.bwd_sm90_tile(128, "ordered")
     assert tile == kernels.bwd_sm90_tile(128, "atomic") and tile["kv_warps"] == 8
     assert tile["kv_block_m"] == 64 and kernels.bwd_sm90_tile(64, "ordered")["kv_block_m"] == 128
