@@ -1,13 +1,16 @@
 """Kernel lab: where the short backward rows' time goes, kernel by kernel, beside the peers.
 
-    python bench/lab_bwd_parts.py [D:S[:causal] ...]
+    python bench/lab_bwd_parts.py [--write] [D:S[:causal] ...]
 
 For each case (default: the [2/4] rows the v5 bench missed, and D128 S2k for scale): the whole
 backward by triton.testing.do_bench (medians, L2 flushed) for attnext (deterministic and not),
 SDPA's flash and cuDNN backends, then torch.profiler's kernel times over 20 back-to-back calls of
 each, so the pre / main / convert kernels can be compared one by one. bf16, B*S = 16k tokens,
-H = 2048 / D, TFLOP/s counting 2.5x the forward.
+H = 2048 / D, TFLOP/s counting 2.5x the forward. --write adds the deterministic backward with
+ATTNEXT_BWD_DQ_WRITE=0 and =1 (attn_bwd_dq_convert against the last turns writing dq), to place
+kernels.SHORT_KEYS.
 """
+import os
 import sys
 
 import torch
@@ -32,7 +35,22 @@ def kernel_table(f, n=20):
     return sorted(rows, key=lambda r: -r[1])
 
 
-def main(cases):
+def with_env(name, value, f):
+    """f called with os.environ[name] = value (the plan cache keys on it)."""
+    def call():
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return f()
+        finally:
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
+    return call
+
+
+def main(cases, write=False):
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), flush=True)
     for case in cases:
@@ -50,6 +68,9 @@ def main(cases):
             "attnext_nd": lambda: attnext.attention_backward(dout, qd, kd, vd, out, lse, causal=causal,
                                                              deterministic=False),
         }
+        if write:
+            for value in ("0", "1"):
+                calls[f"write{value}"] = with_env("ATTNEXT_BWD_DQ_WRITE", value, calls["attnext"])
         for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
             with sdpa_kernel(backend):
                 o = torch.nn.functional.scaled_dot_product_attention(
@@ -69,4 +90,5 @@ def main(cases):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or DEFAULT)
+    args = [a for a in sys.argv[1:] if a != "--write"]
+    main(args or DEFAULT, write="--write" in sys.argv[1:])
