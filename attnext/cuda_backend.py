@@ -643,7 +643,7 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
             wanted.append((source, name, defs, smem_of[name], grid, warps))
 
     if o.Hq:
-        launch("attn_bwd_pre", (_query_tiles(q_rows, PRE_ROWS), o.Hq, o.B + (tail if ordered else 0)),
+        launch("attn_bwd_pre", (_query_tiles(q_rows, PRE_ROWS), o.Hq, o.B + (tail if write_last else 0)),
                PRE_THREADS // 32)
         if hopper:               # dK, dV and dQ on wgmma (attn_bwd_sm90.cu)
             defs90 = kernels.bwd_defines(**features, tile=hopper, dq=dq_mode, mods=gen)

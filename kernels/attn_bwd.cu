@@ -144,16 +144,16 @@ DEV float dot8(uint4 a, uint4 b)
  * * out[r, d] for the rows of the sequence, 0 for its padding rows; dq_accum's rows zeroed when
  * given, except in the ordered mode (DQ_ORDERED), where the first addition into each query tile
  * stores (DQ_STORE_FIRST) or the host zeroes dq_accum (a mask_mod); dq_sem's words zeroed when
- * given. In the ordered mode, also the dq rows no last turn writes (DQ_STORE_FIRST: the dK/dV
- * kernel writes the others) set to 0: those past dq_live_rows and the packed rows after the
- * last sequence. */
+ * given. Where the ordered mode's last turns write dq (p.dq_write_last), also the dq rows they
+ * do not write set to 0: those past dq_live_rows and the packed rows after the last sequence
+ * (else attn_bwd_dq_convert writes every row). */
 #if ENTRY(attn_bwd_pre)
 extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __grid_constant__ attn_params p)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t h = blockIdx.y, b = blockIdx.z;
 #if DQ_ORDERED
-    if (b == p.B) {
+    if (b == p.B) {                       /* the grid has this block row only where p.dq_write_last */
         zero_rows((elem_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], p.cu_seqlens_q[p.B], p.Sq, HEAD_DIM,
                   PRE_THREADS);
         return;
@@ -208,7 +208,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
         }
     }
 #if DQ_ORDERED
-    {
+    if (p.dq_write_last) {
         elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
         const int64_t from = max(r_base, dq_live_rows(p, sq, b, r_base)), to = min(r_base + PRE_ROWS, sq.rows);
         for (int64_t i = threadIdx.x; i < (to - from) * HEAD_DIM; i += PRE_THREADS)

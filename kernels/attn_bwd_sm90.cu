@@ -287,7 +287,9 @@ static_assert(KV_BLOCK_M % LOADERS == 0, "loaders cover the lse / delta rows");
  * above it that sees m (up to kv_range's last) has set its bit. The grid runs the key blocks in
  * reverse (the last first), so a CTA only ever waits for CTAs launched before it: those are
  * running or done, whatever else shares the GPU. A wait that outlasts SEM_SPINS polls (never
- * expected) goes on unordered rather than hang. */
+ * expected) goes on unordered rather than hang where every turn adds (a mask_mod); where the
+ * first turn stores (DQ_STORE_FIRST) a turn out of order would lose sums, so the kernel traps:
+ * the call fails with the launch's error rather than return a wrong dq. */
 #define SEM_SPINS (1 << 22)
 #define SEM_WORDS ((int)(gridDim.x + 31) >> 5)
 
@@ -307,7 +309,8 @@ DEV void sem_wait(const int *sem, int n, int last)
     for (int w = (n + 1) >> 5; w <= last >> 5; w++) {
         const int lo = max(n + 1, w * 32) - w * 32, hi = min(last, w * 32 + 31) - w * 32;
         const unsigned need = (hi == 31 ? ~0u : (2u << hi) - 1) & ~((1u << lo) - 1);
-        for (int spins = 0; spins < SEM_SPINS; spins++) {
+        int spins = 0;
+        for (; spins < SEM_SPINS; spins++) {
             unsigned v;
             asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(sem + w) : "memory");
             if ((v & need) == need)
@@ -315,6 +318,10 @@ DEV void sem_wait(const int *sem, int n, int last)
             if (spins >= 64)
                 __nanosleep(256);
         }
+#if DQ_STORE_FIRST
+        if (spins == SEM_SPINS)
+            __trap();
+#endif
     }
 }
 

@@ -209,6 +209,17 @@ def test_ordered_dq_after_a_larger_call(d, write_last, rng, monkeypatch):
     _grads(q, k, v, rng, causal="bottom_right")
     _grads(q, k, v, rng, window=(30, 0))
     _grads(*big, rng, causal=True)
+    # varlen: an empty sequence, unused rows (seqused), packed rows after the last sequence
+    cu_q = np.array([0, 50, 50, 179, 180, 300], np.int32)
+    cu_k = np.array([0, 70, 71, 71, 241, 290], np.int32)
+    varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=np.array([50, 0, 100, 1, 120], np.int32),
+                  seqused_k=np.array([64, 1, 0, 170, 40], np.int32))
+    g, _, _ = _grads(*make_varlen_qkv(rng, 320, 300, 4, 2, d, d, BF16), rng, varlen=varlen, causal=True,
+                     window=(90, 30))
+    assert (g.dq[300:] == 0).all(), "dq: the packed rows after the last sequence are not 0"
+    # top-left causal with more keys than rows and no left window: no row keeps a key, yet the
+    # key block at 0 is still sent to the tile
+    _grads(*make_qkv(rng, 2, 7, 22, 4, 2, d, d, BF16), rng, causal="top_left", window=(0, -1))
     doc = np.repeat(np.arange(4), [300, 1, 400, 323]).astype(np.int32)
     _grads(*big, rng, mask_mod=lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[kv_idx])
 
