@@ -60,9 +60,9 @@ DEV int64_t dq_live_rows(const attn_params &p, const seq_t &sq, int64_t b, int64
 }
 
 /* The ordered mode's first turn at a query tile stores its dQ partial, so nothing zeroes dq_accum,
- * and its last turn writes dq: attn_bwd_sm90.cu's warp-specialised kernel without a mask_mod,
- * whose blocks may pass their turns (then every turn adds into a dq_accum the host zeroed, and
- * attn_bwd_dq_convert writes dq). */
+ * and where p.dq_write_last (short keys) its last turn writes dq: attn_bwd_sm90.cu's
+ * warp-specialised kernel without a mask_mod, whose blocks may pass their turns (then every turn
+ * adds into a dq_accum the host zeroed, and attn_bwd_dq_convert writes dq). */
 #define DQ_STORE_FIRST (DQ_ORDERED && !HAS_MASK_MOD)
 
 /* lse of a row in log2 units, +inf for a row that keeps nothing: exp2(s - that) is then 0. */
