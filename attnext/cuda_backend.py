@@ -151,7 +151,7 @@ def _with_gmods(gmods):
 
 
 # _C.cuda_launch_attention's address slots (csrc/cuda_attn.c's PTR_FIELDS)
-SLOT_O_ACCUM, SLOT_LSE_ACCUM, SLOT_DELTA, SLOT_DQ_ACCUM, SLOT_DQ_SEM = 5, 6, 19, 20, 21
+SLOT_O_ACCUM, SLOT_LSE_ACCUM, SLOT_DELTA, SLOT_DQ_ACCUM, SLOT_DQ_SEM, SLOT_DEAD = 5, 6, 19, 20, 21, 22
 
 
 def _vec_ok(view, D):
@@ -228,7 +228,7 @@ def _common(o, device, q4, k4, v4, extra):
         alibi_dtype=kernels.DTYPE_CODES["float32"], bias_heads=o.bias_heads,
         mask_heads=o.mask_heads, q=_t(q4), k=_t(k4), v=_t(v4), bias=_t(bias4), mask=_t(mask4),
         alibi=_t(alibi), out=None, lse=None, dout=None, dq=None, dk=None, dv=None, dbias=None,
-        delta=None, dq_accum=None, dq_sem=None, num_splits=1, dq_write_last=0)
+        delta=None, dq_accum=None, dq_sem=None, num_splits=1, dq_write_last=0, k_rows_max=0)
     return prob, features
 
 
@@ -634,6 +634,7 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
     if ordered:
         prob.dq_sem = _t(DevView.contiguous(0, sem_shape, np.int32, device))
     prob.dq_write_last = int(write_last)
+    prob.k_rows_max = k_rows
     template = _C.attn_template(prob)
     tail = 1 if o.varlen else 0
     wanted = []      # (source, name, defines, smem, grid, warps): loaded once all are compiled
@@ -663,6 +664,10 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
                    PRE_THREADS // 32)
         elif not hopper:
             launch("attn_bwd_dq", (_query_tiles(q_rows, tile["q_block_m"]), o.Hq, o.B + tail), tile["q_warps"])
+        # rows that keep no key (lse -inf): attn_bwd_pre marks them in the dead words, and this
+        # redoes the dK / dV they touched and zeroes their dq; with none it returns at once
+        launch("attn_bwd_dead", (device_info(device)["multiprocessor_count"] * tile["kv_minb"], 1, 1),
+               tile["kv_warps"])
         if dbias4 is not None:
             bcast = [s == 0 for s in dbias4.strides]
             rows, cols = dbias4.shape[2], dbias4.shape[3]
@@ -674,12 +679,12 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
                      arch)
     launches = [(kernels.function(src, name, defs, device, arch, sm, generated), grid, (warps * 32, 1, 1), sm)
                 for src, name, defs, sm, grid, warps in wanted]
-    sizes = ([4 * delta.size] + ([4 * math.prod(accum_shape)] if atomic else [])
-             + ([4 * math.prod(sem_shape)] if dq_mode == "ordered" else []))
-    total, offsets = _scratch_layout(*sizes)
-    zero = ((SLOT_DQ_ACCUM, sizes[1]),) if ordered and mask_mod else ()
-    return _Plan(template, tuple(launches), total,
-                 tuple(zip((SLOT_DELTA, SLOT_DQ_ACCUM, SLOT_DQ_SEM), offsets)), zero)
+    dead_bytes = 4 * (1 + o.B * o.Hq)     # attn_params.h: dead
+    slots = ((SLOT_DELTA, 4 * delta.size),) + (((SLOT_DQ_ACCUM, 4 * math.prod(accum_shape)),) if atomic else ()) \
+        + (((SLOT_DQ_SEM, 4 * math.prod(sem_shape)),) if ordered else ()) + ((SLOT_DEAD, dead_bytes),)
+    total, offsets = _scratch_layout(*(n for _, n in slots))
+    zero = tuple((slot, n) for slot, n in slots if slot == SLOT_DEAD or (slot == SLOT_DQ_ACCUM and ordered and mask_mod))
+    return _Plan(template, tuple(launches), total, tuple((slot, off) for (slot, _), off in zip(slots, offsets)), zero)
 
 
 def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, deterministic):
@@ -727,7 +732,7 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
         ptrs = ((q4.ptr, k4.ptr, v4.ptr, out4.ptr, lse3.ptr, None, None)
                 + tuple(None if x is None else x.ptr for x in extra)
                 + (dout4.ptr, dq4.ptr, dk4.ptr, dv4.ptr, None if dbias is None else dbias.ptr, None, None,
-                   None))
+                   None, None))
         if mods is None:
             _launch(plan, stage, ptrs, o)
         else:

@@ -392,6 +392,7 @@ def bwd_smem_bytes(D, Dv, tile, atomic):
     return {
         "attn_bwd_dkdv": 2 * (dkdv_common + bn * dvp) + extra,
         "attn_bwd_dk": 2 * (dkdv_common + bn * dvp) + extra,
+        "attn_bwd_dead": 2 * (dkdv_common + bn * dvp) + extra,   # dkdv's (or dk's: KV_SPLIT)
         "attn_bwd_dv": 2 * dkdv_common + extra,
         "attn_bwd_dq": 2 * (qm * dp + qm * dvp + 2 * qn * dp + qn * dvp),
         "attn_bwd_dbias": 2 * (qm * dp + qm * dvp + qn * dp + qn * dvp) + 4 * qw * qn,

@@ -128,6 +128,12 @@ typedef struct {
     /* GPU backward, the ordered dq mode: 1 where the last turn at each query tile writes dq
      * (attn_bwd_sm90.cu), 0 where attn_bwd_dq_convert does */
     int dq_write_last;
+    /* GPU backward, rows that keep no key (lse -inf inside a sequence's length): dead (1 + B * Hq
+     * int32, zeroed by the host) gets dead[0] = 1 and dead[1 + b * Hq + h] = 1 from attn_bwd_pre
+     * for each (sequence, head) holding such a row, and attn_bwd_dead redoes what they touched;
+     * k_rows_max: the longest key sequence's rows (attn_bwd_dead's key blocks) */
+    int32_t *dead;
+    int64_t k_rows_max;
 
     int num_threads;             /* <= 0: the OpenMP default */
 

@@ -11,6 +11,7 @@
  *   dtype, B, causal, window_left, window_right, bias_dtype, alibi_dtype, bias_heads, mask_heads,
  *   num_splits        as for _C.forward (num_splits: the split-KV forward's key splits, else 1)
  *   dq_write_last     the backward's ordered dq mode: 1 where the last turns write dq (attn_params.h)
+ *   k_rows_max        the backward's longest key sequence (attn_bwd_dead; attn_params.h)
  *   q, k, v, out, dout, dq, dk, dv, lse, dbias, bias, mask, alibi, delta, dq_accum, dq_sem: each None or a
  *   tuple (ptr, shape, strides) with shape and strides (in elements) of the ranks in
  *   attn_params.h; only their shapes and strides are kept (None: the feature is off)
@@ -101,7 +102,7 @@ static const size_t PTR_FIELDS[] = {
     PTR_FIELD(alibi.ptr), PTR_FIELD(cu_seqlens_q), PTR_FIELD(cu_seqlens_k), PTR_FIELD(seqused_q),
     PTR_FIELD(seqused_k), PTR_FIELD(dout.ptr), PTR_FIELD(dq.ptr), PTR_FIELD(dk.ptr),
     PTR_FIELD(dv.ptr), PTR_FIELD(dbias.ptr), PTR_FIELD(delta.ptr), PTR_FIELD(dq_accum.ptr),
-    PTR_FIELD(dq_sem.ptr),
+    PTR_FIELD(dq_sem.ptr), PTR_FIELD(dead),
 };
 #define N_PTR_FIELDS ((Py_ssize_t)(sizeof PTR_FIELDS / sizeof PTR_FIELDS[0]))
 
@@ -110,14 +111,14 @@ static PyObject *c_attn_template(PyObject *module, PyObject *prob)
     attn_template t;
     attn_params *p = &t.p;
     long long dtype, B, causal, wl, wr, bias_dtype, alibi_dtype, bias_heads, mask_heads, splits, write_last,
-        qs[4], ks[4], vs[4];
+        k_rows_max, qs[4], ks[4], vs[4];
     memset(&t, 0, sizeof t);
     if (attr_long(prob, "dtype", &dtype) || attr_long(prob, "B", &B) || attr_long(prob, "causal", &causal)
         || attr_long(prob, "window_left", &wl) || attr_long(prob, "window_right", &wr)
         || attr_long(prob, "bias_dtype", &bias_dtype) || attr_long(prob, "alibi_dtype", &alibi_dtype)
         || attr_long(prob, "bias_heads", &bias_heads) || attr_long(prob, "mask_heads", &mask_heads)
         || attr_long(prob, "device", &t.device) || attr_long(prob, "num_splits", &splits)
-        || attr_long(prob, "dq_write_last", &write_last))
+        || attr_long(prob, "dq_write_last", &write_last) || attr_long(prob, "k_rows_max", &k_rows_max))
         return NULL;
     p->dtype = (attn_dtype)dtype;
     p->B = B;
@@ -130,6 +131,7 @@ static PyObject *c_attn_template(PyObject *module, PyObject *prob)
     p->mask_heads = mask_heads;
     p->num_splits = (int)splits;
     p->dq_write_last = (int)write_last;
+    p->k_rows_max = k_rows_max;
     if (attr_tensor(prob, "q", 4, &p->q, qs) || attr_tensor(prob, "k", 4, &p->k, ks)
         || attr_tensor(prob, "v", 4, &p->v, vs) || attr_tensor(prob, "out", 4, &p->out, NULL)
         || attr_tensor(prob, "lse", 3, &p->lse, NULL) || attr_tensor(prob, "bias", 4, &p->bias, NULL)

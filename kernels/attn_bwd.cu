@@ -146,7 +146,8 @@ DEV float dot8(uint4 a, uint4 b)
  * stores (DQ_STORE_FIRST) or the host zeroes dq_accum (a mask_mod); dq_sem's words zeroed when
  * given. Where the ordered mode's last turns write dq (p.dq_write_last), also the dq rows they
  * do not write set to 0: those past dq_live_rows and the packed rows after the last sequence
- * (else attn_bwd_dq_convert writes every row). */
+ * (else attn_bwd_dq_convert writes every row). A row of the sequence whose lse is -inf (it keeps
+ * no key) sets p.dead's words (attn_params.h) for attn_bwd_dead. */
 #if ENTRY(attn_bwd_pre)
 extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __grid_constant__ attn_params p)
 {
@@ -164,6 +165,10 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
     const elem_t *go = (const elem_t *)p.out.ptr + sq.mem_b * p.out.s[0] + sq.start * p.out.s[1] + h * p.out.s[2];
     float *gd = (float *)p.delta.ptr + sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + sq.start * p.delta.s[2];
     const int64_t r_base = (int64_t)blockIdx.x * PRE_ROWS;
+    bool dead = false;                    /* a row that keeps no key: lse -inf inside the length */
+    if (p.dead && threadIdx.x < PRE_ROWS && r_base + threadIdx.x < sq.len)
+        dead = ((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1]
+                                          + (sq.start + r_base + threadIdx.x) * p.lse.s[2]] == NEG_INF;
     if (HEAD_DIM_V % 8 == 0 && p.dout.s[3] == 1 && p.out.s[3] == 1 && p.dout.s[1] % 8 == 0 && p.out.s[1] % 8 == 0
         && aligned16(gdo) && aligned16(go)) {
         /* 16-byte loads, all of a thread's rows in flight at once */
@@ -233,6 +238,10 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
         for (int w = threadIdx.x; w < words; w += PRE_THREADS)
             ((int *)p.dq_sem.ptr)[b * p.dq_sem.s[0] + h * p.dq_sem.s[1] + (blockIdx.x * words + w) * p.dq_sem.s[2]] = 0;
     }
+    if (__syncthreads_or(dead) && threadIdx.x == 0) {
+        p.dead[0] = 1;
+        p.dead[1 + b * p.Hq + h] = 1;
+    }
 }
 #endif
 
@@ -260,10 +269,15 @@ DEV void dkdv_prefetch(const attn_params &p, const seq_t &sq, int64_t hk, int gr
     }
 }
 
-/* PART: 1 dV, 2 dK, 3 both. Grid (key tiles, Hk, B [+1 varlen]); warp w owns key rows
- * [16 w, 16 w + 16) of the tile, so dK and dV never leave its registers. */
-template <int PART>
-DEV void dkdv(const attn_params &p, unsigned char *smem_raw)
+/* PART: 1 dV, 2 dK, 3 both, of key tile bx of kv head hk in sequence b (the grid's (key tiles, Hk,
+ * B [+1 varlen]) for attn_bwd_dkdv); warp w owns key rows [16 w, 16 w + 16) of the tile, so dK
+ * and dV never leave its registers. DEAD (attn_bwd_dead): the rows that keep no key (lse -inf)
+ * take no part: their Q and dO rows are zeroed in shared memory and their P^T and dS^T columns
+ * set to 0, so no NaN or inf of theirs, nor of a key or value they do not keep, reaches dK, dV
+ * as 0 * NaN; without DEAD such a row adds P^T = 0 times whatever its dO holds (the common path,
+ * which attn_bwd_dead redoes where such rows exist). */
+template <int PART, bool DEAD>
+DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk, int64_t b)
 {
     constexpr bool DO_DV = PART & 1, DO_DK = PART & 2;
     constexpr int BM = KV_BLOCK_M, BN = KV_BLOCK_N;
@@ -276,7 +290,6 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw)
     elem_t *sdS = (elem_t *)(sD + 2 * BM);                         /* DQ_ATOMIC: BN x (BM + pad) */
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int64_t hk = blockIdx.y, b = blockIdx.z;
     if (b == p.B) {                       /* packed rows after the last sequence */
         const int64_t first = p.cu_seqlens_k[p.B];
         if (DO_DK)
@@ -286,7 +299,7 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw)
         return;
     }
     const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
-    const int n0 = blockIdx.x * BN;
+    const int n0 = bx * BN;
     if (n0 >= sk.rows)
         return;
     const int group = (int)(p.Hq / p.Hk), Lq = (int)sq.len, Lk = (int)sk.len;
@@ -327,6 +340,16 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw)
         const float *lb = sL + buf * BM, *db = sD + buf * BM;
         cp_async_wait_all();
         __syncthreads();                  /* item j in buffer buf; every warp is done with buf ^ 1 */
+        if (DEAD) {                       /* the Q and dO rows of rows that keep no key (and padding) to 0 */
+            elem_t *q0 = (elem_t *)qb, *do0 = (elem_t *)dob;
+            for (int i = tid; i < BM * DP; i += KV_THREADS)
+                if (lb[i / DP] == POS_INF)
+                    q0[(i / DP) * (DP + SMEM_PAD) + i % DP] = 0;
+            for (int i = tid; i < BM * DVP; i += KV_THREADS)
+                if (lb[i / DVP] == POS_INF)
+                    do0[(i / DVP) * (DVP + SMEM_PAD) + i % DVP] = 0;
+            __syncthreads();
+        }
         float nl = POS_INF, nd = 0.f;
         if (j + 1 < items)
             dkdv_prefetch(p, sq, hk, group, m_first, nm, j + 1, sQ + (buf ^ 1) * BM * (DP + SMEM_PAD),
@@ -344,7 +367,7 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw)
                                || n0 + BN > Lk || m0 + BM > Lq
                                || !tile_inside_band(&p, m0, min(m0 + BM, Lq), n0, n0 + BN, Lq, Lk);
         uint32_t pp[1][KV_NT / 2][4];
-        pt_tile(s, pp, sc, lb, n0 + warp * 16, m0, qlo, qhi, need_mask);
+        pt_tile<KV_NT, DEAD>(s, pp, sc, lb, n0 + warp * 16, m0, qlo, qhi, need_mask);
 
         if (DO_DV)                        /* dV += P^T dO */
             mma_fb<1, KV_NT / 2, DO_DV ? DVP / 8 : 2, DVP + SMEM_PAD>(dv, pp, dob, lane);
@@ -355,10 +378,17 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw)
             zero_acc(dp);
             mma_abt<1, KV_NT, DVP>(dp, sV + warp * 16 * (DVP + SMEM_PAD), dob, lane);
             dst_tile(s, dp, db);
+            if (DEAD)                     /* dS^T of a row that keeps no key: 0, not 0 * (NaN - delta) */
+#pragma unroll
+                for (int nt = 0; nt < KV_NT; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        if (lb[nt * 8 + 2 * t + (e & 1)] == POS_INF)
+                            s[0][nt][e] = 0.f;
             pack_frag<1, KV_NT / 2>(pp, s);
             mma_fb<1, KV_NT / 2, DO_DK ? DP / 8 : 2, DP + SMEM_PAD>(dk, pp, qb, lane);
 #if DQ_ATOMIC
-            {
+            if (!DEAD) {                  /* (attn_bwd_dead leaves dq to the kernels before it) */
                 /* dS^T to shared memory, then dQ (BM x DP) = dS K split over the warps:
                  * warp (wm, wd) owns query rows 16 wm .. and the 16-column groups wd, wd + WD, .. */
                 constexpr int WM = BM / 16, WD = KV_WARPS / WM, NPW = (DP / 16 + WD - 1) / WD;
@@ -428,7 +458,7 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw)
 extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dv(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    dkdv<1>(p, smem_raw);
+    dkdv<1, false>(p, smem_raw, blockIdx.x, blockIdx.y, blockIdx.z);
 }
 #endif
 
@@ -436,7 +466,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dv(co
 extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dk(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    dkdv<2>(p, smem_raw);
+    dkdv<2, false>(p, smem_raw, blockIdx.x, blockIdx.y, blockIdx.z);
 }
 #endif
 #else
@@ -444,9 +474,57 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dk(co
 extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    dkdv<3>(p, smem_raw);
+    dkdv<3, false>(p, smem_raw, blockIdx.x, blockIdx.y, blockIdx.z);
 }
 #endif
+#endif
+
+/* ---------------------------------------------------------------- rows that keep no key */
+/* After the dK / dV / dQ kernels of any kind (attn_bwd.cu's or attn_bwd_sm90.cu's), a grid of a
+ * few CTAs per SM. Where attn_bwd_pre found no row that keeps no key (p.dead[0] == 0: the common
+ * case) every CTA returns at once. Else the CTAs share out, one after another, the key tiles of
+ * every (sequence, kv head) whose query heads hold such a row and redo their dK and dV with
+ * dkdv<DEAD> (the kernels before may have added 0 * NaN from such a row's dO or q, or from a key
+ * or value it does not keep), then set the dq rows of those rows to 0 (dS K can be 0 * NaN
+ * there too). dQ of the other rows is right as it stands: a row's dQ reads no other row. The dS
+ * of dbias and of the score_mod's array gradients is 0 in those rows where it is made (ds_tile). */
+#if ENTRY(attn_bwd_dead)
+extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dead(const __grid_constant__ attn_params p)
+{
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    if (*(volatile const int32_t *)p.dead == 0)
+        return;
+    const int64_t group = p.Hq / p.Hk, tiles = (p.k_rows_max + KV_BLOCK_N - 1) / KV_BLOCK_N;
+    for (int64_t v = blockIdx.x; v < tiles * p.Hk * p.B; v += gridDim.x) {
+        const int64_t x = v % tiles, hk = (v / tiles) % p.Hk, b = v / (tiles * p.Hk);
+        bool any = false;
+        for (int64_t h = hk * group; h < (hk + 1) * group; h++)
+            any |= p.dead[1 + b * p.Hq + h] != 0;
+        if (!any)
+            continue;
+#if KV_SPLIT
+        dkdv<1, true>(p, smem_raw, (int)x, hk, b);
+        __syncthreads();
+        dkdv<2, true>(p, smem_raw, (int)x, hk, b);
+#else
+        dkdv<3, true>(p, smem_raw, (int)x, hk, b);
+#endif
+        __syncthreads();                  /* every warp is done with the shared tiles */
+    }
+    for (int64_t v = blockIdx.x; v < p.Hq * p.B; v += gridDim.x) {
+        if (!p.dead[1 + v])
+            continue;
+        const int64_t b = v / p.Hq, h = v % p.Hq;
+        const seq_t sq = seq_q(&p, b);
+        const float *gl = (const float *)p.lse.ptr + sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + sq.start * p.lse.s[2];
+        elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
+        for (int64_t i = threadIdx.x; i < sq.len * HEAD_DIM; i += KV_THREADS) {
+            const int64_t r = i / HEAD_DIM;
+            if (gl[r * p.lse.s[2]] == NEG_INF)
+                gdq[r * p.dq.s[1] + (i % HEAD_DIM) * p.dq.s[3]] = 0;
+        }
+    }
+}
 #endif
 
 /* ---------------------------------------------------------------- dQ (and the dS of dbias) */

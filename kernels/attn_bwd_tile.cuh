@@ -98,8 +98,9 @@ DEV void red_add_f32x2(float *p, float a, float b)
 }
 
 /* pt_tile's pass over the tile's elements; ALL: the tile keeps every pair (a generated
- * kernel's tile that needs no test: no per-element keep bits to read). */
-template <int NT, bool DS, bool ALL>
+ * kernel's tile that needs no test: no per-element keep bits to read); DEAD: P^T is 0 in the
+ * columns of rows that keep no key (lb +inf), whatever their scores (attn_bwd.cu: dkdv<DEAD>). */
+template <int NT, bool DS, bool ALL, bool DEAD>
 DEV void pt_pass(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score_ctx &sc, const float *lb,
                  int n0w, int m0, const int (&qlo)[2], const int (&qhi)[2], bool need_mask,
                  float (&dp)[1][NT][4], const float *db, const tile_keep<1, NT> &keep, mod_fault &fault)
@@ -140,6 +141,10 @@ DEV void pt_pass(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score
                     grad = score_grad(sc, raw, r, c);
                 }
 #endif
+                if (DEAD && lb[rl] == POS_INF) {
+                    pv = 0.f;
+                    grad = 0.f;
+                }
                 note_fault(fault, bad, r, c, raw);
                 pr[x] = pv;
                 const float pg = pv * grad;
@@ -158,7 +163,7 @@ DEV void pt_pass(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score
  * lse rows in log2 units; qlo, qhi: the query rows each of the thread's two key rows is seen
  * by; a tile that needs no mask skips the tests. DS: dP^T is in dp already, and dS^T (dst_tile's,
  * the same bits) goes into dp instead, element by element: s is dead as it is read (registers). */
-template <int NT, bool DS = false>
+template <int NT, bool DS = false, bool DEAD = false>
 DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score_ctx &sc, const float *lb,
                  int n0w, int m0, const int (&qlo)[2], const int (&qhi)[2], bool need_mask,
                  float (&dp)[1][NT][4], const float *db)
@@ -179,20 +184,20 @@ DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score
     });
 #if !HAS_MASK_MOD
     if (!need_mask)
-        pt_pass<NT, DS, true>(s, pp, sc, lb, n0w, m0, qlo, qhi, need_mask, dp, db, keep, fault);
+        pt_pass<NT, DS, true, DEAD>(s, pp, sc, lb, n0w, m0, qlo, qhi, need_mask, dp, db, keep, fault);
     else
 #endif
 #endif
-        pt_pass<NT, DS, false>(s, pp, sc, lb, n0w, m0, qlo, qhi, need_mask, dp, db, keep, fault);
+        pt_pass<NT, DS, false, DEAD>(s, pp, sc, lb, n0w, m0, qlo, qhi, need_mask, dp, db, keep, fault);
     report_fault(sc, fault);
 }
 
 /* pt_tile leaving P^T * score_grad in s (attn_bwd.cu, which computes dP^T after dV's product). */
-template <int NT>
+template <int NT, bool DEAD>
 DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score_ctx &sc, const float *lb,
                  int n0w, int m0, const int (&qlo)[2], const int (&qhi)[2], bool need_mask)
 {
-    pt_tile<NT, false>(s, pp, sc, lb, n0w, m0, qlo, qhi, need_mask, s, nullptr);
+    pt_tile<NT, false, DEAD>(s, pp, sc, lb, n0w, m0, qlo, qhi, need_mask, s, nullptr);
 }
 
 /* For a dK/dV tile of bn keys at n0 (query tiles of bm rows): the query tiles [m_first, m_first +
@@ -312,7 +317,8 @@ DEV bool ds_needs_mask(const attn_params &p, const score_ctx &sc, int m0, int c0
 /* dS for this warp's rows x the key tile at c0, in place of s (S = Q K^T, raw dots) from dp
  * (dO V^T): the gradient of the score before score_mod (dbias) or WITH_GRAD times score_grad
  * (dq; its kernels also scatter the score_mod's array gradients, each pair once). Pairs outside
- * the kept set give exactly 0. */
+ * the kept set, and the rows that keep no key (lse2 +inf), give exactly 0: not 0 * NaN from such
+ * a row's dO or from a value it does not keep. */
 template <bool WITH_GRAD>
 DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], const attn_params &p,
                  const score_ctx &sc, const row_info &ri, int m0, int c0, bool need_mask, int Lq, int Lk)
@@ -341,16 +347,16 @@ DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], co
                 int bad = 0;
                 float ds = 0.f;
 #if SCORE_ANYWHERE
-                const bool k = keep.at(mt, nt, e);
+                const bool k = keep.at(mt, nt, e), live = k && ri.lse2[i] != POS_INF;
                 const float pv = fast_exp2(kept_score(sc, k, raw, r, c, bad) * LOG2E - ri.lse2[i]);
-                ds = k ? pv * (dp[mt][nt][e] - ri.delta[i]) : 0.f;
+                ds = live ? pv * (dp[mt][nt][e] - ri.delta[i]) : 0.f;
                 if (WITH_GRAD) {
                     score_dtensors(sc, raw, r, c, ds);
                     const float gk = score_grad(sc, raw, r, c);
-                    ds = k ? ds * gk : 0.f;
+                    ds = live ? ds * gk : 0.f;
                 } else if (HAS_SCORE_MOD) {
                     const float gk = score_mod_grad(sc, raw, r, c);
-                    ds = k ? ds * gk : 0.f;
+                    ds = live ? ds * gk : 0.f;
                 }
 #else
 #if ATTN_GMODS
@@ -358,7 +364,7 @@ DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], co
 #else
                 const bool k = !need_mask || (c >= ri.lo[i] && c < ri.hi[i] && mask_keeps(sc, r, c, bad));
 #endif
-                if (k) {
+                if (k && ri.lse2[i] != POS_INF) {
 #if SCORE_IS_PLAIN
                     const float pv = fast_exp2(raw * scale_log2 - ri.lse2[i]);
 #else

@@ -54,7 +54,7 @@ class AttnParams(ctypes.Structure):
                    ("softcap", _F64), ("causal", _INT), ("window_left", _I64), ("window_right", _I64)]
                 + [(n, Tensor4) for n in ("dout", "dq", "dk", "dv", "dbias", "delta", "dq_accum", "dq_sem")]
                 + [("o_accum", _PTR), ("lse_accum", _PTR), ("num_splits", _INT), ("dq_write_last", _INT),
-                   ("num_threads", _INT),
+                   ("dead", _PTR), ("k_rows_max", _I64), ("num_threads", _INT),
                    ("mods", _PTR), ("gmods", ctypes.c_uint64 * (GMODS_BYTES // 8))])
 
 

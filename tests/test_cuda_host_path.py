@@ -310,7 +310,7 @@ def _prob(**changes):
     t = ((0, (2, 16, 4, 64), (4096, 256, 64, 1)))
     prob = types.SimpleNamespace(
         device=0, dtype=1, B=2, causal=0, window_left=-1, window_right=-1, bias_dtype=2, alibi_dtype=2,
-        bias_heads=1, mask_heads=1, num_splits=1, dq_write_last=0, q=t, k=t, v=t, out=t, lse=None, bias=None, mask=None,
+        bias_heads=1, mask_heads=1, num_splits=1, dq_write_last=0, k_rows_max=0, q=t, k=t, v=t, out=t, lse=None, bias=None, mask=None,
         alibi=None, dout=None, dq=None, dk=None, dv=None, dbias=None, delta=None, dq_accum=None, dq_sem=None)
     vars(prob).update(changes)
     return prob
@@ -339,7 +339,7 @@ def test_attn_template_refuses(changes, exc, match):
     (1, (1, 1), TypeError, "grid must be a 3-tuple"),
     (2, [128, 1, 1], TypeError, "block must be a 3-tuple"),
     (5, b"short", TypeError, "template must come from attn_template"),
-    (6, (1,) * 23, TypeError, "ptrs must be a tuple of at most 22"),
+    (6, (1,) * 24, TypeError, "ptrs must be a tuple of at most 23"),
     (6, (None, 16, 16), ValueError, "q, k, v missing"),
     (6, (16, None, 16), ValueError, "q, k, v missing"),
     (0, "not a capsule", TypeError, "capsule from module_function"),

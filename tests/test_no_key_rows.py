@@ -34,13 +34,12 @@ from attnext.accuracy import compare_dtensors
 from conftest import (BF16, F32, F64, assert_close, assert_lse_close, compare_grads, dead_rows,
                       entry_points, make_qkv, make_varlen_qkv, randn)
 
-# The GPU backward kernels do not hold this yet (README: NaN and Inf): seen on an H100 (bfloat16,
-# head dim 64), a NaN or inf in the dout of a row that keeps no key made its dq and the dk, dv of
-# the keys computed with it NaN, and a NaN key it does not keep its dq. (The forward holds it: out
-# = 0 exactly.) A mask_mod with NumPy arrays runs on the CPU whatever the device (those pass).
-GPU_GAP = pytest.mark.xfail(reason="the GPU kernels compute 0 * NaN in rows that keep no key",
-                            strict=False)
-DEVICES = ["reference", "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU_GAP])]
+# The GPU's dK / dV / dQ kernels compute such rows like any other (P = 0 times whatever their dO
+# holds); attn_bwd_pre marks them and attn_bwd_dead (kernels/attn_bwd.cu) redoes the dK, dV they
+# touched and zeroes their dq. The _d64 / _d128 cases take attn_bwd_sm90.cu's kernels on Hopper
+# (the warp-specialised one at D = Dv = 64 and 128, the recomputing ones at D 64 / Dv 128 and
+# with a score_mod's array gradient), the others attn_bwd.cu's.
+DEVICES = ["reference", "cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 VALUES = [np.nan, np.inf]
 VALUE_IDS = ["nan", "inf"]
 DTYPES = [F32, BF16]
@@ -64,10 +63,10 @@ def _mask_case(rng, dtype, D=16, Dv=24):
                 nobody_key=(0, 77))
 
 
-def _causal_case(rng, dtype):
+def _causal_case(rng, dtype, D=32):
     """causal (bottom-right) with Sq 100 > Sk 40: rows 0-59 keep nothing. The bias (Sq, Sk) is
     shared by every head (dbias sums over them)."""
-    q, k, v = make_qkv(rng, 1, 100, 40, 2, 1, 32, 32, dtype)
+    q, k, v = make_qkv(rng, 1, 100, 40, 2, 1, D, D, dtype)
     return dict(q=q, k=k, v=v, opts=dict(causal=True, bias=randn(rng, (100, 40), F32)))
 
 
@@ -79,10 +78,10 @@ def _top_left_window_case(rng, dtype):
     return dict(q=q, k=k, v=v, opts=dict(causal="top_left", window=(3, 10)))
 
 
-def _window_case(rng, dtype):
+def _window_case(rng, dtype, D=8, Dv=40):
     """"bhsd", window (2, 1) with Sq 90 > Sk 70: row r keeps r - 22 <= c <= r - 19, so rows 0-18
     keep nothing. A bias (1, Hq, Sq, Sk)."""
-    q, k, v = make_qkv(rng, 2, 90, 70, 2, 1, 8, 40, dtype, layout="bhsd")
+    q, k, v = make_qkv(rng, 2, 90, 70, 2, 1, D, Dv, dtype, layout="bhsd")
     return dict(q=q, k=k, v=v, opts=dict(window=(2, 1), layout="bhsd",
                                          bias=randn(rng, (1, 2, 90, 70), F32)))
 
@@ -102,12 +101,12 @@ def _varlen_case(rng, dtype):
                 dead_kv=[(40, 0), (69, 1), (55, 1), (140, 0), (149, 1)])
 
 
-def _mask_mod_case(rng, dtype):
+def _mask_mod_case(rng, dtype, D=16):
     """A mask_mod and a score_mod with a captured table, Sq = Sk = 100: rows with q_idx % 7 == 3
     keep nothing, nor do heads 2 and 3 (kv head 1); the score_mod gives -inf to every pair of
     the rows with q_idx % 11 == 5 (their kept scores are all -inf: no gradient reaches the
     table from them); key 77 is kept by no row."""
-    q, k, v = make_qkv(rng, 1, 100, 100, 4, 2, 16, 16, dtype)
+    q, k, v = make_qkv(rng, 1, 100, 100, 4, 2, D, D, dtype)
     table = rng.standard_normal((4, 16))
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -132,12 +131,17 @@ def _bias_minus_inf_case(rng, dtype):
 CASES = {"mask": _mask_case, "causal_sq_gt_sk": _causal_case,
          "top_left_window": _top_left_window_case, "window_bhsd": _window_case,
          "varlen_seqused": _varlen_case, "mask_mod": _mask_mod_case,
-         "bias_minus_inf": _bias_minus_inf_case}
+         "bias_minus_inf": _bias_minus_inf_case,
+         # the head dims of the Hopper backward kernels (see DEVICES)
+         "mask_d64": lambda rng, dtype: _mask_case(rng, dtype, D=64, Dv=64),
+         "causal_d128": lambda rng, dtype: _causal_case(rng, dtype, D=128),
+         "window_d64_dv128": lambda rng, dtype: _window_case(rng, dtype, D=64, Dv=128),
+         "mask_mod_d128": lambda rng, dtype: _mask_mod_case(rng, dtype, D=128)}
 
 
-# The forward's own cases: the mask case at head dim 64 too, which takes the Hopper forward
-# (attn_fwd_sm90.cu) on an H100 where the others take attn_fwd.cu.
-FWD_CASES = dict(CASES, mask_d64=lambda rng, dtype: _mask_case(rng, dtype, D=64, Dv=64))
+# The forward's cases: the _d64 / _d128 ones take the Hopper forward (attn_fwd_sm90.cu) on an
+# H100 where the others take attn_fwd.cu.
+FWD_CASES = CASES
 
 
 def _problem(name, rng, dtype):
