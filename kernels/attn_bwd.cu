@@ -165,20 +165,22 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
     const elem_t *go = (const elem_t *)p.out.ptr + sq.mem_b * p.out.s[0] + sq.start * p.out.s[1] + h * p.out.s[2];
     float *gd = (float *)p.delta.ptr + sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + sq.start * p.delta.s[2];
     const int64_t r_base = (int64_t)blockIdx.x * PRE_ROWS;
-    bool dead = false;                    /* a row that keeps no key: lse -inf inside the length */
-    if (p.dead && threadIdx.x < PRE_ROWS && r_base + threadIdx.x < sq.len)
-        dead = ((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1]
-                                          + (sq.start + r_base + threadIdx.x) * p.lse.s[2]] == NEG_INF;
+    /* lse of a row, read beside its dout and out: -inf inside the length is a row that keeps no key */
+    const float *gl = (const float *)p.lse.ptr + sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + sq.start * p.lse.s[2];
+    bool dead = false;
     if (HEAD_DIM_V % 8 == 0 && p.dout.s[3] == 1 && p.out.s[3] == 1 && p.dout.s[1] % 8 == 0 && p.out.s[1] % 8 == 0
         && aligned16(gdo) && aligned16(go)) {
         /* 16-byte loads, all of a thread's rows in flight at once */
         using rc = row_chunks<HEAD_DIM_V % 8 ? 8 : HEAD_DIM_V>;
-        float acc[rc::PASSES];
+        float acc[rc::PASSES], lse[rc::PASSES];
 #pragma unroll
         for (int k = 0; k < rc::PASSES; k++) {
             const int i = (k * (PRE_THREADS / 32) + warp) * rc::R + lane / rc::L;
             const int64_t r = r_base + i;
             acc[k] = 0.f;
+            lse[k] = 0.f;
+            if (lane % rc::L == 0 && i < PRE_ROWS && r < sq.len)
+                lse[k] = gl[r * p.lse.s[2]];
             if (i < PRE_ROWS && r < sq.len)
 #pragma unroll
                 for (int c = lane % rc::L; c < rc::C; c += rc::L)
@@ -194,6 +196,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
             const int64_t r = r_base + i;
             if (lane % rc::L == 0 && i < PRE_ROWS && r < sq.rows)
                 gd[r * p.delta.s[2]] = acc[k];
+            dead |= lse[k] == NEG_INF;
         }
     } else {
         for (int i = warp; i < PRE_ROWS; i += PRE_THREADS / 32) {
@@ -201,6 +204,8 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
             if (r >= sq.rows)
                 break;
             float acc = 0.f;
+            if (r < sq.len && lane == 0)
+                dead |= gl[r * p.lse.s[2]] == NEG_INF;
             if (r < sq.len)
                 for (int d = lane; d < HEAD_DIM_V; d += 32)
                     acc += elem_to_f32(gdo[r * p.dout.s[1] + d * p.dout.s[3]])
@@ -238,7 +243,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
         for (int w = threadIdx.x; w < words; w += PRE_THREADS)
             ((int *)p.dq_sem.ptr)[b * p.dq_sem.s[0] + h * p.dq_sem.s[1] + (blockIdx.x * words + w) * p.dq_sem.s[2]] = 0;
     }
-    if (__syncthreads_or(dead) && threadIdx.x == 0) {
+    if (dead && p.dead) {                 /* every such thread writes the same 1s */
         p.dead[0] = 1;
         p.dead[1 + b * p.Hq + h] = 1;
     }
