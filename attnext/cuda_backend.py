@@ -27,7 +27,7 @@ import types
 import ml_dtypes
 import numpy as np
 
-from . import _C, bounds, codegen, device as _device, kernels, mod_arrays, mod_cache, staging, trace
+from . import _C, band, bounds, codegen, device as _device, kernels, mod_arrays, mod_cache, staging, trace
 from .devview import DevView
 from .kernel_cache import LRU
 from .staging import to_host  # noqa: F401  (api.py reads GPU arrays' lengths through here)
@@ -248,7 +248,9 @@ def _bind_mods(o, stage, backward):
     if not _has_mods(o):
         return None
     ts = trace.trace_score_mod(o.score_mod) if o.score_mod is not None else None
-    tm = trace.trace_mask_mod(o.mask_mod) if o.mask_mod is not None else None
+    tm = _lower_band(o, trace.trace_mask_mod(o.mask_mod)) if o.mask_mod is not None else None
+    if ts is None and tm is None:
+        return None                                 # the mask_mod was a band: the plain kernels
     layout = codegen.generated(ts, tm)          # the arrays and gradients; the code: gen below
     floats = list(ts.params if ts is not None else ()) + list(tm.params if tm is not None else ())
     names, arch = codegen.call_arrays(ts, tm), device_arch(stage.device)
@@ -286,6 +288,44 @@ def _bind_mods(o, stage, backward):
         blocks = (bound.blocks.ptr, nh * rows * cols if nb > 1 else 0, rows * cols if nh > 1 else 0, rows, cols)
     bound.gmods = codegen.pack(gen, floats, [a.ref for a in arrays], bound.err.ptr, dacc_ptr, bound.offsets, blocks)
     return bound
+
+
+def _lower_band(o, tm):
+    """The traced mask_mod tm less its band (attnext/band.py: conjuncts bounding kv_idx - q_idx),
+    which goes into o's causal_code / window_left / window_right instead: the kernels then visit
+    only the band's tiles and test only the tiles it cuts, and a mask_mod that is only a band
+    leaves no mask code (None). The kernels' window is relative to each sequence's diagonal c = r +
+    Lk - Lq, mask_mod's indices to its top-left corner, so this takes place only where Lk - Lq is
+    the same for every sequence (no seqused / seqlens; varlen: equal cu_seqlens), and a side
+    only where the window can say it (a side that would end on the wrong side of the diagonal is
+    left to mask_mod). The kept pairs are the same either way."""
+    if o.used_q is not None or o.used_k is not None:
+        return tm
+    if o.varlen:
+        if o.cu_q is None or o.cu_k is None or not np.array_equal(o.cu_q, o.cu_k):
+            return tm
+        diag = 0
+    else:
+        diag = o.Sk - o.Sq
+    b = band.split(tm)
+    if b.lower == () and b.upper == ():
+        return tm
+    inf = float("inf")
+    lo = diag - o.window_left if o.window_left >= 0 else -inf          # the call's own band, c - r
+    hi = min(diag + o.window_right if o.window_right >= 0 else inf,
+             diag if o.causal_code == 1 else inf, 0 if o.causal_code == 2 else inf)
+    take_lo = b.lo is not None and max(lo, b.lo) <= diag
+    take_hi = b.hi is not None and min(hi, b.hi) >= diag
+    if not (take_lo or take_hi):
+        return tm
+    if not (take_lo and take_hi):
+        b = band.split(tm, lower=take_lo, upper=take_hi)
+    far = o.Sq + o.Sk                               # api.py's clamp: a wider side is unbounded
+    if take_lo:
+        o.window_left = int(min(diag - max(lo, b.lo), far))
+    if take_hi:
+        o.window_right, o.causal_code = int(min(min(hi, b.hi) - diag, far)), 0
+    return b.rest
 
 
 def _facts(o, ts, tm, names, arrays):

@@ -707,12 +707,21 @@ def _trace(fn, kind):
             got = (f"a {result.node.dtype} expression" if isinstance(result, Proxy)
                    else type(result).__name__)
             raise TypeError(f"mask_mod must return a bool expression, got {got}")
-    params = tuple(graph.params)
-    reached = topo(out)
-    arrays = {n.args[0]: graph.arrays[n.args[0]] for n in reached if n.op == "array"}
+    return _made(kind, out, tuple(graph.params), graph.arrays, graph)
+
+
+def _made(kind, out, params, captured, graph):
+    """The Traced of output node out: the arrays it reaches (from captured, name -> object), its
+    structure and key."""
+    arrays = {n.args[0]: captured[n.args[0]] for n in topo(out) if n.op == "array"}
     text = structure_of(kind, [out], len(params))
-    return Traced(kind, out, params, arrays, text,
-                  hashlib.sha256(text.encode()).hexdigest(), graph)
+    return Traced(kind, out, params, arrays, text, hashlib.sha256(text.encode()).hexdigest(), graph)
+
+
+def with_output(traced, out):
+    """traced with another output node of its graph (attnext/band.py: a mask_mod less its band);
+    the float constants stay whole, numbered as in traced."""
+    return _made(traced.kind, out, traced.params, traced.arrays, traced.graph)
 
 
 def trace_score_mod(fn):

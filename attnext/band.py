@@ -1,0 +1,114 @@
+"""A mask_mod's band: the conjuncts that bound kv_idx - q_idx by integer constants.
+
+A mask_mod such as `(kv_idx <= q_idx) & (q_idx - kv_idx < 1024)` (a causal sliding window) or
+`(doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)` (document-causal) is, in part, the band the
+kernels already know how to walk: causal and window bound c - r, and the kernels visit only the
+tiles inside that band and test pairs only in the tiles it cuts. split() finds that part so the
+CUDA backend can hand it to the kernels as their window (cuda_backend._lower_band): the tiles
+outside it are never visited, and a mask_mod that is nothing but a band leaves no generated mask
+code at all. What stays a mask_mod is evaluated as before.
+
+What counts. The output's top-level `&` (of bool operands; `np.logical_and` traces to the same op)
+is split into conjuncts. A conjunct is a bound when it is a comparison < <= > >= of two integer
+expressions that are affine in q_idx and kv_idx with integer constant coefficients (+, -, unary
+-, multiplication by an integer constant, integer constants) whose difference is
++-(kv_idx - q_idx) + const: it bounds d = kv_idx - q_idx from above or below. Anything else (b,
+h, lookups, floats, ==, |, ~, a coefficient other than +-1) stays in the rest, unchanged.
+Integer arithmetic on the indices is exact in the kernels (int64), so the split is exact:
+mask_mod(b, h, q, kv) == (lo <= kv - q <= hi) & rest(b, h, q, kv) for every input.
+"""
+from typing import NamedTuple, Optional
+
+from . import trace
+
+_FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}
+
+
+class Band(NamedTuple):
+    """lo <= kv_idx - q_idx <= hi (None: unbounded on that side), from the conjuncts lower / upper
+    (their nodes); rest: the mask_mod's other conjuncts as a Traced (None: there are none)."""
+    lo: Optional[int]
+    hi: Optional[int]
+    lower: tuple
+    upper: tuple
+    rest: Optional[trace.Traced]
+
+
+def _conjuncts(node):
+    if node.op == "and" and node.dtype == trace.B:
+        return _conjuncts(node.args[0]) + _conjuncts(node.args[1])
+    return [node]
+
+
+def _affine(node):
+    """(a_q, a_kv, c) with node == a_q * q_idx + a_kv * kv_idx + c, or None."""
+    if node.dtype != trace.I:
+        return None
+    if node.op == "q_idx":
+        return 1, 0, 0
+    if node.op == "kv_idx":
+        return 0, 1, 0
+    if node.op == "const":
+        return 0, 0, int(node.args[0])
+    if node.op in ("add", "sub"):
+        x, y = _affine(node.args[0]), _affine(node.args[1])
+        if x is None or y is None:
+            return None
+        s = 1 if node.op == "add" else -1
+        return x[0] + s * y[0], x[1] + s * y[1], x[2] + s * y[2]
+    if node.op == "neg":
+        x = _affine(node.args[0])
+        return None if x is None else (-x[0], -x[1], -x[2])
+    if node.op == "mul":
+        x, y = _affine(node.args[0]), _affine(node.args[1])
+        if x is None or y is None:
+            return None
+        if x[:2] == (0, 0):
+            x, y = y, x
+        if y[:2] != (0, 0):
+            return None                   # a product of two index terms
+        k = y[2]
+        return x[0] * k, x[1] * k, x[2] * k
+    return None
+
+
+def _bound(node):
+    """("lo" or "hi", value) when node bounds d = kv_idx - q_idx, else None."""
+    if node.op not in _FLIP:
+        return None
+    x, y = _affine(node.args[0]), _affine(node.args[1])
+    if x is None or y is None:
+        return None
+    a_q, a_kv, c = x[0] - y[0], x[1] - y[1], x[2] - y[2]     # a_q q + a_kv kv + c  op  0
+    if (a_q, a_kv) == (1, -1):                               # -(d) + c op 0  ->  d flip(op) c
+        op = _FLIP[node.op]
+    elif (a_q, a_kv) == (-1, 1):                             # d + c op 0  ->  d op -c
+        op, c = node.op, -c
+    else:
+        return None
+    return {"lt": ("hi", c - 1), "le": ("hi", c), "gt": ("lo", c + 1), "ge": ("lo", c)}[op]
+
+
+def split(tm, lower=True, upper=True):
+    """The Band of a traced mask_mod. lower / upper False: that side's bounds are left in the rest
+    (a caller that cannot take them)."""
+    lo = hi = None
+    low, high, rest = [], [], []
+    for n in _conjuncts(tm.out):
+        b = _bound(n)
+        if b is not None and b[0] == "lo" and lower:
+            lo = b[1] if lo is None else max(lo, b[1])
+            low.append(n)
+        elif b is not None and b[0] == "hi" and upper:
+            hi = b[1] if hi is None else min(hi, b[1])
+            high.append(n)
+        else:
+            rest.append(n)
+    if not low and not high:
+        return Band(None, None, (), (), tm)
+    if not rest:
+        return Band(lo, hi, tuple(low), tuple(high), None)
+    out = rest[0]
+    for n in rest[1:]:
+        out = tm.graph.node("and", trace.B, out, n)
+    return Band(lo, hi, tuple(low), tuple(high), trace.with_output(tm, out))

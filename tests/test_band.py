@@ -1,0 +1,213 @@
+"""attnext/band.py (a mask_mod's band: the conjuncts that bound kv_idx - q_idx) and the CUDA
+backend's use of it (cuda_backend._lower_band: that band moved into the call's causal / window).
+
+On any machine: the split is exact (the mask_mod equals band & rest at every input), it finds
+what it should and leaves the rest, and _lower_band keeps a call's kept pairs (DESIGN.md,
+semantics 6) exactly over random shapes, options and mask_mods. Under `-m gpu`: the CUDA
+results with lowered bands against the reference, forward and backward.
+"""
+import types
+
+import numpy as np
+import pytest
+
+from attnext import band, cuda_backend, trace
+from conftest import BF16, make_qkv, make_varlen_qkv
+
+DOC = np.repeat(np.arange(5), [7, 13, 1, 20, 19])       # 60 positions, five documents
+
+
+def _masks():
+    """name -> mask_mod: bands, bands with a rest, and masks with no band."""
+    doc = DOC
+    return {
+        "causal": lambda b, h, q, kv: q >= kv,
+        "window": lambda b, h, q, kv: (q - kv >= 0) & (q - kv < 9),
+        "offset_band": lambda b, h, q, kv: (kv - q >= -5) & (kv <= q + 7),
+        "doc_causal": lambda b, h, q, kv: (doc[q] == doc[kv]) & (kv <= q),
+        "doc_window": lambda b, h, q, kv: (q - kv < 12) & (doc[q] == doc[kv]) & (q >= kv),
+        "scaled": lambda b, h, q, kv: (2 * (q - kv) + 3 >= 1) & -(kv - q) - 4 < 7,
+        "head_and_band": lambda b, h, q, kv: (h < 2) & (kv - 3 <= q) & (q % 3 != 1),
+        "np_and": lambda b, h, q, kv: np.logical_and(kv <= q, q - kv <= 6),
+        "or": lambda b, h, q, kv: (kv <= q) | (kv < 4),
+        "not": lambda b, h, q, kv: ~(kv > q),
+        "coefficient_2": lambda b, h, q, kv: kv <= 2 * q,
+        "doc": lambda b, h, q, kv: doc[q] == doc[kv],
+        "beside_diagonal": lambda b, h, q, kv: (kv <= q - 3) & (kv >= q - 20),
+        "right_of_diagonal": lambda b, h, q, kv: kv >= q + 2,
+    }
+
+
+def _grid(n=60):
+    return np.arange(n)[:, None], np.arange(n)[None, :]
+
+
+def _eval(tm, h, q, kv):
+    return np.broadcast_to(trace.evaluate(tm, None, 0, h, q, kv), np.broadcast_shapes(q.shape, kv.shape))
+
+
+@pytest.mark.parametrize("name", sorted(_masks()))
+def test_split_is_exact(name):
+    tm = trace.trace_mask_mod(_masks()[name])
+    q, kv = _grid()
+    for lower in (True, False):
+        for upper in (True, False):
+            b = band.split(tm, lower, upper)
+            for h in range(3):
+                got = np.ones((60, 60), bool)
+                if b.lo is not None:
+                    got &= kv - q >= b.lo
+                if b.hi is not None:
+                    got &= kv - q <= b.hi
+                if b.rest is not None:
+                    got &= _eval(b.rest, h, q, kv)
+                np.testing.assert_array_equal(got, _eval(tm, h, q, kv), err_msg=f"{name} h={h}")
+
+
+@pytest.mark.parametrize("name, lo, hi, rest", [
+    ("causal", None, 0, None),
+    ("window", -8, 0, None),
+    ("offset_band", -5, 7, None),
+    ("doc_causal", None, 0, "(doc[q_idx] == doc[kv_idx])"),
+    ("doc_window", -11, 0, "(doc[q_idx] == doc[kv_idx])"),
+    ("np_and", -6, 0, None),
+    ("head_and_band", None, 3, "((h < 2) & ((q_idx % 3) != 1))"),
+    ("or", None, None, "((kv_idx <= q_idx) | (kv_idx < 4))"),
+    ("coefficient_2", None, None, "(kv_idx <= (2 * q_idx))"),
+    ("doc", None, None, "(doc[q_idx] == doc[kv_idx])"),
+])
+def test_split_finds_the_band_and_leaves_the_rest(name, lo, hi, rest):
+    b = band.split(trace.trace_mask_mod(_masks()[name]))
+    assert (b.lo, b.hi) == (lo, hi)
+    assert (None if b.rest is None else trace.format_expr(b.rest.out)) == rest
+
+
+def test_rest_keys_follow_the_structure():
+    """The rest is a Traced of its own: its key is that of the same conjuncts traced alone."""
+    doc = DOC
+    with_band = trace.trace_mask_mod(lambda b, h, q, kv: (doc[q] == doc[kv]) & (kv <= q))
+    alone = trace.trace_mask_mod(lambda b, h, q, kv: doc[q] == doc[kv])
+    assert band.split(with_band).rest.key == alone.key
+    assert band.split(with_band).rest.arrays.keys() == {"doc"}
+
+
+def _kept(o, lq, lk):
+    """DESIGN.md semantics 6's kept pairs of the causal / window options alone."""
+    r, c = np.arange(lq)[:, None], np.arange(lk)[None, :]
+    d, diag = c - r, lk - lq
+    keep = np.ones((lq, lk), bool)
+    if o.causal_code == 1:
+        keep &= d <= diag
+    if o.causal_code == 2:
+        keep &= d <= 0
+    if o.window_left >= 0:
+        keep &= d >= diag - o.window_left
+    if o.window_right >= 0:
+        keep &= d <= diag + o.window_right
+    return keep
+
+
+def _problem(sq, sk, causal_code, window, varlen=None):
+    cu = None if varlen is None else np.asarray(varlen[0], np.int32)
+    cu_k = None if varlen is None else np.asarray(varlen[1], np.int32)
+    return types.SimpleNamespace(Sq=sq, Sk=sk, causal_code=causal_code, window_left=window[0],
+                                 window_right=window[1], varlen=varlen is not None, cu_q=cu, cu_k=cu_k,
+                                 used_q=None, used_k=None)
+
+
+def test_lowering_keeps_the_kept_pairs():
+    """Random shapes, causal / window options and mask_mods: the kept pairs after _lower_band
+    (its window, its causal, the rest it returns) are those before, in every case."""
+    rng = np.random.default_rng(3)
+    masks = _masks()
+    lowered = 0
+    for _ in range(400):
+        sq, sk = (int(x) for x in rng.integers(1, 60, 2))
+        if rng.random() < 0.4:
+            sk = sq
+        causal = int(rng.integers(0, 3))
+        window = tuple(int(x) if rng.random() < 0.5 else -1 for x in rng.integers(0, 30, 2))
+        name = str(rng.choice(sorted(masks)))
+        tm = trace.trace_mask_mod(masks[name])
+        o = _problem(sq, sk, causal, window)
+        before = _kept(o, sq, sk) & _eval(tm, 1, *(a[:n] if a.shape[0] > 1 else a[:, :n]
+                                                    for a, n in zip(_grid(), (sq, sk))))
+        rest = cuda_backend._lower_band(o, tm)
+        lowered += rest is not tm
+        q, kv = np.arange(sq)[:, None], np.arange(sk)[None, :]
+        after = _kept(o, sq, sk) & (True if rest is None else _eval(rest, 1, q, kv))
+        np.testing.assert_array_equal(after, before, err_msg=f"{name} {sq}x{sk} causal={causal} window={window}")
+        assert o.window_left >= -1 and o.window_right >= -1
+    assert lowered > 100      # the test saw many lowerings, not only the cases left alone
+
+
+@pytest.mark.parametrize("name, sq, sk, opts, want", [
+    ("window", 50, 50, dict(), (0, 8, 0, None)),                       # only a band: no mask_mod left
+    ("causal", 50, 50, dict(causal_code=1), (0, -1, 0, None)),
+    ("doc_causal", 50, 50, dict(), (0, -1, 0, "(doc[q_idx] == doc[kv_idx])")),
+    ("window", 40, 50, dict(), (0, 18, -1, "keep_upper")),             # Lk > Lq: c <= r is left of c = r + 10
+    ("offset_band", 40, 50, dict(), (0, 15, -1, "keep_upper")),        # kv <= q + 7 is left of it too
+    ("right_of_diagonal", 50, 50, dict(), (0, -1, -1, "keep")),        # c >= r + 2: no window says it
+    ("causal", 50, 40, dict(), (0, -1, 10, None)),                     # Lq > Lk: c <= r is right of c = r - 10
+    ("window", 50, 50, dict(window_left=3, window_right=-1), (0, 3, 0, None)),   # the narrower side wins
+])
+def test_lowering_fields(name, sq, sk, opts, want):
+    o = _problem(sq, sk, opts.get("causal_code", 0), (opts.get("window_left", -1), opts.get("window_right", -1)))
+    tm = trace.trace_mask_mod(_masks()[name])
+    rest = cuda_backend._lower_band(o, tm)
+    assert (o.causal_code, o.window_left, o.window_right) == want[:3]
+    if want[3] == "keep":
+        assert rest is tm
+    elif want[3] == "keep_upper":         # the upper bound stays in mask_mod, the lower is gone
+        assert rest is not None and band.split(rest).hi is not None and band.split(rest).lo is None
+    else:
+        assert (None if rest is None else trace.format_expr(rest.out)) == want[3]
+
+
+def test_lowering_needs_one_diagonal():
+    """seqused, or varlen with cu_seqlens_q != cu_seqlens_k: each sequence has its own Lk - Lq,
+    so the band stays in mask_mod."""
+    tm = trace.trace_mask_mod(_masks()["window"])
+    o = _problem(50, 50, 0, (-1, -1))
+    o.used_q = np.array([30, 50], np.int32)
+    assert cuda_backend._lower_band(o, tm) is tm and o.window_left == -1
+    o = _problem(90, 90, 0, (-1, -1), ([0, 40, 90], [0, 50, 90]))
+    assert cuda_backend._lower_band(o, tm) is tm
+    o = _problem(90, 90, 0, (-1, -1), ([0, 40, 90], [0, 40, 90]))
+    assert cuda_backend._lower_band(o, tm) is None and (o.window_left, o.window_right) == (8, 0)
+
+
+# --- on the GPU -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    return torch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("shape", [(60, 60), (45, 60), (60, 41)], ids=["square", "sk_longer", "sq_longer"])
+@pytest.mark.parametrize("name, opts", [
+    ("window", dict()), ("doc_causal", dict()), ("offset_band", dict(causal=True)),
+    ("doc_window", dict(window=(20, 3))), ("head_and_band", dict(causal="top_left")),
+    ("beside_diagonal", dict())])
+def test_lowered_bands_on_the_gpu(name, opts, shape, d, gpu, rng, torch):
+    """Fixed shapes, causal / window options and head dims 32 (attn_bwd.cu), 64 and 128 (the
+    Hopper kernels): forward and backward against the reference."""
+    from test_score_mod_cuda import run_gpu
+    q, k, v = make_qkv(rng, 2, shape[0], shape[1], 4, 2, d, d, BF16)
+    run_gpu(torch, q, k, v, mask_mod=_masks()[name], **opts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("same", [True, False], ids=["equal_lengths", "unequal_lengths"])
+def test_lowered_bands_varlen_on_the_gpu(same, gpu, rng, torch):
+    from test_score_mod_cuda import run_gpu
+    cu_q = np.array([0, 20, 60, 61, 120], np.int32)
+    cu_k = cu_q if same else np.array([0, 25, 60, 70, 120], np.int32)
+    q, k, v = make_varlen_qkv(rng, 120, 120, 4, 2, 64, 64, BF16)
+    run_gpu(torch, q, k, v, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=59, max_seqlen_k=59),
+            mask_mod=_masks()["window"])
