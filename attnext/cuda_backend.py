@@ -323,8 +323,9 @@ def _lower_band(o, tm):
     far = o.Sq + o.Sk                               # api.py's clamp: a wider side is unbounded
     if take_lo:
         o.window_left = int(min(diag - max(lo, b.lo), far))
-    if take_hi:
-        o.window_right, o.causal_code = int(min(min(hi, b.hi) - diag, far)), 0
+    if take_hi:   # a right side of 0 is causal (bottom-right), the kernels' own case
+        right = int(min(min(hi, b.hi) - diag, far))
+        o.window_right, o.causal_code = (-1, 1) if right == 0 else (right, 0)
     return b.rest
 
 

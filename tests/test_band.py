@@ -142,14 +142,14 @@ def test_lowering_keeps_the_kept_pairs():
 
 
 @pytest.mark.parametrize("name, sq, sk, opts, want", [
-    ("window", 50, 50, dict(), (0, 8, 0, None)),                       # only a band: no mask_mod left
-    ("causal", 50, 50, dict(causal_code=1), (0, -1, 0, None)),
-    ("doc_causal", 50, 50, dict(), (0, -1, 0, "(doc[q_idx] == doc[kv_idx])")),
+    ("window", 50, 50, dict(), (1, 8, -1, None)),                       # only a band: no mask_mod left
+    ("causal", 50, 50, dict(causal_code=1), (1, -1, -1, None)),
+    ("doc_causal", 50, 50, dict(), (1, -1, -1, "(doc[q_idx] == doc[kv_idx])")),
     ("window", 40, 50, dict(), (0, 18, -1, "keep_upper")),             # Lk > Lq: c <= r is left of c = r + 10
     ("offset_band", 40, 50, dict(), (0, 15, -1, "keep_upper")),        # kv <= q + 7 is left of it too
     ("right_of_diagonal", 50, 50, dict(), (0, -1, -1, "keep")),        # c >= r + 2: no window says it
     ("causal", 50, 40, dict(), (0, -1, 10, None)),                     # Lq > Lk: c <= r is right of c = r - 10
-    ("window", 50, 50, dict(window_left=3, window_right=-1), (0, 3, 0, None)),   # the narrower side wins
+    ("window", 50, 50, dict(window_left=3, window_right=-1), (1, 3, -1, None)),   # the narrower side wins
 ])
 def test_lowering_fields(name, sq, sk, opts, want):
     o = _problem(sq, sk, opts.get("causal_code", 0), (opts.get("window_left", -1), opts.get("window_right", -1)))
@@ -174,7 +174,7 @@ def test_lowering_needs_one_diagonal():
     o = _problem(90, 90, 0, (-1, -1), ([0, 40, 90], [0, 50, 90]))
     assert cuda_backend._lower_band(o, tm) is tm
     o = _problem(90, 90, 0, (-1, -1), ([0, 40, 90], [0, 40, 90]))
-    assert cuda_backend._lower_band(o, tm) is None and (o.window_left, o.window_right) == (8, 0)
+    assert cuda_backend._lower_band(o, tm) is None and (o.causal_code, o.window_left, o.window_right) == (1, 8, -1)
 
 
 # --- on the GPU -----------------------------------------------------------------------------------
