@@ -646,7 +646,12 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
     # the dQ kernels scatter the score_mod's array gradients (ds_tile): with those dQ is
     # recomputed whatever deterministic and ATTNEXT_BWD_DQ say
     grads = gen is not None and gen.defines.get("HAS_DTENSORS")
-    dq_mode = "recompute" if grads else kernels.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, k_rows)
+    # how many keys a query row may see: its window's width where the window bounds it (a key block
+    # then meets as few query tiles, and a query tile as few key blocks, as at that many keys)
+    reach = k_rows
+    if o.window_left >= 0 and (o.window_right >= 0 or o.causal_code):
+        reach = min(k_rows, o.window_left + max(o.window_right, 0) + 1)
+    dq_mode = "recompute" if grads else kernels.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach)
     atomic = dq_mode != "recompute"
     defines = kernels.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen)
     smem = kernels.bwd_smem_bytes(o.D, o.Dv, tile, atomic)
@@ -671,7 +676,7 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
     # dq unless the last turns do
     mask_mod = bool(gen is not None and gen.defines.get("HAS_MASK_MOD"))
     ordered = dq_mode == "ordered"
-    write_last = kernels.bwd_dq_write_last(dq_mode, mask_mod, k_rows)
+    write_last = kernels.bwd_dq_write_last(dq_mode, mask_mod, reach)
     if ordered:
         prob.dq_sem = _t(DevView.contiguous(0, sem_shape, np.int32, device))
     prob.dq_write_last = int(write_last)

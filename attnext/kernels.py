@@ -433,8 +433,9 @@ def bwd_dq_mode(sm90, D, deterministic, Dv=None, k_rows=None):
     deterministic=False atomic (the turns are the producer warpgroup's, off the math:
     bench/NOTES.md, backward v4 and v5); elsewhere dQ is recomputed (attn_bwd.cu's atomic path
     measured no faster). Dv: D's when not given. ATTNEXT_BWD_DQ names a mode for the lab and the
-    tests; a mode a call does not allow falls back to the nearest it does. k_rows: the longest key
-    sequence; deterministic=False with at most SHORT_KEYS keys takes ordered too."""
+    tests; a mode a call does not allow falls back to the nearest it does. k_rows: the most keys
+    a query row may see (the longest key sequence, or a narrower window's width: cuda_backend);
+    deterministic=False with at most SHORT_KEYS of them takes ordered too."""
     adds = sm90 and (D == 128 or (D == 64 and (Dv or D) == 64))   # the warp-specialised kernel takes it
     mode = os.environ.get("ATTNEXT_BWD_DQ", "")
     if mode not in DQ_MODES:
@@ -451,8 +452,8 @@ def bwd_dq_mode(sm90, D, deterministic, Dv=None, k_rows=None):
 
 def bwd_dq_write_last(mode, mask_mod, k_rows):
     """Whether the ordered mode's last turn at each query tile writes dq (attn_bwd_sm90.cu:
-    dq_write_last) instead of attn_bwd_dq_convert: with at most SHORT_KEYS keys and no mask_mod
-    (whose key blocks may pass their turns). ATTNEXT_BWD_DQ_WRITE=0|1 decides for the lab and the
+    dq_write_last) instead of attn_bwd_dq_convert: with at most SHORT_KEYS keys a query row may
+    see (k_rows, as for bwd_dq_mode) and no mask_mod (whose key blocks may pass their turns). ATTNEXT_BWD_DQ_WRITE=0|1 decides for the lab and the
     tests where the mode allows it."""
     if mode != "ordered" or mask_mod:
         return False
