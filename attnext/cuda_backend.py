@@ -249,8 +249,10 @@ def _bind_mods(o, stage, backward):
         return None
     ts = trace.trace_score_mod(o.score_mod) if o.score_mod is not None else None
     tm = _lower_band(o, trace.trace_mask_mod(o.mask_mod)) if o.mask_mod is not None else None
+    if ts is None and tm is not None and (cu := _documents(o, tm)) is not None:
+        o.documents, tm = cu, None
     if ts is None and tm is None:
-        return None                                 # the mask_mod was a band: the plain kernels
+        return None                 # the mask_mod was a band, or documents: the plain kernels
     layout = codegen.generated(ts, tm)          # the arrays and gradients; the code: gen below
     floats = list(ts.params if ts is not None else ()) + list(tm.params if tm is not None else ())
     names, arch = codegen.call_arrays(ts, tm), device_arch(stage.device)
@@ -327,6 +329,43 @@ def _lower_band(o, tm):
         right = int(min(min(hi, b.hi) - diag, far))
         o.window_right, o.causal_code = (-1, 1) if right == 0 else (right, 0)
     return b.rest
+
+
+def _documents(o, tm):
+    """cu_seqlens of the documents where the mask_mod left after its band is `doc[q_idx] ==
+    doc[kv_idx]` over a captured 1-D NumPy integer (or bool) array whose equal values sit in
+    contiguous runs: its kept pairs are then varlen attention's over the runs, which the
+    varlen kernels run without a mask (causal and window are relative to each run's diagonal,
+    the whole sequence's where Sq == Sk). Only where nothing else reads a position: B = 1, Sq ==
+    Sk, no score_mod (the caller's test), bias, mask, alibi or lengths; the array must reach Sq
+    (else the lookup's IndexError is mask_mod's to raise). None otherwise."""
+    if (o.varlen or o.B != 1 or o.Sq != o.Sk or o.used_q is not None or o.used_k is not None
+            or o.bias4 is not None or o.mask4 is not None or o.alibi is not None):
+        return None
+    n = tm.out
+    if n.op != "eq" or any(a.op != "load" or len(a.args) != 2 for a in n.args):
+        return None
+    (arr, i), (arr2, j) = (a.args for a in n.args)
+    if arr is not arr2 or {i.op, j.op} != {"q_idx", "kv_idx"}:
+        return None
+    doc = tm.arrays[arr.args[0]]
+    if not isinstance(doc, np.ndarray) or doc.ndim != 1 or doc.dtype.kind not in "iub" or doc.shape[0] < o.Sq:
+        return None
+    d = doc[:o.Sq]
+    cu = np.concatenate(([0], np.flatnonzero(d[1:] != d[:-1]) + 1, [o.Sq]))
+    if np.unique(d[cu[:-1]]).size != cu.size - 1:        # a value in two runs: not documents
+        return None
+    return cu.astype(np.int32)
+
+
+def _kernel_problem(o):
+    """The problem the kernels run: o, or where _documents found documents, o as varlen
+    attention over them (its arrays, results and lse laid out as they are: B = 1 in memory)."""
+    cu = getattr(o, "documents", None)
+    if cu is None:
+        return o
+    return types.SimpleNamespace(**dict(vars(o), varlen=True, B=cu.size - 1, cu_q=cu, cu_k=cu,
+                                        lse_shape=(o.Hq, o.Sq), mask_mod=None))
 
 
 def _facts(o, ts, tm, names, arrays):
@@ -511,9 +550,12 @@ def forward(o, out_host, lse_host, stage=None):
         extra = _extras(o, stage)
         out4 = _kernel_layout(o, out)
         mods = _bind_mods(o, stage, backward=False)
+        ko = _kernel_problem(o)
+        if ko is not o:
+            extra = _extras(ko, stage)
         if pin:
             stage.uploads_done()
-        plan = _forward_plan(o, stage.device, q4, k4, v4, out4, lse3, extra, None if mods is None else mods.gen)
+        plan = _forward_plan(ko, stage.device, q4, k4, v4, out4, lse3, extra, None if mods is None else mods.gen)
         ptrs = (q4.ptr, k4.ptr, v4.ptr, out4.ptr, None if lse3 is None else lse3.ptr)
         if extra is not _NO_EXTRAS:
             ptrs += (None, None) + tuple(None if x is None else x.ptr for x in extra)
@@ -771,10 +813,13 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
             dbias, dbias_res = _dbias_buffer(stage, o, host)
         extra = _extras(o, stage)
         mods = _bind_mods(o, stage, backward=True)
+        ko = _kernel_problem(o)
+        if ko is not o:
+            extra = _extras(ko, stage)
         if host:
             stage.uploads_done()
         views = (q4, k4, v4, dout4, out4, lse3, dq4, dk4, dv4, dbias)
-        plan = _backward_plan(o, stage.device, views, extra, deterministic, None if mods is None else mods.gen)
+        plan = _backward_plan(ko, stage.device, views, extra, deterministic, None if mods is None else mods.gen)
         ptrs = ((q4.ptr, k4.ptr, v4.ptr, out4.ptr, lse3.ptr, None, None)
                 + tuple(None if x is None else x.ptr for x in extra)
                 + (dout4.ptr, dq4.ptr, dk4.ptr, dv4.ptr, None if dbias is None else dbias.ptr, None, None,

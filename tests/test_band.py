@@ -1,5 +1,6 @@
 """attnext/band.py (a mask_mod's band: the conjuncts that bound kv_idx - q_idx) and the CUDA
-backend's use of it (cuda_backend._lower_band: that band moved into the call's causal / window).
+backend's use of it (cuda_backend._lower_band: that band moved into the call's causal / window),
+and cuda_backend._documents (a document mask over contiguous runs run as varlen attention).
 
 On any machine: the split is exact (the mask_mod equals band & rest at every input), it finds
 what it should and leaves the rest, and _lower_band keeps a call's kept pairs (DESIGN.md,
@@ -177,6 +178,59 @@ def test_lowering_needs_one_diagonal():
     assert cuda_backend._lower_band(o, tm) is None and (o.causal_code, o.window_left, o.window_right) == (1, 8, -1)
 
 
+def _doc_problem(**kw):
+    o = dict(varlen=False, B=1, Sq=60, Sk=60, used_q=None, used_k=None, bias4=None, mask4=None, alibi=None)
+    o.update(kw)
+    return types.SimpleNamespace(**o)
+
+
+def _doc_mask(doc):
+    return trace.trace_mask_mod(lambda b, h, q, kv: doc[q] == doc[kv])
+
+
+def test_documents_are_the_runs():
+    cu = cuda_backend._documents(_doc_problem(), _doc_mask(DOC))
+    np.testing.assert_array_equal(cu, [0, 7, 20, 21, 41, 60])
+    assert cu.dtype == np.int32
+    swapped = trace.trace_mask_mod(lambda b, h, q, kv: DOC[kv] == DOC[q])
+    np.testing.assert_array_equal(cuda_backend._documents(_doc_problem(), swapped), cu)
+    longer = np.concatenate([DOC, np.full(10, 9)])          # the array may run past Sq
+    np.testing.assert_array_equal(cuda_backend._documents(_doc_problem(), _doc_mask(longer)), cu)
+    one = np.zeros(60, np.int8)
+    np.testing.assert_array_equal(cuda_backend._documents(_doc_problem(), _doc_mask(one)), [0, 60])
+
+
+@pytest.mark.parametrize("why", ["repeated_value", "float_ids", "short_array", "batch", "cross",
+                                 "bias", "varlen", "seqused", "not_eq", "two_arrays", "offset_index"])
+def test_documents_refused(why):
+    doc, o = DOC.copy(), _doc_problem()
+    tm = None
+    if why == "repeated_value":
+        doc[50:] = 0                        # document 0 again at the end: not contiguous runs
+    elif why == "float_ids":
+        doc = doc.astype(np.float32)        # NaN != NaN: not an equivalence
+    elif why == "short_array":
+        doc = doc[:50]
+    elif why == "batch":
+        o.B = 2
+    elif why == "cross":
+        o.Sk = 70
+    elif why == "bias":
+        o.bias4 = object()
+    elif why == "varlen":
+        o.varlen = True
+    elif why == "seqused":
+        o.used_k = np.array([50], np.int32)
+    elif why == "not_eq":
+        tm = trace.trace_mask_mod(lambda b, h, q, kv: DOC[q] <= DOC[kv])
+    elif why == "two_arrays":
+        other = DOC.copy()
+        tm = trace.trace_mask_mod(lambda b, h, q, kv: DOC[q] == other[kv])
+    elif why == "offset_index":
+        tm = trace.trace_mask_mod(lambda b, h, q, kv: DOC[q] == DOC[kv + 1])
+    assert cuda_backend._documents(o, tm or _doc_mask(doc)) is None
+
+
 # --- on the GPU -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -211,3 +265,26 @@ def test_lowered_bands_varlen_on_the_gpu(same, gpu, rng, torch):
     q, k, v = make_varlen_qkv(rng, 120, 120, 4, 2, 64, 64, BF16)
     run_gpu(torch, q, k, v, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=59, max_seqlen_k=59),
             mask_mod=_masks()["window"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [32, 128])
+@pytest.mark.parametrize("name, opts", [
+    ("doc", dict()), ("doc_causal", dict()), ("doc", dict(causal=True)), ("doc_window", dict()),
+    ("doc", dict(window=(5, 2), layout="bhsd")), ("doc_repeated", dict(causal=True))])
+def test_documents_on_the_gpu(name, opts, d, gpu, rng, torch):
+    """Document masks over contiguous runs (run as varlen) and over a repeated value (kept as a
+    mask_mod), with causal, window and bhsd: forward and backward against the reference."""
+    from test_score_mod_cuda import run_gpu
+    masks = _masks()
+    if name == "doc_repeated":
+        doc = DOC.copy()
+        doc[45:] = 0
+
+        def mask_mod(b, h, q, kv):
+            return doc[q] == doc[kv]
+    else:
+        mask_mod = masks[name]
+    layout = opts.get("layout", "bshd")
+    q, k, v = make_qkv(rng, 1, 60, 60, 4, 2, d, d, BF16, layout)
+    run_gpu(torch, q, k, v, mask_mod=mask_mod, **opts)
