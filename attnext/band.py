@@ -25,12 +25,10 @@ _FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}
 
 
 class Band(NamedTuple):
-    """lo <= kv_idx - q_idx <= hi (None: unbounded on that side), from the conjuncts lower / upper
-    (their nodes); rest: the mask_mod's other conjuncts as a Traced (None: there are none)."""
+    """lo <= kv_idx - q_idx <= hi (None: unbounded on that side); rest: the mask_mod's other
+    conjuncts as a Traced (None: there are none)."""
     lo: Optional[int]
     hi: Optional[int]
-    lower: tuple
-    upper: tuple
     rest: Optional[trace.Traced]
 
 
@@ -40,8 +38,18 @@ def _conjuncts(node):
     return [node]
 
 
+_LIMIT = 1 << 31     # no term of a bound may reach this: int64 arithmetic on indices never wraps
+
+
 def _affine(node):
-    """(a_q, a_kv, c) with node == a_q * q_idx + a_kv * kv_idx + c, or None."""
+    """(a_q, a_kv, c) with node == a_q * q_idx + a_kv * kv_idx + c, or None (also where a
+    coefficient or constant reaches _LIMIT, at this node or below: the kernels' and NumPy's
+    int64 arithmetic could wrap where these exact integers do not)."""
+    x = _affine_exact(node)
+    return None if x is None or any(abs(t) >= _LIMIT for t in x) else x
+
+
+def _affine_exact(node):
     if node.dtype != trace.I:
         return None
     if node.op == "q_idx":
@@ -105,10 +113,10 @@ def split(tm, lower=True, upper=True):
         else:
             rest.append(n)
     if not low and not high:
-        return Band(None, None, (), (), tm)
+        return Band(None, None, tm)
     if not rest:
-        return Band(lo, hi, tuple(low), tuple(high), None)
+        return Band(lo, hi, None)
     out = rest[0]
     for n in rest[1:]:
         out = tm.graph.node("and", trace.B, out, n)
-    return Band(lo, hi, tuple(low), tuple(high), trace.with_output(tm, out))
+    return Band(lo, hi, trace.with_output(tm, out))

@@ -251,8 +251,9 @@ def _bind_mods(o, stage, backward):
     tm = _lower_band(o, trace.trace_mask_mod(o.mask_mod)) if o.mask_mod is not None else None
     if ts is None and tm is not None and (cu := _documents(o, tm)) is not None:
         o.documents, tm = cu, None
-    if ts is None and tm is None:
-        return None                 # the mask_mod was a band, or documents: the plain kernels
+    if ts is None and tm is None:   # the mask_mod was a band, or documents: the plain kernels,
+        o.mask_mod = None           # planned as a plain call is (_decode_plan asks _has_mods)
+        return None
     layout = codegen.generated(ts, tm)          # the arrays and gradients; the code: gen below
     floats = list(ts.params if ts is not None else ()) + list(tm.params if tm is not None else ())
     names, arch = codegen.call_arrays(ts, tm), device_arch(stage.device)
@@ -292,6 +293,17 @@ def _bind_mods(o, stage, backward):
     return bound
 
 
+def _kept_span(o, diag):
+    """(lo, hi): the call's causal and window keep lo <= c - r <= hi (+-inf where unbounded), for
+    sequences with diag = Lk - Lq; diag None where it differs between them (a top-left causal,
+    not relative to that diagonal, then counts as unbounded: hi - lo is still the kept width)."""
+    inf, d = float("inf"), diag or 0
+    lo = d - o.window_left if o.window_left >= 0 else -inf
+    hi = min(d + o.window_right if o.window_right >= 0 else inf, d if o.causal_code == 1 else inf,
+             0 if o.causal_code == 2 and diag is not None else inf)
+    return lo, hi
+
+
 def _lower_band(o, tm):
     """The traced mask_mod tm less its band (attnext/band.py: conjuncts bounding kv_idx - q_idx),
     which goes into o's causal_code / window_left / window_right instead: the kernels then visit
@@ -310,12 +322,9 @@ def _lower_band(o, tm):
     else:
         diag = o.Sk - o.Sq
     b = band.split(tm)
-    if b.lower == () and b.upper == ():
+    if b.lo is None and b.hi is None:
         return tm
-    inf = float("inf")
-    lo = diag - o.window_left if o.window_left >= 0 else -inf          # the call's own band, c - r
-    hi = min(diag + o.window_right if o.window_right >= 0 else inf,
-             diag if o.causal_code == 1 else inf, 0 if o.causal_code == 2 else inf)
+    lo, hi = _kept_span(o, diag)                    # the call's own band
     take_lo = b.lo is not None and max(lo, b.lo) <= diag
     take_hi = b.hi is not None and min(hi, b.hi) >= diag
     if not (take_lo or take_hi):
@@ -339,7 +348,7 @@ def _documents(o, tm):
     the whole sequence's where Sq == Sk). Only where nothing else reads a position: B = 1, Sq ==
     Sk, no score_mod (the caller's test), bias, mask, alibi or lengths; the array must reach Sq
     (else the lookup's IndexError is mask_mod's to raise). None otherwise."""
-    if (o.varlen or o.B != 1 or o.Sq != o.Sk or o.used_q is not None or o.used_k is not None
+    if (o.varlen or o.B != 1 or o.Sq != o.Sk or not o.Sq or o.used_q is not None or o.used_k is not None
             or o.bias4 is not None or o.mask4 is not None or o.alibi is not None):
         return None
     n = tm.out
@@ -547,12 +556,10 @@ def forward(o, out_host, lse_host, stage=None):
         if host or o.return_lse:
             lse, lse_res = _result(stage, host, o.lse_shape, np.float32)
             lse3 = lse[None] if o.varlen else lse
-        extra = _extras(o, stage)
         out4 = _kernel_layout(o, out)
         mods = _bind_mods(o, stage, backward=False)
         ko = _kernel_problem(o)
-        if ko is not o:
-            extra = _extras(ko, stage)
+        extra = _extras(ko, stage)
         if pin:
             stage.uploads_done()
         plan = _forward_plan(ko, stage.device, q4, k4, v4, out4, lse3, extra, None if mods is None else mods.gen)
@@ -690,9 +697,8 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
     grads = gen is not None and gen.defines.get("HAS_DTENSORS")
     # how many keys a query row may see: its window's width where the window bounds it (a key block
     # then meets as few query tiles, and a query tile as few key blocks, as at that many keys)
-    reach = k_rows
-    if o.window_left >= 0 and (o.window_right >= 0 or o.causal_code):
-        reach = min(k_rows, o.window_left + max(o.window_right, 0) + 1)
+    lo, hi = _kept_span(o, None if o.varlen or o.used_q is not None or o.used_k is not None else o.Sk - o.Sq)
+    reach = k_rows if math.isinf(hi - lo) else min(k_rows, max(int(hi - lo) + 1, 0))
     dq_mode = "recompute" if grads else kernels.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach)
     atomic = dq_mode != "recompute"
     defines = kernels.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen)
@@ -811,11 +817,9 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
         dbias = dbias_res = None
         if o.bias is not None:
             dbias, dbias_res = _dbias_buffer(stage, o, host)
-        extra = _extras(o, stage)
         mods = _bind_mods(o, stage, backward=True)
         ko = _kernel_problem(o)
-        if ko is not o:
-            extra = _extras(ko, stage)
+        extra = _extras(ko, stage)
         if host:
             stage.uploads_done()
         views = (q4, k4, v4, dout4, out4, lse3, dq4, dk4, dv4, dbias)

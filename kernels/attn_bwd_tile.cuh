@@ -65,8 +65,14 @@ DEV int64_t dq_live_rows(const attn_params &p, const seq_t &sq, int64_t b, int64
  * adds into a dq_accum the host zeroed, and attn_bwd_dq_convert writes dq). */
 #define DQ_STORE_FIRST (DQ_ORDERED && !HAS_MASK_MOD)
 
-/* lse of a row in log2 units, +inf for a row that keeps nothing: exp2(s - that) is then 0. */
-DEV float lse_log2(float lse) { return lse == NEG_INF ? POS_INF : lse * LOG2E; }
+/* lse of a row in log2 units, +inf for a row that keeps nothing (lse -inf): exp2(s - that) is
+ * then 0, and +inf marks such a row (ds_tile, dkdv<DEAD>). An lse of +inf gives the largest
+ * finite float instead: P = 0 there too, but the row is not taken for one that keeps nothing
+ * (README: NaN and Inf). */
+DEV float lse_log2(float lse)
+{
+    return lse == NEG_INF ? POS_INF : lse == POS_INF ? __int_as_float(0x7f7fffff) : lse * LOG2E;
+}
 
 /* Rows [first, rows) x cols [0, cols) of one head of a 16-bit tensor set to 0, rows spread over
  * blockIdx.x (the packed rows after the last sequence). */

@@ -36,6 +36,8 @@ def _masks():
         "doc": lambda b, h, q, kv: doc[q] == doc[kv],
         "beside_diagonal": lambda b, h, q, kv: (kv <= q - 3) & (kv >= q - 20),
         "right_of_diagonal": lambda b, h, q, kv: kv >= q + 2,
+        # int64 wraps at kv - q >= 1: the mask is kv <= q, not the bound kv - q >= 1 - 2**63
+        "huge_constant": lambda b, h, q, kv: kv - q + (2 ** 63 - 1) >= 0,
     }
 
 
@@ -76,6 +78,7 @@ def test_split_is_exact(name):
     ("or", None, None, "((kv_idx <= q_idx) | (kv_idx < 4))"),
     ("coefficient_2", None, None, "(kv_idx <= (2 * q_idx))"),
     ("doc", None, None, "(doc[q_idx] == doc[kv_idx])"),
+    ("huge_constant", None, None, "(((kv_idx - q_idx) + 9223372036854775807) >= 0)"),
 ])
 def test_split_finds_the_band_and_leaves_the_rest(name, lo, hi, rest):
     b = band.split(trace.trace_mask_mod(_masks()[name]))
@@ -200,7 +203,7 @@ def test_documents_are_the_runs():
     np.testing.assert_array_equal(cuda_backend._documents(_doc_problem(), _doc_mask(one)), [0, 60])
 
 
-@pytest.mark.parametrize("why", ["repeated_value", "float_ids", "short_array", "batch", "cross",
+@pytest.mark.parametrize("why", ["repeated_value", "float_ids", "short_array", "batch", "cross", "empty",
                                  "bias", "varlen", "seqused", "not_eq", "two_arrays", "offset_index"])
 def test_documents_refused(why):
     doc, o = DOC.copy(), _doc_problem()
@@ -215,6 +218,8 @@ def test_documents_refused(why):
         o.B = 2
     elif why == "cross":
         o.Sk = 70
+    elif why == "empty":
+        o.Sq = o.Sk = 0
     elif why == "bias":
         o.bias4 = object()
     elif why == "varlen":
@@ -241,6 +246,13 @@ def torch():
     return torch
 
 
+def _spy(monkeypatch, name):
+    """Every result of cuda_backend.<name>, in a list."""
+    seen, real = [], getattr(cuda_backend, name)
+    monkeypatch.setattr(cuda_backend, name, lambda *a: seen.append(real(*a)) or seen[-1])
+    return seen
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("shape", [(60, 60), (45, 60), (60, 41)], ids=["square", "sk_longer", "sq_longer"])
@@ -248,12 +260,16 @@ def torch():
     ("window", dict()), ("doc_causal", dict()), ("offset_band", dict(causal=True)),
     ("doc_window", dict(window=(20, 3))), ("head_and_band", dict(causal="top_left")),
     ("beside_diagonal", dict())])
-def test_lowered_bands_on_the_gpu(name, opts, shape, d, gpu, rng, torch):
+def test_lowered_bands_on_the_gpu(name, opts, shape, d, gpu, rng, torch, monkeypatch):
     """Fixed shapes, causal / window options and head dims 32 (attn_bwd.cu), 64 and 128 (the
-    Hopper kernels): forward and backward against the reference."""
+    Hopper kernels): forward and backward against the reference, and the band did go into the
+    window where it is the whole mask on a square problem."""
     from test_score_mod_cuda import run_gpu
+    lowered = _spy(monkeypatch, "_lower_band")
     q, k, v = make_qkv(rng, 2, shape[0], shape[1], 4, 2, d, d, BF16)
     run_gpu(torch, q, k, v, mask_mod=_masks()[name], **opts)
+    if shape[0] == shape[1] and name in ("window", "offset_band"):
+        assert lowered and all(rest is None for rest in lowered), lowered
 
 
 @pytest.mark.gpu
@@ -272,10 +288,11 @@ def test_lowered_bands_varlen_on_the_gpu(same, gpu, rng, torch):
 @pytest.mark.parametrize("name, opts", [
     ("doc", dict()), ("doc_causal", dict()), ("doc", dict(causal=True)), ("doc_window", dict()),
     ("doc", dict(window=(5, 2), layout="bhsd")), ("doc_repeated", dict(causal=True))])
-def test_documents_on_the_gpu(name, opts, d, gpu, rng, torch):
+def test_documents_on_the_gpu(name, opts, d, gpu, rng, torch, monkeypatch):
     """Document masks over contiguous runs (run as varlen) and over a repeated value (kept as a
     mask_mod), with causal, window and bhsd: forward and backward against the reference."""
     from test_score_mod_cuda import run_gpu
+    found = _spy(monkeypatch, "_documents")
     masks = _masks()
     if name == "doc_repeated":
         doc = DOC.copy()
@@ -288,3 +305,4 @@ def test_documents_on_the_gpu(name, opts, d, gpu, rng, torch):
     layout = opts.get("layout", "bshd")
     q, k, v = make_qkv(rng, 1, 60, 60, 4, 2, d, d, BF16, layout)
     run_gpu(torch, q, k, v, mask_mod=mask_mod, **opts)
+    assert found and all((cu is None) == (name == "doc_repeated") for cu in found), found

@@ -37,8 +37,9 @@ from conftest import (BF16, F32, F64, assert_close, assert_lse_close, compare_gr
 # The GPU's dK / dV / dQ kernels compute such rows like any other (P = 0 times whatever their dO
 # holds); attn_bwd_pre marks them and attn_bwd_dead (kernels/attn_bwd.cu) redoes the dK, dV they
 # touched and zeroes their dq. The _d64 / _d128 cases take attn_bwd_sm90.cu's kernels on Hopper
-# (the warp-specialised one at D = Dv = 64 and 128, the recomputing ones at D 64 / Dv 128 and
-# with a score_mod's array gradient), the others attn_bwd.cu's.
+# (the warp-specialised one at D = Dv = 64 and 128, the recomputing one at D 64 / Dv 128), the
+# others attn_bwd.cu's. The mask_mod cases run on the CPU's interpreter whatever the device (NumPy
+# inputs); test_mods_on_cuda_arrays runs them on the GPU's generated kernels.
 DEVICES = ["reference", "cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 VALUES = [np.nan, np.inf]
 VALUE_IDS = ["nan", "inf"]
@@ -213,20 +214,25 @@ def _zero_outside(x, keep):
     return None if x is None else np.where(keep, x, np.zeros((), x.dtype))
 
 
-def _check(c, device, every_finite):
+def _check(c, device, every_finite, move=None):
     """Runs case c (c.planted: _planted's arrays) on device and checks what the module docstring
     lists; every_finite: the reference's results (dout zeroed in the rows that keep no key) must
-    be finite everywhere. Returns the backend's gradients."""
+    be finite everywhere. move: (put, get), the call's arrays put on a GPU library's arrays and
+    its results got back (a score_mod / mask_mod with NumPy arrays runs on the CPU whatever the
+    device: this puts it on the GPU's generated kernels). Returns the backend's gradients."""
     fwd, bwd, rfwd, rbwd = entry_points(c.lengths)
     lengths = dict(c.lengths or {})
     dtype = np.dtype(c.q.dtype)
     q, k, v, opts, dout, dout0 = c.planted
+    put, get = move or (lambda x: x, lambda x: x)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        out, lse = fwd(q, k, v, **lengths, return_lse=True, device=device, **opts)
+        d_q, d_k, d_v = put(q), put(k), put(v)
+        d_out, d_lse = fwd(d_q, d_k, d_v, **lengths, return_lse=True, device=device, **opts)
+        out, lse = get(d_out), get(d_lse)
         r_out, r_lse = rfwd(q, k, v, **lengths, return_lse=True, **opts)
-        g = bwd(dout, q, k, v, out, lse, **lengths, device=device, **opts)
-        g0 = bwd(dout0, q, k, v, out, lse, **lengths, device=device, **opts)
+        g, g0 = (bwd(put(x), d_q, d_k, d_v, d_out, d_lse, **lengths, device=device, **opts) for x in (dout, dout0))
+        g, g0 = (x._replace(**{n: get(getattr(x, n)) for n in ("dq", "dk", "dv", "dbias")}) for x in (g, g0))
         rg = rbwd(dout0, q, k, v, out, lse, **lengths, **opts)
 
     assert np.array_equal(np.isneginf(lse), c.dead_lse), "lse: -inf not exactly in the rows that keep no key"
@@ -324,3 +330,27 @@ def test_forward_rows_that_keep_no_key(dtype, case, value, device, rng, request)
     assert np.isfinite(r_out).all(), "reference out: not finite"
     assert_close("out", out, r_out, np.dtype(dtype))
     assert_lse_close(lse, r_lse, np.dtype(dtype))
+
+
+@pytest.fixture(scope="module")
+def torch_lib():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    return torch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value", VALUES, ids=VALUE_IDS)
+@pytest.mark.parametrize("case", ["mask_mod", "mask_mod_d128"])
+def test_mods_on_cuda_arrays(case, value, gpu, rng, torch_lib):
+    """The mask_mod / score_mod cases on torch CUDA tensors, so the generated kernels run them
+    (the recomputing dK / dV and dQ kernels, the dQ kernel's dtensors scatter, attn_bwd_dead with
+    the mods): the same checks as test_rows_that_keep_no_key."""
+    from test_score_mod_cuda import to_gpu, to_host
+    c = _problem(case, rng, BF16)
+    c.planted = _planted(c, value, rng)
+    g = _check(c, "cuda", every_finite=True,
+               move=(lambda x: to_gpu(torch_lib, x), lambda t: None if t is None else to_host(torch_lib, t)))
+    for key in c.dead_kv:
+        assert (g.dk[key] == 0).all() and (g.dv[key] == 0).all(), f"dk, dv of key {key} not 0"
