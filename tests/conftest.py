@@ -53,6 +53,16 @@ def gpu():
     return 0
 
 
+@pytest.fixture(scope="module")
+def torch():
+    """PyTorch with a CUDA device (the GPU tests' way to hand attnext CUDA arrays), or the test is
+    skipped. A test file may define its own."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    return torch
+
+
 def randn(rng, shape, dtype=F64):
     """Fresh standard normal data (never zeros) rounded to `dtype`."""
     return rng.standard_normal(shape).astype(dtype)

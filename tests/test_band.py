@@ -238,14 +238,6 @@ def test_documents_refused(why):
 
 # --- on the GPU -----------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def torch():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device for torch")
-    return torch
-
-
 def _spy(monkeypatch, name):
     """Every result of cuda_backend.<name>, in a list."""
     seen, real = [], getattr(cuda_backend, name)

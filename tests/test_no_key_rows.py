@@ -332,18 +332,10 @@ def test_forward_rows_that_keep_no_key(dtype, case, value, device, rng, request)
     assert_lse_close(lse, r_lse, np.dtype(dtype))
 
 
-@pytest.fixture(scope="module")
-def torch_lib():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device for torch")
-    return torch
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("value", VALUES, ids=VALUE_IDS)
 @pytest.mark.parametrize("case", ["mask_mod", "mask_mod_d128"])
-def test_mods_on_cuda_arrays(case, value, gpu, rng, torch_lib):
+def test_mods_on_cuda_arrays(case, value, gpu, rng, torch):
     """The mask_mod / score_mod cases on torch CUDA tensors, so the generated kernels run them
     (the recomputing dK / dV and dQ kernels, the dQ kernel's dtensors scatter, attn_bwd_dead with
     the mods): the same checks as test_rows_that_keep_no_key."""
@@ -351,6 +343,6 @@ def test_mods_on_cuda_arrays(case, value, gpu, rng, torch_lib):
     c = _problem(case, rng, BF16)
     c.planted = _planted(c, value, rng)
     g = _check(c, "cuda", every_finite=True,
-               move=(lambda x: to_gpu(torch_lib, x), lambda t: None if t is None else to_host(torch_lib, t)))
+               move=(lambda x: to_gpu(torch, x), lambda t: None if t is None else to_host(torch, t)))
     for key in c.dead_kv:
         assert (g.dk[key] == 0).all() and (g.dv[key] == 0).all(), f"dk, dv of key {key} not 0"

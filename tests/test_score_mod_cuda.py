@@ -25,14 +25,6 @@ S, H = mods.S_MAX, mods.H_MAX
 DTYPES = [F16, BF16]
 
 
-@pytest.fixture(scope="module")
-def torch():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device for torch")
-    return torch
-
-
 def to_gpu(torch, x):
     """A NumPy float16 / bfloat16 (or int / bool) array as a CUDA tensor with the same bits."""
     if x is None or not isinstance(x, np.ndarray):
