@@ -298,3 +298,67 @@ def test_documents_on_the_gpu(name, opts, d, gpu, rng, torch, monkeypatch):
     q, k, v = make_qkv(rng, 1, 60, 60, 4, 2, d, d, BF16, layout)
     run_gpu(torch, q, k, v, mask_mod=mask_mod, **opts)
     assert found and all((cu is None) == (name == "doc_repeated") for cu in found), found
+
+
+# --- on the fake driver: the launches are the plain kernels' ---------------------------------------
+
+FAKE_BODY = r"""
+def same(a, b, docs_mode=False):
+    # the launches a and b alike, else what differs first (kernel, grid, block, smem, a field)
+    if [l[0][1] for l in a] != [l[0][1] for l in b]:
+        return f"kernels {[l[0][1] for l in a]} != {[l[0][1] for l in b]}"
+    for x, y in zip(a, b):
+        for i, what in enumerate(("kernel", "grid", "block", "smem", "stream")):
+            if x[i] != y[i]:
+                return f"{x[0][1]} {what}: {x[i]} != {y[i]}"
+        for key in x[5]:
+            u, w = x[5][key], y[5][key]
+            if isinstance(u, tuple) and len(u) == 4 and docs_mode:
+                u, w = u[1:], w[1:]     # the batch stride of B = 1 in memory is never read
+            if u != w:
+                return f"{x[0][1]} {key}: {x[5][key]} != {y[5][key]}"
+    return None
+
+S, H, D = 300, 2, 64
+q, k, v = qkv(1, S, S, H, H, D)
+dout, out = dev((1, S, H, D)), dev((1, S, H, D))
+
+# a causal window written as a mask_mod: the launches of causal=True, window=(9, -1)
+W = 10
+band = record(lambda: attnext.attention(q, k, v, mask_mod=lambda b, h, qi, ki: (ki <= qi) & (qi - ki < W)))
+plain = record(lambda: attnext.attention(q, k, v, causal=True, window=(W - 1, -1)))
+assert same(band, plain) is None, same(band, plain)
+lse = dev((1, H, S), np.float32)
+band = record(lambda: attnext.attention_backward(dout, q, k, v, out, lse,
+                                                 mask_mod=lambda b, h, qi, ki: (ki <= qi) & (qi - ki < W)))
+plain = record(lambda: attnext.attention_backward(dout, q, k, v, out, lse, causal=True, window=(W - 1, -1)))
+assert same(band, plain) is None, same(band, plain)
+assert any(l[0][1] == "attn_bwd_dead" for l in band)
+
+# documents over contiguous runs: the launches of varlen attention over the runs, causal
+doc = np.repeat(np.arange(4), [70, 100, 1, 129])
+cu = np.array([0, 70, 170, 171, 300], np.int32)
+docs = record(lambda: attnext.attention(q, k, v, mask_mod=lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi)))
+pq, pk, pv = (device.DeviceArray(x.ptr, (S, H, D), BF16, 0, None, 0, x) for x in (q, k, v))
+varlen = record(lambda: attnext.varlen_attention(pq, pk, pv, cu, cu, causal=True))
+assert same(docs, varlen, True) is None, same(docs, varlen, True)
+assert not any(l[0][0] == "attn_block_mask" for l in docs)
+plse = device.DeviceArray(lse.ptr, (H, S), np.float32, 0, None, 0, lse)
+pdout, pout = (device.DeviceArray(x.ptr, (S, H, D), BF16, 0, None, 0, x) for x in (dout, out))
+docs = record(lambda: attnext.attention_backward(dout, q, k, v, out, lse,
+                                                 mask_mod=lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi)))
+varlen = record(lambda: attnext.varlen_attention_backward(pdout, pq, pk, pv, pout, plse, cu, cu, causal=True))
+assert same(docs, varlen, True) is None, same(docs, varlen, True)
+print("ok")
+"""
+
+
+def test_lowered_calls_launch_the_plain_kernels(tmp_path_factory):
+    """On the fake driver (no GPU): a causal-window mask_mod launches what causal=True with that
+    window launches, and a document-causal mask_mod over contiguous runs what varlen attention
+    over the runs launches (kernels, defines, grids, every attn_params field but addresses),
+    forward and backward; no block mask is built."""
+    from test_cuda_host_path import _run, fake_cuda
+    if fake_cuda.compiler() is None:
+        pytest.skip("no C compiler for the fake libcuda")
+    _run(fake_cuda.build(tmp_path_factory.mktemp("fake_libcuda")), FAKE_BODY)
