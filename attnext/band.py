@@ -101,18 +101,16 @@ def split(tm, lower=True, upper=True):
     """The Band of a traced mask_mod. lower / upper False: that side's bounds are left in the rest
     (a caller that cannot take them)."""
     lo = hi = None
-    low, high, rest = [], [], []
+    rest = []
     for n in _conjuncts(tm.out):
         b = _bound(n)
         if b is not None and b[0] == "lo" and lower:
             lo = b[1] if lo is None else max(lo, b[1])
-            low.append(n)
         elif b is not None and b[0] == "hi" and upper:
             hi = b[1] if hi is None else min(hi, b[1])
-            high.append(n)
         else:
             rest.append(n)
-    if not low and not high:
+    if lo is None and hi is None:
         return Band(None, None, tm)
     if not rest:
         return Band(lo, hi, None)

@@ -453,8 +453,8 @@ def bwd_dq_mode(sm90, D, deterministic, Dv=None, k_rows=None):
 def bwd_dq_write_last(mode, mask_mod, k_rows):
     """Whether the ordered mode's last turn at each query tile writes dq (attn_bwd_sm90.cu:
     dq_write_last) instead of attn_bwd_dq_convert: with at most SHORT_KEYS keys a query row may
-    see (k_rows, as for bwd_dq_mode) and no mask_mod (whose key blocks may pass their turns). ATTNEXT_BWD_DQ_WRITE=0|1 decides for the lab and the
-    tests where the mode allows it."""
+    see (k_rows, as for bwd_dq_mode) and no mask_mod (whose key blocks may pass their turns).
+    ATTNEXT_BWD_DQ_WRITE=0|1 decides for the lab and the tests where the mode allows it."""
     if mode != "ordered" or mask_mod:
         return False
     env = os.environ.get("ATTNEXT_BWD_DQ_WRITE")

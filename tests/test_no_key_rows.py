@@ -133,23 +133,18 @@ CASES = {"mask": _mask_case, "causal_sq_gt_sk": _causal_case,
          "top_left_window": _top_left_window_case, "window_bhsd": _window_case,
          "varlen_seqused": _varlen_case, "mask_mod": _mask_mod_case,
          "bias_minus_inf": _bias_minus_inf_case,
-         # the head dims of the Hopper backward kernels (see DEVICES)
+         # the head dims of the Hopper kernels (see DEVICES; the forward: attn_fwd_sm90.cu)
          "mask_d64": lambda rng, dtype: _mask_case(rng, dtype, D=64, Dv=64),
          "causal_d128": lambda rng, dtype: _causal_case(rng, dtype, D=128),
          "window_d64_dv128": lambda rng, dtype: _window_case(rng, dtype, D=64, Dv=128),
          "mask_mod_d128": lambda rng, dtype: _mask_mod_case(rng, dtype, D=128)}
 
 
-# The forward's cases: the _d64 / _d128 ones take the Hopper forward (attn_fwd_sm90.cu) on an
-# H100 where the others take attn_fwd.cu.
-FWD_CASES = CASES
-
-
 def _problem(name, rng, dtype):
     """The case's clean arrays and where the rows that keep no key are: dead, a mask over out's
     leading dims, and dead_lse, over lse's (from the reference on the clean data)."""
     c = types.SimpleNamespace(lengths=None, dead_kv=[], nobody_key=None, no_q=False)
-    c.__dict__.update(FWD_CASES[name](rng, dtype))
+    c.__dict__.update(CASES[name](rng, dtype))
     c.varlen = c.lengths is not None
     c.layout = c.opts.get("layout", "bshd")
     _, rfwd = entry_points(c.lengths)[::2]
@@ -309,7 +304,7 @@ def test_nan_at_a_key_no_row_keeps(dtype, case, where, value, device, rng, reque
 
 @pytest.mark.parametrize("device", ["reference", "cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("value", VALUES, ids=VALUE_IDS)
-@pytest.mark.parametrize("case", list(FWD_CASES))
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 def test_forward_rows_that_keep_no_key(dtype, case, value, device, rng, request):
     """The forward alone, which the GPU holds too: out exactly 0 and lse -inf in the rows that
