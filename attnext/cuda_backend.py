@@ -44,7 +44,7 @@ def unavailable_reason():
         if _status is None:
             try:
                 _C.cuda_load()
-                kernels.nvrtc()
+                kernels.nvrtc_version()
                 _status = ""
             except RuntimeError as e:
                 _status = str(e)

@@ -70,6 +70,33 @@ def default_cache_dir():
     return os.path.join(base, "attnext")
 
 
+def write_file_atomically(path, data):
+    """data into the file at path (its folder made): a temporary file beside it, fsync'ed, then
+    renamed over it, so a reader sees the whole old file or the whole new one. OSError on
+    failure, the temporary file removed."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=_TEMP_PREFIX, suffix=_TEMP_SUFFIX)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def write_small_file(path, data):
+    """write_file_atomically, an OSError logged at DEBUG and dropped (a record worth keeping,
+    not worth failing a call for)."""
+    try:
+        write_file_atomically(path, data)
+    except OSError as e:
+        log.debug("attnext cache: cannot write %s (%s)", path, e)
+
+
 def _field(data):
     """One length-prefixed field: no two different sequences of fields encode alike."""
     if isinstance(data, str):
@@ -412,17 +439,8 @@ class CubinCache:
         path = self.entry_path(key)
         if path is None:
             return
-        tmp = None
         try:
-            os.makedirs(self._entry_dir, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self._entry_dir, prefix=_TEMP_PREFIX,
-                                       suffix=_TEMP_SUFFIX)
-            with os.fdopen(fd, "wb") as f:
-                f.write(encode_entry(key, cubin))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            tmp = None
+            write_file_atomically(path, encode_entry(key, cubin))
         except OSError as e:
             self._count("disk_write_errors")
             with self._lock:
@@ -433,12 +451,6 @@ class CubinCache:
             else:
                 log.debug("attnext cache: cannot write %s (%s)", path, e)
             return
-        finally:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
         self._prune(keep=path)
 
     def _prune(self, keep):

@@ -14,6 +14,8 @@ entry points that read no mod taken from the plain variant (warmup's cache). The
 stay whole files, one compile for all their entry points. bench/lab_compile.py measures it.
 """
 import concurrent.futures
+import hashlib
+import json
 import os
 import threading
 from pathlib import Path
@@ -21,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _C
-from .kernel_cache import LRU, CubinCache
+from .kernel_cache import LRU, CubinCache, default_cache_dir, write_small_file
 
 _ROOT = Path(__file__).resolve().parent.parent
 KERNEL_DIR = Path(os.environ.get("ATTNEXT_KERNEL_DIR", _ROOT / "kernels"))
@@ -229,8 +231,10 @@ def options(defines, arch):
 
 
 _nvrtc_lock = threading.Lock()
-_nvrtc_version = None
+_nvrtc_version = None      # NVRTC's (major, minor): loaded, or read from the record
+_nvrtc_loaded = False
 _cubins = None
+NVRTC_RECORD = "nvrtc.json"    # in the disk cache's folder: the version of the library that loads
 
 
 def nvrtc_candidates():
@@ -254,15 +258,120 @@ def nvrtc_candidates():
     return out
 
 
+def _file_id(path):
+    """(device, inode, size, mtime) of the file at path (links followed), or None."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def nvrtc_fingerprint(candidates):
+    """What decides which NVRTC nvrtc_load(candidates) loads, from stats alone (no dlopen): each
+    candidate path's file identity (a folder's libnvrtc.so* files'), and for the bare sonames
+    the dynamic loader's search (LD_LIBRARY_PATH, /etc/ld.so.cache)."""
+    parts = [os.environ.get("LD_LIBRARY_PATH", ""), _file_id("/etc/ld.so.cache")]
+    for c in candidates:
+        if "/" not in c:
+            parts.append(c)
+        elif os.path.isdir(c):
+            try:
+                names = sorted(n for n in os.listdir(c) if n.startswith("libnvrtc.so"))
+            except OSError:
+                names = None
+            parts.append((c, names and [(n, _file_id(os.path.join(c, n))) for n in names]))
+        else:
+            parts.append((c, _file_id(c)))
+    return hashlib.sha256(repr(parts).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _loaded_nvrtc_file():
+    """The real path of the libnvrtc.so this process mapped, or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split(None, 5)[5].strip() if line.count(" ") >= 5 else ""
+                name = os.path.basename(path)
+                if name.startswith("libnvrtc.so"):
+                    return os.path.realpath(path)
+    except (OSError, IndexError):
+        pass
+    return None
+
+
+def _record_path():
+    folder = default_cache_dir()
+    return None if folder is None else os.path.join(folder, NVRTC_RECORD)
+
+
+def _recorded_version(fingerprint):
+    """The version the record holds for this fingerprint, if the library it names is unchanged."""
+    path = _record_path()
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+        if (rec["fingerprint"] == fingerprint
+                and list(_file_id(rec["library"]) or ()) == rec["library_id"]):
+            return tuple(int(x) for x in rec["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _write_record(fingerprint, version):
+    path, library = _record_path(), _loaded_nvrtc_file()
+    if path is None or library is None:
+        return
+    rec = dict(fingerprint=fingerprint, version=list(version), library=library,
+               library_id=list(_file_id(library) or ()))
+    write_small_file(path, json.dumps(rec).encode())
+
+
 def nvrtc():
-    """Loads NVRTC once; returns its version (major, minor). RuntimeError says what was tried."""
-    global _nvrtc_version, _cubins
+    """Loads NVRTC once; returns its version (major, minor). RuntimeError says what was tried.
+    The version is recorded in the disk cache's folder for nvrtc_version()."""
+    global _nvrtc_version, _nvrtc_loaded
     with _nvrtc_lock:
-        if _nvrtc_version is None:
-            _C.nvrtc_load(nvrtc_candidates())
-            _nvrtc_version = tuple(_C.nvrtc_version())
-            _cubins = CubinCache(_C.nvrtc_compile)
+        if not _nvrtc_loaded:
+            candidates = nvrtc_candidates()
+            _C.nvrtc_load(candidates)
+            _nvrtc_loaded = True
+            version = tuple(_C.nvrtc_version())
+            if version != _nvrtc_version:
+                _write_record(nvrtc_fingerprint(candidates), version)
+            _nvrtc_version = version
         return _nvrtc_version
+
+
+def nvrtc_version():
+    """NVRTC's version (major, minor), the kernel cache's key: from the record when the files
+    that decide which library loads are unchanged since it was written (a stat each, no
+    dlopen: a fresh process that finds its kernels on disk never loads NVRTC, ~10-25 ms), else
+    loaded (nvrtc()). RuntimeError when it cannot be loaded."""
+    global _nvrtc_version
+    with _nvrtc_lock:
+        if _nvrtc_version is not None:
+            return _nvrtc_version
+        _nvrtc_version = _recorded_version(nvrtc_fingerprint(nvrtc_candidates()))
+        if _nvrtc_version is not None:
+            return _nvrtc_version
+    return nvrtc()
+
+
+def _compile(*args):
+    nvrtc()
+    return _C.nvrtc_compile(*args)
+
+
+def _cache():
+    global _cubins
+    with _nvrtc_lock:
+        if _cubins is None:
+            _cubins = CubinCache(_compile)
+        return _cubins
 
 
 def compile_args(kernel, defines, arch, generated=None):
@@ -274,8 +383,8 @@ def compile_args(kernel, defines, arch, generated=None):
 def cubin(kernel, defines, arch, generated=None):
     """The compiled cubin of kernels/<kernel>.cu with these defines for arch (cached);
     generated: the generated score_mod / mask_mod header's source, or None."""
-    version = nvrtc()
-    return _cubins.get(*compile_args(kernel, defines, arch, generated), arch, ".".join(map(str, version)))
+    version = nvrtc_version()
+    return _cache().get(*compile_args(kernel, defines, arch, generated), arch, ".".join(map(str, version)))
 
 
 def cache_info():

@@ -154,6 +154,16 @@ def test_first_call_cold_then_disk_in_fresh_processes(monkeypatch):
     json.dumps([a, b])
 
 
+def test_first_call_children_keep_their_bytecode(monkeypatch):
+    """The children write and read attnext's bytecode in a folder of their own, as an installed
+    attnext would have it, whatever PYTHONDONTWRITEBYTECODE says in the parent."""
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    env = bm._child_env("/tmp/k", "/tmp/b")
+    assert "PYTHONDONTWRITEBYTECODE" not in env and env["PYTHONPYCACHEPREFIX"] == "/tmp/b"
+    assert env["ATTNEXT_CACHE_DIR"] == "/tmp/k"
+    assert "PYTHONDONTWRITEBYTECODE" in os.environ                      # the parent's is kept
+
+
 def test_first_call_disk_run_that_compiles_is_noted(monkeypatch):
     _stub(monkeypatch, STUB.replace('"compiles": 3 if cold else 0', '"compiles": 3'))
     row = bm.first_call_row(TINY[0])

@@ -169,3 +169,70 @@ def test_block_mask_kernel_compiles_alone_and_reports_out_of_line():
     for arch in ("sm_80", "sm_90a"):
         cubin, _ = _C.nvrtc_compile(*kernels.compile_args(k, d, arch, g))
         assert b"attn_block_mask" in cubin and b"mod_mask_check" in cubin, arch
+
+
+_FRESH = r"""
+import json, sys
+from attnext import _C, kernels
+kernels.cubin("attn_convert", {}, "sm_80")
+try:
+    _C.nvrtc_version()
+    loaded = True
+except RuntimeError:            # "NVRTC is not loaded"
+    loaded = False
+print(json.dumps(dict(loaded=loaded, info=kernels.cache_info(), version=kernels.nvrtc_version())))
+"""
+
+
+def _fresh(cache_dir):
+    env = dict(os.environ, ATTNEXT_CACHE_DIR=str(cache_dir))
+    r = subprocess.run([sys.executable, "-c", _FRESH], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    import json
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_disk_hit_loads_no_nvrtc_while_its_files_are_unchanged(tmp_path):
+    """The cache key's NVRTC version comes from the record the first load wrote, checked by
+    stats of the files that decide which library loads: a fresh process that finds its cubin on
+    disk does not dlopen NVRTC. A record that no longer matches is not trusted: NVRTC loads."""
+    if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
+        pytest.skip("ATTNEXT_NO_NVRTC=1")
+    import json
+    cold = _fresh(tmp_path)
+    assert cold["loaded"] and cold["info"]["compiles"] == 1
+    record = tmp_path / kernels.NVRTC_RECORD
+    rec = json.loads(record.read_text())
+    assert rec["version"] == cold["version"] and os.path.exists(rec["library"])
+    warm = _fresh(tmp_path)
+    assert not warm["loaded"] and warm["info"]["disk_hits"] == 1 and warm["info"]["compiles"] == 0
+    assert warm["version"] == cold["version"]
+    for change in (dict(fingerprint="0" * 64), dict(library_id=[0, 0, 0, 0]), None):
+        if change is None:
+            record.write_text("{not json")
+        else:
+            record.write_text(json.dumps({**rec, **change}))
+        again = _fresh(tmp_path)
+        assert again["loaded"] and again["info"]["disk_hits"] == 1, change
+        assert json.loads(record.read_text()) == rec          # written again by the load
+
+
+def test_nvrtc_fingerprint_follows_the_candidates_files(tmp_path, monkeypatch):
+    """A library added to, changed in or removed from a candidate folder, a candidate file
+    changed, or another LD_LIBRARY_PATH changes the fingerprint; nothing else does."""
+    folder, lib = tmp_path / "lib", tmp_path / "libnvrtc.so.99"
+    folder.mkdir()
+    (folder / "unrelated.txt").write_text("x")
+    lib.write_text("a")
+    cands = [str(folder), str(lib), "libnvrtc.so.12"]
+    seen = [kernels.nvrtc_fingerprint(cands)]
+    (folder / "other.so").write_text("x")
+    assert kernels.nvrtc_fingerprint(cands) == seen[0]
+    for step in (lambda: (folder / "libnvrtc.so.13").write_text("b"),
+                 lambda: (folder / "libnvrtc.so.13").write_text("bb"),
+                 lambda: lib.write_text("aa"),
+                 lambda: (folder / "libnvrtc.so.13").unlink(),
+                 lambda: monkeypatch.setenv("LD_LIBRARY_PATH", str(tmp_path))):
+        step()
+        seen.append(kernels.nvrtc_fingerprint(cands))
+    assert len(set(seen)) == len(seen)
