@@ -405,18 +405,37 @@ def module_of(kernel, name, defines, generated):
     return kernel, entry_defines(defines, name), generated
 
 
+def _version_text():
+    return ".".join(map(str, nvrtc_version()))
+
+
+def module_for(kernel, name, defines, generated, arch):
+    """module_of(...), except that a whole file's variant no cache holds yet (a plain one, before
+    warmup has compiled it) gives way to entry point `name` compiled alone: a call's first use
+    waits for the code it runs (attn_bwd.cu's whole file compiles in ~1.4 s, one of its row
+    kernels in a fraction), and the whole file stays warmup's to compile."""
+    k, d, g = module_of(kernel, name, defines, generated)
+    if d.get("ATTN_ENTRY_ONLY"):
+        return k, d, g
+    args = compile_args(k, d, arch, g)
+    if "ENTRY(" in args[0] and not _cache().has(*args, arch, _version_text()):
+        d = entry_defines(d, name)      # a file of several entry points (attn_common.cuh ENTRY)
+    return k, d, g
+
+
 def prefetch(specs, arch):
-    """Compiles the cubins of these entry points ((kernel, name, defines, generated) each) that
-    are in no cache, in parallel threads (NVRTC runs without the GIL, one core a compile): a
-    call's first use of new kernels waits for the slowest compile, not for their sum. Only for
-    calls with mods: plain variants come from warmup, and a plan of plain kernels made for new
-    shapes should not pay for a thread pool to find its cubins in memory."""
-    if all(generated is None for *_, generated in specs):
-        return
+    """Compiles (or reads from disk) the cubins of these entry points ((kernel, name, defines,
+    generated) each) that are not in memory, in parallel threads (NVRTC runs without the GIL,
+    one core a compile): a call's first use of new kernels waits for the slowest compile, not
+    for their sum. A plan whose cubins are all in memory (new shapes of known kernels) starts
+    no thread."""
     modules = {}
     for kernel, name, defines, generated in specs:
-        k, d, g = module_of(kernel, name, defines, generated)
-        modules.setdefault((k, tuple(sorted(d.items())), g), (k, d, g))
+        if _loaded.get(_function_key(kernel, name, defines, generated)):
+            continue
+        k, d, g = module_for(kernel, name, defines, generated, arch)
+        if not _cache().in_memory(*compile_args(k, d, arch, g), arch, _version_text()):
+            modules.setdefault((k, tuple(sorted(d.items())), g), (k, d, g))
     if len(modules) < 2:
         return
     with concurrent.futures.ThreadPoolExecutor(min(len(modules), os.cpu_count() or 1)) as pool:
@@ -424,22 +443,36 @@ def prefetch(specs, arch):
             f.result()
 
 
-_functions = LRU(64)
+_functions = LRU(64)       # (kernel, name, defines, device, arch, smem, generated) -> function
+_modules = LRU(64)         # (kernel, defines, generated, device, arch) -> loaded module
+_loaded = LRU(256)         # (kernel, name, defines, generated) -> True: loaded on some device
 _functions_lock = threading.Lock()
+
+
+def _function_key(kernel, name, defines, generated):
+    return kernel, name, tuple(sorted(defines.items())), generated
 
 
 def function(kernel, name, defines, device, arch, smem, generated=None):
     """The loaded function `name` of kernels/<kernel>.cu in this variant on `device` (a capsule),
-    its dynamic shared memory limit raised to smem bytes; generated: as for cubin()."""
+    its dynamic shared memory limit raised to smem bytes; generated: as for cubin(). A module
+    is loaded once per device for all the entry points it serves."""
     key = (kernel, name, tuple(sorted(defines.items())), device, arch, smem, generated)
     with _functions_lock:
         fn = _functions.get(key)
     if fn is None:
-        k, d, g = module_of(kernel, name, defines, generated)
-        module = _C.module_load(cubin(k, d, arch, g), device)
+        k, d, g = module_for(kernel, name, defines, generated, arch)
+        mkey = (k, tuple(sorted(d.items())), g, device, arch)
+        with _functions_lock:
+            module = _modules.get(mkey)
+        if module is None:
+            module = _C.module_load(cubin(k, d, arch, g), device)
+            with _functions_lock:
+                _modules.put(mkey, module)
         fn = _C.module_function(module, name, smem)
         with _functions_lock:
             _functions.put(key, fn)
+            _loaded.put(_function_key(kernel, name, defines, generated), True)
     return fn
 
 

@@ -810,25 +810,72 @@ fail:
 typedef struct {
     PyObject_HEAD
     void *ptr;
-    Py_ssize_t nbytes;
+    Py_ssize_t nbytes;     /* what the buffer protocol shows */
+    Py_ssize_t capacity;   /* what cuMemHostAlloc gave (a pooled block may be larger) */
     int device;
+    int pooled;            /* on dealloc: back to the pool (while it has room), not freed */
     CUcontext ctx;
 } pinned_buffer;
 
+/* The pool of pinned blocks that pooled PinnedBuffers return to: the NumPy results of GPU
+ * calls live in pinned memory, so their DMAs need no host copy, and the same sizes come back
+ * call after call (cuMemHostAlloc of 64 MiB costs ~25 ms; a fresh pageable array's first touch
+ * about as much). Bounded: POOL_SLOTS blocks and pool_limit bytes kept free; the GIL guards it
+ * (every change runs with the GIL held). live_bytes counts pooled buffers in use, so the
+ * caller can bound how much of its results it keeps pinned. */
+#define POOL_SLOTS 16
+static struct {
+    void *ptr;
+    Py_ssize_t capacity;
+    CUcontext ctx;
+} pool[POOL_SLOTS];
+static int pool_count;
+static Py_ssize_t pool_free_bytes, pool_live_bytes, pool_limit = (Py_ssize_t)1 << 30;
+
+static void free_block(void *ptr, CUcontext ctx)
+{
+    CUcontext prev;
+    if (CU.cuCtxGetCurrent(&prev) == CUDA_SUCCESS && CU.cuCtxSetCurrent(ctx) == CUDA_SUCCESS) {
+        Py_BEGIN_ALLOW_THREADS
+        CU.cuMemFreeHost(ptr);
+        Py_END_ALLOW_THREADS
+        leave(prev);
+    }
+}
+
+/* The smallest free block of at least nbytes (and at most twice that, plus a MiB: a small
+ * result does not hold a large block), taken out of the pool; -1 when none fits. */
+static int pool_take(Py_ssize_t nbytes)
+{
+    int best = -1;
+    for (int i = 0; i < pool_count; i++)
+        if (pool[i].capacity >= nbytes && pool[i].capacity <= 2 * nbytes + (1 << 20)
+            && (best < 0 || pool[i].capacity < pool[best].capacity))
+            best = i;
+    return best;
+}
+
 static PyObject *pinned_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"nbytes", "device", NULL};
-    Py_ssize_t nbytes;
-    int device = 0;
+    static char *kwlist[] = {"nbytes", "device", "pooled", NULL};
+    Py_ssize_t nbytes, capacity;
+    int device = 0, pooled = 0, slot;
     void *ptr = NULL;
     CUcontext ctx;
     CUresult rc = CUDA_SUCCESS;
     pinned_buffer *self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|i:host_alloc", kwlist, &nbytes, &device)
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|ip:host_alloc", kwlist, &nbytes, &device, &pooled)
         || nonnegative("host_alloc", "nbytes", nbytes) || cuda_device_enter(device))
         return NULL;
     CU_CHECK(cuCtxGetCurrent, &ctx);
-    if (nbytes > 0) {
+    capacity = nbytes;
+    if (pooled && nbytes > 0 && (slot = pool_take(nbytes)) >= 0) {
+        ptr = pool[slot].ptr;
+        capacity = pool[slot].capacity;
+        ctx = pool[slot].ctx;
+        pool_free_bytes -= capacity;
+        pool[slot] = pool[--pool_count];
+    } else if (nbytes > 0) {
         /* pinning pages takes a while for large sizes */
         Py_BEGIN_ALLOW_THREADS
         rc = CU.cuMemHostAlloc(&ptr, (size_t)nbytes, CU_MEMHOSTALLOC_PORTABLE);
@@ -840,13 +887,17 @@ static PyObject *pinned_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     }
     if (!(self = (pinned_buffer *)type->tp_alloc(type, 0))) {
         if (ptr)
-            CU.cuMemFreeHost(ptr);
+            free_block(ptr, ctx);
         return NULL;
     }
     self->ptr = ptr;
     self->nbytes = nbytes;
+    self->capacity = capacity;
     self->device = device;
+    self->pooled = pooled && ptr;
     self->ctx = ctx;
+    if (self->pooled)
+        pool_live_bytes += capacity;
     return (PyObject *)self;
 fail:
     return NULL;
@@ -854,21 +905,59 @@ fail:
 
 /* cuMemFreeHost may wait for the device (it synchronises, as cudaFreeHost does): the GIL is
  * released meanwhile. Only while the driver still answers: at interpreter exit it may be torn
- * down. */
+ * down. A pooled buffer's block goes back to the pool while it has room, the oldest block
+ * freed to make it. */
 static void pinned_dealloc(PyObject *op)
 {
     pinned_buffer *self = (pinned_buffer *)op;
     PyTypeObject *type = Py_TYPE(op);
-    CUcontext prev;
-    if (self->ptr && CU.cuCtxGetCurrent(&prev) == CUDA_SUCCESS
-        && CU.cuCtxSetCurrent(self->ctx) == CUDA_SUCCESS) {
-        Py_BEGIN_ALLOW_THREADS
-        CU.cuMemFreeHost(self->ptr);
-        Py_END_ALLOW_THREADS
-        leave(prev);
+    if (self->pooled) {
+        pool_live_bytes -= self->capacity;
+        while (pool_count > 0 && (pool_count == POOL_SLOTS
+                                  || pool_free_bytes + self->capacity > pool_limit)) {
+            pool_free_bytes -= pool[0].capacity;
+            free_block(pool[0].ptr, pool[0].ctx);
+            memmove(pool, pool + 1, sizeof pool[0] * (size_t)--pool_count);
+        }
+        if (self->capacity <= pool_limit) {
+            pool[pool_count].ptr = self->ptr;
+            pool[pool_count].capacity = self->capacity;
+            pool[pool_count++].ctx = self->ctx;
+            pool_free_bytes += self->capacity;
+            self->ptr = NULL;
+        }
     }
+    if (self->ptr)
+        free_block(self->ptr, self->ctx);
     type->tp_free(op);
     Py_DECREF(type);
+}
+
+/* host_pool(limit=-1): (free bytes kept, free blocks, live pooled bytes, limit); a limit >= 0
+ * sets the bytes kept free from now on (0: none), freeing the oldest blocks past it. */
+static PyObject *c_host_pool(PyObject *module, PyObject *args)
+{
+    Py_ssize_t limit = -1;
+    if (!PyArg_ParseTuple(args, "|n:host_pool", &limit))
+        return NULL;
+    if (limit >= 0) {
+        pool_limit = limit;
+        while (pool_count > 0 && pool_free_bytes > pool_limit) {
+            pool_free_bytes -= pool[0].capacity;
+            free_block(pool[0].ptr, pool[0].ctx);
+            memmove(pool, pool + 1, sizeof pool[0] * (size_t)--pool_count);
+        }
+    }
+    return Py_BuildValue("(nini)", pool_free_bytes, pool_count, pool_live_bytes, pool_limit);
+}
+
+/* After fork: the parent's blocks are not this process's pinned memory; forget them (never
+ * freed here) and count nothing live. */
+static PyObject *c_host_pool_forget(PyObject *module, PyObject *unused)
+{
+    pool_count = 0;
+    pool_free_bytes = pool_live_bytes = 0;
+    Py_RETURN_NONE;
 }
 
 static int pinned_getbuffer(PyObject *op, Py_buffer *view, int flags)
@@ -893,6 +982,11 @@ static PyObject *pinned_get_nbytes(PyObject *op, void *unused)
     return PyLong_FromSsize_t(((pinned_buffer *)op)->nbytes);
 }
 
+static PyObject *pinned_get_pooled(PyObject *op, void *unused)
+{
+    return PyBool_FromLong(((pinned_buffer *)op)->pooled);
+}
+
 static PyObject *pinned_get_device(PyObject *op, void *unused)
 {
     return PyLong_FromLong(((pinned_buffer *)op)->device);
@@ -909,14 +1003,17 @@ static PyGetSetDef pinned_getset[] = {
     {"ptr", pinned_get_ptr, NULL, "The host address, as an int.", NULL},
     {"nbytes", pinned_get_nbytes, NULL, "Size in bytes.", NULL},
     {"device", pinned_get_device, NULL, "The device whose context pinned it.", NULL},
+    {"pooled", pinned_get_pooled, NULL, "Whether its block goes back to the pool.", NULL},
     {NULL},
 };
 
 static PyType_Slot pinned_slots[] = {
-    {Py_tp_doc, "PinnedBuffer(nbytes, device=0): page-locked host memory (cuMemHostAlloc, "
-                "portable) exposing the writable buffer protocol; freed with cuMemFreeHost when "
-                "the last reference and the last memoryview go. Copies from or to it are truly "
-                "asynchronous: don't touch or drop it until the stream has passed them."},
+    {Py_tp_doc, "PinnedBuffer(nbytes, device=0, pooled=False): page-locked host memory "
+                "(cuMemHostAlloc, portable) exposing the writable buffer protocol; freed with "
+                "cuMemFreeHost when the last reference and the last memoryview go, or with "
+                "pooled=True taken from and given back to a bounded pool of blocks (host_pool). "
+                "Copies from or to it are truly asynchronous: don't touch or drop it until the "
+                "stream has passed them."},
     {Py_tp_new, pinned_new},
     {Py_tp_dealloc, pinned_dealloc},
     {Py_tp_repr, pinned_repr},
@@ -1215,6 +1312,11 @@ PyMethodDef attnext_cuda_methods[] = {
      "multiprocessor_count, max_shared_memory_per_block_optin, l2_cache_size, total_memory "
      "(bytes), driver_version (major, minor), memory_pools (bool), read_only_host_register "
      "(bool: host_register's read_only is supported). Creates no context."},
+    {"host_pool", c_host_pool, METH_VARARGS,
+     "host_pool(limit=-1) -> (free bytes, free blocks, live bytes, limit): the pool of pinned "
+     "blocks pooled PinnedBuffers use; limit >= 0 sets the bytes it keeps free."},
+    {"host_pool_forget", c_host_pool_forget, METH_NOARGS,
+     "Forgets the pool's blocks without freeing them (a forked child's)."},
     {"nvrtc_load", c_nvrtc_load, METH_O,
      "nvrtc_load(candidates: list[str], /) -> str: load the first candidate (a libnvrtc file, "
      "a directory holding libnvrtc.so*, or a soname) that works and return its path; once "

@@ -236,3 +236,22 @@ def test_nvrtc_fingerprint_follows_the_candidates_files(tmp_path, monkeypatch):
         step()
         seen.append(kernels.nvrtc_fingerprint(cands))
     assert len(set(seen)) == len(seen)
+
+
+def test_an_entry_point_compiles_alone_until_its_whole_file_is_cached(tmp_path, monkeypatch):
+    """A plain entry point is served by its whole file's cubin once a cache holds it (warmup's,
+    in memory or on disk), and compiled alone before that; a single-entry file stays whole."""
+    if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
+        pytest.skip("ATTNEXT_NO_NVRTC=1")
+    from attnext.kernel_cache import CubinCache
+    monkeypatch.setattr(kernels, "_cubins", CubinCache(kernels._compile, cache_dir=tmp_path))
+    [(_, plain)] = kernels.fwd_variants()[:1]
+    k, d, g = kernels.module_for("attn_fwd", "attn_fwd_combine", plain, None, "sm_80")
+    assert (k, d, g) == ("attn_fwd", kernels.entry_defines(plain, "attn_fwd_combine"), None)
+    assert kernels.module_for("attn_convert", "attn_convert", {}, None, "sm_80")[1] == {}
+    kernels.cubin(k, d, "sm_80")                 # the entry alone: the whole file still missing
+    assert kernels.module_for("attn_fwd", "attn_fwd_combine", plain, None, "sm_80")[1] == d
+    kernels.cubin("attn_fwd", plain, "sm_80")
+    assert kernels.module_for("attn_fwd", "attn_fwd_combine", plain, None, "sm_80")[1] == plain
+    monkeypatch.setattr(kernels, "_cubins", CubinCache(kernels._compile, cache_dir=tmp_path))
+    assert kernels.module_for("attn_fwd", "attn_fwd_combine", plain, None, "sm_80")[1] == plain  # disk
