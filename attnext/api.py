@@ -120,8 +120,12 @@ def _int_array(name, x, length):
     return np.ascontiguousarray(a, dtype=np.int32)
 
 
-def _new_output(shape, dtype):
-    """Every result buffer a backend fills (the tests poison these to catch unwritten elements)."""
+def _new_output(shape, dtype, pinned=False):
+    """Every result buffer a backend fills (the tests poison these to catch unwritten elements).
+    pinned: a NumPy call on the GPU, whose large results live in pooled pinned memory
+    (staging.host_result), so their DMAs need no host copy."""
+    if pinned:
+        return _gpu()[0].host_result(shape, dtype)
     return np.empty(shape, dtype=dtype)
 
 
@@ -619,12 +623,13 @@ def _forward(o):
     if o.device == "cuda" and o.on_gpu:
         return _forward_on_gpu(o, inputs)
     _check_memory(o, backward=False, out_given=o.out is not None)
+    gpu = o.device == "cuda" and not _has_mods(o)
     if o.out is not None:
         _check_out("out", o.out, o.out_shape, o.q.dtype, inputs)
         out = o.out
     else:
-        out = _new_output(o.out_shape, o.q.dtype)
-    lse = _new_output(o.lse_shape, o.acc_dtype)
+        out = _new_output(o.out_shape, o.q.dtype, pinned=gpu)
+    lse = _new_output(o.lse_shape, o.acc_dtype, pinned=gpu)
     if _runs_on_reference(o):
         _trace_mods(o)
         if o.varlen:
@@ -726,10 +731,11 @@ def _backward(o, dout, out, lse, deterministic):
         dbias = None if g.dbias is None else g.dbias.astype(o.bias.dtype)
         return Grads(g.dq.astype(o.q.dtype), g.dk.astype(o.q.dtype), g.dv.astype(o.q.dtype),
                      dbias, g.dtensors)
-    dq = _new_output(o.q.shape, o.q.dtype)
-    dk = _new_output(o.k.shape, o.q.dtype)
-    dv = _new_output(o.v.shape, o.q.dtype)
-    if o.device == "cuda" and not _has_mods(o):
+    gpu = o.device == "cuda" and not _has_mods(o)
+    dq = _new_output(o.q.shape, o.q.dtype, pinned=gpu)
+    dk = _new_output(o.k.shape, o.q.dtype, pinned=gpu)
+    dv = _new_output(o.v.shape, o.q.dtype, pinned=gpu)
+    if gpu:
         cuda_backend = _gpu()[0]
         dbias_acc = None
         if o.bias is not None:

@@ -30,7 +30,7 @@ import numpy as np
 from . import _C, band, bounds, codegen, device as _device, kernels, mod_arrays, mod_cache, staging, trace
 from .devview import DevView
 from .kernel_cache import LRU
-from .staging import to_host  # noqa: F401  (api.py reads GPU arrays' lengths through here)
+from .staging import host_result, to_host  # noqa: F401  (api.py's: results, lengths)
 
 DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))   # what the GPU kernels take
 _lock = threading.Lock()

@@ -460,7 +460,11 @@ def _poisoned_outputs():
     if saved is None:
         yield
         return
-    api._new_output = lambda shape, dtype: np.full(shape, np.nan, dtype=dtype)
+    def poisoned(shape, dtype, pinned=False):
+        out = saved(shape, dtype, pinned)
+        out[...] = np.nan
+        return out
+    api._new_output = poisoned
     try:
         yield
     finally:

@@ -30,12 +30,26 @@ Read-only. A piece no output touches is registered CU_MEMHOSTREGISTER_READ_ONLY 
 supports it: the device only reads it, which a read-only mapping (np.frombuffer of bytes, a
 read-only np.memmap) needs; a piece an output touches is registered writable.
 
+Kept registrations. An input array's memory registered by one call stays registered after it
+when the call saw that memory's owner (the ndarray that owns the data at the root of the
+array's bases) in an earlier call too: a caller who passes the same arrays again (a loop, a
+benchmark, a notebook cell run twice) pays for registering them once, not per call, and their
+DMAs start at once. The registration goes when the owner is deallocated (a weakref finalizer:
+NumPy clears weak references before it frees the data, and refuses to resize an array that has
+them, so the data never moves meanwhile) or when the kept bytes pass KEEP_BYTES (least recently
+used first). Memory whose root is a
+PinnedBuffer (attnext's pinned results) is used as it is, with no driver call.
+
 ATTNEXT_STAGING=register (the default) pins; =ring keeps every copy on the rings (the kernel
 lab compares the two).
 """
+import collections
 import mmap
 import os
 import threading
+import weakref
+
+import numpy as np
 
 from . import _C
 
@@ -45,9 +59,13 @@ PIECE_BYTES = 32 << 20     # one registration: its DMAs start once it is locked
 MODES = ("register", "ring")
 # H100 host (bench/lab_register.py, session 5): pinning runs at 37-53 GB/s for touched memory and
 # 5-7 GB/s for a fresh np.empty, so register + unregister costs about what the ring's copies
-# cost; the register path measured 6.0-6.8x the pinned-copy floor against the ring's 4.7-4.9x
-# (4.05-4.40x vs 4.37-4.85x with out=). The ring stays the default; register is the lab's.
-DEFAULT_MODE = "ring"
+# cost. With the results in pinned memory (staging.host_result) the register path measured
+# 3.9x the pinned-copy floor against the ring's 4.4x, and 1.4x with the inputs' registrations
+# kept (bench/lab_pinned.py, session 16).
+DEFAULT_MODE = "register"
+KEEP_BYTES = int(os.environ.get("ATTNEXT_PIN_KEEP_BYTES", 8 << 30))   # kept registrations at most
+SEEN = 64                  # owners remembered for the "seen in an earlier call" test
+PINNED_TYPES = (_C.PinnedBuffer,) if hasattr(_C, "PinnedBuffer") else ()   # attnext's own
 
 OWN, SHARED, FOREIGN, REFUSED = "own", "shared", "foreign", "refused"   # how a piece is held
 PENDING, LIVE, FAILED, CLOSING = "pending", "live", "failed", "closing"  # a table entry's state
@@ -180,10 +198,13 @@ def registered():
 
 
 def forget_after_fork():
-    """A forked child holds none of its parent's registrations."""
-    global _table_lock, _table
+    """A forked child holds none of its parent's registrations (its owners' finalizers then
+    find nothing to give back)."""
+    global _table_lock, _table, _kept_lock, _kept, _kept_ids, _kept_bytes, _seen
     _table_lock = threading.Lock()
     _table = []
+    _kept_lock = threading.RLock()
+    _kept, _kept_ids, _kept_bytes, _seen = collections.OrderedDict(), set(), 0, collections.OrderedDict()
 
 
 _read_only_ok = {}         # device -> whether it takes CU_MEMHOSTREGISTER_READ_ONLY
@@ -217,9 +238,20 @@ class Piece:
         return how in (OWN, FOREIGN)
 
     def held(self):
-        """The table entry this call must give back (after direct() has settled), or None."""
+        """(table entry this call must give back, how it holds it) after direct() has settled,
+        or None."""
         entry, how = self.future.result()
-        return entry if how == OWN or (how == SHARED and self.direct()) else None
+        return (entry, how) if how == OWN or (how == SHARED and self.direct()) else None
+
+
+class _Settled:
+    """A future already done: pinned memory of attnext's own (a PinnedBuffer)."""
+
+    def result(self):
+        return None, FOREIGN
+
+
+_SETTLED = _Settled()
 
 
 class Pins:
@@ -229,9 +261,19 @@ class Pins:
     def __init__(self, device, inputs, outputs):
         self.device = device
         spans = []               # (lo, hi, written, order of first use)
+        resident = []            # byte ranges inside attnext's PinnedBuffers
+        self.keep = []           # (lo, hi, owner) of inputs whose registrations stay after
         for i, (a, written) in enumerate([(a, False) for a in inputs] + [(a, True) for a in outputs]):
-            if a is not None and a.flags.c_contiguous and a.nbytes >= MIN_BYTES:
-                spans.append(byte_range(a) + (written, i))
+            if a is None or not a.flags.c_contiguous or a.nbytes < MIN_BYTES:
+                continue
+            owner = root(a)
+            if isinstance(owner, PINNED_TYPES):
+                resident.append(byte_range(a))
+                continue
+            spans.append(byte_range(a) + (written, i))
+            if not written and isinstance(owner, np.ndarray) and _seen_before(owner):
+                self.keep.append(unions([byte_range(owner)])[0] + (owner,))
+        self.resident = [Piece(lo, hi, True, _SETTLED) for lo, hi in unions(resident)]
         read_only = read_only_supported(device) if spans else False
         self.plan = []           # (first use, lo, hi, written, probe)
         for ulo, uhi in unions([s[:2] for s in spans]):
@@ -241,7 +283,7 @@ class Pins:
                 self.plan.append((min(s[3] for s in touching), lo, hi, any(s[2] for s in touching), probe))
         self.plan.sort()         # in the order the call uses them
         self.read_only = read_only
-        self.pieces = []         # sorted by address
+        self.pieces = list(self.resident)      # sorted by address
 
     def start(self, pool):
         """Submits every piece's registration to pool (the pieces submitted before an error
@@ -256,7 +298,7 @@ class Pins:
         are done (release_entries), waiting for their registrations first."""
         taken = [p for p in self.pieces if not p.written]
         self.pieces = [p for p in self.pieces if p.written]
-        return [e for e in (p.held() for p in taken) if e is not None]
+        return _to_give_back([p.held() for p in taken], self.keep)
 
     def parts(self, a):
         """a's bytes (C-contiguous) along this call's pieces: [(offset, nbytes, piece)], or None
@@ -271,7 +313,7 @@ class Pins:
         (the unregistering on `pool` when given). Call it only once every DMA from or to the
         pieces is done. Raises the first unregister error, after trying them all."""
         pieces, self.pieces = self.pieces, []
-        release_entries([e for e in (p.held() for p in pieces) if e is not None], pool)
+        release_entries(_to_give_back([p.held() for p in pieces], self.keep), pool)
 
 
 def release_entries(held, pool=None):
@@ -289,3 +331,114 @@ def release_entries(held, pool=None):
     errors = [e for e in errors if e is not None]
     if errors:
         raise errors[0]
+
+
+# ---------------------------------------------------------------- kept registrations
+def root(a):
+    """What holds a's memory: the ndarray at the root of its bases that owns its data, or the
+    object a memoryview at that root exports (a PinnedBuffer, an mmap, bytes...)."""
+    x = a
+    while isinstance(x, np.ndarray) and x.base is not None:
+        x = x.base
+    return x.obj if isinstance(x, memoryview) else x
+
+
+class _Kept:
+    """One owner's registrations kept after the calls that made them."""
+
+    __slots__ = ("entries", "nbytes")
+
+    def __init__(self):
+        self.entries, self.nbytes = [], 0
+
+
+_kept_lock = threading.RLock()     # a finalizer may run inside code that holds it
+_kept = collections.OrderedDict()  # id(owner) -> _Kept, least recently used first
+_kept_ids = set()                  # id() of the table entries _kept holds
+_kept_bytes = 0
+_seen = collections.OrderedDict()  # id(owner) -> weakref to it, SEEN at most
+
+
+def _seen_before(owner):
+    """Whether an earlier call saw this owner; notes this one. (Its data cannot have moved
+    since: NumPy refuses to resize an array that has weak references.)"""
+    key = id(owner)
+    with _kept_lock:
+        ref = _seen.pop(key, None)
+        seen = ref is not None and ref() is owner
+        try:
+            _seen[key] = weakref.ref(owner)
+        except TypeError:
+            return False
+        while len(_seen) > SEEN:
+            _seen.popitem(last=False)
+        if key in _kept:
+            _kept.move_to_end(key)
+    return seen
+
+
+def _forget(key):
+    """The entries kept for owner id `key`, taken out of the cache (the caller releases them)."""
+    global _kept_bytes
+    with _kept_lock:
+        kept = _kept.pop(key, None)
+        if kept is None:
+            return []
+        _kept_bytes -= kept.nbytes
+        for e in kept.entries:
+            _kept_ids.discard(id(e))
+        return kept.entries
+
+
+def _owner_gone(key):
+    """The owner's finalizer: its registrations go before NumPy frees the data."""
+    try:
+        release_entries(_forget(key))
+    except RuntimeError:
+        pass            # a faulted or torn-down context: nothing left to give back
+
+
+def _to_give_back(held, keep):
+    """Of one call's (entry, how) pairs: the entries to release now. An entry the call
+    registered inside the memory of an owner in `keep` is handed to the kept registrations
+    instead (the call's use becomes theirs)."""
+    global _kept_bytes
+    out, evicted = [], []
+    with _kept_lock:
+        for pair in held:
+            if pair is None:
+                continue
+            entry, how = pair
+            owner = next((o for lo, hi, o in keep if lo <= entry.lo and entry.hi <= hi), None)
+            if how != OWN or owner is None or id(entry) in _kept_ids or KEEP_BYTES <= 0:
+                out.append(entry)
+                continue
+            key = id(owner)
+            kept = _kept.get(key)
+            if kept is None:
+                kept = _kept[key] = _Kept()
+                weakref.finalize(owner, _owner_gone, key).atexit = False
+            kept.entries.append(entry)
+            kept.nbytes += entry.hi - entry.lo
+            _kept_bytes += entry.hi - entry.lo
+            _kept_ids.add(id(entry))
+            _kept.move_to_end(key)
+        while _kept_bytes > KEEP_BYTES and _kept:
+            evicted += _forget(next(iter(_kept)))
+    return out + evicted
+
+
+def forget_kept():
+    """Gives back every kept registration (the tests; a caller that wants its pages unlocked)."""
+    with _kept_lock:
+        keys = list(_kept)
+        _seen.clear()
+    entries = []
+    for key in keys:
+        entries += _forget(key)
+    release_entries(entries)
+
+
+def kept_bytes():
+    with _kept_lock:
+        return _kept_bytes

@@ -263,6 +263,8 @@ def _forget_after_fork():
     _state_lock = threading.Lock()
     _up = _down = _pool = None
     pinning.forget_after_fork()
+    if hasattr(_C, "host_pool_forget"):
+        _C.host_pool_forget()
 
 
 atexit.register(reset)
@@ -399,6 +401,53 @@ def _download(ptr, dtype, dst, device, stream, after):
                 slot.settle()
 
 
+# ---------------------------------------------------------------- results in pinned memory
+def _physical_bytes():
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 16 << 30
+
+
+RESULT_MIN_BYTES = 1 << 20       # a smaller result is a plain np.empty
+# pooled results alive at once at most (the caller's to keep), and pinned blocks kept free
+RESULTS_MAX_BYTES = int(os.environ.get("ATTNEXT_PINNED_RESULTS_BYTES",
+                                       min(8 << 30, _physical_bytes() // 8)))
+POOL_FREE_BYTES = 1 << 30
+
+
+def host_result(shape, dtype, device=0):
+    """An uninitialised NumPy array for a GPU call's result. Of RESULT_MIN_BYTES or more, in a
+    pooled PinnedBuffer (its block goes back to the pool when the array and every view of it
+    are gone): the result's DMA lands in it with no host copy and no first touch of fresh
+    pages, which cost more than the DMA itself (a fresh 64 MiB array: 22-39 ms to fault in on
+    the H100 host, bench/lab_pinned.py). A plain np.empty when smaller, when the pooled results
+    alive would pass RESULTS_MAX_BYTES, or when pinned memory cannot be had."""
+    dtype = np.dtype(dtype)
+    count = math.prod(shape)
+    nbytes = count * dtype.itemsize
+    if nbytes < RESULT_MIN_BYTES or dtype.hasobject:
+        return np.empty(shape, dtype)
+    _pool_limit()
+    if _C.host_pool()[2] + nbytes > RESULTS_MAX_BYTES:
+        return np.empty(shape, dtype)
+    try:
+        buf = _C.host_alloc(nbytes, device, True)
+    except (RuntimeError, MemoryError):
+        return np.empty(shape, dtype)
+    return np.frombuffer(buf, dtype, count).reshape(shape)
+
+
+_pool_set = False
+
+
+def _pool_limit():
+    global _pool_set
+    if not _pool_set:
+        _C.host_pool(POOL_FREE_BYTES)
+        _pool_set = True
+
+
 # ---------------------------------------------------------------- one call's traffic
 class Fence:
     """A point in a stream's order (now) that copies enqueued later on other streams, or from
@@ -490,7 +539,7 @@ class Staging:
             return
         pins = pinning.Pins(self.device, [compact(a) for a in inputs if isinstance(a, np.ndarray)],
                             [a for a in outputs if isinstance(a, np.ndarray)])
-        if pins.plan:
+        if pins.plan or pins.resident:
             self._pins = pins
             pins.start(_workers()[0])
 

@@ -913,8 +913,8 @@ static void pinned_dealloc(PyObject *op)
     PyTypeObject *type = Py_TYPE(op);
     if (self->pooled) {
         pool_live_bytes -= self->capacity;
-        while (pool_count > 0 && (pool_count == POOL_SLOTS
-                                  || pool_free_bytes + self->capacity > pool_limit)) {
+        while (self->capacity <= pool_limit && pool_count > 0
+               && (pool_count == POOL_SLOTS || pool_free_bytes + self->capacity > pool_limit)) {
             pool_free_bytes -= pool[0].capacity;
             free_block(pool[0].ptr, pool[0].ctx);
             memmove(pool, pool + 1, sizeof pool[0] * (size_t)--pool_count);

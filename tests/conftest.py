@@ -116,9 +116,15 @@ def in_threads(work, n, join_seconds):
     assert not errors, errors
     return results
 
-def poisoned(shape, dtype):
-    """An output buffer full of NaN: an element the kernel forgets to write fails the check."""
-    return np.full(shape, np.nan, dtype=dtype)
+_new_output = attnext.api._new_output
+
+
+def poisoned(shape, dtype, pinned=False):
+    """An output buffer full of NaN: an element the kernel forgets to write fails the check
+    (a GPU call's in the pinned memory it would have had)."""
+    out = _new_output(shape, dtype, pinned)
+    out[...] = np.nan
+    return out
 
 
 @pytest.fixture(autouse=True)

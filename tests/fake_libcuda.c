@@ -5,7 +5,8 @@
  *
  * FAKE_CUINIT=<code>: cuInit returns that error. -DNO_ALLOC_ASYNC: a driver without
  * cuMemAllocAsync. Counters the tests read through ctypes: `waits` (cuStreamWaitEvent),
- * `launches` (cuLaunchKernel), `allocs` and `frees` (device memory), `registered` (host ranges
+ * `launches` (cuLaunchKernel), `allocs` and `frees` (device memory), `host_allocs` and
+ * `host_frees` (cuMemHostAlloc, cuMemFreeHost), `registered` (host ranges
  * registered now) and `registrations` (cuMemHostRegister calls that succeeded); setting
  * `register_error` makes every cuMemHostRegister fail with that code. With `record` set, each
  * launch is copied into `last_launch`, its argument read as the attn_params attnext's attention
@@ -121,8 +122,9 @@ int cuMemcpyHtoDAsync_v2(ptr_t d, const void *s, size_t n, void *st) { memcpy((v
 int cuMemcpyDtoHAsync_v2(void *d, ptr_t s, size_t n, void *st) { memcpy(d, (void *)s, n); return OK; }
 int cuMemcpyDtoDAsync_v2(ptr_t d, ptr_t s, size_t n, void *st) { memcpy((void *)d, (void *)s, n); return OK; }
 int cuMemsetD8Async(ptr_t d, unsigned char v, size_t n, void *st) { memset((void *)d, v, n); return OK; }
-int cuMemHostAlloc(void **p, size_t n, unsigned flags) { *p = malloc(n); return OK; }
-int cuMemFreeHost(void *p) { free(p); return OK; }
+int host_allocs, host_frees;
+int cuMemHostAlloc(void **p, size_t n, unsigned flags) { host_allocs++; *p = malloc(n); return OK; }
+int cuMemFreeHost(void *p) { host_frees++; free(p); return OK; }
 /* Registered host ranges, as the driver keeps them: a range overlapping one already registered
  * is refused, and only a registered range's start unregisters it. */
 #define MAX_REGISTERED 256

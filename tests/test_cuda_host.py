@@ -683,3 +683,56 @@ def test_cupy_round_trip(gpu):
     back = device.to_caller(a, x)
     assert isinstance(back, cp.ndarray) and cp.array_equal(back, x)
     assert cp.array_equal(cp.asarray(a), x)      # through __cuda_array_interface__
+
+
+def test_pinned_results_come_from_a_bounded_pool(fake_libcuda):
+    """staging.host_result: a large result in a pooled PinnedBuffer, its block back in the pool
+    once the array and every view of it are gone, and taken again by the next result of about
+    its size (no cuMemHostAlloc); a small result, or one past RESULTS_MAX_BYTES alive, is a
+    plain NumPy array; the pool keeps at most 16 blocks and host_pool(limit) bytes free."""
+    out = _run(r"""
+        import ctypes, os
+        import numpy as np
+        from attnext import _C, pinning, staging
+        fake = ctypes.CDLL(os.environ["ATTNEXT_LIBCUDA"])
+        allocs, frees = (ctypes.c_int.in_dll(fake, n) for n in ("host_allocs", "host_frees"))
+        _C.cuda_load()
+        MiB = 1 << 20
+        a = staging.host_result((4, MiB // 4), np.float32)            # 4 MiB
+        buf = pinning.root(a)
+        assert isinstance(buf, _C.PinnedBuffer) and buf.pooled and a.flags.writeable, buf
+        assert a.shape == (4, MiB // 4) and a.dtype == np.float32
+        ptr, del_buf = a.ctypes.data, None
+        del buf
+        view = a[1:]
+        del a
+        assert _C.host_pool()[1:3] == (0, 4 * MiB), _C.host_pool()     # the view keeps it
+        del view
+        free, blocks, live, limit = _C.host_pool()
+        assert (free, blocks, live) == (4 * MiB, 1, 0) and limit == staging.POOL_FREE_BYTES
+        n = allocs.value
+        b = staging.host_result((MiB,), np.float32)                      # the same block again
+        assert b.ctypes.data == ptr and allocs.value == n
+        c = staging.host_result((MiB // 2,), np.float16)                 # 1 MiB: a block of its own
+        assert allocs.value == n + 1
+        small = staging.host_result((1000,), np.float32)
+        assert not isinstance(pinning.root(small), _C.PinnedBuffer)
+        staging.RESULTS_MAX_BYTES = 6 * MiB                             # 5 MiB alive: 4 more is past it
+        big = staging.host_result((MiB,), np.float32)
+        assert not isinstance(pinning.root(big), _C.PinnedBuffer) and allocs.value == n + 1
+        staging.RESULTS_MAX_BYTES = 1 << 40
+        del b, c
+        assert _C.host_pool()[:3] == (5 * MiB, 2, 0)
+        many = [staging.host_result((MiB + i * 4096,), np.uint8) for i in range(20)]
+        assert allocs.value == n + 20                                    # the first one took c's
+        del many                                                         # 21 blocks back: 16 kept
+        assert _C.host_pool()[1] == 16 and frees.value == 5, (_C.host_pool(), frees.value)
+        _C.host_pool(2 * MiB)                                            # the oldest go first
+        free, blocks, _, limit = _C.host_pool()
+        assert free <= 2 * MiB and blocks == 1 and limit == 2 * MiB
+        x = staging.host_result((3 * MiB,), np.uint8)
+        del x                                                            # larger than the limit
+        assert _C.host_pool()[1] == 1 and frees.value == 21
+        print("ok")
+    """, ATTNEXT_LIBCUDA=fake_libcuda["full"])
+    assert out.strip() == "ok"

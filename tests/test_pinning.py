@@ -64,6 +64,8 @@ def pins(fake, monkeypatch):
     monkeypatch.setenv("ATTNEXT_STAGING", "register")
     monkeypatch.setattr(pinning, "MIN_BYTES", PAGE)
     monkeypatch.setattr(pinning, "PIECE_BYTES", 2 * PAGE)
+    monkeypatch.setattr(pinning, "KEEP_BYTES", 0)        # per call; test_kept_* keep them
+    pinning.forget_kept()
     yield fake
     assert pinning.registered() == []
 
@@ -79,6 +81,14 @@ def _through(a, out_like=None, pin=True):
         view = stage.upload(a)
         stage.download(DevView.contiguous(view.ptr, base.shape, a.dtype, 0, 0), got)
     return base, got
+
+
+def _own_pages(shape, dtype):
+    """An array that shares no page with another."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    room = np.empty(nbytes + 2 * PAGE, np.uint8)
+    start = -room.ctypes.data % PAGE + PAGE
+    return room[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def _arrays(rng, dtype):
@@ -104,8 +114,7 @@ def test_read_only_inputs_register_read_only(pins, rng, monkeypatch):
     monkeypatch.setattr(_C, "host_register", lambda ptr, n, device=0, read_only=False: (
         flags.append(read_only) or pins.host_register(ptr, n, device, read_only)))
     a = _arrays(rng, BF16)["readonly"]
-    own_pages = mmap.mmap(-1, a.nbytes)                # the output shares no page with the input
-    base, got = _through(a, np.frombuffer(own_pages, BF16).reshape(a.shape))
+    base, got = _through(a, _own_pages(a.shape, BF16))  # the output shares no page with the input
     np.testing.assert_array_equal(_bits(got), _bits(base))
     assert True in flags and False in flags           # the input read-only, the output writable
     del got
@@ -124,6 +133,75 @@ def test_ring_mode_registers_nothing(pins, rng, monkeypatch):
     base, got = _through(_random(rng, (9, 7001), np.float32))
     np.testing.assert_array_equal(got, base)
     assert pins.registrations == 0
+
+
+@pytest.fixture
+def kept(pins, monkeypatch):
+    """pins, with the registrations of inputs seen again kept (up to 64 pages)."""
+    monkeypatch.setattr(pinning, "KEEP_BYTES", 64 * PAGE)
+    yield pins
+    pinning.forget_kept()
+
+
+def _registered_in(fake, a):
+    lo, hi = pinning.unions([pinning.byte_range(a)])[0]
+    return [r for r in fake.registered if lo <= r[0] and r[1] <= hi]
+
+
+def test_an_input_seen_again_keeps_its_registration(kept, rng):
+    """The first call with an array registers and releases its memory; a later call with the
+    same owner keeps its registration, and the calls after it register nothing and DMA straight
+    from it (a view of it too); the registration goes when the owner is deallocated."""
+    a = _random(rng, (9, 7001), np.float32)
+    for i in range(4):
+        before, dma = kept.registrations, kept.dma["htod"]
+        x = a if i < 3 else a[2:]
+        base, got = _through(x, _own_pages(x.shape, x.dtype))
+        np.testing.assert_array_equal(got, base)
+        assert kept.dma["htod"] > dma
+        if i == 0:
+            assert kept.registrations > before and _registered_in(kept, a) == []
+        elif i == 1:
+            assert kept.registrations > before and _registered_in(kept, a) != []
+            assert pinning.kept_bytes() >= a.nbytes
+        else:                                   # the output is still registered per call
+            [(lo, hi)] = pinning.unions([pinning.byte_range(got)])
+            assert kept.registrations - before == len(pinning.cut(lo, hi, pinning.PIECE_BYTES))
+    assert [r for r in kept.registered if not _registered_in(kept, a).count(r)] == []
+    del a, x, base
+    assert kept.registered == [] and pinning.kept_bytes() == 0
+
+
+def test_kept_registrations_stay_under_their_bound(kept, rng, monkeypatch):
+    """Past KEEP_BYTES the least recently used owner's registrations go; an owner attnext
+    remembers cannot be resized (NumPy refuses it with weak references), so its data stays."""
+    a = np.empty((9, 7001), np.float32)
+    a[...] = _random(rng, (9, 7001), np.float32)
+    for _ in range(2):
+        _through(a, _own_pages(a.shape, a.dtype))
+    assert _registered_in(kept, a)
+    with pytest.raises(ValueError, match="resize"):
+        a.resize((20, 7001), refcheck=False)
+    monkeypatch.setattr(pinning, "KEEP_BYTES", pinning.kept_bytes() + PAGE)
+    b = _random(rng, (9, 7001), np.float32)
+    for _ in range(2):
+        base, got = _through(b, _own_pages(b.shape, b.dtype))
+        np.testing.assert_array_equal(got, base)
+    assert _registered_in(kept, b) and not _registered_in(kept, a)      # a was the older
+    assert 0 < pinning.kept_bytes() <= pinning.KEEP_BYTES
+
+
+def test_pinned_results_travel_without_registering(pins, rng):
+    """An array in attnext's own pinned memory (a PinnedBuffer at its root: the fake's are
+    mmaps) travels as it is, both ways: no registration, no ring."""
+    x = _random(rng, (9, 7001), np.float32)
+    a = np.frombuffer(_C.host_alloc(x.nbytes, 0, True), np.float32).reshape(x.shape)
+    a[...] = x
+    got = np.frombuffer(_C.host_alloc(x.nbytes, 0, True), np.float32).reshape(x.shape)
+    rings = len(pins.pinned)
+    base, got = _through(a[1:], got[1:])
+    np.testing.assert_array_equal(got, x[1:])
+    assert pins.registrations == 0 and len(pins.pinned) == rings and pins.dma["dtoh"] > 0
 
 
 def test_a_failed_registration_falls_back_to_the_ring(pins, rng):

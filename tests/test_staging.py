@@ -9,6 +9,7 @@ calls, and NumPy forwards (batch-sliced or not) against the same inputs as torch
 import collections
 import ctypes
 import gc
+import mmap
 import threading
 import types
 
@@ -122,6 +123,7 @@ class FakeCuda:
             upto = len(self.queues[stream]) if upto is None else upto
             while self.done[stream] < upto:
                 op = self.queues[stream][self.done[stream]]
+                self.queues[stream][self.done[stream]] = None     # what it held can go
                 self.done[stream] += 1
                 op()
 
@@ -143,10 +145,13 @@ class FakeCuda:
     def mem_free(self, ptr, stream, device=0):
         self.enqueue(stream, lambda: self.mem.pop(ptr))
 
-    def host_alloc(self, nbytes, device=0):
-        buf = np.full(nbytes, 0x5A, np.uint8)
+    def host_alloc(self, nbytes, device=0, pooled=False):
+        """Pinned memory as an mmap (pinning.PINNED_TYPES is (mmap,) under the fake)."""
+        buf = mmap.mmap(-1, max(nbytes, 1))
+        raw = np.frombuffer(buf, np.uint8)
+        raw[:] = 0x5A
         with self.lock:
-            self.pinned.append((buf.ctypes.data, buf.ctypes.data + max(nbytes, 1)))
+            self.pinned.append((raw.ctypes.data, raw.ctypes.data + max(nbytes, 1)))
         return buf
 
     def memcpy_htod(self, dst, src, stream, device=0):
@@ -229,6 +234,7 @@ def fake(request, monkeypatch):
     for name, value in SMALL_RING.items():
         monkeypatch.setattr(staging, name, value)
     monkeypatch.setattr(pinning, "_read_only_ok", {})   # the fake's answer, not a real device's
+    monkeypatch.setattr(pinning, "PINNED_TYPES", (mmap.mmap,))
     yield f
     gc.collect()
     staging.reset()                                   # with the fake still in place
