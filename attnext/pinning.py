@@ -63,7 +63,18 @@ MODES = ("register", "ring")
 # 3.9x the pinned-copy floor against the ring's 4.4x, and 1.4x with the inputs' registrations
 # kept (bench/lab_pinned.py, session 16).
 DEFAULT_MODE = "register"
-KEEP_BYTES = int(os.environ.get("ATTNEXT_PIN_KEEP_BYTES", 8 << 30))   # kept registrations at most
+
+
+def physical_bytes():
+    """The machine's memory (16 GiB where it cannot be read)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 16 << 30
+
+
+# kept registrations at most (page-locked memory the system cannot swap out)
+KEEP_BYTES = int(os.environ.get("ATTNEXT_PIN_KEEP_BYTES", min(8 << 30, physical_bytes() // 8)))
 SEEN = 64                  # owners remembered for the "seen in an earlier call" test
 PINNED_TYPES = (_C.PinnedBuffer,) if hasattr(_C, "PinnedBuffer") else ()   # attnext's own
 

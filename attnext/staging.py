@@ -402,17 +402,10 @@ def _download(ptr, dtype, dst, device, stream, after):
 
 
 # ---------------------------------------------------------------- results in pinned memory
-def _physical_bytes():
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 16 << 30
-
-
 RESULT_MIN_BYTES = 1 << 20       # a smaller result is a plain np.empty
 # pooled results alive at once at most (the caller's to keep), and pinned blocks kept free
 RESULTS_MAX_BYTES = int(os.environ.get("ATTNEXT_PINNED_RESULTS_BYTES",
-                                       min(8 << 30, _physical_bytes() // 8)))
+                                       min(8 << 30, pinning.physical_bytes() // 8)))
 POOL_FREE_BYTES = 1 << 30
 
 

@@ -1,0 +1,89 @@
+"""Kernel lab: the NumPy-in/NumPy-out forward as it ships (register staging, kept registrations,
+pooled pinned results) against the pinned-copy floor, per bench case, and where its time goes.
+
+    python bench/lab_numpy.py [--profile]
+
+Rows per case: the same arrays every call (what bench_cuda's NumPy row times: the registrations
+are kept from the second call on), fresh copies of the inputs every call (made outside the
+timing: each call registers its inputs and gives them back), and ATTNEXT_STAGING=ring. The
+first result of each row is checked against an earlier call's. --profile: cProfile of 10 same-array calls.
+"""
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+import torch
+
+import attnext
+from attnext import _C, pinning
+
+CASES = ((8, 2048, 16, 128, False), (2, 8192, 16, 128, True))
+REPS = 10
+
+
+def floor_ms(nin, nout):
+    host_in, host_out = (torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in (nin, nout))
+    dev_in, dev_out = (torch.empty(n, dtype=torch.uint8, device="cuda") for n in (nin, nout))
+
+    def copies():
+        dev_in.copy_(host_in, non_blocking=True)
+        host_out.copy_(dev_out, non_blocking=True)
+        torch.cuda.synchronize()
+    return timed(copies, lambda: None)
+
+
+def timed(call, prepare, check=None):
+    out = call(*(prepare() or ()))
+    if check is not None:
+        check(out)
+    times = []
+    for _ in range(REPS):
+        args = prepare()
+        t0 = time.perf_counter()
+        call(*(args or ()))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def main():
+    print(torch.cuda.get_device_name(), flush=True)
+    rng = np.random.default_rng(1)
+    for B, S, H, D, causal in CASES:
+        q, k, v = (rng.standard_normal((B, S, H, D), np.float32).astype(ml_dtypes.bfloat16) for _ in range(3))
+        nin, nout = 3 * q.nbytes, q.nbytes
+        fl = floor_ms(nin, nout)
+        want = attnext.attention(q, k, v, causal=causal, device="cuda")
+        print(f"B{B} S{S} H{H} D{D} causal={causal}: floor {fl:.3f} ms", flush=True)
+
+        def check(out):
+            assert np.array_equal(out.view(np.uint16), want.view(np.uint16))
+
+        def same():
+            return attnext.attention(q, k, v, causal=causal, device="cuda")
+
+        def fresh(qq, kk, vv):
+            return attnext.attention(qq, kk, vv, causal=causal, device="cuda")
+        for mode in ("register", "ring"):
+            os.environ["ATTNEXT_STAGING"] = mode
+            t = timed(same, lambda: None, check)
+            print(f"  {mode:8s} same arrays      {t:7.3f} ms  {t / fl:5.2f}x floor", flush=True)
+            t = timed(fresh, lambda: (q.copy(), k.copy(), v.copy()), check)
+            print(f"  {mode:8s} fresh copies     {t:7.3f} ms  {t / fl:5.2f}x floor", flush=True)
+        os.environ["ATTNEXT_STAGING"] = "register"
+        print(f"  kept {pinning.kept_bytes() / 2**20:.0f} MiB, pool {_C.host_pool()}", flush=True)
+        if "--profile" in sys.argv:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(REPS):
+                attnext.attention(q, k, v, causal=causal, device="cuda")
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+        pinning.forget_kept()
+
+
+if __name__ == "__main__":
+    main()
