@@ -428,7 +428,9 @@ def _child_env(cache_dir, pycache_dir):
     root = os.path.dirname(os.path.dirname(os.path.abspath(attnext.__file__)))
     path = os.environ.get("PYTHONPATH")
     env = dict(os.environ, ATTNEXT_CACHE_DIR=cache_dir, PYTHONPYCACHEPREFIX=pycache_dir,
-               PYTHONPATH=root + (os.pathsep + path if path else ""))
+               PYTHONPATH=root + (os.pathsep + path if path else ""),
+               CUDA_CACHE_DISABLE="1")     # NVRTC 12.9+ also caches in the driver's compute cache
+    # (~/.nv/ComputeCache): with it a "cold" child found its compiles there (0.06 s)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
 

@@ -524,7 +524,8 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     if not all(grid):                       # an empty grid (no heads, rows or batch) has nothing to write
         return _Plan(template, ())
     names = [kernel] if splits == 1 else [kernel, "attn_fwd_combine"]
-    kernels.prefetch([(kernel, name, defines, generated) for name in names] + kernels.block_mask_specs(gen), arch)
+    kernels.prefetch([(kernel, name, defines, generated) for name in names] + kernels.block_mask_specs(gen), arch,
+                     device)
     launches = [(kernels.function(kernel, kernel, defines, device, arch, smem, generated), grid,
                  (tile[2] * 32, 1, 1), smem)]
     if splits == 1:
@@ -770,7 +771,7 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
                     (1 if bcast[0] else o.B) * o.bias_heads)
             launch("attn_bwd_dbias", grid, tile["q_warps"])
     kernels.prefetch([(src, name, defs, generated) for src, name, defs, *_ in wanted] + kernels.block_mask_specs(gen),
-                     arch)
+                     arch, device)
     launches = [(kernels.function(src, name, defs, device, arch, sm, generated), grid, (warps * 32, 1, 1), sm)
                 for src, name, defs, sm, grid, warps in wanted]
     dead_bytes = 4 * (1 + o.B * o.Hq)     # attn_params.h: dead

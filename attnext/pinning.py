@@ -275,11 +275,13 @@ class Pins:
         resident = []            # byte ranges inside attnext's PinnedBuffers
         self.keep = []           # (lo, hi, owner) of inputs whose registrations stay after
         for i, (a, written) in enumerate([(a, False) for a in inputs] + [(a, True) for a in outputs]):
-            if a is None or not a.flags.c_contiguous or a.nbytes < MIN_BYTES:
+            if a is None or not a.flags.c_contiguous or a.nbytes == 0:
                 continue
             owner = root(a)
-            if isinstance(owner, PINNED_TYPES):
+            if isinstance(owner, PINNED_TYPES):          # attnext's pinned memory, any size
                 resident.append(byte_range(a))
+                continue
+            if a.nbytes < MIN_BYTES:
                 continue
             spans.append(byte_range(a) + (written, i))
             if not written and isinstance(owner, np.ndarray) and _seen_before(owner):

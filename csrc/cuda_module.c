@@ -371,7 +371,13 @@ static PyObject *c_module_load(PyObject *module, PyObject *args)
     }
     m->device = device;
     CU_CHECK(cuCtxGetCurrent, &m->ctx);
-    CU_CHECK(cuModuleLoadData, &m->module, image.buf);
+    {   /* milliseconds a module: other threads (another module's load, a compile) go on */
+        CUresult rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = CU.cuModuleLoadData(&m->module, image.buf);
+        Py_END_ALLOW_THREADS
+        CU_CHECK_RC("cuModuleLoadData", rc);
+    }
     PyBuffer_Release(&image);
     capsule = PyCapsule_New(m, MODULE_CAPSULE, module_capsule_free);
     if (!capsule) {

@@ -160,7 +160,7 @@ def test_first_call_children_keep_their_bytecode(monkeypatch):
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     env = bm._child_env("/tmp/k", "/tmp/b")
     assert "PYTHONDONTWRITEBYTECODE" not in env and env["PYTHONPYCACHEPREFIX"] == "/tmp/b"
-    assert env["ATTNEXT_CACHE_DIR"] == "/tmp/k"
+    assert env["ATTNEXT_CACHE_DIR"] == "/tmp/k" and env["CUDA_CACHE_DISABLE"] == "1"
     assert "PYTHONDONTWRITEBYTECODE" in os.environ                      # the parent's is kept
 
 

@@ -66,7 +66,7 @@ def function(kernel, name, defines, dev, arch, smem, generated=None):
 
 KEEP = []
 kernels.function = function
-kernels.prefetch = lambda specs, arch: None
+kernels.prefetch = lambda specs, arch, device: None
 _launch = _C.cuda_launch_attention
 
 
