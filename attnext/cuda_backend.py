@@ -450,13 +450,17 @@ def _finish_mods(stage, bound):
     return mod_arrays.gradients(floats, sums, bound.offsets, stage, device_arch(stage.device))
 
 
+# attn_mods.cuh reaches NVRTC beside a generated header; this kernel needs only the former
+DTENSORS_SPEC = ("attn_dtensors", "attn_dtensors", {}, "")
+
+
 def _dtensor_sums(stage, dacc):
     """The float64 values of the exact gradient accumulators dacc (n, codegen.WORDS), summed on
     the device (kernels/attn_dtensors.cu: codegen.limbs_to_float's steps) into call scratch."""
     n = dacc.shape[0]
     sums = stage.scratch((n,), np.float64)
-    # attn_mods.cuh reaches NVRTC beside a generated header; this kernel needs only the former
-    fn = kernels.function("attn_dtensors", "attn_dtensors", {}, stage.device, device_arch(stage.device), 0, "")
+    kernel, name, defines, generated = DTENSORS_SPEC
+    fn = kernels.function(kernel, name, defines, stage.device, device_arch(stage.device), 0, generated)
     params = np.array([(dacc.ptr, sums.ptr, n)], np.dtype([("dacc", "u8"), ("out", "u8"), ("n", "i8")]))
     _C.launch(fn, (-(-n // 256), 1, 1), (256, 1, 1), 0, stage.stream, params.tobytes())
     return sums
@@ -770,8 +774,10 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
                     1 if bcast[3] else math.ceil(cols / tile["q_block_n"]),
                     (1 if bcast[0] else o.B) * o.bias_heads)
             launch("attn_bwd_dbias", grid, tile["q_warps"])
-    kernels.prefetch([(src, name, defs, generated) for src, name, defs, *_ in wanted] + kernels.block_mask_specs(gen),
-                     arch, device)
+    # the array gradients' sums (_dtensor_sums) run after these: their module loaded with them,
+    # not between launches (a module load waits for the kernels in flight: ~35 ms, relbias)
+    kernels.prefetch([(src, name, defs, generated) for src, name, defs, *_ in wanted] + kernels.block_mask_specs(gen)
+                     + ([DTENSORS_SPEC] if grads else []), arch, device)
     launches = [(kernels.function(src, name, defs, device, arch, sm, generated), grid, (warps * 32, 1, 1), sm)
                 for src, name, defs, sm, grid, warps in wanted]
     dead_bytes = 4 * (1 + o.B * o.Hq)     # attn_params.h: dead

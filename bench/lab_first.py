@@ -6,7 +6,8 @@ compiles and fills the cache, the second shows the disk path under cProfile.
     ATTNEXT_CACHE_DIR=/tmp/c python3 bench/lab_first.py [--case=relbias] [--bwd] --profile
 
 --case names one of the bench's mod rows (attnext/bench_mods.py KINDS; softcap when left out);
---bwd profiles the first backward (after a first forward, timed but not profiled).
+--bwd profiles the first backward (after a first forward, timed but not profiled); --loads
+prints each module load of the timed calls (thread, start, end, cubin size).
 """
 import cProfile
 import pstats
@@ -30,6 +31,7 @@ prof = cProfile.Profile() if "--profile" in sys.argv else None
 
 
 def timed(what, call, profile):
+    loads.clear()
     t0 = time.perf_counter()
     if profile:
         prof.enable()
@@ -38,9 +40,23 @@ def timed(what, call, profile):
     if profile:
         prof.disable()
     print(f"{case.name}: first {what} {time.perf_counter() - t0:.4f} s", flush=True)
+    for name, a, b, n in loads:
+        print(f"  module load {1e3 * (a - t0):6.1f} -> {1e3 * (b - t0):6.1f} ms  {n >> 10:5d} KiB  {name}")
     return result
 
 
+loads = []
+if "--loads" in sys.argv:       # each module load: thread, start and end (ms from the call), size
+    import threading
+    from attnext import _C
+    _load = _C.module_load
+
+    def _timed_load(cubin, device=0):
+        t = time.perf_counter()
+        m = _load(cubin, device)
+        loads.append((threading.current_thread().name, t, time.perf_counter(), len(cubin)))
+        return m
+    _C.module_load = _timed_load
 bwd = "--bwd" in sys.argv
 out, lse = timed("forward", lambda: attnext.attention(q, k, v, return_lse=True, **kw), prof and not bwd)
 if bwd:
