@@ -1,11 +1,12 @@
 """Kernel lab: the NumPy-in/NumPy-out forward as it ships (register staging, kept registrations,
 pooled pinned results) against the pinned-copy floor, per bench case, and where its time goes.
 
-    python bench/lab_numpy.py [--profile]
+    python bench/lab_numpy.py [--profile] [--slices]
 
 Rows per case: the same arrays every call (what bench_cuda's NumPy row times: the registrations
 are kept from the second call on), fresh copies of the inputs every call (made outside the
-timing: each call registers its inputs and gives them back), and ATTNEXT_STAGING=ring. The
+timing: each call registers its inputs and gives them back), and ATTNEXT_STAGING=ring;
+--slices: the same arrays with batch slices of other sizes (cuda_backend.SLICE_BYTES). The
 first result of each row is checked against an earlier call's. --profile: cProfile of 10 same-array calls.
 """
 import cProfile
@@ -74,6 +75,14 @@ def main():
             t = timed(fresh, lambda: (q.copy(), k.copy(), v.copy()), check)
             print(f"  {mode:8s} fresh copies     {t:7.3f} ms  {t / fl:5.2f}x floor", flush=True)
         os.environ["ATTNEXT_STAGING"] = "register"
+        if "--slices" in sys.argv:             # cuda_backend.SLICE_BYTES: the batch slices' size
+            from attnext import cuda_backend
+            saved = cuda_backend.SLICE_BYTES
+            for mib in (256, 64, 32):
+                cuda_backend.SLICE_BYTES = mib << 20
+                t = timed(same, lambda: None, check)
+                print(f"  slices of {mib:3d} MiB  same arrays {t:7.3f} ms  {t / fl:5.2f}x floor", flush=True)
+            cuda_backend.SLICE_BYTES = saved
         print(f"  kept {pinning.kept_bytes() / 2**20:.0f} MiB, pool {_C.host_pool()}", flush=True)
         if "--profile" in sys.argv:
             prof = cProfile.Profile()
