@@ -591,7 +591,10 @@ def _host_inputs(o, *more):
     return (o.q4, o.k4, o.v4, o.bias4, o.mask4) + more
 
 
-SLICE_BYTES = 128 << 20   # a NumPy forward moving at least twice this runs in batch slices
+# a NumPy forward moving at least twice this runs in batch slices (H100, bench/lab_numpy.py
+# --slices, kept registrations and pinned results: B8 S2k 5.77 ms at 64 MiB against 6.10 at 128
+# and 6.18 at 32; B2 S8k causal 6.35 at 32-128 MiB)
+SLICE_BYTES = 64 << 20
 
 
 def _batch_slices(o):
