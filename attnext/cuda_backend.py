@@ -21,6 +21,7 @@ device), the error record and the gradient accumulator -- travels with the call'
 the attn_mods_gpu bytes cuda_launch_attention copies into attn_params.
 """
 import math
+import os
 import threading
 import types
 
@@ -66,9 +67,20 @@ def device_arch(device):
 _info_cache = {}
 
 
+# freed device memory the default pool keeps reserved at a synchronisation (the driver's default
+# is none): a NumPy call synchronises at its end, and its next call would map its buffers again
+POOL_KEEP_BYTES = int(os.environ.get("ATTNEXT_POOL_KEEP_BYTES", 1 << 30))
+
+
 def device_info(device):
+    """The device's properties (cached); on a device's first use, its pool's keep (above)."""
     if device not in _info_cache:
-        _info_cache[device] = _C.cuda_info(device)
+        info = _C.cuda_info(device)
+        try:
+            _C.mem_pool_keep(POOL_KEEP_BYTES, device)
+        except RuntimeError:
+            pass            # a driver that refuses it: memory goes back at each sync, as before
+        _info_cache[device] = info
     return _info_cache[device]
 
 

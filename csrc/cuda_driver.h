@@ -32,6 +32,7 @@ typedef struct CUmod_st *CUmodule;
 typedef struct CUfunc_st *CUfunction;
 typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
+typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef unsigned long long CUdeviceptr;
 
 typedef int nvrtcResult;
@@ -72,6 +73,7 @@ enum { CU_MEMHOSTALLOC_PORTABLE = 0x01 };   /* pinned memory usable from every c
 enum { CU_MEMHOSTREGISTER_READ_ONLY = 0x08 }; /* the device only reads it (read-only mappings) */
 enum { CU_STREAM_NON_BLOCKING = 0x01 };     /* no implicit sync with the legacy default stream */
 enum { CU_EVENT_DISABLE_TIMING = 0x02 };
+enum { CU_MEMPOOL_ATTR_RELEASE_THRESHOLD = 4 };  /* cuuint64_t: bytes a pool keeps at a sync */
 
 /* Stream handles with a fixed meaning (also the values __cuda_array_interface__ and DLPack use) */
 #define CU_STREAM_LEGACY ((CUstream)0x1)
@@ -105,6 +107,8 @@ enum { NVRTC_SUCCESS = 0, NVRTC_ERROR_COMPILATION = 6 };
                        void **params, void **extra))                                           \
     X(cuMemAllocAsync, (CUdeviceptr *ptr, size_t bytes, CUstream stream))                      \
     X(cuMemFreeAsync, (CUdeviceptr ptr, CUstream stream))                                      \
+    X(cuDeviceGetDefaultMemPool, (CUmemoryPool *pool, CUdevice device))                       \
+    X(cuMemPoolSetAttribute, (CUmemoryPool pool, int attribute, void *value))                 \
     X(cuMemAlloc_v2, (CUdeviceptr *ptr, size_t bytes))                                         \
     X(cuMemFree_v2, (CUdeviceptr ptr))                                                         \
     X(cuMemcpyHtoDAsync_v2, (CUdeviceptr dst, const void *src, size_t bytes, CUstream stream)) \

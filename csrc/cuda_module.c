@@ -543,6 +543,32 @@ static PyObject *c_mem_alloc(PyObject *module, PyObject *args)
     return PyLong_FromUnsignedLongLong(ptr);
 }
 
+/* mem_pool_keep(nbytes, device=0): the device's default memory pool (what mem_alloc takes from)
+ * keeps up to nbytes of freed memory reserved when a stream or the context synchronises, rather
+ * than giving it all back to the driver (the default, 0): a NumPy call synchronises at its end,
+ * and the next one would map its buffers again. False where the device has no pools. */
+static PyObject *c_mem_pool_keep(PyObject *module, PyObject *args)
+{
+    Py_ssize_t nbytes;
+    int device = 0, pools;
+    CUdevice dev;
+    CUmemoryPool pool;
+    unsigned long long keep;
+    if (!PyArg_ParseTuple(args, "n|i:mem_pool_keep", &nbytes, &device)
+        || nonnegative("mem_pool_keep", "nbytes", nbytes) || device_has_pools(device, &pools))
+        return NULL;
+    if (!pools)
+        Py_RETURN_FALSE;
+    if (cuda_device_handle(device, &dev) || cuda_device_enter(device))
+        return NULL;
+    keep = (unsigned long long)nbytes;
+    CU_CHECK(cuDeviceGetDefaultMemPool, &pool, dev);
+    CU_CHECK(cuMemPoolSetAttribute, pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &keep);
+    Py_RETURN_TRUE;
+fail:
+    return NULL;
+}
+
 static PyObject *c_mem_free(PyObject *module, PyObject *args)
 {
     CUdeviceptr ptr;
@@ -1352,6 +1378,10 @@ PyMethodDef attnext_cuda_methods[] = {
      "launch(function, grid: (x, y, z), block: (x, y, z), smem: int, stream: int, params: "
      "bytes, /) -> None: params are the bytes of the kernel's ONE by-value struct parameter "
      "(b\"\" for a kernel without parameters); their size is not checked."},
+    {"mem_pool_keep", c_mem_pool_keep, METH_VARARGS,
+     "mem_pool_keep(nbytes, device=0) -> bool: the default memory pool keeps up to nbytes of "
+     "freed memory at a synchronisation (cuMemPoolSetAttribute RELEASE_THRESHOLD); False without "
+     "memory pools."},
     {"mem_alloc", c_mem_alloc, METH_VARARGS,
      "mem_alloc(nbytes: int, stream: int, device: int = 0, /) -> int: device memory ordered on "
      "stream (cuMemAllocAsync; cuMemAlloc on devices without memory pools). 0 for 0 bytes. "

@@ -6,7 +6,8 @@
  * FAKE_CUINIT=<code>: cuInit returns that error. -DNO_ALLOC_ASYNC: a driver without
  * cuMemAllocAsync. Counters the tests read through ctypes: `waits` (cuStreamWaitEvent),
  * `launches` (cuLaunchKernel), `allocs` and `frees` (device memory), `host_allocs` and
- * `host_frees` (cuMemHostAlloc, cuMemFreeHost), `registered` (host ranges
+ * `host_frees` (cuMemHostAlloc, cuMemFreeHost), `pool_threshold` (the default pool's release
+ * threshold, -1 until set), `registered` (host ranges
  * registered now) and `registrations` (cuMemHostRegister calls that succeeded); setting
  * `register_error` makes every cuMemHostRegister fail with that code. With `record` set, each
  * launch is copied into `last_launch`, its argument read as the attn_params attnext's attention
@@ -116,6 +117,15 @@ int cuMemAllocAsync(ptr_t *p, size_t n, void *s)
 }
 #endif
 int cuMemFreeAsync(ptr_t p, void *s) { frees++; fake_free(p); return OK; }
+long long pool_threshold = -1;
+int cuDeviceGetDefaultMemPool(void **pool, int d) { *pool = (void *)0x900d; return OK; }
+int cuMemPoolSetAttribute(void *pool, int attr, void *value)
+{
+    if (pool != (void *)0x900d || attr != 4)
+        return INVALID_VALUE;
+    pool_threshold = (long long)*(unsigned long long *)value;
+    return OK;
+}
 int cuMemAlloc_v2(ptr_t *p, size_t n) { allocs++; *p = fake_alloc(n); return OK; }
 int cuMemFree_v2(ptr_t p) { frees++; fake_free(p); return OK; }
 int cuMemcpyHtoDAsync_v2(ptr_t d, const void *s, size_t n, void *st) { memcpy((void *)d, s, n); return OK; }

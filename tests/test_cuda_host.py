@@ -736,3 +736,18 @@ def test_pinned_results_come_from_a_bounded_pool(fake_libcuda):
         print("ok")
     """, ATTNEXT_LIBCUDA=fake_libcuda["full"])
     assert out.strip() == "ok"
+
+
+def test_the_default_pool_keeps_freed_memory_at_a_sync(fake_libcuda):
+    """A device's first use sets its default memory pool's release threshold to POOL_KEEP_BYTES
+    (ATTNEXT_POOL_KEEP_BYTES), so a synchronising call does not map its buffers again."""
+    out = _run(r"""
+        import ctypes, os
+        from attnext import _C, cuda_backend
+        fake = ctypes.CDLL(os.environ["ATTNEXT_LIBCUDA"])
+        keep = ctypes.c_longlong.in_dll(fake, "pool_threshold")
+        assert keep.value == -1
+        cuda_backend.device_info(0)
+        print(keep.value, cuda_backend.POOL_KEEP_BYTES)
+    """, ATTNEXT_LIBCUDA=fake_libcuda["full"], ATTNEXT_POOL_KEEP_BYTES="12345")
+    assert out.split() == ["12345", "12345"]
