@@ -18,6 +18,7 @@
 
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #define MODULE_CAPSULE "attnext.cu_module"
 #define FUNCTION_CAPSULE "attnext.cu_function"
@@ -846,6 +847,8 @@ typedef struct {
     Py_ssize_t capacity;   /* what cuMemHostAlloc gave (a pooled block may be larger) */
     int device;
     int pooled;            /* on dealloc: back to the pool (while it has room), not freed */
+    pid_t pid;             /* the process that allocated it: a forked child neither pools nor
+                            * frees its parent's blocks */
     CUcontext ctx;
 } pinned_buffer;
 
@@ -856,11 +859,12 @@ typedef struct {
  * (every change runs with the GIL held). live_bytes counts pooled buffers in use, so the
  * caller can bound how much of its results it keeps pinned. */
 #define POOL_SLOTS 16
-static struct {
+struct pool_block {
     void *ptr;
     Py_ssize_t capacity;
     CUcontext ctx;
-} pool[POOL_SLOTS];
+};
+static struct pool_block pool[POOL_SLOTS];
 static int pool_count;
 static Py_ssize_t pool_free_bytes, pool_live_bytes, pool_limit = (Py_ssize_t)1 << 30;
 
@@ -873,6 +877,27 @@ static void free_block(void *ptr, CUcontext ctx)
         Py_END_ALLOW_THREADS
         leave(prev);
     }
+}
+
+/* Takes the oldest free blocks out of the pool, while it holds more than `keep_bytes` free or
+ * more than `keep_blocks` blocks, into out[] (POOL_SLOTS at most); returns how many. The caller
+ * frees them (free_block releases the GIL: only after every change to the pool is made, so no
+ * other thread sees a block that is being freed). */
+static int pool_trim(Py_ssize_t keep_bytes, int keep_blocks, struct pool_block *out)
+{
+    int n = 0;
+    while (pool_count > 0 && (pool_free_bytes > keep_bytes || pool_count > keep_blocks)) {
+        out[n++] = pool[0];
+        pool_free_bytes -= pool[0].capacity;
+        memmove(pool, pool + 1, sizeof pool[0] * (size_t)--pool_count);
+    }
+    return n;
+}
+
+static void free_blocks(const struct pool_block *blocks, int n)
+{
+    for (int i = 0; i < n; i++)
+        free_block(blocks[i].ptr, blocks[i].ctx);
 }
 
 /* The smallest free block of at least nbytes (and at most twice that, plus a MiB: a small
@@ -927,6 +952,7 @@ static PyObject *pinned_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->capacity = capacity;
     self->device = device;
     self->pooled = pooled && ptr;
+    self->pid = getpid();
     self->ctx = ctx;
     if (self->pooled)
         pool_live_bytes += capacity;
@@ -943,15 +969,14 @@ static void pinned_dealloc(PyObject *op)
 {
     pinned_buffer *self = (pinned_buffer *)op;
     PyTypeObject *type = Py_TYPE(op);
-    if (self->pooled) {
+    struct pool_block out[POOL_SLOTS];
+    int n = 0;
+    if (self->pid != getpid()) {
+        self->ptr = NULL;               /* a forked child: its parent's block, not ours */
+    } else if (self->pooled) {
         pool_live_bytes -= self->capacity;
-        while (self->capacity <= pool_limit && pool_count > 0
-               && (pool_count == POOL_SLOTS || pool_free_bytes + self->capacity > pool_limit)) {
-            pool_free_bytes -= pool[0].capacity;
-            free_block(pool[0].ptr, pool[0].ctx);
-            memmove(pool, pool + 1, sizeof pool[0] * (size_t)--pool_count);
-        }
         if (self->capacity <= pool_limit) {
+            n = pool_trim(pool_limit - self->capacity, POOL_SLOTS - 1, out);
             pool[pool_count].ptr = self->ptr;
             pool[pool_count].capacity = self->capacity;
             pool[pool_count++].ctx = self->ctx;
@@ -961,6 +986,7 @@ static void pinned_dealloc(PyObject *op)
     }
     if (self->ptr)
         free_block(self->ptr, self->ctx);
+    free_blocks(out, n);
     type->tp_free(op);
     Py_DECREF(type);
 }
@@ -973,14 +999,11 @@ static PyObject *c_host_pool(PyObject *module, PyObject *args)
     if (!PyArg_ParseTuple(args, "|n:host_pool", &limit))
         return NULL;
     if (limit >= 0) {
+        struct pool_block out[POOL_SLOTS];
         pool_limit = limit;
-        while (pool_count > 0 && pool_free_bytes > pool_limit) {
-            pool_free_bytes -= pool[0].capacity;
-            free_block(pool[0].ptr, pool[0].ctx);
-            memmove(pool, pool + 1, sizeof pool[0] * (size_t)--pool_count);
-        }
+        free_blocks(out, pool_trim(pool_limit, POOL_SLOTS, out));
     }
-    return Py_BuildValue("(nini)", pool_free_bytes, pool_count, pool_live_bytes, pool_limit);
+    return Py_BuildValue("(ninn)", pool_free_bytes, pool_count, pool_live_bytes, pool_limit);
 }
 
 /* After fork: the parent's blocks are not this process's pinned memory; forget them (never

@@ -6,7 +6,8 @@
  * FAKE_CUINIT=<code>: cuInit returns that error. -DNO_ALLOC_ASYNC: a driver without
  * cuMemAllocAsync. Counters the tests read through ctypes: `waits` (cuStreamWaitEvent),
  * `launches` (cuLaunchKernel), `allocs` and `frees` (device memory), `host_allocs` and
- * `host_frees` (cuMemHostAlloc, cuMemFreeHost), `pool_threshold` (the default pool's release
+ * `host_frees` (cuMemHostAlloc, cuMemFreeHost; `freed_ptrs` the last 1024 freed, and setting
+ * `slow_free_us` makes each cuMemFreeHost sleep that long), `pool_threshold` (the default pool's release
  * threshold, -1 until set), `registered` (host ranges
  * registered now) and `registrations` (cuMemHostRegister calls that succeeded); setting
  * `register_error` makes every cuMemHostRegister fail with that code. With `record` set, each
@@ -16,6 +17,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "attn_params.h"
 typedef unsigned long long ptr_t;
@@ -132,9 +134,17 @@ int cuMemcpyHtoDAsync_v2(ptr_t d, const void *s, size_t n, void *st) { memcpy((v
 int cuMemcpyDtoHAsync_v2(void *d, ptr_t s, size_t n, void *st) { memcpy(d, (void *)s, n); return OK; }
 int cuMemcpyDtoDAsync_v2(ptr_t d, ptr_t s, size_t n, void *st) { memcpy((void *)d, (void *)s, n); return OK; }
 int cuMemsetD8Async(ptr_t d, unsigned char v, size_t n, void *st) { memset((void *)d, v, n); return OK; }
-int host_allocs, host_frees;
+int host_allocs, host_frees, slow_free_us;
+void *freed_ptrs[1024];
 int cuMemHostAlloc(void **p, size_t n, unsigned flags) { host_allocs++; *p = malloc(n); return OK; }
-int cuMemFreeHost(void *p) { host_frees++; free(p); return OK; }
+int cuMemFreeHost(void *p)
+{
+    if (slow_free_us)
+        usleep(slow_free_us);
+    freed_ptrs[host_frees++ % 1024] = p;
+    free(p);
+    return OK;
+}
 /* Registered host ranges, as the driver keeps them: a range overlapping one already registered
  * is refused, and only a registered range's start unregisters it. */
 #define MAX_REGISTERED 256

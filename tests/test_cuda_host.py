@@ -751,3 +751,38 @@ def test_the_default_pool_keeps_freed_memory_at_a_sync(fake_libcuda):
         print(keep.value, cuda_backend.POOL_KEEP_BYTES)
     """, ATTNEXT_LIBCUDA=fake_libcuda["full"], ATTNEXT_POOL_KEEP_BYTES="12345")
     assert out.split() == ["12345", "12345"]
+
+
+def test_pinned_pool_frees_each_block_once_across_threads(fake_libcuda):
+    """Two results dropped at once while the pool is full: each pushes the oldest block out and
+    frees it (cuMemFreeHost, slow here, the GIL released meanwhile); no block is freed twice or
+    handed out while it is being freed, and the pool ends with 16 blocks."""
+    out = _run(r"""
+        import ctypes, os, threading
+        from attnext import _C
+        fake = ctypes.CDLL(os.environ["ATTNEXT_LIBCUDA"])
+        frees = ctypes.c_int.in_dll(fake, "host_frees")
+        freed = (ctypes.c_void_p * 1024).in_dll(fake, "freed_ptrs")
+        _C.cuda_load()
+        MiB = 1 << 20
+        bufs = [_C.host_alloc(MiB, 0, True) for _ in range(16)]
+        first = {b.ptr for b in bufs}
+        del bufs                                                   # the pool is full
+        live = {i: _C.host_alloc((5 + i) * MiB, 0, True) for i in range(4)}
+        ctypes.c_int.in_dll(fake, "slow_free_us").value = 100000
+        taken = []
+        threads = [threading.Thread(target=live.pop, args=(i,)) for i in range(3)]
+        threads.append(threading.Thread(target=lambda: taken.append(_C.host_alloc(MiB, 0, True))))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        got = [freed[i] for i in range(frees.value)]
+        assert len(got) == len(set(got)), got                      # none freed twice
+        assert taken[0].ptr not in got                             # nor handed out while freed
+        reused = taken[0].ptr in first
+        assert _C.host_pool()[1] + len(got) == 16 + 3 - reused, (_C.host_pool(), got, reused)
+        assert _C.host_pool()[1] <= 16
+        print("ok")
+    """, ATTNEXT_LIBCUDA=fake_libcuda["full"])
+    assert out.strip() == "ok"
