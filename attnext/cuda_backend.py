@@ -69,7 +69,7 @@ _info_cache = {}
 
 # freed device memory the default pool keeps reserved at a synchronisation (the driver's default
 # is none): a NumPy call synchronises at its end, and its next call would map its buffers again
-POOL_KEEP_BYTES = int(os.environ.get("ATTNEXT_POOL_KEEP_BYTES", 1 << 30))
+POOL_KEEP_BYTES = int(os.environ.get("ATTNEXT_POOL_KEEP_BYTES") or 1 << 30)
 
 
 def device_info(device):
@@ -77,7 +77,7 @@ def device_info(device):
     if device not in _info_cache:
         info = _C.cuda_info(device)
         try:
-            _C.mem_pool_keep(POOL_KEEP_BYTES, device)
+            _C.mem_pool_keep(max(0, POOL_KEEP_BYTES), device)
         except RuntimeError:
             pass            # a driver that refuses it: memory goes back at each sync, as before
         _info_cache[device] = info

@@ -286,16 +286,19 @@ def nvrtc_fingerprint(candidates):
     return hashlib.sha256(repr(parts).encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _loaded_nvrtc_file():
-    """The real path of the libnvrtc.so this process mapped, or None."""
+def _loaded_nvrtc_file(loaded):
+    """The real path of the library nvrtc_load loaded (`loaded`: the candidate it took, a path,
+    or a soname the dynamic loader resolved: found in /proc/self/maps), or None."""
+    if "/" in loaded:
+        return os.path.realpath(loaded)
     try:
         with open("/proc/self/maps") as f:
             for line in f:
-                path = line.split(None, 5)[5].strip() if line.count(" ") >= 5 else ""
-                name = os.path.basename(path)
-                if name.startswith("libnvrtc.so"):
+                parts = line.split(None, 5)
+                path = parts[5].strip() if len(parts) == 6 else ""
+                if os.path.basename(path).startswith(loaded):
                     return os.path.realpath(path)
-    except (OSError, IndexError):
+    except OSError:
         pass
     return None
 
@@ -321,12 +324,13 @@ def _recorded_version(fingerprint):
     return None
 
 
-def _write_record(fingerprint, version):
-    path, library = _record_path(), _loaded_nvrtc_file()
-    if path is None or library is None:
-        return
+def _write_record(fingerprint, version, loaded):
+    path, library = _record_path(), _loaded_nvrtc_file(loaded)
+    library_id = None if library is None else _file_id(library)
+    if path is None or library_id is None:
+        return                      # nothing to check the record against: none written
     rec = dict(fingerprint=fingerprint, version=list(version), library=library,
-               library_id=list(_file_id(library) or ()))
+               library_id=list(library_id))
     write_small_file(path, json.dumps(rec).encode())
 
 
@@ -337,11 +341,11 @@ def nvrtc():
     with _nvrtc_lock:
         if not _nvrtc_loaded:
             candidates = nvrtc_candidates()
-            _C.nvrtc_load(candidates)
+            loaded = _C.nvrtc_load(candidates)
             _nvrtc_loaded = True
             version = tuple(_C.nvrtc_version())
             if version != _nvrtc_version:
-                _write_record(nvrtc_fingerprint(candidates), version)
+                _write_record(nvrtc_fingerprint(candidates), version, loaded)
             _nvrtc_version = version
         return _nvrtc_version
 
@@ -361,9 +365,20 @@ def nvrtc_version():
     return nvrtc()
 
 
-def _compile(*args):
-    nvrtc()
-    return _C.nvrtc_compile(*args)
+class _StaleVersion(Exception):
+    """The record named another NVRTC than the one that loaded to compile: the cache key was
+    computed with the wrong version (cubin() computes it again)."""
+
+
+_keyed = threading.local()      # .version: the NVRTC version of the key cubin() asks for
+
+
+def _compile(source, filename, options, headers):
+    """CubinCache's compiler (in the thread of the cubin() that missed): loads NVRTC first."""
+    keyed = getattr(_keyed, "version", None)
+    if nvrtc() != keyed and keyed is not None:
+        raise _StaleVersion
+    return _C.nvrtc_compile(source, filename, options, headers)
 
 
 def _cache():
@@ -383,8 +398,15 @@ def compile_args(kernel, defines, arch, generated=None):
 def cubin(kernel, defines, arch, generated=None):
     """The compiled cubin of kernels/<kernel>.cu with these defines for arch (cached);
     generated: the generated score_mod / mask_mod header's source, or None."""
-    version = nvrtc_version()
-    return _cache().get(*compile_args(kernel, defines, arch, generated), arch, ".".join(map(str, version)))
+    args = compile_args(kernel, defines, arch, generated)
+    while True:
+        _keyed.version = nvrtc_version()
+        try:
+            return _cache().get(*args, arch, ".".join(map(str, _keyed.version)))
+        except _StaleVersion:       # the record was stale: nvrtc() loaded another version
+            continue                # and rewrote it; the key again, with the loaded one
+        finally:
+            _keyed.version = None
 
 
 def cache_info():
@@ -432,7 +454,7 @@ def prefetch(specs, arch, device):
     whose modules are all loaded (new shapes of known kernels) starts no thread."""
     modules = {}
     for kernel, name, defines, generated in specs:
-        if _loaded.get(_function_key(kernel, name, defines, generated)):
+        if _loaded.get(_function_key(kernel, name, defines, generated, device)):
             continue
         k, d, g = module_for(kernel, name, defines, generated, arch)
         mkey = (k, tuple(sorted(d.items())), g, device, arch)
@@ -458,12 +480,12 @@ def _load_module(mkey, kernel, defines, generated, device, arch):
 
 _functions = LRU(64)       # (kernel, name, defines, device, arch, smem, generated) -> function
 _modules = LRU(64)         # (kernel, defines, generated, device, arch) -> loaded module
-_loaded = LRU(256)         # (kernel, name, defines, generated) -> True: loaded on some device
+_loaded = LRU(256)         # (kernel, name, defines, generated, device) -> True: loaded there
 _functions_lock = threading.Lock()
 
 
-def _function_key(kernel, name, defines, generated):
-    return kernel, name, tuple(sorted(defines.items())), generated
+def _function_key(kernel, name, defines, generated, device):
+    return kernel, name, tuple(sorted(defines.items())), generated, device
 
 
 def function(kernel, name, defines, device, arch, smem, generated=None):
@@ -479,7 +501,7 @@ def function(kernel, name, defines, device, arch, smem, generated=None):
         fn = _C.module_function(module, name, smem)
         with _functions_lock:
             _functions.put(key, fn)
-            _loaded.put(_function_key(kernel, name, defines, generated), True)
+            _loaded.put(_function_key(kernel, name, defines, generated, device), True)
     return fn
 
 

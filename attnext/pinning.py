@@ -110,9 +110,12 @@ def unions(spans, page=PAGE):
 
 
 def cut(lo, hi, piece, page=PAGE):
-    """A page-aligned [lo, hi) as consecutive pieces of at most `piece` bytes (whole pages)."""
+    """A page-aligned [lo, hi) as consecutive pieces of at most `piece` bytes (whole pages), cut
+    at the multiples of that size in the address space: any range inside a registered union is
+    cut at the same places as the union was (a view of a kept array finds whole pieces)."""
     step = max(page, piece // page * page)
-    return [(p, min(p + step, hi)) for p in range(lo, hi, step)]
+    edges = [lo] + list(range((lo // step + 1) * step, hi, step)) + [hi]
+    return [(a, b) for a, b in zip(edges, edges[1:]) if a < b]
 
 
 def cover(lo, hi, pieces):
@@ -154,6 +157,15 @@ def _acquire(lo, hi, device, read_only, probe):
     (perhaps still pending: the user waits for entry.done, never a pool thread), (None, FOREIGN)
     the caller's own pinned memory, or (None, REFUSED): its bytes go through the rings.
     probe: the first and last data bytes of the piece, for the caller-pinned check."""
+    entry = _Entry(lo, hi, device, read_only)     # made before the lock: see _owner_gone
+    try:
+        return _acquire_as(entry, probe)
+    finally:
+        _drain()
+
+
+def _acquire_as(entry, probe):
+    lo, hi, device, read_only = entry.lo, entry.hi, entry.device, entry.read_only
     with _table_lock:
         for e in _table:
             if e.lo < hi and lo < e.hi:
@@ -162,7 +174,6 @@ def _acquire(lo, hi, device, read_only, probe):
                     e.users += 1
                     return e, SHARED
                 return None, REFUSED
-        entry = _Entry(lo, hi, device, read_only)
         _table.append(entry)
     try:
         ok = _C.host_register(lo, hi - lo, device, read_only)
@@ -190,6 +201,13 @@ def _pinned(probe, device):
 def _release(entry):
     """One user fewer; the last one unregisters (the entry stays in the table, CLOSING, until
     the driver has let go, so no call mistakes the range for the caller's own meanwhile)."""
+    try:
+        _release_one(entry)
+    finally:
+        _drain()
+
+
+def _release_one(entry):
     with _table_lock:
         entry.users -= 1
         if entry.users:
@@ -211,11 +229,12 @@ def registered():
 def forget_after_fork():
     """A forked child holds none of its parent's registrations (its owners' finalizers then
     find nothing to give back)."""
-    global _table_lock, _table, _kept_lock, _kept, _kept_ids, _kept_bytes, _seen
+    global _table_lock, _table, _kept_lock, _kept, _kept_ids, _kept_bytes, _seen, _orphans
     _table_lock = threading.Lock()
     _table = []
     _kept_lock = threading.RLock()
     _kept, _kept_ids, _kept_bytes, _seen = collections.OrderedDict(), set(), 0, collections.OrderedDict()
+    _orphans = []
 
 
 _read_only_ok = {}         # device -> whether it takes CU_MEMHOSTREGISTER_READ_ONLY
@@ -274,6 +293,8 @@ class Pins:
         spans = []               # (lo, hi, written, order of first use)
         resident = []            # byte ranges inside attnext's PinnedBuffers
         self.keep = []           # (lo, hi, owner) of inputs whose registrations stay after
+        owners = set()           # id() of the owners noted in this call (q, k, v of one buffer)
+        _drain()
         for i, (a, written) in enumerate([(a, False) for a in inputs] + [(a, True) for a in outputs]):
             if a is None or not a.flags.c_contiguous or a.nbytes == 0:
                 continue
@@ -284,8 +305,10 @@ class Pins:
             if a.nbytes < MIN_BYTES:
                 continue
             spans.append(byte_range(a) + (written, i))
-            if not written and isinstance(owner, np.ndarray) and _seen_before(owner):
-                self.keep.append(unions([byte_range(owner)])[0] + (owner,))
+            if not written and isinstance(owner, np.ndarray) and id(owner) not in owners:
+                owners.add(id(owner))
+                if _seen_before(owner):
+                    self.keep.append(unions([byte_range(owner)])[0] + (owner,))
         self.resident = [Piece(lo, hi, True, _SETTLED) for lo, hi in unions(resident)]
         read_only = read_only_supported(device) if spans else False
         self.plan = []           # (first use, lo, hi, written, probe)
@@ -357,12 +380,13 @@ def root(a):
 
 
 class _Kept:
-    """One owner's registrations kept after the calls that made them."""
+    """One owner's registrations kept after the calls that made them, and the finalizer that
+    gives them back when the owner goes."""
 
-    __slots__ = ("entries", "nbytes")
+    __slots__ = ("entries", "nbytes", "finalizer")
 
     def __init__(self):
-        self.entries, self.nbytes = [], 0
+        self.entries, self.nbytes, self.finalizer = [], 0, None
 
 
 _kept_lock = threading.RLock()     # a finalizer may run inside code that holds it
@@ -370,6 +394,7 @@ _kept = collections.OrderedDict()  # id(owner) -> _Kept, least recently used fir
 _kept_ids = set()                  # id() of the table entries _kept holds
 _kept_bytes = 0
 _seen = collections.OrderedDict()  # id(owner) -> weakref to it, SEEN at most
+_orphans = []                      # entries of owners gone while the table lock was taken
 
 
 def _seen_before(owner):
@@ -400,15 +425,36 @@ def _forget(key):
         _kept_bytes -= kept.nbytes
         for e in kept.entries:
             _kept_ids.discard(id(e))
+        if kept.finalizer is not None:
+            kept.finalizer.detach()
         return kept.entries
 
 
 def _owner_gone(key):
-    """The owner's finalizer: its registrations go before NumPy frees the data."""
-    try:
-        release_entries(_forget(key))
-    except RuntimeError:
-        pass            # a faulted or torn-down context: nothing left to give back
+    """The owner's finalizer: its registrations go before NumPy frees the data, unless this
+    thread is inside a section that holds the table's lock (the garbage collector may run a
+    finalizer at any allocation): then as soon as that section ends (_drain). The pages stay
+    locked by the driver until then, so the DMA never meets freed memory; a new array at those
+    addresses meanwhile is refused registration (overlap) and goes through the rings."""
+    _orphans.extend(_forget(key))
+    _drain()
+
+
+def _drain():
+    """Gives back the entries of owners that went while the table's lock was taken; a no-op
+    while some thread holds it (that one drains when it is done)."""
+    while _orphans:
+        if not _table_lock.acquire(blocking=False):
+            return
+        _table_lock.release()
+        try:
+            entry = _orphans.pop()
+        except IndexError:
+            return
+        try:
+            _release_one(entry)
+        except RuntimeError:
+            pass        # a faulted or torn-down context: nothing left to give back
 
 
 def _to_give_back(held, keep):
@@ -422,21 +468,28 @@ def _to_give_back(held, keep):
             if pair is None:
                 continue
             entry, how = pair
-            owner = next((o for lo, hi, o in keep if lo <= entry.lo and entry.hi <= hi), None)
-            if how != OWN or owner is None or id(entry) in _kept_ids or KEEP_BYTES <= 0:
+            span = next(((lo, hi, o) for lo, hi, o in keep if lo <= entry.lo and entry.hi <= hi), None)
+            if how != OWN or span is None or id(entry) in _kept_ids or span[1] - span[0] > KEEP_BYTES:
                 out.append(entry)
                 continue
+            owner = span[2]
             key = id(owner)
             kept = _kept.get(key)
             if kept is None:
                 kept = _kept[key] = _Kept()
-                weakref.finalize(owner, _owner_gone, key).atexit = False
+                kept.finalizer = weakref.finalize(owner, _owner_gone, key)
+                kept.finalizer.atexit = False
             kept.entries.append(entry)
             kept.nbytes += entry.hi - entry.lo
             _kept_bytes += entry.hi - entry.lo
             _kept_ids.add(id(entry))
             _kept.move_to_end(key)
-        while _kept_bytes > KEEP_BYTES and _kept:
+        current = {id(o) for _, _, o in keep}
+        for key in [k for k in _kept if k not in current]:      # least recently used first
+            if _kept_bytes <= KEEP_BYTES:
+                break
+            evicted += _forget(key)
+        while _kept_bytes > KEEP_BYTES and _kept:               # this call's own owners last
             evicted += _forget(next(iter(_kept)))
     return out + evicted
 

@@ -274,7 +274,9 @@ def _forget_after_fork():
 
 atexit.register(reset)
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_after_fork)
+    # kept registrations go before a fork: on kernels before 5.9 a forked child made the
+    # parent's pinned pages copy-on-write, and the parent's next write would miss the DMA's pages
+    os.register_at_fork(before=pinning.forget_kept, after_in_child=_forget_after_fork)
 
 
 def _wait(futures):

@@ -107,7 +107,8 @@ enum { NVRTC_SUCCESS = 0, NVRTC_ERROR_COMPILATION = 6 };
                        void **params, void **extra))                                           \
     X(cuMemAllocAsync, (CUdeviceptr *ptr, size_t bytes, CUstream stream))                      \
     X(cuMemFreeAsync, (CUdeviceptr ptr, CUstream stream))                                      \
-    X(cuDeviceGetDefaultMemPool, (CUmemoryPool *pool, CUdevice device))                       \
+    X(cuDeviceGetMemPool, (CUmemoryPool *pool, CUdevice device))                              \
+    X(cuMemPoolGetAttribute, (CUmemoryPool pool, int attribute, void *value))                 \
     X(cuMemPoolSetAttribute, (CUmemoryPool pool, int attribute, void *value))                 \
     X(cuMemAlloc_v2, (CUdeviceptr *ptr, size_t bytes))                                         \
     X(cuMemFree_v2, (CUdeviceptr ptr))                                                         \

@@ -544,10 +544,11 @@ static PyObject *c_mem_alloc(PyObject *module, PyObject *args)
     return PyLong_FromUnsignedLongLong(ptr);
 }
 
-/* mem_pool_keep(nbytes, device=0): the device's default memory pool (what mem_alloc takes from)
- * keeps up to nbytes of freed memory reserved when a stream or the context synchronises, rather
- * than giving it all back to the driver (the default, 0): a NumPy call synchronises at its end,
- * and the next one would map its buffers again. False where the device has no pools. */
+/* mem_pool_keep(nbytes, device=0): the device's current memory pool (what mem_alloc takes from)
+ * keeps at least nbytes of freed memory reserved when a stream or the context synchronises,
+ * rather than giving it all back to the driver (the default, 0): a NumPy call synchronises at its
+ * end, and the next one would map its buffers again. Only ever raised (another library's larger
+ * setting stays). False where the device has no pools. */
 static PyObject *c_mem_pool_keep(PyObject *module, PyObject *args)
 {
     Py_ssize_t nbytes;
@@ -562,9 +563,12 @@ static PyObject *c_mem_pool_keep(PyObject *module, PyObject *args)
         Py_RETURN_FALSE;
     if (cuda_device_handle(device, &dev) || cuda_device_enter(device))
         return NULL;
-    keep = (unsigned long long)nbytes;
-    CU_CHECK(cuDeviceGetDefaultMemPool, &pool, dev);
-    CU_CHECK(cuMemPoolSetAttribute, pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &keep);
+    CU_CHECK(cuDeviceGetMemPool, &pool, dev);
+    CU_CHECK(cuMemPoolGetAttribute, pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &keep);
+    if (keep < (unsigned long long)nbytes) {
+        keep = (unsigned long long)nbytes;
+        CU_CHECK(cuMemPoolSetAttribute, pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &keep);
+    }
     Py_RETURN_TRUE;
 fail:
     return NULL;
@@ -1402,9 +1406,9 @@ PyMethodDef attnext_cuda_methods[] = {
      "bytes, /) -> None: params are the bytes of the kernel's ONE by-value struct parameter "
      "(b\"\" for a kernel without parameters); their size is not checked."},
     {"mem_pool_keep", c_mem_pool_keep, METH_VARARGS,
-     "mem_pool_keep(nbytes, device=0) -> bool: the default memory pool keeps up to nbytes of "
-     "freed memory at a synchronisation (cuMemPoolSetAttribute RELEASE_THRESHOLD); False without "
-     "memory pools."},
+     "mem_pool_keep(nbytes, device=0) -> bool: the device's current memory pool keeps at least "
+     "nbytes of freed memory at a synchronisation (its RELEASE_THRESHOLD, only ever raised); False "
+     "without memory pools."},
     {"mem_alloc", c_mem_alloc, METH_VARARGS,
      "mem_alloc(nbytes: int, stream: int, device: int = 0, /) -> int: device memory ordered on "
      "stream (cuMemAllocAsync; cuMemAlloc on devices without memory pools). 0 for 0 bytes. "

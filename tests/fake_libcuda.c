@@ -7,8 +7,8 @@
  * cuMemAllocAsync. Counters the tests read through ctypes: `waits` (cuStreamWaitEvent),
  * `launches` (cuLaunchKernel), `allocs` and `frees` (device memory), `host_allocs` and
  * `host_frees` (cuMemHostAlloc, cuMemFreeHost; `freed_ptrs` the last 1024 freed, and setting
- * `slow_free_us` makes each cuMemFreeHost sleep that long), `pool_threshold` (the default pool's release
- * threshold, -1 until set), `registered` (host ranges
+ * `slow_free_us` makes each cuMemFreeHost sleep that long), `pool_threshold` (the memory pool's release
+ * threshold), `registered` (host ranges
  * registered now) and `registrations` (cuMemHostRegister calls that succeeded); setting
  * `register_error` makes every cuMemHostRegister fail with that code. With `record` set, each
  * launch is copied into `last_launch`, its argument read as the attn_params attnext's attention
@@ -119,8 +119,15 @@ int cuMemAllocAsync(ptr_t *p, size_t n, void *s)
 }
 #endif
 int cuMemFreeAsync(ptr_t p, void *s) { frees++; fake_free(p); return OK; }
-long long pool_threshold = -1;
-int cuDeviceGetDefaultMemPool(void **pool, int d) { *pool = (void *)0x900d; return OK; }
+long long pool_threshold = 0;
+int cuDeviceGetMemPool(void **pool, int d) { *pool = (void *)0x900d; return OK; }
+int cuMemPoolGetAttribute(void *pool, int attr, void *value)
+{
+    if (pool != (void *)0x900d || attr != 4)
+        return INVALID_VALUE;
+    *(unsigned long long *)value = (unsigned long long)pool_threshold;
+    return OK;
+}
 int cuMemPoolSetAttribute(void *pool, int attr, void *value)
 {
     if (pool != (void *)0x900d || attr != 4)

@@ -255,3 +255,23 @@ def test_an_entry_point_compiles_alone_until_its_whole_file_is_cached(tmp_path, 
     assert kernels.module_for("attn_fwd", "attn_fwd_combine", plain, None, "sm_80")[1] == plain
     monkeypatch.setattr(kernels, "_cubins", CubinCache(kernels._compile, cache_dir=tmp_path))
     assert kernels.module_for("attn_fwd", "attn_fwd_combine", plain, None, "sm_80")[1] == plain  # disk
+
+
+def test_a_stale_nvrtc_record_never_keys_a_compile(tmp_path):
+    """A record that names another NVRTC version than the one that loads (a soname resolved
+    differently) keys no cubin: the compile that loads NVRTC finds the version changed, and the
+    cubin is stored under the loaded version's key; the record is written again."""
+    if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
+        pytest.skip("ATTNEXT_NO_NVRTC=1")
+    import json
+    cold = _fresh(tmp_path)
+    record = tmp_path / kernels.NVRTC_RECORD
+    rec = json.loads(record.read_text())
+    for entry in (tmp_path / "v1").iterdir():
+        entry.unlink()                                  # the cubin must be compiled again
+    record.write_text(json.dumps({**rec, "version": [1, 0]}))
+    again = _fresh(tmp_path)
+    assert again["loaded"] and again["version"] == cold["version"]
+    assert again["info"]["compiles"] == 1 and json.loads(record.read_text()) == rec
+    warm = _fresh(tmp_path)                               # found under the loaded version's key
+    assert not warm["loaded"] and warm["info"]["disk_hits"] == 1 and warm["info"]["compiles"] == 0

@@ -35,6 +35,10 @@ def test_cut_in_whole_pages():
     assert pinning.cut(0, 5 * PAGE, 2 * PAGE) == [(0, 2 * PAGE), (2 * PAGE, 4 * PAGE), (4 * PAGE, 5 * PAGE)]
     assert pinning.cut(PAGE, 2 * PAGE, 10) == [(PAGE, 2 * PAGE)]       # never below a page
     assert pinning.cut(0, 3 * PAGE, 3 * PAGE + 5) == [(0, 3 * PAGE)]
+    # cut at the multiples of the piece size: a range inside a union is cut where the union was
+    assert pinning.cut(PAGE, 6 * PAGE, 2 * PAGE) == [(PAGE, 2 * PAGE), (2 * PAGE, 4 * PAGE),
+                                                     (4 * PAGE, 6 * PAGE)]
+    assert pinning.cut(3 * PAGE, 5 * PAGE, 2 * PAGE) == [(3 * PAGE, 4 * PAGE), (4 * PAGE, 5 * PAGE)]
 
 
 def test_cover_splits_at_pieces_and_finds_gaps():
@@ -137,8 +141,8 @@ def test_ring_mode_registers_nothing(pins, rng, monkeypatch):
 
 @pytest.fixture
 def kept(pins, monkeypatch):
-    """pins, with the registrations of inputs seen again kept (up to 64 pages)."""
-    monkeypatch.setattr(pinning, "KEEP_BYTES", 64 * PAGE)
+    """pins, with the registrations of inputs seen again kept (up to 128 pages)."""
+    monkeypatch.setattr(pinning, "KEEP_BYTES", 128 * PAGE)
     yield pins
     pinning.forget_kept()
 
@@ -148,17 +152,38 @@ def _registered_in(fake, a):
     return [r for r in fake.registered if lo <= r[0] and r[1] <= hi]
 
 
-def test_an_input_seen_again_keeps_its_registration(kept, rng):
+def _spy_acquire(monkeypatch):
+    """The `how` of every piece a call acquires."""
+    seen = []
+    acquire = pinning._acquire
+
+    def spy(*args):
+        entry, how = acquire(*args)
+        seen.append(how)
+        return entry, how
+    monkeypatch.setattr(pinning, "_acquire", spy)
+    return seen
+
+
+def test_an_input_seen_again_keeps_its_registration(kept, rng, monkeypatch):
     """The first call with an array registers and releases its memory; a later call with the
     same owner keeps its registration, and the calls after it register nothing and DMA straight
-    from it (a view of it too); the registration goes when the owner is deallocated."""
-    a = _random(rng, (9, 7001), np.float32)
+    from it (a view of it at another page offset too: every piece SHARED); the registration goes
+    when the owner is deallocated."""
+    a = _own_pages((9, 7001), np.float32)          # page-aligned: a[2:] starts mid-piece
+    a[...] = _random(rng, (9, 7001), np.float32)
+    hows = _spy_acquire(monkeypatch)
     for i in range(4):
         before, dma = kept.registrations, kept.dma["htod"]
         x = a if i < 3 else a[2:]
+        hows.clear()
         base, got = _through(x, _own_pages(x.shape, x.dtype))
         np.testing.assert_array_equal(got, base)
         assert kept.dma["htod"] > dma
+        assert pinning.REFUSED not in hows, (i, hows)
+        if i >= 2:
+            inputs = len(pinning.cut(*pinning.unions([pinning.byte_range(x)])[0], pinning.PIECE_BYTES))
+            assert hows.count(pinning.SHARED) == inputs, (i, hows)
         if i == 0:
             assert kept.registrations > before and _registered_in(kept, a) == []
         elif i == 1:
@@ -170,6 +195,78 @@ def test_an_input_seen_again_keeps_its_registration(kept, rng):
     assert [r for r in kept.registered if not _registered_in(kept, a).count(r)] == []
     del a, x, base
     assert kept.registered == [] and pinning.kept_bytes() == 0
+
+
+def test_views_of_one_owner_in_a_first_call_are_not_kept(kept, rng):
+    """q, k, v as views of one packed buffer: the first call sees the owner once, not thrice."""
+    qkv = _random(rng, (3, 9, 7001), np.float32)
+    q, k, v = qkv
+    with staging.Staging(0, 0) as stage:
+        stage.pin([q, k, v], [])
+        for x in (q, k, v):
+            stage.upload(x)
+    assert pinning.kept_bytes() == 0 and _registered_in(kept, qkv) == []
+    del q, k, v
+
+
+def test_an_owner_evicted_and_kept_again_leaves_no_finalizer_behind(kept, rng, monkeypatch):
+    """An owner past KEEP_BYTES is never kept; owners evicted for others give their finalizers
+    back (a call after call that keeps and evicts them grows nothing)."""
+    import weakref
+    a = _random(rng, (9, 7001), np.float32)
+    monkeypatch.setattr(pinning, "KEEP_BYTES", PAGE)
+    for _ in range(3):
+        _through(a, _own_pages(a.shape, a.dtype))
+    assert pinning.kept_bytes() == 0 and _registered_in(kept, a) == []
+    monkeypatch.setattr(pinning, "KEEP_BYTES", a.nbytes + 2 * PAGE)    # room for one owner
+    b = _random(rng, (9, 7001), np.float32)
+    start = len(weakref.finalize._registry)
+    for _ in range(6):
+        for x in (a, b):
+            _through(x, _own_pages(x.shape, x.dtype))
+    assert len(weakref.finalize._registry) <= start + 1
+    assert pinning.kept_bytes() <= pinning.KEEP_BYTES
+
+
+_GC_IN_ACQUIRE = r"""
+import faulthandler, gc, sys
+import numpy as np
+from attnext import _C, pinning
+_C.host_register = lambda lo, n, dev=0, ro=False: True
+_C.host_unregister = lambda lo, dev=0: None
+k = int(sys.argv[1])
+gc.disable()
+owner = np.zeros(1 << 16, np.uint8)
+lo, hi = pinning.unions([pinning.byte_range(owner)])[0]
+entry, how = pinning._acquire(lo, hi, 0, False, (lo, hi - 1))
+pinning._to_give_back([(entry, how)], [(lo, hi, owner)])
+cycle = [owner]
+cycle.append(cycle)                    # only the collector frees the owner
+del owner, cycle, entry
+other = np.zeros(1 << 16, np.uint8)
+olo, ohi = pinning.unions([pinning.byte_range(other)])[0]
+faulthandler.dump_traceback_later(20, exit=True)
+gc.set_threshold(gc.get_count()[0] + k)
+gc.enable()
+pinning._acquire(olo, ohi, 0, False, (olo, ohi - 1))
+faulthandler.cancel_dump_traceback_later()
+gc.collect()
+pinning._drain()
+print(pinning.kept_bytes(), len(pinning.registered()))
+"""
+
+
+@pytest.mark.parametrize("k", range(1, 6))
+def test_a_kept_owner_collected_inside_the_table_lock_does_not_deadlock(k):
+    """The garbage collector may run a kept owner's finalizer at any allocation, also inside
+    a section that holds the table's lock: its registration is given back after that section
+    (the k-th allocation triggers the collection)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _GC_IN_ACQUIRE, str(k)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["0", "1"], r.stdout      # the owner's entry gone, other's held
 
 
 def test_kept_registrations_stay_under_their_bound(kept, rng, monkeypatch):
