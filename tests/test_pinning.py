@@ -6,7 +6,6 @@ of attnext._C (late DMAs, which assert that the memory they read or write is sti
 when they run), its host_register refusing overlapping ranges as the driver does. With
 `-m gpu`: ring and register give the same bits on a real device.
 """
-import mmap
 
 import numpy as np
 import pytest
