@@ -664,6 +664,21 @@ def _numpy_to_bf16(a, device):
     return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16).to(device)
 
 
+def pinned_copies(bytes_in, bytes_out, device):
+    """The NumPy rows' floor: a function that copies bytes_in from pinned host memory to the
+    device and bytes_out back, one after the other on torch's current stream (time it with a
+    synchronisation after it: Run.wall_median)."""
+    import torch
+    host_in, host_out = (torch.empty(n, dtype=torch.uint8, pin_memory=True)
+                         for n in (bytes_in, bytes_out))
+    dev_in, dev_out = (torch.empty(n, dtype=torch.uint8, device=device) for n in (bytes_in, bytes_out))
+
+    def copies():
+        dev_in.copy_(host_in, non_blocking=True)
+        host_out.copy_(dev_out, non_blocking=True)
+    return copies
+
+
 def numpy_row(run, case, case_s_start):
     """attnext on host NumPy arrays (copies in and out included) against the pinned-copy floor."""
     import torch
@@ -680,15 +695,7 @@ def numpy_row(run, case, case_s_start):
     bytes_in, bytes_out = q.nbytes + k.nbytes + v.nbytes, q.nbytes
     floor_ms, floor_reason = None, None
     try:
-        host_in, host_out = (torch.empty(n, dtype=torch.uint8, pin_memory=True)
-                             for n in (bytes_in, bytes_out))
-        dev_in, dev_out = (torch.empty(n, dtype=torch.uint8, device=run.device)
-                           for n in (bytes_in, bytes_out))
-
-        def copies():
-            dev_in.copy_(host_in, non_blocking=True)
-            host_out.copy_(dev_out, non_blocking=True)
-            run.sync()
+        copies = pinned_copies(bytes_in, bytes_out, run.device)
         copies()
         floor_ms = run.wall_median(copies)
     except Exception as e:

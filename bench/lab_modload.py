@@ -28,6 +28,16 @@ def ms(fn, reps=3):
     return min(best)
 
 
+def loads(cubins, label):
+    """Each cubin loaded (its best of 3), one after another."""
+    total = 0.0
+    for c in cubins:
+        t = ms(lambda: _C.module_load(c, 0))
+        total += t
+        print(f"  {label}load {len(c) / 1024:7.0f} KiB: {t:6.2f} ms", flush=True)
+    print(f"  {label}serial total {total:.1f} ms")
+
+
 def main():
     case = bench_mods.mod_case("relbias")
     kw = dict(bench_mods.attnext_mods(case), device="cuda")
@@ -41,12 +51,7 @@ def main():
     for path in sorted(glob.glob(os.path.join(folder, "*.cubin"))):
         key = os.path.basename(path)[:-6]
         cubins.append(kernel_cache.decode_entry(key, open(path, "rb").read()))
-    total = 0.0
-    for c in cubins:
-        t = ms(lambda: _C.module_load(c, 0))
-        total += t
-        print(f"  load {len(c) / 1024:7.0f} KiB: {t:6.2f} ms", flush=True)
-    print(f"  serial total {total:.1f} ms")
+    loads(cubins, "")
     with concurrent.futures.ThreadPoolExecutor(len(cubins)) as pool:
         t = ms(lambda: list(pool.map(lambda c: _C.module_load(c, 0), cubins)))
     print(f"  all in {len(cubins)} threads: {t:.1f} ms", flush=True)
@@ -62,12 +67,7 @@ def main():
     out, lse = attnext.attention(q, k, v, return_lse=True, **kw)
     attnext.attention_backward(dout, q, k, v, out, lse, **kw)
     _C.module_load = load
-    total = 0.0
-    for c in seen:
-        t = ms(lambda: _C.module_load(c, 0))
-        total += t
-        print(f"  no lineinfo: load {len(c) / 1024:7.0f} KiB: {t:6.2f} ms", flush=True)
-    print(f"  no lineinfo: serial total {total:.1f} ms")
+    loads(seen, "no lineinfo: ")
 
 
 if __name__ == "__main__":

@@ -21,20 +21,17 @@ import torch
 
 import attnext
 from attnext import _C, pinning
+from attnext.bench_cuda import Run, pinned_copies
 
 CASES = ((8, 2048, 16, 128, False), (2, 8192, 16, 128, True))
 REPS = 10
 
 
 def floor_ms(nin, nout):
-    host_in, host_out = (torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in (nin, nout))
-    dev_in, dev_out = (torch.empty(n, dtype=torch.uint8, device="cuda") for n in (nin, nout))
-
-    def copies():
-        dev_in.copy_(host_in, non_blocking=True)
-        host_out.copy_(dev_out, non_blocking=True)
-        torch.cuda.synchronize()
-    return timed(copies, lambda: None)
+    """bench_cuda's floor for these bytes."""
+    copies = pinned_copies(nin, nout, "cuda")
+    copies()
+    return Run("cuda", None, (), torch.cuda.synchronize).wall_median(copies, REPS)
 
 
 def timed(call, prepare, check=None):

@@ -19,21 +19,16 @@ import torch
 
 import attnext
 from attnext import _C, pinning
+from attnext.bench_cuda import Run, pinned_copies
 
 B, S, H, D = 8, 2048, 16, 128
 REPS = 10
 
 
 def median_ms(fn, reps=REPS):
+    """bench_cuda's wall-clock median after one call."""
     fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
+    return Run("cuda", None, (), torch.cuda.synchronize).wall_median(fn, reps)
 
 
 def pinned_like(a):
@@ -46,13 +41,7 @@ def main():
     rng = np.random.default_rng(1)
     q, k, v = (rng.standard_normal((B, S, H, D), np.float32).astype(ml_dtypes.bfloat16) for _ in range(3))
     nin, nout = 3 * q.nbytes, q.nbytes
-    host_in, host_out = (torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in (nin, nout))
-    dev_in, dev_out = (torch.empty(n, dtype=torch.uint8, device="cuda") for n in (nin, nout))
-
-    def floor():
-        dev_in.copy_(host_in, non_blocking=True)
-        host_out.copy_(dev_out, non_blocking=True)
-    t_floor = median_ms(floor)
+    t_floor = median_ms(pinned_copies(nin, nout, "cuda"))
     print(f"floor {t_floor:.3f} ms ({(nin + nout) / t_floor / 1e6:.1f} GB/s)", flush=True)
 
     want = attnext.attention(q, k, v, device="cuda")
