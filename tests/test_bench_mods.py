@@ -126,6 +126,7 @@ open(os.path.join(folder, "entry.cubin"), "w").write(case["kind"])
 print("some other output")
 print("attnext-first-call " + json.dumps({
     "fwd_s": 1.5 if cold else 0.01, "bwd_s": 2.5 if cold else 0.02, "compiles": 3 if cold else 0,
+    "fwd_again_s": 0.004, "bwd_again_s": 0.005,
     "compile_s": 1.0 if cold else 0.0, "disk_hits": 0 if cold else 3, "cache_dir": folder}))
 """
 
@@ -142,6 +143,7 @@ def test_first_call_cold_then_disk_in_fresh_processes(monkeypatch):
         assert row["attnext_status"] == "ok", row["attnext_reason"]
         assert (row["cold_fwd_s"], row["cold_bwd_s"]) == (1.5, 2.5)     # the folder was empty
         assert (row["disk_fwd_s"], row["disk_bwd_s"]) == (0.01, 0.02)   # the same, filled
+        assert (row["disk_fwd_again_s"], row["disk_bwd_again_s"]) == (0.004, 0.005)
         assert row["cold_cache_dir"] == row["disk_cache_dir"]
         assert row["cold_entries_after"] == 1 and row["disk_compiles"] == 0
         assert not os.path.exists(row["cold_cache_dir"])                # removed after
