@@ -21,14 +21,13 @@ device), the error record and the gradient accumulator -- travels with the call'
 the attn_mods_gpu bytes cuda_launch_attention copies into attn_params.
 """
 import math
-import os
 import threading
 import types
 
 import ml_dtypes
 import numpy as np
 
-from . import _C, band, bounds, codegen, device as _device, kernels, mod_arrays, mod_cache, staging, trace
+from . import _C, band, bounds, codegen, device as _device, kernels, mod_arrays, mod_cache, pinning, staging, trace
 from .devview import DevView
 from .kernel_cache import LRU
 from .staging import host_result, to_host  # noqa: F401  (api.py's: results, lengths)
@@ -67,9 +66,10 @@ def device_arch(device):
 _info_cache = {}
 
 
-# freed device memory the default pool keeps reserved at a synchronisation (the driver's default
-# is none): a NumPy call synchronises at its end, and its next call would map its buffers again
-POOL_KEEP_BYTES = int(os.environ.get("ATTNEXT_POOL_KEEP_BYTES") or 1 << 30)
+# freed device memory the device's current pool keeps reserved at a synchronisation, at least
+# (the driver's default is none): a NumPy call synchronises at its end, and its next call would
+# map its buffers again
+POOL_KEEP_BYTES = pinning.env_bytes("ATTNEXT_POOL_KEEP_BYTES", 1 << 30)
 
 
 def device_info(device):
@@ -77,7 +77,7 @@ def device_info(device):
     if device not in _info_cache:
         info = _C.cuda_info(device)
         try:
-            _C.mem_pool_keep(max(0, POOL_KEEP_BYTES), device)
+            _C.mem_pool_keep(POOL_KEEP_BYTES, device)
         except RuntimeError:
             pass            # a driver that refuses it: memory goes back at each sync, as before
         _info_cache[device] = info

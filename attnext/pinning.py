@@ -73,8 +73,23 @@ def physical_bytes():
         return 16 << 30
 
 
+def env_bytes(name, default):
+    """The byte count the environment variable `name` sets (default when unset or empty);
+    ValueError naming it for anything but a non-negative integer."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name} must be a number of bytes (a non-negative integer), got {text!r}")
+    return value
+
+
 # kept registrations at most (page-locked memory the system cannot swap out)
-KEEP_BYTES = int(os.environ.get("ATTNEXT_PIN_KEEP_BYTES", min(8 << 30, physical_bytes() // 8)))
+KEEP_BYTES = env_bytes("ATTNEXT_PIN_KEEP_BYTES", min(8 << 30, physical_bytes() // 8))
 SEEN = 64                  # owners remembered for the "seen in an earlier call" test
 PINNED_TYPES = (_C.PinnedBuffer,) if hasattr(_C, "PinnedBuffer") else ()   # attnext's own
 

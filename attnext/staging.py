@@ -411,8 +411,8 @@ def _download(ptr, dtype, dst, device, stream, after):
 # ---------------------------------------------------------------- results in pinned memory
 RESULT_MIN_BYTES = 1 << 20       # a smaller result is a plain np.empty
 # pooled results alive at once at most (the caller's to keep), and pinned blocks kept free
-RESULTS_MAX_BYTES = int(os.environ.get("ATTNEXT_PINNED_RESULTS_BYTES",
-                                       min(8 << 30, pinning.physical_bytes() // 8)))
+RESULTS_MAX_BYTES = pinning.env_bytes("ATTNEXT_PINNED_RESULTS_BYTES",
+                                      min(8 << 30, pinning.physical_bytes() // 8))
 POOL_FREE_BYTES = 1 << 30
 
 

@@ -30,6 +30,18 @@ def test_unions_widen_to_pages_and_merge_overlaps():
     assert pinning.unions([(0, 100), (0, 100), (10, 20), (5 * PAGE, 5 * PAGE)]) == [(0, PAGE)]
 
 
+def test_byte_counts_from_the_environment(monkeypatch):
+    monkeypatch.delenv("ATTNEXT_X_BYTES", raising=False)
+    assert pinning.env_bytes("ATTNEXT_X_BYTES", 7) == 7
+    for text, want in (("", 7), (" 0 ", 0), ("4096", 4096)):
+        monkeypatch.setenv("ATTNEXT_X_BYTES", text)
+        assert pinning.env_bytes("ATTNEXT_X_BYTES", 7) == want
+    for text in ("abc", "-1", "1.5"):
+        monkeypatch.setenv("ATTNEXT_X_BYTES", text)
+        with pytest.raises(ValueError, match=f"ATTNEXT_X_BYTES .*{text!r}"):
+            pinning.env_bytes("ATTNEXT_X_BYTES", 7)
+
+
 def test_cut_in_whole_pages():
     assert pinning.cut(0, 5 * PAGE, 2 * PAGE) == [(0, 2 * PAGE), (2 * PAGE, 4 * PAGE), (4 * PAGE, 5 * PAGE)]
     assert pinning.cut(PAGE, 2 * PAGE, 10) == [(PAGE, 2 * PAGE)]       # never below a page
