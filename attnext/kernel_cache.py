@@ -328,11 +328,6 @@ class CubinCache:
             self._memory.put(key, cubin)
             return cubin
 
-    def in_memory(self, source, filename, options, headers, arch, nvrtc_version):
-        """Whether get() of these inputs would be a memory hit (counts nothing)."""
-        key = self.key(source, filename, options, [tuple(h) for h in headers], arch, nvrtc_version)
-        return key in self._memory
-
     def has(self, source, filename, options, headers, arch, nvrtc_version):
         """Whether get() of these inputs would need no compile: in memory, or a file on disk
         (not read: a corrupt one is still recompiled by get())."""

@@ -410,10 +410,10 @@ def _download(ptr, dtype, dst, device, stream, after):
 
 # ---------------------------------------------------------------- results in pinned memory
 RESULT_MIN_BYTES = 1 << 20       # a smaller result is a plain np.empty
-# pooled results alive at once at most (the caller's to keep), and pinned blocks kept free
+# pooled results alive at once at most (the caller's to keep; the pool keeps up to 1 GiB of
+# free blocks: csrc/cuda_module.c, _C.host_pool)
 RESULTS_MAX_BYTES = pinning.env_bytes("ATTNEXT_PINNED_RESULTS_BYTES",
                                       min(8 << 30, pinning.physical_bytes() // 8))
-POOL_FREE_BYTES = 1 << 30
 
 
 def host_result(shape, dtype, device=0):
@@ -428,7 +428,6 @@ def host_result(shape, dtype, device=0):
     nbytes = count * dtype.itemsize
     if nbytes < RESULT_MIN_BYTES or dtype.hasobject:
         return np.empty(shape, dtype)
-    _pool_limit()
     if _C.host_pool()[2] + nbytes > RESULTS_MAX_BYTES:
         return np.empty(shape, dtype)
     try:
@@ -436,16 +435,6 @@ def host_result(shape, dtype, device=0):
     except (RuntimeError, MemoryError):
         return np.empty(shape, dtype)
     return np.frombuffer(buf, dtype, count).reshape(shape)
-
-
-_pool_set = False
-
-
-def _pool_limit():
-    global _pool_set
-    if not _pool_set:
-        _C.host_pool(POOL_FREE_BYTES)
-        _pool_set = True
 
 
 # ---------------------------------------------------------------- one call's traffic
