@@ -1,13 +1,13 @@
 """Kernel lab: the NumPy-in/NumPy-out forward as it ships (register staging, kept registrations,
 pooled pinned results) against the pinned-copy floor, per bench case, and where its time goes.
 
-    python bench/lab_numpy.py [--profile] [--slices]
+    python bench/lab_numpy.py [--profile] [--slices] [--calls]
 
 Rows per case: the same arrays every call (what bench_cuda's NumPy row times: the registrations
 are kept from the second call on), fresh copies of the inputs every call (made outside the
 timing: each call registers its inputs and gives them back), and ATTNEXT_STAGING=ring;
 --slices: the same arrays with batch slices of other sizes (cuda_backend.SLICE_BYTES). The
-first result of each row is checked against an earlier call's. --profile: cProfile of 10 same-array calls.
+first result of each row is checked against an earlier call's. --calls: each call's time, in order. --profile: cProfile of 10 same-array calls.
 """
 import cProfile
 import os
@@ -44,6 +44,8 @@ def timed(call, prepare, check=None):
         t0 = time.perf_counter()
         call(*(args or ()))
         times.append(time.perf_counter() - t0)
+    if "--calls" in sys.argv:
+        print("    calls (ms):", " ".join(f"{1e3 * t:.2f}" for t in times), flush=True)
     return 1e3 * float(np.median(times))
 
 

@@ -110,6 +110,7 @@ enum { NVRTC_SUCCESS = 0, NVRTC_ERROR_COMPILATION = 6 };
     X(cuDeviceGetMemPool, (CUmemoryPool *pool, CUdevice device))                              \
     X(cuMemPoolGetAttribute, (CUmemoryPool pool, int attribute, void *value))                 \
     X(cuMemPoolSetAttribute, (CUmemoryPool pool, int attribute, void *value))                 \
+    X(cuMemPoolTrimTo, (CUmemoryPool pool, size_t min_bytes_to_keep))                         \
     X(cuMemAlloc_v2, (CUdeviceptr *ptr, size_t bytes))                                         \
     X(cuMemFree_v2, (CUdeviceptr ptr))                                                         \
     X(cuMemcpyHtoDAsync_v2, (CUdeviceptr dst, const void *src, size_t bytes, CUstream stream)) \

@@ -574,6 +574,27 @@ fail:
     return NULL;
 }
 
+/* mem_pool_trim(device=0): the device's current memory pool gives back every freed byte it keeps
+ * (what mem_pool_keep lets it keep): a measure of free device memory then sees only memory in
+ * use. False where the device has no pools. */
+static PyObject *c_mem_pool_trim(PyObject *module, PyObject *args)
+{
+    int device = 0, pools;
+    CUdevice dev;
+    CUmemoryPool pool;
+    if (!PyArg_ParseTuple(args, "|i:mem_pool_trim", &device) || device_has_pools(device, &pools))
+        return NULL;
+    if (!pools)
+        Py_RETURN_FALSE;
+    if (cuda_device_handle(device, &dev) || cuda_device_enter(device))
+        return NULL;
+    CU_CHECK(cuDeviceGetMemPool, &pool, dev);
+    CU_CHECK(cuMemPoolTrimTo, pool, 0);
+    Py_RETURN_TRUE;
+fail:
+    return NULL;
+}
+
 static PyObject *c_mem_free(PyObject *module, PyObject *args)
 {
     CUdeviceptr ptr;
@@ -1409,6 +1430,9 @@ PyMethodDef attnext_cuda_methods[] = {
      "mem_pool_keep(nbytes, device=0) -> bool: the device's current memory pool keeps at least "
      "nbytes of freed memory at a synchronisation (its RELEASE_THRESHOLD, only ever raised); False "
      "without memory pools."},
+    {"mem_pool_trim", c_mem_pool_trim, METH_VARARGS,
+     "mem_pool_trim(device=0) -> bool: the device's current memory pool gives back the freed "
+     "memory it keeps (cuMemPoolTrimTo 0); False without memory pools."},
     {"mem_alloc", c_mem_alloc, METH_VARARGS,
      "mem_alloc(nbytes: int, stream: int, device: int = 0, /) -> int: device memory ordered on "
      "stream (cuMemAllocAsync; cuMemAlloc on devices without memory pools). 0 for 0 bytes. "

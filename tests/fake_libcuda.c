@@ -8,7 +8,7 @@
  * `launches` (cuLaunchKernel), `allocs` and `frees` (device memory), `host_allocs` and
  * `host_frees` (cuMemHostAlloc, cuMemFreeHost; `freed_ptrs` the last 1024 freed, and setting
  * `slow_free_us` makes each cuMemFreeHost sleep that long), `pool_threshold` (the memory pool's release
- * threshold), `registered` (host ranges
+ * threshold), `pool_trims` (cuMemPoolTrimTo calls), `registered` (host ranges
  * registered now) and `registrations` (cuMemHostRegister calls that succeeded); setting
  * `register_error` makes every cuMemHostRegister fail with that code. With `record` set, each
  * launch is copied into `last_launch`, its argument read as the attn_params attnext's attention
@@ -135,6 +135,8 @@ int cuMemPoolSetAttribute(void *pool, int attr, void *value)
     pool_threshold = (long long)*(unsigned long long *)value;
     return OK;
 }
+int pool_trims = 0;
+int cuMemPoolTrimTo(void *pool, size_t keep) { pool_trims++; return pool == (void *)0x900d && keep == 0 ? OK : INVALID_VALUE; }
 int cuMemAlloc_v2(ptr_t *p, size_t n) { allocs++; *p = fake_alloc(n); return OK; }
 int cuMemFree_v2(ptr_t p) { frees++; fake_free(p); return OK; }
 int cuMemcpyHtoDAsync_v2(ptr_t d, const void *s, size_t n, void *st) { memcpy((void *)d, s, n); return OK; }

@@ -741,7 +741,8 @@ def test_pinned_results_come_from_a_bounded_pool(fake_libcuda):
 def test_the_default_pool_keeps_freed_memory_at_a_sync(fake_libcuda):
     """A device's first use raises its memory pool's release threshold to POOL_KEEP_BYTES
     (ATTNEXT_POOL_KEEP_BYTES), so a synchronising call does not map its buffers again; a larger
-    one (another library's) stays."""
+    one (another library's) stays. mem_pool_trim gives the kept memory back now (the threshold
+    stays)."""
     out = _run(r"""
         import ctypes, os
         from attnext import _C, cuda_backend
@@ -753,8 +754,9 @@ def test_the_default_pool_keeps_freed_memory_at_a_sync(fake_libcuda):
         keep.value = 1 << 40                                  # another library's larger keep
         _C.mem_pool_keep(5, 0)
         print(keep.value)
+        print(_C.mem_pool_trim(0), ctypes.c_int.in_dll(fake, "pool_trims").value, keep.value)
     """, ATTNEXT_LIBCUDA=fake_libcuda["full"], ATTNEXT_POOL_KEEP_BYTES="12345")
-    assert out.split() == ["12345", "12345", str(1 << 40)]
+    assert out.split() == ["12345", "12345", str(1 << 40), "True", "1", str(1 << 40)]
 
 
 def test_pinned_pool_frees_each_block_once_across_threads(fake_libcuda):

@@ -275,9 +275,12 @@ def _rss():
 
 def _device_free(torch):
     """Free device memory once every result dropped so far is freed (stream-ordered frees done,
-    and the memory pool trimmed, which it does at a synchronisation)."""
+    and the memory pool trimmed: it keeps up to cuda_backend.POOL_KEEP_BYTES of freed memory at
+    a synchronisation, and would hand the control's results that memory again)."""
+    from attnext import _C
     gc.collect()
     torch.cuda.synchronize()
+    _C.mem_pool_trim(0)
     return torch.cuda.mem_get_info()[0]
 
 
