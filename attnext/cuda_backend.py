@@ -496,8 +496,8 @@ def _decode_plan(o, features, device):
     per_head = (features["bias_dtype"] is None and features["alibi_dtype"] is None and not features["mask"]
                 and not _has_mods(o))
     pack = group > 1 and not o.varlen and per_head and o.Sq * group <= kernels.DECODE_PACK_ROWS
-    if o.varlen or not o.B or not o.Hq:
-        return pack, 1
+    if o.varlen or not o.B or not o.Hq or getattr(o, "row_slice", False):
+        return pack, 1                # a row slice (_forward_sliced) shares the GPU with copies
     bm, bn = kernels.decode_tile()[:2]
     blocks = math.ceil(o.Sq * (group if pack else 1) / bm) * (o.Hk if pack else o.Hq) * o.B
     sms = device_info(device)["multiprocessor_count"]
@@ -514,8 +514,8 @@ def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None):
     """The forward's plan for this call (made on the first call of its key); gen: the generated
     score_mod / mask_mod (codegen.Generated) or None."""
     rows = _query_rows(o) if o.varlen else o.Sq
-    key = ("fwd", device, o.B, o.Sq, o.Sk, rows, o.varlen, o.causal_code, o.window_left,
-           o.window_right, o.softcap_value > 0, (q4.ptr | k4.ptr | v4.ptr) % 16 == 0,
+    key = ("fwd", device, o.B, o.Sq, o.Sk, rows, o.varlen, getattr(o, "row_slice", False), o.causal_code,
+           o.window_left, o.window_right, o.softcap_value > 0, (q4.ptr | k4.ptr | v4.ptr) % 16 == 0,
            _desc(q4), _desc(k4), _desc(v4), _desc(out4), _desc(lse3), _extras_key(o, extra),
            kernels.knobs(kernels.FWD_KNOBS), None if gen is None else gen.source)
     plan = _plans.get(key)
@@ -556,9 +556,9 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
 def forward(o, out_host, lse_host, stage=None):
     """The forward of a problem api.py normalised. With NumPy inputs, fills out_host and lse_host
     and returns them; with GPU inputs (both None) returns (out, lse) as DeviceArrays, or o.out
-    (a DevView from out=) in place of out. stage: _forward_sliced's, for one batch slice."""
+    (a DevView from out=) in place of out. stage: _forward_sliced's, for one slice."""
     host = out_host is not None
-    if host and stage is None and (slices := _batch_slices(o)):
+    if host and stage is None and (slices := _slices(o)):
         return _forward_sliced(o, out_host, lse_host, slices)
     pin = host and stage is None
     with stage or staging.Staging(o.cuda_device, o.cuda_stream) as stage:
@@ -570,7 +570,9 @@ def forward(o, out_host, lse_host, stage=None):
         else:
             out, out_res = _result(stage, host, o.out_shape, o.q.dtype)
         lse = lse_res = lse3 = None           # a GPU call that returns no lse writes none
-        if host or o.return_lse:
+        if getattr(o, "lse_rows", None) is not None:     # a row slice's: the caller downloads it
+            lse = lse3 = o.lse_rows
+        elif host or o.return_lse:
             lse, lse_res = _result(stage, host, o.lse_shape, np.float32)
             lse3 = lse[None] if o.varlen else lse
         out4 = _kernel_layout(o, out)
@@ -593,7 +595,8 @@ def forward(o, out_host, lse_host, stage=None):
             _finish_mods(stage, mods)
         if host:
             stage.download(out, out_host)
-            stage.download(lse, lse_host)
+            if lse_host is not None:
+                stage.download(lse, lse_host)
             return out_host, lse_host
         return out_res, lse_res
 
@@ -603,58 +606,107 @@ def _host_inputs(o, *more):
     return (o.q4, o.k4, o.v4, o.bias4, o.mask4) + more
 
 
-# a NumPy forward moving at least twice this runs in batch slices (H100, bench/lab_numpy.py
-# --slices, kept registrations and pinned results: B8 S2k 5.77 ms at 64 MiB against 6.10 at 128
-# and 6.18 at 32; B2 S8k causal 6.35 at 32-128 MiB)
+# a NumPy forward moving at least twice this runs in slices (H100, bench/lab_numpy.py --slices,
+# kept registrations and pinned results: B8 S2k 5.77 ms at 64 MiB against 6.10 at 128 and 6.18
+# at 32; B2 S8k causal 6.35 at 32-128 MiB in batch slices)
 SLICE_BYTES = 64 << 20
+# a causal call's last sequence ends in a row slice of this share of its rows (see _slices).
+# Its upload should outlast the kernel of the rows before it: H100, B2 S8k causal (lab_timeline,
+# lab_numpy --slices): 1/8 left that kernel (0.57 ms) in the tail after a 0.24 ms upload and
+# measured 1.17x the floor; 1/4, 1.10x; batch slices only, 1.18x
+TAIL_SHARE = 1 / 4
 
 
-def _batch_slices(o):
-    """[(b0, b1), ...]: the batch slices of a NumPy forward worth pipelining (each slice's upload
-    overlapping the kernel and the download of the one before), or None to run it in one go."""
-    if o.varlen or o.bias4 is not None or o.mask4 is not None or o.B < 2 or _has_mods(o):
+def _slices(o):
+    """[(b0, b1, r0, r1), ...]: the slices of a NumPy forward worth pipelining (each slice's
+    upload overlapping the kernels and downloads of the ones before), batches b0:b1 and query
+    rows r0:r1, or None to run it in one go: batch slices of about SLICE_BYTES moved each.
+
+    What is left after the last upload is the last slice's kernel and download. In a causal
+    self-attention (Sq == Sk, q, k, v C-contiguous in (B, S, H, D), no window, alibi or
+    lengths) the last sequence's last rows are the costliest, so its rows are cut: rows 0:c
+    first, then about the last TAIL_SHARE of them (at least a tile: c on a kernels.TILE_EDGE
+    edge, where the one-go call's tiles start) over keys 0:S, the only work left after the
+    uploads (rows r0:r1 need only keys 0:r1)."""
+    if o.varlen or o.bias4 is not None or o.mask4 is not None or _has_mods(o):
         return None
     moved = sum(x.size * x.itemsize for x in (o.q4, o.k4, o.v4))
     moved += math.prod(o.out_shape) * np.dtype(o.q.dtype).itemsize
     n = min(o.B, moved // SLICE_BYTES)
-    if n < 2:
-        return None
-    edges = [o.B * i // n for i in range(n + 1)]
-    return list(zip(edges[:-1], edges[1:]))
+    edges = [o.B * i // n for i in range(n + 1)] if n else [0, o.B]
+    slices = [(b0, b1, 0, o.Sq) for b0, b1 in zip(edges[:-1], edges[1:])]
+    edge = kernels.TILE_EDGE
+    cut = (o.Sq - max(edge, int(o.Sq * TAIL_SHARE))) // edge * edge     # a tile edge of the one-go call
+    if moved >= 2 * SLICE_BYTES and cut >= edge and o.B and _rows_sliceable(o):
+        b0, b1 = slices.pop()[:2]
+        if b1 - 1 > b0:
+            slices.append((b0, b1 - 1, 0, o.Sq))
+        slices += [(b1 - 1, b1, 0, cut), (b1 - 1, b1, cut, o.Sq)]
+    return slices if len(slices) > 1 else None
 
 
-def _rows(view, b0, b1):
-    """view[b0:b1] of a DevView."""
-    return DevView(view.ptr + b0 * view.strides[0] * view.itemsize, (b1 - b0,) + view.shape[1:],
-                   view.strides, view.dtype, view.device, view.stream, view.keep)
+def _rows_sliceable(o):
+    """Whether _slices may cut o's query rows (see there)."""
+    if (o.causal_code == 0 or o.Sq != o.Sk or o.window_left >= 0 or o.window_right >= 0
+            or o.alibi is not None or o.used_q is not None or o.used_k is not None or o.layout != "bshd"):
+        return False
+    return all(isinstance(x, np.ndarray) and x.flags.c_contiguous for x in (o.q4, o.k4, o.v4))
+
+
+def _rows(view, b0, b1, r0=0, r1=None):
+    """view[b0:b1, r0:r1] of a DevView."""
+    r1 = view.shape[1] if r1 is None else r1
+    ptr = view.ptr + (b0 * view.strides[0] + r0 * view.strides[1]) * view.itemsize
+    return DevView(ptr, (b1 - b0, r1 - r0) + view.shape[2:], view.strides, view.dtype, view.device,
+                   view.stream, view.keep)
 
 
 def _forward_sliced(o, out_host, lse_host, slices):
-    """forward() as one forward per batch slice. The device memory of q, k, v is allocated first
-    and every upload waits for those allocations only, so slice i+1 uploads while slice i
-    computes; the stage downloads each slice's results on a thread of its own meanwhile."""
+    """forward() as one forward per slice of _slices. The device memory of q, k, v is allocated
+    first and every upload waits for those allocations only, so slice i+1 uploads while slice i
+    computes; the stage downloads each slice's results on a thread of its own meanwhile. A row
+    slice r0:r1 is the causal problem of its rows over keys 0:r1: bottom-right aligned, row i of
+    it keeps the keys up to r0 + i, as the whole problem's row r0 + i does; it uploads the keys
+    its sequence's earlier slices have not, and writes its lse into its sequence's, which goes
+    down in one piece after the sequence's last slice."""
     with staging.Staging(o.cuda_device, o.cuda_stream, background=True) as stage:
         stage.pin(_host_inputs(o), (out_host, lse_host))
         inputs = [(x, stage.allocate(x)) for x in (o.q4, o.k4, o.v4)]
         allocated = stage.fence()
-        for b0, b1 in slices:
+        keys_up, lse_rows = 0, None        # a sequence in row slices: its keys uploaded, its lse
+        for b0, b1, r0, r1 in slices:
             part = types.SimpleNamespace(**vars(o))
-            part.B = b1 - b0
-            part.out_shape = (b1 - b0,) + tuple(o.out_shape[1:])
+            part.B, part.out_shape = b1 - b0, (b1 - b0,) + tuple(o.out_shape[1:])
             part.lse_shape = (b1 - b0,) + tuple(o.lse_shape[1:])
             for name in ("alibi", "used_q", "used_k"):
                 x = getattr(o, name)
                 setattr(part, name, None if x is None else x[b0:b1])
+            if (r0, r1) == (0, o.Sq):
+                views = []
+                for x, dev in inputs:
+                    if dev.strides[0] or b0 == 0:      # a batch-broadcast input travels once
+                        stage.copy_in(x[b0:b1], _rows(dev, b0, b1), after=allocated)
+                    views.append(_rows(dev, b0, b1))
+                part.q4, part.k4, part.v4 = views
+                forward(part, out_host[b0:b1], lse_host[b0:b1], stage)
+                continue
+            if r0 == 0:
+                keys_up, lse_rows = 0, stage.scratch((1,) + tuple(o.lse_shape[1:]), np.float32)
+            part.Sq, part.Sk, part.causal_code, part.row_slice = r1 - r0, r1, 1, True
+            part.out_shape = (1, r1 - r0) + tuple(o.out_shape[2:])
+            part.lse_rows = DevView(lse_rows.ptr + r0 * lse_rows.itemsize, (1, o.Hq, r1 - r0),
+                                    lse_rows.strides, np.float32, lse_rows.device, lse_rows.stream, lse_rows.keep)
             views = []
-            for x, dev in inputs:
-                rows = _rows(dev, b0, b1)
-                if dev.strides[0] or b0 == 0:      # a batch-broadcast input travels once
-                    stage.copy_in(x[b0:b1], rows, after=allocated)
-                views.append(rows)
+            for i, (x, dev) in enumerate(inputs):
+                lo, hi = (r0, r1) if i == 0 else (keys_up, r1)
+                stage.copy_in(x[b0:b1, lo:hi], _rows(dev, b0, b1, lo, hi), after=allocated)
+                views.append(_rows(dev, b0, b1, *((r0, r1) if i == 0 else (0, r1))))
             part.q4, part.k4, part.v4 = views
-            forward(part, out_host[b0:b1], lse_host[b0:b1], stage)
-            if b1 == o.B:
-                stage.uploads_done()
+            keys_up = r1
+            forward(part, out_host[b0:b1, r0:r1], None, stage)
+            if r1 == o.Sq:
+                stage.download(lse_rows, lse_host[b0:b1])
+        stage.uploads_done()
     return out_host, lse_host
 
 

@@ -179,16 +179,25 @@ def _acquire(lo, hi, device, read_only, probe):
         _drain()
 
 
+def _overlap(lo, hi, device, read_only):
+    """Under _table_lock: (entry, SHARED) for a table entry that covers [lo, hi) and may serve
+    it (its users counted), (None, REFUSED) for one that overlaps it otherwise, else None."""
+    for e in _table:
+        if e.lo < hi and lo < e.hi:
+            if (e.lo <= lo and hi <= e.hi and e.device == device and e.state != CLOSING
+                    and (read_only or not e.read_only)):
+                e.users += 1
+                return e, SHARED
+            return None, REFUSED
+    return None
+
+
 def _acquire_as(entry, probe):
     lo, hi, device, read_only = entry.lo, entry.hi, entry.device, entry.read_only
     with _table_lock:
-        for e in _table:
-            if e.lo < hi and lo < e.hi:
-                if (e.lo <= lo and hi <= e.hi and e.device == device and e.state != CLOSING
-                        and (read_only or not e.read_only)):
-                    e.users += 1
-                    return e, SHARED
-                return None, REFUSED
+        found = _overlap(lo, hi, device, read_only)
+        if found is not None:
+            return found
         _table.append(entry)
     try:
         ok = _C.host_register(lo, hi - lo, device, read_only)
@@ -204,6 +213,19 @@ def _acquire_as(entry, probe):
     if ok is False and _pinned(probe, device):
         return None, FOREIGN
     return None, REFUSED
+
+
+def _share(lo, hi, device, read_only):
+    """(entry, SHARED) when a registration in the table (another call's, or kept) covers
+    [lo, hi) and may serve it, else None: no driver call, so the caller's thread asks this
+    before it hands the piece to a pool thread (the hand-over cost ~0.15 ms before the first
+    DMA of a call whose inputs were all kept)."""
+    try:
+        with _table_lock:
+            found = _overlap(lo, hi, device, read_only)
+        return found if found is not None and found[1] == SHARED else None
+    finally:
+        _drain()
 
 
 def _pinned(probe, device):
@@ -290,10 +312,16 @@ class Piece:
 
 
 class _Settled:
-    """A future already done: pinned memory of attnext's own (a PinnedBuffer)."""
+    """A future already done: pinned memory of attnext's own (a PinnedBuffer: None, FOREIGN),
+    or a registration the caller's thread found in the table (_share)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value=(None, FOREIGN)):
+        self.value = value
 
     def result(self):
-        return None, FOREIGN
+        return self.value
 
 
 _SETTLED = _Settled()
@@ -337,10 +365,14 @@ class Pins:
         self.pieces = list(self.resident)      # sorted by address
 
     def start(self, pool):
-        """Submits every piece's registration to pool (the pieces submitted before an error
-        are still given back by release())."""
+        """Submits every piece's registration to pool, but takes those a registration in the
+        table covers at once (the pieces taken before an error are still given back by
+        release())."""
         for _, lo, hi, written, probe in self.plan:
-            future = pool.submit(_acquire, lo, hi, self.device, self.read_only and not written, probe)
+            read_only = self.read_only and not written
+            shared = _share(lo, hi, self.device, read_only)
+            future = (_Settled(shared) if shared is not None
+                      else pool.submit(_acquire, lo, hi, self.device, read_only, probe))
             self.pieces = sorted(self.pieces + [Piece(lo, hi, written, future)], key=lambda p: p.lo)
 
     def take_read(self):

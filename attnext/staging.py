@@ -593,7 +593,10 @@ class Staging:
 
     def _download_direct(self, ptr, raw, parts, after):
         """Device bytes at ptr into raw (an array's bytes), each part straight into its
-        registered piece, or through the ring; done on return."""
+        registered piece, or through the ring. Done on return, but in a background stage,
+        where the direct DMAs are done when the stage finishes (_unpin synchronises the
+        stream): the thread then enqueues the next download at once (the next one waits on
+        the GPU for its own kernels only)."""
         s = self._dma_stream("down")
         _order(s, after, self.stream, self.device)
         try:
@@ -603,7 +606,8 @@ class Staging:
                 else:
                     _download(ptr + off, raw.dtype, raw[off:off + n], self.device, self.stream, after)
         finally:
-            _C.stream_synchronize(s, self.device)
+            if not self.background:
+                _C.stream_synchronize(s, self.device)
 
     def _copy_out(self, view, dst, after):
         """A contiguous DevView into dst: direct when dst is C-contiguous in the pins with the

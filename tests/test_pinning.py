@@ -164,15 +164,22 @@ def _registered_in(fake, a):
 
 
 def _spy_acquire(monkeypatch):
-    """The `how` of every piece a call acquires."""
+    """The `how` of every piece a call acquires (on a pool thread, or shared at once)."""
     seen = []
-    acquire = pinning._acquire
+    acquire, share = pinning._acquire, pinning._share
 
     def spy(*args):
         entry, how = acquire(*args)
         seen.append(how)
         return entry, how
+
+    def spy_share(*args):
+        got = share(*args)
+        if got is not None:
+            seen.append(got[1])
+        return got
     monkeypatch.setattr(pinning, "_acquire", spy)
+    monkeypatch.setattr(pinning, "_share", spy_share)
     return seen
 
 

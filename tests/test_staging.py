@@ -18,9 +18,9 @@ import pytest
 
 import attnext
 import fake_cuda
-from attnext import _C, cuda_backend, pinning, staging
+from attnext import _C, cuda_backend, pinning, reference, staging
 from attnext.devview import DevView
-from conftest import BF16, in_threads
+from conftest import BF16, assert_close, assert_lse_close, in_threads
 
 JOIN_SECONDS = 120       # the concurrent tests' deadlock guard
 
@@ -103,6 +103,7 @@ class FakeCuda:
         self.done = collections.Counter()              # stream -> operations run
         self.next_ptr, self.next_stream = 1 << 40, 1000
         self.dma = collections.Counter()
+        self.htod_bytes = 0                            # every byte uploaded, pinned or not
 
     def _find(self, ptr, n):
         for base, arr in self.mem.items():
@@ -165,6 +166,7 @@ class FakeCuda:
             arr, off = self._find(dst, data.size)
             arr[off:off + data.size] = data
         self.dma["htod"] += pinned
+        self.htod_bytes += data.size
         self.enqueue(stream, copy)
 
     def memcpy_dtoh(self, dst, src, stream, device=0):
@@ -380,10 +382,12 @@ def _fake_view(fake, arr_tuple, dtype):
 
 @pytest.fixture
 def fake_kernel(fake, monkeypatch):
-    """cuda_backend over the fake, its forward kernel a stand-in on the call's stream:
-    out = v and lse[b, h, s] = q[b, s, h, 0] + k[b, s, h, 0] (float32), read and written through
-    the views the kernel gets (the addresses of the launch, the shapes and strides of its
-    template)."""
+    """cuda_backend over the fake, its forward kernel a stand-in on the call's stream: with d =
+    s + Sk - Sq (row s's bottom-right diagonal), out[b, s] = v[b, d] and lse[b, h, s] =
+    q[b, s, h, 0] + k[b, d, h, 0] + k[b, 0, h, 0] (float32), read and written through the views
+    the kernel gets (the addresses of the launch, the shapes and strides of its template). Where
+    Sq == Sk, out = v; a row slice of a causal call reads the diagonal of its rows and its
+    sequence's first key (uploaded by the first slice)."""
     def launch(fn, grid, block, smem, stream, template, ptrs, scale, softcap):
         p = fake_cuda.AttnParams.from_buffer_copy(template[:ctypes.sizeof(fake_cuda.AttnParams)])
 
@@ -396,8 +400,10 @@ def fake_kernel(fake, monkeypatch):
             v = view("v", ptrs[2], (p.B, p.Sk, p.Hk, p.Dv), BF16)
             out = view("out", ptrs[3], (p.B, p.Sq, p.Hq, p.Dv), BF16)
             lse = _fake_view(fake, (ptrs[4], (p.B, p.Hq, p.Sq), tuple(p.lse.s)[:3]), np.float32)
-            out[...] = v
-            lse[...] = (q[..., 0].astype(np.float32) + k[..., 0].astype(np.float32)).transpose(0, 2, 1)
+            d = p.Sk - p.Sq + np.arange(p.Sq)
+            out[...] = v[:, d]
+            kd = k[:, d][..., 0].astype(np.float32) + k[:, :1, :, 0].astype(np.float32)
+            lse[...] = (q[..., 0].astype(np.float32) + kd).transpose(0, 2, 1)
         fake.enqueue(stream, run, kernel=True)
     monkeypatch.setattr(_C, "cuda_launch_attention", launch, raising=False)
     monkeypatch.setattr(cuda_backend, "_status", "")
@@ -407,6 +413,12 @@ def fake_kernel(fake, monkeypatch):
     cuda_backend.clear_plans()        # plans made here hold the stand-in "fn"
     yield fake
     cuda_backend.clear_plans()
+
+
+def _fake_want(q4, k4):
+    """The fake kernel's lse for a whole call (Sq == Sk)."""
+    kd = k4[..., 0].astype(np.float32) + k4[:, :1, :, 0].astype(np.float32)
+    return (q4[..., 0].astype(np.float32) + kd).transpose(0, 2, 1)
 
 
 @pytest.mark.parametrize("sliced", [False, True], ids=["one_go", "batch_slices"])
@@ -426,25 +438,81 @@ def test_fake_forward_through_staging(fake_kernel, monkeypatch, rng, sliced, lay
     monkeypatch.setattr(cuda_backend, "_forward_sliced",
                         lambda o, *a: calls.append(a[-1]) or sliced_forward(o, *a))
     got, lse = attnext.attention(q, k, v, layout=layout, device="cuda", return_lse=True, out=out)
-    assert got is out and calls == ([[(b, b + 1) for b in range(B)]] if sliced else [])
+    assert got is out and calls == ([[(b, b + 1, 0, S) for b in range(B)]] if sliced else [])
     np.testing.assert_array_equal(_bits(out), _bits(v))
     q4, k4 = (x if layout == "bshd" else x.transpose(0, 2, 1, 3) for x in (q, k))
-    want = (q4[..., 0].astype(np.float32) + k4[..., 0].astype(np.float32)).transpose(0, 2, 1)
-    np.testing.assert_array_equal(lse, want)
+    np.testing.assert_array_equal(lse, _fake_want(q4, k4))
 
 
-def test_batch_slices(monkeypatch):
-    x = np.zeros((6, 64, 2, 32), BF16)
-    o = types.SimpleNamespace(varlen=False, bias4=None, mask4=None, B=6, q=x, q4=x, k4=x, v4=x,
-                              out_shape=x.shape)
+@pytest.mark.parametrize("B, S", [(1, 1000), (2, 300), (3, 129), (4, 100)])
+def test_fake_forward_in_row_slices(fake_kernel, monkeypatch, rng, B, S):
+    """A causal self-attention's last sequence in two row slices (kernels.TILE_EDGE, 128 here):
+    the last rows' kernel gets them and the keys up to their end, bottom-right aligned; every
+    key row travels once. Fewer rows than two tiles: batch slices only."""
+    monkeypatch.setattr(cuda_backend, "SLICE_BYTES", 1 << 12)
+    monkeypatch.setattr(cuda_backend, "TAIL_SHARE", 1 / 8)
+    monkeypatch.setattr(cuda_backend.kernels, "TILE_EDGE", 128)
+    q, k, v = (_random(rng, (B, S, 2, 8), BF16) for _ in range(3))
+    calls, launches = [], []
+    sliced_forward = cuda_backend._forward_sliced
+    monkeypatch.setattr(cuda_backend, "_forward_sliced",
+                        lambda o, *a: calls.append(a[-1]) or sliced_forward(o, *a))
+    launch = _C.cuda_launch_attention
+    monkeypatch.setattr(_C, "cuda_launch_attention", lambda *a: launches.append(a[5]) or launch(*a))
+    got, lse = attnext.attention(q, k, v, causal=True, device="cuda", return_lse=True)
+    assert fake_kernel.htod_bytes == 3 * q.nbytes
+    cut = (S - max(128, S // 8)) // 128 * 128
+    want = [(b, b + 1, 0, S) for b in range(B - 1)] + ([(B - 1, B, 0, cut), (B - 1, B, cut, S)] if cut >= 128
+                                                       else [(B - 1, B, 0, S)])
+    assert calls == [want] and len(launches) == len(want)
+    np.testing.assert_array_equal(_bits(got), _bits(v))
+    np.testing.assert_array_equal(lse, _fake_want(q, k))
+
+
+def test_slices(monkeypatch):
+    """Batch slices of about SLICE_BYTES moved; a causal self-attention's last sequence then
+    ends in a row slice of about its last TAIL_SHARE rows (from a TILE_EDGE edge, at least one
+    tile)."""
+    monkeypatch.setattr(cuda_backend, "TAIL_SHARE", 1 / 8)
+    x = np.zeros((6, 1024, 2, 32), BF16)
+    o = types.SimpleNamespace(varlen=False, bias4=None, mask4=None, B=6, Sq=1024, Sk=1024, q=x, q4=x, k4=x,
+                              v4=x, out_shape=x.shape, causal_code=0, window_left=-1, window_right=-1,
+                              alibi=None, used_q=None, used_k=None, layout="bshd")
     moved = 4 * x.nbytes
     for slice_bytes, want in ((moved, None), (moved // 2, [(0, 3), (3, 6)]),
                               (moved // 4, [(0, 1), (1, 3), (3, 4), (4, 6)]),
                               (1, [(b, b + 1) for b in range(6)])):
         monkeypatch.setattr(cuda_backend, "SLICE_BYTES", slice_bytes)
-        assert cuda_backend._batch_slices(o) == want
-    for name, value in (("bias4", x), ("mask4", x), ("varlen", True), ("B", 1)):
-        assert cuda_backend._batch_slices(types.SimpleNamespace(**{**vars(o), name: value})) is None
+        assert cuda_backend._slices(o) == (want and [w + (0, 1024) for w in want])
+        if want:
+            last = [(want[-1][0], 5, 0, 1024)] if want[-1][0] < 5 else []
+            causal = types.SimpleNamespace(**{**vars(o), "causal_code": 1})
+            assert cuda_backend._slices(causal) == \
+                [w + (0, 1024) for w in want[:-1]] + last + [(5, 6, 0, 896), (5, 6, 896, 1024)]
+    causal = types.SimpleNamespace(**{**vars(o), "causal_code": 2})        # top-left: the same
+    monkeypatch.setattr(cuda_backend, "SLICE_BYTES", moved // 2)
+    assert cuda_backend._slices(causal)[-2:] == [(5, 6, 0, 896), (5, 6, 896, 1024)]
+    for S, cut in ((1000, 768), (4096, 3584), (300, 128), (256, 128)):      # TAIL_SHARE of the rows
+        odd = types.SimpleNamespace(**{**vars(causal), "Sq": S, "Sk": S})
+        assert cuda_backend._slices(odd)[-2:] == [(5, 6, 0, cut), (5, 6, cut, S)]
+    for S in (128, 255):                                  # under two tiles: no row slices
+        small = types.SimpleNamespace(**{**vars(causal), "Sq": S, "Sk": S})
+        assert cuda_backend._slices(small) == [(0, 3, 0, S), (3, 6, 0, S)]
+    batches = [(0, 3, 0, 1024), (3, 6, 0, 1024)]
+    for name, value in (("causal_code", 0), ("Sk", 600), ("window_left", 3), ("window_right", 0),
+                        ("alibi", np.ones((6, 2))), ("used_k", np.ones(6)), ("layout", "bhsd"),
+                        ("k4", x.transpose(0, 2, 1, 3).copy().transpose(0, 2, 1, 3))):
+        assert cuda_backend._slices(types.SimpleNamespace(**{**vars(causal), name: value})) == batches, name
+    for name, value in (("bias4", x), ("mask4", x), ("varlen", True)):
+        assert cuda_backend._slices(types.SimpleNamespace(**{**vars(o), name: value})) is None
+    one = types.SimpleNamespace(**{**vars(o), "B": 1, "q4": x[:1], "k4": x[:1], "v4": x[:1],
+                                   "out_shape": x[:1].shape})
+    monkeypatch.setattr(cuda_backend, "SLICE_BYTES", 4 * x[:1].nbytes // 2)
+    assert cuda_backend._slices(one) is None
+    assert cuda_backend._slices(types.SimpleNamespace(**{**vars(one), "causal_code": 1})) == \
+        [(0, 1, 0, 896), (0, 1, 896, 1024)]
+    monkeypatch.setattr(cuda_backend, "SLICE_BYTES", 4 * x[:1].nbytes // 2 + 1)    # moves too little
+    assert cuda_backend._slices(types.SimpleNamespace(**{**vars(one), "causal_code": 1})) is None
 
 
 # ---------------------------------------------------------------- on the GPU
@@ -508,6 +576,30 @@ def _to_torch(torch, x):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("B, S, D, causal", [(1, 1000, 64, True), (2, 700, 128, "top_left"), (1, 4096, 128, True)])
+def test_gpu_numpy_row_slices(torch, monkeypatch, rng, B, S, D, causal):
+    """A causal NumPy forward whose last rows run in a slice of their own (over the keys up to
+    their end) matches the reference, and the same call on torch arrays (one launch over every
+    row) to a rounding (a slice's kernel may take other tiles: H100, up to 0.0005 apart)."""
+    monkeypatch.setattr(cuda_backend, "SLICE_BYTES", 1 << 16)
+    q, k, v = (_random(rng, (B, S, 4, D), BF16) for _ in range(3))
+    calls = []
+    sliced_forward = cuda_backend._forward_sliced
+    monkeypatch.setattr(cuda_backend, "_forward_sliced",
+                        lambda o, *a: calls.append(a[-1]) or sliced_forward(o, *a))
+    out_np, lse_np = attnext.attention(q, k, v, causal=causal, device="cuda", return_lse=True)
+    assert calls and calls[0][-1][2] > 0                  # the last rows in a slice of their own
+    want, want_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    assert_close("out", out_np, want)
+    assert_lse_close(lse_np, want_lse, q.dtype)
+    tq, tk, tv = (_to_torch(torch, x) for x in (q, k, v))
+    out_t, lse_t = attnext.attention(tq, tk, tv, causal=causal, return_lse=True)
+    one_go = out_t.cpu().view(torch.int16).numpy().view(BF16)
+    np.testing.assert_allclose(out_np.astype(np.float32), one_go.astype(np.float32), rtol=2 ** -7, atol=1e-3)
+    np.testing.assert_allclose(lse_np, lse_t.cpu().numpy(), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("sliced", [False, True], ids=["one_go", "batch_slices"])
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 def test_gpu_numpy_forward_equals_torch_bit_for_bit(torch, monkeypatch, rng, sliced, layout):
@@ -522,7 +614,7 @@ def test_gpu_numpy_forward_equals_torch_bit_for_bit(torch, monkeypatch, rng, sli
                         lambda o, *a: calls.append(a[-1]) or sliced_forward(o, *a))
     out_np, lse_np = attnext.attention(q, k, v, causal=True, layout=layout, device="cuda",
                                        return_lse=True)
-    assert calls == ([[(b, b + 1) for b in range(5)]] if sliced else [])
+    assert calls == ([[(b, b + 1, 0, 300) for b in range(5)]] if sliced else [])
     tq, tk, tv = (_to_torch(torch, x) for x in (q, k, v))
     out_t, lse_t = attnext.attention(tq, tk, tv, causal=True, layout=layout, return_lse=True)
     torch.cuda.synchronize()
