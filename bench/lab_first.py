@@ -6,7 +6,8 @@ compiles and fills the cache, the second shows the disk path under cProfile.
     ATTNEXT_CACHE_DIR=/tmp/c python3 bench/lab_first.py [--case=relbias] [--bwd] --profile
 
 --case names one of the bench's mod rows (attnext/bench_mods.py KINDS; softcap when left out);
---bwd profiles the first backward (after a first forward, timed but not profiled); --loads
+--bwd profiles the first backward (after a first forward, timed but not profiled); a second
+call of the one profiled is timed after it (what the first costs beyond its work); --loads
 prints each module load of the timed calls (thread, start, end, cubin size).
 """
 import cProfile
@@ -61,6 +62,9 @@ bwd = "--bwd" in sys.argv
 out, lse = timed("forward", lambda: attnext.attention(q, k, v, return_lse=True, **kw), prof and not bwd)
 if bwd:
     timed("backward", lambda: attnext.attention_backward(dout, q, k, v, out, lse, **kw), prof)
+    timed("backward, second call", lambda: attnext.attention_backward(dout, q, k, v, out, lse, **kw), False)
+else:
+    timed("forward, second call", lambda: attnext.attention(q, k, v, return_lse=True, **kw), False)
 if prof:
     st = pstats.Stats(prof)
     st.sort_stats("cumulative").print_stats(35)
