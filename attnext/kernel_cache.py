@@ -42,6 +42,7 @@ log = logging.getLogger("attnext")
 
 SLOW_COMPILE_SECONDS = 1.0          # a compile slower than this logs one INFO line
 DEFAULT_CAPACITY = 128              # cubins kept in memory
+KEY_MEMO = 256                      # CubinCache.key's remembered inputs
 DISK_MAX_BYTES = 1 << 30            # the disk cache is pruned back under this
 STALE_TEMP_SECONDS = 3600.0         # a temporary file this old belongs to a dead writer
 
@@ -296,14 +297,23 @@ class CubinCache:
         self._lock = threading.Lock()       # the counters and the per-key locks
         self._key_locks = {}                # key -> [lock, number of callers holding or waiting]
         self._warned_write = False
+        self._keys = LRU(KEY_MEMO)          # key()'s inputs -> key
         self._stats = dict(memory_hits=0, disk_hits=0, misses=0, compiles=0,
                            compile_seconds=0.0, disk_write_errors=0)
 
     # --- public ---
 
     def key(self, source, filename, options, headers, arch, nvrtc_version):
-        """The hex key get() uses for these inputs (also the key for a per-device module LRU)."""
-        return cache_key(source, filename, options, headers, arch, nvrtc_version, self.version)
+        """The hex key get() uses for these inputs (also the key for a per-device module LRU);
+        remembered for the last KEY_MEMO inputs (a first call asks for each module's key twice:
+        module_for's has() and cubin()'s get(); the texts are the same str objects, whose hashes
+        Python keeps)."""
+        args = (source, filename, tuple(options), tuple(tuple(h) for h in headers), str(arch), str(nvrtc_version))
+        key = self._keys.get(args)
+        if key is None:
+            key = cache_key(source, filename, options, headers, arch, nvrtc_version, self.version)
+            self._keys.put(args, key)
+        return key
 
     def get(self, source, filename, options, headers, arch, nvrtc_version):
         """The cubin for these inputs, from memory, from disk or freshly compiled."""
