@@ -3,7 +3,7 @@
 api.py has checked every argument; arrays arrive as NumPy views or DevViews (GPU memory read in
 place). NumPy inputs travel through staging.py (their memory registered in place where it can
 be, else its pinned rings), results come back the same way (a large NumPy forward runs in batch
-slices whose copies overlap the kernels). GPU inputs are read where they are, on the stream
+slices, and a causal one's last sequence in row slices, whose copies overlap the kernels). GPU inputs are read where they are, on the stream
 their protocol names (0, the legacy default stream, when it names none), and results come back
 as the caller's library's arrays (DLPack) or attnext.DeviceArray.
 
@@ -496,7 +496,7 @@ def _decode_plan(o, features, device):
     per_head = (features["bias_dtype"] is None and features["alibi_dtype"] is None and not features["mask"]
                 and not _has_mods(o))
     pack = group > 1 and not o.varlen and per_head and o.Sq * group <= kernels.DECODE_PACK_ROWS
-    if o.varlen or not o.B or not o.Hq or getattr(o, "row_slice", False):
+    if o.varlen or not o.B or not o.Hq or getattr(o, "whole_rows", None) is not None:
         return pack, 1                # a row slice (_forward_sliced) shares the GPU with copies
     bm, bn = kernels.decode_tile()[:2]
     blocks = math.ceil(o.Sq * (group if pack else 1) / bm) * (o.Hk if pack else o.Hq) * o.B
@@ -514,7 +514,7 @@ def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None):
     """The forward's plan for this call (made on the first call of its key); gen: the generated
     score_mod / mask_mod (codegen.Generated) or None."""
     rows = _query_rows(o) if o.varlen else o.Sq
-    key = ("fwd", device, o.B, o.Sq, o.Sk, rows, o.varlen, getattr(o, "row_slice", False), o.causal_code,
+    key = ("fwd", device, o.B, o.Sq, o.Sk, rows, o.varlen, getattr(o, "whole_rows", None), o.causal_code,
            o.window_left, o.window_right, o.softcap_value > 0, (q4.ptr | k4.ptr | v4.ptr) % 16 == 0,
            _desc(q4), _desc(k4), _desc(v4), _desc(out4), _desc(lse3), _extras_key(o, extra),
            kernels.knobs(kernels.FWD_KNOBS), None if gen is None else gen.source)
@@ -530,7 +530,9 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     generated = None if gen is None else gen.source
     pack, splits = _decode_plan(o, features, device)
     arch = device_arch(device)
-    kernel, tile = kernels.fwd_kernel(arch, o.D, o.Dv, features["vec"], pack or splits > 1, rows, gen)
+    # a row slice takes the kernel and tile of its whole call: the same bits as that call
+    whole = getattr(o, "whole_rows", None) or rows
+    kernel, tile = kernels.fwd_kernel(arch, o.D, o.Dv, features["vec"], pack or splits > 1, whole, gen)
     defines = kernels.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen)
     smem = kernels.fwd_smem_bytes(o.D, o.Dv, tile, kernel)
     q_tiles = math.ceil(o.Sq * (o.Hq // o.Hk) / tile[0]) if pack else _query_tiles(rows, tile[0])
@@ -556,7 +558,9 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
 def forward(o, out_host, lse_host, stage=None):
     """The forward of a problem api.py normalised. With NumPy inputs, fills out_host and lse_host
     and returns them; with GPU inputs (both None) returns (out, lse) as DeviceArrays, or o.out
-    (a DevView from out=) in place of out. stage: _forward_sliced's, for one slice."""
+    (a DevView from out=) in place of out. stage: _forward_sliced's, for one slice; there
+    o.lse_rows (a row slice's, a strided view of its sequence's lse) is where the kernel writes
+    the lse, which _forward_sliced downloads (lse_host None)."""
     host = out_host is not None
     if host and stage is None and (slices := _slices(o)):
         return _forward_sliced(o, out_host, lse_host, slices)
@@ -653,58 +657,64 @@ def _rows_sliceable(o):
     return all(isinstance(x, np.ndarray) and x.flags.c_contiguous for x in (o.q4, o.k4, o.v4))
 
 
+def _cut(view, axis, lo, hi):
+    """view with its dim `axis` cut to lo:hi (a DevView)."""
+    shape = list(view.shape)
+    shape[axis] = hi - lo
+    return DevView(view.ptr + lo * view.strides[axis] * view.itemsize, tuple(shape), view.strides, view.dtype,
+                   view.device, view.stream, view.keep)
+
+
 def _rows(view, b0, b1, r0=0, r1=None):
     """view[b0:b1, r0:r1] of a DevView."""
-    r1 = view.shape[1] if r1 is None else r1
-    ptr = view.ptr + (b0 * view.strides[0] + r0 * view.strides[1]) * view.itemsize
-    return DevView(ptr, (b1 - b0, r1 - r0) + view.shape[2:], view.strides, view.dtype, view.device,
-                   view.stream, view.keep)
+    return _cut(_cut(view, 0, b0, b1), 1, r0, view.shape[1] if r1 is None else r1)
 
 
 def _forward_sliced(o, out_host, lse_host, slices):
     """forward() as one forward per slice of _slices. The device memory of q, k, v is allocated
     first and every upload waits for those allocations only, so slice i+1 uploads while slice i
-    computes; the stage downloads each slice's results on a thread of its own meanwhile. A row
-    slice r0:r1 is the causal problem of its rows over keys 0:r1: bottom-right aligned, row i of
-    it keeps the keys up to r0 + i, as the whole problem's row r0 + i does; it uploads the keys
-    its sequence's earlier slices have not, and writes its lse into its sequence's, which goes
-    down in one piece after the sequence's last slice."""
+    computes; the stage downloads each slice's results on a thread of its own meanwhile.
+
+    A row slice r0:r1 (of one sequence) is the causal problem of its rows over keys 0:r1,
+    bottom-right aligned: row i of it keeps the keys up to r0 + i, as the whole problem's row
+    r0 + i does. It uploads the keys its sequence's earlier slices have not, takes the whole
+    call's kernel and tile (whole_rows), and writes its lse into its sequence's, which goes down
+    in one piece after the sequence's last slice."""
     with staging.Staging(o.cuda_device, o.cuda_stream, background=True) as stage:
         stage.pin(_host_inputs(o), (out_host, lse_host))
         inputs = [(x, stage.allocate(x)) for x in (o.q4, o.k4, o.v4)]
         allocated = stage.fence()
         keys_up, lse_rows = 0, None        # a sequence in row slices: its keys uploaded, its lse
         for b0, b1, r0, r1 in slices:
+            whole = (r0, r1) == (0, o.Sq)
             part = types.SimpleNamespace(**vars(o))
-            part.B, part.out_shape = b1 - b0, (b1 - b0,) + tuple(o.out_shape[1:])
-            part.lse_shape = (b1 - b0,) + tuple(o.lse_shape[1:])
+            part.B = b1 - b0
             for name in ("alibi", "used_q", "used_k"):
                 x = getattr(o, name)
                 setattr(part, name, None if x is None else x[b0:b1])
-            if (r0, r1) == (0, o.Sq):
-                views = []
-                for x, dev in inputs:
-                    if dev.strides[0] or b0 == 0:      # a batch-broadcast input travels once
-                        stage.copy_in(x[b0:b1], _rows(dev, b0, b1), after=allocated)
-                    views.append(_rows(dev, b0, b1))
-                part.q4, part.k4, part.v4 = views
-                forward(part, out_host[b0:b1], lse_host[b0:b1], stage)
-                continue
-            if r0 == 0:
-                keys_up, lse_rows = 0, stage.scratch((1,) + tuple(o.lse_shape[1:]), np.float32)
-            part.Sq, part.Sk, part.causal_code, part.row_slice = r1 - r0, r1, 1, True
-            part.out_shape = (1, r1 - r0) + tuple(o.out_shape[2:])
-            part.lse_rows = DevView(lse_rows.ptr + r0 * lse_rows.itemsize, (1, o.Hq, r1 - r0),
-                                    lse_rows.strides, np.float32, lse_rows.device, lse_rows.stream, lse_rows.keep)
+            if whole:
+                keys_up, lse_dst = 0, lse_host[b0:b1]
+                part.out_shape = (b1 - b0,) + tuple(o.out_shape[1:])
+                part.lse_shape = (b1 - b0,) + tuple(o.lse_shape[1:])
+            else:                           # _slices: one sequence, bshd, Sq == Sk
+                if r0 == 0:
+                    keys_up, lse_rows = 0, stage.scratch((b1 - b0,) + tuple(o.lse_shape[1:]), np.float32)
+                part.Sq, part.Sk, part.causal_code, part.whole_rows = r1 - r0, r1, 1, o.Sq
+                part.out_shape = (b1 - b0, r1 - r0) + tuple(o.out_shape[2:])
+                part.lse_shape = (b1 - b0, o.Hq, r1 - r0)
+                part.lse_rows, lse_dst = _cut(lse_rows, 2, r0, r1), None
             views = []
             for i, (x, dev) in enumerate(inputs):
-                lo, hi = (r0, r1) if i == 0 else (keys_up, r1)
-                stage.copy_in(x[b0:b1, lo:hi], _rows(dev, b0, b1, lo, hi), after=allocated)
-                views.append(_rows(dev, b0, b1, *((r0, r1) if i == 0 else (0, r1))))
+                rows = (r0, r1) if i == 0 else (0, part.Sk)     # q: the slice's rows; k, v: its keys
+                new = (r0, r1) if i == 0 else (keys_up, part.Sk)
+                if (dev.strides[0] or b0 == 0) and new[1] > new[0]:    # a batch-broadcast input travels once
+                    piece = x[b0:b1] if whole else x[b0:b1, new[0]:new[1]]
+                    stage.copy_in(piece, _rows(dev, b0, b1, *new), after=allocated)
+                views.append(_rows(dev, b0, b1, *rows))
             part.q4, part.k4, part.v4 = views
-            keys_up = r1
-            forward(part, out_host[b0:b1, r0:r1], None, stage)
-            if r1 == o.Sq:
+            keys_up = part.Sk
+            forward(part, out_host[b0:b1] if whole else out_host[b0:b1, r0:r1], lse_dst, stage)
+            if not whole and r1 == o.Sq:
                 stage.download(lse_rows, lse_host[b0:b1])
         stage.uploads_done()
     return out_host, lse_host

@@ -308,8 +308,11 @@ class CubinCache:
         remembered for the last KEY_MEMO inputs (a first call asks for each module's key twice:
         module_for's has() and cubin()'s get(); the texts are the same str objects, whose hashes
         Python keeps)."""
-        args = (source, filename, tuple(options), tuple(tuple(h) for h in headers), str(arch), str(nvrtc_version))
-        key = self._keys.get(args)
+        try:
+            args = (source, filename, tuple(options), tuple(tuple(h) for h in headers), arch, nvrtc_version)
+            key = self._keys.get(args)
+        except TypeError:                   # an unhashable input (a bytearray text): no memo
+            return cache_key(source, filename, options, headers, arch, nvrtc_version, self.version)
         if key is None:
             key = cache_key(source, filename, options, headers, arch, nvrtc_version, self.version)
             self._keys.put(args, key)

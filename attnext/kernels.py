@@ -220,19 +220,21 @@ def block_mask_specs(mods):
     return [("attn_block_mask", "attn_block_mask", block_mask_defines(mods), mods.source)]
 
 
-_texts = {}        # path -> (mtime_ns, size, text): kernel sources and headers read once
+_texts = {}        # path -> (stamp, text): kernel sources and headers read once
 
 
 def _text(path):
     """The text of a kernel source or header, read again only when its file changed (a first
     call reads every header for each module's cache key: ~6 ms on an H100 host); the same str
-    object each time, so the keys' memo (CubinCache.key) hashes it once."""
+    object each time, so the keys' memo (CubinCache.key) hashes it once. Changed: another inode,
+    size, mtime or ctime (which every write or replace moves, even one that keeps the mtime)."""
     st = os.stat(path)
+    stamp = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     got = _texts.get(path)
-    if got is None or got[:2] != (st.st_mtime_ns, st.st_size):
-        got = (st.st_mtime_ns, st.st_size, Path(path).read_text())
+    if got is None or got[0] != stamp:
+        got = (stamp, Path(path).read_text())
         _texts[path] = got
-    return got[2]
+    return got[1]
 
 
 def _headers(generated=None):

@@ -154,10 +154,11 @@ def cover(lo, hi, pieces):
 class _Entry:
     """One range attnext registered (or is registering), and the calls using it."""
 
-    __slots__ = ("lo", "hi", "device", "read_only", "users", "state", "done")
+    __slots__ = ("lo", "hi", "device", "read_only", "users", "state", "done", "orphan")
 
     def __init__(self, lo, hi, device, read_only):
         self.lo, self.hi, self.device, self.read_only = lo, hi, device, read_only
+        self.orphan = False        # its kept owner went; it waits in _orphans for _drain
         self.users = 1
         self.state = PENDING
         self.done = threading.Event()      # set when the state leaves PENDING
@@ -179,13 +180,14 @@ def _acquire(lo, hi, device, read_only, probe):
         _drain()
 
 
-def _overlap(lo, hi, device, read_only):
-    """Under _table_lock: (entry, SHARED) for a table entry that covers [lo, hi) and may serve
-    it (its users counted), (None, REFUSED) for one that overlaps it otherwise, else None."""
+def _take_covering(lo, hi, device, read_only):
+    """Under _table_lock, takes a use of a table entry that covers [lo, hi) and may serve it:
+    (entry, SHARED) with entry.users counted, (None, REFUSED) when an entry overlaps [lo, hi)
+    otherwise (or is an orphan: its owner's memory may be another array's by now), else None."""
     for e in _table:
         if e.lo < hi and lo < e.hi:
             if (e.lo <= lo and hi <= e.hi and e.device == device and e.state != CLOSING
-                    and (read_only or not e.read_only)):
+                    and not e.orphan and (read_only or not e.read_only)):
                 e.users += 1
                 return e, SHARED
             return None, REFUSED
@@ -195,7 +197,7 @@ def _overlap(lo, hi, device, read_only):
 def _acquire_as(entry, probe):
     lo, hi, device, read_only = entry.lo, entry.hi, entry.device, entry.read_only
     with _table_lock:
-        found = _overlap(lo, hi, device, read_only)
+        found = _take_covering(lo, hi, device, read_only)
         if found is not None:
             return found
         _table.append(entry)
@@ -222,8 +224,8 @@ def _share(lo, hi, device, read_only):
     DMA of a call whose inputs were all kept)."""
     try:
         with _table_lock:
-            found = _overlap(lo, hi, device, read_only)
-        return found if found is not None and found[1] == SHARED else None
+            found = _take_covering(lo, hi, device, read_only)
+        return found if found is not None and found[1] == SHARED else None     # a use taken iff SHARED
     finally:
         _drain()
 
@@ -482,8 +484,12 @@ def _owner_gone(key):
     thread is inside a section that holds the table's lock (the garbage collector may run a
     finalizer at any allocation): then as soon as that section ends (_drain). The pages stay
     locked by the driver until then, so the DMA never meets freed memory; a new array at those
-    addresses meanwhile is refused registration (overlap) and goes through the rings."""
-    _orphans.extend(_forget(key))
+    addresses meanwhile is refused the orphaned entries (_take_covering) and goes through the
+    rings."""
+    gone = _forget(key)
+    for entry in gone:
+        entry.orphan = True            # a plain store: no lock needed
+    _orphans.extend(gone)
     _drain()
 
 

@@ -44,7 +44,7 @@ import threading
 import numpy as np
 
 from . import _C, pinning
-from .device import empty
+from .device import empty, is_contiguous
 from .devview import DevView
 
 # H100 host (bench/lab_staging.py, B8 S2k D128 bf16): 16 MiB x 4 with 12 threads and 2 batch
@@ -593,10 +593,9 @@ class Staging:
 
     def _download_direct(self, ptr, raw, parts, after):
         """Device bytes at ptr into raw (an array's bytes), each part straight into its
-        registered piece, or through the ring. Done on return, but in a background stage,
-        where the direct DMAs are done when the stage finishes (_unpin synchronises the
-        stream): the thread then enqueues the next download at once (the next one waits on
-        the GPU for its own kernels only)."""
+        registered piece, or through the ring. Done on return in a foreground stage; in a
+        background one the direct DMAs are only enqueued (finish() -> _unpin synchronises the
+        stream before the pins go), so the download thread moves on to its next job at once."""
         s = self._dma_stream("down")
         _order(s, after, self.stream, self.device)
         try:
@@ -666,6 +665,8 @@ class Staging:
         converted to dst's dtype)."""
         if tuple(dst.shape) != tuple(view.shape):
             raise ValueError(f"download: {view.shape} into an array of shape {dst.shape}")
+        if view.size and not is_contiguous(view.shape, view.strides):
+            raise ValueError(f"download: a view of strides {view.strides} is not C-contiguous")
         if not self.background:
             self._copy_out(view, dst, None)
             return

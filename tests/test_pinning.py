@@ -14,7 +14,7 @@ import attnext
 from attnext import _C, cuda_backend, pinning, staging
 from attnext.devview import DevView
 from conftest import BF16, in_threads
-from test_staging import _bits, _random, fake, fake_kernel  # noqa: F401  (fixtures)
+from test_staging import _bits, _random, check_real, fake, fake_kernel, real_kernel  # noqa: F401  (fixtures)
 
 PAGE = pinning.PAGE
 JOIN_SECONDS = 120
@@ -535,3 +535,71 @@ def test_gpu_concurrent_calls_share_inputs(gpu_pins, monkeypatch, rng):
                 return "mismatch"
         return "ok"
     assert in_threads(work, 4, JOIN_SECONDS) == ["ok"] * 4
+
+
+# ---------------------------------------------------------------- row slices, the caller's thread, orphans
+def test_row_slices_pinned_with_out(real_kernel, pins, rng):
+    """A causal forward in row slices from pinned inputs into a pinned out= (direct DMAs;
+    background downloads that do not wait): the reference's answer, twice."""
+    q, k, v = (_random(rng, (2, 256, 4, 16), BF16) for _ in range(3))
+    out = np.full(q.shape, np.nan, BF16)
+    for _ in range(2):
+        check_real(q, k, v, True, out=out)
+    assert pins.dma["dtoh"] > 0 and pins.registrations > 0
+    assert any(sq != sk for sq, sk, _ in real_kernel)
+
+
+def test_error_in_the_last_row_slice_leaves_nothing(real_kernel, pins, rng, monkeypatch):
+    """A launch failing in the last row slice: the call raises it, nothing stays registered
+    (the pins fixture checks)."""
+    launch, n = _C.cuda_launch_attention, []
+
+    def failing(*a):
+        n.append(1)
+        if len(n) == 3:                        # B=2: slices (0,1), (1,2,0,192), (1,2,192,256)
+            raise RuntimeError("boom")
+        return launch(*a)
+    monkeypatch.setattr(_C, "cuda_launch_attention", failing)
+    q, k, v = (_random(rng, (2, 256, 4, 16), BF16) for _ in range(3))
+    with pytest.raises(RuntimeError, match="boom"):
+        attnext.attention(q, k, v, causal=True, device="cuda", return_lse=True)
+    assert len(n) == 3 and pins.registered == []
+
+
+def test_kept_inputs_never_reach_the_pool(kept, rng, monkeypatch):
+    """Once an input's registration is kept, a later call takes its pieces in the caller's
+    thread (_share): only the output's pieces go to the pool's _acquire."""
+    a = _own_pages((9, 7001), np.float32)
+    a[...] = _random(rng, a.shape, np.float32)
+    for _ in range(2):                                   # the second call keeps a's registration
+        _through(a, _own_pages(a.shape, a.dtype))
+    assert pinning.kept_bytes() >= a.nbytes
+    pooled, acquire = [], pinning._acquire
+    monkeypatch.setattr(pinning, "_acquire", lambda lo, hi, *r: pooled.append((lo, hi)) or acquire(lo, hi, *r))
+    base, got = _through(a, _own_pages(a.shape, a.dtype))
+    np.testing.assert_array_equal(got, base)
+    alo, ahi = pinning.unions([pinning.byte_range(a)])[0]
+    assert pooled and not [p for p in pooled if alo <= p[0] and p[1] <= ahi], pooled
+    del a, base
+
+
+def test_an_orphaned_entry_is_refused(monkeypatch):
+    """An owner whose finalizer ran while another thread held the table lock leaves its entry
+    in the table (an orphan) until that thread drains: meanwhile no call may share it (the
+    memory may be another array's by then)."""
+    monkeypatch.setattr(pinning._C, "host_register", lambda lo, n, dev=0, ro=False: True)
+    monkeypatch.setattr(pinning._C, "host_unregister", lambda lo, dev=0: None)
+    owner = np.zeros(1 << 16, np.uint8)
+    lo, hi = pinning.unions([pinning.byte_range(owner)])[0]
+    entry, how = pinning._acquire(lo, hi, 0, True, (lo, hi - 1))
+    pinning._to_give_back([(entry, how)], [(lo, hi, owner)])
+    with pinning._table_lock:           # another thread's section ...
+        pinning._owner_gone(id(owner))  # ... when the collector runs the finalizer
+    assert entry in pinning._orphans
+    try:
+        with pinning._table_lock:       # still inside that section: no call may take it
+            assert pinning._take_covering(lo, lo + PAGE, 0, True) == (None, pinning.REFUSED)
+        assert pinning._share(lo, lo + PAGE, 0, True) is None
+    finally:
+        pinning._drain()
+    assert pinning.registered() == []
