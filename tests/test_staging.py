@@ -658,8 +658,9 @@ def _to_torch(torch, x):
                                            (2, 2048, 128, True)])
 def test_gpu_numpy_row_slices(torch, monkeypatch, rng, B, S, D, causal):
     """A causal NumPy forward whose last rows run in a slice of their own (over the keys up to
-    their end, with the whole call's kernel and tile) matches the reference, and gives the bits
-    of the same call on torch arrays (one launch over every row)."""
+    their end) matches the reference, and the same call on torch arrays (one launch over every
+    row) to a rounding: other lengths compile other code (H100: 10-30% of the outputs one bf16
+    ulp apart, lse within 1e-6)."""
     monkeypatch.setattr(cuda_backend, "SLICE_BYTES", 1 << 16)
     q, k, v = (_random(rng, (B, S, 4, D), BF16) for _ in range(3))
     calls = []
@@ -674,8 +675,9 @@ def test_gpu_numpy_row_slices(torch, monkeypatch, rng, B, S, D, causal):
     tq, tk, tv = (_to_torch(torch, x) for x in (q, k, v))
     out_t, lse_t = attnext.attention(tq, tk, tv, causal=causal, return_lse=True)
     torch.cuda.synchronize()
-    np.testing.assert_array_equal(out_np.view(np.uint16), out_t.cpu().view(torch.int16).numpy().view(np.uint16))
-    np.testing.assert_array_equal(lse_np.view(np.uint32), lse_t.cpu().numpy().view(np.uint32))
+    one_go = out_t.cpu().view(torch.int16).numpy().view(BF16).astype(np.float32)
+    np.testing.assert_allclose(out_np.astype(np.float32), one_go, rtol=2 ** -7, atol=1e-3)
+    np.testing.assert_allclose(lse_np, lse_t.cpu().numpy(), rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.gpu
