@@ -71,6 +71,7 @@ scatter-adds the array gradients (np.add.at: sequential, deterministic).
 """
 import hashlib
 import types
+import weakref
 from typing import NamedTuple
 
 import ml_dtypes
@@ -665,6 +666,112 @@ def _naming(kind, e):
     return type(e)(f"{kind}: {e}")
 
 
+# --- the trace cache ---------------------------------------------------------------------------
+# Tracing costs 40-85 us a call (bench/lab_host.py --fake): a GPU call with a mask_mod spent a
+# third of its host time here. A function is traced again only when something tracing read may
+# have changed; where that cannot be known, every time (as before).
+TRACE_CACHE_CAPACITY = 64
+# modules whose attributes a traced function may read (np.where, math.pi) and that never change;
+# a name bound to any other module (a user's, which importlib.reload refills) is not cached
+_STABLE_MODULES = ("numpy", "math", "operator", "ml_dtypes")
+
+
+class _Uncacheable(Exception):
+    pass
+
+
+def _fingerprint(fn):
+    """(fingerprint, arrays) of a plain Python function, or None where it cannot be known that
+    tracing it again would give the same graph. The fingerprint (hashable, compared with ==)
+    changes whenever what tracing reads may have: the code, the closure cells, the globals its
+    code names (present or not), the defaults, recursively for the plain functions among them;
+    values of Python and NumPy scalars, strings and None; NumPy arrays by identity, shape,
+    dtype, strides and address (their contents are read at every call, never traced); the
+    stable modules and builtins by identity. Anything else (a list, a dict, an object whose
+    attributes the function may read, a CUDA array, a user module) makes the function
+    uncacheable. arrays: the NumPy arrays met, whose death must end the entry (ids are
+    reused)."""
+    if not isinstance(fn, types.FunctionType):
+        return None
+    arrays = []
+    try:
+        return _fp(fn, arrays, set(), 0), arrays
+    except (_Uncacheable, RecursionError):
+        return None
+
+
+def _fp(x, arrays, seen, depth):
+    if depth > 8:
+        raise _Uncacheable
+    if isinstance(x, (float, complex)):
+        return (type(x), repr(x))            # -0.0 and 0.0 compare equal; their traces differ
+    if isinstance(x, np.generic):
+        if x.dtype.hasobject:
+            raise _Uncacheable
+        return (type(x), x.tobytes())
+    if x is None or isinstance(x, (bool, int, str, bytes)):
+        return (type(x), x)
+    if isinstance(x, np.ndarray):
+        if x.dtype.hasobject:
+            raise _Uncacheable
+        arrays.append(x)
+        return ("array", id(x), x.shape, x.dtype.str, x.strides, x.__array_interface__["data"][0])
+    if isinstance(x, tuple):
+        return ("tuple",) + tuple(_fp(v, arrays, seen, depth + 1) for v in x)
+    if isinstance(x, types.ModuleType):
+        if x.__name__.split(".")[0] not in _STABLE_MODULES:
+            raise _Uncacheable
+        return ("module", x)
+    if isinstance(x, (types.BuiltinFunctionType, np.ufunc)):
+        return ("builtin", x)
+    if isinstance(x, types.FunctionType):
+        if id(x) in seen:                   # a recursive helper: its fingerprint is being made
+            return ("seen", x.__code__)
+        seen.add(id(x))
+        code, glob = x.__code__, x.__globals__
+        cells = []
+        for cell in x.__closure__ or ():
+            try:
+                cells.append(_fp(cell.cell_contents, arrays, seen, depth + 1))
+            except ValueError:              # an empty cell: a variable assigned later
+                raise _Uncacheable from None
+        names = tuple((n, _fp(glob[n], arrays, seen, depth + 1) if n in glob else "absent")
+                      for n in sorted(_global_names(code)))
+        kw = tuple(sorted((k, _fp(v, arrays, seen, depth + 1)) for k, v in (x.__kwdefaults__ or {}).items()))
+        return ("function", code, tuple(cells), names, _fp(x.__defaults__, arrays, seen, depth + 1), kw)
+    raise _Uncacheable
+
+
+_traces = None     # (kind, fingerprint) -> (weak references to its arrays, Traced): a kernel_cache.LRU
+
+
+def _cached_trace(fn, kind):
+    global _traces
+    found = _fingerprint(fn)
+    if found is None:
+        return _trace(fn, kind)
+    fp, arrays = found
+    if _traces is None:
+        from .kernel_cache import LRU
+        _traces = LRU(TRACE_CACHE_CAPACITY)
+    key = (kind, fp)
+    try:
+        hit = _traces.get(key)
+    except TypeError:                        # an unhashable scalar value (none known today)
+        return _trace(fn, kind)
+    if hit is not None and all(r() is not None for r in hit[0]):
+        return hit[1]
+    traced = _trace(fn, kind)
+    _traces.put(key, ([weakref.ref(a) for a in arrays], traced))
+    return traced
+
+
+def trace_cache_clear():
+    """Forgets every cached trace."""
+    if _traces is not None:
+        _traces.clear()
+
+
 def _trace(fn, kind):
     if not callable(fn):
         raise TypeError(f"{kind} must be callable, got {type(fn).__name__}")
@@ -725,13 +832,13 @@ def with_output(traced, out):
 
 
 def trace_score_mod(fn):
-    """Trace score_mod(score, b, h, q_idx, kv_idx) -> float into a Traced."""
-    return _trace(fn, "score_mod")
+    """Trace score_mod(score, b, h, q_idx, kv_idx) -> float into a Traced (cached: _fingerprint)."""
+    return _cached_trace(fn, "score_mod")
 
 
 def trace_mask_mod(fn):
-    """Trace mask_mod(b, h, q_idx, kv_idx) -> bool into a Traced."""
-    return _trace(fn, "mask_mod")
+    """Trace mask_mod(b, h, q_idx, kv_idx) -> bool into a Traced (cached: _fingerprint)."""
+    return _cached_trace(fn, "mask_mod")
 
 
 # --- evaluation ------------------------------------------------------------------------------

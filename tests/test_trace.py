@@ -341,3 +341,103 @@ def test_int_and_bool_arrays_have_no_gradient():
     _, d = evaluate_grad(tr, grad(tr), np.ones(6), 0, 0, np.arange(6), np.arange(6), np.ones(6))
     assert d == {}
     assert sorted(tr.arrays) == ["flags", "ids"]
+
+
+# --- the trace cache ---------------------------------------------------------------------------
+
+@pytest.fixture
+def traces(monkeypatch):
+    """Counts the traces actually run (cache misses), from an empty cache."""
+    trace.trace_cache_clear()
+    runs = []
+    real = trace._trace
+    monkeypatch.setattr(trace, "_trace", lambda fn, kind: runs.append(fn) or real(fn, kind))
+    yield runs
+    trace.trace_cache_clear()
+
+
+GLOBAL_SCALE = 2.0
+GLOBAL_TABLE = np.arange(8, dtype=np.float32)
+
+
+def _uses_globals(s, b, h, q, k):
+    return s * GLOBAL_SCALE + GLOBAL_TABLE[q % 8]
+
+
+def _helper(s):
+    return s * GLOBAL_SCALE
+
+
+def _calls_helper(s, b, h, q, k):
+    return _helper(s) + 1.0
+
+
+def test_trace_cache_reuses_an_unchanged_function(traces):
+    table = np.random.default_rng(0).standard_normal((4, 16)).astype(np.float32)
+
+    def fn(s, b, h, q, k):
+        return s + table[h, q - k + 8] * np.float32(0.5)
+    first = trace_score_mod(fn)
+    assert trace_score_mod(fn) is first and len(traces) == 1
+    table[0, 0] = 99.0                        # contents are read at each call, not traced
+    assert trace_score_mod(fn) is first and len(traces) == 1
+    assert trace_mask_mod(lambda b, h, q, k: q >= k) is not None and len(traces) == 2
+
+
+def test_trace_cache_sees_what_tracing_read(traces, monkeypatch):
+    """A closure value, a captured array replaced or reshaped in place, a global, a global
+    read by a helper the function calls, a default: each traces again, with the new value."""
+    c = 1.5
+    table = np.zeros((4, 16), np.float32)
+
+    def fn(s, b, h, q, k):
+        return s * c + table[h, q % 16]
+    assert trace_score_mod(fn).params == (1.5,)
+    c = 2.5
+    assert trace_score_mod(fn).params == (2.5,) and len(traces) == 2
+    c = -0.0                                  # equal to 0.0, another trace
+    t0 = trace_score_mod(fn)
+    c = 0.0
+    assert trace_score_mod(fn) is not t0 and len(traces) == 4
+    table = np.zeros((4, 32), np.float32)     # another array
+    assert trace_score_mod(fn).arrays["table"] is table and len(traces) == 5
+    table.shape = (8, 16)                     # the same array, reshaped in place
+    assert "8, 16" in trace_score_mod(fn).structure and len(traces) == 6
+    trace_score_mod(_uses_globals)
+    monkeypatch.setattr(__import__(__name__), "GLOBAL_SCALE", 3.0)
+    assert trace_score_mod(_uses_globals).params[0] == 3.0 and len(traces) == 8
+    monkeypatch.setattr(__import__(__name__), "GLOBAL_TABLE", np.zeros(8, np.float32))
+    assert trace_score_mod(_uses_globals).arrays["GLOBAL_TABLE"] is GLOBAL_TABLE and len(traces) == 9
+    trace_score_mod(_calls_helper)
+    monkeypatch.setattr(__import__(__name__), "GLOBAL_SCALE", 4.0)
+    assert 4.0 in trace_score_mod(_calls_helper).params and len(traces) == 11
+
+    def with_default(s, b, h, q, k, w=0.5):
+        return s * w
+    trace_score_mod(with_default)
+    with_default.__defaults__ = (0.25,)
+    assert trace_score_mod(with_default).params == (0.25,) and len(traces) == 13
+
+
+def test_trace_cache_leaves_what_it_cannot_know(traces):
+    """A list, an object, a callable object, a user module: traced every time."""
+    weights = [1.0, 2.0]
+
+    class Box:
+        scale = 2.0
+    box = Box()
+    import types as pytypes
+    user_module = pytypes.ModuleType("user_helpers")
+    user_module.scale = 3.0
+
+    class Scaled:
+        def __call__(self, s, b, h, q, k):
+            return s * 2.0
+    fns = [lambda s, b, h, q, k: s * weights[0], lambda s, b, h, q, k: s * box.scale,
+           lambda s, b, h, q, k: s * user_module.scale, Scaled()]
+    for fn in fns:
+        trace_score_mod(fn)
+        trace_score_mod(fn)
+    assert len(traces) == 2 * len(fns)
+    weights[0] = 5.0
+    assert trace_score_mod(fns[0]).params == (5.0,)
