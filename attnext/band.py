@@ -20,6 +20,7 @@ mask_mod(b, h, q, kv) == (lo <= kv - q <= hi) & rest(b, h, q, kv) for every inpu
 from typing import NamedTuple, Optional
 
 from . import trace
+from .kernel_cache import LRU
 
 _FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}
 
@@ -97,9 +98,23 @@ def _bound(node):
     return {"lt": ("hi", c - 1), "le": ("hi", c), "gt": ("lo", c + 1), "ge": ("lo", c)}[op]
 
 
+_splits = LRU(64)       # (id(tm), lower, upper) -> (tm, Band): trace's cache hands back one Traced
+
+
 def split(tm, lower=True, upper=True):
     """The Band of a traced mask_mod. lower / upper False: that side's bounds are left in the rest
-    (a caller that cannot take them)."""
+    (a caller that cannot take them). Remembered for the Traced objects met last (each GPU call
+    with a mask_mod asks, and a rest's canonical text costs ~15 us to make)."""
+    key = (id(tm), lower, upper)
+    hit = _splits.get(key)
+    if hit is not None and hit[0] is tm:
+        return hit[1]
+    band = _split(tm, lower, upper)
+    _splits.put(key, (tm, band))
+    return band
+
+
+def _split(tm, lower, upper):
     lo = hi = None
     rest = []
     for n in _conjuncts(tm.out):

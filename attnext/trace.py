@@ -119,8 +119,27 @@ def _children(node):
     return node.args
 
 
+_topos = {}           # id(root) -> (root, its topo): the last TOPO_MEMO single roots
+TOPO_MEMO = 256
+
+
 def topo(*roots):
-    """Nodes reachable from roots, each after its arguments (iterative post-order DFS)."""
+    """Nodes reachable from roots, each after its arguments (iterative post-order DFS), as a
+    tuple. A single root's is remembered (a cached trace's graph is walked by bounds, codegen
+    and band at every call: ~10 us a walk); a Node never changes, so its order never does."""
+    if len(roots) == 1:
+        hit = _topos.get(id(roots[0]))
+        if hit is not None and hit[0] is roots[0]:
+            return hit[1]
+        order = _topo(roots)
+        if len(_topos) >= TOPO_MEMO:
+            _topos.clear()
+        _topos[id(roots[0])] = (roots[0], order)
+        return order
+    return _topo(roots)
+
+
+def _topo(roots):
     order, seen = [], set()
     for root in roots:
         stack = [(root, False)]
@@ -136,7 +155,7 @@ def topo(*roots):
             for a in reversed(_children(n)):
                 if id(a) not in seen:
                     stack.append((a, False))
-    return order
+    return tuple(order)
 
 
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%",
