@@ -98,20 +98,28 @@ def _bound(node):
     return {"lt": ("hi", c - 1), "le": ("hi", c), "gt": ("lo", c + 1), "ge": ("lo", c)}[op]
 
 
-_splits = LRU(64)       # (id(tm), lower, upper) -> (tm, Band): trace's cache hands back one Traced
+# (id(tm.out), lower, upper) -> (tm.out, the Band with its rest's arrays left out): trace's
+# cache hands back one graph for an unchanged function
+_splits = LRU(64)
 
 
 def split(tm, lower=True, upper=True):
     """The Band of a traced mask_mod. lower / upper False: that side's bounds are left in the rest
-    (a caller that cannot take them). Remembered for the Traced objects met last (each GPU call
-    with a mask_mod asks, and a rest's canonical text costs ~15 us to make)."""
-    key = (id(tm), lower, upper)
+    (a caller that cannot take them). Remembered for the graphs met last (each GPU call with a
+    mask_mod asks, and a rest's canonical text costs ~15 us to make); the rest's arrays are
+    always tm's own (a subset), never kept here."""
+    key = (id(tm.out), lower, upper)
     hit = _splits.get(key)
-    if hit is not None and hit[0] is tm:
-        return hit[1]
-    band = _split(tm, lower, upper)
-    _splits.put(key, (tm, band))
-    return band
+    if hit is not None and hit[0] is tm.out:
+        band = hit[1]
+    else:
+        band = _split(tm, lower, upper)
+        bare = band if band.rest is None else band._replace(rest=band.rest._replace(arrays=tuple(band.rest.arrays)))
+        _splits.put(key, (tm.out, bare))
+        return band
+    if band.rest is None:
+        return band
+    return band._replace(rest=band.rest._replace(arrays={name: tm.arrays[name] for name in band.rest.arrays}))
 
 
 def _split(tm, lower, upper):

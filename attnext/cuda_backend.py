@@ -3,9 +3,10 @@
 api.py has checked every argument; arrays arrive as NumPy views or DevViews (GPU memory read in
 place). NumPy inputs travel through staging.py (their memory registered in place where it can
 be, else its pinned rings), results come back the same way (a large NumPy forward runs in batch
-slices, and a causal one's last sequence in row slices, whose copies overlap the kernels). GPU inputs are read where they are, on the stream
-their protocol names (0, the legacy default stream, when it names none), and results come back
-as the caller's library's arrays (DLPack) or attnext.DeviceArray.
+slices, and a causal one's last sequence in row slices, whose copies overlap the kernels). GPU
+inputs are read where they are, on the stream their protocol names (0, the legacy default
+stream, when it names none), and results come back as the caller's library's arrays (DLPack)
+or attnext.DeviceArray.
 
 Plans. Everything a call's launches are derived from -- its arrays' shapes, strides and dtypes,
 whether q, k, v start on 16-byte boundaries, its options, the device and the kernel lab's

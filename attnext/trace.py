@@ -761,7 +761,10 @@ def _fp(x, arrays, seen, depth):
     raise _Uncacheable
 
 
-_traces = None     # (kind, fingerprint) -> (weak references to its arrays, Traced): a kernel_cache.LRU
+# (kind, fingerprint) -> (weak references to every array met, name -> weak reference of the
+# Traced's arrays, the Traced without its arrays): a kernel_cache.LRU. Weak: a cached trace never
+# keeps a captured array alive.
+_traces = None
 
 
 def _cached_trace(fn, kind):
@@ -778,10 +781,15 @@ def _cached_trace(fn, kind):
         hit = _traces.get(key)
     except TypeError:                        # an unhashable scalar value (none known today)
         return _trace(fn, kind)
-    if hit is not None and all(r() is not None for r in hit[0]):
-        return hit[1]
+    if hit is not None:
+        refs, named, bare = hit
+        now = {name: r() for name, r in named.items()}
+        if all(r() is not None for r in refs) and all(a is not None for a in now.values()):
+            return bare._replace(arrays=now)
     traced = _trace(fn, kind)
-    _traces.put(key, ([weakref.ref(a) for a in arrays], traced))
+    traced.graph.arrays = {}                 # read while tracing only
+    _traces.put(key, ([weakref.ref(a) for a in arrays],
+                      {name: weakref.ref(a) for name, a in traced.arrays.items()}, traced._replace(arrays={})))
     return traced
 
 

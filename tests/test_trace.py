@@ -378,10 +378,27 @@ def test_trace_cache_reuses_an_unchanged_function(traces):
     def fn(s, b, h, q, k):
         return s + table[h, q - k + 8] * np.float32(0.5)
     first = trace_score_mod(fn)
-    assert trace_score_mod(fn) is first and len(traces) == 1
+    again = trace_score_mod(fn)
+    assert again.out is first.out and again.arrays["table"] is table and len(traces) == 1
     table[0, 0] = 99.0                        # contents are read at each call, not traced
-    assert trace_score_mod(fn) is first and len(traces) == 1
+    assert trace_score_mod(fn).out is first.out and len(traces) == 1
     assert trace_mask_mod(lambda b, h, q, k: q >= k) is not None and len(traces) == 2
+
+
+def test_trace_cache_keeps_no_array_alive(traces):
+    """A cached trace holds its arrays weakly: a function and its table dropped free the table."""
+    import gc
+    import weakref
+    table = np.zeros((4, 1 << 16), np.float32)
+    gone = weakref.ref(table)
+
+    def fn(s, b, h, q, k):
+        return s + table[h, q]
+    trace_score_mod(fn)
+    assert trace_score_mod(fn).arrays["table"] is table and len(traces) == 1
+    del fn, table
+    gc.collect()
+    assert gone() is None
 
 
 def test_trace_cache_sees_what_tracing_read(traces, monkeypatch):
@@ -398,7 +415,7 @@ def test_trace_cache_sees_what_tracing_read(traces, monkeypatch):
     c = -0.0                                  # equal to 0.0, another trace
     t0 = trace_score_mod(fn)
     c = 0.0
-    assert trace_score_mod(fn) is not t0 and len(traces) == 4
+    assert trace_score_mod(fn).out is not t0.out and len(traces) == 4
     table = np.zeros((4, 32), np.float32)     # another array
     assert trace_score_mod(fn).arrays["table"] is table and len(traces) == 5
     table.shape = (8, 16)                     # the same array, reshaped in place
