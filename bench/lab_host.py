@@ -41,6 +41,7 @@ CASES = {
     "relbias": ("fwd", 2, 8192, 8192, 16, 16, 128, dict(causal=True, score_mod="relbias")),
     "doc": ("fwd", 1, 16384, 16384, 16, 16, 128, dict(mask_mod="doc")),
     "doc_bwd": ("bwd", 1, 16384, 16384, 16, 16, 128, dict(mask_mod="doc")),
+    "window_bwd": ("bwd", 2, 8192, 8192, 16, 16, 128, dict(mask_mod="window")),
 }
 
 
@@ -57,6 +58,8 @@ def _mods(opts, Sk, Hq):
         from attnext.bench_cuda import document_lengths
         doc = np.repeat(np.arange(len(document_lengths())), document_lengths())
         opts["mask_mod"] = lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi)
+    elif opts.get("mask_mod") == "window":
+        opts["mask_mod"] = lambda b, h, qi, ki: (ki <= qi) & (qi - ki < 1024)
     return opts
 
 
