@@ -544,6 +544,23 @@ static PyObject *c_mem_alloc(PyObject *module, PyObject *args)
     return PyLong_FromUnsignedLongLong(ptr);
 }
 
+/* *pools: whether the device has memory pools; with them, *pool its current one (the device's
+ * context entered). 0, or -1 with a Python exception set. */
+static int current_pool(int device, int *pools, CUmemoryPool *pool)
+{
+    CUdevice dev;
+    if (device_has_pools(device, pools))
+        return -1;
+    if (!*pools)
+        return 0;
+    if (cuda_device_handle(device, &dev) || cuda_device_enter(device))
+        return -1;
+    CU_CHECK(cuDeviceGetMemPool, pool, dev);
+    return 0;
+fail:
+    return -1;
+}
+
 /* mem_pool_keep(nbytes, device=0): the device's current memory pool (what mem_alloc takes from)
  * keeps at least nbytes of freed memory reserved when a stream or the context synchronises,
  * rather than giving it all back to the driver (the default, 0): a NumPy call synchronises at its
@@ -553,17 +570,13 @@ static PyObject *c_mem_pool_keep(PyObject *module, PyObject *args)
 {
     Py_ssize_t nbytes;
     int device = 0, pools;
-    CUdevice dev;
     CUmemoryPool pool;
     unsigned long long keep;
     if (!PyArg_ParseTuple(args, "n|i:mem_pool_keep", &nbytes, &device)
-        || nonnegative("mem_pool_keep", "nbytes", nbytes) || device_has_pools(device, &pools))
+        || nonnegative("mem_pool_keep", "nbytes", nbytes) || current_pool(device, &pools, &pool))
         return NULL;
     if (!pools)
         Py_RETURN_FALSE;
-    if (cuda_device_handle(device, &dev) || cuda_device_enter(device))
-        return NULL;
-    CU_CHECK(cuDeviceGetMemPool, &pool, dev);
     CU_CHECK(cuMemPoolGetAttribute, pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &keep);
     if (keep < (unsigned long long)nbytes) {
         keep = (unsigned long long)nbytes;
@@ -580,15 +593,11 @@ fail:
 static PyObject *c_mem_pool_trim(PyObject *module, PyObject *args)
 {
     int device = 0, pools;
-    CUdevice dev;
     CUmemoryPool pool;
-    if (!PyArg_ParseTuple(args, "|i:mem_pool_trim", &device) || device_has_pools(device, &pools))
+    if (!PyArg_ParseTuple(args, "|i:mem_pool_trim", &device) || current_pool(device, &pools, &pool))
         return NULL;
     if (!pools)
         Py_RETURN_FALSE;
-    if (cuda_device_handle(device, &dev) || cuda_device_enter(device))
-        return NULL;
-    CU_CHECK(cuDeviceGetMemPool, &pool, dev);
     CU_CHECK(cuMemPoolTrimTo, pool, 0);
     Py_RETURN_TRUE;
 fail:

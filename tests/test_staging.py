@@ -407,13 +407,19 @@ def fake_kernel(fake, monkeypatch):
             kd = k[:, d][..., 0].astype(np.float32) + k[:, :1, :, 0].astype(np.float32)
             lse[...] = (q[..., 0].astype(np.float32) + kd).transpose(0, 2, 1)
         fake.enqueue(stream, run, kernel=True)
+    _stand_in(monkeypatch, launch)
+    yield fake
+    cuda_backend.clear_plans()
+
+
+def _stand_in(monkeypatch, launch):
+    """cuda_backend on an sm_90a device of one SM whose attention launches go to launch (the
+    fake kernels above); no plan made before survives (plans made here hold the stand-in)."""
     monkeypatch.setattr(_C, "cuda_launch_attention", launch, raising=False)
     monkeypatch.setattr(cuda_backend, "_status", "")
     monkeypatch.setattr(cuda_backend, "device_arch", lambda device: "sm_90a")
     monkeypatch.setattr(cuda_backend, "device_info", lambda device: {"multiprocessor_count": 1})
     monkeypatch.setattr(cuda_backend.kernels, "function", lambda *a, **kw: "fn")
-    cuda_backend.clear_plans()        # plans made here hold the stand-in "fn"
-    yield fake
     cuda_backend.clear_plans()
 
 
@@ -503,14 +509,9 @@ def real_kernel(fake, monkeypatch):
                 lse = _fake_view(fake, (ptrs[4], (p.B, p.Hq, p.Sq), tuple(p.lse.s)[:3]), np.float32)
                 lse[...] = (m + np.log(total))[..., 0]
         fake.enqueue(stream, run, kernel=True)
-    monkeypatch.setattr(_C, "cuda_launch_attention", launch, raising=False)
-    monkeypatch.setattr(cuda_backend, "_status", "")
-    monkeypatch.setattr(cuda_backend, "device_arch", lambda device: "sm_90a")
-    monkeypatch.setattr(cuda_backend, "device_info", lambda device: {"multiprocessor_count": 1})
-    monkeypatch.setattr(cuda_backend.kernels, "function", lambda *a, **kw: "fn")
+    _stand_in(monkeypatch, launch)
     monkeypatch.setattr(cuda_backend, "SLICE_BYTES", 1 << 12)
     monkeypatch.setattr(cuda_backend.kernels, "TILE_EDGE", 64)
-    cuda_backend.clear_plans()
     yield launched
     cuda_backend.clear_plans()
 
