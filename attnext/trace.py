@@ -71,7 +71,6 @@ scatter-adds the array gradients (np.add.at: sequential, deterministic).
 """
 import hashlib
 import types
-import weakref
 from typing import NamedTuple
 
 import ml_dtypes
@@ -693,6 +692,12 @@ TRACE_CACHE_CAPACITY = 64
 # modules whose attributes a traced function may read (np.where, math.pi) and that never change;
 # a name bound to any other module (a user's, which importlib.reload refills) is not cached
 _STABLE_MODULES = ("numpy", "math", "operator", "ml_dtypes")
+# builtins that read state a fingerprint cannot see (names, files, ids, iterators)
+_DYNAMIC_BUILTINS = frozenset({"globals", "vars", "locals", "eval", "exec", "compile", "__import__",
+                               "open", "input", "id", "hash", "iter", "next", "breakpoint"})
+_STATEFUL_NAMES = frozenset({"random"})      # np.random.*: state behind a stable module
+_PLAIN = (type(None), bool, int, str, bytes)
+_EXACT_FLOATS = (float, complex, np.float64, np.complex128)
 
 
 class _Uncacheable(Exception):
@@ -700,70 +705,105 @@ class _Uncacheable(Exception):
 
 
 def _fingerprint(fn):
-    """(fingerprint, arrays) of a plain Python function, or None where it cannot be known that
+    """(fingerprint, captured) of a plain Python function, or None where it cannot be known that
     tracing it again would give the same graph. The fingerprint (hashable, compared with ==)
-    changes whenever what tracing reads may have: the code, the closure cells, the globals its
-    code names (present or not), the defaults, recursively for the plain functions among them;
-    values of Python and NumPy scalars, strings and None; NumPy arrays by identity, shape,
-    dtype, strides and address (their contents are read at every call, never traced); the
-    stable modules and builtins by identity. Anything else (a list, a dict, an object whose
-    attributes the function may read, a CUDA array, a user module) makes the function
-    uncacheable. arrays: the NumPy arrays met, whose death must end the entry (ids are
-    reused)."""
+    changes whenever what tracing reads may have: the code, the closure cells, the globals and
+    builtins its code names (present or not), the defaults, the function's attributes,
+    recursively through the plain functions among them (each by the order it was met, not its
+    code alone); exact Python and NumPy scalars (floats by repr: -0.0 is not 0.0; NumPy ones with
+    their dtype); the arrays the function itself names -- the ones tracing captures, whose
+    contents are read at every call -- by name, shape and dtype; the stable modules, their
+    functions and the builtins by identity. Anything else makes the function uncacheable: an
+    array reached any other way (its contents may be read while tracing), a list, dict, object or
+    subclass, a bound method, a CUDA array, a user module, np.random, globals() / eval(). captured:
+    name -> the array tracing captures under that name, now."""
     if not isinstance(fn, types.FunctionType):
         return None
-    arrays = []
+    captured = {}
     try:
-        return _fp(fn, arrays, set(), 0), arrays
+        return _fp_function(fn, captured, {}, 0, top=True), captured
     except (_Uncacheable, RecursionError):
         return None
 
 
-def _fp(x, arrays, seen, depth):
+def _fp(x, captured, seen, depth, name=None):
+    """x's part of a fingerprint; name: the name tracing captures x under (a value the traced
+    function itself names), else None."""
     if depth > 8:
         raise _Uncacheable
-    if isinstance(x, (float, complex)):
-        return (type(x), repr(x))            # -0.0 and 0.0 compare equal; their traces differ
+    t = type(x)
+    if t in _EXACT_FLOATS:
+        return (t, repr(x))
+    if t in _PLAIN:
+        return (t, x)
     if isinstance(x, np.generic):
-        if x.dtype.hasobject:
+        if x.dtype.hasobject or t.__module__ != "numpy":
             raise _Uncacheable
-        return (type(x), x.tobytes())
-    if x is None or isinstance(x, (bool, int, str, bytes)):
-        return (type(x), x)
-    if isinstance(x, np.ndarray):
-        if x.dtype.hasobject:
-            raise _Uncacheable
-        arrays.append(x)
-        return ("array", id(x), x.shape, x.dtype.str, x.strides, x.__array_interface__["data"][0])
-    if isinstance(x, tuple):
-        return ("tuple",) + tuple(_fp(v, arrays, seen, depth + 1) for v in x)
+        return (t, x.dtype.str, x.tobytes())
+    if t is np.ndarray:
+        if name is None or x.dtype.hasobject or captured.setdefault(name, x) is not x:
+            raise _Uncacheable      # not captured (tracing may read it), or two arrays under one name
+        return ("array", name, x.shape, x.dtype.str)
+    if t is tuple:
+        return ("tuple",) + tuple(_fp(v, captured, seen, depth + 1) for v in x)
     if isinstance(x, types.ModuleType):
-        if x.__name__.split(".")[0] not in _STABLE_MODULES:
+        if x.__name__.split(".")[0] not in _STABLE_MODULES or x.__name__ == "numpy.random":
             raise _Uncacheable
         return ("module", x)
-    if isinstance(x, (types.BuiltinFunctionType, np.ufunc)):
+    if isinstance(x, types.BuiltinFunctionType):
+        owner = x.__self__
+        if x.__name__ in _DYNAMIC_BUILTINS or not (
+                owner is None or (isinstance(owner, types.ModuleType)
+                                  and owner.__name__ in ("builtins",) + _STABLE_MODULES)):
+            raise _Uncacheable      # a bound method of a mutable object, random(), ...
+        return ("builtin", x)
+    if isinstance(x, np.ufunc):
+        if getattr(np, x.__name__, None) is not x:
+            raise _Uncacheable      # np.frompyfunc's: arbitrary Python inside
         return ("builtin", x)
     if isinstance(x, types.FunctionType):
-        if id(x) in seen:                   # a recursive helper: its fingerprint is being made
-            return ("seen", x.__code__)
-        seen.add(id(x))
-        code, glob = x.__code__, x.__globals__
-        cells = []
-        for cell in x.__closure__ or ():
-            try:
-                cells.append(_fp(cell.cell_contents, arrays, seen, depth + 1))
-            except ValueError:              # an empty cell: a variable assigned later
-                raise _Uncacheable from None
-        names = tuple((n, _fp(glob[n], arrays, seen, depth + 1) if n in glob else "absent")
-                      for n in sorted(_global_names(code)))
-        kw = tuple(sorted((k, _fp(v, arrays, seen, depth + 1)) for k, v in (x.__kwdefaults__ or {}).items()))
-        return ("function", code, tuple(cells), names, _fp(x.__defaults__, arrays, seen, depth + 1), kw)
+        return _fp_function(x, captured, seen, depth, top=False)
     raise _Uncacheable
 
 
-# (kind, fingerprint) -> (weak references to every array met, name -> weak reference of the
-# Traced's arrays, the Traced without its arrays): a kernel_cache.LRU. Weak: a cached trace never
-# keeps a captured array alive.
+def _fp_function(x, captured, seen, depth, top):
+    if id(x) in seen:               # met before (or recursive): by the order it was met
+        return ("seen", seen[id(x)])
+    seen[id(x)] = len(seen)
+    code, glob = x.__code__, x.__globals__
+    used = _global_names(code)
+    if used & _STATEFUL_NAMES:
+        raise _Uncacheable
+    d = depth + 1
+    cells = []
+    for var, cell in zip(code.co_freevars, x.__closure__ or ()):
+        try:
+            cells.append(_fp(cell.cell_contents, captured, seen, d, var if top else None))
+        except ValueError:          # an empty cell: a variable assigned later
+            raise _Uncacheable from None
+    builtins = x.__builtins__
+    names = []
+    for n in sorted(used):
+        if n in glob:
+            names.append((n, _fp(glob[n], captured, seen, d, n if top else None)))
+        elif n in builtins:
+            names.append((n, "builtin", _fp(builtins[n], captured, seen, d)))
+        else:
+            names.append((n, "absent"))
+    pos = code.co_varnames[:code.co_argcount]
+    defaults = x.__defaults__ or ()
+    dfp = tuple(_fp(v, captured, seen, d, n if top else None)
+                for n, v in zip(pos[len(pos) - len(defaults):], defaults))
+    kw = tuple(sorted((k, _fp(v, captured, seen, d, k if top else None))
+                      for k, v in (x.__kwdefaults__ or {}).items()))
+    attrs = tuple(sorted((k, _fp(v, captured, seen, d)) for k, v in x.__dict__.items()))
+    return ("function", code, tuple(cells), tuple(names), dfp, kw, attrs)
+
+
+# (kind, fingerprint) -> the Traced with its arrays' names only (kernel_cache.LRU): the graph
+# depends on each captured array's name, dtype and shape, all in the key, so a hit takes the
+# arrays met now; nothing here keeps a user's array alive or a weak reference to it (NumPy
+# refuses to resize an array that has one)
 _traces = None
 
 
@@ -772,24 +812,19 @@ def _cached_trace(fn, kind):
     found = _fingerprint(fn)
     if found is None:
         return _trace(fn, kind)
-    fp, arrays = found
+    fp, captured = found
     if _traces is None:
         from .kernel_cache import LRU
         _traces = LRU(TRACE_CACHE_CAPACITY)
     key = (kind, fp)
     try:
         hit = _traces.get(key)
-    except TypeError:                        # an unhashable scalar value (none known today)
+    except TypeError:                        # an unhashable value (none known today)
         return _trace(fn, kind)
     if hit is not None:
-        refs, named, bare = hit
-        now = {name: r() for name, r in named.items()}
-        if all(r() is not None for r in refs) and all(a is not None for a in now.values()):
-            return bare._replace(arrays=now)
+        return hit._replace(arrays={name: captured[name] for name in hit.arrays})
     traced = _trace(fn, kind)
-    traced.graph.arrays = {}                 # read while tracing only
-    _traces.put(key, ([weakref.ref(a) for a in arrays],
-                      {name: weakref.ref(a) for name, a in traced.arrays.items()}, traced._replace(arrays={})))
+    _traces.put(key, traced._replace(arrays=dict.fromkeys(traced.arrays)))
     return traced
 
 
@@ -841,7 +876,9 @@ def _trace(fn, kind):
             got = (f"a {result.node.dtype} expression" if isinstance(result, Proxy)
                    else type(result).__name__)
             raise TypeError(f"mask_mod must return a bool expression, got {got}")
-    return _made(kind, out, tuple(graph.params), graph.arrays, graph)
+    traced = _made(kind, out, tuple(graph.params), graph.arrays, graph)
+    graph.arrays = {}             # read while tracing only: a kept graph keeps no array alive
+    return traced
 
 
 def _made(kind, out, params, captured, graph):

@@ -5,11 +5,14 @@ Every mod of tests/mods.py is checked against itself called on NumPy arrays (its
 in float64 (to 1e-12) and in float32 (to float32 round-off); every score_mod's derivative against
 central differences in float64, for the score and every captured float array.
 """
+import gc
+from collections import namedtuple
+
 import numpy as np
 import pytest
 
 import mods
-from attnext import trace
+from attnext import band, trace
 from attnext.trace import evaluate, evaluate_grad, grad, trace_mask_mod, trace_score_mod
 
 SCORE_MODS = mods.score_mods()
@@ -385,20 +388,33 @@ def test_trace_cache_reuses_an_unchanged_function(traces):
     assert trace_mask_mod(lambda b, h, q, k: q >= k) is not None and len(traces) == 2
 
 
-def test_trace_cache_keeps_no_array_alive(traces):
-    """A cached trace holds its arrays weakly: a function and its table dropped free the table."""
-    import gc
+def test_trace_cache_keeps_no_array_alive(_empty_trace_caches):
+    """A cached trace holds no array: a function and its table dropped free the table."""
     import weakref
-    table = np.zeros((4, 1 << 16), np.float32)
-    gone = weakref.ref(table)
+
+    def make():
+        table = np.zeros((4, 1 << 16), np.float32)
+
+        def fn(s, b, h, q, k):
+            return s + table[h, q]
+        first = trace_score_mod(fn)
+        assert trace_score_mod(fn).out is first.out and trace_score_mod(fn).arrays["table"] is table
+        return weakref.ref(table)
+    gone = make()
+    gc.collect()
+    assert gone() is None
+
+
+def test_trace_cache_lets_a_captured_array_resize(traces):
+    """NumPy refuses to resize an array with a weak reference: the cache holds none."""
+    table = np.zeros((4, 16), np.float32)
 
     def fn(s, b, h, q, k):
         return s + table[h, q]
     trace_score_mod(fn)
-    assert trace_score_mod(fn).arrays["table"] is table and len(traces) == 1
-    del fn, table
     gc.collect()
-    assert gone() is None
+    table.resize((4, 32), refcheck=False)
+    assert "(4, 32)" in trace_score_mod(fn).structure and len(traces) == 2
 
 
 def test_trace_cache_sees_what_tracing_read(traces, monkeypatch):
@@ -423,17 +439,18 @@ def test_trace_cache_sees_what_tracing_read(traces, monkeypatch):
     trace_score_mod(_uses_globals)
     monkeypatch.setattr(__import__(__name__), "GLOBAL_SCALE", 3.0)
     assert trace_score_mod(_uses_globals).params[0] == 3.0 and len(traces) == 8
+    # another array of the same shape and dtype: the same graph, with the array met now
     monkeypatch.setattr(__import__(__name__), "GLOBAL_TABLE", np.zeros(8, np.float32))
-    assert trace_score_mod(_uses_globals).arrays["GLOBAL_TABLE"] is GLOBAL_TABLE and len(traces) == 9
+    assert trace_score_mod(_uses_globals).arrays["GLOBAL_TABLE"] is GLOBAL_TABLE and len(traces) == 8
     trace_score_mod(_calls_helper)
     monkeypatch.setattr(__import__(__name__), "GLOBAL_SCALE", 4.0)
-    assert 4.0 in trace_score_mod(_calls_helper).params and len(traces) == 11
+    assert 4.0 in trace_score_mod(_calls_helper).params and len(traces) == 10
 
     def with_default(s, b, h, q, k, w=0.5):
         return s * w
     trace_score_mod(with_default)
     with_default.__defaults__ = (0.25,)
-    assert trace_score_mod(with_default).params == (0.25,) and len(traces) == 13
+    assert trace_score_mod(with_default).params == (0.25,) and len(traces) == 12
 
 
 def test_trace_cache_leaves_what_it_cannot_know(traces):
@@ -458,3 +475,144 @@ def test_trace_cache_leaves_what_it_cannot_know(traces):
     assert len(traces) == 2 * len(fns)
     weights[0] = 5.0
     assert trace_score_mod(fns[0]).params == (5.0,)
+
+
+# the trace cache's stale-trace cases found in review (each failed before the fix)
+@pytest.fixture
+def _empty_trace_caches():
+    trace.trace_cache_clear()
+    band._splits.clear()
+    yield
+    trace.trace_cache_clear()
+
+
+CONF = np.array([0.125])       # read by a helper: its contents become a float param
+
+
+def _conf_scale():
+    return CONF[0]                       # contents read while tracing: a float param
+
+
+def _scaled(s, b, h, q, k):
+    return s * _conf_scale()
+
+
+def test_trace_cache_array_contents_read_by_a_helper_are_not_cached(_empty_trace_caches):
+    CONF[0] = 0.125
+    assert trace_score_mod(_scaled).params == (0.125,)
+    CONF[0] = 0.5
+    try:
+        assert trace_score_mod(_scaled).params == (0.5,)
+    finally:
+        CONF[0] = 0.125
+
+
+def test_trace_cache_array_in_a_captured_tuple_is_not_cached(_empty_trace_caches):
+    pair = (np.array(2.0),)
+
+    def fn(s, b, h, q, k):
+        return s * float(pair[0])
+    assert trace_score_mod(fn).params == (2.0,)
+    pair[0][...] = 3.0
+    assert trace_score_mod(fn).params == (3.0,)
+
+
+def test_trace_cache_function_attributes_are_seen(_empty_trace_caches):
+    def fn(s, b, h, q, k):
+        return s * fn.temperature
+    fn.temperature = 1.0
+    assert trace_score_mod(fn).params == (1.0,)
+    fn.temperature = 4.0
+    assert trace_score_mod(fn).params == (4.0,)
+
+
+def test_trace_cache_bound_builtin_methods_are_not_cached(_empty_trace_caches):
+    cfg = {"scale": 1.0}
+    get = cfg.get
+    arr = np.array([1.0, 2.0])
+    amax = arr.max
+    f1 = lambda s, b, h, q, k: s * get("scale")          # noqa: E731
+    f2 = lambda s, b, h, q, k: s + amax()                # noqa: E731
+    trace_score_mod(f1), trace_score_mod(f2)
+    cfg["scale"], arr[1] = 7.0, 9.0
+    assert trace_score_mod(f1).params == (7.0,)
+    assert trace_score_mod(f2).params == (9.0,)
+
+
+def test_trace_cache_numpy_random_is_not_frozen(_empty_trace_caches):
+    fn = lambda s, b, h, q, k: s + np.random.rand()      # noqa: E731
+    assert len({trace_score_mod(fn).params for _ in range(5)}) > 1
+
+
+def _factory(scale):
+    def f(x):
+        return x * scale
+    return f
+
+
+def test_trace_cache_a_function_met_twice_is_not_identified_by_its_code(_empty_trace_caches):
+    a, b = _factory(1.0), _factory(2.0)
+    g = {"A": a, "B": b, "C": a}
+    fn = eval("lambda s, b_, h, q, k: A(s) + B(s) + C(s)", g)
+    assert trace_score_mod(fn).params == (1.0, 2.0, 1.0)
+    g["C"] = b
+    assert trace_score_mod(fn).params == (1.0, 2.0, 2.0)
+
+
+DYN = 1.0
+
+
+def _dynamic(s, b, h, q, k):
+    return s * globals()["DYN"]
+
+
+def test_trace_cache_dynamic_global_lookup_is_not_cached(_empty_trace_caches, monkeypatch):
+    assert trace_score_mod(_dynamic).params == (1.0,)
+    monkeypatch.setattr(__import__(__name__), "DYN", 3.0)
+    assert trace_score_mod(_dynamic).params == (3.0,)
+
+
+def test_trace_cache_subclasses_of_plain_values_are_not_cached(_empty_trace_caches):
+    P1, P2 = namedtuple("P1", "scale bias"), namedtuple("P2", "bias scale")
+    box = {"cfg": P1(1.0, 2.0)}
+    fn = eval("lambda s, b, h, q, k: s * cfg.scale + cfg.bias", box)
+    assert trace_score_mod(fn).params == (1.0, 2.0)
+    box["cfg"] = P2(1.0, 2.0)
+    assert trace_score_mod(fn).params == (2.0, 1.0)
+
+
+def test_trace_cache_numpy_scalars_keyed_by_dtype(_empty_trace_caches):
+    box = {"D": np.timedelta64(3, "D")}
+    fn = eval("lambda s, b, h, q, k: s * float(D / np.timedelta64(1, 'h'))", dict(box, np=np))
+    assert trace_score_mod(fn).params == (72.0,)
+    fn.__globals__["D"] = np.timedelta64(3, "h")
+    assert trace_score_mod(fn).params == (3.0,)
+
+
+def test_trace_cache_band_memo_keeps_no_array_of_an_uncacheable_mask_mod(_empty_trace_caches):
+    import weakref
+
+    def make():
+        big = np.zeros(1 << 16, np.int64)
+        flags = [True]                   # a list: traced every call
+
+        def mm(b, h, q, k):
+            return (k <= q) & (big[q] == big[k]) & flags[0]
+        band.split(trace_mask_mod(mm))
+        return weakref.ref(big)
+    gone = make()
+    gc.collect()
+    assert gone() is None
+
+
+def test_trace_cache_cache_key_keeps_no_array_alive_through_a_bound_method(_empty_trace_caches):
+    import weakref
+
+    def make():
+        big = np.zeros(1 << 16)
+        m = big.max
+        trace_score_mod(lambda s, b, h, q, k: s + m())
+        return weakref.ref(big)
+    gone = make()
+    gc.collect()
+    assert gone() is None
