@@ -77,6 +77,7 @@ import ml_dtypes
 import numpy as np
 
 from .devview import may_be_device_array
+from .kernel_cache import LRU
 
 INPUTS = ("score", "b", "h", "q_idx", "kv_idx")
 F, I, B = "f32", "i64", "bool"
@@ -118,8 +119,7 @@ def _children(node):
     return node.args
 
 
-_topos = {}           # id(root) -> (root, its topo): the last TOPO_MEMO single roots
-TOPO_MEMO = 256
+_topos = LRU(256)     # id(root) -> (root, its topo)
 
 
 def topo(*roots):
@@ -131,9 +131,7 @@ def topo(*roots):
         if hit is not None and hit[0] is roots[0]:
             return hit[1]
         order = _topo(roots)
-        if len(_topos) >= TOPO_MEMO:
-            _topos.clear()
-        _topos[id(roots[0])] = (roots[0], order)
+        _topos.put(id(roots[0]), (roots[0], order))
         return order
     return _topo(roots)
 
@@ -800,27 +798,20 @@ def _fp_function(x, captured, seen, depth, top):
     return ("function", code, tuple(cells), tuple(names), dfp, kw, attrs)
 
 
-# (kind, fingerprint) -> the Traced with its arrays' names only (kernel_cache.LRU): the graph
-# depends on each captured array's name, dtype and shape, all in the key, so a hit takes the
-# arrays met now; nothing here keeps a user's array alive or a weak reference to it (NumPy
-# refuses to resize an array that has one)
-_traces = None
+# (kind, fingerprint) -> the Traced with its arrays' names only: the graph depends on each
+# captured array's name, dtype and shape, all in the key, so a hit takes the arrays met now;
+# nothing here keeps a user's array alive or a weak reference to it (NumPy refuses to resize an
+# array that has one)
+_traces = LRU(TRACE_CACHE_CAPACITY)
 
 
 def _cached_trace(fn, kind):
-    global _traces
     found = _fingerprint(fn)
     if found is None:
         return _trace(fn, kind)
     fp, captured = found
-    if _traces is None:
-        from .kernel_cache import LRU
-        _traces = LRU(TRACE_CACHE_CAPACITY)
-    key = (kind, fp)
-    try:
-        hit = _traces.get(key)
-    except TypeError:                        # an unhashable value (none known today)
-        return _trace(fn, kind)
+    key = (kind, fp)                         # hashable: _fp admits only hashable parts
+    hit = _traces.get(key)
     if hit is not None:
         return hit._replace(arrays={name: captured[name] for name in hit.arrays})
     traced = _trace(fn, kind)
@@ -830,8 +821,7 @@ def _cached_trace(fn, kind):
 
 def trace_cache_clear():
     """Forgets every cached trace."""
-    if _traces is not None:
-        _traces.clear()
+    _traces.clear()
 
 
 def _trace(fn, kind):

@@ -349,14 +349,12 @@ def test_int_and_bool_arrays_have_no_gradient():
 # --- the trace cache ---------------------------------------------------------------------------
 
 @pytest.fixture
-def traces(monkeypatch):
+def traces(monkeypatch, _empty_trace_caches):
     """Counts the traces actually run (cache misses), from an empty cache."""
-    trace.trace_cache_clear()
     runs = []
     real = trace._trace
     monkeypatch.setattr(trace, "_trace", lambda fn, kind: runs.append(fn) or real(fn, kind))
-    yield runs
-    trace.trace_cache_clear()
+    return runs
 
 
 GLOBAL_SCALE = 2.0
