@@ -149,6 +149,60 @@ def test_a_call_with_mods_compiles_its_entry_points_alone():
     assert b"attn_bwd_dq_sm90" in cubin and b"attn_bwd_dkdv_sm90" not in cubin
 
 
+def test_mods_kernels_take_their_ptxas_level_and_plain_ones_the_default(monkeypatch):
+    """kernels.MODS_PTXAS_LEVEL reaches ptxas for the kernels with mods only: their defines carry
+    it (the caches and plans key on it), options() renders it as -Xptxas; a plain variant's
+    options are what they always were. ATTNEXT_MODS_PTXAS_O=3 gives the mods ptxas's default."""
+    from attnext import codegen, trace
+    gen = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s * 0.5))
+    features = dict(dtype="bfloat16", D=128, Dv=128, vec=True, softcap=False, bias_dtype=None,
+                    alibi_dtype=None, mask=False, tile=kernels.SM90_TILE_LONG)
+    monkeypatch.delenv("ATTNEXT_MODS_PTXAS_O", raising=False)
+    plain, mods = kernels.fwd_defines(**features), kernels.fwd_defines(**features, mods=gen)
+    head = ["--gpu-architecture=sm_90a", "--std=c++17", "-lineinfo"]
+    assert kernels.options(plain, "sm_90a") == head + [f"-D{k}={v}" for k, v in sorted(plain.items())]
+    opts = kernels.options(mods, "sm_90a")
+    assert opts[:5] == head + ["-Xptxas", f"-O{kernels.MODS_PTXAS_LEVEL}"] and kernels.MODS_PTXAS_LEVEL != 3
+    assert not any(kernels.PTXAS_O in o for o in opts) and kernels.plain_defines(mods) == plain
+    monkeypatch.setenv("ATTNEXT_MODS_PTXAS_O", "3")
+    default = kernels.fwd_defines(**features, mods=gen)
+    assert default != mods and kernels.options(default, "sm_90a")[3:] == [o for o in opts[5:]]
+    assert all("ATTNEXT_MODS_PTXAS_O" in knobs for knobs in (kernels.FWD_KNOBS, kernels.BWD_KNOBS))
+
+
+def test_compile_ahead_starts_the_compiles_where_the_cores_allow(tmp_path, monkeypatch):
+    """kernels.compile_ahead compiles its entry points' cubins in background threads, each module
+    once, as module_for chooses them (a plain entry point alone while its whole file is in no
+    cache), where the machine has a core for each beside the caller's (busy);
+    ATTNEXT_COMPILE_AHEAD=1 always, =0 never."""
+    if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
+        pytest.skip("ATTNEXT_NO_NVRTC=1")
+    from attnext import codegen, trace
+    from attnext.kernel_cache import CubinCache
+    monkeypatch.setattr(kernels, "_cubins", CubinCache(kernels._compile, cache_dir=tmp_path))
+    made = []
+    monkeypatch.setattr(kernels, "cubin", lambda k, d, arch, g=None: made.append((k, d, g)) or b"cubin")
+    gen = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s * 0.5))
+    features = dict(dtype="bfloat16", D=128, Dv=128, vec=True, softcap=False, bias_dtype=None,
+                    alibi_dtype=None, mask=False)
+    defines = kernels.bwd_defines(**features, tile=kernels.bwd_sm90_tile(128, "recompute"), mods=gen)
+    specs = [("attn_bwd_sm90", "attn_bwd_dq_sm90", defines, gen.source),
+             ("attn_bwd", "attn_bwd_pre", defines, gen.source), ("attn_bwd", "attn_bwd_pre", defines, gen.source)]
+    monkeypatch.setattr(kernels, "_cpus", lambda: 3)
+    monkeypatch.setenv("ATTNEXT_COMPILE_AHEAD", "0")
+    assert kernels.compile_ahead(specs, "sm_90a") == []
+    monkeypatch.delenv("ATTNEXT_COMPILE_AHEAD")
+    assert kernels.compile_ahead(specs, "sm_90a", busy=2) == [] and made == []
+    assert [f.result() for f in kernels.compile_ahead(specs, "sm_90a", busy=1)] == [b"cubin"] * 2
+    plain = kernels.plain_defines(defines)
+    assert sorted(made, key=str) == sorted([
+        ("attn_bwd_sm90", kernels.entry_defines(defines, "attn_bwd_dq_sm90"), gen.source),
+        ("attn_bwd", kernels.entry_defines(plain, "attn_bwd_pre"), None)], key=str)
+    monkeypatch.setattr(kernels, "_cpus", lambda: 1)
+    monkeypatch.setenv("ATTNEXT_COMPILE_AHEAD", "1")
+    assert len(kernels.compile_ahead(specs, "sm_90a", busy=1)) == 2
+
+
 def test_block_mask_kernel_compiles_alone_and_reports_out_of_line():
     """A call with a mask_mod prefetches attn_block_mask beside its entry points (block_mask_specs:
     none without one); it is compiled alone like them, and its lookups report through the
