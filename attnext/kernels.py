@@ -10,9 +10,8 @@ A score_mod / mask_mod variant adds two headers: kernels/attn_mods.cuh and the g
 attn_mod_gen.cuh (codegen.py), plus the switches of mod_defines; the cache keys on both. Such a
 variant is compiled at a call, so for its first call's latency (module_of, prefetch): one entry
 point per compile (ATTN_ENTRY_ONLY), the entry points of a call in parallel threads, and the
-entry points that read no mod taken from the plain variant (warmup's cache), ptxas at -O1
-(MODS_PTXAS_LEVEL), and the backward's entry points compiled in the background while the forward
-compiles its own (compile_ahead: a forward with mods that returns lse). The plain variants
+entry points that read no mod taken from the plain variant (warmup's cache), and the backward's
+entry points compiled in the background while the forward compiles its own (compile_ahead: a forward with mods that returns lse). The plain variants
 are whole files, one compile for all their entry points (warmup compiles them), except that an
 entry point whose whole file no cache holds yet is compiled alone (module_for). A module is
 loaded once per device; prefetch loads a call's modules in parallel. The cache key's NVRTC
@@ -51,9 +50,9 @@ MODS_HEADER = KERNEL_DIR / "attn_mods.cuh"
 # The kernel lab's overrides of the choices below, read when a choice is made; cuda_backend's
 # plans are keyed on their values (knobs()), so a change takes effect at the next call.
 FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "ATTNEXT_FWD_SM90",
-             "ATTNEXT_TILE_SM90", "ATTNEXT_MODS_PTXAS_O")
+             "ATTNEXT_TILE_SM90")
 BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_DQ",
-             "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_MODS_PTXAS_O")
+             "ATTNEXT_BWD_DQ_WRITE")
 # os.environ.get costs ~0.5 us a name (key encoding, Mapping.get); the dict behind os.environ
 # is what it reads (bytes keys where the OS environment is bytes, as on Linux)
 _ENV = getattr(os.environ, "_data", None)
@@ -162,32 +161,16 @@ def mod_defines(defines, mods):
         return defines
     d = dict(defines, **mods.defines)
     d["ATTN_GMODS"] = 1          # attn_params.h: the kernels' parameter carries gmods
-    d[PTXAS_O] = mods_ptxas_level()
     d["MASK_ARRAY"] = defines["HAS_MASK"]
     d["HAS_MASK"] = int(defines["HAS_MASK"] or mods.defines["HAS_MASK_MOD"])
     return d
-
-
-# ptxas's optimisation level for kernels with a score_mod / mask_mod, which compile at a call (a
-# new mod's first call waits for them): -O1 takes 3-7 % off their compiles (2-core machine,
-# NVRTC 13.5; ptxas is ~60 % of a compile) and changes their machine code; the plain kernels
-# keep ptxas's default (-O3). The defines carry it (options() renders it as -Xptxas), so the
-# caches key on it; ATTNEXT_MODS_PTXAS_O=3 gives the mods the default, for the kernel lab's
-# comparison of their speed (bench/lab_compile.py --speed --env ATTNEXT_MODS_PTXAS_O=1,3)
-MODS_PTXAS_LEVEL = 1
-PTXAS_O = "ATTN_PTXAS_O"
-
-
-def mods_ptxas_level():
-    env = os.environ.get("ATTNEXT_MODS_PTXAS_O")
-    return int(env) if env in ("0", "1", "2", "3") else MODS_PTXAS_LEVEL
 
 
 # Entry points that read nothing of the score_mod / mask_mod (attn_params.gmods is the struct's
 # last field, so a plain kernel reads the prefix of a call's parameter that carries them): a call
 # with mods takes them from the plain variant (warmup's cache), never compiles them again
 MOD_FREE_ENTRIES = frozenset({"attn_fwd_combine", "attn_bwd_pre", "attn_bwd_dq_convert"})
-_MOD_KEYS = ("HAS_SCORE_MOD", "HAS_MASK_MOD", "HAS_DTENSORS", "ATTN_GMODS", "MASK_ARRAY", PTXAS_O)
+_MOD_KEYS = ("HAS_SCORE_MOD", "HAS_MASK_MOD", "HAS_DTENSORS", "ATTN_GMODS", "MASK_ARRAY")
 
 
 def plain_defines(defines):
@@ -265,12 +248,8 @@ def _headers(generated=None):
 
 
 def options(defines, arch):
-    """NVRTC's options: the defines as -D flags, but PTXAS_O as ptxas's level (left out at its
-    default, 3)."""
-    level = defines.get(PTXAS_O, 3)
     return ([f"--gpu-architecture={arch}", "--std=c++17", "-lineinfo"]
-            + (["-Xptxas", f"-O{level}"] if level != 3 else [])
-            + [f"-D{k}={v}" for k, v in sorted(defines.items()) if k != PTXAS_O])
+            + [f"-D{k}={v}" for k, v in sorted(defines.items())])
 
 
 _nvrtc_lock = threading.Lock()

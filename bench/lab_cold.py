@@ -9,11 +9,8 @@ forward and backward in a fresh process with an empty ATTNEXT_CACHE_DIR (cold) a
 cache off, then in another fresh process with that folder (disk). A config is the variables set
 for those processes (the others as this process has them); the defaults compare the compile
 levers of kernels.py against their absence:
-  before   ATTNEXT_COMPILE_AHEAD=0 ATTNEXT_MODS_PTXAS_O=3   (no backward compiled during the
-           forward; ptxas's default level for the mods' kernels)
-  ahead    ATTNEXT_MODS_PTXAS_O=3                           (the backward's compiles started by
-           the forward, kernels.compile_ahead)
-  after    (nothing set: both levers as kernels.py has them)
+  before   ATTNEXT_COMPILE_AHEAD=0   (no backward compiled during the forward)
+  after    (nothing set: kernels.compile_ahead as kernels.py has it)
 Prints each case's cold and disk seconds per config: the median and every repeat.
 """
 import argparse
@@ -25,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from attnext import bench_mods  # noqa: E402
 
-DEFAULT_CONFIGS = ("ATTNEXT_COMPILE_AHEAD=0 ATTNEXT_MODS_PTXAS_O=3", "ATTNEXT_MODS_PTXAS_O=3", "")
+DEFAULT_CONFIGS = ("ATTNEXT_COMPILE_AHEAD=0", "")
 KEYS = ("cold_fwd_s", "cold_bwd_s", "disk_fwd_s", "disk_bwd_s")
 
 

@@ -25,8 +25,7 @@ integer rules, three arrays, tanh).
 
 times the mods' kernels instead (GPU, torch: forward and backward ms, B = 8, S = 2048, H = 8,
 causal, medians of 20 after a warm-up), through the public API only; --env NAME=V1,V2 times each
-mod under each value of a plan knob in one process (ATTNEXT_MODS_PTXAS_O=1,3: the mods' ptxas
-level, kernels.MODS_PTXAS_LEVEL, against ptxas's default). The same file run from
+mod under each value of a plan knob in one process (e.g. ATTNEXT_BWD_DQ=ordered,atomic). The same file run from
 another checkout's root (git show compile-time:bench/lab_compile.py > /tmp/lab.py;
 PYTHONPATH=. python /tmp/lab.py --speed) times that checkout's kernels.
 """
@@ -228,7 +227,7 @@ def init_gpu(torch):
 def speed(names, env=None):
     """ms of each mod's forward and backward (real kernels; compiles happen in the warm-up).
     env: (variable, [values]): each mod timed under each value of the variable in turn (one of
-    the plans' knobs, kernels.FWD_KNOBS / BWD_KNOBS, such as ATTNEXT_MODS_PTXAS_O)."""
+    the plans' knobs, kernels.FWD_KNOBS / BWD_KNOBS, such as ATTNEXT_BWD_DQ)."""
     import torch
     import attnext
     B, H = 16384 // S, HEADS                 # the tables have HEADS rows
@@ -293,7 +292,7 @@ def main():
     ap.add_argument("--split", action="store_true", help="front end and ptxas of each kernel")
     ap.add_argument("--speed", action="store_true", help="time the mods' kernels (GPU) instead")
     ap.add_argument("--env", help="with --speed: NAME=V1,V2 times each mod under each value "
-                    "(e.g. ATTNEXT_MODS_PTXAS_O=1,3: ptxas -O1 against the default for the mods)")
+                    "(e.g. ATTNEXT_BWD_DQ=ordered,atomic)")
     ap.add_argument("--hit", help=argparse.SUPPRESS)
     args = ap.parse_args()
     names = list(MODS) if args.all else args.mods.split(",") if args.mods else list(DEFAULT_MODS)

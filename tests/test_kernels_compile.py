@@ -149,27 +149,6 @@ def test_a_call_with_mods_compiles_its_entry_points_alone():
     assert b"attn_bwd_dq_sm90" in cubin and b"attn_bwd_dkdv_sm90" not in cubin
 
 
-def test_mods_kernels_take_their_ptxas_level_and_plain_ones_the_default(monkeypatch):
-    """kernels.MODS_PTXAS_LEVEL reaches ptxas for the kernels with mods only: their defines carry
-    it (the caches and plans key on it), options() renders it as -Xptxas; a plain variant's
-    options are what they always were. ATTNEXT_MODS_PTXAS_O=3 gives the mods ptxas's default."""
-    from attnext import codegen, trace
-    gen = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s * 0.5))
-    features = dict(dtype="bfloat16", D=128, Dv=128, vec=True, softcap=False, bias_dtype=None,
-                    alibi_dtype=None, mask=False, tile=kernels.SM90_TILE_LONG)
-    monkeypatch.delenv("ATTNEXT_MODS_PTXAS_O", raising=False)
-    plain, mods = kernels.fwd_defines(**features), kernels.fwd_defines(**features, mods=gen)
-    head = ["--gpu-architecture=sm_90a", "--std=c++17", "-lineinfo"]
-    assert kernels.options(plain, "sm_90a") == head + [f"-D{k}={v}" for k, v in sorted(plain.items())]
-    opts = kernels.options(mods, "sm_90a")
-    assert opts[:5] == head + ["-Xptxas", f"-O{kernels.MODS_PTXAS_LEVEL}"] and kernels.MODS_PTXAS_LEVEL != 3
-    assert not any(kernels.PTXAS_O in o for o in opts) and kernels.plain_defines(mods) == plain
-    monkeypatch.setenv("ATTNEXT_MODS_PTXAS_O", "3")
-    default = kernels.fwd_defines(**features, mods=gen)
-    assert default != mods and kernels.options(default, "sm_90a")[3:] == [o for o in opts[5:]]
-    assert all("ATTNEXT_MODS_PTXAS_O" in knobs for knobs in (kernels.FWD_KNOBS, kernels.BWD_KNOBS))
-
-
 def test_compile_ahead_starts_the_compiles_where_the_cores_allow(tmp_path, monkeypatch):
     """kernels.compile_ahead compiles its entry points' cubins in background threads, each module
     once, as module_for chooses them (a plain entry point alone while its whole file is in no
