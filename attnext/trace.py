@@ -795,7 +795,31 @@ def _fp_function(x, captured, seen, depth, top):
     kw = tuple(sorted((k, _fp(v, captured, seen, d, k if top else None))
                       for k, v in (x.__kwdefaults__ or {}).items()))
     attrs = tuple(sorted((k, _fp(v, captured, seen, d)) for k, v in x.__dict__.items()))
-    return ("function", code, tuple(cells), tuple(names), dfp, kw, attrs)
+    # the stable modules it names (np, math, ...): what their attributes named by its code are
+    # now (np.tanh replaced by a user's function traces again)
+    values = [glob.get(n) for n in used] + [c.cell_contents for c in x.__closure__ or ()]
+    mods = tuple(sorted((m.__name__, _module_attrs(m, used)) for m in
+                        {id(v): v for v in values if isinstance(v, types.ModuleType)}.values()))
+    return ("function", code, tuple(cells), tuple(names), dfp, kw, attrs, mods)
+
+
+def _module_attrs(module, names):
+    """The attributes of a stable module among names, as (name, value): each value itself
+    (functions, ufuncs, submodules and constants hash as themselves); another kind of value
+    makes the function uncacheable."""
+    found = []
+    for n in sorted(names):
+        v = module.__dict__.get(n)
+        if v is None:
+            continue
+        if not isinstance(v, (types.FunctionType, types.BuiltinFunctionType, np.ufunc, types.ModuleType, type,
+                              float, int, bool, str)):
+            try:
+                hash(v)
+            except TypeError:
+                raise _Uncacheable from None
+        found.append((n, v))
+    return tuple(found)
 
 
 # (kind, fingerprint) -> the Traced with its arrays' names only: the graph depends on each

@@ -451,6 +451,19 @@ def test_trace_cache_sees_what_tracing_read(traces, monkeypatch):
     assert trace_score_mod(with_default).params == (0.25,) and len(traces) == 12
 
 
+def test_trace_cache_sees_a_replaced_numpy_function(traces, monkeypatch):
+    """np.tanh replaced (a monkeypatch): traced again, through the new function; put back, the
+    first trace again."""
+    def fn(s, b, h, q, k):
+        return 30.0 * np.tanh(s / 30.0)
+    first = trace_score_mod(fn)
+    monkeypatch.setattr(np, "tanh", lambda x: x * 2.0)
+    again = trace_score_mod(fn)
+    assert again.structure != first.structure and "tanh" not in again.structure and len(traces) == 2
+    monkeypatch.undo()
+    assert trace_score_mod(fn).out is first.out and len(traces) == 2
+
+
 def test_trace_cache_leaves_what_it_cannot_know(traces):
     """A list, an object, a callable object, a user module: traced every time."""
     weights = [1.0, 2.0]
