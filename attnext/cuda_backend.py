@@ -560,10 +560,13 @@ def _compile_backward_ahead(o, device, features, q_rows, gen, fwd_specs):
     """Starts compiling the backward a forward with mods expects (kernels.compile_ahead): the
     default one (deterministic, dout laid out as q, no dbias) of the same problem, less the
     forward's own compiles (the block mask). A backward that differs compiles what it lacks."""
-    k_rows = _key_rows(o) if o.varlen else o.Sk
-    ns = _backward_kernels(o, device, dict(features), True, q_rows, k_rows, gen)
-    specs = [s for s in _backward_specs(ns, gen) if s not in fwd_specs]
-    kernels.compile_ahead(specs, device_arch(device), busy=len(fwd_specs))
+    try:        # only a head start: whatever goes wrong here, the backward meets (and raises) itself
+        k_rows = _key_rows(o) if o.varlen else o.Sk
+        ns = _backward_kernels(o, device, dict(features), True, q_rows, k_rows, gen)
+        specs = [s for s in _backward_specs(ns, gen) if s not in fwd_specs]
+        kernels.compile_ahead(specs, device_arch(device), busy=len(fwd_specs))
+    except Exception:
+        pass
 
 
 def forward(o, out_host, lse_host, stage=None):
@@ -784,7 +787,7 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     grid, warps) each, in launch order), the dq mode and what follows from it (defines, smem,
     kv_blocks, sem_words, write_last, ordered, atomic, mask_mod). features: _common's, vec
     already anded with dout's; dbias4: the dbias view or None. A forward with mods asks it for the
-    backward it expects (_prefetch_backward), the backward's plan for its launches."""
+    backward it expects (_compile_backward_ahead), the backward's plan for its launches."""
     tile = kernels.bwd_tile_config(o.D, o.Dv)
     arch = device_arch(device)
     sm90 = kernels.bwd_sm90_applies(arch, o.D, o.Dv, features["vec"])

@@ -59,19 +59,28 @@ def instrumented_kernels():
 
 
 def med(xs):
+    """The median in us of the differences that have both stamps (None: one is missing; a stamp
+    never written reads 0, e.g. the writer's turn of an item whose tile no other block sees)."""
     xs = [x for x in xs if x is not None]
     return f"{statistics.median(xs) / 1000:7.2f}" if xs else "      -"
 
 
+def diff(t, a, b):
+    """Stamp b - stamp a per CTA, None where either was never written."""
+    return [r[b] - r[a] if r[a] and r[b] else None for r in t]
+
+
 def main():
-    os.environ["ATTNEXT_KERNEL_DIR"] = str(instrumented_kernels())
+    kernels_dir = instrumented_kernels()
+    os.environ["ATTNEXT_KERNEL_DIR"] = str(kernels_dir)
+    os.environ["ATTNEXT_CACHE_DIR"] = str(kernels_dir.parent / "cache")   # the lab's cubins stay its own
     sys.path.insert(0, str(ROOT))
     import numpy as np
     import torch
     import attnext
     from attnext import cuda_backend
 
-    buf = torch.zeros(64 * 8192, dtype=torch.int64, device="cuda")
+    buf = torch.zeros(1, dtype=torch.int64, device="cuda")
     tracing = [False]
     launch = cuda_backend._launch
 
@@ -88,6 +97,8 @@ def main():
         q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out, lse = attnext.attention(q, k, v, causal=causal, return_lse=True)
         dout = torch.randn_like(out)
+        ctas = -(-S // 128) * H * B           # the grid: key blocks of 128 x kv heads x sequences
+        buf = torch.zeros(64 * ctas, dtype=torch.int64, device="cuda")
         for _ in range(3):
             attnext.attention_backward(dout, q, k, v, out, lse, causal=causal)
         torch.cuda.synchronize()
@@ -105,17 +116,18 @@ def main():
         end = np.maximum(t[:, 2], t[:, 3])
         print(f"== D{D} S{S} {'causal' if causal else 'full'}: {len(t)} CTAs, kernel "
               f"{(end.max() - t[:, 0].min()) / 1e3:.1f} us, items median {np.median(items)}")
-        print("  start->kv_in", med(t[:, 1] - t[:, 0]), " kv_in->item0", med(t[:, 8] - t[:, 1]),
-              " consumers' end->writer's end", med(t[:, 3] - t[:, 2]), " start->end", med(end - t[:, 0]))
+        print("  start->kv_in", med(diff(t, 0, 1)), " kv_in->item0", med(diff(t, 1, 8)),
+              " consumers' end->writer's end", med(diff(t, 2, 3)), " start->end", med(end - t[:, 0]))
         for j in range(8):
             sel = t[items > j]
             if len(sel) < len(t) // 2:
                 break
-            nxt = [r[9 + j] - r[24 + j] if j + 1 < r[5] else None for r in sel]
-            print(f"  item {j}: consumers {med(sel[:, 24 + j] - sel[:, 8 + j])}  to the next {med(nxt)}"
-                  f"  writer waits {med(sel[:, 40 + j] - sel[:, 24 + j])}  writer's turn {med(sel[:, 56 + j] - sel[:, 40 + j])}")
-        last = t[np.arange(len(t)), 24 + np.minimum(items, 8) - 1]
-        print("  dK, dV store (consumers' end - last dq_full)", med(t[:, 2] - last))
+            nxt = diff(sel, 24 + j, 9 + j) if j < 7 else [None]
+            print(f"  item {j}: consumers {med(diff(sel, 8 + j, 24 + j))}  to the next {med(nxt)}"
+                  f"  writer waits {med(diff(sel, 24 + j, 40 + j))}  writer's turn {med(diff(sel, 40 + j, 56 + j))}")
+        few = t[items <= 8]                   # the last item stamped: the store follows it
+        print("  dK, dV store (consumers' end - last dq_full)",
+              med([r[2] - r[24 + r[5] - 1] for r in few]) if len(few) else "      -")
         ends, gaps = {}, []
         for r, e in sorted(zip(t, end), key=lambda x: x[0][0]):
             if r[4] in ends:

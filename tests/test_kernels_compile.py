@@ -182,6 +182,47 @@ def test_compile_ahead_starts_the_compiles_where_the_cores_allow(tmp_path, monke
     assert len(kernels.compile_ahead(specs, "sm_90a", busy=1)) == 2
 
 
+def test_compile_ahead_counts_its_running_compiles_and_skips_cached_ones(tmp_path, monkeypatch):
+    """The cores' rule counts compile_ahead's compiles still running from earlier calls; an entry
+    point a cache holds is not compiled again; "off" is "0"; a forward's head start never raises
+    (cuda_backend._compile_backward_ahead: the backward meets its own errors)."""
+    import threading
+    from attnext import cuda_backend
+    from attnext.kernel_cache import CubinCache
+    monkeypatch.setattr(kernels, "_cubins", CubinCache(kernels._compile, cache_dir=tmp_path))
+    release, made = threading.Event(), []
+
+    def slow_cubin(k, d, arch, g=None):
+        made.append(d)
+        release.wait(10)
+        return b"cubin"
+    monkeypatch.setattr(kernels, "cubin", slow_cubin)
+    monkeypatch.setattr(kernels, "module_for", lambda kernel, name, defines, generated, arch: (kernel, defines, None))
+    monkeypatch.setattr(kernels, "compile_args", lambda k, d, arch, g=None: (str(sorted(d.items())), "x.cu", [], []))
+    monkeypatch.setattr(kernels, "_cpus", lambda: 3)
+    monkeypatch.delenv("ATTNEXT_COMPILE_AHEAD", raising=False)
+    spec = lambda i: ("attn_bwd", f"e{i}", {"E": i}, None)
+    first = kernels.compile_ahead([spec(0), spec(1)], "sm_90a", busy=1)
+    assert len(first) == 2
+    assert kernels.compile_ahead([spec(2)], "sm_90a", busy=1) == []     # 1 + 1 + 2 running > 3 cores
+    release.set()
+    assert [f.result() for f in first] == [b"cubin"] * 2
+    for _ in range(100):
+        if kernels._ahead_running == 0:
+            break
+        threading.Event().wait(0.01)
+    assert kernels._ahead_running == 0
+    [third] = kernels.compile_ahead([spec(2)], "sm_90a", busy=1)
+    assert third.result() == b"cubin"
+    monkeypatch.setattr(kernels._cubins, "has", lambda *args: True)
+    assert kernels.compile_ahead([spec(3)], "sm_90a", busy=1) == []
+    monkeypatch.setattr(kernels._cubins, "has", lambda *args: False)
+    monkeypatch.setenv("ATTNEXT_COMPILE_AHEAD", "off")
+    assert kernels.compile_ahead([spec(4)], "sm_90a", busy=1) == []
+    assert {d["E"] for d in made} == {0, 1, 2}
+    cuda_backend._compile_backward_ahead(object(), 0, {}, 1, None, [])   # a broken problem: no raise
+
+
 def test_block_mask_kernel_compiles_alone_and_reports_out_of_line():
     """A call with a mask_mod prefetches attn_block_mask beside its entry points (block_mask_specs:
     none without one); it is compiled alone like them, and its lookups report through the
