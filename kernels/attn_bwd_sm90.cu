@@ -484,9 +484,9 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                 for (int i = 0; i < LR; i++) {
                     const int64_t row = row0 + tid + i * LOADERS;
                     const bool in = m0 + tid + i * LOADERS < Lq;
-                    l[i] = in ? ((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + row * p.lse.s[2]] : 0.f;
-                    d[i] = in ? ((const float *)p.delta.ptr)[sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + row * p.delta.s[2]]
-                              : 0.f;
+                    const float *lse = (const float *)p.lse.ptr, *delta = (const float *)p.delta.ptr;
+                    l[i] = in ? lse[sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + row * p.lse.s[2]] : 0.f;
+                    d[i] = in ? delta[sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + row * p.delta.s[2]] : 0.f;
                 }
                 if (j >= 2)
                     mbar_wait(q_empty + 8 * x, ((j >> 1) - 1) & 1);
