@@ -784,9 +784,9 @@ def _backward_plan(o, device, views, extra, deterministic, gen=None):
 
 def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, dbias4=None):
     """The kernels a backward of o runs, in a namespace: wanted ((source, name, defines, smem,
-    grid, warps) each, in launch order), the dq mode and what follows from it (defines, smem,
-    kv_blocks, sem_words, write_last, ordered, atomic, mask_mod). features: _common's, vec
-    already anded with dout's; dbias4: the dbias view or None. A forward with mods asks it for the
+    grid, warps) each, in launch order) and what the plan's scratch follows from the dq mode
+    (atomic, ordered, sem_words, write_last, mask_mod, grads). features: _common's, vec already
+    anded with dout's; dbias4: the dbias view or None. A forward with mods asks it for the
     backward it expects (_compile_backward_ahead), the backward's plan for its launches."""
     tile = kernels.bwd_tile_config(o.D, o.Dv)
     arch = device_arch(device)
@@ -811,8 +811,7 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     # dq unless the last turns do
     mask_mod = bool(gen is not None and gen.defines.get("HAS_MASK_MOD"))
     write_last = kernels.bwd_dq_write_last(dq_mode, mask_mod, reach)
-    ns = types.SimpleNamespace(dq_mode=dq_mode, atomic=atomic, ordered=dq_mode == "ordered",
-                               defines=defines, smem=smem, kv_blocks=kv_blocks,
+    ns = types.SimpleNamespace(atomic=atomic, ordered=dq_mode == "ordered",
                                sem_words=-(-kv_blocks // 32) if dq_mode == "ordered" else 0,
                                mask_mod=mask_mod, write_last=write_last, grads=grads, wanted=[])
     tail = 1 if o.varlen else 0
@@ -895,7 +894,8 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
     slots = ((SLOT_DELTA, 4 * delta.size),) + (((SLOT_DQ_ACCUM, 4 * math.prod(accum_shape)),) if ns.atomic else ()) \
         + (((SLOT_DQ_SEM, 4 * math.prod(sem_shape)),) if ns.ordered else ()) + ((SLOT_DEAD, dead_bytes),)
     total, offsets = _scratch_layout(*(n for _, n in slots))
-    zero = tuple((slot, n) for slot, n in slots if slot == SLOT_DEAD or (slot == SLOT_DQ_ACCUM and ns.ordered and ns.mask_mod))
+    zero = tuple((slot, n) for slot, n in slots
+                 if slot == SLOT_DEAD or (slot == SLOT_DQ_ACCUM and ns.ordered and ns.mask_mod))
     return _Plan(template, tuple(launches), total, tuple((slot, off) for (slot, _), off in zip(slots, offsets)), zero)
 
 

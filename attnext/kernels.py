@@ -9,14 +9,14 @@ kept per device in a bounded LRU here.
 A score_mod / mask_mod variant adds two headers: kernels/attn_mods.cuh and the generated
 attn_mod_gen.cuh (codegen.py), plus the switches of mod_defines; the cache keys on both. Such a
 variant is compiled at a call, so for its first call's latency (module_of, prefetch): one entry
-point per compile (ATTN_ENTRY_ONLY), the entry points of a call in parallel threads, and the
-entry points that read no mod taken from the plain variant (warmup's cache), and the backward's
-entry points compiled in the background while the forward compiles its own (compile_ahead: a
-forward with mods that returns lse). The plain variants
-are whole files, one compile for all their entry points (warmup compiles them), except that an
-entry point whose whole file no cache holds yet is compiled alone (module_for). A module is
-loaded once per device; prefetch loads a call's modules in parallel. The cache key's NVRTC
-version comes from a record in the cache folder (nvrtc_version), so a disk hit loads no NVRTC.
+point per compile (ATTN_ENTRY_ONLY), the entry points of a call in parallel threads, the entry
+points that read no mod taken from the plain variant (warmup's cache), and the backward's entry
+points compiled in the background while the forward compiles its own (compile_ahead: a forward
+with mods that returns lse). The plain variants are whole files, one compile for all their entry
+points (warmup compiles them), except that an entry point whose whole file no cache holds yet is
+compiled alone (module_for). A module is loaded once per device; prefetch loads a call's modules
+in parallel. The cache key's NVRTC version comes from a record in the cache folder
+(nvrtc_version), so a disk hit loads no NVRTC.
 bench/lab_compile.py measures compile times, bench/lab_first.py a fresh process's first call.
 """
 import concurrent.futures
