@@ -785,7 +785,7 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
     dq_mode = "recompute" if grads else kernels.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach)
     atomic = dq_mode != "recompute"
     defines = kernels.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen)
-    smem = kernels.bwd_smem_bytes(o.D, o.Dv, tile, atomic)
+    smem = kernels.bwd_smem_bytes(o.D, o.Dv, tile, atomic, defines.get("MOD_TILE_SLOTS", 0))
     delta = DevView.contiguous(0, o.lse_shape, np.float32, device)   # laid out like lse
     # dq_accum (B, Hq, S, D) in memory, so a head's 64-row tile is one contiguous block; dq_sem
     # for the ordered additions: per (sequence, head, 64-row query tile) a bit per key block of
@@ -825,7 +825,7 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
                PRE_THREADS // 32)
         if hopper:               # dK, dV and dQ on wgmma (attn_bwd_sm90.cu)
             defs90 = kernels.bwd_defines(**features, tile=hopper, dq=dq_mode, mods=gen)
-            smem90 = kernels.bwd_sm90_smem_bytes(o.D, o.Dv, hopper)
+            smem90 = kernels.bwd_sm90_smem_bytes(o.D, o.Dv, hopper, defs90.get("MOD_TILE_SLOTS", 0))
             kv_name, kv_warps = kernels.bwd_sm90_kv_kernel(dq_mode, hopper)
             launch(kv_name, (kv_blocks, o.Hk, o.B + tail),
                    kv_warps, "attn_bwd_sm90", defs90, smem90)
