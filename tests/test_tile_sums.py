@@ -376,3 +376,26 @@ def test_a_tile_in_range_where_its_band_is_not(cc, tmp_path):
     diag = (0, 0, 64, 64)
     ok, _, _, direct, summed = tile_run(cc, tmp_path, fn, rect(*diag, keep=lambda q, kv: kv <= q), diag)
     assert not ok and np.array_equal(direct, summed)
+
+
+@pytest.mark.parametrize("proven", [False, True], ids=["both_loops", "sums_only"])
+def test_dq_kernels_compile_with_the_sums(proven):
+    """NVRTC, sm_80 and sm_90a: the dQ entry points with the relbias row's tile term, with both
+    key-tile loops (a call whose bounds prove nothing) and with the sums' loop alone
+    (MOD_TILE_ALWAYS: warmup's mod_sample compiles only this one)."""
+    if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
+        pytest.skip("ATTNEXT_NO_NVRTC=1")
+    from attnext import _C
+    ts = trace.trace_score_mod(AFFINE["relbias"][0])
+    facts = codegen.Facts(bounds.lookup_modes(ts, bounds.Extents(2, 4, S, S)), (), (False,)) if proven else None
+    gen = codegen.generate(ts, None, facts)
+    every = dict(dtype="bfloat16", D=128, Dv=128, vec=True, softcap=False, bias_dtype=None, mask=False,
+                 alibi_dtype=None)
+    kernels.nvrtc()
+    for arch, kernel, name, tile in (("sm_80", "attn_bwd", "attn_bwd_dq", kernels.bwd_tile_config(128, 128)),
+                                     ("sm_90a", "attn_bwd_sm90", "attn_bwd_dq_sm90",
+                                      kernels.bwd_sm90_tile(128, "recompute"))):
+        d = kernels.entry_defines(kernels.bwd_defines(**every, tile=tile, mods=gen), name)
+        assert d["MOD_TILE_ALWAYS"] == int(proven)
+        cubin, _ = _C.nvrtc_compile(*kernels.compile_args(kernel, d, arch, gen.source))
+        assert name.encode() in cubin
