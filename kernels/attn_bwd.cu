@@ -533,9 +533,48 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dead(
 #endif
 
 /* ---------------------------------------------------------------- dQ (and the dS of dbias) */
+#if ENTRY(attn_bwd_dq)
+/* attn_bwd_dq's loop over its key tiles n_first..n_last (K[n_first], V[n_first] on their way),
+ * through the array gradients' tile sums or not (attn_bwd_tile.cuh: key_tiles_to_sums). */
+template <bool TO_SUMS>
+DEV void dq_key_tiles(const attn_params &p, const score_ctx &sc, const row_info &ri, const elem_t *sQ,
+                      const elem_t *sdO, elem_t *sK, elem_t *sV, const elem_t *gk, const elem_t *gv, int m0,
+                      int n_first, int n_last, int Lq, int Lk, float (&dq)[Q_MT][DP / 8][4], tile_sums &sums)
+{
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int n = n_first; n <= n_last; n++) {
+        const int c0 = n * Q_BLOCK_N;
+        elem_t *kb = sK + ((n - n_first) & 1) * Q_BLOCK_N * (DP + SMEM_PAD);
+        elem_t *kn = sK + ((n - n_first + 1) & 1) * Q_BLOCK_N * (DP + SMEM_PAD);
+        cp_async_wait_all();
+        __syncthreads();                  /* K[n], V[n] in; every warp is done with K[n - 1] */
+        if (n < n_last)
+            load_tile<Q_BLOCK_N, DP, Q_THREADS>(kn, gk + (int64_t)(c0 + Q_BLOCK_N) * p.k.s[1], p.k.s[1], p.k.s[3],
+                                                Lk - (c0 + Q_BLOCK_N), HEAD_DIM, tid);
+        cp_async_commit();
+
+        float s[Q_MT][Q_NT][4], dp[Q_MT][Q_NT][4];
+        zero_acc(s);
+        zero_acc(dp);
+        mma_abt<Q_MT, Q_NT, DP>(s, sQ + warp * Q_WARP_M * (DP + SMEM_PAD), kb, lane);
+        mma_abt<Q_MT, Q_NT, DVP>(dp, sdO + warp * Q_WARP_M * (DVP + SMEM_PAD), sV, lane);
+        __syncthreads();                  /* every warp is done with V[n] */
+        if (n < n_last)
+            load_tile<Q_BLOCK_N, DVP, Q_THREADS>(sV, gv + (int64_t)(c0 + Q_BLOCK_N) * p.v.s[1], p.v.s[1], p.v.s[3],
+                                                 Lk - (c0 + Q_BLOCK_N), HEAD_DIM_V, tid);
+        cp_async_commit();
+
+        ds_tile<true, TO_SUMS>(s, dp, p, sc, ri, m0, c0, ds_needs_mask(p, sc, m0, c0, Lq, Lk), Lq, Lk,
+                               tile_sums_for<TO_SUMS>(sums, sc, m0, c0, Lq, Lk));
+        uint32_t a[Q_MT][Q_NT / 2][4];
+        pack_frag<Q_MT, Q_NT / 2>(a, s);
+        mma_fb<Q_MT, Q_NT / 2, DP / 8, DP + SMEM_PAD>(dq, a, kb, lane);
+        tile_sums_flush<TO_SUMS>(sums);
+    }
+}
+
 /* Grid (query tiles, Hq, B [+1 varlen]). Warp w owns query rows [w Q_WARP_M, (w + 1) Q_WARP_M).
  * K double-buffered (K[n+1] loads during tile n), V loads while dS K runs. */
-#if ENTRY(attn_bwd_dq)
 extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -585,39 +624,11 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(cons
     zero_acc(dq);
     tile_sums sums;
     tile_sums_init(sums, sSums);
-    auto key_tiles = [&](auto to_sums) {    /* run_key_tiles: through the array gradients' sums or not */
-        constexpr bool TO_SUMS = decltype(to_sums)::value;
-        for (int n = n_first; n <= n_last; n++) {
-            const int c0 = n * Q_BLOCK_N;
-            elem_t *kb = sK + ((n - n_first) & 1) * Q_BLOCK_N * (DP + SMEM_PAD);
-            elem_t *kn = sK + ((n - n_first + 1) & 1) * Q_BLOCK_N * (DP + SMEM_PAD);
-            cp_async_wait_all();
-            __syncthreads();                  /* K[n], V[n] in; every warp is done with K[n - 1] */
-            if (n < n_last)
-                load_tile<Q_BLOCK_N, DP, Q_THREADS>(kn, gk + (int64_t)(c0 + Q_BLOCK_N) * p.k.s[1], p.k.s[1], p.k.s[3],
-                                                    Lk - (c0 + Q_BLOCK_N), HEAD_DIM, tid);
-            cp_async_commit();
-
-            float s[Q_MT][Q_NT][4], dp[Q_MT][Q_NT][4];
-            zero_acc(s);
-            zero_acc(dp);
-            mma_abt<Q_MT, Q_NT, DP>(s, sQ + warp * Q_WARP_M * (DP + SMEM_PAD), kb, lane);
-            mma_abt<Q_MT, Q_NT, DVP>(dp, sdO + warp * Q_WARP_M * (DVP + SMEM_PAD), sV, lane);
-            __syncthreads();                  /* every warp is done with V[n] */
-            if (n < n_last)
-                load_tile<Q_BLOCK_N, DVP, Q_THREADS>(sV, gv + (int64_t)(c0 + Q_BLOCK_N) * p.v.s[1], p.v.s[1], p.v.s[3],
-                                                     Lk - (c0 + Q_BLOCK_N), HEAD_DIM_V, tid);
-            cp_async_commit();
-
-            ds_tile<true, TO_SUMS>(s, dp, p, sc, ri, m0, c0, ds_needs_mask(p, sc, m0, c0, Lq, Lk), Lq, Lk,
-                                   tile_sums_for<TO_SUMS>(sums, sc, m0, c0, Lq, Lk));
-            uint32_t a[Q_MT][Q_NT / 2][4];
-            pack_frag<Q_MT, Q_NT / 2>(a, s);
-            mma_fb<Q_MT, Q_NT / 2, DP / 8, DP + SMEM_PAD>(dq, a, kb, lane);
-            tile_sums_flush<TO_SUMS>(sums);
-        }
-    };
-    run_key_tiles(key_tiles, sums, sc, m0, n_first, n_last, Lq, Lk);
+    if (key_tiles_to_sums(sums, sc, m0, n_first, n_last, Lq, Lk))
+        dq_key_tiles<TILE_SUMS>(p, sc, ri, sQ, sdO, sK, sV, gk, gv, m0, n_first, n_last, Lq, Lk, dq, sums);
+    else
+        dq_key_tiles<TILE_SUMS && MOD_TILE_ALWAYS>(p, sc, ri, sQ, sdO, sK, sV, gk, gv, m0, n_first, n_last, Lq, Lk, dq,
+                                                   sums);
     cp_async_wait_all();
 
     /* dq = dQ * scale; padding rows (and rows that keep nothing) come out 0 */

@@ -600,6 +600,46 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
 #define QV_BYTES (Q_BLOCK_N * HEAD_DIM_V * 2)
 
 #if ENTRY(attn_bwd_dq_sm90) && !DQ_ATOMIC
+/* attn_bwd_dq_sm90's loop over its key tiles n_first..n_last (K[n_first], V[n_first] on their
+ * way; load_kv(n) loads tile n), through the array gradients' tile sums or not
+ * (attn_bwd_tile.cuh: key_tiles_to_sums). */
+template <bool TO_SUMS, typename LoadKv>
+DEV void dq_key_tiles_sm90(const attn_params &p, const score_ctx &sc, const row_info &ri, uint32_t sQ, uint32_t sdO,
+                           uint32_t sK, uint32_t sV, const LoadKv &load_kv, int wg, int m0, int n_first, int n_last,
+                           int Lq, int Lk, float (&dq)[1][NTK][4], tile_sums &sums)
+{
+    for (int n = n_first; n <= n_last; n++) {
+        const int buf = (n - n_first) & 1;
+        cp_async_wait_all();
+        fence_proxy_async();
+        __syncthreads();                  /* K[n], V[n] in; every warp is done with tile n - 1 */
+        if (n < n_last)
+            load_kv(n + 1);
+        cp_async_commit();
+
+        float s[1][Q_NT][4], dp[1][Q_NT][4];
+        wgmma_fence();
+        mma_ss<Q_BLOCK_N, HEAD_DIM>(s[0], sQ + wg * 64 * 128, Q_BLOCK_M, sK + buf * QK_BYTES, Q_BLOCK_N);
+        mma_ss<Q_BLOCK_N, HEAD_DIM_V>(dp[0], sdO + wg * 64 * 128, Q_BLOCK_M, sV + buf * QV_BYTES, Q_BLOCK_N);
+        wgmma_commit();
+        const bool need = ds_needs_mask(p, sc, m0, n * Q_BLOCK_N, Lq, Lk);   /* while the products run */
+        wgmma_wait<0>();
+        fence_acc(s[0]);
+        fence_acc(dp[0]);
+
+        ds_tile<true, TO_SUMS>(s, dp, p, sc, ri, m0, n * Q_BLOCK_N, need, Lq, Lk,
+                               tile_sums_for<TO_SUMS>(sums, sc, m0, n * Q_BLOCK_N, Lq, Lk));
+        uint32_t a[1][Q_NT / 2][4];
+        pack_frag<1, Q_NT / 2>(a, s);
+        wgmma_fence();
+        mma_rs<HEAD_DIM>(dq[0], a, sK + buf * QK_BYTES);   /* dQ += dS K */
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_acc(dq[0]);
+        tile_sums_flush<TO_SUMS>(sums);   /* after the wait: the product reads a's registers */
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq_sm90(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -653,40 +693,11 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq_sm90
     }
     tile_sums sums;
     tile_sums_init(sums, sSums);
-    auto key_tiles = [&](auto to_sums) {    /* run_key_tiles: through the array gradients' sums or not */
-        constexpr bool TO_SUMS = decltype(to_sums)::value;
-        for (int n = n_first; n <= n_last; n++) {
-            const int buf = (n - n_first) & 1;
-            cp_async_wait_all();
-            fence_proxy_async();
-            __syncthreads();                  /* K[n], V[n] in; every warp is done with tile n - 1 */
-            if (n < n_last)
-                load_kv(n + 1);
-            cp_async_commit();
-
-            float s[1][Q_NT][4], dp[1][Q_NT][4];
-            wgmma_fence();
-            mma_ss<Q_BLOCK_N, HEAD_DIM>(s[0], sQ + wg * 64 * 128, Q_BLOCK_M, sK + buf * QK_BYTES, Q_BLOCK_N);
-            mma_ss<Q_BLOCK_N, HEAD_DIM_V>(dp[0], sdO + wg * 64 * 128, Q_BLOCK_M, sV + buf * QV_BYTES, Q_BLOCK_N);
-            wgmma_commit();
-            const bool need = ds_needs_mask(p, sc, m0, n * Q_BLOCK_N, Lq, Lk);   /* while the products run */
-            wgmma_wait<0>();
-            fence_acc(s[0]);
-            fence_acc(dp[0]);
-
-            ds_tile<true, TO_SUMS>(s, dp, p, sc, ri, m0, n * Q_BLOCK_N, need, Lq, Lk,
-                                   tile_sums_for<TO_SUMS>(sums, sc, m0, n * Q_BLOCK_N, Lq, Lk));
-            uint32_t a[1][Q_NT / 2][4];
-            pack_frag<1, Q_NT / 2>(a, s);
-            wgmma_fence();
-            mma_rs<HEAD_DIM>(dq[0], a, sK + buf * QK_BYTES);   /* dQ += dS K */
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_acc(dq[0]);
-            tile_sums_flush<TO_SUMS>(sums);   /* after the wait: the product reads a's registers */
-        }
-    };
-    run_key_tiles(key_tiles, sums, sc, m0, n_first, n_last, Lq, Lk);
+    if (key_tiles_to_sums(sums, sc, m0, n_first, n_last, Lq, Lk))
+        dq_key_tiles_sm90<TILE_SUMS>(p, sc, ri, sQ, sdO, sK, sV, load_kv, wg, m0, n_first, n_last, Lq, Lk, dq, sums);
+    else
+        dq_key_tiles_sm90<TILE_SUMS && MOD_TILE_ALWAYS>(p, sc, ri, sQ, sdO, sK, sV, load_kv, wg, m0, n_first, n_last,
+                                                        Lq, Lk, dq, sums);
     cp_async_wait_all();
 
     /* dq = dQ * scale; padding rows (and rows that keep nothing) come out 0 */

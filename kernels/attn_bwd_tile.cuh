@@ -323,10 +323,11 @@ DEV bool ds_needs_mask(const attn_params &p, const score_ctx &sc, int m0, int c0
 /* The dQ kernels' scatter of the score_mod's array gradients through shared memory (attn_mods.cuh:
  * mod_tile): MOD_TILE_SLOTS slots of MOD_CHUNKS words for the tile terms of MOD_TILE_ADMIT
  * (kernels.tile_sums; 0: every adjoint straight to the accumulator) after the kernel's tiles
- * (kernels.py counts them in its shared memory). A kernel runs its loop over key tiles as a
- * generic lambda of a to_sums_t (run_key_tiles): with the sums where every key tile of the CTA
- * can take them, else as without; MOD_TILE_ALWAYS (the call's bounds prove that every tile can)
- * compiles the first only. A choice per tile inside the loop cost the kernels (at ~255
+ * (kernels.py counts them in its shared memory). A kernel's loop over key tiles is a function
+ * template of TO_SUMS, run with the sums where every key tile of the CTA can take them
+ * (key_tiles_to_sums), else as without; MOD_TILE_ALWAYS (the call's bounds prove that every tile
+ * can) compiles the first only. (Not a generic lambda: NVRTC 13.0 takes one for a host function
+ * and refuses it.) A choice per tile inside the loop cost the kernels (at ~255
  * registers) spills in the inner loop, whether a branch per pair, a second inlined copy of the
  * pass or an out-of-line call; two copies of the whole loop did not. Per key tile of the sums'
  * loop: tile_sums_for before ds_tile, tile_sums_flush after it, with all the CTA's threads; the
@@ -338,11 +339,6 @@ DEV bool ds_needs_mask(const attn_params &p, const score_ctx &sc, int m0, int c0
 #define MOD_TILE_ALWAYS 0
 #endif
 #define TILE_SUMS (HAS_DTENSORS && MOD_TILE_SLOTS > 0)
-
-template <bool B>
-struct to_sums_t {
-    static constexpr bool value = B;
-};
 
 #if TILE_SUMS
 #if Q_BLOCK_M * Q_BLOCK_N > (1 << 19)
@@ -369,25 +365,22 @@ struct tile_sums {};
 DEV void tile_sums_init(tile_sums &, uint32_t *) {}
 #endif
 
-/* key_tiles(to_sums_t<true>()) where every key tile n_first..n_last of the CTA's rows from m0
- * takes the sums, else key_tiles(to_sums_t<false>()). */
-template <typename KeyTiles>
-DEV void run_key_tiles(KeyTiles &&key_tiles, tile_sums &t, const score_ctx &sc, int m0, int n_first, int n_last,
-                       int Lq, int Lk)
+/* Whether every key tile n_first..n_last of the CTA's rows from m0 takes the sums (each planned
+ * into t). A kernel runs its key-tile loop as
+ *     if (key_tiles_to_sums(...)) loop<TILE_SUMS>(...); else loop<TILE_SUMS && MOD_TILE_ALWAYS>(...);
+ * which compiles the direct copy only without the sums, the sums' copy only under MOD_TILE_ALWAYS
+ * (true here), and both otherwise. */
+DEV bool key_tiles_to_sums(tile_sums &t, const score_ctx &sc, int m0, int n_first, int n_last, int Lq, int Lk)
 {
 #if TILE_SUMS && MOD_TILE_ALWAYS
-    key_tiles(to_sums_t<true>());
-#else
-#if TILE_SUMS
+    return true;
+#elif TILE_SUMS
     bool all = n_first <= n_last;
     for (int n = n_first; n <= n_last && all; n++)
         all = tile_sums_plan(t, sc, m0, n * Q_BLOCK_N, Lq, Lk);
-    if (all) {
-        key_tiles(to_sums_t<true>());
-        return;
-    }
-#endif
-    key_tiles(to_sums_t<false>());
+    return all;
+#else
+    return false;
 #endif
 }
 
@@ -397,7 +390,7 @@ DEV const tile_sums *tile_sums_for(tile_sums &t, const score_ctx &sc, int m0, in
 {
 #if TILE_SUMS
     if (TO_SUMS) {
-        /* true: run_key_tiles asked, or the bounds proved it (MOD_TILE_ALWAYS; never false, but
+        /* true: key_tiles_to_sums said so, or the bounds proved it (MOD_TILE_ALWAYS; never false, but
          * a wrong proof must fail the call, as DQ_STORE_FIRST's turns do, not scatter wrongly) */
         if (!tile_sums_plan(t, sc, m0, c0, Lq, Lk) && MOD_TILE_ALWAYS)
             __trap();
