@@ -19,8 +19,10 @@ mods        bf16, forward and backward, attnext against torch.compile(flex_atten
 first call  (with --first-call) for each mods row: attnext's first forward and first backward in
   a fresh Python process (python -c, torch and attnext imported before the timing), each call
   timed alone and synchronised: cold, with a fresh empty ATTNEXT_CACHE_DIR (every kernel the calls
-  use is compiled, mod-free ones that `python -m attnext.warmup` would have cached included);
-  disk, in another fresh process with that same, now filled, folder (the issue's < 50 ms).
+  use is compiled, mod-free ones that `python -m attnext.warmup` would have cached included;
+  where the machine has the cores, the first forward starts the backward's compiles:
+  kernels.compile_ahead, which ATTNEXT_COMPILE_AHEAD=0 turns off); disk, in another fresh
+  process with that same, now filled, folder (the issue's < 50 ms).
 
 Every result is validated before it is timed (the kernel lab rule): attnext's and Flex's out, dq,
 dk, dv and the captured tables' gradients against a float32 reference that materialises the

@@ -541,8 +541,10 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     if not all(grid):                       # an empty grid (no heads, rows or batch) has nothing to write
         return _Plan(template, ())
     names = [kernel] if splits == 1 else [kernel, "attn_fwd_combine"]
-    kernels.prefetch([(kernel, name, defines, generated) for name in names] + kernels.block_mask_specs(gen), arch,
-                     device)
+    specs = [(kernel, name, defines, generated) for name in names] + kernels.block_mask_specs(gen)
+    if gen is not None and o.return_lse:
+        _compile_backward_ahead(o, device, features, rows, gen, specs)
+    kernels.prefetch(specs, arch, device)
     launches = [(kernels.function(kernel, kernel, defines, device, arch, smem, generated), grid,
                  (tile[2] * 32, 1, 1), smem)]
     if splits == 1:
@@ -552,6 +554,19 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     partials = splits * o.B * o.Hq * o.Sq
     total, (o_off, lse_off) = _scratch_layout(4 * partials * o.Dv, 4 * partials)
     return _Plan(template, tuple(launches), total, ((SLOT_O_ACCUM, o_off), (SLOT_LSE_ACCUM, lse_off)))
+
+
+def _compile_backward_ahead(o, device, features, q_rows, gen, fwd_specs):
+    """Starts compiling the backward a forward with mods expects (kernels.compile_ahead): the
+    default one (deterministic, dout laid out as q, no dbias) of the same problem, less the
+    forward's own compiles (the block mask). A backward that differs compiles what it lacks."""
+    try:        # only a head start: whatever goes wrong here, the backward meets (and raises) itself
+        k_rows = _key_rows(o) if o.varlen else o.Sk
+        ns = _backward_kernels(o, device, dict(features), True, q_rows, k_rows, gen)
+        specs = [s for s in _backward_specs(ns, gen) if s not in fwd_specs]
+        kernels.compile_ahead(specs, device_arch(device), busy=len(fwd_specs))
+    except Exception:
+        pass
 
 
 def forward(o, out_host, lse_host, stage=None):
@@ -767,11 +782,12 @@ def _backward_plan(o, device, views, extra, deterministic, gen=None):
     return plan
 
 
-def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, gen):
-    q4, k4, v4, dout4, out4, lse3, dq4, dk4, dv4, dbias4 = views
-    prob, features = _common(o, device, q4, k4, v4, extra)
-    generated = None if gen is None else gen.source
-    features["vec"] = features["vec"] and _vec_ok(dout4, o.Dv)
+def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, dbias4=None):
+    """The kernels a backward of o runs, in a namespace: wanted ((source, name, defines, smem,
+    grid, warps) each, in launch order), the dq mode and what follows from it (defines, smem,
+    kv_blocks, sem_words, write_last, ordered, atomic, mask_mod). features: _common's, vec
+    already anded with dout's; dbias4: the dbias view or None. A forward with mods asks it for the
+    backward it expects (_compile_backward_ahead), the backward's plan for its launches."""
     tile = kernels.bwd_tile_config(o.D, o.Dv)
     arch = device_arch(device)
     sm90 = kernels.bwd_sm90_applies(arch, o.D, o.Dv, features["vec"])
@@ -786,39 +802,24 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
     atomic = dq_mode != "recompute"
     defines = kernels.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen)
     smem = kernels.bwd_smem_bytes(o.D, o.Dv, tile, atomic, defines.get("MOD_TILE_SLOTS", 0))
-    delta = DevView.contiguous(0, o.lse_shape, np.float32, device)   # laid out like lse
-    # dq_accum (B, Hq, S, D) in memory, so a head's 64-row tile is one contiguous block; dq_sem
-    # for the ordered additions: per (sequence, head, 64-row query tile) a bit per key block of
-    # the dK/dV kernel (its grid's x) in 32-bit words
-    accum_shape = (q4.shape[0], o.Hq, q4.shape[1], o.D + o.D % 2)
     hopper = kernels.bwd_sm90_tile(o.D, dq_mode) if sm90 else None
     kv_blocks = _query_tiles(k_rows, 16 * hopper["kv_warps"]) if hopper else 0   # the dK/dV grid's x
-    sem_words = -(-kv_blocks // 32) if dq_mode == "ordered" else 0
-    sem_shape = (o.B, o.Hq, _query_tiles(q_rows, PRE_ROWS) * sem_words)
-    prob.out, prob.dout, prob.lse, prob.dbias = _t(out4), _t(dout4), _t(lse3), _t(dbias4)
-    prob.dq, prob.dk, prob.dv = _t(dq4), _t(dk4), _t(dv4)
-    prob.delta = _t(delta[None] if o.varlen else delta)
-    if atomic:
-        prob.dq_accum = _t(DevView.contiguous(0, accum_shape, np.float32, device).transpose(0, 2, 1, 3))
     # the ordered mode's key blocks take turns at each query tile: without a mask_mod the first turn
     # stores, so nothing zeroes dq_accum, and with short keys the last writes dq (attn_bwd_sm90.cu:
     # DQ_STORE_FIRST, dq_write_last; attn_bwd_pre writes dq's other rows); a mask_mod's block may
     # pass its turn, so then dq_accum starts zeroed and every turn adds; attn_bwd_dq_convert writes
     # dq unless the last turns do
     mask_mod = bool(gen is not None and gen.defines.get("HAS_MASK_MOD"))
-    ordered = dq_mode == "ordered"
     write_last = kernels.bwd_dq_write_last(dq_mode, mask_mod, reach)
-    if ordered:
-        prob.dq_sem = _t(DevView.contiguous(0, sem_shape, np.int32, device))
-    prob.dq_write_last = int(write_last)
-    prob.k_rows_max = k_rows
-    template = _C.attn_template(prob)
+    ns = types.SimpleNamespace(dq_mode=dq_mode, atomic=atomic, ordered=dq_mode == "ordered",
+                               defines=defines, smem=smem, kv_blocks=kv_blocks,
+                               sem_words=-(-kv_blocks // 32) if dq_mode == "ordered" else 0,
+                               mask_mod=mask_mod, write_last=write_last, grads=grads, wanted=[])
     tail = 1 if o.varlen else 0
-    wanted = []      # (source, name, defines, smem, grid, warps): loaded once all are compiled
 
     def launch(name, grid, warps, source="attn_bwd", defs=defines, smem_of=smem):
         if all(grid):
-            wanted.append((source, name, defs, smem_of[name], grid, warps))
+            ns.wanted.append((source, name, defs, smem_of[name], grid, warps))
 
     if o.Hq:
         launch("attn_bwd_pre", (_query_tiles(q_rows, PRE_ROWS), o.Hq, o.B + (tail if write_last else 0)),
@@ -852,17 +853,49 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
                     1 if bcast[3] else math.ceil(cols / tile["q_block_n"]),
                     (1 if bcast[0] else o.B) * o.bias_heads)
             launch("attn_bwd_dbias", grid, tile["q_warps"])
-    # the array gradients' sums (_dtensor_sums) run after these: their module loaded with them,
-    # not between launches (a module load waits for the kernels in flight: ~35 ms, relbias)
-    kernels.prefetch([(src, name, defs, generated) for src, name, defs, *_ in wanted] + kernels.block_mask_specs(gen)
-                     + ([DTENSORS_SPEC] if grads else []), arch, device)
+    return ns
+
+
+def _backward_specs(ns, gen):
+    """prefetch's specs of the kernels _backward_kernels found (the array gradients' sums
+    (_dtensor_sums) run after them: their module is loaded with them, not between launches, as
+    a module load waits for the kernels in flight: ~35 ms, relbias)."""
+    generated = None if gen is None else gen.source
+    return ([(src, name, defs, generated) for src, name, defs, *_ in ns.wanted] + kernels.block_mask_specs(gen)
+            + ([DTENSORS_SPEC] if ns.grads else []))
+
+
+def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, gen):
+    q4, k4, v4, dout4, out4, lse3, dq4, dk4, dv4, dbias4 = views
+    prob, features = _common(o, device, q4, k4, v4, extra)
+    generated = None if gen is None else gen.source
+    features["vec"] = features["vec"] and _vec_ok(dout4, o.Dv)
+    arch = device_arch(device)
+    ns = _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, dbias4)
+    delta = DevView.contiguous(0, o.lse_shape, np.float32, device)   # laid out like lse
+    # dq_accum (B, Hq, S, D) in memory, so a head's 64-row tile is one contiguous block; dq_sem
+    # for the ordered additions: per (sequence, head, 64-row query tile) a bit per key block of
+    # the dK/dV kernel (its grid's x) in 32-bit words
+    accum_shape = (q4.shape[0], o.Hq, q4.shape[1], o.D + o.D % 2)
+    sem_shape = (o.B, o.Hq, _query_tiles(q_rows, PRE_ROWS) * ns.sem_words)
+    prob.out, prob.dout, prob.lse, prob.dbias = _t(out4), _t(dout4), _t(lse3), _t(dbias4)
+    prob.dq, prob.dk, prob.dv = _t(dq4), _t(dk4), _t(dv4)
+    prob.delta = _t(delta[None] if o.varlen else delta)
+    if ns.atomic:
+        prob.dq_accum = _t(DevView.contiguous(0, accum_shape, np.float32, device).transpose(0, 2, 1, 3))
+    if ns.ordered:
+        prob.dq_sem = _t(DevView.contiguous(0, sem_shape, np.int32, device))
+    prob.dq_write_last = int(ns.write_last)
+    prob.k_rows_max = k_rows
+    template = _C.attn_template(prob)
+    kernels.prefetch(_backward_specs(ns, gen), arch, device)
     launches = [(kernels.function(src, name, defs, device, arch, sm, generated), grid, (warps * 32, 1, 1), sm)
-                for src, name, defs, sm, grid, warps in wanted]
+                for src, name, defs, sm, grid, warps in ns.wanted]
     dead_bytes = 4 * (1 + o.B * o.Hq)     # attn_params.h: dead
-    slots = ((SLOT_DELTA, 4 * delta.size),) + (((SLOT_DQ_ACCUM, 4 * math.prod(accum_shape)),) if atomic else ()) \
-        + (((SLOT_DQ_SEM, 4 * math.prod(sem_shape)),) if ordered else ()) + ((SLOT_DEAD, dead_bytes),)
+    slots = ((SLOT_DELTA, 4 * delta.size),) + (((SLOT_DQ_ACCUM, 4 * math.prod(accum_shape)),) if ns.atomic else ()) \
+        + (((SLOT_DQ_SEM, 4 * math.prod(sem_shape)),) if ns.ordered else ()) + ((SLOT_DEAD, dead_bytes),)
     total, offsets = _scratch_layout(*(n for _, n in slots))
-    zero = tuple((slot, n) for slot, n in slots if slot == SLOT_DEAD or (slot == SLOT_DQ_ACCUM and ordered and mask_mod))
+    zero = tuple((slot, n) for slot, n in slots if slot == SLOT_DEAD or (slot == SLOT_DQ_ACCUM and ns.ordered and ns.mask_mod))
     return _Plan(template, tuple(launches), total, tuple((slot, off) for (slot, _), off in zip(slots, offsets)), zero)
 
 

@@ -409,6 +409,12 @@ class CubinCache:
     def _key_lock(self, key):
         return CubinCache._KeyLock(self, key)
 
+    def after_fork(self):
+        """In a forked child: the locks anew (a thread of the parent's, gone in the child, may
+        have held one at the fork)."""
+        self._lock = threading.Lock()
+        self._key_locks = {}
+
     def _compile(self, key, source, filename, options, headers):
         if _debug_enabled():
             sys.stderr.write(f"attnext: compiling {filename} (key {key[:12]})\n"

@@ -10,7 +10,9 @@ A score_mod / mask_mod variant adds two headers: kernels/attn_mods.cuh and the g
 attn_mod_gen.cuh (codegen.py), plus the switches of mod_defines; the cache keys on both. Such a
 variant is compiled at a call, so for its first call's latency (module_of, prefetch): one entry
 point per compile (ATTN_ENTRY_ONLY), the entry points of a call in parallel threads, and the
-entry points that read no mod taken from the plain variant (warmup's cache). The plain variants
+entry points that read no mod taken from the plain variant (warmup's cache), and the backward's
+entry points compiled in the background while the forward compiles its own (compile_ahead: a
+forward with mods that returns lse). The plain variants
 are whole files, one compile for all their entry points (warmup compiles them), except that an
 entry point whose whole file no cache holds yet is compiled alone (module_for). A module is
 loaded once per device; prefetch loads a call's modules in parallel. The cache key's NVRTC
@@ -486,6 +488,79 @@ def prefetch(specs, arch, device):
     with concurrent.futures.ThreadPoolExecutor(min(len(modules), os.cpu_count() or 1)) as pool:
         for f in [pool.submit(_load_module, mkey, *kdg, device, arch) for mkey, kdg in modules.items()]:
             f.result()
+
+
+# A forward with a score_mod / mask_mod that returns lse (a backward may follow) starts the
+# compiles of the backward it expects beside its own (cuda_backend._compile_backward_ahead), so
+# that backward's first call waits only for what is left of them. ATTNEXT_COMPILE_AHEAD=0 (or
+# off / false / no) never, =1 always, unset: where the machine has a core for each compile of the
+# two calls and of those still running from earlier calls (beside each other compiles slow down:
+# on a 2-core machine the forward would wait for the backward's).
+COMPILE_AHEAD_KNOB = "ATTNEXT_COMPILE_AHEAD"
+_ahead = None          # compile_ahead's threads, made at its first use
+_ahead_lock = threading.Lock()
+_ahead_running = 0     # its compiles submitted and not yet done
+
+
+def _cpus():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def compile_ahead(specs, arch, busy=1):
+    """Starts compiling (or reading from disk) the cubins of these entry points (prefetch's specs)
+    that no cache holds yet, in background threads, and returns at once; the modules are loaded
+    by the call that needs them (a module load waits for the kernels in flight). busy: the
+    compiles the caller runs meanwhile. Returns the futures ([] when ATTNEXT_COMPILE_AHEAD or
+    the cores say no). A cubin asked for while it compiles waits for this compile (CubinCache's
+    per-key lock); one that fails here is compiled again, and raises, in the call that needs it.
+    At the interpreter's exit the compiles not yet begun are dropped and those under way
+    finished (their cubins reach the disk cache); a forked child starts with none."""
+    global _ahead, _ahead_running
+    env = os.environ.get(COMPILE_AHEAD_KNOB, "").strip().lower()
+    if env in ("0", "off", "false", "no") or not specs:
+        return []
+    todo, version = {}, _version_text()
+    for kernel, name, defines, generated in specs:
+        k, d, g = module_for(kernel, name, defines, generated, arch)
+        if not _cache().has(*compile_args(k, d, arch, g), arch, version):
+            todo.setdefault((k, tuple(sorted(d.items())), g), (k, d, g))
+    with _ahead_lock:
+        if not todo or (env != "1" and _cpus() < len(todo) + busy + _ahead_running):
+            return []
+        if _ahead is None:
+            _ahead = concurrent.futures.ThreadPoolExecutor(max(2, _cpus() - 1), "attnext-ahead")
+            threading._register_atexit(_drop_queued)     # runs before the pool's own join
+        _ahead_running += len(todo)
+        futures = [_ahead.submit(cubin, k, d, arch, g) for k, d, g in todo.values()]
+    for f in futures:
+        f.add_done_callback(_ahead_done)
+    return futures
+
+
+def _ahead_done(_future):
+    global _ahead_running
+    with _ahead_lock:
+        _ahead_running -= 1
+
+
+def _drop_queued():
+    """At exit: compile_ahead's compiles not yet begun are cancelled, so exit waits only for those
+    under way."""
+    if _ahead is not None:
+        _ahead.shutdown(wait=False, cancel_futures=True)
+
+
+def _forget_ahead_after_fork():
+    """In a forked child: no compile_ahead threads, and the compile locks anew (a background
+    compile of the parent's may have held them at the fork)."""
+    global _ahead, _ahead_lock, _ahead_running, _nvrtc_lock
+    _ahead, _ahead_lock, _ahead_running, _nvrtc_lock = None, threading.Lock(), 0, threading.Lock()
+    if _cubins is not None:
+        _cubins.after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_ahead_after_fork)
 
 
 def _load_module(mkey, kernel, defines, generated, device, arch):

@@ -69,7 +69,10 @@ evaluate() runs a graph on NumPy arrays with broadcasting; grad() builds the rev
 derivative as another graph over the same nodes plus a `dout` leaf; evaluate_grad() runs it and
 scatter-adds the array gradients (np.add.at: sequential, deterministic).
 """
+import functools
 import hashlib
+import math
+import operator
 import types
 from typing import NamedTuple
 
@@ -711,20 +714,87 @@ def _fingerprint(fn):
     code alone); exact Python and NumPy scalars (floats by repr: -0.0 is not 0.0; NumPy ones with
     their dtype); the arrays the function itself names -- the ones tracing captures, whose
     contents are read at every call -- by name, shape and dtype; the stable modules, their
-    functions and the builtins by identity. Anything else makes the function uncacheable: an
-    array reached any other way (its contents may be read while tracing), a list, dict, object or
-    subclass, a bound method, a CUDA array, a user module, np.random, globals() / eval(). captured:
-    name -> the array tracing captures under that name, now."""
+    functions and the builtins by identity, and of every stable module met (its submodules the
+    code names too) each attribute the code names (or holds as a string) that is no longer what
+    the module had at attnext's import (or first sight): np.tanh replaced by a user's function
+    counts as that function. Anything else makes the function uncacheable: an array reached any
+    other way (its contents may be read while tracing), a list, dict, object or subclass, a bound
+    method, a CUDA array, a user module, np.random, globals() / eval(). captured: name -> the
+    array tracing captures under that name, now."""
     if not isinstance(fn, types.FunctionType):
         return None
-    captured = {}
+    captured, walk = {}, _Walk()
     try:
-        return _fp_function(fn, captured, {}, 0, top=True), captured
+        fp = _fp_function(fn, captured, walk, 0, top=True)
+        return (fp, _modules_fp(walk, captured)), captured
     except (_Uncacheable, RecursionError):
         return None
 
 
-def _fp(x, captured, seen, depth, name=None):
+class _Walk:
+    """What a fingerprint met: the plain functions in order (id -> place), the stable modules (id
+    -> module, in order) and the names the functions' code holds (in order)."""
+    __slots__ = ("order", "modules", "names")
+
+    def __init__(self):
+        self.order, self.modules, self.names = {}, {}, {}
+
+
+_MISSING = object()
+_first_seen = {}          # stable module -> its attributes when attnext first saw it
+
+
+def _originals(module):
+    found = _first_seen.get(module)
+    if found is None:
+        found = _first_seen.setdefault(module, dict(module.__dict__))
+    return found
+
+
+for _module in (np, math, operator, ml_dtypes):   # as imported, before a caller could patch them
+    _originals(_module)
+
+
+def _modules_fp(walk, captured):
+    """The stable modules' part of a fingerprint: (module, name, value's part) for each name the
+    code holds whose attribute is not what the module first had (replaced, added or removed);
+    the unchanged submodules among them are looked into too (np.emath.sqrt). A replacement's own
+    part may meet more names and modules: until none is left unchecked."""
+    out, checked, grown = [], set(), True
+    while grown:
+        grown = False
+        for m in list(walk.modules.values()):
+            now, first = m.__dict__, _originals(m)
+            for n in list(walk.names):
+                if (id(m), n) in checked:
+                    continue
+                checked.add((id(m), n))
+                grown = True
+                v = now.get(n, _MISSING)
+                if v is first.get(n, _MISSING):
+                    if isinstance(v, types.ModuleType) and v.__name__.split(".")[0] in _STABLE_MODULES:
+                        walk.modules.setdefault(id(v), v)
+                    continue
+                out.append((m.__name__, n, "absent" if v is _MISSING else _fp(v, captured, walk, 1)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _code_names(code):
+    """(the global and attribute names code and its nested code use, the same with its string
+    constants (getattr(np, "tanh")), in a fixed order)."""
+    names, strings = set(code.co_names), set()
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            inner, inner_all = _code_names(c)
+            names |= set(inner)
+            strings |= set(inner_all)
+        elif isinstance(c, str):
+            strings.add(c)
+    return tuple(sorted(names)), tuple(sorted(names | strings))
+
+
+def _fp(x, captured, walk, depth, name=None):
     """x's part of a fingerprint; name: the name tracing captures x under (a value the traced
     function itself names), else None."""
     if depth > 8:
@@ -743,10 +813,11 @@ def _fp(x, captured, seen, depth, name=None):
             raise _Uncacheable      # not captured (tracing may read it), or two arrays under one name
         return ("array", name, x.shape, x.dtype.str)
     if t is tuple:
-        return ("tuple",) + tuple(_fp(v, captured, seen, depth + 1) for v in x)
+        return ("tuple",) + tuple(_fp(v, captured, walk, depth + 1) for v in x)
     if isinstance(x, types.ModuleType):
         if x.__name__.split(".")[0] not in _STABLE_MODULES or x.__name__ == "numpy.random":
             raise _Uncacheable
+        walk.modules.setdefault(id(x), x)
         return ("module", x)
     if isinstance(x, types.BuiltinFunctionType):
         owner = x.__self__
@@ -760,41 +831,43 @@ def _fp(x, captured, seen, depth, name=None):
             raise _Uncacheable      # np.frompyfunc's: arbitrary Python inside
         return ("builtin", x)
     if isinstance(x, types.FunctionType):
-        return _fp_function(x, captured, seen, depth, top=False)
+        return _fp_function(x, captured, walk, depth, top=False)
     raise _Uncacheable
 
 
-def _fp_function(x, captured, seen, depth, top):
-    if id(x) in seen:               # met before (or recursive): by the order it was met
-        return ("seen", seen[id(x)])
-    seen[id(x)] = len(seen)
+def _fp_function(x, captured, walk, depth, top):
+    if id(x) in walk.order:         # met before (or recursive): by the order it was met
+        return ("seen", walk.order[id(x)])
+    walk.order[id(x)] = len(walk.order)
     code, glob = x.__code__, x.__globals__
-    used = _global_names(code)
-    if used & _STATEFUL_NAMES:
+    used, held = _code_names(code)
+    if _STATEFUL_NAMES.intersection(used):
         raise _Uncacheable
+    for n in held:
+        walk.names[n] = None
     d = depth + 1
     cells = []
     for var, cell in zip(code.co_freevars, x.__closure__ or ()):
         try:
-            cells.append(_fp(cell.cell_contents, captured, seen, d, var if top else None))
+            cells.append(_fp(cell.cell_contents, captured, walk, d, var if top else None))
         except ValueError:          # an empty cell: a variable assigned later
             raise _Uncacheable from None
     builtins = x.__builtins__
     names = []
-    for n in sorted(used):
+    for n in used:
         if n in glob:
-            names.append((n, _fp(glob[n], captured, seen, d, n if top else None)))
+            names.append((n, _fp(glob[n], captured, walk, d, n if top else None)))
         elif n in builtins:
-            names.append((n, "builtin", _fp(builtins[n], captured, seen, d)))
+            names.append((n, "builtin", _fp(builtins[n], captured, walk, d)))
         else:
             names.append((n, "absent"))
     pos = code.co_varnames[:code.co_argcount]
     defaults = x.__defaults__ or ()
-    dfp = tuple(_fp(v, captured, seen, d, n if top else None)
+    dfp = tuple(_fp(v, captured, walk, d, n if top else None)
                 for n, v in zip(pos[len(pos) - len(defaults):], defaults))
-    kw = tuple(sorted((k, _fp(v, captured, seen, d, k if top else None))
+    kw = tuple(sorted((k, _fp(v, captured, walk, d, k if top else None))
                       for k, v in (x.__kwdefaults__ or {}).items()))
-    attrs = tuple(sorted((k, _fp(v, captured, seen, d)) for k, v in x.__dict__.items()))
+    attrs = tuple(sorted((k, _fp(v, captured, walk, d)) for k, v in x.__dict__.items()))
     return ("function", code, tuple(cells), tuple(names), dfp, kw, attrs)
 
 

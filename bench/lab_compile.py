@@ -24,7 +24,8 @@ integer rules, three arrays, tanh).
     python bench/lab_compile.py --speed [--mods ...]
 
 times the mods' kernels instead (GPU, torch: forward and backward ms, B = 8, S = 2048, H = 8,
-causal, medians of 20 after a warm-up), through the public API only: the same file run from
+causal, medians of 20 after a warm-up), through the public API only; --env NAME=V1,V2 times each
+mod under each value of a plan knob in one process (e.g. ATTNEXT_BWD_DQ=ordered,atomic). The same file run from
 another checkout's root (git show compile-time:bench/lab_compile.py > /tmp/lab.py;
 PYTHONPATH=. python /tmp/lab.py --speed) times that checkout's kernels.
 """
@@ -223,8 +224,10 @@ def init_gpu(torch):
     torch.cuda.synchronize()
 
 
-def speed(names):
-    """ms of each mod's forward and backward (real kernels; compiles happen in the warm-up)."""
+def speed(names, env=None):
+    """ms of each mod's forward and backward (real kernels; compiles happen in the warm-up).
+    env: (variable, [values]): each mod timed under each value of the variable in turn (one of
+    the plans' knobs, kernels.FWD_KNOBS / BWD_KNOBS, such as ATTNEXT_BWD_DQ)."""
     import torch
     import attnext
     B, H = 16384 // S, HEADS                 # the tables have HEADS rows
@@ -244,13 +247,18 @@ def speed(names):
             times.append(a.elapsed_time(b))
         return sorted(times)[len(times) // 2]
 
+    knob, values = env if env else (None, [None])
     for name in ["plain"] + names:
         sm, mm = MODS.get(name, (None, None))
-        out, lse = attnext.attention(q, k, v, causal=True, score_mod=sm, mask_mod=mm, return_lse=True)
-        fwd = ms(lambda: attnext.attention(q, k, v, causal=True, score_mod=sm, mask_mod=mm))
-        bwd = ms(lambda: attnext.attention_backward(dout, q, k, v, out, lse, causal=True, score_mod=sm,
-                                                    mask_mod=mm))
-        print(f"    {name:22s} forward {fwd:7.3f} ms  backward {bwd:7.3f} ms")
+        for value in values:         # each value's kernels in turn, one mod after another
+            if knob:
+                os.environ[knob] = value
+            out, lse = attnext.attention(q, k, v, causal=True, score_mod=sm, mask_mod=mm, return_lse=True)
+            fwd = ms(lambda: attnext.attention(q, k, v, causal=True, score_mod=sm, mask_mod=mm))
+            bwd = ms(lambda: attnext.attention_backward(dout, q, k, v, out, lse, causal=True, score_mod=sm,
+                                                        mask_mod=mm))
+            label = f"{name} {knob}={value}" if knob else name
+            print(f"    {label:40s} forward {fwd:7.3f} ms  backward {bwd:7.3f} ms", flush=True)
 
 
 def hit(arch, names):
@@ -283,11 +291,17 @@ def main():
     ap.add_argument("--all", action="store_true", help="every mod, the heavy one too")
     ap.add_argument("--split", action="store_true", help="front end and ptxas of each kernel")
     ap.add_argument("--speed", action="store_true", help="time the mods' kernels (GPU) instead")
+    ap.add_argument("--env", help="with --speed: NAME=V1,V2 times each mod under each value "
+                    "(e.g. ATTNEXT_BWD_DQ=ordered,atomic)")
     ap.add_argument("--hit", help=argparse.SUPPRESS)
     args = ap.parse_args()
     names = list(MODS) if args.all else args.mods.split(",") if args.mods else list(DEFAULT_MODS)
     if args.speed:
-        return speed(names)
+        env = None
+        if args.env:
+            knob, values = args.env.split("=", 1)
+            env = (knob, values.split(","))
+        return speed(names, env)
     if args.hit:
         return hit(args.arch, args.hit.split(","))
     cache = tempfile.mkdtemp(prefix="attnext-lab-compile-")

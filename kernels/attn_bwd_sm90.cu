@@ -274,6 +274,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
 #define PRODUCER_REGS 56
 #endif
 static_assert(KV_BLOCK_M % LOADERS == 0, "loaders cover the lse / delta rows");
+static_assert(KQ_BYTES >= KV_WARPS * 2048, "a Q stage holds every consumer warp's store_rows_staged buffer");
 
 #if DQ_ORDERED && DQ_TILE_M != KV_BLOCK_M
 #error "attn_bwd_dkdv_ws_sm90: attn_bwd_dq_convert's DQ_TILE_M is this kernel's query tile"
@@ -366,6 +367,59 @@ DEV void store_dq_tile(const attn_params &p, const seq_t &sq, int64_t h, int m0,
 }
 
 #if ENTRY(attn_bwd_dkdv_ws_sm90)
+/* A warp's 16 rows from g of the mma C fragments acc (N n8 groups) times mul, rows < rows written,
+ * through the warp's 2 KB of shared memory at buf: 64 columns at a time, as bf16 / f16 pairs
+ * (16-byte chunks swizzled by the row: no bank conflicts either way), then out in 16-byte stores.
+ * g is 16-byte aligned and s_row a multiple of 8 (store_dkdv_staged checks). */
+template <int N>
+DEV void store_rows_staged(const float (&acc)[1][N][4], float mul, elem_t *g, int64_t s_row, int rows, uint32_t buf)
+{
+    const int lane = threadIdx.x & 31, gr = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int c = 0; c < N / 8; c++) {
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int r = gr + 8 * i;
+                asm volatile("st.shared.b32 [%0], %1;" ::"r"(buf + r * 128 + ((j ^ (r & 7)) << 4) + t * 4),
+                             "r"(pack2(acc[0][8 * c + j][2 * i] * mul, acc[0][8 * c + j][2 * i + 1] * mul)));
+            }
+        __syncwarp();
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int piece = lane + 32 * k, r = piece >> 3, ch = piece & 7;
+            uint4 v;
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(buf + r * 128 + ((ch ^ (r & 7)) << 4)));
+            if (r < rows)
+                *(uint4 *)(g + r * s_row + c * 64 + ch * 8) = v;
+        }
+        __syncwarp();
+    }
+}
+
+/* store_dkdv's dk and dv of the warp's 16 keys from n0w in 16-byte stores (store_rows_staged, buf:
+ * the warp's 2 KB of a free stage), or store_dkdv itself where either is not laid out for them.
+ * 16-bit scalar stores, eight rows to an instruction, took ~5 us a CTA at D = 64 and ~10 at
+ * D = 128 (H100, globaltimer stamps): a sixth of a short row's CTA. */
+template <int NK, int NV>
+DEV void store_dkdv_staged(const attn_params &p, const seq_t &sk, int64_t hk, const float (&dk)[1][NK][4],
+                           const float (&dv)[1][NV][4], int n0w, uint32_t buf)
+{
+    elem_t *gk = (elem_t *)p.dk.ptr + sk.mem_b * p.dk.s[0] + (sk.start + n0w) * p.dk.s[1] + hk * p.dk.s[2];
+    elem_t *gv = (elem_t *)p.dv.ptr + sk.mem_b * p.dv.s[0] + (sk.start + n0w) * p.dv.s[1] + hk * p.dv.s[2];
+    const bool vec = p.dk.s[3] == 1 && p.dv.s[3] == 1 && p.dk.s[1] % 8 == 0 && p.dv.s[1] % 8 == 0
+                     && ((uint64_t)gk & 15) == 0 && ((uint64_t)gv & 15) == 0;
+    if (!vec) {
+        store_dkdv(p, sk, hk, dk, dv, n0w, true, true);
+        return;
+    }
+    const int rows = (int)min((int64_t)16, sk.rows - n0w);
+    store_rows_staged(dk, (float)p.scale, gk, p.dk.s[1], rows, buf);
+    store_rows_staged(dv, 1.f, gv, p.dv.s[1], rows, buf);
+}
+
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm90(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -421,9 +475,21 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                 int64_t h;
                 int m0;
                 item_of(j, nm, m_first, hk, group, h, m0);
+                const int64_t row0 = sq.start + m0;
+                /* the tile's lse and delta rows read first, their latency under the stage's wait and
+                 * the cp.asyncs (read after them, they held up a CTA's first item by ~2 us) */
+                constexpr int LR = KV_BLOCK_M / LOADERS;
+                float l[LR], d[LR];
+#pragma unroll
+                for (int i = 0; i < LR; i++) {
+                    const int64_t row = row0 + tid + i * LOADERS;
+                    const bool in = m0 + tid + i * LOADERS < Lq;
+                    l[i] = in ? ((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + row * p.lse.s[2]] : 0.f;
+                    d[i] = in ? ((const float *)p.delta.ptr)[sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + row * p.delta.s[2]]
+                              : 0.f;
+                }
                 if (j >= 2)
                     mbar_wait(q_empty + 8 * x, ((j >> 1) - 1) & 1);
-                const int64_t row0 = sq.start + m0;
                 load_sw128<KV_BLOCK_M, HEAD_DIM, LOADERS, 1>(
                     sQ + x * KQ_BYTES, (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + row0 * p.q.s[1] + h * p.q.s[2],
                     p.q.s[1], Lq - m0, tid);
@@ -433,15 +499,10 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                     p.dout.s[1], Lq - m0, tid);
                 mbar_arrive_cp_async(q_full + 8 * x);
 #pragma unroll
-                for (int r = tid; r < KV_BLOCK_M; r += LOADERS) {
-                    float l = POS_INF, d = 0.f;
-                    if (m0 + r < Lq) {
-                        const int64_t row = row0 + r;
-                        l = lse_log2(((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + row * p.lse.s[2]]);
-                        d = ((const float *)p.delta.ptr)[sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + row * p.delta.s[2]];
-                    }
-                    sL[x * KV_BLOCK_M + r] = l;
-                    sD[x * KV_BLOCK_M + r] = d;
+                for (int i = 0; i < LR; i++) {
+                    const bool in = m0 + tid + i * LOADERS < Lq;
+                    sL[x * KV_BLOCK_M + tid + i * LOADERS] = in ? lse_log2(l[i]) : POS_INF;
+                    sD[x * KV_BLOCK_M + tid + i * LOADERS] = d[i];
                 }
                 mbar_arrive(q_full + 8 * x);
             }
@@ -590,7 +651,9 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
         fence_proxy_async();
         mbar_arrive(dq_full + 8 * x);
     }
-    store_dkdv(p, sk, hk, dk, dv, n0w, true, true);
+    /* Q's stage of the next item is free: its last item (items - 2) was read by both warpgroups
+     * before the barrier of item items - 1, and no load follows */
+    store_dkdv_staged(p, sk, hk, dk, dv, n0w, sQ + (items & 1) * KQ_BYTES + cwarp * 2048);
 }
 #endif
 #endif

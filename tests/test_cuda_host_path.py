@@ -304,6 +304,37 @@ def test_scratch_is_bounded_to_scratch_streams(fake_driver):
     """)
 
 
+def test_a_forward_with_mods_and_lse_compiles_its_backward_ahead(fake_driver):
+    """A forward with a score_mod / mask_mod that returns lse hands kernels.compile_ahead the
+    entry points the default backward of the same problem then prefetches, less the forward's
+    own (the block mask); a forward without lse or without mods starts none."""
+    _run(fake_driver, r"""
+        AHEAD, PRE = [], []
+        _C.cuda_launch_attention = _launch          # the fake's, which takes the mods' bytes too
+        kernels.compile_ahead = lambda specs, arch, busy=1: AHEAD.append((specs, busy)) or []
+        kernels.prefetch = lambda specs, arch, device: PRE.append(specs)
+        q, k, v = qkv(1, 2048, 2048, 2, 2, 128)
+        dout = dev((1, 2048, 2, 128))
+        allowed = np.ones((4, 4), bool)
+        softcap = dict(causal=True, score_mod=lambda s, b, h, qi, ki: 30.0 * np.tanh(s / 30.0))
+        masked = dict(mask_mod=lambda b, h, qi, ki: allowed[qi % 4, ki % 4])
+        attnext.attention(q, k, v, **softcap)
+        attnext.attention(q, k, v, causal=True, return_lse=True)
+        assert AHEAD == []
+        for kw in (softcap, masked):
+            out, lse = attnext.attention(q, k, v, return_lse=True, **kw)
+            [(specs, busy)] = AHEAD
+            fwd = PRE[-1]
+            attnext.attention_backward(dout, q, k, v, out, lse, **kw)
+            assert specs == [s for s in PRE[-1] if s not in fwd] and busy == len(fwd), (specs, PRE[-1])
+            names = [s[1] for s in specs]
+            assert "attn_bwd_dkdv_ws_sm90" in names and "attn_block_mask" not in names, names
+            assert ("attn_block_mask" in [s[1] for s in fwd]) == ("mask_mod" in kw)
+            AHEAD.clear()
+        print("ok")
+    """)
+
+
 # --- the C entry points' argument checks (no driver needed: they refuse before using it) ---
 
 def _prob(**changes):

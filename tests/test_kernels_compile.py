@@ -173,6 +173,80 @@ def test_a_call_with_mods_compiles_its_entry_points_alone():
     assert b"attn_bwd_dq_sm90" in cubin and b"attn_bwd_dkdv_sm90" not in cubin
 
 
+def test_compile_ahead_starts_the_compiles_where_the_cores_allow(tmp_path, monkeypatch):
+    """kernels.compile_ahead compiles its entry points' cubins in background threads, each module
+    once, as module_for chooses them (a plain entry point alone while its whole file is in no
+    cache), where the machine has a core for each beside the caller's (busy);
+    ATTNEXT_COMPILE_AHEAD=1 always, =0 never."""
+    if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
+        pytest.skip("ATTNEXT_NO_NVRTC=1")
+    from attnext import codegen, trace
+    from attnext.kernel_cache import CubinCache
+    monkeypatch.setattr(kernels, "_cubins", CubinCache(kernels._compile, cache_dir=tmp_path))
+    made = []
+    monkeypatch.setattr(kernels, "cubin", lambda k, d, arch, g=None: made.append((k, d, g)) or b"cubin")
+    gen = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s * 0.5))
+    features = dict(dtype="bfloat16", D=128, Dv=128, vec=True, softcap=False, bias_dtype=None,
+                    alibi_dtype=None, mask=False)
+    defines = kernels.bwd_defines(**features, tile=kernels.bwd_sm90_tile(128, "recompute"), mods=gen)
+    specs = [("attn_bwd_sm90", "attn_bwd_dq_sm90", defines, gen.source),
+             ("attn_bwd", "attn_bwd_pre", defines, gen.source), ("attn_bwd", "attn_bwd_pre", defines, gen.source)]
+    monkeypatch.setattr(kernels, "_cpus", lambda: 3)
+    monkeypatch.setenv("ATTNEXT_COMPILE_AHEAD", "0")
+    assert kernels.compile_ahead(specs, "sm_90a") == []
+    monkeypatch.delenv("ATTNEXT_COMPILE_AHEAD")
+    assert kernels.compile_ahead(specs, "sm_90a", busy=2) == [] and made == []
+    assert [f.result() for f in kernels.compile_ahead(specs, "sm_90a", busy=1)] == [b"cubin"] * 2
+    plain = kernels.plain_defines(defines)
+    assert sorted(made, key=str) == sorted([
+        ("attn_bwd_sm90", kernels.entry_defines(defines, "attn_bwd_dq_sm90"), gen.source),
+        ("attn_bwd", kernels.entry_defines(plain, "attn_bwd_pre"), None)], key=str)
+    monkeypatch.setattr(kernels, "_cpus", lambda: 1)
+    monkeypatch.setenv("ATTNEXT_COMPILE_AHEAD", "1")
+    assert len(kernels.compile_ahead(specs, "sm_90a", busy=1)) == 2
+
+
+def test_compile_ahead_counts_its_running_compiles_and_skips_cached_ones(tmp_path, monkeypatch):
+    """The cores' rule counts compile_ahead's compiles still running from earlier calls; an entry
+    point a cache holds is not compiled again; "off" is "0"; a forward's head start never raises
+    (cuda_backend._compile_backward_ahead: the backward meets its own errors)."""
+    import threading
+    from attnext import cuda_backend
+    from attnext.kernel_cache import CubinCache
+    monkeypatch.setattr(kernels, "_cubins", CubinCache(kernels._compile, cache_dir=tmp_path))
+    release, made = threading.Event(), []
+
+    def slow_cubin(k, d, arch, g=None):
+        made.append(d)
+        release.wait(10)
+        return b"cubin"
+    monkeypatch.setattr(kernels, "cubin", slow_cubin)
+    monkeypatch.setattr(kernels, "module_for", lambda kernel, name, defines, generated, arch: (kernel, defines, None))
+    monkeypatch.setattr(kernels, "compile_args", lambda k, d, arch, g=None: (str(sorted(d.items())), "x.cu", [], []))
+    monkeypatch.setattr(kernels, "_cpus", lambda: 3)
+    monkeypatch.delenv("ATTNEXT_COMPILE_AHEAD", raising=False)
+    spec = lambda i: ("attn_bwd", f"e{i}", {"E": i}, None)
+    first = kernels.compile_ahead([spec(0), spec(1)], "sm_90a", busy=1)
+    assert len(first) == 2
+    assert kernels.compile_ahead([spec(2)], "sm_90a", busy=1) == []     # 1 + 1 + 2 running > 3 cores
+    release.set()
+    assert [f.result() for f in first] == [b"cubin"] * 2
+    for _ in range(100):
+        if kernels._ahead_running == 0:
+            break
+        threading.Event().wait(0.01)
+    assert kernels._ahead_running == 0
+    [third] = kernels.compile_ahead([spec(2)], "sm_90a", busy=1)
+    assert third.result() == b"cubin"
+    monkeypatch.setattr(kernels._cubins, "has", lambda *args: True)
+    assert kernels.compile_ahead([spec(3)], "sm_90a", busy=1) == []
+    monkeypatch.setattr(kernels._cubins, "has", lambda *args: False)
+    monkeypatch.setenv("ATTNEXT_COMPILE_AHEAD", "off")
+    assert kernels.compile_ahead([spec(4)], "sm_90a", busy=1) == []
+    assert {d["E"] for d in made} == {0, 1, 2}
+    cuda_backend._compile_backward_ahead(object(), 0, {}, 1, None, [])   # a broken problem: no raise
+
+
 def test_block_mask_kernel_compiles_alone_and_reports_out_of_line():
     """A call with a mask_mod prefetches attn_block_mask beside its entry points (block_mask_specs:
     none without one); it is compiled alone like them, and its lookups report through the

@@ -8,6 +8,8 @@ central differences in float64, for the score and every captured float array.
 import gc
 from collections import namedtuple
 
+import math
+
 import numpy as np
 import pytest
 
@@ -449,6 +451,62 @@ def test_trace_cache_sees_what_tracing_read(traces, monkeypatch):
     trace_score_mod(with_default)
     with_default.__defaults__ = (0.25,)
     assert trace_score_mod(with_default).params == (0.25,) and len(traces) == 12
+
+
+def test_trace_cache_sees_a_replaced_numpy_function(traces, monkeypatch):
+    """np.tanh replaced (a monkeypatch): traced again, through the new function; put back, the
+    first trace again."""
+    def fn(s, b, h, q, k):
+        return 30.0 * np.tanh(s / 30.0)
+    first = trace_score_mod(fn)
+    monkeypatch.setattr(np, "tanh", lambda x: x * 2.0)
+    again = trace_score_mod(fn)
+    assert again.structure != first.structure and "tanh" not in again.structure and len(traces) == 2
+    monkeypatch.undo()
+    assert trace_score_mod(fn).out is first.out and len(traces) == 2
+
+
+PATCH_K = 2.0
+
+
+def _patched_tanh(x):
+    return x * PATCH_K
+
+
+def test_trace_cache_follows_a_replacement_module_function(traces, monkeypatch):
+    """A replacement of np.tanh counts as a function: a global it reads changing traces again."""
+    def fn(s, b, h, q, k):
+        return np.tanh(s)
+    monkeypatch.setattr(np, "tanh", _patched_tanh)
+    assert trace_score_mod(fn).params == (2.0,)
+    monkeypatch.setattr(__import__(__name__), "PATCH_K", 5.0)
+    assert trace_score_mod(fn).params == (5.0,)
+
+
+def test_trace_cache_sees_modules_reached_otherwise(traces, monkeypatch):
+    """A module met as a default, a submodule's function, getattr by name, a replaced constant
+    (by its repr: -0.0 is not 0.0): each traces again after the patch."""
+    def by_default(s, b, h, q, k, _np=np):
+        return _np.tanh(s)
+
+    def submodule(s, b, h, q, k):
+        return np.emath.sqrt(s) + s
+
+    def by_name(s, b, h, q, k):
+        return getattr(np, "tanh")(s)
+
+    def constant(s, b, h, q, k):
+        return s + math.pi
+    monkeypatch.setattr(np.emath, "sqrt", lambda x: x * 4.0)     # the tracer has no np.emath.sqrt
+    before = [trace_score_mod(f).structure for f in (by_default, submodule, by_name)]
+    monkeypatch.setattr(np, "tanh", lambda x: x * 3.0)
+    monkeypatch.setattr(np.emath, "sqrt", lambda x: x - 1.0)
+    after = [trace_score_mod(f).structure for f in (by_default, submodule, by_name)]
+    assert all(a != b for a, b in zip(after, before))
+    monkeypatch.setattr(math, "pi", -0.0)
+    assert trace_score_mod(constant).params == (-0.0,) and str(trace_score_mod(constant).params[0]) == "-0.0"
+    monkeypatch.setattr(math, "pi", 0.0)
+    assert str(trace_score_mod(constant).params[0]) == "0.0"
 
 
 def test_trace_cache_leaves_what_it_cannot_know(traces):

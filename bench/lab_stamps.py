@@ -1,0 +1,140 @@
+"""Kernel lab: where a backward CTA of attn_bwd_dkdv_ws_sm90 spends its time, from globaltimer
+stamps (H100: bench/NOTES.md, session 18).
+
+    python3 bench/lab_stamps.py [D:S[:causal] ...]      (default: 64:512 64:512:causal 128:512)
+
+Writes an instrumented copy of kernels/ into a temporary folder (string edits of
+attn_bwd_sm90.cu at fixed anchors: the lab stops if one is missing) and points
+ATTNEXT_KERNEL_DIR at it. The stamps go into the backward's unused o_accum slot, 64 int64 per CTA:
+[0] start, [1] K and V in, [2] the consumers' end (dK, dV stored), [3] the writer's end, [4] the
+SM, [5] items; for items j < 8: [8 + j] the consumers start it, [24 + j] its dq_full, [40 + j]
+the writer's turn granted, [56 + j] the writer done with it. Prints medians over the CTAs (bf16,
+B*S = 16k tokens, H = 2048 / D, deterministic).
+"""
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STAMP = ("DEV long long gtime() { long long t; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t)); return t; }\n"
+         "#define TR(i, v) do { if (p.o_accum) ((long long *)p.o_accum)[((blockIdx.z * gridDim.y + blockIdx.y)"
+         " * gridDim.x + blockIdx.x) * 64 + (i)] = (v); } while (0)\n")
+EDITS = [   # (anchor, text inserted after it)
+    ("#if ENTRY(attn_bwd_dkdv_ws_sm90)\n", STAMP),
+    ("    const int tid = threadIdx.x, warp = tid >> 5, wg = tid >> 7;\n    const int64_t hk = blockIdx.y, b = blockIdx.z;\n",
+     "    if (tid == 0) { TR(0, gtime()); unsigned sm; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(sm)); TR(4, sm); }\n"),
+    ("                    sem_wait(sem, n_block, last);\n                    fence_proxy_async_global();\n#endif\n",
+     "                    if (j < 8) TR(40 + j, gtime());\n"),
+    ("                if (wt == 0)\n                    mbar_arrive(dq_empty + 8 * x);\n",
+     "                if (wt == 0 && j < 8) TR(56 + j, gtime());\n"),
+    ("            if (wt == 0)\n                bulk_wait();\n", "            if (wt == 0) TR(3, gtime());\n"),
+    ("    named_sync(1, KV_THREADS);            /* K and V in */\n",
+     "    if (ctid == 0) { TR(1, gtime()); TR(5, items); }\n"),
+    ("        mbar_wait(q_full + 8 * x, (j >> 1) & 1);\n        uint32_t pd[1][KV_NT / 2][4];\n",
+     "        if (ctid == 0 && j < 8) TR(8 + j, gtime());\n"),
+    ("        mbar_arrive(dq_full + 8 * x);\n", "        if (ctid == 0 && j < 8) TR(24 + j, gtime());\n"),
+    ("    store_dkdv_staged(p, sk, hk, dk, dv, n0w, sQ + (items & 1) * KQ_BYTES + cwarp * 2048);\n",
+     "    if (ctid == 0) TR(2, gtime());\n"),
+]
+
+
+def instrumented_kernels():
+    """A temporary copy of kernels/ with the stamps in attn_bwd_dkdv_ws_sm90."""
+    out = Path(tempfile.mkdtemp(prefix="attnext-stamps-")) / "kernels"
+    shutil.copytree(ROOT / "kernels", out)
+    src = (out / "attn_bwd_sm90.cu").read_text()
+    head, sep, kernel = src.partition(EDITS[0][0])       # the edits apply to the kernel's part
+    if not sep:
+        sys.exit("lab_stamps: attn_bwd_sm90.cu has no attn_bwd_dkdv_ws_sm90")
+    kernel = sep + kernel
+    for anchor, text in EDITS:
+        if kernel.count(anchor) != 1:
+            sys.exit(f"lab_stamps: anchor not found once in attn_bwd_dkdv_ws_sm90's part: {anchor!r}")
+        kernel = kernel.replace(anchor, anchor + text)
+    (out / "attn_bwd_sm90.cu").write_text(head + kernel)
+    return out
+
+
+def med(xs):
+    """The median in us of the differences that have both stamps (None: one is missing; a stamp
+    never written reads 0, e.g. the writer's turn of an item whose tile no other block sees)."""
+    xs = [x for x in xs if x is not None]
+    return f"{statistics.median(xs) / 1000:7.2f}" if xs else "      -"
+
+
+def diff(t, a, b):
+    """Stamp b - stamp a per CTA, None where either was never written."""
+    return [r[b] - r[a] if r[a] and r[b] else None for r in t]
+
+
+def main():
+    kernels_dir = instrumented_kernels()
+    os.environ["ATTNEXT_KERNEL_DIR"] = str(kernels_dir)
+    os.environ["ATTNEXT_CACHE_DIR"] = str(kernels_dir.parent / "cache")   # the lab's cubins stay its own
+    sys.path.insert(0, str(ROOT))
+    import numpy as np
+    import torch
+    import attnext
+    from attnext import cuda_backend
+
+    buf = torch.zeros(1, dtype=torch.int64, device="cuda")
+    tracing = [False]
+    launch = cuda_backend._launch
+
+    def stamped(plan, stage, ptrs, o, gmods=None):      # the backward's o_accum slot: the stamps
+        if tracing[0]:
+            ptrs = ptrs[:5] + (buf.data_ptr(),) + ptrs[6:]
+        return launch(plan, stage, ptrs, o, gmods)
+    cuda_backend._launch = stamped
+
+    for spec in sys.argv[1:] or ["64:512", "64:512:causal", "128:512"]:
+        D, S, *c = spec.split(":")
+        D, S, causal = int(D), int(S), bool(c)
+        B, H = 16384 // S, 2048 // D
+        q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out, lse = attnext.attention(q, k, v, causal=causal, return_lse=True)
+        dout = torch.randn_like(out)
+        ctas = -(-S // 128) * H * B           # the grid: key blocks of 128 x kv heads x sequences
+        buf = torch.zeros(64 * ctas, dtype=torch.int64, device="cuda")
+        for _ in range(3):
+            attnext.attention_backward(dout, q, k, v, out, lse, causal=causal)
+        torch.cuda.synchronize()
+        buf.zero_()
+        tracing[0] = True
+        attnext.attention_backward(dout, q, k, v, out, lse, causal=causal)
+        torch.cuda.synchronize()
+        tracing[0] = False
+        t = buf.view(-1, 64).cpu().numpy()
+        t = t[(t[:, 0] > 0) & (t[:, 5] > 0)]
+        if not len(t):
+            print(f"== D{D} S{S}: no stamps (did the call take attn_bwd_dkdv_ws_sm90?)")
+            continue
+        items = t[:, 5]
+        end = np.maximum(t[:, 2], t[:, 3])
+        print(f"== D{D} S{S} {'causal' if causal else 'full'}: {len(t)} CTAs, kernel "
+              f"{(end.max() - t[:, 0].min()) / 1e3:.1f} us, items median {np.median(items)}")
+        print("  start->kv_in", med(diff(t, 0, 1)), " kv_in->item0", med(diff(t, 1, 8)),
+              " consumers' end->writer's end", med(diff(t, 2, 3)), " start->end", med(end - t[:, 0]))
+        for j in range(8):
+            sel = t[items > j]
+            if len(sel) < len(t) // 2:
+                break
+            nxt = diff(sel, 24 + j, 9 + j) if j < 7 else [None]
+            print(f"  item {j}: consumers {med(diff(sel, 8 + j, 24 + j))}  to the next {med(nxt)}"
+                  f"  writer waits {med(diff(sel, 24 + j, 40 + j))}  writer's turn {med(diff(sel, 40 + j, 56 + j))}")
+        few = t[items <= 8]                   # the last item stamped: the store follows it
+        print("  dK, dV store (consumers' end - last dq_full)",
+              med([r[2] - r[24 + r[5] - 1] for r in few]) if len(few) else "      -")
+        ends, gaps = {}, []
+        for r, e in sorted(zip(t, end), key=lambda x: x[0][0]):
+            if r[4] in ends:
+                gaps.append(r[0] - ends[r[4]])
+            ends[r[4]] = e
+        print("  a CTA's end -> the next's start on its SM", med(gaps))
+
+
+if __name__ == "__main__":
+    main()
