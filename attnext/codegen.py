@@ -6,7 +6,8 @@ mask_keeps, and ds_tile for the array gradients):
 
     float mod_score(float score, int64_t b, int64_t h, int64_t q_idx, int64_t kv_idx, const attn_mods_gpu *m)
     float mod_dscore(... the same ..., float dout, m)      d out / d score times dout (trace.grad)
-    void  mod_dtensors(... the same ..., float dout, m)    each float array's adjoint, scatter-added
+    void  mod_dtensors(... the same ..., float dout, t, m) each float array's adjoint, scatter-added
+    int   mod_tile_plan(b, h, q_idx, kv_idx, rows, cols, m, t)   whether a tile sums its lookups first
     int   mod_mask(int64_t b, int64_t h, int64_t q_idx, int64_t kv_idx, m)
 
 The source is one in-memory header, "attn_mod_gen.cuh", handed to NVRTC beside the fixed ones
@@ -35,7 +36,11 @@ tables cannot render raises TypeError naming it.
 Gradients of the captured float arrays are accumulated exactly: integer fixed-point limbs added
 by atomics (attn_mods.cuh), so the result is the same bits whatever order the GPU threads add
 in; kernels/attn_dtensors.cu turns them into the arrays' gradients on the device, by the rule
-limbs_to_float spells out on the host (the tests hold the two to the same bits).
+limbs_to_float spells out on the host (the tests hold the two to the same bits). A lookup whose
+indices are affine in q_idx and kv_idx with the rest fixed for a tile (b, h, constants: a tile
+term, affine()) lands on few elements over a tile of the dQ kernels: mod_tile_plan places its
+span in the tile's shared-memory sums (attn_mods.cuh: mod_tile), mod_dtensors adds into those,
+and the kernel adds each element's sums into the accumulator once (the same words).
 """
 import math
 from typing import NamedTuple
@@ -53,10 +58,14 @@ MAX_ARRAYS = 8             # ATTN_MOD_ARRAYS
 MAX_DIMS = 4               # ATTN_MOD_DIMS
 LIMBS, LIMB_BITS, LIMB_LSB = 12, 24, -149      # attn_mods.cuh
 WORDS = LIMBS + 1
+MAX_TILE_TERMS = 4         # MOD_TILE_TERMS: lookups that may take a tile's path
+MAX_TILE_COEF = 1 << 15    # a larger coefficient never fits a tile's slots
+TILE_SLOT_BYTES = 2 * LIMBS * 4     # a tile's shared sums of one element: MOD_CHUNKS 32-bit words
 CACHE_CAPACITY = 256
 
 C_TYPE = {F: "float", I: "int64_t", B: "int"}
 SCORE_ARGS = "float score, int64_t b, int64_t h, int64_t q_idx, int64_t kv_idx"
+PLAN_ARGS = "int64_t b, int64_t h, int64_t q_idx, int64_t kv_idx, int rows, int cols"
 MASK_ARGS = "int64_t b, int64_t h, int64_t q_idx, int64_t kv_idx"
 M_ARG = "const attn_mods_gpu *m"
 
@@ -209,6 +218,110 @@ def _function(ret, name, params, roots, arrays, float_base, tail, modes=None, na
             + ("" if ret == "void" else "    return v;\n") + "}\n")
 
 
+# leaves a tile of the dQ kernels fixes: a CTA has one b and h, floats are call constants
+_TILE_FIXED = frozenset({"b", "h", "const", "fconst", "param"})
+
+
+def _affine_form(n, memo):
+    k = id(n)
+    if k in memo:
+        return memo[k]
+    op = n.op
+    if op == "q_idx":
+        f = (1, 0)
+    elif op == "kv_idx":
+        f = (0, 1)
+    elif op in _TILE_FIXED:
+        f = (0, 0)
+    elif op in trace._LEAVES or op == "load":     # score, dout, a lookup (nested: its own faults)
+        f = None
+    else:
+        args = [_affine_form(a, memo) for a in n.args]
+        if None in args:
+            f = None
+        elif all(x == (0, 0) for x in args):
+            f = (0, 0)                             # fixed for the tile, whatever the op
+        elif n.dtype != I:
+            f = None
+        elif op in ("add", "sub"):
+            sign = 1 if op == "add" else -1
+            f = (args[0][0] + sign * args[1][0], args[0][1] + sign * args[1][1])
+        elif op == "neg":
+            f = (-args[0][0], -args[0][1])
+        elif op == "mul" and any(a.op == "const" and a.dtype == I for a in n.args):
+            const, other = (0, 1) if n.args[0].op == "const" else (1, 0)
+            v = n.args[const].args[0]
+            f = (v * args[other][0], v * args[other][1])
+        else:
+            f = None
+    memo[k] = f
+    return f
+
+
+def affine(n):
+    """(a, c) when the integer index node n is base + a * q_idx + c * kv_idx with base made of
+    b, h and constants only (fixed over a tile of the dQ kernels), |a| and |c| at most
+    MAX_TILE_COEF; else None (a product of two indices, a division, a nested lookup, ...).
+    The generated code's integers wrap, as do these forms' operations: the form holds modulo
+    2^64, so exactly wherever the tile's indices lie in range (mod_tile_term checks)."""
+    if n.dtype != I:
+        return None
+    f = _affine_form(n, {})
+    return f if f is not None and max(abs(f[0]), abs(f[1])) <= MAX_TILE_COEF else None
+
+
+class TileTerm(NamedTuple):
+    """A tile term's offset coefficients in q_idx and kv_idx (a, c: for its C-contiguous array,
+    which a gradient's array always is: mod_arrays.py) and whether the call's Facts prove its
+    lookup in range with every index in [0, n) (mode 0): then every tile of the call can take
+    it, wherever it fits."""
+    a: int
+    c: int
+    proven: bool
+
+
+def _tile_terms(terms, array_node, modes):
+    """The positions in terms (name, indices, adjoint) of the lookups that take the tiles' path,
+    and each one's TileTerm; modes: _modes'. At most MAX_TILE_TERMS, the narrowest spans first:
+    they fit more often, and the fewer elements a tile's adjoints fall on, the more atomics on
+    each the tile saves (table[h]: every pair's on one)."""
+    found = []
+    for pos, (name, idx, _) in enumerate(terms):
+        forms = [affine(i) for i in idx]
+        if None in forms:
+            continue
+        shape = array_node(name).args[2]
+        strides = [math.prod(shape[ax + 1:]) for ax in range(len(shape))]
+        found.append((pos, TileTerm(sum(a * s for (a, _), s in zip(forms, strides)),
+                                    sum(c * s for (_, c), s in zip(forms, strides)),
+                                    modes.get((name, tuple(id(i) for i in idx)), CHECKED) == 0)))
+    found = sorted(found, key=lambda x: (abs(x[1].a) + abs(x[1].c), x[0]))[:MAX_TILE_TERMS]
+    return [pos for pos, _ in found], tuple(t for _, t in found)
+
+
+def _tile_plan(terms, tiled, amap, how):
+    """mod_tile_plan: each tile term's indices at the tile's first pair (q_idx, kv_idx) and
+    coefficients, to mod_tile_term (attn_mods.cuh); whether the tile takes its path."""
+    r = _Renderer(amap, 0, **how)
+    r.render([i for pos in tiled for i in terms[pos][1]])
+    body = ["    mod_tile_start(t);"] + r.lines
+    for k, pos in enumerate(tiled):
+        name, idx, _ = terms[pos]
+        if not idx:                   # a 0-d array: one element
+            body.append(f"    mod_tile_term(m, t, {k}, {amap[name]}, 0, 0, 0, 0, rows, cols);")
+            continue
+        forms = [affine(i) for i in idx]
+        body += ["    {",
+                 f"        const int64_t i0[] = {{{', '.join(r.expr[id(i)] for i in idx)}}};",
+                 f"        const int64_t a[] = {{{', '.join(_int_literal(a, I) for a, _ in forms)}}};",
+                 f"        const int64_t c[] = {{{', '.join(_int_literal(c, I) for _, c in forms)}}};",
+                 f"        mod_tile_term(m, t, {k}, {amap[name]}, {len(idx)}, i0, a, c, rows, cols);",
+                 "    }"]
+    return (f"DEV int mod_tile_plan({PLAN_ARGS}, {M_ARG}, mod_tile *t)\n{{\n"
+            "    (void)b; (void)h; (void)q_idx; (void)kv_idx;\n" + "\n".join(body)
+            + "\n    return mod_tile_done(t);\n}\n")
+
+
 def array_order(traced):
     """Captured array names of a traced function by position (its graph's topological order,
     the same for every function of one structure)."""
@@ -243,7 +356,8 @@ class Generated(NamedTuple):
     / "mask_mod", name, value type) by global number; grad_arrays: the global numbers of the
     score_mod's float arrays that have a gradient term; n_score_floats: where mask_mod's float
     constants start in m->f; uses_h: whether a mod reads h; mask_uses_b / mask_uses_h: whether
-    mask_mod reads b / h (the block mask has one slice per b / h only then)."""
+    mask_mod reads b / h (the block mask has one slice per b / h only then); tile_terms: the
+    TileTerms in mod_tile_plan's order (kernels.tile_sums)."""
     source: str
     defines: dict
     arrays: tuple
@@ -252,6 +366,7 @@ class Generated(NamedTuple):
     uses_h: bool
     mask_uses_b: bool = False
     mask_uses_h: bool = False
+    tile_terms: tuple = ()
 
 
 def generate(score=None, mask=None, facts=None):
@@ -274,7 +389,7 @@ def generate(score=None, mask=None, facts=None):
                         f"score_mod and mask_mod together, got {len(arrays)}")
     defines = dict(HAS_SCORE_MOD=int(score is not None), HAS_MASK_MOD=int(mask is not None),
                    HAS_DTENSORS=0)
-    grad_arrays, uses_h = [], False
+    grad_arrays, uses_h, tile_terms = [], False, ()
     n_score_floats = len(score.params) if score is not None else 0
     if score is not None:
         amap = {name: numbers[("score_mod", name)] for name in array_order(score)}
@@ -292,13 +407,24 @@ def generate(score=None, mask=None, facts=None):
             grad_arrays = sorted({amap[name] for name, _, _ in terms})
             roots = [x for _, idx, adj in terms for x in (*idx, adj)]
 
-            def scatters(r):      # the _check twin only checks the offsets
-                return "\n".join(
-                    f"    {'(void)' if r.check else f'mod_scatter(m, {amap[name]}, '}"
-                    f"{r.offset(next(n for n in trace.topo(score.out) if n.op == 'array' and n.args[0] == name), idx)}"
-                    f"{';' if r.check else f', {r.expr[id(adj)]});'}" for name, idx, adj in terms)
-            parts.append(_function("void", "mod_dtensors", f"{SCORE_ARGS}, float dout, {M_ARG}", roots,
-                                   amap, 0, [scatters], **how))
+            def array_node(name):
+                return next(n for n in trace.topo(score.out) if n.op == "array" and n.args[0] == name)
+
+            tiled, tile_terms = _tile_terms(terms, array_node, how["modes"])
+            k_of = {pos: k for k, pos in enumerate(tiled)}
+
+            def scatter(r, pos):  # the _check twin only checks the offsets
+                name, idx, adj = terms[pos]
+                off = r.offset(array_node(name), idx)
+                if r.check:
+                    return f"    (void){off};"
+                if pos in k_of:
+                    return f"    mod_scatter_tile(m, t, {k_of[pos]}, {amap[name]}, {off}, {r.expr[id(adj)]});"
+                return f"    mod_scatter(m, {amap[name]}, {off}, {r.expr[id(adj)]});"
+            parts.append(_function("void", "mod_dtensors", f"{SCORE_ARGS}, float dout, const mod_tile *t, {M_ARG}",
+                                   roots, amap, 0,
+                                   [lambda r: "\n".join(scatter(r, pos) for pos in range(len(terms)))], **how))
+            parts.append(_tile_plan(terms, tiled, amap, how))
     if mask is not None:
         amap = {name: numbers[("mask_mod", name)] for name in array_order(mask)}
         uses_h |= any(n.op == "h" for n in trace.topo(mask.out))
@@ -312,7 +438,7 @@ def generate(score=None, mask=None, facts=None):
     parts.append("#endif\n")
     leaves = {n.op for n in trace.topo(mask.out)} if mask is not None else set()
     return Generated("\n".join(parts), defines, tuple(arrays), tuple(grad_arrays),
-                     n_score_floats, uses_h, "b" in leaves, "h" in leaves)
+                     n_score_floats, uses_h, "b" in leaves, "h" in leaves, tile_terms)
 
 
 # --- the cache ------------------------------------------------------------------------------

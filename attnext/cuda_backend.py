@@ -801,7 +801,7 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     dq_mode = "recompute" if grads else kernels.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach)
     atomic = dq_mode != "recompute"
     defines = kernels.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen)
-    smem = kernels.bwd_smem_bytes(o.D, o.Dv, tile, atomic)
+    smem = kernels.bwd_smem_bytes(o.D, o.Dv, tile, atomic, defines.get("MOD_TILE_SLOTS", 0))
     hopper = kernels.bwd_sm90_tile(o.D, dq_mode) if sm90 else None
     kv_blocks = _query_tiles(k_rows, 16 * hopper["kv_warps"]) if hopper else 0   # the dK/dV grid's x
     # the ordered mode's key blocks take turns at each query tile: without a mask_mod the first turn
@@ -825,7 +825,7 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
                PRE_THREADS // 32)
         if hopper:               # dK, dV and dQ on wgmma (attn_bwd_sm90.cu)
             defs90 = kernels.bwd_defines(**features, tile=hopper, dq=dq_mode, mods=gen)
-            smem90 = kernels.bwd_sm90_smem_bytes(o.D, o.Dv, hopper)
+            smem90 = kernels.bwd_sm90_smem_bytes(o.D, o.Dv, hopper, defs90.get("MOD_TILE_SLOTS", 0))
             kv_name, kv_warps = kernels.bwd_sm90_kv_kernel(dq_mode, hopper)
             launch(kv_name, (kv_blocks, o.Hk, o.B + tail),
                    kv_warps, "attn_bwd_sm90", defs90, smem90)

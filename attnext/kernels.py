@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _C
+from . import _C, codegen
 from .kernel_cache import LRU, CubinCache, default_cache_dir, write_small_file
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +53,7 @@ MODS_HEADER = KERNEL_DIR / "attn_mods.cuh"
 FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "ATTNEXT_FWD_SM90",
              "ATTNEXT_TILE_SM90")
 BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_DQ",
-             "ATTNEXT_BWD_DQ_WRITE")
+             "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_TILE_SUMS")
 # os.environ.get costs ~0.5 us a name (key encoding, Mapping.get); the dict behind os.environ
 # is what it reads (bytes keys where the OS environment is bytes, as on Linux)
 _ENV = getattr(os.environ, "_data", None)
@@ -649,8 +649,33 @@ def bwd_tile_config(D, Dv):
     return dict(kv_block_m=32, kv_warps=4, kv_split=1, kv_minb=2, **q)
 
 
-def bwd_smem_bytes(D, Dv, tile, atomic):
-    """Dynamic shared memory of each backward kernel (attn_bwd.cu's layouts), by kernel name."""
+def tile_sums(mods, bm, bn):
+    """(slots, admit, always): the shared memory the dQ kernels' tiles of bm x bn pairs sum the
+    score_mod's array gradients in (MOD_TILE_SLOTS, codegen.TILE_SLOT_BYTES a slot; attn_mods.cuh:
+    mod_tile), which tile terms it holds (MOD_TILE_ADMIT, a bit each), and whether every tile of
+    the call takes them (MOD_TILE_ALWAYS: each admitted term proven in range with indices in
+    [0, n), codegen.TileTerm; the kernels then have no loop without them, half the code to
+    compile). Each term's span over a whole tile, in order, those that fit in bm + bn: a diagonal
+    table's bm + bn - 1 elements (table[h, q_idx - kv_idx + S]), 12 KB at 64 x 64, which keeps
+    two of the H100's D = 128 dQ CTAs an SM. (0, 0, False) without a tile term: every adjoint
+    goes to the accumulator, as with ATTNEXT_TILE_SUMS=0 (the lab's and the tests' comparison:
+    the same bits either way)."""
+    used, admit, always = 0, 0, True
+    terms = mods.tile_terms if mods is not None and mods.defines.get("HAS_DTENSORS") else ()
+    if os.environ.get("ATTNEXT_TILE_SUMS") == "0":
+        terms = ()
+    for k, t in enumerate(terms):
+        span = abs(t.a) * (bm - 1) + abs(t.c) * (bn - 1) + 1
+        if used + span <= bm + bn:
+            used += span
+            admit |= 1 << k
+            always &= t.proven
+    return used, admit, bool(admit) and always
+
+
+def bwd_smem_bytes(D, Dv, tile, atomic, slots=0):
+    """Dynamic shared memory of each backward kernel (attn_bwd.cu's layouts), by kernel name;
+    slots: the dQ kernel's tile sums (tile_sums)."""
     dp, dvp = _round_up(D, 16) + SMEM_PAD, _round_up(Dv, 16) + SMEM_PAD
     bm, bn = tile["kv_block_m"], 16 * tile["kv_warps"]
     dkdv_common = bn * dp + 2 * bm * dp + 2 * bm * dvp
@@ -661,7 +686,7 @@ def bwd_smem_bytes(D, Dv, tile, atomic):
         "attn_bwd_dk": 2 * (dkdv_common + bn * dvp) + extra,
         "attn_bwd_dead": 2 * (dkdv_common + bn * dvp) + extra,   # dkdv's (or dk's: KV_SPLIT)
         "attn_bwd_dv": 2 * dkdv_common + extra,
-        "attn_bwd_dq": 2 * (qm * dp + qm * dvp + 2 * qn * dp + qn * dvp),
+        "attn_bwd_dq": 2 * (qm * dp + qm * dvp + 2 * qn * dp + qn * dvp) + slots * codegen.TILE_SLOT_BYTES,
         "attn_bwd_dbias": 2 * (qm * dp + qm * dvp + qn * dp + qn * dvp) + 4 * qw * qn,
         "attn_bwd_pre": 0,
         "attn_bwd_dq_convert": 0,
@@ -764,10 +789,11 @@ def bwd_sm90_kv_kernel(mode, tile):
     return "attn_bwd_dkdv_ws_sm90", tile["kv_warps"] + 4
 
 
-def bwd_sm90_smem_bytes(D, Dv, tile):
+def bwd_sm90_smem_bytes(D, Dv, tile, slots=0):
     """Dynamic shared memory of attn_bwd_sm90.cu's kernels (SW128 tiles, 1024-aligned: 1024 bytes
     of slack to round the base up with, except in the warp-specialised kernel, whose D = 64 tile
-    fills the 227 KB exactly and takes the declared alignment as given)."""
+    fills the 227 KB exactly and takes the declared alignment as given); slots: the dQ kernel's
+    tile sums (tile_sums)."""
     bn, bm = 16 * tile["kv_warps"], tile["kv_block_m"]
     qm, qn = tile["q_block_m"], tile["q_block_n"]
     kv_tiles = 2 * (bn * D + bn * Dv + 2 * bm * D + 2 * bm * Dv)
@@ -776,7 +802,7 @@ def bwd_sm90_smem_bytes(D, Dv, tile):
         "attn_bwd_dkdv_sm90": kv_tiles + 1024 + 4 * 4 * bm,
         # + dS^T (2 stages, bf16), dQ (2 stages, float32), lse and delta, 9 mbarriers
         "attn_bwd_dkdv_ws_sm90": kv_tiles + 2 * 2 * bn * bm + 2 * 4 * bm * D + 4 * 4 * bm + 72,
-        "attn_bwd_dq_sm90": 2 * (qm * D + qm * Dv + 2 * qn * D + 2 * qn * Dv) + 1024,
+        "attn_bwd_dq_sm90": 2 * (qm * D + qm * Dv + 2 * qn * D + 2 * qn * Dv) + 1024 + slots * codegen.TILE_SLOT_BYTES,
     }
 
 
@@ -784,7 +810,8 @@ def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
                 mods=None):
     """The #defines of one backward variant (kernels/attn_bwd.cu: every backward kernel of it;
     attn_bwd_sm90.cu the same); dq: bwd_dq_mode's answer ("recompute" whenever the mods have
-    array gradients: the dQ kernels' ds_tile scatters them); mods: as for fwd_defines."""
+    array gradients: the dQ kernels' ds_tile scatters them, MOD_TILE_SLOTS: through shared
+    memory where it has tile terms); mods: as for fwd_defines."""
     d = {
         "ELEM_BF16": int(dtype == "bfloat16"), "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
         "HAS_SOFTCAP": int(softcap), "HAS_BIAS": int(bias_dtype is not None),
@@ -796,6 +823,9 @@ def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
              DQ_TILE_M=bwd_sm90_tile(D, dq)["kv_block_m"] if dq == "ordered" else 0,
              Q_BLOCK_M=tile["q_block_m"],
              Q_BLOCK_N=tile["q_block_n"], Q_WARPS=tile["q_warps"], Q_MINB=tile["q_minb"])
+    slots, admit, always = tile_sums(mods, tile["q_block_m"], tile["q_block_n"])
+    if slots:
+        d.update(MOD_TILE_SLOTS=slots, MOD_TILE_ADMIT=admit, MOD_TILE_ALWAYS=int(always))
     return mod_defines(d, mods)
 
 

@@ -533,9 +533,48 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dead(
 #endif
 
 /* ---------------------------------------------------------------- dQ (and the dS of dbias) */
+#if ENTRY(attn_bwd_dq)
+/* attn_bwd_dq's loop over its key tiles n_first..n_last (K[n_first], V[n_first] on their way),
+ * through the array gradients' tile sums or not (attn_bwd_tile.cuh: key_tiles_to_sums). */
+template <bool TO_SUMS>
+DEV void dq_key_tiles(const attn_params &p, const score_ctx &sc, const row_info &ri, const elem_t *sQ,
+                      const elem_t *sdO, elem_t *sK, elem_t *sV, const elem_t *gk, const elem_t *gv, int m0,
+                      int n_first, int n_last, int Lq, int Lk, float (&dq)[Q_MT][DP / 8][4], tile_sums &sums)
+{
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int n = n_first; n <= n_last; n++) {
+        const int c0 = n * Q_BLOCK_N;
+        elem_t *kb = sK + ((n - n_first) & 1) * Q_BLOCK_N * (DP + SMEM_PAD);
+        elem_t *kn = sK + ((n - n_first + 1) & 1) * Q_BLOCK_N * (DP + SMEM_PAD);
+        cp_async_wait_all();
+        __syncthreads();                  /* K[n], V[n] in; every warp is done with K[n - 1] */
+        if (n < n_last)
+            load_tile<Q_BLOCK_N, DP, Q_THREADS>(kn, gk + (int64_t)(c0 + Q_BLOCK_N) * p.k.s[1], p.k.s[1], p.k.s[3],
+                                                Lk - (c0 + Q_BLOCK_N), HEAD_DIM, tid);
+        cp_async_commit();
+
+        float s[Q_MT][Q_NT][4], dp[Q_MT][Q_NT][4];
+        zero_acc(s);
+        zero_acc(dp);
+        mma_abt<Q_MT, Q_NT, DP>(s, sQ + warp * Q_WARP_M * (DP + SMEM_PAD), kb, lane);
+        mma_abt<Q_MT, Q_NT, DVP>(dp, sdO + warp * Q_WARP_M * (DVP + SMEM_PAD), sV, lane);
+        __syncthreads();                  /* every warp is done with V[n] */
+        if (n < n_last)
+            load_tile<Q_BLOCK_N, DVP, Q_THREADS>(sV, gv + (int64_t)(c0 + Q_BLOCK_N) * p.v.s[1], p.v.s[1], p.v.s[3],
+                                                 Lk - (c0 + Q_BLOCK_N), HEAD_DIM_V, tid);
+        cp_async_commit();
+
+        ds_tile<true, TO_SUMS>(s, dp, p, sc, ri, m0, c0, ds_needs_mask(p, sc, m0, c0, Lq, Lk), Lq, Lk,
+                               tile_sums_for<TO_SUMS>(sums, sc, m0, c0, Lq, Lk));
+        uint32_t a[Q_MT][Q_NT / 2][4];
+        pack_frag<Q_MT, Q_NT / 2>(a, s);
+        mma_fb<Q_MT, Q_NT / 2, DP / 8, DP + SMEM_PAD>(dq, a, kb, lane);
+        tile_sums_flush<TO_SUMS>(sums);
+    }
+}
+
 /* Grid (query tiles, Hq, B [+1 varlen]). Warp w owns query rows [w Q_WARP_M, (w + 1) Q_WARP_M).
  * K double-buffered (K[n+1] loads during tile n), V loads while dS K runs. */
-#if ENTRY(attn_bwd_dq)
 extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -543,6 +582,7 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(cons
     elem_t *sdO = sQ + Q_BLOCK_M * (DP + SMEM_PAD);             /* Q_BLOCK_M x (DVP + pad) */
     elem_t *sK = sdO + Q_BLOCK_M * (DVP + SMEM_PAD);            /* 2 x Q_BLOCK_N x (DP + pad) */
     elem_t *sV = sK + 2 * Q_BLOCK_N * (DP + SMEM_PAD);          /* Q_BLOCK_N x (DVP + pad) */
+    uint32_t *sSums = (uint32_t *)(sV + Q_BLOCK_N * (DVP + SMEM_PAD));   /* MOD_TILE_SLOTS x MOD_CHUNKS */
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int64_t h = blockIdx.y, b = blockIdx.z;
@@ -582,33 +622,13 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(cons
     }
     float dq[Q_MT][DP / 8][4];
     zero_acc(dq);
-    for (int n = n_first; n <= n_last; n++) {
-        const int c0 = n * Q_BLOCK_N;
-        elem_t *kb = sK + ((n - n_first) & 1) * Q_BLOCK_N * (DP + SMEM_PAD);
-        elem_t *kn = sK + ((n - n_first + 1) & 1) * Q_BLOCK_N * (DP + SMEM_PAD);
-        cp_async_wait_all();
-        __syncthreads();                  /* K[n], V[n] in; every warp is done with K[n - 1] */
-        if (n < n_last)
-            load_tile<Q_BLOCK_N, DP, Q_THREADS>(kn, gk + (int64_t)(c0 + Q_BLOCK_N) * p.k.s[1], p.k.s[1], p.k.s[3],
-                                                Lk - (c0 + Q_BLOCK_N), HEAD_DIM, tid);
-        cp_async_commit();
-
-        float s[Q_MT][Q_NT][4], dp[Q_MT][Q_NT][4];
-        zero_acc(s);
-        zero_acc(dp);
-        mma_abt<Q_MT, Q_NT, DP>(s, sQ + warp * Q_WARP_M * (DP + SMEM_PAD), kb, lane);
-        mma_abt<Q_MT, Q_NT, DVP>(dp, sdO + warp * Q_WARP_M * (DVP + SMEM_PAD), sV, lane);
-        __syncthreads();                  /* every warp is done with V[n] */
-        if (n < n_last)
-            load_tile<Q_BLOCK_N, DVP, Q_THREADS>(sV, gv + (int64_t)(c0 + Q_BLOCK_N) * p.v.s[1], p.v.s[1], p.v.s[3],
-                                                 Lk - (c0 + Q_BLOCK_N), HEAD_DIM_V, tid);
-        cp_async_commit();
-
-        ds_tile<true>(s, dp, p, sc, ri, m0, c0, ds_needs_mask(p, sc, m0, c0, Lq, Lk), Lq, Lk);
-        uint32_t a[Q_MT][Q_NT / 2][4];
-        pack_frag<Q_MT, Q_NT / 2>(a, s);
-        mma_fb<Q_MT, Q_NT / 2, DP / 8, DP + SMEM_PAD>(dq, a, kb, lane);
-    }
+    tile_sums sums;
+    tile_sums_init(sums, sSums);
+    if (key_tiles_to_sums(sums, sc, m0, n_first, n_last, Lq, Lk))
+        dq_key_tiles<TILE_SUMS>(p, sc, ri, sQ, sdO, sK, sV, gk, gv, m0, n_first, n_last, Lq, Lk, dq, sums);
+    else
+        dq_key_tiles<TILE_SUMS && MOD_TILE_ALWAYS>(p, sc, ri, sQ, sdO, sK, sV, gk, gv, m0, n_first, n_last, Lq, Lk, dq,
+                                                   sums);
     cp_async_wait_all();
 
     /* dq = dQ * scale; padding rows (and rows that keep nothing) come out 0 */

@@ -663,13 +663,54 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
 #define QV_BYTES (Q_BLOCK_N * HEAD_DIM_V * 2)
 
 #if ENTRY(attn_bwd_dq_sm90) && !DQ_ATOMIC
+/* attn_bwd_dq_sm90's loop over its key tiles n_first..n_last (K[n_first], V[n_first] on their
+ * way; load_kv(n) loads tile n), through the array gradients' tile sums or not
+ * (attn_bwd_tile.cuh: key_tiles_to_sums). */
+template <bool TO_SUMS, typename LoadKv>
+DEV void dq_key_tiles_sm90(const attn_params &p, const score_ctx &sc, const row_info &ri, uint32_t sQ, uint32_t sdO,
+                           uint32_t sK, uint32_t sV, const LoadKv &load_kv, int wg, int m0, int n_first, int n_last,
+                           int Lq, int Lk, float (&dq)[1][NTK][4], tile_sums &sums)
+{
+    for (int n = n_first; n <= n_last; n++) {
+        const int buf = (n - n_first) & 1;
+        cp_async_wait_all();
+        fence_proxy_async();
+        __syncthreads();                  /* K[n], V[n] in; every warp is done with tile n - 1 */
+        if (n < n_last)
+            load_kv(n + 1);
+        cp_async_commit();
+
+        float s[1][Q_NT][4], dp[1][Q_NT][4];
+        wgmma_fence();
+        mma_ss<Q_BLOCK_N, HEAD_DIM>(s[0], sQ + wg * 64 * 128, Q_BLOCK_M, sK + buf * QK_BYTES, Q_BLOCK_N);
+        mma_ss<Q_BLOCK_N, HEAD_DIM_V>(dp[0], sdO + wg * 64 * 128, Q_BLOCK_M, sV + buf * QV_BYTES, Q_BLOCK_N);
+        wgmma_commit();
+        const bool need = ds_needs_mask(p, sc, m0, n * Q_BLOCK_N, Lq, Lk);   /* while the products run */
+        wgmma_wait<0>();
+        fence_acc(s[0]);
+        fence_acc(dp[0]);
+
+        ds_tile<true, TO_SUMS>(s, dp, p, sc, ri, m0, n * Q_BLOCK_N, need, Lq, Lk,
+                               tile_sums_for<TO_SUMS>(sums, sc, m0, n * Q_BLOCK_N, Lq, Lk));
+        uint32_t a[1][Q_NT / 2][4];
+        pack_frag<1, Q_NT / 2>(a, s);
+        wgmma_fence();
+        mma_rs<HEAD_DIM>(dq[0], a, sK + buf * QK_BYTES);   /* dQ += dS K */
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_acc(dq[0]);
+        tile_sums_flush<TO_SUMS>(sums);   /* after the wait: the product reads a's registers */
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq_sm90(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    /* Q, dO (the CTA's rows), K[2], V[2] (the key tiles) */
+    /* Q, dO (the CTA's rows), K[2], V[2] (the key tiles), then the tile sums (MOD_TILE_SLOTS x MOD_CHUNKS words) */
     const uint32_t sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
     const uint32_t sdO = sQ + Q_BLOCK_M * HEAD_DIM * 2, sK = sdO + Q_BLOCK_M * HEAD_DIM_V * 2;
     const uint32_t sV = sK + 2 * QK_BYTES;
+    uint32_t *sSums = (uint32_t *)(smem_raw + (sV + 2 * QV_BYTES - smem_addr(smem_raw)));
 
     const int tid = threadIdx.x, warp = tid >> 5, wg = tid >> 7, g = (tid & 31) >> 2, t = tid & 3;
     const int64_t h = blockIdx.y, b = blockIdx.z;
@@ -713,34 +754,13 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq_sm90
         load_kv(n_first);
         cp_async_commit();
     }
-    for (int n = n_first; n <= n_last; n++) {
-        const int buf = (n - n_first) & 1;
-        cp_async_wait_all();
-        fence_proxy_async();
-        __syncthreads();                  /* K[n], V[n] in; every warp is done with tile n - 1 */
-        if (n < n_last)
-            load_kv(n + 1);
-        cp_async_commit();
-
-        float s[1][Q_NT][4], dp[1][Q_NT][4];
-        wgmma_fence();
-        mma_ss<Q_BLOCK_N, HEAD_DIM>(s[0], sQ + wg * 64 * 128, Q_BLOCK_M, sK + buf * QK_BYTES, Q_BLOCK_N);
-        mma_ss<Q_BLOCK_N, HEAD_DIM_V>(dp[0], sdO + wg * 64 * 128, Q_BLOCK_M, sV + buf * QV_BYTES, Q_BLOCK_N);
-        wgmma_commit();
-        const bool need = ds_needs_mask(p, sc, m0, n * Q_BLOCK_N, Lq, Lk);   /* while the products run */
-        wgmma_wait<0>();
-        fence_acc(s[0]);
-        fence_acc(dp[0]);
-
-        ds_tile<true>(s, dp, p, sc, ri, m0, n * Q_BLOCK_N, need, Lq, Lk);
-        uint32_t a[1][Q_NT / 2][4];
-        pack_frag<1, Q_NT / 2>(a, s);
-        wgmma_fence();
-        mma_rs<HEAD_DIM>(dq[0], a, sK + buf * QK_BYTES);   /* dQ += dS K */
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_acc(dq[0]);
-    }
+    tile_sums sums;
+    tile_sums_init(sums, sSums);
+    if (key_tiles_to_sums(sums, sc, m0, n_first, n_last, Lq, Lk))
+        dq_key_tiles_sm90<TILE_SUMS>(p, sc, ri, sQ, sdO, sK, sV, load_kv, wg, m0, n_first, n_last, Lq, Lk, dq, sums);
+    else
+        dq_key_tiles_sm90<TILE_SUMS && MOD_TILE_ALWAYS>(p, sc, ri, sQ, sdO, sK, sV, load_kv, wg, m0, n_first, n_last,
+                                                        Lq, Lk, dq, sums);
     cp_async_wait_all();
 
     /* dq = dQ * scale; padding rows (and rows that keep nothing) come out 0 */

@@ -320,15 +320,113 @@ DEV bool ds_needs_mask(const attn_params &p, const score_ctx &sc, int m0, int c0
            || !tile_inside_band(&p, m0, min(m0 + Q_BLOCK_M, Lq), c0, c0 + Q_BLOCK_N, Lq, Lk);
 }
 
+/* The dQ kernels' scatter of the score_mod's array gradients through shared memory (attn_mods.cuh:
+ * mod_tile): MOD_TILE_SLOTS slots of MOD_CHUNKS words for the tile terms of MOD_TILE_ADMIT
+ * (kernels.tile_sums; 0: every adjoint straight to the accumulator) after the kernel's tiles
+ * (kernels.py counts them in its shared memory). A kernel's loop over key tiles is a function
+ * template of TO_SUMS, run with the sums where every key tile of the CTA can take them
+ * (key_tiles_to_sums), else as without; MOD_TILE_ALWAYS (the call's bounds prove that every tile
+ * can) compiles the first only. (Not a generic lambda: NVRTC 13.0 takes one for a host function
+ * and refuses it.) A choice per tile inside the loop cost the kernels (at ~255
+ * registers) spills in the inner loop, whether a branch per pair, a second inlined copy of the
+ * pass or an out-of-line call; two copies of the whole loop did not. Per key tile of the sums'
+ * loop: tile_sums_for before ds_tile, tile_sums_flush after it, with all the CTA's threads; the
+ * barrier at the top of the next key tile keeps its additions behind the flush. */
+#ifndef MOD_TILE_SLOTS
+#define MOD_TILE_SLOTS 0
+#endif
+#ifndef MOD_TILE_ALWAYS
+#define MOD_TILE_ALWAYS 0
+#endif
+#define TILE_SUMS (HAS_DTENSORS && MOD_TILE_SLOTS > 0)
+
+#if TILE_SUMS
+#if Q_BLOCK_M * Q_BLOCK_N > (1 << 19)
+#error "mod_tile: a 32-bit word sums at most 2^19 chunks of 12 bits"
+#endif
+typedef mod_tile tile_sums;
+
+/* The sums at acc zeroed (the kernel's next barrier publishes it). */
+DEV void tile_sums_init(tile_sums &t, uint32_t *acc)
+{
+    t.acc = acc;
+    t.slots = MOD_TILE_SLOTS;
+    for (int i = threadIdx.x; i < MOD_CHUNKS * MOD_TILE_SLOTS; i += Q_THREADS)
+        acc[i] = 0;
+}
+
+/* Whether the key tile at c0 of the CTA's rows from m0 takes the sums (planned into t). */
+DEV bool tile_sums_plan(tile_sums &t, const score_ctx &sc, int m0, int c0, int Lq, int Lk)
+{
+    return mod_tile_plan(sc.b, sc.h, m0, c0, min(Q_BLOCK_M, Lq - m0), min(Q_BLOCK_N, Lk - c0), sc.mods, &t) != 0;
+}
+#else
+struct tile_sums {};
+DEV void tile_sums_init(tile_sums &, uint32_t *) {}
+#endif
+
+/* Whether every key tile n_first..n_last of the CTA's rows from m0 takes the sums (each planned
+ * into t). A kernel runs its key-tile loop as
+ *     if (key_tiles_to_sums(...)) loop<TILE_SUMS>(...); else loop<TILE_SUMS && MOD_TILE_ALWAYS>(...);
+ * which compiles the direct copy only without the sums, the sums' copy only under MOD_TILE_ALWAYS
+ * (true here), and both otherwise. */
+DEV bool key_tiles_to_sums(tile_sums &t, const score_ctx &sc, int m0, int n_first, int n_last, int Lq, int Lk)
+{
+#if TILE_SUMS && MOD_TILE_ALWAYS
+    return true;
+#elif TILE_SUMS
+    bool all = n_first <= n_last;
+    for (int n = n_first; n <= n_last && all; n++)
+        all = tile_sums_plan(t, sc, m0, n * Q_BLOCK_N, Lq, Lk);
+    return all;
+#else
+    return false;
+#endif
+}
+
+/* The sums for the key tile at c0 (planned), or NULL without them. */
+template <bool TO_SUMS>
+DEV const tile_sums *tile_sums_for(tile_sums &t, const score_ctx &sc, int m0, int c0, int Lq, int Lk)
+{
+#if TILE_SUMS
+    if (TO_SUMS) {
+        /* true: key_tiles_to_sums said so, or the bounds proved it (MOD_TILE_ALWAYS; never false, but
+         * a wrong proof must fail the call, as DQ_STORE_FIRST's turns do, not scatter wrongly) */
+        if (!tile_sums_plan(t, sc, m0, c0, Lq, Lk) && MOD_TILE_ALWAYS)
+            __trap();
+        return &t;
+    }
+#endif
+    return nullptr;
+}
+
+/* The key tile's sums into the accumulator (attn_mods.cuh: mod_tile_flush), after a barrier. */
+template <bool TO_SUMS>
+DEV void tile_sums_flush(const tile_sums &t)
+{
+#if TILE_SUMS
+    if (TO_SUMS) {
+        __syncthreads();                 /* every warp's additions are in */
+        mod_tile_flush(&t, threadIdx.x, Q_THREADS);
+    }
+#endif
+}
+
 /* dS for this warp's rows x the key tile at c0, in place of s (S = Q K^T, raw dots) from dp
  * (dO V^T): the gradient of the score before score_mod (dbias) or WITH_GRAD times score_grad
- * (dq; its kernels also scatter the score_mod's array gradients, each pair once). Pairs outside
- * the kept set, and the rows that keep no key (lse2 +inf), give exactly 0: not 0 * NaN from such
- * a row's dO or from a value it does not keep. */
-template <bool WITH_GRAD>
+ * (dq; its kernels also scatter the score_mod's array gradients, each pair once: through sums
+ * where TO_SUMS, else straight to the accumulator). Pairs outside the kept set, and the rows
+ * that keep no key (lse2 +inf), give exactly 0: not 0 * NaN from such a row's dO or from a value
+ * it does not keep. */
+template <bool WITH_GRAD, bool TO_SUMS = false>
 DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], const attn_params &p,
-                 const score_ctx &sc, const row_info &ri, int m0, int c0, bool need_mask, int Lq, int Lk)
+                 const score_ctx &sc, const row_info &ri, int m0, int c0, bool need_mask, int Lq, int Lk,
+                 const tile_sums *sums = nullptr)
 {
+    const mod_tile *tile = nullptr;
+#if TILE_SUMS
+    tile = TO_SUMS ? sums : nullptr;
+#endif
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const float scale_log2 = sc.scale * LOG2E;
     mod_fault fault = no_fault();
@@ -357,7 +455,7 @@ DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], co
                 const float pv = fast_exp2(kept_score(sc, k, raw, r, c, bad) * LOG2E - ri.lse2[i]);
                 ds = live ? pv * (dp[mt][nt][e] - ri.delta[i]) : 0.f;
                 if (WITH_GRAD) {
-                    score_dtensors(sc, raw, r, c, ds);
+                    score_dtensors(sc, raw, r, c, ds, tile);
                     const float gk = score_grad(sc, raw, r, c);
                     ds = live ? ds * gk : 0.f;
                 } else if (HAS_SCORE_MOD) {
@@ -378,7 +476,7 @@ DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], co
 #endif
                     ds = pv * (dp[mt][nt][e] - ri.delta[i]);
                     if (WITH_GRAD) {
-                        score_dtensors(sc, raw, r, c, ds);
+                        score_dtensors(sc, raw, r, c, ds, tile);
                         ds *= score_grad(sc, raw, r, c);
                     } else if (HAS_SCORE_MOD) {
                         ds *= score_mod_grad(sc, raw, r, c);
@@ -390,6 +488,5 @@ DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], co
             }
     report_fault(sc, fault);
 }
-
 
 #endif

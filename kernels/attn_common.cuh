@@ -364,14 +364,17 @@ DEV float score_grad(const score_ctx &s, float dot, int r, int c)
 #endif
 }
 
+struct mod_tile;                   /* attn_mods.cuh: a tile's shared sums of the array gradients */
+
 /* The score_mod's array gradients at (r, c) for dS (the gradient of the final score) scattered
- * into the accumulator, exactly and in any order (attn_mods.cuh); lookups as score_mod_grad's. */
-DEV void score_dtensors(const score_ctx &s, float dot, int r, int c, float ds)
+ * into the accumulator, exactly and in any order (attn_mods.cuh), through the tile's shared sums
+ * where tile (NULL: none) takes a lookup; lookups as score_mod_grad's. */
+DEV void score_dtensors(const score_ctx &s, float dot, int r, int c, float ds, const mod_tile *tile)
 {
 #if HAS_DTENSORS
     int bad = 0;
     if (ds != 0.f)
-        mod_dtensors_q(score_base(s, dot, r, c), s.b, s.h, r, c, ds, s.mods, &bad);
+        mod_dtensors_q(score_base(s, dot, r, c), s.b, s.h, r, c, ds, tile, s.mods, &bad);
 #endif
 }
 

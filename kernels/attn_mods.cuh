@@ -18,6 +18,15 @@
  * threads add in; each limb absorbs 2^39 adjoints before it could overflow, and the host
  * propagates the carries and rounds once (codegen.limbs_to_float). A last word collects NaN and
  * infinities as flags. Cost: two atomics per adjoint and 104 bytes per gradient element.
+ *
+ * Gradients through a tile (mod_tile). Where a lookup's index is affine in q_idx and kv_idx with
+ * the rest fixed for a tile of the dQ kernels (codegen: tile terms; table[h, q_idx - kv_idx + S]),
+ * a tile's adjoints fall on few elements (a diagonal table: BM + BN - 1 of them for BM x BN
+ * pairs). The tile adds their digits into shared memory first, then each nonzero limb once into
+ * the accumulator (mod_tile_flush): integer sums again, so the same words as adding each adjoint
+ * directly. Shared memory has native 32-bit atomics only (a 64-bit add is a compare-and-swap
+ * loop), so a tile's limbs are split in two 12-bit chunks, each summed in a 32-bit word: a tile
+ * of at most 2^19 pairs cannot overflow one.
  */
 #ifndef ATTNEXT_ATTN_MODS_CUH
 #define ATTNEXT_ATTN_MODS_CUH
@@ -259,27 +268,197 @@ DEV void mod_or_word(uint64_t *w, uint64_t x)
 #endif
 }
 
+/* An adjoint's bits, for the accumulator: a NaN or an infinity is its flags bit (the top of
+ * this file; 0 for a finite one), a finite one's magnitude mant * 2^(pos + MOD_LIMB_LSB) with
+ * mant < 2^24, its sign the top bit. */
+DEV uint32_t mod_bits(float v)
+{
+    union { float f; uint32_t u; } bits;
+    bits.f = v;
+    return bits.u;
+}
+
+DEV uint32_t mod_flag(uint32_t u)
+{
+    return ((u >> 23) & 0xffu) != 0xffu ? 0u : (u & 0x7fffffu) ? 1u : (u >> 31) ? 4u : 2u;
+}
+
+DEV uint64_t mod_mant(uint32_t u, int *pos)
+{
+    const uint32_t ex = (u >> 23) & 0xffu;
+    *pos = ex ? (int)ex - 1 : 0;                  /* bit of mant's lowest digit above 2^-149 */
+    return ex ? (u & 0x7fffffu) | 0x800000u : (u & 0x7fffffu);
+}
+
 /* dacc[element off of array arr] += v, exactly (see the top of this file). */
 DEV void mod_scatter(const attn_mods_gpu *m, int arr, int64_t off, float v)
 {
     if (v == 0.f || m->a[arr].grad < 0)            /* grad -1: no gradient, or an empty array */
         return;
     uint64_t *w = m->dacc + (m->a[arr].grad + off) * ATTN_MOD_WORDS;
-    union { float f; uint32_t u; } bits;
-    bits.f = v;
-    const uint32_t u = bits.u, ex = (u >> 23) & 0xffu, neg = u >> 31;
-    if (ex == 0xffu) {
-        mod_or_word(w + MOD_LIMBS, (u & 0x7fffffu) ? 1u : neg ? 4u : 2u);
+    const uint32_t u = mod_bits(v), flag = mod_flag(u), neg = u >> 31;
+    if (flag) {
+        mod_or_word(w + MOD_LIMBS, flag);
         return;
     }
-    const uint64_t mant = ex ? (u & 0x7fffffu) | 0x800000u : (u & 0x7fffffu);
-    const int pos = ex ? (int)ex - 1 : 0;         /* bit of mant's lowest digit above 2^-149 */
+    int pos;
+    const uint64_t mant = mod_mant(u, &pos);
     const int limb = pos / MOD_LIMB_BITS, shift = pos % MOD_LIMB_BITS;
     const uint64_t wide = mant << shift;          /* < 2^47: two limbs' digits */
     const uint64_t lo = wide & ((1u << MOD_LIMB_BITS) - 1), hi = wide >> MOD_LIMB_BITS;
     mod_add_word(w + limb, neg ? 0 - lo : lo);
     if (hi)
         mod_add_word(w + limb + 1, neg ? 0 - hi : hi);
+}
+
+/* ---------------------------------------------------------------- gradients through a tile */
+#define MOD_TILE_TERMS 4              /* lookups that may take a tile's path (codegen.MAX_TILE_TERMS) */
+#define MOD_CHUNK_BITS 12             /* two chunks a limb */
+#define MOD_CHUNKS (2 * MOD_LIMBS)
+#ifndef MOD_TILE_ADMIT
+#define MOD_TILE_ADMIT 0              /* bit k: tile term k has slots (kernels.tile_sums) */
+#endif
+#define MOD_TILE_ADMITS(k) ((MOD_TILE_ADMIT >> (k)) & 1)
+
+/* One tile's shared sums. acc: MOD_CHUNKS rows of `slots` 32-bit words (chunk-major: the
+ * adjoints of a warp's pairs, on neighbouring slots, hit distinct banks), zero between tiles.
+ * Term k (a lookup, codegen's numbering) is on the tile's path when bit k of on is set: its
+ * slots [at[k], at[k] + count[k]) hold consecutive elements of its array, whose accumulator words
+ * start at dst[k] (no array number: an index into m->a that is not a constant would copy the
+ * kernel parameter into local memory); element offset off is slot off + base[k], computed in 32
+ * bits (the slot is small, so the wrapped sum is exact: one register, not three, in the
+ * kernels' inner loop). */
+typedef struct mod_tile {
+    uint32_t *acc;
+    int slots, used, on;
+    int at[MOD_TILE_TERMS], count[MOD_TILE_TERMS], base[MOD_TILE_TERMS];
+    uint64_t *dst[MOD_TILE_TERMS];
+} mod_tile;
+
+DEV void mod_tile_word(uint32_t *w, uint32_t x)
+{
+#ifdef __CUDACC_RTC__
+    atomicAdd((unsigned *)w, (unsigned)x);
+#else
+    *w += x;
+#endif
+}
+
+/* A tile's plan (the generated mod_tile_plan) starts with no term on its path ... */
+DEV void mod_tile_start(mod_tile *t)
+{
+    t->used = 0;
+    t->on = 0;
+}
+
+/* ... and ends here: whether every admitted term is (then the tile takes the path for all of
+ * them, else for none: a choice per tile, not per term and pair, keeps a single branch out of the
+ * kernels' inner loop; a branch per pair there cost the dQ kernels spills). */
+DEV int mod_tile_done(mod_tile *t)
+{
+    if (t->on == MOD_TILE_ADMIT && t->on)
+        return 1;
+    t->used = 0;
+    t->on = 0;
+    return 0;
+}
+
+/* Term k for a tile of rows x cols pairs from (q0, kv0): a lookup of array arr whose index on
+ * axis ax is i0[ax] + a[ax] (q_idx - q0) + c[ax] (kv_idx - kv0), i0 evaluated at (q0, kv0) and
+ * wrapping as the lookup's own code does. It is on the tile's path when admitted, every index of
+ * the tile is in range (an axis' all in [0, n), or all in [-n, 0): counted from the end) and its
+ * elements' span fits the slots left: its offsets are then first + the slot's, exactly.
+ * Otherwise the tile's adjoints go to the accumulator one by one (mod_scatter), where a lookup
+ * out of range is clamped as before; score_mod's own lookups report it. */
+DEV void mod_tile_term(const attn_mods_gpu *m, mod_tile *t, int k, int arr, int nidx, const int64_t *i0,
+                       const int64_t *a, const int64_t *c, int rows, int cols)
+{
+    if (!MOD_TILE_ADMITS(k) || m->a[arr].grad < 0 || rows <= 0 || cols <= 0)
+        return;
+    int64_t off = 0, A = 0, C = 0;
+    for (int ax = 0; ax < nidx; ax++) {
+        const int64_t n = m->a[arr].shape[ax], s = m->a[arr].s[ax];
+        if (i0[ax] < -n || i0[ax] >= n)           /* bounds what follows: no overflow */
+            return;
+        const int64_t lo = i0[ax] + (a[ax] < 0 ? a[ax] * (rows - 1) : 0) + (c[ax] < 0 ? c[ax] * (cols - 1) : 0);
+        const int64_t hi = i0[ax] + (a[ax] > 0 ? a[ax] * (rows - 1) : 0) + (c[ax] > 0 ? c[ax] * (cols - 1) : 0);
+        int64_t j;
+        if (lo >= 0 && hi < n)
+            j = i0[ax];
+        else if (lo >= -n && hi < 0)
+            j = i0[ax] + n;
+        else
+            return;
+        off += j * s;
+        A += a[ax] * s;
+        C += c[ax] * s;
+    }
+    const int room = t->slots - t->used;
+    if ((rows > 1 && mod_iabs(A) >= room) || (cols > 1 && mod_iabs(C) >= room))
+        return;
+    const int64_t span = mod_iabs(A) * (rows - 1) + mod_iabs(C) * (cols - 1) + 1;
+    if (span > room)
+        return;
+    const int64_t first = off + (A < 0 ? A * (rows - 1) : 0) + (C < 0 ? C * (cols - 1) : 0);
+    t->on |= 1 << k;
+    t->at[k] = t->used;
+    t->count[k] = (int)span;
+    t->base[k] = (int)(uint32_t)((uint64_t)t->used - (uint64_t)first);
+    t->dst[k] = m->dacc + (m->a[arr].grad + first) * ATTN_MOD_WORDS;
+    t->used += (int)span;
+}
+
+/* The adjoint v of term k at element off of array arr: into the tile's shared sums where the
+ * term is admitted and t (NULL: the tile takes no path, or no tile) given, else mod_scatter. */
+DEV void mod_scatter_tile(const attn_mods_gpu *m, const mod_tile *t, int k, int arr, int64_t off, float v)
+{
+    if (!t || !MOD_TILE_ADMITS(k)) {
+        mod_scatter(m, arr, off, v);
+        return;
+    }
+    if (v == 0.f)
+        return;
+    const uint32_t u = mod_bits(v), flag = mod_flag(u), neg = u >> 31;
+    if (flag) {                                    /* rare: straight to the flags word */
+        mod_or_word(m->dacc + (m->a[arr].grad + off) * ATTN_MOD_WORDS + MOD_LIMBS, flag);
+        return;
+    }
+    int pos;
+    const uint64_t mant = mod_mant(u, &pos);
+    const int chunk = pos / MOD_CHUNK_BITS, shift = pos % MOD_CHUNK_BITS;
+    const uint64_t wide = mant << shift;          /* < 2^35: three chunks' digits */
+    const uint32_t mask = (1u << MOD_CHUNK_BITS) - 1;
+    const uint32_t d0 = (uint32_t)wide & mask, d1 = (uint32_t)(wide >> MOD_CHUNK_BITS) & mask,
+                   d2 = (uint32_t)(wide >> (2 * MOD_CHUNK_BITS));
+    uint32_t *w = t->acc + chunk * t->slots + (int)((uint32_t)off + (uint32_t)t->base[k]);
+    if (d0)
+        mod_tile_word(w, neg ? 0u - d0 : d0);
+    if (d1)
+        mod_tile_word(w + t->slots, neg ? 0u - d1 : d1);
+    if (d2)
+        mod_tile_word(w + 2 * t->slots, neg ? 0u - d2 : d2);
+}
+
+/* The tile's sums into the accumulator, each nonzero limb by one atomic, and its words zeroed:
+ * thread tid of `threads` takes every threads-th (limb, slot). Call it once every thread's
+ * mod_scatter_tile of the tile is done, and let no thread add again before all are through. A
+ * word's sum is exact as a signed 32-bit number (the top of this file), so limb j's digits are
+ * chunk 2j's plus chunk 2j + 1's times 2^12: the limb mod_scatter would have added into. */
+DEV void mod_tile_flush(const mod_tile *t, int tid, int threads)
+{
+    for (int i = tid; i < t->used * MOD_LIMBS; i += threads) {
+        const int slot = i % t->used, limb = i / t->used;
+        uint32_t *w = t->acc + 2 * limb * t->slots + slot;
+        const uint32_t lo = w[0], hi = w[t->slots];
+        if (!(lo | hi))
+            continue;
+        w[0] = 0;
+        w[t->slots] = 0;
+        const int64_t v = (int64_t)(int32_t)lo + (int64_t)(int32_t)hi * (1 << MOD_CHUNK_BITS);
+        for (int k = 0; k < MOD_TILE_TERMS; k++)
+            if (v && MOD_TILE_ADMITS(k) && slot >= t->at[k] && slot < t->at[k] + t->count[k])
+                mod_add_word(t->dst[k] + (int64_t)(slot - t->at[k]) * ATTN_MOD_WORDS + limb, (uint64_t)v);
+    }
 }
 
 #endif

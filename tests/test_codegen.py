@@ -73,7 +73,7 @@ int main(int argc, char **argv)
         res[i] = mod_score(score[i], b, h, q, kv, m);
         res[n + i] = mod_dscore(score[i], b, h, q, kv, dout[i], m);
 #if HAS_DTENSORS
-        mod_dtensors(score[i], b, h, q, kv, dout[i], m);
+        mod_dtensors(score[i], b, h, q, kv, dout[i], 0, m);
 #endif
 #endif
 #if HAS_MASK_MOD

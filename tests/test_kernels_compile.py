@@ -5,6 +5,8 @@ error fails CI even though CI has no GPU. Set ATTNEXT_NO_NVRTC=1 to skip on a ma
 cannot have NVRTC.
 """
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -28,6 +30,28 @@ def test_warmup_check_compiles_every_variant(tmp_path):
     r = subprocess.run([sys.executable, "-m", "attnext.warmup", "--check"], env=env,
                        capture_output=True, text=True)
     assert r.returncode == 0 and "compiles 0 " in r.stdout, r.stdout
+
+
+# a lambda: its capture list ([], [&], [=, ...]), a template parameter list, annotations, parameters
+LAMBDA = re.compile(r"\[(?:[&=][^\[\]]*)?\]\s*(<[^>]*>)?\s*((?:__\w+__\s*)*)\(([^()]*(?:\([^()]*\)[^()]*)*)\)")
+
+
+def test_kernels_use_no_lambda_that_nvrtc_13_0_refuses():
+    """NVRTC 13.0 refuses a generic lambda in device code (it takes it for a host function);
+    13.5 takes it, so a compile test with 13.5 alone does not catch it. Both refuse a lambda
+    annotated __device__ (13.0 wants --extended-lambda, 13.5 none in JIT mode). Lambdas with
+    plain parameters are fine."""
+    found = []
+    for f in sorted(pathlib.Path(kernels.KERNEL_DIR).iterdir()):
+        src = re.sub(r"/\*.*?\*/|//[^\n]*", lambda m: re.sub(r"[^\n]", " ", m.group(0)), f.read_text(),
+                     flags=re.S)
+        for m in LAMBDA.finditer(src):
+            where = f"{f.name}:{src.count(chr(10), 0, m.start()) + 1}: {m.group(0)}"
+            found.append(where)
+            assert not m.group(1), f"template lambda {where}"
+            assert not m.group(2).strip(), f"annotated lambda {where}"
+            assert not re.search(r"\bauto\b", m.group(3)), f"generic lambda {where}"
+    assert len(found) >= 10, found      # the pattern finds the kernels' lambdas
 
 
 def test_tile_configs_fit_shared_memory():
