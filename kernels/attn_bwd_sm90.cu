@@ -141,6 +141,62 @@ DEV void zero_tail_dkdv(const attn_params &p, int64_t hk, int threads)
     zero_rows((elem_t *)p.dv.ptr + hk * p.dv.s[2], p.dv.s[1], p.dv.s[3], first, p.Sk, HEAD_DIM_V, threads);
 }
 
+/* A warp's 16 rows from g of the mma C fragments acc (N n8 groups) times mul, rows < rows written,
+ * through the warp's 2 KB of shared memory at buf: 64 columns at a time, as bf16 / f16 pairs
+ * (16-byte chunks swizzled by the row: no bank conflicts either way), then out in 16-byte stores.
+ * g is 16-byte aligned and s_row a multiple of 8 (store_dkdv_staged checks). */
+template <int N>
+DEV void store_rows_staged(const float (&acc)[1][N][4], float mul, elem_t *g, int64_t s_row, int rows, uint32_t buf)
+{
+    const int lane = threadIdx.x & 31, gr = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int c = 0; c < N / 8; c++) {
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int r = gr + 8 * i;
+                asm volatile("st.shared.b32 [%0], %1;" ::"r"(buf + r * 128 + ((j ^ (r & 7)) << 4) + t * 4),
+                             "r"(pack2(acc[0][8 * c + j][2 * i] * mul, acc[0][8 * c + j][2 * i + 1] * mul)));
+            }
+        __syncwarp();
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int piece = lane + 32 * k, r = piece >> 3, ch = piece & 7;
+            uint4 v;
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(buf + r * 128 + ((ch ^ (r & 7)) << 4)));
+            if (r < rows)
+                *(uint4 *)(g + r * s_row + c * 64 + ch * 8) = v;
+        }
+        __syncwarp();
+    }
+}
+
+/* store_dkdv's dk and dv of the warp's 16 keys from n0w in 16-byte stores (store_rows_staged, buf:
+ * the warp's 2 KB of a free stage), or store_dkdv itself where either is not laid out for them.
+ * Both dK/dV kernels call it after their last item, on the Q stage the next item would have used:
+ * free, since every warp read it last for item items - 2, before the barrier of item items - 1,
+ * and no load follows.
+ * 16-bit scalar stores, eight rows to an instruction, took ~5 us a CTA at D = 64 and ~10 at
+ * D = 128 (H100, globaltimer stamps): a sixth of a short row's CTA. */
+template <int NK, int NV>
+DEV void store_dkdv_staged(const attn_params &p, const seq_t &sk, int64_t hk, const float (&dk)[1][NK][4],
+                           const float (&dv)[1][NV][4], int n0w, uint32_t buf)
+{
+    elem_t *gk = (elem_t *)p.dk.ptr + sk.mem_b * p.dk.s[0] + (sk.start + n0w) * p.dk.s[1] + hk * p.dk.s[2];
+    elem_t *gv = (elem_t *)p.dv.ptr + sk.mem_b * p.dv.s[0] + (sk.start + n0w) * p.dv.s[1] + hk * p.dv.s[2];
+    const bool vec = p.dk.s[3] == 1 && p.dv.s[3] == 1 && p.dk.s[1] % 8 == 0 && p.dv.s[1] % 8 == 0
+                     && ((uint64_t)gk & 15) == 0 && ((uint64_t)gv & 15) == 0;
+    if (!vec) {
+        store_dkdv(p, sk, hk, dk, dv, n0w, true, true);
+        return;
+    }
+    const int rows = (int)min((int64_t)16, sk.rows - n0w);
+    store_rows_staged(dk, (float)p.scale, gk, p.dk.s[1], rows, buf);
+    store_rows_staged(dv, 1.f, gv, p.dv.s[1], rows, buf);
+}
+
 #if ENTRY(attn_bwd_dkdv_sm90) && !DQ_ATOMIC
 extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_sm90(const __grid_constant__ attn_params p)
 {
@@ -229,7 +285,10 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
         }
     }
     cp_async_wait_all();
-    store_dkdv(p, sk, hk, dk, dv, n0 + warp * 16, true, true);
+    if constexpr (KQ_BYTES >= KV_WARPS * 2048)     /* the lab's wider tiles (ATTNEXT_TILE_BWD_SM90) may not fit */
+        store_dkdv_staged(p, sk, hk, dk, dv, n0 + warp * 16, sQ + (items & 1) * KQ_BYTES + warp * 2048);
+    else
+        store_dkdv(p, sk, hk, dk, dv, n0 + warp * 16, true, true);
 }
 #endif
 
@@ -367,59 +426,6 @@ DEV void store_dq_tile(const attn_params &p, const seq_t &sq, int64_t h, int m0,
 }
 
 #if ENTRY(attn_bwd_dkdv_ws_sm90)
-/* A warp's 16 rows from g of the mma C fragments acc (N n8 groups) times mul, rows < rows written,
- * through the warp's 2 KB of shared memory at buf: 64 columns at a time, as bf16 / f16 pairs
- * (16-byte chunks swizzled by the row: no bank conflicts either way), then out in 16-byte stores.
- * g is 16-byte aligned and s_row a multiple of 8 (store_dkdv_staged checks). */
-template <int N>
-DEV void store_rows_staged(const float (&acc)[1][N][4], float mul, elem_t *g, int64_t s_row, int rows, uint32_t buf)
-{
-    const int lane = threadIdx.x & 31, gr = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int c = 0; c < N / 8; c++) {
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int r = gr + 8 * i;
-                asm volatile("st.shared.b32 [%0], %1;" ::"r"(buf + r * 128 + ((j ^ (r & 7)) << 4) + t * 4),
-                             "r"(pack2(acc[0][8 * c + j][2 * i] * mul, acc[0][8 * c + j][2 * i + 1] * mul)));
-            }
-        __syncwarp();
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const int piece = lane + 32 * k, r = piece >> 3, ch = piece & 7;
-            uint4 v;
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(buf + r * 128 + ((ch ^ (r & 7)) << 4)));
-            if (r < rows)
-                *(uint4 *)(g + r * s_row + c * 64 + ch * 8) = v;
-        }
-        __syncwarp();
-    }
-}
-
-/* store_dkdv's dk and dv of the warp's 16 keys from n0w in 16-byte stores (store_rows_staged, buf:
- * the warp's 2 KB of a free stage), or store_dkdv itself where either is not laid out for them.
- * 16-bit scalar stores, eight rows to an instruction, took ~5 us a CTA at D = 64 and ~10 at
- * D = 128 (H100, globaltimer stamps): a sixth of a short row's CTA. */
-template <int NK, int NV>
-DEV void store_dkdv_staged(const attn_params &p, const seq_t &sk, int64_t hk, const float (&dk)[1][NK][4],
-                           const float (&dv)[1][NV][4], int n0w, uint32_t buf)
-{
-    elem_t *gk = (elem_t *)p.dk.ptr + sk.mem_b * p.dk.s[0] + (sk.start + n0w) * p.dk.s[1] + hk * p.dk.s[2];
-    elem_t *gv = (elem_t *)p.dv.ptr + sk.mem_b * p.dv.s[0] + (sk.start + n0w) * p.dv.s[1] + hk * p.dv.s[2];
-    const bool vec = p.dk.s[3] == 1 && p.dv.s[3] == 1 && p.dk.s[1] % 8 == 0 && p.dv.s[1] % 8 == 0
-                     && ((uint64_t)gk & 15) == 0 && ((uint64_t)gv & 15) == 0;
-    if (!vec) {
-        store_dkdv(p, sk, hk, dk, dv, n0w, true, true);
-        return;
-    }
-    const int rows = (int)min((int64_t)16, sk.rows - n0w);
-    store_rows_staged(dk, (float)p.scale, gk, p.dk.s[1], rows, buf);
-    store_rows_staged(dv, 1.f, gv, p.dv.s[1], rows, buf);
-}
-
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm90(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -651,8 +657,6 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
         fence_proxy_async();
         mbar_arrive(dq_full + 8 * x);
     }
-    /* Q's stage of the next item is free: its last item (items - 2) was read by both warpgroups
-     * before the barrier of item items - 1, and no load follows */
     store_dkdv_staged(p, sk, hk, dk, dv, n0w, sQ + (items & 1) * KQ_BYTES + cwarp * 2048);
 }
 #endif
