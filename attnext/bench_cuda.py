@@ -873,7 +873,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="one row per section (D=128, S=2048; decode B=8; mods: relbias B8 S2048 "
                         "and the document causal+mask row): a smoke run")
-    p.add_argument("--rows", help="only the cases whose name contains this text")
+    p.add_argument("--rows", help="only the cases whose name contains this text (or one of the "
+                                  "texts between '|'s: 'softcap|relbias')")
     p.add_argument("--peers", type=_peer_list, default=PEERS,
                    help=f"comma-separated peers to run (default: {','.join(PEERS)})")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up time, ms")
@@ -885,6 +886,11 @@ def parse_args(argv=None):
                         "cold (an empty ATTNEXT_CACHE_DIR) and from the disk cache (slow: about "
                         "two processes and their compiles per row)")
     return p.parse_args(argv)
+
+
+def _chosen(case, rows):
+    """Whether --rows (None, or texts between '|'s) picks the case: its name holds one of them."""
+    return not rows or any(text in case.name for text in rows.split("|"))
 
 
 def main(argv=None):
@@ -907,7 +913,7 @@ def main(argv=None):
     t_start = time.perf_counter()
     rows, section = [], None
     for case in cases(args.quick):
-        if args.rows and args.rows not in case.name:
+        if not _chosen(case, args.rows):
             continue
         if case.kind != section:
             section = case.kind
@@ -921,7 +927,7 @@ def main(argv=None):
             print(format_row(row), flush=True)
     from . import bench_mods
     rows += bench_mods.sections(
-        run, [c for c in bench_mods.cases(args.quick) if not args.rows or args.rows in c.name],
+        run, [c for c in bench_mods.cases(args.quick) if _chosen(c, args.rows)],
         args.first_call)
     total_s = time.perf_counter() - t_start
     print()

@@ -24,14 +24,15 @@ for step in "$@"; do
               # the recomputing ones), varlen, decode, and score_mods with lookups and dtensors
               compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q \
                 -p no:cacheprovider tests/test_cuda.py tests/test_cuda_backward.py \
-                tests/test_score_mod_cuda.py tests/test_mod_arrays_cuda.py -k "not cpu_suite" 2>&1 \
+                tests/test_score_mod_cuda.py tests/test_mod_arrays_cuda.py tests/test_tile_sums_cuda.py \
+                -k "not cpu_suite" 2>&1 \
                 | tee "$OUT/memcheck.log" | tail -5 || rc=1
               compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -m gpu -q \
                 -p no:cacheprovider tests/test_cuda.py tests/test_cuda_backward.py tests/test_score_mod_cuda.py \
-                -k "test_head_dims and bf16 and d128_dv128 or varlen_with_padding or test_decode_split_kv and B3 \
+                tests/test_tile_sums_cuda.py -k "test_head_dims and bf16 and d128_dv128 or varlen_with_padding or test_decode_split_kv and B3 \
                     or test_head_dims and bf16-d64_dv64-causal or test_varlen and 128-causal \
                     or dq_added_by_the_dkdv_kernel and (d128-default or d64-default) or score_mod_zoo and bf16 \
-                    and (rel or doc_penalty) or narrowed" 2>&1 \
+                    and (rel or doc_penalty) or narrowed or test_relative_bias_table and d64-causal" 2>&1 \
                 | tee "$OUT/racecheck.log" | tail -5 || rc=1 ;;
     register) python3 -m pytest -m gpu -q tests/test_pinning.py tests/test_staging.py 2>&1 | tee "$OUT/register_tests.log" | tail -15
               python3 bench/lab_register.py 2>&1 | tee "$OUT/lab_register.log" ;;
