@@ -266,6 +266,7 @@ def _bind_mods(o, stage, backward):
         o.documents, tm = cu, None
     if ts is None and tm is None:   # the mask_mod was a band, or documents: the plain kernels,
         o.mask_mod = None           # planned as a plain call is (_decode_plan asks _has_mods)
+        o.mods_lowered = True       # (its forward still compiles the backward ahead)
         return None
     layout = codegen.generated(ts, tm)          # the arrays and gradients; the code: gen below
     floats = list(ts.params if ts is not None else ()) + list(tm.params if tm is not None else ())
@@ -542,7 +543,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
         return _Plan(template, ())
     names = [kernel] if splits == 1 else [kernel, "attn_fwd_combine"]
     specs = [(kernel, name, defines, generated) for name in names] + kernels.block_mask_specs(gen)
-    if gen is not None and o.return_lse:
+    if o.return_lse and (gen is not None or getattr(o, "mods_lowered", False)):
         _compile_backward_ahead(o, device, features, rows, gen, specs)
     kernels.prefetch(specs, arch, device)
     launches = [(kernels.function(kernel, kernel, defines, device, arch, smem, generated), grid,
@@ -559,7 +560,9 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
 def _compile_backward_ahead(o, device, features, q_rows, gen, fwd_specs):
     """Starts compiling the backward a forward with mods expects (kernels.compile_ahead): the
     default one (deterministic, dout laid out as q, no dbias) of the same problem, less the
-    forward's own compiles (the block mask). A backward that differs compiles what it lacks."""
+    forward's own compiles (the block mask). A backward that differs compiles what it lacks.
+    A mask_mod that _bind_mods lowered to a band or documents (gen None) runs plain kernels,
+    which a fresh cache does not hold either: their backward is compiled ahead too."""
     try:        # only a head start: whatever goes wrong here, the backward meets (and raises) itself
         k_rows = _key_rows(o) if o.varlen else o.Sk
         ns = _backward_kernels(o, device, dict(features), True, q_rows, k_rows, gen)

@@ -307,7 +307,8 @@ def test_scratch_is_bounded_to_scratch_streams(fake_driver):
 def test_a_forward_with_mods_and_lse_compiles_its_backward_ahead(fake_driver):
     """A forward with a score_mod / mask_mod that returns lse hands kernels.compile_ahead the
     entry points the default backward of the same problem then prefetches, less the forward's
-    own (the block mask); a forward without lse or without mods starts none."""
+    own (the block mask); so does one whose mask_mod was lowered to a band or to documents (the
+    plain kernels); a forward without lse or without mods starts none."""
     _run(fake_driver, r"""
         AHEAD, PRE = [], []
         _C.cuda_launch_attention = _launch          # the fake's, which takes the mods' bytes too
@@ -318,10 +319,14 @@ def test_a_forward_with_mods_and_lse_compiles_its_backward_ahead(fake_driver):
         allowed = np.ones((4, 4), bool)
         softcap = dict(causal=True, score_mod=lambda s, b, h, qi, ki: 30.0 * np.tanh(s / 30.0))
         masked = dict(mask_mod=lambda b, h, qi, ki: allowed[qi % 4, ki % 4])
+        doc = np.repeat(np.arange(4), 512).astype(np.int32)
+        band = dict(mask_mod=lambda b, h, qi, ki: (ki <= qi) & (qi - ki < 256))      # a window
+        docs = dict(mask_mod=lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi))   # documents
         attnext.attention(q, k, v, **softcap)
         attnext.attention(q, k, v, causal=True, return_lse=True)
+        attnext.attention(q, k, v, **band)
         assert AHEAD == []
-        for kw in (softcap, masked):
+        for kw, block_mask in ((softcap, False), (masked, True), (band, False), (docs, False)):
             out, lse = attnext.attention(q, k, v, return_lse=True, **kw)
             [(specs, busy)] = AHEAD
             fwd = PRE[-1]
@@ -329,7 +334,7 @@ def test_a_forward_with_mods_and_lse_compiles_its_backward_ahead(fake_driver):
             assert specs == [s for s in PRE[-1] if s not in fwd] and busy == len(fwd), (specs, PRE[-1])
             names = [s[1] for s in specs]
             assert "attn_bwd_dkdv_ws_sm90" in names and "attn_block_mask" not in names, names
-            assert ("attn_block_mask" in [s[1] for s in fwd]) == ("mask_mod" in kw)
+            assert ("attn_block_mask" in [s[1] for s in fwd]) == block_mask
             AHEAD.clear()
         print("ok")
     """)
