@@ -156,6 +156,37 @@ def test_first_call_cold_then_disk_in_fresh_processes(monkeypatch):
     json.dumps([a, b])
 
 
+COUNTING_STUB = r"""
+import json, os, sys
+folder, counter = os.environ["ATTNEXT_CACHE_DIR"], os.environ["STUB_COUNTER"]
+n = int(open(counter).read())
+open(counter, "w").write(str(n + 1))
+cold = not os.listdir(folder)
+open(os.path.join(folder, "entry.cubin"), "w").write("x")
+pair = n // 2
+print("attnext-first-call " + json.dumps({
+    "fwd_s": [1.0, 3.0, 1.5][pair] if cold else [0.03, 0.01, 0.02][pair], "bwd_s": 0.5 if cold else 0.01,
+    "compiles": 3 if cold else 0, "fwd_again_s": 0.004, "bwd_again_s": 0.005,
+    "compile_s": 1.0 if cold else 0.0, "disk_hits": 0 if cold else 3, "cache_dir": folder}))
+"""
+
+
+def test_first_call_takes_the_median_of_its_pairs(monkeypatch, tmp_path):
+    """reps pairs of processes, each pair with an empty folder of its own: the row has the
+    medians, and every pair's times in *_all."""
+    counter = tmp_path / "n"
+    counter.write_text("0")
+    monkeypatch.setenv("STUB_COUNTER", str(counter))
+    _stub(monkeypatch, COUNTING_STUB)
+    row = bm.first_call_row(TINY[0], reps=3)
+    assert row["attnext_status"] == "ok" and counter.read_text() == "6"
+    assert row["cold_fwd_s_all"] == [1.0, 3.0, 1.5] and row["cold_fwd_s"] == 1.5
+    assert row["disk_fwd_s_all"] == [0.03, 0.01, 0.02] and row["disk_fwd_s"] == 0.02
+    assert row["cold_compiles_all"] == [3, 3, 3] and row["disk_compiles"] == 0   # each cold was cold
+    assert row["reps"] == 3 and row["target_met"] is True
+    assert "FIRST_CALL_REPS" not in bm.format_row(row)
+
+
 def test_first_call_children_keep_their_bytecode(monkeypatch):
     """The children write and read attnext's bytecode in a folder of their own, as an installed
     attnext would have it, whatever PYTHONDONTWRITEBYTECODE says in the parent."""
