@@ -117,12 +117,14 @@ def decode_ctas_per_sm():
 # 1.06x at 2k) and at D=128 for short sequences (0.84x at 512, against 0.79x).
 SM90_TILE_LONG = (128, 128, 8)
 SM90_TILE_SHORT = (64, 64, 4)
-# with a score_mod that reads captured arrays: 64 keys a tile, so the lookups' registers fit
+# with a score_mod: 64 keys a tile. With lookups into captured arrays their registers then fit
 # beside S and O (the relative-bias table spills 308 bytes at 128 x 128, 4 at 128 x 64, NVRTC
 # -Xptxas=-v; H100, bench/lab_mods.py: 3.91 against 3.81 ms). A score_mod of arithmetic alone
-# keeps the 128-key tile (softcap: 246 registers, no spill; 2.48 against 2.64 ms), and so does a
-# mask_mod alone: its code runs only on the tiles the block mask does not keep whole (causal
-# window 0.60 -> 0.50 ms, document mask 1.50 -> 1.45 ms against 128 x 64)
+# runs ~6% faster at 128 x 128 (softcap: 2.48 against 2.64 ms), but its first call waits for the
+# compile, whose unrolled score loop halves with the tile: softcap's forward 0.62 -> 0.47 s with
+# NVRTC 13.5 here, 1.8-2.4 s on the H100 hosts at 128 x 128 (the issue's bound: 2 s). A mask_mod
+# alone keeps the plain tiles: its code runs only on the tiles the block mask does not keep whole
+# (causal window 0.60 -> 0.50 ms, document mask 1.50 -> 1.45 ms against 128 x 64)
 SM90_TILE_MODS = (128, 64, 8)
 SM90_SHORT_ROWS = 1024
 
@@ -131,9 +133,8 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None):
     """(kernel source, tile) of the forward: kernels/attn_fwd_sm90.cu (wgmma) on sm_90a for
     16-byte-loadable inputs with D, Dv in {64, 128}, else kernels/attn_fwd.cu (mma.sync, every
     shape, and the decode paths). rows: the longest query sequence; mods: the generated
-    score_mod / mask_mod compiled in (codegen.Generated) or None: a score_mod with lookups into
-    captured arrays takes SM90_TILE_MODS, a mask_mod alone or a score_mod of arithmetic alone
-    the plain tiles. ATTNEXT_FWD_SM90=0 keeps Hopper on attn_fwd.cu (the lab's and the
+    score_mod / mask_mod compiled in (codegen.Generated) or None: a score_mod takes
+    SM90_TILE_MODS, a mask_mod alone the plain tiles. ATTNEXT_FWD_SM90=0 keeps Hopper on attn_fwd.cu (the lab's and the
     tests' comparison)."""
     if (arch == "sm_90a" and not decode and vec and D in (64, 128) and Dv in (64, 128)
             and os.environ.get("ATTNEXT_FWD_SM90", "1") != "0"):
@@ -141,8 +142,8 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None):
         if env:
             return "attn_fwd_sm90", tuple(int(x) for x in env.split(","))
         short = max(D, Dv) <= 64 or rows <= SM90_SHORT_ROWS
-        lookups = mods is not None and any(kind == "score_mod" for kind, _, _ in mods.arrays)
-        return "attn_fwd_sm90", SM90_TILE_SHORT if short else SM90_TILE_MODS if lookups else SM90_TILE_LONG
+        score_mod = mods is not None and bool(mods.defines.get("HAS_SCORE_MOD"))
+        return "attn_fwd_sm90", SM90_TILE_SHORT if short else SM90_TILE_MODS if score_mod else SM90_TILE_LONG
     return "attn_fwd", decode_tile() if decode else tile_config(D, Dv)
 
 

@@ -73,9 +73,11 @@ def test_hopper_takes_the_wgmma_forward_where_it_applies(monkeypatch):
     lookups = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s + table[h, q - kv]))
     arithmetic = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: 30.0 * np.tanh(s / 30.0)),
                                   trace.trace_mask_mod(lambda b, h, q, kv: doc[q] == doc[kv]))
-    assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 4096, lookups) == ("attn_fwd_sm90",
-                                                                                 kernels.SM90_TILE_MODS)
-    assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 4096, arithmetic) == ("attn_fwd_sm90",
+    mask_alone = codegen.generate(None, trace.trace_mask_mod(lambda b, h, q, kv: doc[q] == doc[kv]))
+    for score_mod in (lookups, arithmetic):     # 64 keys a tile: lookups' registers, the compile
+        assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 4096, score_mod) == ("attn_fwd_sm90",
+                                                                                       kernels.SM90_TILE_MODS)
+    assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 4096, mask_alone) == ("attn_fwd_sm90",
                                                                                     kernels.SM90_TILE_LONG)
     assert kernels.fwd_kernel("sm_90a", 64, 128, True, False, 4096)[0] == "attn_fwd_sm90"
     # other head dims, element loads, decode and other architectures: attn_fwd.cu
