@@ -5,9 +5,11 @@ first call's forward compiles while kernels.compile_ahead compiles the backward 
 
 Needs NVRTC and a C compiler, not a GPU: the entry points come from the fake driver
 (tests/fake_libcuda.c), as the bench's mods row plans them on Hopper (sm_90a), and each compile
-calls _C.nvrtc_compile straight (no cache). Prints the forward's compile seconds alone, then
-beside 1..N of the backward's compiles started with it in threads (each of those once), and
-the backward's compiles alone one after another; also the host's CPUs.
+calls _C.nvrtc_compile straight (no cache of attnext's, and CUDA_CACHE_DISABLE=1: NVRTC 13.0 on
+the H100 hosts otherwise serves a program it compiled before from ~/.nv/ComputeCache in 0.06 s,
+which made every number after the first of this lab's first run a hit). Prints the forward's
+compile seconds alone, then beside 1..N of the backward's compiles started with it in threads
+(each of those once), and the backward's compiles alone one after another; also the host's CPUs.
 """
 import argparse
 import os
@@ -20,6 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+
+
+os.environ["CUDA_CACHE_DISABLE"] = "1"       # before NVRTC loads
 
 
 def specs_of(case):
