@@ -22,9 +22,12 @@ first call  (with --first-call) for each mods row: attnext's first forward and f
   use is compiled, mod-free ones that `python -m attnext.warmup` would have cached included;
   where the machine has the cores, the first forward starts the backward's compiles:
   kernels.compile_ahead, which ATTNEXT_COMPILE_AHEAD=0 turns off); disk, in another fresh
-  process with that same, now filled, folder (the issue's < 50 ms). FIRST_CALL_REPS such pairs,
-  each with its own folder: the table has the medians (the H100 hosts' NVRTC time moves ~25%
-  from one process to the next), the JSON every pair's times too.
+  process with that same, now filled, folder (the issue's < 50 ms); new, in a fresh process
+  with a second folder that a process running the row's plain twin (causal=True, no mods, the
+  same shapes) filled: what a new mod costs a user who has run attention without it (the mod's
+  own kernels compiled; a mask_mod lowered to a band or documents compiles none). Each of the
+  FIRST_CALL_REPS repeats with folders of its own: the table has the medians (the H100 hosts'
+  NVRTC time moves ~25% from one process to the next), the JSON every repeat's times too.
 
 Every result is validated before it is timed (the kernel lab rule): attnext's and Flex's out, dq,
 dk, dv and the captured tables' gradients against a float32 reference that materialises the
@@ -386,10 +389,11 @@ def case_rows(run, case):
 
 # --- first calls, each in a fresh process ---
 
-def child_command(case):
-    """The command that runs first_call_child(case) in a fresh interpreter."""
-    code = "import sys; from attnext import bench_mods; sys.exit(bench_mods.first_call_child(sys.argv[1]))"
-    return [sys.executable, "-c", code, json.dumps(case._asdict())]
+def child_command(case, plain=False):
+    """The command that runs first_call_child(case, plain) in a fresh interpreter."""
+    code = ("import sys; from attnext import bench_mods; "
+            "sys.exit(bench_mods.first_call_child(sys.argv[1], sys.argv[2] == 'plain'))")
+    return [sys.executable, "-c", code, json.dumps(case._asdict()), "plain" if plain else "mods"]
 
 
 def case_from_json(text):
@@ -399,15 +403,17 @@ def case_from_json(text):
     return ModCase(**fields)
 
 
-def first_call_child(case_json):
+def first_call_child(case_json, plain=False):
     """In the fresh process: attnext's first forward and first backward of the case, each timed
     alone from the call to a synchronisation after it (imports, inputs and the CUDA context come
-    before the timing). Prints one line: CHILD_MARK and a JSON object."""
+    before the timing). plain: the case's plain twin instead (causal=True, no mods: every mods
+    row is causal), which fills a cache folder with the kernels a user who has run attention
+    without the mod has. Prints one line: CHILD_MARK and a JSON object."""
     import torch
     case = case_from_json(case_json)
     q, k, v, dout = (torch.randn(case.B, case.S, case.H, case.D, device="cuda", dtype=torch.bfloat16)
                      for _ in range(4))
-    kw = dict(attnext_mods(case), device="cuda")
+    kw = dict(dict(causal=True) if plain else attnext_mods(case), device="cuda")
 
     def forward_then_backward():
         """(forward s, backward s), each from the call to a synchronisation after it."""
@@ -448,10 +454,10 @@ def _child_env(cache_dir, pycache_dir):
     return env
 
 
-def _run_child(case, env, timeout):
+def _run_child(case, env, timeout, plain=False):
     """The child's report (dict), or raises RuntimeError with the end of its output."""
     try:
-        proc = subprocess.run(child_command(case), env=env, capture_output=True, text=True,
+        proc = subprocess.run(child_command(case, plain), env=env, capture_output=True, text=True,
                               timeout=timeout)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"the child ran past {timeout} s") from None
@@ -467,13 +473,18 @@ def _cache_entries(folder):
 
 
 CHILD_KEYS = ("fwd_s", "bwd_s", "fwd_again_s", "bwd_again_s", "compiles", "compile_s", "disk_hits")
+# (phase, folder, plain twin): the mod cold, then from that folder; the twin, then the mod beside
+# its kernels
+PHASES = (("cold", "own", False), ("disk", "own", False), ("twin", "twin", True), ("new", "twin", False))
 
 
 def first_call_row(case, timeout=CHILD_TIMEOUT_S, reps=FIRST_CALL_REPS):
     """The case's first forward and backward in a fresh process with an empty cache folder
-    (cold), then in another fresh process with that folder (disk), reps times, each pair with a
-    folder of its own (removed after): {phase}_{key} the median over the pairs (the largest
-    count of compiles), {phase}_{key}_all each pair's."""
+    (cold), then in another fresh process with that folder (disk); then (new) in a fresh process
+    with a second folder that a process running the plain twin filled (first_call_child's
+    plain): the mod's own compiles alone. reps times, each with folders of their own (removed
+    after): {phase}_{key} the median over the reps (the largest count of compiles),
+    {phase}_{key}_all each rep's."""
     row = {"section": "first_call", "case": case.name, "kind": case.kind,
            "direction": "first call", "attnext_status": "ok", "attnext_reason": None, "reps": reps}
     t0 = time.perf_counter()
@@ -483,13 +494,19 @@ def first_call_row(case, timeout=CHILD_TIMEOUT_S, reps=FIRST_CALL_REPS):
             folder = os.path.join(top, "kernels")
             os.mkdir(folder)
             env = _child_env(folder, os.path.join(top, "bytecode"))
+            twin = os.path.join(top, "twin")
+            os.mkdir(twin)
+            twin_env = _child_env(twin, os.path.join(top, "bytecode"))
             try:
-                for phase in ("cold", "disk"):
-                    rep = _run_child(case, env, timeout)
+                for phase, where, plain in PHASES:
+                    here, here_env = (folder, env) if where == "own" else (twin, twin_env)
+                    rep = _run_child(case, here_env, timeout, plain)
+                    if plain:
+                        continue
                     for key in CHILD_KEYS:
                         got.setdefault(f"{phase}_{key}", []).append(rep.get(key))
                     row[f"{phase}_cache_dir"] = rep.get("cache_dir")
-                    got.setdefault(f"{phase}_entries_after", []).append(_cache_entries(folder))
+                    got.setdefault(f"{phase}_entries_after", []).append(_cache_entries(here))
             except Exception as e:
                 row["attnext_status"], row["attnext_reason"] = "error", f"{phase}: {bc._reason(e)}"
                 break
@@ -556,9 +573,11 @@ FIRST_COLUMNS = [("case", 36, lambda r: r["case"]),
                  ("cold bwd", 8, lambda r: _first_cell(r, "cold", "bwd")),
                  ("disk fwd", 8, lambda r: _first_cell(r, "disk", "fwd")),
                  ("disk bwd", 8, lambda r: _first_cell(r, "disk", "bwd")),
+                 ("new fwd", 8, lambda r: _first_cell(r, "new", "fwd")),
+                 ("new bwd", 8, lambda r: _first_cell(r, "new", "bwd")),
                  ("2nd fwd", 8, lambda r: _first_cell(r, "disk", "fwd_again")),
                  ("2nd bwd", 8, lambda r: _first_cell(r, "disk", "bwd_again")),
-                 ("compiles", 8, lambda r: f"{r.get('cold_compiles', '-')}/{r.get('disk_compiles', '-')}"),
+                 ("compiles", 8, lambda r: "/".join(str(r.get(f"{p}_compiles", "-")) for p in ("cold", "disk", "new"))),
                  ("s", 4, lambda r: f"{r['case_s']:.0f}"), ("target", 0, _first_target_cell)]
 SECTION_NOTES = {
     "mods": [
@@ -569,11 +588,14 @@ SECTION_NOTES = {
         "err/flex: max|ax - flex| / max|flex| over out (fwd) or dq, dk, dv, d<table> (bwd); both "
         "validated first against a float32 reference"],
     "first_call": [
-        f"medians of {FIRST_CALL_REPS} pairs of fresh processes (each pair's in the JSON); each "
-        "call timed alone, synchronised, after its imports; cold: an empty ATTNEXT_CACHE_DIR",
+        f"medians of {FIRST_CALL_REPS} repeats (each one's in the JSON); each call timed alone, "
+        "synchronised, in a fresh process after its imports; cold: an empty ATTNEXT_CACHE_DIR",
         "(every kernel compiled); disk: the same folder in another fresh process; 2nd: the disk "
         "child's second forward and backward, timed alike",
-        "(what the first calls cost beyond the work itself); compiles: NVRTC compiles cold/disk"],
+        "(what the first calls cost beyond the work itself); new: a fresh process whose folder a "
+        "process running the plain twin (causal=True, no mods) filled:",
+        "the mod's own compiles alone; compiles: NVRTC compiles cold/disk/new; target: cold and "
+        "disk"],
 }
 
 

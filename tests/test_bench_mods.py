@@ -119,39 +119,45 @@ def test_rows_ratio_target_error_and_table():
 
 STUB = r"""
 import json, os, sys
-folder = os.environ["ATTNEXT_CACHE_DIR"]
-case = json.loads(sys.argv[1])
-cold = not os.listdir(folder)
-open(os.path.join(folder, "entry.cubin"), "w").write(case["kind"])
+folder, case, mode = os.environ["ATTNEXT_CACHE_DIR"], json.loads(sys.argv[1]), sys.argv[2]
+had = set(os.listdir(folder))
+open(os.path.join(folder, "plain.cubin"), "w").write(case["kind"])
+if mode == "mods":
+    open(os.path.join(folder, "mod.cubin"), "w").write(case["kind"])
 print("some other output")
+cold, twin = "mod.cubin" not in had, "plain.cubin" in had     # twin: the plain kernels were there
 print("attnext-first-call " + json.dumps({
-    "fwd_s": 1.5 if cold else 0.01, "bwd_s": 2.5 if cold else 0.02, "compiles": 3 if cold else 0,
-    "fwd_again_s": 0.004, "bwd_again_s": 0.005,
+    "fwd_s": (0.9 if twin else 1.5) if cold else 0.01, "bwd_s": (1.1 if twin else 2.5) if cold else 0.02,
+    "compiles": (1 if twin else 3) if cold else 0, "fwd_again_s": 0.004, "bwd_again_s": 0.005,
     "compile_s": 1.0 if cold else 0.0, "disk_hits": 0 if cold else 3, "cache_dir": folder}))
 """
 
 
 def _stub(monkeypatch, code):
-    monkeypatch.setattr(bm, "child_command",
-                        lambda case: [sys.executable, "-c", code, json.dumps(case._asdict())])
+    monkeypatch.setattr(bm, "child_command", lambda case, plain=False: [
+        sys.executable, "-c", code, json.dumps(case._asdict()), "plain" if plain else "mods"])
 
 
 def test_first_call_cold_then_disk_in_fresh_processes(monkeypatch):
+    """cold: an empty folder; disk: that folder again; new: a second folder the plain twin
+    filled (its process's report is not a phase's)."""
     _stub(monkeypatch, STUB)
     a, b = (bm.first_call_row(c) for c in TINY[:2])
     for row in (a, b):
         assert row["attnext_status"] == "ok", row["attnext_reason"]
         assert (row["cold_fwd_s"], row["cold_bwd_s"]) == (1.5, 2.5)     # the folder was empty
         assert (row["disk_fwd_s"], row["disk_bwd_s"]) == (0.01, 0.02)   # the same, filled
+        assert (row["new_fwd_s"], row["new_bwd_s"], row["new_compiles"]) == (0.9, 1.1, 1)   # beside the twin's
         assert (row["disk_fwd_again_s"], row["disk_bwd_again_s"]) == (0.004, 0.005)
-        assert row["cold_cache_dir"] == row["disk_cache_dir"]
-        assert row["cold_entries_after"] == 1 and row["disk_compiles"] == 0
-        assert not os.path.exists(row["cold_cache_dir"])                # removed after
+        assert row["cold_cache_dir"] == row["disk_cache_dir"] != row["new_cache_dir"]
+        assert row["cold_entries_after"] == row["new_entries_after"] == 2 and row["disk_compiles"] == 0
+        assert not os.path.exists(row["cold_cache_dir"]) and not os.path.exists(row["new_cache_dir"])
         assert row["target_met"] is False and row["target_misses"] == ["cold bwd"]
-        assert "attnext_note" not in row
+        assert "twin_fwd_s" not in row and "attnext_note" not in row
     assert a["cold_cache_dir"] != b["cold_cache_dir"]                    # one folder per case
     line = bm.format_row(a)
-    assert line.startswith(TINY[0].name) and "MISS cold bwd" in line and "3/0" in line.split()
+    assert line.startswith(TINY[0].name) and "MISS cold bwd" in line and "3/0/1" in line.split()
+    assert "0.90" in line.split() and "1.10" in line.split()
     assert len(line.split("MISS")[0]) == len(bm.format_header("first_call").split("target")[0])
     json.dumps([a, b])
 
@@ -163,28 +169,27 @@ n = int(open(counter).read())
 open(counter, "w").write(str(n + 1))
 cold = not os.listdir(folder)
 open(os.path.join(folder, "entry.cubin"), "w").write("x")
-pair = n // 2
+rep = n // 4                      # four processes a repeat: cold, disk, the twin, new
 print("attnext-first-call " + json.dumps({
-    "fwd_s": [1.0, 3.0, 1.5][pair] if cold else [0.03, 0.01, 0.02][pair], "bwd_s": 0.5 if cold else 0.01,
+    "fwd_s": [1.0, 3.0, 1.5][rep] if cold else [0.03, 0.01, 0.02][rep], "bwd_s": 0.5 if cold else 0.01,
     "compiles": 3 if cold else 0, "fwd_again_s": 0.004, "bwd_again_s": 0.005,
     "compile_s": 1.0 if cold else 0.0, "disk_hits": 0 if cold else 3, "cache_dir": folder}))
 """
 
 
-def test_first_call_takes_the_median_of_its_pairs(monkeypatch, tmp_path):
-    """reps pairs of processes, each pair with an empty folder of its own: the row has the
-    medians, and every pair's times in *_all."""
+def test_first_call_takes_the_median_of_its_repeats(monkeypatch, tmp_path):
+    """reps repeats, each with empty folders of its own: the row has the medians, and every
+    repeat's values in *_all."""
     counter = tmp_path / "n"
     counter.write_text("0")
     monkeypatch.setenv("STUB_COUNTER", str(counter))
     _stub(monkeypatch, COUNTING_STUB)
     row = bm.first_call_row(TINY[0], reps=3)
-    assert row["attnext_status"] == "ok" and counter.read_text() == "6"
+    assert row["attnext_status"] == "ok" and counter.read_text() == "12"
     assert row["cold_fwd_s_all"] == [1.0, 3.0, 1.5] and row["cold_fwd_s"] == 1.5
     assert row["disk_fwd_s_all"] == [0.03, 0.01, 0.02] and row["disk_fwd_s"] == 0.02
     assert row["cold_compiles_all"] == [3, 3, 3] and row["disk_compiles"] == 0   # each cold was cold
     assert row["reps"] == 3 and row["target_met"] is True
-    assert "FIRST_CALL_REPS" not in bm.format_row(row)
 
 
 def test_first_call_children_keep_their_bytecode(monkeypatch):
@@ -198,7 +203,7 @@ def test_first_call_children_keep_their_bytecode(monkeypatch):
 
 
 def test_first_call_disk_run_that_compiles_is_noted(monkeypatch):
-    _stub(monkeypatch, STUB.replace('"compiles": 3 if cold else 0', '"compiles": 3'))
+    _stub(monkeypatch, STUB.replace('"compiles": (1 if twin else 3) if cold else 0', '"compiles": 3'))
     row = bm.first_call_row(TINY[0])
     assert row["disk_compiles"] == 3 and "disk cache did not serve" in row["attnext_note"]
 
