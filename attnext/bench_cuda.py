@@ -18,8 +18,9 @@ Sections, bf16 throughout:
           gradient on both sides), the document mask (as a mask_mod alone and with causal=True),
           a causal sliding window; TFLOP/s of the pairs each mask keeps (attnext/bench_mods.py).
   first call  (--first-call) each mods row's first forward and backward in a fresh process:
-          cold (empty ATTNEXT_CACHE_DIR, compiles included) and from the disk cache; the
-          medians of bench_mods.FIRST_CALL_REPS such pairs of processes.
+          cold (empty ATTNEXT_CACHE_DIR, compiles included), from the disk cache, and new
+          (beside the kernels of a plain twin's earlier process: the mod's own compiles); the
+          medians of bench_mods.FIRST_CALL_REPS repeats.
 
 Every result, attnext's and each peer's, is validated before it is timed (the kernel lab rule):
 out, dq, dk and dv against SDPA's math backend in float32 on the same bf16 inputs (mods: a float32
@@ -884,8 +885,9 @@ def parse_args(argv=None):
     p.add_argument("--plot", metavar="PATH", help="a PNG of TFLOP/s against S (needs matplotlib)")
     p.add_argument("--first-call", action="store_true",
                    help="also time each mods row's first forward and backward in fresh processes, "
-                        "cold (an empty ATTNEXT_CACHE_DIR) and from the disk cache, medians of "
-                        "three such pairs (slow: six processes and their compiles per row)")
+                        "cold (an empty ATTNEXT_CACHE_DIR), from the disk cache and beside the "
+                        "plain twin's kernels, medians of three repeats (slow: twelve processes "
+                        "and their compiles per row)")
     return p.parse_args(argv)
 
 
