@@ -4,6 +4,7 @@ The accuracy rules (the three-way check, its allowances for gradients and rounde
 attnext/accuracy.py's, shared with the differential fuzzer; this file wraps them in asserts.
 """
 import os
+import shutil
 import threading
 import time
 import types
@@ -51,6 +52,16 @@ def gpu():
     except RuntimeError as e:
         pytest.skip(str(e))
     return 0
+
+
+@pytest.fixture(scope="module")
+def cc():
+    """A C compiler (CC, else cc or gcc) for the tests that build the generated code on the host,
+    or the test is skipped."""
+    exe = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if exe is None:
+        pytest.skip("no C compiler")
+    return exe
 
 
 @pytest.fixture(scope="module")

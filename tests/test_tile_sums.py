@@ -11,7 +11,6 @@ NVRTC in tests/test_kernels_compile.py (warmup's mod_sample is a tile term); the
 tests/test_tile_sums_cuda.py.
 """
 import os
-import shutil
 import subprocess
 
 import numpy as np
@@ -209,14 +208,6 @@ int main(int argc, char **argv)
     return 0;
 }
 """
-
-
-@pytest.fixture(scope="module")
-def cc():
-    exe = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if exe is None:
-        pytest.skip("no C compiler")
-    return exe
 
 
 def tile_run(cc, tmp_path, fn, pairs, tile, threads=5, b=1, h=2, sums=None):
