@@ -120,10 +120,11 @@ SM90_TILE_SHORT = (64, 64, 4)
 # with a score_mod: 64 keys a tile. With lookups into captured arrays their registers then fit
 # beside S and O (the relative-bias table spills 308 bytes at 128 x 128, 4 at 128 x 64, NVRTC
 # -Xptxas=-v; H100, bench/lab_mods.py: 3.91 against 3.81 ms). A score_mod of arithmetic alone
-# runs ~6% faster at 128 x 128 (softcap: 2.48 against 2.64 ms), but its first call waits for the
-# compile, whose unrolled score loop halves with the tile: softcap's forward 0.62 -> 0.47 s with
-# NVRTC 13.5 here, 1.8-2.4 s on the H100 hosts at 128 x 128 (the bound: 2 s). A mask_mod
-# alone keeps the plain tiles: its code runs only on the tiles the block mask does not keep whole
+# runs 6-9% faster at 128 x 128 (softcap, the bench's row: 2.47 against 2.70 ms, 1.19x against
+# 1.09x Flex; lab_mods: 2.48 against 2.64 ms), but its first call waits for the compile, whose
+# unrolled score loop halves with the tile: softcap's forward 0.62 -> 0.47 s with NVRTC 13.5
+# here, 1.8-2.4 s on the H100 hosts at 128 x 128 (the bound: 2 s). A mask_mod alone
+# keeps the plain tiles: its code runs only on the tiles the block mask does not keep whole
 # (causal window 0.60 -> 0.50 ms, document mask 1.50 -> 1.45 ms against 128 x 64)
 SM90_TILE_MODS = (128, 64, 8)
 SM90_SHORT_ROWS = 1024
