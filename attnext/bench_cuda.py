@@ -892,8 +892,10 @@ def parse_args(argv=None):
 
 
 def _chosen(case, rows):
-    """Whether --rows (None, or texts between '|'s) picks the case: its name holds one of them."""
-    return not rows or any(text in case.name for text in rows.split("|"))
+    """Whether --rows (None, or texts between '|'s; empty ones left out) picks the case: its name
+    holds one of them."""
+    texts = [text for text in (rows or "").split("|") if text]
+    return not texts or any(text in case.name for text in texts)
 
 
 def main(argv=None):

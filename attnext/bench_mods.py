@@ -483,13 +483,15 @@ def first_call_row(case, timeout=CHILD_TIMEOUT_S, reps=FIRST_CALL_REPS):
     (cold), then in another fresh process with that folder (disk); then (new) in a fresh process
     with a second folder that a process running the plain twin filled (first_call_child's
     plain): the mod's own compiles alone. reps times, each with folders of their own (removed
-    after): {phase}_{key} the median over the reps (the largest count of compiles),
-    {phase}_{key}_all each rep's."""
+    after): {phase}_{key} the median over the repeats that finished (the largest count of
+    compiles), {phase}_{key}_all each one's; after a failed child no further repeat runs, the row
+    is an error and its target unmet or unmeasured."""
     row = {"section": "first_call", "case": case.name, "kind": case.kind,
            "direction": "first call", "attnext_status": "ok", "attnext_reason": None, "reps": reps}
     t0 = time.perf_counter()
-    got = {}
+    done = []                           # each finished repeat's {phase_key: value}
     for _ in range(reps):
+        one = {}
         with tempfile.TemporaryDirectory(prefix="attnext-first-call-") as top:
             folder = os.path.join(top, "kernels")
             os.mkdir(folder)
@@ -504,14 +506,17 @@ def first_call_row(case, timeout=CHILD_TIMEOUT_S, reps=FIRST_CALL_REPS):
                     if plain:
                         continue
                     for key in CHILD_KEYS:
-                        got.setdefault(f"{phase}_{key}", []).append(rep.get(key))
+                        one[f"{phase}_{key}"] = rep.get(key)
                     row[f"{phase}_cache_dir"] = rep.get("cache_dir")
-                    got.setdefault(f"{phase}_entries_after", []).append(_cache_entries(here))
+                    one[f"{phase}_entries_after"] = _cache_entries(here)
             except Exception as e:
                 row["attnext_status"], row["attnext_reason"] = "error", f"{phase}: {bc._reason(e)}"
                 break
-    for name, values in got.items():
-        if len(values) == reps and None not in values:
+        done.append(one)
+    row["reps_done"] = len(done)        # the repeats the medians are of
+    for name in done[0] if done else ():
+        values = [one[name] for one in done]
+        if None not in values:
             integral = name.endswith(("compiles", "disk_hits", "entries_after"))
             row[name] = max(values) if integral else statistics.median(values)
             row[name + "_all"] = values
@@ -523,6 +528,8 @@ def first_call_row(case, timeout=CHILD_TIMEOUT_S, reps=FIRST_CALL_REPS):
     row["target"] = f"<{COLD_TARGET_S:g} s cold, <{DISK_TARGET_S:g} s disk"
     row["target_misses"] = misses
     row["target_met"] = (not misses) if measured else (False if misses else None)
+    if row["attnext_status"] != "ok" and not misses:     # a repeat failed: not a whole measurement
+        row["target_met"] = None
     if row.get("disk_compiles"):
         row["attnext_note"] = (f"the disk run compiled {row['disk_compiles']} kernels: the disk "
                                f"cache did not serve every kernel")

@@ -135,8 +135,9 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None):
     16-byte-loadable inputs with D, Dv in {64, 128}, else kernels/attn_fwd.cu (mma.sync, every
     shape, and the decode paths). rows: the longest query sequence; mods: the generated
     score_mod / mask_mod compiled in (codegen.Generated) or None: a score_mod takes
-    SM90_TILE_MODS, a mask_mod alone the plain tiles. ATTNEXT_FWD_SM90=0 keeps Hopper on attn_fwd.cu (the lab's and the
-    tests' comparison)."""
+    SM90_TILE_MODS where its staged output fits (sm90_staged_o_fits), a mask_mod alone the
+    plain tiles. ATTNEXT_FWD_SM90=0 keeps Hopper on attn_fwd.cu (the lab's and the tests'
+    comparison)."""
     if (arch == "sm_90a" and not decode and vec and D in (64, 128) and Dv in (64, 128)
             and os.environ.get("ATTNEXT_FWD_SM90", "1") != "0"):
         env = os.environ.get("ATTNEXT_TILE_SM90")      # the kernel lab's override: "128,64,8"
@@ -144,8 +145,18 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None):
             return "attn_fwd_sm90", tuple(int(x) for x in env.split(","))
         short = max(D, Dv) <= 64 or rows <= SM90_SHORT_ROWS
         score_mod = mods is not None and bool(mods.defines.get("HAS_SCORE_MOD"))
-        return "attn_fwd_sm90", SM90_TILE_SHORT if short else SM90_TILE_MODS if score_mod else SM90_TILE_LONG
+        if short:
+            return "attn_fwd_sm90", SM90_TILE_SHORT
+        mods_tile = score_mod and sm90_staged_o_fits(D, Dv, SM90_TILE_MODS)
+        return "attn_fwd_sm90", SM90_TILE_MODS if mods_tile else SM90_TILE_LONG
     return "attn_fwd", decode_tile() if decode else tile_config(D, Dv)
+
+
+def sm90_staged_o_fits(D, Dv, tile):
+    """attn_fwd_sm90.cu's static_assert: the output tile staged with padded rows (Dv + 8 wide)
+    fits the Q and K buffers it reuses (128 x 64 at D = 64, Dv = 128 does not)."""
+    bm, bn = tile[:2]
+    return bm * (Dv + 8) * 2 <= bm * D * 2 + 2 * bn * D * 2
 
 
 def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd"):

@@ -374,3 +374,13 @@ def test_main_rows_filter_reaches_the_mods_sections(monkeypatch, tmp_path, capsy
     assert [(r["section"], r["case"]) for r in rows] == (
         [("mods", TINY_MODS[1].name)] * 2 + [("first_call", TINY_MODS[1].name)])
     assert seen == [TINY_MODS[1]]
+
+
+def test_rows_takes_texts_between_bars():
+    """--rows: a case is picked when its name holds one of the texts between '|'s; empty ones
+    are left out (a trailing '|' picks nothing extra)."""
+    case = bc.Case("plain", 2, 8192, 8192, 16, 16, 128, True)
+    assert case.name == "B2 S8192 H16 D128 causal"
+    assert bc._chosen(case, None) and bc._chosen(case, "") and bc._chosen(case, "|")
+    assert bc._chosen(case, "S8192") and bc._chosen(case, "nothing|D128")
+    assert not bc._chosen(case, "nothing|") and not bc._chosen(case, "softcap|relbias")

@@ -192,6 +192,22 @@ def test_first_call_takes_the_median_of_its_repeats(monkeypatch, tmp_path):
     assert row["reps"] == 3 and row["target_met"] is True
 
 
+def test_a_failed_repeat_leaves_the_row_an_error(monkeypatch, tmp_path):
+    """A child that fails in the second repeat's twin: the first repeat's values are kept, the
+    row is an error and its target not met (not "ok" beside the medians of the rest)."""
+    counter = tmp_path / "n"
+    counter.write_text("0")
+    monkeypatch.setenv("STUB_COUNTER", str(counter))
+    _stub(monkeypatch, COUNTING_STUB.replace('open(counter, "w").write(str(n + 1))\n',
+                                             'open(counter, "w").write(str(n + 1))\n'
+                                             'if n == 6: sys.exit("twin broke")\n'))
+    row = bm.first_call_row(TINY[0], reps=3)
+    assert counter.read_text() == "7"                      # no third repeat
+    assert row["attnext_status"] == "error" and row["attnext_reason"].startswith("twin: ")
+    assert row["reps_done"] == 1 and row["cold_fwd_s_all"] == [1.0] and row["new_fwd_s"] == 0.03
+    assert row["target_met"] is None and "- <2 s cold" in bm.format_row(row)
+
+
 def test_first_call_children_keep_their_bytecode(monkeypatch):
     """The children write and read attnext's bytecode in a folder of their own, as an installed
     attnext would have it, whatever PYTHONDONTWRITEBYTECODE says in the parent."""

@@ -4,12 +4,14 @@ CI installs the nvidia-cuda-nvrtc wheel (the `test` extra), so a kernel or code-
 error fails CI even though CI has no GPU. Set ATTNEXT_NO_NVRTC=1 to skip on a machine that
 cannot have NVRTC.
 """
+import itertools
 import os
 import pathlib
 import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from attnext import kernels
@@ -86,6 +88,33 @@ def test_hopper_takes_the_wgmma_forward_where_it_applies(monkeypatch):
         assert kernels.fwd_kernel(*args, 4096)[0] == "attn_fwd", args
     monkeypatch.setenv("ATTNEXT_FWD_SM90", "0")
     assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 4096)[0] == "attn_fwd"
+
+
+def test_sm90_forward_tiles_stage_their_output(monkeypatch):
+    """Every tile fwd_kernel gives attn_fwd_sm90.cu, with or without mods, passes its staged
+    output's static_assert (sm90_staged_o_fits); NVRTC proves the mirror at the head dims where
+    a score_mod's 128 x 64 tile would not (D = 64, Dv = 128: the 128 x 128 tile instead)."""
+    from attnext import _C, codegen, trace
+    softcap = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: 30.0 * np.tanh(s / 30.0)))
+    window = codegen.generate(None, trace.trace_mask_mod(lambda b, h, q, kv: q - kv < 100))
+    for (D, Dv), rows, mods in itertools.product(((64, 64), (128, 128), (128, 64), (64, 128)), (512, 4096),
+                                                 (None, softcap, window)):
+        kernel, tile = kernels.fwd_kernel("sm_90a", D, Dv, True, False, rows, mods)
+        assert kernel == "attn_fwd_sm90" and kernels.sm90_staged_o_fits(D, Dv, tile), (D, Dv, rows, tile)
+    assert kernels.fwd_kernel("sm_90a", 64, 128, True, False, 4096, softcap)[1] == kernels.SM90_TILE_LONG
+    assert not kernels.sm90_staged_o_fits(64, 128, kernels.SM90_TILE_MODS)
+    if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
+        pytest.skip("ATTNEXT_NO_NVRTC=1")
+    kernels.nvrtc()
+    features = dict(dtype="bfloat16", D=64, Dv=128, vec=True, softcap=False, bias_dtype=None,
+                    alibi_dtype=None, mask=False)
+    for tile in (kernels.SM90_TILE_LONG, kernels.SM90_TILE_MODS):
+        d = kernels.fwd_defines(**features, tile=tile, mods=softcap)
+        if kernels.sm90_staged_o_fits(64, 128, tile):
+            _C.nvrtc_compile(*kernels.compile_args("attn_fwd_sm90", d, "sm_90a", softcap.source))
+        else:
+            with pytest.raises(RuntimeError, match="staged O tile does not fit"):
+                _C.nvrtc_compile(*kernels.compile_args("attn_fwd_sm90", d, "sm_90a", softcap.source))
 
 
 def test_sm90_forward_fits_shared_memory():
