@@ -156,6 +156,15 @@ def test_longer_sequences_cross_tiles(rng, torch):
     run_gpu(torch, q, k, v, score_mod=score_mod, causal=True)
 
 
+@pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (128, 64), (64, 128)],
+                         ids=["d64", "d128", "d128_dv64", "d64_dv128"])
+def test_long_rows_take_the_long_forward_tiles(d, dv, rng, torch):
+    """Past kernels.SM90_SHORT_ROWS query rows a score_mod takes the 128 x 64 forward tile on
+    Hopper, except at D = 64, Dv = 128, where its staged output would not fit (128 x 128)."""
+    q, k, v = make_qkv(rng, 1, 1100, 1100, 2, 1, d, dv, BF16)
+    run_gpu(torch, q, k, v, score_mod=mods.score_mods()["softcap"], causal=True)
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_narrowed_key_blocks_add_dq_in_order(d, rng, torch):
     """D = 128 (64-row query tiles) and D = 64 (128-row ones): on Hopper the dK/dV kernel adds dQ
