@@ -38,10 +38,11 @@ def _build(e, env, table):
         return x[0] ** 2
     if op == "not":
         return ~x[0]
-    return {"add": np.add, "sub": np.subtract, "mul": np.multiply, "floordiv": np.floor_divide,
-            "mod": np.remainder, "minimum": np.minimum, "maximum": np.maximum,
-            "neg": np.negative, "abs": np.absolute, "and": np.bitwise_and,
-            "or": np.bitwise_or, "xor": np.bitwise_xor}[op](*x)
+    with np.errstate(divide="ignore"):      # // and % by zero give 0 (trace.py's rule, NumPy's)
+        return {"add": np.add, "sub": np.subtract, "mul": np.multiply, "floordiv": np.floor_divide,
+                "mod": np.remainder, "minimum": np.minimum, "maximum": np.maximum,
+                "neg": np.negative, "abs": np.absolute, "and": np.bitwise_and,
+                "or": np.bitwise_or, "xor": np.bitwise_xor}[op](*x)
 
 
 def _grid(ext):
