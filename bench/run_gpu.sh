@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (the device tool): build the extension in place, compile the
 # kernels for this GPU, then run what was asked; logs land in $OUT.
-#   bash bench/run_gpu.sh [warmup|smoke|tests|suite0..suite4|sanitize|bench|quick|register] ...   (in order)
+#   bash bench/run_gpu.sh [warmup|smoke|tests|suite0..suite4|sanitize|bench|mods|quick|register] ...   (in order)
 # suiteN reruns a fifth of the CPU test file on the GPU (a few minutes each, one per call).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -38,6 +38,9 @@ for step in "$@"; do
               python3 bench/lab_register.py 2>&1 | tee "$OUT/lab_register.log" ;;
     quick) python3 -m attnext.bench --device cuda --quick --json "$OUT/bench_quick.json" 2>&1 | tee "$OUT/bench_quick.log" | tail -40 ;;
     bench) python3 -m attnext.bench --device cuda --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -60 ;;
+    mods) # the score_mod / mask_mod rows and their first calls (~6 minutes on a fresh machine)
+          python3 -m attnext.bench --device cuda --rows "softcap|relbias|doc7 |window" --first-call \
+            --json "$OUT/mods.json" 2>&1 | grep -v "Warning\|^  return" | tee "$OUT/mods.log" | tail -30 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
