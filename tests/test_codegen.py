@@ -24,12 +24,14 @@ from test_cuda_host import _run, fake_libcuda  # noqa: F401  (the fake driver fi
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INCLUDES = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "kernels")]
 
-HARNESS = r"""
+# the host harnesses' start (test_tile_sums' too): the generated code compiled as C, and take()
+PREAMBLE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <stddef.h>
+#include <string.h>
 #define DEV static inline
 #include "attn_params.h"
 #include "attn_mods.cuh"
@@ -42,7 +44,9 @@ static void *take(FILE *f, size_t n)
         exit(3);
     return p;
 }
+"""
 
+HARNESS = PREAMBLE + r"""
 int main(int argc, char **argv)
 {
     if (argc < 3) {   /* the struct layout, for codegen.MODS_DTYPE */
@@ -89,13 +93,14 @@ int main(int argc, char **argv)
 """
 
 
-def build(cc, tmp_path, gen):
-    d = tmp_path / "gen"
+def build(cc, tmp_path, gen, harness=HARNESS, flags=(), folder="gen"):
+    """The harness compiled with gen's code and defines (and flags) in tmp_path / folder."""
+    d = tmp_path / folder
     d.mkdir(exist_ok=True)
     (d / codegen.HEADER).write_text(gen.source)
-    (d / "main.c").write_text(HARNESS)
+    (d / "main.c").write_text(harness)
     exe = d / "main"
-    flags = [f"-D{k}={v}" for k, v in gen.defines.items()]
+    flags = [f"-D{k}={v}" for k, v in gen.defines.items()] + list(flags)
     subprocess.run([cc, "-std=c11", "-O1", "-Wall", "-Werror", "-Wno-unused-variable",
                     "-Wno-unused-function", "-Wno-unused-but-set-variable", *flags,
                     *(f"-I{p}" for p in INCLUDES + [str(d)]), str(d / "main.c"), "-o", str(exe),

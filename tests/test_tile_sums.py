@@ -18,7 +18,7 @@ import pytest
 
 from attnext import bounds, codegen, kernels, trace
 
-from test_codegen import INCLUDES
+from test_codegen import PREAMBLE, build
 
 S = 40
 TABLE = np.zeros((4, 2 * S + 1), np.float32)
@@ -144,25 +144,7 @@ def test_backward_defines_and_shared_memory(monkeypatch):
 
 # --- the tile path in host C -------------------------------------------------------------------
 
-HARNESS = r"""
-#include <math.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#define DEV static inline
-#include "attn_params.h"
-#include "attn_mods.cuh"
-#include "attn_mod_gen.cuh"
-
-static void *take(FILE *f, size_t n)
-{
-    void *p = calloc(n ? n : 8, 1);
-    if (n && fread(p, 1, n, f) != n)
-        exit(3);
-    return p;
-}
-
+HARNESS = PREAMBLE + r"""
 /* in: n, narr, words, b, h, q0, kv0, rows, cols, slots, threads; attn_mods_gpu; the arrays;
  * score[n], dout[n] (float), q[n], kv[n] (int64). out: the plan's answer and slots used,
  * whether the sums were all zero after the flush, the words added directly, then through the
@@ -218,15 +200,7 @@ def tile_run(cc, tmp_path, fn, pairs, tile, threads=5, b=1, h=2, sums=None):
     t = trace.trace_score_mod(fn)
     gen = codegen.generate(t)
     slots, admit = sums or kernels.tile_sums(gen, 64, 64)[:2]
-    d = tmp_path / "tile"
-    d.mkdir(exist_ok=True)
-    (d / codegen.HEADER).write_text(gen.source)
-    (d / "main.c").write_text(HARNESS)
-    exe = d / "main"
-    flags = [f"-D{k}={v}" for k, v in gen.defines.items()] + [f"-DMOD_TILE_ADMIT={admit}"]
-    subprocess.run([cc, "-std=c11", "-O1", "-Wall", "-Werror", "-Wno-unused-variable", "-Wno-unused-function",
-                    "-Wno-unused-but-set-variable", *flags, *(f"-I{p}" for p in INCLUDES + [str(d)]),
-                    str(d / "main.c"), "-o", str(exe), "-lm"], check=True, capture_output=True, text=True)
+    exe = build(cc, tmp_path, gen, HARNESS, [f"-DMOD_TILE_ADMIT={admit}"], "tile")
     bound = [codegen.storage(t.arrays[name], vt) for _, name, vt in gen.arrays]
     offsets, total = {}, 0
     for i in gen.grad_arrays:
