@@ -26,6 +26,13 @@
 #define Q_BYTES (BLOCK_M * HEAD_DIM * 2)
 #define K_BYTES (BLOCK_N * HEAD_DIM * 2)
 #define V_BYTES (BLOCK_N * HEAD_DIM_V * 2)
+/* Whether the pipeline's prologue (the last key tile's S and P) is peeled out of the loop: only
+ * for the plain kernel's 64-row tile. Peeled, the softmax exists twice: the 128 x 128 tile then
+ * compiles in 0.68 s instead of 0.53 (NVRTC 13.5 on the dev machine; ~2.2x that on the H100
+ * hosts, which a first call waits for) at the same speed (bench/lab_fwd.py, H100: D128 S2k-16k
+ * 1.14-1.30x flash either way), while the 64 x 64 tile loses 2-5% unpeeled (D64 S512 1.05x ->
+ * 1.02x). Generated mods never peel: their code is inlined at every score. */
+#define PEEL (!ATTN_GMODS && BLOCK_M < 128)
 
 #if HEAD_DIM % 64 || HEAD_DIM_V % 64 || !VEC_LOAD || PACK_GQA || SPLIT_KV
 #error "attn_fwd_sm90: D and Dv multiples of 64, 16-byte loads, no decode switches"
@@ -160,14 +167,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
      * P[n] V[n], the softmax of tile n - 1 (whose S was issued first) runs beside them. Loads run
      * one step further ahead: during the step of tile n, V[n - 1] and K[n - 2] arrive into the
      * buffers V[n + 1] and K[n] used (tile x's K and V live in buffer x & 1). The prologue, tile
-     * n_last's S and P with no P V before them, is step n_last + 1: the plain kernel peels it
-     * out of the loop; with generated mods it runs as the loop's first step, so that the softmax,
-     * which inlines the generated code at every score, exists once (half the code and NVRTC's
-     * time). */
+     * n_last's S and P with no P V before them, is step n_last + 1: PEEL takes it out of the
+     * loop; else it runs as the loop's first step, so that the softmax exists once (half the code
+     * and NVRTC's time). */
     load_sw128<BLOCK_M, HEAD_DIM, THREADS>(sQ, gq + m0 * p.q.s[1], p.q.s[1], r_end - m0, tid);
     load_k(n_last);
     cp_async_commit();
-#if !ATTN_GMODS
+#if PEEL
     cp_async_wait_all();
     fence_proxy_async();
     __syncthreads();
@@ -178,7 +184,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
 #endif
 
     uint32_t pa[BLOCK_N / 16][4];                       /* P of the tile whose P V is next */
-#if !ATTN_GMODS
+#if PEEL
     {
         float s[1][NT][4], corrs[2];
         issue_s(s[0], n_last);
@@ -209,13 +215,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
             load_k(n - 2);
         cp_async_commit();
     };
-    for (int n = ATTN_GMODS ? n_last + 1 : n_last; n > n_first; n--) {
+    for (int n = !PEEL ? n_last + 1 : n_last; n > n_first; n--) {
         next_loads(n);
         float s[1][NT][4], corrs[2];
         issue_s(s[0], n - 1);
         wgmma_commit();
         const bool need = needs_mask(n - 1);
-        if (ATTN_GMODS && n > n_last) {                  /* the prologue step */
+        if (!PEEL && n > n_last) {                     /* the prologue step */
             wgmma_wait<0>();
         } else {
             issue_pv(n);
