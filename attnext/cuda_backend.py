@@ -204,16 +204,24 @@ _NO_EXTRAS = (None,) * 7
 
 def _extras(o, stage):
     """(bias4, mask4, alibi, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) as DevViews (NumPy
-    ones uploaded), None where absent."""
+    ones uploaded; the lengths through mod_cache), None where absent."""
     if (o.bias4 is None and o.mask4 is None and o.alibi is None and o.cu_q is None
             and o.used_q is None and o.used_k is None):
         return _NO_EXTRAS
     bias4 = _put(stage, o.bias4)
     mask4 = None if o.mask4 is None else _put(stage, o.mask4.view(np.uint8) if isinstance(o.mask4, np.ndarray) else o.mask4)
     alibi = None if o.alibi is None else stage.upload(np.ascontiguousarray(o.alibi, np.float32))
-    lengths = tuple(None if a is None else stage.upload(np.ascontiguousarray(a, np.int32))
-                    for a in (o.cu_q, o.cu_k, o.used_q, o.used_k))
+    lengths = tuple(None if a is None else _lengths(stage, a) for a in (o.cu_q, o.cu_k, o.used_q, o.used_k))
     return (bias4, mask4, alibi) + lengths
+
+
+def _lengths(stage, a):
+    """A DevView of a lengths array (cu_seqlens / seqused, NumPy): mod_cache's device copy of the
+    same contents where it keeps one (cu_seqlens_q and _k are often one array, and a loop's
+    lengths repeat), else uploaded and kept there; no upload through pageable memory per call."""
+    a = np.ascontiguousarray(a, np.int32)
+    e = mod_cache.array_copy(a, lambda h: h, stage.device, stage.stream)
+    return DevView.contiguous(e.dev.ptr, a.shape, np.int32, stage.device, stage.stream, e.dev)
 
 
 def _extras_key(o, extra):
@@ -376,7 +384,7 @@ def _documents(o, tm):
         return None
     d = doc[:o.Sq]
     cu = np.concatenate(([0], np.flatnonzero(d[1:] != d[:-1]) + 1, [o.Sq]))
-    if np.unique(d[cu[:-1]]).size != cu.size - 1:        # a value in two runs: not documents
+    if len(set(d[cu[:-1]].tolist())) != cu.size - 1:      # a value in two runs: not documents
         return None
     return cu.astype(np.int32)
 

@@ -304,6 +304,41 @@ def test_scratch_is_bounded_to_scratch_streams(fake_driver):
     """)
 
 
+def test_lengths_are_uploaded_once_per_contents(fake_driver):
+    """NumPy cu_seqlens / seqused reach the kernels through mod_cache's device copies, found by
+    contents: one copy when cu_seqlens_q and _k are equal, none for a later call with the same
+    lengths (another array or dtype), a new one for new contents (an array changed in place
+    included), which is what the kernels then read."""
+    _run(fake_driver, r"""
+        from attnext import mod_cache
+
+        def lengths(cu_q, cu_k, **kw):
+            q, k, v = (dev((256, 2, 64)) for _ in range(3))
+            misses = mod_cache.info()["arrays"]["misses"]
+            attnext.varlen_attention(q, k, v, cu_q, cu_k, **kw)
+            p = fake_cuda.params_dict(fake_cuda.last_launch(lib).params)
+            got = {n: p[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k") if p[n]}
+            for n, ptr in got.items():           # fake device memory is host memory
+                read = np.ctypeslib.as_array((ctypes.c_int32 * len(cu_q)).from_address(ptr))
+                want = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}.get(n, kw.get(n))
+                assert np.array_equal(read[:len(want)], want), (n, read, want)
+            return mod_cache.info()["arrays"]["misses"] - misses, got
+
+        cu = np.array([0, 100, 256], np.int32)
+        new, first = lengths(cu, cu)
+        assert new == 1 and first["cu_seqlens_q"] == first["cu_seqlens_k"], (new, first)
+        assert lengths(cu.copy(), cu.astype(np.int64)) == (0, first)
+        other = np.array([0, 50, 256], np.int32)
+        new, got = lengths(other, cu)
+        assert new == 1 and got["cu_seqlens_q"] != first["cu_seqlens_q"] and got["cu_seqlens_k"] == first["cu_seqlens_k"]
+        cu[1] = 50                               # changed in place: other's copy serves it
+        assert lengths(cu, cu)[1]["cu_seqlens_q"] == got["cu_seqlens_q"]
+        new, got = lengths(cu, cu, seqused_q=np.array([40, 100], np.int32))
+        assert new == 1 and got["seqused_q"] not in (got["cu_seqlens_q"], first["cu_seqlens_q"])
+        print("ok")
+    """)
+
+
 def test_a_forward_with_mods_and_lse_compiles_its_backward_ahead(fake_driver):
     """A forward with a score_mod / mask_mod that returns lse hands kernels.compile_ahead the
     entry points the default backward of the same problem then prefetches, less the forward's
