@@ -218,6 +218,72 @@ def _function(ret, name, params, roots, arrays, float_base, tail, modes=None, na
             + ("" if ret == "void" else "    return v;\n") + "}\n")
 
 
+# mod_mask_cell: mask_mod over a cell of pairs (attn_mods.cuh's block-mask cells); what the
+# integer and bool ops become over intervals (int) and value sets (bool); any other op, and every
+# float, is unknown there (mod_iv_top(), 3)
+_CELL_INT = {"add": "mod_iv_add({0}, {1})", "sub": "mod_iv_sub({0}, {1})", "mul": "mod_iv_mul({0}, {1})",
+             "neg": "mod_iv_neg({0})", "abs": "mod_iv_abs({0})", "minimum": "mod_iv_min({0}, {1})",
+             "maximum": "mod_iv_max({0}, {1})", "floordiv": "mod_iv_floordiv({0}, {1})",
+             "mod": "mod_iv_mod({0}, {1})", "where": "mod_iv_where({0}, {1}, {2})"}
+_CELL_CMP = {"lt": "mod_iv_lt({0}, {1})", "le": "mod_iv_le({0}, {1})", "gt": "mod_iv_lt({1}, {0})",
+             "ge": "mod_iv_le({1}, {0})", "eq": "mod_iv_eq({0}, {1})", "ne": "mod_set_not(mod_iv_eq({0}, {1}))"}
+_CELL_BOOL = {"and": "mod_set_and({0}, {1})", "or": "mod_set_or({0}, {1})", "xor": "mod_set_xor({0}, {1})",
+              "not": "mod_set_not({0})", "where": "mod_set_where({0}, {1}, {2})"}
+CELL_ARGS = "int64_t b, int64_t h, int64_t r0, int64_t r1, int64_t c0, int64_t c1"
+
+
+def _cell_function(mask, arrays, modes, narrow):
+    """DEV int mod_mask_cell(b, h, r0, r1, c0, c1, m): what mask_mod may give over the pairs
+    q_idx in [r0, r1], kv_idx in [c0, c1] of sequence b, head h -- ATTN_BLOCK_KEPT if some pair
+    may be kept, ATTN_BLOCK_MASKED if some may be masked, both where it cannot tell or where a
+    checked lookup may leave its array there (the cell is then evaluated pair by pair, which
+    reports it). Every node is evaluated, as the pair code evaluates every lookup."""
+    expr, lines = {}, []
+    inputs = {"b": "mod_iv_point(b)", "h": "mod_iv_point(h)", "q_idx": "mod_iv_range(r0, r1)",
+              "kv_idx": "mod_iv_range(c0, c1)"}
+    for n in trace.topo(mask.out):
+        op, a = n.op, [expr.get(id(x)) for x in trace._children(n)]
+        if n.dtype == F and op != "load":
+            continue
+        if op in inputs:
+            e = inputs[op]
+        elif op == "const":
+            e = f"mod_iv_point({_int_literal(n.args[0], I)})" if n.dtype == I else ("1" if n.args[0] else "2")
+        elif op == "array":
+            continue
+        elif op == "load":
+            name, shape = n.args[0].args[0], n.args[0].args[2]
+            arr = arrays[name]
+            kind = -1 if n.dtype == F else 2 if n.dtype == B else 1 if arr in narrow else 0
+            checked = int(modes.get((name, tuple(id(i) for i in n.args[1:])), CHECKED) == CHECKED)
+            idx = [expr.get(id(i)) or "mod_iv_top()" for i in n.args[1:]] + ["mod_iv_point(0)"] * (MAX_DIMS - len(shape))
+            e = f"mod_cell_load(m, {arr}, {len(shape)}, {', '.join(idx)}, {kind}, {checked}, &must)"
+            if n.dtype == F:
+                lines.append(f"    (void){e};")
+                continue
+            if n.dtype == B:
+                e = f"mod_cell_set({e})"
+        elif n.dtype == I:
+            if op == "cast" and n.args[0].dtype == B:
+                e = f"mod_iv_of_set({a[0]})"
+            elif op in _CELL_INT and None not in a:
+                e = _CELL_INT[op].format(*a)
+            else:
+                e = "mod_iv_top()"
+        elif op in _CELL_CMP and all(x.dtype == I for x in n.args):
+            e = _CELL_CMP[op].format(*a)
+        elif op in _CELL_BOOL and None not in a:
+            e = _CELL_BOOL[op].format(*a)
+        else:
+            e = "3"
+        name = f"v{len(lines)}"
+        lines.append(f"    const {'mod_iv' if n.dtype == I else 'int'} {name} = {e};")
+        expr[id(n)] = name
+    return (f"DEV int mod_mask_cell({CELL_ARGS}, {M_ARG})\n{{\n    int must = 0;\n"
+            + "\n".join(lines)
+            + f"\n    return must ? ATTN_BLOCK_KEPT | ATTN_BLOCK_MASKED : {expr[id(mask.out)]};\n}}\n")
+
+
 # leaves a tile of the dQ kernels fixes: a CTA has one b and h, floats are call constants
 _TILE_FIXED = frozenset({"b", "h", "const", "fconst", "param"})
 
@@ -432,6 +498,7 @@ def generate(score=None, mask=None, facts=None):
         parts.append(_function("int", "mod_mask", f"{MASK_ARGS}, {M_ARG}", [mask.out], amap,
                                n_score_floats, ["    return {0};"], modes=_modes(mask, facts.mask),
                                narrow=narrow))
+        parts.append(_cell_function(mask, amap, _modes(mask, facts.mask), narrow))
     if n_score_floats + (len(mask.params) if mask is not None else 0) > MAX_FLOATS:
         raise TypeError(f"the GPU code generator takes at most {MAX_FLOATS} float constants in "
                         "score_mod and mask_mod together")
@@ -466,6 +533,7 @@ ARRAY_DTYPE = np.dtype([("ptr", "u8"), ("shape", "i8", MAX_DIMS), ("s", "i8", MA
 MODS_DTYPE = np.dtype([("f", "f4", MAX_FLOATS), ("a", ARRAY_DTYPE, MAX_ARRAYS), ("err", "u8"),
                        ("dacc", "u8"), ("blocks", "u8"), ("blk", "i8", 4)], align=True)
 BLOCK = 64                 # ATTN_BLOCK: the block mask's cells are BLOCK x BLOCK pairs
+BLOCK_CELLS = 16           # ATTN_BLOCK_CELLS: cells of a row each CTA of attn_block_mask.cu takes
 STORAGE = {F: np.dtype(np.float32), I: np.dtype(np.int64), B: np.dtype(np.bool_)}   # by value type
 NARROW = np.dtype(np.int32)      # integers whose values fit (Facts.narrow): half the registers
 _NARROW_SOURCES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.uint8, np.uint16))

@@ -446,8 +446,9 @@ def _build_block_mask(plan, stage, ptrs, o, bound, device):
     nb, nh, rows, cols = bound.cells
     fn = kernels.function("attn_block_mask", "attn_block_mask", kernels.block_mask_defines(bound.gen), device,
                           device_arch(device), 0, bound.gen.source)
-    _C.cuda_launch_attention(fn, (cols, rows, nb * nh), (128, 1, 1), 0, stage.stream, plan.template,
-                             tuple(ptrs), o.scale_value, o.softcap_value, bound.gmods)
+    grid = (-(-cols // codegen.BLOCK_CELLS), rows, nb * nh)
+    _C.cuda_launch_attention(fn, grid, (128, 1, 1), 0, stage.stream, plan.template, tuple(ptrs), o.scale_value,
+                             o.softcap_value, bound.gmods)
     bound.mask_built = True
 
 

@@ -222,8 +222,9 @@ def block_mask_defines(mods):
     """The #defines of kernels/attn_block_mask.cu for a generated mask_mod: one variant per
     mask_mod whatever the attention call's dtype, head dims and options (it reads none of them),
     so the forward and the backward share it."""
-    return fwd_defines(dtype="bfloat16", D=64, Dv=64, vec=False, softcap=False, bias_dtype=None,
-                       alibi_dtype=None, mask=False, tile=(64, 64, 4), mods=mods)
+    return dict(fwd_defines(dtype="bfloat16", D=64, Dv=64, vec=False, softcap=False, bias_dtype=None,
+                            alibi_dtype=None, mask=False, tile=(64, 64, 4), mods=mods),
+                ATTN_BLOCK_CELLS=codegen.BLOCK_CELLS)
 
 
 def block_mask_specs(mods):

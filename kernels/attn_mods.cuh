@@ -249,6 +249,168 @@ DEV int mod_load_b(const attn_mods_gpu *m, int arr, int64_t off)
     return MOD_LDG(int, (const unsigned char *)m->a[arr].ptr + off) != 0;
 }
 
+/* ---------------------------------------------------------------- block-mask cells
+ * mask_mod over a whole cell of pairs at once (codegen: mod_mask_cell; kernels/attn_block_mask.cu
+ * asks it before evaluating the cell pair by pair). An integer value is an interval (mod_iv;
+ * top: unknown), a bool one the set of values it may take: bit 1 true, bit 2 false (the block
+ * mask's ATTN_BLOCK_KEPT / ATTN_BLOCK_MASKED). Every rule over-approximates, so a cell whose
+ * result is one bit is that for every pair in it. The integer rules wrap (mod_iadd ...); an
+ * interval reaching past +-2^31 is made top, so no rule here can overflow: products of two
+ * such bounds fit int64. */
+#define MOD_IV_BIG ((int64_t)1 << 31)
+#define MOD_CELL_SCAN 256             /* a lookup reads at most this many elements for its range */
+
+typedef struct {
+    int64_t lo, hi;
+    int top;
+} mod_iv;
+
+DEV mod_iv mod_iv_range(int64_t lo, int64_t hi)
+{
+    mod_iv r;
+    r.lo = lo;
+    r.hi = hi;
+    r.top = lo < -MOD_IV_BIG || hi > MOD_IV_BIG;
+    return r;
+}
+
+DEV mod_iv mod_iv_top(void) { return mod_iv_range(0, MOD_IV_BIG + 1); }
+DEV mod_iv mod_iv_point(int64_t v) { return mod_iv_range(v, v); }
+DEV int64_t mod_min64(int64_t a, int64_t b) { return a < b ? a : b; }
+DEV int64_t mod_max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+DEV mod_iv mod_iv_add(mod_iv a, mod_iv b)
+{
+    return a.top || b.top ? mod_iv_top() : mod_iv_range(a.lo + b.lo, a.hi + b.hi);
+}
+
+DEV mod_iv mod_iv_sub(mod_iv a, mod_iv b)
+{
+    return a.top || b.top ? mod_iv_top() : mod_iv_range(a.lo - b.hi, a.hi - b.lo);
+}
+
+DEV mod_iv mod_iv_neg(mod_iv a) { return a.top ? a : mod_iv_range(-a.hi, -a.lo); }
+
+DEV mod_iv mod_iv_mul(mod_iv a, mod_iv b)
+{
+    if (a.top || b.top)
+        return mod_iv_top();
+    const int64_t p0 = a.lo * b.lo, p1 = a.lo * b.hi, p2 = a.hi * b.lo, p3 = a.hi * b.hi;
+    return mod_iv_range(mod_min64(mod_min64(p0, p1), mod_min64(p2, p3)),
+                        mod_max64(mod_max64(p0, p1), mod_max64(p2, p3)));
+}
+
+DEV mod_iv mod_iv_abs(mod_iv a)
+{
+    if (a.top || a.lo >= 0)
+        return a;
+    return a.hi <= 0 ? mod_iv_neg(a) : mod_iv_range(0, mod_max64(-a.lo, a.hi));
+}
+
+DEV mod_iv mod_iv_min(mod_iv a, mod_iv b)
+{
+    return a.top || b.top ? mod_iv_top() : mod_iv_range(mod_min64(a.lo, b.lo), mod_min64(a.hi, b.hi));
+}
+
+DEV mod_iv mod_iv_max(mod_iv a, mod_iv b)
+{
+    return a.top || b.top ? mod_iv_top() : mod_iv_range(mod_max64(a.lo, b.lo), mod_max64(a.hi, b.hi));
+}
+
+/* a // d: monotone in each operand where d keeps one sign, so its corners bound it */
+DEV mod_iv mod_iv_floordiv(mod_iv a, mod_iv d)
+{
+    if (a.top || d.top || (d.lo <= 0 && d.hi >= 0))
+        return mod_iv_top();
+    const int64_t p0 = mod_ifloordiv(a.lo, d.lo), p1 = mod_ifloordiv(a.lo, d.hi);
+    const int64_t p2 = mod_ifloordiv(a.hi, d.lo), p3 = mod_ifloordiv(a.hi, d.hi);
+    return mod_iv_range(mod_min64(mod_min64(p0, p1), mod_min64(p2, p3)),
+                        mod_max64(mod_max64(p0, p1), mod_max64(p2, p3)));
+}
+
+/* a % d takes d's sign; exact where d is one value and a stays in one period */
+DEV mod_iv mod_iv_mod(mod_iv a, mod_iv d)
+{
+    if (a.top || d.top || (d.lo <= 0 && d.hi >= 0))
+        return mod_iv_top();
+    if (d.lo == d.hi && mod_ifloordiv(a.lo, d.lo) == mod_ifloordiv(a.hi, d.lo))
+        return mod_iv_range(mod_imod(a.lo, d.lo), mod_imod(a.hi, d.lo));
+    return d.lo > 0 ? mod_iv_range(0, d.hi - 1) : mod_iv_range(d.lo + 1, 0);
+}
+
+DEV mod_iv mod_iv_where(int c, mod_iv a, mod_iv b)
+{
+    if (c == 1)
+        return a;
+    if (c == 2)
+        return b;
+    return a.top || b.top ? mod_iv_top() : mod_iv_range(mod_min64(a.lo, b.lo), mod_max64(a.hi, b.hi));
+}
+
+DEV mod_iv mod_iv_of_set(int c) { return mod_iv_range(c & 2 ? 0 : 1, c & 1 ? 1 : 0); }
+
+/* comparisons and logic: sets of bool values (1 may be true, 2 may be false) */
+DEV int mod_set(int may_true, int may_false) { return (may_true ? 1 : 0) | (may_false ? 2 : 0); }
+DEV int mod_iv_lt(mod_iv a, mod_iv b) { return a.top || b.top ? 3 : mod_set(a.lo < b.hi, a.hi >= b.lo); }
+DEV int mod_iv_le(mod_iv a, mod_iv b) { return a.top || b.top ? 3 : mod_set(a.lo <= b.hi, a.hi > b.lo); }
+DEV int mod_iv_eq(mod_iv a, mod_iv b)
+{
+    return a.top || b.top ? 3 : mod_set(a.lo <= b.hi && b.lo <= a.hi, !(a.lo == a.hi && b.lo == b.hi && a.lo == b.lo));
+}
+DEV int mod_set_not(int a) { return ((a & 1) << 1) | ((a & 2) >> 1); }
+DEV int mod_set_and(int a, int b) { return mod_set((a & 1) && (b & 1), (a & 2) || (b & 2)); }
+DEV int mod_set_or(int a, int b) { return mod_set((a & 1) || (b & 1), (a & 2) && (b & 2)); }
+DEV int mod_set_xor(int a, int b)
+{
+    return mod_set(((a & 1) && (b & 2)) || ((a & 2) && (b & 1)), ((a & 1) && (b & 1)) || ((a & 2) && (b & 2)));
+}
+DEV int mod_set_where(int c, int a, int b) { return c == 1 ? a : c == 2 ? b : a | b; }
+DEV int mod_cell_set(mod_iv v) { return v.top ? 3 : mod_set(v.hi >= 1, v.lo <= 0); }   /* a bool lookup's */
+
+/* The values a lookup may read over the cell: its index box scanned (at most MOD_CELL_SCAN
+ * elements; kind 0 int64, 1 int32, 2 bool, -1 a float array: no values). A box that may leave
+ * the array sets *must where the lookup is checked (mod_offset): then the cell is evaluated pair
+ * by pair, which reports it as the reference would. */
+DEV mod_iv mod_cell_load(const attn_mods_gpu *m, int arr, int nidx, mod_iv i0, mod_iv i1, mod_iv i2, mod_iv i3,
+                         int kind, int checked, int *must)
+{
+    const mod_iv idx[ATTN_MOD_DIMS] = {i0, i1, i2, i3};
+    int64_t first[ATTN_MOD_DIMS] = {0, 0, 0, 0}, n[ATTN_MOD_DIMS] = {1, 1, 1, 1}, count = 1;
+    int known = kind >= 0;
+    for (int ax = 0; ax < nidx; ax++) {
+        const int64_t size = m->a[arr].shape[ax];
+        const mod_iv i = idx[ax];
+        if (i.top || i.lo < -size || i.hi >= size) {
+            *must |= checked;
+            known = 0;
+        } else if (i.lo < 0 && i.hi >= 0) {       /* both ends of the axis */
+            known = 0;
+        } else {
+            first[ax] = i.lo < 0 ? i.lo + size : i.lo;
+            n[ax] = i.hi - i.lo + 1;
+            known = known && n[ax] <= MOD_CELL_SCAN;
+            count = known ? count * n[ax] : 1;
+            known = known && count <= MOD_CELL_SCAN;
+        }
+    }
+    if (!known)
+        return mod_iv_top();
+    int64_t lo = 0, hi = 0;
+    for (int64_t j0 = 0; j0 < n[0]; j0++)
+        for (int64_t j1 = 0; j1 < n[1]; j1++)
+            for (int64_t j2 = 0; j2 < n[2]; j2++)
+                for (int64_t j3 = 0; j3 < n[3]; j3++) {
+                    const int64_t off = (first[0] + j0) * m->a[arr].s[0] + (first[1] + j1) * m->a[arr].s[1]
+                                      + (first[2] + j2) * m->a[arr].s[2] + (first[3] + j3) * m->a[arr].s[3];
+                    const int64_t v = kind == 0 ? mod_load_i(m, arr, off)
+                                    : kind == 1 ? mod_load_i32(m, arr, off) : mod_load_b(m, arr, off);
+                    const int start = (j0 | j1 | j2 | j3) == 0;
+                    lo = start || v < lo ? v : lo;
+                    hi = start || v > hi ? v : hi;
+                }
+    return mod_iv_range(lo, hi);
+}
+
 /* ---------------------------------------------------------------- gradients */
 DEV void mod_add_word(uint64_t *w, uint64_t x)
 {

@@ -1,0 +1,145 @@
+"""mod_mask_cell (attnext/codegen.py, kernels/attn_mods.cuh's block-mask cells) without a GPU:
+mask_mod over a whole cell of pairs by intervals, which kernels/attn_block_mask.cu asks before
+evaluating a cell pair by pair. Built as host C (test_codegen's harness start) and run over
+random cells of tests/mods.py's mask_mods and more: its answer always covers what the pairs
+give (a cell it settles is settled right), a cell where a checked lookup may leave its array is
+left to the pairs (which report it), and it settles the cells a document, causal or window mask
+should settle."""
+import numpy as np
+import pytest
+
+from attnext import codegen, trace
+
+import mods
+from test_codegen import PREAMBLE, bind, build, with_facts
+
+KEPT, MASKED, BOTH = 1, 2, 3
+
+HARNESS = PREAMBLE + r"""
+int main(int argc, char **argv)
+{
+    FILE *in = fopen(argv[1], "rb"), *out = fopen(argv[2], "wb");
+    int64_t *hdr = (int64_t *)take(in, 2 * 8);
+    const int64_t n = hdr[0], narr = hdr[1];
+    attn_mods_gpu *m = (attn_mods_gpu *)take(in, sizeof(attn_mods_gpu));
+    for (int64_t i = 0; i < narr; i++) {
+        int64_t *nb = (int64_t *)take(in, 8);
+        m->a[i].ptr = take(in, (size_t)*nb);
+    }
+    int64_t err[5] = {0, 0, 0, 0, 0};
+    m->err = err;
+    int64_t *cell = (int64_t *)take(in, (size_t)n * 6 * 8);
+    int32_t *res = (int32_t *)calloc((size_t)(3 * n + 1), 4);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *c = cell + 6 * i;     /* b, h, r0, r1, c0, c1 */
+        res[3 * i] = mod_mask_cell(c[0], c[1], c[2], c[3], c[4], c[5], m);
+        for (int64_t q = c[2]; q <= c[3]; q++)
+            for (int64_t k = c[4]; k <= c[5]; k++) {
+                int bad = 0;
+                res[3 * i + 1] |= mod_mask_q(c[0], c[1], q, k, m, &bad) ? 1 : 2;
+                res[3 * i + 2] |= bad;
+            }
+    }
+    fwrite(res, 4, (size_t)(3 * n), out);
+    fclose(out);
+    return 0;
+}
+"""
+
+
+def run_cells(exe, tmp_path, gen, bound, cells, floats=()):
+    """(mod_mask_cell's bits, the pairs' bits, whether a pair's lookup left its array) per cell
+    (b, h, r0, r1, c0, c1)."""
+    cells = np.asarray(cells, np.int64).reshape(-1, 6)
+    arrays = [(0, a.shape, [s // a.itemsize for s in a.strides]) for a in bound]
+    blob = [np.array([len(cells), len(bound)], np.int64).tobytes(), codegen.pack(gen, floats, arrays, 0, 0, {})]
+    for a in bound:
+        blob += [np.array([a.nbytes], np.int64).tobytes(), a.tobytes()]
+    blob.append(cells.tobytes())
+    (tmp_path / "cells.bin").write_bytes(b"".join(blob))
+    import subprocess
+    subprocess.run([str(exe), str(tmp_path / "cells.bin"), str(tmp_path / "res.bin")], check=True)
+    res = np.frombuffer((tmp_path / "res.bin").read_bytes(), np.int32).reshape(-1, 3)
+    return res[:, 0], res[:, 1], res[:, 2].astype(bool)
+
+
+def random_cells(rng, n, S=mods.S_MAX, H=mods.H_MAX, widths=(1, 2, 3, 5, 8, 16)):
+    out = []
+    for _ in range(n):
+        wr, wc = rng.choice(widths, 2)
+        r0, c0 = rng.integers(0, S - wr + 1), rng.integers(0, S - wc + 1)
+        out.append((rng.integers(0, 2), rng.integers(0, H), r0, r0 + wr - 1, c0, c0 + wc - 1))
+    return out
+
+
+DOC = mods.DOC_ID
+SHORT = np.arange(mods.S_MAX - 4)            # doc-like, 4 short: lookups past its end
+FLOATS = np.linspace(-1.0, 1.0, mods.S_MAX)
+
+
+def extra_masks():
+    """Ops the zoo lacks: integer rules over intervals, unknowns (pow, bitwise ints, floats),
+    negative indices, a float array, lookups that may leave their array."""
+    return {
+        "int_rules": lambda b, h, q, k: ((q - k) // 3 + abs(k - 2 * q) % 4 - np.minimum(q, k) * 2
+                                         + np.maximum(-q, k - 9) >= -h),
+        "where_cast": lambda b, h, q, k: np.where(q > k, (q >= 3) * 5, -(k // 2)) + (q == k) > 1,
+        "unknowns": lambda b, h, q, k: ((q ** 2) % 7 > (k ^ 3)) | (k * 0.5 > q - 3.2),
+        "negative_index": lambda b, h, q, k: DOC[-1 - q] == DOC[k - mods.S_MAX],
+        "float_lookup": lambda b, h, q, k: (FLOATS[k] > FLOATS[q]) & (q != k + 1),
+        "may_leave": lambda b, h, q, k: SHORT[q] >= SHORT[k],
+        "mod_negative": lambda b, h, q, k: ((k - q) % -3 == -1) | ((q + k) // -4 < -3),
+        "divisor_ranges": lambda b, h, q, k: ((q % (k + 1) == k) | ((q - 7) % (-1 - k % 3) == -(k % 3))
+                                              | ((q * 3 - 20) // (k % 4 + 1) == 2)),
+        "floordiv_ranges": lambda b, h, q, k: ((q + 1) // (k + 1) == 0) ^ ((q - 8) // (k - 20) >= 1),
+    }
+
+
+def zoo():
+    return {**mods.mask_mods(), **extra_masks()}
+
+
+@pytest.mark.parametrize("facts", [False, True], ids=["checked", "facts"])
+@pytest.mark.parametrize("name", sorted(zoo()))
+def test_a_cell_covers_its_pairs(name, facts, cc, tmp_path, rng):
+    t = trace.trace_mask_mod(zoo()[name])
+    gen, bound = with_facts(None, t) if facts else (codegen.generate(None, t), None)
+    bound = bound if facts else bind(t, gen, "mask_mod")
+    exe = build(cc, tmp_path, gen, HARNESS)
+    cells = random_cells(rng, 400)
+    got, pairs, bad = run_cells(exe, tmp_path, gen, bound, cells, t.params)
+    assert ((got & pairs) == pairs).all(), [(c, g, p) for c, g, p in zip(cells, got, pairs) if g & p != p][:5]
+    assert (got[bad] == BOTH).all(), "a cell with a lookup out of range is left to its pairs"
+    if name == "may_leave":
+        assert bad.any() and (got[~bad] != BOTH).any()
+
+
+def test_cells_settle_document_causal_and_window_masks(cc, tmp_path):
+    """Over a 4096-token document-causal mask in 64 x 64 cells, only the cells a document edge
+    or the diagonal crosses are left to the pairs; the others are settled, right."""
+    S, cell = 4096, 64
+    lens = [700, 1300, 64, 1032, 1000]
+    doc = np.repeat(np.arange(len(lens)), lens).astype(np.int32)
+    masks = {"doc_causal": lambda b, h, q, k: (doc[q] == doc[k]) & (k <= q),
+             "window": lambda b, h, q, k: (k <= q) & (q - k < 300)}
+    n = S // cell
+    cells = [(0, 0, i * cell, i * cell + cell - 1, j * cell, j * cell + cell - 1) for i in range(n) for j in range(n)]
+    for name, fn in masks.items():
+        t = trace.trace_mask_mod(fn)
+        gen = codegen.generate(None, t)
+        exe = build(cc, tmp_path, gen, HARNESS, folder=name)
+        got, pairs, bad = run_cells(exe, tmp_path, gen, bind(t, gen, "mask_mod"), cells)
+        assert not bad.any() and ((got & pairs) == pairs).all()
+        settled = got != BOTH
+        assert (got[settled] == pairs[settled]).all()
+        r0, c0 = np.array(cells)[:, 2], np.array(cells)[:, 4]
+        diagonal = r0 == c0
+        if name == "doc_causal":
+            edges = np.cumsum(lens)[:-1]
+            crosses = lambda x: ((x[:, None] < edges) & (edges < x[:, None] + cell)).any(1)   # noqa: E731
+            pure = ~crosses(r0) & ~crosses(c0) & ~diagonal
+        else:
+            lo, hi = r0 - c0 - (cell - 1), r0 - c0 + (cell - 1)        # q - k over the cell
+            pure = ~((lo < 0) & (hi >= 0)) & ~((lo < 300) & (hi >= 300))
+        assert settled[pure].all(), np.array(cells)[pure & ~settled][:5]
+        assert settled.mean() > 0.9, settled.mean()
