@@ -32,7 +32,8 @@ for step in "$@"; do
                 tests/test_tile_sums_cuda.py -k "test_head_dims and bf16 and d128_dv128 or varlen_with_padding or test_decode_split_kv and B3 \
                     or test_head_dims and bf16-d64_dv64-causal or test_varlen and 128-causal \
                     or dq_added_by_the_dkdv_kernel and (d128-default or d64-default) or score_mod_zoo and bf16 \
-                    and (rel or doc_penalty) or narrowed or test_relative_bias_table and d64-causal" 2>&1 \
+                    and (rel or doc_penalty) or narrowed or test_relative_bias_table and d64-causal \
+                    or mask_mod_zoo and bf16 and (document or allowed) or block_sparse_masks and d64" 2>&1 \
                 | tee "$OUT/racecheck.log" | tail -5 || rc=1 ;;
     register) python3 -m pytest -m gpu -q tests/test_pinning.py tests/test_staging.py 2>&1 | tee "$OUT/register_tests.log" | tail -15
               python3 bench/lab_register.py 2>&1 | tee "$OUT/lab_register.log" ;;
