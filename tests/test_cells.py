@@ -21,13 +21,8 @@ int main(int argc, char **argv)
     FILE *in = fopen(argv[1], "rb"), *out = fopen(argv[2], "wb");
     int64_t *hdr = (int64_t *)take(in, 2 * 8);
     const int64_t n = hdr[0], narr = hdr[1];
-    attn_mods_gpu *m = (attn_mods_gpu *)take(in, sizeof(attn_mods_gpu));
-    for (int64_t i = 0; i < narr; i++) {
-        int64_t *nb = (int64_t *)take(in, 8);
-        m->a[i].ptr = take(in, (size_t)*nb);
-    }
-    int64_t err[5] = {0, 0, 0, 0, 0};
-    m->err = err;
+    int64_t err[5];
+    attn_mods_gpu *m = take_mods(in, narr, err);
     int64_t *cell = (int64_t *)take(in, (size_t)n * 6 * 8);
     int32_t *res = (int32_t *)calloc((size_t)(3 * n + 1), 4);
     for (int64_t i = 0; i < n; i++) {

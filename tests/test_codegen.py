@@ -44,6 +44,20 @@ static void *take(FILE *f, size_t n)
         exit(3);
     return p;
 }
+
+/* codegen.pack's struct, then narr arrays (each its byte count, then its bytes); err: the
+ * error record, zeroed */
+static attn_mods_gpu *take_mods(FILE *f, int64_t narr, int64_t *err)
+{
+    attn_mods_gpu *m = (attn_mods_gpu *)take(f, sizeof(attn_mods_gpu));
+    for (int64_t i = 0; i < narr; i++) {
+        int64_t *nb = (int64_t *)take(f, 8);
+        m->a[i].ptr = take(f, (size_t)*nb);
+    }
+    memset(err, 0, 5 * sizeof(int64_t));
+    m->err = err;
+    return m;
+}
 """
 
 HARNESS = PREAMBLE + r"""
@@ -58,13 +72,8 @@ int main(int argc, char **argv)
     FILE *in = fopen(argv[1], "rb"), *out = fopen(argv[2], "wb");
     int64_t *hdr = (int64_t *)take(in, 3 * 8);
     const int64_t n = hdr[0], narr = hdr[1], words = hdr[2];
-    attn_mods_gpu *m = (attn_mods_gpu *)take(in, sizeof(attn_mods_gpu));
-    for (int64_t i = 0; i < narr; i++) {
-        int64_t *nb = (int64_t *)take(in, 8);
-        m->a[i].ptr = take(in, (size_t)*nb);
-    }
-    int64_t err[5] = {0, 0, 0, 0, 0};
-    m->err = err;
+    int64_t err[5];
+    attn_mods_gpu *m = take_mods(in, narr, err);
     m->dacc = (uint64_t *)calloc((size_t)(words + 1), 8);
     float *score = (float *)take(in, n * 4), *dout = (float *)take(in, n * 4);
     int64_t *idx = (int64_t *)take(in, n * 32);

@@ -156,13 +156,8 @@ int main(int argc, char **argv)
     const int64_t n = hdr[0], narr = hdr[1], words = hdr[2], b = hdr[3], h = hdr[4];
     const int q0 = (int)hdr[5], kv0 = (int)hdr[6], rows = (int)hdr[7], cols = (int)hdr[8];
     const int slots = (int)hdr[9], threads = (int)hdr[10];
-    attn_mods_gpu *m = (attn_mods_gpu *)take(in, sizeof(attn_mods_gpu));
-    for (int64_t i = 0; i < narr; i++) {
-        int64_t *nb = (int64_t *)take(in, 8);
-        m->a[i].ptr = take(in, (size_t)*nb);
-    }
-    int64_t err[5] = {0, 0, 0, 0, 0};
-    m->err = err;
+    int64_t err[5];
+    attn_mods_gpu *m = take_mods(in, narr, err);
     float *score = (float *)take(in, n * 4), *dout = (float *)take(in, n * 4);
     int64_t *q = (int64_t *)take(in, n * 8), *kv = (int64_t *)take(in, n * 8);
     uint64_t *direct = (uint64_t *)calloc((size_t)(words + 1), 8), *summed = (uint64_t *)calloc((size_t)(words + 1), 8);
