@@ -533,7 +533,17 @@ ARRAY_DTYPE = np.dtype([("ptr", "u8"), ("shape", "i8", MAX_DIMS), ("s", "i8", MA
 MODS_DTYPE = np.dtype([("f", "f4", MAX_FLOATS), ("a", ARRAY_DTYPE, MAX_ARRAYS), ("err", "u8"),
                        ("dacc", "u8"), ("blocks", "u8"), ("blk", "i8", 4)], align=True)
 BLOCK = 64                 # ATTN_BLOCK: the block mask's cells are BLOCK x BLOCK pairs
-BLOCK_CELLS = 16           # ATTN_BLOCK_CELLS: cells of a row each CTA of attn_block_mask.cu takes
+BLOCK_CELLS = 16           # ATTN_BLOCK_CELLS: cells of a row a CTA of attn_block_mask.cu takes at most
+BLOCK_MASK_CTAS = 512      # ... once the grid has this many CTAs (fewer: one cell a CTA, up to it)
+
+
+def block_mask_grid(slices, rows, cols):
+    """attn_block_mask.cu's grid over a block mask of slices x rows x cols cells: each CTA takes
+    up to BLOCK_CELLS cells of a row (the kernel divides a row by the grid's width), fewer where
+    the mask is small, so that a mask whose cells the intervals cannot settle, evaluated pair by
+    pair one cell after another, still spreads over BLOCK_MASK_CTAS CTAs."""
+    per = max(1, min(BLOCK_CELLS, slices * rows * cols // BLOCK_MASK_CTAS))
+    return -(-cols // per), rows, slices
 STORAGE = {F: np.dtype(np.float32), I: np.dtype(np.int64), B: np.dtype(np.bool_)}   # by value type
 NARROW = np.dtype(np.int32)      # integers whose values fit (Facts.narrow): half the registers
 _NARROW_SOURCES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.uint8, np.uint16))

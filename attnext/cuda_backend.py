@@ -204,24 +204,36 @@ _NO_EXTRAS = (None,) * 7
 
 def _extras(o, stage):
     """(bias4, mask4, alibi, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) as DevViews (NumPy
-    ones uploaded; the lengths through mod_cache), None where absent."""
+    ones uploaded), None where absent."""
     if (o.bias4 is None and o.mask4 is None and o.alibi is None and o.cu_q is None
             and o.used_q is None and o.used_k is None):
         return _NO_EXTRAS
     bias4 = _put(stage, o.bias4)
     mask4 = None if o.mask4 is None else _put(stage, o.mask4.view(np.uint8) if isinstance(o.mask4, np.ndarray) else o.mask4)
     alibi = None if o.alibi is None else stage.upload(np.ascontiguousarray(o.alibi, np.float32))
-    lengths = tuple(None if a is None else _lengths(stage, a) for a in (o.cu_q, o.cu_k, o.used_q, o.used_k))
-    return (bias4, mask4, alibi) + lengths
+    return (bias4, mask4, alibi) + _lengths(stage, (o.cu_q, o.cu_k, o.used_q, o.used_k))
 
 
-def _lengths(stage, a):
-    """A DevView of a lengths array (cu_seqlens / seqused, NumPy): mod_cache's device copy of the
-    same contents where it keeps one (cu_seqlens_q and _k are often one array, and a loop's
-    lengths repeat), else uploaded and kept there; no upload through pageable memory per call."""
-    a = np.ascontiguousarray(a, np.int32)
-    e = mod_cache.array_copy(a, lambda h: h, stage.device, stage.stream)
-    return DevView.contiguous(e.dev.ptr, a.shape, np.int32, stage.device, stage.stream, e.dev)
+def _lengths(stage, arrays):
+    """DevViews of the lengths arrays (cu_seqlens / seqused: NumPy, None where absent), uploaded
+    in one copy, an array equal to one before it sharing that one's elements (cu_seqlens_q and
+    _k are often the same): one small upload through pageable memory a call, not up to four."""
+    views, parts, at = [], [], {}
+    for a in arrays:
+        if a is None:
+            views.append(None)
+            continue
+        a = np.ascontiguousarray(a, np.int32)
+        key = a.tobytes()
+        if key not in at:
+            at[key] = sum(p.size for p in parts)
+            parts.append(a)
+        views.append((at[key], a.size))
+    if not parts:
+        return tuple(views)
+    base = stage.upload(np.concatenate(parts))
+    return tuple(None if v is None else DevView.contiguous(base.ptr + 4 * v[0], (v[1],), np.int32, stage.device,
+                                                           stage.stream, base.keep) for v in views)
 
 
 def _extras_key(o, extra):
@@ -446,9 +458,8 @@ def _build_block_mask(plan, stage, ptrs, o, bound, device):
     nb, nh, rows, cols = bound.cells
     fn = kernels.function("attn_block_mask", "attn_block_mask", kernels.block_mask_defines(bound.gen), device,
                           device_arch(device), 0, bound.gen.source)
-    grid = (-(-cols // codegen.BLOCK_CELLS), rows, nb * nh)
-    _C.cuda_launch_attention(fn, grid, (128, 1, 1), 0, stage.stream, plan.template, tuple(ptrs), o.scale_value,
-                             o.softcap_value, bound.gmods)
+    _C.cuda_launch_attention(fn, codegen.block_mask_grid(nb * nh, rows, cols), (128, 1, 1), 0, stage.stream,
+                             plan.template, tuple(ptrs), o.scale_value, o.softcap_value, bound.gmods)
     bound.mask_built = True
 
 

@@ -1,7 +1,6 @@
 """What a GPU call with score_mod / mask_mod keeps on the device for the calls after it: the
-device copies of the functions' captured NumPy arrays (and of every call's NumPy lengths,
-cu_seqlens and seqused: cuda_backend._lengths), found again by content, and mask_mod's block
-masks, found again by everything they are made from.
+device copies of the functions' captured NumPy arrays, found again by content, and mask_mod's
+block masks, found again by everything they are made from.
 
 Captured arrays. A NumPy array a function captures is read afresh at every call (the user may
 change it in place between calls), but uploading it every time costs a copy through pageable

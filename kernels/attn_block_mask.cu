@@ -7,12 +7,13 @@
  *
  * mask_mod is evaluated at every pair inside the lengths, as the reference does (a lookup out of
  * range anywhere there is reported), whatever causal and window say: they are the kernels' own
- * business. A CTA takes ATTN_BLOCK_CELLS cells of a row of cells: first one thread per cell asks
+ * business. A CTA takes the cells of a row of cells its grid's width leaves it (at most
+ * ATTN_BLOCK_CELLS, codegen.block_mask_grid): first one thread per cell asks
  * the generated mod_mask_cell (attn_mods.cuh: intervals over the cell's rows and columns) what
  * mask_mod may give there, which settles most cells of a document, causal or window mask at the
  * cost of a few lookups; a cell it cannot settle, or where a checked lookup may leave its array,
  * is then evaluated pair by pair by the whole CTA: thread t takes row t % 64 of the cell and
- * half its columns. Grid: (column cells / ATTN_BLOCK_CELLS, row cells, slices), a slice being
+ * half its columns. Grid: (CTAs per row of cells, row cells, slices), a slice being
  * one (b, h) of blocks' layout (b and h are 0 when mask_mod reads neither and blk_sb / blk_sh
  * are 0); 128 threads. A lookup out of range is noted branch-free at each pair (mod_mask_q) and
  * reported once per thread, out of line (mod_mask_check), as the attention kernels' tiles do
@@ -37,8 +38,9 @@ extern "C" __global__ void __launch_bounds__(128) attn_block_mask(const __grid_c
     if (threadIdx.x == 0)
         ntodo = 0;
     __syncthreads();
-    const int64_t x = (int64_t)blockIdx.x * ATTN_BLOCK_CELLS + threadIdx.x;
-    if (threadIdx.x < ATTN_BLOCK_CELLS && x < m->blk_cols) {
+    const int per = (int)((m->blk_cols + gridDim.x - 1) / gridDim.x);   /* <= ATTN_BLOCK_CELLS */
+    const int64_t x = (int64_t)blockIdx.x * per + threadIdx.x;
+    if (threadIdx.x < per && x < m->blk_cols) {
         const int64_t c0 = x * ATTN_BLOCK, c1 = min(c0 + ATTN_BLOCK, sk.len) - 1;
         const int bits = r0 <= r1 && c0 <= c1 ? mod_mask_cell(b, h, r0, r1, c0, c1, m) : 0;
         if (bits == (ATTN_BLOCK_KEPT | ATTN_BLOCK_MASKED))

@@ -138,3 +138,16 @@ def test_cells_settle_document_causal_and_window_masks(cc, tmp_path):
             pure = ~((lo < 0) & (hi >= 0)) & ~((lo < 300) & (hi >= 300))
         assert settled[pure].all(), np.array(cells)[pure & ~settled][:5]
         assert settled.mean() > 0.9, settled.mean()
+
+
+@pytest.mark.parametrize("slices, rows, cols", [(1, 256, 256), (1, 32, 32), (1, 100, 100), (16, 32, 32),
+                                                (1, 1, 3), (2, 64, 200), (1, 1, 1), (3, 7, 1000)])
+def test_block_mask_grid_covers_every_cell(slices, rows, cols):
+    """attn_block_mask.cu divides a row of cells by the grid's width: no CTA gets more than
+    BLOCK_CELLS (its shared list), every cell gets one, and a small mask still gets a CTA a cell
+    up to BLOCK_MASK_CTAS."""
+    gx, gy, gz = codegen.block_mask_grid(slices, rows, cols)
+    per = -(-cols // gx)                          # the kernel's division
+    assert (gy, gz) == (rows, slices) and per <= codegen.BLOCK_CELLS and gx * per >= cols
+    if slices * rows * cols <= 2 * codegen.BLOCK_MASK_CTAS:
+        assert gx * gy * gz >= min(slices * rows * cols, codegen.BLOCK_MASK_CTAS)

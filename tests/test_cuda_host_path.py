@@ -304,37 +304,36 @@ def test_scratch_is_bounded_to_scratch_streams(fake_driver):
     """)
 
 
-def test_lengths_are_uploaded_once_per_contents(fake_driver):
-    """NumPy cu_seqlens / seqused reach the kernels through mod_cache's device copies, found by
-    contents: one copy when cu_seqlens_q and _k are equal, none for a later call with the same
-    lengths (another array or dtype), a new one for new contents (an array changed in place
-    included), which is what the kernels then read."""
+def test_lengths_take_one_upload_a_call(fake_driver):
+    """NumPy cu_seqlens / seqused reach the kernels in one upload a call (cuda_backend._lengths):
+    equal arrays share their elements, the others sit side by side; each call uploads afresh,
+    so the kernels read the contents of the moment (an array changed in place included)."""
     _run(fake_driver, r"""
-        from attnext import mod_cache
+        names = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
 
         def lengths(cu_q, cu_k, **kw):
             q, k, v = (dev((256, 2, 64)) for _ in range(3))
-            misses = mod_cache.info()["arrays"]["misses"]
+            n = fake_cuda.counter(lib, "allocs").value
             attnext.varlen_attention(q, k, v, cu_q, cu_k, **kw)
             p = fake_cuda.params_dict(fake_cuda.last_launch(lib).params)
-            got = {n: p[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k") if p[n]}
-            for n, ptr in got.items():           # fake device memory is host memory
-                read = np.ctypeslib.as_array((ctypes.c_int32 * len(cu_q)).from_address(ptr))
-                want = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}.get(n, kw.get(n))
-                assert np.array_equal(read[:len(want)], want), (n, read, want)
-            return mod_cache.info()["arrays"]["misses"] - misses, got
+            got = {n: p[n] for n in names if p[n]}
+            for name, ptr in got.items():           # fake device memory is host memory
+                want = np.asarray({"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}.get(name, kw.get(name)))
+                read = np.ctypeslib.as_array((ctypes.c_int32 * len(want)).from_address(ptr))
+                assert np.array_equal(read, want), (name, read, want)
+            return got, fake_cuda.counter(lib, "allocs").value - n
 
         cu = np.array([0, 100, 256], np.int32)
-        new, first = lengths(cu, cu)
-        assert new == 1 and first["cu_seqlens_q"] == first["cu_seqlens_k"], (new, first)
-        assert lengths(cu.copy(), cu.astype(np.int64)) == (0, first)
+        got, allocs = lengths(cu, cu.astype(np.int64))
+        assert got["cu_seqlens_q"] == got["cu_seqlens_k"], got
         other = np.array([0, 50, 256], np.int32)
-        new, got = lengths(other, cu)
-        assert new == 1 and got["cu_seqlens_q"] != first["cu_seqlens_q"] and got["cu_seqlens_k"] == first["cu_seqlens_k"]
-        cu[1] = 50                               # changed in place: other's copy serves it
-        assert lengths(cu, cu)[1]["cu_seqlens_q"] == got["cu_seqlens_q"]
-        new, got = lengths(cu, cu, seqused_q=np.array([40, 100], np.int32))
-        assert new == 1 and got["seqused_q"] not in (got["cu_seqlens_q"], first["cu_seqlens_q"])
+        got2, allocs2 = lengths(other, cu)
+        assert got2["cu_seqlens_k"] == got2["cu_seqlens_q"] + 4 * 3 and allocs2 == allocs, (got2, allocs, allocs2)
+        got3, allocs3 = lengths(cu, other, seqused_q=np.array([40, 100], np.int32),
+                                seqused_k=np.array([50, 156], np.int32))
+        assert got3["seqused_k"] == got3["seqused_q"] + 4 * 2 == got3["cu_seqlens_k"] + 4 * 5 and allocs3 == allocs
+        cu[1] = 60                               # changed in place: read as it is now
+        lengths(cu, cu)
         print("ok")
     """)
 
