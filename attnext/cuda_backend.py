@@ -316,8 +316,10 @@ def _bind_mods(o, stage, backward):
     if bound.cells is not None:
         nb, nh, rows, cols = bound.cells
         serials = [a.serial for (kind, _), a in zip(names, arrays) if kind == "mask_mod"]
-        # a CUDA array's contents are not seen (serial None): its mask is made every call, not kept
-        key = None if None in serials else _block_mask_key(o, stage, tm, serials, bound.cells)
+        # a CUDA array's contents are not seen (serial None): its mask is made every call, not
+        # kept; nor is one on the per-thread default stream (mod_cache.array_copy says why)
+        key = (None if None in serials or stage.stream == _device.PER_THREAD_STREAM
+               else _block_mask_key(o, stage, tm, serials, bound.cells))
         bound.blocks = None if key is None else mod_cache.block_mask(key, stage.stream)
         if bound.blocks is None:                        # built by this call's first launch
             bound.blocks = _device.empty((max(nb * nh * rows * cols, 1),), np.uint8, stage.device, stage.stream)

@@ -20,8 +20,13 @@ call: its contents cannot be compared without reading them.
 
 Both live in device memory from attnext.device.empty, allocated on the stream of the call that
 made them; a call on another stream waits for that stream first (DeviceArray._order_before), and
-an entry pushed out is freed after the streams that read it. Both caches are bounded LRUs
-(entries and bytes); `clear()` empties them, `info()` counts.
+an entry pushed out is freed after the streams that read it. A call on the per-thread default
+stream, which names another stream in every thread, is left out of both: it finds and keeps
+nothing. Both caches are bounded LRUs (entries and bytes); `clear()` empties them, `info()`
+counts.
+
+Not handled: an entry outlives the user's stream it was made on (it is freed there later), so a
+stream destroyed while its entries are kept is waited on after it is gone.
 """
 import collections
 import itertools
@@ -92,10 +97,14 @@ _masks = _Lru(MASK_ENTRIES, MASK_BYTES)        # key -> DeviceArray
 
 def array_copy(src, stored, dev, stream):
     """The ArrayEntry holding src's contents on device dev, usable on `stream`: found by content,
-    else made by uploading stored(src) (the kernels' storage type, C-contiguous) on `stream`."""
+    else made by uploading stored(src) (the kernels' storage type, C-contiguous) on `stream`.
+    A call on the per-thread default stream (device.PER_THREAD_STREAM: another stream in every
+    thread, so no other call could be ordered after it, nor a later free after its kernels)
+    neither finds nor keeps one: its copy is its own, freed with the call."""
     key = (dev, src.dtype.str, src.shape)
+    shared = stream != device.PER_THREAD_STREAM
     with _lock:
-        found = _arrays.get(key)
+        found = _arrays.get(key) if shared else None
         for e in reversed(found[0] if found else ()):
             if np.array_equal(_bits(e.host), _bits(src)):
                 _arrays.hits += 1
@@ -108,6 +117,8 @@ def array_copy(src, stored, dev, stream):
     if a.size:      # from pageable memory: the driver has taken the bytes when this returns
         _C.memcpy_htod(d.ptr, a.reshape(-1).view(np.uint8), stream, dev)
     e = ArrayEntry(d, host, bounds.value_range(host))
+    if not shared:
+        return e
     with _lock:
         found = _arrays.get(key)
         group = [x for x in (found[0] if found else ()) if x is not e][-(PER_SHAPE - 1):] + [e]

@@ -107,3 +107,34 @@ def test_array_copies_are_found_by_bits():
     b[2] = 0.0                                   # -0.0 == 0.0, but not the same bits
     assert not np.array_equal(mod_cache._bits(a), mod_cache._bits(b))
     assert np.array_equal(mod_cache._bits(np.array([True, False])), [1, 0])
+
+
+def test_the_per_thread_default_stream_finds_and_keeps_nothing(fake_driver):  # noqa: F811
+    """A call on the per-thread default stream (another stream in every thread) neither finds
+    nor keeps an array copy or a block mask: it uploads and builds its own every call, and what
+    it made is freed with it; a call on a stream of its own then keeps them as before."""
+    _run(fake_driver, BODY.split("# documents that repeat")[0] + r"""
+from attnext import device
+
+doc = np.repeat(np.arange(4) % 2, 64)
+def doc_mask(b, h, qi, ki):
+    return doc[qi] == doc[ki]
+
+def on(stream):
+    q, k, v = qkv(1, 256, 256, 2, 2, 64, stream=stream)
+    n = len(MASKS)
+    attnext.attention(q, k, v, mask_mod=doc_mask)
+    return len(MASKS) - n
+
+mod_cache.clear()
+allocs, frees = (fake_cuda.counter(lib, n) for n in ("allocs", "frees"))
+for _ in range(2):
+    a0, f0 = allocs.value, frees.value
+    assert on(device.PER_THREAD_STREAM) == 1
+    info = mod_cache.info()
+    assert info["arrays"]["entries"] == 0 and info["block_masks"]["entries"] == 0, info
+    assert allocs.value - a0 == frees.value - f0 > 0, (allocs.value - a0, frees.value - f0)
+assert on(0x7000) == 1 and on(0x7000) == 0
+assert mod_cache.info()["block_masks"]["entries"] == 1
+print("ok")
+""")
