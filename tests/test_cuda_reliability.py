@@ -225,6 +225,38 @@ def test_eight_threads_on_numpy_float16_get_the_single_thread_bits(cuda, rng):
     assert_close("out", out, reference.attention(q, k, v, **opts), F16)
 
 
+def test_threads_on_the_per_thread_default_stream_with_captured_arrays(cuda, rng):
+    """Threads whose inputs live on the per-thread default stream (another stream in each
+    thread) call with a mask_mod and a score_mod that capture NumPy arrays: mod_cache gives
+    such a call no copy or block mask another thread made, so each gets the reference's answer,
+    twice."""
+    S, H, D = 300, 2, 64
+    doc = np.repeat(np.arange(3) % 2, 100)           # ids in two runs each: a block mask, not varlen
+    table = rng.standard_normal((H, 2 * S)).astype(np.float32)
+
+    def mask(b, h, q, k):
+        return doc[q] == doc[k]
+
+    def score(s, b, h, q, k):
+        return s + table[h, q - k + S]
+    problems = [[rng.standard_normal((1, S, H, D), dtype=np.float32).astype(F16) for _ in range(3)]
+                for _ in range(N_THREADS)]
+    want = [reference.attention(*p, score_mod=score, mask_mod=mask) for p in problems]
+
+    def upload(x):
+        d = device.empty(x.shape, x.dtype, 0, device.PER_THREAD_STREAM)
+        _C.memcpy_htod(d.ptr, np.ascontiguousarray(x).view(np.uint8).reshape(-1), device.PER_THREAD_STREAM, 0)
+        return d
+
+    def work(i):
+        q, k, v = (upload(x) for x in problems[i])
+        return [attnext.attention(q, k, v, score_mod=score, mask_mod=mask).numpy() for _ in range(2)]
+
+    for i, outs in enumerate(in_threads(work, N_THREADS, JOIN_SECONDS)):
+        for out in outs:
+            assert_close("out", out, want[i], F16)
+
+
 # --- 2. the GIL ---
 
 def test_gil_released_during_a_long_gpu_call_on_numpy_inputs(cuda, rng):
