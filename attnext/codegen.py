@@ -544,6 +544,8 @@ def block_mask_grid(slices, rows, cols):
     pair one cell after another, still spreads over BLOCK_MASK_CTAS CTAs."""
     per = max(1, min(BLOCK_CELLS, slices * rows * cols // BLOCK_MASK_CTAS))
     return -(-cols // per), rows, slices
+
+
 STORAGE = {F: np.dtype(np.float32), I: np.dtype(np.int64), B: np.dtype(np.bool_)}   # by value type
 NARROW = np.dtype(np.int32)      # integers whose values fit (Facts.narrow): half the registers
 _NARROW_SOURCES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.uint8, np.uint16))
