@@ -24,7 +24,7 @@ import types
 import ml_dtypes
 import numpy as np
 
-from . import _C, codegen, interp, reference, trace
+from . import _C, codegen, interp, lower, reference, trace
 from ._types import Grads
 from .devview import DevView, may_be_device_array
 
@@ -572,6 +572,15 @@ def _problem(o, out4, lse3):
         mods=None)
 
 
+def _cpu_mods(o, backward):
+    """(the problem the C backend runs, interp.bind's mods) for a CPU call: mask_mod's band and
+    documents moved into o first (attnext/lower.py), as the CUDA backend does; the problem is o,
+    or o as varlen over the documents (the same memory: B = 1)."""
+    ts = trace.trace_score_mod(o.score_mod) if o.score_mod is not None else None
+    tm = lower.lower_mask(o, ts, trace.trace_mask_mod(o.mask_mod)) if o.mask_mod is not None else None
+    return lower.kernel_problem(o), interp.bind(ts, tm, o.acc_dtype, backward=backward)
+
+
 def _as_bshd(o, x):
     """A (B, S, H, D) view of an array in the caller's layout (varlen: a leading 1)."""
     if o.varlen:
@@ -644,8 +653,9 @@ def _forward(o):
     else:
         # the C backend writes through aligned element pointers; a misaligned out= gets a copy
         target = out if out.flags.aligned else _new_output(o.out_shape, o.q.dtype)
-        prob = _problem(o, _as_bshd(o, target), _lse_3d(o, lse))
-        prob.mods = interp.bind(o.score_mod, o.mask_mod, o.acc_dtype)
+        ko, mods = _cpu_mods(o, backward=False)
+        prob = _problem(ko, _as_bshd(o, target), _lse_3d(o, lse))
+        prob.mods = mods
         _C.forward(prob)
         if target is not out:
             out[...] = target
@@ -743,11 +753,12 @@ def _backward(o, dout, out, lse, deterministic):
         cuda_backend.backward(o, dout, out, lse, dq, dk, dv, dbias_acc, deterministic)
         dbias = None if dbias_acc is None else dbias_acc.reshape(o.bias.shape).astype(o.bias.dtype)
         return Grads(dq, dk, dv, dbias, {})
-    prob = _problem(o, _as_bshd(o, out), _lse_3d(o, lse))
+    ko, mods = _cpu_mods(o, backward=True)
+    prob = _problem(ko, _as_bshd(o, out), _lse_3d(o, lse))
     prob.dout = _c_view(_as_bshd(o, dout))
     prob.dq, prob.dk, prob.dv = (_c_view(_as_bshd(o, x)) for x in (dq, dk, dv))
     prob.dbias = dbias_acc = None
-    prob.mods = interp.bind(o.score_mod, o.mask_mod, o.acc_dtype, backward=True)
+    prob.mods = mods
     if o.bias is not None:
         # accumulate into the bias's own (compact) shape; broadcast dims get stride 0
         compact = o.bias.reshape((1,) * (4 - o.bias.ndim) + o.bias.shape)

@@ -4,9 +4,9 @@ A mask_mod such as `(kv_idx <= q_idx) & (q_idx - kv_idx < 1024)` (a causal slidi
 `(doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)` (document-causal) is, in part, the band the
 kernels already know how to walk: causal and window bound c - r, and the kernels visit only the
 tiles inside that band and test pairs only in the tiles it cuts. split() finds that part so the
-CUDA backend can hand it to the kernels as their window (cuda_backend._lower_band): the tiles
-outside it are never visited, and a mask_mod that is nothing but a band leaves no generated mask
-code at all. What stays a mask_mod is evaluated as before.
+backends can hand it to their kernels as the window (attnext/lower.py: lower_band): the tiles
+outside it are never visited, and a mask_mod that is nothing but a band leaves no mask code at
+all. What stays a mask_mod is evaluated as before.
 
 What counts. The output's top-level `&` (of bool operands; `np.logical_and` traces to the same op)
 is split into conjuncts. A conjunct is a bound when it is a comparison < <= > >= of two integer

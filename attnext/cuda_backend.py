@@ -28,7 +28,7 @@ import types
 import ml_dtypes
 import numpy as np
 
-from . import _C, band, bounds, codegen, device as _device, kernels, mod_arrays, mod_cache, pinning, staging, trace
+from . import _C, bounds, codegen, device as _device, kernels, lower, mod_arrays, mod_cache, pinning, staging, trace
 from .devview import DevView
 from .kernel_cache import LRU
 from .staging import host_result, to_host  # noqa: F401  (api.py's: results, lengths)
@@ -281,9 +281,7 @@ def _bind_mods(o, stage, backward):
     if not _has_mods(o):
         return None
     ts = trace.trace_score_mod(o.score_mod) if o.score_mod is not None else None
-    tm = _lower_band(o, trace.trace_mask_mod(o.mask_mod)) if o.mask_mod is not None else None
-    if ts is None and tm is not None and (cu := _documents(o, tm)) is not None:
-        o.documents, tm = cu, None
+    tm = lower.lower_mask(o, ts, trace.trace_mask_mod(o.mask_mod)) if o.mask_mod is not None else None
     if ts is None and tm is None:   # the mask_mod was a band, or documents: the plain kernels,
         o.mask_mod = None           # planned as a plain call is (_decode_plan asks _has_mods)
         o.mods_lowered = True       # (its forward still compiles the backward ahead)
@@ -327,90 +325,6 @@ def _bind_mods(o, stage, backward):
         blocks = (bound.blocks.ptr, nh * rows * cols if nb > 1 else 0, rows * cols if nh > 1 else 0, rows, cols)
     bound.gmods = codegen.pack(gen, floats, [a.ref for a in arrays], bound.err.ptr, dacc_ptr, bound.offsets, blocks)
     return bound
-
-
-def _kept_span(o, diag):
-    """(lo, hi): the call's causal and window keep lo <= c - r <= hi (+-inf where unbounded), for
-    sequences with diag = Lk - Lq; diag None where it differs between them (a top-left causal,
-    not relative to that diagonal, then counts as unbounded: hi - lo is still the kept width)."""
-    inf, d = float("inf"), diag or 0
-    lo = d - o.window_left if o.window_left >= 0 else -inf
-    hi = min(d + o.window_right if o.window_right >= 0 else inf, d if o.causal_code == 1 else inf,
-             0 if o.causal_code == 2 and diag is not None else inf)
-    return lo, hi
-
-
-def _lower_band(o, tm):
-    """The traced mask_mod tm less its band (attnext/band.py: conjuncts bounding kv_idx - q_idx),
-    which goes into o's causal_code / window_left / window_right instead: the kernels then visit
-    only the band's tiles and test only the tiles it cuts, and a mask_mod that is only a band
-    leaves no mask code (None). The kernels' window is relative to each sequence's diagonal c = r +
-    Lk - Lq, mask_mod's indices to its top-left corner, so this takes place only where Lk - Lq is
-    the same for every sequence (no seqused / seqlens; varlen: equal cu_seqlens), and a side
-    only where the window can say it (a side that would end on the wrong side of the diagonal is
-    left to mask_mod). The kept pairs are the same either way."""
-    if o.used_q is not None or o.used_k is not None:
-        return tm
-    if o.varlen:
-        if o.cu_q is None or o.cu_k is None or not np.array_equal(o.cu_q, o.cu_k):
-            return tm
-        diag = 0
-    else:
-        diag = o.Sk - o.Sq
-    b = band.split(tm)
-    if b.lo is None and b.hi is None:
-        return tm
-    lo, hi = _kept_span(o, diag)                    # the call's own band
-    take_lo = b.lo is not None and max(lo, b.lo) <= diag
-    take_hi = b.hi is not None and min(hi, b.hi) >= diag
-    if not (take_lo or take_hi):
-        return tm
-    if not (take_lo and take_hi):
-        b = band.split(tm, lower=take_lo, upper=take_hi)
-    far = o.Sq + o.Sk                               # api.py's clamp: a wider side is unbounded
-    if take_lo:
-        o.window_left = int(min(diag - max(lo, b.lo), far))
-    if take_hi:   # a right side of 0 is causal (bottom-right), the kernels' own case
-        right = int(min(min(hi, b.hi) - diag, far))
-        o.window_right, o.causal_code = (-1, 1) if right == 0 else (right, 0)
-    return b.rest
-
-
-def _documents(o, tm):
-    """cu_seqlens of the documents where the mask_mod left after its band is `doc[q_idx] ==
-    doc[kv_idx]` over a captured 1-D NumPy integer (or bool) array whose equal values sit in
-    contiguous runs: its kept pairs are then varlen attention's over the runs, which the
-    varlen kernels run without a mask (causal and window are relative to each run's diagonal,
-    the whole sequence's where Sq == Sk). Only where nothing else reads a position: B = 1, Sq ==
-    Sk, no score_mod (the caller's test), bias, mask, alibi or lengths; the array must reach Sq
-    (else the lookup's IndexError is mask_mod's to raise). None otherwise."""
-    if (o.varlen or o.B != 1 or o.Sq != o.Sk or not o.Sq or o.used_q is not None or o.used_k is not None
-            or o.bias4 is not None or o.mask4 is not None or o.alibi is not None):
-        return None
-    n = tm.out
-    if n.op != "eq" or any(a.op != "load" or len(a.args) != 2 for a in n.args):
-        return None
-    (arr, i), (arr2, j) = (a.args for a in n.args)
-    if arr is not arr2 or {i.op, j.op} != {"q_idx", "kv_idx"}:
-        return None
-    doc = tm.arrays[arr.args[0]]
-    if not isinstance(doc, np.ndarray) or doc.ndim != 1 or doc.dtype.kind not in "iub" or doc.shape[0] < o.Sq:
-        return None
-    d = doc[:o.Sq]
-    cu = np.concatenate(([0], np.flatnonzero(d[1:] != d[:-1]) + 1, [o.Sq]))
-    if len(set(d[cu[:-1]].tolist())) != cu.size - 1:      # a value in two runs: not documents
-        return None
-    return cu.astype(np.int32)
-
-
-def _kernel_problem(o):
-    """The problem the kernels run: o, or where _documents found documents, o as varlen
-    attention over them (its arrays, results and lse laid out as they are: B = 1 in memory)."""
-    cu = getattr(o, "documents", None)
-    if cu is None:
-        return o
-    return types.SimpleNamespace(**dict(vars(o), varlen=True, B=cu.size - 1, cu_q=cu, cu_k=cu,
-                                        lse_shape=(o.Hq, o.Sq), mask_mod=None))
 
 
 def _facts(o, ts, tm, names, arrays):
@@ -620,7 +534,7 @@ def forward(o, out_host, lse_host, stage=None):
             lse3 = lse[None] if o.varlen else lse
         out4 = _kernel_layout(o, out)
         mods = _bind_mods(o, stage, backward=False)
-        ko = _kernel_problem(o)
+        ko = lower.kernel_problem(o)
         extra = _extras(ko, stage)
         if pin:
             stage.uploads_done()
@@ -821,7 +735,7 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     grads = gen is not None and gen.defines.get("HAS_DTENSORS")
     # how many keys a query row may see: its window's width where the window bounds it (a key block
     # then meets as few query tiles, and a query tile as few key blocks, as at that many keys)
-    lo, hi = _kept_span(o, None if o.varlen or o.used_q is not None or o.used_k is not None else o.Sk - o.Sq)
+    lo, hi = lower.kept_span(o, None if o.varlen or o.used_q is not None or o.used_k is not None else o.Sk - o.Sq)
     reach = k_rows if math.isinf(hi - lo) else min(k_rows, max(int(hi - lo) + 1, 0))
     dq_mode = "recompute" if grads else kernels.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach)
     atomic = dq_mode != "recompute"
@@ -961,7 +875,7 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
         if o.bias is not None:
             dbias, dbias_res = _dbias_buffer(stage, o, host)
         mods = _bind_mods(o, stage, backward=True)
-        ko = _kernel_problem(o)
+        ko = lower.kernel_problem(o)
         extra = _extras(ko, stage)
         if host:
             stage.uploads_done()

@@ -296,7 +296,7 @@ def bind(score_mod, mask_mod, acc_dtype, backward=False):
     """The `mods` object _C.forward / _C.backward read for one call (None without mods):
     programs, float values, captured arrays; for the backward also the gradient accumulator
     (float64) and where each float array's gradient lies in it. Traces the functions (TypeError
-    for an unsupported one)."""
+    for an unsupported one); either may also come traced already (a trace.Traced)."""
     if score_mod is None and mask_mod is None:
         return None
     m = types.SimpleNamespace(score=None, score_floats=None, score_bwd=None, grad=None,
@@ -304,7 +304,7 @@ def bind(score_mod, mask_mod, acc_dtype, backward=False):
                               score_names=(), mask=None, mask_floats=None, mask_arrays=(),
                               mask_names=(), mask_uses_h=0, grad_offsets=(), dtensors=None)
     if score_mod is not None:
-        t = trace.trace_score_mod(score_mod)
+        t = score_mod if isinstance(score_mod, trace.Traced) else trace.trace_score_mod(score_mod)
         low = programs(t)
         m.score, m.score_floats = low.forward.code, _float_values(low.forward, t.params)
         m.score_arrays = _bind_arrays(t, low, acc_dtype)
@@ -320,7 +320,7 @@ def bind(score_mod, mask_mod, acc_dtype, backward=False):
             m.grad_offsets = tuple(offsets)
             m.dtensors = np.zeros(total, dtype=np.float64)
     if mask_mod is not None:
-        t = trace.trace_mask_mod(mask_mod)
+        t = mask_mod if isinstance(mask_mod, trace.Traced) else trace.trace_mask_mod(mask_mod)
         low = programs(t)
         m.mask, m.mask_floats = low.forward.code, _float_values(low.forward, t.params)
         m.mask_arrays = _bind_arrays(t, low, acc_dtype)

@@ -3,8 +3,8 @@ attention call it serves (the issue: under 10% for a document mask over 16k toke
 
     python3 bench/lab_blockmask.py [--S 16384] [--reps 7] [--cells 8,16,32]
 
-The bench's document masks run as varlen (cuda_backend._documents) and its window as a band
-(_lower_band): neither builds a block mask. Here both lowerings are turned off, so each mask_mod
+The bench's document masks run as varlen (lower.documents) and its window as a band (lower.
+lower_band): neither builds a block mask. Here both lowerings are turned off, so each mask_mod
 below takes the block-mask path, and mod_cache is cleared before every call so that every call
 builds its mask. Times: CUDA events around each launch of a forward (median of --reps calls;
 the first launch is the block mask's), and do_bench of the whole forward with the mask kept
@@ -21,7 +21,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import attnext  # noqa: E402
-from attnext import bench_cuda, codegen, cuda_backend, mod_cache  # noqa: E402
+from attnext import bench_cuda, codegen, lower, mod_cache  # noqa: E402
 from lab_mods import kernel_times  # noqa: E402
 
 
@@ -45,8 +45,8 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--cells", default=str(codegen.BLOCK_CELLS))
     args = ap.parse_args()
-    cuda_backend._documents = lambda o, tm: None          # the block-mask path for every case
-    cuda_backend._lower_band = lambda o, tm: tm
+    lower.documents = lambda o, tm: None                 # the block-mask path for every case
+    lower.lower_band = lambda o, tm: tm
     q, k, v = (torch.randn(1, args.S, args.H, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     out = torch.empty_like(q)
     print(f"{torch.cuda.get_device_name()}, B1 S{args.S} H{args.H} D128 bf16, forward, every mask_mod "

@@ -1,19 +1,20 @@
-"""attnext/band.py (a mask_mod's band: the conjuncts that bound kv_idx - q_idx) and the CUDA
-backend's use of it (cuda_backend._lower_band: that band moved into the call's causal / window),
-and cuda_backend._documents (a document mask over contiguous runs run as varlen attention).
+"""attnext/band.py (a mask_mod's band: the conjuncts that bound kv_idx - q_idx) and the
+backends' use of it (attnext/lower.py: lower_band, that band moved into the call's causal /
+window, and documents, a document mask over contiguous runs run as varlen attention).
 
 On any machine: the split is exact (the mask_mod equals band & rest at every input), it finds
-what it should and leaves the rest, and _lower_band keeps a call's kept pairs (DESIGN.md,
-semantics 6) exactly over random shapes, options and mask_mods. Under `-m gpu`: the CUDA
-results with lowered bands against the reference, forward and backward.
+what it should and leaves the rest, and lower_band keeps a call's kept pairs (DESIGN.md,
+semantics 6) exactly over random shapes, options and mask_mods; the CPU backend lowers them
+too, against the reference. Under `-m gpu`: the CUDA results with lowered bands against the
+reference, forward and backward.
 """
 import types
 
 import numpy as np
 import pytest
 
-from attnext import band, cuda_backend, trace
-from conftest import BF16, make_qkv, make_varlen_qkv
+from attnext import band, lower, trace
+from conftest import BF16, check_backend, make_qkv, make_varlen_qkv
 
 DOC = np.repeat(np.arange(5), [7, 13, 1, 20, 19])       # 60 positions, five documents
 
@@ -120,7 +121,7 @@ def _problem(sq, sk, causal_code, window, varlen=None):
 
 
 def test_lowering_keeps_the_kept_pairs():
-    """Random shapes, causal / window options and mask_mods: the kept pairs after _lower_band
+    """Random shapes, causal / window options and mask_mods: the kept pairs after lower_band
     (its window, its causal, the rest it returns) are those before, in every case."""
     rng = np.random.default_rng(3)
     masks = _masks()
@@ -136,7 +137,7 @@ def test_lowering_keeps_the_kept_pairs():
         o = _problem(sq, sk, causal, window)
         before = _kept(o, sq, sk) & _eval(tm, 1, *(a[:n] if a.shape[0] > 1 else a[:, :n]
                                                     for a, n in zip(_grid(), (sq, sk))))
-        rest = cuda_backend._lower_band(o, tm)
+        rest = lower.lower_band(o, tm)
         lowered += rest is not tm
         q, kv = np.arange(sq)[:, None], np.arange(sk)[None, :]
         after = _kept(o, sq, sk) & (True if rest is None else _eval(rest, 1, q, kv))
@@ -158,7 +159,7 @@ def test_lowering_keeps_the_kept_pairs():
 def test_lowering_fields(name, sq, sk, opts, want):
     o = _problem(sq, sk, opts.get("causal_code", 0), (opts.get("window_left", -1), opts.get("window_right", -1)))
     tm = trace.trace_mask_mod(_masks()[name])
-    rest = cuda_backend._lower_band(o, tm)
+    rest = lower.lower_band(o, tm)
     assert (o.causal_code, o.window_left, o.window_right) == want[:3]
     if want[3] == "keep":
         assert rest is tm
@@ -174,11 +175,11 @@ def test_lowering_needs_one_diagonal():
     tm = trace.trace_mask_mod(_masks()["window"])
     o = _problem(50, 50, 0, (-1, -1))
     o.used_q = np.array([30, 50], np.int32)
-    assert cuda_backend._lower_band(o, tm) is tm and o.window_left == -1
+    assert lower.lower_band(o, tm) is tm and o.window_left == -1
     o = _problem(90, 90, 0, (-1, -1), ([0, 40, 90], [0, 50, 90]))
-    assert cuda_backend._lower_band(o, tm) is tm
+    assert lower.lower_band(o, tm) is tm
     o = _problem(90, 90, 0, (-1, -1), ([0, 40, 90], [0, 40, 90]))
-    assert cuda_backend._lower_band(o, tm) is None and (o.causal_code, o.window_left, o.window_right) == (1, 8, -1)
+    assert lower.lower_band(o, tm) is None and (o.causal_code, o.window_left, o.window_right) == (1, 8, -1)
 
 
 def _doc_problem(**kw):
@@ -192,15 +193,15 @@ def _doc_mask(doc):
 
 
 def test_documents_are_the_runs():
-    cu = cuda_backend._documents(_doc_problem(), _doc_mask(DOC))
+    cu = lower.documents(_doc_problem(), _doc_mask(DOC))
     np.testing.assert_array_equal(cu, [0, 7, 20, 21, 41, 60])
     assert cu.dtype == np.int32
     swapped = trace.trace_mask_mod(lambda b, h, q, kv: DOC[kv] == DOC[q])
-    np.testing.assert_array_equal(cuda_backend._documents(_doc_problem(), swapped), cu)
+    np.testing.assert_array_equal(lower.documents(_doc_problem(), swapped), cu)
     longer = np.concatenate([DOC, np.full(10, 9)])          # the array may run past Sq
-    np.testing.assert_array_equal(cuda_backend._documents(_doc_problem(), _doc_mask(longer)), cu)
+    np.testing.assert_array_equal(lower.documents(_doc_problem(), _doc_mask(longer)), cu)
     one = np.zeros(60, np.int8)
-    np.testing.assert_array_equal(cuda_backend._documents(_doc_problem(), _doc_mask(one)), [0, 60])
+    np.testing.assert_array_equal(lower.documents(_doc_problem(), _doc_mask(one)), [0, 60])
 
 
 @pytest.mark.parametrize("why", ["repeated_value", "float_ids", "short_array", "batch", "cross", "empty",
@@ -233,16 +234,42 @@ def test_documents_refused(why):
         tm = trace.trace_mask_mod(lambda b, h, q, kv: DOC[q] == other[kv])
     elif why == "offset_index":
         tm = trace.trace_mask_mod(lambda b, h, q, kv: DOC[q] == DOC[kv + 1])
-    assert cuda_backend._documents(o, tm or _doc_mask(doc)) is None
+    assert lower.documents(o, tm or _doc_mask(doc)) is None
 
 
 # --- on the GPU -----------------------------------------------------------------------------------
 
 def _spy(monkeypatch, name):
-    """Every result of cuda_backend.<name>, in a list."""
-    seen, real = [], getattr(cuda_backend, name)
-    monkeypatch.setattr(cuda_backend, name, lambda *a: seen.append(real(*a)) or seen[-1])
+    """Every result of lower.<name>, in a list."""
+    seen, real = [], getattr(lower, name)
+    monkeypatch.setattr(lower, name, lambda *a: seen.append(real(*a)) or seen[-1])
     return seen
+
+
+@pytest.mark.parametrize("name, opts", [
+    ("doc", dict()), ("doc_causal", dict()), ("doc", dict(causal=True)), ("doc_window", dict()),
+    ("doc", dict(window=(5, 2), layout="bhsd")), ("doc_repeated", dict(causal=True)),
+    ("window", dict()), ("offset_band", dict(causal=True))])
+def test_lowered_on_the_cpu(name, opts, rng, monkeypatch):
+    """The CPU backend lowers as the CUDA one does (api._cpu_mods): bands into causal / window,
+    documents over contiguous runs into varlen; forward and backward against the reference."""
+    bands, found = _spy(monkeypatch, "lower_band"), _spy(monkeypatch, "documents")
+    masks = _masks()
+    if name == "doc_repeated":
+        doc = DOC.copy()
+        doc[45:] = 0
+
+        def mask_mod(b, h, q, kv):
+            return doc[q] == doc[kv]
+    else:
+        mask_mod = masks[name]
+    q, k, v = make_qkv(rng, 1, 60, 60, 4, 2, 16, 16, np.float32, opts.get("layout", "bshd"))
+    check_backend(q, k, v, rng, mask_mod=mask_mod, **opts)
+    assert bands, "the forward and the backward lower the band first"
+    if name in ("window", "offset_band"):
+        assert all(rest is None for rest in bands) and not found, (bands, found)
+    else:
+        assert found and all((cu is None) == (name == "doc_repeated") for cu in found), found
 
 
 @pytest.mark.gpu
@@ -257,7 +284,7 @@ def test_lowered_bands_on_the_gpu(name, opts, shape, d, gpu, rng, torch, monkeyp
     Hopper kernels): forward and backward against the reference, and the band did go into the
     window where it is the whole mask on a square problem."""
     from test_score_mod_cuda import run_gpu
-    lowered = _spy(monkeypatch, "_lower_band")
+    lowered = _spy(monkeypatch, "lower_band")
     q, k, v = make_qkv(rng, 2, shape[0], shape[1], 4, 2, d, d, BF16)
     run_gpu(torch, q, k, v, mask_mod=_masks()[name], **opts)
     if shape[0] == shape[1] and name in ("window", "offset_band"):
@@ -284,7 +311,7 @@ def test_documents_on_the_gpu(name, opts, d, gpu, rng, torch, monkeypatch):
     """Document masks over contiguous runs (run as varlen) and over a repeated value (kept as a
     mask_mod), with causal, window and bhsd: forward and backward against the reference."""
     from test_score_mod_cuda import run_gpu
-    found = _spy(monkeypatch, "_documents")
+    found = _spy(monkeypatch, "documents")
     masks = _masks()
     if name == "doc_repeated":
         doc = DOC.copy()
