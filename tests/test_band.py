@@ -54,9 +54,9 @@ def _eval(tm, h, q, kv):
 def test_split_is_exact(name):
     tm = trace.trace_mask_mod(_masks()[name])
     q, kv = _grid()
-    for lower in (True, False):
-        for upper in (True, False):
-            b = band.split(tm, lower, upper)
+    for take_lo in (True, False):
+        for take_hi in (True, False):
+            b = band.split(tm, take_lo, take_hi)
             for h in range(3):
                 got = np.ones((60, 60), bool)
                 if b.lo is not None:
