@@ -47,6 +47,7 @@ MAX_SMEM_SM80 = 163 * 1024
 
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 MODS_HEADER = KERNEL_DIR / "attn_mods.cuh"
+MOD_INTS_HEADER = _ROOT / "csrc" / "mod_ints.h"        # attn_mods.cuh's, shared with interp.c
 
 # The kernel lab's overrides of the choices below, read when a choice is made; cuda_backend's
 # plans are keyed on their values (knobs()), so a change takes effect at the next call.
@@ -258,7 +259,8 @@ def _headers(generated=None):
     out = [(p.name, _text(p)) for p in HEADER_FILES]
     if generated is not None:
         from .codegen import HEADER
-        out += [(MODS_HEADER.name, _text(MODS_HEADER)), (HEADER, generated)]
+        out += [(MODS_HEADER.name, _text(MODS_HEADER)), (MOD_INTS_HEADER.name, _text(MOD_INTS_HEADER)),
+                (HEADER, generated)]
     return out
 
 

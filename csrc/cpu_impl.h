@@ -297,8 +297,10 @@ static int FN(tile_is_plain)(const attn_params *p, int64_t r0, int64_t nr, int64
  * BQ x BK tile of every sequence, for each query head (or one for all heads when mask_mod does
  * not read h). Tile (qt, kt) of sequence b, head slot hm lives at
  * state[off[b] + (hm * nq(b) + qt) * nk(b) + kt], nq / nk the sequence's tiles: O(Lq Lk / tile^2)
- * bytes. mask_mod is evaluated at every pair inside the lengths, as the reference does, so a
- * lookup out of range there raises whatever the other masks say. */
+ * bytes. A tile is settled by intervals first (interp_cell: most tiles of a document, causal
+ * or window mask), else mask_mod is evaluated at every pair inside the lengths, as the reference
+ * does; a tile where a lookup may leave its array is always evaluated, so a lookup out of range
+ * there raises whatever the other masks say. */
 typedef struct {
     FN(tiling) q, k;
     int64_t *off, heads;
@@ -359,6 +361,12 @@ static int FN(block_mask_build)(const attn_params *p, FN(block_mask) *bm)
             unsigned char *st = bm->state + bm->off[b] + (hm * nq + qt) * nk;
             for (int64_t kt = 0; kt < nk; kt++) {
                 const int64_t c0 = kt * BK, n = imin64(BK, sk.len - c0);
+                const int cell = nr > 0 && n > 0 ? interp_cell(&mods->mask, b, hm, r0, r0 + nr - 1, c0, c0 + n - 1,
+                                                               mb.scratch) : 3;
+                if (cell != 3) {            /* settled by intervals: every pair kept, or none */
+                    st[kt] = cell == 1 ? TILE_FULL : TILE_EMPTY;
+                    continue;
+                }
                 interp_tile t = {b, hm, r0, c0, BK, nr * BK, mb.inside};
                 FN(mark_inside)(mb.inside, nr, n);
                 if (FN(interp_eval)(mods, &mods->mask, &t, NULL, NULL, NULL, mb.mk, NULL, NULL, mb.scratch))

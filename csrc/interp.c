@@ -1,59 +1,16 @@
 /* The score_mod / mask_mod interpreter (interp.h), instantiated for float and double
- * accumulation (interp_impl.h), plus what both share: the op names, NumPy's integer division
- * rules, index normalisation and error reporting. */
+ * accumulation (interp_impl.h), plus what both share: the op names, index normalisation and
+ * error reporting, and a mask program over a whole block-mask tile by intervals (interp_cell).
+ * NumPy's int64 rules and the intervals over them: mod_ints.h, the GPU's too. */
 #include <math.h>
 #include <string.h>
 
 #include "interp.h"
+#include "mod_ints.h"
 
 #define INTERP_NAME(name) #name,
 const char *const interp_op_names[OP_COUNT] = {INTERP_OPS(INTERP_NAME)};
 #undef INTERP_NAME
-
-/* int64 arithmetic that wraps, as NumPy's does (signed overflow is undefined in C) */
-static inline int64_t wrap_add(int64_t a, int64_t b) { return (int64_t)((uint64_t)a + (uint64_t)b); }
-static inline int64_t wrap_sub(int64_t a, int64_t b) { return (int64_t)((uint64_t)a - (uint64_t)b); }
-static inline int64_t wrap_mul(int64_t a, int64_t b) { return (int64_t)((uint64_t)a * (uint64_t)b); }
-static inline int64_t wrap_neg(int64_t a) { return (int64_t)(0 - (uint64_t)a); }
-
-/* NumPy's int64 floor_divide and remainder: by zero 0, rounding toward -inf, INT64_MIN // -1
- * wraps to INT64_MIN */
-static inline int64_t int_floordiv(int64_t a, int64_t b)
-{
-    if (b == 0)
-        return 0;
-    if (b == -1)
-        return wrap_neg(a);
-    int64_t q = a / b;
-    if (a % b != 0 && ((a < 0) != (b < 0)))
-        q--;
-    return q;
-}
-
-static inline int64_t int_mod(int64_t a, int64_t b)
-{
-    if (b == 0 || b == -1)
-        return 0;
-    int64_t r = a % b;
-    if (r != 0 && ((r < 0) != (b < 0)))
-        r += b;
-    return r;
-}
-
-/* a ** e for a non-negative exponent (the tracer allows no other), wrapping */
-static inline int64_t int_pow(int64_t a, int64_t e)
-{
-    int64_t r = 1;
-    if (e < 0)
-        return 0;
-    while (e) {
-        if (e & 1)
-            r = wrap_mul(r, a);
-        a = wrap_mul(a, a);
-        e >>= 1;
-    }
-    return r;
-}
 
 static void record_error(const interp_mods *mods, int64_t fn, int64_t array, int64_t axis,
                          int64_t index, int64_t size)
@@ -164,6 +121,115 @@ const char *interp_check(const interp_mods *mods, const interp_prog *pg)
     if (pg->out < 0 || pg->out >= (pg->out_is_int ? pg->n_iregs : pg->n_fregs))
         return "result register out of range";
     return NULL;
+}
+
+/* ------------------------------------------------------------------ a tile by intervals */
+/* A value that is nonzero (true) or zero (false): the set of those it may be (mod_ints.h) */
+static int truth(mod_iv v)
+{
+    return v.top ? 3 : mod_set(!(v.lo == 0 && v.hi == 0), v.lo <= 0 && v.hi >= 0);
+}
+
+/* The values a lookup may read over the tile (load_i; load_f only checks its box): the index
+ * box scanned, at most MOD_CELL_SCAN elements, else unknown; *must where the box may leave the
+ * array (every pair of the tile is active: the pairs then report it). */
+static mod_iv cell_load(const interp_array *arr, const int64_t *idx, int64_t nidx, const mod_iv *ir,
+                        int values, int *must)
+{
+    int64_t first[16], n[16], count = 1;
+    int known = values && nidx <= 16;
+    for (int64_t ax = 0; ax < nidx; ax++) {
+        const int64_t size = arr->shape[ax];
+        const mod_iv i = ir[idx[ax]];
+        if (i.top || i.lo < -size || i.hi >= size) {
+            *must = 1;
+            known = 0;
+        } else if (i.lo < 0 && i.hi >= 0) {
+            known = 0;
+        } else if (known) {
+            first[ax] = i.lo < 0 ? i.lo + size : i.lo;
+            n[ax] = i.hi - i.lo + 1;
+            known = n[ax] <= MOD_CELL_SCAN && (count *= n[ax]) <= MOD_CELL_SCAN;
+        }
+    }
+    if (!known)
+        return mod_iv_top();
+    int64_t j[16] = {0}, lo = 0, hi = 0;
+    for (int64_t e = 0; e < count; e++) {
+        int64_t off = 0;
+        for (int64_t ax = 0; ax < nidx; ax++)
+            off = off * arr->shape[ax] + first[ax] + j[ax];
+        const int64_t v = arr->kind == ARR_BOOL ? ((const unsigned char *)arr->data)[off] != 0
+                                                : ((const int64_t *)arr->data)[off];
+        lo = e == 0 || v < lo ? v : lo;
+        hi = e == 0 || v > hi ? v : hi;
+        for (int64_t ax = nidx - 1; ax >= 0 && ++j[ax] == n[ax]; ax--)
+            j[ax] = 0;
+    }
+    return mod_iv_range(lo, hi);
+}
+
+int interp_cell(const interp_prog *pg, int64_t b, int64_t h, int64_t r0, int64_t r1, int64_t c0,
+                int64_t c1, void *scratch)
+{
+    mod_iv *ir = (mod_iv *)scratch;
+    int must = 0;
+    for (int64_t r = 0; r < pg->n_iregs; r++)
+        ir[r] = mod_iv_top();
+    ir[INTERP_I_Q] = mod_iv_range(r0, r1);
+    ir[INTERP_I_KV] = mod_iv_range(c0, c1);
+    ir[INTERP_I_B] = mod_iv_point(b);
+    ir[INTERP_I_H] = mod_iv_point(h);
+    for (int64_t j = 0; j < pg->n_iconst; j++)
+        ir[INTERP_I_FIRST_CONST + j] = mod_iv_point(pg->iconst[j]);
+    for (int64_t n = 0; n < pg->n_instr; n++) {
+        const int64_t *in = pg->instr + 5 * n;
+        const int64_t op = in[0], d = in[1], a = in[2], bb = in[3], c = in[4];
+        const mod_iv *x = &ir[a], *y = &ir[bb];
+        mod_iv z = mod_iv_top();
+        switch ((interp_op)op) {
+        case OP_f_lt: case OP_f_le: case OP_f_gt: case OP_f_ge: case OP_f_eq: case OP_f_ne:
+            z = mod_iv_range(0, 1);
+            break;
+        case OP_i_add: z = mod_iv_add(*x, *y); break;
+        case OP_i_sub: z = mod_iv_sub(*x, *y); break;
+        case OP_i_mul: z = mod_iv_mul(*x, *y); break;
+        case OP_i_floordiv: z = mod_iv_floordiv(*x, *y); break;
+        case OP_i_mod: z = mod_iv_mod(*x, *y); break;
+        case OP_i_minimum: z = mod_iv_min(*x, *y); break;
+        case OP_i_maximum: z = mod_iv_max(*x, *y); break;
+        case OP_i_neg: z = mod_iv_neg(*x); break;
+        case OP_i_abs: z = mod_iv_abs(*x); break;
+        case OP_i_and: case OP_i_or: case OP_i_xor:   /* of bools (0 / 1); of other ints unknown */
+            if (!x->top && !y->top && x->lo >= 0 && x->hi <= 1 && y->lo >= 0 && y->hi <= 1) {
+                const int s = op == OP_i_and ? mod_set_and(truth(*x), truth(*y))
+                            : op == OP_i_or ? mod_set_or(truth(*x), truth(*y)) : mod_set_xor(truth(*x), truth(*y));
+                z = mod_iv_of_set(s);
+            }
+            break;
+        case OP_b_not: z = mod_iv_of_set(mod_set_not(truth(*x))); break;
+        case OP_i_where: z = mod_iv_where(truth(*x), ir[bb], ir[c]); break;
+        case OP_i_lt: z = mod_iv_of_set(mod_iv_lt(*x, *y)); break;
+        case OP_i_le: z = mod_iv_of_set(mod_iv_le(*x, *y)); break;
+        case OP_i_gt: z = mod_iv_of_set(mod_iv_lt(*y, *x)); break;
+        case OP_i_ge: z = mod_iv_of_set(mod_iv_le(*y, *x)); break;
+        case OP_i_eq: z = mod_iv_of_set(mod_iv_eq(*x, *y)); break;
+        case OP_i_ne: z = mod_iv_of_set(mod_set_not(mod_iv_eq(*x, *y))); break;
+        case OP_load_i: case OP_load_f:
+            z = cell_load(&pg->arrays[a], pg->aux + bb, c, ir, op == OP_load_i, &must);
+            if (op == OP_load_f)
+                continue;
+            break;
+        case OP_scatter: case OP_stash_f: case OP_stash_i: case OP_unstash_f: case OP_unstash_i:
+            return 3;                     /* not in a mask program */
+        case OP_i_pow: case OP_i_not:
+            break;
+        default:                          /* float results: not followed */
+            continue;
+        }
+        ir[d] = z;
+    }
+    return must ? 3 : truth(ir[pg->out]);
 }
 
 static int64_t prog_scratch(const interp_prog *pg, int64_t elem_size)

@@ -127,6 +127,13 @@ static inline int interp_has(const interp_prog *pg) { return pg->n_instr >= 0; }
  * right kind, else what is wrong (module.c checks every program before a call). */
 const char *interp_check(const interp_mods *mods, const interp_prog *pg);
 
+/* What mask program pg may give over the pairs q_idx in [r0, r1], kv_idx in [c0, c1] of
+ * sequence b, head h, all inside the lengths, by intervals (mod_ints.h): 1 every pair kept, 2
+ * every pair masked, 3 either, or a lookup may leave its array there (evaluating the pairs then
+ * reports it). scratch: interp_scratch_bytes' worth (any element size). */
+int interp_cell(const interp_prog *pg, int64_t b, int64_t h, int64_t r0, int64_t r1, int64_t c0,
+                int64_t c1, void *scratch);
+
 /* Scratch for one thread's evaluations of any program of mods, in bytes. */
 int64_t interp_scratch_bytes(const interp_mods *mods, int64_t elem_size);
 

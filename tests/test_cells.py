@@ -151,3 +151,18 @@ def test_block_mask_grid_covers_every_cell(slices, rows, cols):
     assert (gy, gz) == (rows, slices) and per <= codegen.BLOCK_CELLS and gx * per >= cols
     if slices * rows * cols <= 2 * codegen.BLOCK_MASK_CTAS:
         assert gx * gy * gz >= min(slices * rows * cols, codegen.BLOCK_MASK_CTAS)
+
+
+@pytest.mark.parametrize("name", sorted(extra_masks()))
+def test_cpu_tiles_by_intervals_give_the_reference(name, rng):
+    """The CPU backend settles its block mask's tiles by the same intervals (interp.c's
+    interp_cell over the interpreter's program): the masks above, forward and backward against
+    the reference; a lookup past the end raises IndexError as the reference's does."""
+    from conftest import check_backend, make_qkv
+    import attnext
+    q, k, v = make_qkv(rng, 2, mods.S_MAX, mods.S_MAX, mods.H_MAX, 1, 8, 8, np.float32)
+    if name == "may_leave":
+        with pytest.raises(IndexError):
+            attnext.attention(q, k, v, mask_mod=extra_masks()[name], device="cpu")
+        return
+    check_backend(q, k, v, rng, mask_mod=extra_masks()[name])
