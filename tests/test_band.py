@@ -239,6 +239,16 @@ def test_documents_refused(why):
 
 # --- on the GPU -----------------------------------------------------------------------------------
 
+def _named_mask(name):
+    """_masks()[name], or "doc_repeated": a document mask whose id 0 comes back after the others
+    (not contiguous runs: kept as a mask_mod)."""
+    if name != "doc_repeated":
+        return _masks()[name]
+    doc = DOC.copy()
+    doc[45:] = 0
+    return lambda b, h, q, kv: doc[q] == doc[kv]
+
+
 def _spy(monkeypatch, name):
     """Every result of lower.<name>, in a list."""
     seen, real = [], getattr(lower, name)
@@ -254,15 +264,7 @@ def test_lowered_on_the_cpu(name, opts, rng, monkeypatch):
     """The CPU backend lowers as the CUDA one does (api._cpu_mods): bands into causal / window,
     documents over contiguous runs into varlen; forward and backward against the reference."""
     bands, found = _spy(monkeypatch, "lower_band"), _spy(monkeypatch, "documents")
-    masks = _masks()
-    if name == "doc_repeated":
-        doc = DOC.copy()
-        doc[45:] = 0
-
-        def mask_mod(b, h, q, kv):
-            return doc[q] == doc[kv]
-    else:
-        mask_mod = masks[name]
+    mask_mod = _named_mask(name)
     q, k, v = make_qkv(rng, 1, 60, 60, 4, 2, 16, 16, np.float32, opts.get("layout", "bshd"))
     check_backend(q, k, v, rng, mask_mod=mask_mod, **opts)
     assert bands, "the forward and the backward lower the band first"
@@ -312,15 +314,7 @@ def test_documents_on_the_gpu(name, opts, d, gpu, rng, torch, monkeypatch):
     mask_mod), with causal, window and bhsd: forward and backward against the reference."""
     from test_score_mod_cuda import run_gpu
     found = _spy(monkeypatch, "documents")
-    masks = _masks()
-    if name == "doc_repeated":
-        doc = DOC.copy()
-        doc[45:] = 0
-
-        def mask_mod(b, h, q, kv):
-            return doc[q] == doc[kv]
-    else:
-        mask_mod = masks[name]
+    mask_mod = _named_mask(name)
     layout = opts.get("layout", "bshd")
     q, k, v = make_qkv(rng, 1, 60, 60, 4, 2, d, d, BF16, layout)
     run_gpu(torch, q, k, v, mask_mod=mask_mod, **opts)
