@@ -136,23 +136,15 @@ static int truth(mod_iv v)
 static mod_iv cell_load(const interp_array *arr, const int64_t *idx, int64_t nidx, const mod_iv *ir,
                         int values, int *must)
 {
-    int64_t first[16], n[16], count = 1;
-    int known = values && nidx <= 16;
-    for (int64_t ax = 0; ax < nidx; ax++) {
-        const int64_t size = arr->shape[ax];
-        const mod_iv i = ir[idx[ax]];
-        if (i.top || i.lo < -size || i.hi >= size) {
-            *must = 1;
-            known = 0;
-        } else if (i.lo < 0 && i.hi >= 0) {
-            known = 0;
-        } else if (known) {
-            first[ax] = i.lo < 0 ? i.lo + size : i.lo;
-            n[ax] = i.hi - i.lo + 1;
-            known = n[ax] <= MOD_CELL_SCAN && (count *= n[ax]) <= MOD_CELL_SCAN;
-        }
+    mod_iv box[16];
+    int64_t first[16], n[16], count;
+    if (nidx > 16) {                      /* unknown; every pair is evaluated and checked */
+        *must = 1;
+        return mod_iv_top();
     }
-    if (!known)
+    for (int64_t ax = 0; ax < nidx; ax++)
+        box[ax] = ir[idx[ax]];
+    if (!mod_cell_box(box, arr->shape, (int)nidx, 1, first, n, &count, must) || !values)
         return mod_iv_top();
     int64_t j[16] = {0}, lo = 0, hi = 0;
     for (int64_t e = 0; e < count; e++) {

@@ -176,4 +176,32 @@ DEV int mod_set_xor(int a, int b)
 DEV int mod_set_where(int c, int a, int b) { return c == 1 ? a : c == 2 ? b : a | b; }
 DEV int mod_cell_set(mod_iv v) { return v.top ? 3 : mod_set(v.hi >= 1, v.lo <= 0); }   /* a bool lookup's */
 
+/* A lookup's index box over a cell (idx: one interval an axis of an array of these dims): per
+ * axis its first element (a negative index counts from the end) and count. 1 when the box is
+ * known and holds at most MOD_CELL_SCAN elements (*count), else 0 (the lookup's value is then
+ * unknown). Where an index may leave its axis, *must is set if the lookup is checked: the cell
+ * is evaluated pair by pair, which reports it. The GPU's mod_cell_load (attn_mods.cuh) and the
+ * CPU's cell_load (interp.c) scan the box. */
+DEV int mod_cell_box(const mod_iv *idx, const int64_t *shape, int nidx, int checked, int64_t *first, int64_t *n,
+                     int64_t *count, int *must)
+{
+    int known = 1;
+    *count = 1;
+    for (int ax = 0; ax < nidx; ax++) {
+        const int64_t size = shape[ax];
+        const mod_iv i = idx[ax];
+        if (i.top || i.lo < -size || i.hi >= size) {
+            *must |= checked;
+            known = 0;
+        } else if (i.lo < 0 && i.hi >= 0) {       /* both ends of the axis: two runs */
+            known = 0;
+        } else if (known) {
+            first[ax] = i.lo < 0 ? i.lo + size : i.lo;
+            n[ax] = i.hi - i.lo + 1;
+            known = n[ax] <= MOD_CELL_SCAN && (*count *= n[ax]) <= MOD_CELL_SCAN;
+        }
+    }
+    return known;
+}
+
 #endif

@@ -217,25 +217,8 @@ DEV mod_iv mod_cell_load(const attn_mods_gpu *m, int arr, int nidx, mod_iv i0, m
                          int kind, int checked, int *must)
 {
     const mod_iv idx[ATTN_MOD_DIMS] = {i0, i1, i2, i3};
-    int64_t first[ATTN_MOD_DIMS] = {0, 0, 0, 0}, n[ATTN_MOD_DIMS] = {1, 1, 1, 1}, count = 1;
-    int known = kind >= 0;
-    for (int ax = 0; ax < nidx; ax++) {
-        const int64_t size = m->a[arr].shape[ax];
-        const mod_iv i = idx[ax];
-        if (i.top || i.lo < -size || i.hi >= size) {
-            *must |= checked;
-            known = 0;
-        } else if (i.lo < 0 && i.hi >= 0) {       /* both ends of the axis */
-            known = 0;
-        } else {
-            first[ax] = i.lo < 0 ? i.lo + size : i.lo;
-            n[ax] = i.hi - i.lo + 1;
-            known = known && n[ax] <= MOD_CELL_SCAN;
-            count = known ? count * n[ax] : 1;
-            known = known && count <= MOD_CELL_SCAN;
-        }
-    }
-    if (!known)
+    int64_t first[ATTN_MOD_DIMS] = {0, 0, 0, 0}, n[ATTN_MOD_DIMS] = {1, 1, 1, 1}, count;
+    if (!mod_cell_box(idx, m->a[arr].shape, nidx, checked, first, n, &count, must) || kind < 0)
         return mod_iv_top();
     int64_t lo = 0, hi = 0;
     for (int64_t j0 = 0; j0 < n[0]; j0++)
