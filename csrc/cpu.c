@@ -63,6 +63,7 @@ static int cpu_threads(int requested)
 #define STORE_ROW store_row_f32
 #define TANH tanhf
 #define LOG logf
+#define LOG2 log2f
 #include "cpu_impl.h"
 #undef T
 #undef SUF
@@ -71,6 +72,7 @@ static int cpu_threads(int requested)
 #undef STORE_ROW
 #undef TANH
 #undef LOG
+#undef LOG2
 
 #define T double
 #define SUF f64
@@ -79,6 +81,7 @@ static int cpu_threads(int requested)
 #define STORE_ROW store_row_f64
 #define TANH tanh
 #define LOG log
+#define LOG2 log2
 #include "cpu_impl.h"
 
 int cpu_forward(const attn_params *p)

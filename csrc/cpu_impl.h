@@ -382,8 +382,63 @@ static int FN(block_mask_build)(const attn_params *p, FN(block_mask) *bm)
     return err ? err : mods->err->failed ? -2 : 0;
 }
 
-#define LOG2E 1.4426950408889634
-#define LN2 0.6931471805599453
+/* The online softmax of one query tile over its key tiles: rows r0 .. r0 + nr of sequence b,
+ * query head h (tile qb), queries transposed in Qt (DP x BQ), keys packed in kr. Sets each row's
+ * maximum m (natural units) and sum l, and with O (BQ x DvP, zeroed) also O = sum of p V over
+ * the packed values vr, unnormalised. The forward's loop, and the backward's where a row's lse
+ * lost them (row_stats). Returns 0, or -1 when a lookup was out of range (mods->err says
+ * where). St (BK x BQ), S (BQ x BK), alpha (BQ), row, maskbuf and mb are the thread's buffers. */
+static int FN(online_softmax)(const attn_params *p, const FN(tiling) *kt_tiles, const FN(block_mask) *bm,
+                              int64_t b, int64_t h, int64_t qb, int64_t nr, seq_t sq, seq_t sk,
+                              int64_t DP, int64_t DvP, const T *Qt, const T *kr, const T *vr, T *O,
+                              T *m, T *l, T *alpha, T *St, T *S, T *row, unsigned char *maskbuf,
+                              FN(mod_bufs) *mb)
+{
+    const interp_mods *mods = p->mods;
+    const int has_score_mod = mods && interp_has(&mods->score);
+    const int has_mask_mod = mods && interp_has(&mods->mask);
+    const int64_t r0 = qb * BQ, D = p->D, Dv = p->Dv, hk = h / (p->Hq / p->Hk);
+    for (int64_t i = 0; i < BQ; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0;
+    }
+    int64_t lo, hi;
+    kv_range(p, r0, r0 + nr, sq.len, sk.len, &lo, &hi);
+    for (int64_t kb = imax64(lo, 0) / BK; kb * BK < hi; kb++) {
+        const int64_t c0 = kb * BK, n = imin64(BK, sk.len - c0);
+        const int64_t g = (kt_tiles->off[b] + kb) * p->Hk + hk;
+        const int state = has_mask_mod ? FN(block_state)(bm, b, h, qb, kb) : TILE_FULL;
+        if (state == TILE_EMPTY)
+            continue;
+        const int mods_here = has_score_mod || state == TILE_PARTIAL;
+        /* scores transposed, St = K Q^T (a query per column), so the softmax's maxima and sums
+         * are vertical vector operations; P V is then St^T V */
+        OPS->gemm((int)ROUND_UP(n, SIMD_M_ALIGN), BQ, (int)D, kr + g * BK * DP, DP, Qt, BQ, St, BQ, 0);
+        T scale = (T)p->scale;
+        if (mods_here || !FN(tile_is_plain)(p, r0, nr, c0, n, sq.len, sk.len)) {
+            /* the per-element pipeline works on rows of queries */
+            for (int64_t i = 0; i < nr; i++)
+                for (int64_t j = 0; j < n; j++)
+                    S[i * BK + j] = St[j * BQ + i];
+            if (FN(score_tile)(p, b, h, r0, nr, c0, n, sq.len, sk.len, S, NULL, row, maskbuf,
+                               mods_here ? mb : NULL, state == TILE_FULL))
+                return -1;
+            for (int64_t j = 0; j < n; j++)
+                for (int64_t i = 0; i < nr; i++)
+                    St[j * BQ + i] = S[i * BK + j];
+            scale = 1;
+        }
+        OPS->softmax_cols((int)n, BQ, BQ, St, scale, m, l, alpha);
+        if (!O)
+            continue;
+        for (int64_t i = 0; i < nr; i++)
+            if (alpha[i] != 1)
+                for (int64_t d = 0; d < Dv; d++)
+                    O[i * DvP + d] *= alpha[i];
+        OPS->gemm_tn(BQ, (int)DvP, (int)n, St, BQ, vr + g * BK * DvP, DvP, O, DvP, 1);
+    }
+    return 0;
+}
 
 /* ---------------------------------------------------------------------------------------- */
 /* Forward                                                                                   */
@@ -393,9 +448,7 @@ int FN(cpu_forward)(const attn_params *p)
 {
     const int64_t B = p->B, Hq = p->Hq, Hk = p->Hk, D = p->D, Dv = p->Dv;
     const int64_t DP = ROUND_UP(D, SIMD_N_ALIGN), DvP = ROUND_UP(Dv, SIMD_N_ALIGN);
-    const int64_t G = Hq / Hk;
     const interp_mods *mods = p->mods;
-    const int has_score_mod = mods && interp_has(&mods->score);
     const int has_mask_mod = mods && interp_has(&mods->mask);
     int err = 0;
     FN(tiling) kt_tiles = {0};
@@ -450,55 +503,21 @@ int FN(cpu_forward)(const attn_params *p)
             }
             if (!ok || failed) continue;
             const int64_t b = task / (Hq * nqb), h = (task / nqb) % Hq, qb = task % nqb;
-            const int64_t hk = h / G;
             const seq_t sq = seq_q(p, b), sk = seq_k(p, b);
             const int64_t r0 = qb * BQ;
             if (r0 >= sq.rows) continue;
             const int64_t r1 = imin64(r0 + BQ, sq.rows);
             const int64_t nr = imax64(0, imin64(sq.len - r0, r1 - r0));   /* real rows */
-            for (int64_t i = 0; i < BQ; i++) {
-                m[i] = -INFINITY;
+            for (int64_t i = 0; i < BQ; i++)
                 l[i] = 0;
-            }
             if (nr > 0) {
-                /* scores transposed, St = K Q^T (a query per column), so the softmax's maxima and
-                 * sums are vertical vector operations; P V is then St^T V */
                 FN(load_rows)(&p->q, p->dtype, sq, h, r0, nr, BQ, D, DP, Qs);
                 for (int64_t d = 0; d < D; d++)
                     for (int64_t i = 0; i < BQ; i++)
                         Qt[d * BQ + i] = Qs[i * DP + d];
                 memset(O, 0, sizeof(T) * BQ * DvP);
-                int64_t lo, hi;
-                kv_range(p, r0, r0 + nr, sq.len, sk.len, &lo, &hi);
-                for (int64_t kb = imax64(lo, 0) / BK; kb * BK < hi; kb++) {
-                    const int64_t c0 = kb * BK, n = imin64(BK, sk.len - c0);
-                    const int64_t g = (kt_tiles.off[b] + kb) * Hk + hk;
-                    const int state = has_mask_mod ? FN(block_state)(&bm, b, h, qb, kb) : TILE_FULL;
-                    if (state == TILE_EMPTY)
-                        continue;
-                    const int mods_here = has_score_mod || state == TILE_PARTIAL;
-                    OPS->gemm((int)ROUND_UP(n, SIMD_M_ALIGN), BQ, (int)D, kr + g * BK * DP, DP, Qt, BQ, St, BQ, 0);
-                    T mult = (T)(p->scale * LOG2E);
-                    if (mods_here || !FN(tile_is_plain)(p, r0, nr, c0, n, sq.len, sk.len)) {
-                        /* the per-element pipeline works on rows of queries */
-                        for (int64_t i = 0; i < nr; i++)
-                            for (int64_t j = 0; j < n; j++)
-                                S[i * BK + j] = St[j * BQ + i];
-                        if (FN(score_tile)(p, b, h, r0, nr, c0, n, sq.len, sk.len, S, NULL, row, maskbuf,
-                                           mods_here ? &mb : NULL, state == TILE_FULL))
-                            break;
-                        for (int64_t j = 0; j < n; j++)
-                            for (int64_t i = 0; i < nr; i++)
-                                St[j * BQ + i] = S[i * BK + j];
-                        mult = (T)LOG2E;
-                    }
-                    OPS->softmax_cols((int)n, BQ, BQ, St, mult, m, l, alpha);
-                    for (int64_t i = 0; i < nr; i++)
-                        if (alpha[i] != 1)
-                            for (int64_t d = 0; d < Dv; d++)
-                                O[i * DvP + d] *= alpha[i];
-                    OPS->gemm_tn(BQ, (int)DvP, (int)n, St, BQ, vr + g * BK * DvP, DvP, O, DvP, 1);
-                }
+                FN(online_softmax)(p, &kt_tiles, &bm, b, h, qb, nr, sq, sk, DP, DvP, Qt, kr, vr, O,
+                                   m, l, alpha, St, S, row, maskbuf, &mb);
             }
             for (int64_t i = 0; i < r1 - r0; i++) {
                 const int64_t r = r0 + i;
@@ -510,7 +529,7 @@ int FN(cpu_forward)(const attn_params *p)
                     T inv = 1 / l[i];
                     for (int64_t d = 0; d < Dv; d++)
                         row[d] = O[i * DvP + d] * inv;
-                    lse = m[i] * (T)LN2 + LOG(l[i]);
+                    lse = m[i] + LOG(l[i]);
                 } else {
                     memset(row, 0, sizeof(T) * Dv);
                 }
@@ -542,6 +561,37 @@ done:
     free(kr);
     free(vr);
     return err;
+}
+
+/* True when a row's lse, stored at T's precision, is too large to hold its log(sum): lse = m +
+ * log(l) rounds away what log(l) adds to the maximum m once ulp(lse) is no longer small (a row
+ * of -1e10 fills: lse = -1e10 exactly, and exp(s - lse) = 1 for each of n keys, not 1 / n). The
+ * limits keep the relative error of exp(s - lse) under 4e-6 (float) and 1e-10 (double). */
+static int FN(lse_lost)(T lse)
+{
+    const T limit = sizeof(T) == sizeof(float) ? (T)64 : (T)(1 << 20);
+    return isfinite(lse) && (lse > limit || lse < -limit);
+}
+
+/* The backward's softmax offsets of the rows of one query tile whose lse is lost (lse_lost),
+ * from their scores again: lm = the row's maximum, lz = log2 of its sum, as the forward had them.
+ * Q: the packed tile (BQ x DP); the rest as online_softmax's. */
+static void FN(row_stats)(const attn_params *p, const FN(tiling) *kt_tiles, const FN(block_mask) *bm,
+                          int64_t b, int64_t h, int64_t r0, int64_t nr, int64_t DP, int64_t DvP,
+                          const T *Q, const T *kr, T *lm, T *lz, T *Qt, T *m, T *l, T *alpha, T *St,
+                          T *S, T *row, unsigned char *maskbuf, FN(mod_bufs) *mb)
+{
+    for (int64_t d = 0; d < p->D; d++)
+        for (int64_t i = 0; i < BQ; i++)
+            Qt[d * BQ + i] = Q[i * DP + d];
+    if (FN(online_softmax)(p, kt_tiles, bm, b, h, r0 / BQ, nr, seq_q(p, b), seq_k(p, b), DP, DvP, Qt, kr,
+                           NULL, NULL, m, l, alpha, St, S, row, maskbuf, mb))
+        return;
+    for (int64_t i = 0; i < nr; i++)
+        if (FN(lse_lost)(lm[i]) && isfinite(m[i]) && l[i] > 0) {
+            lm[i] = m[i];
+            lz[i] = LOG2(l[i]);
+        }
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -578,8 +628,8 @@ int FN(cpu_backward)(const attn_params *p)
     FN(tiling) kt_tiles = {0}, q_tiles = {0};
     FN(block_mask) bm = {0};
     double *dacc = NULL;
-    T *kt = NULL, *kr = NULL, *vt = NULL, *qr = NULL, *dor = NULL, *lse2 = NULL, *delta = NULL,
-      *dqp = NULL;
+    T *kt = NULL, *kr = NULL, *vt = NULL, *qr = NULL, *dor = NULL, *lm = NULL, *lz = NULL,
+      *delta = NULL, *dqp = NULL;
     if (FN(tiling_init)(&kt_tiles, p, 0, BK) || FN(tiling_init)(&q_tiles, p, 1, BQ)) {
         err = -1;
         goto done;
@@ -604,10 +654,11 @@ int FN(cpu_backward)(const attn_params *p)
     vt = (T *)FN(alloc)((size_t)n_kv_tiles * Dv * BK);
     qr = (T *)FN(alloc)((size_t)n_q_tiles * BQ * DP);
     dor = (T *)FN(alloc)((size_t)n_q_tiles * BQ * DvP);
-    lse2 = (T *)FN(alloc)((size_t)n_q_tiles * BQ);
+    lm = (T *)FN(alloc)((size_t)n_q_tiles * BQ);
+    lz = (T *)FN(alloc)((size_t)n_q_tiles * BQ);
     delta = (T *)FN(alloc)((size_t)n_q_tiles * BQ);
     dqp = (T *)FN(alloc)((size_t)NC * n_q_tiles * BQ * DP);
-    if (!kt || !kr || !vt || !qr || !dor || !lse2 || !delta || !dqp) {
+    if (!kt || !kr || !vt || !qr || !dor || !lm || !lz || !delta || !dqp) {
         err = -1;
         goto done;
     }
@@ -628,10 +679,13 @@ int FN(cpu_backward)(const attn_params *p)
         T *S = (T *)FN(alloc)(BQ * BK), *dP = (T *)FN(alloc)(BQ * BK);
         T *th = (T *)FN(alloc)(BQ * BK);
         T *dK = (T *)FN(alloc)(BK * DP), *dV = (T *)FN(alloc)(BK * DvP);
+        /* row_stats' buffers */
+        T *Qt = (T *)FN(alloc)(DP * BQ), *St = (T *)FN(alloc)(BK * BQ);
+        T *m = (T *)FN(alloc)(BQ), *l = (T *)FN(alloc)(BQ), *alpha = (T *)FN(alloc)(BQ);
         unsigned char *maskbuf = (unsigned char *)malloc(BK);
         FN(mod_bufs) mb;
         int ok = !FN(mod_bufs_init)(&mb, mods, 1);
-        ok = ok && row && S && dP && th && dK && dV && maskbuf;
+        ok = ok && row && S && dP && th && dK && dV && Qt && St && m && l && alpha && maskbuf;
         if (!ok) {
 #pragma omp atomic write
             err = -1;
@@ -642,11 +696,12 @@ int FN(cpu_backward)(const attn_params *p)
             if (ok)
                 FN(pack_kv)(p, &kt_tiles, g, DP, DvP, kt, kr, NULL, vt, row);
 
-        /* pack Q and dO tiles, lse in log2 units, delta = rowsum(dO * O). A row whose lse is
-         * -inf keeps no key (and padding rows are such rows): it has no gradient path, so its
-         * q, dO and delta are packed as 0, and the task loop zeroes its dS and the dq row, so
-         * that no NaN or inf in its dO, out, q, or at keys it does not keep, reaches a gradient
-         * as 0 * NaN. */
+        /* pack Q and dO tiles, each row's softmax offsets (lm, lz: P = exp2((s - lm) log2 e - lz)),
+         * delta = rowsum(dO * O). A row whose lse is -inf keeps no key (and padding rows are
+         * such rows): it has no gradient path, so its q, dO and delta are packed as 0, and the
+         * task loop zeroes its dS and the dq row, so that no NaN or inf in its dO, out, q, or at
+         * keys it does not keep, reaches a gradient as 0 * NaN. Rows whose lse is too large to
+         * hold log(sum) (lse_lost) get their maximum and sum again (row_stats). */
 #pragma omp for schedule(dynamic, 4)
         for (int64_t g = 0; g < n_q_tiles; g++) {
             if (!ok) continue;
@@ -655,11 +710,11 @@ int FN(cpu_backward)(const attn_params *p)
             T *Q = qr + g * BQ * DP, *dO = dor + g * BQ * DvP;
             FN(load_rows)(&p->q, p->dtype, sq, h, r0, nr, BQ, D, DP, Q);
             FN(load_rows)(&p->dout, p->dtype, sq, h, r0, nr, BQ, Dv, DvP, dO);
+            int lost = 0;
             for (int64_t i = 0; i < BQ; i++) {
                 T L = -INFINITY, dl = 0;
                 if (i < nr)
                     L = *FN(lse_at)(p, sq.mem_b, h, sq.start + r0 + i);
-                L *= (T)LOG2E;
                 if (L == -INFINITY) {
                     memset(Q + i * DP, 0, sizeof(T) * DP);
                     memset(dO + i * DvP, 0, sizeof(T) * DvP);
@@ -668,10 +723,15 @@ int FN(cpu_backward)(const attn_params *p)
                     const T *dor_i = dO + i * DvP;
                     for (int64_t d = 0; d < Dv; d++)
                         dl += row[d] * dor_i[d];
+                    lost |= FN(lse_lost)(L);
                 }
-                lse2[g * BQ + i] = L;
+                lm[g * BQ + i] = L;
+                lz[g * BQ + i] = 0;
                 delta[g * BQ + i] = dl;
             }
+            if (lost)   /* a lookup out of range: mods->err says where, and the task loop stops */
+                FN(row_stats)(p, &kt_tiles, &bm, FN(tiling_seq)(&q_tiles, B, g / Hq), h, r0, nr, DP, DvP, Q, kr, lm + g * BQ,
+                              lz + g * BQ, Qt, m, l, alpha, St, S, row, maskbuf, &mb);
         }
 
 #pragma omp for schedule(dynamic, 1)
@@ -707,7 +767,7 @@ int FN(cpu_backward)(const attn_params *p)
                                 const int64_t gq = (q_tiles.off[b] + qb) * Hq + h;
                                 const T *Q = qr + gq * BQ * DP, *dO = dor + gq * BQ * DvP;
                                 OPS->gemm((int)Mr, BK, (int)D, Q, DP, kt + gk * D * BK, BK, S, BK, 0);
-                                T mult = (T)(p->scale * LOG2E);
+                                T scale = (T)p->scale;
                                 int plain = !mods_here && FN(tile_is_plain)(p, r0, nr, c0, n, sq.len, sk.len);
                                 if (!plain) {
                                     if (FN(score_tile)(p, b, h, r0, nr, c0, n, sq.len, sk.len, S,
@@ -716,9 +776,9 @@ int FN(cpu_backward)(const attn_params *p)
                                         failed = 1;
                                         break;
                                     }
-                                    mult = (T)LOG2E;
+                                    scale = 1;
                                 }
-                                OPS->exp_rows((int)nr, (int)n, BK, S, mult, lse2 + gq * BQ);
+                                OPS->exp_rows((int)nr, (int)n, BK, S, scale, lm + gq * BQ, lz + gq * BQ);
                                 /* P's padding (rows >= nr, columns >= n) must be 0 */
                                 for (int64_t i = 0; i < Mr; i++)
                                     for (int64_t j = (i < nr ? n : 0); j < BK; j++)
@@ -727,7 +787,7 @@ int FN(cpu_backward)(const attn_params *p)
                                 OPS->gemm_tn(BK, (int)DvP, (int)Mr, S, BK, dO, DvP, dV, DvP, 1);
                                 /* dS = P * (dP - delta), in place in S; 0 in a row that keeps
                                  * no key (lse -inf: padding rows too), whatever NaN dP holds */
-                                const T *dl = delta + gq * BQ, *l2 = lse2 + gq * BQ;
+                                const T *dl = delta + gq * BQ, *l2 = lm + gq * BQ;
                                 for (int64_t i = 0; i < Mr; i++) {
                                     T *s = S + i * BK;
                                     const T *dp = dP + i * BK, d = dl[i];
@@ -787,7 +847,7 @@ int FN(cpu_backward)(const attn_params *p)
             int64_t h, r0, nr;
             seq_t sq = FN(q_tile)(&q_tiles, p, Hq, g, &h, &r0, &nr);
             for (int64_t i = 0; i < nr; i++) {
-                if (lse2[g * BQ + i] == -INFINITY)
+                if (lm[g * BQ + i] == -INFINITY)
                     memset(row, 0, sizeof(T) * D);
                 else
                     for (int64_t d = 0; d < D; d++) {
@@ -824,7 +884,7 @@ done:
     FN(block_mask_free)(&bm);
     free(dacc);
     free(kt_tiles.off); free(q_tiles.off);
-    free(kt); free(kr); free(vt); free(qr); free(dor); free(lse2); free(delta); free(dqp);
+    free(kt); free(kr); free(vt); free(qr); free(dor); free(lm); free(lz); free(delta); free(dqp);
     return err;
 }
 

@@ -74,28 +74,32 @@ static inline __attribute__((always_inline)) double exp2_f64(double x) { return 
                                                                                                     \
     /* Online-softmax step over transposed scores (see simd.h): every pass is a vertical        \
      * vector operation across the `cols` queries, with no horizontal reduction. */             \
-    TARGET UNUSED static void softmax_cols_##SUF(int n, int cols, int64_t ld, T *St, T mult, T *m, T *l, \
-                                          T *alpha)                                                 \
+    TARGET UNUSED static void softmax_cols_##SUF(int n, int cols, int64_t ld, T *St, T scale, T *m, \
+                                                 T *l, T *alpha)                                    \
     {                                                                                               \
+        const T log2e = (T)SIMD_LOG2E;                                                              \
         T mx[SIMD_MAX_COLS], sum[SIMD_MAX_COLS];                                                    \
         for (int c = 0; c < cols; c++) {                                                            \
             mx[c] = m[c];                                                                           \
             sum[c] = 0;                                                                             \
         }                                                                                           \
         for (int j = 0; j < n; j++) {                                                               \
-            const T *s = St + (int64_t)j * ld;                                                      \
-            _Pragma("omp simd")                                                                     \
-            for (int c = 0; c < cols; c++) {                                                        \
-                T t = s[c] * mult;                                                                  \
-                mx[c] = t > mx[c] ? t : mx[c];                                                      \
+            T *s = St + (int64_t)j * ld;                                                            \
+            if (scale != 1) {                                                                       \
+                _Pragma("omp simd")                                                                 \
+                for (int c = 0; c < cols; c++)                                                      \
+                    s[c] *= scale;                                                                  \
             }                                                                                       \
+            _Pragma("omp simd")                                                                     \
+            for (int c = 0; c < cols; c++)                                                          \
+                mx[c] = s[c] > mx[c] ? s[c] : mx[c];                                                \
         }                                                                                           \
         /* a query with no finite score yet keeps m = -inf; 0 stands in so that its p and alpha \
          * come out 0 (exp2(-inf)) rather than NaN */                                               \
         _Pragma("omp simd")                                                                         \
         for (int c = 0; c < cols; c++) {                                                            \
             T safe = mx[c] == -INFINITY ? 0 : mx[c];                                                \
-            alpha[c] = EXP2(m[c] - safe);                                                           \
+            alpha[c] = EXP2((m[c] - safe) * log2e);                                                 \
             m[c] = mx[c];                                                                           \
             mx[c] = safe;                                                                           \
         }                                                                                           \
@@ -103,7 +107,7 @@ static inline __attribute__((always_inline)) double exp2_f64(double x) { return 
             T *s = St + (int64_t)j * ld;                                                            \
             _Pragma("omp simd")                                                                     \
             for (int c = 0; c < cols; c++) {                                                        \
-                T p = EXP2(s[c] * mult - mx[c]);                                                    \
+                T p = EXP2((s[c] - mx[c]) * log2e);                                                 \
                 s[c] = p;                                                                           \
                 sum[c] += p;                                                                        \
             }                                                                                       \
@@ -112,18 +116,25 @@ static inline __attribute__((always_inline)) double exp2_f64(double x) { return 
             l[c] = l[c] * alpha[c] + sum[c];                                                        \
     }                                                                                               \
                                                                                                     \
-    TARGET UNUSED static void exp_rows_##SUF(int rows, int n, int64_t ld, T *S, T mult, const T *lse2)    \
+    TARGET UNUSED static void exp_rows_##SUF(int rows, int n, int64_t ld, T *S, T scale, const T *m, \
+                                             const T *z)                                            \
     {                                                                                               \
+        const T log2e = (T)SIMD_LOG2E;                                                              \
         for (int i = 0; i < rows; i++) {                                                            \
             T *s = S + (int64_t)i * ld;                                                             \
-            T off = lse2[i];                                                                        \
+            const T off = m[i], zi = z[i];                                                          \
             if (off == -INFINITY) {                                                                 \
                 memset(s, 0, sizeof(T) * n);                                                        \
                 continue;                                                                           \
             }                                                                                       \
+            if (scale != 1) {   /* its own loop: t rounded, never fused into the subtraction */     \
+                _Pragma("omp simd")                                                                 \
+                for (int j = 0; j < n; j++)                                                         \
+                    s[j] *= scale;                                                                  \
+            }                                                                                       \
             _Pragma("omp simd")                                                                     \
             for (int j = 0; j < n; j++)                                                             \
-                s[j] = EXP2(s[j] * mult - off);                                                     \
+                s[j] = EXP2((s[j] - off) * log2e - zi);                                             \
         }                                                                                           \
     }
 
@@ -146,9 +157,10 @@ static const simd_ops_f32 ops_f32_portable = OPS(float, f32_portable, "portable"
 static const simd_ops_f64 ops_f64_portable = OPS(double, f64_portable, "portable");
 #ifdef HAVE_X86_VARIANTS
 /* softmax_avx512.c: the float32 softmax passes written with AVX-512 intrinsics */
-void softmax_cols_f32_avx512x(int n, int cols, int64_t ld, float *St, float mult, float *m,
+void softmax_cols_f32_avx512x(int n, int cols, int64_t ld, float *St, float scale, float *m,
                               float *l, float *alpha);
-void exp_rows_f32_avx512x(int rows, int n, int64_t ld, float *S, float mult, const float *lse2);
+void exp_rows_f32_avx512x(int rows, int n, int64_t ld, float *S, float scale, const float *m,
+                          const float *z);
 static const simd_ops_f32 ops_f32_avx512 = {"avx512", gemm_f32_avx512, gemm_tn_f32_avx512,
                                             softmax_cols_f32_avx512x, exp_rows_f32_avx512x};
 static const simd_ops_f64 ops_f64_avx512 = OPS(double, f64_avx512, "avx512");

@@ -17,6 +17,7 @@
 
 /* ln 2, float: every exp2 variant computes 2^f as e^(f ln 2) by its Taylor series */
 #define SIMD_LN2_F32 0.6931471805599453f
+#define SIMD_LOG2E 1.4426950408889634
 
 typedef struct {
     const char *name;
@@ -26,14 +27,20 @@ typedef struct {
     /* C[M x N] (+)= A^T B with A stored (K x M) row-major: the backward's P^T dO and dS^T Q */
     void (*gemm_tn)(int M, int N, int K, const float *A, int64_t lda, const float *B, int64_t ldb,
                     float *C, int64_t ldc, int accumulate);
-    /* Online-softmax step over transposed scores St[n keys x cols queries] (row stride ld): with
-     * t = St * mult (log2 units), per query c: m_new = max(m, max_j t); St <- exp2(t - m_new);
-     * l <- l * alpha + column sum; alpha[c] = exp2(m_old - m_new). A query still without a finite
-     * score keeps m = -inf and gets P = 0, alpha = 0. cols <= SIMD_MAX_COLS. */
-    void (*softmax_cols)(int n, int cols, int64_t ld, float *St, float mult, float *m, float *l,
+    /* Online-softmax step over transposed scores St[n keys x cols queries] (row stride ld), in
+     * natural units: St <- t = St * scale, stored rounded (scale 1: St already holds the scores),
+     * then per query c: m_new = max(m, max_j t); St <- exp2((t - m_new) log2 e); l <- l * alpha +
+     * column sum; alpha[c] = exp2((m_old - m_new) log2 e). Subtracting the maximum before the
+     * change of units keeps huge finite scores finite (-FLT_MAX * log2 e overflows) and gives
+     * the maximum's p exactly 1 (t * log2e - m * log2e fused by FMA does not). A query still
+     * without a finite score keeps m = -inf and gets P = 0, alpha = 0. cols <= SIMD_MAX_COLS. */
+    void (*softmax_cols)(int n, int cols, int64_t ld, float *St, float scale, float *m, float *l,
                          float *alpha);
-    /* S[i, j] <- exp2(S[i, j] * mult - lse2[i]); rows with lse2 = -inf get 0 (backward's P). */
-    void (*exp_rows)(int rows, int n, int64_t ld, float *S, float mult, const float *lse2);
+    /* The backward's P: S[i, j] <- exp2((t - m[i]) log2 e - z[i]) with t = S[i, j] * scale stored
+     * rounded first, as softmax_cols rounds it; m = lse, z = 0 for most rows, the row's maximum
+     * and log2 of its sum where lse lost them (cpu_impl.h's row_stats). Rows with m = -inf get 0. */
+    void (*exp_rows)(int rows, int n, int64_t ld, float *S, float scale, const float *m,
+                     const float *z);
 } simd_ops_f32;
 
 typedef struct {
@@ -42,9 +49,10 @@ typedef struct {
                  double *C, int64_t ldc, int accumulate);
     void (*gemm_tn)(int M, int N, int K, const double *A, int64_t lda, const double *B, int64_t ldb,
                     double *C, int64_t ldc, int accumulate);
-    void (*softmax_cols)(int n, int cols, int64_t ld, double *St, double mult, double *m, double *l,
-                         double *alpha);
-    void (*exp_rows)(int rows, int n, int64_t ld, double *S, double mult, const double *lse2);
+    void (*softmax_cols)(int n, int cols, int64_t ld, double *St, double scale, double *m,
+                         double *l, double *alpha);
+    void (*exp_rows)(int rows, int n, int64_t ld, double *S, double scale, const double *m,
+                     const double *z);
 } simd_ops_f64;
 
 const simd_ops_f32 *simd_f32(void);

@@ -35,23 +35,31 @@ TARGET static inline __m512 exp2_ps(__m512 x)
 static inline __mmask16 tail_mask(int left) { return left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1); }
 
 /* simd.h's softmax_cols, 16 queries at a time (cols is a multiple of SIMD_N_ALIGN). */
-TARGET void softmax_cols_f32_avx512x(int n, int cols, int64_t ld, float *St, float mult, float *m,
+TARGET void softmax_cols_f32_avx512x(int n, int cols, int64_t ld, float *St, float scale, float *m,
                                      float *l, float *alpha)
 {
-    const __m512 vmult = _mm512_set1_ps(mult), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 vscale = _mm512_set1_ps(scale), log2e = _mm512_set1_ps((float)SIMD_LOG2E);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
     for (int c = 0; c < cols; c += 16) {
         __m512 mx = _mm512_loadu_ps(m + c);
-        for (int j = 0; j < n; j++)
-            mx = _mm512_max_ps(mx, _mm512_mul_ps(_mm512_loadu_ps(St + (int64_t)j * ld + c), vmult));
+        for (int j = 0; j < n; j++) {
+            float *s = St + (int64_t)j * ld + c;
+            __m512 t = _mm512_loadu_ps(s);
+            if (scale != 1) {
+                t = _mm512_mul_ps(t, vscale);
+                _mm512_storeu_ps(s, t);
+            }
+            mx = _mm512_max_ps(mx, t);
+        }
         /* a query with no finite score yet keeps m = -inf; 0 stands in for it so that its p and
          * alpha come out 0 rather than NaN */
         __m512 safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ), mx,
                                            _mm512_setzero_ps());
-        __m512 a = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(m + c), safe));
+        __m512 a = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(m + c), safe), log2e));
         __m512 sum = _mm512_setzero_ps();
         for (int j = 0; j < n; j++) {
             float *s = St + (int64_t)j * ld + c;
-            __m512 p = exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s), vmult, safe));
+            __m512 p = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s), safe), log2e));
             _mm512_storeu_ps(s, p);
             sum = _mm512_add_ps(sum, p);
         }
@@ -61,19 +69,28 @@ TARGET void softmax_cols_f32_avx512x(int n, int cols, int64_t ld, float *St, flo
     }
 }
 
-TARGET void exp_rows_f32_avx512x(int rows, int n, int64_t ld, float *S, float mult, const float *lse2)
+TARGET void exp_rows_f32_avx512x(int rows, int n, int64_t ld, float *S, float scale, const float *m,
+                                 const float *z)
 {
-    const __m512 vmult = _mm512_set1_ps(mult);
+    const __m512 vscale = _mm512_set1_ps(scale), log2e = _mm512_set1_ps((float)SIMD_LOG2E);
     for (int i = 0; i < rows; i++) {
         float *s = S + (int64_t)i * ld;
-        if (lse2[i] == -INFINITY) {
+        if (m[i] == -INFINITY) {
             memset(s, 0, sizeof(float) * n);
             continue;
         }
-        const __m512 off = _mm512_set1_ps(lse2[i]);
+        const __m512 off = _mm512_set1_ps(m[i]), zi = _mm512_set1_ps(z[i]);
+        /* t = s * scale stored rounded, as softmax_cols rounds it: a loop of its own, so that
+         * the compiler cannot fuse the product into the subtraction (-ffp-contract=fast) */
+        if (scale != 1)
+            for (int j = 0; j < n; j += 16) {
+                __mmask16 k = tail_mask(n - j);
+                _mm512_mask_storeu_ps(s + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), vscale));
+            }
         for (int j = 0; j < n; j += 16) {
             __mmask16 k = tail_mask(n - j);
-            __m512 p = exp2_ps(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + j), vmult, off));
+            __m512 t = _mm512_maskz_loadu_ps(k, s + j);
+            __m512 p = exp2_ps(_mm512_fmsub_ps(_mm512_sub_ps(t, off), log2e, zi));
             _mm512_mask_storeu_ps(s + j, k, p);
         }
     }
