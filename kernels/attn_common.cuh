@@ -239,8 +239,19 @@ DEV void load_tile(elem_t *smem, const elem_t *src, int64_t row_stride, int64_t 
 
 /* ---------------------------------------------------------------- the score hook */
 /* What one (batch, query head) block needs to finish a raw q.k into a score. */
+/* True when the options change a score beyond the scale (else a score's units are q.k: score_ctx's
+ * raw). */
+#define SCORE_IS_PLAIN (!HAS_SOFTCAP && !HAS_BIAS && !HAS_ALIBI && !HAS_SCORE_MOD)
+
 struct score_ctx {
     float scale;             /* multiplies q.k */
+    /* The units the forward's softmax and the backward's P take scores in (score_units): q.k
+     * itself where the score is plain and scale > 0 (its order is the scores'), else the
+     * natural-log score. to_log2 turns a difference of them into log2 units, to_natural a value
+     * into the natural score: exp2((s - max) * to_log2) never overflows, and the maximum's p
+     * is 1 exactly (s * log2e - max * log2e, fused by an FMA, is 2^(+-512) at 1e10). */
+    bool raw;
+    float to_log2, to_natural;
     float softcap, inv_softcap;
     const void *bias;        /* at [b, hb] already; indexed by r * bias_sr + c * bias_sc */
     int64_t bias_sr, bias_sc;
@@ -289,12 +300,11 @@ DEV score_ctx make_score_ctx(const attn_params &p, int64_t b, int64_t h, const s
 #if HAS_ALIBI
     s.slope = load_as_f32(p.alibi.ptr, b * p.alibi.s[0] + h * p.alibi.s[1], ALIBI_DT);
 #endif
+    s.raw = SCORE_IS_PLAIN && s.scale > 0.f;
+    s.to_log2 = s.raw ? s.scale * LOG2E : LOG2E;
+    s.to_natural = s.raw ? s.scale : 1.f;
     return s;
 }
-
-/* True when the options change a score beyond the scale (else the kernel folds scale * log2(e)
- * into one multiply). */
-#define SCORE_IS_PLAIN (!HAS_SOFTCAP && !HAS_BIAS && !HAS_ALIBI && !HAS_SCORE_MOD)
 
 /* Steps 1-4 of DESIGN's semantics for the pair (r, c), natural-log units: what score_mod gets. */
 DEV float score_base(const score_ctx &s, float dot, int r, int c)
@@ -338,6 +348,27 @@ DEV float kept_score(const score_ctx &s, bool keep, float dot, int r, int c, int
     return keep ? x : NEG_INF;
 #else
     return keep ? score_of(s, dot, r, c, bad) : NEG_INF;
+#endif
+}
+
+/* score_of in the softmax's units (score_ctx's raw): q.k itself where the score is plain and
+ * the scale positive. */
+DEV float unit_score(const score_ctx &s, float dot, int r, int c, int &bad)
+{
+#if SCORE_IS_PLAIN
+    return s.raw ? dot : dot * s.scale;
+#else
+    return score_of(s, dot, r, c, bad);
+#endif
+}
+
+/* kept_score in the softmax's units. */
+DEV float kept_unit_score(const score_ctx &s, bool keep, float dot, int r, int c, int &bad)
+{
+#if SCORE_IS_PLAIN
+    return keep ? unit_score(s, dot, r, c, bad) : NEG_INF;
+#else
+    return kept_score(s, keep, dot, r, c, bad);
 #endif
 }
 

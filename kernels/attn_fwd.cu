@@ -172,13 +172,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
     }
     cp_async_wait_all();
 
-    write_out(p, sq, o, m, l, m0 + warp * WARP_M, b, h, G, split, Lq);
+    write_out(p, sq, sc.to_natural, o, m, l, m0 + warp * WARP_M, b, h, G, split, Lq);
 }
 #endif
 
 /* Merges the num_splits partial results of SPLIT_KV: lse = log sum_s exp(lse_s), out = sum_s
  * exp(lse_s - lse) o_s. Grid (Sq, Hq, B), one block per row; rows past the sequence's real
- * length come out as 0 and -inf like every other row that keeps no key. */
+ * length come out as 0 and -inf like every other row that keeps no key. The weights are taken
+ * from the largest lse_s and the sum, not from lse, which rounds log(sum) away where it is huge
+ * (a row of -1e10 fills: exp(lse_s - lse) = 1 for every split). */
 #if ENTRY(attn_fwd_combine)
 extern "C" __global__ void __launch_bounds__(128) attn_fwd_combine(const __grid_constant__ attn_params p)
 {
@@ -201,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd_combine(const __grid_
             sum += __shfl_xor_sync(0xffffffffu, sum, o);
         const float lse = sum != 0.f ? base + logf(sum) : NEG_INF;   /* NaN stays NaN */
         for (int s = threadIdx.x; s < S; s += 32)
-            w[s] = sum != 0.f ? fast_exp2((p.lse_accum[s * stride + row0] - lse) * LOG2E) : 0.f;
+            w[s] = sum != 0.f ? fast_exp2((p.lse_accum[s * stride + row0] - base) * LOG2E) / sum : 0.f;
         if (threadIdx.x == 0)
             lse_sh = lse;
     }

@@ -155,11 +155,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
     /* the scores of tile n in s become P (and the row statistics move); corrs: O's factors */
     auto softmax = [&](float (&s)[1][NT][4], int n, bool need, float (&corrs)[2]) {
         score_tile(p, sc, s, row0, n * BLOCK_N, need, 1, Lq, Lk);
-        softmax_update(s, m, l, corrs);
+        softmax_update(s, m, l, corrs, sc.to_log2);
     };
 
     if (n_last < n_first) {
-        write_out(p, sq, o, m, l, row0, b, h, 1, 0, Lq);
+        write_out(p, sq, sc.to_natural, o, m, l, row0, b, h, 1, 0, Lq);
         return;
     }
 
@@ -241,7 +241,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
     wgmma_wait<0>();
     fence_acc(o[0]);
     float inv[2];
-    finish_rows<1>(p, sq, m, l, row0, b, h, 1, 0, Lq, inv);
+    finish_rows<1>(p, sq, sc.to_natural, m, l, row0, b, h, 1, 0, Lq, inv);
     const bool rows_16b = p.out.s[3] == 1 && (((uint64_t)p.out.ptr | (uint64_t)(p.out.s[0] | p.out.s[1] | p.out.s[2]) * 2) & 15) == 0;
     if (rows_16b)
         store_o_staged(p, sq, o[0], inv, sQ, m0, h);

@@ -84,7 +84,8 @@ DEV void fwd_keep(const attn_params &p, const score_ctx &sc, const float (&s)[MT
 }
 
 /* A tile of the generated kernels: which pairs it keeps first (fwd_keep: a mask_mod's verdicts,
- * its lookups in one batch), then every score branch-free (kept_score), in log2 units; one
+ * its lookups in one batch), then every score branch-free (kept_score), in the softmax's units
+ * (score_ctx's raw); one
  * report for the lookups of both that went out of range. score_tile's one path for every tile
  * with a score_mod (the score_mod's code exists once: each copy costs NVRTC time), its path for
  * the tiles a mask_mod alone may mask. */
@@ -109,7 +110,7 @@ DEV void kept_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT]
                 const int c = c0 + nt * 8 + 2 * t + (e & 1);
                 const float dot = s[mt][nt][e];
                 int bad = 0;
-                s[mt][nt][e] = kept_score(sc, keep.at(mt, nt, e), dot, r, c, bad) * LOG2E;
+                s[mt][nt][e] = kept_unit_score(sc, keep.at(mt, nt, e), dot, r, c, bad);
                 note_fault(fault, bad, r, c, dot);
             }
 #if HAS_SCORE_MOD
@@ -118,10 +119,10 @@ DEV void kept_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT]
 }
 #endif
 
-/* One key tile's raw q.k in s become scores in log2 units for a warp's rows: scale, the score
- * hook, and -inf for masked pairs. row0: the packed row of the warp's first row; c0: the tile's
- * first key column. A tile that needs no mask takes one multiply per score when the options
- * leave the score plain. */
+/* One key tile's raw q.k in s become scores in the softmax's units (score_ctx's raw) for a warp's
+ * rows: scale, the score hook, and -inf for masked pairs. row0: the packed row of the warp's
+ * first row; c0: the tile's first key column. A tile that needs no mask takes no work per score
+ * when the options leave the score plain and the scale is positive (its q.k are the units). */
 template <int MT, int NT>
 DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT][4], int row0, int c0,
                     bool need_mask, int G, int Lq, int Lk)
@@ -135,20 +136,18 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
 #else
     int bad = 0;
     if (!need_mask) {
-        const float scale_log2 = sc.scale * LOG2E;
+#if SCORE_IS_PLAIN
+        if (!sc.raw)
+#endif
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-#if SCORE_IS_PLAIN
-                    s[mt][nt][e] *= scale_log2;
-#else
                     const int r = (row0 + mt * 16 + g + (e / 2) * 8) / G;
                     const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                    s[mt][nt][e] = score_of(sc, s[mt][nt][e], r, c, bad) * LOG2E;
-#endif
+                    s[mt][nt][e] = unit_score(sc, s[mt][nt][e], r, c, bad);
                 }
     } else {
 #if ATTN_GMODS
@@ -166,7 +165,7 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
                 for (int e = e0; e < e0 + 2; e++) {
                     const int c = c0 + nt * 8 + 2 * t + (e & 1);
                     const bool keep = c >= lo_r && c < hi_r && mask_keeps(sc, r, c, bad);
-                    s[mt][nt][e] = keep ? score_of(sc, s[mt][nt][e], r, c, bad) * LOG2E : NEG_INF;
+                    s[mt][nt][e] = kept_unit_score(sc, keep, s[mt][nt][e], r, c, bad);
                 }
         }
 #endif
@@ -174,11 +173,14 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
 #endif
 }
 
-/* The online softmax over one tile of scores (log2 units): new row maxima m (over the quad), l
- * rescaled and summed, s overwritten by P = exp2(S - max), unnormalised; corrs[i] is the factor
- * O's row i must be multiplied by (1 when its maximum did not move). */
+/* The online softmax over one tile of scores (the units of score_tile; to_log2 turns their
+ * differences into log2 units): new row maxima m (over the quad), l rescaled and summed, s
+ * overwritten by P = exp2((S - max) to_log2), unnormalised; corrs[i] is the factor O's row i
+ * must be multiplied by (1 when its maximum did not move). The maximum is subtracted before
+ * the change of units: the maximum's p is then exactly 1 and no finite score overflows. */
 template <int MT, int NT>
-DEV void softmax_update(float (&s)[MT][NT][4], float (&m)[2 * MT], float (&l)[2 * MT], float (&corrs)[2 * MT])
+DEV void softmax_update(float (&s)[MT][NT][4], float (&m)[2 * MT], float (&l)[2 * MT], float (&corrs)[2 * MT],
+                        float to_log2)
 {
 #pragma unroll
     for (int i = 0; i < 2 * MT; i++) {
@@ -190,13 +192,13 @@ DEV void softmax_update(float (&s)[MT][NT][4], float (&m)[2 * MT], float (&l)[2 
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float base = mx == NEG_INF ? 0.f : mx;   /* a row with nothing kept yet stays 0 */
-        const float corr = fast_exp2(m[i] - base);
+        const float corr = fast_exp2((m[i] - base) * to_log2);
         m[i] = mx;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
-            s[mt][nt][e0] = fast_exp2(s[mt][nt][e0] - base);
-            s[mt][nt][e0 + 1] = fast_exp2(s[mt][nt][e0 + 1] - base);
+            s[mt][nt][e0] = fast_exp2((s[mt][nt][e0] - base) * to_log2);
+            s[mt][nt][e0 + 1] = fast_exp2((s[mt][nt][e0 + 1] - base) * to_log2);
             sum += s[mt][nt][e0] + s[mt][nt][e0 + 1];
         }
         l[i] = l[i] * corr + sum;
@@ -232,7 +234,7 @@ DEV void softmax_step(const attn_params &p, const score_ctx &sc, float (&s)[MT][
 {
     float corrs[2 * MT];
     score_tile(p, sc, s, row0, c0, need_mask, G, Lq, Lk);
-    softmax_update(s, m, l, corrs);
+    softmax_update(s, m, l, corrs, sc.to_log2);
     rescale_o(o, corrs);
 }
 
@@ -249,9 +251,9 @@ DEV void p_fragment(const float (&s)[MT][NT][4], int mt, int kk, uint32_t (&a)[4
 /* The end of a warp's rows: inv[i] = 1 / l (0 for rows that keep nothing and for padding
  * rows), and lse = log(l) + max (-inf for those rows) written to lse, or under SPLIT_KV to this
  * split's lse_accum slot. row0: the packed row of the warp's first row; h: the block's (first)
- * query head. */
+ * query head; to_natural: score_ctx's, the max's units to the natural score. */
 template <int MT>
-DEV void finish_rows(const attn_params &p, const seq_t &sq, const float (&m)[2 * MT],
+DEV void finish_rows(const attn_params &p, const seq_t &sq, float to_natural, const float (&m)[2 * MT],
                      const float (&l)[2 * MT], int row0, int64_t b, int64_t h, int G, int split, int Lq,
                      float (&inv)[2 * MT])
 {
@@ -268,7 +270,7 @@ DEV void finish_rows(const attn_params &p, const seq_t &sq, const float (&m)[2 *
         inv[i] = live ? 1.f / li : 0.f;
         if (t != 0 || r >= sq.rows)
             continue;
-        const float lse_r = live ? (m[i] + log2f(li)) * LN2 : NEG_INF;
+        const float lse_r = live ? m[i] * to_natural + log2f(li) * LN2 : NEG_INF;
 #if SPLIT_KV
         p.lse_accum[((split * p.B + b) * p.Hq + hr) * p.Sq + r] = lse_r;
 #else
@@ -323,12 +325,12 @@ DEV void store_o(const attn_params &p, const seq_t &sq, const float (&o)[MT][OT]
 
 /* finish_rows, then store_o. */
 template <int MT, int OT>
-DEV void write_out(const attn_params &p, const seq_t &sq, const float (&o)[MT][OT][4],
+DEV void write_out(const attn_params &p, const seq_t &sq, float to_natural, const float (&o)[MT][OT][4],
                    const float (&m)[2 * MT], const float (&l)[2 * MT], int row0, int64_t b, int64_t h,
                    int G, int split, int Lq)
 {
     float inv[2 * MT];
-    finish_rows<MT>(p, sq, m, l, row0, b, h, G, split, Lq, inv);
+    finish_rows<MT>(p, sq, to_natural, m, l, row0, b, h, G, split, Lq, inv);
     store_o(p, sq, o, inv, row0, b, h, G, split);
 }
 
