@@ -87,12 +87,16 @@ static inline __attribute__((always_inline)) double exp2_f64(double x) { return 
             T *s = St + (int64_t)j * ld;                                                            \
             if (scale != 1) {                                                                       \
                 _Pragma("omp simd")                                                                 \
+                for (int c = 0; c < cols; c++) {                                                    \
+                    T t = s[c] * scale;                                                             \
+                    s[c] = t;                                                                       \
+                    mx[c] = t > mx[c] ? t : mx[c];                                                  \
+                }                                                                                   \
+            } else {                                                                                \
+                _Pragma("omp simd")                                                                 \
                 for (int c = 0; c < cols; c++)                                                      \
-                    s[c] *= scale;                                                                  \
+                    mx[c] = s[c] > mx[c] ? s[c] : mx[c];                                            \
             }                                                                                       \
-            _Pragma("omp simd")                                                                     \
-            for (int c = 0; c < cols; c++)                                                          \
-                mx[c] = s[c] > mx[c] ? s[c] : mx[c];                                                \
         }                                                                                           \
         /* a query with no finite score yet keeps m = -inf; 0 stands in so that its p and alpha \
          * come out 0 (exp2(-inf)) rather than NaN */                                               \
