@@ -19,7 +19,8 @@ import pytest
 import attnext
 from attnext import _C, codegen, kernels, trace
 from attnext.accuracy import compare_dtensors
-from conftest import BF16, F32, F64, check_backend, make_qkv
+from conftest import (BF16, F32, F64, assert_close, assert_lse_close, check_backend, compare_grads,
+                      make_qkv, randn)
 
 import legal_helpers
 from legal_helpers import distance_bias, same_bucket
@@ -312,11 +313,8 @@ def test_deep_graphs_compile_with_nvrtc(rng):
 
 # --- on the GPU -------------------------------------------------------------------------------
 
-GPU_CASES = [c for c in CASES if c != "deep_general"] + ["deep_general"]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES)
+@pytest.mark.parametrize("case", list(CASES))
 def test_legal_mods_on_cuda_tensors(case, rng, torch):
     """The generated kernels on torch CUDA tensors (bfloat16), forward, backward and dtensors,
     against the reference."""
@@ -329,13 +327,17 @@ def test_legal_mods_on_cuda_tensors(case, rng, torch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["partial_bias", "constant_where", "helper_module", "deep_affine"])
 def test_legal_mods_with_numpy_inputs_on_cuda(case, rng, gpu):
-    """NumPy bfloat16 inputs with device="cuda" (the mods run where api.py sends them)."""
+    """NumPy bfloat16 inputs with device="cuda" (the mods run where api.py sends them), forward
+    and backward against the reference."""
     score_mod, mask_mod = CASES[case](rng)
     q, k, v = make_qkv(rng, B, S, S, H, 2, 64, 64, BF16)
-    check_backend_on = attnext.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
-                                         device="cuda", return_lse=True)
-    from conftest import assert_close, assert_lse_close
-    r_out, r_lse = attnext.reference.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
-                                               return_lse=True)
-    assert_close("out", check_backend_on[0], r_out, BF16)
-    assert_lse_close(check_backend_on[1], r_lse, BF16)
+    opts = dict(score_mod=score_mod, mask_mod=mask_mod)
+    out, lse = attnext.attention(q, k, v, device="cuda", return_lse=True, **opts)
+    r_out, r_lse = attnext.reference.attention(q, k, v, return_lse=True, **opts)
+    assert_close("out", out, r_out, BF16)
+    assert_lse_close(lse, r_lse, BF16)
+    dout = randn(rng, out.shape, BF16)
+    g = attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", **opts)
+    rg = attnext.reference.attention_backward(dout, q, k, v, out, lse, **opts)
+    problems = compare_grads(g, rg, q, k, v, dout, out, r_out, None, opts)
+    assert not problems, "\n".join(problems)
