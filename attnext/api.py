@@ -462,9 +462,7 @@ def _check_device_out(name, x, shape, dtype, inputs):
     if dv is None:
         raise TypeError(f"{name} must be a CUDA array like q (this call runs on the GPU), got "
                         f"{type(x).__name__}")
-    if dv.shape != tuple(shape) or dv.dtype != dtype:
-        raise ValueError(f"{name} must have shape {tuple(shape)} and dtype {dtype}, got "
-                         f"{dv.shape} and {dv.dtype}")
+    _check_form(name, dv.shape, dv.dtype, shape, dtype)
     if dv.readonly:
         raise ValueError(f"{name} is read-only")
     if dv.size and any(s == 0 and n > 1 for s, n in zip(dv.strides, dv.shape)):
@@ -540,12 +538,20 @@ def _check_fits(who, parts):
                           f"than this machine's memory ({limit / 2**30:.1f} GiB)")
 
 
+def _check_form(name, got_shape, got_dtype, shape, dtype, of=""):
+    """A result buffer (out=) or a backward input (dout, out, lse) of the wrong dtype is a
+    TypeError, of the wrong shape a ValueError (DESIGN's errors), host and CUDA arrays alike.
+    of: whose shape and dtype they must be ("the forward output's ")."""
+    if got_dtype != dtype:
+        raise TypeError(f"{name} must have {of}dtype {np.dtype(dtype)}, got {got_dtype}")
+    if tuple(got_shape) != tuple(shape):
+        raise ValueError(f"{name} must have {of}shape {tuple(shape)}, got {tuple(got_shape)}")
+
+
 def _check_out(name, x, shape, dtype, inputs):
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
-    if x.shape != tuple(shape) or x.dtype != dtype:
-        raise ValueError(f"{name} must have shape {tuple(shape)} and dtype {dtype}, got "
-                         f"{x.shape} and {x.dtype}")
+    _check_form(name, x.shape, x.dtype, shape, dtype)
     if not x.flags.writeable:
         raise ValueError(f"{name} is read-only")
     if x.size and any(s == 0 and n > 1 for s, n in zip(x.strides, x.shape)):
@@ -625,10 +631,28 @@ def _reference_kwargs(o):
     return kw
 
 
+def _captured_inputs(o):
+    """(what, array) for every array score_mod / mask_mod captures: inputs too, which out= must
+    not overlap (a head written early would change the table a later head reads). Host calls
+    capture NumPy arrays only (_host_arrays_only); a CUDA array is given as its DevView, whose
+    pointer range the GPU call's check compares."""
+    found = []
+    for kind in ("score_mod", "mask_mod"):
+        f = getattr(o, kind)
+        if f is None:
+            continue
+        for name, a in trace.captured_arrays(f).items():
+            found.append((f"the array {name!r} that {kind} captures",
+                          a if isinstance(a, np.ndarray) else _device_view(a)))
+    return found
+
+
 def _forward(o):
     inputs = [("q", o.q), ("k", o.k), ("v", o.v), ("bias", o.bias), ("mask", o.mask),
               ("alibi_slopes", o.alibi_slopes), ("cu_seqlens_q", o.cu_q), ("cu_seqlens_k", o.cu_k),
               ("seqused_q", o.used_q), ("seqused_k", o.used_k)]
+    if o.out is not None:
+        inputs += _captured_inputs(o)
     if o.device == "cuda" and o.on_gpu:
         return _forward_on_gpu(o, inputs)
     _check_memory(o, backward=False, out_given=o.out is not None)
@@ -718,12 +742,8 @@ def _backward(o, dout, out, lse, deterministic):
     out = _float_array("out", out)
     lse = _float_array("lse", lse)
     for name, x in (("dout", dout), ("out", out)):
-        if x.shape != o.out_shape or x.dtype != o.q.dtype:
-            raise ValueError(f"{name} must have the forward output's shape {o.out_shape} and dtype "
-                             f"{o.q.dtype}, got {x.shape} and {x.dtype}")
-    if lse.shape != o.lse_shape or lse.dtype != o.acc_dtype:
-        raise ValueError(f"lse must have shape {o.lse_shape} and dtype {np.dtype(o.acc_dtype)} "
-                         f"(as the forward returned it), got {lse.shape} and {lse.dtype}")
+        _check_form(name, x.shape, x.dtype, o.out_shape, o.q.dtype, of="the forward output's ")
+    _check_form("lse", lse.shape, lse.dtype, o.lse_shape, o.acc_dtype)
     if o.device == "cuda" and o.on_gpu:
         return _backward_on_gpu(o, dout, out, lse, deterministic)
     on_host = o.device != "cuda" or _runs_on_reference(o) or _has_mods(o)

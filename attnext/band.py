@@ -34,9 +34,16 @@ class Band(NamedTuple):
 
 
 def _conjuncts(node):
-    if node.op == "and" and node.dtype == trace.B:
-        return _conjuncts(node.args[0]) + _conjuncts(node.args[1])
-    return [node]
+    """The operands of node's top-level bool `&`s, left to right (a stack, not recursion: a
+    mask_mod may chain thousands of them)."""
+    found, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        if n.op == "and" and n.dtype == trace.B:
+            stack += (n.args[1], n.args[0])
+        else:
+            found.append(n)
+    return found
 
 
 _LIMIT = 1 << 31     # no term of a bound may reach this: int64 arithmetic on indices never wraps
@@ -45,12 +52,17 @@ _LIMIT = 1 << 31     # no term of a bound may reach this: int64 arithmetic on in
 def _affine(node):
     """(a_q, a_kv, c) with node == a_q * q_idx + a_kv * kv_idx + c, or None (also where a
     coefficient or constant reaches _LIMIT, at this node or below: the kernels' and NumPy's
-    int64 arithmetic could wrap where these exact integers do not)."""
-    x = _affine_exact(node)
-    return None if x is None or any(abs(t) >= _LIMIT for t in x) else x
+    int64 arithmetic could wrap where these exact integers do not). Each node after its
+    arguments (trace.topo), so a chain of any depth recurses nowhere."""
+    memo = {}
+    for n in trace.topo(node):
+        x = _affine_exact(n, lambda a: memo[id(a)])
+        memo[id(n)] = None if x is None or any(abs(t) >= _LIMIT for t in x) else x
+    return memo[id(node)]
 
 
-def _affine_exact(node):
+def _affine_exact(node, of):
+    """node's (a_q, a_kv, c) from its arguments' (of(arg): their _affine), or None."""
     if node.dtype != trace.I:
         return None
     if node.op == "q_idx":
@@ -60,16 +72,16 @@ def _affine_exact(node):
     if node.op == "const":
         return 0, 0, int(node.args[0])
     if node.op in ("add", "sub"):
-        x, y = _affine(node.args[0]), _affine(node.args[1])
+        x, y = of(node.args[0]), of(node.args[1])
         if x is None or y is None:
             return None
         s = 1 if node.op == "add" else -1
         return x[0] + s * y[0], x[1] + s * y[1], x[2] + s * y[2]
     if node.op == "neg":
-        x = _affine(node.args[0])
+        x = of(node.args[0])
         return None if x is None else (-x[0], -x[1], -x[2])
     if node.op == "mul":
-        x, y = _affine(node.args[0]), _affine(node.args[1])
+        x, y = of(node.args[0]), of(node.args[1])
         if x is None or y is None:
             return None
         if x[:2] == (0, 0):

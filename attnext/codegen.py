@@ -56,6 +56,10 @@ HEADER = "attn_mod_gen.cuh"
 MAX_FLOATS = 64            # ATTN_MOD_FLOATS (csrc/attn_params.h)
 MAX_ARRAYS = 8             # ATTN_MOD_ARRAYS
 MAX_DIMS = 4               # ATTN_MOD_DIMS
+# a value used once is inlined into its user unless that nests deeper than this: a chain of
+# thousands of operations becomes statements, not one expression past the compilers' nesting
+# limits (and past their recursion: NVRTC's front end recurses per parenthesis)
+MAX_INLINE_DEPTH = 32
 LIMBS, LIMB_BITS, LIMB_LSB = 12, 24, -149      # attn_mods.cuh
 WORDS = LIMBS + 1
 MAX_TILE_TERMS = 4         # MOD_TILE_TERMS: lookups that may take a tile's path
@@ -139,16 +143,20 @@ class _Renderer:
                 uses[id(a)] = uses.get(id(a), 0) + 1
         for r in roots:
             uses[id(r)] = uses.get(id(r), 0) + 2          # a root is always named
+        depth = {}        # how deep an inlined value's expression nests
         for n in order:
             e = self._expr_of(n)
             if e is None:
                 continue
-            named = n.op == "load" or (n.op not in trace._LEAVES and uses.get(id(n), 0) > 1)
+            d = 1 + max((depth.get(id(a), 0) for a in trace._children(n)), default=0)
+            named = n.op == "load" or (n.op not in trace._LEAVES and
+                                       (uses.get(id(n), 0) > 1 or d > MAX_INLINE_DEPTH))
             if named:
                 name = f"v{len(self.lines)}"
                 self.lines.append(f"    const {C_TYPE[n.dtype]} {name} = {e};")
-                e = name
+                e, d = name, 0
             self.expr[id(n)] = e
+            depth[id(n)] = d
 
     def _expr_of(self, n):
         op = n.op
@@ -289,9 +297,8 @@ _TILE_FIXED = frozenset({"b", "h", "const", "fconst", "param"})
 
 
 def _affine_form(n, memo):
-    k = id(n)
-    if k in memo:
-        return memo[k]
+    """n's (a, c) from its arguments' (memo: id -> form, each argument's already there: nodes
+    are taken in trace.topo's order, so an index of any depth recurses nowhere)."""
     op = n.op
     if op == "q_idx":
         f = (1, 0)
@@ -302,7 +309,7 @@ def _affine_form(n, memo):
     elif op in trace._LEAVES or op == "load":     # score, dout, a lookup (nested: its own faults)
         f = None
     else:
-        args = [_affine_form(a, memo) for a in n.args]
+        args = [memo[id(a)] for a in n.args]
         if None in args:
             f = None
         elif all(x == (0, 0) for x in args):
@@ -320,7 +327,6 @@ def _affine_form(n, memo):
             f = (v * args[other][0], v * args[other][1])
         else:
             f = None
-    memo[k] = f
     return f
 
 
@@ -332,7 +338,10 @@ def affine(n):
     2^64, so exactly wherever the tile's indices lie in range (mod_tile_term checks)."""
     if n.dtype != I:
         return None
-    f = _affine_form(n, {})
+    memo = {}
+    for x in trace.topo(n):
+        memo[id(x)] = _affine_form(x, memo)
+    f = memo[id(n)]
     return f if f is not None and max(abs(f[0]), abs(f[1])) <= MAX_TILE_COEF else None
 
 

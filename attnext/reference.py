@@ -263,8 +263,10 @@ def _softmax(s3):
 
 def _derivative(quotient, x):
     """A derivative at x (an array, or a scalar) from quotient(h), the central difference
-    quotient with steps h (an array like x), as the module's _FD_* constants say."""
-    scale = np.maximum(1.0, np.abs(np.asarray(x, dtype=np.float64)))
+    quotient with steps h (an array like x), as the module's _FD_* constants say. Steps at a
+    non-finite x are relative to 1 (see _step)."""
+    x = np.asarray(x, dtype=np.float64)
+    scale = np.where(np.isfinite(x), np.maximum(1.0, np.abs(x)), 1.0)
 
     def refined(h):
         coarse, fine = quotient(h), quotient(h / 2)
@@ -278,15 +280,26 @@ def _derivative(quotient, x):
 
 def _kept(ds3, sc):
     """(s2, dS3, pairs) at the kept pairs whose dS3 is not 0 (None if there is none): the only
-    pairs through which score_mod reaches the loss. A non-finite s2 is replaced by 0."""
+    pairs through which score_mod reaches the loss. s2 as it is, -inf included: a score_mod may
+    revive a -inf score (np.maximum(s, -10) after a -inf bias), and its derivatives are taken
+    there, not at a stand-in."""
     if sc.pairs is None:
         return None
     d = ds3[sc.keep]
     live = d != 0
     if not live.any():
         return None
-    s = sc.s2[sc.keep][live]
-    return np.where(np.isfinite(s), s, 0.0), d[live], tuple(p[live] for p in sc.pairs)
+    return sc.s2[sc.keep][live], d[live], tuple(p[live] for p in sc.pairs)
+
+
+def _step(x, h):
+    """The step actually taken by the central difference at x: (x + h) - (x - h), rounding
+    included. At an infinite x, x +- h is x itself (a -inf bias stays -inf whatever the
+    scores around it), so the quotient's numerator is score_mod(x) - score_mod(x) = 0 where
+    score_mod(x) is finite: the derivative there is 0, the limit of score_mod' at -inf of any
+    score_mod with a finite limit (max(s, -10), exp(s), np.where(s < -1e30, c, s)). The
+    step is then h + h, so the quotient stays 0 rather than 0 / 0."""
+    return np.where(np.isfinite(x), (x + h) - (x - h), h + h)
 
 
 def _through_score_mod(score_mod, ds3, sc):
@@ -299,9 +312,8 @@ def _through_score_mod(score_mod, ds3, sc):
     s, d, pairs = kept
 
     def quotient(h):
-        hi, lo = s + h, s - h
-        return (_call_score_mod(score_mod, hi, pairs)
-                - _call_score_mod(score_mod, lo, pairs)) / (hi - lo)
+        return (_call_score_mod(score_mod, s + h, pairs)
+                - _call_score_mod(score_mod, s - h, pairs)) / _step(s, h)
 
     where = np.flatnonzero(sc.keep.ravel())[ds3[sc.keep] != 0]
     with np.errstate(invalid="ignore", over="ignore"):

@@ -16,11 +16,15 @@ Supported, on traced values (anything else raises TypeError naming the operation
     NumPy functions      np.where(cond, a, b), np.clip(x, lo, hi)
     constants            Python / NumPy ints and bools (part of the graph's structure), Python /
                          NumPy floats (kernel parameters: their values are not part of the
-                         structure, so a sweep over one compiles once)
+                         structure, so a sweep over one compiles once); 0-d NumPy arrays, what
+                         NumPy gives for an operation on constants (np.where(flag, 2.0, 1.0)),
+                         as their scalars
     lookups              table[i, j] into a captured array (bool, integer, float16/32/64 or
                          bfloat16): a NumPy array, or a CUDA array (below), indexed by
                          integer expressions or ints, every axis in one subscript
-                         (table[i][j] raises: on NumPy index arrays it means something else);
+                         (table[i][j] raises: on NumPy index arrays it means something else),
+                         after any leading int constants (table[0][b, h, q_idx], tab[-1][1][i]:
+                         NumPy's view; a constant out of range is an IndexError at trace time);
                          negative indices count from the end. A 0-d
                          captured array is a scalar lookup. .shape / .ndim / .size / .dtype /
                          len() of a captured array are plain Python values.
@@ -43,9 +47,11 @@ types.FunctionType from the same code object, with every NumPy or CUDA array it 
 name replaced by a named array proxy: closure cells (named by the free variable), globals named
 in its code or in the code of functions / lambdas defined inside it (named by the global name;
 the globals dict is copied, the module's own is untouched), and default arguments (named by the
-parameter). The name is the key of the array's gradient in `dtensors`. Limits: arrays reached
-any other way (an attribute `self.table`, an item of a list or dict, a global read by another
-function that this one calls, a functools.partial argument, a callable object) are not
+parameter); the plain functions it names (helpers, from any module but NumPy's, math's, ...)
+are rebuilt alike, so a helper's own closure, module globals and defaults are captured under
+their names too. The name is the key of the array's gradient in `dtensors`. Limits: arrays
+reached any other way (an attribute `self.table`, an item of a list or dict, a helper reached
+as a module's attribute `mod.helper`, a functools.partial argument, a callable object) are not
 captured: indexing one with a traced value raises TypeError (NumPy asks for __index__), as
 does indexing a Python list or tuple. Two different arrays under one name raise TypeError.
 Non-function callables are called as they are, without array capture.
@@ -382,18 +388,21 @@ class Proxy:
 
 class ArrayProxy:
     """A captured array while tracing: indexing it records a lookup. source: the captured
-    object; array: what gives its shape and dtype (source itself, or a DevView of a CUDA array)."""
-    __slots__ = ("name", "source", "array", "graph")
+    object; array: what gives its shape and dtype (source itself, or a DevView of a CUDA array);
+    fixed: the int constants of leading axes already indexed (table[0] of a 3-d table is the
+    2-d ArrayProxy with fixed (0,): NumPy's basic indexing, a view), prepended to the lookup."""
+    __slots__ = ("name", "source", "array", "graph", "fixed")
 
-    def __init__(self, name, source, array, graph):
+    def __init__(self, name, source, array, graph, fixed=()):
         self.name, self.source, self.array, self.graph = name, source, array, graph
+        self.fixed = fixed
 
     @property
-    def shape(self): return self.array.shape
+    def shape(self): return tuple(self.array.shape[len(self.fixed):])
     @property
-    def ndim(self): return self.array.ndim
+    def ndim(self): return len(self.shape)
     @property
-    def size(self): return self.array.size
+    def size(self): return math.prod(self.shape)
     @property
     def dtype(self): return self.array.dtype
 
@@ -405,16 +414,26 @@ class ArrayProxy:
                         f"{self.name}[i, ...] and .shape / .ndim / .size / .dtype / len() are")
 
     def __repr__(self):
-        return f"ArrayProxy({self.name!r}, shape={self.array.shape}, dtype={self.array.dtype})"
+        return f"ArrayProxy({self._label()}, shape={self.shape}, dtype={self.array.dtype})"
+
+    def _label(self):
+        return repr(self.name) + "".join(f"[{i}]" for i in self.fixed)
 
     def __getitem__(self, key):
         key = key if isinstance(key, tuple) else (key,)
+        shape = self.shape
+        if len(key) < len(shape) and all(_is_int(k) for k in key):
+            # a partial index of int constants: the view NumPy gives, looked up later
+            for axis, k in enumerate(key):
+                _in_bounds(int(k), axis, shape[axis], self._label())
+            return ArrayProxy(self.name, self.source, self.array, self.graph,
+                              self.fixed + tuple(int(k) for k in key))
         idx = []
         for k in key:
             axis = len(idx)
-            if axis >= self.array.ndim:
-                raise IndexError(f"too many indices for array {self.name!r}: it is "
-                                 f"{self.array.ndim}-dimensional")
+            if axis >= len(shape):
+                raise IndexError(f"too many indices for array {self._label()}: it is "
+                                 f"{len(shape)}-dimensional")
             if isinstance(k, Proxy):
                 if k.graph is not self.graph:
                     raise TypeError("a traced value from another trace was used")
@@ -422,32 +441,41 @@ class ArrayProxy:
                     raise TypeError(f"array {self.name!r} indexed by a {k.node.dtype} expression "
                                     f"{k._expr()}: indices must be integer expressions")
                 idx.append(k.node)
-            elif isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_)):
-                n = self.array.shape[axis]
-                if not -n <= int(k) < n:
-                    raise IndexError(f"index {int(k)} is out of bounds for axis {axis} of array "
-                                     f"{self.name!r} with size {n}")
+            elif _is_int(k):
+                _in_bounds(int(k), axis, shape[axis], self._label())
                 idx.append(self.graph.const(int(k)))
             else:
-                raise TypeError(f"array {self.name!r} indexed by {k!r}: only integer expressions "
-                                "and ints are supported (no slices, None, ..., floats, bools or "
-                                "arrays)")
-        if len(idx) < self.array.ndim:
+                raise TypeError(f"array {self._label()} indexed by {k!r}: only integer "
+                                "expressions and ints are supported (no slices, None, ..., "
+                                "floats, bools or arrays)")
+        if len(idx) < len(shape):
             # table[i][j] is not table[i, j] on NumPy index arrays (the reference's calls).
-            raise TypeError(f"array {self.name!r} of shape {self.array.shape} indexed by "
-                            f"{len(idx)} of its {self.array.ndim} axes: index every axis at "
+            raise TypeError(f"array {self._label()} of shape {shape} indexed by "
+                            f"{len(idx)} of its {len(shape)} axes: index every axis at "
                             "once, as table[i, j] (table[i][j] means something else on index "
-                            "arrays)")
-        return _load(self.graph, self.name, self.source, self.array, idx)
+                            "arrays; table[0][i, j] with int constants first is fine)")
+        fixed = [self.graph.const(i) for i in self.fixed]
+        return _load(self.graph, self.name, self.source, self.array, fixed + idx)
 
     def _unindexed(self, *_args, **_kw):
-        raise TypeError(f"array {self.name!r} of shape {self.shape} used in an expression "
+        raise TypeError(f"array {self._label()} of shape {self.shape} used in an expression "
                         "without indexing it down to one element")
 
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _unindexed
     __truediv__ = __rtruediv__ = __lt__ = __le__ = __gt__ = __ge__ = _unindexed
     __eq__ = __ne__ = __neg__ = __abs__ = __bool__ = __array__ = _unindexed
     __hash__ = None
+
+
+def _is_int(k):
+    return isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_))
+
+
+def _in_bounds(i, axis, n, label):
+    """IndexError, as NumPy words it, for an int constant index out of range at trace time."""
+    if not -n <= i < n:
+        raise IndexError(f"index {i} is out of bounds for axis {axis} of array {label} "
+                         f"with size {n}")
 
 
 def _load(graph, name, source, desc, idx):
@@ -458,12 +486,19 @@ def _load(graph, name, source, desc, idx):
     return Proxy(graph.node("load", a.dtype, a, *idx), graph)
 
 
+def _scalar(x):
+    """A 0-d NumPy array as its scalar: what NumPy gives for an operation on plain constants
+    (np.where(True, 2.0, 1.0), np.array(3)) is a constant like any Python or NumPy scalar."""
+    return x[()] if isinstance(x, np.ndarray) and x.ndim == 0 else x
+
+
 def _coerce(x, graph, what):
     """A Proxy for an operand: proxies as they are, Python / NumPy scalars as constants."""
     if isinstance(x, Proxy):
         if x.graph is not graph:
             raise TypeError("a traced value from another trace was used")
         return x
+    x = _scalar(x)
     if isinstance(x, (bool, np.bool_)):
         return Proxy(graph.const(x), graph)
     if isinstance(x, (int, np.integer)):
@@ -571,15 +606,31 @@ def _captured(name, value):
         raise type(e)(f"captured array {name!r}: {e}") from None
 
 
-def _rebound(fn, replace):
+def _helper(value):
+    """Whether value is a plain function whose arrays tracing captures too: a helper the traced
+    function calls (not NumPy's, math's, ...: their module-level arrays are no user's)."""
+    return (isinstance(value, types.FunctionType)
+            and (value.__module__ or "").split(".")[0] not in _STABLE_MODULES)
+
+
+def _rebound(fn, replace, memo=None):
     """fn rebuilt from the same code object with every NumPy or CUDA array it names (closure
     cells, globals named in its code, default arguments; module docstring) replaced by
-    replace(name, value, desc), desc what _captured gives. Non-function callables are returned
-    as they are."""
+    replace(name, value, desc), desc what _captured gives; the plain functions it names (a
+    helper, in this module or another) rebuilt alike, so that a helper's own globals are
+    captured under their names. fn itself where nothing is replaced. Non-function callables
+    are returned as they are. memo: id(function) -> its rebuilt self (None while it is being
+    rebuilt: a recursive helper keeps calling the original)."""
     if not isinstance(fn, types.FunctionType):
         return fn
+    memo = {} if memo is None else memo
+    if id(fn) in memo:
+        return memo[id(fn)] or fn
+    memo[id(fn)] = None
 
     def swap(name, value):
+        if _helper(value):
+            return _rebound(value, replace, memo)
         desc = _captured(name, value)
         return value if desc is None else replace(name, value, desc)
 
@@ -606,9 +657,17 @@ def _rebound(fn, replace):
     if defaults:
         pos = code.co_varnames[:code.co_argcount]
         defaults = tuple(swap(n, d) for n, d in zip(pos[len(pos) - len(defaults):], defaults))
-    new = types.FunctionType(code, glob, fn.__name__, defaults, closure)
-    if fn.__kwdefaults__:
-        new.__kwdefaults__ = {n: swap(n, d) for n, d in fn.__kwdefaults__.items()}
+    kwdefaults = fn.__kwdefaults__ and {n: swap(n, d) for n, d in fn.__kwdefaults__.items()}
+    same = (glob is fn.__globals__
+            and all(a is b for a, b in zip(closure or (), fn.__closure__ or ()))
+            and all(v is fn.__kwdefaults__[n] for n, v in (kwdefaults or {}).items())
+            and all(a is b for a, b in zip(defaults or (), fn.__defaults__ or ())))
+    if same:
+        new = fn
+    else:
+        new = types.FunctionType(code, glob, fn.__name__, defaults, closure)
+        new.__kwdefaults__ = kwdefaults or None
+    memo[id(fn)] = new
     return new
 
 
@@ -831,7 +890,7 @@ def _fp(x, captured, walk, depth, name=None):
             raise _Uncacheable      # np.frompyfunc's: arbitrary Python inside
         return ("builtin", x)
     if isinstance(x, types.FunctionType):
-        return _fp_function(x, captured, walk, depth, top=False)
+        return _fp_function(x, captured, walk, depth, top=_helper(x))
     raise _Uncacheable
 
 
@@ -922,6 +981,7 @@ def _trace(fn, kind):
         raise _naming(kind, e) from e
     if isinstance(result, ArrayProxy):
         result._unindexed()
+    result = _scalar(result)
     if kind == "score_mod":
         if isinstance(result, (bool, np.bool_)) or (
                 isinstance(result, Proxy) and result.node.dtype == B):

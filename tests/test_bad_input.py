@@ -385,9 +385,9 @@ def _out_cases():
             (fn, "wider", np.empty(shape[:-1] + (shape[-1] + 1,), F32), ValueError),
             (fn, "rank_plus_1", good[None], ValueError),
             (fn, "transposed", np.empty(shape[::-1], F32), ValueError),
-            (fn, "f64", good.astype(F64), ValueError), (fn, "f16", good.astype(F16), ValueError),
-            (fn, "int32", good.astype(np.int32), ValueError),
-            (fn, "big_endian", _big_endian(good), ValueError),
+            (fn, "f64", good.astype(F64), TypeError), (fn, "f16", good.astype(F16), TypeError),
+            (fn, "int32", good.astype(np.int32), TypeError),
+            (fn, "big_endian", _big_endian(good), TypeError),
             (fn, "list", good.tolist(), TypeError), (fn, "str", "out", TypeError),
             (fn, "read_only", _read_only(good), ValueError),
             (fn, "zero_stride", zero_stride, ValueError),
@@ -401,7 +401,33 @@ def _out_cases():
         bias = np.zeros(good.size, F32)
         cols = SK if fn == "attention" else 4      # varlen: max_seqlen_k
         cases.append((fn, "aliases_bias", ("bias", bias[:cols], bias.reshape(shape)), ValueError))
+        # aliasing an array a callback captures: heads written early would change what later
+        # heads read (a closure's float table, a mask_mod's int view, a default argument)
+        for label, (name, make) in _CAPTURING.items():
+            buf = np.zeros(good.size, F32)
+            cases.append((fn, f"aliases_{label}", (name, make(buf), buf.reshape(shape)), ValueError))
     return cases
+
+
+def _closure_table(buf):
+    table = buf[:HQ]
+    return lambda s, b, h, qi, ki: s + table[h]
+
+
+def _mask_view(buf):
+    ints = buf[8:8 + HQ].view(np.int32)
+    return lambda b, h, qi, ki: ints[h] == 0
+
+
+def _default_table(buf):
+    def score_mod(s, b, h, qi, ki, slopes=buf[-HQ:]):
+        return s - slopes[h] * (qi - ki)
+    return score_mod
+
+
+_CAPTURING = {"score_mod_closure": ("score_mod", _closure_table),
+              "mask_mod_int_view": ("mask_mod", _mask_view),
+              "score_mod_default": ("score_mod", _default_table)}
 
 
 BAD_OUTS = _out_cases()
@@ -415,6 +441,9 @@ def test_bad_input_out(fn, label, value, exc):
         changes[name] = shared
     with pytest.raises(exc, match=r"\bout\b"):
         call(fn, out=value, **changes)
+    if label.startswith("aliases_") and "mod" in label:
+        with pytest.raises(exc, match=rf"out shares memory with the array '\w+' that {name} captures"):
+            call(fn, out=value, **changes)
 
 
 # --- backward inputs that do not match the forward ---
@@ -426,19 +455,19 @@ def _mismatch_cases():
         ("attention_backward", "dout", other_out, ValueError),
         ("attention_backward", "out", other_out, ValueError),
         ("attention_backward", "lse", other_lse, ValueError),
-        ("attention_backward", "lse", lse_f64, ValueError),
+        ("attention_backward", "lse", lse_f64, TypeError),
         ("attention_backward", "lse", LSE.transpose(0, 2, 1), ValueError),
         ("attention_backward", "lse", LSE[..., None], ValueError),
         ("attention_backward", "lse", VLSE, ValueError),
         ("attention_backward", "out", out_bhsd, ValueError),
-        ("attention_backward", "dout", DOUT.astype(F64), ValueError),
+        ("attention_backward", "dout", DOUT.astype(F64), TypeError),
         ("attention_backward", "out", OUT[..., :-1], ValueError),
         ("varlen_attention_backward", "lse", LSE, ValueError),
         ("varlen_attention_backward", "lse", VLSE.T, ValueError),
         ("varlen_attention_backward", "lse", VLSE[:, :-1], ValueError),
         ("varlen_attention_backward", "out", VOUT[:-1], ValueError),
         ("varlen_attention_backward", "dout", VDOUT[None], ValueError),
-        ("varlen_attention_backward", "dout", VDOUT.astype(F16), ValueError),
+        ("varlen_attention_backward", "dout", VDOUT.astype(F16), TypeError),
     ]
     return cases
 

@@ -697,6 +697,28 @@ def test_out_aliasing_an_input_on_the_gpu(fn, name, torch, gpu_good):
     _refused(torch, gpu_good, fn, {name: shared, "out": out}, ValueError, rf"out shares memory with {name}")
 
 
+@pytest.mark.parametrize("fn", bad.FORWARD)
+@pytest.mark.parametrize("kind", ["score_mod", "mask_mod"])
+def test_out_aliasing_a_captured_array_on_the_gpu(fn, kind, torch, gpu_good):
+    """out= sharing device memory with a CUDA array that score_mod / mask_mod captures (found by
+    their pointer ranges, as for the inputs): heads written early would change what later heads
+    read."""
+    shape = (bad.B, bad.SQ, bad.HQ, bad.DV) if fn == "attention" else (bad.TQ, bad.HQ, bad.DV)
+    buf = torch.zeros(int(np.prod(shape)), device="cuda", dtype=torch.bfloat16)
+    if kind == "score_mod":
+        table = buf[-bad.HQ:]
+
+        def f(s, b, h, qi, ki):
+            return s + table[h]
+    else:
+        ints = buf[:2 * bad.HQ].view(torch.int32)
+
+        def f(b, h, qi, ki):
+            return ints[h] == 0
+    _refused(torch, gpu_good, fn, {kind: f, "out": buf.view(shape)}, ValueError,
+             rf"out shares memory with the array '\w+' that {kind} captures")
+
+
 def test_q_on_the_gpu_with_k_on_the_host(torch, gpu_good):
     host_k = _host(torch, gpu_good["attention"]["k"])
     _refused(torch, gpu_good, "attention", {"k": host_k}, TypeError,

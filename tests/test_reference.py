@@ -1,12 +1,15 @@
 """The NumPy reference against a plain dense implementation and against finite differences."""
 import tracemalloc
 import warnings
+import zlib
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 from attnext import reference as ref
+from attnext.accuracy import compare_dtensors
+from conftest import check_backend
 
 B, HQ, HK, D, DV = 2, 4, 2, 8, 6
 
@@ -505,3 +508,84 @@ def test_gradients_across_row_blocks(strict):
     g = ref.attention_backward(dout, q, k, v, None, None, **opts)
     params = dict(q=q, k=k, v=v)
     fd_check(loss, params, dict(q=g.dq, k=g.dk, v=g.dv), rng, n_coords=3)
+
+
+# --- a score_mod that revives a -inf score ---
+# A -inf bias removes a pair; a score_mod such as np.maximum(s, -10) brings it back with a finite
+# score that no longer depends on q, k or the bias (score_mod(-inf +- h) = score_mod(-inf)): its
+# P is not 0, but its score's derivatives are. The reference used to take them at s2 = 0 instead.
+
+def _revive_table(rng):
+    return -3.0 - rng.random(HQ)        # -3.x, below most scores: maximum() picks each side
+
+
+REVIVING = {
+    "maximum": lambda table: lambda s, b, h, qi, ki: np.maximum(s, -10.0),
+    "clip": lambda table: lambda s, b, h, qi, ki: np.clip(s, -6.0, 1.5),
+    "where": lambda table: lambda s, b, h, qi, ki: np.where(s < -1e30, -4.0 + 0.25 * qi, s * 0.5),
+    "exp": lambda table: lambda s, b, h, qi, ki: np.exp(s) * 2.0,
+    "table": lambda table: lambda s, b, h, qi, ki: np.maximum(s, table[h]),
+}
+
+
+def _reviving_bias(rng, sq, sk):
+    """A (B, 1, sq, sk) bias with -inf at about a third of the pairs, every row keeping some
+    finite ones."""
+    bias = rng.standard_normal((B, 1, sq, sk))
+    holes = rng.random(bias.shape) < 0.35
+    holes[..., 0] = False
+    bias[holes] = -np.inf
+    return bias
+
+
+@pytest.mark.parametrize("name", list(REVIVING))
+def test_backward_where_a_score_mod_revives_minus_inf(name, strict):
+    """The reference's backward against central differences of its own forward (loss
+    sum(dout * out)) in q, k, v, the finite bias elements and a captured table, with a -inf bias
+    that the score_mod revives; every -inf bias element gets dbias 0."""
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    sq, sk = 7, 10
+    q, k, v = qkv(rng, sq, sk)
+    bias = _reviving_bias(rng, sq, sk)
+    table = _revive_table(rng)
+    make = REVIVING[name]
+    dout = rng.standard_normal((B, sq, HQ, DV))
+
+    def loss(q, k, v, bias, table):
+        return np.sum(ref.attention(q, k, v, bias=bias, score_mod=make(table)) * dout)
+
+    g = ref.attention_backward(dout, q, k, v, None, None, bias=bias, score_mod=make(table))
+    finite = np.isfinite(bias)
+    assert (g.dbias[~finite] == 0).all()
+    # the revived pairs count: masking them instead changes the answer
+    masked = ref.attention(q, k, v, bias=np.where(finite, bias, 0.0), mask=finite,
+                           score_mod=make(table))
+    assert not np.allclose(masked, ref.attention(q, k, v, bias=bias, score_mod=make(table)))
+    params = dict(q=q, k=k, v=v, bias=bias, table=table)
+    grads = dict(q=g.dq, k=g.dk, v=g.dv, bias=g.dbias, table=g.dtensors.get("table"))
+    eps = 1e-6
+    for pname, x in params.items():
+        if pname == "table" and name != "table":
+            continue
+        coords = np.flatnonzero(np.isfinite(x).ravel())
+        for flat in rng.choice(coords, size=min(6, coords.size), replace=False):
+            idx = np.unravel_index(flat, x.shape)
+            plus, minus = x.copy(), x.copy()
+            plus[idx] += eps
+            minus[idx] -= eps
+            fd = (loss(**{**params, pname: plus}) - loss(**{**params, pname: minus})) / (2 * eps)
+            assert grads[pname][idx] == pytest.approx(fd, rel=1e-5, abs=1e-7), (pname, idx)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("name", list(REVIVING))
+def test_cpu_backend_where_a_score_mod_revives_minus_inf(name, dtype, rng):
+    """The CPU backend's symbolic derivative against the reference's (above, held to finite
+    differences) on the same reviving score_mods: out, lse, dq, dk, dv, dbias, dtensors."""
+    sq, sk = 13, 21
+    q, k, v = (x.astype(dtype) for x in qkv(rng, sq, sk))
+    bias = _reviving_bias(rng, sq, sk).astype(dtype)
+    score_mod = REVIVING[name](_revive_table(rng).astype(dtype))
+    r = check_backend(q, k, v, rng, bias=bias, score_mod=score_mod)
+    problems = compare_dtensors(r.grads, r.ref_grads, score_mod, dtype)
+    assert not problems, problems

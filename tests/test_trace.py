@@ -542,11 +542,11 @@ def _empty_trace_caches():
     trace.trace_cache_clear()
 
 
-CONF = np.array([0.125])       # read by a helper: its contents become a float param
+CONF = np.array([0.125])       # read by a helper: captured under its name, as the score_mod's own
 
 
 def _conf_scale():
-    return CONF[0]                       # contents read while tracing: a float param
+    return CONF[0]                       # a lookup: its contents read at every evaluation
 
 
 def _scaled(s, b, h, q, k):
@@ -555,10 +555,13 @@ def _scaled(s, b, h, q, k):
 
 def test_trace_cache_array_contents_read_by_a_helper_are_not_cached(_empty_trace_caches):
     CONF[0] = 0.125
-    assert trace_score_mod(_scaled).params == (0.125,)
+    one = np.ones(1, np.float32)
+    t = trace_score_mod(_scaled)
+    assert list(t.arrays) == ["CONF"] and evaluate(t, one, 0, 0, 0, 0)[0] == 0.125
     CONF[0] = 0.5
     try:
-        assert trace_score_mod(_scaled).params == (0.5,)
+        t = trace_score_mod(_scaled)
+        assert t.arrays["CONF"] is CONF and evaluate(t, one, 0, 0, 0, 0)[0] == 0.5
     finally:
         CONF[0] = 0.125
 
