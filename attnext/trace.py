@@ -12,8 +12,14 @@ Supported, on traced values (anything else raises TypeError naming the operation
                          less less_equal greater greater_equal equal not_equal
                          logical_and logical_or logical_xor logical_not
                          bitwise_and bitwise_or bitwise_xor invert (bitwise_not)
-                         exp exp2 log log2 sqrt tanh sin cos
-    NumPy functions      np.where(cond, a, b), np.clip(x, lo, hi)
+                         exp exp2 log log2 sqrt tanh sin cos tan arcsin arccos arctan sinh
+                         cosh arcsinh arccosh arctanh expm1 log1p log10 cbrt floor ceil rint
+                         trunc arctan2 hypot copysign (C-library ops of their own); fmin fmax
+                         sign reciprocal fabs deg2rad radians rad2deg degrees float_power
+                         logaddexp logaddexp2 isnan isinf isfinite signbit (written with the
+                         ops above: _COMPOSITES)
+    NumPy functions      np.where(cond, a, b), np.clip(x, lo, hi) (lo or hi may be None),
+                         np.round / np.around(x, decimals)
     constants            Python / NumPy ints and bools (part of the graph's structure), Python /
                          NumPy floats (kernel parameters: their values are not part of the
                          structure, so a sweep over one compiles once)
@@ -26,11 +32,12 @@ Supported, on traced values (anything else raises TypeError naming the operation
                          len() of a captured array are plain Python values.
 
 A sigmoid is written `1 / (1 + np.exp(-x))`; there is no sigmoid op. Unsupported ufuncs (for
-example np.floor, np.arctan2, np.tan, np.log1p) raise TypeError naming the ufunc.
+example np.spacing, np.nextafter, np.ldexp) raise TypeError naming the ufunc.
 
 Types. i64 op i64 stays i64 for + - * // % ** (the exponent of an integer power must be a
-non-negative int constant); / and the transcendental ufuncs give f32; anything with an f32
-operand is f32 (casts are explicit "cast" nodes). Comparisons give bool; & | ^ ~ take bool or
+non-negative int constant); / and the transcendental ufuncs give f32 (floor, ceil and trunc
+give an integer back as it is where the installed NumPy does: _INT_IDENTITY); anything with an
+f32 operand is f32 (casts are explicit "cast" nodes). Comparisons give bool; & | ^ ~ take bool or
 i64, never f32. Arithmetic with only bool operands raises (NumPy's bool + bool is a logical or).
 Integer // and % by zero give 0, as NumPy does (without its warning).
 
