@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import attnext
-from attnext import _C, codegen, kernels, trace
+from attnext import _C, codegen, interp, kernels, trace
 from attnext.accuracy import EPS, LOW_FACTOR, compare_grads
 from attnext.trace import evaluate, evaluate_grad, trace_mask_mod, trace_score_mod
 from conftest import (BF16, F16, F32, F64, acc_dtype, assert_close, check_backend, dtype_id,
@@ -310,6 +310,16 @@ def test_mask_mod_cpu(name, dtype, rng):
     fn = mask_mods_of(mask_table(rng))[name]
     q, k, v = make_qkv(rng, 1, 150, 150, H, 2, 8, 8, dtype)
     check_backend(q, k, v, rng, mask_mod=fn)
+
+
+def test_every_float_function_has_an_instruction_and_a_rendering():
+    """trace's tables are the one list: the interpreter has an instruction of each name
+    (csrc/interp.h INTERP_LIBM1 / 2), the code generator a C call, every one a derivative."""
+    ops = set(trace._UNARY_FLOAT) | set(trace._BINARY_FLOAT)
+    assert ops <= set(interp.OPS), ops - set(interp.OPS)
+    assert ops <= set(codegen._FLOAT_OPS), ops - set(codegen._FLOAT_OPS)
+    old = {"exp", "exp2", "log", "log2", "sqrt", "tanh", "sin", "cos"}    # grad()'s own branches
+    assert ops - old == set(trace._LOCAL), (ops - old) ^ set(trace._LOCAL)
 
 
 # --- the CUDA code generator, without a GPU -----------------------------------------------------
