@@ -78,10 +78,12 @@ _FLOAT_OPS = {
     "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "truediv": "({0} / {1})",
     "floordiv": "mod_ffloordiv({0}, {1})", "mod": "mod_fmod({0}, {1})", "pow": "powf({0}, {1})",
     "minimum": "mod_fmin({0}, {1})", "maximum": "mod_fmax({0}, {1})", "neg": "(-{0})",
-    "abs": "fabsf({0})", "exp": "expf({0})", "exp2": "exp2f({0})", "log": "logf({0})",
-    "log2": "log2f({0})", "sqrt": "sqrtf({0})", "tanh": "fast_tanh({0})", "sin": "sinf({0})",
-    "cos": "cosf({0})", "where": "({0} ? {1} : {2})", "dmul": "mod_dmul({0}, {1})",
+    "abs": "fabsf({0})", "where": "({0} ? {1} : {2})", "dmul": "mod_dmul({0}, {1})",
     "cast": "((float)({0}))",
+    # the C math library's functions by their float names (tanf: NVRTC's built-ins, no header)
+    **{op: f"{op}f({{0}})" for op in trace._UNARY_FLOAT},
+    **{op: f"{op}f({{0}}, {{1}})" for op in trace._BINARY_FLOAT},
+    "tanh": "fast_tanh({0})",
 }
 _INT_OPS = {
     "add": "mod_iadd({0}, {1})", "sub": "mod_isub({0}, {1})", "mul": "mod_imul({0}, {1})",

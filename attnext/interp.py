@@ -30,7 +30,9 @@ CACHE_CAPACITY = 256
 
 _TYPED = ("add", "sub", "mul", "floordiv", "mod", "pow", "minimum", "maximum", "neg", "abs",
           "where")
-_FLOAT_ONLY = ("truediv", "dmul", "exp", "exp2", "log", "log2", "sqrt", "tanh", "sin", "cos")
+_FLOAT_ONLY = ("truediv", "dmul")
+# the C math library's functions: instructions named as the function (csrc/interp.h INTERP_LIBM1)
+_LIBM = frozenset(trace._UNARY_FLOAT) | frozenset(trace._BINARY_FLOAT)
 _COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
 
 
@@ -64,6 +66,8 @@ def _opname(n):
         return ("f_" if dt == F else "i_") + op
     if op in _FLOAT_ONLY:
         return "f_" + op
+    if op in _LIBM:
+        return op
     if op in _COMPARE:
         return ("f_" if n.args[0].dtype == F else "i_") + op
     if op in ("and", "or", "xor"):

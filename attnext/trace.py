@@ -12,8 +12,14 @@ Supported, on traced values (anything else raises TypeError naming the operation
                          less less_equal greater greater_equal equal not_equal
                          logical_and logical_or logical_xor logical_not
                          bitwise_and bitwise_or bitwise_xor invert (bitwise_not)
-                         exp exp2 log log2 sqrt tanh sin cos
-    NumPy functions      np.where(cond, a, b), np.clip(x, lo, hi)
+                         exp exp2 log log2 sqrt tanh sin cos tan arcsin arccos arctan sinh
+                         cosh arcsinh arccosh arctanh expm1 log1p log10 cbrt floor ceil rint
+                         trunc arctan2 hypot copysign (C-library ops of their own); fmin fmax
+                         sign reciprocal fabs deg2rad radians rad2deg degrees float_power
+                         logaddexp logaddexp2 isnan isinf isfinite signbit (written with the
+                         ops above: _COMPOSITES)
+    NumPy functions      np.where(cond, a, b), np.clip(x, lo, hi) (lo or hi may be None),
+                         np.round / np.around(x, decimals)
     constants            Python / NumPy ints and bools (part of the graph's structure), Python /
                          NumPy floats (kernel parameters: their values are not part of the
                          structure, so a sweep over one compiles once); 0-d NumPy arrays, what
@@ -30,11 +36,12 @@ Supported, on traced values (anything else raises TypeError naming the operation
                          len() of a captured array are plain Python values.
 
 A sigmoid is written `1 / (1 + np.exp(-x))`; there is no sigmoid op. Unsupported ufuncs (for
-example np.floor, np.arctan2, np.tan, np.log1p) raise TypeError naming the ufunc.
+example np.spacing, np.nextafter, np.ldexp) raise TypeError naming the ufunc.
 
 Types. i64 op i64 stays i64 for + - * // % ** (the exponent of an integer power must be a
-non-negative int constant); / and the transcendental ufuncs give f32; anything with an f32
-operand is f32 (casts are explicit "cast" nodes). Comparisons give bool; & | ^ ~ take bool or
+non-negative int constant); / and the transcendental ufuncs give f32 (floor, ceil and trunc
+give an integer back as it is where the installed NumPy does: _INT_IDENTITY); anything with an
+f32 operand is f32 (casts are explicit "cast" nodes). Comparisons give bool; & | ^ ~ take bool or
 i64, never f32. Arithmetic with only bool operands raises (NumPy's bool + bool is a logical or).
 Integer // and % by zero give 0, as NumPy does (without its warning).
 
@@ -300,16 +307,20 @@ class Proxy:
         raise TypeError(f"complex() of a traced value {self._expr()} is not supported")
 
     def __round__(self, ndigits=None):
-        raise TypeError(f"round() of a traced value {self._expr()} is not supported")
+        raise TypeError(f"round() of a traced value {self._expr()} is not supported (NumPy "
+                        "arrays refuse it too): use np.round")
 
     def __trunc__(self):
-        raise TypeError(f"math.trunc() of a traced value {self._expr()} is not supported")
+        raise TypeError(f"math.trunc() of a traced value {self._expr()} is not supported: "
+                        "use np.trunc")
 
     def __floor__(self):
-        raise TypeError(f"math.floor() of a traced value {self._expr()} is not supported")
+        raise TypeError(f"math.floor() of a traced value {self._expr()} is not supported: "
+                        "use np.floor")
 
     def __ceil__(self):
-        raise TypeError(f"math.ceil() of a traced value {self._expr()} is not supported")
+        raise TypeError(f"math.ceil() of a traced value {self._expr()} is not supported: "
+                        "use np.ceil")
 
     def __iter__(self):
         raise TypeError(f"iterating over a traced value {self._expr()} is not supported")
@@ -362,10 +373,14 @@ class Proxy:
         if kwargs:
             raise TypeError(f"{name} with keyword arguments {sorted(kwargs)} is not supported "
                             "on traced values")
+        composite = _COMPOSITES.get(ufunc)
+        if composite is not None:
+            return composite(name, *(_coerce(x, self.graph, name) for x in inputs))
         op = _UFUNCS.get(ufunc)
         if op is None:
+            known = sorted(u.__name__ for u in (*_UFUNCS, *_COMPOSITES))
             raise TypeError(f"unsupported operation {name} on a traced value (supported: "
-                            f"{', '.join(sorted(u.__name__ for u in _UFUNCS))})")
+                            f"{', '.join(known)})")
         if op == "pos":
             return _coerce(inputs[0], self.graph, name)
         if op == "square":
@@ -378,11 +393,17 @@ class Proxy:
                 raise TypeError("np.where on traced values needs exactly (cond, a, b)")
             return _apply("where", *args, what="np.where")
         if func is np.clip:
-            if kwargs or len(args) != 3:
-                raise TypeError("np.clip on traced values needs exactly (x, lo, hi)")
-            x, lo, hi = args
-            return _apply("minimum", _apply("maximum", x, lo, what="np.clip"), hi,
-                          what="np.clip")
+            if kwargs or len(args) != 3 or (args[1] is None and args[2] is None):
+                raise TypeError("np.clip on traced values needs exactly (x, lo, hi), one of lo "
+                                "and hi may be None")
+            x, lo, hi = args            # NumPy's clip is minimum(maximum(x, lo), hi)
+            x = x if lo is None else _apply("maximum", x, lo, what="np.clip")
+            return x if hi is None else _apply("minimum", x, hi, what="np.clip")
+        if func in (np.round, np.around):
+            decimals = kwargs.pop("decimals", args[1] if len(args) > 1 else 0)
+            if kwargs or len(args) > 2:
+                raise TypeError(f"np.{func.__name__} on traced values takes (x, decimals)")
+            return _round(args[0], decimals, f"np.{func.__name__}")
         raise TypeError(f"unsupported operation np.{func.__name__} on a traced value")
 
 
@@ -517,7 +538,23 @@ def _coerce(x, graph, what):
 _ARITH = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "minimum", "maximum")
 _COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
 _BITWISE = ("and", "or", "xor")
-_UNARY_FLOAT = ("exp", "exp2", "log", "log2", "sqrt", "tanh", "sin", "cos")
+# Float functions computed in the accumulation dtype (an integer operand is cast first, as NumPy
+# computes np.tan(int64) in float64). Each op is named as the C math library's function that
+# computes it (the CPU interpreter calls that function, the CUDA code its float twin: tanf),
+# mapped to the NumPy ufunc that defines it.
+_UNARY_FLOAT = {
+    "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "sqrt": np.sqrt,
+    "tanh": np.tanh, "sin": np.sin, "cos": np.cos, "tan": np.tan, "asin": np.arcsin,
+    "acos": np.arccos, "atan": np.arctan, "sinh": np.sinh, "cosh": np.cosh, "asinh": np.arcsinh,
+    "acosh": np.arccosh, "atanh": np.arctanh, "expm1": np.expm1, "log1p": np.log1p,
+    "log10": np.log10, "cbrt": np.cbrt, "floor": np.floor, "ceil": np.ceil, "rint": np.rint,
+    "trunc": np.trunc,
+}
+_BINARY_FLOAT = {"atan2": np.arctan2, "hypot": np.hypot, "copysign": np.copysign}
+# the float functions NumPy gives an integer operand back unchanged (np.floor(int64) is int64
+# since NumPy 2.3; asked of the NumPy at hand, not assumed)
+_INT_IDENTITY = frozenset(op for op, u in _UNARY_FLOAT.items()
+                          if u.resolve_dtypes((np.dtype(np.int64), None))[-1] == np.int64)
 _OP_NAMES = {**_INFIX, "neg": "unary -", "abs": "abs()", "not": "~"}
 
 
@@ -557,7 +594,13 @@ def _apply(op, *operands, what=None):
             raise TypeError(f"{what} on a bool value is not supported")
         return Proxy(g.node(op, xs[0].dtype, xs[0]), g)
     if op in _UNARY_FLOAT:
+        if op in _INT_IDENTITY and xs[0].dtype != F:
+            if xs[0].dtype == B:
+                raise TypeError(f"{what} on a bool value is not supported")
+            return Proxy(xs[0], g)
         return Proxy(g.node(op, F, g.cast(xs[0], F)), g)
+    if op in _BINARY_FLOAT:
+        return Proxy(g.node(op, F, *(g.cast(x, F) for x in xs)), g)
     if op == "where":
         c, a, b = xs
         if c.dtype == I:
@@ -578,8 +621,113 @@ _UFUNCS = {
     np.equal: "eq", np.not_equal: "ne",
     np.logical_and: "land", np.logical_or: "lor", np.logical_xor: "lxor", np.logical_not: "lnot",
     np.bitwise_and: "and", np.bitwise_or: "or", np.bitwise_xor: "xor", np.invert: "not",
-    np.exp: "exp", np.exp2: "exp2", np.log: "log", np.log2: "log2", np.sqrt: "sqrt",
-    np.tanh: "tanh", np.sin: "sin", np.cos: "cos",
+    **{u: op for op, u in {**_UNARY_FLOAT, **_BINARY_FLOAT}.items()},
+}
+
+
+# --- ufuncs written with the ops above (their dtype rules and derivatives are those ops') ------
+
+def _fconst(x, value):
+    return Proxy(x.graph.fconst(value), x.graph)
+
+
+def _float(x):
+    return Proxy(x.graph.cast(x.node, F), x.graph)
+
+
+def _no_bool(what, *xs):
+    if all(x.node.dtype == B for x in xs):
+        raise TypeError(f"{what} on bool values is not supported")
+
+
+def _fmin_fmax(pick):
+    """np.fmin / np.fmax: np.minimum / np.maximum less NaN, which only two NaN give; integers
+    compare as they are."""
+    def build(what, a, b):
+        _no_bool(what, a, b)
+        m = _apply(pick, a, b, what=what)
+        if F not in (a.node.dtype, b.node.dtype):
+            return m
+        m = _apply("where", _apply("ne", b, b, what=what), a, m, what=what)
+        return _apply("where", _apply("ne", a, a, what=what), b, m, what=what)
+    return build
+
+
+def _sign(what, x):
+    """-1, 0 or 1 in x's dtype; NaN for NaN (x * 0), as np.sign."""
+    _no_bool(what, x)
+    zero = _apply("mul", x, 0, what=what)
+    return _apply("where", _apply("gt", x, 0, what=what), 1,
+                  _apply("where", _apply("lt", x, 0, what=what), -1, zero, what=what), what=what)
+
+
+def _reciprocal(what, x):
+    if x.node.dtype != F:
+        raise TypeError(f"{what} of an integer value is not supported (NumPy's integer "
+                        "reciprocal truncates to 0 or fails); write 1 / x for a float")
+    return _apply("truediv", 1, x, what=what)
+
+
+def _logaddexp(ln2, exp):
+    """np.logaddexp / np.logaddexp2 as NumPy computes them (npy_logaddexp): the larger operand
+    plus log(1 + exp(-|a - b|)); equal ones (infinities included) give a + log(2), written
+    a / 2 + b / 2 + log(2) there so that the derivative is 1/2 to each, not 1 to one."""
+    def build(what, a, b):
+        a, b = _float(a), _float(b)
+        half = _fconst(a, 0.5)
+        tie = _apply("add", _apply("add", _apply("mul", a, half), _apply("mul", b, half)),
+                     _fconst(a, ln2))
+        gap = _apply("neg", _apply("abs", _apply("sub", a, b)))
+        rest = _apply("log1p", _apply(exp, gap))
+        if ln2 != _LN2:         # base 2: log2(1 + y) = log1p(y) / log(2)
+            rest = _apply("mul", rest, _fconst(a, 1 / _LN2))
+        far = _apply("add", _apply("maximum", a, b), rest)
+        return _apply("where", _apply("eq", a, b), tie, far, what=what)
+    return build
+
+
+def _isinf_isfinite(op, ints):
+    """|x| == inf / |x| < inf (false for NaN); integers are always finite."""
+    def build(what, x):
+        if x.node.dtype != F:
+            return Proxy(x.graph.const(ints), x.graph)
+        return _apply(op, _apply("abs", x), _fconst(x, math.inf), what=what)
+    return build
+
+
+def _round(x, decimals, what):
+    """np.round(x, decimals) as NumPy computes it for floats: rint(x * 10**d) / 10**d, or with
+    d < 0 rint(x / 10**-d) * 10**-d; integers with d >= 0 are returned as they are."""
+    if not isinstance(decimals, (int, np.integer)) or isinstance(decimals, (bool, np.bool_)):
+        raise TypeError(f"{what}: decimals must be an int, got {decimals!r}")
+    if x.node.dtype != F:
+        if decimals < 0:
+            raise TypeError(f"{what} of an integer value to {decimals} decimals is not "
+                            "supported")
+        _no_bool(what, x)
+        return x
+    if decimals == 0:
+        return _apply("rint", x, what=what)
+    f = _fconst(x, 10.0 ** abs(decimals))
+    up, down = ("mul", "truediv") if decimals > 0 else ("truediv", "mul")
+    return _apply(down, _apply("rint", _apply(up, x, f, what=what), what=what), f, what=what)
+
+
+_COMPOSITES = {
+    np.fmin: _fmin_fmax("minimum"), np.fmax: _fmin_fmax("maximum"),
+    np.sign: _sign, np.reciprocal: _reciprocal,
+    np.fabs: lambda what, x: _apply("abs", _float(x), what=what),
+    np.deg2rad: lambda what, x: _apply("mul", x, _fconst(x, math.pi / 180), what=what),
+    np.radians: lambda what, x: _apply("mul", x, _fconst(x, math.pi / 180), what=what),
+    np.rad2deg: lambda what, x: _apply("mul", x, _fconst(x, 180 / math.pi), what=what),
+    np.degrees: lambda what, x: _apply("mul", x, _fconst(x, 180 / math.pi), what=what),
+    np.float_power: lambda what, a, b: _apply("pow", _float(a), _float(b), what=what),
+    np.logaddexp: _logaddexp(_LN2, "exp"), np.logaddexp2: _logaddexp(1.0, "exp2"),
+    np.isnan: lambda what, x: (_apply("ne", x, x, what=what) if x.node.dtype == F
+                               else Proxy(x.graph.const(False), x.graph)),
+    np.isinf: _isinf_isfinite("eq", False), np.isfinite: _isinf_isfinite("lt", True),
+    np.signbit: lambda what, x: (_apply("lt", _apply("copysign", 1, x, what=what), 0, what=what)
+                                 if x.node.dtype == F else _apply("lt", x, 0, what=what)),
 }
 
 
@@ -1037,8 +1185,7 @@ _EVAL = {
     "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
     "eq": np.equal, "ne": np.not_equal,
     "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor, "not": np.invert,
-    "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "sqrt": np.sqrt,
-    "tanh": np.tanh, "sin": np.sin, "cos": np.cos, "where": np.where,
+    **_UNARY_FLOAT, **_BINARY_FLOAT, "where": np.where,
     # dmul(g, d) = g * d, but 0 where g == 0: an adjoint of 0 (an unchosen np.where branch, a
     # masked pair) contributes 0 even where the local derivative d is inf or NaN.
     "dmul": lambda g, d: np.where(g == 0, np.zeros((), g.dtype), g * d),
@@ -1128,6 +1275,36 @@ class Grad(NamedTuple):
     key: str
 
 
+# op -> (f, k, out, *operands) -> the derivative of out w.r.t. each operand (None: 0), from
+# f(op, *nodes) (a float node) and k(value) (a constant): the float functions above exp ... cos
+_LOCAL = {
+    "tan": lambda f, k, y, x: (f("add", k(1.0), f("mul", y, y)),),
+    "atan": lambda f, k, y, x: (f("truediv", k(1.0), f("add", k(1.0), f("mul", x, x))),),
+    "asin": lambda f, k, y, x: (f("truediv", k(1.0), f("sqrt", f("sub", k(1.0), f("mul", x, x)))),),
+    "acos": lambda f, k, y, x: (f("truediv", k(-1.0), f("sqrt", f("sub", k(1.0), f("mul", x, x)))),),
+    "sinh": lambda f, k, y, x: (f("cosh", x),),
+    "cosh": lambda f, k, y, x: (f("sinh", x),),
+    "asinh": lambda f, k, y, x: (f("truediv", k(1.0), f("hypot", x, k(1.0))),),   # no x * x overflow
+    "acosh": lambda f, k, y, x: (f("truediv", k(1.0), f("mul", f("sqrt", f("sub", x, k(1.0))),
+                                                       f("sqrt", f("add", x, k(1.0))))),),
+    "atanh": lambda f, k, y, x: (f("truediv", k(1.0), f("sub", k(1.0), f("mul", x, x))),),
+    "expm1": lambda f, k, y, x: (f("add", y, k(1.0)),),
+    "log1p": lambda f, k, y, x: (f("truediv", k(1.0), f("add", x, k(1.0))),),
+    "log10": lambda f, k, y, x: (f("truediv", k(1.0), f("mul", x, k(math.log(10.0)))),),
+    "cbrt": lambda f, k, y, x: (f("truediv", k(1.0), f("mul", k(3.0), f("mul", y, y))),),
+    "floor": lambda f, k, y, x: (None,), "ceil": lambda f, k, y, x: (None,),
+    "rint": lambda f, k, y, x: (None,), "trunc": lambda f, k, y, x: (None,),
+    # atan2(a, b) = atan(a / b): d/da = b / r^2, d/db = -a / r^2 with r = hypot(a, b)
+    "atan2": lambda f, k, y, a, b: (f("truediv", f("truediv", b, f("hypot", a, b)), f("hypot", a, b)),
+                                    f("neg", f("truediv", f("truediv", a, f("hypot", a, b)),
+                                                  f("hypot", a, b)))),
+    "hypot": lambda f, k, y, a, b: (f("truediv", a, y), f("truediv", b, y)),
+    # copysign(a, b) = |a| sign(b): d/da = sign(a) sign(b) (at the kink a = 0, +-0's sign)
+    "copysign": lambda f, k, y, a, b: (f("mul", f("copysign", k(1.0), a), f("copysign", k(1.0), b)),
+                                       None),
+}
+
+
 def grad(traced):
     """The symbolic derivative of a score_mod (see Grad).
 
@@ -1135,7 +1312,8 @@ def grad(traced):
     minimum / maximum go to the first operand, the one NumPy returns); abs' derivative is sign(x)
     with 0 at 0; a // b has derivative 0 and a % b has derivatives 1 and -(a // b); a ** b has
     b * a ** (b - 1) and, where b depends on the score or an array, a ** b * log(a). Integer
-    and bool subgraphs (indices, comparisons) carry no gradient. Each adjoint times a local
+    and bool subgraphs (indices, comparisons) carry no gradient; floor, ceil, rint and trunc
+    have derivative 0, the other float functions theirs (_LOCAL). Each adjoint times a local
     derivative is a "dmul": 0 where the adjoint is 0, so an unchosen branch never leaks NaN.
     """
     if traced.kind != "score_mod":
@@ -1224,6 +1402,10 @@ def grad(traced):
             push(a[0], dmul(adj, node("cos", F, a[0])))
         elif op == "cos":
             push(a[0], dmul(adj, node("neg", F, node("sin", F, a[0]))))
+        elif op in _LOCAL:
+            for x, d in zip(a, _LOCAL[op](lambda o, *xs: node(o, F, *xs), g.fconst, n, *a)):
+                if d is not None:
+                    push(x, dmul(adj, d))
         else:
             raise TypeError(f"no derivative rule for op {op!r}")
     darrays = {k: tuple(v) for k, v in sorted(darrays.items())}

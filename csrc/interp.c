@@ -60,10 +60,13 @@ static int lookup_offsets(const interp_mods *mods, const interp_prog *pg, int64_
  * and scatters (a, b, c) are the array, the aux offset and the index count. */
 static const char *op_signature(interp_op op)
 {
+#define CASE(name) case OP_##name:
     switch (op) {
-    case OP_f_neg: case OP_f_abs: case OP_f_exp: case OP_f_exp2: case OP_f_log: case OP_f_log2:
-    case OP_f_sqrt: case OP_f_tanh: case OP_f_sin: case OP_f_cos:
+    case OP_f_neg: case OP_f_abs: INTERP_LIBM1(CASE)
         return "ff--";
+    INTERP_LIBM2(CASE)
+        return "fff-";
+#undef CASE
     case OP_f_where: return "fiff";
     case OP_f_from_i: return "fi--";
     case OP_f_lt: case OP_f_le: case OP_f_gt: case OP_f_ge: case OP_f_eq: case OP_f_ne:

@@ -35,14 +35,21 @@
 #define INTERP_I_H 3
 #define INTERP_I_FIRST_CONST 4
 
+/* float -> float and float x float -> float by the C math library's function of the op's name
+ * (expf / exp for the accumulation type): attnext/trace.py's _UNARY_FLOAT and _BINARY_FLOAT */
+#define INTERP_LIBM1(X)                                                                         \
+    X(exp) X(exp2) X(log) X(log2) X(sqrt) X(tanh) X(sin) X(cos) X(tan) X(asin) X(acos) X(atan) \
+    X(sinh) X(cosh) X(asinh) X(acosh) X(atanh) X(expm1) X(log1p) X(log10) X(cbrt) X(floor)    \
+    X(ceil) X(rint) X(trunc)
+#define INTERP_LIBM2(X) X(atan2) X(hypot) X(copysign)
+
 /* X(name): the ops, in opcode order. attnext/interp.py reads the names from _C.interp_ops(). */
 #define INTERP_OPS(X)                                                                           \
     /* float x float -> float */                                                                \
     X(f_add) X(f_sub) X(f_mul) X(f_truediv) X(f_floordiv) X(f_mod) X(f_pow) X(f_minimum)        \
-    X(f_maximum) X(f_dmul)                                                                      \
+    X(f_maximum) X(f_dmul) INTERP_LIBM2(X)                                                      \
     /* float -> float */                                                                        \
-    X(f_neg) X(f_abs) X(f_exp) X(f_exp2) X(f_log) X(f_log2) X(f_sqrt) X(f_tanh) X(f_sin)        \
-    X(f_cos)                                                                                    \
+    X(f_neg) X(f_abs) INTERP_LIBM1(X)                                                           \
     /* (bool, float, float) -> float; int -> float */                                          \
     X(f_where) X(f_from_i)                                                                      \
     /* float x float -> bool */                                                                 \

@@ -177,14 +177,12 @@ int FN(interp_eval)(const interp_mods *mods, const interp_prog *pg, const interp
             case OP_f_dmul: F_BIN(A == 0 ? (T)0 : A * B)
             case OP_f_neg: F_UN(-A)
             case OP_f_abs: F_UN(M(fabs)(A))
-            case OP_f_exp: F_UN(M(exp)(A))
-            case OP_f_exp2: F_UN(M(exp2)(A))
-            case OP_f_log: F_UN(M(log)(A))
-            case OP_f_log2: F_UN(M(log2)(A))
-            case OP_f_sqrt: F_UN(M(sqrt)(A))
-            case OP_f_tanh: F_UN(M(tanh)(A))
-            case OP_f_sin: F_UN(M(sin)(A))
-            case OP_f_cos: F_UN(M(cos)(A))
+#define LIBM1(name) case OP_##name: F_UN(M(name)(A))
+#define LIBM2(name) case OP_##name: F_BIN(M(name)(A, B))
+            INTERP_LIBM1(LIBM1)
+            INTERP_LIBM2(LIBM2)
+#undef LIBM1
+#undef LIBM2
             case OP_f_where: {
                 const int64_t *cond = ir[a];
                 const T *x = fr[b], *y = fr[c];

@@ -420,7 +420,8 @@ def test_struct_layout_matches_pack(cc, tmp_path):
 
 def test_tables_cover_every_traced_op():
     produced = set(trace._ARITH) | set(trace._COMPARE) | set(trace._BITWISE) | set(
-        trace._UNARY_FLOAT) | {"neg", "abs", "not", "where", "cast", "load", "dmul"}
+        trace._UNARY_FLOAT) | set(trace._BINARY_FLOAT) | {"neg", "abs", "not", "where", "cast",
+                                                          "load", "dmul"}
     assert produced <= codegen.SUPPORTED_OPS, produced - codegen.SUPPORTED_OPS
     assert set(trace._EVAL) | {"load", "cast"} == codegen.SUPPORTED_OPS
 
