@@ -94,23 +94,13 @@ def _array_positions(out):
     return pos
 
 
-def same_bits(dtype, source):
-    """Whether a cast from integer or bool type source to integer type dtype keeps the int64 a
-    register holds (mod_ints.h): a bool's 0 / 1, a widening, and any cast into int64 or uint64
-    (a uint64 is held as its bits)."""
-    if source == B or dtype in ("i64", "u64"):
-        return True
-    lo, hi = trace.int_range(dtype)
-    slo, shi = trace.int_range(source)
-    return lo <= slo and shi <= hi
-
-
 def _alias(n):
-    """The node whose register n shares: a cast that keeps the register's int64 (same_bits)."""
+    """The node whose register n shares: a cast that keeps the register's int64
+    (trace.same_bits)."""
     while n.op == "cast" and n.dtype != F:
         if n.args[0].dtype == F:
             raise TypeError(f"the CPU interpreter cannot cast a float to {n.dtype}")
-        if not same_bits(n.dtype, n.args[0].dtype):
+        if not trace.same_bits(n.dtype, n.args[0].dtype):
             break
         n = n.args[0]
     return n

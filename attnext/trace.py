@@ -287,6 +287,17 @@ def int_range(dtype):
     return int(info.min), int(info.max)
 
 
+def same_bits(dtype, source):
+    """Whether a cast from integer or bool type source to integer type dtype keeps the int64
+    the backends hold a value in (csrc/mod_ints.h: its value, a uint64's bits): a bool's 0 / 1,
+    a widening, and any cast into int64 or uint64. Any other cast wraps."""
+    if source == B or dtype in (I, "u64"):
+        return True
+    lo, hi = int_range(dtype)
+    slo, shi = int_range(source)
+    return lo <= slo and shi <= hi
+
+
 def int_bits(value, dtype):
     """An integer constant of type dtype as the backends hold it: its value in int64, a uint64's
     as its bits."""
