@@ -272,6 +272,11 @@ def _cell_function(mask, arrays, modes, narrow):
               "kv_idx": "mod_iv_range(c0, c1)"}
     for n in trace.topo(mask.out):
         op, a = n.op, [expr.get(id(x)) for x in trace._children(n)]
+        if op != "where" and any(x.dtype == "u64" for x in trace._children(n)) and None not in a:
+            # a uint64 op reads its operands as uint64s (interp.c's interp_cell alike): a
+            # constant past int64 (negative bits) is no interval of its value
+            a = [f"mod_iv_fit({x}, MOD_U64)" if c.dtype == "u64" else x
+                 for x, c in zip(a, trace._children(n))]
         if n.dtype == F and op != "load":
             continue
         if op in inputs:

@@ -181,7 +181,12 @@ int interp_cell(const interp_prog *pg, int64_t b, int64_t h, int64_t r0, int64_t
     for (int64_t n = 0; n < pg->n_instr; n++) {
         const int64_t *in = pg->instr + 5 * n;
         const int64_t op = in[0], d = in[1], a = in[2], bb = in[3], c = in[4];
-        const mod_iv *x = &ir[a], *y = &ir[bb];
+        /* a uint64 op reads its operands as uint64s: a constant past int64 (negative bits) is
+         * no interval of its value */
+        const int u64 = c == MOD_U64 && op_signature((interp_op)op)[3] == 't';
+        const mod_iv xv = u64 ? mod_iv_fit(ir[a], MOD_U64) : ir[a];
+        const mod_iv yv = u64 ? mod_iv_fit(ir[bb], MOD_U64) : ir[bb];
+        const mod_iv *x = &xv, *y = &yv;
         mod_iv z = mod_iv_top();
         switch ((interp_op)op) {
         case OP_f_lt: case OP_f_le: case OP_f_gt: case OP_f_ge: case OP_f_eq: case OP_f_ne:
