@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import attnext
-from attnext import band, reference, trace
+from attnext import band, codegen, reference, trace
 from conftest import F32, F64, assert_close, check_backend, make_qkv
 
 # the reference computes the callbacks on NumPy arrays as they are: // and % by zero warn there
@@ -223,18 +223,24 @@ def test_a_wrapping_uint8_index_into_a_float_table(rng):
     assert np.allclose(res.grads.dtensors["tab"], res.ref_grads.dtensors["tab"], atol=1e-9)
 
 
-def test_block_mask_cells_do_not_trust_a_wrapped_interval(rng):
-    """Over a cell the tables' values run as a ramp, whose uint8 / int8 sums wrap inside it: an
-    interval of the unwrapped sums would settle cells that hold both kept and masked pairs."""
-    n = 320
-    ramp_u8 = (np.arange(n) * 3 % 256).astype(np.uint8)
-    ramp_i8 = np.arange(n).astype(np.int8)          # wraps at 128
+# Over a block-mask cell these tables' values run as ramps, whose narrow sums wrap inside some
+# cells: an interval of the unwrapped sums would settle cells that hold both kept and masked
+# pairs; a uint64 constant past int64 is no interval of its value either (mod_ints.h: mod_iv_fit)
+N_RAMP = 320
+RAMP_U8 = (np.arange(N_RAMP) % 256).astype(np.uint8)
+RAMP_I8 = np.arange(N_RAMP).astype(np.int8)                  # wraps at 128
+RAMP_U64 = np.arange(N_RAMP).astype(np.uint64)
+RAMP_MASKS = {
+    "uint8_sum": lambda b, h, qi, ki: ((RAMP_U8[qi] + np.uint8(100)) < 150) | (ki == qi),
+    "int8_sum": lambda b, h, qi, ki: ((RAMP_I8[ki] + np.int8(20)) < 0) | (ki == qi),
+    "uint64_constant": lambda b, h, qi, ki: np.where(RAMP_U8[qi] > 250, RAMP_U64[ki], 2 ** 64 - 2) % 3 != 1,
+}
 
-    def mask_mod(b, h, qi, ki):
-        return ((ramp_u8[qi] + np.uint8(100)) < 150) | ((ramp_i8[ki] + np.int8(20)) < 0)
 
-    q, k, v = make_qkv(rng, 1, n, n, 1, 1, 8, 8, F32)
-    check_backend(q, k, v, rng, mask_mod=mask_mod)
+@pytest.mark.parametrize("which", sorted(RAMP_MASKS))
+def test_block_mask_cells_do_not_trust_a_wrapped_interval(which, rng):
+    q, k, v = make_qkv(rng, 1, N_RAMP, N_RAMP, 1, 1, 8, 8, F32)
+    check_backend(q, k, v, rng, mask_mod=RAMP_MASKS[which])
 
 
 BAND_LIKE = {
@@ -271,6 +277,62 @@ def test_out_of_range_python_int_raises_as_numpy_does(rng):
         attnext.attention(q, k, v, score_mod=score_mod, device="cpu")
 
 
+# --- the GPU's generated code, built as host C ------------------------------------------------
+
+HOST_PAIRS = [("array-own", "array-own"), ("array-uint64", "python-3"), ("index", "numpy-int8")]
+
+
+@pytest.mark.parametrize("facts", [False, True], ids=["checked", "facts"])
+@pytest.mark.parametrize("pids", HOST_PAIRS, ids=["-".join(p) for p in HOST_PAIRS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=name)
+def test_generated_code_computes_in_numpys_types(dtype, pids, facts, cc, tmp_path, rng):
+    """codegen's score_mod, mask_mod and block-mask cells (mod_ints.h's typed rules) as host C:
+    the score and the mask as trace.evaluate (NumPy on the traced types) gives them, and each
+    cell's intervals cover its pairs (a wrapped sum is no interval)."""
+    from test_cells import run_cells, random_cells
+    from test_codegen import bind, build, close, grid, run, with_facts
+    own = "array-" + name(dtype)
+    ts, tm = (trace.trace_score_mod(combined(ok)[0]) if i == 0 else trace.trace_mask_mod(combined(ok)[1])
+              for i, ok in enumerate(
+                  [(op, a, o, r.dtype.kind) for op, a, o, r in cases(dtype, own if p == "array-own" else p, rng)
+                   if not isinstance(r, Exception)] for p in pids))
+    if facts:
+        gen, bound = with_facts(ts, tm)
+    else:
+        gen = codegen.generate(ts, tm)
+        bound = bind(ts, gen, "score_mod") + bind(tm, gen, "mask_mod")
+    exe = build(cc, tmp_path, gen)
+    pts = grid(rng)
+    fwd, _, keeps, err, _ = run(exe, tmp_path, gen, bound, pts, ts.params + tm.params)
+    assert err[0] == 0
+    with np.errstate(all="ignore"):
+        close(fwd, trace.evaluate(ts, *pts[:5]), "score_mod")
+        want = np.broadcast_to(trace.evaluate(tm, None, *pts[1:5]), keeps.shape)
+    np.testing.assert_array_equal(keeps.astype(bool), want)
+    from test_cells import HARNESS
+    cells = random_cells(rng, 300)
+    mask_gen = codegen.generate(None, tm)
+    exe = build(cc, tmp_path, mask_gen, HARNESS, folder="cells")
+    got, pairs, _ = run_cells(exe, tmp_path, mask_gen, bind(tm, mask_gen, "mask_mod"), cells, tm.params)
+    assert ((got & pairs) == pairs).all(), [(c, g, p) for c, g, p in zip(cells, got, pairs) if g & p != p][:5]
+
+
+@pytest.mark.parametrize("which", sorted(RAMP_MASKS))
+def test_generated_cells_do_not_trust_a_wrapped_interval(which, cc, tmp_path):
+    """The ramps' 64 x 64 cells by codegen's mod_mask_cell as host C: each covers its pairs, and
+    the cells no wrap or edge crosses are settled."""
+    from test_cells import BOTH, HARNESS, run_cells
+    from test_codegen import bind, build
+    t = trace.trace_mask_mod(RAMP_MASKS[which])
+    gen = codegen.generate(None, t)
+    exe = build(cc, tmp_path, gen, HARNESS)
+    cells = [(0, 0, r, min(r + 63, N_RAMP - 1), c, min(c + 63, N_RAMP - 1))
+             for r in range(0, N_RAMP, 64) for c in range(0, N_RAMP, 64)]
+    got, pairs, _ = run_cells(exe, tmp_path, gen, bind(t, gen, "mask_mod"), cells)
+    assert ((got & pairs) == pairs).all(), [(c, g, p) for c, g, p in zip(cells, got, pairs) if g & p != p][:5]
+    assert (got != BOTH).any() or which == "uint64_constant"
+
+
 # --- the GPU -----------------------------------------------------------------------------------
 # All ops of a case in one score_mod and one mask_mod, so the compiles stay few.
 
@@ -292,21 +354,16 @@ def test_gpu_against_the_reference(dtype, pid, rng, torch):
 
 
 @pytest.mark.gpu
-def test_gpu_block_mask_cells_and_uint8_index(rng, torch):
+@pytest.mark.parametrize("which", sorted(RAMP_MASKS))
+def test_gpu_block_mask_cells_and_uint8_index(which, rng, torch):
     from test_score_mod_cuda import run_gpu
-    n = 320
-    ramp_u8 = (np.arange(n) * 3 % 256).astype(np.uint8)
-    ramp_i8 = np.arange(n).astype(np.int8)
     tab = rng.standard_normal(256)
 
-    def mask_mod(b, h, qi, ki):
-        return ((ramp_u8[qi] + np.uint8(100)) < 150) | ((ramp_i8[ki] + np.int8(20)) < 0)
-
     def score_mod(s, b, h, qi, ki):
-        return s + tab[ramp_u8[qi] - ramp_u8[ki]]
+        return s + tab[RAMP_U8[qi] - RAMP_U8[ki]]
 
-    q, k, v = make_qkv(rng, 1, n, n, 2, 2, 64, 64, np.float16)
-    run_gpu(torch, q, k, v, mask_mod=mask_mod, score_mod=score_mod)
+    q, k, v = make_qkv(rng, 1, N_RAMP, N_RAMP, 2, 2, 64, 64, np.float16)
+    run_gpu(torch, q, k, v, mask_mod=RAMP_MASKS[which], score_mod=score_mod)
 
 
 @pytest.mark.gpu
