@@ -9,6 +9,8 @@ uint8 expression, block-mask cells whose intervals would wrap (csrc/mod_ints.h: 
 mask_mods that look like bands but compare through uint64 (attnext/band.py leaves them).
 The same on the GPU under `-m gpu`: tests/test_int_promotion.py::test_gpu_*.
 """
+import os
+
 import numpy as np
 import pytest
 
@@ -384,3 +386,23 @@ def test_gpu_captured_torch_integer_tensors(dtype, rng, torch):
 
     out = attnext.attention(tq, tk, tv, score_mod=sm_dev).cpu().numpy()
     assert_close("out", out, reference.attention(q, k, v, score_mod=sm_host), np.float16)
+
+
+@pytest.mark.parametrize("dtype, pid", [(np.int8, "array-own"), (np.uint64, "array-own"),
+                                        (np.uint64, "index")], ids=["int8", "uint64", "uint64-index"])
+def test_generated_code_compiles_with_nvrtc(dtype, pid, rng):
+    """NVRTC takes the typed rules (mod_ints.h) as the generated code uses them: the block-mask
+    kernel, which includes the whole generated header (score_mod, mask_mod, cells)."""
+    if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
+        pytest.skip("ATTNEXT_NO_NVRTC=1")
+    from attnext import _C, kernels
+    pid = "array-" + name(dtype) if pid == "array-own" else pid
+    ok = [(op, a, o, r.dtype.kind) for op, a, o, r in cases(dtype, pid, rng) if not isinstance(r, Exception)]
+    score_mod, mask_mod = combined(ok)
+    gen = codegen.generate(trace.trace_score_mod(score_mod), trace.trace_mask_mod(mask_mod))
+    assert "mod_t" in gen.source
+    [spec] = kernels.block_mask_specs(gen)
+    k, d, g = kernels.module_of(*spec)
+    kernels.nvrtc()
+    cubin, _ = _C.nvrtc_compile(*kernels.compile_args(k, d, "sm_80", g))
+    assert b"attn_block_mask" in cubin
