@@ -9,7 +9,9 @@ for ~, for & with a non-negative operand and | ^ of non-negative ones; a cast of
 takes the [min, max] of the array's values when the caller gives them (NumPy arrays on the
 host; a CUDA array's values are never read on the host, so a lookup indexed by them is checked),
 and anything else is unknown. An interval that could leave int64 is unknown (the
-kernels' integer arithmetic wraps there, as NumPy's does).
+kernels' integer arithmetic wraps there, as NumPy's does), and so is one of a narrower integer
+type (int8 ... uint64) that leaves the type's range, or a uint64 lookup past int64: the value
+wrapped there.
 
 A lookup is in range when every index's interval lies within [-n, n) for its axis of size n:
 it can never fail, so the generated code reads it without the check, the clamp or the error
@@ -90,7 +92,7 @@ def ranges(roots, extents, values=None):
         if n.dtype == trace.B:
             out[id(n)] = (0, 1)
             continue
-        if n.dtype != trace.I:
+        if not trace.is_int(n.dtype):
             continue
         a = [out.get(id(x)) for x in trace._children(n)]
         op = n.op
@@ -101,9 +103,9 @@ def ranges(roots, extents, values=None):
             r = (int(n.args[0]), int(n.args[0]))
         elif op == "load":
             arr = n.args[0]
-            r = values.get(arr.args[0]) if arr.dtype == trace.I else None
+            r = values.get(arr.args[0]) if trace.is_int(arr.dtype) else None
         elif op == "cast":
-            r = (0, 1) if n.args[0].dtype == trace.B else None
+            r = (0, 1) if n.args[0].dtype == trace.B else a[0]
         elif op == "where":
             if a[1] is not None and a[2] is not None:
                 r = (min(a[1][0], a[2][0]), max(a[1][1], a[2][1]))
@@ -136,6 +138,9 @@ def ranges(roots, extents, values=None):
             r = (-a[0][1] - 1, -a[0][0] - 1)
         elif op in ("and", "or", "xor"):
             r = _bitwise(op, a[0], a[1])
+        if r is not None and n.dtype != trace.I:     # a narrower type: exact where nothing wrapped
+            lo, hi = trace.int_range(n.dtype)
+            r = r if lo <= r[0] and r[1] <= hi else None
         out[id(n)] = r
     return out
 
@@ -193,7 +198,7 @@ def array_values(traced, arrays):
     import numpy as np
     out = {}
     for n in trace.topo(traced.out):
-        a = arrays.get(n.args[0]) if n.op == "array" and n.dtype == trace.I else None
+        a = arrays.get(n.args[0]) if n.op == "array" and trace.is_int(n.dtype) else None
         iv = value_range(a) if isinstance(a, np.ndarray) else None
         if iv is not None:
             out[n.args[0]] = iv

@@ -98,7 +98,35 @@ _BOOL_OPS = {
     "eq": "({0} == {1})", "ne": "({0} != {1})", "and": "({0} & {1})", "or": "({0} | {1})",
     "xor": "({0} ^ {1})", "not": "(!{0})", "where": "({0} ? {1} : {2})",
 }
+# a narrower integer type's ops (trace.INTS; values held in int64_t as csrc/mod_ints.h says):
+# mod_ints.h's typed rules, {t} the type's code there; int64 keeps _INT_OPS
+_TYPED_INT_OPS = {
+    "add": "mod_tadd({0}, {1}, {t})", "sub": "mod_tsub({0}, {1}, {t})", "mul": "mod_tmul({0}, {1}, {t})",
+    "floordiv": "mod_tfloordiv({0}, {1}, {t})", "mod": "mod_tmod({0}, {1}, {t})",
+    "pow": "mod_tpow({0}, {1}, {t})", "minimum": "mod_tmin({0}, {1}, {t})",
+    "maximum": "mod_tmax({0}, {1}, {t})", "neg": "mod_tneg({0}, {t})", "abs": "mod_tabs({0}, {t})",
+    "not": "mod_tnot({0}, {t})", "cast": "mod_wrap({0}, {t})",
+    **{op: _INT_OPS[op] for op in ("and", "or", "xor", "where")},
+}
+# comparisons of uint64 operands (the others compare the values held)
+_U64_COMPARE = {"lt": "mod_tlt({0}, {1}, MOD_U64)", "le": "mod_tle({0}, {1}, MOD_U64)",
+                "gt": "mod_tlt({1}, {0}, MOD_U64)", "ge": "mod_tle({1}, {0}, MOD_U64)"}
+_MOD_TYPE = {t: "MOD_" + t.upper() for t in trace.INTS}
 _TABLES = {F: _FLOAT_OPS, I: _INT_OPS, B: _BOOL_OPS}
+
+
+def _op_format(n):
+    """The C format of node n's op (its operands {0} {1} {2}, its type's code {t}), or None."""
+    op, dt, src = n.op, n.dtype, n.args[0].dtype if n.args and isinstance(n.args[0], trace.Node) else None
+    if op == "cast" and dt == F and src == "u64":
+        return "((float)(uint64_t)({0}))"
+    if op == "cast" and trace.is_int(dt) and trace.same_bits(dt, src):
+        return _INT_OPS["cast"]
+    if trace.is_int(dt) and dt != I:
+        return _TYPED_INT_OPS.get(op)
+    if dt == B and src == "u64" and op in _U64_COMPARE:
+        return _U64_COMPARE[op]
+    return _TABLES.get(dt, {}).get(op)
 _LOAD = {F: "mod_load_f", I: "mod_load_i", B: "mod_load_b"}
 _INPUT_NAMES = ("score", "b", "h", "q_idx", "kv_idx", "dout")
 
@@ -155,7 +183,7 @@ class _Renderer:
                                        (uses.get(id(n), 0) > 1 or d > MAX_INLINE_DEPTH))
             if named:
                 name = f"v{len(self.lines)}"
-                self.lines.append(f"    const {C_TYPE[n.dtype]} {name} = {e};")
+                self.lines.append(f"    const {C_TYPE[trace.kind_of(n.dtype)]} {name} = {e};")
                 e, d = name, 0
             self.expr[id(n)] = e
             depth[id(n)] = d
@@ -165,7 +193,7 @@ class _Renderer:
         if op in _INPUT_NAMES:
             return op
         if op == "const":
-            return _int_literal(n.args[0], n.dtype)
+            return _int_literal(n.args[0], B) if n.dtype == B else _int_literal(trace.int_bits(n.args[0], n.dtype), I)
         if op == "fconst":
             return _float_literal(n.args[0])
         if op == "param":
@@ -178,13 +206,14 @@ class _Renderer:
             return None
         if op == "load":
             arr = self.arrays[n.args[0].args[0]]
-            load = "mod_load_i32" if n.dtype == I and arr in self.narrow else _LOAD[n.dtype]
+            kind = trace.kind_of(n.dtype)
+            load = "mod_load_i32" if kind == I and arr in self.narrow else _LOAD[kind]
             return f"{load}(m, {arr}, {self.offset(n.args[0], n.args[1:])})"
-        table = _TABLES.get(n.dtype, {})
-        if op not in table:
+        form = _op_format(n)
+        if form is None:
             raise TypeError(f"the GPU code generator cannot render {op!r} ({n.dtype}): "
                             f"{trace.format_expr(n)}")
-        return table[op].format(*(self.expr[id(a)] for a in n.args))
+        return form.format(*(self.expr[id(a)] for a in n.args), t=_MOD_TYPE.get(n.dtype))
 
     def offset(self, array_node, idx):
         name, shape = array_node.args[0], array_node.args[2]
@@ -253,12 +282,18 @@ def _cell_function(mask, arrays, modes, narrow):
               "kv_idx": "mod_iv_range(c0, c1)"}
     for n in trace.topo(mask.out):
         op, a = n.op, [expr.get(id(x)) for x in trace._children(n)]
+        if op != "where" and any(x.dtype == "u64" for x in trace._children(n)) and None not in a:
+            # a uint64 op reads its operands as uint64s (interp.c's interp_cell alike): a
+            # constant past int64 (negative bits) is no interval of its value
+            a = [f"mod_iv_fit({x}, MOD_U64)" if c.dtype == "u64" else x
+                 for x, c in zip(a, trace._children(n))]
         if n.dtype == F and op != "load":
             continue
         if op in inputs:
             e = inputs[op]
         elif op == "const":
-            e = f"mod_iv_point({_int_literal(n.args[0], I)})" if n.dtype == I else ("1" if n.args[0] else "2")
+            e = (f"mod_iv_point({_int_literal(trace.int_bits(n.args[0], n.dtype), I)})"
+                 if trace.is_int(n.dtype) else ("1" if n.args[0] else "2"))
         elif op == "array":
             continue
         elif op == "load":
@@ -273,21 +308,27 @@ def _cell_function(mask, arrays, modes, narrow):
                 continue
             if n.dtype == B:
                 e = f"mod_cell_set({e})"
-        elif n.dtype == I:
+            elif n.dtype == "u64":        # its values past int64 read as negative: unknown
+                e = f"mod_iv_fit({e}, MOD_U64)"
+        elif trace.is_int(n.dtype):
             if op == "cast" and n.args[0].dtype == B:
                 e = f"mod_iv_of_set({a[0]})"
+            elif op == "cast" and a[0] is not None:
+                e = a[0]
             elif op in _CELL_INT and None not in a:
                 e = _CELL_INT[op].format(*a)
             else:
                 e = "mod_iv_top()"
-        elif op in _CELL_CMP and all(x.dtype == I for x in n.args):
+            if n.dtype != I:      # exact where nothing wrapped (mod_iv_fit)
+                e = f"mod_iv_fit({e}, {_MOD_TYPE[n.dtype]})"
+        elif op in _CELL_CMP and all(trace.is_int(x.dtype) for x in n.args):
             e = _CELL_CMP[op].format(*a)
         elif op in _CELL_BOOL and None not in a:
             e = _CELL_BOOL[op].format(*a)
         else:
             e = "3"
         name = f"v{len(lines)}"
-        lines.append(f"    const {'mod_iv' if n.dtype == I else 'int'} {name} = {e};")
+        lines.append(f"    const {'mod_iv' if trace.is_int(n.dtype) else 'int'} {name} = {e};")
         expr[id(n)] = name
     return (f"DEV int mod_mask_cell({CELL_ARGS}, {M_ARG})\n{{\n    int must = 0;\n"
             + "\n".join(lines)
@@ -460,7 +501,7 @@ def generate(score=None, mask=None, facts=None):
         for name in array_order(t):
             node = next(n for n in trace.topo(t.out) if n.op == "array" and n.args[0] == name)
             numbers[(kind, name)] = len(arrays)
-            arrays.append((kind, name, node.dtype))
+            arrays.append((kind, name, trace.kind_of(node.dtype)))
     if len(arrays) > MAX_ARRAYS:
         raise TypeError(f"the GPU code generator takes at most {MAX_ARRAYS} captured arrays in "
                         f"score_mod and mask_mod together, got {len(arrays)}")

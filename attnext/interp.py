@@ -34,6 +34,10 @@ _FLOAT_ONLY = ("truediv", "dmul")
 # the C math library's functions: instructions named as the function (csrc/interp.h INTERP_LIBM1)
 _LIBM = frozenset(trace._UNARY_FLOAT) | frozenset(trace._BINARY_FLOAT)
 _COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
+# mod_ints.h's integer type codes (MOD_I64 ...), by trace.INTS name; an int instruction names
+# its type in c (interp.h) unless it is one of these, whose c is a register or unused
+INT_TYPES = {"i64": 0, "i8": 1, "i16": 2, "i32": 3, "u8": 4, "u16": 5, "u32": 6, "u64": 7}
+_UNTYPED = ("i_where", "b_not", "i_and", "i_or", "i_xor", "i_eq", "i_ne")
 
 
 class Program(NamedTuple):
@@ -48,7 +52,7 @@ class Lowered(NamedTuple):
     """What the cache holds for one structure: the forward (score or mask) program; for a
     score_mod, the backward's forward program (which stashes, per pair, the n_fstash float and
     n_istash int values the derivative reads) and the derivative program; each captured array's
-    kind by position, which of them have a gradient, and whether the result depends on h."""
+    value type (trace.INTS, F, B) by position, which of them have a gradient, and whether the result depends on h."""
     kind: str
     forward: Program
     forward_bwd: Optional[Program]
@@ -78,6 +82,8 @@ def _opname(n):
         return "load_f" if dt == F else "load_i"
     if op == "cast" and dt == F:
         return "f_from_i"
+    if op == "cast":
+        return "i_cast"
     raise TypeError(f"the CPU interpreter has no instruction for {op!r} ({dt}): "
                     f"{trace.format_expr(n)}")
 
@@ -93,10 +99,13 @@ def _array_positions(out):
 
 
 def _alias(n):
-    """The node whose register n shares: a bool -> int cast is the same 0 / 1."""
+    """The node whose register n shares: a cast that keeps the register's int64
+    (trace.same_bits)."""
     while n.op == "cast" and n.dtype != F:
         if n.args[0].dtype == F:
             raise TypeError(f"the CPU interpreter cannot cast a float to {n.dtype}")
+        if not trace.same_bits(n.dtype, n.args[0].dtype):
+            break
         n = n.args[0]
     return n
 
@@ -130,7 +139,7 @@ def _lower(result, scatters, arrays, want_int, stash_out=None, stash_in=None):
             floats.append(("fconst", n.args[0]))
         elif n.op == "const":
             where[id(n)] = ("i", I_FIRST_CONST + len(iconsts))
-            iconsts.append(int(n.args[0]))
+            iconsts.append(trace.int_bits(int(n.args[0]), n.dtype))
         elif n.op in ("score", "dout"):
             where[id(n)] = ("f", F_SCORE if n.op == "score" else F_DOUT)
         elif n.op in I_LEAVES:
@@ -185,6 +194,12 @@ def _lower(result, scatters, arrays, want_int, stash_out=None, stash_in=None):
             ops = [arrays[n.args[0].args[0]], index_list(n.args[1:]), len(n.args) - 1]
         else:
             ops = [reg(a) for a in n.args] + [0] * (3 - len(n.args))
+            name = _opname(n)
+            if name.startswith("i_") and name not in _UNTYPED or name == "f_from_i":
+                # the type of the result, or of the operands of a comparison or conversion
+                # (bools: their 0 / 1 as int64)
+                ops[2] = INT_TYPES.get(n.args[0].dtype if name == "f_from_i" or n.dtype == B
+                                       else n.dtype, 0)
         instr.append([OPS[_opname(n)], loc[1]] + ops)
         where[id(n)] = loc
     for name, idx, adj in scatters:
@@ -213,7 +228,7 @@ def lower(traced):
     kinds = {}
     for n in trace.topo(traced.out):
         if n.op == "array":
-            kinds[n.args[0]] = n.dtype
+            kinds[n.args[0]] = n.dtype      # its values' type: _bind_arrays' kind
     array_kinds = tuple(kinds[name] for name in arrays)
     uses_h = any(n.op == "h" for n in trace.topo(traced.out))
     if traced.kind == "mask_mod":
@@ -277,7 +292,7 @@ def cache_clear():
 
 # --- one call -------------------------------------------------------------------------------
 
-_KIND_CODES = {F: 0, I: 1, B: 2}
+_KIND_CODES = {F: 0, I: 1, B: 2, "u64": 3}     # interp_array_kind (a uint64 array: its bits)
 
 
 def _float_values(prog, params):
@@ -289,10 +304,11 @@ def _bind_arrays(traced, lowered, acc_dtype):
     """The captured arrays by position, as the interpreter reads them (contiguous; floats in
     acc_dtype, ints int64, bools one byte), read afresh now."""
     out = []
-    for name, kind in zip(_array_positions(traced.out), lowered.array_kinds):
+    for name, dtype in zip(_array_positions(traced.out), lowered.array_kinds):
         a = np.asarray(traced.arrays[name])
+        kind = trace.kind_of(dtype)
         dt = {F: acc_dtype, I: np.int64, B: np.uint8}[kind]
-        out.append((_KIND_CODES[kind], np.asarray(a, dtype=dt, order="C")))
+        out.append((_KIND_CODES.get(dtype, _KIND_CODES[kind]), np.asarray(a, dtype=dt, order="C")))
     return tuple(out)
 
 

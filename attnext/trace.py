@@ -38,12 +38,20 @@ Supported, on traced values (anything else raises TypeError naming the operation
 A sigmoid is written `1 / (1 + np.exp(-x))`; there is no sigmoid op. Unsupported ufuncs (for
 example np.spacing, np.nextafter, np.ldexp) raise TypeError naming the ufunc.
 
-Types. i64 op i64 stays i64 for + - * // % ** (the exponent of an integer power must be a
-non-negative int constant); / and the transcendental ufuncs give f32 (floor, ceil and trunc
-give an integer back as it is where the installed NumPy does: _INT_IDENTITY); anything with an
-f32 operand is f32 (casts are explicit "cast" nodes). Comparisons give bool; & | ^ ~ take bool or
-i64, never f32. Arithmetic with only bool operands raises (NumPy's bool + bool is a logical or).
-Integer // and % by zero give 0, as NumPy does (without its warning).
+Types follow NumPy's promotion, as the reference's call on NumPy arrays does: the indices are
+int64 ("i64"), the score a float ("f32": float64 in the reference, the accumulation type in the
+backends), a lookup has its array's dtype (bool, int8 ... uint64: INTS; every float dtype is
+f32), a NumPy scalar its own, and a Python scalar takes the other operand's (NEP 50; an
+OverflowError where a Python int does not fit it, as NumPy raises). The result type of an
+arithmetic or bitwise op is what NumPy gives for these operand types (_promoted asks it), so
+u8[i] - u8[j] wraps in uint8 and int64 with uint64 is a float; the operands are cast to it
+(explicit "cast" nodes; constants are made in it). The exponent of an integer power must be a
+non-negative int constant; / and the transcendental ufuncs give f32 (floor, ceil and trunc
+give an integer back as it is where the installed NumPy does: _INT_IDENTITY). Comparisons give bool
+and are exact between integers of any types, as NumPy 2's (_compare). & | ^ ~ take bool or
+integers, never f32. Arithmetic with only bool operands raises (NumPy's bool + bool is a
+logical or). Integer // and % by zero give 0, as NumPy does (without its warning). Every float
+is computed in f32, whatever NumPy's float type (np.exp of a uint8 is float16 in NumPy).
 
 Python control flow on a traced value (`if`, `while`, `and`/`or`/`not`, chained comparisons,
 min()/max(), bool(), int(), float(), math.*) raises TypeError: use np.where and & | ~.
@@ -97,17 +105,22 @@ from .kernel_cache import LRU
 
 INPUTS = ("score", "b", "h", "q_idx", "kv_idx")
 F, I, B = "f32", "i64", "bool"
+# Integer value types: I (the indices') and those a captured array or a NumPy scalar brings; a
+# value is computed in its own type, wrapping there, as the reference's NumPy arrays are.
+INTS = ("i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64")
+_NUMPY_OF = {F: np.dtype(np.float64), B: np.dtype(np.bool_),
+             **{t: np.dtype(("int" if t[0] == "i" else "uint") + t[1:]) for t in INTS}}
 
 _LN2 = float(np.log(2.0))
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-_I64_MIN, _I64_MAX = -2 ** 63, 2 ** 63 - 1
+_I64_MIN, _I64_MAX, _U64_MAX = -2 ** 63, 2 ** 63 - 1, 2 ** 64 - 1
 
 
 class Node:
-    """One immutable graph node: op, dtype ("f32" / "i64" / "bool") and args.
+    """One immutable graph node: op, dtype ("f32", an integer type of INTS or "bool") and args.
 
     Leaves: an input ("score", "b", "h", "q_idx", "kv_idx"; "dout" in gradient graphs), "const"
-    (an int or bool, part of the structure), "fconst" (a float fixed by the derivative rules, part
+    (an int of its dtype's range, or a bool, part of the structure), "fconst" (a float fixed by the derivative rules, part
     of the structure), "param" (args = (k,): the k-th float constant of the traced function, its
     value outside the structure) and "array" (args = (name, dtype name, shape)). "load" has args
     (array node, index nodes...). Every other op has Node args.
@@ -227,13 +240,15 @@ class _Graph:
         self.params.append(float(value))
         return Node("param", F, (len(self.params) - 1,))   # never merged: one per occurrence
 
-    def const(self, value):
+    def const(self, value, dtype=I):
+        """A bool constant, or an int one of integer type dtype (TypeError where it does not fit)."""
         if isinstance(value, (bool, np.bool_)):
             return self.node("const", B, bool(value))
         value = int(value)
-        if not _I64_MIN <= value <= _I64_MAX:
-            raise TypeError(f"integer constant {value} does not fit in int64")
-        return self.node("const", I, value)
+        lo, hi = int_range(dtype)
+        if not lo <= value <= hi:
+            raise TypeError(f"integer constant {value} does not fit in {_NUMPY_OF[dtype]}")
+        return self.node("const", dtype, value)
 
     def fconst(self, value):
         return self.node("fconst", F, float(value))
@@ -248,20 +263,58 @@ class _Graph:
         if known is not None and known is not source:
             raise TypeError(f"two different arrays are captured under the name {name!r}")
         self.arrays[name] = source
-        kind = array_kind(desc.dtype)
         dt = desc.dtype.newbyteorder("=").name
-        return self.node("array", kind, name, dt, tuple(int(s) for s in desc.shape))
+        return self.node("array", value_dtype(desc.dtype), name, dt, tuple(int(s) for s in desc.shape))
 
 
-def array_kind(dtype):
-    """The value type of an array's elements: B, I, F (bfloat16 is a float), None for others."""
+def value_dtype(dtype):
+    """The traced type of a NumPy dtype's values: B, one of INTS, F (every float, bfloat16 too:
+    computed in the accumulation type), None for others."""
     if dtype == np.bool_:
         return B
     if dtype.kind in "iu":
-        return I
+        return ("i" if dtype.kind == "i" else "u") + str(8 * dtype.itemsize)
     if dtype.kind == "f" or dtype == _BF16:
         return F
     return None
+
+
+def kind_of(dtype):
+    """The kind of a traced type: B, I (every integer type) or F."""
+    return I if dtype in INTS else dtype
+
+
+def array_kind(dtype):
+    """The kind of an array's elements: B, I, F (bfloat16 is a float), None for others."""
+    return kind_of(value_dtype(dtype))
+
+
+def is_int(dtype):
+    """Whether a traced type is an integer one (INTS)."""
+    return dtype in INTS
+
+
+def int_range(dtype):
+    """(min, max) of an integer type of INTS."""
+    info = np.iinfo(_NUMPY_OF[dtype])
+    return int(info.min), int(info.max)
+
+
+def same_bits(dtype, source):
+    """Whether a cast from integer or bool type source to integer type dtype keeps the int64
+    the backends hold a value in (csrc/mod_ints.h: its value, a uint64's bits): a bool's 0 / 1,
+    a widening, and any cast into int64 or uint64. Any other cast wraps."""
+    if source == B or dtype in (I, "u64"):
+        return True
+    lo, hi = int_range(dtype)
+    slo, shi = int_range(source)
+    return lo <= slo and shi <= hi
+
+
+def int_bits(value, dtype):
+    """An integer constant of type dtype as the backends hold it: its value in int64, a uint64's
+    as its bits."""
+    return value - 2 ** 64 if dtype == "u64" and value > _I64_MAX else value
 
 
 # --- tracing ---------------------------------------------------------------------------------
@@ -458,7 +511,7 @@ class ArrayProxy:
             if isinstance(k, Proxy):
                 if k.graph is not self.graph:
                     raise TypeError("a traced value from another trace was used")
-                if k.node.dtype != I:
+                if not is_int(k.node.dtype):
                     raise TypeError(f"array {self.name!r} indexed by a {k.node.dtype} expression "
                                     f"{k._expr()}: indices must be integer expressions")
                 idx.append(k.node)
@@ -522,8 +575,12 @@ def _coerce(x, graph, what):
     x = _scalar(x)
     if isinstance(x, (bool, np.bool_)):
         return Proxy(graph.const(x), graph)
-    if isinstance(x, (int, np.integer)):
-        return Proxy(graph.const(x), graph)
+    if isinstance(x, np.integer):
+        return Proxy(graph.const(x, value_dtype(x.dtype)), graph)
+    if isinstance(x, int):
+        if not _I64_MIN <= x <= _U64_MAX:
+            raise TypeError(f"{what}: the integer constant {x} fits in no NumPy integer type")
+        return Proxy(graph.const(x, I if x <= _I64_MAX else "u64"), graph)
     if isinstance(x, (float, np.floating)):
         return Proxy(graph.param(x), graph)
     if isinstance(x, ArrayProxy):
@@ -573,17 +630,18 @@ def _apply(op, *operands, what=None):
             if e.op != "const" or e.args[0] < 0:
                 raise TypeError(f"{what}: an integer power needs a non-negative int constant "
                                 "exponent; use a float base for anything else")
-        dt = F if (F in dts or op == "truediv") else I
-        return Proxy(g.node(op, dt, *(g.cast(x, dt) for x in xs)), g)
+        dt = _promoted(op, operands, what)
+        return Proxy(g.node(op, dt, *_as_type(operands, xs, dt, g)), g)
     if op in _COMPARE:
-        dt = F if F in dts else (I if I in dts else B)
-        return Proxy(g.node(op, B, *(g.cast(x, dt) for x in xs)), g)
+        if F in dts:
+            return Proxy(g.node(op, B, *(g.cast(x, F) for x in xs)), g)
+        return Proxy(_compare(op, operands, xs, g), g)
     if op in _BITWISE or op == "not":
         if F in dts:
             raise TypeError(f"{what} on a float value is not supported; & | ^ ~ take bool or "
                             "integer values")
-        dt = I if I in dts else B
-        return Proxy(g.node(op, dt, *(g.cast(x, dt) for x in xs)), g)
+        dt = _promoted(op, operands, what)
+        return Proxy(g.node(op, dt, *_as_type(operands, xs, dt, g)), g)
     if op in ("land", "lor", "lxor", "lnot"):
         if dts != {B}:
             raise TypeError(f"{what} needs bool operands (got {sorted(dts)})")
@@ -602,14 +660,100 @@ def _apply(op, *operands, what=None):
     if op in _BINARY_FLOAT:
         return Proxy(g.node(op, F, *(g.cast(x, F) for x in xs)), g)
     if op == "where":
-        c, a, b = xs
-        if c.dtype == I:
-            c = g.node("ne", B, c, g.const(0))
+        c = xs[0]
+        if is_int(c.dtype):
+            c = g.node("ne", B, c, g.const(0, c.dtype))
         elif c.dtype != B:
             raise TypeError(f"{what}: the condition is a float expression; compare it first")
-        dt = F if F in (a.dtype, b.dtype) else (I if I in (a.dtype, b.dtype) else B)
-        return Proxy(g.node("where", dt, c, g.cast(a, dt), g.cast(b, dt)), g)
+        dt = _promoted(op, operands, what)
+        return Proxy(g.node("where", dt, c, *_as_type(operands[1:], xs[1:], dt, g)), g)
     raise TypeError(f"unsupported operation {what} on a traced value")
+
+
+# --- NumPy's promotion -----------------------------------------------------------------------
+# The reference calls the function on NumPy arrays, so a value's type is what NumPy gives there:
+# indices int64, the score float64 (the backends: the accumulation type), a lookup its array's
+# dtype, a NumPy scalar its own (strong), a Python scalar the other operand's (weak: NEP 50).
+# Arithmetic asks NumPy itself, on one-element samples of those types (an OverflowError where a
+# Python int does not fit, as on the reference's call); every float result is F.
+_SAMPLE_OPS = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "truediv": np.true_divide,
+               "floordiv": np.floor_divide, "mod": np.remainder, "pow": np.power,
+               "minimum": np.minimum, "maximum": np.maximum, "and": np.bitwise_and,
+               "or": np.bitwise_or, "xor": np.bitwise_xor, "not": np.invert,
+               "where": lambda a, b: np.where(np.ones(1, np.bool_), a, b)}
+
+
+def _sample(x):
+    """What NumPy's promotion sees of an operand (already _coerce'd): a traced value as a
+    one-element array of its type, a Python or NumPy scalar as itself."""
+    return np.ones(1, _NUMPY_OF[x.node.dtype]) if isinstance(x, Proxy) else x
+
+
+def _promoted(op, operands, what):
+    """The traced type of NumPy's result of op (_SAMPLE_OPS; "where": of its two values)."""
+    samples = [_sample(x) for x in (operands[1:] if op == "where" else operands)]
+    try:
+        with np.errstate(all="ignore"):
+            r = _SAMPLE_OPS[op](*samples)
+    except OverflowError as e:
+        raise OverflowError(f"{what}: {e}") from None
+    except TypeError as e:
+        raise TypeError(f"{what}: {e}") from None
+    dt = value_dtype(np.asarray(r).dtype)
+    if dt is None:
+        raise TypeError(f"{what} gives NumPy dtype {np.asarray(r).dtype}, which is not traced")
+    return dt
+
+
+def _weak_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _as_type(operands, xs, dt, g):
+    """The operands' nodes in type dt: an int or bool constant as a constant of dt itself
+    (wrapped into it, as np.where does a Python int; elsewhere NumPy has checked that it fits),
+    anything else cast."""
+    out = []
+    for x, n in zip(operands, xs):
+        if n.op == "const" and is_int(dt):
+            lo, hi = int_range(dt)
+            n = g.const((n.args[0] - lo) % (hi - lo + 1) + lo, dt)
+        out.append(g.cast(n, dt))
+    return out
+
+
+_SWAPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
+
+
+def _compare(op, operands, xs, g):
+    """An integer / bool comparison, exact as NumPy 2's (its loops compare int64 with uint64
+    exactly, and a Python int with any integer array, in range or not): in the operands' common
+    type where there is one, else in int64 or uint64 where it holds both, else (a signed value
+    against a uint64) the sign first."""
+    a, b = xs
+    weak = [_weak_int(x) for x in operands]
+    if weak[0] or weak[1]:    # a Python int: in the other's type where it fits
+        k = 0 if weak[0] else 1
+        other = xs[1 - k].dtype
+        v, dt = operands[k], I if other == B else other
+        lo, hi = int_range(dt)
+        c = g.const(v, dt) if lo <= v <= hi else xs[k]      # else as _coerce typed it
+        a, b = (c, b) if k == 0 else (a, c)
+    if a.dtype == b.dtype:
+        return g.node(op, B, a, b)
+    if "u64" not in (a.dtype, b.dtype):           # int64 holds both
+        return g.node(op, B, g.cast(a, I), g.cast(b, I))
+    signed = [x.dtype[0] == "i" for x in (a, b)]
+    if not any(signed):       # uint64 against unsigned or bool
+        return g.node(op, B, g.cast(a, "u64"), g.cast(b, "u64"))
+    if not signed[0]:
+        a, b, op = b, a, _SWAPPED[op]
+    s = g.cast(a, I)          # s (signed) op u (uint64): a negative s is below every u
+    neg = g.node("lt", B, s, g.const(0))
+    cmp = g.node(op, B, g.cast(s, "u64"), b)
+    if op in ("lt", "le", "ne"):
+        return g.node("or", B, neg, cmp)
+    return g.node("and", B, g.node("not", B, neg), cmp)
 
 
 _UFUNCS = {
@@ -1193,7 +1337,7 @@ _EVAL = {
 
 
 def _np_dtype(dtype, float_dtype):
-    return {F: float_dtype, I: np.int64, B: np.bool_}[dtype]
+    return float_dtype if dtype == F else _NUMPY_OF[dtype].type
 
 
 def _normalised(name, shape, idx):

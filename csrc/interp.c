@@ -56,8 +56,9 @@ static int lookup_offsets(const interp_mods *mods, const interp_prog *pg, int64_
     return 0;
 }
 
-/* The operand kinds of each op: 'f' float register, 'i' int register, '-' unused; for loads
- * and scatters (a, b, c) are the array, the aux offset and the index count. */
+/* The operand kinds of each op: 'f' float register, 'i' int register, 't' an integer type
+ * (mod_ints.h's MOD_I64 ... MOD_U64), '-' unused; for loads and scatters (a, b, c) are the
+ * array, the aux offset and the index count. */
 static const char *op_signature(interp_op op)
 {
 #define CASE(name) case OP_##name:
@@ -68,18 +69,19 @@ static const char *op_signature(interp_op op)
         return "fff-";
 #undef CASE
     case OP_f_where: return "fiff";
-    case OP_f_from_i: return "fi--";
+    case OP_f_from_i: return "fi-t";
     case OP_f_lt: case OP_f_le: case OP_f_gt: case OP_f_ge: case OP_f_eq: case OP_f_ne:
         return "iff-";
-    case OP_i_neg: case OP_i_abs: case OP_i_not: case OP_b_not:
-        return "ii--";
+    case OP_i_neg: case OP_i_abs: case OP_i_not: case OP_i_cast:
+        return "ii-t";
+    case OP_b_not: return "ii--";
     case OP_i_where: return "iiii";
     case OP_load_f: case OP_scatter: return "f...";
     case OP_load_i: return "i...";
     case OP_stash_f: case OP_unstash_f: return "f:--";
     case OP_stash_i: case OP_unstash_i: return "i;--";
     default:
-        return op < OP_i_add ? "fff-" : "iii-";
+        return op < OP_i_add ? "fff-" : "iiit";
     }
 }
 
@@ -99,6 +101,8 @@ const char *interp_check(const interp_mods *mods, const interp_prog *pg)
             int64_t r = in[1 + j], lim = sig[j] == 'f' ? pg->n_fregs : sig[j] == 'i' ? pg->n_iregs : 1;
             if ((sig[j] == 'f' || sig[j] == 'i') && (r < 0 || r >= lim))
                 return "register out of range";
+            if (sig[j] == 't' && (r < MOD_I64 || r > MOD_U64))
+                return "unknown integer type";
         }
         if (sig[1] == ':' || sig[1] == ';') {
             if (in[2] < 0 || in[2] >= (sig[1] == ':' ? mods->n_fstash : mods->n_istash))
@@ -180,21 +184,28 @@ int interp_cell(const interp_prog *pg, int64_t b, int64_t h, int64_t r0, int64_t
     for (int64_t n = 0; n < pg->n_instr; n++) {
         const int64_t *in = pg->instr + 5 * n;
         const int64_t op = in[0], d = in[1], a = in[2], bb = in[3], c = in[4];
-        const mod_iv *x = &ir[a], *y = &ir[bb];
+        /* a uint64 op reads its operands as uint64s: a constant past int64 (negative bits) is
+         * no interval of its value */
+        const int u64 = c == MOD_U64 && op_signature((interp_op)op)[3] == 't';
+        const mod_iv xv = u64 ? mod_iv_fit(ir[a], MOD_U64) : ir[a];
+        const mod_iv yv = u64 ? mod_iv_fit(ir[bb], MOD_U64) : ir[bb];
+        const mod_iv *x = &xv, *y = &yv;
         mod_iv z = mod_iv_top();
         switch ((interp_op)op) {
         case OP_f_lt: case OP_f_le: case OP_f_gt: case OP_f_ge: case OP_f_eq: case OP_f_ne:
             z = mod_iv_range(0, 1);
             break;
-        case OP_i_add: z = mod_iv_add(*x, *y); break;
-        case OP_i_sub: z = mod_iv_sub(*x, *y); break;
-        case OP_i_mul: z = mod_iv_mul(*x, *y); break;
-        case OP_i_floordiv: z = mod_iv_floordiv(*x, *y); break;
-        case OP_i_mod: z = mod_iv_mod(*x, *y); break;
-        case OP_i_minimum: z = mod_iv_min(*x, *y); break;
-        case OP_i_maximum: z = mod_iv_max(*x, *y); break;
-        case OP_i_neg: z = mod_iv_neg(*x); break;
-        case OP_i_abs: z = mod_iv_abs(*x); break;
+        /* the exact result where it fits the op's type c (nothing wrapped), else unknown */
+        case OP_i_add: z = mod_iv_fit(mod_iv_add(*x, *y), (int)c); break;
+        case OP_i_sub: z = mod_iv_fit(mod_iv_sub(*x, *y), (int)c); break;
+        case OP_i_mul: z = mod_iv_fit(mod_iv_mul(*x, *y), (int)c); break;
+        case OP_i_floordiv: z = mod_iv_fit(mod_iv_floordiv(*x, *y), (int)c); break;
+        case OP_i_mod: z = mod_iv_fit(mod_iv_mod(*x, *y), (int)c); break;
+        case OP_i_minimum: z = mod_iv_fit(mod_iv_min(*x, *y), (int)c); break;
+        case OP_i_maximum: z = mod_iv_fit(mod_iv_max(*x, *y), (int)c); break;
+        case OP_i_neg: z = mod_iv_fit(mod_iv_neg(*x), (int)c); break;
+        case OP_i_abs: z = mod_iv_fit(mod_iv_abs(*x), (int)c); break;
+        case OP_i_cast: z = mod_iv_fit(*x, (int)c); break;
         case OP_i_and: case OP_i_or: case OP_i_xor:   /* of bools (0 / 1); of other ints unknown */
             if (!x->top && !y->top && x->lo >= 0 && x->hi <= 1 && y->lo >= 0 && y->hi <= 1) {
                 const int s = op == OP_i_and ? mod_set_and(truth(*x), truth(*y))
@@ -211,7 +222,9 @@ int interp_cell(const interp_prog *pg, int64_t b, int64_t h, int64_t r0, int64_t
         case OP_i_eq: z = mod_iv_of_set(mod_iv_eq(*x, *y)); break;
         case OP_i_ne: z = mod_iv_of_set(mod_set_not(mod_iv_eq(*x, *y))); break;
         case OP_load_i: case OP_load_f:
-            z = cell_load(&pg->arrays[a], pg->aux + bb, c, ir, op == OP_load_i, &must);
+            /* a uint64 array's values (bits in int64) have no interval here */
+            z = cell_load(&pg->arrays[a], pg->aux + bb, c, ir,
+                          op == OP_load_i && pg->arrays[a].kind != ARR_UINT64, &must);
             if (op == OP_load_f)
                 continue;
             break;

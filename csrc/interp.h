@@ -11,8 +11,11 @@
  *
  * An instruction is five int64: op, dst, a, b, c. Loads and scatters name an array (a), an
  * offset into aux where its index registers start (b) and their count (c); a scatter's dst is
- * the register of the value it adds. Integer arithmetic wraps and // and % follow NumPy's int64
- * rules (by zero: 0; floor for negatives); float // and % follow NumPy's float rules.
+ * the register of the value it adds. Integer arithmetic wraps and // and % follow NumPy's rules
+ * (by zero: 0; floor for negatives); float // and % follow NumPy's float rules. An integer
+ * register holds a value of one of NumPy's integer types (mod_ints.h: its value, a uint64's bits);
+ * the integer ops whose signature ends in 't' (op_signature, interp.c) name that type in c: their
+ * result's, or for comparisons and f_from_i their operands', MOD_I64 (0) for int64.
  *
  * Lookups: an index is normalised as NumPy does (negative counts from the end). At an active
  * pair an index out of range stops the evaluation with an interp_error (nothing is read); at
@@ -57,8 +60,8 @@
     /* int x int -> int */                                                                      \
     X(i_add) X(i_sub) X(i_mul) X(i_floordiv) X(i_mod) X(i_pow) X(i_minimum) X(i_maximum)        \
     X(i_and) X(i_or) X(i_xor)                                                                   \
-    /* int -> int (b_not: logical not of a bool) */                                             \
-    X(i_neg) X(i_abs) X(i_not) X(b_not)                                                         \
+    /* int -> int (b_not: logical not of a bool; i_cast: into type c) */                        \
+    X(i_neg) X(i_abs) X(i_not) X(b_not) X(i_cast)                                               \
     /* (bool, int, int) -> int */                                                               \
     X(i_where)                                                                                  \
     /* int x int -> bool */                                                                     \
@@ -74,10 +77,10 @@ typedef enum { INTERP_OPS(INTERP_ENUM) OP_COUNT } interp_op;
 
 extern const char *const interp_op_names[OP_COUNT];
 
-typedef enum { ARR_FLOAT = 0, ARR_INT = 1, ARR_BOOL = 2 } interp_array_kind;
+typedef enum { ARR_FLOAT = 0, ARR_INT = 1, ARR_BOOL = 2, ARR_UINT64 = 3 } interp_array_kind;
 
-/* A captured array, C-contiguous: float arrays in the accumulation type, int arrays int64, bool
- * arrays one byte. For a float array with a gradient, grad_offset is where its gradient starts in
+/* A captured array, C-contiguous: float arrays in the accumulation type, int arrays int64 (a
+ * uint64 array's as its bits: ARR_UINT64), bool arrays one byte. For a float array with a gradient, grad_offset is where its gradient starts in
  * the accumulator (double, interp_mods.n_grad elements), else -1. */
 typedef struct {
     interp_array_kind kind;

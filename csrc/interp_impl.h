@@ -152,6 +152,26 @@ int FN(interp_eval)(const interp_mods *mods, const interp_prog *pg, const interp
         }                                                                                       \
     }                                                                                           \
     break;
+/* an integer op of type c (interp.h): int64's own loop, the typed rule (mod_ints.h) otherwise */
+#define I_TYPED(expr64, exprt)                                                                  \
+    {                                                                                           \
+        const int64_t *x = ir[a], *y = ir[b];    /* y: unused by unary ops */                   \
+        int64_t *z = ir[d];                                                                     \
+        const int t = (int)c;                                                                   \
+        if (t == MOD_I64)                                                                       \
+            for (int64_t k = 0; k < m; k++) {                                                   \
+                const int64_t A = x[k], B = y[k];                                               \
+                z[k] = (expr64);                                                                \
+                (void)B;                                                                        \
+            }                                                                                   \
+        else                                                                                    \
+            for (int64_t k = 0; k < m; k++) {                                                   \
+                const int64_t A = x[k], B = y[k];                                               \
+                z[k] = (exprt);                                                                 \
+                (void)B;                                                                        \
+            }                                                                                   \
+    }                                                                                           \
+    break;
 #define I_UN(expr)                                                                              \
     {                                                                                           \
         const int64_t *x = ir[a];                                                               \
@@ -194,8 +214,12 @@ int FN(interp_eval)(const interp_mods *mods, const interp_prog *pg, const interp
             case OP_f_from_i: {
                 const int64_t *x = ir[a];
                 T *z = fr[d];
-                for (int64_t k = 0; k < m; k++)
-                    z[k] = (T)x[k];
+                if (c == MOD_U64)
+                    for (int64_t k = 0; k < m; k++)
+                        z[k] = (T)(uint64_t)x[k];
+                else
+                    for (int64_t k = 0; k < m; k++)
+                        z[k] = (T)x[k];
                 break;
             }
             case OP_f_lt: F_CMP(A < B)
@@ -204,20 +228,21 @@ int FN(interp_eval)(const interp_mods *mods, const interp_prog *pg, const interp
             case OP_f_ge: F_CMP(A >= B)
             case OP_f_eq: F_CMP(A == B)
             case OP_f_ne: F_CMP(A != B)
-            case OP_i_add: I_BIN(mod_iadd(A, B))
-            case OP_i_sub: I_BIN(mod_isub(A, B))
-            case OP_i_mul: I_BIN(mod_imul(A, B))
-            case OP_i_floordiv: I_BIN(mod_ifloordiv(A, B))
-            case OP_i_mod: I_BIN(mod_imod(A, B))
-            case OP_i_pow: I_BIN(mod_ipow(A, B))
-            case OP_i_minimum: I_BIN(A <= B ? A : B)
-            case OP_i_maximum: I_BIN(A >= B ? A : B)
-            case OP_i_and: I_BIN(A & B)
+            case OP_i_add: I_TYPED(mod_iadd(A, B), mod_tadd(A, B, t))
+            case OP_i_sub: I_TYPED(mod_isub(A, B), mod_tsub(A, B, t))
+            case OP_i_mul: I_TYPED(mod_imul(A, B), mod_tmul(A, B, t))
+            case OP_i_floordiv: I_TYPED(mod_ifloordiv(A, B), mod_tfloordiv(A, B, t))
+            case OP_i_mod: I_TYPED(mod_imod(A, B), mod_tmod(A, B, t))
+            case OP_i_pow: I_TYPED(mod_ipow(A, B), mod_tpow(A, B, t))
+            case OP_i_minimum: I_TYPED(A <= B ? A : B, mod_tmin(A, B, t))
+            case OP_i_maximum: I_TYPED(A >= B ? A : B, mod_tmax(A, B, t))
+            case OP_i_and: I_BIN(A & B)       /* of values held as mod_ints.h says: no wrap */
             case OP_i_or: I_BIN(A | B)
             case OP_i_xor: I_BIN(A ^ B)
-            case OP_i_neg: I_UN(mod_ineg(A))
-            case OP_i_abs: I_UN(A < 0 ? mod_ineg(A) : A)
-            case OP_i_not: I_UN(~A)
+            case OP_i_neg: I_TYPED(mod_ineg(A), mod_tneg(A, t))
+            case OP_i_abs: I_TYPED(A < 0 ? mod_ineg(A) : A, mod_tabs(A, t))
+            case OP_i_not: I_TYPED(~A, mod_tnot(A, t))
+            case OP_i_cast: I_TYPED(A, mod_wrap(A, t))
             case OP_b_not: I_UN(!A)
             case OP_i_where: {
                 const int64_t *cond = ir[a], *x = ir[b], *y = ir[c];
@@ -226,10 +251,10 @@ int FN(interp_eval)(const interp_mods *mods, const interp_prog *pg, const interp
                     z[k] = cond[k] ? x[k] : y[k];
                 break;
             }
-            case OP_i_lt: I_BIN(A < B)
-            case OP_i_le: I_BIN(A <= B)
-            case OP_i_gt: I_BIN(A > B)
-            case OP_i_ge: I_BIN(A >= B)
+            case OP_i_lt: I_TYPED(A < B, mod_tlt(A, B, t))
+            case OP_i_le: I_TYPED(A <= B, mod_tle(A, B, t))
+            case OP_i_gt: I_TYPED(A > B, mod_tlt(B, A, t))
+            case OP_i_ge: I_TYPED(A >= B, mod_tle(B, A, t))
             case OP_i_eq: I_BIN(A == B)
             case OP_i_ne: I_BIN(A != B)
             case OP_load_f:
@@ -287,6 +312,7 @@ int FN(interp_eval)(const interp_mods *mods, const interp_prog *pg, const interp
 #undef F_UN
 #undef F_CMP
 #undef I_BIN
+#undef I_TYPED
 #undef I_UN
         }
         if (out_f) {

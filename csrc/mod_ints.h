@@ -1,4 +1,4 @@
-/* NumPy's int64 rules and the intervals over them (mask_mod over a whole block-mask cell): plain
+/* NumPy's integer rules and the intervals over them (mask_mod over a whole block-mask cell): plain
  * C, shared by the GPU's generated code (kernels/attn_mods.cuh, NVRTC) and the CPU backend
  * (csrc/interp.c). DEV: the including file's (static inline by default). */
 #ifndef ATTNEXT_MOD_INTS_H
@@ -56,6 +56,52 @@ DEV int64_t mod_ipow(int64_t a, int64_t e)
     }
     return r;
 }
+
+/* ---------------------------------------------------------------- narrower integer types
+ * A value of type t (attnext/trace.py's INTS, the codes below) is held in an int64_t: its value,
+ * or a uint64's bits. An op of type t computes in 64 bits and wraps the result into t (mod_wrap),
+ * which gives NumPy's result wherever the 64-bit one is right modulo 2^bits (+ - * ** ~, and
+ * // whose only overflow is MIN // -1); uint64 divides, compares and converts unsigned. */
+enum { MOD_I64 = 0, MOD_I8, MOD_I16, MOD_I32, MOD_U8, MOD_U16, MOD_U32, MOD_U64 };
+
+DEV int64_t mod_wrap(int64_t v, int t)
+{
+    const uint64_t u = (uint64_t)v;
+    switch (t) {
+    case MOD_I8: return (int64_t)((u & 0xffu) ^ 0x80u) - 0x80;
+    case MOD_I16: return (int64_t)((u & 0xffffu) ^ 0x8000u) - 0x8000;
+    case MOD_I32: return (int64_t)((u & 0xffffffffu) ^ 0x80000000u) - 0x80000000LL;
+    case MOD_U8: return (int64_t)(u & 0xffu);
+    case MOD_U16: return (int64_t)(u & 0xffffu);
+    case MOD_U32: return (int64_t)(u & 0xffffffffu);
+    default: return v;
+    }
+}
+
+DEV int mod_unsigned(int t) { return t >= MOD_U8; }
+DEV int64_t mod_tadd(int64_t a, int64_t b, int t) { return mod_wrap(mod_iadd(a, b), t); }
+DEV int64_t mod_tsub(int64_t a, int64_t b, int t) { return mod_wrap(mod_isub(a, b), t); }
+DEV int64_t mod_tmul(int64_t a, int64_t b, int t) { return mod_wrap(mod_imul(a, b), t); }
+DEV int64_t mod_tpow(int64_t a, int64_t b, int t) { return mod_wrap(mod_ipow(a, b), t); }
+DEV int64_t mod_tneg(int64_t a, int t) { return mod_wrap(mod_ineg(a), t); }
+DEV int64_t mod_tnot(int64_t a, int t) { return mod_wrap(~a, t); }
+DEV int64_t mod_tabs(int64_t a, int t) { return mod_unsigned(t) ? a : mod_wrap(mod_iabs(a), t); }
+DEV int64_t mod_tfloordiv(int64_t a, int64_t b, int t)
+{
+    if (t == MOD_U64)
+        return b ? (int64_t)((uint64_t)a / (uint64_t)b) : 0;
+    return mod_wrap(mod_ifloordiv(a, b), t);
+}
+DEV int64_t mod_tmod(int64_t a, int64_t b, int t)
+{
+    if (t == MOD_U64)
+        return b ? (int64_t)((uint64_t)a % (uint64_t)b) : 0;
+    return mod_imod(a, b);
+}
+DEV int mod_tlt(int64_t a, int64_t b, int t) { return t == MOD_U64 ? (uint64_t)a < (uint64_t)b : a < b; }
+DEV int mod_tle(int64_t a, int64_t b, int t) { return t == MOD_U64 ? (uint64_t)a <= (uint64_t)b : a <= b; }
+DEV int64_t mod_tmin(int64_t a, int64_t b, int t) { return mod_tle(a, b, t) ? a : b; }
+DEV int64_t mod_tmax(int64_t a, int64_t b, int t) { return mod_tle(b, a, t) ? a : b; }
 
 /* ---------------------------------------------------------------- block-mask cells
  * mask_mod over a whole cell of pairs at once: the GPU's generated mod_mask_cell (codegen;
@@ -154,6 +200,23 @@ DEV mod_iv mod_iv_where(int c, mod_iv a, mod_iv b)
     if (c == 2)
         return b;
     return a.top || b.top ? mod_iv_top() : mod_iv_range(mod_min64(a.lo, b.lo), mod_max64(a.hi, b.hi));
+}
+
+/* v as a value of type t: unchanged where every value in it fits t (nothing wrapped), else top
+ * (a uint64 held as negative bits is past int64: top too) */
+DEV mod_iv mod_iv_fit(mod_iv v, int t)
+{
+    int64_t lo = 0, hi = MOD_IV_BIG;      /* an interval never reaches past MOD_IV_BIG */
+    switch (t) {
+    case MOD_I8: lo = -128; hi = 127; break;
+    case MOD_I16: lo = -32768; hi = 32767; break;
+    case MOD_I32: lo = -MOD_IV_BIG; hi = MOD_IV_BIG - 1; break;
+    case MOD_U8: hi = 255; break;
+    case MOD_U16: hi = 65535; break;
+    case MOD_U32: case MOD_U64: break;
+    default: return v;
+    }
+    return v.top || (v.lo >= lo && v.hi <= hi) ? v : mod_iv_top();
 }
 
 DEV mod_iv mod_iv_of_set(int c) { return mod_iv_range(c & 2 ? 0 : 1, c & 1 ? 1 : 0); }

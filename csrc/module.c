@@ -376,13 +376,13 @@ static int read_arrays(mods_store *st, PyObject *m, const char *name, PyObject *
         long kind;
         if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2
             || ((kind = PyLong_AsLong(PyTuple_GET_ITEM(item, 0))) == -1 && PyErr_Occurred())
-            || kind < ARR_FLOAT || kind > ARR_BOOL) {
+            || kind < ARR_FLOAT || kind > ARR_UINT64) {
             Py_DECREF(tup);
             if (!PyErr_Occurred())
                 PyErr_Format(PyExc_TypeError, "attnext._C: mods.%s[%zd] must be (kind, array)", name, i);
             return -1;
         }
-        Py_ssize_t item_size = kind == ARR_FLOAT ? (Py_ssize_t)dtype_size(acc) : kind == ARR_INT ? 8 : 1;
+        Py_ssize_t item_size = kind == ARR_FLOAT ? (Py_ssize_t)dtype_size(acc) : kind == ARR_INT || kind == ARR_UINT64 ? 8 : 1;
         Py_buffer *v = mods_buffer(st, PyTuple_GET_ITEM(item, 1), name, item_size, 0);
         if (!v) {
             Py_DECREF(tup);
