@@ -1063,7 +1063,7 @@ def _fingerprint(fn):
     builtins its code names (present or not), the defaults, the function's attributes,
     recursively through the plain functions among them (each by the order it was met, not its
     code alone); exact Python and NumPy scalars (floats by repr: -0.0 is not 0.0; NumPy ones with
-    their dtype); the arrays the function itself names -- the ones tracing captures, whose
+    their dtype); the arrays the function and its helpers name -- the ones tracing captures, whose
     contents are read at every call -- by name, shape and dtype; the stable modules, their
     functions and the builtins by identity, and of every stable module met (its submodules the
     code names too) each attribute the code names (or holds as a string) that is no longer what
@@ -1076,7 +1076,7 @@ def _fingerprint(fn):
         return None
     captured, walk = {}, _Walk()
     try:
-        fp = _fp_function(fn, captured, walk, 0, top=True)
+        fp = _fp_function(fn, captured, walk, 0, named=True)
         return (fp, _modules_fp(walk, captured)), captured
     except (_Uncacheable, RecursionError):
         return None
@@ -1182,11 +1182,13 @@ def _fp(x, captured, walk, depth, name=None):
             raise _Uncacheable      # np.frompyfunc's: arbitrary Python inside
         return ("builtin", x)
     if isinstance(x, types.FunctionType):
-        return _fp_function(x, captured, walk, depth, top=_helper(x))
+        return _fp_function(x, captured, walk, depth, named=_helper(x))
     raise _Uncacheable
 
 
-def _fp_function(x, captured, walk, depth, top):
+def _fp_function(x, captured, walk, depth, named):
+    """x's part of a fingerprint; named: the arrays it names are captured under those names
+    (the traced function and its helpers, as _rebound captures them)."""
     if id(x) in walk.order:         # met before (or recursive): by the order it was met
         return ("seen", walk.order[id(x)])
     walk.order[id(x)] = len(walk.order)
@@ -1200,23 +1202,23 @@ def _fp_function(x, captured, walk, depth, top):
     cells = []
     for var, cell in zip(code.co_freevars, x.__closure__ or ()):
         try:
-            cells.append(_fp(cell.cell_contents, captured, walk, d, var if top else None))
+            cells.append(_fp(cell.cell_contents, captured, walk, d, var if named else None))
         except ValueError:          # an empty cell: a variable assigned later
             raise _Uncacheable from None
     builtins = x.__builtins__
     names = []
     for n in used:
         if n in glob:
-            names.append((n, _fp(glob[n], captured, walk, d, n if top else None)))
+            names.append((n, _fp(glob[n], captured, walk, d, n if named else None)))
         elif n in builtins:
             names.append((n, "builtin", _fp(builtins[n], captured, walk, d)))
         else:
             names.append((n, "absent"))
     pos = code.co_varnames[:code.co_argcount]
     defaults = x.__defaults__ or ()
-    dfp = tuple(_fp(v, captured, walk, d, n if top else None)
+    dfp = tuple(_fp(v, captured, walk, d, n if named else None)
                 for n, v in zip(pos[len(pos) - len(defaults):], defaults))
-    kw = tuple(sorted((k, _fp(v, captured, walk, d, k if top else None))
+    kw = tuple(sorted((k, _fp(v, captured, walk, d, k if named else None))
                       for k, v in (x.__kwdefaults__ or {}).items()))
     attrs = tuple(sorted((k, _fp(v, captured, walk, d)) for k, v in x.__dict__.items()))
     return ("function", code, tuple(cells), tuple(names), dfp, kw, attrs)
