@@ -870,6 +870,7 @@ int FN(cpu_backward)(const attn_params *p)
             }
         }
         free(row); free(S); free(dP); free(th); free(dK); free(dV);
+        free(Qt); free(St); free(m); free(l); free(alpha);
         free(maskbuf);
         FN(mod_bufs_free)(&mb);
     }
