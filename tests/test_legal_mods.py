@@ -44,10 +44,12 @@ def check(rng, dtype, sq=S, sk=S, hk=2, **opts):
 
 def partial_bias(rng):
     """FlexAttention's form: a stack of biases, the first one looked up per (b, h, q_idx), and
-    the last per (h, kv_idx) through a negative constant."""
+    the last per (h, kv_idx) through a negative constant. The first scales the score: a term
+    added to every score of a row has gradient 0, which 16-bit GPU products leave at their
+    round-off, not 0."""
     bias = rng.standard_normal((3, B, H, S))
     tab = rng.standard_normal((2, H, S))
-    return (lambda s, b, h, q_idx, kv_idx: s + bias[0][b, h, q_idx] - 0.5 * tab[-1][h, kv_idx]), None
+    return (lambda s, b, h, q_idx, kv_idx: s * (1 + 0.2 * bias[0][b, h, q_idx]) - 0.5 * tab[-1][h, kv_idx]), None
 
 
 def partial_chain(rng):
@@ -80,7 +82,8 @@ def constant_where(rng):
     shift = np.where(not flag, np.array(off), 0.0)
 
     def score_mod(s, b, h, q_idx, kv_idx):
-        return (s * np.where(flag, 2.0, 1.0) * scale + shift + np.maximum(0.5, np.float64(off))
+        return (s * np.where(flag, 2.0, 1.0) * scale * (1 + 0.1 * shift)
+                + np.maximum(0.5, np.float64(off))
                 - np.array(3) * np.where(True, 1, 0) * (q_idx - kv_idx) * 0.01)
 
     def mask_mod(b, h, q_idx, kv_idx):
