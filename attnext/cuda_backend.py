@@ -489,7 +489,8 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     combine = kernels.function("attn_fwd", "attn_fwd_combine", defines, device, arch, 0, generated)
     launches.append((combine, (o.Sq, o.Hq, o.B), (128, 1, 1), 0))
     partials = splits * o.B * o.Hq * o.Sq
-    total, (o_off, lse_off) = _scratch_layout(4 * partials * o.Dv, 4 * partials)
+    # lse_accum: each partial's maximum, then its sum (attn_fwd_combine)
+    total, (o_off, lse_off) = _scratch_layout(4 * partials * o.Dv, 2 * 4 * partials)
     return _Plan(template, tuple(launches), total, ((SLOT_O_ACCUM, o_off), (SLOT_LSE_ACCUM, lse_off)))
 
 

@@ -122,7 +122,8 @@ typedef struct {
      * dq_sem (B, Hq, query tiles) int32: the ordered dq additions' counters (s[0..2]) */
     tensor4 delta, dq_accum, dq_sem;
     /* GPU split-KV forward scratch: num_splits partial results per row, contiguous,
-     * o_accum [split][B][Hq][Sq][Dv] and lse_accum [split][B][Hq][Sq] float32 (natural log) */
+     * o_accum [split][B][Hq][Sq][Dv] and lse_accum [2][split][B][Hq][Sq] float32: each partial's
+     * maximum score (natural log units), then its sum of exp(s - maximum) */
     float *o_accum, *lse_accum;
     int num_splits;
     /* GPU backward, the ordered dq mode: 1 where the last turn at each query tile writes dq

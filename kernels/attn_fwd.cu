@@ -15,7 +15,7 @@
  *             pr is query row pr / G of head hk * G + pr % G (grid.y = Hk), so K and V are read
  *             once per kv head instead of G times. Not with bias, mask or alibi (per-head data).
  *   SPLIT_KV  grid.x = query tiles x p.num_splits; split s visits its share of the key tiles and
- *             writes a normalised partial result and its lse to o_accum / lse_accum;
+ *             writes a normalised partial result, its maximum and sum to o_accum / lse_accum;
  *             attn_fwd_combine merges the splits (whole GPU streaming K and V for Sq = 1).
  *
  * Switches beyond attn_common.cuh's: BLOCK_M, BLOCK_N, NUM_WARPS (tile_config in kernels.py).
@@ -176,11 +176,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
 }
 #endif
 
-/* Merges the num_splits partial results of SPLIT_KV: lse = log sum_s exp(lse_s), out = sum_s
- * exp(lse_s - lse) o_s. Grid (Sq, Hq, B), one block per row; rows past the sequence's real
- * length come out as 0 and -inf like every other row that keeps no key. The weights are taken
- * from the largest lse_s and the sum, not from lse, which rounds log(sum) away where it is huge
- * (a row of -1e10 fills: exp(lse_s - lse) = 1 for every split). */
+/* Merges the num_splits partial results of SPLIT_KV: split s left its rows' maximum m_s and sum
+ * l_s in lse_accum (finish_rows; l_s after all splits' m_s), so lse = M + log sum_s exp(m_s - M)
+ * l_s with M = max_s m_s, and out = sum_s w_s o_s, w_s = exp(m_s - M) l_s / that sum. Not from
+ * each split's lse: at 1e10 it rounds log(l_s) away, and splits of different sums would weigh
+ * alike. Grid (Sq, Hq, B), one block per row; rows past the sequence's real length come out as
+ * 0 and -inf like every other row that keeps no key. */
 #if ENTRY(attn_fwd_combine)
 extern "C" __global__ void __launch_bounds__(128) attn_fwd_combine(const __grid_constant__ attn_params p)
 {
@@ -189,21 +190,23 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd_combine(const __grid_
     const int64_t r = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int S = p.num_splits;
     const int64_t row0 = (b * p.Hq + h) * p.Sq + r, stride = p.B * p.Hq * p.Sq;
+    const float *ms = p.lse_accum, *ls = p.lse_accum + S * stride;
     if (threadIdx.x < 32) {
         float mx = NEG_INF;
         for (int s = threadIdx.x; s < S; s += 32)
-            mx = fmaxf(mx, p.lse_accum[s * stride + row0]);
+            mx = fmaxf(mx, ms[s * stride + row0]);
         for (int o = 16; o; o >>= 1)
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
         const float base = mx == NEG_INF ? 0.f : mx;
         float sum = 0.f;
         for (int s = threadIdx.x; s < S; s += 32)
-            sum += fast_exp2((p.lse_accum[s * stride + row0] - base) * LOG2E);
+            sum += fast_exp2((ms[s * stride + row0] - base) * LOG2E) * ls[s * stride + row0];
         for (int o = 16; o; o >>= 1)
             sum += __shfl_xor_sync(0xffffffffu, sum, o);
         const float lse = sum != 0.f ? base + logf(sum) : NEG_INF;   /* NaN stays NaN */
         for (int s = threadIdx.x; s < S; s += 32)
-            w[s] = sum != 0.f ? fast_exp2((p.lse_accum[s * stride + row0] - base) * LOG2E) / sum : 0.f;
+            w[s] = sum != 0.f ? fast_exp2((ms[s * stride + row0] - base) * LOG2E) * ls[s * stride + row0] / sum
+                              : 0.f;
         if (threadIdx.x == 0)
             lse_sh = lse;
     }

@@ -272,7 +272,12 @@ DEV void finish_rows(const attn_params &p, const seq_t &sq, float to_natural, co
             continue;
         const float lse_r = live ? m[i] * to_natural + log2f(li) * LN2 : NEG_INF;
 #if SPLIT_KV
-        p.lse_accum[((split * p.B + b) * p.Hq + hr) * p.Sq + r] = lse_r;
+        {   /* the split's maximum and sum, not its lse: at 1e10 lse rounds log(sum) away, and
+             * attn_fwd_combine must weigh splits of different sums apart */
+            const int64_t at = ((split * p.B + b) * p.Hq + hr) * p.Sq + r;
+            p.lse_accum[at] = live ? m[i] * to_natural : NEG_INF;
+            p.lse_accum[(int64_t)p.num_splits * p.B * p.Hq * p.Sq + at] = live ? li : 0.f;
+        }
 #else
         if (p.lse.ptr)                                   /* a GPU call returning no lse has none */
             ((float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + hr * p.lse.s[1] + (sq.start + r) * p.lse.s[2]] = lse_r;

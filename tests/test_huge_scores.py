@@ -213,6 +213,18 @@ def test_at_precision_rounds_the_fill(rng):
     assert allowed_error(F32, 1.0) < 1e-4
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sk, kept", [(4096, 300), (4000, 4000)], ids=["300of4096", "short_split"])
+def test_decode_fill_rows(device, sk, kept, rng):
+    """One query over thousands of keys (the GPU splits the keys: attn_fwd_combine), the first
+    `kept` keys at -1e10, the rest -inf: each split must count its own keys, not weigh alike."""
+    for dtype in _dtypes(device):
+        q, k, v = make_qkv(rng, 1, 1, sk, 1, 1, 64, 64, dtype)
+        bias = np.full((1, sk), -np.inf, F64 if dtype == F64 else F32)
+        bias[:, :kept] = -1e10
+        run_and_check(device, q, k, v, rng, bias=bias, backward=LOST_BACKWARD[device])
+
+
 @pytest.mark.gpu
 @pytest.mark.xfail(strict=True, reason="the GPU backward of rows whose lse lost log(sum): open")
 def test_gpu_backward_of_lost_rows(rng):
