@@ -729,7 +729,9 @@ int FN(cpu_backward)(const attn_params *p)
                 lz[g * BQ + i] = 0;
                 delta[g * BQ + i] = dl;
             }
-            if (lost)   /* a lookup out of range: mods->err says where, and the task loop stops */
+            /* rows whose lse lost log(sum): their maximum and sum again (a lookup out of range
+             * there sets mods->err, and the task loop stops) */
+            if (lost)
                 FN(row_stats)(p, &kt_tiles, &bm, FN(tiling_seq)(&q_tiles, B, g / Hq), h, r0, nr, DP, DvP, Q, kr, lm + g * BQ,
                               lz + g * BQ, Qt, m, l, alpha, St, S, row, maskbuf, &mb);
         }
