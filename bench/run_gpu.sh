@@ -36,7 +36,7 @@ for step in "$@"; do
                     or mask_mod_zoo and bf16 and (document or allowed) or block_sparse_masks and d64" 2>&1 \
                 | tee "$OUT/racecheck.log" | tail -5 || rc=1 ;;
     register) python3 -m pytest -m gpu -q tests/test_pinning.py tests/test_staging.py 2>&1 | tee "$OUT/register_tests.log" | tail -15
-              python3 bench/lab_register.py 2>&1 | tee "$OUT/lab_register.log" ;;
+              python3 bench/labs/lab_numpy.py 2>&1 | tee "$OUT/lab_numpy.log" ;;
     quick) python3 -m attnext.bench --device cuda --quick --json "$OUT/bench_quick.json" 2>&1 | tee "$OUT/bench_quick.log" | tail -40 ;;
     bench) python3 -m attnext.bench --device cuda --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -60 ;;
     mods) # the score_mod / mask_mod rows and their first calls (~6 minutes on a fresh machine)

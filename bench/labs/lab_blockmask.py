@@ -1,7 +1,7 @@
 """Kernel lab: what building a mask_mod's block mask (kernels/attn_block_mask.cu) costs against the
 attention call it serves (the issue: under 10% for a document mask over 16k tokens).
 
-    python3 bench/lab_blockmask.py [--S 16384] [--reps 7] [--cells 8,16,32]
+    python3 bench/labs/lab_blockmask.py [--S 16384] [--reps 7] [--cells 8,16,32]
 
 The bench's document masks run as varlen (lower.documents) and its window as a band (lower.
 lower_band): neither builds a block mask. Here both lowerings are turned off, so each mask_mod
@@ -9,7 +9,8 @@ below takes the block-mask path, and mod_cache is cleared before every call so t
 builds its mask. Times: CUDA events around each launch of a forward (median of --reps calls;
 the first launch is the block mask's), and do_bench of the whole forward with the mask kept
 (mod_cache left alone) and rebuilt (cleared before each call). --cells: the values of
-codegen.BLOCK_CELLS (cells per CTA of the block-mask kernel) to run each case with.
+codegen.BLOCK_CELLS (cells per CTA of the block-mask kernel) to run each case with. Each case's
+first call is checked against torch SDPA given the mask's kept pairs as a dense bool mask.
 """
 import argparse
 import sys
@@ -19,9 +20,10 @@ import numpy as np
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import attnext  # noqa: E402
 from attnext import bench_cuda, codegen, lower, mod_cache  # noqa: E402
+import verify  # noqa: E402
 from lab_mods import kernel_times  # noqa: E402
 
 
@@ -36,6 +38,16 @@ def cases(S):
         "window1024": (dict(mask_mod=lambda b, h, q, k: (k <= q) & (q - k < 1024)), {}),
         "prefix-lm": (dict(mask_mod=lambda b, h, q, k: (k <= q) | (k < prefix)), {}),
     }
+
+
+def kept_pairs(mask_mod, S, causal, device):
+    """mask_mod's kept pairs (and causality) as a bool (S, S) tensor, a chunk of rows at a time."""
+    kv, rows = np.arange(S)[None, :], []
+    for r0 in range(0, S, 1024):
+        q = np.arange(r0, min(S, r0 + 1024))[:, None]
+        m = np.broadcast_to(mask_mod(0, 0, q, kv), (len(q), S)) & ((kv <= q) if causal else True)
+        rows.append(torch.from_numpy(np.ascontiguousarray(m)).to(device))
+    return torch.cat(rows)
 
 
 def main():
@@ -55,10 +67,13 @@ def main():
           f"{'call built':>10s}")
     for name, (mods, opts) in cases(args.S).items():
         kw = dict(mods, **opts, out=out)
+        want = verify.sdpa(q, k, v, mask=kept_pairs(mods["mask_mod"], args.S, opts.get("causal"), q.device))
         for cells in map(int, args.cells.split(",")):
             codegen.BLOCK_CELLS = cells
             mod_cache.clear()
+            out.fill_(float("nan"))
             attnext.attention(q, k, v, **kw)              # compiles
+            verify.check(f"{name}, {cells} cells", {"out": (out, want)})
 
             def built():
                 mod_cache.clear()

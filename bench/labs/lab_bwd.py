@@ -1,6 +1,6 @@
 """Kernel lab: the backward's kernels side by side on one GPU, each validated first.
 
-    python bench/lab_bwd.py mma sm90 "sm90:8,8" ...
+    python bench/labs/lab_bwd.py mma sm90 "sm90:8,8" ...
 
 A configuration is "mma" (attn_bwd.cu; ATTNEXT_BWD_SM90=0) or "sm90" / "sm90:KV_WARPS,Q_WARPS"
 (attn_bwd_sm90.cu; ATTNEXT_TILE_BWD_SM90), with "+recompute", "+ordered" or "+atomic" (deterministic=False)
@@ -10,12 +10,14 @@ triton.testing.do_bench medians, B*S = 16k tokens, TFLOP/s counting 2.5x the for
 """
 import os
 import sys
+from pathlib import Path
 
 import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import attnext
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository's attnext
+import attnext  # noqa: E402
 
 CASES = [(64, 512, False), (64, 2048, False), (64, 2048, True), (128, 512, False), (128, 2048, False),
          (128, 2048, True), (128, 8192, True)]

@@ -1,6 +1,6 @@
 """Kernel lab: where the short backward rows' time goes, kernel by kernel, beside the peers.
 
-    python bench/lab_bwd_parts.py [--write] [D:S[:causal] ...]
+    python bench/labs/lab_bwd_parts.py [--write] [D:S[:causal] ...]
 
 For each case (default: the [2/4] rows the v5 bench missed, and D128 S2k for scale): the whole
 backward by triton.testing.do_bench (medians, L2 flushed) for attnext (deterministic and not),
@@ -8,17 +8,21 @@ SDPA's flash and cuDNN backends, then torch.profiler's kernel times over 20 back
 each, so the pre / main / convert kernels can be compared one by one. bf16, B*S = 16k tokens,
 H = 2048 / D, TFLOP/s counting 2.5x the forward. --write adds the deterministic backward with
 ATTNEXT_BWD_DQ_WRITE=0 and =1 (attn_bwd_dq_convert against the last turns writing dq), to place
-kernels.SHORT_KEYS.
+kernels.SHORT_KEYS. Every attnext variant (and cuDNN) is checked against flash's dq, dk, dv before
+anything is timed; one that is off is dropped.
 """
 import os
 import sys
+from pathlib import Path
 
 import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-import attnext
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository's attnext
+import attnext  # noqa: E402
+import verify  # noqa: E402
 
 DEFAULT = ["64:512", "64:1024", "64:512:causal", "64:1024:causal", "128:512:causal", "128:512", "128:2048"]
 
@@ -77,9 +81,16 @@ def main(cases, write=False):
                     q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
             calls[name] = (lambda o=o: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True))
         ref = calls["flash"]()
-        got = calls["attnext"]()
-        err = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(got[:3], ref))
-        print(f"\nD{D} S{S} B{B} H{H} {'causal' if causal else 'full'}  (attnext vs flash err {err:.2g})")
+        print(f"\nD{D} S{S} B{B} H{H} {'causal' if causal else 'full'}")
+        for name in [n for n in calls if n != "flash"]:      # each checked against flash first
+            try:
+                got = calls[name]()
+                err = verify.check(f"  {name}", {n: (g, r) for n, g, r in zip(("dq", "dk", "dv"), got, ref)})
+                print(f"  {name} against flash: {err:.2g}", end="")
+            except verify.WrongResult as e:
+                print(f"\n{e}")
+                del calls[name]
+        print(flush=True)
         times = {name: triton.testing.do_bench(f, return_mode="median") for name, f in calls.items()}
         print("  " + "  ".join(f"{n} {t * 1e3:7.1f} us {flops / t / 1e9:5.0f} TF/s ({times['flash'] / t:.2f}x flash)"
                                for n, t in times.items()), flush=True)

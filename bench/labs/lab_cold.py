@@ -1,7 +1,7 @@
 """Kernel lab: the mods rows' cold first calls (a new score_mod's compiles, the [3/4] target: under
 2 s) under several settings of attnext's environment knobs, in one run, the settings taking turns.
 
-    python3 bench/lab_cold.py [--cases softcap,window,relbias,doc_causal] [--repeat 3]
+    python3 bench/labs/lab_cold.py [--cases softcap,window,relbias,doc_causal] [--repeat 3]
                               [--config "NAME=V NAME=V" ...]
 
 Each measurement is bench_mods.first_call_row's (the bench's first-call section): the case's first
@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from attnext import bench_mods  # noqa: E402
 
 DEFAULT_CONFIGS = ("ATTNEXT_COMPILE_AHEAD=0", "")

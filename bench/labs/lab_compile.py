@@ -1,6 +1,6 @@
 """Kernel lab: what a new score_mod's first CUDA call compiles, and for how long.
 
-    python bench/lab_compile.py [--arch sm_90a] [--mods rel_bias,doc_mask] [--all] [--split]
+    python bench/labs/lab_compile.py [--arch sm_90a] [--mods rel_bias,doc_mask] [--all] [--split]
 
 Needs NVRTC, not a GPU. The cache is a fresh temporary folder (ATTNEXT_CACHE_DIR), so every
 mod misses it whatever ran before. For each mod (D = 128, bfloat16, no other option):
@@ -21,13 +21,13 @@ The score_mods: softcap, rel_bias (a table lookup), alibi (slopes lookup), doc_m
 over a document-id array), rel_bias+doc_mask; --all adds `heavy` (kernels.mod_sample's pair:
 integer rules, three arrays, tanh).
 
-    python bench/lab_compile.py --speed [--mods ...]
+    python bench/labs/lab_compile.py --speed [--mods ...]
 
 times the mods' kernels instead (GPU, torch: forward and backward ms, B = 8, S = 2048, H = 8,
-causal, medians of 20 after a warm-up), through the public API only; --env NAME=V1,V2 times each
-mod under each value of a plan knob in one process (e.g. ATTNEXT_BWD_DQ=ordered,atomic). The same file run from
-another checkout's root (git show compile-time:bench/lab_compile.py > /tmp/lab.py;
-PYTHONPATH=. python /tmp/lab.py --speed) times that checkout's kernels.
+causal, medians of 20 after a warm-up, each mod's first batch item checked against
+the CPU backend first), through the public API only; --env NAME=V1,V2 times each
+mod under each value of a plan knob in one process (e.g. ATTNEXT_BWD_DQ=ordered,atomic). Copied into
+another checkout's bench/labs/ and run there, --speed times that checkout's kernels.
 """
 import argparse
 import ctypes
@@ -40,7 +40,7 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 D, S, HEADS = 128, 2048, 8
@@ -224,6 +224,20 @@ def init_gpu(torch):
     torch.cuda.synchronize()
 
 
+def check_first_item(name, inputs, out, g, sm, mm):
+    """The first batch item's out, dq, dk, dv against the CPU backend's (float32, which the tests
+    hold to attnext.reference; the float64 reference takes minutes a mod here), before the mod
+    is timed."""
+    import attnext
+    import verify
+    q, k, v, dout = (x[:1].float().cpu().numpy() for x in inputs)
+    kw = dict(causal=True, score_mod=sm, mask_mod=mm, device="cpu")
+    want, lse = attnext.attention(q, k, v, return_lse=True, **kw)
+    grads = attnext.attention_backward(dout, q, k, v, want, lse, **kw)
+    got = [x[:1].float().cpu().numpy() for x in (out, g.dq, g.dk, g.dv)]
+    verify.check(name, dict(zip(("out", "dq", "dk", "dv"), zip(got, [want, grads.dq, grads.dk, grads.dv]))))
+
+
 def speed(names, env=None):
     """ms of each mod's forward and backward (real kernels; compiles happen in the warm-up).
     env: (variable, [values]): each mod timed under each value of the variable in turn (one of
@@ -254,6 +268,8 @@ def speed(names, env=None):
             if knob:
                 os.environ[knob] = value
             out, lse = attnext.attention(q, k, v, causal=True, score_mod=sm, mask_mod=mm, return_lse=True)
+            g = attnext.attention_backward(dout, q, k, v, out, lse, causal=True, score_mod=sm, mask_mod=mm)
+            check_first_item(name, (q, k, v, dout), out, g, sm, mm)
             fwd = ms(lambda: attnext.attention(q, k, v, causal=True, score_mod=sm, mask_mod=mm))
             bwd = ms(lambda: attnext.attention_backward(dout, q, k, v, out, lse, causal=True, score_mod=sm,
                                                         mask_mod=mm))

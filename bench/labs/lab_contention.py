@@ -1,7 +1,7 @@
 """Kernel lab: how much NVRTC compiles running side by side slow each other on this host (the cold
 first call's forward compiles while kernels.compile_ahead compiles the backward beside it).
 
-    python3 bench/lab_contention.py [--case softcap|doc_causal] [--repeat 2]
+    python3 bench/labs/lab_contention.py [--case softcap|doc_causal] [--repeat 2]
 
 Needs NVRTC and a C compiler, not a GPU: the entry points come from the fake driver
 (tests/fake_libcuda.c), as the bench's mods row plans them on Hopper (sm_90a), and each compile
@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 

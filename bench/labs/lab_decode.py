@@ -1,22 +1,26 @@
 """Kernel lab: the decode rows (B1 Sk32k, B8 Sk8k, B64 Sk4k; Hq32 Hk8 D128 bf16, causal bottom-right,
 out= given, torch inputs), whether a call waits for the GPU, and where the host time goes.
 
-    python bench/lab_decode.py [--profile N] [--rows 1,8,64] [--kernels]
+    python bench/labs/lab_decode.py [--profile N] [--rows 1,8,64] [--kernels]
 
 For each row: the host time per asynchronous call (200 calls queued behind a long GPU sleep, so
 the queue never drains; a call that waits for the GPU shows as the sleep's length), do_bench
 medians with and without the L2 flush for attnext and the peers (SDPA flash, cuDNN), GB/s of K
-and V. --profile N: cProfile's top N functions (self time) of the B1 call.
+and V; attnext's out is checked against torch SDPA first. --profile N: cProfile's top N functions (self time) of the B1 call.
 """
 import argparse
 import cProfile
 import pstats
+import sys
 import time
+from pathlib import Path
 
 import torch
 import triton
 
-import attnext
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository's attnext
+import attnext  # noqa: E402
+import verify  # noqa: E402
 
 
 def peers(q, k, v):
@@ -63,6 +67,8 @@ def main():
         gb = 2 * B * Sk * 8 * 128 * 2 / 1e9
         calls = {"attnext": lambda: attnext.attention(q, k, v, causal="bottom_right", out=out)}
         calls.update(peers(q, k, v))
+        calls["attnext"]()
+        verify.check(f"decode B{B}", {"out": (out, verify.sdpa(q, k, v))})   # Sq = 1: every key kept
         print(f"decode B{B} Sk{Sk} Hq32 Hk8 D128 ({gb * 1e3:.0f} MB of K and V)", flush=True)
         for name, f in calls.items():
             f()

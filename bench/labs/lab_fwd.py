@@ -1,6 +1,6 @@
 """Kernel lab: the forward's tile configurations side by side on one GPU, each validated first.
 
-    python bench/lab_fwd.py "128,64,4" "sm90" "sm90:128,64,8" ...
+    python bench/labs/lab_fwd.py "128,64,4" "sm90" "sm90:128,64,8" ...
 
 A configuration is attn_fwd.cu's tile "BLOCK_M,BLOCK_N,NUM_WARPS" (ATTNEXT_TILE_FWD, the wgmma
 kernel off), or "sm90" / "sm90:BLOCK_M,BLOCK_N,WARPS" for attn_fwd_sm90.cu (ATTNEXT_TILE_SM90).
@@ -9,12 +9,14 @@ PyTorch SDPA's flash backend, bf16, triton.testing.do_bench medians, B*S = 16k t
 """
 import os
 import sys
+from pathlib import Path
 
 import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import attnext
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository's attnext
+import attnext  # noqa: E402
 
 CASES = [(64, 512, False), (64, 2048, False), (64, 2048, True), (128, 512, False), (128, 2048, False),
          (128, 2048, True), (128, 8192, True), (128, 16384, False)]

@@ -1,8 +1,8 @@
 """Kernel lab: the host path of one GPU call (api.py -> cuda_backend.py -> _C -> the driver), timed
 per call over many calls, and where its time goes (cProfile's self time summed per module).
 
-    python bench/lab_host.py --fake [--calls 10000] [--parts] [--profile] [--cases plain,decode1,...]
-    python bench/lab_host.py [--torch] [--parts]   (a real GPU: DeviceArray or torch inputs)
+    python bench/labs/lab_host.py --fake [--calls 10000] [--parts] [--profile] [--cases plain,decode1,...]
+    python bench/labs/lab_host.py [--torch] [--parts]   (a real GPU: DeviceArray or torch inputs)
 
 --fake builds tests/fake_libcuda.c (the driver on host memory: launches do nothing) and runs
 on it, so no GPU is needed and the numbers are the host path alone, this machine's. On a GPU
@@ -24,7 +24,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # (name, what, B, Sq, Sk, Hq, Hk, D, options): what is "fwd" (out= given, no lse: the bench's
 # forward), "fwd_new" (fresh out and lse), "bwd" (attention_backward)
@@ -35,7 +35,7 @@ CASES = {
     "decode1": ("fwd", 1, 1, 32768, 32, 8, 128, {}),
     "decode8": ("fwd", 8, 1, 8192, 32, 8, 128, {}),
     "bwd": ("bwd", 8, 2048, 2048, 16, 16, 128, dict(causal=True)),
-    # score_mod / mask_mod ([3/4]'s rows, bench/lab_mods.py): the trace, the captured arrays and
+    # score_mod / mask_mod ([3/4]'s rows, bench/labs/lab_mods.py): the trace, the captured arrays and
     # the block mask are part of every call's host path
     "softcap": ("fwd", 2, 8192, 8192, 16, 16, 128, dict(causal=True, score_mod="softcap")),
     "relbias": ("fwd", 2, 8192, 8192, 16, 16, 128, dict(causal=True, score_mod="relbias")),

@@ -1,7 +1,7 @@
 """Kernel lab: what a first call from the disk cache pays to load its modules (cuModuleLoadData),
 per cubin, with and without -lineinfo, one after another and in threads.
 
-    ATTNEXT_CACHE_DIR=/tmp/c python3 bench/lab_modload.py
+    ATTNEXT_CACHE_DIR=/tmp/c python3 bench/labs/lab_modload.py
 
 Fills the cache folder with the relative-bias score_mod's forward and backward kernels (a first
 call, compiled), then times loading each cubin in the folder in this process (fresh modules each
@@ -11,12 +11,15 @@ parallel threads (module_load releases the GIL).
 import concurrent.futures
 import glob
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-import attnext
-from attnext import _C, bench_mods, kernel_cache, kernels
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository's attnext
+import attnext  # noqa: E402
+from attnext import _C, bench_mods, kernel_cache, kernels  # noqa: E402
 
 
 def ms(fn, reps=3):

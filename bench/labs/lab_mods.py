@@ -1,12 +1,13 @@
 """Kernel lab: score_mod / mask_mod on the GPU against FlexAttention, plus the time of each kernel
 launch of a call (--kernels).
 
-    python3 bench/lab_mods.py [--cases softcap,relbias,doc,doc_causal,window] [--quick]
+    python3 bench/labs/lab_mods.py [--cases softcap,relbias,doc,doc_causal,window] [--quick]
                               [--kernels] [--first-call] [--json PATH]
 
 The rows, their validation and the first-call section are attnext/bench_mods.py's (the mods and
 first-call sections of `python -m attnext.bench --device cuda`): this script runs them for the
-chosen cases only, Flex as the one peer, and adds --kernels, the per-launch times.
+chosen cases only, Flex as the one peer, and adds --kernels, the per-launch times. Every row is
+checked before it is timed (bench_mods' rule); --kernels then times the same case's kernels.
 """
 import argparse
 import json
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import attnext  # noqa: E402
 from attnext import bench_cuda, bench_mods  # noqa: E402
 

@@ -1,28 +1,33 @@
 """Kernel lab: the NumPy-in/NumPy-out forward as it ships (register staging, kept registrations,
 pooled pinned results) against the pinned-copy floor, per bench case, and where its time goes.
 
-    python bench/lab_numpy.py [--profile] [--slices] [--calls]
+    python bench/labs/lab_numpy.py [--profile] [--slices] [--calls]
 
 Rows per case: the same arrays every call (what bench_cuda's NumPy row times: the registrations
 are kept from the second call on), fresh copies of the inputs every call (made outside the
 timing: each call registers its inputs and gives them back), and ATTNEXT_STAGING=ring;
 --slices: the same arrays with other slices (cuda_backend.SLICE_BYTES, TAIL_SHARE), and batch
-slices only (no row slices). The
-first result of each row is checked against the call on torch arrays (one launch). --calls: each call's time, in order. --profile: cProfile of 10 same-array calls.
+slices only (no row slices). The call on torch arrays (one launch) is checked against torch
+SDPA, and the first result of each row against it (bitwise, or within the labs' tolerance where
+row slices take other tiles). --calls: each call's time, in order. --profile: cProfile of 10
+same-array calls.
 """
 import cProfile
 import os
 import pstats
 import sys
 import time
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import torch
 
-import attnext
-from attnext import _C, pinning
-from attnext.bench_cuda import Run, pinned_copies
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository's attnext
+import attnext  # noqa: E402
+from attnext import _C, pinning  # noqa: E402
+from attnext.bench_cuda import Run, pinned_copies  # noqa: E402
+import verify  # noqa: E402
 
 CASES = ((8, 2048, 16, 128, False), (2, 8192, 16, 128, True))
 REPS = 10
@@ -58,14 +63,16 @@ def main():
         nin, nout = 3 * q.nbytes, q.nbytes
         fl = floor_ms(nin, nout)
         tq, tk, tv = (torch.from_numpy(x.view(np.int16)).cuda().view(torch.bfloat16) for x in (q, k, v))
-        want = attnext.attention(tq, tk, tv, causal=causal).cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        want = attnext.attention(tq, tk, tv, causal=causal)
+        verify.check(f"B{B} S{S} on torch arrays", {"out": (want, verify.sdpa(tq, tk, tv, causal))})
+        want = want.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         del tq, tk, tv                         # the same call on the GPU's arrays: one launch
         print(f"B{B} S{S} H{H} D{D} causal={causal}: floor {fl:.3f} ms", flush=True)
 
-        def check(out):
+        def check(out):        # row slices may take other tiles: bits may differ, values may not
             if not np.array_equal(out.view(np.uint16), want.view(np.uint16)):
-                diff = np.abs(out.astype(np.float32) - want.astype(np.float32)).max()
-                print(f"    NOT the bits of the first call: max |diff| {diff:.3g}", flush=True)
+                err = verify.check("the NumPy call", {"out": (out.astype(np.float32), want.astype(np.float32))})
+                print(f"    NOT the bits of the call on torch arrays: off by {err:.3g}", flush=True)
 
         def same():
             return attnext.attention(q, k, v, causal=causal, device="cuda")

@@ -1,13 +1,15 @@
 """Kernel lab: one attnext forward (and with "bwd" its backward) call, for ncu /
 compute-sanitizer to look at.
 
-    python bench/lab_one.py D S [causal] [bwd]
+    python bench/labs/lab_one.py D S [causal] [bwd]
 """
 import sys
+from pathlib import Path
 
 import torch
 
-import attnext
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository's attnext
+import attnext  # noqa: E402
 
 D, S = int(sys.argv[1]), int(sys.argv[2])
 causal = "causal" in sys.argv[3:]

@@ -1,16 +1,20 @@
-"""Kernel lab: host overhead of one attnext call against its kernel alone (same launch, replayed).
+"""Kernel lab: host overhead of one attnext call against its kernel alone (same launch, replayed);
+the call's out is checked against torch SDPA first.
 
-    python bench/lab_overhead.py [--profile]     (--profile: cProfile of 200 calls per case)
+    python bench/labs/lab_overhead.py [--profile]     (--profile: cProfile of 200 calls per case)
 """
 import cProfile
 import pstats
 import sys
+from pathlib import Path
 
 import torch
 import triton
 
-import attnext
-from attnext import _C, kernels
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository's attnext
+import attnext  # noqa: E402
+from attnext import _C, kernels  # noqa: E402
+import verify  # noqa: E402
 
 
 def main():
@@ -27,6 +31,9 @@ def main():
         q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out = torch.empty_like(q)
         flops = 4 * B * H * S * S * D / (2 if causal else 1)
+        out.fill_(float("nan"))
+        attnext.attention(q, k, v, causal=causal, out=out)
+        verify.check(f"D{D} S{S} causal={causal}", {"out": (out, verify.sdpa(q, k, v, causal))})
         t_call = triton.testing.do_bench(lambda: attnext.attention(q, k, v, causal=causal, out=out),
                                          return_mode="median")
         keep = attnext.attention(q, k, v, causal=causal, out=out, return_lse=True)   # noqa: F841 (lse stays alive)

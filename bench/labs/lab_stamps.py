@@ -1,7 +1,7 @@
 """Kernel lab: where a backward CTA of attn_bwd_dkdv_ws_sm90 spends its time, from globaltimer
-stamps (H100: bench/NOTES.md, session 18).
+stamps (H100: bench/HISTORY.md, session 18).
 
-    python3 bench/lab_stamps.py [D:S[:causal] ...]      (default: 64:512 64:512:causal 128:512)
+    python3 bench/labs/lab_stamps.py [D:S[:causal] ...]      (default: 64:512 64:512:causal 128:512)
 
 Writes an instrumented copy of kernels/ into a temporary folder (string edits of
 attn_bwd_sm90.cu at fixed anchors: the lab stops if one is missing) and points
@@ -9,7 +9,8 @@ ATTNEXT_KERNEL_DIR at it. The stamps go into the backward's unused o_accum slot,
 [0] start, [1] K and V in, [2] the consumers' end (dK, dV stored), [3] the writer's end, [4] the
 SM, [5] items; for items j < 8: [8 + j] the consumers start it, [24 + j] its dq_full, [40 + j]
 the writer's turn granted, [56 + j] the writer done with it. Prints medians over the CTAs (bf16,
-B*S = 16k tokens, H = 2048 / D, deterministic).
+B*S = 16k tokens, H = 2048 / D, deterministic), once the stamped call's dq, dk, dv are checked
+against torch SDPA's.
 """
 import os
 import shutil
@@ -18,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STAMP = ("DEV long long gtime() { long long t; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t)); return t; }\n"
          "#define TR(i, v) do { if (p.o_accum) ((long long *)p.o_accum)[((blockIdx.z * gridDim.y + blockIdx.y)"
          " * gridDim.x + blockIdx.x) * 64 + (i)] = (v); } while (0)\n")
@@ -78,6 +79,7 @@ def main():
     import numpy as np
     import torch
     import attnext
+    import verify
     from attnext import cuda_backend
 
     buf = torch.zeros(1, dtype=torch.int64, device="cuda")
@@ -104,9 +106,11 @@ def main():
         torch.cuda.synchronize()
         buf.zero_()
         tracing[0] = True
-        attnext.attention_backward(dout, q, k, v, out, lse, causal=causal)
+        g = attnext.attention_backward(dout, q, k, v, out, lse, causal=causal)
         torch.cuda.synchronize()
         tracing[0] = False
+        _, want = verify.sdpa(q, k, v, causal, dout=dout)    # the stamped kernel's answer, checked
+        verify.check(f"D{D} S{S} stamped", {n: (x, w) for n, x, w in zip(("dq", "dk", "dv"), g, want)})
         t = buf.view(-1, 64).cpu().numpy()
         t = t[(t[:, 0] > 0) & (t[:, 5] > 0)]
         if not len(t):

@@ -1,22 +1,26 @@
 """Kernel lab: the GPU timeline of one NumPy-in/NumPy-out forward, from CUDA events around each
 copy and launch attnext enqueues (torch events recorded on attnext's streams).
 
-    PYTHONPATH=. python bench/lab_timeline.py [B S H D causal] [--batch-only] [--tail SHARE]
+    python bench/labs/lab_timeline.py [B S H D causal] [--batch-only] [--tail SHARE]
 
 Prints, per operation in the order the GPU began them: its start and end (ms from the call's
 start), the GB/s of a copy, the stream, and when the host enqueued it. The call runs a few
-times first (kept registrations, plans, pools); the timeline is of the last call. Events cost
+times first (kept registrations, plans, pools; the first one's out is checked against torch
+SDPA on the same inputs); the timeline is of the last call. Events cost
 a few microseconds each, so the call is a little slower than in lab_numpy.
 """
 import sys
 import time
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import torch
 
-import attnext
-from attnext import _C, cuda_backend
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository's attnext
+import attnext  # noqa: E402
+from attnext import _C, cuda_backend  # noqa: E402
+import verify  # noqa: E402
 
 WRAPPED = {"memcpy_htod": (2, "htod"), "memcpy_dtoh": (2, "dtoh"), "cuda_launch_attention": (4, "kernel"),
            "launch": (4, "kernel"), "memset_d8": (3, "memset")}
@@ -105,6 +109,10 @@ def main():
     rng = np.random.default_rng(1)
     q, k, v = (rng.standard_normal((B, S, H, D), np.float32).astype(ml_dtypes.bfloat16) for _ in range(3))
     copy_rates(3 * q.nbytes, q.nbytes)
+    got = attnext.attention(q, k, v, causal=causal, device="cuda")
+    tq, tk, tv, tgot = (torch.from_numpy(x.view(np.int16)).cuda().view(torch.bfloat16) for x in (q, k, v, got))
+    verify.check("the NumPy call", {"out": (tgot, verify.sdpa(tq, tk, tv, causal))})
+    del tq, tk, tv, tgot
     for _ in range(5):
         attnext.attention(q, k, v, causal=causal, device="cuda")
     torch.cuda.synchronize()
