@@ -2,8 +2,8 @@
 (the [3/4] target: under 50 ms). Run it twice with the same ATTNEXT_CACHE_DIR: the first run
 compiles and fills the cache, the second shows the disk path under cProfile.
 
-    ATTNEXT_CACHE_DIR=/tmp/c python3 bench/labs/lab_first.py [--case=relbias] [--bwd]
-    ATTNEXT_CACHE_DIR=/tmp/c python3 bench/labs/lab_first.py [--case=relbias] [--bwd] --profile
+    ATTNEXT_CACHE_DIR=cache python3 bench/labs/lab_first.py [--case=relbias] [--bwd]
+    ATTNEXT_CACHE_DIR=cache python3 bench/labs/lab_first.py [--case=relbias] [--bwd] --profile
 
 --case names one of the bench's mod rows (attnext/bench_mods.py KINDS; softcap when left out);
 --bwd profiles the first backward (after a first forward, timed but not profiled); a second

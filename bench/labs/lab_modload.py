@@ -1,7 +1,7 @@
 """Kernel lab: what a first call from the disk cache pays to load its modules (cuModuleLoadData),
 per cubin, with and without -lineinfo, one after another and in threads.
 
-    ATTNEXT_CACHE_DIR=/tmp/c python3 bench/labs/lab_modload.py
+    ATTNEXT_CACHE_DIR=cache python3 bench/labs/lab_modload.py
 
 Fills the cache folder with the relative-bias score_mod's forward and backward kernels (a first
 call, compiled), then times loading each cubin in the folder in this process (fresh modules each
