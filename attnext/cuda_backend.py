@@ -164,7 +164,7 @@ def _with_gmods(gmods):
 
 
 # _C.cuda_launch_attention's address slots (csrc/cuda_attn.c's PTR_FIELDS)
-SLOT_O_ACCUM, SLOT_LSE_ACCUM, SLOT_DELTA, SLOT_DQ_ACCUM, SLOT_DQ_SEM, SLOT_DEAD = 5, 6, 19, 20, 21, 22
+SLOT_O_ACCUM, SLOT_LSE_ACCUM, SLOT_DELTA, SLOT_DQ_ACCUM, SLOT_DQ_SEM, SLOT_DEAD, SLOT_ROW_MZ = 5, 6, 19, 20, 21, 22, 23
 
 
 def _vec_ok(view, D):
@@ -832,7 +832,8 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
                 for src, name, defs, sm, grid, warps in ns.wanted]
     dead_bytes = 4 * (1 + o.B * o.Hq)     # attn_params.h: dead
     slots = ((SLOT_DELTA, 4 * delta.size),) + (((SLOT_DQ_ACCUM, 4 * math.prod(accum_shape)),) if ns.atomic else ()) \
-        + (((SLOT_DQ_SEM, 4 * math.prod(sem_shape)),) if ns.ordered else ()) + ((SLOT_DEAD, dead_bytes),)
+        + (((SLOT_DQ_SEM, 4 * math.prod(sem_shape)),) if ns.ordered else ()) + ((SLOT_DEAD, dead_bytes),) \
+        + ((SLOT_ROW_MZ, 8 * delta.size),)   # row_mz: a float2 per row, laid out like delta
     total, offsets = _scratch_layout(*(n for _, n in slots))
     zero = tuple((slot, n) for slot, n in slots
                  if slot == SLOT_DEAD or (slot == SLOT_DQ_ACCUM and ns.ordered and ns.mask_mod))
@@ -885,7 +886,7 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
         ptrs = ((q4.ptr, k4.ptr, v4.ptr, out4.ptr, lse3.ptr, None, None)
                 + tuple(None if x is None else x.ptr for x in extra)
                 + (dout4.ptr, dq4.ptr, dk4.ptr, dv4.ptr, None if dbias is None else dbias.ptr, None, None,
-                   None, None))
+                   None, None, None))
         if mods is None:
             _launch(plan, stage, ptrs, o)
         else:

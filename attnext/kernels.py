@@ -183,8 +183,9 @@ def mod_defines(defines, mods):
 
 # Entry points that read nothing of the score_mod / mask_mod (attn_params.gmods is the struct's
 # last field, so a plain kernel reads the prefix of a call's parameter that carries them): a call
-# with mods takes them from the plain variant (warmup's cache), never compiles them again
-MOD_FREE_ENTRIES = frozenset({"attn_fwd_combine", "attn_bwd_pre", "attn_bwd_dq_convert"})
+# with mods takes them from the plain variant (warmup's cache), never compiles them again.
+# attn_bwd_pre is not one: it recomputes the scores of rows whose lse is lost (attn_params.h: row_mz)
+MOD_FREE_ENTRIES = frozenset({"attn_fwd_combine", "attn_bwd_dq_convert"})
 _MOD_KEYS = ("HAS_SCORE_MOD", "HAS_MASK_MOD", "HAS_DTENSORS", "ATTN_GMODS", "MASK_ARRAY")
 
 

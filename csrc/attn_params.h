@@ -135,6 +135,13 @@ typedef struct {
      * k_rows_max: the longest key sequence's rows (attn_bwd_dead's key blocks) */
     int32_t *dead;
     int64_t k_rows_max;
+    /* GPU backward, rows whose |lse| is past LOST_LSE (attn_bwd_tile.cuh): lse has rounded
+     * log(sum) away there (a fill of -1e10 gives lse -1e10, not -1e10 + log n), so attn_bwd_pre
+     * recomputes each such row's maximum m and z = log2 of its sum of exp2((s - m) c) into
+     * row_mz (a float2 per row, laid out like delta; written and read at lost rows only) and
+     * marks its (sequence, head) in dead; the kernels that redo such heads take P = exp2((s - m)
+     * c - z) there (lost_p) */
+    float *row_mz;
 
     int num_threads;             /* <= 0: the OpenMP default */
 

@@ -102,7 +102,7 @@ static const size_t PTR_FIELDS[] = {
     PTR_FIELD(alibi.ptr), PTR_FIELD(cu_seqlens_q), PTR_FIELD(cu_seqlens_k), PTR_FIELD(seqused_q),
     PTR_FIELD(seqused_k), PTR_FIELD(dout.ptr), PTR_FIELD(dq.ptr), PTR_FIELD(dk.ptr),
     PTR_FIELD(dv.ptr), PTR_FIELD(dbias.ptr), PTR_FIELD(delta.ptr), PTR_FIELD(dq_accum.ptr),
-    PTR_FIELD(dq_sem.ptr), PTR_FIELD(dead),
+    PTR_FIELD(dq_sem.ptr), PTR_FIELD(dead), PTR_FIELD(row_mz),
 };
 #define N_PTR_FIELDS ((Py_ssize_t)(sizeof PTR_FIELDS / sizeof PTR_FIELDS[0]))
 

@@ -140,6 +140,84 @@ DEV float dot8(uint4 a, uint4 b)
     return acc;
 }
 
+/* What a lost row's P takes (lost_p): s the raw q.k where the score is plain, times c = scale
+ * log2e; else the natural score (score_of), c = log2e. */
+DEV float lost_unit(const score_ctx &sc, float dot, int r, int c, int &bad)
+{
+#if SCORE_IS_PLAIN
+    return dot;
+#else
+    return score_of(sc, dot, r, c, bad);
+#endif
+}
+
+/* q.k of query row r (in qs, floats) and key j of sequence sk, kv head hk: a scalar dot. */
+DEV float scalar_dot(const attn_params &p, const seq_t &sk, int64_t hk, int64_t j, const float *qs)
+{
+    const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + (sk.start + j) * p.k.s[1] + hk * p.k.s[2];
+    float dot = 0.f;
+    for (int d = 0; d < HEAD_DIM; d++)
+        dot = fmaf(qs[d], elem_to_f32(gk[d * p.k.s[3]]), dot);
+    return dot;
+}
+
+/* n floats of a 16-bit row (stride s) into shared memory, a warp's lanes. */
+DEV void row_to_smem(float *dst, const elem_t *src, int64_t s, int n)
+{
+    for (int d = threadIdx.x & 31; d < n; d += 32)
+        dst[d] = elem_to_f32(src[d * s]);
+    __syncwarp();
+}
+
+/* The maximum m and z = log2 of the sum of exp2((s - m) c) over the kept keys of query row r of
+ * (sequence sc.b, head h), s and c as lost_p takes them: the forward's online softmax on scalar
+ * dots, a key per lane, the lanes' (m, l) merged at the end; for a row whose lse is lost
+ * (lse_is_lost; attn_params.h: row_mz). Scalar, and a row's keys on one warp: lost rows are
+ * rare (fills near -1e10, a padding mask's rows that keep only filled keys). qs: the warp's
+ * HEAD_DIM floats of shared memory. The dots are not the tensor cores' to the last bit: where
+ * q.k itself is past ~1e5, P's error grows with it (docs/semantics.md). */
+DEV float2 lost_row_stats(const attn_params &p, const score_ctx &sc, const seq_t &sq, const seq_t &sk, int64_t h,
+                          int r, float *qs)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t hk = h / (p.Hq / p.Hk);
+    const float c = SCORE_IS_PLAIN ? sc.scale * LOG2E : LOG2E;   /* negative scale: m maximises s c */
+    row_to_smem(qs, (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + (sq.start + r) * p.q.s[1] + h * p.q.s[2],
+                p.q.s[3], HEAD_DIM);
+    int64_t lo = 0, hi = 0;
+    kv_range(&p, r, r + 1, sq.len, sk.len, &lo, &hi);
+    float m = 0.f, l = 0.f;               /* l = 0: no key yet */
+    for (int64_t j = lo + lane; j < hi; j += 32) {
+        int bad = 0;                      /* the main kernels report the mods' faults */
+        if (!mask_keeps(sc, r, (int)j, bad))
+            continue;
+        const float x = lost_unit(sc, scalar_dot(p, sk, hk, j, qs), r, (int)j, bad);
+        if (x == NEG_INF)
+            continue;
+        if (l == 0.f || (x - m) * c > 0.f) {
+            l = (l == 0.f ? 0.f : l * exp2f((m - x) * c)) + 1.f;
+            m = x;
+        } else {
+            l += exp2f((x - m) * c);
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
+        if (l2 == 0.f)
+            continue;
+        if (l == 0.f || (m2 - m) * c > 0.f) {
+            l = (l == 0.f ? 0.f : l * exp2f((m - m2) * c)) + l2;
+            m = m2;
+        } else {
+            l += l2 * exp2f((m2 - m) * c);
+        }
+    }
+    __syncwarp();                         /* qs is the next row's */
+    /* no kept key (the forward's lse said otherwise: never): z = +inf, P = 0 */
+    return l == 0.f ? make_float2(0.f, POS_INF) : make_float2(m, log2f(l));
+}
+
 /* Grid (row tiles of PRE_ROWS, Hq, B [+1 varlen in the ordered mode]). delta[r] = sum_d dout[r, d]
  * * out[r, d] for the rows of the sequence, 0 for its padding rows; dq_accum's rows zeroed when
  * given, except in the ordered mode (DQ_ORDERED), where the first addition into each query tile
@@ -147,7 +225,8 @@ DEV float dot8(uint4 a, uint4 b)
  * given. Where the ordered mode's last turns write dq (p.dq_write_last), also the dq rows they
  * do not write set to 0: those past dq_live_rows and the packed rows after the last sequence
  * (else attn_bwd_dq_convert writes every row). A row of the sequence whose lse is -inf (it keeps
- * no key) sets p.dead's words (attn_params.h) for attn_bwd_dead. */
+ * no key) sets p.dead's words (attn_params.h) for attn_bwd_dead; so does a lost row
+ * (lse_is_lost), after its (m, z) went to row_mz (a warp a row). */
 #if ENTRY(attn_bwd_pre)
 extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __grid_constant__ attn_params p)
 {
@@ -167,7 +246,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
     const int64_t r_base = (int64_t)blockIdx.x * PRE_ROWS;
     /* lse of a row, read beside its dout and out: -inf inside the length is a row that keeps no key */
     const float *gl = (const float *)p.lse.ptr + sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + sq.start * p.lse.s[2];
-    bool dead = false;
+    bool dead = false, lost = false;
     if (HEAD_DIM_V % 8 == 0 && p.dout.s[3] == 1 && p.out.s[3] == 1 && p.dout.s[1] % 8 == 0 && p.out.s[1] % 8 == 0
         && aligned16(gdo) && aligned16(go)) {
         /* 16-byte loads, all of a thread's rows in flight at once */
@@ -197,6 +276,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
             if (lane % rc::L == 0 && i < PRE_ROWS && r < sq.rows)
                 gd[r * p.delta.s[2]] = acc[k];
             dead |= lse[k] == NEG_INF;
+            lost |= lse_is_lost(lse[k]);
         }
     } else {
         for (int i = warp; i < PRE_ROWS; i += PRE_THREADS / 32) {
@@ -204,8 +284,10 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
             if (r >= sq.rows)
                 break;
             float acc = 0.f;
-            if (r < sq.len && lane == 0)
+            if (r < sq.len && lane == 0) {
                 dead |= gl[r * p.lse.s[2]] == NEG_INF;
+                lost |= lse_is_lost(gl[r * p.lse.s[2]]);
+            }
             if (r < sq.len)
                 for (int d = lane; d < HEAD_DIM_V; d += 32)
                     acc += elem_to_f32(gdo[r * p.dout.s[1] + d * p.dout.s[3]])
@@ -215,6 +297,21 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
                 acc += __shfl_xor_sync(0xffffffffu, acc, o);
             if (lane == 0)
                 gd[r * p.delta.s[2]] = acc;
+        }
+    }
+    /* the loop re-reads lse a row at a time: only in a block that saw a lost row (a barrier) */
+    if (__syncthreads_or(lost) && p.row_mz) {
+        __shared__ float qs[PRE_THREADS / 32][HEAD_DIM];
+        const seq_t sk = seq_k(&p, b);
+        const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
+        for (int i = warp; i < PRE_ROWS && r_base + i < sq.len; i += PRE_THREADS / 32) {
+            const int64_t r = r_base + i;
+            if (!lse_is_lost(gl[r * p.lse.s[2]]))
+                continue;
+            const float2 mz = lost_row_stats(p, sc, sq, sk, h, (int)r, qs[warp]);
+            if (lane == 0)
+                ((float2 *)p.row_mz)[sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + (sq.start + r) * p.delta.s[2]] = mz;
+            dead = true;
         }
     }
 #if DQ_ORDERED
@@ -252,8 +349,9 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
 
 /* ---------------------------------------------------------------- dK, dV */
 /* Query tile j of the CTA's work list (the query heads of the group, each over the same tiles)
- * into buffer `buf`: Q, dO by cp.async (the caller commits); lse (log2) and delta of row
- * threadIdx.x returned in *l, *d for the caller to store once the buffer is free. */
+ * into buffer `buf`: Q, dO by cp.async (the caller commits); lse (log2; lse_log2<DEAD>) and delta
+ * of row threadIdx.x returned in *l, *d for the caller to store once the buffer is free. */
+template <bool DEAD>
 DEV void dkdv_prefetch(const attn_params &p, const seq_t &sq, int64_t hk, int group, int m_first, int nm,
                        int j, elem_t *sQ, elem_t *sdO, float *l, float *d)
 {
@@ -269,7 +367,7 @@ DEV void dkdv_prefetch(const attn_params &p, const seq_t &sq, int64_t hk, int gr
     const int r = m0 + threadIdx.x;
     if (threadIdx.x < KV_BLOCK_M && r < Lq) {
         const int64_t row = sq.start + r;
-        *l = lse_log2(((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + row * p.lse.s[2]]);
+        *l = lse_log2<DEAD>(((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + row * p.lse.s[2]]);
         *d = ((const float *)p.delta.ptr)[sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + row * p.delta.s[2]];
     }
 }
@@ -326,7 +424,7 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
         if (DO_DK)
             load_tile<BN, DVP, KV_THREADS>(sV, gv, p.v.s[1], p.v.s[3], Lk - n0, HEAD_DIM_V, tid);
         float l, d;
-        dkdv_prefetch(p, sq, hk, group, m_first, nm, 0, sQ, sdO, &l, &d);
+        dkdv_prefetch<DEAD>(p, sq, hk, group, m_first, nm, 0, sQ, sdO, &l, &d);
         cp_async_commit();
         if (tid < BM) {
             sL[tid] = l;
@@ -357,7 +455,7 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
         }
         float nl = POS_INF, nd = 0.f;
         if (j + 1 < items)
-            dkdv_prefetch(p, sq, hk, group, m_first, nm, j + 1, sQ + (buf ^ 1) * BM * (DP + SMEM_PAD),
+            dkdv_prefetch<DEAD>(p, sq, hk, group, m_first, nm, j + 1, sQ + (buf ^ 1) * BM * (DP + SMEM_PAD),
                           sdO + (buf ^ 1) * BM * (DVP + SMEM_PAD), &nl, &nd);
         cp_async_commit();
         const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
@@ -372,7 +470,7 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
                                || n0 + BN > Lk || m0 + BM > Lq
                                || !tile_inside_band(&p, m0, min(m0 + BM, Lq), n0, n0 + BN, Lq, Lk);
         uint32_t pp[1][KV_NT / 2][4];
-        pt_tile<KV_NT, DEAD>(s, pp, sc, lb, n0 + warp * 16, m0, qlo, qhi, need_mask);
+        pt_tile<KV_NT, DEAD>(s, pp, p, sc, lb, n0 + warp * 16, m0, qlo, qhi, need_mask);
 
         if (DO_DV)                        /* dV += P^T dO */
             mma_fb<1, KV_NT / 2, DO_DV ? DVP / 8 : 2, DVP + SMEM_PAD>(dv, pp, dob, lane);
@@ -485,6 +583,65 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv(
 #endif
 
 /* ---------------------------------------------------------------- rows that keep no key */
+/* dq of lost query row r of (sequence sc.b, head h) into its dq row gdq (16-bit, stride
+ * p.dq.s[3]), and the score_mod's array gradients of its pairs: dS = P (dP - delta) over its
+ * kept keys, P from row_mz (lost_p's formula), a key per lane, then dq += dS score_grad k by the
+ * lanes' columns. rows: the warp's HEAD_DIM + HEAD_DIM_V floats of shared memory (q's and dO's
+ * rows). Scalar, as lost_row_stats. */
+DEV void lost_row_dq(const attn_params &p, const score_ctx &sc, const seq_t &sq, const seq_t &sk, int64_t h, int r,
+                     float *rows, elem_t *gdq)
+{
+    constexpr int COLS = (HEAD_DIM + 31) / 32;
+    const int lane = threadIdx.x & 31;
+    const int64_t hk = h / (p.Hq / p.Hk), row = sq.start + r;
+    float *qs = rows, *dos = rows + HEAD_DIM;
+    row_to_smem(qs, (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + row * p.q.s[1] + h * p.q.s[2], p.q.s[3], HEAD_DIM);
+    row_to_smem(dos, (const elem_t *)p.dout.ptr + sq.mem_b * p.dout.s[0] + row * p.dout.s[1] + h * p.dout.s[2],
+                p.dout.s[3], HEAD_DIM_V);
+    const int64_t at = sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + row * p.delta.s[2];
+    const float2 mz = ((const float2 *)p.row_mz)[at];
+    const float delta = ((const float *)p.delta.ptr)[at];
+    const float c = SCORE_IS_PLAIN ? sc.scale * LOG2E : LOG2E;
+    const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + sk.start * p.k.s[1] + hk * p.k.s[2];
+    const elem_t *gv = (const elem_t *)p.v.ptr + sk.mem_b * p.v.s[0] + sk.start * p.v.s[1] + hk * p.v.s[2];
+    float acc[COLS];
+#pragma unroll
+    for (int i = 0; i < COLS; i++)
+        acc[i] = 0.f;
+    int64_t lo = 0, hi = 0;
+    kv_range(&p, r, r + 1, sq.len, sk.len, &lo, &hi);
+    for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+        const int64_t j = j0 + lane;
+        float dsg = 0.f;
+        int bad = 0;
+        if (j < hi && mz.y != POS_INF && mask_keeps(sc, r, (int)j, bad)) {
+            const float dot = scalar_dot(p, sk, hk, j, qs);
+            const float x = lost_unit(sc, dot, r, (int)j, bad);
+            float dp = 0.f;
+            for (int d = 0; d < HEAD_DIM_V; d++)
+                dp = fmaf(dos[d], elem_to_f32(gv[j * p.v.s[1] + d * p.v.s[3]]), dp);
+            const float ds = exp2f(fminf((x - mz.x) * c - mz.y, 0.f)) * (dp - delta);
+            score_dtensors(sc, dot, r, (int)j, ds, nullptr);
+            dsg = ds * score_grad(sc, dot, r, (int)j);
+        }
+        for (int i = 0; i < 32 && j0 + i < hi; i++) {
+            const float w = __shfl_sync(0xffffffffu, dsg, i);
+            if (w == 0.f)
+                continue;
+            const elem_t *kr = gk + (j0 + i) * p.k.s[1];
+#pragma unroll
+            for (int x = 0; x < COLS; x++)
+                if (lane + 32 * x < HEAD_DIM)
+                    acc[x] = fmaf(w, elem_to_f32(kr[(lane + 32 * x) * p.k.s[3]]), acc[x]);
+        }
+    }
+#pragma unroll
+    for (int x = 0; x < COLS; x++)
+        if (lane + 32 * x < HEAD_DIM)
+            gdq[(lane + 32 * x) * p.dq.s[3]] = f32_to_elem(acc[x] * sc.scale);
+    __syncwarp();                         /* rows is the next row's */
+}
+
 /* After the dK / dV / dQ kernels of any kind (attn_bwd.cu's or attn_bwd_sm90.cu's), a grid of a
  * few CTAs per SM. Where attn_bwd_pre found no row that keeps no key (p.dead[0] == 0: the common
  * case) every CTA returns at once. Else the CTAs share out, one after another, the key tiles of
@@ -528,6 +685,14 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dead(
             if (gl[r * p.lse.s[2]] == NEG_INF)
                 gdq[r * p.dq.s[1] + (i % HEAD_DIM) * p.dq.s[3]] = 0;
         }
+        /* the lost rows' dq and array gradients, a warp a row (the kernels before took them for
+         * rows that keep no key); shared memory is free: every warp is past the dK / dV loop */
+        const seq_t sk = seq_k(&p, b);
+        const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
+        float *rows = (float *)smem_raw + (threadIdx.x >> 5) * (HEAD_DIM + HEAD_DIM_V);
+        for (int64_t r = threadIdx.x >> 5; r < sq.len; r += KV_WARPS)
+            if (lse_is_lost(gl[r * p.lse.s[2]]))
+                lost_row_dq(p, sc, sq, sk, h, (int)r, rows, gdq + r * p.dq.s[1]);
     }
 }
 #endif
@@ -752,7 +917,7 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dbias(c
                     n_lo = n_hi = nc;
                 }
                 row_info ri;
-                load_row_info(p, sq, sk, h, m0, ri);
+                load_row_info<true>(p, sq, sk, h, m0, ri);
                 const elem_t *gq = (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + (sq.start + m0) * p.q.s[1] + h * p.q.s[2];
                 const elem_t *gdo = (const elem_t *)p.dout.ptr + sq.mem_b * p.dout.s[0]
                                     + (sq.start + m0) * p.dout.s[1] + h * p.dout.s[2];
@@ -777,7 +942,8 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dbias(c
                     zero_acc(dp);
                     mma_abt<Q_MT, Q_NT, DP>(s, sQ + warp * Q_WARP_M * (DP + SMEM_PAD), sK, lane);
                     mma_abt<Q_MT, Q_NT, DVP>(dp, sdO + warp * Q_WARP_M * (DVP + SMEM_PAD), sV, lane);
-                    ds_tile<false>(s, dp, p, sc, ri, m0, c0, ds_needs_mask(p, sc, m0, c0, Lq, Lk), Lq, Lk);
+                    ds_tile<false, false, true>(s, dp, p, sc, ri, m0, c0, ds_needs_mask(p, sc, m0, c0, Lq, Lk), Lq,
+                                                Lk);
 #pragma unroll
                     for (int mt = 0; mt < Q_MT; mt++)
 #pragma unroll

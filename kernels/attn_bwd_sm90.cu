@@ -105,7 +105,7 @@ DEV void kv_item(float (&dk)[1][NTK][4], float (&dv)[1][NTV][4], uint32_t (&pd)[
     fence_acc(dp[0]);
 
     uint32_t pp[1][KV_NT / 2][4];
-    pt_tile<KV_NT, true>(s, pp, sc, lb, n0w, m0, qlo, qhi, need_mask, dp, db);   /* dS^T into dp */
+    pt_tile<KV_NT, true>(s, pp, p, sc, lb, n0w, m0, qlo, qhi, need_mask, dp, db);   /* dS^T into dp */
     wgmma_fence();
     mma_rs<HEAD_DIM_V>(dv[0], pp, dob);          /* dV += P^T dO */
     wgmma_commit();

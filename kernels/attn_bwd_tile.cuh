@@ -65,13 +65,49 @@ DEV int64_t dq_live_rows(const attn_params &p, const seq_t &sq, int64_t b, int64
  * adds into a dq_accum the host zeroed, and attn_bwd_dq_convert writes dq). */
 #define DQ_STORE_FIRST (DQ_ORDERED && !HAS_MASK_MOD)
 
-/* lse of a row in log2 units, +inf for a row that keeps nothing (lse -inf): exp2(s - that) is
- * then 0, and +inf marks such a row (ds_tile, dkdv<DEAD>). An lse of +inf gives the largest
- * finite float instead: P = 0 there too, but the row is not taken for one that keeps nothing
+/* Past this |lse|, exp2(s c - lse log2e) is off by more than P's float32 rounding (its error
+ * grows with ulp(lse): 1.2e-4 relative at 1024) and, far past it, lse holds the scores' fill
+ * alone (-1e10, not -1e10 + log n): such a row is lost. The main kernels take it for a row that
+ * keeps no key (P = 0: it adds nothing anywhere); attn_bwd_pre recomputes its maximum and sum
+ * (attn_params.h: row_mz) and marks its (sequence, head) in the dead words, and its terms come
+ * from the kernels that redo such heads: attn_bwd_dead (dK, dV by dkdv<DEAD>, dq and the
+ * array gradients by lost_row_dq) and attn_bwd_dbias (ds_tile<LOST_OK>). The common tile pays
+ * nothing: a second path beside it cost every backward 4-6% (bench/NOTES.md, session 22). */
+#define LOST_LSE 1024.f
+
+DEV bool lse_is_lost(float lse) { return fabsf(lse) > LOST_LSE && !isinf(lse); }
+
+/* lse of a row in log2 units, +inf for a row that keeps nothing (lse -inf) or is lost: exp2(s -
+ * that) is then 0, and +inf marks such a row (ds_tile, dkdv<DEAD>). LOST_OK: a lost row gives
+ * NaN instead, for the passes that take its P from row_mz (lost_p). An lse of +inf gives the
+ * largest finite float: P = 0 there too, but the row is not taken for one that keeps nothing
  * (README: NaN and Inf). */
+template <bool LOST_OK = false>
 DEV float lse_log2(float lse)
 {
-    return lse == NEG_INF ? POS_INF : lse == POS_INF ? __int_as_float(0x7f7fffff) : lse * LOG2E;
+    return lse == NEG_INF ? POS_INF : lse == POS_INF ? __int_as_float(0x7f7fffff)
+           : lse_is_lost(lse) ? (LOST_OK ? __int_as_float(0x7fc00000) : POS_INF) : lse * LOG2E;
+}
+
+/* The (m, z) of the lost rows of (sc.b, sc.h) (attn_bwd_pre), row r's at [r * p.delta.s[2]]. */
+DEV const float2 *lost_rows(const attn_params &p, const score_ctx &sc)
+{
+    const seq_t sq = seq_q(&p, sc.b);
+    return (const float2 *)p.row_mz + sq.mem_b * p.delta.s[0] + sc.h * p.delta.s[1] + sq.start * p.delta.s[2];
+}
+
+/* P at score x of row r: pv (from the row's lse2), unless lse2 marks a lost row (NaN: lse_log2
+ * <true>), whose P is exp2((x - m) c - z) from its (m, z): x the raw q.k where the score is
+ * plain (c = scale log2e), else the natural score (c = log2e); -inf where not kept. At most 1,
+ * as P is: where q.k itself is huge (1e10) the tensor cores' dot can pass the recomputed
+ * maximum by its rounding (hundreds), and exp2 of that would be inf. */
+DEV float lost_p(const attn_params &p, const score_ctx &sc, const float2 *mz, int r, float x, float lse2, float pv)
+{
+    if (!isnan(lse2))
+        return pv;
+    const float2 s = mz[r * p.delta.s[2]];
+    const float c = SCORE_IS_PLAIN ? sc.scale * LOG2E : LOG2E;
+    return fast_exp2(fminf((x - s.x) * c - s.y, 0.f));
 }
 
 /* Rows [first, rows) x cols [0, cols) of one head of a 16-bit tensor set to 0, rows spread over
@@ -105,14 +141,16 @@ DEV void red_add_f32x2(float *p, float a, float b)
 
 /* pt_tile's pass over the tile's elements; ALL: the tile keeps every pair (a generated
  * kernel's tile that needs no test: no per-element keep bits to read); DEAD: P^T is 0 in the
- * columns of rows that keep no key (lb +inf), whatever their scores (attn_bwd.cu: dkdv<DEAD>). */
+ * columns of rows that keep no key (lb +inf), whatever their scores, and lost rows (lb NaN) take
+ * lost_p (attn_bwd.cu: dkdv<DEAD>). */
 template <int NT, bool DS, bool ALL, bool DEAD>
-DEV void pt_pass(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score_ctx &sc, const float *lb,
-                 int n0w, int m0, const int (&qlo)[2], const int (&qhi)[2], bool need_mask,
+DEV void pt_pass(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const attn_params &p, const score_ctx &sc,
+                 const float *lb, int n0w, int m0, const int (&qlo)[2], const int (&qhi)[2], bool need_mask,
                  float (&dp)[1][NT][4], const float *db, const tile_keep<1, NT> &keep, mod_fault &fault)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const float scale_log2 = sc.scale * LOG2E;
+    const float2 *mz = DEAD ? lost_rows(p, sc) : nullptr;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -128,7 +166,10 @@ DEV void pt_pass(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score
                 int bad = 0;
 #if SCORE_ANYWHERE
                 const bool k = ALL || keep.at(0, nt, e);
-                const float pk = fast_exp2(kept_score(sc, k, raw, r, c, bad) * LOG2E - lb[rl]);
+                const float sx = kept_score(sc, k, raw, r, c, bad);
+                float pk = fast_exp2(sx * LOG2E - lb[rl]);
+                if (DEAD)
+                    pk = lost_p(p, sc, mz, r, sx, lb[rl], pk);
                 const float gk = score_grad(sc, raw, r, c);
                 pv = k ? pk : 0.f;
                 grad = k ? gk : 1.f;
@@ -141,8 +182,13 @@ DEV void pt_pass(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score
                 if (k) {
 #if SCORE_IS_PLAIN
                     pv = fast_exp2(raw * scale_log2 - lb[rl]);
+                    if (DEAD)
+                        pv = lost_p(p, sc, mz, r, raw, lb[rl], pv);
 #else
-                    pv = fast_exp2(score_of(sc, raw, r, c, bad) * LOG2E - lb[rl]);
+                    const float sx = score_of(sc, raw, r, c, bad);
+                    pv = fast_exp2(sx * LOG2E - lb[rl]);
+                    if (DEAD)
+                        pv = lost_p(p, sc, mz, r, sx, lb[rl], pv);
 #endif
                     grad = score_grad(sc, raw, r, c);
                 }
@@ -170,8 +216,8 @@ DEV void pt_pass(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score
  * by; a tile that needs no mask skips the tests. DS: dP^T is in dp already, and dS^T (dst_tile's,
  * the same bits) goes into dp instead, element by element: s is dead as it is read (registers). */
 template <int NT, bool DS = false, bool DEAD = false>
-DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score_ctx &sc, const float *lb,
-                 int n0w, int m0, const int (&qlo)[2], const int (&qhi)[2], bool need_mask,
+DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const attn_params &p, const score_ctx &sc,
+                 const float *lb, int n0w, int m0, const int (&qlo)[2], const int (&qhi)[2], bool need_mask,
                  float (&dp)[1][NT][4], const float *db)
 {
     mod_fault fault = no_fault();
@@ -190,20 +236,20 @@ DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score
     });
 #if !HAS_MASK_MOD
     if (!need_mask)
-        pt_pass<NT, DS, true, DEAD>(s, pp, sc, lb, n0w, m0, qlo, qhi, need_mask, dp, db, keep, fault);
+        pt_pass<NT, DS, true, DEAD>(s, pp, p, sc, lb, n0w, m0, qlo, qhi, need_mask, dp, db, keep, fault);
     else
 #endif
 #endif
-        pt_pass<NT, DS, false, DEAD>(s, pp, sc, lb, n0w, m0, qlo, qhi, need_mask, dp, db, keep, fault);
+        pt_pass<NT, DS, false, DEAD>(s, pp, p, sc, lb, n0w, m0, qlo, qhi, need_mask, dp, db, keep, fault);
     report_fault(sc, fault);
 }
 
 /* pt_tile leaving P^T * score_grad in s (attn_bwd.cu, which computes dP^T after dV's product). */
 template <int NT, bool DEAD>
-DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const score_ctx &sc, const float *lb,
-                 int n0w, int m0, const int (&qlo)[2], const int (&qhi)[2], bool need_mask)
+DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const attn_params &p, const score_ctx &sc,
+                 const float *lb, int n0w, int m0, const int (&qlo)[2], const int (&qhi)[2], bool need_mask)
 {
-    pt_tile<NT, false, DEAD>(s, pp, sc, lb, n0w, m0, qlo, qhi, need_mask, s, nullptr);
+    pt_tile<NT, false, DEAD>(s, pp, p, sc, lb, n0w, m0, qlo, qhi, need_mask, s, nullptr);
 }
 
 /* For a dK/dV tile of bn keys at n0 (query tiles of bm rows): the query tiles [m_first, m_first +
@@ -290,6 +336,8 @@ struct row_info {
     float lse2[2 * Q_MT], delta[2 * Q_MT];
 };
 
+/* LOST_OK: lost rows' lse2 NaN (lse_log2), for ds_tile<..., LOST_OK>. */
+template <bool LOST_OK = false>
 DEV void load_row_info(const attn_params &p, const seq_t &sq, const seq_t &sk, int64_t h, int m0, row_info &ri)
 {
     const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
@@ -303,7 +351,7 @@ DEV void load_row_info(const attn_params &p, const seq_t &sq, const seq_t &sk, i
         if (r < Lq) {
             kv_range(&p, r, r + 1, Lq, Lk, &lo, &hi);
             const int64_t row = sq.start + r;
-            ri.lse2[i] = lse_log2(((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + row * p.lse.s[2]]);
+            ri.lse2[i] = lse_log2<LOST_OK>(((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + row * p.lse.s[2]]);
             ri.delta[i] = ((const float *)p.delta.ptr)[sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + row * p.delta.s[2]];
         }
         ri.lo[i] = (int)lo;
@@ -412,32 +460,16 @@ DEV void tile_sums_flush(const tile_sums &t)
 #endif
 }
 
-/* dS for this warp's rows x the key tile at c0, in place of s (S = Q K^T, raw dots) from dp
- * (dO V^T): the gradient of the score before score_mod (dbias) or WITH_GRAD times score_grad
- * (dq; its kernels also scatter the score_mod's array gradients, each pair once: through sums
- * where TO_SUMS, else straight to the accumulator). Pairs outside the kept set, and the rows
- * that keep no key (lse2 +inf), give exactly 0: not 0 * NaN from such a row's dO or from a value
- * it does not keep. */
-template <bool WITH_GRAD, bool TO_SUMS = false>
-DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], const attn_params &p,
-                 const score_ctx &sc, const row_info &ri, int m0, int c0, bool need_mask, int Lq, int Lk,
-                 const tile_sums *sums = nullptr)
+/* ds_tile's pass over the tile's elements (keep: its kept pairs, with a mask_mod); LOST: some row
+ * of the tile is lost (lse2 NaN: lost_p). */
+template <bool WITH_GRAD, bool LOST>
+DEV void ds_pass(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], const attn_params &p,
+                 const score_ctx &sc, const row_info &ri, int m0, int c0, bool need_mask,
+                 const tile_keep<Q_MT, Q_NT> &keep, mod_fault &fault, const mod_tile *tile)
 {
-    const mod_tile *tile = nullptr;
-#if TILE_SUMS
-    tile = TO_SUMS ? sums : nullptr;
-#endif
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const float scale_log2 = sc.scale * LOG2E;
-    mod_fault fault = no_fault();
-#if ATTN_GMODS
-    tile_keep<Q_MT, Q_NT> keep;             /* as pt_tile's */
-    keep_pass(sc, need_mask, s, keep, fault, [&](int mt, int nt, int e, int &r, int &c, bool &band) {
-        r = m0 + warp * Q_WARP_M + mt * 16 + g + (e / 2) * 8;
-        c = c0 + nt * 8 + 2 * t + (e & 1);
-        band = c >= ri.lo[mt * 2 + e / 2] && c < ri.hi[mt * 2 + e / 2];
-    });
-#endif
+    const float2 *mz = LOST ? lost_rows(p, sc) : nullptr;
 #pragma unroll
     for (int mt = 0; mt < Q_MT; mt++)
 #pragma unroll
@@ -452,7 +484,10 @@ DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], co
                 float ds = 0.f;
 #if SCORE_ANYWHERE
                 const bool k = keep.at(mt, nt, e), live = k && ri.lse2[i] != POS_INF;
-                const float pv = fast_exp2(kept_score(sc, k, raw, r, c, bad) * LOG2E - ri.lse2[i]);
+                const float sx = kept_score(sc, k, raw, r, c, bad);
+                float pv = fast_exp2(sx * LOG2E - ri.lse2[i]);
+                if (LOST)
+                    pv = lost_p(p, sc, mz, r, sx, ri.lse2[i], pv);
                 ds = live ? pv * (dp[mt][nt][e] - ri.delta[i]) : 0.f;
                 if (WITH_GRAD) {
                     score_dtensors(sc, raw, r, c, ds, tile);
@@ -470,9 +505,14 @@ DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], co
 #endif
                 if (k && ri.lse2[i] != POS_INF) {
 #if SCORE_IS_PLAIN
-                    const float pv = fast_exp2(raw * scale_log2 - ri.lse2[i]);
+                    float pv = fast_exp2(raw * scale_log2 - ri.lse2[i]);
+                    if (LOST)
+                        pv = lost_p(p, sc, mz, r, raw, ri.lse2[i], pv);
 #else
-                    const float pv = fast_exp2(score_of(sc, raw, r, c, bad) * LOG2E - ri.lse2[i]);
+                    const float sx = score_of(sc, raw, r, c, bad);
+                    float pv = fast_exp2(sx * LOG2E - ri.lse2[i]);
+                    if (LOST)
+                        pv = lost_p(p, sc, mz, r, sx, ri.lse2[i], pv);
 #endif
                     ds = pv * (dp[mt][nt][e] - ri.delta[i]);
                     if (WITH_GRAD) {
@@ -486,6 +526,44 @@ DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], co
                 note_fault(fault, bad, r, c, raw);
                 s[mt][nt][e] = ds;
             }
+}
+
+/* dS for this warp's rows x the key tile at c0, in place of s (S = Q K^T, raw dots) from dp
+ * (dO V^T): the gradient of the score before score_mod (dbias) or WITH_GRAD times score_grad
+ * (dq; its kernels also scatter the score_mod's array gradients, each pair once: through sums
+ * where TO_SUMS, else straight to the accumulator). Pairs outside the kept set, and the rows
+ * that keep no key (lse2 +inf), give exactly 0: not 0 * NaN from such a row's dO or from a value
+ * it does not keep. LOST_OK (attn_bwd_dbias; ri from load_row_info<true>): lost rows take
+ * lost_p, through a second pass that only a warp holding such a row runs; elsewhere they are
+ * rows that keep no key (lse_log2). */
+template <bool WITH_GRAD, bool TO_SUMS = false, bool LOST_OK = false>
+DEV void ds_tile(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], const attn_params &p,
+                 const score_ctx &sc, const row_info &ri, int m0, int c0, bool need_mask, int Lq, int Lk,
+                 const tile_sums *sums = nullptr)
+{
+    const mod_tile *tile = nullptr;
+#if TILE_SUMS
+    tile = TO_SUMS ? sums : nullptr;
+#endif
+    mod_fault fault = no_fault();
+    tile_keep<Q_MT, Q_NT> keep;             /* as pt_tile's (with a mask_mod) */
+#if ATTN_GMODS
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    keep_pass(sc, need_mask, s, keep, fault, [&](int mt, int nt, int e, int &r, int &c, bool &band) {
+        r = m0 + warp * Q_WARP_M + mt * 16 + g + (e / 2) * 8;
+        c = c0 + nt * 8 + 2 * t + (e & 1);
+        band = c >= ri.lo[mt * 2 + e / 2] && c < ri.hi[mt * 2 + e / 2];
+    });
+#endif
+    bool lost = false;
+    if (LOST_OK)
+#pragma unroll
+        for (int i = 0; i < 2 * Q_MT; i++)
+            lost |= isnan(ri.lse2[i]);
+    if (LOST_OK && __any_sync(0xffffffffu, lost))
+        ds_pass<WITH_GRAD, LOST_OK>(s, dp, p, sc, ri, m0, c0, need_mask, keep, fault, tile);
+    else
+        ds_pass<WITH_GRAD, false>(s, dp, p, sc, ri, m0, c0, need_mask, keep, fault, tile);
     report_fault(sc, fault);
 }
 

@@ -409,7 +409,7 @@ def test_attn_template_refuses(changes, exc, match):
     (1, (1, 1), TypeError, "grid must be a 3-tuple"),
     (2, [128, 1, 1], TypeError, "block must be a 3-tuple"),
     (5, b"short", TypeError, "template must come from attn_template"),
-    (6, (1,) * 24, TypeError, "ptrs must be a tuple of at most 23"),
+    (6, (1,) * 25, TypeError, "ptrs must be a tuple of at most 24"),
     (6, (None, 16, 16), ValueError, "q, k, v missing"),
     (6, (16, None, 16), ValueError, "q, k, v missing"),
     (0, "not a capsule", TypeError, "capsule from module_function"),

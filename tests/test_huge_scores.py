@@ -7,7 +7,10 @@ scores is uniform and lse = fill + log(n), finite. Only a row that keeps no pair
 scores are all -inf, gives out = 0 and lse = -inf (DESIGN step 7). Where a row's scores meet
 exp, a backend must neither overflow (fill * log2 e is -inf below -FLT_MAX / log2 e) nor subtract
 an unrounded product from a rounded maximum (an FMA's s * log2e - m: 2^(+-512) at 1e10), and its
-backward must not take exp(s - lse) from an lse that rounded away log(n) (cpu_impl.h's row_stats).
+backward must not take exp(s - lse) from an lse that rounded away log(n): the CPU recomputes such
+rows (cpu_impl.h's row_stats), the GPU too (attn_bwd.cu's attn_bwd_pre, attn_params.h: row_mz),
+whose main kernels leave their terms to the kernels that redo them (attn_bwd_dead: dK, dV, dq and
+a score_mod's array gradients; attn_bwd_dbias: dbias).
 
 The answer is judged at the precision the backend computes in (accuracy.py's three-way rule):
 - float32 accumulation (float32, float16 and bfloat16 inputs): s + fill rounds to the same float32
@@ -28,11 +31,6 @@ from conftest import BF16, F16, F32, F64, assert_close, make_qkv
 FILLS = [float(np.finfo(np.float32).min), -1e9, -1e10, -1e30]
 FILL_IDS = ["f32min", "1e9", "1e10", "1e30"]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-# The GPU's backward takes P = exp(s - lse) from lse alone: where lse is too large to hold
-# log(sum) (|lse| past about 4096 for 16-bit inputs: every fill here) it is wrong, and the CPU's
-# row_stats has no GPU counterpart yet (issue [1/7] stays open for it). The GPU tests below run
-# the forward of those rows, and test_gpu_backward_of_lost_rows states the gap.
-LOST_BACKWARD = {"cpu": True, "cuda": False}
 CPU_DTYPES = [F32, F64]
 GPU_DTYPES = [BF16, F16]
 
@@ -69,7 +67,7 @@ def expected(q, k, v, dout, bias, scale, opts):
     if bias is not None:
         axes = tuple(range(eff.ndim - np.ndim(bias)))
         dbias = r_g.dbias.sum(axis=axes).reshape(np.shape(bias))
-    at = dict(out=r_out, lse=r_lse, dq=r_g.dq, dk=r_g.dk, dv=r_g.dv, dbias=dbias)
+    at = dict(out=r_out, lse=r_lse, dq=r_g.dq, dk=r_g.dk, dv=r_g.dv, dbias=dbias, dtensors=r_g.dtensors)
     if acc_dtype(q.dtype) != F64:
         return at, {}
     d_out, d_lse = reference.attention(q, k, v, bias=bias, scale=scale, return_lse=True, **opts)
@@ -90,7 +88,8 @@ def check_lse(lse, want, dtype, extra=None):
             assert_close("lse", lse[part], want[part], acc_dtype(dtype), extra=ex)
 
 
-def run_and_check(device, q, k, v, rng, bias=None, scale=None, terms=0.0, backward=True, **opts):
+def run_and_check(device, q, k, v, rng, bias=None, scale=None, terms=0.0, backward=True, deterministic=True,
+                  **opts):
     """Forward (out, lse) and, with backward, the backward (dq, dk, dv, dbias) on `device`
     against `expected`. terms: the size of the terms the gradients sum, where it exceeds theirs
     (test_huge_products)."""
@@ -105,7 +104,7 @@ def run_and_check(device, q, k, v, rng, bias=None, scale=None, terms=0.0, backwa
     if not backward:
         return out, lse
     g = attnext.attention_backward(dout, q, k, v, out, lse, bias=bias, scale=scale, device=device,
-                                   **opts)
+                                   deterministic=deterministic, **opts)
     floor = max([float(np.abs(want[n]).max()) for n in ("dq", "dk", "dv")] + [terms])
     for name in ("dq", "dk", "dv", "dbias"):
         got = getattr(g, name)
@@ -114,6 +113,10 @@ def run_and_check(device, q, k, v, rng, bias=None, scale=None, terms=0.0, backwa
             continue
         dtype = q.dtype if name != "dbias" else coarser(q.dtype, bias.dtype)
         problem = compare(name, got, want[name], dtype, floor, extra.get(name))
+        assert problem is None, problem
+    for name, w in (want.get("dtensors") or {}).items():    # a score_mod's captured arrays
+        problem = compare(f"dtensors[{name!r}]", g.dtensors[name], w, coarser(q.dtype, F32),
+                          float(np.abs(w).max()))
         assert problem is None, problem
     return out, lse
 
@@ -140,7 +143,7 @@ def test_filled_bias_rows(device, fill, causal, rng):
         q, k, v = make_qkv(rng, 2, 70, 150, 4, 2, 16, 24, dtype)
         bias_dtype = F64 if dtype == F64 else F32
         run_and_check(device, q, k, v, rng, bias=filled_bias(rng, 70, 150, fill, bias_dtype),
-                      causal=causal, backward=LOST_BACKWARD[device])
+                      causal=causal)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -154,7 +157,7 @@ def test_filled_bias_per_head(device, fill, rng):
         bias = rng.standard_normal((2, 2, 33, 90)).astype(bias_dtype)
         bias[0, 1] = fill
         bias[1, 0] = filled_bias(rng, 33, 90, fill, bias_dtype)
-        run_and_check(device, q, k, v, rng, bias=bias, backward=LOST_BACKWARD[device])
+        run_and_check(device, q, k, v, rng, bias=bias)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -170,7 +173,7 @@ def test_huge_products(device, rng):
         # |k| = 1e5 here. |dP| <= max |dout| (about 4 for N(0, 1)) * sum |v|.
         top = max(np.abs(x.astype(F64)).max() for x in (q, k))
         terms = 4 * np.abs(v.astype(F64)).sum(axis=-1).max() * top / np.sqrt(q.shape[-1])
-        _, lse = run_and_check(device, q, k, v, rng, backward=LOST_BACKWARD[device], terms=terms)
+        _, lse = run_and_check(device, q, k, v, rng, terms=terms)
         assert np.abs(lse).max() > (1e9 if dtype != F16 else 1e4)
 
 
@@ -184,7 +187,7 @@ def test_soft_mask_score_mod(device, fill, rng):
 
     for dtype in _dtypes(device):
         q, k, v = make_qkv(rng, 1, 70, 70, 2, 1, 16, 16, dtype)
-        run_and_check(device, q, k, v, rng, backward=LOST_BACKWARD[device], score_mod=soft_causal)
+        run_and_check(device, q, k, v, rng, score_mod=soft_causal)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -222,12 +225,49 @@ def test_decode_fill_rows(device, sk, kept, rng):
         q, k, v = make_qkv(rng, 1, 1, sk, 1, 1, 64, 64, dtype)
         bias = np.full((1, sk), -np.inf, F64 if dtype == F64 else F32)
         bias[:, :kept] = -1e10
-        run_and_check(device, q, k, v, rng, bias=bias, backward=LOST_BACKWARD[device])
+        run_and_check(device, q, k, v, rng, bias=bias)
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="the GPU backward of rows whose lse lost log(sum): open")
-def test_gpu_backward_of_lost_rows(rng):
-    """The gap LOST_BACKWARD states: a -1e10 fill row's gradients on the GPU."""
-    q, k, v = make_qkv(rng, 1, 70, 150, 2, 2, 16, 16, BF16)
-    run_and_check("cuda", q, k, v, rng, bias=filled_bias(rng, 70, 150, -1e10, F32))
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "nondet"])
+def test_gpu_backward_of_lost_rows(D, deterministic, rng):
+    """The head dims of the Hopper backward (attn_bwd_sm90.cu) and both dq modes: the dK/dV kernel
+    that also adds dQ (nondet) takes P^T of lost rows too; filled rows among ordinary ones, over
+    two query tiles of 64 and three key tiles, causal."""
+    q, k, v = make_qkv(rng, 2, 130, 300, 4, 2, D, D, BF16)
+    bias = filled_bias(rng, 130, 300, -1e10, F32)
+    bias[70:75] = float(np.finfo(np.float32).min)
+    run_and_check("cuda", q, k, v, rng, bias=bias, causal=True, deterministic=deterministic)
+
+
+@pytest.mark.gpu
+def test_gpu_lost_rows_with_mask_mod(rng):
+    """A generated kernel's lost rows (attn_bwd_pre recomputes them with the score_mod and the
+    mask_mod): a soft mask's fill inside the score_mod, a document mask_mod beside it."""
+    doc = np.repeat(np.arange(3), [40, 50, 40])
+
+    def soft(s, b, h, q_idx, kv_idx):
+        return np.where(q_idx % 7 != 0, s, -1e10)
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    for D in (16, 64):
+        q, k, v = make_qkv(rng, 1, 130, 130, 2, 1, D, D, BF16)
+        run_and_check("cuda", q, k, v, rng, score_mod=soft, mask_mod=same_doc)
+
+
+@pytest.mark.gpu
+def test_gpu_lost_rows_array_gradient(rng):
+    """A lost row's terms in a captured array's gradient (attn_bwd_dead's lost_row_dq scatters
+    them; the dQ kernel leaves them out): a per-(head, key) table, every fifth row shifted by
+    -3000 (lse past LOST_LSE; float32 keeps the scores' differences there to 2.4e-4)."""
+    table = rng.standard_normal((2, 130)).astype(np.float32)
+
+    def mod(s, b, h, q_idx, kv_idx):
+        return np.where(q_idx % 5 != 0, s + table[h, kv_idx], s + table[h, kv_idx] - 3000.0)
+
+    for D in (16, 64):
+        q, k, v = make_qkv(rng, 1, 130, 130, 2, 1, D, D, BF16)
+        run_and_check("cuda", q, k, v, rng, score_mod=mod, causal=True)

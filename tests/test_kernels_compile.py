@@ -195,7 +195,9 @@ def test_a_call_with_mods_compiles_its_entry_points_alone():
     plain = kernels.bwd_defines(**features, tile=kernels.bwd_sm90_tile(128, "recompute"))
     with_mods = kernels.bwd_defines(**features, tile=kernels.bwd_sm90_tile(128, "recompute"), mods=gen)
     assert kernels.plain_defines(with_mods) == plain and kernels.plain_defines(plain) is plain
-    assert kernels.module_of("attn_bwd", "attn_bwd_pre", with_mods, gen.source) == ("attn_bwd", plain, None)
+    assert kernels.module_of("attn_bwd", "attn_bwd_dq_convert", with_mods, gen.source) == ("attn_bwd", plain, None)
+    # attn_bwd_pre reads the score_mod: it recomputes the rows whose lse is lost
+    assert kernels.module_of("attn_bwd", "attn_bwd_pre", with_mods, gen.source)[2] == gen.source
     assert kernels.module_of("attn_bwd_sm90", "attn_bwd_dq_sm90", plain, None) == ("attn_bwd_sm90", plain, None)
     k, d, g = kernels.module_of("attn_bwd_sm90", "attn_bwd_dq_sm90", with_mods, gen.source)
     assert d["ATTN_ENTRY_ONLY"] == 1 and d["ATTN_ENTRY_attn_bwd_dq_sm90"] == 1 and g == gen.source
@@ -221,7 +223,7 @@ def test_compile_ahead_starts_the_compiles_where_the_cores_allow(tmp_path, monke
                     alibi_dtype=None, mask=False)
     defines = kernels.bwd_defines(**features, tile=kernels.bwd_sm90_tile(128, "recompute"), mods=gen)
     specs = [("attn_bwd_sm90", "attn_bwd_dq_sm90", defines, gen.source),
-             ("attn_bwd", "attn_bwd_pre", defines, gen.source), ("attn_bwd", "attn_bwd_pre", defines, gen.source)]
+             ("attn_bwd", "attn_bwd_dq_convert", defines, gen.source), ("attn_bwd", "attn_bwd_dq_convert", defines, gen.source)]
     monkeypatch.setattr(kernels, "_cpus", lambda: 3)
     monkeypatch.setenv("ATTNEXT_COMPILE_AHEAD", "0")
     assert kernels.compile_ahead(specs, "sm_90a") == []
@@ -231,7 +233,7 @@ def test_compile_ahead_starts_the_compiles_where_the_cores_allow(tmp_path, monke
     plain = kernels.plain_defines(defines)
     assert sorted(made, key=str) == sorted([
         ("attn_bwd_sm90", kernels.entry_defines(defines, "attn_bwd_dq_sm90"), gen.source),
-        ("attn_bwd", kernels.entry_defines(plain, "attn_bwd_pre"), None)], key=str)
+        ("attn_bwd", kernels.entry_defines(plain, "attn_bwd_dq_convert"), None)], key=str)
     monkeypatch.setattr(kernels, "_cpus", lambda: 1)
     monkeypatch.setenv("ATTNEXT_COMPILE_AHEAD", "1")
     assert len(kernels.compile_ahead(specs, "sm_90a", busy=1)) == 2
