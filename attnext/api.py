@@ -24,9 +24,10 @@ import types
 import ml_dtypes
 import numpy as np
 
-from . import _C, codegen, interp, lower, reference, trace
-from ._types import Grads
-from .devview import DevView, may_be_device_array
+from . import _C, reference
+from .cuda.devview import DevView, may_be_device_array
+from .mods import codegen, interp, lower, trace
+from .types import Grads
 
 _DTYPE_CODES = {np.dtype(np.float16): 0, np.dtype(ml_dtypes.bfloat16): 1,
                 np.dtype(np.float32): 2, np.dtype(np.float64): 3}
@@ -49,8 +50,8 @@ def _gpu():
     """(cuda_backend, device), imported on the first GPU call: `import attnext` does not load
     the CUDA host side, and a `from . import` inside a function costs ~1 us on every call."""
     if not _GPU_MODULES:
-        from . import cuda_backend, device
-        _GPU_MODULES[:] = (cuda_backend, device)
+        from .cuda import arrays, backend
+        _GPU_MODULES[:] = (backend, arrays)
     return _GPU_MODULES
 
 
@@ -854,7 +855,8 @@ def cache_info():
 
 def info():
     """What this build can run, and why not where it cannot."""
-    from . import __version__, cuda_backend, kernels
+    from . import __version__
+    from .cuda import backend as cuda_backend, nvrtc as kernels
     why = cuda_backend.unavailable_reason()
     device_name = None
     if not why:

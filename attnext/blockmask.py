@@ -15,7 +15,7 @@ never Sq * Sk, and a size past the machine's memory is a MemoryError before any 
 """
 import numpy as np
 
-from . import trace
+from .mods import trace
 from .api import _check_arity, _check_fits, _fmt
 
 EMPTY, PARTIAL, FULL = 0, 1, 2

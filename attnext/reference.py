@@ -43,8 +43,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from . import trace
-from ._types import Grads
+from .mods import trace
+from .types import Grads
 
 ROW_BLOCK = 128
 # Farther than any query is from any key: window sides are clamped to it so that int64 index

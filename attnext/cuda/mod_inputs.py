@@ -49,9 +49,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _C, codegen, device, kernels, mod_cache
+from .. import _C
+from ..mods import codegen
+from ..mods.trace import B, F, I
+from . import arrays as device, mod_cache, nvrtc as kernels
 from .devview import DevView
-from .trace import B, F, I
 
 # the dtypes the kernels read a captured array of each value type in (codegen.storage_dtype): a
 # CUDA array of one of them can be read in place

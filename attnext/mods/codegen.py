@@ -47,9 +47,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..lru import CountedCache
 from . import bounds, trace
 from .bounds import CHECKED
-from .kernel_cache import CountedCache
 from .trace import B, F, I
 
 HEADER = "attn_mod_gen.cuh"

@@ -34,7 +34,9 @@ import threading
 
 import numpy as np
 
-from . import _C, bounds, device
+from .. import _C
+from ..mods import bounds
+from . import arrays as device
 
 ARRAY_ENTRIES = 64               # device copies kept, and their bytes
 ARRAY_BYTES = 256 << 20

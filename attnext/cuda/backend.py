@@ -28,9 +28,11 @@ import types
 import ml_dtypes
 import numpy as np
 
-from . import _C, bounds, codegen, device as _device, kernels, lower, mod_arrays, mod_cache, pinning, staging, trace
+from .. import _C
+from ..lru import LRU
+from ..mods import bounds, codegen, lower, trace
+from . import arrays as _device, mod_cache, mod_inputs as mod_arrays, nvrtc as kernels, pinning, staging
 from .devview import DevView
-from .kernel_cache import LRU
 from .staging import host_result, to_host  # noqa: F401  (api.py's: results, lengths)
 
 DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))   # what the GPU kernels take

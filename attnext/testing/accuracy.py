@@ -43,7 +43,8 @@ no key must have out and dq exactly 0.
 import ml_dtypes
 import numpy as np
 
-from . import reference, trace
+from .. import reference
+from ..mods import trace
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)

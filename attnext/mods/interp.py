@@ -18,8 +18,9 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from . import _C, trace
-from .kernel_cache import CountedCache
+from .. import _C
+from ..lru import CountedCache
+from . import trace
 from .trace import B, F, I
 
 OPS = {name: code for code, name in enumerate(_C.interp_ops())}

@@ -28,8 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _C, codegen
-from .kernel_cache import LRU, CubinCache, default_cache_dir, write_small_file
+from .. import _C
+from ..lru import LRU
+from ..mods import codegen
+from .cache import CubinCache, default_cache_dir, write_small_file
 
 _ROOT = Path(__file__).resolve().parent.parent
 KERNEL_DIR = Path(os.environ.get("ATTNEXT_KERNEL_DIR", _ROOT / "kernels"))
@@ -258,7 +260,7 @@ def _headers(generated=None):
     """The in-memory headers NVRTC gets; generated: the source of attn_mod_gen.cuh, or None."""
     out = [(p.name, _text(p)) for p in HEADER_FILES]
     if generated is not None:
-        from .codegen import HEADER
+        from ..mods.codegen import HEADER
         out += [(MODS_HEADER.name, _text(MODS_HEADER)), (MOD_INTS_HEADER.name, _text(MOD_INTS_HEADER)),
                 (HEADER, generated)]
     return out
@@ -916,7 +918,7 @@ def mod_sample():
     array and a bool table) that warmup --check compiles into every kernel, as a call with
     64 rows and columns reads it (codegen.Facts): the lookups read directly, the document ids
     as int32, but the bool table's lookup checked."""
-    from . import bounds, codegen, trace
+    from ..mods import bounds, codegen, trace
     table = np.zeros((4, 129), np.float32)
     w = np.zeros((), np.float32)
     doc = np.zeros(64, np.int64)

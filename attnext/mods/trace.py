@@ -100,8 +100,8 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
-from .devview import may_be_device_array
-from .kernel_cache import LRU
+from ..cuda.devview import may_be_device_array
+from ..lru import LRU
 
 INPUTS = ("score", "b", "h", "q_idx", "kv_idx")
 F, I, B = "f32", "i64", "bool"
@@ -891,7 +891,7 @@ def _captured(name, value):
         return value
     if not may_be_device_array(value):
         return None
-    from . import device        # the CUDA host side: loaded only when such an object is captured
+    from ..cuda import arrays as device        # the CUDA host side: loaded only when such an object is captured
     try:
         return device.as_device_view(value)
     except (TypeError, ValueError) as e:
