@@ -26,7 +26,7 @@ import numpy as np
 
 from . import _C, reference
 from .cuda.devview import DevView, may_be_device_array
-from .mods import codegen, interp, lower, trace
+from .mods import codegen, fingerprint, interp, lower, trace
 from .types import Grads
 
 _DTYPE_CODES = {np.dtype(np.float16): 0, np.dtype(ml_dtypes.bfloat16): 1,
@@ -448,7 +448,7 @@ def _host_arrays_only(name, f, device):
     """A call on host q, k, v runs score_mod / mask_mod on the host (the CPU backend's
     interpreter, or the reference), which reads NumPy arrays only: a captured CUDA array is a
     TypeError naming it, never copied to the host behind the caller's back (mod_arrays.py)."""
-    for array, a in trace.captured_arrays(f).items():
+    for array, a in fingerprint.captured_arrays(f).items():
         if not isinstance(a, np.ndarray):
             where = "the reference" if device == "reference" else "the CPU backend's interpreter"
             raise TypeError(f"{name} captures {array!r}, a CUDA array ({type(a).__name__}), but q, k "
@@ -642,7 +642,7 @@ def _captured_inputs(o):
         f = getattr(o, kind)
         if f is None:
             continue
-        for name, a in trace.captured_arrays(f).items():
+        for name, a in fingerprint.captured_arrays(f).items():
             found.append((f"the array {name!r} that {kind} captures",
                           a if isinstance(a, np.ndarray) else _device_view(a)))
     return found
@@ -838,7 +838,7 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 # The caches of compiled score_mod / mask_mod programs, by backend: name -> function returning
 # a dict with at least hits, misses, compiles and compile_seconds ("cuda": the generated
-# sources; NVRTC's cubins are kernels.cache_info()).
+# sources; NVRTC's cubins are nvrtc.cache_info()).
 _PROGRAM_CACHES = {"cpu": interp.cache_info, "cuda": codegen.cache_info}
 
 
@@ -856,17 +856,17 @@ def cache_info():
 def info():
     """What this build can run, and why not where it cannot."""
     from . import __version__
-    from .cuda import backend as cuda_backend, nvrtc as kernels
+    from .cuda import backend as cuda_backend, nvrtc
     why = cuda_backend.unavailable_reason()
     device_name = None
     if not why:
         d = cuda_backend.device_info(0)
         device_name = f"{d['name']} (sm_{d['compute_capability'][0]}{d['compute_capability'][1]})"
     try:
-        nvrtc = ".".join(map(str, kernels.nvrtc()))
+        nvrtc_version = ".".join(map(str, nvrtc.nvrtc()))
     except RuntimeError:
-        nvrtc = None
-    cache = kernels.cache_info()
+        nvrtc_version = None
+    cache = nvrtc.cache_info()
     return {
         "version": __version__,
         "backends": {
@@ -879,6 +879,6 @@ def info():
                      "skipping), whatever the device; CUDA arrays: generated CUDA code compiled "
                      "into the kernels (forward, backward; no block skipping yet)",
         "device_name": device_name,
-        "nvrtc_version": nvrtc,
+        "nvrtc_version": nvrtc_version,
         "cache_dir": cache["cache_dir"] if cache else None,
     }

@@ -18,8 +18,9 @@ import pytest
 
 import attnext
 import fake_cuda
-from attnext import _C, cuda_backend, pinning, reference, staging
-from attnext.devview import DevView
+from attnext import _C, reference
+from attnext.cuda import backend as cuda_backend, pinning, staging
+from attnext.cuda.devview import DevView
 from conftest import BF16, assert_close, assert_lse_close, in_threads
 
 JOIN_SECONDS = 120       # the concurrent tests' deadlock guard
@@ -454,7 +455,7 @@ def test_fake_forward_through_staging(fake_kernel, monkeypatch, rng, sliced, lay
 
 @pytest.mark.parametrize("B, S", [(1, 1000), (2, 300), (3, 129), (4, 100)])
 def test_fake_forward_in_row_slices(fake_kernel, monkeypatch, rng, B, S):
-    """A causal self-attention's last sequence in two row slices (kernels.TILE_EDGE, 128 here):
+    """A causal self-attention's last sequence in two row slices (select.TILE_EDGE, 128 here):
     the last rows' kernel gets them and the keys up to their end, bottom-right aligned; every
     key row travels once. Fewer rows than two tiles: batch slices only."""
     monkeypatch.setattr(cuda_backend, "SLICE_BYTES", 1 << 12)

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import mods
-from attnext import band, trace
-from attnext.trace import evaluate, evaluate_grad, grad, trace_mask_mod, trace_score_mod
+from attnext.mods import band, trace
+from attnext.mods.grad import evaluate_grad, grad
+from attnext.mods.trace import evaluate, trace_mask_mod, trace_score_mod
 
 SCORE_MODS = mods.score_mods()
 MASK_MODS = mods.mask_mods()

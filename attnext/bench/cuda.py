@@ -33,12 +33,8 @@ Exit status: 0 when every attnext result that ran matched the reference; 1 when 
 2 when nothing was measured (torch missing, or no CUDA device visible to torch).
 torch is imported only when the benchmark runs: `import attnext.bench.cuda` needs no torch.
 """
-import argparse
 import datetime
-import gc
-import json
 import math
-import sys
 import time
 from typing import NamedTuple, Optional
 

@@ -21,7 +21,7 @@ first call  (with --first-call) for each mods row: attnext's first forward and f
   timed alone and synchronised: cold, with a fresh empty ATTNEXT_CACHE_DIR (every kernel the calls
   use is compiled, mod-free ones that `python -m attnext.warmup` would have cached included;
   where the machine has the cores, the first forward starts the backward's compiles:
-  kernels.compile_ahead, which ATTNEXT_COMPILE_AHEAD=0 turns off); disk, in another fresh
+  nvrtc.compile_ahead, which ATTNEXT_COMPILE_AHEAD=0 turns off); disk, in another fresh
   process with that same, now filled, folder (the issue's < 50 ms); new, in a fresh process
   with a second folder that a process running the row's plain twin (causal=True, no mods, the
   same shapes) filled: what a new mod costs a user who has run attention without it (the mod's
@@ -426,8 +426,8 @@ def first_call_child(case_json, plain=False):
         torch.cuda.synchronize()
         return t1 - t0, time.perf_counter() - t1
     fwd_s, bwd_s = forward_then_backward()
-    from attnext.cuda import nvrtc as kernels
-    cubins = kernels.cache_info() or {}
+    from attnext.cuda import nvrtc
+    cubins = nvrtc.cache_info() or {}
     # the same calls again, timed alike: what the first ones cost beyond the work itself
     fwd_again_s, bwd_again_s = forward_then_backward()
     print(CHILD_MARK + json.dumps({

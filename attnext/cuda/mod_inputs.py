@@ -52,7 +52,7 @@ import numpy as np
 from .. import _C
 from ..mods import codegen
 from ..mods.trace import B, F, I
-from . import arrays as device, mod_cache, nvrtc as kernels
+from . import arrays as device, mod_cache, nvrtc
 from .devview import DevView
 
 # the dtypes the kernels read a captured array of each value type in (codegen.storage_dtype): a
@@ -147,7 +147,7 @@ def convert(src, dst, stage, arch):
     p["shape"] = (1,) * (CONVERT_DIMS - nd) + tuple(src.shape)
     p["strides"] = (0,) * (CONVERT_DIMS - nd) + tuple(src.strides)
     p["src_type"], p["dst_type"] = TYPE_CODES[src.dtype], TYPE_CODES[dst.dtype]
-    fn = kernels.function("attn_convert", "attn_convert", {}, stage.device, arch, 0)
+    fn = nvrtc.function("attn_convert", "attn_convert", {}, stage.device, arch, 0)
     _C.launch(fn, (-(-src.size // CONVERT_THREADS), 1, 1), (CONVERT_THREADS, 1, 1), 0, stage.stream,
               p.tobytes())
 

@@ -13,7 +13,7 @@ import sys
 import time
 
 from ..types import CompileError
-from . import nvrtc as kernels
+from . import nvrtc, select
 
 
 def run(archs, out=sys.stdout):
@@ -22,25 +22,25 @@ def run(archs, out=sys.stdout):
     for arch in archs:
         t0 = time.perf_counter()
         n = 0
-        for kernel, defines in kernels.variants(arch):
+        for kernel, defines in select.variants(arch):
             try:
-                kernels.cubin(kernel, defines, arch)
+                nvrtc.cubin(kernel, defines, arch)
                 n += 1
             except CompileError as e:
                 failures += 1
                 print(f"{kernel} {arch} {defines}: {e}\n{e.log}", file=out)
         print(f"{arch}: {n} variants in {time.perf_counter() - t0:.1f} s", file=out)
         t0, n = time.perf_counter(), 0
-        for kernel, defines, generated in kernels.mod_variants(arch):
+        for kernel, defines, generated in select.mod_variants(arch):
             try:
-                kernels.cubin(kernel, defines, arch, generated)
+                nvrtc.cubin(kernel, defines, arch, generated)
                 n += 1
             except CompileError as e:
                 failures += 1
                 print(f"{kernel} {arch} {defines} with score_mod / mask_mod: {e}\n{e.log}", file=out)
         print(f"{arch}: {n} score_mod / mask_mod variants in {time.perf_counter() - t0:.1f} s",
               file=out)
-    info = kernels.cache_info()
+    info = nvrtc.cache_info()
     if info:
         print(f"compiles {info['compiles']} ({info['compile_seconds']:.1f} s), "
               f"disk hits {info['disk_hits']}, cache {info['cache_dir']}", file=out)
@@ -57,15 +57,15 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", action="append", help="sm_80, sm_90a, ... (repeatable)")
     ap.add_argument("--check", action="store_true",
-                    help=f"compile for every target architecture: {', '.join(kernels.ARCHS)}")
+                    help=f"compile for every target architecture: {', '.join(select.ARCHS)}")
     args = ap.parse_args(argv)
     try:
-        kernels.nvrtc()
-        archs = kernels.ARCHS if args.check else args.arch or [_device_arch()]
+        nvrtc.nvrtc()
+        archs = select.ARCHS if args.check else args.arch or [_device_arch()]
     except RuntimeError as e:
         print(f"attnext.warmup: {e}", file=sys.stderr)
         return 2
-    print(f"NVRTC {'.'.join(map(str, kernels.nvrtc()))}")
+    print(f"NVRTC {'.'.join(map(str, nvrtc.nvrtc()))}")
     return 1 if run(archs) else 0
 
 

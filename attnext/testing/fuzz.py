@@ -56,7 +56,7 @@ import numpy as np  # noqa: E402
 
 import attnext  # noqa: E402
 from attnext import reference  # noqa: E402
-from attnext.mods import trace  # noqa: E402
+from attnext.mods import fingerprint  # noqa: E402
 from attnext.testing.accuracy import (BF16, EPS, F16, F32, F32_RTOL, F64, F64_RTOL,  # noqa: E402
                               acc_dtype, canonical, compare, compare_dtensors, compare_grads)
 
@@ -512,7 +512,7 @@ def _cond(case):
         # round relative to |score_mod(s)|, hundreds of times larger at long distances (twice the
         # term: seed 0's case 7085, float64 varlen with float16 slopes, found dk 1.002x over the
         # bound of the term once, with out and dv exact to 1e-14: the reference's dscore)
-        slopes = np.asarray(trace.captured_arrays(o["score_mod"])["slopes"], np.float64)
+        slopes = np.asarray(fingerprint.captured_arrays(o["score_mod"])["slopes"], np.float64)
         smax += 2 * float(np.abs(slopes).max(initial=0.0)) * (spec["Sq"] + spec["Sk"])
     return max(1.0, 4 * EPS[F32] * smax / F32_RTOL)
 
@@ -682,8 +682,8 @@ def _dtensors_allowance(case, rfwd, dout, out, ref_out, cond):
 
     def allowance(name):
         def get():
-            work = np.array(trace.captured_arrays(score_mod)[name], dtype=np.float64)
-            fn = trace.with_arrays(score_mod, {name: work})
+            work = np.array(fingerprint.captured_arrays(score_mod)[name], dtype=np.float64)
+            fn = fingerprint.with_arrays(score_mod, {name: work})
             flat, acc = work.reshape(-1), np.zeros(work.size)
             for i in range(flat.size):
                 x0 = flat[i]

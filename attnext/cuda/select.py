@@ -1,0 +1,555 @@
+"""Which kernel a call runs and how it is specialised: tiles, kernel choice, #defines, shared
+memory, and the variants warmup compiles.
+
+One source per kernel (kernels/attn_fwd.cu, ...), specialised by #defines at NVRTC time: each
+choice is made in one function here (tile_config, fwd_kernel, bwd_dq_mode, ...) and turned into
+the defines of one variant (fwd_defines, bwd_defines). A score_mod / mask_mod variant adds the
+switches of mod_defines; nvrtc.py compiles and loads what this module names.
+"""
+import os
+
+import numpy as np
+
+from ..mods import codegen
+
+# the widest tile edge of any kernel: a branch-free tile evaluates score_mod and mask_mod at
+# every pair it covers, up to this far past a sequence's end (the results discarded there)
+TILE_EDGE = 128
+# every architecture CI compiles for (warmup --check) and the ones attnext targets
+ARCHS = ("sm_80", "sm_90a")
+SMEM_PAD = 8           # elements of padding per shared-memory row (attn_common.cuh)
+MAX_SMEM_SM80 = 163 * 1024
+
+DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
+
+# The kernel lab's overrides of the choices below, read when a choice is made; cuda_backend's
+# plans are keyed on their values (knobs()), so a change takes effect at the next call.
+FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "ATTNEXT_FWD_SM90",
+             "ATTNEXT_TILE_SM90")
+BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_DQ",
+             "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_TILE_SUMS")
+# os.environ.get costs ~0.5 us a name (key encoding, Mapping.get); the dict behind os.environ
+# is what it reads (bytes keys where the OS environment is bytes, as on Linux)
+_ENV = getattr(os.environ, "_data", None)
+_ENV_BYTES = isinstance(_ENV, dict) and os.name == "posix"
+
+
+def knobs(names):
+    """The values of these environment variables (None where unset), cheaply: on every call."""
+    if _ENV_BYTES:
+        get = _ENV.get
+        return tuple([get(n) for n in _encoded(names)])
+    return tuple([os.environ.get(n) for n in names])
+
+
+_ENCODED = {}
+
+
+def _encoded(names):
+    try:
+        return _ENCODED[names]
+    except KeyError:
+        return _ENCODED.setdefault(names, tuple(os.fsencode(n) for n in names))
+
+
+def _round_up(x, m):
+    return (x + m - 1) // m * m
+
+
+def tile_config(D, Dv):
+    """(BLOCK_M, BLOCK_N, NUM_WARPS) of the forward for head dims D, Dv: the one place that
+    chooses. Register budget (255 per thread, measured with -Xptxas -v): O holds
+    BLOCK_M / NUM_WARPS * Dv floats per warp row group, S BLOCK_M / NUM_WARPS * BLOCK_N."""
+    env = os.environ.get("ATTNEXT_TILE_FWD")       # the kernel lab's override: "128,64,8"
+    if env:
+        m, n, w = (int(x) for x in env.split(","))
+        return m, n, w
+    dvp = _round_up(Dv, 16)
+    if dvp <= 64:
+        return 128, 64, 4      # H100 bf16 S=2k: 259 TFLOP/s (128x32: 249, 64x64: 227)
+    if dvp <= 128:
+        return 128, 32, 4      # 276 (128x64x4: 268, spills 44 B; 64x64: 244)
+    return 128, 64, 8          # 201 (128x128x8: 186, 64x64: 172)
+
+
+DECODE_TILE = (64, 64, 4)    # packed-GQA / split-KV forward: few query rows, K and V streamed
+DECODE_PACK_ROWS = 128       # a call packs its GQA heads into one block's rows up to Sq * group rows
+DECODE_CTAS_PER_SM = 2       # the split-KV grid aims at this many CTAs per SM
+
+
+def decode_tile():
+    """attn_fwd.cu's tile for decode calls; the kernel lab's override: ATTNEXT_TILE_DECODE="16,64,1"."""
+    env = os.environ.get("ATTNEXT_TILE_DECODE")
+    return tuple(int(x) for x in env.split(",")) if env else DECODE_TILE
+
+
+def decode_ctas_per_sm():
+    return int(os.environ.get("ATTNEXT_DECODE_CTAS", DECODE_CTAS_PER_SM))
+# attn_fwd_sm90 (H100 bf16, bench/lab_fwd.py, TFLOP/s against SDPA flash in the same run):
+# 128 x 128 (two warpgroups, one CTA per SM) is best at D=128 from S=2k (1.08x at 2k, 1.31x at
+# 16k); 64 x 64 (one warpgroup, two CTAs per SM overlapping each other) at D=64 (0.91x at S=512,
+# 1.06x at 2k) and at D=128 for short sequences (0.84x at 512, against 0.79x).
+SM90_TILE_LONG = (128, 128, 8)
+SM90_TILE_SHORT = (64, 64, 4)
+# with a score_mod: 64 keys a tile. With lookups into captured arrays their registers then fit
+# beside S and O (the relative-bias table spills 308 bytes at 128 x 128, 4 at 128 x 64, NVRTC
+# -Xptxas=-v; H100, bench/lab_mods.py: 3.91 against 3.81 ms). A score_mod of arithmetic alone
+# runs 6-9% faster at 128 x 128 (softcap, the bench's row: 2.47 against 2.70 ms, 1.19x against
+# 1.09x Flex; lab_mods: 2.48 against 2.64 ms), but its first call waits for the compile, whose
+# unrolled score loop halves with the tile: softcap's forward 0.62 -> 0.47 s with NVRTC 13.5
+# here, 1.8-2.4 s on the H100 hosts at 128 x 128 (the issue's bound: 2 s). A mask_mod alone
+# keeps the plain tiles: its code runs only on the tiles the block mask does not keep whole
+# (causal window 0.60 -> 0.50 ms, document mask 1.50 -> 1.45 ms against 128 x 64)
+SM90_TILE_MODS = (128, 64, 8)
+SM90_SHORT_ROWS = 1024
+
+
+def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None):
+    """(kernel source, tile) of the forward: kernels/attn_fwd_sm90.cu (wgmma) on sm_90a for
+    16-byte-loadable inputs with D, Dv in {64, 128}, else kernels/attn_fwd.cu (mma.sync, every
+    shape, and the decode paths). rows: the longest query sequence; mods: the generated
+    score_mod / mask_mod compiled in (codegen.Generated) or None: a score_mod takes
+    SM90_TILE_MODS where its staged output fits (sm90_staged_o_fits), a mask_mod alone the
+    plain tiles. ATTNEXT_FWD_SM90=0 keeps Hopper on attn_fwd.cu (the lab's and the tests'
+    comparison)."""
+    if (arch == "sm_90a" and not decode and vec and D in (64, 128) and Dv in (64, 128)
+            and os.environ.get("ATTNEXT_FWD_SM90", "1") != "0"):
+        env = os.environ.get("ATTNEXT_TILE_SM90")      # the kernel lab's override: "128,64,8"
+        if env:
+            return "attn_fwd_sm90", tuple(int(x) for x in env.split(","))
+        short = max(D, Dv) <= 64 or rows <= SM90_SHORT_ROWS
+        score_mod = mods is not None and bool(mods.defines.get("HAS_SCORE_MOD"))
+        if short:
+            return "attn_fwd_sm90", SM90_TILE_SHORT
+        mods_tile = score_mod and sm90_staged_o_fits(D, Dv, SM90_TILE_MODS)
+        return "attn_fwd_sm90", SM90_TILE_MODS if mods_tile else SM90_TILE_LONG
+    return "attn_fwd", decode_tile() if decode else tile_config(D, Dv)
+
+
+def sm90_staged_o_fits(D, Dv, tile):
+    """attn_fwd_sm90.cu's static_assert: the output tile staged with padded rows (Dv + 8 wide)
+    fits the Q and K buffers it reuses (128 x 64 at D = 64, Dv = 128 does not)."""
+    bm, bn = tile[:2]
+    return bm * (Dv + 8) * 2 <= bm * D * 2 + 2 * bn * D * 2
+
+
+def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd"):
+    bm, bn = tile[:2]
+    if kernel == "attn_fwd_sm90":     # Q, K[2], V[2] in 128-byte swizzled rows, 1024-aligned
+        return 2 * (bm * D + 2 * bn * D + 2 * bn * Dv) + 1024
+    dp, dvp = _round_up(D, 16), _round_up(Dv, 16)
+    return 2 * (bm * (dp + SMEM_PAD) + bn * (dp + SMEM_PAD) + bn * (dvp + SMEM_PAD))
+
+
+def mod_defines(defines, mods):
+    """defines with a generated score_mod / mask_mod's switches (mods: a codegen.Generated or
+    None): HAS_MASK then says that some pair needs the per-element test, MASK_ARRAY whether a
+    mask array is one of the reasons."""
+    if mods is None:
+        return defines
+    d = dict(defines, **mods.defines)
+    d["ATTN_GMODS"] = 1          # attn_params.h: the kernels' parameter carries gmods
+    d["MASK_ARRAY"] = defines["HAS_MASK"]
+    d["HAS_MASK"] = int(defines["HAS_MASK"] or mods.defines["HAS_MASK_MOD"])
+    return d
+
+
+# Entry points that read nothing of the score_mod / mask_mod (attn_params.gmods is the struct's
+# last field, so a plain kernel reads the prefix of a call's parameter that carries them): a call
+# with mods takes them from the plain variant (warmup's cache), never compiles them again
+MOD_FREE_ENTRIES = frozenset({"attn_fwd_combine", "attn_bwd_pre", "attn_bwd_dq_convert"})
+_MOD_KEYS = ("HAS_SCORE_MOD", "HAS_MASK_MOD", "HAS_DTENSORS", "ATTN_GMODS", "MASK_ARRAY")
+
+
+def plain_defines(defines):
+    """mod_defines undone: the defines of the same variant without a score_mod / mask_mod."""
+    if not defines.get("ATTN_GMODS"):
+        return defines
+    d = {k: v for k, v in defines.items() if k not in _MOD_KEYS}
+    d["HAS_MASK"] = defines["MASK_ARRAY"]
+    return d
+
+
+def entry_defines(defines, name):
+    """defines that make a compile emit entry point `name` only (attn_common.cuh: ENTRY)."""
+    return dict(defines, ATTN_ENTRY_ONLY=1, **{f"ATTN_ENTRY_{name}": 1})
+
+
+def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile,
+                pack_gqa=False, split_kv=False, mods=None):
+    """The #defines of one forward variant. bias_dtype / alibi_dtype: a dtype name or None.
+    tile: (BLOCK_M, BLOCK_N, NUM_WARPS[, MIN_BLOCKS: CTAs per SM the registers must allow]).
+    mods: the generated score_mod / mask_mod (codegen.Generated) or None."""
+    bm, bn, w = tile[:3]
+    return mod_defines({
+        "MIN_BLOCKS": tile[3] if len(tile) > 3 else 1,
+        "PACK_GQA": int(pack_gqa), "SPLIT_KV": int(split_kv),
+        "ELEM_BF16": int(dtype == "bfloat16"), "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
+        "HAS_SOFTCAP": int(softcap), "HAS_BIAS": int(bias_dtype is not None),
+        "BIAS_DT": DTYPE_CODES[bias_dtype or "float32"], "HAS_ALIBI": int(alibi_dtype is not None),
+        "ALIBI_DT": DTYPE_CODES[alibi_dtype or "float32"], "HAS_MASK": int(mask),
+        "BLOCK_M": bm, "BLOCK_N": bn, "NUM_WARPS": w,
+    }, mods)
+
+
+def block_mask_defines(mods):
+    """The #defines of kernels/attn_block_mask.cu for a generated mask_mod: one variant per
+    mask_mod whatever the attention call's dtype, head dims and options (it reads none of them),
+    so the forward and the backward share it."""
+    return dict(fwd_defines(dtype="bfloat16", D=64, Dv=64, vec=False, softcap=False, bias_dtype=None,
+                            alibi_dtype=None, mask=False, tile=(64, 64, 4), mods=mods),
+                ATTN_BLOCK_CELLS=codegen.BLOCK_CELLS)
+
+
+def block_mask_specs(mods):
+    """[(kernel, entry point, defines, generated)] of the block-mask kernel a call with these
+    generated mods launches before its attention kernels (none without a mask_mod): for prefetch,
+    so that it compiles beside them."""
+    if mods is None or not mods.defines["HAS_MASK_MOD"]:
+        return []
+    return [("attn_block_mask", "attn_block_mask", block_mask_defines(mods), mods.source)]
+
+
+def fwd_variants():
+    """The forward variants warmup compiles: both dtypes, the common head dims, each feature on
+    its own, vector and element loads."""
+    out = []
+    for dtype in ("bfloat16", "float16"):
+        for D, Dv in ((64, 64), (128, 128), (256, 256), (96, 96), (192, 128), (59, 40)):
+            vec = D % 8 == 0 and Dv % 8 == 0
+            base = dict(dtype=dtype, D=D, Dv=Dv, vec=vec, softcap=False, bias_dtype=None,
+                        alibi_dtype=None, mask=False, tile=tile_config(D, Dv))
+            out.append(base)
+            if (D, Dv) == (128, 128):
+                out.append({**base, "tile": DECODE_TILE, "pack_gqa": True, "split_kv": True})
+                out.append({**base, "tile": DECODE_TILE, "pack_gqa": True})
+                out.append({**base, "tile": DECODE_TILE, "split_kv": True})
+                out.append({**base, "vec": False})
+                out.append({**base, "softcap": True})
+                out.append({**base, "bias_dtype": dtype})
+                out.append({**base, "bias_dtype": "float32", "mask": True, "alibi_dtype": "float32"})
+    return [("attn_fwd", fwd_defines(**v)) for v in out]
+
+
+def bwd_tile_config(D, Dv):
+    """The backward's tiles for head dims D, Dv: the one place that chooses. Returns a dict:
+    kv_block_m, kv_warps, kv_split, kv_minb (dkdv: query rows per streamed tile; warps, 16 key
+    rows each; dV and dK in two passes; CTAs per SM the registers must allow) and q_block_m,
+    q_block_n, q_warps, q_minb (dq and dbias).
+
+    Register budget (255 per thread, measured with -Xptxas -v, no spills): a dkdv thread holds
+    (DP + DVP) / 2 floats of dK and dV plus kv_block_m of S^T and dP^T; a dq thread DP / 2 * (rows
+    per warp / 16) of dQ plus q_block_n of S and dP. The kernels are latency-bound at 2 warps per
+    scheduler, so CTAs are 4 warps (two or more per SM, barriers independent): on an H100 this
+    measured 1.05x (D=128) to 1.3x (D=64) faster than 8-warp CTAs. Shared memory stays under
+    sm_80's 163 KB per CTA. Every choice gives the same bits: the products accumulate over 16-wide
+    steps in the same order whatever the tile."""
+    env = os.environ.get("ATTNEXT_TILE_BWD")   # the kernel lab's override: "32,4,0,2,64,64,4,2"
+    if env:
+        keys = ("kv_block_m", "kv_warps", "kv_split", "kv_minb", "q_block_m", "q_block_n", "q_warps",
+                "q_minb")
+        return dict(zip(keys, (int(x) for x in env.split(","))))
+    dp, dvp = _round_up(D, 16), _round_up(Dv, 16)
+    q = dict(q_block_m=64, q_block_n=64 if dp <= 128 else 32, q_warps=4, q_minb=2)
+    if dp + dvp <= 128:
+        return dict(kv_block_m=64, kv_warps=4, kv_split=0, kv_minb=2, **q)
+    if dp + dvp <= 256:
+        return dict(kv_block_m=32, kv_warps=4, kv_split=0, kv_minb=2, **q)
+    return dict(kv_block_m=32, kv_warps=4, kv_split=1, kv_minb=2, **q)
+
+
+def tile_sums(mods, bm, bn):
+    """(slots, admit, always): the shared memory the dQ kernels' tiles of bm x bn pairs sum the
+    score_mod's array gradients in (MOD_TILE_SLOTS, codegen.TILE_SLOT_BYTES a slot; attn_mods.cuh:
+    mod_tile), which tile terms it holds (MOD_TILE_ADMIT, a bit each), and whether every tile of
+    the call takes them (MOD_TILE_ALWAYS: each admitted term proven in range with indices in
+    [0, n), codegen.TileTerm; the kernels then have no loop without them, half the code to
+    compile). Each term's span over a whole tile, in order, those that fit in bm + bn: a diagonal
+    table's bm + bn - 1 elements (table[h, q_idx - kv_idx + S]), 12 KB at 64 x 64, which keeps
+    two of the H100's D = 128 dQ CTAs an SM. (0, 0, False) without a tile term: every adjoint
+    goes to the accumulator, as with ATTNEXT_TILE_SUMS=0 (the lab's and the tests' comparison:
+    the same bits either way)."""
+    used, admit, always = 0, 0, True
+    terms = mods.tile_terms if mods is not None and mods.defines.get("HAS_DTENSORS") else ()
+    if os.environ.get("ATTNEXT_TILE_SUMS") == "0":
+        terms = ()
+    for k, t in enumerate(terms):
+        span = abs(t.a) * (bm - 1) + abs(t.c) * (bn - 1) + 1
+        if used + span <= bm + bn:
+            used += span
+            admit |= 1 << k
+            always &= t.proven
+    return used, admit, bool(admit) and always
+
+
+def bwd_smem_bytes(D, Dv, tile, atomic, slots=0):
+    """Dynamic shared memory of each backward kernel (attn_bwd.cu's layouts), by kernel name;
+    slots: the dQ kernel's tile sums (tile_sums)."""
+    dp, dvp = _round_up(D, 16) + SMEM_PAD, _round_up(Dv, 16) + SMEM_PAD
+    bm, bn = tile["kv_block_m"], 16 * tile["kv_warps"]
+    dkdv_common = bn * dp + 2 * bm * dp + 2 * bm * dvp
+    extra = 4 * 4 * bm + (2 * bn * (bm + SMEM_PAD) if atomic else 0)
+    qm, qn, qw = tile["q_block_m"], tile["q_block_n"], tile["q_warps"]
+    return {
+        "attn_bwd_dkdv": 2 * (dkdv_common + bn * dvp) + extra,
+        "attn_bwd_dk": 2 * (dkdv_common + bn * dvp) + extra,
+        "attn_bwd_dead": 2 * (dkdv_common + bn * dvp) + extra,   # dkdv's (or dk's: KV_SPLIT)
+        "attn_bwd_dv": 2 * dkdv_common + extra,
+        "attn_bwd_dq": 2 * (qm * dp + qm * dvp + 2 * qn * dp + qn * dvp) + slots * codegen.TILE_SLOT_BYTES,
+        "attn_bwd_dbias": 2 * (qm * dp + qm * dvp + qn * dp + qn * dvp) + 4 * qw * qn,
+        "attn_bwd_pre": 0,
+        "attn_bwd_dq_convert": 0,
+    }
+
+
+def bwd_sm90_applies(arch, D, Dv, vec):
+    """Whether attn_bwd_sm90.cu (wgmma dK, dV, dQ) runs: sm_90a, 16-byte loads, D, Dv in {64,
+    128}; else attn_bwd.cu. ATTNEXT_BWD_SM90=0 keeps Hopper on attn_bwd.cu (the lab's and the
+    tests' comparison)."""
+    return (arch == "sm_90a" and vec and D in (64, 128) and Dv in (64, 128)
+            and os.environ.get("ATTNEXT_BWD_SM90", "1") != "0")
+
+
+DQ_MODES = ("recompute", "atomic", "ordered")
+
+
+# Short keys (at most this many, the longest sequence's): the ordered mode's last turn at a query
+# tile writes dq itself (bwd_dq_write_last), and deterministic=False takes the ordered mode too, which
+# is then the faster (H100 D64 S512: 0.92x against the atomic mode's 0.87x flash). With more keys
+# that last turn's extra work (the tile's sum read back and converted) holds up its key block's
+# consumers: the main kernel measured 2.23 against 2.06 ms at D128 S2k (bench/NOTES.md, session 14)
+SHORT_KEYS = 1024
+
+
+def bwd_dq_mode(sm90, D, deterministic, Dv=None, k_rows=None):
+    """How the backward gets dQ:
+      "recompute"  the dQ kernel recomputes S and dP per query tile and owns its rows (7 products;
+                   the same bits every run);
+      "ordered"    the dK/dV kernel adds dS K into a float32 dq_accum, the key blocks taking turns
+                   at each query tile in a fixed order (5 products; the same bits every run;
+                   attn_bwd_sm90.cu's warp-specialised kernel, D = 128 or D = Dv = 64);
+      "atomic"     the same additions in whatever order they land (5 products; bits vary from run
+                   to run: deterministic=False only).
+    On Hopper at D = 128 (and D = Dv = 64) a deterministic call takes ordered and
+    deterministic=False atomic (the turns are the producer warpgroup's, off the math:
+    bench/NOTES.md, backward v4 and v5); elsewhere dQ is recomputed (attn_bwd.cu's atomic path
+    measured no faster). Dv: D's when not given. ATTNEXT_BWD_DQ names a mode for the lab and the
+    tests; a mode a call does not allow falls back to the nearest it does. k_rows: the most keys
+    a query row may see (the longest key sequence, or a narrower window's width: cuda_backend);
+    deterministic=False with at most SHORT_KEYS of them takes ordered too."""
+    adds = sm90 and (D == 128 or (D == 64 and (Dv or D) == 64))   # the warp-specialised kernel takes it
+    mode = os.environ.get("ATTNEXT_BWD_DQ", "")
+    if mode not in DQ_MODES:
+        short = k_rows is not None and k_rows <= SHORT_KEYS
+        mode = "recompute" if not adds else "ordered" if deterministic or short else "atomic"
+    if mode == "atomic" and deterministic:
+        mode = "ordered"
+    if mode == "ordered" and not adds:
+        mode = "recompute"
+    if mode == "atomic" and sm90 and not adds:
+        mode = "recompute"
+    return mode
+
+
+def bwd_dq_write_last(mode, mask_mod, k_rows):
+    """Whether the ordered mode's last turn at each query tile writes dq (attn_bwd_sm90.cu:
+    dq_write_last) instead of attn_bwd_dq_convert: with at most SHORT_KEYS keys a query row may
+    see (k_rows, as for bwd_dq_mode) and no mask_mod (whose key blocks may pass their turns).
+    ATTNEXT_BWD_DQ_WRITE=0|1 decides for the lab and the tests where the mode allows it."""
+    if mode != "ordered" or mask_mod:
+        return False
+    env = os.environ.get("ATTNEXT_BWD_DQ_WRITE")
+    return env == "1" if env in ("0", "1") else k_rows <= SHORT_KEYS
+
+
+# attn_bwd_sm90.cu's tiles: one warpgroup (64 keys) per recomputing dK/dV CTA, two CTAs per SM at
+# D = 128, three at D = 64 (168 registers: 1.15x faster than two on an H100); two consumer
+# warpgroups (128 keys) in the warp-specialised kernel that adds dQ: 64 query rows per item at
+# D = 128 (dQ's columns split between the warpgroups), 128 at D = 64 (its rows split)
+SM90_BWD_TILE = dict(kv_block_m=64, kv_warps=4, kv_split=0, kv_minb=1, q_block_m=64, q_block_n=64,
+                     q_warps=4, q_minb=1)
+SM90_BWD_TILE_D64 = {**SM90_BWD_TILE, "kv_minb": 3, "q_minb": 3}
+SM90_BWD_TILE_DQ = {**SM90_BWD_TILE, "kv_warps": 8}
+SM90_BWD_TILE_DQ_D64 = {**SM90_BWD_TILE_DQ, "kv_block_m": 128}
+
+
+def bwd_sm90_tile(D, mode):
+    """The tile of attn_bwd_sm90.cu for head dim D and dq mode. ATTNEXT_TILE_BWD_SM90="KV,Q[,KV_MINB,
+    Q_MINB]" (warps of the recomputing dK/dV and the dQ kernels, CTAs per SM their registers
+    allow) is the kernel lab's override; the kernel that adds dQ always has two consumer
+    warpgroups."""
+    if mode != "recompute":
+        tile = SM90_BWD_TILE_DQ_D64 if D == 64 else SM90_BWD_TILE_DQ
+    else:
+        tile = SM90_BWD_TILE_D64 if D == 64 else SM90_BWD_TILE
+    env = os.environ.get("ATTNEXT_TILE_BWD_SM90")
+    if env and mode == "recompute":
+        kv, q, kv_minb, q_minb = ([int(x) for x in env.split(",")] + [1, 1])[:4]
+        tile = {**tile, "kv_warps": kv, "q_warps": q, "q_block_m": 16 * q, "kv_minb": kv_minb,
+                "q_minb": q_minb}
+    return tile
+
+
+def bwd_sm90_kv_kernel(mode, tile):
+    """attn_bwd_sm90.cu's dK/dV kernel for a dq mode and its warps: the warp-specialised one (a
+    producer warpgroup beside the tile's) when it adds dQ."""
+    if mode == "recompute":
+        return "attn_bwd_dkdv_sm90", tile["kv_warps"]
+    return "attn_bwd_dkdv_ws_sm90", tile["kv_warps"] + 4
+
+
+def bwd_sm90_smem_bytes(D, Dv, tile, slots=0):
+    """Dynamic shared memory of attn_bwd_sm90.cu's kernels (SW128 tiles, 1024-aligned: 1024 bytes
+    of slack to round the base up with, except in the warp-specialised kernel, whose D = 64 tile
+    fills the 227 KB exactly and takes the declared alignment as given); slots: the dQ kernel's
+    tile sums (tile_sums)."""
+    bn, bm = 16 * tile["kv_warps"], tile["kv_block_m"]
+    qm, qn = tile["q_block_m"], tile["q_block_n"]
+    kv_tiles = 2 * (bn * D + bn * Dv + 2 * bm * D + 2 * bm * Dv)
+    return {
+        # + lse and delta (2 stages each)
+        "attn_bwd_dkdv_sm90": kv_tiles + 1024 + 4 * 4 * bm,
+        # + dS^T (2 stages, bf16), dQ (2 stages, float32), lse and delta, 9 mbarriers
+        "attn_bwd_dkdv_ws_sm90": kv_tiles + 2 * 2 * bn * bm + 2 * 4 * bm * D + 4 * 4 * bm + 72,
+        "attn_bwd_dq_sm90": 2 * (qm * D + qm * Dv + 2 * qn * D + 2 * qn * Dv) + 1024 + slots * codegen.TILE_SLOT_BYTES,
+    }
+
+
+def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile, dq="recompute",
+                mods=None):
+    """The #defines of one backward variant (kernels/attn_bwd.cu: every backward kernel of it;
+    attn_bwd_sm90.cu the same); dq: bwd_dq_mode's answer ("recompute" whenever the mods have
+    array gradients: the dQ kernels' ds_tile scatters them, MOD_TILE_SLOTS: through shared
+    memory where it has tile terms); mods: as for fwd_defines."""
+    d = {
+        "ELEM_BF16": int(dtype == "bfloat16"), "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
+        "HAS_SOFTCAP": int(softcap), "HAS_BIAS": int(bias_dtype is not None),
+        "BIAS_DT": DTYPE_CODES[bias_dtype or "float32"], "HAS_ALIBI": int(alibi_dtype is not None),
+        "ALIBI_DT": DTYPE_CODES[alibi_dtype or "float32"], "HAS_MASK": int(mask),
+    }
+    d.update(KV_BLOCK_M=tile["kv_block_m"], KV_WARPS=tile["kv_warps"], KV_SPLIT=tile["kv_split"],
+             KV_MINB=tile["kv_minb"], DQ_ATOMIC=int(dq != "recompute"), DQ_ORDERED=int(dq == "ordered"),
+             DQ_TILE_M=bwd_sm90_tile(D, dq)["kv_block_m"] if dq == "ordered" else 0,
+             Q_BLOCK_M=tile["q_block_m"],
+             Q_BLOCK_N=tile["q_block_n"], Q_WARPS=tile["q_warps"], Q_MINB=tile["q_minb"])
+    slots, admit, always = tile_sums(mods, tile["q_block_m"], tile["q_block_n"])
+    if slots:
+        d.update(MOD_TILE_SLOTS=slots, MOD_TILE_ADMIT=admit, MOD_TILE_ALWAYS=int(always))
+    return mod_defines(d, mods)
+
+
+def bwd_variants():
+    """The backward variants warmup compiles: those of the forward's list (the backward has no
+    pack-GQA or split-KV variants), plus the lab's atomic dq path of the common head dims."""
+    out = []
+    for _, fd in fwd_variants():
+        dtype = "bfloat16" if fd["ELEM_BF16"] else "float16"
+        D, Dv = fd["HEAD_DIM"], fd["HEAD_DIM_V"]
+        names = {v: k for k, v in DTYPE_CODES.items()}
+        features = dict(dtype=dtype, D=D, Dv=Dv, vec=bool(fd["VEC_LOAD"]), softcap=bool(fd["HAS_SOFTCAP"]),
+                        bias_dtype=names[fd["BIAS_DT"]] if fd["HAS_BIAS"] else None,
+                        alibi_dtype=names[fd["ALIBI_DT"]] if fd["HAS_ALIBI"] else None,
+                        mask=bool(fd["HAS_MASK"]), tile=bwd_tile_config(D, Dv))
+        out.append(bwd_defines(**features))
+        if not (fd["HAS_SOFTCAP"] or fd["HAS_BIAS"] or fd["HAS_MASK"]) and (D, Dv) in ((64, 64), (128, 128)):
+            out.append(bwd_defines(**features, dq="atomic"))
+    unique = {tuple(sorted(d.items())): d for d in out}
+    return [("attn_bwd", d) for d in unique.values()]
+
+
+def sm90_fwd_variants():
+    """attn_fwd_sm90's variants (sm_90a only): both dtypes, the head dims it takes, and each
+    feature on its own at D = 128."""
+    out = []
+    for dtype in ("bfloat16", "float16"):
+        for D, Dv in ((64, 64), (128, 128), (128, 64), (64, 128)):
+            base = dict(dtype=dtype, D=D, Dv=Dv, vec=True, softcap=False, bias_dtype=None,
+                        alibi_dtype=None, mask=False, tile=SM90_TILE_LONG)
+            out.append(base)
+            out.append({**base, "tile": SM90_TILE_SHORT})
+            if (D, Dv) == (128, 128):
+                out.append({**base, "softcap": True})
+                out.append({**base, "bias_dtype": dtype})
+                out.append({**base, "bias_dtype": "float32", "mask": True, "alibi_dtype": "float32"})
+    return [("attn_fwd_sm90", fwd_defines(**v)) for v in out]
+
+
+def sm90_bwd_variants():
+    """attn_bwd_sm90's variants (sm_90a only): those of sm90_fwd_variants' features, each in the
+    dq modes a deterministic and a non-deterministic call choose, and attn_bwd.cu's (its row
+    kernels) in the ordered mode, which only Hopper takes."""
+    out = []
+    names = {v: k for k, v in DTYPE_CODES.items()}
+    for _, fd in sm90_fwd_variants():
+        if (fd["BLOCK_M"], fd["BLOCK_N"]) != SM90_TILE_LONG[:2]:
+            continue
+        D = fd["HEAD_DIM"]
+        features = dict(
+            dtype="bfloat16" if fd["ELEM_BF16"] else "float16", D=D, Dv=fd["HEAD_DIM_V"], vec=True,
+            softcap=bool(fd["HAS_SOFTCAP"]), bias_dtype=names[fd["BIAS_DT"]] if fd["HAS_BIAS"] else None,
+            alibi_dtype=names[fd["ALIBI_DT"]] if fd["HAS_ALIBI"] else None, mask=bool(fd["HAS_MASK"]))
+        for deterministic in (True, False):
+            mode = bwd_dq_mode(True, D, deterministic, fd["HEAD_DIM_V"])
+            out.append(("attn_bwd_sm90", bwd_defines(**features, tile=bwd_sm90_tile(D, mode), dq=mode)))
+            if mode == "ordered":         # attn_bwd.cu's row kernels (delta, dq_convert) of that mode
+                out.append(("attn_bwd", bwd_defines(**features, tile=bwd_tile_config(D, fd["HEAD_DIM_V"]), dq=mode)))
+    unique = {(k, tuple(sorted(d.items()))): (k, d) for k, d in out}
+    return list(unique.values())
+
+
+def variants(arch=None):
+    """Every (kernel, defines) warmup compiles for arch (None: those of every architecture)."""
+    hopper = sm90_fwd_variants() + sm90_bwd_variants() if arch in (None, "sm_90a") else []
+    return fwd_variants() + bwd_variants() + hopper
+
+
+def mod_sample():
+    """The generated code of a representative score_mod and mask_mod (softcap, a relative
+    position table with a gradient, a scalar array, int rules; a document mask from an int
+    array and a bool table) that warmup --check compiles into every kernel, as a call with
+    64 rows and columns reads it (codegen.Facts): the lookups read directly, the document ids
+    as int32, but the bool table's lookup checked."""
+    from ..mods import bounds, codegen, trace
+    table = np.zeros((4, 129), np.float32)
+    w = np.zeros((), np.float32)
+    doc = np.zeros(64, np.int64)
+    allowed = np.ones((64, 64), bool)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        s = 30.0 * np.tanh(score / 30.0) + table[h, q_idx - kv_idx + 64] * w
+        return np.where((q_idx - kv_idx) % 4 == 0, s, np.maximum(s, -1.0) - (kv_idx // 3) * 0.01)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & allowed[q_idx, kv_idx] | (kv_idx == 0)
+
+    ts, tm = trace.trace_score_mod(score_mod), trace.trace_mask_mod(mask_mod)
+    ext = bounds.Extents(1, 4, 64, 64)
+    mask_modes = tuple(bounds.CHECKED if n.args[0].args[0] == "allowed" else m
+                       for n, m in zip(bounds.loads(tm), bounds.lookup_modes(tm, ext)))
+    narrow = tuple(name == "doc" for _, name, _ in codegen.generate(ts, tm).arrays)
+    return codegen.generate(ts, tm, codegen.Facts(bounds.lookup_modes(ts, ext), mask_modes, narrow))
+
+
+def mod_variants(arch=None):
+    """(kernel, defines, generated source) of the score_mod / mask_mod variants warmup --check
+    compiles: mod_sample with every built-in option in the forward and backward kernels (both
+    kernel families on sm_90a), and the forward with element loads at an odd head dim. A few:
+    each takes NVRTC 3-10 s (whole files; a call compiles only its entry points: module_of)."""
+    gen = mod_sample()
+    every = dict(dtype="bfloat16", D=128, Dv=128, vec=True, softcap=True, bias_dtype="float32",
+                 mask=True, alibi_dtype="float32")
+    odd = dict(every, D=59, Dv=59, vec=False, softcap=False, bias_dtype=None, mask=False,
+               alibi_dtype=None)
+    out = [("attn_fwd", fwd_defines(**every, tile=tile_config(128, 128), mods=gen)),
+           ("attn_bwd", bwd_defines(**every, tile=bwd_tile_config(128, 128), mods=gen)),
+           ("attn_fwd", fwd_defines(**odd, tile=tile_config(59, 59), mods=gen)),
+           ("attn_block_mask", block_mask_defines(gen))]
+    if arch in (None, "sm_90a"):
+        out += [("attn_fwd_sm90", fwd_defines(**every, tile=SM90_TILE_MODS, mods=gen)),
+                ("attn_bwd_sm90", bwd_defines(**every, tile=bwd_sm90_tile(128, "recompute"), mods=gen))]
+    return [(k, d, gen.source) for k, d in out]
+
+
+def dtype_name(dt):
+    dt = np.dtype(dt)
+    return "bfloat16" if dt.name == "bfloat16" else dt.name
