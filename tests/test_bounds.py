@@ -1,4 +1,4 @@
-"""attnext.bounds: the integer ranges of a traced graph hold every value the graph takes over a
+"""attnext.mods.bounds: the integer ranges of a traced graph hold every value the graph takes over a
 call's inputs, and the lookups it calls in range never fail (random expressions, evaluated over
 every input of a small grid by trace's NumPy evaluator)."""
 import numpy as np

@@ -220,7 +220,7 @@ def test_decode_split_kv(b, sk, sq, mask, rng):
             "window": {"window": (700, 0)}}[mask]
     seqlens_k = rng.integers(1, sk + 1, size=b).astype(np.int32)
     seqlens_k[0] = sk
-    o = attnext.api._normalise(q, k, v, dict(causal=opts.get("causal", False), window=opts.get("window"), scale=None, softcap=None, alibi_slopes=None,
+    o = attnext.checks.normalise(q, k, v, dict(causal=opts.get("causal", False), window=opts.get("window"), scale=None, softcap=None, alibi_slopes=None,
                                bias=None, mask=None, score_mod=None, mask_mod=None, seqlens_q=None,
                                seqlens_k=None, layout="bshd", return_lse=False, device="cuda",
                                out=None, precision=None))

@@ -1,4 +1,4 @@
-"""The compiled-kernel cache (attnext.kernel_cache): keys, the memory LRU, the disk format and its
+"""The compiled-kernel cache (attnext.cuda.cache): keys, the memory LRU, the disk format and its
 failure modes, logging, threads and processes. A fake compiler stands in for NVRTC; one test uses
 the real one where attnext._C has it."""
 import hashlib

@@ -1,4 +1,4 @@
-"""attnext.pinning and staging's direct path: the caller's memory registered in place
+"""attnext.cuda.pinning and staging's direct path: the caller's memory registered in place
 (cuMemHostRegister), DMAs straight from and to it.
 
 Without a GPU: the span arithmetic, and whole copies and NumPy forwards over test_staging's fake

@@ -1,4 +1,4 @@
-"""attnext.staging: NumPy arrays to and from the GPU through the pinned rings.
+"""attnext.cuda.staging: NumPy arrays to and from the GPU through the pinned rings.
 
 Without a GPU: the chunking arithmetic, and the whole copy pipeline over a fake of attnext._C's
 memory, copy and stream primitives whose copies land late (a DMA happens only when the host

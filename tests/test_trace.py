@@ -1,4 +1,4 @@
-"""attnext.trace: tracing score_mod / mask_mod, evaluating the graph, its symbolic derivative and
+"""attnext.mods.trace: tracing score_mod / mask_mod, evaluating the graph, its symbolic derivative and
 its cache key. CPU only, fast.
 
 Every mod of tests/mods.py is checked against itself called on NumPy arrays (its NumPy twin),

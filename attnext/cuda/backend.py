@@ -21,6 +21,7 @@ the captured arrays (mod_arrays.py: NumPy ones uploaded, CUDA ones in place or c
 device), the error record and the gradient accumulator -- travels with the call's addresses as
 the attn_mods_gpu bytes cuda_launch_attention copies into attn_params.
 """
+import copy
 import math
 import threading
 import types
@@ -29,6 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import _C
+from .._layout import DTYPE_CODES, SLOT, KernelCall, dtype_name
 from ..lru import LRU
 from ..mods import bounds, codegen, lower, trace
 from . import arrays as _device, mod_cache, mod_inputs as mod_arrays, nvrtc, pinning, select, staging
@@ -165,8 +167,9 @@ def _with_gmods(gmods):
     return launch
 
 
-# _C.cuda_launch_attention's address slots (csrc/cuda_attn.c's PTR_FIELDS)
-SLOT_O_ACCUM, SLOT_LSE_ACCUM, SLOT_DELTA, SLOT_DQ_ACCUM, SLOT_DQ_SEM, SLOT_DEAD = 5, 6, 19, 20, 21, 22
+# _C.cuda_launch_attention's address slots of the plans' scratch arrays, by name (_layout.PTR_FIELDS)
+SLOT_O_ACCUM, SLOT_LSE_ACCUM, SLOT_DELTA, SLOT_DQ_ACCUM, SLOT_DQ_SEM, SLOT_DEAD = (
+    SLOT[name] for name in ("o_accum", "lse_accum", "delta", "dq_accum", "dq_sem", "dead"))
 
 
 def _vec_ok(view, D):
@@ -248,22 +251,21 @@ def _extras_key(o, extra):
 
 def _common(o, device, q4, k4, v4, extra):
     """Everything forward and backward templates share: options, masks, kernel features. Returns
-    (prob, features): prob the attribute bag _C.attn_template reads, its tensors filled by the
+    (prob, features): prob the _layout.KernelCall _C.attn_template reads, its tensors filled by the
     caller."""
     bias4, mask4, alibi = extra[:3]
     features = dict(
-        dtype=select.dtype_name(o.q.dtype), D=o.D, Dv=o.Dv,
+        dtype=dtype_name(o.q.dtype), D=o.D, Dv=o.Dv,
         vec=all(_vec_ok(x, x.shape[3]) for x in (q4, k4, v4)), softcap=o.softcap_value > 0,
-        bias_dtype=None if bias4 is None else select.dtype_name(bias4.dtype),
+        bias_dtype=None if bias4 is None else dtype_name(bias4.dtype),
         alibi_dtype=None if alibi is None else "float32", mask=mask4 is not None)
-    prob = types.SimpleNamespace(
-        device=device, dtype=select.DTYPE_CODES[features["dtype"]],
+    prob = KernelCall(
+        device=device, dtype=DTYPE_CODES[features["dtype"]],
         B=o.B, causal=o.causal_code, window_left=o.window_left, window_right=o.window_right,
-        bias_dtype=select.DTYPE_CODES[features["bias_dtype"] or "float32"],
-        alibi_dtype=select.DTYPE_CODES["float32"], bias_heads=o.bias_heads,
+        bias_dtype=DTYPE_CODES[features["bias_dtype"] or "float32"],
+        alibi_dtype=DTYPE_CODES["float32"], bias_heads=o.bias_heads,
         mask_heads=o.mask_heads, q=_t(q4), k=_t(k4), v=_t(v4), bias=_t(bias4), mask=_t(mask4),
-        alibi=_t(alibi), out=None, lse=None, dout=None, dq=None, dk=None, dv=None, dbias=None,
-        delta=None, dq_accum=None, dq_sem=None, num_splits=1, dq_write_last=0, k_rows_max=0)
+        alibi=_t(alibi))
     return prob, features
 
 
@@ -645,7 +647,7 @@ def _forward_sliced(o, out_host, lse_host, slices):
         keys_up, lse_rows = 0, None        # a sequence in row slices: its keys uploaded, its lse
         for b0, b1, r0, r1 in slices:
             whole = (r0, r1) == (0, o.Sq)
-            part = types.SimpleNamespace(**vars(o))
+            part = copy.copy(o)
             part.B = b1 - b0
             for name in ("alibi", "used_q", "used_k"):
                 x = getattr(o, name)

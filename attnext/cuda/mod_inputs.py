@@ -8,7 +8,7 @@ the device and finds them again by their bits, knows an integer array's (min, ma
 attnext.bounds, and keeps the block masks made from them.
 
 CUDA arrays (any library's: `__cuda_array_interface__` or `__dlpack__`; tracing found them,
-trace.py) are taken afresh at every call by attnext.device.as_device_view on the call's stream,
+trace.py) are taken afresh at every call by attnext.cuda.arrays.as_device_view on the call's stream,
 which orders the call after the producer's stream where the protocol names one. Never read on
 the host:
 

@@ -10,6 +10,7 @@ import os
 
 import numpy as np
 
+from .._layout import DTYPE_CODES
 from ..mods import codegen
 
 # the widest tile edge of any kernel: a branch-free tile evaluates score_mod and mask_mod at
@@ -20,7 +21,6 @@ ARCHS = ("sm_80", "sm_90a")
 SMEM_PAD = 8           # elements of padding per shared-memory row (attn_common.cuh)
 MAX_SMEM_SM80 = 163 * 1024
 
-DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 
 # The kernel lab's overrides of the choices below, read when a choice is made; cuda_backend's
 # plans are keyed on their values (knobs()), so a change takes effect at the next call.
@@ -548,8 +548,3 @@ def mod_variants(arch=None):
         out += [("attn_fwd_sm90", fwd_defines(**every, tile=SM90_TILE_MODS, mods=gen)),
                 ("attn_bwd_sm90", bwd_defines(**every, tile=bwd_sm90_tile(128, "recompute"), mods=gen))]
     return [(k, d, gen.source) for k, d in out]
-
-
-def dtype_name(dt):
-    dt = np.dtype(dt)
-    return "bfloat16" if dt.name == "bfloat16" else dt.name

@@ -72,7 +72,7 @@ does indexing a Python list or tuple. Two different arrays under one name raise 
 Non-function callables are called as they are, without array capture.
 
 CUDA arrays. Any other library's array exposing `__cuda_array_interface__` or `__dlpack__` on a
-CUDA device (CuPy, PyTorch, JAX, Numba) is captured like a NumPy array: attnext.device's
+CUDA device (CuPy, PyTorch, JAX, Numba) is captured like a NumPy array: attnext.cuda.arrays'
 as_device_view gives its shape, dtype and device from the protocol, without reading its memory
 (a torch tensor that requires grad is refused there: capture `table.detach()`). The graph and
 its key see only dtype and shape, so a CUDA and a NumPy array of one dtype and shape share the
