@@ -6,9 +6,9 @@
 
 `attnext.reference` is the float64 NumPy definition every backend is tested against.
 """
-__version__ = "0.1.0"
-
 import os as _os
+
+from ._version import __version__
 
 
 def _load_extension():

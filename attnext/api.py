@@ -327,7 +327,7 @@ def cache_info():
 
 def info():
     """What this build can run, and why not where it cannot."""
-    from . import __version__
+    from ._version import __version__
     from .cuda import backend as cuda_backend, nvrtc
     why = cuda_backend.unavailable_reason()
     device_name = None

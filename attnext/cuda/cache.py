@@ -196,7 +196,7 @@ class CubinCache:
         self._entry_dir = (None if cache_dir is None
                            else os.path.join(cache_dir, f"v{FORMAT_VERSION}"))
         if version is None:
-            from .. import __version__ as version
+            from .._version import __version__ as version
         self.version = str(version)
         self.disk_max_bytes = int(disk_max_bytes)
         self._lock = threading.Lock()       # the counters and the per-key locks
