@@ -19,7 +19,7 @@ import pytest
 import attnext
 from attnext import _C
 from attnext.cuda import nvrtc, select
-from attnext.mods import codegen, trace
+from attnext.mods import codegen, fingerprint, trace
 from attnext.testing.accuracy import compare_dtensors
 from conftest import (BF16, F32, F64, assert_close, assert_lse_close, check_backend, compare_grads,
                       make_qkv, randn)
@@ -218,7 +218,7 @@ def test_helper_module_arrays_are_captured_by_their_names():
     tm = trace.trace_mask_mod(lambda b, h, q_idx, kv_idx: same_bucket(q_idx, kv_idx))
     assert ts.arrays == {"DIST_BIAS": legal_helpers.DIST_BIAS}
     assert tm.arrays == {"BUCKET": legal_helpers.BUCKET}
-    assert trace.captured_arrays(lambda s, b, h, q_idx, kv_idx: distance_bias(s, q_idx, kv_idx)) == {
+    assert fingerprint.captured_arrays(lambda s, b, h, q_idx, kv_idx: distance_bias(s, q_idx, kv_idx)) == {
         "DIST_BIAS": legal_helpers.DIST_BIAS}
 
 

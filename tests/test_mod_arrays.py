@@ -22,7 +22,7 @@ import pytest
 
 from attnext import _C
 from attnext.cuda import mod_inputs as mod_arrays, nvrtc, select
-from attnext.mods import trace
+from attnext.mods import fingerprint, trace
 from test_cuda_host_path import _run, fake_driver  # noqa: F401  (the fixture)
 
 
@@ -51,7 +51,7 @@ def test_tracing_takes_shape_and_dtype_from_the_protocol():
     t = trace.trace_score_mod(on_device)
     assert t.arrays == {"table": table}
     assert t.key == trace.trace_score_mod(on_host).key
-    assert trace.captured_arrays(on_device) == {"table": table}
+    assert fingerprint.captured_arrays(on_device) == {"table": table}
     ids = NullCudaArray((7,), "<i4")
     tm = trace.trace_mask_mod(lambda b, h, qi, ki: ids[qi] == ids[ki])
     assert [n.args[1:] for n in trace.topo(tm.out) if n.op == "array"] == [("int32", (7,))]

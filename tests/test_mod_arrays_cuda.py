@@ -2,7 +2,7 @@
 and CuPy arrays read in place or converted on the device (attnext/mod_arrays.py).
 
 Every result is checked against the float64 reference, which runs the same function over NumPy
-copies of the arrays (trace.with_arrays), and against the same call with those NumPy copies
+copies of the arrays (fingerprint.with_arrays), and against the same call with those NumPy copies
 captured instead, bit for bit (the kernels read the same values; a CUDA array's gradient is
 rounded on the device by NumPy's rule). kernels/attn_convert.cu is checked against NumPy's
 astype, bit for bit, over every dtype pair mod_arrays uses and strided, reversed, broadcast,
@@ -14,7 +14,7 @@ import pytest
 import attnext
 from attnext import _C, reference
 from attnext.cuda import backend as cuda_backend, mod_cache, mod_inputs as mod_arrays, nvrtc, select, staging
-from attnext.mods import trace
+from attnext.mods import fingerprint, trace
 from attnext.testing.accuracy import coarser
 from attnext.cuda.devview import DevView
 from conftest import BF16, F16, assert_close, assert_lse_close, compare_grads, make_qkv, randn
@@ -90,7 +90,7 @@ def lib(request):
 
 def twin(fn, host):
     """fn over NumPy copies of its captured arrays (name -> NumPy array), or None."""
-    return None if fn is None else trace.with_arrays(fn, host)
+    return None if fn is None else fingerprint.with_arrays(fn, host)
 
 
 def run(lib, q, k, v, host, *, score_mod=None, mask_mod=None, backward=True, **opts):

@@ -420,7 +420,7 @@ def _stand_in(monkeypatch, launch):
     monkeypatch.setattr(cuda_backend, "_status", "")
     monkeypatch.setattr(cuda_backend, "device_arch", lambda device: "sm_90a")
     monkeypatch.setattr(cuda_backend, "device_info", lambda device: {"multiprocessor_count": 1})
-    monkeypatch.setattr(cuda_backend.kernels, "function", lambda *a, **kw: "fn")
+    monkeypatch.setattr(cuda_backend.nvrtc, "function", lambda *a, **kw: "fn")
     cuda_backend.clear_plans()
 
 
@@ -460,7 +460,7 @@ def test_fake_forward_in_row_slices(fake_kernel, monkeypatch, rng, B, S):
     key row travels once. Fewer rows than two tiles: batch slices only."""
     monkeypatch.setattr(cuda_backend, "SLICE_BYTES", 1 << 12)
     monkeypatch.setattr(cuda_backend, "TAIL_SHARE", 1 / 8)
-    monkeypatch.setattr(cuda_backend.kernels, "TILE_EDGE", 128)
+    monkeypatch.setattr(cuda_backend.select, "TILE_EDGE", 128)
     q, k, v = (_random(rng, (B, S, 2, 8), BF16) for _ in range(3))
     calls, launches = [], []
     sliced_forward = cuda_backend._forward_sliced
@@ -512,7 +512,7 @@ def real_kernel(fake, monkeypatch):
         fake.enqueue(stream, run, kernel=True)
     _stand_in(monkeypatch, launch)
     monkeypatch.setattr(cuda_backend, "SLICE_BYTES", 1 << 12)
-    monkeypatch.setattr(cuda_backend.kernels, "TILE_EDGE", 64)
+    monkeypatch.setattr(cuda_backend.select, "TILE_EDGE", 64)
     yield launched
     cuda_backend.clear_plans()
 

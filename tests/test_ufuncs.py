@@ -322,7 +322,7 @@ def test_every_float_function_has_an_instruction_and_a_rendering():
     assert ops <= set(interp.OPS), ops - set(interp.OPS)
     assert ops <= set(codegen._FLOAT_OPS), ops - set(codegen._FLOAT_OPS)
     old = {"exp", "exp2", "log", "log2", "sqrt", "tanh", "sin", "cos"}    # grad()'s own branches
-    assert ops - old == set(trace._LOCAL), (ops - old) ^ set(trace._LOCAL)
+    assert ops - old == set(derivative._LOCAL), (ops - old) ^ set(derivative._LOCAL)
 
 
 # --- the CUDA code generator, without a GPU -----------------------------------------------------
