@@ -6,9 +6,9 @@
 
 `attnext.reference` is the float64 NumPy definition every backend is tested against.
 """
-__version__ = "0.1.0"
-
 import os as _os
+
+from ._version import __version__
 
 
 def _load_extension():
@@ -37,7 +37,7 @@ def _load_extension():
 _load_extension()
 
 from . import reference  # noqa: E402
-from ._types import CompileError, Grads  # noqa: E402
+from .types import CompileError, Grads  # noqa: E402
 from .blockmask import BlockMask, block_mask  # noqa: E402
 from .api import (attention, attention_backward, cache_info, info, varlen_attention,
                   varlen_attention_backward)

@@ -15,8 +15,8 @@ never Sq * Sk, and a size past the machine's memory is a MemoryError before any 
 """
 import numpy as np
 
-from . import trace
-from .api import _check_arity, _check_fits, _fmt
+from .mods import trace
+from .checks import check_arity, check_fits, fmt
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 SHADES = " .:-=+*#%@"          # density 0 (nothing kept) .. 1 (everything kept)
@@ -45,7 +45,7 @@ class BlockMask:
         '@' every pair kept. b and h count from the end when negative, as NumPy's indices do."""
         for name, i, n in (("b", b, self.kinds.shape[0]), ("h", h, self.kinds.shape[1])):
             if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
-                raise TypeError(f"picture: {name} must be an int, got {_fmt(i)}")
+                raise TypeError(f"picture: {name} must be an int, got {fmt(i)}")
             if not -n <= i < n:
                 raise IndexError(f"picture: {name} = {i} is out of range for "
                                  f"{'B' if name == 'b' else 'H'} = {n}")
@@ -68,7 +68,7 @@ def _check_size(name, x, least):
     """Sizes as attention() takes lengths: an int (TypeError otherwise, bool included), at least
     `least` (ValueError)."""
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
-        raise TypeError(f"block_mask: {name} must be an int, got {_fmt(x)}")
+        raise TypeError(f"block_mask: {name} must be an int, got {fmt(x)}")
     if x < least:
         raise ValueError(f"block_mask: {name} must be >= {least}, got {x}")
 
@@ -78,14 +78,14 @@ def block_mask(mask_mod, Sq, Sk, *, B=1, H=1, block_size=64):
     in block_size x block_size tiles (64: the GPU kernels' cells)."""
     if not callable(mask_mod):
         raise TypeError(f"block_mask: mask_mod must be callable, got {type(mask_mod).__name__}")
-    _check_arity("mask_mod", mask_mod)
+    check_arity("mask_mod", mask_mod)
     for name, x in (("Sq", Sq), ("Sk", Sk), ("B", B), ("H", H)):
         _check_size(name, x, 0)
     _check_size("block_size", block_size, 1)
     Sq, Sk, B, H, block_size = (int(x) for x in (Sq, Sk, B, H, block_size))
     nq, nk = -(-Sq // block_size), -(-Sk // block_size)
     rows = min(block_size, Sq)
-    _check_fits(f"block_mask(Sq={Sq}, Sk={Sk}, B={B}, H={H}, block_size={block_size})", [
+    check_fits(f"block_mask(Sq={Sq}, Sk={Sk}, B={B}, H={H}, block_size={block_size})", [
         ("density", (B, H, nq, nk), np.float64), ("states", (B, H, nq, nk), np.uint8),
         ("index arrays of a row of tiles", (4, rows, Sk), np.int64),
         ("its mask", (rows, Sk), np.bool_), ("kv_idx and key tiles", (2, Sk), np.int64)])

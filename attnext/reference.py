@@ -43,8 +43,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from . import trace
-from ._types import Grads
+from .mods import fingerprint, trace
+from .types import Grads
 
 ROW_BLOCK = 128
 # Farther than any query is from any key: window sides are clamped to it so that int64 index
@@ -331,7 +331,7 @@ def _add_dtensors(score_mod, arrays, ds3, sc, dtensors):
     s, d, pairs = kept
     for name, base in arrays.items():
         work = np.array(base, dtype=np.float64)
-        fn = trace.with_arrays(score_mod, {name: work})
+        fn = fingerprint.with_arrays(score_mod, {name: work})
         flat, acc = work.reshape(-1), dtensors[name].reshape(-1)
         for e in range(flat.size):
             x0 = flat[e]
@@ -374,7 +374,7 @@ def _backward(pb, dout):
     dout4 = _bhsd(np.asarray(dout), pb.layout)
     dbias4 = None if pb.bias4 is None else np.zeros(pb.bias4.shape)
     arrays = {} if pb.score_mod is None else {
-        n: a for n, a in trace.captured_arrays(pb.score_mod).items()
+        n: a for n, a in fingerprint.captured_arrays(pb.score_mod).items()
         if trace.array_kind(a.dtype) == trace.F}
     dtensors = {n: np.zeros(a.shape) for n, a in arrays.items()}
     for hd in pb.heads():

@@ -181,7 +181,7 @@ static void raise_compile_error(const char *filename, PyObject *source, const ch
         line--;
     if (line)
         snprintf(first, sizeof first, "%.*s", (int)strcspn(line, "\n"), line);
-    PyObject *types = PyImport_ImportModule("attnext._types");
+    PyObject *types = PyImport_ImportModule("attnext.types");
     PyObject *cls = types ? PyObject_GetAttrString(types, "CompileError") : NULL;
     PyObject *log_obj = PyUnicode_DecodeUTF8(log, strlen(log), "replace");
     PyObject *first_obj = PyUnicode_DecodeUTF8(first, strlen(first), "replace");

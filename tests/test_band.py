@@ -13,7 +13,7 @@ import types
 import numpy as np
 import pytest
 
-from attnext import band, lower, trace
+from attnext.mods import band, lower, trace
 from conftest import BF16, check_backend, make_qkv, make_varlen_qkv
 
 DOC = np.repeat(np.arange(5), [7, 13, 1, 20, 19])       # 60 positions, five documents

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import attnext
-from attnext import bench_cuda as bc
+from attnext.bench import cli, cuda as bc
 from test_bench_mods import TINY as TINY_MODS
 from test_bench_mods import ModAttnext
 
@@ -78,8 +78,8 @@ def test_cuda_bench_help_and_bad_peer():
 
 
 def test_bench_cuda_imports_without_torch():
-    """attnext.bench_cuda (and the CPU benchmark's dispatch to it) import torch only to run."""
-    code = "import sys, attnext.bench_cuda; print('torch' in sys.modules)"
+    """attnext.bench.cuda (and the CPU benchmark's dispatch to it) import torch only to run."""
+    code = "import sys, attnext.bench.cuda; print('torch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "False", proc.stdout + proc.stderr
 
@@ -313,7 +313,7 @@ def _main_on_cpu(monkeypatch, fault=None):
     """main() as on the GPU, its rows run on CPU tensors: bench_cuda's sections through
     FakeAttnext, the mods section (tiny cases) through attnext's CPU backend."""
     torch = pytest.importorskip("torch")
-    from attnext import bench_mods
+    from attnext.bench import mods as bench_mods
     _cpu_run(monkeypatch, fault)
     monkeypatch.setattr(bench_mods, "attnext", ModAttnext())
     monkeypatch.setattr(bench_mods, "cases", lambda quick: TINY_MODS[:2])
@@ -333,10 +333,10 @@ def _main_on_cpu(monkeypatch, fault=None):
 def test_main_end_to_end_on_cpu(monkeypatch, tmp_path, capsys, fault, status):
     """main() as on the GPU (sections, table, notes, JSON, plot line, exit status), with the
     rows run on CPU tensors: exit 1 when an attnext result is WRONG."""
-    from attnext import bench_mods
+    from attnext.bench import mods as bench_mods
     _main_on_cpu(monkeypatch, fault)
     path = tmp_path / "rows.json"
-    assert bc.main(["--device", "cuda", "--peers", "flash", "--json", str(path),
+    assert cli.main(["--device", "cuda", "--peers", "flash", "--json", str(path),
                     "--plot", str(tmp_path / "p.png")]) == status
     text = capsys.readouterr().out
     for title in list(bc.SECTION_TITLES.values()) + [bench_mods.MODS_TITLE]:
@@ -357,7 +357,7 @@ def test_main_end_to_end_on_cpu(monkeypatch, tmp_path, capsys, fault, status):
 
 def test_main_rows_filter_reaches_the_mods_sections(monkeypatch, tmp_path, capsys):
     """--rows picks mods rows by name as any other; --first-call adds their fresh-process rows."""
-    from attnext import bench_mods
+    from attnext.bench import mods as bench_mods
     _main_on_cpu(monkeypatch)
     seen = []
     monkeypatch.setattr(bench_mods, "first_call_row",
@@ -365,7 +365,7 @@ def test_main_rows_filter_reaches_the_mods_sections(monkeypatch, tmp_path, capsy
                                                            "direction": "first call", "case_s": 0.0,
                                                            "target": "t", "target_met": None})
     path = tmp_path / "rows.json"
-    assert bc.main(["--device", "cuda", "--peers", "flash", "--rows", "relbias", "--first-call",
+    assert cli.main(["--device", "cuda", "--peers", "flash", "--rows", "relbias", "--first-call",
                     "--json", str(path)]) == 0
     text = capsys.readouterr().out
     assert bench_mods.MODS_TITLE in text and bench_mods.FIRST_CALL_TITLE in text
@@ -381,6 +381,6 @@ def test_rows_takes_texts_between_bars():
     are left out (a trailing '|' picks nothing extra)."""
     case = bc.Case("plain", 2, 8192, 8192, 16, 16, 128, True)
     assert case.name == "B2 S8192 H16 D128 causal"
-    assert bc._chosen(case, None) and bc._chosen(case, "") and bc._chosen(case, "|")
-    assert bc._chosen(case, "S8192") and bc._chosen(case, "nothing|D128")
-    assert not bc._chosen(case, "nothing|") and not bc._chosen(case, "softcap|relbias")
+    assert cli._chosen(case, None) and cli._chosen(case, "") and cli._chosen(case, "|")
+    assert cli._chosen(case, "S8192") and cli._chosen(case, "nothing|D128")
+    assert not cli._chosen(case, "nothing|") and not cli._chosen(case, "softcap|relbias")

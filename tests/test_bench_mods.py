@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import attnext
-from attnext import bench_cuda as bc
-from attnext import bench_mods as bm
+from attnext.bench import cuda as bc
+from attnext.bench import mods as bm
 from attnext import reference
 
 TINY = [bm.ModCase("softcap", 2, 64, 2, 16), bm.ModCase("relbias", 2, 64, 2, 16),
@@ -23,7 +23,7 @@ TINY = [bm.ModCase("softcap", 2, 64, 2, 16), bm.ModCase("relbias", 2, 64, 2, 16)
 
 
 def test_imports_without_torch():
-    code = "import sys, attnext.bench_mods; print('torch' in sys.modules)"
+    code = "import sys, attnext.bench.mods; print('torch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "False", proc.stdout + proc.stderr
 

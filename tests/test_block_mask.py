@@ -103,7 +103,7 @@ def test_a_mask_mod_returning_no_bool_is_refused_as_attention_refuses_it(returns
 
 def test_a_mask_mod_that_gives_arrays_other_values_than_the_tracer_is_refused():
     """Traced, it returns a bool; called on index arrays, floats: the tiles would be wrong."""
-    from attnext.trace import Proxy
+    from attnext.mods.trace import Proxy
 
     def two_faced(b, h, q, k):
         return q >= k if isinstance(q, Proxy) else q * 0.5

@@ -1,11 +1,11 @@
-"""attnext.bounds: the integer ranges of a traced graph hold every value the graph takes over a
+"""attnext.mods.bounds: the integer ranges of a traced graph hold every value the graph takes over a
 call's inputs, and the lookups it calls in range never fail (random expressions, evaluated over
 every input of a small grid by trace's NumPy evaluator)."""
 import numpy as np
 import pytest
 from hypothesis import event, given, settings, strategies as st
 
-from attnext import bounds, trace
+from attnext.mods import bounds, trace
 
 # a random integer expression over b, h, q_idx, kv_idx: nested tuples (op, operands...)
 _LEAF = st.one_of(st.sampled_from(["b", "h", "q", "k"]), st.integers(-40, 40))
@@ -183,14 +183,14 @@ def test_lookup_modes_name_the_axes_that_may_count_from_the_end():
 
 
 def test_cuda_facts_prove_lookups_over_lengths_rounded_to_the_tile_edge():
-    """A branch-free tile evaluates the mods up to kernels.TILE_EDGE past a sequence's end (the
+    """A branch-free tile evaluates the mods up to select.TILE_EDGE past a sequence's end (the
     results discarded there), so the CUDA backend proves lookups over the lengths rounded up to
     it: a document id array of exactly Sq entries is read directly only when Sq is a multiple of
     the edge, else checked (clamped), never past its end."""
     from types import SimpleNamespace
 
-    from attnext import cuda_backend, kernels
-    edge = kernels.TILE_EDGE
+    from attnext.cuda import backend as cuda_backend, nvrtc, select
+    edge = select.TILE_EDGE
     for sq, want in ((2 * edge, 0), (2 * edge - 60, bounds.CHECKED), (2 * edge + 1, bounds.CHECKED)):
         doc = np.zeros(sq, np.int64)
         t = trace.trace_mask_mod(lambda b, h, q, k: doc[q] == doc[k])

@@ -8,7 +8,7 @@ should settle."""
 import numpy as np
 import pytest
 
-from attnext import codegen, trace
+from attnext.mods import codegen, trace
 
 import mods
 from test_codegen import PREAMBLE, bind, build, with_facts

@@ -3,7 +3,7 @@
 The generated device functions and kernels/attn_mods.cuh are plain C as well: here they are
 built with the host C compiler (DEV = static inline) into a small program that evaluates them
 over a grid of (score, b, h, q_idx, kv_idx, dout) and compared with trace.evaluate /
-trace.evaluate_grad, for the zoo of tests/mods.py and NumPy's integer rules. Also: lookups out
+grad.evaluate_grad, for the zoo of tests/mods.py and NumPy's integer rules. Also: lookups out
 of range set the error record and read nothing outside the array, the exact gradient
 accumulator is the correctly rounded sum in any order, the attn_mods_gpu layout matches
 codegen.pack's, and the op tables cover everything the tracer produces. The real kernels with
@@ -16,7 +16,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from attnext import bounds, codegen, trace
+from attnext.mods import bounds, codegen, grad as derivative, trace
 
 import mods
 from test_cuda_host import _run, fake_libcuda  # noqa: F401  (the fake driver fixture)
@@ -220,8 +220,8 @@ def test_score_mod_matches_evaluate(name, facts, cc, tmp_path, rng):
     assert err[0] == 0
     with np.errstate(all="ignore"):
         want = trace.evaluate(t, *pts[:5])
-        g = trace.grad(t)
-        want_ds, want_arrays = trace.evaluate_grad(t, g, *pts, float_dtype=np.float64)
+        g = derivative.grad(t)
+        want_ds, want_arrays = derivative.evaluate_grad(t, g, *pts, float_dtype=np.float64)
     close(fwd, want, "forward")
     close(dscore, want_ds, "d score")
     names = {i: name for i, (k, name, _) in enumerate(gen.arrays)}
@@ -465,7 +465,9 @@ def test_gpu_call_binds_reports_and_returns_on_the_fake_driver(fake_libcuda):
         import numpy as np
         import attnext
         import fake_cuda
-        from attnext import _C, codegen, cuda_backend, device
+        from attnext import _C
+        from attnext.cuda import arrays as device, backend as cuda_backend
+        from attnext.mods import codegen
         _C.cuda_load()
         lib = ctypes.CDLL(os.environ["ATTNEXT_LIBCUDA"])
         fake_cuda.counter(lib, "record").value = 1

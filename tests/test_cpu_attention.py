@@ -831,14 +831,14 @@ def test_misaligned_broadcast_bias_stays_a_broadcast(rng, monkeypatch):
     bias = np.broadcast_to(raw, (2, 2, 30, 50))
     assert not bias.flags.aligned
     seen = {}
-    real = attnext.api._broadcast_4d
+    real = attnext.checks._broadcast_4d
 
     def spy(name, x, *args):
         res = real(name, x, *args)
         seen[name] = res[0]
         return res
 
-    monkeypatch.setattr(attnext.api, "_broadcast_4d", spy)
+    monkeypatch.setattr(attnext.checks, "_broadcast_4d", spy)
     check_backend(q, k, v, rng, bias=bias)
     assert seen["bias"].flags.aligned and seen["bias"].base.size == 50
 

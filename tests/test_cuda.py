@@ -214,13 +214,13 @@ DECODE = [(1, "none"), (1, "causal"), (3, "causal"), (16, "top_left"), (5, "wind
 @pytest.mark.parametrize("b, sk", [(1, 5000), (3, 2000)], ids=["B1_Sk5000", "B3_Sk2000"])
 def test_decode_split_kv(b, sk, sq, mask, rng):
     """KV-cache shapes: packed GQA and split-KV (B * Hk blocks cannot fill the GPU)."""
-    from attnext import cuda_backend
+    from attnext.cuda import backend as cuda_backend
     q, k, v = make_qkv(rng, b, sq, sk, 8, 2, 128, 128, BF16)
     opts = {"none": {}, "causal": {"causal": True}, "top_left": {"causal": "top_left"},
             "window": {"window": (700, 0)}}[mask]
     seqlens_k = rng.integers(1, sk + 1, size=b).astype(np.int32)
     seqlens_k[0] = sk
-    o = attnext.api._normalise(q, k, v, dict(causal=opts.get("causal", False), window=opts.get("window"), scale=None, softcap=None, alibi_slopes=None,
+    o = attnext.checks.normalise(q, k, v, dict(causal=opts.get("causal", False), window=opts.get("window"), scale=None, softcap=None, alibi_slopes=None,
                                bias=None, mask=None, score_mod=None, mask_mod=None, seqlens_q=None,
                                seqlens_k=None, layout="bshd", return_lse=False, device="cuda",
                                out=None, precision=None))

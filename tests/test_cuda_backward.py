@@ -171,7 +171,7 @@ def test_deterministic(rng):
 @pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (128, 64), (59, 40), (256, 256)],
                          ids=["d64", "d128", "d128_dv64", "d59_40", "d256"])
 def test_dq_added_by_the_dkdv_kernel(d, dv, kernel, mode, rng, monkeypatch):
-    """dq as additions of dS K into dq_accum from the dK/dV kernel (kernels.bwd_dq_mode), by
+    """dq as additions of dS K into dq_accum from the dK/dV kernel (select.bwd_dq_mode), by
     plain atomics (deterministic=False) or in a fixed order (then the same bits on a second run),
     within the same tolerance; on Hopper through attn_bwd_sm90.cu ("default": the warp-specialised
     kernel at D = 128 and D = Dv = 64, the dQ kernel elsewhere) and attn_bwd.cu ("mma_sync": atomic only, ordered

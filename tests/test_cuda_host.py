@@ -1,4 +1,4 @@
-"""The CUDA host primitives of attnext._C and attnext.device.
+"""The CUDA host primitives of attnext._C and attnext.cuda.arrays.
 
 Without a GPU (CI, this file's default run): libcuda's absence is reported, NVRTC compiles real
 CUBINs from the nvidia-cuda-nvrtc wheel, and DLPack capsules round-trip through attnext and NumPy
@@ -23,7 +23,8 @@ import pytest
 
 import attnext
 import fake_cuda
-from attnext import _C, device
+from attnext import _C
+from attnext.cuda import arrays as device
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 KDL_CPU, KDL_CUDA = 1, 2
@@ -134,7 +135,8 @@ def test_fake_driver_runs_the_host_side(fake_libcuda):
     out = _run(r"""
         import ctypes, os, re
         import numpy as np
-        from attnext import _C, device
+        from attnext import _C
+        from attnext.cuda import arrays as device
         fake = ctypes.CDLL(os.environ["ATTNEXT_LIBCUDA"])
         _C.cuda_load()
         info = _C.cuda_info(0)
@@ -693,7 +695,8 @@ def test_pinned_results_come_from_a_bounded_pool(fake_libcuda):
     out = _run(r"""
         import ctypes, os
         import numpy as np
-        from attnext import _C, pinning, staging
+        from attnext import _C
+        from attnext.cuda import pinning, staging
         fake = ctypes.CDLL(os.environ["ATTNEXT_LIBCUDA"])
         allocs, frees = (ctypes.c_int.in_dll(fake, n) for n in ("host_allocs", "host_frees"))
         _C.cuda_load()
@@ -745,7 +748,8 @@ def test_the_default_pool_keeps_freed_memory_at_a_sync(fake_libcuda):
     stays)."""
     out = _run(r"""
         import ctypes, os
-        from attnext import _C, cuda_backend
+        from attnext import _C
+        from attnext.cuda import backend as cuda_backend
         fake = ctypes.CDLL(os.environ["ATTNEXT_LIBCUDA"])
         keep = ctypes.c_longlong.in_dll(fake, "pool_threshold")
         assert keep.value == 0

@@ -38,14 +38,15 @@ def fake_driver(tmp_path_factory):
     return fake_cuda.build(tmp_path_factory.mktemp("fake_libcuda"))
 
 
-# What every subprocess starts with: attnext on the fake driver, kernels.function standing in
+# What every subprocess starts with: attnext on the fake driver, nvrtc.function standing in
 # for NVRTC (a capsule per kernel variant, named in FN), launches recorded in LAUNCHES.
 PRELUDE = r"""
 import ctypes, os, sys, threading, time
 import numpy as np, ml_dtypes
 import attnext
 import fake_cuda
-from attnext import _C, cuda_backend, device, kernels
+from attnext import _C
+from attnext.cuda import arrays as device, backend as cuda_backend, nvrtc, select
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 lib = ctypes.CDLL(os.environ["ATTNEXT_LIBCUDA"])
@@ -65,8 +66,8 @@ def function(kernel, name, defines, dev, arch, smem, generated=None):
 
 
 KEEP = []
-kernels.function = function
-kernels.prefetch = lambda specs, arch, device: None
+nvrtc.function = function
+nvrtc.prefetch = lambda specs, arch, device: None
 _launch = _C.cuda_launch_attention
 
 
@@ -339,15 +340,15 @@ def test_lengths_take_one_upload_a_call(fake_driver):
 
 
 def test_a_forward_with_mods_and_lse_compiles_its_backward_ahead(fake_driver):
-    """A forward with a score_mod / mask_mod that returns lse hands kernels.compile_ahead the
+    """A forward with a score_mod / mask_mod that returns lse hands nvrtc.compile_ahead the
     entry points the default backward of the same problem then prefetches, less the forward's
     own (the block mask); so does one whose mask_mod was lowered to a band or to documents (the
     plain kernels); a forward without lse or without mods starts none."""
     _run(fake_driver, r"""
         AHEAD, PRE = [], []
         _C.cuda_launch_attention = _launch          # the fake's, which takes the mods' bytes too
-        kernels.compile_ahead = lambda specs, arch, busy=1: AHEAD.append((specs, busy)) or []
-        kernels.prefetch = lambda specs, arch, device: PRE.append(specs)
+        nvrtc.compile_ahead = lambda specs, arch, busy=1: AHEAD.append((specs, busy)) or []
+        nvrtc.prefetch = lambda specs, arch, device: PRE.append(specs)
         q, k, v = qkv(1, 2048, 2048, 2, 2, 128)
         dout = dev((1, 2048, 2, 128))
         allowed = np.ones((4, 4), bool)
@@ -427,7 +428,7 @@ def test_cuda_launch_attention_refuses(i, value, exc, match):
 
 @pytest.fixture(scope="module")
 def torch_cuda():
-    from attnext import cuda_backend
+    from attnext.cuda import backend as cuda_backend
     if cuda_backend.unavailable_reason():
         pytest.skip(f"attnext's CUDA backend is unavailable: {cuda_backend.unavailable_reason()}")
     torch = pytest.importorskip("torch")
@@ -441,7 +442,7 @@ def torch_cuda():
                          ids=["decode_b1", "decode_b8", "plain"])
 def test_warm_plans_and_reused_scratch_give_the_cold_bits(torch_cuda, shape):
     import attnext
-    from attnext import cuda_backend, device
+    from attnext.cuda import arrays as device, backend as cuda_backend
     torch = torch_cuda
     B, Sq, Sk, Hq, Hk = shape
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -462,7 +463,7 @@ def test_threads_on_their_own_streams_get_the_single_thread_bits(torch_cuda):
     torch's memory naming the thread's stream (torch's own interface names none)."""
     import threading
     import attnext
-    from attnext import device
+    from attnext.cuda import arrays as device
     torch = torch_cuda
     g = torch.Generator(device="cuda").manual_seed(1)
     tensors = [[torch.randn(1, s, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)

@@ -32,7 +32,8 @@ import pytest
 
 import attnext
 import test_bad_input as bad
-from attnext import _C, device, kernels, reference, staging
+from attnext import _C, reference
+from attnext.cuda import arrays as device, nvrtc, select, staging
 from conftest import (BF16, F16, F32, F64, assert_close, assert_lse_close, compare_grads, in_threads,
                       make_qkv, make_varlen_qkv, randn)
 
@@ -48,7 +49,7 @@ MiB = 2 ** 20
 @pytest.fixture(scope="module")
 def cuda():
     """attnext's CUDA backend, or a skip saying why it is unusable."""
-    from attnext import cuda_backend
+    from attnext.cuda import backend as cuda_backend
     why = cuda_backend.unavailable_reason()
     if why:
         pytest.skip(f"attnext's CUDA backend is unavailable: {why}")
@@ -495,7 +496,7 @@ def test_numpy_calls_reuse_the_pinned_rings(cuda, rng, monkeypatch):
 EXIT_SCRIPT = textwrap.dedent("""
     import numpy as np
     import attnext
-    from attnext import staging
+    from attnext.cuda import staging
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 512, 4, 64)).astype(np.float16) for _ in range(3))
     out = attnext.attention(q, k, v, device="cuda")
@@ -561,7 +562,7 @@ def test_invalid_launch_raises_and_the_library_stays_usable(torch, rng):
     """cuLaunchKernel refusing a configuration (too many threads, too much shared memory) is a
     RuntimeError naming the call and the error, and does not poison the context."""
     from test_cuda_host import FILL_HEADER, TINY_KERNEL
-    kernels.nvrtc()
+    nvrtc.nvrtc()
     major, minor = _C.cuda_info(0)["compute_capability"]
     cubin, _ = _C.nvrtc_compile(TINY_KERNEL, "fill.cu", [f"--gpu-architecture=sm_{major}{minor}"],
                                 [FILL_HEADER])

@@ -16,7 +16,8 @@ import sys
 import numpy as np
 
 import attnext
-from attnext import accuracy, fuzz, reference
+from attnext import reference
+from attnext.testing import accuracy, fuzz
 
 BUDGET_S = float(os.environ.get("ATTNEXT_FUZZ_SECONDS", "100"))
 SEED = int(os.environ.get("ATTNEXT_FUZZ_SEED", "0"))

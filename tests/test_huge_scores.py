@@ -25,7 +25,7 @@ import pytest
 
 import attnext
 from attnext import reference
-from attnext.accuracy import LOW_FACTOR, acc_dtype, allowed_error, coarser, compare
+from attnext.testing.accuracy import LOW_FACTOR, acc_dtype, allowed_error, coarser, compare
 from conftest import BF16, F16, F32, F64, assert_close, make_qkv
 
 FILLS = [float(np.finfo(np.float32).min), -1e9, -1e10, -1e30]

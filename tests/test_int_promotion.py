@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import attnext
-from attnext import band, codegen, reference, trace
+from attnext import reference
+from attnext.mods import band, codegen, trace
 from conftest import F32, F64, assert_close, check_backend, make_qkv
 
 # the reference computes the callbacks on NumPy arrays as they are: // and % by zero warn there
@@ -395,14 +396,15 @@ def test_generated_code_compiles_with_nvrtc(dtype, pid, rng):
     kernel, which includes the whole generated header (score_mod, mask_mod, cells)."""
     if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
         pytest.skip("ATTNEXT_NO_NVRTC=1")
-    from attnext import _C, kernels
+    from attnext import _C
+    from attnext.cuda import nvrtc, select
     pid = "array-" + name(dtype) if pid == "array-own" else pid
     ok = [(op, a, o, r.dtype.kind) for op, a, o, r in cases(dtype, pid, rng) if not isinstance(r, Exception)]
     score_mod, mask_mod = combined(ok)
     gen = codegen.generate(trace.trace_score_mod(score_mod), trace.trace_mask_mod(mask_mod))
     assert "mod_t" in gen.source
-    [spec] = kernels.block_mask_specs(gen)
-    k, d, g = kernels.module_of(*spec)
-    kernels.nvrtc()
-    cubin, _ = _C.nvrtc_compile(*kernels.compile_args(k, d, "sm_80", g))
+    [spec] = select.block_mask_specs(gen)
+    k, d, g = nvrtc.module_of(*spec)
+    nvrtc.nvrtc()
+    cubin, _ = _C.nvrtc_compile(*nvrtc.compile_args(k, d, "sm_80", g))
     assert b"attn_block_mask" in cubin

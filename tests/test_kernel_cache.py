@@ -1,4 +1,4 @@
-"""The compiled-kernel cache (attnext.kernel_cache): keys, the memory LRU, the disk format and its
+"""The compiled-kernel cache (attnext.cuda.cache): keys, the memory LRU, the disk format and its
 failure modes, logging, threads and processes. A fake compiler stands in for NVRTC; one test uses
 the real one where attnext._C has it."""
 import hashlib
@@ -11,7 +11,8 @@ import time
 import pytest
 
 import attnext
-from attnext import kernel_cache as kc
+from attnext.cuda import cache as kc
+from attnext.lru import LRU
 
 SOURCE = '__global__ void k(float *x) { x[threadIdx.x] = SCALE; }\n'
 BASE = dict(source=SOURCE, filename="k.cu", options=["-DSCALE=2.0f", "-arch=sm_80"],
@@ -134,7 +135,7 @@ def test_lru_bound_evicts_the_oldest(tmp_path, compiler):
 
 def test_lru_class():
     evicted = []
-    lru = kc.LRU(2, on_evict=lambda k, v: evicted.append((k, v)))
+    lru = LRU(2, on_evict=lambda k, v: evicted.append((k, v)))
     lru.put("a", 1)
     lru.put("b", 2)
     assert lru.get("a") == 1                         # "a" is now the most recent
@@ -146,7 +147,7 @@ def test_lru_class():
     lru.clear()
     assert len(lru) == 0
     with pytest.raises(ValueError):
-        kc.LRU(0)
+        LRU(0)
 
 
 # --- the disk cache ---

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from attnext import kernels
+from attnext.cuda import nvrtc, select
 
 
 def test_warmup_check_compiles_every_variant(tmp_path):
@@ -24,9 +24,9 @@ def test_warmup_check_compiles_every_variant(tmp_path):
     r = subprocess.run([sys.executable, "-m", "attnext.warmup", "--check"], env=env,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    for arch in kernels.ARCHS:
-        assert f"{arch}: {len(kernels.variants(arch))} variants" in r.stdout, r.stdout
-        assert (f"{arch}: {len(kernels.mod_variants(arch))} score_mod / mask_mod variants"
+    for arch in select.ARCHS:
+        assert f"{arch}: {len(select.variants(arch))} variants" in r.stdout, r.stdout
+        assert (f"{arch}: {len(select.mod_variants(arch))} score_mod / mask_mod variants"
                 in r.stdout), r.stdout
     # a second run finds every cubin on disk and compiles nothing
     r = subprocess.run([sys.executable, "-m", "attnext.warmup", "--check"], env=env,
@@ -44,7 +44,7 @@ def test_kernels_use_no_lambda_that_nvrtc_13_0_refuses():
     annotated __device__ (13.0 wants --extended-lambda, 13.5 none in JIT mode). Lambdas with
     plain parameters are fine."""
     found = []
-    for f in sorted(pathlib.Path(kernels.KERNEL_DIR).iterdir()):
+    for f in sorted(pathlib.Path(nvrtc.KERNEL_DIR).iterdir()):
         src = re.sub(r"/\*.*?\*/|//[^\n]*", lambda m: re.sub(r"[^\n]", " ", m.group(0)), f.read_text(),
                      flags=re.S)
         for m in LAMBDA.finditer(src):
@@ -58,18 +58,18 @@ def test_kernels_use_no_lambda_that_nvrtc_13_0_refuses():
 
 def test_tile_configs_fit_shared_memory():
     """Every forward variant asks for no more shared memory than an sm_80 block may have."""
-    for kernel, d in kernels.variants():
+    for kernel, d in select.variants():
         if kernel == "attn_fwd":
             tile = (d["BLOCK_M"], d["BLOCK_N"], d["NUM_WARPS"])
-            assert kernels.fwd_smem_bytes(d["HEAD_DIM"], d["HEAD_DIM_V"], tile) <= kernels.MAX_SMEM_SM80
+            assert select.fwd_smem_bytes(d["HEAD_DIM"], d["HEAD_DIM_V"], tile) <= select.MAX_SMEM_SM80
 
 
 def test_hopper_takes_the_wgmma_forward_where_it_applies(monkeypatch):
-    assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 4096) == ("attn_fwd_sm90", kernels.SM90_TILE_LONG)
-    assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 512) == ("attn_fwd_sm90", kernels.SM90_TILE_SHORT)
+    assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096) == ("attn_fwd_sm90", select.SM90_TILE_LONG)
+    assert select.fwd_kernel("sm_90a", 128, 128, True, False, 512) == ("attn_fwd_sm90", select.SM90_TILE_SHORT)
     import numpy as np
 
-    from attnext import codegen, trace
+    from attnext.mods import codegen, trace
     table = np.zeros((4, 9), np.float32)
     doc = np.zeros(9, np.int64)
     lookups = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s + table[h, q - kv]))
@@ -77,74 +77,75 @@ def test_hopper_takes_the_wgmma_forward_where_it_applies(monkeypatch):
                                   trace.trace_mask_mod(lambda b, h, q, kv: doc[q] == doc[kv]))
     mask_alone = codegen.generate(None, trace.trace_mask_mod(lambda b, h, q, kv: doc[q] == doc[kv]))
     for score_mod in (lookups, arithmetic):     # 64 keys a tile: lookups' registers, the compile
-        assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 4096, score_mod) == ("attn_fwd_sm90",
-                                                                                       kernels.SM90_TILE_MODS)
-    assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 4096, mask_alone) == ("attn_fwd_sm90",
-                                                                                    kernels.SM90_TILE_LONG)
-    assert kernels.fwd_kernel("sm_90a", 64, 128, True, False, 4096)[0] == "attn_fwd_sm90"
+        assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, score_mod) == ("attn_fwd_sm90",
+                                                                                       select.SM90_TILE_MODS)
+    assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, mask_alone) == ("attn_fwd_sm90",
+                                                                                    select.SM90_TILE_LONG)
+    assert select.fwd_kernel("sm_90a", 64, 128, True, False, 4096)[0] == "attn_fwd_sm90"
     # other head dims, element loads, decode and other architectures: attn_fwd.cu
     for args in (("sm_90a", 96, 96, True, False), ("sm_90a", 128, 128, False, False),
                  ("sm_90a", 128, 128, True, True), ("sm_80", 128, 128, True, False)):
-        assert kernels.fwd_kernel(*args, 4096)[0] == "attn_fwd", args
+        assert select.fwd_kernel(*args, 4096)[0] == "attn_fwd", args
     monkeypatch.setenv("ATTNEXT_FWD_SM90", "0")
-    assert kernels.fwd_kernel("sm_90a", 128, 128, True, False, 4096)[0] == "attn_fwd"
+    assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096)[0] == "attn_fwd"
 
 
 def test_sm90_forward_tiles_stage_their_output(monkeypatch):
     """Every tile fwd_kernel gives attn_fwd_sm90.cu, with or without mods, passes its staged
     output's static_assert (sm90_staged_o_fits); NVRTC proves the mirror at the head dims where
     a score_mod's 128 x 64 tile would not (D = 64, Dv = 128: the 128 x 128 tile instead)."""
-    from attnext import _C, codegen, trace
+    from attnext import _C
+    from attnext.mods import codegen, trace
     softcap = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: 30.0 * np.tanh(s / 30.0)))
     window = codegen.generate(None, trace.trace_mask_mod(lambda b, h, q, kv: q - kv < 100))
     for (D, Dv), rows, mods in itertools.product(((64, 64), (128, 128), (128, 64), (64, 128)), (512, 4096),
                                                  (None, softcap, window)):
-        kernel, tile = kernels.fwd_kernel("sm_90a", D, Dv, True, False, rows, mods)
-        assert kernel == "attn_fwd_sm90" and kernels.sm90_staged_o_fits(D, Dv, tile), (D, Dv, rows, tile)
-    assert kernels.fwd_kernel("sm_90a", 64, 128, True, False, 4096, softcap)[1] == kernels.SM90_TILE_LONG
-    assert not kernels.sm90_staged_o_fits(64, 128, kernels.SM90_TILE_MODS)
+        kernel, tile = select.fwd_kernel("sm_90a", D, Dv, True, False, rows, mods)
+        assert kernel == "attn_fwd_sm90" and select.sm90_staged_o_fits(D, Dv, tile), (D, Dv, rows, tile)
+    assert select.fwd_kernel("sm_90a", 64, 128, True, False, 4096, softcap)[1] == select.SM90_TILE_LONG
+    assert not select.sm90_staged_o_fits(64, 128, select.SM90_TILE_MODS)
     if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
         pytest.skip("ATTNEXT_NO_NVRTC=1")
-    kernels.nvrtc()
+    nvrtc.nvrtc()
     features = dict(dtype="bfloat16", D=64, Dv=128, vec=True, softcap=False, bias_dtype=None,
                     alibi_dtype=None, mask=False)
-    for tile in (kernels.SM90_TILE_LONG, kernels.SM90_TILE_MODS):
-        d = kernels.fwd_defines(**features, tile=tile, mods=softcap)
-        if kernels.sm90_staged_o_fits(64, 128, tile):
-            _C.nvrtc_compile(*kernels.compile_args("attn_fwd_sm90", d, "sm_90a", softcap.source))
+    for tile in (select.SM90_TILE_LONG, select.SM90_TILE_MODS):
+        d = select.fwd_defines(**features, tile=tile, mods=softcap)
+        if select.sm90_staged_o_fits(64, 128, tile):
+            _C.nvrtc_compile(*nvrtc.compile_args("attn_fwd_sm90", d, "sm_90a", softcap.source))
         else:
             with pytest.raises(RuntimeError, match="staged O tile does not fit"):
-                _C.nvrtc_compile(*kernels.compile_args("attn_fwd_sm90", d, "sm_90a", softcap.source))
+                _C.nvrtc_compile(*nvrtc.compile_args("attn_fwd_sm90", d, "sm_90a", softcap.source))
 
 
 def test_sm90_forward_fits_shared_memory():
-    for kernel, d in kernels.variants("sm_90a"):
+    for kernel, d in select.variants("sm_90a"):
         if kernel == "attn_fwd_sm90":
             tile = (d["BLOCK_M"], d["BLOCK_N"], d["NUM_WARPS"])
-            assert kernels.fwd_smem_bytes(d["HEAD_DIM"], d["HEAD_DIM_V"], tile, kernel) <= 227 * 1024
+            assert select.fwd_smem_bytes(d["HEAD_DIM"], d["HEAD_DIM_V"], tile, kernel) <= 227 * 1024
 
 
 def test_hopper_backward_choice_and_shared_memory(monkeypatch):
     """attn_bwd_sm90 takes D, Dv in {64, 128} with 16-byte rows on sm_90a and fits 227 KB of
     shared memory in every tile the lab can ask for."""
-    assert kernels.bwd_sm90_applies("sm_90a", 128, 64, True)
+    assert select.bwd_sm90_applies("sm_90a", 128, 64, True)
     for args in (("sm_80", 128, 128, True), ("sm_90a", 96, 96, True), ("sm_90a", 128, 128, False)):
-        assert not kernels.bwd_sm90_applies(*args), args
-    for mode in kernels.DQ_MODES:
+        assert not select.bwd_sm90_applies(*args), args
+    for mode in select.DQ_MODES:
         for warps in ("4,4", "8,4", "4,8", "8,8"):
             monkeypatch.setenv("ATTNEXT_TILE_BWD_SM90", warps)
-            tile = kernels.bwd_sm90_tile(128, mode)
-            assert max(kernels.bwd_sm90_smem_bytes(128, 128, tile).values()) <= 227 * 1024, warps
+            tile = select.bwd_sm90_tile(128, mode)
+            assert max(select.bwd_sm90_smem_bytes(128, 128, tile).values()) <= 227 * 1024, warps
     monkeypatch.delenv("ATTNEXT_TILE_BWD_SM90")
     monkeypatch.setenv("ATTNEXT_BWD_SM90", "0")
-    assert not kernels.bwd_sm90_applies("sm_90a", 128, 128, True)
+    assert not select.bwd_sm90_applies("sm_90a", 128, 128, True)
 
 
 def test_dq_mode(monkeypatch):
     """dQ added by attn_bwd_sm90's warp-specialised dK/dV kernel on Hopper at D = 128 and at D =
     Dv = 64 (in turns when deterministic), by the dQ kernel elsewhere; the lab's ATTNEXT_BWD_DQ
     never makes a deterministic call order-dependent, nor asks for additions no kernel makes."""
-    mode = kernels.bwd_dq_mode
+    mode = select.bwd_dq_mode
     assert mode(True, 128, True) == "ordered" and mode(True, 128, False) == "atomic"
     assert mode(True, 64, True) == "ordered" and mode(True, 64, False) == "atomic"
     assert mode(True, 64, True, 128) == mode(True, 64, False, 128) == "recompute"
@@ -153,7 +154,7 @@ def test_dq_mode(monkeypatch):
     assert mode(True, 64, False, 64, 1024) == mode(True, 128, False, 128, 512) == "ordered"
     assert mode(True, 64, False, 64, 1025) == mode(True, 128, False, 128, 16384) == "atomic"
     assert mode(False, 64, False, 64, 512) == "recompute"
-    write = kernels.bwd_dq_write_last   # the last turn writes dq: short keys, no mask_mod
+    write = select.bwd_dq_write_last   # the last turn writes dq: short keys, no mask_mod
     assert write("ordered", False, 1024) and not write("ordered", False, 1025)
     assert not write("ordered", True, 512) and not write("atomic", False, 512)
     monkeypatch.setenv("ATTNEXT_BWD_DQ_WRITE", "0")
@@ -161,14 +162,14 @@ def test_dq_mode(monkeypatch):
     monkeypatch.setenv("ATTNEXT_BWD_DQ_WRITE", "1")
     assert write("ordered", False, 8192) and not write("ordered", True, 512)
     monkeypatch.delenv("ATTNEXT_BWD_DQ_WRITE")
-    tile = kernels.bwd_sm90_tile(128, "ordered")
-    assert tile == kernels.bwd_sm90_tile(128, "atomic") and tile["kv_warps"] == 8
-    assert tile["kv_block_m"] == 64 and kernels.bwd_sm90_tile(64, "ordered")["kv_block_m"] == 128
-    assert kernels.bwd_sm90_kv_kernel("ordered", tile) == ("attn_bwd_dkdv_ws_sm90", 12)
-    recompute = kernels.bwd_sm90_tile(128, "recompute")
-    assert kernels.bwd_sm90_kv_kernel("recompute", recompute) == ("attn_bwd_dkdv_sm90", 4)
+    tile = select.bwd_sm90_tile(128, "ordered")
+    assert tile == select.bwd_sm90_tile(128, "atomic") and tile["kv_warps"] == 8
+    assert tile["kv_block_m"] == 64 and select.bwd_sm90_tile(64, "ordered")["kv_block_m"] == 128
+    assert select.bwd_sm90_kv_kernel("ordered", tile) == ("attn_bwd_dkdv_ws_sm90", 12)
+    recompute = select.bwd_sm90_tile(128, "recompute")
+    assert select.bwd_sm90_kv_kernel("recompute", recompute) == ("attn_bwd_dkdv_sm90", 4)
     for D in (64, 128):   # the warp-specialised kernel fits 227 KB without the base's rounding slack
-        assert kernels.bwd_sm90_smem_bytes(D, D, kernels.bwd_sm90_tile(D, "ordered"))["attn_bwd_dkdv_ws_sm90"] \
+        assert select.bwd_sm90_smem_bytes(D, D, select.bwd_sm90_tile(D, "ordered"))["attn_bwd_dkdv_ws_sm90"] \
             <= 232448
     monkeypatch.setenv("ATTNEXT_BWD_DQ", "atomic")
     assert mode(True, 128, False) == "atomic" and mode(True, 128, True) == "ordered"
@@ -179,64 +180,65 @@ def test_dq_mode(monkeypatch):
     monkeypatch.setenv("ATTNEXT_BWD_DQ", "recompute")
     assert mode(True, 128, True) == mode(True, 128, False) == "recompute"
     monkeypatch.setenv("ATTNEXT_TILE_BWD_SM90", "4,4")
-    assert kernels.bwd_sm90_tile(128, "ordered")["kv_warps"] == 8   # the lab's override: recompute only
+    assert select.bwd_sm90_tile(128, "ordered")["kv_warps"] == 8   # the lab's override: recompute only
 
 
 def test_a_call_with_mods_compiles_its_entry_points_alone():
-    """kernels.module_of: with mods, an entry point that reads none of them comes from the plain
+    """nvrtc.module_of: with mods, an entry point that reads none of them comes from the plain
     variant (warmup's), every other one is compiled alone (ATTN_ENTRY_ONLY); without mods, the
     whole file. The entry point compiled alone is the only function in its cubin."""
     if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
         pytest.skip("ATTNEXT_NO_NVRTC=1")
-    from attnext import _C, codegen, trace
+    from attnext import _C
+    from attnext.mods import codegen, trace
     gen = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s + (q - kv) * 0.5))
     features = dict(dtype="bfloat16", D=128, Dv=128, vec=True, softcap=False, bias_dtype=None,
                     alibi_dtype=None, mask=True)
-    plain = kernels.bwd_defines(**features, tile=kernels.bwd_sm90_tile(128, "recompute"))
-    with_mods = kernels.bwd_defines(**features, tile=kernels.bwd_sm90_tile(128, "recompute"), mods=gen)
-    assert kernels.plain_defines(with_mods) == plain and kernels.plain_defines(plain) is plain
-    assert kernels.module_of("attn_bwd", "attn_bwd_dq_convert", with_mods, gen.source) == ("attn_bwd", plain, None)
+    plain = select.bwd_defines(**features, tile=select.bwd_sm90_tile(128, "recompute"))
+    with_mods = select.bwd_defines(**features, tile=select.bwd_sm90_tile(128, "recompute"), mods=gen)
+    assert select.plain_defines(with_mods) == plain and select.plain_defines(plain) is plain
+    assert nvrtc.module_of("attn_bwd", "attn_bwd_dq_convert", with_mods, gen.source) == ("attn_bwd", plain, None)
     # attn_bwd_pre reads the score_mod: it recomputes the rows whose lse is lost
-    assert kernels.module_of("attn_bwd", "attn_bwd_pre", with_mods, gen.source)[2] == gen.source
-    assert kernels.module_of("attn_bwd_sm90", "attn_bwd_dq_sm90", plain, None) == ("attn_bwd_sm90", plain, None)
-    k, d, g = kernels.module_of("attn_bwd_sm90", "attn_bwd_dq_sm90", with_mods, gen.source)
+    assert nvrtc.module_of("attn_bwd", "attn_bwd_pre", with_mods, gen.source)[2] == gen.source
+    assert nvrtc.module_of("attn_bwd_sm90", "attn_bwd_dq_sm90", plain, None) == ("attn_bwd_sm90", plain, None)
+    k, d, g = nvrtc.module_of("attn_bwd_sm90", "attn_bwd_dq_sm90", with_mods, gen.source)
     assert d["ATTN_ENTRY_ONLY"] == 1 and d["ATTN_ENTRY_attn_bwd_dq_sm90"] == 1 and g == gen.source
-    kernels.nvrtc()
-    cubin, _ = _C.nvrtc_compile(*kernels.compile_args(k, d, "sm_90a", g))
+    nvrtc.nvrtc()
+    cubin, _ = _C.nvrtc_compile(*nvrtc.compile_args(k, d, "sm_90a", g))
     assert b"attn_bwd_dq_sm90" in cubin and b"attn_bwd_dkdv_sm90" not in cubin
 
 
 def test_compile_ahead_starts_the_compiles_where_the_cores_allow(tmp_path, monkeypatch):
-    """kernels.compile_ahead compiles its entry points' cubins in background threads, each module
+    """nvrtc.compile_ahead compiles its entry points' cubins in background threads, each module
     once, as module_for chooses them (a plain entry point alone while its whole file is in no
     cache), where the machine has a core for each beside the caller's (busy);
     ATTNEXT_COMPILE_AHEAD=1 always, =0 never."""
     if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
         pytest.skip("ATTNEXT_NO_NVRTC=1")
-    from attnext import codegen, trace
-    from attnext.kernel_cache import CubinCache
-    monkeypatch.setattr(kernels, "_cubins", CubinCache(kernels._compile, cache_dir=tmp_path))
+    from attnext.mods import codegen, trace
+    from attnext.cuda.cache import CubinCache
+    monkeypatch.setattr(nvrtc, "_cubins", CubinCache(nvrtc._compile, cache_dir=tmp_path))
     made = []
-    monkeypatch.setattr(kernels, "cubin", lambda k, d, arch, g=None: made.append((k, d, g)) or b"cubin")
+    monkeypatch.setattr(nvrtc, "cubin", lambda k, d, arch, g=None: made.append((k, d, g)) or b"cubin")
     gen = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s * 0.5))
     features = dict(dtype="bfloat16", D=128, Dv=128, vec=True, softcap=False, bias_dtype=None,
                     alibi_dtype=None, mask=False)
-    defines = kernels.bwd_defines(**features, tile=kernels.bwd_sm90_tile(128, "recompute"), mods=gen)
+    defines = select.bwd_defines(**features, tile=select.bwd_sm90_tile(128, "recompute"), mods=gen)
     specs = [("attn_bwd_sm90", "attn_bwd_dq_sm90", defines, gen.source),
              ("attn_bwd", "attn_bwd_dq_convert", defines, gen.source), ("attn_bwd", "attn_bwd_dq_convert", defines, gen.source)]
-    monkeypatch.setattr(kernels, "_cpus", lambda: 3)
+    monkeypatch.setattr(nvrtc, "_cpus", lambda: 3)
     monkeypatch.setenv("ATTNEXT_COMPILE_AHEAD", "0")
-    assert kernels.compile_ahead(specs, "sm_90a") == []
+    assert nvrtc.compile_ahead(specs, "sm_90a") == []
     monkeypatch.delenv("ATTNEXT_COMPILE_AHEAD")
-    assert kernels.compile_ahead(specs, "sm_90a", busy=2) == [] and made == []
-    assert [f.result() for f in kernels.compile_ahead(specs, "sm_90a", busy=1)] == [b"cubin"] * 2
-    plain = kernels.plain_defines(defines)
+    assert nvrtc.compile_ahead(specs, "sm_90a", busy=2) == [] and made == []
+    assert [f.result() for f in nvrtc.compile_ahead(specs, "sm_90a", busy=1)] == [b"cubin"] * 2
+    plain = select.plain_defines(defines)
     assert sorted(made, key=str) == sorted([
-        ("attn_bwd_sm90", kernels.entry_defines(defines, "attn_bwd_dq_sm90"), gen.source),
-        ("attn_bwd", kernels.entry_defines(plain, "attn_bwd_dq_convert"), None)], key=str)
-    monkeypatch.setattr(kernels, "_cpus", lambda: 1)
+        ("attn_bwd_sm90", select.entry_defines(defines, "attn_bwd_dq_sm90"), gen.source),
+        ("attn_bwd", select.entry_defines(plain, "attn_bwd_dq_convert"), None)], key=str)
+    monkeypatch.setattr(nvrtc, "_cpus", lambda: 1)
     monkeypatch.setenv("ATTNEXT_COMPILE_AHEAD", "1")
-    assert len(kernels.compile_ahead(specs, "sm_90a", busy=1)) == 2
+    assert len(nvrtc.compile_ahead(specs, "sm_90a", busy=1)) == 2
 
 
 def test_compile_ahead_counts_its_running_compiles_and_skips_cached_ones(tmp_path, monkeypatch):
@@ -244,38 +246,38 @@ def test_compile_ahead_counts_its_running_compiles_and_skips_cached_ones(tmp_pat
     point a cache holds is not compiled again; "off" is "0"; a forward's head start never raises
     (cuda_backend._compile_backward_ahead: the backward meets its own errors)."""
     import threading
-    from attnext import cuda_backend
-    from attnext.kernel_cache import CubinCache
-    monkeypatch.setattr(kernels, "_cubins", CubinCache(kernels._compile, cache_dir=tmp_path))
+    from attnext.cuda import backend as cuda_backend
+    from attnext.cuda.cache import CubinCache
+    monkeypatch.setattr(nvrtc, "_cubins", CubinCache(nvrtc._compile, cache_dir=tmp_path))
     release, made = threading.Event(), []
 
     def slow_cubin(k, d, arch, g=None):
         made.append(d)
         release.wait(10)
         return b"cubin"
-    monkeypatch.setattr(kernels, "cubin", slow_cubin)
-    monkeypatch.setattr(kernels, "module_for", lambda kernel, name, defines, generated, arch: (kernel, defines, None))
-    monkeypatch.setattr(kernels, "compile_args", lambda k, d, arch, g=None: (str(sorted(d.items())), "x.cu", [], []))
-    monkeypatch.setattr(kernels, "_cpus", lambda: 3)
+    monkeypatch.setattr(nvrtc, "cubin", slow_cubin)
+    monkeypatch.setattr(nvrtc, "module_for", lambda kernel, name, defines, generated, arch: (kernel, defines, None))
+    monkeypatch.setattr(nvrtc, "compile_args", lambda k, d, arch, g=None: (str(sorted(d.items())), "x.cu", [], []))
+    monkeypatch.setattr(nvrtc, "_cpus", lambda: 3)
     monkeypatch.delenv("ATTNEXT_COMPILE_AHEAD", raising=False)
     spec = lambda i: ("attn_bwd", f"e{i}", {"E": i}, None)
-    first = kernels.compile_ahead([spec(0), spec(1)], "sm_90a", busy=1)
+    first = nvrtc.compile_ahead([spec(0), spec(1)], "sm_90a", busy=1)
     assert len(first) == 2
-    assert kernels.compile_ahead([spec(2)], "sm_90a", busy=1) == []     # 1 + 1 + 2 running > 3 cores
+    assert nvrtc.compile_ahead([spec(2)], "sm_90a", busy=1) == []     # 1 + 1 + 2 running > 3 cores
     release.set()
     assert [f.result() for f in first] == [b"cubin"] * 2
     for _ in range(100):
-        if kernels._ahead_running == 0:
+        if nvrtc._ahead_running == 0:
             break
         threading.Event().wait(0.01)
-    assert kernels._ahead_running == 0
-    [third] = kernels.compile_ahead([spec(2)], "sm_90a", busy=1)
+    assert nvrtc._ahead_running == 0
+    [third] = nvrtc.compile_ahead([spec(2)], "sm_90a", busy=1)
     assert third.result() == b"cubin"
-    monkeypatch.setattr(kernels._cubins, "has", lambda *args: True)
-    assert kernels.compile_ahead([spec(3)], "sm_90a", busy=1) == []
-    monkeypatch.setattr(kernels._cubins, "has", lambda *args: False)
+    monkeypatch.setattr(nvrtc._cubins, "has", lambda *args: True)
+    assert nvrtc.compile_ahead([spec(3)], "sm_90a", busy=1) == []
+    monkeypatch.setattr(nvrtc._cubins, "has", lambda *args: False)
     monkeypatch.setenv("ATTNEXT_COMPILE_AHEAD", "off")
-    assert kernels.compile_ahead([spec(4)], "sm_90a", busy=1) == []
+    assert nvrtc.compile_ahead([spec(4)], "sm_90a", busy=1) == []
     assert {d["E"] for d in made} == {0, 1, 2}
     cuda_backend._compile_backward_ahead(object(), 0, {}, 1, None, [])   # a broken problem: no raise
 
@@ -288,30 +290,32 @@ def test_block_mask_kernel_compiles_alone_and_reports_out_of_line():
         pytest.skip("ATTNEXT_NO_NVRTC=1")
     import numpy as np
 
-    from attnext import _C, codegen, trace
+    from attnext import _C
+    from attnext.mods import codegen, trace
     doc = np.repeat(np.arange(4), 16)
     gen = codegen.generate(None, trace.trace_mask_mod(lambda b, h, q, kv: doc[q] == doc[kv]))
-    assert kernels.block_mask_specs(None) == []
-    assert kernels.block_mask_specs(codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s * 2.0))) == []
-    [spec] = kernels.block_mask_specs(gen)
-    k, d, g = kernels.module_of(*spec)
+    assert select.block_mask_specs(None) == []
+    assert select.block_mask_specs(codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s * 2.0))) == []
+    [spec] = select.block_mask_specs(gen)
+    k, d, g = nvrtc.module_of(*spec)
     assert k == "attn_block_mask" and d["ATTN_ENTRY_ONLY"] == 1 and d["ATTN_ENTRY_attn_block_mask"] == 1
-    kernels.nvrtc()
+    nvrtc.nvrtc()
     for arch in ("sm_80", "sm_90a"):
-        cubin, _ = _C.nvrtc_compile(*kernels.compile_args(k, d, arch, g))
+        cubin, _ = _C.nvrtc_compile(*nvrtc.compile_args(k, d, arch, g))
         assert b"attn_block_mask" in cubin and b"mod_mask_check" in cubin, arch
 
 
 _FRESH = r"""
 import json, sys
-from attnext import _C, kernels
-kernels.cubin("attn_convert", {}, "sm_80")
+from attnext import _C
+from attnext.cuda import nvrtc, select
+nvrtc.cubin("attn_convert", {}, "sm_80")
 try:
     _C.nvrtc_version()
     loaded = True
 except RuntimeError:            # "NVRTC is not loaded"
     loaded = False
-print(json.dumps(dict(loaded=loaded, info=kernels.cache_info(), version=kernels.nvrtc_version())))
+print(json.dumps(dict(loaded=loaded, info=nvrtc.cache_info(), version=nvrtc.nvrtc_version())))
 """
 
 
@@ -332,7 +336,7 @@ def test_a_disk_hit_loads_no_nvrtc_while_its_files_are_unchanged(tmp_path):
     import json
     cold = _fresh(tmp_path)
     assert cold["loaded"] and cold["info"]["compiles"] == 1
-    record = tmp_path / kernels.NVRTC_RECORD
+    record = tmp_path / nvrtc.NVRTC_RECORD
     rec = json.loads(record.read_text())
     assert rec["version"] == cold["version"] and os.path.exists(rec["library"])
     warm = _fresh(tmp_path)
@@ -356,16 +360,16 @@ def test_nvrtc_fingerprint_follows_the_candidates_files(tmp_path, monkeypatch):
     (folder / "unrelated.txt").write_text("x")
     lib.write_text("a")
     cands = [str(folder), str(lib), "libnvrtc.so.12"]
-    seen = [kernels.nvrtc_fingerprint(cands)]
+    seen = [nvrtc.nvrtc_fingerprint(cands)]
     (folder / "other.so").write_text("x")
-    assert kernels.nvrtc_fingerprint(cands) == seen[0]
+    assert nvrtc.nvrtc_fingerprint(cands) == seen[0]
     for step in (lambda: (folder / "libnvrtc.so.13").write_text("b"),
                  lambda: (folder / "libnvrtc.so.13").write_text("bb"),
                  lambda: lib.write_text("aa"),
                  lambda: (folder / "libnvrtc.so.13").unlink(),
                  lambda: monkeypatch.setenv("LD_LIBRARY_PATH", str(tmp_path))):
         step()
-        seen.append(kernels.nvrtc_fingerprint(cands))
+        seen.append(nvrtc.nvrtc_fingerprint(cands))
     assert len(set(seen)) == len(seen)
 
 
@@ -374,18 +378,18 @@ def test_an_entry_point_compiles_alone_until_its_whole_file_is_cached(tmp_path, 
     in memory or on disk), and compiled alone before that; a single-entry file stays whole."""
     if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
         pytest.skip("ATTNEXT_NO_NVRTC=1")
-    from attnext.kernel_cache import CubinCache
-    monkeypatch.setattr(kernels, "_cubins", CubinCache(kernels._compile, cache_dir=tmp_path))
-    [(_, plain)] = kernels.fwd_variants()[:1]
-    k, d, g = kernels.module_for("attn_fwd", "attn_fwd_combine", plain, None, "sm_80")
-    assert (k, d, g) == ("attn_fwd", kernels.entry_defines(plain, "attn_fwd_combine"), None)
-    assert kernels.module_for("attn_convert", "attn_convert", {}, None, "sm_80")[1] == {}
-    kernels.cubin(k, d, "sm_80")                 # the entry alone: the whole file still missing
-    assert kernels.module_for("attn_fwd", "attn_fwd_combine", plain, None, "sm_80")[1] == d
-    kernels.cubin("attn_fwd", plain, "sm_80")
-    assert kernels.module_for("attn_fwd", "attn_fwd_combine", plain, None, "sm_80")[1] == plain
-    monkeypatch.setattr(kernels, "_cubins", CubinCache(kernels._compile, cache_dir=tmp_path))
-    assert kernels.module_for("attn_fwd", "attn_fwd_combine", plain, None, "sm_80")[1] == plain  # disk
+    from attnext.cuda.cache import CubinCache
+    monkeypatch.setattr(nvrtc, "_cubins", CubinCache(nvrtc._compile, cache_dir=tmp_path))
+    [(_, plain)] = select.fwd_variants()[:1]
+    k, d, g = nvrtc.module_for("attn_fwd", "attn_fwd_combine", plain, None, "sm_80")
+    assert (k, d, g) == ("attn_fwd", select.entry_defines(plain, "attn_fwd_combine"), None)
+    assert nvrtc.module_for("attn_convert", "attn_convert", {}, None, "sm_80")[1] == {}
+    nvrtc.cubin(k, d, "sm_80")                 # the entry alone: the whole file still missing
+    assert nvrtc.module_for("attn_fwd", "attn_fwd_combine", plain, None, "sm_80")[1] == d
+    nvrtc.cubin("attn_fwd", plain, "sm_80")
+    assert nvrtc.module_for("attn_fwd", "attn_fwd_combine", plain, None, "sm_80")[1] == plain
+    monkeypatch.setattr(nvrtc, "_cubins", CubinCache(nvrtc._compile, cache_dir=tmp_path))
+    assert nvrtc.module_for("attn_fwd", "attn_fwd_combine", plain, None, "sm_80")[1] == plain  # disk
 
 
 def test_a_stale_nvrtc_record_never_keys_a_compile(tmp_path):
@@ -396,7 +400,7 @@ def test_a_stale_nvrtc_record_never_keys_a_compile(tmp_path):
         pytest.skip("ATTNEXT_NO_NVRTC=1")
     import json
     cold = _fresh(tmp_path)
-    record = tmp_path / kernels.NVRTC_RECORD
+    record = tmp_path / nvrtc.NVRTC_RECORD
     rec = json.loads(record.read_text())
     for entry in (tmp_path / "v1").iterdir():
         entry.unlink()                                  # the cubin must be compiled again

@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 
 import attnext
-from attnext import _C, codegen, kernels, trace
-from attnext.accuracy import compare_dtensors
+from attnext import _C
+from attnext.cuda import nvrtc, select
+from attnext.mods import codegen, fingerprint, trace
+from attnext.testing.accuracy import compare_dtensors
 from conftest import (BF16, F32, F64, assert_close, assert_lse_close, check_backend, compare_grads,
                       make_qkv, randn)
 
@@ -216,7 +218,7 @@ def test_helper_module_arrays_are_captured_by_their_names():
     tm = trace.trace_mask_mod(lambda b, h, q_idx, kv_idx: same_bucket(q_idx, kv_idx))
     assert ts.arrays == {"DIST_BIAS": legal_helpers.DIST_BIAS}
     assert tm.arrays == {"BUCKET": legal_helpers.BUCKET}
-    assert trace.captured_arrays(lambda s, b, h, q_idx, kv_idx: distance_bias(s, q_idx, kv_idx)) == {
+    assert fingerprint.captured_arrays(lambda s, b, h, q_idx, kv_idx: distance_bias(s, q_idx, kv_idx)) == {
         "DIST_BIAS": legal_helpers.DIST_BIAS}
 
 
@@ -301,13 +303,13 @@ def test_deep_graphs_compile_with_nvrtc(rng):
         pytest.skip("ATTNEXT_NO_NVRTC=1")
     score_mod, mask_mod = deep_general(rng)
     gen = codegen.generate(trace.trace_score_mod(score_mod), trace.trace_mask_mod(mask_mod))
-    defines = kernels.fwd_defines(dtype="bfloat16", D=64, Dv=64, vec=True, softcap=False,
+    defines = select.fwd_defines(dtype="bfloat16", D=64, Dv=64, vec=True, softcap=False,
                                   bias_dtype=None, alibi_dtype=None, mask=False,
-                                  tile=kernels.tile_config(64, 64), mods=gen)
+                                  tile=select.tile_config(64, 64), mods=gen)
     assert defines["HAS_SCORE_MOD"] == defines["HAS_MASK_MOD"] == defines["HAS_DTENSORS"] == 1
-    kernels.nvrtc()
-    cubin, _ = _C.nvrtc_compile(PROBE, "probe.cu", kernels.options(defines, "sm_80"),
-                                kernels._headers(gen.source))
+    nvrtc.nvrtc()
+    cubin, _ = _C.nvrtc_compile(PROBE, "probe.cu", nvrtc.options(defines, "sm_80"),
+                                nvrtc._headers(gen.source))
     assert b"probe" in cubin
 
 

@@ -20,7 +20,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from attnext import _C, kernels, mod_arrays, trace
+from attnext import _C
+from attnext.cuda import mod_inputs as mod_arrays, nvrtc, select
+from attnext.mods import fingerprint, trace
 from test_cuda_host_path import _run, fake_driver  # noqa: F401  (the fixture)
 
 
@@ -49,7 +51,7 @@ def test_tracing_takes_shape_and_dtype_from_the_protocol():
     t = trace.trace_score_mod(on_device)
     assert t.arrays == {"table": table}
     assert t.key == trace.trace_score_mod(on_host).key
-    assert trace.captured_arrays(on_device) == {"table": table}
+    assert fingerprint.captured_arrays(on_device) == {"table": table}
     ids = NullCudaArray((7,), "<i4")
     tm = trace.trace_mask_mod(lambda b, h, qi, ki: ids[qi] == ids[ki])
     assert [n.args[1:] for n in trace.topo(tm.out) if n.op == "array"] == [("int32", (7,))]
@@ -71,7 +73,7 @@ def test_tracing_names_an_array_its_library_refuses_to_share():
 
 
 def test_convert_kernel_agrees_with_mod_arrays():
-    source = (kernels.KERNEL_DIR / "attn_convert.cu").read_text()
+    source = (nvrtc.KERNEL_DIR / "attn_convert.cu").read_text()
     enum = re.search(r"enum \{ (T_BOOL[^}]*) \}", source).group(1).replace(" ", "").split(",")
     assert [enum[c] for c in mod_arrays.TYPE_CODES.values()] == enum
     names = {np.dtype(t): n for t, n in ((np.bool_, "T_BOOL"), (np.int8, "T_I8"), (np.int16, "T_I16"),
@@ -85,20 +87,21 @@ def test_convert_kernel_agrees_with_mod_arrays():
     assert f"#define CONVERT_DIMS {mod_arrays.CONVERT_DIMS}" in source
 
 
-@pytest.mark.parametrize("arch", kernels.ARCHS)
+@pytest.mark.parametrize("arch", select.ARCHS)
 def test_convert_kernel_compiles(arch):
     if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
         pytest.skip("ATTNEXT_NO_NVRTC=1")
-    kernels.nvrtc()
-    cubin, _ = _C.nvrtc_compile(*kernels.compile_args("attn_convert", {}, arch))     # no cache
+    nvrtc.nvrtc()
+    cubin, _ = _C.nvrtc_compile(*nvrtc.compile_args("attn_convert", {}, arch))     # no cache
     assert cubin
 
 
 BODY = r"""
 import ctypes
-from attnext import codegen, mod_arrays, mod_cache, staging, trace
+from attnext.cuda import mod_cache, mod_inputs as mod_arrays, staging
+from attnext.mods import codegen, trace
 
-S = 256         # a multiple of kernels.TILE_EDGE: the lookups over it are proved
+S = 256         # a multiple of select.TILE_EDGE: the lookups over it are proved
 rng = np.random.default_rng(0)
 GMODS = []          # (entry point, attn_mods_gpu record) of every launch with mods
 CONVERTS = []       # attn_convert's parameters, every launch

@@ -2,7 +2,7 @@
 and CuPy arrays read in place or converted on the device (attnext/mod_arrays.py).
 
 Every result is checked against the float64 reference, which runs the same function over NumPy
-copies of the arrays (trace.with_arrays), and against the same call with those NumPy copies
+copies of the arrays (fingerprint.with_arrays), and against the same call with those NumPy copies
 captured instead, bit for bit (the kernels read the same values; a CUDA array's gradient is
 rounded on the device by NumPy's rule). kernels/attn_convert.cu is checked against NumPy's
 astype, bit for bit, over every dtype pair mod_arrays uses and strided, reversed, broadcast,
@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 import attnext
-from attnext import _C, cuda_backend, kernels, mod_arrays, mod_cache, reference, staging, trace
-from attnext.accuracy import coarser
-from attnext.devview import DevView
+from attnext import _C, reference
+from attnext.cuda import backend as cuda_backend, mod_cache, mod_inputs as mod_arrays, nvrtc, select, staging
+from attnext.mods import fingerprint, trace
+from attnext.testing.accuracy import coarser
+from attnext.cuda.devview import DevView
 from conftest import BF16, F16, assert_close, assert_lse_close, compare_grads, make_qkv, randn
 
 pytestmark = pytest.mark.gpu
@@ -88,7 +90,7 @@ def lib(request):
 
 def twin(fn, host):
     """fn over NumPy copies of its captured arrays (name -> NumPy array), or None."""
-    return None if fn is None else trace.with_arrays(fn, host)
+    return None if fn is None else fingerprint.with_arrays(fn, host)
 
 
 def run(lib, q, k, v, host, *, score_mod=None, mask_mod=None, backward=True, **opts):
@@ -374,14 +376,14 @@ def test_in_place_changes_are_seen_by_the_next_call(lib, rng):
 
 def test_in_place_arrays_cost_no_host_copy(rng, monkeypatch):
     """A float32 table and int64 ids read in place: no upload, and no download either (their
-    lookups cannot fail over the lengths rounded up to kernels.TILE_EDGE, so the call does not
+    lookups cannot fail over the lengths rounded up to select.TILE_EDGE, so the call does not
     wait), forward and backward."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device for torch")
     lib = Torch()
     q, k, v = (lib.put(x) for x in make_qkv(rng, 1, S, S, 2, 2, 64, 64, BF16))
-    edge = -(-S // kernels.TILE_EDGE) * kernels.TILE_EDGE
+    edge = -(-S // select.TILE_EDGE) * select.TILE_EDGE
     table = lib.put(randn(rng, (2, 2 * edge + 1), np.float32))
     doc = lib.put(np.repeat(np.arange(edge // 50 + 1), 50)[:edge].astype(np.int64))
 

@@ -1,4 +1,4 @@
-"""attnext.mod_cache on the fake driver (no GPU): a mask_mod's block mask is built once and
+"""attnext.cuda.mod_cache on the fake driver (no GPU): a mask_mod's block mask is built once and
 reused by the calls that have the same mask_mod structure, float constants, captured-array
 contents, lengths and cells; anything else differing rebuilds it, an array changed in place is
 uploaded again, and both caches stay bounded. The GPU tests (test_score_mod_cuda.py) check that
@@ -8,7 +8,8 @@ import numpy as np
 from test_cuda_host_path import _run, fake_driver  # noqa: F401  (the fixture)
 
 BODY = r"""
-from attnext import codegen, mod_cache
+from attnext.cuda import mod_cache
+from attnext.mods import codegen
 
 MASKS = []          # (block mask address, gmods) of every attn_block_mask launch
 CALLS = []          # block mask address each attention launch reads
@@ -83,7 +84,7 @@ assert mod_cache.info()["block_masks"]["entries"] == 0
 assert run(doc_mask)[0] == 1
 # the error record is read back (the call waits for its kernels) only when attnext.bounds cannot
 # prove every lookup in range: doc[qi] over 256 rows of a 256-long array can never fail
-from attnext import staging
+from attnext.cuda import staging
 reads = []
 _download = staging.Staging.download
 staging.Staging.download = lambda self, view, dst: (reads.append(dst.shape), _download(self, view, dst))[1]
@@ -100,7 +101,7 @@ def test_block_masks_are_reused_by_their_key_only(fake_driver):  # noqa: F811
 
 
 def test_array_copies_are_found_by_bits():
-    from attnext import mod_cache
+    from attnext.cuda import mod_cache
     a = np.array([1.0, np.nan, -0.0], np.float32)
     b = a.copy()
     assert np.array_equal(mod_cache._bits(a), mod_cache._bits(b))
@@ -114,7 +115,7 @@ def test_the_per_thread_default_stream_finds_and_keeps_nothing(fake_driver):  # 
     nor keeps an array copy or a block mask: it uploads and builds its own every call, and what
     it made is freed with it; a call on a stream of its own then keeps them as before."""
     _run(fake_driver, BODY.split("# documents that repeat")[0] + r"""
-from attnext import device
+from attnext.cuda import arrays as device
 
 doc = np.repeat(np.arange(4) % 2, 64)
 def doc_mask(b, h, qi, ki):

@@ -30,7 +30,7 @@ import warnings
 import numpy as np
 import pytest
 
-from attnext.accuracy import compare_dtensors
+from attnext.testing.accuracy import compare_dtensors
 from conftest import (BF16, F32, F64, assert_close, assert_lse_close, compare_grads, dead_rows,
                       entry_points, make_qkv, make_varlen_qkv, randn)
 

@@ -1,4 +1,4 @@
-"""attnext.pinning and staging's direct path: the caller's memory registered in place
+"""attnext.cuda.pinning and staging's direct path: the caller's memory registered in place
 (cuMemHostRegister), DMAs straight from and to it.
 
 Without a GPU: the span arithmetic, and whole copies and NumPy forwards over test_staging's fake
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import attnext
-from attnext import _C, cuda_backend, pinning, staging
-from attnext.devview import DevView
+from attnext import _C
+from attnext.cuda import backend as cuda_backend, pinning, staging
+from attnext.cuda.devview import DevView
 from conftest import BF16, in_threads
 from test_staging import _bits, _random, check_real, fake, fake_kernel, real_kernel  # noqa: F401  (fixtures)
 
@@ -255,7 +256,8 @@ def test_an_owner_evicted_and_kept_again_leaves_no_finalizer_behind(kept, rng, m
 _GC_IN_ACQUIRE = r"""
 import faulthandler, gc, sys
 import numpy as np
-from attnext import _C, pinning
+from attnext import _C
+from attnext.cuda import pinning
 _C.host_register = lambda lo, n, dev=0, ro=False: True
 _C.host_unregister = lambda lo, dev=0: None
 k = int(sys.argv[1])

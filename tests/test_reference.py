@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from attnext import reference as ref
-from attnext.accuracy import compare_dtensors
+from attnext.testing.accuracy import compare_dtensors
 from conftest import check_backend
 
 B, HQ, HK, D, DV = 2, 4, 2, 8, 6

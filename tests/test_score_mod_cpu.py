@@ -12,7 +12,7 @@ import pytest
 
 import attnext
 from attnext import reference
-from attnext.accuracy import compare_dtensors
+from attnext.testing.accuracy import compare_dtensors
 
 import mods
 from conftest import (F32, F64, assert_close, check_backend, dtype_id, make_qkv,
@@ -338,6 +338,6 @@ def test_cache_a_float_sweep_compiles_once(rng):
 
 
 def test_cache_is_bounded():
-    from attnext import interp
+    from attnext.mods import interp
     info = attnext.cache_info()["cpu"]
     assert info["entries"] <= info["capacity"] == interp.CACHE_CAPACITY

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import attnext
-from attnext import kernels, mod_cache
-from attnext.accuracy import EPS, LOW_FACTOR, compare_dtensors
+from attnext.cuda import mod_cache, nvrtc, select
+from attnext.testing.accuracy import EPS, LOW_FACTOR, compare_dtensors
 from conftest import (BF16, F16, assert_close, assert_lse_close, compare_grads, dead_rows, entry_points,
                       make_qkv, make_varlen_qkv, randn)
 
@@ -159,7 +159,7 @@ def test_longer_sequences_cross_tiles(rng, torch):
 @pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (128, 64), (64, 128)],
                          ids=["d64", "d128", "d128_dv64", "d64_dv128"])
 def test_long_rows_take_the_long_forward_tiles(d, dv, rng, torch):
-    """Past kernels.SM90_SHORT_ROWS query rows a score_mod takes the 128 x 64 forward tile on
+    """Past select.SM90_SHORT_ROWS query rows a score_mod takes the 128 x 64 forward tile on
     Hopper, except at D = 64, Dv = 128, where its staged output would not fit (128 x 128)."""
     q, k, v = make_qkv(rng, 1, 1100, 1100, 2, 1, d, dv, BF16)
     run_gpu(torch, q, k, v, score_mod=mods.score_mods()["softcap"], causal=True)
@@ -168,7 +168,7 @@ def test_long_rows_take_the_long_forward_tiles(d, dv, rng, torch):
 @pytest.mark.parametrize("d", [64, 128])
 def test_narrowed_key_blocks_add_dq_in_order(d, rng, torch):
     """D = 128 (64-row query tiles) and D = 64 (128-row ones): on Hopper the dK/dV kernel adds dQ
-    (kernels.bwd_dq_mode) while a mask_mod's block mask takes query tiles off each key block's ends; in the ordered mode those tiles' turns pass
+    (select.bwd_dq_mode) while a mask_mod's block mask takes query tiles off each key block's ends; in the ordered mode those tiles' turns pass
     at once (a bit per key block), so a rerun gives the same bits, and deterministic=False the
     same values within rounding. Masks with and without keys every query sees."""
     doc = np.repeat(np.arange(5), [150, 10, 260, 200, 80])
@@ -307,7 +307,8 @@ def test_block_mask_kept_across_calls_follows_the_captured_array(rng, torch):
 def test_dtensor_sums_on_the_device_are_the_host_rule(rng, torch):
     """kernels/attn_dtensors.cu against codegen.limbs_to_float, bit for bit: limbs of both signs
     and any size (carries, negative totals, the last limb's rounding), and the flags."""
-    from attnext import codegen, cuda_backend, staging
+    from attnext.cuda import backend as cuda_backend, staging
+    from attnext.mods import codegen
     n = 4096
     limbs = rng.integers(-2 ** 40, 2 ** 40, (n, codegen.LIMBS))
     limbs[: n // 4, 6:] = 0                                   # small sums
@@ -379,7 +380,7 @@ def test_backward_is_bit_identical_run_to_run(rng, torch):
 def _lookups():
     """Cubins that had to be produced (compiled now or read from the disk cache): a kernel this
     process had not built yet."""
-    info = kernels.cache_info()
+    info = nvrtc.cache_info()
     return info["compiles"] + info["disk_hits"]
 
 

@@ -1,4 +1,4 @@
-"""attnext.staging: NumPy arrays to and from the GPU through the pinned rings.
+"""attnext.cuda.staging: NumPy arrays to and from the GPU through the pinned rings.
 
 Without a GPU: the chunking arithmetic, and the whole copy pipeline over a fake of attnext._C's
 memory, copy and stream primitives whose copies land late (a DMA happens only when the host
@@ -18,8 +18,9 @@ import pytest
 
 import attnext
 import fake_cuda
-from attnext import _C, cuda_backend, pinning, reference, staging
-from attnext.devview import DevView
+from attnext import _C, reference
+from attnext.cuda import backend as cuda_backend, pinning, staging
+from attnext.cuda.devview import DevView
 from conftest import BF16, assert_close, assert_lse_close, in_threads
 
 JOIN_SECONDS = 120       # the concurrent tests' deadlock guard
@@ -419,7 +420,7 @@ def _stand_in(monkeypatch, launch):
     monkeypatch.setattr(cuda_backend, "_status", "")
     monkeypatch.setattr(cuda_backend, "device_arch", lambda device: "sm_90a")
     monkeypatch.setattr(cuda_backend, "device_info", lambda device: {"multiprocessor_count": 1})
-    monkeypatch.setattr(cuda_backend.kernels, "function", lambda *a, **kw: "fn")
+    monkeypatch.setattr(cuda_backend.nvrtc, "function", lambda *a, **kw: "fn")
     cuda_backend.clear_plans()
 
 
@@ -454,12 +455,12 @@ def test_fake_forward_through_staging(fake_kernel, monkeypatch, rng, sliced, lay
 
 @pytest.mark.parametrize("B, S", [(1, 1000), (2, 300), (3, 129), (4, 100)])
 def test_fake_forward_in_row_slices(fake_kernel, monkeypatch, rng, B, S):
-    """A causal self-attention's last sequence in two row slices (kernels.TILE_EDGE, 128 here):
+    """A causal self-attention's last sequence in two row slices (select.TILE_EDGE, 128 here):
     the last rows' kernel gets them and the keys up to their end, bottom-right aligned; every
     key row travels once. Fewer rows than two tiles: batch slices only."""
     monkeypatch.setattr(cuda_backend, "SLICE_BYTES", 1 << 12)
     monkeypatch.setattr(cuda_backend, "TAIL_SHARE", 1 / 8)
-    monkeypatch.setattr(cuda_backend.kernels, "TILE_EDGE", 128)
+    monkeypatch.setattr(cuda_backend.select, "TILE_EDGE", 128)
     q, k, v = (_random(rng, (B, S, 2, 8), BF16) for _ in range(3))
     calls, launches = [], []
     sliced_forward = cuda_backend._forward_sliced
@@ -511,7 +512,7 @@ def real_kernel(fake, monkeypatch):
         fake.enqueue(stream, run, kernel=True)
     _stand_in(monkeypatch, launch)
     monkeypatch.setattr(cuda_backend, "SLICE_BYTES", 1 << 12)
-    monkeypatch.setattr(cuda_backend.kernels, "TILE_EDGE", 64)
+    monkeypatch.setattr(cuda_backend.select, "TILE_EDGE", 64)
     yield launched
     cuda_backend.clear_plans()
 

@@ -2,7 +2,7 @@
 
 codegen.affine recognises the lookups whose indices are affine in q_idx and kv_idx with the
 rest fixed for a tile (b, h, constants); only those take mod_scatter_tile and mod_tile_plan's
-terms. kernels.tile_sums sizes the shared memory and picks the terms. The tile path itself is
+terms. select.tile_sums sizes the shared memory and picks the terms. The tile path itself is
 plain C as well (tests/test_codegen.py's approach): a host program plans one tile, adds its
 pairs' adjoints through the sums and flushes them, and the accumulator's words must be those of
 adding every adjoint directly, bit for bit, in any order; a tile whose lookups may leave their
@@ -16,7 +16,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from attnext import bounds, codegen, kernels, trace
+from attnext.cuda import nvrtc, select
+from attnext.mods import bounds, codegen, grad as derivative, trace
 
 from test_codegen import PREAMBLE, build
 
@@ -32,8 +33,8 @@ def gen_of(fn, facts=None):
 
 
 def forms(fn):
-    """codegen.affine of each index of each gradient lookup of fn, in trace.grad's order."""
-    g = trace.grad(trace.trace_score_mod(fn))
+    """codegen.affine of each index of each gradient lookup of fn, in grad.grad's order."""
+    g = derivative.grad(trace.trace_score_mod(fn))
     return [tuple(codegen.affine(i) for i in idx) for name, ts in g.darrays.items() for idx, _ in ts]
 
 
@@ -75,7 +76,7 @@ def test_other_lookups_scatter_one_by_one(name):
     assert gen.tile_terms == ()
     assert "mod_scatter_tile" not in gen.source and "mod_scatter(m," in gen.source
     assert "mod_tile_term" not in gen.source and "return mod_tile_done(t);" in gen.source
-    assert kernels.tile_sums(gen, 64, 64) == (0, 0, False)
+    assert select.tile_sums(gen, 64, 64) == (0, 0, False)
 
 
 def test_mixed_lookups_take_their_own_paths():
@@ -96,15 +97,15 @@ def test_huge_coefficients_are_not_affine():
 def test_tile_sums_sizes_and_admits():
     relbias = gen_of(AFFINE["relbias"][0])
     assert relbias.tile_terms == (codegen.TileTerm(1, -1, False),)   # A = stride of axis 1
-    assert kernels.tile_sums(relbias, 64, 64) == (127, 1, False)
-    assert kernels.tile_sums(relbias, 64, 32) == (95, 1, False)
+    assert select.tile_sums(relbias, 64, 64) == (127, 1, False)
+    assert select.tile_sums(relbias, 64, 32) == (95, 1, False)
     two = gen_of(lambda s, b, h, q, kv: s * TABLE[h, q - kv + S] + TABLE[h, kv - q + S] + TABLE[h, 0])
     # narrowest first: table[h, 0] (1 slot), then one diagonal (127); the second does not fit
-    assert kernels.tile_sums(two, 64, 64) == (128, 0b011, False)
-    assert kernels.tile_sums(gen_of(AFFINE["two_q_minus_kv"][0]), 64, 64) == (0, 0, False)   # 190 slots
+    assert select.tile_sums(two, 64, 64) == (128, 0b011, False)
+    assert select.tile_sums(gen_of(AFFINE["two_q_minus_kv"][0]), 64, 64) == (0, 0, False)   # 190 slots
     rows = gen_of(lambda s, b, h, q, kv: s + TABLE[q, kv])          # A = 2S + 1: past the slots
     assert rows.tile_terms == (codegen.TileTerm(2 * S + 1, 1, False),)
-    assert kernels.tile_sums(rows, 64, 64) == (0, 0, False)
+    assert select.tile_sums(rows, 64, 64) == (0, 0, False)
 
 
 def test_proven_terms_compile_the_sums_loop_only():
@@ -112,34 +113,34 @@ def test_proven_terms_compile_the_sums_loop_only():
     for ext, always in ((bounds.Extents(2, 4, S, S), True), (bounds.Extents(2, 4, S + 2, S), False)):
         facts = codegen.Facts(bounds.lookup_modes(ts, ext), (), (False,))
         gen = codegen.generate(ts, None, facts)
-        assert kernels.tile_sums(gen, 64, 64) == (127, 1, always)
+        assert select.tile_sums(gen, 64, 64) == (127, 1, always)
     neg = trace.trace_score_mod(AFFINE["negative"][0])       # in range, but counted from the end
     facts = codegen.Facts(bounds.lookup_modes(neg, bounds.Extents(2, 4, S, S)), (), (False,))
     assert facts.score != (bounds.CHECKED,)
-    assert kernels.tile_sums(codegen.generate(neg, None, facts), 64, 64) == (64, 1, False)
+    assert select.tile_sums(codegen.generate(neg, None, facts), 64, 64) == (64, 1, False)
 
 
 def test_backward_defines_and_shared_memory(monkeypatch):
     gen = gen_of(AFFINE["relbias"][0])
     every = dict(dtype="bfloat16", D=128, Dv=128, vec=True, softcap=False, bias_dtype=None, mask=False,
                  alibi_dtype=None)
-    tile = kernels.bwd_sm90_tile(128, "recompute")
-    d = kernels.bwd_defines(**every, tile=tile, mods=gen)
+    tile = select.bwd_sm90_tile(128, "recompute")
+    d = select.bwd_defines(**every, tile=tile, mods=gen)
     assert (d["MOD_TILE_SLOTS"], d["MOD_TILE_ADMIT"], d["MOD_TILE_ALWAYS"]) == (127, 1, 0)
-    plain = kernels.bwd_sm90_smem_bytes(128, 128, tile)
-    more = kernels.bwd_sm90_smem_bytes(128, 128, tile, d["MOD_TILE_SLOTS"])
+    plain = select.bwd_sm90_smem_bytes(128, 128, tile)
+    more = select.bwd_sm90_smem_bytes(128, 128, tile, d["MOD_TILE_SLOTS"])
     assert {k: more[k] - plain[k] for k in plain} == {**{k: 0 for k in plain},
                                                       "attn_bwd_dq_sm90": 127 * codegen.TILE_SLOT_BYTES}
     # two of the H100's dQ CTAs an SM still fit (228 KB an SM, 1 KB reserved a CTA)
     assert 2 * (more["attn_bwd_dq_sm90"] + 1024) <= 228 * 1024
-    t80 = kernels.bwd_tile_config(128, 128)
-    d80 = kernels.bwd_defines(**every, tile=t80, mods=gen)
-    more80 = kernels.bwd_smem_bytes(128, 128, t80, False, d80["MOD_TILE_SLOTS"])
-    assert more80["attn_bwd_dq"] - kernels.bwd_smem_bytes(128, 128, t80, False)["attn_bwd_dq"] == 127 * 96
-    assert more80["attn_bwd_dq"] <= kernels.MAX_SMEM_SM80
+    t80 = select.bwd_tile_config(128, 128)
+    d80 = select.bwd_defines(**every, tile=t80, mods=gen)
+    more80 = select.bwd_smem_bytes(128, 128, t80, False, d80["MOD_TILE_SLOTS"])
+    assert more80["attn_bwd_dq"] - select.bwd_smem_bytes(128, 128, t80, False)["attn_bwd_dq"] == 127 * 96
+    assert more80["attn_bwd_dq"] <= select.MAX_SMEM_SM80
     monkeypatch.setenv("ATTNEXT_TILE_SUMS", "0")
-    assert "MOD_TILE_SLOTS" not in kernels.bwd_defines(**every, tile=tile, mods=gen)
-    assert "MOD_TILE_SLOTS" not in kernels.bwd_defines(**every, tile=tile, mods=None)
+    assert "MOD_TILE_SLOTS" not in select.bwd_defines(**every, tile=tile, mods=gen)
+    assert "MOD_TILE_SLOTS" not in select.bwd_defines(**every, tile=tile, mods=None)
 
 
 # --- the tile path in host C -------------------------------------------------------------------
@@ -189,12 +190,12 @@ int main(int argc, char **argv)
 
 def tile_run(cc, tmp_path, fn, pairs, tile, threads=5, b=1, h=2, sums=None):
     """Runs the harness on fn's gradient lookups over pairs (q, kv) of the tile (q0, kv0, rows,
-    cols), MOD_TILE_ADMIT and the slots as kernels.tile_sums gives them for 64 x 64 tiles, or
+    cols), MOD_TILE_ADMIT and the slots as select.tile_sums gives them for 64 x 64 tiles, or
     sums = (slots, admit). Returns (plan ok, slots used, sums zero after the flush, words added
     directly, words through the sums)."""
     t = trace.trace_score_mod(fn)
     gen = codegen.generate(t)
-    slots, admit = sums or kernels.tile_sums(gen, 64, 64)[:2]
+    slots, admit = sums or select.tile_sums(gen, 64, 64)[:2]
     exe = build(cc, tmp_path, gen, HARNESS, [f"-DMOD_TILE_ADMIT={admit}"], "tile")
     bound = [codegen.storage(t.arrays[name], vt) for _, name, vt in gen.arrays]
     offsets, total = {}, 0
@@ -351,11 +352,11 @@ def test_dq_kernels_compile_with_the_sums(proven):
     gen = codegen.generate(ts, None, facts)
     every = dict(dtype="bfloat16", D=128, Dv=128, vec=True, softcap=False, bias_dtype=None, mask=False,
                  alibi_dtype=None)
-    kernels.nvrtc()
-    for arch, kernel, name, tile in (("sm_80", "attn_bwd", "attn_bwd_dq", kernels.bwd_tile_config(128, 128)),
+    nvrtc.nvrtc()
+    for arch, kernel, name, tile in (("sm_80", "attn_bwd", "attn_bwd_dq", select.bwd_tile_config(128, 128)),
                                      ("sm_90a", "attn_bwd_sm90", "attn_bwd_dq_sm90",
-                                      kernels.bwd_sm90_tile(128, "recompute"))):
-        d = kernels.entry_defines(kernels.bwd_defines(**every, tile=tile, mods=gen), name)
+                                      select.bwd_sm90_tile(128, "recompute"))):
+        d = select.entry_defines(select.bwd_defines(**every, tile=tile, mods=gen), name)
         assert d["MOD_TILE_ALWAYS"] == int(proven)
-        cubin, _ = _C.nvrtc_compile(*kernels.compile_args(kernel, d, arch, gen.source))
+        cubin, _ = _C.nvrtc_compile(*nvrtc.compile_args(kernel, d, arch, gen.source))
         assert name.encode() in cubin

@@ -60,7 +60,7 @@ def test_relative_bias_table(d, causal, rng, torch, monkeypatch):
 
 def test_a_table_the_bounds_prove_in_range(rng, torch, monkeypatch):
     """A table over every difference the call's extents allow (they round up to 128 rows and
-    columns): kernels.tile_sums says every tile takes the sums, and the kernels compile no loop
+    columns): select.tile_sums says every tile takes the sums, and the kernels compile no loop
     without them."""
     sq = sk = 200
     table = rng.standard_normal((2, 2 * 256 + 1)).astype(np.float32)

@@ -1,4 +1,4 @@
-"""attnext.trace: tracing score_mod / mask_mod, evaluating the graph, its symbolic derivative and
+"""attnext.mods.trace: tracing score_mod / mask_mod, evaluating the graph, its symbolic derivative and
 its cache key. CPU only, fast.
 
 Every mod of tests/mods.py is checked against itself called on NumPy arrays (its NumPy twin),
@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import mods
-from attnext import band, trace
-from attnext.trace import evaluate, evaluate_grad, grad, trace_mask_mod, trace_score_mod
+from attnext.mods import band, trace
+from attnext.mods.grad import evaluate_grad, grad
+from attnext.mods.trace import evaluate, trace_mask_mod, trace_score_mod
 
 SCORE_MODS = mods.score_mods()
 MASK_MODS = mods.mask_mods()

@@ -16,9 +16,12 @@ import numpy as np
 import pytest
 
 import attnext
-from attnext import _C, codegen, interp, kernels, trace
-from attnext.accuracy import EPS, LOW_FACTOR, compare_grads
-from attnext.trace import evaluate, evaluate_grad, trace_mask_mod, trace_score_mod
+from attnext import _C
+from attnext.cuda import nvrtc, select
+from attnext.mods import codegen, grad as derivative, interp, trace
+from attnext.testing.accuracy import EPS, LOW_FACTOR, compare_grads
+from attnext.mods.grad import evaluate_grad
+from attnext.mods.trace import evaluate, trace_mask_mod, trace_score_mod
 from conftest import (BF16, F16, F32, F64, acc_dtype, assert_close, check_backend, dtype_id,
                       make_qkv, randn)
 from test_codegen import bind as bind_arrays
@@ -170,7 +173,7 @@ def test_evaluate_and_derivative_match_numpy(name, rng):
     np.testing.assert_allclose(evaluate(t, score, b, h, q, k, float_dtype=np.float64),
                                fn(score, b, h, q, k), rtol=1e-13, atol=1e-13)
     dout = rng.standard_normal(score.size)
-    d_score, d_arrays = evaluate_grad(t, trace.grad(t), score, b, h, q, k, dout,
+    d_score, d_arrays = evaluate_grad(t, derivative.grad(t), score, b, h, q, k, dout,
                                       float_dtype=np.float64)
     eps = 1e-6
     fd = (fn(score + eps, b, h, q, k) - fn(score - eps, b, h, q, k)) / (2 * eps)
@@ -219,7 +222,7 @@ def test_logaddexp_at_ties_and_infinities():
     z = np.zeros(5, np.int64)
     want = np.logaddexp(s, 2 * s - 1.0)
     np.testing.assert_array_equal(evaluate(t, s, z, z, z, z, float_dtype=np.float64), want)
-    d, _ = evaluate_grad(t, trace.grad(t), s[:1], z[:1], z[:1], z[:1], z[:1], np.ones(1),
+    d, _ = evaluate_grad(t, derivative.grad(t), s[:1], z[:1], z[:1], z[:1], z[:1], np.ones(1),
                          float_dtype=np.float64)
     assert d[0] == pytest.approx(0.5 + 2 * 0.5)       # s == 2 s - 1 at s = 1
 
@@ -319,7 +322,7 @@ def test_every_float_function_has_an_instruction_and_a_rendering():
     assert ops <= set(interp.OPS), ops - set(interp.OPS)
     assert ops <= set(codegen._FLOAT_OPS), ops - set(codegen._FLOAT_OPS)
     old = {"exp", "exp2", "log", "log2", "sqrt", "tanh", "sin", "cos"}    # grad()'s own branches
-    assert ops - old == set(trace._LOCAL), (ops - old) ^ set(trace._LOCAL)
+    assert ops - old == set(derivative._LOCAL), (ops - old) ^ set(derivative._LOCAL)
 
 
 # --- the CUDA code generator, without a GPU -----------------------------------------------------
@@ -338,7 +341,7 @@ def test_generated_code_matches_evaluate(name, cc, tmp_path, rng):
     assert err[0] == 0
     with np.errstate(all="ignore"):
         want = evaluate(t, *pts[:5])
-        g = trace.grad(t)
+        g = derivative.grad(t)
         want_ds, want_arrays = evaluate_grad(t, g, *pts, float_dtype=np.float64)
     close(fwd, want, "forward", rtol=1e-4, atol=1e-4)
     close(dscore, want_ds, "d score", rtol=1e-4, atol=1e-4)
@@ -364,11 +367,11 @@ def test_nvrtc_compiles_every_op(rng):
     gen = codegen.generate(None, trace_mask_mod(mask_mod))
     for op in set(trace._UNARY_FLOAT) | set(trace._BINARY_FLOAT):
         assert codegen._FLOAT_OPS[op].split("(")[0] in gen.source, op
-    [spec] = kernels.block_mask_specs(gen)
-    k, d, g = kernels.module_of(*spec)
-    kernels.nvrtc()
+    [spec] = select.block_mask_specs(gen)
+    k, d, g = nvrtc.module_of(*spec)
+    nvrtc.nvrtc()
     for arch in ("sm_80", "sm_90a"):
-        cubin, _ = _C.nvrtc_compile(*kernels.compile_args(k, d, arch, g))
+        cubin, _ = _C.nvrtc_compile(*nvrtc.compile_args(k, d, arch, g))
         assert b"attn_block_mask" in cubin, arch
 
 

@@ -5,7 +5,7 @@ one score_mod slot and one mask_mod slot (kernels/attn_common.cuh: score_of, sco
 mask_keeps, and ds_tile for the array gradients):
 
     float mod_score(float score, int64_t b, int64_t h, int64_t q_idx, int64_t kv_idx, const attn_mods_gpu *m)
-    float mod_dscore(... the same ..., float dout, m)      d out / d score times dout (trace.grad)
+    float mod_dscore(... the same ..., float dout, m)      d out / d score times dout (grad.grad)
     void  mod_dtensors(... the same ..., float dout, t, m) each float array's adjoint, scatter-added
     int   mod_tile_plan(b, h, q_idx, kv_idx, rows, cols, m, t)   whether a tile sums its lookups first
     int   mod_mask(int64_t b, int64_t h, int64_t q_idx, int64_t kv_idx, m)
@@ -47,9 +47,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import bounds, trace
+from ..lru import CountedCache
+from . import bounds, grad, trace
 from .bounds import CHECKED
-from .kernel_cache import CountedCache
 from .trace import B, F, I
 
 HEADER = "attn_mod_gen.cuh"
@@ -475,7 +475,7 @@ class Generated(NamedTuple):
     score_mod's float arrays that have a gradient term; n_score_floats: where mask_mod's float
     constants start in m->f; uses_h: whether a mod reads h; mask_uses_b / mask_uses_h: whether
     mask_mod reads b / h (the block mask has one slice per b / h only then); tile_terms: the
-    TileTerms in mod_tile_plan's order (kernels.tile_sums)."""
+    TileTerms in mod_tile_plan's order (select.tile_sums)."""
     source: str
     defines: dict
     arrays: tuple
@@ -512,7 +512,7 @@ def generate(score=None, mask=None, facts=None):
     if score is not None:
         amap = {name: numbers[("score_mod", name)] for name in array_order(score)}
         how = dict(modes=_modes(score, facts.score), narrow=narrow)
-        g = trace.grad(score)
+        g = grad.grad(score)
         uses_h |= any(n.op == "h" for n in trace.topo(score.out))
         parts.append(f"/* score_mod {score.key[:16]} */")
         parts.append(_function("float", "mod_score", f"{SCORE_ARGS}, {M_ARG}", [score.out], amap, 0,
@@ -574,7 +574,7 @@ def generated(score=None, mask=None, facts=None):
 
 
 def cache_info():
-    """The generator cache's counters (code generations; NVRTC's are kernels.cache_info())."""
+    """The generator cache's counters (code generations; NVRTC's are nvrtc.cache_info())."""
     return _cache.info()
 
 

@@ -42,7 +42,7 @@ import weakref
 import ml_dtypes
 import numpy as np
 
-from . import _C
+from .. import _C
 from .devview import DevView
 
 KDL_CUDA = 2

@@ -8,7 +8,7 @@ the device and finds them again by their bits, knows an integer array's (min, ma
 attnext.bounds, and keeps the block masks made from them.
 
 CUDA arrays (any library's: `__cuda_array_interface__` or `__dlpack__`; tracing found them,
-trace.py) are taken afresh at every call by attnext.device.as_device_view on the call's stream,
+trace.py) are taken afresh at every call by attnext.cuda.arrays.as_device_view on the call's stream,
 which orders the call after the producer's stream where the protocol names one. Never read on
 the host:
 
@@ -49,9 +49,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _C, codegen, device, kernels, mod_cache
+from .. import _C
+from ..mods import codegen
+from ..mods.trace import B, F, I
+from . import arrays as device, mod_cache, nvrtc
 from .devview import DevView
-from .trace import B, F, I
 
 # the dtypes the kernels read a captured array of each value type in (codegen.storage_dtype): a
 # CUDA array of one of them can be read in place
@@ -145,7 +147,7 @@ def convert(src, dst, stage, arch):
     p["shape"] = (1,) * (CONVERT_DIMS - nd) + tuple(src.shape)
     p["strides"] = (0,) * (CONVERT_DIMS - nd) + tuple(src.strides)
     p["src_type"], p["dst_type"] = TYPE_CODES[src.dtype], TYPE_CODES[dst.dtype]
-    fn = kernels.function("attn_convert", "attn_convert", {}, stage.device, arch, 0)
+    fn = nvrtc.function("attn_convert", "attn_convert", {}, stage.device, arch, 0)
     _C.launch(fn, (-(-src.size // CONVERT_THREADS), 1, 1), (CONVERT_THREADS, 1, 1), 0, stage.stream,
               p.tobytes())
 

@@ -2,8 +2,8 @@
 score_mod (tanh softcap, run by the CPU interpreter) against its built-in twin softcap=.
 
     python -m attnext.bench [--device cpu] [--quick] [--reps N] [--rows TEXT] [--json PATH]
-    python -m attnext.bench --device cuda ...     the GPU benchmark: attnext/bench_cuda.py (its
-                                                  score_mod / mask_mod rows: bench_mods.py)
+    python -m attnext.bench --device cuda ...     the GPU benchmark: attnext/bench/cuda.py (its
+                                                  score_mod / mask_mod rows: bench/mods.py)
 
 Every row is validated before it is timed (the kernel lab rule): attnext's out, lse, dq, dk and
 dv are compared with `attnext.reference` on the row's own shape when the reference is timed there
@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from typing import NamedTuple, Optional
 
@@ -319,13 +318,7 @@ def _header(threads, ref_max_s):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    pre = argparse.ArgumentParser(prog="python -m attnext.bench", add_help=False)
-    pre.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    if pre.parse_known_args(argv)[0].device == "cuda":
-        from . import bench_cuda   # imports torch only when it runs
-        return bench_cuda.main(argv)
-
+    """The CPU table (`python -m attnext.bench [--device cpu]`); exit status 1 when a row failed."""
     p = argparse.ArgumentParser(prog="python -m attnext.bench", description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: the GPU benchmark, its own options (--device cuda --help)")
@@ -366,7 +359,3 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({"header": header, "rows": rows, "score_mod_rows": mod_rows}, f, indent=1)
     return 1 if any("error" in r for r in rows + mod_rows) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

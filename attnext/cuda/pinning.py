@@ -51,7 +51,7 @@ import weakref
 
 import numpy as np
 
-from . import _C
+from .. import _C
 
 PAGE = mmap.PAGESIZE
 MIN_BYTES = 8 << 20        # a smaller array goes through the rings (to be tuned on the GPU)

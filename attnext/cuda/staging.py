@@ -43,8 +43,9 @@ import threading
 
 import numpy as np
 
-from . import _C, pinning
-from .device import empty, is_contiguous
+from .. import _C
+from . import pinning
+from .arrays import empty, is_contiguous
 from .devview import DevView
 
 # H100 host (bench/lab_staging.py, B8 S2k D128 bf16): 16 MiB x 4 with 12 threads and 2 batch

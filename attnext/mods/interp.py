@@ -8,7 +8,7 @@ are parameters, so a sweep over one reuses the program), every int / bool consta
 register (part of the program). Bools are int registers holding 0 / 1. Temporaries are
 allocated in topological order and reused after their last use.
 
-`lower(traced)` builds a score_mod's forward and derivative programs (trace.grad) or a
+`lower(traced)` builds a score_mod's forward and derivative programs (grad.grad) or a
 mask_mod's program; `programs(traced)` looks them up in a bounded LRU keyed by the graph's
 structural key (Traced.key: never id() or a name), and `bind(...)` attaches one call's float
 values and captured arrays, in the form attnext._C reads.
@@ -18,8 +18,9 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from . import _C, trace
-from .kernel_cache import CountedCache
+from .. import _C
+from ..lru import CountedCache
+from . import grad as derivative, trace
 from .trace import B, F, I
 
 OPS = {name: code for code, name in enumerate(_C.interp_ops())}
@@ -235,7 +236,7 @@ def lower(traced):
         return Lowered("mask_mod", _lower(traced.out, [], arrays, True), None, None, 0, 0,
                        array_kinds, (), uses_h)
     forward = _lower(traced.out, [], arrays, False)
-    g = trace.grad(traced)
+    g = derivative.grad(traced)
     scatters = [(name, idx, adj) for name, terms in g.darrays.items() for idx, adj in terms]
     # the forward's computed values that the derivative reads: stashed, not computed twice
     forward_ids = {id(n) for n in trace.topo(traced.out)}

@@ -21,6 +21,7 @@ the captured arrays (mod_arrays.py: NumPy ones uploaded, CUDA ones in place or c
 device), the error record and the gradient accumulator -- travels with the call's addresses as
 the attn_mods_gpu bytes cuda_launch_attention copies into attn_params.
 """
+import copy
 import math
 import threading
 import types
@@ -28,9 +29,12 @@ import types
 import ml_dtypes
 import numpy as np
 
-from . import _C, bounds, codegen, device as _device, kernels, lower, mod_arrays, mod_cache, pinning, staging, trace
+from .. import _C
+from .._layout import DTYPE_CODES, SLOT, KernelCall, dtype_name
+from ..lru import LRU
+from ..mods import bounds, codegen, lower, trace
+from . import arrays as _device, mod_cache, mod_inputs as mod_arrays, nvrtc, pinning, select, staging
 from .devview import DevView
-from .kernel_cache import LRU
 from .staging import host_result, to_host  # noqa: F401  (api.py's: results, lengths)
 
 DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))   # what the GPU kernels take
@@ -45,7 +49,7 @@ def unavailable_reason():
         if _status is None:
             try:
                 _C.cuda_load()
-                kernels.nvrtc_version()
+                nvrtc.nvrtc_version()
                 _status = ""
             except RuntimeError as e:
                 _status = str(e)
@@ -163,8 +167,9 @@ def _with_gmods(gmods):
     return launch
 
 
-# _C.cuda_launch_attention's address slots (csrc/cuda_attn.c's PTR_FIELDS)
-SLOT_O_ACCUM, SLOT_LSE_ACCUM, SLOT_DELTA, SLOT_DQ_ACCUM, SLOT_DQ_SEM, SLOT_DEAD, SLOT_ROW_MZ = 5, 6, 19, 20, 21, 22, 23
+# _C.cuda_launch_attention's address slots of the plans' scratch arrays, by name (_layout.PTR_FIELDS)
+SLOT_O_ACCUM, SLOT_LSE_ACCUM, SLOT_DELTA, SLOT_DQ_ACCUM, SLOT_DQ_SEM, SLOT_DEAD, SLOT_ROW_MZ = (
+    SLOT[name] for name in ("o_accum", "lse_accum", "delta", "dq_accum", "dq_sem", "dead", "row_mz"))
 
 
 def _vec_ok(view, D):
@@ -246,22 +251,21 @@ def _extras_key(o, extra):
 
 def _common(o, device, q4, k4, v4, extra):
     """Everything forward and backward templates share: options, masks, kernel features. Returns
-    (prob, features): prob the attribute bag _C.attn_template reads, its tensors filled by the
+    (prob, features): prob the _layout.KernelCall _C.attn_template reads, its tensors filled by the
     caller."""
     bias4, mask4, alibi = extra[:3]
     features = dict(
-        dtype=kernels.dtype_name(o.q.dtype), D=o.D, Dv=o.Dv,
+        dtype=dtype_name(o.q.dtype), D=o.D, Dv=o.Dv,
         vec=all(_vec_ok(x, x.shape[3]) for x in (q4, k4, v4)), softcap=o.softcap_value > 0,
-        bias_dtype=None if bias4 is None else kernels.dtype_name(bias4.dtype),
+        bias_dtype=None if bias4 is None else dtype_name(bias4.dtype),
         alibi_dtype=None if alibi is None else "float32", mask=mask4 is not None)
-    prob = types.SimpleNamespace(
-        device=device, dtype=kernels.DTYPE_CODES[features["dtype"]],
+    prob = KernelCall(
+        device=device, dtype=DTYPE_CODES[features["dtype"]],
         B=o.B, causal=o.causal_code, window_left=o.window_left, window_right=o.window_right,
-        bias_dtype=kernels.DTYPE_CODES[features["bias_dtype"] or "float32"],
-        alibi_dtype=kernels.DTYPE_CODES["float32"], bias_heads=o.bias_heads,
+        bias_dtype=DTYPE_CODES[features["bias_dtype"] or "float32"],
+        alibi_dtype=DTYPE_CODES["float32"], bias_heads=o.bias_heads,
         mask_heads=o.mask_heads, q=_t(q4), k=_t(k4), v=_t(v4), bias=_t(bias4), mask=_t(mask4),
-        alibi=_t(alibi), out=None, lse=None, dout=None, dq=None, dk=None, dv=None, dbias=None,
-        delta=None, dq_accum=None, dq_sem=None, num_splits=1, dq_write_last=0, k_rows_max=0)
+        alibi=_t(alibi))
     return prob, features
 
 
@@ -329,12 +333,12 @@ def _bind_mods(o, stage, backward):
 
 def _facts(o, ts, tm, names, arrays):
     """The call's codegen.Facts: how each lookup may be read (attnext.bounds over the call's
-    extents -- the longest sequence's rows and columns rounded up to kernels.TILE_EDGE, where a
+    extents -- the longest sequence's rows and columns rounded up to select.TILE_EDGE, where a
     branch-free tile still evaluates the mods, every head and sequence -- and the NumPy integer
     arrays' values) and which integer arrays are stored as int32. A call none of whose lookups
     may leave its array leaves the error record zero: it need not wait for the kernels to read
     it."""
-    edge = kernels.TILE_EDGE
+    edge = select.TILE_EDGE
     extents = bounds.Extents(o.B, o.Hq, -(-_query_rows(o) // edge) * edge, -(-_key_rows(o) // edge) * edge)
     values = {}
     for (kind, name), a in zip(names, arrays):
@@ -372,7 +376,7 @@ def _build_block_mask(plan, stage, ptrs, o, bound, device):
             or not all(bound.cells)):
         return
     nb, nh, rows, cols = bound.cells
-    fn = kernels.function("attn_block_mask", "attn_block_mask", kernels.block_mask_defines(bound.gen), device,
+    fn = nvrtc.function("attn_block_mask", "attn_block_mask", select.block_mask_defines(bound.gen), device,
                           device_arch(device), 0, bound.gen.source)
     _C.cuda_launch_attention(fn, codegen.block_mask_grid(nb * nh, rows, cols), (128, 1, 1), 0, stage.stream,
                              plan.template, tuple(ptrs), o.scale_value, o.softcap_value, bound.gmods)
@@ -410,7 +414,7 @@ def _dtensor_sums(stage, dacc):
     n = dacc.shape[0]
     sums = stage.scratch((n,), np.float64)
     kernel, name, defines, generated = DTENSORS_SPEC
-    fn = kernels.function(kernel, name, defines, stage.device, device_arch(stage.device), 0, generated)
+    fn = nvrtc.function(kernel, name, defines, stage.device, device_arch(stage.device), 0, generated)
     params = np.array([(dacc.ptr, sums.ptr, n)], np.dtype([("dacc", "u8"), ("out", "u8"), ("n", "i8")]))
     _C.launch(fn, (-(-n // 256), 1, 1), (256, 1, 1), 0, stage.stream, params.tobytes())
     return sums
@@ -433,16 +437,16 @@ def _decode_plan(o, features, device):
     group = o.Hq // o.Hk if o.Hk else 1
     per_head = (features["bias_dtype"] is None and features["alibi_dtype"] is None and not features["mask"]
                 and not _has_mods(o))
-    pack = group > 1 and not o.varlen and per_head and o.Sq * group <= kernels.DECODE_PACK_ROWS
+    pack = group > 1 and not o.varlen and per_head and o.Sq * group <= select.DECODE_PACK_ROWS
     if o.varlen or not o.B or not o.Hq or getattr(o, "whole_rows", None) is not None:
         return pack, 1                # a row slice (_forward_sliced) shares the GPU with copies
-    bm, bn = kernels.decode_tile()[:2]
+    bm, bn = select.decode_tile()[:2]
     blocks = math.ceil(o.Sq * (group if pack else 1) / bm) * (o.Hk if pack else o.Hq) * o.B
     sms = device_info(device)["multiprocessor_count"]
     key_tiles = math.ceil(o.Sk / bn)
     if blocks >= sms or key_tiles < 8:
         return pack, 1
-    return pack, max(1, min(MAX_SPLITS, (kernels.decode_ctas_per_sm() * sms) // blocks, key_tiles // 4))
+    return pack, max(1, min(MAX_SPLITS, (select.decode_ctas_per_sm() * sms) // blocks, key_tiles // 4))
 
 
 MAX_SPLITS = 128    # attn_fwd_combine keeps one weight per split in shared memory
@@ -455,7 +459,7 @@ def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None):
     key = ("fwd", device, o.B, o.Sq, o.Sk, rows, o.varlen, getattr(o, "whole_rows", None), o.causal_code,
            o.window_left, o.window_right, o.softcap_value > 0, (q4.ptr | k4.ptr | v4.ptr) % 16 == 0,
            _desc(q4), _desc(k4), _desc(v4), _desc(out4), _desc(lse3), _extras_key(o, extra),
-           kernels.knobs(kernels.FWD_KNOBS), None if gen is None else gen.source)
+           select.knobs(select.FWD_KNOBS), None if gen is None else gen.source)
     plan = _plans.get(key)
     if plan is None:
         plan = _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen)
@@ -468,9 +472,9 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     generated = None if gen is None else gen.source
     pack, splits = _decode_plan(o, features, device)
     arch = device_arch(device)
-    kernel, tile = kernels.fwd_kernel(arch, o.D, o.Dv, features["vec"], pack or splits > 1, rows, gen)
-    defines = kernels.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen)
-    smem = kernels.fwd_smem_bytes(o.D, o.Dv, tile, kernel)
+    kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], pack or splits > 1, rows, gen)
+    defines = select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen)
+    smem = select.fwd_smem_bytes(o.D, o.Dv, tile, kernel)
     q_tiles = math.ceil(o.Sq * (o.Hq // o.Hk) / tile[0]) if pack else _query_tiles(rows, tile[0])
     grid = (q_tiles * splits, o.Hk if pack else o.Hq, o.B + (1 if o.varlen else 0))
     prob.out, prob.lse, prob.num_splits = _t(out4), _t(lse3), splits
@@ -478,15 +482,15 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     if not all(grid):                       # an empty grid (no heads, rows or batch) has nothing to write
         return _Plan(template, ())
     names = [kernel] if splits == 1 else [kernel, "attn_fwd_combine"]
-    specs = [(kernel, name, defines, generated) for name in names] + kernels.block_mask_specs(gen)
+    specs = [(kernel, name, defines, generated) for name in names] + select.block_mask_specs(gen)
     if o.return_lse and (gen is not None or getattr(o, "mods_lowered", False)):
         _compile_backward_ahead(o, device, features, rows, gen, specs)
-    kernels.prefetch(specs, arch, device)
-    launches = [(kernels.function(kernel, kernel, defines, device, arch, smem, generated), grid,
+    nvrtc.prefetch(specs, arch, device)
+    launches = [(nvrtc.function(kernel, kernel, defines, device, arch, smem, generated), grid,
                  (tile[2] * 32, 1, 1), smem)]
     if splits == 1:
         return _Plan(template, tuple(launches))
-    combine = kernels.function("attn_fwd", "attn_fwd_combine", defines, device, arch, 0, generated)
+    combine = nvrtc.function("attn_fwd", "attn_fwd_combine", defines, device, arch, 0, generated)
     launches.append((combine, (o.Sq, o.Hq, o.B), (128, 1, 1), 0))
     partials = splits * o.B * o.Hq * o.Sq
     # lse_accum: each partial's maximum, then its sum (attn_fwd_combine)
@@ -495,7 +499,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
 
 
 def _compile_backward_ahead(o, device, features, q_rows, gen, fwd_specs):
-    """Starts compiling the backward a forward with mods expects (kernels.compile_ahead): the
+    """Starts compiling the backward a forward with mods expects (nvrtc.compile_ahead): the
     default one (deterministic, dout laid out as q, no dbias) of the same problem, less the
     forward's own compiles (the block mask). A backward that differs compiles what it lacks.
     A mask_mod that _bind_mods lowered to a band or documents (gen None) runs plain kernels,
@@ -504,7 +508,7 @@ def _compile_backward_ahead(o, device, features, q_rows, gen, fwd_specs):
         k_rows = _key_rows(o) if o.varlen else o.Sk
         ns = _backward_kernels(o, device, dict(features), True, q_rows, k_rows, gen)
         specs = [s for s in _backward_specs(ns, gen) if s not in fwd_specs]
-        kernels.compile_ahead(specs, device_arch(device), busy=len(fwd_specs))
+        nvrtc.compile_ahead(specs, device_arch(device), busy=len(fwd_specs))
     except Exception:
         pass
 
@@ -583,7 +587,7 @@ def _slices(o):
     What is left after the last upload is the last slice's kernel and download. In a causal
     self-attention (Sq == Sk, q, k, v C-contiguous in (B, S, H, D), no window, alibi or
     lengths) the last sequence's last rows are the costliest, so its rows are cut: rows 0:c
-    first, then about the last TAIL_SHARE of them (at least a tile: c on a kernels.TILE_EDGE
+    first, then about the last TAIL_SHARE of them (at least a tile: c on a select.TILE_EDGE
     edge, where the one-go call's tiles start) over keys 0:S, the only work left after the
     uploads (rows r0:r1 need only keys 0:r1)."""
     if o.varlen or o.bias4 is not None or o.mask4 is not None or _has_mods(o):
@@ -593,7 +597,7 @@ def _slices(o):
     n = min(o.B, moved // SLICE_BYTES)
     edges = [o.B * i // n for i in range(n + 1)] if n else [0, o.B]
     slices = [(b0, b1, 0, o.Sq) for b0, b1 in zip(edges[:-1], edges[1:])]
-    edge = kernels.TILE_EDGE
+    edge = select.TILE_EDGE
     cut = (o.Sq - max(edge, int(o.Sq * TAIL_SHARE))) // edge * edge     # a tile edge of the one-go call
     if moved >= 2 * SLICE_BYTES and cut >= edge and o.B and _rows_sliceable(o):
         b0, b1 = slices.pop()[:2]
@@ -643,7 +647,7 @@ def _forward_sliced(o, out_host, lse_host, slices):
         keys_up, lse_rows = 0, None        # a sequence in row slices: its keys uploaded, its lse
         for b0, b1, r0, r1 in slices:
             whole = (r0, r1) == (0, o.Sq)
-            part = types.SimpleNamespace(**vars(o))
+            part = copy.copy(o)
             part.B = b1 - b0
             for name in ("alibi", "used_q", "used_k"):
                 x = getattr(o, name)
@@ -714,7 +718,7 @@ def _backward_plan(o, device, views, extra, deterministic, gen=None):
     key = ("bwd", device, o.B, o.Sq, o.Sk, q_rows, k_rows, o.varlen, o.causal_code, o.window_left,
            o.window_right, o.softcap_value > 0, (q4.ptr | k4.ptr | v4.ptr | dout4.ptr) % 16 == 0,
            tuple(_desc(x) for x in views), _extras_key(o, extra), bool(deterministic),
-           kernels.knobs(kernels.BWD_KNOBS), None if gen is None else gen.source)
+           select.knobs(select.BWD_KNOBS), None if gen is None else gen.source)
     plan = _plans.get(key)
     if plan is None:
         plan = _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, gen)
@@ -728,9 +732,9 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     (atomic, ordered, sem_words, write_last, mask_mod, grads). features: _common's, vec already
     anded with dout's; dbias4: the dbias view or None. A forward with mods asks it for the
     backward it expects (_compile_backward_ahead), the backward's plan for its launches."""
-    tile = kernels.bwd_tile_config(o.D, o.Dv)
+    tile = select.bwd_tile_config(o.D, o.Dv)
     arch = device_arch(device)
-    sm90 = kernels.bwd_sm90_applies(arch, o.D, o.Dv, features["vec"])
+    sm90 = select.bwd_sm90_applies(arch, o.D, o.Dv, features["vec"])
     # the dQ kernels scatter the score_mod's array gradients (ds_tile): with those dQ is
     # recomputed whatever deterministic and ATTNEXT_BWD_DQ say
     grads = gen is not None and gen.defines.get("HAS_DTENSORS")
@@ -738,11 +742,11 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     # then meets as few query tiles, and a query tile as few key blocks, as at that many keys)
     lo, hi = lower.kept_span(o, None if o.varlen or o.used_q is not None or o.used_k is not None else o.Sk - o.Sq)
     reach = k_rows if math.isinf(hi - lo) else min(k_rows, max(int(hi - lo) + 1, 0))
-    dq_mode = "recompute" if grads else kernels.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach)
+    dq_mode = "recompute" if grads else select.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach)
     atomic = dq_mode != "recompute"
-    defines = kernels.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen)
-    smem = kernels.bwd_smem_bytes(o.D, o.Dv, tile, atomic, defines.get("MOD_TILE_SLOTS", 0))
-    hopper = kernels.bwd_sm90_tile(o.D, dq_mode) if sm90 else None
+    defines = select.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen)
+    smem = select.bwd_smem_bytes(o.D, o.Dv, tile, atomic, defines.get("MOD_TILE_SLOTS", 0))
+    hopper = select.bwd_sm90_tile(o.D, dq_mode) if sm90 else None
     kv_blocks = _query_tiles(k_rows, 16 * hopper["kv_warps"]) if hopper else 0   # the dK/dV grid's x
     # the ordered mode's key blocks take turns at each query tile: without a mask_mod the first turn
     # stores, so nothing zeroes dq_accum, and with short keys the last writes dq (attn_bwd_sm90.cu:
@@ -750,7 +754,7 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     # pass its turn, so then dq_accum starts zeroed and every turn adds; attn_bwd_dq_convert writes
     # dq unless the last turns do
     mask_mod = bool(gen is not None and gen.defines.get("HAS_MASK_MOD"))
-    write_last = kernels.bwd_dq_write_last(dq_mode, mask_mod, reach)
+    write_last = select.bwd_dq_write_last(dq_mode, mask_mod, reach)
     ns = types.SimpleNamespace(atomic=atomic, ordered=dq_mode == "ordered",
                                sem_words=-(-kv_blocks // 32) if dq_mode == "ordered" else 0,
                                mask_mod=mask_mod, write_last=write_last, grads=grads, wanted=[])
@@ -764,9 +768,9 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
         launch("attn_bwd_pre", (_query_tiles(q_rows, PRE_ROWS), o.Hq, o.B + (tail if write_last else 0)),
                PRE_THREADS // 32)
         if hopper:               # dK, dV and dQ on wgmma (attn_bwd_sm90.cu)
-            defs90 = kernels.bwd_defines(**features, tile=hopper, dq=dq_mode, mods=gen)
-            smem90 = kernels.bwd_sm90_smem_bytes(o.D, o.Dv, hopper, defs90.get("MOD_TILE_SLOTS", 0))
-            kv_name, kv_warps = kernels.bwd_sm90_kv_kernel(dq_mode, hopper)
+            defs90 = select.bwd_defines(**features, tile=hopper, dq=dq_mode, mods=gen)
+            smem90 = select.bwd_sm90_smem_bytes(o.D, o.Dv, hopper, defs90.get("MOD_TILE_SLOTS", 0))
+            kv_name, kv_warps = select.bwd_sm90_kv_kernel(dq_mode, hopper)
             launch(kv_name, (kv_blocks, o.Hk, o.B + tail),
                    kv_warps, "attn_bwd_sm90", defs90, smem90)
             if not atomic:
@@ -800,7 +804,7 @@ def _backward_specs(ns, gen):
     (_dtensor_sums) run after them: their module is loaded with them, not between launches, as
     a module load waits for the kernels in flight: ~35 ms, relbias)."""
     generated = None if gen is None else gen.source
-    return ([(src, name, defs, generated) for src, name, defs, *_ in ns.wanted] + kernels.block_mask_specs(gen)
+    return ([(src, name, defs, generated) for src, name, defs, *_ in ns.wanted] + select.block_mask_specs(gen)
             + ([DTENSORS_SPEC] if ns.grads else []))
 
 
@@ -827,8 +831,8 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
     prob.dq_write_last = int(ns.write_last)
     prob.k_rows_max = k_rows
     template = _C.attn_template(prob)
-    kernels.prefetch(_backward_specs(ns, gen), arch, device)
-    launches = [(kernels.function(src, name, defs, device, arch, sm, generated), grid, (warps * 32, 1, 1), sm)
+    nvrtc.prefetch(_backward_specs(ns, gen), arch, device)
+    launches = [(nvrtc.function(src, name, defs, device, arch, sm, generated), grid, (warps * 32, 1, 1), sm)
                 for src, name, defs, sm, grid, warps in ns.wanted]
     dead_bytes = 4 * (1 + o.B * o.Hq)     # attn_params.h: dead
     slots = ((SLOT_DELTA, 4 * delta.size),) + (((SLOT_DQ_ACCUM, 4 * math.prod(accum_shape)),) if ns.atomic else ()) \
@@ -848,7 +852,7 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
     is a bias): fills them and returns them. GPU call (all None): returns (dq, dk, dv, dbias) as
     DeviceArrays, dbias None without a bias.
 
-    dq: kernels.bwd_dq_mode chooses between the dQ kernel's recomputation (attn_bwd_dq /
+    dq: select.bwd_dq_mode chooses between the dQ kernel's recomputation (attn_bwd_dq /
     attn_bwd_dq_sm90: owns its dq rows) and the dK/dV kernel adding dS K into a float32 dq_accum,
     either in a fixed order (dq_sem's counters: the same bits every run) or, with
     deterministic=False, by plain atomics. delta (the row sums of dout * out), dq_accum and dq_sem

@@ -1,6 +1,6 @@
 """GPU score_mod / mask_mod rows against FlexAttention, and the first calls' compile times: two
-sections of `python -m attnext.bench --device cuda` (attnext/bench_cuda.py runs them after its
-own; bench/lab_mods.py runs them alone, with per-launch kernel times).
+sections of `python -m attnext.bench --device cuda` (attnext/bench/cli.py runs them after
+the plain sections; bench/lab_mods.py runs them alone, with per-launch kernel times).
 
 mods        bf16, forward and backward, attnext against torch.compile(flex_attention):
   softcap30 B2 S8192 H16 D128 causal    score_mod 30 * tanh(s / 30), causal=True
@@ -21,7 +21,7 @@ first call  (with --first-call) for each mods row: attnext's first forward and f
   timed alone and synchronised: cold, with a fresh empty ATTNEXT_CACHE_DIR (every kernel the calls
   use is compiled, mod-free ones that `python -m attnext.warmup` would have cached included;
   where the machine has the cores, the first forward starts the backward's compiles:
-  kernels.compile_ahead, which ATTNEXT_COMPILE_AHEAD=0 turns off); disk, in another fresh
+  nvrtc.compile_ahead, which ATTNEXT_COMPILE_AHEAD=0 turns off); disk, in another fresh
   process with that same, now filled, folder (the issue's < 50 ms); new, in a fresh process
   with a second folder that a process running the row's plain twin (causal=True, no mods, the
   same shapes) filled: what a new mod costs a user who has run attention without it (the mod's
@@ -32,10 +32,10 @@ first call  (with --first-call) for each mods row: attnext's first forward and f
 Every result is validated before it is timed (the kernel lab rule): attnext's and Flex's out, dq,
 dk, dv and the captured tables' gradients against a float32 reference that materialises the
 scores on the same bf16 inputs (the torch functions Flex gets, applied to index grids), max|x -
-ref| / max|ref| < bench_cuda.TOL. err/flex is attnext against Flex: the largest max|ax - flex| /
+ref| / max|ref| < cuda.TOL. err/flex is attnext against Flex: the largest max|ax - flex| /
 max|flex| over out (fwd) or dq, dk, dv and the tables' gradients (bwd).
 
-torch is imported only when a section runs: `import attnext.bench_mods` needs no torch.
+torch is imported only when a section runs: `import attnext.bench.mods` needs no torch.
 """
 import json
 import math
@@ -50,7 +50,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 import attnext
-from . import bench_cuda as bc
+from . import cuda as bc
 
 MOD_B, MOD_S, MOD_H, MOD_D = 2, 8192, 16, 128
 QUICK_B, QUICK_S = 8, 2048
@@ -391,7 +391,7 @@ def case_rows(run, case):
 
 def child_command(case, plain=False):
     """The command that runs first_call_child(case, plain) in a fresh interpreter."""
-    code = ("import sys; from attnext import bench_mods; "
+    code = ("import sys; from attnext.bench import mods as bench_mods; "
             "sys.exit(bench_mods.first_call_child(sys.argv[1], sys.argv[2] == 'plain'))")
     return [sys.executable, "-c", code, json.dumps(case._asdict()), "plain" if plain else "mods"]
 
@@ -426,8 +426,8 @@ def first_call_child(case_json, plain=False):
         torch.cuda.synchronize()
         return t1 - t0, time.perf_counter() - t1
     fwd_s, bwd_s = forward_then_backward()
-    from attnext import kernels
-    cubins = kernels.cache_info() or {}
+    from attnext.cuda import nvrtc
+    cubins = nvrtc.cache_info() or {}
     # the same calls again, timed alike: what the first ones cost beyond the work itself
     fwd_again_s, bwd_again_s = forward_then_backward()
     print(CHILD_MARK + json.dumps({

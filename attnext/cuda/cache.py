@@ -28,7 +28,6 @@ Logging on the "attnext" logger: one INFO line for a compile slower than SLOW_CO
 DEBUG lines for rejected disk entries and the NVRTC log. `ATTNEXT_DEBUG=1` (read at each compile)
 prints the source and the options to stderr before compiling.
 """
-import collections
 import hashlib
 import logging
 import os
@@ -37,6 +36,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from ..lru import LRU
 
 log = logging.getLogger("attnext")
 
@@ -137,65 +138,6 @@ def cache_key(source, filename, options, headers, arch, nvrtc_version, version):
     return h.hexdigest()
 
 
-class LRU:
-    """A thread-safe mapping bounded to `capacity` entries; the least recently used goes first.
-
-    get() and put() both count as a use. on_evict(key, value), if given, is called for each
-    entry pushed out by put() (outside the lock), e.g. to unload a CUDA module.
-    """
-
-    def __init__(self, capacity, on_evict=None):
-        if int(capacity) < 1:
-            raise ValueError(f"LRU capacity must be at least 1, got {capacity!r}")
-        self.capacity = int(capacity)
-        self._on_evict = on_evict
-        self._data = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key, default=None):
-        with self._lock:
-            try:
-                self._data.move_to_end(key)
-            except KeyError:
-                return default
-            return self._data[key]
-
-    def put(self, key, value):
-        with self._lock:
-            self._data[key] = value
-            self._data.move_to_end(key)
-            evicted = []
-            while len(self._data) > self.capacity:
-                evicted.append(self._data.popitem(last=False))
-        if self._on_evict is not None:
-            for k, v in evicted:
-                self._on_evict(k, v)
-
-    def pop(self, key, default=None):
-        with self._lock:
-            return self._data.pop(key, default)
-
-    def clear(self):
-        with self._lock:
-            self._data.clear()
-
-    def keys(self):
-        """The keys, least recently used first (a snapshot)."""
-        with self._lock:
-            return list(self._data)
-
-    def __contains__(self, key):
-        with self._lock:
-            return key in self._data
-
-    def __len__(self):
-        with self._lock:
-            return len(self._data)
-
-    def __repr__(self):
-        return f"LRU({len(self)}/{self.capacity} entries)"
-
-
 def encode_entry(key, payload):
     """A disk entry's bytes: the header, then the payload. key is the hex key."""
     payload = bytes(payload)
@@ -228,43 +170,6 @@ def _debug_enabled():
 
 
 
-class CountedCache:
-    """An LRU of things made from a key (lowered programs, generated code), counting hits,
-    misses, makes ("compiles") and the seconds making took, for cache_info()."""
-
-    def __init__(self, capacity):
-        self._lru = LRU(capacity)
-        self._lock = threading.Lock()
-        self._stats = dict(hits=0, misses=0, compiles=0, compile_seconds=0.0)
-
-    def get_or_make(self, key, make):
-        hit = self._lru.get(key)
-        if hit is not None:
-            with self._lock:
-                self._stats["hits"] += 1
-            return hit
-        t0 = time.perf_counter()
-        value = make()
-        seconds = time.perf_counter() - t0
-        self._lru.put(key, value)
-        with self._lock:
-            self._stats["misses"] += 1
-            self._stats["compiles"] += 1
-            self._stats["compile_seconds"] += seconds
-        return value
-
-    def info(self):
-        """hits, misses, compiles, compile_seconds, entries, capacity."""
-        with self._lock:
-            out = dict(self._stats)
-        out.update(entries=len(self._lru), capacity=self._lru.capacity)
-        return out
-
-    def clear(self):
-        """Forgets every entry (the counters are kept)."""
-        self._lru.clear()
-
-
 class CubinCache:
     """Compiled kernels by key: a bounded LRU in memory, one file per kernel on disk, NVRTC last.
 
@@ -291,7 +196,7 @@ class CubinCache:
         self._entry_dir = (None if cache_dir is None
                            else os.path.join(cache_dir, f"v{FORMAT_VERSION}"))
         if version is None:
-            from . import __version__ as version
+            from .._version import __version__ as version
         self.version = str(version)
         self.disk_max_bytes = int(disk_max_bytes)
         self._lock = threading.Lock()       # the counters and the per-key locks

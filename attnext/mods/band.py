@@ -19,8 +19,8 @@ mask_mod(b, h, q, kv) == (lo <= kv - q <= hi) & rest(b, h, q, kv) for every inpu
 """
 from typing import NamedTuple, Optional
 
+from ..lru import LRU
 from . import trace
-from .kernel_cache import LRU
 
 _FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}
 

@@ -8,7 +8,7 @@ results agree with the masked path's within rounding, not bit for bit. The CUDA 
 (cuda_backend._bind_mods) and the CPU backend (api.py, before interp.bind) both call
 lower_mask, then run kernel_problem(o).
 """
-import types
+import copy
 
 import numpy as np
 
@@ -105,5 +105,7 @@ def kernel_problem(o):
     cu = getattr(o, "documents", None)
     if cu is None:
         return o
-    return types.SimpleNamespace(**dict(vars(o), varlen=True, B=cu.size - 1, cu_q=cu, cu_k=cu,
-                                        lse_shape=(o.Hq, o.Sq), mask_mod=None))
+    varlen = copy.copy(o)
+    varlen.varlen, varlen.B, varlen.cu_q, varlen.cu_k = True, cu.size - 1, cu, cu
+    varlen.lse_shape, varlen.mask_mod = (o.Hq, o.Sq), None
+    return varlen

@@ -16,11 +16,11 @@ Sections, bf16 throughout:
           and back (measured in the same run); wall-clock medians.
   mods    score_mod / mask_mod rows against FlexAttention: softcap, a relative-bias table (its
           gradient on both sides), the document mask (as a mask_mod alone and with causal=True),
-          a causal sliding window; TFLOP/s of the pairs each mask keeps (attnext/bench_mods.py).
+          a causal sliding window; TFLOP/s of the pairs each mask keeps (attnext/bench/mods.py).
   first call  (--first-call) each mods row's first forward and backward in a fresh process:
           cold (empty ATTNEXT_CACHE_DIR, compiles included), from the disk cache, and new
           (beside the kernels of a plain twin's earlier process: the mod's own compiles); the
-          medians of bench_mods.FIRST_CALL_REPS repeats.
+          medians of mods.FIRST_CALL_REPS repeats.
 
 Every result, attnext's and each peer's, is validated before it is timed (the kernel lab rule):
 out, dq, dk and dv against SDPA's math backend in float32 on the same bf16 inputs (mods: a float32
@@ -31,14 +31,10 @@ and to the notes under the table, and the run goes on.
 
 Exit status: 0 when every attnext result that ran matched the reference; 1 when one was WRONG;
 2 when nothing was measured (torch missing, or no CUDA device visible to torch).
-torch is imported only when the benchmark runs: `import attnext.bench_cuda` needs no torch.
+torch is imported only when the benchmark runs: `import attnext.bench.cuda` needs no torch.
 """
-import argparse
 import datetime
-import gc
-import json
 import math
-import sys
 import time
 from typing import NamedTuple, Optional
 
@@ -858,94 +854,3 @@ def _event_median(fn, warmup, rep):
         end.record()
     torch.cuda.synchronize()
     return float(np.median([start.elapsed_time(end) for start, end in pairs]))
-
-
-def _peer_list(text):
-    peers = tuple(p for p in text.split(",") if p)
-    unknown = set(peers) - set(PEERS)
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown peers {sorted(unknown)}; choose from {PEERS}")
-    return peers
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m attnext.bench --device cuda", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=("cuda",), default="cuda")
-    p.add_argument("--quick", action="store_true",
-                   help="one row per section (D=128, S=2048; decode B=8; mods: relbias B8 S2048 "
-                        "and the document causal+mask row): a smoke run")
-    p.add_argument("--rows", help="only the cases whose name contains this text (or one of the "
-                                  "texts between '|'s: 'softcap|relbias')")
-    p.add_argument("--peers", type=_peer_list, default=PEERS,
-                   help=f"comma-separated peers to run (default: {','.join(PEERS)})")
-    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up time, ms")
-    p.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
-    p.add_argument("--json", metavar="PATH", help="also write the rows to this JSON file")
-    p.add_argument("--plot", metavar="PATH", help="a PNG of TFLOP/s against S (needs matplotlib)")
-    p.add_argument("--first-call", action="store_true",
-                   help="also time each mods row's first forward and backward in fresh processes, "
-                        "cold (an empty ATTNEXT_CACHE_DIR), from the disk cache and beside the "
-                        "plain twin's kernels, medians of three repeats (slow: twelve processes "
-                        "and their compiles per row)")
-    return p.parse_args(argv)
-
-
-def _chosen(case, rows):
-    """Whether --rows (None, or texts between '|'s; empty ones left out) picks the case: its name
-    holds one of them."""
-    texts = [text for text in (rows or "").split("|") if text]
-    return not texts or any(text in case.name for text in texts)
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    try:
-        import torch
-    except ImportError as e:
-        print(f"CUDA benchmark: torch is not importable ({e}); nothing measured")
-        return 2
-    if not torch.cuda.is_available():
-        print(f"CUDA benchmark: no CUDA device visible to torch {torch.__version__} "
-              f"(built for CUDA {torch.version.cuda}); nothing measured. Run it where "
-              f"torch.cuda.is_available() is True.")
-        return 2
-    torch.set_float32_matmul_precision("highest")     # the float32 reference stays float32
-    time_ms, timing = make_timer(args.warmup, args.rep)
-    run = Run(DEVICE, time_ms, args.peers, torch.cuda.synchronize)
-    lines = header(timing)
-    print("\n".join(lines), flush=True)
-    t_start = time.perf_counter()
-    rows, section = [], None
-    for case in cases(args.quick):
-        if not _chosen(case, args.rows):
-            continue
-        if case.kind != section:
-            section = case.kind
-            print(f"\n{SECTION_TITLES[section]}\n{format_header(section)}", flush=True)
-        torch.manual_seed(len(rows))
-        new = case_rows(run, case)
-        gc.collect()
-        torch.cuda.empty_cache()
-        rows += new
-        for row in new:
-            print(format_row(row), flush=True)
-    from . import bench_mods
-    rows += bench_mods.sections(
-        run, [c for c in bench_mods.cases(args.quick) if _chosen(c, args.rows)],
-        args.first_call)
-    total_s = time.perf_counter() - t_start
-    print()
-    for line in notes(rows):
-        print(line)
-    print(f"total {total_s:.0f} s")
-    if args.plot:
-        print(write_plot(rows, args.plot, lines[0]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"header": lines, "total_s": total_s, "rows": rows}, f, indent=1)
-    return 1 if any(r.get("attnext_status") == "WRONG" for r in rows) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -43,7 +43,8 @@ no key must have out and dq exactly 0.
 import ml_dtypes
 import numpy as np
 
-from . import reference, trace
+from .. import reference
+from ..mods import fingerprint
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
@@ -267,7 +268,7 @@ def compare_dtensors(g, rg, score_mod, dtype, cond=1.0, extra=None):
         problems.append(f"dtensors: {sorted(set(got) - set(want))} are not float arrays the "
                         f"score_mod captures (the reference's: {sorted(want)})")
     floor = max(float(np.abs(x).max(initial=0.0)) for x in rg[:3])
-    arrays = trace.captured_arrays(score_mod) if want else {}
+    arrays = fingerprint.captured_arrays(score_mod) if want else {}
     for name, w in want.items():
         if name not in got:
             if np.any(w):

@@ -72,7 +72,7 @@ does indexing a Python list or tuple. Two different arrays under one name raise 
 Non-function callables are called as they are, without array capture.
 
 CUDA arrays. Any other library's array exposing `__cuda_array_interface__` or `__dlpack__` on a
-CUDA device (CuPy, PyTorch, JAX, Numba) is captured like a NumPy array: attnext.device's
+CUDA device (CuPy, PyTorch, JAX, Numba) is captured like a NumPy array: attnext.cuda.arrays'
 as_device_view gives its shape, dtype and device from the protocol, without reading its memory
 (a torch tensor that requires grad is refused there: capture `table.detach()`). The graph and
 its key see only dtype and shape, so a CUDA and a NumPy array of one dtype and shape share the
@@ -90,18 +90,15 @@ evaluate() runs a graph on NumPy arrays with broadcasting; grad() builds the rev
 derivative as another graph over the same nodes plus a `dout` leaf; evaluate_grad() runs it and
 scatter-adds the array gradients (np.add.at: sequential, deterministic).
 """
-import functools
 import hashlib
 import math
-import operator
-import types
 from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
 
-from .devview import may_be_device_array
-from .kernel_cache import LRU
+from ..lru import LRU
+from .fingerprint import _rebound, fingerprint
 
 INPUTS = ("score", "b", "h", "q_idx", "kv_idx")
 F, I, B = "f32", "i64", "bool"
@@ -875,94 +872,6 @@ _COMPOSITES = {
 }
 
 
-def _global_names(code):
-    names = set(code.co_names)
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            names |= _global_names(c)
-    return names
-
-
-def _captured(name, value):
-    """What tracing sees of a value fn names: a NumPy array itself, a DevView of a CUDA array
-    (shape, dtype, device; its memory is not read), None for anything else. A CUDA array whose
-    library refuses to share it raises, naming it."""
-    if isinstance(value, np.ndarray):
-        return value
-    if not may_be_device_array(value):
-        return None
-    from . import device        # the CUDA host side: loaded only when such an object is captured
-    try:
-        return device.as_device_view(value)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"captured array {name!r}: {e}") from None
-
-
-def _helper(value):
-    """Whether value is a plain function whose arrays tracing captures too: a helper the traced
-    function calls (not NumPy's, math's, ...: their module-level arrays are no user's)."""
-    return (isinstance(value, types.FunctionType)
-            and (value.__module__ or "").split(".")[0] not in _STABLE_MODULES)
-
-
-def _rebound(fn, replace, memo=None):
-    """fn rebuilt from the same code object with every NumPy or CUDA array it names (closure
-    cells, globals named in its code, default arguments; module docstring) replaced by
-    replace(name, value, desc), desc what _captured gives; the plain functions it names (a
-    helper, in this module or another) rebuilt alike, so that a helper's own globals are
-    captured under their names. fn itself where nothing is replaced. Non-function callables
-    are returned as they are. memo: id(function) -> its rebuilt self (None while it is being
-    rebuilt: a recursive helper keeps calling the original)."""
-    if not isinstance(fn, types.FunctionType):
-        return fn
-    memo = {} if memo is None else memo
-    if id(fn) in memo:
-        return memo[id(fn)] or fn
-    memo[id(fn)] = None
-
-    def swap(name, value):
-        if _helper(value):
-            return _rebound(value, replace, memo)
-        desc = _captured(name, value)
-        return value if desc is None else replace(name, value, desc)
-
-    code = fn.__code__
-    closure = fn.__closure__
-    if closure is not None:
-        cells = []
-        for name, cell in zip(code.co_freevars, closure):
-            try:
-                value = cell.cell_contents
-            except ValueError:   # an empty cell (a variable assigned later)
-                cells.append(cell)
-                continue
-            new = swap(name, value)
-            cells.append(cell if new is value else types.CellType(new))
-        closure = tuple(cells)
-    glob = fn.__globals__
-    swapped = {n: swap(n, glob[n]) for n in _global_names(code) if n in glob}
-    swapped = {n: v for n, v in swapped.items() if v is not glob[n]}
-    if swapped:
-        glob = dict(glob)
-        glob.update(swapped)
-    defaults = fn.__defaults__
-    if defaults:
-        pos = code.co_varnames[:code.co_argcount]
-        defaults = tuple(swap(n, d) for n, d in zip(pos[len(pos) - len(defaults):], defaults))
-    kwdefaults = fn.__kwdefaults__ and {n: swap(n, d) for n, d in fn.__kwdefaults__.items()}
-    same = (glob is fn.__globals__
-            and all(a is b for a, b in zip(closure or (), fn.__closure__ or ()))
-            and all(v is fn.__kwdefaults__[n] for n, v in (kwdefaults or {}).items())
-            and all(a is b for a, b in zip(defaults or (), fn.__defaults__ or ())))
-    if same:
-        new = fn
-    else:
-        new = types.FunctionType(code, glob, fn.__name__, defaults, closure)
-        new.__kwdefaults__ = kwdefaults or None
-    memo[id(fn)] = new
-    return new
-
-
 def _with_array_proxies(fn, graph):
     """fn rebuilt so that the arrays it names are ArrayProxy objects (module docstring)."""
     def proxy(name, value, desc):
@@ -970,24 +879,6 @@ def _with_array_proxies(fn, graph):
             return _load(graph, name, value, desc, [])
         return ArrayProxy(name, value, desc, graph)
     return _rebound(fn, proxy)
-
-
-def captured_arrays(fn):
-    """name -> array (the object itself: a NumPy array or a CUDA array), for every array fn
-    names the way tracing captures them (closure, globals named in its code, defaults), whether
-    or not fn reads it."""
-    found = {}
-
-    def record(name, value, desc):
-        found[name] = value
-        return value
-    _rebound(fn, record)
-    return found
-
-
-def with_arrays(fn, arrays):
-    """fn rebuilt with the captured arrays named in `arrays` (name -> array) replaced."""
-    return _rebound(fn, lambda name, value, desc: arrays.get(name, value))
 
 
 class Traced(NamedTuple):
@@ -1039,189 +930,8 @@ def _naming(kind, e):
 # --- the trace cache ---------------------------------------------------------------------------
 # Tracing costs 40-85 us a call (bench/lab_host.py --fake): a GPU call with a mask_mod spent a
 # third of its host time here. A function is traced again only when something tracing read may
-# have changed; where that cannot be known, every time (as before).
+# have changed (fingerprint.py); where that cannot be known, every time.
 TRACE_CACHE_CAPACITY = 64
-# modules whose attributes a traced function may read (np.where, math.pi) and that never change;
-# a name bound to any other module (a user's, which importlib.reload refills) is not cached
-_STABLE_MODULES = ("numpy", "math", "operator", "ml_dtypes")
-# builtins that read state a fingerprint cannot see (names, files, ids, iterators)
-_DYNAMIC_BUILTINS = frozenset({"globals", "vars", "locals", "eval", "exec", "compile", "__import__",
-                               "open", "input", "id", "hash", "iter", "next", "breakpoint"})
-_STATEFUL_NAMES = frozenset({"random"})      # np.random.*: state behind a stable module
-_PLAIN = (type(None), bool, int, str, bytes)
-_EXACT_FLOATS = (float, complex, np.float64, np.complex128)
-
-
-class _Uncacheable(Exception):
-    pass
-
-
-def _fingerprint(fn):
-    """(fingerprint, captured) of a plain Python function, or None where it cannot be known that
-    tracing it again would give the same graph. The fingerprint (hashable, compared with ==)
-    changes whenever what tracing reads may have: the code, the closure cells, the globals and
-    builtins its code names (present or not), the defaults, the function's attributes,
-    recursively through the plain functions among them (each by the order it was met, not its
-    code alone); exact Python and NumPy scalars (floats by repr: -0.0 is not 0.0; NumPy ones with
-    their dtype); the arrays the function and its helpers name -- the ones tracing captures, whose
-    contents are read at every call -- by name, shape and dtype; the stable modules, their
-    functions and the builtins by identity, and of every stable module met (its submodules the
-    code names too) each attribute the code names (or holds as a string) that is no longer what
-    the module had at attnext's import (or first sight): np.tanh replaced by a user's function
-    counts as that function. Anything else makes the function uncacheable: an array reached any
-    other way (its contents may be read while tracing), a list, dict, object or subclass, a bound
-    method, a CUDA array, a user module, np.random, globals() / eval(). captured: name -> the
-    array tracing captures under that name, now."""
-    if not isinstance(fn, types.FunctionType):
-        return None
-    captured, walk = {}, _Walk()
-    try:
-        fp = _fp_function(fn, captured, walk, 0, named=True)
-        return (fp, _modules_fp(walk, captured)), captured
-    except (_Uncacheable, RecursionError):
-        return None
-
-
-class _Walk:
-    """What a fingerprint met: the plain functions in order (id -> place), the stable modules (id
-    -> module, in order) and the names the functions' code holds (in order)."""
-    __slots__ = ("order", "modules", "names")
-
-    def __init__(self):
-        self.order, self.modules, self.names = {}, {}, {}
-
-
-_MISSING = object()
-_first_seen = {}          # stable module -> its attributes when attnext first saw it
-
-
-def _originals(module):
-    found = _first_seen.get(module)
-    if found is None:
-        found = _first_seen.setdefault(module, dict(module.__dict__))
-    return found
-
-
-for _module in (np, math, operator, ml_dtypes):   # as imported, before a caller could patch them
-    _originals(_module)
-
-
-def _modules_fp(walk, captured):
-    """The stable modules' part of a fingerprint: (module, name, value's part) for each name the
-    code holds whose attribute is not what the module first had (replaced, added or removed);
-    the unchanged submodules among them are looked into too (np.emath.sqrt). A replacement's own
-    part may meet more names and modules: until none is left unchecked."""
-    out, checked, grown = [], set(), True
-    while grown:
-        grown = False
-        for m in list(walk.modules.values()):
-            now, first = m.__dict__, _originals(m)
-            for n in list(walk.names):
-                if (id(m), n) in checked:
-                    continue
-                checked.add((id(m), n))
-                grown = True
-                v = now.get(n, _MISSING)
-                if v is first.get(n, _MISSING):
-                    if isinstance(v, types.ModuleType) and v.__name__.split(".")[0] in _STABLE_MODULES:
-                        walk.modules.setdefault(id(v), v)
-                    continue
-                out.append((m.__name__, n, "absent" if v is _MISSING else _fp(v, captured, walk, 1)))
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=1024)
-def _code_names(code):
-    """(the global and attribute names code and its nested code use, the same with its string
-    constants (getattr(np, "tanh")), in a fixed order)."""
-    names, strings = set(code.co_names), set()
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            inner, inner_all = _code_names(c)
-            names |= set(inner)
-            strings |= set(inner_all)
-        elif isinstance(c, str):
-            strings.add(c)
-    return tuple(sorted(names)), tuple(sorted(names | strings))
-
-
-def _fp(x, captured, walk, depth, name=None):
-    """x's part of a fingerprint; name: the name tracing captures x under (a value the traced
-    function itself names), else None."""
-    if depth > 8:
-        raise _Uncacheable
-    t = type(x)
-    if t in _EXACT_FLOATS:
-        return (t, repr(x))
-    if t in _PLAIN:
-        return (t, x)
-    if isinstance(x, np.generic):
-        if x.dtype.hasobject or t.__module__ != "numpy":
-            raise _Uncacheable
-        return (t, x.dtype.str, x.tobytes())
-    if t is np.ndarray:
-        if name is None or x.dtype.hasobject or captured.setdefault(name, x) is not x:
-            raise _Uncacheable      # not captured (tracing may read it), or two arrays under one name
-        return ("array", name, x.shape, x.dtype.str)
-    if t is tuple:
-        return ("tuple",) + tuple(_fp(v, captured, walk, depth + 1) for v in x)
-    if isinstance(x, types.ModuleType):
-        if x.__name__.split(".")[0] not in _STABLE_MODULES or x.__name__ == "numpy.random":
-            raise _Uncacheable
-        walk.modules.setdefault(id(x), x)
-        return ("module", x)
-    if isinstance(x, types.BuiltinFunctionType):
-        owner = x.__self__
-        if x.__name__ in _DYNAMIC_BUILTINS or not (
-                owner is None or (isinstance(owner, types.ModuleType)
-                                  and owner.__name__ in ("builtins",) + _STABLE_MODULES)):
-            raise _Uncacheable      # a bound method of a mutable object, random(), ...
-        return ("builtin", x)
-    if isinstance(x, np.ufunc):
-        if getattr(np, x.__name__, None) is not x:
-            raise _Uncacheable      # np.frompyfunc's: arbitrary Python inside
-        return ("builtin", x)
-    if isinstance(x, types.FunctionType):
-        return _fp_function(x, captured, walk, depth, named=_helper(x))
-    raise _Uncacheable
-
-
-def _fp_function(x, captured, walk, depth, named):
-    """x's part of a fingerprint; named: the arrays it names are captured under those names
-    (the traced function and its helpers, as _rebound captures them)."""
-    if id(x) in walk.order:         # met before (or recursive): by the order it was met
-        return ("seen", walk.order[id(x)])
-    walk.order[id(x)] = len(walk.order)
-    code, glob = x.__code__, x.__globals__
-    used, held = _code_names(code)
-    if _STATEFUL_NAMES.intersection(used):
-        raise _Uncacheable
-    for n in held:
-        walk.names[n] = None
-    d = depth + 1
-    cells = []
-    for var, cell in zip(code.co_freevars, x.__closure__ or ()):
-        try:
-            cells.append(_fp(cell.cell_contents, captured, walk, d, var if named else None))
-        except ValueError:          # an empty cell: a variable assigned later
-            raise _Uncacheable from None
-    builtins = x.__builtins__
-    names = []
-    for n in used:
-        if n in glob:
-            names.append((n, _fp(glob[n], captured, walk, d, n if named else None)))
-        elif n in builtins:
-            names.append((n, "builtin", _fp(builtins[n], captured, walk, d)))
-        else:
-            names.append((n, "absent"))
-    pos = code.co_varnames[:code.co_argcount]
-    defaults = x.__defaults__ or ()
-    dfp = tuple(_fp(v, captured, walk, d, n if named else None)
-                for n, v in zip(pos[len(pos) - len(defaults):], defaults))
-    kw = tuple(sorted((k, _fp(v, captured, walk, d, k if named else None))
-                      for k, v in (x.__kwdefaults__ or {}).items()))
-    attrs = tuple(sorted((k, _fp(v, captured, walk, d)) for k, v in x.__dict__.items()))
-    return ("function", code, tuple(cells), tuple(names), dfp, kw, attrs)
 
 
 # (kind, fingerprint) -> the Traced with its arrays' names only: the graph depends on each
@@ -1232,7 +942,7 @@ _traces = LRU(TRACE_CACHE_CAPACITY)
 
 
 def _cached_trace(fn, kind):
-    found = _fingerprint(fn)
+    found = fingerprint(fn)
     if found is None:
         return _trace(fn, kind)
     fp, captured = found
@@ -1405,186 +1115,3 @@ def evaluate(traced, score, b, h, q_idx, kv_idx, params=None, arrays=None,
     memo = _run([traced.out], values, traced.params if params is None else params,
                 {**traced.arrays, **(arrays or {})}, float_dtype)
     return memo[id(traced.out)]
-
-
-# --- derivative ------------------------------------------------------------------------------
-
-class Grad(NamedTuple):
-    """Reverse-mode derivative of a traced score_mod, as graphs over the forward nodes plus a
-    "dout" leaf (the incoming gradient). dscore: d out / d score times dout. darrays: name ->
-    tuple of (index nodes, adjoint node), one per distinct lookup of that float array; the
-    array's gradient is the scatter-add of every adjoint at its (normalised) indices.
-    structure / key: canonical text and SHA-256 of all these graphs together."""
-    dscore: Node
-    darrays: dict
-    structure: str
-    key: str
-
-
-# op -> (f, k, out, *operands) -> the derivative of out w.r.t. each operand (None: 0), from
-# f(op, *nodes) (a float node) and k(value) (a constant): the float functions above exp ... cos
-_LOCAL = {
-    "tan": lambda f, k, y, x: (f("add", k(1.0), f("mul", y, y)),),
-    "atan": lambda f, k, y, x: (f("truediv", k(1.0), f("add", k(1.0), f("mul", x, x))),),
-    "asin": lambda f, k, y, x: (f("truediv", k(1.0), f("sqrt", f("sub", k(1.0), f("mul", x, x)))),),
-    "acos": lambda f, k, y, x: (f("truediv", k(-1.0), f("sqrt", f("sub", k(1.0), f("mul", x, x)))),),
-    "sinh": lambda f, k, y, x: (f("cosh", x),),
-    "cosh": lambda f, k, y, x: (f("sinh", x),),
-    "asinh": lambda f, k, y, x: (f("truediv", k(1.0), f("hypot", x, k(1.0))),),   # no x * x overflow
-    "acosh": lambda f, k, y, x: (f("truediv", k(1.0), f("mul", f("sqrt", f("sub", x, k(1.0))),
-                                                       f("sqrt", f("add", x, k(1.0))))),),
-    "atanh": lambda f, k, y, x: (f("truediv", k(1.0), f("sub", k(1.0), f("mul", x, x))),),
-    "expm1": lambda f, k, y, x: (f("add", y, k(1.0)),),
-    "log1p": lambda f, k, y, x: (f("truediv", k(1.0), f("add", x, k(1.0))),),
-    "log10": lambda f, k, y, x: (f("truediv", k(1.0), f("mul", x, k(math.log(10.0)))),),
-    "cbrt": lambda f, k, y, x: (f("truediv", k(1.0), f("mul", k(3.0), f("mul", y, y))),),
-    "floor": lambda f, k, y, x: (None,), "ceil": lambda f, k, y, x: (None,),
-    "rint": lambda f, k, y, x: (None,), "trunc": lambda f, k, y, x: (None,),
-    # atan2(a, b) = atan(a / b): d/da = b / r^2, d/db = -a / r^2 with r = hypot(a, b)
-    "atan2": lambda f, k, y, a, b: (f("truediv", f("truediv", b, f("hypot", a, b)), f("hypot", a, b)),
-                                    f("neg", f("truediv", f("truediv", a, f("hypot", a, b)),
-                                                  f("hypot", a, b)))),
-    "hypot": lambda f, k, y, a, b: (f("truediv", a, y), f("truediv", b, y)),
-    # copysign(a, b) = |a| sign(b): d/da = sign(a) sign(b) (at the kink a = 0, +-0's sign)
-    "copysign": lambda f, k, y, a, b: (f("mul", f("copysign", k(1.0), a), f("copysign", k(1.0), b)),
-                                       None),
-}
-
-
-def grad(traced):
-    """The symbolic derivative of a score_mod (see Grad).
-
-    Rules: np.where, minimum and maximum send the adjoint only to the chosen operand (ties of
-    minimum / maximum go to the first operand, the one NumPy returns); abs' derivative is sign(x)
-    with 0 at 0; a // b has derivative 0 and a % b has derivatives 1 and -(a // b); a ** b has
-    b * a ** (b - 1) and, where b depends on the score or an array, a ** b * log(a). Integer
-    and bool subgraphs (indices, comparisons) carry no gradient; floor, ceil, rint and trunc
-    have derivative 0, the other float functions theirs (_LOCAL). Each adjoint times a local
-    derivative is a "dmul": 0 where the adjoint is 0, so an unchosen branch never leaks NaN.
-    """
-    if traced.kind != "score_mod":
-        raise TypeError("only a score_mod has a derivative; a mask_mod is piecewise constant")
-    g = traced.graph
-    order = topo(traced.out)
-    diff = set()
-    for n in order:
-        if n.dtype != F:
-            continue
-        if n.op == "score" or n.op == "load" or any(id(a) in diff for a in _children(n)):
-            diff.add(id(n))
-    dout = g.node("dout", F)
-    zero, one = g.fconst(0.0), g.fconst(1.0)
-    node = g.node
-
-    def dmul(adj, d):
-        return node("dmul", F, adj, d)
-
-    contrib = {id(traced.out): [dout]} if id(traced.out) in diff else {}
-    dscore = zero
-    darrays = {}
-
-    def push(x, c):
-        if id(x) in diff:
-            contrib.setdefault(id(x), []).append(c)
-
-    for n in reversed(order):
-        cs = contrib.get(id(n))
-        if not cs:
-            continue
-        adj = cs[0]
-        for c in cs[1:]:
-            adj = node("add", F, adj, c)
-        op, a = n.op, n.args
-        if op == "score":
-            dscore = adj
-        elif op == "load":
-            darrays.setdefault(a[0].args[0], []).append((a[1:], adj))
-        elif op == "add":
-            push(a[0], adj), push(a[1], adj)
-        elif op == "sub":
-            push(a[0], adj), push(a[1], node("neg", F, adj))
-        elif op == "mul":
-            push(a[0], dmul(adj, a[1])), push(a[1], dmul(adj, a[0]))
-        elif op == "truediv":
-            push(a[0], dmul(adj, node("truediv", F, one, a[1])))
-            push(a[1], dmul(adj, node("neg", F, node("truediv", F, n, a[1]))))
-        elif op == "floordiv":
-            pass
-        elif op == "mod":
-            push(a[0], adj)
-            push(a[1], dmul(adj, node("neg", F, node("floordiv", F, a[0], a[1]))))
-        elif op == "pow":
-            push(a[0], dmul(adj, node("mul", F, a[1],
-                                      node("pow", F, a[0], node("sub", F, a[1], one)))))
-            if id(a[1]) in diff:
-                push(a[1], dmul(adj, node("mul", F, n, node("log", F, a[0]))))
-        elif op == "neg":
-            push(a[0], node("neg", F, adj))
-        elif op == "abs":
-            push(a[0], node("where", F, node("gt", B, a[0], zero), adj,
-                            node("where", F, node("lt", B, a[0], zero),
-                                 node("neg", F, adj), zero)))
-        elif op in ("minimum", "maximum", "where"):
-            if op == "where":
-                c, x, y = a
-            else:
-                c = node("le" if op == "minimum" else "ge", B, a[0], a[1])
-                x, y = a
-            push(x, node("where", F, c, adj, zero))
-            push(y, node("where", F, c, zero, adj))
-        elif op == "exp":
-            push(a[0], dmul(adj, n))
-        elif op == "exp2":
-            push(a[0], dmul(adj, node("mul", F, n, g.fconst(_LN2))))
-        elif op == "log":
-            push(a[0], dmul(adj, node("truediv", F, one, a[0])))
-        elif op == "log2":
-            push(a[0], dmul(adj, node("truediv", F, one, node("mul", F, a[0], g.fconst(_LN2)))))
-        elif op == "sqrt":
-            push(a[0], dmul(adj, node("truediv", F, g.fconst(0.5), n)))
-        elif op == "tanh":
-            push(a[0], dmul(adj, node("sub", F, one, node("mul", F, n, n))))
-        elif op == "sin":
-            push(a[0], dmul(adj, node("cos", F, a[0])))
-        elif op == "cos":
-            push(a[0], dmul(adj, node("neg", F, node("sin", F, a[0]))))
-        elif op in _LOCAL:
-            for x, d in zip(a, _LOCAL[op](lambda o, *xs: node(o, F, *xs), g.fconst, n, *a)):
-                if d is not None:
-                    push(x, dmul(adj, d))
-        else:
-            raise TypeError(f"no derivative rule for op {op!r}")
-    darrays = {k: tuple(v) for k, v in sorted(darrays.items())}
-    roots = [dscore] + [x for k in darrays for idx, adj in darrays[k] for x in (*idx, adj)]
-    text = structure_of("grad", roots, len(traced.params))
-    return Grad(dscore, darrays, text, hashlib.sha256(text.encode()).hexdigest())
-
-
-def evaluate_grad(traced, g, score, b, h, q_idx, kv_idx, dout, params=None, arrays=None,
-                  float_dtype=np.float32):
-    """(d_score, {name: d_array}) for the incoming gradient dout, all broadcast together.
-
-    d_score has the broadcast shape of the inputs; d_array the array's shape, in float_dtype,
-    with every lookup's adjoint scatter-added (np.add.at) at its normalised indices."""
-    arrays = {**traced.arrays, **(arrays or {})}
-    values = {"score": score, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx, "dout": dout}
-    roots = [g.dscore] + [x for k in g.darrays for idx, adj in g.darrays[k] for x in (*idx, adj)]
-    # The forward's lookups are evaluated too, so that one out of range raises here as well.
-    load_nodes = [n for n in topo(traced.out) if n.op == "load"]
-    memo = _run(roots + load_nodes, values, traced.params if params is None else params,
-                arrays, float_dtype)
-    shape = np.broadcast_shapes(*(np.shape(v) for v in values.values()))
-    d_score = np.broadcast_to(memo[id(g.dscore)], shape).astype(float_dtype)
-    out = {}
-    for name, terms in g.darrays.items():
-        acc = np.zeros(np.shape(arrays[name]), dtype=float_dtype)
-        for idx, adj in terms:
-            vals = np.broadcast_to(memo[id(adj)], shape)
-            if not idx:   # a 0-d array
-                acc += vals.sum(dtype=float_dtype)
-                continue
-            fixed = _normalised(name, acc.shape, [memo[id(i)] for i in idx])
-            parts = np.broadcast_arrays(*fixed, vals)
-            np.add.at(acc, tuple(p.ravel() for p in parts[:-1]), parts[-1].ravel())
-        out[name] = acc
-    return d_score, out

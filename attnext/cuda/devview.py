@@ -4,7 +4,7 @@ It carries what the checks look at (shape, dtype, ndim, strides) and what a kern
 device address of element [0, ..., 0] and element strides), and supports the few reshapes the
 checks make: transpose, a leading new axis, leading ones, broadcast_to. It never reads or
 writes device memory itself. `may_be_device_array` is the cheap test api.py (arguments) and
-trace.py (captured arrays) make before asking attnext.device.as_device_view for a view.
+trace.py (captured arrays) make before asking attnext.cuda.arrays.as_device_view for a view.
 """
 import math
 
@@ -20,7 +20,7 @@ def _has(x, name):
 def may_be_device_array(x):
     """Whether x may be another library's CUDA array: not a NumPy array nor a class (an array
     type such as torch.Tensor names both protocols too), and __cuda_array_interface__ or
-    __dlpack__ on its type or instance. Only attnext.device.as_device_view tells (a CPU torch
+    __dlpack__ on its type or instance. Only attnext.cuda.arrays.as_device_view tells (a CPU torch
     tensor has both names)."""
     return not isinstance(x, (np.ndarray, type)) and (_has(x, "__cuda_array_interface__") or _has(x, "__dlpack__"))
 

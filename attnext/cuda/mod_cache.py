@@ -18,7 +18,7 @@ ArrayCopies) the mask built by one call serves the next ones with the same key (
 after its forward, the next training step). A mask_mod reading a CUDA array is rebuilt every
 call: its contents cannot be compared without reading them.
 
-Both live in device memory from attnext.device.empty, allocated on the stream of the call that
+Both live in device memory from attnext.cuda.arrays.empty, allocated on the stream of the call that
 made them; a call on another stream waits for that stream first (DeviceArray._order_before), and
 an entry pushed out is freed after the streams that read it. A call on the per-thread default
 stream, which names another stream in every thread, is left out of both: it finds and keeps
@@ -34,7 +34,9 @@ import threading
 
 import numpy as np
 
-from . import _C, bounds, device
+from .. import _C
+from ..mods import bounds
+from . import arrays as device
 
 ARRAY_ENTRIES = 64               # device copies kept, and their bytes
 ARRAY_BYTES = 256 << 20

@@ -1,0 +1,616 @@
+"""Argument checking: every public call is checked here and normalised into one Problem.
+
+A Problem holds q, k, v and out in (B, S, H, D) order as strided views (NumPy arrays, or DevViews
+of CUDA arrays), bias and mask as views broadcast to (B, Hb, Sq, Sk) without copying, lengths as
+int32, and the options as the codes the backends read. TypeError for wrong types and dtypes,
+ValueError for shapes, lengths and options that disagree (naming the argument and the values),
+MemoryError before anything is allocated when the host buffers a call needs exceed the machine.
+"""
+import functools
+import inspect
+import math
+import os
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from ._layout import NUMPY_DTYPES
+from .cuda.devview import DevView, may_be_device_array
+from .mods import fingerprint
+
+
+@dataclass(slots=True)
+class Problem:
+    """One checked call, as the backends (api.py, cuda/backend.py, mods/lower.py) read it.
+
+    The caller's keywords keep their names (causal, window, ..., out, precision); what the checks
+    derive is below them. Sizes: B batch (varlen: sequences), Sq / Sk the query / key lengths
+    (varlen: max_seqlen_q / max_seqlen_k), Hq / Hk heads, D / Dv head dims. q4, k4, v4: (B, S, H, D)
+    views of q, k, v (varlen: a leading 1); bias4 / mask4: (B, Hb, Sq, Sk) broadcast views, Hb
+    being bias_heads / mask_heads. Lowering (mods/lower.py) may narrow causal_code and the window
+    or set documents; the CUDA backend sets the fields under "set by the backends"."""
+    # the caller's keywords
+    causal: Any = False
+    window: Any = None
+    scale: Any = None
+    softcap: Any = None
+    alibi_slopes: Any = None
+    bias: Any = None
+    mask: Any = None
+    score_mod: Optional[Callable] = None
+    mask_mod: Optional[Callable] = None
+    seqlens_q: Any = None
+    seqlens_k: Any = None
+    layout: str = "bshd"            # "bshd", "bhsd", or "thd" for varlen
+    return_lse: bool = False
+    device: Optional[str] = None    # after the checks: "cpu", "cuda" or "reference"
+    out: Any = None
+    precision: Optional[str] = None
+    # where the call runs
+    like: Any = None                # q as given: a GPU call's results come back as its library's
+    on_gpu: bool = False
+    cuda_device: int = 0
+    cuda_stream: int = 0
+    # the arrays and sizes
+    q: Any = None
+    k: Any = None
+    v: Any = None
+    q4: Any = None
+    k4: Any = None
+    v4: Any = None
+    B: int = 0
+    Sq: int = 0
+    Sk: int = 0
+    Hq: int = 0
+    Hk: int = 0
+    D: int = 0
+    Dv: int = 0
+    varlen: bool = False
+    max_q: int = 0
+    max_k: int = 0
+    cu_q: Optional[np.ndarray] = None
+    cu_k: Optional[np.ndarray] = None
+    used_q: Optional[np.ndarray] = None
+    used_k: Optional[np.ndarray] = None
+    out_shape: tuple = ()
+    lse_shape: tuple = ()
+    acc_dtype: Any = None
+    # the options as codes
+    scale_value: float = 0.0
+    softcap_value: float = 0.0
+    causal_code: int = 0            # 0 none, 1 bottom-right, 2 top-left
+    window_left: int = -1
+    window_right: int = -1
+    alibi: Optional[np.ndarray] = None
+    bias4: Any = None
+    mask4: Any = None
+    bias_heads: int = 1
+    mask_heads: int = 1
+    documents: Optional[np.ndarray] = None   # mods/lower.py: cu_seqlens of a document mask_mod
+    # set by the backends
+    mods_lowered: bool = False      # the mask_mod went into the call's own features
+    dtensors: Optional[dict] = None # the captured arrays' gradients of a GPU backward
+    whole_rows: Optional[int] = None   # a row slice of a longer sequence (cuda/backend.py)
+    lse_rows: Any = None
+
+
+_DEVICES = ("cpu", "cuda", "reference")
+_LAYOUTS = ("bshd", "bhsd")
+_CAUSAL = {False: 0, None: 0, True: 1, "bottom_right": 1, "top_left": 2}
+_PRECISIONS = (None, "tf32")
+MAX_THREADS = 1024
+MAX_HEAD_DIM = 256
+
+
+def fmt(x):
+    return repr(x) if not isinstance(x, np.ndarray) else f"array(shape={x.shape}, dtype={x.dtype})"
+
+
+_GPU_MODULES = []
+
+
+def gpu_modules():
+    """(cuda_backend, device), imported on the first GPU call: `import attnext` does not load
+    the CUDA host side, and a `from . import` inside a function costs ~1 us on every call."""
+    if not _GPU_MODULES:
+        from .cuda import arrays, backend
+        _GPU_MODULES[:] = (backend, arrays)
+    return _GPU_MODULES
+
+
+def device_view(x):
+    """A DevView of a CUDA array (__cuda_array_interface__ / __dlpack__), None for host data."""
+    if not may_be_device_array(x):
+        return None
+    return gpu_modules()[1].as_device_view(x)
+
+
+def _cuda_view(name, x):
+    """device_view, its TypeErrors (a dtype, byte order or refusal of the producer) naming the
+    argument."""
+    try:
+        return device_view(x)
+    except TypeError as e:
+        raise TypeError(f"{name}: {e}") from None
+
+
+def _array(name, x, host=False):
+    """A host array (never copied unless misaligned), or a DevView of a CUDA array (host=True:
+    copied to the host, for the small arrays the checks read). Non-arrays raise TypeError."""
+    # numpy.ma not imported: x is no masked array (importing it cost a first call 15-80 ms)
+    ma = sys.modules.get("numpy.ma")
+    if ma is not None and isinstance(x, ma.MaskedArray):
+        raise TypeError(f"{name} is a masked array: attnext would read its data and ignore its mask; "
+                        f"pass {name}.filled(...) or np.ma.getdata({name}), and mask= for masking")
+    if isinstance(x, np.ndarray):
+        a = x
+    elif (dv := _cuda_view(name, x)) is not None:
+        if not host:
+            return dv
+        a = gpu_modules()[0].to_host(dv)
+    elif hasattr(x, "__array_interface__") or hasattr(x, "__array__"):
+        try:
+            a = np.asarray(x)
+        except Exception as e:   # e.g. a CUDA tensor refusing host conversion
+            raise TypeError(f"{name} must be a NumPy array or array-like on the host, got "
+                            f"{type(x).__name__}: {e}") from None
+    else:
+        raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
+    if a.dtype.kind == "f" and not a.dtype.isnative:
+        raise TypeError(f"{name} has non-native byte order ({a.dtype.str}); use "
+                        f"{name}.astype({name}.dtype.newbyteorder('='))")
+    if not a.flags.aligned:
+        # copy only what the strides reach (a broadcast stays a broadcast), then view it again
+        base = a[tuple(slice(0, 1) if s == 0 else slice(None) for s in a.strides)]
+        a = np.broadcast_to(base.copy(), a.shape)
+    return a
+
+
+def float_array(name, x):
+    a = _array(name, x)
+    if a.dtype not in NUMPY_DTYPES:
+        raise TypeError(f"{name} has dtype {a.dtype}; expected float16, bfloat16, float32 or float64")
+    return a
+
+
+def _int_array(name, x, length):
+    a = _array(name, x, host=True)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
+    if a.ndim != 1 or a.shape[0] != length:
+        raise ValueError(f"{name} must have shape ({length},), got {a.shape}")
+    if a.size and (a.min() < 0 or a.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"{name} must hold values in [0, 2**31), got {a.tolist()[:8]}")
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+def _resolve_device(device, q, k, v):
+    """The backend for this call. CUDA arrays run on the GPU. device=None (or ATTNEXT_DEVICE)
+    picks the GPU for host arrays when it is usable and has kernels for their dtype (float16,
+    bfloat16), else the CPU."""
+    if device is not None and device not in _DEVICES:
+        raise ValueError(f"device must be one of {_DEVICES} or None, got {device!r}")
+    on_gpu = [isinstance(x, DevView) for x in (q, k, v)]
+    if any(on_gpu) and not all(on_gpu):
+        where = ", ".join(f"{n} on {'cuda' if g else 'the host'}" for n, g in zip("qkv", on_gpu))
+        raise TypeError(f"q, k and v must all live on the GPU or all on the host, got {where}")
+    cuda_backend = gpu_modules()[0]
+    if on_gpu[0]:
+        if len({x.device for x in (q, k, v)}) > 1:
+            raise ValueError(f"q, k and v live on different GPUs: cuda:{q.device}, cuda:{k.device}, "
+                             f"cuda:{v.device}")
+        if device not in (None, "cuda"):
+            raise ValueError(f"device={device!r} cannot read q, k, v: they are CUDA arrays "
+                             f"(on cuda:{q.device}); pass device='cuda' or None")
+        device = "cuda"
+    elif device is None:
+        device = os.environ.get("ATTNEXT_DEVICE") or None
+        if device is not None and device not in _DEVICES:
+            raise ValueError(f"ATTNEXT_DEVICE: device must be one of {_DEVICES}, got {device!r}")
+        if device is None:
+            device = "cuda" if q.dtype in cuda_backend.DTYPES and cuda_backend.usable() else "cpu"
+    if device == "cuda":
+        why = cuda_backend.unavailable_reason()
+        if why:
+            raise RuntimeError(f"device='cuda': the CUDA backend is unavailable: {why}")
+        if q.dtype not in cuda_backend.DTYPES:
+            raise TypeError(f"device='cuda' runs float16 and bfloat16; q has dtype {q.dtype} "
+                            "(float64 stays on the CPU)")
+    return device
+
+
+def _num_threads():
+    env = os.environ.get("ATTNEXT_NUM_THREADS")
+    if not env:
+        return 0
+    try:
+        n = int(env)
+    except ValueError:
+        raise ValueError(f"ATTNEXT_NUM_THREADS must be an integer in [1, {MAX_THREADS}], got {env!r}") from None
+    if not 1 <= n <= MAX_THREADS:
+        raise ValueError(f"ATTNEXT_NUM_THREADS must be an integer in [1, {MAX_THREADS}], got {env!r}")
+    return n
+
+
+def _is_real(x):
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def _float_value(x):
+    """float(x), with an int too large for a float (10**400) as infinity."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
+# the arguments score_mod and mask_mod are called with
+_MOD_ARGS = {"score_mod": "score, b, h, q_idx, kv_idx", "mask_mod": "b, h, q_idx, kv_idx"}
+
+
+def check_arity(name, f):
+    """score_mod / mask_mod must accept their positional arguments; a callable whose signature
+    Python cannot read (some builtins) is let through to the call."""
+    args = _MOD_ARGS[name]
+    n = args.count(",") + 1
+    if isinstance(f, np.ufunc):
+        if f.nin != n:
+            raise TypeError(f"{name} must take {n} arguments ({args}); the ufunc {f.__name__} takes {f.nin}")
+        return
+    code = getattr(f, "__code__", None)
+    if (type(f) is types.FunctionType and not code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS)
+            and not code.co_kwonlyargcount
+            and code.co_argcount - len(f.__defaults__ or ()) <= n <= code.co_argcount):
+        return        # a plain function that takes them (inspect.signature costs ~15 us a call)
+    try:
+        sig = inspect.signature(f)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(*range(n))
+    except TypeError:
+        raise TypeError(f"{name} must take {n} arguments ({args}), got "
+                        f"{getattr(f, '__name__', type(f).__name__)}{sig}") from None
+
+
+def _check_options(o, D, Hq, B):
+    """Checks the scalar and small-array options; fills their codes into o (a Problem)."""
+    if not isinstance(o.return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {fmt(o.return_lse)}")
+    if o.scale is None:
+        o.scale_value = 1.0 / math.sqrt(D)
+    else:
+        if not _is_real(o.scale):
+            raise TypeError(f"scale must be a real number, got {fmt(o.scale)}")
+        if not math.isfinite(_float_value(o.scale)):
+            raise ValueError(f"scale must be finite, got {o.scale!r}")
+        o.scale_value = float(o.scale)
+    if o.softcap is None:
+        o.softcap_value = 0.0
+    else:
+        if not _is_real(o.softcap):
+            raise TypeError(f"softcap must be a positive real number, got {fmt(o.softcap)}")
+        if not (math.isfinite(_float_value(o.softcap)) and float(o.softcap) > 0):
+            raise ValueError(f"softcap must be positive and finite, got {o.softcap!r}")
+        o.softcap_value = float(o.softcap)
+    causal = bool(o.causal) if isinstance(o.causal, np.bool_) else o.causal
+    if not (causal is None or isinstance(causal, (bool, str))) or causal not in _CAUSAL:
+        raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left', got {o.causal!r}")
+    o.causal_code = _CAUSAL[causal]
+    if o.window is None:
+        o.window_left = o.window_right = -1
+    else:
+        w = o.window
+        if (not isinstance(w, (tuple, list)) or len(w) != 2
+                or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in w)):
+            raise ValueError(f"window must be a pair of ints (left, right), -1 = unbounded, got {w!r}")
+        if w[0] < -1 or w[1] < -1:
+            raise ValueError(f"window sides must be >= -1 (-1 = unbounded), got {tuple(w)!r}")
+        # no query is farther than Sq + Sk from a key: a wider side is unbounded, and clamping
+        # keeps the kernels' int64 index arithmetic from wrapping
+        far = o.Sq + o.Sk
+        o.window_left, o.window_right = (min(int(x), far) for x in w)
+    if o.precision not in _PRECISIONS:
+        raise ValueError(f"precision must be one of {_PRECISIONS}, got {o.precision!r}")
+    for name in ("score_mod", "mask_mod"):
+        f = getattr(o, name)
+        if f is not None and not callable(f):
+            raise TypeError(f"{name} must be callable or None, got {type(f).__name__}")
+        if f is not None:
+            check_arity(name, f)
+            if not o.on_gpu:
+                _host_arrays_only(name, f, o.device)
+    o.alibi = None
+    if o.alibi_slopes is not None:
+        a = _array("alibi_slopes", o.alibi_slopes, host=True)
+        if a.dtype not in NUMPY_DTYPES:
+            raise TypeError(f"alibi_slopes must be a float array, got dtype {a.dtype}")
+        if a.shape not in ((Hq,), (B, Hq)):
+            raise ValueError(f"alibi_slopes must have shape ({Hq},) or ({B}, {Hq}), got {a.shape}")
+        a = a.astype(np.float64 if a.dtype == np.float64 else np.float32)
+        if not np.all(np.isfinite(a)):
+            raise ValueError("alibi_slopes must be finite")
+        o.alibi = np.broadcast_to(a, (B, Hq))
+
+
+def _broadcast_4d(name, x, B, Hq, Hk, Sq, Sk, is_mask, varlen):
+    """bias or mask as a (B, Hb, Sq, Sk) view (no copy) and Hb in {1, Hk, Hq}."""
+    a = _array(name, x)
+    if is_mask and a.dtype != np.bool_:
+        raise TypeError(f"mask must be a bool array (True = attend), got dtype {a.dtype}")
+    if not is_mask and a.dtype not in NUMPY_DTYPES:
+        raise TypeError(f"bias has dtype {a.dtype}; expected float16, bfloat16, float32 or float64")
+    if a.ndim > 4:
+        raise ValueError(f"{name} must have at most 4 dims (B, H, Sq, Sk), got shape {a.shape}")
+    a4 = a.reshape((1,) * (4 - a.ndim) + a.shape)
+    heads = a4.shape[1]
+    ok = (a4.shape[0] in (1, B) and heads in (1, Hk, Hq) and a4.shape[2] in (1, Sq)
+          and a4.shape[3] in (1, Sk))
+    if not ok:
+        rows = "max_seqlen_q, max_seqlen_k" if varlen else "Sq, Sk"
+        heads = " or ".join(str(h) for h in sorted({1, Hk, Hq}))
+        raise ValueError(f"{name} of shape {a.shape} does not broadcast to (B, H, {rows}) = "
+                         f"({B}, H, {Sq}, {Sk}) with H = {heads}")
+    try:
+        view = _broadcast_to(a4, (B, heads, Sq, Sk))
+    except ValueError as e:     # more elements than an index can count
+        rows = "max_seqlen_q, max_seqlen_k" if varlen else "Sq, Sk"
+        raise ValueError(f"{name} of shape {a.shape} cannot be viewed as (B, H, {rows}) = "
+                         f"({B}, {heads}, {Sq}, {Sk}): {e}") from None
+    return a, view, heads
+
+
+def _broadcast_to(a, shape):
+    return a.broadcast_to(shape) if isinstance(a, DevView) else np.broadcast_to(a, shape)
+
+
+def normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+              max_seqlen_k=None, seqused_q=None, seqused_k=None, varlen=False) -> "Problem":
+    """Checks q, k, v and every option (opts: the public function's keywords); returns the
+    Problem with the views the backends read."""
+    o = Problem(**opts)
+    o.like = q                  # results of a GPU call come back as q's library's arrays
+    q = float_array("q", q)
+    k = float_array("k", k)
+    v = float_array("v", v)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    o.device = _resolve_device(o.device, q, k, v)
+    o.on_gpu = isinstance(q, DevView)
+    o.cuda_device = q.device if o.on_gpu else 0
+    o.cuda_stream = q.stream if o.on_gpu else 0
+    for name in ("score_mod", "mask_mod"):        # a non-callable is a TypeError before anything else
+        f = getattr(o, name)
+        if f is not None and not callable(f):
+            raise TypeError(f"{name} must be callable or None, got {type(f).__name__}")
+    o.q, o.k, o.v = q, k, v
+    if varlen:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.ndim != 3:
+                raise ValueError(f"{name} must have 3 dims (T, H, D) for varlen, got shape {x.shape}")
+        Tq, Hq, D = q.shape
+        Tk, Hk, _ = k.shape
+        Dv = v.shape[2]
+        if k.shape[2] != D or v.shape[:2] != (Tk, Hk):
+            raise ValueError(f"shapes disagree: q {q.shape}, k {k.shape}, v {v.shape} "
+                             "(expected k (Tk, Hk, D), v (Tk, Hk, Dv))")
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("cu_seqlens_q and cu_seqlens_k are required")
+        cq_a = _array("cu_seqlens_q", cu_seqlens_q, host=True)
+        ck_a = _array("cu_seqlens_k", cu_seqlens_k, host=True)
+        for name, cu in (("cu_seqlens_q", cq_a), ("cu_seqlens_k", ck_a)):
+            if cu.ndim != 1 or cu.shape[0] < 1:
+                raise ValueError(f"{name} must have shape (B + 1,), got {cu.shape}")
+        B = cq_a.shape[0] - 1
+        if ck_a.shape != cq_a.shape:
+            raise ValueError(f"cu_seqlens_k must have shape {cq_a.shape} like cu_seqlens_q (B + 1 = "
+                             f"{B + 1} entries), got {ck_a.shape}")
+        cq = _int_array("cu_seqlens_q", cq_a, B + 1)
+        ck = _int_array("cu_seqlens_k", ck_a, B + 1)
+        for name, cu, T in (("cu_seqlens_q", cq, Tq), ("cu_seqlens_k", ck, Tk)):
+            if cu[0] != 0:
+                raise ValueError(f"{name} must start at 0, got {cu[0]}")
+            if np.any(np.diff(cu) < 0):
+                raise ValueError(f"{name} must not decrease, got {cu.tolist()}")
+            if cu[-1] > T:
+                raise ValueError(f"{name}[-1] = {cu[-1]} is past the end of the packed tensor ({T} rows)")
+        seg_q, seg_k = np.diff(cq), np.diff(ck)
+        uq = uk = None
+        if seqused_q is not None:
+            uq = _int_array("seqused_q", seqused_q, B)
+            if np.any(uq > seg_q):
+                raise ValueError(f"seqused_q {uq.tolist()} exceeds the segment lengths {seg_q.tolist()}")
+        if seqused_k is not None:
+            uk = _int_array("seqused_k", seqused_k, B)
+            if np.any(uk > seg_k):
+                raise ValueError(f"seqused_k {uk.tolist()} exceeds the segment lengths {seg_k.tolist()}")
+        lq = uq if uq is not None else seg_q
+        lk = uk if uk is not None else seg_k
+        longest_q = int(lq.max()) if B else 0
+        longest_k = int(lk.max()) if B else 0
+        for name, m, longest in (("max_seqlen_q", max_seqlen_q, longest_q),
+                                 ("max_seqlen_k", max_seqlen_k, longest_k)):
+            if m is not None:
+                if isinstance(m, bool) or not isinstance(m, (int, np.integer)):
+                    raise TypeError(f"{name} must be an int, got {fmt(m)}")
+                if m < longest:
+                    raise ValueError(f"{name} = {m} is smaller than the longest sequence ({longest})")
+                if m > np.iinfo(np.int32).max:
+                    raise ValueError(f"{name} = {m} is past the largest sequence length (2**31 - 1)")
+        o.max_q = longest_q if max_seqlen_q is None else int(max_seqlen_q)
+        o.max_k = longest_k if max_seqlen_k is None else int(max_seqlen_k)
+        o.cu_q, o.cu_k, o.used_q, o.used_k = cq, ck, uq, uk
+        o.q4, o.k4, o.v4 = q[None], k[None], v[None]
+        o.B, o.Sq, o.Sk = B, o.max_q, o.max_k
+        o.out_shape, o.lse_shape = (Tq, Hq, Dv), (Hq, Tq)
+    else:
+        if o.layout not in _LAYOUTS:
+            raise ValueError(f"layout must be one of {_LAYOUTS}, got {o.layout!r}")
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.ndim != 4:
+                raise ValueError(f"{name} must have 4 dims for layout {o.layout!r}, got shape {x.shape}")
+        if o.layout == "bhsd":
+            q4, k4, v4 = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+        else:
+            q4, k4, v4 = q, k, v
+        B, Sq, Hq, D = q4.shape
+        _, Sk, Hk, _ = k4.shape
+        Dv = v4.shape[3]
+        if k4.shape != (B, Sk, Hk, D) or v4.shape[:3] != (B, Sk, Hk):
+            raise ValueError(f"shapes disagree for layout {o.layout!r}: q {q.shape}, k {k.shape}, "
+                             f"v {v.shape}")
+        o.cu_q = o.cu_k = None
+        o.used_q = o.used_k = None
+        if o.seqlens_q is not None:
+            o.used_q = _int_array("seqlens_q", o.seqlens_q, B)
+            if np.any(o.used_q > Sq):
+                raise ValueError(f"seqlens_q {o.used_q.tolist()} exceeds Sq = {Sq}")
+        if o.seqlens_k is not None:
+            o.used_k = _int_array("seqlens_k", o.seqlens_k, B)
+            if np.any(o.used_k > Sk):
+                raise ValueError(f"seqlens_k {o.used_k.tolist()} exceeds Sk = {Sk}")
+        o.q4, o.k4, o.v4 = q4, k4, v4
+        o.B, o.Sq, o.Sk = B, Sq, Sk
+        o.out_shape = (B, Sq, Hq, Dv) if o.layout == "bshd" else (B, Hq, Sq, Dv)
+        o.lse_shape = (B, Hq, Sq)
+    if Hk == 0 or Hq % Hk:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hk})")
+    for name, d in (("D", D), ("Dv", Dv)):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"head dim {name} = {d} is outside [1, {MAX_HEAD_DIM}]")
+    o.Hq, o.Hk, o.D, o.Dv, o.varlen = Hq, Hk, D, Dv, varlen
+    _check_options(o, D, Hq, o.B)
+    o.bias4 = o.mask4 = None
+    o.bias_heads = o.mask_heads = 1
+    if o.bias is not None:
+        o.bias, o.bias4, o.bias_heads = _broadcast_4d("bias", o.bias, o.B, Hq, Hk, o.Sq, o.Sk, False, varlen)
+    if o.mask is not None:
+        o.mask, o.mask4, o.mask_heads = _broadcast_4d("mask", o.mask, o.B, Hq, Hk, o.Sq, o.Sk, True, varlen)
+    for name, x in (("bias", o.bias4), ("mask", o.mask4)):
+        if isinstance(x, DevView) and (o.device != "cuda" or x.device != o.cuda_device):
+            where = f"device={o.device!r}" if o.device != "cuda" else f"q on cuda:{o.cuda_device}"
+            raise TypeError(f"{name} is a CUDA array on cuda:{x.device} but the call runs with {where}")
+    o.acc_dtype = np.float64 if q.dtype == np.float64 else np.float32
+    return o
+
+
+def _host_arrays_only(name, f, device):
+    """A call on host q, k, v runs score_mod / mask_mod on the host (the CPU backend's
+    interpreter, or the reference), which reads NumPy arrays only: a captured CUDA array is a
+    TypeError naming it, never copied to the host behind the caller's back (mod_arrays.py)."""
+    for array, a in fingerprint.captured_arrays(f).items():
+        if not isinstance(a, np.ndarray):
+            where = "the reference" if device == "reference" else "the CPU backend's interpreter"
+            raise TypeError(f"{name} captures {array!r}, a CUDA array ({type(a).__name__}), but q, k "
+                            f"and v are host arrays, so {name} runs on {where}, which reads NumPy "
+                            f"arrays only; pass q, k and v as CUDA arrays, or capture a NumPy copy of "
+                            f"{array!r}")
+
+
+def check_device_out(name, x, shape, dtype, inputs):
+    """out= for a GPU call: a CUDA array; returns its DevView."""
+    dv = device_view(x)
+    if dv is None:
+        raise TypeError(f"{name} must be a CUDA array like q (this call runs on the GPU), got "
+                        f"{type(x).__name__}")
+    check_form(name, dv.shape, dv.dtype, shape, dtype)
+    if dv.readonly:
+        raise ValueError(f"{name} is read-only")
+    if dv.size and any(s == 0 and n > 1 for s, n in zip(dv.strides, dv.shape)):
+        raise ValueError(f"{name} has a zero stride (strides {dv.strides}): it would write one "
+                         "element for several results")
+    for other_name, other in inputs:
+        if isinstance(other, DevView) and dv.overlaps(other):
+            raise ValueError(f"{name} shares memory with {other_name}")
+    return dv
+
+
+@functools.lru_cache(maxsize=None)
+def _memory_limit():
+    """Bytes of RAM plus swap on this machine (Linux; None where the system does not say)."""
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    swap = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("SwapTotal:"):
+                    swap = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return ram + swap
+
+
+def _nbytes(shape, dtype):
+    return math.prod(int(n) for n in shape) * np.dtype(dtype).itemsize
+
+
+def check_memory(o, backward, out_given=False):
+    """MemoryError, before anything is allocated or computed, when the host buffers a call needs
+    (its results, and the CPU backend's packed copies of its inputs) exceed the machine's RAM and
+    swap: a broadcast (stride-0) input costs nothing to pass but its full size to compute on."""
+    if o.on_gpu:
+        return
+    dt, acc, f64 = o.q.dtype, o.acc_dtype, np.float64
+    if backward:
+        parts = [("dq", o.q.shape, dt), ("dk", o.k.shape, dt), ("dv", o.v.shape, dt)]
+    else:
+        parts = [] if out_given else [("out", o.out_shape, dt)]
+        parts.append(("lse", o.lse_shape, acc))
+    if o.device == "reference":
+        # float64 results, and one (sequence, head)'s keys and values in float64 at a time
+        if backward:
+            parts += [(f"float64 {n}", s, f64) for n, s, _ in parts]
+        else:
+            parts.append(("float64 out", o.out_shape, f64))
+        parts.append(("float64 k and v of one head", (o.k4.shape[1], o.D + o.Dv), f64))
+    elif o.device == "cpu":
+        # the backend packs k and v (the backward also q, dout and a transposed k) in tiles
+        parts += [("packed k", o.k.shape, acc), ("packed v", o.v.shape, acc)]
+        if backward:
+            parts += [("packed q", o.q.shape, acc), ("packed dout", o.out_shape, acc),
+                      ("packed k transposed", o.k.shape, acc)]
+    check_fits(f"q {o.q.shape}, k {o.k.shape}, v {o.v.shape}", parts)
+
+
+def check_fits(who, parts):
+    """MemoryError when the buffers `parts` ((name, shape, dtype), ...) that `who` needs exceed
+    the machine's RAM and swap (attention's results, block_mask's tiles): raised before any of
+    them is allocated, naming each."""
+    limit = _memory_limit()
+    if limit is None:
+        return
+    need = sum(_nbytes(s, d) for _, s, d in parts)
+    if need > limit:
+        what = ", ".join(f"{n} {tuple(s)} {np.dtype(d)}" for n, s, d in parts)
+        raise MemoryError(f"attnext: {who} need at least {need / 2**30:.1f} GiB ({what}), more "
+                          f"than this machine's memory ({limit / 2**30:.1f} GiB)")
+
+
+def check_form(name, got_shape, got_dtype, shape, dtype, of=""):
+    """A result buffer (out=) or a backward input (dout, out, lse) of the wrong dtype is a
+    TypeError, of the wrong shape a ValueError (DESIGN's errors), host and CUDA arrays alike.
+    of: whose shape and dtype they must be ("the forward output's ")."""
+    if got_dtype != dtype:
+        raise TypeError(f"{name} must have {of}dtype {np.dtype(dtype)}, got {got_dtype}")
+    if tuple(got_shape) != tuple(shape):
+        raise ValueError(f"{name} must have {of}shape {tuple(shape)}, got {tuple(got_shape)}")
+
+
+def check_out(name, x, shape, dtype, inputs):
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
+    check_form(name, x.shape, x.dtype, shape, dtype)
+    if not x.flags.writeable:
+        raise ValueError(f"{name} is read-only")
+    if x.size and any(s == 0 and n > 1 for s, n in zip(x.strides, x.shape)):
+        raise ValueError(f"{name} has a zero stride (strides {x.strides}): it would write one "
+                         "element for several results")
+    for other_name, other in inputs:
+        if other is not None and np.shares_memory(x, other):
+            raise ValueError(f"{name} shares memory with {other_name}")
