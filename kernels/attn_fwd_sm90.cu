@@ -29,7 +29,7 @@
 /* Whether the pipeline's prologue (the last key tile's S and P) is peeled out of the loop: only
  * for the plain kernel's 64-row tile. Peeled, the softmax exists twice: the 128 x 128 tile then
  * compiles in 0.68 s instead of 0.53 (NVRTC 13.5 on the dev machine; ~2.2x that on the H100
- * hosts, which a first call waits for) at the same speed (bench/lab_fwd.py, H100: D128 S2k-16k
+ * hosts, which a first call waits for) at the same speed (bench/labs/lab_fwd.py, H100: D128 S2k-16k
  * 1.14-1.30x flash either way), while the 64 x 64 tile loses 2-5% unpeeled (D64 S512 1.05x ->
  * 1.02x). Generated mods never peel: their code is inlined at every score. */
 #define PEEL (!ATTN_GMODS && BLOCK_M < 128)

@@ -1,5 +1,5 @@
 """Builds tests/fake_libcuda.c, the fake driver that runs attnext's CUDA host side on host memory
-(test_cuda_host.py, test_cuda_host_path.py and bench/lab_host.py load it through ATTNEXT_LIBCUDA).
+(test_cuda_host.py, test_cuda_host_path.py and bench/labs/lab_host.py load it through ATTNEXT_LIBCUDA).
 Not a test file: a helper both the tests and the lab import."""
 import ctypes
 import os

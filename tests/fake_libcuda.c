@@ -1,6 +1,6 @@
 /* A fake libcuda: the driver API calls attnext dlopens, implemented on host memory (a "device
  * pointer" is a malloc'd host address; launches do nothing). tests/fake_cuda.py builds it; the
- * tests run the host side of every CUDA path on it without a GPU, and bench/lab_host.py times
+ * tests run the host side of every CUDA path on it without a GPU, and bench/labs/lab_host.py times
  * the GPU call's host path on it.
  *
  * FAKE_CUINIT=<code>: cuInit returns that error. -DNO_ALLOC_ASYNC: a driver without

@@ -22,7 +22,9 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import attnext  # noqa: E402
-from attnext import bench_cuda, codegen, lower, mod_cache  # noqa: E402
+from attnext.bench import cuda as bench_cuda  # noqa: E402
+from attnext.cuda import mod_cache  # noqa: E402
+from attnext.mods import codegen, lower  # noqa: E402
 import verify  # noqa: E402
 from lab_mods import kernel_times  # noqa: E402
 

@@ -8,7 +8,7 @@ SDPA's flash and cuDNN backends, then torch.profiler's kernel times over 20 back
 each, so the pre / main / convert kernels can be compared one by one. bf16, B*S = 16k tokens,
 H = 2048 / D, TFLOP/s counting 2.5x the forward. --write adds the deterministic backward with
 ATTNEXT_BWD_DQ_WRITE=0 and =1 (attn_bwd_dq_convert against the last turns writing dq), to place
-kernels.SHORT_KEYS. Every attnext variant (and cuDNN) is checked against flash's dq, dk, dv before
+select.SHORT_KEYS. Every attnext variant (and cuDNN) is checked against flash's dq, dk, dv before
 anything is timed; one that is off is dropped.
 """
 import os

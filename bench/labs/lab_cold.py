@@ -8,9 +8,9 @@ Each measurement is bench_mods.first_call_row's (the bench's first-call section)
 forward and backward in a fresh process with an empty ATTNEXT_CACHE_DIR (cold) and CUDA's compute
 cache off, then in another fresh process with that folder (disk). A config is the variables set
 for those processes (the others as this process has them); the defaults compare the compile
-levers of kernels.py against their absence:
+levers of attnext/cuda/nvrtc.py against their absence:
   before   ATTNEXT_COMPILE_AHEAD=0   (no backward compiled during the forward)
-  after    (nothing set: kernels.compile_ahead as kernels.py has it)
+  after    (nothing set: nvrtc.compile_ahead as nvrtc.py has it)
 Prints each case's cold and disk seconds per config: the median and every repeat.
 """
 import argparse
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from attnext import bench_mods  # noqa: E402
+from attnext.bench import mods as bench_mods  # noqa: E402
 
 DEFAULT_CONFIGS = ("ATTNEXT_COMPILE_AHEAD=0", "")
 KEYS = ("cold_fwd_s", "cold_bwd_s", "disk_fwd_s", "disk_bwd_s")

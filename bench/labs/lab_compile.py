@@ -11,14 +11,14 @@ mod misses it whatever ran before. For each mod (D = 128, bfloat16, no other opt
                with a mask_mod, attn_block_mask (shared by both); with --split the front end
                (source -> PTX for compute_XX) and ptxas (the rest) of each
   first call   the wall time of the compiles of a forward call and of a backward call
-               (kernels.prefetch: a call's entry points and the block-mask kernel in parallel
+               (nvrtc.prefetch: a call's entry points and the block-mask kernel in parallel
                threads); with a GPU (torch) the wall time of the real calls instead, S = 2048,
                causal
   disk hit     a fresh Python process with the disk cache filled: tracing, code generation,
                hashing and reading the cubins (with a GPU: the real calls, after a plain call
                has initialised CUDA)
 The score_mods: softcap, rel_bias (a table lookup), alibi (slopes lookup), doc_mask (a mask_mod
-over a document-id array), rel_bias+doc_mask; --all adds `heavy` (kernels.mod_sample's pair:
+over a document-id array), rel_bias+doc_mask; --all adds `heavy` (select.mod_sample's pair:
 integer rules, three arrays, tanh).
 
     python bench/labs/lab_compile.py --speed [--mods ...]
@@ -84,7 +84,8 @@ FEATURES = dict(dtype="bfloat16", D=D, Dv=D, vec=True, softcap=False, bias_dtype
 
 
 def generated(name):
-    from attnext import codegen, trace
+    from attnext.mods import codegen
+    from attnext.mods import trace
     sm, mm = MODS[name]
     return codegen.generated(trace.trace_score_mod(sm) if sm else None,
                              trace.trace_mask_mod(mm) if mm else None)
@@ -93,34 +94,35 @@ def generated(name):
 def forward_specs(arch, gen, rows=S, generic=False):
     """The (kernel, entry point, defines, generated) a forward call loads (cuda_backend's plan),
     the block-mask kernel last when there is a mask_mod."""
-    from attnext import kernels
-    kernel, tile = kernels.fwd_kernel(arch, D, D, True, False, rows, gen)
+    from attnext.cuda import nvrtc, select
+    kernel, tile = select.fwd_kernel(arch, D, D, True, False, rows, gen)
     if generic:
-        kernel, tile = "attn_fwd", kernels.tile_config(D, D)
-    return ([(kernel, kernel, kernels.fwd_defines(**FEATURES, tile=tile, mods=gen), gen.source)]
-            + kernels.block_mask_specs(gen))
+        kernel, tile = "attn_fwd", select.tile_config(D, D)
+    return ([(kernel, kernel, select.fwd_defines(**FEATURES, tile=tile, mods=gen), gen.source)]
+            + select.block_mask_specs(gen))
 
 
 def backward_specs(arch, gen):
-    from attnext import kernels
-    tile = kernels.bwd_tile_config(D, D)
-    defines = kernels.bwd_defines(**FEATURES, tile=tile, mods=gen)
+    from attnext.cuda import nvrtc, select
+    tile = select.bwd_tile_config(D, D)
+    defines = select.bwd_defines(**FEATURES, tile=tile, mods=gen)
     out = [("attn_bwd", "attn_bwd_pre", defines, gen.source)]
-    if kernels.bwd_sm90_applies(arch, D, D, True):
-        d90 = kernels.bwd_defines(**FEATURES, tile=kernels.bwd_sm90_tile(D, "recompute"), mods=gen)
+    if select.bwd_sm90_applies(arch, D, D, True):
+        d90 = select.bwd_defines(**FEATURES, tile=select.bwd_sm90_tile(D, "recompute"), mods=gen)
         return (out + [("attn_bwd_sm90", n, d90, gen.source) for n in ("attn_bwd_dkdv_sm90", "attn_bwd_dq_sm90")]
-                + kernels.block_mask_specs(gen))
+                + select.block_mask_specs(gen))
     kv = ("attn_bwd_dv", "attn_bwd_dk") if tile["kv_split"] else ("attn_bwd_dkdv",)
-    return out + [("attn_bwd", n, defines, gen.source) for n in kv + ("attn_bwd_dq",)] + kernels.block_mask_specs(gen)
+    return out + [("attn_bwd", n, defines, gen.source) for n in kv + ("attn_bwd_dq",)] + select.block_mask_specs(gen)
 
 
 class PtxOnly:
     """NVRTC through ctypes, for the front end alone (_C.nvrtc_compile wants a cubin)."""
 
     def __init__(self):
-        from attnext import _C, kernels
-        kernels.nvrtc()
-        self.lib = ctypes.CDLL(_C.nvrtc_load(kernels.nvrtc_candidates()))
+        from attnext import _C
+        from attnext.cuda import nvrtc, select
+        nvrtc.nvrtc()
+        self.lib = ctypes.CDLL(_C.nvrtc_load(nvrtc.nvrtc_candidates()))
 
     def seconds(self, source, filename, options, headers):
         lib, prog = self.lib, ctypes.c_void_p()
@@ -141,14 +143,15 @@ class PtxOnly:
 
 def per_kernel(arch, specs, ptx):
     """[(entry point, seconds, front-end seconds or None, 'plain' when it is warmup's module)]."""
-    from attnext import _C, kernels
+    from attnext import _C
+    from attnext.cuda import nvrtc, select
     out = []
     for kernel, name, defines, gen_src in specs:
-        k, d, g = kernels.module_of(kernel, name, defines, gen_src)
+        k, d, g = nvrtc.module_of(kernel, name, defines, gen_src)
         if g is None:
             out.append((name, None, None, "plain variant: warmup's cache"))
             continue
-        args = kernels.compile_args(k, d, arch, g)
+        args = nvrtc.compile_args(k, d, arch, g)
         t0 = time.perf_counter()
         _C.nvrtc_compile(*args)
         total = time.perf_counter() - t0
@@ -176,7 +179,7 @@ def gpu():
     """torch when a CUDA GPU and attnext's CUDA backend are usable, else None."""
     try:
         import torch
-        from attnext import cuda_backend
+        from attnext.cuda import backend as cuda_backend
         return torch if torch.cuda.is_available() and cuda_backend.usable() else None
     except ImportError:
         return None
@@ -199,20 +202,20 @@ def gpu_calls(torch, name):
 
 def warm_plain(arch, specs):
     """Compiles the plain modules among specs' (on a used machine: warmup's disk cache)."""
-    from attnext import kernels
+    from attnext.cuda import nvrtc, select
     for spec in specs:
-        k, d, g = kernels.module_of(*spec)
+        k, d, g = nvrtc.module_of(*spec)
         if g is None:
-            kernels.cubin(k, d, arch)
+            nvrtc.cubin(k, d, arch)
 
 
 def compile_call(arch, specs):
     """What a call's plan does before loading: prefetch (parallel), then each cubin (from memory)."""
-    from attnext import kernels
-    kernels.prefetch(specs, arch)
+    from attnext.cuda import nvrtc, select
+    nvrtc.prefetch(specs, arch)
     for spec in specs:
-        k, d, g = kernels.module_of(*spec)
-        kernels.cubin(k, d, arch, g)
+        k, d, g = nvrtc.module_of(*spec)
+        nvrtc.cubin(k, d, arch, g)
 
 
 def init_gpu(torch):
@@ -241,7 +244,7 @@ def check_first_item(name, inputs, out, g, sm, mm):
 def speed(names, env=None):
     """ms of each mod's forward and backward (real kernels; compiles happen in the warm-up).
     env: (variable, [values]): each mod timed under each value of the variable in turn (one of
-    the plans' knobs, kernels.FWD_KNOBS / BWD_KNOBS, such as ATTNEXT_BWD_DQ)."""
+    the plans' knobs, select.FWD_KNOBS / BWD_KNOBS, such as ATTNEXT_BWD_DQ)."""
     import torch
     import attnext
     B, H = 16384 // S, HEADS                 # the tables have HEADS rows
@@ -280,14 +283,14 @@ def speed(names, env=None):
 def hit(arch, names):
     """The disk-cache hit of a fresh process (run by main in a subprocess): JSON on stdout."""
     t0 = time.perf_counter()
-    from attnext import kernels
-    kernels.nvrtc()
+    from attnext.cuda import nvrtc, select
+    nvrtc.nvrtc()
     torch = gpu()
     if torch is not None:
         init_gpu(torch)
     res = {"startup": time.perf_counter() - t0}
     for name in names:
-        before = kernels.cache_info()["compiles"]
+        before = nvrtc.cache_info()["compiles"]
         if torch is not None:
             fwd, bwd = gpu_calls(torch, name)
         else:
@@ -296,7 +299,7 @@ def hit(arch, names):
             t1 = time.perf_counter()
             compile_call(arch, backward_specs(arch, generated(name)))
             fwd, bwd = t1 - t0, time.perf_counter() - t1
-        res[name] = (fwd, bwd, kernels.cache_info()["compiles"] - before)
+        res[name] = (fwd, bwd, nvrtc.cache_info()["compiles"] - before)
     print(json.dumps(res))
 
 
@@ -322,22 +325,23 @@ def main():
         return hit(args.arch, args.hit.split(","))
     cache = tempfile.mkdtemp(prefix="attnext-lab-compile-")
     os.environ["ATTNEXT_CACHE_DIR"] = cache
-    from attnext import _C, kernels
+    from attnext import _C
+    from attnext.cuda import nvrtc, select
     torch = gpu()
     arch = args.arch or ("sm_%d%d" % torch.cuda.get_device_capability() if torch else "sm_90a")
     arch = "sm_90a" if arch == "sm_90" else arch
-    print(f"NVRTC {'.'.join(map(str, kernels.nvrtc()))}, {arch}, D={D} bf16, {os.cpu_count()} CPUs, "
+    print(f"NVRTC {'.'.join(map(str, nvrtc.nvrtc()))}, {arch}, D={D} bf16, {os.cpu_count()} CPUs, "
           f"{'GPU: ' + torch.cuda.get_device_name() if torch else 'no GPU'}; cache {cache}")
     ptx = PtxOnly() if args.split else None
     if torch is not None:
         init_gpu(torch)
     print("plain kernels (for comparison; warmup compiles these, whole files):")
-    plain = [("attn_fwd", kernels.fwd_defines(**FEATURES, tile=kernels.tile_config(D, D)))]
+    plain = [("attn_fwd", select.fwd_defines(**FEATURES, tile=select.tile_config(D, D)))]
     if arch == "sm_90a":
-        plain.insert(0, ("attn_fwd_sm90", kernels.fwd_defines(**FEATURES, tile=kernels.SM90_TILE_LONG)))
+        plain.insert(0, ("attn_fwd_sm90", select.fwd_defines(**FEATURES, tile=select.SM90_TILE_LONG)))
     for kernel, defines in plain:
         t0 = time.perf_counter()
-        _C.nvrtc_compile(*kernels.compile_args(kernel, defines, arch))
+        _C.nvrtc_compile(*nvrtc.compile_args(kernel, defines, arch))
         print(f"    {kernel:22s} {time.perf_counter() - t0:6.2f}s")
     for name in names:
         gen = generated(name)
@@ -353,7 +357,7 @@ def main():
         print("  backward, per kernel (attn_block_mask: the forward's):")
         print_kernels(per_kernel(arch, [s for s in backward_specs(arch, gen) if s[0] != "attn_block_mask"], ptx))
         warm_plain(arch, forward_specs(arch, gen) + backward_specs(arch, gen))
-        before = kernels.cache_info()["compiles"]
+        before = nvrtc.cache_info()["compiles"]
         if torch is not None:
             fwd, bwd = gpu_calls(torch, name)
         else:
@@ -362,7 +366,7 @@ def main():
             t1 = time.perf_counter()
             compile_call(arch, backward_specs(arch, gen))
             fwd, bwd = t1 - t0, time.perf_counter() - t1
-        compiles = kernels.cache_info()["compiles"] - before
+        compiles = nvrtc.cache_info()["compiles"] - before
         print(f"  first call: forward {fwd:.2f}s, backward {bwd:.2f}s ({compiles} compiles"
               f"{', real calls' if torch else ''})")
     r = subprocess.run([sys.executable, __file__, "--arch", arch, "--hit", ",".join(names)],

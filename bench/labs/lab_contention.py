@@ -1,5 +1,5 @@
 """Kernel lab: how much NVRTC compiles running side by side slow each other on this host (the cold
-first call's forward compiles while kernels.compile_ahead compiles the backward beside it).
+first call's forward compiles while nvrtc.compile_ahead compiles the backward beside it).
 
     python3 bench/labs/lab_contention.py [--case softcap|doc_causal] [--repeat 2]
 
@@ -35,25 +35,27 @@ def specs_of(case):
     import ml_dtypes
     import numpy as np
     import attnext
-    from attnext import device, kernels
+    from attnext.cuda import arrays as device
+    from attnext.cuda import nvrtc, select
     got = {"fwd": [], "ahead": []}
-    kernels.prefetch = lambda specs, arch, dev: got["fwd"].extend(specs) if not got["fwd"] else None
-    kernels.compile_ahead = lambda specs, arch, busy=1: got["ahead"].extend(specs) or []
-    kernels.cubin = lambda *a, **k: b"\x7fELF" + bytes(60)
+    nvrtc.prefetch = lambda specs, arch, dev: got["fwd"].extend(specs) if not got["fwd"] else None
+    nvrtc.compile_ahead = lambda specs, arch, busy=1: got["ahead"].extend(specs) or []
+    nvrtc.cubin = lambda *a, **k: b"\x7fELF" + bytes(60)
     doc = np.repeat(np.arange(7), 8192 // 7 + 1)[:8192].astype(np.int32)
     kw = {"softcap": dict(causal=True, score_mod=lambda s, b, h, qi, ki: 30.0 * np.tanh(s / 30.0)),
           "doc_causal": dict(causal=True, mask_mod=lambda b, h, qi, ki: doc[qi] == doc[ki])}[case]
     q, k, v = (device.empty((2, 8192, 16, 128), np.dtype(ml_dtypes.bfloat16)) for _ in range(3))
     attnext.attention(q, k, v, return_lse=True, **kw)
     arch = "sm_90a"
-    mods = lambda specs: [kernels.module_for(kn, name, d, g, arch) for kn, name, d, g in specs]
+    mods = lambda specs: [nvrtc.module_for(kn, name, d, g, arch) for kn, name, d, g in specs]
     return mods(got["fwd"]), mods(got["ahead"])
 
 
 def compile_s(module):
-    from attnext import _C, kernels
+    from attnext import _C
+    from attnext.cuda import nvrtc, select
     t = time.perf_counter()
-    _C.nvrtc_compile(*kernels.compile_args(*module[:2], "sm_90a", module[2]))
+    _C.nvrtc_compile(*nvrtc.compile_args(*module[:2], "sm_90a", module[2]))
     return time.perf_counter() - t
 
 
@@ -63,8 +65,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
     fwd, bwd = specs_of(args.case)
-    from attnext import kernels
-    kernels.nvrtc()
+    from attnext.cuda import nvrtc, select
+    nvrtc.nvrtc()
     print(f"{os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} usable; case {args.case}: "
           f"forward {[m[0] for m in fwd]}, backward {len(bwd)} modules", flush=True)
     main_fwd = fwd[0]

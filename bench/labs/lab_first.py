@@ -5,7 +5,7 @@ compiles and fills the cache, the second shows the disk path under cProfile.
     ATTNEXT_CACHE_DIR=cache python3 bench/labs/lab_first.py [--case=relbias] [--bwd]
     ATTNEXT_CACHE_DIR=cache python3 bench/labs/lab_first.py [--case=relbias] [--bwd] --profile
 
---case names one of the bench's mod rows (attnext/bench_mods.py KINDS; softcap when left out);
+--case names one of the bench's mod rows (attnext/bench/mods.py KINDS; softcap when left out);
 --bwd profiles the first backward (after a first forward, timed but not profiled); a second
 call of the one profiled is timed after it (what the first costs beyond its work); --loads
 prints each module load of the timed calls (thread, start, end, cubin size).
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import attnext  # noqa: E402
-from attnext import bench_mods  # noqa: E402
+from attnext.bench import mods as bench_mods  # noqa: E402
 
 kind = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--case=")), "softcap")
 case = bench_mods.mod_case(kind)

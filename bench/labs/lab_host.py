@@ -1,4 +1,4 @@
-"""Kernel lab: the host path of one GPU call (api.py -> cuda_backend.py -> _C -> the driver), timed
+"""Kernel lab: the host path of one GPU call (api.py -> cuda/backend.py -> _C -> the driver), timed
 per call over many calls, and where its time goes (cProfile's self time summed per module).
 
     python bench/labs/lab_host.py --fake [--calls 10000] [--parts] [--profile] [--cases plain,decode1,...]
@@ -7,7 +7,7 @@ per call over many calls, and where its time goes (cProfile's self time summed p
 --fake builds tests/fake_libcuda.c (the driver on host memory: launches do nothing) and runs
 on it, so no GPU is needed and the numbers are the host path alone, this machine's. On a GPU
 the calls are asynchronous: the per-call time is the host's as long as the kernels keep up.
-Inputs are attnext.DeviceArrays (their __cuda_array_interface__ costs little); --torch takes
+Inputs are attnext.cuda.arrays.DeviceArray objects (their __cuda_array_interface__ costs little); --torch takes
 torch tensors instead (whose interface property builds a dict on every read).
 
 --parts splits the call: "checks" is api._normalise replayed alone (argument checks, views of
@@ -55,7 +55,7 @@ def _mods(opts, Sk, Hq):
         table = np.random.default_rng(0).standard_normal((Hq, 2 * Sk)).astype(np.float32)
         opts["score_mod"] = lambda s, b, h, qi, ki: s + table[h, qi - ki + Sk]
     if opts.get("mask_mod") == "doc":
-        from attnext.bench_cuda import document_lengths
+        from attnext.bench.cuda import document_lengths
         doc = np.repeat(np.arange(len(document_lengths())), document_lengths())
         opts["mask_mod"] = lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi)
     elif opts.get("mask_mod") == "window":
@@ -168,7 +168,8 @@ def main():
         _fake_driver()
     sys.path.insert(0, str(ROOT))
     import attnext
-    from attnext import _C, device
+    from attnext import _C
+    from attnext.cuda import arrays as device
     if args.torch:
         import torch
         sync = torch.cuda.synchronize

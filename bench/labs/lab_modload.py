@@ -19,7 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository's attnext
 import attnext  # noqa: E402
-from attnext import _C, bench_mods, kernel_cache, kernels  # noqa: E402
+from attnext import _C  # noqa: E402
+from attnext.bench import mods as bench_mods  # noqa: E402
+from attnext.cuda import cache as kernel_cache, nvrtc, select  # noqa: E402
 
 
 def ms(fn, reps=3):
@@ -59,12 +61,12 @@ def main():
         t = ms(lambda: list(pool.map(lambda c: _C.module_load(c, 0), cubins)))
     print(f"  all in {len(cubins)} threads: {t:.1f} ms", flush=True)
     # the same kernels without -lineinfo
-    orig = kernels.options
-    kernels.options = lambda defines, arch: [o for o in orig(defines, arch) if o != "-lineinfo"]
+    orig = nvrtc.options
+    nvrtc.options = lambda defines, arch: [o for o in orig(defines, arch) if o != "-lineinfo"]
     seen = []
-    kernels._cubins = kernel_cache.CubinCache(kernels._compile, cache_dir=False)
-    kernels._functions.clear()
-    kernels._modules.clear()
+    nvrtc._cubins = kernel_cache.CubinCache(nvrtc._compile, cache_dir=False)
+    nvrtc._functions.clear()
+    nvrtc._modules.clear()
     load = _C.module_load
     _C.module_load = lambda c, d=0: seen.append(c) or load(c, d)
     out, lse = attnext.attention(q, k, v, return_lse=True, **kw)

@@ -4,7 +4,7 @@ launch of a call (--kernels).
     python3 bench/labs/lab_mods.py [--cases softcap,relbias,doc,doc_causal,window] [--quick]
                               [--kernels] [--first-call] [--json PATH]
 
-The rows, their validation and the first-call section are attnext/bench_mods.py's (the mods and
+The rows, their validation and the first-call section are attnext/bench/mods.py's (the mods and
 first-call sections of `python -m attnext.bench --device cuda`): this script runs them for the
 chosen cases only, Flex as the one peer, and adds --kernels, the per-launch times. Every row is
 checked before it is timed (bench_mods' rule); --kernels then times the same case's kernels.
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import attnext  # noqa: E402
-from attnext import bench_cuda, bench_mods  # noqa: E402
+from attnext.bench import cuda as bench_cuda, mods as bench_mods  # noqa: E402
 
 
 def kernel_times(call, reps=5):

@@ -25,8 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository's attnext
 import attnext  # noqa: E402
-from attnext import _C, pinning  # noqa: E402
-from attnext.bench_cuda import Run, pinned_copies  # noqa: E402
+from attnext import _C  # noqa: E402
+from attnext.cuda import pinning  # noqa: E402
+from attnext.bench.cuda import Run, pinned_copies  # noqa: E402
 import verify  # noqa: E402
 
 CASES = ((8, 2048, 16, 128, False), (2, 8192, 16, 128, True))
@@ -87,7 +88,7 @@ def main():
             print(f"  {mode:8s} fresh copies     {t:7.3f} ms  {t / fl:5.2f}x floor", flush=True)
         os.environ["ATTNEXT_STAGING"] = "register"
         if "--slices" in sys.argv:   # cuda_backend.SLICE_BYTES and TAIL_SHARE; batch slices only
-            from attnext import cuda_backend
+            from attnext.cuda import backend as cuda_backend
             saved = cuda_backend.SLICE_BYTES, cuda_backend.TAIL_SHARE, cuda_backend._rows_sliceable
             for mib, tail in ((64, 0), (32, 0), (64, 1 / 4), (64, 1 / 8), (64, 1 / 16), (32, 1 / 8)):
                 cuda_backend.SLICE_BYTES, cuda_backend.TAIL_SHARE = mib << 20, tail or 1 / 8

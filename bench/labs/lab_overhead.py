@@ -13,7 +13,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository's attnext
 import attnext  # noqa: E402
-from attnext import _C, kernels  # noqa: E402
+from attnext import _C  # noqa: E402
+from attnext.cuda import nvrtc, select  # noqa: E402
 import verify  # noqa: E402
 
 
@@ -58,7 +59,7 @@ def main():
         print(f"D{D} S{S} causal={causal}: call {flops / t_call / 1e9:.1f} TF/s, kernel alone "
               f"{flops / t_kernel / 1e9:.1f} TF/s, host per call (async) {host * 1e3:.3f} ms, "
               f"kernel {t_kernel:.3f} ms; regs {attrs['num_regs']} local {attrs['local_size_bytes']} B "
-              f"tile {kernels.tile_config(D, D)} grid {args[1]}", flush=True)
+              f"tile {select.tile_config(D, D)} grid {args[1]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def main():
     import torch
     import attnext
     import verify
-    from attnext import cuda_backend
+    from attnext.cuda import backend as cuda_backend
 
     buf = torch.zeros(1, dtype=torch.int64, device="cuda")
     tracing = [False]

@@ -19,7 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository's attnext
 import attnext  # noqa: E402
-from attnext import _C, cuda_backend  # noqa: E402
+from attnext import _C  # noqa: E402
+from attnext.cuda import backend as cuda_backend  # noqa: E402
 import verify  # noqa: E402
 
 WRAPPED = {"memcpy_htod": (2, "htod"), "memcpy_dtoh": (2, "dtoh"), "cuda_launch_attention": (4, "kernel"),
