@@ -54,10 +54,14 @@ _FAR = 2 ** 62
 # each refined by one Richardson step (steps h and h / 2 cancel the h**2 term), at two step
 # sizes relative to max(1, |x|): _FD_BIG (eps ** (1/5): truncation ~h**4 and rounding ~eps / h
 # balance near 1e-12) where the two agree to _FD_AGREE, else _FD_SMALL (eps ** (1/3)), which
-# straddles a kink (np.abs, np.minimum, np.clip) only within 6e-6 of it.
+# straddles a kink (np.abs, np.minimum, np.clip) only within 6e-6 of it. There, the derivative
+# w.r.t. the score comes from one-sided differences (_one_sided): the side away from the kink
+# sees one smooth piece, and its estimates at steps h, h / 2, h / 4 agree (_FD_SIDED_AGREE),
+# while the side across it does not (a central difference gave a slope between the pieces').
 _FD_BIG = np.finfo(np.float64).eps ** (1 / 5)
 _FD_SMALL = np.finfo(np.float64).eps ** (1 / 3)
 _FD_AGREE = 1e-11
+_FD_SIDED_AGREE = 1e-7
 
 
 def _bhsd(x, layout):
@@ -275,7 +279,26 @@ def _derivative(quotient, x):
     with np.errstate(all="ignore"):
         big, small = refined(_FD_BIG * scale), refined(_FD_SMALL * scale)
         smooth = np.abs(big - small) <= _FD_AGREE * np.maximum(1.0, np.abs(small))
-        return np.where(smooth, big, small)
+        return np.where(smooth, big, small), smooth
+
+
+def _one_sided(f, x, central):
+    """The derivative of f (an elementwise function of an array) at the points x near a kink:
+    from the side whose one-sided differences (refined by one Richardson step, at steps h, h / 2
+    and h / 4 relative to max(1, |x|)) agree with themselves, the other side's straddling the
+    kink; `central` (the central difference) where both sides or neither agree (x on the kink
+    itself, or no kink at all)."""
+    h = _FD_SMALL * np.maximum(1.0, np.abs(x))
+    f0 = f(x)
+
+    def side(sign):
+        q = [sign * (f(x + sign * t) - f0) / (sign * ((x + sign * t) - x)) for t in (h, h / 2, h / 4)]
+        a, b = 2 * q[1] - q[0], 2 * q[2] - q[1]
+        return b, np.abs(a - b) <= _FD_SIDED_AGREE * np.maximum(1.0, np.abs(b))
+
+    with np.errstate(all="ignore"):
+        (left, left_ok), (right, right_ok) = side(-1.0), side(1.0)
+    return np.where(left_ok & ~right_ok, left, np.where(right_ok & ~left_ok, right, central))
 
 
 def _kept(ds3, sc):
@@ -317,7 +340,12 @@ def _through_score_mod(score_mod, ds3, sc):
 
     where = np.flatnonzero(sc.keep.ravel())[ds3[sc.keep] != 0]
     with np.errstate(invalid="ignore", over="ignore"):
-        ds2.ravel()[where] = d * _derivative(quotient, s)
+        deriv, smooth = _derivative(quotient, s)
+        rough = np.flatnonzero(~smooth & np.isfinite(s))
+        if rough.size:                    # near a kink: the side that does not cross it
+            sub = tuple(p[rough] for p in pairs)
+            deriv[rough] = _one_sided(lambda t: _call_score_mod(score_mod, t, sub), s[rough], deriv[rough])
+        ds2.ravel()[where] = d * deriv
     return ds2
 
 
@@ -347,7 +375,7 @@ def _add_dtensors(score_mod, arrays, ds3, sc, dtensors):
                 hi, lo = x0 + h, x0 - h
                 # pair by pair first: the pairs that do not read element e cancel exactly
                 return np.sum(d * (at(hi) - at(lo))) / (hi - lo)
-            acc[e] += _derivative(quotient, x0)
+            acc[e] += _derivative(quotient, x0)[0]
 
 
 def _live(lse):

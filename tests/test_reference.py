@@ -589,3 +589,26 @@ def test_cpu_backend_where_a_score_mod_revives_minus_inf(name, dtype, rng):
     r = check_backend(q, k, v, rng, bias=bias, score_mod=score_mod)
     problems = compare_dtensors(r.grads, r.ref_grads, score_mod, dtype)
     assert not problems, problems
+
+
+@pytest.mark.parametrize("gap", [3e-6, 1e-7, -3e-6, -1e-7], ids=["left3e-6", "left1e-7", "right3e-6", "right1e-7"])
+def test_score_mod_derivative_near_a_kink(gap):
+    """A score within the central difference's step (6e-6) of a kink takes its derivative from
+    the side that does not cross it: np.maximum(s, -1) has slope 0 below -1 and 1 above, exactly,
+    however close (the central difference gave the slope in between)."""
+    rng = np.random.default_rng(0)
+    q = np.ones((1, 1, 1, 1))
+    k = np.array([(1.0 + gap) / 1.5, rng.uniform(0.1, 0.5)]).reshape(1, 2, 1, 1)
+    v = rng.standard_normal((1, 2, 1, 3))
+    dout = rng.standard_normal((1, 1, 1, 3))
+    s0 = -1.5 * float(k[0, 0, 0, 0])
+    assert (s0 < -1.0) == (gap > 0) and 0 < abs(s0 + 1.0) < 4e-6
+    opts = dict(scale=-1.5, score_mod=lambda s, b, h, qi, ki: np.maximum(s, -1.0))
+    out, lse = ref.attention(q, k, v, return_lse=True, **opts)
+    g = ref.attention_backward(dout, q, k, v, out, lse, **opts)
+    # dk of key 0 is dS * slope * scale * q: 0 below the kink, nonzero above it
+    p = np.exp(np.array([max(s0, -1.0), -1.5 * k[0, 1, 0, 0]]) - lse[0, 0, 0])
+    dp = v[0, :, 0] @ dout[0, 0, 0]
+    ds0 = p[0] * (dp[0] - p @ dp)
+    want = 0.0 if gap > 0 else ds0 * -1.5
+    assert abs(g.dk[0, 0, 0, 0] - want) < 1e-9 * max(1.0, abs(want))
