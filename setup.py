@@ -1,4 +1,4 @@
-"""Builds attnext._C from csrc/*.c: C11, -O3, warnings on, OpenMP where the compiler has it.
+"""Builds attnext._C from csrc/**/*.c: C11, -O3, warnings on, OpenMP where the compiler has it.
 
 No CUDA, no NumPy headers: the extension reads arrays through the buffer protocol and loads
 libcuda and libnvrtc with dlopen at run time. Nothing is tuned to the build machine (never
@@ -55,7 +55,9 @@ class BuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("attnext._C", sources=sorted(glob.glob("csrc/*.c")),
-                           depends=sorted(glob.glob("csrc/*.h")), include_dirs=["csrc"])],
+    # csrc/: module.c and the headers the kernels share; cpu/, interp/ and cuda/ by role
+    ext_modules=[Extension("attnext._C", sources=sorted(glob.glob("csrc/**/*.c", recursive=True)),
+                           depends=sorted(glob.glob("csrc/**/*.h", recursive=True)),
+                           include_dirs=["csrc", "csrc/cpu", "csrc/interp", "csrc/cuda"])],
     cmdclass={"build_ext": BuildExt},
 )

@@ -1,6 +1,6 @@
 """C's layouts as Python writes them, each written once: the dtype codes of csrc/attn_params.h's
-attn_dtype, the address slots of _C.cuda_launch_attention (csrc/cuda_attn.c's PTR_FIELDS), and
-the records _C.forward / _C.backward (csrc/module.c) and _C.attn_template (csrc/cuda_attn.c)
+attn_dtype, the address slots of _C.cuda_launch_attention (csrc/cuda/attention.c's PTR_FIELDS), and
+the records _C.forward / _C.backward (csrc/module.c) and _C.attn_template (csrc/cuda/attention.c)
 read by attribute name. tests/test_layout.py reads those C files and holds the two sides
 together (until _C exports its layout by name)."""
 from dataclasses import dataclass
@@ -26,7 +26,7 @@ def dtype_code(dt):
     return DTYPE_CODES[NUMPY_DTYPES[np.dtype(dt)]]
 
 
-# cuda_attn.c's PTR_FIELDS: the attn_params fields cuda_launch_attention's `ptrs` fill, in order
+# cuda/attention.c's PTR_FIELDS: the attn_params fields cuda_launch_attention's `ptrs` fill, in order
 PTR_FIELDS = ("q", "k", "v", "out", "lse", "o_accum", "lse_accum", "bias", "mask", "alibi",
               "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "dout", "dq", "dk", "dv",
               "dbias", "delta", "dq_accum", "dq_sem", "dead", "row_mz")
@@ -72,7 +72,7 @@ class CpuCall:
 
 @dataclass(slots=True)
 class KernelCall:
-    """What _C.attn_template reads (csrc/cuda_attn.c, by these names): the GPU call's options and
+    """What _C.attn_template reads (csrc/cuda/attention.c, by these names): the GPU call's options and
     its tensors as (ptr, shape, strides in elements) tuples (DevView.as_tuple) or None."""
     device: int
     dtype: int

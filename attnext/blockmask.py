@@ -6,7 +6,7 @@ kernels), keeps entirely (no per-element test) or cuts through.
     bm.sparsity          # the fraction of tiles skipped
 
 The states are those the backends compute for themselves at every call (the CPU's block_mask_build
-in csrc/cpu_impl.h, the GPU's kernels/attn_block_mask.cu): mask_mod is evaluated at every pair
+in csrc/cpu/cpu_impl.h, the GPU's kernels/attn_block_mask.cu): mask_mod is evaluated at every pair
 inside the lengths, and a tile is EMPTY when it keeps none, FULL when it keeps all, else PARTIAL.
 mask_mod is checked as attention() checks it (its arity, then traced once: the same TypeError for
 a function the backends cannot run, or one that returns no bool), then called on NumPy index

@@ -1,6 +1,6 @@
 /* NumPy's integer rules and the intervals over them (mask_mod over a whole block-mask cell): plain
  * C, shared by the GPU's generated code (kernels/attn_mods.cuh, NVRTC) and the CPU backend
- * (csrc/interp.c). DEV: the including file's (static inline by default). */
+ * (csrc/interp/interp.c). DEV: the including file's (static inline by default). */
 #ifndef ATTNEXT_MOD_INTS_H
 #define ATTNEXT_MOD_INTS_H
 

@@ -19,7 +19,7 @@
 
 #include "attn_params.h"
 #include "cpu.h"
-#include "cuda_driver.h"
+#include "driver.h"
 #include "interp.h"
 
 int attnext_cuda_attn_exec(PyObject *module);   /* cuda_attn.c */
@@ -605,7 +605,9 @@ static PyModuleDef_Slot slots[] = {
     {Py_mod_exec, (void *)attnext_cuda_exec},   /* the CUDA functions and PinnedBuffer */
     {Py_mod_exec, (void *)attnext_cuda_attn_exec},   /* the attention launches */
 #if PY_VERSION_HEX >= 0x030C0000
-    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+    /* subinterpreters, but under the main GIL: libcuda's handles and the pinned pool are the
+     * process's, statics the GIL guards (csrc/cuda/driver.c, pinned.c) */
+    {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_SUPPORTED},
 #endif
     {0, NULL},
 };

@@ -153,7 +153,7 @@ def test_fake_driver_runs_the_host_side(fake_libcuda):
         except MemoryError as e:
             assert re.fullmatch(r"cuMemAllocAsync of 2199023255552 bytes on device 0 failed: "
                                 r"CUDA_ERROR_OUT_OF_MEMORY \(out of memory\) at "
-                                r"csrc/cuda_module.c:\d+", str(e)), e
+                                r"csrc/cuda/\w+\.c:\d+", str(e)), e
 
         host = np.arange(24, dtype=np.float32).reshape(4, 6)
         a = device.empty(host.shape, host.dtype, 0, 0)
@@ -190,7 +190,7 @@ def test_fake_driver_runs_the_host_side(fake_libcuda):
             _C.module_function(_C.module_load(b"\x7fELF", 0), "missing", 0)
         except RuntimeError as e:
             assert str(e).startswith('cuModuleGetFunction("missing") failed: CUDA_ERROR_NOT_FOUND '
-                                     '(named symbol not found) at csrc/cuda_module.c:'), e
+                                     '(named symbol not found) at csrc/cuda/functions.c:'), e
         s = _C.stream_create()
         _C.stream_wait(s, 0)
         _C.stream_synchronize(s)
@@ -232,7 +232,7 @@ def test_fake_driver_registers_host_memory(fake_libcuda):
         e = message(RuntimeError, _C.host_unregister, lo + 1)
         assert re.fullmatch(r"cuMemHostUnregister\(0x[0-9a-f]+\) failed: "
                             r"CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED \(.*\) at "
-                            r"csrc/cuda_module.c:\d+", e), e
+                            r"csrc/cuda/\w+\.c:\d+", e), e
         _C.host_unregister(lo)
         assert registered.value == 0 and not _C.host_pinned(lo)
         ctypes.c_int.in_dll(fake, "register_error").value = 2

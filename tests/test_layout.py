@@ -117,16 +117,16 @@ def test_dtype_codes_match_attn_params_h():
 
 
 def test_slots_match_cuda_attn_c():
-    text = open(os.path.join(ROOT, "csrc", "cuda_attn.c")).read()
+    text = open(os.path.join(ROOT, "csrc", "cuda", "attention.c")).read()
     table = re.search(r"PTR_FIELDS\[\] = \{(.*?)\};", text, re.S).group(1)
     fields = tuple(f.split(".")[0] for f in re.findall(r"PTR_FIELD\(([\w.]+)\)", table))
     assert fields == _layout.PTR_FIELDS
 
 
 def test_records_carry_every_name_c_reads():
-    """Each attribute csrc/module.c and csrc/cuda_attn.c read off the record by name is a field of
+    """Each attribute csrc/module.c and csrc/cuda/attention.c read off the record by name is a field of
     _layout.CpuCall / KernelCall."""
-    for path, record in (("module.c", _layout.CpuCall), ("cuda_attn.c", _layout.KernelCall)):
+    for path, record in (("module.c", _layout.CpuCall), ("cuda/attention.c", _layout.KernelCall)):
         text = open(os.path.join(ROOT, "csrc", path)).read()
         names = set(re.findall(r"\w+\(prob, \"(\w+)\"", text))
         assert names and names <= set(record.__dataclass_fields__), (path, names - set(record.__dataclass_fields__))

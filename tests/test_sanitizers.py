@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the RSS measurements are left out (ASan's shadow memory and quarantine grow RSS by design),
 # and so is this file (the child would run it again). test_score_mod_cpu.py and
-# test_block_mask.py run whole: the score_mod / mask_mod interpreter (csrc/interp.c), captured
+# test_block_mask.py run whole: the score_mod / mask_mod interpreter (csrc/interp/interp.c), captured
 # array lookups, block skipping and array gradients; unsanitized they take about 5 s together
 DEFAULT_TESTS = ["tests/test_cpu_attention.py", "tests/test_errors.py", "tests/test_bad_input.py",
                  "tests/test_properties.py", "tests/test_concurrency.py",

@@ -1,4 +1,4 @@
-"""score_mod / mask_mod on the CPU backend's interpreter (csrc/interp.c, attnext/interp.py)
+"""score_mod / mask_mod on the CPU backend's interpreter (csrc/interp/interp.c, attnext/mods/interp.py)
 against the reference: the zoo of tests/mods.py forward and backward (dtensors included), the
 built-in options combined with them, block skipping at tile edges, varlen, lookups out of range,
 NumPy's integer rules, determinism, and the structural program cache. Also device="reference":

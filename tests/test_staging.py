@@ -103,6 +103,7 @@ class FakeCuda:
         self.queues = collections.defaultdict(list)    # stream -> operations, in order
         self.done = collections.Counter()              # stream -> operations run
         self.next_ptr, self.next_stream = 1 << 40, 1000
+        self.events = {}                                # event -> (stream, queue length) recorded
         self.dma = collections.Counter()
         self.htod_bytes = 0                            # every byte uploaded, pinned or not
 
@@ -191,6 +192,24 @@ class FakeCuda:
             n = len(self.queues[on])
             self.enqueue(stream, lambda: self._run(on, n))
 
+    def event_create(self, device=0):
+        with self.lock:
+            self.next_stream += 1
+            self.events[self.next_stream] = None
+            return self.next_stream
+
+    def event_record(self, event, stream, device=0):
+        with self.lock:
+            self.events[event] = (stream, len(self.queues[stream]))
+
+    def stream_wait_event(self, stream, event, device=0):
+        with self.lock:
+            on, n = self.events[event]
+            self.enqueue(stream, lambda: self._run(on, n))
+
+    def event_destroy(self, event, device=0):
+        pass                                           # waits already enqueued still run
+
     def stream_create(self, device=0, non_blocking=True):
         with self.lock:
             self.next_stream += 1
@@ -231,7 +250,8 @@ def fake(request, monkeypatch):
     f = FakeCuda(request.param)
     staging.reset()
     for name in ("mem_alloc", "mem_free", "host_alloc", "memcpy_htod", "memcpy_dtoh",
-                 "stream_synchronize", "stream_wait", "stream_create", "stream_destroy",
+                 "stream_synchronize", "stream_wait", "stream_create", "stream_destroy", "event_create",
+                 "event_record", "stream_wait_event", "event_destroy",
                  "host_register", "host_unregister", "host_pinned", "cuda_info"):
         monkeypatch.setattr(_C, name, getattr(f, name))
     for name, value in SMALL_RING.items():

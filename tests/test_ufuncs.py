@@ -317,7 +317,7 @@ def test_mask_mod_cpu(name, dtype, rng):
 
 def test_every_float_function_has_an_instruction_and_a_rendering():
     """trace's tables are the one list: the interpreter has an instruction of each name
-    (csrc/interp.h INTERP_LIBM1 / 2), the code generator a C call, every one a derivative."""
+    (csrc/interp/interp.h INTERP_LIBM1 / 2), the code generator a C call, every one a derivative."""
     ops = set(trace._UNARY_FLOAT) | set(trace._BINARY_FLOAT)
     assert ops <= set(interp.OPS), ops - set(interp.OPS)
     assert ops <= set(codegen._FLOAT_OPS), ops - set(codegen._FLOAT_OPS)

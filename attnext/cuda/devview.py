@@ -126,7 +126,7 @@ class DevView:
         return self.device == other.device and a0 < b1 and b0 < a1
 
     def as_tuple(self):
-        """What csrc/cuda_attn.c reads: (ptr, shape, strides in elements)."""
+        """What csrc/cuda/attention.c reads: (ptr, shape, strides in elements)."""
         return (self.ptr, self.shape, self.strides)
 
     def __repr__(self):

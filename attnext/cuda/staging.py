@@ -412,7 +412,7 @@ def _download(ptr, dtype, dst, device, stream, after):
 # ---------------------------------------------------------------- results in pinned memory
 RESULT_MIN_BYTES = 1 << 20       # a smaller result is a plain np.empty
 # pooled results alive at once at most (the caller's to keep; the pool keeps up to 1 GiB of
-# free blocks: csrc/cuda_module.c, _C.host_pool)
+# free blocks: csrc/cuda/pinned.c, _C.host_pool)
 RESULTS_MAX_BYTES = pinning.env_bytes("ATTNEXT_PINNED_RESULTS_BYTES",
                                       min(8 << 30, pinning.physical_bytes() // 8))
 
@@ -445,21 +445,21 @@ class Fence:
 
     def __init__(self, stream, device):
         self.device = device
-        self.marker = _C.stream_create(device, True)
+        self.event = _C.event_create(device)
         try:
-            _C.stream_wait(self.marker, stream, device)
+            _C.event_record(self.event, stream, device)
         except BaseException:
             self.close()
             raise
 
     def order(self, stream):
         """Work enqueued on stream from now on comes after the fence."""
-        _C.stream_wait(stream, self.marker, self.device)
+        _C.stream_wait_event(stream, self.event, self.device)
 
     def close(self):
-        if self.marker is not None:
-            marker, self.marker = self.marker, None
-            _C.stream_destroy(marker, self.device)   # pending waits still complete
+        if self.event is not None:
+            event, self.event = self.event, None
+            _C.event_destroy(event, self.device)   # pending waits still complete
 
 
 class Staging:

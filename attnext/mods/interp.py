@@ -1,4 +1,4 @@
-"""Lowering traced score_mods / mask_mods to programs for the CPU interpreter (csrc/interp.h).
+"""Lowering traced score_mods / mask_mods to programs for the CPU interpreter (csrc/interp/interp.h).
 
 A program is a flat list of instructions over registers that each hold a vector of pairs (the
 C side runs it over a tile of scores, VL pairs at a time). Leaves live in fixed registers: the
@@ -32,7 +32,7 @@ CACHE_CAPACITY = 256
 _TYPED = ("add", "sub", "mul", "floordiv", "mod", "pow", "minimum", "maximum", "neg", "abs",
           "where")
 _FLOAT_ONLY = ("truediv", "dmul")
-# the C math library's functions: instructions named as the function (csrc/interp.h INTERP_LIBM1)
+# the C math library's functions: instructions named as the function (csrc/interp/interp.h INTERP_LIBM1)
 _LIBM = frozenset(trace._UNARY_FLOAT) | frozenset(trace._BINARY_FLOAT)
 _COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
 # mod_ints.h's integer type codes (MOD_I64 ...), by trace.INTS name; an int instruction names

@@ -2,7 +2,7 @@
  * cuda_driver.h). Everything here is process-wide, as the libraries and contexts are: one mutex
  * guards loading and context retention, so subinterpreters and threads share them safely.
  */
-#include "cuda_driver.h"
+#include "driver.h"
 
 #include <dirent.h>
 #include <dlfcn.h>

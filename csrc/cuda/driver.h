@@ -250,11 +250,11 @@ int cu_error_raise(const cu_error *e);
         }                                                                                      \
     } while (0)
 
-/* --- the Python side (cuda_module.c) --- */
+/* --- the Python side --- */
 
-/* The CUDA functions of attnext._C; attnext_cuda_exec adds them and the PinnedBuffer type to the
- * module (module.c's Py_mod_exec slot). */
-extern PyMethodDef attnext_cuda_methods[];
+/* The CUDA functions of attnext._C (csrc/cuda/: device, nvrtc, functions, memory, pinned,
+ * dlpack); attnext_cuda_exec (host.c) adds them and the PinnedBuffer type to the module
+ * (module.c's Py_mod_exec slot). */
 int attnext_cuda_exec(PyObject *module);
 
 #endif

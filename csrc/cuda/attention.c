@@ -32,7 +32,7 @@
 #include <string.h>
 
 #include "attn_params.h"
-#include "cuda_driver.h"
+#include "driver.h"
 
 static int attr_long(PyObject *prob, const char *name, long long *out)
 {
