@@ -1,17 +1,19 @@
-"""C's layouts as Python writes them, each written once: the dtype codes of csrc/attn_params.h's
-attn_dtype, the address slots of _C.cuda_launch_attention (csrc/cuda/attention.c's PTR_FIELDS), and
-the records _C.forward / _C.backward (csrc/module.c) and _C.attn_template (csrc/cuda/attention.c)
-read by attribute name. tests/test_layout.py reads those C files and holds the two sides
-together (until _C exports its layout by name)."""
+"""C's layouts, each written once: the dtype codes of csrc/attn_params.h's attn_dtype and the
+address slots of _C.cuda_launch_attention come from _C.layout() by name; the records _C.forward /
+_C.backward (csrc/module.c) and _C.attn_template (csrc/cuda/attention.c) read by attribute name
+are typed here, and tests/test_layout.py holds them to what those C files read."""
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import ml_dtypes
 import numpy as np
 
-# attn_params.h: typedef enum { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2, DT_F64 = 3 } attn_dtype
-DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
-DTYPE_CODES = {name: code for code, name in enumerate(DTYPE_NAMES)}
+from . import _C
+
+_LAYOUT = _C.layout()
+# attn_params.h's attn_dtype
+DTYPE_CODES = dict(_LAYOUT["dtypes"])
+DTYPE_NAMES = tuple(sorted(DTYPE_CODES, key=DTYPE_CODES.get))
 NUMPY_DTYPES = {np.dtype(np.float16): "float16", np.dtype(ml_dtypes.bfloat16): "bfloat16",
                 np.dtype(np.float32): "float32", np.dtype(np.float64): "float64"}
 
@@ -27,9 +29,7 @@ def dtype_code(dt):
 
 
 # cuda/attention.c's PTR_FIELDS: the attn_params fields cuda_launch_attention's `ptrs` fill, in order
-PTR_FIELDS = ("q", "k", "v", "out", "lse", "o_accum", "lse_accum", "bias", "mask", "alibi",
-              "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "dout", "dq", "dk", "dv",
-              "dbias", "delta", "dq_accum", "dq_sem", "dead", "row_mz")
+PTR_FIELDS = _LAYOUT["ptr_fields"]
 SLOT = {name: i for i, name in enumerate(PTR_FIELDS)}
 
 

@@ -10,7 +10,7 @@ import os
 import re
 
 import attnext
-from attnext import _layout
+from attnext import _C, _layout
 
 PACKAGE = os.path.dirname(attnext.__file__)
 ROOT = os.path.dirname(PACKAGE)
@@ -116,11 +116,15 @@ def test_dtype_codes_match_attn_params_h():
     assert {c_names[k]: v for k, v in codes.items()} == _layout.DTYPE_CODES
 
 
-def test_slots_match_cuda_attn_c():
+def test_slots_come_from_c_by_name():
+    """_layout's slots are _C.layout()'s names, each the attn_params field it fills (the
+    X-macro in csrc/cuda/attention.c names both), and every one a slot the backend can take."""
     text = open(os.path.join(ROOT, "csrc", "cuda", "attention.c")).read()
-    table = re.search(r"PTR_FIELDS\[\] = \{(.*?)\};", text, re.S).group(1)
-    fields = tuple(f.split(".")[0] for f in re.findall(r"PTR_FIELD\(([\w.]+)\)", table))
-    assert fields == _layout.PTR_FIELDS
+    table = re.search(r"#define PTR_FIELD_LIST\(X\)(.*?)\n#define", text, re.S).group(1)
+    pairs = re.findall(r"X\((\w+), ([\w.]+)\)", table)
+    assert pairs and all(f.split(".")[0] == name for name, f in pairs)
+    assert _layout.PTR_FIELDS == tuple(name for name, _ in pairs) == _C.layout()["ptr_fields"]
+    assert len(set(_layout.PTR_FIELDS)) == len(_layout.PTR_FIELDS)
 
 
 def test_records_carry_every_name_c_reads():

@@ -94,17 +94,37 @@ typedef struct {
 } attn_template;
 
 /* The pointer fields a launch fills from its `ptrs`, in that tuple's order (the forward's first,
- * so its tuple stays short). */
-#define PTR_FIELD(f) offsetof(attn_params, f)
-static const size_t PTR_FIELDS[] = {
-    PTR_FIELD(q.ptr), PTR_FIELD(k.ptr), PTR_FIELD(v.ptr), PTR_FIELD(out.ptr), PTR_FIELD(lse.ptr),
-    PTR_FIELD(o_accum), PTR_FIELD(lse_accum), PTR_FIELD(bias.ptr), PTR_FIELD(mask.ptr),
-    PTR_FIELD(alibi.ptr), PTR_FIELD(cu_seqlens_q), PTR_FIELD(cu_seqlens_k), PTR_FIELD(seqused_q),
-    PTR_FIELD(seqused_k), PTR_FIELD(dout.ptr), PTR_FIELD(dq.ptr), PTR_FIELD(dk.ptr),
-    PTR_FIELD(dv.ptr), PTR_FIELD(dbias.ptr), PTR_FIELD(delta.ptr), PTR_FIELD(dq_accum.ptr),
-    PTR_FIELD(dq_sem.ptr), PTR_FIELD(dead), PTR_FIELD(row_mz),
-};
+ * so its tuple stays short), each with the name _C.layout() gives Python (attnext/_layout.py
+ * derives its slots from them). */
+#define PTR_FIELD_LIST(X)                                                                          \
+    X(q, q.ptr) X(k, k.ptr) X(v, v.ptr) X(out, out.ptr) X(lse, lse.ptr) X(o_accum, o_accum)         \
+    X(lse_accum, lse_accum) X(bias, bias.ptr) X(mask, mask.ptr) X(alibi, alibi.ptr)               \
+    X(cu_seqlens_q, cu_seqlens_q) X(cu_seqlens_k, cu_seqlens_k) X(seqused_q, seqused_q)          \
+    X(seqused_k, seqused_k) X(dout, dout.ptr) X(dq, dq.ptr) X(dk, dk.ptr) X(dv, dv.ptr)           \
+    X(dbias, dbias.ptr) X(delta, delta.ptr) X(dq_accum, dq_accum.ptr) X(dq_sem, dq_sem.ptr)       \
+    X(dead, dead) X(row_mz, row_mz)
+#define PTR_OFFSET(name, f) offsetof(attn_params, f),
+#define PTR_NAME(name, f) #name,
+static const size_t PTR_FIELDS[] = {PTR_FIELD_LIST(PTR_OFFSET)};
+static const char *const PTR_FIELD_NAMES[] = {PTR_FIELD_LIST(PTR_NAME)};
 #define N_PTR_FIELDS ((Py_ssize_t)(sizeof PTR_FIELDS / sizeof PTR_FIELDS[0]))
+
+static PyObject *c_layout(PyObject *module, PyObject *unused)
+{
+    PyObject *fields = PyTuple_New(N_PTR_FIELDS);
+    if (!fields)
+        return NULL;
+    for (Py_ssize_t i = 0; i < N_PTR_FIELDS; i++) {
+        PyObject *name = PyUnicode_FromString(PTR_FIELD_NAMES[i]);
+        if (!name) {
+            Py_DECREF(fields);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(fields, i, name);
+    }
+    return Py_BuildValue("{s:N,s:{s:i,s:i,s:i,s:i}}", "ptr_fields", fields, "dtypes", "float16", DT_F16,
+                         "bfloat16", DT_BF16, "float32", DT_F32, "float64", DT_F64);
+}
 
 static PyObject *c_attn_template(PyObject *module, PyObject *prob)
 {
@@ -252,6 +272,9 @@ fail:
 }
 
 static PyMethodDef attnext_cuda_attn_methods[] = {
+    {"layout", c_layout, METH_NOARGS,
+     "layout() -> dict: C's layouts by name: ptr_fields, the attn_params fields that "
+     "cuda_launch_attention's ptrs fill, in order; dtypes, attn_dtype's codes by NumPy name."},
     {"attn_template", c_attn_template, METH_O,
      "attn_template(prob) -> bytes: the attn_params of prob's shapes, strides and options, for "
      "cuda_launch_attention."},
