@@ -265,10 +265,13 @@ def _softmax(s3):
     return e / np.where(total > 0, total, 1.0), lse
 
 
-def _derivative(quotient, x):
+def _derivative(quotient, x, fmag=None):
     """A derivative at x (an array, or a scalar) from quotient(h), the central difference
-    quotient with steps h (an array like x), as the module's _FD_* constants say. Steps at a
-    non-finite x are relative to 1 (see _step)."""
+    quotient with steps h (an array like x), as the module's _FD_* constants say, and where it
+    took the big step (smooth). Steps at a non-finite x are relative to 1 (see _step). fmag:
+    None, or |f| near x: the two steps' estimates then also agree within the small step's
+    rounding (eps |f| / h, Richardson's factors included), which an f much larger than x makes
+    the larger term (s - 700 * slope at s ~ 1: 2.5e-8), not taken for a kink."""
     x = np.asarray(x, dtype=np.float64)
     scale = np.where(np.isfinite(x), np.maximum(1.0, np.abs(x)), 1.0)
 
@@ -278,7 +281,10 @@ def _derivative(quotient, x):
 
     with np.errstate(all="ignore"):
         big, small = refined(_FD_BIG * scale), refined(_FD_SMALL * scale)
-        smooth = np.abs(big - small) <= _FD_AGREE * np.maximum(1.0, np.abs(small))
+        agree = _FD_AGREE * np.maximum(1.0, np.abs(small))
+        if fmag is not None:
+            agree = agree + 8 * np.finfo(np.float64).eps * np.abs(fmag) / (_FD_SMALL * scale)
+        smooth = np.abs(big - small) <= agree
         return np.where(smooth, big, small), smooth
 
 
@@ -340,7 +346,7 @@ def _through_score_mod(score_mod, ds3, sc):
 
     where = np.flatnonzero(sc.keep.ravel())[ds3[sc.keep] != 0]
     with np.errstate(invalid="ignore", over="ignore"):
-        deriv, smooth = _derivative(quotient, s)
+        deriv, smooth = _derivative(quotient, s, fmag=np.where(np.isfinite(s), _call_score_mod(score_mod, s, pairs), 0.0))
         rough = np.flatnonzero(~smooth & np.isfinite(s))
         if rough.size:                    # near a kink: the side that does not cross it
             sub = tuple(p[rough] for p in pairs)
