@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 
+from .. import _env
 from ..lru import LRU
 
 log = logging.getLogger("attnext")
@@ -62,7 +63,7 @@ def default_cache_dir():
     ATTNEXT_CACHE_DIR wins when set ("", "0" or "off" turn the disk cache off); else
     $XDG_CACHE_HOME/attnext when XDG_CACHE_HOME is an absolute path; else ~/.cache/attnext.
     """
-    env = os.environ.get("ATTNEXT_CACHE_DIR")
+    env = _env.get("ATTNEXT_CACHE_DIR")
     if env is not None:
         if env.strip().lower() in _DISABLED:
             return None
@@ -166,7 +167,7 @@ def decode_entry(key, data):
 
 
 def _debug_enabled():
-    return os.environ.get("ATTNEXT_DEBUG", "").strip().lower() not in _DISABLED
+    return (_env.get("ATTNEXT_DEBUG") or "").strip().lower() not in _DISABLED
 
 
 
