@@ -29,7 +29,7 @@ from pathlib import Path
 from .. import _C, _env
 from ..lru import LRU
 from . import process
-from .cache import CubinCache, default_cache_dir, write_small_file
+from .cache import CubinCache, default_cache_dir, read_trusted, write_small_file
 from .select import MOD_FREE_ENTRIES, entry_defines, plain_defines
 
 # The kernel sources and the csrc headers they include are package data (attnext/_kernels and
@@ -158,13 +158,14 @@ def _record_path():
 
 
 def _recorded_version(fingerprint):
-    """The version the record holds for this fingerprint, if the library it names is unchanged."""
+    """The version the record holds for this fingerprint, if the library it names is unchanged
+    (and the record is one the cache trusts: cache.read_trusted)."""
     path = _record_path()
-    if path is None:
+    data = None if path is None else read_trusted(path)
+    if data is None:
         return None
     try:
-        with open(path) as f:
-            rec = json.load(f)
+        rec = json.loads(data)
         if (rec["fingerprint"] == fingerprint
                 and list(_file_id(rec["library"]) or ()) == rec["library_id"]):
             return tuple(int(x) for x in rec["version"])
