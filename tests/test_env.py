@@ -103,10 +103,11 @@ def test_c_and_setup_read_what_the_table_says():
 
 def test_reload_and_setenv(monkeypatch):
     knobs = ("ATTNEXT_BWD_DQ", "ATTNEXT_TILE_SUMS")
-    monkeypatch.delenv("ATTNEXT_BWD_DQ", raising=False)
-    monkeypatch.delenv("ATTNEXT_TILE_SUMS", raising=False)
+    for name in knobs:             # setitem records each one's value, which undo() restores
+        monkeypatch.setitem(os.environ, name, "")
+        monkeypatch.delenv(name)
     assert _env.values(knobs) == (None, None)
-    os.environ["ATTNEXT_BWD_DQ"] = "atomic"      # a plain write: seen at the next reload()
+    monkeypatch.setitem(os.environ, "ATTNEXT_BWD_DQ", "atomic")   # a plain write: seen at reload()
     assert _env.get("ATTNEXT_BWD_DQ") is None and _env.values(knobs) == (None, None)
     _env.reload()
     assert _env.get("ATTNEXT_BWD_DQ") == "atomic" and _env.values(knobs) == ("atomic", None)
@@ -121,7 +122,7 @@ def test_reload_and_setenv(monkeypatch):
     with pytest.raises(KeyError):
         _env.setenv("ATTNEXT_SANITIZE", "1")              # a build variable: not attnext's to set
     monkeypatch.undo()
-    assert _env.get("ATTNEXT_BWD_DQ") == os.environ.get("ATTNEXT_BWD_DQ")
+    assert _env.values(knobs) == tuple(os.environ.get(n) for n in knobs)
 
 
 def test_a_bad_value_fails_at_the_call_not_at_import(monkeypatch):
