@@ -8,6 +8,7 @@
 """
 import os as _os
 
+from . import _env
 from ._version import __version__
 
 
@@ -21,7 +22,7 @@ def _load_extension():
     libgomp), nothing loaded later; a value the user set wins, and a libgomp already loaded keeps
     its own setting.
     """
-    simd = _os.environ.get("ATTNEXT_SIMD")
+    simd = _env.get("ATTNEXT_SIMD")
     if simd is not None and simd not in ("portable", "avx2", "avx512"):
         raise ValueError(f"ATTNEXT_SIMD must be portable, avx2 or avx512, got {simd!r}")
     ours = "OMP_WAIT_POLICY" not in _os.environ

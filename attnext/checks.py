@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from . import _env
 from ._layout import NUMPY_DTYPES
 from .cuda.devview import DevView, may_be_device_array
 from .mods import fingerprint
@@ -207,7 +208,7 @@ def _resolve_device(device, q, k, v):
                              f"(on cuda:{q.device}); pass device='cuda' or None")
         device = "cuda"
     elif device is None:
-        device = os.environ.get("ATTNEXT_DEVICE") or None
+        device = _env.get("ATTNEXT_DEVICE") or None
         if device is not None and device not in _DEVICES:
             raise ValueError(f"ATTNEXT_DEVICE: device must be one of {_DEVICES}, got {device!r}")
         if device is None:
@@ -223,7 +224,7 @@ def _resolve_device(device, q, k, v):
 
 
 def _num_threads():
-    env = os.environ.get("ATTNEXT_NUM_THREADS")
+    env = _env.get("ATTNEXT_NUM_THREADS")
     if not env:
         return 0
     try:

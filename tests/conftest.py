@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import attnext  # noqa: E402
-from attnext import _C, reference  # noqa: E402
+from attnext import _C, _env, reference  # noqa: E402
 from attnext.testing import accuracy  # noqa: E402
 from attnext.testing.accuracy import (BF16, F16, F32, F64, acc_dtype, compare,  # noqa: E402,F401
                                       compare_grads)
@@ -37,6 +37,34 @@ DTYPE_IDS = {F16: "f16", BF16: "bf16", F32: "f32", F64: "f64"}
 # (tests/test_cuda.py does that under `pytest -m gpu`); dtypes the GPU has no kernels for skip.
 TEST_DEVICE = os.environ.get("ATTNEXT_TEST_DEVICE", "cpu")
 GPU_DTYPES = (F16, BF16)
+
+class EnvMonkeyPatch(pytest.MonkeyPatch):
+    """pytest's MonkeyPatch, whose setenv / delenv of an ATTNEXT_* variable (and its undo) also
+    refresh attnext's copy of its settings (attnext/_env.py reads them once, at import)."""
+
+    def setenv(self, name, value, prepend=None):
+        super().setenv(name, value, prepend)
+        if name.startswith("ATTNEXT_"):
+            _env.reload()
+
+    def delenv(self, name, raising=True):
+        super().delenv(name, raising)
+        if name.startswith("ATTNEXT_"):
+            _env.reload()
+
+    def undo(self):
+        super().undo()
+        _env.reload()
+
+
+@pytest.fixture
+def monkeypatch():
+    """pytest's monkeypatch fixture, as EnvMonkeyPatch: a test sets ATTNEXT_* as it would any
+    variable, and attnext sees the change at its next call."""
+    mp = EnvMonkeyPatch()
+    yield mp
+    mp.undo()
+
 
 def dtype_id(dt):
     return DTYPE_IDS[np.dtype(dt)]

@@ -465,7 +465,7 @@ def test_gpu_call_binds_reports_and_returns_on_the_fake_driver(fake_libcuda):
         import numpy as np
         import attnext
         import fake_cuda
-        from attnext import _C
+        from attnext import _C, _env
         from attnext.cuda import arrays as device, backend as cuda_backend
         from attnext.mods import codegen
         _C.cuda_load()
@@ -542,7 +542,7 @@ def test_gpu_call_binds_reports_and_returns_on_the_fake_driver(fake_libcuda):
         mode["scale"] = 0.375
         out = dev(np.zeros((1, 10, 2, 59), np.float16))
         lse = dev(np.zeros((1, 2, 10), np.float32))
-        os.environ["ATTNEXT_BWD_DQ"] = "atomic"    # what mods overrule: dQ is recomputed (no
+        _env.setenv("ATTNEXT_BWD_DQ", "atomic")    # what mods overrule: dQ is recomputed (no
         del accum[:]                               # dq_accum), as its kernels scatter the dtensors
         for deterministic in (True, False):
             g = attnext.attention_backward(out, q, k, v, out, lse, score_mod=score_mod,

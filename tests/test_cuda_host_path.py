@@ -45,8 +45,8 @@ import ctypes, os, sys, threading, time
 import numpy as np, ml_dtypes
 import attnext
 import fake_cuda
-from attnext import _C
-from attnext.cuda import arrays as device, backend as cuda_backend, nvrtc, select
+from attnext import _C, _env
+from attnext.cuda import arrays as device, backend as cuda_backend, nvrtc, process, select
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 lib = ctypes.CDLL(os.environ["ATTNEXT_LIBCUDA"])
@@ -179,9 +179,9 @@ def test_a_plan_is_reused_by_its_key_only(fake_driver):
         # the lab's overrides are part of the key
         dq, dk, dv = qkv(1, 1, 32768, 32, 8, 128)
         before = record(lambda: attnext.attention(dq, dk, dv))
-        os.environ["ATTNEXT_DECODE_CTAS"] = "4"
+        _env.setenv("ATTNEXT_DECODE_CTAS", "4")
         after = record(lambda: attnext.attention(dq, dk, dv))
-        del os.environ["ATTNEXT_DECODE_CTAS"]
+        _env.setenv("ATTNEXT_DECODE_CTAS", None)
         assert after[0][1][0] == 2 * before[0][1][0], (before[0][1], after[0][1])
         assert record(lambda: attnext.attention(dq, dk, dv)) == before
 
@@ -200,7 +200,7 @@ def test_split_kv_scratch_is_reused_per_stream(fake_driver):
         q, k, v = qkv(1, 1, 32768, 32, 8, 128)
         out = dev((1, 1, 32, 128))
         attnext.attention(q, k, v, out=out)
-        assert device.scratch_info() == {(0, 0): device.SCRATCH_MIN_BYTES}, device.scratch_info()
+        assert process.scratch_info() == {(0, 0): process.SCRATCH_MIN_BYTES}, process.scratch_info()
         a0, f0 = allocs.value, frees.value
         for _ in range(200):
             attnext.attention(q, k, v, out=out)
@@ -212,18 +212,18 @@ def test_split_kv_scratch_is_reused_per_stream(fake_driver):
         big_out = dev((8, 4, 32, 128))
         a0, f0 = allocs.value, frees.value
         attnext.attention(*big, out=big_out)
-        grown = device.scratch_info()[(0, 0)]
-        assert grown > device.SCRATCH_MIN_BYTES and (allocs.value - a0, frees.value - f0) == (1, 1)
+        grown = process.scratch_info()[(0, 0)]
+        assert grown > process.SCRATCH_MIN_BYTES and (allocs.value - a0, frees.value - f0) == (1, 1)
         attnext.attention(q, k, v, out=out)
-        assert device.scratch_info() == {(0, 0): grown}
+        assert process.scratch_info() == {(0, 0): grown}
         # the backward's delta uses it too
         lse = dev((1, 32, 1), np.float32)
         attnext.attention_backward(out, q, k, v, out, lse)
-        assert device.scratch_info() == {(0, 0): grown}
+        assert process.scratch_info() == {(0, 0): grown}
         import gc
         gc.collect()
-        device.release_scratch()
-        assert device.scratch_info() == {}
+        process.release_scratch()
+        assert process.scratch_info() == {}
         del big, big_out
         gc.collect()
         print("ok")
@@ -237,7 +237,7 @@ def test_scratch_under_threads(fake_driver):
         import gc
         allocs, frees = (fake_cuda.counter(lib, n) for n in ("allocs", "frees"))
         lent, errors, lock = {}, [], threading.Lock()
-        borrow, give_back = device.borrow_scratch, device.give_back_scratch
+        borrow, give_back = process.borrow_scratch, process.give_back_scratch
 
         def borrow_checked(nbytes, dev_, stream):
             buf = borrow(nbytes, dev_, stream)
@@ -254,7 +254,7 @@ def test_scratch_under_threads(fake_driver):
                     errors.append(("given back wrong", buf[0]))
             give_back(buf, dev_, stream)
 
-        device.borrow_scratch, device.give_back_scratch = borrow_checked, give_back_checked
+        process.borrow_scratch, process.give_back_scratch = borrow_checked, give_back_checked
         a0, f0 = allocs.value, frees.value
         problems = []
         for i in range(16):
@@ -274,12 +274,12 @@ def test_scratch_under_threads(fake_driver):
             t.join(120)
         assert not any(t.is_alive() for t in threads)
         assert not errors and not lent, (errors, lent)
-        idle = device.scratch_info()
+        idle = process.scratch_info()
         assert set(idle) == {(0, 0)} | {(0, 0x7000 + i) for i in range(8, 16)}, idle
-        device.release_scratch()
+        process.release_scratch()
         del problems, threads, q, k, v
         gc.collect()
-        assert device.scratch_info() == {}
+        assert process.scratch_info() == {}
         assert allocs.value - a0 == frees.value - f0, (allocs.value - a0, frees.value - f0)
         print("ok")
     """)
@@ -287,19 +287,19 @@ def test_scratch_under_threads(fake_driver):
 
 def test_scratch_is_bounded_to_scratch_streams(fake_driver):
     _run(fake_driver, r"""
-        for i in range(device.SCRATCH_STREAMS + 5):
+        for i in range(process.SCRATCH_STREAMS + 5):
             q, k, v = qkv(1, 1, 8192, 32, 8, 128, stream=0x9000 + i)
             attnext.attention(q, k, v)
-        idle = device.scratch_info()
-        assert len(idle) == device.SCRATCH_STREAMS, idle
-        assert (0, 0x9000) not in idle and (0, 0x9000 + device.SCRATCH_STREAMS + 4) in idle
+        idle = process.scratch_info()
+        assert len(idle) == process.SCRATCH_STREAMS, idle
+        assert (0, 0x9000) not in idle and (0, 0x9000 + process.SCRATCH_STREAMS + 4) in idle
         # the per-thread default stream is another stream in every thread: nothing kept for it
         allocs, frees = (fake_cuda.counter(lib, n) for n in ("allocs", "frees"))
         q, k, v = qkv(1, 1, 8192, 32, 8, 128, stream=device.PER_THREAD_STREAM)
         out = dev((1, 1, 32, 128), stream=device.PER_THREAD_STREAM)
         a0, f0 = allocs.value, frees.value
         attnext.attention(q, k, v, out=out)
-        assert (0, device.PER_THREAD_STREAM) not in device.scratch_info()
+        assert (0, device.PER_THREAD_STREAM) not in process.scratch_info()
         assert (allocs.value - a0, frees.value - f0) == (1, 1)
         print("ok")
     """)
@@ -442,14 +442,14 @@ def torch_cuda():
                          ids=["decode_b1", "decode_b8", "plain"])
 def test_warm_plans_and_reused_scratch_give_the_cold_bits(torch_cuda, shape):
     import attnext
-    from attnext.cuda import arrays as device, backend as cuda_backend
+    from attnext.cuda import backend as cuda_backend, process
     torch = torch_cuda
     B, Sq, Sk, Hq, Hk = shape
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, s, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
                for s, h in ((Sq, Hq), (Sk, Hk), (Sk, Hk)))
     cuda_backend.clear_plans()
-    device.release_scratch()
+    process.release_scratch()
     cold, cold_lse = attnext.attention(q, k, v, return_lse=True)
     for _ in range(3):
         warm, warm_lse = attnext.attention(q, k, v, return_lse=True)
@@ -463,7 +463,7 @@ def test_threads_on_their_own_streams_get_the_single_thread_bits(torch_cuda):
     torch's memory naming the thread's stream (torch's own interface names none)."""
     import threading
     import attnext
-    from attnext.cuda import arrays as device
+    from attnext.cuda import arrays as device, process
     torch = torch_cuda
     g = torch.Generator(device="cuda").manual_seed(1)
     tensors = [[torch.randn(1, s, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -493,7 +493,7 @@ def test_threads_on_their_own_streams_get_the_single_thread_bits(torch_cuda):
     assert not errors, errors
     for i in range(8):
         assert np.array_equal(got[i].view(np.uint16), want[i].view(np.uint16)), f"thread {i}"
-    assert {(0, s) for s in streams} <= set(device.scratch_info())
-    device.release_scratch()
+    assert {(0, s) for s in streams} <= set(process.scratch_info())
+    process.release_scratch()
     for s in streams:
         _C.stream_destroy(s, 0)

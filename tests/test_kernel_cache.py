@@ -324,6 +324,108 @@ def test_disk_is_pruned_to_its_bound(tmp_path, compiler):
     assert entry_files(cache) == sorted(k + ".cubin" for k in keys[-3:])
 
 
+# --- trust: only what the user owns, and no one else may write ---
+
+@pytest.fixture
+def warned(monkeypatch):
+    """The cache's once-per-process WARNING made due again for this test."""
+    monkeypatch.setattr(kc, "_warned_untrusted", False)
+
+
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_folders_attnext_makes_are_0700(tmp_path, compiler):
+    cache = kc.CubinCache(compiler, cache_dir=tmp_path / "new" / "cache")
+    cache.get(**BASE)
+    for folder in (tmp_path / "new", tmp_path / "new" / "cache", tmp_path / "new" / "cache" / "v1"):
+        assert os.stat(folder).st_mode & 0o777 == 0o700, folder
+    assert os.stat(cache.entry_path(cache.key(**BASE))).st_mode & 0o777 == 0o600
+
+
+def test_world_writable_folder_is_refused(tmp_path, cache, compiler, warned, caplog):
+    cache.get(**BASE)                                # an entry a fresh cache would read
+    os.chmod(tmp_path / "cache", 0o777)
+    fresh = kc.CubinCache(compiler, cache_dir=tmp_path / "cache")
+    with caplog.at_level(logging.WARNING, logger="attnext"):
+        assert not fresh.has(**BASE)
+        fresh.get(**BASE)
+        fresh.get(**dict(BASE, arch="sm_90a"))
+        kc.CubinCache(compiler, cache_dir=tmp_path / "cache").get(**BASE)
+    assert compiler.calls == 4 and fresh.info()["disk_hits"] == 0      # nothing read from it
+    assert entry_files(fresh) == [cache.key(**BASE) + ".cubin"]         # nor written
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1, warnings                                 # once per process
+    assert str(tmp_path / "cache") in warnings[0] and "writable by group and others" in warnings[0]
+    assert "chmod 700" in warnings[0]
+
+
+def test_group_writable_entry_folder_is_refused(tmp_path, cache, compiler, warned, caplog):
+    cache.get(**BASE)
+    os.chmod(tmp_path / "cache" / "v1", 0o770)
+    fresh = kc.CubinCache(compiler, cache_dir=tmp_path / "cache")
+    with caplog.at_level(logging.WARNING, logger="attnext"):
+        fresh.get(**BASE)
+    assert compiler.calls == 2 and fresh.info()["disk_hits"] == 0
+    assert len(_warnings(caplog)) == 1 and "writable by group" in _warnings(caplog)[0]
+
+
+def test_group_writable_entry_is_not_loaded(tmp_path, cache, compiler, warned, caplog):
+    cache.get(**BASE)
+    path = cache.entry_path(cache.key(**BASE))
+    os.chmod(path, 0o664)
+    fresh = kc.CubinCache(compiler, cache_dir=tmp_path / "cache")
+    with caplog.at_level(logging.WARNING, logger="attnext"):
+        assert fresh.get(**BASE) == cache.get(**BASE)
+    assert compiler.calls == 2 and fresh.info()["disk_hits"] == 0
+    assert len(_warnings(caplog)) == 1 and path in _warnings(caplog)[0]
+    assert os.stat(path).st_mode & 0o777 == 0o600                       # replaced by one of the user's
+    again = kc.CubinCache(compiler, cache_dir=tmp_path / "cache")
+    again.get(**BASE)
+    assert compiler.calls == 2 and again.info()["disk_hits"] == 1
+
+
+def test_another_users_folder_is_refused(tmp_path, cache, compiler, warned, caplog, monkeypatch):
+    cache.get(**BASE)
+    uid = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+    fresh = kc.CubinCache(compiler, cache_dir=tmp_path / "cache")
+    with caplog.at_level(logging.WARNING, logger="attnext"):
+        fresh.get(**BASE)
+    assert compiler.calls == 2 and fresh.info()["disk_hits"] == 0
+    assert len(_warnings(caplog)) == 1 and f"owned by uid {uid}" in _warnings(caplog)[0]
+
+
+def test_another_users_entry_is_not_loaded(tmp_path, cache, compiler, warned, caplog, monkeypatch):
+    cache.get(**BASE)
+    real_fstat = os.fstat
+
+    def fstat(fd):          # the entry (the one file the cache opens) as another user's
+        st = real_fstat(fd)
+        return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, st.st_uid + 1,
+                               st.st_gid, st.st_size, int(st.st_atime), int(st.st_mtime), int(st.st_ctime)))
+
+    monkeypatch.setattr(os, "fstat", fstat)
+    fresh = kc.CubinCache(compiler, cache_dir=tmp_path / "cache")
+    with caplog.at_level(logging.WARNING, logger="attnext"):
+        fresh.get(**BASE)
+    assert compiler.calls == 2 and fresh.info()["disk_hits"] == 0
+    assert len(_warnings(caplog)) == 1 and "owned by uid" in _warnings(caplog)[0]
+
+
+def test_nvrtc_record_in_a_shared_folder_is_not_read(tmp_path, monkeypatch, warned):
+    from attnext.cuda import nvrtc
+    folder = tmp_path / "shared"
+    monkeypatch.setenv("ATTNEXT_CACHE_DIR", str(folder))
+    lib = tmp_path / "libnvrtc.so.12"
+    lib.write_bytes(b"fake")
+    nvrtc._write_record("fp", (12, 4), str(lib))
+    assert nvrtc._recorded_version("fp") == (12, 4)
+    os.chmod(folder, 0o757)
+    assert nvrtc._recorded_version("fp") is None
+
+
 def test_disabled_disk_cache(tmp_path, monkeypatch, compiler):
     for value in ("", "0", "off", "OFF"):
         monkeypatch.setenv("ATTNEXT_CACHE_DIR", value)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import attnext
-from attnext import _C
+from attnext import _C, _env
 from attnext.cuda import backend as cuda_backend, pinning, staging
 from attnext.cuda.devview import DevView
 from conftest import BF16, in_threads
@@ -32,15 +32,15 @@ def test_unions_widen_to_pages_and_merge_overlaps():
 
 
 def test_byte_counts_from_the_environment(monkeypatch):
-    monkeypatch.delenv("ATTNEXT_X_BYTES", raising=False)
-    assert pinning.env_bytes("ATTNEXT_X_BYTES", 7) == 7
+    monkeypatch.delenv("ATTNEXT_PIN_KEEP_BYTES", raising=False)
+    assert _env.nbytes("ATTNEXT_PIN_KEEP_BYTES", 7) == 7
     for text, want in (("", 7), (" 0 ", 0), ("4096", 4096)):
-        monkeypatch.setenv("ATTNEXT_X_BYTES", text)
-        assert pinning.env_bytes("ATTNEXT_X_BYTES", 7) == want
+        monkeypatch.setenv("ATTNEXT_PIN_KEEP_BYTES", text)
+        assert _env.nbytes("ATTNEXT_PIN_KEEP_BYTES", 7) == want
     for text in ("abc", "-1", "1.5"):
-        monkeypatch.setenv("ATTNEXT_X_BYTES", text)
-        with pytest.raises(ValueError, match=f"ATTNEXT_X_BYTES .*{text!r}"):
-            pinning.env_bytes("ATTNEXT_X_BYTES", 7)
+        monkeypatch.setenv("ATTNEXT_PIN_KEEP_BYTES", text)
+        with pytest.raises(ValueError, match=f"ATTNEXT_PIN_KEEP_BYTES .*{text!r}"):
+            _env.nbytes("ATTNEXT_PIN_KEEP_BYTES", 7)
 
 
 def test_cut_in_whole_pages():

@@ -20,14 +20,13 @@ forward). torch is optional: without it, its columns read "-".
 import argparse
 import json
 import math
-import os
 import time
 from typing import NamedTuple, Optional
 
 import numpy as np
 
 import attnext
-from attnext import reference
+from attnext import _env, reference
 
 try:
     import torch
@@ -299,7 +298,7 @@ def _format_row(row):
 
 def _header(threads, ref_max_s):
     cpu = attnext.info()["backends"]["cpu"]
-    env = os.environ.get("ATTNEXT_NUM_THREADS", "unset")
+    env = _env.get("ATTNEXT_NUM_THREADS") or "unset"
     lines = [f"attnext {attnext.__version__} CPU backend: {cpu}; threads {threads} "
              f"(ATTNEXT_NUM_THREADS={env}, OpenMP default {attnext._C.openmp_threads()})"]
     if torch is not None:
@@ -330,7 +329,7 @@ def main(argv=None):
     p.add_argument("--rows", help="only the rows whose case name contains this text")
     p.add_argument("--json", metavar="PATH", help="also write the rows to this JSON file")
     args = p.parse_args(argv)
-    threads = int(os.environ.get("ATTNEXT_NUM_THREADS") or attnext._C.openmp_threads() or 1)
+    threads = int(_env.get("ATTNEXT_NUM_THREADS") or attnext._C.openmp_threads() or 1)
     header = _header(threads, args.reference_max_s)
     print("\n".join(header))
     print(" ".join(f"{title:<{w}}" if key == "case" else f"{title:>{w}}"

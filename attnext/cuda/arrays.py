@@ -20,23 +20,11 @@ per-thread default stream, else a handle (torch's `cuda_stream`, CuPy's `ptr`).
   record_stream does). A consumer of `__cuda_array_interface__` on another stream has no way to
   say so: keep the array alive until that work is done. Memory still held at interpreter exit
   is left to the driver, which frees everything with the process.
-- Scratch (`borrow_scratch`): the memory a call needs only while its kernels run (the split-KV
-  forward's partial results, the backward's row sums) is one buffer per (device, stream), kept
-  between calls and grown on demand. A call borrows it (no other call can hold it meanwhile),
-  enqueues its kernels on that stream, and gives it back: a later call on the same stream is
-  ordered after those kernels, so it may reuse the memory at once. Concurrent calls on one
-  stream get a buffer each. At most SCRATCH_STREAMS streams keep one; a buffer pushed out, and
-  every buffer at exit (`release_scratch`), is freed after a device-wide synchronisation, so a
-  stream destroyed meanwhile is never named again. The per-thread default stream (2) names a
-  different stream in each thread, so its scratch is not kept: freed after each call, in order.
+- Scratch, the memory a call needs only while its kernels run, is process.py's (borrow_scratch).
 """
-import atexit
-import collections
 import functools
 import math
-import os
 import sys
-import threading
 import weakref
 
 import ml_dtypes
@@ -219,91 +207,6 @@ def empty(shape, dtype, device=0, stream=0):
 
 
 PER_THREAD_STREAM = 2            # CU_STREAM_PER_THREAD: each thread's own default stream
-SCRATCH_STREAMS = 32             # streams that keep a scratch buffer between calls
-SCRATCH_MIN_BYTES = 1 << 20      # scratch grows in powers of two from here
-SCRATCH_KEEP_BYTES = 64 << 20    # a larger buffer is freed after its call, not kept
-
-_scratch = collections.OrderedDict()   # (device, stream) -> (ptr, nbytes): idle buffers, LRU first
-_scratch_lock = threading.Lock()
-
-
-def borrow_scratch(nbytes, device, stream):
-    """(ptr, size): at least nbytes of device memory for work enqueued on `stream` (and on no
-    other stream) until give_back_scratch(). Uninitialised; MemoryError when the device is out of
-    memory."""
-    key = (device, _legacy(stream))
-    with _scratch_lock:
-        buf = _scratch.pop(key, None)
-    if buf is not None:
-        if buf[1] >= nbytes:
-            return buf
-        _C.mem_free(buf[0], stream, device)      # after the work that used it, on this stream
-    size = max(SCRATCH_MIN_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
-    return _C.mem_alloc(size, stream, device), size
-
-
-def give_back_scratch(buf, device, stream):
-    """Returns borrow_scratch's buffer once the work using it is enqueued on `stream`."""
-    key = (device, _legacy(stream))
-    if key[1] == PER_THREAD_STREAM:
-        _C.mem_free(buf[0], stream, device)
-        return
-    drop = None
-    with _scratch_lock:
-        idle = _scratch.pop(key, None)
-        if buf[1] > SCRATCH_KEEP_BYTES:
-            keep, drop = idle, buf
-        elif idle is not None and idle[1] >= buf[1]:
-            keep, drop = idle, buf               # another call on this stream gave back a larger one
-        else:
-            keep, drop = buf, idle
-        if keep is not None:
-            _scratch[key] = keep
-        evicted = []
-        while len(_scratch) > SCRATCH_STREAMS:
-            evicted.append(_scratch.popitem(last=False))
-    if drop is not None:
-        _C.mem_free(drop[0], stream, device)     # the stream is alive: its call just used it
-    if evicted:
-        _free_scratch(evicted)
-
-
-def _free_scratch(entries):
-    """Frees buffers whose streams may be gone: after a synchronisation of their devices."""
-    for device in sorted({device for (device, _), _ in entries}):
-        try:
-            _C.device_synchronize(device)
-            for (d, _), (ptr, _) in entries:
-                if d == device:
-                    _C.mem_free(ptr, 0, device)
-        except RuntimeError:
-            pass    # a faulted context: the driver frees everything with the process
-
-
-def release_scratch():
-    """Frees every idle scratch buffer (at exit; the tests call it too)."""
-    with _scratch_lock:
-        entries = list(_scratch.items())
-        _scratch.clear()
-    if entries:
-        _free_scratch(entries)
-
-
-def scratch_info():
-    """{(device, stream): bytes} of the idle scratch buffers."""
-    with _scratch_lock:
-        return {key: size for key, (_, size) in _scratch.items()}
-
-
-def _forget_scratch_after_fork():
-    global _scratch_lock
-    _scratch_lock = threading.Lock()
-    _scratch.clear()
-
-
-atexit.register(release_scratch)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_scratch_after_fork)
 
 
 def _cuda_array_interface(x):

@@ -29,11 +29,11 @@ import types
 import ml_dtypes
 import numpy as np
 
-from .. import _C
+from .. import _C, _env
 from .._layout import DTYPE_CODES, SLOT, KernelCall, dtype_name
 from ..lru import LRU
 from ..mods import bounds, codegen, lower, trace
-from . import arrays as _device, mod_cache, mod_inputs as mod_arrays, nvrtc, pinning, select, staging
+from . import arrays as _device, mod_cache, mod_inputs as mod_arrays, nvrtc, process, select, staging
 from .devview import DevView
 from .staging import host_result, to_host  # noqa: F401  (api.py's: results, lengths)
 
@@ -74,7 +74,7 @@ _info_cache = {}
 # freed device memory the device's current pool keeps reserved at a synchronisation, at least
 # (the driver's default is none): a NumPy call synchronises at its end, and its next call would
 # map its buffers again
-POOL_KEEP_BYTES = pinning.env_bytes("ATTNEXT_POOL_KEEP_BYTES", 1 << 30)
+POOL_KEEP_BYTES = _env.nbytes("ATTNEXT_POOL_KEEP_BYTES", 1 << 30)
 
 
 def device_info(device):
@@ -144,7 +144,7 @@ def _launch(plan, stage, ptrs, o, gmods=None):
     if not plan.launches:
         return
     launch = _C.cuda_launch_attention if gmods is None else _with_gmods(gmods)
-    buf = _device.borrow_scratch(plan.scratch, stage.device, stage.stream) if plan.scratch else None
+    buf = process.borrow_scratch(plan.scratch, stage.device, stage.stream) if plan.scratch else None
     try:
         if buf is not None:
             ptrs = list(ptrs)
@@ -157,7 +157,7 @@ def _launch(plan, stage, ptrs, o, gmods=None):
             launch(fn, grid, block, smem, stage.stream, plan.template, ptrs, o.scale_value, o.softcap_value)
     finally:
         if buf is not None:
-            _device.give_back_scratch(buf, stage.device, stage.stream)
+            process.give_back_scratch(buf, stage.device, stage.stream)
 
 
 def _with_gmods(gmods):

@@ -24,8 +24,15 @@ logged once as a WARNING per cache and the compiled kernel is returned all the s
 kept under `disk_max_bytes`: after a write that takes it over, the least recently used entries
 (by mtime, which a disk hit refreshes) are removed, as are temporary files a killed process left.
 
+Trust. A cubin read from disk runs with the process's access to its GPU memory, so the disk cache
+trusts only what the user owns: a cache folder (the root or its v<FORMAT_VERSION> folder) owned by
+another user or writable by group or others (a shared /tmp folder, a umask of 002) is neither read
+nor written, the cache keeping to memory; an entry owned by another user or writable by group or
+others is not loaded (compiled again and replaced by a file of the user's). Either logs one WARNING
+per process, which says what to change (`chmod 700`). The folders attnext makes are made 0700.
+
 Logging on the "attnext" logger: one INFO line for a compile slower than SLOW_COMPILE_SECONDS;
-DEBUG lines for rejected disk entries and the NVRTC log. `ATTNEXT_DEBUG=1` (read at each compile)
+DEBUG lines for rejected disk entries and the NVRTC log. `ATTNEXT_DEBUG=1` (looked up at each compile)
 prints the source and the options to stderr before compiling.
 """
 import hashlib
@@ -37,6 +44,7 @@ import tempfile
 import threading
 import time
 
+from .. import _env
 from ..lru import LRU
 
 log = logging.getLogger("attnext")
@@ -62,7 +70,7 @@ def default_cache_dir():
     ATTNEXT_CACHE_DIR wins when set ("", "0" or "off" turn the disk cache off); else
     $XDG_CACHE_HOME/attnext when XDG_CACHE_HOME is an absolute path; else ~/.cache/attnext.
     """
-    env = os.environ.get("ATTNEXT_CACHE_DIR")
+    env = _env.get("ATTNEXT_CACHE_DIR")
     if env is not None:
         if env.strip().lower() in _DISABLED:
             return None
@@ -72,12 +80,90 @@ def default_cache_dir():
     return os.path.join(base, "attnext")
 
 
+FOLDER_MODE = 0o700                 # the folders attnext makes
+_SHARED_BITS = 0o022                # group or others may write
+_warned_untrusted = False           # one WARNING per process for what the disk cache refuses
+_warn_lock = threading.Lock()
+
+
+def untrusted(st, what):
+    """Why a file or folder with this os.stat result is not to be trusted (another user's, or
+    writable by group or others), or None."""
+    if not hasattr(os, "getuid"):
+        return None
+    if st.st_uid != os.getuid():
+        return f"{what} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    shared = st.st_mode & _SHARED_BITS
+    if shared:
+        who = "group and others" if shared == _SHARED_BITS else "group" if shared & 0o020 else "others"
+        return f"{what} is writable by {who} (mode {st.st_mode & 0o777:o})"
+    return None
+
+
+def untrusted_folder(folder):
+    """Why `folder` (when it exists) is not to be trusted, or None: one that does not exist yet
+    is made FOLDER_MODE when written."""
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return None
+    return untrusted(st, f"the folder {folder}")
+
+
+def warn_untrusted(why):
+    """Logs why the disk cache refused something: a WARNING the first time in this process, DEBUG
+    after."""
+    global _warned_untrusted
+    with _warn_lock:
+        first, _warned_untrusted = not _warned_untrusted, True
+    if first:
+        log.warning("attnext: the kernel cache does not read what it cannot trust: %s; kernels are "
+                    "compiled again (chmod 700 the folder, or set ATTNEXT_CACHE_DIR to a folder of "
+                    "your own)", why)
+    else:
+        log.debug("attnext cache: not trusted: %s", why)
+
+
+def read_trusted(path):
+    """The bytes of the file at path, or None: absent, unreadable (logged at DEBUG), or in a
+    folder or a file that untrusted() refuses (warn_untrusted)."""
+    why = untrusted_folder(os.path.dirname(path))
+    if why:
+        warn_untrusted(why)
+        return None
+    try:
+        with open(path, "rb") as f:
+            why = untrusted(os.fstat(f.fileno()), f"the file {path}")
+            data = None if why else f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        log.debug("attnext cache: cannot read %s (%s); recompiling", path, e)
+        return None
+    if why:
+        warn_untrusted(why)
+    return data
+
+
+def make_folders(folder):
+    """folder and the folders above it that are missing; those attnext makes, FOLDER_MODE (the
+    mode applies to the last one alone in os.makedirs, so each is made in turn)."""
+    parent = os.path.dirname(folder)
+    if parent != folder and not os.path.isdir(parent):
+        make_folders(parent)
+    try:
+        os.mkdir(folder, FOLDER_MODE)
+    except FileExistsError:
+        if not os.path.isdir(folder):
+            raise
+
+
 def write_file_atomically(path, data):
-    """data into the file at path (its folder made): a temporary file beside it, fsync'ed, then
-    renamed over it, so a reader sees the whole old file or the whole new one. OSError on
-    failure, the temporary file removed."""
+    """data into the file at path (its folder made, FOLDER_MODE): a temporary file beside it
+    (mode 0600), fsync'ed, then renamed over it, so a reader sees the whole old file or the whole
+    new one. OSError on failure, the temporary file removed."""
     folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
+    make_folders(folder)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=_TEMP_PREFIX, suffix=_TEMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -92,7 +178,9 @@ def write_file_atomically(path, data):
 
 def write_small_file(path, data):
     """write_file_atomically, an OSError logged at DEBUG and dropped (a record worth keeping,
-    not worth failing a call for)."""
+    not worth failing a call for); nothing written in a folder untrusted_folder() refuses."""
+    if untrusted_folder(os.path.dirname(path)):
+        return
     try:
         write_file_atomically(path, data)
     except OSError as e:
@@ -166,7 +254,7 @@ def decode_entry(key, data):
 
 
 def _debug_enabled():
-    return os.environ.get("ATTNEXT_DEBUG", "").strip().lower() not in _DISABLED
+    return (_env.get("ATTNEXT_DEBUG") or "").strip().lower() not in _DISABLED
 
 
 
@@ -253,7 +341,7 @@ class CubinCache:
         if key in self._memory:
             return True
         path = self.entry_path(key)
-        return path is not None and os.path.isfile(path)
+        return path is not None and self._disk_trusted() and os.path.isfile(path)
 
     def info(self):
         """Counters and settings: memory_hits, disk_hits, misses (lookups that went to the
@@ -342,18 +430,22 @@ class CubinCache:
             log.info("attnext: compiled %s in %.2f s (key %s)", filename, seconds, key[:12])
         return cubin
 
+    def _disk_trusted(self):
+        """Whether the cache's folders may be used: each one that exists is the user's and no one
+        else may write it (else warn_untrusted, and the cache keeps to memory)."""
+        why = untrusted_folder(self.cache_dir) or untrusted_folder(self._entry_dir)
+        if why:
+            warn_untrusted(why)
+        return why is None
+
     def _read(self, key):
-        """The cubin stored for `key`, or None (absent, or rejected: logged at DEBUG)."""
+        """The cubin stored for `key`, or None (absent, or rejected: logged at DEBUG; not
+        trusted: warn_untrusted)."""
         path = self.entry_path(key)
-        if path is None:
+        if path is None or not self._disk_trusted():
             return None
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            log.debug("attnext cache: cannot read %s (%s); recompiling", path, e)
+        data = read_trusted(path)
+        if data is None:
             return None
         try:
             cubin = decode_entry(key, data)
@@ -370,7 +462,7 @@ class CubinCache:
         """Stores `cubin` atomically (temporary file, fsync, rename); an OSError is logged, the
         temporary file removed, and nothing raised."""
         path = self.entry_path(key)
-        if path is None:
+        if path is None or not self._disk_trusted():
             return
         try:
             write_file_atomically(path, encode_entry(key, cubin))

@@ -26,9 +26,10 @@ import os
 import threading
 from pathlib import Path
 
-from .. import _C
+from .. import _C, _env
 from ..lru import LRU
-from .cache import CubinCache, default_cache_dir, write_small_file
+from . import process
+from .cache import CubinCache, default_cache_dir, read_trusted, write_small_file
 from .select import MOD_FREE_ENTRIES, entry_defines, plain_defines
 
 # The kernel sources and the csrc headers they include are package data (attnext/_kernels and
@@ -36,7 +37,7 @@ from .select import MOD_FREE_ENTRIES, entry_defines, plain_defines
 # found through the package, never through the repository. ATTNEXT_KERNEL_DIR runs another copy
 # of kernels/ (the kernel lab: an old version beside the new).
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
-KERNEL_DIR = Path(os.environ.get("ATTNEXT_KERNEL_DIR") or PACKAGE_DIR / "_kernels")
+KERNEL_DIR = Path(_env.get("ATTNEXT_KERNEL_DIR") or PACKAGE_DIR / "_kernels")
 CSRC_DIR = PACKAGE_DIR / "_csrc"
 CSRC_HEADERS = ("attn_params.h", "seqlen.h", "block.h", "mod_ints.h")   # what kernels/ includes
 HEADER_FILES = (CSRC_DIR / "attn_params.h", CSRC_DIR / "seqlen.h", CSRC_DIR / "block.h",
@@ -89,8 +90,8 @@ def nvrtc_candidates():
     """Where NVRTC is looked for, in order: ATTNEXT_NVRTC, the nvidia-cuda-nvrtc wheel's lib
     folders, $CUDA_HOME/lib64, /usr/local/cuda/lib64, then the plain sonames."""
     out = []
-    if os.environ.get("ATTNEXT_NVRTC"):
-        out.append(os.environ["ATTNEXT_NVRTC"])
+    if _env.get("ATTNEXT_NVRTC"):
+        out.append(_env.get("ATTNEXT_NVRTC"))
     try:
         import nvidia
         for base in nvidia.__path__:
@@ -157,13 +158,14 @@ def _record_path():
 
 
 def _recorded_version(fingerprint):
-    """The version the record holds for this fingerprint, if the library it names is unchanged."""
+    """The version the record holds for this fingerprint, if the library it names is unchanged
+    (and the record is one the cache trusts: cache.read_trusted)."""
     path = _record_path()
-    if path is None:
+    data = None if path is None else read_trusted(path)
+    if data is None:
         return None
     try:
-        with open(path) as f:
-            rec = json.load(f)
+        rec = json.loads(data)
         if (rec["fingerprint"] == fingerprint
                 and list(_file_id(rec["library"]) or ()) == rec["library_id"]):
             return tuple(int(x) for x in rec["version"])
@@ -341,7 +343,7 @@ def compile_ahead(specs, arch, busy=1):
     At the interpreter's exit the compiles not yet begun are dropped and those under way
     finished (their cubins reach the disk cache); a forked child starts with none."""
     global _ahead, _ahead_running
-    env = os.environ.get(COMPILE_AHEAD_KNOB, "").strip().lower()
+    env = (_env.get(COMPILE_AHEAD_KNOB) or "").strip().lower()
     if env in ("0", "off", "false", "no") or not specs:
         return []
     todo, version = {}, _version_text()
@@ -354,7 +356,6 @@ def compile_ahead(specs, arch, busy=1):
             return []
         if _ahead is None:
             _ahead = concurrent.futures.ThreadPoolExecutor(max(2, _cpus() - 1), "attnext-ahead")
-            threading._register_atexit(_drop_queued)     # runs before the pool's own join
         _ahead_running += len(todo)
         futures = [_ahead.submit(cubin, k, d, arch, g) for k, d, g in todo.values()]
     for f in futures:
@@ -384,8 +385,8 @@ def _forget_ahead_after_fork():
         _cubins.after_fork()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_ahead_after_fork)
+process.before_thread_join(_drop_queued)     # before the pool's own join
+process.at_fork(after_in_child=_forget_ahead_after_fork)
 
 
 def _load_module(mkey, kernel, defines, generated, device, arch):

@@ -51,7 +51,7 @@ import weakref
 
 import numpy as np
 
-from .. import _C
+from .. import _C, _env
 
 PAGE = mmap.PAGESIZE
 MIN_BYTES = 8 << 20        # a smaller array goes through the rings (to be tuned on the GPU)
@@ -73,23 +73,8 @@ def physical_bytes():
         return 16 << 30
 
 
-def env_bytes(name, default):
-    """The byte count the environment variable `name` sets (default when unset or empty);
-    ValueError naming it for anything but a non-negative integer."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{name} must be a number of bytes (a non-negative integer), got {text!r}")
-    return value
-
-
 # kept registrations at most (page-locked memory the system cannot swap out)
-KEEP_BYTES = env_bytes("ATTNEXT_PIN_KEEP_BYTES", min(8 << 30, physical_bytes() // 8))
+KEEP_BYTES = _env.nbytes("ATTNEXT_PIN_KEEP_BYTES", min(8 << 30, physical_bytes() // 8))
 SEEN = 64                  # owners remembered for the "seen in an earlier call" test
 PINNED_TYPES = (_C.PinnedBuffer,) if hasattr(_C, "PinnedBuffer") else ()   # attnext's own
 
@@ -98,8 +83,8 @@ PENDING, LIVE, FAILED, CLOSING = "pending", "live", "failed", "closing"  # a tab
 
 
 def mode():
-    """ATTNEXT_STAGING, read at every call: "register" (the default) or "ring"."""
-    m = os.environ.get("ATTNEXT_STAGING") or DEFAULT_MODE
+    """ATTNEXT_STAGING, looked up at every call (attnext._env): "register" (the default) or "ring"."""
+    m = _env.get("ATTNEXT_STAGING") or DEFAULT_MODE
     if m not in MODES:
         raise ValueError(f"ATTNEXT_STAGING must be one of {MODES}, got {m!r}")
     return m

@@ -6,10 +6,9 @@ choice is made in one function here (tile_config, fwd_kernel, bwd_dq_mode, ...) 
 the defines of one variant (fwd_defines, bwd_defines). A score_mod / mask_mod variant adds the
 switches of mod_defines; nvrtc.py compiles and loads what this module names.
 """
-import os
-
 import numpy as np
 
+from .. import _env
 from .._layout import DTYPE_CODES
 from ..mods import codegen
 
@@ -22,34 +21,19 @@ SMEM_PAD = 8           # elements of padding per shared-memory row (attn_common.
 MAX_SMEM_SM80 = 163 * 1024
 
 
-# The kernel lab's overrides of the choices below, read when a choice is made; cuda_backend's
-# plans are keyed on their values (knobs()), so a change takes effect at the next call.
+# The kernel lab's overrides of the choices below (attnext._env's LAB settings), read when a
+# choice is made; backend's plans are keyed on their values (knobs()), so a change through
+# _env.setenv() or _env.reload() takes effect at the next call.
 FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "ATTNEXT_FWD_SM90",
              "ATTNEXT_TILE_SM90")
 BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_DQ",
              "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_TILE_SUMS")
-# os.environ.get costs ~0.5 us a name (key encoding, Mapping.get); the dict behind os.environ
-# is what it reads (bytes keys where the OS environment is bytes, as on Linux)
-_ENV = getattr(os.environ, "_data", None)
-_ENV_BYTES = isinstance(_ENV, dict) and os.name == "posix"
 
 
 def knobs(names):
-    """The values of these environment variables (None where unset), cheaply: on every call."""
-    if _ENV_BYTES:
-        get = _ENV.get
-        return tuple([get(n) for n in _encoded(names)])
-    return tuple([os.environ.get(n) for n in names])
-
-
-_ENCODED = {}
-
-
-def _encoded(names):
-    try:
-        return _ENCODED[names]
-    except KeyError:
-        return _ENCODED.setdefault(names, tuple(os.fsencode(n) for n in names))
+    """The values of these environment variables (None where unset), cheaply: on every call
+    (attnext._env's copy, a tuple remembered per names until _env.reload())."""
+    return _env.values(names)
 
 
 def _round_up(x, m):
@@ -60,7 +44,7 @@ def tile_config(D, Dv):
     """(BLOCK_M, BLOCK_N, NUM_WARPS) of the forward for head dims D, Dv: the one place that
     chooses. Register budget (255 per thread, measured with -Xptxas -v): O holds
     BLOCK_M / NUM_WARPS * Dv floats per warp row group, S BLOCK_M / NUM_WARPS * BLOCK_N."""
-    env = os.environ.get("ATTNEXT_TILE_FWD")       # the kernel lab's override: "128,64,8"
+    env = _env.get("ATTNEXT_TILE_FWD")       # the kernel lab's override: "128,64,8"
     if env:
         m, n, w = (int(x) for x in env.split(","))
         return m, n, w
@@ -79,12 +63,12 @@ DECODE_CTAS_PER_SM = 2       # the split-KV grid aims at this many CTAs per SM
 
 def decode_tile():
     """attn_fwd.cu's tile for decode calls; the kernel lab's override: ATTNEXT_TILE_DECODE="16,64,1"."""
-    env = os.environ.get("ATTNEXT_TILE_DECODE")
+    env = _env.get("ATTNEXT_TILE_DECODE")
     return tuple(int(x) for x in env.split(",")) if env else DECODE_TILE
 
 
 def decode_ctas_per_sm():
-    return int(os.environ.get("ATTNEXT_DECODE_CTAS", DECODE_CTAS_PER_SM))
+    return int(_env.get("ATTNEXT_DECODE_CTAS") or DECODE_CTAS_PER_SM)
 # attn_fwd_sm90 (H100 bf16, bench/lab_fwd.py, TFLOP/s against SDPA flash in the same run):
 # 128 x 128 (two warpgroups, one CTA per SM) is best at D=128 from S=2k (1.08x at 2k, 1.31x at
 # 16k); 64 x 64 (one warpgroup, two CTAs per SM overlapping each other) at D=64 (0.91x at S=512,
@@ -113,8 +97,8 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None):
     plain tiles. ATTNEXT_FWD_SM90=0 keeps Hopper on attn_fwd.cu (the lab's and the tests'
     comparison)."""
     if (arch == "sm_90a" and not decode and vec and D in (64, 128) and Dv in (64, 128)
-            and os.environ.get("ATTNEXT_FWD_SM90", "1") != "0"):
-        env = os.environ.get("ATTNEXT_TILE_SM90")      # the kernel lab's override: "128,64,8"
+            and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
+        env = _env.get("ATTNEXT_TILE_SM90")      # the kernel lab's override: "128,64,8"
         if env:
             return "attn_fwd_sm90", tuple(int(x) for x in env.split(","))
         short = max(D, Dv) <= 64 or rows <= SM90_SHORT_ROWS
@@ -245,7 +229,7 @@ def bwd_tile_config(D, Dv):
     measured 1.05x (D=128) to 1.3x (D=64) faster than 8-warp CTAs. Shared memory stays under
     sm_80's 163 KB per CTA. Every choice gives the same bits: the products accumulate over 16-wide
     steps in the same order whatever the tile."""
-    env = os.environ.get("ATTNEXT_TILE_BWD")   # the kernel lab's override: "32,4,0,2,64,64,4,2"
+    env = _env.get("ATTNEXT_TILE_BWD")   # the kernel lab's override: "32,4,0,2,64,64,4,2"
     if env:
         keys = ("kv_block_m", "kv_warps", "kv_split", "kv_minb", "q_block_m", "q_block_n", "q_warps",
                 "q_minb")
@@ -272,7 +256,7 @@ def tile_sums(mods, bm, bn):
     the same bits either way)."""
     used, admit, always = 0, 0, True
     terms = mods.tile_terms if mods is not None and mods.defines.get("HAS_DTENSORS") else ()
-    if os.environ.get("ATTNEXT_TILE_SUMS") == "0":
+    if _env.get("ATTNEXT_TILE_SUMS") == "0":
         terms = ()
     for k, t in enumerate(terms):
         span = abs(t.a) * (bm - 1) + abs(t.c) * (bn - 1) + 1
@@ -308,7 +292,7 @@ def bwd_sm90_applies(arch, D, Dv, vec):
     128}; else attn_bwd.cu. ATTNEXT_BWD_SM90=0 keeps Hopper on attn_bwd.cu (the lab's and the
     tests' comparison)."""
     return (arch == "sm_90a" and vec and D in (64, 128) and Dv in (64, 128)
-            and os.environ.get("ATTNEXT_BWD_SM90", "1") != "0")
+            and (_env.get("ATTNEXT_BWD_SM90") or "1") != "0")
 
 
 DQ_MODES = ("recompute", "atomic", "ordered")
@@ -339,7 +323,7 @@ def bwd_dq_mode(sm90, D, deterministic, Dv=None, k_rows=None):
     a query row may see (the longest key sequence, or a narrower window's width: cuda_backend);
     deterministic=False with at most SHORT_KEYS of them takes ordered too."""
     adds = sm90 and (D == 128 or (D == 64 and (Dv or D) == 64))   # the warp-specialised kernel takes it
-    mode = os.environ.get("ATTNEXT_BWD_DQ", "")
+    mode = _env.get("ATTNEXT_BWD_DQ") or ""
     if mode not in DQ_MODES:
         short = k_rows is not None and k_rows <= SHORT_KEYS
         mode = "recompute" if not adds else "ordered" if deterministic or short else "atomic"
@@ -359,7 +343,7 @@ def bwd_dq_write_last(mode, mask_mod, k_rows):
     ATTNEXT_BWD_DQ_WRITE=0|1 decides for the lab and the tests where the mode allows it."""
     if mode != "ordered" or mask_mod:
         return False
-    env = os.environ.get("ATTNEXT_BWD_DQ_WRITE")
+    env = _env.get("ATTNEXT_BWD_DQ_WRITE")
     return env == "1" if env in ("0", "1") else k_rows <= SHORT_KEYS
 
 
@@ -383,7 +367,7 @@ def bwd_sm90_tile(D, mode):
         tile = SM90_BWD_TILE_DQ_D64 if D == 64 else SM90_BWD_TILE_DQ
     else:
         tile = SM90_BWD_TILE_D64 if D == 64 else SM90_BWD_TILE
-    env = os.environ.get("ATTNEXT_TILE_BWD_SM90")
+    env = _env.get("ATTNEXT_TILE_BWD_SM90")
     if env and mode == "recompute":
         kv, q, kv_minb, q_minb = ([int(x) for x in env.split(",")] + [1, 1])[:4]
         tile = {**tile, "kv_warps": kv, "q_warps": q, "q_block_m": 16 * q, "kv_minb": kv_minb,

@@ -31,7 +31,6 @@ kernels run), the rest when the stage finishes, after its DMA streams have been 
 Layout legend: a host array has any strides and may be broadcast (stride 0); its compact base
 (broadcast dims cut to 1) is what travels, C-contiguous in device memory.
 """
-import atexit
 import collections
 import concurrent.futures
 import functools
@@ -43,8 +42,8 @@ import threading
 
 import numpy as np
 
-from .. import _C
-from . import pinning
+from .. import _C, _env
+from . import pinning, process
 from .arrays import empty, is_contiguous
 from .devview import DevView
 
@@ -273,11 +272,10 @@ def _forget_after_fork():
         _C.host_pool_forget()
 
 
-atexit.register(reset)
-if hasattr(os, "register_at_fork"):
-    # kept registrations go before a fork: on kernels before 5.9 a forked child made the
-    # parent's pinned pages copy-on-write, and the parent's next write would miss the DMA's pages
-    os.register_at_fork(before=pinning.forget_kept, after_in_child=_forget_after_fork)
+process.at_exit(reset)
+# kept registrations go before a fork: on kernels before 5.9 a forked child made the parent's
+# pinned pages copy-on-write, and the parent's next write would miss the DMA's pages
+process.at_fork(before=pinning.forget_kept, after_in_child=_forget_after_fork)
 
 
 def _wait(futures):
@@ -413,8 +411,8 @@ def _download(ptr, dtype, dst, device, stream, after):
 RESULT_MIN_BYTES = 1 << 20       # a smaller result is a plain np.empty
 # pooled results alive at once at most (the caller's to keep; the pool keeps up to 1 GiB of
 # free blocks: csrc/cuda/pinned.c, _C.host_pool)
-RESULTS_MAX_BYTES = pinning.env_bytes("ATTNEXT_PINNED_RESULTS_BYTES",
-                                      min(8 << 30, pinning.physical_bytes() // 8))
+RESULTS_MAX_BYTES = _env.nbytes("ATTNEXT_PINNED_RESULTS_BYTES",
+                                 min(8 << 30, pinning.physical_bytes() // 8))
 
 
 def host_result(shape, dtype, device=0):

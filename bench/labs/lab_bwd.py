@@ -8,7 +8,6 @@ naming the dq mode (ATTNEXT_BWD_DQ; none: the default's). For each head dim / ca
 (from a forward's out and lse) against PyTorch SDPA's flash backend (autograd), bf16,
 triton.testing.do_bench medians, B*S = 16k tokens, TFLOP/s counting 2.5x the forward's FLOPs.
 """
-import os
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository's attnext
 import attnext  # noqa: E402
+from attnext import _env  # noqa: E402
 
 CASES = [(64, 512, False), (64, 2048, False), (64, 2048, True), (128, 512, False), (128, 2048, False),
          (128, 2048, True), (128, 8192, True)]
@@ -45,11 +45,9 @@ def main(configs):
             base, _, mode = cfg.partition("+")
             kind, _, tile = base.partition(":")
             det = mode != "atomic"
-            os.environ["ATTNEXT_BWD_DQ"] = mode
-            os.environ["ATTNEXT_BWD_SM90"] = "1" if kind == "sm90" else "0"
-            os.environ.pop("ATTNEXT_TILE_BWD_SM90", None)
-            if tile:
-                os.environ["ATTNEXT_TILE_BWD_SM90"] = tile
+            _env.setenv("ATTNEXT_BWD_DQ", mode)
+            _env.setenv("ATTNEXT_BWD_SM90", "1" if kind == "sm90" else "0")
+            _env.setenv("ATTNEXT_TILE_BWD_SM90", tile or None)
             try:
                 g = attnext.attention_backward(dout, qd, kd, vd, out, lse, causal=causal, deterministic=det)
                 err = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()

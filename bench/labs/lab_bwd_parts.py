@@ -11,7 +11,6 @@ ATTNEXT_BWD_DQ_WRITE=0 and =1 (attn_bwd_dq_convert against the last turns writin
 select.SHORT_KEYS. Every attnext variant (and cuDNN) is checked against flash's dq, dk, dv before
 anything is timed; one that is off is dropped.
 """
-import os
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository's attnext
 import attnext  # noqa: E402
+from attnext import _env  # noqa: E402
 import verify  # noqa: E402
 
 DEFAULT = ["64:512", "64:1024", "64:512:causal", "64:1024:causal", "128:512:causal", "128:512", "128:2048"]
@@ -40,17 +40,14 @@ def kernel_table(f, n=20):
 
 
 def with_env(name, value, f):
-    """f called with os.environ[name] = value (the plan cache keys on it)."""
+    """f called with the setting name = value (attnext._env; the plan cache keys on it)."""
     def call():
-        old = os.environ.get(name)
-        os.environ[name] = value
+        old = _env.get(name)
+        _env.setenv(name, value)
         try:
             return f()
         finally:
-            if old is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = old
+            _env.setenv(name, old)
     return call
 
 

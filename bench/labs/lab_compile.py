@@ -247,6 +247,7 @@ def speed(names, env=None):
     the plans' knobs, select.FWD_KNOBS / BWD_KNOBS, such as ATTNEXT_BWD_DQ)."""
     import torch
     import attnext
+    from attnext import _env
     B, H = 16384 // S, HEADS                 # the tables have HEADS rows
     q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     print(f"{torch.cuda.get_device_name()}, attnext from {os.path.dirname(attnext.__file__)}; "
@@ -269,7 +270,7 @@ def speed(names, env=None):
         sm, mm = MODS.get(name, (None, None))
         for value in values:         # each value's kernels in turn, one mod after another
             if knob:
-                os.environ[knob] = value
+                _env.setenv(knob, value)
             out, lse = attnext.attention(q, k, v, causal=True, score_mod=sm, mask_mod=mm, return_lse=True)
             g = attnext.attention_backward(dout, q, k, v, out, lse, causal=True, score_mod=sm, mask_mod=mm)
             check_first_item(name, (q, k, v, dout), out, g, sm, mm)

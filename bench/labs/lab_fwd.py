@@ -7,7 +7,6 @@ kernel off), or "sm90" / "sm90:BLOCK_M,BLOCK_N,WARPS" for attn_fwd_sm90.cu (ATTN
 For each head dim / causal case: attnext under each configuration against
 PyTorch SDPA's flash backend, bf16, triton.testing.do_bench medians, B*S = 16k tokens.
 """
-import os
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository's attnext
 import attnext  # noqa: E402
+from attnext import _env  # noqa: E402
 
 CASES = [(64, 512, False), (64, 2048, False), (64, 2048, True), (128, 512, False), (128, 2048, False),
          (128, 2048, True), (128, 8192, True), (128, 16384, False)]
@@ -38,11 +38,11 @@ def main(configs):
         out = torch.empty_like(q)
         for cfg in configs:
             kind, _, tile = cfg.partition(":") if cfg.startswith("sm90") else ("", "", cfg)
-            os.environ["ATTNEXT_FWD_SM90"] = "1" if kind == "sm90" else "0"
-            os.environ.pop("ATTNEXT_TILE_FWD", None)
-            os.environ.pop("ATTNEXT_TILE_SM90", None)
+            _env.setenv("ATTNEXT_FWD_SM90", "1" if kind == "sm90" else "0")
+            _env.setenv("ATTNEXT_TILE_FWD", None)
+            _env.setenv("ATTNEXT_TILE_SM90", None)
             if tile:
-                os.environ["ATTNEXT_TILE_SM90" if kind == "sm90" else "ATTNEXT_TILE_FWD"] = tile
+                _env.setenv("ATTNEXT_TILE_SM90" if kind == "sm90" else "ATTNEXT_TILE_FWD", tile)
             try:
                 out.fill_(float("nan"))
                 attnext.attention(q, k, v, causal=causal, out=out)

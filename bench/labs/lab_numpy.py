@@ -13,7 +13,6 @@ row slices take other tiles). --calls: each call's time, in order. --profile: cP
 same-array calls.
 """
 import cProfile
-import os
 import pstats
 import sys
 import time
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository's attnext
 import attnext  # noqa: E402
-from attnext import _C  # noqa: E402
+from attnext import _C, _env  # noqa: E402
 from attnext.cuda import pinning  # noqa: E402
 from attnext.bench.cuda import Run, pinned_copies  # noqa: E402
 import verify  # noqa: E402
@@ -81,12 +80,12 @@ def main():
         def fresh(qq, kk, vv):
             return attnext.attention(qq, kk, vv, causal=causal, device="cuda")
         for mode in ("register", "ring"):
-            os.environ["ATTNEXT_STAGING"] = mode
+            _env.setenv("ATTNEXT_STAGING", mode)
             t = timed(same, lambda: None, check)
             print(f"  {mode:8s} same arrays      {t:7.3f} ms  {t / fl:5.2f}x floor", flush=True)
             t = timed(fresh, lambda: (q.copy(), k.copy(), v.copy()), check)
             print(f"  {mode:8s} fresh copies     {t:7.3f} ms  {t / fl:5.2f}x floor", flush=True)
-        os.environ["ATTNEXT_STAGING"] = "register"
+        _env.setenv("ATTNEXT_STAGING", "register")
         if "--slices" in sys.argv:   # cuda_backend.SLICE_BYTES and TAIL_SHARE; batch slices only
             from attnext.cuda import backend as cuda_backend
             saved = cuda_backend.SLICE_BYTES, cuda_backend.TAIL_SHARE, cuda_backend._rows_sliceable

@@ -1,0 +1,186 @@
+"""Every ATTNEXT_* environment variable, in one table, and the one way attnext reads them.
+
+    from attnext import _env
+    _env.get("ATTNEXT_DEVICE")          # the variable's text, or None where it is unset
+    _env.values(select.FWD_KNOBS)       # several at once, as a tuple (a plan's key)
+    _env.reload()                       # after a change to os.environ
+    _env.setenv("ATTNEXT_BWD_DQ", "atomic")  # os.environ and attnext's copy at once (None: unset)
+
+Read once. The runtime settings (kinds PUBLIC and LAB) are read from os.environ when attnext is
+imported and kept in a dict; every read after that is a dict lookup (~0.1 us, against ~1 us for
+an os.environ.get of each name: a GPU call reads eleven). A change to os.environ takes effect at
+`reload()`, or at once through `setenv()`, which the kernel labs (bench/labs/) use between their
+configurations; tests/conftest.py's `monkeypatch` reloads after each setenv / delenv. A few
+values are read when their module loads and kept in a constant (SETTINGS[name].when == IMPORT:
+the pinned-memory budgets, the kernel folder); reload() does not change those.
+
+Kinds: PUBLIC settings are for users and stay; LAB knobs override one choice of the kernel
+selection for the kernel lab and the tests (plans are keyed on their values), and may change or
+go without notice; BUILD variables are read by setup.py when the extension is built; TEST
+variables by the test suite. C reads two itself (ATTNEXT_SIMD, ATTNEXT_LIBCUDA: `getenv` in
+csrc/), which `reload()` cannot change either. `_env.markdown()` is the table as Markdown.
+
+No other module of attnext reads an ATTNEXT_* variable (tests/test_env.py holds that, and that
+every variable named anywhere in the repository is in the table).
+"""
+import dataclasses
+import os
+
+PUBLIC, LAB, BUILD, TEST = "public", "lab", "build", "test"
+CALL, IMPORT, C = "call", "import", "C"        # when attnext uses the value: see Setting.when
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Setting:
+    """One variable. type: what its text means; default: what unset means (as text); when: CALL
+    (looked up at each use, from the copy reload() refreshes), IMPORT (kept in a module constant
+    when that module loads), C (read by the extension with getenv)."""
+    name: str
+    type: str
+    default: str
+    kind: str
+    when: str
+    doc: str
+
+
+_TILE = "ints, comma-separated"
+SETTINGS = {s.name: s for s in [
+    # --- public
+    Setting("ATTNEXT_DEVICE", "cpu | cuda | reference", "the GPU when usable, else the CPU", PUBLIC, CALL,
+            "the backend of a call with device=None on host arrays"),
+    Setting("ATTNEXT_NUM_THREADS", "int in [1, 1024]", "OpenMP's default", PUBLIC, CALL,
+            "threads of the CPU backend"),
+    Setting("ATTNEXT_CACHE_DIR", "path; '', 0 or off: no disk cache",
+            "$XDG_CACHE_HOME/attnext, else ~/.cache/attnext", PUBLIC, CALL,
+            "the compiled-kernel cache's folder (read when the cache is made; attnext trusts only "
+            "a folder the user owns and no one else may write: attnext/cuda/cache.py)"),
+    Setting("ATTNEXT_DEBUG", "flag: 1 on; '', 0, off: off", "off", PUBLIC, CALL,
+            "print each kernel's generated source, options and NVRTC log to stderr when compiled"),
+    Setting("ATTNEXT_NVRTC", "path to libnvrtc.so or its folder", "the pip wheels, CUDA_HOME, "
+            "/usr/local/cuda, the sonames", PUBLIC, CALL, "the NVRTC library tried first"),
+    Setting("ATTNEXT_LIBCUDA", "path or soname", "libcuda.so.1", PUBLIC, C,
+            "the CUDA driver library (csrc/cuda_driver.c; the tests' fake driver)"),
+    Setting("ATTNEXT_SIMD", "portable | avx2 | avx512", "the best the CPU runs", PUBLIC, C,
+            "caps the CPU backend's SIMD variant (csrc/simd.c; checked at import)"),
+    Setting("ATTNEXT_STAGING", "register | ring", "register", PUBLIC, CALL,
+            "how a NumPy call's arrays reach the GPU: pinned in place, or copied through rings"),
+    Setting("ATTNEXT_COMPILE_AHEAD", "1 always; 0, off, false, no: never", "where cores are free",
+            PUBLIC, CALL, "a forward with mods that returns lse compiles its backward's kernels "
+            "in the background"),
+    Setting("ATTNEXT_PIN_KEEP_BYTES", "bytes", "min(8 GiB, memory / 8)", PUBLIC, IMPORT,
+            "host memory whose page-locked registrations are kept between NumPy calls"),
+    Setting("ATTNEXT_PINNED_RESULTS_BYTES", "bytes", "min(8 GiB, memory / 8)", PUBLIC, IMPORT,
+            "pooled pinned NumPy results alive at once, at most"),
+    Setting("ATTNEXT_POOL_KEEP_BYTES", "bytes", str(1 << 30), PUBLIC, IMPORT,
+            "freed device memory the CUDA pool keeps reserved at a synchronisation"),
+    # --- the kernel lab's knobs (attnext/cuda/select.py)
+    Setting("ATTNEXT_TILE_FWD", _TILE, "select.tile_config", LAB, CALL,
+            "attn_fwd.cu's tile: BLOCK_M,BLOCK_N,NUM_WARPS"),
+    Setting("ATTNEXT_TILE_DECODE", _TILE, "select.DECODE_TILE", LAB, CALL,
+            "attn_fwd.cu's tile for decode calls: BLOCK_M,BLOCK_N,NUM_WARPS"),
+    Setting("ATTNEXT_DECODE_CTAS", "int", "select.DECODE_CTAS_PER_SM", LAB, CALL,
+            "CTAs per SM the split-KV forward's grid aims at"),
+    Setting("ATTNEXT_FWD_SM90", "0 | 1", "1", LAB, CALL,
+            "0 keeps Hopper's forward on attn_fwd.cu (no wgmma kernel)"),
+    Setting("ATTNEXT_TILE_SM90", _TILE, "select.fwd_kernel", LAB, CALL,
+            "attn_fwd_sm90.cu's tile: BLOCK_M,BLOCK_N,WARPS"),
+    Setting("ATTNEXT_TILE_BWD", _TILE, "select.bwd_tile_config", LAB, CALL,
+            "attn_bwd.cu's tile (8 ints, select.py names them)"),
+    Setting("ATTNEXT_BWD_SM90", "0 | 1", "1", LAB, CALL,
+            "0 keeps Hopper's backward on attn_bwd.cu"),
+    Setting("ATTNEXT_TILE_BWD_SM90", _TILE, "select.bwd_sm90_tile", LAB, CALL,
+            "attn_bwd_sm90.cu's tile: KV,Q[,KV_MINB,Q_MINB] warps"),
+    Setting("ATTNEXT_BWD_DQ", "recompute | ordered | atomic", "select.bwd_dq_mode", LAB, CALL,
+            "how the backward sums dQ"),
+    Setting("ATTNEXT_BWD_DQ_WRITE", "0 | 1", "by the key count", LAB, CALL,
+            "whether the last turn writes dq (1) or attn_bwd_dq_convert does (0)"),
+    Setting("ATTNEXT_TILE_SUMS", "0 | 1", "1", LAB, CALL,
+            "0 sends every captured-array adjoint straight to the accumulator (no per-tile sums)"),
+    Setting("ATTNEXT_KERNEL_DIR", "path", "attnext/_kernels", LAB, IMPORT,
+            "another copy of kernels/ (an old version timed beside the new)"),
+    # --- setup.py
+    Setting("ATTNEXT_NO_OPENMP", "1", "OpenMP where the compiler has it", BUILD, IMPORT,
+            "1 builds the CPU backend without OpenMP"),
+    Setting("ATTNEXT_SANITIZE", "1", "off", BUILD, IMPORT,
+            "1 builds with -fsanitize=address,undefined (tests/test_sanitizers.py)"),
+    # --- tests/
+    Setting("ATTNEXT_TEST_DEVICE", "cpu | cuda", "cpu", TEST, IMPORT,
+            "the backend the CPU suite runs on (tests/conftest.py)"),
+    Setting("ATTNEXT_TEST_EXPECT_SIMD", "portable | avx2 | avx512", "unset", TEST, CALL,
+            "the SIMD variant a child run of the tests must report (tests/test_cpu_attention.py)"),
+    Setting("ATTNEXT_NO_NVRTC", "1", "unset", TEST, CALL,
+            "1 skips the tests that need NVRTC on a machine without it"),
+    Setting("ATTNEXT_FUZZ_SECONDS", "float", "100", TEST, IMPORT,
+            "the differential fuzzer's budget in tests/test_fuzz.py"),
+    Setting("ATTNEXT_FUZZ_SEED", "int", "0", TEST, IMPORT, "the fuzzer's hypothesis seed"),
+    Setting("ATTNEXT_SANITIZE_TESTS", "test paths, space-separated", "a subset", TEST, CALL,
+            "what tests/test_sanitizers.py runs under the sanitizers ('tests': all)"),
+    Setting("ATTNEXT_SANITIZED_CHILD", "1", "unset", TEST, CALL,
+            "marks tests/test_sanitizers.py's child run"),
+]}
+RUNTIME = tuple(n for n, s in SETTINGS.items() if s.kind in (PUBLIC, LAB))
+
+_values = {}      # name -> text or None: os.environ's, at import or the last reload()
+_tuples = {}      # names -> values(names), until the next reload()
+
+
+def reload():
+    """Reads every runtime setting from os.environ again (a test or lab that changed it)."""
+    global _values, _tuples
+    _values = {n: os.environ.get(n) for n in RUNTIME}
+    _tuples = {}
+
+
+def get(name):
+    """The text of runtime setting `name` (None where unset), as of import or reload().
+    KeyError for a name the table does not hold as PUBLIC or LAB."""
+    return _values[name]
+
+
+def values(names):
+    """(get(n) for n in names) as a tuple; names: a tuple, its answer remembered until reload()."""
+    try:
+        return _tuples[names]
+    except KeyError:
+        got = _tuples[names] = tuple([_values[n] for n in names])
+        return got
+
+
+def setenv(name, value):
+    """os.environ[name] = value (None: removed), and attnext's copy with it."""
+    if name not in _values:
+        raise KeyError(f"{name} is not a runtime setting of attnext._env.SETTINGS")
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    reload()
+
+
+def nbytes(name, default):
+    """The byte count setting `name` holds (default when unset or empty); ValueError naming it
+    for anything but a non-negative integer."""
+    text = (get(name) or "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name} must be a number of bytes (a non-negative integer), got {text!r}")
+    return value
+
+
+def markdown(kinds=(PUBLIC, LAB, BUILD, TEST)):
+    """The table as Markdown: name, kind, type, default, when read, what it does."""
+    rows = ["| variable | kind | type | default | read | what it does |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for s in SETTINGS.values():
+        if s.kind in kinds:
+            cells = [f"`{s.name}`", s.kind, s.type, s.default, s.when, s.doc]
+            rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows)
+
+
+reload()
