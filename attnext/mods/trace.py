@@ -406,6 +406,8 @@ class Proxy:
         if attr.startswith("_"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
         hint = _numpy_for(attr)
+        if hint and hint.startswith("np.") and "(" not in hint:
+            hint += "(x)"
         raise AttributeError(
             f"a traced value has no method .{attr}() (it is no torch tensor: attnext traces "
             f"NumPy functions and Python operators"
@@ -666,17 +668,19 @@ def _caller_name(obj):
         f = f.f_back
     if f is None:
         return None
-    scopes = (f.f_locals, f.f_globals)
-    for scope in scopes:
-        for n, v in scope.items():
-            if v is obj:
-                return n
-    for n, v in f.f_locals.items():
+    local = f.f_locals
+    for n, v in local.items():
+        if v is obj:
+            return n
+    for n, v in local.items():
         attrs = getattr(v, "__dict__", None)
         if isinstance(attrs, dict):
             for a, w in attrs.items():
                 if w is obj:
                     return f"{n}.{a}"
+    for n, v in f.f_globals.items():
+        if v is obj:
+            return n
     return None
 
 
@@ -1047,9 +1051,9 @@ def structure_of(kind, roots, nparams):
 
 
 def _naming(kind, e):
-    """The TypeError / IndexError e, raised while tracing fn, with a message that names the
-    argument (score_mod or mask_mod) first; other exceptions as they are."""
-    if type(e) not in (TypeError, IndexError) or str(e).startswith(kind):
+    """The TypeError / IndexError / AttributeError e, raised while tracing fn, with a message
+    that names the argument (score_mod or mask_mod) first; other exceptions as they are."""
+    if type(e) not in (TypeError, IndexError, AttributeError) or str(e).startswith(kind):
         return e
     return type(e)(f"{kind}: {e}")
 
@@ -1111,6 +1115,8 @@ def _trace(fn, kind):
             # read (a builtin such as int) refused the arguments
             raise TypeError(f"{kind} must take {len(inputs)} arguments ({', '.join(inputs)}); "
                             f"{getattr(fn, '__name__', type(fn).__name__)} refused them: {e}") from e
+        raise _naming(kind, e) from e
+    except AttributeError as e:      # score.exp(): a torch tensor method (Proxy.__getattr__)
         raise _naming(kind, e) from e
     if isinstance(result, ArrayProxy):
         result._unindexed()
