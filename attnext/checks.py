@@ -13,7 +13,7 @@ import os
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import numpy as np
 
@@ -207,7 +207,10 @@ def _block_mask_message(x):
             f"Sq, Sk) only shows those tiles (a notebook's picture, not an argument)")
 
 
-def flex_keywords(fn):
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def flex_keywords(fn: _F) -> _F:
     """fn (a public function) with a TypeError that says what to write instead when it is
     called with a keyword of torch's flex_attention or scaled_dot_product_attention
     (block_mask=, attn_mask=, is_causal=, ...) in place of Python's "unexpected keyword"."""
@@ -223,7 +226,7 @@ def flex_keywords(fn):
                     raise TypeError(f"{e} (a keyword of torch's scaled_dot_product_attention / "
                                     f"flex_attention): {_FOREIGN_KEYWORDS[key]}") from None
             raise
-    return call
+    return call  # type: ignore[return-value]
 
 
 def float_array(name, x):
