@@ -206,6 +206,26 @@ def test_callable_object_reads_its_table_afresh():
     assert not np.array_equal(first, _call("cpu"))
 
 
+class Scaled:
+    """A static helper is called as it is (no self to bind), beside self.table."""
+
+    def __init__(self):
+        self.table = np.full(S, 0.25, np.float32)
+
+    @staticmethod
+    def twice(x):
+        return 2 * x
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self.twice(score) + self.table[kv_idx]
+
+
+def test_callable_object_with_static_methods():
+    out = _call("cpu", score_mod=Scaled())
+    want = _call("reference", score_mod=Scaled())
+    np.testing.assert_allclose(out, want, atol=1e-5)
+
+
 # --- block_mask= and the other keywords of torch's attention functions ---------------------------
 
 def _public_calls():
@@ -317,3 +337,4 @@ def test_fuzz_minus_one_from_the_shell():
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "--minutes: must be a positive" in res.stderr
     assert "cases run" not in res.stdout
+

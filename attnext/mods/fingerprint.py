@@ -119,12 +119,22 @@ def _bound_self(fn):
     elif isinstance(fn, (types.BuiltinFunctionType, np.ufunc, type)) or not callable(fn):
         return None
     else:
-        func, obj = getattr(type(fn), "__call__", None), fn
+        func, obj = _method(type(fn), "__call__"), fn
     if (not _helper(func) or isinstance(obj, (type, types.ModuleType))
             or (type(obj).__module__ or "").split(".")[0] in _FOREIGN_MODULES
             or not isinstance(getattr(obj, "__dict__", None), dict)):
         return None
     return func, obj
+
+
+def _method(cls, name):
+    """The plain function a class defines as method `name` (found along its MRO, as Python
+    finds it), None for anything else: a staticmethod, a classmethod, a property, a builtin."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            f = vars(klass)[name]
+            return f if isinstance(f, types.FunctionType) else None
+    return None
 
 
 class _SelfView:
@@ -147,8 +157,8 @@ class _SelfView:
             seen.add(id(f))
             for n in _global_names(f.__code__):
                 names.add(n)
-                m = getattr(type(obj), n, None)
-                if isinstance(m, types.FunctionType):
+                m = _method(type(obj), n)
+                if m is not None:
                     todo.append(m)
         attrs = vars(obj)
         swapped = {}
@@ -166,8 +176,8 @@ class _SelfView:
     def __getattr__(self, name):
         if name in self._swapped:
             return self._swapped[name]
-        method = getattr(type(self._obj), name, None)
-        if isinstance(method, types.FunctionType) and name not in vars(self._obj):
+        method = _method(type(self._obj), name)
+        if method is not None and name not in vars(self._obj):
             return types.MethodType(_rebound(method, self._replace, self._memo), self)
         return getattr(self._obj, name)
 
