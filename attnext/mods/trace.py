@@ -355,9 +355,9 @@ class Proxy:
     def __index__(self):
         raise TypeError(
             f"a traced value {self._expr()} used as a Python index (int() / __index__): only "
-            "NumPy arrays captured by name (closure, global or default argument) can be indexed "
-            "with traced values, not lists, tuples, attributes or arrays built inside the "
-            "function")
+            "NumPy arrays captured by name (closure, global, default argument or self.attribute "
+            "of a callable object) can be indexed with traced values, not lists, tuples, other "
+            "objects' attributes or arrays built inside the function")
 
     def __float__(self):
         raise TypeError(f"float() of a traced value {self._expr()} (math.* functions call it): "
@@ -695,8 +695,8 @@ def _torch_tensor_message(t):
     to_numpy = (f"{n}.float().numpy(), or {n}.view(torch.int16).numpy().view(ml_dtypes.bfloat16)"
                 if dtype == "bfloat16" else f"{n}.numpy()")
     return (f"{what} (shape {shape}, {dtype}, on {device}) is read with a traced value; attnext "
-            f"looks up arrays captured by name (a closure variable, a global or a default "
-            f"argument): a NumPy array, or for a call on CUDA q, k, v a CUDA array (torch, CuPy, "
+            f"looks up arrays captured by name (a closure variable, a global, a default "
+            f"argument, or self.attribute of a callable object): a NumPy array, or for a call on CUDA q, k, v a CUDA array (torch, CuPy, "
             f"JAX: any __cuda_array_interface__ or DLPack array on q's device). Capture a NumPy "
             f"copy made outside the function ({to_numpy}; .detach() first if it requires grad)"
             + (", or the tensor on q's GPU" if device == "cpu" else ""))
