@@ -170,6 +170,7 @@ def _forward_on_gpu(o, inputs):
     return (out, device.to_caller(lse, o.like)) if o.return_lse else out
 
 
+@checks.flex_keywords
 def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
               bias=None, mask=None, score_mod=None, mask_mod=None, seqlens_q=None, seqlens_k=None,
               layout="bshd", return_lse=False, device=None, out=None, precision=None):
@@ -188,6 +189,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, a
     return _forward(o)
 
 
+@checks.flex_keywords
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
                      seqused_q=None, seqused_k=None, causal=False, window=None, scale=None,
                      softcap=None, alibi_slopes=None, bias=None, mask=None, score_mod=None,
@@ -274,6 +276,7 @@ def _backward_on_gpu(o, dout, out, lse, deterministic):
     return Grads(dq, dk, dv, dbias, o.dtensors if o.dtensors is not None else {})
 
 
+@checks.flex_keywords
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None,
                        softcap=None, alibi_slopes=None, bias=None, mask=None, score_mod=None,
                        mask_mod=None, seqlens_q=None, seqlens_k=None, layout="bshd", device=None,
@@ -293,6 +296,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     return _backward(o, dout, out, lse, deterministic)
 
 
+@checks.flex_keywords
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
                               max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
                               seqused_k=None, causal=False, window=None, scale=None, softcap=None,

@@ -13,7 +13,7 @@ import os
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import numpy as np
 
@@ -156,6 +156,8 @@ def _array(name, x, host=False):
         try:
             a = np.asarray(x)
         except Exception as e:   # e.g. a CUDA tensor refusing host conversion
+            if _is_torch(x) and str(getattr(x, "dtype", "")) == "torch.bfloat16":
+                raise TypeError(_torch_bfloat16_message(name, x)) from None
             raise TypeError(f"{name} must be a NumPy array or array-like on the host, got "
                             f"{type(x).__name__}: {e}") from None
     else:
@@ -168,6 +170,64 @@ def _array(name, x, host=False):
         base = a[tuple(slice(0, 1) if s == 0 else slice(None) for s in a.strides)]
         a = np.broadcast_to(base.copy(), a.shape)
     return a
+
+
+def _is_torch(x):
+    """Whether x is a torch object, known by its type's module (attnext never imports torch)."""
+    return (type(x).__module__ or "").split(".")[0] == "torch"
+
+
+def _torch_bfloat16_message(name, x):
+    """A torch bfloat16 tensor on the host: NumPy has no bfloat16, ml_dtypes does."""
+    grad = ".detach()" if getattr(x, "requires_grad", False) else ""
+    return (f"{name} is a torch bfloat16 tensor on the {x.device.type}, which NumPy cannot read "
+            f"(NumPy has no bfloat16); pass a NumPy array of ml_dtypes.bfloat16 over the same "
+            f"memory, {name}{grad}.view(torch.int16).numpy().view(ml_dtypes.bfloat16) (no copy), "
+            f"or {name}{grad}.float().numpy() (float32); a CUDA tensor is read as it is")
+
+
+# keywords of torch's flex_attention / scaled_dot_product_attention: what attnext spells instead
+_FOREIGN_KEYWORDS = {
+    "attn_mask": "write mask= (a bool array, True = attend) or bias= (a float array added to the "
+                 "scores)",
+    "is_causal": "write causal=True (aligned bottom-right when Sq != Sk; SDPA's is_causal is "
+                 "causal='top_left')",
+    "enable_gqa": "leave it out: grouped-query attention is automatic when Hq is a multiple of Hk",
+    "dropout_p": "leave it out: attnext has no dropout",
+    "return_aux": "write return_lse=True (out, lse)",
+    "kernel_options": "leave it out: attnext picks its tiles itself",
+}
+
+
+def _block_mask_message(x):
+    own = (" (a torch BlockMask: mask_mod=block_mask.mask_mod, written with NumPy)"
+           if hasattr(x, "mask_mod") else "")
+    return (f"pass the mask function itself as mask_mod=fn, fn(b, h, q_idx, kv_idx) -> bool{own}. "
+            f"attnext evaluates mask_mod tile by tile at every call and skips the tiles it masks "
+            f"entirely, so there is no block mask to build first; attnext.block_mask(mask_mod, "
+            f"Sq, Sk) only shows those tiles (a notebook's picture, not an argument)")
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def flex_keywords(fn: _F) -> _F:
+    """fn (a public function) with a TypeError that says what to write instead when it is
+    called with a keyword of torch's flex_attention or scaled_dot_product_attention
+    (block_mask=, attn_mask=, is_causal=, ...) in place of Python's "unexpected keyword"."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except TypeError as e:
+            if "block_mask" in kwargs:
+                raise TypeError(f"{e}: {_block_mask_message(kwargs['block_mask'])}") from None
+            for key in kwargs:
+                if key in _FOREIGN_KEYWORDS:
+                    raise TypeError(f"{e} (a keyword of torch's scaled_dot_product_attention / "
+                                    f"flex_attention): {_FOREIGN_KEYWORDS[key]}") from None
+            raise
+    return call  # type: ignore[return-value]
 
 
 def float_array(name, x):

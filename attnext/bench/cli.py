@@ -33,19 +33,35 @@ def _peer_list(text):
     return peers
 
 
-def parse_args(argv=None):
+def _ms(text):
+    """argparse type: a positive whole number of milliseconds."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of ms, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 ms, got {n}")
+    return n
+
+
+def cuda_parser():
+    """The GPU benchmark's command line: its whole description and every option's help."""
     p = argparse.ArgumentParser(prog="python -m attnext.bench --device cuda", description=cuda.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=("cuda",), default="cuda")
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="The CPU table's options: python -m attnext.bench --help")
+    p.add_argument("--device", choices=("cuda",), default="cuda",
+                   help="cuda: these GPU tables (--device cpu, the default, is the CPU table)")
     p.add_argument("--quick", action="store_true",
                    help="one row per section (D=128, S=2048; decode B=8; mods: relbias B8 S2048 "
                         "and the document causal+mask row): a smoke run")
-    p.add_argument("--rows", help="only the cases whose name contains this text (or one of the "
+    p.add_argument("--rows", metavar="TEXT", help="only the cases whose name contains this text (or one of the "
                                   "texts between '|'s: 'softcap|relbias')")
-    p.add_argument("--peers", type=_peer_list, default=cuda.PEERS,
+    p.add_argument("--peers", type=_peer_list, metavar="LIST", default=cuda.PEERS,
                    help=f"comma-separated peers to run (default: {','.join(cuda.PEERS)})")
-    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up time, ms")
-    p.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
+    p.add_argument("--warmup", type=_ms, default=25, metavar="MS",
+                   help="do_bench warm-up time per measurement, ms (default 25)")
+    p.add_argument("--rep", type=_ms, default=100, metavar="MS",
+                   help="do_bench measuring time per measurement, ms (default 100)")
     p.add_argument("--json", metavar="PATH", help="also write the rows to this JSON file")
     p.add_argument("--plot", metavar="PATH", help="a PNG of TFLOP/s against S (needs matplotlib)")
     p.add_argument("--first-call", action="store_true",
@@ -53,7 +69,11 @@ def parse_args(argv=None):
                         "cold (an empty ATTNEXT_CACHE_DIR), from the disk cache and beside the "
                         "plain twin's kernels, medians of three repeats (slow: twelve processes "
                         "and their compiles per row)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return cuda_parser().parse_args(argv)
 
 
 def _chosen(case, rows):

@@ -316,19 +316,45 @@ def _header(threads, ref_max_s):
     return lines
 
 
+def _count(least):
+    """argparse type: an int >= least."""
+    def parse(text):
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {n}")
+        return n
+    return parse
+
+
+def parser():
+    """The CPU table's command line: its whole description and every option's help."""
+    p = argparse.ArgumentParser(prog="python -m attnext.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="The GPU benchmark's own options: python -m attnext.bench "
+                                       "--device cuda --help")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (default): this table; cuda: the GPU benchmark, with its own options "
+                        "(--device cuda --help)")
+    p.add_argument("--quick", action="store_true", help="a few small rows (smoke test)")
+    p.add_argument("--reps", type=_count(1), default=5, metavar="N",
+                   help="timed repetitions per row, medians reported (default 5; big rows: at "
+                        "most 3)")
+    p.add_argument("--warmup", type=_count(0), default=1, metavar="N",
+                   help="untimed calls of each function before the timed ones (default 1)")
+    p.add_argument("--reference-max-s", type=_count(0), default=2048, metavar="S",
+                   help="time the float64 reference only on rows with S at most this, 1 "
+                        "repetition (default 2048); larger rows are validated on a shrunk copy")
+    p.add_argument("--rows", metavar="TEXT", help="only the rows whose case name contains TEXT")
+    p.add_argument("--json", metavar="PATH", help="also write the rows to this JSON file")
+    return p
+
+
 def main(argv=None):
     """The CPU table (`python -m attnext.bench [--device cpu]`); exit status 1 when a row failed."""
-    p = argparse.ArgumentParser(prog="python -m attnext.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: the GPU benchmark, its own options (--device cuda --help)")
-    p.add_argument("--quick", action="store_true", help="a few small rows (smoke test)")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions (big rows: at most 3)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--reference-max-s", type=int, default=2048,
-                   help="time the reference only on rows with S at most this (1 repetition)")
-    p.add_argument("--rows", help="only the rows whose case name contains this text")
-    p.add_argument("--json", metavar="PATH", help="also write the rows to this JSON file")
-    args = p.parse_args(argv)
+    args = parser().parse_args(argv)
     threads = int(_env.get("ATTNEXT_NUM_THREADS") or attnext._C.openmp_threads() or 1)
     header = _header(threads, args.reference_max_s)
     print("\n".join(header))

@@ -54,9 +54,15 @@ def _rebound(fn, replace, memo=None):
     helper, in this module or another) rebuilt alike, so that a helper's own globals are
     captured under their names. fn itself where nothing is replaced. Non-function callables
     are returned as they are. memo: id(function) -> its rebuilt self (None while it is being
-    rebuilt: a recursive helper keeps calling the original)."""
+    rebuilt: a recursive helper keeps calling the original). A bound method or a callable
+    object (its class's __call__) is its function rebound, called on a _SelfView of its self."""
     if not isinstance(fn, types.FunctionType):
-        return fn
+        bound = _bound_self(fn)
+        if bound is None:
+            return fn
+        func, obj = bound
+        view = _SelfView.of(func, obj, replace, memo if memo is not None else {})
+        return fn if view is None else types.MethodType(_rebound(func, replace, view._memo), view)
     memo = {} if memo is None else memo
     if id(fn) in memo:
         return memo[id(fn)] or fn
@@ -103,6 +109,84 @@ def _rebound(fn, replace, memo=None):
         new.__kwdefaults__ = kwdefaults or None
     memo[id(fn)] = new
     return new
+
+
+def _bound_self(fn):
+    """(function, self) of a bound method or a callable object whose class defines __call__ in
+    Python (a user's: not NumPy's, torch's, functools.partial ...); None for anything else."""
+    if isinstance(fn, types.MethodType):
+        func, obj = fn.__func__, fn.__self__
+    elif isinstance(fn, (types.BuiltinFunctionType, np.ufunc, type)) or not callable(fn):
+        return None
+    else:
+        func, obj = _method(type(fn), "__call__"), fn
+    if (not _helper(func) or isinstance(obj, (type, types.ModuleType))
+            or (type(obj).__module__ or "").split(".")[0] in _FOREIGN_MODULES
+            or not isinstance(getattr(obj, "__dict__", None), dict)):
+        return None
+    return func, obj
+
+
+def _method(cls, name):
+    """The plain function a class defines as method `name` (found along its MRO, as Python
+    finds it), None for anything else: a staticmethod, a classmethod, a property, a builtin."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            f = vars(klass)[name]
+            return f if isinstance(f, types.FunctionType) else None
+    return None
+
+
+class _SelfView:
+    """The `self` a callable object's __call__ (or a bound method) is traced with: the arrays
+    among the attributes its code names (its own, and those of the methods of its class it
+    names, self.helper()) replaced as _rebound replaces arrays, each named "self.table" (the
+    function's first parameter, a dot, the attribute); the class's methods bound to the view;
+    every other attribute read from the object itself."""
+    __slots__ = ("_obj", "_swapped", "_memo", "_replace")
+
+    @classmethod
+    def of(cls, func, obj, replace, memo):
+        """The view, or None where no attribute is replaced (the object is called as it is)."""
+        me = func.__code__.co_varnames[0] if func.__code__.co_argcount else "self"
+        names, todo, seen = set(), [func], set()
+        while todo:                     # the attribute names of func and the methods it names
+            f = todo.pop()
+            if id(f) in seen:
+                continue
+            seen.add(id(f))
+            for n in _global_names(f.__code__):
+                names.add(n)
+                m = _method(type(obj), n)
+                if m is not None:
+                    todo.append(m)
+        attrs = vars(obj)
+        swapped = {}
+        for n in sorted(names & attrs.keys()):
+            label = f"{me}.{n}"
+            desc = _captured(label, attrs[n])
+            if desc is not None:
+                swapped[n] = replace(label, attrs[n], desc)
+        if not swapped:
+            return None
+        view = object.__new__(cls)
+        view._obj, view._swapped, view._memo, view._replace = obj, swapped, memo, replace
+        return view
+
+    def __getattr__(self, name):
+        if name in self._swapped:
+            return self._swapped[name]
+        method = _method(type(self._obj), name)
+        if method is not None and name not in vars(self._obj):
+            return types.MethodType(_rebound(method, self._replace, self._memo), self)
+        return getattr(self._obj, name)
+
+    def __repr__(self):
+        return repr(self._obj)
+
+
+# modules whose callable objects are not a user's (their __call__ is not rebound)
+_FOREIGN_MODULES = ("numpy", "functools", "torch", "builtins")
 
 
 def captured_arrays(fn):

@@ -64,12 +64,21 @@ in its code or in the code of functions / lambdas defined inside it (named by th
 the globals dict is copied, the module's own is untouched), and default arguments (named by the
 parameter); the plain functions it names (helpers, from any module but NumPy's, math's, ...)
 are rebuilt alike, so a helper's own closure, module globals and defaults are captured under
-their names too. The name is the key of the array's gradient in `dtensors`. Limits: arrays
-reached any other way (an attribute `self.table`, an item of a list or dict, a helper reached
-as a module's attribute `mod.helper`, a functools.partial argument, a callable object) are not
-captured: indexing one with a traced value raises TypeError (NumPy asks for __index__), as
-does indexing a Python list or tuple. Two different arrays under one name raise TypeError.
-Non-function callables are called as they are, without array capture.
+their names too. A bound method or a callable object (an instance whose class defines
+__call__) is traced alike, called on a view of its self in which the arrays among the
+attributes its code names (or the code of a method of its class it names: self.helper()) are
+captured as "self.table" (its first parameter's name, a dot, the attribute). The name is the
+key of the array's gradient in `dtensors`. Limits: arrays reached any other way (an attribute
+of another object, an item of a list or dict, a helper reached as a module's attribute
+`mod.helper`, a functools.partial argument) are not captured: indexing one with a traced value
+raises TypeError (NumPy asks for __index__), as does indexing a Python list or tuple. Two
+different arrays under one name raise TypeError. Other callables (builtins, ufuncs, partials)
+are called as they are, without array capture.
+
+FlexAttention habits. torch functions and tensor methods on a traced value (torch.where,
+score.exp()), and a torch tensor indexed with one, raise TypeError (AttributeError for a
+method) saying what to write instead: torch calls Proxy.__torch_function__ for any object that
+has one, so attnext never imports torch.
 
 CUDA arrays. Any other library's array exposing `__cuda_array_interface__` or `__dlpack__` on a
 CUDA device (CuPy, PyTorch, JAX, Numba) is captured like a NumPy array: attnext.cuda.arrays'
@@ -92,6 +101,7 @@ scatter-adds the array gradients (np.add.at: sequential, deterministic).
 """
 import hashlib
 import math
+import sys
 from typing import NamedTuple
 
 import ml_dtypes
@@ -345,9 +355,9 @@ class Proxy:
     def __index__(self):
         raise TypeError(
             f"a traced value {self._expr()} used as a Python index (int() / __index__): only "
-            "NumPy arrays captured by name (closure, global or default argument) can be indexed "
-            "with traced values, not lists, tuples, attributes or arrays built inside the "
-            "function")
+            "NumPy arrays captured by name (closure, global, default argument or self.attribute "
+            "of a callable object) can be indexed with traced values, not lists, tuples, other "
+            "objects' attributes or arrays built inside the function")
 
     def __float__(self):
         raise TypeError(f"float() of a traced value {self._expr()} (math.* functions call it): "
@@ -382,6 +392,26 @@ class Proxy:
                             f"supported: a 0-d array is traced as its value; write {name}")
         raise TypeError(f"indexing a traced value {self._expr()} with [{key!r}] is not supported: "
                         "only NumPy arrays captured by name can be looked up")
+
+    # FlexAttention habits ---------------------------------------------------------------------
+    @classmethod
+    def __torch_function__(cls, func, types_, args=(), kwargs=None):
+        """torch calls this for any torch function given a traced value (torch.where(...),
+        torch.tanh(score), tensor[q_idx, kv_idx]): refused with the NumPy to write instead."""
+        raise TypeError(_torch_call_message(func, args))
+
+    def __getattr__(self, attr):
+        # only for names the class lacks: score.exp(), x.clamp(0, 1), q_idx.item() (torch
+        # tensor methods); NumPy's and Python's probes (dunders) get the plain AttributeError
+        if attr.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
+        hint = _numpy_for(attr)
+        if hint and hint.startswith("np.") and "(" not in hint:
+            hint += "(x)"
+        raise AttributeError(
+            f"a traced value has no method .{attr}() (it is no torch tensor: attnext traces "
+            f"NumPy functions and Python operators"
+            + (f"): write {hint}" if hint else "; see docs/score_mod.md for the list)"))
 
     # operators -------------------------------------------------------------------------------
     def __add__(self, o): return _apply("add", self, o)
@@ -586,7 +616,108 @@ def _coerce(x, graph, what):
         raise TypeError(f"{what}: a NumPy array of shape {x.shape} that was not captured by name "
                         "is combined with a traced value; capture it (closure, global or "
                         "default argument) and index it")
+    if is_torch(x):
+        raise TypeError(f"{what}: {_torch_tensor_message(x)}")
     raise TypeError(f"{what}: unsupported operand of type {type(x).__name__} for a traced value")
+
+
+# --- FlexAttention habits: torch inside a traced function -------------------------------------
+# attnext never imports torch: its objects are known by their type's module.
+
+def is_torch(x):
+    """Whether x is a torch object (a tensor, a dtype, ...), without importing torch."""
+    return (type(x).__module__ or "").split(".")[0] == "torch"
+
+
+# torch names whose NumPy (or Python) spelling differs; a name NumPy shares (tanh, where,
+# maximum, logical_and, ...) is written np.<name> when the tracer supports it (_numpy_for)
+_TORCH_RENAMES = {
+    "clamp": "np.clip(x, lo, hi)", "clip": "np.clip(x, lo, hi)", "clamp_min": "np.maximum(x, lo)",
+    "clamp_max": "np.minimum(x, hi)", "sigmoid": "1 / (1 + np.exp(-x))",
+    "softplus": "np.logaddexp(0, x)", "relu": "np.maximum(x, 0)", "rsqrt": "1 / np.sqrt(x)",
+    "neg": "-x", "div": "x / y", "mul": "x * y", "add": "x + y", "sub": "x - y", "pow": "x ** y",
+    "eq": "x == y", "ne": "x != y", "lt": "x < y", "le": "x <= y", "gt": "x > y", "ge": "x >= y",
+    "full_like": "a Python number, e.g. np.where(cond, x, 1.0)",
+    "zeros_like": "0.0 (a Python number)", "ones_like": "1.0 (a Python number)",
+    "tensor": "a Python or NumPy scalar", "as_tensor": "a Python or NumPy scalar",
+    "item": "the expression itself (its value is not known while tracing)",
+    "float": "the expression itself (scores are floats already)",
+    "to": "the expression itself (attnext picks the types)", "type": "the expression itself",
+    "masked_fill": "np.where(cond, fill, x)", "fmod": "np.fmod has no traced op; % (np.remainder)",
+}
+
+
+def _numpy_for(name):
+    """What to write instead of torch's `name` (a function or a tensor method), None if
+    nothing traced is close."""
+    name = name.rstrip("_")                 # in-place methods: clamp_, add_
+    if name in _TORCH_RENAMES:
+        return _TORCH_RENAMES[name]
+    u = getattr(np, name, None)
+    if u is not None and (u in _UFUNCS or u in _COMPOSITES or u in (np.where, np.clip, np.round)):
+        return f"np.{name}"
+    return None
+
+
+def _caller_name(obj):
+    """The name the user's traced function (the nearest frame outside attnext and torch) has
+    for obj: a local or closure variable, a global, or an attribute of a local (self.table);
+    None where it has none."""
+    f = sys._getframe(1)
+    while f is not None and (f.f_globals.get("__name__") or "").split(".")[0] in ("attnext", "torch"):
+        f = f.f_back
+    if f is None:
+        return None
+    local = f.f_locals
+    for n, v in local.items():
+        if v is obj:
+            return n
+    for n, v in local.items():
+        attrs = getattr(v, "__dict__", None)
+        if isinstance(attrs, dict):
+            for a, w in attrs.items():
+                if w is obj:
+                    return f"{n}.{a}"
+    for n, v in f.f_globals.items():
+        if v is obj:
+            return n
+    return None
+
+
+def _torch_tensor_message(t):
+    """Why a torch tensor cannot be read inside a traced function, and what can."""
+    name = _caller_name(t)
+    what = f"the torch tensor {name!r}" if name else "a torch tensor"
+    shape = tuple(getattr(t, "shape", ()))
+    dtype = str(getattr(t, "dtype", "")).replace("torch.", "")
+    device = str(getattr(t, "device", "cpu"))
+    n = name or "t"
+    to_numpy = (f"{n}.float().numpy(), or {n}.view(torch.int16).numpy().view(ml_dtypes.bfloat16)"
+                if dtype == "bfloat16" else f"{n}.numpy()")
+    return (f"{what} (shape {shape}, {dtype}, on {device}) is read with a traced value; attnext "
+            f"looks up arrays captured by name (a closure variable, a global, a default "
+            f"argument, or self.attribute of a callable object): a NumPy array, or for a call on CUDA q, k, v a CUDA array (torch, CuPy, "
+            f"JAX: any __cuda_array_interface__ or DLPack array on q's device). Capture a NumPy "
+            f"copy made outside the function ({to_numpy}; .detach() first if it requires grad)"
+            + (", or the tensor on q's GPU" if device == "cpu" else ""))
+
+
+def _torch_call_message(func, args):
+    """The TypeError message for torch's function or tensor method `func` called with a
+    traced value among args (Proxy.__torch_function__)."""
+    name = getattr(func, "__name__", "?")
+    if name in ("__getitem__", "__setitem__") and args and is_torch(args[0]):
+        return _torch_tensor_message(args[0])
+    method = (getattr(func, "__qualname__", "") or "").split(".")[0] in ("TensorBase", "Tensor")
+    label = f"the tensor method .{name}()" if method else f"torch.{name}"
+    hint = _numpy_for(name.strip("_"))
+    tensors = [a for a in args if is_torch(a)]
+    if method and tensors:
+        return _torch_tensor_message(tensors[0])
+    return (f"{label} on a traced value: "
+            + (f"write {hint} (attnext" if hint else "no traced NumPy function is close (attnext")
+            + " traces NumPy functions and Python operators, not torch; docs/score_mod.md lists "
+              "them)")
 
 
 _ARITH = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "minimum", "maximum")
@@ -920,9 +1051,9 @@ def structure_of(kind, roots, nparams):
 
 
 def _naming(kind, e):
-    """The TypeError / IndexError e, raised while tracing fn, with a message that names the
-    argument (score_mod or mask_mod) first; other exceptions as they are."""
-    if type(e) not in (TypeError, IndexError) or str(e).startswith(kind):
+    """The TypeError / IndexError / AttributeError e, raised while tracing fn, with a message
+    that names the argument (score_mod or mask_mod) first; other exceptions as they are."""
+    if type(e) not in (TypeError, IndexError, AttributeError) or str(e).startswith(kind):
         return e
     return type(e)(f"{kind}: {e}")
 
@@ -972,16 +1103,20 @@ def _trace(fn, kind):
         # NumPy refuses a proxy as an index with this IndexError, never calling __index__.
         if not str(e).startswith("only integers, slices"):
             raise _naming(kind, e) from e
-        raise TypeError(f"{kind}: a NumPy array that was not captured by name (an attribute, "
-                        "an item of a container, an array built inside the function, ...) "
-                        "was indexed by a traced value; only arrays captured by name (closure, "
-                        "global or default argument) can be looked up") from e
+        raise TypeError(f"{kind}: a NumPy array that was not captured by name (an attribute "
+                        "of an object other than the callable's own self, an item of a "
+                        "container, an array built inside the function, ...) was indexed by a "
+                        "traced value; only arrays captured by name (closure, global, default "
+                        "argument, or self.attribute of a callable object or bound method) can "
+                        "be looked up") from e
     except TypeError as e:
         if e.__traceback__.tb_next is None:
             # raised by the call itself, not inside fn: a callable whose signature Python cannot
             # read (a builtin such as int) refused the arguments
             raise TypeError(f"{kind} must take {len(inputs)} arguments ({', '.join(inputs)}); "
                             f"{getattr(fn, '__name__', type(fn).__name__)} refused them: {e}") from e
+        raise _naming(kind, e) from e
+    except AttributeError as e:      # score.exp(): a torch tensor method (Proxy.__getattr__)
         raise _naming(kind, e) from e
     if isinstance(result, ArrayProxy):
         result._unindexed()

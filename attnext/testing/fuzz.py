@@ -44,6 +44,7 @@ import ast
 import collections
 import contextlib
 import functools
+import math
 import os
 import sys
 import time
@@ -776,9 +777,26 @@ def fuzz(seconds, seed=0, backends=("cpu",), verbose=False, log=print, max_examp
     return ran[0], mismatches
 
 
+def _minutes(text):
+    """argparse type for --minutes: a positive, finite number. 0 and less are refused rather
+    than run as "no cases, no mismatches", which would read as a pass."""
+    try:
+        m = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of minutes, got {text!r}") from None
+    if not (math.isfinite(m) and m > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of minutes, got "
+                                         f"{text} (to run one printed case, use --replay)")
+    return m
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m attnext.fuzz", description=__doc__.split("\n")[0])
-    ap.add_argument("--minutes", type=float, default=1.0, help="time budget (default 1)")
+    ap = argparse.ArgumentParser(prog="python -m attnext.fuzz",
+                                 description="\n".join(__doc__.split("\n")[:5]),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=_minutes, default=1.0,
+                    help="time budget, a positive number of minutes (default 1; 0 or less is "
+                         "refused: it would run nothing and exit 0)")
     ap.add_argument("--seed", type=int, default=None, help="hypothesis seed (default: random)")
     ap.add_argument("--backends", default="cpu,cuda",
                     help="comma-separated; cuda runs only where it is usable (default cpu,cuda)")
