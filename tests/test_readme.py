@@ -32,6 +32,13 @@ def shell_lines(path):
             for line in text.splitlines() if line.strip().split(" ")[0] in COMMANDS]
 
 
+def _run(script):
+    """script run by this Python in a fresh process at the repository's root, attnext importable."""
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=path), timeout=120)
+
+
 def _python_blocks():
     return [text for lang, text in fences("README.md") if lang == "python"]
 
@@ -39,10 +46,22 @@ def _python_blocks():
 @pytest.mark.parametrize("index", range(len(_python_blocks())))
 def test_readme_python_blocks_run(index):
     block = _python_blocks()[index]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, "-c", block], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = _run(block)
     assert done.returncode == 0, f"README block {index} failed:\n{block}\n{done.stderr[-3000:]}"
+
+
+def test_score_mod_guide_runs():
+    """docs/score_mod.md's Python blocks, in order, as one script."""
+    script = "\n".join(text for lang, text in fences("docs/score_mod.md") if lang == "python")
+    done = _run(script)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("path", ["README.md", "docs/semantics.md", "docs/score_mod.md", "docs/gpu.md"])
+def test_docs_shell_lines_name_what_exists(path):
+    """Every fenced pip / python / pytest line of the docs runs as written (the README's are
+    also checked against .ci/run below)."""
+    _check_shell_lines(shell_lines(path))
 
 
 def test_readme_example_is_examples_score_mod():
@@ -50,9 +69,11 @@ def test_readme_example_is_examples_score_mod():
     assert _python_blocks()[0] == _read("examples/score_mod.py")
 
 
-def test_readme_shell_lines_run_as_written():
-    lines = shell_lines("README.md")
-    assert lines, "the README has no set-up or test commands"
+def test_readme_has_shell_lines():
+    assert shell_lines("README.md"), "the README has no set-up or test commands"
+
+
+def _check_shell_lines(lines):
     extras = re.search(r"\[project\.optional-dependencies\](.*?)\n\[", _read("pyproject.toml"), re.S)
     for line in lines:
         words = shlex.split(line.split(" #")[0])
