@@ -1,11 +1,17 @@
-"""attnext: attention for NumPy buffers (and, later, GPU arrays).
+"""attnext: attention for NumPy buffers and GPU arrays, forward and backward.
 
     out = attnext.attention(q, k, v, causal=True)                 # q (B, Sq, Hq, D)
-    out, lse = attnext.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True)
+    out = attnext.attention(q, k, v, layout="bhsd")               # PyTorch SDPA / Flex tensors
+    out, lse = attnext.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True)   # packed (T, H, D)
     grads = attnext.attention_backward(dout, q, k, v, out, lse, causal=True)
+    out = attnext.attention(q, k, v, score_mod=fn, mask_mod=keep)  # FlexAttention-style callbacks
 
-`attnext.reference` is the float64 NumPy definition every backend is tested against.
+`attnext.reference` is the float64 NumPy definition every backend is tested against;
+`attnext.testing.assert_close` holds any implementation to it; `attnext.info()` says which
+backends this machine can run. help(attnext.attention) documents every option.
 """
+from __future__ import annotations
+
 import os as _os
 
 from . import _env

@@ -9,8 +9,13 @@ Causal alignment when Sq != Sk (here Sq = 2, Sk = 5; x = attended)::
     q1:    x x x x x                   q1:    x x . . .
 
 A row that keeps no key (fully masked, or past its sequence's length) returns out = 0 and
-lse = -inf, with zero gradients; never NaN.
+lse = -inf, with zero gradients; never NaN. The public functions' docstrings say the rest
+(_documented fills in the texts they share).
 """
+from __future__ import annotations
+
+from typing import Any
+
 import ml_dtypes
 import numpy as np
 
@@ -18,7 +23,7 @@ from . import _C, checks, reference
 from ._layout import CpuCall, dtype_code
 from .cuda.devview import DevView
 from .mods import codegen, fingerprint, interp, lower, trace
-from .types import Grads
+from .types import Array, Grads, MaskMod, ScoreMod
 
 
 def _new_output(shape, dtype, pinned=False):
@@ -170,16 +175,112 @@ def _forward_on_gpu(o, inputs):
     return (out, device.to_caller(lse, o.like)) if o.return_lse else out
 
 
-@checks.flex_keywords
-def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
-              bias=None, mask=None, score_mod=None, mask_mod=None, seqlens_q=None, seqlens_k=None,
-              layout="bshd", return_lse=False, device=None, out=None, precision=None):
-    """Scaled-dot-product attention; see the module docstring for the causal alignment.
+# --- the documentation the public functions share ----------------------------------------------
 
-    q (B, Sq, Hq, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv) for layout "bshd" ("bhsd": heads
-    second). Returns out (the caller's layout, Dv wide, q's dtype) and with return_lse the
-    natural-log lse (B, Hq, Sq), float32 (float64 for float64 inputs). Rows that keep no key give
-    out = 0 and lse = -inf.
+_ALIGNMENT = """\
+    With Sq != Sk the causal diagonal is aligned to the bottom right, as FlashAttention >= 2.1
+    does: query row r keeps key c when c <= r + Lk - Lq (Lq, Lk: the actual lengths). Here
+    Sq = 2, Sk = 5 (x = attended):
+
+        causal=True / "bottom_right"        causal="top_left"
+            k: 0 1 2 3 4                       k: 0 1 2 3 4
+        q0:    x x x x .                   q0:    x . . . .
+        q1:    x x x x x                   q1:    x x . . .
+
+    A row that keeps no key (fully masked, before its causal diagonal, outside its window, past
+    its length, or with every kept score -inf) returns out = 0 and lse = -inf and gets zero
+    gradients; never NaN. Finite scores however large (a -1e10 or finfo.min fill) are ordinary
+    scores: equal ones give uniform attention and a finite lse."""
+
+_OPTIONS = """\
+    causal: False; True or "bottom_right" (the alignment above); "top_left": c <= r.
+    window: None, or (left, right) ints, -1 = unbounded on that side: row r keeps
+        r + Lk - Lq - left <= c <= r + Lk - Lq + right, relative to the bottom-right diagonal
+        whatever causal says. A side wider than Sq + Sk is the same as -1.
+    scale: the factor on q . k; default 1 / sqrt(D).
+    softcap: None, or a positive float: s = softcap * tanh(s / softcap), before bias.
+    alibi_slopes: None, or a float array (Hq,) or (B, Hq): s -= slope * |r + Lk - Lq - c|.
+    bias: None, or a float array broadcastable to (B, H, Sq, Sk), H being 1, Hk or Hq (varlen:
+        (B, H, max_seqlen_q, max_seqlen_k), by sequence and positions inside it). Read through
+        its strides, never expanded: s += bias. Its gradient is the backward's dbias.
+    mask: None, or a bool array broadcastable like bias; True = attend.
+    score_mod: None, or score_mod(score, b, h, q_idx, kv_idx) -> the new score. b is the batch
+        item (varlen: the sequence), h the query head, q_idx and kv_idx positions inside the
+        sequence, all int64; score is in the accumulation dtype. Write it with NumPy operations
+        (np.where, not if): the reference calls it on NumPy arrays, the backends trace it once
+        and compile it, forward and backward. Arrays it reads by name (closure, globals,
+        defaults) are captured, read afresh at every call; their gradients are the backward's
+        dtensors. Called only at pairs every mask keeps. Guide: docs/score_mod.md.
+    mask_mod: None, or mask_mod(b, h, q_idx, kv_idx) -> bool, True = attend (same arguments).
+        Tiles it masks entirely are skipped, tiles it keeps entirely skip the test
+        (attnext.block_mask draws them). FlexAttention's block_mask= is not taken: pass
+        mask_mod= itself; attnext builds the block mask."""
+
+_WHERE = """\
+    device: None: the GPU when one is usable and has kernels for q's dtype (float16, bfloat16),
+        else the CPU (ATTNEXT_DEVICE overrides); "cpu"; "cuda"; "reference": the float64 NumPy
+        reference with the arguments checked. CUDA arrays (PyTorch, CuPy, JAX, anything with
+        __cuda_array_interface__ or __dlpack__) always run on the GPU, in place, on their
+        stream, and results come back in their library.
+    precision: None, or "tf32": float32 inputs may use tensor-float speed on the GPU (float32
+        GPU kernels are not built yet; the CPU keeps float32 accuracy either way)."""
+
+_PRECISION = """\
+    dtypes: q, k, v float16, bfloat16 (ml_dtypes.bfloat16), float32, or float64 (CPU only), all
+    alike, native byte order; products and sums accumulate in float32 (float64 for float64).
+    Errors: TypeError for types and dtypes, ValueError for shapes and options that disagree,
+    IndexError for a callback's lookup out of range, MemoryError, attnext.CompileError,
+    RuntimeError for device faults (docs/design.md, Errors). Inputs are never modified."""
+
+
+def _documented(f):
+    """f with the shared texts put into its docstring's {ALIGNMENT}, {OPTIONS}, {WHERE},
+    {PRECISION}."""
+    for key, text in (("{ALIGNMENT}", _ALIGNMENT), ("{OPTIONS}", _OPTIONS), ("{WHERE}", _WHERE),
+                      ("{PRECISION}", _PRECISION)):
+        f.__doc__ = f.__doc__.replace(key, text.strip("\n").lstrip())
+    return f
+
+
+@checks.flex_keywords
+@_documented
+def attention(q: Array, k: Array, v: Array, *, causal: bool | str = False,
+              window: tuple[int, int] | None = None, scale: float | None = None,
+              softcap: float | None = None, alibi_slopes: Array | None = None,
+              bias: Array | None = None, mask: Array | None = None,
+              score_mod: ScoreMod | None = None, mask_mod: MaskMod | None = None,
+              seqlens_q: Array | None = None, seqlens_k: Array | None = None,
+              layout: str = "bshd", return_lse: bool = False, device: str | None = None,
+              out: Array | None = None, precision: str | None = None) -> Array | tuple[Array, Array]:
+    """Scaled-dot-product attention: softmax(scale * q k^T + bias ...) v, per batch item and head.
+
+    q: (B, Sq, Hq, D); k: (B, Sk, Hk, D); v: (B, Sk, Hk, Dv) for layout="bshd" (the default).
+    layout="bhsd" puts heads second, q (B, Hq, Sq, D): PyTorch SDPA and FlexAttention tensors
+    need it. Hq must be a multiple of Hk (grouped-query / multi-query attention: query head h
+    reads kv head h // (Hq // Hk)); D and Dv up to 256. NumPy arrays, or CUDA arrays of any
+    library; any strides, broadcast (stride-0) dims included.
+
+    {ALIGNMENT}
+
+    {OPTIONS}
+    seqlens_q, seqlens_k: None, or int arrays (B,): each batch item's actual lengths Lq <= Sq,
+        Lk <= Sk; query rows past Lq are padding (out 0, lse -inf), keys past Lk are not read.
+    layout: "bshd" or "bhsd" (above).
+    return_lse: also return lse.
+    {WHERE}
+    out: None, or an array to write out into (out's shape, q's dtype; a CUDA array when q is
+        one), overlapping no input; it is returned.
+
+    Returns out, or (out, lse) with return_lse=True:
+        out: q's dtype, (B, Sq, Hq, Dv) ("bhsd": (B, Hq, Sq, Dv)), in q's library.
+        lse: the natural log of the sum of exp over each row's kept scores, (B, Hq, Sq), float32
+            (float64 for float64 q). attention_backward takes it.
+
+    {PRECISION}
+
+    Example:
+        >>> out = attnext.attention(q, k, v, causal=True)            # q (B, Sq, Hq, D)
+        >>> out = attnext.attention(q, k, v, layout="bhsd")          # torch SDPA's layout
     """
     o = checks.normalise(q, k, v, dict(
         causal=causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -190,16 +291,42 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, a
 
 
 @checks.flex_keywords
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
-                     seqused_q=None, seqused_k=None, causal=False, window=None, scale=None,
-                     softcap=None, alibi_slopes=None, bias=None, mask=None, score_mod=None,
-                     mask_mod=None, return_lse=False, device=None, out=None, precision=None):
-    """Attention over a packed batch: q (Tq, Hq, D), k (Tk, Hk, D), v (Tk, Hk, Dv).
+@_documented
+def varlen_attention(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array, *,
+                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                     seqused_q: Array | None = None, seqused_k: Array | None = None,
+                     causal: bool | str = False, window: tuple[int, int] | None = None,
+                     scale: float | None = None, softcap: float | None = None,
+                     alibi_slopes: Array | None = None, bias: Array | None = None,
+                     mask: Array | None = None, score_mod: ScoreMod | None = None,
+                     mask_mod: MaskMod | None = None, return_lse: bool = False,
+                     device: str | None = None, out: Array | None = None,
+                     precision: str | None = None) -> Array | tuple[Array, Array]:
+    """Attention over a packed batch of sequences of different lengths (FlashAttention's varlen).
 
-    Sequence i is rows cu_seqlens[i]:cu_seqlens[i+1]; with seqused, only its first seqused[i]
-    rows are real. Rows that are not real (and rows after cu_seqlens[-1]) give out = 0 and
-    lse = -inf. lse is (Hq, Tq). bias and mask broadcast to (B, H, max_seqlen_q, max_seqlen_k),
-    indexed by sequence and positions inside it.
+    q: (Tq, Hq, D); k: (Tk, Hk, D); v: (Tk, Hk, Dv): the B sequences' rows one after another.
+    cu_seqlens_q, cu_seqlens_k: int arrays (B + 1,), non-decreasing from 0: sequence i is rows
+        cu_seqlens[i]:cu_seqlens[i + 1]. Rows after cu_seqlens[-1] are padding (out 0).
+    max_seqlen_q, max_seqlen_k: upper bounds on the lengths; default the longest actual length.
+        A bias or mask broadcasts to (B, H, max_seqlen_q, max_seqlen_k): pass them to give it
+        room for whole segments.
+    seqused_q, seqused_k: None, or int arrays (B,): only the first seqused[i] rows of sequence
+        i are real; the rest is padding between sequences (out and gradients exactly 0).
+    Lengths given as NumPy arrays are checked on the host without waiting for the GPU; as CUDA
+    arrays they are read back first (a synchronisation).
+
+    {ALIGNMENT}
+
+    {OPTIONS}
+    return_lse: also return lse.
+    {WHERE}
+    out: None, or an array to write out into ((Tq, Hq, Dv), q's dtype), overlapping no input;
+        it is returned.
+
+    Returns out (Tq, Hq, Dv), q's dtype, or (out, lse) with return_lse=True, lse (Hq, Tq)
+    float32 (float64 for float64 q); padding rows have out 0 and lse -inf.
+
+    {PRECISION}
     """
     o = checks.normalise(q, k, v, dict(
         causal=causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -276,17 +403,62 @@ def _backward_on_gpu(o, dout, out, lse, deterministic):
     return Grads(dq, dk, dv, dbias, o.dtensors if o.dtensors is not None else {})
 
 
+_GRADS = """\
+    dout: the gradient of out: out's shape, q's dtype.
+    out, lse: the forward's results for these inputs and options (lse as return_lse=True gives
+        it: float32, float64 for float64 q). They are read as given, as FlashAttention's
+        backward does: P = exp(s - lse), delta = rowsum(dout * out); an lse of -inf is a row
+        that keeps no key.
+    deterministic: True (default): the GPU backward gives the same bits on every run. False
+        lets the Hopper kernels add dQ in whatever order the additions land where a row sees
+        more than 1024 keys (a little faster there). The CPU is deterministic either way."""
+
+_RETURNS = """\
+    Returns attnext.Grads(dq, dk, dv, dbias, dtensors), a named tuple: dq, dk, dv in the shapes
+    of q, k, v as given (a broadcast k gets a full-shape dk), q's dtype, in q's library; dbias
+    in the shape and dtype of the bias given (summed over its broadcast dims), None without
+    one; dtensors: {name: gradient} of every float array a score_mod captures, in the array's
+    shape and dtype ({} without one). A row that keeps no key has dq exactly 0 and adds
+    nothing to dk, dv, dbias or dtensors."""
+
+
+def _documented_backward(f):
+    f.__doc__ = f.__doc__.replace("{GRADS}", _GRADS.lstrip()).replace("{RETURNS}", _RETURNS.lstrip())
+    return _documented(f)
+
+
 @checks.flex_keywords
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None,
-                       softcap=None, alibi_slopes=None, bias=None, mask=None, score_mod=None,
-                       mask_mod=None, seqlens_q=None, seqlens_k=None, layout="bshd", device=None,
-                       precision=None, deterministic=True):
+@_documented_backward
+def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, *,
+                       causal: bool | str = False, window: tuple[int, int] | None = None,
+                       scale: float | None = None, softcap: float | None = None,
+                       alibi_slopes: Array | None = None, bias: Array | None = None,
+                       mask: Array | None = None, score_mod: ScoreMod | None = None,
+                       mask_mod: MaskMod | None = None, seqlens_q: Array | None = None,
+                       seqlens_k: Array | None = None, layout: str = "bshd",
+                       device: str | None = None, precision: str | None = None,
+                       deterministic: bool = True) -> Grads:
     """Gradients of attention(q, k, v, ...) for the output gradient dout.
 
-    out and lse are the forward's results (lse as returned with return_lse=True). Returns
-    Grads(dq, dk, dv, dbias, dtensors): dq, dk, dv in the shapes of q, k, v; dbias in the shape
-    of the bias given (summed over its broadcast dims), None without one. The CPU backend is
-    deterministic whatever `deterministic` says.
+    q, k, v and every option as given to attention() (the same shapes, layout and options:
+    the backward recomputes the scores from them).
+    {GRADS}
+
+    {ALIGNMENT}
+
+    {OPTIONS}
+    seqlens_q, seqlens_k: None, or int arrays (B,): as attention's.
+    layout: "bshd" (default) or "bhsd" (PyTorch SDPA / FlexAttention tensors).
+    {WHERE}
+
+    {RETURNS}
+
+    {PRECISION}
+
+    Example:
+        >>> out, lse = attnext.attention(q, k, v, causal=True, return_lse=True)
+        >>> dq, dk, dv, dbias, dtensors = attnext.attention_backward(dout, q, k, v, out, lse,
+        ...                                                           causal=True)
     """
     o = checks.normalise(q, k, v, dict(
         causal=causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -297,12 +469,33 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
 
 
 @checks.flex_keywords
-def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
-                              max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
-                              seqused_k=None, causal=False, window=None, scale=None, softcap=None,
-                              alibi_slopes=None, bias=None, mask=None, score_mod=None,
-                              mask_mod=None, device=None, precision=None, deterministic=True):
-    """Gradients of varlen_attention; padding rows get exactly zero gradients."""
+@_documented_backward
+def varlen_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array,
+                              cu_seqlens_q: Array, cu_seqlens_k: Array, *,
+                              max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                              seqused_q: Array | None = None, seqused_k: Array | None = None,
+                              causal: bool | str = False, window: tuple[int, int] | None = None,
+                              scale: float | None = None, softcap: float | None = None,
+                              alibi_slopes: Array | None = None, bias: Array | None = None,
+                              mask: Array | None = None, score_mod: ScoreMod | None = None,
+                              mask_mod: MaskMod | None = None, device: str | None = None,
+                              precision: str | None = None, deterministic: bool = True) -> Grads:
+    """Gradients of varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) for dout.
+
+    q (Tq, Hq, D), k (Tk, Hk, D), v (Tk, Hk, Dv), the lengths (cu_seqlens_*, max_seqlen_*,
+    seqused_*) and every option as given to varlen_attention(). Padding rows (after
+    cu_seqlens[-1], or past seqused inside a sequence) get exactly zero gradients.
+    {GRADS}
+
+    {ALIGNMENT}
+
+    {OPTIONS}
+    {WHERE}
+
+    {RETURNS}
+
+    {PRECISION}
+    """
     o = checks.normalise(q, k, v, dict(
         causal=causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
         bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, seqlens_q=None,
@@ -318,7 +511,7 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 _PROGRAM_CACHES = {"cpu": interp.cache_info, "cuda": codegen.cache_info}
 
 
-def cache_info():
+def cache_info() -> dict[str, Any]:
     """Counters of the score_mod / mask_mod program caches: hits, misses, compiles and
     compile_seconds summed over the backends, and each backend's own counters under its name
     ("cpu": the interpreter's lowered programs, "cuda": the generated CUDA sources, both keyed by
@@ -329,8 +522,15 @@ def cache_info():
     return {**total, **per}
 
 
-def info():
-    """What this build can run, and why not where it cannot."""
+def info() -> dict[str, Any]:
+    """What this build can run, and why not where it cannot.
+
+    Returns a dict: "version"; "backends": {"reference", "cpu", "cuda"} -> "usable (...)" (the
+    CPU's SIMD variant and threads, the GPU's dtypes) or "unavailable: <why>" (no driver, no
+    NVRTC, no GPU, ...); "score_mod": where callbacks run; "device_name": GPU 0's name and
+    architecture, or None; "nvrtc_version": "major.minor" or None; "cache_dir": the compiled
+    kernels' folder on disk, or None (memory only, or no GPU).
+    """
     from ._version import __version__
     from .cuda import backend as cuda_backend, nvrtc
     why = cuda_backend.unavailable_reason()
@@ -353,7 +553,7 @@ def info():
         },
         "score_mod": "NumPy inputs: the CPU backend's interpreter (forward, backward, mask_mod block "
                      "skipping), whatever the device; CUDA arrays: generated CUDA code compiled "
-                     "into the kernels (forward, backward; no block skipping yet)",
+                     "into the kernels (forward, backward, mask_mod block skipping)",
         "device_name": device_name,
         "nvrtc_version": nvrtc_version,
         "cache_dir": cache["cache_dir"] if cache else None,

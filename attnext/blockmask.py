@@ -13,34 +13,47 @@ a function the backends cannot run, or one that returns no bool), then called on
 arrays as the reference calls it, one row of tiles at a time: memory grows with block_size * Sk,
 never Sq * Sk, and a size past the machine's memory is a MemoryError before any work.
 """
+from __future__ import annotations
+
 import numpy as np
 
 from .mods import trace
 from .checks import check_arity, check_fits, fmt
+from .types import MaskMod
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 SHADES = " .:-=+*#%@"          # density 0 (nothing kept) .. 1 (everything kept)
 
 
 class BlockMask:
-    """kinds: (B, H, query tiles, key tiles) uint8, EMPTY / PARTIAL / FULL; density: the same shape,
-    float64, the fraction of each tile's pairs kept; block_size: the tiles' side."""
+    """The tiles of a mask_mod, as attnext.block_mask computes them (attention() builds its own).
 
-    def __init__(self, kinds, density, block_size, Sq, Sk):
+    kinds: (B, H, query tiles, key tiles) uint8: EMPTY (0, nothing kept: the kernels skip the
+        tile), PARTIAL (1, the mask is evaluated pair by pair) or FULL (2, every pair kept: no
+        per-pair test). Query tile i covers q_idx in [i * block_size, (i + 1) * block_size).
+    density: the same shape, float64: the fraction of each tile's pairs kept.
+    block_size: the tiles' side; Sq, Sk: the lengths it covers.
+
+    repr() shows the shape, the counts and sparsity, and for small masks a picture; .picture(b, h)
+    draws one (batch item, head).
+    """
+
+    def __init__(self, kinds: np.ndarray, density: np.ndarray, block_size: int, Sq: int,
+                 Sk: int) -> None:
         self.kinds, self.density, self.block_size = kinds, density, block_size
         self.Sq, self.Sk = Sq, Sk
 
     @property
-    def sparsity(self):
+    def sparsity(self) -> float:
         """The fraction of tiles that are EMPTY (skipped, not computed)."""
         return float((self.kinds == EMPTY).mean()) if self.kinds.size else 0.0
 
-    def counts(self):
+    def counts(self) -> dict[str, int]:
         """{"empty": n, "partial": n, "full": n} over every tile."""
         return {name: int((self.kinds == k).sum())
                 for name, k in (("empty", EMPTY), ("partial", PARTIAL), ("full", FULL))}
 
-    def picture(self, b=0, h=0):
+    def picture(self, b: int = 0, h: int = 0) -> str:
         """The tiles of (b, h) as text, a character per tile from SHADES by density: ' ' skipped,
         '@' every pair kept. b and h count from the end when negative, as NumPy's indices do."""
         for name, i, n in (("b", b, self.kinds.shape[0]), ("h", h, self.kinds.shape[1])):
@@ -55,7 +68,7 @@ class BlockMask:
         idx[(self.kinds[b, h] != FULL) & (idx == len(SHADES) - 1)] = len(SHADES) - 2
         return "\n".join("|" + "".join(SHADES[i] for i in row) + "|" for row in idx)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         B, H, nq, nk = self.kinds.shape
         c = self.counts()
         head = (f"BlockMask(B={B}, H={H}, Sq={self.Sq}, Sk={self.Sk}, block_size={self.block_size}: "
@@ -73,9 +86,24 @@ def _check_size(name, x, least):
         raise ValueError(f"block_mask: {name} must be >= {least}, got {x}")
 
 
-def block_mask(mask_mod, Sq, Sk, *, B=1, H=1, block_size=64):
+def block_mask(mask_mod: MaskMod, Sq: int, Sk: int, *, B: int = 1, H: int = 1,
+               block_size: int = 64) -> BlockMask:
     """The BlockMask of mask_mod(b, h, q_idx, kv_idx) over b < B, h < H, q_idx < Sq, kv_idx < Sk,
-    in block_size x block_size tiles (64: the GPU kernels' cells)."""
+    in block_size x block_size tiles (64: the GPU kernels' cells): which tiles attention() skips.
+
+    mask_mod: mask_mod(b, h, q_idx, kv_idx) -> bool, True = attend; the indices are int64
+        (NumPy arrays here, as the reference calls it), written as for attention()'s mask_mod.
+    Sq, Sk: the query and key lengths, ints >= 0.
+    B, H: the batch items and heads to evaluate (default 1 each: a mask_mod that ignores b, h).
+    block_size: the tiles' side, >= 1.
+
+    It is checked as attention() checks it (the same TypeError for a function the backends cannot
+    run, or one that returns no bool). Memory grows with block_size * Sk, never Sq * Sk.
+
+        >>> bm = attnext.block_mask(lambda b, h, q, kv: kv <= q, 300, 300)
+        >>> bm.sparsity, bm.counts()
+        (0.4, {'empty': 10, 'partial': 5, 'full': 10})
+    """
     if not callable(mask_mod):
         raise TypeError(f"block_mask: mask_mod must be callable, got {type(mask_mod).__name__}")
     check_arity("mask_mod", mask_mod)

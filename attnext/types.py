@@ -1,7 +1,17 @@
-"""Small public types shared by the API and the reference."""
-from typing import NamedTuple, Optional
+"""Small public types shared by the API and the reference, and the aliases its annotations use."""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
+
+# A NumPy array, or a CUDA array of any library (PyTorch, CuPy, JAX, Numba, attnext's own
+# DeviceArray): anything with the buffer protocol, __cuda_array_interface__ or __dlpack__.
+Array = Any
+# score_mod(score, b, h, q_idx, kv_idx) -> the new score
+ScoreMod = Callable[[Any, Any, Any, Any, Any], Any]
+# mask_mod(b, h, q_idx, kv_idx) -> bool, True = attend
+MaskMod = Callable[[Any, Any, Any, Any], Any]
 
 
 class Grads(NamedTuple):
@@ -14,14 +24,14 @@ class Grads(NamedTuple):
     dq: np.ndarray
     dk: np.ndarray
     dv: np.ndarray
-    dbias: Optional[np.ndarray]
+    dbias: np.ndarray | None
     dtensors: dict
 
 
 class CompileError(RuntimeError):
     """A score_mod / mask_mod could not be compiled; carries the generated source and the log."""
 
-    def __init__(self, message, source="", log=""):
+    def __init__(self, message: str, source: str = "", log: str = "") -> None:
         super().__init__(message)
         self.source = source
         self.log = log

@@ -1,11 +1,11 @@
 """Shared test helpers: seeded random data, q/k/v makers, and the three-way accuracy check.
 
 The accuracy rules (the three-way check, its allowances for gradients and rounded outputs) are
-attnext/testing/accuracy.py's, shared with the differential fuzzer; this file wraps them in asserts.
+attnext/testing/accuracy.py's, shared with the differential fuzzer and public as
+attnext.testing.assert_close; this file wraps them in asserts.
 """
 import os
 import shutil
-import sys
 import threading
 import time
 import types
@@ -21,14 +21,12 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import attnext  # noqa: E402
+import attnext.testing  # noqa: E402
 from attnext import _C, _env, reference  # noqa: E402
 from attnext.testing import accuracy  # noqa: E402
 from attnext.testing.accuracy import (BF16, F16, F32, F64, acc_dtype, compare,  # noqa: E402,F401
                                       compare_grads)
 
-# tests/test_huge_scores.py (edited beside this move) still imports attnext.accuracy: the old name
-# of attnext.testing.accuracy, kept for the tests only until that file's import is updated
-sys.modules.setdefault("attnext.accuracy", accuracy)
 
 DTYPES = [F16, BF16, F32, F64]
 DTYPE_IDS = {F16: "f16", BF16: "bf16", F32: "f32", F64: "f64"}
@@ -182,9 +180,10 @@ def poison_results(monkeypatch):
 # --- the accuracy check ---
 
 def assert_close(name, actual, expected, dtype=None, floor=0.0, extra=None, cond=1.0):
-    """accuracy.compare as an assert (dtype defaults to actual's; see attnext/testing/accuracy.py)."""
-    problem = compare(name, actual, expected, dtype, floor, extra, cond)
-    assert problem is None, problem
+    """attnext.testing.assert_close, the public three-way rule, with the name first (dtype
+    defaults to actual's)."""
+    attnext.testing.assert_close(actual, expected, dtype=dtype, name=name, floor=floor,
+                                 extra=extra, cond=cond)
 
 
 def assert_lse_close(lse, expected, q_dtype, cond=1.0):

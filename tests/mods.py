@@ -1,4 +1,4 @@
-"""A library of named score_mods and mask_mods (STYLE.md #14).
+"""A library of named score_mods and mask_mods (as flash-attention's score_mod_definitions.py).
 
 Each mod is a plain NumPy-style function, so its NumPy twin is the function itself called on
 NumPy arrays. Factories capture arrays and constants in closures; REL_TABLE and DOC_ID are

@@ -5,7 +5,7 @@ from tables, so that each argument of each public function meets the same kinds 
 wrong types, dtypes (int, complex, object, big-endian, mixed), ranks and shapes, lengths and
 offsets, option values, out=, backward inputs from another forward, callbacks, and sizes past the
 machine's memory (stride-0 views, so the test allocates nothing big). Each case asserts the
-documented exception (DESIGN.md, Errors) and that the message names the argument. Then: zero-size
+documented exception (docs/design.md, Errors) and that the message names the argument. Then: zero-size
 dimensions give empty results, inputs are never modified, and NaN / Inf in the data propagate.
 
 Every refusal case is a test named test_bad_input* (from the BAD_* tables and a few by hand); the

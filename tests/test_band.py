@@ -3,7 +3,7 @@ backends' use of it (attnext/lower.py: lower_band, that band moved into the call
 window, and documents, a document mask over contiguous runs run as varlen attention).
 
 On any machine: the split is exact (the mask_mod equals band & rest at every input), it finds
-what it should and leaves the rest, and lower_band keeps a call's kept pairs (DESIGN.md,
+what it should and leaves the rest, and lower_band keeps a call's kept pairs (docs/design.md,
 semantics 6) exactly over random shapes, options and mask_mods; the CPU backend lowers them
 too, against the reference. Under `-m gpu`: the CUDA results with lowered bands against the
 reference, forward and backward.
@@ -97,7 +97,7 @@ def test_rest_keys_follow_the_structure():
 
 
 def _kept(o, lq, lk):
-    """DESIGN.md semantics 6's kept pairs of the causal / window options alone."""
+    """docs/design.md semantics 6's kept pairs of the causal / window options alone."""
     r, c = np.arange(lq)[:, None], np.arange(lk)[None, :]
     d, diag = c - r, lk - lq
     keep = np.ones((lq, lk), bool)

@@ -1,4 +1,4 @@
-"""Rows that keep no key (DESIGN.md, semantics 7 and 8) whatever NaN or inf sits where they
+"""Rows that keep no key (docs/design.md, semantics 7 and 8) whatever NaN or inf sits where they
 cannot see it.
 
 A row with no kept column (fully masked, before the causal diagonal, outside its window, dropped

@@ -1,5 +1,5 @@
 """The arrays a GPU call's score_mod / mask_mod capture, as the kernels read them, and the array
-gradients its backward hands back. Captured arrays are read afresh at every call (DESIGN.md):
+gradients its backward hands back. Captured arrays are read afresh at every call (docs/design.md):
 the caller may change one in place between calls.
 
 NumPy arrays are uploaded in the kernels' storage types (codegen.storage_dtype: float32, one byte

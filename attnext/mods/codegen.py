@@ -27,10 +27,10 @@ Only kernels with mods declare it (ATTN_GMODS), so plain kernels' launches copy 
 parameter bytes. Arrays are numbered score_mod's first, then mask_mod's; float constants
 likewise.
 
-Table-driven rendering (STYLE.md #4): one op -> C-expression table per value type, fully
-parenthesised; values are named in topological order, a value used once is inlined, and every
-lookup is a statement of its own, evaluated whatever np.where chooses, so that a lookup out of
-range is reported where the reference (which evaluates both branches) reports it. A node the
+Table-driven rendering (after tinygrad's CStyleLanguage): one op -> C-expression table per value
+type, fully parenthesised; values are named in topological order, a value used once is inlined,
+and every lookup is a statement of its own, evaluated whatever np.where chooses, so that a lookup
+out of range is reported where the reference (which evaluates both branches) reports it. A node the
 tables cannot render raises TypeError naming it.
 
 Gradients of the captured float arrays are accumulated exactly: integer fixed-point limbs added

@@ -1,10 +1,12 @@
-"""The accuracy rules every backend is held to (DESIGN.md "Testing", STYLE.md #12): one copy,
-used by the test suite (tests/conftest.py) and the differential fuzzer (attnext/fuzz.py).
+"""The accuracy rules every backend is held to (docs/design.md "Testing"; the public face is
+`attnext.testing.assert_close`): one copy, used by the test suite (tests/conftest.py), the
+differential fuzzer (attnext/testing/fuzz.py) and users' tests.
 
-Accuracy (STYLE.md #12, DESIGN.md "Testing"). A backend result is cast to float64 and compared
-with the float64 reference fed the *same* inputs (a float16 / bfloat16 input converts to float64
-exactly, so the reference gives the exact answer for the rounded inputs). With `scale` = the
-largest |reference| value of the array, the largest error allowed is:
+Accuracy (the three-way check: a float64 reference, the same computation at the kernel's dtype,
+the kernel). A backend result is cast to float64 and compared with the float64 reference fed
+the *same* inputs (a float16 / bfloat16 input converts to float64 exactly, so the reference gives
+the exact answer for the rounded inputs). With `scale` = the largest |reference| value of the
+array, the largest error allowed is:
 
 * float64: 1e-10 * scale + 1e-12.
 * float32: F32_RTOL * scale + F32_ATOL (about 1e-5 relative).
@@ -68,10 +70,11 @@ def acc_dtype(dtype):
     return F64 if np.dtype(dtype) == F64 else F32
 
 
-def allowed_error(dtype, scale, floor=0.0, cond=1.0):
+def allowed_error(dtype, scale, floor=0.0, cond=1.0, factor=LOW_FACTOR):
     """The largest |actual - expected| allowed for a result of `dtype` whose reference has
     largest magnitude `scale`; `floor` is the magnitude the float32 round-off is relative to when
-    it exceeds `scale`, `cond` a factor on the relative terms for an ill-conditioned problem."""
+    it exceeds `scale`, `cond` a factor on the relative terms for an ill-conditioned problem,
+    `factor` the multiple of the same-dtype error allowed for float16 / bfloat16."""
     dtype = np.dtype(dtype)
     big = max(scale, floor)
     if dtype == F64:
@@ -79,17 +82,19 @@ def allowed_error(dtype, scale, floor=0.0, cond=1.0):
     if dtype == F32:
         return cond * F32_RTOL * big + F32_ATOL
     same_dtype = 0.5 * EPS[dtype] * scale
-    return LOW_FACTOR * same_dtype + cond * F32_RTOL * big + F32_ATOL
+    return factor * same_dtype + cond * F32_RTOL * big + F32_ATOL
 
 
 def _where(mask):
     return tuple(int(i) for i in np.argwhere(mask)[0])
 
 
-def compare(name, actual, expected, dtype=None, floor=0.0, extra=None, cond=1.0):
+def compare(name, actual, expected, dtype=None, floor=0.0, extra=None, cond=1.0,
+            factor=LOW_FACTOR):
     """The three-way check of one result: None if `actual` passes, else what is wrong. dtype
     defaults to actual's; extra: None, or a function returning a per-element allowance
-    (broadcastable to actual) added to the limit, called only when the limit alone is exceeded."""
+    (broadcastable to actual) added to the limit, called only when the limit alone is exceeded;
+    factor: allowed_error's."""
     actual = np.asarray(actual)
     expected = np.asarray(expected, dtype=np.float64)
     if actual.shape != expected.shape:
@@ -116,7 +121,7 @@ def compare(name, actual, expected, dtype=None, floor=0.0, extra=None, cond=1.0)
         return None
     err = np.where(finite, np.abs(a - np.where(finite, expected, 0.0)), 0.0)
     scale = float(np.abs(expected[finite]).max())
-    limit = allowed_error(dtype, scale, floor, cond)
+    limit = allowed_error(dtype, scale, floor, cond, factor)
     if err.max() <= limit:
         return None
     excess = err - limit
@@ -282,3 +287,58 @@ def compare_dtensors(g, rg, score_mod, dtype, cond=1.0, extra=None):
         problems.append(compare(f"dtensors[{name!r}]", x, w, coarser(acc_dtype(dtype), src.dtype),
                                 floor, None if extra is None else extra(name), cond))
     return [p for p in problems if p]
+
+
+def dtensors_allowance(q, k, v, dout, out, ref_out, lengths, opts, cond=1.0):
+    """name -> a function giving a per-element allowance on dtensors[name] (compare_dtensors'
+    extra), for the two honest sources of error the plain limit does not scale with: the rounded
+    forward output, and the round-off of a sum whose terms are much larger than the result.
+    The differential fuzzer's allowance, for any call: lengths None (attention()) or
+    varlen_attention's length arguments; opts the call's keyword options, score_mod included.
+
+    Both go through d lse_i / d x = sum_j P_ij d score_mod(s_ij) / d x, a central difference of
+    the reference's float64 lse (two forwards per element of the array: computed only when the
+    limit alone is exceeded):
+    * the backward forms delta_i = dout_i . out_i from `out` stored at q's dtype, off by
+      e_i = dout_i . (out_i - ref_out_i), which moves x's gradient by at most
+      sum_i |e_i| |d lse_i / d x|;
+    * x's gradient sums dS_ij d score_mod(s_ij) / d x over every pair that reads x, with
+      |dS_ij| <= P_ij M_i, M_i = 2 |dout_i| max_j |v_j|; where the derivative keeps one sign
+      over the pairs (a bias table, an ALiBi slope), row i's terms sum to at most
+      M_i |d lse_i / d x|, and the accumulation's round-off is rtol * cond times that."""
+    layout = opts.get("layout", "bshd")
+    lengths = dict(lengths or {})
+    is_varlen = bool(lengths)
+    do = np.asarray(dout, np.float64)
+    e = np.abs(np.sum(do * (np.asarray(out, np.float64) - ref_out), axis=-1))
+    vv = np.asarray(v, np.float64)
+    vmax = float(np.sqrt(np.sum(vv * vv, axis=-1)).max(initial=0.0))
+    rtol = F64_RTOL if np.dtype(q.dtype) == F64 else F32_RTOL
+    w = e + rtol * cond * 2 * np.sqrt(np.sum(do * do, axis=-1)) * vmax
+    if is_varlen:
+        w = w.T                                        # (Tq, Hq) -> lse's (Hq, Tq)
+    elif layout == "bshd":
+        w = w.transpose(0, 2, 1)                       # (B, Sq, Hq) -> lse's (B, Hq, Sq)
+    score_mod = opts["score_mod"]
+    rfwd = reference.varlen_attention if is_varlen else reference.attention
+
+    def allowance(name):
+        def get():
+            work = np.array(fingerprint.captured_arrays(score_mod)[name], dtype=np.float64)
+            fn = fingerprint.with_arrays(score_mod, {name: work})
+            flat, acc = work.reshape(-1), np.zeros(work.size)
+            for i in range(flat.size):
+                x0 = flat[i]
+                h = 1e-5 * max(1.0, abs(x0))
+                lse = []
+                for x in (x0 + h, x0 - h):
+                    flat[i] = x
+                    lse.append(rfwd(q, k, v, **lengths, return_lse=True,
+                                    **dict(opts, score_mod=fn))[1])
+                flat[i] = x0
+                live = np.isfinite(lse[0]) & np.isfinite(lse[1])
+                d = np.where(live, lse[0] - np.where(live, lse[1], 0.0), 0.0) / (2 * h)
+                acc[i] = np.sum(w * np.abs(d))
+            return acc.reshape(work.shape)
+        return get
+    return allowance
