@@ -175,7 +175,7 @@ DEV void row_to_smem(float *dst, const elem_t *src, int64_t s, int n)
  * (lse_is_lost; attn_params.h: row_mz). Scalar, and a row's keys on one warp: lost rows are
  * rare (fills near -1e10, a padding mask's rows that keep only filled keys). qs: the warp's
  * HEAD_DIM floats of shared memory. The dots are not the tensor cores' to the last bit: where
- * q.k itself is past ~1e5, P's error grows with it (README: huge but finite scores). */
+ * q.k itself is past ~1e5, P's error grows with it (docs/semantics.md: huge finite scores). */
 DEV float2 lost_row_stats(const attn_params &p, const score_ctx &sc, const seq_t &sq, const seq_t &sk, int64_t h,
                           int r, float *qs)
 {

@@ -81,7 +81,7 @@ DEV bool lse_is_lost(float lse) { return fabsf(lse) > LOST_LSE && !isinf(lse); }
  * that) is then 0, and +inf marks such a row (ds_tile, dkdv<DEAD>). LOST_OK: a lost row gives
  * NaN instead, for the passes that take its P from row_mz (lost_p). An lse of +inf gives the
  * largest finite float: P = 0 there too, but the row is not taken for one that keeps nothing
- * (README: NaN and Inf). */
+ * (docs/semantics.md: NaN and Inf). */
 template <bool LOST_OK = false>
 DEV float lse_log2(float lse)
 {
