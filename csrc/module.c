@@ -3,7 +3,7 @@
  * backend and maps its error codes to Python exceptions.
  *
  * forward(prob) and backward(prob) take one object whose attributes are the arrays and options
- * (see api.py's _Problem). Arrays arrive as buffer exporters in the shapes of attn_params.h:
+ * (attnext/_layout.py's CpuCall). Arrays arrive as buffer exporters in the shapes of attn_params.h:
  * q (Bm, Sq, Hq, D), k (Bm, Sk, Hk, D), v (Bm, Sk, Hk, Dv), out (Bm, Sq, Hq, Dv), lse (Bm, Hq, Sq),
  * bias / mask / dbias (B, Hb, *, *), alibi (B, Hq), cu_seqlens (B + 1) and seqused (B) int32;
  * Bm is B, or 1 for a packed batch. bfloat16 arrives as uint16 (NumPy cannot export ml_dtypes

@@ -185,7 +185,7 @@ static void FN(mark_inside)(unsigned char *inside, int64_t nr, int64_t n)
             inside[i * BK + j] = j < n;
 }
 
-/* The score pipeline of DESIGN.md steps 1-6 over a tile S[nr x n] of raw q.k products for
+/* The score pipeline of docs/design.md's steps 1-6 over a tile S[nr x n] of raw q.k products for
  * rows r0.., columns c0..: scale, softcap, bias, alibi, score_mod, then -inf for every pair a
  * mask drops. With `tanh_out`, also stores tanh(s / softcap) for the backward. With score_mod or
  * mask_mod (mb not NULL), the kept pairs are found first (mask_mod is skipped when mask_full: the

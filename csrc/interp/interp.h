@@ -1,5 +1,5 @@
-/* The CPU backend's interpreter for score_mod / mask_mod programs (DESIGN.md "score_mod and
- * mask_mod"): attnext/interp.py lowers a traced graph to a flat program, and this evaluates it
+/* The CPU backend's interpreter for score_mod / mask_mod programs (docs/design.md "score_mod and
+ * mask_mod"): attnext/mods/interp.py lowers a traced graph to a flat program, and this evaluates it
  * over the pairs of a score tile, a vector of VL pairs at a time. No compiler at run time.
  *
  * Registers each hold one value per pair of the chunk. Float registers (the accumulation type T):
