@@ -27,7 +27,7 @@ stream in each thread, so its scratch is not kept: freed after each call, in ord
 """
 import atexit
 import collections
-import concurrent.futures.thread  # noqa: F401  (its exit hook first: ours, registered after, runs before it)
+import concurrent.futures.thread  # noqa: F401  (its exit hook first: ours, after, runs before it)
 import os
 import sys
 import threading
@@ -95,8 +95,8 @@ atexit.register(_run_at_exit)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_run_before_fork, after_in_child=_run_after_fork_in_child)
 # threading's exit hooks (concurrent.futures joins its pools' workers in one) run the last
-# registered first, before atexit's: the one public way to act before that join is none, so this
-# is threading's own (private) registration
+# registered first, before atexit's. No public API runs a hook before that join, so this takes
+# threading's private registration, as concurrent.futures does
 threading._register_atexit(_run_before_join)
 
 
