@@ -84,7 +84,7 @@ def check_dtensors(g, rg, score_mod, dtype):
     float32 / float64 arrays these tests capture, the limit this check had before the rule
     moved to accuracy.py (compare scales an allowance by 1 + 2e-7, for its own rounding), and
     nothing it checked is dropped. (The fuzzer bounds the same error element by element,
-    fuzz._dtensors_allowance, at two reference forwards per array element: minutes for the
+    accuracy.dtensors_allowance, at two reference forwards per array element: minutes for the
     tables of thousands of elements at Sq, Sk ~ 700 here.)"""
     def rounded_out(name):
         largest = float(np.abs(rg.dtensors[name]).max(initial=0.0))

@@ -265,7 +265,7 @@ def compare_dtensors(g, rg, score_mod, dtype, cond=1.0, extra=None):
     relative to the largest of the reference's dq, dk, dv (an array added to every score of a
     row has gradient 0 up to their round-off); an array the reference names beyond those must
     have a zero gradient. cond: as for dq, dk (fuzz._cond); extra: None, or name -> a function
-    returning a per-element allowance added where that limit is exceeded (fuzz._dtensors_allowance).
+    returning a per-element allowance added where that limit is exceeded (dtensors_allowance).
     Returns what is wrong (an empty list when all agree)."""
     got, want = g.dtensors, rg.dtensors
     problems = []

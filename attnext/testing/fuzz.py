@@ -32,7 +32,7 @@ then passes q, k, v and dout in GPU memory, see `_check_one`):
   so are a different -inf pattern, a wrong dtype or shape, and an exception from a backend
   where the reference ran;
 * dtensors (the score_mod's float array gradients) against the reference's, as
-  tests/test_score_mod_cpu.py holds them (`accuracy.compare_dtensors`), with `_dtensors_allowance`;
+  tests/test_score_mod_cpu.py holds them (`accuracy.compare_dtensors`), with `accuracy.dtensors_allowance`;
 * result buffers attnext allocates start as NaN (as the test suite poisons them), so an
   unwritten element is a NaN mismatch;
 * rows that keep no key (reference lse = -inf) have out and dq exactly 0; in varlen, packed
@@ -58,8 +58,9 @@ import numpy as np  # noqa: E402
 import attnext  # noqa: E402
 from attnext import reference  # noqa: E402
 from attnext.mods import fingerprint  # noqa: E402
-from attnext.testing.accuracy import (BF16, EPS, F16, F32, F32_RTOL, F64, F64_RTOL,  # noqa: E402
-                              acc_dtype, canonical, compare, compare_dtensors, compare_grads)
+from attnext.testing.accuracy import (BF16, EPS, F16, F32, F32_RTOL, F64,  # noqa: E402
+                              acc_dtype, canonical, compare, compare_dtensors, compare_grads,
+                              dtensors_allowance)
 
 DTYPES = {"float16": F16, "bfloat16": BF16, "float32": F32, "float64": F64}
 GPU_DTYPES = (F16, BF16)
@@ -635,7 +636,8 @@ def _check_one(case, backend, fwd, bwd, r_out, r_lse, dout, rfwd, rbwd, cond, st
     dbias_cond = None if bias is None else cond * np.sqrt(_reduced(bias, spec))
     problems += compare_grads(g, rg, case.q, case.k, case.v, dout, res, r_out,
                               lengths if case.varlen else None, o, cond, dbias_cond)
-    extra = _dtensors_allowance(case, rfwd, dout, res, r_out, cond) if rg.dtensors else None
+    extra = (dtensors_allowance(case.q, case.k, case.v, dout, res, r_out, lengths, o, cond)
+             if rg.dtensors else None)
     problems += compare_dtensors(g, rg, o.get("score_mod"), dtype, cond, extra)
     if stats is not None and rg.dtensors:
         stats["dtensors"] += 1
@@ -651,61 +653,6 @@ def _check_one(case, backend, fwd, bwd, r_out, r_lse, dout, rfwd, rbwd, cond, st
             if got.shape[0] == real_k.size and not (got[~real_k] == 0).all():
                 problems.append(f"{name}: a packed row outside every sequence is not exactly 0")
     return problems
-
-
-def _dtensors_allowance(case, rfwd, dout, out, ref_out, cond):
-    """name -> a function giving a per-element allowance on dtensors[name], added where the plain
-    limit is exceeded, for two honest sources of error that the plain limit (relative to the
-    largest dq, dk, dv) does not scale with: the rounded forward output, and the round-off of a
-    sum whose terms are much larger than the result.
-
-    Both go through d lse_i / d x = sum_j P_ij d score_mod(s_ij) / d x, a central difference of
-    the reference's float64 lse (two forwards per element of the array: computed only where
-    needed):
-    * the backward forms delta_i = dout_i . out_i from `out` stored at q's dtype, off by
-      e_i = dout_i . (out_i - ref_out_i), so its dS is off by -P_ij e_i and x's gradient by
-      -sum_i e_i d lse_i / d x (accuracy.rounded_out_allowance's argument, carried to the
-      captured arrays): at most sum_i |e_i| |d lse_i / d x|;
-    * x's gradient sums dS_ij d score_mod(s_ij) / d x over every pair that reads x (an ALiBi
-      slope's derivative is -|q_idx - kv_idx|, up to the sequence length), and the sum's
-      accumulation round-off is relative to the sum of the terms' sizes. |dS_ij| =
-      P_ij |dout_i . v_j - delta_i| <= P_ij M_i with M_i = 2 |dout_i| max_j |v_j|, and each fuzz
-      score_mod's derivative in an array element keeps one sign over the pairs, so the terms of
-      row i sum to at most M_i |d lse_i / d x|: rtol * cond * sum_i M_i |d lse_i / d x|, rtol
-      the accumulation dtype's relative allowance."""
-    spec, o = case.spec, case.opts
-    do = np.asarray(dout, np.float64)
-    e = np.abs(np.sum(do * (np.asarray(out, np.float64) - ref_out), axis=-1))
-    v = np.asarray(case.v, np.float64)
-    vmax = float(np.sqrt(np.sum(v * v, axis=-1)).max(initial=0.0))
-    rtol = F64_RTOL if case.dtype == F64 else F32_RTOL
-    w = e + rtol * cond * 2 * np.sqrt(np.sum(do * do, axis=-1)) * vmax
-    if case.varlen:
-        w = w.T                                        # (Tq, Hq) -> lse's (Hq, Tq)
-    elif spec["layout"] == "bshd":
-        w = w.transpose(0, 2, 1)                       # (B, Sq, Hq) -> lse's (B, Hq, Sq)
-    score_mod = o["score_mod"]
-
-    def allowance(name):
-        def get():
-            work = np.array(fingerprint.captured_arrays(score_mod)[name], dtype=np.float64)
-            fn = fingerprint.with_arrays(score_mod, {name: work})
-            flat, acc = work.reshape(-1), np.zeros(work.size)
-            for i in range(flat.size):
-                x0 = flat[i]
-                h = 1e-5 * max(1.0, abs(x0))
-                lse = []
-                for x in (x0 + h, x0 - h):
-                    flat[i] = x
-                    lse.append(rfwd(case.q, case.k, case.v, **case.lengths, return_lse=True,
-                                    **dict(o, score_mod=fn))[1])
-                flat[i] = x0
-                live = np.isfinite(lse[0]) & np.isfinite(lse[1])
-                d = np.where(live, lse[0] - np.where(live, lse[1], 0.0), 0.0) / (2 * h)
-                acc[i] = np.sum(w * np.abs(d))
-            return acc.reshape(work.shape)
-        return get
-    return allowance
 
 
 # --- the driver -------------------------------------------------------------------------------
