@@ -25,7 +25,11 @@ enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_FOUND = 500, ALREADY_RE
        NOT_REGISTERED = 713 };
 static void *current;
 int cuInit(unsigned flags) { return getenv("FAKE_CUINIT") ? atoi(getenv("FAKE_CUINIT")) : OK; }
-int cuDriverGetVersion(int *v) { *v = 12080; return OK; }
+int cuDriverGetVersion(int *v)     /* FAKE_DRIVER_VERSION: 12080 for CUDA 12.8; else a CUDA 99 driver */
+{
+    *v = getenv("FAKE_DRIVER_VERSION") ? atoi(getenv("FAKE_DRIVER_VERSION")) : 99000;
+    return OK;
+}
 int cuDeviceGet(int *d, int ordinal) { *d = ordinal; return OK; }
 int cuDeviceGetCount(int *n) { *n = 1; return OK; }
 int cuDeviceGetName(char *name, int len, int d) { strncpy(name, "Fake GPU", len); return OK; }

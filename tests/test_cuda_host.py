@@ -129,6 +129,52 @@ def test_fake_driver_failures_name_the_cause(fake_libcuda):
     assert "has no cuMemAllocAsync" in old
 
 
+def test_driver_older_than_nvrtc_is_named_with_the_fix(fake_libcuda, tmp_path):
+    """Under a CUDA 12.8 driver, an NVRTC 13 (whose cubins it cannot load) makes the backend
+    unavailable with both versions and the pip command; the CUDA 12 wheel's folder and soname are
+    looked in first. The same NVRTC under a newer driver is usable. ATTNEXT_NVRTC points at a
+    fake NVRTC of the version asked, so the test needs neither wheel."""
+    if fake_cuda.compiler() is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "nvrtc.c"
+    src.write_text("int nvrtcVersion(int *a, int *b) { *a = MAJOR; *b = 5; return 0; }\n"
+                   + "".join(f"int {f}(void) {{ return 0; }}\n" for f in (
+                       "nvrtcCreateProgram", "nvrtcCompileProgram", "nvrtcGetCUBINSize",
+                       "nvrtcGetCUBIN", "nvrtcGetProgramLogSize", "nvrtcGetProgramLog",
+                       "nvrtcDestroyProgram", "nvrtcGetErrorString", "nvrtcAddNameExpression",
+                       "nvrtcGetLoweredName")))
+    libs = {}
+    for major in (12, 13):
+        libs[major] = str(tmp_path / f"libnvrtc{major}.so")
+        subprocess.run([fake_cuda.compiler(), "-shared", "-fPIC", f"-DMAJOR={major}", str(src),
+                        "-o", libs[major]], check=True)
+    code = """
+        import numpy as np, attnext
+        from attnext.cuda import backend, nvrtc
+        print(repr(backend.unavailable_reason()))
+        cands = nvrtc.nvrtc_candidates()
+        print(cands.index("libnvrtc.so.12") < cands.index("libnvrtc.so.13"))
+        q = np.zeros((1, 4, 1, 8), np.float16)
+        try:
+            attnext.attention(q, q, q, device="cuda")
+        except RuntimeError as e:
+            print(e)
+    """
+    env = dict(ATTNEXT_LIBCUDA=fake_libcuda["full"], ATTNEXT_CACHE_DIR=str(tmp_path / "cache"))
+    old = _run(code, FAKE_DRIVER_VERSION="12080", ATTNEXT_NVRTC=libs[13], **env).splitlines()
+    why = ("NVRTC 13.5 compiles cubins that this driver (CUDA 12.8) cannot load: "
+           "`pip install nvidia-cuda-nvrtc-cu12` brings an NVRTC for CUDA 12")
+    assert why in old[0] and old[1] == "True", old
+    assert old[2].startswith("device='cuda': the CUDA backend is unavailable: " + why), old
+    ok = _run(code, FAKE_DRIVER_VERSION="12080", ATTNEXT_NVRTC=libs[12], **env).splitlines()
+    assert ok[:2] == ["''", "True"], ok
+    new = _run(code, FAKE_DRIVER_VERSION="13000", ATTNEXT_NVRTC=libs[13], **env).splitlines()
+    assert new[:2] == ["''", "False"], new
+    from attnext.cuda.nvrtc import driver_mismatch
+    assert "'nvidia-cuda-nvrtc==14.*'" in driver_mismatch((15, 0), (14, 1))
+    assert driver_mismatch((12, 9), (12, 2)) == driver_mismatch((12, 4), ()) == ""
+
+
 def test_fake_driver_runs_the_host_side(fake_libcuda):
     """Every Python-facing path through the driver table, the fake's "device memory" being host
     memory: errors, memory, copies, DeviceArray, pinned buffers, modules, DLPack stream waits."""
@@ -142,7 +188,7 @@ def test_fake_driver_runs_the_host_side(fake_libcuda):
         info = _C.cuda_info(0)
         assert info == {"name": "Fake GPU", "compute_capability": (9, 0), "multiprocessor_count": 132,
                         "max_shared_memory_per_block_optin": 232448, "l2_cache_size": 52428800,
-                        "total_memory": 80 << 30, "driver_version": (12, 8), "memory_pools": True,
+                        "total_memory": 80 << 30, "driver_version": (99, 0), "memory_pools": True,
                         "read_only_host_register": True}, info
         try:
             _C.cuda_info(1)

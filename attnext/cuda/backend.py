@@ -49,8 +49,7 @@ def unavailable_reason():
         if _status is None:
             try:
                 _C.cuda_load()
-                nvrtc.nvrtc_version()
-                _status = ""
+                _status = nvrtc.driver_mismatch(nvrtc.nvrtc_version(), nvrtc.driver_version())
             except RuntimeError as e:
                 _status = str(e)
             except AttributeError:

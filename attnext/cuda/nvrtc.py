@@ -86,16 +86,36 @@ _cubins = None
 NVRTC_RECORD = "nvrtc.json"    # in the disk cache's folder: the version of the library that loads
 
 
+_driver = None          # the driver's CUDA version (major, minor), () without one: driver_version()
+
+
+def driver_version():
+    """The newest CUDA the driver supports, (major, minor), or () where no driver loads (a
+    machine without a GPU compiles all the same: warmup --check)."""
+    global _driver
+    if _driver is None:
+        try:
+            _driver = tuple(_C.cuda_driver_version())
+        except (RuntimeError, AttributeError):
+            _driver = ()
+    return _driver
+
+
 def nvrtc_candidates():
-    """Where NVRTC is looked for, in order: ATTNEXT_NVRTC, the nvidia-cuda-nvrtc wheel's lib
-    folders, $CUDA_HOME/lib64, /usr/local/cuda/lib64, then the plain sonames."""
+    """Where NVRTC is looked for, in order: ATTNEXT_NVRTC, the nvidia-cuda-nvrtc wheels' lib
+    folders (cu13's nvidia/cu13/lib, cu12's nvidia/cuda_nvrtc/lib), $CUDA_HOME/lib64,
+    /usr/local/cuda/lib64, then the plain sonames. Under a CUDA 12 driver, the CUDA 12 wheel's
+    folder and soname come before CUDA 13's (its cubins would not load: driver_mismatch)."""
+    wheel_dirs, sonames = ["cu13/lib", "cuda_nvrtc/lib", "cu12/lib"], ["libnvrtc.so.13", "libnvrtc.so.12"]
+    if driver_version() and driver_version()[0] < 13:
+        wheel_dirs, sonames = wheel_dirs[::-1], sonames[::-1]
     out = []
     if _env.get("ATTNEXT_NVRTC"):
         out.append(_env.get("ATTNEXT_NVRTC"))
     try:
         import nvidia
         for base in nvidia.__path__:
-            for sub in ("cu13/lib", "cuda_nvrtc/lib", "cu12/lib"):
+            for sub in wheel_dirs:
                 d = os.path.join(base, sub)
                 if os.path.isdir(d):
                     out.append(d)
@@ -103,8 +123,21 @@ def nvrtc_candidates():
         pass
     if os.environ.get("CUDA_HOME"):
         out.append(os.path.join(os.environ["CUDA_HOME"], "lib64"))
-    out += ["/usr/local/cuda/lib64", "libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
-    return out
+    return out + ["/usr/local/cuda/lib64", *sonames, "libnvrtc.so"]
+
+
+def driver_mismatch(nvrtc_version, driver):
+    """'' when the driver (major, minor) loads the cubins of this NVRTC (major, minor), else why
+    not and what fixes it. A cubin loads under a driver of its CUDA major version or newer
+    (minor versions are compatible within a major: CUDA's minor version compatibility)."""
+    if not driver or nvrtc_version[0] <= driver[0]:
+        return ""
+    wheel = (f"nvidia-cuda-nvrtc-cu{driver[0]}" if driver[0] <= 12
+             else f"'nvidia-cuda-nvrtc=={driver[0]}.*'")
+    return (f"NVRTC {nvrtc_version[0]}.{nvrtc_version[1]} compiles cubins that this driver "
+            f"(CUDA {driver[0]}.{driver[1]}) cannot load: `pip install {wheel}` brings an NVRTC "
+            f"for CUDA {driver[0]} (attnext looks in both the CUDA 12 and 13 wheels' folders; "
+            f"ATTNEXT_NVRTC names one), or update the NVIDIA driver")
 
 
 def _file_id(path):

@@ -19,6 +19,17 @@ fail:
     return NULL;
 }
 
+static PyObject *c_cuda_driver_version(PyObject *module, PyObject *unused)
+{
+    int version;
+    if (cuda_driver_require())
+        return NULL;
+    CU_CHECK(cuDriverGetVersion, &version);
+    return Py_BuildValue("(ii)", version / 1000, version % 1000 / 10);
+fail:
+    return NULL;
+}
+
 static PyObject *c_cuda_info(PyObject *module, PyObject *args)
 {
     int device = 0, version, major, minor, sms, smem, l2, pools, ro_register;
@@ -54,6 +65,9 @@ static PyMethodDef device_methods[] = {
      "RuntimeError with the reason when CUDA is unusable. The outcome is remembered."},
     {"cuda_device_count", c_cuda_device_count, METH_NOARGS,
      "cuda_device_count() -> int: number of CUDA devices (RuntimeError without a driver)."},
+    {"cuda_driver_version", c_cuda_driver_version, METH_NOARGS,
+     "cuda_driver_version() -> (major, minor): the newest CUDA the driver supports "
+     "(RuntimeError without a driver)."},
     {"cuda_info", c_cuda_info, METH_VARARGS,
      "cuda_info(device=0, /) -> dict: name, compute_capability (major, minor), "
      "multiprocessor_count, max_shared_memory_per_block_optin, l2_cache_size, total_memory "
