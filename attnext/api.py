@@ -346,6 +346,9 @@ def _backward(o, dout, out, lse, deterministic):
     for name, x in (("dout", dout), ("out", out)):
         checks.check_form(name, x.shape, x.dtype, o.out_shape, o.q.dtype, of="the forward output's ")
     checks.check_form("lse", lse.shape, lse.dtype, o.lse_shape, o.acc_dtype)
+    if o.device == "cuda" and o.q.dtype not in checks.gpu_modules()[0].BACKWARD_DTYPES:
+        raise TypeError(f"the GPU backward of {o.q.dtype} is not built yet (the forward is): "
+                        "pass device='cpu' with host arrays")
     if o.device == "cuda" and o.on_gpu:
         return _backward_on_gpu(o, dout, out, lse, deterministic)
     on_host = o.device != "cuda" or _runs_on_reference(o) or _has_mods(o)

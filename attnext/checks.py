@@ -272,13 +272,13 @@ def _resolve_device(device, q, k, v):
         if device is not None and device not in _DEVICES:
             raise ValueError(f"ATTNEXT_DEVICE: device must be one of {_DEVICES}, got {device!r}")
         if device is None:
-            device = "cuda" if q.dtype in cuda_backend.DTYPES and cuda_backend.usable() else "cpu"
+            device = "cuda" if q.dtype in cuda_backend.AUTO_DTYPES and cuda_backend.usable() else "cpu"
     if device == "cuda":
         why = cuda_backend.unavailable_reason()
         if why:
             raise RuntimeError(f"device='cuda': the CUDA backend is unavailable: {why}")
         if q.dtype not in cuda_backend.DTYPES:
-            raise TypeError(f"device='cuda' runs float16 and bfloat16; q has dtype {q.dtype} "
+            raise TypeError(f"device='cuda' runs float16, bfloat16 and float32; q has dtype {q.dtype} "
                             "(float64 stays on the CPU)")
     return device
 

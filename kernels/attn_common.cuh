@@ -4,7 +4,10 @@
  * score_mod slot) with the mask predicate.
  *
  * Compile-time switches (set by attnext/kernels.py):
- *   ELEM_BF16      1: q/k/v/out are bfloat16, 0: float16
+ *   ELEM_BF16      1: q/k/v/out are bfloat16, 0: float16 (unless ELEM_F32)
+ *   ELEM_F32       1: q/k/v/out are float32, multiplied on the tensor cores in TF32 (m16n8k8):
+ *                  TF32_PASSES 3 splits each operand x = hi + lo into two TF32 values and adds
+ *                  lo*hi + hi*lo + hi*hi (float32 accuracy), 1 takes hi*hi alone (precision="tf32")
  *   HEAD_DIM, HEAD_DIM_V      D and Dv, any value 1..256
  *   VEC_LOAD       1: every q/k/v row is 16-byte aligned and its D elements contiguous, so tiles
  *                  load with 16-byte cp.async; 0: element loads (odd strides, odd D, misaligned)
@@ -33,9 +36,22 @@
 
 #define DEV static __device__ __forceinline__
 #define ROUND_UP(x, m) (((x) + (m) - 1) / (m) * (m))
+#ifndef ELEM_F32
+#define ELEM_F32 0
+#endif
+#ifndef TF32_PASSES
+#define TF32_PASSES 3
+#endif
+#if ELEM_F32
+#define ELEM_BYTES 4
+#else
+#define ELEM_BYTES 2
+#endif
+#define CHUNK (16 / ELEM_BYTES)            /* elements in 16 bytes: one cp.async, one ldmatrix row */
+#define KSTEP (2 * CHUNK)                  /* elements of one mma k step: 16 (k16), 8 (tf32 k8) */
 #define DP ROUND_UP(HEAD_DIM, 16)          /* D padded to the mma's k step */
 #define DVP ROUND_UP(HEAD_DIM_V, 16)       /* Dv padded to two n8 tiles */
-#define SMEM_PAD 8                         /* elements: 16 bytes per row keep ldmatrix conflict-free */
+#define SMEM_PAD CHUNK                     /* 16 bytes per row keep ldmatrix conflict-free */
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 #define NEG_INF __int_as_float(0xff800000)
@@ -86,7 +102,11 @@ DEV float fast_tanh(float x)
 #include "attn_mod_gen.cuh"
 #endif
 
+#if ELEM_F32
+typedef float elem_t;
+#else
 typedef uint16_t elem_t;                   /* the raw 16 bits of a bfloat16 or float16 */
+#endif
 
 /* ---------------------------------------------------------------- conversions */
 DEV float bf16_to_f32(uint16_t x) { return __uint_as_float(((uint32_t)x) << 16); }
@@ -100,7 +120,9 @@ DEV float f16_to_f32(uint16_t x)
 
 DEV float elem_to_f32(elem_t x)
 {
-#if ELEM_BF16
+#if ELEM_F32
+    return x;
+#elif ELEM_BF16
     return bf16_to_f32(x);
 #else
     return f16_to_f32(x);
@@ -109,6 +131,9 @@ DEV float elem_to_f32(elem_t x)
 
 DEV elem_t f32_to_elem(float f)
 {
+#if ELEM_F32
+    return f;
+#else
     uint16_t r;
 #if ELEM_BF16
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
@@ -116,6 +141,7 @@ DEV elem_t f32_to_elem(float f)
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
 #endif
     return r;
+#endif
 }
 
 /* Two floats to one register of two 16-bit elements, lo in the low half. */
@@ -170,6 +196,59 @@ DEV void ldmatrix_x4_trans(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
 }
 
+#if ELEM_F32
+/* x rounded to TF32 (to nearest, ties away: cvt.rna.tf32.f32's result), in a float's bits, by
+ * integer operations: half of the 13 dropped bits added to the magnitude, then cut off (inf and
+ * NaN stay so). The same bits as cvt.rna.tf32.f32, which held the float32 forward at 0.78x of
+ * this (H200, D = 64 and 128: 44-45 against 56-58 TFLOP/s). */
+DEV uint32_t to_tf32(float x)
+{
+    return (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+}
+
+/* c += a * b, one m16n8k8 TF32 product, float32 accumulate (A: a0 (g, t) a1 (g+8, t) a2 (g, t+4)
+ * a3 (g+8, t+4); B: b0 (k t, n g) b1 (k t+4, n g); C as m16n8k16's). */
+DEV void mma1688(float *c, const uint32_t *a, uint32_t b0, uint32_t b1)
+{
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* x as TF32 parts: hi = x rounded; under TF32_PASSES 3 also lo = (x - hi) rounded (hi + lo carries
+ * ~22 bits of x's 24). */
+DEV void split_tf32(float x, uint32_t &hi, uint32_t &lo)
+{
+    hi = to_tf32(x);
+#if TF32_PASSES == 3
+    lo = to_tf32(x - __uint_as_float(hi));
+#else
+    lo = 0;
+#endif
+}
+
+/* An operand fragment of N float32 values as TF32 parts (split_tf32). */
+template <int N>
+struct tf32_frag {
+    uint32_t hi[N], lo[N];
+    __device__ __forceinline__ void set(int i, float x) { split_tf32(x, hi[i], lo[i]); }
+};
+
+/* a * b in float32 by TF32 products. The tensor cores add each product into the accumulator
+ * truncated (rounded toward zero), so errors of one sign pile up with every mma into a large
+ * sum: the small products lo*hi + hi*lo go into their own accumulator (c_lo, ~2^-11 of c's
+ * magnitude: its truncation is negligible), hi*hi alone into c; the caller adds c_lo into c
+ * when the sum is done. TF32_PASSES 1: hi*hi alone. */
+DEV void mma_f32(float *c, float *c_lo, const tf32_frag<4> &a, const tf32_frag<2> &b)
+{
+#if TF32_PASSES == 3
+    mma1688(c_lo, a.lo, b.hi[0], b.hi[1]);
+    mma1688(c_lo, a.hi, b.lo[0], b.lo[1]);
+#endif
+    mma1688(c, a.hi, b.hi[0], b.hi[1]);
+}
+#else
 /* c += a * b, one m16n8k16 tensor-core product, float32 accumulate. */
 DEV void mma16816(float *c, const uint32_t *a, uint32_t b0, uint32_t b1)
 {
@@ -182,6 +261,7 @@ DEV void mma16816(float *c, const uint32_t *a, uint32_t b0, uint32_t b1)
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+#endif
 
 /* Zeroes a warp's mma accumulators (MT m16 tiles x NT n8 tiles). */
 template <int MT, int NT>
@@ -205,16 +285,16 @@ template <int ROWS, int COLS_P, int THREADS, typename RowPtr>
 DEV void load_rows(elem_t *smem, RowPtr row_ptr, int64_t col_stride, int valid, int cols, int tid)
 {
 #if VEC_LOAD
-    constexpr int CHUNKS = COLS_P / 8;
+    constexpr int CHUNKS = COLS_P / CHUNK;
     const uint32_t base = smem_addr(smem);
 #pragma unroll
     for (int j = 0; j < (ROWS * CHUNKS + THREADS - 1) / THREADS; j++) {
         const int i = tid + j * THREADS;
-        const int r = i / CHUNKS, c = (i % CHUNKS) * 8;
+        const int r = i / CHUNKS, c = (i % CHUNKS) * CHUNK;
         if ((ROWS * CHUNKS) % THREADS == 0 || r < ROWS) {
             const bool ok = r < valid && c < cols;
             const elem_t *src = ok ? row_ptr(r) + c : row_ptr(0);
-            cp_async16(base + 2 * (r * (COLS_P + SMEM_PAD) + c), src, ok ? 16 : 0);
+            cp_async16(base + ELEM_BYTES * (r * (COLS_P + SMEM_PAD) + c), src, ok ? 16 : 0);
         }
     }
 #else

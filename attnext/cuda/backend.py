@@ -37,7 +37,11 @@ from . import arrays as _device, mod_cache, mod_inputs as mod_arrays, nvrtc, pro
 from .devview import DevView
 from .staging import host_result, to_host  # noqa: F401  (api.py's: results, lengths)
 
-DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))   # what the GPU kernels take
+# what the GPU kernels take: float32's forward (TF32 tensor cores), not yet its backward, so
+# device=None keeps float32 on the CPU (AUTO_DTYPES: what it sends to the GPU)
+AUTO_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+DTYPES = AUTO_DTYPES + (np.dtype(np.float32),)
+BACKWARD_DTYPES = AUTO_DTYPES
 _lock = threading.Lock()
 _status = None            # None: not probed yet; "" usable; else why not
 
@@ -172,9 +176,10 @@ SLOT_O_ACCUM, SLOT_LSE_ACCUM, SLOT_DELTA, SLOT_DQ_ACCUM, SLOT_DQ_SEM, SLOT_DEAD,
 
 
 def _vec_ok(view, D):
-    """16-byte cp.async loads: D a multiple of 8 contiguous elements on 16-byte rows."""
-    return (D % 8 == 0 and view.strides[3] == 1 and view.ptr % 16 == 0
-            and all(s % 8 == 0 for s in view.strides[:3]))
+    """16-byte cp.async loads: D a multiple of 16 bytes' elements, contiguous, on 16-byte rows."""
+    chunk = 16 // view.itemsize
+    return (D % chunk == 0 and view.strides[3] == 1 and view.ptr % 16 == 0
+            and all(s % chunk == 0 for s in view.strides[:3]))
 
 
 def _t(x):
@@ -257,7 +262,8 @@ def _common(o, device, q4, k4, v4, extra):
         dtype=dtype_name(o.q.dtype), D=o.D, Dv=o.Dv,
         vec=all(_vec_ok(x, x.shape[3]) for x in (q4, k4, v4)), softcap=o.softcap_value > 0,
         bias_dtype=None if bias4 is None else dtype_name(bias4.dtype),
-        alibi_dtype=None if alibi is None else "float32", mask=mask4 is not None)
+        alibi_dtype=None if alibi is None else "float32", mask=mask4 is not None,
+        tf32=o.precision == "tf32" and o.q.dtype == np.float32)
     prob = KernelCall(
         device=device, dtype=DTYPE_CODES[features["dtype"]],
         B=o.B, causal=o.causal_code, window_left=o.window_left, window_right=o.window_right,
@@ -439,7 +445,7 @@ def _decode_plan(o, features, device):
     pack = group > 1 and not o.varlen and per_head and o.Sq * group <= select.DECODE_PACK_ROWS
     if o.varlen or not o.B or not o.Hq or getattr(o, "whole_rows", None) is not None:
         return pack, 1                # a row slice (_forward_sliced) shares the GPU with copies
-    bm, bn = select.decode_tile()[:2]
+    bm, bn = select.decode_tile(o.D, o.Dv, features["dtype"])[:2]
     blocks = math.ceil(o.Sq * (group if pack else 1) / bm) * (o.Hk if pack else o.Hq) * o.B
     sms = device_info(device)["multiprocessor_count"]
     key_tiles = math.ceil(o.Sk / bn)
@@ -458,7 +464,7 @@ def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None):
     key = ("fwd", device, o.B, o.Sq, o.Sk, rows, o.varlen, getattr(o, "whole_rows", None), o.causal_code,
            o.window_left, o.window_right, o.softcap_value > 0, (q4.ptr | k4.ptr | v4.ptr) % 16 == 0,
            _desc(q4), _desc(k4), _desc(v4), _desc(out4), _desc(lse3), _extras_key(o, extra),
-           select.knobs(select.FWD_KNOBS), None if gen is None else gen.source)
+           select.knobs(select.FWD_KNOBS), None if gen is None else gen.source, o.precision)
     plan = _plans.get(key)
     if plan is None:
         plan = _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen)
@@ -471,9 +477,10 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     generated = None if gen is None else gen.source
     pack, splits = _decode_plan(o, features, device)
     arch = device_arch(device)
-    kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], pack or splits > 1, rows, gen)
+    kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], pack or splits > 1, rows, gen,
+                                     features["dtype"])
     defines = select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen)
-    smem = select.fwd_smem_bytes(o.D, o.Dv, tile, kernel)
+    smem = select.fwd_smem_bytes(o.D, o.Dv, tile, kernel, features["dtype"])
     q_tiles = math.ceil(o.Sq * (o.Hq // o.Hk) / tile[0]) if pack else _query_tiles(rows, tile[0])
     grid = (q_tiles * splits, o.Hk if pack else o.Hq, o.B + (1 if o.varlen else 0))
     prob.out, prob.lse, prob.num_splits = _t(out4), _t(lse3), splits

@@ -17,7 +17,8 @@ from ..mods import codegen
 TILE_EDGE = 128
 # every architecture CI compiles for (warmup --check) and the ones attnext targets
 ARCHS = ("sm_80", "sm_90a")
-SMEM_PAD = 8           # elements of padding per shared-memory row (attn_common.cuh)
+SMEM_PAD = 8           # elements of padding per 16-bit shared-memory row (attn_common.cuh: 16 bytes)
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}     # q, k, v's bytes per element
 MAX_SMEM_SM80 = 163 * 1024
 
 
@@ -40,15 +41,20 @@ def _round_up(x, m):
     return (x + m - 1) // m * m
 
 
-def tile_config(D, Dv):
+def tile_config(D, Dv, dtype="bfloat16"):
     """(BLOCK_M, BLOCK_N, NUM_WARPS) of the forward for head dims D, Dv: the one place that
     chooses. Register budget (255 per thread, measured with -Xptxas -v): O holds
-    BLOCK_M / NUM_WARPS * Dv floats per warp row group, S BLOCK_M / NUM_WARPS * BLOCK_N."""
+    BLOCK_M / NUM_WARPS * Dv floats per warp row group, S BLOCK_M / NUM_WARPS * BLOCK_N.
+    float32 tiles take twice the shared memory: past D = 128, 64 x 32."""
     env = _env.get("ATTNEXT_TILE_FWD")       # the kernel lab's override: "128,64,8"
     if env:
         m, n, w = (int(x) for x in env.split(","))
         return m, n, w
     dvp = _round_up(Dv, 16)
+    if dtype == "float32":     # H200, bench/labs/lab_f32.py (TFLOP/s at D64 / D128, S4k):
+        if max(_round_up(D, 16), dvp) > 128:
+            return 64, 32, 4
+        return 128, 32, 4      # 58 / 56 (128x64x4: 58 / 40, 64x64x4: 52 / 48, 128x64x8: 50 / 49)
     if dvp <= 64:
         return 128, 64, 4      # H100 bf16 S=2k: 259 TFLOP/s (128x32: 249, 64x64: 227)
     if dvp <= 128:
@@ -61,10 +67,15 @@ DECODE_PACK_ROWS = 128       # a call packs its GQA heads into one block's rows 
 DECODE_CTAS_PER_SM = 2       # the split-KV grid aims at this many CTAs per SM
 
 
-def decode_tile():
-    """attn_fwd.cu's tile for decode calls; the kernel lab's override: ATTNEXT_TILE_DECODE="16,64,1"."""
+def decode_tile(D=0, Dv=0, dtype="bfloat16"):
+    """attn_fwd.cu's tile for decode calls (float32 past D = 128: 64 x 32, for shared memory);
+    the kernel lab's override: ATTNEXT_TILE_DECODE="16,64,1"."""
     env = _env.get("ATTNEXT_TILE_DECODE")
-    return tuple(int(x) for x in env.split(",")) if env else DECODE_TILE
+    if env:
+        return tuple(int(x) for x in env.split(","))
+    if dtype == "float32" and max(D, Dv) > 128:
+        return 64, 32, 4
+    return DECODE_TILE
 
 
 def decode_ctas_per_sm():
@@ -88,15 +99,15 @@ SM90_TILE_MODS = (128, 64, 8)
 SM90_SHORT_ROWS = 1024
 
 
-def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None):
+def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16"):
     """(kernel source, tile) of the forward: kernels/attn_fwd_sm90.cu (wgmma) on sm_90a for
     16-byte-loadable inputs with D, Dv in {64, 128}, else kernels/attn_fwd.cu (mma.sync, every
     shape, and the decode paths). rows: the longest query sequence; mods: the generated
     score_mod / mask_mod compiled in (codegen.Generated) or None: a score_mod takes
     SM90_TILE_MODS where its staged output fits (sm90_staged_o_fits), a mask_mod alone the
     plain tiles. ATTNEXT_FWD_SM90=0 keeps Hopper on attn_fwd.cu (the lab's and the tests'
-    comparison)."""
-    if (arch == "sm_90a" and not decode and vec and D in (64, 128) and Dv in (64, 128)
+    comparison). float32 runs attn_fwd.cu (TF32 mma.sync) everywhere."""
+    if (arch == "sm_90a" and not decode and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
             and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
         env = _env.get("ATTNEXT_TILE_SM90")      # the kernel lab's override: "128,64,8"
         if env:
@@ -107,7 +118,7 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None):
             return "attn_fwd_sm90", SM90_TILE_SHORT
         mods_tile = score_mod and sm90_staged_o_fits(D, Dv, SM90_TILE_MODS)
         return "attn_fwd_sm90", SM90_TILE_MODS if mods_tile else SM90_TILE_LONG
-    return "attn_fwd", decode_tile() if decode else tile_config(D, Dv)
+    return "attn_fwd", decode_tile(D, Dv, dtype) if decode else tile_config(D, Dv, dtype)
 
 
 def sm90_staged_o_fits(D, Dv, tile):
@@ -117,12 +128,22 @@ def sm90_staged_o_fits(D, Dv, tile):
     return bm * (Dv + 8) * 2 <= bm * D * 2 + 2 * bn * D * 2
 
 
-def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd"):
+def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd", dtype="bfloat16"):
     bm, bn = tile[:2]
     if kernel == "attn_fwd_sm90":     # Q, K[2], V[2] in 128-byte swizzled rows, 1024-aligned
         return 2 * (bm * D + 2 * bn * D + 2 * bn * Dv) + 1024
-    dp, dvp = _round_up(D, 16), _round_up(Dv, 16)
-    return 2 * (bm * (dp + SMEM_PAD) + bn * (dp + SMEM_PAD) + bn * (dvp + SMEM_PAD))
+    size = ITEMSIZE[dtype]
+    dp, dvp, pad = _round_up(D, 16), _round_up(Dv, 16), 16 // size
+    return size * (bm * (dp + pad) + bn * (dp + pad) + bn * (dvp + pad))
+
+
+def dtype_defines(dtype, tf32=False):
+    """The element type's switches (attn_common.cuh): ELEM_BF16, and for float32 ELEM_F32 and
+    TF32_PASSES (3: split TF32 products, float32 accuracy; 1: precision="tf32")."""
+    d = {"ELEM_BF16": int(dtype == "bfloat16")}
+    if dtype == "float32":
+        d.update(ELEM_F32=1, TF32_PASSES=1 if tf32 else 3)
+    return d
 
 
 def mod_defines(defines, mods):
@@ -161,15 +182,16 @@ def entry_defines(defines, name):
 
 
 def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile,
-                pack_gqa=False, split_kv=False, mods=None):
-    """The #defines of one forward variant. bias_dtype / alibi_dtype: a dtype name or None.
+                pack_gqa=False, split_kv=False, mods=None, tf32=False):
+    """The #defines of one forward variant. bias_dtype / alibi_dtype: a dtype name or None;
+    tf32: float32 in single-pass TF32 (precision="tf32").
     tile: (BLOCK_M, BLOCK_N, NUM_WARPS[, MIN_BLOCKS: CTAs per SM the registers must allow]).
     mods: the generated score_mod / mask_mod (codegen.Generated) or None."""
     bm, bn, w = tile[:3]
     return mod_defines({
         "MIN_BLOCKS": tile[3] if len(tile) > 3 else 1,
-        "PACK_GQA": int(pack_gqa), "SPLIT_KV": int(split_kv),
-        "ELEM_BF16": int(dtype == "bfloat16"), "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
+        "PACK_GQA": int(pack_gqa), "SPLIT_KV": int(split_kv), **dtype_defines(dtype, tf32),
+        "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
         "HAS_SOFTCAP": int(softcap), "HAS_BIAS": int(bias_dtype is not None),
         "BIAS_DT": DTYPE_CODES[bias_dtype or "float32"], "HAS_ALIBI": int(alibi_dtype is not None),
         "ALIBI_DT": DTYPE_CODES[alibi_dtype or "float32"], "HAS_MASK": int(mask),
@@ -196,14 +218,17 @@ def block_mask_specs(mods):
 
 
 def fwd_variants():
-    """The forward variants warmup compiles: both dtypes, the common head dims, each feature on
-    its own, vector and element loads."""
+    """The forward variants warmup compiles: every dtype, the common head dims, each feature on
+    its own, vector and element loads; float32's single-pass TF32 at the common head dims."""
     out = []
-    for dtype in ("bfloat16", "float16"):
+    for dtype in ("bfloat16", "float16", "float32"):
         for D, Dv in ((64, 64), (128, 128), (256, 256), (96, 96), (192, 128), (59, 40)):
-            vec = D % 8 == 0 and Dv % 8 == 0
+            chunk = 16 // ITEMSIZE[dtype]
+            vec = D % chunk == 0 and Dv % chunk == 0
             base = dict(dtype=dtype, D=D, Dv=Dv, vec=vec, softcap=False, bias_dtype=None,
-                        alibi_dtype=None, mask=False, tile=tile_config(D, Dv))
+                        alibi_dtype=None, mask=False, tile=tile_config(D, Dv, dtype))
+            if dtype == "float32" and (D, Dv) in ((64, 64), (128, 128)):
+                out.append({**base, "tf32": True})
             out.append(base)
             if (D, Dv) == (128, 128):
                 out.append({**base, "tile": DECODE_TILE, "pack_gqa": True, "split_kv": True})
@@ -401,7 +426,7 @@ def bwd_sm90_smem_bytes(D, Dv, tile, slots=0):
 
 
 def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile, dq="recompute",
-                mods=None):
+                mods=None, tf32=False):
     """The #defines of one backward variant (kernels/attn_bwd.cu: every backward kernel of it;
     attn_bwd_sm90.cu the same); dq: bwd_dq_mode's answer ("recompute" whenever the mods have
     array gradients: the dQ kernels' ds_tile scatters them, MOD_TILE_SLOTS: through shared
@@ -428,6 +453,8 @@ def bwd_variants():
     pack-GQA or split-KV variants), plus the lab's atomic dq path of the common head dims."""
     out = []
     for _, fd in fwd_variants():
+        if fd.get("ELEM_F32"):
+            continue                  # float32's backward on the GPU: not built yet
         dtype = "bfloat16" if fd["ELEM_BF16"] else "float16"
         D, Dv = fd["HEAD_DIM"], fd["HEAD_DIM_V"]
         names = {v: k for k, v in DTYPE_CODES.items()}

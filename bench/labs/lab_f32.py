@@ -1,0 +1,81 @@
+"""float32 forward on the GPU: attnext's split TF32 (default) and single-pass TF32
+(precision="tf32") against torch SDPA's float32 backends (efficient; math with and without TF32
+matmuls), TFLOP/s, same run. Every result is checked first against SDPA's math backend in float64
+(max|x - ref| / max|ref|), and its error printed beside its rate.
+
+    python bench/labs/lab_f32.py [--rows "4,2048,16,64;1,8192,16,128,causal"] [--tiles "128,64,4;64,64,4"]
+
+--tiles: attnext's float32 rows again under each forward tile (ATTNEXT_TILE_FWD), beside the default.
+"""
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+import attnext
+from attnext import _env
+
+ROWS = "8,1024,16,64;4,4096,16,64;4,4096,16,64,causal;2,4096,16,128;1,8192,16,128,causal"
+
+
+def _rel(x, ref):
+    return float((x.double() - ref).abs().max() / ref.abs().max())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default=ROWS, help="B,S,H,D[,causal] separated by ';'")
+    ap.add_argument("--tiles", default="", help="BLOCK_M,BLOCK_N,WARPS separated by ';'")
+    args = ap.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'row':28} {'impl':16} {'ms':>8} {'TFLOP/s':>8} {'rel err':>9}")
+    for spec in args.rows.split(";"):
+        parts = spec.split(",")
+        B, S, H, D = (int(x) for x in parts[:4])
+        causal = len(parts) > 4
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(B, S, H, D, device="cuda", generator=g) for _ in range(3))
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        ref = F.scaled_dot_product_attention(*(x.double() for x in (qt, kt, vt)), is_causal=causal).transpose(1, 2)
+        flops = 4 * B * H * S * S * D / (2 if causal else 1)
+        out = torch.empty_like(q)
+
+        def sdpa(backend, tf32=False):
+            def run():
+                torch.backends.cuda.matmul.allow_tf32 = tf32
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+            return run
+
+        tiles = {f"attnext {t}": t for t in filter(None, args.tiles.split(";"))}
+        impls = {label: (lambda: attnext.attention(q, k, v, causal=causal, out=out)) for label in tiles}
+        impls.update({
+            "attnext": lambda: attnext.attention(q, k, v, causal=causal, out=out),
+            "attnext tf32": lambda: attnext.attention(q, k, v, causal=causal, out=out, precision="tf32"),
+            "sdpa efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
+            "sdpa math": sdpa(SDPBackend.MATH),
+            "sdpa math tf32": sdpa(SDPBackend.MATH, True),
+        })
+        name = f"B{B} S{S} H{H} D{D}{' causal' if causal else ''}"
+        for label, fn in impls.items():
+            _env.setenv("ATTNEXT_TILE_FWD", tiles.get(label))      # None: the default tile
+            try:
+                err = _rel(fn(), ref)
+            except Exception as e:       # a backend that refuses the shape
+                print(f"{name:28} {label:16} {'-':>8} {'-':>8} {type(e).__name__}")
+                continue
+            if not err < 2e-2:
+                print(f"{name:28} {label:16} WRONG {err:.3g}")
+                continue
+            ms = do_bench(fn, warmup=25, rep=100)
+            print(f"{name:28} {label:16} {ms:8.3f} {flops / ms / 1e9:8.1f} {err:9.2e}")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        del q, k, v, ref, out
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
