@@ -217,13 +217,14 @@ _OPTIONS = """\
         mask_mod= itself; attnext builds the block mask."""
 
 _WHERE = """\
-    device: None: the GPU when one is usable and has kernels for q's dtype (float16, bfloat16),
+    device: None: the GPU when one is usable and has kernels for q's dtype (float16, bfloat16, float32),
         else the CPU (ATTNEXT_DEVICE overrides); "cpu"; "cuda"; "reference": the float64 NumPy
         reference with the arguments checked. CUDA arrays (PyTorch, CuPy, JAX, anything with
         __cuda_array_interface__ or __dlpack__) always run on the GPU, in place, on their
         stream, and results come back in their library.
-    precision: None, or "tf32": float32 inputs may use tensor-float speed on the GPU (float32
-        GPU kernels are not built yet; the CPU keeps float32 accuracy either way)."""
+    precision: None: float32 keeps float32 accuracy on the GPU (TF32 products of split operands);
+        "tf32": float32 multiplies in single-pass TF32 on the GPU (10-bit mantissa, ~2.5x faster).
+        The CPU keeps float32 accuracy either way."""
 
 _PRECISION = """\
     dtypes: q, k, v float16, bfloat16 (ml_dtypes.bfloat16), float32, or float64 (CPU only), all
@@ -346,9 +347,6 @@ def _backward(o, dout, out, lse, deterministic):
     for name, x in (("dout", dout), ("out", out)):
         checks.check_form(name, x.shape, x.dtype, o.out_shape, o.q.dtype, of="the forward output's ")
     checks.check_form("lse", lse.shape, lse.dtype, o.lse_shape, o.acc_dtype)
-    if o.device == "cuda" and o.q.dtype not in checks.gpu_modules()[0].BACKWARD_DTYPES:
-        raise TypeError(f"the GPU backward of {o.q.dtype} is not built yet (the forward is): "
-                        "pass device='cpu' with host arrays")
     if o.device == "cuda" and o.on_gpu:
         return _backward_on_gpu(o, dout, out, lse, deterministic)
     on_host = o.device != "cuda" or _runs_on_reference(o) or _has_mods(o)
@@ -552,7 +550,7 @@ def info() -> dict[str, Any]:
             "reference": "usable",
             "cpu": f"usable ({_C.simd()} SIMD, "
                    f"{'OpenMP, %d threads' % _C.openmp_threads() if _C.openmp_threads() else 'no OpenMP: serial'})",
-            "cuda": "usable (float16, bfloat16)" if not why else f"unavailable: {why}",
+            "cuda": "usable (float16, bfloat16, float32)" if not why else f"unavailable: {why}",
         },
         "score_mod": "NumPy inputs: the CPU backend's interpreter (forward, backward, mask_mod block "
                      "skipping), whatever the device; CUDA arrays: generated CUDA code compiled "

@@ -272,7 +272,7 @@ def _resolve_device(device, q, k, v):
         if device is not None and device not in _DEVICES:
             raise ValueError(f"ATTNEXT_DEVICE: device must be one of {_DEVICES}, got {device!r}")
         if device is None:
-            device = "cuda" if q.dtype in cuda_backend.AUTO_DTYPES and cuda_backend.usable() else "cpu"
+            device = "cuda" if q.dtype in cuda_backend.DTYPES and cuda_backend.usable() else "cpu"
     if device == "cuda":
         why = cuda_backend.unavailable_reason()
         if why:

@@ -46,9 +46,28 @@
 #define KV_BLOCK_N (KV_WARPS * 16)       /* key rows per dkdv CTA: one m16 tile per warp */
 #define PRE_THREADS 256
 
+#if DQ_ATOMIC && ELEM_F32
+#error "float32's backward recomputes dQ (select.bwd_dq_mode)"
+#endif
+
 /* ---------------------------------------------------------------- warp products */
 /* acc[mt][nt] += A[mt*16 .., 0..KP) . B[nt*8 .., 0..KP)^T: A and B row-major in shared memory with
  * row stride KP + SMEM_PAD, sA at the warp's first A row, sB at B's first row. */
+#if ELEM_F32
+template <int MT, int NT, int KP>
+DEV void mma_abt(float (&acc)[MT][NT][4], const elem_t *sA, const elem_t *sB, int lane)
+{
+    mma_abt_f32<MT, NT, KP>(acc, sA, sB, lane);
+}
+
+/* acc[mt][nt] += A . B[0..KS*16, nt*8 ..): A as C fragments (cfrag), B row-major [k][n] in
+ * shared memory with row stride LD. */
+template <int MT, int KS, int NT, int LD>
+DEV void mma_fb(float (&acc)[MT][NT][4], const cfrag<MT, KS> &a, const elem_t *sB, int lane)
+{
+    mma_cb_f32<MT, 2 * KS, NT, LD>(acc, a, sB, lane);
+}
+#else
 template <int MT, int NT, int KP>
 DEV void mma_abt(float (&acc)[MT][NT][4], const elem_t *sA, const elem_t *sB, int lane)
 {
@@ -94,6 +113,7 @@ DEV void mma_fb(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][KS][4], const e
             }
         }
 }
+#endif
 
 /* f stored as an element of attn_dtype dt at p[i] (dbias, in the bias's own dtype). */
 DEV void store_from_f32(void *p, int64_t i, int dt, float f)
@@ -114,12 +134,12 @@ DEV void store_from_f32(void *p, int64_t i, int dt, float f)
 }
 
 /* ---------------------------------------------------------------- delta */
-/* The 16-byte vector paths of the row kernels: rows of 8-element (16-byte) chunks, L lanes of a
+/* The 16-byte vector paths of the row kernels: rows of CHUNK-element (16-byte) chunks, L lanes of a
  * warp per row (a power of two no larger than the chunks, at most 32), so a warp covers 32 / L
  * rows at once and every lane loads at least one chunk. */
 template <int COLS>
 struct row_chunks {
-    static constexpr int C = COLS / 8;
+    static constexpr int C = COLS / CHUNK;
     static constexpr int L = C >= 32 ? 32 : C >= 16 ? 16 : C >= 8 ? 8 : C >= 4 ? 4 : C >= 2 ? 2 : 1;
     static constexpr int R = 32 / L;                             /* rows per warp at once */
     static constexpr int PASSES = (PRE_ROWS + PRE_THREADS / 32 * R - 1) / (PRE_THREADS / 32 * R);
@@ -127,15 +147,19 @@ struct row_chunks {
 
 DEV bool aligned16(const void *x) { return ((uint64_t)x & 15) == 0; }
 
-/* sum of a[i] * b[i] over the 8 elements of two 16-byte chunks */
-DEV float dot8(uint4 a, uint4 b)
+/* sum of a[i] * b[i] over the CHUNK elements of two 16-byte chunks */
+DEV float dot_chunk(uint4 a, uint4 b)
 {
     const uint32_t x[4] = {a.x, a.y, a.z, a.w}, y[4] = {b.x, b.y, b.z, b.w};
     float acc = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
+#if ELEM_F32
+        acc += __uint_as_float(x[i]) * __uint_as_float(y[i]);
+#else
         acc += elem_to_f32((elem_t)(x[i] & 0xffffu)) * elem_to_f32((elem_t)(y[i] & 0xffffu));
         acc += elem_to_f32((elem_t)(x[i] >> 16)) * elem_to_f32((elem_t)(y[i] >> 16));
+#endif
     }
     return acc;
 }
@@ -247,10 +271,10 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
     /* lse of a row, read beside its dout and out: -inf inside the length is a row that keeps no key */
     const float *gl = (const float *)p.lse.ptr + sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + sq.start * p.lse.s[2];
     bool dead = false, lost = false;
-    if (HEAD_DIM_V % 8 == 0 && p.dout.s[3] == 1 && p.out.s[3] == 1 && p.dout.s[1] % 8 == 0 && p.out.s[1] % 8 == 0
-        && aligned16(gdo) && aligned16(go)) {
+    if (HEAD_DIM_V % CHUNK == 0 && p.dout.s[3] == 1 && p.out.s[3] == 1 && p.dout.s[1] % CHUNK == 0
+        && p.out.s[1] % CHUNK == 0 && aligned16(gdo) && aligned16(go)) {
         /* 16-byte loads, all of a thread's rows in flight at once */
-        using rc = row_chunks<HEAD_DIM_V % 8 ? 8 : HEAD_DIM_V>;
+        using rc = row_chunks<HEAD_DIM_V % CHUNK ? CHUNK : HEAD_DIM_V>;
         float acc[rc::PASSES], lse[rc::PASSES];
 #pragma unroll
         for (int k = 0; k < rc::PASSES; k++) {
@@ -263,8 +287,8 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
             if (i < PRE_ROWS && r < sq.len)
 #pragma unroll
                 for (int c = lane % rc::L; c < rc::C; c += rc::L)
-                    acc[k] += dot8(*(const uint4 *)(gdo + r * p.dout.s[1] + c * 8),
-                                   *(const uint4 *)(go + r * p.out.s[1] + c * 8));
+                    acc[k] += dot_chunk(*(const uint4 *)(gdo + r * p.dout.s[1] + c * CHUNK),
+                                        *(const uint4 *)(go + r * p.out.s[1] + c * CHUNK));
         }
 #pragma unroll
         for (int k = 0; k < rc::PASSES; k++) {
@@ -469,7 +493,7 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
         const bool need_mask = tile_maybe_masked(sc, m0, min(m0 + BM, Lq), n0, min(n0 + BN, Lk))
                                || n0 + BN > Lk || m0 + BM > Lq
                                || !tile_inside_band(&p, m0, min(m0 + BM, Lq), n0, n0 + BN, Lq, Lk);
-        uint32_t pp[1][KV_NT / 2][4];
+        cfrag<1, KV_NT / 2> pp;
         pt_tile<KV_NT, DEAD>(s, pp, p, sc, lb, n0 + warp * 16, m0, qlo, qhi, need_mask);
 
         if (DO_DV)                        /* dV += P^T dO */
@@ -731,7 +755,7 @@ DEV void dq_key_tiles(const attn_params &p, const score_ctx &sc, const row_info 
 
         ds_tile<true, TO_SUMS>(s, dp, p, sc, ri, m0, c0, ds_needs_mask(p, sc, m0, c0, Lq, Lk), Lq, Lk,
                                tile_sums_for<TO_SUMS>(sums, sc, m0, c0, Lq, Lk));
-        uint32_t a[Q_MT][Q_NT / 2][4];
+        cfrag<Q_MT, Q_NT / 2> a;
         pack_frag<Q_MT, Q_NT / 2>(a, s);
         mma_fb<Q_MT, Q_NT / 2, DP / 8, DP + SMEM_PAD>(dq, a, kb, lane);
         tile_sums_flush<TO_SUMS>(sums);
@@ -838,7 +862,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_dq_convert(co
     elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
     const float *gacc = (const float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + sq.start * p.dq_accum.s[1]
                         + h * p.dq_accum.s[2];
-    if (HEAD_DIM % 8 == 0 && p.dq.s[3] == 1 && p.dq.s[1] % 8 == 0 && aligned16(gdq) && p.dq_accum.s[3] == 1
+    if (!ELEM_F32 && HEAD_DIM % 8 == 0 && p.dq.s[3] == 1 && p.dq.s[1] % 8 == 0 && aligned16(gdq) && p.dq_accum.s[3] == 1
         && p.dq_accum.s[1] % 4 == 0 && aligned16(gacc)) {
         /* 8 columns a thread: two 16-byte loads (dq_col keeps 8-column groups whole), one store */
         constexpr int C = HEAD_DIM / 8, STEPS = (PRE_ROWS * C + PRE_THREADS - 1) / PRE_THREADS;

@@ -21,8 +21,17 @@
 
 /* The C fragments of an m16 x (2 KS n8) product as the A fragments of the next product. */
 template <int MT, int KS>
-DEV void pack_frag(uint32_t (&a)[MT][KS][4], const float (&f)[MT][2 * KS][4])
+DEV void pack_frag(cfrag<MT, KS> &a, const float (&f)[MT][2 * KS][4])
 {
+#if ELEM_F32
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < 2 * KS; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                a[mt][nt][e] = f[mt][nt][e];
+#else
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -32,6 +41,7 @@ DEV void pack_frag(uint32_t (&a)[MT][KS][4], const float (&f)[MT][2 * KS][4])
             a[mt][kk][2] = pack2(f[mt][2 * kk + 1][0], f[mt][2 * kk + 1][1]);
             a[mt][kk][3] = pack2(f[mt][2 * kk + 1][2], f[mt][2 * kk + 1][3]);
         }
+#endif
 }
 
 /* 8 floats times scale as 8 elements (16 bytes, the first lowest). */
@@ -73,7 +83,11 @@ DEV int64_t dq_live_rows(const attn_params &p, const seq_t &sq, int64_t b, int64
  * from the kernels that redo such heads: attn_bwd_dead (dK, dV by dkdv<DEAD>, dq and the
  * array gradients by lost_row_dq) and attn_bwd_dbias (ds_tile<LOST_OK>). The common tile pays
  * nothing: a second path beside it cost every backward 4-6% (bench/NOTES.md, session 22). */
+#if ELEM_F32
+#define LOST_LSE 64.f          /* float32's gradients: ulp(64) = 7.6e-6, inside float32's rule */
+#else
 #define LOST_LSE 1024.f
+#endif
 
 DEV bool lse_is_lost(float lse) { return fabsf(lse) > LOST_LSE && !isinf(lse); }
 
@@ -144,7 +158,7 @@ DEV void red_add_f32x2(float *p, float a, float b)
  * columns of rows that keep no key (lb +inf), whatever their scores, and lost rows (lb NaN) take
  * lost_p (attn_bwd.cu: dkdv<DEAD>). */
 template <int NT, bool DS, bool ALL, bool DEAD>
-DEV void pt_pass(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const attn_params &p, const score_ctx &sc,
+DEV void pt_pass(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &p, const score_ctx &sc,
                  const float *lb, int n0w, int m0, const int (&qlo)[2], const int (&qhi)[2], bool need_mask,
                  float (&dp)[1][NT][4], const float *db, const tile_keep<1, NT> &keep, mod_fault &fault)
 {
@@ -205,7 +219,12 @@ DEV void pt_pass(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const attn_
                 else
                     s[0][nt][e] = pg;
             }
+#if ELEM_F32
+            pp[0][nt][half * 2] = pr[0];
+            pp[0][nt][half * 2 + 1] = pr[1];
+#else
             pp[0][nt / 2][(nt & 1) * 2 + half] = pack2(pr[0], pr[1]);
+#endif
         }
 }
 
@@ -216,7 +235,7 @@ DEV void pt_pass(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const attn_
  * by; a tile that needs no mask skips the tests. DS: dP^T is in dp already, and dS^T (dst_tile's,
  * the same bits) goes into dp instead, element by element: s is dead as it is read (registers). */
 template <int NT, bool DS = false, bool DEAD = false>
-DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const attn_params &p, const score_ctx &sc,
+DEV void pt_tile(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &p, const score_ctx &sc,
                  const float *lb, int n0w, int m0, const int (&qlo)[2], const int (&qhi)[2], bool need_mask,
                  float (&dp)[1][NT][4], const float *db)
 {
@@ -246,7 +265,7 @@ DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const attn_
 
 /* pt_tile leaving P^T * score_grad in s (attn_bwd.cu, which computes dP^T after dV's product). */
 template <int NT, bool DEAD>
-DEV void pt_tile(float (&s)[1][NT][4], uint32_t (&pp)[1][NT / 2][4], const attn_params &p, const score_ctx &sc,
+DEV void pt_tile(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &p, const score_ctx &sc,
                  const float *lb, int n0w, int m0, const int (&qlo)[2], const int (&qhi)[2], bool need_mask)
 {
     pt_tile<NT, false, DEAD>(s, pp, p, sc, lb, n0w, m0, qlo, qhi, need_mask, s, nullptr);

@@ -248,7 +248,113 @@ DEV void mma_f32(float *c, float *c_lo, const tf32_frag<4> &a, const tf32_frag<2
 #endif
     mma1688(c, a.hi, b.hi[0], b.hi[1]);
 }
+
+/* The A operand of a product taken from an earlier product's C fragments (P, dS): under ELEM_F32
+ * the floats themselves (kn8 tiles of keys, split at the product: mma_cb_f32), else packed pairs
+ * of 16-bit elements (KS k16 steps: p_fragment, pack_frag). */
+template <int MT, int KS>
+using cfrag = float[MT][2 * KS][4];
+
+template <int MT, int NT>
+DEV void zero_acc(float (&acc)[MT][NT][4]);
+
+/* acc[mt][nt] += A[mt*16 .., 0..KP) . B[nt*8 .., 0..KP)^T in float32 by TF32 products: A and B
+ * row-major in shared memory (row stride KP + SMEM_PAD), sA at the warp's first A row, sB at B's
+ * first row. A k8 step of floats is 32 bytes, as a k16 step of 16-bit elements: ldmatrix's 8 x
+ * 16-byte rows give each lane the TF32 fragment's element (m16n8k8's legend). */
+template <int MT, int NT, int KP>
+DEV void mma_abt_f32(float (&acc)[MT][NT][4], const float *sA, const float *sB, int lane)
+{
+    constexpr int LD = KP + SMEM_PAD;
+    const uint32_t a0 = smem_addr(sA) + 4 * ((lane & 15) * LD + (lane >> 4) * 4);
+    const uint32_t b0 = smem_addr(sB) + 4 * (((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 4);
+    float lo[MT][NT][4];
+    zero_acc(lo);
+#pragma unroll
+    for (int kk = 0; kk < KP / 8; kk++) {
+        tf32_frag<4> a[MT];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            uint32_t r[4];
+            ldmatrix_x4(a0 + 4 * (mt * 16 * LD + kk * 8), r[0], r[1], r[2], r[3]);
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                a[mt].set(i, __uint_as_float(r[i]));
+        }
+#pragma unroll
+        for (int np = 0; np < NT / 2; np++) {
+            uint32_t b[4];
+            ldmatrix_x4(b0 + 4 * (np * 16 * LD + kk * 8), b[0], b[1], b[2], b[3]);
+            tf32_frag<2> b01, b23;
+            b01.set(0, __uint_as_float(b[0]));
+            b01.set(1, __uint_as_float(b[1]));
+            b23.set(0, __uint_as_float(b[2]));
+            b23.set(1, __uint_as_float(b[3]));
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma_f32(acc[mt][2 * np], lo[mt][2 * np], a[mt], b01);
+                mma_f32(acc[mt][2 * np + 1], lo[mt][2 * np + 1], a[mt], b23);
+            }
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                acc[mt][nt][e] += lo[mt][nt][e];
+}
+
+/* acc[mt][nt] += A . B[0..8 KN, nt*8 ..) in float32 by TF32 products: A the C fragments f of an
+ * earlier product (KN n8 tiles: a lane holds columns 8 kn + 2t, + 1 of rows g, g + 8, which the
+ * k8 product takes as its k = t and t + 4, a sum over k in any order), B row-major [k][n] in
+ * shared memory with row stride LD, so its fragment is rows 2t and 2t + 1 of each 8, column g of
+ * the n8 tile: two scalar loads (rows 16 bytes apart mod 128: conflict-free). Per n8 tile of acc
+ * the sum over k goes into fresh accumulators, added to acc rounded: the mma's truncating adds
+ * reach only this call's sum. */
+template <int MT, int KN, int NT, int LD>
+DEV void mma_cb_f32(float (&acc)[MT][NT][4], const float (&f)[MT][KN][4], const float *sB, int lane)
+{
+    tf32_frag<4> a[MT][KN];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int kk = 0; kk < KN; kk++) {
+            a[mt][kk].set(0, f[mt][kk][0]);
+            a[mt][kk].set(1, f[mt][kk][2]);
+            a[mt][kk].set(2, f[mt][kk][1]);
+            a[mt][kk].set(3, f[mt][kk][3]);
+        }
+    const float *bl = sB + 2 * (lane & 3) * LD + (lane >> 2);
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        float c[MT][4], c_lo[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                c[mt][e] = c_lo[mt][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KN; kk++) {
+            tf32_frag<2> b;
+            b.set(0, bl[kk * 8 * LD + nt * 8]);
+            b.set(1, bl[kk * 8 * LD + nt * 8 + LD]);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+                mma_f32(c[mt], c_lo[mt], a[mt][kk], b);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                acc[mt][nt][e] += c[mt][e] + c_lo[mt][e];
+    }
+}
 #else
+template <int MT, int KS>
+using cfrag = uint32_t[MT][KS][4];
+
 /* c += a * b, one m16n8k16 tensor-core product, float32 accumulate. */
 DEV void mma16816(float *c, const uint32_t *a, uint32_t b0, uint32_t b1)
 {

@@ -84,9 +84,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
 
     /* each lane's ldmatrix row addresses (shared-state space, bytes); the per-tile offsets
      * below are compile-time constants that fold into the instructions' immediates */
-    const uint32_t q_lane = smem_addr(sQ) + ELEM_BYTES * ((warp * WARP_M + (lane & 15)) * (DP + SMEM_PAD) + (lane >> 4) * CHUNK);
-    const uint32_t k_lane = smem_addr(sK) + ELEM_BYTES * (((lane & 7) + ((lane >> 4) << 3)) * (DP + SMEM_PAD) + ((lane >> 3) & 1) * CHUNK);
 #if !ELEM_F32
+    const uint32_t q_lane = smem_addr(sQ) + 2 * ((warp * WARP_M + (lane & 15)) * (DP + SMEM_PAD) + (lane >> 4) * 8);
+    const uint32_t k_lane = smem_addr(sK) + 2 * (((lane & 7) + ((lane >> 4) << 3)) * (DP + SMEM_PAD) + ((lane >> 3) & 1) * 8);
     const uint32_t v_lane = smem_addr(sV) + 2 * (((lane & 7) + ((lane >> 3) & 1) * 8) * (DVP + SMEM_PAD) + (lane >> 4) * 8);
 #endif
 
@@ -123,44 +123,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
         zero_acc(s);
         if (warp_rows) {
 #if ELEM_F32
-            /* the same bytes as the 16-bit path: a k8 step of floats is 32 bytes, and ldmatrix's
-             * 8 x 16-byte rows give each lane the TF32 fragment's element (m16n8k8's legend) */
-            float s_lo[MT][NT][4];
-            zero_acc(s_lo);
-#pragma unroll
-            for (int kk = 0; kk < DP / KSTEP; kk++) {
-                tf32_frag<4> a[MT];
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    uint32_t r[4];
-                    ldmatrix_x4(q_lane + 4 * (mt * 16 * (DP + SMEM_PAD) + kk * KSTEP), r[0], r[1], r[2], r[3]);
-#pragma unroll
-                    for (int i = 0; i < 4; i++)
-                        a[mt].set(i, __uint_as_float(r[i]));
-                }
-#pragma unroll
-                for (int np = 0; np < NT / 2; np++) {
-                    uint32_t b[4];
-                    ldmatrix_x4(k_lane + 4 * (np * 16 * (DP + SMEM_PAD) + kk * KSTEP), b[0], b[1], b[2], b[3]);
-                    tf32_frag<2> b01, b23;
-                    b01.set(0, __uint_as_float(b[0]));
-                    b01.set(1, __uint_as_float(b[1]));
-                    b23.set(0, __uint_as_float(b[2]));
-                    b23.set(1, __uint_as_float(b[3]));
-#pragma unroll
-                    for (int mt = 0; mt < MT; mt++) {
-                        mma_f32(s[mt][2 * np], s_lo[mt][2 * np], a[mt], b01);
-                        mma_f32(s[mt][2 * np + 1], s_lo[mt][2 * np + 1], a[mt], b23);
-                    }
-                }
-            }
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        s[mt][nt][e] += s_lo[mt][nt][e];
+            mma_abt_f32<MT, NT, DP>(s, sQ + warp * WARP_M * (DP + SMEM_PAD), sK, lane);
 #else
 #pragma unroll
             for (int kk = 0; kk < DP / 16; kk++) {
@@ -196,47 +159,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
         if (!warp_rows)
             continue;
 #if ELEM_F32
-        /* P split once (hi, lo); then per n8 tile of O, the tile's keys summed into fresh
-         * accumulators and added to O rounded (the mma's truncating adds reach only this tile's
-         * sum). Per 8 keys (S's n8 tile kk) a lane holds P at keys 2t, 2t+1 of rows g, g+8, which
-         * the k8 product takes as its k = t and t + 4 (a sum over k in any order), so V's B
-         * fragment is rows 2t and 2t+1 of the chunk, column g of the n8 tile: two scalar loads
-         * (V rows 16 bytes apart mod 128: conflict-free) */
-        tf32_frag<4> pa[MT][NT];
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-            for (int kk = 0; kk < NT; kk++) {
-                pa[mt][kk].set(0, s[mt][kk][0]);
-                pa[mt][kk].set(1, s[mt][kk][2]);
-                pa[mt][kk].set(2, s[mt][kk][1]);
-                pa[mt][kk].set(3, s[mt][kk][3]);
-            }
-        const float *vlane = sV + 2 * (lane & 3) * (DVP + SMEM_PAD) + (lane >> 2);
-#pragma unroll
-        for (int nt = 0; nt < OT; nt++) {
-            float c[MT][4], c_lo[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    c[mt][e] = c_lo[mt][e] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < NT; kk++) {
-                const float *vrow = vlane + kk * 8 * (DVP + SMEM_PAD) + nt * 8;
-                tf32_frag<2> b;
-                b.set(0, vrow[0]);
-                b.set(1, vrow[DVP + SMEM_PAD]);
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++)
-                    mma_f32(c[mt], c_lo[mt], pa[mt][kk], b);
-            }
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    o[mt][nt][e] += c[mt][e] + c_lo[mt][e];
-        }
+        mma_cb_f32<MT, NT, OT, DVP + SMEM_PAD>(o, s, sV, lane);
 #else
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; kk++) {

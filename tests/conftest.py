@@ -34,7 +34,7 @@ DTYPE_IDS = {F16: "f16", BF16: "bf16", F32: "f32", F64: "f64"}
 # The backend the CPU suite runs on: ATTNEXT_TEST_DEVICE=cuda reruns the whole suite on the GPU
 # (tests/test_cuda.py does that under `pytest -m gpu`); dtypes the GPU has no kernels for skip.
 TEST_DEVICE = os.environ.get("ATTNEXT_TEST_DEVICE", "cpu")
-GPU_DTYPES = (F16, BF16, F32)     # float32: the forward (its GPU backward raises TypeError)
+GPU_DTYPES = (F16, BF16, F32)
 
 class EnvMonkeyPatch(pytest.MonkeyPatch):
     """pytest's MonkeyPatch, whose setenv / delenv of an ATTNEXT_* variable (and its undo) also
@@ -253,13 +253,11 @@ def check_backend(q, k, v, rng, *, varlen=None, backward=True, out=None, dout=No
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    """On the GPU rerun, a test of the CPU suite that feeds float64 to the GPU, or asks for
-    float32's GPU backward (neither has kernels yet: attnext raises TypeError saying so) is
-    reported as skipped; float32's forward has run and been checked by then."""
+    """On the GPU rerun, a test of the CPU suite that feeds float64 to the GPU (which has no
+    kernels for it: attnext raises TypeError saying so) is reported as skipped."""
     outcome = yield
     if TEST_DEVICE != "cuda" or outcome.excinfo is None:
         return
     exc = outcome.excinfo[1]
-    if isinstance(exc, TypeError) and ("(float64 stays on the CPU)" in str(exc)
-                                       or "is not built yet (the forward is)" in str(exc)):
+    if isinstance(exc, TypeError) and "(float64 stays on the CPU)" in str(exc):
         outcome.force_exception(pytest.skip.Exception(f"cuda: {exc}", _use_item_location=True))

@@ -1,14 +1,14 @@
-"""float32 on the GPU (`pytest -m gpu`): attn_fwd.cu's TF32 tensor-core path against the float64
-reference. By default each product is split into TF32 parts (3 products: float32 accuracy, held
-to the float32 rule and to a few times a plain NumPy float32 computation's error);
-precision="tf32" takes one TF32 product (float16's 10-bit mantissa: held to float16's rule, and
-shown to be the coarser of the two)."""
+"""float32 on the GPU (`pytest -m gpu`): attn_fwd.cu's and attn_bwd.cu's TF32 tensor-core paths
+against the float64 reference, forward and backward. By default each product is split into TF32
+parts (3 products: float32 accuracy, held to the float32 rule and to a few times a plain NumPy
+float32 computation's error); precision="tf32" takes one TF32 product (float16's 10-bit mantissa:
+held to float16's rule, and shown to be the coarser of the two)."""
 import numpy as np
 import pytest
 
 import attnext
 from attnext import reference
-import test_huge_scores as huge
+from attnext.testing.accuracy import compare_grads
 from conftest import F16, F32, assert_close, assert_lse_close, make_qkv, make_varlen_qkv, randn
 
 pytestmark = pytest.mark.gpu
@@ -29,10 +29,23 @@ def _forward(q, k, v, *, varlen=None, precision=None, **opts):
     return out, lse, r_out, r_lse
 
 
-def _check(q, k, v, **opts):
-    out, lse, r_out, r_lse = _forward(q, k, v, **opts)
+def _check(q, k, v, *, varlen=None, backward=True, **opts):
+    """Forward (and backward) on cuda against the reference: out, lse, dq, dk, dv, dbias."""
+    out, lse, r_out, r_lse = _forward(q, k, v, varlen=varlen, **opts)
     assert_close("out", out, r_out, F32)
     assert_lse_close(lse, r_lse, F32)
+    if backward:
+        rng = np.random.default_rng(7)
+        dout = rng.standard_normal(out.shape).astype(np.float32)
+        lengths = varlen or {}
+        if varlen is None:
+            g = attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", **opts)
+            rg = reference.attention_backward(dout, q, k, v, out, lse, **opts)
+        else:
+            g = attnext.varlen_attention_backward(dout, q, k, v, out, lse, **lengths, device="cuda", **opts)
+            rg = reference.varlen_attention_backward(dout, q, k, v, out, lse, **lengths, **opts)
+        problems = compare_grads(g, rg, q, k, v, dout, out, r_out, varlen, opts)
+        assert not problems, "\n".join(problems)
     return out, lse
 
 
@@ -97,15 +110,6 @@ def test_decode_split_kv_and_packed_heads(sq, hq, d, rng):
     _check(q, k, v, causal=True)
 
 
-@pytest.mark.parametrize("fill", huge.FILLS, ids=huge.FILL_IDS)
-def test_huge_fill_rows(fill, rng):
-    """test_huge_scores' fill rows (judged at float32's precision: s + fill rounds to one value)
-    through the float32 forward."""
-    q, k, v = make_qkv(rng, 2, 70, 150, 4, 2, 16, 24, F32)
-    huge.run_and_check("cuda", q, k, v, rng, bias=huge.filled_bias(rng, 70, 150, fill, F32),
-                       causal=True, backward=False)
-
-
 def test_torch_tensors_with_score_mod_and_mask_mod(rng, torch):
     """CUDA float32 tensors in place, a score_mod reading a captured table and a mask_mod."""
     q, k, v = make_qkv(rng, 2, 200, 260, 4, 2, 64, 64, F32)
@@ -128,10 +132,13 @@ def test_torch_tensors_with_score_mod_and_mask_mod(rng, torch):
     assert_close("out", out.cpu().numpy(), r_out, F32)
 
 
-def test_device_none_keeps_float32_on_the_cpu_until_its_backward_lands(rng):
-    q, k, v = make_qkv(rng, 1, 16, 16, 2, 2, 32, 32, F32)
-    out, lse = attnext.attention(q, k, v, device="cuda", return_lse=True)
-    with pytest.raises(TypeError, match="GPU backward of float32 is not built yet"):
-        attnext.attention_backward(out, q, k, v, out, lse, device="cuda")
-    g = attnext.attention_backward(out, q, k, v, out, lse)        # device=None: the CPU
-    assert g.dq.dtype == F32
+def test_device_none_runs_float32_on_the_gpu(rng):
+    """device=None takes float32 to the GPU, forward and backward: the same bits as device="cuda"."""
+    q, k, v = make_qkv(rng, 1, 80, 90, 2, 2, 32, 32, F32)
+    out, lse = attnext.attention(q, k, v, return_lse=True)
+    out_c, lse_c = attnext.attention(q, k, v, device="cuda", return_lse=True)
+    out_h = attnext.attention(q, k, v, device="cpu")
+    assert np.array_equal(out, out_c) and np.array_equal(lse, lse_c) and not np.array_equal(out, out_h)
+    g = attnext.attention_backward(out, q, k, v, out, lse)
+    g_c = attnext.attention_backward(out, q, k, v, out, lse, device="cuda")
+    assert all(np.array_equal(a, b) for a, b in zip(g[:3], g_c[:3]))

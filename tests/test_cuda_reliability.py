@@ -776,15 +776,16 @@ def test_read_only_dlpack():
                 "the read-only flag is tested through __cuda_array_interface__ (test_read_only_cuda_arrays)")
 
 
-def test_float32_cuda_tensors_backward_is_a_type_error(torch, rng):
-    """float32 CUDA tensors run the forward on the GPU; its backward is not built yet: a
-    TypeError saying so, the inputs untouched."""
-    q, k, v = (_tensor(torch, x) for x in make_qkv(rng, 1, 20, 30, 2, 2, 16, 16, F32))
+def test_float32_cuda_tensors_run_on_the_gpu(torch, rng):
+    """float32 CUDA tensors, forward and backward, on the GPU in place; the inputs untouched."""
+    host = make_qkv(rng, 1, 20, 30, 2, 2, 16, 16, F32)
+    q, k, v = (_tensor(torch, x) for x in host)
     before = [x.clone() for x in (q, k, v)]
     out, lse = attnext.attention(q, k, v, return_lse=True)
     assert out.dtype == torch.float32 and out.is_cuda
-    with pytest.raises(TypeError, match=r"GPU backward of float32 is not built yet"):
-        attnext.attention_backward(out, q, k, v, out, lse)
+    g = attnext.attention_backward(out, q, k, v, out, lse)
+    assert g.dq.dtype == torch.float32 and g.dq.is_cuda
+    assert_close("out", _host(torch, out), reference.attention(*host), F32)
     assert all(_same_bits(torch, a, b) for a, b in zip((q, k, v), before))
 
 

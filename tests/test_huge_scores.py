@@ -32,7 +32,7 @@ FILLS = [float(np.finfo(np.float32).min), -1e9, -1e10, -1e30]
 FILL_IDS = ["f32min", "1e9", "1e10", "1e30"]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 CPU_DTYPES = [F32, F64]
-GPU_DTYPES = [BF16, F16]
+GPU_DTYPES = [BF16, F16, F32]
 
 
 def _dtypes(device):

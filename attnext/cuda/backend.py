@@ -37,11 +37,9 @@ from . import arrays as _device, mod_cache, mod_inputs as mod_arrays, nvrtc, pro
 from .devview import DevView
 from .staging import host_result, to_host  # noqa: F401  (api.py's: results, lengths)
 
-# what the GPU kernels take: float32's forward (TF32 tensor cores), not yet its backward, so
-# device=None keeps float32 on the CPU (AUTO_DTYPES: what it sends to the GPU)
-AUTO_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
-DTYPES = AUTO_DTYPES + (np.dtype(np.float32),)
-BACKWARD_DTYPES = AUTO_DTYPES
+# what the GPU kernels take (float32 on TF32 tensor cores, by split products unless
+# precision="tf32"); float64 stays on the CPU
+DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))
 _lock = threading.Lock()
 _status = None            # None: not probed yet; "" usable; else why not
 
@@ -724,7 +722,7 @@ def _backward_plan(o, device, views, extra, deterministic, gen=None):
     key = ("bwd", device, o.B, o.Sq, o.Sk, q_rows, k_rows, o.varlen, o.causal_code, o.window_left,
            o.window_right, o.softcap_value > 0, (q4.ptr | k4.ptr | v4.ptr | dout4.ptr) % 16 == 0,
            tuple(_desc(x) for x in views), _extras_key(o, extra), bool(deterministic),
-           select.knobs(select.BWD_KNOBS), None if gen is None else gen.source)
+           select.knobs(select.BWD_KNOBS), None if gen is None else gen.source, o.precision)
     plan = _plans.get(key)
     if plan is None:
         plan = _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, gen)
@@ -738,9 +736,9 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     (atomic, ordered, sem_words, write_last, mask_mod, grads). features: _common's, vec already
     anded with dout's; dbias4: the dbias view or None. A forward with mods asks it for the
     backward it expects (_compile_backward_ahead), the backward's plan for its launches."""
-    tile = select.bwd_tile_config(o.D, o.Dv)
+    tile = select.bwd_tile_config(o.D, o.Dv, features["dtype"])
     arch = device_arch(device)
-    sm90 = select.bwd_sm90_applies(arch, o.D, o.Dv, features["vec"])
+    sm90 = select.bwd_sm90_applies(arch, o.D, o.Dv, features["vec"], features["dtype"])
     # the dQ kernels scatter the score_mod's array gradients (ds_tile): with those dQ is
     # recomputed whatever deterministic and ATTNEXT_BWD_DQ say
     grads = gen is not None and gen.defines.get("HAS_DTENSORS")
@@ -748,10 +746,12 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     # then meets as few query tiles, and a query tile as few key blocks, as at that many keys)
     lo, hi = lower.kept_span(o, None if o.varlen or o.used_q is not None or o.used_k is not None else o.Sk - o.Sq)
     reach = k_rows if math.isinf(hi - lo) else min(k_rows, max(int(hi - lo) + 1, 0))
-    dq_mode = "recompute" if grads else select.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach)
+    # float32 (attn_bwd.cu's TF32 path) recomputes dQ too
+    f32 = features["dtype"] == "float32"
+    dq_mode = "recompute" if grads or f32 else select.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach)
     atomic = dq_mode != "recompute"
     defines = select.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen)
-    smem = select.bwd_smem_bytes(o.D, o.Dv, tile, atomic, defines.get("MOD_TILE_SLOTS", 0))
+    smem = select.bwd_smem_bytes(o.D, o.Dv, tile, atomic, defines.get("MOD_TILE_SLOTS", 0), features["dtype"])
     hopper = select.bwd_sm90_tile(o.D, dq_mode) if sm90 else None
     kv_blocks = _query_tiles(k_rows, 16 * hopper["kv_warps"]) if hopper else 0   # the dK/dV grid's x
     # the ordered mode's key blocks take turns at each query tile: without a mask_mod the first turn

@@ -241,7 +241,7 @@ def fwd_variants():
     return [("attn_fwd", fwd_defines(**v)) for v in out]
 
 
-def bwd_tile_config(D, Dv):
+def bwd_tile_config(D, Dv, dtype="bfloat16"):
     """The backward's tiles for head dims D, Dv: the one place that chooses. Returns a dict:
     kv_block_m, kv_warps, kv_split, kv_minb (dkdv: query rows per streamed tile; warps, 16 key
     rows each; dV and dK in two passes; CTAs per SM the registers must allow) and q_block_m,
@@ -253,14 +253,19 @@ def bwd_tile_config(D, Dv):
     scheduler, so CTAs are 4 warps (two or more per SM, barriers independent): on an H100 this
     measured 1.05x (D=128) to 1.3x (D=64) faster than 8-warp CTAs. Shared memory stays under
     sm_80's 163 KB per CTA. Every choice gives the same bits: the products accumulate over 16-wide
-    steps in the same order whatever the tile."""
+    steps in the same order whatever the tile. float32 (twice the bytes): 32-key dQ tiles past
+    D = 64, so that the dQ kernel fits sm_80 too."""
     env = _env.get("ATTNEXT_TILE_BWD")   # the kernel lab's override: "32,4,0,2,64,64,4,2"
     if env:
         keys = ("kv_block_m", "kv_warps", "kv_split", "kv_minb", "q_block_m", "q_block_n", "q_warps",
                 "q_minb")
         return dict(zip(keys, (int(x) for x in env.split(","))))
     dp, dvp = _round_up(D, 16), _round_up(Dv, 16)
-    q = dict(q_block_m=64, q_block_n=64 if dp <= 128 else 32, q_warps=4, q_minb=2)
+    if dtype == "float32" and dp + dvp > 256:
+        return dict(kv_block_m=16, kv_warps=2, kv_split=1, kv_minb=2, q_block_m=32, q_block_n=16, q_warps=2,
+                    q_minb=2)
+    wide = 64 if dtype == "float32" else 128
+    q = dict(q_block_m=64, q_block_n=64 if dp <= wide else 32, q_warps=4, q_minb=2)
     if dp + dvp <= 128:
         return dict(kv_block_m=64, kv_warps=4, kv_split=0, kv_minb=2, **q)
     if dp + dvp <= 256:
@@ -292,31 +297,32 @@ def tile_sums(mods, bm, bn):
     return used, admit, bool(admit) and always
 
 
-def bwd_smem_bytes(D, Dv, tile, atomic, slots=0):
+def bwd_smem_bytes(D, Dv, tile, atomic, slots=0, dtype="bfloat16"):
     """Dynamic shared memory of each backward kernel (attn_bwd.cu's layouts), by kernel name;
     slots: the dQ kernel's tile sums (tile_sums)."""
-    dp, dvp = _round_up(D, 16) + SMEM_PAD, _round_up(Dv, 16) + SMEM_PAD
+    size = ITEMSIZE[dtype]
+    dp, dvp = _round_up(D, 16) + 16 // size, _round_up(Dv, 16) + 16 // size
     bm, bn = tile["kv_block_m"], 16 * tile["kv_warps"]
     dkdv_common = bn * dp + 2 * bm * dp + 2 * bm * dvp
     extra = 4 * 4 * bm + (2 * bn * (bm + SMEM_PAD) if atomic else 0)
     qm, qn, qw = tile["q_block_m"], tile["q_block_n"], tile["q_warps"]
     return {
-        "attn_bwd_dkdv": 2 * (dkdv_common + bn * dvp) + extra,
-        "attn_bwd_dk": 2 * (dkdv_common + bn * dvp) + extra,
-        "attn_bwd_dead": 2 * (dkdv_common + bn * dvp) + extra,   # dkdv's (or dk's: KV_SPLIT)
-        "attn_bwd_dv": 2 * dkdv_common + extra,
-        "attn_bwd_dq": 2 * (qm * dp + qm * dvp + 2 * qn * dp + qn * dvp) + slots * codegen.TILE_SLOT_BYTES,
-        "attn_bwd_dbias": 2 * (qm * dp + qm * dvp + qn * dp + qn * dvp) + 4 * qw * qn,
+        "attn_bwd_dkdv": size * (dkdv_common + bn * dvp) + extra,
+        "attn_bwd_dk": size * (dkdv_common + bn * dvp) + extra,
+        "attn_bwd_dead": size * (dkdv_common + bn * dvp) + extra,   # dkdv's (or dk's: KV_SPLIT)
+        "attn_bwd_dv": size * dkdv_common + extra,
+        "attn_bwd_dq": size * (qm * dp + qm * dvp + 2 * qn * dp + qn * dvp) + slots * codegen.TILE_SLOT_BYTES,
+        "attn_bwd_dbias": size * (qm * dp + qm * dvp + qn * dp + qn * dvp) + 4 * qw * qn,
         "attn_bwd_pre": 0,
         "attn_bwd_dq_convert": 0,
     }
 
 
-def bwd_sm90_applies(arch, D, Dv, vec):
+def bwd_sm90_applies(arch, D, Dv, vec, dtype="bfloat16"):
     """Whether attn_bwd_sm90.cu (wgmma dK, dV, dQ) runs: sm_90a, 16-byte loads, D, Dv in {64,
     128}; else attn_bwd.cu. ATTNEXT_BWD_SM90=0 keeps Hopper on attn_bwd.cu (the lab's and the
     tests' comparison)."""
-    return (arch == "sm_90a" and vec and D in (64, 128) and Dv in (64, 128)
+    return (arch == "sm_90a" and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
             and (_env.get("ATTNEXT_BWD_SM90") or "1") != "0")
 
 
@@ -432,7 +438,7 @@ def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
     array gradients: the dQ kernels' ds_tile scatters them, MOD_TILE_SLOTS: through shared
     memory where it has tile terms); mods: as for fwd_defines."""
     d = {
-        "ELEM_BF16": int(dtype == "bfloat16"), "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
+        **dtype_defines(dtype, tf32), "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
         "HAS_SOFTCAP": int(softcap), "HAS_BIAS": int(bias_dtype is not None),
         "BIAS_DT": DTYPE_CODES[bias_dtype or "float32"], "HAS_ALIBI": int(alibi_dtype is not None),
         "ALIBI_DT": DTYPE_CODES[alibi_dtype or "float32"], "HAS_MASK": int(mask),
@@ -453,17 +459,17 @@ def bwd_variants():
     pack-GQA or split-KV variants), plus the lab's atomic dq path of the common head dims."""
     out = []
     for _, fd in fwd_variants():
-        if fd.get("ELEM_F32"):
-            continue                  # float32's backward on the GPU: not built yet
-        dtype = "bfloat16" if fd["ELEM_BF16"] else "float16"
+        dtype = "float32" if fd.get("ELEM_F32") else "bfloat16" if fd["ELEM_BF16"] else "float16"
         D, Dv = fd["HEAD_DIM"], fd["HEAD_DIM_V"]
         names = {v: k for k, v in DTYPE_CODES.items()}
         features = dict(dtype=dtype, D=D, Dv=Dv, vec=bool(fd["VEC_LOAD"]), softcap=bool(fd["HAS_SOFTCAP"]),
                         bias_dtype=names[fd["BIAS_DT"]] if fd["HAS_BIAS"] else None,
                         alibi_dtype=names[fd["ALIBI_DT"]] if fd["HAS_ALIBI"] else None,
-                        mask=bool(fd["HAS_MASK"]), tile=bwd_tile_config(D, Dv))
+                        mask=bool(fd["HAS_MASK"]), tile=bwd_tile_config(D, Dv, dtype),
+                        tf32=fd.get("TF32_PASSES") == 1)
         out.append(bwd_defines(**features))
-        if not (fd["HAS_SOFTCAP"] or fd["HAS_BIAS"] or fd["HAS_MASK"]) and (D, Dv) in ((64, 64), (128, 128)):
+        if (not (fd["HAS_SOFTCAP"] or fd["HAS_BIAS"] or fd["HAS_MASK"]) and (D, Dv) in ((64, 64), (128, 128))
+                and dtype != "float32"):    # float32 recomputes dQ
             out.append(bwd_defines(**features, dq="atomic"))
     unique = {tuple(sorted(d.items())): d for d in out}
     return [("attn_bwd", d) for d in unique.values()]

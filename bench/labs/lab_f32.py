@@ -1,7 +1,9 @@
-"""float32 forward on the GPU: attnext's split TF32 (default) and single-pass TF32
-(precision="tf32") against torch SDPA's float32 backends (efficient; math with and without TF32
-matmuls), TFLOP/s, same run. Every result is checked first against SDPA's math backend in float64
-(max|x - ref| / max|ref|), and its error printed beside its rate.
+"""float32 on the GPU: attnext's split TF32 (default) and single-pass TF32 (precision="tf32")
+against torch SDPA's float32 backends (efficient; math with and without TF32 matmuls), TFLOP/s,
+same run, forward and (--bwd) backward (2.5x the forward's FLOPs; attnext from a prior forward's
+out and lse, torch by autograd.grad on a graph built before timing). Every result is checked
+first against SDPA's math backend in float64 (max|x - ref| / max|ref|; the backward: dq), and its
+error printed beside its rate.
 
     python bench/labs/lab_f32.py [--rows "4,2048,16,64;1,8192,16,128,causal"] [--tiles "128,64,4;64,64,4"]
 
@@ -29,6 +31,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default=ROWS, help="B,S,H,D[,causal] separated by ';'")
     ap.add_argument("--tiles", default="", help="BLOCK_M,BLOCK_N,WARPS separated by ';'")
+    ap.add_argument("--bwd", action="store_true", help="time the backward too")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'row':28} {'impl':16} {'ms':>8} {'TFLOP/s':>8} {'rel err':>9}")
@@ -73,8 +76,40 @@ def main():
             ms = do_bench(fn, warmup=25, rep=100)
             print(f"{name:28} {label:16} {ms:8.3f} {flops / ms / 1e9:8.1f} {err:9.2e}")
         torch.backends.cuda.matmul.allow_tf32 = False
+        if args.bwd:
+            _backward(name, q, k, v, causal, flops * 2.5)
         del q, k, v, ref, out
         torch.cuda.empty_cache()
+
+
+def _backward(name, q, k, v, causal, flops):
+    dout = torch.randn_like(q)
+    qd, kd, vd = (x.double().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    ref = torch.autograd.grad(F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal),
+                              (qd, kd, vd), dout.double().transpose(1, 2))[0].transpose(1, 2)
+    impls = {}
+    for precision in (None, "tf32"):
+        out, lse = attnext.attention(q, k, v, causal=causal, return_lse=True, precision=precision)
+        impls[f"attnext{' tf32' if precision else ''}"] = (
+            lambda out=out, lse=lse, precision=precision: attnext.attention_backward(
+                dout, q, k, v, out, lse, causal=causal, precision=precision).dq)
+    for label, backend, tf32 in (("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION, False),
+                                 ("sdpa math tf32", SDPBackend.MATH, True)):
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+        with sdpa_kernel(backend):
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        impls[label] = (lambda o=o, qt=qt, kt=kt, vt=vt: torch.autograd.grad(
+            o, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True)[0].transpose(1, 2))
+    for label, fn in impls.items():
+        torch.backends.cuda.matmul.allow_tf32 = "tf32" in label and "sdpa" in label
+        err = _rel(fn(), ref)
+        if not err < 2e-2:
+            print(f"{name:28} {label + ' bwd':16} WRONG {err:.3g}")
+            continue
+        ms = do_bench(fn, warmup=25, rep=100)
+        print(f"{name:28} {label + ' bwd':16} {ms:8.3f} {flops / ms / 1e9:8.1f} {err:9.2e}")
+    torch.backends.cuda.matmul.allow_tf32 = False
 
 
 if __name__ == "__main__":
