@@ -473,8 +473,9 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
         >>> out, lse = attnext.attention(q, k, v, causal=True, return_lse=True)
         >>> dq, dk, dv, dbias, dtensors = attnext.attention_backward(dout, q, k, v, out, lse,
         ...                                                           causal=True)
+        >>> out, lse = attnext.attention(q, k, v, score_mod=alibi, return_lse=True)
         >>> g = attnext.attention_backward(dout, q, k, v, out, lse, score_mod=alibi,
-        ...                                dtensors=False)     # no gradient for alibi's slopes
+        ...                                dtensors=False)     # dq, dk, dv; no slopes gradient
     """
     o = checks.normalise(q, k, v, dict(
         causal=causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
