@@ -542,3 +542,21 @@ def test_gpu_varlen_selection_with_numpy_lengths(torch):
     assert np.array_equal(g.dtensors["slopes"].view(np.uint32), every.dtensors["slopes"].view(np.uint32))
     g = attnext.varlen_attention_backward(out, tq, tk, tv, out, lse, cu, cu, score_mod=score_mod, dtensors=False)
     assert g.dtensors == {}
+
+
+def test_assert_grads_close_takes_the_backwards_dtensors(rng):
+    """attnext.testing.assert_grads_close with the options of a backward that asked for some
+    arrays: the reference's expected asked for the same ones."""
+    import attnext.testing
+    slopes, table = _arrays(rng)
+    score_mod = mods.softcap_alibi_rel(3.0, slopes, table)
+    q, k, v = make_qkv(rng, 1, 9, S, H, 2, 8, 8, F32)
+    opts = dict(score_mod=score_mod, causal=True, dtensors=["table"])
+    out, lse = attnext.attention(q, k, v, score_mod=score_mod, causal=True, return_lse=True)
+    dout = randn(rng, out.shape, F32)
+    g = attnext.attention_backward(dout, q, k, v, out, lse, **opts)
+    expected = reference.attention_backward(dout, q, k, v, out, lse, **opts)
+    attnext.testing.assert_grads_close(g, expected, q=q, k=k, v=v, dout=dout, out=out, **opts)
+    bad = g._replace(dtensors={"table": 2 * g.dtensors["table"]})
+    with pytest.raises(AssertionError, match="dtensors"):
+        attnext.testing.assert_grads_close(bad, expected, q=q, k=k, v=v, dout=dout, out=out, **opts)
