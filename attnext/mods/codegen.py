@@ -476,10 +476,11 @@ class Generated(NamedTuple):
     """The generated header and what a call binds to it. source: the header's text; defines:
     the kernel switches (HAS_SCORE_MOD, HAS_MASK_MOD, HAS_DTENSORS); arrays: (kind "score_mod"
     / "mask_mod", name, value type) by global number; grad_arrays: the global numbers of the
-    score_mod's float arrays that have a gradient term the backward computes (generate's wanted); n_score_floats: where mask_mod's float
-    constants start in m->f; uses_h: whether a mod reads h; mask_uses_b / mask_uses_h: whether
-    mask_mod reads b / h (the block mask has one slice per b / h only then); tile_terms: the
-    TileTerms in mod_tile_plan's order (select.tile_sums)."""
+    score_mod's float arrays that have a gradient term the backward computes (generate's
+    wanted); n_score_floats: where mask_mod's float constants start in m->f; uses_h: whether a
+    mod reads h; mask_uses_b / mask_uses_h: whether mask_mod reads b / h (the block mask has one
+    slice per b / h only then); tile_terms: the TileTerms in mod_tile_plan's order
+    (select.tile_sums)."""
     source: str
     defines: dict
     arrays: tuple
