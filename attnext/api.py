@@ -14,7 +14,7 @@ lse = -inf, with zero gradients; never NaN. The public functions' docstrings say
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Collection
 
 import ml_dtypes
 import numpy as np
@@ -62,7 +62,8 @@ def _cpu_mods(o, backward):
     or o as varlen over the documents (the same memory: B = 1)."""
     ts = trace.trace_score_mod(o.score_mod) if o.score_mod is not None else None
     tm = lower.lower_mask(o, ts, trace.trace_mask_mod(o.mask_mod)) if o.mask_mod is not None else None
-    return lower.kernel_problem(o), interp.bind(ts, tm, o.acc_dtype, backward=backward)
+    return lower.kernel_problem(o), interp.bind(ts, tm, o.acc_dtype, backward=backward,
+                                                dtensors=o.dtensors_asked)
 
 
 def _as_bshd(o, x):
@@ -338,9 +339,10 @@ def varlen_attention(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
     return _forward(o)
 
 
-def _backward(o, dout, out, lse, deterministic):
+def _backward(o, dout, out, lse, deterministic, dtensors):
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool, got {checks.fmt(deterministic)}")
+    o.dtensors_asked = checks.dtensors_asked(o, dtensors)
     dout = checks.float_array("dout", dout)
     out = checks.float_array("out", out)
     lse = checks.float_array("lse", lse)
@@ -356,11 +358,13 @@ def _backward(o, dout, out, lse, deterministic):
     checks.check_memory(o, backward=True)
     if _runs_on_reference(o):
         _trace_mods(o)
+        asked = True if o.dtensors_asked is None else o.dtensors_asked
         if o.varlen:
             g = reference.varlen_attention_backward(dout, o.q, o.k, o.v, out, lse, o.cu_q, o.cu_k,
-                                                    **_reference_kwargs(o))
+                                                    dtensors=asked, **_reference_kwargs(o))
         else:
-            g = reference.attention_backward(dout, o.q, o.k, o.v, out, lse, **_reference_kwargs(o))
+            g = reference.attention_backward(dout, o.q, o.k, o.v, out, lse, dtensors=asked,
+                                             **_reference_kwargs(o))
         dbias = None if g.dbias is None else g.dbias.astype(o.bias.dtype)
         return Grads(g.dq.astype(o.q.dtype), g.dk.astype(o.q.dtype), g.dv.astype(o.q.dtype),
                      dbias, g.dtensors)
@@ -412,14 +416,23 @@ _GRADS = """\
         that keeps no key.
     deterministic: True (default): the GPU backward gives the same bits on every run. False
         lets the Hopper kernels add dQ in whatever order the additions land where a row sees
-        more than 1024 keys (a little faster there). The CPU is deterministic either way."""
+        more than 1024 keys (a little faster there). The CPU is deterministic either way.
+    dtensors: which captured arrays' gradients to compute: True (default) every float array the
+        score_mod reads, False none, or a collection of their names (a list, tuple or set of
+        str, as dtensors keys them; a str alone is refused: write ["rel"]). An array left out
+        costs nothing: no accumulation for it runs, and with none asked the GPU backward runs
+        the kernels of a score_mod without array gradients (the dQ kernels' scatter, which
+        makes a table's backward several times slower, is gone). TypeError for another type,
+        ValueError for a name that is not a captured float array (the valid ones are listed)
+        or for names without a score_mod."""
 
 _RETURNS = """\
     Returns attnext.Grads(dq, dk, dv, dbias, dtensors), a named tuple: dq, dk, dv in the shapes
     of q, k, v as given (a broadcast k gets a full-shape dk), q's dtype, in q's library; dbias
     in the shape and dtype of the bias given (summed over its broadcast dims), None without
-    one; dtensors: {name: gradient} of every float array a score_mod captures, in the array's
-    shape and dtype ({} without one). A row that keeps no key has dq exactly 0 and adds
+    one; dtensors: {name: gradient} of each float array the dtensors argument asks for (by
+    default every one the score_mod reads), in the array's shape and dtype ({} without a
+    score_mod or with dtensors=False). A row that keeps no key has dq exactly 0 and adds
     nothing to dk, dv, dbias or dtensors."""
 
 
@@ -438,7 +451,8 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
                        mask_mod: MaskMod | None = None, seqlens_q: Array | None = None,
                        seqlens_k: Array | None = None, layout: str = "bshd",
                        device: str | None = None, precision: str | None = None,
-                       deterministic: bool = True) -> Grads:
+                       deterministic: bool = True,
+                       dtensors: bool | Collection[str] = True) -> Grads:
     """Gradients of attention(q, k, v, ...) for the output gradient dout.
 
     q, k, v and every option as given to attention() (the same shapes, layout and options:
@@ -460,13 +474,16 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
         >>> out, lse = attnext.attention(q, k, v, causal=True, return_lse=True)
         >>> dq, dk, dv, dbias, dtensors = attnext.attention_backward(dout, q, k, v, out, lse,
         ...                                                           causal=True)
+        >>> out, lse = attnext.attention(q, k, v, score_mod=alibi, return_lse=True)
+        >>> g = attnext.attention_backward(dout, q, k, v, out, lse, score_mod=alibi,
+        ...                                dtensors=False)     # dq, dk, dv; no slopes gradient
     """
     o = checks.normalise(q, k, v, dict(
         causal=causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
         bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, seqlens_q=seqlens_q,
         seqlens_k=seqlens_k, layout=layout, return_lse=False, device=device, out=None,
         precision=precision))
-    return _backward(o, dout, out, lse, deterministic)
+    return _backward(o, dout, out, lse, deterministic, dtensors)
 
 
 @checks.flex_keywords
@@ -480,7 +497,8 @@ def varlen_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Ar
                               alibi_slopes: Array | None = None, bias: Array | None = None,
                               mask: Array | None = None, score_mod: ScoreMod | None = None,
                               mask_mod: MaskMod | None = None, device: str | None = None,
-                              precision: str | None = None, deterministic: bool = True) -> Grads:
+                              precision: str | None = None, deterministic: bool = True,
+                              dtensors: bool | Collection[str] = True) -> Grads:
     """Gradients of varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) for dout.
 
     q (Tq, Hq, D), k (Tk, Hk, D), v (Tk, Hk, Dv), the lengths (cu_seqlens_*, max_seqlen_*,
@@ -503,7 +521,7 @@ def varlen_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Ar
         seqlens_k=None, layout="thd", return_lse=False, device=device, out=None,
         precision=precision), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
         seqused_k, varlen=True)
-    return _backward(o, dout, out, lse, deterministic)
+    return _backward(o, dout, out, lse, deterministic, dtensors)
 
 
 # The caches of compiled score_mod / mask_mod programs, by backend: name -> function returning

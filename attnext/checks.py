@@ -20,7 +20,7 @@ import numpy as np
 from . import _env
 from ._layout import NUMPY_DTYPES
 from .cuda.devview import DevView, may_be_device_array
-from .mods import fingerprint
+from .mods import fingerprint, grad, trace
 
 
 @dataclass(slots=True)
@@ -94,6 +94,7 @@ class Problem:
     # set by the backends
     mods_lowered: bool = False      # the mask_mod went into the call's own features
     dtensors: Optional[dict] = None # the captured arrays' gradients of a GPU backward
+    dtensors_asked: Optional[frozenset] = None   # the backward's dtensors= (None: every array)
     whole_rows: Optional[int] = None   # a row slice of a longer sequence (cuda/backend.py)
     lse_rows: Any = None
 
@@ -609,6 +610,15 @@ def _memory_limit():
 
 def _nbytes(shape, dtype):
     return math.prod(int(n) for n in shape) * np.dtype(dtype).itemsize
+
+
+def dtensors_asked(o, dtensors):
+    """The backward's dtensors= as o.dtensors_asked reads it (grad.asked): None for every float
+    array the score_mod reads, else a frozenset of their names (False: empty). The names are
+    checked against the score_mod's traced float arrays (grad.float_arrays: the keys of the
+    backward's dtensors), traced only when names are given."""
+    return grad.asked(dtensors, lambda: None if o.score_mod is None
+                      else grad.float_arrays(trace.trace_score_mod(o.score_mod)))
 
 
 def check_memory(o, backward, out_given=False):

@@ -43,7 +43,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .mods import fingerprint, trace
+from .mods import fingerprint, grad, trace
 from .types import Grads
 
 ROW_BLOCK = 128
@@ -402,14 +402,22 @@ def _forward(pb, return_lse):
     return (out, lse) if return_lse else out
 
 
-def _backward(pb, dout):
+def _float_arrays(score_mod):
+    """name -> array: the float arrays score_mod captures (closure, globals, defaults)."""
+    return {} if score_mod is None else {
+        n: a for n, a in fingerprint.captured_arrays(score_mod).items()
+        if trace.array_kind(a.dtype) == trace.F}
+
+
+def _backward(pb, dout, dtensors):
     dq, dk, dv = (np.zeros(x.shape) for x in (pb.q, pb.k, pb.v))
     dq4, dk4, dv4 = (_bhsd(x, pb.layout) for x in (dq, dk, dv))
     dout4 = _bhsd(np.asarray(dout), pb.layout)
     dbias4 = None if pb.bias4 is None else np.zeros(pb.bias4.shape)
-    arrays = {} if pb.score_mod is None else {
-        n: a for n, a in fingerprint.captured_arrays(pb.score_mod).items()
-        if trace.array_kind(a.dtype) == trace.F}
+    arrays = _float_arrays(pb.score_mod)
+    names = grad.asked(dtensors, lambda: None if pb.score_mod is None else list(arrays))
+    if names is not None:             # the finite differences cost a pass per element: only these
+        arrays = {n: a for n, a in arrays.items() if n in names}
     dtensors = {n: np.zeros(a.shape) for n, a in arrays.items()}
     for hd in pb.heads():
         keys = slice(hd.k0, hd.k0 + hd.lk)
@@ -422,7 +430,8 @@ def _backward(pb, dout):
             dp = do @ hd.v.T
             ds = np.where(live, p * (dp - (p * dp).sum(axis=1, keepdims=True)), 0.0)   # dS3
             if pb.score_mod is not None:
-                _add_dtensors(pb.score_mod, arrays, ds, sc, dtensors)
+                if arrays:
+                    _add_dtensors(pb.score_mod, arrays, ds, sc, dtensors)
                 ds = _through_score_mod(pb.score_mod, ds, sc)      # dS2
             if dbias4 is not None:
                 _, _, nr, nc = dbias4.shape
@@ -479,20 +488,22 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None,
                        softcap=None, alibi_slopes=None, bias=None, mask=None, score_mod=None,
                        mask_mod=None, seqlens_q=None, seqlens_k=None, layout="bshd", device=None,
-                       precision=None, deterministic=True):
+                       precision=None, deterministic=True, dtensors=True):
     """Gradients of attention() in float64: Grads(dq, dk, dv, dbias, dtensors).
 
     The forward is recomputed: out and lse are not read. dq, dk, dv have the shapes of q, k, v
     (a broadcast k gets a full-shape dk); dbias has the bias's shape (summed over its broadcast
     axes), None without a bias; padding and fully masked rows get zero gradients. score_mod's
     derivatives are extrapolated central differences; dtensors maps each float array the
-    score_mod captures (closure, globals, defaults) to its gradient, float64.
+    score_mod captures (closure, globals, defaults) to its gradient, float64. The dtensors
+    argument: True (every such array), False (none) or a collection of their names: only those
+    are computed (a pass over the pairs per array element each).
     """
     pb = _Problem(q, k, v, layout=layout, cu_q=None, cu_k=None, used_q=seqlens_q,
                   used_k=seqlens_k, causal=causal, window=window, scale=scale, softcap=softcap,
                   alibi_slopes=alibi_slopes, bias=bias, mask=mask, score_mod=score_mod,
                   mask_mod=mask_mod)
-    return _backward(pb, dout)
+    return _backward(pb, dout, dtensors)
 
 
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
@@ -500,7 +511,7 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               seqused_k=None, causal=False, window=None, scale=None,
                               softcap=None, alibi_slopes=None, bias=None, mask=None,
                               score_mod=None, mask_mod=None, device=None, precision=None,
-                              deterministic=True):
+                              deterministic=True, dtensors=True):
     """Gradients of varlen_attention() in float64: Grads(dq, dk, dv, dbias, dtensors).
 
     As attention_backward; rows that are not real (past seqused, or after cu_seqlens[-1]) get
@@ -510,4 +521,4 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                   used_q=seqused_q, used_k=seqused_k, causal=causal, window=window, scale=scale,
                   softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
                   score_mod=score_mod, mask_mod=mask_mod)
-    return _backward(pb, dout)
+    return _backward(pb, dout, dtensors)

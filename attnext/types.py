@@ -19,7 +19,8 @@ class Grads(NamedTuple):
 
     dq, dk, dv have the shapes of q, k, v as given (a broadcast k gets a full-shape dk);
     dbias has the shape of the bias given (summed over its broadcast dimensions), None without
-    a bias; dtensors maps the name of each float array a score_mod reads to its gradient.
+    a bias; dtensors maps the name of each float array a score_mod reads (those the backward's
+    dtensors argument asks for: by default every one) to its gradient.
     """
     dq: np.ndarray
     dk: np.ndarray

@@ -8,6 +8,14 @@ mods        bf16, forward and backward, attnext against torch.compile(flex_atten
                                         (H, 2S) table, causal=True; both sides return the table's
                                         gradient (attnext: dtensors["table"]; Flex: the captured
                                         table requires grad and the timed autograd.grad takes it)
+  alibi0.0625 B2 S8192 H16 D128 causal  score_mod s - 0.0625 * |q_idx - kv_idx| (one constant
+                                        slope: no captured array), causal=True
+  alibi[h] nograd B2 S8192 H16 D128 causal
+                                        score_mod s - slopes[h] * |q_idx - kv_idx| over a captured
+                                        float32 (H,) array of ALiBi's slopes 2^(-8 (h + 1) / H),
+                                        causal=True; the backward with dtensors=False (no slopes
+                                        gradient, as Flex's slopes require none): the kernels of
+                                        the constant-slope row, which it should match
   doc7 mask T16384 H16 D128             16384 tokens in the bench's 7 documents (B = 1), the
                                         document-causal mask as a mask_mod alone
   doc7 causal+mask T16384 H16 D128      the same as causal=True plus a document mask_mod
@@ -57,7 +65,8 @@ QUICK_B, QUICK_S = 8, 2048
 SOFTCAP = 30.0
 WINDOW = 1024
 TABLE_SEED = 0
-KINDS = ("softcap", "relbias", "doc", "doc_causal", "window")
+ALIBI_SLOPE = 0.0625
+KINDS = ("softcap", "relbias", "alibi_const", "alibi_slopes", "doc", "doc_causal", "window")
 QUICK_KINDS = ("relbias", "doc_causal")     # one score_mod with a table gradient, one mask_mod
 REF_SCORE_BYTES = 1 << 29          # float32 scores per reference chunk (autograd keeps ~8 such)
 MOD_TARGET = 1.0                   # attnext's rate over Flex's, both directions (the issue)
@@ -89,6 +98,10 @@ class ModCase(NamedTuple):
             return f"softcap{SOFTCAP:g} {shape} causal"
         if self.kind == "relbias":
             return f"relbias {shape} causal"
+        if self.kind == "alibi_const":
+            return f"alibi{ALIBI_SLOPE:g} {shape} causal"
+        if self.kind == "alibi_slopes":
+            return f"alibi[h] nograd {shape} causal"
         if self.kind in ("doc", "doc_causal"):
             mask = "causal+mask" if self.kind == "doc_causal" else "mask"
             return f"doc{len(self.lens)} {mask} T{self.S} H{self.H} D{self.D}"
@@ -128,6 +141,11 @@ def relbias_table(case):
     return np.random.default_rng(TABLE_SEED).standard_normal((case.H, 2 * case.S)).astype(np.float32)
 
 
+def alibi_slopes(case):
+    """ALiBi's slopes 2^(-8 (h + 1) / H), float32 (H,)."""
+    return np.exp2(-8.0 * np.arange(1, case.H + 1) / case.H).astype(np.float32)
+
+
 def doc_ids(case):
     """The document of each packed token."""
     return np.repeat(np.arange(len(case.lens)), case.lens)
@@ -144,6 +162,13 @@ def attnext_mods(case):
         table = relbias_table(case)
         return dict(causal=True,
                     score_mod=lambda score, b, h, q_idx, kv_idx: score + table[h, q_idx - kv_idx + S])
+    if case.kind == "alibi_const":
+        return dict(causal=True,
+                    score_mod=lambda score, b, h, q_idx, kv_idx: score - ALIBI_SLOPE * np.abs(q_idx - kv_idx))
+    if case.kind == "alibi_slopes":
+        slopes = alibi_slopes(case)
+        return dict(causal=True,
+                    score_mod=lambda score, b, h, q_idx, kv_idx: score - slopes[h] * np.abs(q_idx - kv_idx))
     if case.kind == "doc":
         doc = doc_ids(case)
         return dict(mask_mod=lambda b, h, q_idx, kv_idx: (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx))
@@ -151,6 +176,13 @@ def attnext_mods(case):
         doc = doc_ids(case)
         return dict(causal=True, mask_mod=lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[kv_idx])
     return dict(mask_mod=lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx < window))
+
+
+def attnext_backward_mods(case):
+    """The keyword arguments of the row's backward: attnext_mods', and for alibi_slopes
+    dtensors=False (no gradient for the slopes)."""
+    extra = dict(dtensors=False) if case.kind == "alibi_slopes" else {}
+    return dict(attnext_mods(case), **extra)
 
 
 def flex_mods(case, device, buffer_grad=True):
@@ -167,6 +199,12 @@ def flex_mods(case, device, buffer_grad=True):
         table = torch.from_numpy(relbias_table(case)).to(device).requires_grad_(buffer_grad)
         return (lambda score, b, h, q_idx, kv_idx: score + table[h, q_idx - kv_idx + S]), causal, \
             {"table": table}
+    if case.kind == "alibi_const":
+        return (lambda score, b, h, q_idx, kv_idx: score - ALIBI_SLOPE * torch.abs(q_idx - kv_idx)), causal, {}
+    if case.kind == "alibi_slopes":
+        slopes = torch.from_numpy(alibi_slopes(case)).to(device)     # no gradient asked: none required
+        return (lambda score, b, h, q_idx, kv_idx: score - slopes[h] * torch.abs(q_idx - kv_idx)), causal, \
+            {"slopes": slopes}
     if case.kind in ("doc", "doc_causal"):
         doc = torch.from_numpy(doc_ids(case)).to(device)
         return None, lambda b, h, q_idx, kv_idx: (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx), {}
@@ -244,9 +282,11 @@ def _checked(refs, names, keep, direction):
     return checks
 
 
-def _measure_attnext(run, q, k, v, dout, kw, refs, keep):
+def _measure_attnext(run, q, k, v, dout, kw, refs, keep, bwd_kw=None):
     """attnext's forward (out=, no lse: the timed form) and backward from a prior forward's out and
-    lse, each validated against refs before it is timed; keep receives what they returned."""
+    lse, each validated against refs before it is timed; keep receives what they returned.
+    bwd_kw: the backward's keyword arguments (kw's by default)."""
+    bwd_kw = kw if bwd_kw is None else bwd_kw
     grad_names = [n for n in refs if n != "out"]
     o = q.new_empty(q.shape)
 
@@ -261,7 +301,7 @@ def _measure_attnext(run, q, k, v, dout, kw, refs, keep):
     saved = []
 
     def bwd():
-        return attnext.attention_backward(dout, q, k, v, *saved, **kw)
+        return attnext.attention_backward(dout, q, k, v, *saved, **bwd_kw)
 
     def first_bwd():
         saved.extend(attnext.attention(q, k, v, return_lse=True, **kw))
@@ -335,7 +375,8 @@ def mod_results(run, case):
     del score_mod, mask_mod, captured
     kw = dict(attnext_mods(case), device="cuda")
     keep_ax, keep_flex = {}, {}
-    results = {"attnext": _measure_attnext(run, q, k, v, dout, kw, refs, keep_ax)}
+    results = {"attnext": _measure_attnext(run, q, k, v, dout, kw, refs, keep_ax,
+                                           dict(attnext_backward_mods(case), device="cuda"))}
     if "flex" in run.peers:
         try:
             results["flex"] = _measure_flex(run, case, q, k, v, dout, refs, keep_flex)
@@ -414,6 +455,7 @@ def first_call_child(case_json, plain=False):
     q, k, v, dout = (torch.randn(case.B, case.S, case.H, case.D, device="cuda", dtype=torch.bfloat16)
                      for _ in range(4))
     kw = dict(dict(causal=True) if plain else attnext_mods(case), device="cuda")
+    bwd_kw = dict(dict(causal=True) if plain else attnext_backward_mods(case), device="cuda")
 
     def forward_then_backward():
         """(forward s, backward s), each from the call to a synchronisation after it."""
@@ -422,7 +464,7 @@ def first_call_child(case_json, plain=False):
         out, lse = attnext.attention(q, k, v, return_lse=True, **kw)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
-        attnext.attention_backward(dout, q, k, v, out, lse, **kw)
+        attnext.attention_backward(dout, q, k, v, out, lse, **bwd_kw)
         torch.cuda.synchronize()
         return t1 - t0, time.perf_counter() - t1
     fwd_s, bwd_s = forward_then_backward()
@@ -567,7 +609,7 @@ def _first_target_cell(row):
     return f"ok {row['target']}" if row["target_met"] else f"MISS {', '.join(row['target_misses'])}"
 
 
-MOD_COLUMNS = [("case", 36, lambda r: r["case"]), ("dir", 3, lambda r: r["direction"]),
+MOD_COLUMNS = [("case", 40, lambda r: r["case"]), ("dir", 3, lambda r: r["direction"]),
                ("ax ms", 8, lambda r: _ms_cell(r, "attnext")),
                ("flex ms", 8, lambda r: _ms_cell(r, "flex")),
                ("ax/flex", 7, lambda r: bc._ratio_cell(r["ratio_flex"])),
@@ -575,7 +617,7 @@ MOD_COLUMNS = [("case", 36, lambda r: r["case"]), ("dir", 3, lambda r: r["direct
                ("flex", 7, lambda r: bc._rate_cell(r, "flex")),
                ("err/flex", 8, _err_cell), ("s", 4, lambda r: f"{r['case_s']:.0f}"),
                ("target", 0, _target_cell)]
-FIRST_COLUMNS = [("case", 36, lambda r: r["case"]),
+FIRST_COLUMNS = [("case", 40, lambda r: r["case"]),
                  ("cold fwd", 8, lambda r: _first_cell(r, "cold", "fwd")),
                  ("cold bwd", 8, lambda r: _first_cell(r, "cold", "bwd")),
                  ("disk fwd", 8, lambda r: _first_cell(r, "disk", "fwd")),
@@ -589,7 +631,7 @@ FIRST_COLUMNS = [("case", 36, lambda r: r["case"]),
 SECTION_NOTES = {
     "mods": [
         "ms: the bench's medians; attnext: attention(out=) and attention_backward (dtensors "
-        "included), bshd;",
+        "included, but for alibi[h] nograd: dtensors=False), bshd;",
         "flex: forward under no_grad, backward = autograd.grad over q, k, v and the captured "
         "tables, block mask made outside the timing;",
         "err/flex: max|ax - flex| / max|flex| over out (fwd) or dq, dk, dv, d<table> (bwd); both "

@@ -32,7 +32,7 @@ import numpy as np
 from .. import _C, _env
 from .._layout import DTYPE_CODES, SLOT, KernelCall, dtype_name
 from ..lru import LRU
-from ..mods import bounds, codegen, lower, trace
+from ..mods import bounds, codegen, grad, lower, trace
 from . import arrays as _device, mod_cache, mod_inputs as mod_arrays, nvrtc, process, select, staging
 from .devview import DevView
 from .staging import host_result, to_host  # noqa: F401  (api.py's: results, lengths)
@@ -284,7 +284,9 @@ def _bind_mods(o, stage, backward):
     gradients, dacc (the zeroed accumulator) and offsets (array number -> first element).
     Traces the functions (TypeError for an unsupported one); the captured arrays are read
     afresh (mod_arrays.py: NumPy ones uploaded, CUDA ones read in place or converted on the
-    device)."""
+    device). A backward computes the gradients of o.dtensors_asked's arrays only (None: every
+    float array): the code is generated for that selection (codegen.generate's wanted), so an
+    array left out has no scatter, no accumulator and no gradient field (-1)."""
     if not _has_mods(o):
         return None
     ts = trace.trace_score_mod(o.score_mod) if o.score_mod is not None else None
@@ -293,16 +295,19 @@ def _bind_mods(o, stage, backward):
         o.mask_mod = None           # planned as a plain call is (_decode_plan asks _has_mods)
         o.mods_lowered = True       # (its forward still compiles the backward ahead)
         return None
-    layout = codegen.generated(ts, tm)          # the arrays and gradients; the code: gen below
+    asked = getattr(o, "dtensors_asked", None) if backward else None
+    wanted = grad.positions(ts, asked) if ts is not None else None
+    layout = codegen.generated(ts, tm, None, wanted)   # the arrays and gradients; the code: gen below
     floats = list(ts.params if ts is not None else ()) + list(tm.params if tm is not None else ())
     names, arch = codegen.call_arrays(ts, tm), device_arch(stage.device)
     arrays = [mod_arrays.bind(kind, name, (ts if kind == "score_mod" else tm).arrays[name], vt, stage, arch,
                               backward and i in layout.grad_arrays)
               for i, ((kind, name), (_, _, vt)) in enumerate(zip(names, layout.arrays))]
     facts = _facts(o, ts, tm, names, arrays)
-    gen = codegen.generated(ts, tm, facts)
+    gen = codegen.generated(ts, tm, facts, wanted)
     bound = types.SimpleNamespace(gen=gen, names=names, arrays=arrays, dacc=None, offsets={}, keep_mask=None,
                                   build_mask=False, mask_built=False, backward=backward,
+                                  asked=asked,
                                   can_fail=bounds.CHECKED in facts.score + facts.mask)
     bound.err = stage.scratch((5,), np.int64)
     _C.memset_d8(bound.err.ptr, 0, 5 * 8, stage.stream, stage.device)
@@ -389,7 +394,8 @@ def _build_block_mask(plan, stage, ptrs, o, bound, device):
 def _finish_mods(stage, bound):
     """After the launches: IndexError for a lookup the kernels found out of range; else, for a
     backward, the score_mod's array gradients {name: array of the captured array's shape and
-    dtype} (zeros for a float array the score reaches only through indices or comparisons)."""
+    dtype} of the float arrays it asked for (zeros for one the score reaches only through
+    indices or comparisons)."""
     if bound is None:
         return {}
     err = np.zeros(5, np.int64)
@@ -403,7 +409,8 @@ def _finish_mods(stage, bound):
         return {}
     sums = None if bound.dacc is None else _dtensor_sums(stage, bound.dacc)
     floats = [(i, name, a) for i, ((kind, name), (_, _, vt), a) in
-              enumerate(zip(bound.names, bound.gen.arrays, bound.arrays)) if kind == "score_mod" and vt == trace.F]
+              enumerate(zip(bound.names, bound.gen.arrays, bound.arrays)) if kind == "score_mod" and vt == trace.F
+              and (bound.asked is None or name in bound.asked)]
     return mod_arrays.gradients(floats, sums, bound.offsets, stage, device_arch(stage.device))
 
 

@@ -1,13 +1,14 @@
 """The symbolic derivative of a traced score_mod (grad) and its evaluation on NumPy arrays
 (evaluate_grad): reverse mode over the forward graph's nodes plus a `dout` leaf; array gradients
 are scatter-added with np.add.at (sequential, deterministic)."""
+import collections.abc
 import hashlib
 import math
 from typing import NamedTuple
 
 import numpy as np
 
-from .trace import B, F, Node, _LN2, _children, _normalised, _run, structure_of, topo
+from .trace import B, F, Node, _LN2, _children, _normalised, _run, kind_of, structure_of, topo
 
 
 class Grad(NamedTuple):
@@ -159,6 +160,64 @@ def grad(traced):
     roots = [dscore] + [x for k in darrays for idx, adj in darrays[k] for x in (*idx, adj)]
     text = structure_of("grad", roots, len(traced.params))
     return Grad(dscore, darrays, text, hashlib.sha256(text.encode()).hexdigest())
+
+
+def float_arrays(traced):
+    """The names of the float arrays a traced score_mod reads, in its graph's order: the keys of
+    a backward's dtensors (an array it reads only through indices or comparisons among them,
+    with a zero gradient)."""
+    names = []
+    for n in topo(traced.out):
+        if n.op == "array" and kind_of(n.dtype) == F and n.args[0] not in names:
+            names.append(n.args[0])
+    return names
+
+
+def positions(traced, names):
+    """The positions (the graph's order of its captured arrays, as codegen.array_order and
+    interp number them) of the named arrays, as a sorted tuple; None for names None (every
+    array). The key of a gradient selection: names differ between functions of one structure,
+    positions do not."""
+    if names is None:
+        return None
+    order = []
+    for n in topo(traced.out):
+        if n.op == "array" and n.args[0] not in order:
+            order.append(n.args[0])
+    return tuple(i for i, name in enumerate(order) if name in names)
+
+
+def asked(dtensors, valid):
+    """The captured arrays whose gradients a backward's `dtensors=` asks for: None for every one
+    (True), a frozenset of names otherwise (False: the empty set). A collection of names is
+    any iterable of str but a str itself (`dtensors="rel"` is refused: write ["rel"]); valid()
+    gives the names that may be asked for (the score_mod's captured float arrays) or None
+    without a score_mod, and is called only for a non-empty collection. TypeError for a wrong
+    type, ValueError for a name that is not one of valid()'s, naming it and listing those."""
+    if isinstance(dtensors, (bool, np.bool_)):
+        return None if dtensors else frozenset()
+    if isinstance(dtensors, (str, bytes)) or not isinstance(dtensors, collections.abc.Iterable):
+        hint = f"; for one array write dtensors=[{dtensors!r}]" if isinstance(dtensors, str) else ""
+        raise TypeError(f"dtensors must be True (every captured float array), False (none) or a "
+                        f"collection of array names (a list, tuple or set of str), got "
+                        f"{dtensors!r}{hint}")
+    names = list(dtensors)
+    wrong = [n for n in names if not isinstance(n, str)]
+    if wrong:
+        raise TypeError(f"dtensors must hold array names (str), got {wrong[0]!r} in {dtensors!r}")
+    names = frozenset(names)
+    if not names:
+        return names
+    ok = valid()
+    if ok is None:
+        raise ValueError(f"dtensors names {sorted(names)}, but no score_mod is given: without one "
+                         "there is no array gradient to ask for (True or False are accepted)")
+    unknown = sorted(names - set(ok))
+    if unknown:
+        have = ", ".join(repr(n) for n in sorted(ok)) or "none"
+        raise ValueError(f"dtensors: {unknown[0]!r} is not a float array the score_mod captures "
+                         f"(its captured float arrays: {have})")
+    return names
 
 
 def evaluate_grad(traced, g, score, b, h, q_idx, kv_idx, dout, params=None, arrays=None,

@@ -11,7 +11,10 @@ allocated in topological order and reused after their last use.
 `lower(traced)` builds a score_mod's forward and derivative programs (grad.grad) or a
 mask_mod's program; `programs(traced)` looks them up in a bounded LRU keyed by the graph's
 structural key (Traced.key: never id() or a name), and `bind(...)` attaches one call's float
-values and captured arrays, in the form attnext._C reads.
+values and captured arrays, in the form attnext._C reads. A backward that asks for some array
+gradients only (`dtensors=`) gets a derivative program without the others' scatters, nor the
+values only they read: the C side accumulates nothing for them (their grad_offset is -1, and
+the accumulator holds only the asked arrays' elements).
 """
 import types
 from typing import NamedTuple, Optional
@@ -223,8 +226,9 @@ def _pack(instr, aux, iconsts, count, out, out_is_int):
     return np.array(head + body, dtype=np.int64)
 
 
-def lower(traced):
-    """The Lowered programs of a traced score_mod or mask_mod."""
+def lower(traced, wanted=None):
+    """The Lowered programs of a traced score_mod or mask_mod. wanted: the positions of the
+    arrays whose gradients the derivative program scatters (grad.positions), None for all."""
     arrays = _array_positions(traced.out)
     kinds = {}
     for n in trace.topo(traced.out):
@@ -237,7 +241,9 @@ def lower(traced):
                        array_kinds, (), uses_h)
     forward = _lower(traced.out, [], arrays, False)
     g = derivative.grad(traced)
-    scatters = [(name, idx, adj) for name, terms in g.darrays.items() for idx, adj in terms]
+    keep = None if wanted is None else {name for name, pos in arrays.items() if pos in wanted}
+    darrays = {name: terms for name, terms in g.darrays.items() if keep is None or name in keep}
+    scatters = [(name, idx, adj) for name, terms in darrays.items() for idx, adj in terms]
     # the forward's computed values that the derivative reads: stashed, not computed twice
     forward_ids = {id(n) for n in trace.topo(traced.out)}
 
@@ -265,7 +271,7 @@ def lower(traced):
     grad = _lower(g.dscore, scatters, arrays, False, stash_in=slots)
     if forward_bwd.floats != forward.floats:
         raise TypeError("the backward's forward program has other float constants")
-    grad_arrays = tuple(sorted(arrays[name] for name in g.darrays))
+    grad_arrays = tuple(sorted(arrays[name] for name in darrays))
     return Lowered("score_mod", forward, forward_bwd, grad, count[F], count[I], array_kinds,
                    grad_arrays, uses_h)
 
@@ -275,9 +281,11 @@ def lower(traced):
 _cache = CountedCache(CACHE_CAPACITY)
 
 
-def programs(traced):
-    """lower(traced), from the cache when a function of the same structure was lowered before."""
-    return _cache.get_or_make((traced.kind, traced.key), lambda: lower(traced))
+def programs(traced, wanted=None):
+    """lower(traced, wanted), from the cache when a function of the same structure was lowered
+    before with the same wanted."""
+    key = (traced.kind, traced.key, None if wanted is None else tuple(wanted))
+    return _cache.get_or_make(key, lambda: lower(traced, wanted))
 
 
 def cache_info():
@@ -313,20 +321,23 @@ def _bind_arrays(traced, lowered, acc_dtype):
     return tuple(out)
 
 
-def bind(score_mod, mask_mod, acc_dtype, backward=False):
+def bind(score_mod, mask_mod, acc_dtype, backward=False, dtensors=None):
     """The `mods` object _C.forward / _C.backward read for one call (None without mods):
     programs, float values, captured arrays; for the backward also the gradient accumulator
     (float64) and where each float array's gradient lies in it. Traces the functions (TypeError
-    for an unsupported one); either may also come traced already (a trace.Traced)."""
+    for an unsupported one); either may also come traced already (a trace.Traced).
+    dtensors: the names of the score_mod's arrays whose gradients the backward computes (and
+    dtensors() returns), None for every float array."""
     if score_mod is None and mask_mod is None:
         return None
     m = types.SimpleNamespace(score=None, score_floats=None, score_bwd=None, grad=None,
                               grad_floats=None, n_fstash=0, n_istash=0, score_arrays=(),
                               score_names=(), mask=None, mask_floats=None, mask_arrays=(),
-                              mask_names=(), mask_uses_h=0, grad_offsets=(), dtensors=None)
+                              mask_names=(), mask_uses_h=0, grad_offsets=(), dtensors=None,
+                              asked=dtensors)
     if score_mod is not None:
         t = score_mod if isinstance(score_mod, trace.Traced) else trace.trace_score_mod(score_mod)
-        low = programs(t)
+        low = programs(t, derivative.positions(t, dtensors) if backward else None)
         m.score, m.score_floats = low.forward.code, _float_values(low.forward, t.params)
         m.score_arrays = _bind_arrays(t, low, acc_dtype)
         m.score_names = tuple(_array_positions(t.out))
@@ -351,15 +362,15 @@ def bind(score_mod, mask_mod, acc_dtype, backward=False):
 
 
 def dtensors(mods):
-    """{name: gradient} after a backward with bound mods: each float array the score_mod reads,
-    in its own dtype and shape (zeros for an array that reaches the score only through
-    comparisons or indices); {} without a score_mod."""
+    """{name: gradient} after a backward with bound mods: each float array the score_mod reads
+    (those bind's dtensors named), in its own dtype and shape (zeros for an array that reaches
+    the score only through comparisons or indices); {} without a score_mod."""
     out = {}
     if mods is None:
         return out
     for pos, name in enumerate(mods.score_names):
         kind, data = mods.score_arrays[pos]
-        if kind != _KIND_CODES[F]:
+        if kind != _KIND_CODES[F] or (mods.asked is not None and name not in mods.asked):
             continue
         src = mods.score_sources[pos]
         off = mods.grad_offsets[pos]

@@ -139,7 +139,8 @@ def assert_grads_close(grads: Grads | tuple, expected: Grads, *, q: Any, k: Any,
     lengths: None for attention(); for varlen_attention, its length arguments (cu_seqlens_q,
         cu_seqlens_k, and max_seqlen_*, seqused_* where given).
     options: the keyword options of the call (causal, window, scale, bias, layout, score_mod,
-        ...), as given to the reference.
+        ...), as given to the reference (the backward's device, deterministic and dtensors may
+        be among them: expected, computed with the same dtensors, holds the asked arrays).
     cond: as in assert_close.
 
     dq, dk and dbias are held relative to the largest of the reference's dq, dk, dv (the
@@ -156,7 +157,7 @@ def assert_grads_close(grads: Grads | tuple, expected: Grads, *, q: Any, k: Any,
     if got.dtensors is None:
         got = got._replace(dtensors={})
     keep = {n: x for n, x in options.items()
-            if n not in ("device", "precision", "deterministic", "return_lse", "out")}
+            if n not in ("device", "precision", "deterministic", "dtensors", "return_lse", "out")}
     if lengths is None:
         ref_out = reference.attention(q, k, v, **keep)
     else:

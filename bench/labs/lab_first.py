@@ -25,6 +25,7 @@ from attnext.bench import mods as bench_mods  # noqa: E402
 kind = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--case=")), "softcap")
 case = bench_mods.mod_case(kind)
 kw = dict(bench_mods.attnext_mods(case), device="cuda")
+bwd_kw = dict(bench_mods.attnext_backward_mods(case), device="cuda")
 q, k, v, dout = (torch.randn(case.B, case.S, case.H, case.D, device="cuda", dtype=torch.bfloat16)
                  for _ in range(4))
 torch.cuda.synchronize()
@@ -61,8 +62,8 @@ if "--loads" in sys.argv:       # each module load: thread, start and end (ms fr
 bwd = "--bwd" in sys.argv
 out, lse = timed("forward", lambda: attnext.attention(q, k, v, return_lse=True, **kw), prof and not bwd)
 if bwd:
-    timed("backward", lambda: attnext.attention_backward(dout, q, k, v, out, lse, **kw), prof)
-    timed("backward, second call", lambda: attnext.attention_backward(dout, q, k, v, out, lse, **kw), False)
+    timed("backward", lambda: attnext.attention_backward(dout, q, k, v, out, lse, **bwd_kw), prof)
+    timed("backward, second call", lambda: attnext.attention_backward(dout, q, k, v, out, lse, **bwd_kw), False)
 else:
     timed("forward, second call", lambda: attnext.attention(q, k, v, return_lse=True, **kw), False)
 if prof:

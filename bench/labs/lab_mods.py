@@ -52,9 +52,10 @@ def print_kernels(case):
     q, k, v, dout = (torch.randn(case.B, case.S, case.H, case.D, device="cuda", dtype=torch.bfloat16)
                      for _ in range(4))
     kw = dict(bench_mods.attnext_mods(case), device="cuda")
+    bwd_kw = dict(bench_mods.attnext_backward_mods(case), device="cuda")
     out, lse = attnext.attention(q, k, v, return_lse=True, **kw)
     for d, call in (("fwd", lambda: attnext.attention(q, k, v, **kw)),
-                    ("bwd", lambda: attnext.attention_backward(dout, q, k, v, out, lse, **kw))):
+                    ("bwd", lambda: attnext.attention_backward(dout, q, k, v, out, lse, **bwd_kw))):
         print(f"  {case.name} {d} kernels: "
               + ", ".join(f"{g} {ms:.3f} ms" for g, ms in kernel_times(call)), flush=True)
 
