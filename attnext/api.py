@@ -19,7 +19,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from . import _C, checks, reference
+from . import _C, checks, interop, reference
 from ._layout import CpuCall, dtype_code
 from .cuda.devview import DevView
 from .mods import codegen, fingerprint, interp, lower, trace
@@ -111,18 +111,23 @@ def _reference_kwargs(o):
 
 def _captured_inputs(o):
     """(what, array) for every array score_mod / mask_mod captures: inputs too, which out= must
-    not overlap (a head written early would change the table a later head reads). Host calls
-    capture NumPy arrays only (_host_arrays_only); a CUDA array is given as its DevView, whose
-    pointer range the GPU call's check compares."""
+    not overlap (a head written early would change the table a later head reads). A host array
+    is given as NumPy's view of it (a torch CPU tensor's memory), a CUDA array as its DevView,
+    whose pointer range the GPU call's check compares."""
     found = []
     for kind in ("score_mod", "mask_mod"):
         f = getattr(o, kind)
         if f is None:
             continue
-        for name, a in fingerprint.captured_arrays(f).items():
-            found.append((f"the array {name!r} that {kind} captures",
-                          a if isinstance(a, np.ndarray) else checks.device_view(a)))
+        for name, a in fingerprint.captured_views(f).items():
+            found.append((f"the array {name!r} that {kind} captures", a))
     return found
+
+
+def _in_caller_library(o, x):
+    """A result computed on the host (a NumPy array) in q's library: another library's host
+    array (a torch CPU tensor, a JAX CPU array) gets its own back (attnext.interop)."""
+    return x if x is None or isinstance(o.like, np.ndarray) else interop.to_library(x, o.like)
 
 
 def _forward(o):
@@ -136,8 +141,7 @@ def _forward(o):
     checks.check_memory(o, backward=False, out_given=o.out is not None)
     gpu = o.device == "cuda" and not _has_mods(o)
     if o.out is not None:
-        checks.check_out("out", o.out, o.out_shape, o.q.dtype, inputs)
-        out = o.out
+        out = checks.check_out("out", o.out, o.out_shape, o.q.dtype, inputs)
     else:
         out = _new_output(o.out_shape, o.q.dtype, pinned=gpu)
     lse = _new_output(o.lse_shape, o.acc_dtype, pinned=gpu)
@@ -161,7 +165,8 @@ def _forward(o):
         _C.forward(prob)
         if target is not out:
             out[...] = target
-    return (out, lse) if o.return_lse else out
+    out = o.out if o.out is not None else _in_caller_library(o, out)
+    return (out, _in_caller_library(o, lse)) if o.return_lse else out
 
 
 def _forward_on_gpu(o, inputs):
@@ -209,8 +214,10 @@ _OPTIONS = """\
         sequence, all int64; score is in the accumulation dtype. Write it with NumPy operations
         (np.where, not if): the reference calls it on NumPy arrays, the backends trace it once
         and compile it, forward and backward. Arrays it reads by name (closure, globals,
-        defaults) are captured, read afresh at every call; their gradients are the backward's
-        dtensors. Called only at pairs every mask keeps. Guide: docs/score_mod.md.
+        defaults) are captured, read afresh at every call: NumPy arrays, other libraries' host
+        arrays (a torch CPU tensor, as NumPy's view of it) and CUDA arrays (GPU calls only);
+        their gradients are the backward's dtensors, each in its array's library. Called only
+        at pairs every mask keeps. Guide: docs/score_mod.md.
     mask_mod: None, or mask_mod(b, h, q_idx, kv_idx) -> bool, True = attend (same arguments).
         Tiles it masks entirely are skipped, tiles it keeps entirely skip the test
         (attnext.block_mask draws them). FlexAttention's block_mask= is not taken: pass
@@ -269,7 +276,8 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool | str = False,
     return_lse: also return lse.
     {WHERE}
     out: None, or an array to write out into (out's shape, q's dtype; a CUDA array when q is
-        one), overlapping no input; it is returned.
+        one, else a writable host array: NumPy's, or a torch CPU tensor), overlapping no input
+        (captured arrays included); it is returned.
 
     Returns out, or (out, lse) with return_lse=True:
         out: q's dtype, (B, Sq, Hq, Dv) ("bhsd": (B, Hq, Sq, Dv)), in q's library.
@@ -320,8 +328,8 @@ def varlen_attention(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
     {OPTIONS}
     return_lse: also return lse.
     {WHERE}
-    out: None, or an array to write out into ((Tq, Hq, Dv), q's dtype), overlapping no input;
-        it is returned.
+    out: None, or an array to write out into ((Tq, Hq, Dv), q's dtype; a CUDA array when q is
+        one, else a writable host array), overlapping no input; it is returned.
 
     Returns out (Tq, Hq, Dv), q's dtype, or (out, lse) with return_lse=True, lse (Hq, Tq)
     float32 (float64 for float64 q); padding rows have out 0 and lse -inf.
@@ -361,8 +369,9 @@ def _backward(o, dout, out, lse, deterministic):
         else:
             g = reference.attention_backward(dout, o.q, o.k, o.v, out, lse, **_reference_kwargs(o))
         dbias = None if g.dbias is None else g.dbias.astype(o.bias.dtype)
-        return Grads(g.dq.astype(o.q.dtype), g.dk.astype(o.q.dtype), g.dv.astype(o.q.dtype),
-                     dbias, g.dtensors)
+        captured = {} if not g.dtensors else fingerprint.captured_arrays(o.score_mod)
+        return _host_grads(o, g.dq.astype(o.q.dtype), g.dk.astype(o.q.dtype), g.dv.astype(o.q.dtype),
+                           dbias, {n: interop.to_library(x, captured[n]) for n, x in g.dtensors.items()})
     gpu = o.device == "cuda" and not _has_mods(o)
     dq = _new_output(o.q.shape, o.q.dtype, pinned=gpu)
     dk = _new_output(o.k.shape, o.q.dtype, pinned=gpu)
@@ -374,7 +383,7 @@ def _backward(o, dout, out, lse, deterministic):
             dbias_acc = np.zeros((1,) * (4 - o.bias.ndim) + o.bias.shape, dtype=o.acc_dtype)
         cuda_backend.backward(o, dout, out, lse, dq, dk, dv, dbias_acc, deterministic)
         dbias = None if dbias_acc is None else dbias_acc.reshape(o.bias.shape).astype(o.bias.dtype)
-        return Grads(dq, dk, dv, dbias, {})
+        return _host_grads(o, dq, dk, dv, dbias, {})
     ko, mods = _cpu_mods(o, backward=True)
     prob = _problem(ko, _as_bshd(o, out), _lse_3d(o, lse))
     prob.dout = _c_view(_as_bshd(o, dout))
@@ -391,7 +400,13 @@ def _backward(o, dout, out, lse, deterministic):
         prob.dbias = np.lib.stride_tricks.as_strided(dbias_acc, target, strides)
     _C.backward(prob)
     dbias = None if dbias_acc is None else dbias_acc.reshape(o.bias.shape).astype(o.bias.dtype)
-    return Grads(dq, dk, dv, dbias, interp.dtensors(prob.mods))
+    return _host_grads(o, dq, dk, dv, dbias, interp.dtensors(prob.mods))
+
+
+def _host_grads(o, dq, dk, dv, dbias, dtensors):
+    """A host call's gradients: dq, dk, dv and dbias in q's library, dtensors as the backends
+    give them (each in its captured array's library)."""
+    return Grads(*(_in_caller_library(o, x) for x in (dq, dk, dv, dbias)), dtensors)
 
 
 def _backward_on_gpu(o, dout, out, lse, deterministic):
@@ -418,8 +433,8 @@ _RETURNS = """\
     of q, k, v as given (a broadcast k gets a full-shape dk), q's dtype, in q's library; dbias
     in the shape and dtype of the bias given (summed over its broadcast dims), None without
     one; dtensors: {name: gradient} of every float array a score_mod captures, in the array's
-    shape and dtype ({} without one). A row that keeps no key has dq exactly 0 and adds
-    nothing to dk, dv, dbias or dtensors."""
+    shape, dtype and library (a torch CPU tensor's is a torch CPU tensor; {} without one). A
+    row that keeps no key has dq exactly 0 and adds nothing to dk, dv, dbias or dtensors."""
 
 
 def _documented_backward(f):
