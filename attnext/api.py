@@ -92,12 +92,6 @@ def _trace_mods(o):
         trace.trace_mask_mod(o.mask_mod)
 
 
-def _has_mods(o):
-    """score_mod / mask_mod with host arrays run on the CPU backend's interpreter, whatever the
-    device; with CUDA arrays, the code generator's kernels (codegen.py)."""
-    return o.score_mod is not None or o.mask_mod is not None
-
-
 def _reference_kwargs(o):
     kw = dict(causal=o.causal, window=o.window, scale=o.scale, softcap=o.softcap,
               alibi_slopes=o.alibi_slopes, bias=o.bias, mask=o.mask, score_mod=o.score_mod,
@@ -139,7 +133,7 @@ def _forward(o):
     if o.device == "cuda" and o.on_gpu:
         return _forward_on_gpu(o, inputs)
     checks.check_memory(o, backward=False, out_given=o.out is not None)
-    gpu = o.device == "cuda" and not _has_mods(o)
+    gpu = o.device == "cuda"     # host q, k, v on the GPU: staged (cuda/staging.py), mods included
     if o.out is not None:
         out = checks.check_out("out", o.out, o.out_shape, o.q.dtype, inputs)
     else:
@@ -154,7 +148,7 @@ def _forward(o):
             r_out, r_lse = reference.attention(o.q, o.k, o.v, return_lse=True, **_reference_kwargs(o))
         out[...] = r_out.astype(out.dtype)
         lse[...] = r_lse
-    elif o.device == "cuda" and not _has_mods(o):
+    elif gpu:
         checks.gpu_modules()[0].forward(o, out, lse)
     else:
         # the C backend writes through aligned element pointers; a misaligned out= gets a copy
@@ -225,10 +219,15 @@ _OPTIONS = """\
 
 _WHERE = """\
     device: None: the GPU when one is usable and has kernels for q's dtype (float16, bfloat16),
-        else the CPU (ATTNEXT_DEVICE overrides); "cpu"; "cuda"; "reference": the float64 NumPy
-        reference with the arguments checked. CUDA arrays (PyTorch, CuPy, JAX, anything with
-        __cuda_array_interface__ or __dlpack__) always run on the GPU, in place, on their
-        stream, and results come back in their library.
+        else the CPU (ATTNEXT_DEVICE overrides), with or without score_mod / mask_mod; "cpu";
+        "cuda"; "reference": the float64 NumPy reference with the arguments checked. CUDA
+        arrays (PyTorch, CuPy, JAX, anything with __cuda_array_interface__ or __dlpack__)
+        always run on the GPU, in place, on their stream, and results come back in their
+        library. Host arrays (NumPy; a torch CPU tensor or a JAX CPU array, read as NumPy's
+        view of its memory) are copied to the GPU when the call runs there, callbacks
+        included (their generated kernels run, not the CPU interpreter), and results come
+        back in q's library. A callback's captured CUDA array is read in place on the GPU
+        (cuda:0 for host q, k, v) and refused on "cpu" and "reference".
     precision: None, or "tf32": float32 inputs may use tensor-float speed on the GPU (float32
         GPU kernels are not built yet; the CPU keeps float32 accuracy either way)."""
 
@@ -356,8 +355,7 @@ def _backward(o, dout, out, lse, deterministic):
     checks.check_form("lse", lse.shape, lse.dtype, o.lse_shape, o.acc_dtype)
     if o.device == "cuda" and o.on_gpu:
         return _backward_on_gpu(o, dout, out, lse, deterministic)
-    on_host = o.device != "cuda" or _runs_on_reference(o) or _has_mods(o)
-    if on_host and any(isinstance(x, DevView) for x in (dout, out, lse)):
+    if o.device != "cuda" and any(isinstance(x, DevView) for x in (dout, out, lse)):
         raise TypeError("dout, out and lse are CUDA arrays but q, k, v live on the host; pass all "
                         "of them on the GPU or all on the host")
     checks.check_memory(o, backward=True)
@@ -372,7 +370,7 @@ def _backward(o, dout, out, lse, deterministic):
         captured = {} if not g.dtensors else fingerprint.captured_arrays(o.score_mod)
         return _host_grads(o, g.dq.astype(o.q.dtype), g.dk.astype(o.q.dtype), g.dv.astype(o.q.dtype),
                            dbias, {n: interop.to_library(x, captured[n]) for n, x in g.dtensors.items()})
-    gpu = o.device == "cuda" and not _has_mods(o)
+    gpu = o.device == "cuda"     # host q, k, v on the GPU: staged (cuda/staging.py), mods included
     dq = _new_output(o.q.shape, o.q.dtype, pinned=gpu)
     dk = _new_output(o.k.shape, o.q.dtype, pinned=gpu)
     dv = _new_output(o.v.shape, o.q.dtype, pinned=gpu)
@@ -383,7 +381,7 @@ def _backward(o, dout, out, lse, deterministic):
             dbias_acc = np.zeros((1,) * (4 - o.bias.ndim) + o.bias.shape, dtype=o.acc_dtype)
         cuda_backend.backward(o, dout, out, lse, dq, dk, dv, dbias_acc, deterministic)
         dbias = None if dbias_acc is None else dbias_acc.reshape(o.bias.shape).astype(o.bias.dtype)
-        return _host_grads(o, dq, dk, dv, dbias, {})
+        return _host_grads(o, dq, dk, dv, dbias, o.dtensors if o.dtensors is not None else {})
     ko, mods = _cpu_mods(o, backward=True)
     prob = _problem(ko, _as_bshd(o, out), _lse_3d(o, lse))
     prob.dout = _c_view(_as_bshd(o, dout))
@@ -566,9 +564,9 @@ def info() -> dict[str, Any]:
                    f"{'OpenMP, %d threads' % _C.openmp_threads() if _C.openmp_threads() else 'no OpenMP: serial'})",
             "cuda": "usable (float16, bfloat16)" if not why else f"unavailable: {why}",
         },
-        "score_mod": "NumPy inputs: the CPU backend's interpreter (forward, backward, mask_mod block "
-                     "skipping), whatever the device; CUDA arrays: generated CUDA code compiled "
-                     "into the kernels (forward, backward, mask_mod block skipping)",
+        "score_mod": "on the GPU (CUDA arrays, or host arrays the call runs there): generated CUDA "
+                     "code compiled into the kernels; on the CPU: the CPU backend's interpreter "
+                     "(forward, backward and mask_mod block skipping on both)",
         "device_name": device_name,
         "nvrtc_version": nvrtc_version,
         "cache_dir": cache["cache_dir"] if cache else None,

@@ -370,7 +370,7 @@ def _check_options(o, D, Hq, B):
             raise TypeError(f"{name} must be callable or None, got {type(f).__name__}")
         if f is not None:
             check_arity(name, f)
-            if not o.on_gpu:
+            if o.device != "cuda":
                 _host_arrays_only(name, f, o.device)
     o.alibi = None
     if o.alibi_slopes is not None:

@@ -126,8 +126,8 @@ def _view(kind, name, source, stage):
         raise TypeError(f"{kind}: captured array {name!r} ({type(source).__name__}) no longer "
                         "exposes CUDA memory")
     if view.device != stage.device:
-        raise ValueError(f"{kind}: captured array {name!r} lives on cuda:{view.device}, but q, k "
-                         f"and v on cuda:{stage.device}; move it to cuda:{stage.device}")
+        raise ValueError(f"{kind}: captured array {name!r} lives on cuda:{view.device}, but the call "
+                         f"runs on cuda:{stage.device}; move it to cuda:{stage.device}")
     return view
 
 
