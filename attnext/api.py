@@ -19,7 +19,7 @@ from typing import Any, Collection
 import ml_dtypes
 import numpy as np
 
-from . import _C, checks, reference
+from . import _C, checks, interop, reference
 from ._layout import CpuCall, dtype_code
 from .cuda.devview import DevView
 from .mods import codegen, fingerprint, interp, lower, trace
@@ -93,12 +93,6 @@ def _trace_mods(o):
         trace.trace_mask_mod(o.mask_mod)
 
 
-def _has_mods(o):
-    """score_mod / mask_mod with host arrays run on the CPU backend's interpreter, whatever the
-    device; with CUDA arrays, the code generator's kernels (codegen.py)."""
-    return o.score_mod is not None or o.mask_mod is not None
-
-
 def _reference_kwargs(o):
     kw = dict(causal=o.causal, window=o.window, scale=o.scale, softcap=o.softcap,
               alibi_slopes=o.alibi_slopes, bias=o.bias, mask=o.mask, score_mod=o.score_mod,
@@ -112,18 +106,23 @@ def _reference_kwargs(o):
 
 def _captured_inputs(o):
     """(what, array) for every array score_mod / mask_mod captures: inputs too, which out= must
-    not overlap (a head written early would change the table a later head reads). Host calls
-    capture NumPy arrays only (_host_arrays_only); a CUDA array is given as its DevView, whose
-    pointer range the GPU call's check compares."""
+    not overlap (a head written early would change the table a later head reads). A host array
+    is given as NumPy's view of it (a torch CPU tensor's memory), a CUDA array as its DevView,
+    whose pointer range the GPU call's check compares."""
     found = []
     for kind in ("score_mod", "mask_mod"):
         f = getattr(o, kind)
         if f is None:
             continue
-        for name, a in fingerprint.captured_arrays(f).items():
-            found.append((f"the array {name!r} that {kind} captures",
-                          a if isinstance(a, np.ndarray) else checks.device_view(a)))
+        for name, a in fingerprint.captured_views(f).items():
+            found.append((f"the array {name!r} that {kind} captures", a))
     return found
+
+
+def _in_caller_library(o, x):
+    """A result computed on the host (a NumPy array) in q's library: another library's host
+    array (a torch CPU tensor, a JAX CPU array) gets its own back (attnext.interop)."""
+    return x if x is None or isinstance(o.like, np.ndarray) else interop.to_library(x, o.like)
 
 
 def _forward(o):
@@ -135,10 +134,9 @@ def _forward(o):
     if o.device == "cuda" and o.on_gpu:
         return _forward_on_gpu(o, inputs)
     checks.check_memory(o, backward=False, out_given=o.out is not None)
-    gpu = o.device == "cuda" and not _has_mods(o)
+    gpu = o.device == "cuda"     # host q, k, v on the GPU: staged (cuda/staging.py), mods included
     if o.out is not None:
-        checks.check_out("out", o.out, o.out_shape, o.q.dtype, inputs)
-        out = o.out
+        out = checks.check_out("out", o.out, o.out_shape, o.q.dtype, inputs)
     else:
         out = _new_output(o.out_shape, o.q.dtype, pinned=gpu)
     lse = _new_output(o.lse_shape, o.acc_dtype, pinned=gpu)
@@ -151,7 +149,7 @@ def _forward(o):
             r_out, r_lse = reference.attention(o.q, o.k, o.v, return_lse=True, **_reference_kwargs(o))
         out[...] = r_out.astype(out.dtype)
         lse[...] = r_lse
-    elif o.device == "cuda" and not _has_mods(o):
+    elif gpu:
         checks.gpu_modules()[0].forward(o, out, lse)
     else:
         # the C backend writes through aligned element pointers; a misaligned out= gets a copy
@@ -162,7 +160,8 @@ def _forward(o):
         _C.forward(prob)
         if target is not out:
             out[...] = target
-    return (out, lse) if o.return_lse else out
+    out = o.out if o.out is not None else _in_caller_library(o, out)
+    return (out, _in_caller_library(o, lse)) if o.return_lse else out
 
 
 def _forward_on_gpu(o, inputs):
@@ -210,19 +209,26 @@ _OPTIONS = """\
         sequence, all int64; score is in the accumulation dtype. Write it with NumPy operations
         (np.where, not if): the reference calls it on NumPy arrays, the backends trace it once
         and compile it, forward and backward. Arrays it reads by name (closure, globals,
-        defaults) are captured, read afresh at every call; their gradients are the backward's
-        dtensors. Called only at pairs every mask keeps. Guide: docs/score_mod.md.
+        defaults) are captured, read afresh at every call: NumPy arrays, other libraries' host
+        arrays (a torch CPU tensor, as NumPy's view of it) and CUDA arrays (GPU calls only);
+        their gradients are the backward's dtensors, each in its array's library. Called only
+        at pairs every mask keeps. Guide: docs/score_mod.md.
     mask_mod: None, or mask_mod(b, h, q_idx, kv_idx) -> bool, True = attend (same arguments).
         Tiles it masks entirely are skipped, tiles it keeps entirely skip the test
         (attnext.block_mask draws them). FlexAttention's block_mask= is not taken: pass
         mask_mod= itself; attnext builds the block mask."""
 
 _WHERE = """\
-    device: None: the GPU when one is usable and has kernels for q's dtype (float16, bfloat16, float32),
-        else the CPU (ATTNEXT_DEVICE overrides); "cpu"; "cuda"; "reference": the float64 NumPy
-        reference with the arguments checked. CUDA arrays (PyTorch, CuPy, JAX, anything with
-        __cuda_array_interface__ or __dlpack__) always run on the GPU, in place, on their
-        stream, and results come back in their library.
+    device: None: the GPU when one is usable and has kernels for q's dtype (float16, bfloat16,
+        float32), else the CPU (ATTNEXT_DEVICE overrides), with or without score_mod /
+        mask_mod; "cpu"; "cuda"; "reference": the float64 NumPy reference with the arguments
+        checked. CUDA arrays (PyTorch, CuPy, JAX, anything with __cuda_array_interface__ or
+        __dlpack__) always run on the GPU, in place, on their stream, and results come back in
+        their library. Host arrays (NumPy; a torch CPU tensor or a JAX CPU array, read as
+        NumPy's view of its memory) are copied to the GPU when the call runs there, callbacks
+        included (their generated kernels run, not the CPU interpreter), and results come
+        back in q's library. A callback's captured CUDA array is read in place on the GPU
+        (cuda:0 for host q, k, v) and refused on "cpu" and "reference".
     precision: None: float32 keeps float32 accuracy on the GPU (TF32 products of split operands);
         "tf32": float32 multiplies in single-pass TF32 on the GPU (10-bit mantissa, ~2.5x faster).
         The CPU keeps float32 accuracy either way."""
@@ -271,7 +277,8 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool | str = False,
     return_lse: also return lse.
     {WHERE}
     out: None, or an array to write out into (out's shape, q's dtype; a CUDA array when q is
-        one), overlapping no input; it is returned.
+        one, else a writable host array: NumPy's, or a torch CPU tensor), overlapping no input
+        (captured arrays included); it is returned.
 
     Returns out, or (out, lse) with return_lse=True:
         out: q's dtype, (B, Sq, Hq, Dv) ("bhsd": (B, Hq, Sq, Dv)), in q's library.
@@ -322,8 +329,8 @@ def varlen_attention(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
     {OPTIONS}
     return_lse: also return lse.
     {WHERE}
-    out: None, or an array to write out into ((Tq, Hq, Dv), q's dtype), overlapping no input;
-        it is returned.
+    out: None, or an array to write out into ((Tq, Hq, Dv), q's dtype; a CUDA array when q is
+        one, else a writable host array), overlapping no input; it is returned.
 
     Returns out (Tq, Hq, Dv), q's dtype, or (out, lse) with return_lse=True, lse (Hq, Tq)
     float32 (float64 for float64 q); padding rows have out 0 and lse -inf.
@@ -351,8 +358,7 @@ def _backward(o, dout, out, lse, deterministic, dtensors):
     checks.check_form("lse", lse.shape, lse.dtype, o.lse_shape, o.acc_dtype)
     if o.device == "cuda" and o.on_gpu:
         return _backward_on_gpu(o, dout, out, lse, deterministic)
-    on_host = o.device != "cuda" or _runs_on_reference(o) or _has_mods(o)
-    if on_host and any(isinstance(x, DevView) for x in (dout, out, lse)):
+    if o.device != "cuda" and any(isinstance(x, DevView) for x in (dout, out, lse)):
         raise TypeError("dout, out and lse are CUDA arrays but q, k, v live on the host; pass all "
                         "of them on the GPU or all on the host")
     checks.check_memory(o, backward=True)
@@ -366,9 +372,10 @@ def _backward(o, dout, out, lse, deterministic, dtensors):
             g = reference.attention_backward(dout, o.q, o.k, o.v, out, lse, dtensors=asked,
                                              **_reference_kwargs(o))
         dbias = None if g.dbias is None else g.dbias.astype(o.bias.dtype)
-        return Grads(g.dq.astype(o.q.dtype), g.dk.astype(o.q.dtype), g.dv.astype(o.q.dtype),
-                     dbias, g.dtensors)
-    gpu = o.device == "cuda" and not _has_mods(o)
+        captured = {} if not g.dtensors else fingerprint.captured_arrays(o.score_mod)
+        return _host_grads(o, g.dq.astype(o.q.dtype), g.dk.astype(o.q.dtype), g.dv.astype(o.q.dtype),
+                           dbias, {n: interop.to_library(x, captured[n]) for n, x in g.dtensors.items()})
+    gpu = o.device == "cuda"     # host q, k, v on the GPU: staged (cuda/staging.py), mods included
     dq = _new_output(o.q.shape, o.q.dtype, pinned=gpu)
     dk = _new_output(o.k.shape, o.q.dtype, pinned=gpu)
     dv = _new_output(o.v.shape, o.q.dtype, pinned=gpu)
@@ -379,7 +386,7 @@ def _backward(o, dout, out, lse, deterministic, dtensors):
             dbias_acc = np.zeros((1,) * (4 - o.bias.ndim) + o.bias.shape, dtype=o.acc_dtype)
         cuda_backend.backward(o, dout, out, lse, dq, dk, dv, dbias_acc, deterministic)
         dbias = None if dbias_acc is None else dbias_acc.reshape(o.bias.shape).astype(o.bias.dtype)
-        return Grads(dq, dk, dv, dbias, {})
+        return _host_grads(o, dq, dk, dv, dbias, o.dtensors if o.dtensors is not None else {})
     ko, mods = _cpu_mods(o, backward=True)
     prob = _problem(ko, _as_bshd(o, out), _lse_3d(o, lse))
     prob.dout = _c_view(_as_bshd(o, dout))
@@ -396,7 +403,13 @@ def _backward(o, dout, out, lse, deterministic, dtensors):
         prob.dbias = np.lib.stride_tricks.as_strided(dbias_acc, target, strides)
     _C.backward(prob)
     dbias = None if dbias_acc is None else dbias_acc.reshape(o.bias.shape).astype(o.bias.dtype)
-    return Grads(dq, dk, dv, dbias, interp.dtensors(prob.mods))
+    return _host_grads(o, dq, dk, dv, dbias, interp.dtensors(prob.mods))
+
+
+def _host_grads(o, dq, dk, dv, dbias, dtensors):
+    """A host call's gradients: dq, dk, dv and dbias in q's library, dtensors as the backends
+    give them (each in its captured array's library)."""
+    return Grads(*(_in_caller_library(o, x) for x in (dq, dk, dv, dbias)), dtensors)
 
 
 def _backward_on_gpu(o, dout, out, lse, deterministic):
@@ -431,9 +444,9 @@ _RETURNS = """\
     of q, k, v as given (a broadcast k gets a full-shape dk), q's dtype, in q's library; dbias
     in the shape and dtype of the bias given (summed over its broadcast dims), None without
     one; dtensors: {name: gradient} of each float array the dtensors argument asks for (by
-    default every one the score_mod reads), in the array's shape and dtype ({} without a
-    score_mod or with dtensors=False). A row that keeps no key has dq exactly 0 and adds
-    nothing to dk, dv, dbias or dtensors."""
+    default every one the score_mod reads), in the array's shape, dtype and library (a torch
+    CPU tensor's is a torch CPU tensor; {} without a score_mod or with dtensors=False). A row
+    that keeps no key has dq exactly 0 and adds nothing to dk, dv, dbias or dtensors."""
 
 
 def _documented_backward(f):
@@ -570,9 +583,9 @@ def info() -> dict[str, Any]:
                    f"{'OpenMP, %d threads' % _C.openmp_threads() if _C.openmp_threads() else 'no OpenMP: serial'})",
             "cuda": "usable (float16, bfloat16, float32)" if not why else f"unavailable: {why}",
         },
-        "score_mod": "NumPy inputs: the CPU backend's interpreter (forward, backward, mask_mod block "
-                     "skipping), whatever the device; CUDA arrays: generated CUDA code compiled "
-                     "into the kernels (forward, backward, mask_mod block skipping)",
+        "score_mod": "on the GPU (CUDA arrays, or host arrays the call runs there): generated CUDA "
+                     "code compiled into the kernels; on the CPU: the CPU backend's interpreter "
+                     "(forward, backward and mask_mod block skipping on both)",
         "device_name": device_name,
         "nvrtc_version": nvrtc_version,
         "cache_dir": cache["cache_dir"] if cache else None,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .mods import trace
+from .mods import fingerprint, trace
 from .checks import check_arity, check_fits, fmt
 from .types import MaskMod
 
@@ -118,6 +118,7 @@ def block_mask(mask_mod: MaskMod, Sq: int, Sk: int, *, B: int = 1, H: int = 1,
         ("index arrays of a row of tiles", (4, rows, Sk), np.int64),
         ("its mask", (rows, Sk), np.bool_), ("kv_idx and key tiles", (2, Sk), np.int64)])
     trace.trace_mask_mod(mask_mod)
+    mask_mod = fingerprint.numpy_views(mask_mod)      # a captured torch CPU tensor as NumPy's view
     density = np.zeros((B, H, nq, nk))
     cols = np.arange(Sk, dtype=np.int64)
     col_tile = cols // block_size

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import numpy as np
 
-from . import _env
+from . import _env, interop
 from ._layout import NUMPY_DTYPES
 from .cuda.devview import DevView, may_be_device_array
 from .mods import fingerprint, grad, trace
@@ -140,8 +140,10 @@ def _cuda_view(name, x):
 
 
 def _array(name, x, host=False):
-    """A host array (never copied unless misaligned), or a DevView of a CUDA array (host=True:
-    copied to the host, for the small arrays the checks read). Non-arrays raise TypeError."""
+    """A host array (never copied unless misaligned: another library's, a torch CPU tensor or a
+    JAX CPU array, as NumPy's view of its memory, attnext.interop), or a DevView of a CUDA array
+    (host=True: copied to the host, for the small arrays the checks read). Non-arrays raise
+    TypeError."""
     # numpy.ma not imported: x is no masked array (importing it cost a first call 15-80 ms)
     ma = sys.modules.get("numpy.ma")
     if ma is not None and isinstance(x, ma.MaskedArray):
@@ -153,12 +155,12 @@ def _array(name, x, host=False):
         if not host:
             return dv
         a = gpu_modules()[0].to_host(dv)
+    elif (h := interop.host_view(name, x)) is not None:     # a torch CPU tensor, a JAX CPU array
+        a = h
     elif hasattr(x, "__array_interface__") or hasattr(x, "__array__"):
         try:
             a = np.asarray(x)
         except Exception as e:   # e.g. a CUDA tensor refusing host conversion
-            if _is_torch(x) and str(getattr(x, "dtype", "")) == "torch.bfloat16":
-                raise TypeError(_torch_bfloat16_message(name, x)) from None
             raise TypeError(f"{name} must be a NumPy array or array-like on the host, got "
                             f"{type(x).__name__}: {e}") from None
     else:
@@ -171,20 +173,6 @@ def _array(name, x, host=False):
         base = a[tuple(slice(0, 1) if s == 0 else slice(None) for s in a.strides)]
         a = np.broadcast_to(base.copy(), a.shape)
     return a
-
-
-def _is_torch(x):
-    """Whether x is a torch object, known by its type's module (attnext never imports torch)."""
-    return (type(x).__module__ or "").split(".")[0] == "torch"
-
-
-def _torch_bfloat16_message(name, x):
-    """A torch bfloat16 tensor on the host: NumPy has no bfloat16, ml_dtypes does."""
-    grad = ".detach()" if getattr(x, "requires_grad", False) else ""
-    return (f"{name} is a torch bfloat16 tensor on the {x.device.type}, which NumPy cannot read "
-            f"(NumPy has no bfloat16); pass a NumPy array of ml_dtypes.bfloat16 over the same "
-            f"memory, {name}{grad}.view(torch.int16).numpy().view(ml_dtypes.bfloat16) (no copy), "
-            f"or {name}{grad}.float().numpy() (float32); a CUDA tensor is read as it is")
 
 
 # keywords of torch's flex_attention / scaled_dot_product_attention: what attnext spells instead
@@ -383,7 +371,7 @@ def _check_options(o, D, Hq, B):
             raise TypeError(f"{name} must be callable or None, got {type(f).__name__}")
         if f is not None:
             check_arity(name, f)
-            if not o.on_gpu:
+            if o.device != "cuda":
                 _host_arrays_only(name, f, o.device)
     o.alibi = None
     if o.alibi_slopes is not None:
@@ -560,16 +548,23 @@ def normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=
 
 
 def _host_arrays_only(name, f, device):
-    """A call on host q, k, v runs score_mod / mask_mod on the host (the CPU backend's
-    interpreter, or the reference), which reads NumPy arrays only: a captured CUDA array is a
-    TypeError naming it, never copied to the host behind the caller's back (mod_arrays.py)."""
-    for array, a in fingerprint.captured_arrays(f).items():
+    """A call on the CPU backend or the reference runs score_mod / mask_mod on the host (the
+    interpreter, or the reference's call), which reads host arrays only (NumPy's, or NumPy's
+    view of another library's: attnext.interop): a captured CUDA array is a TypeError naming
+    it, never copied to the host behind the caller's back (mod_inputs.py). A call on the GPU
+    reads it in place, whether q, k and v are CUDA or host arrays."""
+    try:
+        views = fingerprint.captured_views(f)
+    except (TypeError, ValueError) as e:      # an array its library does not share
+        raise type(e)(f"{name}: {e}") from None
+    for array, a in views.items():
         if not isinstance(a, np.ndarray):
             where = "the reference" if device == "reference" else "the CPU backend's interpreter"
-            raise TypeError(f"{name} captures {array!r}, a CUDA array ({type(a).__name__}), but q, k "
-                            f"and v are host arrays, so {name} runs on {where}, which reads NumPy "
-                            f"arrays only; pass q, k and v as CUDA arrays, or capture a NumPy copy of "
-                            f"{array!r}")
+            kind = type(fingerprint.captured_arrays(f)[array]).__name__
+            raise TypeError(f"{name} captures {array!r}, a CUDA array ({kind}), but the call runs on "
+                            f"device={device!r}, so {name} runs on {where}, which reads host "
+                            f"arrays only; run the call on the GPU (device='cuda', or q, k and v "
+                            f"as CUDA arrays), or capture a host copy of {array!r}")
 
 
 def check_device_out(name, x, shape, dtype, inputs):
@@ -674,14 +669,22 @@ def check_form(name, got_shape, got_dtype, shape, dtype, of=""):
 
 
 def check_out(name, x, shape, dtype, inputs):
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
-    check_form(name, x.shape, x.dtype, shape, dtype)
-    if not x.flags.writeable:
-        raise ValueError(f"{name} is read-only")
-    if x.size and any(s == 0 and n > 1 for s, n in zip(x.strides, x.shape)):
-        raise ValueError(f"{name} has a zero stride (strides {x.strides}): it would write one "
+    """out= for a call on host q, k, v: a writable host array (a NumPy array, or another
+    library's whose NumPy view is writable: a torch CPU tensor); returns the NumPy view the
+    backends write. inputs: (what, array) the view must not overlap (CUDA ones cannot)."""
+    view = interop.host_view(name, x)
+    if view is None:
+        raise TypeError(f"{name} must be a NumPy array (or another library's array on the host), "
+                        f"got {type(x).__name__}")
+    check_form(name, view.shape, view.dtype, shape, dtype)
+    if not view.flags.writeable:
+        whose = "" if view is x else (f" (NumPy's view of this {interop.library(x)} {type(x).__name__} "
+                                      f"is; JAX arrays are immutable): pass a writable array, or no {name}=")
+        raise ValueError(f"{name} is read-only{whose}")
+    if view.size and any(s == 0 and n > 1 for s, n in zip(view.strides, view.shape)):
+        raise ValueError(f"{name} has a zero stride (strides {view.strides}): it would write one "
                          "element for several results")
     for other_name, other in inputs:
-        if other is not None and np.shares_memory(x, other):
+        if other is not None and not isinstance(other, DevView) and np.shares_memory(view, other):
             raise ValueError(f"{name} shares memory with {other_name}")
+    return view

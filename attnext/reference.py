@@ -142,8 +142,9 @@ class _Problem:
         self.bias_shape = None if bias is None else np.shape(bias)
         self.bias4 = None if bias is None else _as_4d(bias)
         self.mask4 = None if mask is None else _as_4d(mask)
-        self.score_mod = score_mod
-        self.mask_mod = mask_mod
+        # a captured torch CPU tensor (any library's host array) is called as its NumPy view
+        self.score_mod = None if score_mod is None else fingerprint.numpy_views(score_mod)
+        self.mask_mod = None if mask_mod is None else fingerprint.numpy_views(mask_mod)
 
     def out_and_lse(self):
         """Zeroed out (q's shape, last dim Dv) and lse (-inf), with their (batch, head, row) views."""
@@ -495,9 +496,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     (a broadcast k gets a full-shape dk); dbias has the bias's shape (summed over its broadcast
     axes), None without a bias; padding and fully masked rows get zero gradients. score_mod's
     derivatives are extrapolated central differences; dtensors maps each float array the
-    score_mod captures (closure, globals, defaults) to its gradient, float64. The dtensors
-    argument: True (every such array), False (none) or a collection of their names: only those
-    are computed (a pass over the pairs per array element each).
+    score_mod captures (closure, globals, defaults) to its gradient, a float64 NumPy array (a
+    captured torch CPU tensor is read as its NumPy view, and its gradient is NumPy's too). The
+    dtensors argument: True (every such array), False (none) or a collection of their names:
+    only those are computed (a pass over the pairs per array element each).
     """
     pb = _Problem(q, k, v, layout=layout, cu_q=None, cu_k=None, used_q=seqlens_q,
                   used_k=seqlens_k, causal=causal, window=window, scale=scale, softcap=softcap,

@@ -5,8 +5,10 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-# A NumPy array, or a CUDA array of any library (PyTorch, CuPy, JAX, Numba, attnext's own
-# DeviceArray): anything with the buffer protocol, __cuda_array_interface__ or __dlpack__.
+# A NumPy array, another library's host array (a torch CPU tensor, a JAX CPU array: read as
+# NumPy's view, attnext/interop.py), or a CUDA array of any library (PyTorch, CuPy, JAX, Numba,
+# attnext's own DeviceArray): anything with the buffer protocol, __cuda_array_interface__ or
+# __dlpack__.
 Array = Any
 # score_mod(score, b, h, q_idx, kv_idx) -> the new score
 ScoreMod = Callable[[Any, Any, Any, Any, Any], Any]

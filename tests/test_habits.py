@@ -91,11 +91,15 @@ TABLE_T = None     # a module global torch tensor (set by the test that reads it
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("where", ["closure", "global", "default", "self"])
-def test_captured_torch_tensor_is_named(where, device):
+def test_captured_torch_cpu_tensor_is_read_as_numpy(where, device):
+    """A torch CPU tensor captured by name is read as the NumPy array it shares memory with, on
+    the CPU backend and the reference alike; its gradient comes back as a torch tensor under its
+    name (docs/score_mod.md, captured arrays)."""
     torch = _torch()
     global TABLE_T
     bias_t = torch.randn(S, S)
     TABLE_T = bias_t
+    twin = bias_t.numpy().copy()
 
     def closure(score, b, h, q_idx, kv_idx):
         return score + bias_t[q_idx, kv_idx]
@@ -112,32 +116,42 @@ def test_captured_torch_tensor_is_named(where, device):
 
         def __call__(self, score, b, h, q_idx, kv_idx):
             return score + self.table[q_idx, kv_idx]
+
+    def numpy_twin(score, b, h, q_idx, kv_idx):
+        return score + twin[q_idx, kv_idx]
     fn, name = {"closure": (closure, "bias_t"), "global": (by_global, "TABLE_T"),
                 "default": (default, "table"), "self": (Bias(), "self.table")}[where]
-    with pytest.raises(TypeError, match=rf"^score_mod: the torch tensor '{name}' \(shape \(8, 8\), "
-                                        r"float32, on cpu\) is read with a traced value") as e:
-        _call(device, score_mod=fn)
-    assert f"{name}.numpy()" in str(e.value) and "NumPy array" in str(e.value)
-    assert "CUDA array" in str(e.value)
+    out, lse = attnext.attention(Q, K, V, score_mod=fn, device=device, return_lse=True)
+    want, want_lse = attnext.attention(Q, K, V, score_mod=numpy_twin, device=device, return_lse=True)
+    np.testing.assert_array_equal(out, want)
+    dout = np.ones_like(out)
+    g = attnext.attention_backward(dout, Q, K, V, out, lse, score_mod=fn, device=device)
+    w = attnext.attention_backward(dout, Q, K, V, want, want_lse, score_mod=numpy_twin, device=device)
+    assert list(g.dtensors) == [name] and isinstance(g.dtensors[name], torch.Tensor)
+    np.testing.assert_array_equal(g.dtensors[name].numpy(), w.dtensors["twin"])
 
 
 def test_captured_torch_tensor_in_mask_mod_and_bfloat16():
     torch = _torch()
     doc_t = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
-    with pytest.raises(TypeError, match=r"^mask_mod: the torch tensor 'doc_t' \(shape \(8,\), int64"):
-        _call("cpu", mask_mod=lambda b, h, q, k: doc_t[q] == doc_t[k])
+    doc = doc_t.numpy().copy()
+    np.testing.assert_array_equal(_call("cpu", mask_mod=lambda b, h, q, k: doc_t[q] == doc_t[k]),
+                                  _call("cpu", mask_mod=lambda b, h, q, k: doc[q] == doc[k]))
     rel_t = torch.zeros(2 * S, dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match=r"rel_t\.float\(\)\.numpy\(\), or rel_t\.view\(torch\.int16\)"
-                                        r"\.numpy\(\)\.view\(ml_dtypes\.bfloat16\)"):
+    with pytest.raises(TypeError, match=r"^score_mod: captured array 'rel_t': rel_t is a torch "
+                                        r"bfloat16 tensor on the cpu, which NumPy cannot read") as e:
         _call("cpu", score_mod=lambda s, b, h, q, k: s + rel_t[q - k + S])
+    assert ("rel_t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)" in str(e.value)
+            and "rel_t.float().numpy()" in str(e.value))
 
 
 def test_torch_scalar_tensor_combined_with_a_traced_value():
+    """A 0-d torch CPU tensor captured by name is a scalar lookup, as a 0-d NumPy array is."""
     torch = _torch()
     temperature = torch.tensor(2.0)
-    for fn in (lambda s, b, h, q, k: s / temperature, lambda s, b, h, q, k: temperature * s):
-        with pytest.raises(TypeError, match=r"the torch tensor 'temperature' \(shape \(\), float32"):
-            _call("cpu", score_mod=fn)
+    for fn, twin in ((lambda s, b, h, q, k: s / temperature, lambda s, b, h, q, k: s * 0.5),
+                     (lambda s, b, h, q, k: temperature * s, lambda s, b, h, q, k: 2.0 * s)):
+        np.testing.assert_allclose(_call("cpu", score_mod=fn), _call("cpu", score_mod=twin), rtol=1e-6)
 
 
 def test_len_and_shape_of_a_captured_torch_tensor_still_work():

@@ -17,7 +17,8 @@ ROOT = os.path.dirname(PACKAGE)
 # layers, lowest first: a module may import its own layer's and lower ones' (cuda/ builds on
 # mods/, the public modules on both; testing/ and bench/ on everything, nothing on them)
 LAYERS = [
-    {"attnext._C", "attnext._layout", "attnext.lru", "attnext.types", "attnext._env", "attnext._version"},
+    {"attnext._C", "attnext._layout", "attnext.lru", "attnext.types", "attnext._env", "attnext._version",
+     "attnext.interop"},
     {"attnext.cuda.devview"},
     {"attnext.mods"},
     {"attnext.cuda"},

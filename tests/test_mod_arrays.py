@@ -348,7 +348,7 @@ try:
     attnext.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + far_arr[ki])
     raise SystemExit("no ValueError")
 except ValueError as e:
-    assert str(e) == ("score_mod: captured array 'far_arr' lives on cuda:1, but q, k and v on cuda:0; "
+    assert str(e) == ("score_mod: captured array 'far_arr' lives on cuda:1, but the call runs on cuda:0; "
                       "move it to cuda:0"), e
 device._count[:], _C.pointer_device = count, pointer_device
 

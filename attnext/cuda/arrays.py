@@ -30,7 +30,7 @@ import weakref
 import ml_dtypes
 import numpy as np
 
-from .. import _C
+from .. import _C, interop
 from .devview import DevView
 
 KDL_CUDA = 2
@@ -341,10 +341,9 @@ def as_device_view(x, stream=None):
 
 
 def to_caller(devarr, like):
-    """devarr in the library `like` came from: its `from_dlpack` (torch, cupy, ...) when it has
-    one, a NumPy copy for NumPy, else devarr itself."""
-    library = type(like).__module__.partition(".")[0]
-    if library == "numpy":
+    """devarr in the library `like` came from: its `from_dlpack` (torch, CuPy, JAX:
+    attnext.interop.from_dlpack) when it has one, a NumPy copy for NumPy, else devarr itself."""
+    if interop.library(like) == "numpy":
         return devarr.numpy()
-    from_dlpack = getattr(sys.modules.get(library), "from_dlpack", None)
+    from_dlpack = interop.from_dlpack(like)
     return devarr if from_dlpack is None else from_dlpack(devarr)

@@ -17,9 +17,10 @@ decisions below run once per shape, not once per call. The plans sit in a bounde
 
 score_mod / mask_mod. The generated code (codegen.py, keyed by the traced graphs' structure) is
 part of a plan's key: it changes the kernels. What one call binds to it -- the float constants,
-the captured arrays (mod_arrays.py: NumPy ones uploaded, CUDA ones in place or converted on the
+the captured arrays (mod_inputs.py: host ones uploaded, CUDA ones in place or converted on the
 device), the error record and the gradient accumulator -- travels with the call's addresses as
-the attn_mods_gpu bytes cuda_launch_attention copies into attn_params.
+the attn_mods_gpu bytes cuda_launch_attention copies into attn_params. NumPy and CUDA calls
+bind them alike.
 """
 import copy
 import math
@@ -283,7 +284,7 @@ def _bind_mods(o, stage, backward):
     attn_params), err (the device error record, zeroed) and, for a backward with array
     gradients, dacc (the zeroed accumulator) and offsets (array number -> first element).
     Traces the functions (TypeError for an unsupported one); the captured arrays are read
-    afresh (mod_arrays.py: NumPy ones uploaded, CUDA ones read in place or converted on the
+    afresh (mod_inputs.py: host ones uploaded, CUDA ones read in place or converted on the
     device). A backward computes the gradients of o.dtensors_asked's arrays only (None: every
     float array): the code is generated for that selection (codegen.generate's wanted), so an
     array left out has no scatter, no accumulator and no gradient field (-1)."""
@@ -872,8 +873,8 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
     live in the stream's scratch buffer.
 
     score_mod / mask_mod: o.dtensors receives the score_mod's array gradients in the captured
-    arrays' dtypes (NumPy arrays for NumPy ones, the library's device arrays for CUDA ones:
-    mod_arrays.py), scattered exactly by the dQ kernels (codegen.py), so the same bits every run
+    arrays' dtypes and libraries (host arrays for host ones, the library's device arrays for
+    CUDA ones: mod_inputs.py), scattered exactly by the dQ kernels (codegen.py), so the same bits every run
     (dQ is always recomputed with mods); a lookup out of range raises IndexError after the
     launches.
     """

@@ -2,10 +2,12 @@
 gradients its backward hands back. Captured arrays are read afresh at every call (docs/design.md):
 the caller may change one in place between calls.
 
-NumPy arrays are uploaded in the kernels' storage types (codegen.storage_dtype: float32, one byte
-per bool, int32 for integers whose values fit, else int64) through mod_cache, which keeps them on
-the device and finds them again by their bits, knows an integer array's (min, max) for
-attnext.bounds, and keeps the block masks made from them.
+Host arrays -- NumPy arrays, and other libraries' arrays in host memory (a torch CPU tensor, a
+JAX CPU array), read as NumPy's view of their memory (attnext.interop) -- are uploaded in the
+kernels' storage types (codegen.storage_dtype: float32, one byte per bool, int32 for integers
+whose values fit, else int64) through mod_cache, which keeps them on the device and finds them
+again by their bits, knows an integer array's (min, max) for attnext.bounds, and keeps the block
+masks made from them.
 
 CUDA arrays (any library's: `__cuda_array_interface__` or `__dlpack__`; tracing found them,
 trace.py) are taken afresh at every call by attnext.cuda.arrays.as_device_view on the call's stream,
@@ -24,7 +26,8 @@ the host:
   synchronisation: the call stays asynchronous, and the copy is one small kernel on the call's
   stream (a 16k-token int16 id array: 64 KiB written). A copy kept between calls could not tell
   whether its source changed without reading it.
-- On another device than q, k, v: ValueError naming it.
+- On another device than the call's (q, k and v's; cuda:0 for host q, k, v): ValueError naming
+  it.
 - Its values are unknown to the host: attnext.bounds takes an integer CUDA array's values as
   unknown, so a lookup indexed by them is checked on the device and the call waits for the
   error record (IndexError after the launches, as for any lookup that can fail); a mask_mod
@@ -32,7 +35,8 @@ the host:
   mask by contents it has seen).
 
 Gradients. The backward sums each float array's gradient into float64 on the device
-(kernels/attn_dtensors.cu). A NumPy array's comes back as a NumPy array of its dtype. A CUDA
+(kernels/attn_dtensors.cu). A host array's comes back on the host in its dtype and library (a
+NumPy array for a NumPy array, a torch CPU tensor for one: interop.to_library). A CUDA
 array's stays on the device: attn_convert.cu rounds the sums to the array's dtype into new
 memory (NumPy's astype rule, so the same bits as when the same values are captured as a NumPy
 array), handed back as the array's own library's array through DLPack (torch.Tensor for a torch
@@ -40,16 +44,18 @@ tensor, cupy.ndarray for CuPy), else as an attnext.DeviceArray: as dq, dk, dv co
 inputs. Nothing is downloaded, so a backward whose lookups cannot fail does not wait for its
 kernels.
 
-The CPU backend and the reference refuse a CUDA array: api.py raises TypeError naming it for a
-host call whose score_mod / mask_mod captures one. attnext never copies a CUDA input to the host
-behind the caller's back (a CUDA bias, mask or dout beside host q, k, v is refused alike), and a
-host copy made by the caller (`table.cpu().numpy()`) is made once, not at every call.
+Every call that runs on the GPU reads them so, whether q, k and v are CUDA or host arrays. The
+CPU backend and the reference refuse a CUDA array: checks.py raises TypeError naming it for a
+call on them whose score_mod / mask_mod captures one. attnext never copies a CUDA input to the
+host behind the caller's back (a CUDA bias, mask or dout beside host q, k, v on the CPU is
+refused alike), and a host copy made by the caller (`table.cpu().numpy()`) is made once, not at
+every call.
 """
 from typing import NamedTuple
 
 import numpy as np
 
-from .. import _C
+from .. import _C, interop
 from ..mods import codegen
 from ..mods.trace import B, F, I
 from . import arrays as device, mod_cache, nvrtc
@@ -74,8 +80,8 @@ class Bound(NamedTuple):
     """One captured array as a call binds it. ref: (address, shape, element strides) for
     codegen.pack; shape, dtype, size: the captured array's; stored: the dtype the kernels read
     (codegen.storage_dtype); source: the captured object;
-    serial: mod_cache's name for a NumPy array's contents, None for a CUDA array (contents not
-    seen); values: (min, max) of a NumPy integer array, else None; in_place: a CUDA array read
+    serial: mod_cache's name for a host array's contents, None for a CUDA array (contents not
+    seen); values: (min, max) of a host integer array, else None; in_place: a CUDA array read
     where it is; keep: what holds the memory the kernels read."""
     ref: tuple
     shape: tuple
@@ -93,10 +99,11 @@ def bind(kind, name, source, vt, stage, arch, grad=False):
     """The Bound of captured array `name` of `kind` ("score_mod" / "mask_mod"), value type vt
     (trace.F / I / B), for a call on stage's device and stream; grad: a backward accumulates
     its gradient. See the module docstring."""
-    if isinstance(source, np.ndarray):
-        e = mod_cache.array_copy(source, lambda h: codegen.storage(h, vt, narrow=True), stage.device, stage.stream)
+    host = interop.host_view(name, source)
+    if host is not None:
+        e = mod_cache.array_copy(host, lambda h: codegen.storage(h, vt, narrow=True), stage.device, stage.stream)
         a = e.dev
-        return Bound(_ref(a), source.shape, source.dtype, source.size, a.dtype, source, e.serial, e.values, False, a)
+        return Bound(_ref(a), host.shape, host.dtype, host.size, a.dtype, source, e.serial, e.values, False, a)
     view = _view(kind, name, source, stage)
     if not _in_place(view, vt, grad):
         copy = stage.scratch(view.shape, codegen.storage_dtype(vt, dtype=view.dtype))
@@ -119,8 +126,8 @@ def _view(kind, name, source, stage):
         raise TypeError(f"{kind}: captured array {name!r} ({type(source).__name__}) no longer "
                         "exposes CUDA memory")
     if view.device != stage.device:
-        raise ValueError(f"{kind}: captured array {name!r} lives on cuda:{view.device}, but q, k "
-                         f"and v on cuda:{stage.device}; move it to cuda:{stage.device}")
+        raise ValueError(f"{kind}: captured array {name!r} lives on cuda:{view.device}, but the call "
+                         f"runs on cuda:{stage.device}; move it to cuda:{stage.device}")
     return view
 
 
@@ -161,7 +168,7 @@ def gradients(arrays, sums, offsets, stage, arch):
     out, host = {}, None
     for i, name, a in arrays:
         off = offsets.get(i) if sums is not None else None
-        if isinstance(a.source, np.ndarray):
+        if a.serial is not None:            # a host array: its gradient on the host, in its library
             if off is None:
                 g = np.zeros(a.shape)
             else:
@@ -169,7 +176,7 @@ def gradients(arrays, sums, offsets, stage, arch):
                     host = np.zeros(sums.shape[0], np.float64)
                     stage.download(sums, host)
                 g = host[off:off + a.size].reshape(a.shape)
-            out[name] = g.astype(a.dtype)
+            out[name] = interop.to_library(g.astype(a.dtype), a.source)
             continue
         g = device.empty(a.shape, a.dtype, stage.device, stage.stream)
         if off is None:

@@ -14,6 +14,7 @@ import types
 import ml_dtypes
 import numpy as np
 
+from .. import interop
 from ..cuda.devview import may_be_device_array
 
 
@@ -26,16 +27,18 @@ def _global_names(code):
 
 
 def _captured(name, value):
-    """What tracing sees of a value fn names: a NumPy array itself, a DevView of a CUDA array
-    (shape, dtype, device; its memory is not read), None for anything else. A CUDA array whose
-    library refuses to share it raises, naming it."""
+    """What tracing sees of a value fn names: a NumPy array itself, NumPy's view of another
+    library's host array (a torch CPU tensor, a JAX CPU array: attnext.interop), a DevView of a
+    CUDA array (shape, dtype, device; its memory is not read), None for anything else. An array
+    whose library refuses to share it (or whose dtype NumPy cannot read) raises, naming it."""
     if isinstance(value, np.ndarray):
         return value
     if not may_be_device_array(value):
         return None
     from ..cuda import arrays as device        # the CUDA host side: loaded only when such an object is captured
     try:
-        return device.as_device_view(value)
+        view = device.as_device_view(value)
+        return view if view is not None else interop.host_view(name, value)
     except (TypeError, ValueError) as e:
         raise type(e)(f"captured array {name!r}: {e}") from None
 
@@ -147,7 +150,14 @@ class _SelfView:
 
     @classmethod
     def of(cls, func, obj, replace, memo):
-        """The view, or None where no attribute is replaced (the object is called as it is)."""
+        """The view, or None where no attribute is replaced (the object is called as it is).
+        obj may be a view itself (a function rebuilt twice: the reference calls
+        numpy_views(with_arrays(...))): the new view is of its object, its attributes as that
+        view gives them."""
+        if isinstance(obj, _SelfView):
+            obj, attrs = obj._obj, {**vars(obj._obj), **obj._swapped}
+        else:
+            attrs = vars(obj)
         me = func.__code__.co_varnames[0] if func.__code__.co_argcount else "self"
         names, todo, seen = set(), [func], set()
         while todo:                     # the attribute names of func and the methods it names
@@ -160,7 +170,6 @@ class _SelfView:
                 m = _method(type(obj), n)
                 if m is not None:
                     todo.append(m)
-        attrs = vars(obj)
         swapped = {}
         for n in sorted(names & attrs.keys()):
             label = f"{me}.{n}"
@@ -190,9 +199,9 @@ _FOREIGN_MODULES = ("numpy", "functools", "torch", "builtins")
 
 
 def captured_arrays(fn):
-    """name -> array (the object itself: a NumPy array or a CUDA array), for every array fn
-    names the way tracing captures them (closure, globals named in its code, defaults), whether
-    or not fn reads it."""
+    """name -> array (the object itself: a NumPy array, another library's host array or a CUDA
+    array), for every array fn names the way tracing captures them (closure, globals named in
+    its code, defaults), whether or not fn reads it."""
     found = {}
 
     def record(name, value, desc):
@@ -200,6 +209,33 @@ def captured_arrays(fn):
         return value
     _rebound(fn, record)
     return found
+
+
+def captured_views(fn):
+    """captured_arrays(fn) as attnext reads them: a NumPy array for a host array of any library
+    (NumPy's view of a torch CPU tensor's memory, say), a DevView for a CUDA array."""
+    found = {}
+
+    def record(name, value, desc):
+        found[name] = desc
+        return value
+    _rebound(fn, record)
+    return found
+
+
+def numpy_views(fn):
+    """fn with every captured host array of another library replaced by NumPy's view of it (fn
+    itself where there is none): what the reference and attnext.block_mask call, on NumPy index
+    arrays, so that a torch CPU tensor is indexed as the NumPy array it shares memory with."""
+    swapped = []
+
+    def replace(name, value, desc):
+        if isinstance(desc, np.ndarray) and desc is not value:
+            swapped.append(name)
+            return desc
+        return value
+    new = _rebound(fn, replace)
+    return new if swapped else fn
 
 
 def with_arrays(fn, arrays):

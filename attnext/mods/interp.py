@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .. import _C
+from .. import _C, interop
 from ..lru import CountedCache
 from . import grad as derivative, trace
 from .trace import B, F, I
@@ -309,12 +309,22 @@ def _float_values(prog, params):
                     dtype=np.float64)
 
 
+def _host(name, source):
+    """NumPy's view of a captured host array (a NumPy array, a torch CPU tensor, ...:
+    attnext.interop); api.py refuses a CPU call whose function captures a CUDA array."""
+    a = interop.host_view(name, source)
+    if a is None:
+        raise TypeError(f"captured array {name!r} ({type(source).__name__}) is not in host memory: "
+                        "the CPU backend reads host arrays only")
+    return a
+
+
 def _bind_arrays(traced, lowered, acc_dtype):
     """The captured arrays by position, as the interpreter reads them (contiguous; floats in
     acc_dtype, ints int64, bools one byte), read afresh now."""
     out = []
     for name, dtype in zip(_array_positions(traced.out), lowered.array_kinds):
-        a = np.asarray(traced.arrays[name])
+        a = _host(name, traced.arrays[name])
         kind = trace.kind_of(dtype)
         dt = {F: acc_dtype, I: np.int64, B: np.uint8}[kind]
         out.append((_KIND_CODES.get(dtype, _KIND_CODES[kind]), np.asarray(a, dtype=dt, order="C")))
@@ -341,7 +351,7 @@ def bind(score_mod, mask_mod, acc_dtype, backward=False, dtensors=None):
         m.score, m.score_floats = low.forward.code, _float_values(low.forward, t.params)
         m.score_arrays = _bind_arrays(t, low, acc_dtype)
         m.score_names = tuple(_array_positions(t.out))
-        m.score_sources = tuple(np.asarray(t.arrays[name]) for name in m.score_names)
+        m.score_sources = tuple(t.arrays[name] for name in m.score_names)
         if backward:
             m.score_bwd, m.n_fstash, m.n_istash = low.forward_bwd.code, low.n_fstash, low.n_istash
             m.grad, m.grad_floats = low.grad.code, _float_values(low.grad, t.params)
@@ -363,8 +373,9 @@ def bind(score_mod, mask_mod, acc_dtype, backward=False, dtensors=None):
 
 def dtensors(mods):
     """{name: gradient} after a backward with bound mods: each float array the score_mod reads
-    (those bind's dtensors named), in its own dtype and shape (zeros for an array that reaches
-    the score only through comparisons or indices); {} without a score_mod."""
+    (those bind's dtensors named), in its own dtype and shape and its own library (a NumPy array
+    for a NumPy array, a torch CPU tensor for one: attnext.interop.to_library), zeros for an
+    array that reaches the score only through comparisons or indices; {} without a score_mod."""
     out = {}
     if mods is None:
         return out
@@ -373,8 +384,9 @@ def dtensors(mods):
         if kind != _KIND_CODES[F] or (mods.asked is not None and name not in mods.asked):
             continue
         src = mods.score_sources[pos]
+        host = _host(name, src)
         off = mods.grad_offsets[pos]
-        g = (np.zeros(src.shape) if off < 0
-             else mods.dtensors[off:off + data.size].reshape(src.shape))
-        out[name] = g.astype(src.dtype)
+        g = (np.zeros(host.shape) if off < 0
+             else mods.dtensors[off:off + data.size].reshape(host.shape))
+        out[name] = interop.to_library(g.astype(host.dtype), src)
     return out

@@ -3,15 +3,16 @@
 A traced mask_mod's conjuncts that bound kv_idx - q_idx (attnext/band.py) become the call's
 causal / window, so the kernels visit only the band's tiles and test only the tiles it cuts; and
 what is left, when it is exactly `doc[q_idx] == doc[kv_idx]` over contiguous runs of a captured
-NumPy array, becomes varlen attention over the runs. The kept pairs are the same either way;
-results agree with the masked path's within rounding, not bit for bit. The CUDA backend
-(cuda_backend._bind_mods) and the CPU backend (api.py, before interp.bind) both call
-lower_mask, then run kernel_problem(o).
+host array (NumPy's, or a torch CPU tensor: attnext.interop), becomes varlen attention over the
+runs. The kept pairs are the same either way; results agree with the masked path's within
+rounding, not bit for bit. The CUDA backend (cuda_backend._bind_mods) and the CPU backend
+(api.py, before interp.bind) both call lower_mask, then run kernel_problem(o).
 """
 import copy
 
 import numpy as np
 
+from .. import interop
 from . import band
 
 
@@ -74,12 +75,13 @@ def lower_band(o, tm):
 
 def documents(o, tm):
     """cu_seqlens of the documents where the mask_mod left after its band is `doc[q_idx] ==
-    doc[kv_idx]` over a captured 1-D NumPy integer (or bool) array whose equal values sit in
-    contiguous runs: its kept pairs are then varlen attention's over the runs, which the
-    varlen kernels run without a mask (causal and window are relative to each run's diagonal,
-    the whole sequence's where Sq == Sk). Only where nothing else reads a position: B = 1, Sq ==
-    Sk, no score_mod (the caller's test), bias, mask, alibi or lengths; the array must reach Sq
-    (else the lookup's IndexError is mask_mod's to raise). None otherwise."""
+    doc[kv_idx]` over a captured 1-D integer (or bool) host array (NumPy, a torch CPU tensor)
+    whose equal values sit in contiguous runs: its kept pairs are then varlen attention's over
+    the runs, which the varlen kernels run without a mask (causal and window are relative to
+    each run's diagonal, the whole sequence's where Sq == Sk). Only where nothing else reads a
+    position: B = 1, Sq == Sk, no score_mod (the caller's test), bias, mask, alibi or lengths;
+    the array must reach Sq (else the lookup's IndexError is mask_mod's to raise). None
+    otherwise."""
     if (o.varlen or o.B != 1 or o.Sq != o.Sk or not o.Sq or o.used_q is not None or o.used_k is not None
             or o.bias4 is not None or o.mask4 is not None or o.alibi is not None):
         return None
@@ -89,8 +91,8 @@ def documents(o, tm):
     (arr, i), (arr2, j) = (a.args for a in n.args)
     if arr is not arr2 or {i.op, j.op} != {"q_idx", "kv_idx"}:
         return None
-    doc = tm.arrays[arr.args[0]]
-    if not isinstance(doc, np.ndarray) or doc.ndim != 1 or doc.dtype.kind not in "iub" or doc.shape[0] < o.Sq:
+    doc = interop.host_view(arr.args[0], tm.arrays[arr.args[0]])     # None for a CUDA array
+    if doc is None or doc.ndim != 1 or doc.dtype.kind not in "iub" or doc.shape[0] < o.Sq:
         return None
     d = doc[:o.Sq]
     cu = np.concatenate(([0], np.flatnonzero(d[1:] != d[:-1]) + 1, [o.Sq]))

@@ -76,18 +76,23 @@ different arrays under one name raise TypeError. Other callables (builtins, ufun
 are called as they are, without array capture.
 
 FlexAttention habits. torch functions and tensor methods on a traced value (torch.where,
-score.exp()), and a torch tensor indexed with one, raise TypeError (AttributeError for a
-method) saying what to write instead: torch calls Proxy.__torch_function__ for any object that
-has one, so attnext never imports torch.
+score.exp()), and a torch tensor indexed with one that is not captured (an item of a list, say),
+raise TypeError (AttributeError for a method) saying what to write instead: torch calls
+Proxy.__torch_function__ for any object that has one, so attnext never imports torch.
 
-CUDA arrays. Any other library's array exposing `__cuda_array_interface__` or `__dlpack__` on a
-CUDA device (CuPy, PyTorch, JAX, Numba) is captured like a NumPy array: attnext.cuda.arrays'
-as_device_view gives its shape, dtype and device from the protocol, without reading its memory
-(a torch tensor that requires grad is refused there: capture `table.detach()`). The graph and
-its key see only dtype and shape, so a CUDA and a NumPy array of one dtype and shape share the
-generated code. `Traced.arrays` holds the object itself: the CUDA backend binds it afresh at
-every call (mod_arrays.py); evaluate() and the CPU backend read NumPy arrays only (api.py refuses
-a host call whose function captures a CUDA array).
+Other libraries' arrays. An array in host memory of another library (a torch CPU tensor, a JAX
+CPU array: `__dlpack_device__` says kDLCPU) is captured as the NumPy array it shares memory with
+(attnext.interop.host_view; a torch bfloat16 tensor, which NumPy cannot read, and a tensor that
+requires grad are refused, naming it). Any library's array exposing `__cuda_array_interface__`
+or `__dlpack__` on a CUDA device (CuPy, PyTorch, JAX, Numba) is captured like a NumPy array:
+attnext.cuda.arrays' as_device_view gives its shape, dtype and device from the protocol, without
+reading its memory (a torch tensor that requires grad is refused there: capture
+`table.detach()`). The graph and its key see only dtype and shape, so a CUDA and a NumPy array
+of one dtype and shape share the generated code. `Traced.arrays` holds the object itself: the
+CUDA backend binds it afresh at every call (mod_inputs.py); evaluate() and the CPU backend read
+host arrays only, through their NumPy views (checks.py refuses a call on the CPU or the
+reference whose function captures a CUDA array). Such a function is traced at every call
+(fingerprint.py caches NumPy arrays only).
 
 The graph is hash-consed within one trace (structurally equal nodes are one object), so a
 subexpression used twice, e.g. the same lookup, is one node. `Traced.key` is a SHA-256 of the
@@ -694,12 +699,13 @@ def _torch_tensor_message(t):
     n = name or "t"
     to_numpy = (f"{n}.float().numpy(), or {n}.view(torch.int16).numpy().view(ml_dtypes.bfloat16)"
                 if dtype == "bfloat16" else f"{n}.numpy()")
-    return (f"{what} (shape {shape}, {dtype}, on {device}) is read with a traced value; attnext "
-            f"looks up arrays captured by name (a closure variable, a global, a default "
-            f"argument, or self.attribute of a callable object): a NumPy array, or for a call on CUDA q, k, v a CUDA array (torch, CuPy, "
-            f"JAX: any __cuda_array_interface__ or DLPack array on q's device). Capture a NumPy "
-            f"copy made outside the function ({to_numpy}; .detach() first if it requires grad)"
-            + (", or the tensor on q's GPU" if device == "cpu" else ""))
+    return (f"{what} (shape {shape}, {dtype}, on {device}) is read with a traced value, but is "
+            f"not captured: attnext looks up arrays captured by name (a closure variable, a "
+            f"global, a default argument, or self.attribute of a callable object): host arrays "
+            f"(NumPy, a torch CPU tensor, a JAX CPU array) on every backend, CUDA arrays (torch, "
+            f"CuPy, JAX: any __cuda_array_interface__ or DLPack array on the call's device) when "
+            f"the call runs on the GPU. Capture the tensor by name, or a NumPy copy made outside "
+            f"the function ({to_numpy}; .detach() first if it requires grad)")
 
 
 def _torch_call_message(func, args):
