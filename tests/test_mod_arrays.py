@@ -353,7 +353,7 @@ except ValueError as e:
 device._count[:], _C.pointer_device = count, pointer_device
 
 # --- a host call cannot read it: TypeError naming it -------------------------------------------
-hq = np.zeros((1, 8, 2, 16), np.float32)
+hq = np.zeros((1, 8, 2, 16), np.float64)      # float64: device=None keeps it on the CPU
 for where in ("cpu", "reference"):
     try:
         attnext.attention(hq, hq, hq, score_mod=relbias, device=where)
@@ -361,7 +361,7 @@ for where in ("cpu", "reference"):
     except TypeError as e:
         assert "score_mod captures 'table', a CUDA array (CudaArray)" in str(e), e
 try:
-    attnext.attention_backward(hq, hq, hq, hq, hq, np.zeros((1, 2, 8), np.float32), mask_mod=doc_mask)
+    attnext.attention_backward(hq, hq, hq, hq, hq, np.zeros((1, 2, 8), np.float64), mask_mod=doc_mask)
     raise SystemExit("no TypeError")
 except TypeError as e:
     assert "mask_mod captures 'ids'" in str(e), e

@@ -10,7 +10,7 @@ mask_mod's block mask is built on the device; a band and documents are lowered t
 kernels' window and varlen; a lookup out of range raises IndexError from the device's error
 record; dtensors come back as NumPy arrays; a captured CUDA array on the call's device is read
 in place (refused on the CPU and the reference, and on another device); out= is checked against
-the captured arrays; float32 stays on the CPU, as without callbacks.
+the captured arrays; float64 stays on the CPU, as without callbacks.
 
 `-m gpu`: the zoo of tests/mods.py and the combinations of test_score_mod_cpu.py on NumPy float16
 / bfloat16 inputs against the reference (check_backend on the GPU), block masks, documents and
@@ -180,10 +180,10 @@ except ValueError as e:
     assert str(e) == ("score_mod: captured array 'table' lives on cuda:1, but the call runs on cuda:0; "
                       "move it to cuda:0"), e
 device._count[:], _C.pointer_device = count, pointer_device
-# float32 has no GPU kernels: device=None keeps it on the CPU, callbacks or not
-f32 = hq.astype(np.float32)
-local = rng.standard_normal((2, 2 * S + 1)).astype(np.float32)
-attnext.attention(f32, f32, f32, score_mod=lambda s, b, h, qi, ki: s + local[h, qi - ki + S])
+# float64 has no GPU kernels: device=None keeps it on the CPU, callbacks or not
+f64 = hq.astype(np.float64)
+local = rng.standard_normal((2, 2 * S + 1))
+attnext.attention(f64, f64, f64, score_mod=lambda s, b, h, qi, ki: s + local[h, qi - ki + S])
 assert CPU == ["forward"], CPU
 print("ok")
 """
