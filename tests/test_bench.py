@@ -121,8 +121,11 @@ def test_decode_bytes_and_case_grid():
     assert all(c.B * c.Sq == 16384 and c.Hq * c.D == 2048 for c in plain)
     assert len({c.name for c in full}) == len(full)
     quick = bc.cases(quick=True)
-    assert {c.kind for c in quick} == {"plain", "packed", "decode", "numpy"}
-    assert all(c.Sq == 2048 and c.D == 128 for c in quick if c.kind == "plain")
+    assert {c.kind for c in quick} == {"plain", "float32", "tf32", "packed", "decode", "numpy"}
+    assert all(c.Sq == 2048 and c.D == 128 for c in quick if c.kind in ("plain", "float32", "tf32"))
+    f32 = [c for c in full if c.kind in ("float32", "tf32")]
+    assert len(f32) == 8 and all(c.Sq == bc.FLOAT32_S and c.B * c.Sq == 16384 for c in f32)
+    assert {c.name.split()[0] for c in f32} == {"float32", "tf32"}
     assert sum(c.kind == "decode" for c in quick) == 1
 
 
@@ -185,24 +188,32 @@ class FakeAttnext:
 
     def __init__(self, fault=None):
         self.fault = fault
+        self.precisions = []       # (precision, torch's allow_tf32) of each forward and backward
+
+    def _note(self, precision):
+        import torch
+        self.precisions.append((precision, torch.backends.cuda.matmul.allow_tf32))
 
     def _give(self, out_f32, out, q, lse_shape, return_lse):
         import torch
-        res = out_f32.to(torch.bfloat16) + (1 if self.fault == "wrong" else 0)
+        res = out_f32.to(torch.bfloat16 if q is None else q.dtype) + (1 if self.fault == "wrong" else 0)
         if out is not None:
             out.copy_(res)
             res = out
         return (res, torch.zeros(lse_shape)) if return_lse else res
 
-    def attention(self, q, k, v, *, causal=False, device=None, out=None, return_lse=False):
+    def attention(self, q, k, v, *, causal=False, device=None, out=None, return_lse=False, precision=None):
         assert device == "cuda"
+        self._note(precision)
         if isinstance(q, np.ndarray):
             o, _ = bc.reference(*(bc._numpy_to_bf16(x, "cpu") for x in (q, k, v)), causal=causal)
             return bc._bf16_to_numpy(self._give(o, None, None, None, False))
         o, _ = bc.reference(q, k, v, causal=causal)
         return self._give(o, out, q, (q.shape[0], q.shape[2], q.shape[1]), return_lse)
 
-    def attention_backward(self, dout, q, k, v, out, lse, *, causal=False, device=None, deterministic=True):
+    def attention_backward(self, dout, q, k, v, out, lse, *, causal=False, device=None, deterministic=True,
+                           precision=None):
+        self._note(precision)
         if self.fault == "raise":
             raise NotImplementedError("the CUDA backward is not built yet")
         _, g = bc.reference(q, k, v, dout, causal)
@@ -250,6 +261,24 @@ def test_plain_rows_on_cpu(monkeypatch):
     assert set(bwd["attnext_rel_errors"]) == set(bwd_nd["attnext_rel_errors"]) == {"dq", "dk", "dv"}
     assert bwd_nd["flash_ms"] == bwd["flash_ms"]     # the peers' one backward beside both
     json.dumps([fwd, bwd, bwd_nd])
+
+
+@pytest.mark.parametrize("kind", ["float32", "tf32"])
+def test_float32_rows_on_cpu(monkeypatch, kind):
+    """float32 tensors; tf32 rows pass precision="tf32" to attnext and time torch's peers with TF32
+    allowed, restored afterwards; both held to >= 1.5x / 2x the best peer."""
+    torch = pytest.importorskip("torch")
+    run = _cpu_run(monkeypatch)
+    before = torch.backends.cuda.matmul.allow_tf32
+    fwd, bwd, bwd_nd = bc.case_rows(run, bc.Case(kind, 2, 96, 96, 4, 4, 32, True))
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    for row in (fwd, bwd, bwd_nd):
+        assert row["attnext_status"] == "ok", row["attnext_reason"]
+        assert row["flash_status"] == "ok", row["flash_reason"]
+        assert row["target"] == (">=1.5x best" if kind == "float32" else ">=2.0x best")
+    tf32 = kind == "tf32"
+    assert set(bc.attnext.precisions) == {("tf32" if tf32 else None, tf32)}
+    assert bc.SECTION_TITLES[kind] in bc.SECTION_TITLES.values()
 
 
 def test_wrong_results_are_not_timed(monkeypatch):
@@ -324,6 +353,7 @@ def _main_on_cpu(monkeypatch, fault=None):
     monkeypatch.setattr(bc, "header", lambda timing: ["GPU name, date", f"times: {timing}"])
     monkeypatch.setattr(bc, "make_timer", lambda warmup, rep: ((lambda fn: (fn(), 1.0)[1]), "fake"))
     tiny = [bc.Case("plain", 1, 80, 80, 2, 2, 16, c) for c in (False, True)] + [
+        bc.Case(kind, 1, 48, 48, 2, 2, 16, True) for kind in ("float32", "tf32")] + [
         bc.Case("packed", 1, 40, 40, 2, 2, 16, True, (9, 31)),
         bc.Case("decode", 2, 1, 70, 4, 2, 16, False), bc.plain_case(32, 16, False, "numpy", B=1)]
     monkeypatch.setattr(bc, "cases", lambda quick: tiny)
@@ -346,7 +376,7 @@ def test_main_end_to_end_on_cpu(monkeypatch, tmp_path, capsys, fault, status):
     saved = json.loads(path.read_text())
     assert saved["header"][1] == "times: fake"
     rows = saved["rows"]
-    assert len(rows) == 2 * 3 + 3 + 1 + 1 + 2 * 2     # plain and packed: fwd, bwd, bwd_nd; mods: fwd, bwd
+    assert len(rows) == 4 * 3 + 3 + 1 + 1 + 2 * 2     # plain, float32, tf32, packed: fwd, bwd, bwd_nd; mods: fwd, bwd
     want = "WRONG" if fault else "ok"
     assert {r["attnext_status"] for r in rows if r["section"] != "mods"} == {want}
     assert all(r["cudnn_status"] == "skipped" for r in rows if r["section"] not in ("numpy", "mods"))

@@ -3,9 +3,13 @@
     python -m attnext.bench --device cuda [--quick] [--rows TEXT] [--peers LIST] [--first-call]
                                           [--warmup MS] [--rep MS] [--json PATH] [--plot PATH]
 
-Sections, bf16 throughout:
+Sections, bf16 unless said:
   plain   B*S = 16384 tokens, H = 2048 / D heads, D = 64 and 128, S = 512 ... 16384, causal and
           not, forward and backward.
+  float32, tf32  the plain rows at S = 4096 in float32: attnext's default (split TF32 products,
+          float32 accuracy) against SDPA's float32 backends (efficient: cutlass's 3xTF32) and
+          FlexAttention; tf32: attnext's precision="tf32" against the same peers with TF32
+          allowed in torch (torch.backends.cuda.matmul.allow_tf32, which Flex's products follow).
   packed  16384 tokens in 7 documents (a seeded random split), document-causal, D = 128, H = 16:
           attnext.varlen_attention on the packed tokens; FlexAttention at B = 1 with a document
           block mask; SDPA's backends on the padded batch (the documents padded to the longest).
@@ -66,9 +70,14 @@ TARGETS = {("plain", "fwd"): ("flash", 1.0), ("plain", "bwd"): ("flash", 0.9),
            ("plain", "bwd_nd"): ("flash", 0.9),
            ("packed", "fwd"): ("flex", 1.0), ("packed", "bwd"): ("flex", 1.0),
            ("packed", "bwd_nd"): ("flex", 1.0),
-           ("decode", "fwd"): ("best", 0.9)}
+           ("decode", "fwd"): ("best", 0.9),
+           **{("float32", d): ("best", 1.5) for d in ("fwd", "bwd", "bwd_nd")},
+           **{("tf32", d): ("best", 2.0) for d in ("fwd", "bwd", "bwd_nd")}}
+FLOAT32_S = 4096                   # the float32 and tf32 rows' sequence length
 NUMPY_TARGET = 1.3                 # attnext's NumPy-in/NumPy-out time over the pinned-copy floor
 SECTION_TITLES = {"plain": "plain attention (TFLOP/s)",
+                  "float32": "float32 at float32 accuracy (TFLOP/s)",
+                  "tf32": "float32 with precision=\"tf32\" (peers with TF32 allowed; TFLOP/s)",
                   "packed": "document-causal packed batch (TFLOP/s)",
                   "decode": "KV-cache decode (GB/s of K and V read)",
                   "numpy": "NumPy in, NumPy out (wall-clock ms)"}
@@ -105,7 +114,7 @@ def document_lengths(total=TOKENS, parts=DOCS, seed=DOC_SEED):
 
 
 class Case(NamedTuple):
-    kind: str                      # "plain", "packed", "decode" or "numpy"
+    kind: str                      # "plain", "float32", "tf32", "packed", "decode" or "numpy"
     B: int
     Sq: int
     Sk: int
@@ -122,7 +131,7 @@ class Case(NamedTuple):
             return f"docs{len(self.lens)} T{self.Sq} H{self.Hq} D{self.D}{c}"
         if self.kind == "decode":
             return f"decode B{self.B} Sk{self.Sk} Hq{self.Hq} Hk{self.Hk} D{self.D}"
-        prefix = "numpy " if self.kind == "numpy" else ""
+        prefix = "" if self.kind == "plain" else f"{self.kind} "
         return f"{prefix}B{self.B} S{self.Sq} H{self.Hq} D{self.D}{c}"
 
     def flops(self, backward=False):
@@ -145,10 +154,13 @@ def cases(quick=False):
     """The rows, in table order; quick: one of each section, D = 128, S = 2048."""
     if quick:
         plain = [plain_case(2048, 128, c) for c in (False, True)]
+        plain += [plain_case(2048, 128, False, kind) for kind in ("float32", "tf32")]
         decode = [DECODE[1]]
         numpy_ = NUMPY_CASES[:1]
     else:
         plain = [plain_case(S, D, c) for D in HEAD_DIMS for c in (False, True) for S in SEQLENS]
+        plain += [plain_case(FLOAT32_S, D, c, kind) for kind in ("float32", "tf32") for D in HEAD_DIMS
+                  for c in (False, True)]
         decode = DECODE
         numpy_ = NUMPY_CASES
     H = HEAD_FEATURES // DOC_D
@@ -410,9 +422,9 @@ def reference(q, k, v, dout=None, causal=False):
     return out, grads
 
 
-def _randn(run, *shape):
+def _randn(run, *shape, dtype=None):
     import torch
-    return torch.randn(shape, device=run.device, dtype=torch.bfloat16)
+    return torch.randn(shape, device=run.device, dtype=dtype or torch.bfloat16)
 
 
 def _measure_attnext(run, attend, attend_backward, o, dout, refs):
@@ -534,10 +546,20 @@ def _peers(run, directions, measure):
 
 
 def plain_results(run, case):
-    """B*S tokens in bshd: attnext, then each peer, forward and backward."""
-    q, k, v, dout = (_randn(run, case.B, case.Sq, case.Hq, case.D) for _ in range(4))
+    """B*S tokens in bshd: attnext, then each peer, forward and backward. float32 and tf32 rows:
+    float32 tensors; tf32 passes precision="tf32" and lets torch's peers use TF32 too."""
+    import torch
+    dtype = torch.bfloat16 if case.kind == "plain" else torch.float32
+    q, k, v, dout = (_randn(run, case.B, case.Sq, case.Hq, case.D, dtype=dtype) for _ in range(4))
     refs = reference(q, k, v, dout, case.causal)
     kw = {"causal": case.causal, "device": "cuda"}
+    if case.kind == "tf32":
+        kw["precision"] = "tf32"
+    with _allow_tf32(case.kind == "tf32"):
+        return _plain_contenders(run, case, q, k, v, dout, refs, kw)
+
+
+def _plain_contenders(run, case, q, k, v, dout, refs, kw):
     results = {"attnext": _measure_attnext(
         run, lambda **o: attnext.attention(q, k, v, **kw, **o),
         lambda out, lse, **o: attnext.attention_backward(dout, q, k, v, out, lse, **kw, **o),
@@ -554,6 +576,22 @@ def plain_results(run, case):
             return _measure_peer(run, _sdpa_call(case.causal), (q, k, v), dout, refs)
     results.update(_peers(run, ("fwd", "bwd"), measure))
     return _peer_backward_for_both(results)
+
+
+class _allow_tf32:
+    """torch.backends.cuda.matmul.allow_tf32 (and cuDNN's) set to `on` inside, restored after."""
+
+    def __init__(self, on):
+        self.on = on
+
+    def __enter__(self):
+        import torch
+        self.saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.on
+
+    def __exit__(self, *exc):
+        import torch
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
 
 
 def packed_reference(q, k, v, dout, lens):
@@ -713,7 +751,8 @@ def numpy_row(run, case, case_s_start):
     return [row]
 
 
-SECTIONS = {"plain": plain_results, "packed": packed_results, "decode": decode_results}
+SECTIONS = {"plain": plain_results, "float32": plain_results, "tf32": plain_results,
+            "packed": packed_results, "decode": decode_results}
 
 
 def case_rows(run, case):
