@@ -202,11 +202,18 @@ class FakeAttnext:
             res = out
         return (res, torch.zeros(lse_shape)) if return_lse else res
 
-    def attention(self, q, k, v, *, causal=False, device=None, out=None, return_lse=False, precision=None):
+    def attention(self, q, k, v, *, causal=False, device=None, out=None, return_lse=False, precision=None,
+                  score_mod=None):
         assert device == "cuda"
         self._note(precision)
         if isinstance(q, np.ndarray):
-            o, _ = bc.reference(*(bc._numpy_to_bf16(x, "cpu") for x in (q, k, v)), causal=causal)
+            qkv = [bc._numpy_to_bf16(x, "cpu") for x in (q, k, v)]
+            if score_mod is not None:       # the bench's one NumPy score_mod: softcap
+                s = np.linspace(-90.0, 90.0, 7)
+                assert np.allclose(score_mod(s, 0, 0, 0, 0), bc.SOFTCAP * np.tanh(s / bc.SOFTCAP))
+                o = bc.softcap_reference(*qkv)
+            else:
+                o, _ = bc.reference(*qkv, causal=causal)
             return bc._bf16_to_numpy(self._give(o, None, None, None, False))
         o, _ = bc.reference(q, k, v, causal=causal)
         return self._give(o, out, q, (q.shape[0], q.shape[2], q.shape[1]), return_lse)
@@ -336,6 +343,24 @@ def test_numpy_row_on_cpu(monkeypatch):
     assert bc.format_row(row).startswith("numpy B2 S64")
     q = np.random.default_rng(0).standard_normal((3, 5)).astype(ml_dtypes.bfloat16)
     assert (bc._bf16_to_numpy(bc._numpy_to_bf16(q, "cpu")) == q).all()
+
+
+def test_numpy_softcap_row_on_cpu(monkeypatch):
+    """The NumPy score_mod row validates against the softcap reference and is timed against the
+    plain NumPy call of its shape (<= 1.2x)."""
+    pytest.importorskip("torch")
+    run = _cpu_run(monkeypatch)
+    (case,) = [c for c in bc.cases() if c.mod]
+    assert (case.kind, case.B, case.Sq, case.Hq, case.D, case.causal) == ("numpy", 2, 4096, 16, 64, False)
+    assert case.name == "numpy softcap30 B2 S4096 H16 D64"
+    (row,) = bc.case_rows(run, bc.Case("numpy", 1, 40, 40, 2, 2, 16, False, mod="softcap"))
+    assert row["attnext_status"] == "ok", row["attnext_reason"]
+    assert _positive(row["attnext_ms"]) and _positive(row["floor_ms"]) and row["pinned_gbps"] is None
+    assert row["target"] == "<=1.2x plain" and row["target_ratio"] == pytest.approx(
+        row["attnext_ms"] / row["floor_ms"])
+    monkeypatch.setattr(bc, "softcap_reference", lambda q, k, v: 2 * bc.reference(q, k, v)[0])
+    (wrong,) = bc.case_rows(run, bc.Case("numpy", 1, 40, 40, 2, 2, 16, False, mod="softcap"))
+    assert wrong["attnext_status"] == "WRONG" and wrong["attnext_ms"] is None
 
 
 def _main_on_cpu(monkeypatch, fault=None):

@@ -17,7 +17,9 @@ Sections, bf16 unless said:
           GB/s of K and V read.
   numpy   attnext.attention on ml_dtypes.bfloat16 NumPy arrays in ordinary (pageable) memory,
           NumPy out, against the floor: the same bytes through pinned torch tensors to the device
-          and back (measured in the same run); wall-clock medians.
+          and back (measured in the same run); wall-clock medians. The softcap row: a score_mod
+          (30 tanh(s / 30)) over NumPy arrays of (2, 4096, 16, 64), its floor the plain NumPy call
+          of the same shape (<= 1.2x: the score_mod's generated kernels run on the GPU).
   mods    score_mod / mask_mod rows against FlexAttention: softcap, a relative-bias table (its
           gradient on both sides), the document mask (as a mask_mod alone and with causal=True),
           a causal sliding window; TFLOP/s of the pairs each mask keeps (attnext/bench/mods.py).
@@ -75,6 +77,9 @@ TARGETS = {("plain", "fwd"): ("flash", 1.0), ("plain", "bwd"): ("flash", 0.9),
            **{("tf32", d): ("best", 2.0) for d in ("fwd", "bwd", "bwd_nd")}}
 FLOAT32_S = 4096                   # the float32 and tf32 rows' sequence length
 NUMPY_TARGET = 1.3                 # attnext's NumPy-in/NumPy-out time over the pinned-copy floor
+NUMPY_MOD = (2, 4096, 16, 64)      # (B, S, H, D) of the NumPy softcap score_mod row
+NUMPY_MOD_TARGET = 1.2             # its time over the plain NumPy call of the same shape
+SOFTCAP = 30.0
 SECTION_TITLES = {"plain": "plain attention (TFLOP/s)",
                   "float32": "float32 at float32 accuracy (TFLOP/s)",
                   "tf32": "float32 with precision=\"tf32\" (peers with TF32 allowed; TFLOP/s)",
@@ -123,6 +128,7 @@ class Case(NamedTuple):
     D: int
     causal: bool
     lens: Optional[tuple] = None   # packed: the documents' lengths (B = 1, Sq = Sk = their sum)
+    mod: Optional[str] = None      # numpy: "softcap" for the score_mod row
 
     @property
     def name(self):
@@ -132,6 +138,8 @@ class Case(NamedTuple):
         if self.kind == "decode":
             return f"decode B{self.B} Sk{self.Sk} Hq{self.Hq} Hk{self.Hk} D{self.D}"
         prefix = "" if self.kind == "plain" else f"{self.kind} "
+        if self.mod:
+            prefix += f"{self.mod}{SOFTCAP:g} "
         return f"{prefix}B{self.B} S{self.Sq} H{self.Hq} D{self.D}{c}"
 
     def flops(self, backward=False):
@@ -165,9 +173,11 @@ def cases(quick=False):
         numpy_ = NUMPY_CASES
     H = HEAD_FEATURES // DOC_D
     packed = Case("packed", 1, TOKENS, TOKENS, H, H, DOC_D, True, document_lengths())
+    B, S, H, D = NUMPY_MOD
     return (plain + [packed]
             + [Case("decode", B, 1, Sk, DECODE_HQ, DECODE_HK, DECODE_D, False) for B, Sk in decode]
-            + [plain_case(S, D, c, "numpy", B) for B, S, D, c in numpy_])
+            + [plain_case(S, D, c, "numpy", B) for B, S, D, c in numpy_]
+            + [Case("numpy", B, S, S, H, H, D, False, mod="softcap")])
 
 
 def _reason(e):
@@ -715,27 +725,53 @@ def pinned_copies(bytes_in, bytes_out, device):
     return copies
 
 
+def softcap_reference(q, k, v):
+    """Attention with scores 30 tanh(s / 30) in float32 on bf16 (B, S, H, D) tensors, a head at a
+    time (the scores materialised); out (B, S, H, D) float32."""
+    import torch
+    B, S, H, D = q.shape
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        for h in range(H):
+            s = (q[b, :, h].float() @ k[b, :, h].float().T) / math.sqrt(D)
+            out[b, :, h] = torch.softmax(SOFTCAP * torch.tanh(s / SOFTCAP), dim=-1) @ v[b, :, h].float()
+    return out
+
+
 def numpy_row(run, case, case_s_start):
-    """attnext on host NumPy arrays (copies in and out included) against the pinned-copy floor."""
+    """attnext on host NumPy arrays (copies in and out included) against the pinned-copy floor;
+    the softcap row against the plain NumPy call of its shape."""
     import torch
     shape = (case.B, case.Sq, case.Hq, case.D)
     qt, kt, vt = (_randn(run, *shape) for _ in range(3))
-    ref_out, _ = reference(qt, kt, vt, causal=case.causal)
+    ref_out = (softcap_reference(qt, kt, vt) if case.mod else reference(qt, kt, vt, causal=case.causal)[0])
     q, k, v = (_bf16_to_numpy(x) for x in (qt, kt, vt))
     del qt, kt, vt
+    kw = {"causal": case.causal, "device": "cuda"}
+
+    def plain():
+        return attnext.attention(q, k, v, **kw)
 
     def call():
-        return attnext.attention(q, k, v, causal=case.causal, device="cuda")
+        if not case.mod:
+            return plain()
+        return attnext.attention(q, k, v, **kw,
+                                 score_mod=lambda s, b, h, q_idx, kv_idx: SOFTCAP * np.tanh(s / SOFTCAP))
     res = _attempt(run.wall_median, call,
                    lambda out: {"out": (_numpy_to_bf16(out, run.device), ref_out)}, call)
     bytes_in, bytes_out = q.nbytes + k.nbytes + v.nbytes, q.nbytes
     floor_ms, floor_reason = None, None
     try:
-        copies = pinned_copies(bytes_in, bytes_out, run.device)
-        copies()
-        floor_ms = run.wall_median(copies)
+        if case.mod:
+            floor_ms = run.wall_median(plain)
+        else:
+            copies = pinned_copies(bytes_in, bytes_out, run.device)
+            copies()
+            floor_ms = run.wall_median(copies)
     except Exception as e:
         floor_reason = _reason(e)
+    target = NUMPY_MOD_TARGET if case.mod else NUMPY_TARGET
+    floor_name = "plain" if case.mod else "floor"
     ratio = res["ms"] / floor_ms if res["ms"] and floor_ms else None
     row = {"section": "numpy", "case": case.name, "direction": "fwd", "B": case.B, "Sq": case.Sq,
            "Sk": case.Sk, "Hq": case.Hq, "Hk": case.Hk, "D": case.D, "causal": case.causal,
@@ -744,9 +780,9 @@ def numpy_row(run, case, case_s_start):
            "attnext_reason": res["reason"], "attnext_rel_errors": res.get("rel_errors"),
            "floor_ms": floor_ms,
            "floor_status": "error" if floor_reason else "ok", "floor_reason": floor_reason,
-           "pinned_gbps": gbps(bytes_in + bytes_out, floor_ms),
-           "target": f"<={NUMPY_TARGET:.1f}x floor", "target_ratio": ratio,
-           "target_met": None if ratio is None else ratio <= NUMPY_TARGET}
+           "pinned_gbps": None if case.mod else gbps(bytes_in + bytes_out, floor_ms),
+           "target": f"<={target:.1f}x {floor_name}", "target_ratio": ratio,
+           "target_met": None if ratio is None else ratio <= target}
     row["case_s"] = time.perf_counter() - case_s_start
     return [row]
 
