@@ -182,6 +182,9 @@ def test_plot_with_matplotlib(tmp_path):
 
 # --- the row logic end to end, on CPU torch tensors with a stand-in for attnext's GPU API ---
 
+SOFTCAP_REFERENCE = bc.softcap_reference      # the stand-in's own, whatever a test patches into bc
+
+
 class FakeAttnext:
     """attnext's CUDA-facing API on CPU torch tensors, computed by the benchmark's own float32
     reference; `fault` makes it return wrong numbers ("wrong") or raise in the backward."""
@@ -211,7 +214,7 @@ class FakeAttnext:
             if score_mod is not None:       # the bench's one NumPy score_mod: softcap
                 s = np.linspace(-90.0, 90.0, 7)
                 assert np.allclose(score_mod(s, 0, 0, 0, 0), bc.SOFTCAP * np.tanh(s / bc.SOFTCAP))
-                o = bc.softcap_reference(*qkv)
+                o = SOFTCAP_REFERENCE(*qkv)
             else:
                 o, _ = bc.reference(*qkv, causal=causal)
             return bc._bf16_to_numpy(self._give(o, None, None, None, False))
