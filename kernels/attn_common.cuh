@@ -48,7 +48,6 @@
 #define ELEM_BYTES 2
 #endif
 #define CHUNK (16 / ELEM_BYTES)            /* elements in 16 bytes: one cp.async, one ldmatrix row */
-#define KSTEP (2 * CHUNK)                  /* elements of one mma k step: 16 (k16), 8 (tf32 k8) */
 #define DP ROUND_UP(HEAD_DIM, 16)          /* D padded to the mma's k step */
 #define DVP ROUND_UP(HEAD_DIM_V, 16)       /* Dv padded to two n8 tiles */
 #define SMEM_PAD CHUNK                     /* 16 bytes per row keep ldmatrix conflict-free */
