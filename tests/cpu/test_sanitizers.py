@@ -27,9 +27,8 @@ ROOT = str(paths.ROOT)
 # test_block_mask.py run whole: the score_mod / mask_mod interpreter (csrc/interp/interp.c), captured
 # array lookups, block skipping and array gradients; unsanitized they take about 5 s together
 DEFAULT_TESTS = ["tests/cpu/test_cpu_attention.py", "tests/contract/test_errors.py",
-                 "tests/contract/test_bad_input.py", "tests/contract/test_properties.py",
-                 "tests/cpu/test_concurrency.py", "tests/cpu/test_score_mod_cpu.py",
-                 "tests/unit/test_block_mask.py"]
+                 "tests/contract/test_properties.py", "tests/cpu/test_concurrency.py",
+                 "tests/cpu/test_score_mod_cpu.py", "tests/unit/test_block_mask.py"]
 DESELECT = "not memory_is_linear and not rss and not sanitize"
 CHILD = "ATTNEXT_SANITIZED_CHILD"
 

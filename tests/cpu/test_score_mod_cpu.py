@@ -2,7 +2,7 @@
 against the reference: the zoo of tests/mods.py forward and backward (dtensors included), the
 built-in options combined with them, block skipping at tile edges, varlen, lookups out of range,
 NumPy's integer rules, determinism, and the structural program cache. Also device="reference":
-the zoo traced first (refusals: test_errors.py, test_bad_input.py), then the reference's answer."""
+the zoo traced first (refusals: contract/test_errors.py), then the reference's answer."""
 import os
 import subprocess
 import sys

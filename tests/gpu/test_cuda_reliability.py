@@ -1,7 +1,7 @@
 """Reliability on the GPU (`pytest -m gpu`): threads, the GIL, memory, CUDA failures, bad inputs
 with CUDA arrays, NaN / Inf in CUDA arrays. The CPU side of the same promises is in
-test_concurrency.py and test_bad_input.py; the bad-input cases here are that file's tables, fed
-as torch CUDA tensors.
+cpu/test_concurrency.py and contract/test_errors.py; the bad-input cases here are the latter's
+tables (helpers/bad_inputs.py), fed as torch CUDA tensors.
 
 - 8 threads (torch CUDA tensors, and NumPy float16 through the pinned staging rings) get the bits
   of the same calls run one at a time, with no deadlock.
@@ -627,7 +627,7 @@ def _is_cuda(x):
 
 @pytest.fixture(scope="module")
 def gpu_good(torch):
-    """test_bad_input's valid call of each function, its arrays as torch CUDA tensors."""
+    """The battery's valid call of each function, its arrays as torch CUDA tensors."""
     return {fn: {arg: _gpu_value(torch, arg, x) for arg, x in args.items()}
             for fn, args in bad.GOOD.items()}
 
@@ -662,7 +662,8 @@ def _names(arg):
 
 @pytest.mark.parametrize("case", bad.BAD_INPUTS, ids=[bad.case_id(c) for c in bad.BAD_INPUTS])
 def test_bad_input_with_cuda_arrays(case, torch, gpu_good):
-    """test_bad_input's battery with q, k, v (and every array it can) as CUDA tensors."""
+    """The bad-input battery (contract/test_errors.py) with q, k, v (and every array it can) as
+    CUDA tensors."""
     fn, arg, label, value, exc = case
     _refused(torch, gpu_good, fn, {arg: _gpu_value(torch, arg, value)}, exc, _names(arg))
 
@@ -685,7 +686,7 @@ _PLAIN_OUTS = [c for c in bad.BAD_OUTS if not isinstance(c[2], tuple)]
 
 @pytest.mark.parametrize("fn, label, value, exc", _PLAIN_OUTS, ids=[f"{c[0]}-{c[1]}" for c in _PLAIN_OUTS])
 def test_bad_out_with_cuda_arrays(fn, label, value, exc, torch, gpu_good):
-    """out= cases of test_bad_input: as CUDA arrays the table's exception; what stays on the host
+    """The battery's out= cases: as CUDA arrays the table's exception; what stays on the host
     (big-endian, lists, str) is a TypeError: a GPU call writes only CUDA arrays."""
     value = _gpu_value(torch, "out", value)
     if not _is_cuda(value):
@@ -793,10 +794,10 @@ def test_float32_cuda_tensors_are_a_type_error(torch, rng):
 @pytest.mark.parametrize("where, index", bad.NONFINITE, ids=[w for w, _ in bad.NONFINITE])
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
 def test_nonfinite_cuda_data_propagate(dtype, where, index, value, causal, torch):
-    """test_bad_input's NaN / Inf cases as torch CUDA tensors: out is NaN exactly where the
-    reference's is (a NaN q row, a +inf score: that row; a NaN key: every row that keeps it), lse
-    is non-finite exactly where the reference's is, finite values agree, and no NaN of the
-    reference's gradients goes missing."""
+    """The NaN / Inf cases of contract/test_errors.py as torch CUDA tensors: out is NaN exactly
+    where the reference's is (a NaN q row, a +inf score: that row; a NaN key: every row that
+    keeps it), lse is non-finite exactly where the reference's is, finite values agree, and no
+    NaN of the reference's gradients goes missing."""
     arrays = dict(q=bad.randn_seeded(21, (2, 9, 2, 8), dtype), k=bad.randn_seeded(22, (2, 11, 2, 8), dtype),
                   v=bad.randn_seeded(23, (2, 11, 2, 8), dtype), bias=bad.randn_seeded(24, (2, 2, 9, 11), F32))
     arrays[where][index] = value
