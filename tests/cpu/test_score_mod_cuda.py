@@ -16,7 +16,7 @@ from conftest import BF16, F16, make_qkv, make_varlen_qkv, randn
 
 from helpers import mods
 from helpers.gpu import run_gpu, to_gpu, to_host
-from test_score_mod_cpu import COMBOS
+from test_score_mod import COMBOS
 
 pytestmark = pytest.mark.gpu
 
