@@ -717,7 +717,7 @@ def test_precision_tf32_on_cpu_keeps_float32_accuracy(rng):
     check_backend(q, k, v, rng, precision="tf32", causal=True)
 
 
-# --- score_mod / mask_mod (the CPU interpreter; the zoo: tests/test_score_mod_cpu.py) ---
+# --- score_mod / mask_mod (the CPU interpreter; the zoo: tests/cpu/test_score_mod.py) ---
 
 def _tanh_mod(s, b, h, qi, ki):
     return s + 0.5 * np.tanh(s) * (h + 1)

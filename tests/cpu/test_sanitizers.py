@@ -23,12 +23,12 @@ from helpers import paths
 ROOT = str(paths.ROOT)
 
 # the RSS measurements are left out (ASan's shadow memory and quarantine grow RSS by design),
-# and so is this file (the child would run it again). test_score_mod_cpu.py and
+# and so is this file (the child would run it again). test_score_mod.py (its CPU cases) and
 # test_block_mask.py run whole: the score_mod / mask_mod interpreter (csrc/interp/interp.c), captured
 # array lookups, block skipping and array gradients; unsanitized they take about 5 s together
 DEFAULT_TESTS = ["tests/cpu/test_cpu_attention.py", "tests/contract/test_errors.py",
                  "tests/contract/test_properties.py", "tests/cpu/test_concurrency.py",
-                 "tests/cpu/test_score_mod_cpu.py", "tests/unit/test_block_mask.py"]
+                 "tests/cpu/test_score_mod.py", "tests/unit/test_block_mask.py"]
 DESELECT = "not memory_is_linear and not rss and not sanitize"
 CHILD = "ATTNEXT_SANITIZED_CHILD"
 
