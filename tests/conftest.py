@@ -32,7 +32,7 @@ DTYPES = [F16, BF16, F32, F64]
 DTYPE_IDS = {F16: "f16", BF16: "bf16", F32: "f32", F64: "f64"}
 
 # The backend the CPU suite runs on: ATTNEXT_TEST_DEVICE=cuda reruns the whole suite on the GPU
-# (tests/test_cuda.py does that under `pytest -m gpu`); dtypes the GPU has no kernels for skip.
+# (gpu/test_cuda.py does that under `pytest -m gpu`); dtypes the GPU has no kernels for skip.
 TEST_DEVICE = os.environ.get("ATTNEXT_TEST_DEVICE", "cpu")
 GPU_DTYPES = (F16, BF16)
 

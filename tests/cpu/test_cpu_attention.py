@@ -1,6 +1,6 @@
 """The CPU backend against the float64 reference, forward and backward.
 
-With ATTNEXT_TEST_DEVICE=cuda the same tests run on the GPU (DEVICE; tests/test_cuda.py).
+With ATTNEXT_TEST_DEVICE=cuda the same tests run on the GPU (DEVICE; gpu/test_cuda.py).
 Every check goes through conftest.check_backend: out, lse, dq, dk, dv and dbias against the
 reference on the same inputs, with the three-way tolerance described in conftest.py.
 """

@@ -7,7 +7,7 @@ Values span each dtype's whole range, so sums wrap, quotients meet negatives and
 uint64 values pass int64's. Also: the traced types are NumPy's, a lookup indexed by a wrapping
 uint8 expression, block-mask cells whose intervals would wrap (csrc/mod_ints.h: mod_iv_fit), and
 mask_mods that look like bands but compare through uint64 (attnext/band.py leaves them).
-The same on the GPU under `-m gpu`: tests/test_int_promotion.py::test_gpu_*.
+The same on the GPU under `-m gpu`: this file's test_gpu_*.
 """
 import os
 

@@ -1,6 +1,6 @@
 """Legal NumPy in score_mod / mask_mod that the tracer used to refuse (issue [1/7] point 5), on
 the CPU backend against the reference, forward and backward (and the gradients of the captured
-float arrays), and with `-m gpu` on CUDA tensors (tests/test_score_mod_cuda.py's run_gpu):
+float arrays), and with `-m gpu` on CUDA tensors (helpers.gpu.run_gpu):
 
 - a partial index by int constants, then a lookup: `bias[0][b, h, q_idx]`, `tab[-1][h, kv_idx]`,
   `tab[1][0][kv_idx]` (NumPy's basic indexing: a view), IndexError at trace time for a constant

@@ -1,4 +1,4 @@
-"""The GPU call's host path on the fake driver (tests/fake_libcuda.c), without a GPU: plans
+"""The GPU call's host path on the fake driver (helpers/fake_libcuda.c), without a GPU: plans
 (cuda_backend's cache of everything a call's launches derive from), the launch template, and
 the per-stream scratch buffer. `-m gpu` adds the same promises checked on a real device.
 

@@ -1,7 +1,7 @@
 """attnext.cuda.mod_cache on the fake driver (no GPU): a mask_mod's block mask is built once and
 reused by the calls that have the same mask_mod structure, float constants, captured-array
 contents, lengths and cells; anything else differing rebuilds it, an array changed in place is
-uploaded again, and both caches stay bounded. The GPU tests (test_score_mod_cuda.py) check that
+uploaded again, and both caches stay bounded. The GPU tests (cpu/test_score_mod.py) check that
 the reused masks give the reference's answers."""
 import numpy as np
 

@@ -1,7 +1,7 @@
 """mod_mask_cell (attnext/codegen.py, kernels/attn_mods.cuh's block-mask cells) without a GPU:
 mask_mod over a whole cell of pairs by intervals, which kernels/attn_block_mask.cu asks before
 evaluating a cell pair by pair. Built as host C (helpers/host_c.py) and run over
-random cells of tests/mods.py's mask_mods and more: its answer always covers what the pairs
+random cells of helpers/mods.py's mask_mods and more: its answer always covers what the pairs
 give (a cell it settles is settled right), a cell where a checked lookup may leave its array is
 left to the pairs (which report it), and it settles the cells a document, causal or window mask
 should settle."""

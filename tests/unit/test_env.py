@@ -115,7 +115,7 @@ def test_reload_and_setenv(monkeypatch):
     assert os.environ["ATTNEXT_TILE_SUMS"] == "0" and _env.values(knobs) == ("atomic", "0")
     _env.setenv("ATTNEXT_TILE_SUMS", None)
     assert "ATTNEXT_TILE_SUMS" not in os.environ and _env.values(knobs) == ("atomic", None)
-    monkeypatch.setenv("ATTNEXT_BWD_DQ", "ordered")       # tests/conftest.py's monkeypatch reloads
+    monkeypatch.setenv("ATTNEXT_BWD_DQ", "ordered")       # conftest.py's monkeypatch reloads
     assert _env.get("ATTNEXT_BWD_DQ") == "ordered"
     with pytest.raises(KeyError):
         _env.get("ATTNEXT_" + "NO_SUCH_SETTING")

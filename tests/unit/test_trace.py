@@ -1,7 +1,7 @@
 """attnext.mods.trace: tracing score_mod / mask_mod, evaluating the graph, its symbolic derivative and
 its cache key. CPU only, fast.
 
-Every mod of tests/mods.py is checked against itself called on NumPy arrays (its NumPy twin),
+Every mod of helpers/mods.py is checked against itself called on NumPy arrays (its NumPy twin),
 in float64 (to 1e-12) and in float32 (to float32 round-off); every score_mod's derivative against
 central differences in float64, for the score and every captured float array.
 """
