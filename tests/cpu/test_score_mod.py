@@ -33,11 +33,13 @@ from helpers import mods
 from helpers.gpu import run_gpu, to_gpu, to_host
 
 S, H = mods.S_MAX, mods.H_MAX
-BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-# the dtypes each backend has kernels for: the CPU's float32 / float64, the GPU's float16 / bfloat16
+# (backend, dtype): the dtypes each backend has kernels for, the CPU's float32 / float64 and the
+# GPU's float16 / bfloat16 (marked gpu); fewer where a check ran with fewer
 BACKEND_DTYPES = [pytest.param(b, dt, id=f"{b}-{dtype_id(dt)}", marks=m) for b, dt, m in (
-    ("cpu", F32, ()), ("cpu", F64, ()), ("cuda", F16, pytest.mark.gpu), ("cuda", BF16, pytest.mark.gpu))]
-BACKEND_DTYPES_GPU_F16 = BACKEND_DTYPES[:3]         # the GPU in float16 alone
+    ("cpu", F32, ()), ("cpu", F64, ()),
+    ("cuda", F16, pytest.mark.gpu), ("cuda", BF16, pytest.mark.gpu))]
+BACKEND_DTYPES_GPU_F16 = BACKEND_DTYPES[:3]                 # the GPU in float16 alone
+BACKEND_ONE_DTYPE = [BACKEND_DTYPES[0], BACKEND_DTYPES[2]]  # float32 on the CPU, float16 on the GPU
 
 
 class Backend:
@@ -168,7 +170,7 @@ def test_varlen_b_is_the_sequence(dtype, on, rng):
 
 # --- lookups out of range -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend, dtype", [BACKEND_DTYPES[0], BACKEND_DTYPES[2]])
+@pytest.mark.parametrize("backend, dtype", BACKEND_ONE_DTYPE)
 def test_lookup_out_of_range_raises_index_error(dtype, on, rng):
     """IndexError naming the function, the index, the axis and the array, forward and backward;
     the CPU names the first lookup out of range in row order (index 5), the GPU the first a thread
@@ -199,7 +201,7 @@ def test_lookup_out_of_range_raises_index_error(dtype, on, rng):
     attnext.attention(q, k, v)          # the library stays usable
 
 
-@pytest.mark.parametrize("backend, dtype", [BACKEND_DTYPES[0], BACKEND_DTYPES[2]])
+@pytest.mark.parametrize("backend, dtype", BACKEND_ONE_DTYPE)
 def test_lookup_out_of_range_only_where_masked_is_not_observable(dtype, on, rng):
     """score_mod runs only at kept pairs: indices out of range elsewhere are clamped."""
     q, k, v = make_qkv(rng, 1, 10, 12, 2, 2, *on.dims(8, 8), dtype)
@@ -212,7 +214,7 @@ def test_lookup_out_of_range_only_where_masked_is_not_observable(dtype, on, rng)
 
 # --- the program / kernel cache -----------------------------------------------------------------
 
-@pytest.mark.parametrize("backend, dtype", [BACKEND_DTYPES[0], BACKEND_DTYPES[2]])
+@pytest.mark.parametrize("backend, dtype", BACKEND_ONE_DTYPE)
 def test_cache_two_different_lambdas_get_two_programs(dtype, on, rng):
     q, k, v = (on.put(x) for x in make_qkv(rng, 1, 8, 8, 1, 1, *on.dims(8, 8), dtype))
     on.call("attention", q, k, v)           # the plain call's kernels are not what is counted
@@ -222,7 +224,7 @@ def test_cache_two_different_lambdas_get_two_programs(dtype, on, rng):
     assert on.compiles() == before + 2
 
 
-@pytest.mark.parametrize("backend, dtype", [BACKEND_DTYPES[0], BACKEND_DTYPES[2]])
+@pytest.mark.parametrize("backend, dtype", BACKEND_ONE_DTYPE)
 def test_cache_the_same_function_defined_twice_shares_one(dtype, on, rng):
     q, k, v = (on.put(x) for x in make_qkv(rng, 1, 8, 8, 1, 1, *on.dims(8, 8), dtype))
 
@@ -243,7 +245,7 @@ def test_cache_the_same_function_defined_twice_shares_one(dtype, on, rng):
         assert after["hits"] >= after["cpu"]["hits"] and after["compile_seconds"] >= 0
 
 
-@pytest.mark.parametrize("backend, dtype", [BACKEND_DTYPES[0], BACKEND_DTYPES[2]])
+@pytest.mark.parametrize("backend, dtype", BACKEND_ONE_DTYPE)
 def test_cache_a_float_sweep_compiles_once(dtype, on, rng):
     """A float constant is a parameter of the compiled code: nothing compiles after its first
     value (on the CPU one program, forward and backward), and each value gives its own answer

@@ -13,8 +13,6 @@ import importlib.util
 import os
 import struct
 import subprocess
-import sys
-import textwrap
 import weakref
 
 import ml_dtypes

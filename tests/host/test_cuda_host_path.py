@@ -14,10 +14,6 @@ the per-stream scratch buffer. `-m gpu` adds the same promises checked on a real
 The driver and NVRTC load once per process, so the fake-driver checks run in a subprocess; the
 kernels there are stand-ins (the fake loads any image), so no kernel is compiled.
 """
-import os
-import subprocess
-import sys
-import textwrap
 import types
 
 import ml_dtypes
