@@ -20,7 +20,7 @@ go without notice; BUILD variables are read by setup.py when the extension is bu
 variables by the test suite. C reads two itself (ATTNEXT_SIMD, ATTNEXT_LIBCUDA: `getenv` in
 csrc/), which `reload()` cannot change either. `_env.markdown()` is the table as Markdown.
 
-No other module of attnext reads an ATTNEXT_* variable (tests/test_env.py holds that, and that
+No other module of attnext reads an ATTNEXT_* variable (tests/unit/test_env.py holds that, and that
 every variable named anywhere in the repository is in the table).
 """
 import dataclasses
@@ -102,21 +102,22 @@ SETTINGS = {s.name: s for s in [
     Setting("ATTNEXT_NO_OPENMP", "1", "OpenMP where the compiler has it", BUILD, IMPORT,
             "1 builds the CPU backend without OpenMP"),
     Setting("ATTNEXT_SANITIZE", "1", "off", BUILD, IMPORT,
-            "1 builds with -fsanitize=address,undefined (tests/test_sanitizers.py)"),
+            "1 builds with -fsanitize=address,undefined (tests/cpu/test_sanitizers.py)"),
     # --- tests/
     Setting("ATTNEXT_TEST_DEVICE", "cpu | cuda", "cpu", TEST, IMPORT,
             "the backend the CPU suite runs on (tests/conftest.py)"),
     Setting("ATTNEXT_TEST_EXPECT_SIMD", "portable | avx2 | avx512", "unset", TEST, CALL,
-            "the SIMD variant a child run of the tests must report (tests/test_cpu_attention.py)"),
+            "the SIMD variant a child run of the tests must report "
+            "(tests/cpu/test_cpu_attention.py)"),
     Setting("ATTNEXT_NO_NVRTC", "1", "unset", TEST, CALL,
             "1 skips the tests that need NVRTC on a machine without it"),
     Setting("ATTNEXT_FUZZ_SECONDS", "float", "100", TEST, IMPORT,
-            "the differential fuzzer's budget in tests/test_fuzz.py"),
+            "the differential fuzzer's budget in tests/cpu/test_fuzz.py"),
     Setting("ATTNEXT_FUZZ_SEED", "int", "0", TEST, IMPORT, "the fuzzer's hypothesis seed"),
     Setting("ATTNEXT_SANITIZE_TESTS", "test paths, space-separated", "a subset", TEST, CALL,
-            "what tests/test_sanitizers.py runs under the sanitizers ('tests': all)"),
+            "what tests/cpu/test_sanitizers.py runs under the sanitizers ('tests': all)"),
     Setting("ATTNEXT_SANITIZED_CHILD", "1", "unset", TEST, CALL,
-            "marks tests/test_sanitizers.py's child run"),
+            "marks tests/cpu/test_sanitizers.py's child run"),
 ]}
 RUNTIME = tuple(n for n, s in SETTINGS.items() if s.kind in (PUBLIC, LAB))
 

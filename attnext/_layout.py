@@ -1,7 +1,7 @@
 """C's layouts, each written once: the dtype codes of csrc/attn_params.h's attn_dtype and the
 address slots of _C.cuda_launch_attention come from _C.layout() by name; the records _C.forward /
 _C.backward (csrc/module.c) and _C.attn_template (csrc/cuda/attention.c) read by attribute name
-are typed here, and tests/test_layout.py holds them to what those C files read."""
+are typed here, and tests/unit/test_layout.py holds them to what those C files read."""
 from dataclasses import dataclass
 from typing import Any, Optional
 

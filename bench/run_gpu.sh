@@ -15,27 +15,27 @@ rc=0
 for step in "$@"; do
   case "$step" in
     warmup) python3 -m attnext.warmup 2>&1 | tail -3 ;;
-    smoke) python3 -m pytest -m gpu -q --maxfail=20 tests/test_cuda.py tests/test_cuda_host.py -k "not cpu_suite" 2>&1 | tee "$OUT/smoke.log" | tail -25 ;;
+    smoke) python3 -m pytest -m gpu -q --maxfail=20 tests/gpu/test_cuda.py tests/host/test_cuda_host.py -k "not cpu_suite" 2>&1 | tee "$OUT/smoke.log" | tail -25 ;;
     tests) python3 -m pytest -m gpu -q -n 4 tests/ -k "not cpu_suite" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
-    suite[0-4]) python3 -m pytest -m gpu -q tests/test_cuda.py -k "cpu_suite and shard${step#suite}" 2>&1 \
+    suite[0-4]) python3 -m pytest -m gpu -q tests/gpu/test_cuda.py -k "cpu_suite and shard${step#suite}" 2>&1 \
                 | tee "$OUT/$step.log" | tail -30 ;;
     sanitize) # memcheck over the GPU tests of the kernels and the mods; racecheck (slow) over a
               # forward, the backward's kernels (the warp-specialised dK/dV + dQ in both dq modes,
               # the recomputing ones), varlen, decode, and score_mods with lookups and dtensors
               compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q \
-                -p no:cacheprovider tests/test_cuda.py tests/test_cuda_backward.py \
-                tests/test_score_mod_cuda.py tests/test_mod_arrays_cuda.py tests/test_tile_sums_cuda.py \
+                -p no:cacheprovider tests/gpu/test_cuda.py tests/gpu/test_cuda_backward.py \
+                tests/cpu/test_score_mod.py tests/host/test_mod_arrays.py tests/unit/test_tile_sums.py \
                 -k "not cpu_suite" 2>&1 \
                 | tee "$OUT/memcheck.log" | tail -5 || rc=1
               compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -m gpu -q \
-                -p no:cacheprovider tests/test_cuda.py tests/test_cuda_backward.py tests/test_score_mod_cuda.py \
-                tests/test_tile_sums_cuda.py -k "test_head_dims and bf16 and d128_dv128 or varlen_with_padding or test_decode_split_kv and B3 \
+                -p no:cacheprovider tests/gpu/test_cuda.py tests/gpu/test_cuda_backward.py tests/cpu/test_score_mod.py \
+                tests/unit/test_tile_sums.py -k "test_head_dims and bf16 and d128_dv128 or varlen_with_padding or test_decode_split_kv and B3 \
                     or test_head_dims and bf16-d64_dv64-causal or test_varlen and 128-causal \
                     or dq_added_by_the_dkdv_kernel and (d128-default or d64-default) or score_mod_zoo and bf16 \
                     and (rel or doc_penalty) or narrowed or test_relative_bias_table and d64-causal \
                     or mask_mod_zoo and bf16 and (document or allowed) or block_sparse_masks and d64" 2>&1 \
                 | tee "$OUT/racecheck.log" | tail -5 || rc=1 ;;
-    register) python3 -m pytest -m gpu -q tests/test_pinning.py tests/test_staging.py 2>&1 | tee "$OUT/register_tests.log" | tail -15
+    register) python3 -m pytest -m gpu -q tests/host/test_pinning.py tests/host/test_staging.py 2>&1 | tee "$OUT/register_tests.log" | tail -15
               python3 bench/labs/lab_numpy.py 2>&1 | tee "$OUT/lab_numpy.log" ;;
     quick) python3 -m attnext.bench --device cuda --quick --json "$OUT/bench_quick.json" 2>&1 | tee "$OUT/bench_quick.log" | tail -40 ;;
     bench) python3 -m attnext.bench --device cuda --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -60 ;;

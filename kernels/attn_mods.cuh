@@ -1,7 +1,7 @@
 /* What the generated score_mod / mask_mod code (attnext/codegen.py) calls: NumPy's integer and
  * float rules, bounds-checked lookups into the captured arrays, and the exact scatter-add of
  * the array gradients. The same text compiles as CUDA (NVRTC, included by attn_common.cuh) and
- * as host C (tests/test_codegen.py checks the generated code against trace.evaluate with it).
+ * as host C (tests/unit/test_codegen.py checks the generated code against trace.evaluate with it).
  *
  *   m->f[k]     the k-th float constant          m->a[i]   captured array i (attn_params.h)
  *   m->err      5 int64: flag, array, axis, index, size of the first lookup out of range

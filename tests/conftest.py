@@ -25,14 +25,14 @@ import attnext.testing  # noqa: E402
 from attnext import _C, _env, reference  # noqa: E402
 from attnext.testing import accuracy  # noqa: E402
 from attnext.testing.accuracy import (BF16, F16, F32, F64, acc_dtype, compare,  # noqa: E402,F401
-                                      compare_grads)
+                                      compare_dtensors, compare_grads)
 
 
 DTYPES = [F16, BF16, F32, F64]
 DTYPE_IDS = {F16: "f16", BF16: "bf16", F32: "f32", F64: "f64"}
 
 # The backend the CPU suite runs on: ATTNEXT_TEST_DEVICE=cuda reruns the whole suite on the GPU
-# (tests/test_cuda.py does that under `pytest -m gpu`); dtypes the GPU has no kernels for skip.
+# (gpu/test_cuda.py does that under `pytest -m gpu`); dtypes the GPU has no kernels for skip.
 TEST_DEVICE = os.environ.get("ATTNEXT_TEST_DEVICE", "cpu")
 GPU_DTYPES = (F16, BF16, F32)
 
@@ -70,10 +70,18 @@ def dtype_id(dt):
 
 # --- random data ---
 
+def seed_of(nodeid):
+    """A test's seed: its node id with its file named as tests/<file> whatever its folder, so a
+    file moved between tests/'s folders keeps its data (the ids of the flat tests/ it grew in)."""
+    path, _, test = nodeid.partition("::")
+    return zlib.crc32(f"tests/{os.path.basename(path)}::{test}".encode())
+
+
 @pytest.fixture
 def rng(request):
-    """A generator seeded from the test's node id: fresh data per test, identical on a rerun."""
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+    """A generator seeded from the test's node id (seed_of): fresh data per test, identical on a
+    rerun."""
+    return np.random.default_rng(seed_of(request.node.nodeid))
 
 
 @pytest.fixture
@@ -94,6 +102,28 @@ def cc():
     if exe is None:
         pytest.skip("no C compiler")
     return exe
+
+
+@pytest.fixture(scope="module")
+def fake_libcuda(tmp_path_factory):
+    """The fake driver (tests/helpers/fake_libcuda.c) built as {"full": path, "old": path}, the
+    second lacking cuMemAllocAsync; or the test is skipped without a C compiler."""
+    from helpers import fake_cuda
+    if fake_cuda.compiler() is None:
+        pytest.skip("no C compiler for the fake libcuda")
+    d = tmp_path_factory.mktemp("fake_libcuda")
+    return {name: fake_cuda.build(d, name, flags)
+            for name, flags in (("full", []), ("old", ["-DNO_ALLOC_ASYNC"]))}
+
+
+@pytest.fixture(scope="module")
+def fake_driver(tmp_path_factory):
+    """The fake driver's path (helpers.driver.run_on_fake runs code on it), or the test is
+    skipped without a C compiler."""
+    from helpers import fake_cuda
+    if fake_cuda.compiler() is None:
+        pytest.skip("no C compiler for the fake libcuda")
+    return fake_cuda.build(tmp_path_factory.mktemp("fake_libcuda"))
 
 
 @pytest.fixture(scope="module")
@@ -249,6 +279,14 @@ def check_backend(q, k, v, rng, *, varlen=None, backward=True, out=None, dout=No
     assert (g.dq[dead] == 0).all(), "dq: a row that keeps no key is not exactly 0"
     result.grads, result.ref_grads, result.dout = g, rg, dout
     return result
+
+
+def check_dtensors(res, score_mod, dtype):
+    """The dtensors of check_backend's backward (its result res) against the reference's
+    (accuracy.compare_dtensors: every float array the traced score_mod reads, in its dtype;
+    arrays the reference names beyond those have zero gradient)."""
+    problems = compare_dtensors(res.grads, res.ref_grads, score_mod, dtype)
+    assert not problems, problems
 
 
 @pytest.hookimpl(hookwrapper=True)

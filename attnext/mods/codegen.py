@@ -135,7 +135,7 @@ _LOAD = {F: "mod_load_f", I: "mod_load_i", B: "mod_load_b"}
 _INPUT_NAMES = ("score", "b", "h", "q_idx", "kv_idx", "dout")
 
 # every op the tracer can produce (trace.py's _ARITH, _COMPARE, _BITWISE, _UNARY_FLOAT, ...) and
-# the derivative's own (dmul): tests/test_codegen.py checks that this covers trace's list
+# the derivative's own (dmul): tests/unit/test_codegen.py checks that this covers trace's list
 SUPPORTED_OPS = frozenset(_FLOAT_OPS) | frozenset(_INT_OPS) | frozenset(_BOOL_OPS) | {"load"}
 
 

@@ -215,7 +215,7 @@ def rounded_out_allowance(q, k, v, dout, out, ref_out, lengths, opts):
     return a_dq, a_dk, sum_to_bias_shape(pe, np.shape(bias))
 
 
-# --- score_mods and mask_mods (after tests/mods.py) ---------------------------------------------
+# --- score_mods and mask_mods (after tests/helpers/mods.py) -------------------------------------
 
 
 def compare_grads(g, rg, q, k, v, dout, out, ref_out, lengths, opts, cond=1.0, dbias_cond=None):

@@ -32,7 +32,7 @@ then passes q, k, v and dout in GPU memory, see `_check_one`):
   so are a different -inf pattern, a wrong dtype or shape, and an exception from a backend
   where the reference ran;
 * dtensors (the score_mod's float array gradients) against the reference's, as
-  tests/test_score_mod_cpu.py holds them (`accuracy.compare_dtensors`), with `accuracy.dtensors_allowance`;
+  tests/cpu/test_score_mod.py holds them (`accuracy.compare_dtensors`), with `accuracy.dtensors_allowance`;
 * result buffers attnext allocates start as NaN (as the test suite poisons them), so an
   unwritten element is a NaN mismatch;
 * rows that keep no key (reference lse = -inf) have out and dq exactly 0; in varlen, packed

@@ -4,8 +4,8 @@ first call's forward compiles while nvrtc.compile_ahead compiles the backward be
     python3 bench/labs/lab_contention.py [--case softcap|doc_causal] [--repeat 2]
 
 Needs NVRTC and a C compiler, not a GPU: the entry points come from the fake driver
-(tests/fake_libcuda.c), as the bench's mods row plans them on Hopper (sm_90a), and each compile
-calls _C.nvrtc_compile straight (no cache of attnext's, and CUDA_CACHE_DISABLE=1: NVRTC 13.0 on
+(tests/helpers/fake_libcuda.c), as the bench's mods row plans them on Hopper (sm_90a), and each
+compile calls _C.nvrtc_compile straight (no cache of attnext's, and CUDA_CACHE_DISABLE=1: NVRTC 13.0 on
 the H100 hosts otherwise serves a program it compiled before from ~/.nv/ComputeCache in 0.06 s,
 which made every number after the first of this lab's first run a hit). Prints the forward's
 compile seconds alone, then beside 1..N of the backward's compiles started with it in threads
@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests"))        # the helpers package
 
 
 os.environ["CUDA_CACHE_DISABLE"] = "1"       # before NVRTC loads
@@ -29,7 +29,7 @@ os.environ["CUDA_CACHE_DISABLE"] = "1"       # before NVRTC loads
 
 def specs_of(case):
     """(forward specs, backward specs) of the case's call: (kernel, defines, generated) modules."""
-    import fake_cuda
+    from helpers import fake_cuda
     os.environ["ATTNEXT_LIBCUDA"] = fake_cuda.build(tempfile.mkdtemp(prefix="attnext-fake-"))
     os.environ["ATTNEXT_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnext-lab-")
     import ml_dtypes

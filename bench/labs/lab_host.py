@@ -4,8 +4,8 @@ per call over many calls, and where its time goes (cProfile's self time summed p
     python bench/labs/lab_host.py --fake [--calls 10000] [--parts] [--profile] [--cases plain,decode1,...]
     python bench/labs/lab_host.py [--torch] [--parts]   (a real GPU: DeviceArray or torch inputs)
 
---fake builds tests/fake_libcuda.c (the driver on host memory: launches do nothing) and runs
-on it, so no GPU is needed and the numbers are the host path alone, this machine's. On a GPU
+--fake builds tests/helpers/fake_libcuda.c (the driver on host memory: launches do nothing) and
+runs on it, so no GPU is needed and the numbers are the host path alone, this machine's. On a GPU
 the calls are asynchronous: the per-call time is the host's as long as the kernels keep up.
 Inputs are attnext.cuda.arrays.DeviceArray objects (their __cuda_array_interface__ costs little); --torch takes
 torch tensors instead (whose interface property builds a dict on every read).
@@ -65,8 +65,8 @@ def _mods(opts, Sk, Hq):
 
 def _fake_driver():
     """Builds the fake libcuda and points attnext at it (before anything loads the driver)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    import fake_cuda
+    sys.path.insert(0, str(ROOT / "tests"))        # the helpers package
+    from helpers import fake_cuda
     lib = fake_cuda.build(tempfile.mkdtemp(prefix="attnext-fake-"))
     os.environ["ATTNEXT_LIBCUDA"] = lib
     return lib
@@ -156,7 +156,8 @@ def timed(call, n, sync):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--fake", action="store_true", help="run on tests/fake_libcuda.c (no GPU)")
+    ap.add_argument("--fake", action="store_true",
+                    help="run on tests/helpers/fake_libcuda.c (no GPU)")
     ap.add_argument("--torch", action="store_true", help="torch CUDA tensors as inputs (a real GPU)")
     ap.add_argument("--calls", type=int, default=10000)
     ap.add_argument("--profile", action="store_true", help="cProfile: self time per module")

@@ -1,0 +1,235 @@
+"""The CUDA backend (`pytest -m gpu`, on a machine with a GPU) against the float64 reference.
+
+What the CPU suite checks reruns here on the GPU (test_cpu_suite_on_cuda); the rest is what only
+the GPU has: CUDA array inputs read in place (CuPy, PyTorch), results as the caller's arrays,
+out= on the device, head dims and tile edges of the GPU kernels.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import attnext
+from attnext import reference
+from conftest import BF16, F16, assert_close, assert_lse_close, make_qkv, make_varlen_qkv, randn
+
+from helpers.paths import ROOT, TESTS, pythonpath
+
+pytestmark = pytest.mark.gpu
+
+HEAD_DIMS = [(64, 64), (128, 128), (256, 256), (96, 96), (192, 128), (59, 40), (40, 59), (8, 8), (1, 3)]
+LENGTHS = [(1, 1), (113, 203), (127, 129), (129, 127), (128, 128), (239, 1), (1, 4097), (4095, 4097)]
+
+
+def _check_forward(q, k, v, dtype, *, varlen=None, **opts):
+    fwd, rfwd = ((attnext.attention, reference.attention) if varlen is None
+                 else (attnext.varlen_attention, reference.varlen_attention))
+    lengths = varlen or {}
+    out, lse = fwd(q, k, v, **lengths, device="cuda", return_lse=True, **opts)
+    r_out, r_lse = rfwd(q, k, v, **lengths, return_lse=True, **opts)
+    assert out.dtype == dtype and out.shape == r_out.shape
+    assert_close("out", out, r_out, dtype)
+    assert_lse_close(lse, r_lse, dtype)
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("d, dv", HEAD_DIMS, ids=[f"d{a}_dv{b}" for a, b in HEAD_DIMS])
+def test_head_dims(dtype, d, dv, rng):
+    q, k, v = make_qkv(rng, 2, 131, 197, 4, 2, d, dv, dtype)
+    _check_forward(q, k, v, dtype)
+    _check_forward(q, k, v, dtype, causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True, "top_left"], ids=["full", "causal", "top_left"])
+@pytest.mark.parametrize("sq, sk", LENGTHS, ids=[f"{a}x{b}" for a, b in LENGTHS])
+def test_lengths(sq, sk, causal, rng):
+    q, k, v = make_qkv(rng, 1, sq, sk, 2, 1, 64, 64, BF16)
+    _check_forward(q, k, v, BF16, causal=causal)
+
+
+def test_everything_at_once(rng):
+    """bias (broadcast, odd strides), mask, alibi, softcap, window, GQA, bhsd, element loads."""
+    q, k, v = make_qkv(rng, 2, 77, 150, 6, 2, 59, 40, F16, layout="bhsd")
+    bias = randn(rng, (6, 1, 150), np.float32)            # broadcast over batch and rows
+    mask = rng.random((2, 1, 77, 150)) > 0.2
+    slopes = rng.random(6).astype(np.float32)
+    _check_forward(q, k, v, F16, layout="bhsd", bias=bias, mask=mask, alibi_slopes=slopes,
+                   softcap=5.0, window=(40, 3), causal=True)
+
+
+def test_varlen_with_padding(rng):
+    cu_q = np.array([0, 0, 37, 300, 301, 520], np.int32)
+    cu_k = np.array([0, 5, 5, 270, 400, 640], np.int32)
+    used_q = np.array([0, 30, 263, 1, 100], np.int32)
+    q, k, v = make_varlen_qkv(rng, 530, 650, 4, 2, 128, 128, BF16)
+    varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q)
+    out, lse = _check_forward(q, k, v, BF16, varlen=varlen, causal=True)
+    assert (out[520:] == 0).all() and np.isneginf(lse[:, 520:]).all()
+
+
+@pytest.mark.parametrize("kernel", ["default", "mma_sync"])
+@pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (128, 64), (64, 128)],
+                         ids=["d64", "d128", "d128_dv64", "d64_dv128"])
+def test_forward_kernels_with_every_option(kernel, d, dv, rng, monkeypatch):
+    """On Hopper these head dims run attn_fwd_sm90 (wgmma) by default; "mma_sync" forces
+    attn_fwd.cu, so both kernels meet every option on tile edges (300 x 333: neither length a
+    multiple of 64) and on a packed batch."""
+    if kernel == "mma_sync":
+        monkeypatch.setenv("ATTNEXT_FWD_SM90", "0")
+    q, k, v = make_qkv(rng, 2, 300, 333, 4, 2, d, dv, BF16)
+    _check_forward(q, k, v, BF16)
+    _check_forward(q, k, v, BF16, causal=True)
+    _check_forward(q, k, v, BF16, causal="top_left", window=(70, 0))
+    bias = randn(rng, (4, 300, 1), np.float32)              # broadcast over batch and keys
+    mask = rng.random((2, 1, 300, 333)) > 0.1
+    slopes = rng.random(4).astype(np.float32)
+    _check_forward(q, k, v, BF16, bias=bias, mask=mask, alibi_slopes=slopes, softcap=5.0,
+                   window=(100, 7), causal=True)
+    cu_q = np.array([0, 1, 130, 130, 400], np.int32)
+    cu_k = np.array([0, 200, 200, 329, 600], np.int32)
+    q, k, v = make_varlen_qkv(rng, 410, 600, 4, 1, d, dv, F16)
+    varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=np.array([150, 0, 129, 33], np.int32))
+    out, lse = _check_forward(q, k, v, F16, varlen=varlen, causal=True)
+    assert (out[400:] == 0).all() and np.isneginf(lse[:, 400:]).all()
+
+
+@pytest.mark.parametrize("kernel", ["default", "mma_sync"])
+@pytest.mark.parametrize("sq, sk", [(200, 300), (1, 5000)], ids=["tiles", "split_kv"])
+def test_nan_propagates(kernel, sq, sk, rng, monkeypatch):
+    """A NaN in a query row makes that row's out and lse NaN, as IEEE and the reference say; it is
+    not taken for a row that keeps no key (0, -inf). Other rows are untouched. "split_kv": the
+    decode path's combine step."""
+    if kernel == "mma_sync":
+        monkeypatch.setenv("ATTNEXT_FWD_SM90", "0")
+    q, k, v = make_qkv(rng, 2, sq, sk, 8, 2, 128, 128, BF16)
+    q[1, sq - 1, 3, 5] = np.nan
+    out, lse = attnext.attention(q, k, v, device="cuda", return_lse=True)
+    r_out, r_lse = reference.attention(q, k, v, return_lse=True)
+    assert np.isnan(out[1, sq - 1, 3].astype(np.float32)).all() and np.isnan(lse[1, 3, sq - 1])
+    keep = np.ones(out.shape[:3], bool)
+    keep[1, sq - 1, 3] = False
+    assert_close("out", out[keep], r_out[keep], BF16)
+    assert np.isfinite(lse[keep.transpose(0, 2, 1)]).all()
+
+
+@pytest.mark.parametrize("sq, sk", [(19, 0), (0, 33), (0, 0)], ids=["no_keys", "no_queries", "neither"])
+def test_empty_sequences(sq, sk, rng):
+    """S = 0 (an empty q, k or v may come with no address at all): out rows 0, lse -inf, zero
+    gradients, never an error (the fuzzer found Sk = 0 refused by the launch's checks)."""
+    q, k, v = make_qkv(rng, 2, sq, sk, 4, 2, 64, 64, BF16)
+    out, lse = attnext.attention(q, k, v, device="cuda", return_lse=True)
+    assert out.shape == (2, sq, 4, 64) and (out == 0).all() and np.isneginf(lse).all()
+    g = attnext.attention_backward(np.ones_like(out), q, k, v, out, lse, device="cuda")
+    assert all((x == 0).all() for x in g[:3])
+    cu_q, cu_k = np.array([0, 7, 12], np.int32), np.array([0, 0, 0], np.int32)
+    qv, kv, vv = make_varlen_qkv(rng, 12, 0, 4, 2, 64, 64, F16)
+    out = attnext.varlen_attention(qv, kv, vv, cu_q, cu_k, device="cuda")
+    assert (out == 0).all()
+
+
+@pytest.fixture
+def torch():
+    return pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_torch_tensors_in_place(layout, rng, torch):
+    q, k, v = make_qkv(rng, 2, 300, 300, 8, 2, 128, 128, BF16, layout=layout)
+    tq, tk, tv = (torch.from_numpy(x.view(np.uint16).astype(np.int16)).view(torch.bfloat16).cuda()
+                  for x in (q, k, v))
+    out = attnext.attention(tq, tk, tv, causal=True, layout=layout)
+    assert isinstance(out, torch.Tensor) and out.is_cuda and out.dtype == torch.bfloat16
+    got = out.float().cpu().numpy()
+    assert_close("out", got.astype(BF16), reference.attention(q, k, v, causal=True, layout=layout), BF16)
+    # out= on the device is written in place and returned
+    dst = torch.empty_like(out)
+    res = attnext.attention(tq, tk, tv, causal=True, layout=layout, out=dst)
+    assert res is dst and torch.equal(dst, out)
+
+
+@pytest.mark.parametrize("sq, sk", [(300, 300), (1, 5000)], ids=["tiles", "split_kv"])
+def test_torch_without_lse(sq, sk, rng, torch):
+    """A GPU call that does not ask for lse writes none (no buffer): the same out as with it."""
+    q, k, v = make_qkv(rng, 2, sq, sk, 8, 2, 128, 128, BF16)
+    tq, tk, tv = (torch.from_numpy(x.view(np.uint16).astype(np.int16)).view(torch.bfloat16).cuda()
+                  for x in (q, k, v))
+    out = attnext.attention(tq, tk, tv, causal=True)
+    again, lse = attnext.attention(tq, tk, tv, causal=True, return_lse=True)
+    assert torch.equal(out, again) and lse.shape == (2, 8, sq)
+    assert_close("out", out.float().cpu().numpy().astype(BF16), reference.attention(q, k, v, causal=True), BF16)
+
+
+def test_torch_noncontiguous_and_sdpa(torch):
+    """A transposed (B, H, S, D) torch view read in place; agrees with PyTorch's own SDPA."""
+    x = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.float16)
+    v = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.float16)
+    out = attnext.attention(x, k, v, layout="bhsd", causal=True)
+    want = torch.nn.functional.scaled_dot_product_attention(x.float(), k.float(), v.float(), is_causal=True)
+    assert (out.float() - want).abs().max().item() < 2e-3
+
+
+def test_cupy_arrays(rng):
+    cp = pytest.importorskip("cupy")
+    q, k, v = make_qkv(rng, 1, 200, 333, 4, 4, 64, 64, F16)
+    out = attnext.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=True)
+    assert isinstance(out, cp.ndarray)
+    assert_close("out", cp.asnumpy(out), reference.attention(q, k, v, causal=True), F16)
+
+
+# The CPU suite's rerun in shards, so each fits one command on a lent GPU machine (several minutes
+# apiece: thousands of small cases, each checked against the float64 reference).
+_MAIN_GROUPS = ["test_grid", "test_head_dims or test_windows or test_small_grid or test_varlen or test_seqlens",
+                "test_bias or test_mask or test_fully_masked or test_alibi or test_softcap or test_score",
+                # the rest in two (as one shard it ran past a 10-minute command twice on the H100)
+                "test_scale or test_large_scores or test_everything_together or test_noncontiguous "
+                "or test_misaligned or test_backward_reads or test_inputs_read_only or test_out_"]
+CPU_SUITE_SHARDS = _MAIN_GROUPS + [" and ".join(f"not ({g})" for g in _MAIN_GROUPS)]
+
+
+@pytest.mark.parametrize("shard", CPU_SUITE_SHARDS, ids=[f"shard{i}" for i in range(len(CPU_SUITE_SHARDS))])
+def test_cpu_suite_on_cuda(shard):
+    """The CPU backend's test file, rerun with device="cuda" (float16/bfloat16 cases)."""
+    env = dict(os.environ, ATTNEXT_TEST_DEVICE="cuda", PYTHONPATH=pythonpath())
+    try:
+        import xdist  # noqa: F401  (the reference's CPU work dominates: spread it over the cores)
+        workers = ["-n", str(min(14, os.cpu_count() or 1))]
+    except ImportError:
+        workers = []
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--maxfail=10", "-p", "no:cacheprovider",
+                        *workers, str(TESTS / "cpu" / "test_cpu_attention.py"), "-k",
+                        f"not simd_variants and ({shard})"],
+                       cwd=ROOT, env=env, capture_output=True, text=True)
+    print(r.stdout[-6000:], r.stderr[-3000:])
+    assert r.returncode == 0, r.stdout[-6000:]
+
+
+DECODE = [(1, "none"), (1, "causal"), (3, "causal"), (16, "top_left"), (5, "window")]
+
+
+@pytest.mark.parametrize("sq, mask", DECODE, ids=[f"sq{a}_{b}" for a, b in DECODE])
+@pytest.mark.parametrize("b, sk", [(1, 5000), (3, 2000)], ids=["B1_Sk5000", "B3_Sk2000"])
+def test_decode_split_kv(b, sk, sq, mask, rng):
+    """KV-cache shapes: packed GQA and split-KV (B * Hk blocks cannot fill the GPU)."""
+    from attnext.cuda import backend as cuda_backend
+    q, k, v = make_qkv(rng, b, sq, sk, 8, 2, 128, 128, BF16)
+    opts = {"none": {}, "causal": {"causal": True}, "top_left": {"causal": "top_left"},
+            "window": {"window": (700, 0)}}[mask]
+    seqlens_k = rng.integers(1, sk + 1, size=b).astype(np.int32)
+    seqlens_k[0] = sk
+    o = attnext.checks.normalise(q, k, v, dict(causal=opts.get("causal", False), window=opts.get("window"), scale=None, softcap=None, alibi_slopes=None,
+                               bias=None, mask=None, score_mod=None, mask_mod=None, seqlens_q=None,
+                               seqlens_k=None, layout="bshd", return_lse=False, device="cuda",
+                               out=None, precision=None))
+    pack, splits = cuda_backend._decode_plan(o, dict(dtype="bfloat16", bias_dtype=None, alibi_dtype=None, mask=False), 0)
+    assert pack and splits > 1
+    _check_forward(q, k, v, BF16, seqlens_k=seqlens_k, **opts)
+
+
+def test_decode_with_bias_is_not_packed(rng):
+    q, k, v = make_qkv(rng, 1, 2, 3000, 8, 2, 64, 64, F16)
+    bias = randn(rng, (1, 8, 2, 3000), np.float32)
+    _check_forward(q, k, v, F16, bias=bias, causal=True)

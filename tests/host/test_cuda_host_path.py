@@ -1,0 +1,413 @@
+"""The GPU call's host path on the fake driver (helpers/fake_libcuda.c), without a GPU: plans
+(cuda_backend's cache of everything a call's launches derive from), the launch template, and
+the per-stream scratch buffer. `-m gpu` adds the same promises checked on a real device.
+
+- A plan is reused only by calls of its key: calls differing in one stride, option, dtype,
+  alignment or lab override get plans of their own, whose launches are those a cold cache
+  gives; scale and softcap values reach the launch without a plan of their own. The cache is
+  bounded (PLAN_CAPACITY).
+- The split-KV forward's scratch is allocated once per stream and reused (not for the
+  per-thread default stream); a call never shares its scratch with a call in flight (threads on
+  one stream, threads on their own streams); release_scratch() frees it all.
+- attn_template / cuda_launch_attention refuse malformed arguments with TypeError / ValueError.
+
+The driver and NVRTC load once per process, so the fake-driver checks run in a subprocess; the
+kernels there are stand-ins (the fake loads any image), so no kernel is compiled.
+"""
+import types
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from attnext import _C
+from helpers import fake_cuda
+from helpers.driver import run_on_fake
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def test_a_plan_is_reused_by_its_key_only(fake_driver):
+    run_on_fake(fake_driver, r"""
+        q, k, v = qkv(2, 130, 200, 8, 2, 128)
+        out = dev((2, 130, 8, 128))
+        base = dict(out=out)
+        k_strided = device.DeviceArray(k.ptr, k.shape, BF16, 0, (200 * 2 * 256, 2 * 256, 128, 1), 0, k)
+        q_odd = dev((2, 130, 8, 128), offset=4)            # 8 bytes past a 16-byte boundary
+        out_heads_first = dev((2, 130, 8, 128), strides=(8 * 130 * 128, 128, 130 * 128, 1))
+        cases = [
+            ("plain", lambda: attnext.attention(q, k, v, **base)),
+            ("k stride", lambda: attnext.attention(q, k_strided, v, **base)),
+            ("causal", lambda: attnext.attention(q, k, v, causal=True, **base)),
+            ("top_left", lambda: attnext.attention(q, k, v, causal="top_left", **base)),
+            ("window", lambda: attnext.attention(q, k, v, window=(5, 0), **base)),
+            ("window 6", lambda: attnext.attention(q, k, v, window=(6, 0), **base)),
+            ("softcap", lambda: attnext.attention(q, k, v, softcap=3.0, **base)),
+            ("lse", lambda: attnext.attention(q, k, v, return_lse=True, **base)),
+            ("out stride", lambda: attnext.attention(q, k, v, out=out_heads_first)),
+            ("unaligned q", lambda: attnext.attention(q_odd, k, v, **base)),
+            ("alibi", lambda: attnext.attention(q, k, v, alibi_slopes=np.ones(8, np.float32), **base)),
+            ("bias", lambda: attnext.attention(q, k, v, bias=dev((8, 130, 200), np.float32), **base)),
+            ("bias bcast", lambda: attnext.attention(q, k, v, bias=dev((8, 1, 200), np.float32), **base)),
+            ("mask", lambda: attnext.attention(q, k, v, mask=dev((130, 200), np.bool_), **base)),
+            ("seqlens", lambda: attnext.attention(q, k, v, seqlens_k=np.array([3, 200]), **base)),
+            ("decode", lambda: attnext.attention(*qkv(1, 1, 8192, 32, 8, 128))),
+            ("backward", lambda: attnext.attention_backward(out, q, k, v, out, lse)),
+            ("backward causal", lambda: attnext.attention_backward(out, q, k, v, out, lse, causal=True)),
+        ]
+        lse = dev((2, 8, 130), np.float32)
+        cuda_backend.clear_plans()
+        warm = {}
+        for i, (name, call) in enumerate(cases):
+            first = record(call)
+            assert cuda_backend.plan_count() == i + 1, (name, cuda_backend.plan_count())
+            again = record(call)
+            assert cuda_backend.plan_count() == i + 1, (name, "a second call made a plan")
+            assert first == again and first, name
+            warm[name] = first
+        # each key's launches differ from plain's where they should, and a cold cache gives them too
+        for name, call in cases:
+            cuda_backend.clear_plans()
+            assert record(call) == warm[name], name
+            if name not in ("plain", "seqlens", "decode", "backward", "backward causal"):
+                assert warm[name] != warm["plain"], name
+        attnext.attention(q, k, v, seqlens_k=np.array([3, 200]), **base)
+        assert LAUNCHES[-1][6][13] and not LAUNCHES[-1][6][12]       # seqused_k given, seqused_q not
+        assert warm["k stride"][0][5]["k"] == (200 * 2 * 256, 2 * 256, 128, 1)
+        assert dict(warm["unaligned q"][0][0][2])["VEC_LOAD"] == 0 == 1 - dict(warm["plain"][0][0][2])["VEC_LOAD"]
+        assert [l[0][1] for l in warm["decode"]] == ["attn_fwd", "attn_fwd_combine"]
+
+        # a fresh (contiguous) out is out= of the same layout: one plan
+        attnext.attention(q, k, v, **base)
+        n = cuda_backend.plan_count()
+        assert record(lambda: attnext.attention(q, k, v)) == warm["plain"] and cuda_backend.plan_count() == n
+
+        # scale and softcap values ride on the plan of their key
+        cuda_backend.clear_plans()
+        a = record(lambda: attnext.attention(q, k, v, scale=0.5, softcap=2.0, **base))
+        b = record(lambda: attnext.attention(q, k, v, scale=0.25, softcap=4.0, **base))
+        assert cuda_backend.plan_count() == 1
+        assert (a[0][5]["scale"], a[0][5]["softcap"], b[0][5]["scale"], b[0][5]["softcap"]) == (0.5, 2.0, 0.25, 4.0)
+        assert {**a[0][5], "scale": 0, "softcap": 0} == {**b[0][5], "scale": 0, "softcap": 0}
+
+        # the lab's overrides are part of the key
+        dq, dk, dv = qkv(1, 1, 32768, 32, 8, 128)
+        before = record(lambda: attnext.attention(dq, dk, dv))
+        _env.setenv("ATTNEXT_DECODE_CTAS", "4")
+        after = record(lambda: attnext.attention(dq, dk, dv))
+        _env.setenv("ATTNEXT_DECODE_CTAS", None)
+        assert after[0][1][0] == 2 * before[0][1][0], (before[0][1], after[0][1])
+        assert record(lambda: attnext.attention(dq, dk, dv)) == before
+
+        # bounded
+        cuda_backend.clear_plans()
+        for s in range(1, cuda_backend.PLAN_CAPACITY + 40):
+            attnext.attention(*qkv(1, s, 8, 2, 2, 64))
+        assert cuda_backend.plan_count() == cuda_backend.PLAN_CAPACITY
+        print("ok")
+    """)
+
+
+def test_split_kv_scratch_is_reused_per_stream(fake_driver):
+    run_on_fake(fake_driver, r"""
+        allocs, frees = (fake_cuda.counter(lib, n) for n in ("allocs", "frees"))
+        q, k, v = qkv(1, 1, 32768, 32, 8, 128)
+        out = dev((1, 1, 32, 128))
+        attnext.attention(q, k, v, out=out)
+        assert process.scratch_info() == {(0, 0): process.SCRATCH_MIN_BYTES}, process.scratch_info()
+        a0, f0 = allocs.value, frees.value
+        for _ in range(200):
+            attnext.attention(q, k, v, out=out)
+        assert (allocs.value, frees.value) == (a0, f0), "a call allocated"
+        accums = {l[6][5] for l in LAUNCHES[-400:]}
+        assert len(accums) == 1 and None not in accums        # one o_accum, every call
+        # a larger need grows it (the smaller one freed), then it stays
+        big = [dev((8, 4, 32, 128)), dev((8, 32768, 8, 128)), dev((8, 32768, 8, 128))]
+        big_out = dev((8, 4, 32, 128))
+        a0, f0 = allocs.value, frees.value
+        attnext.attention(*big, out=big_out)
+        grown = process.scratch_info()[(0, 0)]
+        assert grown > process.SCRATCH_MIN_BYTES and (allocs.value - a0, frees.value - f0) == (1, 1)
+        attnext.attention(q, k, v, out=out)
+        assert process.scratch_info() == {(0, 0): grown}
+        # the backward's delta uses it too
+        lse = dev((1, 32, 1), np.float32)
+        attnext.attention_backward(out, q, k, v, out, lse)
+        assert process.scratch_info() == {(0, 0): grown}
+        import gc
+        gc.collect()
+        process.release_scratch()
+        assert process.scratch_info() == {}
+        del big, big_out
+        gc.collect()
+        print("ok")
+    """)
+
+
+def test_scratch_under_threads(fake_driver):
+    """8 threads on one stream and 8 on streams of their own: no buffer is lent to two calls at
+    once, each stream keeps one, and every buffer is freed in the end."""
+    run_on_fake(fake_driver, r"""
+        import gc
+        allocs, frees = (fake_cuda.counter(lib, n) for n in ("allocs", "frees"))
+        lent, errors, lock = {}, [], threading.Lock()
+        borrow, give_back = process.borrow_scratch, process.give_back_scratch
+
+        def borrow_checked(nbytes, dev_, stream):
+            buf = borrow(nbytes, dev_, stream)
+            with lock:
+                if buf[0] in lent:
+                    errors.append(("lent twice", buf[0]))
+                lent[buf[0]] = stream
+            time.sleep(0.0005)           # hand the GIL over while the buffer is out
+            return buf
+
+        def give_back_checked(buf, dev_, stream):
+            with lock:
+                if lent.pop(buf[0], None) != stream:
+                    errors.append(("given back wrong", buf[0]))
+            give_back(buf, dev_, stream)
+
+        process.borrow_scratch, process.give_back_scratch = borrow_checked, give_back_checked
+        a0, f0 = allocs.value, frees.value
+        problems = []
+        for i in range(16):
+            stream = 0 if i < 8 else 0x7000 + i          # 8 on the legacy stream, 8 on their own
+            q, k, v = qkv(1, 1, 8192, 32, 8, 128, stream=stream)
+            problems.append((q, k, v, dev((1, 1, 32, 128), stream=stream)))
+
+        def work(i):
+            q, k, v, out = problems[i]
+            for _ in range(50):
+                attnext.attention(q, k, v, out=out)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads)
+        assert not errors and not lent, (errors, lent)
+        idle = process.scratch_info()
+        assert set(idle) == {(0, 0)} | {(0, 0x7000 + i) for i in range(8, 16)}, idle
+        process.release_scratch()
+        del problems, threads, q, k, v
+        gc.collect()
+        assert process.scratch_info() == {}
+        assert allocs.value - a0 == frees.value - f0, (allocs.value - a0, frees.value - f0)
+        print("ok")
+    """)
+
+
+def test_scratch_is_bounded_to_scratch_streams(fake_driver):
+    run_on_fake(fake_driver, r"""
+        for i in range(process.SCRATCH_STREAMS + 5):
+            q, k, v = qkv(1, 1, 8192, 32, 8, 128, stream=0x9000 + i)
+            attnext.attention(q, k, v)
+        idle = process.scratch_info()
+        assert len(idle) == process.SCRATCH_STREAMS, idle
+        assert (0, 0x9000) not in idle and (0, 0x9000 + process.SCRATCH_STREAMS + 4) in idle
+        # the per-thread default stream is another stream in every thread: nothing kept for it
+        allocs, frees = (fake_cuda.counter(lib, n) for n in ("allocs", "frees"))
+        q, k, v = qkv(1, 1, 8192, 32, 8, 128, stream=device.PER_THREAD_STREAM)
+        out = dev((1, 1, 32, 128), stream=device.PER_THREAD_STREAM)
+        a0, f0 = allocs.value, frees.value
+        attnext.attention(q, k, v, out=out)
+        assert (0, device.PER_THREAD_STREAM) not in process.scratch_info()
+        assert (allocs.value - a0, frees.value - f0) == (1, 1)
+        print("ok")
+    """)
+
+
+def test_lengths_take_one_upload_a_call(fake_driver):
+    """NumPy cu_seqlens / seqused reach the kernels in one upload a call (cuda_backend._lengths):
+    equal arrays share their elements, the others sit side by side; each call uploads afresh,
+    so the kernels read the contents of the moment (an array changed in place included)."""
+    run_on_fake(fake_driver, r"""
+        names = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
+
+        def lengths(cu_q, cu_k, **kw):
+            q, k, v = (dev((256, 2, 64)) for _ in range(3))
+            n = fake_cuda.counter(lib, "allocs").value
+            attnext.varlen_attention(q, k, v, cu_q, cu_k, **kw)
+            p = fake_cuda.params_dict(fake_cuda.last_launch(lib).params)
+            got = {n: p[n] for n in names if p[n]}
+            for name, ptr in got.items():           # fake device memory is host memory
+                want = np.asarray({"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}.get(name, kw.get(name)))
+                read = np.ctypeslib.as_array((ctypes.c_int32 * len(want)).from_address(ptr))
+                assert np.array_equal(read, want), (name, read, want)
+            return got, fake_cuda.counter(lib, "allocs").value - n
+
+        cu = np.array([0, 100, 256], np.int32)
+        got, allocs = lengths(cu, cu.astype(np.int64))
+        assert got["cu_seqlens_q"] == got["cu_seqlens_k"], got
+        other = np.array([0, 50, 256], np.int32)
+        got2, allocs2 = lengths(other, cu)
+        assert got2["cu_seqlens_k"] == got2["cu_seqlens_q"] + 4 * 3 and allocs2 == allocs, (got2, allocs, allocs2)
+        got3, allocs3 = lengths(cu, other, seqused_q=np.array([40, 100], np.int32),
+                                seqused_k=np.array([50, 156], np.int32))
+        assert got3["seqused_k"] == got3["seqused_q"] + 4 * 2 == got3["cu_seqlens_k"] + 4 * 5 and allocs3 == allocs
+        cu[1] = 60                               # changed in place: read as it is now
+        lengths(cu, cu)
+        print("ok")
+    """)
+
+
+def test_a_forward_with_mods_and_lse_compiles_its_backward_ahead(fake_driver):
+    """A forward with a score_mod / mask_mod that returns lse hands nvrtc.compile_ahead the
+    entry points the default backward of the same problem then prefetches, less the forward's
+    own (the block mask); so does one whose mask_mod was lowered to a band or to documents (the
+    plain kernels); a forward without lse or without mods starts none."""
+    run_on_fake(fake_driver, r"""
+        AHEAD, PRE = [], []
+        _C.cuda_launch_attention = _launch          # the fake's, which takes the mods' bytes too
+        nvrtc.compile_ahead = lambda specs, arch, busy=1: AHEAD.append((specs, busy)) or []
+        nvrtc.prefetch = lambda specs, arch, device: PRE.append(specs)
+        q, k, v = qkv(1, 2048, 2048, 2, 2, 128)
+        dout = dev((1, 2048, 2, 128))
+        allowed = np.ones((4, 4), bool)
+        softcap = dict(causal=True, score_mod=lambda s, b, h, qi, ki: 30.0 * np.tanh(s / 30.0))
+        masked = dict(mask_mod=lambda b, h, qi, ki: allowed[qi % 4, ki % 4])
+        doc = np.repeat(np.arange(4), 512).astype(np.int32)
+        band = dict(mask_mod=lambda b, h, qi, ki: (ki <= qi) & (qi - ki < 256))      # a window
+        docs = dict(mask_mod=lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi))   # documents
+        attnext.attention(q, k, v, **softcap)
+        attnext.attention(q, k, v, causal=True, return_lse=True)
+        attnext.attention(q, k, v, **band)
+        assert AHEAD == []
+        for kw, block_mask in ((softcap, False), (masked, True), (band, False), (docs, False)):
+            out, lse = attnext.attention(q, k, v, return_lse=True, **kw)
+            [(specs, busy)] = AHEAD
+            fwd = PRE[-1]
+            attnext.attention_backward(dout, q, k, v, out, lse, **kw)
+            assert specs == [s for s in PRE[-1] if s not in fwd] and busy == len(fwd), (specs, PRE[-1])
+            names = [s[1] for s in specs]
+            assert "attn_bwd_dkdv_ws_sm90" in names and "attn_block_mask" not in names, names
+            assert ("attn_block_mask" in [s[1] for s in fwd]) == block_mask
+            AHEAD.clear()
+        print("ok")
+    """)
+
+
+# --- the C entry points' argument checks (no driver needed: they refuse before using it) ---
+
+def _prob(**changes):
+    t = ((0, (2, 16, 4, 64), (4096, 256, 64, 1)))
+    prob = types.SimpleNamespace(
+        device=0, dtype=1, B=2, causal=0, window_left=-1, window_right=-1, bias_dtype=2, alibi_dtype=2,
+        bias_heads=1, mask_heads=1, num_splits=1, dq_write_last=0, k_rows_max=0, q=t, k=t, v=t, out=t, lse=None, bias=None, mask=None,
+        alibi=None, dout=None, dq=None, dk=None, dv=None, dbias=None, delta=None, dq_accum=None, dq_sem=None)
+    vars(prob).update(changes)
+    return prob
+
+
+def test_attn_template_reads_shapes_and_strides():
+    import ctypes
+    template = _C.attn_template(_prob())
+    p = fake_cuda.AttnParams.from_buffer_copy(template[:ctypes.sizeof(fake_cuda.AttnParams)])
+    assert (p.B, p.Sq, p.Hq, p.D, p.Sk, p.Hk, p.Dv, p.dtype) == (2, 16, 4, 64, 16, 4, 64, 1)
+    assert tuple(p.k.s) == (4096, 256, 64, 1) and not p.q.ptr and not p.out.ptr
+
+
+@pytest.mark.parametrize("changes, exc, match", [
+    (dict(k=(0, (2, 16, 3, 64), (3072, 192, 64, 1))), ValueError, "heads disagree"),
+    (dict(q=(0, (2, 16, 4), (64, 4, 1))), ValueError, "q must have 4 dims"),
+    (dict(lse=(0, (2, 4, 16, 1), (64, 16, 1, 1))), ValueError, "lse must have 3 dims"),
+    (dict(B="two"), TypeError, "integer"),
+])
+def test_attn_template_refuses(changes, exc, match):
+    with pytest.raises(exc, match=match):
+        _C.attn_template(_prob(**changes))
+
+
+@pytest.mark.parametrize("i, value, exc, match", [
+    (1, (1, 1), TypeError, "grid must be a 3-tuple"),
+    (2, [128, 1, 1], TypeError, "block must be a 3-tuple"),
+    (5, b"short", TypeError, "template must come from attn_template"),
+    (6, (1,) * 25, TypeError, "ptrs must be a tuple of at most 24"),
+    (6, (None, 16, 16), ValueError, "q, k, v missing"),
+    (6, (16, None, 16), ValueError, "q, k, v missing"),
+    (0, "not a capsule", TypeError, "capsule from module_function"),
+])
+def test_cuda_launch_attention_refuses(i, value, exc, match):
+    args = ["fn", (1, 1, 1), (128, 1, 1), 0, 0, _C.attn_template(_prob()), (16, 16, 16, 16), 1.0, 0.0]
+    args[i] = value
+    with pytest.raises(exc, match=match):
+        _C.cuda_launch_attention(*args)
+    with pytest.raises(TypeError, match="takes 9 or 10 arguments"):
+        _C.cuda_launch_attention(*args[:8])
+
+
+# --- the same on a GPU ---
+
+@pytest.fixture(scope="module")
+def torch_cuda():
+    from attnext.cuda import backend as cuda_backend
+    if cuda_backend.unavailable_reason():
+        pytest.skip(f"attnext's CUDA backend is unavailable: {cuda_backend.unavailable_reason()}")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    return torch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 1, 32768, 32, 8), (8, 1, 8192, 32, 8), (2, 300, 300, 8, 2)],
+                         ids=["decode_b1", "decode_b8", "plain"])
+def test_warm_plans_and_reused_scratch_give_the_cold_bits(torch_cuda, shape):
+    import attnext
+    from attnext.cuda import backend as cuda_backend, process
+    torch = torch_cuda
+    B, Sq, Sk, Hq, Hk = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, s, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+               for s, h in ((Sq, Hq), (Sk, Hk), (Sk, Hk)))
+    cuda_backend.clear_plans()
+    process.release_scratch()
+    cold, cold_lse = attnext.attention(q, k, v, return_lse=True)
+    for _ in range(3):
+        warm, warm_lse = attnext.attention(q, k, v, return_lse=True)
+        assert torch.equal(warm, cold) and torch.equal(warm_lse, cold_lse)
+
+
+@pytest.mark.gpu
+def test_threads_on_their_own_streams_get_the_single_thread_bits(torch_cuda):
+    """Split-KV decode from 8 threads, each on a stream of its own (its scratch reused across its
+    calls), gives the bits of one thread on the legacy stream. The inputs are DeviceArrays over
+    torch's memory naming the thread's stream (torch's own interface names none)."""
+    import threading
+    import attnext
+    from attnext.cuda import arrays as device, process
+    torch = torch_cuda
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tensors = [[torch.randn(1, s, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+                for s, h in ((1, 32), (4096 * (i % 3 + 1), 8), (4096 * (i % 3 + 1), 8))] for i in range(8)]
+    torch.cuda.synchronize()
+    streams = [_C.stream_create(0, True) for _ in range(8)]
+
+    def on(t, stream):
+        return device.DeviceArray(t.data_ptr(), tuple(t.shape), BF16, 0, None, stream, t)
+
+    want = [attnext.attention(*(on(t, 0) for t in p)).numpy() for p in tensors]
+    got, errors = [None] * 8, []
+
+    def work(i):
+        try:
+            for _ in range(20):
+                out = attnext.attention(*(on(t, streams[i]) for t in tensors[i]))
+            got[i] = out.numpy()            # in the order of the thread's stream
+        except Exception as e:     # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    for i in range(8):
+        assert np.array_equal(got[i].view(np.uint16), want[i].view(np.uint16)), f"thread {i}"
+    assert {(0, s) for s in streams} <= set(process.scratch_info())
+    process.release_scratch()
+    for s in streams:
+        _C.stream_destroy(s, 0)
