@@ -198,29 +198,29 @@ class _SelfView:
 _FOREIGN_MODULES = ("numpy", "functools", "torch", "builtins")
 
 
+def _names_arrays(fn, views):
+    """name -> each array fn names the way tracing captures them: the object itself, or with
+    views how attnext reads it (_rebound's desc)."""
+    found = {}
+
+    def record(name, value, desc):
+        found[name] = desc if views else value
+        return value
+    _rebound(fn, record)
+    return found
+
+
 def captured_arrays(fn):
     """name -> array (the object itself: a NumPy array, another library's host array or a CUDA
     array), for every array fn names the way tracing captures them (closure, globals named in
     its code, defaults), whether or not fn reads it."""
-    found = {}
-
-    def record(name, value, desc):
-        found[name] = value
-        return value
-    _rebound(fn, record)
-    return found
+    return _names_arrays(fn, views=False)
 
 
 def captured_views(fn):
     """captured_arrays(fn) as attnext reads them: a NumPy array for a host array of any library
     (NumPy's view of a torch CPU tensor's memory, say), a DevView for a CUDA array."""
-    found = {}
-
-    def record(name, value, desc):
-        found[name] = desc
-        return value
-    _rebound(fn, record)
-    return found
+    return _names_arrays(fn, views=True)
 
 
 def numpy_views(fn):

@@ -27,6 +27,25 @@ def _rel(x, ref):
     return float((x.double() - ref).abs().max() / ref.abs().max())
 
 
+def _report(name, label, fn, ref, flops, tf32=False):
+    """fn's result checked against ref, then timed and printed (TF32 allowed in torch with tf32);
+    a refusal prints "-", a wrong result WRONG, and neither is timed."""
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        try:
+            err = _rel(fn(), ref)
+        except Exception as e:       # a backend that refuses the shape
+            print(f"{name:28} {label:16} {'-':>8} {'-':>8} {type(e).__name__}")
+            return
+        if not err < 2e-2:
+            print(f"{name:28} {label:16} WRONG {err:.3g}")
+            return
+        ms = do_bench(fn, warmup=25, rep=100)
+        print(f"{name:28} {label:16} {ms:8.3f} {flops / ms / 1e9:8.1f} {err:9.2e}")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default=ROWS, help="B,S,H,D[,causal] separated by ';'")
@@ -46,36 +65,26 @@ def main():
         flops = 4 * B * H * S * S * D / (2 if causal else 1)
         out = torch.empty_like(q)
 
-        def sdpa(backend, tf32=False):
+        def sdpa(backend):
             def run():
-                torch.backends.cuda.matmul.allow_tf32 = tf32
                 with sdpa_kernel(backend):
                     return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
             return run
 
+        def ax(precision=None):
+            return lambda: attnext.attention(q, k, v, causal=causal, out=out, precision=precision)
+
         tiles = {f"attnext {t}": t for t in filter(None, args.tiles.split(";"))}
-        impls = {label: (lambda: attnext.attention(q, k, v, causal=causal, out=out)) for label in tiles}
-        impls.update({
-            "attnext": lambda: attnext.attention(q, k, v, causal=causal, out=out),
-            "attnext tf32": lambda: attnext.attention(q, k, v, causal=causal, out=out, precision="tf32"),
-            "sdpa efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
-            "sdpa math": sdpa(SDPBackend.MATH),
-            "sdpa math tf32": sdpa(SDPBackend.MATH, True),
-        })
+        impls = {label: (ax(), False) for label in tiles}       # (the call, TF32 allowed in torch)
+        impls.update({"attnext": (ax(), False), "attnext tf32": (ax("tf32"), False),
+                      "sdpa efficient": (sdpa(SDPBackend.EFFICIENT_ATTENTION), False),
+                      "sdpa math": (sdpa(SDPBackend.MATH), False),
+                      "sdpa math tf32": (sdpa(SDPBackend.MATH), True)})
         name = f"B{B} S{S} H{H} D{D}{' causal' if causal else ''}"
-        for label, fn in impls.items():
+        for label, (fn, tf32) in impls.items():
             _env.setenv("ATTNEXT_TILE_FWD", tiles.get(label))      # None: the default tile
-            try:
-                err = _rel(fn(), ref)
-            except Exception as e:       # a backend that refuses the shape
-                print(f"{name:28} {label:16} {'-':>8} {'-':>8} {type(e).__name__}")
-                continue
-            if not err < 2e-2:
-                print(f"{name:28} {label:16} WRONG {err:.3g}")
-                continue
-            ms = do_bench(fn, warmup=25, rep=100)
-            print(f"{name:28} {label:16} {ms:8.3f} {flops / ms / 1e9:8.1f} {err:9.2e}")
-        torch.backends.cuda.matmul.allow_tf32 = False
+            _report(name, label, fn, ref, flops, tf32)
+        _env.setenv("ATTNEXT_TILE_FWD", None)
         if args.bwd:
             _backward(name, q, k, v, causal, flops * 2.5)
         del q, k, v, ref, out
@@ -90,26 +99,20 @@ def _backward(name, q, k, v, causal, flops):
     impls = {}
     for precision in (None, "tf32"):
         out, lse = attnext.attention(q, k, v, causal=causal, return_lse=True, precision=precision)
-        impls[f"attnext{' tf32' if precision else ''}"] = (
+        impls[f"attnext{' tf32' if precision else ''} bwd"] = (
             lambda out=out, lse=lse, precision=precision: attnext.attention_backward(
-                dout, q, k, v, out, lse, causal=causal, precision=precision).dq)
-    for label, backend, tf32 in (("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION, False),
-                                 ("sdpa math tf32", SDPBackend.MATH, True)):
+                dout, q, k, v, out, lse, causal=causal, precision=precision).dq, False)
+    for label, backend, tf32 in (("sdpa efficient bwd", SDPBackend.EFFICIENT_ATTENTION, False),
+                                 ("sdpa math tf32 bwd", SDPBackend.MATH, True)):
         torch.backends.cuda.matmul.allow_tf32 = tf32
         qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
         with sdpa_kernel(backend):
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        torch.backends.cuda.matmul.allow_tf32 = False
         impls[label] = (lambda o=o, qt=qt, kt=kt, vt=vt: torch.autograd.grad(
-            o, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True)[0].transpose(1, 2))
-    for label, fn in impls.items():
-        torch.backends.cuda.matmul.allow_tf32 = "tf32" in label and "sdpa" in label
-        err = _rel(fn(), ref)
-        if not err < 2e-2:
-            print(f"{name:28} {label + ' bwd':16} WRONG {err:.3g}")
-            continue
-        ms = do_bench(fn, warmup=25, rep=100)
-        print(f"{name:28} {label + ' bwd':16} {ms:8.3f} {flops / ms / 1e9:8.1f} {err:9.2e}")
-    torch.backends.cuda.matmul.allow_tf32 = False
+            o, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True)[0].transpose(1, 2), tf32)
+    for label, (fn, tf32) in impls.items():
+        _report(name, label, fn, ref, flops, tf32)
 
 
 if __name__ == "__main__":

@@ -288,7 +288,8 @@ def test_float32_rows_on_cpu(monkeypatch, kind):
         assert row["target"] == (">=1.5x best" if kind == "float32" else ">=2.0x best")
     tf32 = kind == "tf32"
     assert set(bc.attnext.precisions) == {("tf32" if tf32 else None, tf32)}
-    assert bc.SECTION_TITLES[kind] in bc.SECTION_TITLES.values()
+    assert {r["section"] for r in (fwd, bwd, bwd_nd)} == {kind} and fwd["case"].startswith(f"{kind} B2")
+    assert bc.format_header(kind) == bc.format_header("plain")     # the plain table's columns
 
 
 def test_wrong_results_are_not_timed(monkeypatch):
