@@ -214,8 +214,8 @@ DEV void pt_pass(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &
                 note_fault(fault, bad, r, c, raw);
                 pr[x] = pv;
                 const float pg = pv * grad;
-                if constexpr (DS)
-                    dp[0][nt][e] = pg * (dp[0][nt][e] - db[rl]);
+                if constexpr (DS)         /* a pair P^T leaves out: 0, not 0 * NaN from a value it does not keep */
+                    dp[0][nt][e] = pg != 0.f ? pg * (dp[0][nt][e] - db[rl]) : 0.f;
                 else
                     s[0][nt][e] = pg;
             }
@@ -337,7 +337,8 @@ DEV void store_dkdv(const attn_params &p, const seq_t &sk, int64_t hk, const flo
 }
 
 /* dS^T = P^T score_grad (dP^T - delta), in place of s, from dp (dP^T = V dO^T); db: the tile's
- * delta rows (the columns). */
+ * delta rows (the columns). A pair whose P^T score_grad is 0 (one the row does not keep) gives 0,
+ * not 0 * NaN from a value no row keeps (tests/contract/test_no_key_rows.py). */
 template <int NT>
 DEV void dst_tile(float (&s)[1][NT][4], const float (&dp)[1][NT][4], const float *db)
 {
@@ -346,7 +347,7 @@ DEV void dst_tile(float (&s)[1][NT][4], const float (&dp)[1][NT][4], const float
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++)
-            s[0][nt][e] *= dp[0][nt][e] - db[nt * 8 + 2 * t + (e & 1)];
+            s[0][nt][e] = s[0][nt][e] != 0.f ? s[0][nt][e] * (dp[0][nt][e] - db[nt * 8 + 2 * t + (e & 1)]) : 0.f;
 }
 
 /* What a warp of the dq and dbias kernels knows about each of its 2 * Q_MT rows. */

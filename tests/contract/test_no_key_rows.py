@@ -11,8 +11,7 @@ nothing to dk, dv and dbias: they have no gradient path, so neither a NaN or inf
 Each case builds fresh random data, finds the rows that keep no key from the reference's lse on
 the clean data, then plants NaN or inf in the dout and q of those rows, in the bias elements
 they read, and in the keys and values of a (sequence, kv head) whose rows all keep nothing. The
-backend (the reference, the CPU, and the GPU under `-m gpu`, where it is an expected failure
-for now: DEVICES) must then give:
+backend (the reference, the CPU, and the GPU under `-m gpu`: DEVICES) must then give:
 - out = 0, lse = -inf in exactly those rows, and the reference's out and lse elsewhere;
 - dq = 0 in those rows, and the same dq, dk, dv, dbias, bit for bit, as when those rows' dout
   is 0 (the backward reads nothing of theirs);
@@ -38,13 +37,13 @@ from conftest import (BF16, F32, F64, assert_close, assert_lse_close, compare_gr
 # holds); attn_bwd_pre marks them and attn_bwd_dead (kernels/attn_bwd.cu) redoes the dK, dV they
 # touched and zeroes their dq. The _d64 / _d128 cases take attn_bwd_sm90.cu's kernels on Hopper
 # (the warp-specialised one at D = Dv = 64 and 128, the recomputing one at D 64 / Dv 128), the
-# others attn_bwd.cu's. The mask_mod cases run on the CPU's interpreter whatever the device (NumPy
-# inputs); test_mods_on_cuda_arrays runs them on the GPU's generated kernels.
+# others attn_bwd.cu's. On cuda the mask_mod cases run the GPU's generated kernels, from NumPy
+# arrays (staged) and, in test_mods_on_cuda_arrays, from torch CUDA tensors in place.
 DEVICES = ["reference", "cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 VALUES = [np.nan, np.inf]
 VALUE_IDS = ["nan", "inf"]
 DTYPES = [F32, BF16]
-GPU_DTYPES = (BF16,)
+GPU_DTYPES = (F32, BF16)
 
 
 def _mask_case(rng, dtype, D=16, Dv=24):
@@ -253,7 +252,9 @@ def _check(c, device, every_finite, move=None):
     holds = [None if x is None else np.isfinite(x) for x in rg[:4]]
     for name, x, h in zip(("dq", "dk", "dv", "dbias"), g[:4], holds):
         if h is not None:
-            assert np.isfinite(x[h].astype(F64)).all(), f"{name}: not finite where the reference is"
+            bad = np.argwhere(h & ~np.isfinite(x.astype(F64)))
+            assert not len(bad), (f"{name}: not finite where the reference is, at {len(bad)} "
+                                  f"indices, first {bad[:6].tolist()}")
     part, r_part = ([_zero_outside(x, h) for x, h in zip(grads[:4], holds)] for grads in (g, rg))
     # the rounded-out allowance (bfloat16) reads q, k, v: the planted elements are read by no
     # kept pair, so 0 there gives the same allowance, without NaN

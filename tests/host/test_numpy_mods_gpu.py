@@ -21,7 +21,7 @@ import pytest
 
 import attnext
 import conftest
-from conftest import BF16, F16, check_backend, make_qkv, make_varlen_qkv, randn
+from conftest import BF16, F16, check_backend, check_dtensors, make_qkv, make_varlen_qkv, randn
 from helpers import mods
 from helpers.driver import run_on_fake as _run
 from helpers.fake_arrays import NUMPY_CALLS as HELPERS
@@ -174,11 +174,6 @@ def on_gpu(gpu, monkeypatch):
     def set_device(device):
         monkeypatch.setattr(conftest, "TEST_DEVICE", device)
     return set_device
-
-
-def check_dtensors(res, score_mod, dtype):
-    from helpers.gpu import check_gpu_dtensors
-    check_gpu_dtensors(res.grads, res.ref_grads, score_mod, dtype)
 
 
 @pytest.mark.gpu
