@@ -103,3 +103,5 @@ class KernelCall:
     num_splits: int = 1
     dq_write_last: int = 0
     k_rows_max: int = 0
+    max_rows_q: int = 0          # varlen: the grid's rows per segment (0: the tensor's)
+    max_rows_k: int = 0

@@ -72,10 +72,11 @@ class Problem:
     varlen: bool = False
     max_q: int = 0
     max_k: int = 0
-    cu_q: Optional[np.ndarray] = None
-    cu_k: Optional[np.ndarray] = None
-    used_q: Optional[np.ndarray] = None
-    used_k: Optional[np.ndarray] = None
+    cu_q: Any = None                # NumPy int32 arrays the host checked, or DevViews (device_lengths)
+    cu_k: Any = None
+    used_q: Any = None
+    used_k: Any = None
+    device_lengths: bool = False    # cu_q .. used_k are CUDA arrays the host never reads (cuda/lengths.py)
     out_shape: tuple = ()
     lse_shape: tuple = ()
     acc_dtype: Any = None
@@ -417,6 +418,111 @@ def _broadcast_to(a, shape):
     return a.broadcast_to(shape) if isinstance(a, DevView) else np.broadcast_to(a, shape)
 
 
+def _host_lengths(o, lengths, Tq, Tk, max_seqlen_q, max_seqlen_k):
+    """varlen's lengths read on the host (copied there from a GPU: a synchronisation) and checked
+    there: o.B, o.cu_q, o.cu_k, o.used_q, o.used_k (int32 NumPy arrays), o.max_q, o.max_k."""
+    cq_a = _array("cu_seqlens_q", lengths["cu_seqlens_q"], host=True)
+    ck_a = _array("cu_seqlens_k", lengths["cu_seqlens_k"], host=True)
+    for name, cu in (("cu_seqlens_q", cq_a), ("cu_seqlens_k", ck_a)):
+        if cu.ndim != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must have shape (B + 1,), got {cu.shape}")
+    B = cq_a.shape[0] - 1
+    if ck_a.shape != cq_a.shape:
+        raise ValueError(f"cu_seqlens_k must have shape {cq_a.shape} like cu_seqlens_q (B + 1 = "
+                         f"{B + 1} entries), got {ck_a.shape}")
+    cq = _int_array("cu_seqlens_q", cq_a, B + 1)
+    ck = _int_array("cu_seqlens_k", ck_a, B + 1)
+    for name, cu, T in (("cu_seqlens_q", cq, Tq), ("cu_seqlens_k", ck, Tk)):
+        if cu[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {cu[0]}")
+        if np.any(np.diff(cu) < 0):
+            raise ValueError(f"{name} must not decrease, got {cu.tolist()}")
+        if cu[-1] > T:
+            raise ValueError(f"{name}[-1] = {cu[-1]} is past the end of the packed tensor ({T} rows)")
+    seg_q, seg_k = np.diff(cq), np.diff(ck)
+    uq = uk = None
+    if lengths["seqused_q"] is not None:
+        uq = _int_array("seqused_q", lengths["seqused_q"], B)
+        if np.any(uq > seg_q):
+            raise ValueError(f"seqused_q {uq.tolist()} exceeds the segment lengths {seg_q.tolist()}")
+    if lengths["seqused_k"] is not None:
+        uk = _int_array("seqused_k", lengths["seqused_k"], B)
+        if np.any(uk > seg_k):
+            raise ValueError(f"seqused_k {uk.tolist()} exceeds the segment lengths {seg_k.tolist()}")
+    lq = uq if uq is not None else seg_q
+    lk = uk if uk is not None else seg_k
+    longest_q = int(lq.max()) if B else 0
+    longest_k = int(lk.max()) if B else 0
+    for name, m, longest in (("max_seqlen_q", max_seqlen_q, longest_q),
+                             ("max_seqlen_k", max_seqlen_k, longest_k)):
+        if m is not None and _max_seqlen(name, m) < longest:
+            raise ValueError(f"{name} = {m} is smaller than the longest sequence ({longest})")
+    o.max_q = longest_q if max_seqlen_q is None else int(max_seqlen_q)
+    o.max_k = longest_k if max_seqlen_k is None else int(max_seqlen_k)
+    o.cu_q, o.cu_k, o.used_q, o.used_k = cq, ck, uq, uk
+    o.B = B
+
+
+def _max_seqlen(name, m):
+    """max_seqlen_q / _k as an int in [0, 2**31)."""
+    if isinstance(m, bool) or not isinstance(m, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {fmt(m)}")
+    if m < 0:
+        raise ValueError(f"{name} = {m} is negative")
+    if m > np.iinfo(np.int32).max:
+        raise ValueError(f"{name} = {m} is past the largest sequence length (2**31 - 1)")
+    return int(m)
+
+
+def _device_lengths(o, lengths, max_seqlen_q, max_seqlen_k):
+    """Whether varlen's lengths stay on the GPU (cuda/lengths.py), as FlashAttention's do: q, k, v
+    and cu_seqlens_q are CUDA arrays and max_seqlen_q and max_seqlen_k are given. Every lengths
+    array given must then be a contiguous CUDA int32 array on q's device, of shape (B + 1,) for
+    cu_seqlens_*, (B,) for seqused_*; their values are the GPU's to check (each segment at most
+    max_seqlen_* rows, seqused inside its segment), reported by the next call. Sets o.B,
+    o.cu_q .. o.used_k (their DevViews), o.max_q, o.max_k and o.device_lengths."""
+    if not o.on_gpu or max_seqlen_q is None or max_seqlen_k is None:
+        return False
+    first = lengths["cu_seqlens_q"]
+    if not may_be_device_array(first) or _cuda_view("cu_seqlens_q", first) is None:
+        return False
+    how = ("cu_seqlens_q is a CUDA array and max_seqlen_* are given, so the lengths are read on "
+           "the GPU without a synchronisation")
+    views = {}
+    for name, x in lengths.items():
+        dv = None if x is None or not may_be_device_array(x) else _cuda_view(name, x)
+        if x is not None and dv is None:
+            raise TypeError(f"{name} is a host array but {how}: pass every lengths array as a CUDA "
+                            f"array, or leave max_seqlen_* out to have them read and checked on the "
+                            f"host")
+        if dv is not None:
+            if dv.dtype != np.int32:
+                raise TypeError(f"{name} has dtype {dv.dtype}; {how}, and must be int32 (as "
+                                f"FlashAttention's): pass it as int32, or leave max_seqlen_* out to "
+                                f"have it read and checked on the host")
+            if dv.ndim != 1 or (dv.shape[0] > 1 and dv.strides[0] != 1):
+                raise ValueError(f"{name} must be a contiguous 1-d array, got shape {dv.shape} with "
+                                 f"element strides {dv.strides}")
+            if dv.device != o.cuda_device:
+                raise ValueError(f"{name} is on cuda:{dv.device}, q on cuda:{o.cuda_device}")
+        views[name] = dv
+    cq, ck = views["cu_seqlens_q"], views["cu_seqlens_k"]
+    if cq.shape[0] < 1:
+        raise ValueError(f"cu_seqlens_q must have shape (B + 1,), got {cq.shape}")
+    B = cq.shape[0] - 1
+    if ck.shape != cq.shape:
+        raise ValueError(f"cu_seqlens_k must have shape {cq.shape} like cu_seqlens_q (B + 1 = "
+                         f"{B + 1} entries), got {ck.shape}")
+    for name in ("seqused_q", "seqused_k"):
+        if views[name] is not None and views[name].shape != (B,):
+            raise ValueError(f"{name} must have shape ({B},), got {views[name].shape}")
+    o.max_q = _max_seqlen("max_seqlen_q", max_seqlen_q)
+    o.max_k = _max_seqlen("max_seqlen_k", max_seqlen_k)
+    o.cu_q, o.cu_k, o.used_q, o.used_k = cq, ck, views["seqused_q"], views["seqused_k"]
+    o.B, o.device_lengths = B, True
+    return True
+
+
 def normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
               max_seqlen_k=None, seqused_q=None, seqused_k=None, varlen=False) -> "Problem":
     """Checks q, k, v and every option (opts: the public function's keywords); returns the
@@ -449,52 +555,12 @@ def normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=
                              "(expected k (Tk, Hk, D), v (Tk, Hk, Dv))")
         if cu_seqlens_q is None or cu_seqlens_k is None:
             raise ValueError("cu_seqlens_q and cu_seqlens_k are required")
-        cq_a = _array("cu_seqlens_q", cu_seqlens_q, host=True)
-        ck_a = _array("cu_seqlens_k", cu_seqlens_k, host=True)
-        for name, cu in (("cu_seqlens_q", cq_a), ("cu_seqlens_k", ck_a)):
-            if cu.ndim != 1 or cu.shape[0] < 1:
-                raise ValueError(f"{name} must have shape (B + 1,), got {cu.shape}")
-        B = cq_a.shape[0] - 1
-        if ck_a.shape != cq_a.shape:
-            raise ValueError(f"cu_seqlens_k must have shape {cq_a.shape} like cu_seqlens_q (B + 1 = "
-                             f"{B + 1} entries), got {ck_a.shape}")
-        cq = _int_array("cu_seqlens_q", cq_a, B + 1)
-        ck = _int_array("cu_seqlens_k", ck_a, B + 1)
-        for name, cu, T in (("cu_seqlens_q", cq, Tq), ("cu_seqlens_k", ck, Tk)):
-            if cu[0] != 0:
-                raise ValueError(f"{name} must start at 0, got {cu[0]}")
-            if np.any(np.diff(cu) < 0):
-                raise ValueError(f"{name} must not decrease, got {cu.tolist()}")
-            if cu[-1] > T:
-                raise ValueError(f"{name}[-1] = {cu[-1]} is past the end of the packed tensor ({T} rows)")
-        seg_q, seg_k = np.diff(cq), np.diff(ck)
-        uq = uk = None
-        if seqused_q is not None:
-            uq = _int_array("seqused_q", seqused_q, B)
-            if np.any(uq > seg_q):
-                raise ValueError(f"seqused_q {uq.tolist()} exceeds the segment lengths {seg_q.tolist()}")
-        if seqused_k is not None:
-            uk = _int_array("seqused_k", seqused_k, B)
-            if np.any(uk > seg_k):
-                raise ValueError(f"seqused_k {uk.tolist()} exceeds the segment lengths {seg_k.tolist()}")
-        lq = uq if uq is not None else seg_q
-        lk = uk if uk is not None else seg_k
-        longest_q = int(lq.max()) if B else 0
-        longest_k = int(lk.max()) if B else 0
-        for name, m, longest in (("max_seqlen_q", max_seqlen_q, longest_q),
-                                 ("max_seqlen_k", max_seqlen_k, longest_k)):
-            if m is not None:
-                if isinstance(m, bool) or not isinstance(m, (int, np.integer)):
-                    raise TypeError(f"{name} must be an int, got {fmt(m)}")
-                if m < longest:
-                    raise ValueError(f"{name} = {m} is smaller than the longest sequence ({longest})")
-                if m > np.iinfo(np.int32).max:
-                    raise ValueError(f"{name} = {m} is past the largest sequence length (2**31 - 1)")
-        o.max_q = longest_q if max_seqlen_q is None else int(max_seqlen_q)
-        o.max_k = longest_k if max_seqlen_k is None else int(max_seqlen_k)
-        o.cu_q, o.cu_k, o.used_q, o.used_k = cq, ck, uq, uk
+        lengths = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+                       seqused_k=seqused_k)
+        if not _device_lengths(o, lengths, max_seqlen_q, max_seqlen_k):
+            _host_lengths(o, lengths, Tq, Tk, max_seqlen_q, max_seqlen_k)
         o.q4, o.k4, o.v4 = q[None], k[None], v[None]
-        o.B, o.Sq, o.Sk = B, o.max_q, o.max_k
+        o.Sq, o.Sk = o.max_q, o.max_k
         o.out_shape, o.lse_shape = (Tq, Hq, Dv), (Hq, Tq)
     else:
         if o.layout not in _LAYOUTS:

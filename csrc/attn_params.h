@@ -97,6 +97,10 @@ typedef struct {
     /* varlen: cu_seqlens_* (B + 1), seqused_* (B); non-varlen seqlens_* use seqused_* alone */
     const int32_t *cu_seqlens_q, *cu_seqlens_k;
     const int32_t *seqused_q, *seqused_k;
+    /* varlen: the most rows a sequence's segment may have, what the GPU's grid covers (the
+     * longest segment of host-checked lengths, max_seqlen_* of device lengths); seqlen.h clamps
+     * every segment to it and to the tensor, so lengths nobody checked never reach past either */
+    int64_t max_rows_q, max_rows_k;
 
     /* bias (B, Hb, Sq, Sk) in its own dtype bias_dtype; mask (B, Hb, Sq, Sk) bool (1 byte) */
     tensor4 bias;

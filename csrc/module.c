@@ -188,6 +188,8 @@ static int fill_common(PyObject *prob, attn_params *p, buffer_set *bs, int forwa
     }
     p->Sq = qs[1]; p->Hq = qs[2]; p->D = qs[3];
     p->Sk = ks[1]; p->Hk = ks[2]; p->Dv = vs[3];
+    p->max_rows_q = p->Sq;       /* the host checked the lengths: no segment is clamped */
+    p->max_rows_k = p->Sk;
     long long Bm = qs[0];
     if (shape_is("k", ks, Bm, p->Sk, p->Hk, p->D) || shape_is("v", vs, Bm, p->Sk, p->Hk, p->Dv))
         return -1;

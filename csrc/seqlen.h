@@ -16,35 +16,52 @@ typedef struct {
     int64_t start, rows, len, mem_b;
 } seq_t;
 
-ATTN_FN seq_t seq_of(const int32_t *cu, const int32_t *used, int64_t static_len, int64_t b)
+ATTN_FN int64_t clamp_len(int64_t x, int64_t lo, int64_t hi)
+{
+    return x < lo ? lo : x > hi ? hi : x;
+}
+
+/* static_len: the tensor's rows (varlen: the packed rows T); max_rows: varlen's bound on a
+ * segment (attn_params.h). Lengths the host checked pass through unchanged; the GPU's device
+ * lengths (read by no host) are clamped so that every segment lies inside the tensor, holds at
+ * most max_rows rows, and uses at most its rows: wrong lengths give wrong rows, never an access
+ * past an array (attn_lengths.cu reports them). */
+ATTN_FN seq_t seq_of(const int32_t *cu, const int32_t *used, int64_t static_len, int64_t max_rows, int64_t b)
 {
     seq_t s;
-    s.start = cu ? cu[b] : 0;
-    s.rows = cu ? (int64_t)cu[b + 1] - cu[b] : static_len;
-    s.len = used ? used[b] : s.rows;
+    if (cu) {
+        s.start = clamp_len(cu[b], 0, static_len);
+        s.rows = clamp_len((int64_t)cu[b + 1] - s.start, 0, static_len - s.start);
+        if (s.rows > max_rows)
+            s.rows = max_rows;
+    } else {
+        s.start = 0;
+        s.rows = static_len;
+    }
+    s.len = used ? clamp_len(used[b], 0, s.rows) : s.rows;
     s.mem_b = cu ? 0 : b;
     return s;
 }
 
 ATTN_FN seq_t seq_q(const attn_params *p, int64_t b)
 {
-    return seq_of(p->cu_seqlens_q, p->seqused_q, p->Sq, b);
+    return seq_of(p->cu_seqlens_q, p->seqused_q, p->Sq, p->max_rows_q, b);
 }
 
 ATTN_FN seq_t seq_k(const attn_params *p, int64_t b)
 {
-    return seq_of(p->cu_seqlens_k, p->seqused_k, p->Sk, b);
+    return seq_of(p->cu_seqlens_k, p->seqused_k, p->Sk, p->max_rows_k, b);
 }
 
 /* Rows of the q (or k) tensor past the last segment: padding of a packed batch. */
 ATTN_FN int64_t packed_end_q(const attn_params *p)
 {
-    return p->cu_seqlens_q ? p->cu_seqlens_q[p->B] : p->Sq;
+    return p->cu_seqlens_q ? clamp_len(p->cu_seqlens_q[p->B], 0, p->Sq) : p->Sq;
 }
 
 ATTN_FN int64_t packed_end_k(const attn_params *p)
 {
-    return p->cu_seqlens_k ? p->cu_seqlens_k[p->B] : p->Sk;
+    return p->cu_seqlens_k ? clamp_len(p->cu_seqlens_k[p->B], 0, p->Sk) : p->Sk;
 }
 
 #endif

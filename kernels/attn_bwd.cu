@@ -258,7 +258,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
     const int64_t h = blockIdx.y, b = blockIdx.z;
 #if DQ_ORDERED
     if (b == p.B) {                       /* the grid has this block row only where p.dq_write_last */
-        zero_rows((elem_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], p.cu_seqlens_q[p.B], p.Sq, HEAD_DIM,
+        zero_rows((elem_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], packed_end_q(&p), p.Sq, HEAD_DIM,
                   PRE_THREADS);
         return;
     }
@@ -418,7 +418,7 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     if (b == p.B) {                       /* packed rows after the last sequence */
-        const int64_t first = p.cu_seqlens_k[p.B];
+        const int64_t first = packed_end_k(&p);
         if (DO_DK)
             zero_rows((elem_t *)p.dk.ptr + hk * p.dk.s[2], p.dk.s[1], p.dk.s[3], first, p.Sk, HEAD_DIM, KV_THREADS);
         if (DO_DV)
@@ -776,7 +776,7 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(cons
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int64_t h = blockIdx.y, b = blockIdx.z;
     if (b == p.B) {
-        zero_rows((elem_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], p.cu_seqlens_q[p.B], p.Sq, HEAD_DIM,
+        zero_rows((elem_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], packed_end_q(&p), p.Sq, HEAD_DIM,
                   Q_THREADS);
         return;
     }
@@ -852,7 +852,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_dq_convert(co
 {
     const int64_t h = blockIdx.y, b = blockIdx.z;
     if (b == p.B) {
-        zero_rows((elem_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], p.cu_seqlens_q[p.B], p.Sq, HEAD_DIM,
+        zero_rows((elem_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], packed_end_q(&p), p.Sq, HEAD_DIM,
                   PRE_THREADS);
         return;
     }

@@ -136,7 +136,7 @@ DEV int kv_items(const attn_params &p, int64_t b, int64_t hk, const seq_t &sq, c
  * block row). */
 DEV void zero_tail_dkdv(const attn_params &p, int64_t hk, int threads)
 {
-    const int64_t first = p.cu_seqlens_k[p.B];
+    const int64_t first = packed_end_k(&p);
     zero_rows((elem_t *)p.dk.ptr + hk * p.dk.s[2], p.dk.s[1], p.dk.s[3], first, p.Sk, HEAD_DIM, threads);
     zero_rows((elem_t *)p.dv.ptr + hk * p.dv.s[2], p.dv.s[1], p.dv.s[3], first, p.Sk, HEAD_DIM_V, threads);
 }
@@ -719,7 +719,7 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq_sm90
     const int tid = threadIdx.x, warp = tid >> 5, wg = tid >> 7, g = (tid & 31) >> 2, t = tid & 3;
     const int64_t h = blockIdx.y, b = blockIdx.z;
     if (b == p.B) {
-        zero_rows((elem_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], p.cu_seqlens_q[p.B], p.Sq, HEAD_DIM,
+        zero_rows((elem_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], packed_end_q(&p), p.Sq, HEAD_DIM,
                   Q_THREADS);
         return;
     }

@@ -27,7 +27,7 @@
 template <int TILE_M, int NTHREADS>
 DEV void zero_tail(const attn_params &p, int64_t h)
 {
-    int64_t first = p.cu_seqlens_q[p.B];
+    int64_t first = packed_end_q(&p);
     elem_t *out = (elem_t *)p.out.ptr + h * p.out.s[2];
     float *lse = (float *)p.lse.ptr + h * p.lse.s[1];
     for (int64_t r = first + blockIdx.x * TILE_M; r < p.Sq; r += (int64_t)gridDim.x * TILE_M)

@@ -34,7 +34,7 @@ from .. import _C, _env
 from .._layout import DTYPE_CODES, SLOT, KernelCall, dtype_name
 from ..lru import LRU
 from ..mods import bounds, codegen, grad, lower, trace
-from . import arrays as _device, mod_cache, mod_inputs as mod_arrays, nvrtc, process, select, staging
+from . import arrays as _device, lengths as lengths_check, mod_cache, mod_inputs as mod_arrays, nvrtc, process, select, staging
 from .devview import DevView
 from .staging import host_result, to_host  # noqa: F401  (api.py's: results, lengths)
 
@@ -219,13 +219,18 @@ def _extras(o, stage):
     bias4 = _put(stage, o.bias4)
     mask4 = None if o.mask4 is None else _put(stage, o.mask4.view(np.uint8) if isinstance(o.mask4, np.ndarray) else o.mask4)
     alibi = None if o.alibi is None else stage.upload(np.ascontiguousarray(o.alibi, np.float32))
-    return (bias4, mask4, alibi) + _lengths(stage, (o.cu_q, o.cu_k, o.used_q, o.used_k))
+    lengths = (o.cu_q, o.cu_k, o.used_q, o.used_k)
+    if o.device_lengths:          # CUDA int32 arrays, read in place (checks._device_lengths)
+        lengths_check.launch(stage, o, device_arch(stage.device))
+        return (bias4, mask4, alibi) + lengths
+    return (bias4, mask4, alibi) + _lengths(stage, lengths)
 
 
 def _lengths(stage, arrays):
-    """DevViews of the lengths arrays (cu_seqlens / seqused: NumPy, None where absent), uploaded
-    in one copy, an array equal to one before it sharing that one's elements (cu_seqlens_q and
-    _k are often the same): one small upload through pageable memory a call, not up to four."""
+    """DevViews of the host-checked lengths arrays (cu_seqlens / seqused: NumPy, None where
+    absent), uploaded in one copy, an array equal to one before it sharing that one's elements
+    (cu_seqlens_q and _k are often the same): one small upload through pageable memory a call,
+    not up to four."""
     views, parts, at = [], [], {}
     for a in arrays:
         if a is None:
@@ -269,7 +274,8 @@ def _common(o, device, q4, k4, v4, extra):
         bias_dtype=DTYPE_CODES[features["bias_dtype"] or "float32"],
         alibi_dtype=DTYPE_CODES["float32"], bias_heads=o.bias_heads,
         mask_heads=o.mask_heads, q=_t(q4), k=_t(k4), v=_t(v4), bias=_t(bias4), mask=_t(mask4),
-        alibi=_t(alibi))
+        alibi=_t(alibi), max_rows_q=_query_rows(o) if o.varlen else 0,
+        max_rows_k=_key_rows(o) if o.varlen else 0)
     return prob, features
 
 
@@ -329,7 +335,8 @@ def _bind_mods(o, stage, backward):
         serials = [a.serial for (kind, _), a in zip(names, arrays) if kind == "mask_mod"]
         # a CUDA array's contents are not seen (serial None): its mask is made every call, not
         # kept; nor is one on the per-thread default stream (mod_cache.array_copy says why)
-        key = (None if None in serials or stage.stream == _device.PER_THREAD_STREAM
+        # nor is one of device lengths, whose contents the host does not read
+        key = (None if None in serials or stage.stream == _device.PER_THREAD_STREAM or o.device_lengths
                else _block_mask_key(o, stage, tm, serials, bound.cells))
         bound.blocks = None if key is None else mod_cache.block_mask(key, stage.stream)
         if bound.blocks is None:                        # built by this call's first launch
@@ -432,7 +439,9 @@ def _dtensor_sums(stage, dacc):
 
 
 def _query_rows(o):
-    """The longest query segment's rows (varlen) or Sq."""
+    """The longest query segment's rows (varlen; max_seqlen_q for device lengths) or Sq."""
+    if o.device_lengths:
+        return o.max_q
     return (int(np.max(np.diff(o.cu_q))) if o.B else 0) if o.varlen else o.Sq
 
 
@@ -467,7 +476,8 @@ def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None):
     """The forward's plan for this call (made on the first call of its key); gen: the generated
     score_mod / mask_mod (codegen.Generated) or None."""
     rows = _query_rows(o) if o.varlen else o.Sq
-    key = ("fwd", device, o.B, o.Sq, o.Sk, rows, o.varlen, getattr(o, "whole_rows", None), o.causal_code,
+    # the template clamps each key segment to the longest (attn_params.h: max_rows_k)
+    key = ("fwd", device, o.B, o.Sq, o.Sk, rows, _key_rows(o) if o.varlen else o.Sk, o.varlen, getattr(o, "whole_rows", None), o.causal_code,
            o.window_left, o.window_right, o.softcap_value > 0, (q4.ptr | k4.ptr | v4.ptr) % 16 == 0,
            _desc(q4), _desc(k4), _desc(v4), _desc(out4), _desc(lse3), _extras_key(o, extra),
            select.knobs(select.FWD_KNOBS), None if gen is None else gen.source, o.precision)
@@ -531,6 +541,8 @@ def forward(o, out_host, lse_host, stage=None):
     (a DevView from out=) in place of out. stage: _forward_sliced's, for one slice; there
     o.lse_rows (a row slice's, a strided view of its sequence's lse) is where the kernel writes
     the lse, which _forward_sliced downloads (lse_host None)."""
+    if stage is None:
+        lengths_check.raise_pending()
     host = out_host is not None
     if host and stage is None and (slices := _slices(o)):
         return _forward_sliced(o, out_host, lse_host, slices)
@@ -697,7 +709,9 @@ PRE_ROWS, PRE_THREADS = 64, 256   # attn_bwd.cu's row kernels (delta, dq_convert
 
 
 def _key_rows(o):
-    """The longest key segment's rows (varlen) or Sk."""
+    """The longest key segment's rows (varlen; max_seqlen_k for device lengths) or Sk."""
+    if o.device_lengths:
+        return o.max_k
     return (int(np.max(np.diff(o.cu_k))) if o.B else 0) if o.varlen else o.Sk
 
 
@@ -878,6 +892,7 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
     (dQ is always recomputed with mods); a lookup out of range raises IndexError after the
     launches.
     """
+    lengths_check.raise_pending()
     host = dq_host is not None
     with staging.Staging(o.cuda_device, o.cuda_stream) as stage:
         if host:

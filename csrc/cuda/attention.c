@@ -12,6 +12,8 @@
  *   num_splits        as for _C.forward (num_splits: the split-KV forward's key splits, else 1)
  *   dq_write_last     the backward's ordered dq mode: 1 where the last turns write dq (attn_params.h)
  *   k_rows_max        the backward's longest key sequence (attn_bwd_dead; attn_params.h)
+ *   max_rows_q, max_rows_k   varlen: the most rows of a segment, what the grid covers
+ *                     (attn_params.h; 0: the tensor's rows)
  *   q, k, v, out, dout, dq, dk, dv, lse, dbias, bias, mask, alibi, delta, dq_accum, dq_sem: each None or a
  *   tuple (ptr, shape, strides) with shape and strides (in elements) of the ranks in
  *   attn_params.h; only their shapes and strides are kept (None: the feature is off)
@@ -131,14 +133,15 @@ static PyObject *c_attn_template(PyObject *module, PyObject *prob)
     attn_template t;
     attn_params *p = &t.p;
     long long dtype, B, causal, wl, wr, bias_dtype, alibi_dtype, bias_heads, mask_heads, splits, write_last,
-        k_rows_max, qs[4], ks[4], vs[4];
+        k_rows_max, max_rows_q, max_rows_k, qs[4], ks[4], vs[4];
     memset(&t, 0, sizeof t);
     if (attr_long(prob, "dtype", &dtype) || attr_long(prob, "B", &B) || attr_long(prob, "causal", &causal)
         || attr_long(prob, "window_left", &wl) || attr_long(prob, "window_right", &wr)
         || attr_long(prob, "bias_dtype", &bias_dtype) || attr_long(prob, "alibi_dtype", &alibi_dtype)
         || attr_long(prob, "bias_heads", &bias_heads) || attr_long(prob, "mask_heads", &mask_heads)
         || attr_long(prob, "device", &t.device) || attr_long(prob, "num_splits", &splits)
-        || attr_long(prob, "dq_write_last", &write_last) || attr_long(prob, "k_rows_max", &k_rows_max))
+        || attr_long(prob, "dq_write_last", &write_last) || attr_long(prob, "k_rows_max", &k_rows_max)
+        || attr_long(prob, "max_rows_q", &max_rows_q) || attr_long(prob, "max_rows_k", &max_rows_k))
         return NULL;
     p->dtype = (attn_dtype)dtype;
     p->B = B;
@@ -169,6 +172,8 @@ static PyObject *c_attn_template(PyObject *module, PyObject *prob)
     p->alibi.s[0] = p->alibi.s[2]; p->alibi.s[1] = p->alibi.s[3]; p->alibi.s[2] = p->alibi.s[3] = 0;
     p->Sq = qs[1]; p->Hq = qs[2]; p->D = qs[3];
     p->Sk = ks[1]; p->Hk = ks[2]; p->Dv = vs[3];
+    p->max_rows_q = max_rows_q > 0 ? max_rows_q : p->Sq;
+    p->max_rows_k = max_rows_k > 0 ? max_rows_k : p->Sk;
     if (p->Hk <= 0 || p->Hq % p->Hk) {
         PyErr_SetString(PyExc_ValueError, "attnext._C: q, k, v missing or heads disagree");
         return NULL;

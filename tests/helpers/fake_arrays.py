@@ -1,7 +1,8 @@
-"""The fake driver's stand-ins for captured CUDA arrays (tests/host/test_mod_arrays.py, and the
-NumPy-call tests that capture them: tests/host/test_numpy_mods_gpu.py): fake device memory, the
-convert and dtensors kernels played by NumPy, the launches recorded. Code for run_on_fake's
-fresh interpreter, not imported.
+"""The fake driver's stand-ins for CUDA arrays (tests/host/test_mod_arrays.py, the NumPy-call
+tests that capture them: tests/host/test_numpy_mods_gpu.py, and device lengths:
+tests/host/test_device_lengths.py): fake device memory, the convert, dtensors and lengths-check
+kernels played by NumPy, the launches recorded. Code for run_on_fake's fresh interpreter, not
+imported.
 
 FAKE_ARRAYS: the stand-ins. NUMPY_CALLS: those, and for NumPy calls that run on the (fake) GPU
 the attention launches' entry points recorded (NAMES) and the CPU backend's (CPU), with host
@@ -9,7 +10,7 @@ q, k, v (hq, hk, hv)."""
 
 FAKE_ARRAYS = r"""
 import ctypes
-from attnext.cuda import mod_cache, mod_inputs as mod_arrays, staging
+from attnext.cuda import lengths, mod_cache, mod_inputs as mod_arrays, staging
 from attnext.mods import codegen, trace
 
 S = 256         # a multiple of select.TILE_EDGE: the lookups over it are proved
@@ -17,6 +18,7 @@ rng = np.random.default_rng(0)
 GMODS = []          # (entry point, attn_mods_gpu record) of every launch with mods
 CONVERTS = []       # attn_convert's parameters, every launch
 COPIES = []         # (direction, bytes) of every host <-> device copy
+CHECKS = []         # attn_lengths' parameters, every launch
 READS = []          # what array 0 held for each launch with mods, when WATCH names its dtype
 STATE = {"watch": None, "error": None, "grad": None}
 _plain = _launch
@@ -76,6 +78,29 @@ def launch(fn, *args):
         words[element, 6] = int(value * 2 ** 5)         # limb 6 weighs 2^(6 * 24 - 149) = 2^-5
 
 
+def lengths_fault(p):
+    # attn_lengths.cu's checks, in its order: (code, array, index, value, bound) or None
+    for b in range(int(p["B"]) + 1):
+        for side in range(2):
+            cu = at(p["cu"][side], (int(p["B"]) + 1,), (1,), np.int32).astype(np.int64)
+            if b == 0 and cu[0] != 0:
+                return 1, side, 0, cu[0], 0
+            if b == p["B"]:
+                if cu[b] > p["rows"][side]:
+                    return 3, side, b, cu[b], p["rows"][side]
+                continue
+            seg = cu[b + 1] - cu[b]
+            if seg < 0:
+                return 2, side, b + 1, cu[b + 1], cu[b]
+            if seg > p["max_len"][side]:
+                return 4, side, b, seg, p["max_len"][side]
+            if p["used"][side]:
+                u = int(at(p["used"][side], (int(p["B"]),), (1,), np.int32)[b])
+                if u < 0 or u > seg:
+                    return (5, 2 + side, b, u, 0) if u < 0 else (6, 2 + side, b, u, seg)
+    return None
+
+
 def kernel(fn, grid, block, smem, stream, params):
     fake_cuda.counter(lib, "record").value = 0          # these parameters are no attn_params
     _kernel(fn, grid, block, smem, stream, params)
@@ -86,6 +111,13 @@ def kernel(fn, grid, block, smem, stream, params):
         CONVERTS.append(p)
         src = at(p["src"], p["shape"], p["strides"], CODES[int(p["src_type"])])
         at(p["dst"], (int(p["n"]),), (1,), CODES[int(p["dst_type"])])[...] = src.reshape(-1)
+    elif name == "attn_lengths":                        # the device lengths' check writes the record
+        p = np.frombuffer(params, lengths.PARAMS)[0].copy()
+        CHECKS.append(p)
+        fault, rec = lengths_fault(p), at(p["record"], (lengths.WORDS,), (1,), np.int64)
+        if fault and not rec[0]:
+            rec[1:6] = [int(x) for x in fault[1:]] + [int(p["device"])]
+            rec[0] = fault[0]
     elif name == "attn_dtensors":                       # codegen.limbs_to_float, attn_dtensors.cu's rule
         dacc, out, n = (int(x) for x in np.frombuffer(params, np.uint64))
         words = at(dacc, (n, codegen.WORDS), (codegen.WORDS, 1), np.uint64)

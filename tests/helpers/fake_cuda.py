@@ -49,6 +49,7 @@ class AttnParams(ctypes.Structure):
     _fields_ = ([(n, _I64) for n in ("B", "Sq", "Sk", "Hq", "Hk", "D", "Dv")] + [("dtype", _INT)]
                 + [(n, Tensor4) for n in ("q", "k", "v", "out", "lse")]
                 + [(n, _PTR) for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")]
+                + [("max_rows_q", _I64), ("max_rows_k", _I64)]
                 + [("bias", Tensor4), ("bias_dtype", _INT), ("bias_heads", _I64), ("mask", Tensor4),
                    ("mask_heads", _I64), ("alibi", Tensor4), ("alibi_dtype", _INT), ("scale", _F64),
                    ("softcap", _F64), ("causal", _INT), ("window_left", _I64), ("window_right", _I64)]

@@ -295,7 +295,8 @@ def _prob(**changes):
     t = ((0, (2, 16, 4, 64), (4096, 256, 64, 1)))
     prob = types.SimpleNamespace(
         device=0, dtype=1, B=2, causal=0, window_left=-1, window_right=-1, bias_dtype=2, alibi_dtype=2,
-        bias_heads=1, mask_heads=1, num_splits=1, dq_write_last=0, k_rows_max=0, q=t, k=t, v=t, out=t, lse=None, bias=None, mask=None,
+        bias_heads=1, mask_heads=1, num_splits=1, dq_write_last=0, k_rows_max=0, max_rows_q=0, max_rows_k=9,
+        q=t, k=t, v=t, out=t, lse=None, bias=None, mask=None,
         alibi=None, dout=None, dq=None, dk=None, dv=None, dbias=None, delta=None, dq_accum=None, dq_sem=None)
     vars(prob).update(changes)
     return prob
@@ -307,6 +308,7 @@ def test_attn_template_reads_shapes_and_strides():
     p = fake_cuda.AttnParams.from_buffer_copy(template[:ctypes.sizeof(fake_cuda.AttnParams)])
     assert (p.B, p.Sq, p.Hq, p.D, p.Sk, p.Hk, p.Dv, p.dtype) == (2, 16, 4, 64, 16, 4, 64, 1)
     assert tuple(p.k.s) == (4096, 256, 64, 1) and not p.q.ptr and not p.out.ptr
+    assert (p.max_rows_q, p.max_rows_k) == (16, 9)       # 0: the tensor's rows
 
 
 @pytest.mark.parametrize("changes, exc, match", [

@@ -1,0 +1,94 @@
+/* The check of device lengths (attnext/cuda/lengths.py): varlen_attention's cu_seqlens_* and
+ * seqused_*, given as CUDA int32 arrays with max_seqlen_* beside them, are read by the attention
+ * kernels where they lie, never by the host, so no call waits for the GPU. This kernel runs
+ * first on the call's stream and checks what the host checks of host lengths: cu_seqlens starts
+ * at 0, never decreases and ends inside the packed tensor, no segment is longer than max_seqlen,
+ * and 0 <= seqused <= the segment. A call's first fault goes into the process's record in pinned
+ * host memory, which the GPU writes at its host address (unified addressing), unless one waits
+ * there already; the next call reads it and raises ValueError. The attention kernels clamp the
+ * lengths meanwhile (seqlen.h), so wrong lengths read and write nothing outside the arrays.
+ *
+ * No compile-time switches; parameter: the struct below, by value. One CTA.
+ */
+#define DEV static __device__ __forceinline__
+
+typedef int int32_t;
+typedef long long int64_t;
+typedef unsigned long long uint64_t;
+
+/* The record: [0] the fault's code (0: none), written last, after [1] the array (0 cu_seqlens_q,
+ * 1 cu_seqlens_k, 2 seqused_q, 3 seqused_k), [2] the index, [3] the value, [4] the bound it
+ * broke and [5] the device. The CTA picks its first fault in shared memory and one thread writes
+ * it with plain stores (atomics on host memory are not atomic over PCIe), unless a fault waits
+ * there already. */
+enum { LEN_START = 1, LEN_DECREASES = 2, LEN_PAST_END = 3, LEN_LONGER = 4, LEN_NEGATIVE = 5, LEN_USED_PAST = 6 };
+
+struct lengths_params {
+    const int32_t *cu[2];        /* cu_seqlens_q, cu_seqlens_k (B + 1) */
+    const int32_t *used[2];      /* seqused_q, seqused_k (B), or null */
+    int64_t *record;
+    int64_t B, device;
+    int64_t rows[2];             /* the packed tensors' rows, Tq and Tk */
+    int64_t max_len[2];          /* max_seqlen_q, max_seqlen_k */
+};
+
+struct fault_slot {
+    int taken;
+    int64_t code, array, index, value, bound;
+};
+
+DEV void fault(fault_slot &f, int64_t code, int64_t array, int64_t index, int64_t value, int64_t bound)
+{
+    if (atomicCAS(&f.taken, 0, 1) != 0)
+        return;
+    f.code = code;
+    f.array = array;
+    f.index = index;
+    f.value = value;
+    f.bound = bound;
+}
+
+extern "C" __global__ void __launch_bounds__(256) attn_lengths(const __grid_constant__ lengths_params p)
+{
+    __shared__ fault_slot f;
+    if (threadIdx.x == 0)
+        f.taken = 0;
+    __syncthreads();
+    for (int64_t b = threadIdx.x; b <= p.B; b += blockDim.x)
+#pragma unroll
+        for (int side = 0; side < 2; side++) {
+            const int32_t *cu = p.cu[side];
+            const int64_t at = cu[b];
+            if (b == 0 && at != 0)
+                fault(f, LEN_START, side, 0, at, 0);
+            if (b == p.B) {
+                if (at > p.rows[side])
+                    fault(f, LEN_PAST_END, side, b, at, p.rows[side]);
+                continue;
+            }
+            const int64_t next = cu[b + 1], seg = next - at;
+            if (seg < 0)
+                fault(f, LEN_DECREASES, side, b + 1, next, at);
+            else if (seg > p.max_len[side])
+                fault(f, LEN_LONGER, side, b, seg, p.max_len[side]);
+            const int32_t *used = p.used[side];
+            if (used) {
+                const int64_t u = used[b];
+                if (u < 0)
+                    fault(f, LEN_NEGATIVE, 2 + side, b, u, 0);
+                else if (seg >= 0 && u > seg)
+                    fault(f, LEN_USED_PAST, 2 + side, b, u, seg);
+            }
+        }
+    __syncthreads();
+    volatile int64_t *r = p.record;
+    if (threadIdx.x == 0 && f.taken && r[0] == 0) {
+        r[1] = f.array;
+        r[2] = f.index;
+        r[3] = f.value;
+        r[4] = f.bound;
+        r[5] = p.device;
+        __threadfence_system();
+        r[0] = f.code;
+    }
+}
