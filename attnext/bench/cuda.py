@@ -13,6 +13,8 @@ Sections, bf16 unless said:
   packed  16384 tokens in 7 documents (a seeded random split), document-causal, D = 128, H = 16:
           attnext.varlen_attention on the packed tokens; FlexAttention at B = 1 with a document
           block mask; SDPA's backends on the padded batch (the documents padded to the longest).
+          Twice: cu_seqlens as NumPy arrays, then ("cuda-lens") as torch CUDA int32 tensors with
+          max_seqlen_* (device lengths: within 5% of the first).
   decode  Sq = 1, (B, Sk) = (1, 32768), (8, 8192), (64, 4096), Hq = 32, Hk = 8, D = 128; rates are
           GB/s of K and V read.
   numpy   attnext.attention on ml_dtypes.bfloat16 NumPy arrays in ordinary (pageable) memory,
@@ -129,12 +131,14 @@ class Case(NamedTuple):
     causal: bool
     lens: Optional[tuple] = None   # packed: the documents' lengths (B = 1, Sq = Sk = their sum)
     mod: Optional[str] = None      # numpy: "softcap" for the score_mod row
+    lengths: str = "host"          # packed: cu_seqlens as NumPy arrays, or "cuda" (torch, in place)
 
     @property
     def name(self):
         c = " causal" if self.causal else ""
         if self.kind == "packed":
-            return f"docs{len(self.lens)} T{self.Sq} H{self.Hq} D{self.D}{c}"
+            where = " cuda-lens" if self.lengths == "cuda" else ""
+            return f"docs{len(self.lens)} T{self.Sq} H{self.Hq} D{self.D}{c}{where}"
         if self.kind == "decode":
             return f"decode B{self.B} Sk{self.Sk} Hq{self.Hq} Hk{self.Hk} D{self.D}"
         prefix = "" if self.kind == "plain" else f"{self.kind} "
@@ -172,9 +176,10 @@ def cases(quick=False):
         decode = DECODE
         numpy_ = NUMPY_CASES
     H = HEAD_FEATURES // DOC_D
-    packed = Case("packed", 1, TOKENS, TOKENS, H, H, DOC_D, True, document_lengths())
+    packed = [Case("packed", 1, TOKENS, TOKENS, H, H, DOC_D, True, document_lengths(), lengths=where)
+              for where in ("host", "cuda")]
     B, S, H, D = NUMPY_MOD
-    return (plain + [packed]
+    return (plain + packed
             + [Case("decode", B, 1, Sk, DECODE_HQ, DECODE_HK, DECODE_D, False) for B, Sk in decode]
             + [plain_case(S, D, c, "numpy", B) for B, S, D, c in numpy_]
             + [Case("numpy", B, S, S, H, H, D, False, mod="softcap")])
@@ -623,15 +628,17 @@ def packed_results(run, case):
     T, lens, longest = case.Sq, case.lens, max(case.lens)
     q, k, v, dout = (_randn(run, T, case.Hq, case.D) for _ in range(4))
     refs = packed_reference(q, k, v, dout, lens)
-    # cu_seqlens as the data loader has them, on the host: CUDA cu_seqlens would be read back
-    # for their checks, a device synchronisation per call (README: varlen)
+    # cu_seqlens as a data loader has them: NumPy (checked on the host), or int32 on the device
+    # with max_seqlen_* (read in place, no synchronisation: docs/design.md, device lengths)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    starts = cu[:-1].tolist()
+    if case.lengths == "cuda":
+        cu = torch.from_numpy(cu).to(run.device)
     kw = {"max_seqlen_q": longest, "max_seqlen_k": longest, "causal": True, "device": "cuda"}
     results = {"attnext": _measure_attnext(
         run, lambda **o: attnext.varlen_attention(q, k, v, cu, cu, **kw, **o),
         lambda out, lse, **o: attnext.varlen_attention_backward(dout, q, k, v, out, lse, cu, cu, **kw, **o),
         q.new_empty(q.shape), dout, refs)}
-    starts = cu[:-1].tolist()
 
     def pad(x, fill):
         """(T, H, D) -> (docs, longest, H, D); the rows past a document's end hold `fill`."""

@@ -310,11 +310,14 @@ def test_attnext_exception_is_a_dash_with_its_text(monkeypatch):
     assert "the CUDA backward is not built yet" in "\n".join(bc.notes([fwd, bwd]))
 
 
-def test_packed_rows_on_cpu(monkeypatch):
-    """attnext varlen and SDPA flash on the padded batch both match the per-document reference."""
+@pytest.mark.parametrize("lengths", ["host", "cuda"])
+def test_packed_rows_on_cpu(lengths, monkeypatch):
+    """attnext varlen and SDPA flash on the padded batch both match the per-document reference;
+    the "cuda" lengths row passes cu_seqlens as torch tensors on the run's device (here the CPU)."""
     run = _cpu_run(monkeypatch)
     lens = (5, 37, 18)
-    case = bc.Case("packed", 1, sum(lens), sum(lens), 2, 2, 16, True, lens)
+    case = bc.Case("packed", 1, sum(lens), sum(lens), 2, 2, 16, True, lens, lengths=lengths)
+    assert case.name.endswith(" cuda-lens") == (lengths == "cuda")
     fwd, bwd, bwd_nd = bc.case_rows(run, case)
     for row in (fwd, bwd, bwd_nd):
         assert row["attnext_status"] == "ok", row["attnext_reason"]
