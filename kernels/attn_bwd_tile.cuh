@@ -214,8 +214,8 @@ DEV void pt_pass(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &
                 note_fault(fault, bad, r, c, raw);
                 pr[x] = pv;
                 const float pg = pv * grad;
-                if constexpr (DS)         /* a pair P^T leaves out: 0, not 0 * NaN from a value it does not keep */
-                    dp[0][nt][e] = pg != 0.f ? pg * (dp[0][nt][e] - db[rl]) : 0.f;
+                if constexpr (DS)         /* dst_tile's rule, element by element */
+                    dp[0][nt][e] = HAS_SCORE_MOD && pg == 0.f ? 0.f : pg * (dp[0][nt][e] - db[rl]);
                 else
                     s[0][nt][e] = pg;
             }
@@ -337,8 +337,11 @@ DEV void store_dkdv(const attn_params &p, const seq_t &sk, int64_t hk, const flo
 }
 
 /* dS^T = P^T score_grad (dP^T - delta), in place of s, from dp (dP^T = V dO^T); db: the tile's
- * delta rows (the columns). A pair whose P^T score_grad is 0 (one the row does not keep) gives 0,
- * not 0 * NaN from a value no row keeps (tests/contract/test_no_key_rows.py). */
+ * delta rows (the columns). With a score_mod, a pair whose P^T score_grad is 0 (one the row does
+ * not keep) gives 0, not 0 * NaN from a value no row keeps, as the reference's chain through
+ * score_mod does (its derivative is taken at kept pairs only: tests/contract/test_no_key_rows.py);
+ * without one, 0 * NaN stays, as in the reference's and FlashAttention's dS
+ * (tests/contract/test_errors.py: no NaN of the reference's goes missing). */
 template <int NT>
 DEV void dst_tile(float (&s)[1][NT][4], const float (&dp)[1][NT][4], const float *db)
 {
@@ -347,7 +350,8 @@ DEV void dst_tile(float (&s)[1][NT][4], const float (&dp)[1][NT][4], const float
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++)
-            s[0][nt][e] = s[0][nt][e] != 0.f ? s[0][nt][e] * (dp[0][nt][e] - db[nt * 8 + 2 * t + (e & 1)]) : 0.f;
+            s[0][nt][e] = HAS_SCORE_MOD && s[0][nt][e] == 0.f ? 0.f
+                          : s[0][nt][e] * (dp[0][nt][e] - db[nt * 8 + 2 * t + (e & 1)]);
 }
 
 /* What a warp of the dq and dbias kernels knows about each of its 2 * Q_MT rows. */

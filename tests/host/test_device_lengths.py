@@ -184,10 +184,10 @@ def test_corrupt_device_lengths_are_reported(rng, torch):
         (dict(seqused_q=cu(45, -3, 70, 20)), r"seqused_q\[1\] = -3 is negative"),
     ]
     for bad, message in faults:
-        for backward in (False, True):
+        for backward in (False, True):     # the forward's check, or the backward's (a good forward)
             args = {**good, **bad}
-            out, lse = attnext.varlen_attention(tq, tk, tv, **args, max_seqlen_q=96, max_seqlen_k=100,
-                                                return_lse=True, causal=True)
+            out, lse = attnext.varlen_attention(tq, tk, tv, **(good if backward else args), max_seqlen_q=96,
+                                                max_seqlen_k=100, return_lse=True, causal=True)
             if backward:
                 attnext.varlen_attention_backward(torch.ones_like(out), tq, tk, tv, out, lse, **args,
                                                   max_seqlen_q=96, max_seqlen_k=100, causal=True)
