@@ -1,0 +1,75 @@
+"""compute-sanitizer (memcheck) over corrupt device lengths ([3/7] point 5; attnext/cuda/lengths.py):
+every fault kind of kernels/attn_lengths.cu, in bfloat16 and float32, causal, windowed and with a
+score_mod, through the forward and the backward, in a child process under the sanitizer. Each
+call must touch nothing outside its arrays (the kernels clamp the lengths: csrc/seqlen.h), and
+each fault must be reported by the next call. Marked gpu and sanitize; skipped where
+compute-sanitizer is not installed.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from helpers.paths import pythonpath
+
+CHILD = r'''
+import numpy as np
+import torch
+import attnext
+
+T, H, D = 155, 4, 64
+QKV = [[torch.randn(n, h, D, device="cuda", dtype=dt) for n, h in ((T, H), (160, 2), (160, 2))]
+       for dt in (torch.bfloat16, torch.float32)]
+cu = lambda *x: torch.tensor(x, dtype=torch.int32, device="cuda")
+good = dict(cu_seqlens_q=cu(0, 50, 50, 130, 150), cu_seqlens_k=cu(0, 40, 70, 150, 160),
+            seqused_q=cu(45, 0, 70, 20), seqused_k=cu(40, 30, 60, 10))
+bad = [dict(cu_seqlens_q=cu(0, 50, 40, 130, 150)), dict(cu_seqlens_k=cu(7, 40, 70, 150, 160)),
+       dict(cu_seqlens_q=cu(0, 50, 50, 130, 9999)), dict(cu_seqlens_k=cu(0, 40, 70, 150, -5000)),
+       dict(cu_seqlens_q=cu(0, 50, 50, 150, 150)), dict(seqused_k=cu(40, 30, 61000, 10)),
+       dict(seqused_q=cu(45, -3, 70, 20)), dict(cu_seqlens_q=cu(0, -40, 2**31 - 1, 5, 150)),
+       dict(cu_seqlens_k=cu(0, 2**31 - 1, -2**31, 150, 160))]
+reported = 0
+for (q, k, v), b in [(x, b) for x in QKV for b in bad]:
+    for opts in (dict(causal=True), dict(window=(20, 0)),
+                 dict(score_mod=lambda s, b_, h, qi, ki: s - 0.1 * np.abs(qi - ki))):
+        args = {**good, **b}
+        out, lse = attnext.varlen_attention(q, k, v, **args, max_seqlen_q=96, max_seqlen_k=100,
+                                            return_lse=True, **opts)
+        torch.cuda.synchronize()
+        for step in ("forward", "backward"):
+            try:
+                attnext.varlen_attention(q, k, v, **good, max_seqlen_q=96, max_seqlen_k=100)
+            except ValueError as e:
+                reported += 1
+                print("reported:", step, str(e)[:160])
+            if step == "forward":    # the backward's kernels on the bad lengths, then its report
+                attnext.varlen_attention_backward(torch.ones_like(out), q, k, v, out, lse, **args,
+                                                  max_seqlen_q=96, max_seqlen_k=100, **opts)
+                torch.cuda.synchronize()
+torch.cuda.synchronize()
+print("reported", reported, "of", 12 * len(bad))
+raise SystemExit(0 if reported == 12 * len(bad) else 1)
+'''
+
+
+def _sanitizer():
+    found = shutil.which("compute-sanitizer")
+    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if not found and root and os.path.exists(os.path.join(root, "bin", "compute-sanitizer")):
+            found = os.path.join(root, "bin", "compute-sanitizer")
+    return found
+
+
+@pytest.mark.gpu
+@pytest.mark.sanitize
+def test_corrupt_device_lengths_under_memcheck(gpu, torch):
+    tool = _sanitizer()
+    if tool is None:
+        pytest.skip("compute-sanitizer is not installed (CUDA toolkit)")
+    res = subprocess.run([tool, "--tool", "memcheck", "--error-exitcode", "3", "--print-limit", "20",
+                          sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=540,
+                         env={**os.environ, "PYTHONPATH": pythonpath()})
+    tail = (res.stdout + res.stderr)[-4000:]
+    assert "ERROR SUMMARY: 0 errors" in tail and res.returncode == 0, tail
