@@ -106,6 +106,9 @@ SETTINGS = {s.name: s for s in [
     # --- tests/
     Setting("ATTNEXT_TEST_DEVICE", "cpu | cuda", "cpu", TEST, IMPORT,
             "the backend the CPU suite runs on (tests/conftest.py)"),
+    Setting("ATTNEXT_TEST_PRECISION", "tf32", "unset", TEST, IMPORT,
+            "tf32 runs the suite's float32 calls with precision='tf32', held to float16's rule "
+            "(tests/conftest.py)"),
     Setting("ATTNEXT_TEST_EXPECT_SIMD", "portable | avx2 | avx512", "unset", TEST, CALL,
             "the SIMD variant a child run of the tests must report "
             "(tests/cpu/test_cpu_attention.py)"),

@@ -34,6 +34,9 @@ DTYPE_IDS = {F16: "f16", BF16: "bf16", F32: "f32", F64: "f64"}
 # The backend the CPU suite runs on: ATTNEXT_TEST_DEVICE=cuda reruns the whole suite on the GPU
 # (gpu/test_cuda.py does that under `pytest -m gpu`); dtypes the GPU has no kernels for skip.
 TEST_DEVICE = os.environ.get("ATTNEXT_TEST_DEVICE", "cpu")
+# ATTNEXT_TEST_PRECISION=tf32: the suite's float32 calls run with precision="tf32", held to float16's
+# rule (accuracy.product_dtype); gpu/test_cuda.py reruns the CPU suite's float32 cases so on cuda.
+TEST_PRECISION = os.environ.get("ATTNEXT_TEST_PRECISION") or None
 GPU_DTYPES = (F16, BF16, F32)
 
 class EnvMonkeyPatch(pytest.MonkeyPatch):
@@ -216,9 +219,10 @@ def assert_close(name, actual, expected, dtype=None, floor=0.0, extra=None, cond
                                  extra=extra, cond=cond)
 
 
-def assert_lse_close(lse, expected, q_dtype, cond=1.0):
+def assert_lse_close(lse, expected, q_dtype, cond=1.0, precision=None):
     assert lse.dtype == acc_dtype(q_dtype), f"lse dtype {lse.dtype} for {q_dtype} inputs"
-    assert_close("lse", lse, expected, lse.dtype, cond=cond)
+    rule = lse.dtype if precision is None else accuracy.product_dtype(q_dtype, precision)
+    assert_close("lse", lse, expected, rule, cond=cond)
 
 
 # --- running the CPU backend next to the reference ---
@@ -257,13 +261,16 @@ def check_backend(q, k, v, rng, *, varlen=None, backward=True, out=None, dout=No
     lengths = dict(varlen or {})
     dtype = np.dtype(q.dtype)
     skip_unless_device_has(dtype)
+    if TEST_PRECISION is not None and dtype == F32 and "precision" not in opts:
+        opts = dict(opts, precision=TEST_PRECISION)
+    precision = opts.get("precision")
     res_out, lse = fwd(q, k, v, **lengths, device=TEST_DEVICE, return_lse=True, out=out, **opts)
     r_out, r_lse = rfwd(q, k, v, **lengths, return_lse=True, **opts)
     if out is not None:
         assert res_out is out
     assert res_out.dtype == dtype and res_out.shape == r_out.shape
-    assert_close("out", res_out, r_out, dtype, cond=cond)
-    assert_lse_close(lse, r_lse, dtype, cond)
+    assert_close("out", res_out, r_out, accuracy.product_dtype(dtype, precision), cond=cond)
+    assert_lse_close(lse, r_lse, dtype, cond, precision)
     dead = dead_rows(r_lse, varlen is not None, opts.get("layout", "bshd"))
     assert (res_out[dead] == 0).all(), "out: a row that keeps no key is not exactly 0"
     result = types.SimpleNamespace(out=res_out, lse=lse, ref_out=r_out, ref_lse=r_lse,
@@ -293,7 +300,8 @@ def check_dtensors(res, score_mod, dtype):
     q, k, v, varlen, opts = res.inputs
     opts = dict(opts, score_mod=score_mod)
     extra = accuracy.dtensors_allowance(q, k, v, res.dout, res.out, res.ref_out, varlen, opts)
-    problems = compare_dtensors(res.grads, res.ref_grads, score_mod, dtype, extra=extra)
+    problems = compare_dtensors(res.grads, res.ref_grads, score_mod, dtype, extra=extra,
+                                precision=opts.get("precision"))
     assert not problems, "\n".join(problems)
 
 

@@ -162,12 +162,14 @@ def assert_grads_close(grads: Grads | tuple, expected: Grads, *, q: Any, k: Any,
         ref_out = reference.attention(q, k, v, **keep)
     else:
         ref_out = reference.varlen_attention(q, k, v, **lengths, **keep)
-    problems = accuracy.compare_grads(got, expected, q, k, v, dout, out, ref_out, lengths, keep,
-                                      cond)
+    precision = options.get("precision")       # "tf32": float16's rule (accuracy.product_dtype)
+    problems = accuracy.compare_grads(got, expected, q, k, v, dout, out, ref_out, lengths,
+                                      dict(keep, precision=precision), cond)
     score_mod = keep.get("score_mod")
     if score_mod is not None and expected.dtensors:
         got = got._replace(dtensors={n: to_numpy(x) for n, x in got.dtensors.items()})
         extra = accuracy.dtensors_allowance(q, k, v, dout, out, ref_out, lengths, keep, cond)
-        problems += accuracy.compare_dtensors(got, expected, score_mod, q.dtype, cond, extra)
+        problems += accuracy.compare_dtensors(got, expected, score_mod, q.dtype, cond, extra,
+                                              precision)
     if problems:
         raise AssertionError("\n".join(problems))

@@ -70,6 +70,14 @@ def acc_dtype(dtype):
     return F64 if np.dtype(dtype) == F64 else F32
 
 
+def product_dtype(dtype, precision=None):
+    """The dtype whose rule a result of inputs in `dtype` is held to: dtype itself, or float16
+    for float32 under precision="tf32" (TF32 products carry float16's 10-bit mantissa in float32's
+    range; results are stored in float32, so no rounded-out allowance applies)."""
+    dtype = np.dtype(dtype)
+    return F16 if precision == "tf32" and dtype == F32 else dtype
+
+
 def allowed_error(dtype, scale, floor=0.0, cond=1.0, factor=LOW_FACTOR):
     """The largest |actual - expected| allowed for a result of `dtype` whose reference has
     largest magnitude `scale`; `floor` is the magnitude the float32 round-off is relative to when
@@ -225,6 +233,7 @@ def compare_grads(g, rg, q, k, v, dout, out, ref_out, lengths, opts, cond=1.0, d
     arguments; opts: the shared keyword options (bias included); dbias_cond: cond for dbias
     (default cond). Returns what is wrong, an empty list when everything passes."""
     dtype = np.dtype(q.dtype)
+    rule = product_dtype(dtype, opts.get("precision"))      # float16's for precision="tf32"
     floor = max(float(np.abs(x).max(initial=0.0)) for x in rg[:3])
     allowance = []
 
@@ -244,7 +253,7 @@ def compare_grads(g, rg, q, k, v, dout, out, ref_out, lengths, opts, cond=1.0, d
         if got.shape != np.shape(x) or got.dtype != dtype:
             problems.append(f"{name}: {got.shape} {got.dtype}, expected {np.shape(x)} {dtype}")
         else:
-            problems.append(compare(name, got, want, dtype, floor, ex, cond))
+            problems.append(compare(name, got, want, rule, floor, ex, cond))
     bias = opts.get("bias")
     if bias is None:
         if g.dbias is not None:
@@ -253,21 +262,23 @@ def compare_grads(g, rg, q, k, v, dout, out, ref_out, lengths, opts, cond=1.0, d
         got = (None, None) if g.dbias is None else (g.dbias.shape, g.dbias.dtype)
         problems.append(f"dbias: {got[0]} {got[1]}, expected {np.shape(bias)} {bias.dtype}")
     else:
-        problems.append(compare("dbias", g.dbias, rg.dbias, coarser(dtype, bias.dtype), floor,
+        problems.append(compare("dbias", g.dbias, rg.dbias, coarser(rule, bias.dtype), floor,
                                 extra(2), cond if dbias_cond is None else dbias_cond))
     return [p for p in problems if p]
 
 
-def compare_dtensors(g, rg, score_mod, dtype, cond=1.0, extra=None):
+def compare_dtensors(g, rg, score_mod, dtype, cond=1.0, extra=None, precision=None):
     """The dtensors of a backward (g) against the reference's (rg), as the CPU tests and the fuzzer
     hold them: each float array the traced score_mod reads, in the array's shape
     and dtype, within the allowance of the coarser of q's accumulation dtype and the array's,
     relative to the largest of the reference's dq, dk, dv (an array added to every score of a
     row has gradient 0 up to their round-off); an array the reference names beyond those must
     have a zero gradient. cond: as for dq, dk (fuzz._cond); extra: None, or name -> a function
-    returning a per-element allowance added where that limit is exceeded (dtensors_allowance).
-    Returns what is wrong (an empty list when all agree)."""
+    returning a per-element allowance added where that limit is exceeded (dtensors_allowance);
+    precision: the call's (float16's rule joins for "tf32": product_dtype). Returns what is wrong
+    (an empty list when all agree)."""
     got, want = g.dtensors, rg.dtensors
+    acc = coarser(acc_dtype(dtype), product_dtype(dtype, precision))
     problems = []
     if not set(got) <= set(want):
         problems.append(f"dtensors: {sorted(set(got) - set(want))} are not float arrays the "
@@ -284,7 +295,7 @@ def compare_dtensors(g, rg, score_mod, dtype, cond=1.0, extra=None):
             problems.append(f"dtensors[{name!r}]: {x.shape} {x.dtype}, expected {src.shape} "
                             f"{src.dtype}")
             continue
-        problems.append(compare(f"dtensors[{name!r}]", x, w, coarser(acc_dtype(dtype), src.dtype),
+        problems.append(compare(f"dtensors[{name!r}]", x, w, coarser(acc, src.dtype),
                                 floor, None if extra is None else extra(name), cond))
     return [p for p in problems if p]
 

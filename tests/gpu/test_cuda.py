@@ -190,10 +190,16 @@ _MAIN_GROUPS = ["test_grid", "test_head_dims or test_windows or test_small_grid 
 CPU_SUITE_SHARDS = _MAIN_GROUPS + [" and ".join(f"not ({g})" for g in _MAIN_GROUPS)]
 
 
+@pytest.mark.parametrize("precision", [None, "tf32"], ids=["default", "tf32"])
 @pytest.mark.parametrize("shard", CPU_SUITE_SHARDS, ids=[f"shard{i}" for i in range(len(CPU_SUITE_SHARDS))])
-def test_cpu_suite_on_cuda(shard):
-    """The CPU backend's test file, rerun with device="cuda" (float16/bfloat16 cases)."""
+def test_cpu_suite_on_cuda(shard, precision):
+    """The CPU backend's test file, rerun with device="cuda": its float16, bfloat16 and float32
+    cases at the default precision, and its float32 cases again with precision="tf32" (held to
+    float16's rule: conftest.TEST_PRECISION)."""
     env = dict(os.environ, ATTNEXT_TEST_DEVICE="cuda", PYTHONPATH=pythonpath())
+    if precision is not None:
+        env["ATTNEXT_TEST_PRECISION"] = precision
+        shard = f"f32 and ({shard})"
     try:
         import xdist  # noqa: F401  (the reference's CPU work dominates: spread it over the cores)
         workers = ["-n", str(min(14, os.cpu_count() or 1))]

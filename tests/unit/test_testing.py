@@ -77,6 +77,29 @@ def test_grads_with_a_bias_and_a_captured_table():
         at.assert_grads_close(wrong, rg, q=q, k=k, v=v, dout=dout, out=out, **opts)
 
 
+def test_tf32_precision_is_held_to_float16s_rule():
+    """Gradients of float32 inputs with precision="tf32" in the options are held to float16's
+    rule (TF32's 10-bit mantissa): an error of 2^-12 relative passes there and fails the float32
+    rule; 2^-7 fails both."""
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((1, 40, 2, 16)).astype(np.float32) for _ in range(3))
+    out, lse = attnext.attention(q, k, v, return_lse=True, causal=True)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    rg = attnext.reference.attention_backward(dout, q, k, v, out, lse, causal=True)
+    floor = max(float(np.abs(x).max()) for x in rg[:3])
+    for rel, tf32_ok in ((2.0 ** -12, True), (2.0 ** -7, False)):
+        dk = (rg.dk + rel * floor * np.sign(rg.dk)).astype(np.float32)
+        g = attnext.Grads(rg.dq.astype(np.float32), dk, rg.dv.astype(np.float32), None, {})
+        with pytest.raises(AssertionError, match="dk"):
+            at.assert_grads_close(g, rg, q=q, k=k, v=v, dout=dout, out=out, causal=True)
+        if tf32_ok:
+            at.assert_grads_close(g, rg, q=q, k=k, v=v, dout=dout, out=out, causal=True, precision="tf32")
+        else:
+            with pytest.raises(AssertionError, match="dk"):
+                at.assert_grads_close(g, rg, q=q, k=k, v=v, dout=dout, out=out, causal=True,
+                                      precision="tf32")
+
+
 def test_to_numpy_reads_torch_tensors():
     torch = pytest.importorskip("torch")
     x = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
