@@ -34,7 +34,8 @@ from .. import _C, _env
 from .._layout import DTYPE_CODES, SLOT, KernelCall, dtype_name
 from ..lru import LRU
 from ..mods import bounds, codegen, grad, lower, trace
-from . import arrays as _device, lengths as lengths_check, mod_cache, mod_inputs as mod_arrays, nvrtc, process, select, staging
+from . import arrays as _device, lengths as lengths_check, mod_cache, mod_inputs as mod_arrays, nvrtc, process
+from . import select, staging
 from .devview import DevView
 from .staging import host_result, to_host  # noqa: F401  (api.py's: results, lengths)
 
@@ -477,9 +478,9 @@ def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None):
     score_mod / mask_mod (codegen.Generated) or None."""
     rows = _query_rows(o) if o.varlen else o.Sq
     # the template clamps each key segment to the longest (attn_params.h: max_rows_k)
-    key = ("fwd", device, o.B, o.Sq, o.Sk, rows, _key_rows(o) if o.varlen else o.Sk, o.varlen, getattr(o, "whole_rows", None), o.causal_code,
-           o.window_left, o.window_right, o.softcap_value > 0, (q4.ptr | k4.ptr | v4.ptr) % 16 == 0,
-           _desc(q4), _desc(k4), _desc(v4), _desc(out4), _desc(lse3), _extras_key(o, extra),
+    key = ("fwd", device, o.B, o.Sq, o.Sk, rows, _key_rows(o) if o.varlen else o.Sk, o.varlen,
+           getattr(o, "whole_rows", None), o.causal_code, o.window_left, o.window_right, o.softcap_value > 0,
+           (q4.ptr | k4.ptr | v4.ptr) % 16 == 0, _desc(q4), _desc(k4), _desc(v4), _desc(out4), _desc(lse3), _extras_key(o, extra),
            select.knobs(select.FWD_KNOBS), None if gen is None else gen.source, o.precision)
     plan = _plans.get(key)
     if plan is None:

@@ -8,8 +8,8 @@ device-to-host copy, the check launched before the attention kernels, the grid's
 clamp's bound (attn_params.max_rows_*) from max_seqlen_*, each fault reported once by the next
 call with the array, index and value, and the refusals of what the GPU path cannot read. With
 `-m gpu`: the same calls on torch CUDA tensors against the reference, every fault kind reported,
-and corrupt lengths that touch nothing outside the arrays (run under compute-sanitizer by hand:
-tests/gpu/README or the closing note).
+and corrupt lengths that touch nothing outside the arrays (gpu/test_cuda_sanitize.py runs them
+under compute-sanitizer).
 """
 import numpy as np
 import pytest
