@@ -16,6 +16,10 @@ region). Forward: attnext with return_lse=True, torch under no_grad. Backward:
 attnext.attention_backward from a prior forward's out and lse; torch's autograd.grad on a graph
 built outside the timed region. The reference runs once per row (its backward recomputes the
 forward). torch is optional: without it, its columns read "-".
+
+The header names the SIMD path and the threads attnext runs with, and the machine's float32
+matrix-product rate (NumPy's matmul of 2048^3, `sgemm_gflops`); fwd/sg and bwd/sg are attnext's
+GF/s over it: how close a row runs to what these cores multiply at.
 """
 import argparse
 import json
@@ -39,6 +43,7 @@ VALIDATE_S = 256             # longest sequence of the shrunk problem a big row 
 TOL = 1e-4                   # max |attnext - reference| / max |reference|, per tensor
 BIG_ROW_FLOPS = 2e10         # forward FLOPs above which a row is timed with at most 3 reps
 VARLEN_LENS = (512, 1536, 768, 1280)
+SGEMM_N = 2048               # the machine's rate: NumPy's float32 matmul of SGEMM_N^3
 TORCH_VARLEN_NOTE = "torch runs each sequence separately (one SDPA call per sequence)"
 
 
@@ -197,12 +202,29 @@ def run_case(case, args):
         ax = row[f"attnext_{d}_ms"]
         row[f"torch_over_attnext_{d}"] = _ratio(row[f"torch_{d}_ms"], ax)
         row[f"reference_over_attnext_{d}"] = _ratio(row[f"reference_{d}_ms"], ax)
-        row[f"attnext_{d}_gflops"] = mult * case.flops() / (ax * 1e6)
+        row[f"attnext_{d}_gflops"] = gf = mult * case.flops() / (ax * 1e6)
+        row[f"attnext_{d}_of_sgemm"] = gf / args.sgemm_gflops if args.sgemm_gflops else None
     return row
 
 
 def _ratio(a, b):
     return None if a is None or b is None else a / b
+
+
+def sgemm_gflops(n=SGEMM_N, reps=5):
+    """The machine's float32 matrix-product rate, GFLOP/s: NumPy's matmul (its BLAS, at the BLAS's
+    own thread count) of two n x n float32 matrices, the median of reps runs after one untimed.
+    What the GF/s columns are read against: attention's products are matrix products."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n)).astype(np.float32) for _ in range(2))
+    c = np.empty((n, n), np.float32)
+    np.matmul(a, b, out=c)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.matmul(a, b, out=c)
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n ** 3 / (float(np.median(times)) * 1e9)
 
 
 # --- score_mod against its built-in twin --------------------------------------------------------
@@ -277,7 +299,8 @@ COLUMNS = [("case", "case", 35), ("attnext_fwd_ms", "fwd ms", 9), ("torch_fwd_ms
            ("reference_over_attnext_fwd", "ref/ax", 7), ("attnext_bwd_ms", "bwd ms", 9),
            ("torch_bwd_ms", "torch", 9), ("torch_over_attnext_bwd", "t/ax", 6),
            ("reference_bwd_ms", "ref", 9), ("reference_over_attnext_bwd", "ref/ax", 7),
-           ("attnext_fwd_gflops", "GF/s fwd", 9), ("attnext_bwd_gflops", "GF/s bwd", 9)]
+           ("attnext_fwd_gflops", "GF/s fwd", 9), ("attnext_bwd_gflops", "GF/s bwd", 9),
+           ("attnext_fwd_of_sgemm", "fwd/sg", 7), ("attnext_bwd_of_sgemm", "bwd/sg", 7)]
 
 
 def _cell(x):
@@ -296,11 +319,13 @@ def _format_row(row):
                     + [f"{_cell(row[key]):>{w}}" for key, _, w in COLUMNS[1:]])
 
 
-def _header(threads, ref_max_s):
+def _header(threads, ref_max_s, sgemm):
     cpu = attnext.info()["backends"]["cpu"]
     env = _env.get("ATTNEXT_NUM_THREADS") or "unset"
     lines = [f"attnext {attnext.__version__} CPU backend: {cpu}; threads {threads} "
-             f"(ATTNEXT_NUM_THREADS={env}, OpenMP default {attnext._C.openmp_threads()})"]
+             f"(ATTNEXT_NUM_THREADS={env}, OpenMP default {attnext._C.openmp_threads()})",
+             f"the machine: NumPy's float32 matmul ({SGEMM_N}^3, its BLAS's threads) runs at "
+             f"{sgemm:.1f} GFLOP/s; fwd/sg, bwd/sg = attnext's GF/s over that rate"]
     if torch is not None:
         torch.set_num_threads(threads)
         lines.append(f"torch {torch.__version__} CPU SDPA, torch.set_num_threads({threads}) "
@@ -356,7 +381,8 @@ def main(argv=None):
     """The CPU table (`python -m attnext.bench [--device cpu]`); exit status 1 when a row failed."""
     args = parser().parse_args(argv)
     threads = int(_env.get("ATTNEXT_NUM_THREADS") or attnext._C.openmp_threads() or 1)
-    header = _header(threads, args.reference_max_s)
+    args.sgemm_gflops = sgemm_gflops(SGEMM_N // 4 if args.quick else SGEMM_N)
+    header = _header(threads, args.reference_max_s, args.sgemm_gflops)
     print("\n".join(header))
     print(" ".join(f"{title:<{w}}" if key == "case" else f"{title:>{w}}"
                    for key, title, w in COLUMNS), flush=True)
@@ -382,5 +408,6 @@ def main(argv=None):
         print(_format_mod_row(mod_rows[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"header": header, "rows": rows, "score_mod_rows": mod_rows}, f, indent=1)
+            json.dump({"header": header, "sgemm_gflops": args.sgemm_gflops, "rows": rows,
+                       "score_mod_rows": mod_rows}, f, indent=1)
     return 1 if any("error" in r for r in rows + mod_rows) else 0

@@ -117,7 +117,7 @@ def _problem(sq, sk, causal_code, window, varlen=None):
     cu_k = None if varlen is None else np.asarray(varlen[1], np.int32)
     return types.SimpleNamespace(Sq=sq, Sk=sk, causal_code=causal_code, window_left=window[0],
                                  window_right=window[1], varlen=varlen is not None, cu_q=cu, cu_k=cu_k,
-                                 used_q=None, used_k=None)
+                                 used_q=None, used_k=None, device_lengths=False)
 
 
 def test_lowering_keeps_the_kept_pairs():
@@ -183,7 +183,8 @@ def test_lowering_needs_one_diagonal():
 
 
 def _doc_problem(**kw):
-    o = dict(varlen=False, B=1, Sq=60, Sk=60, used_q=None, used_k=None, bias4=None, mask4=None, alibi=None)
+    o = dict(varlen=False, B=1, Sq=60, Sk=60, used_q=None, used_k=None, bias4=None, mask4=None, alibi=None,
+             device_lengths=False)
     o.update(kw)
     return types.SimpleNamespace(**o)
 

@@ -31,13 +31,18 @@ def test_quick_bench_writes_valid_rows(tmp_path):
                            "--json", str(path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "FAIL" not in proc.stdout
-    rows = json.loads(path.read_text())["rows"]
+    table = json.loads(path.read_text())
+    rows, sgemm = table["rows"], table["sgemm_gflops"]
     assert len(rows) >= 3 and any(r["seqlens"] for r in rows)
+    assert _positive(sgemm) and f"runs at {sgemm:.1f} GFLOP/s" in proc.stdout
+    assert "SIMD" in table["header"][0] and "threads" in table["header"][0]
     for row in rows:
         assert KEYS <= row.keys(), KEYS - row.keys()
         assert "error" not in row
         for key in TIMED + ("attnext_fwd_gflops", "attnext_bwd_gflops"):
             assert _positive(row[key]), (row["case"], key, row[key])
+        for d in ("fwd", "bwd"):       # the share of the machine's sgemm rate
+            assert row[f"attnext_{d}_of_sgemm"] == pytest.approx(row[f"attnext_{d}_gflops"] / sgemm)
         torch_ran = row["torch_fwd_ms"] is not None
         for key in ("torch_fwd_ms", "torch_bwd_ms", "torch_over_attnext_fwd",
                     "torch_over_attnext_bwd"):

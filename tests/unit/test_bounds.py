@@ -194,5 +194,5 @@ def test_cuda_facts_prove_lookups_over_lengths_rounded_to_the_tile_edge():
     for sq, want in ((2 * edge, 0), (2 * edge - 60, bounds.CHECKED), (2 * edge + 1, bounds.CHECKED)):
         doc = np.zeros(sq, np.int64)
         t = trace.trace_mask_mod(lambda b, h, q, k: doc[q] == doc[k])
-        o = SimpleNamespace(B=1, Hq=2, varlen=False, Sq=sq, Sk=sq)
+        o = SimpleNamespace(B=1, Hq=2, varlen=False, Sq=sq, Sk=sq, device_lengths=False)
         assert cuda_backend._facts(o, None, t, [], []).mask == (want, want), sq
