@@ -540,6 +540,9 @@ def varlen_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Ar
 # The caches of compiled score_mod / mask_mod programs, by backend: name -> function returning
 # a dict with at least hits, misses, compiles and compile_seconds ("cuda": the generated
 # sources; NVRTC's cubins are nvrtc.cache_info()).
+# what info() says of a build without OpenMP (setup.py's message says the same at build time)
+_ONE_THREAD = ("no OpenMP: one thread; for threads build again with OpenMP (Apple's clang: brew "
+               "install libomp)")
 _PROGRAM_CACHES = {"cpu": interp.cache_info, "cuda": codegen.cache_info}
 
 
@@ -580,7 +583,7 @@ def info() -> dict[str, Any]:
         "backends": {
             "reference": "usable",
             "cpu": f"usable ({_C.simd()} SIMD, "
-                   f"{'OpenMP, %d threads' % _C.openmp_threads() if _C.openmp_threads() else 'no OpenMP: serial'})",
+                   f"{'OpenMP, %d threads' % _C.openmp_threads() if _C.openmp_threads() else _ONE_THREAD})",
             "cuda": "usable (float16, bfloat16, float32)" if not why else f"unavailable: {why}",
         },
         "score_mod": "on the GPU (CUDA arrays, or host arrays the call runs there): generated CUDA "
