@@ -484,13 +484,16 @@ def _device_lengths(o, lengths, max_seqlen_q, max_seqlen_k):
     if not o.on_gpu or max_seqlen_q is None or max_seqlen_k is None:
         return False
     first = lengths["cu_seqlens_q"]
-    if not may_be_device_array(first) or _cuda_view("cu_seqlens_q", first) is None:
+    views = {"cu_seqlens_q": _cuda_view("cu_seqlens_q", first) if may_be_device_array(first) else None}
+    if views["cu_seqlens_q"] is None:
         return False
     how = ("cu_seqlens_q is a CUDA array and max_seqlen_* are given, so the lengths are read on "
            "the GPU without a synchronisation")
-    views = {}
     for name, x in lengths.items():
-        dv = None if x is None or not may_be_device_array(x) else _cuda_view(name, x)
+        if name in views:
+            dv = views[name]
+        else:
+            dv = None if x is None or not may_be_device_array(x) else _cuda_view(name, x)
         if x is not None and dv is None:
             raise TypeError(f"{name} is a host array but {how}: pass every lengths array as a CUDA "
                             f"array, or leave max_seqlen_* out to have them read and checked on the "
