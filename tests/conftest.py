@@ -87,14 +87,29 @@ def rng(request):
     return np.random.default_rng(seed_of(request.node.nodeid))
 
 
-@pytest.fixture
-def gpu():
-    """The ordinal of a usable GPU (0), or the test is skipped with why CUDA is unavailable."""
+def _why_no_gpu():
+    """"" where CUDA loads, else why not (the driver's or NVRTC's message)."""
     try:
         _C.cuda_load()
     except RuntimeError as e:
-        pytest.skip(str(e))
+        return str(e)
+    return ""
+
+
+@pytest.fixture
+def gpu():
+    """The ordinal of a usable GPU (0), or the test is skipped with why CUDA is unavailable."""
+    why = _why_no_gpu()
+    if why:
+        pytest.skip(why)
     return 0
+
+
+def pytest_runtest_setup(item):
+    """`-m gpu` on a machine without a usable GPU skips the gpu-marked tests, saying why, rather
+    than failing each one on its first CUDA call."""
+    if item.get_closest_marker("gpu") is not None and (why := _why_no_gpu()):
+        pytest.skip(f"no usable GPU: {why}")
 
 
 @pytest.fixture(scope="module")
