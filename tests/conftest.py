@@ -88,7 +88,7 @@ def rng(request):
 
 
 def _why_no_gpu():
-    """"" where CUDA loads, else why not (the driver's or NVRTC's message)."""
+    """Why CUDA does not load here (the driver's message), or "" where it does."""
     try:
         _C.cuda_load()
     except RuntimeError as e:
