@@ -21,6 +21,8 @@ from helpers.driver import run_on_fake
 from helpers.fake_arrays import FAKE_ARRAYS
 
 BODY = FAKE_ARRAYS + r"""
+import re
+
 T = 300
 qv, kv_, vv = dev((T, 2, 64)), dev((T, 2, 64)), dev((T, 2, 64))
 
@@ -67,7 +69,6 @@ for (cq, ck, more), message in faults:
     try:
         attnext.varlen_attention(qv, kv_, vv, good, good, max_seqlen_q=160, max_seqlen_k=170)
     except ValueError as e:
-        import re
         assert re.search(message, str(e)) and "earlier varlen call on cuda:0" in str(e), (message, str(e))
     else:
         raise AssertionError(f"no ValueError for {message}")
@@ -99,7 +100,6 @@ for change, kind, message in refusals:
     try:
         attnext.varlen_attention(qv, kv_, vv, **args)
     except kind as e:
-        import re
         assert re.search(message, str(e)), (message, str(e))
     else:
         raise AssertionError(f"no {kind.__name__} for {change}")

@@ -6,6 +6,9 @@ import os
 import stat
 import sys
 
+import pytest
+
+from attnext import _C
 from helpers.paths import ROOT
 
 
@@ -37,8 +40,6 @@ def _fake_clang(tmp_path, accepts):
 
 def test_this_compiler_takes_fopenmp():
     """The build here has OpenMP (attnext.info() says which it got): -fopenmp, as detected."""
-    import pytest
-    from attnext import _C
     if not _C.openmp_threads():
         pytest.skip("this build has no OpenMP")
     ns = _setup_functions()
