@@ -34,6 +34,16 @@ Gradients need two more terms, both from honest sources of error, not slack:
   limit above is exceeded, and it is the whole error where the exact gradient is 0, e.g. the
   dbias of a bias constant along the keys (the softmax ignores such a bias).
 
+* Single-pass TF32 (float32 with precision="tf32"). The tensor cores round every operand to
+  TF32 (float16's 10-bit mantissa): unlike a float16 input, a float32 one is not exact there, so
+  the scores move by eps |q| . |k| * scale, dP by eps |dout| . |v|, and the rounded P, V, dS and K
+  by eps of themselves. `tf32_out_allowance` and `rounded_out_allowance(precision="tf32")` carry
+  these to out, dq, dk and dbias, to first order, LOW_FACTOR times the root of the sum of their
+  squares (the roundings are independent; eps = float16's). dP's rounding matters most where dS
+  cancels: with one key per row dq = dk = 0 exactly, but the kernel's dP and delta = dout . out
+  differ by it. An emulated TF32 attention sits at 0.1-0.3 of this bound, one rounding to 6
+  mantissa bits (16x coarser) past it (tests/unit/test_testing.py).
+
 A gradient computed at q's dtype but stored in a finer one (a float32 dbias for float16 q) gets
 the coarser dtype's allowance. lse is float32 for float16 / bfloat16 / float32 inputs and is
 computed from exact inputs in float32, so it is held to the float32 allowance whatever q's dtype.
@@ -166,13 +176,12 @@ def sum_to_bias_shape(full, bias_shape):
     return full.sum(axis=axes, keepdims=True).reshape(bias_shape)
 
 
-def rounded_out_allowance(q, k, v, dout, out, ref_out, lengths, opts):
-    """Per-element bounds (dq, dk, dbias) on how far an exact backward that reads the forward's
-    rounded `out` lands from the float64 gradients (module docstring). lengths: None for
-    attention(), else varlen_attention's length arguments."""
+def _probabilities(q, k, lengths, opts):
+    """The reference's softmax probabilities P, canonical (b, h, i, j): attention of v = the
+    identity over the keys. lengths: None for attention(), else varlen_attention's length
+    arguments."""
     layout = opts.get("layout", "bshd")
     is_varlen = lengths is not None
-    lengths = dict(lengths or {})
     sk = k.shape[0] if is_varlen else (k.shape[1] if layout == "bshd" else k.shape[2])
     eye = np.eye(sk)
     if is_varlen:
@@ -181,17 +190,57 @@ def rounded_out_allowance(q, k, v, dout, out, ref_out, lengths, opts):
     else:
         eye4 = eye[None, :, None, :] if layout == "bshd" else eye[None, None]
         p = reference.attention(q, k, np.broadcast_to(eye4, k.shape[:3] + (sk,)), **opts)
-    p = canonical(p, is_varlen, layout)
+    return canonical(p, is_varlen, layout)
+
+
+def _softmax_scale(q, opts):
+    scale = opts.get("scale")
+    return abs(1 / np.sqrt(q.shape[-1]) if scale is None else float(scale))
+
+
+def _product_rounding(a, b):
+    """TF32's rounding of the products a_i . b_j (both operands rounded to TF32, independently):
+    u sqrt(2 sum_d (a_id b_jd)^2), u its unit roundoff."""
+    return 0.5 * EPS[F16] * np.sqrt(2 * np.einsum("bhid,bhjd->bhij", a ** 2, b ** 2))
+
+
+def tf32_out_allowance(q, k, v, lengths, opts):
+    """Per-element bound on how far a single-pass TF32 forward's out lands from the float64 one
+    (module docstring): the scores' rounding through the softmax (P_ij dS_ij (v_j - out_i)) and
+    P's and V's own rounding (u sqrt(2) P_ij v_j), the roundings independent: LOW_FACTOR times
+    the root of their sum of squares."""
+    is_varlen, layout = lengths is not None, opts.get("layout", "bshd")
+    p = _probabilities(q, k, lengths, opts)
+    qc, kc, vc = (canonical(np.asarray(x, np.float64), is_varlen, layout) for x in (q, k, v))
+    group = qc.shape[1] // kc.shape[1]
+    kg, vg = np.repeat(kc, group, axis=1), np.repeat(vc, group, axis=1)
+    ps = p * _product_rounding(qc, kg) * _softmax_scale(q, opts)
+    out = np.einsum("bhij,bhjd->bhid", p, vg)
+    # sum_j (ps_ij (v_jd - out_id))^2, expanded so that no (b, h, i, j, d) array is formed
+    scores = (np.einsum("bhij,bhjd->bhid", ps ** 2, vg ** 2)
+              - 2 * out * np.einsum("bhij,bhjd->bhid", ps ** 2, vg)
+              + out ** 2 * (ps ** 2).sum(axis=-1, keepdims=True))
+    products = 0.5 * EPS[F16] ** 2 * np.einsum("bhij,bhjd->bhid", p ** 2, vg ** 2)
+    bound = LOW_FACTOR * np.sqrt(np.maximum(scores, 0) + products)
+    return from_canonical(bound, is_varlen, layout)
+
+
+def rounded_out_allowance(q, k, v, dout, out, ref_out, lengths, opts, precision=None):
+    """Per-element bounds (dq, dk, dbias, dv) on how far an exact backward that reads the
+    forward's rounded `out` lands from the float64 gradients, with single-pass TF32's roundings
+    where precision="tf32" (module docstring); dbias None without a bias, dv None but for TF32. lengths: None for attention(), else varlen_attention's
+    length arguments."""
+    layout = opts.get("layout", "bshd")
+    is_varlen = lengths is not None
+    lengths = dict(lengths or {})
+    p = _probabilities(q, k, lengths if is_varlen else None, opts)
     qc, kc = (np.abs(canonical(np.asarray(x, np.float64), is_varlen, layout)) for x in (q, k))
     e = np.abs(np.sum(canonical(np.asarray(dout, np.float64), is_varlen, layout)
                       * (canonical(np.asarray(out, np.float64), is_varlen, layout)
                          - canonical(ref_out, is_varlen, layout)), axis=-1))
     group = qc.shape[1] // kc.shape[1]
-    scale = opts.get("scale")
-    scale = abs(1 / np.sqrt(q.shape[-1]) if scale is None else float(scale))
+    scale = _softmax_scale(q, opts)
     kg = np.repeat(kc, group, axis=1)
-    a_dq = scale * e[..., None] * np.einsum("bhij,bhjd->bhid", p, kg)
-    a_dk = scale * np.einsum("bhij,bhid->bhjd", p, e[..., None] * qc)
     # tensor-core products take 16-bit operands: dS (and the P it comes from) rounded to q's
     # dtype before dS K and dS^T Q, each term dS_j k_j off by up to eps |dS_j k_j|, however much
     # the terms cancel (keys all alike: dq exactly 0). The roundings are independent, so their
@@ -200,16 +249,34 @@ def rounded_out_allowance(q, k, v, dout, out, ref_out, lengths, opts):
     vg = np.repeat(canonical(np.asarray(v, np.float64), is_varlen, layout), group, axis=1)
     do = canonical(np.asarray(dout, np.float64), is_varlen, layout)
     delta = np.sum(do * canonical(ref_out, is_varlen, layout), axis=-1)
-    ds2 = (p * (np.einsum("bhid,bhjd->bhij", do, vg) - delta[..., None])) ** 2
-    rounding = LOW_FACTOR * EPS[np.dtype(q.dtype)] * scale
-    a_dq = a_dq + rounding * np.sqrt(np.einsum("bhij,bhjd->bhid", ds2, kg ** 2))
-    a_dk = a_dk + rounding * np.sqrt(np.einsum("bhij,bhid->bhjd", ds2, qc ** 2))
+    dp_delta = np.einsum("bhid,bhjd->bhij", do, vg) - delta[..., None]
+    ds2 = (p * dp_delta) ** 2
+    tf32 = precision == "tf32" and np.dtype(q.dtype) == F32
+    eps = EPS[F16 if tf32 else np.dtype(q.dtype)]
+    # the independent roundings of each dS_ij (squared): dS's own; for TF32 also the scores'
+    # (which move P) and dP's (dout . v from rounded operands), which the cancellation in
+    # dP - delta leaves whole
+    moved2 = 0.0        # the dS error that dbias (summed from unrounded dS) sees too
+    if tf32:
+        moved2 = ((p * _product_rounding(qc, kg) * scale * dp_delta) ** 2
+                  + (p * _product_rounding(do, vg)) ** 2)
+    ds2 = eps ** 2 * ds2 + moved2
+    a_dq = scale * e[..., None] * np.einsum("bhij,bhjd->bhid", p, kg)
+    a_dk = scale * np.einsum("bhij,bhid->bhjd", p, e[..., None] * qc)
+    a_dq = a_dq + LOW_FACTOR * scale * np.sqrt(np.einsum("bhij,bhjd->bhid", ds2, kg ** 2))
+    a_dk = a_dk + LOW_FACTOR * scale * np.sqrt(np.einsum("bhij,bhid->bhjd", ds2, qc ** 2))
     a_dk = a_dk.reshape(kc.shape[0], kc.shape[1], group, *kc.shape[2:]).sum(axis=2)
+    a_dv = None
+    if tf32:    # dv = P^T dout from rounded operands, P moved by the scores' rounding
+        pt2 = (p ** 2 * (0.5 * EPS[F16] ** 2 + (_product_rounding(qc, kg) * scale) ** 2))
+        a_dv = LOW_FACTOR * np.sqrt(np.einsum("bhij,bhid->bhjd", pt2, do ** 2))
+        a_dv = from_canonical(np.sqrt((a_dv.reshape(kc.shape[0], kc.shape[1], group, *a_dv.shape[2:])
+                                       ** 2).sum(axis=2)), is_varlen, layout)
     a_dq, a_dk = (from_canonical(x, is_varlen, layout) for x in (a_dq, a_dk))
     bias = opts.get("bias")
     if bias is None:
-        return a_dq, a_dk, None
-    pe = p * e[..., None]
+        return a_dq, a_dk, None, a_dv
+    pe = p * e[..., None] + LOW_FACTOR * np.sqrt(moved2)
     if is_varlen:
         cu_q, cu_k = (np.asarray(lengths[n]) for n in ("cu_seqlens_q", "cu_seqlens_k"))
         lq = np.diff(cu_q) if lengths.get("seqused_q") is None else np.asarray(lengths["seqused_q"])
@@ -220,7 +287,7 @@ def rounded_out_allowance(q, k, v, dout, out, ref_out, lengths, opts):
         for b in range(len(lq)):
             full[b, :, :lq[b], :lk[b]] = pe[0, :, cu_q[b]:cu_q[b] + lq[b], cu_k[b]:cu_k[b] + lk[b]]
         pe = full
-    return a_dq, a_dk, sum_to_bias_shape(pe, np.shape(bias))
+    return a_dq, a_dk, sum_to_bias_shape(pe, np.shape(bias)), a_dv
 
 
 # --- score_mods and mask_mods (after tests/helpers/mods.py) -------------------------------------
@@ -228,28 +295,30 @@ def rounded_out_allowance(q, k, v, dout, out, ref_out, lengths, opts):
 
 def compare_grads(g, rg, q, k, v, dout, out, ref_out, lengths, opts, cond=1.0, dbias_cond=None):
     """The checks of a backward's dq, dk, dv and dbias (shapes, dtypes, values) against the
-    reference's gradients rg, with the rounded-out allowance for float16 / bfloat16 (computed
-    once, only when the plain limit is exceeded). lengths: None, or varlen_attention's length
+    reference's gradients rg, with the rounded-out allowance for float16 / bfloat16 and for
+    precision="tf32" (computed once, only when the plain limit is exceeded). lengths: None, or varlen_attention's length
     arguments; opts: the shared keyword options (bias included); dbias_cond: cond for dbias
     (default cond). Returns what is wrong, an empty list when everything passes."""
     dtype = np.dtype(q.dtype)
-    rule = product_dtype(dtype, opts.get("precision"))      # float16's for precision="tf32"
+    precision = opts.get("precision")
+    rule = product_dtype(dtype, precision)      # float16's for precision="tf32"
     floor = max(float(np.abs(x).max(initial=0.0)) for x in rg[:3])
     allowance = []
 
     def extra(i):
-        if dtype not in (F16, BF16):
+        if rule not in (F16, BF16) or (i == 3 and rule == dtype):
             return None
 
         def get():
             if not allowance:
-                allowance.extend(rounded_out_allowance(q, k, v, dout, out, ref_out, lengths, opts))
+                allowance.extend(rounded_out_allowance(q, k, v, dout, out, ref_out, lengths, opts,
+                                                       precision))
             return allowance[i]
         return get
 
     problems = []
     for name, got, want, x, ex in (("dq", g.dq, rg.dq, q, extra(0)), ("dk", g.dk, rg.dk, k, extra(1)),
-                                   ("dv", g.dv, rg.dv, v, None)):
+                                   ("dv", g.dv, rg.dv, v, extra(3))):
         if got.shape != np.shape(x) or got.dtype != dtype:
             problems.append(f"{name}: {got.shape} {got.dtype}, expected {np.shape(x)} {dtype}")
         else:

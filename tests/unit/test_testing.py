@@ -105,3 +105,54 @@ def test_to_numpy_reads_torch_tensors():
     x = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
     got = at.to_numpy(x)
     assert got.dtype == BF16 and got.astype(np.float32).tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def _rounded(x, bits):
+    """x rounded to `bits` explicit mantissa bits, ties away (cvt.rna: TF32 at 10)."""
+    b = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    shift = 23 - bits
+    return (((b + (1 << (shift - 1))) >> shift) << shift).astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def _emulated_attention(q, k, v, dout, bits, causal):
+    """A tensor-core attention whose products take operands rounded to `bits` (bshd, MHA): out
+    and the gradients as a GPU kernel forms them (delta = dout . out from the stored out)."""
+    qh, kh, vh, dh = (np.asarray(x, np.float64).transpose(0, 2, 1, 3) for x in (q, k, v, dout))
+    r = lambda x: _rounded(x, bits)  # noqa: E731
+    scale = 1 / np.sqrt(q.shape[-1])
+    s = r(qh) @ r(kh).swapaxes(-1, -2) * scale
+    if causal:
+        sq, sk = s.shape[-2:]
+        s = np.where(np.arange(sk)[None, :] > np.arange(sq)[:, None] + sk - sq, -np.inf, s)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = (r(p) @ r(vh)).astype(np.float32).astype(np.float64)
+    ds = p * (r(dh) @ r(vh).swapaxes(-1, -2) - (dh * out).sum(-1, keepdims=True))
+    back = lambda x: x.transpose(0, 2, 1, 3).astype(np.float32)  # noqa: E731
+    grads = attnext.Grads(back(r(ds) @ r(kh) * scale), back(r(ds).swapaxes(-1, -2) @ r(qh) * scale),
+                          back(r(p).swapaxes(-1, -2) @ r(dh)), None, {})
+    return back(out), grads
+
+
+@pytest.mark.parametrize("sq, sk, d, causal", [(1, 1, 40, False), (239, 1, 40, False), (113, 203, 1, True),
+                                              (64, 64, 64, True), (200, 300, 40, False)])
+def test_the_tf32_rule_passes_tf32_and_fails_a_coarser_product(sq, sk, d, causal):
+    """precision="tf32" is held to float16's rule plus the effect of rounding float32 operands
+    (accuracy.tf32_out_allowance, rounded_out_allowance(precision="tf32")): an attention whose
+    products round to TF32 passes, one that rounds them to 6 mantissa bits (16x coarser) does not."""
+    from attnext.testing import accuracy
+    rng = np.random.default_rng()
+    q, k, v = (rng.standard_normal((2, n, 3, d)).astype(np.float32) for n in (sq, sk, sk))
+    dout = rng.standard_normal((2, sq, 3, d)).astype(np.float32)
+    opts = dict(causal=causal, precision="tf32")
+    ref_out, ref_lse = attnext.reference.attention(q, k, v, causal=causal, return_lse=True)
+
+    def problems(bits):
+        out, g = _emulated_attention(q, k, v, dout, bits, causal)
+        rg = attnext.reference.attention_backward(dout, q, k, v, out, ref_lse, causal=causal)
+        found = [accuracy.compare("out", out, ref_out, accuracy.F16,
+                                  extra=lambda: accuracy.tf32_out_allowance(q, k, v, None, opts))]
+        return [p for p in found if p] + accuracy.compare_grads(g, rg, q, k, v, dout, out, ref_out,
+                                                                 None, opts)
+    assert not problems(10)
+    assert problems(6)
