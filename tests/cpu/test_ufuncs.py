@@ -407,6 +407,19 @@ def test_integer_operands_and_specials_cuda(dtype, rng, torch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("c", [30.0, -7.5, 0.05, 3e30], ids=["30", "neg", "small", "huge"])
+def test_division_cuda(c, dtype, rng, torch):
+    """The generated code's division (attn_mods.cuh: mod_fdiv, by a reciprocal and one FMA step)
+    against the reference, forward and backward: by a captured constant (scores from 1e-30 to
+    about 100), by a table's elements of either sign, and into a constant by an index."""
+    q, k, v = make_qkv(rng, 2, 13, S, H, 2, 64, 64, dtype)
+    table = (rng.uniform(0.5, 4.0, (H, S)) * rng.choice([-1.0, 1.0], (H, S))).astype(np.float32)
+    run_gpu(torch, q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s / c)
+    run_gpu(torch, q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s / table[h, kv_idx] + 1.0 / (1 + kv_idx))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(mask_mods_of(None)))
 def test_mask_mod_cuda(name, rng, torch):
     """The generated mask and its cells (mod_mask_cell) over 150 x 150 pairs."""
