@@ -146,7 +146,10 @@ def assert_grads_close(grads: Grads | tuple, expected: Grads, *, q: Any, k: Any,
     dq, dk and dbias are held relative to the largest of the reference's dq, dk, dv (the
     softmax's gradient cancels, so round-off scales with dP, not with the result); for float16 /
     bfloat16 the allowance grows by the rounding of P and dS to 16 bits before the products and
-    by the effect of the rounded out. dtensors (a score_mod's captured float arrays) are checked
+    by the effect of the rounded out; with options' precision="tf32", float32 is held to
+    float16's rule plus TF32's rounding of its operands (`accuracy.rounded_out_allowance`; for
+    out, pass `extra=lambda: accuracy.tf32_out_allowance(q, k, v, lengths, options)` to
+    assert_close). dtensors (a score_mod's captured float arrays) are checked
     when `options` has the score_mod and expected has any, relative to the largest dq, dk, dv,
     with the rounded out's effect and the round-off of their sums over pairs allowed (a central
     difference of the reference's lse per array element: computed only when needed).
