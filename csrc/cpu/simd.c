@@ -13,16 +13,16 @@
 /* a variant may replace a generic function with a hand-written one (softmax_avx512.c) */
 #define UNUSED __attribute__((unused))
 
-/* 2^x for x <= 0, float: split x = i + f with |f| <= 1/2, 2^f by its Taylor series to degree 7
- * (relative error < 1e-8, below float's rounding), 2^i through the exponent bits. Results under
- * float's normal range flush to 0, so exp2(-inf) = 0 exactly as masked scores need. */
+/* 2^x for x <= 0, float: split x = i + f with |f| <= 1/2, 2^f by simd.h's polynomial, 2^i
+ * through the exponent bits. Results under float's normal range flush to 0, so exp2(-inf) = 0
+ * exactly as masked scores need. */
 static inline __attribute__((always_inline)) float exp2_f32(float x)
 {
     float xc = x < LOG2_MIN_NORMAL_F32 ? LOG2_MIN_NORMAL_F32 : (x > 127.0f ? 127.0f : x);
     float r = rintf(xc);
-    float f = (xc - r) * SIMD_LN2_F32;
-    float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120
-              + f * (1.0f / 720 + f * (1.0f / 5040)))))));
+    float f = xc - r;
+    float p = 1.0f + f * (SIMD_EXP2_C1 + f * (SIMD_EXP2_C2 + f * (SIMD_EXP2_C3 + f * (SIMD_EXP2_C4
+              + f * (SIMD_EXP2_C5 + f * (SIMD_EXP2_C6 + f * SIMD_EXP2_C7))))));
     int32_t bits = ((int32_t)r + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
@@ -160,15 +160,20 @@ DEFINE_VARIANT(f64_portable, , double, vf64_128, 2, 4, 2, exp2_f64)
 static const simd_ops_f32 ops_f32_portable = OPS(float, f32_portable, "portable");
 static const simd_ops_f64 ops_f64_portable = OPS(double, f64_portable, "portable");
 #ifdef HAVE_X86_VARIANTS
-/* softmax_avx512.c: the float32 softmax passes written with AVX-512 intrinsics */
-void softmax_cols_f32_avx512x(int n, int cols, int64_t ld, float *St, float scale, float *m,
-                              float *l, float *alpha);
-void exp_rows_f32_avx512x(int rows, int n, int64_t ld, float *S, float scale, const float *m,
-                          const float *z);
+/* softmax_avx512.c, softmax_avx2.c: the float32 softmax passes written with intrinsics
+ * (softmax_simd.h) */
+#define DECLARE_SOFTMAX_F32(SUF)                                                                   \
+    void softmax_cols_f32_##SUF(int n, int cols, int64_t ld, float *St, float scale, float *m,    \
+                                float *l, float *alpha);                                          \
+    void exp_rows_f32_##SUF(int rows, int n, int64_t ld, float *S, float scale, const float *m,   \
+                            const float *z);
+DECLARE_SOFTMAX_F32(avx512x)
+DECLARE_SOFTMAX_F32(avx2x)
 static const simd_ops_f32 ops_f32_avx512 = {"avx512", gemm_f32_avx512, gemm_tn_f32_avx512,
                                             softmax_cols_f32_avx512x, exp_rows_f32_avx512x};
 static const simd_ops_f64 ops_f64_avx512 = OPS(double, f64_avx512, "avx512");
-static const simd_ops_f32 ops_f32_avx2 = OPS(float, f32_avx2, "avx2");
+static const simd_ops_f32 ops_f32_avx2 = {"avx2", gemm_f32_avx2, gemm_tn_f32_avx2,
+                                          softmax_cols_f32_avx2x, exp_rows_f32_avx2x};
 static const simd_ops_f64 ops_f64_avx2 = OPS(double, f64_avx2, "avx2");
 #endif
 

@@ -1,0 +1,100 @@
+/* The float32 softmax passes (simd.h's softmax_cols and exp_rows) written once for every
+ * instruction set that has hand-written ones: softmax_avx512.c, softmax_avx2.c and softmax_neon.c
+ * each define the vector operations below and include this file, which defines
+ * softmax_cols_f32_<SOFTMAX_SUF> and exp_rows_f32_<SOFTMAX_SUF> (simd.c puts them in its tables).
+ *
+ * What an includer defines, for a vector V of VL floats:
+ *   SOFTMAX_TARGET, SOFTMAX_SUF        the functions' target attribute and name suffix
+ *   V_SET1(x) V_ZERO V_LOAD(p) V_STORE(p, v)
+ *   V_ADD V_SUB V_MUL (a, b); V_FMADD(a, b, c) = a b + c; V_FMSUB(a, b, c) = a b - c
+ *   V_MAX(a, b)            the larger (which of a NaN and a number: as the instruction set does)
+ *   V_NEG_INF_TO_ZERO(v)   v with its -inf lanes 0
+ *   V_LOAD_N(p, n), V_STORE_N(p, v, n)   the first n < VL lanes, touching no memory past them
+ * and, after including it, exp2_v (below).
+ */
+#include <math.h>
+#include <string.h>
+
+#include "simd.h"
+
+#define SOFTMAX_CAT_(a, b) a##_##b
+#define SOFTMAX_CAT(a, b) SOFTMAX_CAT_(a, b)
+#define SOFTMAX_FN(name) SOFTMAX_CAT(name, SOFTMAX_SUF)
+
+/* 2^f for |f| <= 1/2: simd.h's polynomial, by Horner's rule (fewest operations: the passes are
+ * bound by their throughput, and Estrin's shorter chain measured slower). */
+SOFTMAX_TARGET static inline V exp2_poly(V f)
+{
+    V p = V_SET1(SIMD_EXP2_C7);
+    p = V_FMADD(p, f, V_SET1(SIMD_EXP2_C6));
+    p = V_FMADD(p, f, V_SET1(SIMD_EXP2_C5));
+    p = V_FMADD(p, f, V_SET1(SIMD_EXP2_C4));
+    p = V_FMADD(p, f, V_SET1(SIMD_EXP2_C3));
+    p = V_FMADD(p, f, V_SET1(SIMD_EXP2_C2));
+    p = V_FMADD(p, f, V_SET1(SIMD_EXP2_C1));
+    return V_FMADD(p, f, V_SET1(1.0f));
+}
+
+/* 2^x for x <= 0 and for -inf (-> 0); NaN stays NaN: x = r + f with r = round(x), 2^f by
+ * exp2_poly, 2^r as the instruction set does it best. Defined by the includer, after this file. */
+SOFTMAX_TARGET static inline V exp2_v(V x);
+
+/* simd.h's softmax_cols, VL queries at a time (cols is a multiple of SIMD_N_ALIGN, of VL). */
+SOFTMAX_TARGET void SOFTMAX_FN(softmax_cols_f32)(int n, int cols, int64_t ld, float *St, float scale,
+                                                  float *m, float *l, float *alpha)
+{
+    const V vscale = V_SET1(scale), log2e = V_SET1((float)SIMD_LOG2E);
+    for (int c = 0; c < cols; c += VL) {
+        V mx = V_LOAD(m + c);
+        for (int j = 0; j < n; j++) {
+            float *s = St + (int64_t)j * ld + c;
+            V t = V_LOAD(s);
+            if (scale != 1) {
+                t = V_MUL(t, vscale);
+                V_STORE(s, t);
+            }
+            mx = V_MAX(mx, t);
+        }
+        /* a query with no finite score yet keeps m = -inf; 0 stands in for it so that its p and
+         * alpha come out 0 rather than NaN */
+        V safe = V_NEG_INF_TO_ZERO(mx);
+        V a = exp2_v(V_MUL(V_SUB(V_LOAD(m + c), safe), log2e));
+        V sum = V_ZERO;
+        for (int j = 0; j < n; j++) {
+            float *s = St + (int64_t)j * ld + c;
+            V p = exp2_v(V_MUL(V_SUB(V_LOAD(s), safe), log2e));
+            V_STORE(s, p);
+            sum = V_ADD(sum, p);
+        }
+        V_STORE(alpha + c, a);
+        V_STORE(l + c, V_FMADD(V_LOAD(l + c), a, sum));
+        V_STORE(m + c, mx);
+    }
+}
+
+SOFTMAX_TARGET void SOFTMAX_FN(exp_rows_f32)(int rows, int n, int64_t ld, float *S, float scale,
+                                              const float *m, const float *z)
+{
+    const V vscale = V_SET1(scale), log2e = V_SET1((float)SIMD_LOG2E);
+    const int full = n / VL * VL, tail = n - full;
+    for (int i = 0; i < rows; i++) {
+        float *s = S + (int64_t)i * ld;
+        if (m[i] == -INFINITY) {
+            memset(s, 0, sizeof(float) * n);
+            continue;
+        }
+        const V off = V_SET1(m[i]), zi = V_SET1(z[i]);
+        /* t = s * scale stored rounded, as softmax_cols rounds it: a loop of its own, so that
+         * the compiler cannot fuse the product into the subtraction (-ffp-contract=fast) */
+        if (scale != 1) {
+            for (int j = 0; j < full; j += VL)
+                V_STORE(s + j, V_MUL(V_LOAD(s + j), vscale));
+            if (tail)
+                V_STORE_N(s + full, V_MUL(V_LOAD_N(s + full, tail), vscale), tail);
+        }
+        for (int j = 0; j < full; j += VL)
+            V_STORE(s + j, exp2_v(V_FMSUB(V_SUB(V_LOAD(s + j), off), log2e, zi)));
+        if (tail)
+            V_STORE_N(s + full, exp2_v(V_FMSUB(V_SUB(V_LOAD_N(s + full, tail), off), log2e, zi)), tail);
+    }
+}
