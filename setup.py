@@ -63,6 +63,12 @@ NO_OPENMP = ("attnext: the C compiler has no OpenMP, so the CPU backend runs on 
              "(Debian: libomp-dev).")
 
 
+# The extension's C flags (OpenMP's and the sanitizers' are added by BuildExt); tests that build
+# csrc/cpu on its own (tests/unit/test_simd_native.py) take them from here.
+CFLAGS = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fno-strict-aliasing",
+          "-ffp-contract=fast", "-fvisibility=hidden"]
+
+
 class BuildExt(build_ext):
     def build_extensions(self):
         # the compiler command without its flags ("ccache gcc -pthread ..." -> ["ccache", "gcc"])
@@ -71,8 +77,7 @@ class BuildExt(build_ext):
         omp = None if os.environ.get("ATTNEXT_NO_OPENMP") == "1" else _openmp_flags(cc)
         sanitize = os.environ.get("ATTNEXT_SANITIZE") == "1"
         for ext in self.extensions:
-            args = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Wno-unused-parameter",
-                    "-fno-strict-aliasing", "-ffp-contract=fast", "-fvisibility=hidden"]
+            args = list(CFLAGS)
             link = []
             if omp:
                 args += omp[0]

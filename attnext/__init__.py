@@ -29,8 +29,8 @@ def _load_extension():
     its own setting.
     """
     simd = _env.get("ATTNEXT_SIMD")
-    if simd is not None and simd not in ("portable", "avx2", "avx512"):
-        raise ValueError(f"ATTNEXT_SIMD must be portable, avx2 or avx512, got {simd!r}")
+    if simd is not None and simd not in ("portable", "avx2", "avx512", "neon"):
+        raise ValueError(f"ATTNEXT_SIMD must be portable, avx2, avx512 or neon, got {simd!r}")
     ours = "OMP_WAIT_POLICY" not in _os.environ
     if ours:
         _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"

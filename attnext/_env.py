@@ -60,8 +60,9 @@ SETTINGS = {s.name: s for s in [
             "/usr/local/cuda, the sonames", PUBLIC, CALL, "the NVRTC library tried first"),
     Setting("ATTNEXT_LIBCUDA", "path or soname", "libcuda.so.1", PUBLIC, C,
             "the CUDA driver library (csrc/cuda_driver.c; the tests' fake driver)"),
-    Setting("ATTNEXT_SIMD", "portable | avx2 | avx512", "the best the CPU runs", PUBLIC, C,
-            "caps the CPU backend's SIMD variant (csrc/simd.c; checked at import)"),
+    Setting("ATTNEXT_SIMD", "portable | avx2 | avx512 (x86); portable | neon (aarch64)",
+            "the best the CPU runs", PUBLIC, C,
+            "caps the CPU backend's SIMD variant (csrc/cpu/simd.c; checked at import)"),
     Setting("ATTNEXT_STAGING", "register | ring", "register", PUBLIC, CALL,
             "how a NumPy call's arrays reach the GPU: pinned in place, or copied through rings"),
     Setting("ATTNEXT_COMPILE_AHEAD", "1 always; 0, off, false, no: never", "where cores are free",
@@ -109,9 +110,12 @@ SETTINGS = {s.name: s for s in [
     Setting("ATTNEXT_TEST_PRECISION", "tf32", "unset", TEST, IMPORT,
             "tf32 runs the suite's float32 calls with precision='tf32', held to float16's rule "
             "(tests/conftest.py)"),
-    Setting("ATTNEXT_TEST_EXPECT_SIMD", "portable | avx2 | avx512", "unset", TEST, CALL,
+    Setting("ATTNEXT_TEST_EXPECT_SIMD", "portable | avx2 | avx512 | neon", "unset", TEST, CALL,
             "the SIMD variant a child run of the tests must report "
             "(tests/cpu/test_cpu_attention.py)"),
+    Setting("ATTNEXT_REQUIRE_AARCH64", "1", "unset", TEST, CALL,
+            "1 (.ci/run) fails tests/unit/test_simd_native.py's aarch64 leg where its cross "
+            "compiler or qemu is missing, instead of skipping it"),
     Setting("ATTNEXT_NO_NVRTC", "1", "unset", TEST, CALL,
             "1 skips the tests that need NVRTC on a machine without it"),
     Setting("ATTNEXT_FUZZ_SECONDS", "float", "100", TEST, IMPORT,

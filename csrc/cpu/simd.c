@@ -1,8 +1,8 @@
 /* SIMD variants of the CPU backend's hot loops (see simd.h), generated from one macro body per
  * (type, instruction set): GCC/Clang vector extensions for the register-blocked matrix product,
- * `omp simd` loops for the softmax passes (float32's exp_rows on AVX-512 uses softmax_avx512.c's
- * intrinsics instead). The best variant is picked once, at run time, from what the CPU reports; the build
- * never targets the build machine. */
+ * `omp simd` loops for the softmax passes, except float32's on AVX-512, AVX2 and NEON, written
+ * with intrinsics (softmax_simd.h). The best variant is picked once, at run time, from what the
+ * CPU reports; the build never targets the build machine. */
 #include "simd.h"
 
 #include <math.h>
@@ -152,6 +152,13 @@ DEFINE_VARIANT(f32_avx2, TARGET_AVX2, float, vf32_256, 8, 4, 2, exp2_f32)
 DEFINE_VARIANT(f64_avx2, TARGET_AVX2, double, vf64_256, 4, 4, 2, exp2_f64)
 #define HAVE_X86_VARIANTS 1
 #endif
+#if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+/* NEON is baseline on aarch64: 16-byte vectors are NEON registers, 32 of them, so an 8 x 2 block
+ * (16 accumulators) where the portable variant keeps 4 x 2 */
+DEFINE_VARIANT(f32_neon, , float, vf32_neon, 4, 8, 2, exp2_f32)
+DEFINE_VARIANT(f64_neon, , double, vf64_neon, 2, 8, 2, exp2_f64)
+#define HAVE_NEON_VARIANTS 1
+#endif
 DEFINE_VARIANT(f32_portable, , float, vf32_128, 4, 4, 2, exp2_f32)
 DEFINE_VARIANT(f64_portable, , double, vf64_128, 2, 4, 2, exp2_f64)
 
@@ -159,14 +166,20 @@ DEFINE_VARIANT(f64_portable, , double, vf64_128, 2, 4, 2, exp2_f64)
 
 static const simd_ops_f32 ops_f32_portable = OPS(float, f32_portable, "portable");
 static const simd_ops_f64 ops_f64_portable = OPS(double, f64_portable, "portable");
-#ifdef HAVE_X86_VARIANTS
-/* softmax_avx512.c, softmax_avx2.c: the float32 softmax passes written with intrinsics
- * (softmax_simd.h) */
+/* softmax_avx512.c, softmax_avx2.c, softmax_neon.c: the float32 softmax passes written with
+ * intrinsics (softmax_simd.h) */
 #define DECLARE_SOFTMAX_F32(SUF)                                                                   \
     void softmax_cols_f32_##SUF(int n, int cols, int64_t ld, float *St, float scale, float *m,    \
                                 float *l, float *alpha);                                          \
     void exp_rows_f32_##SUF(int rows, int n, int64_t ld, float *S, float scale, const float *m,   \
                             const float *z);
+#ifdef HAVE_NEON_VARIANTS
+DECLARE_SOFTMAX_F32(neonx)
+static const simd_ops_f32 ops_f32_neon = {"neon", gemm_f32_neon, gemm_tn_f32_neon,
+                                          softmax_cols_f32_neonx, exp_rows_f32_neonx};
+static const simd_ops_f64 ops_f64_neon = OPS(double, f64_neon, "neon");
+#endif
+#ifdef HAVE_X86_VARIANTS
 DECLARE_SOFTMAX_F32(avx512x)
 DECLARE_SOFTMAX_F32(avx2x)
 static const simd_ops_f32 ops_f32_avx512 = {"avx512", gemm_f32_avx512, gemm_tn_f32_avx512,
@@ -177,8 +190,9 @@ static const simd_ops_f32 ops_f32_avx2 = {"avx2", gemm_f32_avx2, gemm_tn_f32_avx
 static const simd_ops_f64 ops_f64_avx2 = OPS(double, f64_avx2, "avx2");
 #endif
 
-/* 0 portable, 1 avx2, 2 avx512; ATTNEXT_SIMD=portable|avx2|avx512 caps it (tests run every
- * variant this CPU has). Racing first calls compute the same value, so no lock is needed. */
+/* 0 portable, 1 avx2 (x86) or neon (aarch64), 2 avx512; ATTNEXT_SIMD=portable|avx2|neon|avx512
+ * caps it (tests run every variant this CPU has). Racing first calls compute the same value, so
+ * no lock is needed. */
 static int chosen_level(void)
 {
     static volatile int level = -1;
@@ -193,9 +207,12 @@ static int chosen_level(void)
         && __builtin_cpu_supports("avx512dq"))
         best = 2;
 #endif
+#ifdef HAVE_NEON_VARIANTS
+    best = 1;
+#endif
     const char *env = getenv("ATTNEXT_SIMD");
     if (env) {
-        int cap = !strcmp(env, "portable") ? 0 : !strcmp(env, "avx2") ? 1 : 2;
+        int cap = !strcmp(env, "portable") ? 0 : !strcmp(env, "avx2") || !strcmp(env, "neon") ? 1 : 2;
         if (cap < best)
             best = cap;
     }
@@ -211,6 +228,10 @@ const simd_ops_f32 *simd_f32(void)
     case 1: return &ops_f32_avx2;
     }
 #endif
+#ifdef HAVE_NEON_VARIANTS
+    if (chosen_level() == 1)
+        return &ops_f32_neon;
+#endif
     return &ops_f32_portable;
 }
 
@@ -221,6 +242,10 @@ const simd_ops_f64 *simd_f64(void)
     case 2: return &ops_f64_avx512;
     case 1: return &ops_f64_avx2;
     }
+#endif
+#ifdef HAVE_NEON_VARIANTS
+    if (chosen_level() == 1)
+        return &ops_f64_neon;
 #endif
     return &ops_f64_portable;
 }

@@ -1,6 +1,6 @@
 /* The CPU backend's hot loops: tile matrix products and the softmax passes, one table of
  * function pointers per accumulation type, filled at first use with the best variant this CPU
- * runs (AVX-512, AVX2+FMA, or portable C). Nothing here is tuned to the build machine.
+ * runs (AVX-512, AVX2+FMA, NEON on aarch64, or portable C). Nothing here is tuned to the build machine.
  *
  * Tiles are row-major with a leading dimension (ld, in elements). For gemm, M must be a multiple
  * of SIMD_M_ALIGN and N a multiple of SIMD_N_ALIGN; K is any. Callers pad their tiles (with zeros
@@ -65,7 +65,7 @@ typedef struct {
 const simd_ops_f32 *simd_f32(void);
 const simd_ops_f64 *simd_f64(void);
 
-/* "avx512", "avx2" or "portable": what simd_f32() chose (ATTNEXT_SIMD overrides, for tests). */
+/* "avx512", "avx2", "neon" or "portable": what simd_f32() chose (ATTNEXT_SIMD caps it). */
 const char *simd_name(void);
 
 #endif

@@ -528,7 +528,7 @@ def test_bad_input_simd_variant_at_import():
     env = dict(os.environ, ATTNEXT_SIMD="portible")
     r = subprocess.run([sys.executable, "-c", "import attnext"], env=env, capture_output=True,
                        text=True, timeout=60)
-    assert r.returncode != 0 and "ATTNEXT_SIMD must be portable, avx2 or avx512" in r.stderr
+    assert r.returncode != 0 and "ATTNEXT_SIMD must be portable, avx2, avx512 or neon" in r.stderr
 
 
 # --- environment variables ---

@@ -1,4 +1,5 @@
 """The checkout's folders, as the tests find them from here (whatever folder a test is in)."""
+import ast
 import os
 from pathlib import Path
 
@@ -14,3 +15,14 @@ def pythonpath(*first):
     inherited = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     folders = [*map(str, first), str(ROOT), str(TESTS), *inherited]
     return os.pathsep.join(dict.fromkeys(p for p in folders if p))
+
+
+def setup_py():
+    """setup.py's imports, functions and constants (CFLAGS, ...), executed without its setup()
+    call, which would build the extension."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    keep = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef))
+            or (isinstance(n, ast.Assign) and all(isinstance(t, ast.Name) for t in n.targets))]
+    ns = {"__file__": str(ROOT / "setup.py")}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), "setup.py", "exec"), ns)
+    return ns

@@ -1,7 +1,6 @@
 """setup.py's OpenMP detection ([4/7] point 3) without a build: its functions are taken from the
 file (running it would build the extension), and a fake compiler plays Apple's clang, which
 refuses a bare -fopenmp and takes -Xpreprocessor -fopenmp against Homebrew's libomp."""
-import ast
 import os
 import stat
 import sys
@@ -9,17 +8,7 @@ import sys
 import pytest
 
 from attnext import _C
-from helpers.paths import ROOT
-
-
-def _setup_functions():
-    """setup.py's imports, functions and constants, executed without its setup() call."""
-    tree = ast.parse((ROOT / "setup.py").read_text())
-    keep = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef))
-            or (isinstance(n, ast.Assign) and all(isinstance(t, ast.Name) for t in n.targets))]
-    ns = {"__file__": str(ROOT / "setup.py")}
-    exec(compile(ast.Module(body=keep, type_ignores=[]), "setup.py", "exec"), ns)
-    return ns
+from helpers.paths import setup_py
 
 
 def _fake_clang(tmp_path, accepts):
@@ -42,13 +31,13 @@ def test_this_compiler_takes_fopenmp():
     """The build here has OpenMP (attnext.info() says which it got): -fopenmp, as detected."""
     if not _C.openmp_threads():
         pytest.skip("this build has no OpenMP")
-    ns = _setup_functions()
+    ns = setup_py()
     flags = ns["_openmp_flags"](["cc"])
     assert flags == (["-fopenmp"], ["-fopenmp"])
 
 
 def test_apple_clang_gets_homebrews_libomp(tmp_path, monkeypatch):
-    ns = _setup_functions()
+    ns = setup_py()
     prefix = tmp_path / "libomp"
     (prefix / "include").mkdir(parents=True)
     (prefix / "include" / "omp.h").write_text("")
