@@ -9,7 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define LOG2_MIN_NORMAL_F32 (-126.0f)
 /* a variant may replace a generic function with a hand-written one (softmax_avx512.c) */
 #define UNUSED __attribute__((unused))
 
@@ -18,15 +17,15 @@
  * exactly as masked scores need. */
 static inline __attribute__((always_inline)) float exp2_f32(float x)
 {
-    float xc = x < LOG2_MIN_NORMAL_F32 ? LOG2_MIN_NORMAL_F32 : (x > 127.0f ? 127.0f : x);
+    float xc = x < SIMD_EXP2_MIN_F32 ? SIMD_EXP2_MIN_F32 : (x > SIMD_EXP2_MAX_F32 ? SIMD_EXP2_MAX_F32 : x);
     float r = rintf(xc);
     float f = xc - r;
     float p = 1.0f + f * (SIMD_EXP2_C1 + f * (SIMD_EXP2_C2 + f * (SIMD_EXP2_C3 + f * (SIMD_EXP2_C4
               + f * (SIMD_EXP2_C5 + f * (SIMD_EXP2_C6 + f * SIMD_EXP2_C7))))));
-    int32_t bits = ((int32_t)r + 127) << 23;
+    int32_t bits = ((int32_t)r + SIMD_F32_EXP_BIAS) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
-    return x < LOG2_MIN_NORMAL_F32 ? 0.0f : p * scale;
+    return x < SIMD_EXP2_MIN_F32 ? 0.0f : p * scale;
 }
 
 static inline __attribute__((always_inline)) double exp2_f64(double x) { return exp2(x); }

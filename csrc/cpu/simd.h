@@ -25,6 +25,11 @@
 #define SIMD_EXP2_C6 0.00015403530393381606f
 #define SIMD_EXP2_C7 1.5252733804059838e-05f
 #define SIMD_LOG2E 1.4426950408889634
+/* float exp2's range: under 2^-126 (float's smallest normal) the variants without vscalefps
+ * return 0; 2^127 is the largest power of two a float holds */
+#define SIMD_EXP2_MIN_F32 (-126.0f)
+#define SIMD_EXP2_MAX_F32 127.0f
+#define SIMD_F32_EXP_BIAS 127   /* 2^r is the float whose exponent field holds r + this */
 
 typedef struct {
     const char *name;

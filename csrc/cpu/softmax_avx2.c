@@ -29,19 +29,19 @@
 #include "softmax_simd.h"
 
 /* r = round(x) by adding 1.5 * 2^23 (floats there are integers: the addition rounds to nearest),
- * with 127 added too, so that the sum's low bits shifted into the exponent field are 2^r. x is
+ * with the exponent bias added too, so that the sum's low bits shifted into the exponent field are 2^r. x is
  * capped at 127 first (its exponent must fit; min returns its second operand's NaN), and x under
  * float's normal range (-126) gives 0, as simd.c's exp2_f32: the compare is false for NaN, which
  * stays NaN, and true for -inf, whose f is NaN. */
-#define EXP2_ROUNDER (0x1.8p23f + 127.0f)
+#define EXP2_ROUNDER (0x1.8p23f + SIMD_F32_EXP_BIAS)
 
 SOFTMAX_TARGET static inline __m256 exp2_v(__m256 x)
 {
-    __m256 xc = _mm256_min_ps(_mm256_set1_ps(127.0f), x);
+    __m256 xc = _mm256_min_ps(_mm256_set1_ps(SIMD_EXP2_MAX_F32), x);
     __m256 t = _mm256_add_ps(xc, _mm256_set1_ps(EXP2_ROUNDER));
     __m256 r = _mm256_sub_ps(t, _mm256_set1_ps(EXP2_ROUNDER));
     __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23));
     __m256 p = _mm256_mul_ps(exp2_poly(_mm256_sub_ps(xc, r)), scale);
-    return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_LT_OQ), p);
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(SIMD_EXP2_MIN_F32), _CMP_LT_OQ), p);
 }
 #endif

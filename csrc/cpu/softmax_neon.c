@@ -48,11 +48,11 @@ static inline void store_n(float *p, float32x4_t v, int n)
  * NaN, and true for -inf, whose f is NaN. */
 static inline float32x4_t exp2_v(float32x4_t x)
 {
-    float32x4_t xc = vminq_f32(vdupq_n_f32(127.0f), x);
+    float32x4_t xc = vminq_f32(vdupq_n_f32(SIMD_EXP2_MAX_F32), x);
     float32x4_t r = vrndnq_f32(xc);
-    int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(r), vdupq_n_s32(127)), 23);
+    int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(r), vdupq_n_s32(SIMD_F32_EXP_BIAS)), 23);
     float32x4_t p = vmulq_f32(exp2_poly(vsubq_f32(xc, r)), vreinterpretq_f32_s32(e));
-    uint32x4_t under = vcltq_f32(x, vdupq_n_f32(-126.0f));
+    uint32x4_t under = vcltq_f32(x, vdupq_n_f32(SIMD_EXP2_MIN_F32));
     return vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(p), under));
 }
 #endif
