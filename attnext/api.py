@@ -537,12 +537,12 @@ def varlen_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Ar
     return _backward(o, dout, out, lse, deterministic, dtensors)
 
 
-# The caches of compiled score_mod / mask_mod programs, by backend: name -> function returning
-# a dict with at least hits, misses, compiles and compile_seconds ("cuda": the generated
-# sources; NVRTC's cubins are nvrtc.cache_info()).
 # what info() says of a build without OpenMP (setup.py's message says the same at build time)
 _ONE_THREAD = ("no OpenMP: one thread; for threads build again with OpenMP (Apple's clang: brew "
                "install libomp)")
+# The caches of compiled score_mod / mask_mod programs, by backend: name -> function returning
+# a dict with at least hits, misses, compiles and compile_seconds ("cuda": the generated
+# sources; NVRTC's cubins are nvrtc.cache_info()).
 _PROGRAM_CACHES = {"cpu": interp.cache_info, "cuda": codegen.cache_info}
 
 

@@ -241,11 +241,6 @@ def rounded_out_allowance(q, k, v, dout, out, ref_out, lengths, opts, precision=
     group = qc.shape[1] // kc.shape[1]
     scale = _softmax_scale(q, opts)
     kg = np.repeat(kc, group, axis=1)
-    # tensor-core products take 16-bit operands: dS (and the P it comes from) rounded to q's
-    # dtype before dS K and dS^T Q, each term dS_j k_j off by up to eps |dS_j k_j|, however much
-    # the terms cancel (keys all alike: dq exactly 0). The roundings are independent, so their
-    # sum grows like the root of the sum of squares: LOW_FACTOR of that (the worst case, the
-    # plain sum, would let a bf16 dq be 50% off at S = 4k)
     vg = np.repeat(canonical(np.asarray(v, np.float64), is_varlen, layout), group, axis=1)
     do = canonical(np.asarray(dout, np.float64), is_varlen, layout)
     delta = np.sum(do * canonical(ref_out, is_varlen, layout), axis=-1)
@@ -253,9 +248,13 @@ def rounded_out_allowance(q, k, v, dout, out, ref_out, lengths, opts, precision=
     ds2 = (p * dp_delta) ** 2
     tf32 = precision == "tf32" and np.dtype(q.dtype) == F32
     eps = EPS[F16 if tf32 else np.dtype(q.dtype)]
-    # the independent roundings of each dS_ij (squared): dS's own; for TF32 also the scores'
-    # (which move P) and dP's (dout . v from rounded operands), which the cancellation in
-    # dP - delta leaves whole
+    # tensor-core products take 16-bit operands: dS (and the P it comes from) rounded to q's
+    # dtype before dS K and dS^T Q, each term dS_j k_j off by up to eps |dS_j k_j|, however much
+    # the terms cancel (keys all alike: dq exactly 0); for TF32 also the scores' rounding (which
+    # moves P) and dP's (dout . v from rounded operands), which the cancellation in dP - delta
+    # leaves whole. The roundings are independent, so their sum grows like the root of the sum
+    # of squares: LOW_FACTOR of that (the worst case, the plain sum, would let a bf16 dq be 50%
+    # off at S = 4k). ds2: each dS_ij's roundings, squared.
     moved2 = 0.0        # the dS error that dbias (summed from unrounded dS) sees too
     if tf32:
         moved2 = ((p * _product_rounding(qc, kg) * scale * dp_delta) ** 2

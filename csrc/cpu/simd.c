@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* a variant may replace a generic function with a hand-written one (softmax_avx512.c) */
+/* a variant may replace a generic function with a hand-written one (softmax_simd.h's) */
 #define UNUSED __attribute__((unused))
 
 /* 2^x for x <= 0, float: split x = i + f with |f| <= 1/2, 2^f by simd.h's polynomial, 2^i
