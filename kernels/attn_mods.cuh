@@ -95,24 +95,32 @@ DEV float mod_fmod(float a, float b)
 DEV float fast_tanh(float x) { return tanhf(x); }
 #endif
 
-/* a / b. On the GPU by b's reciprocal, which the compiler hoists out of the tile loops where b
- * is a captured constant (s / 30), and one FMA step on the exact residual e = a - q b: the same
- * bits as div.rn.f32 on 3M random pairs over the whole float range and on every pair of special
- * values (float64 emulation), with no division left in the loop: div.rn.f32's out-of-line slow
- * path, at every score, held a softcap score_mod dividing by its cap at 1.8x the built-in
- * softcap= (H200, D = 64). Special cases by selects: a and b scaled by 2^64 (exact) where b is
- * subnormal (its reciprocal finite) or a tiny (e in the normal range); where e is 0, inf or NaN,
- * q is the quotient (an exact one with its sign of zero; b zero or inf, a inf or NaN, overflow). */
+/* a / b. On the GPU by b's reciprocal r, which the compiler hoists out of the tile loops where b
+ * is a captured constant (s / 30), and one FMA step on the exact residual e = a - q b; where e is
+ * 0, inf or NaN, q is the quotient (an exact one with its sign of zero; b zero or inf, a inf or
+ * NaN, overflow). Branch-free, by selects: b outside [2^-125, 2^125] (r subnormal or infinite)
+ * scales a and b by 2^64 or 2^-64 (depends on b alone: hoisted too), and a tiny a (e would leave
+ * the normal range) divides a 2^64 and scales the quotient back. The same bits as div.rn.f32 on
+ * 260k pairs (random bits, every pair of special values, tiny numerators, subnormal divisors;
+ * exact rational emulation, session 26) but for subnormal quotients of numerators under 2^-100:
+ * one unit of 2^-149 off at most there (the scaling back rounds twice). div.rn.f32, its slow
+ * path at every score, held a softcap score_mod dividing by its cap at 1.8x the built-in
+ * softcap= (H200, D = 64); a form with a branch per score to it, 2.0x (its tile loop cut into
+ * basic blocks); a form whose scaling made r depend on a (one rcp.rn a score), 2.3x. */
 DEV float mod_fdiv(float a, float b)
 {
 #ifdef __CUDACC_RTC__
-    const float s = (fabsf(b) < 0x1p-125f || fabsf(a) < 0x1p-100f) ? 0x1p64f : 1.f;
-    a *= s;
-    b *= s;
-    const float r = __frcp_rn(b);
-    const float q = a * r;
-    const float e = fmaf(-q, b, a);
-    return (e == 0.f || !isfinite(e)) ? q : fmaf(e, r, q);
+    const bool small = fabsf(b) < 0x1p-125f, large = fabsf(b) > 0x1p125f;
+    const float f = small ? 0x1p64f : large ? 0x1p-64f : 1.f;
+    const float bs = b * f;
+    const float r = __frcp_rn(bs);
+    const bool tiny = fabsf(a) < 0x1p-100f && f == 1.f;
+    const float as = a * (tiny ? 0x1p64f : f);
+    const float q = as * r;
+    const float e = fmaf(-q, bs, as);
+    const bool step = (fabsf(e) > 0.f) & (fabsf(e) < __int_as_float(0x7f800000));    /* &: no branch */
+    const float x = fmaf(step ? e : -0.f, step ? r : 0.f, q);    /* q + -0 is q, -0 and NaN too */
+    return tiny ? x * 0x1p-64f : x;
 #else
     return a / b;
 #endif

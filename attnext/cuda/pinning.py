@@ -9,13 +9,16 @@ run straight from and to it, with no host copy through staging.py's pinned rings
     pins.release()                               # after every DMA using them is done
 
 Spans. An array travels directly when it is C-contiguous (its bytes one run) and at least
-MIN_BYTES long. Its span is that run widened to whole pages (the driver locks pages). The spans
-of one call that overlap merge into one union (q, k, v slices of one buffer; the same array
-passed twice; an output sharing a page with an input), since the driver refuses a range that
-overlaps one registered already. A union is cut into pieces of PIECE_BYTES, each one
-registration, submitted in the order the call uses them: the first piece's DMA starts while
-later ones are still being locked, and a fresh output's pages (never touched: locking them is
-their first touch) fault in while the inputs upload.
+MIN_BYTES long. Its span is that run, to the byte: the driver locks the whole pages under it but
+tracks the range registered, and two ranges that share a page register side by side. A span is
+never widened to pages: CUDA refuses a copy (cudaMemcpy, torch's .cuda(), cupy.asarray) that
+starts inside a registered range and ends past it (H200, session 26), so a registration must
+never begin inside memory that is not the call's own arrays'. The spans of one call that
+overlap merge into one union (q, k, v slices of one buffer; the same array passed twice), since
+the driver refuses a range that overlaps one registered already. A union is cut into pieces of
+PIECE_BYTES, each one registration, submitted in the order the call uses them: the first
+piece's DMA starts while later ones are still being locked, and a fresh output's pages (never
+touched: locking them is their first touch) fault in while the inputs upload.
 
 Ownership. A table, process-wide, holds attnext's own registrations and the number of calls
 using each: a piece inside one of them is shared (the last user unregisters it), a piece
@@ -26,15 +29,19 @@ page-locked host memory, and never unregistered. Any other failure (no memory to
 unsupported mapping, a faulted context) sends the piece's bytes through the rings: a failed
 registration never fails the call.
 
-Read-only. A piece no output touches is registered CU_MEMHOSTREGISTER_READ_ONLY where the device
-supports it: the device only reads it, which a read-only mapping (np.frombuffer of bytes, a
-read-only np.memmap) needs; a piece an output touches is registered writable.
+Read-only. A piece is registered CU_MEMHOSTREGISTER_READ_ONLY (where the device supports it) when
+no output touches it and an array in it is not writeable: a read-only mapping (np.frombuffer of
+bytes, a read-only np.memmap) takes no other registration. Every other piece is registered
+writable: CUDA refuses a copy into read-only registered memory, and a kept registration must not
+stop the caller's own later copies into its arrays (torch's .copy_, cupy's .get(out=)).
 
 Kept registrations. An input array's memory registered by one call stays registered after it
 when the call saw that memory's owner (the ndarray that owns the data at the root of the
 array's bases) in an earlier call too: a caller who passes the same arrays again (a loop, a
 benchmark, a notebook cell run twice) pays for registering them once, not per call, and their
-DMAs start at once. The registration goes when the owner is deallocated (a weakref finalizer:
+DMAs start at once. The kept registration is the owner's whole data in one piece, however
+little of it the call reads: any copy the caller makes later of the owner or a view of it
+(torch.from_numpy(q).cuda()) then lies inside one registration, which CUDA needs. The registration goes when the owner is deallocated (a weakref finalizer:
 NumPy clears weak references before it frees the data, and refuses to resize an array that has
 them, so the data never moves meanwhile) or when the kept bytes pass KEEP_BYTES (least recently
 used first). Memory whose root is a
@@ -97,9 +104,9 @@ def byte_range(a):
     return lo, lo + a.nbytes
 
 
-def unions(spans, page=PAGE):
-    """The byte ranges (lo, hi) widened to whole pages, overlapping ones merged, in address
-    order."""
+def unions(spans, page=1):
+    """The byte ranges (lo, hi) widened to multiples of `page` (registrations: none), overlapping
+    ones merged, in address order."""
     out = []
     for lo, hi in sorted((lo // page * page, -(-hi // page) * page) for lo, hi in spans if hi > lo):
         if out and lo < out[-1][1]:
@@ -110,9 +117,9 @@ def unions(spans, page=PAGE):
 
 
 def cut(lo, hi, piece, page=PAGE):
-    """A page-aligned [lo, hi) as consecutive pieces of at most `piece` bytes (whole pages), cut
-    at the multiples of that size in the address space: any range inside a registered union is
-    cut at the same places as the union was (a view of a kept array finds whole pieces)."""
+    """[lo, hi) as consecutive pieces of at most `piece` bytes, cut at the multiples of that size
+    (whole pages) in the address space: any range inside a registered union is cut at the same
+    places as the union was (a view of an array registered in pieces finds whole pieces)."""
     step = max(page, piece // page * page)
     edges = [lo] + list(range((lo // step + 1) * step, hi, step)) + [hi]
     return [(a, b) for a, b in zip(edges, edges[1:]) if a < b]
@@ -320,7 +327,7 @@ class Pins:
 
     def __init__(self, device, inputs, outputs):
         self.device = device
-        spans = []               # (lo, hi, written, order of first use)
+        spans = []               # (lo, hi, written, order of first use, memory read-only)
         resident = []            # byte ranges inside attnext's PinnedBuffers
         self.keep = []           # (lo, hi, owner) of inputs whose registrations stay after
         owners = set()           # id() of the owners noted in this call (q, k, v of one buffer)
@@ -334,19 +341,23 @@ class Pins:
                 continue
             if a.nbytes < MIN_BYTES:
                 continue
-            spans.append(byte_range(a) + (written, i))
+            spans.append(byte_range(a) + (written, i, not a.flags.writeable))
             if not written and isinstance(owner, np.ndarray) and id(owner) not in owners:
                 owners.add(id(owner))
                 if _seen_before(owner):
-                    self.keep.append(unions([byte_range(owner)])[0] + (owner,))
+                    self.keep.append(byte_range(owner) + (owner,))
+                    if owner.nbytes <= KEEP_BYTES:    # the owner's whole data, in one piece
+                        spans.append(byte_range(owner) + (False, i, not owner.flags.writeable))
         self.resident = [Piece(lo, hi, True, _SETTLED) for lo, hi in unions(resident)]
         read_only = read_only_supported(device) if spans else False
-        self.plan = []           # (first use, lo, hi, written, probe)
+        self.plan = []           # (first use, lo, hi, written, probe, memory read-only)
         for ulo, uhi in unions([s[:2] for s in spans]):
-            for lo, hi in cut(ulo, uhi, PIECE_BYTES):
+            whole = any(ulo <= lo and hi <= uhi and hi - lo <= KEEP_BYTES for lo, hi, _ in self.keep)
+            for lo, hi in [(ulo, uhi)] if whole else cut(ulo, uhi, PIECE_BYTES):
                 touching = [s for s in spans if s[0] < hi and lo < s[1]]
                 probe = (max(lo, min(s[0] for s in touching)), min(hi, max(s[1] for s in touching)) - 1)
-                self.plan.append((min(s[3] for s in touching), lo, hi, any(s[2] for s in touching), probe))
+                self.plan.append((min(s[3] for s in touching), lo, hi, any(s[2] for s in touching), probe,
+                                  any(s[4] for s in touching)))
         self.plan.sort()         # in the order the call uses them
         self.read_only = read_only
         self.pieces = list(self.resident)      # sorted by address
@@ -355,8 +366,8 @@ class Pins:
         """Submits every piece's registration to pool, but takes those a registration in the
         table covers at once (the pieces taken before an error are still given back by
         release())."""
-        for _, lo, hi, written, probe in self.plan:
-            read_only = self.read_only and not written
+        for _, lo, hi, written, probe, read_only_memory in self.plan:
+            read_only = self.read_only and read_only_memory and not written
             shared = _share(lo, hi, self.device, read_only)
             future = (_Settled(shared) if shared is not None
                       else pool.submit(_acquire, lo, hi, self.device, read_only, probe))

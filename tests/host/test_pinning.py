@@ -14,7 +14,7 @@ import attnext
 from attnext import _C, _env
 from attnext.cuda import backend as cuda_backend, pinning, staging
 from attnext.cuda.devview import DevView
-from conftest import BF16, in_threads
+from conftest import BF16, assert_close, in_threads
 from test_staging import _bits, _random, check_real, fake, fake_kernel, real_kernel  # noqa: F401  (fixtures)
 
 PAGE = pinning.PAGE
@@ -22,13 +22,17 @@ JOIN_SECONDS = 120
 
 
 # ---------------------------------------------------------------- the arithmetic
-def test_unions_widen_to_pages_and_merge_overlaps():
-    assert pinning.unions([(PAGE + 8, 3 * PAGE - 8)]) == [(PAGE, 3 * PAGE)]
-    # a page shared by two arrays: one union; ranges that only touch stay apart
-    assert pinning.unions([(0, PAGE + 8), (PAGE + 8, 2 * PAGE)]) == [(0, 2 * PAGE)]
+def test_unions_merge_overlaps_to_the_byte():
+    """Registrations are the arrays' own bytes: CUDA refuses a copy that starts inside a
+    registered range and ends past it, so widening to pages would break a neighbour's copies."""
+    assert pinning.unions([(PAGE + 8, 3 * PAGE - 8)]) == [(PAGE + 8, 3 * PAGE - 8)]
+    # a page shared by two arrays: two unions side by side; overlapping ranges merge
+    assert pinning.unions([(0, PAGE + 8), (PAGE + 8, 2 * PAGE)]) == [(0, PAGE + 8), (PAGE + 8, 2 * PAGE)]
+    assert pinning.unions([(0, PAGE + 8), (PAGE, 2 * PAGE)]) == [(0, 2 * PAGE)]
     assert pinning.unions([(2 * PAGE, 3 * PAGE), (0, 2 * PAGE)]) == [(0, 2 * PAGE), (2 * PAGE, 3 * PAGE)]
-    # the same range twice, one inside another, and an empty one
-    assert pinning.unions([(0, 100), (0, 100), (10, 20), (5 * PAGE, 5 * PAGE)]) == [(0, PAGE)]
+    # the same range twice, one inside another, and an empty one; widened when asked
+    assert pinning.unions([(0, 100), (0, 100), (10, 20), (5 * PAGE, 5 * PAGE)]) == [(0, 100)]
+    assert pinning.unions([(10, 100)], page=PAGE) == [(0, PAGE)]
 
 
 def test_byte_counts_from_the_environment(monkeypatch):
@@ -160,8 +164,9 @@ def kept(pins, monkeypatch):
 
 
 def _registered_in(fake, a):
-    lo, hi = pinning.unions([pinning.byte_range(a)])[0]
-    return [r for r in fake.registered if lo <= r[0] and r[1] <= hi]
+    """The registrations that hold some of a's bytes."""
+    lo, hi = pinning.byte_range(a)
+    return [r for r in fake.registered if r[0] < hi and lo < r[1]]
 
 
 def _spy_acquire(monkeypatch):
@@ -186,9 +191,9 @@ def _spy_acquire(monkeypatch):
 
 def test_an_input_seen_again_keeps_its_registration(kept, rng, monkeypatch):
     """The first call with an array registers and releases its memory; a later call with the
-    same owner keeps its registration, and the calls after it register nothing and DMA straight
-    from it (a view of it at another page offset too: every piece SHARED); the registration goes
-    when the owner is deallocated."""
+    same owner keeps its registration (the owner's whole data, one writable piece), and the
+    calls after it register nothing and DMA straight from it (a view of it at another page offset
+    too); the registration goes when the owner is deallocated."""
     a = _own_pages((9, 7001), np.float32)          # page-aligned: a[2:] starts mid-piece
     a[...] = _random(rng, (9, 7001), np.float32)
     hows = _spy_acquire(monkeypatch)
@@ -200,9 +205,8 @@ def test_an_input_seen_again_keeps_its_registration(kept, rng, monkeypatch):
         np.testing.assert_array_equal(got, base)
         assert kept.dma["htod"] > dma
         assert pinning.REFUSED not in hows, (i, hows)
-        if i >= 2:
-            inputs = len(pinning.cut(*pinning.unions([pinning.byte_range(x)])[0], pinning.PIECE_BYTES))
-            assert hows.count(pinning.SHARED) == inputs, (i, hows)
+        if i >= 2:      # the kept owner is one piece, shared
+            assert hows.count(pinning.SHARED) == 1, (i, hows)
         if i == 0:
             assert kept.registrations > before and _registered_in(kept, a) == []
         elif i == 1:
@@ -211,6 +215,9 @@ def test_an_input_seen_again_keeps_its_registration(kept, rng, monkeypatch):
         else:                                   # the output is still registered per call
             [(lo, hi)] = pinning.unions([pinning.byte_range(got)])
             assert kept.registrations - before == len(pinning.cut(lo, hi, pinning.PIECE_BYTES))
+        if i >= 1:      # the owner's whole data in one writable registration: the caller's copies work
+            lo, hi = pinning.byte_range(pinning.root(a))
+            assert [r for r in kept.registered if r[0] <= lo and hi <= r[1] and not r[2]] != [], kept.registered
     assert [r for r in kept.registered if not _registered_in(kept, a).count(r)] == []
     del a, x, base
     assert kept.registered == [] and pinning.kept_bytes() == 0
@@ -511,6 +518,36 @@ def test_gpu_views_of_one_buffer_and_a_repeated_array(gpu_pins, monkeypatch, rng
     _same_bits(*_both_modes(monkeypatch, lambda: attnext.attention(q, k, k, return_lse=True)))
     ro = np.frombuffer(q.tobytes(), BF16).reshape(q.shape)          # read-only input
     _same_bits(*_both_modes(monkeypatch, lambda: attnext.attention(ro, k, v, return_lse=True)))
+
+
+@pytest.mark.gpu
+def test_gpu_the_callers_own_copies_of_kept_arrays_work(gpu, torch, monkeypatch, rng):
+    """Arrays attnext keeps registered (passed in two calls) stay the caller's: torch copies the
+    whole array, a view of it and its neighbour onto the GPU and back into it. CUDA refuses a
+    copy that starts inside a registered range and ends past it, or writes into read-only
+    registered memory: both happened while kept registrations were read-only pieces widened to
+    pages (torch.from_numpy(q).cuda(): "invalid argument")."""
+    monkeypatch.setenv("ATTNEXT_STAGING", "register")
+    monkeypatch.setattr(pinning, "MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(pinning, "PIECE_BYTES", 1 << 20)
+    pinning.forget_kept()
+    buf = rng.standard_normal(2 * 3 * 1024 * 8 * 64 + 1000).astype(np.float32)
+    q = buf[1000:].reshape(2, 3, 1024, 8, 64)[0]          # a view at an odd offset, pieces of 1 MiB
+    k, v = (rng.standard_normal(q.shape).astype(np.float32) for _ in range(2))
+    for _ in range(3):
+        attnext.attention(q, k, v, device="cuda")
+    assert pinning.kept_bytes() > 0
+    for a in (q, q[1], k, buf, buf[:2000]):
+        t = torch.from_numpy(a).cuda()
+        np.testing.assert_array_equal(t.cpu().numpy(), a)
+        new = torch.randn(a.shape, device="cuda")
+        torch.from_numpy(a).copy_(new)
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(a, new.cpu().numpy())
+    want = attnext.reference.attention(q, k, v)
+    assert_close("out", attnext.attention(q, k, v, device="cuda"), want, np.float32)
+    pinning.forget_kept()
+    assert pinning.registered() == []
 
 
 @pytest.mark.gpu
