@@ -68,6 +68,7 @@ class CpuCall:
     dk: Any = None
     dv: Any = None
     dbias: Any = None
+    dlse: Any = None             # backward: lse's gradient, laid out as lse, or None
 
 
 @dataclass(slots=True)
@@ -97,6 +98,7 @@ class KernelCall:
     dk: Any = None
     dv: Any = None
     dbias: Any = None
+    dlse: Any = None
     delta: Any = None
     dq_accum: Any = None
     dq_sem: Any = None

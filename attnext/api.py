@@ -346,7 +346,7 @@ def varlen_attention(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
     return _forward(o)
 
 
-def _backward(o, dout, out, lse, deterministic, dtensors):
+def _backward(o, dout, out, lse, deterministic, dtensors, dlse):
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool, got {checks.fmt(deterministic)}")
     o.dtensors_asked = checks.dtensors_asked(o, dtensors)
@@ -356,20 +356,23 @@ def _backward(o, dout, out, lse, deterministic, dtensors):
     for name, x in (("dout", dout), ("out", out)):
         checks.check_form(name, x.shape, x.dtype, o.out_shape, o.q.dtype, of="the forward output's ")
     checks.check_form("lse", lse.shape, lse.dtype, o.lse_shape, o.acc_dtype)
+    if dlse is not None:
+        dlse = checks.float_array("dlse", dlse)
+        checks.check_form("dlse", dlse.shape, dlse.dtype, o.lse_shape, o.acc_dtype, of="lse's ")
     if o.device == "cuda" and o.on_gpu:
-        return _backward_on_gpu(o, dout, out, lse, deterministic)
-    if o.device != "cuda" and any(isinstance(x, DevView) for x in (dout, out, lse)):
-        raise TypeError("dout, out and lse are CUDA arrays but q, k, v live on the host; pass all "
-                        "of them on the GPU or all on the host")
+        return _backward_on_gpu(o, dout, out, lse, deterministic, dlse)
+    if o.device != "cuda" and any(isinstance(x, DevView) for x in (dout, out, lse, dlse)):
+        raise TypeError("dout, out, lse or dlse are CUDA arrays but q, k, v live on the host; pass "
+                        "all of them on the GPU or all on the host")
     checks.check_memory(o, backward=True)
     if _runs_on_reference(o):
         _trace_mods(o)
         asked = True if o.dtensors_asked is None else o.dtensors_asked
         if o.varlen:
             g = reference.varlen_attention_backward(dout, o.q, o.k, o.v, out, lse, o.cu_q, o.cu_k,
-                                                    dtensors=asked, **_reference_kwargs(o))
+                                                    dtensors=asked, dlse=dlse, **_reference_kwargs(o))
         else:
-            g = reference.attention_backward(dout, o.q, o.k, o.v, out, lse, dtensors=asked,
+            g = reference.attention_backward(dout, o.q, o.k, o.v, out, lse, dtensors=asked, dlse=dlse,
                                              **_reference_kwargs(o))
         dbias = None if g.dbias is None else g.dbias.astype(o.bias.dtype)
         captured = {} if not g.dtensors else fingerprint.captured_arrays(o.score_mod)
@@ -384,7 +387,7 @@ def _backward(o, dout, out, lse, deterministic, dtensors):
         dbias_acc = None
         if o.bias is not None:
             dbias_acc = np.zeros((1,) * (4 - o.bias.ndim) + o.bias.shape, dtype=o.acc_dtype)
-        cuda_backend.backward(o, dout, out, lse, dq, dk, dv, dbias_acc, deterministic)
+        cuda_backend.backward(o, dout, out, lse, dq, dk, dv, dbias_acc, deterministic, dlse)
         dbias = None if dbias_acc is None else dbias_acc.reshape(o.bias.shape).astype(o.bias.dtype)
         return _host_grads(o, dq, dk, dv, dbias, o.dtensors if o.dtensors is not None else {})
     ko, mods = _cpu_mods(o, backward=True)
@@ -392,6 +395,7 @@ def _backward(o, dout, out, lse, deterministic, dtensors):
     prob.dout = _c_view(_as_bshd(o, dout))
     prob.dq, prob.dk, prob.dv = (_c_view(_as_bshd(o, x)) for x in (dq, dk, dv))
     prob.dbias = dbias_acc = None
+    prob.dlse = None if dlse is None else _lse_3d(o, dlse)
     prob.mods = mods
     if o.bias is not None:
         # accumulate into the bias's own (compact) shape; broadcast dims get stride 0
@@ -412,10 +416,10 @@ def _host_grads(o, dq, dk, dv, dbias, dtensors):
     return Grads(*(_in_caller_library(o, x) for x in (dq, dk, dv, dbias)), dtensors)
 
 
-def _backward_on_gpu(o, dout, out, lse, deterministic):
+def _backward_on_gpu(o, dout, out, lse, deterministic, dlse):
     """CUDA arrays in, gradients back as the caller's library's arrays."""
     cuda_backend, device = checks.gpu_modules()
-    dq, dk, dv, dbias = cuda_backend.backward(o, dout, out, lse, None, None, None, None, deterministic)
+    dq, dk, dv, dbias = cuda_backend.backward(o, dout, out, lse, None, None, None, None, deterministic, dlse)
     dq, dk, dv = (device.to_caller(x, o.like) for x in (dq, dk, dv))
     dbias = None if dbias is None else device.to_caller(dbias, o.like)
     return Grads(dq, dk, dv, dbias, o.dtensors if o.dtensors is not None else {})
@@ -437,7 +441,11 @@ _GRADS = """\
         the kernels of a score_mod without array gradients (the dQ kernels' scatter, which
         makes a table's backward several times slower, is gone). TypeError for another type,
         ValueError for a name that is not a captured float array (the valid ones are listed)
-        or for names without a score_mod."""
+        or for names without a score_mod.
+    dlse: None (default), or the gradient of the lse the forward returned, in lse's shape and
+        dtype (FlashAttention-4's and FlexAttention's lse gradient): d lse / d s = P, so it
+        joins each row's dS as delta does, dS = P (dP - rowsum(dout * out) + dlse). A row that
+        keeps no key ignores it. dout may be zeros where only lse is used."""
 
 _RETURNS = """\
     Returns attnext.Grads(dq, dk, dv, dbias, dtensors), a named tuple: dq, dk, dv in the shapes
@@ -465,7 +473,7 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
                        seqlens_k: Array | None = None, layout: str = "bshd",
                        device: str | None = None, precision: str | None = None,
                        deterministic: bool = True,
-                       dtensors: bool | Collection[str] = True) -> Grads:
+                       dtensors: bool | Collection[str] = True, dlse: Array | None = None) -> Grads:
     """Gradients of attention(q, k, v, ...) for the output gradient dout.
 
     q, k, v and every option as given to attention() (the same shapes, layout and options:
@@ -496,7 +504,7 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
         bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, seqlens_q=seqlens_q,
         seqlens_k=seqlens_k, layout=layout, return_lse=False, device=device, out=None,
         precision=precision))
-    return _backward(o, dout, out, lse, deterministic, dtensors)
+    return _backward(o, dout, out, lse, deterministic, dtensors, dlse)
 
 
 @checks.flex_keywords
@@ -511,7 +519,8 @@ def varlen_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Ar
                               mask: Array | None = None, score_mod: ScoreMod | None = None,
                               mask_mod: MaskMod | None = None, device: str | None = None,
                               precision: str | None = None, deterministic: bool = True,
-                              dtensors: bool | Collection[str] = True) -> Grads:
+                              dtensors: bool | Collection[str] = True,
+                              dlse: Array | None = None) -> Grads:
     """Gradients of varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) for dout.
 
     q (Tq, Hq, D), k (Tk, Hk, D), v (Tk, Hk, Dv), the lengths (cu_seqlens_*, max_seqlen_*,
@@ -534,7 +543,7 @@ def varlen_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Ar
         seqlens_k=None, layout="thd", return_lse=False, device=device, out=None,
         precision=precision), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
         seqused_k, varlen=True)
-    return _backward(o, dout, out, lse, deterministic, dtensors)
+    return _backward(o, dout, out, lse, deterministic, dtensors, dlse)
 
 
 # what info() says of a build without OpenMP (setup.py's message says the same at build time)

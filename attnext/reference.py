@@ -410,10 +410,11 @@ def _float_arrays(score_mod):
         if trace.array_kind(a.dtype) == trace.F}
 
 
-def _backward(pb, dout, dtensors):
+def _backward(pb, dout, dtensors, dlse=None):
     dq, dk, dv = (np.zeros(x.shape) for x in (pb.q, pb.k, pb.v))
     dq4, dk4, dv4 = (_bhsd(x, pb.layout) for x in (dq, dk, dv))
     dout4 = _bhsd(np.asarray(dout), pb.layout)
+    dlse3 = None if dlse is None else np.asarray(dlse)[None] if pb.varlen else np.asarray(dlse)
     dbias4 = None if pb.bias4 is None else np.zeros(pb.bias4.shape)
     arrays = _float_arrays(pb.score_mod)
     names = grad.asked(dtensors, lambda: None if pb.score_mod is None else list(arrays))
@@ -429,7 +430,10 @@ def _backward(pb, dout, dtensors):
             rows = slice(hd.q0 + r0, hd.q0 + r1)
             do = np.where(live, np.asarray(dout4[hd.bq, hd.h, rows], dtype=np.float64), 0.0)
             dp = do @ hd.v.T
-            ds = np.where(live, p * (dp - (p * dp).sum(axis=1, keepdims=True)), 0.0)   # dS3
+            delta = (p * dp).sum(axis=1, keepdims=True)         # rowsum(dout * out)
+            if dlse3 is not None:     # d lse / d s = P: the lse gradient joins dS as -delta does
+                delta = delta - np.asarray(dlse3[hd.bq, hd.h, rows], dtype=np.float64)[:, None]
+            ds = np.where(live, p * (dp - delta), 0.0)   # dS3
             if pb.score_mod is not None:
                 if arrays:
                     _add_dtensors(pb.score_mod, arrays, ds, sc, dtensors)
@@ -489,10 +493,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None,
                        softcap=None, alibi_slopes=None, bias=None, mask=None, score_mod=None,
                        mask_mod=None, seqlens_q=None, seqlens_k=None, layout="bshd", device=None,
-                       precision=None, deterministic=True, dtensors=True):
+                       precision=None, deterministic=True, dtensors=True, dlse=None):
     """Gradients of attention() in float64: Grads(dq, dk, dv, dbias, dtensors).
 
-    The forward is recomputed: out and lse are not read. dq, dk, dv have the shapes of q, k, v
+    The forward is recomputed: out and lse are not read. dlse, lse's shape: the gradient of
+    the returned lse (d lse / d score = P, so dS = P (dP - rowsum(dout * out) + dlse)). dq, dk, dv have the shapes of q, k, v
     (a broadcast k gets a full-shape dk); dbias has the bias's shape (summed over its broadcast
     axes), None without a bias; padding and fully masked rows get zero gradients. score_mod's
     derivatives are extrapolated central differences; dtensors maps each float array the
@@ -505,7 +510,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
                   used_k=seqlens_k, causal=causal, window=window, scale=scale, softcap=softcap,
                   alibi_slopes=alibi_slopes, bias=bias, mask=mask, score_mod=score_mod,
                   mask_mod=mask_mod)
-    return _backward(pb, dout, dtensors)
+    return _backward(pb, dout, dtensors, dlse)
 
 
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
@@ -513,7 +518,7 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               seqused_k=None, causal=False, window=None, scale=None,
                               softcap=None, alibi_slopes=None, bias=None, mask=None,
                               score_mod=None, mask_mod=None, device=None, precision=None,
-                              deterministic=True, dtensors=True):
+                              deterministic=True, dtensors=True, dlse=None):
     """Gradients of varlen_attention() in float64: Grads(dq, dk, dv, dbias, dtensors).
 
     As attention_backward; rows that are not real (past seqused, or after cu_seqlens[-1]) get
@@ -523,4 +528,4 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                   used_q=seqused_q, used_k=seqused_k, causal=causal, window=window, scale=scale,
                   softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
                   score_mod=score_mod, mask_mod=mask_mod)
-    return _backward(pb, dout, dtensors)
+    return _backward(pb, dout, dtensors, dlse)

@@ -93,6 +93,9 @@ typedef struct {
     tensor4 q, k, v, out;
     /* lse (B, Hq, Sq), float32 (float64 for DT_F64): s[0], s[1], s[2] used */
     tensor4 lse;
+    /* backward: the gradient of lse, laid out as lse is (ptr NULL without one); it joins dS as
+     * delta does, with the opposite sign: dS = P (dP - delta + dlse) */
+    tensor4 dlse;
 
     /* varlen: cu_seqlens_* (B + 1), seqused_* (B); non-varlen seqlens_* use seqused_* alone */
     const int32_t *cu_seqlens_q, *cu_seqlens_k;

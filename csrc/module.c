@@ -544,8 +544,11 @@ static PyObject *c_backward(PyObject *module, PyObject *prob)
         || get_tensor(prob, "dk", 4, p.dtype, 1, &bs, &p.dk, sh) || shape_is("dk", sh, Bm, p.Sk, p.Hk, p.D)
         || get_tensor(prob, "dv", 4, p.dtype, 1, &bs, &p.dv, sh) || shape_is("dv", sh, Bm, p.Sk, p.Hk, p.Dv)
         || get_tensor(prob, "dbias", 4, acc, 1, &bs, &p.dbias, sh)
-        || (p.dbias.ptr && shape_is("dbias", sh, bias_shape[0], bias_shape[1], bias_shape[2], bias_shape[3])))
+        || (p.dbias.ptr && shape_is("dbias", sh, bias_shape[0], bias_shape[1], bias_shape[2], bias_shape[3]))
+        || get_tensor(prob, "dlse", 3, acc, 0, &bs, &p.dlse, sh)
+        || (p.dlse.ptr && shape_is("dlse", sh, 1, Bm, p.Hq, p.Sq)))
         goto fail;
+    p.dlse.s[0] = p.dlse.s[1]; p.dlse.s[1] = p.dlse.s[2]; p.dlse.s[2] = p.dlse.s[3]; p.dlse.s[3] = 0;
     if (!p.dout.ptr || !p.dq.ptr || !p.dk.ptr || !p.dv.ptr || (p.dbias.ptr != NULL) != (p.bias.ptr != NULL)) {
         PyErr_SetString(PyExc_ValueError, "attnext._C: dout, dq, dk, dv (and dbias with a bias) are required");
         goto fail;

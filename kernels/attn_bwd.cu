@@ -10,7 +10,7 @@
  *   varlen: B = 1 in memory, sequence b at rows cu_seqlens[b].. (seqlen.h)
  *
  * Kernels, in launch order (attnext/cuda_backend.py):
- *   attn_bwd_pre        delta = rowsum(dout * out) (0 for padding rows); zeroes dq_accum
+ *   attn_bwd_pre        delta = rowsum(dout * out) - dlse (0 for padding rows); zeroes dq_accum
  *   attn_bwd_dkdv       one CTA per (key tile, kv head, sequence): K, V stay in shared memory,
  *                       the query tiles of every query head of the GQA group stream past
  *                       (q_range: only tiles inside the causal / window band);
@@ -270,6 +270,11 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
     const int64_t r_base = (int64_t)blockIdx.x * PRE_ROWS;
     /* lse of a row, read beside its dout and out: -inf inside the length is a row that keeps no key */
     const float *gl = (const float *)p.lse.ptr + sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + sq.start * p.lse.s[2];
+    /* lse's gradient, where given: delta - dlse takes delta's place (dS = P (dP - delta + dlse));
+     * a row that keeps no key ignores it */
+    const float *gdl = p.dlse.ptr ? (const float *)p.dlse.ptr + sq.mem_b * p.dlse.s[0] + h * p.dlse.s[1]
+                                        + sq.start * p.dlse.s[2]
+                                  : nullptr;
     bool dead = false, lost = false;
     if (HEAD_DIM_V % CHUNK == 0 && p.dout.s[3] == 1 && p.out.s[3] == 1 && p.dout.s[1] % CHUNK == 0
         && p.out.s[1] % CHUNK == 0 && aligned16(gdo) && aligned16(go)) {
@@ -298,7 +303,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
             const int i = (k * (PRE_THREADS / 32) + warp) * rc::R + lane / rc::L;
             const int64_t r = r_base + i;
             if (lane % rc::L == 0 && i < PRE_ROWS && r < sq.rows)
-                gd[r * p.delta.s[2]] = acc[k];
+                gd[r * p.delta.s[2]] = acc[k] - (gdl && r < sq.len && lse[k] != NEG_INF ? gdl[r * p.dlse.s[2]] : 0.f);
             dead |= lse[k] == NEG_INF;
             lost |= lse_is_lost(lse[k]);
         }
@@ -320,7 +325,8 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
             for (int o = 16; o > 0; o >>= 1)
                 acc += __shfl_xor_sync(0xffffffffu, acc, o);
             if (lane == 0)
-                gd[r * p.delta.s[2]] = acc;
+                gd[r * p.delta.s[2]] = acc - (gdl && r < sq.len && gl[r * p.lse.s[2]] != NEG_INF ? gdl[r * p.dlse.s[2]]
+                                                                                                   : 0.f);
         }
     }
     /* the loop re-reads lse a row at a time: only in a block that saw a lost row (a barrier) */

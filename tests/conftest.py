@@ -262,7 +262,7 @@ def entry_points(varlen):
             reference.varlen_attention_backward)
 
 def check_backend(q, k, v, rng, *, varlen=None, backward=True, out=None, dout=None, cond=1.0,
-              **opts):
+              dlse=None, **opts):
     """Runs the TEST_DEVICE backend's forward (and backward) and the reference on the same inputs; checks
     out, lse, dq, dk, dv and dbias (shapes, dtypes, values). Returns what it computed.
 
@@ -270,7 +270,8 @@ def check_backend(q, k, v, rng, *, varlen=None, backward=True, out=None, dout=No
     (cu_seqlens_q, cu_seqlens_k and optionally max_seqlen_*, seqused_*). opts are the shared
     keyword options (causal, window, bias, mask, layout, ...). cond multiplies the relative
     float32 / float64 allowance, for problems whose scores are large enough that their own
-    round-off (eps * |score|) exceeds it.
+    round-off (eps * |score|) exceeds it. dlse: a function of the forward's lse giving the
+    backward's lse gradient (both backends get it), or None.
     """
     fwd, bwd, rfwd, rbwd = entry_points(varlen)
     lengths = dict(varlen or {})
@@ -297,8 +298,9 @@ def check_backend(q, k, v, rng, *, varlen=None, backward=True, out=None, dout=No
         return result
     if dout is None:
         dout = randn(rng, res_out.shape, dtype)
-    g = bwd(dout, q, k, v, res_out, lse, **lengths, device=TEST_DEVICE, **opts)
-    rg = rbwd(dout, q, k, v, res_out, lse, **lengths, **opts)
+    more = {} if dlse is None else {"dlse": dlse(lse)}
+    g = bwd(dout, q, k, v, res_out, lse, **lengths, device=TEST_DEVICE, **opts, **more)
+    rg = rbwd(dout, q, k, v, res_out, lse, **lengths, **opts, **more)
     problems = compare_grads(g, rg, q, k, v, dout, res_out, r_out, varlen, opts, cond)
     assert not problems, "\n".join(problems)
     assert (g.dq[dead] == 0).all(), "dq: a row that keeps no key is not exactly 0"

@@ -737,7 +737,8 @@ def _dbias_buffer(stage, o, host):
 
 def _backward_plan(o, device, views, extra, deterministic, gen=None):
     """The backward's plan for this call (made on the first call of its key). views: q4, k4, v4,
-    dout4, out4, lse3, dq4, dk4, dv4, dbias4 (the kernels' views, dbias4 None without a bias);
+    dout4, out4, lse3, dq4, dk4, dv4, dbias4, dlse3 (the kernels' views, dbias4 None without a
+    bias, dlse3 without lse's gradient);
     gen: the generated score_mod / mask_mod or None."""
     q_rows = _query_rows(o) if o.varlen else o.Sq
     k_rows = _key_rows(o) if o.varlen else o.Sk
@@ -838,7 +839,7 @@ def _backward_specs(ns, gen):
 
 
 def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, gen):
-    q4, k4, v4, dout4, out4, lse3, dq4, dk4, dv4, dbias4 = views
+    q4, k4, v4, dout4, out4, lse3, dq4, dk4, dv4, dbias4, dlse3 = views
     prob, features = _common(o, device, q4, k4, v4, extra)
     generated = None if gen is None else gen.source
     features["vec"] = features["vec"] and _vec_ok(dout4, o.Dv)
@@ -850,7 +851,7 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
     # the dK/dV kernel (its grid's x) in 32-bit words
     accum_shape = (q4.shape[0], o.Hq, q4.shape[1], o.D + o.D % 2)
     sem_shape = (o.B, o.Hq, _query_tiles(q_rows, PRE_ROWS) * ns.sem_words)
-    prob.out, prob.dout, prob.lse, prob.dbias = _t(out4), _t(dout4), _t(lse3), _t(dbias4)
+    prob.out, prob.dout, prob.lse, prob.dbias, prob.dlse = _t(out4), _t(dout4), _t(lse3), _t(dbias4), _t(dlse3)
     prob.dq, prob.dk, prob.dv = _t(dq4), _t(dk4), _t(dv4)
     prob.delta = _t(delta[None] if o.varlen else delta)
     if ns.atomic:
@@ -873,9 +874,9 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
     return _Plan(template, tuple(launches), total, tuple((slot, off) for (slot, _), off in zip(slots, offsets)), zero)
 
 
-def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, deterministic):
+def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, deterministic, dlse=None):
     """The backward of a problem api.py normalised; dout, out (caller's layout) and lse as the
-    forward returned them (NumPy arrays or DevViews).
+    forward returned them, dlse (lse's gradient, lse's layout) or None (NumPy arrays or DevViews).
 
     NumPy call (dq_host, dk_host, dv_host given; dbias_host the float32 compact dbias when there
     is a bias): fills them and returns them. GPU call (all None): returns (dq, dk, dv, dbias) as
@@ -897,12 +898,14 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
     host = dq_host is not None
     with staging.Staging(o.cuda_device, o.cuda_stream) as stage:
         if host:
-            stage.pin(_host_inputs(o, dout, out, lse), (dq_host, dk_host, dv_host))
+            stage.pin(_host_inputs(o, dout, out, lse, dlse), (dq_host, dk_host, dv_host))
         q4, k4, v4 = (_put(stage, x) for x in (o.q4, o.k4, o.v4))
         dout4 = _kernel_layout(o, _put(stage, dout))
         out4 = _kernel_layout(o, _put(stage, out))
         lse_v = _put(stage, lse)
         lse3 = lse_v[None] if o.varlen else lse_v
+        dlse3 = None if dlse is None else _put(stage, dlse)
+        dlse3 = None if dlse3 is None else dlse3[None] if o.varlen else dlse3
         dq, dq_res = _result(stage, host, o.q.shape, o.q.dtype)
         dk, dk_res = _result(stage, host, o.k.shape, o.q.dtype)
         dv, dv_res = _result(stage, host, o.v.shape, o.q.dtype)
@@ -915,12 +918,12 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
         extra = _extras(ko, stage)
         if host:
             stage.uploads_done()
-        views = (q4, k4, v4, dout4, out4, lse3, dq4, dk4, dv4, dbias)
+        views = (q4, k4, v4, dout4, out4, lse3, dq4, dk4, dv4, dbias, dlse3)
         plan = _backward_plan(ko, stage.device, views, extra, deterministic, None if mods is None else mods.gen)
         ptrs = ((q4.ptr, k4.ptr, v4.ptr, out4.ptr, lse3.ptr, None, None)
                 + tuple(None if x is None else x.ptr for x in extra)
-                + (dout4.ptr, dq4.ptr, dk4.ptr, dv4.ptr, None if dbias is None else dbias.ptr, None, None,
-                   None, None, None))
+                + (dout4.ptr, dq4.ptr, dk4.ptr, dv4.ptr, None if dbias is None else dbias.ptr,
+                   None if dlse3 is None else dlse3.ptr, None, None, None, None, None))
         if mods is None:
             _launch(plan, stage, ptrs, o)
         else:

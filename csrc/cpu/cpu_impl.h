@@ -725,6 +725,9 @@ int FN(cpu_backward)(const attn_params *p)
                         dl += row[d] * dor_i[d];
                     lost |= FN(lse_lost)(L);
                 }
+                if (L != -INFINITY && p->dlse.ptr)     /* dS = P (dP - delta + dlse) */
+                    dl -= *(const T *)((const T *)p->dlse.ptr + sq.mem_b * p->dlse.s[0] + h * p->dlse.s[1]
+                                       + (sq.start + r0 + i) * p->dlse.s[2]);
                 lm[g * BQ + i] = L;
                 lz[g * BQ + i] = 0;
                 delta[g * BQ + i] = dl;

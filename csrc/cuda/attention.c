@@ -14,8 +14,8 @@
  *   k_rows_max        the backward's longest key sequence (attn_bwd_dead; attn_params.h)
  *   max_rows_q, max_rows_k   varlen: the most rows of a segment, what the grid covers
  *                     (attn_params.h; 0: the tensor's rows)
- *   q, k, v, out, dout, dq, dk, dv, lse, dbias, bias, mask, alibi, delta, dq_accum, dq_sem: each None or a
- *   tuple (ptr, shape, strides) with shape and strides (in elements) of the ranks in
+ *   q, k, v, out, dout, dq, dk, dv, lse, dbias, dlse, bias, mask, alibi, delta, dq_accum, dq_sem:
+ *   each None or a tuple (ptr, shape, strides) with shape and strides (in elements) of the ranks in
  *   attn_params.h; only their shapes and strides are kept (None: the feature is off)
  *
  * cuda_launch_attention(fn, grid, block, smem, stream, template, ptrs, scale, softcap) launches
@@ -103,8 +103,8 @@ typedef struct {
     X(lse_accum, lse_accum) X(bias, bias.ptr) X(mask, mask.ptr) X(alibi, alibi.ptr)               \
     X(cu_seqlens_q, cu_seqlens_q) X(cu_seqlens_k, cu_seqlens_k) X(seqused_q, seqused_q)          \
     X(seqused_k, seqused_k) X(dout, dout.ptr) X(dq, dq.ptr) X(dk, dk.ptr) X(dv, dv.ptr)           \
-    X(dbias, dbias.ptr) X(delta, delta.ptr) X(dq_accum, dq_accum.ptr) X(dq_sem, dq_sem.ptr)       \
-    X(dead, dead) X(row_mz, row_mz)
+    X(dbias, dbias.ptr) X(dlse, dlse.ptr) X(delta, delta.ptr) X(dq_accum, dq_accum.ptr)           \
+    X(dq_sem, dq_sem.ptr) X(dead, dead) X(row_mz, row_mz)
 #define PTR_OFFSET(name, f) offsetof(attn_params, f),
 #define PTR_NAME(name, f) #name,
 static const size_t PTR_FIELDS[] = {PTR_FIELD_LIST(PTR_OFFSET)};
@@ -161,12 +161,13 @@ static PyObject *c_attn_template(PyObject *module, PyObject *prob)
         || attr_tensor(prob, "mask", 4, &p->mask, NULL) || attr_tensor(prob, "alibi", 2, &p->alibi, NULL)
         || attr_tensor(prob, "dout", 4, &p->dout, NULL) || attr_tensor(prob, "dq", 4, &p->dq, NULL)
         || attr_tensor(prob, "dk", 4, &p->dk, NULL) || attr_tensor(prob, "dv", 4, &p->dv, NULL)
-        || attr_tensor(prob, "dbias", 4, &p->dbias, NULL)
+        || attr_tensor(prob, "dbias", 4, &p->dbias, NULL) || attr_tensor(prob, "dlse", 3, &p->dlse, NULL)
         || attr_tensor(prob, "delta", 3, &p->delta, NULL) || attr_tensor(prob, "dq_accum", 4, &p->dq_accum, NULL)
         || attr_tensor(prob, "dq_sem", 3, &p->dq_sem, NULL))
         return NULL;
     /* lse (Bm, Hq, Sq) and alibi (B, Hq) arrive padded at the front; move them to s[0].. */
     p->lse.s[0] = p->lse.s[1]; p->lse.s[1] = p->lse.s[2]; p->lse.s[2] = p->lse.s[3]; p->lse.s[3] = 0;
+    p->dlse.s[0] = p->dlse.s[1]; p->dlse.s[1] = p->dlse.s[2]; p->dlse.s[2] = p->dlse.s[3]; p->dlse.s[3] = 0;
     p->delta.s[0] = p->delta.s[1]; p->delta.s[1] = p->delta.s[2]; p->delta.s[2] = p->delta.s[3]; p->delta.s[3] = 0;
     p->dq_sem.s[0] = p->dq_sem.s[1]; p->dq_sem.s[1] = p->dq_sem.s[2]; p->dq_sem.s[2] = p->dq_sem.s[3]; p->dq_sem.s[3] = 0;
     p->alibi.s[0] = p->alibi.s[2]; p->alibi.s[1] = p->alibi.s[3]; p->alibi.s[2] = p->alibi.s[3] = 0;

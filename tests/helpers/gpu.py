@@ -29,11 +29,12 @@ GPU_OPTS = ("bias", "mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seq
             "seqused_k")
 
 
-def run_gpu(torch, q, k, v, *, varlen=None, backward=True, **opts):
+def run_gpu(torch, q, k, v, *, varlen=None, backward=True, dlse=None, **opts):
     """Forward (and backward) on CUDA tensors, then the reference on the same NumPy inputs;
     checks out, lse, dq, dk, dv, dbias and the dtensors (conftest.check_dtensors). Returns what
     conftest.check_backend returns (out, lse, grads and dout on the host, the reference's ref_out, ref_lse, ref_grads);
-    grads, ref_grads and dout None without the backward."""
+    grads, ref_grads and dout None without the backward. dlse: as check_backend's (a function of
+    the host lse; the GPU call gets its result as a CUDA tensor)."""
     lengths = dict(varlen or {})
     fwd, bwd, rfwd, rbwd = entry_points(varlen)
     dtype = np.dtype(q.dtype)
@@ -52,9 +53,11 @@ def run_gpu(torch, q, k, v, *, varlen=None, backward=True, **opts):
     if not backward:
         return result
     dout = randn(np.random.default_rng(5), out.shape, dtype)
-    g = bwd(to_gpu(torch, dout), tq, tk, tv, t_out, t_lse, **gopts)
+    h_dlse = None if dlse is None else dlse(lse)
+    more = {} if dlse is None else {"dlse": to_gpu(torch, h_dlse)}
+    g = bwd(to_gpu(torch, dout), tq, tk, tv, t_out, t_lse, **gopts, **more)
     host = type(g)(*(to_host(torch, x) for x in g[:4]), g.dtensors)
-    rg = rbwd(dout, q, k, v, out, lse, **lengths, **opts)
+    rg = rbwd(dout, q, k, v, out, lse, **lengths, **opts, **({} if dlse is None else {"dlse": h_dlse}))
     problems = compare_grads(host, rg, q, k, v, dout, out, r_out, varlen, opts)
     assert not problems, "\n".join(problems)
     result.grads, result.ref_grads, result.dout = host, rg, dout

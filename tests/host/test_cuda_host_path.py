@@ -75,7 +75,7 @@ def test_a_plan_is_reused_by_its_key_only(fake_driver):
         assert LAUNCHES[-1][6][13] and not LAUNCHES[-1][6][12]       # seqused_k given, seqused_q not
         assert warm["k stride"][0][5]["k"] == (200 * 2 * 256, 2 * 256, 128, 1)
         assert dict(warm["unaligned q"][0][0][2])["VEC_LOAD"] == 0 == 1 - dict(warm["plain"][0][0][2])["VEC_LOAD"]
-        assert [l[0][1] for l in warm["decode"]] == ["attn_fwd", "attn_fwd_combine"]
+        assert [l[0][1] for l in warm["decode"]] == ["attn_fwd", "attn_fwd_combine"], warm["decode"]
 
         # a fresh (contiguous) out is out= of the same layout: one plan
         attnext.attention(q, k, v, **base)
@@ -297,7 +297,7 @@ def _prob(**changes):
         device=0, dtype=1, B=2, causal=0, window_left=-1, window_right=-1, bias_dtype=2, alibi_dtype=2,
         bias_heads=1, mask_heads=1, num_splits=1, dq_write_last=0, k_rows_max=0, max_rows_q=0, max_rows_k=9,
         q=t, k=t, v=t, out=t, lse=None, bias=None, mask=None,
-        alibi=None, dout=None, dq=None, dk=None, dv=None, dbias=None, delta=None, dq_accum=None, dq_sem=None)
+        alibi=None, dout=None, dq=None, dk=None, dv=None, dbias=None, dlse=None, delta=None, dq_accum=None, dq_sem=None)
     vars(prob).update(changes)
     return prob
 
@@ -326,7 +326,7 @@ def test_attn_template_refuses(changes, exc, match):
     (1, (1, 1), TypeError, "grid must be a 3-tuple"),
     (2, [128, 1, 1], TypeError, "block must be a 3-tuple"),
     (5, b"short", TypeError, "template must come from attn_template"),
-    (6, (1,) * 25, TypeError, "ptrs must be a tuple of at most 24"),
+    (6, (1,) * 26, TypeError, "ptrs must be a tuple of at most 25"),
     (6, (None, 16, 16), ValueError, "q, k, v missing"),
     (6, (16, None, 16), ValueError, "q, k, v missing"),
     (0, "not a capsule", TypeError, "capsule from module_function"),
