@@ -5,6 +5,7 @@
     out, lse = attnext.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True)   # packed (T, H, D)
     grads = attnext.attention_backward(dout, q, k, v, out, lse, causal=True)
     out = attnext.attention(q, k, v, score_mod=fn, mask_mod=keep)  # FlexAttention-style callbacks
+    out, lse = attnext.merge([o1, o2], [lse1, lse2])              # parts over disjoint keys -> the whole
 
 `attnext.reference` is the float64 NumPy definition every backend is tested against;
 `attnext.testing.assert_close` holds any implementation to it; `attnext.info()` says which
@@ -48,6 +49,7 @@ from .types import CompileError, Grads  # noqa: E402
 from .blockmask import BlockMask, block_mask  # noqa: E402
 from .api import (attention, attention_backward, cache_info, info, varlen_attention,
                   varlen_attention_backward)
+from .merge import merge  # noqa: E402
 
-__all__ = ["attention", "varlen_attention", "attention_backward", "varlen_attention_backward",
+__all__ = ["attention", "varlen_attention", "attention_backward", "varlen_attention_backward", "merge",
            "info", "cache_info", "block_mask", "BlockMask", "reference", "Grads", "CompileError", "__version__"]

@@ -526,10 +526,15 @@ def sm90_bwd_variants():
     return list(unique.values())
 
 
+def merge_variants():
+    """attnext.merge's kernel (attn_merge.cu), one variant per dtype of the parts."""
+    return [("attn_merge", {"MERGE_DT": code}) for code in sorted(DTYPE_CODES.values())]
+
+
 def variants(arch=None):
     """Every (kernel, defines) warmup compiles for arch (None: those of every architecture)."""
     hopper = sm90_fwd_variants() + sm90_bwd_variants() if arch in (None, "sm_90a") else []
-    return fwd_variants() + bwd_variants() + hopper
+    return fwd_variants() + bwd_variants() + hopper + merge_variants()
 
 
 def mod_sample():
