@@ -50,7 +50,7 @@ def _helper(value):
             and (value.__module__ or "").split(".")[0] not in _STABLE_MODULES)
 
 
-def _rebound(fn, replace, memo=None):
+def _rebound(fn, replace, memo=None, first=None):
     """fn rebuilt from the same code object with every NumPy or CUDA array it names (closure
     cells, globals named in its code, default arguments; module docstring) replaced by
     replace(name, value, desc), desc what _captured gives; the plain functions it names (a
@@ -58,14 +58,15 @@ def _rebound(fn, replace, memo=None):
     captured under their names. fn itself where nothing is replaced. Non-function callables
     are returned as they are. memo: id(function) -> its rebuilt self (None while it is being
     rebuilt: a recursive helper keeps calling the original). A bound method or a callable
-    object (its class's __call__) is its function rebound, called on a _SelfView of its self."""
+    object (its class's __call__) is its function rebound, called on a _SelfView of its self.
+    first(name, value), where given, replaces each named value before _captured sees it."""
     if not isinstance(fn, types.FunctionType):
         bound = _bound_self(fn)
         if bound is None:
             return fn
         func, obj = bound
         view = _SelfView.of(func, obj, replace, memo if memo is not None else {})
-        return fn if view is None else types.MethodType(_rebound(func, replace, view._memo), view)
+        return fn if view is None else types.MethodType(_rebound(func, replace, view._memo, first), view)
     memo = {} if memo is None else memo
     if id(fn) in memo:
         return memo[id(fn)] or fn
@@ -73,7 +74,9 @@ def _rebound(fn, replace, memo=None):
 
     def swap(name, value):
         if _helper(value):
-            return _rebound(value, replace, memo)
+            return _rebound(value, replace, memo, first)
+        if first is not None:
+            value = first(name, value)
         desc = _captured(name, value)
         return value if desc is None else replace(name, value, desc)
 
@@ -241,6 +244,13 @@ def numpy_views(fn):
 def with_arrays(fn, arrays):
     """fn rebuilt with the captured arrays named in `arrays` (name -> array) replaced."""
     return _rebound(fn, lambda name, value, desc: arrays.get(name, value))
+
+
+def with_values(fn, first):
+    """fn rebuilt with each value it names the way tracing captures arrays replaced by
+    first(name, value) before attnext reads it (attnext.torch: its captured tensors detached,
+    which attnext may then read; the originals, which require grad, it refuses)."""
+    return _rebound(fn, lambda name, value, desc: value, first=first)
 
 
 # modules whose attributes a traced function may read (np.where, math.pi) and that never change;
