@@ -66,7 +66,9 @@ BWD_FLOPS_FACTOR = 2.5             # the backward's five products against the fo
 REF_SCORE_BYTES = 1 << 30          # float32 score matrix per reference chunk
 WALL_CALLS = 5                     # back-to-back calls of the wall-clock cross-check
 WALL_SUSPECT = 0.5                 # do_bench / wall below this marks an attnext time "?"
-NUMPY_REPS = 10                    # wall-clock repetitions of the NumPy rows and their floor
+NUMPY_REPS = 20                    # wall-clock repetitions of the NumPy rows and their floor
+NUMPY_WARMUP = 3                   # untimed calls before them (a NumPy input's registration is
+                                   # kept from its second call on: the steady state is timed)
 DEVICE = "cuda"                    # where the torch tensors live (the tests run the rows on "cpu")
 PEERS = ("flash", "cudnn", "efficient", "flex")
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
@@ -361,7 +363,9 @@ class Run:
         self.sync()
         return 1e3 * (time.perf_counter() - t0) / calls
 
-    def wall_median(self, fn, reps=NUMPY_REPS):
+    def wall_median(self, fn, reps=NUMPY_REPS, warmup=NUMPY_WARMUP):
+        for _ in range(warmup):
+            fn()
         times = []
         for _ in range(reps):
             self.sync()
@@ -917,7 +921,8 @@ def make_timer(warmup, rep):
     def timer(fn):
         return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
     return timer, (f"triton.testing.do_bench medians (warmup {warmup} ms, rep {rep} ms, "
-                   f"L2 flushed before each call); NumPy rows: wall-clock medians of {NUMPY_REPS}")
+                   f"L2 flushed before each call); NumPy rows: wall-clock medians of {NUMPY_REPS} after "
+                   f"{NUMPY_WARMUP} untimed calls")
 
 
 def _event_median(fn, warmup, rep):
