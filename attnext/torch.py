@@ -14,8 +14,10 @@ bias, and each tensor a score_mod captures that requires grad (only those: atten
 dtensors=). A CPU tensor runs on attnext's CPU backend, a CUDA tensor on its device in place.
 
 score_mod and mask_mod are not tensors, so the ops take an integer key into a registry of the
-callbacks of live calls (weak references: a callback that is garbage collected leaves it);
-torch.compile traces the key as a constant, and the op is opaque to it (no graph break).
+callbacks seen (strong references: a process that makes a new lambda every step grows it by a
+small entry a step); torch.compile traces the key as a constant, and the op is opaque to it (no
+graph break). The tensors a score_mod captures that require grad are op inputs, found in its
+closure, globals or defaults under torch.compile (docs/torch.md).
 torch is imported by this module alone: attnext's core never imports it.
 """
 from __future__ import annotations
@@ -50,8 +52,8 @@ def _callback(key, what):
         return None
     fn = _CALLBACKS.get(key)
     if fn is None:
-        raise RuntimeError(f"attnext.torch: the {what} of this call was garbage collected before "
-                           f"the op ran; keep a reference to it while the graph runs")
+        raise RuntimeError(f"attnext.torch: no {what} is registered under key {key} in this process "
+                           f"(a graph traced in another process?); call the function once here first")
     return fn
 
 
@@ -213,8 +215,6 @@ def _setup(ctx, inputs, output):
     ctx.has_aux = [a is not None for a in [bias] + aux]
     ctx.n_captured = len(captured)
     ctx.save_for_backward(q, k, v, output[0], output[1], *[a for a in [bias] + aux if a is not None], *captured)
-    # the callbacks stay alive until the backward has run
-    ctx.callbacks = tuple(_CALLBACKS.get(key) for key in inputs[6:8])
 
 
 def _backward(ctx, grads):

@@ -41,11 +41,12 @@ array's bases) in an earlier call too: a caller who passes the same arrays again
 benchmark, a notebook cell run twice) pays for registering them once, not per call, and their
 DMAs start at once. The kept registration is the owner's whole data in one piece, however
 little of it the call reads: any copy the caller makes later of the owner or a view of it
-(torch.from_numpy(q).cuda()) then lies inside one registration, which CUDA needs. The registration goes when the owner is deallocated (a weakref finalizer:
-NumPy clears weak references before it frees the data, and refuses to resize an array that has
-them, so the data never moves meanwhile) or when the kept bytes pass KEEP_BYTES (least recently
-used first). Memory whose root is a
-PinnedBuffer (attnext's pinned results) is used as it is, with no driver call.
+(torch.from_numpy(q).cuda()) then lies inside one registration, which CUDA needs. The
+registration goes when the owner is deallocated (a weakref finalizer: NumPy clears weak
+references before it frees the data, and refuses to resize an array that has them, so the data
+never moves meanwhile) or when the kept bytes pass KEEP_BYTES (least recently used first).
+Memory whose root is a PinnedBuffer (attnext's pinned results) is used as it is, with no driver
+call.
 
 ATTNEXT_STAGING=register (the default) pins; =ring keeps every copy on the rings (the kernel
 lab compares the two).
