@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+import ml_dtypes
+import numpy as np
 import torch
 
 from . import api
@@ -120,7 +122,7 @@ def _detached(fn):
 
 def _options(aux, score_key, mask_key, causal, window, scale, softcap, layout, precision, varlen,
              max_q, max_k):
-    opts = {name: (None if x is None else x.detach()) for name, x in zip(AUX, aux)}
+    opts = {name: _arg(x) for name, x in zip(AUX, aux)}
     opts.update(score_mod=_detached(_callback(score_key, "score_mod")),
                 mask_mod=_detached(_callback(mask_key, "mask_mod")),
                 causal={"": False, "true": True}.get(causal, causal),
@@ -140,6 +142,26 @@ def _device(q):
     return "cpu" if q.device.type == "cpu" else None
 
 
+def _arg(x):
+    """x detached, as attnext reads it: a bfloat16 CPU tensor as NumPy's ml_dtypes view of its
+    memory (NumPy cannot read torch's bfloat16)."""
+    if x is None:
+        return None
+    x = x.detach()
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return x
+
+
+def _tensor(a):
+    """attnext's result as a torch tensor: a NumPy array (what bfloat16 CPU inputs give) wrapped."""
+    if isinstance(a, np.ndarray):
+        if a.dtype == ml_dtypes.bfloat16:
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+    return a
+
+
 @torch.library.custom_op("attnext::attention", mutates_args=())
 def _forward_op(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], aux: List[Optional[Tensor]],
                 captured: List[Tensor],
@@ -152,13 +174,14 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], aux: Li
     that autograd hands them their gradients)."""
     opts, lengths = _options([bias] + aux, score_key, mask_key, causal, window, scale, softcap, layout,
                              precision, varlen, max_q, max_k)
-    q, k, v = q.detach(), k.detach(), v.detach()
+    device = _device(q)
+    q, k, v = (_arg(x) for x in (q, k, v))
     if varlen:
         out, lse = api.varlen_attention(q, k, v, lengths.pop("cu_seqlens_q"), lengths.pop("cu_seqlens_k"),
-                                        **lengths, **opts, return_lse=True, device=_device(q))
+                                        **lengths, **opts, return_lse=True, device=device)
     else:
-        out, lse = api.attention(q, k, v, **opts, return_lse=True, device=_device(q))
-    return [out, lse]
+        out, lse = api.attention(q, k, v, **opts, return_lse=True, device=device)
+    return [_tensor(out), _tensor(lse)]
 
 
 def _lse_shape(q, layout, varlen):
@@ -185,17 +208,17 @@ def _backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse
     opts, lengths = _options([bias] + aux, score_key, mask_key, causal, window, scale, softcap, layout,
                              precision, varlen, max_q, max_k)
     names = _grad_names(_callback(score_key, "score_mod"))
-    args = [x.detach() for x in (dout, q, k, v, out, lse)]
+    args = [_arg(x) for x in (dout, q, k, v, out, lse)]
     more = dict(opts, device=_device(q), deterministic=deterministic,
-                dtensors=names if opts["score_mod"] is not None else True,
-                dlse=None if dlse is None else dlse.detach())
+                dtensors=names if opts["score_mod"] is not None else True, dlse=_arg(dlse))
     if varlen:
         g = api.varlen_attention_backward(*args, lengths.pop("cu_seqlens_q"), lengths.pop("cu_seqlens_k"),
                                           **lengths, **more)
     else:
         g = api.attention_backward(*args, **more)
-    dbias = g.dbias if g.dbias is not None else q.new_empty(0)
-    return [g.dq, g.dk, g.dv, dbias] + [torch.as_tensor(g.dtensors[n]).to(c) for n, c in zip(names, captured)]
+    dbias = _tensor(g.dbias) if g.dbias is not None else q.new_empty(0)
+    return ([_tensor(g.dq), _tensor(g.dk), _tensor(g.dv), dbias]
+            + [torch.as_tensor(g.dtensors[n]).to(c) for n, c in zip(names, captured)])
 
 
 @_backward_op.register_fake

@@ -23,6 +23,10 @@ Sections, bf16 unless said:
           and back (measured in the same run); wall-clock medians. The softcap row: a score_mod
           (30 tanh(s / 30)) over NumPy arrays of (2, 4096, 16, 64), its floor the plain NumPy call
           of the same shape (<= 1.2x: the score_mod's generated kernels run on the GPU).
+  adapter attnext.torch.attention (custom ops, autograd) against attnext.attention and
+          attention_backward called directly on the same tensors, B4 S4096 H16 D128 causal:
+          the forward, and the forward with its backward (the adapter's out.backward(dout)
+          against attention(return_lse=True) + attention_backward); its overhead, no target.
   mods    score_mod / mask_mod rows against FlexAttention: softcap, a relative-bias table (its
           gradient on both sides), the document mask (as a mask_mod alone and with causal=True),
           a causal sliding window; TFLOP/s of the pairs each mask keeps (attnext/bench/mods.py).
@@ -92,7 +96,9 @@ SECTION_TITLES = {"plain": "plain attention (TFLOP/s)",
                   "tf32": "float32 with precision=\"tf32\" (peers with TF32 allowed; TFLOP/s)",
                   "packed": "document-causal packed batch (TFLOP/s)",
                   "decode": "KV-cache decode (GB/s of K and V read)",
-                  "numpy": "NumPy in, NumPy out (wall-clock ms)"}
+                  "numpy": "NumPy in, NumPy out (wall-clock ms)",
+                  "adapter": "attnext.torch against direct calls on the same tensors (ms)"}
+ADAPTER = (4096, 128, True)        # (S, D, causal) of the adapter rows
 
 
 # --- pure helpers (no torch) ---
@@ -126,7 +132,7 @@ def document_lengths(total=TOKENS, parts=DOCS, seed=DOC_SEED):
 
 
 class Case(NamedTuple):
-    kind: str                      # "plain", "float32", "tf32", "packed", "decode" or "numpy"
+    kind: str                      # "plain", "float32", "tf32", "packed", "decode", "numpy", "adapter"
     B: int
     Sq: int
     Sk: int
@@ -187,7 +193,8 @@ def cases(quick=False):
     return (plain + packed
             + [Case("decode", B, 1, Sk, DECODE_HQ, DECODE_HK, DECODE_D, False) for B, Sk in decode]
             + [plain_case(S, D, c, "numpy", B) for B, S, D, c in numpy_]
-            + [Case("numpy", B, S, S, H, H, D, False, mod="softcap")])
+            + [Case("numpy", B, S, S, H, H, D, False, mod="softcap")]
+            + [plain_case(*ADAPTER, kind="adapter")])
 
 
 def _reason(e):
@@ -261,8 +268,14 @@ NUMPY_COLUMNS = [("case", 28, lambda r: r["case"]), ("ax ms", 8, _ms_cell),
                  ("s", 4, lambda r: f"{r['case_s']:.0f}"), ("target", 0, _target_cell)]
 
 
+ADAPTER_COLUMNS = [("case", 28, lambda r: r["case"]), ("dir", 7, lambda r: r["direction"]),
+                   ("axt ms", 8, _ms_cell), ("direct ms", 9, lambda r: _num(r["floor_ms"])),
+                   ("axt/direct", 10, lambda r: _ratio_cell(r["target_ratio"])),
+                   ("s", 4, lambda r: f"{r['case_s']:.0f}")]
+
+
 def columns_for(section):
-    return NUMPY_COLUMNS if section == "numpy" else RATE_COLUMNS
+    return {"numpy": NUMPY_COLUMNS, "adapter": ADAPTER_COLUMNS}.get(section, RATE_COLUMNS)
 
 
 def format_line(cells, columns):
@@ -807,6 +820,51 @@ SECTIONS = {"plain": plain_results, "float32": plain_results, "tf32": plain_resu
             "packed": packed_results, "decode": decode_results}
 
 
+def adapter_rows(run, case, case_s_start):
+    """attnext.torch.attention against attnext.attention (+ attention_backward) on the same bf16
+    CUDA tensors: the forward, then the forward with its backward. Validated against each other
+    (the same kernels: equal bits) before timing."""
+    import torch
+    import attnext.torch as axt
+    shape = (case.B, case.Sq, case.Hq, case.D)
+    q, k, v = (_randn(run, *shape).requires_grad_() for _ in range(3))
+    qd, kd, vd = (x.detach() for x in (q, k, v))
+    dout = _randn(run, *shape)
+    kw = {"causal": case.causal}
+
+    def direct_fwd():
+        return attnext.attention(qd, kd, vd, **kw)
+
+    def direct_both():
+        out, lse = attnext.attention(qd, kd, vd, return_lse=True, **kw)
+        return out, attnext.attention_backward(dout, qd, kd, vd, out, lse, **kw)
+
+    def adapter_fwd():
+        return axt.attention(q, k, v, **kw)
+
+    def adapter_both():
+        for x in (q, k, v):
+            x.grad = None
+        out = axt.attention(q, k, v, **kw)
+        out.backward(dout)
+        return out
+    rows = []
+    for direction, mine, theirs, checks in (
+            ("fwd", adapter_fwd, direct_fwd, lambda out: {"out": (out.detach(), direct_fwd())}),
+            ("fwd+bwd", adapter_both, direct_both,
+             lambda out: (lambda g: {"dq": (q.grad, g.dq), "dk": (k.grad, g.dk)})(direct_both()[1]))):
+        res = _attempt(run.time, mine, checks, mine)
+        direct = run.time(theirs)
+        ratio = res["ms"] / direct if res["ms"] and direct else None
+        rows.append({"section": "adapter", "case": case.name, "direction": direction, "B": case.B,
+                     "Sq": case.Sq, "Sk": case.Sk, "Hq": case.Hq, "Hk": case.Hk, "D": case.D,
+                     "causal": case.causal, "attnext_ms": res["ms"], "attnext_status": res["status"],
+                     "attnext_reason": res["reason"], "attnext_rel_errors": res.get("rel_errors"),
+                     "floor_ms": direct, "target": None, "target_ratio": ratio, "target_met": None,
+                     "case_s": time.perf_counter() - case_s_start})
+    return rows
+
+
 def case_rows(run, case):
     """The rows of one case (one per direction); an unexpected failure becomes rows that say so."""
     t0 = time.perf_counter()
@@ -814,6 +872,8 @@ def case_rows(run, case):
     try:
         if case.kind == "numpy":
             return numpy_row(run, case, t0)
+        if case.kind == "adapter":
+            return adapter_rows(run, case, t0)
         results = SECTIONS[case.kind](run, case)
     except Exception as e:   # e.g. out of memory making the inputs or the reference
         reason = _reason(e)

@@ -90,6 +90,27 @@ def test_the_same_numbers_as_attnext(gen):
         torch.testing.assert_close(got.detach(), torch.as_tensor(ref), rtol=0, atol=0)
 
 
+def test_bfloat16_cpu_tensors(gen):
+    """attnext reads a bfloat16 CPU tensor through NumPy's ml_dtypes view (NumPy has no torch
+    bfloat16); results and gradients come back as bfloat16 tensors, equal to attnext's API on
+    those views."""
+    import ml_dtypes
+    q, k, v = _qkv(gen, 1, 11, 13, 2, 1, 16, dtype=torch.bfloat16)
+    bias = torch.randn(2, 11, 13, generator=gen).to(torch.bfloat16).requires_grad_()
+    dout = torch.randn(1, 11, 2, 16, generator=gen).to(torch.bfloat16)
+    out = axt.attention(q, k, v, bias=bias, causal=True)
+    out.backward(dout)
+    assert out.dtype == q.grad.dtype == bias.grad.dtype == torch.bfloat16
+
+    def view(t):
+        return t.detach().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    want, lse = attnext.attention(view(q), view(k), view(v), bias=view(bias), causal=True, return_lse=True)
+    g = attnext.attention_backward(view(dout), view(q), view(k), view(v), want, lse, bias=view(bias),
+                                   causal=True)
+    for got, ref in ((out, want), (q.grad, g.dq), (k.grad, g.dk), (v.grad, g.dv), (bias.grad, g.dbias)):
+        np.testing.assert_array_equal(view(got), ref)
+
+
 def test_only_captured_tensors_that_require_grad_are_asked(gen, monkeypatch):
     q, k, v = _qkv(gen, 1, 6, 6, 2, 2, 4, dtype=torch.float32)
     wanted = torch.randn(2, 12, generator=gen, requires_grad=True)

@@ -126,7 +126,9 @@ def test_decode_bytes_and_case_grid():
     assert all(c.B * c.Sq == 16384 and c.Hq * c.D == 2048 for c in plain)
     assert len({c.name for c in full}) == len(full)
     quick = bc.cases(quick=True)
-    assert {c.kind for c in quick} == {"plain", "float32", "tf32", "packed", "decode", "numpy"}
+    assert {c.kind for c in quick} == {"plain", "float32", "tf32", "packed", "decode", "numpy", "adapter"}
+    [adapter] = [c for c in full if c.kind == "adapter"]
+    assert (adapter.Sq, adapter.D, adapter.causal, adapter.B * adapter.Sq) == (4096, 128, True, 16384)
     assert all(c.Sq == 2048 and c.D == 128 for c in quick if c.kind in ("plain", "float32", "tf32"))
     f32 = [c for c in full if c.kind in ("float32", "tf32")]
     assert len(f32) == 8 and all(c.Sq == bc.FLOAT32_S and c.B * c.Sq == 16384 for c in f32)
@@ -375,6 +377,23 @@ def test_numpy_softcap_row_on_cpu(monkeypatch):
     assert wrong["attnext_status"] == "WRONG" and wrong["attnext_ms"] is None
 
 
+def test_adapter_rows_on_cpu(monkeypatch):
+    """attnext.torch against the direct calls, on CPU tensors through attnext's CPU backend (in
+    float32: attnext's API reads no torch bfloat16 CPU tensor): both directions validated against
+    each other, timed, their ratio in the row."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(bc, "_randn", lambda run, *shape, dtype=None: torch.randn(shape))
+    run = bc.Run("cpu", lambda fn: (fn(), 2.0)[1], ())
+    rows = bc.case_rows(run, bc.Case("adapter", 1, 40, 40, 2, 2, 16, True))
+    assert [r["direction"] for r in rows] == ["fwd", "fwd+bwd"]
+    for row in rows:
+        assert row["attnext_status"] == "ok", row["attnext_reason"]
+        assert all(e == 0 for e in row["attnext_rel_errors"].values())      # the same kernels
+        assert row["attnext_ms"] == row["floor_ms"] == 2.0 and row["target_ratio"] == 1.0
+    assert bc.format_row(rows[1]).split()[:8] == ["adapter", "B1", "S40", "H2", "D16", "causal",
+                                                   "fwd+bwd", "2.00"]
+
+
 def _main_on_cpu(monkeypatch, fault=None):
     """main() as on the GPU, its rows run on CPU tensors: bench_cuda's sections through
     FakeAttnext, the mods section (tiny cases) through attnext's CPU backend."""
@@ -406,8 +425,8 @@ def test_main_end_to_end_on_cpu(monkeypatch, tmp_path, capsys, fault, status):
     assert cli.main(["--device", "cuda", "--peers", "flash", "--json", str(path),
                     "--plot", str(tmp_path / "p.png")]) == status
     text = capsys.readouterr().out
-    for title in list(bc.SECTION_TITLES.values()) + [bench_mods.MODS_TITLE]:
-        assert title in text
+    for title in [t for name, t in bc.SECTION_TITLES.items() if name != "adapter"] + [bench_mods.MODS_TITLE]:
+        assert title in text                               # (the adapter rows: test_adapter_rows_on_cpu)
     assert bench_mods.FIRST_CALL_TITLE not in text            # only with --first-call
     assert "total" in text and ("no plot" in text or "plot written" in text)
     saved = json.loads(path.read_text())
