@@ -15,15 +15,16 @@ from attnext import _C, _layout
 PACKAGE = os.path.dirname(attnext.__file__)
 ROOT = os.path.dirname(PACKAGE)
 # layers, lowest first: a module may import its own layer's and lower ones' (cuda/ builds on
-# mods/, the public modules on both; testing/ and bench/ on everything, nothing on them)
+# mods/, the public modules on both; testing/, bench/ and the torch adapter on everything,
+# nothing on them)
 LAYERS = [
     {"attnext._C", "attnext._layout", "attnext.lru", "attnext.types", "attnext._env", "attnext._version",
      "attnext.interop"},
     {"attnext.cuda.devview"},
     {"attnext.mods"},
     {"attnext.cuda"},
-    {"attnext.reference", "attnext.checks", "attnext.blockmask", "attnext.api", "attnext"},
-    {"attnext.testing", "attnext.bench", "attnext.warmup", "attnext.fuzz"},
+    {"attnext.reference", "attnext.checks", "attnext.blockmask", "attnext.api", "attnext.merge", "attnext"},
+    {"attnext.testing", "attnext.bench", "attnext.warmup", "attnext.fuzz", "attnext.torch"},
 ]
 
 
