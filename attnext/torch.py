@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from . import api
+from .merge import lse_shape
 from .mods import fingerprint
 
 __all__ = ["attention", "varlen_attention"]
@@ -184,17 +185,11 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], aux: Li
     return [_tensor(out), _tensor(lse)]
 
 
-def _lse_shape(q, layout, varlen):
-    if varlen:
-        return (q.shape[1], q.shape[0])
-    return (q.shape[0], q.shape[2], q.shape[1]) if layout == "bshd" else tuple(q.shape[:3])
-
-
 @_forward_op.register_fake
 def _(q, k, v, bias, aux, captured, score_key, mask_key, causal, window, scale, softcap, layout,
       precision, varlen, max_q, max_k, deterministic):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return [q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(_lse_shape(q, layout, varlen), dtype=acc)]
+    return [q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(lse_shape(q.shape, layout), dtype=acc)]
 
 
 @torch.library.custom_op("attnext::attention_backward", mutates_args=())
