@@ -69,6 +69,7 @@ class CpuCall:
     dv: Any = None
     dbias: Any = None
     dlse: Any = None             # backward: lse's gradient, laid out as lse, or None
+    sinks: Any = None            # (Hq,) in lse's dtype, or None
 
 
 @dataclass(slots=True)

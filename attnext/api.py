@@ -53,7 +53,7 @@ def _problem(o, out4, lse3):
         alibi=o.alibi, alibi_dtype=dtype_code(o.alibi.dtype) if o.alibi is not None else 0,
         scale=o.scale_value, softcap=o.softcap_value, causal=o.causal_code,
         window_left=o.window_left, window_right=o.window_right, num_threads=checks._num_threads(),
-        mods=None)
+        mods=None, sinks=o.sink_values)
 
 
 def _cpu_mods(o, backward):
@@ -96,7 +96,7 @@ def _trace_mods(o):
 def _reference_kwargs(o):
     kw = dict(causal=o.causal, window=o.window, scale=o.scale, softcap=o.softcap,
               alibi_slopes=o.alibi_slopes, bias=o.bias, mask=o.mask, score_mod=o.score_mod,
-              mask_mod=o.mask_mod)
+              mask_mod=o.mask_mod, sinks=o.sink_values)
     if o.varlen:
         kw.update(max_seqlen_q=o.max_q, max_seqlen_k=o.max_k, seqused_q=o.used_q, seqused_k=o.used_k)
     else:
@@ -128,7 +128,7 @@ def _in_caller_library(o, x):
 def _forward(o):
     inputs = [("q", o.q), ("k", o.k), ("v", o.v), ("bias", o.bias), ("mask", o.mask),
               ("alibi_slopes", o.alibi_slopes), ("cu_seqlens_q", o.cu_q), ("cu_seqlens_k", o.cu_k),
-              ("seqused_q", o.used_q), ("seqused_k", o.used_k)]
+              ("seqused_q", o.used_q), ("seqused_k", o.used_k), ("sinks", o.sink_values)]
     if o.out is not None:
         inputs += _captured_inputs(o)
     if o.device == "cuda" and o.on_gpu:
@@ -204,6 +204,12 @@ _OPTIONS = """\
         (B, H, max_seqlen_q, max_seqlen_k), by sequence and positions inside it). Read through
         its strides, never expanded: s += bias. Its gradient is the backward's dbias.
     mask: None, or a bool array broadcastable like bias; True = attend.
+    sinks: None, or a float array (Hq,): attention sinks (gpt-oss), a logit per query head in
+        the units of the final scores that joins each row's softmax denominator and carries no
+        value: lse = log(sum_c exp(s_c) + exp(sinks[h])), out = sum_c exp(s_c - lse) v_c. A row
+        that keeps no key gives out 0 and lse = sinks[h] (padding rows stay 0 and -inf). Host
+        arrays of any float dtype, finite or -inf (no sink); on a GPU call a CUDA float32 array
+        is read in place. Its gradient is the backward's Grads.dsinks.
     score_mod: None, or score_mod(score, b, h, q_idx, kv_idx) -> the new score. b is the batch
         item (varlen: the sequence), h the query head, q_idx and kv_idx positions inside the
         sequence, all int64; score is in the accumulation dtype. Write it with NumPy operations
@@ -259,7 +265,8 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool | str = False,
               score_mod: ScoreMod | None = None, mask_mod: MaskMod | None = None,
               seqlens_q: Array | None = None, seqlens_k: Array | None = None,
               layout: str = "bshd", return_lse: bool = False, device: str | None = None,
-              out: Array | None = None, precision: str | None = None) -> Array | tuple[Array, Array]:
+              out: Array | None = None, precision: str | None = None,
+              sinks: Array | None = None) -> Array | tuple[Array, Array]:
     """Scaled-dot-product attention: softmax(scale * q k^T + bias ...) v, per batch item and head.
 
     q: (B, Sq, Hq, D); k: (B, Sk, Hk, D); v: (B, Sk, Hk, Dv) for layout="bshd" (the default).
@@ -295,7 +302,7 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool | str = False,
         causal=causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
         bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, seqlens_q=seqlens_q,
         seqlens_k=seqlens_k, layout=layout, return_lse=return_lse, device=device, out=out,
-        precision=precision))
+        precision=precision, sinks=sinks))
     return _forward(o)
 
 
@@ -310,7 +317,8 @@ def varlen_attention(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
                      mask: Array | None = None, score_mod: ScoreMod | None = None,
                      mask_mod: MaskMod | None = None, return_lse: bool = False,
                      device: str | None = None, out: Array | None = None,
-                     precision: str | None = None) -> Array | tuple[Array, Array]:
+                     precision: str | None = None,
+                     sinks: Array | None = None) -> Array | tuple[Array, Array]:
     """Attention over a packed batch of sequences of different lengths (FlashAttention's varlen).
 
     q: (Tq, Hq, D); k: (Tk, Hk, D); v: (Tk, Hk, Dv): the B sequences' rows one after another.
@@ -341,7 +349,7 @@ def varlen_attention(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
         causal=causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
         bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, seqlens_q=None,
         seqlens_k=None, layout="thd", return_lse=return_lse, device=device, out=out,
-        precision=precision), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+        precision=precision, sinks=sinks), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
         seqused_k, varlen=True)
     return _forward(o)
 
@@ -377,7 +385,8 @@ def _backward(o, dout, out, lse, deterministic, dtensors, dlse):
         dbias = None if g.dbias is None else g.dbias.astype(o.bias.dtype)
         captured = {} if not g.dtensors else fingerprint.captured_arrays(o.score_mod)
         return _host_grads(o, g.dq.astype(o.q.dtype), g.dk.astype(o.q.dtype), g.dv.astype(o.q.dtype),
-                           dbias, {n: interop.to_library(x, captured[n]) for n, x in g.dtensors.items()})
+                           dbias, {n: interop.to_library(x, captured[n]) for n, x in g.dtensors.items()},
+                           None if g.dsinks is None else g.dsinks.astype(o.acc_dtype))
     gpu = o.device == "cuda"     # host q, k, v on the GPU: staged (cuda/staging.py), mods included
     dq = _new_output(o.q.shape, o.q.dtype, pinned=gpu)
     dk = _new_output(o.k.shape, o.q.dtype, pinned=gpu)
@@ -387,9 +396,9 @@ def _backward(o, dout, out, lse, deterministic, dtensors, dlse):
         dbias_acc = None
         if o.bias is not None:
             dbias_acc = np.zeros((1,) * (4 - o.bias.ndim) + o.bias.shape, dtype=o.acc_dtype)
-        cuda_backend.backward(o, dout, out, lse, dq, dk, dv, dbias_acc, deterministic, dlse)
+        dsinks = cuda_backend.backward(o, dout, out, lse, dq, dk, dv, dbias_acc, deterministic, dlse)[4]
         dbias = None if dbias_acc is None else dbias_acc.reshape(o.bias.shape).astype(o.bias.dtype)
-        return _host_grads(o, dq, dk, dv, dbias, o.dtensors if o.dtensors is not None else {})
+        return _host_grads(o, dq, dk, dv, dbias, o.dtensors if o.dtensors is not None else {}, dsinks)
     ko, mods = _cpu_mods(o, backward=True)
     prob = _problem(ko, _as_bshd(o, out), _lse_3d(o, lse))
     prob.dout = _c_view(_as_bshd(o, dout))
@@ -407,22 +416,49 @@ def _backward(o, dout, out, lse, deterministic, dtensors, dlse):
         prob.dbias = np.lib.stride_tricks.as_strided(dbias_acc, target, strides)
     _C.backward(prob)
     dbias = None if dbias_acc is None else dbias_acc.reshape(o.bias.shape).astype(o.bias.dtype)
-    return _host_grads(o, dq, dk, dv, dbias, interp.dtensors(prob.mods))
+    dsinks = None if o.sink_values is None else _dsinks_on_host(o, dout, out, lse, dlse)
+    return _host_grads(o, dq, dk, dv, dbias, interp.dtensors(prob.mods), dsinks)
 
 
-def _host_grads(o, dq, dk, dv, dbias, dtensors):
-    """A host call's gradients: dq, dk, dv and dbias in q's library, dtensors as the backends
-    give them (each in its captured array's library)."""
-    return Grads(*(_in_caller_library(o, x) for x in (dq, dk, dv, dbias)), dtensors)
+def _dsinks_on_host(o, dout, out, lse, dlse):
+    """The CPU backend's sinks gradient, from the forward's results: d lse / d sink = exp(sink -
+    lse) = P_sink and d out / d sink = -P_sink out, so dsinks[h] = -sum over rows of P_sink
+    (rowsum(dout * out) - dlse), in float64 a sequence at a time. A row whose lse is its sink's
+    keeps no key (the backends' rule: what it keeps weighs under rounding): out 0, P_sink 1, it
+    gives its dlse alone. Rows of lse -inf (padding, or no key and no sink) give nothing."""
+    dout4, out4 = _as_bshd(o, dout), _as_bshd(o, out)
+    lse3 = _lse_3d(o, lse)
+    dlse3 = None if dlse is None else _lse_3d(o, dlse)
+    sinks = o.sink_values.astype(np.float64)[:, None]
+    dsinks = np.zeros(o.Hq)
+    for b in range(lse3.shape[0]):
+        lse_b = lse3[b].astype(np.float64)
+        dead = lse_b == sinks
+        live = (lse_b != -np.inf) & ~dead
+        delta = np.einsum("shd,shd->hs", dout4[b].astype(np.float64), out4[b].astype(np.float64))
+        dl = 0.0 if dlse3 is None else dlse3[b].astype(np.float64)
+        with np.errstate(invalid="ignore"):        # a -inf sink at a -inf row: not live
+            p_sink = np.where(live, np.exp(sinks - lse_b), 0.0)
+        dsinks -= np.where(live, p_sink * (delta - dl), 0.0).sum(axis=1)
+        dsinks += np.where(dead & (lse_b != -np.inf), dl, 0.0).sum(axis=1)
+    return dsinks.astype(o.acc_dtype)
+
+
+def _host_grads(o, dq, dk, dv, dbias, dtensors, dsinks=None):
+    """A host call's gradients: dq, dk, dv, dbias and dsinks in q's library, dtensors as the
+    backends give them (each in its captured array's library)."""
+    return Grads(*(_in_caller_library(o, x) for x in (dq, dk, dv, dbias)), dtensors,
+                 dsinks=_in_caller_library(o, dsinks))
 
 
 def _backward_on_gpu(o, dout, out, lse, deterministic, dlse):
     """CUDA arrays in, gradients back as the caller's library's arrays."""
     cuda_backend, device = checks.gpu_modules()
-    dq, dk, dv, dbias = cuda_backend.backward(o, dout, out, lse, None, None, None, None, deterministic, dlse)
+    dq, dk, dv, dbias, dsinks = cuda_backend.backward(o, dout, out, lse, None, None, None, None, deterministic,
+                                                      dlse)
     dq, dk, dv = (device.to_caller(x, o.like) for x in (dq, dk, dv))
-    dbias = None if dbias is None else device.to_caller(dbias, o.like)
-    return Grads(dq, dk, dv, dbias, o.dtensors if o.dtensors is not None else {})
+    dbias, dsinks = (None if x is None else device.to_caller(x, o.like) for x in (dbias, dsinks))
+    return Grads(dq, dk, dv, dbias, o.dtensors if o.dtensors is not None else {}, dsinks=dsinks)
 
 
 _GRADS = """\
@@ -445,7 +481,9 @@ _GRADS = """\
     dlse: None (default), or the gradient of the lse the forward returned, in lse's shape and
         dtype (FlashAttention-4's and FlexAttention's lse gradient): d lse / d s = P, so it
         joins each row's dS as delta does, dS = P (dP - rowsum(dout * out) + dlse). A row that
-        keeps no key ignores it. dout may be zeros where only lse is used."""
+        keeps no key ignores it (with sinks its lse is the sink's: its dlse goes to dsinks).
+        dout may be zeros where only lse is used.
+    sinks: as given to the forward; their gradient is the result's dsinks."""
 
 _RETURNS = """\
     Returns attnext.Grads(dq, dk, dv, dbias, dtensors), a named tuple: dq, dk, dv in the shapes
@@ -454,7 +492,9 @@ _RETURNS = """\
     one; dtensors: {name: gradient} of each float array the dtensors argument asks for (by
     default every one the score_mod reads), in the array's shape, dtype and library (a torch
     CPU tensor's is a torch CPU tensor; {} without a score_mod or with dtensors=False). A row
-    that keeps no key has dq exactly 0 and adds nothing to dk, dv, dbias or dtensors."""
+    that keeps no key has dq exactly 0 and adds nothing to dk, dv, dbias or dtensors. The
+    attribute dsinks (not a tuple field: five names unpack it) is sinks' gradient, (Hq,)
+    float32 (float64 for float64 q) in q's library, or None without sinks."""
 
 
 def _documented_backward(f):
@@ -473,7 +513,8 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
                        seqlens_k: Array | None = None, layout: str = "bshd",
                        device: str | None = None, precision: str | None = None,
                        deterministic: bool = True,
-                       dtensors: bool | Collection[str] = True, dlse: Array | None = None) -> Grads:
+                       dtensors: bool | Collection[str] = True, dlse: Array | None = None,
+                       sinks: Array | None = None) -> Grads:
     """Gradients of attention(q, k, v, ...) for the output gradient dout.
 
     q, k, v and every option as given to attention() (the same shapes, layout and options:
@@ -503,7 +544,7 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
         causal=causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
         bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, seqlens_q=seqlens_q,
         seqlens_k=seqlens_k, layout=layout, return_lse=False, device=device, out=None,
-        precision=precision))
+        precision=precision, sinks=sinks))
     return _backward(o, dout, out, lse, deterministic, dtensors, dlse)
 
 
@@ -520,7 +561,7 @@ def varlen_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Ar
                               mask_mod: MaskMod | None = None, device: str | None = None,
                               precision: str | None = None, deterministic: bool = True,
                               dtensors: bool | Collection[str] = True,
-                              dlse: Array | None = None) -> Grads:
+                              dlse: Array | None = None, sinks: Array | None = None) -> Grads:
     """Gradients of varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) for dout.
 
     q (Tq, Hq, D), k (Tk, Hk, D), v (Tk, Hk, Dv), the lengths (cu_seqlens_*, max_seqlen_*,
@@ -541,7 +582,7 @@ def varlen_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Ar
         causal=causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
         bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, seqlens_q=None,
         seqlens_k=None, layout="thd", return_lse=False, device=device, out=None,
-        precision=precision), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+        precision=precision, sinks=sinks), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
         seqused_k, varlen=True)
     return _backward(o, dout, out, lse, deterministic, dtensors, dlse)
 

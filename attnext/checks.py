@@ -50,6 +50,7 @@ class Problem:
     device: Optional[str] = None    # after the checks: "cpu", "cuda" or "reference"
     out: Any = None
     precision: Optional[str] = None
+    sinks: Any = None
     # where the call runs
     like: Any = None                # q as given: a GPU call's results come back as its library's
     on_gpu: bool = False
@@ -87,6 +88,7 @@ class Problem:
     window_left: int = -1
     window_right: int = -1
     alibi: Optional[np.ndarray] = None
+    sink_values: Any = None         # sinks (Hq,): host ones in acc_dtype, CUDA ones float32 (a DevView)
     bias4: Any = None
     mask4: Any = None
     bias_heads: int = 1
@@ -613,7 +615,31 @@ def normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=
             where = f"device={o.device!r}" if o.device != "cuda" else f"q on cuda:{o.cuda_device}"
             raise TypeError(f"{name} is a CUDA array on cuda:{x.device} but the call runs with {where}")
     o.acc_dtype = np.float64 if q.dtype == np.float64 else np.float32
+    o.sink_values = None if o.sinks is None else _sinks(o)
     return o
+
+
+def _sinks(o):
+    """sinks= checked: a host array (Hq,) of any float dtype, as acc_dtype (finite, or -inf for
+    no sink), or on a GPU call a CUDA float32 array (Hq,) read in place (its values unchecked)."""
+    a = _array("sinks", o.sinks)
+    if isinstance(a, DevView):
+        if o.device != "cuda" or a.device != o.cuda_device:
+            where = f"device={o.device!r}" if o.device != "cuda" else f"q on cuda:{o.cuda_device}"
+            raise TypeError(f"sinks is a CUDA array on cuda:{a.device} but the call runs with {where}")
+        if a.dtype != np.float32 or a.shape != (o.Hq,) or (o.Hq > 1 and a.strides[0] != 1):
+            raise TypeError(f"sinks as a CUDA array must be contiguous float32 of shape ({o.Hq},), "
+                            f"got {a.dtype} {a.shape} with strides {a.strides}; convert it "
+                            "(sinks.float()) or pass a host array")
+        return a
+    if a.dtype not in NUMPY_DTYPES:
+        raise TypeError(f"sinks must be a float array, got dtype {a.dtype}")
+    if a.shape != (o.Hq,):
+        raise ValueError(f"sinks must have shape ({o.Hq},) (one logit per query head), got {a.shape}")
+    a = np.ascontiguousarray(a, dtype=o.acc_dtype)
+    if np.isnan(a).any() or (a == np.inf).any():
+        raise ValueError(f"sinks must be finite (or -inf: no sink), got {a.tolist()[:8]}")
+    return a
 
 
 def _host_arrays_only(name, f, device):

@@ -10,6 +10,10 @@ actual lengths; r is a query row and c a key column, both counted from the start
     s3 = score_mod(s2, b, h, r, c)
     P  = softmax of s3 over the kept c;  out[r] = sum_c P v[c];  lse[r] = log sum_c exp(s3)
 
+With sinks (per query head logits, attention sinks as gpt-oss has them), exp(sinks[h]) joins
+each real row's denominator and carries no value: lse[r] = log(sum_c exp(s3) + exp(sinks[h])),
+P = exp(s3 - lse); a real row that keeps no key has out = 0 and lse = sinks[h].
+
 Causal masks and windows are anchored on a diagonal. For Sq != Sk (x kept, . masked):
 
     causal=True / "bottom_right"         causal="top_left"
@@ -126,7 +130,7 @@ class _Problem:
     """The arguments of one call, normalised so that every layout and varlen read alike."""
 
     def __init__(self, q, k, v, *, layout, cu_q, cu_k, used_q, used_k, causal, window, scale,
-                 softcap, alibi_slopes, bias, mask, score_mod, mask_mod):
+                 softcap, alibi_slopes, bias, mask, score_mod, mask_mod, sinks=None):
         self.varlen = cu_q is not None
         self.layout = "thd" if self.varlen else layout
         self.q, self.k, self.v = (np.asarray(x) for x in (q, k, v))
@@ -145,6 +149,20 @@ class _Problem:
         # a captured torch CPU tensor (any library's host array) is called as its NumPy view
         self.score_mod = None if score_mod is None else fingerprint.numpy_views(score_mod)
         self.mask_mod = None if mask_mod is None else fingerprint.numpy_views(mask_mod)
+        self.sinks = None if sinks is None else np.asarray(sinks, dtype=np.float64)
+
+    def sink(self, h):
+        """Query head h's sink logit, -inf without sinks (exp(-inf) = 0 joins no sum)."""
+        return -np.inf if self.sinks is None else float(self.sinks[h])
+
+    def keyless_rows(self):
+        """Yield (h, bq, rows) for every (sequence, query head) with no key: rows the slice of
+        its real query rows in the q / out / lse views (heads() skips these sequences)."""
+        for b in range(self.nseq):
+            bq, q0, lq = _seq(b, self.cu_q, self.used_q, self.q4.shape[2])
+            if _seq(b, self.cu_k, self.used_k, self.k4.shape[2])[2] == 0:
+                for h in range(self.hq):
+                    yield h, bq, slice(q0, q0 + lq)
 
     def out_and_lse(self):
         """Zeroed out (q's shape, last dim Dv) and lse (-inf), with their (batch, head, row) views."""
@@ -252,15 +270,16 @@ def _call_mod(kind, fn, args):
         raise
 
 
-def _softmax(s3):
-    """Row softmax and log-sum-exp of scores with -inf where masked.
+def _softmax(s3, sink=-np.inf):
+    """Row softmax and log-sum-exp of scores with -inf where masked, exp(sink) joining each
+    row's sum (an attention sink: no value; -inf: none).
 
-    A row with no finite score gives p = 0 and lse = -inf (no NaN, no warning).
+    A row with no finite score gives p = 0 and lse = sink (-inf without one; no NaN, no warning).
     """
-    m = s3.max(axis=1, keepdims=True)
+    m = np.maximum(s3.max(axis=1, keepdims=True), sink)
     m = np.where(np.isfinite(m), m, 0.0)   # an all -inf row: exp(-inf - 0) = 0, not NaN
     e = np.exp(s3 - m)
-    total = e.sum(axis=1, keepdims=True)
+    total = e.sum(axis=1, keepdims=True) + np.exp(sink - m)
     with np.errstate(divide="ignore"):
         lse = (m + np.log(total))[:, 0]
     return e / np.where(total > 0, total, 1.0), lse
@@ -385,20 +404,25 @@ def _add_dtensors(score_mod, arrays, ds3, sc, dtensors):
             acc[e] += _derivative(quotient, x0)[0]
 
 
-def _live(lse):
-    """(rows, 1) mask of the rows that keep a key. A row whose lse is -inf keeps none: it has
-    no path to out or to any gradient, so whatever NaN or inf sits in the keys, values or bias
-    it does not keep (or in its dout) must not reach them as 0 * NaN. A NaN lse is live."""
-    return (lse != -np.inf)[:, None]
+def _live(s3):
+    """(rows, 1) mask of the rows that keep a key (a score above -inf; a NaN one counts). A row
+    that keeps none has no path to out or to q, k, v, bias (its lse is -inf, or its sink), so
+    whatever NaN or inf sits in the keys, values or bias it does not keep (or in its dout) must
+    not reach them as 0 * NaN."""
+    return s3.max(axis=1, keepdims=True) != -np.inf
 
 
 def _forward(pb, return_lse):
     out, lse, out4, lse3 = pb.out_and_lse()
+    if pb.sinks is not None:        # the rows of a sequence without keys keep their sink alone
+        for h, bq, rows in pb.keyless_rows():
+            lse3[bq, h, rows] = pb.sink(h)
     for hd in pb.heads():
         for r0, r1 in _row_blocks(hd.lq):
-            p, lse_block = _softmax(_scores(pb, hd, r0, r1).s3)
+            s3 = _scores(pb, hd, r0, r1).s3
+            p, lse_block = _softmax(s3, pb.sink(hd.h))
             rows = slice(hd.q0 + r0, hd.q0 + r1)
-            out4[hd.bq, hd.h, rows] = np.where(_live(lse_block), p @ hd.v, 0.0)
+            out4[hd.bq, hd.h, rows] = np.where(_live(s3), p @ hd.v, 0.0)
             lse3[hd.bq, hd.h, rows] = lse_block
     return (out, lse) if return_lse else out
 
@@ -421,12 +445,20 @@ def _backward(pb, dout, dtensors, dlse=None):
     if names is not None:             # the finite differences cost a pass per element: only these
         arrays = {n: a for n, a in arrays.items() if n in names}
     dtensors = {n: np.zeros(a.shape) for n, a in arrays.items()}
+    # d lse / d sink = exp(sink - lse) = P_sink, d out / d sink = -P_sink out: the sink's
+    # gradient is -sum over real rows of P_sink (rowsum(dout * out) - dlse). A real row that keeps
+    # no key has lse = sink (P_sink = 1) and out = 0: it gives its dlse alone.
+    dsinks = None if pb.sinks is None else np.zeros(pb.sinks.shape)
+    if dsinks is not None and dlse3 is not None:
+        for h, bq, rows in pb.keyless_rows():
+            if np.isfinite(pb.sink(h)):
+                dsinks[h] += np.asarray(dlse3[bq, h, rows], dtype=np.float64).sum()
     for hd in pb.heads():
         keys = slice(hd.k0, hd.k0 + hd.lk)
         for r0, r1 in _row_blocks(hd.lq):
             sc = _scores(pb, hd, r0, r1)
-            p, lse_block = _softmax(sc.s3)
-            live = _live(lse_block)   # a dead row's dout, q and dS are taken as 0
+            p, lse_block = _softmax(sc.s3, pb.sink(hd.h))
+            live = _live(sc.s3)   # a dead row's dout, q and dS are taken as 0
             rows = slice(hd.q0 + r0, hd.q0 + r1)
             do = np.where(live, np.asarray(dout4[hd.bq, hd.h, rows], dtype=np.float64), 0.0)
             dp = do @ hd.v.T
@@ -434,6 +466,10 @@ def _backward(pb, dout, dtensors, dlse=None):
             if dlse3 is not None:     # d lse / d s = P: the lse gradient joins dS as -delta does
                 delta = delta - np.asarray(dlse3[hd.bq, hd.h, rows], dtype=np.float64)[:, None]
             ds = np.where(live, p * (dp - delta), 0.0)   # dS3
+            if dsinks is not None:    # a dead row: dout is taken as 0, delta = -dlse, P_sink = 1
+                with np.errstate(invalid="ignore"):               # sink and lse -inf: P_sink 0
+                    p_sink = np.where(lse_block == -np.inf, 0.0, np.exp(pb.sink(hd.h) - lse_block))
+                dsinks[hd.h] -= (p_sink[:, None] * delta).sum()
             if pb.score_mod is not None:
                 if arrays:
                     _add_dtensors(pb.score_mod, arrays, ds, sc, dtensors)
@@ -448,13 +484,13 @@ def _backward(pb, dout, dtensors, dlse=None):
             dk4[hd.bk, hd.hk, keys] += pb.scale * (ds.T @ np.where(live, hd.q[r0:r1], 0.0))
             dv4[hd.bk, hd.hk, keys] += p.T @ do
     dbias = None if dbias4 is None else dbias4.reshape(pb.bias_shape)
-    return Grads(dq, dk, dv, dbias, dtensors)
+    return Grads(dq, dk, dv, dbias, dtensors, dsinks=dsinks)
 
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
               bias=None, mask=None, score_mod=None, mask_mod=None, seqlens_q=None,
               seqlens_k=None, layout="bshd", return_lse=False, device=None, out=None,
-              precision=None):
+              precision=None, sinks=None):
     """Attention over padded batches, in float64: out, or (out, lse) with return_lse.
 
     q (B, Sq, Hq, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv) for layout "bshd"; "bhsd" puts heads
@@ -466,14 +502,15 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, a
     pb = _Problem(q, k, v, layout=layout, cu_q=None, cu_k=None, used_q=seqlens_q,
                   used_k=seqlens_k, causal=causal, window=window, scale=scale, softcap=softcap,
                   alibi_slopes=alibi_slopes, bias=bias, mask=mask, score_mod=score_mod,
-                  mask_mod=mask_mod)
+                  mask_mod=mask_mod, sinks=sinks)
     return _forward(pb, return_lse)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
                      seqused_q=None, seqused_k=None, causal=False, window=None, scale=None,
                      softcap=None, alibi_slopes=None, bias=None, mask=None, score_mod=None,
-                     mask_mod=None, return_lse=False, device=None, out=None, precision=None):
+                     mask_mod=None, return_lse=False, device=None, out=None, precision=None,
+                     sinks=None):
     """Attention over packed sequences, in float64: out, or (out, lse) with return_lse.
 
     q (Tq, Hq, D), k (Tk, Hk, D), v (Tk, Hk, Dv); sequence i occupies rows
@@ -486,14 +523,14 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     pb = _Problem(q, k, v, layout="thd", cu_q=cu_seqlens_q, cu_k=cu_seqlens_k,
                   used_q=seqused_q, used_k=seqused_k, causal=causal, window=window, scale=scale,
                   softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
-                  score_mod=score_mod, mask_mod=mask_mod)
+                  score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
     return _forward(pb, return_lse)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, scale=None,
                        softcap=None, alibi_slopes=None, bias=None, mask=None, score_mod=None,
                        mask_mod=None, seqlens_q=None, seqlens_k=None, layout="bshd", device=None,
-                       precision=None, deterministic=True, dtensors=True, dlse=None):
+                       precision=None, deterministic=True, dtensors=True, dlse=None, sinks=None):
     """Gradients of attention() in float64: Grads(dq, dk, dv, dbias, dtensors).
 
     The forward is recomputed: out and lse are not read. dlse, lse's shape: the gradient of
@@ -504,12 +541,13 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, window=None, sc
     score_mod captures (closure, globals, defaults) to its gradient, a float64 NumPy array (a
     captured torch CPU tensor is read as its NumPy view, and its gradient is NumPy's too). The
     dtensors argument: True (every such array), False (none) or a collection of their names:
-    only those are computed (a pass over the pairs per array element each).
+    only those are computed (a pass over the pairs per array element each). With sinks (Hq,),
+    the Grads' dsinks attribute is their gradient (float64), else None.
     """
     pb = _Problem(q, k, v, layout=layout, cu_q=None, cu_k=None, used_q=seqlens_q,
                   used_k=seqlens_k, causal=causal, window=window, scale=scale, softcap=softcap,
                   alibi_slopes=alibi_slopes, bias=bias, mask=mask, score_mod=score_mod,
-                  mask_mod=mask_mod)
+                  mask_mod=mask_mod, sinks=sinks)
     return _backward(pb, dout, dtensors, dlse)
 
 
@@ -518,7 +556,7 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               seqused_k=None, causal=False, window=None, scale=None,
                               softcap=None, alibi_slopes=None, bias=None, mask=None,
                               score_mod=None, mask_mod=None, device=None, precision=None,
-                              deterministic=True, dtensors=True, dlse=None):
+                              deterministic=True, dtensors=True, dlse=None, sinks=None):
     """Gradients of varlen_attention() in float64: Grads(dq, dk, dv, dbias, dtensors).
 
     As attention_backward; rows that are not real (past seqused, or after cu_seqlens[-1]) get
@@ -527,5 +565,5 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     pb = _Problem(q, k, v, layout="thd", cu_q=cu_seqlens_q, cu_k=cu_seqlens_k,
                   used_q=seqused_q, used_k=seqused_k, causal=causal, window=window, scale=scale,
                   softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
-                  score_mod=score_mod, mask_mod=mask_mod)
+                  score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
     return _backward(pb, dout, dtensors, dlse)

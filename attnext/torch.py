@@ -10,8 +10,8 @@ mode and under torch.compile(fullgraph=True), on CPU and CUDA tensors.
 Both are torch.library custom ops (attnext::attention, attnext::attention_backward) with fake
 (meta) implementations and registered autograd. Every option of attnext.attention is accepted;
 the backward gets the same options (it cannot be called with others). Gradients reach q, k, v,
-bias, and each tensor a score_mod captures that requires grad (only those: attention_backward's
-dtensors=). A CPU tensor runs on attnext's CPU backend, a CUDA tensor on its device in place.
+bias, sinks, and each tensor a score_mod captures that requires grad (only those:
+attention_backward's dtensors=). A CPU tensor runs on attnext's CPU backend, a CUDA tensor on its device in place.
 
 score_mod and mask_mod are not tensors, so the ops take an integer key into a registry of the
 callbacks seen (strong references: a process that makes a new lambda every step grows it by a
@@ -164,8 +164,8 @@ def _tensor(a):
 
 
 @torch.library.custom_op("attnext::attention", mutates_args=())
-def _forward_op(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], aux: List[Optional[Tensor]],
-                captured: List[Tensor],
+def _forward_op(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], sinks: Optional[Tensor],
+                aux: List[Optional[Tensor]], captured: List[Tensor],
                 score_key: int, mask_key: int, causal: str, window: Optional[List[int]],
                 scale: Optional[float], softcap: Optional[float], layout: str, precision: str,
                 varlen: bool, max_q: Optional[int], max_k: Optional[int],
@@ -175,6 +175,7 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], aux: Li
     that autograd hands them their gradients)."""
     opts, lengths = _options([bias] + aux, score_key, mask_key, causal, window, scale, softcap, layout,
                              precision, varlen, max_q, max_k)
+    opts["sinks"] = _arg(sinks)
     device = _device(q)
     q, k, v = (_arg(x) for x in (q, k, v))
     if varlen:
@@ -186,7 +187,7 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], aux: Li
 
 
 @_forward_op.register_fake
-def _(q, k, v, bias, aux, captured, score_key, mask_key, causal, window, scale, softcap, layout,
+def _(q, k, v, bias, sinks, aux, captured, score_key, mask_key, causal, window, scale, softcap, layout,
       precision, varlen, max_q, max_k, deterministic):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return [q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(lse_shape(q.shape, layout), dtype=acc)]
@@ -194,14 +195,16 @@ def _(q, k, v, bias, aux, captured, score_key, mask_key, causal, window, scale, 
 
 @torch.library.custom_op("attnext::attention_backward", mutates_args=())
 def _backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                 dlse: Optional[Tensor], bias: Optional[Tensor], aux: List[Optional[Tensor]],
-                 captured: List[Tensor], score_key: int, mask_key: int, causal: str, window: Optional[List[int]],
+                 dlse: Optional[Tensor], bias: Optional[Tensor], sinks: Optional[Tensor],
+                 aux: List[Optional[Tensor]], captured: List[Tensor], score_key: int, mask_key: int, causal: str, window: Optional[List[int]],
                  scale: Optional[float], softcap: Optional[float], layout: str, precision: str,
                  varlen: bool, max_q: Optional[int], max_k: Optional[int],
                  deterministic: bool) -> List[Tensor]:
-    """[dq, dk, dv, dbias (empty without a bias), the gradient of each tensor in captured]."""
+    """[dq, dk, dv, dbias, dsinks (each empty without its input), the gradient of each tensor in
+    captured]."""
     opts, lengths = _options([bias] + aux, score_key, mask_key, causal, window, scale, softcap, layout,
                              precision, varlen, max_q, max_k)
+    opts["sinks"] = _arg(sinks)
     names = _grad_names(_callback(score_key, "score_mod"))
     args = [_arg(x) for x in (dout, q, k, v, out, lse)]
     more = dict(opts, device=_device(q), deterministic=deterministic,
@@ -212,14 +215,16 @@ def _backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse
     else:
         g = api.attention_backward(*args, **more)
     dbias = _tensor(g.dbias) if g.dbias is not None else q.new_empty(0)
-    return ([_tensor(g.dq), _tensor(g.dk), _tensor(g.dv), dbias]
+    dsinks = _tensor(g.dsinks).to(sinks.dtype) if g.dsinks is not None else q.new_empty(0)
+    return ([_tensor(g.dq), _tensor(g.dk), _tensor(g.dv), dbias, dsinks]
             + [torch.as_tensor(g.dtensors[n]).to(c) for n, c in zip(names, captured)])
 
 
 @_backward_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, bias, aux, captured, *rest):
+def _(dout, q, k, v, out, lse, dlse, bias, sinks, aux, captured, *rest):
     return ([torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-             torch.empty_like(bias) if bias is not None else q.new_empty(0)]
+             torch.empty_like(bias) if bias is not None else q.new_empty(0),
+             torch.empty_like(sinks) if sinks is not None else q.new_empty(0)]
             + [torch.empty_like(c) for c in captured])
 
 
@@ -228,11 +233,12 @@ _SCALARS = ("score_key", "mask_key", "causal", "window", "scale", "softcap", "la
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, bias, aux, captured = inputs[:6]
-    ctx.scalars = inputs[6:]
-    ctx.has_aux = [a is not None for a in [bias] + aux]
+    q, k, v, bias, sinks, aux, captured = inputs[:7]
+    ctx.scalars = inputs[7:]
+    ctx.has_aux = [a is not None for a in [bias, sinks] + aux]
     ctx.n_captured = len(captured)
-    ctx.save_for_backward(q, k, v, output[0], output[1], *[a for a in [bias] + aux if a is not None], *captured)
+    ctx.save_for_backward(q, k, v, output[0], output[1], *[a for a in [bias, sinks] + aux if a is not None],
+                          *captured)
 
 
 def _backward(ctx, grads):
@@ -243,9 +249,10 @@ def _backward(ctx, grads):
     captured = list(rest[len(rest) - ctx.n_captured:])
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv, dbias, *dcaptured = _backward_op(dout, q, k, v, out, lse, dlse, aux[0], aux[1:],
-                                                 captured, *ctx.scalars)
-    return (dq, dk, dv, dbias if ctx.has_aux[0] else None, None, dcaptured) + (None,) * len(_SCALARS)
+    dq, dk, dv, dbias, dsinks, *dcaptured = _backward_op(dout, q, k, v, out, lse, dlse, aux[0], aux[1], aux[2:],
+                                                         captured, *ctx.scalars)
+    return ((dq, dk, dv, dbias if ctx.has_aux[0] else None, dsinks if ctx.has_aux[1] else None, None, dcaptured)
+            + (None,) * len(_SCALARS))
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup)
@@ -259,15 +266,17 @@ def _encode(causal, window):
     return causal, None if window is None else [int(window[0]), int(window[1])]
 
 
-def _call(q, k, v, aux, varlen, max_q, max_k, causal, window, scale, softcap, score_mod, mask_mod,
+def _call(q, k, v, aux, sinks, varlen, max_q, max_k, causal, window, scale, softcap, score_mod, mask_mod,
           layout, precision, deterministic, return_lse):
     causal, window = _encode(causal, window)
+    if sinks is not None:       # as attnext reads them (a bfloat16 parameter, as gpt-oss has, too)
+        sinks = sinks.to(torch.float64 if q.dtype == torch.float64 else torch.float32).contiguous()
     if torch.compiler.is_compiling():
         captured = [_fetch(score_mod, *place) for place in _grad_places(score_mod)]
     else:
         found = _grad_tensors(score_mod)
         captured = [found[n] for n in sorted(found)]
-    out, lse = _forward_op(q, k, v, aux[0], aux[1:], captured, _key(score_mod), _key(mask_mod), causal, window,
+    out, lse = _forward_op(q, k, v, aux[0], sinks, aux[1:], captured, _key(score_mod), _key(mask_mod), causal, window,
                            None if scale is None else float(scale), None if softcap is None else float(softcap),
                            layout, precision or "", varlen, max_q, max_k, bool(deterministic))
     return (out, lse) if return_lse else out
@@ -275,20 +284,23 @@ def _call(q, k, v, aux, varlen, max_q, max_k, causal, window, scale, softcap, sc
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal=False, window=None, scale=None, softcap=None,
               alibi_slopes=None, bias=None, mask=None, score_mod=None, mask_mod=None, seqlens_q=None,
-              seqlens_k=None, layout="bshd", precision=None, deterministic=True, return_lse=False):
+              seqlens_k=None, layout="bshd", precision=None, deterministic=True, return_lse=False,
+              sinks=None):
     """attnext.attention on torch tensors, differentiable: out, or (out, lse) with return_lse
-    (lse's gradient flows into the backward's dlse). Options as attnext.attention's;
+    (lse's gradient flows into the backward's dlse). Options as attnext.attention's (sinks: a
+    tensor (Hq,) of any float dtype, cast to float32 for attnext, its gradient flowing back);
     deterministic as attention_backward's."""
     aux = [bias, mask, alibi_slopes, seqlens_q, seqlens_k, None, None, None, None]
-    return _call(q, k, v, aux, False, None, None, causal, window, scale, softcap, score_mod, mask_mod,
+    return _call(q, k, v, aux, sinks, False, None, None, causal, window, scale, softcap, score_mod, mask_mod,
                  layout, precision, deterministic, return_lse)
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
                      max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None, causal=False,
                      window=None, scale=None, softcap=None, alibi_slopes=None, bias=None, mask=None,
-                     score_mod=None, mask_mod=None, precision=None, deterministic=True, return_lse=False):
+                     score_mod=None, mask_mod=None, precision=None, deterministic=True, return_lse=False,
+                     sinks=None):
     """attnext.varlen_attention on torch tensors, differentiable (as attention())."""
     aux = [bias, mask, alibi_slopes, None, None, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k]
-    return _call(q, k, v, aux, True, max_seqlen_q, max_seqlen_k, causal, window, scale, softcap,
+    return _call(q, k, v, aux, sinks, True, max_seqlen_q, max_seqlen_k, causal, window, scale, softcap,
                  score_mod, mask_mod, "bshd", precision, deterministic, return_lse)

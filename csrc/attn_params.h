@@ -96,6 +96,12 @@ typedef struct {
     /* backward: the gradient of lse, laid out as lse is (ptr NULL without one); it joins dS as
      * delta does, with the opposite sign: dS = P (dP - delta + dlse) */
     tensor4 dlse;
+    /* attention sinks (Hq) or NULL, float32 (float64 for DT_F64): exp(sinks[h]) joins every real
+     * row's sum, lse = log(sum exp(s) + exp(sinks[h])), and a real row that keeps no key gets
+     * lse = sinks[h]. GPU backward: dsinks (Hq, float32) = -sum over rows of exp(sinks[h] - lse)
+     * delta (attn_bwd_sinks), or NULL */
+    const void *sinks;
+    void *dsinks;
 
     /* varlen: cu_seqlens_* (B + 1), seqused_* (B); non-varlen seqlens_* use seqused_* alone */
     const int32_t *cu_seqlens_q, *cu_seqlens_k;

@@ -5,7 +5,8 @@
  * forward(prob) and backward(prob) take one object whose attributes are the arrays and options
  * (attnext/_layout.py's CpuCall). Arrays arrive as buffer exporters in the shapes of attn_params.h:
  * q (Bm, Sq, Hq, D), k (Bm, Sk, Hk, D), v (Bm, Sk, Hk, Dv), out (Bm, Sq, Hq, Dv), lse (Bm, Hq, Sq),
- * bias / mask / dbias (B, Hb, *, *), alibi (B, Hq), cu_seqlens (B + 1) and seqused (B) int32;
+ * bias / mask / dbias (B, Hb, *, *), alibi (B, Hq), sinks (Hq,) in lse's dtype, cu_seqlens (B + 1)
+ * and seqused (B) int32;
  * Bm is B, or 1 for a packed batch. bfloat16 arrives as uint16 (NumPy cannot export ml_dtypes
  * through the buffer protocol) and its dtype code says what it is.
  */
@@ -255,6 +256,13 @@ static int fill_common(PyObject *prob, attn_params *p, buffer_set *bs, int forwa
         }
         p->alibi.s[0] = p->alibi.s[2]; p->alibi.s[1] = p->alibi.s[3]; p->alibi.s[2] = p->alibi.s[3] = 0;
     }
+    if (get_tensor(prob, "sinks", 1, lse_dt, 0, bs, &t, sh))
+        return -1;
+    if (t.ptr && (sh[3] != p->Hq || (p->Hq > 1 && t.s[3] != 1))) {
+        PyErr_SetString(PyExc_ValueError, "attnext._C: sinks must be contiguous (Hq,)");
+        return -1;
+    }
+    p->sinks = t.ptr;
     return 0;
 }
 

@@ -238,6 +238,16 @@ DEV float2 lost_row_stats(const attn_params &p, const score_ctx &sc, const seq_t
         }
     }
     __syncwarp();                         /* qs is the next row's */
+    if (p.sinks && ((const float *)p.sinks)[h] != NEG_INF) {
+        /* the sink's term joins the sum as in the forward, in x's units */
+        const float xs = SCORE_IS_PLAIN ? ((const float *)p.sinks)[h] / sc.scale : ((const float *)p.sinks)[h];
+        if (l == 0.f || (xs - m) * c > 0.f) {
+            l = (l == 0.f ? 0.f : l * exp2f((m - xs) * c)) + 1.f;
+            m = xs;
+        } else {
+            l += exp2f((xs - m) * c);
+        }
+    }
     /* no kept key (the forward's lse said otherwise: never): z = +inf, P = 0 */
     return l == 0.f ? make_float2(0.f, POS_INF) : make_float2(m, log2f(l));
 }
@@ -288,7 +298,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
             acc[k] = 0.f;
             lse[k] = 0.f;
             if (lane % rc::L == 0 && i < PRE_ROWS && r < sq.len)
-                lse[k] = gl[r * p.lse.s[2]];
+                lse[k] = bwd_lse(p, h, gl[r * p.lse.s[2]]);
             if (i < PRE_ROWS && r < sq.len)
 #pragma unroll
                 for (int c = lane % rc::L; c < rc::C; c += rc::L)
@@ -313,9 +323,10 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
             if (r >= sq.rows)
                 break;
             float acc = 0.f;
+            const float lse_r = r < sq.len ? bwd_lse(p, h, gl[r * p.lse.s[2]]) : 0.f;
             if (r < sq.len && lane == 0) {
-                dead |= gl[r * p.lse.s[2]] == NEG_INF;
-                lost |= lse_is_lost(gl[r * p.lse.s[2]]);
+                dead |= lse_r == NEG_INF;
+                lost |= lse_is_lost(lse_r);
             }
             if (r < sq.len)
                 for (int d = lane; d < HEAD_DIM_V; d += 32)
@@ -325,8 +336,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
             for (int o = 16; o > 0; o >>= 1)
                 acc += __shfl_xor_sync(0xffffffffu, acc, o);
             if (lane == 0)
-                gd[r * p.delta.s[2]] = acc - (gdl && r < sq.len && gl[r * p.lse.s[2]] != NEG_INF ? gdl[r * p.dlse.s[2]]
-                                                                                                   : 0.f);
+                gd[r * p.delta.s[2]] = acc - (gdl && r < sq.len && lse_r != NEG_INF ? gdl[r * p.dlse.s[2]] : 0.f);
         }
     }
     /* the loop re-reads lse a row at a time: only in a block that saw a lost row (a barrier) */
@@ -336,7 +346,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
         const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
         for (int i = warp; i < PRE_ROWS && r_base + i < sq.len; i += PRE_THREADS / 32) {
             const int64_t r = r_base + i;
-            if (!lse_is_lost(gl[r * p.lse.s[2]]))
+            if (!lse_is_lost(bwd_lse(p, h, gl[r * p.lse.s[2]])))
                 continue;
             const float2 mz = lost_row_stats(p, sc, sq, sk, h, (int)r, qs[warp]);
             if (lane == 0)
@@ -377,6 +387,52 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
 }
 #endif
 
+/* The sinks' gradient, after attn_bwd_pre: dsinks[h] = -sum over the real rows of every sequence
+ * of exp(sinks[h] - lse) delta (d lse / d sink = exp(sink - lse) = P_sink, d out / d sink =
+ * -P_sink out; delta is rowsum(dout * out) - dlse as attn_bwd_pre wrote it). A row whose lse is
+ * the sink's keeps no key (bwd_lse): out 0, P_sink 1, it gives its dlse alone; rows of lse -inf
+ * give nothing. Grid (Hq): a block a head, its additions in one fixed order (deterministic), in
+ * float64. */
+#if ENTRY(attn_bwd_sinks)
+extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_sinks(const __grid_constant__ attn_params p)
+{
+    __shared__ double part[PRE_THREADS / 32];
+    const int64_t h = blockIdx.x;
+    const float sink = ((const float *)p.sinks)[h];
+    double acc = 0.0;
+    for (int64_t b = 0; b < p.B; b++) {
+        const seq_t sq = seq_q(&p, b);
+        const float *gl = (const float *)p.lse.ptr + sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + sq.start * p.lse.s[2];
+        const float *gd = (const float *)p.delta.ptr + sq.mem_b * p.delta.s[0] + h * p.delta.s[1]
+                          + sq.start * p.delta.s[2];
+        const float *gdl = p.dlse.ptr ? (const float *)p.dlse.ptr + sq.mem_b * p.dlse.s[0] + h * p.dlse.s[1]
+                                            + sq.start * p.dlse.s[2]
+                                      : nullptr;
+        for (int64_t r = threadIdx.x; r < sq.len; r += PRE_THREADS) {
+            const float lse = gl[r * p.lse.s[2]];
+            if (lse == NEG_INF)
+                continue;
+            if (lse == sink)
+                acc += gdl ? (double)gdl[r * p.dlse.s[2]] : 0.0;
+            else
+                acc -= exp((double)sink - (double)lse) * (double)gd[r * p.delta.s[2]];
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if ((threadIdx.x & 31) == 0)
+        part[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double sum = 0.0;
+        for (int w = 0; w < PRE_THREADS / 32; w++)
+            sum += part[w];
+        ((float *)p.dsinks)[h] = (float)sum;
+    }
+}
+#endif
+
 /* ---------------------------------------------------------------- dK, dV */
 /* Query tile j of the CTA's work list (the query heads of the group, each over the same tiles)
  * into buffer `buf`: Q, dO by cp.async (the caller commits); lse (log2; lse_log2<DEAD>) and delta
@@ -397,7 +453,7 @@ DEV void dkdv_prefetch(const attn_params &p, const seq_t &sq, int64_t hk, int gr
     const int r = m0 + threadIdx.x;
     if (threadIdx.x < KV_BLOCK_M && r < Lq) {
         const int64_t row = sq.start + r;
-        *l = lse_log2<DEAD>(((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + row * p.lse.s[2]]);
+        *l = lse_log2<DEAD>(bwd_lse(p, h, ((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + row * p.lse.s[2]]));
         *d = ((const float *)p.delta.ptr)[sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + row * p.delta.s[2]];
     }
 }
@@ -712,7 +768,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dead(
         elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
         for (int64_t i = threadIdx.x; i < sq.len * HEAD_DIM; i += KV_THREADS) {
             const int64_t r = i / HEAD_DIM;
-            if (gl[r * p.lse.s[2]] == NEG_INF)
+            if (bwd_lse(p, h, gl[r * p.lse.s[2]]) == NEG_INF)
                 gdq[r * p.dq.s[1] + (i % HEAD_DIM) * p.dq.s[3]] = 0;
         }
         /* the lost rows' dq and array gradients, a warp a row (the kernels before took them for
@@ -721,7 +777,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dead(
         const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
         float *rows = (float *)smem_raw + (threadIdx.x >> 5) * (HEAD_DIM + HEAD_DIM_V);
         for (int64_t r = threadIdx.x >> 5; r < sq.len; r += KV_WARPS)
-            if (lse_is_lost(gl[r * p.lse.s[2]]))
+            if (lse_is_lost(bwd_lse(p, h, gl[r * p.lse.s[2]])))
                 lost_row_dq(p, sc, sq, sk, h, (int)r, rows, gdq + r * p.dq.s[1]);
     }
 }

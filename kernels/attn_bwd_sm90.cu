@@ -238,7 +238,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
         d = 0.f;
         if (tid < KV_BLOCK_M && m0 + tid < Lq) {
             const int64_t row = row0 + tid;
-            l = lse_log2(((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + row * p.lse.s[2]]);
+            l = lse_log2(bwd_lse(p, h, ((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + row * p.lse.s[2]]));
             d = ((const float *)p.delta.ptr)[sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + row * p.delta.s[2]];
         }
     };
@@ -507,7 +507,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
 #pragma unroll
                 for (int i = 0; i < LR; i++) {
                     const bool in = m0 + tid + i * LOADERS < Lq;
-                    sL[x * KV_BLOCK_M + tid + i * LOADERS] = in ? lse_log2(l[i]) : POS_INF;
+                    sL[x * KV_BLOCK_M + tid + i * LOADERS] = in ? lse_log2(bwd_lse(p, h, l[i])) : POS_INF;
                     sD[x * KV_BLOCK_M + tid + i * LOADERS] = d[i];
                 }
                 mbar_arrive(q_full + 8 * x);

@@ -91,6 +91,15 @@ DEV int64_t dq_live_rows(const attn_params &p, const seq_t &sq, int64_t b, int64
 
 DEV bool lse_is_lost(float lse) { return fabsf(lse) > LOST_LSE && !isinf(lse); }
 
+/* A row's lse as the backward reads it: with attention sinks, an lse equal to query head h's
+ * sink is a row that keeps no key (the forward wrote the sink alone, or what the row keeps
+ * weighs under float rounding), read as -inf so that such rows take the same path as rows
+ * without a key: zero gradients, whatever NaN sits where they keep nothing. */
+DEV float bwd_lse(const attn_params &p, int64_t h, float lse)
+{
+    return p.sinks && lse == ((const float *)p.sinks)[h] ? NEG_INF : lse;
+}
+
 /* lse of a row in log2 units, +inf for a row that keeps nothing (lse -inf) or is lost: exp2(s -
  * that) is then 0, and +inf marks such a row (ds_tile, dkdv<DEAD>). LOST_OK: a lost row gives
  * NaN instead, for the passes that take its P from row_mz (lost_p). An lse of +inf gives the
@@ -375,7 +384,8 @@ DEV void load_row_info(const attn_params &p, const seq_t &sq, const seq_t &sk, i
         if (r < Lq) {
             kv_range(&p, r, r + 1, Lq, Lk, &lo, &hi);
             const int64_t row = sq.start + r;
-            ri.lse2[i] = lse_log2<LOST_OK>(((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + row * p.lse.s[2]]);
+            ri.lse2[i] = lse_log2<LOST_OK>(bwd_lse(p, h, ((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1]
+                                                                                    + row * p.lse.s[2]]));
             ri.delta[i] = ((const float *)p.delta.ptr)[sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + row * p.delta.s[2]];
         }
         ri.lo[i] = (int)lo;

@@ -188,7 +188,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
 
 /* Merges the num_splits partial results of SPLIT_KV: split s left its rows' maximum m_s and sum
  * l_s in lse_accum (finish_rows; l_s after all splits' m_s), so lse = M + log sum_s exp(m_s - M)
- * l_s with M = max_s m_s, and out = sum_s w_s o_s, w_s = exp(m_s - M) l_s / that sum. Not from
+ * l_s with M = max_s m_s, and out = sum_s w_s o_s, w_s = exp(m_s - M) l_s / that sum (with
+ * sinks, exp(sink - M) joins that sum and M covers the sink). Not from
  * each split's lse: at 1e10 it rounds log(l_s) away, and splits of different sums would weigh
  * alike. Grid (Sq, Hq, B), one block per row; rows past the sequence's real length come out as
  * 0 and -inf like every other row that keeps no key. */
@@ -207,12 +208,16 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd_combine(const __grid_
             mx = fmaxf(mx, ms[s * stride + row0]);
         for (int o = 16; o; o >>= 1)
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        const float base = mx == NEG_INF ? 0.f : mx;
+        /* a real row's sink joins the sum as one more part of weight exp(sink) and no value */
+        const float sink = p.sinks && r < seq_q(&p, b).len ? ((const float *)p.sinks)[h] : NEG_INF;
+        const float top = fmaxf(mx, sink), base = top == NEG_INF ? 0.f : top;
         float sum = 0.f;
         for (int s = threadIdx.x; s < S; s += 32)
             sum += fast_exp2((ms[s * stride + row0] - base) * LOG2E) * ls[s * stride + row0];
         for (int o = 16; o; o >>= 1)
             sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (sink != NEG_INF)
+            sum += expf(sink - base);
         const float lse = sum != 0.f ? base + logf(sum) : NEG_INF;   /* NaN stays NaN */
         for (int s = threadIdx.x; s < S; s += 32)
             w[s] = sum != 0.f ? fast_exp2((ms[s * stride + row0] - base) * LOG2E) * ls[s * stride + row0] / sum

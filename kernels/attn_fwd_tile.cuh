@@ -250,7 +250,9 @@ DEV void p_fragment(const float (&s)[MT][NT][4], int mt, int kk, uint32_t (&a)[4
 
 /* The end of a warp's rows: inv[i] = 1 / l (0 for rows that keep nothing and for padding
  * rows), and lse = log(l) + max (-inf for those rows) written to lse, or under SPLIT_KV to this
- * split's lse_accum slot. row0: the packed row of the warp's first row; h: the block's (first)
+ * split's lse_accum slot. With sinks (not under SPLIT_KV: attn_fwd_combine adds them) a real
+ * row's sum gains exp(sink): inv = e^(max - M) / l', lse = M + log l', l' = l e^(max - M) +
+ * e^(sink - M), M the larger of the two; a real row that keeps nothing gets lse = sink. row0: the packed row of the warp's first row; h: the block's (first)
  * query head; to_natural: score_ctx's, the max's units to the natural score. */
 template <int MT>
 DEV void finish_rows(const attn_params &p, const seq_t &sq, float to_natural, const float (&m)[2 * MT],
@@ -268,9 +270,22 @@ DEV void finish_rows(const attn_params &p, const seq_t &sq, float to_natural, co
         const int64_t hr = h + pr % G;
         const bool live = r < Lq && li != 0.f;          /* l is a sum of exp2 >= 0; NaN stays NaN */
         inv[i] = live ? 1.f / li : 0.f;
+        float lse_r = live ? m[i] * to_natural + log2f(li) * LN2 : NEG_INF;
+#if !SPLIT_KV
+        if (p.sinks && r < Lq) {
+            const float sink = ((const float *)p.sinks)[hr];
+            if (!live) {
+                lse_r = sink;
+            } else if (sink != NEG_INF) {
+                const float mn = m[i] * to_natural, M = fmaxf(mn, sink), a = expf(mn - M);
+                const float l2 = li * a + expf(sink - M);
+                inv[i] = a / l2;
+                lse_r = M + logf(l2);
+            }
+        }
+#endif
         if (t != 0 || r >= sq.rows)
             continue;
-        const float lse_r = live ? m[i] * to_natural + log2f(li) * LN2 : NEG_INF;
 #if SPLIT_KV
         {   /* the split's maximum and sum, not its lse: at 1e10 lse rounds log(sum) away, and
              * attn_fwd_combine must weigh splits of different sums apart */

@@ -173,6 +173,23 @@ def _with_gmods(gmods):
 # _C.cuda_launch_attention's address slots of the plans' scratch arrays, by name (_layout.PTR_FIELDS)
 SLOT_O_ACCUM, SLOT_LSE_ACCUM, SLOT_DELTA, SLOT_DQ_ACCUM, SLOT_DQ_SEM, SLOT_DEAD, SLOT_ROW_MZ = (
     SLOT[name] for name in ("o_accum", "lse_accum", "delta", "dq_accum", "dq_sem", "dead", "row_mz"))
+SLOT_SINKS = SLOT["sinks"]        # dsinks follows it
+
+
+def _sinks_view(o, stage):
+    """The call's sinks (Hq,) float32 on the device (host ones uploaded), or None."""
+    s = o.sink_values
+    if s is None or isinstance(s, DevView):
+        return s
+    return stage.upload(np.ascontiguousarray(s, np.float32))
+
+
+def _with_sinks(ptrs, sinks, dsinks=None):
+    """ptrs with the sinks' (and the backward's dsinks') addresses in their slots."""
+    if sinks is None:
+        return ptrs
+    tail = (sinks.ptr,) if dsinks is None else (sinks.ptr, dsinks.ptr)
+    return ptrs + (None,) * (SLOT_SINKS - len(ptrs)) + tail
 
 
 def _vec_ok(view, D):
@@ -574,6 +591,7 @@ def forward(o, out_host, lse_host, stage=None):
             ptrs += (None, None) + tuple(None if x is None else x.ptr for x in extra)
         elif plan.scratch:
             ptrs += (None, None)
+        ptrs = _with_sinks(ptrs, _sinks_view(o, stage))
         if mods is None:
             _launch(plan, stage, ptrs, o)
         else:
@@ -746,7 +764,8 @@ def _backward_plan(o, device, views, extra, deterministic, gen=None):
     key = ("bwd", device, o.B, o.Sq, o.Sk, q_rows, k_rows, o.varlen, o.causal_code, o.window_left,
            o.window_right, o.softcap_value > 0, (q4.ptr | k4.ptr | v4.ptr | dout4.ptr) % 16 == 0,
            tuple(_desc(x) for x in views), _extras_key(o, extra), bool(deterministic),
-           select.knobs(select.BWD_KNOBS), None if gen is None else gen.source, o.precision)
+           select.knobs(select.BWD_KNOBS), None if gen is None else gen.source, o.precision,
+           o.sink_values is not None)
     plan = _plans.get(key)
     if plan is None:
         plan = _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, gen)
@@ -819,6 +838,8 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
         # redoes the dK / dV they touched and zeroes their dq; with none it returns at once
         launch("attn_bwd_dead", (device_info(device)["multiprocessor_count"] * tile["kv_minb"], 1, 1),
                tile["kv_warps"])
+        if getattr(o, "sink_values", None) is not None:     # after attn_bwd_pre's delta
+            launch("attn_bwd_sinks", (o.Hq, 1, 1), PRE_THREADS // 32)
         if dbias4 is not None:
             bcast = [s == 0 for s in dbias4.strides]
             rows, cols = dbias4.shape[2], dbias4.shape[3]
@@ -879,8 +900,9 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
     forward returned them, dlse (lse's gradient, lse's layout) or None (NumPy arrays or DevViews).
 
     NumPy call (dq_host, dk_host, dv_host given; dbias_host the float32 compact dbias when there
-    is a bias): fills them and returns them. GPU call (all None): returns (dq, dk, dv, dbias) as
-    DeviceArrays, dbias None without a bias.
+    is a bias): fills them and returns them with dsinks (a new float32 host array). GPU call (all
+    None): returns (dq, dk, dv, dbias, dsinks) as DeviceArrays, dbias None without a bias, dsinks
+    None without sinks (attn_bwd_sinks, after attn_bwd_pre).
 
     dq: select.bwd_dq_mode chooses between the dQ kernel's recomputation (attn_bwd_dq /
     attn_bwd_dq_sm90: owns its dq rows) and the dK/dV kernel adding dS K into a float32 dq_accum,
@@ -918,12 +940,17 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
         extra = _extras(ko, stage)
         if host:
             stage.uploads_done()
+        sinks = _sinks_view(o, stage)
+        dsinks = dsinks_res = None
+        if sinks is not None:
+            dsinks, dsinks_res = _result(stage, host, (o.Hq,), np.float32)
         views = (q4, k4, v4, dout4, out4, lse3, dq4, dk4, dv4, dbias, dlse3)
         plan = _backward_plan(ko, stage.device, views, extra, deterministic, None if mods is None else mods.gen)
         ptrs = ((q4.ptr, k4.ptr, v4.ptr, out4.ptr, lse3.ptr, None, None)
                 + tuple(None if x is None else x.ptr for x in extra)
                 + (dout4.ptr, dq4.ptr, dk4.ptr, dv4.ptr, None if dbias is None else dbias.ptr,
                    None if dlse3 is None else dlse3.ptr, None, None, None, None, None))
+        ptrs = _with_sinks(ptrs, sinks, dsinks)
         if mods is None:
             _launch(plan, stage, ptrs, o)
         else:
@@ -935,5 +962,9 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
                 stage.download(view, dst)
             if dbias is not None:
                 stage.download(dbias_res, dbias_host.reshape(dbias_res.shape))
-            return dq_host, dk_host, dv_host, dbias_host
-        return dq_res, dk_res, dv_res, dbias_res
+            dsinks_host = None
+            if dsinks is not None:
+                dsinks_host = np.empty((o.Hq,), np.float32)
+                stage.download(dsinks, dsinks_host)
+            return dq_host, dk_host, dv_host, dbias_host, dsinks_host
+        return dq_res, dk_res, dv_res, dbias_res, dsinks_res

@@ -64,6 +64,7 @@ static int cpu_threads(int requested)
 #define TANH tanhf
 #define LOG logf
 #define LOG2 log2f
+#define EXP expf
 #include "cpu_impl.h"
 #undef T
 #undef SUF
@@ -73,6 +74,7 @@ static int cpu_threads(int requested)
 #undef TANH
 #undef LOG
 #undef LOG2
+#undef EXP
 
 #define T double
 #define SUF f64
@@ -82,6 +84,7 @@ static int cpu_threads(int requested)
 #define TANH tanh
 #define LOG log
 #define LOG2 log2
+#define EXP exp
 #include "cpu_impl.h"
 
 int cpu_forward(const attn_params *p)

@@ -2,7 +2,7 @@
  * accumulation type T. Included once per type by cpu.c with these names defined:
  *   T            float or double              SUF        f32 or f64
  *   OPS          simd_f32() / simd_f64()      LOAD_ROW   load_row_f32 / load_row_f64
- *   STORE_ROW    store_row_f32 / _f64         TANH, LOG  libm functions for T
+ *   STORE_ROW    store_row_f32 / _f64         TANH, LOG, LOG2, EXP  libm functions for T
  *
  * Legend (attn_params.h): q (B, Sq, Hq, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv),
  * out (B, Sq, Hq, Dv), lse (B, Hq, Sq), bias and mask (B, Hb, Sq, Sk).
@@ -519,6 +519,7 @@ int FN(cpu_forward)(const attn_params *p)
                 FN(online_softmax)(p, &kt_tiles, &bm, b, h, qb, nr, sq, sk, DP, DvP, Qt, kr, vr, O,
                                    m, l, alpha, St, S, row, maskbuf, &mb);
             }
+            const T sink = p->sinks ? ((const T *)p->sinks)[h] : (T)-INFINITY;
             for (int64_t i = 0; i < r1 - r0; i++) {
                 const int64_t r = r0 + i;
                 char *dst = (char *)FN(row_ptr)(&p->out, p->dtype, sq.mem_b, sq.start + r, h);
@@ -527,11 +528,20 @@ int FN(cpu_forward)(const attn_params *p)
                  * one, inf - inf) makes l NaN: that row is NaN, as IEEE arithmetic says, not 0 */
                 if (i < nr && l[i] != 0) {
                     T inv = 1 / l[i];
+                    lse = m[i] + LOG(l[i]);
+                    if (sink != -INFINITY) {
+                        /* the sink joins the sum: l' = l e^(m - M) + e^(sink - M), M the larger */
+                        const T M = m[i] > sink ? m[i] : sink, a = EXP(m[i] - M);
+                        const T l2 = l[i] * a + EXP(sink - M);
+                        inv = a / l2;
+                        lse = M + LOG(l2);
+                    }
                     for (int64_t d = 0; d < Dv; d++)
                         row[d] = O[i * DvP + d] * inv;
-                    lse = m[i] + LOG(l[i]);
                 } else {
                     memset(row, 0, sizeof(T) * Dv);
+                    if (i < nr)            /* a real row that keeps no key: the sink alone */
+                        lse = sink;
                 }
                 STORE_ROW(dst, p->out.s[3], Dv, p->dtype, row);
                 *FN(lse_at)(p, sq.mem_b, h, sq.start + r) = lse;
@@ -587,10 +597,13 @@ static void FN(row_stats)(const attn_params *p, const FN(tiling) *kt_tiles, cons
     if (FN(online_softmax)(p, kt_tiles, bm, b, h, r0 / BQ, nr, seq_q(p, b), seq_k(p, b), DP, DvP, Qt, kr,
                            NULL, NULL, m, l, alpha, St, S, row, maskbuf, mb))
         return;
+    const T sink = p->sinks ? ((const T *)p->sinks)[h] : (T)-INFINITY;
     for (int64_t i = 0; i < nr; i++)
         if (FN(lse_lost)(lm[i]) && isfinite(m[i]) && l[i] > 0) {
-            lm[i] = m[i];
-            lz[i] = LOG2(l[i]);
+            /* with a sink, its term joins the sum as in the forward */
+            const T M = m[i] > sink ? m[i] : sink;
+            lm[i] = M;
+            lz[i] = LOG2(l[i] * EXP(m[i] - M) + EXP(sink - M));
         }
 }
 
@@ -698,7 +711,8 @@ int FN(cpu_backward)(const attn_params *p)
 
         /* pack Q and dO tiles, each row's softmax offsets (lm, lz: P = exp2((s - lm) log2 e - lz)),
          * delta = rowsum(dO * O). A row whose lse is -inf keeps no key (and padding rows are
-         * such rows): it has no gradient path, so its q, dO and delta are packed as 0, and the
+         * such rows), nor does one whose lse is its sink's (whatever it keeps weighs under
+         * float rounding): it has no gradient path, so its q, dO and delta are packed as 0, and the
          * task loop zeroes its dS and the dq row, so that no NaN or inf in its dO, out, q, or at
          * keys it does not keep, reaches a gradient as 0 * NaN. Rows whose lse is too large to
          * hold log(sum) (lse_lost) get their maximum and sum again (row_stats). */
@@ -711,10 +725,13 @@ int FN(cpu_backward)(const attn_params *p)
             FN(load_rows)(&p->q, p->dtype, sq, h, r0, nr, BQ, D, DP, Q);
             FN(load_rows)(&p->dout, p->dtype, sq, h, r0, nr, BQ, Dv, DvP, dO);
             int lost = 0;
+            const T sink = p->sinks ? ((const T *)p->sinks)[h] : (T)-INFINITY;
             for (int64_t i = 0; i < BQ; i++) {
                 T L = -INFINITY, dl = 0;
                 if (i < nr)
                     L = *FN(lse_at)(p, sq.mem_b, h, sq.start + r0 + i);
+                if (L == sink)
+                    L = -INFINITY;
                 if (L == -INFINITY) {
                     memset(Q + i * DP, 0, sizeof(T) * DP);
                     memset(dO + i * DvP, 0, sizeof(T) * DvP);

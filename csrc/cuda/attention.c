@@ -104,7 +104,7 @@ typedef struct {
     X(cu_seqlens_q, cu_seqlens_q) X(cu_seqlens_k, cu_seqlens_k) X(seqused_q, seqused_q)          \
     X(seqused_k, seqused_k) X(dout, dout.ptr) X(dq, dq.ptr) X(dk, dk.ptr) X(dv, dv.ptr)           \
     X(dbias, dbias.ptr) X(dlse, dlse.ptr) X(delta, delta.ptr) X(dq_accum, dq_accum.ptr)           \
-    X(dq_sem, dq_sem.ptr) X(dead, dead) X(row_mz, row_mz)
+    X(dq_sem, dq_sem.ptr) X(dead, dead) X(row_mz, row_mz) X(sinks, sinks) X(dsinks, dsinks)
 #define PTR_OFFSET(name, f) offsetof(attn_params, f),
 #define PTR_NAME(name, f) #name,
 static const size_t PTR_FIELDS[] = {PTR_FIELD_LIST(PTR_OFFSET)};

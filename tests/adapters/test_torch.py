@@ -207,3 +207,65 @@ def test_cuda_score_mod_against_flex():
         res.append([x.grad.clone() for x in (q, k, v, table)])
     for a, b in zip(*res):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+def _eager_sinks(q, k, v, sinks, causal):
+    """Attention with sinks in plain torch (bhsd): the sink a softmax column with no value."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    col = sinks.to(s.dtype)[None, :, None, None].expand(*s.shape[:-1], 1)
+    both = torch.cat([s, col], -1)
+    return both.softmax(-1)[..., :-1] @ v, torch.logsumexp(both, -1)
+
+
+def test_gradcheck_sinks(gen):
+    """sinks' gradient (and q, k, v's with sinks), lse's too; the same numbers as plain torch."""
+    q, k, v = _qkv(gen, 2, 5, 5, 4, 2, 3, layout="bhsd")
+    sinks = torch.randn(4, generator=gen, dtype=F64, requires_grad=True)
+
+    def f(q, k, v, sinks):
+        return axt.attention(q, k, v, sinks=sinks, causal=True, layout="bhsd", return_lse=True)
+    assert torch.autograd.gradcheck(f, (q, k, v, sinks))
+    out, lse = f(q, k, v, sinks)
+    want_out, want_lse = _eager_sinks(q, k, v, sinks, True)
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_bfloat16_sinks_parameter(gen):
+    """A bfloat16 sinks parameter (as gpt-oss holds them) with float32 q, k, v: cast for attnext,
+    its gradient comes back in bfloat16."""
+    q, k, v = _qkv(gen, 1, 6, 6, 2, 2, 8, dtype=torch.float32)
+    sinks = torch.randn(2, generator=gen).to(torch.bfloat16).requires_grad_()
+    axt.attention(q, k, v, sinks=sinks).square().sum().backward()
+    got = sinks.grad
+    sinks.grad = None
+    out, _ = _eager_sinks(*(x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v)),
+                          sinks.float(), False)
+    out.transpose(1, 2).square().sum().backward()
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), sinks.grad.float(), rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_cuda_sinks_against_eager():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(2, 8, 300, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3))
+    sinks = torch.randn(8, device="cuda", generator=g).requires_grad_()
+    dout = torch.randn(2, 8, 300, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    res = []
+    for fn in (lambda: axt.attention(q, k, v, causal=True, layout="bhsd", sinks=sinks),
+               lambda: _eager_sinks(q.float(), k.float(), v.float(), sinks, True)[0]):
+        for x in (q, k, v, sinks):
+            x.grad = None
+        out = fn()
+        out.backward(dout.to(out.dtype))
+        res.append([out.float()] + [x.grad.float() for x in (q, k, v, sinks)])
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

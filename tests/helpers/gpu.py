@@ -26,7 +26,7 @@ def to_host(torch, t):
 
 
 GPU_OPTS = ("bias", "mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
-            "seqused_k")
+            "seqused_k", "sinks")
 
 
 def run_gpu(torch, q, k, v, *, varlen=None, backward=True, dlse=None, **opts):
@@ -56,7 +56,7 @@ def run_gpu(torch, q, k, v, *, varlen=None, backward=True, dlse=None, **opts):
     h_dlse = None if dlse is None else dlse(lse)
     more = {} if dlse is None else {"dlse": to_gpu(torch, h_dlse)}
     g = bwd(to_gpu(torch, dout), tq, tk, tv, t_out, t_lse, **gopts, **more)
-    host = type(g)(*(to_host(torch, x) for x in g[:4]), g.dtensors)
+    host = type(g)(*(to_host(torch, x) for x in g[:4]), g.dtensors, dsinks=to_host(torch, g.dsinks))
     rg = rbwd(dout, q, k, v, out, lse, **lengths, **opts, **({} if dlse is None else {"dlse": h_dlse}))
     problems = compare_grads(host, rg, q, k, v, dout, out, r_out, varlen, opts)
     assert not problems, "\n".join(problems)

@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from attnext import _C
+from attnext import _C, _layout
 from helpers import fake_cuda
 from helpers.driver import run_on_fake
 
@@ -326,7 +326,8 @@ def test_attn_template_refuses(changes, exc, match):
     (1, (1, 1), TypeError, "grid must be a 3-tuple"),
     (2, [128, 1, 1], TypeError, "block must be a 3-tuple"),
     (5, b"short", TypeError, "template must come from attn_template"),
-    (6, (1,) * 26, TypeError, "ptrs must be a tuple of at most 25"),
+    (6, (1,) * (len(_layout.PTR_FIELDS) + 1), TypeError,
+     f"ptrs must be a tuple of at most {len(_layout.PTR_FIELDS)}"),
     (6, (None, 16, 16), ValueError, "q, k, v missing"),
     (6, (16, None, 16), ValueError, "q, k, v missing"),
     (0, "not a capsule", TypeError, "capsule from module_function"),
