@@ -325,6 +325,7 @@ def bwd_smem_bytes(D, Dv, tile, atomic, slots=0, dtype="bfloat16"):
         "attn_bwd_dq": size * (qm * dp + qm * dvp + 2 * qn * dp + qn * dvp) + slots * codegen.TILE_SLOT_BYTES,
         "attn_bwd_dbias": size * (qm * dp + qm * dvp + qn * dp + qn * dvp) + 4 * qw * qn,
         "attn_bwd_pre": 0,
+        "attn_bwd_sinks": 0,
         "attn_bwd_dq_convert": 0,
     }
 
