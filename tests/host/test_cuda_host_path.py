@@ -54,7 +54,9 @@ def test_a_plan_is_reused_by_its_key_only(fake_driver):
             ("decode", lambda: attnext.attention(*qkv(1, 1, 8192, 32, 8, 128))),
             ("backward", lambda: attnext.attention_backward(out, q, k, v, out, lse)),
             ("backward causal", lambda: attnext.attention_backward(out, q, k, v, out, lse, causal=True)),
+            ("backward sinks", lambda: attnext.attention_backward(out, q, k, v, out, lse, sinks=sinks)),
         ]
+        sinks = np.zeros(8, np.float32)
         lse = dev((2, 8, 130), np.float32)
         cuda_backend.clear_plans()
         warm = {}
@@ -76,6 +78,19 @@ def test_a_plan_is_reused_by_its_key_only(fake_driver):
         assert warm["k stride"][0][5]["k"] == (200 * 2 * 256, 2 * 256, 128, 1)
         assert dict(warm["unaligned q"][0][0][2])["VEC_LOAD"] == 0 == 1 - dict(warm["plain"][0][0][2])["VEC_LOAD"]
         assert [l[0][1] for l in warm["decode"]] == ["attn_fwd", "attn_fwd_combine"], warm["decode"]
+        # sinks: an address in the forward's launch (the plain plan), attn_bwd_sinks (a block a
+        # head) after attn_bwd_pre in the backward's, with dsinks' address
+        at = cuda_backend.SLOT_SINKS
+        attnext.attention(q, k, v, **base)
+        n = cuda_backend.plan_count()
+        attnext.attention(q, k, v, sinks=sinks, **base)
+        assert cuda_backend.plan_count() == n and LAUNCHES[-1][6][at]
+        names = [l[0][1] for l in warm["backward sinks"]]
+        assert names.index("attn_bwd_sinks") > names.index("attn_bwd_pre"), names     # delta is ready
+        assert warm["backward sinks"][names.index("attn_bwd_sinks")][1] == (8, 1, 1)
+        assert "attn_bwd_sinks" not in [l[0][1] for l in warm["backward"]]
+        attnext.attention_backward(out, q, k, v, out, lse, sinks=sinks)
+        assert all(l[6][at] and l[6][at + 1] for l in LAUNCHES[-len(names):])
 
         # a fresh (contiguous) out is out= of the same layout: one plan
         attnext.attention(q, k, v, **base)
