@@ -32,7 +32,7 @@ from . import api
 from .merge import lse_shape
 from .mods import fingerprint
 
-__all__ = ["attention", "varlen_attention"]
+__all__ = ["attention", "varlen_attention", "register_transformers"]
 
 Tensor = torch.Tensor
 _CALLBACKS: dict = {}      # id -> callback: strong references (see _key)
@@ -304,3 +304,11 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     aux = [bias, mask, alibi_slopes, None, None, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k]
     return _call(q, k, v, aux, sinks, True, max_seqlen_q, max_seqlen_k, causal, window, scale, softcap,
                  score_mod, mask_mod, "bshd", precision, deterministic, return_lse)
+
+
+def register_transformers(name="attnext"):
+    """Registers attnext with Hugging Face transformers as attn_implementation=name (attnext/hf.py):
+    its attention function and its mask function, which keeps padding and causal masks as
+    lengths-sized masks (docs/transformers.md). transformers is imported here, not before."""
+    from . import hf
+    hf.register(attention, name)
