@@ -24,6 +24,7 @@
 #include "interp.h"
 
 int attnext_cuda_attn_exec(PyObject *module);   /* cuda_attn.c */
+int attnext_xla_exec(PyObject *module);         /* xla/ffi.c: attnext.jax's handlers */
 #include "seqlen.h"
 #include "simd.h"
 
@@ -617,6 +618,7 @@ static PyModuleDef_Slot slots[] = {
     {Py_mod_exec, (void *)cpu_exec},            /* the CPU backend survives fork() */
     {Py_mod_exec, (void *)attnext_cuda_exec},   /* the CUDA functions and PinnedBuffer */
     {Py_mod_exec, (void *)attnext_cuda_attn_exec},   /* the attention launches */
+    {Py_mod_exec, (void *)attnext_xla_exec},    /* XLA FFI handlers (attnext.jax) */
 #if PY_VERSION_HEX >= 0x030C0000
     /* subinterpreters, but under the main GIL: libcuda's handles and the pinned pool are the
      * process's, statics the GIL guards (csrc/cuda/driver.c, pinned.c) */
