@@ -70,6 +70,9 @@ class CpuCall:
     dbias: Any = None
     dlse: Any = None             # backward: lse's gradient, laid out as lse, or None
     sinks: Any = None            # (Hq,) in lse's dtype, or None
+    block_table: Any = None      # a paged cache: int32 (B * bt_stride,), k and v (num_pages, page_size, Hk, D)
+    bt_stride: int = 0
+    page_size: int = 0
 
 
 @dataclass(slots=True)

@@ -53,7 +53,9 @@ def _problem(o, out4, lse3):
         alibi=o.alibi, alibi_dtype=dtype_code(o.alibi.dtype) if o.alibi is not None else 0,
         scale=o.scale_value, softcap=o.softcap_value, causal=o.causal_code,
         window_left=o.window_left, window_right=o.window_right, num_threads=checks._num_threads(),
-        mods=None, sinks=o.sink_values)
+        mods=None, sinks=o.sink_values,
+        block_table=None if o.block_table is None else o.block_table.ravel(),
+        bt_stride=0 if o.block_table is None else o.block_table.shape[1], page_size=o.page_size)
 
 
 def _cpu_mods(o, backward):
@@ -97,6 +99,8 @@ def _reference_kwargs(o):
     kw = dict(causal=o.causal, window=o.window, scale=o.scale, softcap=o.softcap,
               alibi_slopes=o.alibi_slopes, bias=o.bias, mask=o.mask, score_mod=o.score_mod,
               mask_mod=o.mask_mod, sinks=o.sink_values)
+    if o.block_table is not None:
+        kw["block_table"] = o.block_table
     if o.varlen:
         kw.update(max_seqlen_q=o.max_q, max_seqlen_k=o.max_k, seqused_q=o.used_q, seqused_k=o.used_k)
     else:
@@ -266,7 +270,8 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool | str = False,
               seqlens_q: Array | None = None, seqlens_k: Array | None = None,
               layout: str = "bshd", return_lse: bool = False, device: str | None = None,
               out: Array | None = None, precision: str | None = None,
-              sinks: Array | None = None) -> Array | tuple[Array, Array]:
+              sinks: Array | None = None,
+              block_table: Array | None = None) -> Array | tuple[Array, Array]:
     """Scaled-dot-product attention: softmax(scale * q k^T + bias ...) v, per batch item and head.
 
     q: (B, Sq, Hq, D); k: (B, Sk, Hk, D); v: (B, Sk, Hk, Dv) for layout="bshd" (the default).
@@ -280,6 +285,12 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool | str = False,
     {OPTIONS}
     seqlens_q, seqlens_k: None, or int arrays (B,): each batch item's actual lengths Lq <= Sq,
         Lk <= Sk; query rows past Lq are padding (out 0, lse -inf), keys past Lk are not read.
+    block_table: None, or an int array (B, max_pages): a paged k / v cache (FlashAttention's
+        and vLLM's): k (num_pages, page_size, Hk, D), v (num_pages, page_size, Hk, Dv), and key
+        c of batch item b is row c % page_size of page block_table[b, c // page_size]; Sk is
+        max_pages * page_size, seqlens_k the lengths. A page index a sequence reads outside
+        [0, num_pages) is an IndexError. Forward only (decode and prefill), layout "bshd", on
+        the CPU and the reference so far (device=None picks the CPU).
     layout: "bshd" or "bhsd" (above).
     return_lse: also return lse.
     {WHERE}
@@ -302,7 +313,7 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool | str = False,
         causal=causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
         bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, seqlens_q=seqlens_q,
         seqlens_k=seqlens_k, layout=layout, return_lse=return_lse, device=device, out=out,
-        precision=precision, sinks=sinks))
+        precision=precision, sinks=sinks, block_table=block_table))
     return _forward(o)
 
 
@@ -318,7 +329,8 @@ def varlen_attention(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
                      mask_mod: MaskMod | None = None, return_lse: bool = False,
                      device: str | None = None, out: Array | None = None,
                      precision: str | None = None,
-                     sinks: Array | None = None) -> Array | tuple[Array, Array]:
+                     sinks: Array | None = None,
+                     block_table: Array | None = None) -> Array | tuple[Array, Array]:
     """Attention over a packed batch of sequences of different lengths (FlashAttention's varlen).
 
     q: (Tq, Hq, D); k: (Tk, Hk, D); v: (Tk, Hk, Dv): the B sequences' rows one after another.
@@ -331,6 +343,9 @@ def varlen_attention(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
         i are real; the rest is padding between sequences (out and gradients exactly 0).
     Lengths given as NumPy arrays are checked on the host without waiting for the GPU; as CUDA
     arrays they are read back first (a synchronisation).
+    block_table: None, or an int array (B, max_pages): k and v are a paged cache (num_pages,
+        page_size, Hk, D / Dv) as attention()'s block_table says; sequence b has seqused_k[b]
+        keys (else cu_seqlens_k's segment lengths; cu_seqlens_k may then be None).
 
     {ALIGNMENT}
 
@@ -349,8 +364,8 @@ def varlen_attention(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
         causal=causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
         bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, seqlens_q=None,
         seqlens_k=None, layout="thd", return_lse=return_lse, device=device, out=out,
-        precision=precision, sinks=sinks), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
-        seqused_k, varlen=True)
+        precision=precision, sinks=sinks, block_table=block_table), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, seqused_q, seqused_k, varlen=True)
     return _forward(o)
 
 

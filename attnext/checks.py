@@ -51,6 +51,7 @@ class Problem:
     out: Any = None
     precision: Optional[str] = None
     sinks: Any = None
+    block_table: Any = None         # after the checks: int32 (B, max_pages), C-contiguous
     # where the call runs
     like: Any = None                # q as given: a GPU call's results come back as its library's
     on_gpu: bool = False
@@ -89,6 +90,7 @@ class Problem:
     window_right: int = -1
     alibi: Optional[np.ndarray] = None
     sink_values: Any = None         # sinks (Hq,): host ones in acc_dtype, CUDA ones float32 (a DevView)
+    page_size: int = 0              # paged k / v (block_table): rows a page; Sk = max_pages * page_size
     bias4: Any = None
     mask4: Any = None
     bias_heads: int = 1
@@ -539,6 +541,8 @@ def normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=
     v = float_array("v", v)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if o.block_table is not None and o.device is None and not isinstance(q, DevView):
+        o.device = "cpu"        # a paged cache runs on the CPU (the GPU refuses it: _paged)
     o.device = _resolve_device(o.device, q, k, v)
     o.on_gpu = isinstance(q, DevView)
     o.cuda_device = q.device if o.on_gpu else 0
@@ -548,7 +552,10 @@ def normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=
         if f is not None and not callable(f):
             raise TypeError(f"{name} must be callable or None, got {type(f).__name__}")
     o.q, o.k, o.v = q, k, v
-    if varlen:
+    if varlen and o.block_table is not None:
+        Tq, Hq, D, Hk, Dv = _paged_varlen(o, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_q,
+                                          seqused_k)
+    elif varlen:
         for name, x in (("q", q), ("k", k), ("v", v)):
             if x.ndim != 3:
                 raise ValueError(f"{name} must have 3 dims (T, H, D) for varlen, got shape {x.shape}")
@@ -574,13 +581,18 @@ def normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=
             if x.ndim != 4:
                 raise ValueError(f"{name} must have 4 dims for layout {o.layout!r}, got shape {x.shape}")
         if o.layout == "bhsd":
+            if o.block_table is not None:
+                raise ValueError("block_table (a paged cache) takes layout='bshd': q (B, Sq, Hq, D), "
+                                 "k and v (num_pages, page_size, Hk, D)")
             q4, k4, v4 = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
         else:
             q4, k4, v4 = q, k, v
         B, Sq, Hq, D = q4.shape
         _, Sk, Hk, _ = k4.shape
         Dv = v4.shape[3]
-        if k4.shape != (B, Sk, Hk, D) or v4.shape[:3] != (B, Sk, Hk):
+        if o.block_table is not None:
+            Sk = _paged(o, k4, v4, B, D)
+        elif k4.shape != (B, Sk, Hk, D) or v4.shape[:3] != (B, Sk, Hk):
             raise ValueError(f"shapes disagree for layout {o.layout!r}: q {q.shape}, k {k.shape}, "
                              f"v {v.shape}")
         o.cu_q = o.cu_k = None
@@ -616,7 +628,82 @@ def normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=
             raise TypeError(f"{name} is a CUDA array on cuda:{x.device} but the call runs with {where}")
     o.acc_dtype = np.float64 if q.dtype == np.float64 else np.float32
     o.sink_values = None if o.sinks is None else _sinks(o)
+    if o.block_table is not None:
+        _check_pages(o)
     return o
+
+
+def _paged_varlen(o, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_q, seqused_k):
+    """varlen over a paged cache: q (Tq, Hq, D) packed by cu_seqlens_q; k, v pages; sequence b's
+    keys are its block_table row, seqused_k[b] of them (else cu_seqlens_k's segment lengths,
+    which then say only that). Fills what _host_lengths and the padded branch fill; returns
+    (Tq, Hq, D, Hk, Dv)."""
+    if q.ndim != 3 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"varlen over a paged cache takes q (Tq, Hq, D) and k, v (num_pages, page_size, "
+                         f"Hk, D): got q {q.shape}, k {k.shape}, v {v.shape}")
+    Tq, Hq, D = q.shape
+    Hk, Dv = k.shape[2], v.shape[3]
+    if cu_seqlens_q is None:
+        raise ValueError("cu_seqlens_q is required")
+    if seqused_k is None and cu_seqlens_k is None:
+        raise ValueError("varlen over a paged cache needs the keys' lengths: seqused_k, or cu_seqlens_k")
+    # q's lengths as _host_lengths checks them (k's stand-in: q's own, then replaced)
+    _host_lengths(o, dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_q, seqused_q=seqused_q,
+                          seqused_k=None), Tq, Tq, max_seqlen_q, None)
+    Sk = _paged(o, k, v, o.B, D)
+    if seqused_k is not None:
+        used = _int_array("seqused_k", seqused_k, o.B)
+    else:
+        ck = _int_array("cu_seqlens_k", cu_seqlens_k, o.B + 1)
+        used = np.diff(ck).astype(np.int32)
+        if ck[0] != 0 or np.any(used < 0):
+            raise ValueError(f"cu_seqlens_k must start at 0 and not decrease, got {ck.tolist()}")
+    if np.any(used > Sk):
+        raise ValueError(f"the keys' lengths {used.tolist()} exceed the block_table's {Sk} rows")
+    o.cu_k, o.used_k = None, used
+    o.max_k = int(used.max()) if o.B else 0
+    o.q4, o.k4, o.v4 = q[None], k, v
+    o.Sq, o.Sk = o.max_q, Sk
+    o.out_shape, o.lse_shape = (Tq, Hq, Dv), (Hq, Tq)
+    return Tq, Hq, D, Hk, Dv
+
+
+def _paged(o, k, v, B, D):
+    """block_table= checked against k, v (num_pages, page_size, Hk, D / Dv): o.block_table
+    becomes its int32 array, o.page_size set; returns the keys' padded length max_pages *
+    page_size. The page indices are checked by _check_pages, once the lengths are known."""
+    if o.device == "cuda" or isinstance(k, DevView):
+        raise TypeError("block_table: paged k / v caches run on the CPU and the reference so far, not "
+                        "on the GPU; pass host arrays with device='cpu' (or gather the pages)")
+    n_pages, page_size, Hk, _ = k.shape
+    if k.shape[3] != D or v.shape[:3] != (n_pages, page_size, Hk):
+        raise ValueError(f"with block_table, k and v are (num_pages, page_size, Hk, D / Dv): got k "
+                         f"{k.shape}, v {v.shape} (D = {D})")
+    if page_size < 1:
+        raise ValueError(f"with block_table, k and v need pages of at least one row, got k {k.shape}")
+    bt = _array("block_table", o.block_table, host=True)
+    if bt.dtype.kind not in "iu" or bt.ndim != 2 or bt.shape[0] != B:
+        raise ValueError(f"block_table must be an int array (B, max_pages) = ({B}, max_pages), got "
+                         f"{bt.dtype} {bt.shape}")
+    o.block_table = np.ascontiguousarray(bt, np.int64)
+    o.page_size = int(page_size)
+    return bt.shape[1] * page_size
+
+
+def _check_pages(o):
+    """Every page a sequence reads (those covering its length) lies in [0, num_pages): IndexError
+    naming the first that does not (entries past a sequence's pages are not read)."""
+    n_pages = o.k4.shape[0]
+    lengths = o.used_k if o.used_k is not None else np.full(o.B, o.Sk)
+    for b, n in enumerate(lengths):
+        need = -(-int(n) // o.page_size)
+        row = o.block_table[b, :need]
+        bad = np.flatnonzero((row < 0) | (row >= n_pages))
+        if bad.size:
+            j = int(bad[0])
+            raise IndexError(f"block_table[{b}, {j}] = {int(row[j])} is out of range for {n_pages} pages "
+                             f"(sequence {b} reads {need} pages of its {int(n)} keys)")
+    o.block_table = o.block_table.astype(np.int32)
 
 
 def _sinks(o):

@@ -487,18 +487,36 @@ def _backward(pb, dout, dtensors, dlse=None):
     return Grads(dq, dk, dv, dbias, dtensors, dsinks=dsinks)
 
 
+def _gather_pages(k, v, block_table, lengths):
+    """A paged cache's k and v (num_pages, page_size, H, D) as contiguous (B, max_pages *
+    page_size, H, D): sequence b's pages block_table[b] in order; entries past its lengths'
+    pages (which may hold anything) read page 0, and those keys are never kept."""
+    bt = np.array(block_table, dtype=np.int64)
+    n_pages, page_size = k.shape[:2]
+    if lengths is not None:
+        for b, n in enumerate(lengths):
+            bt[b, -(-int(n) // page_size):] = 0
+    bt = np.where((bt >= 0) & (bt < n_pages), bt, 0)
+    B, pages = bt.shape
+    k, v = np.asarray(k)[bt], np.asarray(v)[bt]           # (B, pages, page_size, H, D)
+    return (k.reshape(B, pages * page_size, *k.shape[3:]), v.reshape(B, pages * page_size, *v.shape[3:]))
+
+
 def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
               bias=None, mask=None, score_mod=None, mask_mod=None, seqlens_q=None,
               seqlens_k=None, layout="bshd", return_lse=False, device=None, out=None,
-              precision=None, sinks=None):
+              precision=None, sinks=None, block_table=None):
     """Attention over padded batches, in float64: out, or (out, lse) with return_lse.
 
     q (B, Sq, Hq, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv) for layout "bshd"; "bhsd" puts heads
     second. out is q's shape with last dim Dv, lse (B, Hq, Sq). seqlens_q / seqlens_k (B,) give
     the actual lengths; rows past them are padding. bias and mask broadcast to (B, H, Sq, Sk)
     whatever the layout. The semantics, the causal alignment for Sq != Sk and what a fully
-    masked row returns (out = 0, lse = -inf) are in the module docstring.
+    masked row returns (out = 0, lse = -inf) are in the module docstring. block_table (B,
+    max_pages): k and v are a paged cache (num_pages, page_size, Hk, D), gathered first.
     """
+    if block_table is not None:
+        k, v = _gather_pages(k, v, block_table, seqlens_k)
     pb = _Problem(q, k, v, layout=layout, cu_q=None, cu_k=None, used_q=seqlens_q,
                   used_k=seqlens_k, causal=causal, window=window, scale=scale, softcap=softcap,
                   alibi_slopes=alibi_slopes, bias=bias, mask=mask, score_mod=score_mod,
@@ -510,7 +528,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
                      seqused_q=None, seqused_k=None, causal=False, window=None, scale=None,
                      softcap=None, alibi_slopes=None, bias=None, mask=None, score_mod=None,
                      mask_mod=None, return_lse=False, device=None, out=None, precision=None,
-                     sinks=None):
+                     sinks=None, block_table=None):
     """Attention over packed sequences, in float64: out, or (out, lse) with return_lse.
 
     q (Tq, Hq, D), k (Tk, Hk, D), v (Tk, Hk, Dv); sequence i occupies rows
@@ -520,6 +538,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     read at the in-sequence positions; max_seqlen_* only bound those shapes (the API checks
     them) and are not needed here.
     """
+    if block_table is not None:     # a paged cache: each sequence's pages gathered, packed
+        lengths = seqused_k if seqused_k is not None else np.diff(np.asarray(cu_seqlens_k))
+        k, v = _gather_pages(k, v, block_table, lengths)
+        B, Sk = k.shape[:2]
+        k, v = k.reshape(B * Sk, *k.shape[2:]), v.reshape(B * Sk, *v.shape[2:])
+        cu_seqlens_k, seqused_k = np.arange(B + 1) * Sk, np.asarray(lengths)
     pb = _Problem(q, k, v, layout="thd", cu_q=cu_seqlens_q, cu_k=cu_seqlens_k,
                   used_q=seqused_q, used_k=seqused_k, causal=causal, window=window, scale=scale,
                   softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,

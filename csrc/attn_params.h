@@ -102,6 +102,12 @@ typedef struct {
      * delta (attn_bwd_sinks), or NULL */
     const void *sinks;
     void *dsinks;
+    /* a paged k / v cache (CPU): k (num_pages, page_size, Hk, D), v likewise, and block_table (B,
+     * max_pages) int32 with rows bt_stride apart: key row c of sequence b is row c % page_size of
+     * page block_table[b * bt_stride + c / page_size] (seq_k gives only its length then). NULL:
+     * k and v hold the rows where seq_k says (key_row in seqlen.h reads both) */
+    const int32_t *block_table;
+    int64_t bt_stride, page_size;
 
     /* varlen: cu_seqlens_* (B + 1), seqused_* (B); non-varlen seqlens_* use seqused_* alone */
     const int32_t *cu_seqlens_q, *cu_seqlens_k;

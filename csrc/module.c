@@ -190,11 +190,28 @@ static int fill_common(PyObject *prob, attn_params *p, buffer_set *bs, int forwa
     }
     p->Sq = qs[1]; p->Hq = qs[2]; p->D = qs[3];
     p->Sk = ks[1]; p->Hk = ks[2]; p->Dv = vs[3];
+    long long Bm = qs[0];
+    /* a paged cache: k, v (num_pages, page_size, Hk, D), block_table flat (B * bt_stride) */
+    long long page_size, bt_stride;
+    if (get_long(prob, "page_size", &page_size) || get_long(prob, "bt_stride", &bt_stride)
+        || get_tensor(prob, "block_table", 1, -2, 0, bs, &t, sh))
+        return -1;
+    if (t.ptr) {
+        if (page_size != ks[1] || bt_stride < 0 || sh[3] != B * bt_stride) {
+            PyErr_SetString(PyExc_ValueError, "attnext._C: block_table disagrees with k's pages");
+            return -1;
+        }
+        p->block_table = (const int32_t *)t.ptr;
+        p->page_size = page_size;
+        p->bt_stride = bt_stride;
+        p->Sk = bt_stride * page_size;
+        if (shape_is("v", vs, ks[0], page_size, p->Hk, p->Dv))
+            return -1;
+    } else if (shape_is("k", ks, Bm, p->Sk, p->Hk, p->D) || shape_is("v", vs, Bm, p->Sk, p->Hk, p->Dv)) {
+        return -1;
+    }
     p->max_rows_q = p->Sq;       /* the host checked the lengths: no segment is clamped */
     p->max_rows_k = p->Sk;
-    long long Bm = qs[0];
-    if (shape_is("k", ks, Bm, p->Sk, p->Hk, p->D) || shape_is("v", vs, Bm, p->Sk, p->Hk, p->Dv))
-        return -1;
     if (p->Hk <= 0 || p->Hq % p->Hk) {
         PyErr_SetString(PyExc_ValueError, "attnext._C: Hq must be a multiple of Hk");
         return -1;
@@ -222,7 +239,9 @@ static int fill_common(PyObject *prob, attn_params *p, buffer_set *bs, int forwa
         }
         *len_ptrs[i] = (const int32_t *)t.ptr;
     }
-    if ((p->cu_seqlens_q != NULL) != (p->cu_seqlens_k != NULL) || (p->cu_seqlens_q && Bm != 1)
+    /* varlen has both cu_seqlens, or cu_seqlens_q alone over a paged cache */
+    if ((p->cu_seqlens_q && !p->cu_seqlens_k && !p->block_table) || (!p->cu_seqlens_q && p->cu_seqlens_k)
+        || (p->cu_seqlens_q && Bm != 1)
         || (!p->cu_seqlens_q && Bm != B)) {
         PyErr_SetString(PyExc_ValueError, "attnext._C: inconsistent batch / cu_seqlens");
         return -1;

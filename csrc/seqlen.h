@@ -53,6 +53,19 @@ ATTN_FN seq_t seq_k(const attn_params *p, int64_t b)
     return seq_of(p->cu_seqlens_k, p->seqused_k, p->Sk, p->max_rows_k, b);
 }
 
+/* Where key row c of sequence b lives: the (batch index in memory, row) of k and v, through the
+ * page table of a paged cache, else as seq_k's segment sk says. */
+ATTN_FN void key_row(const attn_params *p, const seq_t *sk, int64_t b, int64_t c, int64_t *mem_b, int64_t *row)
+{
+    if (p->block_table) {
+        *mem_b = p->block_table[b * p->bt_stride + c / p->page_size];
+        *row = c % p->page_size;
+    } else {
+        *mem_b = sk->mem_b;
+        *row = sk->start + c;
+    }
+}
+
 /* Rows of the q (or k) tensor past the last segment: padding of a packed batch. */
 ATTN_FN int64_t packed_end_q(const attn_params *p)
 {

@@ -105,9 +105,12 @@ static void FN(pack_kv)(const attn_params *p, const FN(tiling) *tiles, int64_t g
     for (int64_t j = 0; j < BK; j++) {
         int64_t c = kb * BK + j;
         int valid = c < sk.len;
+        int64_t mb = 0, mr = 0;
+        if (valid)
+            key_row(p, &sk, b, c, &mb, &mr);
         if (kt || kr) {
             if (valid)
-                LOAD_ROW(FN(row_ptr)(&p->k, p->dtype, sk.mem_b, sk.start + c, hk), p->k.s[3], D, p->dtype, row);
+                LOAD_ROW(FN(row_ptr)(&p->k, p->dtype, mb, mr, hk), p->k.s[3], D, p->dtype, row);
             for (int64_t d = 0; d < D; d++) {
                 T x = valid ? row[d] : 0;
                 if (kt) kt[d * BK + j] = x;
@@ -118,7 +121,7 @@ static void FN(pack_kv)(const attn_params *p, const FN(tiling) *tiles, int64_t g
         }
         if (vr || vt) {
             if (valid)
-                LOAD_ROW(FN(row_ptr)(&p->v, p->dtype, sk.mem_b, sk.start + c, hk), p->v.s[3], Dv, p->dtype, row);
+                LOAD_ROW(FN(row_ptr)(&p->v, p->dtype, mb, mr, hk), p->v.s[3], Dv, p->dtype, row);
             for (int64_t d = 0; d < Dv; d++) {
                 T x = valid ? row[d] : 0;
                 if (vr) vr[j * DvP + d] = x;
