@@ -8,6 +8,7 @@ import pytest
 import attnext
 from attnext import reference
 from conftest import BF16, F32, F64, check_backend, make_qkv, make_varlen_qkv, randn
+from helpers.numeric import central
 
 H = 2
 
@@ -19,20 +20,6 @@ def _dlse(rng, dead_nan=False):
         g = randn(rng, lse.shape, lse.dtype)
         return np.where(np.isneginf(lse), np.nan, g).astype(lse.dtype) if dead_nan else g
     return make
-
-
-def _central(loss, x, eps=1e-6):
-    """d loss / d x by central differences, element by element (x float64, small)."""
-    g = np.zeros_like(x)
-    for i in np.ndindex(x.shape):
-        x0 = x[i]
-        x[i] = x0 + eps
-        hi = loss()
-        x[i] = x0 - eps
-        lo = loss()
-        x[i] = x0
-        g[i] = (hi - lo) / (2 * eps)
-    return g
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
@@ -69,7 +56,7 @@ def test_reference_dlse_is_the_gradient_of_lse(rng, varlen, dout_zero):
         return float(np.sum(dout * o) + np.sum(np.where(np.isneginf(l), 0.0, dlse * l)))
     g = bwd(dout, q, k, v, out, lse, dlse=dlse)
     for name, x, got in (("dq", q, g.dq), ("dk", k, g.dk), ("dv", v, g.dv), ("dbias", bias, g.dbias)):
-        want = _central(loss, x)
+        want = central(loss, x)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=name)
     if dout_zero:
         assert np.abs(g.dq).max() > 1e-3      # the gradient is lse's alone, and not zero

@@ -9,6 +9,7 @@ import pytest
 import attnext
 from attnext import reference
 from conftest import BF16, F16, F32, F64, TEST_DEVICE, check_backend, make_qkv, make_varlen_qkv, randn
+from helpers.numeric import central
 
 H = 4
 
@@ -18,19 +19,6 @@ def _sinks(rng, dtype=F32):
     s = (rng.standard_normal(H) * 1.5).astype(dtype)
     s[2] = -np.inf
     return s
-
-
-def _central(loss, x, eps=1e-6):
-    g = np.zeros_like(x)
-    for i in np.ndindex(x.shape):
-        x0 = x[i]
-        x[i] = x0 + eps
-        hi = loss()
-        x[i] = x0 - eps
-        lo = loss()
-        x[i] = x0
-        g[i] = (hi - lo) / (2 * eps)
-    return g
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
@@ -70,9 +58,9 @@ def test_reference_gradients_are_those_of_its_forward(rng, varlen):
         return float(np.sum(dout * o) + np.sum(dlse * np.where(np.isneginf(l), 0.0, l)))
     g = bwd(dout, q, k, v, out, lse, dlse=dlse)
     for name, x, got in (("dq", q, g.dq), ("dk", k, g.dk), ("dv", v, g.dv)):
-        np.testing.assert_allclose(got, _central(loss, x), rtol=1e-5, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(got, central(loss, x), rtol=1e-5, atol=1e-7, err_msg=name)
     live = np.isfinite(sinks)
-    want = _central(lambda: loss(s), s := np.where(live, sinks, 0.0))
+    want = central(lambda: loss(s), s := np.where(live, sinks, 0.0))
     np.testing.assert_allclose(g.dsinks[live], want[live], rtol=1e-5, atol=1e-7, err_msg="dsinks")
     assert g.dsinks[2] == 0 and np.abs(g.dsinks[live]).min() > 1e-4
 
