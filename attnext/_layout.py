@@ -111,3 +111,5 @@ class KernelCall:
     k_rows_max: int = 0
     max_rows_q: int = 0          # varlen: the grid's rows per segment (0: the tensor's)
     max_rows_k: int = 0
+    page_size: int = 0           # a paged cache: k's rows a page, block_table's row stride
+    bt_stride: int = 0

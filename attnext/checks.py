@@ -541,8 +541,6 @@ def normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=
     v = float_array("v", v)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if o.block_table is not None and o.device is None and not isinstance(q, DevView):
-        o.device = "cpu"        # a paged cache runs on the CPU (the GPU refuses it: _paged)
     o.device = _resolve_device(o.device, q, k, v)
     o.on_gpu = isinstance(q, DevView)
     o.cuda_device = q.device if o.on_gpu else 0
@@ -672,16 +670,13 @@ def _paged(o, k, v, B, D):
     """block_table= checked against k, v (num_pages, page_size, Hk, D / Dv): o.block_table
     becomes its int32 array, o.page_size set; returns the keys' padded length max_pages *
     page_size. The page indices are checked by _check_pages, once the lengths are known."""
-    if o.device == "cuda" or isinstance(k, DevView):
-        raise TypeError("block_table: paged k / v caches run on the CPU and the reference so far, not "
-                        "on the GPU; pass host arrays with device='cpu' (or gather the pages)")
     n_pages, page_size, Hk, _ = k.shape
     if k.shape[3] != D or v.shape[:3] != (n_pages, page_size, Hk):
         raise ValueError(f"with block_table, k and v are (num_pages, page_size, Hk, D / Dv): got k "
                          f"{k.shape}, v {v.shape} (D = {D})")
     if page_size < 1:
         raise ValueError(f"with block_table, k and v need pages of at least one row, got k {k.shape}")
-    bt = _array("block_table", o.block_table, host=True)
+    bt = _array("block_table", o.block_table, host=True)     # a CUDA table is read back (a sync)
     if bt.dtype.kind not in "iu" or bt.ndim != 2 or bt.shape[0] != B:
         raise ValueError(f"block_table must be an int array (B, max_pages) = ({B}, max_pages), got "
                          f"{bt.dtype} {bt.shape}")

@@ -81,6 +81,27 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
     const elem_t *gq = (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + sq.start * p.q.s[1] + h * p.q.s[2];
     const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + sk.start * p.k.s[1] + hk * p.k.s[2];
     const elem_t *gv = (const elem_t *)p.v.ptr + sk.mem_b * p.v.s[0] + sk.start * p.v.s[1] + hk * p.v.s[2];
+    /* key tile [c0, c0 + BLOCK_N) of k (K) or v into shared memory: evenly strided rows, or under
+     * PAGED each row where the page table puts it (key_row; one table entry a row, cached) */
+    auto load_keys = [&](elem_t *dst, bool K, int64_t c0) {
+        const tensor4 &t = K ? p.k : p.v;
+#if PAGED
+        const auto row = [&](int r) {
+            int64_t mb, at;
+            key_row(&p, &sk, b, c0 + r, &mb, &at);
+            return (const elem_t *)t.ptr + mb * t.s[0] + at * t.s[1] + hk * t.s[2];
+        };
+        if (K)
+            load_rows<BLOCK_N, DP, THREADS>(dst, row, t.s[3], Lk - (int)c0, HEAD_DIM, tid);
+        else
+            load_rows<BLOCK_N, DVP, THREADS>(dst, row, t.s[3], Lk - (int)c0, HEAD_DIM_V, tid);
+#else
+        if (K)
+            load_tile<BLOCK_N, DP, THREADS>(dst, gk + c0 * t.s[1], t.s[1], t.s[3], Lk - (int)c0, HEAD_DIM, tid);
+        else
+            load_tile<BLOCK_N, DVP, THREADS>(dst, gv + c0 * t.s[1], t.s[1], t.s[3], Lk - (int)c0, HEAD_DIM_V, tid);
+#endif
+    };
 
     /* each lane's ldmatrix row addresses (shared-state space, bytes); the per-tile offsets
      * below are compile-time constants that fold into the instructions' immediates */
@@ -103,8 +124,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
         load_rows<BLOCK_M, DP, THREADS>(
             sQ, [&](int r) { return gq + (int64_t)((m0 + r) / G) * p.q.s[1] + (int64_t)((m0 + r) % G) * p.q.s[2]; },
             p.q.s[3], r_end - m0, HEAD_DIM, tid);
-        load_tile<BLOCK_N, DP, THREADS>(sK, gk + (int64_t)n_last * BLOCK_N * p.k.s[1], p.k.s[1], p.k.s[3],
-                                        Lk - n_last * BLOCK_N, HEAD_DIM, tid);
+        load_keys(sK, true, (int64_t)n_last * BLOCK_N);
         cp_async_commit();
     }
     /* a warp whose rows all lie past the real ones (r_end: a packed decode block's padding) only
@@ -114,8 +134,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
         const int c0 = n * BLOCK_N;
         cp_async_wait_all();
         __syncthreads();                                 /* K[n] (and Q) in shared memory */
-        load_tile<BLOCK_N, DVP, THREADS>(sV, gv + (int64_t)c0 * p.v.s[1], p.v.s[1], p.v.s[3], Lk - c0,
-                                         HEAD_DIM_V, tid);
+        load_keys(sV, false, c0);
         cp_async_commit();
 
         /* S = Q K^T for this warp's rows */
@@ -151,8 +170,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
         cp_async_wait_all();
         __syncthreads();                                 /* V[n] in; every warp is done with K[n] */
         if (n > n_first)
-            load_tile<BLOCK_N, DP, THREADS>(sK, gk + (int64_t)(c0 - BLOCK_N) * p.k.s[1], p.k.s[1], p.k.s[3],
-                                            Lk - (c0 - BLOCK_N), HEAD_DIM, tid);
+            load_keys(sK, true, (int64_t)(c0 - BLOCK_N));
         cp_async_commit();
 
         /* O += P V: the C fragments of S are the A fragments of P, two n8 tiles per k16 step */

@@ -8,7 +8,8 @@
  * Row numbers are packed rows: under PACK_GQA packed row pr is query row pr / G of head
  * h + pr % G; otherwise G = 1.
  *
- * Switches beyond attn_common.cuh's: PACK_GQA, SPLIT_KV (attn_fwd.cu's decode paths; 0 when
+ * Switches beyond attn_common.cuh's: PAGED (attn_fwd.cu: k, v a paged cache, each key row read
+ * through the page table), PACK_GQA, SPLIT_KV (attn_fwd.cu's decode paths; 0 when
  * undefined).
  */
 #ifndef ATTNEXT_ATTN_FWD_TILE_CUH
@@ -21,6 +22,9 @@
 #endif
 #ifndef SPLIT_KV
 #define SPLIT_KV 0
+#endif
+#ifndef PAGED
+#define PAGED 0
 #endif
 
 /* Packed rows after the last sequence (varlen): zero output, lse -inf. */

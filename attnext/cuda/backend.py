@@ -174,6 +174,17 @@ def _with_gmods(gmods):
 SLOT_O_ACCUM, SLOT_LSE_ACCUM, SLOT_DELTA, SLOT_DQ_ACCUM, SLOT_DQ_SEM, SLOT_DEAD, SLOT_ROW_MZ = (
     SLOT[name] for name in ("o_accum", "lse_accum", "delta", "dq_accum", "dq_sem", "dead", "row_mz"))
 SLOT_SINKS = SLOT["sinks"]        # dsinks follows it
+SLOT_BLOCK_TABLE = SLOT["block_table"]
+
+
+def _at_slots(ptrs, at):
+    """ptrs with at's {slot: address} filled in (None where neither gives one)."""
+    if not at:
+        return ptrs
+    out = list(ptrs) + [None] * (max(at) + 1 - len(ptrs))
+    for slot, ptr in at.items():
+        out[slot] = ptr
+    return tuple(out)
 
 
 def _sinks_view(o, stage):
@@ -188,8 +199,7 @@ def _with_sinks(ptrs, sinks, dsinks=None):
     """ptrs with the sinks' (and the backward's dsinks') addresses in their slots."""
     if sinks is None:
         return ptrs
-    tail = (sinks.ptr,) if dsinks is None else (sinks.ptr, dsinks.ptr)
-    return ptrs + (None,) * (SLOT_SINKS - len(ptrs)) + tail
+    return _at_slots(ptrs, {SLOT_SINKS: sinks.ptr, **({} if dsinks is None else {SLOT_SINKS + 1: dsinks.ptr})})
 
 
 def _vec_ok(view, D):
@@ -498,7 +508,8 @@ def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None):
     key = ("fwd", device, o.B, o.Sq, o.Sk, rows, _key_rows(o) if o.varlen else o.Sk, o.varlen,
            getattr(o, "whole_rows", None), o.causal_code, o.window_left, o.window_right, o.softcap_value > 0,
            (q4.ptr | k4.ptr | v4.ptr) % 16 == 0, _desc(q4), _desc(k4), _desc(v4), _desc(out4), _desc(lse3), _extras_key(o, extra),
-           select.knobs(select.FWD_KNOBS), None if gen is None else gen.source, o.precision)
+           select.knobs(select.FWD_KNOBS), None if gen is None else gen.source, o.precision,
+           None if o.block_table is None else o.block_table.shape)
     plan = _plans.get(key)
     if plan is None:
         plan = _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen)
@@ -511,13 +522,16 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     generated = None if gen is None else gen.source
     pack, splits = _decode_plan(o, features, device)
     arch = device_arch(device)
+    paged = o.block_table is not None
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], pack or splits > 1, rows, gen,
-                                     features["dtype"])
-    defines = select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen)
+                                     features["dtype"], paged)
+    defines = select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen, paged=paged)
     smem = select.fwd_smem_bytes(o.D, o.Dv, tile, kernel, features["dtype"])
     q_tiles = math.ceil(o.Sq * (o.Hq // o.Hk) / tile[0]) if pack else _query_tiles(rows, tile[0])
     grid = (q_tiles * splits, o.Hk if pack else o.Hq, o.B + (1 if o.varlen else 0))
     prob.out, prob.lse, prob.num_splits = _t(out4), _t(lse3), splits
+    if paged:
+        prob.page_size, prob.bt_stride = o.page_size, o.block_table.shape[1]
     template = _C.attn_template(prob)
     if not all(grid):                       # an empty grid (no heads, rows or batch) has nothing to write
         return _Plan(template, ())
@@ -592,6 +606,8 @@ def forward(o, out_host, lse_host, stage=None):
         elif plan.scratch:
             ptrs += (None, None)
         ptrs = _with_sinks(ptrs, _sinks_view(o, stage))
+        if o.block_table is not None:     # checked on the host (checks._check_pages), uploaded
+            ptrs = _at_slots(ptrs, {SLOT_BLOCK_TABLE: stage.upload(o.block_table).ptr})
         if mods is None:
             _launch(plan, stage, ptrs, o)
         else:
@@ -633,7 +649,8 @@ def _slices(o):
     first, then about the last TAIL_SHARE of them (at least a tile: c on a select.TILE_EDGE
     edge, where the one-go call's tiles start) over keys 0:S, the only work left after the
     uploads (rows r0:r1 need only keys 0:r1)."""
-    if o.varlen or o.bias4 is not None or o.mask4 is not None or _has_mods(o):
+    if (o.varlen or o.bias4 is not None or o.mask4 is not None or _has_mods(o)
+            or o.block_table is not None):
         return None
     moved = sum(x.size * x.itemsize for x in (o.q4, o.k4, o.v4))
     moved += math.prod(o.out_shape) * np.dtype(o.q.dtype).itemsize

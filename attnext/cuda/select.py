@@ -99,15 +99,16 @@ SM90_TILE_MODS = (128, 64, 8)
 SM90_SHORT_ROWS = 1024
 
 
-def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16"):
+def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", paged=False):
     """(kernel source, tile) of the forward: kernels/attn_fwd_sm90.cu (wgmma) on sm_90a for
     16-byte-loadable inputs with D, Dv in {64, 128}, else kernels/attn_fwd.cu (mma.sync, every
     shape, and the decode paths). rows: the longest query sequence; mods: the generated
     score_mod / mask_mod compiled in (codegen.Generated) or None: a score_mod takes
     SM90_TILE_MODS where its staged output fits (sm90_staged_o_fits), a mask_mod alone the
     plain tiles. ATTNEXT_FWD_SM90=0 keeps Hopper on attn_fwd.cu (the lab's and the tests'
-    comparison). float32 runs attn_fwd.cu (TF32 mma.sync) everywhere."""
-    if (arch == "sm_90a" and not decode and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
+    comparison). float32 runs attn_fwd.cu (TF32 mma.sync) everywhere, and so does a paged cache
+    (paged: its key rows are gathered through the page table, PAGED)."""
+    if (arch == "sm_90a" and not decode and not paged and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
             and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
         env = _env.get("ATTNEXT_TILE_SM90")      # the kernel lab's override: "128,64,8"
         if env:
@@ -182,15 +183,16 @@ def entry_defines(defines, name):
 
 
 def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile,
-                pack_gqa=False, split_kv=False, mods=None, tf32=False):
+                pack_gqa=False, split_kv=False, mods=None, tf32=False, paged=False):
     """The #defines of one forward variant. bias_dtype / alibi_dtype: a dtype name or None;
-    tf32: float32 in single-pass TF32 (precision="tf32").
+    tf32: float32 in single-pass TF32 (precision="tf32"); paged: k and v are a paged cache.
     tile: (BLOCK_M, BLOCK_N, NUM_WARPS[, MIN_BLOCKS: CTAs per SM the registers must allow]).
     mods: the generated score_mod / mask_mod (codegen.Generated) or None."""
     bm, bn, w = tile[:3]
     return mod_defines({
         "MIN_BLOCKS": tile[3] if len(tile) > 3 else 1,
         "PACK_GQA": int(pack_gqa), "SPLIT_KV": int(split_kv), **dtype_defines(dtype, tf32),
+        **({"PAGED": 1} if paged else {}),
         "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
         "HAS_SOFTCAP": int(softcap), "HAS_BIAS": int(bias_dtype is not None),
         "BIAS_DT": DTYPE_CODES[bias_dtype or "float32"], "HAS_ALIBI": int(alibi_dtype is not None),

@@ -14,6 +14,8 @@
  *   k_rows_max        the backward's longest key sequence (attn_bwd_dead; attn_params.h)
  *   max_rows_q, max_rows_k   varlen: the most rows of a segment, what the grid covers
  *                     (attn_params.h; 0: the tensor's rows)
+ *   page_size, bt_stride   a paged k / v cache (0, 0: none): k's rows a page and block_table's
+ *                     row stride; Sk is then bt_stride * page_size (attn_params.h)
  *   q, k, v, out, dout, dq, dk, dv, lse, dbias, dlse, bias, mask, alibi, delta, dq_accum, dq_sem:
  *   each None or a tuple (ptr, shape, strides) with shape and strides (in elements) of the ranks in
  *   attn_params.h; only their shapes and strides are kept (None: the feature is off)
@@ -104,7 +106,8 @@ typedef struct {
     X(cu_seqlens_q, cu_seqlens_q) X(cu_seqlens_k, cu_seqlens_k) X(seqused_q, seqused_q)          \
     X(seqused_k, seqused_k) X(dout, dout.ptr) X(dq, dq.ptr) X(dk, dk.ptr) X(dv, dv.ptr)           \
     X(dbias, dbias.ptr) X(dlse, dlse.ptr) X(delta, delta.ptr) X(dq_accum, dq_accum.ptr)           \
-    X(dq_sem, dq_sem.ptr) X(dead, dead) X(row_mz, row_mz) X(sinks, sinks) X(dsinks, dsinks)
+    X(dq_sem, dq_sem.ptr) X(dead, dead) X(row_mz, row_mz) X(sinks, sinks) X(dsinks, dsinks) \
+    X(block_table, block_table)
 #define PTR_OFFSET(name, f) offsetof(attn_params, f),
 #define PTR_NAME(name, f) #name,
 static const size_t PTR_FIELDS[] = {PTR_FIELD_LIST(PTR_OFFSET)};
@@ -133,7 +136,7 @@ static PyObject *c_attn_template(PyObject *module, PyObject *prob)
     attn_template t;
     attn_params *p = &t.p;
     long long dtype, B, causal, wl, wr, bias_dtype, alibi_dtype, bias_heads, mask_heads, splits, write_last,
-        k_rows_max, max_rows_q, max_rows_k, qs[4], ks[4], vs[4];
+        k_rows_max, max_rows_q, max_rows_k, page_size, bt_stride, qs[4], ks[4], vs[4];
     memset(&t, 0, sizeof t);
     if (attr_long(prob, "dtype", &dtype) || attr_long(prob, "B", &B) || attr_long(prob, "causal", &causal)
         || attr_long(prob, "window_left", &wl) || attr_long(prob, "window_right", &wr)
@@ -141,7 +144,8 @@ static PyObject *c_attn_template(PyObject *module, PyObject *prob)
         || attr_long(prob, "bias_heads", &bias_heads) || attr_long(prob, "mask_heads", &mask_heads)
         || attr_long(prob, "device", &t.device) || attr_long(prob, "num_splits", &splits)
         || attr_long(prob, "dq_write_last", &write_last) || attr_long(prob, "k_rows_max", &k_rows_max)
-        || attr_long(prob, "max_rows_q", &max_rows_q) || attr_long(prob, "max_rows_k", &max_rows_k))
+        || attr_long(prob, "max_rows_q", &max_rows_q) || attr_long(prob, "max_rows_k", &max_rows_k)
+        || attr_long(prob, "page_size", &page_size) || attr_long(prob, "bt_stride", &bt_stride))
         return NULL;
     p->dtype = (attn_dtype)dtype;
     p->B = B;
@@ -173,6 +177,11 @@ static PyObject *c_attn_template(PyObject *module, PyObject *prob)
     p->alibi.s[0] = p->alibi.s[2]; p->alibi.s[1] = p->alibi.s[3]; p->alibi.s[2] = p->alibi.s[3] = 0;
     p->Sq = qs[1]; p->Hq = qs[2]; p->D = qs[3];
     p->Sk = ks[1]; p->Hk = ks[2]; p->Dv = vs[3];
+    if (page_size > 0) {        /* a paged cache: k, v (num_pages, page_size, Hk, D), keys through block_table */
+        p->page_size = page_size;
+        p->bt_stride = bt_stride;
+        p->Sk = bt_stride * page_size;
+    }
     p->max_rows_q = max_rows_q > 0 ? max_rows_q : p->Sq;
     p->max_rows_k = max_rows_k > 0 ? max_rows_k : p->Sk;
     if (p->Hk <= 0 || p->Hq % p->Hk) {

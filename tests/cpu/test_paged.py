@@ -1,7 +1,8 @@
 """Paged k / v caches (block_table=): attention and varlen_attention over pages against the same
-keys laid out contiguously (the backends bit for bit, the reference within its rule), decode and
+keys laid out contiguously (the CPU bit for bit, every backend against the reference), decode and
 prefill, GQA, sinks and options on top; page indices out of range (IndexError naming the entry),
-bad tables, and what is refused (the backward, the GPU so far)."""
+bad tables, and what is refused (the backward); on a GPU (-m gpu) CUDA tensors, the split-KV
+decode among them."""
 import numpy as np
 import pytest
 
@@ -34,8 +35,6 @@ def _cache(rng, lengths, page_size, dtype, spare=3):
 
 
 def _device():
-    if TEST_DEVICE == "cuda":
-        pytest.skip("paged caches run on the CPU and the reference so far")
     return TEST_DEVICE
 
 
@@ -123,3 +122,15 @@ def test_bad_tables_and_refusals(rng):
     before = bt.copy()
     attnext.attention(q, kp, vp, block_table=bt, seqlens_k=lens, device="cpu")
     np.testing.assert_array_equal(bt, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 1, [4000, 1500], 16), (3, 40, [40, 300, 77], 32), (1, 5, [9000], 64)],
+                         ids=["decode_split", "prefill", "decode_long_pages"])
+def test_pages_on_cuda_tensors(shape, rng, torch):
+    from helpers.gpu import run_gpu
+    b, sq, lengths, page_size = shape
+    kp, vp, bt, _, _ = _cache(rng, lengths, page_size, BF16)
+    q = randn(rng, (b, sq, HQ, D), BF16)
+    run_gpu(torch, q, kp, vp, backward=False, block_table=bt, seqlens_k=np.array(lengths), causal=True,
+            sinks=randn(rng, (HQ,), F32))

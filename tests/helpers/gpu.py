@@ -26,7 +26,7 @@ def to_host(torch, t):
 
 
 GPU_OPTS = ("bias", "mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
-            "seqused_k", "sinks")
+            "seqused_k", "sinks", "block_table")
 
 
 def run_gpu(torch, q, k, v, *, varlen=None, backward=True, dlse=None, **opts):

@@ -91,6 +91,14 @@ def test_a_plan_is_reused_by_its_key_only(fake_driver):
         assert "attn_bwd_sinks" not in [l[0][1] for l in warm["backward"]]
         attnext.attention_backward(out, q, k, v, out, lse, sinks=sinks)
         assert all(l[6][at] and l[6][at + 1] for l in LAUNCHES[-len(names):])
+        # a paged cache: attn_fwd with PAGED (never the wgmma kernel), the page size and table
+        # stride in the template, the uploaded table's address in its slot
+        pages_k, pages_v = dev((10, 16, 2, 128)), dev((10, 16, 2, 128))
+        table = np.arange(8, dtype=np.int32).reshape(2, 4)
+        paged = record(lambda: attnext.attention(q, pages_k, pages_v, block_table=table, seqlens_k=np.array([64, 50])))
+        assert [l[0][1] for l in paged] == ["attn_fwd"] and dict(paged[0][0][2])["PAGED"] == 1, paged
+        assert (paged[0][5]["page_size"], paged[0][5]["bt_stride"], paged[0][5]["k"][0]) == (16, 4, 16 * 2 * 128)
+        assert LAUNCHES[-1][6][cuda_backend.SLOT_BLOCK_TABLE]
 
         # a fresh (contiguous) out is out= of the same layout: one plan
         attnext.attention(q, k, v, **base)
@@ -310,7 +318,8 @@ def _prob(**changes):
     t = ((0, (2, 16, 4, 64), (4096, 256, 64, 1)))
     prob = types.SimpleNamespace(
         device=0, dtype=1, B=2, causal=0, window_left=-1, window_right=-1, bias_dtype=2, alibi_dtype=2,
-        bias_heads=1, mask_heads=1, num_splits=1, dq_write_last=0, k_rows_max=0, max_rows_q=0, max_rows_k=9,
+        bias_heads=1, mask_heads=1, num_splits=1, dq_write_last=0, k_rows_max=0, max_rows_q=0, max_rows_k=9, page_size=0,
+        bt_stride=0,
         q=t, k=t, v=t, out=t, lse=None, bias=None, mask=None,
         alibi=None, dout=None, dq=None, dk=None, dv=None, dbias=None, dlse=None, delta=None, dq_accum=None, dq_sem=None)
     vars(prob).update(changes)

@@ -578,7 +578,7 @@ def test_slices(monkeypatch):
     x = np.zeros((6, 1024, 2, 32), BF16)
     o = types.SimpleNamespace(varlen=False, bias4=None, mask4=None, B=6, Sq=1024, Sk=1024, q=x, q4=x, k4=x,
                               v4=x, out_shape=x.shape, causal_code=0, window_left=-1, window_right=-1,
-                              alibi=None, used_q=None, used_k=None, layout="bshd")
+                              alibi=None, used_q=None, used_k=None, layout="bshd", block_table=None)
     moved = 4 * x.nbytes
     for slice_bytes, want in ((moved, None), (moved // 2, [(0, 3), (3, 6)]),
                               (moved // 4, [(0, 1), (1, 3), (3, 4), (4, 6)]),
