@@ -27,6 +27,9 @@ Sections, bf16 unless said:
           attention_backward called directly on the same tensors, B4 S4096 H16 D128 causal:
           the forward, and the forward with its backward (the adapter's out.backward(dout)
           against attention(return_lse=True) + attention_backward); its overhead, no target.
+  paged   decode (Sq = 1, Hq = 32, Hk = 8, D = 128) over a paged KV cache of shuffled pages
+          ((B, Sk, page size) = (8, 8192, 16), (8, 8192, 64), (64, 4096, 16); the block table a
+          host array) against the same keys contiguous: GB/s of K and V, >= 0.9x the contiguous.
   mods    score_mod / mask_mod rows against FlexAttention: softcap, a relative-bias table (its
           gradient on both sides), the document mask (as a mask_mod alone and with causal=True),
           a causal sliding window; TFLOP/s of the pairs each mask keeps (attnext/bench/mods.py).
@@ -97,7 +100,10 @@ SECTION_TITLES = {"plain": "plain attention (TFLOP/s)",
                   "packed": "document-causal packed batch (TFLOP/s)",
                   "decode": "KV-cache decode (GB/s of K and V read)",
                   "numpy": "NumPy in, NumPy out (wall-clock ms)",
-                  "adapter": "attnext.torch against direct calls on the same tensors (ms)"}
+                  "adapter": "attnext.torch against direct calls on the same tensors (ms)",
+                  "paged": "decode over a paged KV cache against the same keys contiguous (ms)"}
+PAGED = ((8, 8192, 16), (8, 8192, 64), (64, 4096, 16))     # (B, Sk, page_size) of the paged rows
+PAGED_TARGET = 0.9                 # the paged call's GB/s over the contiguous call's
 ADAPTER = (4096, 128, True)        # (S, D, causal) of the adapter rows
 
 
@@ -132,7 +138,7 @@ def document_lengths(total=TOKENS, parts=DOCS, seed=DOC_SEED):
 
 
 class Case(NamedTuple):
-    kind: str                      # "plain", "float32", "tf32", "packed", "decode", "numpy", "adapter"
+    kind: str                      # "plain", "float32", "tf32", "packed", "decode", "numpy", "adapter", "paged"
     B: int
     Sq: int
     Sk: int
@@ -143,6 +149,7 @@ class Case(NamedTuple):
     lens: Optional[tuple] = None   # packed: the documents' lengths (B = 1, Sq = Sk = their sum)
     mod: Optional[str] = None      # numpy: "softcap" for the score_mod row
     lengths: str = "host"          # packed: cu_seqlens as NumPy arrays, or "cuda" (torch, in place)
+    page: int = 0                  # paged: the cache's page size
 
     @property
     def name(self):
@@ -152,6 +159,8 @@ class Case(NamedTuple):
             return f"docs{len(self.lens)} T{self.Sq} H{self.Hq} D{self.D}{c}{where}"
         if self.kind == "decode":
             return f"decode B{self.B} Sk{self.Sk} Hq{self.Hq} Hk{self.Hk} D{self.D}"
+        if self.kind == "paged":
+            return f"paged{self.page} B{self.B} Sk{self.Sk} Hq{self.Hq} Hk{self.Hk} D{self.D}"
         prefix = "" if self.kind == "plain" else f"{self.kind} "
         if self.mod:
             prefix += f"{self.mod}{SOFTCAP:g} "
@@ -194,7 +203,9 @@ def cases(quick=False):
             + [Case("decode", B, 1, Sk, DECODE_HQ, DECODE_HK, DECODE_D, False) for B, Sk in decode]
             + [plain_case(S, D, c, "numpy", B) for B, S, D, c in numpy_]
             + [Case("numpy", B, S, S, H, H, D, False, mod="softcap")]
-            + [plain_case(*ADAPTER, kind="adapter")])
+            + [plain_case(*ADAPTER, kind="adapter")]
+            + [Case("paged", B, 1, Sk, DECODE_HQ, DECODE_HK, DECODE_D, False, page=ps)
+               for B, Sk, ps in (PAGED[:1] if quick else PAGED)])
 
 
 def _reason(e):
@@ -274,8 +285,15 @@ ADAPTER_COLUMNS = [("case", 28, lambda r: r["case"]), ("dir", 7, lambda r: r["di
                    ("s", 4, lambda r: f"{r['case_s']:.0f}")]
 
 
+PAGED_COLUMNS = [("case", 28, lambda r: r["case"]), ("paged ms", 8, _ms_cell),
+                 ("contig ms", 9, lambda r: _num(r["floor_ms"])),
+                 ("paged GB/s", 10, lambda r: _num(r["attnext_rate"])),
+                 ("paged/contig", 12, lambda r: _ratio_cell(r["target_ratio"])),
+                 ("s", 4, lambda r: f"{r['case_s']:.0f}"), ("target", 0, _target_cell)]
+
+
 def columns_for(section):
-    return {"numpy": NUMPY_COLUMNS, "adapter": ADAPTER_COLUMNS}.get(section, RATE_COLUMNS)
+    return {"numpy": NUMPY_COLUMNS, "adapter": ADAPTER_COLUMNS, "paged": PAGED_COLUMNS}.get(section, RATE_COLUMNS)
 
 
 def format_line(cells, columns):
@@ -865,6 +883,40 @@ def adapter_rows(run, case, case_s_start):
     return rows
 
 
+def paged_rows(run, case, case_s_start):
+    """Decode (one query row, GQA) over a paged cache whose pages are shuffled, against the same
+    call on the keys laid out contiguously: GB/s of K and V read, the ratio of the two (target:
+    PAGED_TARGET). The block table is a host array (checked and uploaded each call). Validated
+    against the contiguous call's result before timing."""
+    import torch
+    B, Sk, Hk, D, ps = case.B, case.Sk, case.Hk, case.D, case.page
+    q = _randn(run, B, 1, case.Hq, D)
+    k, v = (_randn(run, B, Sk, Hk, D) for _ in range(2))
+    n = Sk // ps
+    perm = torch.randperm(B * n, device=run.device)
+    kp, vp = (torch.empty((B * n, ps, Hk, D), dtype=x.dtype, device=run.device) for x in (k, v))
+    kp[perm], vp[perm] = k.reshape(B * n, ps, Hk, D), v.reshape(B * n, ps, Hk, D)
+    table = perm.reshape(B, n).to(torch.int32).cpu().numpy()
+    lens = np.full(B, Sk)
+    out_p, out_c = q.new_empty(q.shape), q.new_empty(q.shape)
+
+    def paged():
+        return attnext.attention(q, kp, vp, block_table=table, seqlens_k=lens, out=out_p)
+
+    def contiguous():
+        return attnext.attention(q, k, v, out=out_c)
+    res = _attempt(run.time, paged, lambda out: {"out": (out.float(), contiguous().float())}, paged)
+    direct = run.time(contiguous)
+    ratio = direct / res["ms"] if res["ms"] and direct else None
+    return [{"section": "paged", "case": case.name, "direction": "fwd", "B": B, "Sq": 1, "Sk": Sk,
+             "Hq": case.Hq, "Hk": Hk, "D": D, "causal": False, "attnext_ms": res["ms"],
+             "attnext_rate": gbps(case.kv_bytes(), res["ms"]), "attnext_status": res["status"],
+             "attnext_reason": res["reason"], "attnext_rel_errors": res.get("rel_errors"),
+             "floor_ms": direct, "target": f">={PAGED_TARGET:.1f}x contiguous", "target_ratio": ratio,
+             "target_met": None if ratio is None else ratio >= PAGED_TARGET,
+             "case_s": time.perf_counter() - case_s_start}]
+
+
 def case_rows(run, case):
     """The rows of one case (one per direction); an unexpected failure becomes rows that say so."""
     t0 = time.perf_counter()
@@ -874,6 +926,8 @@ def case_rows(run, case):
             return numpy_row(run, case, t0)
         if case.kind == "adapter":
             return adapter_rows(run, case, t0)
+        if case.kind == "paged":
+            return paged_rows(run, case, t0)
         results = SECTIONS[case.kind](run, case)
     except Exception as e:   # e.g. out of memory making the inputs or the reference
         reason = _reason(e)

@@ -126,7 +126,9 @@ def test_decode_bytes_and_case_grid():
     assert all(c.B * c.Sq == 16384 and c.Hq * c.D == 2048 for c in plain)
     assert len({c.name for c in full}) == len(full)
     quick = bc.cases(quick=True)
-    assert {c.kind for c in quick} == {"plain", "float32", "tf32", "packed", "decode", "numpy", "adapter"}
+    assert {c.kind for c in quick} == {"plain", "float32", "tf32", "packed", "decode", "numpy", "adapter", "paged"}
+    paged = [c for c in full if c.kind == "paged"]
+    assert [(c.B, c.Sk, c.page) for c in paged] == list(bc.PAGED) and all(c.Sk % c.page == 0 for c in paged)
     [adapter] = [c for c in full if c.kind == "adapter"]
     assert (adapter.Sq, adapter.D, adapter.causal, adapter.B * adapter.Sq) == (4096, 128, True, 16384)
     assert all(c.Sq == 2048 and c.D == 128 for c in quick if c.kind in ("plain", "float32", "tf32"))
@@ -394,6 +396,20 @@ def test_adapter_rows_on_cpu(monkeypatch):
                                                    "fwd+bwd", "2.00"]
 
 
+def test_paged_rows_on_cpu(monkeypatch):
+    """The paged decode row on CPU tensors (attnext's CPU backend, float32): the shuffled pages
+    give the contiguous call's result, both timed, their GB/s ratio in the row."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(bc, "_randn", lambda run, *shape, dtype=None: torch.randn(shape))
+    run = bc.Run("cpu", lambda fn: (fn(), 2.0)[1], ())
+    [row] = bc.case_rows(run, bc.Case("paged", 3, 1, 96, 4, 2, 16, False, page=16))
+    assert row["attnext_status"] == "ok", row["attnext_reason"]
+    assert all(e == 0 for e in row["attnext_rel_errors"].values())      # the same keys, bit for bit
+    assert row["attnext_ms"] == row["floor_ms"] == 2.0 and row["target_ratio"] == 1.0 and row["target_met"]
+    assert row["attnext_rate"] == pytest.approx(bc.gbps(2 * 3 * 96 * 2 * 16 * 2, 2.0))
+    assert bc.format_row(row).split()[:2] == ["paged16", "B3"]
+
+
 def _main_on_cpu(monkeypatch, fault=None):
     """main() as on the GPU, its rows run on CPU tensors: bench_cuda's sections through
     FakeAttnext, the mods section (tiny cases) through attnext's CPU backend."""
@@ -425,8 +441,8 @@ def test_main_end_to_end_on_cpu(monkeypatch, tmp_path, capsys, fault, status):
     assert cli.main(["--device", "cuda", "--peers", "flash", "--json", str(path),
                     "--plot", str(tmp_path / "p.png")]) == status
     text = capsys.readouterr().out
-    for title in [t for name, t in bc.SECTION_TITLES.items() if name != "adapter"] + [bench_mods.MODS_TITLE]:
-        assert title in text                               # (the adapter rows: test_adapter_rows_on_cpu)
+    for title in [t for name, t in bc.SECTION_TITLES.items() if name not in ("adapter", "paged")] + [bench_mods.MODS_TITLE]:
+        assert title in text           # (the adapter and paged rows: test_adapter_rows_on_cpu, test_paged_rows_on_cpu)
     assert bench_mods.FIRST_CALL_TITLE not in text            # only with --first-call
     assert "total" in text and ("no plot" in text or "plot written" in text)
     saved = json.loads(path.read_text())
