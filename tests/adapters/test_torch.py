@@ -132,18 +132,19 @@ def test_only_captured_tensors_that_require_grad_are_asked(gen, monkeypatch):
 def test_compile_fullgraph_equals_eager(gen):
     q, k, v = _qkv(gen, 2, 33, 33, 2, 1, 16, dtype=torch.float32)
     table = torch.randn(2, 66, generator=gen, requires_grad=True)
+    sinks = torch.randn(2, generator=gen, requires_grad=True)
 
     def rel(s, b, h, q_idx, kv_idx):
         return s + table[h, q_idx - kv_idx + 33]
 
     def f(q, k, v):
-        return axt.attention(q, k, v, causal=True, score_mod=rel).square().sum()
+        return axt.attention(q, k, v, causal=True, score_mod=rel, sinks=sinks).square().sum()
     grads = []
     for fn in (f, torch.compile(f, fullgraph=True)):
-        for x in (q, k, v, table):
+        for x in (q, k, v, table, sinks):
             x.grad = None
         fn(q, k, v).backward()
-        grads.append([x.grad.clone() for x in (q, k, v, table)])
+        grads.append([x.grad.clone() for x in (q, k, v, table, sinks)])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
