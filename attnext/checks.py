@@ -668,8 +668,9 @@ def _paged_varlen(o, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_
 
 def _paged(o, k, v, B, D):
     """block_table= checked against k, v (num_pages, page_size, Hk, D / Dv): o.block_table
-    becomes its int32 array, o.page_size set; returns the keys' padded length max_pages *
-    page_size. The page indices are checked by _check_pages, once the lengths are known."""
+    becomes a host int64 copy (int32 once _check_pages has checked the pages a sequence reads,
+    when the lengths are known), o.page_size set; returns the keys' padded length max_pages *
+    page_size."""
     n_pages, page_size, Hk, _ = k.shape
     if k.shape[3] != D or v.shape[:3] != (n_pages, page_size, Hk):
         raise ValueError(f"with block_table, k and v are (num_pages, page_size, Hk, D / Dv): got k "

@@ -256,7 +256,8 @@ DEV void p_fragment(const float (&s)[MT][NT][4], int mt, int kk, uint32_t (&a)[4
  * rows), and lse = log(l) + max (-inf for those rows) written to lse, or under SPLIT_KV to this
  * split's lse_accum slot. With sinks (not under SPLIT_KV: attn_fwd_combine adds them) a real
  * row's sum gains exp(sink): inv = e^(max - M) / l', lse = M + log l', l' = l e^(max - M) +
- * e^(sink - M), M the larger of the two; a real row that keeps nothing gets lse = sink. row0: the packed row of the warp's first row; h: the block's (first)
+ * e^(sink - M), M the larger of the two; a real row that keeps nothing gets lse = sink.
+ * row0: the packed row of the warp's first row; h: the block's (first)
  * query head; to_natural: score_ctx's, the max's units to the natural score. */
 template <int MT>
 DEV void finish_rows(const attn_params &p, const seq_t &sq, float to_natural, const float (&m)[2 * MT],
