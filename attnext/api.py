@@ -289,8 +289,9 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool | str = False,
         and vLLM's): k (num_pages, page_size, Hk, D), v (num_pages, page_size, Hk, Dv), and key
         c of batch item b is row c % page_size of page block_table[b, c // page_size]; Sk is
         max_pages * page_size, seqlens_k the lengths. A page index a sequence reads outside
-        [0, num_pages) is an IndexError (the table is checked on the host: a CUDA table is read
-        back). Forward only (decode and prefill), layout "bshd".
+        [0, num_pages) is an IndexError: at once for a host table; for a CUDA int32 table on a
+        GPU call (read in place, no synchronisation) from the next GPU call, as device lengths
+        report theirs. Forward only (decode and prefill), layout "bshd".
     layout: "bshd" or "bhsd" (above).
     return_lse: also return lse.
     {WHERE}

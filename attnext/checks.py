@@ -669,26 +669,36 @@ def _paged_varlen(o, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_
 def _paged(o, k, v, B, D):
     """block_table= checked against k, v (num_pages, page_size, Hk, D / Dv): o.block_table
     becomes a host int64 copy (int32 once _check_pages has checked the pages a sequence reads,
-    when the lengths are known), o.page_size set; returns the keys' padded length max_pages *
-    page_size."""
+    when the lengths are known), or on a GPU call a CUDA int32 table as its DevView (checked on
+    the device); o.page_size set; returns the keys' padded length max_pages * page_size."""
     n_pages, page_size, Hk, _ = k.shape
     if k.shape[3] != D or v.shape[:3] != (n_pages, page_size, Hk):
         raise ValueError(f"with block_table, k and v are (num_pages, page_size, Hk, D / Dv): got k "
                          f"{k.shape}, v {v.shape} (D = {D})")
     if page_size < 1:
         raise ValueError(f"with block_table, k and v need pages of at least one row, got k {k.shape}")
-    bt = _array("block_table", o.block_table, host=True)     # a CUDA table is read back (a sync)
+    bt = _array("block_table", o.block_table, host=o.device != "cuda")
     if bt.dtype.kind not in "iu" or bt.ndim != 2 or bt.shape[0] != B:
         raise ValueError(f"block_table must be an int array (B, max_pages) = ({B}, max_pages), got "
                          f"{bt.dtype} {bt.shape}")
-    o.block_table = np.ascontiguousarray(bt, np.int64)
     o.page_size = int(page_size)
+    if isinstance(bt, DevView):       # a GPU call's CUDA table: read in place, checked on the GPU
+        if bt.device != o.cuda_device or bt.dtype != np.int32 or (bt.shape[1] > 1 and bt.strides[1] != 1):
+            raise TypeError(f"block_table as a CUDA array must be int32 with contiguous rows on the call's "
+                            f"device (cuda:{o.cuda_device}), got {bt.dtype} with strides {bt.strides} on "
+                            f"cuda:{bt.device}; convert it, or pass a host array")
+        o.block_table = bt
+    else:
+        o.block_table = np.ascontiguousarray(bt, np.int64)
     return bt.shape[1] * page_size
 
 
 def _check_pages(o):
     """Every page a sequence reads (those covering its length) lies in [0, num_pages): IndexError
-    naming the first that does not (entries past a sequence's pages are not read)."""
+    naming the first that does not (entries past a sequence's pages are not read). A CUDA table
+    is checked on the GPU instead (cuda/lengths.py: launch_pages)."""
+    if isinstance(o.block_table, DevView):
+        return
     n_pages = o.k4.shape[0]
     lengths = o.used_k if o.used_k is not None else np.full(o.B, o.Sk)
     for b, n in enumerate(lengths):

@@ -107,7 +107,7 @@ typedef struct {
      * page block_table[b * bt_stride + c / page_size] (seq_k gives only its length then). NULL:
      * k and v hold the rows where seq_k says (key_row in seqlen.h reads both) */
     const int32_t *block_table;
-    int64_t bt_stride, page_size;
+    int64_t bt_stride, page_size, num_pages;   /* num_pages: k's pages; key_row clamps into them */
 
     /* varlen: cu_seqlens_* (B + 1), seqused_* (B); non-varlen seqlens_* use seqused_* alone */
     const int32_t *cu_seqlens_q, *cu_seqlens_k;

@@ -203,6 +203,7 @@ static int fill_common(PyObject *prob, attn_params *p, buffer_set *bs, int forwa
         }
         p->block_table = (const int32_t *)t.ptr;
         p->page_size = page_size;
+        p->num_pages = ks[0];
         p->bt_stride = bt_stride;
         p->Sk = bt_stride * page_size;
         if (shape_is("v", vs, ks[0], page_size, p->Hk, p->Dv))

@@ -54,11 +54,13 @@ ATTN_FN seq_t seq_k(const attn_params *p, int64_t b)
 }
 
 /* Where key row c of sequence b lives: the (batch index in memory, row) of k and v, through the
- * page table of a paged cache, else as seq_k's segment sk says. */
+ * page table of a paged cache, else as seq_k's segment sk says. A page index out of range (a
+ * CUDA table the host never read: attn_lengths.cu's attn_pages reports it) is clamped into k's
+ * pages, so it reads nothing outside them. */
 ATTN_FN void key_row(const attn_params *p, const seq_t *sk, int64_t b, int64_t c, int64_t *mem_b, int64_t *row)
 {
     if (p->block_table) {
-        *mem_b = p->block_table[b * p->bt_stride + c / p->page_size];
+        *mem_b = clamp_len(p->block_table[b * p->bt_stride + c / p->page_size], 0, p->num_pages - 1);
         *row = c % p->page_size;
     } else {
         *mem_b = sk->mem_b;

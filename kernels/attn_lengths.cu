@@ -8,7 +8,11 @@
  * there already; the next call reads it and raises ValueError. The attention kernels clamp the
  * lengths meanwhile (seqlen.h), so wrong lengths read and write nothing outside the arrays.
  *
- * No compile-time switches; parameter: the struct below, by value. One CTA.
+ * attn_pages checks a paged cache's block table the same way when it is a CUDA array the host
+ * never reads: every page a sequence reads (those covering its length) in [0, num_pages); the
+ * attention kernels clamp page indices meanwhile (key_row), and the next call raises IndexError.
+ *
+ * No compile-time switches; parameters: the structs below, by value. One CTA each.
  */
 #define DEV static __device__ __forceinline__
 
@@ -21,7 +25,8 @@ typedef unsigned long long uint64_t;
  * broke and [5] the device. The CTA picks its first fault in shared memory and one thread writes
  * it with plain stores (atomics on host memory are not atomic over PCIe), unless a fault waits
  * there already. */
-enum { LEN_START = 1, LEN_DECREASES = 2, LEN_PAST_END = 3, LEN_LONGER = 4, LEN_NEGATIVE = 5, LEN_USED_PAST = 6 };
+enum { LEN_START = 1, LEN_DECREASES = 2, LEN_PAST_END = 3, LEN_LONGER = 4, LEN_NEGATIVE = 5, LEN_USED_PAST = 6,
+       PAGE_OUT_OF_RANGE = 7 };
 
 struct lengths_params {
     const int32_t *cu[2];        /* cu_seqlens_q, cu_seqlens_k (B + 1) */
@@ -30,6 +35,15 @@ struct lengths_params {
     int64_t B, device;
     int64_t rows[2];             /* the packed tensors' rows, Tq and Tk */
     int64_t max_len[2];          /* max_seqlen_q, max_seqlen_k */
+};
+
+/* attn_pages: block_table (B, max_pages) int32, rows bt_stride apart; sequence b reads the pages
+ * covering its length, used[b] (or Sk = max_pages * page_size without used) */
+struct pages_params {
+    const int32_t *table;
+    const int32_t *used;
+    int64_t *record;
+    int64_t B, device, bt_stride, max_pages, page_size, num_pages;
 };
 
 struct fault_slot {
@@ -88,6 +102,46 @@ extern "C" __global__ void __launch_bounds__(256) attn_lengths(const __grid_cons
         r[3] = f.value;
         r[4] = f.bound;
         r[5] = p.device;
+        __threadfence_system();
+        r[0] = f.code;
+    }
+}
+
+/* The record's words as attn_lengths writes them; for a page fault [1] is 4 (block_table), [2] the
+ * row b, [3] the page index found, [4] num_pages, [6] the column j. */
+extern "C" __global__ void __launch_bounds__(256) attn_pages(const __grid_constant__ pages_params p)
+{
+    __shared__ fault_slot f;
+    __shared__ int64_t column;
+    if (threadIdx.x == 0)
+        f.taken = 0;
+    __syncthreads();
+    for (int64_t b = 0; b < p.B; b++) {
+        const int64_t len = p.used ? (int64_t)p.used[b] : p.max_pages * p.page_size;
+        const int64_t need = len <= 0 ? 0 : (len + p.page_size - 1) / p.page_size;
+        for (int64_t j = threadIdx.x; j < need && j < p.max_pages; j += blockDim.x) {
+            const int64_t page = p.table[b * p.bt_stride + j];
+            if (page < 0 || page >= p.num_pages) {
+                if (atomicCAS(&f.taken, 0, 1) == 0) {
+                    f.code = PAGE_OUT_OF_RANGE;
+                    f.array = 4;
+                    f.index = b;
+                    f.value = page;
+                    f.bound = p.num_pages;
+                    column = j;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    volatile int64_t *r = p.record;
+    if (threadIdx.x == 0 && f.taken && r[0] == 0) {
+        r[1] = f.array;
+        r[2] = f.index;
+        r[3] = f.value;
+        r[4] = f.bound;
+        r[5] = p.device;
+        r[6] = column;
         __threadfence_system();
         r[0] = f.code;
     }

@@ -606,7 +606,11 @@ def forward(o, out_host, lse_host, stage=None):
         elif plan.scratch:
             ptrs += (None, None)
         ptrs = _with_sinks(ptrs, _sinks_view(o, stage))
-        if o.block_table is not None:     # checked on the host (checks._check_pages), uploaded
+        if isinstance(o.block_table, DevView):   # read in place, checked on the stream first
+            lengths_check.launch_pages(stage, o.block_table, None if extra is _NO_EXTRAS else extra[6], o.B,
+                                       o.page_size, o.k4.shape[0], device_arch(stage.device))
+            ptrs = _at_slots(ptrs, {SLOT_BLOCK_TABLE: o.block_table.ptr})
+        elif o.block_table is not None:   # checked on the host (checks._check_pages), uploaded
             ptrs = _at_slots(ptrs, {SLOT_BLOCK_TABLE: stage.upload(o.block_table).ptr})
         if mods is None:
             _launch(plan, stage, ptrs, o)

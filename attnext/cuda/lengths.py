@@ -1,4 +1,5 @@
-"""Device lengths: varlen_attention's cu_seqlens_* and seqused_* as CUDA int32 arrays, with
+"""Device lengths (and a paged cache's CUDA block table, by launch_pages): varlen_attention's
+cu_seqlens_* and seqused_* as CUDA int32 arrays, with
 max_seqlen_q and max_seqlen_k given, are read by the kernels where they lie, so a call never
 waits for the GPU to learn them (FlashAttention's varlen takes them so). The host checks only
 their dtypes and shapes (checks._device_lengths); their values are checked on the GPU, by
@@ -20,12 +21,17 @@ import numpy as np
 from .. import _C
 from . import nvrtc, process
 
-ARRAYS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
+ARRAYS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "block_table")
 # kernels/attn_lengths.cu's lengths_params and its record's words
 PARAMS = np.dtype([("cu", "u8", 2), ("used", "u8", 2), ("record", "u8"), ("B", "i8"), ("device", "i8"),
                    ("rows", "i8", 2), ("max_len", "i8", 2)])
-CODE, ARRAY, INDEX, VALUE, BOUND, DEVICE, WORDS = 0, 1, 2, 3, 4, 5, 8
+CODE, ARRAY, INDEX, VALUE, BOUND, DEVICE, COLUMN, WORDS = 0, 1, 2, 3, 4, 5, 6, 8
 SPEC = ("attn_lengths", "attn_lengths", {}, "")
+# attn_pages's pages_params: a paged cache's CUDA block table, checked on the device
+PAGES_PARAMS = np.dtype([("table", "u8"), ("used", "u8"), ("record", "u8"), ("B", "i8"), ("device", "i8"),
+                         ("bt_stride", "i8"), ("max_pages", "i8"), ("page_size", "i8"), ("num_pages", "i8")])
+PAGES_SPEC = ("attn_lengths", "attn_pages", {}, "")
+PAGE_OUT_OF_RANGE = 7
 
 _lock = threading.Lock()
 _record = None          # (PinnedBuffer, its int64 view), made by the first call with device lengths
@@ -66,6 +72,21 @@ def launch(stage, o, arch):
     _C.launch(fn, (1, 1, 1), (256, 1, 1), 0, stage.stream, params.tobytes())
 
 
+def launch_pages(stage, table, used, B, page_size, num_pages, arch):
+    """Enqueues attn_pages on the call's stream for a paged cache's CUDA block table (a DevView,
+    int32 (B, max_pages), rows contiguous); used: the keys' lengths on the device (a DevView) or
+    None (every page of a row)."""
+    buf, _ = _the_record(stage.device)
+    params = np.zeros((), PAGES_PARAMS)
+    params["table"], params["used"], params["record"] = table.ptr, 0 if used is None else used.ptr, buf.ptr
+    params["B"], params["device"] = B, stage.device
+    params["bt_stride"], params["max_pages"] = table.strides[0], table.shape[1]
+    params["page_size"], params["num_pages"] = page_size, num_pages
+    kernel, name, defines, generated = PAGES_SPEC
+    fn = nvrtc.function(kernel, name, defines, stage.device, arch, 0, generated)
+    _C.launch(fn, (1, 1, 1), (256, 1, 1), 0, stage.stream, params.tobytes())
+
+
 def _describe(code, array, index, value, bound):
     name = ARRAYS[array]
     side = name[-1]
@@ -91,7 +112,15 @@ def raise_pending():
     if not code:
         return
     array, index, value, bound, device = (int(words[i]) for i in (ARRAY, INDEX, VALUE, BOUND, DEVICE))
+    column = int(words[COLUMN])
     words[:] = 0
+    if code == PAGE_OUT_OF_RANGE:
+        raise IndexError(
+            f"the block table of an earlier paged call on cuda:{device} was wrong: block_table[{index}, "
+            f"{column}] = {value} is out of range for {bound} pages. That call's results are undefined "
+            f"(its kernels clamped the page indices and read nothing outside k and v). A CUDA "
+            f"block_table is checked on the GPU, without a synchronisation, and reported by the next "
+            f"call; pass it as a host array to have it checked before the call runs")
     raise ValueError(
         f"the device lengths of an earlier varlen call on cuda:{device} were wrong: "
         f"{_describe(code, array, index, value, bound)}. That call's results are undefined (its "

@@ -180,6 +180,7 @@ static PyObject *c_attn_template(PyObject *module, PyObject *prob)
     if (page_size > 0) {        /* a paged cache: k, v (num_pages, page_size, Hk, D), keys through block_table */
         p->page_size = page_size;
         p->bt_stride = bt_stride;
+        p->num_pages = ks[0];
         p->Sk = bt_stride * page_size;
     }
     p->max_rows_q = max_rows_q > 0 ? max_rows_q : p->Sq;

@@ -134,3 +134,21 @@ def test_pages_on_cuda_tensors(shape, rng, torch):
     q = randn(rng, (b, sq, HQ, D), BF16)
     run_gpu(torch, q, kp, vp, backward=False, block_table=bt, seqlens_k=np.array(lengths), causal=True,
             sinks=randn(rng, (HQ,), F32))
+
+
+@pytest.mark.gpu
+def test_cuda_block_table_faults_are_reported_by_the_next_call(rng, torch):
+    """A CUDA table is checked on the GPU: a page out of range reads nothing outside k and v (the
+    kernels clamp it) and the next call raises IndexError naming the entry."""
+    from helpers.gpu import to_gpu
+    kp, vp, bt, _, _ = _cache(rng, [40, 17], 16, BF16)
+    q = randn(rng, (2, 1, HQ, D), BF16)
+    tq, tk, tv = (to_gpu(torch, x) for x in (q, kp, vp))
+    lens = np.array([40, 17])
+    bad = bt.copy()
+    bad[1, 1] = 10 ** 6
+    attnext.attention(tq, tk, tv, block_table=to_gpu(torch, bad), seqlens_k=lens)
+    torch.cuda.synchronize()
+    with pytest.raises(IndexError, match=rf"block_table\[1, 1\] = {10 ** 6} is out of range"):
+        attnext.attention(tq, tk, tv, block_table=to_gpu(torch, bt), seqlens_k=lens)
+    attnext.attention(tq, tk, tv, block_table=to_gpu(torch, bt), seqlens_k=lens)       # once

@@ -19,6 +19,7 @@ GMODS = []          # (entry point, attn_mods_gpu record) of every launch with m
 CONVERTS = []       # attn_convert's parameters, every launch
 COPIES = []         # (direction, bytes) of every host <-> device copy
 CHECKS = []         # attn_lengths' parameters, every launch
+PAGE_CHECKS = []    # attn_pages' parameters, every launch
 READS = []          # what array 0 held for each launch with mods, when WATCH names its dtype
 STATE = {"watch": None, "error": None, "grad": None}
 _plain = _launch
@@ -101,6 +102,18 @@ def lengths_fault(p):
     return None
 
 
+def pages_fault(p):
+    # attn_pages' check: (b, j, page) of a page index a sequence reads out of range, or None
+    B, max_pages, ps = int(p["B"]), int(p["max_pages"]), int(p["page_size"])
+    table = at(p["table"], (B, max_pages), (int(p["bt_stride"]), 1), np.int32)
+    lens = at(p["used"], (B,), (1,), np.int32) if p["used"] else np.full(B, max_pages * ps)
+    for b in range(B):
+        for j in range(min(-(-int(lens[b]) // ps), max_pages)):
+            if not 0 <= table[b, j] < p["num_pages"]:
+                return b, j, int(table[b, j])
+    return None
+
+
 def kernel(fn, grid, block, smem, stream, params):
     fake_cuda.counter(lib, "record").value = 0          # these parameters are no attn_params
     _kernel(fn, grid, block, smem, stream, params)
@@ -118,6 +131,14 @@ def kernel(fn, grid, block, smem, stream, params):
         if fault and not rec[0]:
             rec[1:6] = [int(x) for x in fault[1:]] + [int(p["device"])]
             rec[0] = fault[0]
+    elif name == "attn_pages":                          # a CUDA block table's check writes the record
+        p = np.frombuffer(params, lengths.PAGES_PARAMS)[0].copy()
+        PAGE_CHECKS.append(p)
+        fault, rec = pages_fault(p), at(p["record"], (lengths.WORDS,), (1,), np.int64)
+        if fault and not rec[0]:
+            b, j, page = fault
+            rec[1:7] = [4, b, page, int(p["num_pages"]), int(p["device"]), j]
+            rec[0] = lengths.PAGE_OUT_OF_RANGE
     elif name == "attn_dtensors":                       # codegen.limbs_to_float, attn_dtensors.cu's rule
         dacc, out, n = (int(x) for x in np.frombuffer(params, np.uint64))
         words = at(dacc, (n, codegen.WORDS), (codegen.WORDS, 1), np.uint64)

@@ -47,7 +47,8 @@ int cuCtxSynchronize(void) { return OK; }
 int cuModuleLoadData(void **m, const void *image) { *m = (void *)0x200; return OK; }
 int cuModuleUnload(void *m) { return OK; }
 /* The kernels whose argument is not an attn_params (the launch record must not read past it). */
-static const char *const small_args[] = {"attn_dtensors", "attn_lengths", "attn_convert", "attn_merge"};
+static const char *const small_args[] = {"attn_dtensors", "attn_lengths", "attn_pages", "attn_convert",
+                                         "attn_merge"};
 #define FN_ATTN ((void *)0x300)
 #define FN_SMALL ((void *)0x301)
 int cuModuleGetFunction(void **f, void *m, const char *name)

@@ -111,6 +111,57 @@ def test_device_lengths_on_the_fake_driver(fake_driver):
     run_on_fake(fake_driver, BODY)
 
 
+PAGES = FAKE_ARRAYS + r"""
+import re
+
+q, kp, vp = dev((2, 3, 4, 64)), dev((9, 16, 2, 64)), dev((9, 16, 2, 64))
+lens = np.array([40, 17])
+
+
+def table_of(rows):
+    return CudaArray(fake_memory(np.array(rows, np.int32)))
+
+
+good = table_of([[3, 0, 8, -1], [5, 1, -1, -1]])
+n_copies, n_checks = len(COPIES), len(PAGE_CHECKS)
+attnext.attention(q, kp, vp, block_table=good, seqlens_k=lens)          # read in place: no read-back
+assert not [c for c in COPIES[n_copies:] if c[0] == "dtoh"], COPIES[n_copies:]
+assert len(PAGE_CHECKS) == n_checks + 1
+p = PAGE_CHECKS[-1]
+assert (int(p["B"]), int(p["max_pages"]), int(p["page_size"]), int(p["num_pages"])) == (2, 4, 16, 9)
+assert p["used"] and p["table"] == good.__cuda_array_interface__["data"][0]
+attnext.attention(q, kp, vp, block_table=good, seqlens_k=lens)          # nothing to report
+# a page a sequence reads out of range: the call runs, the next one raises IndexError naming it
+attnext.attention(q, kp, vp, block_table=table_of([[3, 0, 8, -1], [5, 9, -1, -1]]), seqlens_k=lens)
+try:
+    attnext.attention(q, kp, vp, block_table=good, seqlens_k=lens)
+except IndexError as e:
+    assert re.search(r"block_table\[1, 1\] = 9 is out of range for 9 pages", str(e)), str(e)
+else:
+    raise AssertionError("no IndexError for the bad page")
+attnext.attention(q, kp, vp, block_table=good, seqlens_k=lens)          # reported once
+# entries past a sequence's pages are never read, so never reported
+attnext.attention(q, kp, vp, block_table=table_of([[3, 0, 8, 99], [5, 1, -7, 99]]), seqlens_k=lens)
+attnext.attention(q, kp, vp, block_table=good, seqlens_k=lens)
+# what the GPU path cannot read is refused by name
+for bad, message in ((CudaArray(fake_memory(np.zeros((2, 4), np.int64))), "block_table as a CUDA array must be int32"),):
+    try:
+        attnext.attention(q, kp, vp, block_table=bad, seqlens_k=lens)
+    except TypeError as e:
+        assert message in str(e), str(e)
+    else:
+        raise AssertionError("no TypeError")
+print("ok")
+"""
+
+
+def test_device_block_table_on_the_fake_driver(fake_driver):
+    """A paged call's CUDA block table is read in place (no device-to-host copy), checked by
+    attn_pages on the call's stream (played by NumPy), and a page a sequence reads out of range
+    is an IndexError from the next call, once; entries past a sequence's pages are not checked."""
+    run_on_fake(fake_driver, PAGES)
+
+
 # --- on the GPU -------------------------------------------------------------------------------------
 
 def _case(rng, dtype=BF16):
