@@ -62,6 +62,22 @@ DEV void fault(fault_slot &f, int64_t code, int64_t array, int64_t index, int64_
     f.bound = bound;
 }
 
+/* The CTA's fault, if any, into the record, unless one waits there already: the code last. */
+DEV void report(const fault_slot &f, int64_t *record, int64_t device, int64_t column)
+{
+    volatile int64_t *r = record;
+    if (!f.taken || r[0] != 0)
+        return;
+    r[1] = f.array;
+    r[2] = f.index;
+    r[3] = f.value;
+    r[4] = f.bound;
+    r[5] = device;
+    r[6] = column;
+    __threadfence_system();
+    r[0] = f.code;
+}
+
 extern "C" __global__ void __launch_bounds__(256) attn_lengths(const __grid_constant__ lengths_params p)
 {
     __shared__ fault_slot f;
@@ -95,16 +111,8 @@ extern "C" __global__ void __launch_bounds__(256) attn_lengths(const __grid_cons
             }
         }
     __syncthreads();
-    volatile int64_t *r = p.record;
-    if (threadIdx.x == 0 && f.taken && r[0] == 0) {
-        r[1] = f.array;
-        r[2] = f.index;
-        r[3] = f.value;
-        r[4] = f.bound;
-        r[5] = p.device;
-        __threadfence_system();
-        r[0] = f.code;
-    }
+    if (threadIdx.x == 0)
+        report(f, p.record, p.device, 0);
 }
 
 /* The record's words as attn_lengths writes them; for a page fault [1] is 4 (block_table), [2] the
@@ -134,15 +142,6 @@ extern "C" __global__ void __launch_bounds__(256) attn_pages(const __grid_consta
         }
     }
     __syncthreads();
-    volatile int64_t *r = p.record;
-    if (threadIdx.x == 0 && f.taken && r[0] == 0) {
-        r[1] = f.array;
-        r[2] = f.index;
-        r[3] = f.value;
-        r[4] = f.bound;
-        r[5] = p.device;
-        r[6] = column;
-        __threadfence_system();
-        r[0] = f.code;
-    }
+    if (threadIdx.x == 0)
+        report(f, p.record, p.device, column);
 }

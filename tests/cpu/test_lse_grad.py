@@ -8,6 +8,7 @@ import pytest
 import attnext
 from attnext import reference
 from conftest import BF16, F32, F64, check_backend, make_qkv, make_varlen_qkv, randn
+from helpers.cases import CASES, problem
 from helpers.numeric import central
 
 H = 2
@@ -62,29 +63,8 @@ def test_reference_dlse_is_the_gradient_of_lse(rng, varlen, dout_zero):
         assert np.abs(g.dq).max() > 1e-3      # the gradient is lse's alone, and not zero
 
 
-CASES = {
-    "plain": dict(),
-    "causal_gqa": dict(causal=True, hk=1),
-    "window_bias": dict(window=(3, 1), bias=True),
-    "softcap_bhsd": dict(softcap=3.0, layout="bhsd"),
-    "score_mod": dict(score_mod=lambda s, b, h, q_idx, kv_idx: s - 0.25 * np.abs(q_idx - kv_idx)),
-    "varlen": dict(varlen=True, causal=True),
-}
-
-
 def _problem(rng, case, dtype):
-    opts = dict(CASES[case])
-    hk = opts.pop("hk", H)
-    varlen = None
-    if opts.pop("varlen", False):
-        q, k, v = make_varlen_qkv(rng, 40, 46, H, hk, 16, dtype=dtype)
-        varlen = dict(cu_seqlens_q=np.array([0, 1, 17, 40], np.int32),
-                      cu_seqlens_k=np.array([0, 9, 30, 46], np.int32))
-    else:
-        q, k, v = make_qkv(rng, 2, 19, 23, H, hk, 16, dtype=dtype, layout=opts.get("layout", "bshd"))
-    if opts.pop("bias", False):
-        opts["bias"] = randn(rng, (H, 19, 23), F32)
-    return q, k, v, varlen, opts
+    return problem(rng, case, dtype, H)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=lambda d: np.dtype(d).name)

@@ -9,6 +9,7 @@ import pytest
 import attnext
 from attnext import reference
 from conftest import BF16, F16, F32, F64, TEST_DEVICE, check_backend, make_qkv, make_varlen_qkv, randn
+from helpers.cases import CASES, problem
 from helpers.numeric import central
 
 H = 4
@@ -81,31 +82,10 @@ def test_reference_rows_without_keys_hold_the_sink(rng):
     assert (lse[0, :, 1:][live] >= plain[0, :, 1:][live]).all()
 
 
-CASES = {
-    "plain": dict(),
-    "causal_gqa": dict(causal=True, hk=1),
-    "window_bias": dict(window=(3, 1), bias=True),
-    "softcap_bhsd": dict(softcap=3.0, layout="bhsd"),
-    "score_mod": dict(score_mod=lambda s, b, h, q_idx, kv_idx: s - 0.25 * np.abs(q_idx - kv_idx)),
-    "varlen": dict(varlen=True, causal=True),
-    "lengths": dict(seqlens=True, causal=True),
-}
-
-
-def _problem(rng, case, dtype, sq=19, sk=23, d=16):
-    opts = dict(CASES[case])
-    hk = opts.pop("hk", H)
-    varlen = None
-    if opts.pop("varlen", False):
-        q, k, v = make_varlen_qkv(rng, 40, 46, H, hk, d, dtype=dtype)
-        varlen = dict(cu_seqlens_q=np.array([0, 1, 17, 40], np.int32),
-                      cu_seqlens_k=np.array([0, 9, 30, 46], np.int32))
-    else:
-        q, k, v = make_qkv(rng, 2, sq, sk, H, hk, d, dtype=dtype, layout=opts.get("layout", "bshd"))
-    if opts.pop("bias", False):
-        opts["bias"] = randn(rng, (H, sq, sk), F32)
-    if opts.pop("seqlens", False):        # a sequence without keys: its rows hold the sink
-        opts.update(seqlens_q=np.array([sq, sq - 4]), seqlens_k=np.array([sk - 3, 0]))
+def _problem(rng, case, dtype):
+    """CASES[case] (the "lengths" case's second sequence has no key: its rows hold the sink) with
+    fresh sinks."""
+    q, k, v, varlen, opts = problem(rng, case, dtype, H)
     opts["sinks"] = _sinks(rng)
     return q, k, v, varlen, opts
 

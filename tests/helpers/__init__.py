@@ -10,6 +10,7 @@
 - host_c: the generated device code built as host C, and run over a grid of pairs or cells
 - driver: fresh interpreters, and the fake driver's prelude and runner; a tiny NVRTC kernel
 - fake_cuda, fake_libcuda.c: the fake driver (the CUDA host side on host memory) and its build
+- cases: option cases every backend is checked on (the lse gradient's and sinks' tests)
 - numeric: central differences (the reference's gradients against its forward)
 - simd_check.c: csrc/cpu/simd.c's tables checked entry by entry (unit/test_simd_native.py)
 
