@@ -75,7 +75,7 @@ def attention_forward(attention, module, query, key, value, attention_mask, drop
     if causal and sliding_window:
         opts["window"] = (int(sliding_window) - 1, 0)
     out = attention(query, key, value, causal=causal, scale=scaling, softcap=softcap, sinks=s_aux,
-                        layout="bhsd", **opts)
+                    layout="bhsd", **opts)
     return out.transpose(1, 2).contiguous(), None
 
 

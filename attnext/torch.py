@@ -11,7 +11,8 @@ Both are torch.library custom ops (attnext::attention, attnext::attention_backwa
 (meta) implementations and registered autograd. Every option of attnext.attention is accepted;
 the backward gets the same options (it cannot be called with others). Gradients reach q, k, v,
 bias, sinks, and each tensor a score_mod captures that requires grad (only those:
-attention_backward's dtensors=). A CPU tensor runs on attnext's CPU backend, a CUDA tensor on its device in place.
+attention_backward's dtensors=). A CPU tensor runs on attnext's CPU backend, a CUDA tensor on its
+device in place.
 
 score_mod and mask_mod are not tensors, so the ops take an integer key into a registry of the
 callbacks seen (strong references: a process that makes a new lambda every step grows it by a

@@ -859,7 +859,7 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
         # redoes the dK / dV they touched and zeroes their dq; with none it returns at once
         launch("attn_bwd_dead", (device_info(device)["multiprocessor_count"] * tile["kv_minb"], 1, 1),
                tile["kv_warps"])
-        if getattr(o, "sink_values", None) is not None:     # after attn_bwd_pre's delta
+        if o.sink_values is not None:     # after attn_bwd_pre's delta
             launch("attn_bwd_sinks", (o.Hq, 1, 1), PRE_THREADS // 32)
         if dbias4 is not None:
             bcast = [s == 0 for s in dbias4.strides]

@@ -385,6 +385,15 @@ static int FN(block_mask_build)(const attn_params *p, FN(block_mask) *bm)
     return err ? err : mods->err->failed ? -2 : 0;
 }
 
+/* A row's sum with its head's sink joined (attn_params.h: sinks): for a row of maximum m and
+ * sum l (relative to m), l' = l e^(m - M) + e^(sink - M) relative to M, the larger of m and
+ * the sink, which goes to *M. */
+static T FN(with_sink)(T m, T l, T sink, T *M)
+{
+    *M = m > sink ? m : sink;
+    return l * EXP(m - *M) + EXP(sink - *M);
+}
+
 /* The online softmax of one query tile over its key tiles: rows r0 .. r0 + nr of sequence b,
  * query head h (tile qb), queries transposed in Qt (DP x BQ), keys packed in kr. Sets each row's
  * maximum m (natural units) and sum l, and with O (BQ x DvP, zeroed) also O = sum of p V over
@@ -532,11 +541,10 @@ int FN(cpu_forward)(const attn_params *p)
                 if (i < nr && l[i] != 0) {
                     T inv = 1 / l[i];
                     lse = m[i] + LOG(l[i]);
-                    if (sink != -INFINITY) {
-                        /* the sink joins the sum: l' = l e^(m - M) + e^(sink - M), M the larger */
-                        const T M = m[i] > sink ? m[i] : sink, a = EXP(m[i] - M);
-                        const T l2 = l[i] * a + EXP(sink - M);
-                        inv = a / l2;
+                    if (sink != -INFINITY) {        /* the sink joins the sum */
+                        T M;
+                        const T l2 = FN(with_sink)(m[i], l[i], sink, &M);
+                        inv = EXP(m[i] - M) / l2;
                         lse = M + LOG(l2);
                     }
                     for (int64_t d = 0; d < Dv; d++)
@@ -603,10 +611,7 @@ static void FN(row_stats)(const attn_params *p, const FN(tiling) *kt_tiles, cons
     const T sink = p->sinks ? ((const T *)p->sinks)[h] : (T)-INFINITY;
     for (int64_t i = 0; i < nr; i++)
         if (FN(lse_lost)(lm[i]) && isfinite(m[i]) && l[i] > 0) {
-            /* with a sink, its term joins the sum as in the forward */
-            const T M = m[i] > sink ? m[i] : sink;
-            lm[i] = M;
-            lz[i] = LOG2(l[i] * EXP(m[i] - M) + EXP(sink - M));
+            lz[i] = LOG2(FN(with_sink)(m[i], l[i], sink, &lm[i]));   /* as in the forward */
         }
 }
 
