@@ -600,6 +600,8 @@ def normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=
             if np.any(o.used_q > Sq):
                 raise ValueError(f"seqlens_q {o.used_q.tolist()} exceeds Sq = {Sq}")
         if o.seqlens_k is not None:
+            o.used_k = _seqlens_k_in_place(o, B)
+        if o.seqlens_k is not None and o.used_k is None:
             o.used_k = _int_array("seqlens_k", o.seqlens_k, B)
             if np.any(o.used_k > Sk):
                 raise ValueError(f"seqlens_k {o.used_k.tolist()} exceeds Sk = {Sk}")
@@ -691,6 +693,24 @@ def _paged(o, k, v, B, D):
     else:
         o.block_table = np.ascontiguousarray(bt, np.int64)
     return bt.shape[1] * page_size
+
+
+def _seqlens_k_in_place(o, B):
+    """A paged decode's seqlens_k read where it lies (no synchronisation, as FlashAttention's
+    cache_seqlens): a CUDA int32 array (B,) beside a CUDA block_table, on a call whose q, k, v
+    are CUDA arrays, with no mask_mod (whose block mask the host builds from the lengths). Its
+    values are checked on the GPU by attn_pages (0 <= seqlens_k[b] <= Sk; the next call raises
+    ValueError) and clamped by the kernels meanwhile. None where the host reads it instead."""
+    if not (isinstance(o.block_table, DevView) and o.on_gpu and o.mask_mod is None):
+        return None
+    a = _array("seqlens_k", o.seqlens_k)
+    if not isinstance(a, DevView):
+        return None
+    if a.device != o.cuda_device or a.dtype != np.int32 or a.shape != (B,) or (B > 1 and a.strides[0] != 1):
+        raise TypeError(f"seqlens_k as a CUDA array beside a CUDA block_table must be contiguous int32 of "
+                        f"shape ({B},) on the call's device (cuda:{o.cuda_device}), got {a.dtype} {a.shape} "
+                        f"with strides {a.strides} on cuda:{a.device}; convert it, or pass a host array")
+    return a
 
 
 def _check_pages(o):

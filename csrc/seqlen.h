@@ -60,8 +60,11 @@ ATTN_FN seq_t seq_k(const attn_params *p, int64_t b)
 ATTN_FN void key_row(const attn_params *p, const seq_t *sk, int64_t b, int64_t c, int64_t *mem_b, int64_t *row)
 {
     if (p->block_table) {
-        *mem_b = clamp_len(p->block_table[b * p->bt_stride + c / p->page_size], 0, p->num_pages - 1);
-        *row = c % p->page_size;
+        /* 32-bit division where it fits (all real caches): a GPU's 64-bit one is a long routine */
+        const int64_t j = (c | p->page_size) >> 32 ? c / p->page_size
+                                                     : (int64_t)((uint32_t)c / (uint32_t)p->page_size);
+        *mem_b = clamp_len(p->block_table[b * p->bt_stride + j], 0, p->num_pages - 1);
+        *row = c - j * p->page_size;
     } else {
         *mem_b = sk->mem_b;
         *row = sk->start + c;

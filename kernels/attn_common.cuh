@@ -398,7 +398,7 @@ DEV void load_rows(elem_t *smem, RowPtr row_ptr, int64_t col_stride, int valid, 
         const int r = i / CHUNKS, c = (i % CHUNKS) * CHUNK;
         if ((ROWS * CHUNKS) % THREADS == 0 || r < ROWS) {
             const bool ok = r < valid && c < cols;
-            const elem_t *src = ok ? row_ptr(r) + c : row_ptr(0);
+            const elem_t *src = row_ptr(ok ? r : 0) + (ok ? c : 0);   /* one row_ptr a copy */
             cp_async16(base + ELEM_BYTES * (r * (COLS_P + SMEM_PAD) + c), src, ok ? 16 : 0);
         }
     }

@@ -79,18 +79,41 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
     }
 #endif
     const elem_t *gq = (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + sq.start * p.q.s[1] + h * p.q.s[2];
+#if !PAGED
     const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + sk.start * p.k.s[1] + hk * p.k.s[2];
     const elem_t *gv = (const elem_t *)p.v.ptr + sk.mem_b * p.v.s[0] + sk.start * p.v.s[1] + hk * p.v.s[2];
+#endif
     /* key tile [c0, c0 + BLOCK_N) of k (K) or v into shared memory: evenly strided rows, or under
-     * PAGED each row where the page table puts it (key_row; one table entry a row, cached) */
+     * PAGED each row where the page table puts it. A paged tile's rows are looked up a tile
+     * ahead, one row a thread (fetch_pages before Q K^T, store_pages after the softmax, the
+     * barrier before K's load between), into sRow[tile & 1]: each row's element offset in k and
+     * in v, so a copy adds an offset (ncu, H200 decode: the per-copy lookup had cost 60% more
+     * instructions in a kernel bound by their latency) and none waits on the table. */
+#if PAGED
+    __shared__ int64_t sRow[2][2][BLOCK_N];              /* [tile & 1][k, v][row] */
+    int64_t next_row[2] = {0, 0};
+    const auto fetch_pages = [&](int64_t c0) {           /* this thread's row of tile c0, if any */
+        next_row[0] = next_row[1] = 0;                 /* rows past Lk: never loaded */
+        if (tid < BLOCK_N && c0 + tid < Lk) {
+            int64_t mb, at;
+            key_row(&p, &sk, b, c0 + tid, &mb, &at);
+            next_row[0] = mb * p.k.s[0] + at * p.k.s[1];
+            next_row[1] = mb * p.v.s[0] + at * p.v.s[1];
+        }
+    };
+    const auto store_pages = [&](int64_t c0) {
+        if (tid < BLOCK_N) {
+            sRow[(c0 / BLOCK_N) & 1][0][tid] = next_row[0];
+            sRow[(c0 / BLOCK_N) & 1][1][tid] = next_row[1];
+        }
+    };
+#endif
     auto load_keys = [&](elem_t *dst, bool K, int64_t c0) {
         const tensor4 &t = K ? p.k : p.v;
 #if PAGED
-        const auto row = [&](int r) {
-            int64_t mb, at;
-            key_row(&p, &sk, b, c0 + r, &mb, &at);
-            return (const elem_t *)t.ptr + mb * t.s[0] + at * t.s[1] + hk * t.s[2];
-        };
+        const int64_t *rows = sRow[(c0 / BLOCK_N) & 1][K ? 0 : 1];
+        const elem_t *base = (const elem_t *)t.ptr + hk * t.s[2];
+        const auto row = [&](int r) { return base + rows[r]; };
         if (K)
             load_rows<BLOCK_N, DP, THREADS>(dst, row, t.s[3], Lk - (int)c0, HEAD_DIM, tid);
         else
@@ -124,6 +147,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
         load_rows<BLOCK_M, DP, THREADS>(
             sQ, [&](int r) { return gq + (int64_t)((m0 + r) / G) * p.q.s[1] + (int64_t)((m0 + r) % G) * p.q.s[2]; },
             p.q.s[3], r_end - m0, HEAD_DIM, tid);
+#if PAGED
+        fetch_pages((int64_t)n_last * BLOCK_N);
+        store_pages((int64_t)n_last * BLOCK_N);
+        __syncthreads();
+#endif
         load_keys(sK, true, (int64_t)n_last * BLOCK_N);
         cp_async_commit();
     }
@@ -136,6 +164,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
         __syncthreads();                                 /* K[n] (and Q) in shared memory */
         load_keys(sV, false, c0);
         cp_async_commit();
+#if PAGED
+        if (n > n_first)
+            fetch_pages(c0 - BLOCK_N);
+#endif
 
         /* S = Q K^T for this warp's rows */
         float s[MT][NT][4];
@@ -167,6 +199,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
             softmax_step(p, sc, s, o, m, l, m0 + warp * WARP_M, c0, need_mask, G, Lq, Lk);
         }
 
+#if PAGED
+        if (n > n_first)
+            store_pages(c0 - BLOCK_N);
+#endif
         cp_async_wait_all();
         __syncthreads();                                 /* V[n] in; every warp is done with K[n] */
         if (n > n_first)

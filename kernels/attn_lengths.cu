@@ -12,7 +12,8 @@
  * never reads: every page a sequence reads (those covering its length) in [0, num_pages); the
  * attention kernels clamp page indices meanwhile (key_row), and the next call raises IndexError.
  *
- * No compile-time switches; parameters: the structs below, by value. One CTA each.
+ * No compile-time switches; parameters: the structs below, by value. attn_lengths runs one CTA;
+ * attn_pages a grid (table columns / 256, rows), one entry a thread.
  */
 #define DEV static __device__ __forceinline__
 
@@ -26,7 +27,7 @@ typedef unsigned long long uint64_t;
  * it with plain stores (atomics on host memory are not atomic over PCIe), unless a fault waits
  * there already. */
 enum { LEN_START = 1, LEN_DECREASES = 2, LEN_PAST_END = 3, LEN_LONGER = 4, LEN_NEGATIVE = 5, LEN_USED_PAST = 6,
-       PAGE_OUT_OF_RANGE = 7 };
+       PAGE_OUT_OF_RANGE = 7, SEQLENS_K_OUTSIDE = 8 };
 
 struct lengths_params {
     const int32_t *cu[2];        /* cu_seqlens_q, cu_seqlens_k (B + 1) */
@@ -44,7 +45,11 @@ struct pages_params {
     const int32_t *used;
     int64_t *record;
     int64_t B, device, bt_stride, max_pages, page_size, num_pages;
+    uint64_t call;               /* this launch's number (lengths.py), increasing */
 };
+
+/* The last attn_pages launch whose fault went into the record: one CTA reports per call. */
+__device__ uint64_t pages_claim;
 
 struct fault_slot {
     int taken;
@@ -116,7 +121,9 @@ extern "C" __global__ void __launch_bounds__(256) attn_lengths(const __grid_cons
 }
 
 /* The record's words as attn_lengths writes them; for a page fault [1] is 4 (block_table), [2] the
- * row b, [3] the page index found, [4] num_pages, [6] the column j. */
+ * row b, [3] the page index found, [4] num_pages, [6] the column j; for a length outside the
+ * table's rows (a CUDA seqlens_k, checks._seqlens_k_in_place) [1] is 5 (seqlens_k), [2] b, [3]
+ * the length, [4] the rows. */
 extern "C" __global__ void __launch_bounds__(256) attn_pages(const __grid_constant__ pages_params p)
 {
     __shared__ fault_slot f;
@@ -124,24 +131,36 @@ extern "C" __global__ void __launch_bounds__(256) attn_pages(const __grid_consta
     if (threadIdx.x == 0)
         f.taken = 0;
     __syncthreads();
-    for (int64_t b = 0; b < p.B; b++) {
-        const int64_t len = p.used ? (int64_t)p.used[b] : p.max_pages * p.page_size;
-        const int64_t need = len <= 0 ? 0 : (len + p.page_size - 1) / p.page_size;
-        for (int64_t j = threadIdx.x; j < need && j < p.max_pages; j += blockDim.x) {
-            const int64_t page = p.table[b * p.bt_stride + j];
-            if (page < 0 || page >= p.num_pages) {
-                if (atomicCAS(&f.taken, 0, 1) == 0) {
-                    f.code = PAGE_OUT_OF_RANGE;
-                    f.array = 4;
-                    f.index = b;
-                    f.value = page;
-                    f.bound = p.num_pages;
-                    column = j;
-                }
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    for (int64_t b = blockIdx.y; b < p.B && j < p.max_pages; b += gridDim.y) {
+        /* both loads issued together: entry j of row b lies inside the table whether read or not */
+        const int64_t rows = p.max_pages * p.page_size;
+        const int64_t len = p.used ? (int64_t)p.used[b] : rows;
+        const int64_t page = p.table[b * p.bt_stride + j];
+        if (j == 0 && (len < 0 || len > rows)) {
+            if (atomicCAS(&f.taken, 0, 1) == 0) {
+                f.code = SEQLENS_K_OUTSIDE;
+                f.array = 5;
+                f.index = b;
+                f.value = len;
+                f.bound = rows;
+                column = 0;
+            }
+        } else if (j < (len <= 0 ? 0 : (min(len, rows) + p.page_size - 1) / p.page_size) &&
+                   (page < 0 || page >= p.num_pages)) {
+            if (atomicCAS(&f.taken, 0, 1) == 0) {
+                f.code = PAGE_OUT_OF_RANGE;
+                f.array = 4;
+                f.index = b;
+                f.value = page;
+                f.bound = p.num_pages;
+                column = j;
             }
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0)
+    /* one CTA of the call reports (the first to claim the call), so faults in several CTAs never
+     * mix their words in the record */
+    if (threadIdx.x == 0 && f.taken && atomicMax(&pages_claim, p.call) < p.call)
         report(f, p.record, p.device, column);
 }

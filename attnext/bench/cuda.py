@@ -28,8 +28,8 @@ Sections, bf16 unless said:
           the forward, and the forward with its backward (the adapter's out.backward(dout)
           against attention(return_lse=True) + attention_backward); its overhead, no target.
   paged   decode (Sq = 1, Hq = 32, Hk = 8, D = 128) over a paged KV cache of shuffled pages
-          ((B, Sk, page size) = (8, 8192, 16), (8, 8192, 64), (64, 4096, 16); the block table a
-          host array) against the same keys contiguous: GB/s of K and V, >= 0.9x the contiguous.
+          ((B, Sk, page size) = (8, 8192, 16), (8, 8192, 64), (64, 4096, 16); the block table and
+          seqlens_k CUDA int32 tensors) against the same keys contiguous: GB/s of K and V, >= 0.9x the contiguous.
   mods    score_mod / mask_mod rows against FlexAttention: softcap, a relative-bias table (its
           gradient on both sides), the document mask (as a mask_mod alone and with causal=True),
           a causal sliding window; TFLOP/s of the pairs each mask keeps (attnext/bench/mods.py).
@@ -886,8 +886,10 @@ def adapter_rows(run, case, case_s_start):
 def paged_rows(run, case, case_s_start):
     """Decode (one query row, GQA) over a paged cache whose pages are shuffled, against the same
     call on the keys laid out contiguously: GB/s of K and V read, the ratio of the two (target:
-    PAGED_TARGET). The block table is a host array (checked and uploaded each call). Validated
-    against the contiguous call's result before timing."""
+    PAGED_TARGET). The block table and seqlens_k are CUDA int32 tensors, as a serving loop keeps
+    them: read in place, checked on the GPU by attn_pages, no synchronisation (a host table is
+    checked and uploaded each call: host-bound at these sizes). Validated against the contiguous
+    call's result before timing."""
     import torch
     B, Sk, Hk, D, ps = case.B, case.Sk, case.Hk, case.D, case.page
     q = _randn(run, B, 1, case.Hq, D)
@@ -896,8 +898,8 @@ def paged_rows(run, case, case_s_start):
     perm = torch.randperm(B * n, device=run.device)
     kp, vp = (torch.empty((B * n, ps, Hk, D), dtype=x.dtype, device=run.device) for x in (k, v))
     kp[perm], vp[perm] = k.reshape(B * n, ps, Hk, D), v.reshape(B * n, ps, Hk, D)
-    table = perm.reshape(B, n).to(torch.int32).cpu().numpy()
-    lens = np.full(B, Sk)
+    table = perm.reshape(B, n).to(torch.int32)
+    lens = torch.full((B,), Sk, dtype=torch.int32, device=run.device)
     out_p, out_c = q.new_empty(q.shape), q.new_empty(q.shape)
 
     def paged():

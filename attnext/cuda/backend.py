@@ -261,8 +261,8 @@ def _lengths(stage, arrays):
     not up to four."""
     views, parts, at = [], [], {}
     for a in arrays:
-        if a is None:
-            views.append(None)
+        if a is None or isinstance(a, DevView):     # a paged decode's CUDA seqlens_k stays in place
+            views.append(a)
             continue
         a = np.ascontiguousarray(a, np.int32)
         key = a.tobytes()
@@ -273,8 +273,9 @@ def _lengths(stage, arrays):
     if not parts:
         return tuple(views)
     base = stage.upload(np.concatenate(parts))
-    return tuple(None if v is None else DevView.contiguous(base.ptr + 4 * v[0], (v[1],), np.int32, stage.device,
-                                                           stage.stream, base.keep) for v in views)
+    return tuple(v if v is None or isinstance(v, DevView)
+                 else DevView.contiguous(base.ptr + 4 * v[0], (v[1],), np.int32, stage.device, stage.stream, base.keep)
+                 for v in views)
 
 
 def _extras_key(o, extra):
@@ -749,10 +750,13 @@ PRE_ROWS, PRE_THREADS = 64, 256   # attn_bwd.cu's row kernels (delta, dq_convert
 
 
 def _key_rows(o):
-    """The longest key segment's rows (varlen; max_seqlen_k for device lengths) or Sk."""
-    if o.device_lengths:
+    """The longest key segment's rows (varlen; max_seqlen_k for device lengths, the longest
+    seqused_k over a paged cache) or Sk."""
+    if not o.varlen:
+        return o.Sk
+    if o.device_lengths or o.cu_k is None:
         return o.max_k
-    return (int(np.max(np.diff(o.cu_k))) if o.B else 0) if o.varlen else o.Sk
+    return int(np.max(np.diff(o.cu_k))) if o.B else 0
 
 
 def _dbias_buffer(stage, o, host):

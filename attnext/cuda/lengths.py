@@ -14,6 +14,7 @@ at its host address, read here without a synchronisation; it is made by the firs
 device lengths and cleared when reported. Two calls whose checks fault at the same moment may
 mix their words (the GPU's stores to host memory are plain ones): the error is still raised.
 A caller that must know before going on synchronises its stream and makes any GPU call."""
+import itertools
 import threading
 
 import numpy as np
@@ -21,7 +22,7 @@ import numpy as np
 from .. import _C
 from . import nvrtc, process
 
-ARRAYS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "block_table")
+ARRAYS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "block_table", "seqlens_k")
 # kernels/attn_lengths.cu's lengths_params and its record's words
 PARAMS = np.dtype([("cu", "u8", 2), ("used", "u8", 2), ("record", "u8"), ("B", "i8"), ("device", "i8"),
                    ("rows", "i8", 2), ("max_len", "i8", 2)])
@@ -29,9 +30,13 @@ CODE, ARRAY, INDEX, VALUE, BOUND, DEVICE, COLUMN, WORDS = 0, 1, 2, 3, 4, 5, 6, 8
 SPEC = ("attn_lengths", "attn_lengths", {}, "")
 # attn_pages's pages_params: a paged cache's CUDA block table, checked on the device
 PAGES_PARAMS = np.dtype([("table", "u8"), ("used", "u8"), ("record", "u8"), ("B", "i8"), ("device", "i8"),
-                         ("bt_stride", "i8"), ("max_pages", "i8"), ("page_size", "i8"), ("num_pages", "i8")])
+                         ("bt_stride", "i8"), ("max_pages", "i8"), ("page_size", "i8"), ("num_pages", "i8"),
+                         ("call", "u8")])
 PAGES_SPEC = ("attn_lengths", "attn_pages", {}, "")
-PAGE_OUT_OF_RANGE = 7
+PAGE_OUT_OF_RANGE, SEQLENS_K_OUTSIDE = 7, 8
+PAGES_THREADS = 256     # attn_pages: one table entry a thread; grid (columns / 256, rows)
+MAX_GRID_Y = 65535      # rows past it loop in the kernel
+_page_calls = itertools.count(1)    # attn_pages' launch numbers: one CTA a call reports a fault
 
 _lock = threading.Lock()
 _record = None          # (PinnedBuffer, its int64 view), made by the first call with device lengths
@@ -82,9 +87,12 @@ def launch_pages(stage, table, used, B, page_size, num_pages, arch):
     params["B"], params["device"] = B, stage.device
     params["bt_stride"], params["max_pages"] = table.strides[0], table.shape[1]
     params["page_size"], params["num_pages"] = page_size, num_pages
+    params["call"] = next(_page_calls)
     kernel, name, defines, generated = PAGES_SPEC
     fn = nvrtc.function(kernel, name, defines, stage.device, arch, 0, generated)
-    _C.launch(fn, (1, 1, 1), (256, 1, 1), 0, stage.stream, params.tobytes())
+    grid = (-(-table.shape[1] // PAGES_THREADS), min(B, MAX_GRID_Y), 1)
+    if all(grid):
+        _C.launch(fn, grid, (PAGES_THREADS, 1, 1), 0, stage.stream, params.tobytes())
 
 
 def _describe(code, array, index, value, bound):
@@ -121,6 +129,13 @@ def raise_pending():
             f"(its kernels clamped the page indices and read nothing outside k and v). A CUDA "
             f"block_table is checked on the GPU, without a synchronisation, and reported by the next "
             f"call; pass it as a host array to have it checked before the call runs")
+    if code == SEQLENS_K_OUTSIDE:
+        raise ValueError(
+            f"the seqlens_k of an earlier paged call on cuda:{device} was wrong: seqlens_k[{index}] = "
+            f"{value} is outside [0, {bound}] (the block table's rows). That call's results are undefined "
+            f"(its kernels clamped the length). A CUDA seqlens_k beside a CUDA block_table is checked "
+            f"on the GPU, without a synchronisation, and reported by the next call; pass it as a host "
+            f"array to have it checked before the call runs")
     raise ValueError(
         f"the device lengths of an earlier varlen call on cuda:{device} were wrong: "
         f"{_describe(code, array, index, value, bound)}. That call's results are undefined (its "

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import attnext
-from conftest import BF16, F32, F64, TEST_DEVICE, assert_close, randn
+from conftest import BF16, F32, F64, TEST_DEVICE, assert_close, assert_lse_close, randn
 
 HQ, HK, D = 4, 2, 16
 
@@ -134,6 +134,29 @@ def test_pages_on_cuda_tensors(shape, rng, torch):
     q = randn(rng, (b, sq, HQ, D), BF16)
     run_gpu(torch, q, kp, vp, backward=False, block_table=bt, seqlens_k=np.array(lengths), causal=True,
             sinks=randn(rng, (HQ,), F32))
+
+
+@pytest.mark.gpu
+def test_cuda_seqlens_k_beside_a_cuda_table(rng, torch):
+    """A CUDA int32 seqlens_k beside a CUDA block table is read in place (no synchronisation):
+    the same result as host lengths; a length past the table's rows is clamped by the kernels
+    and reported by the next call as ValueError naming it."""
+    from helpers.gpu import to_gpu, to_host
+    lengths = [3000, 700, 1]
+    kp, vp, bt, k, v = _cache(rng, lengths, 16, BF16)
+    q = randn(rng, (3, 1, HQ, D), BF16)
+    tq, tk, tv, tbt = (to_gpu(torch, x) for x in (q, kp, vp, bt))
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    got, lse = attnext.attention(tq, tk, tv, block_table=tbt, seqlens_k=lens, return_lse=True)
+    ref, ref_lse = attnext.attention(q, k, v, seqlens_k=np.array(lengths), return_lse=True, device="reference")
+    assert_close("out", to_host(torch, got), ref, BF16)
+    assert_lse_close(to_host(torch, lse), ref_lse, BF16)
+    attnext.attention(tq, tk, tv, block_table=tbt, seqlens_k=torch.tensor([3000, 10 ** 6, 1], dtype=torch.int32,
+                                                                              device="cuda"))
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=rf"seqlens_k\[1\] = {10 ** 6} is outside \[0, {bt.shape[1] * 16}\]"):
+        attnext.attention(tq, tk, tv, block_table=tbt, seqlens_k=lens)
+    attnext.attention(tq, tk, tv, block_table=tbt, seqlens_k=lens)        # once
 
 
 @pytest.mark.gpu

@@ -103,14 +103,16 @@ def lengths_fault(p):
 
 
 def pages_fault(p):
-    # attn_pages' check: (b, j, page) of a page index a sequence reads out of range, or None
+    # attn_pages' check: (code, array, b, value, bound, j) of the first fault, or None
     B, max_pages, ps = int(p["B"]), int(p["max_pages"]), int(p["page_size"])
     table = at(p["table"], (B, max_pages), (int(p["bt_stride"]), 1), np.int32)
     lens = at(p["used"], (B,), (1,), np.int32) if p["used"] else np.full(B, max_pages * ps)
     for b in range(B):
+        if not 0 <= lens[b] <= max_pages * ps:             # a CUDA seqlens_k outside the table's rows
+            return lengths.SEQLENS_K_OUTSIDE, 5, b, int(lens[b]), max_pages * ps, 0
         for j in range(min(-(-int(lens[b]) // ps), max_pages)):
             if not 0 <= table[b, j] < p["num_pages"]:
-                return b, j, int(table[b, j])
+                return lengths.PAGE_OUT_OF_RANGE, 4, b, int(table[b, j]), int(p["num_pages"]), j
     return None
 
 
@@ -136,9 +138,9 @@ def kernel(fn, grid, block, smem, stream, params):
         PAGE_CHECKS.append(p)
         fault, rec = pages_fault(p), at(p["record"], (lengths.WORDS,), (1,), np.int64)
         if fault and not rec[0]:
-            b, j, page = fault
-            rec[1:7] = [4, b, page, int(p["num_pages"]), int(p["device"]), j]
-            rec[0] = lengths.PAGE_OUT_OF_RANGE
+            code, array, b, value, bound, j = fault
+            rec[1:7] = [array, b, value, bound, int(p["device"]), j]
+            rec[0] = code
     elif name == "attn_dtensors":                       # codegen.limbs_to_float, attn_dtensors.cu's rule
         dacc, out, n = (int(x) for x in np.frombuffer(params, np.uint64))
         words = at(dacc, (n, codegen.WORDS), (codegen.WORDS, 1), np.uint64)

@@ -143,6 +143,21 @@ attnext.attention(q, kp, vp, block_table=good, seqlens_k=lens)          # report
 # entries past a sequence's pages are never read, so never reported
 attnext.attention(q, kp, vp, block_table=table_of([[3, 0, 8, 99], [5, 1, -7, 99]]), seqlens_k=lens)
 attnext.attention(q, kp, vp, block_table=good, seqlens_k=lens)
+# a CUDA seqlens_k beside a CUDA table is read in place too, checked by attn_pages: no read-back
+dlens = CudaArray(fake_memory(lens.astype(np.int32)))
+n_copies = len(COPIES)
+attnext.attention(q, kp, vp, block_table=good, seqlens_k=dlens)
+assert not [c for c in COPIES[n_copies:] if c[0] == "dtoh"], COPIES[n_copies:]
+assert PAGE_CHECKS[-1]["used"] == dlens.__cuda_array_interface__["data"][0]
+# a length outside the table's 64 rows: reported by the next call as a ValueError naming it
+attnext.attention(q, kp, vp, block_table=good, seqlens_k=CudaArray(fake_memory(np.array([40, 65], np.int32))))
+try:
+    attnext.attention(q, kp, vp, block_table=good, seqlens_k=dlens)
+except ValueError as e:
+    assert re.search(r"seqlens_k\[1\] = 65 is outside \[0, 64\]", str(e)), str(e)
+else:
+    raise AssertionError("no ValueError for the bad length")
+attnext.attention(q, kp, vp, block_table=good, seqlens_k=dlens)         # reported once
 # what the GPU path cannot read is refused by name
 for bad, message in ((CudaArray(fake_memory(np.zeros((2, 4), np.int64))), "block_table as a CUDA array must be int32"),):
     try:
@@ -151,6 +166,12 @@ for bad, message in ((CudaArray(fake_memory(np.zeros((2, 4), np.int64))), "block
         assert message in str(e), str(e)
     else:
         raise AssertionError("no TypeError")
+try:
+    attnext.attention(q, kp, vp, block_table=good, seqlens_k=CudaArray(fake_memory(lens.astype(np.int64))))
+except TypeError as e:
+    assert "seqlens_k as a CUDA array beside a CUDA block_table must be contiguous int32" in str(e), str(e)
+else:
+    raise AssertionError("no TypeError for int64 seqlens_k")
 print("ok")
 """
 
@@ -158,7 +179,9 @@ print("ok")
 def test_device_block_table_on_the_fake_driver(fake_driver):
     """A paged call's CUDA block table is read in place (no device-to-host copy), checked by
     attn_pages on the call's stream (played by NumPy), and a page a sequence reads out of range
-    is an IndexError from the next call, once; entries past a sequence's pages are not checked."""
+    is an IndexError from the next call, once; entries past a sequence's pages are not checked.
+    A CUDA seqlens_k beside it is read in place as well, a length outside the table's rows a
+    ValueError from the next call."""
     run_on_fake(fake_driver, PAGES)
 
 
