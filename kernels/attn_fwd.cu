@@ -85,26 +85,37 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
 #endif
     /* key tile [c0, c0 + BLOCK_N) of k (K) or v into shared memory: evenly strided rows, or under
      * PAGED each row where the page table puts it. A paged tile's rows are looked up a tile
-     * ahead, one row a thread (fetch_pages before Q K^T, store_pages after the softmax, the
-     * barrier before K's load between), into sRow[tile & 1]: each row's element offset in k and
-     * in v, so a copy adds an offset (ncu, H200 decode: the per-copy lookup had cost 60% more
-     * instructions in a kernel bound by their latency) and none waits on the table. */
+     * ahead (fetch_pages before Q K^T, store_pages after the softmax, the barrier before K's load
+     * between) into sRow[tile & 1]: each row's element offset in k and in v, so a copy adds an
+     * offset and none waits on the table (ncu, H200 decode: a lookup at every copy had cost 60%
+     * more instructions in a kernel bound by their latency). The last threads look up, PAGE_ROWS
+     * rows each: in a decode tile the last warps hold padding rows and would wait otherwise. */
 #if PAGED
+#define PAGE_ROWS ((BLOCK_N + THREADS - 1) / THREADS)
     __shared__ int64_t sRow[2][2][BLOCK_N];              /* [tile & 1][k, v][row] */
-    int64_t next_row[2] = {0, 0};
-    const auto fetch_pages = [&](int64_t c0) {           /* this thread's row of tile c0, if any */
-        next_row[0] = next_row[1] = 0;                 /* rows past Lk: never loaded */
-        if (tid < BLOCK_N && c0 + tid < Lk) {
-            int64_t mb, at;
-            key_row(&p, &sk, b, c0 + tid, &mb, &at);
-            next_row[0] = mb * p.k.s[0] + at * p.k.s[1];
-            next_row[1] = mb * p.v.s[0] + at * p.v.s[1];
+    int64_t next_row[PAGE_ROWS][2];
+    const int pt = THREADS - 1 - tid;                    /* rows pt, pt + THREADS, .. */
+    const auto fetch_pages = [&](int64_t c0) {
+#pragma unroll
+        for (int i = 0; i < PAGE_ROWS; i++) {
+            const int r = pt + i * THREADS;
+            next_row[i][0] = next_row[i][1] = 0;       /* rows past Lk: never loaded */
+            if (r < BLOCK_N && c0 + r < Lk) {
+                int64_t mb, at;
+                key_row(&p, &sk, b, c0 + r, &mb, &at);
+                next_row[i][0] = mb * p.k.s[0] + at * p.k.s[1];
+                next_row[i][1] = mb * p.v.s[0] + at * p.v.s[1];
+            }
         }
     };
     const auto store_pages = [&](int64_t c0) {
-        if (tid < BLOCK_N) {
-            sRow[(c0 / BLOCK_N) & 1][0][tid] = next_row[0];
-            sRow[(c0 / BLOCK_N) & 1][1][tid] = next_row[1];
+#pragma unroll
+        for (int i = 0; i < PAGE_ROWS; i++) {
+            const int r = pt + i * THREADS;
+            if (r < BLOCK_N) {
+                sRow[(c0 / BLOCK_N) & 1][0][r] = next_row[i][0];
+                sRow[(c0 / BLOCK_N) & 1][1][r] = next_row[i][1];
+            }
         }
     };
 #endif

@@ -137,6 +137,21 @@ def test_pages_on_cuda_tensors(shape, rng, torch):
 
 
 @pytest.mark.gpu
+def test_pages_with_fewer_threads_than_tile_rows(rng, torch):
+    """A decode tile of one warp over 64 keys (the kernel lab's override): each thread looks up
+    two rows of a tile."""
+    from attnext import _env
+    from helpers.gpu import run_gpu
+    kp, vp, bt, _, _ = _cache(rng, [3000, 700], 16, BF16)
+    q = randn(rng, (2, 1, HQ, D), BF16)
+    _env.setenv("ATTNEXT_TILE_DECODE", "16,64,1")
+    try:
+        run_gpu(torch, q, kp, vp, backward=False, block_table=bt, seqlens_k=np.array([3000, 700]))
+    finally:
+        _env.setenv("ATTNEXT_TILE_DECODE", None)
+
+
+@pytest.mark.gpu
 def test_cuda_seqlens_k_beside_a_cuda_table(rng, torch):
     """A CUDA int32 seqlens_k beside a CUDA block table is read in place (no synchronisation):
     the same result as host lengths; a length past the table's rows is clamped by the kernels
