@@ -291,7 +291,9 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool | str = False,
         max_pages * page_size, seqlens_k the lengths. A page index a sequence reads outside
         [0, num_pages) is an IndexError: at once for a host table; for a CUDA int32 table on a
         GPU call (read in place, no synchronisation) from the next GPU call, as device lengths
-        report theirs. Forward only (decode and prefill), layout "bshd".
+        report theirs; beside such a table seqlens_k may be a CUDA int32 array, read in place
+        too (a length outside [0, Sk]: ValueError from the next call). Forward only (decode
+        and prefill), layout "bshd".
     layout: "bshd" or "bhsd" (above).
     return_lse: also return lse.
     {WHERE}
