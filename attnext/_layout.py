@@ -113,3 +113,4 @@ class KernelCall:
     max_rows_k: int = 0
     page_size: int = 0           # a paged cache: k's rows a page, block_table's row stride
     bt_stride: int = 0
+    tma_rows: int = 0            # attn_fwd.cu TMA_KV: the rows of a tensor map's box (0: no maps)

@@ -108,6 +108,10 @@ typedef struct {
      * k and v hold the rows where seq_k says (key_row in seqlen.h reads both) */
     const int32_t *block_table;
     int64_t bt_stride, page_size, num_pages;   /* num_pages: k's pages; key_row clamps into them */
+    /* Hopper decode (attn_fwd.cu TMA_KV): the keys a bulk tensor copy brings (a box's rows; a
+     * page's at most); cuda_launch_attention then makes the maps of k and v (attn_tmaps) and
+     * passes them as the kernel's second parameter. 0: no maps */
+    int64_t tma_rows;
 
     /* varlen: cu_seqlens_* (B + 1), seqused_* (B); non-varlen seqlens_* use seqused_* alone */
     const int32_t *cu_seqlens_q, *cu_seqlens_k;
@@ -174,5 +178,20 @@ typedef struct {
     attn_mods_gpu gmods;
 #endif
 } attn_params;
+
+/* TMA_KV's second kernel parameter: the tensor maps of k and v (cuTensorMapEncodeTiled's
+ * 128-byte, 64-byte-aligned CUtensorMap), 4-d (D, Hk, rows, batch or pages), boxes of 64
+ * columns (128 bytes, swizzled 128B) x 1 head x tma_rows rows x 1. */
+#ifdef __cplusplus
+#define ATTN_ALIGN64 alignas(64)
+#else
+#define ATTN_ALIGN64 _Alignas(64)
+#endif
+typedef struct {
+    ATTN_ALIGN64 uint64_t opaque[16];
+} attn_tmap;
+typedef struct {
+    attn_tmap k, v;
+} attn_tmaps;
 
 #endif

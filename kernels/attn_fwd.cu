@@ -22,19 +22,97 @@
  */
 #include "attn_fwd_tile.cuh"
 
-#define THREADS (NUM_WARPS * 32)
+#ifndef TMA_KV
+#define TMA_KV 0
+#endif
+
+#define THREADS (NUM_WARPS * 32)          /* the warps that compute */
 #define WARP_M (BLOCK_M / NUM_WARPS)      /* query rows per warp */
 #define MT (WARP_M / 16)                  /* m16 tiles per warp */
 #define NT (BLOCK_N / 8)                  /* n8 tiles of S per warp */
 #define OT (DVP / 8)                      /* n8 tiles of O per warp */
 
+#if TMA_KV
+/* TMA_KV (Hopper decode): one more warp, the producer, brings key tiles into a ring of STAGES
+ * stages of shared memory by bulk tensor copies (TMA: a box of 64 columns x BLOCK_N rows a copy,
+ * or of a page's rows for PAGED, a page looked up a copy), while the NUM_WARPS warps compute:
+ * many bytes in flight, and no copy instruction on the computing warps (the cp.async loop's
+ * instructions were what bound the decode kernel at 8 warps an SM). A stage holds K then V,
+ * each as D / 64 halves of BLOCK_N rows of 128 bytes, 128-byte swizzled (16-byte chunk j of row
+ * r at chunk j ^ (r & 7)): ldmatrix then meets no bank conflict. Rows past Lk are zeroed by the
+ * consumers once a stage lands (the copies read them from the tensor, or zeros past its end). */
+#include "sm90_pipe.cuh"
+#define THREADS_ALL (THREADS + 32)
+#define KH (HEAD_DIM / 64 > 0 ? HEAD_DIM / 64 : 1)       /* 64-column halves of a K row */
+#define VH (HEAD_DIM_V / 64 > 0 ? HEAD_DIM_V / 64 : 1)
+#define KW (HEAD_DIM < 64 ? HEAD_DIM : 64)               /* columns of a half */
+#define VW (HEAD_DIM_V < 64 ? HEAD_DIM_V : 64)
+#define STAGE_ELEMS (BLOCK_N * (DP + DVP))             /* a stage: a K tile and a V tile */
+static_assert(!ELEM_F32 && (HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V == 64 || HEAD_DIM_V == 128)
+                  && DP == HEAD_DIM && DVP == HEAD_DIM_V,
+              "TMA_KV takes 16-bit rows of 64 or 128 columns (select.decode_tma)");
+
+/* dst (shared) = the box of map at coordinates (col, head, row, outer), its bytes counted on bar */
+DEV void tma_load_4d(uint32_t dst, const void *map, int col, int head, int row, int outer, uint32_t bar)
+{
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6];"
+                 ::"r"(dst), "l"(map), "r"(col), "r"(head), "r"(row), "r"(outer), "r"(bar) : "memory");
+}
+
+/* The producer warp: key tiles n_last down to n_first into stage i % STAGES (tile i of the
+ * visit), once the consumers have released the stage's previous tile (empty); lane 0 announces
+ * the tile's bytes to full with the one arrival, and lane j issues the copies of the tile's
+ * j-th box of rows (a page for PAGED), looked up before the wait (the lookups run side by side,
+ * their latency hidden there); the copies' completions finish the phase. */
+DEV void produce_keys(const attn_params &p, const attn_tmaps &maps, const seq_t &sk, int64_t b, int64_t hk,
+                      elem_t *sK, int n_first, int n_last, uint32_t full0, uint32_t empty0, int lane)
+{
+    const int box = (int)p.tma_rows;                  /* rows a copy: BLOCK_N, or a page's */
+    for (int n = n_last, i = 0; n >= n_first; n--, i++) {
+        const int st = i % STAGES, r = lane * box;
+        int64_t mb = 0, at = 0;                         /* looked up before the wait: its latency hides there */
+        if (r < BLOCK_N)
+            key_row(&p, &sk, b, (int64_t)n * BLOCK_N + r, &mb, &at);
+        if (i >= STAGES)
+            mbar_wait(empty0 + 8 * st, (i / STAGES - 1) & 1);
+        const uint32_t dk = smem_addr(sK + st * STAGE_ELEMS), dv = dk + 2 * BLOCK_N * DP;
+        const uint32_t bar = full0 + 8 * st;
+        if (lane == 0)
+            mbar_arrive_expect_tx(bar, 2 * BLOCK_N * (DP + DVP));
+        __syncwarp();
+        if (r < BLOCK_N) {
+            for (int hf = 0; hf < KH; hf++)
+                tma_load_4d(dk + 2 * (hf * BLOCK_N * KW + r * KW), &maps.k, hf * 64, (int)hk, (int)at, (int)mb, bar);
+            for (int hf = 0; hf < VH; hf++)
+                tma_load_4d(dv + 2 * (hf * BLOCK_N * VW + r * VW), &maps.v, hf * 64, (int)hk, (int)at, (int)mb, bar);
+        }
+    }
+}
+
+/* The byte offset of 16-byte chunk j (of 8 columns) of row r in a swizzled half of w columns */
+DEV uint32_t swz(int r, int j, int w) { return (uint32_t)(r * 2 * w + ((j ^ (r & 7)) << 4)); }
+#else
+#define THREADS_ALL THREADS
+#endif
+
 #if ENTRY(attn_fwd)
-extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_constant__ attn_params p)
+#if TMA_KV
+extern "C" __global__ void __launch_bounds__(THREADS_ALL)
+    attn_fwd(const __grid_constant__ attn_params p, const __grid_constant__ attn_tmaps maps)
+{
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    /* STAGES x (K, V) swizzled, 1024-aligned (the swizzle's period), then Q padded */
+    elem_t *sK = (elem_t *)(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+    elem_t *sQ = sK + STAGES * STAGE_ELEMS;
+#else
+extern "C" __global__ void __launch_bounds__(THREADS_ALL) attn_fwd(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t *sQ = (elem_t *)smem_raw;                    /* BLOCK_M x (DP + pad) */
     elem_t *sK = sQ + BLOCK_M * (DP + SMEM_PAD);        /* BLOCK_N x (DP + pad) */
     elem_t *sV = sK + BLOCK_N * (DP + SMEM_PAD);        /* BLOCK_N x (DVP + pad) */
+#endif
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int64_t b = blockIdx.z;
@@ -46,7 +124,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
     const int64_t h = blockIdx.y, hk = h / (p.Hq / p.Hk);
 #endif
     if (b == p.B) {
-        zero_tail<BLOCK_M, THREADS>(p, h);
+        zero_tail<BLOCK_M, THREADS_ALL>(p, h);
         return;
     }
 #if SPLIT_KV
@@ -79,7 +157,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
     }
 #endif
     const elem_t *gq = (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + sq.start * p.q.s[1] + h * p.q.s[2];
-#if !PAGED
+#if !PAGED && !TMA_KV
     const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + sk.start * p.k.s[1] + hk * p.k.s[2];
     const elem_t *gv = (const elem_t *)p.v.ptr + sk.mem_b * p.v.s[0] + sk.start * p.v.s[1] + hk * p.v.s[2];
 #endif
@@ -90,7 +168,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
      * offset and none waits on the table (ncu, H200 decode: a lookup at every copy had cost 60%
      * more instructions in a kernel bound by their latency). The last threads look up, PAGE_ROWS
      * rows each: in a decode tile the last warps hold padding rows and would wait otherwise. */
-#if PAGED
+#if PAGED && !TMA_KV
 #define PAGE_ROWS ((BLOCK_N + THREADS - 1) / THREADS)
     __shared__ int64_t sRow[2][2][BLOCK_N];              /* [tile & 1][k, v][row] */
     int64_t next_row[PAGE_ROWS][2];
@@ -119,6 +197,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
         }
     };
 #endif
+#if !TMA_KV
     auto load_keys = [&](elem_t *dst, bool K, int64_t c0) {
         const tensor4 &t = K ? p.k : p.v;
 #if PAGED
@@ -136,95 +215,58 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
             load_tile<BLOCK_N, DVP, THREADS>(dst, gv + c0 * t.s[1], t.s[1], t.s[3], Lk - (int)c0, HEAD_DIM_V, tid);
 #endif
     };
+#endif
 
     /* each lane's ldmatrix row addresses (shared-state space, bytes); the per-tile offsets
      * below are compile-time constants that fold into the instructions' immediates */
 #if !ELEM_F32
     const uint32_t q_lane = smem_addr(sQ) + 2 * ((warp * WARP_M + (lane & 15)) * (DP + SMEM_PAD) + (lane >> 4) * 8);
+#if TMA_KV
+    /* a lane's row in a 16-row group and its chunk bit; rows step by 8, so r & 7 is lane & 7 */
+    const uint32_t k_base = smem_addr(sK), v_base = k_base + 2 * BLOCK_N * DP;
+    const int k_row = (lane & 7) + ((lane >> 4) << 3), k_bit = (lane >> 3) & 1;
+    const int v_row = (lane & 7) + ((lane >> 3) & 1) * 8, v_bit = lane >> 4;
+#else
     const uint32_t k_lane = smem_addr(sK) + 2 * (((lane & 7) + ((lane >> 4) << 3)) * (DP + SMEM_PAD) + ((lane >> 3) & 1) * 8);
     const uint32_t v_lane = smem_addr(sV) + 2 * (((lane & 7) + ((lane >> 3) & 1) * 8) * (DVP + SMEM_PAD) + (lane >> 4) * 8);
 #endif
-
-    float o[MT][OT][4];
-    float m[2 * MT], l[2 * MT];
-    zero_acc(o);
-#pragma unroll
-    for (int i = 0; i < 2 * MT; i++) {
-        m[i] = NEG_INF;
-        l[i] = 0.f;
-    }
-
-    if (n_last >= n_first) {
-        load_rows<BLOCK_M, DP, THREADS>(
-            sQ, [&](int r) { return gq + (int64_t)((m0 + r) / G) * p.q.s[1] + (int64_t)((m0 + r) % G) * p.q.s[2]; },
-            p.q.s[3], r_end - m0, HEAD_DIM, tid);
-#if PAGED
-        fetch_pages((int64_t)n_last * BLOCK_N);
-        store_pages((int64_t)n_last * BLOCK_N);
-        __syncthreads();
-#endif
-        load_keys(sK, true, (int64_t)n_last * BLOCK_N);
-        cp_async_commit();
-    }
-    /* a warp whose rows all lie past the real ones (r_end: a packed decode block's padding) only
-     * loads; write_out gives its rows 0 and -inf, as for any row that keeps no key */
-    const bool warp_rows = m0 + warp * WARP_M < r_end;
-    for (int n = n_last; n >= n_first; n--) {
-        const int c0 = n * BLOCK_N;
-        cp_async_wait_all();
-        __syncthreads();                                 /* K[n] (and Q) in shared memory */
-        load_keys(sV, false, c0);
-        cp_async_commit();
-#if PAGED
-        if (n > n_first)
-            fetch_pages(c0 - BLOCK_N);
 #endif
 
-        /* S = Q K^T for this warp's rows */
-        float s[MT][NT][4];
+    /* S = Q K^T for this warp's rows, K at kt (at: its offset from sK in elements) */
+    const auto qk = [&](float (&s)[MT][NT][4], int at) {
         zero_acc(s);
-        if (warp_rows) {
 #if ELEM_F32
-            mma_abt_f32<MT, NT, DP>(s, sQ + warp * WARP_M * (DP + SMEM_PAD), sK, lane);
+        mma_abt_f32<MT, NT, DP>(s, sQ + warp * WARP_M * (DP + SMEM_PAD), sK + at, lane);
 #else
 #pragma unroll
-            for (int kk = 0; kk < DP / 16; kk++) {
-                uint32_t a[MT][4];
+        for (int kk = 0; kk < DP / 16; kk++) {
+            uint32_t a[MT][4];
 #pragma unroll
-                for (int mt = 0; mt < MT; mt++)
-                    ldmatrix_x4(q_lane + 2 * (mt * 16 * (DP + SMEM_PAD) + kk * 16), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+            for (int mt = 0; mt < MT; mt++)
+                ldmatrix_x4(q_lane + 2 * (mt * 16 * (DP + SMEM_PAD) + kk * 16), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
 #pragma unroll
-                for (int np = 0; np < NT / 2; np++) {
-                    uint32_t b0, b1, b2, b3;
-                    ldmatrix_x4(k_lane + 2 * (np * 16 * (DP + SMEM_PAD) + kk * 16), b0, b1, b2, b3);
+            for (int np = 0; np < NT / 2; np++) {
+                uint32_t b0, b1, b2, b3;
+#if TMA_KV
+                ldmatrix_x4(k_base + 2 * at + 2 * ((kk / 4) * BLOCK_N * 64)
+                                + swz(np * 16 + k_row, (kk % 4) * 2 + k_bit, 64), b0, b1, b2, b3);
+#else
+                ldmatrix_x4(k_lane + 2 * (at + np * 16 * (DP + SMEM_PAD) + kk * 16), b0, b1, b2, b3);
+#endif
 #pragma unroll
-                    for (int mt = 0; mt < MT; mt++) {
-                        mma16816(s[mt][2 * np], a[mt], b0, b1);
-                        mma16816(s[mt][2 * np + 1], a[mt], b2, b3);
-                    }
+                for (int mt = 0; mt < MT; mt++) {
+                    mma16816(s[mt][2 * np], a[mt], b0, b1);
+                    mma16816(s[mt][2 * np + 1], a[mt], b2, b3);
                 }
             }
-#endif
-
-            const bool need_mask = tile_needs_mask(p, sc, m0, BLOCK_M, r_end, c0, BLOCK_N, G, Lq, Lk);
-            softmax_step(p, sc, s, o, m, l, m0 + warp * WARP_M, c0, need_mask, G, Lq, Lk);
         }
-
-#if PAGED
-        if (n > n_first)
-            store_pages(c0 - BLOCK_N);
 #endif
-        cp_async_wait_all();
-        __syncthreads();                                 /* V[n] in; every warp is done with K[n] */
-        if (n > n_first)
-            load_keys(sK, true, (int64_t)(c0 - BLOCK_N));
-        cp_async_commit();
-
-        /* O += P V: the C fragments of S are the A fragments of P, two n8 tiles per k16 step */
-        if (!warp_rows)
-            continue;
+    };
+    /* O += P V, V at its offset `at` from sV: the C fragments of S are the A fragments of P, two
+     * n8 tiles per k16 step */
+    const auto pv = [&](float (&o)[MT][OT][4], const float (&s)[MT][NT][4], int at) {
 #if ELEM_F32
-        mma_cb_f32<MT, NT, OT, DVP + SMEM_PAD>(o, s, sV, lane);
+        mma_cb_f32<MT, NT, OT, DVP + SMEM_PAD>(o, s, sV + at, lane);
 #else
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; kk++) {
@@ -235,7 +277,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
 #pragma unroll
             for (int np = 0; np < OT / 2; np++) {
                 uint32_t b0, b1, b2, b3;
-                ldmatrix_x4_trans(v_lane + 2 * (kk * 16 * (DVP + SMEM_PAD) + np * 16), b0, b1, b2, b3);
+#if TMA_KV
+                ldmatrix_x4_trans(v_base + 2 * at + 2 * ((np / 4) * BLOCK_N * 64)
+                                      + swz(kk * 16 + v_row, (np % 4) * 2 + v_bit, 64), b0, b1, b2, b3);
+#else
+                ldmatrix_x4_trans(v_lane + 2 * (at + kk * 16 * (DVP + SMEM_PAD) + np * 16), b0, b1, b2, b3);
+#endif
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
                     mma16816(o[mt][2 * np], a[mt], b0, b1);
@@ -244,8 +291,115 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd(const __grid_cons
             }
         }
 #endif
+    };
+
+    float o[MT][OT][4];
+    float m[2 * MT], l[2 * MT];
+    zero_acc(o);
+#pragma unroll
+    for (int i = 0; i < 2 * MT; i++) {
+        m[i] = NEG_INF;
+        l[i] = 0.f;
+    }
+    /* a warp whose rows all lie past the real ones (r_end: a packed decode block's padding) only
+     * loads; write_out gives its rows 0 and -inf, as for any row that keeps no key */
+    const bool warp_rows = m0 + warp * WARP_M < r_end;
+    const auto load_q = [&]() {
+        load_rows<BLOCK_M, DP, THREADS>(
+            sQ, [&](int r) { return gq + (int64_t)((m0 + r) / G) * p.q.s[1] + (int64_t)((m0 + r) % G) * p.q.s[2]; },
+            p.q.s[3], r_end - m0, HEAD_DIM, tid);
+    };
+
+#if TMA_KV
+    /* the ring: stage i % STAGES holds key tile i (K, then V); full[st] completes when its bytes
+     * have landed (one arrival: the producer's, after expect_tx), empty[st] when every consumer
+     * warp has read it */
+    __shared__ __align__(8) uint64_t bars[2 * STAGES];
+    const uint32_t full0 = smem_addr(bars), empty0 = full0 + 8 * STAGES;
+    if (tid == 0) {
+        for (int st = 0; st < STAGES; st++) {
+            mbar_init(full0 + 8 * st, 1);
+            mbar_init(empty0 + 8 * st, NUM_WARPS);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+    if (warp == NUM_WARPS) {                             /* the producer */
+        produce_keys(p, maps, sk, b, hk, sK, n_first, n_last, full0, empty0, lane);
+        return;
+    }
+    if (n_last >= n_first) {
+        load_q();
+        cp_async_commit();
+        cp_async_wait_all();
+        named_sync(1, THREADS);                          /* Q in shared memory */
+    }
+    for (int n = n_last, i = 0; n >= n_first; n--, i++) {
+        const int st = i % STAGES;
+        mbar_wait(full0 + 8 * st, (i / STAGES) & 1);
+        const int tail = Lk - n * BLOCK_N;               /* < BLOCK_N: rows past Lk to zero */
+        if (tail < BLOCK_N) {
+            uint4 *kv = (uint4 *)(sK + st * STAGE_ELEMS);   /* rows of 128 bytes: 8 uint4 */
+            for (int x = tid; x < (KH + VH) * BLOCK_N * 8; x += THREADS)
+                if ((x / 8) % BLOCK_N >= tail)
+                    kv[x] = make_uint4(0, 0, 0, 0);
+            named_sync(1, THREADS);
+        }
+        if (warp_rows) {
+            float s[MT][NT][4];
+            qk(s, st * STAGE_ELEMS);
+            const int c0 = n * BLOCK_N;
+            const bool need_mask = tile_needs_mask(p, sc, m0, BLOCK_M, r_end, c0, BLOCK_N, G, Lq, Lk);
+            softmax_step(p, sc, s, o, m, l, m0 + warp * WARP_M, c0, need_mask, G, Lq, Lk);
+            pv(o, s, st * STAGE_ELEMS);
+        }
+        if (tail < BLOCK_N)
+            fence_proxy_async_shared();                  /* the zeros before the stage's next copies */
+        __syncwarp();
+        if (lane == 0)
+            mbar_arrive(empty0 + 8 * st);
+    }
+#else
+    if (n_last >= n_first) {
+        load_q();
+#if PAGED
+        fetch_pages((int64_t)n_last * BLOCK_N);
+        store_pages((int64_t)n_last * BLOCK_N);
+        __syncthreads();
+#endif
+        load_keys(sK, true, (int64_t)n_last * BLOCK_N);
+        cp_async_commit();
+    }
+    for (int n = n_last; n >= n_first; n--) {
+        const int c0 = n * BLOCK_N;
+        cp_async_wait_all();
+        __syncthreads();                                 /* K[n] (and Q) in shared memory */
+        load_keys(sV, false, c0);
+        cp_async_commit();
+#if PAGED
+        if (n > n_first)
+            fetch_pages(c0 - BLOCK_N);
+#endif
+        float s[MT][NT][4];
+        if (warp_rows) {
+            qk(s, 0);
+            const bool need_mask = tile_needs_mask(p, sc, m0, BLOCK_M, r_end, c0, BLOCK_N, G, Lq, Lk);
+            softmax_step(p, sc, s, o, m, l, m0 + warp * WARP_M, c0, need_mask, G, Lq, Lk);
+        }
+#if PAGED
+        if (n > n_first)
+            store_pages(c0 - BLOCK_N);
+#endif
+        cp_async_wait_all();
+        __syncthreads();                                 /* V[n] in; every warp is done with K[n] */
+        if (n > n_first)
+            load_keys(sK, true, (int64_t)(c0 - BLOCK_N));
+        cp_async_commit();
+        if (warp_rows)
+            pv(o, s, 0);
     }
     cp_async_wait_all();
+#endif
 
     write_out(p, sq, sc.to_natural, o, m, l, m0 + warp * WARP_M, b, h, G, split, Lq);
 }

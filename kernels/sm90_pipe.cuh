@@ -37,6 +37,12 @@ DEV void mbar_arrive_expect_tx(uint32_t bar, int bytes)
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 
+/* The phase also waits for `bytes` more of bulk-copy transfers, no arrival (bulk_load). */
+DEV void mbar_expect_tx(uint32_t bar, int bytes)
+{
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
 /* Until the phase of parity `parity` has completed (acquire). */
 DEV void mbar_wait(uint32_t bar, int parity)
 {
@@ -83,6 +89,9 @@ DEV void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: 
 
 /* Until this thread's bulk groups are complete: their writes performed. */
 DEV void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+/* Between the generic proxy's shared-memory writes and the async proxy's (bulk copies) there. */
+DEV void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 /* Between the generic proxy's global accesses (flags) and the async proxy's (bulk copies). */
 DEV void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }

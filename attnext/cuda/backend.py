@@ -489,7 +489,8 @@ def _decode_plan(o, features, device):
     pack = group > 1 and not o.varlen and per_head and o.Sq * group <= select.DECODE_PACK_ROWS
     if o.varlen or not o.B or not o.Hq or getattr(o, "whole_rows", None) is not None:
         return pack, 1                # a row slice (_forward_sliced) shares the GPU with copies
-    bm, bn = select.decode_tile(o.D, o.Dv, features["dtype"])[:2]
+    tma = select.decode_tma(device_arch(device), o.D, o.Dv, features["vec"], features["dtype"], o.page_size)
+    bm, bn = (select.decode_tma_tile() if tma else select.decode_tile(o.D, o.Dv, features["dtype"]))[:2]
     blocks = math.ceil(o.Sq * (group if pack else 1) / bm) * (o.Hk if pack else o.Hq) * o.B
     sms = device_info(device)["multiprocessor_count"]
     key_tiles = math.ceil(o.Sk / bn)
@@ -524,15 +525,20 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     pack, splits = _decode_plan(o, features, device)
     arch = device_arch(device)
     paged = o.block_table is not None
-    kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], pack or splits > 1, rows, gen,
-                                     features["dtype"], paged)
-    defines = select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen, paged=paged)
-    smem = select.fwd_smem_bytes(o.D, o.Dv, tile, kernel, features["dtype"])
+    decode = pack or splits > 1
+    tma = decode and select.decode_tma(arch, o.D, o.Dv, features["vec"], features["dtype"], o.page_size)
+    kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
+                                     features["dtype"], paged, tma)
+    defines = select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen, paged=paged,
+                                 tma=tma)
+    smem = select.fwd_smem_bytes(o.D, o.Dv, tile, kernel, features["dtype"], tma)
     q_tiles = math.ceil(o.Sq * (o.Hq // o.Hk) / tile[0]) if pack else _query_tiles(rows, tile[0])
     grid = (q_tiles * splits, o.Hk if pack else o.Hq, o.B + (1 if o.varlen else 0))
     prob.out, prob.lse, prob.num_splits = _t(out4), _t(lse3), splits
     if paged:
         prob.page_size, prob.bt_stride = o.page_size, o.block_table.shape[1]
+    if tma:              # the rows of a tensor copy: a tile's, or a page's
+        prob.tma_rows = min(tile[1], o.page_size) if paged else tile[1]
     template = _C.attn_template(prob)
     if not all(grid):                       # an empty grid (no heads, rows or batch) has nothing to write
         return _Plan(template, ())
@@ -542,7 +548,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
         _compile_backward_ahead(o, device, features, rows, gen, specs)
     nvrtc.prefetch(specs, arch, device)
     launches = [(nvrtc.function(kernel, kernel, defines, device, arch, smem, generated), grid,
-                 (tile[2] * 32, 1, 1), smem)]
+                 ((tile[2] + tma) * 32, 1, 1), smem)]     # TMA_KV: the producer warp besides
     if splits == 1:
         return _Plan(template, tuple(launches))
     combine = nvrtc.function("attn_fwd", "attn_fwd_combine", defines, device, arch, 0, generated)

@@ -26,7 +26,7 @@ MAX_SMEM_SM80 = 163 * 1024
 # choice is made; backend's plans are keyed on their values (knobs()), so a change through
 # _env.setenv() or _env.reload() takes effect at the next call.
 FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "ATTNEXT_FWD_SM90",
-             "ATTNEXT_TILE_SM90")
+             "ATTNEXT_TILE_SM90", "ATTNEXT_DECODE_TMA", "ATTNEXT_TILE_DECODE_TMA")
 BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_DQ",
              "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_TILE_SUMS")
 
@@ -63,6 +63,9 @@ def tile_config(D, Dv, dtype="bfloat16"):
 
 
 DECODE_TILE = (64, 64, 4)    # packed-GQA / split-KV forward: few query rows, K and V streamed
+# the same on Hopper (TMA_KV): 16 packed rows, one consumer warp beside the producer warp, 64
+# keys a stage, 3 stages in flight (two CTAs an SM share its shared memory)
+DECODE_TMA_TILE = (16, 64, 1, 3)
 DECODE_PACK_ROWS = 128       # a call packs its GQA heads into one block's rows up to Sq * group rows
 DECODE_CTAS_PER_SM = 2       # the split-KV grid aims at this many CTAs per SM
 
@@ -76,6 +79,26 @@ def decode_tile(D=0, Dv=0, dtype="bfloat16"):
     if dtype == "float32" and max(D, Dv) > 128:
         return 64, 32, 4
     return DECODE_TILE
+
+
+def decode_tma(arch, D, Dv, vec, dtype, page_size=0):
+    """Whether a decode forward runs attn_fwd.cu's TMA_KV variant: Hopper with a driver that
+    makes tensor maps, 16-bit elements, 16-byte-loadable rows of D, Dv in {64, 128}, and for a
+    paged cache pages a whole number of tiles, or tiles a whole number of pages of 16 rows or
+    more (a page a copy); ATTNEXT_DECODE_TMA=0 says no (the lab's comparison)."""
+    bn = decode_tma_tile()[1]
+    pages_fit = not page_size or page_size % bn == 0 or (page_size >= 16 and bn % page_size == 0)
+    if not (arch == "sm_90a" and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
+            and pages_fit and (_env.get("ATTNEXT_DECODE_TMA") or "1") != "0"):
+        return False
+    from .. import _C
+    return _C.cuda_tensor_maps()
+
+
+def decode_tma_tile():
+    """(BLOCK_M, BLOCK_N, NUM_WARPS, STAGES) of TMA_KV; the lab's ATTNEXT_TILE_DECODE_TMA."""
+    env = _env.get("ATTNEXT_TILE_DECODE_TMA")
+    return tuple(int(x) for x in env.split(",")) if env else DECODE_TMA_TILE
 
 
 def decode_ctas_per_sm():
@@ -99,7 +122,7 @@ SM90_TILE_MODS = (128, 64, 8)
 SM90_SHORT_ROWS = 1024
 
 
-def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", paged=False):
+def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", paged=False, tma=False):
     """(kernel source, tile) of the forward: kernels/attn_fwd_sm90.cu (wgmma) on sm_90a for
     16-byte-loadable inputs with D, Dv in {64, 128}, else kernels/attn_fwd.cu (mma.sync, every
     shape, and the decode paths). rows: the longest query sequence; mods: the generated
@@ -107,7 +130,10 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
     SM90_TILE_MODS where its staged output fits (sm90_staged_o_fits), a mask_mod alone the
     plain tiles. ATTNEXT_FWD_SM90=0 keeps Hopper on attn_fwd.cu (the lab's and the tests'
     comparison). float32 runs attn_fwd.cu (TF32 mma.sync) everywhere, and so does a paged cache
-    (paged: its key rows are gathered through the page table, PAGED)."""
+    (paged: its key rows are gathered through the page table, PAGED). tma (decode_tma): a
+    decode takes TMA_KV's tile (4 ints: the stages last)."""
+    if decode and tma:
+        return "attn_fwd", decode_tma_tile()
     if (arch == "sm_90a" and not decode and not paged and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
             and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
         env = _env.get("ATTNEXT_TILE_SM90")      # the kernel lab's override: "128,64,8"
@@ -129,12 +155,14 @@ def sm90_staged_o_fits(D, Dv, tile):
     return bm * (Dv + 8) * 2 <= bm * D * 2 + 2 * bn * D * 2
 
 
-def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd", dtype="bfloat16"):
+def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd", dtype="bfloat16", tma=False):
     bm, bn = tile[:2]
     if kernel == "attn_fwd_sm90":     # Q, K[2], V[2] in 128-byte swizzled rows, 1024-aligned
         return 2 * (bm * D + 2 * bn * D + 2 * bn * Dv) + 1024
     size = ITEMSIZE[dtype]
     dp, dvp, pad = _round_up(D, 16), _round_up(Dv, 16), 16 // size
+    if tma:          # TMA_KV: a ring of swizzled K and V tiles, 1024-aligned, then Q padded
+        return size * (tile[3] * bn * (D + Dv) + bm * (dp + pad)) + 1024
     return size * (bm * (dp + pad) + bn * (dp + pad) + bn * (dvp + pad))
 
 
@@ -183,14 +211,16 @@ def entry_defines(defines, name):
 
 
 def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile,
-                pack_gqa=False, split_kv=False, mods=None, tf32=False, paged=False):
+                pack_gqa=False, split_kv=False, mods=None, tf32=False, paged=False, tma=False):
     """The #defines of one forward variant. bias_dtype / alibi_dtype: a dtype name or None;
     tf32: float32 in single-pass TF32 (precision="tf32"); paged: k and v are a paged cache.
-    tile: (BLOCK_M, BLOCK_N, NUM_WARPS[, MIN_BLOCKS: CTAs per SM the registers must allow]).
+    tile: (BLOCK_M, BLOCK_N, NUM_WARPS[, MIN_BLOCKS: CTAs per SM the registers must allow]), or
+    with tma (TMA_KV: a producer warp's bulk tensor copies) (BLOCK_M, BLOCK_N, NUM_WARPS, STAGES).
     mods: the generated score_mod / mask_mod (codegen.Generated) or None."""
     bm, bn, w = tile[:3]
     return mod_defines({
-        "MIN_BLOCKS": tile[3] if len(tile) > 3 else 1,
+        "MIN_BLOCKS": 1 if tma or len(tile) < 4 else tile[3],
+        **({"TMA_KV": 1, "STAGES": tile[3]} if tma else {}),
         "PACK_GQA": int(pack_gqa), "SPLIT_KV": int(split_kv), **dtype_defines(dtype, tf32),
         **({"PAGED": 1} if paged else {}),
         "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
@@ -491,7 +521,8 @@ def bwd_variants():
 
 def sm90_fwd_variants():
     """attn_fwd_sm90's variants (sm_90a only): both dtypes, the head dims it takes, and each
-    feature on its own at D = 128."""
+    feature on its own at D = 128; and attn_fwd.cu's TMA_KV decode (packed GQA, split or not,
+    contiguous or paged)."""
     out = []
     for dtype in ("bfloat16", "float16"):
         for D, Dv in ((64, 64), (128, 128), (128, 64), (64, 128)):
@@ -503,7 +534,11 @@ def sm90_fwd_variants():
                 out.append({**base, "softcap": True})
                 out.append({**base, "bias_dtype": dtype})
                 out.append({**base, "bias_dtype": "float32", "mask": True, "alibi_dtype": "float32"})
-    return [("attn_fwd_sm90", fwd_defines(**v)) for v in out]
+    decode = [dict(dtype=dtype, D=D, Dv=D, vec=True, softcap=False, bias_dtype=None, alibi_dtype=None,
+                   mask=False, tile=DECODE_TMA_TILE, pack_gqa=True, split_kv=split, tma=True)
+              for dtype in ("bfloat16", "float16") for D in (64, 128) for split in (True, False)]
+    decode += [{**decode[0], "paged": True}]
+    return [("attn_fwd_sm90", fwd_defines(**v)) for v in out] + [("attn_fwd", fwd_defines(**v)) for v in decode]
 
 
 def sm90_bwd_variants():

@@ -136,7 +136,7 @@ static PyObject *c_attn_template(PyObject *module, PyObject *prob)
     attn_template t;
     attn_params *p = &t.p;
     long long dtype, B, causal, wl, wr, bias_dtype, alibi_dtype, bias_heads, mask_heads, splits, write_last,
-        k_rows_max, max_rows_q, max_rows_k, page_size, bt_stride, qs[4], ks[4], vs[4];
+        k_rows_max, max_rows_q, max_rows_k, page_size, bt_stride, tma_rows, qs[4], ks[4], vs[4];
     memset(&t, 0, sizeof t);
     if (attr_long(prob, "dtype", &dtype) || attr_long(prob, "B", &B) || attr_long(prob, "causal", &causal)
         || attr_long(prob, "window_left", &wl) || attr_long(prob, "window_right", &wr)
@@ -145,8 +145,10 @@ static PyObject *c_attn_template(PyObject *module, PyObject *prob)
         || attr_long(prob, "device", &t.device) || attr_long(prob, "num_splits", &splits)
         || attr_long(prob, "dq_write_last", &write_last) || attr_long(prob, "k_rows_max", &k_rows_max)
         || attr_long(prob, "max_rows_q", &max_rows_q) || attr_long(prob, "max_rows_k", &max_rows_k)
-        || attr_long(prob, "page_size", &page_size) || attr_long(prob, "bt_stride", &bt_stride))
+        || attr_long(prob, "page_size", &page_size) || attr_long(prob, "bt_stride", &bt_stride)
+        || attr_long(prob, "tma_rows", &tma_rows))
         return NULL;
+    p->tma_rows = tma_rows;
     p->dtype = (attn_dtype)dtype;
     p->B = B;
     p->causal = (attn_causal)causal;
@@ -212,6 +214,42 @@ static int dims3(PyObject *o, const char *name, unsigned out[3])
         out[i] = (unsigned)v;
     }
     return 0;
+}
+
+/* The tensor map of k or v (t, d columns) for TMA_KV: (d, Hk, rows, outer) with rows and outer
+ * Sk and B, or a paged cache's page_size and num_pages; boxes of min(d, 64) columns x 1 x
+ * min(tma_rows, rows) x 1, 128-byte swizzled, zeros outside the tensor. -1 with an exception. */
+static int encode_kv_map(attn_tmap *map, const attn_params *p, const tensor4 *t, int64_t d)
+{
+    const int paged = p->page_size > 0;
+    const unsigned long long rows = paged ? p->page_size : p->Sk, outer = paged ? p->num_pages : p->B;
+    const unsigned long long dims[4] = {(unsigned long long)d, (unsigned long long)p->Hk, rows, outer};
+    const unsigned long long strides[3] = {2ull * t->s[2], 2ull * t->s[1], 2ull * t->s[0]};
+    const unsigned box[4] = {d < 64 ? (unsigned)d : 64u, 1u,
+                             (unsigned)(p->tma_rows < (int64_t)rows ? p->tma_rows : (int64_t)rows), 1u};
+    const unsigned ones[4] = {1u, 1u, 1u, 1u};
+    if (!cu_encode_tiled) {
+        PyErr_SetString(PyExc_RuntimeError, "attnext._C: this CUDA driver has no cuTensorMapEncodeTiled "
+                        "(TMA_KV needs CUDA 12)");
+        return -1;
+    }
+    CUresult rc = cu_encode_tiled((CUtensorMap *)map, p->dtype == DT_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                                         : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                                  4, t->ptr, dims, strides, box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (rc != CUDA_SUCCESS) {
+        cu_raise(rc, __FILE__, __LINE__, "cuTensorMapEncodeTiled (dims %llu %llu %llu %llu, box %u %u %u)",
+                 dims[0], dims[1], dims[2], dims[3], box[0], box[1], box[2]);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *c_cuda_tensor_maps(PyObject *module, PyObject *unused)
+{
+    char why[512];
+    return PyBool_FromLong(cuda_driver_load(why, sizeof why) == 0 && cu_encode_tiled != NULL);
 }
 
 static PyObject *c_cuda_launch_attention(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -280,6 +318,14 @@ static PyObject *c_cuda_launch_attention(PyObject *module, PyObject *const *args
     }
     if (cuda_device_enter((int)t.device))
         return NULL;
+    if (p->tma_rows > 0) {
+        attn_tmaps maps;
+        if (encode_kv_map(&maps.k, p, &p->k, p->D) || encode_kv_map(&maps.v, p, &p->v, p->Dv))
+            return NULL;
+        CU_CHECK_RC("cuLaunchKernel (attention, tensor maps)",
+                    cuda_launch_structs(fn, grid, block, (unsigned)smem, (CUstream)stream, p, &maps));
+        Py_RETURN_NONE;
+    }
     CU_CHECK_RC("cuLaunchKernel (attention)",
                 cuda_launch_struct(fn, grid, block, (unsigned)smem, (CUstream)stream, p));
     Py_RETURN_NONE;
@@ -294,6 +340,8 @@ static PyMethodDef attnext_cuda_attn_methods[] = {
     {"attn_template", c_attn_template, METH_O,
      "attn_template(prob) -> bytes: the attn_params of prob's shapes, strides and options, for "
      "cuda_launch_attention."},
+    {"cuda_tensor_maps", c_cuda_tensor_maps, METH_NOARGS,
+     "cuda_tensor_maps() -> bool: whether the driver makes TMA tensor maps (cuTensorMapEncodeTiled)."},
     {"cuda_launch_attention", (PyCFunction)(void (*)(void))c_cuda_launch_attention, METH_FASTCALL,
      "cuda_launch_attention(fn, grid, block, smem, stream, template, ptrs, scale, softcap[, gmods]): "
      "launch fn over the template's attn_params with this call's device addresses (and score_mod / "

@@ -14,6 +14,7 @@
 #include <sys/stat.h>
 
 struct cu_api CU;
+cu_encode_tiled_fn cu_encode_tiled;
 struct nvrtc_api NVRTC;
 
 #define MAX_DEVICES 64
@@ -76,6 +77,7 @@ static int driver_load_locked(void)
     }
     CU_API(CU_RESOLVE)
 #undef CU_RESOLVE
+    cu_encode_tiled = (cu_encode_tiled_fn)dlsym(h, "cuTensorMapEncodeTiled");   /* optional: CUDA 12 */
     CUresult rc = CU.cuInit(0);
     if (rc != CUDA_SUCCESS) {
         snprintf(cu_reason, sizeof cu_reason, "cuInit failed: %s (%s)", cu_name(rc), cu_text(rc));
@@ -91,6 +93,7 @@ static int driver_load_locked(void)
 fail:
     /* the library stays loaded (unloading a driver library is never safe), but unused */
     memset(&CU, 0, sizeof CU);
+    cu_encode_tiled = NULL;
     return -1;
 }
 
@@ -274,6 +277,14 @@ CUresult cuda_launch_struct(CUfunction fn, const unsigned grid[3], const unsigne
     void *params[1] = {arg};
     return CU.cuLaunchKernel(fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
                              stream, arg ? params : NULL, NULL);
+}
+
+CUresult cuda_launch_structs(CUfunction fn, const unsigned grid[3], const unsigned block[3],
+                             unsigned smem, CUstream stream, void *arg, void *arg2)
+{
+    void *params[2] = {arg, arg2};
+    return CU.cuLaunchKernel(fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
+                             stream, params, NULL);
 }
 
 void cu_raise(CUresult rc, const char *file, int line, const char *what, ...)

@@ -155,6 +155,21 @@ struct nvrtc_api { NVRTC_API(NVRTC_API_MEMBER) };
 #undef CU_API_MEMBER
 #undef NVRTC_API_MEMBER
 
+/* CUDA 12's bulk tensor copies (Hopper's TMA): a 128-byte, 64-byte-aligned map of a tensor
+ * made by cuTensorMapEncodeTiled, which older drivers lack (cu_encode_tiled is then NULL and no
+ * kernel that needs a map is chosen: cuda_tensor_maps()). Enum values as in cuda.h. */
+typedef struct { _Alignas(64) unsigned long long opaque[16]; } CUtensorMap;
+enum { CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9 };
+enum { CU_TENSOR_MAP_INTERLEAVE_NONE = 0 };
+enum { CU_TENSOR_MAP_SWIZZLE_128B = 3 };
+enum { CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3 };
+enum { CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0 };   /* elements outside the tensor read as zeros */
+typedef CUresult (*cu_encode_tiled_fn)(CUtensorMap *map, int dtype, unsigned rank, void *address,
+                                       const unsigned long long *dims, const unsigned long long *strides,
+                                       const unsigned *box, const unsigned *element_strides, int interleave,
+                                       int swizzle, int l2_promotion, int oob_fill);
+extern cu_encode_tiled_fn cu_encode_tiled;
+
 /* Filled by cuda_driver_load() / nvrtc_load(); valid once they have returned 0. */
 extern struct cu_api CU;
 extern struct nvrtc_api NVRTC;
@@ -186,6 +201,9 @@ int cuda_device_handle(int device, CUdevice *handle);
  * parameter struct). fn's context must be current. Returns the CUresult, GIL or no GIL. */
 CUresult cuda_launch_struct(CUfunction fn, const unsigned grid[3], const unsigned block[3],
                             unsigned smem, CUstream stream, void *arg);
+/* The same with a second by-value argument (a kernel's tensor maps, attn_fwd.cu TMA_KV). */
+CUresult cuda_launch_structs(CUfunction fn, const unsigned grid[3], const unsigned block[3],
+                             unsigned smem, CUstream stream, void *arg, void *arg2);
 
 /* The function and device ordinal behind a module_function() capsule; NULL / -1 with TypeError
  * set when `capsule` is something else. */
