@@ -489,7 +489,7 @@ def _decode_plan(o, features, device):
     pack = group > 1 and not o.varlen and per_head and o.Sq * group <= select.DECODE_PACK_ROWS
     if o.varlen or not o.B or not o.Hq or getattr(o, "whole_rows", None) is not None:
         return pack, 1                # a row slice (_forward_sliced) shares the GPU with copies
-    tma = select.decode_tma(device_arch(device), o.D, o.Dv, features["vec"], features["dtype"], o.page_size)
+    tma = _decode_tma(o, features, device_arch(device))
     bm, bn = (select.decode_tma_tile() if tma else select.decode_tile(o.D, o.Dv, features["dtype"]))[:2]
     blocks = math.ceil(o.Sq * (group if pack else 1) / bm) * (o.Hk if pack else o.Hq) * o.B
     sms = device_info(device)["multiprocessor_count"]
@@ -500,6 +500,13 @@ def _decode_plan(o, features, device):
 
 
 MAX_SPLITS = 128    # attn_fwd_combine keeps one weight per split in shared memory
+
+
+def _decode_tma(o, features, arch):
+    """Whether a decode-shaped forward runs attn_fwd.cu's TMA_KV (select.decode_tma), and not
+    with a score_mod / mask_mod: those stay on the cp.async kernel, the one their decode has run
+    and been tested on a GPU with."""
+    return not _has_mods(o) and select.decode_tma(arch, o.D, o.Dv, features["vec"], features["dtype"], o.page_size)
 
 
 def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None):
@@ -526,7 +533,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     arch = device_arch(device)
     paged = o.block_table is not None
     decode = pack or splits > 1
-    tma = decode and select.decode_tma(arch, o.D, o.Dv, features["vec"], features["dtype"], o.page_size)
+    tma = decode and _decode_tma(o, features, arch)
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
                                      features["dtype"], paged, tma)
     defines = select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen, paged=paged,
