@@ -29,7 +29,8 @@ Sections, bf16 unless said:
           against attention(return_lse=True) + attention_backward); its overhead, no target.
   paged   decode (Sq = 1, Hq = 32, Hk = 8, D = 128) over a paged KV cache of shuffled pages
           ((B, Sk, page size) = (8, 8192, 16), (8, 8192, 64), (64, 4096, 16); the block table and
-          seqlens_k CUDA int32 tensors) against the same keys contiguous: GB/s of K and V, >= 0.9x the contiguous.
+          seqlens_k CUDA int32 tensors) against the same keys contiguous: GB/s of K and V, >= 0.9x
+          the contiguous.
   mods    score_mod / mask_mod rows against FlexAttention: softcap, a relative-bias table (its
           gradient on both sides), the document mask (as a mask_mod alone and with causal=True),
           a causal sliding window; TFLOP/s of the pairs each mask keeps (attnext/bench/mods.py).
