@@ -312,8 +312,8 @@ extern "C" __global__ void __launch_bounds__(THREADS_ALL) attn_fwd(const __grid_
 
 #if TMA_KV
     /* the ring: stage i % STAGES holds key tile i (K, then V); full[st] completes when its bytes
-     * have landed (one arrival: the producer's, after expect_tx), empty[st] when every consumer
-     * warp has read it */
+     * have landed (one arrival: the producer's arrive.expect_tx, before its copies), empty[st]
+     * when every consumer warp has read it */
     __shared__ __align__(8) uint64_t bars[2 * STAGES];
     const uint32_t full0 = smem_addr(bars), empty0 = full0 + 8 * STAGES;
     if (tid == 0) {
