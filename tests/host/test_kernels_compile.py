@@ -64,6 +64,39 @@ def test_tile_configs_fit_shared_memory():
             assert select.fwd_smem_bytes(d["HEAD_DIM"], d["HEAD_DIM_V"], tile) <= select.MAX_SMEM_SM80
 
 
+def test_hopper_decode_by_tensor_copies_where_it_applies(monkeypatch):
+    """TMA_KV: Hopper, 16-bit, D and Dv in {64, 128}, 16-byte rows, pages that tile its tiles
+    evenly, a driver with tensor maps, ATTNEXT_DECODE_TMA not 0; two CTAs of its ring fit an SM."""
+    from attnext import _C, _env
+    monkeypatch.setattr(_C, "cuda_tensor_maps", lambda: True)
+    assert select.decode_tma("sm_90a", 128, 128, True, "bfloat16")
+    assert select.decode_tma("sm_90a", 64, 64, True, "float16", page_size=16)
+    assert select.decode_tma("sm_90a", 128, 128, True, "bfloat16", page_size=256)
+    for args, kw in ((("sm_80", 128, 128, True, "bfloat16"), {}), (("sm_90a", 96, 96, True, "bfloat16"), {}),
+                     (("sm_90a", 128, 128, False, "bfloat16"), {}), (("sm_90a", 128, 128, True, "float32"), {}),
+                     (("sm_90a", 128, 128, True, "bfloat16"), {"page_size": 8}),
+                     (("sm_90a", 128, 128, True, "bfloat16"), {"page_size": 48})):
+        assert not select.decode_tma(*args, **kw), (args, kw)
+    monkeypatch.setattr(_C, "cuda_tensor_maps", lambda: False)
+    assert not select.decode_tma("sm_90a", 128, 128, True, "bfloat16")
+    monkeypatch.setattr(_C, "cuda_tensor_maps", lambda: True)
+    _env.setenv("ATTNEXT_DECODE_TMA", "0")
+    try:
+        assert not select.decode_tma("sm_90a", 128, 128, True, "bfloat16")
+    finally:
+        _env.setenv("ATTNEXT_DECODE_TMA", None)
+    tile = select.decode_tma_tile()
+    assert select.fwd_kernel("sm_90a", 128, 128, True, True, 1, tma=True) == ("attn_fwd", tile)
+    d = select.fwd_defines(dtype="bfloat16", D=128, Dv=128, vec=True, softcap=False, bias_dtype=None,
+                           alibi_dtype=None, mask=False, tile=tile, pack_gqa=True, tma=True)
+    assert (d["TMA_KV"], d["STAGES"], d["MIN_BLOCKS"]) == (1, tile[3], 1)
+    smem = select.fwd_smem_bytes(128, 128, tile, "attn_fwd", "bfloat16", tma=True)
+    assert smem == 2 * (tile[3] * tile[1] * 256 + tile[0] * 136) + 1024
+    assert 2 * (smem + 1024) <= 228 * 1024          # two CTAs an SM (each with the driver's 1 KiB)
+    assert any("TMA_KV" in d for k, d in select.variants("sm_90a"))
+    assert not any("TMA_KV" in d for k, d in select.variants("sm_80"))
+
+
 def test_hopper_takes_the_wgmma_forward_where_it_applies(monkeypatch):
     assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096) == ("attn_fwd_sm90", select.SM90_TILE_LONG)
     assert select.fwd_kernel("sm_90a", 128, 128, True, False, 512) == ("attn_fwd_sm90", select.SM90_TILE_SHORT)
