@@ -17,8 +17,11 @@
  *   SPLIT_KV  grid.x = query tiles x p.num_splits; split s visits its share of the key tiles and
  *             writes a normalised partial result, its maximum and sum to o_accum / lse_accum;
  *             attn_fwd_combine merges the splits (whole GPU streaming K and V for Sq = 1).
+ *   TMA_KV    (Hopper, below) a producer warp brings K and V by bulk tensor copies into a ring
+ *             of STAGES stages; the kernel's second parameter holds the copies' tensor maps.
  *
- * Switches beyond attn_common.cuh's: BLOCK_M, BLOCK_N, NUM_WARPS (tile_config in kernels.py).
+ * Switches beyond attn_common.cuh's: BLOCK_M, BLOCK_N, NUM_WARPS (tile_config in select.py),
+ * TMA_KV and STAGES (select.decode_tma_tile).
  */
 #include "attn_fwd_tile.cuh"
 
