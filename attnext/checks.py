@@ -701,7 +701,8 @@ def _seqlens_k_in_place(o, B):
     are CUDA arrays, with no mask_mod (whose block mask the host builds from the lengths). Its
     values are checked on the GPU by attn_pages (0 <= seqlens_k[b] <= Sk; the next call raises
     ValueError) and clamped by the kernels meanwhile. None where the host reads it instead."""
-    if not (isinstance(o.block_table, DevView) and o.on_gpu and o.mask_mod is None):
+    if isinstance(o.seqlens_k, np.ndarray) or not (isinstance(o.block_table, DevView) and o.on_gpu
+                                                  and o.mask_mod is None):
         return None
     a = _array("seqlens_k", o.seqlens_k)
     if not isinstance(a, DevView):

@@ -480,23 +480,25 @@ def _query_tiles(rows, block_m):
 
 
 def _decode_plan(o, features, device):
-    """(pack_gqa, num_splits) for the forward. Decode-shaped calls (few query rows, GQA, long
-    K/V) pack the query heads of a group into one block's rows, and when the blocks cannot fill
-    the GPU, split the keys over several blocks (attn_fwd.cu's PACK_GQA / SPLIT_KV)."""
+    """(pack_gqa, num_splits, tma) for the forward. Decode-shaped calls (few query rows, GQA,
+    long K/V) pack the query heads of a group into one block's rows, and when the blocks cannot
+    fill the GPU, split the keys over several blocks (attn_fwd.cu's PACK_GQA / SPLIT_KV); tma:
+    such a call runs TMA_KV (_decode_tma), whose tile the split count is reckoned with."""
     group = o.Hq // o.Hk if o.Hk else 1
     per_head = (features["bias_dtype"] is None and features["alibi_dtype"] is None and not features["mask"]
                 and not _has_mods(o))
     pack = group > 1 and not o.varlen and per_head and o.Sq * group <= select.DECODE_PACK_ROWS
-    if o.varlen or not o.B or not o.Hq or getattr(o, "whole_rows", None) is not None:
-        return pack, 1                # a row slice (_forward_sliced) shares the GPU with copies
     tma = _decode_tma(o, features, device_arch(device))
+    if o.varlen or not o.B or not o.Hq or getattr(o, "whole_rows", None) is not None:
+        return pack, 1, pack and tma  # a row slice (_forward_sliced) shares the GPU with copies
     bm, bn = (select.decode_tma_tile() if tma else select.decode_tile(o.D, o.Dv, features["dtype"]))[:2]
     blocks = math.ceil(o.Sq * (group if pack else 1) / bm) * (o.Hk if pack else o.Hq) * o.B
     sms = device_info(device)["multiprocessor_count"]
     key_tiles = math.ceil(o.Sk / bn)
     if blocks >= sms or key_tiles < 8:
-        return pack, 1
-    return pack, max(1, min(MAX_SPLITS, (select.decode_ctas_per_sm() * sms) // blocks, key_tiles // 4))
+        return pack, 1, pack and tma
+    splits = max(1, min(MAX_SPLITS, (select.decode_ctas_per_sm() * sms) // blocks, key_tiles // 4))
+    return pack, splits, tma and (pack or splits > 1)
 
 
 MAX_SPLITS = 128    # attn_fwd_combine keeps one weight per split in shared memory
@@ -529,11 +531,10 @@ def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None):
 def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     prob, features = _common(o, device, q4, k4, v4, extra)
     generated = None if gen is None else gen.source
-    pack, splits = _decode_plan(o, features, device)
+    pack, splits, tma = _decode_plan(o, features, device)
     arch = device_arch(device)
     paged = o.block_table is not None
     decode = pack or splits > 1
-    tma = decode and _decode_tma(o, features, arch)
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
                                      features["dtype"], paged, tma)
     defines = select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen, paged=paged,

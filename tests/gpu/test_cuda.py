@@ -230,7 +230,7 @@ def test_decode_split_kv(b, sk, sq, mask, rng):
                                bias=None, mask=None, score_mod=None, mask_mod=None, seqlens_q=None,
                                seqlens_k=None, layout="bshd", return_lse=False, device="cuda",
                                out=None, precision=None))
-    pack, splits = cuda_backend._decode_plan(o, dict(dtype="bfloat16", bias_dtype=None, alibi_dtype=None, mask=False,
+    pack, splits, _ = cuda_backend._decode_plan(o, dict(dtype="bfloat16", bias_dtype=None, alibi_dtype=None, mask=False,
                                                      vec=True), 0)
     assert pack and splits > 1
     _check_forward(q, k, v, BF16, seqlens_k=seqlens_k, **opts)

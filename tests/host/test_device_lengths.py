@@ -122,6 +122,16 @@ def table_of(rows):
     return CudaArray(fake_memory(np.array(rows, np.int32)))
 
 
+def raises(kind, pattern, call):
+    # call() raises kind with a message matching pattern (the next call reporting a fault, or a refusal)
+    try:
+        call()
+    except kind as e:
+        assert re.search(pattern, str(e)), (pattern, str(e))
+    else:
+        raise AssertionError(f"no {kind.__name__}: {pattern}")
+
+
 good = table_of([[3, 0, 8, -1], [5, 1, -1, -1]])
 n_copies, n_checks = len(COPIES), len(PAGE_CHECKS)
 attnext.attention(q, kp, vp, block_table=good, seqlens_k=lens)          # read in place: no read-back
@@ -133,12 +143,8 @@ assert p["used"] and p["table"] == good.__cuda_array_interface__["data"][0]
 attnext.attention(q, kp, vp, block_table=good, seqlens_k=lens)          # nothing to report
 # a page a sequence reads out of range: the call runs, the next one raises IndexError naming it
 attnext.attention(q, kp, vp, block_table=table_of([[3, 0, 8, -1], [5, 9, -1, -1]]), seqlens_k=lens)
-try:
-    attnext.attention(q, kp, vp, block_table=good, seqlens_k=lens)
-except IndexError as e:
-    assert re.search(r"block_table\[1, 1\] = 9 is out of range for 9 pages", str(e)), str(e)
-else:
-    raise AssertionError("no IndexError for the bad page")
+raises(IndexError, r"block_table\[1, 1\] = 9 is out of range for 9 pages",
+       lambda: attnext.attention(q, kp, vp, block_table=good, seqlens_k=lens))
 attnext.attention(q, kp, vp, block_table=good, seqlens_k=lens)          # reported once
 # entries past a sequence's pages are never read, so never reported
 attnext.attention(q, kp, vp, block_table=table_of([[3, 0, 8, 99], [5, 1, -7, 99]]), seqlens_k=lens)
@@ -151,27 +157,14 @@ assert not [c for c in COPIES[n_copies:] if c[0] == "dtoh"], COPIES[n_copies:]
 assert PAGE_CHECKS[-1]["used"] == dlens.__cuda_array_interface__["data"][0]
 # a length outside the table's 64 rows: reported by the next call as a ValueError naming it
 attnext.attention(q, kp, vp, block_table=good, seqlens_k=CudaArray(fake_memory(np.array([40, 65], np.int32))))
-try:
-    attnext.attention(q, kp, vp, block_table=good, seqlens_k=dlens)
-except ValueError as e:
-    assert re.search(r"seqlens_k\[1\] = 65 is outside \[0, 64\]", str(e)), str(e)
-else:
-    raise AssertionError("no ValueError for the bad length")
+raises(ValueError, r"seqlens_k\[1\] = 65 is outside \[0, 64\]",
+       lambda: attnext.attention(q, kp, vp, block_table=good, seqlens_k=dlens))
 attnext.attention(q, kp, vp, block_table=good, seqlens_k=dlens)         # reported once
 # what the GPU path cannot read is refused by name
-for bad, message in ((CudaArray(fake_memory(np.zeros((2, 4), np.int64))), "block_table as a CUDA array must be int32"),):
-    try:
-        attnext.attention(q, kp, vp, block_table=bad, seqlens_k=lens)
-    except TypeError as e:
-        assert message in str(e), str(e)
-    else:
-        raise AssertionError("no TypeError")
-try:
-    attnext.attention(q, kp, vp, block_table=good, seqlens_k=CudaArray(fake_memory(lens.astype(np.int64))))
-except TypeError as e:
-    assert "seqlens_k as a CUDA array beside a CUDA block_table must be contiguous int32" in str(e), str(e)
-else:
-    raise AssertionError("no TypeError for int64 seqlens_k")
+raises(TypeError, "block_table as a CUDA array must be int32", lambda: attnext.attention(
+    q, kp, vp, block_table=CudaArray(fake_memory(np.zeros((2, 4), np.int64))), seqlens_k=lens))
+raises(TypeError, "seqlens_k as a CUDA array beside a CUDA block_table must be contiguous int32", lambda: attnext.attention(
+    q, kp, vp, block_table=good, seqlens_k=CudaArray(fake_memory(lens.astype(np.int64)))))
 print("ok")
 """
 
