@@ -415,10 +415,15 @@ extern "C" __global__ void __launch_bounds__(THREADS_ALL) attn_fwd(const __grid_
  * each split's lse: at 1e10 it rounds log(l_s) away, and splits of different sums would weigh
  * alike. Grid (Sq, Hq, B), one block per row; rows past the sequence's real length come out as
  * 0 and -inf like every other row that keeps no key. */
+#define COMBINE_THREADS 256
+#define CVW (HEAD_DIM_V % 4 == 0 ? 4 : 1)              /* floats a load: float4 where rows allow */
+#define CCOLS (HEAD_DIM_V / CVW)
+#define CGROUPS (CCOLS < COMBINE_THREADS ? COMBINE_THREADS / CCOLS : 1)   /* groups of splits */
 #if ENTRY(attn_fwd_combine)
-extern "C" __global__ void __launch_bounds__(128) attn_fwd_combine(const __grid_constant__ attn_params p)
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) attn_fwd_combine(const __grid_constant__ attn_params p)
 {
     __shared__ float w[128];
+    __shared__ __align__(16) float part[CGROUPS * HEAD_DIM_V];
     __shared__ float lse_sh;
     const int64_t r = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int S = p.num_splits;
@@ -448,11 +453,37 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd_combine(const __grid_
             lse_sh = lse;
     }
     __syncthreads();
+    /* CGROUPS groups of threads each sum every CGROUPS-th split over CVW columns a thread (the
+     * loads of a row's splits in flight at once), then the groups' sums meet */
+    const int per = COMBINE_THREADS / CGROUPS, grp = threadIdx.x / per;
+    const float *oa = p.o_accum + row0 * HEAD_DIM_V;
+    if (grp < CGROUPS)
+        for (int c = threadIdx.x % per; c < CCOLS; c += per) {
+            float acc[CVW] = {};
+#pragma unroll 4
+            for (int s = grp; s < S; s += CGROUPS) {
+                const float *src = oa + s * stride * HEAD_DIM_V + c * CVW;
+#if CVW == 4
+                const float4 x = *(const float4 *)src;
+                acc[0] += w[s] * x.x;
+                acc[1] += w[s] * x.y;
+                acc[2] += w[s] * x.z;
+                acc[3] += w[s] * x.w;
+#else
+                acc[0] += w[s] * src[0];
+#endif
+            }
+#pragma unroll
+            for (int j = 0; j < CVW; j++)
+                part[grp * HEAD_DIM_V + c * CVW + j] = acc[j];
+        }
+    __syncthreads();
     elem_t *orow = (elem_t *)p.out.ptr + b * p.out.s[0] + r * p.out.s[1] + h * p.out.s[2];
-    for (int d = threadIdx.x; d < HEAD_DIM_V; d += 128) {
+    for (int d = threadIdx.x; d < HEAD_DIM_V; d += COMBINE_THREADS) {
         float acc = 0.f;
-        for (int s = 0; s < S; s++)
-            acc += w[s] * p.o_accum[(s * stride + row0) * HEAD_DIM_V + d];
+#pragma unroll
+        for (int g = 0; g < CGROUPS; g++)
+            acc += part[g * HEAD_DIM_V + d];
         orow[d * p.out.s[3]] = f32_to_elem(acc);
     }
     if (threadIdx.x == 0 && p.lse.ptr)

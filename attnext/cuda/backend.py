@@ -491,17 +491,20 @@ def _decode_plan(o, features, device):
     tma = _decode_tma(o, features, device_arch(device))
     if o.varlen or not o.B or not o.Hq or getattr(o, "whole_rows", None) is not None:
         return pack, 1, pack and tma  # a row slice (_forward_sliced) shares the GPU with copies
-    bm, bn = (select.decode_tma_tile() if tma else select.decode_tile(o.D, o.Dv, features["dtype"]))[:2]
+    tile = select.decode_tma_tile() if tma else select.decode_tile(o.D, o.Dv, features["dtype"])
+    bm, bn = tile[:2]
     blocks = math.ceil(o.Sq * (group if pack else 1) / bm) * (o.Hk if pack else o.Hq) * o.B
     sms = device_info(device)["multiprocessor_count"]
     key_tiles = math.ceil(o.Sk / bn)
     if blocks >= sms or key_tiles < 8:
         return pack, 1, pack and tma
-    splits = max(1, min(MAX_SPLITS, (select.decode_ctas_per_sm() * sms) // blocks, key_tiles // 4))
+    ctas = select.decode_ctas_per_sm(tma and select.fwd_smem_bytes(o.D, o.Dv, tile, "attn_fwd", features["dtype"], True))
+    splits = max(1, min(MAX_SPLITS, (ctas * sms) // blocks, key_tiles // 4))
     return pack, splits, tma and (pack or splits > 1)
 
 
 MAX_SPLITS = 128    # attn_fwd_combine keeps one weight per split in shared memory
+COMBINE_THREADS = 256   # attn_fwd.cu's: a block per row, its splits' loads spread over them
 
 
 def _decode_tma(o, features, arch):
@@ -560,7 +563,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     if splits == 1:
         return _Plan(template, tuple(launches))
     combine = nvrtc.function("attn_fwd", "attn_fwd_combine", defines, device, arch, 0, generated)
-    launches.append((combine, (o.Sq, o.Hq, o.B), (128, 1, 1), 0))
+    launches.append((combine, (o.Sq, o.Hq, o.B), (COMBINE_THREADS, 1, 1), 0))
     partials = splits * o.B * o.Hq * o.Sq
     # lse_accum: each partial's maximum, then its sum (attn_fwd_combine)
     total, (o_off, lse_off) = _scratch_layout(4 * partials * o.Dv, 2 * 4 * partials)

@@ -68,6 +68,7 @@ DECODE_TILE = (64, 64, 4)    # packed-GQA / split-KV forward: few query rows, K 
 DECODE_TMA_TILE = (16, 64, 1, 3)
 DECODE_PACK_ROWS = 128       # a call packs its GQA heads into one block's rows up to Sq * group rows
 DECODE_CTAS_PER_SM = 2       # the split-KV grid aims at this many CTAs per SM
+SM90_SHARED_BYTES = 233472   # Hopper's shared memory an SM (each CTA's share: its own + 1 KiB)
 
 
 def decode_tile(D=0, Dv=0, dtype="bfloat16"):
@@ -101,8 +102,18 @@ def decode_tma_tile():
     return tuple(int(x) for x in env.split(",")) if env else DECODE_TMA_TILE
 
 
-def decode_ctas_per_sm():
-    return int(_env.get("ATTNEXT_DECODE_CTAS") or DECODE_CTAS_PER_SM)
+def decode_ctas_per_sm(tma_smem=0):
+    """The CTAs an SM the split-KV grid aims at: under TMA_KV (tma_smem: its shared memory) as
+    many as its ring lets share an SM, up to 4; else DECODE_CTAS_PER_SM. The lab's
+    ATTNEXT_DECODE_CTAS."""
+    env = _env.get("ATTNEXT_DECODE_CTAS")
+    if env:
+        return int(env)
+    if tma_smem:
+        return max(1, min(4, SM90_SHARED_BYTES // (tma_smem + 1024)))
+    return DECODE_CTAS_PER_SM
+
+
 # attn_fwd_sm90 (H100 bf16, bench/lab_fwd.py, TFLOP/s against SDPA flash in the same run):
 # 128 x 128 (two warpgroups, one CTA per SM) is best at D=128 from S=2k (1.08x at 2k, 1.31x at
 # 16k); 64 x 64 (one warpgroup, two CTAs per SM overlapping each other) at D=64 (0.91x at S=512,

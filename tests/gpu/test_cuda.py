@@ -237,36 +237,44 @@ def test_decode_split_kv(b, sk, sq, mask, rng):
 
 
 TMA_CASES = [(128, None), (64, None), (128, 16), (128, 64), (128, 128), (64, 32)]
+# the shipped tile, and two stages (three CTAs an SM: the split count follows the ring's size)
+TMA_TILES = [None, "16,64,1,2"]
 
 
+@pytest.mark.parametrize("tile", TMA_TILES, ids=lambda t: f"tile{t}".replace(",", "_"))
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("d, page", TMA_CASES, ids=[f"d{a}_page{b}" for a, b in TMA_CASES])
-def test_decode_by_tensor_copies(dtype, d, page, rng):
+def test_decode_by_tensor_copies(dtype, d, page, tile, rng):
     """Hopper's TMA_KV decode (a producer warp's tensor copies into a ring of stages), contiguous
-    and over pages, against the reference; lengths ending inside a tile, NaN keys past them
-    (never seen), and the same call on the cp.async kernel (ATTNEXT_DECODE_TMA=0) agreeing."""
+    and over pages, against the reference; lengths ending
+    inside a tile, NaN keys past them (never seen), and the same call on the cp.async kernel
+    (ATTNEXT_DECODE_TMA=0) agreeing."""
     from attnext import _env
     from attnext.cuda import backend as cuda_backend, select
-    if not select.decode_tma(cuda_backend.device_arch(0), d, d, True, "bfloat16", page or 0):
-        pytest.skip("no TMA_KV here (not Hopper, or no tensor maps in this driver)")
-    b, sk, hq, hk = 3, 3000, 8, 2
-    q, k, v = make_qkv(rng, b, 1, sk, hq, hk, d, d, dtype)
-    lens = np.array([sk, 1777, 45], np.int32)
-    for i, n in enumerate(lens):
-        k[i, n:], v[i, n:] = np.nan, np.nan
-    opts = dict(seqlens_k=lens)
-    if page:
-        pages = -(-sk // page)
-        order = rng.permutation(b * pages)
-        table = order.reshape(b, pages).astype(np.int32)
-        kp, vp = np.empty((b * pages, page, hk, d), dtype), np.empty((b * pages, page, hk, d), dtype)
-        pad = pages * page - sk
-        for i in range(b):
-            kp[table[i]] = np.pad(k[i], ((0, pad), (0, 0), (0, 0))).reshape(pages, page, hk, d)
-            vp[table[i]] = np.pad(v[i], ((0, pad), (0, 0), (0, 0))).reshape(pages, page, hk, d)
-        out, lse = attnext.attention(q, kp, vp, block_table=table, device="cuda", return_lse=True, **opts)
-    else:
-        out, lse = attnext.attention(q, k, v, device="cuda", return_lse=True, **opts)
+    _env.setenv("ATTNEXT_TILE_DECODE_TMA", tile)
+    try:
+        if not select.decode_tma(cuda_backend.device_arch(0), d, d, True, "bfloat16", page or 0):
+            pytest.skip("no TMA_KV here (not Hopper, or no tensor maps in this driver)")
+        b, sk, hq, hk = 3, 3000, 8, 2
+        q, k, v = make_qkv(rng, b, 1, sk, hq, hk, d, d, dtype)
+        lens = np.array([sk, 1777, 45], np.int32)
+        for i, n in enumerate(lens):
+            k[i, n:], v[i, n:] = np.nan, np.nan
+        opts = dict(seqlens_k=lens)
+        if page:
+            pages = -(-sk // page)
+            order = rng.permutation(b * pages)
+            table = order.reshape(b, pages).astype(np.int32)
+            kp, vp = np.empty((b * pages, page, hk, d), dtype), np.empty((b * pages, page, hk, d), dtype)
+            pad = pages * page - sk
+            for i in range(b):
+                kp[table[i]] = np.pad(k[i], ((0, pad), (0, 0), (0, 0))).reshape(pages, page, hk, d)
+                vp[table[i]] = np.pad(v[i], ((0, pad), (0, 0), (0, 0))).reshape(pages, page, hk, d)
+            out, lse = attnext.attention(q, kp, vp, block_table=table, device="cuda", return_lse=True, **opts)
+        else:
+            out, lse = attnext.attention(q, k, v, device="cuda", return_lse=True, **opts)
+    finally:
+        _env.setenv("ATTNEXT_TILE_DECODE_TMA", None)
     r_out, r_lse = reference.attention(q, k, v, return_lse=True, **opts)
     assert_close("out", out, r_out, dtype)
     assert_lse_close(lse, r_lse, dtype)

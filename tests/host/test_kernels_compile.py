@@ -93,6 +93,9 @@ def test_hopper_decode_by_tensor_copies_where_it_applies(monkeypatch):
     smem = select.fwd_smem_bytes(128, 128, tile, "attn_fwd", "bfloat16", tma=True)
     assert smem == 2 * (tile[3] * tile[1] * 256 + tile[0] * 136) + 1024
     assert 2 * (smem + 1024) <= 228 * 1024          # two CTAs an SM (each with the driver's 1 KiB)
+    assert select.decode_ctas_per_sm(smem) == 2     # the split count aims at the CTAs the ring lets in
+    two = select.fwd_smem_bytes(128, 128, tile[:3] + (2,), "attn_fwd", "bfloat16", tma=True)
+    assert select.decode_ctas_per_sm(two) == 3 and select.decode_ctas_per_sm() == select.DECODE_CTAS_PER_SM
     assert any("TMA_KV" in d for k, d in select.variants("sm_90a"))
     assert not any("TMA_KV" in d for k, d in select.variants("sm_80"))
 
