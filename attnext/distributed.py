@@ -1,0 +1,450 @@
+"""attnext.distributed: attention over a sequence split across processes (context parallelism),
+on torch.distributed: NCCL between GPUs, gloo between CPU processes.
+
+    import attnext.distributed as axd
+    q, k, v = (axd.shard(x, causal=True) for x in (Q, K, V))    # this rank's part of (B, S, H, D)
+    out = axd.ring_attention(q, k, v, causal=True)               # its part of attention(Q, K, V)
+    out.backward(grad)                                           # q.grad, k.grad, v.grad: its parts
+    OUT = axd.unshard(out, causal=True)                          # the whole, on every rank
+
+ring_attention: each rank keeps its queries; the K and V blocks travel round the ring (rank r
+sends to r + 1 and receives from r - 1, torch.distributed batched isend / irecv: NCCL runs them
+on its own stream, beside the attention of the block in hand), and the partial results are
+merged by attnext.merge in float32. With causal=True the sequence is split zigzag (rank r of N
+holds chunks r and 2N - 1 - r of 2N): every rank then does the same work, and every block is
+one plain call (full, causal on the diagonal, or half of it). The backward sends the blocks
+round again, and with them the dK and dV accumulators (float32), which reach their owner after
+the last step; dQ is accumulated locally in float32, from the whole's out and lse.
+
+ring_varlen_attention: packed documents (cu_seqlens of the whole), each rank a contiguous part of
+the tokens: K and V are gathered whole (all_gather; documents make a ring's blocks uneven), each
+rank runs its rows against their documents' keys, and the backward sums dK and dV over the ranks
+(reduce_scatter; all_reduce on gloo, which has none).
+
+score_mod, mask_mod and window see global positions: the position of a row or key in the whole
+sequence (in its document, for varlen), through captured position tables. Captured arrays of a
+score_mod get no gradient here (attention_backward's dtensors=False). torch is imported by this
+module alone, when it is imported (docs/distributed.md).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import api
+from .merge import merge
+from .torch import _arg, _device, _tensor
+
+__all__ = ["shard", "unshard", "ring_attention", "ring_varlen_attention"]
+
+LAYOUTS = {"bshd": 1, "bhsd": 2}      # layout -> the sequence dim of q, k, v
+
+
+# ---------------------------------------------------------------- the group
+class _Group:
+    """This process's place in a process group: rank, size, and the global ranks of its ring
+    neighbours (torch.distributed's point-to-point operations take global ranks)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        whole = group if group is not None else dist.group.WORLD
+        self.next = dist.get_global_rank(whole, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(whole, (self.rank - 1) % self.size)
+
+    def exchange(self, tensors):
+        """Starts sending tensors to the next rank and receiving their like from the previous
+        one; finish() the result to wait for them."""
+        if self.size == 1:
+            return list(tensors), []
+        recv = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
+        return recv, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def finish(pending):
+        recv, reqs = pending
+        for r in reqs:
+            r.wait()
+        return recv
+
+
+def _chunks(size, rank, causal):
+    """The chunks rank holds: of `size` for a plain split, of 2 * size zigzag."""
+    return (rank, 2 * size - 1 - rank) if causal else (rank,)
+
+
+def _split(name, x, dim, parts):
+    n = x.shape[dim]
+    if n % parts:
+        raise ValueError(f"{name}.shape[{dim}] = {n} must be a multiple of {parts} (the parts of the "
+                         f"split across the group)")
+    return x.chunk(parts, dim)
+
+
+def shard(x, *, group=None, dim=1, causal=False):
+    """This rank's part of a whole sequence along dim: part r of N equal parts, or with
+    causal=True the zigzag split ring_attention(causal=True) takes: chunks r and 2N - 1 - r of
+    2N, in that order. x's length along dim must be a multiple of N (2N)."""
+    g = _Group(group)
+    chunks = _split("x", x, dim, 2 * g.size if causal else g.size)
+    return torch.cat([chunks[i] for i in _chunks(g.size, g.rank, causal)], dim)
+
+
+def unshard(x, *, group=None, dim=1, causal=False):
+    """The whole sequence from every rank's part (shard's inverse), on every rank."""
+    g = _Group(group)
+    parts = [torch.empty_like(x) for _ in range(g.size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    if not causal:
+        return torch.cat(parts, dim)
+    halves = [p.chunk(2, dim) for p in parts]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)
+
+
+def _positions(n, size, rank, causal, device):
+    """The global positions of rank's n rows (int32)."""
+    if not causal:
+        return torch.arange(rank * n, (rank + 1) * n, dtype=torch.int32, device=device)
+    c = n // 2
+    return torch.cat([torch.arange(i * c, (i + 1) * c, dtype=torch.int32, device=device)
+                      for i in _chunks(size, rank, True)])
+
+
+# ---------------------------------------------------------------- callbacks on global positions
+def _window(window):
+    if window is None:
+        return None
+    window = tuple(int(w) for w in window)
+    if len(window) != 2 or min(window) < -1:
+        raise ValueError(f"window must be (left, right), each -1 (unbounded) or >= 0, got {window!r}")
+    return window
+
+
+def _window_keeps(window):
+    left, right = window
+
+    def keeps(d):                  # d = query position - key position
+        kept = d == d
+        if left >= 0:
+            kept = kept & (d <= left)
+        if right >= 0:
+            kept = kept & (d >= -right)
+        return kept
+    return keeps
+
+
+def _global_mods(score_mod, mask_mod, window, _ring_qpos, _ring_kpos, _ring_qoff=None, _ring_b0=None):
+    """score_mod / mask_mod of a call on part of the whole, handed the whole's positions:
+    _ring_qpos[q_idx], _ring_kpos[kv_idx] (ring_attention), or for varlen's documents
+    q_idx + _ring_qoff[b] and document b + _ring_b0[0]; window (None or (left, right)) becomes
+    part of the mask. The tables are captured arrays: a call of another block reuses the
+    compiled code."""
+    if _ring_qoff is not None:
+        def at(b, q, kv):
+            return b + _ring_b0[0], q + _ring_qoff[b], kv
+    else:
+        def at(b, q, kv):
+            return b, _ring_qpos[q], _ring_kpos[kv]
+    mods = {}
+    if score_mod is not None:
+        def global_score(s, b, h, q, kv):
+            gb, gq, gk = at(b, q, kv)
+            return score_mod(s, gb, h, gq, gk)
+        mods["score_mod"] = global_score
+    if mask_mod is not None or window is not None:
+        keeps = None if window is None else _window_keeps(window)
+
+        def global_mask(b, h, q, kv):
+            gb, gq, gk = at(b, q, kv)
+            kept = mask_mod(gb, h, gq, gk) if mask_mod is not None else None
+            if keeps is not None:
+                kept = keeps(gq - gk) if kept is None else kept & keeps(gq - gk)
+            return kept
+        mods["mask_mod"] = global_mask
+    return mods
+
+
+# ---------------------------------------------------------------- ring attention
+class _Ring:
+    """One ring_attention call's fixed parts: the group, the options, the local layout."""
+
+    def __init__(self, q, k, v, group, causal, window, scale, softcap, score_mod, mask_mod, layout):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {tuple(LAYOUTS)}, got {layout!r}")
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor) or x.ndim != 4:
+                raise TypeError(f"{name} must be a 4-d torch.Tensor, got "
+                                f"{getattr(x, 'shape', type(x).__name__)}")
+        self.dim = LAYOUTS[layout]
+        self.n = q.shape[self.dim]
+        if k.shape[self.dim] != self.n or v.shape[self.dim] != self.n:
+            raise ValueError(f"q, k and v must hold the same rows of the sequence (layout {layout!r}: "
+                             f"dim {self.dim}), got {q.shape[self.dim]}, {k.shape[self.dim]} and "
+                             f"{v.shape[self.dim]}")
+        if causal is not True and causal is not False:
+            raise ValueError(f"causal must be True or False (the whole sequence's causal mask), got {causal!r}")
+        if causal and self.n % 2:
+            raise ValueError(f"causal=True takes the zigzag split (shard(..., causal=True)): two equal "
+                             f"chunks a rank, got {self.n} rows")
+        window = _window(window)
+        self.g = _Group(group)
+        self.causal, self.window, self.layout = causal, window, layout
+        self.score_mod, self.mask_mod = score_mod, mask_mod
+        self.opts = dict(scale=scale, softcap=softcap, layout=layout, device=_device(q))
+        self.qpos = _positions(self.n, self.g.size, self.g.rank, causal, q.device)
+
+    def blocks(self, j):
+        """The calls for the key block of rank j: (query rows, key rows, causal), as (start,
+        length) along the sequence dim; none where the causal mask keeps nothing."""
+        whole = (0, self.n)
+        if not self.causal:
+            return [(whole, whole, False)]
+        c = self.n // 2                      # zigzag: chunks r, 2N-1-r against j, 2N-1-j
+        if j < self.g.rank:
+            return [(whole, (0, c), False)]  # both query chunks see all of chunk j, none of the other
+        if j == self.g.rank:
+            return [(whole, whole, True)]
+        return [((c, c), whole, False)]      # only chunk 2N-1-r sees them, all of both
+
+    def rows(self, x, span):
+        return x.narrow(self.dim, *span)
+
+    def mods(self, qspan, kpos, kspan):
+        if self.score_mod is None and self.mask_mod is None and self.window is None:
+            return {}
+        return _global_mods(self.score_mod, self.mask_mod, self.window,
+                            self.qpos.narrow(0, *qspan), kpos.narrow(0, *kspan))
+
+    def key_positions(self, j):
+        return _positions(self.n, self.g.size, j, self.causal, self.qpos.device)
+
+
+def _ring_forward(ring, q, k, v):
+    g = ring.g
+    out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if ring.layout == "bshd" else q.shape[:3]
+    lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    if q.dtype == torch.float64:
+        out, lse = out.double(), lse.double()
+    kv = (k.contiguous(), v.contiguous())
+    for step in range(g.size):
+        j = (g.rank - step) % g.size
+        pending = g.exchange(kv) if step + 1 < g.size else None
+        kpos = ring.key_positions(j)
+        for qspan, kspan, causal in ring.blocks(j):
+            o, l = api.attention(_arg(ring.rows(q, qspan)), _arg(ring.rows(kv[0], kspan)),
+                                 _arg(ring.rows(kv[1], kspan)), causal=causal, return_lse=True,
+                                 **ring.opts, **ring.mods(qspan, kpos, kspan))
+            o_rows, l_rows = ring.rows(out, qspan), lse.narrow(2, *qspan)
+            mo, ml = merge([o_rows, _tensor(o).to(out.dtype)], [l_rows, _tensor(l)], layout=ring.layout)
+            o_rows.copy_(mo)
+            l_rows.copy_(ml)
+        if pending is not None:
+            kv = tuple(g.finish(pending))
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(ring, dout, dlse, q, k, v, out, lse):
+    g = ring.g
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    kv = (k.contiguous(), v.contiguous())
+    dkv = None                                # the (dK, dV) accumulators on their way
+    for step in range(g.size):
+        j = (g.rank - step) % g.size
+        pending = g.exchange(kv) if step + 1 < g.size else None
+        kpos = ring.key_positions(j)
+        dk = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
+        dv = torch.zeros(kv[1].shape, dtype=acc, device=q.device)
+        for qspan, kspan, causal in ring.blocks(j):
+            grads = api.attention_backward(
+                _arg(ring.rows(dout, qspan)), _arg(ring.rows(q, qspan)), _arg(ring.rows(kv[0], kspan)),
+                _arg(ring.rows(kv[1], kspan)), _arg(ring.rows(out, qspan)), _arg(lse.narrow(2, *qspan)),
+                causal=causal, dtensors=False, dlse=None if dlse is None else _arg(dlse.narrow(2, *qspan)),
+                **ring.opts, **ring.mods(qspan, kpos, kspan))
+            ring.rows(dq, qspan).add_(_tensor(grads.dq))
+            ring.rows(dk, kspan).add_(_tensor(grads.dk))
+            ring.rows(dv, kspan).add_(_tensor(grads.dv))
+        if dkv is not None:                   # what the previous rank gathered for block j
+            before = g.finish(dkv)
+            dk += before[0]
+            dv += before[1]
+        dkv = g.exchange((dk, dv))
+        if pending is not None:
+            kv = tuple(g.finish(pending))
+    dk, dv = g.finish(dkv)                    # block r's, from the rank that saw it last
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring):
+        out, lse = _ring_forward(ring, q.detach(), k.detach(), v.detach())
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = _ring_backward(ctx.ring, dout, dlse, q, k, v, out, lse)
+        return dq, dk, dv, None
+
+
+def ring_attention(q, k, v, *, group=None, causal=False, window=None, scale=None, softcap=None,
+                   score_mod=None, mask_mod=None, return_lse=False, layout="bshd"):
+    """This rank's part of attention over the whole sequence, from this rank's parts of q, k and
+    v as shard() gives them (with causal=True: shard(..., causal=True), the zigzag split).
+
+    q (B, n, Hq, D), k (B, n, Hk, D), v (B, n, Hk, Dv) for layout "bshd" ((B, H, n, D) for
+    "bhsd"), n the same on every rank, torch tensors on one device (CUDA: NCCL; CPU: gloo).
+    causal: the whole sequence's causal mask (top-left: a row keeps the keys at or before its
+    position). window (left, right), score_mod, mask_mod: as attnext.attention's, in global
+    positions. Returns out in q's layout and dtype, and with return_lse lse (B, Hq, n) float32
+    (float64 for float64 q): this rank's rows. Differentiable in q, k and v (and through lse).
+    """
+    ring = _Ring(q, k, v, group, causal, window, scale, softcap, score_mod, mask_mod, layout)
+    out, lse = _RingAttention.apply(q, k, v, ring)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------- packed documents (all-gather)
+class _Docs:
+    """The documents of rank's contiguous rows [lo, hi) of the whole packed batch: the first
+    and last that meet them, each one's local query segment and its keys in the gathered K."""
+
+    def __init__(self, cu, lo, hi, causal):
+        cu = [int(x) for x in cu]
+        docs = [d for d in range(len(cu) - 1) if cu[d] < hi and cu[d + 1] > lo]
+        self.first = docs[0] if docs else 0
+        self.key_lo = cu[self.first] if docs else lo          # the gathered K's rows used
+        self.key_hi = cu[docs[-1] + 1] if docs else lo
+        cu_q, cu_k, used_k, qoff = [0], [0], [], []
+        for d in docs:
+            a, b = max(cu[d], lo), min(cu[d + 1], hi)
+            cu_q.append(cu_q[-1] + b - a)
+            cu_k.append(cu[d + 1] - self.key_lo)
+            used_k.append((b if causal else cu[d + 1]) - cu[d])
+            qoff.append(a - cu[d])                           # the segment's first row in its document
+        self.cu_q, self.cu_k, self.used_k, self.qoff = cu_q, cu_k, used_k, qoff
+        self.max_q = max((b - a for a, b in zip(cu_q, cu_q[1:])), default=0)
+        self.max_k = max(used_k, default=0)
+
+
+class _VarlenRing:
+    def __init__(self, q, k, v, cu_seqlens, max_seqlen, group, causal, window, scale, softcap,
+                 score_mod, mask_mod):
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor) or x.ndim != 3:
+                raise TypeError(f"{name} must be a 3-d torch.Tensor (T, H, D), got "
+                                f"{getattr(x, 'shape', type(x).__name__)}")
+        if not (q.shape[0] == k.shape[0] == v.shape[0]):
+            raise ValueError(f"q, k and v must hold the same rows of the packed batch, got {q.shape[0]}, "
+                             f"{k.shape[0]} and {v.shape[0]}")
+        self.g = _Group(group)
+        n = q.shape[0]
+        cu = [int(x) for x in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens)]
+        if not cu or cu[0] != 0 or cu[-1] != n * self.g.size or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to the whole batch's {n * self.g.size} rows "
+                             f"({self.g.size} ranks of {n}), got {cu}")
+        longest = max(b - a for a, b in zip(cu, cu[1:])) if len(cu) > 1 else 0
+        if max_seqlen < longest:
+            raise ValueError(f"max_seqlen = {max_seqlen} is shorter than the longest document "
+                             f"({longest} rows in cu_seqlens)")
+        window = _window(window)
+        self.n, self.causal = n, causal
+        self.docs = _Docs(cu, self.g.rank * n, (self.g.rank + 1) * n, causal)
+        self.opts = dict(scale=scale, softcap=softcap, device=_device(q))
+        # bottom-right causal with the keys cut at the segment's last row is the whole's causal
+        # mask, and its window too; without causal, a window is a mask on document positions
+        native_window = window if causal else None
+        mask_window = None if causal else window
+        if native_window is not None:
+            self.opts["window"] = native_window
+        self.mods = {}
+        if score_mod is not None or mask_mod is not None or mask_window is not None:
+            dev = q.device
+            self.mods = _global_mods(score_mod, mask_mod, mask_window, None, None,
+                                     torch.tensor(self.docs.qoff or [0], dtype=torch.int32, device=dev),
+                                     torch.tensor([self.docs.first], dtype=torch.int32, device=dev))
+        dev = q.device
+        d = self.docs
+        self.lengths = dict(cu_seqlens_q=torch.tensor(d.cu_q, dtype=torch.int32, device=dev),
+                            cu_seqlens_k=torch.tensor(d.cu_k, dtype=torch.int32, device=dev),
+                            seqused_k=torch.tensor(d.used_k, dtype=torch.int32, device=dev),
+                            max_seqlen_q=d.max_q, max_seqlen_k=d.max_k)
+
+    def gather(self, x):
+        parts = [torch.empty_like(x) for _ in range(self.g.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.g.group)
+        return torch.cat(parts, 0).narrow(0, self.docs.key_lo, self.docs.key_hi - self.docs.key_lo)
+
+    def reduce(self, dx, like):
+        """Each rank's rows of the sum over ranks of dx (rows key_lo.. of the whole)."""
+        whole = torch.zeros((self.n * self.g.size,) + tuple(dx.shape[1:]), dtype=dx.dtype, device=dx.device)
+        whole.narrow(0, self.docs.key_lo, dx.shape[0]).copy_(dx)
+        if dist.get_backend(self.g.group) == "nccl":
+            mine = torch.empty((self.n,) + tuple(dx.shape[1:]), dtype=dx.dtype, device=dx.device)
+            dist.reduce_scatter_tensor(mine, whole, group=self.g.group)
+        else:                                # gloo has no reduce_scatter
+            dist.all_reduce(whole, group=self.g.group)
+            mine = whole.narrow(0, self.g.rank * self.n, self.n)
+        return mine.to(like.dtype)
+
+    def call(self, q, k, v):
+        return api.varlen_attention(_arg(q), _arg(k), _arg(v), causal=self.causal and "bottom_right",
+                                    return_lse=True, **self.lengths, **self.opts, **self.mods)
+
+    def empty(self):
+        return not self.docs.cu_q[-1]
+
+
+class _VarlenRingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring):
+        kw, vw = ring.gather(k.detach()), ring.gather(v.detach())
+        o, l = ring.call(q.detach(), kw, vw)
+        out, lse = _tensor(o), _tensor(l)
+        ctx.save_for_backward(q, kw, vw, out, lse)
+        ctx.ring, ctx.shapes = ring, (k, v)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, kw, vw, out, lse = ctx.saved_tensors
+        ring = ctx.ring
+        if dout is None:
+            dout = torch.zeros_like(out)
+        grads = api.varlen_attention_backward(
+            _arg(dout), _arg(q), _arg(kw), _arg(vw), _arg(out), _arg(lse),
+            causal=ring.causal and "bottom_right", dtensors=False,
+            dlse=None if dlse is None else _arg(dlse), **ring.lengths, **ring.opts, **ring.mods)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dk = ring.reduce(_tensor(grads.dk).to(acc), ctx.shapes[0])
+        dv = ring.reduce(_tensor(grads.dv).to(acc), ctx.shapes[1])
+        return _tensor(grads.dq), dk, dv, None
+
+
+def ring_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, group=None, causal=False, window=None,
+                          scale=None, softcap=None, score_mod=None, mask_mod=None, return_lse=False):
+    """This rank's rows of attnext.varlen_attention over a packed batch of documents split across
+    the group: q (n, Hq, D), k (n, Hk, D), v (n, Hk, Dv) this rank's contiguous part
+    (shard(x, dim=0)), n the same on every rank; cu_seqlens (int, the same on every rank) the
+    whole batch's cumulative lengths, max_seqlen its longest document. K and V are gathered
+    whole. causal (top-left in each document, as varlen_attention's with equal q and k
+    lengths), window, score_mod and mask_mod see positions in the whole document and its index
+    in the whole batch. Returns out (n, Hq, Dv), and with return_lse lse (Hq, n); differentiable
+    in q, k and v."""
+    if causal is not True and causal is not False:
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    ring = _VarlenRing(q, k, v, cu_seqlens, max_seqlen, group, causal, window, scale, softcap,
+                       score_mod, mask_mod)
+    out, lse = _VarlenRingAttention.apply(q, k, v, ring)
+    return (out, lse) if return_lse else out
