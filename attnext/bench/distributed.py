@@ -1,0 +1,188 @@
+"""Context-parallel attention against one device: `torchrun --nproc-per-node N -m attnext.bench.distributed`.
+
+    torchrun --nproc-per-node 2 -m attnext.bench.distributed [--seqlens 32768,65536,131072,262144]
+        [--heads 16] [--dim 128] [--no-causal] [--reps 5] [--json PATH]
+    torchrun --nproc-per-node 2 -m attnext.bench.distributed --device cpu --seqlens 256 --heads 2 --dim 16
+
+Each row: one sequence of S tokens (B 1, bf16 on CUDA, float32 on the CPU; causal unless
+--no-causal, split zigzag), forward and forward + backward:
+  1 dev     attnext.torch.attention on the whole sequence on rank 0's device alone
+  N dev     attnext.distributed.ring_attention over the N ranks (NCCL on CUDA, gloo on the CPU)
+  speedup   1 dev's time / N dev's time (the issue's bound at S >= 128k causal: 1.8x on 2 GPUs)
+  hidden    the share of the ring's communication hidden under its attention:
+            1 - (N dev - compute) / comm, where compute is the same ring with every rank using
+            its own K and V at each step (no transfer) and comm the ring's transfers alone
+Times are medians of --reps runs (wall clock between barriers, the devices synchronised).
+"""
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import distributed as axd
+from .. import torch as axt
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="torchrun -m attnext.bench.distributed", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--seqlens", default="32768,65536,131072,262144",
+                   help="whole sequence lengths, comma-separated (multiples of 2 x ranks)")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--no-causal", dest="causal", action="store_false")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--json", metavar="PATH", help="also write the rows to this JSON file (rank 0)")
+    return p
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+
+
+def _median_s(fn, device, reps):
+    fn()                                       # compiles, plans, NCCL's first connection
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+class _NoTransfer:
+    """A ring whose exchange hands back the tensors sent: the same attention, no transfer."""
+
+    def __init__(self):
+        self.saved = axd._Group.exchange
+
+    def __enter__(self):
+        axd._Group.exchange = lambda self, tensors: (list(tensors), [])
+
+    def __exit__(self, *exc):
+        axd._Group.exchange = self.saved
+
+
+def run_row(S, args, device, dtype):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator(device=device).manual_seed(S)
+    shape = (1, S, args.heads, args.dim)
+    Q, K, V, dO = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(4))
+    q, k, v, do = (axd.shard(x, causal=args.causal) for x in (Q, K, V, dO))
+    for x in (q, k, v):
+        x.requires_grad_()
+
+    def ring_fwd():
+        with torch.no_grad():
+            axd.ring_attention(q, k, v, causal=args.causal)
+
+    def ring_both():
+        out = axd.ring_attention(q, k, v, causal=args.causal)
+        torch.autograd.grad(out, (q, k, v), do)
+
+    blocks = (k.detach().contiguous(), v.detach().contiguous())
+    group = axd._Group(None)
+
+    def comm(sends):                           # the forward's transfers, then the backward's
+        def run():
+            x = blocks
+            for _ in range(world - 1):
+                x = group.finish(group.exchange(x))
+            if sends > 1:
+                x, d = blocks, tuple(torch.zeros_like(b, dtype=torch.float32) for b in blocks)
+                for _ in range(world - 1):
+                    x = group.finish(group.exchange(x))
+                for _ in range(world):
+                    d = group.finish(group.exchange(d))
+        return run
+
+    row = {"S": S, "heads": args.heads, "dim": args.dim, "causal": args.causal, "ranks": world,
+           "device": row_device(device)}
+    for name, fn, sends in (("fwd", ring_fwd, 1), ("fwd_bwd", ring_both, 2)):
+        row[f"{name}_ring_s"] = _median_s(fn, device, args.reps)
+        with _NoTransfer():
+            row[f"{name}_compute_s"] = _median_s(fn, device, args.reps)
+        row[f"{name}_comm_s"] = _median_s(comm(sends), device, args.reps)
+    if rank == 0:                              # the whole on one device, the others waiting
+        Qw, Kw, Vw = (x.clone().requires_grad_() for x in (Q, K, V))
+        causal = "top_left" if args.causal else False
+
+        def one_fwd():
+            with torch.no_grad():
+                axt.attention(Qw, Kw, Vw, causal=causal)
+
+        def one_both():
+            out = axt.attention(Qw, Kw, Vw, causal=causal)
+            torch.autograd.grad(out, (Qw, Kw, Vw), dO)
+        for name, fn in (("fwd", one_fwd), ("fwd_bwd", one_both)):
+            fn()
+            times = []
+            for _ in range(args.reps):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t = time.perf_counter()
+                fn()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - t)
+            row[f"{name}_one_s"] = statistics.median(times)
+    dist.barrier()
+    for name in ("fwd", "fwd_bwd"):
+        if rank == 0:
+            row[f"{name}_speedup"] = row[f"{name}_one_s"] / row[f"{name}_ring_s"]
+            exposed = max(0.0, row[f"{name}_ring_s"] - row[f"{name}_compute_s"])
+            row[f"{name}_hidden"] = max(0.0, 1 - exposed / row[f"{name}_comm_s"]) if row[f"{name}_comm_s"] else 1.0
+    return row
+
+
+def _format(row):
+    cells = [f"S{row['S']:>7}"]
+    for name in ("fwd", "fwd_bwd"):
+        cells.append(f"{name:>7}: 1 dev {1e3 * row[f'{name}_one_s']:9.2f} ms  {row['ranks']} dev "
+                     f"{1e3 * row[f'{name}_ring_s']:9.2f} ms  {row[f'{name}_speedup']:5.2f}x  "
+                     f"hidden {100 * row[f'{name}_hidden']:5.1f}% (compute {1e3 * row[f'{name}_compute_s']:.2f}, "
+                     f"comm {1e3 * row[f'{name}_comm_s']:.2f} ms)")
+    return "\n    ".join(cells)
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+    cuda = args.device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    rows = []
+    if rank == 0:
+        print(f"attnext.distributed: {dist.get_world_size()} ranks ({dist.get_backend()}), "
+              f"{row_device(device)}, {'causal (zigzag)' if args.causal else 'not causal'}, "
+              f"B1 H{args.heads} D{args.dim} {str(dtype).replace('torch.', '')}", flush=True)
+    for S in (int(s) for s in args.seqlens.split(",") if s):
+        row = run_row(S, args, device, dtype)
+        if rank == 0:
+            rows.append(row)
+            print(_format(row), flush=True)
+    if rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def row_device(device):
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
+if __name__ == "__main__":
+    main()
