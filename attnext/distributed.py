@@ -224,11 +224,10 @@ class _Ring:
 
 def _ring_forward(ring, q, k, v):
     g = ring.g
-    out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=acc, device=q.device)
     lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if ring.layout == "bshd" else q.shape[:3]
-    lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
-    if q.dtype == torch.float64:
-        out, lse = out.double(), lse.double()
+    lse = torch.empty(lse_shape, dtype=acc, device=q.device)
     kv = (k.contiguous(), v.contiguous())
     for step in range(g.size):
         j = (g.rank - step) % g.size
@@ -239,9 +238,10 @@ def _ring_forward(ring, q, k, v):
                                  _arg(ring.rows(kv[1], kspan)), causal=causal, return_lse=True,
                                  **ring.opts, **ring.mods(qspan, kpos, kspan))
             o_rows, l_rows = ring.rows(out, qspan), lse.narrow(2, *qspan)
-            mo, ml = merge([o_rows, _tensor(o).to(out.dtype)], [l_rows, _tensor(l)], layout=ring.layout)
-            o_rows.copy_(mo)
-            l_rows.copy_(ml)
+            if step:
+                o, l = merge([o_rows, _tensor(o).to(out.dtype)], [l_rows, _tensor(l)], layout=ring.layout)
+            o_rows.copy_(_tensor(o))          # step 0: the rank's own block, every row
+            l_rows.copy_(_tensor(l))
         if pending is not None:
             kv = tuple(g.finish(pending))
     return out.to(q.dtype), lse

@@ -1,0 +1,58 @@
+"""attnext.distributed on a GPU (-m gpu): a one-rank NCCL group in this process, CUDA bf16 tensors,
+against attnext.torch on the whole. The ring's transfers need two GPUs (the gloo tests run them
+between CPU processes: tests/cpu/test_distributed.py); this runs the CUDA side of every step: the
+calls on row ranges of the blocks, attnext.merge on CUDA views, position tables captured as CUDA
+tensors, the float32 accumulators of the backward."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import attnext.distributed as axd  # noqa: E402
+import attnext.torch as axt  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def nccl(gpu):
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        pytest.skip("torch without CUDA or NCCL")
+    torch.cuda.set_device(gpu)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _close(name, got, want):
+    err = (got.float() - want.float()).abs().max().item()
+    scale = want.float().abs().max().item()
+    assert err <= 2e-2 * scale + 1e-3, f"{name}: max |ring - whole| = {err:.3g} (max |whole| {scale:.3g})"
+
+
+@pytest.mark.parametrize("opts", [dict(causal=True), dict(causal=False, window=(300, 200)),
+                                  dict(causal=True, mods=True)], ids=["causal", "window", "mods"])
+def test_ring_on_one_gpu_matches_the_whole(nccl, opts):
+    seed = int(np.random.default_rng().integers(1 << 31))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    B, S, Hq, Hk, D = 2, 2048, 8, 2, 128
+    Q = torch.randn(B, S, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    K, V = (torch.randn(B, S, Hk, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    dO = torch.randn(B, S, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    opts = dict(opts)
+    slopes = torch.linspace(0.01, 0.1, Hq, device="cuda")
+    if opts.pop("mods", False):
+        opts.update(score_mod=lambda s, b, h, q, kv: s - slopes[h] * (q - kv),
+                    mask_mod=lambda b, h, q, kv: (q - kv) % 7 != 3)
+    causal = opts["causal"]
+    q, k, v = (axd.shard(x, causal=causal).requires_grad_() for x in (Q, K, V))
+    out, lse = axd.ring_attention(q, k, v, return_lse=True, **opts)
+    out.backward(axd.shard(dO, causal=causal))
+    Qw, Kw, Vw = (x.clone().requires_grad_() for x in (Q, K, V))
+    want, want_lse = axt.attention(Qw, Kw, Vw, return_lse=True, **dict(opts, causal=causal and "top_left"))
+    want.backward(dO)
+    _close("out", out, want)
+    assert (lse - want_lse).abs().max().item() < 1e-2
+    for name, a, b in (("dq", q.grad, Qw.grad), ("dk", k.grad, Kw.grad), ("dv", v.grad, Vw.grad)):
+        _close(name, a, b)
