@@ -22,9 +22,10 @@ rank runs its rows against their documents' keys, and the backward sums dK and d
 (reduce_scatter; all_reduce on gloo, which has none).
 
 score_mod, mask_mod and window see global positions: the position of a row or key in the whole
-sequence (in its document, for varlen), through captured position tables. Captured arrays of a
-score_mod get no gradient here (attention_backward's dtensors=False). torch is imported by this
-module alone, when it is imported (docs/distributed.md).
+sequence (in its document, for varlen), through captured position tables. A tensor the
+score_mod captures that requires grad gets its gradient, as attnext.torch gives it, summed over
+the blocks and the ranks (all_reduce). torch is imported by this module alone, when it is
+imported (docs/distributed.md).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import torch.distributed as dist
 
 from . import api
 from .merge import merge
-from .torch import _arg, _device, _tensor
+from .torch import _arg, _detached, _device, _grad_tensors, _tensor
 
 __all__ = ["shard", "unshard", "ring_attention", "ring_varlen_attention"]
 
@@ -167,6 +168,35 @@ def _global_mods(score_mod, mask_mod, window, _ring_qpos, _ring_kpos, _ring_qoff
     return mods
 
 
+def _captured(score_mod):
+    """name -> each floating tensor score_mod captures that requires grad, in name order."""
+    found = _grad_tensors(score_mod)
+    return {n: found[n] for n in sorted(found)}
+
+
+def _acc(t):
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _sum_captured(ring, total, grads):
+    """total (name -> float32 sum or None) plus one backward call's dtensors."""
+    for n, t in ring.captured.items():
+        g = _tensor(grads.dtensors[n]).to(_acc(t))
+        total[n] = g if total[n] is None else total[n] + g
+
+
+def _captured_grads(ring, total):
+    """The captured tensors' gradients: each rank's sums added over the group, in their dtypes."""
+    out = []
+    for n, t in ring.captured.items():
+        g = total[n]
+        g = torch.zeros(t.shape, dtype=_acc(t), device=t.device) if g is None else g.contiguous()
+        if ring.g.size > 1:
+            dist.all_reduce(g, group=ring.g.group)
+        out.append(g.to(t.dtype))
+    return out
+
+
 # ---------------------------------------------------------------- ring attention
 class _Ring:
     """One ring_attention call's fixed parts: the group, the options, the local layout."""
@@ -192,7 +222,8 @@ class _Ring:
         window = _window(window)
         self.g = _Group(group)
         self.causal, self.window, self.layout = causal, window, layout
-        self.score_mod, self.mask_mod = score_mod, mask_mod
+        self.captured = _captured(score_mod)
+        self.score_mod, self.mask_mod = _detached(score_mod), _detached(mask_mod)
         self.opts = dict(scale=scale, softcap=softcap, layout=layout, device=_device(q))
         self.qpos = _positions(self.n, self.g.size, self.g.rank, causal, q.device)
 
@@ -253,6 +284,7 @@ def _ring_backward(ring, dout, dlse, q, k, v, out, lse):
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = (k.contiguous(), v.contiguous())
     dkv = None                                # the (dK, dV) accumulators on their way
+    dtensors = {n: None for n in ring.captured}
     for step in range(g.size):
         j = (g.rank - step) % g.size
         pending = g.exchange(kv) if step + 1 < g.size else None
@@ -263,8 +295,10 @@ def _ring_backward(ring, dout, dlse, q, k, v, out, lse):
             grads = api.attention_backward(
                 _arg(ring.rows(dout, qspan)), _arg(ring.rows(q, qspan)), _arg(ring.rows(kv[0], kspan)),
                 _arg(ring.rows(kv[1], kspan)), _arg(ring.rows(out, qspan)), _arg(lse.narrow(2, *qspan)),
-                causal=causal, dtensors=False, dlse=None if dlse is None else _arg(dlse.narrow(2, *qspan)),
-                **ring.opts, **ring.mods(qspan, kpos, kspan))
+                causal=causal, dtensors=list(ring.captured) or False,
+                dlse=None if dlse is None else _arg(dlse.narrow(2, *qspan)), **ring.opts,
+                **ring.mods(qspan, kpos, kspan))
+            _sum_captured(ring, dtensors, grads)
             ring.rows(dq, qspan).add_(_tensor(grads.dq))
             ring.rows(dk, kspan).add_(_tensor(grads.dk))
             ring.rows(dv, kspan).add_(_tensor(grads.dv))
@@ -276,12 +310,12 @@ def _ring_backward(ring, dout, dlse, q, k, v, out, lse):
         if pending is not None:
             kv = tuple(g.finish(pending))
     dk, dv = g.finish(dkv)                    # block r's, from the rank that saw it last
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), _captured_grads(ring, dtensors)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring):
+    def forward(ctx, q, k, v, ring, *captured):
         out, lse = _ring_forward(ring, q.detach(), k.detach(), v.detach())
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring
@@ -293,8 +327,8 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = _ring_backward(ctx.ring, dout, dlse, q, k, v, out, lse)
-        return dq, dk, dv, None
+        dq, dk, dv, dcaptured = _ring_backward(ctx.ring, dout, dlse, q, k, v, out, lse)
+        return (dq, dk, dv, None, *dcaptured)
 
 
 def ring_attention(q, k, v, *, group=None, causal=False, window=None, scale=None, softcap=None,
@@ -310,7 +344,7 @@ def ring_attention(q, k, v, *, group=None, causal=False, window=None, scale=None
     (float64 for float64 q): this rank's rows. Differentiable in q, k and v (and through lse).
     """
     ring = _Ring(q, k, v, group, causal, window, scale, softcap, score_mod, mask_mod, layout)
-    out, lse = _RingAttention.apply(q, k, v, ring)
+    out, lse = _RingAttention.apply(q, k, v, ring, *ring.captured.values())
     return (out, lse) if return_lse else out
 
 
@@ -359,6 +393,8 @@ class _VarlenRing:
                              f"({longest} rows in cu_seqlens)")
         window = _window(window)
         self.n, self.causal = n, causal
+        self.captured = _captured(score_mod)
+        score_mod, mask_mod = _detached(score_mod), _detached(mask_mod)
         self.docs = _Docs(cu, self.g.rank * n, (self.g.rank + 1) * n, causal)
         self.opts = dict(scale=scale, softcap=softcap, device=_device(q))
         # bottom-right causal with the keys cut at the segment's last row is the whole's causal
@@ -407,7 +443,7 @@ class _VarlenRing:
 
 class _VarlenRingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring):
+    def forward(ctx, q, k, v, ring, *captured):
         kw, vw = ring.gather(k.detach()), ring.gather(v.detach())
         o, l = ring.call(q.detach(), kw, vw)
         out, lse = _tensor(o), _tensor(l)
@@ -424,12 +460,14 @@ class _VarlenRingAttention(torch.autograd.Function):
             dout = torch.zeros_like(out)
         grads = api.varlen_attention_backward(
             _arg(dout), _arg(q), _arg(kw), _arg(vw), _arg(out), _arg(lse),
-            causal=ring.causal and "bottom_right", dtensors=False,
+            causal=ring.causal and "bottom_right", dtensors=list(ring.captured) or False,
             dlse=None if dlse is None else _arg(dlse), **ring.lengths, **ring.opts, **ring.mods)
+        dtensors = {n: None for n in ring.captured}
+        _sum_captured(ring, dtensors, grads)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         dk = ring.reduce(_tensor(grads.dk).to(acc), ctx.shapes[0])
         dv = ring.reduce(_tensor(grads.dv).to(acc), ctx.shapes[1])
-        return _tensor(grads.dq), dk, dv, None
+        return (_tensor(grads.dq), dk, dv, None, *_captured_grads(ring, dtensors))
 
 
 def ring_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, group=None, causal=False, window=None,
@@ -446,5 +484,5 @@ def ring_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, group=None, causal
         raise ValueError(f"causal must be True or False, got {causal!r}")
     ring = _VarlenRing(q, k, v, cu_seqlens, max_seqlen, group, causal, window, scale, softcap,
                        score_mod, mask_mod)
-    out, lse = _VarlenRingAttention.apply(q, k, v, ring)
+    out, lse = _VarlenRingAttention.apply(q, k, v, ring, *ring.captured.values())
     return (out, lse) if return_lse else out
