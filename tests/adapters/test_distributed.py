@@ -498,3 +498,20 @@ def test_the_parts_follow_the_api(rng):
         assert (lengths == 0).nonzero().flatten().tolist() == ([0, 3] if empty else []), cu.tolist()
         assert not [c for c in cu.tolist() if 0 < c < t and c % S_PER_RANK == 0], \
             f"a document boundary at a rank's: {cu.tolist()}"
+
+
+def test_the_example_matches_one_process():
+    """examples/ring_attention.py under torchrun (2 CPU processes, gloo): the ring's out and
+    gradients, gathered whole, within float32 rounding of one process's."""
+    import re
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(root / "examples" / "ring_attention.py"), "--cpu"],
+                          capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    diffs = dict(re.findall(r"^(\w+): max \|ring - one device\| = (\S+)$", proc.stdout, re.M))
+    assert sorted(diffs) == ["dk", "dq", "dv", "out"], proc.stdout
+    assert all(float(d) < 1e-4 for d in diffs.values()), diffs
