@@ -71,6 +71,26 @@ class _Group:
             r.wait()
         return recv
 
+    def agree(self, device, **fields):
+        """ValueError unless every rank passed the same ints (a mismatch would leave a transfer
+        waiting for bytes that never come): one small all_gather."""
+        if self.size == 1:
+            return
+        mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=device)
+        every = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(every, mine, group=self.group)
+        every = torch.stack(every).tolist()
+        for i, name in enumerate(fields):
+            values = [row[i] for row in every]
+            if len(set(values)) > 1:
+                raise ValueError(f"the ranks of the group disagree on {name}: "
+                                 + ", ".join(f"rank {r}: {x}" for r, x in enumerate(values)))
+
+
+def _dtype_code(dtype):
+    return (torch.float16, torch.bfloat16, torch.float32, torch.float64).index(dtype) \
+        if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else -1
+
 
 def _chunks(size, rank, causal):
     """The chunks rank holds: of `size` for a plain split, of 2 * size zigzag."""
@@ -221,6 +241,9 @@ class _Ring:
                              f"chunks a rank, got {self.n} rows")
         window = _window(window)
         self.g = _Group(group)
+        self.g.agree(q.device, rows=self.n, batch=q.shape[0], q_heads=q.shape[3 - self.dim],
+                     kv_heads=k.shape[3 - self.dim], head_dim=q.shape[3], v_head_dim=v.shape[3],
+                     causal=int(causal), layout=self.dim, dtype=_dtype_code(q.dtype))
         self.causal, self.window, self.layout = causal, window, layout
         self.captured = _captured(score_mod)
         self.score_mod, self.mask_mod = _detached(score_mod), _detached(mask_mod)
@@ -384,6 +407,9 @@ class _VarlenRing:
         self.g = _Group(group)
         n = q.shape[0]
         cu = [int(x) for x in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens)]
+        self.g.agree(q.device, rows=n, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[2],
+                     v_head_dim=v.shape[2], causal=int(bool(causal)), documents=len(cu) - 1,
+                     cu_seqlens_checksum=sum((i + 1) * c for i, c in enumerate(cu)) % (1 << 61))
         if not cu or cu[0] != 0 or cu[-1] != n * self.g.size or any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError(f"cu_seqlens must rise from 0 to the whole batch's {n * self.g.size} rows "
                              f"({self.g.size} ranks of {n}), got {cu}")

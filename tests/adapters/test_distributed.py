@@ -74,7 +74,7 @@ VARLEN_CASES = {
     "varlen_softcap_scale": dict(softcap=2.0, scale=0.3),
 }
 
-SHARD_CASES = ("shard_matches_the_parts", "shard_refuses_indivisible_lengths")
+SHARD_CASES = ("shard_matches_the_parts", "shard_refuses_indivisible_lengths", "ranks_that_disagree")
 
 
 # --- what the API's docstring says, written out ----------------------------------------------------
@@ -309,9 +309,28 @@ def _run_shard_case(rank, world, rng, case):
         axd.shard(y)
 
 
+def _run_disagree_case(rank, world, rng):
+    """Ranks whose parts differ (rows, heads, a causal flag, cu_seqlens) get a ValueError naming
+    what and every rank's value, on every rank, instead of a transfer that never completes."""
+    from attnext import distributed as axd
+    rows = 4 + 2 * rank                        # even, so causal's own check passes everywhere
+    q, k, v = (_randn(rng, (1, rows, h, 8), torch.float32) for h in (HQ, HK, HK))
+    with pytest.raises(ValueError, match="disagree on rows: rank 0: 4, rank 1: 6"):
+        axd.ring_attention(q, k, v, causal=True)
+    q, k, v = (_randn(rng, (1, 4, h, 8), torch.float32) for h in (HQ, HK, HK))
+    with pytest.raises(ValueError, match="disagree on causal"):
+        axd.ring_attention(q, k, v, causal=rank == 0)
+    t = 4 * world
+    cu = torch.tensor([0, 1 + (rank == 0), t], dtype=torch.int32)
+    with pytest.raises(ValueError, match="disagree on cu_seqlens_checksum"):
+        axd.ring_varlen_attention(q[0], k[0], v[0], cu, t)
+
+
 def _runner(case):
     if case in RING_CASES:
         return _run_ring_case
+    if case == "ranks_that_disagree":
+        return lambda rank, world, rng, case: _run_disagree_case(rank, world, rng)
     return _run_varlen_case if case in VARLEN_CASES else _run_shard_case
 
 
@@ -437,7 +456,8 @@ def test_ring_varlen_attention(run, case):
 
 @pytest.mark.parametrize("case", SHARD_CASES)
 def test_shard(run, case):
-    """shard() cuts as the API says (contiguous or zigzag) and unshard() undoes it on every rank."""
+    """shard() cuts as the API says (contiguous or zigzag) and unshard() undoes it on every rank;
+    ranks whose parts disagree are refused on every rank."""
     _report(run, case)
 
 
