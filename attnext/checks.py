@@ -358,16 +358,10 @@ def _check_options(o, D, Hq, B):
     if o.window is None:
         o.window_left = o.window_right = -1
     else:
-        w = o.window
-        if (not isinstance(w, (tuple, list)) or len(w) != 2
-                or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in w)):
-            raise ValueError(f"window must be a pair of ints (left, right), -1 = unbounded, got {w!r}")
-        if w[0] < -1 or w[1] < -1:
-            raise ValueError(f"window sides must be >= -1 (-1 = unbounded), got {tuple(w)!r}")
         # no query is farther than Sq + Sk from a key: a wider side is unbounded, and clamping
         # keeps the kernels' int64 index arithmetic from wrapping
         far = o.Sq + o.Sk
-        o.window_left, o.window_right = (min(int(x), far) for x in w)
+        o.window_left, o.window_right = (min(x, far) for x in window_pair(o.window))
     if o.precision not in _PRECISIONS:
         raise ValueError(f"precision must be one of {_PRECISIONS}, got {o.precision!r}")
     for name in ("score_mod", "mask_mod"):
@@ -528,6 +522,16 @@ def _device_lengths(o, lengths, max_seqlen_q, max_seqlen_k):
     o.cu_q, o.cu_k, o.used_q, o.used_k = cq, ck, views["seqused_q"], views["seqused_k"]
     o.B, o.device_lengths = B, True
     return True
+
+
+def window_pair(w):
+    """window=(left, right) as two Python ints, each -1 (unbounded) or >= 0; else ValueError."""
+    if (not isinstance(w, (tuple, list)) or len(w) != 2
+            or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in w)):
+        raise ValueError(f"window must be a pair of ints (left, right), -1 = unbounded, got {w!r}")
+    if w[0] < -1 or w[1] < -1:
+        raise ValueError(f"window sides must be >= -1 (-1 = unbounded), got {tuple(w)!r}")
+    return int(w[0]), int(w[1])
 
 
 def normalise(q, k, v, opts, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,

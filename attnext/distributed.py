@@ -19,7 +19,10 @@ the last step; dQ is accumulated locally in float32, from the whole's out and ls
 ring_varlen_attention: packed documents (cu_seqlens of the whole), each rank a contiguous part of
 the tokens: K and V are gathered whole (all_gather; documents make a ring's blocks uneven), each
 rank runs its rows against their documents' keys, and the backward sums dK and dV over the ranks
-(reduce_scatter; all_reduce on gloo, which has none).
+(reduce_scatter on NCCL, all_reduce on gloo).
+
+CUDA tensors: attnext reads torch tensors on the legacy default stream (docs/gpu.md), so a call
+under torch.cuda.stream(s) is refused: the transfers' waits order torch's current stream only.
 
 score_mod, mask_mod and window see global positions: the position of a row or key in the whole
 sequence (in its document, for varlen), through captured position tables. A tensor the
@@ -29,11 +32,12 @@ imported (docs/distributed.md).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import api
-from .merge import merge
+from . import api, checks
+from .merge import lse_shape, merge
 from .torch import _arg, _detached, _device, _grad_tensors, _tensor
 
 __all__ = ["shard", "unshard", "ring_attention", "ring_varlen_attention"]
@@ -49,6 +53,8 @@ class _Group:
     def __init__(self, group):
         self.group = group
         self.rank = dist.get_rank(group)
+        if self.rank < 0:
+            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of group")
         self.size = dist.get_world_size(group)
         whole = group if group is not None else dist.group.WORLD
         self.next = dist.get_global_rank(whole, (self.rank + 1) % self.size)
@@ -58,15 +64,15 @@ class _Group:
         """Starts sending tensors to the next rank and receiving their like from the previous
         one; finish() the result to wait for them."""
         if self.size == 1:
-            return list(tensors), []
+            return list(tensors), [], ()
         recv = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
-        return recv, dist.batch_isend_irecv(ops)
+        return recv, dist.batch_isend_irecv(ops), tuple(tensors)   # the sent kept until done
 
     @staticmethod
     def finish(pending):
-        recv, reqs = pending
+        recv, reqs, _ = pending
         for r in reqs:
             r.wait()
         return recv
@@ -92,12 +98,24 @@ def _dtype_code(dtype):
         if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else -1
 
 
+def _default_stream(x):
+    """RuntimeError unless torch's current stream is x's device's default one (for CUDA x)."""
+    if x.is_cuda and torch.cuda.current_stream(x.device) != torch.cuda.default_stream(x.device):
+        raise RuntimeError("attnext.distributed runs on torch's default CUDA stream (attnext reads torch "
+                           "tensors on the legacy default stream, where the ring's transfers are waited "
+                           "for); call it outside torch.cuda.stream(...)")
+
+
 def _chunks(size, rank, causal):
     """The chunks rank holds: of `size` for a plain split, of 2 * size zigzag."""
     return (rank, 2 * size - 1 - rank) if causal else (rank,)
 
 
 def _split(name, x, dim, parts):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not -x.ndim <= dim < x.ndim:
+        raise ValueError(f"dim = {dim} is outside {name}'s {x.ndim} dims (shape {tuple(x.shape)})")
     n = x.shape[dim]
     if n % parts:
         raise ValueError(f"{name}.shape[{dim}] = {n} must be a multiple of {parts} (the parts of the "
@@ -117,6 +135,7 @@ def shard(x, *, group=None, dim=1, causal=False):
 def unshard(x, *, group=None, dim=1, causal=False):
     """The whole sequence from every rank's part (shard's inverse), on every rank."""
     g = _Group(group)
+    _split("x", x, dim, 2 if causal else 1)          # a zigzag part is two equal chunks
     parts = [torch.empty_like(x) for _ in range(g.size)]
     dist.all_gather(parts, x.contiguous(), group=group)
     if not causal:
@@ -126,22 +145,17 @@ def unshard(x, *, group=None, dim=1, causal=False):
 
 
 def _positions(n, size, rank, causal, device):
-    """The global positions of rank's n rows (int32)."""
+    """The global positions of rank's n rows (int64: the callbacks' own index type)."""
     if not causal:
-        return torch.arange(rank * n, (rank + 1) * n, dtype=torch.int32, device=device)
+        return torch.arange(rank * n, (rank + 1) * n, dtype=torch.int64, device=device)
     c = n // 2
-    return torch.cat([torch.arange(i * c, (i + 1) * c, dtype=torch.int32, device=device)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, dtype=torch.int64, device=device)
                       for i in _chunks(size, rank, True)])
 
 
 # ---------------------------------------------------------------- callbacks on global positions
 def _window(window):
-    if window is None:
-        return None
-    window = tuple(int(w) for w in window)
-    if len(window) != 2 or min(window) < -1:
-        raise ValueError(f"window must be (left, right), each -1 (unbounded) or >= 0, got {window!r}")
-    return window
+    return None if window is None else checks.window_pair(window)
 
 
 def _window_keeps(window):
@@ -195,11 +209,12 @@ def _captured(score_mod):
 
 
 def _acc(t):
+    """The accumulation dtype of a tensor's sums: float64 for float64, else float32."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _sum_captured(ring, total, grads):
-    """total (name -> float32 sum or None) plus one backward call's dtensors."""
+    """total (name -> its sum in _acc's dtype, or None) plus one backward call's dtensors."""
     for n, t in ring.captured.items():
         g = _tensor(grads.dtensors[n]).to(_acc(t))
         total[n] = g if total[n] is None else total[n] + g
@@ -209,8 +224,7 @@ def _captured_grads(ring, total):
     """The captured tensors' gradients: each rank's sums added over the group, in their dtypes."""
     out = []
     for n, t in ring.captured.items():
-        g = total[n]
-        g = torch.zeros(t.shape, dtype=_acc(t), device=t.device) if g is None else g.contiguous()
+        g = total[n].contiguous()                # every rank's backward ran at least one call
         if ring.g.size > 1:
             dist.all_reduce(g, group=ring.g.group)
         out.append(g.to(t.dtype))
@@ -228,6 +242,7 @@ class _Ring:
             if not isinstance(x, torch.Tensor) or x.ndim != 4:
                 raise TypeError(f"{name} must be a 4-d torch.Tensor, got "
                                 f"{getattr(x, 'shape', type(x).__name__)}")
+        _default_stream(q)
         self.dim = LAYOUTS[layout]
         self.n = q.shape[self.dim]
         if k.shape[self.dim] != self.n or v.shape[self.dim] != self.n:
@@ -278,10 +293,8 @@ class _Ring:
 
 def _ring_forward(ring, q, k, v):
     g = ring.g
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=acc, device=q.device)
-    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if ring.layout == "bshd" else q.shape[:3]
-    lse = torch.empty(lse_shape, dtype=acc, device=q.device)
+    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=_acc(q), device=q.device)
+    lse = torch.empty(lse_shape(q.shape, ring.layout), dtype=_acc(q), device=q.device)
     kv = (k.contiguous(), v.contiguous())
     for step in range(g.size):
         j = (g.rank - step) % g.size
@@ -303,7 +316,7 @@ def _ring_forward(ring, q, k, v):
 
 def _ring_backward(ring, dout, dlse, q, k, v, out, lse):
     g = ring.g
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = _acc(q)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = (k.contiguous(), v.contiguous())
     dkv = None                                # the (dK, dV) accumulators on their way
@@ -391,7 +404,9 @@ class _Docs:
             qoff.append(a - cu[d])                           # the segment's first row in its document
         self.cu_q, self.cu_k, self.used_k, self.qoff = cu_q, cu_k, used_k, qoff
         self.max_q = max((b - a for a, b in zip(cu_q, cu_q[1:])), default=0)
-        self.max_k = max(used_k, default=0)
+        # the longest key segment (not the longest used part): a bound on every segment of
+        # cu_seqlens_k, as device lengths require
+        self.max_k = max((b - a for a, b in zip(cu_k, cu_k[1:])), default=0)
 
 
 class _VarlenRing:
@@ -404,6 +419,7 @@ class _VarlenRing:
         if not (q.shape[0] == k.shape[0] == v.shape[0]):
             raise ValueError(f"q, k and v must hold the same rows of the packed batch, got {q.shape[0]}, "
                              f"{k.shape[0]} and {v.shape[0]}")
+        _default_stream(q)
         self.g = _Group(group)
         n = q.shape[0]
         cu = [int(x) for x in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens)]
@@ -414,6 +430,8 @@ class _VarlenRing:
             raise ValueError(f"cu_seqlens must rise from 0 to the whole batch's {n * self.g.size} rows "
                              f"({self.g.size} ranks of {n}), got {cu}")
         longest = max(b - a for a, b in zip(cu, cu[1:])) if len(cu) > 1 else 0
+        if not isinstance(max_seqlen, (int, np.integer)) or isinstance(max_seqlen, bool):
+            raise TypeError(f"max_seqlen must be an int (the longest document), got {max_seqlen!r}")
         if max_seqlen < longest:
             raise ValueError(f"max_seqlen = {max_seqlen} is shorter than the longest document "
                              f"({longest} rows in cu_seqlens)")
@@ -430,12 +448,11 @@ class _VarlenRing:
         if native_window is not None:
             self.opts["window"] = native_window
         self.mods = {}
-        if score_mod is not None or mask_mod is not None or mask_window is not None:
-            dev = q.device
-            self.mods = _global_mods(score_mod, mask_mod, mask_window, None, None,
-                                     torch.tensor(self.docs.qoff or [0], dtype=torch.int32, device=dev),
-                                     torch.tensor([self.docs.first], dtype=torch.int32, device=dev))
         dev = q.device
+        if score_mod is not None or mask_mod is not None or mask_window is not None:
+            self.mods = _global_mods(score_mod, mask_mod, mask_window, None, None,
+                                     torch.tensor(self.docs.qoff or [0], dtype=torch.int64, device=dev),
+                                     torch.tensor([self.docs.first], dtype=torch.int64, device=dev))
         d = self.docs
         self.lengths = dict(cu_seqlens_q=torch.tensor(d.cu_q, dtype=torch.int32, device=dev),
                             cu_seqlens_k=torch.tensor(d.cu_k, dtype=torch.int32, device=dev),
@@ -443,28 +460,26 @@ class _VarlenRing:
                             max_seqlen_q=d.max_q, max_seqlen_k=d.max_k)
 
     def gather(self, x):
+        """The rows of the whole x this rank's documents use (a copy: the whole is not kept)."""
         parts = [torch.empty_like(x) for _ in range(self.g.size)]
         dist.all_gather(parts, x.contiguous(), group=self.g.group)
-        return torch.cat(parts, 0).narrow(0, self.docs.key_lo, self.docs.key_hi - self.docs.key_lo)
+        return torch.cat(parts, 0)[self.docs.key_lo:self.docs.key_hi].clone()
 
-    def reduce(self, dx, like):
+    def reduce(self, dx, dtype):
         """Each rank's rows of the sum over ranks of dx (rows key_lo.. of the whole)."""
         whole = torch.zeros((self.n * self.g.size,) + tuple(dx.shape[1:]), dtype=dx.dtype, device=dx.device)
         whole.narrow(0, self.docs.key_lo, dx.shape[0]).copy_(dx)
         if dist.get_backend(self.g.group) == "nccl":
             mine = torch.empty((self.n,) + tuple(dx.shape[1:]), dtype=dx.dtype, device=dx.device)
             dist.reduce_scatter_tensor(mine, whole, group=self.g.group)
-        else:                                # gloo has no reduce_scatter
+        else:                                # gloo: older torch releases have no reduce_scatter there
             dist.all_reduce(whole, group=self.g.group)
             mine = whole.narrow(0, self.g.rank * self.n, self.n)
-        return mine.to(like.dtype)
+        return mine.to(dtype)
 
     def call(self, q, k, v):
         return api.varlen_attention(_arg(q), _arg(k), _arg(v), causal=self.causal and "bottom_right",
                                     return_lse=True, **self.lengths, **self.opts, **self.mods)
-
-    def empty(self):
-        return not self.docs.cu_q[-1]
 
 
 class _VarlenRingAttention(torch.autograd.Function):
@@ -474,7 +489,7 @@ class _VarlenRingAttention(torch.autograd.Function):
         o, l = ring.call(q.detach(), kw, vw)
         out, lse = _tensor(o), _tensor(l)
         ctx.save_for_backward(q, kw, vw, out, lse)
-        ctx.ring, ctx.shapes = ring, (k, v)
+        ctx.ring, ctx.dtypes = ring, (k.dtype, v.dtype)
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -490,9 +505,8 @@ class _VarlenRingAttention(torch.autograd.Function):
             dlse=None if dlse is None else _arg(dlse), **ring.lengths, **ring.opts, **ring.mods)
         dtensors = {n: None for n in ring.captured}
         _sum_captured(ring, dtensors, grads)
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        dk = ring.reduce(_tensor(grads.dk).to(acc), ctx.shapes[0])
-        dv = ring.reduce(_tensor(grads.dv).to(acc), ctx.shapes[1])
+        dk = ring.reduce(_tensor(grads.dk).to(_acc(q)), ctx.dtypes[0])
+        dv = ring.reduce(_tensor(grads.dv).to(_acc(q)), ctx.dtypes[1])
         return (_tensor(grads.dq), dk, dv, None, *_captured_grads(ring, dtensors))
 
 

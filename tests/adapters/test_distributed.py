@@ -57,6 +57,7 @@ RING_CASES = {
     "rel_pos_scale": dict(score_mod="rel_pos", scale=0.3),
     "mask_mod_dead_row": dict(causal=True, mask_mod="stride", dead=True),
     "documents_alibi": dict(mask_mod="documents", score_mod="alibi"),
+    "int64_positions": dict(mask_mod="big_products", dead=True),
     "softcap_causal": dict(causal=True, softcap=1.5),
     "lse_grad_causal": dict(causal=True, lse="grad"),
     "lse_only_documents": dict(mask_mod="documents", lse="only"),
@@ -114,7 +115,9 @@ def _mods(rng, s, score_mod, mask_mod, docs=1):
     mask_mods = {None: None,
                  # row 0 keeps no key under causal: out 0, lse -inf, zero gradients
                  "stride": lambda b, h, q_idx, kv_idx: (kv_idx > 0) & ((q_idx - kv_idx) % 3 != 1),
-                 "documents": lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[kv_idx]}
+                 "documents": lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[kv_idx],
+                 # products past int32: the positions must stay int64 like the call's indices
+                 "big_products": lambda b, h, q_idx, kv_idx: q_idx * 100_000_000 >= kv_idx * 100_000_000 + 300_000_000}
     return score_mods[score_mod], mask_mods[mask_mod], slopes_tensor
 
 
@@ -489,15 +492,35 @@ def test_shard_refuses_a_length_it_cannot_cut(solo, rng):
 def test_ring_attention_refuses_q_and_k_of_different_lengths(solo, rng):
     """Each rank holds the same rows of q, k and v: 6 query rows beside 8 key rows is no part."""
     from attnext import distributed as axd
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"same rows.*got 6, 8 and 8"):
         axd.ring_attention(*_local(rng, 6, 8))
 
 
 def test_ring_attention_causal_refuses_an_odd_local_length(solo, rng):
     """A causal part is two zigzag chunks of equal length: an odd local length is no such part."""
     from attnext import distributed as axd
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"zigzag.*got 7 rows"):
         axd.ring_attention(*_local(rng, 7, 7), causal=True)
+
+
+def test_bad_options_are_named(solo, rng):
+    """window, max_seqlen, dim and unshard's parts: a clear error naming the argument and value."""
+    from attnext import distributed as axd
+    q, k, v = _local(rng, 8, 8)
+    for window in (5, (1.5, 2), (True, 2), (-2, 0)):
+        with pytest.raises(ValueError, match="window"):
+            axd.ring_attention(q, k, v, window=window)
+    with pytest.raises(ValueError, match=r"dim = 5 .* 4 dims"):
+        axd.shard(q, dim=5)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        axd.shard(q.numpy())
+    with pytest.raises(ValueError, match=r"x.shape\[1\] = 7"):
+        axd.unshard(q[:, :7], causal=True)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match="max_seqlen must be an int"):
+        axd.ring_varlen_attention(q[0], k[0], v[0], cu, None)
+    with pytest.raises(ValueError, match=r"max_seqlen = 4 is shorter .* \(5 rows"):
+        axd.ring_varlen_attention(q[0], k[0], v[0], cu, 4)
 
 
 def test_the_parts_follow_the_api(rng):

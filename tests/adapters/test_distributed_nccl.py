@@ -1,8 +1,9 @@
 """attnext.distributed on a GPU (-m gpu): a one-rank NCCL group in this process, CUDA bf16 tensors,
 against attnext.torch on the whole. The ring's transfers need two GPUs (the gloo tests run them
-between CPU processes: tests/cpu/test_distributed.py); this runs the CUDA side of every step: the
-calls on row ranges of the blocks, attnext.merge on CUDA views, position tables captured as CUDA
-tensors, the float32 accumulators of the backward."""
+between CPU processes: tests/adapters/test_distributed.py); one rank runs only its own block (step
+0): the whole-block call with position tables captured as CUDA tensors, the float32 accumulators
+and the captured tensors' path. The steps after it (row ranges of blocks, attnext.merge on CUDA
+views, the dK / dV hand-off) run on CUDA only with two GPUs."""
 import numpy as np
 import pytest
 

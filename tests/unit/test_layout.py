@@ -24,7 +24,8 @@ LAYERS = [
     {"attnext.mods"},
     {"attnext.cuda"},
     {"attnext.reference", "attnext.checks", "attnext.blockmask", "attnext.api", "attnext.merge", "attnext"},
-    {"attnext.testing", "attnext.bench", "attnext.warmup", "attnext.fuzz", "attnext.torch", "attnext.hf", "attnext.jax"},
+    {"attnext.testing", "attnext.bench", "attnext.warmup", "attnext.fuzz", "attnext.torch", "attnext.hf", "attnext.jax",
+     "attnext.distributed"},
 ]
 
 
