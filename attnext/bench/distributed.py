@@ -12,7 +12,8 @@ Each row: one sequence of S tokens (B 1, bf16 on CUDA, float32 on the CPU; causa
   hidden    the share of the ring's communication hidden under its attention:
             1 - (N dev - compute) / comm, where compute is the same ring with every rank using
             its own K and V at each step (no transfer) and comm the ring's transfers alone
-Times are medians of --reps runs (wall clock between barriers, the devices synchronised).
+Times are medians of --reps runs (wall clock between barriers, the devices synchronised), after
+the ring's out is checked against the one-device call's (relative difference under 2%).
 """
 import argparse
 import json
@@ -41,22 +42,41 @@ def _parser():
     return p
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    dist.barrier()
+def _device_name(device):
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
 
-def _median_s(fn, device, reps):
-    fn()                                       # compiles, plans, NCCL's first connection
+def _median_s(fn, device, reps, together=True):
+    """Median wall seconds of fn over reps runs after one untimed run (compiles, plans, NCCL's
+    first connection); together: every rank starts and ends each run at a barrier."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if together:
+            dist.barrier()
+    fn()
     times = []
     for _ in range(reps):
-        _sync(device)
+        sync()
         t = time.perf_counter()
         fn()
-        _sync(device)
+        sync()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def _validate(out, want, causal):
+    """The ring's out, gathered whole, against the one-device call's (rank 0): max |diff| /
+    max |want| under VALIDATE_TOL, else the row is not timed."""
+    whole = axd.unshard(out.detach(), causal=causal)
+    if dist.get_rank() == 0:
+        err = ((whole.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        if not err < VALIDATE_TOL:
+            raise RuntimeError(f"the ring's out differs from the one-device call's by {err:.3g} "
+                               f"(relative): not timed")
+
+
+VALIDATE_TOL = 0.02
 
 
 class _NoTransfer:
@@ -66,7 +86,7 @@ class _NoTransfer:
         self.saved = axd._Group.exchange
 
     def __enter__(self):
-        axd._Group.exchange = lambda self, tensors: (list(tensors), [])
+        axd._Group.exchange = lambda self, tensors: (list(tensors), [], ())
 
     def __exit__(self, *exc):
         axd._Group.exchange = self.saved
@@ -106,7 +126,12 @@ def run_row(S, args, device, dtype):
         return run
 
     row = {"S": S, "heads": args.heads, "dim": args.dim, "causal": args.causal, "ranks": world,
-           "device": row_device(device)}
+           "device": _device_name(device)}
+    with torch.no_grad():                      # validated before anything is timed
+        out = axd.ring_attention(q, k, v, causal=args.causal)
+        want = axt.attention(Q, K, V, causal="top_left" if args.causal else False) if rank == 0 else None
+    _validate(out, want, args.causal)
+    del out, want
     for name, fn, sends in (("fwd", ring_fwd, 1), ("fwd_bwd", ring_both, 2)):
         row[f"{name}_ring_s"] = _median_s(fn, device, args.reps)
         with _NoTransfer():
@@ -124,17 +149,7 @@ def run_row(S, args, device, dtype):
             out = axt.attention(Qw, Kw, Vw, causal=causal)
             torch.autograd.grad(out, (Qw, Kw, Vw), dO)
         for name, fn in (("fwd", one_fwd), ("fwd_bwd", one_both)):
-            fn()
-            times = []
-            for _ in range(args.reps):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t = time.perf_counter()
-                fn()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                times.append(time.perf_counter() - t)
-            row[f"{name}_one_s"] = statistics.median(times)
+            row[f"{name}_one_s"] = _median_s(fn, device, args.reps, together=False)
     dist.barrier()
     for name in ("fwd", "fwd_bwd"):
         if rank == 0:
@@ -166,7 +181,7 @@ def main(argv=None):
     rows = []
     if rank == 0:
         print(f"attnext.distributed: {dist.get_world_size()} ranks ({dist.get_backend()}), "
-              f"{row_device(device)}, {'causal (zigzag)' if args.causal else 'not causal'}, "
+              f"{_device_name(device)}, {'causal (zigzag)' if args.causal else 'not causal'}, "
               f"B1 H{args.heads} D{args.dim} {str(dtype).replace('torch.', '')}", flush=True)
     for S in (int(s) for s in args.seqlens.split(",") if s):
         row = run_row(S, args, device, dtype)
@@ -179,9 +194,6 @@ def main(argv=None):
     dist.barrier()
     dist.destroy_process_group()
 
-
-def row_device(device):
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
 
 if __name__ == "__main__":
