@@ -245,8 +245,8 @@ TMA_TILES = [None, "16,64,1,2"]
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("d, page", TMA_CASES, ids=[f"d{a}_page{b}" for a, b in TMA_CASES])
 def test_decode_by_tensor_copies(dtype, d, page, tile, rng):
-    """Hopper's TMA_KV decode (a producer warp's tensor copies into a ring of stages), contiguous
-    and over pages, against the reference; lengths ending
+    """Hopper's TMA_KV decode (a producer warp's tensor copies into a ring of stages; the shipped
+    ring and a two-stage one), contiguous and over pages, against the reference; lengths ending
     inside a tile, NaN keys past them (never seen), and the same call on the cp.async kernel
     (ATTNEXT_DECODE_TMA=0) agreeing."""
     from attnext import _env
