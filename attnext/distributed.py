@@ -77,6 +77,11 @@ class _Group:
             r.wait()
         return recv
 
+    def all_reduce(self, t):
+        """t summed over the group, in place."""
+        if self.size > 1:
+            dist.all_reduce(t, group=self.group)
+
     def agree(self, device, **fields):
         """ValueError unless every rank passed the same ints (a mismatch would leave a transfer
         waiting for bytes that never come): one small all_gather."""
@@ -225,8 +230,7 @@ def _captured_grads(ring, total):
     out = []
     for n, t in ring.captured.items():
         g = total[n].contiguous()                # every rank's backward ran at least one call
-        if ring.g.size > 1:
-            dist.all_reduce(g, group=ring.g.group)
+        ring.g.all_reduce(g)
         out.append(g.to(t.dtype))
     return out
 

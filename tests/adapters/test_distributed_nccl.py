@@ -3,7 +3,7 @@ against attnext.torch on the whole. The ring's transfers need two GPUs (the gloo
 between CPU processes: tests/adapters/test_distributed.py); one rank runs only its own block (step
 0): the whole-block call with position tables captured as CUDA tensors, the float32 accumulators
 and the captured tensors' path. The steps after it (row ranges of blocks, attnext.merge on CUDA
-views, the dK / dV hand-off) run on CUDA only with two GPUs."""
+views, the dK / dV hand-off) run on one GPU in test_distributed_threads.py (ranks as threads)."""
 import numpy as np
 import pytest
 

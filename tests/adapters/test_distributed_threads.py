@@ -1,0 +1,101 @@
+"""attnext.distributed's ring with its ranks as threads of one process: a stand-in for the group
+hands each rank's sends to the next rank's queue (in order, as NCCL and gloo pair them), so every
+step of the ring runs on one device: the calls on row ranges of the blocks, the merges, the dK /
+dV hand-off. On the CPU it runs in CI beside the gloo tests; under -m gpu with CUDA tensors it is
+the multi-rank CUDA run one GPU allows (NCCL refuses two ranks on one GPU)."""
+import queue
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torch.distributed")
+
+import attnext.distributed as axd  # noqa: E402
+import attnext.torch as axt  # noqa: E402
+from attnext.testing import assert_close  # noqa: E402
+
+
+class _Member:
+    """Rank `rank` of a ring of threads: what attnext.distributed reads of its _Group (shared:
+    the ranks' queues, a barrier and a board for all_reduce)."""
+
+    def __init__(self, shared, rank):
+        self.boxes, self.barrier, self.board = shared
+        self.rank, self.size, self.group = rank, len(self.boxes), None
+        self.next, self.prev = (rank + 1) % self.size, (rank - 1) % self.size
+
+    def all_reduce(self, t):
+        self.board[self.rank] = t.clone()
+        self.barrier.wait()
+        t.copy_(sum(self.board))
+        self.barrier.wait()
+
+    def exchange(self, tensors):
+        self.boxes[self.next].put([t.clone() for t in tensors])
+        return None, [], tuple(tensors)
+
+    def finish(self, pending):
+        return self.boxes[self.rank].get(timeout=120)
+
+    def agree(self, device, **fields):
+        pass
+
+
+def _part(x, rank, world, causal, dim=1):
+    if not causal:
+        return x.chunk(world, dim)[rank]
+    chunks = x.chunk(2 * world, dim)
+    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("world, causal, mods", [(3, True, False), (4, True, True), (3, False, True)])
+def test_ring_of_threads_matches_the_whole(monkeypatch, device, world, causal, mods):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    monkeypatch.setattr(axd, "_Group", lambda group: group)
+    seed = int(np.random.default_rng().integers(1 << 31))
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    B, S, Hq, Hk, D = 2, 16 * world if device == "cpu" else 512 * world, 4, 2, 32
+
+    def randn(*shape):
+        return torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    Q, K, V, dO = randn(B, S, Hq, D), randn(B, S, Hk, D), randn(B, S, Hk, D), randn(B, S, Hq, D)
+    slopes = torch.linspace(0.05, 0.4, Hq, device=device, requires_grad=True)
+    opts = {}
+    if mods:
+        def alibi(s, b, h, q, kv):
+            return s - slopes[h] * abs(q - kv)
+        opts = dict(score_mod=alibi, mask_mod=lambda b, h, q, kv: (q - kv) % 5 != 2, window=(3 * S // 4, -1))
+    Qw, Kw, Vw = (x.clone().requires_grad_() for x in (Q, K, V))
+    want = axt.attention(Qw, Kw, Vw, **dict(opts, causal=causal and "top_left"))
+    want_grads = torch.autograd.grad(want, [Qw, Kw, Vw] + ([slopes] if mods else []), dO)
+
+    shared = ([queue.Queue() for _ in range(world)], threading.Barrier(world, timeout=120), [None] * world)
+    got, errors = [None] * world, []
+
+    def rank(r):
+        try:
+            q, k, v = (_part(x, r, world, causal).requires_grad_() for x in (Q, K, V))
+            out = axd.ring_attention(q, k, v, group=_Member(shared, r), causal=causal, **opts)
+            grads = torch.autograd.grad(out, [q, k, v] + ([slopes] if mods else []), _part(dO, r, world, causal))
+            got[r] = (out.detach(), *grads)
+        except Exception as e:              # reported below, with the rank
+            errors.append((r, e))
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, f"seed {seed}: " + "; ".join(f"rank {r}: {e!r}" for r, e in errors)
+    np_dtype = np.float32 if dtype == torch.float32 else "bfloat16"
+    for r in range(world):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got[r], (want,) + want_grads[:3]):
+            assert_close(a.float().cpu().numpy(), _part(b.detach(), r, world, causal).float().cpu().numpy(),
+                         dtype=np_dtype, name=f"seed {seed}, rank {r}: {name}")
+        if mods:                             # every rank: the whole's gradient (its shares summed)
+            assert_close(got[r][4].float().cpu().numpy(), want_grads[3].float().cpu().numpy(), dtype=np_dtype,
+                         name=f"seed {seed}, rank {r}: d slopes")
