@@ -267,7 +267,7 @@ class _Ring:
         self.captured = _captured(score_mod)
         self.score_mod, self.mask_mod = _detached(score_mod), _detached(mask_mod)
         self.opts = dict(scale=scale, softcap=softcap, layout=layout, device=_device(q))
-        self.qpos = _positions(self.n, self.g.size, self.g.rank, causal, q.device)
+        self.device = q.device
 
     def blocks(self, j):
         """The calls for the key block of rank j: (query rows, key rows, causal), as (start,
@@ -285,14 +285,15 @@ class _Ring:
     def rows(self, x, span):
         return x.narrow(self.dim, *span)
 
-    def mods(self, qspan, kpos, kspan):
+    def mods(self, qspan, j, kspan):
+        """The callbacks of the call on these rows of block j, on global positions (none
+        without score_mod, mask_mod or window: no position tables made)."""
         if self.score_mod is None and self.mask_mod is None and self.window is None:
             return {}
-        return _global_mods(self.score_mod, self.mask_mod, self.window,
-                            self.qpos.narrow(0, *qspan), kpos.narrow(0, *kspan))
-
-    def key_positions(self, j):
-        return _positions(self.n, self.g.size, j, self.causal, self.qpos.device)
+        qpos = _positions(self.n, self.g.size, self.g.rank, self.causal, self.device)
+        kpos = _positions(self.n, self.g.size, j, self.causal, self.device)
+        return _global_mods(self.score_mod, self.mask_mod, self.window, qpos.narrow(0, *qspan),
+                            kpos.narrow(0, *kspan))
 
 
 def _ring_forward(ring, q, k, v):
@@ -303,11 +304,10 @@ def _ring_forward(ring, q, k, v):
     for step in range(g.size):
         j = (g.rank - step) % g.size
         pending = g.exchange(kv) if step + 1 < g.size else None
-        kpos = ring.key_positions(j)
         for qspan, kspan, causal in ring.blocks(j):
             o, l = api.attention(_arg(ring.rows(q, qspan)), _arg(ring.rows(kv[0], kspan)),
                                  _arg(ring.rows(kv[1], kspan)), causal=causal, return_lse=True,
-                                 **ring.opts, **ring.mods(qspan, kpos, kspan))
+                                 **ring.opts, **ring.mods(qspan, j, kspan))
             o_rows, l_rows = ring.rows(out, qspan), lse.narrow(2, *qspan)
             if step:
                 o, l = merge([o_rows, _tensor(o).to(out.dtype)], [l_rows, _tensor(l)], layout=ring.layout)
@@ -328,7 +328,6 @@ def _ring_backward(ring, dout, dlse, q, k, v, out, lse):
     for step in range(g.size):
         j = (g.rank - step) % g.size
         pending = g.exchange(kv) if step + 1 < g.size else None
-        kpos = ring.key_positions(j)
         dk = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
         dv = torch.zeros(kv[1].shape, dtype=acc, device=q.device)
         for qspan, kspan, causal in ring.blocks(j):
@@ -337,7 +336,7 @@ def _ring_backward(ring, dout, dlse, q, k, v, out, lse):
                 _arg(ring.rows(kv[1], kspan)), _arg(ring.rows(out, qspan)), _arg(lse.narrow(2, *qspan)),
                 causal=causal, dtensors=list(ring.captured) or False,
                 dlse=None if dlse is None else _arg(dlse.narrow(2, *qspan)), **ring.opts,
-                **ring.mods(qspan, kpos, kspan))
+                **ring.mods(qspan, j, kspan))
             _sum_captured(ring, dtensors, grads)
             ring.rows(dq, qspan).add_(_tensor(grads.dq))
             ring.rows(dk, kspan).add_(_tensor(grads.dk))
@@ -394,7 +393,6 @@ class _Docs:
     and last that meet them, each one's local query segment and its keys in the gathered K."""
 
     def __init__(self, cu, lo, hi, causal):
-        cu = [int(x) for x in cu]
         docs = [d for d in range(len(cu) - 1) if cu[d] < hi and cu[d + 1] > lo]
         self.first = docs[0] if docs else 0
         self.key_lo = cu[self.first] if docs else lo          # the gathered K's rows used

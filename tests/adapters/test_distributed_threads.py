@@ -15,6 +15,7 @@ pytest.importorskip("torch.distributed")
 import attnext.distributed as axd  # noqa: E402
 import attnext.torch as axt  # noqa: E402
 from attnext.testing import assert_close  # noqa: E402
+from test_distributed import _part  # noqa: E402  (the parts as the API's docstring defines them)
 
 
 class _Member:
@@ -41,13 +42,6 @@ class _Member:
 
     def agree(self, device, **fields):
         pass
-
-
-def _part(x, rank, world, causal, dim=1):
-    if not causal:
-        return x.chunk(world, dim)[rank]
-    chunks = x.chunk(2 * world, dim)
-    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -79,9 +73,9 @@ def test_ring_of_threads_matches_the_whole(monkeypatch, device, world, causal, m
 
     def rank(r):
         try:
-            q, k, v = (_part(x, r, world, causal).requires_grad_() for x in (Q, K, V))
+            q, k, v = (_part(x, r, world, 1, causal).requires_grad_() for x in (Q, K, V))
             out = axd.ring_attention(q, k, v, group=_Member(shared, r), causal=causal, **opts)
-            grads = torch.autograd.grad(out, [q, k, v] + ([slopes] if mods else []), _part(dO, r, world, causal))
+            grads = torch.autograd.grad(out, [q, k, v] + ([slopes] if mods else []), _part(dO, r, world, 1, causal))
             got[r] = (out.detach(), *grads)
         except Exception as e:              # reported below, with the rank
             errors.append((r, e))
@@ -94,7 +88,7 @@ def test_ring_of_threads_matches_the_whole(monkeypatch, device, world, causal, m
     np_dtype = np.float32 if dtype == torch.float32 else "bfloat16"
     for r in range(world):
         for name, a, b in zip(("out", "dq", "dk", "dv"), got[r], (want,) + want_grads[:3]):
-            assert_close(a.float().cpu().numpy(), _part(b.detach(), r, world, causal).float().cpu().numpy(),
+            assert_close(a.float().cpu().numpy(), _part(b.detach(), r, world, 1, causal).float().cpu().numpy(),
                          dtype=np_dtype, name=f"seed {seed}, rank {r}: {name}")
         if mods:                             # every rank: the whole's gradient (its shares summed)
             assert_close(got[r][4].float().cpu().numpy(), want_grads[3].float().cpu().numpy(), dtype=np_dtype,
