@@ -14,12 +14,25 @@
  * Applies to VEC_LOAD inputs with D and Dv multiples of 64 (kernels.fwd_kernel chooses); every
  * option of the score hook, masks, causal / window and varlen as attn_fwd.cu. Switches beyond
  * attn_common.cuh's: BLOCK_M (64 or 128), BLOCK_N (64 or 128), MIN_BLOCKS (CTAs per SM the
- * registers must allow).
+ * registers must allow), WS (the warp-specialised kernel below) and its STAGES.
+ *
+ * WS (FlashAttention-3's layout): three warpgroups. The first is the producer: it gives up its
+ * registers (setmaxnreg) and one thread brings each key tile's K and V by bulk tensor copies
+ * (TMA; the kernel's second parameter holds the maps) into rings of STAGES stages, K and V apart
+ * (mbarriers: full when the bytes landed, empty when both consumers are done). The other two
+ * each own 64 rows of the 128-row tile and take turns on the tensor cores (ping-pong: named
+ * barriers 4 and 5), so that one's softmax runs while the other's products do; within a
+ * warpgroup the next tile's S is issued before this tile's P V as above. No CTA-wide barrier
+ * after the start. For dense K and V (no varlen, no seqused_k: rows past Lk are past the tensor,
+ * and the copies fill them with zeros), D = Dv.
  */
 #include "attn_fwd_tile.cuh"
 #include "wgmma.cuh"
 
-#define NUM_WG (BLOCK_M / 64)
+#ifndef WS
+#define WS 0
+#endif
+#define NUM_WG (BLOCK_M / 64)             /* warpgroups that compute */
 #define THREADS (NUM_WG * 128)
 #define NT (BLOCK_N / 8)                  /* n8 column groups of S per warp */
 #define OT (HEAD_DIM_V / 8)               /* n8 column groups of O per warp */
@@ -36,6 +49,9 @@
 
 #if HEAD_DIM % 64 || HEAD_DIM_V % 64 || !VEC_LOAD || PACK_GQA || SPLIT_KV
 #error "attn_fwd_sm90: D and Dv multiples of 64, 16-byte loads, no decode switches"
+#endif
+#if WS && (BLOCK_M != 128 || HEAD_DIM != HEAD_DIM_V || ELEM_F32)
+#error "attn_fwd_sm90 WS: 128-row tiles, D = Dv, 16-bit elements"
 #endif
 
 /* S (+)= Q K^T for one k16 step of this warpgroup's 64 rows. */
@@ -92,7 +108,7 @@ DEV void store_o_staged(const attn_params &p, const seq_t &sq, const float (&o)[
     }
 }
 
-#if ENTRY(attn_fwd_sm90)
+#if ENTRY(attn_fwd_sm90) && !WS
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -247,5 +263,213 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
         store_o_staged(p, sq, o[0], inv, sQ, m0, h);
     else
         store_o(p, sq, o, inv, row0, b, h, 1, 0);
+}
+#endif
+
+#if ENTRY(attn_fwd_sm90) && WS
+#include "sm90_pipe.cuh"
+
+#define WS_THREADS (THREADS + 128)        /* the producer warpgroup, then the two that compute */
+#define QW_BYTES (64 * HEAD_DIM * 2)      /* one computing warpgroup's 64 rows of Q */
+#define PRODUCER_REGS 24
+#define CONSUMER_REGS 240                 /* 24 + 2 x 240 = 3 x 168, what 384 threads start with */
+static_assert(64 * HEAD_DIM_V * 2 <= QW_BYTES, "the staged O tile does not fit its Q block");
+
+/* dst (shared) = the box of map at (col, head, row, outer), its bytes counted on bar */
+DEV void tma_box(uint32_t dst, const void *map, int col, int head, int row, int outer, uint32_t bar)
+{
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6];"
+                 ::"r"(dst), "l"(map), "r"(col), "r"(head), "r"(row), "r"(outer), "r"(bar) : "memory");
+}
+
+/* Ping-pong: a computing warpgroup waits for its turn (named barrier 4 + w), and hands the
+ * tensor cores to the other (4 + 1 - w) once its products are issued; 256 threads each. */
+DEV void turn_wait(int w) { named_sync(4 + w, 256); }
+DEV void turn_pass(int w) { asm volatile("bar.arrive %0, 256;" ::"r"(4 + (1 - w)) : "memory"); }
+
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+    attn_fwd_sm90(const __grid_constant__ attn_params p, const __grid_constant__ attn_tmaps maps)
+{
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    /* Q (two blocks of 64 rows), then K[STAGES], V[STAGES], then the barriers: full_k, empty_k,
+     * full_v, empty_v, STAGES each */
+    const uint32_t sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const uint32_t sK = sQ + Q_BYTES, sV = sK + STAGES * K_BYTES, bars = sV + STAGES * V_BYTES;
+    const uint32_t full_k = bars, empty_k = bars + 8 * STAGES, full_v = bars + 16 * STAGES,
+                   empty_v = bars + 24 * STAGES;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = tid >> 7;
+    const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (p.Hq / p.Hk);
+    const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;
+    if (m0 >= sq.rows)
+        return;
+    const int Lq = (int)sq.len, Lk = (int)sk.len;
+    const int r_end = min(m0 + BLOCK_M, Lq);
+    int64_t lo = 0, hi = 0;
+    if (m0 < Lq)
+        kv_range(&p, m0, r_end, Lq, Lk, &lo, &hi);
+    int n_first = (int)(lo / BLOCK_N), n_last = hi > lo ? (int)((hi - 1) / BLOCK_N) : -1;
+    const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
+    mod_narrow(sc, 1, true, m0, r_end, BLOCK_N, Lk, n_first, n_last);
+
+    if (tid == 0) {
+        for (int st = 0; st < STAGES; st++) {
+            mbar_init(full_k + 8 * st, 1);
+            mbar_init(empty_k + 8 * st, 8);              /* lane 0 of each computing warp */
+            mbar_init(full_v + 8 * st, 1);
+            mbar_init(empty_v + 8 * st, 8);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 0) {                                       /* the producer */
+        regs_lower<PRODUCER_REGS>();
+        if (warp != 0 || lane != 0)
+            return;
+        /* tile i of the visit (n = n_last - i) into stage i % STAGES, each of K and V once both
+         * computing warpgroups have released the stage's tile i - STAGES. K runs a tile ahead of
+         * V (K[i + 1], then V[i]): a step needs the S of its tile before the P V of the last. */
+        const int tiles = n_last - n_first + 1;
+        auto load = [&](int i, uint32_t full, uint32_t empty, uint32_t dst, const void *map, int bytes, int cols) {
+            const int st = i % STAGES;
+            int64_t mb, at;
+            key_row(&p, &sk, b, (int64_t)(n_last - i) * BLOCK_N, &mb, &at);
+            if (i >= STAGES)
+                mbar_wait(empty + 8 * st, (i / STAGES - 1) & 1);
+            mbar_arrive_expect_tx(full + 8 * st, bytes);
+            for (int hf = 0; hf < cols / 64; hf++)
+                tma_box(dst + st * bytes + hf * BLOCK_N * 128, map, hf * 64, (int)hk, (int)at, (int)mb, full + 8 * st);
+        };
+        if (tiles > 0)
+            load(0, full_k, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM);
+        for (int i = 0; i < tiles; i++) {
+            if (i + 1 < tiles)
+                load(i + 1, full_k, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM);
+            load(i, full_v, empty_v, sV, &maps.v, V_BYTES, HEAD_DIM_V);
+        }
+        return;
+    }
+
+    regs_raise<CONSUMER_REGS>();
+    const int w = wg - 1, cw = warp - 4, ctid = tid & 127;   /* computing warpgroup, its warp */
+    const int row0 = m0 + cw * 16;                       /* this warp's first row */
+    const uint32_t sQw = sQ + w * QW_BYTES;             /* this warpgroup's Q, later its O */
+    float o[1][OT][4];
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    zero_acc(o);
+    if (n_last < n_first) {
+        write_out(p, sq, sc.to_natural, o, m, l, row0, b, h, 1, 0, Lq);
+        return;
+    }
+    const elem_t *gq = (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + sq.start * p.q.s[1] + h * p.q.s[2];
+    load_sw128<64, HEAD_DIM, 128>(sQw, gq + (int64_t)(m0 + 64 * w) * p.q.s[1], p.q.s[1], r_end - m0 - 64 * w, ctid);
+    cp_async_commit();
+    cp_async_wait_all();
+    fence_proxy_async();
+    named_sync(2 + w, 128);                              /* this warpgroup's Q in shared memory */
+
+    auto issue_s = [&](float (&s)[NT][4], int st) {
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
+            const uint32_t off = (kk & 3) * 32;
+            s_step(s, sw128_desc(sQw + (kk >> 2) * (64 * 128) + off, 16, 1024),
+                   sw128_desc(sK + st * K_BYTES + (kk >> 2) * (BLOCK_N * 128) + off, 16, 1024), kk > 0);
+        }
+        wgmma_commit();
+    };
+    uint32_t pa[BLOCK_N / 16][4];                        /* P of the tile whose P V is next */
+    auto issue_pv = [&](int st) {
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; kk++)
+            o_step(o[0], pa[kk], sw128_desc(sV + st * V_BYTES + kk * 16 * 128, BLOCK_N * 128, 1024));
+        wgmma_commit();
+    };
+    auto release = [&](uint32_t bar) {
+        __syncwarp();
+        if (lane == 0)
+            mbar_arrive(bar);
+    };
+
+    /* Step i: S of tile i (n = n_last - i) and P V of tile i - 1 issued in this warpgroup's
+     * turn, then tile i's softmax beside P V; step 0 has no P V, a last step only P V. */
+    if (w == 1)
+        turn_pass(w);                                    /* warpgroup 0 goes first */
+    const int tiles = n_last - n_first + 1;
+    for (int i = 0; i < tiles; i++) {
+        const int n = n_last - i, st = i % STAGES, pst = (i + STAGES - 1) % STAGES;
+        float s[1][NT][4], corrs[2];
+        mbar_wait(full_k + 8 * st, (i / STAGES) & 1);
+        turn_wait(w);
+        issue_s(s[0], st);
+        const bool need = tile_needs_mask(p, sc, m0, BLOCK_M, r_end, n * BLOCK_N, BLOCK_N, 1, Lq, Lk);
+        if (i == 0) {
+            if (w == 0 || tiles > 1)
+                turn_pass(w);
+            wgmma_wait<0>();
+        } else {
+            mbar_wait(full_v + 8 * pst, ((i - 1) / STAGES) & 1);
+            issue_pv(pst);
+            if (w == 0 || i + 1 < tiles)                 /* warpgroup 1's last pass has no taker */
+                turn_pass(w);
+            wgmma_wait<1>();                             /* S; P V may still run */
+        }
+        release(empty_k + 8 * st);
+        fence_acc(s[0]);
+        score_tile(p, sc, s, row0, n * BLOCK_N, need, 1, Lq, Lk);
+        softmax_update(s, m, l, corrs, sc.to_log2);
+        if (i > 0) {
+            wgmma_wait<0>();
+            release(empty_v + 8 * pst);
+            fence_acc(o[0]);
+            rescale_o(o, corrs);
+        }
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; kk++)
+            p_fragment(s, 0, kk, pa[kk]);
+    }
+    {
+        const int pst = (tiles - 1) % STAGES;
+        mbar_wait(full_v + 8 * pst, ((tiles - 1) / STAGES) & 1);
+        issue_pv(pst);
+        wgmma_wait<0>();
+        fence_acc(o[0]);
+    }
+    float inv[2];
+    finish_rows<1>(p, sq, sc.to_natural, m, l, row0, b, h, 1, 0, Lq, inv);
+    const bool rows_16b = p.out.s[3] == 1 && (((uint64_t)p.out.ptr | (uint64_t)(p.out.s[0] | p.out.s[1] | p.out.s[2]) * 2) & 15) == 0;
+    if (!rows_16b) {
+        store_o(p, sq, o, inv, row0, b, h, 1, 0);
+        return;
+    }
+    /* O through this warpgroup's Q block (its S products are done): 64 rows of Dv * 2 bytes,
+     * 16-byte chunk c of row r at c ^ (r & 7) (a warp's 8 rows of a store meet 8 chunks: no bank
+     * conflict), then whole rows out with 16-byte stores */
+    named_sync(2 + w, 128);                              /* every warp's S products read Q */
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int r = (cw & 3) * 16 + g + i * 8;
+#pragma unroll
+        for (int nt = 0; nt < OT; nt++)
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(sQw + r * HEAD_DIM_V * 2 + ((nt ^ (r & 7)) << 4) + 4 * t),
+                         "r"(pack2(scaled_o(o[0][nt][2 * i], inv[i]), scaled_o(o[0][nt][2 * i + 1], inv[i]))));
+    }
+    named_sync(2 + w, 128);
+    constexpr int CH = HEAD_DIM_V / 8;
+    const int rows = min(64, (int)sq.rows - m0 - 64 * w);
+    elem_t *out = (elem_t *)p.out.ptr + sq.mem_b * p.out.s[0] + (sq.start + m0 + 64 * w) * p.out.s[1] + h * p.out.s[2];
+    for (int x = ctid; x < rows * CH; x += 128) {
+        const int r = x / CH, c = x % CH;
+        uint32_t x0, x1, x2, x3;
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(x0), "=r"(x1), "=r"(x2), "=r"(x3) : "r"(sQw + r * HEAD_DIM_V * 2 + ((c ^ (r & 7)) << 4)));
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(out + r * p.out.s[1] + c * 8),
+                     "r"(x0), "r"(x1), "r"(x2), "r"(x3) : "memory");
+    }
 }
 #endif

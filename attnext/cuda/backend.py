@@ -538,17 +538,19 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     arch = device_arch(device)
     paged = o.block_table is not None
     decode = pack or splits > 1
+    dense = not o.varlen and o.used_k is None and not paged and getattr(o, "whole_rows", None) is None
+    ws = not decode and select.fwd_ws(arch, o.D, o.Dv, features["vec"], rows, o.Sk, gen, features["dtype"], dense)
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
-                                     features["dtype"], paged, tma)
+                                     features["dtype"], paged, tma, ws)
     defines = select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen, paged=paged,
-                                 tma=tma)
-    smem = select.fwd_smem_bytes(o.D, o.Dv, tile, kernel, features["dtype"], tma)
+                                 tma=tma, ws=ws)
+    smem = select.fwd_smem_bytes(o.D, o.Dv, tile, kernel, features["dtype"], tma, ws)
     q_tiles = math.ceil(o.Sq * (o.Hq // o.Hk) / tile[0]) if pack else _query_tiles(rows, tile[0])
     grid = (q_tiles * splits, o.Hk if pack else o.Hq, o.B + (1 if o.varlen else 0))
     prob.out, prob.lse, prob.num_splits = _t(out4), _t(lse3), splits
     if paged:
         prob.page_size, prob.bt_stride = o.page_size, o.block_table.shape[1]
-    if tma:              # the rows of a tensor copy: a tile's, or a page's
+    if tma or ws:        # the rows of a tensor copy: a tile's, or a page's
         prob.tma_rows = min(tile[1], o.page_size) if paged else tile[1]
     template = _C.attn_template(prob)
     if not all(grid):                       # an empty grid (no heads, rows or batch) has nothing to write
@@ -559,7 +561,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
         _compile_backward_ahead(o, device, features, rows, gen, specs)
     nvrtc.prefetch(specs, arch, device)
     launches = [(nvrtc.function(kernel, kernel, defines, device, arch, smem, generated), grid,
-                 ((tile[2] + tma) * 32, 1, 1), smem)]     # TMA_KV: the producer warp besides
+                 ((tile[2] + tma + 4 * ws) * 32, 1, 1), smem)]   # the producer warp (TMA_KV) or warpgroup (WS)
     if splits == 1:
         return _Plan(template, tuple(launches))
     combine = nvrtc.function("attn_fwd", "attn_fwd_combine", defines, device, arch, 0, generated)

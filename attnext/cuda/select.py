@@ -26,7 +26,8 @@ MAX_SMEM_SM80 = 163 * 1024
 # choice is made; backend's plans are keyed on their values (knobs()), so a change through
 # _env.setenv() or _env.reload() takes effect at the next call.
 FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "ATTNEXT_FWD_SM90",
-             "ATTNEXT_TILE_SM90", "ATTNEXT_DECODE_TMA", "ATTNEXT_TILE_DECODE_TMA")
+             "ATTNEXT_TILE_SM90", "ATTNEXT_DECODE_TMA", "ATTNEXT_TILE_DECODE_TMA", "ATTNEXT_FWD_WS",
+             "ATTNEXT_TILE_FWD_WS")
 BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_DQ",
              "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_TILE_SUMS")
 
@@ -131,9 +132,33 @@ SM90_TILE_SHORT = (64, 64, 4)
 # (causal window 0.60 -> 0.50 ms, document mask 1.50 -> 1.45 ms against 128 x 64)
 SM90_TILE_MODS = (128, 64, 8)
 SM90_SHORT_ROWS = 1024
+# attn_fwd_sm90.cu's WS kernel: 128 x 128, two computing warpgroups (8 warps) beside the producer,
+# STAGES key tiles of K and of V in flight
+SM90_TILE_WS = (128, 128, 8, 2)
 
 
-def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", paged=False, tma=False):
+def fwd_ws_tile():
+    """(BLOCK_M, BLOCK_N, computing warps, STAGES) of the WS forward; the lab's ATTNEXT_TILE_FWD_WS."""
+    env = _env.get("ATTNEXT_TILE_FWD_WS")
+    return tuple(int(x) for x in env.split(",")) if env else SM90_TILE_WS
+
+
+def fwd_ws(arch, D, Dv, vec, rows, key_rows, mods=None, dtype="bfloat16", dense=False):
+    """Whether a (non-decode) forward runs attn_fwd_sm90.cu's warp-specialised kernel (WS): where
+    the 128 x 128 tile would (D = Dv = 128, rows past SM90_SHORT_ROWS), without a score_mod /
+    mask_mod, over dense keys (dense: no varlen, seqused_k or page table: the bulk copies' zeros
+    past the tensor are the only rows past Lk) of at least a tile's rows (a copy's box is a whole
+    tile), and a driver that makes tensor maps. ATTNEXT_FWD_WS=0 says no (the lab's comparison)."""
+    flag = _env.get("ATTNEXT_FWD_WS") or "1"
+    if not (arch == "sm_90a" and vec and D == Dv == 128 and dtype != "float32" and mods is None and dense
+            and rows > SM90_SHORT_ROWS and key_rows >= fwd_ws_tile()[1] and flag != "0"
+            and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
+        return False
+    from .. import _C
+    return _C.cuda_tensor_maps()
+
+
+def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", paged=False, tma=False, ws=False):
     """(kernel source, tile) of the forward: kernels/attn_fwd_sm90.cu (wgmma) on sm_90a for
     16-byte-loadable inputs with D, Dv in {64, 128}, else kernels/attn_fwd.cu (mma.sync, every
     shape, and the decode paths). rows: the longest query sequence; mods: the generated
@@ -142,9 +167,11 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
     plain tiles. ATTNEXT_FWD_SM90=0 keeps Hopper on attn_fwd.cu (the lab's and the tests'
     comparison). float32 runs attn_fwd.cu (TF32 mma.sync) everywhere, and so does a paged cache
     (paged: its key rows are gathered through the page table, PAGED). tma (decode_tma): a
-    decode takes TMA_KV's tile (4 ints: the stages last)."""
+    decode takes TMA_KV's tile (4 ints: the stages last); ws (fwd_ws): the WS kernel's tile."""
     if decode and tma:
         return "attn_fwd", decode_tma_tile()
+    if ws and not decode:
+        return "attn_fwd_sm90", fwd_ws_tile()
     if (arch == "sm_90a" and not decode and not paged and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
             and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
         env = _env.get("ATTNEXT_TILE_SM90")      # the kernel lab's override: "128,64,8"
@@ -166,8 +193,10 @@ def sm90_staged_o_fits(D, Dv, tile):
     return bm * (Dv + 8) * 2 <= bm * D * 2 + 2 * bn * D * 2
 
 
-def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd", dtype="bfloat16", tma=False):
+def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd", dtype="bfloat16", tma=False, ws=False):
     bm, bn = tile[:2]
+    if ws:            # Q, STAGES x K, STAGES x V swizzled, 1024-aligned, then 4 x STAGES mbarriers
+        return 2 * (bm * D + tile[3] * bn * (D + Dv)) + 1024 + 32 * tile[3]
     if kernel == "attn_fwd_sm90":     # Q, K[2], V[2] in 128-byte swizzled rows, 1024-aligned
         return 2 * (bm * D + 2 * bn * D + 2 * bn * Dv) + 1024
     size = ITEMSIZE[dtype]
@@ -222,16 +251,18 @@ def entry_defines(defines, name):
 
 
 def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile,
-                pack_gqa=False, split_kv=False, mods=None, tf32=False, paged=False, tma=False):
+                pack_gqa=False, split_kv=False, mods=None, tf32=False, paged=False, tma=False, ws=False):
     """The #defines of one forward variant. bias_dtype / alibi_dtype: a dtype name or None;
     tf32: float32 in single-pass TF32 (precision="tf32"); paged: k and v are a paged cache.
     tile: (BLOCK_M, BLOCK_N, NUM_WARPS[, MIN_BLOCKS: CTAs per SM the registers must allow]), or
-    with tma (TMA_KV: a producer warp's bulk tensor copies) (BLOCK_M, BLOCK_N, NUM_WARPS, STAGES).
-    mods: the generated score_mod / mask_mod (codegen.Generated) or None."""
+    with tma (TMA_KV: a producer warp's bulk tensor copies) or ws (attn_fwd_sm90.cu's WS kernel)
+    (BLOCK_M, BLOCK_N, NUM_WARPS, STAGES). mods: the generated score_mod / mask_mod
+    (codegen.Generated) or None."""
     bm, bn, w = tile[:3]
     return mod_defines({
-        "MIN_BLOCKS": 1 if tma or len(tile) < 4 else tile[3],
+        "MIN_BLOCKS": 1 if tma or ws or len(tile) < 4 else tile[3],
         **({"TMA_KV": 1, "STAGES": tile[3]} if tma else {}),
+        **({"WS": 1, "STAGES": tile[3]} if ws else {}),
         "PACK_GQA": int(pack_gqa), "SPLIT_KV": int(split_kv), **dtype_defines(dtype, tf32),
         **({"PAGED": 1} if paged else {}),
         "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
@@ -542,6 +573,7 @@ def sm90_fwd_variants():
             out.append(base)
             out.append({**base, "tile": SM90_TILE_SHORT})
             if (D, Dv) == (128, 128):
+                out.append({**base, "tile": SM90_TILE_WS, "ws": True})
                 out.append({**base, "softcap": True})
                 out.append({**base, "bias_dtype": dtype})
                 out.append({**base, "bias_dtype": "float32", "mask": True, "alibi_dtype": "float32"})

@@ -96,6 +96,38 @@ def test_forward_kernels_with_every_option(kernel, d, dv, rng, monkeypatch):
     assert (out[400:] == 0).all() and np.isneginf(lse[:, 400:]).all()
 
 
+@pytest.mark.parametrize("kernel", ["ws", "two_warpgroups"])
+def test_long_forward_with_every_option(kernel, rng, monkeypatch):
+    """D = 128 past 1024 query rows over dense keys: on Hopper attn_fwd_sm90.cu's warp-specialised
+    kernel (a producer warpgroup's tensor copies, two computing warpgroups taking turns), and with
+    ATTNEXT_FWD_WS=0 the two-warpgroup kernel, both on every option: a last query tile whose
+    second warpgroup has no rows (1050 = 8 x 128 + 26), keys past the last whole tile (1333),
+    GQA, bhsd, causal both ways, windows, bias, mask, ALiBi, softcap, sinks, a strided out."""
+    from attnext.cuda import select
+    from attnext.cuda.backend import device_arch
+    if kernel == "two_warpgroups":
+        monkeypatch.setenv("ATTNEXT_FWD_WS", "0")
+    elif device_arch(0) == "sm_90a":
+        assert select.fwd_ws("sm_90a", 128, 128, True, 1050, 1333, dense=True)
+    q, k, v = make_qkv(rng, 2, 1050, 1333, 4, 2, 128, 128, BF16)
+    _check_forward(q, k, v, BF16)
+    _check_forward(q, k, v, BF16, causal=True)
+    _check_forward(q, k, v, BF16, causal="top_left", window=(300, 0))
+    bias = randn(rng, (4, 1050, 1), np.float32)             # broadcast over batch and keys
+    mask = rng.random((2, 1, 1050, 1333)) > 0.1
+    slopes = rng.random(4).astype(np.float32)
+    _check_forward(q, k, v, BF16, bias=bias, mask=mask, alibi_slopes=slopes, softcap=5.0,
+                   window=(500, 7), causal=True)
+    _check_forward(q, k, v, BF16, sinks=randn(rng, (4,), np.float32), causal=True)
+    q, k, v = make_qkv(rng, 1, 1300, 1200, 8, 8, 128, 128, F16, layout="bhsd")
+    _check_forward(q, k, v, F16, layout="bhsd", causal=True)
+    torch = pytest.importorskip("torch")
+    out = torch.zeros((1, 8, 1300, 130), dtype=torch.float16, device="cuda")[..., 1:129]   # no 16-byte rows
+    tq, tk, tv = (torch.from_numpy(x).cuda() for x in (q, k, v))
+    attnext.attention(tq, tk, tv, layout="bhsd", out=out)
+    assert_close("out", out.cpu().numpy(), reference.attention(q, k, v, layout="bhsd"), F16)
+
+
 @pytest.mark.parametrize("kernel", ["default", "mma_sync"])
 @pytest.mark.parametrize("sq, sk", [(200, 300), (1, 5000)], ids=["tiles", "split_kv"])
 def test_nan_propagates(kernel, sq, sk, rng, monkeypatch):

@@ -100,6 +100,42 @@ def test_hopper_decode_by_tensor_copies_where_it_applies(monkeypatch):
     assert not any("TMA_KV" in d for k, d in select.variants("sm_80"))
 
 
+def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
+    """attn_fwd_sm90.cu's WS kernel: Hopper, 16-bit, D = Dv = 128, rows past SM90_SHORT_ROWS,
+    no mods, dense keys of at least a tile's rows, a driver with tensor maps, ATTNEXT_FWD_WS not
+    0; its tile, defines and shared memory (three stages of K and V still fit an SM)."""
+    from attnext import _C, _env
+    from attnext.mods import codegen, trace
+    monkeypatch.setattr(_C, "cuda_tensor_maps", lambda: True)
+    ok = dict(arch="sm_90a", D=128, Dv=128, vec=True, rows=4096, key_rows=4096, dtype="bfloat16", dense=True)
+    assert select.fwd_ws(**ok) and select.fwd_ws(**{**ok, "dtype": "float16"})
+    mods = codegen.generate(None, trace.trace_mask_mod(lambda b, h, q, kv: q - kv < 100))
+    for change in (dict(arch="sm_80"), dict(D=64, Dv=64), dict(Dv=64), dict(vec=False), dict(dtype="float32"),
+                   dict(rows=select.SM90_SHORT_ROWS), dict(key_rows=127), dict(dense=False), dict(mods=mods)):
+        assert not select.fwd_ws(**{**ok, **change}), change
+    monkeypatch.setattr(_C, "cuda_tensor_maps", lambda: False)
+    assert not select.fwd_ws(**ok)
+    monkeypatch.setattr(_C, "cuda_tensor_maps", lambda: True)
+    for name in ("ATTNEXT_FWD_WS", "ATTNEXT_FWD_SM90"):
+        _env.setenv(name, "0")
+        try:
+            assert not select.fwd_ws(**ok), name
+        finally:
+            _env.setenv(name, None)
+    tile = select.fwd_ws_tile()
+    assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, ws=True) == ("attn_fwd_sm90", tile)
+    assert select.fwd_kernel("sm_90a", 128, 128, True, True, 1, ws=True)[0] == "attn_fwd"   # decode: never WS
+    d = select.fwd_defines(dtype="bfloat16", D=128, Dv=128, vec=True, softcap=False, bias_dtype=None,
+                           alibi_dtype=None, mask=False, tile=tile, ws=True)
+    assert (d["WS"], d["STAGES"], d["MIN_BLOCKS"], d["BLOCK_M"], d["BLOCK_N"]) == (1, tile[3], 1, 128, 128)
+    smem = select.fwd_smem_bytes(128, 128, tile, "attn_fwd_sm90", ws=True)
+    assert smem == 2 * (128 * 128 + tile[3] * 128 * 256) + 1024 + 32 * tile[3]
+    three = select.fwd_smem_bytes(128, 128, (128, 128, 8, 3), "attn_fwd_sm90", ws=True)
+    assert three + 1024 <= select.SM90_SHARED_BYTES
+    assert any(d.get("WS") for k, d in select.variants("sm_90a"))
+    assert not any(d.get("WS") for k, d in select.variants("sm_80"))
+
+
 def test_hopper_takes_the_wgmma_forward_where_it_applies(monkeypatch):
     assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096) == ("attn_fwd_sm90", select.SM90_TILE_LONG)
     assert select.fwd_kernel("sm_90a", 128, 128, True, False, 512) == ("attn_fwd_sm90", select.SM90_TILE_SHORT)
