@@ -144,13 +144,13 @@ def fwd_ws_tile():
 
 
 def fwd_ws(arch, D, Dv, vec, rows, key_rows, mods=None, dtype="bfloat16", dense=False):
-    """Whether a (non-decode) forward runs attn_fwd_sm90.cu's warp-specialised kernel (WS): where
-    the 128 x 128 tile would (D = Dv = 128, rows past SM90_SHORT_ROWS), without a score_mod /
+    """Whether a (non-decode) forward runs attn_fwd_sm90.cu's warp-specialised kernel (WS): D = Dv
+    in {64, 128} past SM90_SHORT_ROWS rows, without a score_mod /
     mask_mod, over dense keys (dense: no varlen, seqused_k or page table: the bulk copies' zeros
     past the tensor are the only rows past Lk) of at least a tile's rows (a copy's box is a whole
     tile), and a driver that makes tensor maps. ATTNEXT_FWD_WS=0 says no (the lab's comparison)."""
     flag = _env.get("ATTNEXT_FWD_WS") or "1"
-    if not (arch == "sm_90a" and vec and D == Dv == 128 and dtype != "float32" and mods is None and dense
+    if not (arch == "sm_90a" and vec and D == Dv and D in (64, 128) and dtype != "float32" and mods is None and dense
             and rows > SM90_SHORT_ROWS and key_rows >= fwd_ws_tile()[1] and flag != "0"
             and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
         return False
@@ -562,8 +562,8 @@ def bwd_variants():
 
 
 def sm90_fwd_variants():
-    """attn_fwd_sm90's variants (sm_90a only): both dtypes, the head dims it takes, and each
-    feature on its own at D = 128; and attn_fwd.cu's TMA_KV decode (packed GQA, split or not,
+    """attn_fwd_sm90's variants (sm_90a only): both dtypes, the head dims it takes (the WS kernel's
+    where D = Dv), and each feature on its own at D = 128 on the WS kernel; and attn_fwd.cu's TMA_KV decode (packed GQA, split or not,
     contiguous or paged)."""
     out = []
     for dtype in ("bfloat16", "float16"):
@@ -572,11 +572,13 @@ def sm90_fwd_variants():
                         alibi_dtype=None, mask=False, tile=SM90_TILE_LONG)
             out.append(base)
             out.append({**base, "tile": SM90_TILE_SHORT})
-            if (D, Dv) == (128, 128):
+            if D == Dv:
                 out.append({**base, "tile": SM90_TILE_WS, "ws": True})
-                out.append({**base, "softcap": True})
-                out.append({**base, "bias_dtype": dtype})
-                out.append({**base, "bias_dtype": "float32", "mask": True, "alibi_dtype": "float32"})
+            if (D, Dv) == (128, 128):       # on the tile dense long rows take
+                ws = {**base, "tile": SM90_TILE_WS, "ws": True}
+                out.append({**ws, "softcap": True})
+                out.append({**ws, "bias_dtype": dtype})
+                out.append({**ws, "bias_dtype": "float32", "mask": True, "alibi_dtype": "float32"})
     decode = [dict(dtype=dtype, D=D, Dv=D, vec=True, softcap=False, bias_dtype=None, alibi_dtype=None,
                    mask=False, tile=DECODE_TMA_TILE, pack_gqa=True, split_kv=split, tma=True)
               for dtype in ("bfloat16", "float16") for D in (64, 128) for split in (True, False)]

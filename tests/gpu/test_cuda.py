@@ -97,8 +97,9 @@ def test_forward_kernels_with_every_option(kernel, d, dv, rng, monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", ["ws", "two_warpgroups"])
-def test_long_forward_with_every_option(kernel, rng, monkeypatch):
-    """D = 128 past 1024 query rows over dense keys: on Hopper attn_fwd_sm90.cu's warp-specialised
+@pytest.mark.parametrize("d", [64, 128])
+def test_long_forward_with_every_option(kernel, d, rng, monkeypatch):
+    """D = Dv = 64 or 128 past 1024 query rows over dense keys: on Hopper attn_fwd_sm90.cu's warp-specialised
     kernel (a producer warpgroup's tensor copies, two computing warpgroups taking turns), and with
     ATTNEXT_FWD_WS=0 the two-warpgroup kernel, both on every option: a last query tile whose
     second warpgroup has no rows (1050 = 8 x 128 + 26), keys past the last whole tile (1333),
@@ -108,8 +109,8 @@ def test_long_forward_with_every_option(kernel, rng, monkeypatch):
     if kernel == "two_warpgroups":
         monkeypatch.setenv("ATTNEXT_FWD_WS", "0")
     elif device_arch(0) == "sm_90a":
-        assert select.fwd_ws("sm_90a", 128, 128, True, 1050, 1333, dense=True)
-    q, k, v = make_qkv(rng, 2, 1050, 1333, 4, 2, 128, 128, BF16)
+        assert select.fwd_ws("sm_90a", d, d, True, 1050, 1333, dense=True)
+    q, k, v = make_qkv(rng, 2, 1050, 1333, 4, 2, d, d, BF16)
     _check_forward(q, k, v, BF16)
     _check_forward(q, k, v, BF16, causal=True)
     _check_forward(q, k, v, BF16, causal="top_left", window=(300, 0))
@@ -119,10 +120,10 @@ def test_long_forward_with_every_option(kernel, rng, monkeypatch):
     _check_forward(q, k, v, BF16, bias=bias, mask=mask, alibi_slopes=slopes, softcap=5.0,
                    window=(500, 7), causal=True)
     _check_forward(q, k, v, BF16, sinks=randn(rng, (4,), np.float32), causal=True)
-    q, k, v = make_qkv(rng, 1, 1300, 1200, 8, 8, 128, 128, F16, layout="bhsd")
+    q, k, v = make_qkv(rng, 1, 1300, 1200, 8, 8, d, d, F16, layout="bhsd")
     _check_forward(q, k, v, F16, layout="bhsd", causal=True)
     torch = pytest.importorskip("torch")
-    out = torch.zeros((1, 8, 1300, 130), dtype=torch.float16, device="cuda")[..., 1:129]   # no 16-byte rows
+    out = torch.zeros((1, 8, 1300, d + 2), dtype=torch.float16, device="cuda")[..., 1:d + 1]   # no 16-byte rows
     tq, tk, tv = (torch.from_numpy(x).cuda() for x in (q, k, v))
     attnext.attention(tq, tk, tv, layout="bhsd", out=out)
     assert_close("out", out.cpu().numpy(), reference.attention(q, k, v, layout="bhsd"), F16)

@@ -101,16 +101,16 @@ def test_hopper_decode_by_tensor_copies_where_it_applies(monkeypatch):
 
 
 def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
-    """attn_fwd_sm90.cu's WS kernel: Hopper, 16-bit, D = Dv = 128, rows past SM90_SHORT_ROWS,
+    """attn_fwd_sm90.cu's WS kernel: Hopper, 16-bit, D = Dv in {64, 128}, rows past SM90_SHORT_ROWS,
     no mods, dense keys of at least a tile's rows, a driver with tensor maps, ATTNEXT_FWD_WS not
     0; its tile, defines and shared memory (three stages of K and V still fit an SM)."""
     from attnext import _C, _env
     from attnext.mods import codegen, trace
     monkeypatch.setattr(_C, "cuda_tensor_maps", lambda: True)
     ok = dict(arch="sm_90a", D=128, Dv=128, vec=True, rows=4096, key_rows=4096, dtype="bfloat16", dense=True)
-    assert select.fwd_ws(**ok) and select.fwd_ws(**{**ok, "dtype": "float16"})
+    assert select.fwd_ws(**ok) and select.fwd_ws(**{**ok, "dtype": "float16"}) and select.fwd_ws(**{**ok, "D": 64, "Dv": 64})
     mods = codegen.generate(None, trace.trace_mask_mod(lambda b, h, q, kv: q - kv < 100))
-    for change in (dict(arch="sm_80"), dict(D=64, Dv=64), dict(Dv=64), dict(vec=False), dict(dtype="float32"),
+    for change in (dict(arch="sm_80"), dict(D=96, Dv=96), dict(Dv=64), dict(vec=False), dict(dtype="float32"),
                    dict(rows=select.SM90_SHORT_ROWS), dict(key_rows=127), dict(dense=False), dict(mods=mods)):
         assert not select.fwd_ws(**{**ok, **change}), change
     monkeypatch.setattr(_C, "cuda_tensor_maps", lambda: False)
