@@ -345,6 +345,8 @@ def _ring_backward(ring, dout, dlse, q, k, v, out, lse):
             before = g.finish(dkv)
             dk += before[0]
             dv += before[1]
+        if pending is None:                   # the last hop carries the whole sum: in k's dtype
+            dk, dv = dk.to(k.dtype), dv.to(v.dtype)   # (half the exposed bytes in bf16)
         dkv = g.exchange((dk, dv))
         if pending is not None:
             kv = tuple(g.finish(pending))
