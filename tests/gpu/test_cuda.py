@@ -103,7 +103,8 @@ def test_long_forward_with_every_option(kernel, d, rng, monkeypatch):
     kernel (a producer warpgroup's tensor copies, two computing warpgroups taking turns), and with
     ATTNEXT_FWD_WS=0 the two-warpgroup kernel, both on every option: a last query tile whose
     second warpgroup has no rows (1050 = 8 x 128 + 26), keys past the last whole tile (1333),
-    GQA, bhsd, causal both ways, windows, bias, mask, ALiBi, softcap, sinks, a strided out."""
+    GQA, bhsd, causal both ways, windows, bias, mask, ALiBi, softcap, sinks, rows of huge finite
+    scores (the softmax's exact path), a strided out."""
     from attnext.cuda import select
     from attnext.cuda.backend import device_arch
     if kernel == "two_warpgroups":
@@ -120,6 +121,7 @@ def test_long_forward_with_every_option(kernel, d, rng, monkeypatch):
     _check_forward(q, k, v, BF16, bias=bias, mask=mask, alibi_slopes=slopes, softcap=5.0,
                    window=(500, 7), causal=True)
     _check_forward(q, k, v, BF16, sinks=randn(rng, (4,), np.float32), causal=True)
+    _check_forward((q.astype(np.float32) * 3e4).astype(BF16), k, v, BF16, causal=True)   # huge finite scores
     q, k, v = make_qkv(rng, 1, 1300, 1200, 8, 8, d, d, F16, layout="bhsd")
     _check_forward(q, k, v, F16, layout="bhsd", causal=True)
     torch = pytest.importorskip("torch")
