@@ -60,14 +60,15 @@ class _Group:
         self.next = dist.get_global_rank(whole, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(whole, (self.rank - 1) % self.size)
 
-    def exchange(self, tensors):
+    def exchange(self, tensors, back=False):
         """Starts sending tensors to the next rank and receiving their like from the previous
-        one; finish() the result to wait for them."""
+        one (back: to the previous, from the next); finish() the result to wait for them."""
         if self.size == 1:
             return list(tensors), [], ()
+        to, source = (self.prev, self.next) if back else (self.next, self.prev)
         recv = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
+        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in recv]
         return recv, dist.batch_isend_irecv(ops), tuple(tensors)   # the sent kept until done
 
     @staticmethod
@@ -297,6 +298,7 @@ class _Ring:
 
 
 def _ring_forward(ring, q, k, v):
+    """(out, lse, the K and V block the ring ended with: rank + 1's, the backward's first)."""
     g = ring.g
     out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=_acc(q), device=q.device)
     lse = torch.empty(lse_shape(q.shape, ring.layout), dtype=_acc(q), device=q.device)
@@ -315,19 +317,23 @@ def _ring_forward(ring, q, k, v):
             l_rows.copy_(_tensor(l))
         if pending is not None:
             kv = tuple(g.finish(pending))
-    return out.to(q.dtype), lse
+    return out.to(q.dtype), lse, kv
 
 
-def _ring_backward(ring, dout, dlse, q, k, v, out, lse):
+def _ring_backward(ring, dout, dlse, q, k, v, out, lse, kv):
+    """The ring backward. It visits the blocks the other way round, starting with the one the
+    forward ended with (kv: rank + 1's) and ending with this rank's own: K and V, and one step
+    behind them the float32 dK / dV accumulators of each block, pass to the previous rank, and a
+    block's accumulators end their way at its owner's last step, under its own call: no transfer
+    is left after the last step."""
     g = ring.g
     acc = _acc(q)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv = (k.contiguous(), v.contiguous())
     dkv = None                                # the (dK, dV) accumulators on their way
     dtensors = {n: None for n in ring.captured}
     for step in range(g.size):
-        j = (g.rank - step) % g.size
-        pending = g.exchange(kv) if step + 1 < g.size else None
+        j = (g.rank + 1 + step) % g.size
+        pending = g.exchange(kv, back=True) if step + 1 < g.size else None
         dk = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
         dv = torch.zeros(kv[1].shape, dtype=acc, device=q.device)
         for qspan, kspan, causal in ring.blocks(j):
@@ -341,34 +347,31 @@ def _ring_backward(ring, dout, dlse, q, k, v, out, lse):
             ring.rows(dq, qspan).add_(_tensor(grads.dq))
             ring.rows(dk, kspan).add_(_tensor(grads.dk))
             ring.rows(dv, kspan).add_(_tensor(grads.dv))
-        if dkv is not None:                   # what the previous rank gathered for block j
+        if dkv is not None:                   # what the next rank gathered for block j
             before = g.finish(dkv)
             dk += before[0]
             dv += before[1]
-        if pending is None:                   # the last hop carries the whole sum: in k's dtype
-            dk, dv = dk.to(k.dtype), dv.to(v.dtype)   # (half the exposed bytes in bf16)
-        dkv = g.exchange((dk, dv))
-        if pending is not None:
+        if pending is not None:               # on to the rank that visits block j next
+            dkv = g.exchange((dk, dv), back=True)
             kv = tuple(g.finish(pending))
-    dk, dv = g.finish(dkv)                    # block r's, from the rank that saw it last
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), _captured_grads(ring, dtensors)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring, *captured):
-        out, lse = _ring_forward(ring, q.detach(), k.detach(), v.detach())
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse, (k_last, v_last) = _ring_forward(ring, q.detach(), k.detach(), v.detach())
+        ctx.save_for_backward(q, k, v, out, lse, k_last, v_last)
         ctx.ring = ring
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, k_last, v_last = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv, dcaptured = _ring_backward(ctx.ring, dout, dlse, q, k, v, out, lse)
+        dq, dk, dv, dcaptured = _ring_backward(ctx.ring, dout, dlse, q, k, v, out, lse, (k_last, v_last))
         return (dq, dk, dv, None, *dcaptured)
 
 

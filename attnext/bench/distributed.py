@@ -86,7 +86,7 @@ class _NoTransfer:
         self.saved = axd._Group.exchange
 
     def __enter__(self):
-        axd._Group.exchange = lambda self, tensors: (list(tensors), [], ())
+        axd._Group.exchange = lambda self, tensors, back=False: (list(tensors), [], ())
 
     def __exit__(self, *exc):
         axd._Group.exchange = self.saved
@@ -113,16 +113,15 @@ def run_row(S, args, device, dtype):
     group = axd._Group(None)
 
     def comm(sends):                           # the forward's transfers, then the backward's
-        def run():
+        def run():                             # (K / V and the float32 dK / dV, N - 1 hops each)
             x = blocks
             for _ in range(world - 1):
                 x = group.finish(group.exchange(x))
             if sends > 1:
                 x, d = blocks, tuple(torch.zeros_like(b, dtype=torch.float32) for b in blocks)
                 for _ in range(world - 1):
-                    x = group.finish(group.exchange(x))
-                for _ in range(world):
-                    d = group.finish(group.exchange(d))
+                    x = group.finish(group.exchange(x, back=True))
+                    d = group.finish(group.exchange(d, back=True))
         return run
 
     row = {"S": S, "heads": args.heads, "dim": args.dim, "causal": args.causal, "ranks": world,

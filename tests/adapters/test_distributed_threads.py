@@ -1,5 +1,5 @@
 """attnext.distributed's ring with its ranks as threads of one process: a stand-in for the group
-hands each rank's sends to the next rank's queue (in order, as NCCL and gloo pair them), so every
+hands each rank's sends to its neighbour's queue (in order, as NCCL and gloo pair them), so every
 step of the ring runs on one device: the calls on row ranges of the blocks, the merges, the dK /
 dV hand-off. On the CPU it runs in CI beside the gloo tests; under -m gpu with CUDA tensors it is
 the multi-rank CUDA run one GPU allows (NCCL refuses two ranks on one GPU)."""
@@ -20,11 +20,12 @@ from test_distributed import _part  # noqa: E402  (the parts as the API's docstr
 
 class _Member:
     """Rank `rank` of a ring of threads: what attnext.distributed reads of its _Group (shared:
-    the ranks' queues, a barrier and a board for all_reduce)."""
+    a queue for each (receiver, sender) pair, in order as NCCL and gloo pair a peer's messages,
+    a barrier and a board for all_reduce)."""
 
     def __init__(self, shared, rank):
         self.boxes, self.barrier, self.board = shared
-        self.rank, self.size, self.group = rank, len(self.boxes), None
+        self.rank, self.size, self.group = rank, len(self.board), None
         self.next, self.prev = (rank + 1) % self.size, (rank - 1) % self.size
 
     def all_reduce(self, t):
@@ -33,12 +34,13 @@ class _Member:
         t.copy_(sum(self.board))
         self.barrier.wait()
 
-    def exchange(self, tensors):
-        self.boxes[self.next].put([t.clone() for t in tensors])
-        return None, [], tuple(tensors)
+    def exchange(self, tensors, back=False):
+        to, source = (self.prev, self.next) if back else (self.next, self.prev)
+        self.boxes[to, self.rank].put([t.clone() for t in tensors])
+        return source, [], tuple(tensors)
 
     def finish(self, pending):
-        return self.boxes[self.rank].get(timeout=120)
+        return self.boxes[self.rank, pending[0]].get(timeout=120)
 
     def agree(self, device, **fields):
         pass
@@ -68,7 +70,8 @@ def test_ring_of_threads_matches_the_whole(monkeypatch, device, world, causal, m
     want = axt.attention(Qw, Kw, Vw, **dict(opts, causal=causal and "top_left"))
     want_grads = torch.autograd.grad(want, [Qw, Kw, Vw] + ([slopes] if mods else []), dO)
 
-    shared = ([queue.Queue() for _ in range(world)], threading.Barrier(world, timeout=120), [None] * world)
+    boxes = {(a, b): queue.Queue() for a in range(world) for b in range(world)}
+    shared = (boxes, threading.Barrier(world, timeout=120), [None] * world)
     got, errors = [None] * world, []
 
     def rank(r):
