@@ -511,7 +511,15 @@ def _decode_tma(o, features, arch):
     """Whether a decode-shaped forward runs attn_fwd.cu's TMA_KV (select.decode_tma), and not
     with a score_mod / mask_mod: those stay on the cp.async kernel, the one their decode has run
     and been tested on a GPU with."""
-    return not _has_mods(o) and select.decode_tma(arch, o.D, o.Dv, features["vec"], features["dtype"], o.page_size)
+    return (not _has_mods(o) and _tma_strides(o)
+            and select.decode_tma(arch, o.D, o.Dv, features["vec"], features["dtype"], o.page_size))
+
+
+def _tma_strides(o):
+    """Whether k's and v's strides suit a tensor map: none 0 (a broadcast array, e.g. torch's
+    expand: the bulk copies' maps describe memory by strides, which cuTensorMapEncodeTiled
+    may refuse at 0); such calls keep the cp.async kernels."""
+    return all(s > 0 for x in (o.k4, o.v4) for s in x.strides[:3])
 
 
 def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None):
@@ -538,7 +546,8 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     arch = device_arch(device)
     paged = o.block_table is not None
     decode = pack or splits > 1
-    dense = not o.varlen and o.used_k is None and not paged and getattr(o, "whole_rows", None) is None
+    dense = (not o.varlen and o.used_k is None and not paged and getattr(o, "whole_rows", None) is None
+             and _tma_strides(o))
     ws = not decode and select.fwd_ws(arch, o.D, o.Dv, features["vec"], rows, o.Sk, gen, features["dtype"], dense)
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
                                      features["dtype"], paged, tma, ws)

@@ -129,6 +129,12 @@ def test_long_forward_with_every_option(kernel, d, rng, monkeypatch):
     tq, tk, tv = (torch.from_numpy(x).cuda() for x in (q, k, v))
     attnext.attention(tq, tk, tv, layout="bhsd", out=out)
     assert_close("out", out.cpu().numpy(), reference.attention(q, k, v, layout="bhsd"), F16)
+    kb, vb = (x[:1].expand(2, -1, -1, -1) for x in (tk, tv))     # a batch stride of 0: no tensor maps
+    qb = torch.cat([tq, tq])
+    got = attnext.attention(qb, kb, vb, layout="bhsd", causal=True)
+    want = reference.attention(np.concatenate([q, q]), np.concatenate([k, k]), np.concatenate([v, v]),
+                               layout="bhsd", causal=True)
+    assert_close("out", got.cpu().numpy(), want, F16)
 
 
 @pytest.mark.parametrize("kernel", ["default", "mma_sync"])
