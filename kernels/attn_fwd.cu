@@ -55,14 +55,6 @@ static_assert(!ELEM_F32 && (HEAD_DIM == 64 || HEAD_DIM == 128) && (HEAD_DIM_V ==
                   && DP == HEAD_DIM && DVP == HEAD_DIM_V,
               "TMA_KV takes 16-bit rows of 64 or 128 columns (select.decode_tma)");
 
-/* dst (shared) = the box of map at coordinates (col, head, row, outer), its bytes counted on bar */
-DEV void tma_load_4d(uint32_t dst, const void *map, int col, int head, int row, int outer, uint32_t bar)
-{
-    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-                 " [%0], [%1, {%2, %3, %4, %5}], [%6];"
-                 ::"r"(dst), "l"(map), "r"(col), "r"(head), "r"(row), "r"(outer), "r"(bar) : "memory");
-}
-
 /* The producer warp: key tiles n_last down to n_first into stage i % STAGES (tile i of the
  * visit), once the consumers have released the stage's previous tile (empty); lane 0 announces
  * the tile's bytes to full with the one arrival, and lane j issues the copies of the tile's

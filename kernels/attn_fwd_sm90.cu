@@ -108,6 +108,26 @@ DEV void store_o_staged(const attn_params &p, const seq_t &sq, const float (&o)[
     }
 }
 
+/* This CTA's query tile of sequence b: the sequences' extents, rows [m0, r_end) (r_end: the end
+ * of the real rows) and the key tiles n_first..n_last it visits (kv_range: the causal / window
+ * band; none is n_last < n_first). False when the tile lies past the sequence's rows. */
+DEV bool query_tile(const attn_params &p, int64_t b, seq_t &sq, seq_t &sk, int &m0, int &r_end, int &n_first,
+                    int &n_last)
+{
+    sq = seq_q(&p, b);
+    sk = seq_k(&p, b);
+    m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;
+    if (m0 >= sq.rows)
+        return false;
+    r_end = min(m0 + BLOCK_M, (int)sq.len);
+    int64_t lo = 0, hi = 0;
+    if (m0 < sq.len)
+        kv_range(&p, m0, r_end, (int)sq.len, (int)sk.len, &lo, &hi);
+    n_first = (int)(lo / BLOCK_N);
+    n_last = hi > lo ? (int)((hi - 1) / BLOCK_N) : -1;
+    return true;
+}
+
 #if ENTRY(attn_fwd_sm90) && !WS
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(const __grid_constant__ attn_params p)
 {
@@ -122,17 +142,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
         zero_tail<BLOCK_M, THREADS>(p, h);
         return;
     }
-    const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;
-    if (m0 >= sq.rows)
+    seq_t sq, sk;
+    int m0, r_end, n_first, n_last;
+    if (!query_tile(p, b, sq, sk, m0, r_end, n_first, n_last))
         return;
     const int Lq = (int)sq.len, Lk = (int)sk.len;
-    const int r_end = min(m0 + BLOCK_M, Lq);
-
-    int64_t lo = 0, hi = 0;
-    if (m0 < Lq)
-        kv_range(&p, m0, r_end, Lq, Lk, &lo, &hi);
-    int n_first = (int)(lo / BLOCK_N), n_last = hi > lo ? (int)((hi - 1) / BLOCK_N) : -1;
     const elem_t *gq = (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + sq.start * p.q.s[1] + h * p.q.s[2];
     const elem_t *gk = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + sk.start * p.k.s[1] + hk * p.k.s[2];
     const elem_t *gv = (const elem_t *)p.v.ptr + sk.mem_b * p.v.s[0] + sk.start * p.v.s[1] + hk * p.v.s[2];
@@ -275,14 +289,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
 #define CONSUMER_REGS 240                 /* 24 + 2 x 240 = 3 x 168, what 384 threads start with */
 static_assert(64 * HEAD_DIM_V * 2 <= QW_BYTES, "the staged O tile does not fit its Q block");
 
-/* dst (shared) = the box of map at (col, head, row, outer), its bytes counted on bar */
-DEV void tma_box(uint32_t dst, const void *map, int col, int head, int row, int outer, uint32_t bar)
-{
-    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-                 " [%0], [%1, {%2, %3, %4, %5}], [%6];"
-                 ::"r"(dst), "l"(map), "r"(col), "r"(head), "r"(row), "r"(outer), "r"(bar) : "memory");
-}
-
 /* Ping-pong: a computing warpgroup waits for its turn (named barrier 4 + w), and hands the
  * tensor cores to the other (4 + 1 - w) once its products are issued; 256 threads each. */
 DEV void turn_wait(int w) { named_sync(4 + w, 256); }
@@ -301,16 +307,11 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = tid >> 7;
     const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (p.Hq / p.Hk);
-    const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;
-    if (m0 >= sq.rows)
+    seq_t sq, sk;
+    int m0, r_end, n_first, n_last;
+    if (!query_tile(p, b, sq, sk, m0, r_end, n_first, n_last))
         return;
     const int Lq = (int)sq.len, Lk = (int)sk.len;
-    const int r_end = min(m0 + BLOCK_M, Lq);
-    int64_t lo = 0, hi = 0;
-    if (m0 < Lq)
-        kv_range(&p, m0, r_end, Lq, Lk, &lo, &hi);
-    int n_first = (int)(lo / BLOCK_N), n_last = hi > lo ? (int)((hi - 1) / BLOCK_N) : -1;
     const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
     mod_narrow(sc, 1, true, m0, r_end, BLOCK_N, Lk, n_first, n_last);
 
@@ -341,7 +342,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
                 mbar_wait(empty + 8 * st, (i / STAGES - 1) & 1);
             mbar_arrive_expect_tx(full + 8 * st, bytes);
             for (int hf = 0; hf < cols / 64; hf++)
-                tma_box(dst + st * bytes + hf * BLOCK_N * 128, map, hf * 64, (int)hk, (int)at, (int)mb, full + 8 * st);
+                tma_load_4d(dst + st * bytes + hf * BLOCK_N * 128, map, hf * 64, (int)hk, (int)at, (int)mb, full + 8 * st);
         };
         if (tiles > 0)
             load(0, full_k, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM);

@@ -84,6 +84,15 @@ DEV void bulk_load(uint32_t dst, const void *src, int bytes, uint32_t bar)
                  ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
+/* dst (shared) = the box of a tensor map (a 4-d CUtensorMap in parameter or global memory) at
+ * coordinates (col, head, row, outer), its bytes counted on bar (mbar_arrive_expect_tx) */
+DEV void tma_load_4d(uint32_t dst, const void *map, int col, int head, int row, int outer, uint32_t bar)
+{
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6];"
+                 ::"r"(dst), "l"(map), "r"(col), "r"(head), "r"(row), "r"(outer), "r"(bar) : "memory");
+}
+
 /* Until this thread's bulk groups have read their shared memory (it may be rewritten). */
 DEV void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 
