@@ -78,6 +78,12 @@ DEV void o_step(float (&o)[OT][4], const uint32_t (&a)[4], uint64_t dv)
  * done): each warp's rows as 16-bit pairs into a padded tile (row stride OS: conflict-free),
  * then whole rows out with 16-byte stores. For outputs whose rows are contiguous and 16-byte
  * aligned; store_o (attn_fwd_tile.cuh) serves the others. */
+/* Whether out's rows are contiguous and 16-byte aligned: O may leave in 16-byte stores. */
+DEV bool out_rows_16b(const attn_params &p)
+{
+    return p.out.s[3] == 1 && (((uint64_t)p.out.ptr | (uint64_t)(p.out.s[0] | p.out.s[1] | p.out.s[2]) * 2) & 15) == 0;
+}
+
 #define OS (HEAD_DIM_V + 8)
 static_assert(BLOCK_M * OS * 2 <= Q_BYTES + 2 * K_BYTES, "the staged O tile does not fit");
 
@@ -272,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
     fence_acc(o[0]);
     float inv[2];
     finish_rows<1>(p, sq, sc.to_natural, m, l, row0, b, h, 1, 0, Lq, inv);
-    const bool rows_16b = p.out.s[3] == 1 && (((uint64_t)p.out.ptr | (uint64_t)(p.out.s[0] | p.out.s[1] | p.out.s[2]) * 2) & 15) == 0;
+    const bool rows_16b = out_rows_16b(p);
     if (rows_16b)
         store_o_staged(p, sq, o[0], inv, sQ, m0, h);
     else
@@ -442,7 +448,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     }
     float inv[2];
     finish_rows<1>(p, sq, sc.to_natural, m, l, row0, b, h, 1, 0, Lq, inv);
-    const bool rows_16b = p.out.s[3] == 1 && (((uint64_t)p.out.ptr | (uint64_t)(p.out.s[0] | p.out.s[1] | p.out.s[2]) * 2) & 15) == 0;
+    const bool rows_16b = out_rows_16b(p);
     if (!rows_16b) {
         store_o(p, sq, o, inv, row0, b, h, 1, 0);
         return;

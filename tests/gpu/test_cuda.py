@@ -70,6 +70,21 @@ def test_varlen_with_padding(rng):
     assert (out[520:] == 0).all() and np.isneginf(lse[:, 520:]).all()
 
 
+def _check_every_option(q, k, v, rng, windows):
+    """q, k, v (bshd, bf16) through the options one forward kernel meets: none, causal both
+    ways (top-left with windows[0]), then bias (broadcast over batch and keys), mask, ALiBi and
+    softcap together, causal with windows[1]."""
+    B, Sq, Hq, _ = q.shape
+    _check_forward(q, k, v, BF16)
+    _check_forward(q, k, v, BF16, causal=True)
+    _check_forward(q, k, v, BF16, causal="top_left", window=windows[0])
+    bias = randn(rng, (Hq, Sq, 1), np.float32)
+    mask = rng.random((B, 1, Sq, k.shape[1])) > 0.1
+    slopes = rng.random(Hq).astype(np.float32)
+    _check_forward(q, k, v, BF16, bias=bias, mask=mask, alibi_slopes=slopes, softcap=5.0,
+                   window=windows[1], causal=True)
+
+
 @pytest.mark.parametrize("kernel", ["default", "mma_sync"])
 @pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (128, 64), (64, 128)],
                          ids=["d64", "d128", "d128_dv64", "d64_dv128"])
@@ -80,14 +95,7 @@ def test_forward_kernels_with_every_option(kernel, d, dv, rng, monkeypatch):
     if kernel == "mma_sync":
         monkeypatch.setenv("ATTNEXT_FWD_SM90", "0")
     q, k, v = make_qkv(rng, 2, 300, 333, 4, 2, d, dv, BF16)
-    _check_forward(q, k, v, BF16)
-    _check_forward(q, k, v, BF16, causal=True)
-    _check_forward(q, k, v, BF16, causal="top_left", window=(70, 0))
-    bias = randn(rng, (4, 300, 1), np.float32)              # broadcast over batch and keys
-    mask = rng.random((2, 1, 300, 333)) > 0.1
-    slopes = rng.random(4).astype(np.float32)
-    _check_forward(q, k, v, BF16, bias=bias, mask=mask, alibi_slopes=slopes, softcap=5.0,
-                   window=(100, 7), causal=True)
+    _check_every_option(q, k, v, rng, windows=((70, 0), (100, 7)))
     cu_q = np.array([0, 1, 130, 130, 400], np.int32)
     cu_k = np.array([0, 200, 200, 329, 600], np.int32)
     q, k, v = make_varlen_qkv(rng, 410, 600, 4, 1, d, dv, F16)
@@ -99,8 +107,9 @@ def test_forward_kernels_with_every_option(kernel, d, dv, rng, monkeypatch):
 @pytest.mark.parametrize("kernel", ["ws", "two_warpgroups"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_long_forward_with_every_option(kernel, d, rng, monkeypatch):
-    """D = Dv = 64 or 128 past 1024 query rows over dense keys: on Hopper attn_fwd_sm90.cu's warp-specialised
-    kernel (a producer warpgroup's tensor copies, two computing warpgroups taking turns), and with
+    """D = Dv = 64 or 128 past 1024 query rows over dense keys: on Hopper attn_fwd_sm90.cu's
+    warp-specialised kernel (a producer warpgroup's tensor copies, two computing warpgroups taking
+    turns), and with
     ATTNEXT_FWD_WS=0 the two-warpgroup kernel, both on every option: a last query tile whose
     second warpgroup has no rows (1050 = 8 x 128 + 26), keys past the last whole tile (1333),
     GQA, bhsd, causal both ways, windows, bias, mask, ALiBi, softcap, sinks, rows of huge finite
@@ -112,14 +121,7 @@ def test_long_forward_with_every_option(kernel, d, rng, monkeypatch):
     elif device_arch(0) == "sm_90a":
         assert select.fwd_ws("sm_90a", d, d, True, 1050, 1333, dense=True)
     q, k, v = make_qkv(rng, 2, 1050, 1333, 4, 2, d, d, BF16)
-    _check_forward(q, k, v, BF16)
-    _check_forward(q, k, v, BF16, causal=True)
-    _check_forward(q, k, v, BF16, causal="top_left", window=(300, 0))
-    bias = randn(rng, (4, 1050, 1), np.float32)             # broadcast over batch and keys
-    mask = rng.random((2, 1, 1050, 1333)) > 0.1
-    slopes = rng.random(4).astype(np.float32)
-    _check_forward(q, k, v, BF16, bias=bias, mask=mask, alibi_slopes=slopes, softcap=5.0,
-                   window=(500, 7), causal=True)
+    _check_every_option(q, k, v, rng, windows=((300, 0), (500, 7)))
     _check_forward(q, k, v, BF16, sinks=randn(rng, (4,), np.float32), causal=True)
     _check_forward((q.astype(np.float32) * 3e4).astype(BF16), k, v, BF16, causal=True)   # huge finite scores
     q, k, v = make_qkv(rng, 1, 1300, 1200, 8, 8, d, d, F16, layout="bhsd")
