@@ -30,36 +30,48 @@ static inline __attribute__((always_inline)) float exp2_f32(float x)
 
 static inline __attribute__((always_inline)) double exp2_f64(double x) { return exp2(x); }
 
-/* The register-blocked product: an MR x NV block of vectors of C stays in registers while K
- * streams. A_BLOCK is where the block's A starts and A_AT reads its element (row a, step k), so
- * one body serves A (gemm) and A stored transposed (gemm_tn). */
-#define GEMM_FN(NAME, TARGET, T, VT, VL, MR, NV, A_BLOCK, A_AT)                                             \
+/* The register-blocked product: an MRX x NV block of vectors of C stays in registers while K
+ * streams, for every block of rows i .. i + MRX. A_BLOCK is where the block's A starts and A_AT
+ * reads its element (row a, step k), so one body serves A (gemm) and A stored transposed
+ * (gemm_tn). */
+#define GEMM_ROWS(T, VT, VL, MRX, NV, A_BLOCK, A_AT)                                                \
+    for (int j = 0; j < N; j += VL * NV) {                                                          \
+        VT##_u acc[MRX][NV];                                                                        \
+        for (int a = 0; a < MRX; a++)                                                               \
+            for (int v = 0; v < NV; v++)                                                            \
+                acc[a][v] = accumulate ? *(const VT##_u *)(C + (i + a) * ldc + j + v * VL)          \
+                                       : (VT##_u){0};                                               \
+        const T *Ai = A_BLOCK;                                                                      \
+        const T *Bj = B + j;                                                                        \
+        for (int k = 0; k < K; k++) {                                                               \
+            VT##_u b[NV];                                                                           \
+            for (int v = 0; v < NV; v++)                                                            \
+                b[v] = *(const VT##_u *)(Bj + k * ldb + v * VL);                                    \
+            for (int a = 0; a < MRX; a++) {                                                         \
+                T s = A_AT;                                                                         \
+                for (int v = 0; v < NV; v++)                                                        \
+                    acc[a][v] += s * b[v];                                                          \
+            }                                                                                       \
+        }                                                                                           \
+        for (int a = 0; a < MRX; a++)                                                               \
+            for (int v = 0; v < NV; v++)                                                            \
+                *(VT##_u *)(C + (i + a) * ldc + j + v * VL) = acc[a][v];                            \
+    }
+
+/* C (M x N) (+)= A B in blocks of MR rows; an MR that does not divide SIMD_M_ALIGN (AVX2's 6)
+ * leaves a rest of M (a multiple of 2) for blocks of 4 and 2 rows. */
+#define GEMM_FN(NAME, TARGET, T, VT, VL, MR, NV, A_BLOCK, A_AT)                                     \
     TARGET static void NAME(int M, int N, int K, const T *A, int64_t lda, const T *B, int64_t ldb, \
                             T *C, int64_t ldc, int accumulate)                                      \
     {                                                                                               \
-        for (int i = 0; i < M; i += MR) {                                                           \
-            for (int j = 0; j < N; j += VL * NV) {                                                  \
-                VT##_u acc[MR][NV];                                                                 \
-                for (int a = 0; a < MR; a++)                                                        \
-                    for (int v = 0; v < NV; v++)                                                    \
-                        acc[a][v] = accumulate ? *(const VT##_u *)(C + (i + a) * ldc + j + v * VL) \
-                                               : (VT##_u){0};                                       \
-                const T *Ai = A_BLOCK;                                                              \
-                const T *Bj = B + j;                                                                \
-                for (int k = 0; k < K; k++) {                                                       \
-                    VT##_u b[NV];                                                                   \
-                    for (int v = 0; v < NV; v++)                                                    \
-                        b[v] = *(const VT##_u *)(Bj + k * ldb + v * VL);                            \
-                    for (int a = 0; a < MR; a++) {                                                  \
-                        T s = A_AT;                                                                 \
-                        for (int v = 0; v < NV; v++)                                                \
-                            acc[a][v] += s * b[v];                                                  \
-                    }                                                                               \
-                }                                                                                   \
-                for (int a = 0; a < MR; a++)                                                        \
-                    for (int v = 0; v < NV; v++)                                                    \
-                        *(VT##_u *)(C + (i + a) * ldc + j + v * VL) = acc[a][v];                    \
-            }                                                                                       \
+        int i = 0;                                                                                  \
+        for (; i + MR <= M; i += MR)                                                                \
+            GEMM_ROWS(T, VT, VL, MR, NV, A_BLOCK, A_AT)                                             \
+        if (SIMD_M_ALIGN % MR) {                                                                    \
+            for (; i + 4 <= M; i += 4)                                                              \
+                GEMM_ROWS(T, VT, VL, 4, NV, A_BLOCK, A_AT)                                          \
+            for (; i < M; i += 2)                                                                   \
+                GEMM_ROWS(T, VT, VL, 2, NV, A_BLOCK, A_AT)                                          \
         }                                                                                           \
     }
 
@@ -147,7 +159,7 @@ static inline __attribute__((always_inline)) double exp2_f64(double x) { return 
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
 DEFINE_VARIANT(f32_avx512, TARGET_AVX512, float, vf32_512, 16, 8, 2, exp2_f32)
 DEFINE_VARIANT(f64_avx512, TARGET_AVX512, double, vf64_512, 8, 8, 2, exp2_f64)
-DEFINE_VARIANT(f32_avx2, TARGET_AVX2, float, vf32_256, 8, 4, 2, exp2_f32)
+DEFINE_VARIANT(f32_avx2, TARGET_AVX2, float, vf32_256, 8, 6, 2, exp2_f32)
 DEFINE_VARIANT(f64_avx2, TARGET_AVX2, double, vf64_256, 4, 4, 2, exp2_f64)
 #define HAVE_X86_VARIANTS 1
 #endif
