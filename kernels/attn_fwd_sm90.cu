@@ -74,16 +74,17 @@ DEV void o_step(float (&o)[OT][4], const uint32_t (&a)[4], uint64_t dv)
 #endif
 }
 
-/* out = O * inv through shared memory at sO (the Q and K buffers: free once every S product is
- * done): each warp's rows as 16-bit pairs into a padded tile (row stride OS: conflict-free),
- * then whole rows out with 16-byte stores. For outputs whose rows are contiguous and 16-byte
- * aligned; store_o (attn_fwd_tile.cuh) serves the others. */
 /* Whether out's rows are contiguous and 16-byte aligned: O may leave in 16-byte stores. */
 DEV bool out_rows_16b(const attn_params &p)
 {
     return p.out.s[3] == 1 && (((uint64_t)p.out.ptr | (uint64_t)(p.out.s[0] | p.out.s[1] | p.out.s[2]) * 2) & 15) == 0;
 }
 
+#if !WS
+/* out = O * inv through shared memory at sO (the Q and K buffers: free once every S product is
+ * done): each warp's rows as 16-bit pairs into a padded tile (row stride OS: conflict-free),
+ * then whole rows out with 16-byte stores. For outputs whose rows are contiguous and 16-byte
+ * aligned; store_o (attn_fwd_tile.cuh) serves the others. */
 #define OS (HEAD_DIM_V + 8)
 static_assert(BLOCK_M * OS * 2 <= Q_BYTES + 2 * K_BYTES, "the staged O tile does not fit");
 
@@ -113,10 +114,11 @@ DEV void store_o_staged(const attn_params &p, const seq_t &sq, const float (&o)[
                      "r"(x0), "r"(x1), "r"(x2), "r"(x3) : "memory");
     }
 }
+#endif
 
 /* This CTA's query tile of sequence b: the sequences' extents, rows [m0, r_end) (r_end: the end
  * of the real rows) and the key tiles n_first..n_last it visits (kv_range: the causal / window
- * band; none is n_last < n_first). False when the tile lies past the sequence's rows. */
+ * band; none: n_last < n_first). False when the tile lies past the sequence's rows. */
 DEV bool query_tile(const attn_params &p, int64_t b, seq_t &sq, seq_t &sk, int &m0, int &r_end, int &n_first,
                     int &n_last)
 {
@@ -348,7 +350,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
                 mbar_wait(empty + 8 * st, (i / STAGES - 1) & 1);
             mbar_arrive_expect_tx(full + 8 * st, bytes);
             for (int hf = 0; hf < cols / 64; hf++)
-                tma_load_4d(dst + st * bytes + hf * BLOCK_N * 128, map, hf * 64, (int)hk, (int)at, (int)mb, full + 8 * st);
+                tma_load_4d(dst + st * bytes + hf * BLOCK_N * 128, map, hf * 64, (int)hk, (int)at, (int)mb,
+                            full + 8 * st);
         };
         if (tiles > 0)
             load(0, full_k, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM);

@@ -145,13 +145,13 @@ def fwd_ws_tile():
 
 def fwd_ws(arch, D, Dv, vec, rows, key_rows, mods=None, dtype="bfloat16", dense=False):
     """Whether a (non-decode) forward runs attn_fwd_sm90.cu's warp-specialised kernel (WS): D = Dv
-    in {64, 128} past SM90_SHORT_ROWS rows, without a score_mod /
-    mask_mod, over dense keys (dense: no varlen, seqused_k or page table: the bulk copies' zeros
-    past the tensor are the only rows past Lk) of at least a tile's rows (a copy's box is a whole
-    tile), and a driver that makes tensor maps. ATTNEXT_FWD_WS=0 says no (the lab's comparison)."""
+    in {64, 128} past SM90_SHORT_ROWS rows, without a score_mod / mask_mod, over dense keys
+    (dense: no varlen, seqused_k, page table or zero stride: the bulk copies' zeros past the
+    tensor are the only rows past Lk) of at least a tile's rows (a copy's box is a whole tile),
+    and a driver that makes tensor maps. ATTNEXT_FWD_WS=0 says no (the lab's comparison)."""
     flag = _env.get("ATTNEXT_FWD_WS") or "1"
-    if not (arch == "sm_90a" and vec and D == Dv and D in (64, 128) and dtype != "float32" and mods is None and dense
-            and rows > SM90_SHORT_ROWS and key_rows >= fwd_ws_tile()[1] and flag != "0"
+    if not (arch == "sm_90a" and vec and D == Dv and D in (64, 128) and dtype != "float32" and mods is None
+            and dense and rows > SM90_SHORT_ROWS and key_rows >= fwd_ws_tile()[1] and flag != "0"
             and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
         return False
     from .. import _C
@@ -563,8 +563,8 @@ def bwd_variants():
 
 def sm90_fwd_variants():
     """attn_fwd_sm90's variants (sm_90a only): both dtypes, the head dims it takes (the WS kernel's
-    where D = Dv), and each feature on its own at D = 128 on the WS kernel; and attn_fwd.cu's TMA_KV decode (packed GQA, split or not,
-    contiguous or paged)."""
+    too where D = Dv), and each feature on its own at D = 128 on the WS kernel; and attn_fwd.cu's
+    TMA_KV decode (packed GQA, split or not, contiguous or paged)."""
     out = []
     for dtype in ("bfloat16", "float16"):
         for D, Dv in ((64, 64), (128, 128), (128, 64), (64, 128)):
