@@ -13,8 +13,10 @@ on its own stream, beside the attention of the block in hand), and the partial r
 merged by attnext.merge in float32. With causal=True the sequence is split zigzag (rank r of N
 holds chunks r and 2N - 1 - r of 2N): every rank then does the same work, and every block is
 one plain call (full, causal on the diagonal, or half of it). The backward sends the blocks
-round again, and with them the dK and dV accumulators (float32), which reach their owner after
-the last step; dQ is accumulated locally in float32, from the whole's out and lse.
+round the other way (to r - 1), from the block the forward ended with (kept: one more K / V block
+a rank) to the rank's own, and one step behind them the dK and dV accumulators (float32), which
+reach their owner under its last call; dQ is accumulated locally in float32, from the whole's out
+and lse.
 
 ring_varlen_attention: packed documents (cu_seqlens of the whole), each rank a contiguous part of
 the tokens: K and V are gathered whole (all_gather; documents make a ring's blocks uneven), each

@@ -3,7 +3,8 @@ against attnext.torch on the whole. The ring's transfers need two GPUs (the gloo
 between CPU processes: tests/adapters/test_distributed.py); one rank runs only its own block (step
 0): the whole-block call with position tables captured as CUDA tensors, the float32 accumulators
 and the captured tensors' path. The steps after it (row ranges of blocks, attnext.merge on CUDA
-views, the dK / dV hand-off) run on one GPU in test_distributed_threads.py (ranks as threads)."""
+views, the dK / dV hand-off) run on one GPU in test_distributed_threads.py (ranks as threads),
+and on two GPUs, where a machine has them, in the example under torchrun."""
 import numpy as np
 import pytest
 
@@ -63,19 +64,8 @@ def test_the_example_on_two_gpus(gpu):
     """examples/ring_attention.py under torchrun on two GPUs (NCCL, bf16, causal, an ALiBi
     score_mod in global positions): the ring's out and gradients, gathered whole, within bf16
     rounding of one GPU's. Skipped on a machine with one GPU."""
-    import os
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
+    from test_distributed import example_diffs
     if torch.cuda.device_count() < 2:
         pytest.skip("one GPU: NCCL takes one rank a GPU")
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(root / "examples" / "ring_attention.py")],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    diffs = dict(re.findall(r"^(\w+): max \|ring - one device\| = (\S+)$", proc.stdout, re.M))
-    assert sorted(diffs) == ["dk", "dq", "dv", "out"], proc.stdout
-    assert all(float(d) < 5e-2 for d in diffs.values()), diffs    # bf16 values of size ~1-4
+    diffs = example_diffs(timeout=300)
+    assert all(d < 5e-2 for d in diffs.values()), diffs    # bf16 values of size ~1-4

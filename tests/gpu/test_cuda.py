@@ -109,17 +109,24 @@ def test_forward_kernels_with_every_option(kernel, d, dv, rng, monkeypatch):
 def test_long_forward_with_every_option(kernel, d, rng, monkeypatch):
     """D = Dv = 64 or 128 past 1024 query rows over dense keys: on Hopper attn_fwd_sm90.cu's
     warp-specialised kernel (a producer warpgroup's tensor copies, two computing warpgroups taking
-    turns), and with
-    ATTNEXT_FWD_WS=0 the two-warpgroup kernel, both on every option: a last query tile whose
-    second warpgroup has no rows (1050 = 8 x 128 + 26), keys past the last whole tile (1333),
-    GQA, bhsd, causal both ways, windows, bias, mask, ALiBi, softcap, sinks, rows of huge finite
-    scores (the softmax's exact path), a strided out."""
-    from attnext.cuda import select
-    from attnext.cuda.backend import device_arch
+    turns), and with ATTNEXT_FWD_WS=0 the two-warpgroup kernel, both on every option: a last
+    query tile whose second warpgroup has no rows (1050 = 8 x 128 + 26), keys past the last whole
+    tile (1333), GQA, bhsd, causal both ways, windows, bias, mask, ALiBi, softcap, sinks, rows of
+    huge finite scores (the softmax's exact path), a strided out; an expanded (zero-stride) k / v
+    never takes the WS kernel. The plans' kernel choices are recorded: on Hopper each kernel
+    named is the one that ran."""
+    from attnext.cuda import backend, select
     if kernel == "two_warpgroups":
         monkeypatch.setenv("ATTNEXT_FWD_WS", "0")
-    elif device_arch(0) == "sm_90a":
-        assert select.fwd_ws("sm_90a", d, d, True, 1050, 1333, dense=True)
+    chosen = []                                  # ws of every forward plan made here
+    fwd_kernel = select.fwd_kernel
+
+    def spy(*args, **kw):
+        chosen.append(bool(kw.get("ws", args[10] if len(args) > 10 else False)))
+        return fwd_kernel(*args, **kw)
+    monkeypatch.setattr(select, "fwd_kernel", spy)
+    backend.clear_plans()
+    hopper = backend.device_arch(0) == "sm_90a"
     q, k, v = make_qkv(rng, 2, 1050, 1333, 4, 2, d, d, BF16)
     _check_every_option(q, k, v, rng, windows=((300, 0), (500, 7)))
     _check_forward(q, k, v, BF16, sinks=randn(rng, (4,), np.float32), causal=True)
@@ -131,12 +138,15 @@ def test_long_forward_with_every_option(kernel, d, rng, monkeypatch):
     tq, tk, tv = (torch.from_numpy(x).cuda() for x in (q, k, v))
     attnext.attention(tq, tk, tv, layout="bhsd", out=out)
     assert_close("out", out.cpu().numpy(), reference.attention(q, k, v, layout="bhsd"), F16)
+    assert chosen and all(chosen) == (hopper and kernel == "ws") and any(chosen) == all(chosen), chosen
+    chosen.clear()
     kb, vb = (x[:1].expand(2, -1, -1, -1) for x in (tk, tv))     # a batch stride of 0: no tensor maps
     qb = torch.cat([tq, tq])
     got = attnext.attention(qb, kb, vb, layout="bhsd", causal=True)
     want = reference.attention(np.concatenate([q, q]), np.concatenate([k, k]), np.concatenate([v, v]),
                                layout="bhsd", causal=True)
     assert_close("out", got.cpu().numpy(), want, F16)
+    assert chosen == [False], chosen
 
 
 @pytest.mark.parametrize("kernel", ["default", "mma_sync"])
