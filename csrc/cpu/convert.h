@@ -72,7 +72,12 @@ static inline void load_row_f32(const void *src, int64_t stride, int64_t n, attn
     switch (dt) {
     case DT_F16: for (i = 0; i < n; i++) dst[i] = f16_to_f32(((const uint16_t *)src)[i * stride]); break;
     case DT_BF16: for (i = 0; i < n; i++) dst[i] = bf16_to_f32(((const uint16_t *)src)[i * stride]); break;
-    case DT_F32: for (i = 0; i < n; i++) dst[i] = ((const float *)src)[i * stride]; break;
+    case DT_F32:
+        if (stride == 1)
+            memcpy(dst, src, sizeof(float) * n);
+        else
+            for (i = 0; i < n; i++) dst[i] = ((const float *)src)[i * stride];
+        break;
     case DT_F64: for (i = 0; i < n; i++) dst[i] = (float)((const double *)src)[i * stride]; break;
     }
 }
@@ -85,7 +90,12 @@ static inline void store_row_f32(void *dst, int64_t stride, int64_t n, attn_dtyp
     switch (dt) {
     case DT_F16: for (i = 0; i < n; i++) ((uint16_t *)dst)[i * stride] = f32_to_f16(src[i]); break;
     case DT_BF16: for (i = 0; i < n; i++) ((uint16_t *)dst)[i * stride] = f32_to_bf16(src[i]); break;
-    case DT_F32: for (i = 0; i < n; i++) ((float *)dst)[i * stride] = src[i]; break;
+    case DT_F32:
+        if (stride == 1)
+            memcpy(dst, src, sizeof(float) * n);
+        else
+            for (i = 0; i < n; i++) ((float *)dst)[i * stride] = src[i];
+        break;
     case DT_F64: for (i = 0; i < n; i++) ((double *)dst)[i * stride] = src[i]; break;
     }
 }

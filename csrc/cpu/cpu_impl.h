@@ -108,27 +108,28 @@ static void FN(pack_kv)(const attn_params *p, const FN(tiling) *tiles, int64_t g
         int64_t mb = 0, mr = 0;
         if (valid)
             key_row(p, &sk, b, c, &mb, &mr);
+        /* a row lands in its row-major tile (else in `row`); the transposed tile takes it from there */
         if (kt || kr) {
+            T *x = kr ? kr + j * DP : row;
             if (valid)
-                LOAD_ROW(FN(row_ptr)(&p->k, p->dtype, mb, mr, hk), p->k.s[3], D, p->dtype, row);
-            for (int64_t d = 0; d < D; d++) {
-                T x = valid ? row[d] : 0;
-                if (kt) kt[d * BK + j] = x;
-                if (kr) kr[j * DP + d] = x;
-            }
+                LOAD_ROW(FN(row_ptr)(&p->k, p->dtype, mb, mr, hk), p->k.s[3], D, p->dtype, x);
+            else
+                memset(x, 0, sizeof(T) * D);
             if (kr)
-                for (int64_t d = D; d < DP; d++) kr[j * DP + d] = 0;
+                memset(x + D, 0, sizeof(T) * (DP - D));
+            if (kt)
+                for (int64_t d = 0; d < D; d++) kt[d * BK + j] = x[d];
         }
         if (vr || vt) {
+            T *x = vr ? vr + j * DvP : row;
             if (valid)
-                LOAD_ROW(FN(row_ptr)(&p->v, p->dtype, mb, mr, hk), p->v.s[3], Dv, p->dtype, row);
-            for (int64_t d = 0; d < Dv; d++) {
-                T x = valid ? row[d] : 0;
-                if (vr) vr[j * DvP + d] = x;
-                if (vt) vt[d * BK + j] = x;
-            }
+                LOAD_ROW(FN(row_ptr)(&p->v, p->dtype, mb, mr, hk), p->v.s[3], Dv, p->dtype, x);
+            else
+                memset(x, 0, sizeof(T) * Dv);
             if (vr)
-                for (int64_t d = Dv; d < DvP; d++) vr[j * DvP + d] = 0;
+                memset(x + Dv, 0, sizeof(T) * (DvP - Dv));
+            if (vt)
+                for (int64_t d = 0; d < Dv; d++) vt[d * BK + j] = x[d];
         }
     }
 }

@@ -10,6 +10,9 @@
  *   V_MAX(a, b)            the larger (which of a NaN and a number: as the instruction set does)
  *   V_NEG_INF_TO_ZERO(v)   v with its -inf lanes 0
  *   V_LOAD_N(p, n), V_STORE_N(p, v, n)   the first n < VL lanes, touching no memory past them
+ *   EXP2_ROWS, EXP2_NONPOS_N(x)   (optional) x[u] <- 2^x[u] for the EXP2_ROWS vectors of x, each
+ *                       lane <= 0, -inf or NaN (softmax_cols' exponents of a group of rows), where
+ *                       several polynomials at once keep the FMA units busy; 1 and exp2_v if not
  * and, after including it, exp2_v (below).
  */
 #include <math.h>
@@ -39,6 +42,20 @@ SOFTMAX_TARGET static inline V exp2_poly(V f)
  * exp2_poly, 2^r as the instruction set does it best. Defined by the includer, after this file. */
 SOFTMAX_TARGET static inline V exp2_v(V x);
 
+#ifndef EXP2_NONPOS_N
+#define EXP2_ROWS 1
+#define EXP2_NONPOS_N(x) ((x)[0] = exp2_v((x)[0]))
+#endif
+
+/* p[0] + ... + p[EXP2_ROWS - 1] by pairs (p is overwritten) */
+SOFTMAX_TARGET static inline V sum_rows(V *p)
+{
+    for (int w = 1; w < EXP2_ROWS; w *= 2)
+        for (int u = 0; u + w < EXP2_ROWS; u += 2 * w)
+            p[u] = V_ADD(p[u], p[u + w]);
+    return p[0];
+}
+
 /* simd.h's softmax_cols, VL queries at a time (cols is a multiple of SIMD_N_ALIGN, of VL). */
 SOFTMAX_TARGET void SOFTMAX_FN(softmax_cols_f32)(int n, int cols, int64_t ld, float *St, float scale,
                                                   float *m, float *l, float *alpha)
@@ -59,15 +76,28 @@ SOFTMAX_TARGET void SOFTMAX_FN(softmax_cols_f32)(int n, int cols, int64_t ld, fl
          * alpha come out 0 rather than NaN */
         V safe = V_NEG_INF_TO_ZERO(mx);
         V a = exp2_v(V_MUL(V_SUB(V_LOAD(m + c), safe), log2e));
-        V sum = V_ZERO;
-        for (int j = 0; j < n; j++) {
+        V sum[EXP2_ROWS];
+        for (int u = 0; u < EXP2_ROWS; u++)
+            sum[u] = V_ZERO;
+        int j = 0;
+        for (; j + EXP2_ROWS <= n; j += EXP2_ROWS) {
+            V p[EXP2_ROWS];
+            for (int u = 0; u < EXP2_ROWS; u++)
+                p[u] = V_MUL(V_SUB(V_LOAD(St + (int64_t)(j + u) * ld + c), safe), log2e);
+            EXP2_NONPOS_N(p);
+            for (int u = 0; u < EXP2_ROWS; u++) {
+                V_STORE(St + (int64_t)(j + u) * ld + c, p[u]);
+                sum[u] = V_ADD(sum[u], p[u]);
+            }
+        }
+        for (; j < n; j++) {   /* the rows after the last group of EXP2_ROWS */
             float *s = St + (int64_t)j * ld + c;
             V p = exp2_v(V_MUL(V_SUB(V_LOAD(s), safe), log2e));
             V_STORE(s, p);
-            sum = V_ADD(sum, p);
+            sum[0] = V_ADD(sum[0], p);
         }
         V_STORE(alpha + c, a);
-        V_STORE(l + c, V_FMADD(V_LOAD(l + c), a, sum));
+        V_STORE(l + c, V_FMADD(V_LOAD(l + c), a, sum_rows(sum)));
         V_STORE(m + c, mx);
     }
 }
