@@ -42,11 +42,12 @@
 template <int N, int KD>
 DEV void mma_ss(float (&acc)[N / 8][4], uint32_t a_base, int a_rows, uint32_t b_base, int b_rows)
 {
+    const uint64_t da0 = uniform_desc(sw128_desc(a_base, 16, 1024)), db0 = uniform_desc(sw128_desc(b_base, 16, 1024));
 #pragma unroll
     for (int kk = 0; kk < KD / 16; kk++) {
         const uint32_t off = (kk & 3) * 32;
-        const uint64_t da = sw128_desc(a_base + (kk >> 2) * (a_rows * 128) + off, 16, 1024),
-                       db = sw128_desc(b_base + (kk >> 2) * (b_rows * 128) + off, 16, 1024);
+        const uint64_t da = da0 + desc_step((kk >> 2) * (a_rows * 128) + off),
+                       db = db0 + desc_step((kk >> 2) * (b_rows * 128) + off);
         if constexpr (N == 128)
             wgmma_m64n128_ss(acc, da, db, kk > 0);
         else
@@ -59,9 +60,10 @@ DEV void mma_ss(float (&acc)[N / 8][4], uint32_t a_base, int a_rows, uint32_t b_
 template <int N, int KS>
 DEV void mma_rs(float (&acc)[N / 8][4], const uint32_t (&a)[1][KS][4], uint32_t b_base)
 {
+    const uint64_t db0 = uniform_desc(sw128_desc(b_base, 64 * 128, 1024));
 #pragma unroll
     for (int kk = 0; kk < KS; kk++) {
-        const uint64_t db = sw128_desc(b_base + kk * 16 * 128, 64 * 128, 1024);
+        const uint64_t db = db0 + desc_step(kk * 16 * 128);
         if constexpr (N == 128)
             wgmma_m64n128_rs_t(acc, a[0][kk], db);
         else
@@ -630,11 +632,12 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
         /* dQ = dS K over the CTA's keys: rows [64 cw, + 64) (D = 64) or columns [64 cw, + 64) */
         float acc[8][4];
         const uint32_t a_panel = DQ_BY_ROWS ? cw * (KV_BLOCK_N * 128) : 0, b_panel = DQ_BY_ROWS ? 0 : cw * (KV_BLOCK_N * 128);
+        const uint64_t da0 = uniform_desc(sw128_desc(ds + a_panel, KV_BLOCK_N * 128, 1024)),
+                       db0 = uniform_desc(sw128_desc(sK + b_panel, KV_BLOCK_N * 128, 1024));
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < KV_BLOCK_N / 16; kk++)
-            wgmma_m64n64_ss_tt(acc, sw128_desc(ds + a_panel + kk * 16 * 128, KV_BLOCK_N * 128, 1024),
-                               sw128_desc(sK + b_panel + kk * 16 * 128, KV_BLOCK_N * 128, 1024), kk > 0);
+            wgmma_m64n64_ss_tt(acc, da0 + desc_step(kk * 16 * 128), db0 + desc_step(kk * 16 * 128), kk > 0);
         wgmma_commit();
         wgmma_wait<0>();
         fence_acc(acc);

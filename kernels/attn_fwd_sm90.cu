@@ -176,13 +176,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
         load_sw128<BLOCK_N, HEAD_DIM_V, THREADS>(sV + (n & 1) * V_BYTES, gv + c0 * vs, vs, Lk - c0, tid);
     };
     /* S = Q K[n]^T for this warpgroup's 64 rows, issued (the caller commits and waits) */
+    const uint64_t dq0 = uniform_desc(sw128_desc(sQ + wg * 64 * 128, 16, 1024));
     auto issue_s = [&](float (&s)[NT][4], int n) {
+        const uint64_t dk0 = uniform_desc(sw128_desc(sK + (n & 1) * K_BYTES, 16, 1024));
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
             const uint32_t off = (kk & 3) * 32;
-            s_step(s, sw128_desc(sQ + (kk >> 2) * (BLOCK_M * 128) + wg * 64 * 128 + off, 16, 1024),
-                   sw128_desc(sK + (n & 1) * K_BYTES + (kk >> 2) * (BLOCK_N * 128) + off, 16, 1024), kk > 0);
+            s_step(s, dq0 + desc_step((kk >> 2) * (BLOCK_M * 128) + off), dk0 + desc_step((kk >> 2) * (BLOCK_N * 128) + off),
+                   kk > 0);
         }
     };
     /* whether tile n needs the per-element tests: asked while its S product runs (a mask_mod's
@@ -237,10 +239,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
     }
 #endif
     auto issue_pv = [&](int n) {
+        const uint64_t dv0 = uniform_desc(sw128_desc(sV + (n & 1) * V_BYTES, BLOCK_N * 128, 1024));
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; kk++)
-            o_step(o[0], pa[kk], sw128_desc(sV + (n & 1) * V_BYTES + kk * 16 * 128, BLOCK_N * 128, 1024));
+            o_step(o[0], pa[kk], dv0 + desc_step(kk * 16 * 128));
         wgmma_commit();
     };
     auto next_loads = [&](int n) {                      /* tile n's step: V[n - 1], K[n - 2] */
@@ -381,22 +384,25 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     fence_proxy_async();
     named_sync(2 + w, 128);                              /* this warpgroup's Q in shared memory */
 
+    const uint64_t dq0 = uniform_desc(sw128_desc(sQw, 16, 1024));
     auto issue_s = [&](float (&s)[NT][4], int st) {
+        const uint64_t dk0 = uniform_desc(sw128_desc(sK + st * K_BYTES, 16, 1024));
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
             const uint32_t off = (kk & 3) * 32;
-            s_step(s, sw128_desc(sQw + (kk >> 2) * (64 * 128) + off, 16, 1024),
-                   sw128_desc(sK + st * K_BYTES + (kk >> 2) * (BLOCK_N * 128) + off, 16, 1024), kk > 0);
+            s_step(s, dq0 + desc_step((kk >> 2) * (64 * 128) + off), dk0 + desc_step((kk >> 2) * (BLOCK_N * 128) + off),
+                   kk > 0);
         }
         wgmma_commit();
     };
     uint32_t pa[BLOCK_N / 16][4];                        /* P of the tile whose P V is next */
     auto issue_pv = [&](int st) {
+        const uint64_t dv0 = uniform_desc(sw128_desc(sV + st * V_BYTES, BLOCK_N * 128, 1024));
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; kk++)
-            o_step(o[0], pa[kk], sw128_desc(sV + st * V_BYTES + kk * 16 * 128, BLOCK_N * 128, 1024));
+            o_step(o[0], pa[kk], dv0 + desc_step(kk * 16 * 128));
         wgmma_commit();
     };
     auto release = [&](uint32_t bar) {

@@ -36,6 +36,19 @@ DEV uint64_t sw128_desc(uint32_t addr, uint32_t lbo_bytes, uint32_t sbo_bytes)
            | ((uint64_t)(sbo_bytes >> 4) << 32) | (1ull << 62);
 }
 
+/* What a descriptor of addr + bytes adds to one of addr (bytes a multiple of 16): the start
+ * address field in 16-byte units, which cannot carry while shared addresses stay below 2^18.
+ * A product's steps then add constants to one base instead of rebuilding each descriptor. */
+DEV constexpr uint64_t desc_step(uint32_t bytes) { return bytes >> 4; }
+
+/* d with its varying low word taken from lane 0: the same value on every lane (a warpgroup's
+ * descriptors are), and one ptxas knows to be uniform, so that the steps' additions run on the
+ * uniform datapath instead of being rebuilt in each lane and moved over (R2UR) per wgmma. */
+DEV uint64_t uniform_desc(uint64_t d)
+{
+    return (d & ~0xffffffffull) | __shfl_sync(0xffffffffu, (uint32_t)d, 0);
+}
+
 /* Byte offset of row r, 16-byte chunk c (of the whole row, c < COLS / 8) in an SW128 tile. */
 template <int ROWS>
 DEV uint32_t sw128_offset(int r, int c)
