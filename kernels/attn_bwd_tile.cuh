@@ -175,7 +175,14 @@ DEV void pt_pass(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &
     const float scale_log2 = sc.scale * LOG2E;
     const float2 *mz = DEAD ? lost_rows(p, sc) : nullptr;
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++)
+    for (int nt = 0; nt < NT; nt++) {
+#if HEAD_DIM > 64
+        /* the two query rows' lse and delta by 8-byte loads (the rows' buffers are 8-byte aligned):
+         * half the shared loads of reading them one by one. Not at D = 64, whose items hold twice
+         * the rows in the same registers: there the pairs held ahead cost spills (bench/NOTES.md) */
+        const float2 lb2 = *(const float2 *)(lb + nt * 8 + 2 * t);
+        const float2 db2 = DS ? *(const float2 *)(db + nt * 8 + 2 * t) : make_float2(0.f, 0.f);
+#endif
 #pragma unroll
         for (int half = 0; half < 2; half++) {
             float pr[2];
@@ -184,15 +191,20 @@ DEV void pt_pass(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &
                 const int e = half * 2 + x;
                 const int c = n0w + g + half * 8;
                 const int rl = nt * 8 + 2 * t + x, r = m0 + rl;
+#if HEAD_DIM > 64
+                const float lrow = x ? lb2.y : lb2.x, drow = x ? db2.y : db2.x;
+#else
+                const float lrow = lb[rl], drow = DS ? db[rl] : 0.f;
+#endif
                 const float raw = s[0][nt][e];
                 float pv = 0.f, grad = 1.f;
                 int bad = 0;
 #if SCORE_ANYWHERE
                 const bool k = ALL || keep.at(0, nt, e);
                 const float sx = kept_score(sc, k, raw, r, c, bad);
-                float pk = fast_exp2(sx * LOG2E - lb[rl]);
+                float pk = fast_exp2(sx * LOG2E - lrow);
                 if (DEAD)
-                    pk = lost_p(p, sc, mz, r, sx, lb[rl], pk);
+                    pk = lost_p(p, sc, mz, r, sx, lrow, pk);
                 const float gk = score_grad(sc, raw, r, c);
                 pv = k ? pk : 0.f;
                 grad = k ? gk : 1.f;
@@ -200,23 +212,23 @@ DEV void pt_pass(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &
 #if ATTN_GMODS
                 const bool k = ALL || keep.at(0, nt, e);
 #else
-                const bool k = !need_mask || (r >= qlo[half] && r < qhi[half] && mask_keeps(sc, r, c, bad));
+                const bool k = ALL || !need_mask || (r >= qlo[half] && r < qhi[half] && mask_keeps(sc, r, c, bad));
 #endif
                 if (k) {
 #if SCORE_IS_PLAIN
-                    pv = fast_exp2(raw * scale_log2 - lb[rl]);
+                    pv = fast_exp2(raw * scale_log2 - lrow);
                     if (DEAD)
-                        pv = lost_p(p, sc, mz, r, raw, lb[rl], pv);
+                        pv = lost_p(p, sc, mz, r, raw, lrow, pv);
 #else
                     const float sx = score_of(sc, raw, r, c, bad);
-                    pv = fast_exp2(sx * LOG2E - lb[rl]);
+                    pv = fast_exp2(sx * LOG2E - lrow);
                     if (DEAD)
-                        pv = lost_p(p, sc, mz, r, sx, lb[rl], pv);
+                        pv = lost_p(p, sc, mz, r, sx, lrow, pv);
 #endif
                     grad = score_grad(sc, raw, r, c);
                 }
 #endif
-                if (DEAD && lb[rl] == POS_INF) {
+                if (DEAD && lrow == POS_INF) {
                     pv = 0.f;
                     grad = 0.f;
                 }
@@ -224,7 +236,7 @@ DEV void pt_pass(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &
                 pr[x] = pv;
                 const float pg = pv * grad;
                 if constexpr (DS)         /* dst_tile's rule, element by element */
-                    dp[0][nt][e] = HAS_SCORE_MOD && pg == 0.f ? 0.f : pg * (dp[0][nt][e] - db[rl]);
+                    dp[0][nt][e] = HAS_SCORE_MOD && pg == 0.f ? 0.f : pg * (dp[0][nt][e] - drow);
                 else
                     s[0][nt][e] = pg;
             }
@@ -235,6 +247,7 @@ DEV void pt_pass(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &
             pp[0][nt / 2][(nt & 1) * 2 + half] = pack2(pr[0], pr[1]);
 #endif
         }
+    }
 }
 
 /* P^T for a warp's 16 key rows x the query tile at m0, from S^T = K Q^T (raw dots in s; rows are
@@ -262,11 +275,14 @@ DEV void pt_tile(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &
         r = m0 + nt * 8 + 2 * t + (e & 1);
         band = r >= qlo[e / 2] && r < qhi[e / 2];
     });
-#if !HAS_MASK_MOD
+#endif
+    /* a tile that needs no test takes a pass without them: with the generated kernels, and at
+     * D > 64 for plain ones too (the per-pair tests cost 6-8% of the backward at D = 128; at
+     * D = 64 the second copy spills: bench/NOTES.md, backward v6) */
+#if !HAS_MASK_MOD && (ATTN_GMODS || HEAD_DIM > 64)
     if (!need_mask)
         pt_pass<NT, DS, true, DEAD>(s, pp, p, sc, lb, n0w, m0, qlo, qhi, need_mask, dp, db, keep, fault);
     else
-#endif
 #endif
         pt_pass<NT, DS, false, DEAD>(s, pp, p, sc, lb, n0w, m0, qlo, qhi, need_mask, dp, db, keep, fault);
     report_fault(sc, fault);
