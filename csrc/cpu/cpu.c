@@ -1,9 +1,13 @@
 /* Instantiates the CPU backend (cpu_impl.h) for float and double accumulation and routes a call
  * by dtype: float16, bfloat16 and float32 accumulate in float32, float64 in float64. */
+#define _DEFAULT_SOURCE   /* madvise */
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -24,6 +28,25 @@
 /* most memory the backward spends on per-task copies of score_mod's array gradients */
 #define DTENSOR_BYTES ((double)(256 << 20))
 #define ROUND_UP(x, a) (((x) + (a) - 1) / (a) * (a))
+
+/* Packed K / V (and Q, dO) of at least this many bytes go in 2 MiB pages where Linux allows it
+ * (transparent huge pages on madvise): one page fault where 512 small ones were. */
+#define HUGE_PAGE_BYTES ((size_t)2 << 20)
+
+static void *cpu_alloc_bytes(size_t bytes)
+{
+    bytes = (bytes + 63) / 64 * 64;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (bytes >= HUGE_PAGE_BYTES) {
+        bytes = (bytes + HUGE_PAGE_BYTES - 1) / HUGE_PAGE_BYTES * HUGE_PAGE_BYTES;
+        void *p = aligned_alloc(HUGE_PAGE_BYTES, bytes);
+        if (p)
+            madvise(p, bytes, MADV_HUGEPAGE);   /* advice only: nothing to do if refused */
+        return p;
+    }
+#endif
+    return aligned_alloc(64, bytes ? bytes : 64);
+}
 
 /* What a mask_mod does to a tile: drops every pair, keeps some, keeps every pair. */
 enum { TILE_EMPTY = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };

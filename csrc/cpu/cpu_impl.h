@@ -53,11 +53,7 @@ static int64_t FN(tiling_seq)(const FN(tiling) *t, int64_t B, int64_t g)
     return lo;   /* off[lo] <= g < off[lo + 1]: empty sequences are never returned */
 }
 
-static void *FN(alloc_bytes)(size_t bytes)
-{
-    bytes = (bytes + 63) / 64 * 64;
-    return aligned_alloc(64, bytes ? bytes : 64);
-}
+static void *FN(alloc_bytes)(size_t bytes) { return cpu_alloc_bytes(bytes); }
 
 static void *FN(alloc)(size_t n_elems) { return FN(alloc_bytes)(n_elems * sizeof(T)); }
 
