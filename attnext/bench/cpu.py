@@ -44,6 +44,10 @@ TOL = 1e-4                   # max |attnext - reference| / max |reference|, per 
 BIG_ROW_FLOPS = 2e10         # forward FLOPs above which a row is timed with at most 3 reps
 VARLEN_LENS = (512, 1536, 768, 1280)
 SGEMM_N = 2048               # the machine's rate: NumPy's float32 matmul of SGEMM_N^3
+# OpenBLAS's worker threads spin for ~0.1 s after each NumPy product (its THREAD_TIMEOUT, 2^28
+# cycles) before they sleep, taking a core from whatever runs next: on a 2-core Zen 2, attnext's
+# and torch's calls alike ran up to 2x slower for ~130 ms after the reference's products
+BLAS_IDLE_S = 0.25
 TORCH_VARLEN_NOTE = "torch runs each sequence separately (one SDPA call per sequence)"
 
 
@@ -86,8 +90,10 @@ def _time(fns, warmup=1, reps=5):
     """Median wall time in ms of each fn in the dict fns, keyed alike.
 
     The fns take turns, one call each per round, so that a burst of load from elsewhere on a
-    shared machine slows every contender alike and the ratios stay honest.
+    shared machine slows every contender alike and the ratios stay honest. NumPy's BLAS threads
+    (the reference, the sgemm rate) are left BLAS_IDLE_S to go to sleep first.
     """
+    time.sleep(BLAS_IDLE_S)
     for _ in range(warmup):
         for fn in fns.values():
             fn()
