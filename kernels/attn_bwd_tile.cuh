@@ -179,7 +179,8 @@ DEV void pt_pass(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &
 #if HEAD_DIM > 64
         /* the two query rows' lse and delta by 8-byte loads (the rows' buffers are 8-byte aligned):
          * half the shared loads of reading them one by one. Not at D = 64, whose items hold twice
-         * the rows in the same registers: there the pairs held ahead cost spills (bench/NOTES.md) */
+         * the rows in the same registers: there the pairs held ahead cost spills (bench/NOTES.md,
+         * backward v12) */
         const float2 lb2 = *(const float2 *)(lb + nt * 8 + 2 * t);
         const float2 db2 = DS ? *(const float2 *)(db + nt * 8 + 2 * t) : make_float2(0.f, 0.f);
 #endif
@@ -277,8 +278,8 @@ DEV void pt_tile(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &
     });
 #endif
     /* a tile that needs no test takes a pass without them: with the generated kernels, and at
-     * D > 64 for plain ones too (the per-pair tests cost 6-8% of the backward at D = 128; at
-     * D = 64 the second copy spills: bench/NOTES.md, backward v6) */
+     * D > 64 for plain ones too (the per-pair tests cost 4-6% of the backward at D = 128; at
+     * D = 64 the second copy spills: bench/NOTES.md, backward v12) */
 #if !HAS_MASK_MOD && (ATTN_GMODS || HEAD_DIM > 64)
     if (!need_mask)
         pt_pass<NT, DS, true, DEAD>(s, pp, p, sc, lb, n0w, m0, qlo, qhi, need_mask, dp, db, keep, fault);

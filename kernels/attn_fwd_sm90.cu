@@ -183,8 +183,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
             const uint32_t off = (kk & 3) * 32;
-            s_step(s, dq0 + desc_step((kk >> 2) * (BLOCK_M * 128) + off), dk0 + desc_step((kk >> 2) * (BLOCK_N * 128) + off),
-                   kk > 0);
+            s_step(s, dq0 + desc_step((kk >> 2) * (BLOCK_M * 128) + off),
+                   dk0 + desc_step((kk >> 2) * (BLOCK_N * 128) + off), kk > 0);
         }
     };
     /* whether tile n needs the per-element tests: asked while its S product runs (a mask_mod's
