@@ -10,8 +10,11 @@ Each row: one sequence of S tokens (B 1, bf16 on CUDA, float32 on the CPU; causa
   N dev     attnext.distributed.ring_attention over the N ranks (NCCL on CUDA, gloo on the CPU)
   speedup   1 dev's time / N dev's time (the issue's bound at S >= 128k causal: 1.8x on 2 GPUs)
   hidden    the share of the ring's communication hidden under its attention:
-            1 - (N dev - compute) / comm, where compute is the same ring with every rank using
-            its own K and V at each step (no transfer) and comm the ring's transfers alone
+            1 - exposed / comm, where exposed is the median of the paired differences between
+            the ring and the same ring with every rank using its own K and V at each step (no
+            transfer), run alternately, and comm the ring's transfers alone; +- the differences'
+            interquartile range over comm: what the measurement resolves (the transfers are a
+            few percent of a step, run-to-run noise about as much)
 Times are medians of --reps runs (wall clock between barriers, the devices synchronised), after
 the ring's out is checked against the one-device call's (relative difference under 2%).
 """
@@ -37,7 +40,7 @@ def _parser():
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--no-causal", dest="causal", action="store_false")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=9)
     p.add_argument("--json", metavar="PATH", help="also write the rows to this JSON file (rank 0)")
     return p
 
@@ -46,15 +49,17 @@ def _device_name(device):
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
 
-def _median_s(fn, device, reps, together=True):
+def _median_s(fn, device, reps, together=True, warm=True):
     """Median wall seconds of fn over reps runs after one untimed run (compiles, plans, NCCL's
-    first connection); together: every rank starts and ends each run at a barrier."""
+    first connection) unless not warm; together: every rank starts and ends each run at a
+    barrier."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if together:
             dist.barrier()
-    fn()
+    if warm:
+        fn()
     times = []
     for _ in range(reps):
         sync()
@@ -63,6 +68,22 @@ def _median_s(fn, device, reps, together=True):
         sync()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def _paired_s(fn_a, fn_b, device, reps):
+    """(median of fn_a, median of fn_b, median of a - b, interquartile range of a - b) in wall
+    seconds: a and b alternate, each difference taken between a run and its neighbour, so that
+    drift between runs (clocks, the other ranks, the host) cancels instead of landing in the
+    difference of two medians taken apart."""
+    _median_s(fn_a, device, 1)
+    _median_s(fn_b, device, 1)
+    a, b = [], []
+    for _ in range(reps):
+        a.append(_median_s(fn_a, device, 1, warm=False))
+        b.append(_median_s(fn_b, device, 1, warm=False))
+    diff = [x - y for x, y in zip(a, b)]
+    q = statistics.quantiles(diff, n=4) if len(diff) > 1 else [diff[0]] * 3
+    return statistics.median(a), statistics.median(b), statistics.median(diff), q[2] - q[0]
 
 
 def _validate(out, want, causal):
@@ -90,6 +111,14 @@ class _NoTransfer:
 
     def __exit__(self, *exc):
         axd._Group.exchange = self.saved
+
+
+def _without_transfers(fn):
+    """fn run as a ring whose ranks each keep their own K and V (_NoTransfer)."""
+    def run():
+        with _NoTransfer():
+            fn()
+    return run
 
 
 def run_row(S, args, device, dtype):
@@ -132,9 +161,9 @@ def run_row(S, args, device, dtype):
     _validate(out, want, args.causal)
     del out, want
     for name, fn, sends in (("fwd", ring_fwd, 1), ("fwd_bwd", ring_both, 2)):
-        row[f"{name}_ring_s"] = _median_s(fn, device, args.reps)
-        with _NoTransfer():
-            row[f"{name}_compute_s"] = _median_s(fn, device, args.reps)
+        ring, compute, exposed, spread = _paired_s(fn, _without_transfers(fn), device, args.reps)
+        row[f"{name}_ring_s"], row[f"{name}_compute_s"] = ring, compute
+        row[f"{name}_exposed_s"], row[f"{name}_exposed_iqr_s"] = exposed, spread
         row[f"{name}_comm_s"] = _median_s(comm(sends), device, args.reps)
     if rank == 0:                              # the whole on one device, the others waiting
         Qw, Kw, Vw = (x.clone().requires_grad_() for x in (Q, K, V))
@@ -153,8 +182,9 @@ def run_row(S, args, device, dtype):
     for name in ("fwd", "fwd_bwd"):
         if rank == 0:
             row[f"{name}_speedup"] = row[f"{name}_one_s"] / row[f"{name}_ring_s"]
-            exposed = max(0.0, row[f"{name}_ring_s"] - row[f"{name}_compute_s"])
-            row[f"{name}_hidden"] = max(0.0, 1 - exposed / row[f"{name}_comm_s"]) if row[f"{name}_comm_s"] else 1.0
+            comm_s, exposed = row[f"{name}_comm_s"], max(0.0, row[f"{name}_exposed_s"])
+            row[f"{name}_hidden"] = max(0.0, 1 - exposed / comm_s) if comm_s else 1.0
+            row[f"{name}_hidden_noise"] = row[f"{name}_exposed_iqr_s"] / comm_s if comm_s else 0.0
     return row
 
 
@@ -163,7 +193,8 @@ def _format(row):
     for name in ("fwd", "fwd_bwd"):
         cells.append(f"{name:>7}: 1 dev {1e3 * row[f'{name}_one_s']:9.2f} ms  {row['ranks']} dev "
                      f"{1e3 * row[f'{name}_ring_s']:9.2f} ms  {row[f'{name}_speedup']:5.2f}x  "
-                     f"hidden {100 * row[f'{name}_hidden']:5.1f}% (compute {1e3 * row[f'{name}_compute_s']:.2f}, "
+                     f"hidden {100 * row[f'{name}_hidden']:5.1f}% +- {100 * row[f'{name}_hidden_noise']:.0f} "
+                     f"(compute {1e3 * row[f'{name}_compute_s']:.2f}, "
                      f"comm {1e3 * row[f'{name}_comm_s']:.2f} ms)")
     return "\n    ".join(cells)
 

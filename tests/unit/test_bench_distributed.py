@@ -17,7 +17,7 @@ def test_two_process_bench_writes_rows(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--standalone", "-m", "attnext.bench.distributed", "--device", "cpu",
-                           "--seqlens", "64,128", "--heads", "2", "--dim", "8", "--reps", "1",
+                           "--seqlens", "64,128", "--heads", "2", "--dim", "8", "--reps", "3",
                            "--json", str(path)], capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(path.read_text())
@@ -28,5 +28,6 @@ def test_two_process_bench_writes_rows(tmp_path):
                 t = row[f"{name}_{what}_s"]
                 assert math.isfinite(t) and t > 0, (name, what, t)
             assert row[f"{name}_speedup"] == pytest.approx(row[f"{name}_one_s"] / row[f"{name}_ring_s"])
-            assert 0 <= row[f"{name}_hidden"] <= 1
+            assert 0 <= row[f"{name}_hidden"] <= 1 and row[f"{name}_hidden_noise"] >= 0
+            assert row[f"{name}_exposed_iqr_s"] >= 0 and math.isfinite(row[f"{name}_exposed_s"])
     assert "2 ranks (gloo)" in proc.stdout and "S    128" in proc.stdout
