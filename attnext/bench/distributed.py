@@ -49,25 +49,26 @@ def _device_name(device):
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
 
-def _median_s(fn, device, reps, together=True, warm=True):
-    """Median wall seconds of fn over reps runs after one untimed run (compiles, plans, NCCL's
-    first connection) unless not warm; together: every rank starts and ends each run at a
-    barrier."""
+def _run_s(fn, device, together=True):
+    """Wall seconds of one run of fn, the device synchronised before and after; together:
+    every rank starts and ends it at a barrier."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if together:
             dist.barrier()
-    if warm:
-        fn()
-    times = []
-    for _ in range(reps):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t
+
+
+def _median_s(fn, device, reps, together=True):
+    """Median wall seconds of fn over reps runs (_run_s) after one untimed run (compiles, plans,
+    NCCL's first connection)."""
+    fn()
+    return statistics.median(_run_s(fn, device, together) for _ in range(reps))
 
 
 def _paired_s(fn_a, fn_b, device, reps):
@@ -75,12 +76,12 @@ def _paired_s(fn_a, fn_b, device, reps):
     seconds: a and b alternate, each difference taken between a run and its neighbour, so that
     drift between runs (clocks, the other ranks, the host) cancels instead of landing in the
     difference of two medians taken apart."""
-    _median_s(fn_a, device, 1)
-    _median_s(fn_b, device, 1)
+    fn_a()
+    fn_b()
     a, b = [], []
     for _ in range(reps):
-        a.append(_median_s(fn_a, device, 1, warm=False))
-        b.append(_median_s(fn_b, device, 1, warm=False))
+        a.append(_run_s(fn_a, device))
+        b.append(_run_s(fn_b, device))
     diff = [x - y for x, y in zip(a, b)]
     q = statistics.quantiles(diff, n=4) if len(diff) > 1 else [diff[0]] * 3
     return statistics.median(a), statistics.median(b), statistics.median(diff), q[2] - q[0]
