@@ -75,19 +75,30 @@ DEV void mma_rs(float (&acc)[N / 8][4], const uint32_t (&a)[1][KS][4], uint32_t 
 #define KQ_BYTES (KV_BLOCK_M * HEAD_DIM * 2)
 #define KDO_BYTES (KV_BLOCK_M * HEAD_DIM_V * 2)
 
-/* Item j of a dK/dV CTA: its query head and first query row (head-major over the query tiles
- * [m_first, m_first + nm)). */
-DEV void item_of(int j, int nm, int m_first, int64_t hk, int group, int64_t &h, int &m0)
-{
-    h = hk * group + j / nm;
-    m0 = (m_first + j % nm) * KV_BLOCK_M;
-}
+/* The items j = 0, 1, .. of a dK/dV CTA in turn: each one's query head and first query row
+ * (head-major over the query tiles [m_first, m_first + nm)), by counting: no division in the
+ * item loops. */
+struct item_walk {
+    int nm, m_first, jh = 0, jm = 0;
+    int64_t h0;
+    __device__ item_walk(int nm_, int m_first_, int64_t hk, int group) : nm(nm_), m_first(m_first_), h0(hk * group) {}
+    __device__ __forceinline__ void next(int64_t &h, int &m0)    /* this item's head and first row, then on to the next */
+    {
+        h = h0 + jh;
+        m0 = (m_first + jm) * KV_BLOCK_M;
+        if (++jm == nm) {
+            jm = 0;
+            jh++;
+        }
+    }
+};
 
 /* One query tile against this warpgroup's 64 keys: rows kw0.. of the CTA's KV_BLOCK_N keys in sK,
  * sV, this warp's from n0w; Q at qb, dO at dob, the tile's lse rows lb (log2 units) and delta rows
  * db. S^T = K Q^T and dP^T = V dO^T from shared memory, P^T and dS^T (attn_bwd_tile.cuh), then
- * dV += P^T dO and dK += dS^T Q issued with the register operand (committed, not waited for).
- * dS^T is left in pd as A fragments (rows keys, columns query rows). */
+ * dV += P^T dO and, with DK, dK += dS^T Q issued with the register operand (committed, not
+ * waited for). dS^T is left in pd as A fragments (rows keys, columns query rows). */
+template <bool DK = true>
 DEV void kv_item(float (&dk)[1][NTK][4], float (&dv)[1][NTV][4], uint32_t (&pd)[1][KV_NT / 2][4],
                  const attn_params &p, const score_ctx &sc, uint32_t sK, uint32_t sV, int kw0, uint32_t qb,
                  uint32_t dob, const float *lb, const float *db, int n0, int n0w, int m0, int Lq, int Lk,
@@ -112,9 +123,11 @@ DEV void kv_item(float (&dk)[1][NTK][4], float (&dv)[1][NTV][4], uint32_t (&pd)[
     mma_rs<HEAD_DIM_V>(dv[0], pp, dob);          /* dV += P^T dO */
     wgmma_commit();
     pack_frag<1, KV_NT / 2>(pd, dp);
-    wgmma_fence();
-    mma_rs<HEAD_DIM>(dk[0], pd, qb);             /* dK += dS^T Q */
-    wgmma_commit();
+    if (DK) {
+        wgmma_fence();
+        mma_rs<HEAD_DIM>(dk[0], pd, qb);         /* dK += dS^T Q */
+        wgmma_commit();
+    }
 }
 
 /* The number of items of the CTA's key tile at n0: the query tiles that see it (kv_tile_rows:
@@ -224,10 +237,11 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
     const int items = kv_items(p, b, hk, sq, sk, n0, n0 + warp * 16, m_first, nm, qlo, qhi, all_first, all_n);
 
     /* item j: Q and dO by cp.async into buffer j & 1; its lse (log2) and delta of row tid */
-    auto prefetch = [&](int j, float &l, float &d) {
+    item_walk ahead(nm, m_first, hk, group), walk(nm, m_first, hk, group);
+    auto prefetch = [&](int j, float &l, float &d) {    /* j = 0, 1, .. in turn */
         int64_t h;
         int m0;
-        item_of(j, nm, m_first, hk, group, h, m0);
+        ahead.next(h, m0);
         const int64_t row0 = sq.start + m0;
         load_sw128<KV_BLOCK_M, HEAD_DIM, KV_THREADS>(
             sQ + (j & 1) * KQ_BYTES, (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + row0 * p.q.s[1] + h * p.q.s[2],
@@ -265,7 +279,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
         const int buf = j & 1;
         int64_t h;
         int m0;
-        item_of(j, nm, m_first, hk, group, h, m0);
+        walk.next(h, m0);
         cp_async_wait_all();
         fence_proxy_async();
         __syncthreads();                  /* item j in buffer buf; every warp is done with item j - 1 */
@@ -327,6 +341,10 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
  * rows (S^T of 64 keys x 128 rows per warpgroup, FlashAttention-3's hdim-64 tile), warpgroup c
  * adds rows [64c, 64c + 64) of dQ, every column. */
 #define DQ_BY_ROWS (HEAD_DIM == 64)
+/* Whether kv_item issues dK's product before dQ's (D = 64: 0.5-1% faster so, its registers
+ * spill either way), or the consumer after it, so that dQ's stores run under dK's product
+ * (D = 128: +2-3.5%; bench/NOTES.md, backward v13). */
+#define DK_FIRST DQ_BY_ROWS
 #if DQ_BY_ROWS
 #define CONSUMER_REGS 232
 #define PRODUCER_REGS 40
@@ -478,11 +496,12 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
     if (wg == 0) {                        /* ---- producer */
         regs_lower<PRODUCER_REGS>();
         if (tid < LOADERS) {
+            item_walk walk(nm, m_first, hk, group);
             for (int j = 0; j < items; j++) {
                 const int x = j & 1;
                 int64_t h;
                 int m0;
-                item_of(j, nm, m_first, hk, group, h, m0);
+                walk.next(h, m0);
                 const int64_t row0 = sq.start + m0;
                 /* the tile's lse and delta rows read first, their latency under the stage's wait and
                  * the cp.asyncs (read after them, they held up a CTA's first item by ~2 us) */
@@ -527,11 +546,12 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
             }
 #endif
             int backs = 0;                /* dq_back's phases waited for */
+            item_walk walk(nm, m_first, hk, group);
             for (int j = 0; j < items; j++) {
                 const int x = j & 1;
                 int64_t h;
                 int m0;
-                item_of(j, nm, m_first, hk, group, h, m0);
+                walk.next(h, m0);
                 const uint32_t stage = sdQ + x * SDQ_BYTES;
                 float *dst = (float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + (sq.start + m0) * p.dq_accum.s[1]
                              + h * p.dq_accum.s[2];
@@ -605,16 +625,17 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
         fence_proxy_async();
     }
     named_sync(1, KV_THREADS);            /* K and V in */
+    item_walk walk(nm, m_first, hk, group);
     for (int j = 0; j < items; j++) {
         const int x = j & 1;
         int64_t h;
         int m0;
-        item_of(j, nm, m_first, hk, group, h, m0);
+        walk.next(h, m0);
         const uint32_t qb = sQ + x * KQ_BYTES, ds = sdS + x * SDS_BYTES, dqs = sdQ + x * SDQ_BYTES;
         const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
         mbar_wait(q_full + 8 * x, (j >> 1) & 1);
         uint32_t pd[1][KV_NT / 2][4];
-        kv_item(dk, dv, pd, p, sc, sK, sV, cw * 64, qb, sdO + x * KDO_BYTES, sL + x * KV_BLOCK_M,
+        kv_item<DK_FIRST>(dk, dv, pd, p, sc, sK, sV, cw * 64, qb, sdO + x * KDO_BYTES, sL + x * KV_BLOCK_M,
                 sD + x * KV_BLOCK_M, n0, n0w, m0, Lq, Lk, qlo, qhi);
 
         /* dS^T (keys x query rows) into stage x; both warpgroups' keys before dQ reads them */
@@ -639,11 +660,18 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
         for (int kk = 0; kk < KV_BLOCK_N / 16; kk++)
             wgmma_m64n64_ss_tt(acc, da0 + desc_step(kk * 16 * 128), db0 + desc_step(kk * 16 * 128), kk > 0);
         wgmma_commit();
-        wgmma_wait<0>();
+        if (!DK_FIRST) {                  /* dK += dS^T Q after dQ's product: dQ's stores below run under it */
+            wgmma_fence();
+            mma_rs<HEAD_DIM>(dk[0], pd, qb);
+            wgmma_commit();
+            wgmma_wait<1>();
+        } else {
+            wgmma_wait<0>();
+            fence_acc(dv[0]);
+            fence_acc(dk[0]);
+            mbar_arrive(q_empty + 8 * x); /* Q, dO, lse and delta of stage x read */
+        }
         fence_acc(acc);
-        fence_acc(dv[0]);
-        fence_acc(dk[0]);
-        mbar_arrive(q_empty + 8 * x);     /* Q, dO, lse and delta of stage x read */
 
         if (j >= 2)
             mbar_wait(dq_empty + 8 * x, ((j >> 1) - 1) & 1);
@@ -659,6 +687,12 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
         }
         fence_proxy_async();
         mbar_arrive(dq_full + 8 * x);
+        if (!DK_FIRST) {
+            wgmma_wait<0>();
+            fence_acc(dv[0]);
+            fence_acc(dk[0]);
+            mbar_arrive(q_empty + 8 * x);
+        }
     }
     store_dkdv_staged(p, sk, hk, dk, dv, n0w, sQ + (items & 1) * KQ_BYTES + cwarp * 2048);
 }
