@@ -23,8 +23,10 @@
  * each own 64 rows of the 128-row tile and take turns on the tensor cores (ping-pong: named
  * barriers 4 and 5), so that one's softmax runs while the other's products do; within a
  * warpgroup the next tile's S is issued before this tile's P V as above. No CTA-wide barrier
- * after the start. For dense K and V (no varlen, no seqused_k: rows past Lk are past the tensor,
- * and the copies fill them with zeros), D = Dv.
+ * after the start. D = Dv. Key rows past Lk that lie inside the tensor (varlen: the next
+ * sequence's; seqused_k: unused rows) are copied like any other: their scores are masked, and
+ * the producer warp zeroes their V rows in shared memory before the tile's P V may read them
+ * (P's 0 times a NaN there would be NaN); rows past the tensor come as zeros from the copy.
  */
 #include "attn_fwd_tile.cuh"
 #include "wgmma.cuh"
@@ -310,14 +312,18 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     /* Q (two blocks of 64 rows), then K[STAGES], V[STAGES], then the barriers: full_k, empty_k,
-     * full_v, empty_v, STAGES each */
+     * full_v, empty_v, STAGES each, and tail_v */
     const uint32_t sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
     const uint32_t sK = sQ + Q_BYTES, sV = sK + STAGES * K_BYTES, bars = sV + STAGES * V_BYTES;
     const uint32_t full_k = bars, empty_k = bars + 8 * STAGES, full_v = bars + 16 * STAGES,
-                   empty_v = bars + 24 * STAGES;
+                   empty_v = bars + 24 * STAGES, tail_v = bars + 32 * STAGES;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = tid >> 7;
     const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (p.Hq / p.Hk);
+    if (b == p.B) {                                      /* packed rows after the last sequence */
+        zero_tail<BLOCK_M, WS_THREADS>(p, h);
+        return;
+    }
     seq_t sq, sk;
     int m0, r_end, n_first, n_last;
     if (!query_tile(p, b, sq, sk, m0, r_end, n_first, n_last))
@@ -333,35 +339,59 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
             mbar_init(full_v + 8 * st, 1);
             mbar_init(empty_v + 8 * st, 8);
         }
+        mbar_init(tail_v, 1);
         mbar_init_fence();
     }
     __syncthreads();
 
     if (wg == 0) {                                       /* the producer */
         regs_lower<PRODUCER_REGS>();
-        if (warp != 0 || lane != 0)
+        if (warp != 0)
             return;
         /* tile i of the visit (n = n_last - i) into stage i % STAGES, each of K and V once both
          * computing warpgroups have released the stage's tile i - STAGES. K runs a tile ahead of
-         * V (K[i + 1], then V[i]): a step needs the S of its tile before the P V of the last. */
+         * V (K[i + 1], then V[i]): a step needs the S of its tile before the P V of the last.
+         * Lane 0 issues; the warp's lanes zero tail_rows of V[0] (its copy completes tail_v,
+         * and the warp completes full_v's phase by a plain arrival once the rows are 0). */
         const int tiles = n_last - n_first + 1;
-        auto load = [&](int i, uint32_t full, uint32_t empty, uint32_t dst, const void *map, int bytes, int cols) {
+        /* rows of the visit's first tile past Lk that the copy brings from inside the tensor */
+        const int tail_rows = (p.cu_seqlens_k || p.seqused_k) && tiles > 0
+                              ? max(0, (n_last + 1) * BLOCK_N - max(Lk, n_last * BLOCK_N)) : 0;
+        auto load = [&](int i, uint32_t empty, uint32_t dst, const void *map, int bytes, int cols, uint32_t landed) {
             const int st = i % STAGES;
             int64_t mb, at;
             key_row(&p, &sk, b, (int64_t)(n_last - i) * BLOCK_N, &mb, &at);
             if (i >= STAGES)
                 mbar_wait(empty + 8 * st, (i / STAGES - 1) & 1);
-            mbar_arrive_expect_tx(full + 8 * st, bytes);
+            mbar_arrive_expect_tx(landed, bytes);
             for (int hf = 0; hf < cols / 64; hf++)
-                tma_load_4d(dst + st * bytes + hf * BLOCK_N * 128, map, hf * 64, (int)hk, (int)at, (int)mb,
-                            full + 8 * st);
+                tma_load_4d(dst + st * bytes + hf * BLOCK_N * 128, map, hf * 64, (int)hk, (int)at, (int)mb, landed);
         };
-        if (tiles > 0)
-            load(0, full_k, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM);
-        for (int i = 0; i < tiles; i++) {
+        if (tiles > 0 && lane == 0) {
+            load(0, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM, full_k);
+            if (tiles > 1)
+                load(1, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM, full_k + 8 * (1 % STAGES));
+            load(0, empty_v, sV, &maps.v, V_BYTES, HEAD_DIM_V, tail_rows ? tail_v : full_v);
+        }
+        if (tail_rows) {                  /* 128-byte rows of each 64-column panel: a block apiece */
+            __syncwarp();
+            mbar_wait(tail_v, 0);
+            for (int hf = 0; hf < HEAD_DIM_V / 64; hf++)
+                for (int x = lane; x < tail_rows * 8; x += 32)
+                    asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};"
+                                 ::"r"(sV + hf * BLOCK_N * 128 + (BLOCK_N - tail_rows) * 128 + x * 16), "r"(0)
+                                 : "memory");
+            fence_proxy_async();
+            __syncwarp();
+            if (lane == 0)
+                mbar_arrive(full_v);
+        }
+        if (lane != 0)
+            return;
+        for (int i = 1; i < tiles; i++) {
             if (i + 1 < tiles)
-                load(i + 1, full_k, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM);
-            load(i, full_v, empty_v, sV, &maps.v, V_BYTES, HEAD_DIM_V);
+                load(i + 1, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM, full_k + 8 * ((i + 1) % STAGES));
+            load(i, empty_v, sV, &maps.v, V_BYTES, HEAD_DIM_V, full_v + 8 * (i % STAGES));
         }
         return;
     }

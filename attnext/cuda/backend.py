@@ -546,9 +546,10 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     arch = device_arch(device)
     paged = o.block_table is not None
     decode = pack or splits > 1
-    dense = (not o.varlen and o.used_k is None and not paged and getattr(o, "whole_rows", None) is None
-             and _tma_strides(o))
-    ws = not decode and select.fwd_ws(arch, o.D, o.Dv, features["vec"], rows, o.Sk, gen, features["dtype"], dense)
+    copyable = not paged and getattr(o, "whole_rows", None) is None and _tma_strides(o)
+    dense = copyable and not o.varlen and o.used_k is None
+    ws = not decode and select.fwd_ws(arch, o.D, o.Dv, features["vec"], rows, o.Sk, gen, features["dtype"], dense,
+                                      copyable)
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
                                      features["dtype"], paged, tma, ws)
     defines = select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen, paged=paged,

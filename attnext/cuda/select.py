@@ -143,16 +143,21 @@ def fwd_ws_tile():
     return tuple(int(x) for x in env.split(",")) if env else SM90_TILE_WS
 
 
-def fwd_ws(arch, D, Dv, vec, rows, key_rows, mods=None, dtype="bfloat16", dense=False):
+def fwd_ws(arch, D, Dv, vec, rows, key_rows, mods=None, dtype="bfloat16", dense=False, copyable=False):
     """Whether a (non-decode) forward runs attn_fwd_sm90.cu's warp-specialised kernel (WS): D = Dv
     in {64, 128} past SM90_SHORT_ROWS rows, without a score_mod / mask_mod, over dense keys
     (dense: no varlen, seqused_k, page table or zero stride: the bulk copies' zeros past the
-    tensor are the only rows past Lk) of at least a tile's rows (a copy's box is a whole tile),
-    and a driver that makes tensor maps. ATTNEXT_FWD_WS=0 says no (the lab's comparison)."""
+    tensor are the only rows past Lk) whose tensor has at least a tile's rows (key_rows: a copy's
+    box is a whole tile),
+    and a driver that makes tensor maps. ATTNEXT_FWD_WS=0 says no (the lab's comparison);
+    ATTNEXT_FWD_WS=all also takes score_mod / mask_mod calls and keys that a bulk copy can
+    read but that have rows past Lk inside the tensor (copyable: varlen, seqused_k; the kernel
+    zeroes those V rows), until a GPU run has measured and tested them (bench/NOTES.md)."""
     flag = _env.get("ATTNEXT_FWD_WS") or "1"
-    if not (arch == "sm_90a" and vec and D == Dv and D in (64, 128) and dtype != "float32" and mods is None
-            and dense and rows > SM90_SHORT_ROWS and key_rows >= fwd_ws_tile()[1] and flag != "0"
-            and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
+    wider = flag == "all"
+    if not (arch == "sm_90a" and vec and D == Dv and D in (64, 128) and dtype != "float32"
+            and (mods is None or wider) and (dense or (wider and copyable)) and rows > SM90_SHORT_ROWS
+            and key_rows >= fwd_ws_tile()[1] and flag != "0" and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
         return False
     from .. import _C
     return _C.cuda_tensor_maps()
@@ -195,8 +200,8 @@ def sm90_staged_o_fits(D, Dv, tile):
 
 def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd", dtype="bfloat16", tma=False, ws=False):
     bm, bn = tile[:2]
-    if ws:            # Q, STAGES x K, STAGES x V swizzled, 1024-aligned, then 4 x STAGES mbarriers
-        return 2 * (bm * D + tile[3] * bn * (D + Dv)) + 1024 + 32 * tile[3]
+    if ws:            # Q, STAGES x K, STAGES x V swizzled, 1024-aligned, then 4 x STAGES + 1 mbarriers
+        return 2 * (bm * D + tile[3] * bn * (D + Dv)) + 1024 + 32 * tile[3] + 8
     if kernel == "attn_fwd_sm90":     # Q, K[2], V[2] in 128-byte swizzled rows, 1024-aligned
         return 2 * (bm * D + 2 * bn * D + 2 * bn * Dv) + 1024
     size = ITEMSIZE[dtype]
@@ -663,5 +668,6 @@ def mod_variants(arch=None):
            ("attn_block_mask", block_mask_defines(gen))]
     if arch in (None, "sm_90a"):
         out += [("attn_fwd_sm90", fwd_defines(**every, tile=SM90_TILE_MODS, mods=gen)),
+                ("attn_fwd_sm90", fwd_defines(**every, tile=SM90_TILE_WS, mods=gen, ws=True)),
                 ("attn_bwd_sm90", bwd_defines(**every, tile=bwd_sm90_tile(128, "recompute"), mods=gen))]
     return [(k, d, gen.source) for k, d in out]

@@ -216,13 +216,15 @@ static int dims3(PyObject *o, const char *name, unsigned out[3])
     return 0;
 }
 
-/* The tensor map of k or v (t, d columns) for TMA_KV: (d, Hk, rows, outer) with rows and outer
- * Sk and B, or a paged cache's page_size and num_pages; boxes of min(d, 64) columns x 1 x
- * min(tma_rows, rows) x 1, 128-byte swizzled, zeros outside the tensor. -1 with an exception. */
+/* The tensor map of k or v (t, d columns) for TMA_KV and WS: (d, Hk, rows, outer) with rows and
+ * outer Sk and B (varlen: the packed rows and 1), or a paged cache's page_size and num_pages;
+ * boxes of min(d, 64) columns x 1 x min(tma_rows, rows) x 1, 128-byte swizzled, zeros outside
+ * the tensor. -1 with an exception. */
 static int encode_kv_map(attn_tmap *map, const attn_params *p, const tensor4 *t, int64_t d)
 {
     const int paged = p->page_size > 0;
-    const unsigned long long rows = paged ? p->page_size : p->Sk, outer = paged ? p->num_pages : p->B;
+    const unsigned long long rows = paged ? p->page_size : p->Sk,
+                             outer = paged ? p->num_pages : p->cu_seqlens_k ? 1 : p->B;
     const unsigned long long dims[4] = {(unsigned long long)d, (unsigned long long)p->Hk, rows, outer};
     const unsigned long long strides[3] = {2ull * t->s[2], 2ull * t->s[1], 2ull * t->s[0]};
     const unsigned box[4] = {d < 64 ? (unsigned)d : 64u, 1u,

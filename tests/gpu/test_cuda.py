@@ -104,6 +104,46 @@ def test_forward_kernels_with_every_option(kernel, d, dv, rng, monkeypatch):
     assert (out[400:] == 0).all() and np.isneginf(lse[:, 400:]).all()
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_ws_forward_on_varlen_and_mods(d, rng, monkeypatch):
+    """ATTNEXT_FWD_WS=all: the warp-specialised forward also takes varlen and seqused_k keys,
+    whose rows past Lk inside the tensor its copies bring along (the producer zeroes them in
+    V: a NaN there must not reach out), and score_mod / mask_mod calls; against the reference,
+    and on Hopper every plan made here on the WS kernel."""
+    from attnext.cuda import backend, select
+    monkeypatch.setenv("ATTNEXT_FWD_WS", "all")
+    chosen = []
+    fwd_kernel = select.fwd_kernel
+
+    def spy(*args, **kw):
+        chosen.append(bool(kw.get("ws", args[10] if len(args) > 10 else False)))
+        return fwd_kernel(*args, **kw)
+    monkeypatch.setattr(select, "fwd_kernel", spy)
+    backend.clear_plans()
+    hopper = backend.device_arch(0) == "sm_90a"
+
+    cu_q = np.array([0, 1100, 2400, 3100], np.int32)
+    cu_k = np.array([0, 1200, 2533, 3433], np.int32)
+    used_k = np.array([1100, 1333, 517], np.int32)
+    q, k, v = make_varlen_qkv(rng, 3100, 3433, 4, 2, d, d, BF16)
+    _check_forward(q, k, v, BF16, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
+    for b in range(3):                       # unused key rows: NaN (never read, or read as 0 by P V)
+        v[cu_k[b] + used_k[b]:cu_k[b + 1]] = np.nan
+    _check_forward(q, k, v, BF16, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used_k),
+                   causal=True)
+
+    q, k, v = make_qkv(rng, 2, 1100, 1333, 4, 2, d, d, BF16)
+    lens_k, v_nan = np.array([1333, 1001], np.int32), v.copy()
+    v_nan[1, 1001:] = np.nan
+    _check_forward(q, k, v_nan, BF16, seqlens_k=lens_k, causal=True)
+    _check_forward(q, k, v_nan, BF16, seqlens_k=lens_k, window=(400, 3),
+                   score_mod=lambda s, b, h, qi, ki: 20.0 * np.tanh(s / 20.0))
+    _check_forward(q, k, v, BF16, causal=True, mask_mod=lambda b, h, qi, ki: (qi - ki) % 5 != 3)
+    _check_forward(q, k, v, BF16, mask_mod=lambda b, h, qi, ki: (qi - ki) % 5 != 3,
+                   score_mod=lambda s, b, h, qi, ki: s - 0.01 * np.abs(qi - ki))
+    assert chosen and all(chosen) == hopper, chosen
+
+
 @pytest.mark.parametrize("kernel", ["ws", "two_warpgroups"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_long_forward_with_every_option(kernel, d, rng, monkeypatch):

@@ -103,7 +103,8 @@ def test_hopper_decode_by_tensor_copies_where_it_applies(monkeypatch):
 def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
     """attn_fwd_sm90.cu's WS kernel: Hopper, 16-bit, D = Dv in {64, 128}, rows past SM90_SHORT_ROWS,
     no mods, dense keys of at least a tile's rows, a driver with tensor maps, ATTNEXT_FWD_WS not
-    0; its tile, defines and shared memory (three stages of K and V still fit an SM)."""
+    0 (all: mods and keys a copy can read with rows past Lk inside the tensor too, never a page
+    table's); its tile, defines and shared memory (three stages of K and V still fit an SM)."""
     from attnext import _C, _env
     from attnext.mods import codegen, trace
     monkeypatch.setattr(_C, "cuda_tensor_maps", lambda: True)
@@ -122,6 +123,13 @@ def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
             assert not select.fwd_ws(**ok), name
         finally:
             _env.setenv(name, None)
+    assert not select.fwd_ws(**{**ok, "dense": False, "copyable": True})
+    _env.setenv("ATTNEXT_FWD_WS", "all")
+    try:
+        assert select.fwd_ws(**{**ok, "mods": mods}) and select.fwd_ws(**{**ok, "dense": False, "copyable": True})
+        assert not select.fwd_ws(**{**ok, "dense": False}) and not select.fwd_ws(**{**ok, "mods": mods, "D": 96, "Dv": 96})
+    finally:
+        _env.setenv("ATTNEXT_FWD_WS", None)
     tile = select.fwd_ws_tile()
     assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, ws=True) == ("attn_fwd_sm90", tile)
     assert select.fwd_kernel("sm_90a", 128, 128, True, True, 1, ws=True)[0] == "attn_fwd"   # decode: never WS
@@ -129,7 +137,7 @@ def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
                            alibi_dtype=None, mask=False, tile=tile, ws=True)
     assert (d["WS"], d["STAGES"], d["MIN_BLOCKS"], d["BLOCK_M"], d["BLOCK_N"]) == (1, tile[3], 1, 128, 128)
     smem = select.fwd_smem_bytes(128, 128, tile, "attn_fwd_sm90", ws=True)
-    assert smem == 2 * (128 * 128 + tile[3] * 128 * 256) + 1024 + 32 * tile[3]
+    assert smem == 2 * (128 * 128 + tile[3] * 128 * 256) + 1024 + 32 * tile[3] + 8
     three = select.fwd_smem_bytes(128, 128, (128, 128, 8, 3), "attn_fwd_sm90", ws=True)
     assert three + 1024 <= select.SM90_SHARED_BYTES
     assert any(d.get("WS") for k, d in select.variants("sm_90a"))
