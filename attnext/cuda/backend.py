@@ -516,10 +516,12 @@ def _decode_tma(o, features, arch):
 
 
 def _tma_strides(o):
-    """Whether k's and v's strides suit a tensor map: none 0 (a broadcast array, e.g. torch's
-    expand: the bulk copies' maps describe memory by strides, which cuTensorMapEncodeTiled
-    may refuse at 0); such calls keep the cp.async kernels."""
-    return all(s > 0 for x in (o.k4, o.v4) for s in x.strides[:3])
+    """Whether k's and v's strides suit a tensor map: none 0 along a dimension of more than one
+    element (a broadcast array, e.g. torch's expand: the bulk copies' maps describe memory by
+    strides, which cuTensorMapEncodeTiled may refuse at 0); such calls keep the cp.async
+    kernels. A dimension of one element (varlen's batch, a single kv head) is never stepped:
+    attention.c gives its map another stride where the array's is 0."""
+    return all(s > 0 or n == 1 for x in (o.k4, o.v4) for n, s in zip(x.shape[:3], x.strides[:3]))
 
 
 def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None):
@@ -548,8 +550,9 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     decode = pack or splits > 1
     copyable = not paged and getattr(o, "whole_rows", None) is None and _tma_strides(o)
     dense = copyable and not o.varlen and o.used_k is None
-    ws = not decode and select.fwd_ws(arch, o.D, o.Dv, features["vec"], rows, o.Sk, gen, features["dtype"], dense,
-                                      copyable)
+    # key_rows: the rows of k's tensor (varlen: the packed rows), which a copy's box may not exceed
+    ws = not decode and select.fwd_ws(arch, o.D, o.Dv, features["vec"], rows, o.k4.shape[1], gen, features["dtype"],
+                                      dense, copyable)
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
                                      features["dtype"], paged, tma, ws)
     defines = select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen, paged=paged,

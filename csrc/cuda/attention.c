@@ -216,17 +216,25 @@ static int dims3(PyObject *o, const char *name, unsigned out[3])
     return 0;
 }
 
-/* The tensor map of k or v (t, d columns) for TMA_KV and WS: (d, Hk, rows, outer) with rows and
- * outer Sk and B (varlen: the packed rows and 1), or a paged cache's page_size and num_pages;
- * boxes of min(d, 64) columns x 1 x min(tma_rows, rows) x 1, 128-byte swizzled, zeros outside
- * the tensor. -1 with an exception. */
+/* The tensor map of k or v (t, d columns) for TMA_KV and WS: (d, Hk, rows, outer), rows and
+ * outer being a paged cache's page_size and num_pages, else Sk and B (varlen: the packed rows
+ * and 1); boxes of min(d, 64) columns x 1 x min(tma_rows, rows) x 1, 128-byte swizzled, zeros
+ * outside the tensor. A dimension of one element is never stepped, so where its stride is 0 in
+ * the array (varlen's new batch axis, a single broadcast kv head), which the driver refuses,
+ * the map takes the span inside it. -1 with an exception. */
 static int encode_kv_map(attn_tmap *map, const attn_params *p, const tensor4 *t, int64_t d)
 {
     const int paged = p->page_size > 0;
     const unsigned long long rows = paged ? p->page_size : p->Sk,
                              outer = paged ? p->num_pages : p->cu_seqlens_k ? 1 : p->B;
     const unsigned long long dims[4] = {(unsigned long long)d, (unsigned long long)p->Hk, rows, outer};
-    const unsigned long long strides[3] = {2ull * t->s[2], 2ull * t->s[1], 2ull * t->s[0]};
+    unsigned long long strides[3] = {2ull * t->s[2], 2ull * t->s[1], 2ull * t->s[0]};
+    if (!strides[0] && p->Hk == 1)
+        strides[0] = 2ull * d;
+    if (!strides[1] && rows == 1)
+        strides[1] = strides[0] * (unsigned long long)p->Hk;
+    if (!strides[2] && outer == 1)
+        strides[2] = strides[1] * rows;
     const unsigned box[4] = {d < 64 ? (unsigned)d : 64u, 1u,
                              (unsigned)(p->tma_rows < (int64_t)rows ? p->tma_rows : (int64_t)rows), 1u};
     const unsigned ones[4] = {1u, 1u, 1u, 1u};

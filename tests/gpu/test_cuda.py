@@ -122,21 +122,26 @@ def test_ws_forward_on_varlen_and_mods(d, rng, monkeypatch):
     backend.clear_plans()
     hopper = backend.device_arch(0) == "sm_90a"
 
+    # key rows no sequence uses hold inf in k and NaN in v: their scores must be masked and their
+    # v rows read as 0 (the packed rows past the last sequence, which its last tile's copy brings
+    # along; with seqused_k the unused rows of each sequence, all of sequence 1's, which sequence
+    # 0's last tile reads as the next sequence's)
     cu_q = np.array([0, 1100, 2400, 3100], np.int32)
     cu_k = np.array([0, 1200, 2533, 3433], np.int32)
-    used_k = np.array([1100, 1333, 517], np.int32)
-    q, k, v = make_varlen_qkv(rng, 3100, 3433, 4, 2, d, d, BF16)
+    used_k = np.array([1100, 0, 517], np.int32)
+    q, k, v = make_varlen_qkv(rng, 3100, 3500, 4, 2, d, d, BF16)
+    k[3433:], v[3433:] = np.inf, np.nan
     _check_forward(q, k, v, BF16, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
-    for b in range(3):                       # unused key rows: NaN (never read, or read as 0 by P V)
-        v[cu_k[b] + used_k[b]:cu_k[b + 1]] = np.nan
+    for b in range(3):
+        k[cu_k[b] + used_k[b]:cu_k[b + 1]], v[cu_k[b] + used_k[b]:cu_k[b + 1]] = np.inf, np.nan
     _check_forward(q, k, v, BF16, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used_k),
                    causal=True)
 
     q, k, v = make_qkv(rng, 2, 1100, 1333, 4, 2, d, d, BF16)
-    lens_k, v_nan = np.array([1333, 1001], np.int32), v.copy()
-    v_nan[1, 1001:] = np.nan
-    _check_forward(q, k, v_nan, BF16, seqlens_k=lens_k, causal=True)
-    _check_forward(q, k, v_nan, BF16, seqlens_k=lens_k, window=(400, 3),
+    lens_k, k_inf, v_nan = np.array([1333, 1001], np.int32), k.copy(), v.copy()
+    k_inf[1, 1001:], v_nan[1, 1001:] = np.inf, np.nan
+    _check_forward(q, k_inf, v_nan, BF16, seqlens_k=lens_k, causal=True)
+    _check_forward(q, k_inf, v_nan, BF16, seqlens_k=lens_k, window=(400, 3),
                    score_mod=lambda s, b, h, qi, ki: 20.0 * np.tanh(s / 20.0))
     _check_forward(q, k, v, BF16, causal=True, mask_mod=lambda b, h, qi, ki: (qi - ki) % 5 != 3)
     _check_forward(q, k, v, BF16, mask_mod=lambda b, h, qi, ki: (qi - ki) % 5 != 3,
