@@ -135,12 +135,17 @@ SM90_SHORT_ROWS = 1024
 # attn_fwd_sm90.cu's WS kernel: 128 x 128, two computing warpgroups (8 warps) beside the producer,
 # STAGES key tiles of K and of V in flight
 SM90_TILE_WS = (128, 128, 8, 2)
+# ... and with a score_mod (ATTNEXT_FWD_WS=all): 64 keys a tile, as SM90_TILE_MODS and for its
+# reason, the first call's compile (NVRTC 13.x on the dev machine, softcap, D128: 1.44 s at 128 x
+# 128 against 1.13 s here and 0.91 s for SM90_TILE_MODS' kernel)
+SM90_TILE_WS_MODS = (128, 64, 8, 2)
 
 
-def fwd_ws_tile():
-    """(BLOCK_M, BLOCK_N, computing warps, STAGES) of the WS forward; the lab's ATTNEXT_TILE_FWD_WS."""
+def fwd_ws_tile(score_mod=False):
+    """(BLOCK_M, BLOCK_N, computing warps, STAGES) of the WS forward (score_mod: a call with one);
+    the lab's ATTNEXT_TILE_FWD_WS."""
     env = _env.get("ATTNEXT_TILE_FWD_WS")
-    return tuple(int(x) for x in env.split(",")) if env else SM90_TILE_WS
+    return tuple(int(x) for x in env.split(",")) if env else SM90_TILE_WS_MODS if score_mod else SM90_TILE_WS
 
 
 def fwd_ws(arch, D, Dv, vec, rows, key_rows, mods=None, dtype="bfloat16", dense=False, copyable=False):
@@ -175,7 +180,7 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
     if decode and tma:
         return "attn_fwd", decode_tma_tile()
     if ws and not decode:
-        return "attn_fwd_sm90", fwd_ws_tile()
+        return "attn_fwd_sm90", fwd_ws_tile(mods is not None and bool(mods.defines.get("HAS_SCORE_MOD")))
     if (arch == "sm_90a" and not decode and not paged and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
             and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
         env = _env.get("ATTNEXT_TILE_SM90")      # the kernel lab's override: "128,64,8"
@@ -667,6 +672,6 @@ def mod_variants(arch=None):
            ("attn_block_mask", block_mask_defines(gen))]
     if arch in (None, "sm_90a"):
         out += [("attn_fwd_sm90", fwd_defines(**every, tile=SM90_TILE_MODS, mods=gen)),
-                ("attn_fwd_sm90", fwd_defines(**every, tile=SM90_TILE_WS, mods=gen, ws=True)),
+                ("attn_fwd_sm90", fwd_defines(**every, tile=SM90_TILE_WS_MODS, mods=gen, ws=True)),
                 ("attn_bwd_sm90", bwd_defines(**every, tile=bwd_sm90_tile(128, "recompute"), mods=gen))]
     return [(k, d, gen.source) for k, d in out]
