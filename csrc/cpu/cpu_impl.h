@@ -409,7 +409,7 @@ static int FN(online_softmax)(const attn_params *p, const FN(tiling) *kt_tiles, 
     const interp_mods *mods = p->mods;
     const int has_score_mod = mods && interp_has(&mods->score);
     const int has_mask_mod = mods && interp_has(&mods->mask);
-    const int64_t r0 = qb * BQ, D = p->D, Dv = p->Dv, hk = h / (p->Hq / p->Hk);
+    const int64_t r0 = qb * BQ, D = p->D, hk = h / (p->Hq / p->Hk);
     for (int64_t i = 0; i < BQ; i++) {
         m[i] = -INFINITY;
         l[i] = 0;
@@ -443,11 +443,7 @@ static int FN(online_softmax)(const attn_params *p, const FN(tiling) *kt_tiles, 
         OPS->softmax_cols((int)n, BQ, BQ, St, scale, m, l, alpha);
         if (!O)
             continue;
-        for (int64_t i = 0; i < nr; i++)
-            if (alpha[i] != 1)
-                for (int64_t d = 0; d < Dv; d++)
-                    O[i * DvP + d] *= alpha[i];
-        OPS->gemm_tn(BQ, (int)DvP, (int)n, St, BQ, vr + g * BK * DvP, DvP, O, DvP, 1);
+        OPS->gemm_tn_scaled(BQ, (int)DvP, (int)n, St, BQ, vr + g * BK * DvP, DvP, O, DvP, alpha);
     }
     return 0;
 }

@@ -39,6 +39,11 @@ typedef struct {
     /* C[M x N] (+)= A^T B with A stored (K x M) row-major: the backward's P^T dO and dS^T Q */
     void (*gemm_tn)(int M, int N, int K, const float *A, int64_t lda, const float *B, int64_t ldb,
                     float *C, int64_t ldc, int accumulate);
+    /* C[M x N] = diag(row_scale) C + A^T B, A as gemm_tn's (row_scale: M values): the forward's
+     * O = alpha O + P V, the rescale done where C's rows enter the registers (each row's product
+     * C * row_scale rounded, then the sum, as a separate pass over O would) */
+    void (*gemm_tn_scaled)(int M, int N, int K, const float *A, int64_t lda, const float *B,
+                           int64_t ldb, float *C, int64_t ldc, const float *row_scale);
     /* Online-softmax step over transposed scores St[n keys x cols queries] (row stride ld), in
      * natural units: St <- t = St * scale, stored rounded (scale 1: St already holds the scores),
      * then per query c: m_new = max(m, max_j t); St <- exp2((t - m_new) log2 e); l <- l * alpha +
@@ -61,6 +66,8 @@ typedef struct {
                  double *C, int64_t ldc, int accumulate);
     void (*gemm_tn)(int M, int N, int K, const double *A, int64_t lda, const double *B, int64_t ldb,
                     double *C, int64_t ldc, int accumulate);
+    void (*gemm_tn_scaled)(int M, int N, int K, const double *A, int64_t lda, const double *B,
+                           int64_t ldb, double *C, int64_t ldc, const double *row_scale);
     void (*softmax_cols)(int n, int cols, int64_t ld, double *St, double scale, double *m,
                          double *l, double *alpha);
     void (*exp_rows)(int rows, int n, int64_t ld, double *S, double scale, const double *m,
