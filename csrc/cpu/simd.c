@@ -21,7 +21,7 @@ static inline __attribute__((always_inline)) float exp2_f32(float x)
     float r = rintf(xc);
     float f = xc - r;
     float p = 1.0f + f * (SIMD_EXP2_C1 + f * (SIMD_EXP2_C2 + f * (SIMD_EXP2_C3 + f * (SIMD_EXP2_C4
-              + f * (SIMD_EXP2_C5 + f * (SIMD_EXP2_C6 + f * SIMD_EXP2_C7))))));
+              + f * (SIMD_EXP2_C5 + f * SIMD_EXP2_C6)))));
     int32_t bits = ((int32_t)r + SIMD_F32_EXP_BIAS) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
