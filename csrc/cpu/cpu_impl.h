@@ -521,9 +521,7 @@ int FN(cpu_forward)(const attn_params *p)
                 l[i] = 0;
             if (nr > 0) {
                 FN(load_rows)(&p->q, p->dtype, sq, h, r0, nr, BQ, D, DP, Qs);
-                for (int64_t d = 0; d < D; d++)
-                    for (int64_t i = 0; i < BQ; i++)
-                        Qt[d * BQ + i] = Qs[i * DP + d];
+                OPS->transpose(BQ, (int)DP, Qs, DP, Qt, BQ);
                 memset(O, 0, sizeof(T) * BQ * DvP);
                 FN(online_softmax)(p, &kt_tiles, &bm, b, h, qb, nr, sq, sk, DP, DvP, Qt, kr, vr, O,
                                    m, l, alpha, St, S, row, maskbuf, &mb);
@@ -599,9 +597,7 @@ static void FN(row_stats)(const attn_params *p, const FN(tiling) *kt_tiles, cons
                           const T *Q, const T *kr, T *lm, T *lz, T *Qt, T *m, T *l, T *alpha, T *St,
                           T *S, T *row, unsigned char *maskbuf, FN(mod_bufs) *mb)
 {
-    for (int64_t d = 0; d < p->D; d++)
-        for (int64_t i = 0; i < BQ; i++)
-            Qt[d * BQ + i] = Q[i * DP + d];
+    OPS->transpose(BQ, (int)DP, Q, DP, Qt, BQ);
     if (FN(online_softmax)(p, kt_tiles, bm, b, h, r0 / BQ, nr, seq_q(p, b), seq_k(p, b), DP, DvP, Qt, kr,
                            NULL, NULL, m, l, alpha, St, S, row, maskbuf, mb))
         return;

@@ -46,6 +46,9 @@ typedef struct {
      * C * row_scale rounded, then the sum, as a separate pass over O would) */
     void (*gemm_tn_scaled)(int M, int N, int K, const float *A, int64_t lda, const float *B,
                            int64_t ldb, float *C, int64_t ldc, const float *row_scale);
+    /* B[cols x rows] = A^T, A[rows x cols] (rows and cols multiples of SIMD_M_ALIGN): the
+     * forward's Q tile, transposed for St = K Q^T */
+    void (*transpose)(int rows, int cols, const float *A, int64_t lda, float *B, int64_t ldb);
     /* Online-softmax step over transposed scores St[n keys x cols queries] (row stride ld), in
      * natural units: St <- t = St * scale, stored rounded (scale 1: St already holds the scores),
      * then per query c: m_new = max(m, max_j t); St <- exp2((t - m_new) log2 e); l <- l * alpha +
@@ -70,6 +73,7 @@ typedef struct {
                     double *C, int64_t ldc, int accumulate);
     void (*gemm_tn_scaled)(int M, int N, int K, const double *A, int64_t lda, const double *B,
                            int64_t ldb, double *C, int64_t ldc, const double *row_scale);
+    void (*transpose)(int rows, int cols, const double *A, int64_t lda, double *B, int64_t ldb);
     void (*softmax_cols)(int n, int cols, int64_t ld, double *St, double scale, double *m,
                          double *l, double *alpha);
     void (*exp_rows)(int rows, int n, int64_t ld, double *S, double scale, const double *m,

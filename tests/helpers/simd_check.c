@@ -117,6 +117,24 @@ static int close_to(double got, double want, double rel, double scale, double ab
         free(A); free(B); free(C); free(C0); free(rs);                                              \
     }                                                                                               \
                                                                                                     \
+    /* B = A^T exactly, nothing of B outside the transpose touched */                               \
+    static void check_transpose_##SUF(int rows, int cols)                                           \
+    {                                                                                               \
+        const char *what = #SUF " transpose";                                                      \
+        const int64_t lda = cols + below(9), ldb = rows + 1 + below(9), nb = (int64_t)(cols + 1) * ldb; \
+        T *A = alloc_##SUF((int64_t)rows * lda), *B = alloc_##SUF(nb), *B0 = alloc_##SUF(nb);        \
+        for (int64_t x = 0; x < (int64_t)rows * lda; x++) A[x] = (T)uniform();                      \
+        for (int64_t x = 0; x < nb; x++) B0[x] = B[x] = (T)uniform();                               \
+        OPS->transpose(rows, cols, A, lda, B, ldb);                                                 \
+        for (int c = 0; c <= cols; c++)                                                             \
+            for (int r = 0; r < ldb; r++) {                                                         \
+                const T want = c < cols && r < rows ? A[(int64_t)r * lda + c] : B0[c * ldb + r];    \
+                if (memcmp(&B[c * ldb + r], &want, sizeof(T)))                                      \
+                    fail(what, "", B[c * ldb + r], want, r, c);                                     \
+            }                                                                                       \
+        free(A); free(B); free(B0);                                                                 \
+    }                                                                                               \
+                                                                                                    \
     /* exp2 itself: S = 0, m = 0 and z = -x give P = 2^x with no rounding before the exponent       \
      * (scale 1). x spans the edges: 0 (exactly 1), underflow, -inf, NaN, the top of the range,     \
      * and past it (an lse under the row's scores, never a forward's): 2^127 at least, or +inf. */ \
@@ -287,6 +305,9 @@ static int close_to(double got, double want, double rel, double scale, double ab
                 for (int b = 0; b < 3; b++)                                                         \
                     for (int k = 0; k < 6; k++)                                                     \
                         check_gemm_##SUF(tn, Ms[a], Ns[b], Ks[k], below(2));                        \
+        for (int a = 0; a < 5; a++)                                                                 \
+            for (int b = 0; b < 3; b++)                                                             \
+                check_transpose_##SUF(Ms[a], Ns[b]);                                                \
         check_exp2_##SUF(flush_to_zero);                                                            \
         static const int ns[] = {1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64};                        \
         for (int k = 0; k < 12; k++) {                                                              \
