@@ -57,6 +57,9 @@ static void *FN(alloc_bytes)(size_t bytes) { return cpu_alloc_bytes(bytes); }
 
 static void *FN(alloc)(size_t n_elems) { return FN(alloc_bytes)(n_elems * sizeof(T)); }
 
+/* Frees what FN(alloc)(n_elems) returned: a large block may be kept for the next call (cpu.c). */
+static void FN(free_n)(void *ptr, size_t n_elems) { cpu_free_bytes(ptr, n_elems * sizeof(T)); }
+
 static int FN(nthreads)(const attn_params *p) { return cpu_threads(p->num_threads); }
 
 /* Pointer to row `row` of head `h` of batch item `b` of a (B, S, H, D)-strided tensor. */
@@ -406,7 +409,7 @@ static int FN(online_softmax)(const attn_params *p, const FN(tiling) *kt_tiles, 
     const interp_mods *mods = p->mods;
     const int has_score_mod = mods && interp_has(&mods->score);
     const int has_mask_mod = mods && interp_has(&mods->mask);
-    const int64_t r0 = qb * BQ, D = p->D, Dv = p->Dv, hk = h / (p->Hq / p->Hk);
+    const int64_t r0 = qb * BQ, D = p->D, hk = h / (p->Hq / p->Hk);
     for (int64_t i = 0; i < BQ; i++) {
         m[i] = -INFINITY;
         l[i] = 0;
@@ -440,11 +443,7 @@ static int FN(online_softmax)(const attn_params *p, const FN(tiling) *kt_tiles, 
         OPS->softmax_cols((int)n, BQ, BQ, St, scale, m, l, alpha);
         if (!O)
             continue;
-        for (int64_t i = 0; i < nr; i++)
-            if (alpha[i] != 1)
-                for (int64_t d = 0; d < Dv; d++)
-                    O[i * DvP + d] *= alpha[i];
-        OPS->gemm_tn(BQ, (int)DvP, (int)n, St, BQ, vr + g * BK * DvP, DvP, O, DvP, 1);
+        OPS->gemm_tn_scaled(BQ, (int)DvP, (int)n, St, BQ, vr + g * BK * DvP, DvP, O, DvP, alpha);
     }
     return 0;
 }
@@ -466,8 +465,9 @@ int FN(cpu_forward)(const attn_params *p)
     if (FN(tiling_init)(&kt_tiles, p, 0, BK))
         return -1;
     const int64_t n_kv_tiles = kt_tiles.off[B] * Hk;
-    kr = (T *)FN(alloc)((size_t)n_kv_tiles * BK * DP);
-    vr = (T *)FN(alloc)((size_t)n_kv_tiles * BK * DvP);
+    const size_t n_kr = (size_t)n_kv_tiles * BK * DP, n_vr = (size_t)n_kv_tiles * BK * DvP;
+    kr = (T *)FN(alloc)(n_kr);
+    vr = (T *)FN(alloc)(n_vr);
     if (!kr || !vr) {
         err = -1;
         goto done;
@@ -521,9 +521,7 @@ int FN(cpu_forward)(const attn_params *p)
                 l[i] = 0;
             if (nr > 0) {
                 FN(load_rows)(&p->q, p->dtype, sq, h, r0, nr, BQ, D, DP, Qs);
-                for (int64_t d = 0; d < D; d++)
-                    for (int64_t i = 0; i < BQ; i++)
-                        Qt[d * BQ + i] = Qs[i * DP + d];
+                OPS->transpose(BQ, (int)DP, Qs, DP, Qt, BQ);
                 memset(O, 0, sizeof(T) * BQ * DvP);
                 FN(online_softmax)(p, &kt_tiles, &bm, b, h, qb, nr, sq, sk, DP, DvP, Qt, kr, vr, O,
                                    m, l, alpha, St, S, row, maskbuf, &mb);
@@ -576,8 +574,8 @@ int FN(cpu_forward)(const attn_params *p)
 done:
     FN(block_mask_free)(&bm);
     free(kt_tiles.off);
-    free(kr);
-    free(vr);
+    FN(free_n)(kr, n_kr);
+    FN(free_n)(vr, n_vr);
     return err;
 }
 
@@ -599,9 +597,7 @@ static void FN(row_stats)(const attn_params *p, const FN(tiling) *kt_tiles, cons
                           const T *Q, const T *kr, T *lm, T *lz, T *Qt, T *m, T *l, T *alpha, T *St,
                           T *S, T *row, unsigned char *maskbuf, FN(mod_bufs) *mb)
 {
-    for (int64_t d = 0; d < p->D; d++)
-        for (int64_t i = 0; i < BQ; i++)
-            Qt[d * BQ + i] = Q[i * DP + d];
+    OPS->transpose(BQ, (int)DP, Q, DP, Qt, BQ);
     if (FN(online_softmax)(p, kt_tiles, bm, b, h, r0 / BQ, nr, seq_q(p, b), seq_k(p, b), DP, DvP, Qt, kr,
                            NULL, NULL, m, l, alpha, St, S, row, maskbuf, mb))
         return;
@@ -648,6 +644,7 @@ int FN(cpu_backward)(const attn_params *p)
     double *dacc = NULL;
     T *kt = NULL, *kr = NULL, *vt = NULL, *qr = NULL, *dor = NULL, *lm = NULL, *lz = NULL,
       *delta = NULL, *dqp = NULL;
+    size_t n_kt = 0, n_kr = 0, n_vt = 0, n_qr = 0, n_dor = 0, n_dqp = 0;   /* their elements */
     if (FN(tiling_init)(&kt_tiles, p, 0, BK) || FN(tiling_init)(&q_tiles, p, 1, BQ)) {
         err = -1;
         goto done;
@@ -667,20 +664,26 @@ int FN(cpu_backward)(const attn_params *p)
     const int64_t max_kb = kt_tiles.max_tiles, outer = imax64(TB * TH, 1);
     const int64_t NC = share_c ? 1 : imin64(imax64(max_kb, 1), (MIN_BWD_TASKS + outer - 1) / outer);
 
-    kt = (T *)FN(alloc)((size_t)n_kv_tiles * D * BK);
-    kr = (T *)FN(alloc)((size_t)n_kv_tiles * BK * DP);
-    vt = (T *)FN(alloc)((size_t)n_kv_tiles * Dv * BK);
-    qr = (T *)FN(alloc)((size_t)n_q_tiles * BQ * DP);
-    dor = (T *)FN(alloc)((size_t)n_q_tiles * BQ * DvP);
+    n_kt = (size_t)n_kv_tiles * D * BK;
+    n_kr = (size_t)n_kv_tiles * BK * DP;
+    n_vt = (size_t)n_kv_tiles * Dv * BK;
+    n_qr = (size_t)n_q_tiles * BQ * DP;
+    n_dor = (size_t)n_q_tiles * BQ * DvP;
+    n_dqp = (size_t)NC * n_q_tiles * BQ * DP;
+    kt = (T *)FN(alloc)(n_kt);
+    kr = (T *)FN(alloc)(n_kr);
+    vt = (T *)FN(alloc)(n_vt);
+    qr = (T *)FN(alloc)(n_qr);
+    dor = (T *)FN(alloc)(n_dor);
     lm = (T *)FN(alloc)((size_t)n_q_tiles * BQ);
     lz = (T *)FN(alloc)((size_t)n_q_tiles * BQ);
     delta = (T *)FN(alloc)((size_t)n_q_tiles * BQ);
-    dqp = (T *)FN(alloc)((size_t)NC * n_q_tiles * BQ * DP);
+    dqp = (T *)FN(alloc)(n_dqp);
     if (!kt || !kr || !vt || !qr || !dor || !lm || !lz || !delta || !dqp) {
         err = -1;
         goto done;
     }
-    memset(dqp, 0, sizeof(T) * (size_t)NC * n_q_tiles * BQ * DP);
+    memset(dqp, 0, sizeof(T) * n_dqp);
     const int64_t n_tasks = TB * TH * NC;
     if (n_grad > 0 && !(dacc = (double *)calloc((size_t)(n_tasks * n_grad), sizeof(double)))) {
         err = -1;
@@ -912,7 +915,9 @@ done:
     FN(block_mask_free)(&bm);
     free(dacc);
     free(kt_tiles.off); free(q_tiles.off);
-    free(kt); free(kr); free(vt); free(qr); free(dor); free(lm); free(lz); free(delta); free(dqp);
+    FN(free_n)(kt, n_kt); FN(free_n)(kr, n_kr); FN(free_n)(vt, n_vt); FN(free_n)(qr, n_qr);
+    FN(free_n)(dor, n_dor); FN(free_n)(dqp, n_dqp);
+    free(lm); free(lz); free(delta);
     return err;
 }
 

@@ -65,10 +65,10 @@ SOFTMAX_TARGET static inline void exp2_nonpos_rows(__m256 *x)
     }
     for (int u = 0; u < EXP2_ROWS; u++)
         f[u] = _mm256_sub_ps(x[u], _mm256_sub_ps(t[u], _mm256_set1_ps(EXP2_ROUNDER)));
-    static const float c[] = {SIMD_EXP2_C6, SIMD_EXP2_C5, SIMD_EXP2_C4, SIMD_EXP2_C3, SIMD_EXP2_C2,
-                              SIMD_EXP2_C1, 1.0f};
+    static const float c[] = {SIMD_EXP2_C5, SIMD_EXP2_C4, SIMD_EXP2_C3, SIMD_EXP2_C2, SIMD_EXP2_C1,
+                              1.0f};
     for (int u = 0; u < EXP2_ROWS; u++)
-        p[u] = _mm256_set1_ps(SIMD_EXP2_C7);
+        p[u] = _mm256_set1_ps(SIMD_EXP2_C6);
     for (int k = 0; k < (int)(sizeof c / sizeof c[0]); k++)
         for (int u = 0; u < EXP2_ROWS; u++)
             p[u] = _mm256_fmadd_ps(p[u], f[u], _mm256_set1_ps(c[k]));

@@ -28,8 +28,7 @@
  * bound by their throughput, and Estrin's shorter chain measured slower). */
 SOFTMAX_TARGET static inline V exp2_poly(V f)
 {
-    V p = V_SET1(SIMD_EXP2_C7);
-    p = V_FMADD(p, f, V_SET1(SIMD_EXP2_C6));
+    V p = V_SET1(SIMD_EXP2_C6);
     p = V_FMADD(p, f, V_SET1(SIMD_EXP2_C5));
     p = V_FMADD(p, f, V_SET1(SIMD_EXP2_C4));
     p = V_FMADD(p, f, V_SET1(SIMD_EXP2_C3));

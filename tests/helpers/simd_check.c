@@ -73,21 +73,26 @@ static int close_to(double got, double want, double rel, double scale, double ab
         return p;                                                                                   \
     }                                                                                               \
                                                                                                     \
-    /* C (+)= A B or A^T B; C's padding (columns past N, rows past M) must stay as it was, a NaN    \
-     * in C must not leak into an overwrite, and K = 0 leaves 0 or C. */                            \
+    /* C (+)= A B or A^T B (tn 1), or C = diag(rs) C + A^T B (tn 2: gemm_tn_scaled, rs holding 0,   \
+     * 1 and others); C's padding (columns past N, rows past M) must stay as it was, a NaN in C     \
+     * must not leak into an overwrite, and K = 0 leaves 0, C or rs C. */                           \
     static void check_gemm_##SUF(int tn, int M, int N, int K, int accumulate)                       \
     {                                                                                               \
-        const char *what = tn ? #SUF " gemm_tn" : #SUF " gemm";                                    \
+        const char *what = tn == 2 ? #SUF " gemm_tn_scaled" : tn ? #SUF " gemm_tn" : #SUF " gemm"; \
+        accumulate |= tn == 2;                                                                      \
         const int64_t rows_a = tn ? K : M, cols_a = tn ? M : K;                                     \
         const int64_t lda = cols_a + below(5), ldb = N + below(9), ldc = N + 1 + below(9);         \
         const int64_t MC = M + 2;                                                                   \
         T *A = alloc_##SUF(rows_a * lda), *B = alloc_##SUF((int64_t)K * ldb);                       \
-        T *C = alloc_##SUF(MC * ldc), *C0 = alloc_##SUF(MC * ldc);                                  \
+        T *C = alloc_##SUF(MC * ldc), *C0 = alloc_##SUF(MC * ldc), *rs = alloc_##SUF(M);            \
+        for (int i = 0; i < M; i++) rs[i] = below(3) == 0 ? 1 : below(2) == 0 ? 0 : (T)uniform();   \
         for (int64_t x = 0; x < rows_a * lda; x++) A[x] = (T)uniform();                             \
         for (int64_t x = 0; x < (int64_t)K * ldb; x++) B[x] = (T)uniform();                         \
         for (int64_t x = 0; x < MC * ldc; x++)                                                      \
             C0[x] = C[x] = accumulate || x >= (int64_t)M * ldc || x % ldc >= N ? (T)uniform() : (T)NAN; \
-        if (tn)                                                                                     \
+        if (tn == 2)                                                                                \
+            OPS->gemm_tn_scaled(M, N, K, A, lda, B, ldb, C, ldc, rs);                               \
+        else if (tn)                                                                                \
             OPS->gemm_tn(M, N, K, A, lda, B, ldb, C, ldc, accumulate);                              \
         else                                                                                        \
             OPS->gemm(M, N, K, A, lda, B, ldb, C, ldc, accumulate);                                 \
@@ -95,7 +100,7 @@ static int close_to(double got, double want, double rel, double scale, double ab
             for (int j = 0; j < ldc; j++) {                                                         \
                 double want = C0[i * ldc + j], mag = 0;                                             \
                 if (i < M && j < N) {                                                               \
-                    want = accumulate ? want : 0;                                                   \
+                    want = tn == 2 ? (T)(want * rs[i]) : accumulate ? want : 0;                     \
                     mag = fabs(want);                                                               \
                     for (int k = 0; k < K; k++) {                                                   \
                         double a = tn ? A[k * lda + i] : A[i * lda + k];                            \
@@ -109,7 +114,25 @@ static int close_to(double got, double want, double rel, double scale, double ab
                 if (!ok)                                                                            \
                     fail(what, i < M && j < N ? "" : " (outside C: must be untouched)", got, want, i, j); \
             }                                                                                       \
-        free(A); free(B); free(C); free(C0);                                                        \
+        free(A); free(B); free(C); free(C0); free(rs);                                              \
+    }                                                                                               \
+                                                                                                    \
+    /* B = A^T exactly, nothing of B outside the transpose touched */                               \
+    static void check_transpose_##SUF(int rows, int cols)                                           \
+    {                                                                                               \
+        const char *what = #SUF " transpose";                                                      \
+        const int64_t lda = cols + below(9), ldb = rows + 1 + below(9), nb = (int64_t)(cols + 1) * ldb; \
+        T *A = alloc_##SUF((int64_t)rows * lda), *B = alloc_##SUF(nb), *B0 = alloc_##SUF(nb);        \
+        for (int64_t x = 0; x < (int64_t)rows * lda; x++) A[x] = (T)uniform();                      \
+        for (int64_t x = 0; x < nb; x++) B0[x] = B[x] = (T)uniform();                               \
+        OPS->transpose(rows, cols, A, lda, B, ldb);                                                 \
+        for (int c = 0; c <= cols; c++)                                                             \
+            for (int r = 0; r < ldb; r++) {                                                         \
+                const T want = c < cols && r < rows ? A[(int64_t)r * lda + c] : B0[c * ldb + r];    \
+                if (memcmp(&B[c * ldb + r], &want, sizeof(T)))                                      \
+                    fail(what, "", B[c * ldb + r], want, r, c);                                     \
+            }                                                                                       \
+        free(A); free(B); free(B0);                                                                 \
     }                                                                                               \
                                                                                                     \
     /* exp2 itself: S = 0, m = 0 and z = -x give P = 2^x with no rounding before the exponent       \
@@ -273,14 +296,18 @@ static int close_to(double got, double want, double rel, double scale, double ab
                                                                                                     \
     static void check_all_##SUF(int flush_to_zero)                                                  \
     {                                                                                               \
-        static const int Ms[] = {SIMD_M_ALIGN, 2 * SIMD_M_ALIGN, 64};                               \
+        /* M: AVX2's 6-row blocks end in 4 + 4 (8, 56), 5 + 5 (16, 64), or no rest (48) */        \
+        static const int Ms[] = {SIMD_M_ALIGN, 2 * SIMD_M_ALIGN, 48, 56, 64};                       \
         static const int Ns[] = {SIMD_N_ALIGN, 64, 96};                                             \
         static const int Ks[] = {0, 1, 3, 17, 64, 129};                                             \
-        for (int tn = 0; tn < 2; tn++)                                                              \
-            for (int a = 0; a < 3; a++)                                                             \
+        for (int tn = 0; tn < 3; tn++)                                                              \
+            for (int a = 0; a < 5; a++)                                                             \
                 for (int b = 0; b < 3; b++)                                                         \
                     for (int k = 0; k < 6; k++)                                                     \
                         check_gemm_##SUF(tn, Ms[a], Ns[b], Ks[k], below(2));                        \
+        for (int a = 0; a < 5; a++)                                                                 \
+            for (int b = 0; b < 3; b++)                                                             \
+                check_transpose_##SUF(Ms[a], Ns[b]);                                                \
         check_exp2_##SUF(flush_to_zero);                                                            \
         static const int ns[] = {1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64};                        \
         for (int k = 0; k < 12; k++) {                                                              \
