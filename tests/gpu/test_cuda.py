@@ -104,14 +104,10 @@ def test_forward_kernels_with_every_option(kernel, d, dv, rng, monkeypatch):
     assert (out[400:] == 0).all() and np.isneginf(lse[:, 400:]).all()
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_ws_forward_on_varlen_and_mods(d, rng, monkeypatch):
-    """ATTNEXT_FWD_WS=all: the warp-specialised forward also takes varlen and seqused_k keys,
-    whose rows past Lk inside the tensor its copies bring along (the producer zeroes them in
-    V: a NaN there must not reach out), and score_mod / mask_mod calls; against the reference,
-    and on Hopper every plan made here on the WS kernel."""
+def _spy_ws(monkeypatch):
+    """(chosen, hopper): chosen collects whether each forward plan made from here on takes the
+    warp-specialised kernel (the plans are cleared first); hopper: whether the GPU is sm_90a."""
     from attnext.cuda import backend, select
-    monkeypatch.setenv("ATTNEXT_FWD_WS", "all")
     chosen = []
     fwd_kernel = select.fwd_kernel
 
@@ -120,7 +116,17 @@ def test_ws_forward_on_varlen_and_mods(d, rng, monkeypatch):
         return fwd_kernel(*args, **kw)
     monkeypatch.setattr(select, "fwd_kernel", spy)
     backend.clear_plans()
-    hopper = backend.device_arch(0) == "sm_90a"
+    return chosen, backend.device_arch(0) == "sm_90a"
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_ws_forward_on_varlen_and_mods(d, rng, monkeypatch):
+    """ATTNEXT_FWD_WS=all: the warp-specialised forward also takes varlen and seqused_k keys,
+    whose rows past Lk inside the tensor its copies bring along (the producer zeroes them in
+    V: a NaN there must not reach out), and score_mod / mask_mod calls; against the reference,
+    and on Hopper every plan made here on the WS kernel."""
+    monkeypatch.setenv("ATTNEXT_FWD_WS", "all")
+    chosen, hopper = _spy_ws(monkeypatch)
 
     # key rows no sequence uses hold inf in k and NaN in v: their scores must be masked and their
     # v rows read as 0 (the packed rows past the last sequence, which its last tile's copy brings
@@ -160,18 +166,9 @@ def test_long_forward_with_every_option(kernel, d, rng, monkeypatch):
     huge finite scores (the softmax's exact path), a strided out; an expanded (zero-stride) k / v
     never takes the WS kernel. The plans' kernel choices are recorded: on Hopper each kernel
     named is the one that ran."""
-    from attnext.cuda import backend, select
     if kernel == "two_warpgroups":
         monkeypatch.setenv("ATTNEXT_FWD_WS", "0")
-    chosen = []                                  # ws of every forward plan made here
-    fwd_kernel = select.fwd_kernel
-
-    def spy(*args, **kw):
-        chosen.append(bool(kw.get("ws", args[10] if len(args) > 10 else False)))
-        return fwd_kernel(*args, **kw)
-    monkeypatch.setattr(select, "fwd_kernel", spy)
-    backend.clear_plans()
-    hopper = backend.device_arch(0) == "sm_90a"
+    chosen, hopper = _spy_ws(monkeypatch)
     q, k, v = make_qkv(rng, 2, 1050, 1333, 4, 2, d, d, BF16)
     _check_every_option(q, k, v, rng, windows=((300, 0), (500, 7)))
     _check_forward(q, k, v, BF16, sinks=randn(rng, (4,), np.float32), causal=True)
