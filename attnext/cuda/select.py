@@ -153,10 +153,11 @@ def fwd_ws(arch, D, Dv, vec, rows, key_rows, mods=None, dtype="bfloat16", dense=
     in {64, 128} past SM90_SHORT_ROWS rows, without a score_mod / mask_mod, over dense keys
     (dense: no varlen, seqused_k, page table or zero stride: the bulk copies' zeros past the
     tensor are the only rows past Lk) whose tensor has at least a tile's rows (key_rows: a copy's
-    box is a whole tile), and a driver that makes tensor maps. ATTNEXT_FWD_WS=0 says no (the lab's comparison);
-    ATTNEXT_FWD_WS=all also takes score_mod / mask_mod calls and keys that a bulk copy can
-    read but that have rows past Lk inside the tensor (copyable: varlen, seqused_k; the kernel
-    zeroes those V rows), until a GPU run has measured and tested them (bench/NOTES.md)."""
+    box is a whole tile), and a driver that makes tensor maps. ATTNEXT_FWD_WS=0 says no (the
+    lab's comparison); ATTNEXT_FWD_WS=all also takes score_mod / mask_mod calls and keys that a
+    bulk copy can read but that have rows past Lk inside the tensor (copyable: varlen,
+    seqused_k; the kernel zeroes those V rows), until a GPU run has measured and tested them
+    (bench/NOTES.md)."""
     flag = _env.get("ATTNEXT_FWD_WS") or "1"
     wider = flag == "all"
     if not (arch == "sm_90a" and vec and D == Dv and D in (64, 128) and dtype != "float32"
