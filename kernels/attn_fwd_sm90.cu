@@ -17,16 +17,16 @@
  * registers must allow), WS (the warp-specialised kernel below) and its STAGES.
  *
  * WS (FlashAttention-3's layout): three warpgroups. The first is the producer: it gives up its
- * registers (setmaxnreg) and one thread (lane 0 of its first warp) brings each key tile's K and
- * V by bulk tensor copies (TMA; the kernel's second parameter holds the maps) into rings of
- * STAGES stages, K and V apart (mbarriers: full when the bytes landed, empty when both
- * consumers are done). The other two each own 64 rows of the 128-row tile and take turns on the tensor cores (ping-pong: named
- * barriers 4 and 5), so that one's softmax runs while the other's products do; within a
- * warpgroup the next tile's S is issued before this tile's P V as above. No CTA-wide barrier
- * after the start. D = Dv. Key rows past Lk that lie inside the tensor (varlen: the next
- * sequence's; seqused_k: unused rows) are copied like any other: their scores are masked, and
- * the producer warp zeroes their V rows in shared memory before the tile's P V may read them
- * (P's 0 times a NaN there would be NaN); rows past the tensor come as zeros from the copy.
+ * registers (setmaxnreg) and one thread (lane 0 of its first warp) brings each key tile's K and V
+ * by bulk tensor copies (TMA; the kernel's second parameter holds the maps) into rings of STAGES
+ * stages, K and V apart (mbarriers: full when the bytes landed, empty when both consumers are
+ * done). The other two each own 64 rows of the 128-row tile and take turns on the tensor cores
+ * (ping-pong: named barriers 4 and 5), so that one's softmax runs while the other's products do;
+ * within a warpgroup the next tile's S is issued before this tile's P V as above. No CTA-wide
+ * barrier after the start. D = Dv. Key rows past Lk that lie inside the tensor (varlen: the next
+ * sequence's; seqused_k: unused rows) are copied like any other: their scores are masked, and the
+ * producer warp zeroes their V rows in shared memory before the tile's P V may read them (P's 0
+ * times a NaN there would be NaN); rows past the tensor come as zeros from the copy.
  */
 #include "attn_fwd_tile.cuh"
 #include "wgmma.cuh"
