@@ -81,8 +81,10 @@ DEV void mma_rs(float (&acc)[N / 8][4], const uint32_t (&a)[1][KS][4], uint32_t 
 struct item_walk {
     int nm, m_first, jh = 0, jm = 0;
     int64_t h0;
-    __device__ item_walk(int nm_, int m_first_, int64_t hk, int group) : nm(nm_), m_first(m_first_), h0(hk * group) {}
-    __device__ __forceinline__ void next(int64_t &h, int &m0)    /* this item's head and first row, then on to the next */
+    __device__ item_walk(int nm_, int m_first_, int64_t hk, int group)
+        : nm(nm_), m_first(m_first_), h0(hk * group) {}
+    /* this item's head and first row, then on to the next item */
+    __device__ __forceinline__ void next(int64_t &h, int &m0)
     {
         h = h0 + jh;
         m0 = (m_first + jm) * KV_BLOCK_M;
