@@ -45,19 +45,19 @@ static struct {
     size_t bytes[BLOCK_CACHE_SLOTS];   /* 0: an empty slot */
 } block_cache = {PTHREAD_MUTEX_INITIALIZER, {0}, {0}};
 
-/* The smallest cached block of at least `bytes`, taken out of the cache, or NULL. */
+/* A cached block of exactly `bytes`, taken out of the cache, or NULL. Exactly: the caller gives
+ * it back under the size it asked for (cpu_free_bytes), so a larger block would be kept under a
+ * smaller size and the cache's bound no longer hold. */
 static void *block_cache_take(size_t bytes)
 {
-    int best = -1;
     void *p = NULL;
     pthread_mutex_lock(&block_cache.lock);
     for (int i = 0; i < BLOCK_CACHE_SLOTS; i++)
-        if (block_cache.bytes[i] >= bytes && (best < 0 || block_cache.bytes[i] < block_cache.bytes[best]))
-            best = i;
-    if (best >= 0) {
-        p = block_cache.ptr[best];
-        block_cache.bytes[best] = 0;
-    }
+        if (block_cache.bytes[i] == bytes) {
+            p = block_cache.ptr[i];
+            block_cache.bytes[i] = 0;
+            break;
+        }
     pthread_mutex_unlock(&block_cache.lock);
     return p;
 }
