@@ -9,12 +9,16 @@ Each row: one sequence of S tokens (B 1, bf16 on CUDA, float32 on the CPU; causa
   1 dev     attnext.torch.attention on the whole sequence on rank 0's device alone
   N dev     attnext.distributed.ring_attention over the N ranks (NCCL on CUDA, gloo on the CPU)
   speedup   1 dev's time / N dev's time (the issue's bound at S >= 128k causal: 1.8x on 2 GPUs)
-  hidden    the share of the ring's communication hidden under its attention:
-            1 - exposed / comm, where exposed is the median of the paired differences between
-            the ring and the same ring with every rank using its own K and V at each step (no
-            transfer), run alternately, and comm the ring's transfers alone; +- the differences'
-            interquartile range over comm: what the measurement resolves (the transfers are a
-            few percent of a step, run-to-run noise about as much)
+  hidden    the share of the ring's communication hidden under its attention: 1 - stalled / comm,
+            where stalled is the time the attention's stream spent waiting for a transfer (CUDA
+            events recorded on it before and after each wait, summed over the run; the largest
+            rank's median; on the CPU the host's time in the waits) and comm the ring's transfers
+            alone (the same hops, nothing else running)
+  cost      the ring's time past the same ring with every rank using its own K and V at each
+            step (no transfer), run alternately: the median of the paired differences over the
+            no-transfer ring's median, +- their interquartile range over it; what the transfers
+            cost in all (stalls, and the copies' share of the SMs and memory), resolved to about
+            the run-to-run noise, a percent or two
 Times are medians of --reps runs (wall clock between barriers, the devices synchronised), after
 the ring's out is checked against the one-device call's (relative difference under 2%).
 """
@@ -114,6 +118,62 @@ class _NoTransfer:
         axd._Group.exchange = self.saved
 
 
+class _Stalls:
+    """The ring's waits for its transfers timed on the stream that waits (_Group.finish wrapped):
+    CUDA events recorded before and after each wait on the attention's stream (the time it
+    stood still: the transfer's end past the end of the work queued before the wait); on the
+    CPU the host's seconds in the wait. seconds() after a run: the sum, then cleared."""
+
+    def __init__(self, device):
+        self.device, self.marks = device, []
+        self.saved, self.wait = axd._Group.__dict__["finish"], axd._Group.finish
+
+    def finish(self, pending):
+        if self.device.type == "cuda":
+            before, after = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            before.record()
+            recv = self.wait(pending)
+            after.record()
+            self.marks.append((before, after))
+        else:
+            t = time.perf_counter()
+            recv = self.wait(pending)
+            self.marks.append(time.perf_counter() - t)
+        return recv
+
+    def seconds(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            total = sum(b.elapsed_time(a) for b, a in self.marks) / 1e3
+        else:
+            total = sum(self.marks)
+        self.marks = []
+        return total
+
+    def __enter__(self):
+        axd._Group.finish = staticmethod(self.finish)
+        return self
+
+    def __exit__(self, *exc):
+        axd._Group.finish = self.saved
+
+
+def _stalled_s(fn, device, reps):
+    """The largest rank's median, over reps runs, of the seconds its attention waited for the
+    ring's transfers (_Stalls)."""
+    with _Stalls(device) as stalls:
+        fn()
+        stalls.seconds()
+        runs = []
+        for _ in range(reps):
+            _run_s(fn, device)
+            runs.append(stalls.seconds())
+    mine = torch.tensor([statistics.median(runs)], dtype=torch.float64,
+                        device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return mine.item()
+
+
 def _without_transfers(fn):
     """fn run as a ring whose ranks each keep their own K and V (_NoTransfer)."""
     def run():
@@ -162,9 +222,10 @@ def run_row(S, args, device, dtype):
     _validate(out, want, args.causal)
     del out, want
     for name, fn, sends in (("fwd", ring_fwd, 1), ("fwd_bwd", ring_both, 2)):
-        ring, compute, exposed, spread = _paired_s(fn, _without_transfers(fn), device, args.reps)
+        ring, compute, extra, spread = _paired_s(fn, _without_transfers(fn), device, args.reps)
         row[f"{name}_ring_s"], row[f"{name}_compute_s"] = ring, compute
-        row[f"{name}_exposed_s"], row[f"{name}_exposed_iqr_s"] = exposed, spread
+        row[f"{name}_cost"], row[f"{name}_cost_iqr"] = extra / compute, spread / compute
+        row[f"{name}_stalled_s"] = _stalled_s(fn, device, args.reps)
         row[f"{name}_comm_s"] = _median_s(comm(sends), device, args.reps)
     if rank == 0:                              # the whole on one device, the others waiting
         Qw, Kw, Vw = (x.clone().requires_grad_() for x in (Q, K, V))
@@ -183,9 +244,8 @@ def run_row(S, args, device, dtype):
     for name in ("fwd", "fwd_bwd"):
         if rank == 0:
             row[f"{name}_speedup"] = row[f"{name}_one_s"] / row[f"{name}_ring_s"]
-            comm_s, exposed = row[f"{name}_comm_s"], max(0.0, row[f"{name}_exposed_s"])
-            row[f"{name}_hidden"] = max(0.0, 1 - exposed / comm_s) if comm_s else 1.0
-            row[f"{name}_hidden_noise"] = row[f"{name}_exposed_iqr_s"] / comm_s if comm_s else 0.0
+            comm_s = row[f"{name}_comm_s"]
+            row[f"{name}_hidden"] = max(0.0, 1 - row[f"{name}_stalled_s"] / comm_s) if comm_s else 1.0
     return row
 
 
@@ -194,9 +254,9 @@ def _format(row):
     for name in ("fwd", "fwd_bwd"):
         cells.append(f"{name:>7}: 1 dev {1e3 * row[f'{name}_one_s']:9.2f} ms  {row['ranks']} dev "
                      f"{1e3 * row[f'{name}_ring_s']:9.2f} ms  {row[f'{name}_speedup']:5.2f}x  "
-                     f"hidden {100 * row[f'{name}_hidden']:5.1f}% +- {100 * row[f'{name}_hidden_noise']:.0f} "
-                     f"(compute {1e3 * row[f'{name}_compute_s']:.2f}, "
-                     f"comm {1e3 * row[f'{name}_comm_s']:.2f} ms)")
+                     f"hidden {100 * row[f'{name}_hidden']:5.1f}% (stalled {1e3 * row[f'{name}_stalled_s']:.2f} "
+                     f"of comm {1e3 * row[f'{name}_comm_s']:.2f} ms)  "
+                     f"cost {100 * row[f'{name}_cost']:+.1f}% +- {100 * row[f'{name}_cost_iqr']:.1f}")
     return "\n    ".join(cells)
 
 
