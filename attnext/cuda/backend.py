@@ -549,10 +549,9 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     paged = o.block_table is not None
     decode = pack or splits > 1
     copyable = not paged and getattr(o, "whole_rows", None) is None and _tma_strides(o)
-    dense = copyable and not o.varlen and o.used_k is None
     # key_rows: the rows of k's tensor (varlen: the packed rows), which a copy's box may not exceed
-    ws = not decode and select.fwd_ws(arch, o.D, o.Dv, features["vec"], rows, o.k4.shape[1], gen, features["dtype"],
-                                      dense, copyable)
+    ws = not decode and select.fwd_ws(arch, o.D, o.Dv, features["vec"], rows, o.k4.shape[1], features["dtype"],
+                                      copyable)
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
                                      features["dtype"], paged, tma, ws)
     defines = select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen, paged=paged,

@@ -135,7 +135,7 @@ SM90_SHORT_ROWS = 1024
 # attn_fwd_sm90.cu's WS kernel: 128 x 128, two computing warpgroups (8 warps) beside the producer,
 # STAGES key tiles of K and of V in flight
 SM90_TILE_WS = (128, 128, 8, 2)
-# ... and with a score_mod (ATTNEXT_FWD_WS=all): 64 keys a tile, as SM90_TILE_MODS and for its
+# ... and with a score_mod: 64 keys a tile, as SM90_TILE_MODS and for its
 # reason, the first call's compile (NVRTC 13.x on the dev machine, softcap, D128: 1.44 s at 128 x
 # 128 against 1.13 s here and 0.91 s for SM90_TILE_MODS' kernel)
 SM90_TILE_WS_MODS = (128, 64, 8, 2)
@@ -148,21 +148,16 @@ def fwd_ws_tile(score_mod=False):
     return tuple(int(x) for x in env.split(",")) if env else SM90_TILE_WS_MODS if score_mod else SM90_TILE_WS
 
 
-def fwd_ws(arch, D, Dv, vec, rows, key_rows, mods=None, dtype="bfloat16", dense=False, copyable=False):
+def fwd_ws(arch, D, Dv, vec, rows, key_rows, dtype="bfloat16", copyable=False):
     """Whether a (non-decode) forward runs attn_fwd_sm90.cu's warp-specialised kernel (WS): D = Dv
-    in {64, 128} past SM90_SHORT_ROWS rows, without a score_mod / mask_mod, over dense keys
-    (dense: no varlen, seqused_k, page table or zero stride: the bulk copies' zeros past the
-    tensor are the only rows past Lk) whose tensor has at least a tile's rows (key_rows: a copy's
-    box is a whole tile), and a driver that makes tensor maps. ATTNEXT_FWD_WS=0 says no (the
-    lab's comparison); ATTNEXT_FWD_WS=all also takes score_mod / mask_mod calls and keys that a
-    bulk copy can read but that have rows past Lk inside the tensor (copyable: varlen,
-    seqused_k; the kernel zeroes those V rows), until a GPU run has measured and tested them
-    (bench/NOTES.md)."""
-    flag = _env.get("ATTNEXT_FWD_WS") or "1"
-    wider = flag == "all"
+    in {64, 128} past SM90_SHORT_ROWS rows, with or without a score_mod / mask_mod, over keys a
+    bulk copy can read (copyable: no page table or zero stride; varlen and seqused_k keys have
+    rows past Lk inside the tensor, whose V rows the kernel zeroes), in a tensor of at least a
+    tile's rows (key_rows: a copy's box is a whole tile), and a driver that makes tensor maps.
+    ATTNEXT_FWD_WS=0 says no (the lab's comparison)."""
     if not (arch == "sm_90a" and vec and D == Dv and D in (64, 128) and dtype != "float32"
-            and (mods is None or wider) and (dense or (wider and copyable)) and rows > SM90_SHORT_ROWS
-            and key_rows >= fwd_ws_tile()[1] and flag != "0" and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
+            and copyable and rows > SM90_SHORT_ROWS and key_rows >= fwd_ws_tile()[1]
+            and (_env.get("ATTNEXT_FWD_WS") or "1") != "0" and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
         return False
     from .. import _C
     return _C.cuda_tensor_maps()

@@ -121,11 +121,10 @@ def _spy_ws(monkeypatch):
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_ws_forward_on_varlen_and_mods(d, rng, monkeypatch):
-    """ATTNEXT_FWD_WS=all: the warp-specialised forward also takes varlen and seqused_k keys,
-    whose rows past Lk inside the tensor its copies bring along (the producer zeroes them in
-    V: a NaN there must not reach out), and score_mod / mask_mod calls; against the reference,
-    and on Hopper every plan made here on the WS kernel."""
-    monkeypatch.setenv("ATTNEXT_FWD_WS", "all")
+    """The warp-specialised forward also takes varlen and seqused_k keys, whose rows past Lk
+    inside the tensor its copies bring along (the producer zeroes them in V: a NaN there must
+    not reach out), and score_mod / mask_mod calls; against the reference, and on Hopper every
+    plan made here on the WS kernel."""
     chosen, hopper = _spy_ws(monkeypatch)
 
     # key rows no sequence uses hold inf in k and NaN in v: their scores must be masked and their

@@ -102,17 +102,16 @@ def test_hopper_decode_by_tensor_copies_where_it_applies(monkeypatch):
 
 def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
     """attn_fwd_sm90.cu's WS kernel: Hopper, 16-bit, D = Dv in {64, 128}, rows past SM90_SHORT_ROWS,
-    no mods, dense keys of at least a tile's rows, a driver with tensor maps, ATTNEXT_FWD_WS not
-    0 (all: mods and keys a copy can read with rows past Lk inside the tensor too, never a page
-    table's); its tile, defines and shared memory (three stages of K and V still fit an SM)."""
+    keys a bulk copy can read (never a page table's or a zero stride's) of at least a tile's rows,
+    a driver with tensor maps, ATTNEXT_FWD_WS not 0; its tile (64 keys with a score_mod),
+    defines and shared memory (three stages of K and V still fit an SM)."""
     from attnext import _C, _env
     from attnext.mods import codegen, trace
     monkeypatch.setattr(_C, "cuda_tensor_maps", lambda: True)
-    ok = dict(arch="sm_90a", D=128, Dv=128, vec=True, rows=4096, key_rows=4096, dtype="bfloat16", dense=True)
+    ok = dict(arch="sm_90a", D=128, Dv=128, vec=True, rows=4096, key_rows=4096, dtype="bfloat16", copyable=True)
     assert select.fwd_ws(**ok) and select.fwd_ws(**{**ok, "dtype": "float16"}) and select.fwd_ws(**{**ok, "D": 64, "Dv": 64})
-    mods = codegen.generate(None, trace.trace_mask_mod(lambda b, h, q, kv: q - kv < 100))
     for change in (dict(arch="sm_80"), dict(D=96, Dv=96), dict(Dv=64), dict(vec=False), dict(dtype="float32"),
-                   dict(rows=select.SM90_SHORT_ROWS), dict(key_rows=127), dict(dense=False), dict(mods=mods)):
+                   dict(rows=select.SM90_SHORT_ROWS), dict(key_rows=127), dict(copyable=False)):
         assert not select.fwd_ws(**{**ok, **change}), change
     monkeypatch.setattr(_C, "cuda_tensor_maps", lambda: False)
     assert not select.fwd_ws(**ok)
@@ -123,15 +122,13 @@ def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
             assert not select.fwd_ws(**ok), name
         finally:
             _env.setenv(name, None)
-    assert not select.fwd_ws(**{**ok, "dense": False, "copyable": True})
-    _env.setenv("ATTNEXT_FWD_WS", "all")
-    try:
-        assert select.fwd_ws(**{**ok, "mods": mods}) and select.fwd_ws(**{**ok, "dense": False, "copyable": True})
-        assert not select.fwd_ws(**{**ok, "dense": False}) and not select.fwd_ws(**{**ok, "mods": mods, "D": 96, "Dv": 96})
-    finally:
-        _env.setenv("ATTNEXT_FWD_WS", None)
     tile = select.fwd_ws_tile()
     assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, ws=True) == ("attn_fwd_sm90", tile)
+    softcap = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: 20 * np.tanh(s / 20)), None)
+    window = codegen.generate(None, trace.trace_mask_mod(lambda b, h, q, kv: q - kv < 100))
+    assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, softcap, ws=True) == \
+        ("attn_fwd_sm90", select.SM90_TILE_WS_MODS)
+    assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, window, ws=True) == ("attn_fwd_sm90", tile)
     assert select.fwd_kernel("sm_90a", 128, 128, True, True, 1, ws=True)[0] == "attn_fwd"   # decode: never WS
     d = select.fwd_defines(dtype="bfloat16", D=128, Dv=128, vec=True, softcap=False, bias_dtype=None,
                            alibi_dtype=None, mask=False, tile=tile, ws=True)
