@@ -512,7 +512,7 @@ def _decode_tma(o, features, arch):
     with a score_mod / mask_mod: those stay on the cp.async kernel, the one their decode has run
     and been tested on a GPU with."""
     return (not _has_mods(o) and _tma_strides(o)
-            and select.decode_tma(arch, o.D, o.Dv, features["vec"], features["dtype"], o.page_size))
+            and select.decode_tma(arch, o.D, o.Dv, features["vec"], features["dtype"], o.k4.shape[1], o.page_size))
 
 
 def _tma_strides(o):

@@ -83,13 +83,15 @@ def decode_tile(D=0, Dv=0, dtype="bfloat16"):
     return DECODE_TILE
 
 
-def decode_tma(arch, D, Dv, vec, dtype, page_size=0):
+def decode_tma(arch, D, Dv, vec, dtype, key_rows, page_size=0):
     """Whether a decode forward runs attn_fwd.cu's TMA_KV variant: Hopper with a driver that
     makes tensor maps, 16-bit elements, 16-byte-loadable rows of D, Dv in {64, 128}, and for a
     paged cache pages a whole number of tiles, or tiles a whole number of pages of 16 rows or
-    more (a page a copy); ATTNEXT_DECODE_TMA=0 says no (the lab's comparison)."""
+    more (a page a copy), else a k tensor of at least a tile's rows (key_rows: a copy's box is
+    a whole tile, the bytes its stage's barrier waits for; a smaller box never completes it);
+    ATTNEXT_DECODE_TMA=0 says no (the lab's comparison)."""
     bn = decode_tma_tile()[1]
-    pages_fit = not page_size or page_size % bn == 0 or (page_size >= 16 and bn % page_size == 0)
+    pages_fit = (page_size % bn == 0 or (page_size >= 16 and bn % page_size == 0)) if page_size else key_rows >= bn
     if not (arch == "sm_90a" and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
             and pages_fit and (_env.get("ATTNEXT_DECODE_TMA") or "1") != "0"):
         return False

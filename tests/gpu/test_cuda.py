@@ -347,7 +347,7 @@ def test_decode_by_tensor_copies(dtype, d, page, tile, rng):
     from attnext.cuda import backend as cuda_backend, select
     _env.setenv("ATTNEXT_TILE_DECODE_TMA", tile)
     try:
-        if not select.decode_tma(cuda_backend.device_arch(0), d, d, True, "bfloat16", page or 0):
+        if not select.decode_tma(cuda_backend.device_arch(0), d, d, True, "bfloat16", 3000, page or 0):
             pytest.skip("no TMA_KV here (not Hopper, or no tensor maps in this driver)")
         b, sk, hq, hk = 3, 3000, 8, 2
         q, k, v = make_qkv(rng, b, 1, sk, hq, hk, d, d, dtype)

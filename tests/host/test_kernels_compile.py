@@ -66,23 +66,27 @@ def test_tile_configs_fit_shared_memory():
 
 def test_hopper_decode_by_tensor_copies_where_it_applies(monkeypatch):
     """TMA_KV: Hopper, 16-bit, D and Dv in {64, 128}, 16-byte rows, pages that tile its tiles
-    evenly, a driver with tensor maps, ATTNEXT_DECODE_TMA not 0; two CTAs of its ring fit an SM."""
+    evenly or else a k tensor of at least a tile's rows, a driver with tensor maps,
+    ATTNEXT_DECODE_TMA not 0; two CTAs of its ring fit an SM."""
     from attnext import _C, _env
     monkeypatch.setattr(_C, "cuda_tensor_maps", lambda: True)
-    assert select.decode_tma("sm_90a", 128, 128, True, "bfloat16")
-    assert select.decode_tma("sm_90a", 64, 64, True, "float16", page_size=16)
-    assert select.decode_tma("sm_90a", 128, 128, True, "bfloat16", page_size=256)
-    for args, kw in ((("sm_80", 128, 128, True, "bfloat16"), {}), (("sm_90a", 96, 96, True, "bfloat16"), {}),
-                     (("sm_90a", 128, 128, False, "bfloat16"), {}), (("sm_90a", 128, 128, True, "float32"), {}),
-                     (("sm_90a", 128, 128, True, "bfloat16"), {"page_size": 8}),
-                     (("sm_90a", 128, 128, True, "bfloat16"), {"page_size": 48})):
+    assert select.decode_tma("sm_90a", 128, 128, True, "bfloat16", 4096)
+    assert select.decode_tma("sm_90a", 64, 64, True, "float16", 16, page_size=16)
+    assert select.decode_tma("sm_90a", 128, 128, True, "bfloat16", 256, page_size=256)
+    bn = select.decode_tma_tile()[1]
+    for args, kw in ((("sm_80", 128, 128, True, "bfloat16", 4096), {}), (("sm_90a", 96, 96, True, "bfloat16", 4096), {}),
+                     (("sm_90a", 128, 128, False, "bfloat16", 4096), {}), (("sm_90a", 128, 128, True, "float32", 4096), {}),
+                     (("sm_90a", 128, 128, True, "bfloat16", 8), {"page_size": 8}),
+                     (("sm_90a", 128, 128, True, "bfloat16", 48), {"page_size": 48}),
+                     (("sm_90a", 128, 128, True, "bfloat16", bn - 1), {}),
+                     (("sm_90a", 128, 128, True, "bfloat16", 1), {})):
         assert not select.decode_tma(*args, **kw), (args, kw)
     monkeypatch.setattr(_C, "cuda_tensor_maps", lambda: False)
-    assert not select.decode_tma("sm_90a", 128, 128, True, "bfloat16")
+    assert not select.decode_tma("sm_90a", 128, 128, True, "bfloat16", 4096)
     monkeypatch.setattr(_C, "cuda_tensor_maps", lambda: True)
     _env.setenv("ATTNEXT_DECODE_TMA", "0")
     try:
-        assert not select.decode_tma("sm_90a", 128, 128, True, "bfloat16")
+        assert not select.decode_tma("sm_90a", 128, 128, True, "bfloat16", 4096)
     finally:
         _env.setenv("ATTNEXT_DECODE_TMA", None)
     tile = select.decode_tma_tile()
