@@ -2,7 +2,7 @@
 against attnext.torch on the whole. The ring's transfers need two GPUs (the gloo tests run them
 between CPU processes: tests/adapters/test_distributed.py); one rank runs only its own block (step
 0): the whole-block call with position tables captured as CUDA tensors, the float32 accumulators
-and the captured tensors' path. The steps after it (row ranges of blocks, attnext.merge on CUDA
+and the captured tensors' path; ring_varlen_attention's gather and call on CUDA tensors likewise. The steps after it (row ranges of blocks, attnext.merge on CUDA
 views, the dK / dV hand-off) run on one GPU in test_distributed_threads.py (ranks as threads),
 and on two GPUs, where a machine has them, in the example under torchrun."""
 import numpy as np
@@ -53,6 +53,37 @@ def test_ring_on_one_gpu_matches_the_whole(nccl, opts):
     out.backward(axd.shard(dO, causal=causal))
     Qw, Kw, Vw = (x.clone().requires_grad_() for x in (Q, K, V))
     want, want_lse = axt.attention(Qw, Kw, Vw, return_lse=True, **dict(opts, causal=causal and "top_left"))
+    want.backward(dO)
+    _close("out", out, want)
+    assert (lse - want_lse).abs().max().item() < 1e-2
+    for name, a, b in (("dq", q.grad, Qw.grad), ("dk", k.grad, Kw.grad), ("dv", v.grad, Vw.grad)):
+        _close(name, a, b)
+
+
+@pytest.mark.parametrize("opts", [dict(causal=True), dict(causal=False, window=(200, 0), mods=True)],
+                         ids=["causal", "window_mods"])
+def test_varlen_ring_on_one_gpu_matches_the_whole(nccl, opts):
+    """ring_varlen_attention (the all-gather variant) on CUDA tensors in a one-rank NCCL group:
+    out, lse and dq, dk, dv against attnext.torch.varlen_attention on the same packed batch."""
+    seed = int(np.random.default_rng().integers(1 << 31))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    lengths = [700, 1, 1500, 0, 1847]                       # documents of a packed batch, T = 4048
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
+    T, Hq, Hk, D = sum(lengths), 8, 2, 128
+    Q = torch.randn(T, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    K, V = (torch.randn(T, Hk, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    dO = torch.randn(T, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    opts = dict(opts)
+    slopes = torch.linspace(0.01, 0.1, Hq, device="cuda")
+    if opts.pop("mods", False):
+        opts.update(score_mod=lambda s, b, h, q, kv: s - slopes[h] * (q - kv),
+                    mask_mod=lambda b, h, q, kv: (q - kv) % 7 != 3)
+    q, k, v = (axd.shard(x, dim=0).requires_grad_() for x in (Q, K, V))
+    out, lse = axd.ring_varlen_attention(q, k, v, cu, max(lengths), return_lse=True, **opts)
+    out.backward(axd.shard(dO, dim=0))
+    Qw, Kw, Vw = (x.clone().requires_grad_() for x in (Q, K, V))
+    want, want_lse = axt.varlen_attention(Qw, Kw, Vw, cu, cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths),
+                                          return_lse=True, **opts)
     want.backward(dO)
     _close("out", out, want)
     assert (lse - want_lse).abs().max().item() < 1e-2
