@@ -296,6 +296,31 @@ static int FN(tile_is_plain)(const attn_params *p, int64_t r0, int64_t nr, int64
            && tile_inside_band(p, r0, r0 + nr, c0, c0 + n, Lq, Lk);
 }
 
+/* True when a tile's only per-element work is its band (causal, window, the lengths): nothing
+ * added to the scores and no mask but the band's. A scale > 0 keeps -inf where the band puts it
+ * when softmax_cols scales the tile. */
+static int FN(band_only)(const attn_params *p)
+{
+    return !p->bias.ptr && !p->mask.ptr && !p->alibi.ptr && p->softcap <= 0 && p->scale > 0;
+}
+
+/* -inf for every pair of a transposed tile St (n keys x BQ queries, rows r0.., columns c0..)
+ * outside its query's band; the kept scores stay raw (softmax_cols scales them). For a
+ * band_only call: the score pipeline's result without its two transposes. */
+static void FN(band_cols)(const attn_params *p, int64_t r0, int64_t nr, int64_t c0, int64_t n,
+                          int64_t Lq, int64_t Lk, T *St)
+{
+    for (int64_t i = 0; i < nr; i++) {
+        int64_t lo, hi;
+        kv_range(p, r0 + i, r0 + i + 1, Lq, Lk, &lo, &hi);
+        const int64_t j_lo = imin64(imax64(lo - c0, 0), n), j_hi = imax64(imin64(hi - c0, n), j_lo);
+        for (int64_t j = 0; j < j_lo; j++)
+            St[j * BQ + i] = -INFINITY;
+        for (int64_t j = j_hi; j < n; j++)
+            St[j * BQ + i] = -INFINITY;
+    }
+}
+
 /* mask_mod's block mask: the state (TILE_EMPTY / TILE_PARTIAL / TILE_FULL, cpu.c) of every
  * BQ x BK tile of every sequence, for each query head (or one for all heads when mask_mod does
  * not read h). Tile (qt, kt) of sequence b, head slot hm lives at
@@ -427,7 +452,9 @@ static int FN(online_softmax)(const attn_params *p, const FN(tiling) *kt_tiles, 
          * are vertical vector operations; P V is then St^T V */
         OPS->gemm((int)ROUND_UP(n, SIMD_M_ALIGN), BQ, (int)D, kr + g * BK * DP, DP, Qt, BQ, St, BQ, 0);
         T scale = (T)p->scale;
-        if (mods_here || !FN(tile_is_plain)(p, r0, nr, c0, n, sq.len, sk.len)) {
+        if (!mods_here && FN(band_only)(p) && !FN(tile_is_plain)(p, r0, nr, c0, n, sq.len, sk.len)) {
+            FN(band_cols)(p, r0, nr, c0, n, sq.len, sk.len, St);
+        } else if (mods_here || !FN(tile_is_plain)(p, r0, nr, c0, n, sq.len, sk.len)) {
             /* the per-element pipeline works on rows of queries */
             for (int64_t i = 0; i < nr; i++)
                 for (int64_t j = 0; j < n; j++)
