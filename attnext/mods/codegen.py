@@ -156,6 +156,15 @@ def _int_literal(n, dtype):
     return f"((int64_t){n}LL)"
 
 
+# every integer input of the kernels' calls lies in [0, 2^31) (their lengths, heads and batch are
+# int32): an int64 expression of them whose interval (bounds.py) stays within int32 for every
+# call is converted or compared as an int, which the compiler narrows to 32-bit arithmetic (an
+# int64 -> float conversion is a multi-instruction sequence; int32's is one)
+_STATIC_EXTENTS = bounds.Extents(2 ** 31, 2 ** 31, 2 ** 31, 2 ** 31)
+_INT32 = (-2 ** 31, 2 ** 31 - 1)
+_COMPARES = frozenset(("lt", "le", "gt", "ge", "eq", "ne"))
+
+
 class _Renderer:
     """Renders the nodes reachable from some roots as C statements of one function."""
 
@@ -168,9 +177,12 @@ class _Renderer:
         self.lines = []
         self.expr = {}
         self.lookups = False
+        self.small = set()            # ids of the int64 nodes within int32 on every call
 
     def render(self, roots):
         order = trace.topo(*roots)
+        self.small = {i for i, r in bounds.ranges(roots, _STATIC_EXTENTS).items()
+                      if r is not None and _INT32[0] <= r[0] and r[1] <= _INT32[1]}
         uses = {}
         for n in order:
             for a in trace._children(n):
@@ -217,7 +229,16 @@ class _Renderer:
         if form is None:
             raise TypeError(f"the GPU code generator cannot render {op!r} ({n.dtype}): "
                             f"{trace.format_expr(n)}")
-        return form.format(*(self.expr[id(a)] for a in n.args), t=_MOD_TYPE.get(n.dtype))
+        args = [self.expr[id(a)] for a in n.args]
+        if self._as_int(n):
+            args = [f"(int)({x})" for x in args]
+        return form.format(*args, t=_MOD_TYPE.get(n.dtype))
+
+    def _as_int(self, n):
+        """Whether n converts or compares int64 operands that stay within int32 on every call."""
+        if not (n.op == "cast" and n.dtype == F or n.op in _COMPARES and n.dtype == B):
+            return False
+        return all(isinstance(a, trace.Node) and a.dtype == I and id(a) in self.small for a in n.args)
 
     def offset(self, array_node, idx):
         name, shape = array_node.args[0], array_node.args[2]
