@@ -150,17 +150,20 @@ def fwd_ws_tile(score_mod=False):
     return tuple(int(x) for x in env.split(",")) if env else SM90_TILE_WS_MODS if score_mod else SM90_TILE_WS
 
 
-def fwd_ws(arch, D, Dv, vec, rows, key_rows, dtype="bfloat16", copyable=False):
+def fwd_ws(arch, D, Dv, vec, rows, key_rows, dtype="bfloat16", copyable=False, tensor_maps=None):
     """Whether a (non-decode) forward runs attn_fwd_sm90.cu's warp-specialised kernel (WS): D = Dv
     in {64, 128} past SM90_SHORT_ROWS rows, with or without a score_mod / mask_mod, over keys a
     bulk copy can read (copyable: no page table or zero stride; varlen and seqused_k keys have
     rows past Lk inside the tensor, whose V rows the kernel zeroes), in a tensor of at least a
-    tile's rows (key_rows: a copy's box is a whole tile), and a driver that makes tensor maps.
+    tile's rows (key_rows: a copy's box is a whole tile), and a driver that makes tensor maps
+    (tensor_maps: None asks this process's driver; the compile lab, with none, says True).
     ATTNEXT_FWD_WS=0 says no (the lab's comparison)."""
     if not (arch == "sm_90a" and vec and D == Dv and D in (64, 128) and dtype != "float32"
             and copyable and rows > SM90_SHORT_ROWS and key_rows >= fwd_ws_tile()[1]
             and (_env.get("ATTNEXT_FWD_WS") or "1") != "0" and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
         return False
+    if tensor_maps is not None:
+        return tensor_maps
     from .. import _C
     return _C.cuda_tensor_maps()
 

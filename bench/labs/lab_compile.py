@@ -5,8 +5,9 @@
 Needs NVRTC, not a GPU. The cache is a fresh temporary folder (ATTNEXT_CACHE_DIR), so every
 mod misses it whatever ran before. For each mod (D = 128, bfloat16, no other option):
   per kernel   the NVRTC seconds of each module a call compiles, as cuda_backend plans it:
-               the forward (attn_fwd_sm90's long tile with mods, SM90_TILE_MODS, and short tile
-               on sm_90a, attn_fwd.cu's generic kernel), the backward's entry points
+               the forward (on sm_90a the warp-specialised kernel past 1024 rows,
+               SM90_TILE_WS_MODS with a score_mod, else attn_fwd_sm90's short tile;
+               attn_fwd.cu's generic kernel), the backward's entry points
                (attn_bwd_pre comes from the plain variant: warmup's cache, no compile) and,
                with a mask_mod, attn_block_mask (shared by both); with --split the front end
                (source -> PTX for compute_XX) and ptxas (the rest) of each
@@ -95,10 +96,12 @@ def forward_specs(arch, gen, rows=S, generic=False):
     """The (kernel, entry point, defines, generated) a forward call loads (cuda_backend's plan),
     the block-mask kernel last when there is a mask_mod."""
     from attnext.cuda import nvrtc, select
-    kernel, tile = select.fwd_kernel(arch, D, D, True, False, rows, gen)
+    # the WS kernel where a Hopper driver takes it (dense keys of every row, past the short rows)
+    ws = not generic and select.fwd_ws(arch, D, D, True, rows, rows, "bfloat16", True, tensor_maps=True)
+    kernel, tile = select.fwd_kernel(arch, D, D, True, False, rows, gen, ws=ws)
     if generic:
         kernel, tile = "attn_fwd", select.tile_config(D, D)
-    return ([(kernel, kernel, select.fwd_defines(**FEATURES, tile=tile, mods=gen), gen.source)]
+    return ([(kernel, kernel, select.fwd_defines(**FEATURES, tile=tile, mods=gen, ws=ws), gen.source)]
             + select.block_mask_specs(gen))
 
 

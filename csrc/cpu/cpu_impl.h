@@ -297,11 +297,11 @@ static int FN(tile_is_plain)(const attn_params *p, int64_t r0, int64_t nr, int64
 }
 
 /* True when a tile's only per-element work is its band (causal, window, the lengths): nothing
- * added to the scores and no mask but the band's. A scale > 0 keeps -inf where the band puts it
- * when softmax_cols scales the tile. */
+ * added to the scores and no mask but the band's. A scale > 0 in T (softmax_cols scales by
+ * (T)scale: a float32 call's tiny double scale may round to 0) keeps -inf where the band puts it. */
 static int FN(band_only)(const attn_params *p)
 {
-    return !p->bias.ptr && !p->mask.ptr && !p->alibi.ptr && p->softcap <= 0 && p->scale > 0;
+    return !p->bias.ptr && !p->mask.ptr && !p->alibi.ptr && p->softcap <= 0 && (T)p->scale > (T)0;
 }
 
 /* -inf for every pair of a transposed tile St (n keys x BQ queries, rows r0.., columns c0..)

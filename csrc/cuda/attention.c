@@ -218,7 +218,7 @@ static int dims3(PyObject *o, const char *name, unsigned out[3])
 
 /* The tensor map of k or v (t, d columns) for TMA_KV and WS: (d, Hk, rows, outer), rows and
  * outer being a paged cache's page_size and num_pages, else Sk and B (varlen: the packed rows
- * and 1); boxes of min(d, 64) columns x 1 x min(tma_rows, rows) x 1, 128-byte swizzled, zeros
+ * and 1); boxes of min(d, 64) columns x 1 x tma_rows (at most rows) x 1, 128-byte swizzled, zeros
  * outside the tensor. A dimension of one element is never stepped, so where its stride is 0 in
  * the array (varlen's new batch axis, a single broadcast kv head), which the driver refuses,
  * the map takes the span inside it. -1 with an exception. */
@@ -235,8 +235,14 @@ static int encode_kv_map(attn_tmap *map, const attn_params *p, const tensor4 *t,
         strides[1] = strides[0] * (unsigned long long)p->Hk;
     if (!strides[2] && outer == 1)
         strides[2] = strides[1] * rows;
-    const unsigned box[4] = {d < 64 ? (unsigned)d : 64u, 1u,
-                             (unsigned)(p->tma_rows < (int64_t)rows ? p->tma_rows : (int64_t)rows), 1u};
+    /* a box of fewer rows than the kernels' stage barriers wait for would never complete them:
+     * the selection (select.decode_tma, select.fwd_ws) keeps such calls off TMA */
+    if (p->tma_rows < 1 || (unsigned long long)p->tma_rows > rows) {
+        PyErr_Format(PyExc_RuntimeError, "attnext._C: a tensor map of %llu rows cannot take copies of "
+                     "%lld rows (a kernel selection bug: TMA needs a tile's rows)", rows, (long long)p->tma_rows);
+        return -1;
+    }
+    const unsigned box[4] = {d < 64 ? (unsigned)d : 64u, 1u, (unsigned)p->tma_rows, 1u};
     const unsigned ones[4] = {1u, 1u, 1u, 1u};
     if (!cu_encode_tiled) {
         PyErr_SetString(PyExc_RuntimeError, "attnext._C: this CUDA driver has no cuTensorMapEncodeTiled "

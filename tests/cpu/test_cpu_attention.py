@@ -375,6 +375,13 @@ def test_scale(scale, rng):
     check_backend(q, k, v, rng, scale=scale, causal="top_left")
 
 
+def test_scale_that_rounds_to_zero_in_float32(rng):
+    """A float64 scale > 0 that is 0 in float32: the causal tiles must not meet -inf * 0."""
+    q, k, v = make_qkv(rng, 1, 150, 150, 2, 2, 32, 32, F32)
+    check_backend(q, k, v, rng, scale=1e-50, causal=True)
+    check_backend(q, k, v, rng, scale=1e-50, window=(40, 3))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_large_scores(dtype, rng):
     """Scores in the hundreds and a bias of -1e4 here and there: the online softmax must not
