@@ -59,6 +59,7 @@ import ml_dtypes
 import numpy as np
 
 import attnext
+from ..cuda import nvrtc
 
 TOKENS = 16384                     # B * S of every plain row and of the packed batch
 HEAD_FEATURES = 2048               # H * D of the plain and packed rows
@@ -805,7 +806,11 @@ def numpy_row(run, case, case_s_start):
             return plain()
         return attnext.attention(q, k, v, **kw,
                                  score_mod=lambda s, b, h, q_idx, kv_idx: SOFTCAP * np.tanh(s / SOFTCAP))
-    res = _attempt(run.wall_median, call,
+    def first():
+        call()                     # a score_mod's faster tile, compiled in the background, is the one
+        nvrtc.finish_ahead()       # checked and timed (cuda/select.py: fwd_ws_widens)
+        return call()
+    res = _attempt(run.wall_median, first,
                    lambda out: {"out": (_numpy_to_bf16(out, run.device), ref_out)}, call)
     bytes_in, bytes_out = q.nbytes + k.nbytes + v.nbytes, q.nbytes
     floor_ms, floor_reason = None, None

@@ -116,13 +116,14 @@ class _Plan:
     """A call's launches: template (the attn_params less addresses and scalars), launches
     [(fn, grid, block, smem)] in order, scratch bytes (0: none) and offsets, a pair (address
     slot, byte offset in the scratch buffer) per scratch array; zero: (address slot, bytes) of
-    the scratch arrays zeroed before the launches."""
+    the scratch arrays zeroed before the launches; upgrade: the futures of a faster kernel's
+    background compile (nvrtc.compile_ahead), after which the call's plan is made anew, or ()."""
 
-    __slots__ = ("template", "launches", "scratch", "offsets", "zero")
+    __slots__ = ("template", "launches", "scratch", "offsets", "zero", "upgrade")
 
-    def __init__(self, template, launches, scratch=0, offsets=(), zero=()):
+    def __init__(self, template, launches, scratch=0, offsets=(), zero=(), upgrade=()):
         self.template, self.launches, self.scratch, self.offsets = template, launches, scratch, offsets
-        self.zero = zero
+        self.zero, self.upgrade = zero, upgrade
 
 
 def _desc(view):
@@ -535,13 +536,17 @@ def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None):
            select.knobs(select.FWD_KNOBS), None if gen is None else gen.source, o.precision,
            None if o.block_table is None else o.block_table.shape)
     plan = _plans.get(key)
-    if plan is None:
-        plan = _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen)
+    if plan is None or (plan.upgrade and all(f.done() for f in plan.upgrade)):
+        plan = _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgrade=plan is None)
         _plans.put(key, plan)
     return plan
 
 
-def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
+def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgrade=True):
+    """The plan _forward_plan keeps. A WS forward whose score_mod has a wider tile once compiled
+    (select.fwd_ws_widens) takes it when a cache holds its cubin; else the narrow tile now and,
+    where upgrade allows, the wide one compiled in the background (_Plan.upgrade: the next call
+    after it is done plans again and finds it; a compile that failed leaves the narrow tile)."""
     prob, features = _common(o, device, q4, k4, v4, extra)
     generated = None if gen is None else gen.source
     pack, splits, tma = _decode_plan(o, features, device)
@@ -554,8 +559,18 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
                                       copyable)
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
                                      features["dtype"], paged, tma, ws)
-    defines = select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen, paged=paged,
-                                 tma=tma, ws=ws)
+
+    def defines_of(tile):
+        return select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen, paged=paged,
+                                  tma=tma, ws=ws)
+    wide_specs = ()
+    if ws and select.fwd_ws_widens(gen):
+        wide = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen, features["dtype"], paged, tma,
+                                 ws, wide=True)[1]
+        wide_specs = [(kernel, kernel, defines_of(wide), generated)]
+        if nvrtc.cached(wide_specs, arch):
+            tile, wide_specs = wide, ()
+    defines = defines_of(tile)
     smem = select.fwd_smem_bytes(o.D, o.Dv, tile, kernel, features["dtype"], tma, ws)
     q_tiles = math.ceil(o.Sq * (o.Hq // o.Hk) / tile[0]) if pack else _query_tiles(rows, tile[0])
     grid = (q_tiles * splits, o.Hk if pack else o.Hq, o.B + (1 if o.varlen else 0))
@@ -575,7 +590,8 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen):
     launches = [(nvrtc.function(kernel, kernel, defines, device, arch, smem, generated), grid,
                  ((tile[2] + tma + 4 * ws) * 32, 1, 1), smem)]   # the producer warp (TMA_KV) or warpgroup (WS)
     if splits == 1:
-        return _Plan(template, tuple(launches))
+        ahead = nvrtc.compile_ahead(wide_specs, arch, busy=0) if upgrade and wide_specs else ()
+        return _Plan(template, tuple(launches), upgrade=tuple(ahead))
     combine = nvrtc.function("attn_fwd", "attn_fwd_combine", defines, device, arch, 0, generated)
     launches.append((combine, (o.Sq, o.Hq, o.B), (COMBINE_THREADS, 1, 1), 0))
     partials = splits * o.B * o.Hq * o.Sq

@@ -360,10 +360,27 @@ COMPILE_AHEAD_KNOB = "ATTNEXT_COMPILE_AHEAD"
 _ahead = None          # compile_ahead's threads, made at its first use
 _ahead_lock = threading.Lock()
 _ahead_running = 0     # its compiles submitted and not yet done
+_ahead_pending = set()  # ... and their futures
 
 
 def _cpus():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _uncached(specs, arch):
+    """{module key: (kernel, defines, generated)} of the modules of these entry points (prefetch's
+    specs) whose cubins neither the memory nor the disk cache holds."""
+    todo, version = {}, _version_text()
+    for kernel, name, defines, generated in specs:
+        k, d, g = module_for(kernel, name, defines, generated, arch)
+        if not _cache().has(*compile_args(k, d, arch, g), arch, version):
+            todo.setdefault((k, tuple(sorted(d.items())), g), (k, d, g))
+    return todo
+
+
+def cached(specs, arch):
+    """Whether every entry point of these specs is compiled already (in memory or on disk)."""
+    return not _uncached(specs, arch)
 
 
 def compile_ahead(specs, arch, busy=1):
@@ -379,11 +396,7 @@ def compile_ahead(specs, arch, busy=1):
     env = (_env.get(COMPILE_AHEAD_KNOB) or "").strip().lower()
     if env in ("0", "off", "false", "no") or not specs:
         return []
-    todo, version = {}, _version_text()
-    for kernel, name, defines, generated in specs:
-        k, d, g = module_for(kernel, name, defines, generated, arch)
-        if not _cache().has(*compile_args(k, d, arch, g), arch, version):
-            todo.setdefault((k, tuple(sorted(d.items())), g), (k, d, g))
+    todo = _uncached(specs, arch)
     with _ahead_lock:
         if not todo or (env != "1" and _cpus() < len(todo) + busy + _ahead_running):
             return []
@@ -391,15 +404,25 @@ def compile_ahead(specs, arch, busy=1):
             _ahead = concurrent.futures.ThreadPoolExecutor(max(2, _cpus() - 1), "attnext-ahead")
         _ahead_running += len(todo)
         futures = [_ahead.submit(cubin, k, d, arch, g) for k, d, g in todo.values()]
+        _ahead_pending.update(futures)
     for f in futures:
         f.add_done_callback(_ahead_done)
     return futures
 
 
-def _ahead_done(_future):
+def _ahead_done(future):
     global _ahead_running
     with _ahead_lock:
         _ahead_running -= 1
+        _ahead_pending.discard(future)
+
+
+def finish_ahead():
+    """Waits for compile_ahead's compiles submitted so far (the bench, before it times: a plan
+    that takes a faster kernel once its compile is done, backend's upgrade, then times that)."""
+    with _ahead_lock:
+        futures = list(_ahead_pending)
+    concurrent.futures.wait(futures)
 
 
 def _drop_queued():
@@ -412,8 +435,9 @@ def _drop_queued():
 def _forget_ahead_after_fork():
     """In a forked child: no compile_ahead threads, and the compile locks anew (a background
     compile of the parent's may have held them at the fork)."""
-    global _ahead, _ahead_lock, _ahead_running, _nvrtc_lock
+    global _ahead, _ahead_lock, _ahead_running, _ahead_pending, _nvrtc_lock
     _ahead, _ahead_lock, _ahead_running, _nvrtc_lock = None, threading.Lock(), 0, threading.Lock()
+    _ahead_pending = set()
     if _cubins is not None:
         _cubins.after_fork()
 

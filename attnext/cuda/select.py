@@ -141,13 +141,31 @@ SM90_TILE_WS = (128, 128, 8, 2)
 # reason, the first call's compile (NVRTC 13.x on the dev machine, softcap, D128: 1.44 s at 128 x
 # 128 against 1.13 s here and 0.91 s for SM90_TILE_MODS' kernel)
 SM90_TILE_WS_MODS = (128, 64, 8, 2)
+# A score_mod that loads from no array per score (arithmetic, or lookups by b and h alone) runs
+# faster on SM90_TILE_WS (H200, session 34, B2 S8k H16 D128 causal, one run against Flex: ALiBi
+# 1.09x -> 1.18x, ALiBi[h] 1.08x -> 1.23x, softcap 1.49x -> 1.56x) but compiles longer (cold first
+# forward 2.14-2.37 s against 1.23-1.34 s, over the 2 s bound): its first calls run
+# SM90_TILE_WS_MODS while the wide tile compiles in the background, and the calls after that
+# compile, or in a process whose disk cache holds it, run the wide one (cuda/backend.py:
+# _Plan.upgrade). A score_mod with per-score loads keeps 64 keys (their registers).
 
 
-def fwd_ws_tile(score_mod=False):
-    """(BLOCK_M, BLOCK_N, computing warps, STAGES) of the WS forward (score_mod: a call with one);
-    the lab's ATTNEXT_TILE_FWD_WS."""
+def fwd_ws_tile(score_mod=False, wide=False):
+    """(BLOCK_M, BLOCK_N, computing warps, STAGES) of the WS forward (score_mod: a call with one;
+    wide: the wide tile of a score_mod without per-score loads, SM90_TILE_WS); the lab's
+    ATTNEXT_TILE_FWD_WS fixes it."""
     env = _env.get("ATTNEXT_TILE_FWD_WS")
-    return tuple(int(x) for x in env.split(",")) if env else SM90_TILE_WS_MODS if score_mod else SM90_TILE_WS
+    if env:
+        return tuple(int(x) for x in env.split(","))
+    return SM90_TILE_WS_MODS if score_mod and not wide else SM90_TILE_WS
+
+
+def fwd_ws_widens(mods):
+    """Whether a WS forward with these generated mods (codegen.Generated or None) has a wider
+    tile to move to once compiled: a score_mod without per-score loads (SM90_TILE_WS_MODS ->
+    SM90_TILE_WS), unless ATTNEXT_TILE_FWD_WS fixes the tile."""
+    score_mod = mods is not None and bool(mods.defines.get("HAS_SCORE_MOD"))
+    return score_mod and not mods.pair_loads and fwd_ws_tile(True) != fwd_ws_tile(True, True)
 
 
 def fwd_ws(arch, D, Dv, vec, rows, key_rows, dtype="bfloat16", copyable=False, tensor_maps=None):
@@ -168,7 +186,8 @@ def fwd_ws(arch, D, Dv, vec, rows, key_rows, dtype="bfloat16", copyable=False, t
     return _C.cuda_tensor_maps()
 
 
-def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", paged=False, tma=False, ws=False):
+def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", paged=False, tma=False, ws=False,
+               wide=False):
     """(kernel source, tile) of the forward: kernels/attn_fwd_sm90.cu (wgmma) on sm_90a for
     16-byte-loadable inputs with D, Dv in {64, 128}, else kernels/attn_fwd.cu (mma.sync, every
     shape, and the decode paths). rows: the longest query sequence; mods: the generated
@@ -177,11 +196,12 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
     plain tiles. ATTNEXT_FWD_SM90=0 keeps Hopper on attn_fwd.cu (the lab's and the tests'
     comparison). float32 runs attn_fwd.cu (TF32 mma.sync) everywhere, and so does a paged cache
     (paged: its key rows are gathered through the page table, PAGED). tma (decode_tma): a
-    decode takes TMA_KV's tile (4 ints: the stages last); ws (fwd_ws): the WS kernel's tile."""
+    decode takes TMA_KV's tile (4 ints: the stages last); ws (fwd_ws): the WS kernel's tile (wide:
+    a score_mod's wide one, fwd_ws_widens)."""
     if decode and tma:
         return "attn_fwd", decode_tma_tile()
     if ws and not decode:
-        return "attn_fwd_sm90", fwd_ws_tile(mods is not None and bool(mods.defines.get("HAS_SCORE_MOD")))
+        return "attn_fwd_sm90", fwd_ws_tile(mods is not None and bool(mods.defines.get("HAS_SCORE_MOD")), wide)
     if (arch == "sm_90a" and not decode and not paged and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
             and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
         env = _env.get("ATTNEXT_TILE_SM90")      # the kernel lab's override: "128,64,8"

@@ -501,7 +501,9 @@ class Generated(NamedTuple):
     wanted); n_score_floats: where mask_mod's float constants start in m->f; uses_h: whether a
     mod reads h; mask_uses_b / mask_uses_h: whether mask_mod reads b / h (the block mask has one
     slice per b / h only then); tile_terms: the TileTerms in mod_tile_plan's order
-    (select.tile_sums)."""
+    (select.tile_sums); pair_loads: whether the score_mod looks up an array at an index that
+    reads q_idx or kv_idx (a load per score: its registers decide the forward's tile,
+    select.fwd_ws_tile)."""
     source: str
     defines: dict
     arrays: tuple
@@ -511,6 +513,15 @@ class Generated(NamedTuple):
     mask_uses_b: bool = False
     mask_uses_h: bool = False
     tile_terms: tuple = ()
+    pair_loads: bool = False
+
+
+def _pair_loads(traced):
+    """Whether a traced mod loads from an array at an index that depends on q_idx or kv_idx."""
+    for n in trace.topo(traced.out):
+        if n.op == "load" and any(x.op in ("q_idx", "kv_idx") for x in trace.topo(*n.args[1:])):
+            return True
+    return False
 
 
 def generate(score=None, mask=None, facts=None, wanted=None):
@@ -589,7 +600,8 @@ def generate(score=None, mask=None, facts=None, wanted=None):
     parts.append("#endif\n")
     leaves = {n.op for n in trace.topo(mask.out)} if mask is not None else set()
     return Generated("\n".join(parts), defines, tuple(arrays), tuple(grad_arrays),
-                     n_score_floats, uses_h, "b" in leaves, "h" in leaves, tile_terms)
+                     n_score_floats, uses_h, "b" in leaves, "h" in leaves, tile_terms,
+                     score is not None and _pair_loads(score))
 
 
 # --- the cache ------------------------------------------------------------------------------

@@ -4,7 +4,8 @@
  * times the GPU call's host path on it.
  *
  * FAKE_CUINIT=<code>: cuInit returns that error. -DNO_ALLOC_ASYNC: a driver without
- * cuMemAllocAsync. Counters the tests read through ctypes: `waits` (cuStreamWaitEvent),
+ * cuMemAllocAsync. -DTENSOR_MAPS: a driver with cuTensorMapEncodeTiled (zeroed maps, counted in
+ * `tensor_maps`), so the TMA kernels (WS, TMA_KV) are chosen. Counters the tests read through ctypes: `waits` (cuStreamWaitEvent),
  * `launches` (cuLaunchKernel), `allocs` and `frees` (device memory), `host_allocs` and
  * `host_frees` (cuMemHostAlloc, cuMemFreeHost; `freed_ptrs` the last 1024 freed, and setting
  * `slow_free_us` makes each cuMemFreeHost sleep that long), `pool_threshold` (the memory pool's release
@@ -120,6 +121,19 @@ static void fake_free(ptr_t p)
     pthread_mutex_unlock(&pool_lock);
     free(b);
 }
+#ifdef TENSOR_MAPS
+int tensor_maps = 0;
+int cuTensorMapEncodeTiled(void *map, int dtype, unsigned rank, void *address, const unsigned long long *dims,
+                           const unsigned long long *strides, const unsigned *box, const unsigned *element_strides,
+                           int interleave, int swizzle, int l2_promotion, int oob_fill)
+{
+    if (rank < 1 || rank > 5)
+        return INVALID_VALUE;
+    memset(map, 0, 128);
+    tensor_maps++;
+    return OK;
+}
+#endif
 #ifndef NO_ALLOC_ASYNC
 int cuMemAllocAsync(ptr_t *p, size_t n, void *s)
 {

@@ -312,6 +312,58 @@ def test_a_forward_with_mods_and_lse_compiles_its_backward_ahead(fake_driver):
     """)
 
 
+def test_a_score_mod_forward_takes_the_wide_tile_once_it_is_compiled(tmp_path):
+    """A WS forward whose score_mod loads from no array per score runs SM90_TILE_WS_MODS while
+    SM90_TILE_WS's kernel compiles in the background (one nvrtc.compile_ahead, busy 0: after the
+    call's own compiles), and the wide tile from the first call after that compile is done, or at
+    once where a cache holds it; a failed compile leaves the narrow tile for good; a score_mod
+    with a lookup per score never asks. On the fake driver built with tensor maps (WS needs them)."""
+    if fake_cuda.compiler() is None:
+        pytest.skip("no C compiler for the fake libcuda")
+    run_on_fake(fake_cuda.build(tmp_path, "tma", ["-DTENSOR_MAPS"]), r"""
+        import concurrent.futures
+        AHEAD, HELD = [], set()
+        # the fake's launch, which takes the mods' bytes too; the launched kernel recorded
+        _C.cuda_launch_attention = lambda fn, *rest: (_launch(fn, *rest), LAUNCHES.append((FN[id(fn)],)))
+
+        def ahead(specs, arch, busy=1):
+            f = concurrent.futures.Future()
+            AHEAD.append((specs, busy, f))
+            return [f]
+        nvrtc.compile_ahead = ahead
+        nvrtc.cached = lambda specs, arch: all((tuple(sorted(s[2].items())), s[3]) in HELD for s in specs)
+        q, k, v = qkv(2, 2048, 2048, 16, 16, 128)        # tiles enough to fill the SMs: no split keys
+        table = np.ones((16, 4096), np.float32)
+
+        def tile(**kw):
+            [(fn, *_)] = record(lambda: attnext.attention(q, k, v, causal=True, **kw))
+            d = dict(fn[2])
+            assert fn[1] == "attn_fwd_sm90" and d["WS"] == 1, fn
+            return d["BLOCK_M"], d["BLOCK_N"]
+        narrow, wide = select.SM90_TILE_WS_MODS[:2], select.SM90_TILE_WS[:2]
+        assert narrow != wide
+        alibi = dict(score_mod=lambda s, b, h, qi, ki: s - 0.0625 * np.abs(qi - ki))
+        assert tile(**alibi) == narrow
+        [(specs, busy, done)] = AHEAD
+        assert busy == 0 and [(s[0], s[1]) for s in specs] == [("attn_fwd_sm90", "attn_fwd_sm90")]
+        assert (specs[0][2]["BLOCK_M"], specs[0][2]["BLOCK_N"]) == wide
+        assert tile(**alibi) == narrow and len(AHEAD) == 1          # compiling: the narrow plan stays
+        HELD.add((tuple(sorted(specs[0][2].items())), specs[0][3]))
+        done.set_result(None)
+        assert tile(**alibi) == wide == tile(**alibi) and len(AHEAD) == 1
+        cuda_backend.clear_plans()
+        assert tile(**alibi) == wide and len(AHEAD) == 1            # a cache holds it: at once
+        softcap = dict(score_mod=lambda s, b, h, qi, ki: 30.0 * np.tanh(s / 30.0))
+        assert tile(**softcap) == narrow and len(AHEAD) == 2
+        AHEAD[-1][2].set_exception(RuntimeError("compile failed"))
+        assert tile(**softcap) == narrow == tile(**softcap) and len(AHEAD) == 2
+        relbias = dict(score_mod=lambda s, b, h, qi, ki: s + table[h, qi - ki + 2048])
+        assert tile(**relbias) == narrow and len(AHEAD) == 2
+        assert fake_cuda.counter(lib, "tensor_maps").value > 0
+        print("ok")
+    """)
+
+
 # --- the C entry points' argument checks (no driver needed: they refuse before using it) ---
 
 def _prob(**changes):

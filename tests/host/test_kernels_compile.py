@@ -107,8 +107,8 @@ def test_hopper_decode_by_tensor_copies_where_it_applies(monkeypatch):
 def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
     """attn_fwd_sm90.cu's WS kernel: Hopper, 16-bit, D = Dv in {64, 128}, rows past SM90_SHORT_ROWS,
     keys a bulk copy can read (never a page table's or a zero stride's) of at least a tile's rows,
-    a driver with tensor maps, ATTNEXT_FWD_WS not 0; its tile (64 keys with a score_mod),
-    defines and shared memory (three stages of K and V still fit an SM)."""
+    a driver with tensor maps, ATTNEXT_FWD_WS not 0; its tile (64 keys with a score_mod, 128 once
+    compiled for one that loads from no array per score), defines and shared memory (three stages of K and V still fit an SM)."""
     from attnext import _C, _env
     from attnext.mods import codegen, trace
     monkeypatch.setattr(_C, "cuda_tensor_maps", lambda: True)
@@ -134,6 +134,18 @@ def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
         ("attn_fwd_sm90", select.SM90_TILE_WS_MODS)
     assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, window, ws=True) == ("attn_fwd_sm90", tile)
     assert select.fwd_kernel("sm_90a", 128, 128, True, True, 1, ws=True)[0] == "attn_fwd"   # decode: never WS
+    # the wide tile, once compiled, of a score_mod that loads from no array per score
+    table, slopes = np.ones((2, 300), np.float32), np.ones(2, np.float32)
+    alibi = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s - slopes[h] * np.abs(q - kv)), None)
+    relbias = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s + table[h, q - kv + 150]), None)
+    assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, alibi, ws=True, wide=True) == \
+        ("attn_fwd_sm90", select.SM90_TILE_WS) != ("attn_fwd_sm90", select.SM90_TILE_WS_MODS)
+    assert [select.fwd_ws_widens(g) for g in (softcap, alibi, relbias, window, None)] == [True, True, False, False, False]
+    _env.setenv("ATTNEXT_TILE_FWD_WS", "128,64,8,2")
+    try:
+        assert not select.fwd_ws_widens(softcap)
+    finally:
+        _env.setenv("ATTNEXT_TILE_FWD_WS", None)
     d = select.fwd_defines(dtype="bfloat16", D=128, Dv=128, vec=True, softcap=False, bias_dtype=None,
                            alibi_dtype=None, mask=False, tile=tile, ws=True)
     assert (d["WS"], d["STAGES"], d["MIN_BLOCKS"], d["BLOCK_M"], d["BLOCK_N"]) == (1, tile[3], 1, 128, 128)
