@@ -19,6 +19,16 @@ DEV int64_t mod_imul(int64_t a, int64_t b) { return (int64_t)((uint64_t)a * (uin
 DEV int64_t mod_ineg(int64_t a) { return (int64_t)(0 - (uint64_t)a); }
 DEV int64_t mod_iabs(int64_t a) { return a < 0 ? mod_ineg(a) : a; }
 
+/* The same rules on int64 values that the GPU code generator proved within int32, operands and
+ * result (codegen.py: _SMALL_INT_OPS): computed in int32, which then neither wraps nor differs */
+DEV int64_t mod_sadd(int64_t a, int64_t b) { return (int32_t)a + (int32_t)b; }
+DEV int64_t mod_ssub(int64_t a, int64_t b) { return (int32_t)a - (int32_t)b; }
+DEV int64_t mod_smul(int64_t a, int64_t b) { return (int32_t)a * (int32_t)b; }
+DEV int64_t mod_sneg(int64_t a) { return -(int32_t)a; }
+DEV int64_t mod_sabs(int64_t a) { const int32_t x = (int32_t)a; return x < 0 ? -x : x; }
+DEV int64_t mod_smin(int64_t a, int64_t b) { const int32_t x = (int32_t)a, y = (int32_t)b; return x <= y ? x : y; }
+DEV int64_t mod_smax(int64_t a, int64_t b) { const int32_t x = (int32_t)a, y = (int32_t)b; return x >= y ? x : y; }
+
 /* floor division and remainder: by zero 0, rounding toward -inf, INT64_MIN // -1 wraps */
 DEV int64_t mod_ifloordiv(int64_t a, int64_t b)
 {

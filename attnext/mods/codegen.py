@@ -158,11 +158,18 @@ def _int_literal(n, dtype):
 
 # every integer input of the kernels' calls lies in [0, 2^31) (their lengths, heads and batch are
 # int32): an int64 expression of them whose interval (bounds.py) stays within int32 for every
-# call is converted or compared as an int, which the compiler narrows to 32-bit arithmetic (an
-# int64 -> float conversion is a multi-instruction sequence; int32's is one)
+# call is computed (mod_ints.h: mod_sadd ...), converted and compared as an int (an int64
+# subtraction is two instructions and its abs four more, an int64 -> float conversion a
+# multi-instruction sequence; int32's are one each). Exact: the operands and the result of such
+# an op all lie in int32, so int32 arithmetic neither wraps nor differs from int64's
 _STATIC_EXTENTS = bounds.Extents(2 ** 31, 2 ** 31, 2 ** 31, 2 ** 31)
 _INT32 = (-2 ** 31, 2 ** 31 - 1)
 _COMPARES = frozenset(("lt", "le", "gt", "ge", "eq", "ne"))
+_SMALL_INT_OPS = {
+    "add": "mod_sadd({0}, {1})", "sub": "mod_ssub({0}, {1})", "mul": "mod_smul({0}, {1})",
+    "neg": "mod_sneg({0})", "abs": "mod_sabs({0})", "minimum": "mod_smin({0}, {1})",
+    "maximum": "mod_smax({0}, {1})",
+}
 
 
 class _Renderer:
@@ -225,7 +232,11 @@ class _Renderer:
             kind = trace.kind_of(n.dtype)
             load = "mod_load_i32" if kind == I and arr in self.narrow else _LOAD[kind]
             return f"{load}(m, {arr}, {self.offset(n.args[0], n.args[1:])})"
-        form = _op_format(n)
+        if op == "cast" and n.dtype == F and n.args[0].op == "abs" and self._small_op(n.args[0]):
+            # (float)|x| is |(float)x| (rounding is symmetric), and |.| of a float is free in the
+            # instruction that reads it
+            return f"fabsf((float)((int)({self.expr[id(n.args[0].args[0])]})))"
+        form = (self._small_op(n) and _SMALL_INT_OPS.get(op)) or _op_format(n)
         if form is None:
             raise TypeError(f"the GPU code generator cannot render {op!r} ({n.dtype}): "
                             f"{trace.format_expr(n)}")
@@ -233,6 +244,11 @@ class _Renderer:
         if self._as_int(n):
             args = [f"(int)({x})" for x in args]
         return form.format(*args, t=_MOD_TYPE.get(n.dtype))
+
+    def _small_op(self, n):
+        """Whether n is an int64 op whose operands and result stay within int32 on every call."""
+        return (n.dtype == I and id(n) in self.small and
+                all(isinstance(a, trace.Node) and a.dtype == I and id(a) in self.small for a in n.args))
 
     def _as_int(self, n):
         """Whether n converts or compares int64 operands that stay within int32 on every call."""

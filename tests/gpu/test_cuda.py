@@ -158,9 +158,9 @@ def test_ws_forward_on_varlen_and_mods(d, rng, monkeypatch):
 def test_score_mod_forward_takes_the_wide_tile_once_compiled(d, rng, monkeypatch):
     """A score_mod that loads from no array per score runs the WS forward's 64-key tile on its
     first call while the 128-key one compiles in the background; once that compile is done
-    (nvrtc.finish_ahead) the same call runs the wide tile. Both against the reference: causal
-    with GQA, then a window (the mod's integer constant is drawn per run, so no cache holds its
-    kernels: (q - kv) mod c is q - kv for c past every distance)."""
+    (nvrtc.finish_ahead) the same call runs the wide tile, and so does a window's first call (the
+    same kernel). Each against the reference, with GQA (the mod's integer constant is drawn per
+    run, so no cache holds its kernels: (q - kv) mod c is q - kv for c past every distance)."""
     from attnext.cuda import backend, nvrtc, select
     if backend.device_arch(0) != "sm_90a":
         pytest.skip("the WS forward is Hopper's")
@@ -175,14 +175,15 @@ def test_score_mod_forward_takes_the_wide_tile_once_compiled(d, rng, monkeypatch
     backend.clear_plans()
     c = int(rng.integers(5000, 1 << 30))
     q, k, v = make_qkv(rng, 2, 1100, 1333, 4, 2, d, d, BF16)
-    for opts in (dict(causal=True), dict(window=(300, 40))):
-        kw = dict(opts, score_mod=lambda s, b, h, qi, ki: s - 0.01 * ((qi - ki) % c))
-        del launched[:]
-        _check_forward(q, k, v, BF16, **kw)
-        nvrtc.finish_ahead()
-        _check_forward(q, k, v, BF16, **kw)
-        _check_forward(q, k, v, BF16, **kw)
-        assert launched == [select.SM90_TILE_WS_MODS[1], select.SM90_TILE_WS[1]], launched
+    score_mod = lambda s, b, h, qi, ki: s - 0.01 * ((qi - ki) % c)
+    _check_forward(q, k, v, BF16, causal=True, score_mod=score_mod)
+    nvrtc.finish_ahead()
+    _check_forward(q, k, v, BF16, causal=True, score_mod=score_mod)
+    _check_forward(q, k, v, BF16, causal=True, score_mod=score_mod)
+    assert launched == [select.SM90_TILE_WS_MODS[1], select.SM90_TILE_WS[1]], launched
+    # a window is no kernel switch: its first plan finds the wide kernel compiled
+    _check_forward(q, k, v, BF16, window=(300, 40), score_mod=score_mod)
+    assert launched[2:] == [select.SM90_TILE_WS[1]], launched
 
 
 @pytest.mark.parametrize("kernel", ["ws", "two_warpgroups"])

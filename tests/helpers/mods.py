@@ -98,6 +98,14 @@ def int_arith(score, b, h, q_idx, kv_idx):
     return score + (q_idx % 3) * 0.1 - (kv_idx // 2) + (q_idx - kv_idx) ** 2 / 64
 
 
+def int32_ops(score, b, h, q_idx, kv_idx):
+    """Integer ops the GPU code generator computes in int32 (their operands and results within
+    int32 for every call: codegen's _SMALL_INT_OPS), |.| converted as the float's fabsf."""
+    d = -(q_idx - kv_idx)
+    spread = np.maximum(q_idx, kv_idx) - np.minimum(q_idx, kv_idx)
+    return score + 0.01 * spread - 0.02 * np.abs(d) + 0.5 * (d > -3) + 0.003 * np.abs(q_idx - kv_idx)
+
+
 def scalar_array(scale):
     """scale is a 0-d float array: a scalar lookup with its own gradient."""
     return lambda score, b, h, q_idx, kv_idx: score * scale + scale
@@ -124,7 +132,7 @@ def score_mods():
         "pair_product": pair_product(rng.standard_normal((H_MAX, S_MAX))),
         "bias_2d": bias_2d(rng.standard_normal((S_MAX, S_MAX)).astype(np.float32)),
         "doc_penalty": doc_penalty(DOC_ID), "divide_pow": divide_pow(table),
-        "int_arith": int_arith, "scalar_array": scalar_array(np.array(0.75)),
+        "int_arith": int_arith, "int32_ops": int32_ops, "scalar_array": scalar_array(np.array(0.75)),
         "softcap_alibi_rel": softcap_alibi_rel(3.0, slopes, table),
     }
 

@@ -153,16 +153,20 @@ def test_storage_narrows_integers_that_fit_int32():
 
 
 def test_int64_expressions_within_int32_convert_and_compare_as_int():
-    """The kernels' integer inputs lie in [0, 2^31): |q_idx - kv_idx| (ALiBi) converts to float
-    and q_idx - kv_idx compares as an int (32-bit arithmetic), while a product that can pass
-    int32 (q_idx * 100000) and a lookup's unknown value keep int64."""
+    """The kernels' integer inputs lie in [0, 2^31): q_idx - kv_idx is computed, compared and
+    converted as an int (32-bit arithmetic), |q_idx - kv_idx| (ALiBi) as the float's fabsf, and
+    max(q_idx, kv_idx) in int32 too; while a product that can pass int32 (q_idx * 100000, 2 *
+    kv_idx), what reads it, and a lookup's unknown value keep int64."""
     table = np.arange(5, dtype=np.int64)
-    gen = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s - 0.5 * np.abs(q - kv) + table[kv % 5]),
+    gen = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s - 0.5 * np.abs(q - kv) + table[kv % 5]
+                                                 + np.abs(q - 2 * kv) + np.maximum(q, kv)),
                            trace.trace_mask_mod(lambda b, h, q, kv: (q - kv < 100) & (q * 100000 > kv)))
     src = gen.source
-    assert "((float)((int)(mod_iabs(mod_isub(q_idx, kv_idx)))))" in src
-    assert "((int)(mod_isub(q_idx, kv_idx)) < (int)(((int64_t)100LL)))" in src
+    assert "fabsf((float)((int)(mod_ssub(q_idx, kv_idx))))" in src
+    assert "((int)(mod_ssub(q_idx, kv_idx)) < (int)(((int64_t)100LL)))" in src
+    assert "((float)((int)(mod_smax(q_idx, kv_idx))))" in src
     assert "(mod_imul(q_idx, ((int64_t)100000LL)) > kv_idx)" in src
+    assert "((float)(mod_iabs(mod_isub(q_idx, mod_imul(((int64_t)2LL), kv_idx)))))" in src
     assert "const int64_t v0 = mod_load_i(" in src and "((float)(v0))" in src
 
 
