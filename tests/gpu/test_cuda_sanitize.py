@@ -1,9 +1,17 @@
-"""compute-sanitizer (memcheck) over corrupt device lengths ([3/7] point 5; attnext/cuda/lengths.py):
+"""compute-sanitizer over attnext's kernels, in a child process under the sanitizer each.
+
+memcheck over corrupt device lengths ([3/7] point 5; attnext/cuda/lengths.py):
 every fault kind of kernels/attn_lengths.cu, in bfloat16 and float32, causal, windowed and with a
 score_mod, through the forward and the backward, in a child process under the sanitizer. Each
 call must touch nothing outside its arrays (the kernels clamp the lengths: csrc/seqlen.h), and
 each fault must be reported by the next call. Marked gpu and sanitize; skipped where
 compute-sanitizer is not installed.
+
+racecheck and synccheck over the Hopper kernels that take turns and wait on barriers (issue
+[6/7]): the warp-specialised forward (TMA copies into mbarrier rings, two computing warpgroups
+passing turns on named barriers) plain, causal, with a score_mod on its 64-key and 128-key tiles
+and with varlen keys, and the backward's dK/dV and dQ kernels; each result against the
+reference. Skipped off Hopper.
 """
 import os
 import shutil
@@ -70,6 +78,65 @@ def test_corrupt_device_lengths_under_memcheck(gpu, torch):
         pytest.skip("compute-sanitizer is not installed (CUDA toolkit)")
     res = subprocess.run([tool, "--tool", "memcheck", "--error-exitcode", "3", "--print-limit", "20",
                           sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=540,
+                         env={**os.environ, "PYTHONPATH": pythonpath()})
+    tail = (res.stdout + res.stderr)[-4000:]
+    assert "ERROR SUMMARY: 0 errors" in tail and res.returncode == 0, tail
+
+
+RACE_CHILD = r'''
+import sys
+import numpy as np
+import torch
+import attnext
+from attnext import reference
+from attnext.cuda import nvrtc
+
+torch.manual_seed(0)
+B, S, H, D = 1, 1100, 2, int(sys.argv[1])      # past 1024 rows: the WS forward
+q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+dout = torch.randn_like(q)
+alibi = lambda s, b, h, qi, ki: s - 0.05 * np.abs(qi - ki)
+worst = 0.0
+def check(got, want):
+    global worst
+    got, want = got.float().cpu().numpy(), np.asarray(want, np.float32)
+    worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
+qn, kn, vn, dn = (x.float().cpu().numpy() for x in (q, k, v, dout))
+for opts in (dict(), dict(causal=True), dict(causal=True, score_mod=alibi), dict(window=(300, 20))):
+    out, lse = attnext.attention(q, k, v, return_lse=True, **opts)
+    check(out, reference.attention(qn, kn, vn, **opts))
+    g = attnext.attention_backward(dout, q, k, v, out, lse, **opts)
+    want = reference.attention_backward(dn, qn, kn, vn, None, None, **opts)
+    for a, b in zip((g.dq, g.dk, g.dv), (want.dq, want.dk, want.dv)):
+        check(a, b)
+nvrtc.finish_ahead()                           # the score_mod's 128-key tile, compiled meanwhile
+out = attnext.attention(q, k, v, causal=True, score_mod=alibi)
+check(out, reference.attention(qn, kn, vn, causal=True, score_mod=alibi))
+cu = torch.tensor([0, 1050, 1100], dtype=torch.int32, device="cuda")
+qv, kv, vv = (x[0] for x in (q, k, v))
+out = attnext.varlen_attention(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1050, max_seqlen_k=1050,
+                               causal=True)
+check(out[:1050], reference.attention(qn[:, :1050], kn[:, :1050], vn[:, :1050], causal=True)[0])
+check(out[1050:], reference.attention(qn[:, 1050:], kn[:, 1050:], vn[:, 1050:], causal=True)[0])
+torch.cuda.synchronize()
+print("worst", worst)
+raise SystemExit(0 if worst < 2e-2 else 1)
+'''
+
+
+@pytest.mark.gpu
+@pytest.mark.sanitize
+@pytest.mark.parametrize("tool_name", ["racecheck", "synccheck"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_kernels_under_racecheck_and_synccheck(gpu, torch, tool_name, d):
+    from attnext.cuda import backend
+    if backend.device_arch(0) != "sm_90a":
+        pytest.skip("the warp-specialised kernels are Hopper's")
+    tool = _sanitizer()
+    if tool is None:
+        pytest.skip("compute-sanitizer is not installed (CUDA toolkit)")
+    res = subprocess.run([tool, "--tool", tool_name, "--error-exitcode", "3", "--print-limit", "20",
+                          sys.executable, "-c", RACE_CHILD, str(d)], capture_output=True, text=True, timeout=540,
                          env={**os.environ, "PYTHONPATH": pythonpath()})
     tail = (res.stdout + res.stderr)[-4000:]
     assert "ERROR SUMMARY: 0 errors" in tail and res.returncode == 0, tail
