@@ -488,7 +488,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
             mbar_init(q_full + 8 * x, 2 * LOADERS);      /* each loader's cp.asyncs, then its lse and delta */
             mbar_init(q_empty + 8 * x, KV_THREADS);
             mbar_init(dq_full + 8 * x, KV_THREADS);
-            mbar_init(dq_empty + 8 * x, 1);
+            mbar_init(dq_empty + 8 * x, 64);                 /* the dQ writer's threads */
         }
         mbar_init(dq_back, 1);
         mbar_init_fence();
@@ -570,8 +570,10 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
 #else
                 const bool final = false, alone = false;
 #endif
-                /* every thread waits for every phase, and thread 64 frees the stage only once all
-                 * have (named_sync below): a parity wait can neither skip a phase nor lag two */
+                /* every thread waits for every phase and arrives on dq_empty once it has read the
+                 * stage: the stage is free once all 64 have, so a parity wait can neither skip a
+                 * phase nor lag two (one arrival after a named barrier: racecheck saw the readers'
+                 * loads unordered with the consumers' next stores) */
                 mbar_wait(dq_full + 8 * x, (j >> 1) & 1);
                 if (wt == 0 && !alone) {
 #if DQ_ORDERED
@@ -601,9 +603,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                         mbar_wait(dq_back, backs++ & 1);
                     store_dq_tile(p, sq, h, m0, rows, stage, wt);
                 }
-                named_sync(2, 64);        /* the stage read; every thread past this phase */
-                if (wt == 0)
-                    mbar_arrive(dq_empty + 8 * x);
+                mbar_arrive(dq_empty + 8 * x);
             }
             if (wt == 0)
                 bulk_wait();
