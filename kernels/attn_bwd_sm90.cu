@@ -316,7 +316,8 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
  *   0  producer, its registers lowered (setmaxnreg): warps 0-1 stream the query tiles' Q, dO (by
  *      cp.async), lse and delta into two stages (mbarriers q_full / q_empty); lane 0 of warp 2
  *      adds each tile's dQ partial, staged in shared memory, into dq_accum with one bulk
- *      reduction (cp.reduce.async.bulk .add.f32) and frees the stage (dq_full / dq_empty).
+ *      reduction (cp.reduce.async.bulk .add.f32), and warps 2-3 free the stage (dq_full /
+ *      dq_empty: each of their threads arrives).
  *   1, 2  consumers, registers raised: warpgroup c owns keys [64c, 64c + 64) for dK and dV
  *      (kv_item), stages its dS^T in shared memory, and after a barrier of both computes dQ's
  *      columns [64c, 64c + 64) over all 128 keys (dS K, both operands read MN-major), then
@@ -337,6 +338,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
 #endif
 #define WS_THREADS (KV_THREADS + 128)
 #define LOADERS 64                        /* producer threads that load Q, dO, lse, delta */
+#define DQ_WRITERS 64                     /* the producer's other threads: the dQ writer (warps 2-3) */
 #define SDS_BYTES (KV_BLOCK_N * KV_BLOCK_M * 2)
 #define SDQ_BYTES (KV_BLOCK_M * HEAD_DIM * 4)
 /* D = 128: 64 query rows per item, warpgroup c adds dQ's columns [64c, 64c + 64); D = 64: 128
@@ -355,6 +357,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
 #define PRODUCER_REGS 56
 #endif
 static_assert(KV_BLOCK_M % LOADERS == 0, "loaders cover the lse / delta rows");
+static_assert(LOADERS + DQ_WRITERS == 128, "the producer warpgroup: loaders, then the dQ writer");
 static_assert(KQ_BYTES >= KV_WARPS * 2048, "a Q stage holds every consumer warp's store_rows_staged buffer");
 
 #if DQ_ORDERED && DQ_TILE_M != KV_BLOCK_M
@@ -488,7 +491,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
             mbar_init(q_full + 8 * x, 2 * LOADERS);      /* each loader's cp.asyncs, then its lse and delta */
             mbar_init(q_empty + 8 * x, KV_THREADS);
             mbar_init(dq_full + 8 * x, KV_THREADS);
-            mbar_init(dq_empty + 8 * x, 64);                 /* the dQ writer's threads */
+            mbar_init(dq_empty + 8 * x, DQ_WRITERS);
         }
         mbar_init(dq_back, 1);
         mbar_init_fence();
@@ -536,7 +539,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                 mbar_arrive(q_full + 8 * x);
             }
             cp_async_wait_all();
-        } else {                          /* warps 2-3: the dQ writer (thread 64) and dq's last turns */
+        } else {                          /* warps 2-3: the dQ writer (thread 64's bulk copies) and dq's last turns */
             const int wt = tid - 64;
 #if DQ_ORDERED && HAS_MASK_MOD
             for (int j = 0; j < group * all_n && wt == 0; j++) {     /* the tiles mod_narrow took off: their turns pass */
@@ -570,10 +573,12 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
 #else
                 const bool final = false, alone = false;
 #endif
-                /* every thread waits for every phase and arrives on dq_empty once it has read the
-                 * stage: the stage is free once all 64 have, so a parity wait can neither skip a
-                 * phase nor lag two (one arrival after a named barrier: racecheck saw the readers'
-                 * loads unordered with the consumers' next stores) */
+                /* every thread waits for every phase of dq_full and dq_back, and the named barrier
+                 * below keeps the writer's threads on one item (dq_back, one barrier for both
+                 * stages, is armed again by thread 64 on the next item): a parity wait can neither
+                 * skip a phase nor lag two. Each thread then arrives on dq_empty itself, after its
+                 * own reads of the stage (one arrival by thread 64 after the barrier: racecheck saw
+                 * the others' reads unordered with the consumers' next stores) */
                 mbar_wait(dq_full + 8 * x, (j >> 1) & 1);
                 if (wt == 0 && !alone) {
 #if DQ_ORDERED
@@ -603,6 +608,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                         mbar_wait(dq_back, backs++ & 1);
                     store_dq_tile(p, sq, h, m0, rows, stage, wt);
                 }
+                named_sync(2, DQ_WRITERS);
                 mbar_arrive(dq_empty + 8 * x);
             }
             if (wt == 0)

@@ -537,16 +537,22 @@ def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None):
            None if o.block_table is None else o.block_table.shape)
     plan = _plans.get(key)
     if plan is None or (plan.upgrade and all(f.done() for f in plan.upgrade)):
+        if plan is not None and any(f.exception() for f in plan.upgrade):
+            _failed_wide.add(gen.source)
         plan = _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgrade=plan is None)
         _plans.put(key, plan)
     return plan
+
+
+_failed_wide = set()    # the generated sources whose wide forward failed to compile: not tried again
 
 
 def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgrade=True):
     """The plan _forward_plan keeps. A WS forward whose score_mod has a wider tile once compiled
     (select.fwd_ws_widens) takes it when a cache holds its cubin; else the narrow tile now and,
     where upgrade allows, the wide one compiled in the background (_Plan.upgrade: the next call
-    after it is done plans again and finds it; a compile that failed leaves the narrow tile)."""
+    after it is done plans again and finds it; a compile that failed leaves the narrow tile, and
+    is not tried again for that source: _failed_wide)."""
     prob, features = _common(o, device, q4, k4, v4, extra)
     generated = None if gen is None else gen.source
     pack, splits, tma = _decode_plan(o, features, device)
@@ -564,9 +570,8 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
         return select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen, paged=paged,
                                   tma=tma, ws=ws)
     wide_specs = ()
-    if ws and select.fwd_ws_widens(gen):
-        wide = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen, features["dtype"], paged, tma,
-                                 ws, wide=True)[1]
+    if ws and select.fwd_ws_widens(gen) and generated not in _failed_wide:
+        wide = select.fwd_ws_tile(True, wide=True)
         wide_specs = [(kernel, kernel, defines_of(wide), generated)]
         if nvrtc.cached(wide_specs, arch):
             tile, wide_specs = wide, ()
@@ -590,7 +595,11 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     launches = [(nvrtc.function(kernel, kernel, defines, device, arch, smem, generated), grid,
                  ((tile[2] + tma + 4 * ws) * 32, 1, 1), smem)]   # the producer warp (TMA_KV) or warpgroup (WS)
     if splits == 1:
-        ahead = nvrtc.compile_ahead(wide_specs, arch, busy=0) if upgrade and wide_specs else ()
+        ahead = ()
+        try:    # only a head start: whatever goes wrong here, the call runs the narrow tile
+            ahead = nvrtc.compile_ahead(wide_specs, arch, busy=0) if upgrade and wide_specs else ()
+        except Exception:
+            pass
         return _Plan(template, tuple(launches), upgrade=tuple(ahead))
     combine = nvrtc.function("attn_fwd", "attn_fwd_combine", defines, device, arch, 0, generated)
     launches.append((combine, (o.Sq, o.Hq, o.B), (COMBINE_THREADS, 1, 1), 0))

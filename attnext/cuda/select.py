@@ -186,8 +186,7 @@ def fwd_ws(arch, D, Dv, vec, rows, key_rows, dtype="bfloat16", copyable=False, t
     return _C.cuda_tensor_maps()
 
 
-def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", paged=False, tma=False, ws=False,
-               wide=False):
+def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", paged=False, tma=False, ws=False):
     """(kernel source, tile) of the forward: kernels/attn_fwd_sm90.cu (wgmma) on sm_90a for
     16-byte-loadable inputs with D, Dv in {64, 128}, else kernels/attn_fwd.cu (mma.sync, every
     shape, and the decode paths). rows: the longest query sequence; mods: the generated
@@ -196,12 +195,12 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
     plain tiles. ATTNEXT_FWD_SM90=0 keeps Hopper on attn_fwd.cu (the lab's and the tests'
     comparison). float32 runs attn_fwd.cu (TF32 mma.sync) everywhere, and so does a paged cache
     (paged: its key rows are gathered through the page table, PAGED). tma (decode_tma): a
-    decode takes TMA_KV's tile (4 ints: the stages last); ws (fwd_ws): the WS kernel's tile (wide:
-    a score_mod's wide one, fwd_ws_widens)."""
+    decode takes TMA_KV's tile (4 ints: the stages last); ws (fwd_ws): the WS kernel's first tile
+    (a score_mod's wide one, once compiled: fwd_ws_widens)."""
     if decode and tma:
         return "attn_fwd", decode_tma_tile()
     if ws and not decode:
-        return "attn_fwd_sm90", fwd_ws_tile(mods is not None and bool(mods.defines.get("HAS_SCORE_MOD")), wide)
+        return "attn_fwd_sm90", fwd_ws_tile(mods is not None and bool(mods.defines.get("HAS_SCORE_MOD")))
     if (arch == "sm_90a" and not decode and not paged and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
             and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
         env = _env.get("ATTNEXT_TILE_SM90")      # the kernel lab's override: "128,64,8"

@@ -518,7 +518,7 @@ class Generated(NamedTuple):
     mod reads h; mask_uses_b / mask_uses_h: whether mask_mod reads b / h (the block mask has one
     slice per b / h only then); tile_terms: the TileTerms in mod_tile_plan's order
     (select.tile_sums); pair_loads: whether the score_mod looks up an array at an index that
-    reads q_idx or kv_idx (a load per score: its registers decide the forward's tile,
+    reads q_idx, kv_idx or the score (a load per score: its registers decide the forward's tile,
     select.fwd_ws_tile)."""
     source: str
     defines: dict
@@ -533,9 +533,10 @@ class Generated(NamedTuple):
 
 
 def _pair_loads(traced):
-    """Whether a traced mod loads from an array at an index that depends on q_idx or kv_idx."""
+    """Whether a traced mod loads from an array at an index that depends on q_idx, kv_idx or the
+    score (an index that varies from score to score)."""
     for n in trace.topo(traced.out):
-        if n.op == "load" and any(x.op in ("q_idx", "kv_idx") for x in trace.topo(*n.args[1:])):
+        if n.op == "load" and any(x.op in ("q_idx", "kv_idx", "score") for x in trace.topo(*n.args[1:])):
             return True
     return False
 

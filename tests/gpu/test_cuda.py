@@ -155,12 +155,15 @@ def test_ws_forward_on_varlen_and_mods(d, rng, monkeypatch):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_score_mod_forward_takes_the_wide_tile_once_compiled(d, rng, monkeypatch):
+def test_score_mod_forward_takes_the_wide_tile_once_compiled(d, rng, monkeypatch, request):
     """A score_mod that loads from no array per score runs the WS forward's 64-key tile on its
     first call while the 128-key one compiles in the background; once that compile is done
     (nvrtc.finish_ahead) the same call runs the wide tile, and so does a window's first call (the
-    same kernel). Each against the reference, with GQA (the mod's integer constant is drawn per
-    run, so no cache holds its kernels: (q - kv) mod c is q - kv for c past every distance)."""
+    same kernel). Each against the reference, with GQA. The mod's integer constant is drawn from
+    the OS on each run, so no disk cache holds its kernels ((q - kv) mod c is q - kv for c past
+    every distance), and the background compile is asked for whatever the cores
+    (ATTNEXT_COMPILE_AHEAD=1)."""
+    from attnext import _env
     from attnext.cuda import backend, nvrtc, select
     if backend.device_arch(0) != "sm_90a":
         pytest.skip("the WS forward is Hopper's")
@@ -173,7 +176,10 @@ def test_score_mod_forward_takes_the_wide_tile_once_compiled(d, rng, monkeypatch
         return function(kernel, name, defines, *rest)
     monkeypatch.setattr(nvrtc, "function", spy)
     backend.clear_plans()
-    c = int(rng.integers(5000, 1 << 30))
+    before = os.environ.get("ATTNEXT_COMPILE_AHEAD")
+    _env.setenv("ATTNEXT_COMPILE_AHEAD", "1")
+    request.addfinalizer(lambda: _env.setenv("ATTNEXT_COMPILE_AHEAD", before))
+    c = 5000 + int.from_bytes(os.urandom(4), "little") % (1 << 30)
     q, k, v = make_qkv(rng, 2, 1100, 1333, 4, 2, d, d, BF16)
     score_mod = lambda s, b, h, qi, ki: s - 0.01 * ((qi - ki) % c)
     _check_forward(q, k, v, BF16, causal=True, score_mod=score_mod)

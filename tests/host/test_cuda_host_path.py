@@ -316,8 +316,8 @@ def test_a_score_mod_forward_takes_the_wide_tile_once_it_is_compiled(tmp_path):
     """A WS forward whose score_mod loads from no array per score runs SM90_TILE_WS_MODS while
     SM90_TILE_WS's kernel compiles in the background (one nvrtc.compile_ahead, busy 0: after the
     call's own compiles), and the wide tile from the first call after that compile is done, or at
-    once where a cache holds it; a failed compile leaves the narrow tile for good; a score_mod
-    with a lookup per score never asks. On the fake driver built with tensor maps (WS needs them)."""
+    once where a cache holds it; a failed compile leaves the narrow tile for good (no new plan
+    tries it again); a score_mod with a lookup per score never asks. On the fake driver built with tensor maps (WS needs them)."""
     if fake_cuda.compiler() is None:
         pytest.skip("no C compiler for the fake libcuda")
     run_on_fake(fake_cuda.build(tmp_path, "tma", ["-DTENSOR_MAPS"]), r"""
@@ -357,6 +357,8 @@ def test_a_score_mod_forward_takes_the_wide_tile_once_it_is_compiled(tmp_path):
         assert tile(**softcap) == narrow and len(AHEAD) == 2
         AHEAD[-1][2].set_exception(RuntimeError("compile failed"))
         assert tile(**softcap) == narrow == tile(**softcap) and len(AHEAD) == 2
+        cuda_backend.clear_plans()                                  # a new plan: the failure is remembered
+        assert tile(**softcap) == narrow and len(AHEAD) == 2
         relbias = dict(score_mod=lambda s, b, h, qi, ki: s + table[h, qi - ki + 2048])
         assert tile(**relbias) == narrow and len(AHEAD) == 2
         assert fake_cuda.counter(lib, "tensor_maps").value > 0

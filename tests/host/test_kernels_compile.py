@@ -138,9 +138,10 @@ def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
     table, slopes = np.ones((2, 300), np.float32), np.ones(2, np.float32)
     alibi = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s - slopes[h] * np.abs(q - kv)), None)
     relbias = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s + table[h, q - kv + 150]), None)
-    assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, alibi, ws=True, wide=True) == \
-        ("attn_fwd_sm90", select.SM90_TILE_WS) != ("attn_fwd_sm90", select.SM90_TILE_WS_MODS)
-    assert [select.fwd_ws_widens(g) for g in (softcap, alibi, relbias, window, None)] == [True, True, False, False, False]
+    by_score = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s + slopes[(s > 0) * 1]), None)
+    assert select.fwd_ws_tile(True, wide=True) == select.SM90_TILE_WS != select.SM90_TILE_WS_MODS
+    assert [select.fwd_ws_widens(g) for g in (softcap, alibi, relbias, by_score, window, None)] == \
+        [True, True, False, False, False, False]
     _env.setenv("ATTNEXT_TILE_FWD_WS", "128,64,8,2")
     try:
         assert not select.fwd_ws_widens(softcap)
