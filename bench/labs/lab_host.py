@@ -10,7 +10,7 @@ the calls are asynchronous: the per-call time is the host's as long as the kerne
 Inputs are attnext.cuda.arrays.DeviceArray objects (their __cuda_array_interface__ costs little); --torch takes
 torch tensors instead (whose interface property builds a dict on every read).
 
---parts splits the call: "checks" is api._normalise replayed alone (argument checks, views of
+--parts splits the call: "checks" is checks.normalise replayed alone (argument checks, views of
 the CUDA arrays), "launch" the call's _C.cuda_launch_attention calls replayed alone (argument
 parsing and the driver's launch), "backend" the rest (out= checks, plan, scratch, results).
 """
@@ -117,9 +117,10 @@ def profile(call, n):
 
 
 def parts(attnext, _C, call, n, sync):
-    """(seconds per call of api._normalise, of the call's launches), each replayed alone with
+    """(seconds per call of checks.normalise, of the call's launches), each replayed alone with
     the arguments one call gave them."""
-    normalise, launch = attnext.api._normalise, _C.cuda_launch_attention
+    from attnext import checks
+    normalise, launch = checks.normalise, _C.cuda_launch_attention
     seen = {"normalise": [], "launch": []}
 
     def spy_normalise(*a, **kw):
@@ -130,11 +131,11 @@ def parts(attnext, _C, call, n, sync):
         seen["launch"].append(a)
         return launch(*a)
 
-    attnext.api._normalise, _C.cuda_launch_attention = spy_normalise, spy_launch
+    checks.normalise, _C.cuda_launch_attention = spy_normalise, spy_launch
     try:
         call()
     finally:
-        attnext.api._normalise, _C.cuda_launch_attention = normalise, launch
+        checks.normalise, _C.cuda_launch_attention = normalise, launch
     (a, kw), = seen["normalise"]
     launches = seen["launch"]
     t_checks = min(timed(lambda: normalise(*a, **kw), n, sync) for _ in range(3))
