@@ -104,9 +104,9 @@ DEV void kept_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT]
 #if !HAS_SCORE_MOD
     report_fault(sc, fault);      /* mask_mod's lookups alone: reported before the scores */
 #endif
-#if SCORE_ANYWHERE && HAS_SCORE_MOD
-    /* every pair's score (the lookups clamp; a fault counts where the pair is kept), then -inf
-     * where a tile that needs the test drops a pair: a tile that needs none selects nothing */
+    /* with a score_mod that may run anywhere, every pair's score (the lookups clamp; a fault
+     * counts where the pair is kept), then -inf where a tile that needs the test drops a pair: a
+     * tile that needs none selects nothing */
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -117,9 +117,15 @@ DEV void kept_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT]
                 const int c = c0 + nt * 8 + 2 * t + (e & 1);
                 const float dot = s[mt][nt][e];
                 int bad = 0;
+#if SCORE_ANYWHERE && HAS_SCORE_MOD
                 s[mt][nt][e] = score_of(sc, dot, r, c, bad);
                 note_fault(fault, keep.at(mt, nt, e) ? bad : 0, r, c, dot);
+#else
+                s[mt][nt][e] = kept_unit_score(sc, keep.at(mt, nt, e), dot, r, c, bad);
+                note_fault(fault, bad, r, c, dot);
+#endif
             }
+#if SCORE_ANYWHERE && HAS_SCORE_MOD
     if (need) {
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
@@ -129,20 +135,6 @@ DEV void kept_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT]
                 for (int e = 0; e < 4; e++)
                     s[mt][nt][e] = keep.at(mt, nt, e) ? s[mt][nt][e] : NEG_INF;
     }
-#else
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int r = (row0 + mt * 16 + g + (e / 2) * 8) / G;
-                const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                const float dot = s[mt][nt][e];
-                int bad = 0;
-                s[mt][nt][e] = kept_unit_score(sc, keep.at(mt, nt, e), dot, r, c, bad);
-                note_fault(fault, bad, r, c, dot);
-            }
 #endif
 #if HAS_SCORE_MOD
     report_fault(sc, fault);
