@@ -537,7 +537,7 @@ def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None):
            None if o.block_table is None else o.block_table.shape)
     plan = _plans.get(key)
     if plan is None or (plan.upgrade and all(f.done() for f in plan.upgrade)):
-        if plan is not None and any(f.exception() for f in plan.upgrade):
+        if plan is not None and any(f.cancelled() or f.exception() for f in plan.upgrade):
             _failed_wide.add(gen.source)
         plan = _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgrade=plan is None)
         _plans.put(key, plan)

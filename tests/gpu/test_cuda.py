@@ -161,7 +161,7 @@ def test_score_mod_forward_takes_the_wide_tile_once_compiled(d, rng, monkeypatch
     (nvrtc.finish_ahead) the same call runs the wide tile, and so does a window's first call (the
     same kernel). Each against the reference, with GQA. The mod's integer constant is drawn from
     the OS on each run, so no disk cache holds its kernels ((q - kv) mod c is q - kv for c past
-    every distance), and the background compile is asked for whatever the cores
+    every distance), and the background compile is asked for whatever the machine's cores
     (ATTNEXT_COMPILE_AHEAD=1)."""
     from attnext import _env
     from attnext.cuda import backend, nvrtc, select

@@ -317,7 +317,8 @@ def test_a_score_mod_forward_takes_the_wide_tile_once_it_is_compiled(tmp_path):
     SM90_TILE_WS's kernel compiles in the background (one nvrtc.compile_ahead, busy 0: after the
     call's own compiles), and the wide tile from the first call after that compile is done, or at
     once where a cache holds it; a failed compile leaves the narrow tile for good (no new plan
-    tries it again); a score_mod with a lookup per score never asks. On the fake driver built with tensor maps (WS needs them)."""
+    tries it again); a score_mod with a lookup per score never asks. On the fake driver built
+    with tensor maps (WS needs them)."""
     if fake_cuda.compiler() is None:
         pytest.skip("no C compiler for the fake libcuda")
     run_on_fake(fake_cuda.build(tmp_path, "tma", ["-DTENSOR_MAPS"]), r"""
