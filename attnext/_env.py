@@ -67,7 +67,7 @@ SETTINGS = {s.name: s for s in [
             "how a NumPy call's arrays reach the GPU: pinned in place, or copied through rings"),
     Setting("ATTNEXT_COMPILE_AHEAD", "1 always; 0, off, false, no: never", "where cores are free",
             PUBLIC, CALL, "a forward with mods that returns lse compiles its backward's kernels "
-            "in the background"),
+            "in the background, and a score_mod forward its 128-key tile"),
     Setting("ATTNEXT_PIN_KEEP_BYTES", "bytes", "min(8 GiB, memory / 8)", PUBLIC, IMPORT,
             "host memory whose page-locked registrations are kept between NumPy calls"),
     Setting("ATTNEXT_PINNED_RESULTS_BYTES", "bytes", "min(8 GiB, memory / 8)", PUBLIC, IMPORT,
