@@ -93,7 +93,8 @@ from attnext import reference
 from attnext.cuda import nvrtc
 
 torch.manual_seed(0)
-B, S, H, D = 1, 1100, 2, int(sys.argv[1])      # past 1024 rows: the WS forward
+# past 1024 rows: the WS forward; B x H x 18 row tiles fill 132 SMs: no split keys (a decode's plan)
+B, S, H, D = 2, 1100, 4, int(sys.argv[1])
 q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 dout = torch.randn_like(q)
 # an integer constant from the OS: no disk cache holds this score_mod's kernels, so its first call
@@ -104,7 +105,7 @@ tiles = []
 function = nvrtc.function
 def spy(kernel, name, defines, *rest):
     if name == "attn_fwd_sm90":
-        tiles.append(defines["BLOCK_N"])
+        tiles.append((defines.get("WS", 0), defines["BLOCK_N"]))
     return function(kernel, name, defines, *rest)
 nvrtc.function = spy
 worst = 0.0
@@ -120,11 +121,13 @@ for opts in (dict(), dict(causal=True), dict(causal=True, score_mod=alibi), dict
     want = reference.attention_backward(dn, qn, kn, vn, None, None, **opts)
     for a, b in zip((g.dq, g.dk, g.dv), (want.dq, want.dk, want.dv)):
         check(a, b)
+# every forward above ran the WS kernel, the score_mod's on its 64-key tile
+assert [t[0] for t in tiles] == [1] * 4 and tiles[2][1] == 64, tiles
 nvrtc.finish_ahead()                           # the score_mod's 128-key tile, compiled meanwhile
 del tiles[:]
 out = attnext.attention(q, k, v, causal=True, score_mod=alibi)
 check(out, reference.attention(qn, kn, vn, causal=True, score_mod=alibi))
-assert tiles == [128], tiles
+assert tiles == [(1, 128)], tiles
 cu = torch.tensor([0, 1050, 1100], dtype=torch.int32, device="cuda")
 qv, kv, vv = (x[0] for x in (q, k, v))
 out = attnext.varlen_attention(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1050, max_seqlen_k=1050,
