@@ -97,6 +97,8 @@ SETTINGS = {s.name: s for s in [
             "attn_bwd.cu's tile (8 ints, select.py names them)"),
     Setting("ATTNEXT_BWD_SM90", "0 | 1", "1", LAB, CALL,
             "0 keeps Hopper's backward on attn_bwd.cu"),
+    Setting("ATTNEXT_BWD_TMA", "0 | 1", "1", LAB, CALL,
+            "0 keeps the Hopper backward's Q and dO on its producer's cp.async loads (no tensor maps)"),
     Setting("ATTNEXT_TILE_BWD_SM90", _TILE, "select.bwd_sm90_tile", LAB, CALL,
             "attn_bwd_sm90.cu's tile: KV,Q[,KV_MINB,Q_MINB] warps"),
     Setting("ATTNEXT_BWD_DQ", "recompute | ordered | atomic", "select.bwd_dq_mode", LAB, CALL,

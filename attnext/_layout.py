@@ -114,3 +114,4 @@ class KernelCall:
     page_size: int = 0           # a paged cache: k's rows a page, block_table's row stride
     bt_stride: int = 0
     tma_rows: int = 0            # attn_fwd.cu TMA_KV: the rows of a tensor map's box (0: no maps)
+    tma_rows_q: int = 0          # attn_bwd_sm90.cu BWD_TMA: the rows of q's and dout's boxes (0: no maps)

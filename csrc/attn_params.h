@@ -112,6 +112,10 @@ typedef struct {
      * page's at most); cuda_launch_attention then makes the maps of k and v (attn_tmaps) and
      * passes them as the kernel's second parameter. 0: no maps */
     int64_t tma_rows;
+    /* Hopper backward (attn_bwd_sm90.cu's dK/dV kernel, BWD_TMA): the query rows of a bulk tensor
+     * copy of q and dout (a query tile's); cuda_launch_attention then makes their maps
+     * (attn_bwd_tmaps), the kernel's second parameter. 0: no maps */
+    int64_t tma_rows_q;
 
     /* varlen: cu_seqlens_* (B + 1), seqused_* (B); non-varlen seqlens_* use seqused_* alone */
     const int32_t *cu_seqlens_q, *cu_seqlens_k;
@@ -193,5 +197,10 @@ typedef struct {
 typedef struct {
     attn_tmap k, v;
 } attn_tmaps;
+/* The backward dK/dV kernel's second parameter (tma_rows_q): the maps of q and dout, 4-d (D, Hq,
+ * rows, batch), boxes of 64 columns x 1 head x tma_rows_q rows x 1. */
+typedef struct {
+    attn_tmap q, dout;
+} attn_bwd_tmaps;
 
 #endif

@@ -313,8 +313,13 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
 #if DQ_ATOMIC
 /* attn_bwd_dkdv_ws_sm90: dK, dV and dQ from one kernel, warp-specialised as FlashAttention-3's
  * backward. A CTA owns KV_BLOCK_N = 128 keys; three warpgroups:
- *   0  producer, its registers lowered (setmaxnreg): warps 0-1 stream the query tiles' Q, dO (by
- *      cp.async), lse and delta into two stages (mbarriers q_full / q_empty); lane 0 of warp 2
+ *   0  producer, its registers lowered (setmaxnreg): warps 0-1 stream the query tiles' Q, dO, lse
+ *      and delta into two stages (mbarriers q_full / q_empty): Q and dO by bulk tensor copies
+ *      that thread 0 issues (BWD_TMA: the maps of q and dout, the kernel's second parameter),
+ *      or by the 64 threads' cp.asyncs without maps and for a tile whose rows past the
+ *      sequence lie inside the tensor (varlen, seqused_q: cp.async zero-fills them, and a
+ *      bulk copy would bring the next sequence's rows, NaN or inf there reaching dK and dV
+ *      through 0 * x); lane 0 of warp 2
  *      adds each tile's dQ partial, staged in shared memory, into dq_accum with one bulk
  *      reduction (cp.reduce.async.bulk .add.f32), and warps 2-3 free the stage (dq_full /
  *      dq_empty: each of their threads arrives).
@@ -335,6 +340,9 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
  * rows are one block. */
 #if KV_WG != 2 || !(HEAD_DIM == 128 || (HEAD_DIM == 64 && HEAD_DIM_V == 64))
 #error "attn_bwd_dkdv_ws_sm90: two consumer warpgroups, D = 128 (halves of dQ's columns) or D = Dv = 64 (its rows)"
+#endif
+#ifndef BWD_TMA
+#define BWD_TMA 0
 #endif
 #define WS_THREADS (KV_THREADS + 128)
 #define LOADERS 64                        /* producer threads that load Q, dO, lse, delta */
@@ -451,7 +459,12 @@ DEV void store_dq_tile(const attn_params &p, const seq_t &sq, int64_t h, int m0,
 }
 
 #if ENTRY(attn_bwd_dkdv_ws_sm90)
+#if BWD_TMA
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+    attn_bwd_dkdv_ws_sm90(const __grid_constant__ attn_params p, const __grid_constant__ attn_bwd_tmaps maps)
+#else
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm90(const __grid_constant__ attn_params p)
+#endif
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     /* K, V (the CTA's keys), Q[2], dO[2] (the query tiles' stages), dS^T[2], dQ[2] (float32), then
@@ -488,7 +501,9 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
     const int items = kv_items(p, b, hk, sq, sk, n0, n0w, m_first, nm, qlo, qhi, all_first, all_n);
     if (tid == 0) {
         for (int x = 0; x < 2; x++) {
-            mbar_init(q_full + 8 * x, 2 * LOADERS);      /* each loader's cp.asyncs, then its lse and delta */
+            /* two arrivals a loader: its cp.asyncs' and its lse and delta's, or where thread 0
+             * issued bulk copies, its arrival with their bytes and the others' second at once */
+            mbar_init(q_full + 8 * x, 2 * LOADERS);
             mbar_init(q_empty + 8 * x, KV_THREADS);
             mbar_init(dq_full + 8 * x, KV_THREADS);
             mbar_init(dq_empty + 8 * x, DQ_WRITERS);
@@ -522,21 +537,38 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                 }
                 if (j >= 2)
                     mbar_wait(q_empty + 8 * x, ((j >> 1) - 1) & 1);
-                load_sw128<KV_BLOCK_M, HEAD_DIM, LOADERS, 1>(
-                    sQ + x * KQ_BYTES, (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + row0 * p.q.s[1] + h * p.q.s[2],
-                    p.q.s[1], Lq - m0, tid);
-                load_sw128<KV_BLOCK_M, HEAD_DIM_V, LOADERS, 1>(
-                    sdO + x * KDO_BYTES,
-                    (const elem_t *)p.dout.ptr + sq.mem_b * p.dout.s[0] + row0 * p.dout.s[1] + h * p.dout.s[2],
-                    p.dout.s[1], Lq - m0, tid);
-                mbar_arrive_cp_async(q_full + 8 * x);
+                /* a bulk copy zero-fills only rows past the tensor's: those past Lq inside it (the
+                 * next sequence's) go by cp.async */
+                const bool bulk = BWD_TMA && (m0 + KV_BLOCK_M <= Lq || !(p.cu_seqlens_q || p.seqused_q));
+                if (bulk) {
+#if BWD_TMA
+                    if (tid == 0) {
+                        mbar_arrive_expect_tx(q_full + 8 * x, KQ_BYTES + KDO_BYTES);
+                        for (int hf = 0; hf < HEAD_DIM / 64; hf++)
+                            tma_load_4d(sQ + x * KQ_BYTES + hf * KV_BLOCK_M * 128, &maps.q, hf * 64, (int)h, (int)row0,
+                                        (int)sq.mem_b, q_full + 8 * x);
+                        for (int hf = 0; hf < HEAD_DIM_V / 64; hf++)
+                            tma_load_4d(sdO + x * KDO_BYTES + hf * KV_BLOCK_M * 128, &maps.dout, hf * 64, (int)h,
+                                        (int)row0, (int)sq.mem_b, q_full + 8 * x);
+                    }
+#endif
+                } else {
+                    load_sw128<KV_BLOCK_M, HEAD_DIM, LOADERS, 1>(
+                        sQ + x * KQ_BYTES, (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + row0 * p.q.s[1] + h * p.q.s[2],
+                        p.q.s[1], Lq - m0, tid);
+                    load_sw128<KV_BLOCK_M, HEAD_DIM_V, LOADERS, 1>(
+                        sdO + x * KDO_BYTES,
+                        (const elem_t *)p.dout.ptr + sq.mem_b * p.dout.s[0] + row0 * p.dout.s[1] + h * p.dout.s[2],
+                        p.dout.s[1], Lq - m0, tid);
+                    mbar_arrive_cp_async(q_full + 8 * x);
+                }
 #pragma unroll
                 for (int i = 0; i < LR; i++) {
                     const bool in = m0 + tid + i * LOADERS < Lq;
                     sL[x * KV_BLOCK_M + tid + i * LOADERS] = in ? lse_log2(bwd_lse(p, h, l[i])) : POS_INF;
                     sD[x * KV_BLOCK_M + tid + i * LOADERS] = d[i];
                 }
-                mbar_arrive(q_full + 8 * x);
+                mbar_arrive_n(q_full + 8 * x, bulk && tid != 0 ? 2 : 1);
             }
             cp_async_wait_all();
         } else {                          /* warps 2-3: the dQ writer (thread 64's bulk copies) and dq's last turns */

@@ -25,6 +25,12 @@ DEV void mbar_arrive(uint32_t bar)
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
+/* n arrivals at once (release, as mbar_arrive). */
+DEV void mbar_arrive_n(uint32_t bar, int n)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(n) : "memory");
+}
+
 /* One arrival, made when every cp.async this thread issued so far has landed. */
 DEV void mbar_arrive_cp_async(uint32_t bar)
 {

@@ -157,8 +157,9 @@ def _launch(plan, stage, ptrs, o, gmods=None):
             ptrs = tuple(ptrs)
         for slot, nbytes in plan.zero:
             _C.memset_d8(ptrs[slot], 0, nbytes, stage.stream, stage.device)
-        for fn, grid, block, smem in plan.launches:
-            launch(fn, grid, block, smem, stage.stream, plan.template, ptrs, o.scale_value, o.softcap_value)
+        for fn, grid, block, smem, *own in plan.launches:     # own: a launch's own template
+            launch(fn, grid, block, smem, stage.stream, own[0] if own else plan.template, ptrs, o.scale_value,
+                   o.softcap_value)
     finally:
         if buf is not None:
             process.give_back_scratch(buf, stage.device, stage.stream)
@@ -854,12 +855,16 @@ def _backward_plan(o, device, views, extra, deterministic, gen=None):
     return plan
 
 
-def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, dbias4=None):
+def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, dbias4=None, qo4=None):
     """The kernels a backward of o runs, in a namespace: wanted ((source, name, defines, smem,
     grid, warps) each, in launch order) and what the plan's scratch follows from the dq mode
-    (atomic, ordered, sem_words, write_last, mask_mod, grads). features: _common's, vec already
-    anded with dout's; dbias4: the dbias view or None. A forward with mods asks it for the
-    backward it expects (_compile_backward_ahead), the backward's plan for its launches."""
+    (atomic, ordered, sem_words, write_last, mask_mod, grads); tma_rows_q: the rows of the
+    dK/dV kernel's bulk copies of Q and dO (select.bwd_tma), its launch's own template then
+    asking for their maps, else 0. features: _common's, vec already anded with dout's; dbias4:
+    the dbias view or None; qo4: the views of q and dout (None: a forward's guess, o.q4 for
+    both). A
+    forward with mods asks it for the backward it expects (_compile_backward_ahead), the
+    backward's plan for its launches."""
     tile = select.bwd_tile_config(o.D, o.Dv, features["dtype"])
     arch = device_arch(device)
     sm90 = select.bwd_sm90_applies(arch, o.D, o.Dv, features["vec"], features["dtype"])
@@ -887,7 +892,7 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     write_last = select.bwd_dq_write_last(dq_mode, mask_mod, reach)
     ns = types.SimpleNamespace(atomic=atomic, ordered=dq_mode == "ordered",
                                sem_words=-(-kv_blocks // 32) if dq_mode == "ordered" else 0,
-                               mask_mod=mask_mod, write_last=write_last, grads=grads, wanted=[])
+                               mask_mod=mask_mod, write_last=write_last, grads=grads, wanted=[], tma_rows_q=0)
     tail = 1 if o.varlen else 0
 
     def launch(name, grid, warps, source="attn_bwd", defs=defines, smem_of=smem):
@@ -898,11 +903,15 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
         launch("attn_bwd_pre", (_query_tiles(q_rows, PRE_ROWS), o.Hq, o.B + (tail if write_last else 0)),
                PRE_THREADS // 32)
         if hopper:               # dK, dV and dQ on wgmma (attn_bwd_sm90.cu)
+            strides_fit = all(s > 0 or n == 1 for x in qo4 or (o.q4, o.q4)
+                              for n, s in zip(x.shape[:3], x.strides[:3]))
+            tma = select.bwd_tma(dq_mode, hopper, o.q4.shape[1], strides_fit)
             defs90 = select.bwd_defines(**features, tile=hopper, dq=dq_mode, mods=gen)
             smem90 = select.bwd_sm90_smem_bytes(o.D, o.Dv, hopper, defs90.get("MOD_TILE_SLOTS", 0))
             kv_name, kv_warps = select.bwd_sm90_kv_kernel(dq_mode, hopper)
-            launch(kv_name, (kv_blocks, o.Hk, o.B + tail),
-                   kv_warps, "attn_bwd_sm90", defs90, smem90)
+            launch(kv_name, (kv_blocks, o.Hk, o.B + tail), kv_warps, "attn_bwd_sm90",
+                   {**defs90, "BWD_TMA": 1} if tma else defs90, smem90)
+            ns.tma_rows_q = hopper["kv_block_m"] if tma else 0
             if not atomic:
                 launch("attn_bwd_dq_sm90", (_query_tiles(q_rows, hopper["q_block_m"]), o.Hq, o.B + tail),
                        hopper["q_warps"], "attn_bwd_sm90", defs90, smem90)
@@ -946,7 +955,7 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
     generated = None if gen is None else gen.source
     features["vec"] = features["vec"] and _vec_ok(dout4, o.Dv)
     arch = device_arch(device)
-    ns = _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, dbias4)
+    ns = _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, dbias4, (q4, dout4))
     delta = DevView.contiguous(0, o.lse_shape, np.float32, device)   # laid out like lse
     # dq_accum (B, Hq, S, D) in memory, so a head's 64-row tile is one contiguous block; dq_sem
     # for the ordered additions: per (sequence, head, 64-row query tile) a bit per key block of
@@ -963,9 +972,13 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
     prob.dq_write_last = int(ns.write_last)
     prob.k_rows_max = k_rows
     template = _C.attn_template(prob)
+    own = {}                  # the dK/dV kernel's template asks for the maps of q and dout
+    if ns.tma_rows_q:
+        prob.tma_rows_q = ns.tma_rows_q
+        own = {"attn_bwd_dkdv_ws_sm90": (_C.attn_template(prob),)}
     nvrtc.prefetch(_backward_specs(ns, gen), arch, device)
-    launches = [(nvrtc.function(src, name, defs, device, arch, sm, generated), grid, (warps * 32, 1, 1), sm)
-                for src, name, defs, sm, grid, warps in ns.wanted]
+    launches = [(nvrtc.function(src, name, defs, device, arch, sm, generated), grid, (warps * 32, 1, 1), sm,
+                 *own.get(name, ())) for src, name, defs, sm, grid, warps in ns.wanted]
     dead_bytes = 4 * (1 + o.B * o.Hq)     # attn_params.h: dead
     slots = ((SLOT_DELTA, 4 * delta.size),) + (((SLOT_DQ_ACCUM, 4 * math.prod(accum_shape)),) if ns.atomic else ()) \
         + (((SLOT_DQ_SEM, 4 * math.prod(sem_shape)),) if ns.ordered else ()) + ((SLOT_DEAD, dead_bytes),) \

@@ -28,7 +28,7 @@ MAX_SMEM_SM80 = 163 * 1024
 FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "ATTNEXT_FWD_SM90",
              "ATTNEXT_TILE_SM90", "ATTNEXT_DECODE_TMA", "ATTNEXT_TILE_DECODE_TMA", "ATTNEXT_FWD_WS",
              "ATTNEXT_TILE_FWD_WS")
-BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_DQ",
+BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_TMA", "ATTNEXT_BWD_DQ",
              "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_TILE_SUMS")
 
 
@@ -521,6 +521,24 @@ def bwd_sm90_tile(D, mode):
     return tile
 
 
+def bwd_tma(mode, tile, q_rows_in_tensor, strides_fit, tensor_maps=None):
+    """Whether attn_bwd_sm90.cu's warp-specialised dK/dV kernel (a dq mode that adds dQ) takes Q
+    and dO by bulk tensor copies (BWD_TMA; its producer's 64 threads issuing cp.asyncs had held
+    the consumers up at the stage barrier, bench/NOTES.md backward v14): q's tensor at least a
+    query tile's rows (a copy's box is a whole tile), strides a map takes (strides_fit: none 0
+    along a dimension of more than one element; 16-byte rows are the kernel's own condition)
+    and a driver that makes tensor maps (tensor_maps: None asks this process's driver).
+    ATTNEXT_BWD_TMA=0 says no (the lab's comparison)."""
+    if mode == "recompute" or q_rows_in_tensor < tile["kv_block_m"] or not strides_fit:
+        return False
+    if (_env.get("ATTNEXT_BWD_TMA") or "1") == "0":
+        return False
+    if tensor_maps is not None:
+        return tensor_maps
+    from .. import _C
+    return _C.cuda_tensor_maps()
+
+
 def bwd_sm90_kv_kernel(mode, tile):
     """attn_bwd_sm90.cu's dK/dV kernel for a dq mode and its warps: the warp-specialised one (a
     producer warpgroup beside the tile's) when it adds dQ."""
@@ -547,11 +565,12 @@ def bwd_sm90_smem_bytes(D, Dv, tile, slots=0):
 
 
 def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile, dq="recompute",
-                mods=None, tf32=False):
+                mods=None, tf32=False, tma=False):
     """The #defines of one backward variant (kernels/attn_bwd.cu: every backward kernel of it;
     attn_bwd_sm90.cu the same); dq: bwd_dq_mode's answer ("recompute" whenever the mods have
     array gradients: the dQ kernels' ds_tile scatters them, MOD_TILE_SLOTS: through shared
-    memory where it has tile terms); mods: as for fwd_defines."""
+    memory where it has tile terms); mods: as for fwd_defines; tma: bwd_tma's answer (the
+    warp-specialised dK/dV kernel's Q and dO by bulk tensor copies, BWD_TMA)."""
     d = {
         **dtype_defines(dtype, tf32), "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
         "HAS_SOFTCAP": int(softcap), "HAS_BIAS": int(bias_dtype is not None),
@@ -563,6 +582,8 @@ def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
              DQ_TILE_M=bwd_sm90_tile(D, dq)["kv_block_m"] if dq == "ordered" else 0,
              Q_BLOCK_M=tile["q_block_m"],
              Q_BLOCK_N=tile["q_block_n"], Q_WARPS=tile["q_warps"], Q_MINB=tile["q_minb"])
+    if tma:
+        d["BWD_TMA"] = 1
     slots, admit, always = tile_sums(mods, tile["q_block_m"], tile["q_block_n"])
     if slots:
         d.update(MOD_TILE_SLOTS=slots, MOD_TILE_ADMIT=admit, MOD_TILE_ALWAYS=int(always))
@@ -631,7 +652,9 @@ def sm90_bwd_variants():
             alibi_dtype=names[fd["ALIBI_DT"]] if fd["HAS_ALIBI"] else None, mask=bool(fd["HAS_MASK"]))
         for deterministic in (True, False):
             mode = bwd_dq_mode(True, D, deterministic, fd["HEAD_DIM_V"])
-            out.append(("attn_bwd_sm90", bwd_defines(**features, tile=bwd_sm90_tile(D, mode), dq=mode)))
+            tile = bwd_sm90_tile(D, mode)
+            tma = bwd_tma(mode, tile, tile["kv_block_m"], True, tensor_maps=True)
+            out.append(("attn_bwd_sm90", bwd_defines(**features, tile=tile, dq=mode, tma=tma)))
             if mode == "ordered":         # attn_bwd.cu's row kernels (delta, dq_convert) of that mode
                 out.append(("attn_bwd", bwd_defines(**features, tile=bwd_tile_config(D, fd["HEAD_DIM_V"]), dq=mode)))
     unique = {(k, tuple(sorted(d.items()))): (k, d) for k, d in out}

@@ -136,7 +136,7 @@ static PyObject *c_attn_template(PyObject *module, PyObject *prob)
     attn_template t;
     attn_params *p = &t.p;
     long long dtype, B, causal, wl, wr, bias_dtype, alibi_dtype, bias_heads, mask_heads, splits, write_last,
-        k_rows_max, max_rows_q, max_rows_k, page_size, bt_stride, tma_rows, qs[4], ks[4], vs[4];
+        k_rows_max, max_rows_q, max_rows_k, page_size, bt_stride, tma_rows, tma_rows_q, qs[4], ks[4], vs[4];
     memset(&t, 0, sizeof t);
     if (attr_long(prob, "dtype", &dtype) || attr_long(prob, "B", &B) || attr_long(prob, "causal", &causal)
         || attr_long(prob, "window_left", &wl) || attr_long(prob, "window_right", &wr)
@@ -146,9 +146,10 @@ static PyObject *c_attn_template(PyObject *module, PyObject *prob)
         || attr_long(prob, "dq_write_last", &write_last) || attr_long(prob, "k_rows_max", &k_rows_max)
         || attr_long(prob, "max_rows_q", &max_rows_q) || attr_long(prob, "max_rows_k", &max_rows_k)
         || attr_long(prob, "page_size", &page_size) || attr_long(prob, "bt_stride", &bt_stride)
-        || attr_long(prob, "tma_rows", &tma_rows))
+        || attr_long(prob, "tma_rows", &tma_rows) || attr_long(prob, "tma_rows_q", &tma_rows_q))
         return NULL;
     p->tma_rows = tma_rows;
+    p->tma_rows_q = tma_rows_q;
     p->dtype = (attn_dtype)dtype;
     p->B = B;
     p->causal = (attn_causal)causal;
@@ -216,37 +217,34 @@ static int dims3(PyObject *o, const char *name, unsigned out[3])
     return 0;
 }
 
-/* The tensor map of k or v (t, d columns) for TMA_KV and WS: (d, Hk, rows, outer), rows and
- * outer being a paged cache's page_size and num_pages, else Sk and B (varlen: the packed rows
- * and 1); boxes of min(d, 64) columns x 1 x tma_rows (at most rows) x 1, 128-byte swizzled, zeros
- * outside the tensor. A dimension of one element is never stepped, so where its stride is 0 in
- * the array (varlen's new batch axis, a single broadcast kv head), which the driver refuses,
- * the map takes the span inside it. -1 with an exception. */
-static int encode_kv_map(attn_tmap *map, const attn_params *p, const tensor4 *t, int64_t d)
+/* A 4-d tensor map of t (d columns): (d, heads, rows, outer), boxes of min(d, 64) columns x 1 x
+ * box_rows (at most rows) x 1, 128-byte swizzled, zeros outside the tensor. A dimension of one
+ * element is never stepped, so where its stride is 0 in the array (varlen's new batch axis, a
+ * single broadcast head), which the driver refuses, the map takes the span inside it. -1 with an
+ * exception. */
+static int encode_map(attn_tmap *map, const attn_params *p, const tensor4 *t, int64_t d, int64_t heads,
+                      unsigned long long rows, unsigned long long outer, int64_t box_rows)
 {
-    const int paged = p->page_size > 0;
-    const unsigned long long rows = paged ? p->page_size : p->Sk,
-                             outer = paged ? p->num_pages : p->cu_seqlens_k ? 1 : p->B;
-    const unsigned long long dims[4] = {(unsigned long long)d, (unsigned long long)p->Hk, rows, outer};
+    const unsigned long long dims[4] = {(unsigned long long)d, (unsigned long long)heads, rows, outer};
     unsigned long long strides[3] = {2ull * t->s[2], 2ull * t->s[1], 2ull * t->s[0]};
-    if (!strides[0] && p->Hk == 1)
+    if (!strides[0] && heads == 1)
         strides[0] = 2ull * d;
     if (!strides[1] && rows == 1)
-        strides[1] = strides[0] * (unsigned long long)p->Hk;
+        strides[1] = strides[0] * (unsigned long long)heads;
     if (!strides[2] && outer == 1)
         strides[2] = strides[1] * rows;
     /* a box of fewer rows than the kernels' stage barriers wait for would never complete them:
-     * the selection (select.decode_tma, select.fwd_ws) keeps such calls off TMA */
-    if (p->tma_rows < 1 || (unsigned long long)p->tma_rows > rows) {
+     * the selection (select.decode_tma, select.fwd_ws, select.bwd_tma) keeps such calls off TMA */
+    if (box_rows < 1 || (unsigned long long)box_rows > rows) {
         PyErr_Format(PyExc_RuntimeError, "attnext._C: a tensor map of %llu rows cannot take copies of "
-                     "%lld rows (a kernel selection bug: TMA needs a tile's rows)", rows, (long long)p->tma_rows);
+                     "%lld rows (a kernel selection bug: TMA needs a tile's rows)", rows, (long long)box_rows);
         return -1;
     }
-    const unsigned box[4] = {d < 64 ? (unsigned)d : 64u, 1u, (unsigned)p->tma_rows, 1u};
+    const unsigned box[4] = {d < 64 ? (unsigned)d : 64u, 1u, (unsigned)box_rows, 1u};
     const unsigned ones[4] = {1u, 1u, 1u, 1u};
     if (!cu_encode_tiled) {
         PyErr_SetString(PyExc_RuntimeError, "attnext._C: this CUDA driver has no cuTensorMapEncodeTiled "
-                        "(TMA_KV needs CUDA 12)");
+                        "(TMA needs CUDA 12)");
         return -1;
     }
     CUresult rc = cu_encode_tiled((CUtensorMap *)map, p->dtype == DT_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
@@ -260,6 +258,22 @@ static int encode_kv_map(attn_tmap *map, const attn_params *p, const tensor4 *t,
         return -1;
     }
     return 0;
+}
+
+/* The map of k or v for TMA_KV and WS: rows and outer are a paged cache's page_size and
+ * num_pages, else Sk and B (varlen: the packed rows and 1); tma_rows rows a box. */
+static int encode_kv_map(attn_tmap *map, const attn_params *p, const tensor4 *t, int64_t d)
+{
+    const int paged = p->page_size > 0;
+    return encode_map(map, p, t, d, p->Hk, paged ? p->page_size : p->Sk,
+                      paged ? p->num_pages : p->cu_seqlens_k ? 1 : p->B, p->tma_rows);
+}
+
+/* The map of q or dout for the backward's dK/dV kernel: (d, Hq, Sq, B; varlen: the packed rows
+ * and 1), tma_rows_q rows a box. */
+static int encode_q_map(attn_tmap *map, const attn_params *p, const tensor4 *t, int64_t d)
+{
+    return encode_map(map, p, t, d, p->Hq, p->Sq, p->cu_seqlens_q ? 1 : p->B, p->tma_rows_q);
 }
 
 static PyObject *c_cuda_tensor_maps(PyObject *module, PyObject *unused)
@@ -339,6 +353,14 @@ static PyObject *c_cuda_launch_attention(PyObject *module, PyObject *const *args
         if (encode_kv_map(&maps.k, p, &p->k, p->D) || encode_kv_map(&maps.v, p, &p->v, p->Dv))
             return NULL;
         CU_CHECK_RC("cuLaunchKernel (attention, tensor maps)",
+                    cuda_launch_structs(fn, grid, block, (unsigned)smem, (CUstream)stream, p, &maps));
+        Py_RETURN_NONE;
+    }
+    if (p->tma_rows_q > 0) {
+        attn_bwd_tmaps maps;
+        if (encode_q_map(&maps.q, p, &p->q, p->D) || encode_q_map(&maps.dout, p, &p->dout, p->Dv))
+            return NULL;
+        CU_CHECK_RC("cuLaunchKernel (attention backward, tensor maps)",
                     cuda_launch_structs(fn, grid, block, (unsigned)smem, (CUstream)stream, p, &maps));
         Py_RETURN_NONE;
     }

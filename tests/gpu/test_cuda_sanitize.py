@@ -11,7 +11,8 @@ racecheck and synccheck over the Hopper kernels that take turns and wait on barr
 [6/7]): the warp-specialised forward (TMA copies into mbarrier rings, two computing warpgroups
 passing turns on named barriers) plain, causal, with a score_mod on its 64-key and 128-key tiles
 and with varlen keys, and the backward's dK/dV and dQ kernels; each result against the
-reference. Skipped off Hopper.
+reference (a varlen backward's too: its Q and dO by bulk copies and by cp.async). Skipped off
+Hopper.
 """
 import os
 import shutil
@@ -132,8 +133,19 @@ cu = torch.tensor([0, 1050, 1100], dtype=torch.int32, device="cuda")
 qv, kv, vv = (x[0] for x in (q, k, v))
 out = attnext.varlen_attention(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1050, max_seqlen_k=1050,
                                causal=True)
-check(out[:1050], reference.attention(qn[:, :1050], kn[:, :1050], vn[:, :1050], causal=True)[0])
-check(out[1050:], reference.attention(qn[:, 1050:], kn[:, 1050:], vn[:, 1050:], causal=True)[0])
+check(out[:1050], reference.attention(qn[:1, :1050], kn[:1, :1050], vn[:1, :1050], causal=True)[0])
+check(out[1050:], reference.attention(qn[:1, 1050:], kn[:1, 1050:], vn[:1, 1050:], causal=True)[0])
+# the backward's Q and dO by bulk copies, and by cp.async for the first sequence's last tile (its
+# rows past 1050 are the next sequence's)
+out, lse = attnext.varlen_attention(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1050,
+                                    max_seqlen_k=1050, causal=True, return_lse=True)
+g = attnext.varlen_attention_backward(dout[0], qv, kv, vv, out, lse, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                      max_seqlen_q=1050, max_seqlen_k=1050, causal=True)
+for lo, hi in ((0, 1050), (1050, 1100)):
+    want = reference.attention_backward(dn[:1, lo:hi], qn[:1, lo:hi], kn[:1, lo:hi], vn[:1, lo:hi], None, None,
+                                        causal=True)
+    for a, b in zip((g.dq, g.dk, g.dv), (want.dq, want.dk, want.dv)):
+        check(a[lo:hi], b[0])
 torch.cuda.synchronize()
 print("worst", worst)
 raise SystemExit(0 if worst < 2e-2 else 1)

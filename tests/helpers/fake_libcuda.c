@@ -5,7 +5,8 @@
  *
  * FAKE_CUINIT=<code>: cuInit returns that error. -DNO_ALLOC_ASYNC: a driver without
  * cuMemAllocAsync. -DTENSOR_MAPS: a driver with cuTensorMapEncodeTiled (zeroed maps, counted in
- * `tensor_maps`), so the TMA kernels (WS, TMA_KV) are chosen. Counters the tests read through
+ * `tensor_maps`; the last one's dims, strides and box in `map_dims`, `map_strides`, `map_box`), so the TMA
+ * kernels (WS, TMA_KV, the backward's BWD_TMA) are chosen. Counters the tests read through
  * ctypes: `waits` (cuStreamWaitEvent), `launches` (cuLaunchKernel), `allocs` and `frees` (device memory), `host_allocs` and
  * `host_frees` (cuMemHostAlloc, cuMemFreeHost; `freed_ptrs` the last 1024 freed, and setting
  * `slow_free_us` makes each cuMemFreeHost sleep that long), `pool_threshold` (the memory pool's release
@@ -123,6 +124,9 @@ static void fake_free(ptr_t p)
 }
 #ifdef TENSOR_MAPS
 int tensor_maps = 0;
+/* the last map's dims, byte strides (rank - 1) and box, first four of each */
+unsigned long long map_dims[4], map_strides[4];
+unsigned map_box[4];
 int cuTensorMapEncodeTiled(void *map, int dtype, unsigned rank, void *address, const unsigned long long *dims,
                            const unsigned long long *strides, const unsigned *box, const unsigned *element_strides,
                            int interleave, int swizzle, int l2_promotion, int oob_fill)
@@ -130,6 +134,11 @@ int cuTensorMapEncodeTiled(void *map, int dtype, unsigned rank, void *address, c
     if (rank < 1 || rank > 5)
         return INVALID_VALUE;
     memset(map, 0, 128);
+    for (unsigned i = 0; i < 4; i++) {
+        map_dims[i] = i < rank ? dims[i] : 0;
+        map_box[i] = i < rank ? box[i] : 0;
+        map_strides[i] = i + 1 < rank ? strides[i] : 0;
+    }
     tensor_maps++;
     return OK;
 }

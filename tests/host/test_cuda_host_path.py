@@ -367,6 +367,61 @@ def test_a_score_mod_forward_takes_the_wide_tile_once_it_is_compiled(tmp_path):
     """)
 
 
+def test_the_hopper_backward_takes_q_and_dout_by_tensor_maps(tmp_path):
+    """On a driver with tensor maps the warp-specialised dK/dV kernel is built with BWD_TMA and
+    its launch alone asks for the maps of q and dout (tma_rows_q: a query tile's rows; the
+    other backward kernels take none): 4-d (D, Hq, rows, batch), varlen's packed rows and one
+    batch, boxes of 64 columns x 1 x the tile. A dout with a 0 stride (torch's expand of a
+    sum's gradient), a q of fewer rows than a tile, ATTNEXT_BWD_TMA=0 and a recomputed dQ keep
+    the cp.async loads."""
+    if fake_cuda.compiler() is None:
+        pytest.skip("no C compiler for the fake libcuda")
+    run_on_fake(fake_cuda.build(tmp_path, "tma", ["-DTENSOR_MAPS"]), r"""
+        import ctypes
+        _C.cuda_launch_attention = lambda fn, *rest: (launch(fn, *rest[:8]), rest[8:] and None)
+        dims = lambda: (tuple((ctypes.c_ulonglong * 4).in_dll(lib, "map_dims")),
+                        tuple((ctypes.c_uint * 4).in_dll(lib, "map_box")))
+        maps = fake_cuda.counter(lib, "tensor_maps")
+
+        def backward(q, k, v, dout, **kw):
+            out, lse = attnext.attention(q, k, v, return_lse=True, **kw)
+            n = maps.value
+            got = record(lambda: attnext.attention_backward(dout, q, k, v, out, lse, **kw))
+            ws = [(dict(l[0][2]), l[5]["tma_rows_q"]) for l in got if l[0][1] == "attn_bwd_dkdv_ws_sm90"]
+            assert all(l[5]["tma_rows_q"] == 0 for l in got if l[0][1] != "attn_bwd_dkdv_ws_sm90"), got
+            return ws, maps.value - n
+
+        for D, rows in ((128, 64), (64, 128)):
+            q, k, v = qkv(2, 300, 300, 4, 2, D)
+            [(d, tma_rows)], encoded = backward(q, k, v, dev((2, 300, 4, D)), causal=True)
+            assert d["BWD_TMA"] == 1 and tma_rows == rows == d["KV_BLOCK_M"] and encoded == 2, (d, tma_rows)
+            assert dims() == ((D, 4, 300, 2), (64, 1, rows, 1)), dims()      # dout's, the last made
+            # a dout of zero strides, and the lab's switch: no maps
+            [(d, tma_rows)], encoded = backward(q, k, v, dev((2, 300, 4, D), strides=(0, 0, 0, 1)), causal=True)
+            assert "BWD_TMA" not in d and tma_rows == 0 and encoded == 0, d
+            _env.setenv("ATTNEXT_BWD_TMA", "0")
+            [(d, tma_rows)], encoded = backward(q, k, v, dev((2, 300, 4, D)))
+            _env.setenv("ATTNEXT_BWD_TMA", None)
+            assert "BWD_TMA" not in d and tma_rows == 0 and encoded == 0, d
+        # fewer query rows than a tile: no maps (a box is a whole tile)
+        q, k, v = qkv(2, 40, 300, 4, 2, 128)
+        [(d, tma_rows)], encoded = backward(q, k, v, dev((2, 40, 4, 128)))
+        assert "BWD_TMA" not in d and tma_rows == 0 and encoded == 0, d
+        # varlen: the packed rows, one batch
+        qv, kv, vv = dev((700, 4, 128)), dev((700, 2, 128)), dev((700, 2, 128))
+        cu = np.array([0, 300, 700], np.int32)
+        lens = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=400, max_seqlen_k=400, causal=True)
+        out, lse = attnext.varlen_attention(qv, kv, vv, return_lse=True, **lens)
+        got = record(lambda: attnext.varlen_attention_backward(dev((700, 4, 128)), qv, kv, vv, out, lse, **lens))
+        assert [l[5]["tma_rows_q"] for l in got if l[0][1] == "attn_bwd_dkdv_ws_sm90"] == [64], got
+        assert dims() == ((128, 4, 700, 1), (64, 1, 64, 1)), dims()
+        # a recomputed dQ (the mods' array gradients) runs no WS kernel
+        table = np.ones(4, np.float32)
+        assert backward(q, k, v, dev((2, 40, 4, 128)), score_mod=lambda s, b, h, qi, ki: s * table[h])[0] == []
+        print("ok")
+    """)
+
+
 # --- the C entry points' argument checks (no driver needed: they refuse before using it) ---
 
 def _prob(**changes):
@@ -374,7 +429,7 @@ def _prob(**changes):
     prob = types.SimpleNamespace(
         device=0, dtype=1, B=2, causal=0, window_left=-1, window_right=-1, bias_dtype=2, alibi_dtype=2,
         bias_heads=1, mask_heads=1, num_splits=1, dq_write_last=0, k_rows_max=0, max_rows_q=0, max_rows_k=9, page_size=0,
-        bt_stride=0, tma_rows=0,
+        bt_stride=0, tma_rows=0, tma_rows_q=0,
         q=t, k=t, v=t, out=t, lse=None, bias=None, mask=None,
         alibi=None, dout=None, dq=None, dk=None, dv=None, dbias=None, dlse=None, delta=None, dq_accum=None, dq_sem=None)
     vars(prob).update(changes)
