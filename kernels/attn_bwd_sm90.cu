@@ -458,6 +458,15 @@ DEV void store_dq_tile(const attn_params &p, const seq_t &sq, int64_t h, int m0,
     }
 }
 
+/* Whether the query tile at m0 comes by bulk tensor copies (BWD_TMA), else by the loaders'
+ * cp.asyncs: a copy zero-fills only rows past the tensor's, so a tile whose rows past Lq lie
+ * inside it (varlen: the next sequence's; seqused_q: padding) goes by cp.async, which zeroes
+ * them (a NaN there would reach dK and dV as 0 * NaN). */
+DEV bool q_tile_bulk(const attn_params &p, int m0, int Lq)
+{
+    return BWD_TMA && (m0 + KV_BLOCK_M <= Lq || !(p.cu_seqlens_q || p.seqused_q));
+}
+
 #if ENTRY(attn_bwd_dkdv_ws_sm90)
 #if BWD_TMA
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
@@ -524,7 +533,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                 walk.next(h, m0);
                 const int64_t row0 = sq.start + m0;
                 /* the tile's lse and delta rows read first, their latency under the stage's wait and
-                 * the cp.asyncs (read after them, they held up a CTA's first item by ~2 us) */
+                 * the copies (read after them, they held up a CTA's first item by ~2 us) */
                 constexpr int LR = KV_BLOCK_M / LOADERS;
                 float l[LR], d[LR];
 #pragma unroll
@@ -537,9 +546,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                 }
                 if (j >= 2)
                     mbar_wait(q_empty + 8 * x, ((j >> 1) - 1) & 1);
-                /* a bulk copy zero-fills only rows past the tensor's: those past Lq inside it (the
-                 * next sequence's) go by cp.async */
-                const bool bulk = BWD_TMA && (m0 + KV_BLOCK_M <= Lq || !(p.cu_seqlens_q || p.seqused_q));
+                const bool bulk = q_tile_bulk(p, m0, Lq);
                 if (bulk) {
 #if BWD_TMA
                     if (tid == 0) {
@@ -674,6 +681,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
         const uint32_t qb = sQ + x * KQ_BYTES, ds = sdS + x * SDS_BYTES, dqs = sdQ + x * SDQ_BYTES;
         const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
         mbar_wait(q_full + 8 * x, (j >> 1) & 1);
+        if (!q_tile_bulk(p, m0, Lq))      /* the loaders' cp.async writes, before wgmma reads them */
+            fence_proxy_async();
         uint32_t pd[1][KV_NT / 2][4];
         kv_item<DK_FIRST>(dk, dv, pd, p, sc, sK, sV, cw * 64, qb, sdO + x * KDO_BYTES, sL + x * KV_BLOCK_M,
                 sD + x * KV_BLOCK_M, n0, n0w, m0, Lq, Lk, qlo, qhi);

@@ -513,17 +513,18 @@ def _decode_tma(o, features, arch):
     """Whether a decode-shaped forward runs attn_fwd.cu's TMA_KV (select.decode_tma), and not
     with a score_mod / mask_mod: those stay on the cp.async kernel, the one their decode has run
     and been tested on a GPU with."""
-    return (not _has_mods(o) and _tma_strides(o)
+    return (not _has_mods(o) and _tma_strides(o.k4, o.v4)
             and select.decode_tma(arch, o.D, o.Dv, features["vec"], features["dtype"], o.k4.shape[1], o.page_size))
 
 
-def _tma_strides(o):
-    """Whether k's and v's strides suit a tensor map: none 0 along a dimension of more than one
-    element (a broadcast array, e.g. torch's expand: the bulk copies' maps describe memory by
-    strides, which cuTensorMapEncodeTiled may refuse at 0); such calls keep the cp.async
-    kernels. A dimension of one element (varlen's batch, a single kv head) is never stepped:
-    attention.c gives its map another stride where the array's is 0."""
-    return all(s > 0 or n == 1 for x in (o.k4, o.v4) for n, s in zip(x.shape[:3], x.strides[:3]))
+def _tma_strides(*views):
+    """Whether these arrays' strides suit a tensor map (k and v for the forward's, q and dout for
+    the backward's): none 0 along a dimension of more than one element (a broadcast array,
+    e.g. torch's expand: the bulk copies' maps describe memory by strides, which
+    cuTensorMapEncodeTiled may refuse at 0); such calls keep the cp.async kernels. A dimension
+    of one element (varlen's batch, a single head) is never stepped: attention.c gives its map
+    another stride where the array's is 0."""
+    return all(s > 0 or n == 1 for x in views for n, s in zip(x.shape[:3], x.strides[:3]))
 
 
 def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None):
@@ -560,7 +561,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     arch = device_arch(device)
     paged = o.block_table is not None
     decode = pack or splits > 1
-    copyable = not paged and getattr(o, "whole_rows", None) is None and _tma_strides(o)
+    copyable = not paged and getattr(o, "whole_rows", None) is None and _tma_strides(o.k4, o.v4)
     # key_rows: the rows of k's tensor (varlen: the packed rows), which a copy's box may not exceed
     ws = not decode and select.fwd_ws(arch, o.D, o.Dv, features["vec"], rows, o.k4.shape[1], features["dtype"],
                                       copyable)
@@ -858,13 +859,12 @@ def _backward_plan(o, device, views, extra, deterministic, gen=None):
 def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, dbias4=None, qo4=None):
     """The kernels a backward of o runs, in a namespace: wanted ((source, name, defines, smem,
     grid, warps) each, in launch order) and what the plan's scratch follows from the dq mode
-    (atomic, ordered, sem_words, write_last, mask_mod, grads); tma_rows_q: the rows of the
-    dK/dV kernel's bulk copies of Q and dO (select.bwd_tma), its launch's own template then
-    asking for their maps, else 0. features: _common's, vec already anded with dout's; dbias4:
-    the dbias view or None; qo4: the views of q and dout (None: a forward's guess, o.q4 for
-    both). A
-    forward with mods asks it for the backward it expects (_compile_backward_ahead), the
-    backward's plan for its launches."""
+    (atomic, ordered, sem_words, write_last, mask_mod, grads); tma_kernel, tma_rows_q: the
+    kernel that takes Q and dO by bulk copies (select.bwd_tma) and the rows of a copy, its
+    launch's own template then asking for the maps of q and dout; else None and 0. features:
+    _common's, vec already anded with dout's; dbias4: the dbias view or None; qo4: the views of
+    q and dout (None: a forward's guess, o.q4 for both). A forward with mods asks it for the
+    backward it expects (_compile_backward_ahead), the backward's plan for its launches."""
     tile = select.bwd_tile_config(o.D, o.Dv, features["dtype"])
     arch = device_arch(device)
     sm90 = select.bwd_sm90_applies(arch, o.D, o.Dv, features["vec"], features["dtype"])
@@ -892,7 +892,8 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     write_last = select.bwd_dq_write_last(dq_mode, mask_mod, reach)
     ns = types.SimpleNamespace(atomic=atomic, ordered=dq_mode == "ordered",
                                sem_words=-(-kv_blocks // 32) if dq_mode == "ordered" else 0,
-                               mask_mod=mask_mod, write_last=write_last, grads=grads, wanted=[], tma_rows_q=0)
+                               mask_mod=mask_mod, write_last=write_last, grads=grads, wanted=[],
+                               tma_kernel=None, tma_rows_q=0)
     tail = 1 if o.varlen else 0
 
     def launch(name, grid, warps, source="attn_bwd", defs=defines, smem_of=smem):
@@ -903,15 +904,16 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
         launch("attn_bwd_pre", (_query_tiles(q_rows, PRE_ROWS), o.Hq, o.B + (tail if write_last else 0)),
                PRE_THREADS // 32)
         if hopper:               # dK, dV and dQ on wgmma (attn_bwd_sm90.cu)
-            strides_fit = all(s > 0 or n == 1 for x in qo4 or (o.q4, o.q4)
-                              for n, s in zip(x.shape[:3], x.strides[:3]))
-            tma = select.bwd_tma(dq_mode, hopper, o.q4.shape[1], strides_fit)
-            defs90 = select.bwd_defines(**features, tile=hopper, dq=dq_mode, mods=gen)
+            q4, dout4 = qo4 or (o.q4, o.q4)
+            # a copy's box is a whole tile: of the tensor's rows, and of a sequence's (a tile
+            # crossing a sequence's end inside the tensor goes by cp.async)
+            tma = select.bwd_tma(dq_mode, hopper, min(q4.shape[1], q_rows), _tma_strides(q4, dout4))
+            defs90 = select.bwd_defines(**features, tile=hopper, dq=dq_mode, mods=gen, tma=tma)
             smem90 = select.bwd_sm90_smem_bytes(o.D, o.Dv, hopper, defs90.get("MOD_TILE_SLOTS", 0))
             kv_name, kv_warps = select.bwd_sm90_kv_kernel(dq_mode, hopper)
-            launch(kv_name, (kv_blocks, o.Hk, o.B + tail), kv_warps, "attn_bwd_sm90",
-                   {**defs90, "BWD_TMA": 1} if tma else defs90, smem90)
-            ns.tma_rows_q = hopper["kv_block_m"] if tma else 0
+            launch(kv_name, (kv_blocks, o.Hk, o.B + tail), kv_warps, "attn_bwd_sm90", defs90, smem90)
+            if tma:
+                ns.tma_kernel, ns.tma_rows_q = kv_name, hopper["kv_block_m"]
             if not atomic:
                 launch("attn_bwd_dq_sm90", (_query_tiles(q_rows, hopper["q_block_m"]), o.Hq, o.B + tail),
                        hopper["q_warps"], "attn_bwd_sm90", defs90, smem90)
@@ -973,9 +975,9 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
     prob.k_rows_max = k_rows
     template = _C.attn_template(prob)
     own = {}                  # the dK/dV kernel's template asks for the maps of q and dout
-    if ns.tma_rows_q:
+    if ns.tma_kernel:
         prob.tma_rows_q = ns.tma_rows_q
-        own = {"attn_bwd_dkdv_ws_sm90": (_C.attn_template(prob),)}
+        own = {ns.tma_kernel: (_C.attn_template(prob),)}
     nvrtc.prefetch(_backward_specs(ns, gen), arch, device)
     launches = [(nvrtc.function(src, name, defs, device, arch, sm, generated), grid, (warps * 32, 1, 1), sm,
                  *own.get(name, ())) for src, name, defs, sm, grid, warps in ns.wanted]

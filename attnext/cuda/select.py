@@ -521,15 +521,16 @@ def bwd_sm90_tile(D, mode):
     return tile
 
 
-def bwd_tma(mode, tile, q_rows_in_tensor, strides_fit, tensor_maps=None):
+def bwd_tma(mode, tile, q_rows, strides_fit, tensor_maps=None):
     """Whether attn_bwd_sm90.cu's warp-specialised dK/dV kernel (a dq mode that adds dQ) takes Q
     and dO by bulk tensor copies (BWD_TMA; its producer's 64 threads issuing cp.asyncs had held
-    the consumers up at the stage barrier, bench/NOTES.md backward v14): q's tensor at least a
-    query tile's rows (a copy's box is a whole tile), strides a map takes (strides_fit: none 0
-    along a dimension of more than one element; 16-byte rows are the kernel's own condition)
-    and a driver that makes tensor maps (tensor_maps: None asks this process's driver).
+    the consumers up at the stage barrier, bench/NOTES.md backward v14): q_rows, the rows of
+    q's tensor and of its longest sequence, at least a query tile's (a copy's box is a whole
+    tile), strides a map takes (strides_fit: none 0 along a dimension of more than one element;
+    the 16-byte base and rows a map needs are the sm90 kernels' own condition, vec) and a
+    driver that makes tensor maps (tensor_maps: None asks this process's driver).
     ATTNEXT_BWD_TMA=0 says no (the lab's comparison)."""
-    if mode == "recompute" or q_rows_in_tensor < tile["kv_block_m"] or not strides_fit:
+    if mode == "recompute" or q_rows < tile["kv_block_m"] or not strides_fit:
         return False
     if (_env.get("ATTNEXT_BWD_TMA") or "1") == "0":
         return False

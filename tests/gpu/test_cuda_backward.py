@@ -139,6 +139,36 @@ def test_varlen(causal, dv, rng):
     assert (g.dk[~real_k] == 0).all() and (g.dv[~real_k] == 0).all(), "dk/dv: padding rows are not 0"
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_nan_in_rows_past_a_sequence_never_reaches_dk_dv(d, rng, monkeypatch):
+    """q's and dout's rows past a sequence's used rows (seqused_q's padding, the rows after
+    cu_seqlens_q[-1]) hold NaN. On Hopper the dK/dV kernel brings a tile whose rows past the
+    sequence lie inside the tensor by cp.async, which zeroes them (a bulk copy would bring the
+    NaN, and 0 * NaN would reach dK and dV): every gradient matches the reference, the padding
+    rows' dq is exactly 0, and the bits are those of the cp.async loads everywhere
+    (ATTNEXT_BWD_TMA=0)."""
+    cu_q, used_q = np.array([0, 150, 300], np.int32), np.array([130, 150], np.int32)
+    cu_k = np.array([0, 160, 300], np.int32)
+    q, k, v = make_varlen_qkv(rng, 340, 300, 4, 2, d, d, BF16)
+    real = np.zeros(340, bool)
+    real[0:130] = real[150:300] = True
+    q[~real] = np.nan
+    varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q)
+    _, bwd, rfwd, rbwd = entry_points(varlen)
+    r_out, r_lse = rfwd(q, k, v, **varlen, return_lse=True, causal=True)
+    out, lse = r_out.astype(BF16), r_lse.astype(np.float32)
+    dout = randn(rng, out.shape, BF16)
+    dout[~real] = np.nan
+    g = bwd(dout, q, k, v, out, lse, **varlen, device="cuda", causal=True)
+    rg = rbwd(dout, q, k, v, out, lse, **varlen, causal=True)
+    problems = compare_grads(g, rg, q, k, v, dout, out, r_out, varlen, dict(causal=True))
+    assert not problems, "\n".join(problems)
+    assert np.isfinite(g.dk).all() and np.isfinite(g.dv).all() and (g.dq[~real] == 0).all()
+    monkeypatch.setenv("ATTNEXT_BWD_TMA", "0")
+    loads = bwd(dout, q, k, v, out, lse, **varlen, device="cuda", causal=True)
+    assert all(np.array_equal(a, b) for a, b in zip(_bits(g), _bits(loads)))
+
+
 def test_varlen_bias_and_no_sequences(rng):
     cu_q = np.array([0, 40, 41, 140], np.int32)
     cu_k = np.array([0, 0, 60, 200], np.int32)

@@ -102,18 +102,21 @@ dout = torch.randn_like(q)
 # runs the 64-key tile and a later one the 128-key tile (|q - kv| mod c is |q - kv| here)
 c = 5000 + int.from_bytes(os.urandom(4), "little") % (1 << 30)
 alibi = lambda s, b, h, qi, ki: s - 0.05 * (np.abs(qi - ki) % c)
-tiles = []
+tiles, bulk = [], []
 function = nvrtc.function
 def spy(kernel, name, defines, *rest):
     if name == "attn_fwd_sm90":
         tiles.append((defines.get("WS", 0), defines["BLOCK_N"]))
+    if name == "attn_bwd_dkdv_ws_sm90":
+        bulk.append(defines.get("BWD_TMA", 0))
     return function(kernel, name, defines, *rest)
 nvrtc.function = spy
 worst = 0.0
 def check(got, want):
     global worst
     got, want = got.float().cpu().numpy(), np.asarray(want, np.float32)
-    worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
+    err = float(np.abs(got - want).max() / np.abs(want).max())
+    worst = max(worst, err if np.isfinite(err) else np.inf)     # max() would drop a NaN
 qn, kn, vn, dn = (x.float().cpu().numpy() for x in (q, k, v, dout))
 for opts in (dict(), dict(causal=True), dict(causal=True, score_mod=alibi), dict(window=(300, 20))):
     out, lse = attnext.attention(q, k, v, return_lse=True, **opts)
@@ -122,8 +125,10 @@ for opts in (dict(), dict(causal=True), dict(causal=True, score_mod=alibi), dict
     want = reference.attention_backward(dn, qn, kn, vn, None, None, **opts)
     for a, b in zip((g.dq, g.dk, g.dv), (want.dq, want.dk, want.dv)):
         check(a, b)
-# every forward above ran the WS kernel, the score_mod's on its 64-key tile
+# every forward above ran the WS kernel, the score_mod's on its 64-key tile; the backward's
+# dK/dV kernel took Q and dO by bulk copies
 assert [t[0] for t in tiles] == [1] * 4 and tiles[2][1] == 64, tiles
+assert bulk and all(bulk), bulk
 nvrtc.finish_ahead()                           # the score_mod's 128-key tile, compiled meanwhile
 del tiles[:]
 out = attnext.attention(q, k, v, causal=True, score_mod=alibi)
@@ -136,16 +141,19 @@ out = attnext.varlen_attention(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, max
 check(out[:1050], reference.attention(qn[:1, :1050], kn[:1, :1050], vn[:1, :1050], causal=True)[0])
 check(out[1050:], reference.attention(qn[:1, 1050:], kn[:1, 1050:], vn[:1, 1050:], causal=True)[0])
 # the backward's Q and dO by bulk copies, and by cp.async for the first sequence's last tile (its
-# rows past 1050 are the next sequence's)
-out, lse = attnext.varlen_attention(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1050,
+# rows past 1050 are the next sequence's); GQA, so that a kv head's items go on from that tile
+# to the next query head's first, by a bulk copy into the other stage
+kv2, vv2 = kv[:, :2].contiguous(), vv[:, :2].contiguous()
+out, lse = attnext.varlen_attention(qv, kv2, vv2, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1050,
                                     max_seqlen_k=1050, causal=True, return_lse=True)
-g = attnext.varlen_attention_backward(dout[0], qv, kv, vv, out, lse, cu_seqlens_q=cu, cu_seqlens_k=cu,
+g = attnext.varlen_attention_backward(dout[0], qv, kv2, vv2, out, lse, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                       max_seqlen_q=1050, max_seqlen_k=1050, causal=True)
 for lo, hi in ((0, 1050), (1050, 1100)):
-    want = reference.attention_backward(dn[:1, lo:hi], qn[:1, lo:hi], kn[:1, lo:hi], vn[:1, lo:hi], None, None,
-                                        causal=True)
+    want = reference.attention_backward(dn[:1, lo:hi], qn[:1, lo:hi], kn[:1, lo:hi, :2], vn[:1, lo:hi, :2],
+                                        None, None, causal=True)
     for a, b in zip((g.dq, g.dk, g.dv), (want.dq, want.dk, want.dv)):
         check(a[lo:hi], b[0])
+assert all(bulk), bulk
 torch.cuda.synchronize()
 print("worst", worst)
 raise SystemExit(0 if worst < 2e-2 else 1)

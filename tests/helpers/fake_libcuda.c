@@ -5,7 +5,8 @@
  *
  * FAKE_CUINIT=<code>: cuInit returns that error. -DNO_ALLOC_ASYNC: a driver without
  * cuMemAllocAsync. -DTENSOR_MAPS: a driver with cuTensorMapEncodeTiled (zeroed maps, counted in
- * `tensor_maps`; the last one's dims, strides and box in `map_dims`, `map_strides`, `map_box`), so the TMA
+ * `tensor_maps`; the last four's dims, strides and box in `map_dims`, `map_strides`, `map_box`;
+ * maps the driver would refuse are refused), so the TMA
  * kernels (WS, TMA_KV, the backward's BWD_TMA) are chosen. Counters the tests read through
  * ctypes: `waits` (cuStreamWaitEvent), `launches` (cuLaunchKernel), `allocs` and `frees` (device memory), `host_allocs` and
  * `host_frees` (cuMemHostAlloc, cuMemFreeHost; `freed_ptrs` the last 1024 freed, and setting
@@ -17,6 +18,7 @@
  * launches of small_args' kernels are counted, not recorded.
  */
 #include <pthread.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -124,20 +126,27 @@ static void fake_free(ptr_t p)
 }
 #ifdef TENSOR_MAPS
 int tensor_maps = 0;
-/* the last map's dims, byte strides (rank - 1) and box, first four of each */
-unsigned long long map_dims[4], map_strides[4];
-unsigned map_box[4];
+/* the last four maps (map tensor_maps - 1 at [(tensor_maps - 1) % 4]): dims, byte strides
+ * (rank - 1 of them) and box, the first four of each */
+unsigned long long map_dims[4][4], map_strides[4][4];
+unsigned map_box[4][4];
+/* what the driver refuses too: an address or a stride off 16 bytes, a 0 stride, a box of more
+ * than 256 or more than its dimension */
 int cuTensorMapEncodeTiled(void *map, int dtype, unsigned rank, void *address, const unsigned long long *dims,
                            const unsigned long long *strides, const unsigned *box, const unsigned *element_strides,
                            int interleave, int swizzle, int l2_promotion, int oob_fill)
 {
-    if (rank < 1 || rank > 5)
+    if (rank < 1 || rank > 5 || (uintptr_t)address % 16)
         return INVALID_VALUE;
+    for (unsigned i = 0; i < rank; i++)
+        if (!box[i] || box[i] > 256 || box[i] > dims[i] || (i + 1 < rank && (!strides[i] || strides[i] % 16)))
+            return INVALID_VALUE;
     memset(map, 0, 128);
+    const int at = tensor_maps % 4;
     for (unsigned i = 0; i < 4; i++) {
-        map_dims[i] = i < rank ? dims[i] : 0;
-        map_box[i] = i < rank ? box[i] : 0;
-        map_strides[i] = i + 1 < rank ? strides[i] : 0;
+        map_dims[at][i] = i < rank ? dims[i] : 0;
+        map_box[at][i] = i < rank ? box[i] : 0;
+        map_strides[at][i] = i + 1 < rank ? strides[i] : 0;
     }
     tensor_maps++;
     return OK;

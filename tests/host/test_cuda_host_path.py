@@ -379,9 +379,12 @@ def test_the_hopper_backward_takes_q_and_dout_by_tensor_maps(tmp_path):
     run_on_fake(fake_cuda.build(tmp_path, "tma", ["-DTENSOR_MAPS"]), r"""
         import ctypes
         _C.cuda_launch_attention = lambda fn, *rest: (launch(fn, *rest[:8]), rest[8:] and None)
-        dims = lambda: (tuple((ctypes.c_ulonglong * 4).in_dll(lib, "map_dims")),
-                        tuple((ctypes.c_uint * 4).in_dll(lib, "map_box")))
         maps = fake_cuda.counter(lib, "tensor_maps")
+
+        def made(back):     # the map made `back` maps ago: (dims, byte strides, box)
+            at = (maps.value - back) % 4
+            return tuple(tuple((t * 16).in_dll(lib, name)[4 * at:4 * at + 4]) for t, name in
+                         ((ctypes.c_ulonglong, "map_dims"), (ctypes.c_ulonglong, "map_strides"), (ctypes.c_uint, "map_box")))
 
         def backward(q, k, v, dout, **kw):
             out, lse = attnext.attention(q, k, v, return_lse=True, **kw)
@@ -393,16 +396,22 @@ def test_the_hopper_backward_takes_q_and_dout_by_tensor_maps(tmp_path):
 
         for D, rows in ((128, 64), (64, 128)):
             q, k, v = qkv(2, 300, 300, 4, 2, D)
-            [(d, tma_rows)], encoded = backward(q, k, v, dev((2, 300, 4, D)), causal=True)
+            # dout with rows twice as long as its data (another layout than q's)
+            dout = dev((2, 300, 4, D), strides=(300 * 8 * D, 8 * D, D, 1))
+            [(d, tma_rows)], encoded = backward(q, k, v, dout, causal=True)
             assert d["BWD_TMA"] == 1 and tma_rows == rows == d["KV_BLOCK_M"] and encoded == 2, (d, tma_rows)
-            assert dims() == ((D, 4, 300, 2), (64, 1, rows, 1)), dims()      # dout's, the last made
-            # a dout of zero strides, and the lab's switch: no maps
-            [(d, tma_rows)], encoded = backward(q, k, v, dev((2, 300, 4, D), strides=(0, 0, 0, 1)), causal=True)
+            # q's map, then dout's: (D, Hq, rows, B), byte strides of a head, a row, a sequence
+            assert made(2) == ((D, 4, 300, 2), (2 * D, 8 * D, 2400 * D, 0), (64, 1, rows, 1)), made(2)
+            assert made(1) == ((D, 4, 300, 2), (2 * D, 16 * D, 4800 * D, 0), (64, 1, rows, 1)), made(1)
+            # a dout broadcast along its rows: no maps
+            [(d, tma_rows)], encoded = backward(q, k, v, dev((2, 300, 4, D), strides=(4 * D, 0, D, 1)), causal=True)
             assert "BWD_TMA" not in d and tma_rows == 0 and encoded == 0, d
+            # the lab's switch, on the same call: a plan of its own, without maps
             _env.setenv("ATTNEXT_BWD_TMA", "0")
-            [(d, tma_rows)], encoded = backward(q, k, v, dev((2, 300, 4, D)))
+            [(d, tma_rows)], encoded = backward(q, k, v, dout, causal=True)
             _env.setenv("ATTNEXT_BWD_TMA", None)
             assert "BWD_TMA" not in d and tma_rows == 0 and encoded == 0, d
+            assert backward(q, k, v, dout, causal=True)[1] == 2
         # fewer query rows than a tile: no maps (a box is a whole tile)
         q, k, v = qkv(2, 40, 300, 4, 2, 128)
         [(d, tma_rows)], encoded = backward(q, k, v, dev((2, 40, 4, 128)))
@@ -414,7 +423,13 @@ def test_the_hopper_backward_takes_q_and_dout_by_tensor_maps(tmp_path):
         out, lse = attnext.varlen_attention(qv, kv, vv, return_lse=True, **lens)
         got = record(lambda: attnext.varlen_attention_backward(dev((700, 4, 128)), qv, kv, vv, out, lse, **lens))
         assert [l[5]["tma_rows_q"] for l in got if l[0][1] == "attn_bwd_dkdv_ws_sm90"] == [64], got
-        assert dims() == ((128, 4, 700, 1), (64, 1, 64, 1)), dims()
+        assert made(1)[0] == (128, 4, 700, 1) and made(1)[2] == (64, 1, 64, 1), made(1)
+        # sequences all shorter than a tile: no tile could take a bulk copy
+        short = dict(lens, cu_seqlens_q=np.array([0, 60, 120], np.int32), cu_seqlens_k=cu)
+        qs = dev((120, 4, 128))
+        out, lse = attnext.varlen_attention(qs, kv, vv, return_lse=True, **short)
+        got = record(lambda: attnext.varlen_attention_backward(dev((120, 4, 128)), qs, kv, vv, out, lse, **short))
+        assert [l[5]["tma_rows_q"] for l in got if l[0][1] == "attn_bwd_dkdv_ws_sm90"] == [0], got
         # a recomputed dQ (the mods' array gradients) runs no WS kernel
         table = np.ones(4, np.float32)
         assert backward(q, k, v, dev((2, 40, 4, 128)), score_mod=lambda s, b, h, qi, ki: s * table[h])[0] == []
