@@ -202,5 +202,9 @@ typedef struct {
 typedef struct {
     attn_tmap q, dout;
 } attn_bwd_tmaps;
+#if !defined(__CUDACC_RTC__) && !defined(__cplusplus)
+_Static_assert(sizeof(attn_tmaps) == 2 * sizeof(attn_tmap) && sizeof(attn_bwd_tmaps) == 2 * sizeof(attn_tmap),
+               "cuda_launch_attention passes either as two maps");
+#endif
 
 #endif

@@ -348,20 +348,14 @@ static PyObject *c_cuda_launch_attention(PyObject *module, PyObject *const *args
     }
     if (cuda_device_enter((int)t.device))
         return NULL;
-    if (p->tma_rows > 0) {
-        attn_tmaps maps;
-        if (encode_kv_map(&maps.k, p, &p->k, p->D) || encode_kv_map(&maps.v, p, &p->v, p->Dv))
+    if (p->tma_rows > 0 || p->tma_rows_q > 0) {
+        /* the kernel's second parameter: attn_tmaps (k, v) or attn_bwd_tmaps (q, dout), two maps */
+        attn_tmap maps[2];
+        if (p->tma_rows > 0 ? encode_kv_map(&maps[0], p, &p->k, p->D) || encode_kv_map(&maps[1], p, &p->v, p->Dv)
+                            : encode_q_map(&maps[0], p, &p->q, p->D) || encode_q_map(&maps[1], p, &p->dout, p->Dv))
             return NULL;
         CU_CHECK_RC("cuLaunchKernel (attention, tensor maps)",
-                    cuda_launch_structs(fn, grid, block, (unsigned)smem, (CUstream)stream, p, &maps));
-        Py_RETURN_NONE;
-    }
-    if (p->tma_rows_q > 0) {
-        attn_bwd_tmaps maps;
-        if (encode_q_map(&maps.q, p, &p->q, p->D) || encode_q_map(&maps.dout, p, &p->dout, p->Dv))
-            return NULL;
-        CU_CHECK_RC("cuLaunchKernel (attention backward, tensor maps)",
-                    cuda_launch_structs(fn, grid, block, (unsigned)smem, (CUstream)stream, p, &maps));
+                    cuda_launch_structs(fn, grid, block, (unsigned)smem, (CUstream)stream, p, maps));
         Py_RETURN_NONE;
     }
     CU_CHECK_RC("cuLaunchKernel (attention)",
