@@ -316,11 +316,8 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
  *   0  producer, its registers lowered (setmaxnreg): warps 0-1 stream the query tiles' Q, dO, lse
  *      and delta into two stages (mbarriers q_full / q_empty): Q and dO by bulk tensor copies
  *      that thread 0 issues (BWD_TMA: the maps of q and dout, the kernel's second parameter),
- *      or by the 64 threads' cp.asyncs without maps and for a tile whose rows past the
- *      sequence lie inside the tensor (varlen, seqused_q: cp.async zero-fills them, and a
- *      bulk copy would bring the next sequence's rows, NaN or inf there reaching dK and dV
- *      through 0 * x); lane 0 of warp 2
- *      adds each tile's dQ partial, staged in shared memory, into dq_accum with one bulk
+ *      else by the 64 threads' cp.asyncs (q_tile_bulk says which); lane 0 of warp 2 adds each
+ *      tile's dQ partial, staged in shared memory, into dq_accum with one bulk
  *      reduction (cp.reduce.async.bulk .add.f32), and warps 2-3 free the stage (dq_full /
  *      dq_empty: each of their threads arrives).
  *   1, 2  consumers, registers raised: warpgroup c owns keys [64c, 64c + 64) for dK and dV

@@ -6,9 +6,8 @@
  * FAKE_CUINIT=<code>: cuInit returns that error. -DNO_ALLOC_ASYNC: a driver without
  * cuMemAllocAsync. -DTENSOR_MAPS: a driver with cuTensorMapEncodeTiled (zeroed maps, counted in
  * `tensor_maps`; the last four's dims, strides and box in `map_dims`, `map_strides`, `map_box`;
- * maps the driver would refuse are refused), so the TMA
- * kernels (WS, TMA_KV, the backward's BWD_TMA) are chosen. Counters the tests read through
- * ctypes: `waits` (cuStreamWaitEvent), `launches` (cuLaunchKernel), `allocs` and `frees` (device memory), `host_allocs` and
+ * maps the driver would refuse are refused), so the TMA kernels (WS, TMA_KV, the backward's
+ * BWD_TMA) are chosen. Counters the tests read through ctypes: `waits` (cuStreamWaitEvent), `launches` (cuLaunchKernel), `allocs` and `frees` (device memory), `host_allocs` and
  * `host_frees` (cuMemHostAlloc, cuMemFreeHost; `freed_ptrs` the last 1024 freed, and setting
  * `slow_free_us` makes each cuMemFreeHost sleep that long), `pool_threshold` (the memory pool's release
  * threshold), `pool_trims` (cuMemPoolTrimTo calls), `registered` (host ranges

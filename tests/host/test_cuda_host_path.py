@@ -370,15 +370,17 @@ def test_a_score_mod_forward_takes_the_wide_tile_once_it_is_compiled(tmp_path):
 def test_the_hopper_backward_takes_q_and_dout_by_tensor_maps(tmp_path):
     """On a driver with tensor maps the warp-specialised dK/dV kernel is built with BWD_TMA and
     its launch alone asks for the maps of q and dout (tma_rows_q: a query tile's rows; the
-    other backward kernels take none): 4-d (D, Hq, rows, batch), varlen's packed rows and one
-    batch, boxes of 64 columns x 1 x the tile. A dout with a 0 stride (torch's expand of a
-    sum's gradient), a q of fewer rows than a tile, ATTNEXT_BWD_TMA=0 and a recomputed dQ keep
-    the cp.async loads."""
+    other backward kernels take none): 4-d (D, Hq, rows, batch) with each array's own byte
+    strides, varlen's packed rows and one batch, boxes of 64 columns x 1 x the tile. A dout
+    broadcast along its rows, a q of fewer rows than a tile, sequences all shorter than one,
+    ATTNEXT_BWD_TMA=0 (a plan of its own) and a recomputed dQ keep the cp.async loads. The
+    fake driver refuses maps the real one would (0 or unaligned strides, boxes past a
+    dimension)."""
     if fake_cuda.compiler() is None:
         pytest.skip("no C compiler for the fake libcuda")
     run_on_fake(fake_cuda.build(tmp_path, "tma", ["-DTENSOR_MAPS"]), r"""
         import ctypes
-        _C.cuda_launch_attention = lambda fn, *rest: (launch(fn, *rest[:8]), rest[8:] and None)
+        _C.cuda_launch_attention = lambda fn, *rest: launch(fn, *rest[:8])     # the mods' bytes dropped
         maps = fake_cuda.counter(lib, "tensor_maps")
 
         def made(back):     # the map made `back` maps ago: (dims, byte strides, box)
