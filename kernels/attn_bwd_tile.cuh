@@ -162,6 +162,13 @@ DEV void red_add_f32x2(float *p, float a, float b)
 #endif
 }
 
+/* Whether pt_pass's plain pairs go without a branch each: the band's test (bitwise, so the
+ * compiler keeps it a predicate) selects exp2's argument, exp2(-inf) = 0. With a branch around
+ * each exp2 the one pass at D = 64 ran a BSSY / BRA / BSYNC region a pair (ncu: 303M branch
+ * instructions against cuDNN's 52M; bench/NOTES.md, backward v15). A mask array's read stays
+ * behind the band's test. */
+#define PT_SELECT (SCORE_IS_PLAIN && !MASK_ARRAY && !HAS_MASK_MOD && !ATTN_GMODS)
+
 /* pt_tile's pass over the tile's elements; ALL: the tile keeps every pair (a generated
  * kernel's tile that needs no test: no per-element keep bits to read); DEAD: P^T is 0 in the
  * columns of rows that keep no key (lb +inf), whatever their scores, and lost rows (lb NaN) take
@@ -212,9 +219,16 @@ DEV void pt_pass(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &
 #else
 #if ATTN_GMODS
                 const bool k = ALL || keep.at(0, nt, e);
+#elif PT_SELECT
+                const bool k = ALL || (!need_mask | ((r >= qlo[half]) & (r < qhi[half])));
 #else
                 const bool k = ALL || !need_mask || (r >= qlo[half] && r < qhi[half] && mask_keeps(sc, r, c, bad));
 #endif
+#if PT_SELECT
+                pv = fast_exp2(k ? raw * scale_log2 - lrow : NEG_INF);
+                if (DEAD && k)
+                    pv = lost_p(p, sc, mz, r, raw, lrow, pv);
+#else
                 if (k) {
 #if SCORE_IS_PLAIN
                     pv = fast_exp2(raw * scale_log2 - lrow);
@@ -228,6 +242,7 @@ DEV void pt_pass(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &
 #endif
                     grad = score_grad(sc, raw, r, c);
                 }
+#endif
 #endif
                 if (DEAD && lrow == POS_INF) {
                     pv = 0.f;
