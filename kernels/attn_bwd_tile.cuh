@@ -162,12 +162,13 @@ DEV void red_add_f32x2(float *p, float a, float b)
 #endif
 }
 
-/* Whether pt_pass's plain pairs go without a branch each: the band's test (bitwise, so the
- * compiler keeps it a predicate) selects exp2's argument, exp2(-inf) = 0. With a branch around
- * each exp2 the one pass at D = 64 ran a BSSY / BRA / BSYNC region a pair (ncu: 303M branch
- * instructions against cuDNN's 52M; bench/NOTES.md, backward v15). A mask array's read stays
- * behind the band's test. */
-#define PT_SELECT (SCORE_IS_PLAIN && !MASK_ARRAY && !HAS_MASK_MOD && !ATTN_GMODS)
+/* Whether pt_pass's and ds_pass's plain pairs go without a branch each: the band's test (bitwise,
+ * so the compiler keeps it a predicate) selects exp2's argument, exp2(-inf) = 0 (and ds_pass's
+ * dS, so that a pair it drops stays exactly 0 whatever dP holds). With a branch around each exp2
+ * the one pass at D = 64 ran a BSSY / BRA / BSYNC region a pair (ncu: 303M branch instructions
+ * against cuDNN's 52M; bench/NOTES.md, backward v15). A mask array's read stays behind the
+ * band's test. */
+#define PAIR_SELECT (SCORE_IS_PLAIN && !MASK_ARRAY && !HAS_MASK_MOD && !ATTN_GMODS)
 
 /* pt_tile's pass over the tile's elements; ALL: the tile keeps every pair (a generated
  * kernel's tile that needs no test: no per-element keep bits to read); DEAD: P^T is 0 in the
@@ -219,12 +220,12 @@ DEV void pt_pass(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &
 #else
 #if ATTN_GMODS
                 const bool k = ALL || keep.at(0, nt, e);
-#elif PT_SELECT
+#elif PAIR_SELECT
                 const bool k = ALL || (!need_mask | ((r >= qlo[half]) & (r < qhi[half])));
 #else
                 const bool k = ALL || !need_mask || (r >= qlo[half] && r < qhi[half] && mask_keeps(sc, r, c, bad));
 #endif
-#if PT_SELECT
+#if PAIR_SELECT
                 pv = fast_exp2(k ? raw * scale_log2 - lrow : NEG_INF);
                 if (DEAD && k)
                     pv = lost_p(p, sc, mz, r, raw, lrow, pv);
@@ -563,6 +564,12 @@ DEV void ds_pass(float (&s)[Q_MT][Q_NT][4], const float (&dp)[Q_MT][Q_NT][4], co
                     const float gk = score_mod_grad(sc, raw, r, c);
                     ds = live ? ds * gk : 0.f;
                 }
+#elif PAIR_SELECT
+                const bool live = (!need_mask | ((c >= ri.lo[i]) & (c < ri.hi[i]))) & (ri.lse2[i] != POS_INF);
+                float pv = fast_exp2(live ? raw * scale_log2 - ri.lse2[i] : NEG_INF);
+                if (LOST && live)
+                    pv = lost_p(p, sc, mz, r, raw, ri.lse2[i], pv);
+                ds = live ? pv * (dp[mt][nt][e] - ri.delta[i]) : 0.f;
 #else
 #if ATTN_GMODS
                 const bool k = keep.at(mt, nt, e);
