@@ -316,10 +316,12 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
  *   0  producer, its registers lowered (setmaxnreg): warps 0-1 stream the query tiles' Q, dO, lse
  *      and delta into two stages (mbarriers q_full / q_empty): Q and dO by bulk tensor copies
  *      that thread 0 issues (BWD_TMA: the maps of q and dout, the kernel's second parameter),
- *      else by the 64 threads' cp.asyncs (q_tile_bulk says which); lane 0 of warp 2 adds each
- *      tile's dQ partial, staged in shared memory, into dq_accum with one bulk
- *      reduction (cp.reduce.async.bulk .add.f32), and warps 2-3 free the stage (dq_full /
- *      dq_empty: each of their threads arrives).
+ *      else by the 64 threads' cp.asyncs (q_tile_bulk says which); warps 2 and 3 write dQ, a
+ *      warp a stage (warp 2 + x the items of stage x, every other one): its lane 0 adds the
+ *      tile's dQ partial, staged in shared memory, into dq_accum with one bulk reduction
+ *      (cp.reduce.async.bulk .add.f32), and the warp frees the stage (dq_full / dq_empty: each
+ *      of its threads arrives). Two writers, so that one item's turn and addition run while
+ *      the other's addition lands.
  *   1, 2  consumers, registers raised: warpgroup c owns keys [64c, 64c + 64) for dK and dV
  *      (kv_item), stages its dS^T in shared memory, and after a barrier of both computes dQ's
  *      columns [64c, 64c + 64) over all 128 keys (dS K, both operands read MN-major), then
@@ -343,7 +345,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
 #endif
 #define WS_THREADS (KV_THREADS + 128)
 #define LOADERS 64                        /* producer threads that load Q, dO, lse, delta */
-#define DQ_WRITERS 64                     /* the producer's other threads: the dQ writer (warps 2-3) */
+#define DQ_WRITERS 64                     /* the producer's other threads: the dQ writers (warps 2-3) */
 #define SDS_BYTES (KV_BLOCK_N * KV_BLOCK_M * 2)
 #define SDQ_BYTES (KV_BLOCK_M * HEAD_DIM * 4)
 /* D = 128: 64 query rows per item, warpgroup c adds dQ's columns [64c, 64c + 64); D = 64: 128
@@ -427,14 +429,15 @@ DEV void sem_set(int *sem, int n)
 #endif
 
 /* dq rows [m0, m0 + rows) of head h: the tile's dQ sum in the stage at st (float32 rows of
- * HEAD_DIM, columns in dq_col's order) times scale, by the 64 threads of warps 2-3 (wt). */
-DEV void store_dq_tile(const attn_params &p, const seq_t &sq, int64_t h, int m0, int rows, uint32_t st, int wt)
+ * HEAD_DIM, columns in dq_col's order) times scale, by a writer warp's 32 lanes (lane). */
+DEV void store_dq_tile(const attn_params &p, const seq_t &sq, int64_t h, int m0, int rows, uint32_t st, int lane)
 {
     constexpr int C = HEAD_DIM / 8;
     const float scale = (float)p.scale;
     elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + (sq.start + m0) * p.dq.s[1] + h * p.dq.s[2];
     const bool vec = p.dq.s[3] == 1 && p.dq.s[1] % 8 == 0 && ((uint64_t)gdq & 15) == 0;
-    for (int i = wt; i < rows * C; i += 64) {
+#pragma unroll 1                          /* unrolled, it cost the consumers spills (D = 128: 198 B) */
+    for (int i = lane; i < rows * C; i += 32) {
         const int r = i / C, c = (i % C) * 8;
         const uint32_t src = st + (r * HEAD_DIM + dq_col(r, c)) * 4;
         float f[8];
@@ -474,7 +477,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     /* K, V (the CTA's keys), Q[2], dO[2] (the query tiles' stages), dS^T[2], dQ[2] (float32), then
-     * lse[2], delta[2] and the mbarriers q_full[2], q_empty[2], dq_full[2], dq_empty[2], dq_back */
+     * lse[2], delta[2] and the mbarriers q_full[2], q_empty[2], dq_full[2], dq_empty[2], dq_back[2] */
     const uint32_t base = smem_addr(smem_raw), sK = base;
     if (base & 1023)                      /* never: declared 1024-aligned; the D = 64 layout has no byte to spare */
         __trap();
@@ -512,9 +515,9 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
             mbar_init(q_full + 8 * x, 2 * LOADERS);
             mbar_init(q_empty + 8 * x, KV_THREADS);
             mbar_init(dq_full + 8 * x, KV_THREADS);
-            mbar_init(dq_empty + 8 * x, DQ_WRITERS);
+            mbar_init(dq_empty + 8 * x, 32);      /* the stage's writer warp */
+            mbar_init(dq_back + 8 * x, 1);
         }
-        mbar_init(dq_back, 1);
         mbar_init_fence();
     }
     __syncthreads();
@@ -575,8 +578,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                 mbar_arrive_n(q_full + 8 * x, bulk && tid != 0 ? 2 : 1);
             }
             cp_async_wait_all();
-        } else {                          /* warps 2-3: the dQ writer (thread 64's bulk copies) and dq's last turns */
-            const int wt = tid - 64;
+        } else {                          /* warps 2-3: the dQ writers (a warp a stage) and dq's last turns */
+            const int wt = tid - 64, ws = wt >> 5, wl = wt & 31;   /* the warp's stage, its lane */
 #if DQ_ORDERED && HAS_MASK_MOD
             for (int j = 0; j < group * all_n && wt == 0; j++) {     /* the tiles mod_narrow took off: their turns pass */
                 const int m = all_first + j % all_n;
@@ -586,13 +589,15 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                 }
             }
 #endif
-            int backs = 0;                /* dq_back's phases waited for */
+            int backs = 0;                /* dq_back[ws]'s phases waited for */
             item_walk walk(nm, m_first, hk, group);
             for (int j = 0; j < items; j++) {
                 const int x = j & 1;
                 int64_t h;
                 int m0;
                 walk.next(h, m0);
+                if (x != ws)              /* the other warp's item */
+                    continue;
                 const uint32_t stage = sdQ + x * SDQ_BYTES;
                 float *dst = (float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + (sq.start + m0) * p.dq_accum.s[1]
                              + h * p.dq_accum.s[2];
@@ -609,14 +614,13 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
 #else
                 const bool final = false, alone = false;
 #endif
-                /* every thread waits for every phase of dq_full and dq_back, and the named barrier
-                 * below keeps the writer's threads on one item (dq_back, one barrier for both
-                 * stages, is armed again by thread 64 on the next item): a parity wait can neither
-                 * skip a phase nor lag two. Each thread then arrives on dq_empty itself, after its
-                 * own reads of the stage (one arrival by thread 64 after the barrier: racecheck saw
-                 * the others' reads unordered with the consumers' next stores) */
+                /* each lane waits for every phase of its stage's dq_full and dq_back, then arrives
+                 * on dq_empty itself, after its own reads of the stage (one arrival by lane 0
+                 * after a barrier: racecheck saw the others' reads unordered with the consumers'
+                 * next stores); the consumers refill the stage only once all 32 have, so a parity
+                 * wait can neither skip a phase nor lag two */
                 mbar_wait(dq_full + 8 * x, (j >> 1) & 1);
-                if (wt == 0 && !alone) {
+                if (wl == 0 && !alone) {
 #if DQ_ORDERED
                     sem_wait(sem, n_block, last);
                     fence_proxy_async_global();
@@ -635,19 +639,19 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                     bulk_wait_read();
 #endif
                     if (final) {          /* the tile's sum back into the stage */
-                        mbar_arrive_expect_tx(dq_back, bytes);
-                        bulk_load(stage, dst, bytes, dq_back);
+                        mbar_arrive_expect_tx(dq_back + 8 * x, bytes);
+                        bulk_load(stage, dst, bytes, dq_back + 8 * x);
                     }
                 }
                 if (final) {
                     if (!alone)
-                        mbar_wait(dq_back, backs++ & 1);
-                    store_dq_tile(p, sq, h, m0, rows, stage, wt);
+                        mbar_wait(dq_back + 8 * x, backs++ & 1);
+                    store_dq_tile(p, sq, h, m0, rows, stage, wl);
                 }
-                named_sync(2, DQ_WRITERS);
+                __syncwarp();
                 mbar_arrive(dq_empty + 8 * x);
             }
-            if (wt == 0)
+            if (wl == 0)
                 bulk_wait();
         }
         return;

@@ -559,8 +559,8 @@ def bwd_sm90_smem_bytes(D, Dv, tile, slots=0):
     return {
         # + lse and delta (2 stages each)
         "attn_bwd_dkdv_sm90": kv_tiles + 1024 + 4 * 4 * bm,
-        # + dS^T (2 stages, bf16), dQ (2 stages, float32), lse and delta, 9 mbarriers
-        "attn_bwd_dkdv_ws_sm90": kv_tiles + 2 * 2 * bn * bm + 2 * 4 * bm * D + 4 * 4 * bm + 72,
+        # + dS^T (2 stages, bf16), dQ (2 stages, float32), lse and delta, 10 mbarriers
+        "attn_bwd_dkdv_ws_sm90": kv_tiles + 2 * 2 * bn * bm + 2 * 4 * bm * D + 4 * 4 * bm + 80,
         "attn_bwd_dq_sm90": 2 * (qm * D + qm * Dv + 2 * qn * D + 2 * qn * Dv) + 1024 + slots * codegen.TILE_SLOT_BYTES,
     }
 
