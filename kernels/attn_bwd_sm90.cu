@@ -327,12 +327,12 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
  *      columns [64c, 64c + 64) over all 128 keys (dS K, both operands read MN-major), then
  *      stores it into the dQ stage (dq_col's swizzle: conflict-free fragment stores).
  * DQ_ORDERED: the additions into a query tile take turns in descending key-block order (dq_sem,
- * as below), the writer lane waiting and signalling so the consumers never do: the same bits on
+ * as below), each writer warp's lane 0 waiting and signalling so the consumers never do: the same bits on
  * every run. Otherwise the bulk reductions land in whatever order (deterministic=False).
  * DQ_STORE_FIRST (ordered without a mask_mod, so every key block kv_range names visits the tile):
  * the first turn, the tile's last key block, stores its partial instead of adding it, and nothing
  * zeroes dq_accum; with p.dq_write_last (short keys) the last turn, the tile's first key block,
- * reads the sum back into its dQ stage and warps 2-3 write dq from it, else attn_bwd_dq_convert
+ * reads the sum back into its dQ stage and that stage's writer warp writes dq from it, else attn_bwd_dq_convert
  * does (both 0 for a tile no key block sees). With a mask_mod a block may pass its turn, so the
  * host zeroes dq_accum, every turn adds and attn_bwd_dq_convert writes dq.
  * dq_accum's rows of one head are contiguous (B, Hq, S, HEAD_DIM in memory), so a tile's valid
@@ -364,7 +364,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
 #define PRODUCER_REGS 56
 #endif
 static_assert(KV_BLOCK_M % LOADERS == 0, "loaders cover the lse / delta rows");
-static_assert(LOADERS + DQ_WRITERS == 128, "the producer warpgroup: loaders, then the dQ writer");
+static_assert(LOADERS + DQ_WRITERS == 128, "the producer warpgroup: loaders, then the dQ writers");
 static_assert(KQ_BYTES >= KV_WARPS * 2048, "a Q stage holds every consumer warp's store_rows_staged buffer");
 
 #if DQ_ORDERED && DQ_TILE_M != KV_BLOCK_M
@@ -615,10 +615,10 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                 const bool final = false, alone = false;
 #endif
                 /* each lane waits for every phase of its stage's dq_full and dq_back, then arrives
-                 * on dq_empty itself, after its own reads of the stage (one arrival by lane 0
-                 * after a barrier: racecheck saw the others' reads unordered with the consumers'
-                 * next stores); the consumers refill the stage only once all 32 have, so a parity
-                 * wait can neither skip a phase nor lag two */
+                 * on dq_empty itself, after its own reads of the stage (racecheck had seen lanes'
+                 * reads unordered with the consumers' next stores when one lane arrived for all);
+                 * the consumers refill the stage only once all 32 have, so a parity wait can
+                 * neither skip a phase nor lag two */
                 mbar_wait(dq_full + 8 * x, (j >> 1) & 1);
                 if (wl == 0 && !alone) {
 #if DQ_ORDERED

@@ -166,8 +166,8 @@ DEV void red_add_f32x2(float *p, float a, float b)
  * so the compiler keeps it a predicate) selects exp2's argument, exp2(-inf) = 0 (and ds_pass's
  * dS, so that a pair it drops stays exactly 0 whatever dP holds). With a branch around each exp2
  * the one pass at D = 64 ran a BSSY / BRA / BSYNC region a pair (ncu: 303M branch instructions
- * against cuDNN's 52M; bench/NOTES.md, backward v15). A mask array's read stays behind the
- * band's test. */
+ * against cuDNN's 52M; bench/NOTES.md, backward v15). With a mask array the old form stays:
+ * its read is behind the band's test. */
 #define PAIR_SELECT (SCORE_IS_PLAIN && !MASK_ARRAY && !HAS_MASK_MOD && !ATTN_GMODS)
 
 /* pt_tile's pass over the tile's elements; ALL: the tile keeps every pair (a generated
