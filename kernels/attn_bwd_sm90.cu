@@ -327,13 +327,13 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
  *      columns [64c, 64c + 64) over all 128 keys (dS K, both operands read MN-major), then
  *      stores it into the dQ stage (dq_col's swizzle: conflict-free fragment stores).
  * DQ_ORDERED: the additions into a query tile take turns in descending key-block order (dq_sem,
- * as below), each writer warp's lane 0 waiting and signalling so the consumers never do: the same bits on
- * every run. Otherwise the bulk reductions land in whatever order (deterministic=False).
- * DQ_STORE_FIRST (ordered without a mask_mod, so every key block kv_range names visits the tile):
- * the first turn, the tile's last key block, stores its partial instead of adding it, and nothing
- * zeroes dq_accum; with p.dq_write_last (short keys) the last turn, the tile's first key block,
- * reads the sum back into its dQ stage and that stage's writer warp writes dq from it, else attn_bwd_dq_convert
- * does (both 0 for a tile no key block sees). With a mask_mod a block may pass its turn, so the
+ * as below), each writer warp's lane 0 waiting and signalling so the consumers never do: the
+ * same bits on every run. Otherwise the bulk reductions land in whatever order
+ * (deterministic=False). DQ_STORE_FIRST (ordered without a mask_mod, so every key block kv_range
+ * names visits the tile): the first turn, the tile's last key block, stores its partial instead
+ * of adding it, and nothing zeroes dq_accum; with p.dq_write_last (short keys) the last turn,
+ * the tile's first key block, reads the sum back into its dQ stage and that stage's writer warp
+ * writes dq from it, else attn_bwd_dq_convert does (both 0 for a tile no key block sees). With a mask_mod a block may pass its turn, so the
  * host zeroes dq_accum, every turn adds and attn_bwd_dq_convert writes dq.
  * dq_accum's rows of one head are contiguous (B, Hq, S, HEAD_DIM in memory), so a tile's valid
  * rows are one block. */
