@@ -335,7 +335,8 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
  * the tile's first key block, reads the sum back into its dQ stage and that stage's writer warp
  * writes dq from it, else attn_bwd_dq_convert does (both 0 for a tile no key block sees). With
  * a mask_mod a block may pass its turn, so the host zeroes dq_accum, every turn adds and
- * attn_bwd_dq_convert writes dq. dq_accum's rows of one head are contiguous (B, Hq, S, HEAD_DIM in memory), so a tile's valid
+ * attn_bwd_dq_convert writes dq.
+ * dq_accum's rows of one head are contiguous (B, Hq, S, HEAD_DIM in memory), so a tile's valid
  * rows are one block. */
 #if KV_WG != 2 || !(HEAD_DIM == 128 || (HEAD_DIM == 64 && HEAD_DIM_V == 64))
 #error "attn_bwd_dkdv_ws_sm90: two consumer warpgroups, D = 128 (halves of dQ's columns) or D = Dv = 64 (its rows)"
