@@ -217,19 +217,17 @@ DEV void pt_pass(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &
                 const float gk = score_grad(sc, raw, r, c);
                 pv = k ? pk : 0.f;
                 grad = k ? gk : 1.f;
-#else
-#if ATTN_GMODS
-                const bool k = ALL || keep.at(0, nt, e);
 #elif PAIR_SELECT
                 const bool k = ALL || (!need_mask | ((r >= qlo[half]) & (r < qhi[half])));
-#else
-                const bool k = ALL || !need_mask || (r >= qlo[half] && r < qhi[half] && mask_keeps(sc, r, c, bad));
-#endif
-#if PAIR_SELECT
                 pv = fast_exp2(k ? raw * scale_log2 - lrow : NEG_INF);
                 if (DEAD && k)
                     pv = lost_p(p, sc, mz, r, raw, lrow, pv);
 #else
+#if ATTN_GMODS
+                const bool k = ALL || keep.at(0, nt, e);
+#else
+                const bool k = ALL || !need_mask || (r >= qlo[half] && r < qhi[half] && mask_keeps(sc, r, c, bad));
+#endif
                 if (k) {
 #if SCORE_IS_PLAIN
                     pv = fast_exp2(raw * scale_log2 - lrow);
@@ -243,7 +241,6 @@ DEV void pt_pass(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &
 #endif
                     grad = score_grad(sc, raw, r, c);
                 }
-#endif
 #endif
                 if (DEAD && lrow == POS_INF) {
                     pv = 0.f;
