@@ -16,12 +16,13 @@
  * attn_common.cuh's: BLOCK_M (64 or 128), BLOCK_N (64 or 128), MIN_BLOCKS (CTAs per SM the
  * registers must allow), WS (the warp-specialised kernel below) and its STAGES.
  *
- * WS (FlashAttention-3's layout): three warpgroups. The first is the producer: it gives up its
- * registers (setmaxnreg) and one thread (lane 0 of its first warp) brings each key tile's K and V
- * by bulk tensor copies (TMA; the kernel's second parameter holds the maps) into rings of STAGES
- * stages, K and V apart (mbarriers: full when the bytes landed, empty when both consumers are
- * done). The other two each own 64 rows of the 128-row tile and take turns on the tensor cores
- * (ping-pong: named barriers 4 and 5), so that one's softmax runs while the other's products do;
+ * WS (FlashAttention-3's layout): a producer warpgroup and NUM_WG = BLOCK_M / 64 computing ones
+ * (two, or three for 192-row tiles at D = 64). The producer gives up its registers (setmaxnreg)
+ * and one thread (lane 0 of its first warp) brings each key tile's K and V by bulk tensor copies
+ * (TMA; the kernel's second parameter holds the maps) into rings of STAGES stages, K and V apart
+ * (mbarriers: full when the bytes landed, empty when every consumer is done). The others each own
+ * 64 rows of the tile and take turns on the tensor cores in a ring (ping-pong: named barriers
+ * 4 .. 3 + NUM_WG), so that one's softmax runs while another's products do;
  * within a warpgroup the next tile's S is issued before this tile's P V as above. No CTA-wide
  * barrier after the start. D = Dv. Key rows past Lk that lie inside the tensor (varlen: the next
  * sequence's; seqused_k: unused rows) are copied like any other: their scores are masked, and the
@@ -52,8 +53,8 @@
 #if HEAD_DIM % 64 || HEAD_DIM_V % 64 || !VEC_LOAD || PACK_GQA || SPLIT_KV
 #error "attn_fwd_sm90: D and Dv multiples of 64, 16-byte loads, no decode switches"
 #endif
-#if WS && (BLOCK_M != 128 || HEAD_DIM != HEAD_DIM_V || ELEM_F32)
-#error "attn_fwd_sm90 WS: 128-row tiles, D = Dv, 16-bit elements"
+#if WS && (!(BLOCK_M == 128 || (BLOCK_M == 192 && HEAD_DIM == 64)) || HEAD_DIM != HEAD_DIM_V || ELEM_F32)
+#error "attn_fwd_sm90 WS: 128-row tiles (192 at D = 64), D = Dv, 16-bit elements"
 #endif
 
 /* S (+)= Q K^T for one k16 step of this warpgroup's 64 rows. */
@@ -296,22 +297,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
 #if ENTRY(attn_fwd_sm90) && WS
 #include "sm90_pipe.cuh"
 
-#define WS_THREADS (THREADS + 128)        /* the producer warpgroup, then the two that compute */
+#define WS_THREADS (THREADS + 128)        /* the producer warpgroup, then the NUM_WG that compute */
 #define QW_BYTES (64 * HEAD_DIM * 2)      /* one computing warpgroup's 64 rows of Q */
-#define PRODUCER_REGS 24
-#define CONSUMER_REGS 240                 /* 24 + 2 x 240 = 3 x 168, what 384 threads start with */
+/* 24 + 2 x 240 = 3 x 168, what 384 threads start with; 32 + 3 x 160 = 4 x 128 (512 threads) */
+#define PRODUCER_REGS (NUM_WG == 2 ? 24 : 32)
+#define CONSUMER_REGS (NUM_WG == 2 ? 240 : 160)
 static_assert(64 * HEAD_DIM_V * 2 <= QW_BYTES, "the staged O tile does not fit its Q block");
 
 /* Ping-pong: a computing warpgroup waits for its turn (named barrier 4 + w), and hands the
- * tensor cores to the other (4 + 1 - w) once its products are issued; 256 threads each. */
+ * tensor cores to the next (4 + (w + 1) % NUM_WG) once its products are issued; 256 threads
+ * each. Barriers 1 + w: warpgroup w's own (its Q and O blocks). */
 DEV void turn_wait(int w) { named_sync(4 + w, 256); }
-DEV void turn_pass(int w) { asm volatile("bar.arrive %0, 256;" ::"r"(4 + (1 - w)) : "memory"); }
+DEV void turn_pass(int w) { asm volatile("bar.arrive %0, 256;" ::"r"(4 + (w + 1) % NUM_WG) : "memory"); }
+DEV void wg_sync(int w) { named_sync(1 + w, 128); }
 
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     attn_fwd_sm90(const __grid_constant__ attn_params p, const __grid_constant__ attn_tmaps maps)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    /* Q (two blocks of 64 rows), then K[STAGES], V[STAGES], then the barriers: full_k, empty_k,
+    /* Q (NUM_WG blocks of 64 rows), then K[STAGES], V[STAGES], then the barriers: full_k, empty_k,
      * full_v, empty_v, STAGES each, and tail_v */
     const uint32_t sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
     const uint32_t sK = sQ + Q_BYTES, sV = sK + STAGES * K_BYTES, bars = sV + STAGES * V_BYTES;
@@ -335,9 +339,9 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     if (tid == 0) {
         for (int st = 0; st < STAGES; st++) {
             mbar_init(full_k + 8 * st, 1);
-            mbar_init(empty_k + 8 * st, 8);              /* lane 0 of each computing warp */
+            mbar_init(empty_k + 8 * st, 4 * NUM_WG);     /* lane 0 of each computing warp */
             mbar_init(full_v + 8 * st, 1);
-            mbar_init(empty_v + 8 * st, 8);
+            mbar_init(empty_v + 8 * st, 4 * NUM_WG);
         }
         mbar_init(tail_v, 1);
         mbar_init_fence();
@@ -348,8 +352,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
         regs_lower<PRODUCER_REGS>();
         if (warp != 0)
             return;
-        /* tile i of the visit (n = n_last - i) into stage i % STAGES, each of K and V once both
-         * computing warpgroups have released the stage's tile i - STAGES. K runs a tile ahead of
+        /* tile i of the visit (n = n_last - i) into stage i % STAGES, each of K and V once every
+         * computing warpgroup has released the stage's tile i - STAGES. K runs a tile ahead of
          * V (K[i + 1], then V[i]): a step needs the S of its tile before the P V of the last.
          * Lane 0 issues; the warp's lanes zero tail_rows of V[0] (its copy completes tail_v,
          * and the warp completes full_v's phase by a plain arrival once the rows are 0). */
@@ -412,7 +416,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     cp_async_commit();
     cp_async_wait_all();
     fence_proxy_async();
-    named_sync(2 + w, 128);                              /* this warpgroup's Q in shared memory */
+    wg_sync(w);                                          /* this warpgroup's Q in shared memory */
 
     const uint64_t dq0 = uniform_desc(sw128_desc(sQw, 16, 1024));
     auto issue_s = [&](float (&s)[NT][4], int st) {
@@ -443,7 +447,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 
     /* Step i: S of tile i (n = n_last - i) and P V of tile i - 1 issued in this warpgroup's
      * turn, then tile i's softmax beside P V; step 0 has no P V, a last step only P V. */
-    if (w == 1)
+    if (w == NUM_WG - 1)
         turn_pass(w);                                    /* warpgroup 0 goes first */
     const int tiles = n_last - n_first + 1;
     for (int i = 0; i < tiles; i++) {
@@ -454,13 +458,13 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
         issue_s(s[0], st);
         const bool need = tile_needs_mask(p, sc, m0, BLOCK_M, r_end, n * BLOCK_N, BLOCK_N, 1, Lq, Lk);
         if (i == 0) {
-            if (w == 0 || tiles > 1)
+            if (w < NUM_WG - 1 || tiles > 1)
                 turn_pass(w);
             wgmma_wait<0>();
         } else {
             mbar_wait(full_v + 8 * pst, ((i - 1) / STAGES) & 1);
             issue_pv(pst);
-            if (w == 0 || i + 1 < tiles)                 /* warpgroup 1's last pass has no taker */
+            if (w < NUM_WG - 1 || i + 1 < tiles)         /* the last warpgroup's last pass: no taker */
                 turn_pass(w);
             wgmma_wait<1>();                             /* S; P V may still run */
         }
@@ -495,7 +499,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     /* O through this warpgroup's Q block (its S products are done): 64 rows of Dv * 2 bytes,
      * 16-byte chunk c of row r at c ^ (r & 7) (a warp's 8 rows of a store meet 8 chunks: no bank
      * conflict), then whole rows out with 16-byte stores */
-    named_sync(2 + w, 128);                              /* every warp's S products read Q */
+    wg_sync(w);                                          /* every warp's S products read Q */
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int i = 0; i < 2; i++) {
@@ -505,7 +509,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
             asm volatile("st.shared.b32 [%0], %1;" ::"r"(sQw + r * HEAD_DIM_V * 2 + ((nt ^ (r & 7)) << 4) + 4 * t),
                          "r"(pack2(scaled_o(o[0][nt][2 * i], inv[i]), scaled_o(o[0][nt][2 * i + 1], inv[i]))));
     }
-    named_sync(2 + w, 128);
+    wg_sync(w);
     constexpr int CH = HEAD_DIM_V / 8;
     const int rows = min(64, (int)sq.rows - m0 - 64 * w);
     elem_t *out = (elem_t *)p.out.ptr + sq.mem_b * p.out.s[0] + (sq.start + m0 + 64 * w) * p.out.s[1] + h * p.out.s[2];

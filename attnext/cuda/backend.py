@@ -565,8 +565,9 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     # key_rows: the rows of k's tensor (varlen: the packed rows), which a copy's box may not exceed
     ws = not decode and select.fwd_ws(arch, o.D, o.Dv, features["vec"], rows, o.k4.shape[1], features["dtype"],
                                       copyable)
+    band = o.causal_code != 0 or o.window_left >= 0 or o.window_right >= 0
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
-                                     features["dtype"], paged, tma, ws)
+                                     features["dtype"], paged, tma, ws, band)
 
     def defines_of(tile):
         return select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen, paged=paged,

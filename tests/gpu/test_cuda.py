@@ -104,16 +104,20 @@ def test_forward_kernels_with_every_option(kernel, d, dv, rng, monkeypatch):
     assert (out[400:] == 0).all() and np.isneginf(lse[:, 400:]).all()
 
 
-def _spy_ws(monkeypatch):
+def _spy_ws(monkeypatch, rows=None):
     """(chosen, hopper): chosen collects whether each forward plan made from here on takes the
-    warp-specialised kernel (the plans are cleared first); hopper: whether the GPU is sm_90a."""
+    warp-specialised kernel (the plans are cleared first); rows, a list, collects the WS plans'
+    (BLOCK_M, band); hopper: whether the GPU is sm_90a."""
     from attnext.cuda import backend, select
     chosen = []
     fwd_kernel = select.fwd_kernel
 
     def spy(*args, **kw):
         chosen.append(bool(kw.get("ws", args[10] if len(args) > 10 else False)))
-        return fwd_kernel(*args, **kw)
+        kernel, tile = fwd_kernel(*args, **kw)
+        if chosen[-1] and rows is not None:
+            rows.append((tile[0], args[11] if len(args) > 11 else kw.get("band", True)))
+        return kernel, tile
     monkeypatch.setattr(select, "fwd_kernel", spy)
     backend.clear_plans()
     return chosen, backend.device_arch(0) == "sm_90a"
@@ -197,19 +201,28 @@ def test_score_mod_forward_takes_the_wide_tile_once_compiled(d, rng, monkeypatch
 def test_long_forward_with_every_option(kernel, d, rng, monkeypatch):
     """D = Dv = 64 or 128 past 1024 query rows over dense keys: on Hopper attn_fwd_sm90.cu's
     warp-specialised kernel (a producer warpgroup's tensor copies, two computing warpgroups taking
-    turns), and with ATTNEXT_FWD_WS=0 the two-warpgroup kernel, both on every option: a last
-    query tile whose second warpgroup has no rows (1050 = 8 x 128 + 26), keys past the last whole
+    turns; three at D = 64 where no causal mask or window cuts the keys), and with
+    ATTNEXT_FWD_WS=0 the two-warpgroup kernel, both on every option: a last query tile whose
+    second warpgroup has no rows (1050 = 8 x 128 + 26; 5 x 192 + 90: two), keys past the last whole
     tile (1333), GQA, bhsd, causal both ways, windows, bias, mask, ALiBi, softcap, sinks, rows of
     huge finite scores (the softmax's exact path), a strided out; an expanded (zero-stride) k / v
     never takes the WS kernel. The plans' kernel choices are recorded: on Hopper each kernel
     named is the one that ran."""
     if kernel == "two_warpgroups":
         monkeypatch.setenv("ATTNEXT_FWD_WS", "0")
-    chosen, hopper = _spy_ws(monkeypatch)
+    ws_rows = []
+    chosen, hopper = _spy_ws(monkeypatch, ws_rows)
     q, k, v = make_qkv(rng, 2, 1050, 1333, 4, 2, d, d, BF16)
     _check_every_option(q, k, v, rng, windows=((300, 0), (500, 7)))
+    # the WS plans' row tiles: 192 at D = 64 without a band, 128 with one (and at D = 128)
+    assert all(bm == (192 if d == 64 and not band else 128) for bm, band in ws_rows), ws_rows
+    assert not (hopper and kernel == "ws") or {band for _, band in ws_rows} == {True, False}, ws_rows
     _check_forward(q, k, v, BF16, sinks=randn(rng, (4,), np.float32), causal=True)
     _check_forward((q.astype(np.float32) * 3e4).astype(BF16), k, v, BF16, causal=True)   # huge finite scores
+    # the options again over keys no band cuts (D = 64: the three-warpgroup tile)
+    _check_forward(q, k, v, BF16, bias=randn(rng, (1, 4, 1050, 1), np.float32), mask=rng.random((2, 1, 1050, 1333)) > 0.1,
+                   alibi_slopes=rng.random(4).astype(np.float32), softcap=5.0, sinks=randn(rng, (4,), np.float32))
+    _check_forward((q.astype(np.float32) * 3e4).astype(BF16), k, v, BF16)
     q, k, v = make_qkv(rng, 1, 1300, 1200, 8, 8, d, d, F16, layout="bhsd")
     _check_forward(q, k, v, F16, layout="bhsd", causal=True)
     torch = pytest.importorskip("torch")

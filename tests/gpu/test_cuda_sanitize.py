@@ -106,7 +106,7 @@ tiles, bulk = [], []
 function = nvrtc.function
 def spy(kernel, name, defines, *rest):
     if name == "attn_fwd_sm90":
-        tiles.append((defines.get("WS", 0), defines["BLOCK_N"]))
+        tiles.append((defines.get("WS", 0), defines["BLOCK_N"], defines["BLOCK_M"]))
     if name == "attn_bwd_dkdv_ws_sm90":
         bulk.append(defines.get("BWD_TMA", 0))
     return function(kernel, name, defines, *rest)
@@ -125,15 +125,16 @@ for opts in (dict(), dict(causal=True), dict(causal=True, score_mod=alibi), dict
     want = reference.attention_backward(dn, qn, kn, vn, None, None, **opts)
     for a, b in zip((g.dq, g.dk, g.dv), (want.dq, want.dk, want.dv)):
         check(a, b)
-# every forward above ran the WS kernel, the score_mod's on its 64-key tile; the backward's
-# dK/dV kernel took Q and dO by bulk copies
+# every forward above ran the WS kernel, the score_mod's on its 64-key tile, the first at D = 64
+# on three computing warpgroups (192 rows); the backward's dK/dV kernel took Q and dO by bulk copies
 assert [t[0] for t in tiles] == [1] * 4 and tiles[2][1] == 64, tiles
+assert [t[2] for t in tiles] == [192 if D == 64 else 128, 128, 128, 128], tiles
 assert bulk and all(bulk), bulk
 nvrtc.finish_ahead()                           # the score_mod's 128-key tile, compiled meanwhile
 del tiles[:]
 out = attnext.attention(q, k, v, causal=True, score_mod=alibi)
 check(out, reference.attention(qn, kn, vn, causal=True, score_mod=alibi))
-assert tiles == [(1, 128)], tiles
+assert tiles == [(1, 128, 128)], tiles
 cu = torch.tensor([0, 1050, 1100], dtype=torch.int32, device="cuda")
 qv, kv, vv = (x[0] for x in (q, k, v))
 out = attnext.varlen_attention(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1050, max_seqlen_k=1050,
