@@ -91,7 +91,7 @@ SETTINGS = {s.name: s for s in [
             "attn_fwd_sm90.cu's tile: BLOCK_M,BLOCK_N,WARPS"),
     Setting("ATTNEXT_FWD_WS", "0 | 1", "1", LAB, CALL,
             "0 keeps Hopper's long forward on attn_fwd_sm90.cu's two-warpgroup kernel (no WS)"),
-    Setting("ATTNEXT_TILE_FWD_WS", _TILE, "select.SM90_TILE_WS", LAB, CALL,
+    Setting("ATTNEXT_TILE_FWD_WS", _TILE, "select.fwd_ws_tile", LAB, CALL,
             "attn_fwd_sm90.cu's WS tile: BLOCK_M,BLOCK_N,WARPS,STAGES"),
     Setting("ATTNEXT_TILE_BWD", _TILE, "select.bwd_tile_config", LAB, CALL,
             "attn_bwd.cu's tile (8 ints, select.py names them)"),

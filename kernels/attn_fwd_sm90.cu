@@ -13,8 +13,9 @@
  *
  * Applies to VEC_LOAD inputs with D and Dv multiples of 64 (kernels.fwd_kernel chooses); every
  * option of the score hook, masks, causal / window and varlen as attn_fwd.cu. Switches beyond
- * attn_common.cuh's: BLOCK_M (64 or 128), BLOCK_N (64 or 128), MIN_BLOCKS (CTAs per SM the
- * registers must allow), WS (the warp-specialised kernel below) and its STAGES.
+ * attn_common.cuh's: BLOCK_M (64 or 128; WS: 128, or 192 at D = 64), BLOCK_N (64 or 128),
+ * MIN_BLOCKS (CTAs per SM the registers must allow), WS (the warp-specialised kernel below) and
+ * its STAGES.
  *
  * WS (FlashAttention-3's layout): a producer warpgroup and NUM_WG = BLOCK_M / 64 computing ones
  * (two, or three for 192-row tiles at D = 64). The producer gives up its registers (setmaxnreg)

@@ -565,9 +565,10 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     # key_rows: the rows of k's tensor (varlen: the packed rows), which a copy's box may not exceed
     ws = not decode and select.fwd_ws(arch, o.D, o.Dv, features["vec"], rows, o.k4.shape[1], features["dtype"],
                                       copyable)
-    band = o.causal_code != 0 or o.window_left >= 0 or o.window_right >= 0
+    plain = (o.causal_code == 0 and o.window_left < 0 and o.window_right < 0 and not features["softcap"]
+             and not (features["bias_dtype"] or features["alibi_dtype"] or features["mask"]))
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
-                                     features["dtype"], paged, tma, ws, band)
+                                     features["dtype"], paged, tma, ws, plain)
 
     def defines_of(tile):
         return select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen, paged=paged,

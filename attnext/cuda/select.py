@@ -137,7 +137,8 @@ SM90_SHORT_ROWS = 1024
 # attn_fwd_sm90.cu's WS kernel: 128 x 128, two computing warpgroups (8 warps) beside the producer,
 # STAGES key tiles of K and of V in flight
 SM90_TILE_WS = (128, 128, 8, 2)
-# ... and at D = 64 over keys no causal / window band cuts, with no score_mod / mask_mod: 192 x 128,
+# ... and at D = 64 for plain calls (no causal mask, window, bias, mask, ALiBi, softcap or
+# score_mod / mask_mod; what was measured, and what keeps 160 registers to ~150 B of spills): 192 x 128,
 # three computing warpgroups (160 registers each), so that a warpgroup's softmax, which at D = 64
 # outlasts one warpgroup's products, runs under two others' (H200, session 37, against
 # SM90_TILE_WS: full rows +3-6%, S16k 417 -> 443 TFLOP/s; causal rows 1-9% slower, their
@@ -156,17 +157,16 @@ SM90_TILE_WS_MODS = (128, 64, 8, 2)
 # _Plan.upgrade). A score_mod with per-score loads keeps 64 keys (their registers).
 
 
-def fwd_ws_tile(score_mod=False, wide=False, dense64=False):
+def fwd_ws_tile(score_mod=False, wide=False, plain64=False):
     """(BLOCK_M, BLOCK_N, computing warps, STAGES) of the WS forward (score_mod: a call with one;
-    wide: the wide tile of a score_mod without per-score loads, SM90_TILE_WS; dense64: D = 64, no
-    causal / window band and no generated mods, SM90_TILE_WS3); the lab's ATTNEXT_TILE_FWD_WS
-    fixes it."""
+    wide: the wide tile of a score_mod without per-score loads, SM90_TILE_WS; plain64: a plain
+    call at D = 64, SM90_TILE_WS3); the lab's ATTNEXT_TILE_FWD_WS fixes it."""
     env = _env.get("ATTNEXT_TILE_FWD_WS")
     if env:
         return tuple(int(x) for x in env.split(","))
     if score_mod:
         return SM90_TILE_WS if wide else SM90_TILE_WS_MODS
-    return SM90_TILE_WS3 if dense64 else SM90_TILE_WS
+    return SM90_TILE_WS3 if plain64 else SM90_TILE_WS
 
 
 def fwd_ws_widens(mods):
@@ -196,7 +196,7 @@ def fwd_ws(arch, D, Dv, vec, rows, key_rows, dtype="bfloat16", copyable=False, t
 
 
 def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", paged=False, tma=False, ws=False,
-               band=True):
+               plain=False):
     """(kernel source, tile) of the forward: kernels/attn_fwd_sm90.cu (wgmma) on sm_90a for
     16-byte-loadable inputs with D, Dv in {64, 128}, else kernels/attn_fwd.cu (mma.sync, every
     shape, and the decode paths). rows: the longest query sequence; mods: the generated
@@ -206,13 +206,13 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
     comparison). float32 runs attn_fwd.cu (TF32 mma.sync) everywhere, and so does a paged cache
     (paged: its key rows are gathered through the page table, PAGED). tma (decode_tma): a
     decode takes TMA_KV's tile (4 ints: the stages last); ws (fwd_ws): the WS kernel's first tile
-    (a score_mod's wide one, once compiled: fwd_ws_widens); band: whether a causal mask or a
-    window cuts the keys (the WS kernel's D = 64 tile)."""
+    (a score_mod's wide one, once compiled: fwd_ws_widens); plain: a call with no causal mask,
+    window, bias, mask, ALiBi or softcap (with no mods and D = 64: the WS kernel's 192-row tile)."""
     if decode and tma:
         return "attn_fwd", decode_tma_tile()
     if ws and not decode:
         return "attn_fwd_sm90", fwd_ws_tile(mods is not None and bool(mods.defines.get("HAS_SCORE_MOD")),
-                                            dense64=mods is None and D == 64 and not band)
+                                            plain64=plain and mods is None and D == 64)
     if (arch == "sm_90a" and not decode and not paged and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
             and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
         env = _env.get("ATTNEXT_TILE_SM90")      # the kernel lab's override: "128,64,8"

@@ -107,7 +107,7 @@ def test_forward_kernels_with_every_option(kernel, d, dv, rng, monkeypatch):
 def _spy_ws(monkeypatch, rows=None):
     """(chosen, hopper): chosen collects whether each forward plan made from here on takes the
     warp-specialised kernel (the plans are cleared first); rows, a list, collects the WS plans'
-    (BLOCK_M, band); hopper: whether the GPU is sm_90a."""
+    (BLOCK_M, plain); hopper: whether the GPU is sm_90a."""
     from attnext.cuda import backend, select
     chosen = []
     fwd_kernel = select.fwd_kernel
@@ -116,7 +116,7 @@ def _spy_ws(monkeypatch, rows=None):
         chosen.append(bool(kw.get("ws", args[10] if len(args) > 10 else False)))
         kernel, tile = fwd_kernel(*args, **kw)
         if chosen[-1] and rows is not None:
-            rows.append((tile[0], args[11] if len(args) > 11 else kw.get("band", True)))
+            rows.append((tile[0], args[11] if len(args) > 11 else kw.get("plain", False)))
         return kernel, tile
     monkeypatch.setattr(select, "fwd_kernel", spy)
     backend.clear_plans()
@@ -129,7 +129,8 @@ def test_ws_forward_on_varlen_and_mods(d, rng, monkeypatch):
     inside the tensor its copies bring along (the producer zeroes them in V: a NaN there must
     not reach out), and score_mod / mask_mod calls; against the reference, and on Hopper every
     plan made here on the WS kernel."""
-    chosen, hopper = _spy_ws(monkeypatch)
+    ws_rows = []
+    chosen, hopper = _spy_ws(monkeypatch, ws_rows)
 
     # key rows no sequence uses hold inf in k and NaN in v: their scores must be masked and their
     # v rows read as 0 (the packed rows past the last sequence, which its last tile's copy brings
@@ -141,6 +142,7 @@ def test_ws_forward_on_varlen_and_mods(d, rng, monkeypatch):
     q, k, v = make_varlen_qkv(rng, 3100, 3500, 4, 2, d, d, BF16)
     k[3433:], v[3433:] = np.inf, np.nan
     _check_forward(q, k, v, BF16, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
+    assert not hopper or ws_rows == [(192 if d == 64 else 128, True)], ws_rows       # a plain call
     for b in range(3):
         k[cu_k[b] + used_k[b]:cu_k[b + 1]], v[cu_k[b] + used_k[b]:cu_k[b + 1]] = np.inf, np.nan
     _check_forward(q, k, v, BF16, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used_k),
@@ -201,7 +203,7 @@ def test_score_mod_forward_takes_the_wide_tile_once_compiled(d, rng, monkeypatch
 def test_long_forward_with_every_option(kernel, d, rng, monkeypatch):
     """D = Dv = 64 or 128 past 1024 query rows over dense keys: on Hopper attn_fwd_sm90.cu's
     warp-specialised kernel (a producer warpgroup's tensor copies, two computing warpgroups taking
-    turns; three at D = 64 where no causal mask or window cuts the keys), and with
+    turns; three at D = 64 in a plain call: no band, bias, mask, ALiBi or softcap), and with
     ATTNEXT_FWD_WS=0 the two-warpgroup kernel, both on every option: a last query tile whose
     second warpgroup has no rows (1050 = 8 x 128 + 26; 5 x 192 + 90: two), keys past the last whole
     tile (1333), GQA, bhsd, causal both ways, windows, bias, mask, ALiBi, softcap, sinks, rows of
@@ -214,15 +216,16 @@ def test_long_forward_with_every_option(kernel, d, rng, monkeypatch):
     chosen, hopper = _spy_ws(monkeypatch, ws_rows)
     q, k, v = make_qkv(rng, 2, 1050, 1333, 4, 2, d, d, BF16)
     _check_every_option(q, k, v, rng, windows=((300, 0), (500, 7)))
-    # the WS plans' row tiles: 192 at D = 64 without a band, 128 with one (and at D = 128)
-    assert all(bm == (192 if d == 64 and not band else 128) for bm, band in ws_rows), ws_rows
-    assert not (hopper and kernel == "ws") or {band for _, band in ws_rows} == {True, False}, ws_rows
+    # the WS plans' row tiles: 192 at D = 64 for plain calls, else 128 (and at D = 128)
+    assert all(bm == (192 if d == 64 and plain else 128) for bm, plain in ws_rows), ws_rows
+    assert not (hopper and kernel == "ws") or {plain for _, plain in ws_rows} == {True, False}, ws_rows
     _check_forward(q, k, v, BF16, sinks=randn(rng, (4,), np.float32), causal=True)
     _check_forward((q.astype(np.float32) * 3e4).astype(BF16), k, v, BF16, causal=True)   # huge finite scores
-    # the options again over keys no band cuts (D = 64: the three-warpgroup tile)
-    _check_forward(q, k, v, BF16, bias=randn(rng, (1, 4, 1050, 1), np.float32), mask=rng.random((2, 1, 1050, 1333)) > 0.1,
-                   alibi_slopes=rng.random(4).astype(np.float32), softcap=5.0, sinks=randn(rng, (4,), np.float32))
+    # plain calls again (D = 64: the three-warpgroup tile), with sinks, and the options without a band
+    _check_forward(q, k, v, BF16, sinks=randn(rng, (4,), np.float32))
     _check_forward((q.astype(np.float32) * 3e4).astype(BF16), k, v, BF16)
+    _check_forward(q, k, v, BF16, bias=randn(rng, (1, 4, 1050, 1), np.float32), mask=rng.random((2, 1, 1050, 1333)) > 0.1,
+                   alibi_slopes=rng.random(4).astype(np.float32), softcap=5.0)
     q, k, v = make_qkv(rng, 1, 1300, 1200, 8, 8, d, d, F16, layout="bhsd")
     _check_forward(q, k, v, F16, layout="bhsd", causal=True)
     torch = pytest.importorskip("torch")

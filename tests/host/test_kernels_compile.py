@@ -134,12 +134,13 @@ def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
         ("attn_fwd_sm90", select.SM90_TILE_WS_MODS)
     assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, window, ws=True) == ("attn_fwd_sm90", tile)
     assert select.fwd_kernel("sm_90a", 128, 128, True, True, 1, ws=True)[0] == "attn_fwd"   # decode: never WS
-    # D = 64 over keys no band cuts, no mods: three computing warpgroups (192 rows); a band or mods keep 128
-    assert select.fwd_kernel("sm_90a", 64, 64, True, False, 4096, ws=True, band=False) == \
+    # a plain call at D = 64 (no band, bias, mask, ALiBi, softcap or mods): three computing warpgroups
+    # (192 rows); the others keep 128
+    assert select.fwd_kernel("sm_90a", 64, 64, True, False, 4096, ws=True, plain=True) == \
         ("attn_fwd_sm90", select.SM90_TILE_WS3)
     assert select.fwd_kernel("sm_90a", 64, 64, True, False, 4096, ws=True) == ("attn_fwd_sm90", tile)
-    assert select.fwd_kernel("sm_90a", 64, 64, True, False, 4096, window, ws=True, band=False) == ("attn_fwd_sm90", tile)
-    assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, ws=True, band=False) == ("attn_fwd_sm90", tile)
+    assert select.fwd_kernel("sm_90a", 64, 64, True, False, 4096, window, ws=True, plain=True) == ("attn_fwd_sm90", tile)
+    assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, ws=True, plain=True) == ("attn_fwd_sm90", tile)
     assert select.fwd_smem_bytes(64, 64, select.SM90_TILE_WS3, "attn_fwd_sm90", ws=True) <= 227 * 1024
     # the wide tile, once compiled, of a score_mod that loads from no array per score
     table, slopes = np.ones((2, 300), np.float32), np.ones(2, np.float32)
