@@ -500,10 +500,18 @@ int FN(cpu_forward)(const attn_params *p)
         goto done;
     }
 
-    int64_t max_rows = 0;
-    for (int64_t b = 0; b < B; b++)
+    int64_t max_rows = 0, rows = 0;
+    for (int64_t b = 0; b < B; b++) {
         max_rows = imax64(max_rows, seq_q(p, b).rows);
+        rows += seq_q(p, b).rows;
+    }
     const int64_t nqb = (max_rows + BQ - 1) / BQ;
+    /* q and out in T itself, rows of stride 1: Q tiles transposed straight from q (no copy
+     * first), out's rows streamed past the caches when it is large (cpu.c: STREAM_OUT_BYTES) */
+    const int in_t = p->dtype == (sizeof(T) == 4 ? DT_F32 : DT_F64);
+    const int q_direct = in_t && p->q.s[3] == 1 && D == DP && (uintptr_t)p->q.ptr % sizeof(T) == 0;
+    const int stream_out = in_t && p->out.s[3] == 1
+                           && (size_t)(rows * Hq * Dv) * sizeof(T) >= STREAM_OUT_BYTES;
     const int nt = FN(nthreads)(p);
     if (has_mask_mod && (err = FN(block_mask_build)(p, &bm)))
         goto done;
@@ -547,8 +555,13 @@ int FN(cpu_forward)(const attn_params *p)
             for (int64_t i = 0; i < BQ; i++)
                 l[i] = 0;
             if (nr > 0) {
-                FN(load_rows)(&p->q, p->dtype, sq, h, r0, nr, BQ, D, DP, Qs);
-                OPS->transpose(BQ, (int)DP, Qs, DP, Qt, BQ);
+                if (q_direct && nr == BQ) {
+                    const T *q0 = (const T *)FN(row_ptr)(&p->q, p->dtype, sq.mem_b, sq.start + r0, h);
+                    OPS->transpose(BQ, (int)DP, q0, p->q.s[1], Qt, BQ);
+                } else {
+                    FN(load_rows)(&p->q, p->dtype, sq, h, r0, nr, BQ, D, DP, Qs);
+                    OPS->transpose(BQ, (int)DP, Qs, DP, Qt, BQ);
+                }
                 memset(O, 0, sizeof(T) * BQ * DvP);
                 FN(online_softmax)(p, &kt_tiles, &bm, b, h, qb, nr, sq, sk, DP, DvP, Qt, kr, vr, O,
                                    m, l, alpha, St, S, row, maskbuf, &mb);
@@ -576,9 +589,14 @@ int FN(cpu_forward)(const attn_params *p)
                     if (i < nr)            /* a real row that keeps no key: the sink alone */
                         lse = sink;
                 }
-                STORE_ROW(dst, p->out.s[3], Dv, p->dtype, row);
+                if (stream_out)
+                    stream_copy(dst, row, sizeof(T) * Dv);
+                else
+                    STORE_ROW(dst, p->out.s[3], Dv, p->dtype, row);
                 *FN(lse_at)(p, sq.mem_b, h, sq.start + r) = lse;
             }
+            if (stream_out)
+                stream_fence();
         }
 
         /* rows of a packed batch after its last sequence */

@@ -556,6 +556,31 @@ def test_backward_reads_read_only_out_and_lse(frozen, rng):
     np.testing.assert_array_equal(lse, saved[1])
 
 
+# The CPU forward's two paths for q and out held in the accumulation type (float32, float64) with
+# rows of stride 1: Q tiles transposed straight from q (D a multiple of 32, whole 64-row tiles),
+# and out's rows written past the caches once out holds 1 MiB (cpu.c: STREAM_OUT_BYTES). The
+# shapes take them: 1100 rows (a last tile of 12), 4 heads of 64 (1.1 MiB of float32); each
+# `given` but "contiguous" and "bhsd" sends q or out down the ordinary path instead.
+@pytest.mark.parametrize("given", ["contiguous", "bhsd", "q_strided", "out_misaligned", "out_strided"])
+@pytest.mark.parametrize("dtype", [F32, F64], ids=dtype_id)
+def test_large_forward_layouts(dtype, given, rng):
+    if DEVICE != "cpu":
+        pytest.skip("the CPU backend's paths")
+    layout = "bhsd" if given == "bhsd" else "bshd"
+    b, sq, sk, h, d = 1, 1100, 300, 4, 64
+    q, k, v = make_qkv(rng, b, sq, sk, h, h, d, d, dtype, layout)
+    if given == "q_strided":
+        q = np.repeat(q, 2, axis=-1)[..., ::2]
+    shape = (b, sq, h, d) if layout == "bshd" else (b, h, sq, d)
+    out = poisoned(shape, dtype)
+    if given == "out_misaligned":
+        out = _misaligned(out)
+    elif given == "out_strided":
+        out = poisoned(shape[:-1] + (2 * d,), dtype)[..., ::2]
+    assert out.nbytes >= 1 << 20
+    check_backend(q, k, v, rng, out=out, layout=layout, causal=True, backward=False)
+
+
 @pytest.mark.parametrize("layout", ["bshd", "bhsd", "varlen"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_out_poisoned(dtype, layout, rng):
