@@ -152,6 +152,9 @@ typedef struct {
      * o_accum [split][B][Hq][Sq][Dv] and lse_accum [2][split][B][Hq][Sq] float32: each partial's
      * maximum score (natural log units), then its sum of exp(s - maximum) */
     float *o_accum, *lse_accum;
+    /* the split kernel's own combine (attn_fwd.cu): an int32 a query tile (CTAs / num_splits),
+     * zero before the launch and after it; NULL: attn_fwd_combine merges the partials */
+    int *split_count;
     int num_splits;
     /* GPU backward, the ordered dq mode: 1 where the last turn at each query tile writes dq
      * (attn_bwd_sm90.cu), 0 where attn_bwd_dq_convert does */

@@ -91,6 +91,178 @@ DEV uint32_t swz(int r, int j, int w) { return (uint32_t)(r * 2 * w + ((j ^ (r &
 #define THREADS_ALL THREADS
 #endif
 
+/* Merges the num_splits partial results of SPLIT_KV: split s left its rows' maximum m_s and sum
+ * l_s in lse_accum (finish_rows; l_s after all splits' m_s), so lse = M + log sum_s exp(m_s - M)
+ * l_s with M = max_s m_s, and out = sum_s w_s o_s, w_s = exp(m_s - M) l_s / that sum (with
+ * sinks, exp(sink - M) joins that sum and M covers the sink). Not from
+ * each split's lse: at 1e10 it rounds log(l_s) away, and splits of different sums would weigh
+ * alike. Rows past the sequence's real length come out as 0 and -inf like every other row that
+ * keeps no key.
+ *
+ * combine_row merges row r of head h of sequence b with NTH threads (thread tid), `sync` their
+ * barrier, w (MAX_SPLITS floats), part (COMBINE_GROUPS(NTH) * HEAD_DIM_V floats) and *lse_sh in
+ * shared memory. The partials are read through L2 (ld.cg): under the split kernel's own combine
+ * (below) other CTAs wrote them during this launch. attn_fwd_combine: a block a row, grid
+ * (Sq, Hq, B). */
+#define COMBINE_THREADS 256
+#define CVW (HEAD_DIM_V % 4 == 0 ? 4 : 1)              /* floats a load: float4 where rows allow */
+#define CCOLS (HEAD_DIM_V / CVW)
+#define COMBINE_GROUPS(n) (CCOLS < (n) ? (n) / CCOLS : 1)   /* groups of splits */
+#define MAX_SPLITS 128                                 /* backend.py's: one weight a split in w */
+template <int NTH, typename Sync>
+DEV void combine_row(const attn_params &p, int64_t r, int64_t h, int64_t b, int tid, Sync sync, float *w,
+                     float *part, float *lse_sh)
+{
+    constexpr int GROUPS = COMBINE_GROUPS(NTH);
+    const int S = p.num_splits;
+    const int64_t row0 = (b * p.Hq + h) * p.Sq + r, stride = p.B * p.Hq * p.Sq;
+    const float *ms = p.lse_accum, *ls = p.lse_accum + S * stride;
+    if (tid < 32) {
+        float mx = NEG_INF;
+        for (int s = tid; s < S; s += 32)
+            mx = fmaxf(mx, __ldcg(ms + s * stride + row0));
+        for (int o = 16; o; o >>= 1)
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        /* a real row's sink joins the sum as one more part of weight exp(sink) and no value */
+        const float sink = p.sinks && r < seq_q(&p, b).len ? ((const float *)p.sinks)[h] : NEG_INF;
+        const float top = fmaxf(mx, sink), base = top == NEG_INF ? 0.f : top;
+        float sum = 0.f;
+        for (int s = tid; s < S; s += 32)
+            sum += fast_exp2((__ldcg(ms + s * stride + row0) - base) * LOG2E) * __ldcg(ls + s * stride + row0);
+        for (int o = 16; o; o >>= 1)
+            sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (sink != NEG_INF)
+            sum += expf(sink - base);
+        const float lse = sum != 0.f ? base + logf(sum) : NEG_INF;   /* NaN stays NaN */
+        for (int s = tid; s < S; s += 32)
+            w[s] = sum != 0.f ? fast_exp2((__ldcg(ms + s * stride + row0) - base) * LOG2E)
+                                    * __ldcg(ls + s * stride + row0) / sum
+                              : 0.f;
+        if (tid == 0)
+            *lse_sh = lse;
+    }
+    sync();
+    /* GROUPS groups of threads each sum every GROUPS-th split over CVW columns a thread (the
+     * loads of a row's splits in flight at once), then the groups' sums meet */
+    const int per = NTH / GROUPS, grp = tid / per;
+    const float *oa = p.o_accum + row0 * HEAD_DIM_V;
+    if (grp < GROUPS)
+        for (int c = tid % per; c < CCOLS; c += per) {
+            float acc[CVW] = {};
+#pragma unroll 4
+            for (int s = grp; s < S; s += GROUPS) {
+                const float *src = oa + s * stride * HEAD_DIM_V + c * CVW;
+#if CVW == 4
+                const float4 x = __ldcg((const float4 *)src);
+                acc[0] += w[s] * x.x;
+                acc[1] += w[s] * x.y;
+                acc[2] += w[s] * x.z;
+                acc[3] += w[s] * x.w;
+#else
+                acc[0] += w[s] * __ldcg(src);
+#endif
+            }
+#pragma unroll
+            for (int j = 0; j < CVW; j++)
+                part[grp * HEAD_DIM_V + c * CVW + j] = acc[j];
+        }
+    sync();
+    elem_t *orow = (elem_t *)p.out.ptr + b * p.out.s[0] + r * p.out.s[1] + h * p.out.s[2];
+    for (int d = tid; d < HEAD_DIM_V; d += NTH) {
+        float acc = 0.f;
+#pragma unroll
+        for (int g = 0; g < GROUPS; g++)
+            acc += part[g * HEAD_DIM_V + d];
+        orow[d * p.out.s[3]] = f32_to_elem(acc);
+    }
+    if (tid == 0 && p.lse.ptr)
+        ((float *)p.lse.ptr)[b * p.lse.s[0] + h * p.lse.s[1] + r * p.lse.s[2]] = *lse_sh;
+    sync();                                            /* w, part and lse_sh free for the next row */
+}
+
+/* combine_row for a one-warp CTA (the TMA_KV decode tile): rows [pr0, pr_end) of a packed tile
+ * (packed row pr: query row pr / G of head h + pr % G), four at a time, eight lanes a row for its
+ * weights (w: 4 x MAX_SPLITS floats in shared memory) and every lane on columns of all four
+ * rows at once, so that many loads of the partials are in flight: one warp alone had merged a
+ * row at a time at a few loads a lane. */
+DEV void combine_rows_warp(const attn_params &p, int pr0, int pr_end, int G, int64_t h, int64_t b, int lane,
+                           float *w)
+{
+    constexpr int CC = HEAD_DIM_V / CVW, ITEMS = 4 * CC / 32;   /* float4 columns a row; a lane's (row, column) items */
+    static_assert(4 * CC % 32 == 0, "four rows of columns over 32 lanes");
+    const int S = p.num_splits;
+    const int64_t stride = p.B * p.Hq * p.Sq;
+    const float *ms = p.lse_accum, *ls = p.lse_accum + S * stride;
+    for (int base = pr0; base < pr_end; base += 4) {
+        {   /* weights: lanes 8i .. 8i + 7 for row base + i */
+            const int pr = base + (lane >> 3), j = lane & 7;
+            const bool on = pr < pr_end;
+            const int64_t r = pr / G, hr = h + pr % G, row0 = (b * p.Hq + hr) * p.Sq + r;
+            float mx = NEG_INF;
+            for (int s = j; on && s < S; s += 8)
+                mx = fmaxf(mx, __ldcg(ms + s * stride + row0));
+            for (int o = 4; o; o >>= 1)
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            const float sink = on && p.sinks && r < seq_q(&p, b).len ? ((const float *)p.sinks)[hr] : NEG_INF;
+            const float top = fmaxf(mx, sink), base_m = top == NEG_INF ? 0.f : top;
+            float sum = 0.f;
+            for (int s = j; on && s < S; s += 8)
+                sum += fast_exp2((__ldcg(ms + s * stride + row0) - base_m) * LOG2E) * __ldcg(ls + s * stride + row0);
+            for (int o = 4; o; o >>= 1)
+                sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (sink != NEG_INF)
+                sum += expf(sink - base_m);
+            for (int s = j; on && s < S; s += 8)
+                w[(lane >> 3) * MAX_SPLITS + s] = sum != 0.f ? fast_exp2((__ldcg(ms + s * stride + row0) - base_m) * LOG2E)
+                                                                   * __ldcg(ls + s * stride + row0) / sum
+                                                             : 0.f;
+            if (on && j == 0 && p.lse.ptr)
+                ((float *)p.lse.ptr)[b * p.lse.s[0] + hr * p.lse.s[1] + r * p.lse.s[2]]
+                    = sum != 0.f ? base_m + logf(sum) : NEG_INF;                  /* NaN stays NaN */
+        }
+        __syncwarp();
+        /* values: item it = lane + 32 x of the four rows' CC columns each */
+        float acc[ITEMS][CVW] = {};
+        const float *src[ITEMS];
+        int wrow[ITEMS];
+#pragma unroll
+        for (int x = 0; x < ITEMS; x++) {
+            const int it = lane + 32 * x, i = it / CC, c = it % CC, pr = min(base + i, pr_end - 1);
+            const int64_t row0 = (b * p.Hq + h + pr % G) * p.Sq + pr / G;
+            src[x] = p.o_accum + row0 * HEAD_DIM_V + c * CVW;
+            wrow[x] = i * MAX_SPLITS;
+        }
+#pragma unroll 4
+        for (int s = 0; s < S; s++)
+#pragma unroll
+            for (int x = 0; x < ITEMS; x++) {
+                const float *at = src[x] + s * stride * HEAD_DIM_V;
+                const float ws = w[wrow[x] + s];
+#if CVW == 4
+                const float4 v4 = __ldcg((const float4 *)at);
+                acc[x][0] += ws * v4.x;
+                acc[x][1] += ws * v4.y;
+                acc[x][2] += ws * v4.z;
+                acc[x][3] += ws * v4.w;
+#else
+                acc[x][0] += ws * __ldcg(at);
+#endif
+            }
+#pragma unroll
+        for (int x = 0; x < ITEMS; x++) {
+            const int it = lane + 32 * x, i = it / CC, c = it % CC, pr = base + i;
+            if (pr < pr_end) {
+                const int64_t r = pr / G, hr = h + pr % G;
+                elem_t *orow = (elem_t *)p.out.ptr + b * p.out.s[0] + r * p.out.s[1] + hr * p.out.s[2];
+#pragma unroll
+                for (int e = 0; e < CVW; e++)
+                    orow[(c * CVW + e) * p.out.s[3]] = f32_to_elem(acc[x][e]);
+            }
+        }
+        __syncwarp();                                    /* w free for the next four rows */
+    }
+}
+
 #if ENTRY(attn_fwd)
 #if TMA_KV
 extern "C" __global__ void __launch_bounds__(THREADS_ALL)
@@ -397,88 +569,48 @@ extern "C" __global__ void __launch_bounds__(THREADS_ALL) attn_fwd(const __grid_
 #endif
 
     write_out(p, sq, sc.to_natural, o, m, l, m0 + warp * WARP_M, b, h, G, split, Lq);
+#if SPLIT_KV
+    /* the split kernel's own combine, where the host gave it counters (p.split_count: a zeroed
+     * int a query tile, backend.py): each CTA counts its tile's partials in once written; the
+     * last of its num_splits merges the tile's rows, in the shared memory the loop is done with,
+     * and sets the count back to 0 for the next launch. Else attn_fwd_combine runs next. */
+    if (p.split_count) {
+#if TMA_KV
+        const auto sync = [] { named_sync(1, THREADS); };   /* the computing warps: the producer is gone */
+#else
+        const auto sync = [] { __syncthreads(); };
+#endif
+        __shared__ int last;
+        __threadfence();                                 /* this CTA's partials, before its count */
+        sync();
+        const int64_t tq = ((int64_t)blockIdx.z * gridDim.y + blockIdx.y) * m_blocks + m_block;
+        if (tid == 0)
+            last = atomicAdd(p.split_count + tq, 1) == p.num_splits - 1;
+        sync();
+        if (!last)
+            return;
+        __threadfence();                                 /* every count before the partials read */
+        float *w = (float *)smem_raw, *part = w + MAX_SPLITS, *lse_sh = part + COMBINE_GROUPS(THREADS) * HEAD_DIM_V;
+        const int pr_end = min(m0 + BLOCK_M, (int)sq.rows * G);
+        if (THREADS == 32)
+            combine_rows_warp(p, m0, pr_end, G, h, b, tid, w);
+        else
+            for (int pr = m0; pr < pr_end; pr++)
+                combine_row<THREADS>(p, pr / G, h + pr % G, b, tid, sync, w, part, lse_sh);
+        if (tid == 0)
+            p.split_count[tq] = 0;
+    }
+#endif
 }
 #endif
 
-/* Merges the num_splits partial results of SPLIT_KV: split s left its rows' maximum m_s and sum
- * l_s in lse_accum (finish_rows; l_s after all splits' m_s), so lse = M + log sum_s exp(m_s - M)
- * l_s with M = max_s m_s, and out = sum_s w_s o_s, w_s = exp(m_s - M) l_s / that sum (with
- * sinks, exp(sink - M) joins that sum and M covers the sink). Not from
- * each split's lse: at 1e10 it rounds log(l_s) away, and splits of different sums would weigh
- * alike. Grid (Sq, Hq, B), one block per row; rows past the sequence's real length come out as
- * 0 and -inf like every other row that keeps no key. */
-#define COMBINE_THREADS 256
-#define CVW (HEAD_DIM_V % 4 == 0 ? 4 : 1)              /* floats a load: float4 where rows allow */
-#define CCOLS (HEAD_DIM_V / CVW)
-#define CGROUPS (CCOLS < COMBINE_THREADS ? COMBINE_THREADS / CCOLS : 1)   /* groups of splits */
 #if ENTRY(attn_fwd_combine)
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) attn_fwd_combine(const __grid_constant__ attn_params p)
 {
-    __shared__ float w[128];
-    __shared__ __align__(16) float part[CGROUPS * HEAD_DIM_V];
+    __shared__ float w[MAX_SPLITS];
+    __shared__ __align__(16) float part[COMBINE_GROUPS(COMBINE_THREADS) * HEAD_DIM_V];
     __shared__ float lse_sh;
-    const int64_t r = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    const int S = p.num_splits;
-    const int64_t row0 = (b * p.Hq + h) * p.Sq + r, stride = p.B * p.Hq * p.Sq;
-    const float *ms = p.lse_accum, *ls = p.lse_accum + S * stride;
-    if (threadIdx.x < 32) {
-        float mx = NEG_INF;
-        for (int s = threadIdx.x; s < S; s += 32)
-            mx = fmaxf(mx, ms[s * stride + row0]);
-        for (int o = 16; o; o >>= 1)
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        /* a real row's sink joins the sum as one more part of weight exp(sink) and no value */
-        const float sink = p.sinks && r < seq_q(&p, b).len ? ((const float *)p.sinks)[h] : NEG_INF;
-        const float top = fmaxf(mx, sink), base = top == NEG_INF ? 0.f : top;
-        float sum = 0.f;
-        for (int s = threadIdx.x; s < S; s += 32)
-            sum += fast_exp2((ms[s * stride + row0] - base) * LOG2E) * ls[s * stride + row0];
-        for (int o = 16; o; o >>= 1)
-            sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        if (sink != NEG_INF)
-            sum += expf(sink - base);
-        const float lse = sum != 0.f ? base + logf(sum) : NEG_INF;   /* NaN stays NaN */
-        for (int s = threadIdx.x; s < S; s += 32)
-            w[s] = sum != 0.f ? fast_exp2((ms[s * stride + row0] - base) * LOG2E) * ls[s * stride + row0] / sum
-                              : 0.f;
-        if (threadIdx.x == 0)
-            lse_sh = lse;
-    }
-    __syncthreads();
-    /* CGROUPS groups of threads each sum every CGROUPS-th split over CVW columns a thread (the
-     * loads of a row's splits in flight at once), then the groups' sums meet */
-    const int per = COMBINE_THREADS / CGROUPS, grp = threadIdx.x / per;
-    const float *oa = p.o_accum + row0 * HEAD_DIM_V;
-    if (grp < CGROUPS)
-        for (int c = threadIdx.x % per; c < CCOLS; c += per) {
-            float acc[CVW] = {};
-#pragma unroll 4
-            for (int s = grp; s < S; s += CGROUPS) {
-                const float *src = oa + s * stride * HEAD_DIM_V + c * CVW;
-#if CVW == 4
-                const float4 x = *(const float4 *)src;
-                acc[0] += w[s] * x.x;
-                acc[1] += w[s] * x.y;
-                acc[2] += w[s] * x.z;
-                acc[3] += w[s] * x.w;
-#else
-                acc[0] += w[s] * src[0];
-#endif
-            }
-#pragma unroll
-            for (int j = 0; j < CVW; j++)
-                part[grp * HEAD_DIM_V + c * CVW + j] = acc[j];
-        }
-    __syncthreads();
-    elem_t *orow = (elem_t *)p.out.ptr + b * p.out.s[0] + r * p.out.s[1] + h * p.out.s[2];
-    for (int d = threadIdx.x; d < HEAD_DIM_V; d += COMBINE_THREADS) {
-        float acc = 0.f;
-#pragma unroll
-        for (int g = 0; g < CGROUPS; g++)
-            acc += part[g * HEAD_DIM_V + d];
-        orow[d * p.out.s[3]] = f32_to_elem(acc);
-    }
-    if (threadIdx.x == 0 && p.lse.ptr)
-        ((float *)p.lse.ptr)[b * p.lse.s[0] + h * p.lse.s[1] + r * p.lse.s[2]] = lse_sh;
+    combine_row<COMBINE_THREADS>(p, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x, [] { __syncthreads(); }, w, part,
+                                 &lse_sh);
 }
 #endif

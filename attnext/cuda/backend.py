@@ -117,13 +117,15 @@ class _Plan:
     [(fn, grid, block, smem)] in order, scratch bytes (0: none) and offsets, a pair (address
     slot, byte offset in the scratch buffer) per scratch array; zero: (address slot, bytes) of
     the scratch arrays zeroed before the launches; upgrade: the futures of a faster kernel's
-    background compile (nvrtc.compile_ahead), after which the call's plan is made anew, or ()."""
+    background compile (nvrtc.compile_ahead), after which the call's plan is made anew, or ();
+    counters: the split-KV forward's query tiles, whose counters (process.split_counters) let
+    its last launch, attn_fwd_combine, be skipped, or 0."""
 
-    __slots__ = ("template", "launches", "scratch", "offsets", "zero", "upgrade")
+    __slots__ = ("template", "launches", "scratch", "offsets", "zero", "upgrade", "counters")
 
-    def __init__(self, template, launches, scratch=0, offsets=(), zero=(), upgrade=()):
+    def __init__(self, template, launches, scratch=0, offsets=(), zero=(), upgrade=(), counters=0):
         self.template, self.launches, self.scratch, self.offsets = template, launches, scratch, offsets
-        self.zero, self.upgrade = zero, upgrade
+        self.zero, self.upgrade, self.counters = zero, upgrade, counters
 
 
 def _desc(view):
@@ -148,6 +150,9 @@ def _launch(plan, stage, ptrs, o, gmods=None):
     if not plan.launches:
         return
     launch = _C.cuda_launch_attention if gmods is None else _with_gmods(gmods)
+    launches = plan.launches
+    if plan.counters and (count := process.split_counters(plan.counters, stage.device, stage.stream)):
+        ptrs, launches = _at_slots(ptrs, {SLOT_SPLIT_COUNT: count}), launches[:-1]   # no attn_fwd_combine
     buf = process.borrow_scratch(plan.scratch, stage.device, stage.stream) if plan.scratch else None
     try:
         if buf is not None:
@@ -157,7 +162,7 @@ def _launch(plan, stage, ptrs, o, gmods=None):
             ptrs = tuple(ptrs)
         for slot, nbytes in plan.zero:
             _C.memset_d8(ptrs[slot], 0, nbytes, stage.stream, stage.device)
-        for fn, grid, block, smem, *own in plan.launches:     # own: a launch's own template
+        for fn, grid, block, smem, *own in launches:     # own: a launch's own template
             launch(fn, grid, block, smem, stage.stream, own[0] if own else plan.template, ptrs, o.scale_value,
                    o.softcap_value)
     finally:
@@ -176,6 +181,7 @@ def _with_gmods(gmods):
 SLOT_O_ACCUM, SLOT_LSE_ACCUM, SLOT_DELTA, SLOT_DQ_ACCUM, SLOT_DQ_SEM, SLOT_DEAD, SLOT_ROW_MZ = (
     SLOT[name] for name in ("o_accum", "lse_accum", "delta", "dq_accum", "dq_sem", "dead", "row_mz"))
 SLOT_SINKS = SLOT["sinks"]        # dsinks follows it
+SLOT_SPLIT_COUNT = SLOT["split_count"]
 SLOT_BLOCK_TABLE = SLOT["block_table"]
 
 
@@ -506,6 +512,11 @@ def _decode_plan(o, features, device):
 
 
 MAX_SPLITS = 128    # attn_fwd_combine keeps one weight per split in shared memory
+# The split kernel's last CTA of a query tile merges the tile's partials itself up to this many
+# splits; past it attn_fwd_combine's grid (a block a row) merges them faster than the decode
+# tile's one warp. H200, bf16 decode Hq32 Hk8 D128, do_bench against attn_fwd_combine: B8 Sk8k
+# (4 splits) 3126 -> 3207 GB/s, B1 Sk32k (33 splits) 2387-2447 -> 2124-2295 (bench/NOTES.md)
+FUSED_COMBINE_SPLITS = 16
 COMBINE_THREADS = 256   # attn_fwd.cu's: a block per row, its splits' loads spread over them
 
 
@@ -610,7 +621,13 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     partials = splits * o.B * o.Hq * o.Sq
     # lse_accum: each partial's maximum, then its sum (attn_fwd_combine)
     total, (o_off, lse_off) = _scratch_layout(4 * partials * o.Dv, 2 * 4 * partials)
-    return _Plan(template, tuple(launches), total, ((SLOT_O_ACCUM, o_off), (SLOT_LSE_ACCUM, lse_off)))
+    # up to FUSED_COMBINE_SPLITS splits, the split kernel merges its own partials where the stream
+    # keeps counters (_launch): attn_fwd_combine is then not launched; ATTNEXT_DECODE_COMBINE=kernel
+    # keeps it (the lab, tests)
+    own = splits <= FUSED_COMBINE_SPLITS and _env.get("ATTNEXT_DECODE_COMBINE") != "kernel"
+    counters = grid[0] // splits * grid[1] * grid[2] if own else 0
+    return _Plan(template, tuple(launches), total, ((SLOT_O_ACCUM, o_off), (SLOT_LSE_ACCUM, lse_off)),
+                 counters=counters)
 
 
 def _compile_backward_ahead(o, device, features, q_rows, gen, fwd_specs):

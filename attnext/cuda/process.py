@@ -13,7 +13,8 @@ child in the order of registration. A hook that raises is reported on stderr and
 A forked child cannot use its parent's CUDA state or threads: each module's after_in_child
 hook starts it again from nothing (new locks, no pools, no threads); before a fork, pinned
 registrations are given back (pinning.forget_kept). At exit the copy threads and rings
-(staging), compile_ahead's queued compiles (nvrtc) and the idle scratch buffers (below) go.
+(staging), compile_ahead's queued compiles (nvrtc) and the idle scratch buffers and split
+counters (below) go.
 
 Scratch (`borrow_scratch`): the memory a call needs only while its kernels run (the split-KV
 forward's partial results, the backward's row sums) is one buffer per (device, stream), kept
@@ -106,6 +107,7 @@ SCRATCH_MIN_BYTES = 1 << 20      # scratch grows in powers of two from here
 SCRATCH_KEEP_BYTES = 64 << 20    # a larger buffer is freed after its call, not kept
 
 _scratch = collections.OrderedDict()   # (device, stream) -> (ptr, nbytes): idle buffers, LRU first
+_counters = collections.OrderedDict()  # (device, stream) -> (ptr, count): split counters (below), LRU first
 _scratch_lock = threading.Lock()
 
 
@@ -163,10 +165,12 @@ def _free_scratch(entries):
 
 
 def release_scratch():
-    """Frees every idle scratch buffer (at exit; the tests call it too)."""
+    """Frees every idle scratch buffer and every stream's split counters (at exit; the tests
+    call it too)."""
     with _scratch_lock:
-        entries = list(_scratch.items())
+        entries = list(_scratch.items()) + list(_counters.items())
         _scratch.clear()
+        _counters.clear()
     if entries:
         _free_scratch(entries)
 
@@ -181,6 +185,39 @@ def _forget_scratch_after_fork():
     global _scratch_lock
     _scratch_lock = threading.Lock()
     _scratch.clear()
+    _counters.clear()
+
+
+# ---------------------------------------------------------------- split counters
+# The split-KV forward's own combine (attn_fwd.cu) counts each query tile's finished splits in an
+# int32 that must be 0 when a launch starts; the launch's last CTA of the tile sets it back to 0.
+# So a stream keeps one buffer of them, zeroed once when made, never lent to anything else: the
+# launches of one stream run in order, each finding the zeros the one before left. Grown like
+# scratch; at most SCRATCH_STREAMS streams keep one (the least recently used freed as scratch is).
+
+
+def split_counters(count, device, stream):
+    """The address of at least `count` zeroed int32 counters for launches on `stream`, or None on
+    the per-thread default stream (a different stream in each thread: no buffer can be kept for
+    it; the caller then runs attn_fwd_combine)."""
+    key = (device, _legacy(stream))
+    if key[1] == PER_THREAD_STREAM:
+        return None
+    evicted = []
+    with _scratch_lock:
+        buf = _counters.pop(key, None)
+        if buf is None or buf[1] < count:
+            if buf is not None:
+                _C.mem_free(buf[0], stream, device)      # after the launches that used it, in order
+            n = max(1024, 1 << (count - 1).bit_length())
+            buf = (_C.mem_alloc(4 * n, stream, device), n)
+            _C.memset_d8(buf[0], 0, 4 * n, stream, device)
+        _counters[key] = buf
+        while len(_counters) > SCRATCH_STREAMS:
+            evicted.append(_counters.popitem(last=False))
+    if evicted:
+        _free_scratch(evicted)
+    return buf[0]
 
 
 at_exit(release_scratch)

@@ -162,6 +162,13 @@ for lo, hi in ((0, 1050), (1050, 1100)):
     for a, b in zip((g.dq, g.dk, g.dv), (want.dq, want.dk, want.dv)):
         check(a[lo:hi], b[0])
 assert len(bulk) > planned and all(bulk), bulk     # this backward's plan, with bulk copies too
+# a split-KV decode (TMA_KV on Hopper): the last CTA of each query tile merges the splits in the
+# shared memory its ring is done with; twice, the second on the counters the first set back to 0
+qd = torch.randn(1, 1, 8, D, device="cuda", dtype=torch.bfloat16)
+kd, vd = (torch.randn(1, 4096, 2, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+want = reference.attention(*(x.float().cpu().numpy() for x in (qd, kd, vd)))
+for _ in range(2):
+    check(attnext.attention(qd, kd, vd), want)
 torch.cuda.synchronize()
 print("worst", worst)
 raise SystemExit(0 if worst < 2e-2 else 1)

@@ -77,7 +77,30 @@ def test_a_plan_is_reused_by_its_key_only(fake_driver):
         assert LAUNCHES[-1][6][13] and not LAUNCHES[-1][6][12]       # seqused_k given, seqused_q not
         assert warm["k stride"][0][5]["k"] == (200 * 2 * 256, 2 * 256, 128, 1)
         assert dict(warm["unaligned q"][0][0][2])["VEC_LOAD"] == 0 == 1 - dict(warm["plain"][0][0][2])["VEC_LOAD"]
-        assert [l[0][1] for l in warm["decode"]] == ["attn_fwd", "attn_fwd_combine"], warm["decode"]
+        # split-KV decode (few splits: 8 kv heads x 1 packed tile over 2048 keys): one launch that
+        # merges its own partials through the stream's zeroed counters (a tile each);
+        # attn_fwd_combine after it on the per-thread default stream (no counters kept), under
+        # ATTNEXT_DECODE_COMBINE=kernel and past FUSED_COMBINE_SPLITS splits (the cases' decode)
+        at = cuda_backend.SLOT_SPLIT_COUNT
+
+        def launched(call):
+            n = len(LAUNCHES)
+            call()
+            return LAUNCHES[n:]
+        decode_short = qkv(1, 1, 2048, 32, 8, 128)
+        one = launched(lambda: attnext.attention(*decode_short))
+        (name, grid, _, _, _, p, ptrs), = one
+        assert name[1] == "attn_fwd" and 1 < p["num_splits"] <= cuda_backend.FUSED_COMBINE_SPLITS, one
+        assert grid == (p["num_splits"], 8, 1) and ptrs[at] and ptrs[at] == process.split_counters(8, 0, 0)
+        decode_pt = qkv(1, 1, 2048, 32, 8, 128, stream=device.PER_THREAD_STREAM)
+        _env.setenv("ATTNEXT_DECODE_COMBINE", "kernel")
+        try:
+            knob = launched(lambda: attnext.attention(*decode_short))
+        finally:
+            _env.setenv("ATTNEXT_DECODE_COMBINE", None)
+        for two in (launched(lambda: attnext.attention(*decode_pt)), knob, warm["decode"]):
+            assert [l[0][1] for l in two] == ["attn_fwd", "attn_fwd_combine"], two
+            assert two[0][5]["num_splits"] > 1 and not any(l[6][at:at + 1] for l in two if len(l) > 6), two
         # sinks: an address in the forward's launch (the plain plan), attn_bwd_sinks (a block a
         # head) after attn_bwd_pre in the backward's, with dsinks' address
         at = cuda_backend.SLOT_SINKS
