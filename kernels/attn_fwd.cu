@@ -185,11 +185,11 @@ DEV void combine_row(const attn_params &p, int64_t r, int64_t h, int64_t b, int 
  * weights (w: 4 x MAX_SPLITS floats in shared memory) and every lane on columns of all four
  * rows at once, so that many loads of the partials are in flight: one warp alone had merged a
  * row at a time at a few loads a lane. */
+#if SPLIT_KV
 DEV void combine_rows_warp(const attn_params &p, int pr0, int pr_end, int G, int64_t h, int64_t b, int lane,
                            float *w)
 {
-    constexpr int CC = HEAD_DIM_V / CVW, ITEMS = 4 * CC / 32;   /* float4 columns a row; a lane's (row, column) items */
-    static_assert(4 * CC % 32 == 0, "four rows of columns over 32 lanes");
+    constexpr int CC = HEAD_DIM_V / CVW, ITEMS = (4 * CC + 31) / 32;   /* columns of CVW a row; a lane's (row, column) items */
     const int S = p.num_splits;
     const int64_t stride = p.B * p.Hq * p.Sq;
     const float *ms = p.lse_accum, *ls = p.lse_accum + S * stride;
@@ -226,8 +226,9 @@ DEV void combine_rows_warp(const attn_params &p, int pr0, int pr_end, int G, int
         const float *src[ITEMS];
         int wrow[ITEMS];
 #pragma unroll
-        for (int x = 0; x < ITEMS; x++) {
-            const int it = lane + 32 * x, i = it / CC, c = it % CC, pr = min(base + i, pr_end - 1);
+        for (int x = 0; x < ITEMS; x++) {      /* items past the four rows' (4 CC) read row 0 of the pass */
+            const int it = lane + 32 * x < 4 * CC ? lane + 32 * x : 0, i = it / CC, c = it % CC;
+            const int pr = min(base + i, pr_end - 1);
             const int64_t row0 = (b * p.Hq + h + pr % G) * p.Sq + pr / G;
             src[x] = p.o_accum + row0 * HEAD_DIM_V + c * CVW;
             wrow[x] = i * MAX_SPLITS;
@@ -251,7 +252,7 @@ DEV void combine_rows_warp(const attn_params &p, int pr0, int pr_end, int G, int
 #pragma unroll
         for (int x = 0; x < ITEMS; x++) {
             const int it = lane + 32 * x, i = it / CC, c = it % CC, pr = base + i;
-            if (pr < pr_end) {
+            if (it < 4 * CC && pr < pr_end) {
                 const int64_t r = pr / G, hr = h + pr % G;
                 elem_t *orow = (elem_t *)p.out.ptr + b * p.out.s[0] + r * p.out.s[1] + hr * p.out.s[2];
 #pragma unroll
@@ -262,6 +263,7 @@ DEV void combine_rows_warp(const attn_params &p, int pr0, int pr_end, int G, int
         __syncwarp();                                    /* w free for the next four rows */
     }
 }
+#endif
 
 #if ENTRY(attn_fwd)
 #if TMA_KV
