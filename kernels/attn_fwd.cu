@@ -101,9 +101,9 @@ DEV uint32_t swz(int r, int j, int w) { return (uint32_t)(r * 2 * w + ((j ^ (r &
  *
  * combine_row merges row r of head h of sequence b with NTH threads (thread tid), `sync` their
  * barrier, w (MAX_SPLITS floats), part (COMBINE_GROUPS(NTH) * HEAD_DIM_V floats) and *lse_sh in
- * shared memory. The partials are read through L2 (ld.cg): under the split kernel's own combine
- * (below) other CTAs wrote them during this launch. attn_fwd_combine: a block a row, grid
- * (Sq, Hq, B). */
+ * shared memory: attn_fwd_combine's, a block a row, grid (Sq, Hq, B). The TMA_KV split kernel's
+ * own merge (combine_rows_warp, below) reads the partials the same way, through L2 (ld.cg):
+ * other CTAs of the same launch wrote them. */
 #define COMBINE_THREADS 256
 #define CVW (HEAD_DIM_V % 4 == 0 ? 4 : 1)              /* floats a load: float4 where rows allow */
 #define CCOLS (HEAD_DIM_V / CVW)
@@ -185,7 +185,7 @@ DEV void combine_row(const attn_params &p, int64_t r, int64_t h, int64_t b, int 
  * weights (w: 4 x MAX_SPLITS floats in shared memory) and every lane on columns of all four
  * rows at once, so that many loads of the partials are in flight: one warp alone had merged a
  * row at a time at a few loads a lane. */
-#if SPLIT_KV
+#if SPLIT_KV && TMA_KV
 DEV void combine_rows_warp(const attn_params &p, int pr0, int pr_end, int G, int64_t h, int64_t b, int lane,
                            float *w)
 {
@@ -571,34 +571,27 @@ extern "C" __global__ void __launch_bounds__(THREADS_ALL) attn_fwd(const __grid_
 #endif
 
     write_out(p, sq, sc.to_natural, o, m, l, m0 + warp * WARP_M, b, h, G, split, Lq);
-#if SPLIT_KV
-    /* the split kernel's own combine, where the host gave it counters (p.split_count: a zeroed
-     * int a query tile, backend.py): each CTA counts its tile's partials in once written; the
-     * last of its num_splits merges the tile's rows, in the shared memory the loop is done with,
-     * and sets the count back to 0 for the next launch. Else attn_fwd_combine runs next. */
+#if SPLIT_KV && TMA_KV
+    /* the split kernel's own merge, where the host lent counters (p.split_count: an int32 a query
+     * tile, zero before the launch; backend.py takes this for a few packed rows a tile): each
+     * CTA counts itself in once its partials are written; the last of the tile's num_splits
+     * merges the tile's rows (combine_rows_warp, the one computing warp) in the shared memory the
+     * ring is done with, and sets the count back to 0 for the next launch. Else attn_fwd_combine
+     * runs next. */
     if (p.split_count) {
-#if TMA_KV
-        const auto sync = [] { named_sync(1, THREADS); };   /* the computing warps: the producer is gone */
-#else
-        const auto sync = [] { __syncthreads(); };
-#endif
         __shared__ int last;
         __threadfence();                                 /* this CTA's partials, before its count */
-        sync();
+        named_sync(1, THREADS);                          /* the computing warps: the producer is gone */
         const int64_t tq = ((int64_t)blockIdx.z * gridDim.y + blockIdx.y) * m_blocks + m_block;
-        if (tid == 0)
+        if (tid == 0) {
             last = atomicAdd(p.split_count + tq, 1) == p.num_splits - 1;
-        sync();
-        if (!last)
+            __threadfence();                             /* every count before the partials are read */
+        }
+        named_sync(1, THREADS);
+        if (!last || warp != 0)                          /* warp 0 merges (the shipped tile's only one) */
             return;
-        __threadfence();                                 /* every count before the partials read */
-        float *w = (float *)smem_raw, *part = w + MAX_SPLITS, *lse_sh = part + COMBINE_GROUPS(THREADS) * HEAD_DIM_V;
-        const int pr_end = min(m0 + BLOCK_M, (int)sq.rows * G);
-        if (THREADS == 32)
-            combine_rows_warp(p, m0, pr_end, G, h, b, tid, w);
-        else
-            for (int pr = m0; pr < pr_end; pr++)
-                combine_row<THREADS>(p, pr / G, h + pr % G, b, tid, sync, w, part, lse_sh);
+        __threadfence();
+        combine_rows_warp(p, m0, min(m0 + BLOCK_M, (int)sq.rows * G), G, h, b, lane, (float *)smem_raw);
         if (tid == 0)
             p.split_count[tq] = 0;
     }

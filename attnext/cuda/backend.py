@@ -118,7 +118,7 @@ class _Plan:
     slot, byte offset in the scratch buffer) per scratch array; zero: (address slot, bytes) of
     the scratch arrays zeroed before the launches; upgrade: the futures of a faster kernel's
     background compile (nvrtc.compile_ahead), after which the call's plan is made anew, or ();
-    counters: the split-KV forward's query tiles, whose counters (process.split_counters) let
+    counters: the split-KV forward's query tiles, whose counters (process.borrow_counters) let
     its last launch, attn_fwd_combine, be skipped, or 0."""
 
     __slots__ = ("template", "launches", "scratch", "offsets", "zero", "upgrade", "counters")
@@ -151,8 +151,9 @@ def _launch(plan, stage, ptrs, o, gmods=None):
         return
     launch = _C.cuda_launch_attention if gmods is None else _with_gmods(gmods)
     launches = plan.launches
-    if plan.counters and (count := process.split_counters(plan.counters, stage.device, stage.stream)):
-        ptrs, launches = _at_slots(ptrs, {SLOT_SPLIT_COUNT: count}), launches[:-1]   # no attn_fwd_combine
+    counters = process.borrow_counters(plan.counters, stage.device, stage.stream) if plan.counters else None
+    if counters is not None:
+        ptrs, launches = _at_slots(ptrs, {SLOT_SPLIT_COUNT: counters[0]}), launches[:-1]   # no attn_fwd_combine
     buf = process.borrow_scratch(plan.scratch, stage.device, stage.stream) if plan.scratch else None
     try:
         if buf is not None:
@@ -168,6 +169,8 @@ def _launch(plan, stage, ptrs, o, gmods=None):
     finally:
         if buf is not None:
             process.give_back_scratch(buf, stage.device, stage.stream)
+        if counters is not None:
+            process.give_back_counters(counters, stage.device, stage.stream)
 
 
 def _with_gmods(gmods):
@@ -512,11 +515,14 @@ def _decode_plan(o, features, device):
 
 
 MAX_SPLITS = 128    # attn_fwd_combine keeps one weight per split in shared memory
-# The split kernel's last CTA of a query tile merges the tile's partials itself up to this many
-# splits; past it attn_fwd_combine's grid (a block a row) merges them faster than the decode
-# tile's one warp. H200, bf16 decode Hq32 Hk8 D128, do_bench against attn_fwd_combine: B8 Sk8k
-# (4 splits) 3126 -> 3207 GB/s, B1 Sk32k (33 splits) 2387-2447 -> 2124-2295 (bench/NOTES.md)
+# The TMA_KV decode's last CTA of a query tile merges the tile's partials itself (its one warp,
+# four packed rows at a time) up to this many splits and packed rows a tile; past them
+# attn_fwd_combine's grid (a block a row) merges faster. H200, bf16 decode Hq32 Hk8 D128
+# against attn_fwd_combine: B8 Sk8k (4 splits, 4 rows) 3126 -> 3207 GB/s, B1 Sk32k (33 splits)
+# 2387-2447 -> 2124-2295; Sk8k with 8-16 rows a tile 1.14-1.46x slower; the cp.async kernel's
+# merge (a row at a time) 1.07-3.4x slower (bench/NOTES.md)
 FUSED_COMBINE_SPLITS = 16
+FUSED_COMBINE_ROWS = 4
 COMBINE_THREADS = 256   # attn_fwd.cu's: a block per row, its splits' loads spread over them
 
 
@@ -621,10 +627,11 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     partials = splits * o.B * o.Hq * o.Sq
     # lse_accum: each partial's maximum, then its sum (attn_fwd_combine)
     total, (o_off, lse_off) = _scratch_layout(4 * partials * o.Dv, 2 * 4 * partials)
-    # up to FUSED_COMBINE_SPLITS splits, the split kernel merges its own partials where the stream
-    # keeps counters (_launch): attn_fwd_combine is then not launched; ATTNEXT_DECODE_COMBINE=kernel
-    # keeps it (the lab, tests)
-    own = splits <= FUSED_COMBINE_SPLITS and _env.get("ATTNEXT_DECODE_COMBINE") != "kernel"
+    # the TMA_KV kernel with up to FUSED_COMBINE_ROWS packed rows a tile and FUSED_COMBINE_SPLITS
+    # splits merges its own partials where the stream lends counters (_launch): attn_fwd_combine
+    # is then not launched; ATTNEXT_DECODE_COMBINE=kernel keeps it (the lab, tests)
+    own = (tma and splits <= FUSED_COMBINE_SPLITS and o.Sq * (o.Hq // o.Hk if pack else 1) <= FUSED_COMBINE_ROWS
+           and _env.get("ATTNEXT_DECODE_COMBINE") != "kernel")
     counters = grid[0] // splits * grid[1] * grid[2] if own else 0
     return _Plan(template, tuple(launches), total, ((SLOT_O_ACCUM, o_off), (SLOT_LSE_ACCUM, lse_off)),
                  counters=counters)

@@ -189,35 +189,52 @@ def _forget_scratch_after_fork():
 
 
 # ---------------------------------------------------------------- split counters
-# The split-KV forward's own combine (attn_fwd.cu) counts each query tile's finished splits in an
+# The split-KV forward's own merge (attn_fwd.cu) counts each query tile's finished splits in an
 # int32 that must be 0 when a launch starts; the launch's last CTA of the tile sets it back to 0.
-# So a stream keeps one buffer of them, zeroed once when made, never lent to anything else: the
-# launches of one stream run in order, each finding the zeros the one before left. Grown like
-# scratch; at most SCRATCH_STREAMS streams keep one (the least recently used freed as scratch is).
+# So a stream keeps a buffer of them, zeroed once when made and never lent to anything else: the
+# launches of one stream run in order, each finding the zeros the one before left. Borrowed and
+# given back around a call's launches like scratch (a call on the same stream meanwhile gets a
+# buffer of its own; only idle buffers are ever freed), at most SCRATCH_STREAMS streams keep one.
+# None where such a buffer could outlive its stream's order: the per-thread default stream (a
+# different stream in each thread), a stream capturing a CUDA graph (a replay beside later calls
+# would share the counters), or no memory for one; the call then launches attn_fwd_combine.
 
 
-def split_counters(count, device, stream):
-    """The address of at least `count` zeroed int32 counters for launches on `stream`, or None on
-    the per-thread default stream (a different stream in each thread: no buffer can be kept for
-    it; the caller then runs attn_fwd_combine)."""
+def borrow_counters(count, device, stream):
+    """(ptr, n): n >= count zeroed int32 counters for launches on `stream` until
+    give_back_counters(), or None (above)."""
     key = (device, _legacy(stream))
-    if key[1] == PER_THREAD_STREAM:
+    if key[1] == PER_THREAD_STREAM or _C.stream_capturing(stream, device):
         return None
-    evicted = []
     with _scratch_lock:
         buf = _counters.pop(key, None)
-        if buf is None or buf[1] < count:
-            if buf is not None:
-                _C.mem_free(buf[0], stream, device)      # after the launches that used it, in order
-            n = max(1024, 1 << (count - 1).bit_length())
-            buf = (_C.mem_alloc(4 * n, stream, device), n)
-            _C.memset_d8(buf[0], 0, 4 * n, stream, device)
-        _counters[key] = buf
+    if buf is not None and buf[1] >= count:
+        return buf
+    try:
+        if buf is not None:
+            _C.mem_free(buf[0], stream, device)      # after the launches that used it, in order
+        n = max(1024, 1 << (count - 1).bit_length())
+        buf = (_C.mem_alloc(4 * n, stream, device), n)
+    except MemoryError:
+        return None
+    _C.memset_d8(buf[0], 0, 4 * n, stream, device)
+    return buf
+
+
+def give_back_counters(buf, device, stream):
+    """Returns borrow_counters' buffer once the launches using it are enqueued on `stream`."""
+    key, drop = (device, _legacy(stream)), None
+    with _scratch_lock:
+        idle = _counters.pop(key, None)
+        keep, drop = (idle, buf) if idle is not None and idle[1] >= buf[1] else (buf, idle)
+        _counters[key] = keep
+        evicted = []
         while len(_counters) > SCRATCH_STREAMS:
             evicted.append(_counters.popitem(last=False))
+    if drop is not None:
+        _C.mem_free(drop[0], stream, device)         # zero again: another call's launches left it so
     if evicted:
         _free_scratch(evicted)
-    return buf[0]
 
 
 at_exit(release_scratch)

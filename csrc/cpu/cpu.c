@@ -129,21 +129,31 @@ static void cpu_free_bytes(void *p, size_t bytes)
 enum { TILE_EMPTY = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
 
 /* A forward's output rows go around the caches (non-temporal stores) when the output is at least
- * this large: nothing reads them again during the call, and an ordinary store first reads its
- * line from memory. Zen 2, B1 S1024 H8 D128 with the output evicted between calls (as the bench's
- * torch call does): the output pass 0.45 -> 0.28 ms a thread (with the Q tile transposed
- * in place, cpu_impl.h: the forward's S1024 D128 rows 3% faster, t/ax 1.16-1.20 -> 1.20-1.23). */
-#define STREAM_OUT_BYTES ((size_t)1 << 20)
+ * this large (a fair share of a last-level cache, which a caller reading it next would not
+ * find it in anyway): nothing reads them again during the call, and an ordinary store first
+ * reads its line from memory. Zen 2, B1 S1024 H8 D128 (4 MiB) with the output evicted between
+ * calls (as the bench's torch call does): the output pass 0.45 -> 0.28 ms a thread (with the Q
+ * tile transposed in place, cpu_impl.h: the S1024 D128 rows 3% faster, t/ax 1.16-1.20 ->
+ * 1.20-1.23). */
+#define STREAM_OUT_BYTES ((size_t)4 << 20)
 
-/* dst[0 .. bytes) = src[0 .. bytes) by non-temporal stores where the CPU has them (x86-64: SSE2)
- * and dst and bytes are 16-byte multiples, else by memcpy; stream_fence() then orders them before
- * the stores that follow (once per batch of rows: a fence per row cost more than it saved). */
+/* dst[0 .. bytes) = src[0 .. bytes): the whole 64-byte lines of dst by non-temporal stores where
+ * the CPU has them (x86-64: SSE2) and dst is 16-byte aligned, the partial lines at either end
+ * (which other rows share) and everything elsewhere by memcpy; stream_fence() then orders them
+ * before the stores that follow (once per batch of rows: a fence per row cost more than it
+ * saved). */
 static inline void stream_copy(void *dst, const void *src, size_t bytes)
 {
 #ifdef __SSE2__
-    if (((uintptr_t)dst & 15) == 0 && (bytes & 15) == 0) {
-        for (size_t x = 0; x < bytes; x += 16)
-            _mm_stream_si128((__m128i *)((char *)dst + x), _mm_loadu_si128((const __m128i *)((const char *)src + x)));
+    char *d = (char *)dst;
+    const char *s = (const char *)src;
+    const size_t head = (64 - ((uintptr_t)d & 63)) & 63;
+    if (((uintptr_t)d & 15) == 0 && bytes >= head + 64) {
+        const size_t body = (bytes - head) & ~(size_t)63;
+        memcpy(d, s, head);
+        for (size_t x = head; x < head + body; x += 16)
+            _mm_stream_si128((__m128i *)(d + x), _mm_loadu_si128((const __m128i *)(s + x)));
+        memcpy(d + head + body, s + head + body, bytes - head - body);
         return;
     }
 #endif

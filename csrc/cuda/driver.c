@@ -15,6 +15,7 @@
 
 struct cu_api CU;
 cu_encode_tiled_fn cu_encode_tiled;
+cu_is_capturing_fn cu_is_capturing;
 struct nvrtc_api NVRTC;
 
 #define MAX_DEVICES 64
@@ -78,6 +79,7 @@ static int driver_load_locked(void)
     CU_API(CU_RESOLVE)
 #undef CU_RESOLVE
     cu_encode_tiled = (cu_encode_tiled_fn)dlsym(h, "cuTensorMapEncodeTiled");   /* optional: CUDA 12 */
+    cu_is_capturing = (cu_is_capturing_fn)dlsym(h, "cuStreamIsCapturing");      /* optional */
     CUresult rc = CU.cuInit(0);
     if (rc != CUDA_SUCCESS) {
         snprintf(cu_reason, sizeof cu_reason, "cuInit failed: %s (%s)", cu_name(rc), cu_text(rc));
@@ -94,6 +96,7 @@ fail:
     /* the library stays loaded (unloading a driver library is never safe), but unused */
     memset(&CU, 0, sizeof CU);
     cu_encode_tiled = NULL;
+    cu_is_capturing = NULL;
     return -1;
 }
 

@@ -170,6 +170,12 @@ typedef CUresult (*cu_encode_tiled_fn)(CUtensorMap *map, int dtype, unsigned ran
                                        int swizzle, int l2_promotion, int oob_fill);
 extern cu_encode_tiled_fn cu_encode_tiled;
 
+/* cuStreamIsCapturing (status 0: not capturing), resolved where the driver has it (NULL: taken
+ * as never capturing): work kept across calls per stream (the split decode's counters) is not
+ * used inside a capture, whose graph could replay it beside later calls. */
+typedef CUresult (*cu_is_capturing_fn)(CUstream stream, int *status);
+extern cu_is_capturing_fn cu_is_capturing;
+
 /* Filled by cuda_driver_load() / nvrtc_load(); valid once they have returned 0. */
 extern struct cu_api CU;
 extern struct nvrtc_api NVRTC;

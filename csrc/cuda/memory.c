@@ -216,6 +216,18 @@ fail:
     return NULL;
 }
 
+static PyObject *c_stream_capturing(PyObject *module, PyObject *args)
+{
+    CUstream stream;
+    int device = 0, status = 0;
+    if (!PyArg_ParseTuple(args, "O&|i:stream_capturing", as_stream, &stream, &device) || cuda_device_enter(device))
+        return NULL;
+    if (!cu_is_capturing)
+        Py_RETURN_FALSE;
+    /* an error (the legacy stream while another captures globally) counts as capturing */
+    return PyBool_FromLong(cu_is_capturing(stream, &status) != CUDA_SUCCESS || status != 0);
+}
+
 static PyObject *c_device_synchronize(PyObject *module, PyObject *args)
 {
     int device = 0;
@@ -391,6 +403,9 @@ static PyMethodDef memory_methods[] = {
      "memset_d8(ptr: int, value: int, nbytes: int, stream: int, device: int = 0, /) -> None"},
     {"stream_synchronize", c_stream_synchronize, METH_VARARGS,
      "stream_synchronize(stream: int, device: int = 0, /) -> None, GIL released while waiting."},
+    {"stream_capturing", c_stream_capturing, METH_VARARGS,
+     "stream_capturing(stream: int, device: int = 0, /) -> bool: whether the stream is capturing "
+     "a CUDA graph (False where the driver cannot say)."},
     {"device_synchronize", c_device_synchronize, METH_VARARGS,
      "device_synchronize(device: int = 0, /) -> None: waits for all work on the device, every "
      "stream's (GIL released)."},

@@ -558,27 +558,36 @@ def test_backward_reads_read_only_out_and_lse(frozen, rng):
 
 # The CPU forward's two paths for q and out held in the accumulation type (float32, float64) with
 # rows of stride 1: Q tiles transposed straight from q (D a multiple of 32, whole 64-row tiles),
-# and out's rows written past the caches once out holds 1 MiB (cpu.c: STREAM_OUT_BYTES). The
-# shapes take them: 1100 rows (a last tile of 12), 4 heads of 64 (1.1 MiB of float32); each
-# `given` but "contiguous" and "bhsd" sends q or out down the ordinary path instead.
-@pytest.mark.parametrize("given", ["contiguous", "bhsd", "q_strided", "out_misaligned", "out_strided"])
+# and out's rows written past the caches once out holds 4 MiB (cpu.c: STREAM_OUT_BYTES; the whole
+# 64-byte lines of a row, the partial ones at its ends by ordinary stores). The shapes take them:
+# 1100 rows (a last tile of 12), 8 query heads of 128 over 2 kv heads (4.3 MiB of float32);
+# "q_strided" and "out_strided" send q or out down the ordinary path, "out_unaligned" (float
+# aligned, 16-byte not) out's rows to memcpy whole, "out_offset" (16-byte aligned, 64-byte not)
+# streams rows with partial lines at both ends.
+@pytest.mark.parametrize("given", ["contiguous", "bhsd", "q_strided", "out_strided", "out_unaligned",
+                                   "out_offset"])
 @pytest.mark.parametrize("dtype", [F32, F64], ids=dtype_id)
 def test_large_forward_layouts(dtype, given, rng):
     if DEVICE != "cpu":
         pytest.skip("the CPU backend's paths")
     layout = "bhsd" if given == "bhsd" else "bshd"
-    b, sq, sk, h, d = 1, 1100, 300, 4, 64
-    q, k, v = make_qkv(rng, b, sq, sk, h, h, d, d, dtype, layout)
+    b, sq, sk, hq, hk, d = 1, 1100, 1200, 8, 2, 128
+    q, k, v = make_qkv(rng, b, sq, sk, hq, hk, d, d, dtype, layout)
     if given == "q_strided":
         q = np.repeat(q, 2, axis=-1)[..., ::2]
-    shape = (b, sq, h, d) if layout == "bshd" else (b, h, sq, d)
-    out = poisoned(shape, dtype)
-    if given == "out_misaligned":
-        out = _misaligned(out)
-    elif given == "out_strided":
+    shape = (b, sq, hq, d) if layout == "bshd" else (b, hq, sq, d)
+    size = int(np.prod(shape))
+    if given == "out_strided":
         out = poisoned(shape[:-1] + (2 * d,), dtype)[..., ::2]
-    assert out.nbytes >= 1 << 20
-    check_backend(q, k, v, rng, out=out, layout=layout, causal=True, backward=False)
+    elif given in ("out_unaligned", "out_offset"):
+        at = np.dtype(dtype).itemsize if given == "out_unaligned" else 16     # the address mod 64
+        raw = np.full(size + 64, np.nan, dtype)
+        first = next(i for i in range(64) if raw[i:].ctypes.data % 64 == at)
+        out = raw[first:first + size].reshape(shape)
+    else:
+        out = poisoned(shape, dtype)
+    assert out.nbytes >= 4 << 20
+    check_backend(q, k, v, rng, out=out, layout=layout, backward=False)
 
 
 @pytest.mark.parametrize("layout", ["bshd", "bhsd", "varlen"])

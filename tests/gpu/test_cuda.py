@@ -434,35 +434,48 @@ def test_decode_by_tensor_copies(dtype, d, page, tile, rng):
     assert_close("out (cp.async kernel)", old, r_out, dtype)
 
 
+@pytest.mark.parametrize("tma", ["1", "0"], ids=["tma", "cp_async"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("case", ["packed", "sinks", "bias", "three_rows"])
-def test_decode_combine_in_the_split_kernel(case, d, rng, monkeypatch):
-    """A split-KV forward's partials merged by the split kernel's last CTA of each query tile
-    (the default: counters a tile, kept zeroed per stream) and by attn_fwd_combine
-    (ATTNEXT_DECODE_COMBINE=kernel), each against the reference, out and lse; each twice, the
-    second on the counters the first set back to 0. "bias": heads unpacked (a tile a head);
-    "three_rows": three query rows of four heads packed in one tile."""
-    from attnext import _env
-    from attnext.cuda import process
-    asked = []
-    counters = process.split_counters
-    monkeypatch.setattr(process, "split_counters", lambda *a: asked.append(a) or counters(*a))
+def test_decode_combine_in_the_split_kernel(case, d, tma, rng, monkeypatch):
+    """A split-KV forward's partials merged by the TMA_KV kernel's last CTA of each query tile
+    (a few packed rows a tile: counters lent per stream) and by attn_fwd_combine (more rows a
+    tile, "three_rows": three query rows of four heads; the cp.async kernel; and
+    ATTNEXT_DECODE_COMBINE=kernel), each against the reference, out and lse; each twice, the
+    second on the counters the first set back to 0, which are read back as zeros. "bias": heads
+    unpacked (a tile a head)."""
+    from attnext import _C, _env
+    from attnext.cuda import backend as cuda_backend, process, select
+    lent = []
+    borrow = process.borrow_counters
+    monkeypatch.setattr(process, "borrow_counters", lambda *a: lent.append(borrow(*a)) or lent[-1])
     sq = 3 if case == "three_rows" else 1
     q, k, v = make_qkv(rng, 2, sq, 3000, 8, 2, d, d, BF16)
     opts = {"packed": {}, "three_rows": {"causal": True},
             "sinks": {"sinks": randn(rng, (8,), np.float32) + 2.0},
             "bias": {"bias": randn(rng, (2, 8, sq, 3000), np.float32)}}[case]
     r_out, r_lse = reference.attention(q, k, v, return_lse=True, **opts)
-    for mode in (None, "kernel"):
-        _env.setenv("ATTNEXT_DECODE_COMBINE", mode)
-        try:
-            for _ in range(2):
-                out, lse = attnext.attention(q, k, v, device="cuda", return_lse=True, **opts)
-                assert_close(f"out ({mode or 'split'})", out, r_out, BF16)
-                assert_lse_close(lse, r_lse, BF16)
-        finally:
-            _env.setenv("ATTNEXT_DECODE_COMBINE", None)
-    assert len(asked) == 2, asked          # split keys: the two default calls took counters
+    _env.setenv("ATTNEXT_DECODE_TMA", tma)
+    try:
+        for mode in (None, "kernel"):
+            _env.setenv("ATTNEXT_DECODE_COMBINE", mode)
+            try:
+                for _ in range(2):
+                    out, lse = attnext.attention(q, k, v, device="cuda", return_lse=True, **opts)
+                    assert_close(f"out ({mode or 'split'})", out, r_out, BF16)
+                    assert_lse_close(lse, r_lse, BF16)
+            finally:
+                _env.setenv("ATTNEXT_DECODE_COMBINE", None)
+    finally:
+        _env.setenv("ATTNEXT_DECODE_TMA", None)
+    own = (tma == "1" and case != "three_rows"
+           and select.decode_tma(cuda_backend.device_arch(0), d, d, True, "bfloat16", 3000, 0))
+    assert len(lent) == (2 if own else 0) and all(lent), lent      # the default calls' counters
+    if own:
+        ptr, n = process._counters[(0, 0)]
+        back = bytearray(4 * n)
+        _C.memcpy_dtoh(back, ptr, 0, 0)
+        assert not any(back), "a counter left non-zero"
 
 
 def test_decode_with_bias_is_not_packed(rng):

@@ -77,30 +77,7 @@ def test_a_plan_is_reused_by_its_key_only(fake_driver):
         assert LAUNCHES[-1][6][13] and not LAUNCHES[-1][6][12]       # seqused_k given, seqused_q not
         assert warm["k stride"][0][5]["k"] == (200 * 2 * 256, 2 * 256, 128, 1)
         assert dict(warm["unaligned q"][0][0][2])["VEC_LOAD"] == 0 == 1 - dict(warm["plain"][0][0][2])["VEC_LOAD"]
-        # split-KV decode (few splits: 8 kv heads x 1 packed tile over 2048 keys): one launch that
-        # merges its own partials through the stream's zeroed counters (a tile each);
-        # attn_fwd_combine after it on the per-thread default stream (no counters kept), under
-        # ATTNEXT_DECODE_COMBINE=kernel and past FUSED_COMBINE_SPLITS splits (the cases' decode)
-        at = cuda_backend.SLOT_SPLIT_COUNT
-
-        def launched(call):
-            n = len(LAUNCHES)
-            call()
-            return LAUNCHES[n:]
-        decode_short = qkv(1, 1, 2048, 32, 8, 128)
-        one = launched(lambda: attnext.attention(*decode_short))
-        (name, grid, _, _, _, p, ptrs), = one
-        assert name[1] == "attn_fwd" and 1 < p["num_splits"] <= cuda_backend.FUSED_COMBINE_SPLITS, one
-        assert grid == (p["num_splits"], 8, 1) and ptrs[at] and ptrs[at] == process.split_counters(8, 0, 0)
-        decode_pt = qkv(1, 1, 2048, 32, 8, 128, stream=device.PER_THREAD_STREAM)
-        _env.setenv("ATTNEXT_DECODE_COMBINE", "kernel")
-        try:
-            knob = launched(lambda: attnext.attention(*decode_short))
-        finally:
-            _env.setenv("ATTNEXT_DECODE_COMBINE", None)
-        for two in (launched(lambda: attnext.attention(*decode_pt)), knob, warm["decode"]):
-            assert [l[0][1] for l in two] == ["attn_fwd", "attn_fwd_combine"], two
-            assert two[0][5]["num_splits"] > 1 and not any(l[6][at:at + 1] for l in two if len(l) > 6), two
+        assert [l[0][1] for l in warm["decode"]] == ["attn_fwd", "attn_fwd_combine"], warm["decode"]
         # sinks: an address in the forward's launch (the plain plan), attn_bwd_sinks (a block a
         # head) after attn_bwd_pre in the backward's, with dsinks' address
         at = cuda_backend.SLOT_SINKS
@@ -386,6 +363,53 @@ def test_a_score_mod_forward_takes_the_wide_tile_once_it_is_compiled(tmp_path):
         relbias = dict(score_mod=lambda s, b, h, qi, ki: s + table[h, qi - ki + 2048])
         assert tile(**relbias) == narrow and len(AHEAD) == 2
         assert fake_cuda.counter(lib, "tensor_maps").value > 0
+        print("ok")
+    """)
+
+
+def test_a_split_decode_merges_in_its_last_ctas(tmp_path):
+    """A TMA_KV split decode with a few packed rows a tile (4: one query row of a GQA group of 4)
+    is one launch, its counters lent by the stream: the same buffer call after call, another for a
+    call while one is held, one kept afterwards. attn_fwd_combine follows the split kernel on the
+    per-thread default stream, under ATTNEXT_DECODE_COMBINE=kernel, past FUSED_COMBINE_SPLITS
+    splits and past FUSED_COMBINE_ROWS rows a tile. release_scratch frees the idle counters. On
+    the fake driver built with tensor maps (TMA_KV needs them)."""
+    if fake_cuda.compiler() is None:
+        pytest.skip("no C compiler for the fake libcuda")
+    run_on_fake(fake_cuda.build(tmp_path, "tma", ["-DTENSOR_MAPS"]), r"""
+        at = cuda_backend.SLOT_SPLIT_COUNT
+        allocs = fake_cuda.counter(lib, "allocs")
+
+        def launched(call):
+            n = len(LAUNCHES)
+            call()
+            return LAUNCHES[n:]
+        short, out = qkv(1, 1, 2048, 32, 8, 128), dev((1, 1, 32, 128))
+        (name, grid, _, _, _, p, ptrs), = launched(lambda: attnext.attention(*short, out=out))
+        assert name[1] == "attn_fwd" and dict(name[2])["TMA_KV"] == 1, name
+        assert 1 < p["num_splits"] <= cuda_backend.FUSED_COMBINE_SPLITS and grid == (p["num_splits"], 8, 1)
+        assert ptrs[at] and ptrs[at] == process._counters[(0, 0)][0]
+        a0 = allocs.value
+        (again,) = launched(lambda: attnext.attention(*short, out=out))
+        assert again[6][at] == ptrs[at] and allocs.value == a0, (allocs.value, a0)
+        held = process.borrow_counters(8, 0, 0)
+        assert held[0] == ptrs[at] and (0, 0) not in process._counters
+        (other,) = launched(lambda: attnext.attention(*short))
+        assert other[6][at] not in (None, held[0])
+        process.give_back_counters(held, 0, 0)
+        assert list(process._counters) == [(0, 0)]
+        _env.setenv("ATTNEXT_DECODE_COMBINE", "kernel")
+        try:
+            knob = launched(lambda: attnext.attention(*short))
+        finally:
+            _env.setenv("ATTNEXT_DECODE_COMBINE", None)
+        per_thread = qkv(1, 1, 2048, 32, 8, 128, stream=device.PER_THREAD_STREAM)
+        many_splits, many_rows = qkv(1, 1, 32768, 32, 8, 128), qkv(1, 4, 2048, 32, 8, 128)
+        for two in (knob, *(launched(lambda x=x: attnext.attention(*x)) for x in (per_thread, many_splits, many_rows))):
+            assert [l[0][1] for l in two] == ["attn_fwd", "attn_fwd_combine"], two
+            assert two[0][5]["num_splits"] > 1 and not any(two[0][6][at:at + 1]), two
+        process.release_scratch()
+        assert not process._counters
         print("ok")
     """)
 
