@@ -128,24 +128,29 @@ def borrow_scratch(nbytes, device, stream):
 
 def give_back_scratch(buf, device, stream):
     """Returns borrow_scratch's buffer once the work using it is enqueued on `stream`."""
-    key = (device, _legacy(stream))
-    if key[1] == PER_THREAD_STREAM:
+    if _legacy(stream) == PER_THREAD_STREAM:
         _C.mem_free(buf[0], stream, device)
         return
-    drop = None
+    _give_back(_scratch, buf, device, stream, SCRATCH_KEEP_BYTES)
+
+
+def _give_back(pool, buf, device, stream, keep_limit=None):
+    """buf back into pool (_scratch, _counters) for (device, stream): of it and the idle buffer
+    another call on the stream gave back meanwhile, the larger is kept and the other freed in
+    the stream's order (buf too, past keep_limit); past SCRATCH_STREAMS streams the least
+    recently used buffers go."""
+    key = (device, _legacy(stream))
     with _scratch_lock:
-        idle = _scratch.pop(key, None)
-        if buf[1] > SCRATCH_KEEP_BYTES:
+        idle = pool.pop(key, None)
+        if (keep_limit is not None and buf[1] > keep_limit) or (idle is not None and idle[1] >= buf[1]):
             keep, drop = idle, buf
-        elif idle is not None and idle[1] >= buf[1]:
-            keep, drop = idle, buf               # another call on this stream gave back a larger one
         else:
             keep, drop = buf, idle
         if keep is not None:
-            _scratch[key] = keep
+            pool[key] = keep
         evicted = []
-        while len(_scratch) > SCRATCH_STREAMS:
-            evicted.append(_scratch.popitem(last=False))
+        while len(pool) > SCRATCH_STREAMS:
+            evicted.append(pool.popitem(last=False))
     if drop is not None:
         _C.mem_free(drop[0], stream, device)     # the stream is alive: its call just used it
     if evicted:
@@ -222,19 +227,9 @@ def borrow_counters(count, device, stream):
 
 
 def give_back_counters(buf, device, stream):
-    """Returns borrow_counters' buffer once the launches using it are enqueued on `stream`."""
-    key, drop = (device, _legacy(stream)), None
-    with _scratch_lock:
-        idle = _counters.pop(key, None)
-        keep, drop = (idle, buf) if idle is not None and idle[1] >= buf[1] else (buf, idle)
-        _counters[key] = keep
-        evicted = []
-        while len(_counters) > SCRATCH_STREAMS:
-            evicted.append(_counters.popitem(last=False))
-    if drop is not None:
-        _C.mem_free(drop[0], stream, device)         # zero again: another call's launches left it so
-    if evicted:
-        _free_scratch(evicted)
+    """Returns borrow_counters' buffer once the launches using it are enqueued on `stream` (one
+    freed here was left zero by its own call's launches)."""
+    _give_back(_counters, buf, device, stream)
 
 
 at_exit(release_scratch)
