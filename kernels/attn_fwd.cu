@@ -99,88 +99,44 @@ DEV uint32_t swz(int r, int j, int w) { return (uint32_t)(r * 2 * w + ((j ^ (r &
  * alike. Rows past the sequence's real length come out as 0 and -inf like every other row that
  * keeps no key.
  *
- * combine_row merges row r of head h of sequence b with NTH threads (thread tid), `sync` their
- * barrier, w (MAX_SPLITS floats), part (COMBINE_GROUPS(NTH) * HEAD_DIM_V floats) and *lse_sh in
- * shared memory: attn_fwd_combine's, a block a row, grid (Sq, Hq, B). The TMA_KV split kernel's
- * own merge (combine_rows_warp, below) reads the partials the same way, through L2 (ld.cg):
- * other CTAs of the same launch wrote them. */
+ * split_weights computes one row's weights with W lanes (lane j of W): w[s] for its splits s = j,
+ * j + W, ..., and returns the row's lse. attn_fwd_combine (a block a row, grid (Sq, Hq, B)) and
+ * the TMA_KV split kernel's own merge (combine_rows_warp, below) take their weights from it and
+ * read the partials through L2 (ld.cg): other CTAs of the same launch may have written them. */
 #define COMBINE_THREADS 256
 #define CVW (HEAD_DIM_V % 4 == 0 ? 4 : 1)              /* floats a load: float4 where rows allow */
 #define CCOLS (HEAD_DIM_V / CVW)
-#define COMBINE_GROUPS(n) (CCOLS < (n) ? (n) / CCOLS : 1)   /* groups of splits */
+#define COMBINE_GROUPS (CCOLS < COMBINE_THREADS ? COMBINE_THREADS / CCOLS : 1)   /* groups of splits */
 #define MAX_SPLITS 128                                 /* backend.py's: one weight a split in w */
-template <int NTH, typename Sync>
-DEV void combine_row(const attn_params &p, int64_t r, int64_t h, int64_t b, int tid, Sync sync, float *w,
-                     float *part, float *lse_sh)
+template <int W>
+DEV float split_weights(const attn_params &p, bool on, int64_t row0, int64_t r, int64_t hr, int64_t b, int j,
+                        float *w)
 {
-    constexpr int GROUPS = COMBINE_GROUPS(NTH);
     const int S = p.num_splits;
-    const int64_t row0 = (b * p.Hq + h) * p.Sq + r, stride = p.B * p.Hq * p.Sq;
+    const int64_t stride = p.B * p.Hq * p.Sq;
     const float *ms = p.lse_accum, *ls = p.lse_accum + S * stride;
-    if (tid < 32) {
-        float mx = NEG_INF;
-        for (int s = tid; s < S; s += 32)
-            mx = fmaxf(mx, __ldcg(ms + s * stride + row0));
-        for (int o = 16; o; o >>= 1)
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        /* a real row's sink joins the sum as one more part of weight exp(sink) and no value */
-        const float sink = p.sinks && r < seq_q(&p, b).len ? ((const float *)p.sinks)[h] : NEG_INF;
-        const float top = fmaxf(mx, sink), base = top == NEG_INF ? 0.f : top;
-        float sum = 0.f;
-        for (int s = tid; s < S; s += 32)
-            sum += fast_exp2((__ldcg(ms + s * stride + row0) - base) * LOG2E) * __ldcg(ls + s * stride + row0);
-        for (int o = 16; o; o >>= 1)
-            sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        if (sink != NEG_INF)
-            sum += expf(sink - base);
-        const float lse = sum != 0.f ? base + logf(sum) : NEG_INF;   /* NaN stays NaN */
-        for (int s = tid; s < S; s += 32)
-            w[s] = sum != 0.f ? fast_exp2((__ldcg(ms + s * stride + row0) - base) * LOG2E)
-                                    * __ldcg(ls + s * stride + row0) / sum
-                              : 0.f;
-        if (tid == 0)
-            *lse_sh = lse;
-    }
-    sync();
-    /* GROUPS groups of threads each sum every GROUPS-th split over CVW columns a thread (the
-     * loads of a row's splits in flight at once), then the groups' sums meet */
-    const int per = NTH / GROUPS, grp = tid / per;
-    const float *oa = p.o_accum + row0 * HEAD_DIM_V;
-    if (grp < GROUPS)
-        for (int c = tid % per; c < CCOLS; c += per) {
-            float acc[CVW] = {};
-#pragma unroll 4
-            for (int s = grp; s < S; s += GROUPS) {
-                const float *src = oa + s * stride * HEAD_DIM_V + c * CVW;
-#if CVW == 4
-                const float4 x = __ldcg((const float4 *)src);
-                acc[0] += w[s] * x.x;
-                acc[1] += w[s] * x.y;
-                acc[2] += w[s] * x.z;
-                acc[3] += w[s] * x.w;
-#else
-                acc[0] += w[s] * __ldcg(src);
-#endif
-            }
-#pragma unroll
-            for (int j = 0; j < CVW; j++)
-                part[grp * HEAD_DIM_V + c * CVW + j] = acc[j];
-        }
-    sync();
-    elem_t *orow = (elem_t *)p.out.ptr + b * p.out.s[0] + r * p.out.s[1] + h * p.out.s[2];
-    for (int d = tid; d < HEAD_DIM_V; d += NTH) {
-        float acc = 0.f;
-#pragma unroll
-        for (int g = 0; g < GROUPS; g++)
-            acc += part[g * HEAD_DIM_V + d];
-        orow[d * p.out.s[3]] = f32_to_elem(acc);
-    }
-    if (tid == 0 && p.lse.ptr)
-        ((float *)p.lse.ptr)[b * p.lse.s[0] + h * p.lse.s[1] + r * p.lse.s[2]] = *lse_sh;
-    sync();                                            /* w, part and lse_sh free for the next row */
+    float mx = NEG_INF;
+    for (int s = j; on && s < S; s += W)
+        mx = fmaxf(mx, __ldcg(ms + s * stride + row0));
+    for (int o = W / 2; o; o >>= 1)
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    /* a real row's sink joins the sum as one more part of weight exp(sink) and no value */
+    const float sink = on && p.sinks && r < seq_q(&p, b).len ? ((const float *)p.sinks)[hr] : NEG_INF;
+    const float top = fmaxf(mx, sink), base = top == NEG_INF ? 0.f : top;
+    float sum = 0.f;
+    for (int s = j; on && s < S; s += W)
+        sum += fast_exp2((__ldcg(ms + s * stride + row0) - base) * LOG2E) * __ldcg(ls + s * stride + row0);
+    for (int o = W / 2; o; o >>= 1)
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (sink != NEG_INF)
+        sum += expf(sink - base);
+    for (int s = j; on && s < S; s += W)
+        w[s] = sum != 0.f ? fast_exp2((__ldcg(ms + s * stride + row0) - base) * LOG2E) * __ldcg(ls + s * stride + row0) / sum
+                          : 0.f;
+    return sum != 0.f ? base + logf(sum) : NEG_INF;    /* NaN stays NaN */
 }
 
-/* combine_row for a one-warp CTA (the TMA_KV decode tile): rows [pr0, pr_end) of a packed tile
+/* the merge for a one-warp CTA (the TMA_KV decode tile): rows [pr0, pr_end) of a packed tile
  * (packed row pr: query row pr / G of head h + pr % G), four at a time, eight lanes a row for its
  * weights (w: 4 x MAX_SPLITS floats in shared memory) and every lane on columns of all four
  * rows at once, so that many loads of the partials are in flight: one warp alone had merged a
@@ -192,33 +148,14 @@ DEV void combine_rows_warp(const attn_params &p, int pr0, int pr_end, int G, int
     constexpr int CC = HEAD_DIM_V / CVW, ITEMS = (4 * CC + 31) / 32;   /* columns of CVW a row; a lane's (row, column) items */
     const int S = p.num_splits;
     const int64_t stride = p.B * p.Hq * p.Sq;
-    const float *ms = p.lse_accum, *ls = p.lse_accum + S * stride;
     for (int base = pr0; base < pr_end; base += 4) {
         {   /* weights: lanes 8i .. 8i + 7 for row base + i */
             const int pr = base + (lane >> 3), j = lane & 7;
             const bool on = pr < pr_end;
             const int64_t r = pr / G, hr = h + pr % G, row0 = (b * p.Hq + hr) * p.Sq + r;
-            float mx = NEG_INF;
-            for (int s = j; on && s < S; s += 8)
-                mx = fmaxf(mx, __ldcg(ms + s * stride + row0));
-            for (int o = 4; o; o >>= 1)
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-            const float sink = on && p.sinks && r < seq_q(&p, b).len ? ((const float *)p.sinks)[hr] : NEG_INF;
-            const float top = fmaxf(mx, sink), base_m = top == NEG_INF ? 0.f : top;
-            float sum = 0.f;
-            for (int s = j; on && s < S; s += 8)
-                sum += fast_exp2((__ldcg(ms + s * stride + row0) - base_m) * LOG2E) * __ldcg(ls + s * stride + row0);
-            for (int o = 4; o; o >>= 1)
-                sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            if (sink != NEG_INF)
-                sum += expf(sink - base_m);
-            for (int s = j; on && s < S; s += 8)
-                w[(lane >> 3) * MAX_SPLITS + s] = sum != 0.f ? fast_exp2((__ldcg(ms + s * stride + row0) - base_m) * LOG2E)
-                                                                   * __ldcg(ls + s * stride + row0) / sum
-                                                             : 0.f;
+            const float lse = split_weights<8>(p, on, row0, r, hr, b, j, w + (lane >> 3) * MAX_SPLITS);
             if (on && j == 0 && p.lse.ptr)
-                ((float *)p.lse.ptr)[b * p.lse.s[0] + hr * p.lse.s[1] + r * p.lse.s[2]]
-                    = sum != 0.f ? base_m + logf(sum) : NEG_INF;                  /* NaN stays NaN */
+                ((float *)p.lse.ptr)[b * p.lse.s[0] + hr * p.lse.s[1] + r * p.lse.s[2]] = lse;
         }
         __syncwarp();
         /* values: item it = lane + 32 x of the four rows' CC columns each */
@@ -600,12 +537,55 @@ extern "C" __global__ void __launch_bounds__(THREADS_ALL) attn_fwd(const __grid_
 #endif
 
 #if ENTRY(attn_fwd_combine)
+/* a block a row: warp 0 takes the weights, then COMBINE_GROUPS groups of threads each sum every
+ * COMBINE_GROUPS-th split over CVW columns a thread (a row's splits' loads in flight at once),
+ * and the groups' sums meet */
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) attn_fwd_combine(const __grid_constant__ attn_params p)
 {
     __shared__ float w[MAX_SPLITS];
-    __shared__ __align__(16) float part[COMBINE_GROUPS(COMBINE_THREADS) * HEAD_DIM_V];
+    __shared__ __align__(16) float part[COMBINE_GROUPS * HEAD_DIM_V];
     __shared__ float lse_sh;
-    combine_row<COMBINE_THREADS>(p, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x, [] { __syncthreads(); }, w, part,
-                                 &lse_sh);
+    const int64_t r = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, S = p.num_splits;
+    const int64_t row0 = (b * p.Hq + h) * p.Sq + r, stride = p.B * p.Hq * p.Sq;
+    if (tid < 32) {
+        const float lse = split_weights<32>(p, true, row0, r, h, b, tid, w);
+        if (tid == 0)
+            lse_sh = lse;
+    }
+    __syncthreads();
+    const int per = COMBINE_THREADS / COMBINE_GROUPS, grp = tid / per;
+    const float *oa = p.o_accum + row0 * HEAD_DIM_V;
+    if (grp < COMBINE_GROUPS)
+        for (int c = tid % per; c < CCOLS; c += per) {
+            float acc[CVW] = {};
+#pragma unroll 4
+            for (int s = grp; s < S; s += COMBINE_GROUPS) {
+                const float *src = oa + s * stride * HEAD_DIM_V + c * CVW;
+#if CVW == 4
+                const float4 x = __ldcg((const float4 *)src);
+                acc[0] += w[s] * x.x;
+                acc[1] += w[s] * x.y;
+                acc[2] += w[s] * x.z;
+                acc[3] += w[s] * x.w;
+#else
+                acc[0] += w[s] * __ldcg(src);
+#endif
+            }
+#pragma unroll
+            for (int j = 0; j < CVW; j++)
+                part[grp * HEAD_DIM_V + c * CVW + j] = acc[j];
+        }
+    __syncthreads();
+    elem_t *orow = (elem_t *)p.out.ptr + b * p.out.s[0] + r * p.out.s[1] + h * p.out.s[2];
+    for (int d = tid; d < HEAD_DIM_V; d += COMBINE_THREADS) {
+        float acc = 0.f;
+#pragma unroll
+        for (int g = 0; g < COMBINE_GROUPS; g++)
+            acc += part[g * HEAD_DIM_V + d];
+        orow[d * p.out.s[3]] = f32_to_elem(acc);
+    }
+    if (tid == 0 && p.lse.ptr)
+        ((float *)p.lse.ptr)[b * p.lse.s[0] + h * p.lse.s[1] + r * p.lse.s[2]] = lse_sh;
 }
 #endif
