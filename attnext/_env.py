@@ -85,6 +85,9 @@ SETTINGS = {s.name: s for s in [
             "0 keeps Hopper's decode on attn_fwd.cu's cp.async loads (no TMA_KV producer warp)"),
     Setting("ATTNEXT_DECODE_COMBINE", "kernel | split", "split", LAB, CALL,
             "kernel: the split-KV forward's partials merged by attn_fwd_combine, not by its last CTAs"),
+    Setting("ATTNEXT_DEPENDENT_LAUNCH", "0 | 1", "1", LAB, CALL,
+            "0: kernels that may start under the kernel before them (nvrtc.DEPENDENT_KERNELS: "
+            "attn_fwd_combine) are launched as ordinary kernels"),
     Setting("ATTNEXT_TILE_DECODE_TMA", _TILE, "select.DECODE_TMA_TILE", LAB, CALL,
             "attn_fwd.cu's TMA_KV decode tile: BLOCK_M,BLOCK_N,NUM_WARPS[,STAGES]"),
     Setting("ATTNEXT_FWD_SM90", "0 | 1", "1", LAB, CALL,

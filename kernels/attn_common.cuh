@@ -56,6 +56,25 @@
 #define NEG_INF __int_as_float(0xff800000)
 #define POS_INF __int_as_float(0x7f800000)
 
+/* Programmatic dependent launch (Hopper; no-ops before it and without such a launch): a kernel
+ * launched as a dependent (nvrtc.DEPENDENT_KERNELS) may start while the one before it on the
+ * stream still runs; it calls grid_dependency_wait() before touching anything that kernel writes
+ * or reads, which returns once that whole grid has finished and its writes are visible. The
+ * kernel before calls allow_dependents() once its CTAs may share the SMs with the dependent's. */
+DEV void allow_dependents()
+{
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+DEV void grid_dependency_wait()
+{
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 #ifndef HAS_SCORE_MOD
 #define HAS_SCORE_MOD 0
 #endif

@@ -220,6 +220,9 @@ extern "C" __global__ void __launch_bounds__(THREADS_ALL) attn_fwd(const __grid_
     elem_t *sV = sK + BLOCK_N * (DP + SMEM_PAD);        /* BLOCK_N x (DVP + pad) */
 #endif
 
+#if SPLIT_KV
+    allow_dependents();                                /* attn_fwd_combine waits for the whole grid */
+#endif
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int64_t b = blockIdx.z;
 #if PACK_GQA
@@ -545,6 +548,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) attn_fwd_combine(c
     __shared__ float w[MAX_SPLITS];
     __shared__ __align__(16) float part[COMBINE_GROUPS * HEAD_DIM_V];
     __shared__ float lse_sh;
+    grid_dependency_wait();                            /* the split kernel's partials (a dependent launch) */
     const int64_t r = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int tid = threadIdx.x, S = p.num_splits;
     const int64_t row0 = (b * p.Hq + h) * p.Sq + r, stride = p.B * p.Hq * p.Sq;

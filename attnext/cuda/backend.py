@@ -623,7 +623,11 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
             pass
         return _Plan(template, tuple(launches), upgrade=tuple(ahead))
     combine = nvrtc.function("attn_fwd", "attn_fwd_combine", defines, device, arch, 0, generated)
-    launches.append((combine, (o.Sq, o.Hq, o.B), (COMBINE_THREADS, 1, 1), 0))
+    own_template = ()
+    if prob.tma_rows:       # attn_fwd_combine reads no tensor map: a template that asks for none
+        prob.tma_rows = 0
+        own_template = (_C.attn_template(prob),)
+    launches.append((combine, (o.Sq, o.Hq, o.B), (COMBINE_THREADS, 1, 1), 0, *own_template))
     partials = splits * o.B * o.Hq * o.Sq
     # lse_accum: each partial's maximum, then its sum (attn_fwd_combine)
     total, (o_off, lse_off) = _scratch_layout(4 * partials * o.Dv, 2 * 4 * partials)

@@ -457,7 +457,7 @@ def _load_module(mkey, kernel, defines, generated, device, arch):
     return module
 
 
-_functions = LRU(64)       # (kernel, name, defines, device, arch, smem, generated) -> function
+_functions = LRU(64)       # (kernel, name, defines, device, arch, smem, generated, dependent) -> function
 _modules = LRU(64)         # (kernel, defines, generated, device, arch) -> loaded module
 _loaded = LRU(256)         # (kernel, name, defines, generated, device) -> True: loaded there
 _functions_lock = threading.Lock()
@@ -467,17 +467,31 @@ def _function_key(kernel, name, defines, generated, device):
     return kernel, name, tuple(sorted(defines.items())), generated, device
 
 
+# Entry points that begin with griddepcontrol.wait (attn_common.cuh's grid_dependency_wait), so
+# that on Hopper they are launched as programmatic dependents of the kernel before them on the
+# stream: their CTAs are scheduled while it finishes (the kernel before lets them: its
+# allow_dependents) and wait there, not after its last CTA for a launch of their own.
+# ATTNEXT_DEPENDENT_LAUNCH=0 launches them as ordinary kernels (the lab's comparison).
+DEPENDENT_KERNELS = frozenset({"attn_fwd_combine"})
+
+
+def _dependent(name, arch):
+    return (name in DEPENDENT_KERNELS and int("".join(c for c in arch[3:] if c.isdigit()) or 0) >= 90
+            and _env.get("ATTNEXT_DEPENDENT_LAUNCH") != "0")
+
+
 def function(kernel, name, defines, device, arch, smem, generated=None):
     """The loaded function `name` of kernels/<kernel>.cu in this variant on `device` (a capsule),
     its dynamic shared memory limit raised to smem bytes; generated: as for cubin(). A module
     is loaded once per device for all the entry points it serves."""
-    key = (kernel, name, tuple(sorted(defines.items())), device, arch, smem, generated)
+    dependent = _dependent(name, arch)
+    key = (kernel, name, tuple(sorted(defines.items())), device, arch, smem, generated, dependent)
     with _functions_lock:
         fn = _functions.get(key)
     if fn is None:
         k, d, g = module_for(kernel, name, defines, generated, arch)
         module = _load_module((k, tuple(sorted(d.items())), g, device, arch), k, d, g, device, arch)
-        fn = _C.module_function(module, name, smem)
+        fn = _C.module_function(module, name, smem, dependent)
         with _functions_lock:
             _functions.put(key, fn)
             _loaded.put(_function_key(kernel, name, defines, generated, device), True)

@@ -359,7 +359,8 @@ static PyObject *c_cuda_launch_attention(PyObject *module, PyObject *const *args
         Py_RETURN_NONE;
     }
     CU_CHECK_RC("cuLaunchKernel (attention)",
-                cuda_launch_struct(fn, grid, block, (unsigned)smem, (CUstream)stream, p));
+                cuda_function_dependent(fn_obj) ? cuda_launch_dependent(fn, grid, block, (unsigned)smem, (CUstream)stream, p)
+                                                : cuda_launch_struct(fn, grid, block, (unsigned)smem, (CUstream)stream, p));
     Py_RETURN_NONE;
 fail:
     return NULL;

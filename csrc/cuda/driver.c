@@ -16,6 +16,7 @@
 struct cu_api CU;
 cu_encode_tiled_fn cu_encode_tiled;
 cu_is_capturing_fn cu_is_capturing;
+cu_launch_ex_fn cu_launch_ex;
 struct nvrtc_api NVRTC;
 
 #define MAX_DEVICES 64
@@ -80,6 +81,7 @@ static int driver_load_locked(void)
 #undef CU_RESOLVE
     cu_encode_tiled = (cu_encode_tiled_fn)dlsym(h, "cuTensorMapEncodeTiled");   /* optional: CUDA 12 */
     cu_is_capturing = (cu_is_capturing_fn)dlsym(h, "cuStreamIsCapturing");      /* optional */
+    cu_launch_ex = (cu_launch_ex_fn)dlsym(h, "cuLaunchKernelEx");                 /* optional: CUDA 12 */
     CUresult rc = CU.cuInit(0);
     if (rc != CUDA_SUCCESS) {
         snprintf(cu_reason, sizeof cu_reason, "cuInit failed: %s (%s)", cu_name(rc), cu_text(rc));
@@ -97,6 +99,7 @@ fail:
     memset(&CU, 0, sizeof CU);
     cu_encode_tiled = NULL;
     cu_is_capturing = NULL;
+    cu_launch_ex = NULL;
     return -1;
 }
 
@@ -288,6 +291,22 @@ CUresult cuda_launch_structs(CUfunction fn, const unsigned grid[3], const unsign
     void *params[2] = {arg, arg2};
     return CU.cuLaunchKernel(fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
                              stream, params, NULL);
+}
+
+CUresult cuda_launch_dependent(CUfunction fn, const unsigned grid[3], const unsigned block[3],
+                               unsigned smem, CUstream stream, void *arg)
+{
+    if (cu_launch_ex) {
+        CUlaunchAttribute attr = {.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION};
+        attr.value.programmatic_stream_serialization_allowed = 1;
+        CUlaunchConfig config = {grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream,
+                                 &attr, 1};
+        void *params[1] = {arg};
+        if (cu_launch_ex(&config, fn, params, NULL) == CUDA_SUCCESS)
+            return CUDA_SUCCESS;
+        /* a driver or stream that refuses the attribute: the ordinary launch */
+    }
+    return cuda_launch_struct(fn, grid, block, smem, stream, arg);
 }
 
 void cu_raise(CUresult rc, const char *file, int line, const char *what, ...)

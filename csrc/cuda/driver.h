@@ -176,6 +176,26 @@ extern cu_encode_tiled_fn cu_encode_tiled;
 typedef CUresult (*cu_is_capturing_fn)(CUstream stream, int *status);
 extern cu_is_capturing_fn cu_is_capturing;
 
+/* cuLaunchKernelEx (CUDA 12), resolved where the driver has it (NULL: plain launches only), for
+ * one attribute: programmatic stream serialisation (Hopper's programmatic dependent launch). A
+ * kernel launched so may start while the kernel before it on the stream still runs, and must
+ * wait (griddepcontrol.wait) before it touches memory that kernel writes or reads. Layouts and
+ * values as in cuda.h. */
+typedef struct {
+    int id;
+    char pad[4];
+    union { char bytes[64]; int programmatic_stream_serialization_allowed; } value;
+} CUlaunchAttribute;
+typedef struct {
+    unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, smem;
+    CUstream stream;
+    CUlaunchAttribute *attrs;
+    unsigned num_attrs;
+} CUlaunchConfig;
+enum { CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6 };
+typedef CUresult (*cu_launch_ex_fn)(const CUlaunchConfig *config, CUfunction fn, void **params, void **extra);
+extern cu_launch_ex_fn cu_launch_ex;
+
 /* Filled by cuda_driver_load() / nvrtc_load(); valid once they have returned 0. */
 extern struct cu_api CU;
 extern struct nvrtc_api NVRTC;
@@ -210,11 +230,16 @@ CUresult cuda_launch_struct(CUfunction fn, const unsigned grid[3], const unsigne
 /* The same with a second by-value argument (a kernel's tensor maps, attn_fwd.cu TMA_KV). */
 CUresult cuda_launch_structs(CUfunction fn, const unsigned grid[3], const unsigned block[3],
                              unsigned smem, CUstream stream, void *arg, void *arg2);
+/* cuda_launch_struct as a programmatic dependent launch (cu_launch_ex above) where the driver
+ * takes one, else the ordinary launch: for kernels that begin with griddepcontrol.wait. */
+CUresult cuda_launch_dependent(CUfunction fn, const unsigned grid[3], const unsigned block[3],
+                               unsigned smem, CUstream stream, void *arg);
 
-/* The function and device ordinal behind a module_function() capsule; NULL / -1 with TypeError
- * set when `capsule` is something else. */
+/* The function, device ordinal and dependent flag (module_function's `dependent`) behind a
+ * module_function() capsule; NULL / -1 with TypeError set when `capsule` is something else. */
 CUfunction cuda_function_from_capsule(PyObject *capsule);
 int cuda_function_device(PyObject *capsule);
+int cuda_function_dependent(PyObject *capsule);
 
 /* --- errors --- */
 

@@ -10,6 +10,7 @@ typedef struct {
 typedef struct {
     CUfunction fn;
     int device;
+    int dependent;       /* launched as a programmatic dependent (cuda_launch_dependent) */
 } function_handle;
 
 /* The handle inside a capsule made by module_load / module_function; NULL with TypeError for
@@ -84,10 +85,10 @@ static PyObject *c_module_function(PyObject *module, PyObject *args)
 {
     PyObject *mod_capsule, *capsule;
     const char *name;
-    int smem;
+    int smem, dependent = 0;
     function_handle *f = NULL;
     CUresult rc;
-    if (!PyArg_ParseTuple(args, "Osi:module_function", &mod_capsule, &name, &smem))
+    if (!PyArg_ParseTuple(args, "Osi|p:module_function", &mod_capsule, &name, &smem, &dependent))
         return NULL;
     module_handle *m = handle_of(mod_capsule, MODULE_CAPSULE, "module_load");
     if (!m || nonnegative("module_function", "dynamic_smem", smem) || cuda_device_enter(m->device))
@@ -97,6 +98,7 @@ static PyObject *c_module_function(PyObject *module, PyObject *args)
         return NULL;
     }
     f->device = m->device;
+    f->dependent = dependent;
     if ((rc = CU.cuModuleGetFunction(&f->fn, m->module, name)) != CUDA_SUCCESS) {
         cu_raise(rc, __FILE__, __LINE__, "cuModuleGetFunction(\"%s\")", name);
         goto fail;
@@ -132,6 +134,12 @@ int cuda_function_device(PyObject *capsule)
     return f ? f->device : -1;
 }
 
+int cuda_function_dependent(PyObject *capsule)
+{
+    function_handle *f = handle_of(capsule, FUNCTION_CAPSULE, "module_function");
+    return f ? f->dependent : -1;
+}
+
 static PyObject *c_function_attributes(PyObject *module, PyObject *capsule)
 {
     static const struct { const char *name; int attr; } attrs[] = {
@@ -156,6 +164,8 @@ static PyObject *c_function_attributes(PyObject *module, PyObject *capsule)
         }
         Py_DECREF(v);
     }
+    if (PyDict_SetItemString(d, "dependent", f->dependent ? Py_True : Py_False))
+        goto fail;
     return d;
 fail:
     Py_DECREF(d);
@@ -200,13 +210,15 @@ static PyMethodDef functions_methods[] = {
      "module_load(cubin: bytes, device: int = 0, /) -> capsule: cuModuleLoadData in the "
      "device's primary context; unloaded when the capsule and every function from it are gone."},
     {"module_function", c_module_function, METH_VARARGS,
-     "module_function(module, name: str, dynamic_smem: int, /) -> capsule: the kernel `name` "
-     "(extern \"C\"), keeping its module alive; above 48 KiB of dynamic shared memory its "
-     "limit is raised to dynamic_smem."},
+     "module_function(module, name: str, dynamic_smem: int, dependent: bool = False, /) -> "
+     "capsule: the kernel `name` (extern \"C\"), keeping its module alive; above 48 KiB of "
+     "dynamic shared memory its limit is raised to dynamic_smem. dependent: cuda_launch_attention "
+     "launches it as a programmatic dependent of the kernel before it on the stream (CUDA 12's "
+     "cuLaunchKernelEx, where the driver has it): it must begin with griddepcontrol.wait."},
     {"function_attributes", c_function_attributes, METH_O,
      "function_attributes(function, /) -> dict: num_regs, local_size_bytes (spills), "
      "shared_size_bytes (static), max_threads_per_block, max_dynamic_shared_size_bytes, "
-     "binary_version."},
+     "binary_version, and dependent (module_function's flag)."},
     {"launch", c_launch, METH_VARARGS,
      "launch(function, grid: (x, y, z), block: (x, y, z), smem: int, stream: int, params: "
      "bytes, /) -> None: params are the bytes of the kernel's ONE by-value struct parameter "

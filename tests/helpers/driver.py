@@ -52,7 +52,7 @@ def function(kernel, name, defines, dev, arch, smem, generated=None):
     global _module
     if _module is None:
         _module = _C.module_load(b"\x7fELF", dev)
-    fn = _C.module_function(_module, name, smem)
+    fn = _C.module_function(_module, name, smem, nvrtc._dependent(name, arch))
     FN[id(fn)] = (kernel, name, tuple(sorted(defines.items())), smem)
     KEEP.append(fn)
     return fn

@@ -7,7 +7,9 @@
  * cuMemAllocAsync. -DTENSOR_MAPS: a driver with cuTensorMapEncodeTiled (zeroed maps, counted in
  * `tensor_maps`; the last four's dims, strides and box in `map_dims`, `map_strides`, `map_box`;
  * maps the driver would refuse are refused), so the TMA kernels (WS, TMA_KV, the backward's
- * BWD_TMA) are chosen. Counters the tests read through ctypes: `waits` (cuStreamWaitEvent), `launches` (cuLaunchKernel), `allocs` and `frees` (device memory), `host_allocs` and
+ * BWD_TMA) are chosen. Counters the tests read through ctypes: `waits` (cuStreamWaitEvent),
+ * `launches` (cuLaunchKernel), `dependent_launches` (cuLaunchKernelEx's), `allocs` and `frees`
+ * (device memory), `host_allocs` and
  * `host_frees` (cuMemHostAlloc, cuMemFreeHost; `freed_ptrs` the last 1024 freed, and setting
  * `slow_free_us` makes each cuMemFreeHost sleep that long), `pool_threshold` (the memory pool's release
  * threshold), `pool_trims` (cuMemPoolTrimTo calls), `registered` (host ranges
@@ -84,6 +86,24 @@ int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
         memcpy(&last_launch.params, params[0], sizeof last_launch.params);
     }
     return OK;
+}
+/* CUDA 12's launch with attributes: counted in `dependent_launches` when it asks for programmatic
+ * stream serialisation (attribute 6 = 1: cuda.h's layout, 8 bytes of id then a 64-byte value),
+ * then launched as cuLaunchKernel. */
+int dependent_launches;
+typedef struct { int id; char pad[4]; union { char bytes[64]; int allowed; } value; } fake_attr;
+typedef struct {
+    unsigned gx, gy, gz, bx, by, bz, smem;
+    void *stream;
+    fake_attr *attrs;
+    unsigned n_attrs;
+} fake_config;
+int cuLaunchKernelEx(const fake_config *c, void *f, void **params, void **extra)
+{
+    for (unsigned i = 0; i < c->n_attrs; i++)
+        if (c->attrs[i].id == 6 && c->attrs[i].value.allowed)
+            __atomic_add_fetch(&dependent_launches, 1, __ATOMIC_RELAXED);
+    return cuLaunchKernel(f, c->gx, c->gy, c->gz, c->bx, c->by, c->bz, c->smem, c->stream, params, extra);
 }
 /* "Device memory" is host memory with its size in a header, and freed blocks wait in a small
  * pool for an allocation of the same size, as the driver's stream-ordered pool does: the lab's

@@ -372,8 +372,9 @@ def test_a_split_decode_merges_in_its_last_ctas(tmp_path):
     is one launch, its counters lent by the stream: the same buffer call after call, another for a
     call while one is held, one kept afterwards. attn_fwd_combine follows the split kernel on the
     per-thread default stream, under ATTNEXT_DECODE_COMBINE=kernel, past FUSED_COMBINE_SPLITS
-    splits and past FUSED_COMBINE_ROWS rows a tile. release_scratch frees the idle counters. On
-    the fake driver built with tensor maps (TMA_KV needs them)."""
+    splits and past FUSED_COMBINE_ROWS rows a tile, launched as a programmatic dependent of it
+    (cuLaunchKernelEx) unless ATTNEXT_DEPENDENT_LAUNCH=0. release_scratch frees the idle
+    counters. On the fake driver built with tensor maps (TMA_KV needs them)."""
     if fake_cuda.compiler() is None:
         pytest.skip("no C compiler for the fake libcuda")
     run_on_fake(fake_cuda.build(tmp_path, "tma", ["-DTENSOR_MAPS"]), r"""
@@ -405,9 +406,19 @@ def test_a_split_decode_merges_in_its_last_ctas(tmp_path):
             _env.setenv("ATTNEXT_DECODE_COMBINE", None)
         per_thread = qkv(1, 1, 2048, 32, 8, 128, stream=device.PER_THREAD_STREAM)
         many_splits, many_rows = qkv(1, 1, 32768, 32, 8, 128), qkv(1, 4, 2048, 32, 8, 128)
+        dependent = fake_cuda.counter(lib, "dependent_launches")
+        d0 = dependent.value
         for two in (knob, *(launched(lambda x=x: attnext.attention(*x)) for x in (per_thread, many_splits, many_rows))):
             assert [l[0][1] for l in two] == ["attn_fwd", "attn_fwd_combine"], two
             assert two[0][5]["num_splits"] > 1 and not any(two[0][6][at:at + 1]), two
+        assert dependent.value - d0 == 3, (dependent.value, d0)      # the three new calls' attn_fwd_combine
+        _env.setenv("ATTNEXT_DEPENDENT_LAUNCH", "0")
+        try:
+            d0 = dependent.value
+            assert [l[0][1] for l in launched(lambda: attnext.attention(*many_splits))] == ["attn_fwd", "attn_fwd_combine"]
+            assert dependent.value == d0
+        finally:
+            _env.setenv("ATTNEXT_DEPENDENT_LAUNCH", None)
         process.release_scratch()
         assert not process._counters
         print("ok")
