@@ -112,27 +112,38 @@ template <int W>
 DEV float split_weights(const attn_params &p, bool on, int64_t row0, int64_t r, int64_t hr, int64_t b, int j,
                         float *w)
 {
+    constexpr int PER = MAX_SPLITS / W;                /* a lane's splits, at most */
     const int S = p.num_splits;
     const int64_t stride = p.B * p.Hq * p.Sq;
     const float *ms = p.lse_accum, *ls = p.lse_accum + S * stride;
+    float m[PER], l[PER];                              /* every load issued at once: one round trip */
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+        const int s = j + i * W;
+        m[i] = on && s < S ? __ldcg(ms + s * stride + row0) : NEG_INF;
+        l[i] = on && s < S ? __ldcg(ls + s * stride + row0) : 0.f;
+    }
     float mx = NEG_INF;
-    for (int s = j; on && s < S; s += W)
-        mx = fmaxf(mx, __ldcg(ms + s * stride + row0));
+#pragma unroll
+    for (int i = 0; i < PER; i++)
+        mx = fmaxf(mx, m[i]);
     for (int o = W / 2; o; o >>= 1)
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     /* a real row's sink joins the sum as one more part of weight exp(sink) and no value */
     const float sink = on && p.sinks && r < seq_q(&p, b).len ? ((const float *)p.sinks)[hr] : NEG_INF;
     const float top = fmaxf(mx, sink), base = top == NEG_INF ? 0.f : top;
     float sum = 0.f;
-    for (int s = j; on && s < S; s += W)
-        sum += fast_exp2((__ldcg(ms + s * stride + row0) - base) * LOG2E) * __ldcg(ls + s * stride + row0);
+#pragma unroll
+    for (int i = 0; i < PER; i++)                      /* a split past S: exp2(-inf) 0 times 0 */
+        sum += fast_exp2((m[i] - base) * LOG2E) * l[i];
     for (int o = W / 2; o; o >>= 1)
         sum += __shfl_xor_sync(0xffffffffu, sum, o);
     if (sink != NEG_INF)
         sum += expf(sink - base);
-    for (int s = j; on && s < S; s += W)
-        w[s] = sum != 0.f ? fast_exp2((__ldcg(ms + s * stride + row0) - base) * LOG2E) * __ldcg(ls + s * stride + row0) / sum
-                          : 0.f;
+#pragma unroll
+    for (int i = 0; i < PER; i++)
+        if (on && j + i * W < S)
+            w[j + i * W] = sum != 0.f ? fast_exp2((m[i] - base) * LOG2E) * l[i] / sum : 0.f;
     return sum != 0.f ? base + logf(sum) : NEG_INF;    /* NaN stays NaN */
 }
 
@@ -540,9 +551,25 @@ extern "C" __global__ void __launch_bounds__(THREADS_ALL) attn_fwd(const __grid_
 #endif
 
 #if ENTRY(attn_fwd_combine)
-/* a block a row: warp 0 takes the weights, then COMBINE_GROUPS groups of threads each sum every
- * COMBINE_GROUPS-th split over CVW columns a thread (a row's splits' loads in flight at once),
- * and the groups' sums meet */
+/* a block a row: warp 0 takes the weights while COMBINE_GROUPS groups of threads load their first
+ * COMBINE_AHEAD partials (every load of a row in flight at once for up to COMBINE_GROUPS x
+ * COMBINE_AHEAD splits), each group then sums every COMBINE_GROUPS-th split over the CVW columns
+ * of its thread (one column group a thread: CCOLS <= COMBINE_THREADS / COMBINE_GROUPS), and the
+ * groups' sums meet */
+#define COMBINE_AHEAD 4
+#if CVW == 4
+typedef float4 cvec;
+DEV void cvec_fma(float (&acc)[4], float wt, const float4 &x)
+{
+    acc[0] += wt * x.x;
+    acc[1] += wt * x.y;
+    acc[2] += wt * x.z;
+    acc[3] += wt * x.w;
+}
+#else
+typedef float cvec;
+DEV void cvec_fma(float (&acc)[1], float wt, float x) { acc[0] += wt * x; }
+#endif
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) attn_fwd_combine(const __grid_constant__ attn_params p)
 {
     __shared__ float w[MAX_SPLITS];
@@ -552,34 +579,37 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) attn_fwd_combine(c
     const int64_t r = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int tid = threadIdx.x, S = p.num_splits;
     const int64_t row0 = (b * p.Hq + h) * p.Sq + r, stride = p.B * p.Hq * p.Sq;
+    const int per = COMBINE_THREADS / COMBINE_GROUPS, grp = tid / per, c = tid % per;
+    const bool mine = grp < COMBINE_GROUPS && c < CCOLS;
+    const cvec *src = (const cvec *)(p.o_accum + row0 * HEAD_DIM_V) + c;
+    const int64_t step = stride * CCOLS;               /* cvecs from one split's partial to the next */
+    cvec ahead[COMBINE_AHEAD];
+#pragma unroll
+    for (int i = 0; i < COMBINE_AHEAD; i++) {
+        const int s = grp + i * COMBINE_GROUPS;
+        ahead[i] = mine && s < S ? __ldcg(src + s * step) : cvec{};
+    }
     if (tid < 32) {
         const float lse = split_weights<32>(p, true, row0, r, h, b, tid, w);
         if (tid == 0)
             lse_sh = lse;
     }
     __syncthreads();
-    const int per = COMBINE_THREADS / COMBINE_GROUPS, grp = tid / per;
-    const float *oa = p.o_accum + row0 * HEAD_DIM_V;
-    if (grp < COMBINE_GROUPS)
-        for (int c = tid % per; c < CCOLS; c += per) {
-            float acc[CVW] = {};
-#pragma unroll 4
-            for (int s = grp; s < S; s += COMBINE_GROUPS) {
-                const float *src = oa + s * stride * HEAD_DIM_V + c * CVW;
-#if CVW == 4
-                const float4 x = __ldcg((const float4 *)src);
-                acc[0] += w[s] * x.x;
-                acc[1] += w[s] * x.y;
-                acc[2] += w[s] * x.z;
-                acc[3] += w[s] * x.w;
-#else
-                acc[0] += w[s] * __ldcg(src);
-#endif
-            }
+    if (mine) {
+        float acc[CVW] = {};
 #pragma unroll
-            for (int j = 0; j < CVW; j++)
-                part[grp * HEAD_DIM_V + c * CVW + j] = acc[j];
+        for (int i = 0; i < COMBINE_AHEAD; i++) {
+            const int s = grp + i * COMBINE_GROUPS;
+            if (s < S)
+                cvec_fma(acc, w[s], ahead[i]);
         }
+#pragma unroll 4
+        for (int s = grp + COMBINE_AHEAD * COMBINE_GROUPS; s < S; s += COMBINE_GROUPS)
+            cvec_fma(acc, w[s], __ldcg(src + s * step));
+#pragma unroll
+        for (int j = 0; j < CVW; j++)
+            part[grp * HEAD_DIM_V + c * CVW + j] = acc[j];
+    }
     __syncthreads();
     elem_t *orow = (elem_t *)p.out.ptr + b * p.out.s[0] + r * p.out.s[1] + h * p.out.s[2];
     for (int d = tid; d < HEAD_DIM_V; d += COMBINE_THREADS) {
