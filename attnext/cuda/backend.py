@@ -605,6 +605,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
         prob.page_size, prob.bt_stride = o.page_size, o.block_table.shape[1]
     if tma or ws:        # the rows of a tensor copy: a tile's, or a page's
         prob.tma_rows = min(tile[1], o.page_size) if paged else tile[1]
+        prob.tma_read_once = int(tma)     # a decode reads K and V once: 128-byte L2 fills
     template = _C.attn_template(prob)
     if not all(grid):                       # an empty grid (no heads, rows or batch) has nothing to write
         return _Plan(template, ())

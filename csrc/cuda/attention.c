@@ -95,6 +95,7 @@ typedef struct {
     attn_params p;
     long long device;
     int q_empty, kv_empty;       /* an empty q, or k and v without a row: a NULL address is fine */
+    int tma_read_once;           /* K and V maps of a decode: L2 fills of 128 B (encode_map) */
 } attn_template;
 
 /* The pointer fields a launch fills from its `ptrs`, in that tuple's order (the forward's first,
@@ -136,7 +137,8 @@ static PyObject *c_attn_template(PyObject *module, PyObject *prob)
     attn_template t;
     attn_params *p = &t.p;
     long long dtype, B, causal, wl, wr, bias_dtype, alibi_dtype, bias_heads, mask_heads, splits, write_last,
-        k_rows_max, max_rows_q, max_rows_k, page_size, bt_stride, tma_rows, tma_rows_q, qs[4], ks[4], vs[4];
+        k_rows_max, max_rows_q, max_rows_k, page_size, bt_stride, tma_rows, tma_rows_q, read_once, qs[4], ks[4],
+        vs[4];
     memset(&t, 0, sizeof t);
     if (attr_long(prob, "dtype", &dtype) || attr_long(prob, "B", &B) || attr_long(prob, "causal", &causal)
         || attr_long(prob, "window_left", &wl) || attr_long(prob, "window_right", &wr)
@@ -146,8 +148,10 @@ static PyObject *c_attn_template(PyObject *module, PyObject *prob)
         || attr_long(prob, "dq_write_last", &write_last) || attr_long(prob, "k_rows_max", &k_rows_max)
         || attr_long(prob, "max_rows_q", &max_rows_q) || attr_long(prob, "max_rows_k", &max_rows_k)
         || attr_long(prob, "page_size", &page_size) || attr_long(prob, "bt_stride", &bt_stride)
-        || attr_long(prob, "tma_rows", &tma_rows) || attr_long(prob, "tma_rows_q", &tma_rows_q))
+        || attr_long(prob, "tma_rows", &tma_rows) || attr_long(prob, "tma_rows_q", &tma_rows_q)
+        || attr_long(prob, "tma_read_once", &read_once))
         return NULL;
+    t.tma_read_once = read_once != 0;
     p->tma_rows = tma_rows;
     p->tma_rows_q = tma_rows_q;
     p->dtype = (attn_dtype)dtype;
@@ -220,10 +224,12 @@ static int dims3(PyObject *o, const char *name, unsigned out[3])
 /* A 4-d tensor map of t (d columns): (d, heads, rows, outer), boxes of min(d, 64) columns x 1 x
  * box_rows (at most rows) x 1, 128-byte swizzled, zeros outside the tensor. A dimension of one
  * element is never stepped, so where its stride is 0 in the array (varlen's new batch axis, a
- * single broadcast head), which the driver refuses, the map takes the span inside it. -1 with an
- * exception. */
+ * single broadcast head), which the driver refuses, the map takes the span inside it. L2 fills
+ * of 256 bytes (a 128-byte box row's neighbour, the other half of a D = 128 row, is read next),
+ * but 128 for data read once (read_once: a decode's K and V; H200, decode B64 4.0 -> 4.3 TB/s,
+ * the compute-bound kernels' maps within noise either way). -1 with an exception. */
 static int encode_map(attn_tmap *map, const attn_params *p, const tensor4 *t, int64_t d, int64_t heads,
-                      unsigned long long rows, unsigned long long outer, int64_t box_rows)
+                      unsigned long long rows, unsigned long long outer, int64_t box_rows, int read_once)
 {
     const unsigned long long dims[4] = {(unsigned long long)d, (unsigned long long)heads, rows, outer};
     unsigned long long strides[3] = {2ull * t->s[2], 2ull * t->s[1], 2ull * t->s[0]};
@@ -250,7 +256,8 @@ static int encode_map(attn_tmap *map, const attn_params *p, const tensor4 *t, in
     CUresult rc = cu_encode_tiled((CUtensorMap *)map, p->dtype == DT_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                                          : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
                                   4, t->ptr, dims, strides, box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                  CU_TENSOR_MAP_SWIZZLE_128B,
+                                  read_once ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (rc != CUDA_SUCCESS) {
         cu_raise(rc, __FILE__, __LINE__, "cuTensorMapEncodeTiled (dims %llu %llu %llu %llu, box %u %u %u)",
@@ -262,18 +269,18 @@ static int encode_map(attn_tmap *map, const attn_params *p, const tensor4 *t, in
 
 /* The map of k or v for TMA_KV and WS: rows and outer are a paged cache's page_size and
  * num_pages, else Sk and B (varlen: the packed rows and 1); tma_rows rows a box. */
-static int encode_kv_map(attn_tmap *map, const attn_params *p, const tensor4 *t, int64_t d)
+static int encode_kv_map(attn_tmap *map, const attn_params *p, const tensor4 *t, int64_t d, int read_once)
 {
     const int paged = p->page_size > 0;
     return encode_map(map, p, t, d, p->Hk, paged ? p->page_size : p->Sk,
-                      paged ? p->num_pages : p->cu_seqlens_k ? 1 : p->B, p->tma_rows);
+                      paged ? p->num_pages : p->cu_seqlens_k ? 1 : p->B, p->tma_rows, read_once);
 }
 
 /* The map of q or dout for the backward's dK/dV kernel: (d, Hq, Sq, B; varlen: the packed rows
  * and 1), tma_rows_q rows a box. */
 static int encode_q_map(attn_tmap *map, const attn_params *p, const tensor4 *t, int64_t d)
 {
-    return encode_map(map, p, t, d, p->Hq, p->Sq, p->cu_seqlens_q ? 1 : p->B, p->tma_rows_q);
+    return encode_map(map, p, t, d, p->Hq, p->Sq, p->cu_seqlens_q ? 1 : p->B, p->tma_rows_q, 0);
 }
 
 static PyObject *c_cuda_tensor_maps(PyObject *module, PyObject *unused)
@@ -351,7 +358,8 @@ static PyObject *c_cuda_launch_attention(PyObject *module, PyObject *const *args
     if (p->tma_rows > 0 || p->tma_rows_q > 0) {
         /* the kernel's second parameter: attn_tmaps (k, v) or attn_bwd_tmaps (q, dout), two maps */
         attn_tmap maps[2];
-        if (p->tma_rows > 0 ? encode_kv_map(&maps[0], p, &p->k, p->D) || encode_kv_map(&maps[1], p, &p->v, p->Dv)
+        if (p->tma_rows > 0 ? encode_kv_map(&maps[0], p, &p->k, p->D, t.tma_read_once)
+                                  || encode_kv_map(&maps[1], p, &p->v, p->Dv, t.tma_read_once)
                             : encode_q_map(&maps[0], p, &p->q, p->D) || encode_q_map(&maps[1], p, &p->dout, p->Dv))
             return NULL;
         CU_CHECK_RC("cuLaunchKernel (attention, tensor maps)",

@@ -162,7 +162,7 @@ typedef struct { _Alignas(64) unsigned long long opaque[16]; } CUtensorMap;
 enum { CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9 };
 enum { CU_TENSOR_MAP_INTERLEAVE_NONE = 0 };
 enum { CU_TENSOR_MAP_SWIZZLE_128B = 3 };
-enum { CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3 };
+enum { CU_TENSOR_MAP_L2_PROMOTION_L2_128B = 2, CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3 };
 enum { CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0 };   /* elements outside the tensor read as zeros */
 typedef CUresult (*cu_encode_tiled_fn)(CUtensorMap *map, int dtype, unsigned rank, void *address,
                                        const unsigned long long *dims, const unsigned long long *strides,

@@ -5,7 +5,8 @@
  *
  * FAKE_CUINIT=<code>: cuInit returns that error. -DNO_ALLOC_ASYNC: a driver without
  * cuMemAllocAsync. -DTENSOR_MAPS: a driver with cuTensorMapEncodeTiled (zeroed maps, counted in
- * `tensor_maps`; the last four's dims, strides and box in `map_dims`, `map_strides`, `map_box`;
+ * `tensor_maps`; the last four's dims, strides, box and L2 promotion in `map_dims`, `map_strides`,
+ * `map_box`, `map_l2`;
  * maps the driver would refuse are refused), so the TMA kernels (WS, TMA_KV, the backward's
  * BWD_TMA) are chosen. Counters the tests read through ctypes: `waits` (cuStreamWaitEvent),
  * `launches` (cuLaunchKernel), `dependent_launches` (cuLaunchKernelEx's), `allocs` and `frees`
@@ -146,9 +147,10 @@ static void fake_free(ptr_t p)
 #ifdef TENSOR_MAPS
 int tensor_maps = 0;
 /* the last four maps (map tensor_maps - 1 at [(tensor_maps - 1) % 4]): dims, byte strides
- * (rank - 1 of them) and box, the first four of each */
+ * (rank - 1 of them) and box, the first four of each, and the L2 promotion */
 unsigned long long map_dims[4][4], map_strides[4][4];
 unsigned map_box[4][4];
+int map_l2[4];
 /* what the driver refuses too: an address or a stride off 16 bytes, a 0 stride, a box of more
  * than 256 or more than its dimension */
 int cuTensorMapEncodeTiled(void *map, int dtype, unsigned rank, void *address, const unsigned long long *dims,
@@ -167,6 +169,7 @@ int cuTensorMapEncodeTiled(void *map, int dtype, unsigned rank, void *address, c
         map_box[at][i] = i < rank ? box[i] : 0;
         map_strides[at][i] = i + 1 < rank ? strides[i] : 0;
     }
+    map_l2[at] = l2_promotion;
     tensor_maps++;
     return OK;
 }

@@ -373,8 +373,9 @@ def test_a_split_decode_merges_in_its_last_ctas(tmp_path):
     call while one is held, one kept afterwards. attn_fwd_combine follows the split kernel on the
     per-thread default stream, under ATTNEXT_DECODE_COMBINE=kernel, past FUSED_COMBINE_SPLITS
     splits and past FUSED_COMBINE_ROWS rows a tile, launched as a programmatic dependent of it
-    (cuLaunchKernelEx) unless ATTNEXT_DEPENDENT_LAUNCH=0. release_scratch frees the idle
-    counters. On the fake driver built with tensor maps (TMA_KV needs them)."""
+    (cuLaunchKernelEx) unless ATTNEXT_DEPENDENT_LAUNCH=0. K's and V's maps ask for 128-byte L2
+    fills. release_scratch frees the idle counters. On the fake driver built with tensor maps
+    (TMA_KV needs them)."""
     if fake_cuda.compiler() is None:
         pytest.skip("no C compiler for the fake libcuda")
     run_on_fake(fake_cuda.build(tmp_path, "tma", ["-DTENSOR_MAPS"]), r"""
@@ -386,8 +387,13 @@ def test_a_split_decode_merges_in_its_last_ctas(tmp_path):
             call()
             return LAUNCHES[n:]
         short, out = qkv(1, 1, 2048, 32, 8, 128), dev((1, 1, 32, 128))
+        maps = fake_cuda.counter(lib, "tensor_maps")
+        n_maps = maps.value
         (name, grid, _, _, _, p, ptrs), = launched(lambda: attnext.attention(*short, out=out))
         assert name[1] == "attn_fwd" and dict(name[2])["TMA_KV"] == 1, name
+        # K's and V's maps: read once, so L2 fills of 128 bytes
+        l2 = (ctypes.c_int * 4).in_dll(lib, "map_l2")
+        assert maps.value - n_maps == 2 and l2[(maps.value - 1) % 4] == l2[(maps.value - 2) % 4] == 2
         assert 1 < p["num_splits"] <= cuda_backend.FUSED_COMBINE_SPLITS and grid == (p["num_splits"], 8, 1)
         assert ptrs[at] and ptrs[at] == process._counters[(0, 0)][0]
         a0 = allocs.value
@@ -463,6 +469,8 @@ def test_the_hopper_backward_takes_q_and_dout_by_tensor_maps(tmp_path):
             # q's map, then dout's: (D, Hq, rows, B), byte strides of a head, a row, a sequence
             assert made(2) == ((D, 4, 300, 2), (2 * D, 8 * D, 2400 * D, 0), (64, 1, rows, 1)), made(2)
             assert made(1) == ((D, 4, 300, 2), (2 * D, 16 * D, 4800 * D, 0), (64, 1, rows, 1)), made(1)
+            l2 = (ctypes.c_int * 4).in_dll(lib, "map_l2")
+            assert l2[(maps.value - 1) % 4] == l2[(maps.value - 2) % 4] == 3     # 256-byte L2 fills
             # a dout broadcast along its rows: no maps
             [(d, tma_rows)], encoded = backward(q, k, v, dev((2, 300, 4, D), strides=(4 * D, 0, D, 1)), causal=True)
             assert "BWD_TMA" not in d and tma_rows == 0 and encoded == 0, d
@@ -504,7 +512,7 @@ def _prob(**changes):
     prob = types.SimpleNamespace(
         device=0, dtype=1, B=2, causal=0, window_left=-1, window_right=-1, bias_dtype=2, alibi_dtype=2,
         bias_heads=1, mask_heads=1, num_splits=1, dq_write_last=0, k_rows_max=0, max_rows_q=0, max_rows_k=9, page_size=0,
-        bt_stride=0, tma_rows=0, tma_rows_q=0,
+        bt_stride=0, tma_rows=0, tma_rows_q=0, tma_read_once=0,
         q=t, k=t, v=t, out=t, lse=None, bias=None, mask=None,
         alibi=None, dout=None, dq=None, dk=None, dv=None, dbias=None, dlse=None, delta=None, dq_accum=None, dq_sem=None)
     vars(prob).update(changes)
