@@ -145,13 +145,21 @@ RUNTIME = tuple(n for n, s in SETTINGS.items() if s.kind in (PUBLIC, LAB))
 
 _values = {}      # name -> text or None: os.environ's, at import or the last reload()
 _tuples = {}      # names -> values(names), until the next reload()
+_generation = 0   # reload()s so far
 
 
 def reload():
     """Reads every runtime setting from os.environ again (a test or lab that changed it)."""
-    global _values, _tuples
+    global _values, _tuples, _generation
     _values = {n: os.environ.get(n) for n in RUNTIME}
     _tuples = {}
+    _generation += 1
+
+
+def generation():
+    """How many times the settings were read: what was decided under one generation's settings
+    (cuda/repeat.py's recipes) holds until the next."""
+    return _generation
 
 
 def get(name):

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import _C, checks, interop, reference
 from ._layout import CpuCall, dtype_code
+from .cuda import repeat
 from .cuda.devview import DevView
 from .mods import codegen, fingerprint, interp, lower, trace
 from .types import Array, Grads, MaskMod, ScoreMod
@@ -175,6 +176,8 @@ def _forward_on_gpu(o, inputs):
     if o.out is not None:
         o.out = checks.check_device_out("out", o.out, o.out_shape, o.q.dtype, inputs)
     out, lse = cuda_backend.forward(o, None, None)
+    if o.repeat_key is not None and o.recipe is not None:    # attention()'s next equal call replays it
+        repeat.remember(o.repeat_key, o.recipe._replace(from_dlpack=interop.from_dlpack(o.like)))
     out = user_out if user_out is not None else device.to_caller(out, o.like)
     return (out, device.to_caller(lse, o.like)) if o.return_lse else out
 
@@ -312,11 +315,18 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool | str = False,
         >>> out = attnext.attention(q, k, v, causal=True)            # q (B, Sq, Hq, D)
         >>> out = attnext.attention(q, k, v, layout="bhsd")          # torch SDPA's layout
     """
+    key = None
+    if (score_mod is None and mask_mod is None and alibi_slopes is None and bias is None and mask is None
+            and seqlens_q is None and seqlens_k is None and sinks is None and block_table is None):
+        key = repeat.key(q, k, v, out, (causal, window, scale, softcap, layout, return_lse, device, precision))
+        if key is not None and (recipe := repeat.lookup(key)) is not None:
+            return checks.gpu_modules()[0].replay(recipe, out)
     o = checks.normalise(q, k, v, dict(
         causal=causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
         bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, seqlens_q=seqlens_q,
         seqlens_k=seqlens_k, layout=layout, return_lse=return_lse, device=device, out=out,
         precision=precision, sinks=sinks, block_table=block_table))
+    o.repeat_key = key
     return _forward(o)
 
 

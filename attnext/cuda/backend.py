@@ -22,6 +22,7 @@ device), the error record and the gradient accumulator -- travels with the call'
 the attn_mods_gpu bytes cuda_launch_attention copies into attn_params. NumPy and CUDA calls
 bind them alike.
 """
+import collections
 import copy
 import math
 import threading
@@ -35,7 +36,7 @@ from .._layout import DTYPE_CODES, SLOT, KernelCall, dtype_name
 from ..lru import LRU
 from ..mods import bounds, codegen, grad, lower, trace
 from . import arrays as _device, lengths as lengths_check, mod_cache, mod_inputs as mod_arrays, nvrtc, process
-from . import select, staging
+from . import repeat, select, staging
 from .devview import DevView
 from .staging import host_result, to_host  # noqa: F401  (api.py's: results, lengths)
 
@@ -104,8 +105,10 @@ _plans = LRU(PLAN_CAPACITY)
 
 
 def clear_plans():
-    """Forgets every plan (the tests that stand in for kernels or devices call it)."""
+    """Forgets every plan (the tests that stand in for kernels or devices call it), and the
+    recipes of repeated calls that hold them."""
     _plans.clear()
+    repeat.clear()
 
 
 def plan_count():
@@ -171,6 +174,41 @@ def _launch(plan, stage, ptrs, o, gmods=None):
             process.give_back_scratch(buf, stage.device, stage.stream)
         if counters is not None:
             process.give_back_counters(counters, stage.device, stage.stream)
+
+
+# what a replay of a forward needs of its first call (cuda/repeat.py files it): plan, ptrs
+# (_C.cuda_launch_attention's addresses; slots 3 and 4 out's and lse's), device and stream, the
+# launch's scale and softcap values, and for results the replay allocates (no out= given, an lse
+# asked for): out_new, their shapes and dtypes, and the caller's library's from_dlpack (None:
+# DeviceArrays back)
+Recipe = collections.namedtuple("Recipe", "plan ptrs device stream scale_value softcap_value out_new out_shape "
+                                          "out_dtype lse_shape lse_dtype from_dlpack")
+_ReplayStage = collections.namedtuple("_ReplayStage", "device stream")           # what _launch reads of a stage
+_ReplayScalars = collections.namedtuple("_ReplayScalars", "scale_value softcap_value")
+
+
+def replay(r, out):
+    """A repeated forward's result by its recipe r: the pending device-length errors raised, its
+    results allocated (out: the call's out=, returned as it is, or None), its launches enqueued."""
+    lengths_check.raise_pending()
+    ptrs = r.ptrs
+    new_out = lse = None
+    if r.out_new or r.lse_shape is not None:
+        ptrs = list(ptrs)
+        if r.out_new:
+            new_out = empty(r.out_shape, r.out_dtype, r.device, r.stream)
+            ptrs[3] = new_out.ptr
+        if r.lse_shape is not None:
+            lse = empty(r.lse_shape, r.lse_dtype, r.device, r.stream)
+            ptrs[4] = lse.ptr
+        ptrs = tuple(ptrs)
+    _launch(r.plan, _ReplayStage(r.device, r.stream), ptrs, _ReplayScalars(r.scale_value, r.softcap_value))
+    result = out if new_out is None else _caller(new_out, r.from_dlpack)
+    return result if lse is None else (result, _caller(lse, r.from_dlpack))
+
+
+def _caller(devarr, from_dlpack):
+    return devarr if from_dlpack is None else from_dlpack(devarr)
 
 
 def _with_gmods(gmods):
@@ -663,7 +701,8 @@ def forward(o, out_host, lse_host, stage=None):
     (a DevView from out=) in place of out. stage: _forward_sliced's, for one slice; there
     o.lse_rows (a row slice's, a strided view of its sequence's lse) is where the kernel writes
     the lse, which _forward_sliced downloads (lse_host None)."""
-    if stage is None:
+    own_stage = stage is None
+    if own_stage:
         lengths_check.raise_pending()
     host = out_host is not None
     if host and stage is None and (slices := _slices(o)):
@@ -713,6 +752,11 @@ def forward(o, out_host, lse_host, stage=None):
             if lse_host is not None:
                 stage.download(lse, lse_host)
             return out_host, lse_host
+        if own_stage and mods is None and extra is _NO_EXTRAS and o.block_table is None and not plan.upgrade:
+            # what a repeat of this call needs (cuda/repeat.py; api.py files it under the call's key)
+            o.recipe = Recipe(plan, ptrs, stage.device, stage.stream, o.scale_value, o.softcap_value,
+                                     out_res is not o.out, o.out_shape, o.q.dtype,
+                                     None if lse_res is None else o.lse_shape, np.float32, None)
         return out_res, lse_res
 
 

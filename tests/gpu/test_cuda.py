@@ -310,6 +310,54 @@ def test_torch_without_lse(sq, sk, rng, torch):
     assert_close("out", out.float().cpu().numpy().astype(BF16), reference.attention(q, k, v, causal=True), BF16)
 
 
+@pytest.mark.parametrize("sq, sk", [(1, 5000), (300, 300)], ids=["split_kv", "tiles"])
+def test_repeated_calls_read_their_arrays_afresh(sq, sk, rng, torch):
+    """Calls equal in their arrays and options replay the first call's launches (cuda/repeat.py):
+    each reads what the arrays hold now (q and v written in place between calls), a fresh out and
+    lse each time where no out= is given, out= written in place; a new tensor, a new option and
+    a new out= each take the whole path, and every result matches the reference."""
+    from attnext import checks
+    from attnext.cuda import repeat
+    whole = []
+    normalise = checks.normalise
+
+    def counted(*a, **kw):
+        whole.append(1)
+        return normalise(*a, **kw)
+    checks.normalise = counted
+    try:
+        q, k, v = make_qkv(rng, 2, sq, sk, 8, 2, 128, 128, BF16)
+        t = lambda x: torch.from_numpy(x.view(np.uint16).astype(np.int16)).view(torch.bfloat16).cuda()
+        tq, tk, tv = t(q), t(k), t(v)
+        dst = torch.empty_like(tq)
+        results = []
+        for i in range(4):
+            if i:                         # new values in the same memory: the replay must read them
+                q, _, v = make_qkv(rng, 2, sq, sk, 8, 2, 128, 128, BF16)
+                tq.copy_(t(q))
+                tv.copy_(t(v))
+            n = len(whole)
+            out, lse = attnext.attention(tq, tk, tv, causal=True, return_lse=True)
+            res = attnext.attention(tq, tk, tv, causal=True, out=dst)
+            assert (len(whole) - n == 2) == (i == 0), (i, len(whole) - n)     # replays after the first
+            r_out, r_lse = reference.attention(q, k, v, causal=True, return_lse=True)
+            assert isinstance(out, torch.Tensor) and res is dst
+            assert_close("out", out.float().cpu().numpy().astype(BF16), r_out, BF16)
+            assert_close("out=", dst.float().cpu().numpy().astype(BF16), r_out, BF16)
+            assert_lse_close(lse.cpu().numpy(), r_lse, BF16)
+            results.append(out)
+        assert len({o.data_ptr() for o in results}) == len(results)     # fresh results, all alive
+        n = len(whole)
+        other = t(q)
+        assert_close("new q", attnext.attention(other, tk, tv, causal=True).float().cpu().numpy().astype(BF16),
+                     reference.attention(q, k, v, causal=True), BF16)
+        assert_close("no mask", attnext.attention(tq, tk, tv).float().cpu().numpy().astype(BF16),
+                     reference.attention(q, k, v), BF16)
+        assert len(whole) - n == 2 and repeat.count() > 0
+    finally:
+        checks.normalise = normalise
+
+
 def test_torch_noncontiguous_and_sdpa(torch):
     """A transposed (B, H, S, D) torch view read in place; agrees with PyTorch's own SDPA."""
     x = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.float16)

@@ -1,0 +1,101 @@
+"""GPU calls repeated with the same arrays and options: the recipe of their launches, by key.
+
+A decode loop or a benchmark calls attention() on the same CUDA arrays (the same addresses,
+shapes, strides and dtypes) with the same options again and again. The first such call takes the
+whole path (checks.normalise, the views, the plan: 30-60 us of Python, more than a decode's
+kernels on a fast GPU); backend.forward leaves the recipe of its launches on the call (`o.recipe`)
+and api.py files it here under the call's key. The next call with an equal key has backend.replay
+run it: the pending device-length errors raised (lengths.raise_pending), new results allocated
+where the caller gave no out= (and an lse where asked for), the plan's launches enqueued
+(backend._launch: scratch and split counters lent as on the whole path).
+
+The key holds everything the first call's checks, plan and launches depended on: each array's
+library, address, shape, strides, dtype and device (a DeviceArray's stream too; torch tensors
+are read on the legacy stream), every option, and the generation of attnext's settings
+(_env.generation). Any difference is a miss, which takes the whole path; clear() (backend's
+clear_plans, a fork) forgets every recipe. No array is kept alive here: arrays freed and made
+again at the same addresses with the same layout make the same call, and replay it correctly.
+
+Taken by attention() with q, k, v (and out) plain CUDA torch tensors or attnext DeviceArrays and
+no other array argument and no score_mod / mask_mod, once a GPU call has loaded the CUDA host
+side; a call that raised left no recipe.
+"""
+import sys
+
+from .. import _env
+from ..lru import LRU
+from . import process
+
+CAPACITY = 64              # recipes kept (each holds its plan and so its loaded kernels)
+
+_recipes = LRU(CAPACITY)
+
+
+class _Torch:
+    """torch.Tensor, torch.strided and torch's test for a __torch_function__ override, once the
+    caller has imported torch (attnext never does)."""
+    tensor = strided = overridden = None
+
+
+def _array_key(x, device_array):
+    """What the whole path reads of a CUDA array, as a hashable tuple; None for anything else
+    (a host array, another library's, a torch tensor that requires grad or overrides torch
+    functions: the whole path decides about those)."""
+    t = type(x)
+    if t is device_array:
+        return t, x.ptr, x.shape, x.strides, x.dtype, x.device, x.stream
+    if _Torch.tensor is None:
+        torch = sys.modules.get("torch")
+        if torch is None or not hasattr(torch, "Tensor"):
+            return None
+        _Torch.tensor, _Torch.strided = torch.Tensor, torch.strided
+        _Torch.overridden = torch._C._has_torch_function_unary
+    if (t is not _Torch.tensor or not x.is_cuda or x.requires_grad or x.layout is not _Torch.strided
+            or _Torch.overridden(x)):
+        return None
+    return t, x.data_ptr(), x.shape, x.stride(), x.dtype, x.get_device()
+
+
+def key(q, k, v, out, options):
+    """The key of an attention() call (options: its scalar options as a tuple), or None where the
+    call cannot replay."""
+    arrays_module = sys.modules.get("attnext.cuda.arrays")
+    if arrays_module is None:       # no GPU call yet (import attnext leaves the CUDA host side unloaded)
+        return None
+    device_array = arrays_module.DeviceArray
+    arrays = []
+    for x in (q, k, v, out):
+        if x is None:
+            arrays.append(None)
+            continue
+        a = _array_key(x, device_array)
+        if a is None:
+            return None
+        arrays.append(a)
+    try:
+        k_ = (tuple(arrays), options, _env.generation())
+        hash(k_)
+    except TypeError:               # an unhashable option (a list for window): the whole path
+        return None
+    return k_
+
+
+def lookup(k):
+    """The recipe filed under key k (backend.Recipe), or None."""
+    return _recipes.get(k)
+
+
+def remember(k, recipe):
+    _recipes.put(k, recipe)
+
+
+def clear():
+    """Forgets every recipe (the plans were cleared, or the process forked)."""
+    _recipes.clear()
+
+
+def count():
+    return len(_recipes)
+
+
+process.at_fork(after_in_child=clear)

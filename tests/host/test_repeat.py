@@ -1,0 +1,101 @@
+"""Repeated GPU calls replayed (attnext/cuda/repeat.py) on the fake driver (helpers/fake_libcuda.c):
+an attention() call equal to an earlier one in its arrays (library, address, shape, strides,
+dtype, device, stream) and options enqueues the launches the whole path gave the first, without
+the checks; any difference takes the whole path again. `-m gpu` checks results on a device
+(tests/gpu/test_cuda.py::test_repeated_calls_read_their_arrays_afresh)."""
+from helpers.driver import run_on_fake
+
+
+def test_an_equal_call_replays_the_launches_of_the_first(fake_driver):
+    run_on_fake(fake_driver, r"""
+        import gc, weakref
+        from attnext import checks
+        from attnext.cuda import repeat
+        _C.cuda_launch_attention = lambda fn, *rest: launch(fn, *rest[:8])     # a score_mod's bytes dropped
+        whole = []
+        normalise = checks.normalise
+
+        def counted(*a, **kw):
+            whole.append(1)
+            return normalise(*a, **kw)
+        checks.normalise = counted
+
+        def call(*args, **kw):
+            n, w = len(LAUNCHES), len(whole)
+            res = attnext.attention(*args, **kw)
+            return res, LAUNCHES[n:], len(whole) > w
+
+        # decode (a split: scratch and a combine) and a plain forward, with out= given
+        for shape in ((1, 1, 32768, 32, 8, 128), (2, 130, 200, 8, 2, 128)):
+            q, k, v = qkv(*shape)
+            out = dev(q.shape)
+            res, first, took = call(q, k, v, out=out)
+            assert took and res is out and first
+            for _ in range(3):
+                res, again, took = call(q, k, v, out=out)
+                assert not took and res is out and repr(again) == repr(first), (again, first)   # repr: NaN fields
+        # results allocated afresh on each replay, their addresses in the out and lse slots
+        res, first, took = call(q, k, v, return_lse=True)
+        seen, kept = set(), []
+        for _ in range(3):
+            (o2, l2), again, took = call(q, k, v, return_lse=True)
+            assert not took and type(o2) is device.DeviceArray and o2.shape == res[0].shape
+            assert (again[0][6][3], again[0][6][4]) == (o2.ptr, l2.ptr) and l2.shape == res[1].shape
+            assert repr([l[:6] for l in again]) == repr([l[:6] for l in first])
+            seen.add(o2.ptr)
+            kept.append((o2, l2))
+        assert len(seen) == 3                 # each result its own memory while the others live
+
+        # each difference takes the whole path once, then replays (the arrays above stay alive:
+        # memory at an address freed and made again with the same layout is the same call)
+        kept.append(out)
+        out = dev(q.shape)
+        other = dev(q.shape)
+        strided_k = device.DeviceArray(k.ptr, k.shape, BF16, 0, (200 * 2 * 256, 2 * 256, 128, 1), 0, k)
+        on_stream = [dev(x.shape, stream=7) for x in (q, k, v, out)]
+        differences = [
+            lambda: call(q, k, v, out=out),
+            lambda: call(q, k, v, out=other),
+            lambda: call(other, k, v, out=out),
+            lambda: call(q, strided_k, v, out=out),
+            lambda: call(*on_stream[:3], out=on_stream[3]),
+            lambda: call(q, k, v, out=out, causal=True),
+            lambda: call(q, k, v, out=out, scale=0.5),
+            lambda: call(q, k, v, out=out, softcap=30.0),
+            lambda: call(q, k, v, out=out, window=(16, 0)),
+        ]
+        for d in differences:
+            assert d()[2] and not d()[2]
+        _env.setenv("ATTNEXT_DECODE_CTAS", "3")           # the settings' next generation
+        try:
+            assert call(q, k, v, out=out)[2] and not call(q, k, v, out=out)[2]
+        finally:
+            _env.setenv("ATTNEXT_DECODE_CTAS", None)
+        assert call(q, k, v, out=out)[2]
+        cuda_backend.clear_plans()
+        assert repeat.count() == 0 and call(q, k, v, out=out)[2] and not call(q, k, v, out=out)[2]
+        # a window as a list (unhashable) always takes the whole path, as do array options
+        assert call(q, k, v, out=out, window=[16, 0])[2] and call(q, k, v, out=out, window=[16, 0])[2]
+        n = repeat.count()
+        alibi = dev((8,), np.float32)
+        assert call(q, k, v, out=out, alibi_slopes=alibi)[2] and call(q, k, v, out=out, alibi_slopes=alibi)[2]
+        assert call(q, k, v, out=out, score_mod=lambda s, b, h, qi, ki: s)[2]
+        assert repeat.count() == n
+        # a call that raised files nothing: out over q raises each time
+        for _ in range(2):
+            try:
+                call(q, k, v, out=q)
+            except ValueError as e:
+                assert "shares memory" in str(e), e
+            else:
+                raise AssertionError("out=q did not raise")
+        # recipes keep no array alive
+        q2 = dev(q.shape)
+        ref = weakref.ref(q2)
+        call(q2, k, v, out=out)
+        assert not call(q2, k, v, out=out)[2]
+        del q2
+        gc.collect()
+        assert ref() is None
+        print("ok")
+    """)
