@@ -9,16 +9,11 @@ from helpers.driver import run_on_fake
 def test_an_equal_call_replays_the_launches_of_the_first(fake_driver):
     run_on_fake(fake_driver, r"""
         import gc, weakref
-        from attnext import checks
         from attnext.cuda import repeat
+        from helpers.spies import whole_path_calls
         _C.cuda_launch_attention = lambda fn, *rest: launch(fn, *rest[:8])     # a score_mod's bytes dropped
-        whole = []
-        normalise = checks.normalise
-
-        def counted(*a, **kw):
-            whole.append(1)
-            return normalise(*a, **kw)
-        checks.normalise = counted
+        spy = whole_path_calls()          # kept: the spy lasts as long as this script
+        whole = spy.__enter__()
 
         def call(*args, **kw):
             n, w = len(LAUNCHES), len(whole)
