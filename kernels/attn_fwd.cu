@@ -102,7 +102,8 @@ DEV uint32_t swz(int r, int j, int w) { return (uint32_t)(r * 2 * w + ((j ^ (r &
  * split_weights computes one row's weights with W lanes (lane j of W): w[s] for its splits s = j,
  * j + W, ..., and returns the row's lse. attn_fwd_combine (a block a row, grid (Sq, Hq, B)) and
  * the TMA_KV split kernel's own merge (combine_rows_warp, below) take their weights from it and
- * read the partials through L2 (ld.cg): other CTAs of the same launch may have written them. */
+ * read the partials through L2 (ld.cg): for the own merge, other CTAs of the same launch wrote
+ * them (L1 may hold none of theirs); attn_fwd_combine reads the grid's before, after its wait. */
 #define COMBINE_THREADS 256
 #define CVW (HEAD_DIM_V % 4 == 0 ? 4 : 1)              /* floats a load: float4 where rows allow */
 #define CCOLS (HEAD_DIM_V / CVW)

@@ -102,6 +102,7 @@ def empty(shape, dtype, device, stream):
 PLAN_CAPACITY = 256        # plans kept (each holds its loaded kernels)
 SCRATCH_ALIGN = 256        # bytes: where each scratch array of a plan starts
 _plans = LRU(PLAN_CAPACITY)
+process.at_fork(after_in_child=repeat.forget_after_fork)
 
 
 def clear_plans():
@@ -643,7 +644,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
         prob.page_size, prob.bt_stride = o.page_size, o.block_table.shape[1]
     if tma or ws:        # the rows of a tensor copy: a tile's, or a page's
         prob.tma_rows = min(tile[1], o.page_size) if paged else tile[1]
-        prob.tma_read_once = int(tma)     # a decode reads K and V once: 128-byte L2 fills
+        prob.tma_read_once = int(tma and q_tiles == 1)   # K and V read once: 128-byte L2 fills
     template = _C.attn_template(prob)
     if not all(grid):                       # an empty grid (no heads, rows or batch) has nothing to write
         return _Plan(template, ())

@@ -12,19 +12,21 @@ where the caller gave no out= (and an lse where asked for), the plan's launches 
 The key holds everything the first call's checks, plan and launches depended on: each array's
 library, address, shape, strides, dtype and device (a DeviceArray's stream too; torch tensors
 are read on the legacy stream), every option, and the generation of attnext's settings
-(_env.generation). Any difference is a miss, which takes the whole path; clear() (backend's
-clear_plans, a fork) forgets every recipe. No array is kept alive here: arrays freed and made
+(_env.generation), each option with its type (True and 1 are told apart by the checks). Any
+difference is a miss, which takes the whole path; clear() (backend's clear_plans) and a fork
+forget every recipe. No array is kept alive here: arrays freed and made
 again at the same addresses with the same layout make the same call, and replay it correctly.
 
 Taken by attention() with q, k, v (and out) plain CUDA torch tensors or attnext DeviceArrays and
-no other array argument and no score_mod / mask_mod, once a GPU call has loaded the CUDA host
-side; a call that raised left no recipe.
+no other array argument and no score_mod / mask_mod (api.py's cheap test first; backend.forward
+leaves a recipe only where its call had nothing else), once a GPU call has loaded the CUDA host
+side. A call that raised left no recipe. This module is part of `import attnext` (api.py asks it
+for every call's key): it imports no other part of the CUDA host side.
 """
 import sys
 
 from .. import _env
 from ..lru import LRU
-from . import process
 
 CAPACITY = 64              # recipes kept (each holds its plan and so its loaded kernels)
 
@@ -48,8 +50,8 @@ def _array_key(x, device_array):
         torch = sys.modules.get("torch")
         if torch is None or not hasattr(torch, "Tensor"):
             return None
-        _Torch.tensor, _Torch.strided = torch.Tensor, torch.strided
-        _Torch.overridden = torch._C._has_torch_function_unary
+        _Torch.strided, _Torch.overridden = torch.strided, torch._C._has_torch_function_unary
+        _Torch.tensor = torch.Tensor          # last: another thread reads the others once it is set
     if (t is not _Torch.tensor or not x.is_cuda or x.requires_grad or x.layout is not _Torch.strided
             or _Torch.overridden(x)):
         return None
@@ -73,11 +75,19 @@ def key(q, k, v, out, options):
             return None
         arrays.append(a)
     try:
-        k_ = (tuple(arrays), options, _env.generation())
+        k_ = (tuple(arrays), _typed(options), _env.generation())
         hash(k_)
-    except TypeError:               # an unhashable option (a list for window): the whole path
+    except TypeError:               # an option of no hashable value: the whole path
         return None
     return k_
+
+
+def _typed(x):
+    """x with every value beside its type: options that compare equal but that the checks tell
+    apart (True and 1, 16 and 16.0, a tuple and a list) make different keys."""
+    if isinstance(x, (tuple, list)):
+        return type(x), tuple(_typed(e) for e in x)
+    return type(x), x
 
 
 def lookup(k):
@@ -90,12 +100,17 @@ def remember(k, recipe):
 
 
 def clear():
-    """Forgets every recipe (the plans were cleared, or the process forked)."""
+    """Forgets every recipe (the plans were cleared)."""
     _recipes.clear()
+
+
+def forget_after_fork():
+    """A forked child's recipes: none, under a new lock (a thread of the parent may have held
+    the old one at the fork). backend.py registers it with process.at_fork."""
+    global _recipes
+    _recipes = LRU(CAPACITY)
 
 
 def count():
     return len(_recipes)
 
-
-process.at_fork(after_in_child=clear)

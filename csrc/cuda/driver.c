@@ -302,9 +302,10 @@ CUresult cuda_launch_dependent(CUfunction fn, const unsigned grid[3], const unsi
         CUlaunchConfig config = {grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream,
                                  &attr, 1};
         void *params[1] = {arg};
-        if (cu_launch_ex(&config, fn, params, NULL) == CUDA_SUCCESS)
-            return CUDA_SUCCESS;
-        /* a driver or stream that refuses the attribute: the ordinary launch */
+        CUresult rc = cu_launch_ex(&config, fn, params, NULL);
+        if (rc != CUDA_ERROR_NOT_SUPPORTED && rc != CUDA_ERROR_INVALID_VALUE)
+            return rc;
+        /* a driver that refuses the attribute: the ordinary launch (any other error is the call's) */
     }
     return cuda_launch_struct(fn, grid, block, smem, stream, arg);
 }

@@ -39,7 +39,7 @@ typedef int nvrtcResult;
 typedef struct _nvrtcProgram *nvrtcProgram;
 
 enum { CUDA_SUCCESS = 0, CUDA_ERROR_INVALID_VALUE = 1, CUDA_ERROR_OUT_OF_MEMORY = 2,
-       CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712 };
+       CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712, CUDA_ERROR_NOT_SUPPORTED = 801 };
 
 /* CUdevice_attribute */
 enum {
@@ -184,7 +184,7 @@ extern cu_is_capturing_fn cu_is_capturing;
 typedef struct {
     int id;
     char pad[4];
-    union { char bytes[64]; int programmatic_stream_serialization_allowed; } value;
+    union { char bytes[64]; unsigned long long align; int programmatic_stream_serialization_allowed; } value;
 } CUlaunchAttribute;
 typedef struct {
     unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, smem;

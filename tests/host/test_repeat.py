@@ -69,8 +69,20 @@ def test_an_equal_call_replays_the_launches_of_the_first(fake_driver):
         assert call(q, k, v, out=out)[2]
         cuda_backend.clear_plans()
         assert repeat.count() == 0 and call(q, k, v, out=out)[2] and not call(q, k, v, out=out)[2]
-        # a window as a list (unhashable) always takes the whole path, as do array options
-        assert call(q, k, v, out=out, window=[16, 0])[2] and call(q, k, v, out=out, window=[16, 0])[2]
+        # options equal in value but not in type are other calls: bad ones still raise
+        assert call(q, k, v, out=out, window=[16, 0])[2] and not call(q, k, v, out=out, window=[16, 0])[2]
+        for good, bad in ((dict(return_lse=True), dict(return_lse=1)), (dict(causal=True), dict(causal=1)),
+                          (dict(scale=1), dict(scale=True)), (dict(softcap=1.0), dict(softcap=True)),
+                          (dict(window=(16, 0)), dict(window=(16.0, 0)))):
+            call(q, k, v, out=out, **good)
+            assert not call(q, k, v, out=out, **good)[2]
+            try:
+                call(q, k, v, out=out, **bad)
+            except (TypeError, ValueError):
+                pass
+            else:
+                raise AssertionError(f"{bad} did not raise after {good} was replayed")
+        # array options always take the whole path
         n = repeat.count()
         alibi = dev((8,), np.float32)
         assert call(q, k, v, out=out, alibi_slopes=alibi)[2] and call(q, k, v, out=out, alibi_slopes=alibi)[2]
@@ -92,5 +104,27 @@ def test_an_equal_call_replays_the_launches_of_the_first(fake_driver):
         del q2
         gc.collect()
         assert ref() is None
+        # a fork while another thread holds the recipes' lock: the child's recipes are new ones
+        held, done = threading.Event(), threading.Event()
+
+        def hold():
+            with repeat._recipes._lock:
+                held.set()
+                done.wait(10)
+        threading.Thread(target=hold, daemon=True).start()
+        held.wait()
+        pid = os.fork()
+        if pid == 0:
+            null = os.open(os.devnull, os.O_WRONLY)      # the parent's pipes closed: a hang fails, not stalls
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+            os._exit(0 if repeat.lookup(("none",)) is None and repeat.count() == 0 else 1)
+        deadline = time.time() + 20
+        while (got := os.waitpid(pid, os.WNOHANG)) == (0, 0) and time.time() < deadline:
+            time.sleep(0.05)
+        done.set()
+        if got == (0, 0):
+            os.kill(pid, 9)
+        assert got[0] == pid and os.WEXITSTATUS(got[1]) == 0, f"the forked child hung or failed: {got}"
         print("ok")
     """)
