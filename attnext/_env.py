@@ -85,6 +85,9 @@ SETTINGS = {s.name: s for s in [
             "0 keeps Hopper's decode on attn_fwd.cu's cp.async loads (no TMA_KV producer warp)"),
     Setting("ATTNEXT_DECODE_COMBINE", "kernel | split", "split", LAB, CALL,
             "kernel: the split-KV forward's partials merged by attn_fwd_combine, not by its last CTAs"),
+    Setting("ATTNEXT_REPEAT", "0 | 1", "1", LAB, CALL,
+            "0: every attention() call takes the whole path (no replay of a repeated GPU call's "
+            "launches: attnext/cuda/repeat.py)"),
     Setting("ATTNEXT_DEPENDENT_LAUNCH", "0 | 1", "1", LAB, CALL,
             "0: kernels that may start under the kernel before them (nvrtc.DEPENDENT_KERNELS: "
             "attn_fwd_combine) are launched as ordinary kernels"),

@@ -13,6 +13,8 @@ torch tensors instead (whose interface property builds a dict on every read).
 --parts splits the call: "checks" is checks.normalise replayed alone (argument checks, views of
 the CUDA arrays), "launch" the call's _C.cuda_launch_attention calls replayed alone (argument
 parsing and the driver's launch), "backend" the rest (out= checks, plan, scratch, results).
+Repeated forward calls replay their launches (attnext/cuda/repeat.py); --whole times the whole
+path instead (ATTNEXT_REPEAT=0), which --parts implies.
 """
 import argparse
 import cProfile
@@ -163,9 +165,12 @@ def main():
     ap.add_argument("--calls", type=int, default=10000)
     ap.add_argument("--profile", action="store_true", help="cProfile: self time per module")
     ap.add_argument("--top", type=int, default=0, help="with --profile: the top N functions too")
-    ap.add_argument("--parts", action="store_true", help="time checks, backend and launch apart")
+    ap.add_argument("--parts", action="store_true", help="time checks, backend and launch apart (implies --whole)")
+    ap.add_argument("--whole", action="store_true", help="no replay of repeated calls (ATTNEXT_REPEAT=0)")
     ap.add_argument("--cases", default=",".join(CASES))
     args = ap.parse_args()
+    if args.whole or args.parts:
+        os.environ["ATTNEXT_REPEAT"] = "0"         # read when attnext is imported, below
     if args.fake:
         _fake_driver()
     sys.path.insert(0, str(ROOT))

@@ -67,6 +67,11 @@ def test_an_equal_call_replays_the_launches_of_the_first(fake_driver):
         finally:
             _env.setenv("ATTNEXT_DECODE_CTAS", None)
         assert call(q, k, v, out=out)[2]
+        _env.setenv("ATTNEXT_REPEAT", "0")                # the lab's switch: the whole path always
+        try:
+            assert call(q, k, v, out=out)[2] and call(q, k, v, out=out)[2]
+        finally:
+            _env.setenv("ATTNEXT_REPEAT", None)
         cuda_backend.clear_plans()
         assert repeat.count() == 0 and call(q, k, v, out=out)[2] and not call(q, k, v, out=out)[2]
         # options equal in value but not in type are other calls: bad ones still raise
