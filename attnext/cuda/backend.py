@@ -756,8 +756,8 @@ def forward(o, out_host, lse_host, stage=None):
         if own_stage and mods is None and extra is _NO_EXTRAS and o.block_table is None and not plan.upgrade:
             # what a repeat of this call needs (cuda/repeat.py; api.py files it under the call's key)
             o.recipe = Recipe(plan, ptrs, stage.device, stage.stream, o.scale_value, o.softcap_value,
-                                     out_res is not o.out, o.out_shape, o.q.dtype,
-                                     None if lse_res is None else o.lse_shape, np.float32, None)
+                              out_res is not o.out, o.out_shape, o.q.dtype,
+                              None if lse_res is None else o.lse_shape, np.float32, None)
         return out_res, lse_res
 
 

@@ -14,8 +14,8 @@ library, address, shape, strides, dtype and device (a DeviceArray's stream too; 
 are read on the legacy stream), every option, and the generation of attnext's settings
 (_env.generation), each option with its type (True and 1 are told apart by the checks). Any
 difference is a miss, which takes the whole path; clear() (backend's clear_plans) and a fork
-forget every recipe. No array is kept alive here: arrays freed and made
-again at the same addresses with the same layout make the same call, and replay it correctly.
+forget every recipe. No array is kept alive here: arrays freed and made again at the same
+addresses with the same layout make the same call, and replay it correctly.
 
 Taken by attention() with q, k, v (and out) plain CUDA torch tensors or attnext DeviceArrays and
 no other array argument and no score_mod / mask_mod (api.py's cheap test first; backend.forward
