@@ -292,23 +292,31 @@ class _Torch:
     tensor = dtypes = strided = overridden = None
 
 
-def _torch_view(x, stream):
-    """The DevView a plain CUDA torch.Tensor's `__cuda_array_interface__` (v2: no stream) gives,
-    read through the tensor's own accessors: torch builds that dict in Python on every read, the
-    largest item of a short GPU call's host time (bench/NOTES.md, decode B1). None where the
-    interface must decide, with its own refusals: a subclass, a CPU, sparse or other non-strided
-    tensor, a tensor that requires grad, a dtype outside the table, a __torch_function__ mode."""
+def plain_cuda_tensor(x):
+    """Whether x is a plain CUDA torch.Tensor whose own accessors tell what its interface would
+    (_torch_view; cuda/repeat.py's keys): not a subclass, a CPU, sparse or other non-strided
+    tensor, a tensor that requires grad, or one under a __torch_function__ mode. False until the
+    caller has imported torch."""
     if _Torch.tensor is None:
         torch = sys.modules.get("torch")
         if torch is None or not hasattr(torch, "Tensor"):
-            return None
+            return False
         _Torch.dtypes = {getattr(torch, name): np.dtype(name) for name in (
             "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")}
         _Torch.dtypes[torch.bfloat16] = BFLOAT16
         _Torch.strided, _Torch.overridden = torch.strided, torch._C._has_torch_function_unary
         _Torch.tensor = torch.Tensor
-    if (type(x) is not _Torch.tensor or not x.is_cuda or x.layout is not _Torch.strided
-            or x.requires_grad or _Torch.overridden(x)):
+    return (type(x) is _Torch.tensor and x.is_cuda and x.layout is _Torch.strided and not x.requires_grad
+            and not _Torch.overridden(x))
+
+
+def _torch_view(x, stream):
+    """The DevView a plain CUDA torch.Tensor's `__cuda_array_interface__` (v2: no stream) gives,
+    read through the tensor's own accessors: torch builds that dict in Python on every read, the
+    largest item of a short GPU call's host time (bench/NOTES.md, decode B1). None where the
+    interface must decide, with its own refusals: anything but a plain_cuda_tensor, a dtype
+    outside the table."""
+    if not plain_cuda_tensor(x):
         return None
     dtype = _Torch.dtypes.get(x.dtype)
     if dtype is None:

@@ -146,19 +146,19 @@ def _scratch_layout(*sizes):
     return total, tuple(offsets)
 
 
-def _launch(plan, stage, ptrs, o, gmods=None):
-    """plan's launches on the call's stream with these addresses (in _C.cuda_launch_attention's
-    order). The slots of the plan's scratch arrays (None in ptrs) get addresses in the stream's
+def _launch(plan, device, stream, ptrs, scale, softcap, gmods=None):
+    """plan's launches on the call's device and stream with these addresses (in
+    _C.cuda_launch_attention's order) and the call's scale and softcap values. The slots of the plan's scratch arrays (None in ptrs) get addresses in the stream's
     scratch buffer, borrowed until the launches are enqueued. gmods: the call's bound score_mod /
     mask_mod (the attn_mods_gpu bytes) or None."""
     if not plan.launches:
         return
     launch = _C.cuda_launch_attention if gmods is None else _with_gmods(gmods)
     launches = plan.launches
-    counters = process.borrow_counters(plan.counters, stage.device, stage.stream) if plan.counters else None
+    counters = process.borrow_counters(plan.counters, device, stream) if plan.counters else None
     if counters is not None:
         ptrs, launches = _at_slots(ptrs, {SLOT_SPLIT_COUNT: counters[0]}), launches[:-1]   # no attn_fwd_combine
-    buf = process.borrow_scratch(plan.scratch, stage.device, stage.stream) if plan.scratch else None
+    buf = process.borrow_scratch(plan.scratch, device, stream) if plan.scratch else None
     try:
         if buf is not None:
             ptrs = list(ptrs)
@@ -166,15 +166,14 @@ def _launch(plan, stage, ptrs, o, gmods=None):
                 ptrs[slot] = buf[0] + offset
             ptrs = tuple(ptrs)
         for slot, nbytes in plan.zero:
-            _C.memset_d8(ptrs[slot], 0, nbytes, stage.stream, stage.device)
+            _C.memset_d8(ptrs[slot], 0, nbytes, stream, device)
         for fn, grid, block, smem, *own in launches:     # own: a launch's own template
-            launch(fn, grid, block, smem, stage.stream, own[0] if own else plan.template, ptrs, o.scale_value,
-                   o.softcap_value)
+            launch(fn, grid, block, smem, stream, own[0] if own else plan.template, ptrs, scale, softcap)
     finally:
         if buf is not None:
-            process.give_back_scratch(buf, stage.device, stage.stream)
+            process.give_back_scratch(buf, device, stream)
         if counters is not None:
-            process.give_back_counters(counters, stage.device, stage.stream)
+            process.give_back_counters(counters, device, stream)
 
 
 # what a replay of a forward needs of its first call (cuda/repeat.py files it): plan, ptrs
@@ -184,8 +183,6 @@ def _launch(plan, stage, ptrs, o, gmods=None):
 # DeviceArrays back)
 Recipe = collections.namedtuple("Recipe", "plan ptrs device stream scale_value softcap_value out_new out_shape "
                                           "out_dtype lse_shape lse_dtype from_dlpack")
-_ReplayStage = collections.namedtuple("_ReplayStage", "device stream")           # what _launch reads of a stage
-_ReplayScalars = collections.namedtuple("_ReplayScalars", "scale_value softcap_value")
 
 
 def replay(r, out):
@@ -203,7 +200,7 @@ def replay(r, out):
             lse = empty(r.lse_shape, r.lse_dtype, r.device, r.stream)
             ptrs[4] = lse.ptr
         ptrs = tuple(ptrs)
-    _launch(r.plan, _ReplayStage(r.device, r.stream), ptrs, _ReplayScalars(r.scale_value, r.softcap_value))
+    _launch(r.plan, r.device, r.stream, ptrs, r.scale_value, r.softcap_value)
     result = out if new_out is None else _caller(new_out, r.from_dlpack)
     return result if lse is None else (result, _caller(lse, r.from_dlpack))
 
@@ -706,9 +703,9 @@ def forward(o, out_host, lse_host, stage=None):
     if own_stage:
         lengths_check.raise_pending()
     host = out_host is not None
-    if host and stage is None and (slices := _slices(o)):
+    if host and own_stage and (slices := _slices(o)):
         return _forward_sliced(o, out_host, lse_host, slices)
-    pin = host and stage is None
+    pin = host and own_stage
     with stage or staging.Staging(o.cuda_device, o.cuda_stream) as stage:
         if pin:
             stage.pin(_host_inputs(o), (out_host, lse_host))
@@ -743,10 +740,10 @@ def forward(o, out_host, lse_host, stage=None):
         elif o.block_table is not None:   # checked on the host (checks._check_pages), uploaded
             ptrs = _at_slots(ptrs, {SLOT_BLOCK_TABLE: stage.upload(o.block_table).ptr})
         if mods is None:
-            _launch(plan, stage, ptrs, o)
+            _launch(plan, stage.device, stage.stream, ptrs, o.scale_value, o.softcap_value)
         else:
             _build_block_mask(plan, stage, ptrs, o, mods, stage.device)
-            _launch(plan, stage, ptrs, o, mods.gmods)
+            _launch(plan, stage.device, stage.stream, ptrs, o.scale_value, o.softcap_value, mods.gmods)
             _finish_mods(stage, mods)
         if host:
             stage.download(out, out_host)
@@ -1124,10 +1121,10 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
                    None if dlse3 is None else dlse3.ptr, None, None, None, None, None))
         ptrs = _with_sinks(ptrs, sinks, dsinks)
         if mods is None:
-            _launch(plan, stage, ptrs, o)
+            _launch(plan, stage.device, stage.stream, ptrs, o.scale_value, o.softcap_value)
         else:
             _build_block_mask(plan, stage, ptrs, o, mods, stage.device)
-            _launch(plan, stage, ptrs, o, mods.gmods)
+            _launch(plan, stage.device, stage.stream, ptrs, o.scale_value, o.softcap_value, mods.gmods)
             o.dtensors = _finish_mods(stage, mods)
         if host:
             for view, dst in ((dq, dq_host), (dk, dk_host), (dv, dv_host)):

@@ -33,27 +33,14 @@ CAPACITY = 64              # recipes kept (each holds its plan and so its loaded
 _recipes = LRU(CAPACITY)
 
 
-class _Torch:
-    """torch.Tensor, torch.strided and torch's test for a __torch_function__ override, once the
-    caller has imported torch (attnext never does)."""
-    tensor = strided = overridden = None
-
-
-def _array_key(x, device_array):
+def _array_key(x, arrays_module):
     """What the whole path reads of a CUDA array, as a hashable tuple; None for anything else
-    (a host array, another library's, a torch tensor that requires grad or overrides torch
-    functions: the whole path decides about those)."""
+    (a host array, another library's, a torch tensor arrays.plain_cuda_tensor refuses: the whole
+    path decides about those)."""
     t = type(x)
-    if t is device_array:
+    if t is arrays_module.DeviceArray:
         return t, x.ptr, x.shape, x.strides, x.dtype, x.device, x.stream
-    if _Torch.tensor is None:
-        torch = sys.modules.get("torch")
-        if torch is None or not hasattr(torch, "Tensor"):
-            return None
-        _Torch.strided, _Torch.overridden = torch.strided, torch._C._has_torch_function_unary
-        _Torch.tensor = torch.Tensor          # last: another thread reads the others once it is set
-    if (t is not _Torch.tensor or not x.is_cuda or x.requires_grad or x.layout is not _Torch.strided
-            or _Torch.overridden(x)):
+    if not arrays_module.plain_cuda_tensor(x):
         return None
     return t, x.data_ptr(), x.shape, x.stride(), x.dtype, x.get_device()
 
@@ -64,13 +51,12 @@ def key(q, k, v, out, options):
     arrays_module = sys.modules.get("attnext.cuda.arrays")
     if arrays_module is None:       # no GPU call yet (import attnext leaves the CUDA host side unloaded)
         return None
-    device_array = arrays_module.DeviceArray
     arrays = []
     for x in (q, k, v, out):
         if x is None:
             arrays.append(None)
             continue
-        a = _array_key(x, device_array)
+        a = _array_key(x, arrays_module)
         if a is None:
             return None
         arrays.append(a)
