@@ -152,9 +152,11 @@ typedef struct {
      * o_accum [split][B][Hq][Sq][Dv] and lse_accum [2][split][B][Hq][Sq] float32: each partial's
      * maximum score (natural log units), then its sum of exp(s - maximum) */
     float *o_accum, *lse_accum;
-    /* the split kernel's own combine (attn_fwd.cu): an int32 a query tile (CTAs / num_splits),
-     * zero before the launch and after it; NULL: attn_fwd_combine merges the partials */
-    int *split_count;
+    /* int32 counters the host lent the launch (process.borrow_counters), zero before it and left
+     * zero after it; NULL: none lent. The split kernel's own combine (attn_fwd.cu): one a query
+     * tile (CTAs / num_splits), else attn_fwd_combine merges the partials. attn_fwd_sm90's
+     * persistent WS grid: [0] counts the tiles taken, else every CTA takes every gridDim.x-th */
+    int *counters;
     int num_splits;
     /* GPU backward, the ordered dq mode: 1 where the last turn at each query tile writes dq
      * (attn_bwd_sm90.cu), 0 where attn_bwd_dq_convert does */
@@ -186,9 +188,11 @@ typedef struct {
 #endif
 } attn_params;
 
-/* TMA_KV's second kernel parameter: the tensor maps of k and v (cuTensorMapEncodeTiled's
- * 128-byte, 64-byte-aligned CUtensorMap), 4-d (D, Hk, rows, batch or pages), boxes of 64
- * columns (128 bytes, swizzled 128B) x 1 head x tma_rows rows x 1. */
+/* The second kernel parameter of TMA_KV and the WS forward: the tensor maps of k and v
+ * (cuTensorMapEncodeTiled's 128-byte, 64-byte-aligned CUtensorMap), 4-d (D, Hk, rows, batch or
+ * pages), boxes of 64 columns (128 bytes, swizzled 128B) x 1 head x tma_rows rows x 1; and where
+ * tma_rows_q is set too (the persistent WS forward), q's, 4-d (D, Hq, Sq, B), boxes of
+ * tma_rows_q rows; else q is not made. */
 #ifdef __cplusplus
 #define ATTN_ALIGN64 alignas(64)
 #else
@@ -198,7 +202,7 @@ typedef struct {
     ATTN_ALIGN64 uint64_t opaque[16];
 } attn_tmap;
 typedef struct {
-    attn_tmap k, v;
+    attn_tmap k, v, q;
 } attn_tmaps;
 /* The backward dK/dV kernel's second parameter (tma_rows_q): the maps of q and dout, 4-d (D, Hq,
  * rows, batch), boxes of 64 columns x 1 head x tma_rows_q rows x 1. */
@@ -206,8 +210,8 @@ typedef struct {
     attn_tmap q, dout;
 } attn_bwd_tmaps;
 #if !defined(__CUDACC_RTC__) && !defined(__cplusplus)
-_Static_assert(sizeof(attn_tmaps) == 2 * sizeof(attn_tmap) && sizeof(attn_bwd_tmaps) == 2 * sizeof(attn_tmap),
-               "cuda_launch_attention passes either as two maps");
+_Static_assert(sizeof(attn_tmaps) == 3 * sizeof(attn_tmap) && sizeof(attn_bwd_tmaps) == 2 * sizeof(attn_tmap),
+               "cuda_launch_attention passes three maps or two");
 #endif
 
 #endif

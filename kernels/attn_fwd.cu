@@ -524,19 +524,19 @@ extern "C" __global__ void __launch_bounds__(THREADS_ALL) attn_fwd(const __grid_
 
     write_out(p, sq, sc.to_natural, o, m, l, m0 + warp * WARP_M, b, h, G, split, Lq);
 #if SPLIT_KV && TMA_KV
-    /* the split kernel's own merge, where the host lent counters (p.split_count: an int32 a query
+    /* the split kernel's own merge, where the host lent counters (p.counters: an int32 a query
      * tile, zero before the launch; backend.py takes this for a few packed rows a tile): each
      * CTA counts itself in once its partials are written; the last of the tile's num_splits
      * merges the tile's rows (combine_rows_warp, the one computing warp) in the shared memory the
      * ring is done with, and sets the count back to 0 for the next launch. Else attn_fwd_combine
      * runs next. */
-    if (p.split_count) {
+    if (p.counters) {
         __shared__ int last;
         __threadfence();                                 /* this CTA's partials, before its count */
         named_sync(1, THREADS);                          /* the computing warps: the producer is gone */
         const int64_t tq = ((int64_t)blockIdx.z * gridDim.y + blockIdx.y) * m_blocks + m_block;
         if (tid == 0) {
-            last = atomicAdd(p.split_count + tq, 1) == p.num_splits - 1;
+            last = atomicAdd(p.counters + tq, 1) == p.num_splits - 1;
             __threadfence();                             /* every count before the partials are read */
         }
         named_sync(1, THREADS);
@@ -545,7 +545,7 @@ extern "C" __global__ void __launch_bounds__(THREADS_ALL) attn_fwd(const __grid_
         __threadfence();
         combine_rows_warp(p, m0, min(m0 + BLOCK_M, (int)sq.rows * G), G, h, b, lane, (float *)smem_raw);
         if (tid == 0)
-            p.split_count[tq] = 0;
+            p.counters[tq] = 0;
     }
 #endif
 }

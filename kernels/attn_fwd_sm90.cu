@@ -57,6 +57,9 @@
 #if WS && (!(BLOCK_M == 128 || (BLOCK_M == 192 && HEAD_DIM == 64)) || HEAD_DIM != HEAD_DIM_V || ELEM_F32)
 #error "attn_fwd_sm90 WS: 128-row tiles (192 at D = 64), D = Dv, 16-bit elements"
 #endif
+#if defined(PERSIST) && PERSIST && (!WS || HAS_MASK_MOD)
+#error "attn_fwd_sm90 PERSIST: the WS kernel, no mask_mod (its producer thread narrows no key range)"
+#endif
 
 /* S (+)= Q K^T for one k16 step of this warpgroup's 64 rows. */
 DEV void s_step(float (&s)[NT][4], uint64_t dq, uint64_t dk, int accumulate)
@@ -120,15 +123,15 @@ DEV void store_o_staged(const attn_params &p, const seq_t &sq, const float (&o)[
 }
 #endif
 
-/* This CTA's query tile of sequence b: the sequences' extents, rows [m0, r_end) (r_end: the end
+/* Query tile x of the tiles_x of sequence b: the sequences' extents, rows [m0, r_end) (r_end: the end
  * of the real rows) and the key tiles n_first..n_last it visits (kv_range: the causal / window
  * band; none: n_last < n_first). False when the tile lies past the sequence's rows. */
-DEV bool query_tile(const attn_params &p, int64_t b, seq_t &sq, seq_t &sk, int &m0, int &r_end, int &n_first,
-                    int &n_last)
+DEV bool query_tile(const attn_params &p, int64_t b, int x, int tiles_x, seq_t &sq, seq_t &sk, int &m0, int &r_end,
+                    int &n_first, int &n_last)
 {
     sq = seq_q(&p, b);
     sk = seq_k(&p, b);
-    m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;
+    m0 = (tiles_x - 1 - x) * BLOCK_M;                   /* x = 0: the last rows (the most keys under causal) */
     if (m0 >= sq.rows)
         return false;
     r_end = min(m0 + BLOCK_M, (int)sq.len);
@@ -156,7 +159,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
     }
     seq_t sq, sk;
     int m0, r_end, n_first, n_last;
-    if (!query_tile(p, b, sq, sk, m0, r_end, n_first, n_last))
+    if (!query_tile(p, b, blockIdx.x, gridDim.x, sq, sk, m0, r_end, n_first, n_last))
         return;
     const int Lq = (int)sq.len, Lk = (int)sk.len;
     const elem_t *gq = (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + sq.start * p.q.s[1] + h * p.q.s[2];
@@ -298,8 +301,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
 #if ENTRY(attn_fwd_sm90) && WS
 #include "sm90_pipe.cuh"
 
+#ifndef PERSIST
+#define PERSIST 0
+#endif
 #define WS_THREADS (THREADS + 128)        /* the producer warpgroup, then the NUM_WG that compute */
 #define QW_BYTES (64 * HEAD_DIM * 2)      /* one computing warpgroup's 64 rows of Q */
+#define Q_BUFS (1 + PERSIST)              /* PERSIST: the next tile's Q lands under this one's */
 /* 24 + 2 x 240 = 3 x 168, what 384 threads start with; 32 + 3 x 160 = 4 x 128 (512 threads) */
 #define PRODUCER_REGS (NUM_WG == 2 ? 24 : 32)
 #define CONSUMER_REGS (NUM_WG == 2 ? 240 : 160)
@@ -312,30 +319,67 @@ DEV void turn_wait(int w) { named_sync(4 + w, 256); }
 DEV void turn_pass(int w) { asm volatile("bar.arrive %0, 256;" ::"r"(4 + (w + 1) % NUM_WG) : "memory"); }
 DEV void wg_sync(int w) { named_sync(1 + w, 128); }
 
+/* One query tile of the WS kernel: query_tile's answer for tile x of (h, b); live false where it
+ * lies past the sequence's rows. */
+struct ws_tile {
+    int64_t b, h;
+    seq_t sq, sk;
+    int m0, r_end, n_first, n_last;
+    bool live;
+};
+
+DEV ws_tile ws_tile_at(const attn_params &p, int x, int tiles_x, int64_t h, int64_t b)
+{
+    ws_tile t;
+    t.b = b;
+    t.h = h;
+    t.live = query_tile(p, b, x, tiles_x, t.sq, t.sk, t.m0, t.r_end, t.n_first, t.n_last);
+    return t;
+}
+
+#if PERSIST
+/* The persistent grid's tile t of B x Hq x tiles_x: a head's query tiles together (its K and V
+ * stay in L2 while they run), the last rows first, as the one-tile grid's blocks are dispatched. */
+DEV ws_tile ws_tile_of(const attn_params &p, int t, int tiles_x)
+{
+    const int r = t / tiles_x;
+    return ws_tile_at(p, t - r * tiles_x, tiles_x, r % p.Hq, r / p.Hq);
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     attn_fwd_sm90(const __grid_constant__ attn_params p, const __grid_constant__ attn_tmaps maps)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    /* Q (NUM_WG blocks of 64 rows), then K[STAGES], V[STAGES], then the barriers: full_k, empty_k,
-     * full_v, empty_v, STAGES each, and tail_v */
+    /* Q (Q_BUFS x NUM_WG blocks of 64 rows), then K[STAGES], V[STAGES], then the barriers: full_k,
+     * empty_k, full_v, empty_v, STAGES each, and tail_v; PERSIST: q_full, q_empty, next_full,
+     * next_empty, two each, then the two slots of the next tile (int32) */
     const uint32_t sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
-    const uint32_t sK = sQ + Q_BYTES, sV = sK + STAGES * K_BYTES, bars = sV + STAGES * V_BYTES;
+    const uint32_t sK = sQ + Q_BUFS * Q_BYTES, sV = sK + STAGES * K_BYTES, bars = sV + STAGES * V_BYTES;
     const uint32_t full_k = bars, empty_k = bars + 8 * STAGES, full_v = bars + 16 * STAGES,
                    empty_v = bars + 24 * STAGES, tail_v = bars + 32 * STAGES;
-
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = tid >> 7;
-    const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (p.Hq / p.Hk);
-    if (b == p.B) {                                      /* packed rows after the last sequence */
-        zero_tail<BLOCK_M, WS_THREADS>(p, h);
+#if PERSIST
+    /* PERSIST (the host's choice for dense batches: no cu_seqlens or seqused): gridDim.x CTAs
+     * take the call's tiles in ws_tile_of's order, blockIdx.x first; the next one by
+     * p.counters[0] (an atomic count of the tiles taken past the grid's first; its last taker
+     * sets it back to 0) where the host lent it, else every gridDim.x-th. The producer takes it
+     * a tile ahead and posts it in a slot; every Q comes by its bulk tensor copies (maps.q). */
+    const uint32_t q_full = tail_v + 8, q_empty = q_full + 16, next_full = q_empty + 16, next_empty = next_full + 16,
+                   next_slot = next_empty + 16;
+    const int tiles_x = (int)((p.Sq + BLOCK_M - 1) / BLOCK_M), total = tiles_x * (int)p.Hq * (int)p.B;
+#else
+    if (blockIdx.z == p.B) {                             /* packed rows after the last sequence */
+        zero_tail<BLOCK_M, WS_THREADS>(p, blockIdx.y);
         return;
     }
-    seq_t sq, sk;
-    int m0, r_end, n_first, n_last;
-    if (!query_tile(p, b, sq, sk, m0, r_end, n_first, n_last))
+    /* the one tile, by every thread (mod_narrow takes whole warps) */
+    ws_tile tile = ws_tile_at(p, blockIdx.x, gridDim.x, blockIdx.y, blockIdx.z);
+    if (!tile.live)
         return;
-    const int Lq = (int)sq.len, Lk = (int)sk.len;
-    const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
-    mod_narrow(sc, 1, true, m0, r_end, BLOCK_N, Lk, n_first, n_last);
+    const score_ctx tile_sc = make_score_ctx(p, tile.b, tile.h, tile.sq, tile.sk);
+    mod_narrow(tile_sc, 1, true, tile.m0, tile.r_end, BLOCK_N, tile.sk.len, tile.n_first, tile.n_last);
+#endif
 
     if (tid == 0) {
         for (int st = 0; st < STAGES; st++) {
@@ -345,182 +389,287 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
             mbar_init(empty_v + 8 * st, 4 * NUM_WG);
         }
         mbar_init(tail_v, 1);
+#if PERSIST
+        for (int x = 0; x < 2; x++) {
+            mbar_init(q_full + 8 * x, 1);
+            mbar_init(q_empty + 8 * x, 4 * NUM_WG);
+            mbar_init(next_full + 8 * x, 1);
+            mbar_init(next_empty + 8 * x, 4 * NUM_WG);
+        }
+#endif
         mbar_init_fence();
     }
     __syncthreads();
 
     if (wg == 0) {                                       /* the producer */
         regs_lower<PRODUCER_REGS>();
-        if (warp != 0)
+        if (warp != 0 || (PERSIST && lane != 0))
             return;
-        /* tile i of the visit (n = n_last - i) into stage i % STAGES, each of K and V once every
-         * computing warpgroup has released the stage's tile i - STAGES. K runs a tile ahead of
-         * V (K[i + 1], then V[i]): a step needs the S of its tile before the P V of the last.
-         * Lane 0 issues; the warp's lanes zero tail_rows of V[0] (its copy completes tail_v,
-         * and the warp completes full_v's phase by a plain arrival once the rows are 0). */
-        const int tiles = n_last - n_first + 1;
-        /* rows of the visit's first tile past Lk that the copy brings from inside the tensor */
-        const int tail_rows = (p.cu_seqlens_k || p.seqused_k) && tiles > 0
-                              ? max(0, (n_last + 1) * BLOCK_N - max(Lk, n_last * BLOCK_N)) : 0;
-        auto load = [&](int i, uint32_t empty, uint32_t dst, const void *map, int bytes, int cols, uint32_t landed) {
-            const int st = i % STAGES;
-            int64_t mb, at;
-            key_row(&p, &sk, b, (int64_t)(n_last - i) * BLOCK_N, &mb, &at);
-            if (i >= STAGES)
-                mbar_wait(empty + 8 * st, (i / STAGES - 1) & 1);
-            mbar_arrive_expect_tx(landed, bytes);
-            for (int hf = 0; hf < cols / 64; hf++)
-                tma_load_4d(dst + st * bytes + hf * BLOCK_N * 128, map, hf * 64, (int)hk, (int)at, (int)mb, landed);
-        };
-        if (tiles > 0 && lane == 0) {
-            load(0, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM, full_k);
-            if (tiles > 1)
-                load(1, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM, full_k + 8 * (1 % STAGES));
-            load(0, empty_v, sV, &maps.v, V_BYTES, HEAD_DIM_V, tail_rows ? tail_v : full_v);
-        }
-        if (tail_rows) {                  /* 128-byte rows of each 64-column panel: a block apiece */
-            __syncwarp();
-            mbar_wait(tail_v, 0);
-            for (int hf = 0; hf < HEAD_DIM_V / 64; hf++)
-                for (int x = lane; x < tail_rows * 8; x += 32)
-                    asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};"
-                                 ::"r"(sV + hf * BLOCK_N * 128 + (BLOCK_N - tail_rows) * 128 + x * 16), "r"(0)
-                                 : "memory");
-            fence_proxy_async();
-            __syncwarp();
-            if (lane == 0)
-                mbar_arrive(full_v);
-        }
-        if (lane != 0)
-            return;
-        for (int i = 1; i < tiles; i++) {
-            if (i + 1 < tiles)
-                load(i + 1, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM, full_k + 8 * ((i + 1) % STAGES));
-            load(i, empty_v, sV, &maps.v, V_BYTES, HEAD_DIM_V, full_v + 8 * (i % STAGES));
+        /* Key tile i of a query tile's visit (n = n_last - i) goes to ring position kv + i (the
+         * CTA's key tiles so far, plus i): stage (kv + i) % STAGES, once every computing
+         * warpgroup has released that stage's previous tile. K runs a tile ahead of V (K[i + 1],
+         * then V[i]): a step needs the S of its tile before the P V of the last. Lane 0 issues;
+         * without PERSIST the warp's lanes zero tail_rows of V[0] (its copy completes tail_v, and
+         * the warp completes full_v's phase by a plain arrival once the rows are 0). */
+        int kv = 0;
+#if PERSIST
+        int qn = 0;                                      /* Q blocks brought */
+        for (int j = 0, t = blockIdx.x; t < total; j++) {
+            const int taken = p.counters ? atomicAdd(p.counters, 1) : 0;   /* used at the post, below */
+            const ws_tile tl = ws_tile_of(p, t, tiles_x);
+#else
+        for (int j = 0; j < 1; j++) {
+            const ws_tile tl = tile;
+#endif
+            const seq_t sk = tl.sk;
+            const int n_last = tl.n_last, tiles = tl.live ? max(0, n_last - tl.n_first + 1) : 0;
+            const int64_t b = tl.b, hk = tl.h / (p.Hq / p.Hk);
+            /* rows of the visit's first tile past Lk that the copy brings from inside the tensor */
+            const int Lk = (int)sk.len;
+            const int tail_rows = !PERSIST && (p.cu_seqlens_k || p.seqused_k) && tiles > 0
+                                  ? max(0, (n_last + 1) * BLOCK_N - max(Lk, n_last * BLOCK_N)) : 0;
+            auto load = [&](int i, uint32_t empty, uint32_t dst, const void *map, int bytes, int cols, uint32_t full) {
+                const int g = kv + i, st = g % STAGES;
+                int64_t mb, at;
+                key_row(&p, &sk, b, (int64_t)(n_last - i) * BLOCK_N, &mb, &at);
+                if (g >= STAGES)
+                    mbar_wait(empty + 8 * st, (g / STAGES - 1) & 1);
+                const uint32_t landed = full ? full : tail_v;
+                mbar_arrive_expect_tx(landed + (full ? 8 * st : 0), bytes);
+                for (int hf = 0; hf < cols / 64; hf++)
+                    tma_load_4d(dst + st * bytes + hf * BLOCK_N * 128, map, hf * 64, (int)hk, (int)at, (int)mb,
+                                landed + (full ? 8 * st : 0));
+            };
+            if (tiles > 0 && lane == 0) {
+#if PERSIST
+                const int qb = qn & 1;
+                if (qn >= 2)
+                    mbar_wait(q_empty + 8 * qb, ((qn >> 1) - 1) & 1);
+                mbar_arrive_expect_tx(q_full + 8 * qb, Q_BYTES);
+                for (int r = 0; r < NUM_WG; r++)
+                    for (int hf = 0; hf < HEAD_DIM / 64; hf++)
+                        tma_load_4d(sQ + qb * Q_BYTES + r * QW_BYTES + hf * 64 * 128, &maps.q, hf * 64, (int)tl.h,
+                                    tl.m0 + 64 * r, (int)b, q_full + 8 * qb);
+                qn++;
+#endif
+                load(0, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM, full_k);
+                if (tiles > 1)
+                    load(1, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM, full_k);
+                load(0, empty_v, sV, &maps.v, V_BYTES, HEAD_DIM_V, tail_rows ? 0 : full_v);
+            }
+            if (tail_rows) {              /* 128-byte rows of each 64-column panel: a block apiece */
+                __syncwarp();
+                mbar_wait(tail_v, 0);
+                for (int hf = 0; hf < HEAD_DIM_V / 64; hf++)
+                    for (int x = lane; x < tail_rows * 8; x += 32)
+                        asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};"
+                                     ::"r"(sV + hf * BLOCK_N * 128 + (BLOCK_N - tail_rows) * 128 + x * 16), "r"(0)
+                                     : "memory");
+                fence_proxy_async();
+                __syncwarp();
+                if (lane == 0)
+                    mbar_arrive(full_v);
+            }
+            if (lane != 0)
+                return;
+            for (int i = 1; i < tiles; i++) {
+                if (i + 1 < tiles)
+                    load(i + 1, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM, full_k);
+                load(i, empty_v, sV, &maps.v, V_BYTES, HEAD_DIM_V, full_v);
+            }
+            kv += tiles;
+#if PERSIST
+            /* the next tile into slot (j + 1) & 1, once the computing warps have read its last */
+            const int next = p.counters ? (int)gridDim.x + taken : t + (int)gridDim.x, s = (j + 1) & 1;
+            if (j >= 2)
+                mbar_wait(next_empty + 8 * s, ((j >> 1) - 1) & 1);
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(next_slot + 4 * s), "r"(next) : "memory");
+            mbar_arrive(next_full + 8 * s);
+            if (p.counters && taken == total - 1)         /* every CTA has taken its last */
+                atomicExch(p.counters, 0);
+            t = next;
+#endif
         }
         return;
     }
 
     regs_raise<CONSUMER_REGS>();
     const int w = wg - 1, cw = warp - 4, ctid = tid & 127;   /* computing warpgroup, its warp */
-    const int row0 = m0 + cw * 16;                       /* this warp's first row */
-    const uint32_t sQw = sQ + w * QW_BYTES;             /* this warpgroup's Q, later its O */
-    float o[1][OT][4];
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
-    zero_acc(o);
-    if (n_last < n_first) {
-        write_out(p, sq, sc.to_natural, o, m, l, row0, b, h, 1, 0, Lq);
-        return;
-    }
-    const elem_t *gq = (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + sq.start * p.q.s[1] + h * p.q.s[2];
-    load_sw128<64, HEAD_DIM, 128>(sQw, gq + (int64_t)(m0 + 64 * w) * p.q.s[1], p.q.s[1], r_end - m0 - 64 * w, ctid);
-    cp_async_commit();
-    cp_async_wait_all();
-    fence_proxy_async();
-    wg_sync(w);                                          /* this warpgroup's Q in shared memory */
-
-    const uint64_t dq0 = uniform_desc(sw128_desc(sQw, 16, 1024));
-    auto issue_s = [&](float (&s)[NT][4], int st) {
-        const uint64_t dk0 = uniform_desc(sw128_desc(sK + st * K_BYTES, 16, 1024));
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
-            const uint32_t off = (kk & 3) * 32;
-            s_step(s, dq0 + desc_step((kk >> 2) * (64 * 128) + off), dk0 + desc_step((kk >> 2) * (BLOCK_N * 128) + off),
-                   kk > 0);
-        }
-        wgmma_commit();
-    };
-    uint32_t pa[BLOCK_N / 16][4];                        /* P of the tile whose P V is next */
-    auto issue_pv = [&](int st) {
-        const uint64_t dv0 = uniform_desc(sw128_desc(sV + st * V_BYTES, BLOCK_N * 128, 1024));
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; kk++)
-            o_step(o[0], pa[kk], dv0 + desc_step(kk * 16 * 128));
-        wgmma_commit();
-    };
     auto release = [&](uint32_t bar) {
         __syncwarp();
         if (lane == 0)
             mbar_arrive(bar);
     };
-
-    /* Step i: S of tile i (n = n_last - i) and P V of tile i - 1 issued in this warpgroup's
-     * turn, then tile i's softmax beside P V; step 0 has no P V, a last step only P V. */
     if (w == NUM_WG - 1)
         turn_pass(w);                                    /* warpgroup 0 goes first */
-    const int tiles = n_last - n_first + 1;
-    for (int i = 0; i < tiles; i++) {
-        const int n = n_last - i, st = i % STAGES, pst = (i + STAGES - 1) % STAGES;
-        float s[1][NT][4], corrs[2];
-        mbar_wait(full_k + 8 * st, (i / STAGES) & 1);
-        turn_wait(w);
-        issue_s(s[0], st);
-        const bool need = tile_needs_mask(p, sc, m0, BLOCK_M, r_end, n * BLOCK_N, BLOCK_N, 1, Lq, Lk);
-        if (i == 0) {
-            if (w < NUM_WG - 1 || tiles > 1)
-                turn_pass(w);
-            wgmma_wait<0>();
-        } else {
-            mbar_wait(full_v + 8 * pst, ((i - 1) / STAGES) & 1);
-            issue_pv(pst);
-            if (w < NUM_WG - 1 || i + 1 < tiles)         /* the last warpgroup's last pass: no taker */
-                turn_pass(w);
-            wgmma_wait<1>();                             /* S; P V may still run */
+    int kv = 0;                                          /* key tiles through the rings so far */
+#if PERSIST
+    int qn = 0;                                          /* Q blocks used */
+    for (int j = 0, t = blockIdx.x;; j++) {
+        if (j > 0) {
+            const int s = j & 1;
+            mbar_wait(next_full + 8 * s, ((j - 1) >> 1) & 1);
+            asm volatile("ld.shared.b32 %0, [%1];" : "=r"(t) : "r"(next_slot + 4 * s) : "memory");
+            t = __shfl_sync(0xffffffffu, t, 0);          /* warp-uniform to ptxas: the tile's values
+                                                          * stay on the uniform datapath, its branches
+                                                          * uniform (else +19% instructions a key tile) */
+            release(next_empty + 8 * s);
         }
-        release(empty_k + 8 * st);
-        fence_acc(s[0]);
-        score_tile(p, sc, s, row0, n * BLOCK_N, need, 1, Lq, Lk);
-        softmax_update(s, m, l, corrs, sc.to_log2);
-        if (i > 0) {
+        if (t >= total)
+            break;
+        const ws_tile tl = ws_tile_of(p, t, tiles_x);
+        if (!tl.live)
+            continue;
+        const score_ctx sc = make_score_ctx(p, tl.b, tl.h, tl.sq, tl.sk);
+#else
+    for (int j = 0; j < 1; j++) {
+        const ws_tile &tl = tile;
+        const score_ctx &sc = tile_sc;
+#endif
+        const int64_t b = tl.b, h = tl.h;
+        const seq_t sq = tl.sq;
+        const int Lq = (int)sq.len, Lk = (int)tl.sk.len, m0 = tl.m0, r_end = tl.r_end;
+        const int n_first = tl.n_first, n_last = tl.n_last;
+        const int row0 = m0 + cw * 16;                   /* this warp's first row */
+        float o[1][OT][4];
+        float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+        zero_acc(o);
+        if (n_last < n_first) {
+            write_out(p, sq, sc.to_natural, o, m, l, row0, b, h, 1, 0, Lq);
+            continue;
+        }
+#if PERSIST
+        const uint32_t sQw = sQ + (qn & 1) * Q_BYTES + w * QW_BYTES;   /* this warpgroup's Q, later its O */
+        mbar_wait(q_full + 8 * (qn & 1), (qn >> 1) & 1);
+#else
+        const uint32_t sQw = sQ + w * QW_BYTES;
+        const elem_t *gq = (const elem_t *)p.q.ptr + sq.mem_b * p.q.s[0] + sq.start * p.q.s[1] + h * p.q.s[2];
+        load_sw128<64, HEAD_DIM, 128>(sQw, gq + (int64_t)(m0 + 64 * w) * p.q.s[1], p.q.s[1], r_end - m0 - 64 * w,
+                                      ctid);
+        cp_async_commit();
+        cp_async_wait_all();
+        fence_proxy_async();
+        wg_sync(w);                                      /* this warpgroup's Q in shared memory */
+#endif
+
+        const uint64_t dq0 = uniform_desc(sw128_desc(sQw, 16, 1024));
+        auto issue_s = [&](float (&s)[NT][4], int st) {
+            const uint64_t dk0 = uniform_desc(sw128_desc(sK + st * K_BYTES, 16, 1024));
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
+                const uint32_t off = (kk & 3) * 32;
+                s_step(s, dq0 + desc_step((kk >> 2) * (64 * 128) + off),
+                       dk0 + desc_step((kk >> 2) * (BLOCK_N * 128) + off), kk > 0);
+            }
+            wgmma_commit();
+        };
+        uint32_t pa[BLOCK_N / 16][4];                    /* P of the tile whose P V is next */
+        auto issue_pv = [&](int st) {
+            const uint64_t dv0 = uniform_desc(sw128_desc(sV + st * V_BYTES, BLOCK_N * 128, 1024));
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; kk++)
+                o_step(o[0], pa[kk], dv0 + desc_step(kk * 16 * 128));
+            wgmma_commit();
+        };
+
+        /* Step i: S of tile i (n = n_last - i, ring position kv + i) and P V of tile i - 1
+         * issued in this warpgroup's turn, then tile i's softmax beside P V; step 0 has no P V,
+         * a last step only P V. Every turn is passed on; warpgroup 0 takes the last at the end. */
+        const int tiles = n_last - n_first + 1;
+        for (int i = 0; i < tiles; i++) {
+            const int n = n_last - i, g = kv + i, st = g % STAGES, pst = (g + STAGES - 1) % STAGES;
+            float s[1][NT][4], corrs[2];
+            mbar_wait(full_k + 8 * st, (g / STAGES) & 1);
+            turn_wait(w);
+            issue_s(s[0], st);
+            const bool need = tile_needs_mask(p, sc, m0, BLOCK_M, r_end, n * BLOCK_N, BLOCK_N, 1, Lq, Lk);
+            if (i == 0) {
+                turn_pass(w);
+                wgmma_wait<0>();
+            } else {
+                mbar_wait(full_v + 8 * pst, ((g - 1) / STAGES) & 1);
+                issue_pv(pst);
+                turn_pass(w);
+                wgmma_wait<1>();                         /* S; P V may still run */
+            }
+            release(empty_k + 8 * st);
+            fence_acc(s[0]);
+            score_tile(p, sc, s, row0, n * BLOCK_N, need, 1, Lq, Lk);
+            softmax_update(s, m, l, corrs, sc.to_log2);
+            if (i > 0) {
+                wgmma_wait<0>();
+                release(empty_v + 8 * pst);
+                fence_acc(o[0]);
+                rescale_o(o, corrs);
+            }
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; kk++)
+                p_fragment(s, 0, kk, pa[kk]);
+        }
+        {
+            const int g = kv + tiles - 1, pst = g % STAGES;
+            mbar_wait(full_v + 8 * pst, (g / STAGES) & 1);
+            issue_pv(pst);
             wgmma_wait<0>();
             release(empty_v + 8 * pst);
             fence_acc(o[0]);
-            rescale_o(o, corrs);
         }
+        kv += tiles;
+        float inv[2];
+        finish_rows<1>(p, sq, sc.to_natural, m, l, row0, b, h, 1, 0, Lq, inv);
+        /* O through this warpgroup's Q block (its S products are done): 64 rows of Dv * 2 bytes,
+         * 16-byte chunk c of row r at c ^ (r & 7) (a warp's 8 rows of a store meet 8 chunks: no
+         * bank conflict), then out by rows: 16-byte stores where its rows allow (out_rows_16b),
+         * else an element at a time (store_o's registers in the tile loop would cost every key
+         * tile: ptxas then keeps the loop's predicates in general registers) */
+        wg_sync(w);                                      /* every warp's S products read Q */
+        {
+            const int g = lane >> 2, t4 = lane & 3;
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; kk++)
-            p_fragment(s, 0, kk, pa[kk]);
-    }
-    {
-        const int pst = (tiles - 1) % STAGES;
-        mbar_wait(full_v + 8 * pst, ((tiles - 1) / STAGES) & 1);
-        issue_pv(pst);
-        wgmma_wait<0>();
-        fence_acc(o[0]);
-    }
-    float inv[2];
-    finish_rows<1>(p, sq, sc.to_natural, m, l, row0, b, h, 1, 0, Lq, inv);
-    const bool rows_16b = out_rows_16b(p);
-    if (!rows_16b) {
-        store_o(p, sq, o, inv, row0, b, h, 1, 0);
-        return;
-    }
-    /* O through this warpgroup's Q block (its S products are done): 64 rows of Dv * 2 bytes,
-     * 16-byte chunk c of row r at c ^ (r & 7) (a warp's 8 rows of a store meet 8 chunks: no bank
-     * conflict), then whole rows out with 16-byte stores */
-    wg_sync(w);                                          /* every warp's S products read Q */
-    const int g = lane >> 2, t = lane & 3;
+            for (int i = 0; i < 2; i++) {
+                const int r = (cw & 3) * 16 + g + i * 8;
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int r = (cw & 3) * 16 + g + i * 8;
-#pragma unroll
-        for (int nt = 0; nt < OT; nt++)
-            asm volatile("st.shared.b32 [%0], %1;" ::"r"(sQw + r * HEAD_DIM_V * 2 + ((nt ^ (r & 7)) << 4) + 4 * t),
-                         "r"(pack2(scaled_o(o[0][nt][2 * i], inv[i]), scaled_o(o[0][nt][2 * i + 1], inv[i]))));
+                for (int nt = 0; nt < OT; nt++)
+                    asm volatile("st.shared.b32 [%0], %1;"
+                                 ::"r"(sQw + r * HEAD_DIM_V * 2 + ((nt ^ (r & 7)) << 4) + 4 * t4),
+                                 "r"(pack2(scaled_o(o[0][nt][2 * i], inv[i]), scaled_o(o[0][nt][2 * i + 1], inv[i]))));
+            }
+        }
+        wg_sync(w);
+        {
+            constexpr int CH = HEAD_DIM_V / 8;
+            const int rows = min(64, (int)sq.rows - m0 - 64 * w);
+            elem_t *out = (elem_t *)p.out.ptr + sq.mem_b * p.out.s[0] + (sq.start + m0 + 64 * w) * p.out.s[1]
+                          + h * p.out.s[2];
+            if (out_rows_16b(p)) {
+                for (int x = ctid; x < rows * CH; x += 128) {
+                    const int r = x / CH, c = x % CH;
+                    uint32_t x0, x1, x2, x3;
+                    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                                 : "=r"(x0), "=r"(x1), "=r"(x2), "=r"(x3)
+                                 : "r"(sQw + r * HEAD_DIM_V * 2 + ((c ^ (r & 7)) << 4)));
+                    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(out + r * p.out.s[1] + c * 8),
+                                 "r"(x0), "r"(x1), "r"(x2), "r"(x3) : "memory");
+                }
+            } else {
+                for (int x = ctid; x < rows * HEAD_DIM_V; x += 128) {
+                    const int r = x / HEAD_DIM_V, c = x % HEAD_DIM_V;
+                    unsigned short e;
+                    asm volatile("ld.shared.u16 %0, [%1];"
+                                 : "=h"(e) : "r"(sQw + r * HEAD_DIM_V * 2 + (((c >> 3) ^ (r & 7)) << 4) + 2 * (c & 7)));
+                    *(unsigned short *)(out + r * p.out.s[1] + c * p.out.s[3]) = e;
+                }
+            }
+        }
+#if PERSIST
+        fence_proxy_async_shared();                      /* the block's reads before the next Q's copy */
+        release(q_empty + 8 * (qn & 1));
+        qn++;
+#endif
     }
-    wg_sync(w);
-    constexpr int CH = HEAD_DIM_V / 8;
-    const int rows = min(64, (int)sq.rows - m0 - 64 * w);
-    elem_t *out = (elem_t *)p.out.ptr + sq.mem_b * p.out.s[0] + (sq.start + m0 + 64 * w) * p.out.s[1] + h * p.out.s[2];
-    for (int x = ctid; x < rows * CH; x += 128) {
-        const int r = x / CH, c = x % CH;
-        uint32_t x0, x1, x2, x3;
-        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(x0), "=r"(x1), "=r"(x2), "=r"(x3) : "r"(sQw + r * HEAD_DIM_V * 2 + ((c ^ (r & 7)) << 4)));
-        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(out + r * p.out.s[1] + c * 8),
-                     "r"(x0), "r"(x1), "r"(x2), "r"(x3) : "memory");
-    }
+    if (w == 0)
+        turn_wait(0);                                    /* the last warpgroup's last pass */
 }
 #endif

@@ -122,14 +122,15 @@ class _Plan:
     slot, byte offset in the scratch buffer) per scratch array; zero: (address slot, bytes) of
     the scratch arrays zeroed before the launches; upgrade: the futures of a faster kernel's
     background compile (nvrtc.compile_ahead), after which the call's plan is made anew, or ();
-    counters: the split-KV forward's query tiles, whose counters (process.borrow_counters) let
-    its last launch, attn_fwd_combine, be skipped, or 0."""
+    counters: the int32 counters (process.borrow_counters) the launches take where the stream
+    lends them (attn_params.counters), or 0; skipped: the last launches they make unnecessary
+    (the split-KV forward's own merge: attn_fwd_combine)."""
 
-    __slots__ = ("template", "launches", "scratch", "offsets", "zero", "upgrade", "counters")
+    __slots__ = ("template", "launches", "scratch", "offsets", "zero", "upgrade", "counters", "skipped")
 
-    def __init__(self, template, launches, scratch=0, offsets=(), zero=(), upgrade=(), counters=0):
+    def __init__(self, template, launches, scratch=0, offsets=(), zero=(), upgrade=(), counters=0, skipped=0):
         self.template, self.launches, self.scratch, self.offsets = template, launches, scratch, offsets
-        self.zero, self.upgrade, self.counters = zero, upgrade, counters
+        self.zero, self.upgrade, self.counters, self.skipped = zero, upgrade, counters, skipped
 
 
 def _desc(view):
@@ -157,7 +158,7 @@ def _launch(plan, device, stream, ptrs, scale, softcap, gmods=None):
     launches = plan.launches
     counters = process.borrow_counters(plan.counters, device, stream) if plan.counters else None
     if counters is not None:
-        ptrs, launches = _at_slots(ptrs, {SLOT_SPLIT_COUNT: counters[0]}), launches[:-1]   # no attn_fwd_combine
+        ptrs, launches = _at_slots(ptrs, {SLOT_COUNTERS: counters[0]}), launches[:len(launches) - plan.skipped]
     buf = process.borrow_scratch(plan.scratch, device, stream) if plan.scratch else None
     try:
         if buf is not None:
@@ -220,7 +221,7 @@ def _with_gmods(gmods):
 SLOT_O_ACCUM, SLOT_LSE_ACCUM, SLOT_DELTA, SLOT_DQ_ACCUM, SLOT_DQ_SEM, SLOT_DEAD, SLOT_ROW_MZ = (
     SLOT[name] for name in ("o_accum", "lse_accum", "delta", "dq_accum", "dq_sem", "dead", "row_mz"))
 SLOT_SINKS = SLOT["sinks"]        # dsinks follows it
-SLOT_SPLIT_COUNT = SLOT["split_count"]
+SLOT_COUNTERS = SLOT["counters"]
 SLOT_BLOCK_TABLE = SLOT["block_table"]
 
 
@@ -618,6 +619,10 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     # key_rows: the rows of k's tensor (varlen: the packed rows), which a copy's box may not exceed
     ws = not decode and select.fwd_ws(arch, o.D, o.Dv, features["vec"], rows, o.k4.shape[1], features["dtype"],
                                       copyable)
+    # a dense batch whose q a tensor map can describe, in tiles an int32 counts
+    dense = (not o.varlen and o.used_q is None and o.used_k is None and _tma_strides(o.q4)
+             and _query_tiles(rows, 128) * o.Hq * o.B < 2 ** 31)
+    persist = ws and select.fwd_persist(dense, gen)
     plain = (o.causal_code == 0 and o.window_left < 0 and o.window_right < 0 and not features["softcap"]
              and not (features["bias_dtype"] or features["alibi_dtype"] or features["mask"]))
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
@@ -625,7 +630,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
 
     def defines_of(tile):
         return select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen, paged=paged,
-                                  tma=tma, ws=ws)
+                                  tma=tma, ws=ws, persist=persist)
     wide_specs = ()
     if ws and select.fwd_ws_widens(gen) and generated not in _failed_wide:
         wide = select.fwd_ws_tile(True, wide=True)
@@ -633,9 +638,12 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
         if nvrtc.cached(wide_specs, arch):
             tile, wide_specs = wide, ()
     defines = defines_of(tile)
-    smem = select.fwd_smem_bytes(o.D, o.Dv, tile, kernel, features["dtype"], tma, ws)
+    smem = select.fwd_smem_bytes(o.D, o.Dv, tile, kernel, features["dtype"], tma, ws, persist)
     q_tiles = math.ceil(o.Sq * (o.Hq // o.Hk) / tile[0]) if pack else _query_tiles(rows, tile[0])
     grid = (q_tiles * splits, o.Hk if pack else o.Hq, o.B + (1 if o.varlen else 0))
+    if persist:     # a CTA an SM (one fits), taking the B x Hq x q_tiles tiles in turn
+        grid = (min(q_tiles * o.Hq * o.B, device_info(device)["multiprocessor_count"]), 1, 1)
+        prob.tma_rows_q = select.PERSIST_Q_ROWS
     prob.out, prob.lse, prob.num_splits = _t(out4), _t(lse3), splits
     if paged:
         prob.page_size, prob.bt_stride = o.page_size, o.block_table.shape[1]
@@ -645,6 +653,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     template = _C.attn_template(prob)
     if not all(grid):                       # an empty grid (no heads, rows or batch) has nothing to write
         return _Plan(template, ())
+    counters = 1 if persist else 0          # the persistent grid's count of tiles taken
     names = [kernel] if splits == 1 else [kernel, "attn_fwd_combine"]
     specs = [(kernel, name, defines, generated) for name in names] + select.block_mask_specs(gen)
     if o.return_lse and (gen is not None or getattr(o, "mods_lowered", False)):
@@ -658,7 +667,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
             ahead = nvrtc.compile_ahead(wide_specs, arch, busy=0) if upgrade and wide_specs else ()
         except Exception:
             pass
-        return _Plan(template, tuple(launches), upgrade=tuple(ahead))
+        return _Plan(template, tuple(launches), upgrade=tuple(ahead), counters=counters)
     combine = nvrtc.function("attn_fwd", "attn_fwd_combine", defines, device, arch, 0, generated)
     own_template = ()
     if prob.tma_rows:       # attn_fwd_combine reads no tensor map: a template that asks for none
@@ -675,7 +684,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
            and _env.get("ATTNEXT_DECODE_COMBINE") != "kernel")
     counters = grid[0] // splits * grid[1] * grid[2] if own else 0
     return _Plan(template, tuple(launches), total, ((SLOT_O_ACCUM, o_off), (SLOT_LSE_ACCUM, lse_off)),
-                 counters=counters)
+                 counters=counters, skipped=1)
 
 
 def _compile_backward_ahead(o, device, features, q_rows, gen, fwd_specs):

@@ -27,7 +27,7 @@ MAX_SMEM_SM80 = 163 * 1024
 # _env.setenv() or _env.reload() takes effect at the next call.
 FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "ATTNEXT_FWD_SM90",
              "ATTNEXT_TILE_SM90", "ATTNEXT_DECODE_TMA", "ATTNEXT_TILE_DECODE_TMA", "ATTNEXT_FWD_WS",
-             "ATTNEXT_TILE_FWD_WS", "ATTNEXT_DECODE_COMBINE", "ATTNEXT_DEPENDENT_LAUNCH")
+             "ATTNEXT_TILE_FWD_WS", "ATTNEXT_DECODE_COMBINE", "ATTNEXT_DEPENDENT_LAUNCH", "ATTNEXT_FWD_PERSIST")
 BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_TMA", "ATTNEXT_BWD_DQ",
              "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_TILE_SUMS")
 
@@ -195,6 +195,20 @@ def fwd_ws(arch, D, Dv, vec, rows, key_rows, dtype="bfloat16", copyable=False, t
     return _C.cuda_tensor_maps()
 
 
+def fwd_persist(dense, mods=None):
+    """Whether the WS forward runs as a persistent grid (PERSIST: a CTA an SM taking query tiles in
+    turn, each tile's Q by the producer's bulk tensor copies): for dense batches (no cu_seqlens or
+    seqused: every query row such a copy brings is the call's, or past the tensor and zero) without
+    generated mods (a mask_mod narrows each tile's key range by whole warps, which the producer's
+    one thread cannot), where the lab asks (ATTNEXT_FWD_PERSIST=1): on the H200 it ran 2-10%
+    slower than a CTA a tile (bench/NOTES.md, WS forward v15), so a CTA a tile is the default."""
+    return dense and mods is None and _env.get("ATTNEXT_FWD_PERSIST") == "1"
+
+
+# The persistent WS forward's rows a bulk copy of Q brings: a computing warpgroup's
+PERSIST_Q_ROWS = 64
+
+
 def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", paged=False, tma=False, ws=False,
                plain=False):
     """(kernel source, tile) of the forward: kernels/attn_fwd_sm90.cu (wgmma) on sm_90a for
@@ -234,10 +248,11 @@ def sm90_staged_o_fits(D, Dv, tile):
     return bm * (Dv + 8) * 2 <= bm * D * 2 + 2 * bn * D * 2
 
 
-def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd", dtype="bfloat16", tma=False, ws=False):
+def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd", dtype="bfloat16", tma=False, ws=False, persist=False):
     bm, bn = tile[:2]
-    if ws:            # Q, STAGES x K, STAGES x V swizzled, 1024-aligned, then 4 x STAGES + 1 mbarriers
-        return 2 * (bm * D + tile[3] * bn * (D + Dv)) + 1024 + 32 * tile[3] + 8
+    if ws:            # Q, STAGES x K, STAGES x V swizzled, 1024-aligned, then 4 x STAGES + 1 mbarriers;
+        # persist: a second Q, 8 more mbarriers and two int32 slots
+        return 2 * ((1 + persist) * bm * D + tile[3] * bn * (D + Dv)) + 1024 + 32 * tile[3] + 8 + persist * 72
     if kernel == "attn_fwd_sm90":     # Q, K[2], V[2] in 128-byte swizzled rows, 1024-aligned
         return 2 * (bm * D + 2 * bn * D + 2 * bn * Dv) + 1024
     size = ITEMSIZE[dtype]
@@ -292,18 +307,20 @@ def entry_defines(defines, name):
 
 
 def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile,
-                pack_gqa=False, split_kv=False, mods=None, tf32=False, paged=False, tma=False, ws=False):
+                pack_gqa=False, split_kv=False, mods=None, tf32=False, paged=False, tma=False, ws=False,
+                persist=False):
     """The #defines of one forward variant. bias_dtype / alibi_dtype: a dtype name or None;
     tf32: float32 in single-pass TF32 (precision="tf32"); paged: k and v are a paged cache.
     tile: (BLOCK_M, BLOCK_N, NUM_WARPS[, MIN_BLOCKS: CTAs per SM the registers must allow]), or
     with tma (TMA_KV: a producer warp's bulk tensor copies) or ws (attn_fwd_sm90.cu's WS kernel)
-    (BLOCK_M, BLOCK_N, NUM_WARPS, STAGES). mods: the generated score_mod / mask_mod
-    (codegen.Generated) or None."""
+    (BLOCK_M, BLOCK_N, NUM_WARPS, STAGES); persist: the WS kernel as a persistent grid
+    (fwd_persist). mods: the generated score_mod / mask_mod (codegen.Generated) or None."""
     bm, bn, w = tile[:3]
     return mod_defines({
         "MIN_BLOCKS": 1 if tma or ws or len(tile) < 4 else tile[3],
         **({"TMA_KV": 1, "STAGES": tile[3]} if tma else {}),
         **({"WS": 1, "STAGES": tile[3]} if ws else {}),
+        **({"PERSIST": 1} if persist else {}),
         "PACK_GQA": int(pack_gqa), "SPLIT_KV": int(split_kv), **dtype_defines(dtype, tf32),
         **({"PAGED": 1} if paged else {}),
         "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
@@ -626,7 +643,8 @@ def bwd_variants():
 
 def sm90_fwd_variants():
     """attn_fwd_sm90's variants (sm_90a only): both dtypes, the head dims it takes (the WS kernel's
-    too where D = Dv), and each feature on its own at D = 128 on the WS kernel; and attn_fwd.cu's
+    too where D = Dv), and each feature on its own at D = 128 on the WS kernel, each WS variant as a
+    CTA a tile and as a persistent grid; and attn_fwd.cu's
     TMA_KV decode (packed GQA, split or not, contiguous or paged)."""
     out = []
     for dtype in ("bfloat16", "float16"):
@@ -644,6 +662,7 @@ def sm90_fwd_variants():
                 out.append({**ws, "softcap": True})
                 out.append({**ws, "bias_dtype": dtype})
                 out.append({**ws, "bias_dtype": "float32", "mask": True, "alibi_dtype": "float32"})
+    out += [{**v, "persist": True} for v in out if v.get("ws")]     # dense batches' persistent grid
     decode = [dict(dtype=dtype, D=D, Dv=D, vec=True, softcap=False, bias_dtype=None, alibi_dtype=None,
                    mask=False, tile=DECODE_TMA_TILE, pack_gqa=True, split_kv=split, tma=True)
               for dtype in ("bfloat16", "float16") for D in (64, 128) for split in (True, False)]

@@ -108,7 +108,7 @@ typedef struct {
     X(seqused_k, seqused_k) X(dout, dout.ptr) X(dq, dq.ptr) X(dk, dk.ptr) X(dv, dv.ptr)           \
     X(dbias, dbias.ptr) X(dlse, dlse.ptr) X(delta, delta.ptr) X(dq_accum, dq_accum.ptr)           \
     X(dq_sem, dq_sem.ptr) X(dead, dead) X(row_mz, row_mz) X(sinks, sinks) X(dsinks, dsinks) \
-    X(block_table, block_table) X(split_count, split_count)
+    X(block_table, block_table) X(counters, counters)
 #define PTR_OFFSET(name, f) offsetof(attn_params, f),
 #define PTR_NAME(name, f) #name,
 static const size_t PTR_FIELDS[] = {PTR_FIELD_LIST(PTR_OFFSET)};
@@ -276,8 +276,8 @@ static int encode_kv_map(attn_tmap *map, const attn_params *p, const tensor4 *t,
                       paged ? p->num_pages : p->cu_seqlens_k ? 1 : p->B, p->tma_rows, read_once);
 }
 
-/* The map of q or dout for the backward's dK/dV kernel: (d, Hq, Sq, B; varlen: the packed rows
- * and 1), tma_rows_q rows a box. */
+/* The map of q or dout for the backward's dK/dV kernel, and of q for the persistent WS forward:
+ * (d, Hq, Sq, B; varlen: the packed rows and 1), tma_rows_q rows a box. */
 static int encode_q_map(attn_tmap *map, const attn_params *p, const tensor4 *t, int64_t d)
 {
     return encode_map(map, p, t, d, p->Hq, p->Sq, p->cu_seqlens_q ? 1 : p->B, p->tma_rows_q, 0);
@@ -356,10 +356,12 @@ static PyObject *c_cuda_launch_attention(PyObject *module, PyObject *const *args
     if (cuda_device_enter((int)t.device))
         return NULL;
     if (p->tma_rows > 0 || p->tma_rows_q > 0) {
-        /* the kernel's second parameter: attn_tmaps (k, v) or attn_bwd_tmaps (q, dout), two maps */
-        attn_tmap maps[2];
+        /* the kernel's second parameter: attn_tmaps (k, v, and q where tma_rows_q is set too) or
+         * attn_bwd_tmaps (q, dout) */
+        attn_tmap maps[3] = {{{0}}};
         if (p->tma_rows > 0 ? encode_kv_map(&maps[0], p, &p->k, p->D, t.tma_read_once)
                                   || encode_kv_map(&maps[1], p, &p->v, p->Dv, t.tma_read_once)
+                                  || (p->tma_rows_q > 0 && encode_q_map(&maps[2], p, &p->q, p->D))
                             : encode_q_map(&maps[0], p, &p->q, p->D) || encode_q_map(&maps[1], p, &p->dout, p->Dv))
             return NULL;
         CU_CHECK_RC("cuLaunchKernel (attention, tensor maps)",

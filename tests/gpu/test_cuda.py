@@ -244,6 +244,47 @@ def test_long_forward_with_every_option(kernel, d, rng, monkeypatch):
     assert chosen == [False], chosen
 
 
+@pytest.mark.parametrize("counters", ["lent", "none"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_persistent_ws_forward(d, counters, rng, monkeypatch):
+    """A dense batch's WS forward runs as a persistent grid: a CTA an SM takes the query tiles in
+    turn, its next one from a count in the counters the stream lends (left 0 for the next launch),
+    or every gridDim.x-th where none is lent. More tiles than SMs, tiles of unequal work (causal),
+    tiles with no key (causal with Sq > Sk: their rows write zeros and an lse of -inf), a partial
+    last tile, GQA, a window, ALiBi and softcap; each call twice (a count left anything but 0
+    would skip tiles the second time), against the reference and bit for bit against a CTA a
+    tile (the default). On Hopper every such plan takes the persistent grid where the lab asks
+    for it (ATTNEXT_FWD_PERSIST=1)."""
+    from attnext.cuda import process, select
+    monkeypatch.setenv("ATTNEXT_FWD_PERSIST", "1")
+    if counters == "none":
+        monkeypatch.setattr(process, "borrow_counters", lambda *args: None)
+    persisted = []
+    fwd_persist = select.fwd_persist
+
+    def spy(*args, **kw):
+        persisted.append(fwd_persist(*args, **kw))
+        return persisted[-1]
+    monkeypatch.setattr(select, "fwd_persist", spy)
+    chosen, hopper = _spy_ws(monkeypatch)
+    cases = [((3, 2000, 2100, 8, 2), dict(causal=True)), ((3, 2000, 2100, 8, 2), {}),
+             ((2, 2100, 1000, 4, 4), dict(causal=True)), ((2, 1500, 1600, 8, 8), dict(window=(300, 0))),
+             ((2, 1500, 1600, 8, 8), dict(alibi_slopes=rng.random(8).astype(np.float32), softcap=5.0))]
+    for (b, sq, sk, hq, hk), opts in cases:
+        q, k, v = make_qkv(rng, b, sq, sk, hq, hk, d, d, BF16)
+        out, lse = _check_forward(q, k, v, BF16, **opts)
+        again, lse_again = attnext.attention(q, k, v, device="cuda", return_lse=True, **opts)
+        monkeypatch.setenv("ATTNEXT_FWD_PERSIST", "0")
+        one, lse_one = attnext.attention(q, k, v, device="cuda", return_lse=True, **opts)
+        monkeypatch.setenv("ATTNEXT_FWD_PERSIST", "1")
+        for got, lse_got in ((again, lse_again), (one, lse_one)):
+            np.testing.assert_array_equal(got, out)
+            np.testing.assert_array_equal(lse_got, lse)
+    if hopper:
+        assert chosen and all(chosen), chosen
+        assert persisted[::2] == [True] * len(cases) and not any(persisted[1::2]), persisted
+
+
 @pytest.mark.parametrize("kernel", ["default", "mma_sync"])
 @pytest.mark.parametrize("sq, sk", [(200, 300), (1, 5000)], ids=["tiles", "split_kv"])
 def test_nan_propagates(kernel, sq, sk, rng, monkeypatch):

@@ -69,7 +69,7 @@ def launch(fn, grid, block, smem, stream, template, ptrs, scale, softcap):
     rec = fake_cuda.last_launch(lib)
     p = fake_cuda.params_dict(rec.params)
     p = {k: (v[1] if isinstance(v, tuple) else v) for k, v in p.items()    # strides, not addresses
-         if k not in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "o_accum", "lse_accum", "split_count", "sinks",
+         if k not in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "o_accum", "lse_accum", "counters", "sinks",
                       "dsinks", "block_table")}
     LAUNCHES.append((FN[id(fn)], tuple(rec.grid), tuple(rec.block), rec.smem, rec.stream or 0, p, ptrs))
 

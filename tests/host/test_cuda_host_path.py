@@ -379,7 +379,7 @@ def test_a_split_decode_merges_in_its_last_ctas(tmp_path):
     if fake_cuda.compiler() is None:
         pytest.skip("no C compiler for the fake libcuda")
     run_on_fake(fake_cuda.build(tmp_path, "tma", ["-DTENSOR_MAPS"]), r"""
-        at = cuda_backend.SLOT_SPLIT_COUNT
+        at = cuda_backend.SLOT_COUNTERS
         allocs = fake_cuda.counter(lib, "allocs")
 
         def launched(call):
