@@ -180,15 +180,17 @@ def _launch(plan, device, stream, ptrs, scale, softcap, gmods=None):
 # what a replay of a forward needs of its first call (cuda/repeat.py files it): plan, ptrs
 # (_C.cuda_launch_attention's addresses; slots 3 and 4 out's and lse's), device and stream, the
 # launch's scale and softcap values, and for results the replay allocates (no out= given, an lse
-# asked for): out_new, their shapes and dtypes, and the caller's library's from_dlpack (None:
-# DeviceArrays back)
+# asked for): out_new, their shapes and dtypes, the caller's library's from_dlpack (None:
+# DeviceArrays back), and the checks enqueued before the launches (a CUDA block table's
+# attn_pages: lengths.PagesCheck)
 Recipe = collections.namedtuple("Recipe", "plan ptrs device stream scale_value softcap_value out_new out_shape "
-                                          "out_dtype lse_shape lse_dtype from_dlpack")
+                                          "out_dtype lse_shape lse_dtype from_dlpack checks")
 
 
 def replay(r, out):
     """A repeated forward's result by its recipe r: the pending device-length errors raised, its
-    results allocated (out: the call's out=, returned as it is, or None), its launches enqueued."""
+    results allocated (out: the call's out=, returned as it is, or None), its checks (a CUDA
+    block table's) and launches enqueued."""
     lengths_check.raise_pending()
     ptrs = r.ptrs
     new_out = lse = None
@@ -201,6 +203,8 @@ def replay(r, out):
             lse = empty(r.lse_shape, r.lse_dtype, r.device, r.stream)
             ptrs[4] = lse.ptr
         ptrs = tuple(ptrs)
+    for check in r.checks:
+        lengths_check.relaunch_pages(check, r.stream)
     _launch(r.plan, r.device, r.stream, ptrs, r.scale_value, r.softcap_value)
     result = out if new_out is None else _caller(new_out, r.from_dlpack)
     return result if lse is None else (result, _caller(lse, r.from_dlpack))
@@ -742,9 +746,10 @@ def forward(o, out_host, lse_host, stage=None):
         elif plan.scratch:
             ptrs += (None, None)
         ptrs = _with_sinks(ptrs, _sinks_view(o, stage))
+        checks = ()
         if isinstance(o.block_table, DevView):   # read in place, checked on the stream first
-            lengths_check.launch_pages(stage, o.block_table, None if extra is _NO_EXTRAS else extra[6], o.B,
-                                       o.page_size, o.k4.shape[0], device_arch(stage.device))
+            checks = (lengths_check.launch_pages(stage, o.block_table, None if extra is _NO_EXTRAS else extra[6],
+                                                 o.B, o.page_size, o.k4.shape[0], device_arch(stage.device)),)
             ptrs = _at_slots(ptrs, {SLOT_BLOCK_TABLE: o.block_table.ptr})
         elif o.block_table is not None:   # checked on the host (checks._check_pages), uploaded
             ptrs = _at_slots(ptrs, {SLOT_BLOCK_TABLE: stage.upload(o.block_table).ptr})
@@ -759,11 +764,16 @@ def forward(o, out_host, lse_host, stage=None):
             if lse_host is not None:
                 stage.download(lse, lse_host)
             return out_host, lse_host
-        if own_stage and mods is None and extra is _NO_EXTRAS and o.block_table is None and not plan.upgrade:
+        # a paged call's CUDA table and lengths lie where the caller keeps them: its repeats read
+        # them afresh, checked afresh (a host table or lengths are uploaded a call: not repeated)
+        in_place = extra is _NO_EXTRAS or (isinstance(o.block_table, DevView) and isinstance(extra[6], DevView)
+                                           and not any(x is not None for x in extra[:6]))
+        if (own_stage and mods is None and in_place and (o.block_table is None or checks)
+                and not plan.upgrade):
             # what a repeat of this call needs (cuda/repeat.py; api.py files it under the call's key)
             o.recipe = Recipe(plan, ptrs, stage.device, stage.stream, o.scale_value, o.softcap_value,
                               out_res is not o.out, o.out_shape, o.q.dtype,
-                              None if lse_res is None else o.lse_shape, np.float32, None)
+                              None if lse_res is None else o.lse_shape, np.float32, None, checks)
         return out_res, lse_res
 
 

@@ -14,6 +14,7 @@ at its host address, read here without a synchronisation; it is made by the firs
 device lengths and cleared when reported. Two calls whose checks fault at the same moment may
 mix their words (the GPU's stores to host memory are plain ones): the error is still raised.
 A caller that must know before going on synchronises its stream and makes any GPU call."""
+import collections
 import itertools
 import threading
 
@@ -37,6 +38,8 @@ PAGE_OUT_OF_RANGE, SEQLENS_K_OUTSIDE = 7, 8
 PAGES_THREADS = 256     # attn_pages: one table entry a thread; grid (columns / 256, rows)
 MAX_GRID_Y = 65535      # rows past it loop in the kernel
 _page_calls = itertools.count(1)    # attn_pages' launch numbers: one CTA a call reports a fault
+# an attn_pages launch as launch_pages made it: relaunch_pages enqueues it again (a replayed call)
+PagesCheck = collections.namedtuple("PagesCheck", "fn grid params")
 
 _lock = threading.Lock()
 _record = None          # (PinnedBuffer, its int64 view), made by the first call with device lengths
@@ -80,19 +83,27 @@ def launch(stage, o, arch):
 def launch_pages(stage, table, used, B, page_size, num_pages, arch):
     """Enqueues attn_pages on the call's stream for a paged cache's CUDA block table (a DevView,
     int32 (B, max_pages), rows contiguous); used: the keys' lengths on the device (a DevView) or
-    None (every page of a row)."""
+    None (every page of a row). Returns the launch (PagesCheck) for a repeat of the call."""
     buf, _ = _the_record(stage.device)
     params = np.zeros((), PAGES_PARAMS)
     params["table"], params["used"], params["record"] = table.ptr, 0 if used is None else used.ptr, buf.ptr
     params["B"], params["device"] = B, stage.device
     params["bt_stride"], params["max_pages"] = table.strides[0], table.shape[1]
     params["page_size"], params["num_pages"] = page_size, num_pages
-    params["call"] = next(_page_calls)
     kernel, name, defines, generated = PAGES_SPEC
     fn = nvrtc.function(kernel, name, defines, stage.device, arch, 0, generated)
-    grid = (-(-table.shape[1] // PAGES_THREADS), min(B, MAX_GRID_Y), 1)
-    if all(grid):
-        _C.launch(fn, grid, (PAGES_THREADS, 1, 1), 0, stage.stream, params.tobytes())
+    check = PagesCheck(fn, (-(-table.shape[1] // PAGES_THREADS), min(B, MAX_GRID_Y), 1), params)
+    relaunch_pages(check, stage.stream)
+    return check
+
+
+def relaunch_pages(check, stream):
+    """Enqueues launch_pages' check on stream under a new launch number: the table's and the
+    lengths' values as they are when it runs."""
+    if all(check.grid):
+        params = check.params.copy()
+        params["call"] = next(_page_calls)
+        _C.launch(check.fn, check.grid, (PAGES_THREADS, 1, 1), 0, stream, params.tobytes())
 
 
 def _describe(code, array, index, value, bound):

@@ -17,10 +17,11 @@ difference is a miss, which takes the whole path; clear() (backend's clear_plans
 forget every recipe. No array is kept alive here: arrays freed and made again at the same
 addresses with the same layout make the same call, and replay it correctly.
 
-Taken by attention() with q, k, v (and out) plain CUDA torch tensors or attnext DeviceArrays and
-no other array argument and no score_mod / mask_mod (api.py's cheap test first; backend.forward
-leaves a recipe only where its call had nothing else), once a GPU call has loaded the CUDA host
-side. A call that raised left no recipe. This module is part of `import attnext` (api.py asks it
+Taken by attention() with q, k, v (and out) plain CUDA torch tensors or attnext DeviceArrays, a
+paged cache's block_table and seqlens_k likewise or absent, no other array argument and no
+score_mod / mask_mod (api.py's cheap test first; backend.forward leaves a recipe only where its
+call had nothing else: a paged call only with its table and lengths read in place, whose check,
+attn_pages, the replay enqueues again), once a GPU call has loaded the CUDA host side. A call that raised left no recipe. This module is part of `import attnext` (api.py asks it
 for every call's key): it imports no other part of the CUDA host side.
 """
 import sys
@@ -45,14 +46,14 @@ def _array_key(x, arrays_module):
     return t, x.data_ptr(), x.shape, x.stride(), x.dtype, x.get_device()
 
 
-def key(q, k, v, out, options):
-    """The key of an attention() call (options: its scalar options as a tuple), or None where the
-    call cannot replay."""
+def key(args, options):
+    """The key of an attention() call (args: its array arguments, None where absent; options: its
+    scalar options as a tuple), or None where the call cannot replay."""
     arrays_module = sys.modules.get("attnext.cuda.arrays")
     if arrays_module is None:       # no GPU call yet (import attnext leaves the CUDA host side unloaded)
         return None
     arrays = []
-    for x in (q, k, v, out):
+    for x in args:
         if x is None:
             arrays.append(None)
             continue

@@ -392,6 +392,40 @@ def test_repeated_calls_read_their_arrays_afresh(sq, sk, rng, torch):
         assert len(whole) - n == 2 and repeat.count() > 0
 
 
+def test_repeated_paged_calls_read_their_table_and_lengths_afresh(rng, torch):
+    """A paged decode whose CUDA block_table and seqlens_k are read in place replays (after the
+    first call, none takes the whole path): each replay reads the table and lengths as they are
+    now (rewritten in place between calls: pages moved, sequences grown), the reference's out
+    each time, and a page out of range written into the table is reported by the next call."""
+    from attnext.cuda import backend
+    from helpers.gpu import to_gpu
+    from helpers.spies import whole_path_calls
+    backend.clear_plans()
+    B, Hq, Hk, D, page, pages = 3, 8, 2, 128, 16, 40
+    q = randn(rng, (B, 1, Hq, D), BF16)
+    kc, vc = randn(rng, (pages, page, Hk, D), BF16), randn(rng, (pages, page, Hk, D), BF16)
+    tq, tk, tv = (to_gpu(torch, x) for x in (q, kc, vc))
+    table = torch.zeros((B, 10), dtype=torch.int32, device="cuda")
+    lens = torch.zeros((B,), dtype=torch.int32, device="cuda")
+    out = torch.empty_like(tq)
+    with whole_path_calls() as whole:
+        for i in range(4):
+            t = rng.permutation(pages)[:B * 10].reshape(B, 10).astype(np.int32)
+            n = rng.integers(1, 10 * page + 1, B).astype(np.int32)
+            table.copy_(torch.from_numpy(t))
+            lens.copy_(torch.from_numpy(n))
+            w = len(whole)
+            attnext.attention(tq, tk, tv, block_table=table, seqlens_k=lens, out=out)
+            assert (len(whole) - w == 1) == (i == 0), (i, len(whole) - w)
+            want = reference.attention(q, kc, vc, block_table=t, seqlens_k=n)
+            assert_close("out", out.float().cpu().numpy().astype(BF16), want, BF16)
+        table[1, 0] = pages + 5                          # read by sequence 1 (it has a page at least)
+        attnext.attention(tq, tk, tv, block_table=table, seqlens_k=lens, out=out)
+        with pytest.raises(IndexError, match=rf"block_table\[1, 0\] = {pages + 5} is out of range"):
+            torch.cuda.synchronize()
+            attnext.attention(tq, tk, tv, block_table=table, seqlens_k=lens, out=out)
+
+
 def test_torch_noncontiguous_and_sdpa(torch):
     """A transposed (B, H, S, D) torch view read in place; agrees with PyTorch's own SDPA."""
     x = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.float16)

@@ -133,3 +133,62 @@ def test_an_equal_call_replays_the_launches_of_the_first(fake_driver):
         assert got[0] == pid and os.WEXITSTATUS(got[1]) == 0, f"the forked child hung or failed: {got}"
         print("ok")
     """)
+
+
+def test_a_paged_call_replays_with_its_table_checked_again(fake_driver):
+    """A paged decode whose CUDA block_table and seqlens_k lie where the caller keeps them (read
+    in place) replays too: each replay enqueues attn_pages again, under a new launch number, on
+    the same table and lengths (their values may have changed), before the same launches; a
+    fault that check finds is raised by the next call, replayed or not. Another table, other
+    lengths or host lengths (uploaded a call) take the whole path."""
+    run_on_fake(fake_driver, r"""
+        from attnext.cuda import lengths
+        from helpers.spies import whole_path_calls
+        _C.cuda_launch_attention = lambda fn, *rest: launch(fn, *rest[:8])
+        CHECKS = []
+
+        def check_launch(fn, grid, block, smem, stream, params):
+            p = np.frombuffer(params, lengths.PAGES_PARAMS)[0]
+            CHECKS.append((FN[id(fn)][1], tuple(grid), stream, int(p["table"]), int(p["used"]), int(p["call"])))
+        _C.launch = check_launch
+        spy = whole_path_calls()
+        whole = spy.__enter__()
+
+        def call(*args, **kw):
+            n, w = len(LAUNCHES), len(whole)
+            res = attnext.attention(*args, **kw)
+            return res, LAUNCHES[n:], len(whole) > w
+
+        q, kp, vp = dev((4, 1, 32, 128)), dev((600, 16, 8, 128)), dev((600, 16, 8, 128))
+        table, lens = dev((4, 512), np.int32), dev((4,), np.int32)
+        out = dev(q.shape)
+        res, first, took = call(q, kp, vp, out=out, block_table=table, seqlens_k=lens)
+        assert took and res is out and first and len(CHECKS) == 1 and CHECKS[0][0] == "attn_pages"
+        assert CHECKS[0][3:5] == (table.ptr, lens.ptr), CHECKS
+        for i in range(3):
+            res, again, took = call(q, kp, vp, out=out, block_table=table, seqlens_k=lens)
+            assert not took and res is out and repr(again) == repr(first), (again, first)
+            assert len(CHECKS) == 2 + i and CHECKS[-1][:5] == CHECKS[0][:5] and CHECKS[-1][5] > CHECKS[-2][5]
+        # a fault the last check found (played here in its record): the next call raises it, once
+        words = lengths._record[1]
+        words[[lengths.CODE, lengths.INDEX, lengths.COLUMN, lengths.VALUE, lengths.BOUND]] = (
+            lengths.PAGE_OUT_OF_RANGE, 2, 7, 999, 600)
+        try:
+            call(q, kp, vp, out=out, block_table=table, seqlens_k=lens)
+        except IndexError as e:
+            assert "block_table[2, 7] = 999 is out of range for 600 pages" in str(e), e
+        else:
+            raise AssertionError("the check's fault was not raised")
+        assert not call(q, kp, vp, out=out, block_table=table, seqlens_k=lens)[2]
+        # other arrays: the whole path once, then replays; host lengths: the whole path each time
+        table2, lens2 = dev((4, 512), np.int32), dev((4,), np.int32)
+        for kw in (dict(block_table=table2, seqlens_k=lens), dict(block_table=table, seqlens_k=lens2),
+                   dict(block_table=table)):
+            assert call(q, kp, vp, out=out, **kw)[2] and not call(q, kp, vp, out=out, **kw)[2]
+        host = np.array([100, 3000, 0, 8192], np.int32)
+        n = len(CHECKS)
+        assert call(q, kp, vp, out=out, block_table=table, seqlens_k=host)[2]
+        assert call(q, kp, vp, out=out, block_table=table, seqlens_k=host)[2]
+        assert len(CHECKS) == n + 2 and CHECKS[-1][4] not in (0, lens.ptr)
+        print("ok")
+    """)
