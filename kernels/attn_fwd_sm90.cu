@@ -28,7 +28,13 @@
  * barrier after the start. D = Dv. Key rows past Lk that lie inside the tensor (varlen: the next
  * sequence's; seqused_k: unused rows) are copied like any other: their scores are masked, and the
  * producer warp zeroes their V rows in shared memory before the tile's P V may read them (P's 0
- * times a NaN there would be NaN); rows past the tensor come as zeros from the copy.
+ * times a NaN there would be NaN); rows past the tensor come as zeros from the copy. O leaves
+ * through each warpgroup's Q block, whatever out's strides.
+ *
+ * PERSIST (the WS kernel, dense batches, no mask_mod; the lab's ATTNEXT_FWD_PERSIST=1): a grid
+ * of at most one CTA an SM, each taking query tiles in turn (the next one from an atomic count,
+ * posted by the producer), Q by the producer's tensor copies into two buffers, the K / V rings
+ * running on across tiles. Measured slower than a CTA a tile so far (bench/NOTES.md).
  */
 #include "attn_fwd_tile.cuh"
 #include "wgmma.cuh"
