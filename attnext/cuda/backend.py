@@ -767,7 +767,7 @@ def forward(o, out_host, lse_host, stage=None):
         # a paged call's CUDA table and lengths lie where the caller keeps them: its repeats read
         # them afresh, checked afresh (a host table or lengths are uploaded a call: not repeated)
         in_place = extra is _NO_EXTRAS or (isinstance(o.block_table, DevView) and isinstance(extra[6], DevView)
-                                           and not any(x is not None for x in extra[:6]))
+                                           and all(x is None for x in extra[:6]))
         if (own_stage and mods is None and in_place and (o.block_table is None or checks)
                 and not plan.upgrade):
             # what a repeat of this call needs (cuda/repeat.py; api.py files it under the call's key)

@@ -21,8 +21,9 @@ Taken by attention() with q, k, v (and out) plain CUDA torch tensors or attnext 
 paged cache's block_table and seqlens_k likewise or absent, no other array argument and no
 score_mod / mask_mod (api.py's cheap test first; backend.forward leaves a recipe only where its
 call had nothing else: a paged call only with its table and lengths read in place, whose check,
-attn_pages, the replay enqueues again), once a GPU call has loaded the CUDA host side. A call that raised left no recipe. This module is part of `import attnext` (api.py asks it
-for every call's key): it imports no other part of the CUDA host side.
+attn_pages, the replay enqueues again), once a GPU call has loaded the CUDA host side. A call
+that raised left no recipe. This module is part of `import attnext` (api.py asks it for every
+call's key): it imports no other part of the CUDA host side.
 """
 import sys
 
