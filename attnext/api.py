@@ -317,7 +317,8 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool | str = False,
     """
     key = None
     if (score_mod is None and mask_mod is None and alibi_slopes is None and bias is None and mask is None
-            and seqlens_q is None and sinks is None and _env.get("ATTNEXT_REPEAT") != "0"):
+            and seqlens_q is None and sinks is None and (seqlens_k is None or block_table is not None)
+            and _env.get("ATTNEXT_REPEAT") != "0"):
         key = repeat.key((q, k, v, out, seqlens_k, block_table),
                          (causal, window, scale, softcap, layout, return_lse, device, precision))
         if key is not None and (recipe := repeat.lookup(key)) is not None:

@@ -155,7 +155,8 @@ typedef struct {
     /* int32 counters the host lent the launch (process.borrow_counters), zero before it and left
      * zero after it; NULL: none lent. The split kernel's own combine (attn_fwd.cu): one a query
      * tile (CTAs / num_splits), else attn_fwd_combine merges the partials. attn_fwd_sm90's
-     * persistent WS grid: [0] counts the tiles taken, else every CTA takes every gridDim.x-th */
+     * persistent WS grid: [0] counts the tiles taken past the grid's first, else every CTA takes
+     * every gridDim.x-th */
     int *counters;
     int num_splits;
     /* GPU backward, the ordered dq mode: 1 where the last turn at each query tile writes dq

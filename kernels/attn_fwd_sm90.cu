@@ -29,7 +29,8 @@
  * sequence's; seqused_k: unused rows) are copied like any other: their scores are masked, and the
  * producer warp zeroes their V rows in shared memory before the tile's P V may read them (P's 0
  * times a NaN there would be NaN); rows past the tensor come as zeros from the copy. O leaves
- * through each warpgroup's Q block, whatever out's strides.
+ * through each warpgroup's Q block, whatever out's strides (a tile whose rows keep no key writes
+ * its zeros by write_out).
  *
  * PERSIST (the WS kernel, dense batches, no mask_mod; the lab's ATTNEXT_FWD_PERSIST=1): a grid
  * of at most one CTA an SM, each taking query tiles in turn (the next one from an atomic count,
@@ -421,10 +422,9 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 #if PERSIST
         int qn = 0;                                      /* Q blocks brought */
         for (int j = 0, t = blockIdx.x; t < total; j++) {
-            const int taken = p.counters ? atomicAdd(p.counters, 1) : 0;   /* used at the post, below */
             const ws_tile tl = ws_tile_of(p, t, tiles_x);
 #else
-        for (int j = 0; j < 1; j++) {
+        for (int j = 0; j < 1; j++) {                    /* the one tile: the loop's body shared */
             const ws_tile tl = tile;
 #endif
             const seq_t sk = tl.sk;
@@ -434,17 +434,19 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
             const int Lk = (int)sk.len;
             const int tail_rows = !PERSIST && (p.cu_seqlens_k || p.seqused_k) && tiles > 0
                                   ? max(0, (n_last + 1) * BLOCK_N - max(Lk, n_last * BLOCK_N)) : 0;
-            auto load = [&](int i, uint32_t empty, uint32_t dst, const void *map, int bytes, int cols, uint32_t full) {
+            /* key tile i into its stage, its bytes counted on full's barrier of that stage, or on
+             * tail_v (tail: V[0]'s rows past Lk are zeroed before full_v completes) */
+            auto load = [&](int i, uint32_t empty, uint32_t dst, const void *map, int bytes, int cols, uint32_t full,
+                            bool tail = false) {
                 const int g = kv + i, st = g % STAGES;
                 int64_t mb, at;
                 key_row(&p, &sk, b, (int64_t)(n_last - i) * BLOCK_N, &mb, &at);
                 if (g >= STAGES)
                     mbar_wait(empty + 8 * st, (g / STAGES - 1) & 1);
-                const uint32_t landed = full ? full : tail_v;
-                mbar_arrive_expect_tx(landed + (full ? 8 * st : 0), bytes);
+                const uint32_t landed = tail ? tail_v : full + 8 * st;
+                mbar_arrive_expect_tx(landed, bytes);
                 for (int hf = 0; hf < cols / 64; hf++)
-                    tma_load_4d(dst + st * bytes + hf * BLOCK_N * 128, map, hf * 64, (int)hk, (int)at, (int)mb,
-                                landed + (full ? 8 * st : 0));
+                    tma_load_4d(dst + st * bytes + hf * BLOCK_N * 128, map, hf * 64, (int)hk, (int)at, (int)mb, landed);
             };
             if (tiles > 0 && lane == 0) {
 #if PERSIST
@@ -461,7 +463,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
                 load(0, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM, full_k);
                 if (tiles > 1)
                     load(1, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM, full_k);
-                load(0, empty_v, sV, &maps.v, V_BYTES, HEAD_DIM_V, tail_rows ? 0 : full_v);
+                load(0, empty_v, sV, &maps.v, V_BYTES, HEAD_DIM_V, full_v, tail_rows > 0);
             }
             if (tail_rows) {              /* 128-byte rows of each 64-column panel: a block apiece */
                 __syncwarp();
@@ -485,7 +487,10 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
             }
             kv += tiles;
 #if PERSIST
-            /* the next tile into slot (j + 1) & 1, once the computing warps have read its last */
+            /* the next tile, taken now that this one's loads are issued (taken earlier, a CTA would
+             * hold a tile it cannot start while others run out), into slot (j + 1) & 1 once the
+             * computing warps have read that slot's last */
+            const int taken = p.counters ? atomicAdd(p.counters, 1) : 0;
             const int next = p.counters ? (int)gridDim.x + taken : t + (int)gridDim.x, s = (j + 1) & 1;
             if (j >= 2)
                 mbar_wait(next_empty + 8 * s, ((j >> 1) - 1) & 1);
@@ -528,7 +533,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
             continue;
         const score_ctx sc = make_score_ctx(p, tl.b, tl.h, tl.sq, tl.sk);
 #else
-    for (int j = 0; j < 1; j++) {
+    for (int j = 0; j < 1; j++) {                        /* the one tile: the loop's body shared */
         const ws_tile &tl = tile;
         const score_ctx &sc = tile_sc;
 #endif

@@ -626,11 +626,13 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     # a dense batch whose q a tensor map can describe, in tiles an int32 counts
     dense = (not o.varlen and o.used_q is None and o.used_k is None and _tma_strides(o.q4)
              and _query_tiles(rows, 128) * o.Hq * o.B < 2 ** 31)
-    persist = ws and select.fwd_persist(dense, gen)
     plain = (o.causal_code == 0 and o.window_left < 0 and o.window_right < 0 and not features["softcap"]
              and not (features["bias_dtype"] or features["alibi_dtype"] or features["mask"]))
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
                                      features["dtype"], paged, tma, ws, plain)
+    persist = (ws and select.fwd_persist(dense, gen)     # its second Q must fit beside the lab's tile
+               and select.fwd_smem_bytes(o.D, o.Dv, tile, kernel, features["dtype"], tma, ws, True) + 1024
+               <= select.SM90_SHARED_BYTES)
 
     def defines_of(tile):
         return select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen, paged=paged,
@@ -746,9 +748,9 @@ def forward(o, out_host, lse_host, stage=None):
         elif plan.scratch:
             ptrs += (None, None)
         ptrs = _with_sinks(ptrs, _sinks_view(o, stage))
-        checks = ()
+        page_checks = ()
         if isinstance(o.block_table, DevView):   # read in place, checked on the stream first
-            checks = (lengths_check.launch_pages(stage, o.block_table, None if extra is _NO_EXTRAS else extra[6],
+            page_checks = (lengths_check.launch_pages(stage, o.block_table, None if extra is _NO_EXTRAS else extra[6],
                                                  o.B, o.page_size, o.k4.shape[0], device_arch(stage.device)),)
             ptrs = _at_slots(ptrs, {SLOT_BLOCK_TABLE: o.block_table.ptr})
         elif o.block_table is not None:   # checked on the host (checks._check_pages), uploaded
@@ -766,14 +768,14 @@ def forward(o, out_host, lse_host, stage=None):
             return out_host, lse_host
         # a paged call's CUDA table and lengths lie where the caller keeps them: its repeats read
         # them afresh, checked afresh (a host table or lengths are uploaded a call: not repeated)
-        in_place = extra is _NO_EXTRAS or (isinstance(o.block_table, DevView) and isinstance(extra[6], DevView)
+        in_place = extra is _NO_EXTRAS or (isinstance(o.block_table, DevView) and isinstance(o.used_k, DevView)
                                            and all(x is None for x in extra[:6]))
-        if (own_stage and mods is None and in_place and (o.block_table is None or checks)
+        if (own_stage and mods is None and in_place and (o.block_table is None or page_checks)
                 and not plan.upgrade):
             # what a repeat of this call needs (cuda/repeat.py; api.py files it under the call's key)
             o.recipe = Recipe(plan, ptrs, stage.device, stage.stream, o.scale_value, o.softcap_value,
                               out_res is not o.out, o.out_shape, o.q.dtype,
-                              None if lse_res is None else o.lse_shape, np.float32, None, checks)
+                              None if lse_res is None else o.lse_shape, np.float32, None, page_checks)
         return out_res, lse_res
 
 

@@ -107,7 +107,7 @@ SCRATCH_MIN_BYTES = 1 << 20      # scratch grows in powers of two from here
 SCRATCH_KEEP_BYTES = 64 << 20    # a larger buffer is freed after its call, not kept
 
 _scratch = collections.OrderedDict()   # (device, stream) -> (ptr, nbytes): idle buffers, LRU first
-_counters = collections.OrderedDict()  # (device, stream) -> (ptr, count): split counters (below), LRU first
+_counters = collections.OrderedDict()  # (device, stream) -> (ptr, count): launch counters (below), LRU first
 _scratch_lock = threading.Lock()
 
 
@@ -170,7 +170,7 @@ def _free_scratch(entries):
 
 
 def release_scratch():
-    """Frees every idle scratch buffer and every stream's split counters (at exit; the tests
+    """Frees every idle scratch buffer and every stream's launch counters (at exit; the tests
     call it too)."""
     with _scratch_lock:
         entries = list(_scratch.items()) + list(_counters.items())
@@ -193,16 +193,19 @@ def _forget_scratch_after_fork():
     _counters.clear()
 
 
-# ---------------------------------------------------------------- split counters
-# The split-KV forward's own merge (attn_fwd.cu) counts each query tile's finished splits in an
-# int32 that must be 0 when a launch starts; the launch's last CTA of the tile sets it back to 0.
-# So a stream keeps a buffer of them, zeroed once when made and never lent to anything else: the
+# ---------------------------------------------------------------- launch counters
+# int32 counters a launch finds at 0 and leaves at 0 (attn_params.counters): the split-KV
+# forward's own merge (attn_fwd.cu) counts each query tile's finished splits in one, the
+# launch's last CTA of the tile setting it back to 0; the persistent WS forward (lab) counts its
+# tiles taken in the first, its last taker setting it back.
+# So a stream keeps a buffer of them, zeroed once when made and lent to nothing but these: the
 # launches of one stream run in order, each finding the zeros the one before left. Borrowed and
 # given back around a call's launches like scratch (a call on the same stream meanwhile gets a
 # buffer of its own; only idle buffers are ever freed), at most SCRATCH_STREAMS streams keep one.
 # None where such a buffer could outlive its stream's order: the per-thread default stream (a
 # different stream in each thread), a stream capturing a CUDA graph (a replay beside later calls
-# would share the counters), or no memory for one; the call then launches attn_fwd_combine.
+# would share the counters), or no memory for one; the call then launches attn_fwd_combine
+# (the persistent grid takes every gridDim.x-th tile).
 
 
 def borrow_counters(count, device, stream):

@@ -7,7 +7,7 @@ kernels on a fast GPU); backend.forward leaves the recipe of its launches on the
 and api.py files it here under the call's key. The next call with an equal key has backend.replay
 run it: the pending device-length errors raised (lengths.raise_pending), new results allocated
 where the caller gave no out= (and an lse where asked for), the plan's launches enqueued
-(backend._launch: scratch and split counters lent as on the whole path).
+(backend._launch: scratch and launch counters lent as on the whole path).
 
 The key holds everything the first call's checks, plan and launches depended on: each array's
 library, address, shape, strides, dtype and device (a DeviceArray's stream too; torch tensors

@@ -223,8 +223,9 @@ def test_sm90_forward_tiles_stage_their_output(monkeypatch):
 def test_sm90_forward_fits_shared_memory():
     for kernel, d in select.variants("sm_90a"):
         if kernel == "attn_fwd_sm90":
-            tile = (d["BLOCK_M"], d["BLOCK_N"], d["NUM_WARPS"])
-            assert select.fwd_smem_bytes(d["HEAD_DIM"], d["HEAD_DIM_V"], tile, kernel) <= 227 * 1024
+            tile = (d["BLOCK_M"], d["BLOCK_N"], d["NUM_WARPS"], d.get("STAGES", 2))
+            assert select.fwd_smem_bytes(d["HEAD_DIM"], d["HEAD_DIM_V"], tile, kernel, ws=bool(d.get("WS")),
+                                         persist=bool(d.get("PERSIST"))) <= 227 * 1024, d
 
 
 def test_hopper_backward_choice_and_shared_memory(monkeypatch):
