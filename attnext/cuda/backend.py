@@ -149,7 +149,8 @@ def _scratch_layout(*sizes):
 
 def _launch(plan, device, stream, ptrs, scale, softcap, gmods=None):
     """plan's launches on the call's device and stream with these addresses (in
-    _C.cuda_launch_attention's order) and the call's scale and softcap values. The slots of the plan's scratch arrays (None in ptrs) get addresses in the stream's
+    _C.cuda_launch_attention's order) and the call's scale and softcap values. The slots of the
+    plan's scratch arrays (None in ptrs) get addresses in the stream's
     scratch buffer, borrowed until the launches are enqueued. gmods: the call's bound score_mod /
     mask_mod (the attn_mods_gpu bytes) or None."""
     if not plan.launches:
@@ -623,14 +624,15 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     # key_rows: the rows of k's tensor (varlen: the packed rows), which a copy's box may not exceed
     ws = not decode and select.fwd_ws(arch, o.D, o.Dv, features["vec"], rows, o.k4.shape[1], features["dtype"],
                                       copyable)
-    # a dense batch whose q a tensor map can describe, in tiles an int32 counts
-    dense = (not o.varlen and o.used_q is None and o.used_k is None and _tma_strides(o.q4)
-             and _query_tiles(rows, 128) * o.Hq * o.B < 2 ** 31)
     plain = (o.causal_code == 0 and o.window_left < 0 and o.window_right < 0 and not features["softcap"]
              and not (features["bias_dtype"] or features["alibi_dtype"] or features["mask"]))
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
                                      features["dtype"], paged, tma, ws, plain)
-    persist = (ws and select.fwd_persist(dense, gen)     # its second Q must fit beside the lab's tile
+    # the persistent grid (lab): a dense batch whose q a tensor map can describe, in tiles an
+    # int32 counts, with a second Q beside the tile in shared memory
+    dense = (not o.varlen and o.used_q is None and o.used_k is None and _tma_strides(o.q4)
+             and _query_tiles(rows, tile[0]) * o.Hq * o.B < 2 ** 31)
+    persist = (ws and select.fwd_persist(dense, gen)
                and select.fwd_smem_bytes(o.D, o.Dv, tile, kernel, features["dtype"], tma, ws, True) + 1024
                <= select.SM90_SHARED_BYTES)
 
@@ -766,12 +768,12 @@ def forward(o, out_host, lse_host, stage=None):
             if lse_host is not None:
                 stage.download(lse, lse_host)
             return out_host, lse_host
-        # a paged call's CUDA table and lengths lie where the caller keeps them: its repeats read
-        # them afresh, checked afresh (a host table or lengths are uploaded a call: not repeated)
-        in_place = extra is _NO_EXTRAS or (isinstance(o.block_table, DevView) and isinstance(o.used_k, DevView)
-                                           and all(x is None for x in extra[:6]))
-        if (own_stage and mods is None and in_place and (o.block_table is None or page_checks)
-                and not plan.upgrade):
+        # repeatable where nothing was uploaded for this call alone: no optional array, or a paged
+        # call's CUDA table and lengths, which lie where the caller keeps them (its repeats read
+        # them afresh and check them afresh); a host table or host lengths are uploaded a call
+        in_place = ((extra is _NO_EXTRAS or (isinstance(o.used_k, DevView) and all(x is None for x in extra[:6])))
+                    and (o.block_table is None or page_checks))
+        if own_stage and mods is None and in_place and not plan.upgrade:
             # what a repeat of this call needs (cuda/repeat.py; api.py files it under the call's key)
             o.recipe = Recipe(plan, ptrs, stage.device, stage.stream, o.scale_value, o.softcap_value,
                               out_res is not o.out, o.out_shape, o.q.dtype,

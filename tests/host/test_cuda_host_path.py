@@ -631,3 +631,47 @@ def test_threads_on_their_own_streams_get_the_single_thread_bits(torch_cuda):
     process.release_scratch()
     for s in streams:
         _C.stream_destroy(s, 0)
+
+
+def test_the_persistent_ws_forward_plan(tmp_path):
+    """Where the lab asks (ATTNEXT_FWD_PERSIST=1), a dense batch's WS forward is a persistent grid:
+    min(tiles, SMs) CTAs on one axis, three tensor maps (k, v, then q by boxes of PERSIST_Q_ROWS
+    rows), the stream's counters in their slot and the second Q's shared memory; a varlen call
+    and one with seqused_k keep a CTA a tile, as every call does without the knob. On the fake
+    driver built with tensor maps (WS needs them)."""
+    if fake_cuda.compiler() is None:
+        pytest.skip("no C compiler for the fake libcuda")
+    run_on_fake(fake_cuda.build(tmp_path, "tma", ["-DTENSOR_MAPS"]), r"""
+        at = cuda_backend.SLOT_COUNTERS
+        maps = fake_cuda.counter(lib, "tensor_maps")
+        box = ((ctypes.c_uint * 4) * 4).in_dll(lib, "map_box")
+        sms = cuda_backend.device_info(0)["multiprocessor_count"]
+        q, k, v = qkv(2, 2048, 2048, 16, 16, 128)
+
+        def launched(call):
+            n, m = len(LAUNCHES), maps.value
+            call()
+            (fn, grid, _, smem, _, _, ptrs), = LAUNCHES[n:]
+            return dict(fn[2]), grid, smem, ptrs, maps.value - m
+        ws_tile = select.SM90_TILE_WS
+        _env.setenv("ATTNEXT_FWD_PERSIST", "1")
+        try:
+            for causal in (False, True):
+                d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(q, k, v, causal=causal))
+                assert d["WS"] == 1 and d["PERSIST"] == 1 and grid == (min(16 * 16 * 2, sms), 1, 1), (d, grid)
+                assert n_maps == 3 and box[(maps.value - 1) % 4][2] == select.PERSIST_Q_ROWS, (n_maps, list(box[0]))
+                assert ptrs[at] and ptrs[at] == process._counters[(0, 0)][0], ptrs
+                assert smem == select.fwd_smem_bytes(128, 128, ws_tile, "attn_fwd_sm90", ws=True, persist=True)
+            qp, kp, vp = dev((4096, 16, 128)), dev((4096, 16, 128)), dev((4096, 16, 128))
+            cu = np.array([0, 2048, 4096], np.int32)
+            for call in (lambda: attnext.varlen_attention(qp, kp, vp, cu, cu),
+                         lambda: attnext.attention(q, k, v, seqlens_k=np.array([2000, 1500]))):
+                d, grid, smem, ptrs, n_maps = launched(call)
+                assert d["WS"] == 1 and "PERSIST" not in d and grid[1:] != (1, 1) and n_maps == 2, (d, grid)
+        finally:
+            _env.setenv("ATTNEXT_FWD_PERSIST", None)
+        d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(q, k, v))
+        assert "PERSIST" not in d and grid == (16, 16, 2) and n_maps == 2 and not any(ptrs[at:at + 1]), (d, grid, ptrs)
+        assert smem == select.fwd_smem_bytes(128, 128, ws_tile, "attn_fwd_sm90", ws=True)
+        print("ok")
+    """)
