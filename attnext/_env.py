@@ -116,6 +116,8 @@ SETTINGS = {s.name: s for s in [
             "how the backward sums dQ"),
     Setting("ATTNEXT_BWD_DQ_WRITE", "0 | 1", "by the key count", LAB, CALL,
             "whether the last turn writes dq (1) or attn_bwd_dq_convert does (0)"),
+    Setting("ATTNEXT_BWD_DQ_CHAINS", "1 | 2 | 4 | .. | 32", "select.bwd_dq_chains", LAB, CALL,
+            "the ordered dQ turns' chains (each its own copy of dq_accum)"),
     Setting("ATTNEXT_TILE_SUMS", "0 | 1", "1", LAB, CALL,
             "0 sends every captured-array adjoint straight to the accumulator (no per-tile sums)"),
     Setting("ATTNEXT_KERNEL_DIR", "path", "attnext/_kernels", LAB, IMPORT,

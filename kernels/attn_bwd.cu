@@ -905,7 +905,8 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(cons
 #endif
 
 /* Grid (row tiles of PRE_ROWS, Hq, B [+1 varlen]): dq = dq_accum * scale, 0 where dq_live_rows
- * says (padding rows, and in the ordered mode a query tile that sees no key). */
+ * says (padding rows, and in the ordered mode a query tile that sees no key); with DQ_CHAINS,
+ * dq_accum's copies that the tile's key blocks wrote, added in chain order. */
 #if DQ_ORDERED && (DQ_TILE_M < PRE_ROWS || DQ_TILE_M % PRE_ROWS)
 #error "attn_bwd_dq_convert: a CTA's rows inside one of the dK/dV kernel's query tiles"
 #endif
@@ -920,7 +921,9 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_dq_convert(co
     }
     const seq_t sq = seq_q(&p, b);
     const float scale = (float)p.scale;
-    const int64_t r_base = (int64_t)blockIdx.x * PRE_ROWS, live = dq_live_rows(p, sq, b, r_base);
+    unsigned chains;
+    const int64_t r_base = (int64_t)blockIdx.x * PRE_ROWS, live = dq_live_rows(p, sq, b, r_base, &chains);
+    const int64_t chain_step = p.dq_accum.s[2] / DQ_CHAINS;    /* DQ_CHAINS: the next chain's copy */
     elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
     const float *gacc = (const float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + sq.start * p.dq_accum.s[1]
                         + h * p.dq_accum.s[2];
@@ -936,9 +939,17 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_dq_convert(co
                 continue;
             uint4 w = make_uint4(0u, 0u, 0u, 0u);
             if (r < live) {
-                const float4 *src = (const float4 *)(gacc + r * p.dq_accum.s[1] + dq_col(r, c));
-                const float4 x = src[0], y = src[1];
-                w = pack8({x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w}, scale);
+                const float *src = gacc + r * p.dq_accum.s[1] + dq_col(r, c);
+                float f[8] = {-0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f};   /* -0 + x is x */
+#pragma unroll
+                for (int ch = 0; ch < DQ_CHAINS; ch++)
+                    if (chains >> ch & 1) {
+                        const float4 x = ((const float4 *)(src + ch * chain_step))[0],
+                                     y = ((const float4 *)(src + ch * chain_step))[1];
+                        f[0] += x.x, f[1] += x.y, f[2] += x.z, f[3] += x.w;
+                        f[4] += y.x, f[5] += y.y, f[6] += y.z, f[7] += y.w;
+                    }
+                w = pack8(f, scale);
             }
             *(uint4 *)(gdq + r * p.dq.s[1] + c) = w;
         }
@@ -947,9 +958,15 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_dq_convert(co
     for (int i = threadIdx.x; i < PRE_ROWS * HEAD_DIM; i += PRE_THREADS) {
         const int64_t r = r_base + i / HEAD_DIM;
         const int d = i % HEAD_DIM;
-        if (r < sq.rows)
-            gdq[r * p.dq.s[1] + d * p.dq.s[3]] =
-                r < live ? f32_to_elem(gacc[r * p.dq_accum.s[1] + dq_col(r, d) * p.dq_accum.s[3]] * scale) : (elem_t)0;
+        if (r >= sq.rows)
+            continue;
+        float f = -0.f;
+        if (r < live)
+#pragma unroll
+            for (int ch = 0; ch < DQ_CHAINS; ch++)
+                if (chains >> ch & 1)
+                    f += gacc[ch * chain_step + r * p.dq_accum.s[1] + dq_col(r, d) * p.dq_accum.s[3]];
+        gdq[r * p.dq.s[1] + d * p.dq.s[3]] = r < live ? f32_to_elem(f * scale) : (elem_t)0;
     }
 }
 #endif

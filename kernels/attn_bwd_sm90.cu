@@ -333,9 +333,11 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
  * names visits the tile): the first turn, the tile's last key block, stores its partial instead
  * of adding it, and nothing zeroes dq_accum; with p.dq_write_last (short keys) the last turn,
  * the tile's first key block, reads the sum back into its dQ stage and that stage's writer warp
- * writes dq from it, else attn_bwd_dq_convert does (both 0 for a tile no key block sees). With
- * a mask_mod a block may pass its turn, so the host zeroes dq_accum, every turn adds and
- * attn_bwd_dq_convert writes dq.
+ * writes dq from it, else attn_bwd_dq_convert does (both 0 for a tile no key block sees).
+ * DQ_CHAINS (attn_bwd_tile.cuh; store-first, converted apart): the turns run in that many chains
+ * (block n in chain n % DQ_CHAINS, each into its own copy of dq_accum), each chain's first turn
+ * storing. With a mask_mod a block may pass its turn, so the host zeroes dq_accum, every turn
+ * adds and attn_bwd_dq_convert writes dq.
  * dq_accum's rows of one head are contiguous (B, Hq, S, HEAD_DIM in memory), so a tile's valid
  * rows are one block. */
 #if KV_WG != 2 || !(HEAD_DIM == 128 || (HEAD_DIM == 64 && HEAD_DIM_V == 64))
@@ -371,6 +373,9 @@ static_assert(KQ_BYTES >= KV_WARPS * 2048, "a Q stage holds every consumer warp'
 #if DQ_ORDERED && DQ_TILE_M != KV_BLOCK_M
 #error "attn_bwd_dkdv_ws_sm90: attn_bwd_dq_convert's DQ_TILE_M is this kernel's query tile"
 #endif
+#if DQ_CHAINS > 1 && DQ_KEY_BLOCK != KV_BLOCK_N
+#error "attn_bwd_dkdv_ws_sm90: attn_bwd_dq_convert's DQ_KEY_BLOCK is this kernel's key block"
+#endif
 #if DQ_ORDERED
 /* The key blocks add into a query tile one at a time, in descending key-block order, so every
  * element of dq_accum sees the same additions in the same order on every run. dq_sem (B, Hq,
@@ -396,12 +401,14 @@ DEV int *sem_of(const attn_params &p, int64_t b, int64_t h, int m0, int Lq, int 
     return (int *)p.dq_sem.ptr + b * p.dq_sem.s[0] + h * p.dq_sem.s[1] + (m0 / KV_BLOCK_M) * SEM_WORDS * p.dq_sem.s[2];
 }
 
-/* Until the bits of blocks n + 1 .. last are all set. */
+/* Until the bits of blocks n + DQ_CHAINS, n + 2 DQ_CHAINS, .. up to last (n's chain above it) are
+ * all set. */
 DEV void sem_wait(const int *sem, int n, int last)
 {
+    const unsigned chain = (0xffffffffu / ((2u << (DQ_CHAINS - 1)) - 1)) << (n % DQ_CHAINS);
     for (int w = (n + 1) >> 5; w <= last >> 5; w++) {
         const int lo = max(n + 1, w * 32) - w * 32, hi = min(last, w * 32 + 31) - w * 32;
-        const unsigned need = (hi == 31 ? ~0u : (2u << hi) - 1) & ~((1u << lo) - 1);
+        const unsigned need = (hi == 31 ? ~0u : (2u << hi) - 1) & ~((1u << lo) - 1) & chain;
         int spins = 0;
         for (; spins < SEM_SPINS; spins++) {
             unsigned v;
@@ -601,7 +608,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                     continue;
                 const uint32_t stage = sdQ + x * SDQ_BYTES;
                 float *dst = (float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + (sq.start + m0) * p.dq_accum.s[1]
-                             + h * p.dq_accum.s[2];
+                             + h * p.dq_accum.s[2] + (n_block % DQ_CHAINS) * (p.dq_accum.s[2] / DQ_CHAINS);
                 const int rows = min(KV_BLOCK_M, Lq - m0), bytes = rows * HEAD_DIM * 4;
 #if DQ_ORDERED
                 int first, last;
@@ -610,8 +617,9 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
 #if DQ_STORE_FIRST
                 /* the tile's last turn writes dq where the host asks (short keys: beyond them this
                  * work holds up the last key block's consumers); alone (first == last) it converts
-                 * its partial as it is */
-                const bool final = p.dq_write_last && n_block == first, alone = final && n_block == last;
+                 * its partial as it is (never with chains: select.bwd_dq_chains) */
+                const bool final = DQ_CHAINS == 1 && p.dq_write_last && n_block == first,
+                           alone = final && n_block == last;
 #else
                 const bool final = false, alone = false;
 #endif
@@ -627,7 +635,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                     fence_proxy_async_global();
 #endif
 #if DQ_STORE_FIRST
-                    if (n_block == last)  /* the tile's first turn: into rows never zeroed */
+                    if (n_block + DQ_CHAINS > last)  /* its chain's first turn: into rows never zeroed */
                         bulk_store(dst, stage, bytes);
                     else
 #endif

@@ -51,12 +51,36 @@ DEV uint4 pack8(const float (&f)[8], float scale)
                       pack2(f[4] * scale, f[5] * scale), pack2(f[6] * scale, f[7] * scale));
 }
 
+/* The ordered mode's first turn at a query tile stores its dQ partial, so nothing zeroes dq_accum,
+ * and where p.dq_write_last (short keys) its last turn writes dq: attn_bwd_sm90.cu's
+ * warp-specialised kernel without a mask_mod, whose blocks may pass their turns (then every turn
+ * adds into a dq_accum the host zeroed, and attn_bwd_dq_convert writes dq). */
+#define DQ_STORE_FIRST (DQ_ORDERED && !HAS_MASK_MOD)
+
+/* DQ_CHAINS (the ordered mode with its first turns storing and dq converted apart, so without a
+ * mask_mod and without p.dq_write_last: select.bwd_dq_chains): the key blocks of DQ_KEY_BLOCK
+ * keys take their turns at a query tile in DQ_CHAINS chains, block n in chain n % DQ_CHAINS,
+ * each chain into its own copy of dq_accum (p.dq_accum.s[2] / DQ_CHAINS elements after the
+ * previous chain's: the host lays the copies out between the heads). A chain's turns wait only
+ * for its own blocks, so the staircase of turns a query tile's key blocks climb at a kernel's
+ * start is DQ_CHAINS times shorter; attn_bwd_dq_convert adds the copies in chain order, the
+ * same bits every run. */
+#ifndef DQ_CHAINS
+#define DQ_CHAINS 1
+#endif
+#if DQ_CHAINS > 1 && (!DQ_STORE_FIRST || DQ_CHAINS > 32 || 32 % DQ_CHAINS)
+#error "DQ_CHAINS: the ordered mode's stored first turns, a divisor of 32 chains"
+#endif
+
 /* The rows of sequence b whose dq comes from dq_accum's sums: those below the returned row; dq is
  * 0 from it on. They are the sequence's rows (not its padding) except, in the ordered mode, where
  * the query tile of DQ_TILE_M rows (attn_bwd_sm90.cu's) holding row r sees no key: no key block
- * adds into it, and its dq_accum rows are never written. */
-DEV int64_t dq_live_rows(const attn_params &p, const seq_t &sq, int64_t b, int64_t r)
+ * adds into it, and its dq_accum rows are never written. chains (DQ_CHAINS > 1): bit c set where
+ * a key block of chain c adds into that tile (its other copies are never written). */
+DEV int64_t dq_live_rows(const attn_params &p, const seq_t &sq, int64_t b, int64_t r, unsigned *chains = nullptr)
 {
+    if (chains)
+        *chains = (2u << (DQ_CHAINS - 1)) - 1;
 #if DQ_ORDERED
     const int64_t m0 = r - r % DQ_TILE_M;
     if (m0 < sq.len) {
@@ -64,16 +88,18 @@ DEV int64_t dq_live_rows(const attn_params &p, const seq_t &sq, int64_t b, int64
         kv_range(&p, m0, min(m0 + DQ_TILE_M, sq.len), sq.len, seq_k(&p, b).len, &lo, &hi);
         if (hi <= lo)
             return 0;
+#if DQ_CHAINS > 1
+        const int first = (int)(lo / DQ_KEY_BLOCK), last = (int)((hi - 1) / DQ_KEY_BLOCK);
+        if (chains && last - first + 1 < DQ_CHAINS) {
+            *chains = 0;
+            for (int n = first; n <= last; n++)
+                *chains |= 1u << (n % DQ_CHAINS);
+        }
+#endif
     }
 #endif
     return sq.len;
 }
-
-/* The ordered mode's first turn at a query tile stores its dQ partial, so nothing zeroes dq_accum,
- * and where p.dq_write_last (short keys) its last turn writes dq: attn_bwd_sm90.cu's
- * warp-specialised kernel without a mask_mod, whose blocks may pass their turns (then every turn
- * adds into a dq_accum the host zeroed, and attn_bwd_dq_convert writes dq). */
-#define DQ_STORE_FIRST (DQ_ORDERED && !HAS_MASK_MOD)
 
 /* Past this |lse|, exp2(s c - lse log2e) is off by more than P's float32 rounding (its error
  * grows with ulp(lse): 1.2e-4 relative at 1024) and, far past it, lse holds the scores' fill

@@ -975,20 +975,23 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     f32 = features["dtype"] == "float32"
     dq_mode = "recompute" if grads or f32 else select.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach)
     atomic = dq_mode != "recompute"
-    defines = select.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen)
+    # the ordered mode's key blocks take turns at each query tile: without a mask_mod the first turn
+    # stores, so nothing zeroes dq_accum, and with short keys the last writes dq (attn_bwd_sm90.cu:
+    # DQ_STORE_FIRST, dq_write_last; attn_bwd_pre writes dq's other rows), else the turns run in
+    # chains, each into its own copy of dq_accum (DQ_CHAINS); a mask_mod's block may pass its turn,
+    # so then dq_accum starts zeroed and every turn adds; attn_bwd_dq_convert writes dq unless the
+    # last turns do
+    mask_mod = bool(gen is not None and gen.defines.get("HAS_MASK_MOD"))
+    write_last = select.bwd_dq_write_last(dq_mode, mask_mod, reach)
+    banded = o.causal_code != 0 or o.window_left >= 0 or o.window_right >= 0
+    chains = select.bwd_dq_chains(dq_mode, mask_mod, write_last, banded)
+    defines = select.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen, chains=chains)
     smem = select.bwd_smem_bytes(o.D, o.Dv, tile, atomic, defines.get("MOD_TILE_SLOTS", 0), features["dtype"])
     hopper = select.bwd_sm90_tile(o.D, dq_mode) if sm90 else None
     kv_blocks = _query_tiles(k_rows, 16 * hopper["kv_warps"]) if hopper else 0   # the dK/dV grid's x
-    # the ordered mode's key blocks take turns at each query tile: without a mask_mod the first turn
-    # stores, so nothing zeroes dq_accum, and with short keys the last writes dq (attn_bwd_sm90.cu:
-    # DQ_STORE_FIRST, dq_write_last; attn_bwd_pre writes dq's other rows); a mask_mod's block may
-    # pass its turn, so then dq_accum starts zeroed and every turn adds; attn_bwd_dq_convert writes
-    # dq unless the last turns do
-    mask_mod = bool(gen is not None and gen.defines.get("HAS_MASK_MOD"))
-    write_last = select.bwd_dq_write_last(dq_mode, mask_mod, reach)
     ns = types.SimpleNamespace(atomic=atomic, ordered=dq_mode == "ordered",
                                sem_words=-(-kv_blocks // 32) if dq_mode == "ordered" else 0,
-                               mask_mod=mask_mod, write_last=write_last, grads=grads, wanted=[],
+                               mask_mod=mask_mod, write_last=write_last, chains=chains, grads=grads, wanted=[],
                                tma_kernel=None, tma_rows_q=0)
     tail = 1 if o.varlen else 0
 
@@ -1004,7 +1007,7 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
             # a copy's box is a whole tile: of the tensor's rows, and of a sequence's (a tile
             # crossing a sequence's end inside the tensor goes by cp.async)
             tma = select.bwd_tma(dq_mode, hopper, min(q4.shape[1], q_rows), _tma_strides(q4, dout4))
-            defs90 = select.bwd_defines(**features, tile=hopper, dq=dq_mode, mods=gen, tma=tma)
+            defs90 = select.bwd_defines(**features, tile=hopper, dq=dq_mode, mods=gen, tma=tma, chains=chains)
             smem90 = select.bwd_sm90_smem_bytes(o.D, o.Dv, hopper, defs90.get("MOD_TILE_SLOTS", 0))
             kv_name, kv_warps = select.bwd_sm90_kv_kernel(dq_mode, hopper)
             launch(kv_name, (kv_blocks, o.Hk, o.B + tail), kv_warps, "attn_bwd_sm90", defs90, smem90)
@@ -1055,16 +1058,19 @@ def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, g
     arch = device_arch(device)
     ns = _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, dbias4, (q4, dout4))
     delta = DevView.contiguous(0, o.lse_shape, np.float32, device)   # laid out like lse
-    # dq_accum (B, Hq, S, D) in memory, so a head's 64-row tile is one contiguous block; dq_sem
-    # for the ordered additions: per (sequence, head, 64-row query tile) a bit per key block of
-    # the dK/dV kernel (its grid's x) in 32-bit words
-    accum_shape = (q4.shape[0], o.Hq, q4.shape[1], o.D + o.D % 2)
+    # dq_accum (B, Hq, S, D) in memory, so a head's 64-row tile is one contiguous block (with
+    # chains, (B, Hq, chains, S, D): the kernels find a chain's copy s[2] / chains after the
+    # previous one's); dq_sem for the ordered additions: per (sequence, head, 64-row query tile) a
+    # bit per key block of the dK/dV kernel (its grid's x) in 32-bit words
+    accum_shape = (q4.shape[0], o.Hq * ns.chains, q4.shape[1], o.D + o.D % 2)
     sem_shape = (o.B, o.Hq, _query_tiles(q_rows, PRE_ROWS) * ns.sem_words)
     prob.out, prob.dout, prob.lse, prob.dbias, prob.dlse = _t(out4), _t(dout4), _t(lse3), _t(dbias4), _t(dlse3)
     prob.dq, prob.dk, prob.dv = _t(dq4), _t(dk4), _t(dv4)
     prob.delta = _t(delta[None] if o.varlen else delta)
     if ns.atomic:
-        prob.dq_accum = _t(DevView.contiguous(0, accum_shape, np.float32, device).transpose(0, 2, 1, 3))
+        sb, sh, ss, sd = DevView.contiguous(0, accum_shape, np.float32, device).strides
+        prob.dq_accum = _t(DevView(0, (accum_shape[0], accum_shape[2], o.Hq, accum_shape[3]),
+                                   (sb, ss, sh * ns.chains, sd), np.float32, device))
     if ns.ordered:
         prob.dq_sem = _t(DevView.contiguous(0, sem_shape, np.int32, device))
     prob.dq_write_last = int(ns.write_last)

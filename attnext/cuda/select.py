@@ -29,7 +29,7 @@ FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "
              "ATTNEXT_TILE_SM90", "ATTNEXT_DECODE_TMA", "ATTNEXT_TILE_DECODE_TMA", "ATTNEXT_FWD_WS",
              "ATTNEXT_TILE_FWD_WS", "ATTNEXT_DECODE_COMBINE", "ATTNEXT_DEPENDENT_LAUNCH", "ATTNEXT_FWD_PERSIST")
 BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_TMA", "ATTNEXT_BWD_DQ",
-             "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_TILE_SUMS")
+             "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_BWD_DQ_CHAINS", "ATTNEXT_TILE_SUMS")
 
 
 def knobs(names):
@@ -522,6 +522,30 @@ def bwd_dq_write_last(mode, mask_mod, k_rows):
     return env == "1" if env in ("0", "1") else k_rows <= SHORT_KEYS
 
 
+# The ordered mode's chains of turns where the first turns store and dq is converted apart
+# (attn_bwd_tile.cuh: DQ_CHAINS). Without a causal mask or window every key block meets the query
+# tiles in the same order from the kernel's start, so a tile's blocks climb a staircase of turns,
+# one L2 round trip a step, that a CTA of few items cannot hide; two chains halve it for a second
+# copy of dq_accum and its read in the convert (H200: full rows S2k-4k +4-9%, four chains no
+# better). Banded calls' blocks start at different tiles and climb no staircase: there two
+# chains lost the convert's extra read (1.5-4%; bench/NOTES.md, backward).
+DQ_CHAINS = 2
+
+
+def bwd_dq_chains(mode, mask_mod, write_last, banded):
+    """How many chains the ordered mode's turns run in (each into its own copy of dq_accum,
+    attn_bwd_dq_convert adding them): DQ_CHAINS where the first turns store (no mask_mod), the
+    convert writes dq (not write_last) and no causal mask or window bands the keys (banded),
+    else 1. ATTNEXT_BWD_DQ_CHAINS (a divisor of 32) decides for the lab and the tests wherever
+    the mode allows more than one (banded calls too)."""
+    if mode != "ordered" or mask_mod or write_last:
+        return 1
+    env = _env.get("ATTNEXT_BWD_DQ_CHAINS")
+    if env in ("1", "2", "4", "8", "16", "32"):
+        return int(env)
+    return 1 if banded else DQ_CHAINS
+
+
 # attn_bwd_sm90.cu's tiles: one warpgroup (64 keys) per recomputing dK/dV CTA, two CTAs per SM at
 # D = 128, three at D = 64 (168 registers: 1.15x faster than two on an H100); two consumer
 # warpgroups (128 keys) in the warp-specialised kernel that adds dQ: 64 query rows per item at
@@ -595,12 +619,13 @@ def bwd_sm90_smem_bytes(D, Dv, tile, slots=0):
 
 
 def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile, dq="recompute",
-                mods=None, tf32=False, tma=False):
+                mods=None, tf32=False, tma=False, chains=1):
     """The #defines of one backward variant (kernels/attn_bwd.cu: every backward kernel of it;
     attn_bwd_sm90.cu the same); dq: bwd_dq_mode's answer ("recompute" whenever the mods have
     array gradients: the dQ kernels' ds_tile scatters them, MOD_TILE_SLOTS: through shared
     memory where it has tile terms); mods: as for fwd_defines; tma: bwd_tma's answer (the
-    warp-specialised dK/dV kernel's Q and dO by bulk tensor copies, BWD_TMA)."""
+    warp-specialised dK/dV kernel's Q and dO by bulk tensor copies, BWD_TMA); chains:
+    bwd_dq_chains' answer (DQ_CHAINS and the key block it counts, DQ_KEY_BLOCK, where above 1)."""
     d = {
         **dtype_defines(dtype, tf32), "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
         "HAS_SOFTCAP": int(softcap), "HAS_BIAS": int(bias_dtype is not None),
@@ -614,6 +639,8 @@ def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
              Q_BLOCK_N=tile["q_block_n"], Q_WARPS=tile["q_warps"], Q_MINB=tile["q_minb"])
     if tma:
         d["BWD_TMA"] = 1
+    if chains > 1:
+        d.update(DQ_CHAINS=chains, DQ_KEY_BLOCK=16 * bwd_sm90_tile(D, dq)["kv_warps"])
     slots, admit, always = tile_sums(mods, tile["q_block_m"], tile["q_block_n"])
     if slots:
         d.update(MOD_TILE_SLOTS=slots, MOD_TILE_ADMIT=admit, MOD_TILE_ALWAYS=int(always))

@@ -223,18 +223,25 @@ def test_dq_added_by_the_dkdv_kernel(d, dv, kernel, mode, rng, monkeypatch):
     _grads(q, k, v, rng, deterministic=det)
 
 
-@pytest.mark.parametrize("write_last", ["0", "1"], ids=["dq_convert", "last_turn_writes"])
+@pytest.mark.parametrize("write_last, chains", [("0", "1"), ("0", "2"), ("0", "4"), ("1", "2")],
+                         ids=["dq_convert", "two_chains", "four_chains", "last_turn_writes"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_ordered_dq_after_a_larger_call(d, write_last, rng, monkeypatch):
+def test_ordered_dq_after_a_larger_call(d, write_last, chains, rng, monkeypatch):
     """The ordered mode's first turn at a query tile stores into dq_accum, which nothing zeroes
     (the stream's scratch still holds an earlier call's sums): after a larger call, dq matches the
     reference and is exactly 0 on the tiles no key block sees (bottom-right causal and a window
     with Sq > Sk leave whole 64- and 128-row tiles without keys), whether the last turn at each
-    tile writes dq (short keys) or attn_bwd_dq_convert does (ATTNEXT_BWD_DQ_WRITE); with a
-    document mask_mod, whose blocks may pass their turns, the host zeroes dq_accum first."""
+    tile writes dq (short keys) or attn_bwd_dq_convert does (ATTNEXT_BWD_DQ_WRITE), the latter
+    with the turns in 1, 2 or 4 chains (ATTNEXT_BWD_DQ_CHAINS; a tile seen by fewer key blocks
+    than chains leaves copies of dq_accum unwritten: 200 keys are two blocks, a narrow window
+    one), the same bits on a second run; with a document mask_mod, whose blocks may pass their
+    turns, the host zeroes dq_accum first (one chain)."""
     monkeypatch.setenv("ATTNEXT_BWD_DQ_WRITE", write_last)
+    monkeypatch.setenv("ATTNEXT_BWD_DQ_CHAINS", chains)
     big = make_qkv(rng, 2, 1024, 1024, 4, 4, d, d, BF16)
-    _grads(*big, rng)
+    g, _, (dout, out, lse) = _grads(*big, rng)
+    again = attnext.attention_backward(dout, *big, out, lse, device="cuda")
+    assert all(np.array_equal(a, b) for a, b in zip(_bits(g), _bits(again)))
     q, k, v = make_qkv(rng, 2, 700, 200, 4, 2, d, d, BF16)
     _grads(q, k, v, rng, causal="bottom_right")
     _grads(q, k, v, rng, window=(30, 0))
