@@ -675,3 +675,51 @@ def test_the_persistent_ws_forward_plan(tmp_path):
         assert smem == select.fwd_smem_bytes(128, 128, ws_tile, "attn_fwd_sm90", ws=True)
         print("ok")
     """)
+
+
+def test_the_ordered_backward_runs_its_turns_in_chains(tmp_path):
+    """A deterministic Hopper backward without a causal mask or window, past SHORT_KEYS keys, runs
+    the ordered dQ turns in select.DQ_CHAINS chains: the WS dK/dV kernel and attn_bwd_dq_convert
+    both built with DQ_CHAINS and the key block it counts, dq_accum's heads DQ_CHAINS copies
+    apart (the kernels find chain c's copy c * s[2] / DQ_CHAINS along). A causal call, short keys
+    (the last turn writes dq), a mask_mod and deterministic=False keep one copy; the lab's
+    ATTNEXT_BWD_DQ_CHAINS sets the count, banded calls too."""
+    if fake_cuda.compiler() is None:
+        pytest.skip("no C compiler for the fake libcuda")
+    run_on_fake(fake_cuda.build(tmp_path, "tma", ["-DTENSOR_MAPS"]), r"""
+        _C.cuda_launch_attention = lambda fn, *rest: launch(fn, *rest[:8])     # the mods' bytes dropped
+
+        def backward(q, k, v, deterministic=True, **kw):
+            out, lse = attnext.attention(q, k, v, return_lse=True, **kw)
+            n = len(LAUNCHES)
+            attnext.attention_backward(dev(q.shape), q, k, v, out, lse, deterministic=deterministic, **kw)
+            got = {l[0][1]: (dict(l[0][2]), l[5]) for l in LAUNCHES[n:]}
+            ws, convert = got.get("attn_bwd_dkdv_ws_sm90"), got.get("attn_bwd_dq_convert")
+            chains = ws[0].get("DQ_CHAINS", 1) if ws else None
+            if convert:
+                assert convert[0].get("DQ_CHAINS", 1) == chains, (convert[0], chains)
+            if chains and chains > 1:
+                assert ws[0]["DQ_KEY_BLOCK"] == convert[0]["DQ_KEY_BLOCK"] == 128, ws[0]
+            return chains, (ws or convert or (None, {}))[1].get("dq_accum")
+
+        for D in (64, 128):
+            q, k, v = qkv(2, 2048, 2048, 4, 2, D)
+            chains, strides = backward(q, k, v)
+            assert chains == select.DQ_CHAINS == 2, chains
+            # (B, S, Hq, D) over (B, Hq, chains, S, D) in memory
+            assert tuple(strides) == (4 * 2 * 2048 * D, D, 2 * 2048 * D, 1), strides
+            chains, strides = backward(q, k, v, causal=True)
+            assert chains == 1 and tuple(strides) == (4 * 2048 * D, D, 2048 * D, 1), (chains, strides)
+            assert backward(q, k, v, window=(300, 300))[0] == 1
+            assert backward(q, k, v, deterministic=False)[0] == 1
+            doc = np.repeat(np.arange(2), 1024).astype(np.int32)
+            assert backward(q, k, v, mask_mod=lambda b, h, qi, ki: doc[qi] == doc[ki])[0] == 1
+            assert backward(*qkv(2, 1024, 1024, 4, 2, D))[0] == 1      # short keys: the last turn writes dq
+            _env.setenv("ATTNEXT_BWD_DQ_CHAINS", "4")
+            try:
+                chains, strides = backward(q, k, v, causal=True)
+                assert chains == 4 and tuple(strides) == (4 * 4 * 2048 * D, D, 4 * 2048 * D, 1), (chains, strides)
+            finally:
+                _env.setenv("ATTNEXT_BWD_DQ_CHAINS", None)
+        print("ok")
+    """)
