@@ -95,9 +95,9 @@ SETTINGS = {s.name: s for s in [
             "attn_fwd.cu's TMA_KV decode tile: BLOCK_M,BLOCK_N,NUM_WARPS[,STAGES]"),
     Setting("ATTNEXT_FWD_SM90", "0 | 1", "1", LAB, CALL,
             "0 keeps Hopper's forward on attn_fwd.cu (no wgmma kernel)"),
-    Setting("ATTNEXT_FWD_PERSIST", "0 | 1", "0", LAB, CALL,
-            "1: the WS forward of a dense batch runs as a persistent grid (measured slower than a "
-            "CTA a query tile: bench/NOTES.md)"),
+    Setting("ATTNEXT_FWD_PERSIST", "0 | 1", "select.fwd_persist (short rows)", LAB, CALL,
+            "whether the WS forward of a dense batch runs as a persistent grid (1) or a CTA a "
+            "query tile (0)"),
     Setting("ATTNEXT_TILE_SM90", _TILE, "select.fwd_kernel", LAB, CALL,
             "attn_fwd_sm90.cu's tile: BLOCK_M,BLOCK_N,WARPS"),
     Setting("ATTNEXT_FWD_WS", "0 | 1", "1", LAB, CALL,

@@ -496,7 +496,10 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
     const uint32_t q_full = sLD + 4 * 4 * KV_BLOCK_M, q_empty = q_full + 16, dq_full = q_full + 32,
                    dq_empty = q_full + 48, dq_back = q_full + 64;
 
-    const int tid = threadIdx.x, warp = tid >> 5, wg = tid >> 7;
+    /* the roles split by a warp index ptxas knows uniform (sm90_pipe.cuh: D = 128's item loop 825 ->
+     * 779 static instructions, +1-2.5% on the H200); D = 64 measured 1-1.5% slower so (its
+     * consumers spill at 232 registers either way) and keeps threadIdx.x >> 5 */
+    const int tid = threadIdx.x, warp = DQ_BY_ROWS ? tid >> 5 : warp_uniform(), wg = warp >> 2;
     const int64_t hk = blockIdx.y, b = blockIdx.z;
     if (b == p.B) {                       /* packed rows after the last sequence */
         zero_tail_dkdv(p, hk, WS_THREADS);

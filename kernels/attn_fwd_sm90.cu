@@ -365,7 +365,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     const uint32_t sK = sQ + Q_BUFS * Q_BYTES, sV = sK + STAGES * K_BYTES, bars = sV + STAGES * V_BYTES;
     const uint32_t full_k = bars, empty_k = bars + 8 * STAGES, full_v = bars + 16 * STAGES,
                    empty_v = bars + 24 * STAGES, tail_v = bars + 32 * STAGES;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = tid >> 7;
+    const int tid = threadIdx.x, warp = warp_uniform(), lane = tid & 31, wg = warp >> 2;   /* roles: uniform */
 #if PERSIST
     /* PERSIST (the host's choice for dense batches: no cu_seqlens or seqused): gridDim.x CTAs
      * take the call's tiles in ws_tile_of's order, blockIdx.x first; the next one by

@@ -11,6 +11,14 @@
 
 #include "attn_common.cuh"
 
+/* The calling warp's index as ptxas knows to be warp-uniform (lane 0's, by a shuffle). Roles split
+ * by it then count as uniform branches, and what a role computes from uniform values stays on
+ * the uniform datapath; split by threadIdx.x >> 5, ptxas took such values for per-thread ones
+ * (the persistent WS forward: the tile, the key loop's index and ring position, the stages'
+ * descriptors in vector registers, each descriptor shuffled between the turn's barrier and the
+ * products: 984 static instructions a key tile against 948; bench/NOTES.md, forward). */
+DEV int warp_uniform() { return __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 5), 0); }
+
 DEV void mbar_init(uint32_t bar, int count)
 {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");

@@ -628,11 +628,12 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
              and not (features["bias_dtype"] or features["alibi_dtype"] or features["mask"]))
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
                                      features["dtype"], paged, tma, ws, plain)
-    # the persistent grid (lab): a dense batch whose q a tensor map can describe, in tiles an
-    # int32 counts, with a second Q beside the tile in shared memory
+    # the persistent grid: a dense batch whose q a tensor map can describe, in tiles an int32
+    # counts, with a second Q beside the tile in shared memory
     dense = (not o.varlen and o.used_q is None and o.used_k is None and _tma_strides(o.q4)
              and _query_tiles(rows, tile[0]) * o.Hq * o.B < 2 ** 31)
-    persist = (ws and select.fwd_persist(dense, gen)
+    options = features["softcap"] or features["bias_dtype"] or features["alibi_dtype"] or features["mask"]
+    persist = (ws and select.fwd_persist(dense, _query_tiles(rows, tile[0]), bool(options), gen)
                and select.fwd_smem_bytes(o.D, o.Dv, tile, kernel, features["dtype"], tma, ws, True) + 1024
                <= select.SM90_SHARED_BYTES)
 

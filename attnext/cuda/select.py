@@ -195,14 +195,28 @@ def fwd_ws(arch, D, Dv, vec, rows, key_rows, dtype="bfloat16", copyable=False, t
     return _C.cuda_tensor_maps()
 
 
-def fwd_persist(dense, mods=None):
+# The persistent WS forward by default: calls of at most this many query tiles a (sequence, head),
+# where a CTA a tile leaves each tile's start and end exposed. H200 (session 41, alternated twice
+# in one process, the same bits): S2k causal D64 +4%, D128 +3.5%, S2k full D128 +1.5%; S4k within
+# 1% either way, S8k-16k 0-2% slower (bench/NOTES.md, forward).
+PERSIST_TILES = 16
+
+
+def fwd_persist(dense, q_tiles, options, mods=None):
     """Whether the WS forward runs as a persistent grid (PERSIST: a CTA an SM taking query tiles in
     turn, each tile's Q by the producer's bulk tensor copies): for dense batches (no cu_seqlens or
     seqused: every query row such a copy brings is the call's, or past the tensor and zero) without
     generated mods (a mask_mod narrows each tile's key range by whole warps, which the producer's
-    one thread cannot), where the lab asks (ATTNEXT_FWD_PERSIST=1): on the H200 it ran 2-10%
-    slower than a CTA a tile (bench/NOTES.md, WS forward v15), so a CTA a tile is the default."""
-    return dense and mods is None and _env.get("ATTNEXT_FWD_PERSIST") == "1"
+    one thread cannot); by default for calls of at most PERSIST_TILES query tiles (q_tiles, the
+    longest sequence's) without score options (options: softcap, a bias, mask or ALiBi, whose
+    variants warmup compiles for a CTA a tile alone). ATTNEXT_FWD_PERSIST=0 / 1 decides for the
+    lab and the tests wherever a dense batch without mods allows it."""
+    if not dense or mods is not None:
+        return False
+    env = _env.get("ATTNEXT_FWD_PERSIST")
+    if env in ("0", "1"):
+        return env == "1"
+    return q_tiles <= PERSIST_TILES and not options
 
 
 # The persistent WS forward's rows a bulk copy of Q brings: a computing warpgroup's
@@ -670,7 +684,7 @@ def bwd_variants():
 
 def sm90_fwd_variants():
     """attn_fwd_sm90's variants (sm_90a only): both dtypes, the head dims it takes (the WS kernel's
-    too where D = Dv), and each feature on its own at D = 128 on the WS kernel, its plain bf16 tiles
+    too where D = Dv), and each feature on its own at D = 128 on the WS kernel, its plain tiles
     also as a persistent grid; and attn_fwd.cu's
     TMA_KV decode (packed GQA, split or not, contiguous or paged)."""
     out = []
@@ -689,8 +703,8 @@ def sm90_fwd_variants():
                 out.append({**ws, "softcap": True})
                 out.append({**ws, "bias_dtype": dtype})
                 out.append({**ws, "bias_dtype": "float32", "mask": True, "alibi_dtype": "float32"})
-    # the persistent grid (a lab knob, off by default): compiled for the plain bf16 tiles alone
-    out += [{**v, "persist": True} for v in out if v.get("ws") and v["dtype"] == "bfloat16"
+    # the persistent grid (fwd_persist: short rows without score options), on the plain tiles
+    out += [{**v, "persist": True} for v in out if v.get("ws")
             and not (v["softcap"] or v["bias_dtype"] or v["mask"] or v["alibi_dtype"])]
     decode = [dict(dtype=dtype, D=D, Dv=D, vec=True, softcap=False, bias_dtype=None, alibi_dtype=None,
                    mask=False, tile=DECODE_TMA_TILE, pack_gqa=True, split_kv=split, tma=True)

@@ -634,11 +634,13 @@ def test_threads_on_their_own_streams_get_the_single_thread_bits(torch_cuda):
 
 
 def test_the_persistent_ws_forward_plan(tmp_path):
-    """Where the lab asks (ATTNEXT_FWD_PERSIST=1), a dense batch's WS forward is a persistent grid:
+    """A dense batch's WS forward of at most select.PERSIST_TILES query tiles without score options
+    is a persistent grid by default, and any dense one where the lab asks (ATTNEXT_FWD_PERSIST=1):
     min(tiles, SMs) CTAs on one axis, three tensor maps (k, v, then q by boxes of PERSIST_Q_ROWS
     rows), the stream's counters in their slot and the second Q's shared memory; a varlen call
-    and one with seqused_k keep a CTA a tile, as every call does without the knob. On the fake
-    driver built with tensor maps (WS needs them)."""
+    and one with seqused_k keep a CTA a tile, as do longer rows, a call with a score option and
+    every call under ATTNEXT_FWD_PERSIST=0. On the fake driver built with tensor maps (WS needs
+    them)."""
     if fake_cuda.compiler() is None:
         pytest.skip("no C compiler for the fake libcuda")
     run_on_fake(fake_cuda.build(tmp_path, "tma", ["-DTENSOR_MAPS"]), r"""
@@ -668,9 +670,23 @@ def test_the_persistent_ws_forward_plan(tmp_path):
                          lambda: attnext.attention(q, k, v, seqlens_k=np.array([2000, 1500]))):
                 d, grid, smem, ptrs, n_maps = launched(call)
                 assert d["WS"] == 1 and "PERSIST" not in d and grid[1:] != (1, 1) and n_maps == 2, (d, grid)
+            qs, ks, vs = qkv(2, 1024 + 16 * 128, 4096, 16, 16, 128)     # 24 query tiles
+            d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(qs, ks, vs))
+            assert d["PERSIST"] == 1 and grid == (min(24 * 16 * 2, sms), 1, 1), (d, grid)
         finally:
             _env.setenv("ATTNEXT_FWD_PERSIST", None)
-        d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(q, k, v))
+        # by default: 16 query tiles a head, with or without a causal mask, but no score option
+        for causal in (False, True):
+            d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(q, k, v, causal=causal))
+            assert d["PERSIST"] == 1 and grid == (min(16 * 16 * 2, sms), 1, 1) and n_maps == 3, (d, grid)
+        for call in (lambda: attnext.attention(qs, ks, vs), lambda: attnext.attention(q, k, v, softcap=30.0)):
+            d, grid, smem, ptrs, n_maps = launched(call)
+            assert d["WS"] == 1 and "PERSIST" not in d and grid[1:] == (16, 2) and n_maps == 2, (d, grid)
+        _env.setenv("ATTNEXT_FWD_PERSIST", "0")
+        try:
+            d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(q, k, v))
+        finally:
+            _env.setenv("ATTNEXT_FWD_PERSIST", None)
         assert "PERSIST" not in d and grid == (16, 16, 2) and n_maps == 2 and not any(ptrs[at:at + 1]), (d, grid, ptrs)
         assert smem == select.fwd_smem_bytes(128, 128, ws_tile, "attn_fwd_sm90", ws=True)
         print("ok")
