@@ -68,6 +68,22 @@ DEV void row_band(const attn_params &p, bool need, int r, int Lq, int Lk, int &l
     hi = (int)hi64;
 }
 
+/* The columns a row keeps ([lo, hi), row_band's) among a thread's 2 NT of a tile from column c0,
+ * as bits: bit 2 nt + j for column c0 + 8 nt + 2 t + j (an mma C fragment's). The columns rise
+ * with the bit, so the kept ones are bits [below(lo), below(hi)), below(x) counting the thread's
+ * columns under x: one test a pair, where its two compares had taken two. */
+template <int NT>
+DEV uint64_t band_bits(int lo, int hi, int c0, int t)
+{
+    static_assert(NT <= 32, "a bit a column of the thread's");
+    auto below = [&](int x) {
+        const int y = x - c0 - 2 * t;              /* column 8 nt + j of the thread's is under x: 8 nt + j < y */
+        return y <= 0 ? 0 : min(2 * (y >> 3) + min(y & 7, 2), 2 * NT);
+    };
+    auto bits_under = [](int b) { return b >= 64 ? ~0ull : (1ull << b) - 1; };
+    return bits_under(below(hi)) & ~bits_under(below(lo));
+}
+
 #if ATTN_GMODS
 /* keep_pass over a forward tile (a warp's rows from packed row row0, key columns from c0): a
  * pair lies in the band of its row (row_band). */
@@ -182,12 +198,13 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
             const int r = (row0 + mt * 16 + g + (i % 2) * 8) / G;
             int lo_r, hi_r;
             row_band(p, true, r, Lq, Lk, lo_r, hi_r);
+            const uint64_t band = band_bits<NT>(lo_r, hi_r, c0, t);
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                 for (int e = e0; e < e0 + 2; e++) {
                     const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                    const bool keep = c >= lo_r && c < hi_r && mask_keeps(sc, r, c, bad);
+                    const bool keep = (band >> (2 * nt + (e & 1)) & 1) && mask_keeps(sc, r, c, bad);
                     s[mt][nt][e] = kept_unit_score(sc, keep, s[mt][nt][e], r, c, bad);
                 }
         }
