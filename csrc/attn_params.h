@@ -145,7 +145,8 @@ typedef struct {
      * dimensions have stride 0, so the sum over them lands in one element. */
     tensor4 dout, dq, dk, dv, dbias;
     /* GPU backward scratch (the CPU backend keeps its own): delta (B, Hq, Sq) float32 =
-     * rowsum(dout * out) per row, laid out like lse; dq_accum (B, Sq, Hq, D) float32;
+     * rowsum(dout * out) per row, laid out like lse; dq_accum (B, Sq, Hq, D) float32 (the ordered
+     * mode's chains: DQ_CHAINS copies between the heads, attn_bwd_tile.cuh's dq_chain_offset);
      * dq_sem (B, Hq, query tiles) int32: the ordered dq additions' counters (s[0..2]) */
     tensor4 delta, dq_accum, dq_sem;
     /* GPU split-KV forward scratch: num_splits partial results per row, contiguous,

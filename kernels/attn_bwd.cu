@@ -4,8 +4,8 @@
  *
  *   q (B, Sq, Hq, D)  k (B, Sk, Hk, D)  v (B, Sk, Hk, Dv)  out, dout (B, Sq, Hq, Dv)
  *   lse, delta (B, Hq, Sq) float32        dq (B, Sq, Hq, D)  dk (B, Sk, Hk, D)  dv (B, Sk, Hk, Dv)
- *   dq_accum (B, Sq, Hq, D + D % 2) float32, contiguous (DQ_ATOMIC only: pairs of columns are
- *   added by one vector atomic)   dbias (B, Hb, Sq, Sk) in the bias's dtype,
+ *   dq_accum (B, Sq, Hq, D + D % 2) float32 (DQ_ATOMIC only: pairs of columns are added by one
+ *   vector atomic; DQ_CHAINS copies, the heads' stride spanning them)   dbias (B, Hb, Sq, Sk) in the bias's dtype,
  *   stride 0 along the dims the bias broadcasts
  *   varlen: B = 1 in memory, sequence b at rows cu_seqlens[b].. (seqlen.h)
  *
@@ -33,6 +33,9 @@
  *   KV_BLOCK_M, KV_WARPS   dkdv: query rows per streamed tile; warps (16 key rows each)
  *   KV_SPLIT               1: dV and dK in two passes (wide head dims)
  *   DQ_ATOMIC              1: the dkdv kernel accumulates dQ into dq_accum (non-deterministic)
+ *   DQ_ORDERED, DQ_TILE_M  attn_bwd_sm90.cu's ordered additions and their query tile (the convert's)
+ *   DQ_CHAINS, DQ_KEY_BLOCK  their chains, each into its own copy of dq_accum, and the key block
+ *                          that picks a chain (attn_bwd_tile.cuh)
  *   Q_BLOCK_M, Q_BLOCK_N, Q_WARPS   dq and dbias: query rows per CTA, key tile, warps
  *   KV_MINB, Q_MINB        CTAs per SM the register allocation must allow (__launch_bounds__)
  *
@@ -923,7 +926,6 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_dq_convert(co
     const float scale = (float)p.scale;
     unsigned chains;
     const int64_t r_base = (int64_t)blockIdx.x * PRE_ROWS, live = dq_live_rows(p, sq, b, r_base, &chains);
-    const int64_t chain_step = p.dq_accum.s[2] / DQ_CHAINS;    /* DQ_CHAINS: the next chain's copy */
     elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
     const float *gacc = (const float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + sq.start * p.dq_accum.s[1]
                         + h * p.dq_accum.s[2];
@@ -944,8 +946,8 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_dq_convert(co
 #pragma unroll
                 for (int ch = 0; ch < DQ_CHAINS; ch++)
                     if (chains >> ch & 1) {
-                        const float4 x = ((const float4 *)(src + ch * chain_step))[0],
-                                     y = ((const float4 *)(src + ch * chain_step))[1];
+                        const float4 *copy = (const float4 *)(src + dq_chain_offset(p, ch));
+                        const float4 x = copy[0], y = copy[1];
                         f[0] += x.x, f[1] += x.y, f[2] += x.z, f[3] += x.w;
                         f[4] += y.x, f[5] += y.y, f[6] += y.z, f[7] += y.w;
                     }
@@ -965,7 +967,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_dq_convert(co
 #pragma unroll
             for (int ch = 0; ch < DQ_CHAINS; ch++)
                 if (chains >> ch & 1)
-                    f += gacc[ch * chain_step + r * p.dq_accum.s[1] + dq_col(r, d) * p.dq_accum.s[3]];
+                    f += gacc[dq_chain_offset(p, ch) + r * p.dq_accum.s[1] + dq_col(r, d) * p.dq_accum.s[3]];
         gdq[r * p.dq.s[1] + d * p.dq.s[3]] = r < live ? f32_to_elem(f * scale) : (elem_t)0;
     }
 }

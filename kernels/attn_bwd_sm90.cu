@@ -338,8 +338,8 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
  * (block n in chain n % DQ_CHAINS, each into its own copy of dq_accum), each chain's first turn
  * storing. With a mask_mod a block may pass its turn, so the host zeroes dq_accum, every turn
  * adds and attn_bwd_dq_convert writes dq.
- * dq_accum's rows of one head are contiguous (B, Hq, S, HEAD_DIM in memory), so a tile's valid
- * rows are one block. */
+ * dq_accum's rows of one head are contiguous (B, Hq, S, HEAD_DIM in memory; with DQ_CHAINS, B, Hq,
+ * DQ_CHAINS, S, HEAD_DIM), so a tile's valid rows are one block. */
 #if KV_WG != 2 || !(HEAD_DIM == 128 || (HEAD_DIM == 64 && HEAD_DIM_V == 64))
 #error "attn_bwd_dkdv_ws_sm90: two consumer warpgroups, D = 128 (halves of dQ's columns) or D = Dv = 64 (its rows)"
 #endif
@@ -382,7 +382,7 @@ static_assert(KQ_BYTES >= KV_WARPS * 2048, "a Q stage holds every consumer warp'
  * query tiles x SEM_WORDS; zeroed by attn_bwd_pre) holds a bit per key block and tile: set once
  * the block has added into the tile, or at the start for the tiles a mask_mod's block mask took
  * off its ends (mod_narrow: it adds nothing there). Block n adds into tile m once every block
- * above it that sees m (up to kv_range's last) has set its bit. The grid runs the key blocks in
+ * of its chain (DQ_CHAINS) above it that sees m (up to kv_range's last) has set its bit. The grid runs the key blocks in
  * reverse (the last first), so a CTA only ever waits for CTAs launched before it: those are
  * running or done, whatever else shares the GPU. A wait that outlasts SEM_SPINS polls (never
  * expected) goes on unordered rather than hang where every turn adds (a mask_mod); where the
@@ -405,7 +405,9 @@ DEV int *sem_of(const attn_params &p, int64_t b, int64_t h, int m0, int Lq, int 
  * all set. */
 DEV void sem_wait(const int *sem, int n, int last)
 {
-    const unsigned chain = (0xffffffffu / ((2u << (DQ_CHAINS - 1)) - 1)) << (n % DQ_CHAINS);
+    /* the blocks of n's chain in a word: every DQ_CHAINS-th bit from n % DQ_CHAINS (two chains:
+     * 0x55555555, or 0xaaaaaaaa for odd n) */
+    const unsigned chain = (0xffffffffu / DQ_ALL_CHAINS) << (n % DQ_CHAINS);
     for (int w = (n + 1) >> 5; w <= last >> 5; w++) {
         const int lo = max(n + 1, w * 32) - w * 32, hi = min(last, w * 32 + 31) - w * 32;
         const unsigned need = (hi == 31 ? ~0u : (2u << hi) - 1) & ~((1u << lo) - 1) & chain;
@@ -499,7 +501,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
     /* the roles split by a warp index ptxas knows uniform (sm90_pipe.cuh: D = 128's item loop 825 ->
      * 779 static instructions, +1-2.5% on the H200); D = 64 measured 1-1.5% slower so (its
      * consumers spill at 232 registers either way) and keeps threadIdx.x >> 5 */
-    const int tid = threadIdx.x, warp = DQ_BY_ROWS ? tid >> 5 : warp_uniform(), wg = warp >> 2;
+    const int tid = threadIdx.x, warp = DQ_BY_ROWS ? tid >> 5 : uniform_warp_index(), wg = warp >> 2;
     const int64_t hk = blockIdx.y, b = blockIdx.z;
     if (b == p.B) {                       /* packed rows after the last sequence */
         zero_tail_dkdv(p, hk, WS_THREADS);
@@ -611,7 +613,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                     continue;
                 const uint32_t stage = sdQ + x * SDQ_BYTES;
                 float *dst = (float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + (sq.start + m0) * p.dq_accum.s[1]
-                             + h * p.dq_accum.s[2] + (n_block % DQ_CHAINS) * (p.dq_accum.s[2] / DQ_CHAINS);
+                             + h * p.dq_accum.s[2] + dq_chain_offset(p, n_block % DQ_CHAINS);
                 const int rows = min(KV_BLOCK_M, Lq - m0), bytes = rows * HEAD_DIM * 4;
 #if DQ_ORDERED
                 int first, last;

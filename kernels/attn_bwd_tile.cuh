@@ -71,6 +71,15 @@ DEV uint4 pack8(const float (&f)[8], float scale)
 #if DQ_CHAINS > 1 && (!DQ_STORE_FIRST || DQ_CHAINS > 32 || 32 % DQ_CHAINS)
 #error "DQ_CHAINS: the ordered mode's stored first turns, a divisor of 32 chains"
 #endif
+#define DQ_ALL_CHAINS ((2u << (DQ_CHAINS - 1)) - 1)     /* a bit a chain (2u << 31 is 0: 32 chains) */
+
+/* Where chain c's copy of dq_accum starts, in elements after chain 0's: the host lays dq_accum out
+ * as (B, Hq, DQ_CHAINS, S, D) and hands the kernels a (B, S, Hq, D) view of chain 0's copies, so
+ * its head stride spans DQ_CHAINS of them (backend.py: _new_backward_plan). */
+DEV int64_t dq_chain_offset(const attn_params &p, int c)
+{
+    return c * (p.dq_accum.s[2] / DQ_CHAINS);
+}
 
 /* The rows of sequence b whose dq comes from dq_accum's sums: those below the returned row; dq is
  * 0 from it on. They are the sequence's rows (not its padding) except, in the ordered mode, where
@@ -80,7 +89,7 @@ DEV uint4 pack8(const float (&f)[8], float scale)
 DEV int64_t dq_live_rows(const attn_params &p, const seq_t &sq, int64_t b, int64_t r, unsigned *chains = nullptr)
 {
     if (chains)
-        *chains = (2u << (DQ_CHAINS - 1)) - 1;
+        *chains = DQ_ALL_CHAINS;
 #if DQ_ORDERED
     const int64_t m0 = r - r % DQ_TILE_M;
     if (m0 < sq.len) {

@@ -32,10 +32,11 @@
  * through each warpgroup's Q block, whatever out's strides (a tile whose rows keep no key writes
  * its zeros by write_out).
  *
- * PERSIST (the WS kernel, dense batches, no mask_mod; the lab's ATTNEXT_FWD_PERSIST=1): a grid
- * of at most one CTA an SM, each taking query tiles in turn (the next one from an atomic count,
- * posted by the producer), Q by the producer's tensor copies into two buffers, the K / V rings
- * running on across tiles. Measured slower than a CTA a tile so far (bench/NOTES.md).
+ * PERSIST (the WS kernel, dense batches, no mask_mod; select.fwd_persist: short rows without
+ * score options by default): a grid of at most one CTA an SM, each taking query tiles in turn
+ * (the next one from an atomic count, posted by the producer), Q by the producer's tensor copies
+ * into two buffers, the K / V rings running on across tiles, so a tile's start and end run under
+ * its neighbours' (bench/NOTES.md, forward v16).
  */
 #include "attn_fwd_tile.cuh"
 #include "wgmma.cuh"
@@ -365,7 +366,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     const uint32_t sK = sQ + Q_BUFS * Q_BYTES, sV = sK + STAGES * K_BYTES, bars = sV + STAGES * V_BYTES;
     const uint32_t full_k = bars, empty_k = bars + 8 * STAGES, full_v = bars + 16 * STAGES,
                    empty_v = bars + 24 * STAGES, tail_v = bars + 32 * STAGES;
-    const int tid = threadIdx.x, warp = warp_uniform(), lane = tid & 31, wg = warp >> 2;   /* roles: uniform */
+    const int tid = threadIdx.x, warp = uniform_warp_index(), lane = tid & 31, wg = warp >> 2;   /* roles: uniform */
 #if PERSIST
     /* PERSIST (the host's choice for dense batches: no cu_seqlens or seqused): gridDim.x CTAs
      * take the call's tiles in ws_tile_of's order, blockIdx.x first; the next one by

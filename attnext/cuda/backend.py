@@ -608,6 +608,11 @@ def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None):
 _failed_wide = set()    # the generated sources whose wide forward failed to compile: not tried again
 
 
+def _banded(o):
+    """Whether a causal mask or a window bands the keys each query row sees."""
+    return o.causal_code != 0 or o.window_left >= 0 or o.window_right >= 0
+
+
 def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgrade=True):
     """The plan _forward_plan keeps. A WS forward whose score_mod has a wider tile once compiled
     (select.fwd_ws_widens) takes it when a cache holds its cubin; else the narrow tile now and,
@@ -624,16 +629,15 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     # key_rows: the rows of k's tensor (varlen: the packed rows), which a copy's box may not exceed
     ws = not decode and select.fwd_ws(arch, o.D, o.Dv, features["vec"], rows, o.k4.shape[1], features["dtype"],
                                       copyable)
-    plain = (o.causal_code == 0 and o.window_left < 0 and o.window_right < 0 and not features["softcap"]
-             and not (features["bias_dtype"] or features["alibi_dtype"] or features["mask"]))
+    plain = not _banded(o) and not select.score_options(features)
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
                                      features["dtype"], paged, tma, ws, plain)
     # the persistent grid: a dense batch whose q a tensor map can describe, in tiles an int32
     # counts, with a second Q beside the tile in shared memory
+    row_tiles = _query_tiles(rows, tile[0])
     dense = (not o.varlen and o.used_q is None and o.used_k is None and _tma_strides(o.q4)
-             and _query_tiles(rows, tile[0]) * o.Hq * o.B < 2 ** 31)
-    options = features["softcap"] or features["bias_dtype"] or features["alibi_dtype"] or features["mask"]
-    persist = (ws and select.fwd_persist(dense, _query_tiles(rows, tile[0]), bool(options), gen)
+             and row_tiles * o.Hq * o.B < 2 ** 31)
+    persist = (ws and select.fwd_persist(dense, row_tiles, select.score_options(features), tile, gen)
                and select.fwd_smem_bytes(o.D, o.Dv, tile, kernel, features["dtype"], tma, ws, True) + 1024
                <= select.SM90_SHARED_BYTES)
 
@@ -984,8 +988,7 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     # last turns do
     mask_mod = bool(gen is not None and gen.defines.get("HAS_MASK_MOD"))
     write_last = select.bwd_dq_write_last(dq_mode, mask_mod, reach)
-    banded = o.causal_code != 0 or o.window_left >= 0 or o.window_right >= 0
-    chains = select.bwd_dq_chains(dq_mode, mask_mod, write_last, banded)
+    chains = select.bwd_dq_chains(dq_mode, mask_mod, write_last, _banded(o), reach)
     defines = select.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen, chains=chains)
     smem = select.bwd_smem_bytes(o.D, o.Dv, tile, atomic, defines.get("MOD_TILE_SLOTS", 0), features["dtype"])
     hopper = select.bwd_sm90_tile(o.D, dq_mode) if sm90 else None

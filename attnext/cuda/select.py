@@ -195,28 +195,36 @@ def fwd_ws(arch, D, Dv, vec, rows, key_rows, dtype="bfloat16", copyable=False, t
     return _C.cuda_tensor_maps()
 
 
-# The persistent WS forward by default: calls of at most this many query tiles a (sequence, head),
-# where a CTA a tile leaves each tile's start and end exposed. H200 (session 41, alternated twice
-# in one process, the same bits): S2k causal D64 +4%, D128 +3.5%, S2k full D128 +1.5%; S4k within
-# 1% either way, S8k-16k 0-2% slower (bench/NOTES.md, forward).
+# The persistent WS forward by default: calls of at most this many query tiles a (sequence, head)
+# on the two-warpgroup tile, where a CTA a tile leaves each tile's start and end exposed. H200
+# (session 41, alternated twice in one process, the same bits): S2k causal D64 +4%, D128 +3.5%,
+# S2k full D128 +1.5%; S4k within 1% either way, S8k-16k 0-2% slower; the three-warpgroup D64
+# tile (plain calls) 1.5% slower at S2k (bench/NOTES.md, forward).
 PERSIST_TILES = 16
 
 
-def fwd_persist(dense, q_tiles, options, mods=None):
+def score_options(features):
+    """Whether a call's features (backend._common's) carry a score option: softcap, a bias, a mask
+    array or ALiBi."""
+    return bool(features["softcap"] or features["bias_dtype"] or features["alibi_dtype"] or features["mask"])
+
+
+def fwd_persist(dense, q_tiles, options, tile, mods=None):
     """Whether the WS forward runs as a persistent grid (PERSIST: a CTA an SM taking query tiles in
     turn, each tile's Q by the producer's bulk tensor copies): for dense batches (no cu_seqlens or
     seqused: every query row such a copy brings is the call's, or past the tensor and zero) without
     generated mods (a mask_mod narrows each tile's key range by whole warps, which the producer's
     one thread cannot); by default for calls of at most PERSIST_TILES query tiles (q_tiles, the
-    longest sequence's) without score options (options: softcap, a bias, mask or ALiBi, whose
-    variants warmup compiles for a CTA a tile alone). ATTNEXT_FWD_PERSIST=0 / 1 decides for the
-    lab and the tests wherever a dense batch without mods allows it."""
+    longest sequence's) of the two-warpgroup tile (tile: the WS tile chosen) without score options
+    (options: score_options', whose variants warmup compiles for a CTA a tile alone).
+    ATTNEXT_FWD_PERSIST=0 / 1 decides for the lab and the tests wherever a dense batch without
+    mods allows it."""
     if not dense or mods is not None:
         return False
     env = _env.get("ATTNEXT_FWD_PERSIST")
     if env in ("0", "1"):
         return env == "1"
-    return q_tiles <= PERSIST_TILES and not options
+    return q_tiles <= PERSIST_TILES and not options and tuple(tile) == tuple(SM90_TILE_WS)
 
 
 # The persistent WS forward's rows a bulk copy of Q brings: a computing warpgroup's
@@ -540,24 +548,26 @@ def bwd_dq_write_last(mode, mask_mod, k_rows):
 # (attn_bwd_tile.cuh: DQ_CHAINS). Without a causal mask or window every key block meets the query
 # tiles in the same order from the kernel's start, so a tile's blocks climb a staircase of turns,
 # one L2 round trip a step, that a CTA of few items cannot hide; two chains halve it for a second
-# copy of dq_accum and its read in the convert (H200: full rows S2k-4k +4-9%, four chains no
-# better). Banded calls' blocks start at different tiles and climb no staircase: there two
-# chains lost the convert's extra read (1.5-4%; bench/NOTES.md, backward).
+# copy of dq_accum and its read in the convert (H200: full rows S2k-4k +4-9%, D64 S8k +2%, S16k
+# nothing; four chains no better). Banded calls' blocks start at different tiles and climb no
+# staircase: there two chains lost the convert's extra read (1.5-4%; bench/NOTES.md, backward).
 DQ_CHAINS = 2
+CHAIN_KEYS = 8192        # past this many keys a row may see, one chain (and one copy of dq_accum)
 
 
-def bwd_dq_chains(mode, mask_mod, write_last, banded):
+def bwd_dq_chains(mode, mask_mod, write_last, banded, k_rows):
     """How many chains the ordered mode's turns run in (each into its own copy of dq_accum,
     attn_bwd_dq_convert adding them): DQ_CHAINS where the first turns store (no mask_mod), the
-    convert writes dq (not write_last) and no causal mask or window bands the keys (banded),
-    else 1. ATTNEXT_BWD_DQ_CHAINS (a divisor of 32) decides for the lab and the tests wherever
-    the mode allows more than one (banded calls too)."""
+    convert writes dq (not write_last), no causal mask or window bands the keys (banded) and a
+    row sees at most CHAIN_KEYS keys (k_rows), else 1. ATTNEXT_BWD_DQ_CHAINS (a divisor of 32)
+    decides for the lab and the tests wherever the mode allows more than one (banded or long
+    calls too)."""
     if mode != "ordered" or mask_mod or write_last:
         return 1
     env = _env.get("ATTNEXT_BWD_DQ_CHAINS")
     if env in ("1", "2", "4", "8", "16", "32"):
         return int(env)
-    return 1 if banded else DQ_CHAINS
+    return 1 if banded or k_rows > CHAIN_KEYS else DQ_CHAINS
 
 
 # attn_bwd_sm90.cu's tiles: one warpgroup (64 keys) per recomputing dK/dV CTA, two CTAs per SM at
@@ -704,8 +714,7 @@ def sm90_fwd_variants():
                 out.append({**ws, "bias_dtype": dtype})
                 out.append({**ws, "bias_dtype": "float32", "mask": True, "alibi_dtype": "float32"})
     # the persistent grid (fwd_persist: short rows without score options), on the plain tiles
-    out += [{**v, "persist": True} for v in out if v.get("ws")
-            and not (v["softcap"] or v["bias_dtype"] or v["mask"] or v["alibi_dtype"])]
+    out += [{**v, "persist": True} for v in out if v.get("ws") and not score_options(v)]
     decode = [dict(dtype=dtype, D=D, Dv=D, vec=True, softcap=False, bias_dtype=None, alibi_dtype=None,
                    mask=False, tile=DECODE_TMA_TILE, pack_gqa=True, split_kv=split, tma=True)
               for dtype in ("bfloat16", "float16") for D in (64, 128) for split in (True, False)]
@@ -731,9 +740,13 @@ def sm90_bwd_variants():
             mode = bwd_dq_mode(True, D, deterministic, fd["HEAD_DIM_V"])
             tile = bwd_sm90_tile(D, mode)
             tma = bwd_tma(mode, tile, tile["kv_block_m"], True, tensor_maps=True)
-            out.append(("attn_bwd_sm90", bwd_defines(**features, tile=tile, dq=mode, tma=tma)))
-            if mode == "ordered":         # attn_bwd.cu's row kernels (delta, dq_convert) of that mode
-                out.append(("attn_bwd", bwd_defines(**features, tile=bwd_tile_config(D, fd["HEAD_DIM_V"]), dq=mode)))
+            # the ordered mode in one chain and in DQ_CHAINS (an unbanded call's), with attn_bwd.cu's
+            # row kernels (delta, dq_convert) of each
+            for chains in ((1, DQ_CHAINS) if mode == "ordered" else (1,)):
+                out.append(("attn_bwd_sm90", bwd_defines(**features, tile=tile, dq=mode, tma=tma, chains=chains)))
+                if mode == "ordered":
+                    out.append(("attn_bwd", bwd_defines(**features, tile=bwd_tile_config(D, fd["HEAD_DIM_V"]),
+                                                        dq=mode, chains=chains)))
     unique = {(k, tuple(sorted(d.items()))): (k, d) for k, d in out}
     return list(unique.values())
 

@@ -198,13 +198,14 @@ def test_score_mod_forward_takes_the_wide_tile_once_compiled(d, rng, monkeypatch
     assert launched[2:] == [select.SM90_TILE_WS[1]], launched
 
 
-@pytest.mark.parametrize("kernel", ["ws", "two_warpgroups"])
+@pytest.mark.parametrize("kernel", ["ws", "ws_a_cta_a_tile", "two_warpgroups"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_long_forward_with_every_option(kernel, d, rng, monkeypatch):
     """D = Dv = 64 or 128 past 1024 query rows over dense keys: on Hopper attn_fwd_sm90.cu's
     warp-specialised kernel (a producer warpgroup's tensor copies, two computing warpgroups taking
-    turns; three at D = 64 in a plain call: no band, bias, mask, ALiBi or softcap), and with
-    ATTNEXT_FWD_WS=0 the two-warpgroup kernel, both on every option: a last query tile whose
+    turns; three at D = 64 in a plain call: no band, bias, mask, ALiBi or softcap; these rows'
+    plain calls as a persistent grid by default, "ws_a_cta_a_tile" with ATTNEXT_FWD_PERSIST=0), and
+    with ATTNEXT_FWD_WS=0 the two-warpgroup kernel, all on every option: a last query tile whose
     second warpgroup has no rows (1050 = 8 x 128 + 26; 5 x 192 + 90: two), keys past the last whole
     tile (1333), GQA, bhsd, causal both ways, windows, bias, mask, ALiBi, softcap, sinks, rows of
     huge finite scores (the softmax's exact path), a strided out; an expanded (zero-stride) k / v
@@ -212,13 +213,16 @@ def test_long_forward_with_every_option(kernel, d, rng, monkeypatch):
     named is the one that ran."""
     if kernel == "two_warpgroups":
         monkeypatch.setenv("ATTNEXT_FWD_WS", "0")
+    if kernel == "ws_a_cta_a_tile":
+        monkeypatch.setenv("ATTNEXT_FWD_PERSIST", "0")
     ws_rows = []
     chosen, hopper = _spy_ws(monkeypatch, ws_rows)
     q, k, v = make_qkv(rng, 2, 1050, 1333, 4, 2, d, d, BF16)
     _check_every_option(q, k, v, rng, windows=((300, 0), (500, 7)))
     # the WS plans' row tiles: 192 at D = 64 for plain calls, else 128 (and at D = 128)
     assert all(bm == (192 if d == 64 and plain else 128) for bm, plain in ws_rows), ws_rows
-    assert not (hopper and kernel == "ws") or {plain for _, plain in ws_rows} == {True, False}, ws_rows
+    ws = kernel != "two_warpgroups"
+    assert not (hopper and ws) or {plain for _, plain in ws_rows} == {True, False}, ws_rows
     _check_forward(q, k, v, BF16, sinks=randn(rng, (4,), np.float32), causal=True)
     _check_forward((q.astype(np.float32) * 3e4).astype(BF16), k, v, BF16, causal=True)   # huge finite scores
     # plain calls again (D = 64: the three-warpgroup tile), with sinks, and the options without a band
@@ -233,7 +237,7 @@ def test_long_forward_with_every_option(kernel, d, rng, monkeypatch):
     tq, tk, tv = (torch.from_numpy(x).cuda() for x in (q, k, v))
     attnext.attention(tq, tk, tv, layout="bhsd", out=out)
     assert_close("out", out.cpu().numpy(), reference.attention(q, k, v, layout="bhsd"), F16)
-    assert chosen and all(chosen) == (hopper and kernel == "ws") and any(chosen) == all(chosen), chosen
+    assert chosen and all(chosen) == (hopper and ws) and any(chosen) == all(chosen), chosen
     chosen.clear()
     kb, vb = (x[:1].expand(2, -1, -1, -1) for x in (tk, tv))     # a batch stride of 0: no tensor maps
     qb = torch.cat([tq, tq])
@@ -253,7 +257,7 @@ def test_persistent_ws_forward(d, counters, rng, monkeypatch):
     tiles with no key (causal with Sq > Sk: their rows write zeros and an lse of -inf), a partial
     last tile, GQA, a window, ALiBi and softcap; each call twice (a count left anything but 0
     would skip tiles the second time), against the reference and bit for bit against a CTA a
-    tile (ATTNEXT_FWD_PERSIST=0; the default for rows this long). On Hopper every such plan takes
+    tile (ATTNEXT_FWD_PERSIST=0). On Hopper every such plan takes
     the persistent grid where the lab asks for it (ATTNEXT_FWD_PERSIST=1)."""
     from attnext.cuda import process, select
     monkeypatch.setenv("ATTNEXT_FWD_PERSIST", "1")

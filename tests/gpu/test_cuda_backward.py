@@ -261,6 +261,32 @@ def test_ordered_dq_after_a_larger_call(d, write_last, chains, rng, monkeypatch)
     _grads(*big, rng, mask_mod=lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[kv_idx])
 
 
+@pytest.mark.parametrize("chains", ["2", "32"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_ordered_dq_chains_across_sem_words(d, chains, rng, monkeypatch):
+    """The ordered turns in 2 and 32 chains over 4200 keys: 33 key blocks, so a query tile's turn
+    bits span two of dq_sem's words (a chain's bits in the second word, and in 32 chains one bit a
+    word); dq against the reference, the same bits on a second run, and on Hopper the chains the
+    lab asked for in the dK/dV kernel and the convert that adds their copies."""
+    from attnext.cuda import backend, nvrtc
+    monkeypatch.setenv("ATTNEXT_BWD_DQ_CHAINS", chains)
+    built = []
+    function = nvrtc.function
+
+    def spy(kernel, name, defines, *rest):
+        if name in ("attn_bwd_dkdv_ws_sm90", "attn_bwd_dq_convert"):
+            built.append((name, defines.get("DQ_CHAINS", 1)))
+        return function(kernel, name, defines, *rest)
+    monkeypatch.setattr(nvrtc, "function", spy)
+    backend.clear_plans()
+    q, k, v = make_qkv(rng, 1, 300, 4200, 2, 2, d, d, BF16)
+    g, _, (dout, out, lse) = _grads(q, k, v, rng)
+    again = attnext.attention_backward(dout, q, k, v, out, lse, device="cuda")
+    assert all(np.array_equal(a, b) for a, b in zip(_bits(g), _bits(again)))
+    if backend.device_arch(0) == "sm_90a":
+        assert sorted(set(built)) == [("attn_bwd_dkdv_ws_sm90", int(chains)), ("attn_bwd_dq_convert", int(chains))], built
+
+
 def test_after_gpu_forward(rng):
     q, k, v = make_qkv(rng, 2, 200, 177, 4, 1, 96, 96, F16)
     _grads(q, k, v, rng, gpu_forward=True, causal=True)

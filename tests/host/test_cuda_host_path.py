@@ -679,9 +679,15 @@ def test_the_persistent_ws_forward_plan(tmp_path):
         for causal in (False, True):
             d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(q, k, v, causal=causal))
             assert d["PERSIST"] == 1 and grid == (min(16 * 16 * 2, sms), 1, 1) and n_maps == 3, (d, grid)
-        for call in (lambda: attnext.attention(qs, ks, vs), lambda: attnext.attention(q, k, v, softcap=30.0)):
+        bias, mask = dev((1, 16, 2048, 2048), np.float32), dev((2, 1, 2048, 2048), np.bool_)
+        for call in (lambda: attnext.attention(qs, ks, vs), lambda: attnext.attention(q, k, v, softcap=30.0),
+                     lambda: attnext.attention(q, k, v, bias=bias), lambda: attnext.attention(q, k, v, mask=mask),
+                     lambda: attnext.attention(q, k, v, alibi_slopes=dev((16,), np.float32))):
             d, grid, smem, ptrs, n_maps = launched(call)
             assert d["WS"] == 1 and "PERSIST" not in d and grid[1:] == (16, 2) and n_maps == 2, (d, grid)
+        # the three-warpgroup tile (a plain D = 64 call) keeps a CTA a tile: 11 of its 192-row tiles
+        d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(*qkv(2, 2048, 2048, 16, 16, 64)))
+        assert d["BLOCK_M"] == 192 and "PERSIST" not in d and grid == (11, 16, 2), (d, grid)
         _env.setenv("ATTNEXT_FWD_PERSIST", "0")
         try:
             d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(q, k, v))
@@ -694,12 +700,13 @@ def test_the_persistent_ws_forward_plan(tmp_path):
 
 
 def test_the_ordered_backward_runs_its_turns_in_chains(tmp_path):
-    """A deterministic Hopper backward without a causal mask or window, past SHORT_KEYS keys, runs
-    the ordered dQ turns in select.DQ_CHAINS chains: the WS dK/dV kernel and attn_bwd_dq_convert
-    both built with DQ_CHAINS and the key block it counts, dq_accum's heads DQ_CHAINS copies
-    apart (the kernels find chain c's copy c * s[2] / DQ_CHAINS along). A causal call, short keys
-    (the last turn writes dq), a mask_mod and deterministic=False keep one copy; the lab's
-    ATTNEXT_BWD_DQ_CHAINS sets the count, banded calls too."""
+    """A deterministic Hopper backward without a causal mask or window, past SHORT_KEYS keys and up
+    to CHAIN_KEYS, runs the ordered dQ turns in select.DQ_CHAINS chains: the WS dK/dV kernel and
+    attn_bwd_dq_convert both built with DQ_CHAINS and the key block it counts, dq_accum's heads
+    DQ_CHAINS copies apart (the kernels find chain c's copy c * s[2] / DQ_CHAINS along). A causal
+    call, a window, short keys (the last turn writes dq), long keys, a mask_mod and
+    deterministic=False keep one copy; the lab's ATTNEXT_BWD_DQ_CHAINS sets the count, banded calls
+    too."""
     if fake_cuda.compiler() is None:
         pytest.skip("no C compiler for the fake libcuda")
     run_on_fake(fake_cuda.build(tmp_path, "tma", ["-DTENSOR_MAPS"]), r"""
@@ -728,6 +735,7 @@ def test_the_ordered_backward_runs_its_turns_in_chains(tmp_path):
             assert chains == 1 and tuple(strides) == (4 * 2048 * D, D, 2048 * D, 1), (chains, strides)
             assert backward(q, k, v, window=(300, 300))[0] == 1
             assert backward(q, k, v, deterministic=False)[0] == 1
+            assert backward(*qkv(1, 1024, select.CHAIN_KEYS + 1, 4, 2, D))[0] == 1     # long keys: one copy
             doc = np.repeat(np.arange(2), 1024).astype(np.int32)
             assert backward(q, k, v, mask_mod=lambda b, h, qi, ki: doc[qi] == doc[ki])[0] == 1
             assert backward(*qkv(2, 1024, 1024, 4, 2, D))[0] == 1      # short keys: the last turn writes dq

@@ -265,14 +265,17 @@ def test_dq_mode(monkeypatch):
     monkeypatch.setenv("ATTNEXT_BWD_DQ_WRITE", "1")
     assert write("ordered", False, 8192) and not write("ordered", True, 512)
     monkeypatch.delenv("ATTNEXT_BWD_DQ_WRITE")
-    chains = select.bwd_dq_chains   # two chains of turns: ordered, first turns store, dq converted, unbanded
-    assert chains("ordered", False, False, False) == select.DQ_CHAINS == 2
-    assert chains("ordered", False, False, True) == chains("ordered", True, False, False) == 1
-    assert chains("ordered", False, True, False) == chains("atomic", False, False, False) == 1
+    # two chains of turns: ordered, first turns store, dq converted, unbanded, up to CHAIN_KEYS keys
+    chains = select.bwd_dq_chains
+    assert chains("ordered", False, False, False, 2048) == chains("ordered", False, False, False, 8192) \
+        == select.DQ_CHAINS == 2
+    assert chains("ordered", False, False, False, 8193) == chains("ordered", False, False, True, 2048) == 1
+    assert chains("ordered", True, False, False, 2048) == 1
+    assert chains("ordered", False, True, False, 1024) == chains("atomic", False, False, False, 2048) == 1
     monkeypatch.setenv("ATTNEXT_BWD_DQ_CHAINS", "4")
-    assert chains("ordered", False, False, True) == 4 and chains("ordered", False, True, False) == 1
+    assert chains("ordered", False, False, True, 16384) == 4 and chains("ordered", False, True, False, 512) == 1
     monkeypatch.setenv("ATTNEXT_BWD_DQ_CHAINS", "3")    # not a divisor of 32: the default
-    assert chains("ordered", False, False, False) == 2
+    assert chains("ordered", False, False, False, 2048) == 2
     monkeypatch.delenv("ATTNEXT_BWD_DQ_CHAINS")
     tile = select.bwd_sm90_tile(128, "ordered")
     assert tile == select.bwd_sm90_tile(128, "atomic") and tile["kv_warps"] == 8
