@@ -5,8 +5,8 @@
  *   q (B, Sq, Hq, D)  k (B, Sk, Hk, D)  v (B, Sk, Hk, Dv)  out, dout (B, Sq, Hq, Dv)
  *   lse, delta (B, Hq, Sq) float32        dq (B, Sq, Hq, D)  dk (B, Sk, Hk, D)  dv (B, Sk, Hk, Dv)
  *   dq_accum (B, Sq, Hq, D + D % 2) float32 (DQ_ATOMIC only: pairs of columns are added by one
- *   vector atomic; DQ_CHAINS copies, the heads' stride spanning them)   dbias (B, Hb, Sq, Sk) in the bias's dtype,
- *   stride 0 along the dims the bias broadcasts
+ *   vector atomic; DQ_CHAINS copies, the heads' stride spanning them)
+ *   dbias (B, Hb, Sq, Sk) in the bias's dtype, stride 0 along the dims the bias broadcasts
  *   varlen: B = 1 in memory, sequence b at rows cu_seqlens[b].. (seqlen.h)
  *
  * Kernels, in launch order (attnext/cuda_backend.py):

@@ -382,12 +382,13 @@ static_assert(KQ_BYTES >= KV_WARPS * 2048, "a Q stage holds every consumer warp'
  * query tiles x SEM_WORDS; zeroed by attn_bwd_pre) holds a bit per key block and tile: set once
  * the block has added into the tile, or at the start for the tiles a mask_mod's block mask took
  * off its ends (mod_narrow: it adds nothing there). Block n adds into tile m once every block
- * of its chain (DQ_CHAINS) above it that sees m (up to kv_range's last) has set its bit. The grid runs the key blocks in
- * reverse (the last first), so a CTA only ever waits for CTAs launched before it: those are
- * running or done, whatever else shares the GPU. A wait that outlasts SEM_SPINS polls (never
- * expected) goes on unordered rather than hang where every turn adds (a mask_mod); where the
- * first turn stores (DQ_STORE_FIRST) a turn out of order would lose sums, so the kernel traps:
- * the call fails with the launch's error rather than return a wrong dq. */
+ * of its chain (DQ_CHAINS) above it that sees m (up to kv_range's last) has set its bit. The
+ * grid runs the key blocks in reverse (the last first), so a CTA only ever waits for CTAs
+ * launched before it: those are running or done, whatever else shares the GPU. A wait that
+ * outlasts SEM_SPINS polls (never expected) goes on unordered rather than hang where every turn
+ * adds (a mask_mod); where the first turn stores (DQ_STORE_FIRST) a turn out of order would lose
+ * sums, so the kernel traps: the call fails with the launch's error rather than return a wrong
+ * dq. */
 #define SEM_SPINS (1 << 22)
 #define SEM_WORDS ((int)(gridDim.x + 31) >> 5)
 

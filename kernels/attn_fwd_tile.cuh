@@ -71,7 +71,7 @@ DEV void row_band(const attn_params &p, bool need, int r, int Lq, int Lk, int &l
 /* The columns a row keeps ([lo, hi), row_band's) among a thread's 2 NT of a tile from column c0,
  * as bits: bit 2 nt + j for column c0 + 8 nt + 2 t + j (an mma C fragment's). The columns rise
  * with the bit, so the kept ones are bits [below(lo), below(hi)), below(x) counting the thread's
- * columns under x: one test a pair, where its two compares had taken two. */
+ * columns under x: one bit test a pair, where two compares had been. */
 template <int NT>
 DEV uint64_t band_bits(int lo, int hi, int c0, int t)
 {

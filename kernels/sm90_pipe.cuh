@@ -16,7 +16,7 @@
  * the uniform datapath; split by threadIdx.x >> 5, ptxas took such values for per-thread ones
  * (the persistent WS forward: the tile, the key loop's index and ring position, the stages'
  * descriptors in vector registers, each descriptor shuffled between the turn's barrier and the
- * products: 984 static instructions a key tile against 948; bench/NOTES.md, forward). */
+ * products: 984 static instructions a key tile, 962 split by this; bench/NOTES.md, forward). */
 DEV int uniform_warp_index() { return __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 5), 0); }
 
 DEV void mbar_init(uint32_t bar, int count)
