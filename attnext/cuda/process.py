@@ -196,7 +196,7 @@ def _forget_scratch_after_fork():
 # ---------------------------------------------------------------- launch counters
 # int32 counters a launch finds at 0 and leaves at 0 (attn_params.counters): the split-KV
 # forward's own merge (attn_fwd.cu) counts each query tile's finished splits in one, the
-# launch's last CTA of the tile setting it back to 0; the persistent WS forward (lab) counts its
+# launch's last CTA of the tile setting it back to 0; the persistent WS forward counts its
 # tiles taken in the first, its last taker setting it back.
 # So a stream keeps a buffer of them, zeroed once when made and lent to nothing but these: the
 # launches of one stream run in order, each finding the zeros the one before left. Borrowed and

@@ -257,8 +257,8 @@ def test_persistent_ws_forward(d, counters, rng, monkeypatch):
     tiles with no key (causal with Sq > Sk: their rows write zeros and an lse of -inf), a partial
     last tile, GQA, a window, ALiBi and softcap; each call twice (a count left anything but 0
     would skip tiles the second time), against the reference and bit for bit against a CTA a
-    tile (ATTNEXT_FWD_PERSIST=0). On Hopper every such plan takes
-    the persistent grid where the lab asks for it (ATTNEXT_FWD_PERSIST=1)."""
+    tile (ATTNEXT_FWD_PERSIST=0). On Hopper every such plan takes the persistent grid where the
+    lab asks for it (ATTNEXT_FWD_PERSIST=1)."""
     from attnext.cuda import process, select
     monkeypatch.setenv("ATTNEXT_FWD_PERSIST", "1")
     if counters == "none":
