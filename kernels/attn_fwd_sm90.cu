@@ -345,15 +345,31 @@ DEV ws_tile ws_tile_at(const attn_params &p, int x, int tiles_x, int64_t h, int6
     return t;
 }
 
-#if PERSIST
-/* The persistent grid's tile t of B x Hq x tiles_x: a head's query tiles together (its K and V
- * stay in L2 while they run), the last rows first, as the one-tile grid's blocks are dispatched. */
-DEV ws_tile ws_tile_of(const attn_params &p, int t, int tiles_x)
+/* The K and V bytes that a section of heads may keep in L2 together (the H100's L2 holds 50 MB, the
+ * H200's 60 MB) */
+#define L2_KV_BYTES 33554432.f    /* 32 MiB */
+
+/* How many (sequence, head) pairs the WS grid takes together (ws_tile_of): under a causal mask
+ * (a tile's keys grow with its rows) the pairs whose K and V fit L2_KV_BYTES together, else 1. */
+DEV int ws_section(const attn_params &p)
 {
-    const int r = t / tiles_x;
-    return ws_tile_at(p, t - r * tiles_x, tiles_x, r % p.Hq, r / p.Hq);
+    if (p.causal == CAUSAL_NONE || p.cu_seqlens_k)
+        return 1;
+    const float kv = (float)p.Sk * ((HEAD_DIM + HEAD_DIM_V) * sizeof(elem_t));   /* a K / V head's bytes */
+    return (int)fminf((float)(p.Hq * p.B), fmaxf(1.f, floorf(L2_KV_BYTES / kv)) * (float)(p.Hq / p.Hk));
 }
-#endif
+
+/* The WS grid's tile t (its place in launch order, or the persistent grid's turn) of the
+ * B x Hq x tiles_x, in sections of sec (sequence, head) pairs: in a section, the last rows' tile
+ * (x = 0, the most keys under causal) of every pair before the tile above it. Causal calls go
+ * longest first so, and the grid ends on short tiles; in sections of one pair a head's tiles run
+ * together, the last rows first, its K and V in L2 while they run. */
+DEV ws_tile ws_tile_of(const attn_params &p, int t, int tiles_x, int sec)
+{
+    const int h0 = t / (sec * tiles_x) * sec, r = t - h0 * tiles_x, in = min(sec, (int)(p.Hq * p.B) - h0);
+    const int hb = h0 + r % in;
+    return ws_tile_at(p, r / in, tiles_x, hb % p.Hq, hb / p.Hq);
+}
 
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     attn_fwd_sm90(const __grid_constant__ attn_params p, const __grid_constant__ attn_tmaps maps)
@@ -375,14 +391,16 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
      * a tile ahead and posts it in a slot; every Q comes by its bulk tensor copies (maps.q). */
     const uint32_t q_full = tail_v + 8, q_empty = q_full + 16, next_full = q_empty + 16, next_empty = next_full + 16,
                    next_slot = next_empty + 16;
-    const int tiles_x = (int)((p.Sq + BLOCK_M - 1) / BLOCK_M), total = tiles_x * (int)p.Hq * (int)p.B;
+    const int tiles_x = (int)((p.Sq + BLOCK_M - 1) / BLOCK_M), total = tiles_x * (int)p.Hq * (int)p.B,
+              sec = ws_section(p);
 #else
     if (blockIdx.z == p.B) {                             /* packed rows after the last sequence */
         zero_tail<BLOCK_M, WS_THREADS>(p, blockIdx.y);
         return;
     }
     /* the one tile, by every thread (mod_narrow takes whole warps) */
-    ws_tile tile = ws_tile_at(p, blockIdx.x, gridDim.x, blockIdx.y, blockIdx.z);
+    ws_tile tile = ws_tile_of(p, (int)(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)), gridDim.x,
+                              ws_section(p));
     if (!tile.live)
         return;
     const score_ctx tile_sc = make_score_ctx(p, tile.b, tile.h, tile.sq, tile.sk);
@@ -423,7 +441,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 #if PERSIST
         int qn = 0;                                      /* Q blocks brought */
         for (int j = 0, t = blockIdx.x; t < total; j++) {
-            const ws_tile tl = ws_tile_of(p, t, tiles_x);
+            const ws_tile tl = ws_tile_of(p, t, tiles_x, sec);
 #else
         for (int j = 0; j < 1; j++) {                    /* the one tile: the loop's body shared */
             const ws_tile tl = tile;
@@ -529,7 +547,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
         }
         if (t >= total)
             break;
-        const ws_tile tl = ws_tile_of(p, t, tiles_x);
+        const ws_tile tl = ws_tile_of(p, t, tiles_x, sec);
         if (!tl.live)
             continue;
         const score_ctx sc = make_score_ctx(p, tl.b, tl.h, tl.sq, tl.sk);
