@@ -345,29 +345,25 @@ DEV ws_tile ws_tile_at(const attn_params &p, int x, int tiles_x, int64_t h, int6
     return t;
 }
 
-/* The K and V bytes that a section of heads may keep in L2 together (the H100's L2 holds 50 MB, the
- * H200's 60 MB) */
-#define L2_KV_BYTES 33554432.f    /* 32 MiB */
-
-/* How many (sequence, head) pairs the WS grid takes together (ws_tile_of): under a causal mask
- * (a tile's keys grow with its rows) the pairs whose K and V fit L2_KV_BYTES together, else 1. */
+/* The WS grid's order of tiles: (sequence, head) pairs in sections of ws_section's size, and in a
+ * section tile x of every pair before tile x + 1 (x = 0: the last rows). Under a causal mask a
+ * tile's keys grow with its rows, so the tiles go longest first and the grid ends on short ones;
+ * a section's pairs have K and V that fit 32 MiB of L2 together (the H100's L2 holds 50 MB, the
+ * H200's 60 MB). Else a section is one pair: a head's tiles run together, its K and V in L2. */
 DEV int ws_section(const attn_params &p)
 {
     if (p.causal == CAUSAL_NONE || p.cu_seqlens_k)
         return 1;
-    const float kv = (float)p.Sk * ((HEAD_DIM + HEAD_DIM_V) * sizeof(elem_t));   /* a K / V head's bytes */
-    return (int)fminf((float)(p.Hq * p.B), fmaxf(1.f, floorf(L2_KV_BYTES / kv)) * (float)(p.Hq / p.Hk));
+    const float kv = (float)p.Sk * ((HEAD_DIM + HEAD_DIM_V) * sizeof(elem_t)) / (float)(p.Hq / p.Hk);
+    return (int)fminf((float)(p.Hq * p.B), fmaxf(1.f, floorf(33554432.f / kv)));   /* a query head's share */
 }
 
-/* The WS grid's tile t (its place in launch order, or the persistent grid's turn) of the
- * B x Hq x tiles_x, in sections of sec (sequence, head) pairs: in a section, the last rows' tile
- * (x = 0, the most keys under causal) of every pair before the tile above it. Causal calls go
- * longest first so, and the grid ends on short tiles; in sections of one pair a head's tiles run
- * together, the last rows first, its K and V in L2 while they run. */
+/* Tile t of that order (its place in launch order, or the persistent grid's turn) in sections of
+ * sec pairs */
 DEV ws_tile ws_tile_of(const attn_params &p, int t, int tiles_x, int sec)
 {
-    const int h0 = t / (sec * tiles_x) * sec, r = t - h0 * tiles_x, in = min(sec, (int)(p.Hq * p.B) - h0);
-    const int hb = h0 + r % in;
+    const int pairs = (int)(p.Hq * p.B), p0 = t / (sec * tiles_x) * sec, r = t - p0 * tiles_x;
+    const int in = min(sec, pairs - p0), hb = p0 + r % in;
     return ws_tile_at(p, r / in, tiles_x, hb % p.Hq, hb / p.Hq);
 }
 

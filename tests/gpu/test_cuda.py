@@ -296,6 +296,29 @@ def test_persistent_ws_forward(d, counters, rng, monkeypatch):
         assert {knob for knob, _ in persisted} == {"0", "1"}, persisted
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_causal_tiles_in_sections(d, rng, monkeypatch):
+    """A causal WS forward takes its tiles longest first in sections of (sequence, head) pairs
+    whose K and V fit 32 MiB of L2 (attn_fwd_sm90.cu's ws_section): here 21 pairs of 8192 keys, in
+    sections of 16 pairs (D = 64) or 8 (D = 128), the last one partial. A CTA a tile and the
+    persistent grid each write every row (into outputs of NaN) as torch's float32 attention does."""
+    torch = pytest.importorskip("torch")
+    from helpers.gpu import to_gpu, to_host
+    chosen, hopper = _spy_ws(monkeypatch)
+    q, k, v = make_qkv(rng, 3, 8192, 8192, 7, 7, d, d, BF16)
+    tq, tk, tv = (to_gpu(torch, x) for x in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(*(x.float().transpose(1, 2) for x in (tq, tk, tv)),
+                                                           is_causal=True).transpose(1, 2)
+    ref = ref.cpu().numpy()
+    for mode in ("0", "1"):
+        monkeypatch.setenv("ATTNEXT_FWD_PERSIST", mode)
+        dst = torch.full_like(tq, float("nan"))
+        attnext.attention(tq, tk, tv, causal=True, out=dst)
+        assert_close("out", to_host(torch, dst), ref, BF16)
+    if hopper:
+        assert chosen and all(chosen), chosen
+
+
 @pytest.mark.parametrize("kernel", ["default", "mma_sync"])
 @pytest.mark.parametrize("sq, sk", [(200, 300), (1, 5000)], ids=["tiles", "split_kv"])
 def test_nan_propagates(kernel, sq, sk, rng, monkeypatch):
