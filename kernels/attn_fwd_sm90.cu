@@ -350,22 +350,31 @@ DEV ws_tile ws_tile_at(const attn_params &p, int x, int tiles_x, int64_t h, int6
  * tile's keys grow with its rows, so the tiles go longest first and the grid ends on short ones;
  * a section's pairs have K and V that fit 32 MiB of L2 together (the H100's L2 holds 50 MB, the
  * H200's 60 MB). Else a section is one pair: a head's tiles run together, its K and V in L2. */
-DEV int ws_section(const attn_params &p)
+DEV int ws_section(const attn_params &p, int tiles_x)
 {
-    if (p.causal == CAUSAL_NONE || p.cu_seqlens_k)
-        return 1;
+    if (p.causal == CAUSAL_NONE || p.cu_seqlens_k || (int64_t)tiles_x * p.Hq * p.B >= (1ll << 31))
+        return 1;                                        /* (a tile's place in an int) */
     const float kv = (float)p.Sk * ((HEAD_DIM + HEAD_DIM_V) * sizeof(elem_t)) / (float)(p.Hq / p.Hk);
     return (int)fminf((float)(p.Hq * p.B), fmaxf(1.f, floorf(33554432.f / kv)));   /* a query head's share */
 }
 
 /* Tile t of that order (its place in launch order, or the persistent grid's turn) in sections of
- * sec pairs */
+ * sec pairs: its x, and its pair (h + Hq b) in *hb */
+DEV int section_tile(const attn_params &p, int t, int tiles_x, int sec, int *hb)
+{
+    const int p0 = t / (sec * tiles_x) * sec, r = t - p0 * tiles_x, in = min(sec, (int)(p.Hq * p.B) - p0);
+    *hb = p0 + r % in;
+    return r / in;
+}
+
+#if PERSIST
 DEV ws_tile ws_tile_of(const attn_params &p, int t, int tiles_x, int sec)
 {
-    const int pairs = (int)(p.Hq * p.B), p0 = t / (sec * tiles_x) * sec, r = t - p0 * tiles_x;
-    const int in = min(sec, pairs - p0), hb = p0 + r % in;
-    return ws_tile_at(p, r / in, tiles_x, hb % p.Hq, hb / p.Hq);
+    int hb;
+    const int x = section_tile(p, t, tiles_x, sec, &hb);
+    return ws_tile_at(p, x, tiles_x, hb % p.Hq, hb / p.Hq);
 }
+#endif
 
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     attn_fwd_sm90(const __grid_constant__ attn_params p, const __grid_constant__ attn_tmaps maps)
@@ -388,15 +397,22 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     const uint32_t q_full = tail_v + 8, q_empty = q_full + 16, next_full = q_empty + 16, next_empty = next_full + 16,
                    next_slot = next_empty + 16;
     const int tiles_x = (int)((p.Sq + BLOCK_M - 1) / BLOCK_M), total = tiles_x * (int)p.Hq * (int)p.B,
-              sec = ws_section(p);
+              sec = ws_section(p, tiles_x);
 #else
     if (blockIdx.z == p.B) {                             /* packed rows after the last sequence */
         zero_tail<BLOCK_M, WS_THREADS>(p, blockIdx.y);
         return;
     }
     /* the one tile, by every thread (mod_narrow takes whole warps) */
-    ws_tile tile = ws_tile_of(p, (int)(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)), gridDim.x,
-                              ws_section(p));
+    int x = blockIdx.x;
+    int64_t h = blockIdx.y, b = blockIdx.z;
+    if (const int sec = ws_section(p, gridDim.x); sec > 1) {
+        int hb;
+        x = section_tile(p, (int)(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)), gridDim.x, sec, &hb);
+        h = hb % p.Hq;
+        b = hb / p.Hq;
+    }
+    ws_tile tile = ws_tile_at(p, x, gridDim.x, h, b);
     if (!tile.live)
         return;
     const score_ctx tile_sc = make_score_ctx(p, tile.b, tile.h, tile.sq, tile.sk);
