@@ -49,9 +49,6 @@
 #define KV_BLOCK_N (KV_WARPS * 16)       /* key rows per dkdv CTA: one m16 tile per warp */
 #define PRE_THREADS 256
 
-#if DQ_ATOMIC && ELEM_F32
-#error "float32's backward recomputes dQ (select.bwd_dq_mode)"
-#endif
 
 /* ---------------------------------------------------------------- warp products */
 /* acc[mt][nt] += A[mt*16 .., 0..KP) . B[nt*8 .., 0..KP)^T: A and B row-major in shared memory with
@@ -585,6 +582,57 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
                  * warp (wm, wd) owns query rows 16 wm .. and the 16-column groups wd, wd + WD, .. */
                 constexpr int WM = BM / 16, WD = KV_WARPS / WM, NPW = (DP / 16 + WD - 1) / WD;
                 constexpr int LDS = BM + SMEM_PAD;
+                const int wm = warp % WM, wd = warp / WM;
+                float acc[NPW][2][4];
+#pragma unroll
+                for (int i = 0; i < NPW; i++)
+#pragma unroll
+                    for (int e = 0; e < 8; e++)
+                        acc[i][e / 4][e % 4] = 0.f;
+#if ELEM_F32
+                /* the floats of dS^T (pp: S^T's C fragments), then k8 steps of keys by TF32 products:
+                 * A = dS (query g, key t) from dS^T's rows, B = K (key t, column g) from K's */
+                float *row = sdS + (warp * 16 + g) * LDS + 2 * t;
+#pragma unroll
+                for (int nt = 0; nt < KV_NT; nt++) {
+                    *(float2 *)(row + nt * 8) = make_float2(pp[0][nt][0], pp[0][nt][1]);
+                    *(float2 *)(row + 8 * LDS + nt * 8) = make_float2(pp[0][nt][2], pp[0][nt][3]);
+                }
+                __syncthreads();
+                float lo[NPW][2][4];
+#pragma unroll
+                for (int i = 0; i < NPW; i++)
+#pragma unroll
+                    for (int e = 0; e < 8; e++)
+                        lo[i][e / 4][e % 4] = 0.f;
+#pragma unroll
+                for (int kk = 0; kk < BN / 8; kk++) {
+                    const float *da = sdS + (kk * 8 + t) * LDS + wm * 16 + g;
+                    tf32_frag<4> a;
+                    a.set(0, da[0]);
+                    a.set(1, da[8]);
+                    a.set(2, da[4 * LDS]);
+                    a.set(3, da[4 * LDS + 8]);
+                    const float *kb = sK + (kk * 8 + t) * (DP + SMEM_PAD) + g;
+#pragma unroll
+                    for (int i = 0; i < NPW; i++) {
+                        const int np = wd + i * WD;
+                        if (np < DP / 16)
+#pragma unroll
+                            for (int hf = 0; hf < 2; hf++) {
+                                tf32_frag<2> bk;
+                                bk.set(0, kb[np * 16 + hf * 8]);
+                                bk.set(1, kb[4 * (DP + SMEM_PAD) + np * 16 + hf * 8]);
+                                mma_f32(acc[i][hf], lo[i][hf], a, bk);
+                            }
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < NPW; i++)
+#pragma unroll
+                    for (int e = 0; e < 8; e++)
+                        acc[i][e / 4][e % 4] += lo[i][e / 4][e % 4];
+#else
                 elem_t *row = sdS + (warp * 16 + g) * LDS + 2 * t;
 #pragma unroll
                 for (int kk = 0; kk < KV_NT / 2; kk++) {
@@ -594,13 +642,6 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
                     *(uint32_t *)(row + 8 * LDS + kk * 16 + 8) = pp[0][kk][3];
                 }
                 __syncthreads();
-                const int wm = warp % WM, wd = warp / WM;
-                float acc[NPW][2][4];
-#pragma unroll
-                for (int i = 0; i < NPW; i++)
-#pragma unroll
-                    for (int e = 0; e < 8; e++)
-                        acc[i][e / 4][e % 4] = 0.f;
 #pragma unroll
                 for (int kk = 0; kk < BN / 16; kk++) {
                     uint32_t a[4];
@@ -620,6 +661,7 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
                         }
                     }
                 }
+#endif
                 float *gacc = (float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + sq.start * p.dq_accum.s[1]
                               + h * p.dq_accum.s[2];
 #pragma unroll

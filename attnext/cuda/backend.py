@@ -976,9 +976,7 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     # then meets as few query tiles, and a query tile as few key blocks, as at that many keys)
     lo, hi = lower.kept_span(o, None if o.varlen or o.used_q is not None or o.used_k is not None else o.Sk - o.Sq)
     reach = k_rows if math.isinf(hi - lo) else min(k_rows, max(int(hi - lo) + 1, 0))
-    # float32 (attn_bwd.cu's TF32 path) recomputes dQ too
-    f32 = features["dtype"] == "float32"
-    dq_mode = "recompute" if grads or f32 else select.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach)
+    dq_mode = "recompute" if grads else select.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach)
     atomic = dq_mode != "recompute"
     # the ordered mode's key blocks take turns at each query tile: without a mask_mod the first turn
     # stores, so nothing zeroes dq_accum, and with short keys the last writes dq (attn_bwd_sm90.cu:

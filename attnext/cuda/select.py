@@ -469,7 +469,7 @@ def bwd_smem_bytes(D, Dv, tile, atomic, slots=0, dtype="bfloat16"):
     dp, dvp = _round_up(D, 16) + 16 // size, _round_up(Dv, 16) + 16 // size
     bm, bn = tile["kv_block_m"], 16 * tile["kv_warps"]
     dkdv_common = bn * dp + 2 * bm * dp + 2 * bm * dvp
-    extra = 4 * 4 * bm + (2 * bn * (bm + SMEM_PAD) if atomic else 0)
+    extra = 4 * 4 * bm + (size * bn * (bm + 16 // size) if atomic else 0)   # + dS^T (DQ_ATOMIC)
     qm, qn, qw = tile["q_block_m"], tile["q_block_n"], tile["q_warps"]
     return {
         "attn_bwd_dkdv": size * (dkdv_common + bn * dvp) + extra,
@@ -686,7 +686,7 @@ def bwd_variants():
                         tf32=fd.get("TF32_PASSES") == 1)
         out.append(bwd_defines(**features))
         if (not (fd["HAS_SOFTCAP"] or fd["HAS_BIAS"] or fd["HAS_MASK"]) and (D, Dv) in ((64, 64), (128, 128))
-                and dtype != "float32"):    # float32 recomputes dQ
+                and (dtype != "float32" or fd.get("TF32_PASSES") == 3)):   # float32's: split products
             out.append(bwd_defines(**features, dq="atomic"))
     unique = {tuple(sorted(d.items())): d for d in out}
     return [("attn_bwd", d) for d in unique.values()]

@@ -6,10 +6,12 @@ first against SDPA's math backend in float64 (max|x - ref| / max|ref|; the backw
 error printed beside its rate.
 
     python bench/labs/lab_f32.py [--rows "4,2048,16,64;1,8192,16,128,causal"] [--tiles "128,64,4;64,64,4"]
-                                 [--bwd] [--bwd-tiles "16,4,0,2,64,32,4,2;..."]
+                                 [--bwd] [--bwd-tiles "16,4,0,2,64,32,4,2;..."] [--atomic]
 
 --tiles: attnext's float32 rows again under each forward tile (ATTNEXT_TILE_FWD), beside the default.
 --bwd-tiles: attnext's backward (both precisions) again under each backward tile (ATTNEXT_TILE_BWD).
+--atomic: attnext's backward (both precisions) again with dQ added by atomics in the dK/dV kernel
+(ATTNEXT_BWD_DQ=atomic, deterministic=False), each backward tile too.
 """
 import argparse
 import math
@@ -54,6 +56,7 @@ def main():
     ap.add_argument("--tiles", default="", help="BLOCK_M,BLOCK_N,WARPS separated by ';'")
     ap.add_argument("--bwd", action="store_true", help="time the backward too")
     ap.add_argument("--bwd-tiles", default="", help="ATTNEXT_TILE_BWD values separated by ';'")
+    ap.add_argument("--atomic", action="store_true", help="the backward with atomic dQ too")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'row':28} {'impl':16} {'ms':>8} {'TFLOP/s':>8} {'rel err':>9}")
@@ -89,12 +92,12 @@ def main():
             _report(name, label, fn, ref, flops, tf32)
         _env.setenv("ATTNEXT_TILE_FWD", None)
         if args.bwd:
-            _backward(name, q, k, v, causal, flops * 2.5, list(filter(None, args.bwd_tiles.split(";"))))
+            _backward(name, q, k, v, causal, flops * 2.5, list(filter(None, args.bwd_tiles.split(";"))), args.atomic)
         del q, k, v, ref, out
         torch.cuda.empty_cache()
 
 
-def _backward(name, q, k, v, causal, flops, tiles=()):
+def _backward(name, q, k, v, causal, flops, tiles=(), atomic=False):
     dout = torch.randn_like(q)
     qd, kd, vd = (x.double().transpose(1, 2).requires_grad_() for x in (q, k, v))
     ref = torch.autograd.grad(F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal),
@@ -103,14 +106,18 @@ def _backward(name, q, k, v, causal, flops, tiles=()):
     for precision in (None, "tf32"):
         out, lse = attnext.attention(q, k, v, causal=causal, return_lse=True, precision=precision)
         for tile in [None, *tiles]:
-            def run(out=out, lse=lse, precision=precision, tile=tile):
-                _env.setenv("ATTNEXT_TILE_BWD", tile)
-                try:
-                    return attnext.attention_backward(dout, q, k, v, out, lse, causal=causal,
-                                                      precision=precision).dq
-                finally:
-                    _env.setenv("ATTNEXT_TILE_BWD", None)
-            impls[f"attnext{' tf32' if precision else ''} bwd{' ' + tile if tile else ''}"] = (run, False)
+            for dq in ("recompute", "atomic") if atomic else ("recompute",):
+                def run(out=out, lse=lse, precision=precision, tile=tile, dq=dq):
+                    _env.setenv("ATTNEXT_TILE_BWD", tile)
+                    _env.setenv("ATTNEXT_BWD_DQ", dq if dq == "atomic" else None)
+                    try:
+                        return attnext.attention_backward(dout, q, k, v, out, lse, causal=causal, precision=precision,
+                                                          deterministic=dq != "atomic").dq
+                    finally:
+                        _env.setenv("ATTNEXT_TILE_BWD", None)
+                        _env.setenv("ATTNEXT_BWD_DQ", None)
+                label = f"attnext{' tf32' if precision else ''} bwd{' atomic' if dq == 'atomic' else ''}"
+                impls[label + (" " + tile if tile else "")] = (run, False)
     for label, backend, tf32 in (("sdpa efficient bwd", SDPBackend.EFFICIENT_ATTENTION, False),
                                  ("sdpa math tf32 bwd", SDPBackend.MATH, True)):
         torch.backends.cuda.matmul.allow_tf32 = tf32

@@ -104,6 +104,35 @@ def test_varlen_with_padding(rng):
     assert (out[520:] == 0).all() and np.isneginf(lse[:, 520:]).all()
 
 
+@pytest.mark.parametrize("precision", [None, "tf32"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_atomic_dq(d, precision, rng, monkeypatch):
+    """The kernel lab's atomic dQ for float32 (ATTNEXT_BWD_DQ=atomic, deterministic=False): the
+    dK/dV kernel adds dS K into dq_accum by split TF32 products, in place of attn_bwd_dq's
+    recomputation; GQA, partial tiles and causal rows against the reference (precision="tf32" to
+    its own rule, compare_grads')."""
+    from attnext.cuda import backend, select
+    backend.clear_plans()
+    modes = []
+    bwd_defines = select.bwd_defines
+
+    def spy(**kw):
+        modes.append(kw.get("dq", "recompute"))
+        return bwd_defines(**kw)
+    monkeypatch.setattr(select, "bwd_defines", spy)
+    monkeypatch.setenv("ATTNEXT_BWD_DQ", "atomic")
+    q, k, v = make_qkv(rng, 2, 150, 213, 4, 2, d, d, F32)
+    for causal in (False, True):
+        opts = dict(causal=causal, precision=precision)
+        out, lse, r_out, _ = _forward(q, k, v, **opts)
+        dout = rng.standard_normal(out.shape).astype(np.float32)
+        g = attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", deterministic=False, **opts)
+        rg = reference.attention_backward(dout, q, k, v, out, lse, causal=causal)
+        problems = compare_grads(g, rg, q, k, v, dout, out, r_out, None, opts)
+        assert not problems, "\n".join(problems)
+    assert modes and all(m == "atomic" for m in modes), modes
+
+
 @pytest.mark.parametrize("sq, hq, d", [(1, 32, 128), (3, 8, 64), (1, 8, 256)])
 def test_decode_split_kv_and_packed_heads(sq, hq, d, rng):
     q, k, v = make_qkv(rng, 1, sq, 5000, hq, 8 if hq == 32 else 2, d, d, F32)
