@@ -584,11 +584,7 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
                 constexpr int LDS = BM + SMEM_PAD;
                 const int wm = warp % WM, wd = warp / WM;
                 float acc[NPW][2][4];
-#pragma unroll
-                for (int i = 0; i < NPW; i++)
-#pragma unroll
-                    for (int e = 0; e < 8; e++)
-                        acc[i][e / 4][e % 4] = 0.f;
+                zero_acc(acc);
 #if ELEM_F32
                 /* the floats of dS^T (pp: S^T's C fragments), then k8 steps of keys by TF32 products:
                  * A = dS (query g, key t) from dS^T's rows, B = K (key t, column g) from K's */
@@ -599,12 +595,8 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
                     *(float2 *)(row + 8 * LDS + nt * 8) = make_float2(pp[0][nt][2], pp[0][nt][3]);
                 }
                 __syncthreads();
-                float lo[NPW][2][4];
-#pragma unroll
-                for (int i = 0; i < NPW; i++)
-#pragma unroll
-                    for (int e = 0; e < 8; e++)
-                        lo[i][e / 4][e % 4] = 0.f;
+                float lo[NPW][2][4];          /* the small products' sums (mma_f32) */
+                zero_acc(lo);
 #pragma unroll
                 for (int kk = 0; kk < BN / 8; kk++) {
                     const float *da = sdS + (kk * 8 + t) * LDS + wm * 16 + g;
