@@ -587,7 +587,9 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
                 zero_acc(acc);
 #if ELEM_F32
                 /* the floats of dS^T (pp: S^T's C fragments), then k8 steps of keys by TF32 products:
-                 * A = dS (query g, key t) from dS^T's rows, B = K (key t, column g) from K's */
+                 * A = dS (query g, key k) from dS^T's rows, B = K (key k, column g) from K's, the
+                 * product's k = t and t + 4 taken as keys 2t and 2t + 1 of the step (a sum over k in
+                 * any order; rows 2t apart land in distinct banks, t apart did not) */
                 float *row = sdS + (warp * 16 + g) * LDS + 2 * t;
 #pragma unroll
                 for (int nt = 0; nt < KV_NT; nt++) {
@@ -599,13 +601,13 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
                 zero_acc(lo);
 #pragma unroll
                 for (int kk = 0; kk < BN / 8; kk++) {
-                    const float *da = sdS + (kk * 8 + t) * LDS + wm * 16 + g;
+                    const float *da = sdS + (kk * 8 + 2 * t) * LDS + wm * 16 + g;
                     tf32_frag<4> a;
                     a.set(0, da[0]);
                     a.set(1, da[8]);
-                    a.set(2, da[4 * LDS]);
-                    a.set(3, da[4 * LDS + 8]);
-                    const float *kb = sK + (kk * 8 + t) * (DP + SMEM_PAD) + g;
+                    a.set(2, da[LDS]);
+                    a.set(3, da[LDS + 8]);
+                    const float *kb = sK + (kk * 8 + 2 * t) * (DP + SMEM_PAD) + g;
 #pragma unroll
                     for (int i = 0; i < NPW; i++) {
                         const int np = wd + i * WD;
@@ -614,7 +616,7 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
                             for (int hf = 0; hf < 2; hf++) {
                                 tf32_frag<2> bk;
                                 bk.set(0, kb[np * 16 + hf * 8]);
-                                bk.set(1, kb[4 * (DP + SMEM_PAD) + np * 16 + hf * 8]);
+                                bk.set(1, kb[DP + SMEM_PAD + np * 16 + hf * 8]);
                                 mma_f32(acc[i][hf], lo[i][hf], a, bk);
                             }
                     }
