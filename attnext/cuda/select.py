@@ -17,7 +17,6 @@ from ..mods import codegen
 TILE_EDGE = 128
 # every architecture CI compiles for (warmup --check) and the ones attnext targets
 ARCHS = ("sm_80", "sm_90a")
-SMEM_PAD = 8           # elements of padding per 16-bit shared-memory row (attn_common.cuh: 16 bytes)
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}     # q, k, v's bytes per element
 MAX_SMEM_SM80 = 163 * 1024
 
@@ -466,10 +465,11 @@ def bwd_smem_bytes(D, Dv, tile, atomic, slots=0, dtype="bfloat16"):
     """Dynamic shared memory of each backward kernel (attn_bwd.cu's layouts), by kernel name;
     slots: the dQ kernel's tile sums (tile_sums)."""
     size = ITEMSIZE[dtype]
-    dp, dvp = _round_up(D, 16) + 16 // size, _round_up(Dv, 16) + 16 // size
+    pad = 16 // size          # a shared-memory row's padding: 16 bytes (attn_common.cuh's SMEM_PAD)
+    dp, dvp = _round_up(D, 16) + pad, _round_up(Dv, 16) + pad
     bm, bn = tile["kv_block_m"], 16 * tile["kv_warps"]
     dkdv_common = bn * dp + 2 * bm * dp + 2 * bm * dvp
-    extra = 4 * 4 * bm + (size * bn * (bm + 16 // size) if atomic else 0)   # + dS^T (DQ_ATOMIC)
+    extra = 4 * 4 * bm + (size * bn * (bm + pad) if atomic else 0)   # + dS^T (DQ_ATOMIC)
     qm, qn, qw = tile["q_block_m"], tile["q_block_n"], tile["q_warps"]
     return {
         "attn_bwd_dkdv": size * (dkdv_common + bn * dvp) + extra,
