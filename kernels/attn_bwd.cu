@@ -49,7 +49,6 @@
 #define KV_BLOCK_N (KV_WARPS * 16)       /* key rows per dkdv CTA: one m16 tile per warp */
 #define PRE_THREADS 256
 
-
 /* ---------------------------------------------------------------- warp products */
 /* acc[mt][nt] += A[mt*16 .., 0..KP) . B[nt*8 .., 0..KP)^T: A and B row-major in shared memory with
  * row stride KP + SMEM_PAD, sA at the warp's first A row, sB at B's first row. */

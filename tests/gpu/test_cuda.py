@@ -248,6 +248,20 @@ def test_long_forward_with_every_option(kernel, d, rng, monkeypatch):
     assert chosen == [False], chosen
 
 
+def _spy_persist(monkeypatch):
+    """The (ATTNEXT_FWD_PERSIST, whether the plan took the persistent grid) of each forward plan
+    made from here on."""
+    from attnext.cuda import select
+    persisted = []
+    fwd_persist = select.fwd_persist
+
+    def spy(*args, **kw):
+        persisted.append((os.environ.get("ATTNEXT_FWD_PERSIST"), fwd_persist(*args, **kw)))
+        return persisted[-1][1]
+    monkeypatch.setattr(select, "fwd_persist", spy)
+    return persisted
+
+
 @pytest.mark.parametrize("counters", ["lent", "none"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_persistent_ws_forward(d, counters, rng, monkeypatch):
@@ -259,17 +273,11 @@ def test_persistent_ws_forward(d, counters, rng, monkeypatch):
     would skip tiles the second time), against the reference and bit for bit against a CTA a
     tile (ATTNEXT_FWD_PERSIST=0). On Hopper every such plan takes the persistent grid where the
     lab asks for it (ATTNEXT_FWD_PERSIST=1)."""
-    from attnext.cuda import process, select
+    from attnext.cuda import process
     monkeypatch.setenv("ATTNEXT_FWD_PERSIST", "1")
     if counters == "none":
         monkeypatch.setattr(process, "borrow_counters", lambda *args: None)
-    persisted = []
-    fwd_persist = select.fwd_persist
-
-    def spy(*args, **kw):
-        persisted.append((os.environ.get("ATTNEXT_FWD_PERSIST"), fwd_persist(*args, **kw)))
-        return persisted[-1][1]
-    monkeypatch.setattr(select, "fwd_persist", spy)
+    persisted = _spy_persist(monkeypatch)
     chosen, hopper = _spy_ws(monkeypatch)
     cases = [((3, 2000, 2100, 8, 2), dict(causal=True)), ((3, 2000, 2100, 8, 2), {}),
              ((2, 2100, 1000, 4, 4), dict(causal=True)), ((2, 1500, 1600, 8, 8), dict(window=(300, 0))),
@@ -304,6 +312,7 @@ def test_causal_tiles_in_sections(d, rng, monkeypatch):
     persistent grid each write every row (into outputs of NaN) as torch's float32 attention does."""
     torch = pytest.importorskip("torch")
     from helpers.gpu import to_gpu, to_host
+    persisted = _spy_persist(monkeypatch)
     chosen, hopper = _spy_ws(monkeypatch)
     q, k, v = make_qkv(rng, 3, 8192, 8192, 7, 7, d, d, BF16)
     tq, tk, tv = (to_gpu(torch, x) for x in (q, k, v))
@@ -317,6 +326,8 @@ def test_causal_tiles_in_sections(d, rng, monkeypatch):
         assert_close("out", to_host(torch, dst), ref, BF16)
     if hopper:
         assert chosen and all(chosen), chosen
+        assert {knob for knob, _ in persisted} == {"0", "1"}, persisted
+        assert all(chose == (knob == "1") for knob, chose in persisted), persisted
 
 
 @pytest.mark.parametrize("kernel", ["default", "mma_sync"])
