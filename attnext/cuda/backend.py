@@ -629,9 +629,10 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     # key_rows: the rows of k's tensor (varlen: the packed rows), which a copy's box may not exceed
     ws = not decode and select.fwd_ws(arch, o.D, o.Dv, features["vec"], rows, o.k4.shape[1], features["dtype"],
                                       copyable)
-    plain = not _banded(o) and not select.score_options(features)
+    ws3 = select.fwd_ws3(o.D, rows, o.causal_code != 0, o.window_left >= 0 or o.window_right >= 0,
+                         select.score_options(features), gen)
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
-                                     features["dtype"], paged, tma, ws, plain)
+                                     features["dtype"], paged, tma, ws, ws3)
     # the persistent grid: a dense batch whose q a tensor map can describe, in tiles an int32
     # counts, with a second Q beside the tile in shared memory
     row_tiles = _query_tiles(rows, tile[0])
@@ -966,7 +967,6 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     _common's, vec already anded with dout's; dbias4: the dbias view or None; qo4: the views of
     q and dout (None: a forward's guess, o.q4 for both). A forward with mods asks it for the
     backward it expects (_compile_backward_ahead), the backward's plan for its launches."""
-    tile = select.bwd_tile_config(o.D, o.Dv, features["dtype"])
     arch = device_arch(device)
     sm90 = select.bwd_sm90_applies(arch, o.D, o.Dv, features["vec"], features["dtype"])
     # the dQ kernels scatter the score_mod's array gradients (ds_tile): with those dQ is
@@ -976,8 +976,10 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     # then meets as few query tiles, and a query tile as few key blocks, as at that many keys)
     lo, hi = lower.kept_span(o, None if o.varlen or o.used_q is not None or o.used_k is not None else o.Sk - o.Sq)
     reach = k_rows if math.isinf(hi - lo) else min(k_rows, max(int(hi - lo) + 1, 0))
-    dq_mode = "recompute" if grads else select.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach)
+    f32_passes = (1 if features["tf32"] else 3) if features["dtype"] == "float32" and arch == "sm_90a" else 0
+    dq_mode = "recompute" if grads else select.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach, f32_passes)
     atomic = dq_mode != "recompute"
+    tile = select.bwd_tile_config(o.D, o.Dv, features["dtype"], atomic)
     # the ordered mode's key blocks take turns at each query tile: without a mask_mod the first turn
     # stores, so nothing zeroes dq_accum, and with short keys the last writes dq (attn_bwd_sm90.cu:
     # DQ_STORE_FIRST, dq_write_last; attn_bwd_pre writes dq's other rows), else the turns run in

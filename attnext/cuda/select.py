@@ -141,8 +141,12 @@ SM90_TILE_WS = (128, 128, 8, 2)
 # three computing warpgroups (160 registers each), so that a warpgroup's softmax, which at D = 64
 # outlasts one warpgroup's products, runs under two others' (H200, session 37, against
 # SM90_TILE_WS: full rows +3-6%, S16k 417 -> 443 TFLOP/s; causal rows 1-9% slower, their
-# diagonal tiles half again as wide: kept on SM90_TILE_WS)
+# diagonal tiles half again as wide: kept on SM90_TILE_WS). Since forward v18 (causal tiles longest
+# first) a causal mask alone takes it too past CAUSAL_WS3_ROWS query rows (H200, session 43,
+# alternated twice, against SM90_TILE_WS: B2 S8k 417 -> 440, B1 S16k 439 -> 467 TFLOP/s, +5-6.5%;
+# S4k 377 -> 380; S2k 326 -> 311, where the persistent grid of SM90_TILE_WS leads)
 SM90_TILE_WS3 = (192, 128, 12, 2)
+CAUSAL_WS3_ROWS = 2048
 # ... and with a score_mod: 64 keys a tile, as SM90_TILE_MODS and for its
 # reason, the first call's compile (NVRTC 13.x on the dev machine, softcap, D128: 1.44 s at 128 x
 # 128 against 1.13 s here and 0.91 s for SM90_TILE_MODS' kernel)
@@ -156,16 +160,24 @@ SM90_TILE_WS_MODS = (128, 64, 8, 2)
 # _Plan.upgrade). A score_mod with per-score loads keeps 64 keys (their registers).
 
 
-def fwd_ws_tile(score_mod=False, wide=False, plain64=False):
+def fwd_ws_tile(score_mod=False, wide=False, ws3=False):
     """(BLOCK_M, BLOCK_N, computing warps, STAGES) of the WS forward (score_mod: a call with one;
-    wide: the wide tile of a score_mod without per-score loads, SM90_TILE_WS; plain64: a plain
-    call at D = 64, SM90_TILE_WS3); the lab's ATTNEXT_TILE_FWD_WS fixes it."""
+    wide: the wide tile of a score_mod without per-score loads, SM90_TILE_WS; ws3: fwd_ws3's call,
+    SM90_TILE_WS3); the lab's ATTNEXT_TILE_FWD_WS fixes it."""
     env = _env.get("ATTNEXT_TILE_FWD_WS")
     if env:
         return tuple(int(x) for x in env.split(","))
     if score_mod:
         return SM90_TILE_WS if wide else SM90_TILE_WS_MODS
-    return SM90_TILE_WS3 if plain64 else SM90_TILE_WS
+    return SM90_TILE_WS3 if ws3 else SM90_TILE_WS
+
+
+def fwd_ws3(D, rows, causal, window, options, mods):
+    """Whether a WS forward takes SM90_TILE_WS3: D = 64 without generated mods (mods: a
+    codegen.Generated or None), window or score options (score_options'), with no causal mask, or
+    with one past CAUSAL_WS3_ROWS query rows (rows: the longest sequence's)."""
+    return (D == 64 and mods is None and not window and not options
+            and (not causal or rows > CAUSAL_WS3_ROWS))
 
 
 def fwd_ws_widens(mods):
@@ -231,7 +243,7 @@ PERSIST_Q_ROWS = 64
 
 
 def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", paged=False, tma=False, ws=False,
-               plain=False):
+               ws3=False):
     """(kernel source, tile) of the forward: kernels/attn_fwd_sm90.cu (wgmma) on sm_90a for
     16-byte-loadable inputs with D, Dv in {64, 128}, else kernels/attn_fwd.cu (mma.sync, every
     shape, and the decode paths). rows: the longest query sequence; mods: the generated
@@ -241,13 +253,12 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
     comparison). float32 runs attn_fwd.cu (TF32 mma.sync) everywhere, and so does a paged cache
     (paged: its key rows are gathered through the page table, PAGED). tma (decode_tma): a
     decode takes TMA_KV's tile (4 ints: the stages last); ws (fwd_ws): the WS kernel's first tile
-    (a score_mod's wide one, once compiled: fwd_ws_widens); plain: a call with no causal mask,
-    window, bias, mask, ALiBi or softcap (with no mods and D = 64: the WS kernel's 192-row tile)."""
+    (a score_mod's wide one, once compiled: fwd_ws_widens); ws3 (fwd_ws3): its 192-row tile."""
     if decode and tma:
         return "attn_fwd", decode_tma_tile()
     if ws and not decode:
         return "attn_fwd_sm90", fwd_ws_tile(mods is not None and bool(mods.defines.get("HAS_SCORE_MOD")),
-                                            plain64=plain and mods is None and D == 64)
+                                            ws3=ws3)
     if (arch == "sm_90a" and not decode and not paged and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
             and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
         env = _env.get("ATTNEXT_TILE_SM90")      # the kernel lab's override: "128,64,8"
@@ -400,7 +411,7 @@ def fwd_variants():
     return [("attn_fwd", fwd_defines(**v)) for v in out]
 
 
-def bwd_tile_config(D, Dv, dtype="bfloat16"):
+def bwd_tile_config(D, Dv, dtype="bfloat16", atomic=False):
     """The backward's tiles for head dims D, Dv: the one place that chooses. Returns a dict:
     kv_block_m, kv_warps, kv_split, kv_minb (dkdv: query rows per streamed tile; warps, 16 key
     rows each; dV and dK in two passes; CTAs per SM the registers must allow) and q_block_m,
@@ -413,7 +424,10 @@ def bwd_tile_config(D, Dv, dtype="bfloat16"):
     measured 1.05x (D=128) to 1.3x (D=64) faster than 8-warp CTAs. Shared memory stays under
     sm_80's 163 KB per CTA. Every choice gives the same bits: the products accumulate over 16-wide
     steps in the same order whatever the tile. float32 (twice the bytes): 32-key dQ tiles past
-    D = 64, so that the dQ kernel fits sm_80 too, 16-row / 16-key tiles up to D + Dv = 256."""
+    D = 64, so that the dQ kernel fits sm_80 too, 16-row / 16-key tiles up to D + Dv = 256, and
+    32-row dK/dV tiles up to D + Dv = 128 where that kernel adds dQ (atomic: its dS^T staged beside
+    K and V takes it to 123 KB at 64 rows, one CTA an SM; H200, lab_f32 s43, B4 S4k H16 D64
+    deterministic=False: 23.1 -> 16.4 ms, causal 12.5 -> 9.1; tf32 12.0 -> 9.0)."""
     env = _env.get("ATTNEXT_TILE_BWD")   # the kernel lab's override: "32,4,0,2,64,64,4,2"
     if env:
         keys = ("kv_block_m", "kv_warps", "kv_split", "kv_minb", "q_block_m", "q_block_n", "q_warps",
@@ -426,7 +440,7 @@ def bwd_tile_config(D, Dv, dtype="bfloat16"):
     wide = 64 if dtype == "float32" else 128
     q = dict(q_block_m=64, q_block_n=64 if dp <= wide else 32, q_warps=4, q_minb=2)
     if dp + dvp <= 128:
-        return dict(kv_block_m=64, kv_warps=4, kv_split=0, kv_minb=2, **q)
+        return dict(kv_block_m=32 if dtype == "float32" and atomic else 64, kv_warps=4, kv_split=0, kv_minb=2, **q)
     if dtype == "float32" and dp + dvp <= 256:
         # 16-row query tiles in dK/dV and 16-key tiles in dQ: 101 and 93 KB, two CTAs an SM on
         # Hopper (at 32 rows / keys, 135 and 118 KB: one). H200, D = 128 S = 4k (lab_f32
@@ -503,7 +517,7 @@ DQ_MODES = ("recompute", "atomic", "ordered")
 SHORT_KEYS = 1024
 
 
-def bwd_dq_mode(sm90, D, deterministic, Dv=None, k_rows=None):
+def bwd_dq_mode(sm90, D, deterministic, Dv=None, k_rows=None, f32_passes=0):
     """How the backward gets dQ:
       "recompute"  the dQ kernel recomputes S and dP per query tile and owns its rows (7 products;
                    the same bits every run);
@@ -518,12 +532,22 @@ def bwd_dq_mode(sm90, D, deterministic, Dv=None, k_rows=None):
     measured no faster). Dv: D's when not given. ATTNEXT_BWD_DQ names a mode for the lab and the
     tests; a mode a call does not allow falls back to the nearest it does. k_rows: the most keys
     a query row may see (the longest key sequence, or a narrower window's width: cuda_backend);
-    deterministic=False with at most SHORT_KEYS of them takes ordered too."""
+    deterministic=False with at most SHORT_KEYS of them takes ordered too. f32_passes: a float32
+    call's TF32 passes on sm_90a (3; 1 for precision="tf32"), else 0: deterministic=False past
+    SHORT_KEYS keys then takes attn_bwd.cu's atomic float32 path where it measured faster, at D =
+    Dv = 128 and, with three passes, D = Dv = 64 (H200, lab_f32 s43, B4 / B2 S4k H16, against the
+    recomputed dQ: 19.4 -> 16.4 ms at D64 (bwd_tile_config's 32-row tile), causal 11.6 -> 9.1;
+    D128 21.5 -> 18.2, causal 11.9 -> 10.2; tf32 D128 10.7 -> 10.1, causal 5.9 -> 5.5; tf32 D64
+    8.2 -> 9.0, kept recomputing)."""
     adds = sm90 and (D == 128 or (D == 64 and (Dv or D) == 64))   # the warp-specialised kernel takes it
+    f32_adds = (Dv or D) == D and (D == 128 and f32_passes or D == 64 and f32_passes == 3)
     mode = _env.get("ATTNEXT_BWD_DQ") or ""
     if mode not in DQ_MODES:
         short = k_rows is not None and k_rows <= SHORT_KEYS
-        mode = "recompute" if not adds else "ordered" if deterministic or short else "atomic"
+        if f32_adds:
+            mode = "recompute" if deterministic or short else "atomic"
+        else:
+            mode = "recompute" if not adds else "ordered" if deterministic or short else "atomic"
     if mode == "atomic" and deterministic:
         mode = "ordered"
     if mode == "ordered" and not adds:
@@ -673,7 +697,8 @@ def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
 
 def bwd_variants():
     """The backward variants warmup compiles: those of the forward's list (the backward has no
-    pack-GQA or split-KV variants), plus the lab's atomic dq path of the common head dims."""
+    pack-GQA or split-KV variants), plus the atomic dq path of the common head dims (the lab's;
+    float32's deterministic=False where bwd_dq_mode takes it)."""
     out = []
     for _, fd in fwd_variants():
         dtype = "float32" if fd.get("ELEM_F32") else "bfloat16" if fd["ELEM_BF16"] else "float16"
@@ -686,8 +711,8 @@ def bwd_variants():
                         tf32=fd.get("TF32_PASSES") == 1)
         out.append(bwd_defines(**features))
         if (not (fd["HAS_SOFTCAP"] or fd["HAS_BIAS"] or fd["HAS_MASK"]) and (D, Dv) in ((64, 64), (128, 128))
-                and (dtype != "float32" or fd.get("TF32_PASSES") == 3)):   # float32's: split products
-            out.append(bwd_defines(**features, dq="atomic"))
+                and (dtype != "float32" or bwd_dq_mode(False, D, False, Dv, None, fd["TF32_PASSES"]) == "atomic")):
+            out.append(bwd_defines(**{**features, "tile": bwd_tile_config(D, Dv, dtype, True)}, dq="atomic"))
     unique = {tuple(sorted(d.items())): d for d in out}
     return [("attn_bwd", d) for d in unique.values()]
 

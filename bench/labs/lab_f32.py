@@ -10,7 +10,9 @@ error printed beside its rate.
 
 --tiles: attnext's float32 rows again under each forward tile (ATTNEXT_TILE_FWD), beside the default.
 --bwd-tiles: attnext's backward (both precisions) again under each backward tile (ATTNEXT_TILE_BWD).
---atomic: attnext's backward (both precisions) again with dQ added by atomics in the dK/dV kernel
+attnext's backward runs deterministic (the default) and with deterministic=False ("nodet": dQ added
+by atomics in the dK/dV kernel where select.bwd_dq_mode takes it).
+--atomic: attnext's backward (both precisions) again with those atomics forced
 (ATTNEXT_BWD_DQ=atomic, deterministic=False), each backward tile too.
 """
 import argparse
@@ -106,17 +108,20 @@ def _backward(name, q, k, v, causal, flops, tiles=(), atomic=False):
     for precision in (None, "tf32"):
         out, lse = attnext.attention(q, k, v, causal=causal, return_lse=True, precision=precision)
         for tile in [None, *tiles]:
-            for dq in ("recompute", "atomic") if atomic else ("recompute",):
-                def run(out=out, lse=lse, precision=precision, tile=tile, dq=dq):
+            # (label, deterministic, ATTNEXT_BWD_DQ): the default, deterministic=False's own choice
+            # (select.bwd_dq_mode), and with --atomic the atomic dQ forced
+            for mode, deterministic, dq in (("", True, None), (" nodet", False, None)) + \
+                    ((" atomic", False, "atomic"),) * atomic:
+                def run(out=out, lse=lse, precision=precision, tile=tile, deterministic=deterministic, dq=dq):
                     _env.setenv("ATTNEXT_TILE_BWD", tile)
-                    _env.setenv("ATTNEXT_BWD_DQ", dq if dq == "atomic" else None)
+                    _env.setenv("ATTNEXT_BWD_DQ", dq)
                     try:
                         return attnext.attention_backward(dout, q, k, v, out, lse, causal=causal, precision=precision,
-                                                          deterministic=dq != "atomic").dq
+                                                          deterministic=deterministic).dq
                     finally:
                         _env.setenv("ATTNEXT_TILE_BWD", None)
                         _env.setenv("ATTNEXT_BWD_DQ", None)
-                label = f"attnext{' tf32' if precision else ''} bwd{' atomic' if dq == 'atomic' else ''}"
+                label = f"attnext{' tf32' if precision else ''} bwd{mode}"
                 impls[label + (" " + tile if tile else "")] = (run, False)
     for label, backend, tf32 in (("sdpa efficient bwd", SDPBackend.EFFICIENT_ATTENTION, False),
                                  ("sdpa math tf32 bwd", SDPBackend.MATH, True)):

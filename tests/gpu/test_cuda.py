@@ -107,7 +107,8 @@ def test_forward_kernels_with_every_option(kernel, d, dv, rng, monkeypatch):
 def _spy_ws(monkeypatch, rows=None):
     """(chosen, hopper): chosen collects whether each forward plan made from here on takes the
     warp-specialised kernel (the plans are cleared first); rows, a list, collects the WS plans'
-    (BLOCK_M, plain); hopper: whether the GPU is sm_90a."""
+    (BLOCK_M, ws3: whether select.fwd_ws3 asked for the 192-row tile); hopper: whether the GPU is
+    sm_90a."""
     from attnext.cuda import backend, select
     chosen = []
     fwd_kernel = select.fwd_kernel
@@ -116,7 +117,7 @@ def _spy_ws(monkeypatch, rows=None):
         chosen.append(bool(kw.get("ws", args[10] if len(args) > 10 else False)))
         kernel, tile = fwd_kernel(*args, **kw)
         if chosen[-1] and rows is not None:
-            rows.append((tile[0], args[11] if len(args) > 11 else kw.get("plain", False)))
+            rows.append((tile[0], args[11] if len(args) > 11 else kw.get("ws3", False)))
         return kernel, tile
     monkeypatch.setattr(select, "fwd_kernel", spy)
     backend.clear_plans()
@@ -142,7 +143,7 @@ def test_ws_forward_on_varlen_and_mods(d, rng, monkeypatch):
     q, k, v = make_varlen_qkv(rng, 3100, 3500, 4, 2, d, d, BF16)
     k[3433:], v[3433:] = np.inf, np.nan
     _check_forward(q, k, v, BF16, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
-    assert not hopper or ws_rows == [(192 if d == 64 else 128, True)], ws_rows       # a plain call
+    assert not hopper or ws_rows == [(192, True) if d == 64 else (128, False)], ws_rows       # a plain call
     for b in range(3):
         k[cu_k[b] + used_k[b]:cu_k[b + 1]], v[cu_k[b] + used_k[b]:cu_k[b + 1]] = np.inf, np.nan
     _check_forward(q, k, v, BF16, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used_k),
@@ -158,6 +159,39 @@ def test_ws_forward_on_varlen_and_mods(d, rng, monkeypatch):
     _check_forward(q, k, v, BF16, mask_mod=lambda b, h, qi, ki: (qi - ki) % 5 != 3,
                    score_mod=lambda s, b, h, qi, ki: s - 0.01 * np.abs(qi - ki))
     assert chosen and all(chosen) == hopper, chosen
+
+
+def test_causal_d64_past_2048_rows_takes_three_warpgroups(rng, monkeypatch):
+    """A causal mask alone at D = 64 past 2048 query rows runs the WS kernel's 192-row tile
+    (select.fwd_ws3), with the tiles longest first: causal both ways on tile edges (2500 = 13 x 192
+    + 4; 2049: 11 x 192 + 129, whose last tile's third warpgroup has no rows) with GQA, more keys
+    than queries and fewer, sinks, rows of huge finite scores, a varlen batch whose longest
+    sequence passes 2048 and a dense one with an exact count of tiles; each against the reference,
+    and on Hopper each plan's tile is the one asked for (a window, or 2048 rows, keep 128)."""
+    ws_rows = []
+    chosen, hopper = _spy_ws(monkeypatch, ws_rows)
+    q, k, v = make_qkv(rng, 2, 2500, 2600, 4, 2, 64, 64, BF16)
+    _check_forward(q, k, v, BF16, causal=True)
+    _check_forward(q, k, v, BF16, causal="top_left")
+    _check_forward(q, k, v, BF16, causal=True, sinks=randn(rng, (4,), np.float32))
+    _check_forward((q.astype(np.float32) * 3e4).astype(BF16), k, v, BF16, causal=True)   # huge finite scores
+    q, k, v = make_qkv(rng, 1, 2049, 1500, 6, 3, 64, 64, BF16)
+    _check_forward(q, k, v, BF16, causal=True)
+    _check_forward(q, k, v, BF16, causal="top_left")
+    q, k, v = make_qkv(rng, 1, 2304, 2304, 2, 2, 64, 64, BF16, layout="bhsd")
+    _check_forward(q, k, v, BF16, causal=True, layout="bhsd")
+    cu_q = np.array([0, 300, 2700, 2701], np.int32)
+    cu_k = np.array([0, 500, 3000, 3100], np.int32)
+    q, k, v = make_varlen_qkv(rng, 2701, 3100, 4, 4, 64, 64, BF16)
+    _check_forward(q, k, v, BF16, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k), causal=True)
+    three = len(ws_rows)
+    q, k, v = make_qkv(rng, 1, 2048, 2048, 2, 2, 64, 64, BF16)
+    _check_forward(q, k, v, BF16, causal=True)
+    q, k, v = make_qkv(rng, 1, 2500, 2500, 2, 2, 64, 64, BF16)
+    _check_forward(q, k, v, BF16, causal=True, window=(700, 0))
+    if hopper:
+        assert chosen and all(chosen), chosen
+        assert ws_rows == [(192, True)] * three + [(128, False)] * 2, ws_rows
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -219,10 +253,11 @@ def test_long_forward_with_every_option(kernel, d, rng, monkeypatch):
     chosen, hopper = _spy_ws(monkeypatch, ws_rows)
     q, k, v = make_qkv(rng, 2, 1050, 1333, 4, 2, d, d, BF16)
     _check_every_option(q, k, v, rng, windows=((300, 0), (500, 7)))
-    # the WS plans' row tiles: 192 at D = 64 for plain calls, else 128 (and at D = 128)
-    assert all(bm == (192 if d == 64 and plain else 128) for bm, plain in ws_rows), ws_rows
+    # the WS plans' row tiles: 192 at D = 64 for plain calls (and causal ones past 2048 rows, not
+    # these), else 128 (and at D = 128)
+    assert all(bm == (192 if ws3 else 128) for bm, ws3 in ws_rows), ws_rows
     ws = kernel != "two_warpgroups"
-    assert not (hopper and ws) or {plain for _, plain in ws_rows} == {True, False}, ws_rows
+    assert not (hopper and ws) or {ws3 for _, ws3 in ws_rows} == {d == 64, False}, ws_rows
     _check_forward(q, k, v, BF16, sinks=randn(rng, (4,), np.float32), causal=True)
     _check_forward((q.astype(np.float32) * 3e4).astype(BF16), k, v, BF16, causal=True)   # huge finite scores
     # plain calls again (D = 64: the three-warpgroup tile), with sinks, and the options without a band

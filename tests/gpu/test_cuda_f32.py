@@ -104,33 +104,42 @@ def test_varlen_with_padding(rng):
     assert (out[520:] == 0).all() and np.isneginf(lse[:, 520:]).all()
 
 
+@pytest.mark.parametrize("how", ["lab", "default"])
 @pytest.mark.parametrize("precision", [None, "tf32"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_atomic_dq(d, precision, rng, monkeypatch):
-    """The kernel lab's atomic dQ for float32 (ATTNEXT_BWD_DQ=atomic, deterministic=False): the
-    dK/dV kernel adds dS K into dq_accum by split TF32 products, in place of attn_bwd_dq's
-    recomputation; GQA, partial tiles and causal rows against the reference (precision="tf32" to
-    its own rule, compare_grads')."""
+def test_atomic_dq(d, precision, how, rng, monkeypatch):
+    """float32's atomic dQ (deterministic=False): the dK/dV kernel adds dS K into dq_accum by split
+    TF32 products, in place of attn_bwd_dq's recomputation. "lab": ATTNEXT_BWD_DQ=atomic asks for
+    it (213 keys); "default": past 1024 keys on Hopper it is the default at D = 128, and at D = 64
+    with three passes (select.bwd_dq_mode), with a 32-row dK/dV tile at D = 64, while
+    deterministic=True recomputes. GQA, partial tiles and causal rows against the reference
+    (precision="tf32" to its own rule, compare_grads')."""
     from attnext.cuda import backend, select
     backend.clear_plans()
     modes = []
     bwd_defines = select.bwd_defines
 
     def spy(**kw):
-        modes.append(kw.get("dq", "recompute"))
+        modes.append((kw.get("dq", "recompute"), kw["tile"]["kv_block_m"]))
         return bwd_defines(**kw)
     monkeypatch.setattr(select, "bwd_defines", spy)
-    monkeypatch.setenv("ATTNEXT_BWD_DQ", "atomic")
-    q, k, v = make_qkv(rng, 2, 150, 213, 4, 2, d, d, F32)
-    for causal in (False, True):
+    if how == "lab":
+        monkeypatch.setenv("ATTNEXT_BWD_DQ", "atomic")
+    q, k, v = make_qkv(rng, 2, 150, 213 if how == "lab" else 1100, 4, 2, d, d, F32)
+    for causal, deterministic in ((False, False), (True, False)) + (((True, True),) if how == "default" else ()):
         opts = dict(causal=causal, precision=precision)
         out, lse, r_out, _ = _forward(q, k, v, **opts)
         dout = rng.standard_normal(out.shape).astype(np.float32)
-        g = attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", deterministic=False, **opts)
+        g = attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", deterministic=deterministic, **opts)
         rg = reference.attention_backward(dout, q, k, v, out, lse, causal=causal)
         problems = compare_grads(g, rg, q, k, v, dout, out, r_out, None, opts)
         assert not problems, "\n".join(problems)
-    assert modes and all(m == "atomic" for m in modes), modes
+    if how == "lab":
+        assert modes and all(m == "atomic" for m, _ in modes), modes
+    elif backend.device_arch(0) == "sm_90a":
+        adds = d == 128 or precision is None
+        want = [("atomic", 32 if d == 64 else 16)] * 2 if adds else [("recompute", 64 if d == 64 else 16)] * 2
+        assert modes == want + [("recompute", 64 if d == 64 else 16)], modes
 
 
 @pytest.mark.parametrize("sq, hq, d", [(1, 32, 128), (3, 8, 64), (1, 8, 256)])

@@ -134,13 +134,17 @@ def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
         ("attn_fwd_sm90", select.SM90_TILE_WS_MODS)
     assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, window, ws=True) == ("attn_fwd_sm90", tile)
     assert select.fwd_kernel("sm_90a", 128, 128, True, True, 1, ws=True)[0] == "attn_fwd"   # decode: never WS
-    # a plain call at D = 64 (no band, bias, mask, ALiBi, softcap or mods): three computing warpgroups
-    # (192 rows); the others keep 128
-    assert select.fwd_kernel("sm_90a", 64, 64, True, False, 4096, ws=True, plain=True) == \
+    # D = 64 with no window, bias, mask, ALiBi, softcap or mods, and no causal mask or one past
+    # CAUSAL_WS3_ROWS rows: three computing warpgroups (192 rows); the others keep 128
+    long = select.CAUSAL_WS3_ROWS + 1
+    assert select.fwd_ws3(64, 1025, False, False, False, None) and select.fwd_ws3(64, long, True, False, False, None)
+    assert not select.fwd_ws3(64, select.CAUSAL_WS3_ROWS, True, False, False, None)
+    assert not any(select.fwd_ws3(*args) for args in [(128, long, False, False, False, None), (64, long, False, True, False, None),
+                                                      (64, long, False, False, True, None), (64, long, False, False, False, window),
+                                                      (64, long, True, False, False, softcap)])
+    assert select.fwd_kernel("sm_90a", 64, 64, True, False, 4096, ws=True, ws3=True) == \
         ("attn_fwd_sm90", select.SM90_TILE_WS3)
     assert select.fwd_kernel("sm_90a", 64, 64, True, False, 4096, ws=True) == ("attn_fwd_sm90", tile)
-    assert select.fwd_kernel("sm_90a", 64, 64, True, False, 4096, window, ws=True, plain=True) == ("attn_fwd_sm90", tile)
-    assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, ws=True, plain=True) == ("attn_fwd_sm90", tile)
     assert select.fwd_smem_bytes(64, 64, select.SM90_TILE_WS3, "attn_fwd_sm90", ws=True) <= 227 * 1024
     # the wide tile, once compiled, of a score_mod that loads from no array per score
     table, slopes = np.ones((2, 300), np.float32), np.ones(2, np.float32)
@@ -257,6 +261,16 @@ def test_dq_mode(monkeypatch):
     assert mode(True, 64, False, 64, 1024) == mode(True, 128, False, 128, 512) == "ordered"
     assert mode(True, 64, False, 64, 1025) == mode(True, 128, False, 128, 16384) == "atomic"
     assert mode(False, 64, False, 64, 512) == "recompute"
+    # float32 on Hopper (attn_bwd.cu): deterministic=False past 1024 keys adds dQ at D = Dv = 128,
+    # and at D = Dv = 64 with three TF32 passes; the dK/dV tile then 32 rows at D = 64
+    assert mode(False, 128, False, 128, 1025, 3) == mode(False, 128, False, 128, 1025, 1) == "atomic"
+    assert mode(False, 64, False, 64, 1025, 3) == "atomic" != mode(False, 64, False, 64, 1025, 1)
+    assert mode(False, 128, True, 128, 1025, 3) == mode(False, 128, False, 128, 1024, 3) == "recompute"
+    assert mode(False, 128, False, 64, 4096, 3) == mode(False, 96, False, 96, 4096, 3) == "recompute"
+    assert mode(False, 128, False, 128, 4096, 0) == "recompute"
+    tile = select.bwd_tile_config
+    assert tile(64, 64, "float32", True)["kv_block_m"] == 32 != tile(64, 64, "float32")["kv_block_m"]
+    assert tile(64, 64, "bfloat16", True) == tile(64, 64) and tile(128, 128, "float32", True) == tile(128, 128, "float32")
     write = select.bwd_dq_write_last   # the last turn writes dq: short keys, no mask_mod
     assert write("ordered", False, 1024) and not write("ordered", False, 1025)
     assert not write("ordered", True, 512) and not write("atomic", False, 512)
