@@ -644,7 +644,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
 
     def defines_of(tile):
         return select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen, paged=paged,
-                                  tma=tma, ws=ws, persist=persist)
+                                  tma=tma, ws=ws, persist=persist, sm90_f32=kernel == "attn_fwd_sm90_f32")
     wide_specs = ()
     if ws and select.fwd_ws_widens(gen) and generated not in _failed_wide:
         wide = select.fwd_ws_tile(True, wide=True)
@@ -652,7 +652,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
         if nvrtc.cached(wide_specs, arch):
             tile, wide_specs = wide, ()
     defines = defines_of(tile)
-    smem = select.fwd_smem_bytes(o.D, o.Dv, tile, kernel, features["dtype"], tma, ws, persist)
+    smem = select.fwd_smem_bytes(o.D, o.Dv, tile, kernel, features["dtype"], tma, ws, persist, features["tf32"])
     q_tiles = math.ceil(o.Sq * (o.Hq // o.Hk) / tile[0]) if pack else _query_tiles(rows, tile[0])
     grid = (q_tiles * splits, o.Hk if pack else o.Hq, o.B + (1 if o.varlen else 0))
     if persist:     # a CTA an SM (one fits), taking the B x Hq x q_tiles tiles in turn

@@ -26,7 +26,8 @@ MAX_SMEM_SM80 = 163 * 1024
 # _env.setenv() or _env.reload() takes effect at the next call.
 FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "ATTNEXT_FWD_SM90",
              "ATTNEXT_TILE_SM90", "ATTNEXT_DECODE_TMA", "ATTNEXT_TILE_DECODE_TMA", "ATTNEXT_FWD_WS",
-             "ATTNEXT_TILE_FWD_WS", "ATTNEXT_DECODE_COMBINE", "ATTNEXT_DEPENDENT_LAUNCH", "ATTNEXT_FWD_PERSIST")
+             "ATTNEXT_TILE_FWD_WS", "ATTNEXT_DECODE_COMBINE", "ATTNEXT_DEPENDENT_LAUNCH", "ATTNEXT_FWD_PERSIST",
+             "ATTNEXT_FWD_F32_SM90")
 BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_TMA", "ATTNEXT_BWD_DQ",
              "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_BWD_DQ_CHAINS", "ATTNEXT_TILE_SUMS")
 
@@ -259,6 +260,8 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
     if ws and not decode:
         return "attn_fwd_sm90", fwd_ws_tile(mods is not None and bool(mods.defines.get("HAS_SCORE_MOD")),
                                             ws3=ws3)
+    if fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype):
+        return "attn_fwd_sm90_f32", SM90_TILE_F32
     if (arch == "sm_90a" and not decode and not paged and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
             and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
         env = _env.get("ATTNEXT_TILE_SM90")      # the kernel lab's override: "128,64,8"
@@ -273,6 +276,20 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
     return "attn_fwd", decode_tile(D, Dv, dtype) if decode else tile_config(D, Dv, dtype)
 
 
+# attn_fwd_sm90_f32.cu's tile: 64 query rows, 32 keys, 8 warps (the splitter warpgroup and the
+# computing one), 2 stages of K and V parts
+SM90_TILE_F32 = (64, 32, 8, 2)
+
+
+def fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype):
+    """Whether a float32 forward runs attn_fwd_sm90_f32.cu (TF32 wgmma, operands split once per
+    CTA in shared memory): sm_90a, 16-byte-loadable rows, D and Dv in {64, 128}, no decode path
+    or paged cache. ATTNEXT_FWD_F32_SM90=1 takes it (the lab, until it measures faster)."""
+    return ((_env.get("ATTNEXT_FWD_F32_SM90") or "0") == "1" and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"
+            and arch == "sm_90a" and dtype == "float32" and vec and not decode and not paged
+            and D in (64, 128) and Dv in (64, 128))
+
+
 def sm90_staged_o_fits(D, Dv, tile):
     """attn_fwd_sm90.cu's static_assert: the output tile staged with padded rows (Dv + 8 wide)
     fits the Q and K buffers it reuses (128 x 64 at D = 64, Dv = 128 does not)."""
@@ -280,8 +297,12 @@ def sm90_staged_o_fits(D, Dv, tile):
     return bm * (Dv + 8) * 2 <= bm * D * 2 + 2 * bn * D * 2
 
 
-def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd", dtype="bfloat16", tma=False, ws=False, persist=False):
+def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd", dtype="bfloat16", tma=False, ws=False, persist=False,
+                   tf32=False):
     bm, bn = tile[:2]
+    if kernel == "attn_fwd_sm90_f32":  # Q's parts, then stages of K's and V^T's parts, 1024-aligned;
+        parts = 1 if tf32 else 2       # q_full, and full and empty a stage
+        return 4 * parts * (bm * D + tile[3] * bn * (D + Dv)) + 1024 + 8 * (1 + 2 * tile[3])
     if ws:            # Q, STAGES x K, STAGES x V swizzled, 1024-aligned, then 4 x STAGES + 1 mbarriers;
         # persist: a second Q, 8 more mbarriers and two int32 slots
         return 2 * ((1 + persist) * bm * D + tile[3] * bn * (D + Dv)) + 1024 + 32 * tile[3] + 8 + persist * 72
@@ -340,18 +361,21 @@ def entry_defines(defines, name):
 
 def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile,
                 pack_gqa=False, split_kv=False, mods=None, tf32=False, paged=False, tma=False, ws=False,
-                persist=False):
+                persist=False, sm90_f32=False):
     """The #defines of one forward variant. bias_dtype / alibi_dtype: a dtype name or None;
     tf32: float32 in single-pass TF32 (precision="tf32"); paged: k and v are a paged cache.
     tile: (BLOCK_M, BLOCK_N, NUM_WARPS[, MIN_BLOCKS: CTAs per SM the registers must allow]), or
     with tma (TMA_KV: a producer warp's bulk tensor copies) or ws (attn_fwd_sm90.cu's WS kernel)
-    (BLOCK_M, BLOCK_N, NUM_WARPS, STAGES); persist: the WS kernel as a persistent grid
-    (fwd_persist). mods: the generated score_mod / mask_mod (codegen.Generated) or None."""
+    (BLOCK_M, BLOCK_N, NUM_WARPS, STAGES), as is sm90_f32's (attn_fwd_sm90_f32.cu); persist: the WS
+    kernel as a persistent grid (fwd_persist). mods: the generated score_mod / mask_mod
+    (codegen.Generated) or None."""
     bm, bn, w = tile[:3]
+    staged = tma or ws or sm90_f32
     return mod_defines({
-        "MIN_BLOCKS": 1 if tma or ws or len(tile) < 4 else tile[3],
-        **({"TMA_KV": 1, "STAGES": tile[3]} if tma else {}),
-        **({"WS": 1, "STAGES": tile[3]} if ws else {}),
+        "MIN_BLOCKS": 1 if staged or len(tile) < 4 else tile[3],
+        **({"STAGES": tile[3]} if staged else {}),
+        **({"TMA_KV": 1} if tma else {}),
+        **({"WS": 1} if ws else {}),
         **({"PERSIST": 1} if persist else {}),
         "PACK_GQA": int(pack_gqa), "SPLIT_KV": int(split_kv), **dtype_defines(dtype, tf32),
         **({"PAGED": 1} if paged else {}),

@@ -6,9 +6,11 @@ first against SDPA's math backend in float64 (max|x - ref| / max|ref|; the backw
 error printed beside its rate.
 
     python bench/labs/lab_f32.py [--rows "4,2048,16,64;1,8192,16,128,causal"] [--tiles "128,64,4;64,64,4"]
-                                 [--bwd] [--bwd-tiles "16,4,0,2,64,32,4,2;..."] [--atomic]
+                                 [--sm90 0|1] [--bwd] [--bwd-tiles "16,4,0,2,64,32,4,2;..."] [--atomic]
 
 --tiles: attnext's float32 rows again under each forward tile (ATTNEXT_TILE_FWD), beside the default.
+--sm90: attnext's forward rows again with ATTNEXT_FWD_F32_SM90 set to this (the TF32 wgmma forward
+on or off), labelled "sm90=" the value.
 --bwd-tiles: attnext's backward (both precisions) again under each backward tile (ATTNEXT_TILE_BWD).
 attnext's backward runs deterministic (the default) and with deterministic=False ("nodet": dQ added
 by atomics in the dK/dV kernel where select.bwd_dq_mode takes it).
@@ -56,6 +58,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default=ROWS, help="B,S,H,D[,causal] separated by ';'")
     ap.add_argument("--tiles", default="", help="BLOCK_M,BLOCK_N,WARPS separated by ';'")
+    ap.add_argument("--sm90", default=None, help="ATTNEXT_FWD_F32_SM90 for a second set of attnext rows")
     ap.add_argument("--bwd", action="store_true", help="time the backward too")
     ap.add_argument("--bwd-tiles", default="", help="ATTNEXT_TILE_BWD values separated by ';'")
     ap.add_argument("--atomic", action="store_true", help="the backward with atomic dQ too")
@@ -82,17 +85,24 @@ def main():
         def ax(precision=None):
             return lambda: attnext.attention(q, k, v, causal=causal, out=out, precision=precision)
 
-        tiles = {f"attnext {t}": t for t in filter(None, args.tiles.split(";"))}
-        impls = {label: (ax(), False) for label in tiles}       # (the call, TF32 allowed in torch)
+        # per label the lab's settings: a forward tile, or the TF32 wgmma forward on or off
+        knobs = {f"attnext {t}": {"ATTNEXT_TILE_FWD": t} for t in filter(None, args.tiles.split(";"))}
+        if args.sm90 is not None:
+            knobs.update({f"attnext{p} sm90={args.sm90}": {"ATTNEXT_FWD_F32_SM90": args.sm90} for p in ("", " tf32")})
+        impls = {label: (ax("tf32" if " tf32" in label else None), False) for label in knobs}   # (the call, TF32 in torch)
         impls.update({"attnext": (ax(), False), "attnext tf32": (ax("tf32"), False),
                       "sdpa efficient": (sdpa(SDPBackend.EFFICIENT_ATTENTION), False),
                       "sdpa math": (sdpa(SDPBackend.MATH), False),
                       "sdpa math tf32": (sdpa(SDPBackend.MATH), True)})
         name = f"B{B} S{S} H{H} D{D}{' causal' if causal else ''}"
         for label, (fn, tf32) in impls.items():
-            _env.setenv("ATTNEXT_TILE_FWD", tiles.get(label))      # None: the default tile
-            _report(name, label, fn, ref, flops, tf32)
-        _env.setenv("ATTNEXT_TILE_FWD", None)
+            for knob, value in knobs.get(label, {}).items():
+                _env.setenv(knob, value)
+            try:
+                _report(name, label, fn, ref, flops, tf32)
+            finally:
+                for knob in knobs.get(label, {}):
+                    _env.setenv(knob, None)
         if args.bwd:
             _backward(name, q, k, v, causal, flops * 2.5, list(filter(None, args.bwd_tiles.split(";"))), args.atomic)
         del q, k, v, ref, out

@@ -104,6 +104,60 @@ def test_varlen_with_padding(rng):
     assert (out[520:] == 0).all() and np.isneginf(lse[:, 520:]).all()
 
 
+@pytest.mark.parametrize("precision", [None, "tf32"])
+def test_wgmma_forward_lab(precision, rng, monkeypatch):
+    """attn_fwd_sm90_f32.cu (ATTNEXT_FWD_F32_SM90=1, Hopper): TF32 wgmma with the operands split
+    once per CTA. Each head-dim pair it takes, causal and window bands, GQA, rows and keys past a
+    tile, sinks, every score option, varlen with padding, against the reference; its error within
+    3x NumPy float32's, and each call it applies to planned on that kernel."""
+    from attnext.cuda import backend, select
+    if backend.device_arch(0) != "sm_90a":
+        pytest.skip("attn_fwd_sm90_f32.cu is Hopper's")
+    monkeypatch.setenv("ATTNEXT_FWD_F32_SM90", "1")
+    backend.clear_plans()
+    kernels = []
+    fwd_kernel = select.fwd_kernel
+
+    def spy(arch, D, Dv, vec, decode, *a, **kw):
+        got = fwd_kernel(arch, D, Dv, vec, decode, *a, **kw)
+        kernels.append((got[0], vec and not decode))
+        return got
+    monkeypatch.setattr(select, "fwd_kernel", spy)
+    rule = F16 if precision else F32
+
+    def check(q, k, v, varlen=None, **opts):
+        out, lse, r_out, r_lse = _forward(q, k, v, varlen=varlen, precision=precision, **opts)
+        assert_close("out", out, r_out, rule)
+        if precision:       # TF32: float16's mantissa (test_tf32_is_single_pass_and_within_its_bound's rule)
+            assert_close("lse", lse, r_lse, F16)
+        else:
+            assert_lse_close(lse, r_lse, F32)
+        return out, lse
+    for d, dv in ((64, 64), (128, 128), (64, 128), (128, 64)):
+        q, k, v = make_qkv(rng, 2, 131, 197, 4, 2, d, dv, F32)
+        check(q, k, v)
+        check(q, k, v, causal=True)
+        check(q, k, v, window=(50, 7), sinks=randn(rng, (4,), np.float32))
+    q, k, v = make_qkv(rng, 2, 77, 150, 6, 2, 128, 128, F32, layout="bhsd")
+    check(q, k, v, layout="bhsd", bias=randn(rng, (6, 1, 150), np.float32), mask=rng.random((2, 1, 77, 150)) > 0.2,
+          alibi_slopes=rng.random(6).astype(np.float32), softcap=5.0, window=(40, 3), causal=True)
+    cu_q = np.array([0, 0, 37, 300, 301, 520], np.int32)
+    cu_k = np.array([0, 5, 5, 270, 400, 640], np.int32)
+    q, k, v = make_varlen_qkv(rng, 530, 650, 4, 2, 64, 64, F32)
+    out, lse = check(q, k, v, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                          seqused_q=np.array([0, 30, 263, 1, 100], np.int32)), causal=True)
+    assert (out[520:] == 0).all() and np.isneginf(lse[:, 520:]).all()
+    if precision is None:
+        q, k, v = make_qkv(rng, 2, 1024, 1024, 4, 4, 128, 128, F32)
+        out, _, r_out, _ = _forward(q, k, v)
+        base = np.abs(_numpy_f32(q, k, v, 128 ** -0.5) - r_out).max()
+        assert np.abs(out - r_out).max() <= 3 * base + 1e-7
+    # every call whose rows load 16 bytes at a time and that takes no decode path (packed GQA
+    # heads, split keys) took the kernel
+    takes = [k for k, fits in kernels if fits]
+    assert len(takes) >= 10 and set(takes) == {"attn_fwd_sm90_f32"}, kernels
+
+
 @pytest.mark.parametrize("how", ["lab", "default"])
 @pytest.mark.parametrize("precision", [None, "tf32"])
 @pytest.mark.parametrize("d", [64, 128])

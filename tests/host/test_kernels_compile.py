@@ -232,6 +232,32 @@ def test_sm90_forward_fits_shared_memory():
                                          persist=bool(d.get("PERSIST"))) <= 227 * 1024, d
 
 
+def test_hopper_float32_wgmma_forward_is_a_lab_path(monkeypatch):
+    """attn_fwd_sm90_f32.cu runs a float32 forward only under ATTNEXT_FWD_F32_SM90=1 (not yet the
+    default: bench/NOTES.md, float32 forward w1), on sm_90a, 16-byte rows, D and Dv in {64, 128},
+    no decode path or paged cache; it fits an SM's shared memory and compiles in both precisions."""
+    ok = dict(arch="sm_90a", D=128, Dv=128, vec=True, decode=False, paged=False, dtype="float32")
+    args = ("sm_90a", 128, 128, True, False, 4096)
+    assert not select.fwd_f32_sm90(**ok)
+    assert select.fwd_kernel(*args, dtype="float32")[0] == "attn_fwd"
+    monkeypatch.setenv("ATTNEXT_FWD_F32_SM90", "1")
+    assert select.fwd_f32_sm90(**ok) and select.fwd_f32_sm90(**{**ok, "D": 64, "Dv": 128})
+    assert select.fwd_kernel(*args, dtype="float32") == ("attn_fwd_sm90_f32", select.SM90_TILE_F32)
+    for change in (dict(arch="sm_80"), dict(D=96, Dv=96), dict(Dv=256), dict(vec=False), dict(decode=True),
+                   dict(paged=True), dict(dtype="bfloat16")):
+        assert not select.fwd_f32_sm90(**{**ok, **change}), change
+    for tf32 in (False, True):
+        for d in (64, 128):
+            assert select.fwd_smem_bytes(d, d, select.SM90_TILE_F32, "attn_fwd_sm90_f32", "float32",
+                                         tf32=tf32) <= 227 * 1024
+            defines = select.fwd_defines(dtype="float32", D=d, Dv=d, vec=True, softcap=True, bias_dtype="float32",
+                                         alibi_dtype="float32", mask=True, tile=select.SM90_TILE_F32, tf32=tf32,
+                                         sm90_f32=True)
+            assert defines["STAGES"] == select.SM90_TILE_F32[3] and defines["MIN_BLOCKS"] == 1
+            if os.environ.get("ATTNEXT_NO_NVRTC") != "1":
+                assert nvrtc.cubin("attn_fwd_sm90_f32", defines, "sm_90a")
+
+
 def test_hopper_backward_choice_and_shared_memory(monkeypatch):
     """attn_bwd_sm90 takes D, Dv in {64, 128} with 16-byte rows on sm_90a and fits 227 KB of
     shared memory in every tile the lab can ask for."""

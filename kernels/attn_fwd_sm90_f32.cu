@@ -1,0 +1,324 @@
+/* Float32 attention forward for Hopper (sm_90a): both products on warpgroup TF32 tensor-core
+ * instructions (wgmma m64nNk8), each operand split into TF32 parts x = hi + lo in shared memory
+ * once per CTA, so that hi*hi + hi*lo + lo*hi carries float32's accuracy (TF32_PASSES 3; 1: hi*hi
+ * alone, precision="tf32").
+ *
+ *   q (B, Sq, Hq, D)  k (B, Sk, Hk, D)  v (B, Sk, Hk, Dv)  ->  out (B, Sq, Hq, Dv), lse (B, Hq, Sq)
+ *
+ * Grid (query tiles, Hq, B [+1 under varlen]) as attn_fwd.cu. Block: two warpgroups.
+ *   The splitter (warpgroup 0) reads Q's 64 rows, then each key tile's K and V (last to first,
+ *   inside the causal / window band) from global memory into registers, the next tile's loads in
+ *   flight while it writes this one's parts: Q and K as 128-byte swizzled K-major tiles (wgmma.cuh),
+ *   V transposed (TF32 has no transposed B operand): row d of V^T holds the tile's 32 keys, keys
+ *   2t, 2t + 1 of each 8 at k positions t, t + 4, the order in which S's C fragments hand P's
+ *   values to the A operand of P V. Key rows past Lk are zeros. Stages: a ring of STAGES (full
+ *   when the splitter's 128 threads have written and fenced a tile, empty when the computing
+ *   warpgroup's P V of it is done).
+ *   The computing warpgroup (64 rows) issues S = Q K^T for tile i, then P V of tile i - 1 (its
+ *   parts from registers), runs tile i's softmax (attn_fwd_tile.cuh, the other kernels' code)
+ *   while P V runs, then adds P V's fresh accumulator to O.
+ * Accuracy: the tensor cores add each product into the accumulator truncated, so the small
+ * products of S go into their own accumulator (as attn_fwd.cu's mma_abt_f32), and each tile's
+ * P V into a fresh one (its small products first) added to O in float32.
+ *
+ * Applies to VEC_LOAD inputs with D and Dv in {64, 128} (select.fwd_kernel chooses); every option
+ * of the score hook, masks, causal / window and varlen as attn_fwd.cu. Switches beyond
+ * attn_common.cuh's: BLOCK_M (64), BLOCK_N (32), STAGES.
+ */
+#include "attn_fwd_tile.cuh"
+#include "wgmma.cuh"
+#include "sm90_pipe.cuh"
+
+#if !ELEM_F32 || !(HEAD_DIM == 64 || HEAD_DIM == 128) || !(HEAD_DIM_V == 64 || HEAD_DIM_V == 128) || !VEC_LOAD \
+    || PACK_GQA || SPLIT_KV || BLOCK_M != 64 || BLOCK_N != 32
+#error "attn_fwd_sm90_f32: float32, D and Dv in {64, 128}, 16-byte loads, 64 x 32 tiles, no decode switches"
+#endif
+#ifndef STAGES
+#define STAGES 2
+#endif
+#define THREADS 256                       /* the splitter warpgroup, then the computing one */
+#define NT (BLOCK_N / 8)                  /* n8 column groups of S per warp; k8 steps of P V */
+#define OT (HEAD_DIM_V / 8)               /* n8 column groups of O per warp */
+#define PARTS (TF32_PASSES == 3 ? 2 : 1)  /* hi (and lo) tiles of each operand */
+#define QP_BYTES (BLOCK_M * HEAD_DIM * 4) /* one part of Q */
+#define KP_BYTES (BLOCK_N * HEAD_DIM * 4)
+#define VP_BYTES (BLOCK_N * HEAD_DIM_V * 4)
+#define STAGE_BYTES (PARTS * (KP_BYTES + VP_BYTES))
+#define KL (BLOCK_N * HEAD_DIM / 4 / 128)   /* a splitter thread's 16-byte loads of a K tile */
+#define VL (BLOCK_N * HEAD_DIM_V / 4 / 128) /* ... and of a V tile */
+
+/* F (+)= P V for one k8 step (8 keys), P's part from registers. */
+DEV void pv_step(float (&f)[OT][4], const uint32_t (&a)[4], uint64_t dv, int accumulate)
+{
+#if HEAD_DIM_V == 128
+    wgmma_m64n128k8_tf32_rs(f, a, dv, accumulate);
+#else
+    wgmma_m64n64k8_tf32_rs(f, a, dv, accumulate);
+#endif
+}
+
+/* x's TF32 parts at hi and hi + lo_off (shared addresses): hi = x rounded, lo = (x - hi) rounded. */
+DEV void store_parts4(uint32_t hi, uint32_t lo_off, float4 x)
+{
+    uint32_t h[4], l[4];
+    split_tf32(x.x, h[0], l[0]);
+    split_tf32(x.y, h[1], l[1]);
+    split_tf32(x.z, h[2], l[2]);
+    split_tf32(x.w, h[3], l[3]);
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(hi), "r"(h[0]), "r"(h[1]), "r"(h[2]), "r"(h[3])
+                 : "memory");
+#if PARTS == 2
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(hi + lo_off), "r"(l[0]), "r"(l[1]), "r"(l[2]),
+                 "r"(l[3]) : "memory");
+#endif
+}
+
+DEV void store_parts1(uint32_t hi, uint32_t lo_off, float x)
+{
+    uint32_t h, l;
+    split_tf32(x, h, l);
+    asm volatile("st.shared.b32 [%0], %1;" ::"r"(hi), "r"(h) : "memory");
+#if PARTS == 2
+    asm volatile("st.shared.b32 [%0], %1;" ::"r"(hi + lo_off), "r"(l) : "memory");
+#endif
+}
+
+DEV float4 load4(const float *src, bool ok)
+{
+    return ok ? __ldg((const float4 *)src) : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+/* One key tile as a splitter thread holds it between its loads and its stores. K: 16-byte chunk
+ * c = tid % (D / 4) of rows tid / (D / 4) + j * 128 / (D / 4). V: in units of 8 keys x 4 chunks
+ * (a warp: lane & 7 the key, lane >> 3 the chunk; 64-byte runs of a row), unit u = warp + 4 j. */
+struct kv_tile {
+    float4 k[KL], v[VL];
+};
+
+DEV void load_kv(kv_tile &x, const float *gk, const float *gv, int64_t ks, int64_t vs, int c0, int Lk, int tid)
+{
+    constexpr int CH = HEAD_DIM / 4, RS = 128 / CH;
+#pragma unroll
+    for (int j = 0; j < KL; j++) {
+        const int r = tid / CH + j * RS;
+        x.k[j] = load4(gk + (c0 + r) * ks + (tid % CH) * 4, c0 + r < Lk);
+    }
+    const int warp = tid >> 5, o = tid & 7, cq = (tid >> 3) & 3;
+#pragma unroll
+    for (int j = 0; j < VL; j++) {
+        const int u = warp + 4 * j, key = (u % (BLOCK_N / 8)) * 8 + o, c = (u / (BLOCK_N / 8)) * 4 + cq;
+        x.v[j] = load4(gv + (c0 + key) * vs + c * 4, c0 + key < Lk);
+    }
+}
+
+/* The tile's parts into a stage at sK (K's hi, K's lo, V^T's hi, V^T's lo). */
+DEV void store_kv(const kv_tile &x, uint32_t sK, int tid)
+{
+    constexpr int CH = HEAD_DIM / 4, RS = 128 / CH;
+    const uint32_t sV = sK + PARTS * KP_BYTES;
+#pragma unroll
+    for (int j = 0; j < KL; j++)
+        store_parts4(sK + sw128_offset<BLOCK_N>(tid / CH + j * RS, tid % CH), KP_BYTES, x.k[j]);
+    const int warp = tid >> 5, o = tid & 7, cq = (tid >> 3) & 3;
+#pragma unroll
+    for (int j = 0; j < VL; j++) {
+        const int u = warp + 4 * j, kp = (u % (BLOCK_N / 8)) * 8 + (o >> 1) + 4 * (o & 1);
+        const int c = (u / (BLOCK_N / 8)) * 4 + cq;
+        const float e[4] = {x.v[j].x, x.v[j].y, x.v[j].z, x.v[j].w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int d = 4 * c + i;                     /* V^T's row: 128 bytes of 32 keys, swizzled */
+            store_parts1(sV + d * 128 + (((kp >> 2) ^ (d & 7)) << 4) + (kp & 3) * 4, VP_BYTES, e[i]);
+        }
+    }
+}
+
+#if ENTRY(attn_fwd_sm90_f32)
+extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const __grid_constant__ attn_params p)
+{
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    /* Q's parts, then STAGES stages (K hi, K lo, V^T hi, V^T lo), then the barriers: q_full, and
+     * full, empty STAGES each; 1024-byte aligned (select.fwd_smem_bytes adds the slack) */
+    const uint32_t sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const uint32_t sS = sQ + PARTS * QP_BYTES, bars = sS + STAGES * STAGE_BYTES;
+    const uint32_t q_full = bars, full = bars + 8, empty = bars + 8 + 8 * STAGES;
+
+    const int tid = threadIdx.x, warp = uniform_warp_index(), wg = warp >> 2;
+    const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (p.Hq / p.Hk);
+    if (b == p.B) {
+        zero_tail<BLOCK_M, THREADS>(p, h);
+        return;
+    }
+    seq_t sq, sk;
+    int m0, r_end, n_first = 0, n_last = -1;
+    sq = seq_q(&p, b);
+    sk = seq_k(&p, b);
+    m0 = ((int)gridDim.x - 1 - (int)blockIdx.x) * BLOCK_M;   /* x = 0: the last rows (the most keys under causal) */
+    if (m0 >= sq.rows)
+        return;
+    r_end = min(m0 + BLOCK_M, (int)sq.len);
+    const int Lq = (int)sq.len, Lk = (int)sk.len;
+    if (m0 < Lq) {
+        int64_t lo = 0, hi = 0;
+        kv_range(&p, m0, r_end, Lq, Lk, &lo, &hi);
+        n_first = (int)(lo / BLOCK_N);
+        n_last = hi > lo ? (int)((hi - 1) / BLOCK_N) : -1;
+    }
+    const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
+    mod_narrow(sc, 1, true, m0, r_end, BLOCK_N, Lk, n_first, n_last);   /* mask_mod's empty end tiles */
+
+    if (tid == 0) {
+        mbar_init(q_full, 128);
+        for (int st = 0; st < STAGES; st++) {
+            mbar_init(full + 8 * st, 128);
+            mbar_init(empty + 8 * st, 128);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 0) {                                       /* the splitter */
+        if (n_last < n_first)
+            return;
+        const float *gq = (const float *)p.q.ptr + sq.mem_b * p.q.s[0] + sq.start * p.q.s[1] + h * p.q.s[2];
+        const float *gk = (const float *)p.k.ptr + sk.mem_b * p.k.s[0] + sk.start * p.k.s[1] + hk * p.k.s[2];
+        const float *gv = (const float *)p.v.ptr + sk.mem_b * p.v.s[0] + sk.start * p.v.s[1] + hk * p.v.s[2];
+        const int64_t ks = p.k.s[1], vs = p.v.s[1];
+        kv_tile x;
+        load_kv(x, gk, gv, ks, vs, n_last * BLOCK_N, Lk, tid);
+        {   /* Q's 64 rows, rows past the real ones zero */
+            constexpr int CH = HEAD_DIM / 4, RS = 128 / CH;
+#pragma unroll 4
+            for (int j = 0; j < BLOCK_M / RS; j++) {
+                const int r = tid / CH + j * RS;
+                store_parts4(sQ + sw128_offset<BLOCK_M>(r, tid % CH), QP_BYTES,
+                             load4(gq + (m0 + r) * p.q.s[1] + (tid % CH) * 4, m0 + r < r_end));
+            }
+            fence_proxy_async();
+            mbar_arrive(q_full);
+        }
+        for (int i = 0, n = n_last; n >= n_first; i++, n--) {
+            kv_tile next;
+            if (n > n_first)
+                load_kv(next, gk, gv, ks, vs, (n - 1) * BLOCK_N, Lk, tid);
+            const int st = i % STAGES;
+            if (i >= STAGES)
+                mbar_wait(empty + 8 * st, (i / STAGES - 1) & 1);
+            store_kv(x, sS + st * STAGE_BYTES, tid);
+            fence_proxy_async();
+            mbar_arrive(full + 8 * st);
+            x = next;
+        }
+        return;
+    }
+
+    /* the computing warpgroup: warp w (of 4) owns rows 16w.. of the tile */
+    const int row0 = m0 + (warp - 4) * 16;
+    float o[1][OT][4];
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    zero_acc(o);
+    if (n_last < n_first) {
+        write_out(p, sq, sc.to_natural, o, m, l, row0, b, h, 1, 0, Lq);
+        return;
+    }
+    const uint64_t dq0 = uniform_desc(sw128_desc(sQ, 16, 1024));
+    /* S = Q K^T of the stage's tile: the small products into ss, hi * hi into sb */
+    auto issue_s = [&](float (&sb)[NT][4], float (&ss)[NT][4], int st) {
+        const uint64_t dk0 = uniform_desc(sw128_desc(sS + st * STAGE_BYTES, 16, 1024));
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 8; kk++) {
+            const uint32_t qa = (kk >> 2) * (BLOCK_M * 128) + (kk & 3) * 32, ka = (kk >> 2) * (BLOCK_N * 128) + (kk & 3) * 32;
+            wgmma_m64n32k8_tf32_ss(sb, dq0 + desc_step(qa), dk0 + desc_step(ka), kk > 0);
+#if PARTS == 2
+            wgmma_m64n32k8_tf32_ss(ss, dq0 + desc_step(qa), dk0 + desc_step(KP_BYTES + ka), kk > 0);
+            wgmma_m64n32k8_tf32_ss(ss, dq0 + desc_step(QP_BYTES + qa), dk0 + desc_step(ka), 1);
+#endif
+        }
+        wgmma_commit();
+    };
+    /* F = P V of the stage's tile, P's parts in registers (ph, pl): the small products first */
+    float f[OT][4];
+    auto issue_pv = [&](const uint32_t (&ph)[NT][4], const uint32_t (&pl)[NT][4], int st) {
+        const uint64_t dv0 = uniform_desc(sw128_desc(sS + st * STAGE_BYTES + PARTS * KP_BYTES, 16, 1024));
+        wgmma_fence();
+#if PARTS == 2
+#pragma unroll
+        for (int kk = 0; kk < NT; kk++) {
+            pv_step(f, ph[kk], dv0 + desc_step(VP_BYTES + kk * 32), kk > 0);
+            pv_step(f, pl[kk], dv0 + desc_step(kk * 32), 1);
+        }
+#endif
+#pragma unroll
+        for (int kk = 0; kk < NT; kk++)
+            pv_step(f, ph[kk], dv0 + desc_step(kk * 32), PARTS == 2 || kk > 0);
+        wgmma_commit();
+    };
+    /* tile n's scores (the sum of sb and ss) become P in s; corrs: O's factors */
+    auto softmax = [&](const float (&sb)[NT][4], const float (&ss)[NT][4], int n, float (&s)[1][NT][4],
+                       float (&corrs)[2]) {
+        const bool need = tile_needs_mask(p, sc, m0, BLOCK_M, r_end, n * BLOCK_N, BLOCK_N, 1, Lq, Lk);
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                s[0][j][e] = PARTS == 2 ? sb[j][e] + ss[j][e] : sb[j][e];
+        score_tile(p, sc, s, row0, n * BLOCK_N, need, 1, Lq, Lk);
+        softmax_update(s, m, l, corrs, sc.to_log2);
+    };
+    /* P's parts as the A operand: k = t, t + 4 of step kk hold keys 2t, 2t + 1 (C fragment
+     * elements 0, 2 and 1, 3); written only once the P V that reads the last ones is done */
+    auto p_parts = [&](const float (&s)[1][NT][4], uint32_t (&ph)[NT][4], uint32_t (&pl)[NT][4]) {
+#pragma unroll
+        for (int kk = 0; kk < NT; kk++) {
+            const float a[4] = {s[0][kk][0], s[0][kk][2], s[0][kk][1], s[0][kk][3]};
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                split_tf32(a[e], ph[kk][e], pl[kk][e]);
+        }
+    };
+    /* O += F, the last tile's P V */
+    auto add_f = [&]() {
+#pragma unroll
+        for (int j = 0; j < OT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                o[0][j][e] += f[j][e];
+    };
+
+    mbar_wait(q_full, 0);
+    uint32_t ph[NT][4], pl[NT][4];
+    {
+        float sb[NT][4], ss[NT][4], s[1][NT][4], corrs[2];
+        mbar_wait(full, 0);
+        issue_s(sb, ss, 0);
+        wgmma_wait<0>();
+        fence_acc(sb);
+        fence_acc(ss);
+        softmax(sb, ss, n_last, s, corrs);
+        p_parts(s, ph, pl);
+    }
+    for (int i = 1, n = n_last - 1; n >= n_first; i++, n--) {
+        const int st = i % STAGES, prev = (i - 1) % STAGES;
+        float sb[NT][4], ss[NT][4], s[1][NT][4], corrs[2];
+        mbar_wait(full + 8 * st, (i / STAGES) & 1);
+        issue_s(sb, ss, st);
+        issue_pv(ph, pl, prev);
+        wgmma_wait<1>();                                 /* S of tile i; P V of tile i - 1 may still run */
+        fence_acc(sb);
+        fence_acc(ss);
+        softmax(sb, ss, n, s, corrs);
+        wgmma_wait<0>();
+        fence_acc(f);
+        mbar_arrive(empty + 8 * prev);
+        add_f();
+        rescale_o(o, corrs);
+        p_parts(s, ph, pl);
+    }
+    issue_pv(ph, pl, (n_last - n_first) % STAGES);
+    wgmma_wait<0>();
+    fence_acc(f);
+    add_f();
+    write_out(p, sq, sc.to_natural, o, m, l, row0, b, h, 1, 0, Lq);
+}
+#endif
