@@ -17,11 +17,13 @@
  *   The computing warpgroup (64 rows) issues S = Q K^T for tile i, then P V of tile i - 1 (its
  *   parts from registers), runs tile i's softmax (attn_fwd_tile.cuh, the other kernels' code)
  *   while P V runs, then adds P V's fresh accumulator to O.
- * Accuracy: the tensor cores add each product into the accumulator truncated, so the small
- * products of S go into their own accumulator (as attn_fwd.cu's mma_abt_f32), and each tile's
- * P V into a fresh one (its small products first) added to O in float32.
+ * Accuracy: the tensor cores add each product into the accumulator truncated, so errors of one
+ * sign pile up in a large sum: S's small products are summed first, then the hi * hi steps meet
+ * that sum once each (as many truncations as attn_fwd.cu's mma_abt_f32, whose small products
+ * have an accumulator of their own: a register file short here), and each tile's P V goes into a
+ * fresh accumulator (its small products first) added to O in float32.
  *
- * Applies to VEC_LOAD inputs with D and Dv in {64, 128} (select.fwd_kernel chooses); every option
+ * Applies to VEC_LOAD inputs with D and Dv in {64, 128} (select.fwd_f32_sm90 chooses); every option
  * of the score hook, masks, causal / window and varlen as attn_fwd.cu. Switches beyond
  * attn_common.cuh's: BLOCK_M (64), BLOCK_N (32), STAGES.
  */
@@ -89,8 +91,10 @@ DEV float4 load4(const float *src, bool ok)
 }
 
 /* One key tile as a splitter thread holds it between its loads and its stores. K: 16-byte chunk
- * c = tid % (D / 4) of rows tid / (D / 4) + j * 128 / (D / 4). V: in units of 8 keys x 4 chunks
- * (a warp: lane & 7 the key, lane >> 3 the chunk; 64-byte runs of a row), unit u = warp + 4 j. */
+ * c = tid % (D / 4) of rows tid / (D / 4) + j * 128 / (D / 4). V: in units of 16 keys x 2 chunks
+ * (a warp: lane & 15 the key, lane >> 4 the chunk; 32-byte runs of a row, a whole sector), unit
+ * u = warp + 4 j: keys 16 (u % 2).., chunks 2 (u / 2).. . Each store of V^T then meets 32 banks:
+ * 4 key columns a 16-byte chunk, 8 chunks by the swizzle of 2 rows' parities. */
 struct kv_tile {
     float4 k[KL], v[VL];
 };
@@ -103,10 +107,10 @@ DEV void load_kv(kv_tile &x, const float *gk, const float *gv, int64_t ks, int64
         const int r = tid / CH + j * RS;
         x.k[j] = load4(gk + (c0 + r) * ks + (tid % CH) * 4, c0 + r < Lk);
     }
-    const int warp = tid >> 5, o = tid & 7, cq = (tid >> 3) & 3;
+    const int warp = tid >> 5, kl = tid & 15, cq = (tid >> 4) & 1;
 #pragma unroll
     for (int j = 0; j < VL; j++) {
-        const int u = warp + 4 * j, key = (u % (BLOCK_N / 8)) * 8 + o, c = (u / (BLOCK_N / 8)) * 4 + cq;
+        const int u = warp + 4 * j, key = (u % 2) * 16 + kl, c = (u / 2) * 2 + cq;
         x.v[j] = load4(gv + (c0 + key) * vs + c * 4, c0 + key < Lk);
     }
 }
@@ -119,11 +123,11 @@ DEV void store_kv(const kv_tile &x, uint32_t sK, int tid)
 #pragma unroll
     for (int j = 0; j < KL; j++)
         store_parts4(sK + sw128_offset<BLOCK_N>(tid / CH + j * RS, tid % CH), KP_BYTES, x.k[j]);
-    const int warp = tid >> 5, o = tid & 7, cq = (tid >> 3) & 3;
+    const int warp = tid >> 5, kl = tid & 15, cq = (tid >> 4) & 1;
 #pragma unroll
     for (int j = 0; j < VL; j++) {
-        const int u = warp + 4 * j, kp = (u % (BLOCK_N / 8)) * 8 + (o >> 1) + 4 * (o & 1);
-        const int c = (u / (BLOCK_N / 8)) * 4 + cq;
+        const int u = warp + 4 * j, key = (u % 2) * 16 + kl, kp = (key & ~7) + ((key & 7) >> 1) + 4 * (key & 1);
+        const int c = (u / 2) * 2 + cq;
         const float e[4] = {x.v[j].x, x.v[j].y, x.v[j].z, x.v[j].w};
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -222,18 +226,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
         return;
     }
     const uint64_t dq0 = uniform_desc(sw128_desc(sQ, 16, 1024));
-    /* S = Q K^T of the stage's tile: the small products into ss, hi * hi into sb */
-    auto issue_s = [&](float (&sb)[NT][4], float (&ss)[NT][4], int st) {
+    /* S = Q K^T of the stage's tile: the small products first, then hi * hi (the accumulator's
+     * truncating adds then meet the small sum once, not at every step) */
+    auto issue_s = [&](float (&s)[1][NT][4], int st) {
         const uint64_t dk0 = uniform_desc(sw128_desc(sS + st * STAGE_BYTES, 16, 1024));
         wgmma_fence();
+#if PARTS == 2
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 8; kk++) {
             const uint32_t qa = (kk >> 2) * (BLOCK_M * 128) + (kk & 3) * 32, ka = (kk >> 2) * (BLOCK_N * 128) + (kk & 3) * 32;
-            wgmma_m64n32k8_tf32_ss(sb, dq0 + desc_step(qa), dk0 + desc_step(ka), kk > 0);
-#if PARTS == 2
-            wgmma_m64n32k8_tf32_ss(ss, dq0 + desc_step(qa), dk0 + desc_step(KP_BYTES + ka), kk > 0);
-            wgmma_m64n32k8_tf32_ss(ss, dq0 + desc_step(QP_BYTES + qa), dk0 + desc_step(ka), 1);
+            wgmma_m64n32k8_tf32_ss(s[0], dq0 + desc_step(qa), dk0 + desc_step(KP_BYTES + ka), kk > 0);
+            wgmma_m64n32k8_tf32_ss(s[0], dq0 + desc_step(QP_BYTES + qa), dk0 + desc_step(ka), 1);
+        }
 #endif
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 8; kk++) {
+            const uint32_t qa = (kk >> 2) * (BLOCK_M * 128) + (kk & 3) * 32, ka = (kk >> 2) * (BLOCK_N * 128) + (kk & 3) * 32;
+            wgmma_m64n32k8_tf32_ss(s[0], dq0 + desc_step(qa), dk0 + desc_step(ka), PARTS == 2 || kk > 0);
         }
         wgmma_commit();
     };
@@ -254,15 +263,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
             pv_step(f, ph[kk], dv0 + desc_step(kk * 32), PARTS == 2 || kk > 0);
         wgmma_commit();
     };
-    /* tile n's scores (the sum of sb and ss) become P in s; corrs: O's factors */
-    auto softmax = [&](const float (&sb)[NT][4], const float (&ss)[NT][4], int n, float (&s)[1][NT][4],
-                       float (&corrs)[2]) {
+    /* tile n's scores in s become P; corrs: O's factors */
+    auto softmax = [&](float (&s)[1][NT][4], int n, float (&corrs)[2]) {
         const bool need = tile_needs_mask(p, sc, m0, BLOCK_M, r_end, n * BLOCK_N, BLOCK_N, 1, Lq, Lk);
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                s[0][j][e] = PARTS == 2 ? sb[j][e] + ss[j][e] : sb[j][e];
         score_tile(p, sc, s, row0, n * BLOCK_N, need, 1, Lq, Lk);
         softmax_update(s, m, l, corrs, sc.to_log2);
     };
@@ -289,25 +292,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
     mbar_wait(q_full, 0);
     uint32_t ph[NT][4], pl[NT][4];
     {
-        float sb[NT][4], ss[NT][4], s[1][NT][4], corrs[2];
+        float s[1][NT][4], corrs[2];
         mbar_wait(full, 0);
-        issue_s(sb, ss, 0);
+        issue_s(s, 0);
         wgmma_wait<0>();
-        fence_acc(sb);
-        fence_acc(ss);
-        softmax(sb, ss, n_last, s, corrs);
+        fence_acc(s[0]);
+        softmax(s, n_last, corrs);
         p_parts(s, ph, pl);
     }
     for (int i = 1, n = n_last - 1; n >= n_first; i++, n--) {
         const int st = i % STAGES, prev = (i - 1) % STAGES;
-        float sb[NT][4], ss[NT][4], s[1][NT][4], corrs[2];
+        float s[1][NT][4], corrs[2];
         mbar_wait(full + 8 * st, (i / STAGES) & 1);
-        issue_s(sb, ss, st);
+        issue_s(s, st);
         issue_pv(ph, pl, prev);
         wgmma_wait<1>();                                 /* S of tile i; P V of tile i - 1 may still run */
-        fence_acc(sb);
-        fence_acc(ss);
-        softmax(sb, ss, n, s, corrs);
+        fence_acc(s[0]);
+        softmax(s, n, corrs);
         wgmma_wait<0>();
         fence_acc(f);
         mbar_arrive(empty + 8 * prev);

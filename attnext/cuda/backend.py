@@ -608,9 +608,14 @@ def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None):
 _failed_wide = set()    # the generated sources whose wide forward failed to compile: not tried again
 
 
+def _windowed(o):
+    """Whether a window bands the keys each query row sees."""
+    return o.window_left >= 0 or o.window_right >= 0
+
+
 def _banded(o):
     """Whether a causal mask or a window bands the keys each query row sees."""
-    return o.causal_code != 0 or o.window_left >= 0 or o.window_right >= 0
+    return o.causal_code != 0 or _windowed(o)
 
 
 def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgrade=True):
@@ -629,10 +634,10 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     # key_rows: the rows of k's tensor (varlen: the packed rows), which a copy's box may not exceed
     ws = not decode and select.fwd_ws(arch, o.D, o.Dv, features["vec"], rows, o.k4.shape[1], features["dtype"],
                                       copyable)
-    ws3 = select.fwd_ws3(o.D, rows, o.causal_code != 0, o.window_left >= 0 or o.window_right >= 0,
+    ws3 = select.fwd_ws3(o.D, rows, o.causal_code != 0, _windowed(o),
                          select.score_options(features), gen)
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
-                                     features["dtype"], paged, tma, ws, ws3)
+                                     features["dtype"], paged, tma, ws, ws3, features["tf32"])
     # the persistent grid: a dense batch whose q a tensor map can describe, in tiles an int32
     # counts, with a second Q beside the tile in shared memory
     row_tiles = _query_tiles(rows, tile[0])
@@ -834,7 +839,7 @@ def _slices(o):
 
 def _rows_sliceable(o):
     """Whether _slices may cut o's query rows (see there)."""
-    if (o.causal_code == 0 or o.Sq != o.Sk or o.window_left >= 0 or o.window_right >= 0
+    if (o.causal_code == 0 or o.Sq != o.Sk or _windowed(o)
             or o.alibi is not None or o.used_q is not None or o.used_k is not None or o.layout != "bshd"):
         return False
     return all(isinstance(x, np.ndarray) and x.flags.c_contiguous for x in (o.q4, o.k4, o.v4))
@@ -976,7 +981,7 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     # then meets as few query tiles, and a query tile as few key blocks, as at that many keys)
     lo, hi = lower.kept_span(o, None if o.varlen or o.used_q is not None or o.used_k is not None else o.Sk - o.Sq)
     reach = k_rows if math.isinf(hi - lo) else min(k_rows, max(int(hi - lo) + 1, 0))
-    f32_passes = (1 if features["tf32"] else 3) if features["dtype"] == "float32" and arch == "sm_90a" else 0
+    f32_passes = select.dtype_defines(features["dtype"], features["tf32"]).get("TF32_PASSES", 0) if arch == "sm_90a" else 0
     dq_mode = "recompute" if grads else select.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach, f32_passes)
     atomic = dq_mode != "recompute"
     tile = select.bwd_tile_config(o.D, o.Dv, features["dtype"], atomic)

@@ -244,15 +244,16 @@ PERSIST_Q_ROWS = 64
 
 
 def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", paged=False, tma=False, ws=False,
-               ws3=False):
+               ws3=False, tf32=False):
     """(kernel source, tile) of the forward: kernels/attn_fwd_sm90.cu (wgmma) on sm_90a for
     16-byte-loadable inputs with D, Dv in {64, 128}, else kernels/attn_fwd.cu (mma.sync, every
     shape, and the decode paths). rows: the longest query sequence; mods: the generated
     score_mod / mask_mod compiled in (codegen.Generated) or None: a score_mod takes
     SM90_TILE_MODS where its staged output fits (sm90_staged_o_fits), a mask_mod alone the
     plain tiles. ATTNEXT_FWD_SM90=0 keeps Hopper on attn_fwd.cu (the lab's and the tests'
-    comparison). float32 runs attn_fwd.cu (TF32 mma.sync) everywhere, and so does a paged cache
-    (paged: its key rows are gathered through the page table, PAGED). tma (decode_tma): a
+    comparison). float32 runs attn_fwd.cu (TF32 mma.sync), or on Hopper attn_fwd_sm90_f32.cu where
+    fwd_f32_sm90 says (tf32: precision="tf32"); a paged cache runs attn_fwd.cu (paged: its key rows
+    are gathered through the page table, PAGED). tma (decode_tma): a
     decode takes TMA_KV's tile (4 ints: the stages last); ws (fwd_ws): the WS kernel's first tile
     (a score_mod's wide one, once compiled: fwd_ws_widens); ws3 (fwd_ws3): its 192-row tile."""
     if decode and tma:
@@ -260,7 +261,7 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
     if ws and not decode:
         return "attn_fwd_sm90", fwd_ws_tile(mods is not None and bool(mods.defines.get("HAS_SCORE_MOD")),
                                             ws3=ws3)
-    if fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype):
+    if fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32):
         return "attn_fwd_sm90_f32", SM90_TILE_F32
     if (arch == "sm_90a" and not decode and not paged and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
             and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
@@ -281,13 +282,20 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
 SM90_TILE_F32 = (64, 32, 8, 2)
 
 
-def fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype):
+def fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32=False):
     """Whether a float32 forward runs attn_fwd_sm90_f32.cu (TF32 wgmma, operands split once per
-    CTA in shared memory): sm_90a, 16-byte-loadable rows, D and Dv in {64, 128}, no decode path
-    or paged cache. ATTNEXT_FWD_F32_SM90=1 takes it (the lab, until it measures faster)."""
-    return ((_env.get("ATTNEXT_FWD_F32_SM90") or "0") == "1" and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"
-            and arch == "sm_90a" and dtype == "float32" and vec and not decode and not paged
-            and D in (64, 128) and Dv in (64, 128))
+    CTA in shared memory) where it applies: sm_90a, 16-byte-loadable rows, D and Dv in {64, 128},
+    no decode path or paged cache. By default three passes at D = Dv = 128 (H200, s44: 61.2 / 58.6
+    TFLOP/s full / causal against attn_fwd.cu's 54.5 / 46.4); at D = 64 the two are within 2%, and
+    precision="tf32" runs attn_fwd.cu faster (123 against 94: bench/NOTES.md, float32 forward w2).
+    ATTNEXT_FWD_F32_SM90=1 takes it wherever it applies, 0 nowhere (the lab's and the tests')."""
+    if not (arch == "sm_90a" and dtype == "float32" and vec and not decode and not paged
+            and D in (64, 128) and Dv in (64, 128) and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
+        return False
+    env = _env.get("ATTNEXT_FWD_F32_SM90")
+    if env in ("0", "1"):
+        return env == "1"
+    return D == Dv == 128 and not tf32
 
 
 def sm90_staged_o_fits(D, Dv, tile):
@@ -744,8 +752,8 @@ def bwd_variants():
 def sm90_fwd_variants():
     """attn_fwd_sm90's variants (sm_90a only): both dtypes, the head dims it takes (the WS kernel's
     too where D = Dv), and each feature on its own at D = 128 on the WS kernel, its plain tiles
-    also as a persistent grid; and attn_fwd.cu's
-    TMA_KV decode (packed GQA, split or not, contiguous or paged)."""
+    also as a persistent grid; attn_fwd.cu's TMA_KV decode (packed GQA, split or not, contiguous
+    or paged); and attn_fwd_sm90_f32.cu's float32 at D = Dv = 128."""
     out = []
     for dtype in ("bfloat16", "float16"):
         for D, Dv in ((64, 64), (128, 128), (128, 64), (64, 128)):
@@ -768,7 +776,10 @@ def sm90_fwd_variants():
                    mask=False, tile=DECODE_TMA_TILE, pack_gqa=True, split_kv=split, tma=True)
               for dtype in ("bfloat16", "float16") for D in (64, 128) for split in (True, False)]
     decode += [{**decode[0], "paged": True}]
-    return [("attn_fwd_sm90", fwd_defines(**v)) for v in out] + [("attn_fwd", fwd_defines(**v)) for v in decode]
+    f32 = dict(dtype="float32", D=128, Dv=128, vec=True, softcap=False, bias_dtype=None, alibi_dtype=None,
+               mask=False, tile=SM90_TILE_F32, sm90_f32=True)      # the float32 forward fwd_f32_sm90 takes
+    return ([("attn_fwd_sm90", fwd_defines(**v)) for v in out] + [("attn_fwd", fwd_defines(**v)) for v in decode]
+            + [("attn_fwd_sm90_f32", fwd_defines(**f32))])
 
 
 def sm90_bwd_variants():

@@ -13,6 +13,10 @@ passing turns on named barriers) plain, causal, with a score_mod on its 64-key a
 and with varlen keys, and the backward's dK/dV and dQ kernels; each result against the
 reference (a varlen backward's too: its Q and dO by bulk copies and by cp.async). Skipped off
 Hopper.
+
+memcheck, racecheck and synccheck over Hopper's float32 forward (attn_fwd_sm90_f32.cu: a splitter
+warpgroup writing each tile's TF32 parts into mbarrier stages, the computing warpgroup's wgmma
+reading them), at both head dims and precisions, dense, causal, windowed and varlen.
 """
 import os
 import shutil
@@ -189,6 +193,63 @@ def test_hopper_kernels_under_racecheck_and_synccheck(gpu, torch, tool_name, d):
     res = subprocess.run([tool, "--tool", tool_name, "--error-exitcode", "3", "--print-limit", "20",
                           sys.executable, "-c", RACE_CHILD, str(d)], capture_output=True, text=True, timeout=540,
                          env={**os.environ, "PYTHONPATH": pythonpath(), "ATTNEXT_COMPILE_AHEAD": "1"})
+    tail = (res.stdout + res.stderr)[-4000:]
+    summary = "RACECHECK SUMMARY: 0 hazards displayed" if tool_name == "racecheck" else "ERROR SUMMARY: 0 errors"
+    assert summary in tail and res.returncode == 0, tail
+
+
+F32_CHILD = r'''
+import numpy as np
+import torch
+import attnext
+from attnext import reference
+from attnext.cuda import nvrtc
+
+torch.manual_seed(0)
+names = []
+function = nvrtc.function
+def spy(kernel, name, *rest):
+    names.append(name)
+    return function(kernel, name, *rest)
+nvrtc.function = spy
+worst = 0.0
+def check(got, want, tol):
+    global worst
+    got, want = got.cpu().numpy(), np.asarray(want, np.float32)
+    err = float(np.abs(got - want).max() / np.abs(want).max())
+    worst = max(worst, err / tol if np.isfinite(err) else np.inf)
+for D in (64, 128):
+    q, k, v = (torch.randn(2, n, 2, D, device="cuda") for n in (150, 230, 230))
+    qn, kn, vn = (x.cpu().numpy() for x in (q, k, v))
+    for precision, tol in ((None, 1e-5), ("tf32", 3e-3)):
+        for opts in (dict(), dict(causal=True), dict(window=(60, 9))):
+            check(attnext.attention(q, k, v, precision=precision, **opts), reference.attention(qn, kn, vn, **opts), tol)
+    # varlen: the first sequence's last key tile holds the next one's rows (the splitter zeroes them)
+    cu_q = torch.tensor([0, 100, 150], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 70, 230], dtype=torch.int32, device="cuda")
+    got = attnext.varlen_attention(q[0], k[0], v[0], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
+    for (a, b), (c, d) in zip(((0, 100), (100, 150)), ((0, 70), (70, 230))):
+        check(got[a:b], reference.attention(qn[:1, a:b], kn[:1, c:d], vn[:1, c:d], causal=True)[0], 1e-5)
+torch.cuda.synchronize()
+assert names.count("attn_fwd_sm90_f32") == 14, names
+print("worst", worst)
+raise SystemExit(0 if worst < 1 else 1)
+'''
+
+
+@pytest.mark.gpu
+@pytest.mark.sanitize
+@pytest.mark.parametrize("tool_name", ["memcheck", "racecheck", "synccheck"])
+def test_hopper_float32_forward_under_the_sanitizers(gpu, torch, tool_name):
+    from attnext.cuda import backend
+    if backend.device_arch(0) != "sm_90a":
+        pytest.skip("attn_fwd_sm90_f32.cu is Hopper's")
+    tool = _sanitizer()
+    if tool is None:
+        pytest.skip("compute-sanitizer is not installed (CUDA toolkit)")
+    res = subprocess.run([tool, "--tool", tool_name, "--error-exitcode", "3", "--print-limit", "20",
+                          sys.executable, "-c", F32_CHILD], capture_output=True, text=True, timeout=540,
+                         env={**os.environ, "PYTHONPATH": pythonpath(), "ATTNEXT_FWD_F32_SM90": "1"})
     tail = (res.stdout + res.stderr)[-4000:]
     summary = "RACECHECK SUMMARY: 0 hazards displayed" if tool_name == "racecheck" else "ERROR SUMMARY: 0 errors"
     assert summary in tail and res.returncode == 0, tail
