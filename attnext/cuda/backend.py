@@ -981,7 +981,8 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     # then meets as few query tiles, and a query tile as few key blocks, as at that many keys)
     lo, hi = lower.kept_span(o, None if o.varlen or o.used_q is not None or o.used_k is not None else o.Sk - o.Sq)
     reach = k_rows if math.isinf(hi - lo) else min(k_rows, max(int(hi - lo) + 1, 0))
-    f32_passes = select.dtype_defines(features["dtype"], features["tf32"]).get("TF32_PASSES", 0) if arch == "sm_90a" else 0
+    passes = select.dtype_defines(features["dtype"], features["tf32"]).get("TF32_PASSES", 0)   # float32's
+    f32_passes = passes if arch == "sm_90a" else 0
     dq_mode = "recompute" if grads else select.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach, f32_passes)
     atomic = dq_mode != "recompute"
     tile = select.bwd_tile_config(o.D, o.Dv, features["dtype"], atomic)

@@ -75,17 +75,24 @@ def _sanitizer():
     return found
 
 
-@pytest.mark.gpu
-@pytest.mark.sanitize
-def test_corrupt_device_lengths_under_memcheck(gpu, torch):
+def _clean_under(tool_name, child, args, env):
+    """child (a Python program) with args under compute-sanitizer's tool_name: it must exit 0
+    and the tool report nothing."""
     tool = _sanitizer()
     if tool is None:
         pytest.skip("compute-sanitizer is not installed (CUDA toolkit)")
-    res = subprocess.run([tool, "--tool", "memcheck", "--error-exitcode", "3", "--print-limit", "20",
-                          sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=540,
-                         env={**os.environ, "PYTHONPATH": pythonpath()})
+    res = subprocess.run([tool, "--tool", tool_name, "--error-exitcode", "3", "--print-limit", "20",
+                          sys.executable, "-c", child, *args], capture_output=True, text=True, timeout=540,
+                         env={**os.environ, "PYTHONPATH": pythonpath(), **env})
     tail = (res.stdout + res.stderr)[-4000:]
-    assert "ERROR SUMMARY: 0 errors" in tail and res.returncode == 0, tail
+    summary = "RACECHECK SUMMARY: 0 hazards displayed" if tool_name == "racecheck" else "ERROR SUMMARY: 0 errors"
+    assert summary in tail and res.returncode == 0, tail
+
+
+@pytest.mark.gpu
+@pytest.mark.sanitize
+def test_corrupt_device_lengths_under_memcheck(gpu, torch):
+    _clean_under("memcheck", CHILD, [], {})
 
 
 RACE_CHILD = r'''
@@ -187,15 +194,8 @@ def test_hopper_kernels_under_racecheck_and_synccheck(gpu, torch, tool_name, d):
     from attnext.cuda import backend
     if backend.device_arch(0) != "sm_90a":
         pytest.skip("the warp-specialised kernels are Hopper's")
-    tool = _sanitizer()
-    if tool is None:
-        pytest.skip("compute-sanitizer is not installed (CUDA toolkit)")
-    res = subprocess.run([tool, "--tool", tool_name, "--error-exitcode", "3", "--print-limit", "20",
-                          sys.executable, "-c", RACE_CHILD, str(d)], capture_output=True, text=True, timeout=540,
-                         env={**os.environ, "PYTHONPATH": pythonpath(), "ATTNEXT_COMPILE_AHEAD": "1"})
-    tail = (res.stdout + res.stderr)[-4000:]
-    summary = "RACECHECK SUMMARY: 0 hazards displayed" if tool_name == "racecheck" else "ERROR SUMMARY: 0 errors"
-    assert summary in tail and res.returncode == 0, tail
+    _clean_under(tool_name, RACE_CHILD, [str(d)], {"ATTNEXT_COMPILE_AHEAD": "1"})
+
 
 
 F32_CHILD = r'''
@@ -244,12 +244,4 @@ def test_hopper_float32_forward_under_the_sanitizers(gpu, torch, tool_name):
     from attnext.cuda import backend
     if backend.device_arch(0) != "sm_90a":
         pytest.skip("attn_fwd_sm90_f32.cu is Hopper's")
-    tool = _sanitizer()
-    if tool is None:
-        pytest.skip("compute-sanitizer is not installed (CUDA toolkit)")
-    res = subprocess.run([tool, "--tool", tool_name, "--error-exitcode", "3", "--print-limit", "20",
-                          sys.executable, "-c", F32_CHILD], capture_output=True, text=True, timeout=540,
-                         env={**os.environ, "PYTHONPATH": pythonpath(), "ATTNEXT_FWD_F32_SM90": "1"})
-    tail = (res.stdout + res.stderr)[-4000:]
-    summary = "RACECHECK SUMMARY: 0 hazards displayed" if tool_name == "racecheck" else "ERROR SUMMARY: 0 errors"
-    assert summary in tail and res.returncode == 0, tail
+    _clean_under(tool_name, F32_CHILD, [], {"ATTNEXT_FWD_F32_SM90": "1"})
