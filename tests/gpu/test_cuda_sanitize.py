@@ -197,7 +197,6 @@ def test_hopper_kernels_under_racecheck_and_synccheck(gpu, torch, tool_name, d):
     _clean_under(tool_name, RACE_CHILD, [str(d)], {"ATTNEXT_COMPILE_AHEAD": "1"})
 
 
-
 F32_CHILD = r'''
 import numpy as np
 import torch
