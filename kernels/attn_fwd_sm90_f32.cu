@@ -154,20 +154,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
         return;
     }
     seq_t sq, sk;
-    int m0, r_end, n_first = 0, n_last = -1;
-    sq = seq_q(&p, b);
-    sk = seq_k(&p, b);
-    m0 = ((int)gridDim.x - 1 - (int)blockIdx.x) * BLOCK_M;   /* x = 0: the last rows (the most keys under causal) */
-    if (m0 >= sq.rows)
+    int m0, r_end, n_first, n_last;
+    if (!query_tile(p, b, blockIdx.x, gridDim.x, sq, sk, m0, r_end, n_first, n_last))
         return;
-    r_end = min(m0 + BLOCK_M, (int)sq.len);
     const int Lq = (int)sq.len, Lk = (int)sk.len;
-    if (m0 < Lq) {
-        int64_t lo = 0, hi = 0;
-        kv_range(&p, m0, r_end, Lq, Lk, &lo, &hi);
-        n_first = (int)(lo / BLOCK_N);
-        n_last = hi > lo ? (int)((hi - 1) / BLOCK_N) : -1;
-    }
     const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
     mod_narrow(sc, 1, true, m0, r_end, BLOCK_N, Lk, n_first, n_last);   /* mask_mod's empty end tiles */
 

@@ -45,6 +45,27 @@ DEV void zero_tail(const attn_params &p, int64_t h)
         }
 }
 
+/* Query tile x of the tiles_x of sequence b in the Hopper kernels' BLOCK_M x BLOCK_N tiles: the
+ * sequences' extents, rows [m0, r_end) (r_end: the end of the real rows) and the key tiles
+ * n_first..n_last it visits (kv_range: the causal / window band; none: n_last < n_first). False
+ * when the tile lies past the sequence's rows. */
+DEV bool query_tile(const attn_params &p, int64_t b, int x, int tiles_x, seq_t &sq, seq_t &sk, int &m0, int &r_end,
+                    int &n_first, int &n_last)
+{
+    sq = seq_q(&p, b);
+    sk = seq_k(&p, b);
+    m0 = (tiles_x - 1 - x) * BLOCK_M;                   /* x = 0: the last rows (the most keys under causal) */
+    if (m0 >= sq.rows)
+        return false;
+    r_end = min(m0 + BLOCK_M, (int)sq.len);
+    int64_t lo = 0, hi = 0;
+    if (m0 < sq.len)
+        kv_range(&p, m0, r_end, (int)sq.len, (int)sk.len, &lo, &hi);
+    n_first = (int)(lo / BLOCK_N);
+    n_last = hi > lo ? (int)((hi - 1) / BLOCK_N) : -1;
+    return true;
+}
+
 /* Whether the tile of packed rows [m0, m0 + block_m) x key columns [c0, c0 + block_n) needs the
  * per-element tests: a mask array or a mask_mod that may mask some pair of it, a tile past either
  * length, or a tile crossing the causal / window band. r_end: the end of the packed rows with a
