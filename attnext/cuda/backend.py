@@ -637,7 +637,8 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     ws3 = select.fwd_ws3(o.D, rows, o.causal_code != 0, _windowed(o),
                          select.score_options(features), gen)
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
-                                     features["dtype"], paged, tma, ws, ws3, features["tf32"])
+                                     features["dtype"], paged, tma, ws, ws3, features["tf32"],
+                                     select.score_options(features))
     # the persistent grid: a dense batch whose q a tensor map can describe, in tiles an int32
     # counts, with a second Q beside the tile in shared memory
     row_tiles = _query_tiles(rows, tile[0])

@@ -244,7 +244,7 @@ PERSIST_Q_ROWS = 64
 
 
 def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", paged=False, tma=False, ws=False,
-               ws3=False, tf32=False):
+               ws3=False, tf32=False, options=False):
     """(kernel source, tile) of the forward: kernels/attn_fwd_sm90.cu (wgmma) on sm_90a for
     16-byte-loadable inputs with D, Dv in {64, 128}, else kernels/attn_fwd.cu (mma.sync, every
     shape, and the decode paths). rows: the longest query sequence; mods: the generated
@@ -252,16 +252,17 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
     SM90_TILE_MODS where its staged output fits (sm90_staged_o_fits), a mask_mod alone the
     plain tiles. ATTNEXT_FWD_SM90=0 keeps Hopper on attn_fwd.cu (the lab's and the tests'
     comparison). float32 runs attn_fwd.cu (TF32 mma.sync), or on Hopper attn_fwd_sm90_f32.cu where
-    fwd_f32_sm90 says (tf32: precision="tf32"); a paged cache runs attn_fwd.cu (paged: its key rows
-    are gathered through the page table, PAGED). tma (decode_tma): a
-    decode takes TMA_KV's tile (4 ints: the stages last); ws (fwd_ws): the WS kernel's first tile
-    (a score_mod's wide one, once compiled: fwd_ws_widens); ws3 (fwd_ws3): its 192-row tile."""
+    fwd_f32_sm90 says (tf32: precision="tf32"; options: score_options'); a paged cache runs
+    attn_fwd.cu (paged: its key rows are gathered through the page table, PAGED). tma
+    (decode_tma): a decode takes TMA_KV's tile (4 ints: the stages last); ws (fwd_ws): the WS
+    kernel's first tile (a score_mod's wide one, once compiled: fwd_ws_widens); ws3 (fwd_ws3):
+    its 192-row tile."""
     if decode and tma:
         return "attn_fwd", decode_tma_tile()
     if ws and not decode:
         return "attn_fwd_sm90", fwd_ws_tile(mods is not None and bool(mods.defines.get("HAS_SCORE_MOD")),
                                             ws3=ws3)
-    if fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32):
+    if fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32, not options and mods is None):
         return "attn_fwd_sm90_f32", SM90_TILE_F32
     if (arch == "sm_90a" and not decode and not paged and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
             and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
@@ -282,12 +283,14 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
 SM90_TILE_F32 = (64, 32, 8, 2)
 
 
-def fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32=False):
+def fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32=False, plain=True):
     """Whether a float32 forward runs attn_fwd_sm90_f32.cu (TF32 wgmma, operands split once per
     CTA in shared memory) where it applies: sm_90a, 16-byte-loadable rows, D and Dv in {64, 128},
-    no decode path or paged cache. By default three passes at D = Dv = 128 (H200, s44: 61.2 / 58.6
-    TFLOP/s full / causal against attn_fwd.cu's 54.5 / 46.4); at D = 64 the two are within 2%, and
-    precision="tf32" runs attn_fwd.cu faster (123 against 94: bench/NOTES.md, float32 forward w2).
+    no decode path or paged cache. By default three passes at D = Dv = 128 for plain scores
+    (plain: no score option and no generated mods; a causal mask or window may band them) (H200,
+    s44: 61.5 / 58.6 TFLOP/s full / causal against attn_fwd.cu's 54.9 / 46.6); at D = 64 the two
+    are within 2%, precision="tf32" runs attn_fwd.cu faster (122 against 94: bench/NOTES.md,
+    float32 forward w2), and the score options and mods, unmeasured there, spill 48-336 B more.
     ATTNEXT_FWD_F32_SM90=1 takes it wherever it applies, 0 nowhere (the lab's and the tests')."""
     if not (arch == "sm_90a" and dtype == "float32" and vec and not decode and not paged
             and D in (64, 128) and Dv in (64, 128) and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
@@ -295,7 +298,7 @@ def fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32=False):
     env = _env.get("ATTNEXT_FWD_F32_SM90")
     if env in ("0", "1"):
         return env == "1"
-    return D == Dv == 128 and not tf32
+    return D == Dv == 128 and not tf32 and plain
 
 
 def sm90_staged_o_fits(D, Dv, tile):
@@ -852,7 +855,8 @@ def mod_sample():
 def mod_variants(arch=None):
     """(kernel, defines, generated source) of the score_mod / mask_mod variants warmup --check
     compiles: mod_sample with every built-in option in the forward and backward kernels (both
-    kernel families on sm_90a), and the forward with element loads at an odd head dim. A few:
+    kernel families on sm_90a, and there float32's forward too), and the forward with element
+    loads at an odd head dim. A few:
     each takes NVRTC 3-10 s (whole files; a call compiles only its entry points: module_of)."""
     gen = mod_sample()
     every = dict(dtype="bfloat16", D=128, Dv=128, vec=True, softcap=True, bias_dtype="float32",
@@ -866,5 +870,7 @@ def mod_variants(arch=None):
     if arch in (None, "sm_90a"):
         out += [("attn_fwd_sm90", fwd_defines(**every, tile=SM90_TILE_MODS, mods=gen)),
                 ("attn_fwd_sm90", fwd_defines(**every, tile=SM90_TILE_WS_MODS, mods=gen, ws=True)),
+                ("attn_fwd_sm90_f32", fwd_defines(**dict(every, dtype="float32"), tile=SM90_TILE_F32, mods=gen,
+                                                  sm90_f32=True)),
                 ("attn_bwd_sm90", bwd_defines(**every, tile=bwd_sm90_tile(128, "recompute"), mods=gen))]
     return [(k, d, gen.source) for k, d in out]
