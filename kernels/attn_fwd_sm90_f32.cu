@@ -220,20 +220,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
      * truncating adds then meet the small sum once, not at every step) */
     auto issue_s = [&](float (&s)[1][NT][4], int st) {
         const uint64_t dk0 = uniform_desc(sw128_desc(sS + st * STAGE_BYTES, 16, 1024));
+        /* k8 step kk of Q's part (q_part: 0 hi, QP_BYTES lo) times K's (k_part likewise) */
+        auto step = [&](int kk, uint32_t q_part, uint32_t k_part, int accumulate) {
+            const uint32_t qa = (kk >> 2) * (BLOCK_M * 128) + (kk & 3) * 32, ka = (kk >> 2) * (BLOCK_N * 128) + (kk & 3) * 32;
+            wgmma_m64n32k8_tf32_ss(s[0], dq0 + desc_step(q_part + qa), dk0 + desc_step(k_part + ka), accumulate);
+        };
         wgmma_fence();
 #if PARTS == 2
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 8; kk++) {
-            const uint32_t qa = (kk >> 2) * (BLOCK_M * 128) + (kk & 3) * 32, ka = (kk >> 2) * (BLOCK_N * 128) + (kk & 3) * 32;
-            wgmma_m64n32k8_tf32_ss(s[0], dq0 + desc_step(qa), dk0 + desc_step(KP_BYTES + ka), kk > 0);
-            wgmma_m64n32k8_tf32_ss(s[0], dq0 + desc_step(QP_BYTES + qa), dk0 + desc_step(ka), 1);
+            step(kk, 0, KP_BYTES, kk > 0);
+            step(kk, QP_BYTES, 0, 1);
         }
 #endif
 #pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 8; kk++) {
-            const uint32_t qa = (kk >> 2) * (BLOCK_M * 128) + (kk & 3) * 32, ka = (kk >> 2) * (BLOCK_N * 128) + (kk & 3) * 32;
-            wgmma_m64n32k8_tf32_ss(s[0], dq0 + desc_step(qa), dk0 + desc_step(ka), PARTS == 2 || kk > 0);
-        }
+        for (int kk = 0; kk < HEAD_DIM / 8; kk++)
+            step(kk, 0, 0, PARTS == 2 || kk > 0);
         wgmma_commit();
     };
     /* F = P V of the stage's tile, P's parts in registers (ph, pl): the small products first */

@@ -634,17 +634,16 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     # key_rows: the rows of k's tensor (varlen: the packed rows), which a copy's box may not exceed
     ws = not decode and select.fwd_ws(arch, o.D, o.Dv, features["vec"], rows, o.k4.shape[1], features["dtype"],
                                       copyable)
-    ws3 = select.fwd_ws3(o.D, rows, o.causal_code != 0, _windowed(o),
-                         select.score_options(features), gen)
+    options = select.score_options(features)
+    ws3 = select.fwd_ws3(o.D, rows, o.causal_code != 0, _windowed(o), options, gen)
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
-                                     features["dtype"], paged, tma, ws, ws3, features["tf32"],
-                                     select.score_options(features))
+                                     features["dtype"], paged, tma, ws, ws3, features["tf32"], options)
     # the persistent grid: a dense batch whose q a tensor map can describe, in tiles an int32
     # counts, with a second Q beside the tile in shared memory
     row_tiles = _query_tiles(rows, tile[0])
     dense = (not o.varlen and o.used_q is None and o.used_k is None and _tma_strides(o.q4)
              and row_tiles * o.Hq * o.B < 2 ** 31)
-    persist = (ws and select.fwd_persist(dense, row_tiles, select.score_options(features), tile, gen)
+    persist = (ws and select.fwd_persist(dense, row_tiles, options, tile, gen)
                and select.fwd_smem_bytes(o.D, o.Dv, tile, kernel, features["dtype"], tma, ws, True) + 1024
                <= select.SM90_SHARED_BYTES)
 
