@@ -77,9 +77,12 @@ def launch(fn, grid, block, smem, stream, template, ptrs, scale, softcap):
 _C.cuda_launch_attention = launch
 
 
-def dev(shape, dtype=BF16, stream=0, strides=None, offset=0):
-    # a DeviceArray of uninitialised fake device memory (the kernels are stand-ins)
+def dev(shape, dtype=BF16, stream=0, strides=None, offset=0, zero=False):
+    # a DeviceArray of fake device memory (the kernels are stand-ins), uninitialised unless zero:
+    # zero it where the host reads it (alibi_slopes must be finite)
     base = device.empty((int(np.prod(shape)) * 2 + 64,), dtype, 0, stream)
+    if zero:
+        _C.memset_d8(base.ptr, 0, base.nbytes, 0)
     return device.DeviceArray(base.ptr + offset * np.dtype(dtype).itemsize, shape, dtype, 0, strides,
                               stream, base)
 

@@ -682,7 +682,7 @@ def test_the_persistent_ws_forward_plan(tmp_path):
         bias, mask = dev((1, 16, 2048, 2048), np.float32), dev((2, 1, 2048, 2048), np.bool_)
         for call in (lambda: attnext.attention(qs, ks, vs), lambda: attnext.attention(q, k, v, softcap=30.0),
                      lambda: attnext.attention(q, k, v, bias=bias), lambda: attnext.attention(q, k, v, mask=mask),
-                     lambda: attnext.attention(q, k, v, alibi_slopes=dev((16,), np.float32))):
+                     lambda: attnext.attention(q, k, v, alibi_slopes=dev((16,), np.float32, zero=True))):
             d, grid, smem, ptrs, n_maps = launched(call)
             assert d["WS"] == 1 and "PERSIST" not in d and grid[1:] == (16, 2) and n_maps == 2, (d, grid)
         # the three-warpgroup tile (a plain D = 64 call) keeps a CTA a tile: 11 of its 192-row tiles

@@ -89,7 +89,7 @@ def test_an_equal_call_replays_the_launches_of_the_first(fake_driver):
                 raise AssertionError(f"{bad} did not raise after {good} was replayed")
         # array options always take the whole path
         n = repeat.count()
-        alibi = dev((8,), np.float32)
+        alibi = dev((8,), np.float32, zero=True)
         assert call(q, k, v, out=out, alibi_slopes=alibi)[2] and call(q, k, v, out=out, alibi_slopes=alibi)[2]
         assert call(q, k, v, out=out, score_mod=lambda s, b, h, qi, ki: s)[2]
         assert repeat.count() == n
