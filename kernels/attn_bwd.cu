@@ -52,23 +52,42 @@
 /* ---------------------------------------------------------------- warp products */
 /* acc[mt][nt] += A[mt*16 .., 0..KP) . B[nt*8 .., 0..KP)^T: A and B row-major in shared memory with
  * row stride KP + SMEM_PAD, sA at the warp's first A row, sB at B's first row. */
+/* F32_PRESPLIT (select.bwd_f32_presplit): float32's shared tiles split into their TF32 parts once
+ * (split_tile) where every warp split them at each use. PRE_STREAM: the tiles every warp reads
+ * (dK/dV: each item's Q and dO; dQ: each key tile's K and V),
+ * hi in place and, with three passes, lo in a plane beside them (LO_PLANES); PRE_FIXED (one
+ * pass, no planes): also the CTA's own tiles (dK/dV: K and V; dQ: Q and dO), rounded in place
+ * once. With three passes those stay raw and split at use: their owner warps are the readers
+ * (but the dQ product's K), and their planes would not fit beside two CTAs an SM. The bits are
+ * those of splitting at each use. */
+#if ELEM_F32 && F32_PRESPLIT
+#define PRE_STREAM 1
+#define PRE_FIXED (TF32_PASSES == 1)
+#define LO_PLANES (TF32_PASSES == 3)
+#else
+#define PRE_STREAM 0
+#define PRE_FIXED 0
+#define LO_PLANES 0
+#endif
+
 #if ELEM_F32
-template <int MT, int NT, int KP>
-DEV void mma_abt(float (&acc)[MT][NT][4], const elem_t *sA, const elem_t *sB, int lane)
+/* PA / PB: A / B split already (split_tile), a_lo / b_lo: the floats from each to its lo plane */
+template <int MT, int NT, int KP, bool PA = false, bool PB = false>
+DEV void mma_abt(float (&acc)[MT][NT][4], const elem_t *sA, const elem_t *sB, int lane, int a_lo = 0, int b_lo = 0)
 {
-    mma_abt_f32<MT, NT, KP>(acc, sA, sB, lane);
+    mma_abt_f32<MT, NT, KP, PA, PB>(acc, sA, sB, lane, a_lo, b_lo);
 }
 
 /* acc[mt][nt] += A . B[0..KS*16, nt*8 ..): A as C fragments (cfrag), B row-major [k][n] in
- * shared memory with row stride LD. */
-template <int MT, int KS, int NT, int LD>
-DEV void mma_fb(float (&acc)[MT][NT][4], const cfrag<MT, KS> &a, const elem_t *sB, int lane)
+ * shared memory with row stride LD (PB, b_lo: as mma_abt's). */
+template <int MT, int KS, int NT, int LD, bool PB = false>
+DEV void mma_fb(float (&acc)[MT][NT][4], const cfrag<MT, KS> &a, const elem_t *sB, int lane, int b_lo = 0)
 {
-    mma_cb_f32<MT, 2 * KS, NT, LD>(acc, a, sB, lane);
+    mma_cb_f32<MT, 2 * KS, NT, LD, PB>(acc, a, sB, lane, b_lo);
 }
 #else
-template <int MT, int NT, int KP>
-DEV void mma_abt(float (&acc)[MT][NT][4], const elem_t *sA, const elem_t *sB, int lane)
+template <int MT, int NT, int KP, bool PA = false, bool PB = false>
+DEV void mma_abt(float (&acc)[MT][NT][4], const elem_t *sA, const elem_t *sB, int lane, int = 0, int = 0)
 {
     constexpr int LD = KP + SMEM_PAD;
     /* one shared address per operand: the unrolled steps add constants to it */
@@ -95,8 +114,8 @@ DEV void mma_abt(float (&acc)[MT][NT][4], const elem_t *sA, const elem_t *sB, in
 
 /* acc[mt][nt] += A . B[0..KS*16, nt*8 ..): A as packed A fragments (KS k16 steps, from C
  * fragments: pack_frag), B row-major [k][n] in shared memory with row stride LD. */
-template <int MT, int KS, int NT, int LD>
-DEV void mma_fb(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][KS][4], const elem_t *sB, int lane)
+template <int MT, int KS, int NT, int LD, bool PB = false>
+DEV void mma_fb(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][KS][4], const elem_t *sB, int lane, int = 0)
 {
     const uint32_t b0 = smem_addr(sB) + 2 * (((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8);
 #pragma unroll
@@ -476,6 +495,9 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
     float *sL = (float *)(sdO + 2 * BM * (DVP + SMEM_PAD));        /* 2 x BM lse, log2 units */
     float *sD = sL + 2 * BM;                                       /* 2 x BM delta */
     elem_t *sdS = (elem_t *)(sD + 2 * BM);                         /* DQ_ATOMIC: BN x (BM + pad) */
+    /* LO_PLANES: the lo planes of the item's Q and dO (else the tiles themselves: offset 0, unread) */
+    elem_t *sQlo = LO_PLANES ? sdS + (DQ_ATOMIC ? BN * (BM + SMEM_PAD) : 0) : sQ;
+    elem_t *sdOlo = LO_PLANES ? sQlo + BM * (DP + SMEM_PAD) : sdO;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     if (b == p.B) {                       /* packed rows after the last sequence */
@@ -538,6 +560,17 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
                     do0[(i / DVP) * (DVP + SMEM_PAD) + i % DVP] = 0;
             __syncthreads();
         }
+#if PRE_STREAM
+        split_tile<BM, DP, KV_THREADS>((float *)qb, (float *)sQlo, tid);
+        split_tile<BM, DVP, KV_THREADS>((float *)dob, (float *)sdOlo, tid);
+        if (PRE_FIXED && j == 0) {        /* K and V came with item 0 */
+            split_tile<BN, DP, KV_THREADS>((float *)sK, nullptr, tid);
+            if (DO_DK)
+                split_tile<BN, DVP, KV_THREADS>((float *)sV, nullptr, tid);
+        }
+        __syncthreads();
+#endif
+        const int q_lo = (int)(sQlo - qb), do_lo = (int)(sdOlo - dob);
         float nl = POS_INF, nd = 0.f;
         if (j + 1 < items)
             dkdv_prefetch<DEAD>(p, sq, hk, group, m_first, nm, j + 1, sQ + (buf ^ 1) * BM * (DP + SMEM_PAD),
@@ -549,7 +582,7 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
         /* S^T = K Q^T for this warp's key rows */
         float s[1][KV_NT][4];
         zero_acc(s);
-        mma_abt<1, KV_NT, DP>(s, sK + warp * 16 * (DP + SMEM_PAD), qb, lane);
+        mma_abt<1, KV_NT, DP, PRE_FIXED, PRE_STREAM>(s, sK + warp * 16 * (DP + SMEM_PAD), qb, lane, 0, q_lo);
 
         const bool need_mask = tile_maybe_masked(sc, m0, min(m0 + BM, Lq), n0, min(n0 + BN, Lk))
                                || n0 + BN > Lk || m0 + BM > Lq
@@ -558,13 +591,13 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
         pt_tile<KV_NT, DEAD>(s, pp, p, sc, lb, n0 + warp * 16, m0, qlo, qhi, need_mask);
 
         if (DO_DV)                        /* dV += P^T dO */
-            mma_fb<1, KV_NT / 2, DO_DV ? DVP / 8 : 2, DVP + SMEM_PAD>(dv, pp, dob, lane);
+            mma_fb<1, KV_NT / 2, DO_DV ? DVP / 8 : 2, DVP + SMEM_PAD, PRE_STREAM>(dv, pp, dob, lane, do_lo);
 
         if (DO_DK) {
             /* dP^T = V dO^T, dS^T = P^T (dP^T - delta) score_grad, dK += dS^T Q */
             float dp[1][KV_NT][4];
             zero_acc(dp);
-            mma_abt<1, KV_NT, DVP>(dp, sV + warp * 16 * (DVP + SMEM_PAD), dob, lane);
+            mma_abt<1, KV_NT, DVP, PRE_FIXED, PRE_STREAM>(dp, sV + warp * 16 * (DVP + SMEM_PAD), dob, lane, 0, do_lo);
             dst_tile(s, dp, db);
             if (DEAD)                     /* dS^T of a row that keeps no key: 0, not 0 * (NaN - delta) */
 #pragma unroll
@@ -574,7 +607,7 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
                         if (lb[nt * 8 + 2 * t + (e & 1)] == POS_INF)
                             s[0][nt][e] = 0.f;
             pack_frag<1, KV_NT / 2>(pp, s);
-            mma_fb<1, KV_NT / 2, DO_DK ? DP / 8 : 2, DP + SMEM_PAD>(dk, pp, qb, lane);
+            mma_fb<1, KV_NT / 2, DO_DK ? DP / 8 : 2, DP + SMEM_PAD, PRE_STREAM>(dk, pp, qb, lane, q_lo);
 #if DQ_ATOMIC
             if (!DEAD) {                  /* (attn_bwd_dead leaves dq to the kernels before it) */
                 /* dS^T to shared memory, then dQ (BM x DP) = dS K split over the warps:
@@ -614,8 +647,14 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
 #pragma unroll
                             for (int hf = 0; hf < 2; hf++) {
                                 tf32_frag<2> bk;
-                                bk.set(0, kb[np * 16 + hf * 8]);
-                                bk.set(1, kb[DP + SMEM_PAD + np * 16 + hf * 8]);
+                                const float k0 = kb[np * 16 + hf * 8], k1 = kb[DP + SMEM_PAD + np * 16 + hf * 8];
+                                if (PRE_FIXED) {  /* rounded in place (one pass: lo 0) */
+                                    bk.parts(0, __float_as_uint(k0), 0u);
+                                    bk.parts(1, __float_as_uint(k1), 0u);
+                                } else {
+                                    bk.set(0, k0);
+                                    bk.set(1, k1);
+                                }
                                 mma_f32(acc[i][hf], lo[i][hf], a, bk);
                             }
                     }
@@ -826,8 +865,8 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dead(
 /* attn_bwd_dq's loop over its key tiles n_first..n_last (K[n_first], V[n_first] on their way),
  * through the array gradients' tile sums or not (attn_bwd_tile.cuh: key_tiles_to_sums). */
 template <bool TO_SUMS>
-DEV void dq_key_tiles(const attn_params &p, const score_ctx &sc, const row_info &ri, const elem_t *sQ,
-                      const elem_t *sdO, elem_t *sK, elem_t *sV, const elem_t *gk, const elem_t *gv, int m0,
+DEV void dq_key_tiles(const attn_params &p, const score_ctx &sc, const row_info &ri, elem_t *sQ, elem_t *sdO,
+                      elem_t *sK, elem_t *sV, elem_t *sKlo, elem_t *sVlo, const elem_t *gk, const elem_t *gv, int m0,
                       int n_first, int n_last, int Lq, int Lk, float (&dq)[Q_MT][DP / 8][4], tile_sums &sums)
 {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -841,12 +880,24 @@ DEV void dq_key_tiles(const attn_params &p, const score_ctx &sc, const row_info 
             load_tile<Q_BLOCK_N, DP, Q_THREADS>(kn, gk + (int64_t)(c0 + Q_BLOCK_N) * p.k.s[1], p.k.s[1], p.k.s[3],
                                                 Lk - (c0 + Q_BLOCK_N), HEAD_DIM, tid);
         cp_async_commit();
+#if PRE_STREAM
+        /* K[n] and V[n] split once (their lo planes: every warp is done with tile n - 1's) */
+        split_tile<Q_BLOCK_N, DP, Q_THREADS>((float *)kb, (float *)sKlo, tid);
+        split_tile<Q_BLOCK_N, DVP, Q_THREADS>((float *)sV, (float *)sVlo, tid);
+        if (PRE_FIXED && n == n_first) {  /* Q and dO came with K[n_first] */
+            split_tile<Q_BLOCK_M, DP, Q_THREADS>((float *)sQ, nullptr, tid);
+            split_tile<Q_BLOCK_M, DVP, Q_THREADS>((float *)sdO, nullptr, tid);
+        }
+        __syncthreads();
+#endif
+        const int k_lo = (int)(sKlo - kb), v_lo = (int)(sVlo - sV);
 
         float s[Q_MT][Q_NT][4], dp[Q_MT][Q_NT][4];
         zero_acc(s);
         zero_acc(dp);
-        mma_abt<Q_MT, Q_NT, DP>(s, sQ + warp * Q_WARP_M * (DP + SMEM_PAD), kb, lane);
-        mma_abt<Q_MT, Q_NT, DVP>(dp, sdO + warp * Q_WARP_M * (DVP + SMEM_PAD), sV, lane);
+        mma_abt<Q_MT, Q_NT, DP, PRE_FIXED, PRE_STREAM>(s, sQ + warp * Q_WARP_M * (DP + SMEM_PAD), kb, lane, 0, k_lo);
+        mma_abt<Q_MT, Q_NT, DVP, PRE_FIXED, PRE_STREAM>(dp, sdO + warp * Q_WARP_M * (DVP + SMEM_PAD), sV, lane, 0,
+                                                        v_lo);
         __syncthreads();                  /* every warp is done with V[n] */
         if (n < n_last)
             load_tile<Q_BLOCK_N, DVP, Q_THREADS>(sV, gv + (int64_t)(c0 + Q_BLOCK_N) * p.v.s[1], p.v.s[1], p.v.s[3],
@@ -857,7 +908,7 @@ DEV void dq_key_tiles(const attn_params &p, const score_ctx &sc, const row_info 
                                tile_sums_for<TO_SUMS>(sums, sc, m0, c0, Lq, Lk));
         cfrag<Q_MT, Q_NT / 2> a;
         pack_frag<Q_MT, Q_NT / 2>(a, s);
-        mma_fb<Q_MT, Q_NT / 2, DP / 8, DP + SMEM_PAD>(dq, a, kb, lane);
+        mma_fb<Q_MT, Q_NT / 2, DP / 8, DP + SMEM_PAD, PRE_STREAM>(dq, a, kb, lane, k_lo);
         tile_sums_flush<TO_SUMS>(sums);
     }
 }
@@ -871,7 +922,11 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(cons
     elem_t *sdO = sQ + Q_BLOCK_M * (DP + SMEM_PAD);             /* Q_BLOCK_M x (DVP + pad) */
     elem_t *sK = sdO + Q_BLOCK_M * (DVP + SMEM_PAD);            /* 2 x Q_BLOCK_N x (DP + pad) */
     elem_t *sV = sK + 2 * Q_BLOCK_N * (DP + SMEM_PAD);          /* Q_BLOCK_N x (DVP + pad) */
-    uint32_t *sSums = (uint32_t *)(sV + Q_BLOCK_N * (DVP + SMEM_PAD));   /* MOD_TILE_SLOTS x MOD_CHUNKS */
+    /* LO_PLANES: the lo planes of the key tile's K and V (else the tiles: offset 0, unread) */
+    elem_t *sKlo = LO_PLANES ? sV + Q_BLOCK_N * (DVP + SMEM_PAD) : sK;
+    elem_t *sVlo = LO_PLANES ? sKlo + Q_BLOCK_N * (DP + SMEM_PAD) : sV;
+    uint32_t *sSums = (uint32_t *)(sV + Q_BLOCK_N * (DVP + SMEM_PAD)
+                                   + (LO_PLANES ? Q_BLOCK_N * (DP + DVP + 2 * SMEM_PAD) : 0));   /* MOD_TILE_SLOTS x MOD_CHUNKS */
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int64_t h = blockIdx.y, b = blockIdx.z;
@@ -914,10 +969,10 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(cons
     tile_sums sums;
     tile_sums_init(sums, sSums);
     if (key_tiles_to_sums(sums, sc, m0, n_first, n_last, Lq, Lk))
-        dq_key_tiles<TILE_SUMS>(p, sc, ri, sQ, sdO, sK, sV, gk, gv, m0, n_first, n_last, Lq, Lk, dq, sums);
+        dq_key_tiles<TILE_SUMS>(p, sc, ri, sQ, sdO, sK, sV, sKlo, sVlo, gk, gv, m0, n_first, n_last, Lq, Lk, dq, sums);
     else
-        dq_key_tiles<TILE_SUMS && MOD_TILE_ALWAYS>(p, sc, ri, sQ, sdO, sK, sV, gk, gv, m0, n_first, n_last, Lq, Lk, dq,
-                                                   sums);
+        dq_key_tiles<TILE_SUMS && MOD_TILE_ALWAYS>(p, sc, ri, sQ, sdO, sK, sV, sKlo, sVlo, gk, gv, m0, n_first, n_last,
+                                                   Lq, Lk, dq, sums);
     cp_async_wait_all();
 
     /* dq = dQ * scale; padding rows (and rows that keep nothing) come out 0 */

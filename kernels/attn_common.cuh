@@ -251,7 +251,40 @@ template <int N>
 struct tf32_frag {
     uint32_t hi[N], lo[N];
     __device__ __forceinline__ void set(int i, float x) { split_tf32(x, hi[i], lo[i]); }
+    /* parts split before (split_tile): lo is 0 under TF32_PASSES 1 */
+    __device__ __forceinline__ void parts(int i, uint32_t h, uint32_t l)
+    {
+        hi[i] = h;
+        lo[i] = TF32_PASSES == 3 ? l : 0u;
+    }
 };
+
+/* A float32 tile in shared memory (ROWS x COLS, row stride COLS + SMEM_PAD) split into its TF32
+ * parts once, for every warp that reads it: each x becomes hi in place and, under TF32_PASSES 3,
+ * lo at the same index of the plane `lo` (split_tf32's bits, so the products' sums are the bits
+ * of splitting at each use). The products then take the tile as split (mma_abt_f32's and
+ * mma_cb_f32's PA / PB, with the plane's offset) and split nothing: a tile read by every warp
+ * of a CTA was split by each of them, at each use (F32_PRESPLIT, attn_bwd.cu). THREADS threads
+ * from tid; the caller syncs before and after. */
+template <int ROWS, int COLS, int THREADS>
+DEV void split_tile(float *tile, float *lo, int tid)
+{
+    static_assert(COLS % 4 == 0, "whole 16-byte chunks");
+    constexpr int LD = COLS + SMEM_PAD, C4 = COLS / 4;
+#pragma unroll 1          /* the backward's kernels run at 255 registers */
+    for (int i = tid; i < ROWS * C4; i += THREADS) {
+        const int at = (i / C4) * LD + (i % C4) * 4;
+        const float4 x = *(const float4 *)(tile + at);
+        uint4 h, l;
+        split_tf32(x.x, h.x, l.x);
+        split_tf32(x.y, h.y, l.y);
+        split_tf32(x.z, h.z, l.z);
+        split_tf32(x.w, h.w, l.w);
+        *(uint4 *)(tile + at) = h;
+        if (TF32_PASSES == 3)
+            *(uint4 *)(lo + at) = l;
+    }
+}
 
 /* a * b in float32 by TF32 products. The tensor cores add each product into the accumulator
  * truncated (rounded toward zero), so errors of one sign pile up with every mma into a large
@@ -279,11 +312,14 @@ DEV void zero_acc(float (&acc)[MT][NT][4]);
 /* acc[mt][nt] += A[mt*16 .., 0..KP) . B[nt*8 .., 0..KP)^T in float32 by TF32 products: A and B
  * row-major in shared memory (row stride KP + SMEM_PAD), sA at the warp's first A row, sB at B's
  * first row. A k8 step of floats is 32 bytes, as a k16 step of 16-bit elements: ldmatrix's 8 x
- * 16-byte rows give each lane the TF32 fragment's element (m16n8k8's legend). */
-template <int MT, int NT, int KP>
-DEV void mma_abt_f32(float (&acc)[MT][NT][4], const float *sA, const float *sB, int lane)
+ * 16-byte rows give each lane the TF32 fragment's element (m16n8k8's legend). PA / PB: A / B
+ * split already (split_tile), its lo plane a_lo / b_lo floats past it (TF32_PASSES 3). */
+template <int MT, int NT, int KP, bool PA = false, bool PB = false>
+DEV void mma_abt_f32(float (&acc)[MT][NT][4], const float *sA, const float *sB, int lane, int a_lo = 0,
+                     int b_lo = 0)
 {
     constexpr int LD = KP + SMEM_PAD;
+    constexpr bool LO_A = PA && TF32_PASSES == 3, LO_B = PB && TF32_PASSES == 3;
     const uint32_t a0 = smem_addr(sA) + 4 * ((lane & 15) * LD + (lane >> 4) * 4);
     const uint32_t b0 = smem_addr(sB) + 4 * (((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 4);
     float lo[MT][NT][4];
@@ -293,21 +329,36 @@ DEV void mma_abt_f32(float (&acc)[MT][NT][4], const float *sA, const float *sB, 
         tf32_frag<4> a[MT];
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
-            uint32_t r[4];
+            uint32_t r[4], l[4] = {0u, 0u, 0u, 0u};
             ldmatrix_x4(a0 + 4 * (mt * 16 * LD + kk * 8), r[0], r[1], r[2], r[3]);
+            if (LO_A)
+                ldmatrix_x4(a0 + 4 * (a_lo + mt * 16 * LD + kk * 8), l[0], l[1], l[2], l[3]);
 #pragma unroll
-            for (int i = 0; i < 4; i++)
-                a[mt].set(i, __uint_as_float(r[i]));
+            for (int i = 0; i < 4; i++) {
+                if (PA)
+                    a[mt].parts(i, r[i], l[i]);
+                else
+                    a[mt].set(i, __uint_as_float(r[i]));
+            }
         }
 #pragma unroll
         for (int np = 0; np < NT / 2; np++) {
-            uint32_t b[4];
+            uint32_t b[4], bl[4] = {0u, 0u, 0u, 0u};
             ldmatrix_x4(b0 + 4 * (np * 16 * LD + kk * 8), b[0], b[1], b[2], b[3]);
+            if (LO_B)
+                ldmatrix_x4(b0 + 4 * (b_lo + np * 16 * LD + kk * 8), bl[0], bl[1], bl[2], bl[3]);
             tf32_frag<2> b01, b23;
-            b01.set(0, __uint_as_float(b[0]));
-            b01.set(1, __uint_as_float(b[1]));
-            b23.set(0, __uint_as_float(b[2]));
-            b23.set(1, __uint_as_float(b[3]));
+            if (PB) {
+                b01.parts(0, b[0], bl[0]);
+                b01.parts(1, b[1], bl[1]);
+                b23.parts(0, b[2], bl[2]);
+                b23.parts(1, b[3], bl[3]);
+            } else {
+                b01.set(0, __uint_as_float(b[0]));
+                b01.set(1, __uint_as_float(b[1]));
+                b23.set(0, __uint_as_float(b[2]));
+                b23.set(1, __uint_as_float(b[3]));
+            }
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
                 mma_f32(acc[mt][2 * np], lo[mt][2 * np], a[mt], b01);
@@ -330,9 +381,9 @@ DEV void mma_abt_f32(float (&acc)[MT][NT][4], const float *sA, const float *sB, 
  * shared memory with row stride LD, so its fragment is rows 2t and 2t + 1 of each 8, column g of
  * the n8 tile: two scalar loads (rows 16 bytes apart mod 128: conflict-free). Per n8 tile of acc
  * the sum over k goes into fresh accumulators, added to acc rounded: the mma's truncating adds
- * reach only this call's sum. */
-template <int MT, int KN, int NT, int LD>
-DEV void mma_cb_f32(float (&acc)[MT][NT][4], const float (&f)[MT][KN][4], const float *sB, int lane)
+ * reach only this call's sum. PB: B split already (split_tile), its lo plane b_lo floats past it. */
+template <int MT, int KN, int NT, int LD, bool PB = false>
+DEV void mma_cb_f32(float (&acc)[MT][NT][4], const float (&f)[MT][KN][4], const float *sB, int lane, int b_lo = 0)
 {
     tf32_frag<4> a[MT][KN];
 #pragma unroll
@@ -356,8 +407,15 @@ DEV void mma_cb_f32(float (&acc)[MT][NT][4], const float (&f)[MT][KN][4], const 
 #pragma unroll
         for (int kk = 0; kk < KN; kk++) {
             tf32_frag<2> b;
-            b.set(0, bl[kk * 8 * LD + nt * 8]);
-            b.set(1, bl[kk * 8 * LD + nt * 8 + LD]);
+            const int at = kk * 8 * LD + nt * 8;
+            if (PB) {
+                const bool lo = TF32_PASSES == 3;
+                b.parts(0, __float_as_uint(bl[at]), lo ? __float_as_uint(bl[b_lo + at]) : 0u);
+                b.parts(1, __float_as_uint(bl[at + LD]), lo ? __float_as_uint(bl[b_lo + at + LD]) : 0u);
+            } else {
+                b.set(0, bl[at]);
+                b.set(1, bl[at + LD]);
+            }
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
                 mma_f32(c[mt], c_lo[mt], a[mt][kk], b);

@@ -985,7 +985,9 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     f32_passes = passes if arch == "sm_90a" else 0
     dq_mode = "recompute" if grads else select.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach, f32_passes)
     atomic = dq_mode != "recompute"
-    tile = select.bwd_tile_config(o.D, o.Dv, features["dtype"], atomic)
+    presplit = select.bwd_f32_presplit(arch, features["dtype"], o.D, o.Dv)
+    planes = presplit and passes == 3
+    tile = select.bwd_tile_config(o.D, o.Dv, features["dtype"], atomic, planes)
     # the ordered mode's key blocks take turns at each query tile: without a mask_mod the first turn
     # stores, so nothing zeroes dq_accum, and with short keys the last writes dq (attn_bwd_sm90.cu:
     # DQ_STORE_FIRST, dq_write_last; attn_bwd_pre writes dq's other rows), else the turns run in
@@ -995,8 +997,8 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     mask_mod = bool(gen is not None and gen.defines.get("HAS_MASK_MOD"))
     write_last = select.bwd_dq_write_last(dq_mode, mask_mod, reach)
     chains = select.bwd_dq_chains(dq_mode, mask_mod, write_last, _banded(o), reach)
-    defines = select.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen, chains=chains)
-    smem = select.bwd_smem_bytes(o.D, o.Dv, tile, atomic, defines.get("MOD_TILE_SLOTS", 0), features["dtype"])
+    defines = select.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen, chains=chains, presplit=presplit)
+    smem = select.bwd_smem_bytes(o.D, o.Dv, tile, atomic, defines.get("MOD_TILE_SLOTS", 0), features["dtype"], planes)
     hopper = select.bwd_sm90_tile(o.D, dq_mode) if sm90 else None
     kv_blocks = _query_tiles(k_rows, 16 * hopper["kv_warps"]) if hopper else 0   # the dK/dV grid's x
     ns = types.SimpleNamespace(atomic=atomic, ordered=dq_mode == "ordered",

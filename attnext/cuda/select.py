@@ -29,7 +29,7 @@ FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "
              "ATTNEXT_TILE_FWD_WS", "ATTNEXT_DECODE_COMBINE", "ATTNEXT_DEPENDENT_LAUNCH", "ATTNEXT_FWD_PERSIST",
              "ATTNEXT_FWD_F32_SM90")
 BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_TMA", "ATTNEXT_BWD_DQ",
-             "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_BWD_DQ_CHAINS", "ATTNEXT_TILE_SUMS")
+             "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_BWD_DQ_CHAINS", "ATTNEXT_TILE_SUMS", "ATTNEXT_BWD_F32_PRESPLIT")
 
 
 def knobs(names):
@@ -446,7 +446,23 @@ def fwd_variants():
     return [("attn_fwd", fwd_defines(**v)) for v in out]
 
 
-def bwd_tile_config(D, Dv, dtype="bfloat16", atomic=False):
+def bwd_f32_presplit(arch, dtype, D, Dv):
+    """Whether float32's backward on attn_bwd.cu splits each shared tile into its TF32 parts once
+    (F32_PRESPLIT: attn_bwd.cu's PRE_STREAM / PRE_FIXED) rather than in every warp at every use:
+    on sm_90a (its tiles with lo planes take up to 191 KB a CTA: past sm_80's 163), up to D + Dv
+    = 256 (padded; not the two-pass KV_SPLIT tiles). A split is 2-5 ALU operations an element,
+    and each of the dK/dV kernel's warps split the whole Q and dO tile twice an item, each of the
+    dQ kernel's the whole K and V tile. In the SASS (sm_90a, instructions from a loop's first mma
+    to its last, a product each): dK/dV D128 6.9 -> 4.9 (three passes; the 8-warp tile), 8.8 ->
+    6.0 (one), D64 5.5 -> 4.0; dQ D128 6.9 -> 4.7, 8.6 -> 5.4. Off by default: written in session
+    45 with no GPU at hand, unmeasured; ATTNEXT_BWD_F32_PRESPLIT=1 takes it where it applies (the
+    lab's and the tests')."""
+    if arch != "sm_90a" or dtype != "float32" or _round_up(D, 16) + _round_up(Dv, 16) > 256:
+        return False
+    return _env.get("ATTNEXT_BWD_F32_PRESPLIT") == "1"
+
+
+def bwd_tile_config(D, Dv, dtype="bfloat16", atomic=False, planes=False):
     """The backward's tiles for head dims D, Dv: the one place that chooses. Returns a dict:
     kv_block_m, kv_warps, kv_split, kv_minb (dkdv: query rows per streamed tile; warps, 16 key
     rows each; dV and dK in two passes; CTAs per SM the registers must allow) and q_block_m,
@@ -462,7 +478,12 @@ def bwd_tile_config(D, Dv, dtype="bfloat16", atomic=False):
     D = 64, so that the dQ kernel fits sm_80 too, 16-row / 16-key tiles up to D + Dv = 256, and
     32-row dK/dV tiles up to D + Dv = 128 where that kernel adds dQ (atomic: its dS^T staged beside
     K and V takes it to 123 KB at 64 rows, one CTA an SM; H200, lab_f32 s43, B4 S4k H16 D64
-    deterministic=False: 23.1 -> 16.4 ms, causal 12.5 -> 9.1; tf32 12.0 -> 9.0)."""
+    deterministic=False: 23.1 -> 16.4 ms, causal 12.5 -> 9.1; tf32 12.0 -> 9.0). planes: float32's
+    split tiles with their lo planes (bwd_f32_presplit, three passes), which take the room of a
+    second copy of each streamed tile: at D + Dv = 128 32-row dK/dV and 32-key dQ tiles (87 / 106
+    KB dK/dV, 78 KB dQ: two CTAs an SM), at 256 the dK/dV kernel as 8 warps over 128 keys, one
+    CTA an SM (186 / 207 KB: each split Q and dO element serves 8 warps; the same 8 warps an SM
+    as two 4-warp CTAs), the dQ kernel's tiles as before (110 KB)."""
     env = _env.get("ATTNEXT_TILE_BWD")   # the kernel lab's override: "32,4,0,2,64,64,4,2"
     if env:
         keys = ("kv_block_m", "kv_warps", "kv_split", "kv_minb", "q_block_m", "q_block_n", "q_warps",
@@ -474,6 +495,10 @@ def bwd_tile_config(D, Dv, dtype="bfloat16", atomic=False):
                     q_minb=2)
     wide = 64 if dtype == "float32" else 128
     q = dict(q_block_m=64, q_block_n=64 if dp <= wide else 32, q_warps=4, q_minb=2)
+    if planes and dp + dvp <= 128:
+        return dict(kv_block_m=32, kv_warps=4, kv_split=0, kv_minb=2, **dict(q, q_block_n=32))
+    if planes and dp + dvp <= 256:
+        return dict(kv_block_m=16, kv_warps=8, kv_split=0, kv_minb=1, **dict(q, q_block_n=16))
     if dp + dvp <= 128:
         return dict(kv_block_m=32 if dtype == "float32" and atomic else 64, kv_warps=4, kv_split=0, kv_minb=2, **q)
     if dtype == "float32" and dp + dvp <= 256:
@@ -510,22 +535,27 @@ def tile_sums(mods, bm, bn):
     return used, admit, bool(admit) and always
 
 
-def bwd_smem_bytes(D, Dv, tile, atomic, slots=0, dtype="bfloat16"):
+def bwd_smem_bytes(D, Dv, tile, atomic, slots=0, dtype="bfloat16", planes=False):
     """Dynamic shared memory of each backward kernel (attn_bwd.cu's layouts), by kernel name;
-    slots: the dQ kernel's tile sums (tile_sums)."""
+    slots: the dQ kernel's tile sums (tile_sums); planes: float32's lo planes (bwd_f32_presplit
+    with three passes: LO_PLANES)."""
     size = ITEMSIZE[dtype]
     pad = 16 // size          # a shared-memory row's padding: 16 bytes (attn_common.cuh's SMEM_PAD)
     dp, dvp = _round_up(D, 16) + pad, _round_up(Dv, 16) + pad
     bm, bn = tile["kv_block_m"], 16 * tile["kv_warps"]
     dkdv_common = bn * dp + 2 * bm * dp + 2 * bm * dvp
-    extra = 4 * 4 * bm + (size * bn * (bm + pad) if atomic else 0)   # + dS^T (DQ_ATOMIC)
+    ds = bn * (bm + pad) if atomic else 0                            # dS^T (DQ_ATOMIC)
+    extra = 4 * 4 * bm + size * ds
     qm, qn, qw = tile["q_block_m"], tile["q_block_n"], tile["q_warps"]
+    if planes:                                                       # Q, dO: one plane each
+        extra += size * (bm * dp + bm * dvp)
+    q_planes = size * qn * (dp + dvp) if planes else 0               # the key tile's K, V
     return {
         "attn_bwd_dkdv": size * (dkdv_common + bn * dvp) + extra,
         "attn_bwd_dk": size * (dkdv_common + bn * dvp) + extra,
         "attn_bwd_dead": size * (dkdv_common + bn * dvp) + extra,   # dkdv's (or dk's: KV_SPLIT)
         "attn_bwd_dv": size * dkdv_common + extra,
-        "attn_bwd_dq": size * (qm * dp + qm * dvp + 2 * qn * dp + qn * dvp) + slots * codegen.TILE_SLOT_BYTES,
+        "attn_bwd_dq": size * (qm * dp + qm * dvp + 2 * qn * dp + qn * dvp) + q_planes + slots * codegen.TILE_SLOT_BYTES,
         "attn_bwd_dbias": size * (qm * dp + qm * dvp + qn * dp + qn * dvp) + 4 * qw * qn,
         "attn_bwd_pre": 0,
         "attn_bwd_sinks": 0,
@@ -702,13 +732,14 @@ def bwd_sm90_smem_bytes(D, Dv, tile, slots=0):
 
 
 def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile, dq="recompute",
-                mods=None, tf32=False, tma=False, chains=1):
+                mods=None, tf32=False, tma=False, chains=1, presplit=False):
     """The #defines of one backward variant (kernels/attn_bwd.cu: every backward kernel of it;
     attn_bwd_sm90.cu the same); dq: bwd_dq_mode's answer ("recompute" whenever the mods have
     array gradients: the dQ kernels' ds_tile scatters them, MOD_TILE_SLOTS: through shared
     memory where it has tile terms); mods: as for fwd_defines; tma: bwd_tma's answer (the
     warp-specialised dK/dV kernel's Q and dO by bulk tensor copies, BWD_TMA); chains:
-    bwd_dq_chains' answer (DQ_CHAINS and the key block it counts, DQ_KEY_BLOCK, where above 1)."""
+    bwd_dq_chains' answer (DQ_CHAINS and the key block it counts, DQ_KEY_BLOCK, where above 1);
+    presplit: bwd_f32_presplit's (F32_PRESPLIT)."""
     d = {
         **dtype_defines(dtype, tf32), "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
         "HAS_SOFTCAP": int(softcap), "HAS_BIAS": int(bias_dtype is not None),
@@ -722,6 +753,8 @@ def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
              Q_BLOCK_N=tile["q_block_n"], Q_WARPS=tile["q_warps"], Q_MINB=tile["q_minb"])
     if tma:
         d["BWD_TMA"] = 1
+    if presplit:
+        d["F32_PRESPLIT"] = 1
     if chains > 1:
         d.update(DQ_CHAINS=chains, DQ_KEY_BLOCK=16 * bwd_sm90_tile(D, dq)["kv_warps"])
     slots, admit, always = tile_sums(mods, tile["q_block_m"], tile["q_block_n"])
@@ -750,6 +783,21 @@ def bwd_variants():
             out.append(bwd_defines(**{**features, "tile": bwd_tile_config(D, Dv, dtype, True)}, dq="atomic"))
     unique = {tuple(sorted(d.items())): d for d in out}
     return [("attn_bwd", d) for d in unique.values()]
+
+
+def f32_presplit_variants():
+    """float32's backward with its tiles split once (bwd_f32_presplit; sm_90a only): D = Dv = 64
+    and 128, both precisions, either dQ, plain scores."""
+    out = []
+    for D in (64, 128):
+        for tf32 in (False, True):
+            for atomic in (False, True):
+                tile = bwd_tile_config(D, D, "float32", atomic, not tf32)
+                out.append(("attn_bwd", bwd_defines(dtype="float32", D=D, Dv=D, vec=True, softcap=False,
+                                                    bias_dtype=None, alibi_dtype=None, mask=False, tile=tile,
+                                                    dq="atomic" if atomic else "recompute", tf32=tf32,
+                                                    presplit=True)))
+    return out
 
 
 def sm90_fwd_variants():
@@ -821,7 +869,7 @@ def merge_variants():
 
 def variants(arch=None):
     """Every (kernel, defines) warmup compiles for arch (None: those of every architecture)."""
-    hopper = sm90_fwd_variants() + sm90_bwd_variants() if arch in (None, "sm_90a") else []
+    hopper = sm90_fwd_variants() + sm90_bwd_variants() + f32_presplit_variants() if arch in (None, "sm_90a") else []
     return fwd_variants() + bwd_variants() + hopper + merge_variants()
 
 

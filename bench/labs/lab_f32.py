@@ -7,6 +7,7 @@ error printed beside its rate.
 
     python bench/labs/lab_f32.py [--rows "4,2048,16,64;1,8192,16,128,causal"] [--tiles "128,64,4;64,64,4"]
                                  [--sm90 0|1] [--bwd] [--bwd-tiles "16,4,0,2,64,32,4,2;..."] [--atomic]
+                                 [--presplit]
 
 --tiles: attnext's float32 rows again under each forward tile (ATTNEXT_TILE_FWD), beside the default.
 --sm90: attnext's forward rows again with ATTNEXT_FWD_F32_SM90 set to this (the TF32 wgmma forward
@@ -16,6 +17,8 @@ attnext's backward runs deterministic (the default) and with deterministic=False
 by atomics in the dK/dV kernel where select.bwd_dq_mode takes it).
 --atomic: attnext's backward (both precisions) again with those atomics forced
 (ATTNEXT_BWD_DQ=atomic, deterministic=False), each backward tile too.
+--presplit: every attnext backward row again with its shared tiles split once
+(ATTNEXT_BWD_F32_PRESPLIT=1), labelled "split".
 """
 import argparse
 import math
@@ -62,6 +65,7 @@ def main():
     ap.add_argument("--bwd", action="store_true", help="time the backward too")
     ap.add_argument("--bwd-tiles", default="", help="ATTNEXT_TILE_BWD values separated by ';'")
     ap.add_argument("--atomic", action="store_true", help="the backward with atomic dQ too")
+    ap.add_argument("--presplit", action="store_true", help="the backward with its tiles split once too")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'row':28} {'impl':16} {'ms':>8} {'TFLOP/s':>8} {'rel err':>9}")
@@ -104,12 +108,13 @@ def main():
                 for knob in knobs.get(label, {}):
                     _env.setenv(knob, None)
         if args.bwd:
-            _backward(name, q, k, v, causal, flops * 2.5, list(filter(None, args.bwd_tiles.split(";"))), args.atomic)
+            _backward(name, q, k, v, causal, flops * 2.5, list(filter(None, args.bwd_tiles.split(";"))), args.atomic,
+                      args.presplit)
         del q, k, v, ref, out
         torch.cuda.empty_cache()
 
 
-def _backward(name, q, k, v, causal, flops, tiles=(), atomic=False):
+def _backward(name, q, k, v, causal, flops, tiles=(), atomic=False, presplit=False):
     dout = torch.randn_like(q)
     qd, kd, vd = (x.double().transpose(1, 2).requires_grad_() for x in (q, k, v))
     ref = torch.autograd.grad(F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal),
@@ -117,21 +122,24 @@ def _backward(name, q, k, v, causal, flops, tiles=(), atomic=False):
     impls = {}
     for precision in (None, "tf32"):
         out, lse = attnext.attention(q, k, v, causal=causal, return_lse=True, precision=precision)
-        for tile in [None, *tiles]:
+        for tile, split in [(t, s) for t in [None, *tiles] for s in (None, "1")[:1 + presplit]]:
             # (label, deterministic, ATTNEXT_BWD_DQ): the default, deterministic=False's own choice
             # (select.bwd_dq_mode), and with --atomic the atomic dQ forced
             for mode, deterministic, dq in (("", True, None), (" nodet", False, None)) + \
                     ((" atomic", False, "atomic"),) * atomic:
-                def run(out=out, lse=lse, precision=precision, tile=tile, deterministic=deterministic, dq=dq):
+                def run(out=out, lse=lse, precision=precision, tile=tile, deterministic=deterministic, dq=dq,
+                        split=split):
                     _env.setenv("ATTNEXT_TILE_BWD", tile)
                     _env.setenv("ATTNEXT_BWD_DQ", dq)
+                    _env.setenv("ATTNEXT_BWD_F32_PRESPLIT", split)
                     try:
                         return attnext.attention_backward(dout, q, k, v, out, lse, causal=causal, precision=precision,
                                                           deterministic=deterministic).dq
                     finally:
                         _env.setenv("ATTNEXT_TILE_BWD", None)
                         _env.setenv("ATTNEXT_BWD_DQ", None)
-                label = f"attnext{' tf32' if precision else ''} bwd{mode}"
+                        _env.setenv("ATTNEXT_BWD_F32_PRESPLIT", None)
+                label = f"attnext{' tf32' if precision else ''} bwd{mode}{' split' if split else ''}"
                 impls[label + (" " + tile if tile else "")] = (run, False)
     for label, backend, tf32 in (("sdpa efficient bwd", SDPBackend.EFFICIENT_ATTENTION, False),
                                  ("sdpa math tf32 bwd", SDPBackend.MATH, True)):

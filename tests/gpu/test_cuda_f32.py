@@ -203,6 +203,76 @@ def test_atomic_dq(d, precision, how, rng, monkeypatch):
         assert modes == want + [("recompute", 64 if d == 64 else 16)], modes
 
 
+TILE_KEYS = ("kv_block_m", "kv_warps", "kv_split", "kv_minb", "q_block_m", "q_block_n", "q_warps", "q_minb")
+
+
+@pytest.mark.parametrize("precision", [None, "tf32"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_split_once(d, precision, rng, monkeypatch):
+    """ATTNEXT_BWD_F32_PRESPLIT=1 (Hopper): the backward's shared tiles split into TF32 parts once
+    (F32_PRESPLIT). On the same tiles its dq, dk, dv are the bits of splitting at each use (bands,
+    GQA, partial tiles, a score option); on its own tiles, against the reference: every option,
+    varlen with padding, rows that keep no key (attn_bwd_dead), deterministic=False's added dQ;
+    and each call planned with it."""
+    from attnext.cuda import backend, select
+    if backend.device_arch(0) != "sm_90a":
+        pytest.skip("F32_PRESPLIT is sm_90a's")
+    backend.clear_plans()
+    splits = []
+    bwd_defines = select.bwd_defines
+
+    def spy(**kw):
+        splits.append(kw.get("presplit", False))
+        return bwd_defines(**kw)
+    monkeypatch.setattr(select, "bwd_defines", spy)
+    tile = select.bwd_tile_config(d, d, "float32", False, precision is None)
+    monkeypatch.setenv("ATTNEXT_TILE_BWD", ",".join(str(tile[k]) for k in TILE_KEYS))
+    q, k, v = make_qkv(rng, 2, 150, 213, 4, 2, d, d, F32)
+    for opts in (dict(), dict(causal=True), dict(window=(40, 5), softcap=20.0)):
+        opts["precision"] = precision
+        out, lse = attnext.attention(q, k, v, device="cuda", return_lse=True, **opts)
+        dout = rng.standard_normal(out.shape).astype(np.float32)
+        monkeypatch.delenv("ATTNEXT_BWD_F32_PRESPLIT", raising=False)
+        each = attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", **opts)
+        monkeypatch.setenv("ATTNEXT_BWD_F32_PRESPLIT", "1")
+        once = attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", **opts)
+        for name, a, b in zip(("dq", "dk", "dv"), each, once):
+            assert np.array_equal(a, b), (name, opts, np.abs(a - b).max())
+    assert splits[-1] and not splits[-2], splits
+    monkeypatch.delenv("ATTNEXT_TILE_BWD")
+    splits.clear()
+
+    def check(q, k, v, varlen=None, deterministic=True, **opts):
+        out, lse, r_out, _ = _forward(q, k, v, varlen=varlen, precision=precision, **opts)
+        dout = rng.standard_normal(out.shape).astype(np.float32)
+        lengths = varlen or {}
+        if varlen is None:
+            g = attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", precision=precision,
+                                           deterministic=deterministic, **opts)
+            rg = reference.attention_backward(dout, q, k, v, out, lse, **opts)
+        else:
+            g = attnext.varlen_attention_backward(dout, q, k, v, out, lse, **lengths, device="cuda",
+                                                  precision=precision, deterministic=deterministic, **opts)
+            rg = reference.varlen_attention_backward(dout, q, k, v, out, lse, **lengths, **opts)
+        problems = compare_grads(g, rg, q, k, v, dout, out, r_out, varlen, dict(opts, precision=precision))
+        assert not problems, "\n".join(problems)
+    q, k, v = make_qkv(rng, 2, 131, 1100, 4, 2, d, d, F32)
+    check(q, k, v, causal=True)
+    check(q, k, v, causal=True, deterministic=False)
+    check(q, k, v, deterministic=False)
+    q, k, v = make_qkv(rng, 2, 77, 150, 6, 2, d, d, F32)
+    mask = rng.random((2, 1, 77, 150)) > 0.2
+    mask[1, 0, 5] = False                 # a row that keeps no key
+    check(q, k, v, bias=randn(rng, (6, 1, 150), np.float32), mask=mask, alibi_slopes=rng.random(6).astype(np.float32),
+          softcap=5.0, window=(40, 3), sinks=randn(rng, (6,), np.float32))
+    cu_q = np.array([0, 0, 37, 300, 301, 520], np.int32)
+    cu_k = np.array([0, 5, 5, 270, 400, 640], np.int32)
+    q, k, v = make_varlen_qkv(rng, 530, 650, 4, 2, d, d, F32)
+    check(q, k, v, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=np.array([0, 30, 263, 1, 100], np.int32)),
+          causal=True)
+    assert splits and all(splits), splits
+
+
 @pytest.mark.parametrize("sq, hq, d", [(1, 32, 128), (3, 8, 64), (1, 8, 256)])
 def test_decode_split_kv_and_packed_heads(sq, hq, d, rng):
     q, k, v = make_qkv(rng, 1, sq, 5000, hq, 8 if hq == 32 else 2, d, d, F32)

@@ -272,6 +272,44 @@ def test_hopper_float32_wgmma_forward_where_it_applies(monkeypatch):
                 assert nvrtc.cubin("attn_fwd_sm90_f32", defines, "sm_90a")
 
 
+def test_float32_backward_split_once_where_asked(monkeypatch):
+    """ATTNEXT_BWD_F32_PRESPLIT=1 splits float32's shared backward tiles once (F32_PRESPLIT) on
+    sm_90a up to D + Dv = 256, nowhere without it; with three passes its lo planes take the tiles
+    bwd_tile_config gives for them (D64: 32-row dK/dV and 32-key dQ tiles; D128: 8 warps over 128
+    keys, one CTA an SM), each kernel within 227 KB (the dQ kernel's two CTAs an SM within half),
+    and the variants warmup compiles (sm_90a alone) compile."""
+    ok = ("sm_90a", "float32", 128, 128)
+    assert not select.bwd_f32_presplit(*ok)
+    monkeypatch.setenv("ATTNEXT_BWD_F32_PRESPLIT", "1")
+    assert select.bwd_f32_presplit(*ok) and select.bwd_f32_presplit("sm_90a", "float32", 64, 128)
+    for args in (("sm_80", "float32", 128, 128), ("sm_90a", "bfloat16", 128, 128), ("sm_90a", "float32", 256, 64),
+                 ("sm_90a", "float32", 192, 128)):
+        assert not select.bwd_f32_presplit(*args), args
+    monkeypatch.setenv("ATTNEXT_BWD_F32_PRESPLIT", "0")
+    assert not select.bwd_f32_presplit(*ok)
+    tile = select.bwd_tile_config
+    for atomic in (False, True):
+        assert tile(64, 64, "float32", atomic, True)["kv_block_m"] == tile(64, 64, "float32", atomic, True)["q_block_n"] \
+            == 32
+        wide = tile(128, 128, "float32", atomic, True)
+        assert (wide["kv_warps"], wide["kv_minb"], wide["kv_block_m"]) == (8, 1, 16)
+        assert tile(128, 128, "float32", atomic) == {**wide, "kv_warps": 4, "kv_minb": 2}
+        for d in (64, 128):
+            plain = select.bwd_smem_bytes(d, d, tile(d, d, "float32", atomic), atomic, 0, "float32")
+            t = tile(d, d, "float32", atomic, True)
+            split = select.bwd_smem_bytes(d, d, t, atomic, 0, "float32", True)
+            assert max(split.values()) <= 227 * 1024 and split["attn_bwd_dq"] <= 113 * 1024
+            lo = 4 * t["kv_block_m"] * 2 * (d + 4)          # the item's Q and dO, a plane each
+            assert split["attn_bwd_dkdv"] == select.bwd_smem_bytes(d, d, t, atomic, 0, "float32")["attn_bwd_dkdv"] + lo
+            assert plain["attn_bwd_dkdv"] <= 113 * 1024
+    presplit = [d for k, d in select.variants("sm_90a") if d.get("F32_PRESPLIT")]
+    assert len(presplit) == 8 and not any(d.get("F32_PRESPLIT") for k, d in select.variants("sm_80"))
+    if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
+        return
+    for d in presplit:
+        assert nvrtc.cubin("attn_bwd", d, "sm_90a")
+
+
 def test_hopper_backward_choice_and_shared_memory(monkeypatch):
     """attn_bwd_sm90 takes D, Dv in {64, 128} with 16-byte rows on sm_90a and fits 227 KB of
     shared memory in every tile the lab can ask for."""
