@@ -452,11 +452,11 @@ def bwd_f32_presplit(arch, dtype, D, Dv):
     on sm_90a (its tiles with lo planes take up to 191 KB a CTA: past sm_80's 163), up to D + Dv
     = 256 (padded; not the two-pass KV_SPLIT tiles). A split is 2-5 ALU operations an element,
     and each of the dK/dV kernel's warps split the whole Q and dO tile twice an item, each of the
-    dQ kernel's the whole K and V tile. In the SASS (sm_90a, instructions from a loop's first mma
-    to its last, a product each): dK/dV D128 6.9 -> 4.9 (three passes; the 8-warp tile), 8.8 ->
-    6.0 (one), D64 5.5 -> 4.0; dQ D128 6.9 -> 4.7, 8.6 -> 5.4. Off by default: written in session
-    45 with no GPU at hand, unmeasured; ATTNEXT_BWD_F32_PRESPLIT=1 takes it where it applies (the
-    lab's and the tests')."""
+    dQ kernel's the whole K and V tile. In the SASS (sm_90a, bench/labs/lab_sass.py: the products'
+    loop, instructions a product): dK/dV D128 7.8 -> 5.9 (three passes; the 8-warp tile), 11.2 ->
+    9.6 (one), D64 6.1 -> 5.1 / 8.6 -> 6.9; dQ D128 7.4 -> 5.5 / 10.3 -> 8.4, D64 6.1 -> 4.8 / 8.8
+    -> 7.2. Off by default: written in session 45 with no GPU at hand, unmeasured;
+    ATTNEXT_BWD_F32_PRESPLIT=1 takes it where it applies (the lab's and the tests')."""
     if arch != "sm_90a" or dtype != "float32" or _round_up(D, 16) + _round_up(Dv, 16) > 256:
         return False
     return _env.get("ATTNEXT_BWD_F32_PRESPLIT") == "1"
