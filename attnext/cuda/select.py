@@ -480,10 +480,10 @@ def bwd_tile_config(D, Dv, dtype="bfloat16", atomic=False, planes=False):
     K and V takes it to 123 KB at 64 rows, one CTA an SM; H200, lab_f32 s43, B4 S4k H16 D64
     deterministic=False: 23.1 -> 16.4 ms, causal 12.5 -> 9.1; tf32 12.0 -> 9.0). planes: float32's
     split tiles with their lo planes (bwd_f32_presplit, three passes), which take the room of a
-    second copy of each streamed tile: at D + Dv = 128 32-row dK/dV and 32-key dQ tiles (87 / 106
-    KB dK/dV, 78 KB dQ: two CTAs an SM), at 256 the dK/dV kernel as 8 warps over 128 keys, one
-    CTA an SM (186 / 207 KB: each split Q and dO element serves 8 warps; the same 8 warps an SM
-    as two 4-warp CTAs), the dQ kernel's tiles as before (110 KB)."""
+    second copy of each streamed tile: at D + Dv = 128 32-row dK/dV and 32-key dQ tiles (86 / 95
+    KB dK/dV, 77 KB dQ: two CTAs an SM), at 256 the dK/dV kernel as 8 warps over 128 keys, one
+    CTA an SM (182 / 192 KB: each split Q and dO element serves 8 warps; the same 8 warps an SM
+    as two 4-warp CTAs), the dQ kernel's tiles as before (107 KB)."""
     env = _env.get("ATTNEXT_TILE_BWD")   # the kernel lab's override: "32,4,0,2,64,64,4,2"
     if env:
         keys = ("kv_block_m", "kv_warps", "kv_split", "kv_minb", "q_block_m", "q_block_n", "q_warps",

@@ -210,10 +210,12 @@ TILE_KEYS = ("kv_block_m", "kv_warps", "kv_split", "kv_minb", "q_block_m", "q_bl
 @pytest.mark.parametrize("d", [64, 128])
 def test_backward_split_once(d, precision, rng, monkeypatch):
     """ATTNEXT_BWD_F32_PRESPLIT=1 (Hopper): the backward's shared tiles split into TF32 parts once
-    (F32_PRESPLIT). On the same tiles its dq, dk, dv are the bits of splitting at each use (bands,
-    GQA, partial tiles, a score option); on its own tiles, against the reference: every option,
-    varlen with padding, rows that keep no key (attn_bwd_dead), deterministic=False's added dQ;
-    and each call planned with it."""
+    (F32_PRESPLIT). On the same tiles its gradients are the bits of splitting at each use (bands,
+    GQA, partial tiles, a score option, a row that keeps no key: attn_bwd_dead; odd head dims with
+    element loads; the dK/dV kernel adding dQ, whose dk and dv do not depend on the atomics'
+    order), which alone can tell a rounding too many or too few in one pass; on its own tiles,
+    against the reference: every option, varlen with padding, dead rows, deterministic=False's
+    added dQ; and each call planned with it."""
     from attnext.cuda import backend, select
     if backend.device_arch(0) != "sm_90a":
         pytest.skip("F32_PRESPLIT is sm_90a's")
@@ -225,21 +227,37 @@ def test_backward_split_once(d, precision, rng, monkeypatch):
         splits.append(kw.get("presplit", False))
         return bwd_defines(**kw)
     monkeypatch.setattr(select, "bwd_defines", spy)
-    tile = select.bwd_tile_config(d, d, "float32", False, precision is None)
-    monkeypatch.setenv("ATTNEXT_TILE_BWD", ",".join(str(tile[k]) for k in TILE_KEYS))
-    q, k, v = make_qkv(rng, 2, 150, 213, 4, 2, d, d, F32)
-    for opts in (dict(), dict(causal=True), dict(window=(40, 5), softcap=20.0)):
+
+    def same_bits(q, k, v, atomic=False, **opts):
+        """Each gradient of splitting at each use and of splitting once, on the tiles of the latter."""
+        D, Dv = q.shape[-1], v.shape[-1]
+        tile = select.bwd_tile_config(D, Dv, "float32", atomic, precision is None)
+        monkeypatch.setenv("ATTNEXT_TILE_BWD", ",".join(str(tile[k]) for k in TILE_KEYS))
+        monkeypatch.setenv("ATTNEXT_BWD_DQ", "atomic" if atomic else "recompute")
         opts["precision"] = precision
         out, lse = attnext.attention(q, k, v, device="cuda", return_lse=True, **opts)
         dout = rng.standard_normal(out.shape).astype(np.float32)
-        monkeypatch.delenv("ATTNEXT_BWD_F32_PRESPLIT", raising=False)
-        each = attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", **opts)
-        monkeypatch.setenv("ATTNEXT_BWD_F32_PRESPLIT", "1")
-        once = attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", **opts)
-        for name, a, b in zip(("dq", "dk", "dv"), each, once):
+        got = []
+        for split in ("0", "1"):
+            monkeypatch.setenv("ATTNEXT_BWD_F32_PRESPLIT", split)
+            got.append(attnext.attention_backward(dout, q, k, v, out, lse, device="cuda",
+                                                  deterministic=not atomic, **opts))
+            assert splits[-1] == (split == "1"), splits
+        for name, a, b in zip(("dq", "dk", "dv", "dbias"), got[0], got[1]):
+            if name == "dq" and atomic or a is None:
+                continue               # the atomics' order varies from run to run
             assert np.array_equal(a, b), (name, opts, np.abs(a - b).max())
-    assert splits[-1] and not splits[-2], splits
-    monkeypatch.delenv("ATTNEXT_TILE_BWD")
+        monkeypatch.delenv("ATTNEXT_BWD_F32_PRESPLIT")
+        monkeypatch.delenv("ATTNEXT_TILE_BWD")
+        monkeypatch.delenv("ATTNEXT_BWD_DQ")
+    q, k, v = make_qkv(rng, 2, 150, 213, 4, 2, d, d, F32)
+    dead = rng.random((2, 1, 150, 213)) > 0.1
+    dead[0, 0, 7] = False                 # a row that keeps no key: attn_bwd_dead
+    for opts in (dict(), dict(causal=True), dict(window=(40, 5), softcap=20.0), dict(mask=dead)):
+        same_bits(q, k, v, **opts)
+    same_bits(q, k, v, atomic=True, causal=True)
+    q, k, v = make_qkv(rng, 2, 77, 150, 4, 2, 59, 40, F32, layout="bhsd")   # element loads
+    same_bits(q, k, v, layout="bhsd", causal=True, bias=randn(rng, (4, 77, 150), np.float32))
     splits.clear()
 
     def check(q, k, v, varlen=None, deterministic=True, **opts):
