@@ -204,37 +204,19 @@ DEV void red_add_f32x2(float *p, float a, float b)
  * against cuDNN's 52M; bench/NOTES.md, backward v15). With a mask array the old form stays:
  * its read is behind the band's test. */
 #define PAIR_SELECT (SCORE_IS_PLAIN && !MASK_ARRAY && !HAS_MASK_MOD && !ATTN_GMODS)
-/* PAIR_BITS (0 unless defined; session 45, unmeasured): PAIR_SELECT's band test as a bit of
- * band_bits' word, for D = 64, whose pass has no copy for the tiles that need no test (its pairs
- * take the row's index, two compares and the need_mask test before each exp2: ~5 instructions).
- * At D = 128 that copy runs the unmasked tiles, and the word's set-up added instructions there.
- * With it ptxas splits D = 64's item loop differently, so static counts do not compare
- * (bench/labs/lab_sass.py): to be timed against the default (bench/NOTES.md, backward). ROW_PAIRS:
- * pt_pass reads a row pair's lse and delta by 8-byte loads. */
+/* PAIR_BITS (0 unless defined; session 45, unmeasured): PAIR_SELECT's band test as one bit of
+ * band_bits' word (attn_common.cuh: the thread's query rows of S^T are an mma C fragment's
+ * columns, as the forward's keys are), for D = 64, whose pass has no copy for the tiles that
+ * need no test (each pair takes its row's index, two compares and the need_mask test before its
+ * exp2: ~5 instructions). At D = 128 that copy runs the unmasked tiles, and the word's set-up
+ * added instructions there. To be timed against the default (bench/NOTES.md, backward; SASS:
+ * bench/labs/lab_sass.py). ROW_PAIRS: pt_pass reads a row pair's lse and delta by 8-byte loads. */
 #ifndef PAIR_BITS
 #define PAIR_BITS 0
 #endif
 #ifndef ROW_PAIRS
 #define ROW_PAIRS (HEAD_DIM > 64)
 #endif
-
-/* The thread's rows of a tile (pt_pass's i = 2 nt + x: row 8 nt + 2 t + x, increasing in i) that
- * lie in [lo, hi) (rows of the tile), as bits i: those rows are one run of i, [count(lo),
- * count(hi)), count(L) the thread's rows under L. A pair's test is then one bit (a LOP3 to a
- * predicate), where r >= qlo && r < qhi took the row's index and two compares, and the need_mask
- * test a third (SASS, D = 64: ~5 instructions a pair before its exp2). */
-template <int NT>
-DEV uint32_t band_bits(int lo, int hi)
-{
-    static_assert(NT <= 16, "a bit a row of the thread's 2 NT");
-    const int t2 = 2 * (threadIdx.x & 3);
-    auto count = [&](int L) {
-        const int u = L - t2;     /* rows 8 nt + t2 (+ 1) under L: nt < u / 8, nt < (u - 1) / 8, rounded up */
-        return u <= 0 ? 0 : min((u + 7) >> 3, NT) + min((u + 6) >> 3, NT);
-    };
-    auto low = [](int n) { return n >= 32 ? ~0u : (1u << n) - 1u; };
-    return low(count(hi)) & ~low(count(lo));
-}
 
 /* pt_tile's pass over the tile's elements; ALL: the tile keeps every pair (a generated
  * kernel's tile that needs no test: no per-element keep bits to read); DEAD: P^T is 0 in the
@@ -251,8 +233,8 @@ DEV void pt_pass(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &
 #if PAIR_SELECT && PAIR_BITS
     /* each key row's (half's) band over the thread's query rows, all of them where the tile needs
      * no test */
-    const uint32_t band[2] = {need_mask ? band_bits<NT>(qlo[0] - m0, qhi[0] - m0) : ~0u,
-                              need_mask ? band_bits<NT>(qlo[1] - m0, qhi[1] - m0) : ~0u};
+    const uint64_t band[2] = {need_mask ? band_bits<NT>(qlo[0], qhi[0], m0, t) : ~0ull,
+                              need_mask ? band_bits<NT>(qlo[1], qhi[1], m0, t) : ~0ull};
 #endif
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
@@ -291,7 +273,7 @@ DEV void pt_pass(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &
                 grad = k ? gk : 1.f;
 #elif PAIR_SELECT
 #if PAIR_BITS
-                const bool k = ALL || (band[half] >> (2 * nt + x) & 1u);
+                const bool k = ALL || (band[half] >> (2 * nt + x) & 1);
 #else
                 const bool k = ALL || (!need_mask | ((r >= qlo[half]) & (r < qhi[half])));
 #endif

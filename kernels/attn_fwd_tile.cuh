@@ -89,22 +89,6 @@ DEV void row_band(const attn_params &p, bool need, int r, int Lq, int Lk, int &l
     hi = (int)hi64;
 }
 
-/* The columns a row keeps ([lo, hi), row_band's) among a thread's 2 NT of a tile from column c0,
- * as bits: bit 2 nt + j for column c0 + 8 nt + 2 t + j (an mma C fragment's). The columns rise
- * with the bit, so the kept ones are bits [below(lo), below(hi)), below(x) counting the thread's
- * columns under x: one bit test a pair, where two compares had been. */
-template <int NT>
-DEV uint64_t band_bits(int lo, int hi, int c0, int t)
-{
-    static_assert(NT <= 32, "a bit a column of the thread's");
-    auto below = [&](int x) {
-        const int y = x - c0 - 2 * t;              /* column 8 nt + j of the thread's is under x: 8 nt + j < y */
-        return y <= 0 ? 0 : min(2 * (y >> 3) + min(y & 7, 2), 2 * NT);
-    };
-    auto bits_under = [](int b) { return b >= 64 ? ~0ull : (1ull << b) - 1; };
-    return bits_under(below(hi)) & ~bits_under(below(lo));
-}
-
 #if ATTN_GMODS
 /* keep_pass over a forward tile (a warp's rows from packed row row0, key columns from c0): a
  * pair lies in the band of its row (row_band). */
