@@ -659,11 +659,12 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
                             }
                     }
                 }
+                if (TF32_PASSES == 3)     /* (one pass: lo is 0) */
 #pragma unroll
-                for (int i = 0; i < NPW; i++)
+                    for (int i = 0; i < NPW; i++)
 #pragma unroll
-                    for (int e = 0; e < 8; e++)
-                        acc[i][e / 4][e % 4] += lo[i][e / 4][e % 4];
+                        for (int e = 0; e < 8; e++)
+                            acc[i][e / 4][e % 4] += lo[i][e / 4][e % 4];
 #else
                 elem_t *row = sdS + (warp * 16 + g) * LDS + 2 * t;
 #pragma unroll

@@ -290,7 +290,9 @@ DEV void split_tile(float *tile, float *lo, int tid)
  * truncated (rounded toward zero), so errors of one sign pile up with every mma into a large
  * sum: the small products lo*hi + hi*lo go into their own accumulator (c_lo, ~2^-11 of c's
  * magnitude: its truncation is negligible), hi*hi alone into c; the caller adds c_lo into c
- * when the sum is done. TF32_PASSES 1: hi*hi alone. */
+ * when the sum is done. TF32_PASSES 1: hi*hi alone, and c_lo stays 0: the callers leave its add
+ * out (x + 0 is x but for the sign of a zero, which the compiler must keep: ~150 FADD of the
+ * one-pass dK/dV item's ~1230 instructions at D = 128). */
 DEV void mma_f32(float *c, float *c_lo, const tf32_frag<4> &a, const tf32_frag<2> &b)
 {
 #if TF32_PASSES == 3
@@ -366,13 +368,14 @@ DEV void mma_abt_f32(float (&acc)[MT][NT][4], const float *sA, const float *sB, 
             }
         }
     }
+    if (TF32_PASSES == 3)                 /* one pass: lo is 0 (an add the compiler must keep: -0 + 0) */
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++)
+            for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-            for (int e = 0; e < 4; e++)
-                acc[mt][nt][e] += lo[mt][nt][e];
+                for (int e = 0; e < 4; e++)
+                    acc[mt][nt][e] += lo[mt][nt][e];
 }
 
 /* acc[mt][nt] += A . B[0..8 KN, nt*8 ..) in float32 by TF32 products: A the C fragments f of an
@@ -424,7 +427,7 @@ DEV void mma_cb_f32(float (&acc)[MT][NT][4], const float (&f)[MT][KN][4], const 
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int e = 0; e < 4; e++)
-                acc[mt][nt][e] += c[mt][e] + c_lo[mt][e];
+                acc[mt][nt][e] += TF32_PASSES == 3 ? c[mt][e] + c_lo[mt][e] : c[mt][e];
     }
 }
 #else
