@@ -555,7 +555,8 @@ def bwd_smem_bytes(D, Dv, tile, atomic, slots=0, dtype="bfloat16", planes=False)
         "attn_bwd_dk": size * (dkdv_common + bn * dvp) + extra,
         "attn_bwd_dead": size * (dkdv_common + bn * dvp) + extra,   # dkdv's (or dk's: KV_SPLIT)
         "attn_bwd_dv": size * dkdv_common + extra,
-        "attn_bwd_dq": size * (qm * dp + qm * dvp + 2 * qn * dp + qn * dvp) + q_planes + slots * codegen.TILE_SLOT_BYTES,
+        "attn_bwd_dq": (size * (qm * dp + qm * dvp + 2 * qn * dp + qn * dvp) + q_planes
+                        + slots * codegen.TILE_SLOT_BYTES),
         "attn_bwd_dbias": size * (qm * dp + qm * dvp + qn * dp + qn * dvp) + 4 * qw * qn,
         "attn_bwd_pre": 0,
         "attn_bwd_sinks": 0,

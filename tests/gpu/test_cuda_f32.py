@@ -258,6 +258,7 @@ def test_backward_split_once(d, precision, rng, monkeypatch):
     same_bits(q, k, v, atomic=True, causal=True)
     q, k, v = make_qkv(rng, 2, 77, 150, 4, 2, 59, 40, F32, layout="bhsd")   # element loads
     same_bits(q, k, v, layout="bhsd", causal=True, bias=randn(rng, (4, 77, 150), np.float32))
+    monkeypatch.setenv("ATTNEXT_BWD_F32_PRESPLIT", "1")   # from here on its own tiles
     splits.clear()
 
     def check(q, k, v, varlen=None, deterministic=True, **opts):
@@ -286,8 +287,8 @@ def test_backward_split_once(d, precision, rng, monkeypatch):
     cu_q = np.array([0, 0, 37, 300, 301, 520], np.int32)
     cu_k = np.array([0, 5, 5, 270, 400, 640], np.int32)
     q, k, v = make_varlen_qkv(rng, 530, 650, 4, 2, d, d, F32)
-    check(q, k, v, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=np.array([0, 30, 263, 1, 100], np.int32)),
-          causal=True)
+    used = np.array([0, 30, 263, 1, 100], np.int32)
+    check(q, k, v, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used), causal=True)
     assert splits and all(splits), splits
 
 
