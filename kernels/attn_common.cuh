@@ -450,9 +450,9 @@ DEV void mma16816(float *c, const uint32_t *a, uint32_t b0, uint32_t b1)
 
 /* The columns of [lo, hi) among a thread's 2 NT of a tile from column c0 (the forward: the keys a
  * row keeps, row_band's; the backward's S^T: the query rows a key row is seen by), as bits: bit
- * 2 nt + j for column c0 + 8 nt + 2 t + j (an mma C fragment's). The columns rise
- * with the bit, so the kept ones are bits [below(lo), below(hi)), below(x) counting the thread's
- * columns under x: one bit test a pair, where two compares had been. */
+ * 2 nt + j for column c0 + 8 nt + 2 t + j (an mma C fragment's). The columns rise with the bit,
+ * so the kept ones are bits [below(lo), below(hi)), below(x) counting the thread's columns under
+ * x: one bit test a pair, where two compares had been. */
 template <int NT>
 DEV uint64_t band_bits(int lo, int hi, int c0, int t)
 {
