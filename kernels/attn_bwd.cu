@@ -49,17 +49,13 @@
 #define KV_BLOCK_N (KV_WARPS * 16)       /* key rows per dkdv CTA: one m16 tile per warp */
 #define PRE_THREADS 256
 
-/* ---------------------------------------------------------------- warp products */
-/* acc[mt][nt] += A[mt*16 .., 0..KP) . B[nt*8 .., 0..KP)^T: A and B row-major in shared memory with
- * row stride KP + SMEM_PAD, sA at the warp's first A row, sB at B's first row. */
 /* F32_PRESPLIT (select.bwd_f32_presplit): float32's shared tiles split into their TF32 parts once
  * (split_tile) where every warp split them at each use. PRE_STREAM: the tiles every warp reads
- * (dK/dV: each item's Q and dO; dQ: each key tile's K and V),
- * hi in place and, with three passes, lo in a plane beside them (LO_PLANES); PRE_FIXED (one
- * pass, no planes): also the CTA's own tiles (dK/dV: K and V; dQ: Q and dO), rounded in place
- * once. With three passes those stay raw and split at use: their owner warps are the readers
- * (but the dQ product's K), and their planes would not fit beside two CTAs an SM. The bits are
- * those of splitting at each use. */
+ * (dK/dV: each item's Q and dO; dQ: each key tile's K and V), hi in place and, with three passes,
+ * lo in a plane beside them (LO_PLANES); PRE_FIXED (one pass, no planes): also the CTA's own
+ * tiles (dK/dV: K and V; dQ: Q and dO), rounded in place once. With three passes those stay raw
+ * and split at use: their owner warps are the readers (but the dQ product's K), and their planes
+ * would not fit beside two CTAs an SM. The bits are those of splitting at each use. */
 #if ELEM_F32 && F32_PRESPLIT
 #define PRE_STREAM 1
 #define PRE_FIXED (TF32_PASSES == 1)
@@ -70,6 +66,9 @@
 #define LO_PLANES 0
 #endif
 
+/* ---------------------------------------------------------------- warp products */
+/* acc[mt][nt] += A[mt*16 .., 0..KP) . B[nt*8 .., 0..KP)^T: A and B row-major in shared memory with
+ * row stride KP + SMEM_PAD, sA at the warp's first A row, sB at B's first row. */
 #if ELEM_F32
 /* PA / PB: A / B split already (split_tile), a_lo / b_lo: the floats from each to its lo plane */
 template <int MT, int NT, int KP, bool PA = false, bool PB = false>
