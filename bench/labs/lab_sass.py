@@ -8,6 +8,7 @@ latency and dual issue not at all; read it beside a measurement.
     python bench/labs/lab_sass.py --bwd-f32 128,3,recompute [--presplit] [--entries attn_bwd_dkdv,attn_bwd_dq]
     python bench/labs/lab_sass.py --kernel attn_fwd --defines '{"HEAD_DIM": 64, ...}' --entries attn_fwd
 
+--inner: the innermost loop that holds products, not the one that holds the most.
 --bwd-f32 D,passes,dq: attn_bwd.cu for float32 at D = Dv (passes 3 or 1: precision="tf32"; dq
 recompute or atomic) with select's tiles for it; --presplit with its tiles split once
 (F32_PRESPLIT). --tile: an ATTNEXT_TILE_BWD override for it.
@@ -32,11 +33,12 @@ TARGET = re.compile(r"\bBRA\b.*`\((\.L_x_\d+)\)")
 MMA = ("HMMA", "HGMMA")
 
 
-def loop_body(lines):
+def loop_body(lines, inner=False):
     """The opcodes of the loop that holds the most tensor-core products (a backward branch to a
-    label before it, its body from the label to the branch), or of the whole function's span from
-    its first product to its last where no loop holds one (ptxas may rotate a loop, so that span
-    can miss part of its body)."""
+    label before it, its body from the label to the branch; inner: of the loops holding products
+    and no such loop inside them, the one with the fewest instructions a product), or of the whole function's span from its first product to its
+    last where no loop holds one (ptxas may rotate a loop, so that span can miss part of its
+    body)."""
     ops, labels, branches = [], {}, []
     for line in lines:
         m = LABEL.match(line.strip())
@@ -50,14 +52,20 @@ def loop_body(lines):
         if t:
             branches.append((len(ops), t.group(1)))
         ops.append(o.group(1))
+    loops = {(labels[label], at) for at, label in branches if labels.get(label, at + 1) <= at}
+    loops = [(a, b) for a, b in loops if any(op in MMA for op in ops[a:b + 1])]
+    if inner:
+        loops = [(a, b) for a, b in loops if not any((c, d) != (a, b) and a <= c and d <= b for c, d in loops)]
     best = None
-    for at, label in branches:
-        start = labels.get(label)
-        if start is not None and start <= at:
-            body = ops[start:at + 1]
-            n = sum(op in MMA for op in body)
-            if n and (best is None or n > best[0] or (n == best[0] and len(body) < len(best[1]))):
-                best = (n, body)
+    for start, at in loops:
+        body = ops[start:at + 1]
+        n = sum(op in MMA for op in body)
+        if inner:                 # the tightest: fewest instructions a product
+            better = best is None or len(body) * best[0] < len(best[1]) * n
+        else:
+            better = best is None or n > best[0] or (n == best[0] and len(body) < len(best[1]))
+        if better:
+            best = (n, body)
     if best:
         return best[1], "loop"
     mma = [i for i, op in enumerate(ops) if op in MMA]
@@ -96,6 +104,8 @@ def main():
     ap.add_argument("--tile", help="with --bwd-f32: ATTNEXT_TILE_BWD")
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--entries", default="", help="entry points to report, comma-separated (default: all)")
+    ap.add_argument("--inner", action="store_true", help="the innermost loop holding products (a key-tile loop "
+                    "inside a persistent or item loop)")
     args = ap.parse_args()
     _env.setenv("ATTNEXT_TILE_BWD", args.tile)
     if args.bwd_f32:
@@ -117,7 +127,7 @@ def main():
         entry, body = m.group(1), m.group(2)
         if wanted and entry not in wanted:
             continue
-        body_ops, how = loop_body(body.splitlines())
+        body_ops, how = loop_body(body.splitlines(), args.inner)
         usage = re.search(r"Function properties for %s\n.*?(\d+) bytes spill stores.*?Used (\d+) registers"
                           % re.escape(entry), log, re.S)
         regs = f"{usage.group(2)} registers, {usage.group(1)} B spilled" if usage else "?"
