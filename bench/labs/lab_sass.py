@@ -1,14 +1,15 @@
 """A kernel's SASS read offline, no GPU: NVRTC compiles it for an architecture (sm_90a by
 default), ptxas reports registers and spills, nvdisasm (the nvidia-cuda-nvdisasm wheel, or one on
-PATH) disassembles it, and the lab prints, per entry point, the instructions of the loop that holds the most tensor-core
-products (HMMA / HGMMA; a backward branch's body), as a count, a count per product, the spill
-accesses and the commonest opcodes. A static count: masked and unmasked paths both counted,
-latency and dual issue not at all; read it beside a measurement.
+PATH) disassembles it, and the lab prints, per entry point, the instructions of the loop that
+holds the most tensor-core products (HMMA / HGMMA; a backward branch's body), as a count, a count
+per product, the spill accesses and the commonest opcodes. A static count: masked and unmasked
+paths both counted, latency and dual issue not at all; read it beside a measurement.
 
     python bench/labs/lab_sass.py --bwd-f32 128,3,recompute [--presplit] [--entries attn_bwd_dkdv,attn_bwd_dq]
     python bench/labs/lab_sass.py --kernel attn_fwd --defines '{"HEAD_DIM": 64, ...}' --entries attn_fwd
 
---inner: the innermost loop that holds products, not the one that holds the most.
+--inner: of the innermost loops that hold products, the one with the fewest instructions a
+product (a key-tile loop inside a persistent or item loop), not the one that holds the most.
 --bwd-f32 D,passes,dq: attn_bwd.cu for float32 at D = Dv (passes 3 or 1: precision="tf32"; dq
 recompute or atomic) with select's tiles for it; --presplit with its tiles split once
 (F32_PRESPLIT). --tile: an ATTNEXT_TILE_BWD override for it.
@@ -36,9 +37,9 @@ MMA = ("HMMA", "HGMMA")
 def loop_body(lines, inner=False):
     """The opcodes of the loop that holds the most tensor-core products (a backward branch to a
     label before it, its body from the label to the branch; inner: of the loops holding products
-    and no such loop inside them, the one with the fewest instructions a product), or of the whole function's span from its first product to its
-    last where no loop holds one (ptxas may rotate a loop, so that span can miss part of its
-    body)."""
+    and no such loop inside them, the one with the fewest instructions a product), or of the
+    function's span from its first product to its last where no loop holds one. Returns (opcodes,
+    "loop" | "span" | "none")."""
     ops, labels, branches = [], {}, []
     for line in lines:
         m = LABEL.match(line.strip())
