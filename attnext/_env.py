@@ -115,7 +115,7 @@ SETTINGS = {s.name: s for s in [
             "0 keeps the Hopper backward's Q and dO on its producer's cp.async loads (no tensor maps)"),
     Setting("ATTNEXT_TILE_BWD_SM90", _TILE, "select.bwd_sm90_tile", LAB, CALL,
             "attn_bwd_sm90.cu's tile: KV,Q[,KV_MINB,Q_MINB] warps"),
-    Setting("ATTNEXT_BWD_F32_PRESPLIT", "0 | 1", "0 (select.bwd_f32_presplit)", LAB, CALL,
+    Setting("ATTNEXT_BWD_F32_PRESPLIT", "0 | 1", "three passes (select.bwd_f32_presplit)", LAB, CALL,
             "whether float32's backward on attn_bwd.cu splits each shared tile into its TF32 parts once (1) "
             "or in every warp at each use (0)"),
     Setting("ATTNEXT_BWD_DQ", "recompute | ordered | atomic", "select.bwd_dq_mode", LAB, CALL,

@@ -22,6 +22,11 @@
  * warp-specialised kernel below takes D = 64; KV_WARPS = 4 per warpgroup, Q_BLOCK_M = 16 *
  * Q_WARPS, Q_BLOCK_N = 64).
  */
+/* pt_pass's row pairs (attn_bwd_tile.cuh) at every D here: with PAIR_BITS the D = 64 warp-specialised
+ * loop holds them without the spills they once cost (bench/NOTES.md, backward v19) */
+#ifndef ROW_PAIRS
+#define ROW_PAIRS 1
+#endif
 #include "attn_bwd_tile.cuh"
 #include "wgmma.cuh"
 #include "sm90_pipe.cuh"

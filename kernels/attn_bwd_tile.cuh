@@ -204,15 +204,16 @@ DEV void red_add_f32x2(float *p, float a, float b)
  * against cuDNN's 52M; bench/NOTES.md, backward v15). With a mask array the old form stays:
  * its read is behind the band's test. */
 #define PAIR_SELECT (SCORE_IS_PLAIN && !MASK_ARRAY && !HAS_MASK_MOD && !ATTN_GMODS)
-/* PAIR_BITS (0 unless defined; session 45, unmeasured): PAIR_SELECT's band test as one bit of
- * band_bits' word (attn_common.cuh: the thread's query rows of S^T are an mma C fragment's
- * columns, as the forward's keys are), for D = 64, whose pass has no copy for the tiles that
- * need no test (each pair takes its row's index, two compares and the need_mask test before its
- * exp2: ~5 instructions). At D = 128 that copy runs the unmasked tiles, and the word's set-up
- * added instructions there. To be timed against the default (bench/NOTES.md, backward; SASS:
- * bench/labs/lab_sass.py). ROW_PAIRS: pt_pass reads a row pair's lse and delta by 8-byte loads. */
+/* PAIR_BITS: PAIR_SELECT's band test as one bit of band_bits' word (attn_common.cuh: the thread's
+ * query rows of S^T are an mma C fragment's columns, as the forward's keys are), at D <= 64, whose
+ * pass has no copy for the tiles that need no test (each pair took its row's index, two compares
+ * and the need_mask test before its exp2: ~5 instructions). At D = 128 that copy runs the
+ * unmasked tiles, and the word's set-up added instructions there. ROW_PAIRS: pt_pass reads a row
+ * pair's lse and delta by 8-byte loads; attn_bwd_sm90.cu takes them at D = 64 too. Both there at
+ * D = 64 (H200, bf16, session 46): the backward 0.87-0.96x cuDNN -> 1.00-1.09x, PAIR_BITS alone
+ * 0.95-1.07x (bench/NOTES.md, backward v19). */
 #ifndef PAIR_BITS
-#define PAIR_BITS 0
+#define PAIR_BITS (HEAD_DIM <= 64)
 #endif
 #ifndef ROW_PAIRS
 #define ROW_PAIRS (HEAD_DIM > 64)
@@ -240,7 +241,7 @@ DEV void pt_pass(float (&s)[1][NT][4], cfrag<1, NT / 2> &pp, const attn_params &
     for (int nt = 0; nt < NT; nt++) {
 #if ROW_PAIRS
         /* the two query rows' lse and delta by 8-byte loads (the rows' buffers are 8-byte aligned):
-         * half the shared loads of reading them one by one. Not at D = 64, whose items hold twice
+         * half the shared loads of reading them one by one. At D = 64 attn_bwd.cu's items hold twice
          * the rows in the same registers: there the pairs held ahead cost spills (bench/NOTES.md,
          * backward v12) */
         const float2 lb2 = *(const float2 *)(lb + nt * 8 + 2 * t);

@@ -985,7 +985,7 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     f32_passes = passes if arch == "sm_90a" else 0
     dq_mode = "recompute" if grads else select.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach, f32_passes)
     atomic = dq_mode != "recompute"
-    presplit = select.bwd_f32_presplit(arch, features["dtype"], o.D, o.Dv)
+    presplit = select.bwd_f32_presplit(arch, features["dtype"], o.D, o.Dv, passes)
     planes = presplit and passes == 3
     tile = select.bwd_tile_config(o.D, o.Dv, features["dtype"], atomic, planes)
     # the ordered mode's key blocks take turns at each query tile: without a mask_mod the first turn

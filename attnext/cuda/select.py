@@ -446,7 +446,7 @@ def fwd_variants():
     return [("attn_fwd", fwd_defines(**v)) for v in out]
 
 
-def bwd_f32_presplit(arch, dtype, D, Dv):
+def bwd_f32_presplit(arch, dtype, D, Dv, passes):
     """Whether float32's backward on attn_bwd.cu splits each shared tile into its TF32 parts once
     (F32_PRESPLIT: attn_bwd.cu's PRE_STREAM / PRE_FIXED) rather than in every warp at every use:
     on sm_90a (its tiles with lo planes take up to 191 KB a CTA: past sm_80's 163), up to D + Dv
@@ -455,11 +455,16 @@ def bwd_f32_presplit(arch, dtype, D, Dv):
     dQ kernel's the whole K and V tile. In the SASS (sm_90a, bench/labs/lab_sass.py: the products'
     loop, instructions a product): dK/dV D128 7.8 -> 5.9 (three passes; the 8-warp tile), 11.2 ->
     9.6 (one), D64 6.1 -> 5.1 / 8.6 -> 6.9; dQ D128 7.4 -> 5.5 / 10.3 -> 8.4, D64 6.1 -> 4.8 / 8.8
-    -> 7.2. Off by default: written in session 45 with no GPU at hand, unmeasured;
-    ATTNEXT_BWD_F32_PRESPLIT=1 takes it where it applies (the lab's and the tests')."""
+    -> 7.2. Measured (H200, session 46; bench/NOTES.md, backward b5): with three passes
+    (precision=None: float32 accuracy) 7-20% faster deterministic, -2% to +4% with atomic dQ, so it is the
+    default there; with one pass (precision="tf32") 15-21% slower (the split's pass and its
+    barrier cost more than the products save), so not. passes: TF32_PASSES.
+    ATTNEXT_BWD_F32_PRESPLIT=1 / 0 takes it / leaves it wherever it applies (the lab's and the
+    tests')."""
     if arch != "sm_90a" or dtype != "float32" or _round_up(D, 16) + _round_up(Dv, 16) > 256:
         return False
-    return _env.get("ATTNEXT_BWD_F32_PRESPLIT") == "1"
+    knob = _env.get("ATTNEXT_BWD_F32_PRESPLIT")
+    return knob == "1" if knob in ("0", "1") else passes == 3
 
 
 def bwd_tile_config(D, Dv, dtype="bfloat16", atomic=False, planes=False):

@@ -209,8 +209,8 @@ TILE_KEYS = ("kv_block_m", "kv_warps", "kv_split", "kv_minb", "q_block_m", "q_bl
 @pytest.mark.parametrize("precision", [None, "tf32"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_backward_split_once(d, precision, rng, monkeypatch):
-    """ATTNEXT_BWD_F32_PRESPLIT=1 (Hopper): the backward's shared tiles split into TF32 parts once
-    (F32_PRESPLIT). On the same tiles its gradients are the bits of splitting at each use (bands,
+    """The backward's shared tiles split into TF32 parts once (F32_PRESPLIT: Hopper, by default with
+    three passes, ATTNEXT_BWD_F32_PRESPLIT=1 / 0 to take it / leave it). On the same tiles its gradients are the bits of splitting at each use (bands,
     GQA, partial tiles, a score option, a row that keeps no key: attn_bwd_dead; odd head dims with
     element loads; the dK/dV kernel adding dQ, whose dk and dv do not depend on the atomics'
     order), which alone can tell a rounding too many or too few in one pass; on its own tiles,
@@ -258,6 +258,10 @@ def test_backward_split_once(d, precision, rng, monkeypatch):
     same_bits(q, k, v, atomic=True, causal=True)
     q, k, v = make_qkv(rng, 2, 77, 150, 4, 2, 59, 40, F32, layout="bhsd")   # element loads
     same_bits(q, k, v, layout="bhsd", causal=True, bias=randn(rng, (4, 77, 150), np.float32))
+    # by default with three passes (precision=None), not with one
+    out, lse = attnext.attention(q, k, v, device="cuda", return_lse=True, layout="bhsd", precision=precision)
+    attnext.attention_backward(out, q, k, v, out, lse, device="cuda", layout="bhsd", precision=precision)
+    assert splits[-1] == (precision is None), splits
     monkeypatch.setenv("ATTNEXT_BWD_F32_PRESPLIT", "1")   # from here on its own tiles
     splits.clear()
 

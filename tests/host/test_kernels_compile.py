@@ -273,20 +273,27 @@ def test_hopper_float32_wgmma_forward_where_it_applies(monkeypatch):
 
 
 def test_float32_backward_split_once_where_asked(monkeypatch):
-    """ATTNEXT_BWD_F32_PRESPLIT=1 splits float32's shared backward tiles once (F32_PRESPLIT) on
-    sm_90a up to D + Dv = 256, nowhere without it; with three passes its lo planes take the tiles
-    bwd_tile_config gives for them (D64: 32-row dK/dV and 32-key dQ tiles; D128: 8 warps over 128
-    keys, one CTA an SM), each kernel within 227 KB (the dQ kernel's two CTAs an SM within half),
-    and the variants warmup compiles (sm_90a alone) compile."""
+    """float32's backward splits its shared tiles once (F32_PRESPLIT) by default on sm_90a up to
+    D + Dv = 256 with three passes (precision=None), not with one (precision="tf32", where it
+    measured slower) and nowhere else; ATTNEXT_BWD_F32_PRESPLIT=1 / 0 takes it / leaves it where
+    it applies. With three passes its lo planes take the tiles bwd_tile_config gives for them
+    (D64: 32-row dK/dV and 32-key dQ tiles; D128: 8 warps over 128 keys, one CTA an SM), each
+    kernel within 227 KB (the dQ kernel's two CTAs an SM within half), and the variants warmup
+    compiles (sm_90a alone) compile."""
+    monkeypatch.delenv("ATTNEXT_BWD_F32_PRESPLIT", raising=False)
     ok = ("sm_90a", "float32", 128, 128)
-    assert not select.bwd_f32_presplit(*ok)
+    never = (("sm_80", "float32", 128, 128), ("sm_90a", "bfloat16", 128, 128), ("sm_90a", "float32", 256, 64),
+             ("sm_90a", "float32", 192, 128))
+    assert select.bwd_f32_presplit(*ok, 3) and select.bwd_f32_presplit("sm_90a", "float32", 64, 128, 3)
+    assert not select.bwd_f32_presplit(*ok, 1)
+    for args in never:
+        assert not select.bwd_f32_presplit(*args, 3), args
     monkeypatch.setenv("ATTNEXT_BWD_F32_PRESPLIT", "1")
-    assert select.bwd_f32_presplit(*ok) and select.bwd_f32_presplit("sm_90a", "float32", 64, 128)
-    for args in (("sm_80", "float32", 128, 128), ("sm_90a", "bfloat16", 128, 128), ("sm_90a", "float32", 256, 64),
-                 ("sm_90a", "float32", 192, 128)):
-        assert not select.bwd_f32_presplit(*args), args
+    assert select.bwd_f32_presplit(*ok, 1) and select.bwd_f32_presplit(*ok, 3)
+    for args in never:
+        assert not select.bwd_f32_presplit(*args, 3), args
     monkeypatch.setenv("ATTNEXT_BWD_F32_PRESPLIT", "0")
-    assert not select.bwd_f32_presplit(*ok)
+    assert not select.bwd_f32_presplit(*ok, 3) and not select.bwd_f32_presplit(*ok, 1)
     tile = select.bwd_tile_config
     for atomic in (False, True):
         assert tile(64, 64, "float32", atomic, True)["kv_block_m"] == tile(64, 64, "float32", atomic, True)["q_block_n"] \
