@@ -543,6 +543,11 @@ struct score_ctx {
     int diag;                /* Lk - Lq: row r's diagonal is column r + diag */
     int64_t b, h;            /* what score_mod / mask_mod see: the sequence and query head */
     const attn_mods_gpu *mods;   /* their constants and arrays (in the kernel parameter) */
+#if HAS_SCORE_MOD
+    /* score_mod's lookups of (b, h) alone (codegen.head_loads: ALiBi's slopes[h]), read here
+     * once rather than at every score, where a tile's products would keep the load waiting */
+    float hv[MOD_HEAD_SIZE];
+#endif
 };
 
 DEV score_ctx make_score_ctx(const attn_params &p, int64_t b, int64_t h, const seq_t &sq, const seq_t &sk)
@@ -562,6 +567,9 @@ DEV score_ctx make_score_ctx(const attn_params &p, int64_t b, int64_t h, const s
     s.mods = &p.gmods;
 #else
     s.mods = 0;
+#endif
+#if HAS_SCORE_MOD
+    mod_head(b, h, s.mods, s.hv);
 #endif
 #if HAS_BIAS
     {
@@ -609,7 +617,7 @@ DEV float score_base(const score_ctx &s, float dot, int r, int c)
 DEV float score_of(const score_ctx &s, float dot, int r, int c, int &bad)
 {
 #if HAS_SCORE_MOD
-    return mod_score_q(score_base(s, dot, r, c), s.b, s.h, r, c, s.mods, &bad);
+    return mod_score_h(score_base(s, dot, r, c), s.b, s.h, r, c, s.mods, s.hv, &bad);
 #else
     return score_base(s, dot, r, c);
 #endif
@@ -660,7 +668,7 @@ DEV float score_mod_grad(const score_ctx &s, float dot, int r, int c)
 {
 #if HAS_SCORE_MOD
     int bad = 0;
-    return mod_dscore_q(score_base(s, dot, r, c), s.b, s.h, r, c, 1.f, s.mods, &bad);
+    return mod_dscore_h(score_base(s, dot, r, c), s.b, s.h, r, c, 1.f, s.mods, s.hv, &bad);
 #else
     return 1.f;
 #endif
@@ -687,7 +695,7 @@ DEV void score_dtensors(const score_ctx &s, float dot, int r, int c, float ds, c
 #if HAS_DTENSORS
     int bad = 0;
     if (ds != 0.f)
-        mod_dtensors_q(score_base(s, dot, r, c), s.b, s.h, r, c, ds, tile, s.mods, &bad);
+        mod_dtensors_h(score_base(s, dot, r, c), s.b, s.h, r, c, ds, tile, s.mods, s.hv, &bad);
 #endif
 }
 

@@ -9,6 +9,11 @@ mask_keeps, and ds_tile for the array gradients):
     void  mod_dtensors(... the same ..., float dout, t, m) each float array's adjoint, scatter-added
     int   mod_tile_plan(b, h, q_idx, kv_idx, rows, cols, m, t)   whether a tile sums its lookups first
     int   mod_mask(int64_t b, int64_t h, int64_t q_idx, int64_t kv_idx, m)
+    void  mod_head(b, h, m, hv)    the score_mod's lookups of (b, h) alone (head_loads) into hv
+
+The kernels inline the `_q` twins (a lookup out of range clamps and notes it) and, for the
+score_mod, the `_h` ones, which read head_loads' lookups from the hv that make_score_ctx filled
+once a (b, h) tile (attn_common.cuh: score_ctx.hv).
 
 The source is one in-memory header, "attn_mod_gen.cuh", handed to NVRTC beside the fixed ones
 (kernels.py); the kernels include it, with kernels/attn_mods.cuh (NumPy's integer and float
@@ -67,6 +72,7 @@ MAX_INLINE_DEPTH = 32
 LIMBS, LIMB_BITS, LIMB_LSB = 12, 24, -149      # attn_mods.cuh
 WORDS = LIMBS + 1
 MAX_TILE_TERMS = 4         # MOD_TILE_TERMS: lookups that may take a tile's path
+MAX_HEAD = 4               # score_mod lookups of (b, h) alone held in score_ctx (head_loads)
 MAX_TILE_COEF = 1 << 15    # a larger coefficient never fits a tile's slots
 TILE_SLOT_BYTES = 2 * LIMBS * 4     # a tile's shared sums of one element: MOD_CHUNKS 32-bit words
 CACHE_CAPACITY = 256
@@ -175,12 +181,13 @@ _SMALL_INT_OPS = {
 class _Renderer:
     """Renders the nodes reachable from some roots as C statements of one function."""
 
-    def __init__(self, arrays, float_base, check=False, modes=None, narrow=frozenset()):
+    def __init__(self, arrays, float_base, check=False, modes=None, narrow=frozenset(), head=None):
         self.arrays = arrays          # array name -> its global number
         self.float_base = float_base  # this function's first float constant in m->f
         self.check = check            # the _check twin: lookups report, nothing else is done
         self.modes = modes or {}      # (array name, id of each index) -> lookup mode (Facts)
         self.narrow = narrow          # global numbers of the integer arrays stored as int32
+        self.head = head or {}        # id of a lookup of (b, h) alone -> its slot in hv (head_loads)
         self.lines = []
         self.expr = {}
         self.lookups = False
@@ -227,6 +234,8 @@ class _Renderer:
             return f"m->f[{k}]"
         if op == "array":
             return None
+        if op == "load" and id(n) in self.head:
+            return f"hv[{self.head[id(n)]}]"
         if op == "load":
             arr = self.arrays[n.args[0].args[0]]
             kind = trace.kind_of(n.dtype)
@@ -270,7 +279,7 @@ class _Renderer:
                 f"{'0' if self.check else 'bad'})")
 
 
-def _function(ret, name, params, roots, arrays, float_base, tail, modes=None, narrow=frozenset()):
+def _function(ret, name, params, roots, arrays, float_base, tail, modes=None, narrow=frozenset(), head=None):
     """Three functions for `ret name(params)`, computing roots then tail (str formats of the
     roots' expressions, or callables of the renderer):
       name_q (..., int *bad)  what the kernels inline at every score: a lookup out of range is
@@ -279,8 +288,11 @@ def _function(ret, name, params, roots, arrays, float_base, tail, modes=None, na
                               out of range (mod_fail); nothing else. A kernel calls it once per
                               tile that noted one (attn_common.cuh: mods_report)
       name (...)              name_q, then name_check if it noted one (the host C tests)
-    modes, narrow: _Renderer's."""
-    r = _Renderer(arrays, float_base, modes=modes, narrow=narrow)
+    head (the score_mod's functions: head_loads' slots): a fourth, name_h (..., const float *hv,
+    int *bad), name_q with the lookups of (b, h) alone read from hv, which mod_head filled (the
+    kernels call it with score_ctx's hv, filled once a (b, h) tile); name_q is then mod_head
+    and name_h. modes, narrow: _Renderer's."""
+    r = _Renderer(arrays, float_base, modes=modes, narrow=narrow, head=head)
     r.render(roots)
     body = [t.format(*(r.expr[id(x)] for x in roots)) if isinstance(t, str) else t(r) for t in tail]
     c = _Renderer(arrays, float_base, check=True, modes=modes, narrow=narrow)
@@ -288,14 +300,61 @@ def _function(ret, name, params, roots, arrays, float_base, tail, modes=None, na
     check = c.lines + [t(c) for t in tail if not isinstance(t, str)] if c.lookups else []
     names = [p.split()[-1].lstrip("*") for p in params.split(", ")]
     call = f"{name}_q({', '.join(names)}, &bad)"
+    computed = ("" if r.lookups else "    (void)bad;\n") + "\n".join(r.lines + body) + "\n}\n\n"
+    if head is None:
+        kernels = f"DEV {ret} {name}_q({params}, int *bad)\n{{\n" + computed
+    else:
+        h_call = f"{name}_h({', '.join(names)}, hv, bad)"
+        kernels = (f"DEV {ret} {name}_h({params}, const float *hv, int *bad)\n{{\n"
+                   + ("" if head else "    (void)hv;\n") + computed
+                   + f"DEV {ret} {name}_q({params}, int *bad)\n{{\n"
+                   + "    float hv[MOD_HEAD_SIZE];\n    mod_head(b, h, m, hv);\n"
+                   + (f"    {h_call};\n" if ret == "void" else f"    return {h_call};\n") + "}\n\n")
     return (f"MOD_COLD void {name}_check({params})\n{{\n" + "\n".join(check or ["    (void)m;"])
-            + "\n}\n\n"
-            + f"DEV {ret} {name}_q({params}, int *bad)\n{{\n" + ("" if r.lookups else "    (void)bad;\n")
-            + "\n".join(r.lines + body) + "\n}\n\n"
+            + "\n}\n\n" + kernels
             + f"DEV {ret} {name}({params})\n{{\n    int bad = 0;\n"
             + (f"    {call};\n" if ret == "void" else f"    const {ret} v = {call};\n")
             + f"    if (bad)\n        {name}_check({', '.join(names)});\n"
             + ("" if ret == "void" else "    return v;\n") + "}\n")
+
+
+def head_loads(traced, modes):
+    """The score_mod's float lookups whose indices depend on b, h and constants alone, proven in
+    range (Facts' modes), at most MAX_HEAD of them: {id(load node): slot}. The kernels read them
+    once a (b, h) tile, where score_ctx is made (mod_head), rather than at every score: in a
+    loop of tensor-core products a lookup at every score is a global load the products' waits
+    keep from issuing early (ALiBi's slopes[h]: one exposed load a tile, 7% of the backward:
+    bench/NOTES.md, mods table)."""
+    alone = {}                   # id -> whether the node depends on b, h and constants alone
+    out = {}
+    for n in trace.topo(traced.out):
+        kids = trace._children(n)
+        if n.op in ("score", "q_idx", "kv_idx", "dout"):
+            alone[id(n)] = False
+        elif n.op in trace._LEAVES:
+            alone[id(n)] = True
+        elif n.op == "load":
+            idx = n.args[1:]
+            proven = modes.get((n.args[0].args[0], tuple(id(i) for i in idx)), CHECKED) != CHECKED
+            alone[id(n)] = proven and all(alone[id(i)] for i in idx)
+            if alone[id(n)] and trace.kind_of(n.dtype) == F and len(out) < MAX_HEAD:
+                out[id(n)] = len(out)
+        else:
+            alone[id(n)] = all(alone[id(a)] for a in kids)
+    return out
+
+
+def _head_function(traced, head, arrays, modes, narrow):
+    """mod_head(b, h, m, hv): head_loads' lookups into hv, and MOD_HEAD_SIZE (hv's length, at
+    least 1)."""
+    nodes = sorted((k, n) for n in trace.topo(traced.out) for i, k in head.items() if id(n) == i)
+    r = _Renderer(arrays, 0, modes=modes, narrow=narrow)
+    r.render([n for _, n in nodes])
+    assert not r.lookups, "head_loads takes proven lookups alone"
+    lines = r.lines + [f"    hv[{k}] = {r.expr[id(n)]};" for k, n in nodes]
+    return (f"#define MOD_HEAD_SIZE {max(len(head), 1)}\n"
+            f"DEV void mod_head(int64_t b, int64_t h, {M_ARG}, float *hv)\n{{\n"
+            + "    (void)b;\n    (void)h;\n    (void)m;\n    (void)hv;\n" + "".join(x + "\n" for x in lines) + "}\n")
 
 
 # mod_mask_cell: mask_mod over a cell of pairs (attn_mods.cuh's block-mask cells); what the
@@ -573,10 +632,12 @@ def generate(score=None, mask=None, facts=None, wanted=None):
         g = grad.grad(score)
         uses_h |= any(n.op == "h" for n in trace.topo(score.out))
         parts.append(f"/* score_mod {score.key[:16]} */")
+        head = head_loads(score, how["modes"])
+        parts.append(_head_function(score, head, amap, **how))
         parts.append(_function("float", "mod_score", f"{SCORE_ARGS}, {M_ARG}", [score.out], amap, 0,
-                               ["    return {0};"], **how))
+                               ["    return {0};"], head=head, **how))
         parts.append(_function("float", "mod_dscore", f"{SCORE_ARGS}, float dout, {M_ARG}", [g.dscore],
-                               amap, 0, ["    return {0};"], **how))
+                               amap, 0, ["    return {0};"], head=head, **how))
         keep = None if wanted is None else {array_order(score)[i] for i in wanted}
         terms = [(name, idx, adj) for name, ts in g.darrays.items() for idx, adj in ts
                  if keep is None or name in keep]
@@ -601,7 +662,8 @@ def generate(score=None, mask=None, facts=None, wanted=None):
                 return f"    mod_scatter(m, {amap[name]}, {off}, {r.expr[id(adj)]});"
             parts.append(_function("void", "mod_dtensors", f"{SCORE_ARGS}, float dout, const mod_tile *t, {M_ARG}",
                                    roots, amap, 0,
-                                   [lambda r: "\n".join(scatter(r, pos) for pos in range(len(terms)))], **how))
+                                   [lambda r: "\n".join(scatter(r, pos) for pos in range(len(terms)))],
+                                   head=head, **how))
             parts.append(_tile_plan(terms, tiled, amap, how))
     if mask is not None:
         amap = {name: numbers[("mask_mod", name)] for name in array_order(mask)}

@@ -66,6 +66,60 @@ def test_score_mod_matches_evaluate(name, facts, cc, tmp_path, rng):
         close(got, w, f"d {names[i]}", atol=1e-4 * max(1.0, float(np.abs(w).max())))
 
 
+def _function_body(source, name):
+    return source.split(name + "(", 1)[1].split("\n}\n", 1)[0]
+
+
+@pytest.mark.parametrize("facts", [False, True], ids=["checked", "facts"])
+def test_lookups_of_b_and_h_alone_are_read_once_a_head(facts, cc, tmp_path, rng):
+    """A score_mod's float lookups whose indices are b, h and constants alone, proven in range,
+    go to mod_head (the kernels: once a (b, h) tile, into score_ctx.hv), at most MAX_HEAD of
+    them; the kernels' mod_score_h / mod_dscore_h / mod_dtensors_h read hv instead. A lookup
+    by q_idx, an integer one, or one bounds did not prove stays at the score; and the values
+    are the reference's either way (the host twin: mod_score = mod_head, then mod_score_h)."""
+    H, S = mods.H_MAX, mods.S_MAX
+    slopes = rng.standard_normal(H).astype(np.float32)
+    table = rng.standard_normal((2, H)).astype(np.float32)
+    rows = rng.standard_normal(S).astype(np.float32)
+    scalar = np.array(0.5)
+    heads = np.arange(H, dtype=np.int64) % 3
+
+    def fn(s, b, h, qi, ki):
+        return (s * slopes[h] - table[b, (h + 1) % H] * np.abs(qi - ki) + rows[qi] + scalar
+                + table[1, heads[h]] + slopes[H - 1 - h])
+    t = trace.trace_score_mod(fn)
+    if facts:
+        gen, bound = with_facts(t, None)
+    else:
+        gen = codegen.generate(t)
+        bound = bind(t, gen, "score_mod")
+    head = _function_body(gen.source, "mod_head")
+    kernel = _function_body(gen.source, "mod_score_h")
+    held = head.count("mod_load_f(")
+    if facts:
+        # slopes[h], table[b, (h + 1) % H], the 0-d scalar and table[1, heads[h]] (through an
+        # integer lookup of h: proven) fill MAX_HEAD; slopes[H - 1 - h], the fifth, stays
+        assert held == codegen.MAX_HEAD == 4 and f"#define MOD_HEAD_SIZE {held}" in gen.source, head
+        assert kernel.count("mod_load_f(") == 2 and kernel.count("hv[") == 4, kernel
+        assert "q_idx" not in head and "mod_load_i" in head
+        assert "hv[" in _function_body(gen.source, "mod_dscore_h")     # d/d score: slopes[h]
+    else:                        # nothing proven: every lookup checked at the score
+        assert held == 0 and "#define MOD_HEAD_SIZE 1" in gen.source and "hv[" not in kernel
+    exe = build(cc, tmp_path, gen)
+    pts = grid(rng)
+    fwd, dscore, _, err, grads = run(exe, tmp_path, gen, bound, pts, t.params)
+    assert err[0] == 0
+    with np.errstate(all="ignore"):
+        close(fwd, trace.evaluate(t, *pts[:5]), "forward")
+        g = derivative.grad(t)
+        want_ds, want_arrays = derivative.evaluate_grad(t, g, *pts, float_dtype=np.float64)
+    close(dscore, want_ds, "d score")
+    names = {i: name for i, (k, name, _) in enumerate(gen.arrays)}
+    for i, got in grads.items():
+        w = want_arrays[names[i]]
+        close(got, w, f"d {names[i]}", atol=1e-4 * max(1.0, float(np.abs(w).max())))
+
+
 @pytest.mark.parametrize("facts", [False, True], ids=["checked", "facts"])
 @pytest.mark.parametrize("name", sorted(mods.mask_mods()))
 def test_mask_mod_matches_evaluate(name, facts, cc, tmp_path, rng):
