@@ -42,13 +42,21 @@ def score_zoo():
 def test_score_mod_matches_evaluate(name, facts, cc, tmp_path, rng):
     """Every lookup checked, int64 integers; and as a call reads them (lookups bounds proves in
     range read directly, integer arrays as int32 where their values fit)."""
-    fn = score_zoo()[name]
-    t = trace.trace_score_mod(fn)
+    t = trace.trace_score_mod(score_zoo()[name])
+    _score_mod_against_evaluate(t, *_generated(t, facts), cc, tmp_path, rng)
+
+
+def _generated(t, facts):
+    """(Generated, the arrays it reads) of a traced score_mod: every lookup checked, or with_facts'."""
     if facts:
-        gen, bound = with_facts(t, None)
-    else:
-        gen = codegen.generate(t)
-        bound = bind(t, gen, "score_mod")
+        return with_facts(t, None)
+    gen = codegen.generate(t)
+    return gen, bind(t, gen, "score_mod")
+
+
+def _score_mod_against_evaluate(t, gen, bound, cc, tmp_path, rng):
+    """The generated functions, built by the host C compiler, against trace.evaluate and
+    grad.evaluate_grad on grid()'s points: the score, d score and each array's gradient."""
     exe = build(cc, tmp_path, gen)
     pts = grid(rng)
     fwd, dscore, _, err, grads = run(exe, tmp_path, gen, bound, pts, t.params)
@@ -88,11 +96,7 @@ def test_lookups_of_b_and_h_alone_are_read_once_a_head(facts, cc, tmp_path, rng)
         return (s * slopes[h] - table[b, (h + 1) % H] * np.abs(qi - ki) + rows[qi] + scalar
                 + table[1, heads[h]] + slopes[H - 1 - h])
     t = trace.trace_score_mod(fn)
-    if facts:
-        gen, bound = with_facts(t, None)
-    else:
-        gen = codegen.generate(t)
-        bound = bind(t, gen, "score_mod")
+    gen, bound = _generated(t, facts)
     head = _function_body(gen.source, "mod_head")
     kernel = _function_body(gen.source, "mod_score_h")
     held = head.count("mod_load_f(")
@@ -105,19 +109,7 @@ def test_lookups_of_b_and_h_alone_are_read_once_a_head(facts, cc, tmp_path, rng)
         assert "hv[" in _function_body(gen.source, "mod_dscore_h")     # d/d score: slopes[h]
     else:                        # nothing proven: every lookup checked at the score
         assert held == 0 and "#define MOD_HEAD_SIZE 1" in gen.source and "hv[" not in kernel
-    exe = build(cc, tmp_path, gen)
-    pts = grid(rng)
-    fwd, dscore, _, err, grads = run(exe, tmp_path, gen, bound, pts, t.params)
-    assert err[0] == 0
-    with np.errstate(all="ignore"):
-        close(fwd, trace.evaluate(t, *pts[:5]), "forward")
-        g = derivative.grad(t)
-        want_ds, want_arrays = derivative.evaluate_grad(t, g, *pts, float_dtype=np.float64)
-    close(dscore, want_ds, "d score")
-    names = {i: name for i, (k, name, _) in enumerate(gen.arrays)}
-    for i, got in grads.items():
-        w = want_arrays[names[i]]
-        close(got, w, f"d {names[i]}", atol=1e-4 * max(1.0, float(np.abs(w).max())))
+    _score_mod_against_evaluate(t, gen, bound, cc, tmp_path, rng)
 
 
 @pytest.mark.parametrize("facts", [False, True], ids=["checked", "facts"])
