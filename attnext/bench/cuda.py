@@ -7,9 +7,11 @@ Sections, bf16 unless said:
   plain   B*S = 16384 tokens, H = 2048 / D heads, D = 64 and 128, S = 512 ... 16384, causal and
           not, forward and backward.
   float32, tf32  the plain rows at S = 4096 in float32: attnext's default (split TF32 products,
-          float32 accuracy) against SDPA's float32 backends (efficient: cutlass's 3xTF32) and
+          float32 accuracy) against SDPA's float32 backends (efficient: cutlass's 3xTF32; math:
+          the attention matrix materialised, cuBLAS's products; these rows alone) and
           FlexAttention; tf32: attnext's precision="tf32" against the same peers with TF32
-          allowed in torch (torch.backends.cuda.matmul.allow_tf32, which Flex's products follow).
+          allowed in torch (torch.backends.cuda.matmul.allow_tf32, which Flex's and math's
+          products follow).
           Targets: 1.5x (float32) and 2x (tf32) the fastest SDPA backend ("sdpa"); Flex is shown.
   packed  16384 tokens in 7 documents (a seeded random split), document-causal, D = 128, H = 16:
           attnext.varlen_attention on the packed tokens; FlexAttention at B = 1 with a document
@@ -79,9 +81,13 @@ NUMPY_REPS = 20                    # wall-clock repetitions of the NumPy rows an
 NUMPY_WARMUP = 3                   # untimed calls before them (a NumPy input's registration is
                                    # kept from its second call on: the steady state is timed)
 DEVICE = "cuda"                    # where the torch tensors live (the tests run the rows on "cpu")
-PEERS = ("flash", "cudnn", "efficient", "flex")
+PEERS = ("flash", "cudnn", "efficient", "math", "flex")
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
-                 "efficient": "EFFICIENT_ATTENTION"}
+                 "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+# SDPA's math backend (the attention matrix materialised, cuBLAS's products: TF32 ones where
+# allowed) runs on the float32 and tf32 rows alone, where with TF32 it is SDPA's fastest float32
+# backend on non-causal rows (bench/NOTES.md, float32); elsewhere it is "skipped"
+MATH_KINDS = ("float32", "tf32")
 TARGETS = {("plain", "fwd"): ("flash", 1.0), ("plain", "bwd"): ("flash", 0.9),
            ("plain", "bwd_nd"): ("flash", 0.9),
            ("packed", "fwd"): ("flex", 1.0), ("packed", "bwd"): ("flex", 1.0),
@@ -270,6 +276,7 @@ RATE_COLUMNS = [("case", 28, lambda r: r["case"]), ("dir", 3, lambda r: r["direc
                 ("flash", 7, lambda r: _rate_cell(r, "flash")),
                 ("cudnn", 7, lambda r: _rate_cell(r, "cudnn")),
                 ("effic", 7, lambda r: _rate_cell(r, "efficient")),
+                ("math", 7, lambda r: _rate_cell(r, "math")),
                 ("flex", 7, lambda r: _rate_cell(r, "flex")),
                 ("ax/flash", 8, lambda r: _ratio_cell(r["ratio_flash"])),
                 ("ax/best", 7, lambda r: _ratio_cell(r["ratio_best"])),
@@ -586,14 +593,16 @@ def _failed(reason, directions):
     return {d: {"ms": None, "status": "error", "reason": reason} for d in directions}
 
 
-def _peers(run, directions, measure):
+def _peers(run, directions, measure, kind=None):
     """{peer: measure(peer)} for the chosen peers; a peer whose set-up raises is "-" for every
-    direction, one left out by --peers is "skipped"."""
+    direction, one left out by --peers is "skipped", and so is math outside MATH_KINDS (kind:
+    the case's)."""
     out = {}
     for peer in PEERS:
-        if peer not in run.peers:
-            out[peer] = {d: {"ms": None, "status": "skipped", "reason": "not in --peers"}
-                         for d in directions}
+        why = ("not in --peers" if peer not in run.peers
+               else "float32 and tf32 rows only" if peer == "math" and kind not in MATH_KINDS else None)
+        if why:
+            out[peer] = {d: {"ms": None, "status": "skipped", "reason": why} for d in directions}
             continue
         try:
             out[peer] = measure(peer)
@@ -631,7 +640,7 @@ def _plain_contenders(run, case, q, k, v, dout, refs, kw):
                                  grad_forward=True)
         with _sdpa_backend(peer):
             return _measure_peer(run, _sdpa_call(case.causal), (q, k, v), dout, refs)
-    results.update(_peers(run, ("fwd", "bwd"), measure))
+    results.update(_peers(run, ("fwd", "bwd"), measure, case.kind))
     return _peer_backward_for_both(results)
 
 
@@ -1011,8 +1020,9 @@ def header(timing):
         "attnext: attnext.attention / varlen_attention on torch CUDA tensors in place, bshd; the "
         "forward is timed with out= (no allocation in the timed region, no lse); the backward from "
         "a prior forward's out and lse",
-        "flash, cudnn, effic: torch SDPA under sdpa_kernel(FLASH_ATTENTION / CUDNN_ATTENTION / "
-        "EFFICIENT_ATTENTION) on transposed (B, H, S, D) views of the same tensors; forward under "
+        "flash, cudnn, effic, math: torch SDPA under sdpa_kernel(FLASH_ATTENTION / CUDNN_ATTENTION / "
+        "EFFICIENT_ATTENTION / MATH; math on the float32 and tf32 rows only) on transposed (B, H, S, D) "
+        "views of the same tensors; forward under "
         "no_grad, backward = autograd.grad on a graph built before timing; packed: the padded "
         "batch (documents padded to the longest, causal); decode: enable_gqa=True",
         "flex: torch.compile(flex_attention, dynamic=False) with create_block_mask (causal; "

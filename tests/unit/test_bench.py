@@ -276,7 +276,7 @@ def test_plain_rows_on_cpu(monkeypatch):
         assert row["flash_status"] == "ok", row["flash_reason"]   # CPU SDPA has a flash kernel
         assert row["ratio_flash"] == pytest.approx(1.0)
         assert row["cudnn_status"] == "error" and row["cudnn_reason"]
-        assert row["efficient_status"] == row["flex_status"] == "skipped"
+        assert row["efficient_status"] == row["flex_status"] == row["math_status"] == "skipped"
     assert set(bwd["attnext_rel_errors"]) == set(bwd_nd["attnext_rel_errors"]) == {"dq", "dk", "dv"}
     assert bwd_nd["flash_ms"] == bwd["flash_ms"]     # the peers' one backward beside both
     json.dumps([fwd, bwd, bwd_nd])
@@ -299,6 +299,26 @@ def test_float32_rows_on_cpu(monkeypatch, kind):
     assert set(bc.attnext.precisions) == {("tf32" if tf32 else None, tf32)}
     assert {r["section"] for r in (fwd, bwd, bwd_nd)} == {kind} and fwd["case"].startswith(f"{kind} B2")
     assert bc.format_header(kind) == bc.format_header("plain")     # the plain table's columns
+
+
+def test_math_runs_on_the_float32_rows_alone(monkeypatch):
+    """SDPA's math backend is timed (and validated) on the float32 and tf32 rows, and counts
+    toward their "sdpa" target; on the bf16 rows it is skipped, even when --peers names it."""
+    pytest.importorskip("torch")
+    run = _cpu_run(monkeypatch, peers=("efficient", "math"))
+    for kind in ("float32", "tf32"):
+        for row in bc.case_rows(run, bc.Case(kind, 2, 96, 96, 4, 4, 32, True)):
+            assert row["math_status"] == "ok" and row["math_ms"] == 1.0, row["math_reason"]
+            assert row["math_rel_errors"] and all(e < bc.TOL for e in row["math_rel_errors"].values())
+    for row in bc.case_rows(run, bc.Case("plain", 2, 96, 96, 4, 4, 32, True)):
+        assert row["math_status"] == "skipped" and "float32" in row["math_reason"]
+    case = bc.plain_case(bc.FLOAT32_S, 128, False, "tf32")
+    results = {"attnext": {"fwd": _result(1.0)}, "efficient": {"fwd": _result(2.5)},
+               "math": {"fwd": _result(1.5)}}
+    row = bc._finish(case, "fwd", results, 1.0)
+    assert row["best_peer"] == "math" and row["target_ratio"] == pytest.approx(1.5)
+    assert row["target_met"] is False
+    assert "math" in bc.format_header("float32")
 
 
 def test_wrong_results_are_not_timed(monkeypatch):
