@@ -769,41 +769,32 @@ def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
     return mod_defines(d, mods)
 
 
-def bwd_variants():
-    """The backward variants warmup compiles: those of the forward's list (the backward has no
-    pack-GQA or split-KV variants), plus the atomic dq path of the common head dims (the lab's;
-    float32's deterministic=False where bwd_dq_mode takes it)."""
+def bwd_variants(arch=None):
+    """The backward variants warmup compiles for arch (None: every architecture's): those of the
+    forward's list (the backward has no pack-GQA or split-KV variants), plus the atomic dq path of
+    the common head dims (the lab's; float32's deterministic=False where bwd_dq_mode takes it).
+    float32's three-pass variants on sm_90a with their tiles split once (bwd_f32_presplit), as
+    calls there run them; arch None keeps both."""
     out = []
     for _, fd in fwd_variants():
         dtype = "float32" if fd.get("ELEM_F32") else "bfloat16" if fd["ELEM_BF16"] else "float16"
-        D, Dv = fd["HEAD_DIM"], fd["HEAD_DIM_V"]
+        D, Dv, passes = fd["HEAD_DIM"], fd["HEAD_DIM_V"], fd.get("TF32_PASSES", 0)
         names = {v: k for k, v in DTYPE_CODES.items()}
         features = dict(dtype=dtype, D=D, Dv=Dv, vec=bool(fd["VEC_LOAD"]), softcap=bool(fd["HAS_SOFTCAP"]),
                         bias_dtype=names[fd["BIAS_DT"]] if fd["HAS_BIAS"] else None,
                         alibi_dtype=names[fd["ALIBI_DT"]] if fd["HAS_ALIBI"] else None,
-                        mask=bool(fd["HAS_MASK"]), tile=bwd_tile_config(D, Dv, dtype),
-                        tf32=fd.get("TF32_PASSES") == 1)
-        out.append(bwd_defines(**features))
-        if (not (fd["HAS_SOFTCAP"] or fd["HAS_BIAS"] or fd["HAS_MASK"]) and (D, Dv) in ((64, 64), (128, 128))
-                and (dtype != "float32" or bwd_dq_mode(False, D, False, Dv, None, fd["TF32_PASSES"]) == "atomic")):
-            out.append(bwd_defines(**{**features, "tile": bwd_tile_config(D, Dv, dtype, True)}, dq="atomic"))
+                        mask=bool(fd["HAS_MASK"]), tf32=passes == 1)
+        split = arch in (None, "sm_90a") and bwd_f32_presplit("sm_90a", dtype, D, Dv, passes)
+        atomic = (not (fd["HAS_SOFTCAP"] or fd["HAS_BIAS"] or fd["HAS_MASK"]) and (D, Dv) in ((64, 64), (128, 128))
+                  and (dtype != "float32" or bwd_dq_mode(False, D, False, Dv, None, passes) == "atomic"))
+        for presplit in ((False, True) if arch is None else (True,)) if split else (False,):
+            planes = presplit and passes == 3
+            out.append(bwd_defines(**features, tile=bwd_tile_config(D, Dv, dtype, False, planes), presplit=presplit))
+            if atomic:
+                out.append(bwd_defines(**features, tile=bwd_tile_config(D, Dv, dtype, True, planes), dq="atomic",
+                                       presplit=presplit))
     unique = {tuple(sorted(d.items())): d for d in out}
     return [("attn_bwd", d) for d in unique.values()]
-
-
-def f32_presplit_variants():
-    """float32's backward with its tiles split once (bwd_f32_presplit; sm_90a only): D = Dv = 64
-    and 128, both precisions, either dQ, plain scores."""
-    out = []
-    for D in (64, 128):
-        for tf32 in (False, True):
-            for atomic in (False, True):
-                tile = bwd_tile_config(D, D, "float32", atomic, not tf32)
-                out.append(("attn_bwd", bwd_defines(dtype="float32", D=D, Dv=D, vec=True, softcap=False,
-                                                    bias_dtype=None, alibi_dtype=None, mask=False, tile=tile,
-                                                    dq="atomic" if atomic else "recompute", tf32=tf32,
-                                                    presplit=True)))
-    return out
 
 
 def sm90_fwd_variants():
@@ -875,8 +866,8 @@ def merge_variants():
 
 def variants(arch=None):
     """Every (kernel, defines) warmup compiles for arch (None: those of every architecture)."""
-    hopper = sm90_fwd_variants() + sm90_bwd_variants() + f32_presplit_variants() if arch in (None, "sm_90a") else []
-    return fwd_variants() + bwd_variants() + hopper + merge_variants()
+    hopper = sm90_fwd_variants() + sm90_bwd_variants() if arch in (None, "sm_90a") else []
+    return fwd_variants() + bwd_variants(arch) + hopper + merge_variants()
 
 
 def mod_sample():

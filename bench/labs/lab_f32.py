@@ -17,8 +17,9 @@ attnext's backward runs deterministic (the default) and with deterministic=False
 by atomics in the dK/dV kernel where select.bwd_dq_mode takes it).
 --atomic: attnext's backward (both precisions) again with those atomics forced
 (ATTNEXT_BWD_DQ=atomic, deterministic=False), each backward tile too.
---presplit: every attnext backward row again with its shared tiles split once
-(ATTNEXT_BWD_F32_PRESPLIT=1), labelled "split".
+--presplit: every attnext backward row twice, its shared tiles split once and at each use
+(ATTNEXT_BWD_F32_PRESPLIT=1 / 0: by default three passes split once, one pass not), labelled
+"split" and "unsplit".
 """
 import argparse
 import math
@@ -65,7 +66,7 @@ def main():
     ap.add_argument("--bwd", action="store_true", help="time the backward too")
     ap.add_argument("--bwd-tiles", default="", help="ATTNEXT_TILE_BWD values separated by ';'")
     ap.add_argument("--atomic", action="store_true", help="the backward with atomic dQ too")
-    ap.add_argument("--presplit", action="store_true", help="the backward with its tiles split once too")
+    ap.add_argument("--presplit", action="store_true", help="the backward split once and at each use, each")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'row':28} {'impl':16} {'ms':>8} {'TFLOP/s':>8} {'rel err':>9}")
@@ -122,7 +123,7 @@ def _backward(name, q, k, v, causal, flops, tiles=(), atomic=False, presplit=Fal
     impls = {}
     for precision in (None, "tf32"):
         out, lse = attnext.attention(q, k, v, causal=causal, return_lse=True, precision=precision)
-        for tile, split in [(t, s) for t in [None, *tiles] for s in (None, "1")[:1 + presplit]]:
+        for tile, split in [(t, s) for t in [None, *tiles] for s in (("0", "1") if presplit else (None,))]:
             # (label, deterministic, ATTNEXT_BWD_DQ): the default, deterministic=False's own choice
             # (select.bwd_dq_mode), and with --atomic the atomic dQ forced
             for mode, deterministic, dq in (("", True, None), (" nodet", False, None)) + \
@@ -139,7 +140,7 @@ def _backward(name, q, k, v, causal, flops, tiles=(), atomic=False, presplit=Fal
                         _env.setenv("ATTNEXT_TILE_BWD", None)
                         _env.setenv("ATTNEXT_BWD_DQ", None)
                         _env.setenv("ATTNEXT_BWD_F32_PRESPLIT", None)
-                label = f"attnext{' tf32' if precision else ''} bwd{mode}{' split' if split else ''}"
+                label = f"attnext{' tf32' if precision else ''} bwd{mode}{({'0': ' unsplit', '1': ' split'}).get(split, '')}"
                 impls[label + (" " + tile if tile else "")] = (run, False)
     for label, backend, tf32 in (("sdpa efficient bwd", SDPBackend.EFFICIENT_ATTENTION, False),
                                  ("sdpa math tf32 bwd", SDPBackend.MATH, True)):

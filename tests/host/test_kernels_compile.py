@@ -278,8 +278,8 @@ def test_float32_backward_split_once_where_asked(monkeypatch):
     measured slower) and nowhere else; ATTNEXT_BWD_F32_PRESPLIT=1 / 0 takes it / leaves it where
     it applies. With three passes its lo planes take the tiles bwd_tile_config gives for them
     (D64: 32-row dK/dV and 32-key dQ tiles; D128: 8 warps over 128 keys, one CTA an SM), each
-    kernel within 227 KB (the dQ kernel's two CTAs an SM within half), and the variants warmup
-    compiles (sm_90a alone) compile."""
+    kernel within 227 KB (the dQ kernel's two CTAs an SM within half), and warmup's sm_90a
+    variants take it as calls do, and compile."""
     monkeypatch.delenv("ATTNEXT_BWD_F32_PRESPLIT", raising=False)
     ok = ("sm_90a", "float32", 128, 128)
     never = (("sm_80", "float32", 128, 128), ("sm_90a", "bfloat16", 128, 128), ("sm_90a", "float32", 256, 64),
@@ -309,8 +309,14 @@ def test_float32_backward_split_once_where_asked(monkeypatch):
             lo = 4 * t["kv_block_m"] * 2 * (d + 4)          # the item's Q and dO, a plane each
             assert split["attn_bwd_dkdv"] == select.bwd_smem_bytes(d, d, t, atomic, 0, "float32")["attn_bwd_dkdv"] + lo
             assert plain["attn_bwd_dkdv"] <= 113 * 1024
-    presplit = [d for k, d in select.variants("sm_90a") if d.get("F32_PRESPLIT")]
-    assert len(presplit) == 8 and not any(d.get("F32_PRESPLIT") for k, d in select.variants("sm_80"))
+    # warmup's lists as calls run them: sm_90a's three-pass float32 backward variants all split
+    # (D64, D128 with both dQ modes, 59 / 40 on element loads), sm_80's none, every arch's both
+    monkeypatch.delenv("ATTNEXT_BWD_F32_PRESPLIT")
+    f32 = {arch: [d for k, d in select.variants(arch) if k == "attn_bwd" and d.get("TF32_PASSES") == 3]
+           for arch in ("sm_80", "sm_90a", None)}
+    presplit = [d for d in f32["sm_90a"] if d.get("F32_PRESPLIT")]
+    assert len(presplit) == len(f32["sm_90a"]) == 5 and not any(d.get("F32_PRESPLIT") for d in f32["sm_80"])
+    assert len(f32[None]) == len(f32["sm_80"]) + len(presplit)
     if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
         return
     for d in presplit:
