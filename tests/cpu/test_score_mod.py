@@ -424,9 +424,11 @@ def test_cache_is_bounded():
 # --- the GPU alone ---------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [59, 128], ids=["d59", "d128"])
+@pytest.mark.parametrize("d", [59, 64, 128], ids=["d59", "d64", "d128"])
 def test_odd_and_wgmma_head_dims(d, rng, torch):
-    """Element loads (D = 59) and, on Hopper, the wgmma kernels (D = 128)."""
+    """Element loads (D = 59) and, on Hopper, the wgmma kernels (D = 64, 128); under GQA, so the
+    dK/dV kernels' items change query head, and with it slopes[h], which score_ctx reads once an
+    item (codegen.head_loads)."""
     q, k, v = make_qkv(rng, 2, S, S, H, 2, d, d, BF16)
     run_gpu(torch, q, k, v, score_mod=mods.score_mods()["softcap_alibi_rel"],
             mask_mod=mods.mask_mods()["document_causal"])
