@@ -1021,10 +1021,10 @@ def header(timing):
         "forward is timed with out= (no allocation in the timed region, no lse); the backward from "
         "a prior forward's out and lse",
         "flash, cudnn, effic, math: torch SDPA under sdpa_kernel(FLASH_ATTENTION / CUDNN_ATTENTION / "
-        "EFFICIENT_ATTENTION / MATH; math on the float32 and tf32 rows only) on transposed (B, H, S, D) "
-        "views of the same tensors; forward under "
-        "no_grad, backward = autograd.grad on a graph built before timing; packed: the padded "
-        "batch (documents padded to the longest, causal); decode: enable_gqa=True",
+        "EFFICIENT_ATTENTION / MATH; math on the float32 and tf32 rows only) on transposed "
+        "(B, H, S, D) views of the same tensors; forward under no_grad, backward = autograd.grad "
+        "on a graph built before timing; packed: the padded batch (documents padded to the "
+        "longest, causal); decode: enable_gqa=True",
         "flex: torch.compile(flex_attention, dynamic=False) with create_block_mask (causal; "
         "document mask for packed, B=1); forward timed on requires_grad inputs (one compile "
         "serves both directions); decode: no_grad, enable_gqa=True",

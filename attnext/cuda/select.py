@@ -456,9 +456,9 @@ def bwd_f32_presplit(arch, dtype, D, Dv, passes):
     loop, instructions a product): dK/dV D128 7.8 -> 5.9 (three passes; the 8-warp tile), 11.2 ->
     9.6 (one), D64 6.1 -> 5.1 / 8.6 -> 6.9; dQ D128 7.4 -> 5.5 / 10.3 -> 8.4, D64 6.1 -> 4.8 / 8.8
     -> 7.2. Measured (H200, session 46; bench/NOTES.md, backward b5): with three passes
-    (precision=None: float32 accuracy) 7-20% faster deterministic, -2% to +4% with atomic dQ, so it is the
-    default there; with one pass (precision="tf32") 15-21% slower (the split's pass and its
-    barrier cost more than the products save), so not. passes: TF32_PASSES.
+    (precision=None: float32 accuracy) 7-20% faster deterministic, -2% to +4% with atomic dQ, so
+    it is the default there; with one pass (precision="tf32") 15-21% slower (the split's pass
+    and its barrier cost more than the products save), so not. passes: TF32_PASSES.
     ATTNEXT_BWD_F32_PRESPLIT=1 / 0 takes it / leaves it wherever it applies (the lab's and the
     tests')."""
     if arch != "sm_90a" or dtype != "float32" or _round_up(D, 16) + _round_up(Dv, 16) > 256:
@@ -785,9 +785,10 @@ def bwd_variants(arch=None):
                         alibi_dtype=names[fd["ALIBI_DT"]] if fd["HAS_ALIBI"] else None,
                         mask=bool(fd["HAS_MASK"]), tf32=passes == 1)
         split = arch in (None, "sm_90a") and bwd_f32_presplit("sm_90a", dtype, D, Dv, passes)
+        splits = (False,) if not split else (True,) if arch == "sm_90a" else (False, True)
         atomic = (not (fd["HAS_SOFTCAP"] or fd["HAS_BIAS"] or fd["HAS_MASK"]) and (D, Dv) in ((64, 64), (128, 128))
                   and (dtype != "float32" or bwd_dq_mode(False, D, False, Dv, None, passes) == "atomic"))
-        for presplit in ((False, True) if arch is None else (True,)) if split else (False,):
+        for presplit in splits:
             planes = presplit and passes == 3
             out.append(bwd_defines(**features, tile=bwd_tile_config(D, Dv, dtype, False, planes), presplit=presplit))
             if atomic:

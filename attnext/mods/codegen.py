@@ -328,7 +328,6 @@ def head_loads(traced, modes):
     alone = {}                   # id -> whether the node depends on b, h and constants alone
     out = {}
     for n in trace.topo(traced.out):
-        kids = trace._children(n)
         if n.op in ("score", "q_idx", "kv_idx", "dout"):
             alone[id(n)] = False
         elif n.op in trace._LEAVES:
@@ -340,14 +339,15 @@ def head_loads(traced, modes):
             if alone[id(n)] and trace.kind_of(n.dtype) == F and len(out) < MAX_HEAD:
                 out[id(n)] = len(out)
         else:
-            alone[id(n)] = all(alone[id(a)] for a in kids)
+            alone[id(n)] = all(alone[id(a)] for a in trace._children(n))
     return out
 
 
 def _head_function(traced, head, arrays, modes, narrow):
     """mod_head(b, h, m, hv): head_loads' lookups into hv, and MOD_HEAD_SIZE (hv's length, at
     least 1)."""
-    nodes = sorted((k, n) for n in trace.topo(traced.out) for i, k in head.items() if id(n) == i)
+    by_id = {id(n): n for n in trace.topo(traced.out)}
+    nodes = sorted((k, by_id[i]) for i, k in head.items())
     r = _Renderer(arrays, 0, modes=modes, narrow=narrow)
     r.render([n for _, n in nodes])
     assert not r.lookups, "head_loads takes proven lookups alone"

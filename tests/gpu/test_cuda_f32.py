@@ -209,11 +209,12 @@ TILE_KEYS = ("kv_block_m", "kv_warps", "kv_split", "kv_minb", "q_block_m", "q_bl
 @pytest.mark.parametrize("precision", [None, "tf32"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_backward_split_once(d, precision, rng, monkeypatch):
-    """The backward's shared tiles split into TF32 parts once (F32_PRESPLIT: Hopper, by default with
-    three passes, ATTNEXT_BWD_F32_PRESPLIT=1 / 0 to take it / leave it). On the same tiles its gradients are the bits of splitting at each use (bands,
-    GQA, partial tiles, a score option, a row that keeps no key: attn_bwd_dead; odd head dims with
-    element loads; the dK/dV kernel adding dQ, whose dk and dv do not depend on the atomics'
-    order), which alone can tell a rounding too many or too few in one pass; on its own tiles,
+    """The backward's shared tiles split into TF32 parts once (F32_PRESPLIT: Hopper, by default
+    with three passes, ATTNEXT_BWD_F32_PRESPLIT=1 / 0 to take it / leave it). On the same tiles
+    its gradients are the bits of splitting at each use (bands, GQA, partial tiles, a score
+    option, a row that keeps no key: attn_bwd_dead; odd head dims with element loads; the dK/dV
+    kernel adding dQ, whose dk and dv do not depend on the atomics' order), which alone can tell
+    a rounding too many or too few in one pass; on its own tiles,
     against the reference: every option, varlen with padding, dead rows, deterministic=False's
     added dQ; and each call planned with it."""
     from attnext.cuda import backend, select
