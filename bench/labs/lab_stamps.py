@@ -13,57 +13,28 @@ B*S = 16k tokens, H = 2048 / D, deterministic), once the stamped call's dq, dk, 
 against torch SDPA's.
 """
 import os
-import shutil
-import statistics
 import sys
-import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-STAMP = ("DEV long long gtime() { long long t; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t)); return t; }\n"
-         "#define TR(i, v) do { if (p.o_accum) ((long long *)p.o_accum)[((blockIdx.z * gridDim.y + blockIdx.y)"
-         " * gridDim.x + blockIdx.x) * 64 + (i)] = (v); } while (0)\n")
+from stamping import ROOT, instrumented, into_o_accum, macros, med
+
 EDITS = [   # (anchor, text inserted after it)
-    ("#if ENTRY(attn_bwd_dkdv_ws_sm90)\n", STAMP),
-    ("    const int tid = threadIdx.x, warp = tid >> 5, wg = tid >> 7;\n    const int64_t hk = blockIdx.y, b = blockIdx.z;\n",
+    ("#if ENTRY(attn_bwd_dkdv_ws_sm90)\n", macros(64)),
+    ("    const int tid = threadIdx.x, warp = DQ_BY_ROWS ? tid >> 5 : uniform_warp_index(), wg = warp >> 2;\n"
+     "    const int64_t hk = blockIdx.y, b = blockIdx.z;\n",
      "    if (tid == 0) { TR(0, gtime()); unsigned sm; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(sm)); TR(4, sm); }\n"),
     ("                    sem_wait(sem, n_block, last);\n                    fence_proxy_async_global();\n#endif\n",
      "                    if (j < 8) TR(40 + j, gtime());\n"),
-    ("                if (wt == 0)\n                    mbar_arrive(dq_empty + 8 * x);\n",
-     "                if (wt == 0 && j < 8) TR(56 + j, gtime());\n"),
-    ("            if (wt == 0)\n                bulk_wait();\n", "            if (wt == 0) TR(3, gtime());\n"),
+    ("                __syncwarp();\n                mbar_arrive(dq_empty + 8 * x);\n",
+     "                if (wl == 0 && j < 8) TR(56 + j, gtime());\n"),
+    ("            if (wl == 0)\n                bulk_wait();\n", "            if (wl == 0) TR(3, gtime());\n"),
     ("    named_sync(1, KV_THREADS);            /* K and V in */\n",
      "    if (ctid == 0) { TR(1, gtime()); TR(5, items); }\n"),
-    ("        mbar_wait(q_full + 8 * x, (j >> 1) & 1);\n        uint32_t pd[1][KV_NT / 2][4];\n",
+    ("        mbar_wait(q_full + 8 * x, (j >> 1) & 1);\n",
      "        if (ctid == 0 && j < 8) TR(8 + j, gtime());\n"),
     ("        mbar_arrive(dq_full + 8 * x);\n", "        if (ctid == 0 && j < 8) TR(24 + j, gtime());\n"),
     ("    store_dkdv_staged(p, sk, hk, dk, dv, n0w, sQ + (items & 1) * KQ_BYTES + cwarp * 2048);\n",
      "    if (ctid == 0) TR(2, gtime());\n"),
 ]
-
-
-def instrumented_kernels():
-    """A temporary copy of kernels/ with the stamps in attn_bwd_dkdv_ws_sm90."""
-    out = Path(tempfile.mkdtemp(prefix="attnext-stamps-")) / "kernels"
-    shutil.copytree(ROOT / "kernels", out)
-    src = (out / "attn_bwd_sm90.cu").read_text()
-    head, sep, kernel = src.partition(EDITS[0][0])       # the edits apply to the kernel's part
-    if not sep:
-        sys.exit("lab_stamps: attn_bwd_sm90.cu has no attn_bwd_dkdv_ws_sm90")
-    kernel = sep + kernel
-    for anchor, text in EDITS:
-        if kernel.count(anchor) != 1:
-            sys.exit(f"lab_stamps: anchor not found once in attn_bwd_dkdv_ws_sm90's part: {anchor!r}")
-        kernel = kernel.replace(anchor, anchor + text)
-    (out / "attn_bwd_sm90.cu").write_text(head + kernel)
-    return out
-
-
-def med(xs):
-    """The median in us of the differences that have both stamps (None: one is missing; a stamp
-    never written reads 0, e.g. the writer's turn of an item whose tile no other block sees)."""
-    xs = [x for x in xs if x is not None]
-    return f"{statistics.median(xs) / 1000:7.2f}" if xs else "      -"
 
 
 def diff(t, a, b):
@@ -72,7 +43,7 @@ def diff(t, a, b):
 
 
 def main():
-    kernels_dir = instrumented_kernels()
+    kernels_dir = instrumented("attn_bwd_sm90.cu", EDITS, prefix="attnext-stamps-")
     os.environ["ATTNEXT_KERNEL_DIR"] = str(kernels_dir)
     os.environ["ATTNEXT_CACHE_DIR"] = str(kernels_dir.parent / "cache")   # the lab's cubins stay its own
     sys.path.insert(0, str(ROOT))
@@ -80,17 +51,7 @@ def main():
     import torch
     import attnext
     import verify
-    from attnext.cuda import backend as cuda_backend
-
-    buf = torch.zeros(1, dtype=torch.int64, device="cuda")
-    tracing = [False]
-    launch = cuda_backend._launch
-
-    def stamped(plan, stage, ptrs, o, gmods=None):      # the backward's o_accum slot: the stamps
-        if tracing[0]:
-            ptrs = ptrs[:5] + (buf.data_ptr(),) + ptrs[6:]
-        return launch(plan, stage, ptrs, o, gmods)
-    cuda_backend._launch = stamped
+    lend = into_o_accum()
 
     for spec in sys.argv[1:] or ["64:512", "64:512:causal", "128:512"]:
         D, S, *c = spec.split(":")
@@ -104,11 +65,10 @@ def main():
         for _ in range(3):
             attnext.attention_backward(dout, q, k, v, out, lse, causal=causal)
         torch.cuda.synchronize()
-        buf.zero_()
-        tracing[0] = True
+        lend(buf)
         g = attnext.attention_backward(dout, q, k, v, out, lse, causal=causal)
         torch.cuda.synchronize()
-        tracing[0] = False
+        lend(None)
         _, want = verify.sdpa(q, k, v, causal, dout=dout)    # the stamped kernel's answer, checked
         verify.check(f"D{D} S{S} stamped", {n: (x, w) for n, x, w in zip(("dq", "dk", "dv"), g, want)})
         t = buf.view(-1, 64).cpu().numpy()

@@ -1,0 +1,67 @@
+"""The stamp labs' harness (not a lab): globaltimer stamps written by an instrumented copy of
+kernels/ into the o_accum slot of every launch while a buffer is lent (lab_stamps.py: the
+backward's dK/dV CTA; lab_fwd_stamps.py: the WS forward's tiles).
+
+    kernels_dir = instrumented("attn_bwd_sm90.cu", EDITS, prefix="attnext-stamps-")
+    lend = into_o_accum()          # after attnext's import: lend(buf) ... lend(None)
+
+EDITS: (anchor, text) or (anchor, text, before) string edits, applied in the part of the file
+from the first edit's anchor on (each anchor must occur there once: the lab stops otherwise).
+"""
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def macros(slots):
+    """gtime() (the globaltimer, ns) and TR(i, v): int64 i of the block's slots in p.o_accum."""
+    return ("DEV long long gtime() { long long t; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t)); return t; }\n"
+            f"#define TR(i, v) do {{ if (p.o_accum) ((long long *)p.o_accum)[((blockIdx.z * gridDim.y + blockIdx.y)"
+            f" * gridDim.x + blockIdx.x) * {slots} + (i)] = (v); }} while (0)\n")
+
+
+def instrumented(kernel_file, edits, prefix):
+    """A temporary copy of kernels/ with edits made in kernel_file (see the module's docstring)."""
+    out = Path(tempfile.mkdtemp(prefix=prefix)) / "kernels"
+    shutil.copytree(ROOT / "kernels", out)
+    src = (out / kernel_file).read_text()
+    head, sep, part = src.partition(edits[0][0])
+    if not sep:
+        sys.exit(f"{prefix}: {kernel_file} has no {edits[0][0]!r}")
+    part = sep + part
+    for anchor, text, *before in edits:
+        if part.count(anchor) != 1:
+            sys.exit(f"{prefix}: anchor not found once in {kernel_file}'s part: {anchor!r}")
+        part = part.replace(anchor, text + anchor if before and before[0] else anchor + text)
+    (out / kernel_file).write_text(head + part)
+    return out
+
+
+def into_o_accum():
+    """Wraps _C.cuda_launch_attention so that while lend(buf) has lent a torch tensor, every
+    launch's o_accum slot is its address; returns lend."""
+    from attnext import _C
+    from attnext.cuda import backend
+    lent = [None]
+    launch = _C.cuda_launch_attention
+
+    def stamped(fn, grid, block, smem, stream, template, ptrs, *rest):
+        if lent[0] is not None:
+            ptrs = tuple(lent[0].data_ptr() if i == backend.SLOT_O_ACCUM else x for i, x in enumerate(ptrs))
+        return launch(fn, grid, block, smem, stream, template, ptrs, *rest)
+    _C.cuda_launch_attention = stamped
+
+    def lend(buf):
+        lent[0] = buf
+    return lend
+
+
+def med(xs):
+    """The median in us of the differences that have both stamps (None: one is missing; a stamp
+    never written reads 0)."""
+    xs = [x for x in xs if x is not None]
+    return f"{statistics.median(xs) / 1000:7.2f}" if xs else "      -"
