@@ -983,7 +983,9 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     reach = k_rows if math.isinf(hi - lo) else min(k_rows, max(int(hi - lo) + 1, 0))
     passes = select.dtype_defines(features["dtype"], features["tf32"]).get("TF32_PASSES", 0)   # float32's
     f32_passes = passes if arch == "sm_90a" else 0
-    dq_mode = "recompute" if grads else select.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach, f32_passes)
+    # float32 on bfloat16 planes (attn_bwd_sm90_x3.cu, a lab path): its dQ kernel recomputes
+    x3 = select.bwd_f32_x3(arch, features["dtype"], o.D, o.Dv, features["vec"], passes, gen)
+    dq_mode = "recompute" if grads or x3 else select.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach, f32_passes)
     atomic = dq_mode != "recompute"
     presplit = select.bwd_f32_presplit(arch, features["dtype"], o.D, o.Dv, passes)
     planes = presplit and passes == 3
@@ -1028,6 +1030,12 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
             if not atomic:
                 launch("attn_bwd_dq_sm90", (_query_tiles(q_rows, hopper["q_block_m"]), o.Hq, o.B + tail),
                        hopper["q_warps"], "attn_bwd_sm90", defs90, smem90)
+        elif x3:                 # float32 as bfloat16 planes on wgmma (attn_bwd_sm90_x3.cu)
+            defs_x3, smem_x3 = select.bwd_x3_defines(defines), select.bwd_x3_smem_bytes(o.D)
+            launch("attn_bwd_dkdv_x3", (_query_tiles(k_rows, 64), o.Hk, o.B + tail), 4, "attn_bwd_sm90_x3",
+                   defs_x3, smem_x3)
+            launch("attn_bwd_dq_x3", (_query_tiles(q_rows, 64), o.Hq, o.B + tail), 4, "attn_bwd_sm90_x3",
+                   defs_x3, smem_x3)
         else:
             kv_grid = (_query_tiles(k_rows, 16 * tile["kv_warps"]), o.Hk, o.B + tail)
             for name in (("attn_bwd_dv", "attn_bwd_dk") if tile["kv_split"] else ("attn_bwd_dkdv",)):
@@ -1035,7 +1043,7 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
         if atomic and not write_last:
             launch("attn_bwd_dq_convert", (_query_tiles(q_rows, PRE_ROWS), o.Hq, o.B + tail),
                    PRE_THREADS // 32)
-        elif not hopper:
+        elif not hopper and not x3:
             launch("attn_bwd_dq", (_query_tiles(q_rows, tile["q_block_m"]), o.Hq, o.B + tail), tile["q_warps"])
         # rows that keep no key (lse -inf): attn_bwd_pre marks them in the dead words, and this
         # redoes the dK / dV they touched and zeroes their dq; with none it returns at once

@@ -29,7 +29,8 @@ FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "
              "ATTNEXT_TILE_FWD_WS", "ATTNEXT_DECODE_COMBINE", "ATTNEXT_DEPENDENT_LAUNCH", "ATTNEXT_FWD_PERSIST",
              "ATTNEXT_FWD_F32_SM90")
 BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_TMA", "ATTNEXT_BWD_DQ",
-             "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_BWD_DQ_CHAINS", "ATTNEXT_TILE_SUMS", "ATTNEXT_BWD_F32_PRESPLIT")
+             "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_BWD_DQ_CHAINS", "ATTNEXT_TILE_SUMS", "ATTNEXT_BWD_F32_PRESPLIT",
+             "ATTNEXT_BWD_F32_X3")
 
 
 def knobs(names):
@@ -467,6 +468,31 @@ def bwd_f32_presplit(arch, dtype, D, Dv, passes):
     return knob == "1" if knob in ("0", "1") else passes == 3
 
 
+def bwd_f32_x3(arch, dtype, D, Dv, vec, passes, mods=None):
+    """Whether float32's backward runs attn_bwd_sm90_x3.cu (bfloat16 planes, six wgmma products a
+    product) instead of attn_bwd.cu: a lab path, first version (bench/NOTES.md, float32 backward
+    x1), taken only under ATTNEXT_BWD_F32_X3=1, where it applies: sm_90a, float32 accuracy (three
+    passes), 16-byte loads, D = Dv in {64, 128}, no generated mods."""
+    return (_env.get("ATTNEXT_BWD_F32_X3") == "1" and arch == "sm_90a" and dtype == "float32" and passes == 3
+            and vec and D == Dv and D in (64, 128) and mods is None)
+
+
+def bwd_x3_defines(defines):
+    """attn_bwd_sm90_x3.cu's switches from attn_bwd.cu's float32 ones: bfloat16 planes on the tensor
+    cores, its fixed tiles (one warpgroup, 64 x 64)."""
+    d = {k: v for k, v in defines.items() if k != "F32_PRESPLIT"}
+    d.update(ELEM_BF16=1, KV_BLOCK_M=64, KV_WARPS=4, KV_SPLIT=0, KV_MINB=1, DQ_ATOMIC=0, DQ_ORDERED=0,
+             Q_BLOCK_M=64, Q_BLOCK_N=64, Q_WARPS=4, Q_MINB=1)
+    return d
+
+
+def bwd_x3_smem_bytes(D):
+    """attn_bwd_sm90_x3.cu's shared memory: four 64-row tiles of three bf16 planes (K, V, Q, dO), the
+    dK/dV kernel's lse and delta rows, the 1024-byte alignment's slack."""
+    return {"attn_bwd_dkdv_x3": 4 * 3 * 64 * D * 2 + 2 * 4 * 64 + 1024,
+            "attn_bwd_dq_x3": 4 * 3 * 64 * D * 2 + 1024}
+
+
 def bwd_tile_config(D, Dv, dtype="bfloat16", atomic=False, planes=False):
     """The backward's tiles for head dims D, Dv: the one place that chooses. Returns a dict:
     kv_block_m, kv_warps, kv_split, kv_minb (dkdv: query rows per streamed tile; warps, 16 key
@@ -834,7 +860,7 @@ def sm90_fwd_variants():
 def sm90_bwd_variants():
     """attn_bwd_sm90's variants (sm_90a only): those of sm90_fwd_variants' features, each in the
     dq modes a deterministic and a non-deterministic call choose, and attn_bwd.cu's (its row
-    kernels) in the ordered mode, which only Hopper takes."""
+    kernels) in the ordered mode, which only Hopper takes; attn_bwd_sm90_x3.cu's plain ones."""
     out = []
     names = {v: k for k, v in DTYPE_CODES.items()}
     for _, fd in sm90_fwd_variants():
@@ -856,6 +882,11 @@ def sm90_bwd_variants():
                 if mode == "ordered":
                     out.append(("attn_bwd", bwd_defines(**features, tile=bwd_tile_config(D, fd["HEAD_DIM_V"]),
                                                         dq=mode, chains=chains)))
+    # float32 on bfloat16 planes (bwd_f32_x3, the lab's), plain, at both head dims
+    for D in (64, 128):
+        f32 = dict(dtype="float32", D=D, Dv=D, vec=True, softcap=False, bias_dtype=None, alibi_dtype=None,
+                   mask=False, tf32=False)
+        out.append(("attn_bwd_sm90_x3", bwd_x3_defines(bwd_defines(**f32, tile=bwd_tile_config(D, D, "float32")))))
     unique = {(k, tuple(sorted(d.items()))): (k, d) for k, d in out}
     return list(unique.values())
 

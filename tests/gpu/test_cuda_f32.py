@@ -297,6 +297,68 @@ def test_backward_split_once(d, precision, rng, monkeypatch):
     assert splits and all(splits), splits
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_on_bfloat16_planes(d, rng, monkeypatch):
+    """The lab's float32 backward on bfloat16 planes (ATTNEXT_BWD_F32_X3=1: attn_bwd_sm90_x3.cu,
+    six wgmma products a product) against the reference at float32's rule: bands, GQA, partial
+    tiles, score options, a mask with a row that keeps no key (attn_bwd_dead after it), varlen
+    with empty and unused rows; deterministic (the same bits twice); each call planned with its
+    kernels, and without the knob the TF32 path's."""
+    from attnext.cuda import backend
+    if backend.device_arch(0) != "sm_90a":
+        pytest.skip("attn_bwd_sm90_x3 is sm_90a's")
+    backend.clear_plans()
+    names = []
+    function = backend.nvrtc.function
+
+    def spy(kernel, name, *rest, **kw):
+        names.append(name)
+        return function(kernel, name, *rest, **kw)
+    monkeypatch.setattr(backend.nvrtc, "function", spy)
+    monkeypatch.setenv("ATTNEXT_BWD_F32_X3", "1")
+
+    def check(q, k, v, varlen=None, **opts):
+        names.clear()
+        out, lse, r_out, _ = _forward(q, k, v, varlen=varlen, **opts)
+        dout = rng.standard_normal(out.shape).astype(np.float32)
+        lengths = varlen or {}
+        got = []
+        for _ in range(2):
+            if varlen is None:
+                got.append(attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", **opts))
+            else:
+                got.append(attnext.varlen_attention_backward(dout, q, k, v, out, lse, **lengths, device="cuda", **opts))
+        if varlen is None:
+            rg = reference.attention_backward(dout, q, k, v, out, lse, **opts)
+        else:
+            rg = reference.varlen_attention_backward(dout, q, k, v, out, lse, **lengths, **opts)
+        problems = compare_grads(got[0], rg, q, k, v, dout, out, r_out, varlen, opts)
+        assert not problems, "\n".join(problems)
+        for name, a, b in zip(("dq", "dk", "dv", "dbias"), got[0], got[1]):
+            assert a is None or np.array_equal(a, b), name
+        assert {"attn_bwd_dkdv_x3", "attn_bwd_dq_x3"} <= set(names), names
+    q, k, v = make_qkv(rng, 2, 131, 1100, 4, 2, d, d, F32)
+    check(q, k, v, causal=True)
+    check(q, k, v)
+    q, k, v = make_qkv(rng, 2, 77, 150, 6, 2, d, d, F32)
+    mask = rng.random((2, 1, 77, 150)) > 0.2
+    mask[1, 0, 5] = False                 # a row that keeps no key
+    check(q, k, v, bias=randn(rng, (6, 1, 150), np.float32), mask=mask, alibi_slopes=rng.random(6).astype(np.float32),
+          softcap=5.0, window=(40, 3), sinks=randn(rng, (6,), np.float32))
+    cu_q = np.array([0, 0, 37, 300, 301, 520], np.int32)
+    cu_k = np.array([0, 5, 5, 270, 400, 640], np.int32)
+    q, k, v = make_varlen_qkv(rng, 530, 650, 4, 2, d, d, F32)
+    used = np.array([0, 30, 263, 1, 100], np.int32)
+    check(q, k, v, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used), causal=True)
+    monkeypatch.delenv("ATTNEXT_BWD_F32_X3")
+    backend.clear_plans()
+    names.clear()
+    q, k, v = make_qkv(rng, 1, 64, 64, 2, 2, d, d, F32)
+    out, lse = attnext.attention(q, k, v, device="cuda", return_lse=True)
+    attnext.attention_backward(out, q, k, v, out, lse, device="cuda")
+    assert names and not any(n.endswith("_x3") for n in names), names
+
+
 @pytest.mark.parametrize("sq, hq, d", [(1, 32, 128), (3, 8, 64), (1, 8, 256)])
 def test_decode_split_kv_and_packed_heads(sq, hq, d, rng):
     q, k, v = make_qkv(rng, 1, sq, 5000, hq, 8 if hq == 32 else 2, d, d, F32)

@@ -1,0 +1,316 @@
+/* Float32 attention backward for Hopper (sm_90a) on the bfloat16 tensor cores: each float32
+ * operand x split into three bfloat16 planes x = x0 + x1 + x2 (x0 = bf16(x), x1 = bf16(x - x0),
+ * x2 = bf16(x - x0 - x1): 24 bits, float32's), and each product taken as the six plane products
+ * of order <= 2 (x0 y0, x0 y1, x1 y0, x0 y2, x2 y0, x1 y1; bench/labs/lab_split.py: 6.5e-9 against
+ * NumPy float32's 5.7e-7), on the 16-bit kernels' wgmma and layouts, whose operands may be read
+ * transposed (TF32's may not: attn_fwd_sm90_f32.cu). A lab path (ATTNEXT_BWD_F32_X3=1, select.
+ * bwd_f32_x3); first version: one warpgroup a CTA, every tile split by its 128 threads as it is
+ * loaded, no loads in flight under the products (bench/NOTES.md, float32 backward x1).
+ *
+ *   attn_bwd_dkdv_x3  one CTA per (64 keys, kv head, sequence): K's and V's planes stay; the
+ *                     query tiles (64 rows) of every query head of the GQA group come past in
+ *                     turn, Q's and dO's planes split into shared memory: S^T = K Q^T and dP^T
+ *                     = V dO^T, P^T and dS^T (attn_bwd_tile.cuh's pt_tile, in float32), their
+ *                     planes as register A fragments, dV += P^T dO and dK += dS^T Q.
+ *   attn_bwd_dq_x3    one CTA per (64 query rows, head, sequence) over its key tiles (64 keys):
+ *                     S = Q K^T, dP = dO V^T, dS (ds_tile), dQ += dS K.
+ * Deterministic: each output element is summed by the one CTA that owns its row, in order.
+ * delta (attn_bwd_pre) and rows that keep no key (attn_bwd_dead) are attn_bwd.cu's float32
+ * kernels'. Applies to float32 VEC_LOAD inputs with D = Dv in {64, 128}, every option of the
+ * score hook and masks, no generated mods (select.bwd_f32_x3).
+ *
+ * Switches: ELEM_F32 and ELEM_BF16 both 1 (float32 in memory, bfloat16 planes on the tensor
+ * cores), KV_BLOCK_M = Q_BLOCK_M = Q_BLOCK_N = 64, KV_WARPS = Q_WARPS = 4.
+ */
+#include "attn_bwd_tile.cuh"
+#include "wgmma.cuh"
+
+#if !ELEM_F32 || !ELEM_BF16 || !(HEAD_DIM == 64 || HEAD_DIM == 128) || HEAD_DIM_V != HEAD_DIM || !VEC_LOAD \
+    || KV_BLOCK_M != 64 || KV_WARPS != 4 || Q_BLOCK_M != 64 || Q_BLOCK_N != 64 || Q_WARPS != 4 || HAS_SCORE_MOD \
+    || HAS_MASK_MOD
+#error "attn_bwd_sm90_x3: float32 (bf16 planes), D = Dv in {64, 128}, 16-byte loads, 64 x 64 tiles, one warpgroup"
+#endif
+
+#define X3_THREADS 128
+#define PLANE_BYTES (64 * HEAD_DIM * 2)   /* one bf16 plane of a 64-row tile */
+#define TILE_BYTES (3 * PLANE_BYTES)      /* a tile's three planes, one after another */
+#define NTD (HEAD_DIM / 8)                /* n8 column groups of dK, dV, dQ per warp */
+
+/* Product x of the six plane products of order <= 2, the small ones first: A's plane, B's plane. */
+DEV constexpr int plane_a(int x) { return x == 1 || x == 3 || x == 5 ? 0 : x == 2 ? 2 : 1; }
+DEV constexpr int plane_b(int x) { return x == 2 || x == 4 || x == 5 ? 0 : x == 1 ? 2 : 1; }
+
+/* x's three bfloat16 planes (round to nearest each: x0 + x1 + x2 holds x's 24 bits) as the
+ * 16-bit halves of three pair words: lo and hi the pair's two values */
+DEV void split3(float lo, float hi, uint32_t (&w)[3])
+{
+    w[0] = pack2(lo, hi);
+    const float l1 = lo - bf16_to_f32((uint16_t)w[0]), h1 = hi - bf16_to_f32((uint16_t)(w[0] >> 16));
+    w[1] = pack2(l1, h1);
+    w[2] = pack2(l1 - bf16_to_f32((uint16_t)w[1]), h1 - bf16_to_f32((uint16_t)(w[1] >> 16)));
+}
+
+/* ROWS x COLS float32 elements from src (row r at src + r * row_stride, contiguous) split into
+ * three SW128 bf16 planes at base, base + PLANE_BYTES, base + 2 PLANE_BYTES (wgmma.cuh's layout:
+ * load_sw128's for 16-bit tiles); rows at or past valid are zero. Each thread converts 8 floats
+ * (two 16-byte loads) into one 16-byte chunk a plane. */
+template <int ROWS, int COLS>
+DEV void load_split_sw128(uint32_t base, const float *src, int64_t row_stride, int valid, int tid)
+{
+    constexpr int CHUNKS = COLS / 8, STEP = X3_THREADS / CHUNKS;
+    static_assert(X3_THREADS % CHUNKS == 0 && ROWS % STEP == 0, "tile and block do not fit");
+    const int r0 = tid / CHUNKS, c = tid % CHUNKS;
+#pragma unroll 4
+    for (int j = 0; j < ROWS / STEP; j++) {
+        const int r = r0 + j * STEP;
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
+        if (r < valid) {
+            const float *row = src + r * row_stride + c * 8;
+            a = __ldg((const float4 *)row);
+            b = __ldg((const float4 *)(row + 4));
+        }
+        uint32_t w0[3], w1[3], w2[3], w3[3];
+        split3(a.x, a.y, w0);
+        split3(a.z, a.w, w1);
+        split3(b.x, b.y, w2);
+        split3(b.z, b.w, w3);
+        const uint32_t at = base + sw128_offset<ROWS>(r, c);
+#pragma unroll
+        for (int x = 0; x < 3; x++)
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(at + x * PLANE_BYTES), "r"(w0[x]),
+                         "r"(w1[x]), "r"(w2[x]), "r"(w3[x]) : "memory");
+    }
+}
+
+/* acc (+)= A B^T over the six plane products (A: 64 rows at a_base, B: N rows at b_base, both
+ * three planes of K-major SW128 tiles over k = HEAD_DIM, 64-row planes). */
+template <int N>
+DEV void mma_ss3(float (&acc)[N / 8][4], uint32_t a_base, uint32_t b_base)
+{
+#pragma unroll
+    for (int x = 0; x < 6; x++) {
+        const uint64_t da0 = uniform_desc(sw128_desc(a_base + plane_a(x) * PLANE_BYTES, 16, 1024)),
+                       db0 = uniform_desc(sw128_desc(b_base + plane_b(x) * PLANE_BYTES, 16, 1024));
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
+            const uint32_t off = (kk >> 2) * (64 * 128) + (kk & 3) * 32;
+            wgmma_m64n64_ss(acc, da0 + desc_step(off), db0 + desc_step(off), x > 0 || kk > 0);
+        }
+    }
+}
+
+/* acc += A B over the six plane products: A's planes as register fragments (a[plane][k16 step]),
+ * B a 64-row tile's three planes at b_base read transposed (MN-major), N = HEAD_DIM columns. */
+DEV void mma_rs3(float (&acc)[NTD][4], const uint32_t (&a)[3][4][4], uint32_t b_base)
+{
+#pragma unroll
+    for (int x = 0; x < 6; x++) {
+        const uint64_t db0 = uniform_desc(sw128_desc(b_base + plane_b(x) * PLANE_BYTES, 64 * 128, 1024));
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+#if HEAD_DIM == 128
+            wgmma_m64n128_rs_t(acc, a[plane_a(x)][kk], db0 + desc_step(kk * 16 * 128));
+#else
+            wgmma_m64n64_rs_t(acc, a[plane_a(x)][kk], db0 + desc_step(kk * 16 * 128));
+#endif
+        }
+    }
+}
+
+/* The C fragments f of a 64 x 64 product (float32) as the three planes' A fragments of the next
+ * product (pack_frag's order, a plane at a time) */
+DEV void split_frag(uint32_t (&a)[3][4][4], const float (&f)[1][8][4])
+{
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const float *c = f[0][2 * kk + (e >> 1)];
+            uint32_t w[3];
+            split3(c[(e & 1) * 2], c[(e & 1) * 2 + 1], w);
+#pragma unroll
+            for (int x = 0; x < 3; x++)
+                a[x][kk][e] = w[x];
+        }
+}
+
+#if ENTRY(attn_bwd_dkdv_x3)
+extern "C" __global__ void __launch_bounds__(X3_THREADS, 1) attn_bwd_dkdv_x3(const __grid_constant__ attn_params p)
+{
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    /* K's, V's, Q's and dO's planes (TILE_BYTES each), then the tile's lse and delta rows */
+    const uint32_t sK = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const uint32_t sV = sK + TILE_BYTES, sQ = sV + TILE_BYTES, sdO = sQ + TILE_BYTES;
+    float *sL = (float *)(smem_raw + (sdO + TILE_BYTES - smem_addr(smem_raw))), *sD = sL + KV_BLOCK_M;
+
+    const int tid = threadIdx.x, warp = tid >> 5;
+    const int64_t hk = blockIdx.y, b = blockIdx.z;
+    if (b == p.B) {                       /* packed rows after the last sequence */
+        const int64_t first = packed_end_k(&p);
+        zero_rows((elem_t *)p.dk.ptr + hk * p.dk.s[2], p.dk.s[1], p.dk.s[3], first, p.Sk, HEAD_DIM, X3_THREADS);
+        zero_rows((elem_t *)p.dv.ptr + hk * p.dv.s[2], p.dv.s[1], p.dv.s[3], first, p.Sk, HEAD_DIM, X3_THREADS);
+        return;
+    }
+    const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
+    const int n0 = blockIdx.x * 64, n0w = n0 + warp * 16;
+    if (n0 >= sk.rows)
+        return;
+    const int group = (int)(p.Hq / p.Hk), Lq = (int)sq.len, Lk = (int)sk.len;
+    int m_first, nm, qlo[2], qhi[2];
+    kv_tile_rows(p, n0, 64, KV_BLOCK_M, n0w, Lq, Lk, m_first, nm, qlo, qhi);
+    const int items = group * nm;
+
+    float dk[1][NTD][4], dv[1][NTD][4];
+    zero_acc(dk);
+    zero_acc(dv);
+    if (items > 0) {
+        load_split_sw128<64, HEAD_DIM>(sK, (const float *)p.k.ptr + sk.mem_b * p.k.s[0] + (sk.start + n0) * p.k.s[1]
+                                               + hk * p.k.s[2], p.k.s[1], Lk - n0, tid);
+        load_split_sw128<64, HEAD_DIM>(sV, (const float *)p.v.ptr + sk.mem_b * p.v.s[0] + (sk.start + n0) * p.v.s[1]
+                                               + hk * p.v.s[2], p.v.s[1], Lk - n0, tid);
+    }
+    for (int j = 0; j < items; j++) {
+        const int64_t h = hk * group + j / nm;
+        const int m0 = (m_first + j % nm) * KV_BLOCK_M;
+        const int64_t row0 = sq.start + m0;
+        __syncthreads();                  /* every warp is done with item j - 1's tiles */
+        load_split_sw128<KV_BLOCK_M, HEAD_DIM>(
+            sQ, (const float *)p.q.ptr + sq.mem_b * p.q.s[0] + row0 * p.q.s[1] + h * p.q.s[2], p.q.s[1], Lq - m0, tid);
+        load_split_sw128<KV_BLOCK_M, HEAD_DIM>(
+            sdO, (const float *)p.dout.ptr + sq.mem_b * p.dout.s[0] + row0 * p.dout.s[1] + h * p.dout.s[2],
+            p.dout.s[1], Lq - m0, tid);
+        if (tid < KV_BLOCK_M) {
+            float l = POS_INF, d = 0.f;
+            if (m0 + tid < Lq) {
+                const int64_t row = row0 + tid;
+                l = lse_log2(bwd_lse(p, h, ((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1]
+                                                                     + row * p.lse.s[2]]));
+                d = ((const float *)p.delta.ptr)[sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + row * p.delta.s[2]];
+            }
+            sL[tid] = l;
+            sD[tid] = d;
+        }
+        fence_proxy_async();              /* the planes' stores, before wgmma reads them */
+        __syncthreads();
+
+        const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
+        float s[1][KV_NT][4], dp[1][KV_NT][4];
+        wgmma_fence();
+        mma_ss3<KV_BLOCK_M>(s[0], sK, sQ);
+        mma_ss3<KV_BLOCK_M>(dp[0], sV, sdO);
+        wgmma_commit();
+        const bool need_mask = tile_maybe_masked(sc, m0, min(m0 + KV_BLOCK_M, Lq), n0, min(n0 + 64, Lk))
+                               || n0 + 64 > Lk || m0 + KV_BLOCK_M > Lq
+                               || !tile_inside_band(&p, m0, min(m0 + KV_BLOCK_M, Lq), n0, n0 + 64, Lq, Lk);
+        wgmma_wait<0>();
+        fence_acc(s[0]);
+        fence_acc(dp[0]);
+
+        cfrag<1, KV_NT / 2> pf;           /* P^T in float32 (ELEM_F32's fragments) */
+        pt_tile<KV_NT, true>(s, pf, p, sc, sL, n0w, m0, qlo, qhi, need_mask, dp, sD);   /* dS^T into dp */
+        uint32_t a[3][4][4];
+        split_frag(a, pf);
+        wgmma_fence();
+        mma_rs3(dv[0], a, sdO);           /* dV += P^T dO */
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_acc(dv[0]);
+        split_frag(a, dp);
+        wgmma_fence();
+        mma_rs3(dk[0], a, sQ);            /* dK += dS^T Q */
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_acc(dk[0]);
+    }
+    store_dkdv(p, sk, hk, dk, dv, n0w, true, true);
+}
+#endif
+
+#if ENTRY(attn_bwd_dq_x3)
+extern "C" __global__ void __launch_bounds__(X3_THREADS, 1) attn_bwd_dq_x3(const __grid_constant__ attn_params p)
+{
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    /* Q's, dO's planes (the CTA's rows), K's, V's (the key tile) */
+    const uint32_t sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const uint32_t sdO = sQ + TILE_BYTES, sK = sdO + TILE_BYTES, sV = sK + TILE_BYTES;
+
+    const int tid = threadIdx.x, warp = tid >> 5, g = (tid & 31) >> 2, t = tid & 3;
+    const int64_t h = blockIdx.y, b = blockIdx.z;
+    if (b == p.B) {
+        zero_rows((elem_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], packed_end_q(&p), p.Sq, HEAD_DIM,
+                  X3_THREADS);
+        return;
+    }
+    const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * Q_BLOCK_M;     /* the longest causal rows first */
+    if (m0 >= sq.rows)
+        return;
+    const int64_t hk = h / (p.Hq / p.Hk);
+    const int Lq = (int)sq.len, Lk = (int)sk.len;
+    int64_t lo = 0, hi = 0;
+    if (m0 < Lq)
+        kv_range(&p, m0, min(m0 + Q_BLOCK_M, Lq), Lq, Lk, &lo, &hi);
+    const int n_first = (int)(lo / Q_BLOCK_N), n_last = hi > lo ? (int)((hi - 1) / Q_BLOCK_N) : -1;
+    row_info ri;
+    load_row_info(p, sq, sk, h, m0, ri);
+    const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
+    const float *gk = (const float *)p.k.ptr + sk.mem_b * p.k.s[0] + sk.start * p.k.s[1] + hk * p.k.s[2];
+    const float *gv = (const float *)p.v.ptr + sk.mem_b * p.v.s[0] + sk.start * p.v.s[1] + hk * p.v.s[2];
+
+    float dq[1][NTD][4];
+    zero_acc(dq);
+    if (n_last >= n_first) {
+        const int64_t row0 = sq.start + m0;
+        load_split_sw128<Q_BLOCK_M, HEAD_DIM>(
+            sQ, (const float *)p.q.ptr + sq.mem_b * p.q.s[0] + row0 * p.q.s[1] + h * p.q.s[2], p.q.s[1], Lq - m0, tid);
+        load_split_sw128<Q_BLOCK_M, HEAD_DIM>(
+            sdO, (const float *)p.dout.ptr + sq.mem_b * p.dout.s[0] + row0 * p.dout.s[1] + h * p.dout.s[2],
+            p.dout.s[1], Lq - m0, tid);
+    }
+    tile_sums sums;                       /* no array gradients here: an empty one */
+    tile_sums_init(sums, nullptr);
+    for (int n = n_first; n <= n_last; n++) {
+        const int64_t c0 = n * Q_BLOCK_N;
+        __syncthreads();                  /* every warp is done with tile n - 1 */
+        load_split_sw128<Q_BLOCK_N, HEAD_DIM>(sK, gk + c0 * p.k.s[1], p.k.s[1], Lk - (int)c0, tid);
+        load_split_sw128<Q_BLOCK_N, HEAD_DIM>(sV, gv + c0 * p.v.s[1], p.v.s[1], Lk - (int)c0, tid);
+        fence_proxy_async();
+        __syncthreads();
+
+        float s[1][Q_NT][4], dp[1][Q_NT][4];
+        wgmma_fence();
+        mma_ss3<Q_BLOCK_N>(s[0], sQ, sK);
+        mma_ss3<Q_BLOCK_N>(dp[0], sdO, sV);
+        wgmma_commit();
+        const bool need = ds_needs_mask(p, sc, m0, (int)c0, Lq, Lk);   /* while the products run */
+        wgmma_wait<0>();
+        fence_acc(s[0]);
+        fence_acc(dp[0]);
+        ds_tile<true, false>(s, dp, p, sc, ri, m0, (int)c0, need, Lq, Lk, tile_sums_for<false>(sums, sc, m0, (int)c0, Lq, Lk));
+        uint32_t a[3][4][4];
+        split_frag(a, s);
+        wgmma_fence();
+        mma_rs3(dq[0], a, sK);            /* dQ += dS K */
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_acc(dq[0]);
+    }
+
+    /* dq = dQ * scale; padding rows (and rows that keep nothing) come out 0 */
+    const float scale = sc.scale;
+    float *gdq = (float *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int r = m0 + warp * 16 + g + i * 8;
+        if (r >= sq.rows)
+            continue;
+        float *row = gdq + (int64_t)r * p.dq.s[1];
+#pragma unroll
+        for (int nt = 0; nt < NTD; nt++) {
+            const int d = nt * 8 + 2 * t;
+            row[d * p.dq.s[3]] = dq[0][nt][2 * i] * scale;
+            row[(d + 1) * p.dq.s[3]] = dq[0][nt][2 * i + 1] * scale;
+        }
+    }
+}
+#endif
