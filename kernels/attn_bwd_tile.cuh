@@ -186,6 +186,39 @@ DEV void zero_rows(elem_t *base, int64_t s_row, int64_t s_col, int64_t first, in
  * fragment stores of a tile (eight rows at the same columns per warp) hit distinct banks. */
 DEV int dq_col(int64_t r, int d) { return HEAD_DIM % 32 ? d : d ^ (((int)r & 3) << 3); }
 
+/* A dQ CTA's start: query tile m0 of head h of sequence b (the grid's x counted from the last: the
+ * longest causal rows first), bm rows, and the key tiles [n_first, n_last] of bn keys its rows see
+ * (none: n_last < n_first). False where the CTA has no rows; the grid's extra sequence (b == p.B)
+ * zeroes dq's packed rows after the last sequence and gives false. attn_bwd_sm90_x3.cu's; the
+ * other dQ kernels still spell it out (bench/NOTES.md, open item 9). */
+struct dq_cta {
+    seq_t sq, sk;
+    int64_t hk;
+    int m0, Lq, Lk, n_first, n_last;
+};
+
+DEV bool dq_cta_begin(const attn_params &p, int64_t h, int64_t b, int bm, int bn, int threads, dq_cta &c)
+{
+    if (b == p.B) {
+        zero_rows((elem_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], packed_end_q(&p), p.Sq, HEAD_DIM, threads);
+        return false;
+    }
+    c.sq = seq_q(&p, b);
+    c.sk = seq_k(&p, b);
+    c.m0 = (gridDim.x - 1 - blockIdx.x) * bm;
+    if (c.m0 >= c.sq.rows)
+        return false;
+    c.hk = h / (p.Hq / p.Hk);
+    c.Lq = (int)c.sq.len;
+    c.Lk = (int)c.sk.len;
+    int64_t lo = 0, hi = 0;
+    if (c.m0 < c.Lq)
+        kv_range(&p, c.m0, min(c.m0 + bm, c.Lq), c.Lq, c.Lk, &lo, &hi);
+    c.n_first = (int)(lo / bn);
+    c.n_last = hi > lo ? (int)((hi - 1) / bn) : -1;
+    return true;
+}
+
 /* p[0] += a, p[1] += b by float atomics (one vector reduction on sm_90; p 8-byte aligned). */
 DEV void red_add_f32x2(float *p, float a, float b)
 {

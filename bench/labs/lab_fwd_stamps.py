@@ -15,10 +15,9 @@ O stored. (A CTA a tile, without PERSIST, has no [8] / [9].) Prints medians over
 checked against torch SDPA's, and the tail: how long SMs sit idle before the kernel's last CTA
 ends.
 """
-import os
 import sys
 
-from stamping import ROOT, instrumented, into_o_accum, macros, med
+from stamping import macros, med, shapes, start
 
 SLOTS, TURNS = 176, 40
 EDITS = [   # (anchor, text, whether the text goes before the anchor)
@@ -59,20 +58,13 @@ def gaps(t):
 
 
 def main():
-    kernels_dir = instrumented("attn_fwd_sm90.cu", EDITS, prefix="attnext-fwd-stamps-")
-    os.environ["ATTNEXT_KERNEL_DIR"] = str(kernels_dir)
-    os.environ["ATTNEXT_CACHE_DIR"] = str(kernels_dir.parent / "cache")   # the lab's cubins stay its own
-    sys.path.insert(0, str(ROOT))
+    lend = start("attn_fwd_sm90.cu", EDITS, prefix="attnext-fwd-stamps-")
     import numpy as np
     import torch
     import attnext
     import verify
-    lend = into_o_accum()
 
-    for spec in sys.argv[1:] or ["128:2048", "64:2048:causal", "128:8192"]:
-        D, S, *c = spec.split(":")
-        D, S, causal = int(D), int(S), bool(c)
-        B, H = 16384 // S, 2048 // D
+    for D, S, causal, B, H in shapes(sys.argv[1:], ["128:2048", "64:2048:causal", "128:8192"]):
         q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         for _ in range(3):
             attnext.attention(q, k, v, causal=causal)

@@ -12,10 +12,9 @@ the writer's turn granted, [56 + j] the writer done with it. Prints medians over
 B*S = 16k tokens, H = 2048 / D, deterministic), once the stamped call's dq, dk, dv are checked
 against torch SDPA's.
 """
-import os
 import sys
 
-from stamping import ROOT, instrumented, into_o_accum, macros, med
+from stamping import macros, med, shapes, start
 
 EDITS = [   # (anchor, text inserted after it)
     ("#if ENTRY(attn_bwd_dkdv_ws_sm90)\n", macros(64)),
@@ -43,20 +42,13 @@ def diff(t, a, b):
 
 
 def main():
-    kernels_dir = instrumented("attn_bwd_sm90.cu", EDITS, prefix="attnext-stamps-")
-    os.environ["ATTNEXT_KERNEL_DIR"] = str(kernels_dir)
-    os.environ["ATTNEXT_CACHE_DIR"] = str(kernels_dir.parent / "cache")   # the lab's cubins stay its own
-    sys.path.insert(0, str(ROOT))
+    lend = start("attn_bwd_sm90.cu", EDITS, prefix="attnext-stamps-")
     import numpy as np
     import torch
     import attnext
     import verify
-    lend = into_o_accum()
 
-    for spec in sys.argv[1:] or ["64:512", "64:512:causal", "128:512"]:
-        D, S, *c = spec.split(":")
-        D, S, causal = int(D), int(S), bool(c)
-        B, H = 16384 // S, 2048 // D
+    for D, S, causal, B, H in shapes(sys.argv[1:], ["64:512", "64:512:causal", "128:512"]):
         q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out, lse = attnext.attention(q, k, v, causal=causal, return_lse=True)
         dout = torch.randn_like(out)

@@ -2,12 +2,13 @@
 kernels/ into the o_accum slot of every launch while a buffer is lent (lab_stamps.py: the
 backward's dK/dV CTA; lab_fwd_stamps.py: the WS forward's tiles).
 
-    kernels_dir = instrumented("attn_bwd_sm90.cu", EDITS, prefix="attnext-stamps-")
-    lend = into_o_accum()          # after attnext's import: lend(buf) ... lend(None)
+    lend = start("attn_bwd_sm90.cu", EDITS, prefix="attnext-stamps-")   # lend(buf) ... lend(None)
+    for D, S, causal, B, H in shapes(sys.argv[1:], ["64:512", ...]): ...
 
 EDITS: (anchor, text) or (anchor, text, before) string edits, applied in the part of the file
 from the first edit's anchor on (each anchor must occur there once: the lab stops otherwise).
 """
+import os
 import shutil
 import statistics
 import sys
@@ -39,6 +40,24 @@ def instrumented(kernel_file, edits, prefix):
         part = part.replace(anchor, text + anchor if before and before[0] else anchor + text)
     (out / kernel_file).write_text(head + part)
     return out
+
+
+def start(kernel_file, edits, prefix):
+    """The instrumented kernels in use (ATTNEXT_KERNEL_DIR, and a cache of their own), the
+    repository's attnext imported; returns into_o_accum's lend."""
+    kernels_dir = instrumented(kernel_file, edits, prefix)
+    os.environ["ATTNEXT_KERNEL_DIR"] = str(kernels_dir)
+    os.environ["ATTNEXT_CACHE_DIR"] = str(kernels_dir.parent / "cache")   # the lab's cubins stay its own
+    sys.path.insert(0, str(ROOT))
+    return into_o_accum()
+
+
+def shapes(specs, default):
+    """(D, S, causal, B, H) of each "D:S[:causal]" (default's where specs is empty): B * S = 16k
+    tokens, H = 2048 / D."""
+    for spec in specs or default:
+        D, S, *c = spec.split(":")
+        yield int(D), int(S), bool(c), 16384 // int(S), 2048 // int(D)
 
 
 def into_o_accum():

@@ -203,6 +203,25 @@ def test_atomic_dq(d, precision, how, rng, monkeypatch):
         assert modes == want + [("recompute", 64 if d == 64 else 16)], modes
 
 
+def _backward_cases(rng, d, check):
+    """The float32 backward's cases at head dim d, each through check(q, k, v, varlen=None, **opts):
+    long keys plain and causal (bands, partial tiles, GQA), every score option with a row that
+    keeps no key (attn_bwd_dead) and sinks, varlen with empty and unused rows."""
+    q, k, v = make_qkv(rng, 2, 131, 1100, 4, 2, d, d, F32)
+    check(q, k, v, causal=True)
+    check(q, k, v)
+    q, k, v = make_qkv(rng, 2, 77, 150, 6, 2, d, d, F32)
+    mask = rng.random((2, 1, 77, 150)) > 0.2
+    mask[1, 0, 5] = False                 # a row that keeps no key
+    check(q, k, v, bias=randn(rng, (6, 1, 150), np.float32), mask=mask, alibi_slopes=rng.random(6).astype(np.float32),
+          softcap=5.0, window=(40, 3), sinks=randn(rng, (6,), np.float32))
+    cu_q = np.array([0, 0, 37, 300, 301, 520], np.int32)
+    cu_k = np.array([0, 5, 5, 270, 400, 640], np.int32)
+    q, k, v = make_varlen_qkv(rng, 530, 650, 4, 2, d, d, F32)
+    used = np.array([0, 30, 263, 1, 100], np.int32)
+    check(q, k, v, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used), causal=True)
+
+
 TILE_KEYS = ("kv_block_m", "kv_warps", "kv_split", "kv_minb", "q_block_m", "q_block_n", "q_warps", "q_minb")
 
 
@@ -280,20 +299,10 @@ def test_backward_split_once(d, precision, rng, monkeypatch):
             rg = reference.varlen_attention_backward(dout, q, k, v, out, lse, **lengths, **opts)
         problems = compare_grads(g, rg, q, k, v, dout, out, r_out, varlen, dict(opts, precision=precision))
         assert not problems, "\n".join(problems)
+    _backward_cases(rng, d, check)
     q, k, v = make_qkv(rng, 2, 131, 1100, 4, 2, d, d, F32)
-    check(q, k, v, causal=True)
     check(q, k, v, causal=True, deterministic=False)
     check(q, k, v, deterministic=False)
-    q, k, v = make_qkv(rng, 2, 77, 150, 6, 2, d, d, F32)
-    mask = rng.random((2, 1, 77, 150)) > 0.2
-    mask[1, 0, 5] = False                 # a row that keeps no key
-    check(q, k, v, bias=randn(rng, (6, 1, 150), np.float32), mask=mask, alibi_slopes=rng.random(6).astype(np.float32),
-          softcap=5.0, window=(40, 3), sinks=randn(rng, (6,), np.float32))
-    cu_q = np.array([0, 0, 37, 300, 301, 520], np.int32)
-    cu_k = np.array([0, 5, 5, 270, 400, 640], np.int32)
-    q, k, v = make_varlen_qkv(rng, 530, 650, 4, 2, d, d, F32)
-    used = np.array([0, 30, 263, 1, 100], np.int32)
-    check(q, k, v, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used), causal=True)
     assert splits and all(splits), splits
 
 
@@ -337,19 +346,7 @@ def test_backward_on_bfloat16_planes(d, rng, monkeypatch):
         for name, a, b in zip(("dq", "dk", "dv", "dbias"), got[0], got[1]):
             assert a is None or np.array_equal(a, b), name
         assert {"attn_bwd_dkdv_x3", "attn_bwd_dq_x3"} <= set(names), names
-    q, k, v = make_qkv(rng, 2, 131, 1100, 4, 2, d, d, F32)
-    check(q, k, v, causal=True)
-    check(q, k, v)
-    q, k, v = make_qkv(rng, 2, 77, 150, 6, 2, d, d, F32)
-    mask = rng.random((2, 1, 77, 150)) > 0.2
-    mask[1, 0, 5] = False                 # a row that keeps no key
-    check(q, k, v, bias=randn(rng, (6, 1, 150), np.float32), mask=mask, alibi_slopes=rng.random(6).astype(np.float32),
-          softcap=5.0, window=(40, 3), sinks=randn(rng, (6,), np.float32))
-    cu_q = np.array([0, 0, 37, 300, 301, 520], np.int32)
-    cu_k = np.array([0, 5, 5, 270, 400, 640], np.int32)
-    q, k, v = make_varlen_qkv(rng, 530, 650, 4, 2, d, d, F32)
-    used = np.array([0, 30, 263, 1, 100], np.int32)
-    check(q, k, v, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used), causal=True)
+    _backward_cases(rng, d, check)
     monkeypatch.delenv("ATTNEXT_BWD_F32_X3")
     backend.clear_plans()
     names.clear()
