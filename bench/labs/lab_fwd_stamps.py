@@ -82,13 +82,13 @@ def main():
         if not len(t):
             print(f"== D{D} S{S}: no stamps (did the call take the WS kernel?)")
             continue
-        start, end = t[:, 0].min(), t[:, 3].max()
-        print(f"== D{D} S{S} {'causal' if causal else 'full'}: {len(t)} CTAs, kernel {(end - start) / 1e3:.1f} us, "
+        first, end = t[:, 0].min(), t[:, 3].max()
+        print(f"== D{D} S{S} {'causal' if causal else 'full'}: {len(t)} CTAs, kernel {(end - first) / 1e3:.1f} us, "
               f"tiles a CTA median {np.median(t[:, 2]):.0f} (min {t[:, 2].min()}, max {t[:, 2].max()})")
         print("  a tile: taken -> Q in", med(spans(t, 0, 1)), " Q in -> first S", med(spans(t, 1, 2)),
               " first S -> O stored", med(spans(t, 2, 3)), " O stored -> next taken", med(gaps(t)))
-        first = [r[8 + 1] - r[0] if r[9] else None for r in t]
-        print("  CTA start -> its first Q in", med(first),
+        q_in = [r[8 + 1] - r[0] if r[9] else None for r in t]
+        print("  CTA start -> its first Q in", med(q_in),
               " CTA end -> kernel end: median", med(list(end - t[:, 3])), " max", med([end - t[:, 3].min()]))
 
 
