@@ -73,7 +73,8 @@ def test_alibi_rows_on_cpu(monkeypatch, case):
             assert row[f"{who}_status"] == "ok", row[f"{who}_reason"]
             assert set(row[f"{who}_rel_errors"]) == want
             assert all(e < bc.TOL for e in row[f"{who}_rel_errors"].values())
-        assert row["ax_vs_flex"] < bc.TOL and row["target_met"] is True
+        # equal times: 1.0x Flex, under the 1.3x bar
+        assert row["ax_vs_flex"] < bc.TOL and row["target_met"] is False
         assert bm.format_row(row).startswith(case.name)
         json.dumps(row)
     assert recording.backward_kw
