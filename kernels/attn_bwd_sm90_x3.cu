@@ -99,22 +99,48 @@ DEV void mma_ss3(float (&acc)[N / 8][4], uint32_t a_base, uint32_t b_base)
     }
 }
 
-/* acc += A B over the six plane products: A's planes as register fragments (a[plane][k16 step]),
- * B a 64-row tile's three planes at b_base read transposed (MN-major), N = HEAD_DIM columns. */
-DEV void mma_rs3(float (&acc)[NTD][4], const uint32_t (&a)[3][4][4], uint32_t b_base)
+/* acc[0 .. N / 8) += A B over the six plane products: A's planes as register fragments
+ * (a[plane][k16 step]), B N columns of a 64-row tile's three planes at b_base (a 64-column chunk
+ * of them apart from the first: + 64 * 128 bytes each) read transposed (MN-major). The products
+ * go into a fresh accumulator, the small ones first, added to acc in float32 once waited for:
+ * the tensor cores add each product truncated (rounded toward zero), and errors of one sign
+ * piling up in a sum over every key tile (or query tile) would reach 1e-5 at S4k (session 48);
+ * here they reach one tile's sum, and the order of the big product's four steps only. */
+template <int N, int NJ>
+DEV void mma_rs3(float (&acc)[NJ][4], const uint32_t (&a)[3][4][4], uint32_t b_base)
 {
+    static_assert(N == 64 || N == 128, "n64 or n128 wgmma");
+    float t[N / 8][4];
+    wgmma_fence();
 #pragma unroll
     for (int x = 0; x < 6; x++) {
         const uint64_t db0 = uniform_desc(sw128_desc(b_base + plane_b(x) * PLANE_BYTES, 64 * 128, 1024));
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
-#if HEAD_DIM == 128
-            wgmma_m64n128_rs_t(acc, a[plane_a(x)][kk], db0 + desc_step(kk * 16 * 128));
-#else
-            wgmma_m64n64_rs_t(acc, a[plane_a(x)][kk], db0 + desc_step(kk * 16 * 128));
-#endif
+            if constexpr (N == 128)
+                wgmma_m64n128_rs_t(t, a[plane_a(x)][kk], db0 + desc_step(kk * 16 * 128), x > 0 || kk > 0);
+            else
+                wgmma_m64n64_rs_t(t, a[plane_a(x)][kk], db0 + desc_step(kk * 16 * 128), x > 0 || kk > 0);
         }
     }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(t);
+#pragma unroll
+    for (int j = 0; j < N / 8; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            acc[j][e] += t[j][e];
+}
+
+/* acc += A B (mma_rs3) over HEAD_DIM columns, COLS at a time (64: half the temporary registers
+ * at D128, where the dK/dV kernel's are short) */
+template <int COLS>
+DEV void mma_rs3_cols(float (&acc)[NTD][4], const uint32_t (&a)[3][4][4], uint32_t b_base)
+{
+#pragma unroll
+    for (int c = 0; c < HEAD_DIM / COLS; c++)
+        mma_rs3<COLS>(*(float (*)[COLS / 8][4])acc[c * COLS / 8], a, b_base + c * (64 * 128));
 }
 
 /* The C fragments f of a 64 x 64 product (float32) as the three planes' A fragments of the next
@@ -210,17 +236,9 @@ extern "C" __global__ void __launch_bounds__(X3_THREADS, 1) attn_bwd_dkdv_x3(con
         pt_tile<KV_NT, true>(s, pf, p, sc, sL, n0w, m0, qlo, qhi, need_mask, dp, sD);   /* dS^T into dp */
         uint32_t a[3][4][4];
         split_frag(a, pf);
-        wgmma_fence();
-        mma_rs3(dv[0], a, sdO);           /* dV += P^T dO */
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_acc(dv[0]);
+        mma_rs3_cols<64>(dv[0], a, sdO);  /* dV += P^T dO */
         split_frag(a, dp);
-        wgmma_fence();
-        mma_rs3(dk[0], a, sQ);            /* dK += dS^T Q */
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_acc(dk[0]);
+        mma_rs3_cols<64>(dk[0], a, sQ);   /* dK += dS^T Q */
     }
     store_dkdv(p, sk, hk, dk, dv, n0w, true, true);
 }
@@ -280,11 +298,7 @@ extern "C" __global__ void __launch_bounds__(X3_THREADS, 1) attn_bwd_dq_x3(const
         ds_tile<true, false>(s, dp, p, sc, ri, m0, (int)c0, need, Lq, Lk, tile_sums_for<false>(sums, sc, m0, (int)c0, Lq, Lk));
         uint32_t a[3][4][4];
         split_frag(a, s);
-        wgmma_fence();
-        mma_rs3(dq[0], a, sK);            /* dQ += dS K */
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_acc(dq[0]);
+        mma_rs3_cols<HEAD_DIM>(dq[0], a, sK);   /* dQ += dS K */
     }
 
     /* dq = dQ * scale; padding rows (and rows that keep nothing) come out 0 */

@@ -137,24 +137,26 @@ DEV void wgmma_m64n128_ss(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, i
                  : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-/* d += A B for m64n64k16: A from registers (the m16n8k16 A fragment of this warp's 16 rows),
+/* d (+)= A B for m64n64k16: A from registers (the m16n8k16 A fragment of this warp's 16 rows),
  * B from shared memory, MN-major (transposed: N contiguous). */
-DEV void wgmma_m64n64_rs_t(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b)
+DEV void wgmma_m64n64_rs_t(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b, int accumulate = 1)
 {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." WGMMA_AB " "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." WGMMA_AB " "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
                  : WGMMA_D8(d)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
-/* d += A B for m64n128k16: A from registers (the m16n8k16 A fragment of this warp's 16 rows),
+/* d (+)= A B for m64n128k16: A from registers (the m16n8k16 A fragment of this warp's 16 rows),
  * B from shared memory, MN-major (transposed: N contiguous). */
-DEV void wgmma_m64n128_rs_t(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b)
+DEV void wgmma_m64n128_rs_t(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b, int accumulate = 1)
 {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." WGMMA_AB " "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." WGMMA_AB " "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
                  : WGMMA_D16(d)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
 /* d (+)= A B for m64n64k16 with both operands in shared memory MN-major (transposed: A's M

@@ -2,8 +2,8 @@
 against torch SDPA's float32 backends (efficient; math with and without TF32 matmuls), TFLOP/s,
 same run, forward and (--bwd) backward (2.5x the forward's FLOPs; attnext from a prior forward's
 out and lse, torch by autograd.grad on a graph built before timing). Every result is checked
-first against SDPA's math backend in float64 (max|x - ref| / max|ref|; the backward: dq), and its
-error printed beside its rate.
+first against SDPA's math backend in float64 (max|x - ref| / max|ref|), and its
+error printed beside its rate (the backward: the worst of dq, dk and dv).
 
     python bench/labs/lab_f32.py [--rows "4,2048,16,64;1,8192,16,128,causal"] [--tiles "128,64,4;64,64,4"]
                                  [--sm90 0|1] [--bwd] [--bwd-tiles "16,4,0,2,64,32,4,2;..."] [--atomic]
@@ -40,6 +40,9 @@ ROWS = "8,1024,16,64;4,4096,16,64;4,4096,16,64,causal;2,4096,16,128;1,8192,16,12
 
 
 def _rel(x, ref):
+    """The largest error relative to ref's largest magnitude (of each of a tuple's, the worst)."""
+    if isinstance(ref, tuple):
+        return max(_rel(a, b) for a, b in zip(x, ref))
     return float((x.double() - ref).abs().max() / ref.abs().max())
 
 
@@ -123,8 +126,8 @@ def main():
 def _backward(name, q, k, v, causal, flops, tiles=(), atomic=False, presplit=False, x3=False):
     dout = torch.randn_like(q)
     qd, kd, vd = (x.double().transpose(1, 2).requires_grad_() for x in (q, k, v))
-    ref = torch.autograd.grad(F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal),
-                              (qd, kd, vd), dout.double().transpose(1, 2))[0].transpose(1, 2)
+    ref = tuple(g.transpose(1, 2) for g in torch.autograd.grad(
+        F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal), (qd, kd, vd), dout.double().transpose(1, 2)))
     impls = {}
     for precision in (None, "tf32"):
         out, lse = attnext.attention(q, k, v, causal=causal, return_lse=True, precision=precision)
@@ -140,7 +143,7 @@ def _backward(name, q, k, v, causal, flops, tiles=(), atomic=False, presplit=Fal
                     _env.setenv("ATTNEXT_BWD_F32_PRESPLIT", split)
                     try:
                         return attnext.attention_backward(dout, q, k, v, out, lse, causal=causal, precision=precision,
-                                                          deterministic=deterministic).dq
+                                                          deterministic=deterministic)[:3]
                     finally:
                         _env.setenv("ATTNEXT_TILE_BWD", None)
                         _env.setenv("ATTNEXT_BWD_DQ", None)
@@ -153,7 +156,7 @@ def _backward(name, q, k, v, causal, flops, tiles=(), atomic=False, presplit=Fal
         def run_x3(out=out, lse=lse):
             _env.setenv("ATTNEXT_BWD_F32_X3", "1")
             try:
-                return attnext.attention_backward(dout, q, k, v, out, lse, causal=causal).dq
+                return attnext.attention_backward(dout, q, k, v, out, lse, causal=causal)[:3]
             finally:
                 _env.setenv("ATTNEXT_BWD_F32_X3", None)
         impls["attnext bwd x3"] = (run_x3, False)
@@ -165,8 +168,8 @@ def _backward(name, q, k, v, causal, flops, tiles=(), atomic=False, presplit=Fal
         with sdpa_kernel(backend):
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
         torch.backends.cuda.matmul.allow_tf32 = False
-        impls[label] = (lambda o=o, qt=qt, kt=kt, vt=vt: torch.autograd.grad(
-            o, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True)[0].transpose(1, 2), tf32)
+        impls[label] = (lambda o=o, qt=qt, kt=kt, vt=vt: tuple(g.transpose(1, 2) for g in torch.autograd.grad(
+            o, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True)), tf32)
     for label, (fn, tf32) in impls.items():
         _report(name, label, fn, ref, flops, tf32)
 
