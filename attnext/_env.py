@@ -118,9 +118,9 @@ SETTINGS = {s.name: s for s in [
     Setting("ATTNEXT_BWD_F32_PRESPLIT", "0 | 1", "three passes (select.bwd_f32_presplit)", LAB, CALL,
             "whether float32's backward on attn_bwd.cu splits each shared tile into its TF32 parts once (1) "
             "or in every warp at each use (0)"),
-    Setting("ATTNEXT_BWD_F32_X3", "0 | 1", "0", LAB, CALL,
-            "1 runs float32's backward on Hopper as bfloat16 planes on wgmma (attn_bwd_sm90_x3.cu, a "
-            "first version) where it applies"),
+    Setting("ATTNEXT_BWD_F32_X3", "0 | 1", "1", LAB, CALL,
+            "0 leaves float32's backward on Hopper as bfloat16 planes on wgmma (attn_bwd_sm90_x3.cu, the "
+            "default where it applies: select.bwd_f32_x3) for attn_bwd.cu's split TF32"),
     Setting("ATTNEXT_BWD_DQ", "recompute | ordered | atomic", "select.bwd_dq_mode", LAB, CALL,
             "how the backward sums dQ"),
     Setting("ATTNEXT_BWD_DQ_WRITE", "0 | 1", "by the key count", LAB, CALL,

@@ -3,9 +3,10 @@
  * x2 = bf16(x - x0 - x1): 24 bits, float32's), and each product taken as the six plane products
  * of order <= 2 (x0 y0, x0 y1, x1 y0, x0 y2, x2 y0, x1 y1; bench/labs/lab_split.py: 6.5e-9 against
  * NumPy float32's 5.7e-7), on the 16-bit kernels' wgmma and layouts, whose operands may be read
- * transposed (TF32's may not: attn_fwd_sm90_f32.cu). A lab path (ATTNEXT_BWD_F32_X3=1, select.
- * bwd_f32_x3); first version: one warpgroup a CTA, every tile split by its 128 threads as it is
- * loaded, no loads in flight under the products (bench/NOTES.md, float32 backward x1).
+ * transposed (TF32's may not: attn_fwd_sm90_f32.cu). Hopper's float32 backward where it applies
+ * (select.bwd_f32_x3; ATTNEXT_BWD_F32_X3=0 leaves it); one warpgroup a CTA, every tile split by
+ * its 128 threads as it is loaded, no loads in flight under the products (bench/NOTES.md,
+ * float32 backward x1, x2).
  *
  *   attn_bwd_dkdv_x3  one CTA per (64 keys, kv head, sequence): K's and V's planes stay; the
  *                     query tiles (64 rows) of every query head of the GQA group come past in

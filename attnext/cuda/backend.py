@@ -983,7 +983,7 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     reach = k_rows if math.isinf(hi - lo) else min(k_rows, max(int(hi - lo) + 1, 0))
     passes = select.dtype_defines(features["dtype"], features["tf32"]).get("TF32_PASSES", 0)   # float32's
     f32_passes = passes if arch == "sm_90a" else 0
-    # float32 on bfloat16 planes (attn_bwd_sm90_x3.cu, a lab path): its dQ kernel recomputes
+    # float32 on bfloat16 planes (attn_bwd_sm90_x3.cu, Hopper's default): its dQ kernel recomputes
     x3 = select.bwd_f32_x3(arch, features["dtype"], o.D, o.Dv, features["vec"], passes, gen)
     dq_mode = "recompute" if grads or x3 else select.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach, f32_passes)
     atomic = dq_mode != "recompute"

@@ -470,10 +470,11 @@ def bwd_f32_presplit(arch, dtype, D, Dv, passes):
 
 def bwd_f32_x3(arch, dtype, D, Dv, vec, passes, mods=None):
     """Whether float32's backward runs attn_bwd_sm90_x3.cu (bfloat16 planes, six wgmma products a
-    product) instead of attn_bwd.cu: a lab path, first version (bench/NOTES.md, float32 backward
-    x1), taken only under ATTNEXT_BWD_F32_X3=1, where it applies: sm_90a, float32 accuracy (three
-    passes), 16-byte loads, D = Dv in {64, 128}, no generated mods."""
-    return (_env.get("ATTNEXT_BWD_F32_X3") == "1" and arch == "sm_90a" and dtype == "float32" and passes == 3
+    product) instead of attn_bwd.cu's split TF32: the default where it applies (sm_90a, float32
+    accuracy: three passes, 16-byte loads, D = Dv in {64, 128}, no generated mods), 1.3-1.6x
+    attn_bwd.cu's rate and more accurate (bench/NOTES.md, float32 backward x2);
+    ATTNEXT_BWD_F32_X3=0 leaves it."""
+    return (_env.get("ATTNEXT_BWD_F32_X3") != "0" and arch == "sm_90a" and dtype == "float32" and passes == 3
             and vec and D == Dv and D in (64, 128) and mods is None)
 
 

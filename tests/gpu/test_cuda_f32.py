@@ -86,18 +86,15 @@ def test_within_a_few_times_numpy_float32(s, rng):
     assert err <= 3 * base + 1e-7, f"cuda float32 error {err:.3g} against NumPy float32's {base:.3g}"
 
 
-@pytest.mark.parametrize("x3", [False, True], ids=["default", "planes"])
+@pytest.mark.parametrize("x3", ["1", "0"], ids=["default", "split_tf32"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_backward_within_a_few_times_numpy_float32(d, x3, rng, monkeypatch):
     """The issue's measure for the backward, over keys long enough for errors of one sign to pile
     up (the tensor cores' truncating adds: a sum over 64 key tiles or query tiles in one
     accumulator came to 10x NumPy's error at S4k): dq, dk and dv each against float64, at most 3x
-    NumPy's own float32 error; the default path and, on sm_90a, the bfloat16 planes'."""
-    from attnext.cuda import backend
-    if x3:
-        if backend.device_arch(0) != "sm_90a":
-            pytest.skip("attn_bwd_sm90_x3 is sm_90a's")
-        monkeypatch.setenv("ATTNEXT_BWD_F32_X3", "1")
+    NumPy's own float32 error; the default path (on sm_90a the bfloat16 planes') and
+    attn_bwd.cu's split TF32 (ATTNEXT_BWD_F32_X3=0: what mods and other head dims take)."""
+    monkeypatch.setenv("ATTNEXT_BWD_F32_X3", x3)
     q, k, v = make_qkv(rng, 1, 4096, 4096, 2, 2, d, d, F32)
     out, lse, r_out, r_lse = _forward(q, k, v)
     dout = rng.standard_normal(out.shape).astype(np.float32)
@@ -209,8 +206,10 @@ def test_atomic_dq(d, precision, how, rng, monkeypatch):
     it (213 keys); "default": past 1024 keys on Hopper it is the default at D = 128, and at D = 64
     with three passes (select.bwd_dq_mode), with a 32-row dK/dV tile at D = 64, while
     deterministic=True recomputes. GQA, partial tiles and causal rows against the reference
-    (precision="tf32" to its own rule, compare_grads')."""
+    (precision="tf32" to its own rule, compare_grads'). attn_bwd.cu's path, which mods take: the
+    bfloat16 planes' kernels (the plain default at these head dims) left."""
     from attnext.cuda import backend, select
+    monkeypatch.setenv("ATTNEXT_BWD_F32_X3", "0")
     backend.clear_plans()
     modes = []
     bwd_defines = select.bwd_defines
@@ -270,10 +269,12 @@ def test_backward_split_once(d, precision, rng, monkeypatch):
     kernel adding dQ, whose dk and dv do not depend on the atomics' order), which alone can tell
     a rounding too many or too few in one pass; on its own tiles,
     against the reference: every option, varlen with padding, dead rows, deterministic=False's
-    added dQ; and each call planned with it."""
+    added dQ; and each call planned with it. attn_bwd.cu's path, which mods take: the bfloat16
+    planes' kernels (the plain default at D 64 and 128) left."""
     from attnext.cuda import backend, select
     if backend.device_arch(0) != "sm_90a":
         pytest.skip("F32_PRESPLIT is sm_90a's")
+    monkeypatch.setenv("ATTNEXT_BWD_F32_X3", "0")
     backend.clear_plans()
     splits = []
     bwd_defines = select.bwd_defines
@@ -343,11 +344,11 @@ def test_backward_split_once(d, precision, rng, monkeypatch):
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_backward_on_bfloat16_planes(d, rng, monkeypatch):
-    """The lab's float32 backward on bfloat16 planes (ATTNEXT_BWD_F32_X3=1: attn_bwd_sm90_x3.cu,
+    """Hopper's float32 backward on bfloat16 planes (the default: attn_bwd_sm90_x3.cu,
     six wgmma products a product) against the reference at float32's rule: bands, GQA, partial
     tiles, score options, a mask with a row that keeps no key (attn_bwd_dead after it), varlen
     with empty and unused rows; deterministic (the same bits twice); each call planned with its
-    kernels, and without the knob the TF32 path's."""
+    kernels, and with ATTNEXT_BWD_F32_X3=0 the split-TF32 path's."""
     from attnext.cuda import backend
     if backend.device_arch(0) != "sm_90a":
         pytest.skip("attn_bwd_sm90_x3 is sm_90a's")
@@ -359,7 +360,6 @@ def test_backward_on_bfloat16_planes(d, rng, monkeypatch):
         names.append(name)
         return function(kernel, name, *rest, **kw)
     monkeypatch.setattr(backend.nvrtc, "function", spy)
-    monkeypatch.setenv("ATTNEXT_BWD_F32_X3", "1")
 
     def check(q, k, v, varlen=None, **opts):
         names.clear()
@@ -382,7 +382,7 @@ def test_backward_on_bfloat16_planes(d, rng, monkeypatch):
             assert a is None or np.array_equal(a, b), name
         assert {"attn_bwd_dkdv_x3", "attn_bwd_dq_x3"} <= set(names), names
     _backward_cases(rng, d, check)
-    monkeypatch.delenv("ATTNEXT_BWD_F32_X3")
+    monkeypatch.setenv("ATTNEXT_BWD_F32_X3", "0")
     backend.clear_plans()
     names.clear()
     q, k, v = make_qkv(rng, 1, 64, 64, 2, 2, d, d, F32)

@@ -750,12 +750,12 @@ def test_the_ordered_backward_runs_its_turns_in_chains(tmp_path):
 
 
 def test_the_float32_backward_on_bfloat16_planes_plan(fake_driver):
-    """The lab's float32 backward on bfloat16 planes (ATTNEXT_BWD_F32_X3=1, select.bwd_f32_x3):
+    """Hopper's float32 backward on bfloat16 planes (by default, select.bwd_f32_x3):
     attn_bwd_pre, then attn_bwd_sm90_x3.cu's attn_bwd_dkdv_x3 over 64-key blocks of each kv head
     and attn_bwd_dq_x3 over 64-row query tiles of each head (128 threads; float32 in memory,
     bfloat16 planes: ELEM_F32 and ELEM_BF16; their shared memory), then attn_bwd_dead; no
-    dq_accum, deterministic or not. Without the knob, with precision="tf32", D = 96, bfloat16
-    inputs or a score_mod: attn_bwd.cu's kernels."""
+    dq_accum, deterministic or not. With ATTNEXT_BWD_F32_X3=0, precision="tf32", D = 96,
+    bfloat16 inputs or a score_mod: attn_bwd.cu's kernels."""
     run_on_fake(fake_driver, r"""
         _C.cuda_launch_attention = lambda fn, *rest: launch(fn, *rest[:8])     # the mods' bytes dropped
         F32 = np.float32
@@ -769,23 +769,23 @@ def test_the_float32_backward_on_bfloat16_planes_plan(fake_driver):
         mod = lambda s, b, h, qi, ki: s * 0.5
         for D in (64, 128):
             q, k, v = dev((2, 300, 4, D), F32), dev((2, 200, 2, D), F32), dev((2, 200, 2, D), F32)
-            _env.setenv("ATTNEXT_BWD_F32_X3", "1")
+            for det in (True, False):
+                got = backward(q, k, v, causal=True, deterministic=det)
+                names = [g[0] for g in got]
+                assert names == ["attn_bwd_pre", "attn_bwd_dkdv_x3", "attn_bwd_dq_x3", "attn_bwd_dead"], names
+                for name, d, grid, block, smem, p in got[1:3]:
+                    assert d["ELEM_F32"] == d["ELEM_BF16"] == 1 and d["HEAD_DIM"] == d["HEAD_DIM_V"] == D, d
+                    assert block == (128, 1, 1) and smem == select.bwd_x3_smem_bytes(D)[name], (block, smem)
+                    assert not any(p["dq_accum"]), p["dq_accum"]
+                assert got[1][2] == (4, 2, 2) and got[2][2] == (5, 4, 2), (got[1][2], got[2][2])
+            others = [backward(q, k, v, precision="tf32"), backward(q, k, v, score_mod=mod),
+                      backward(dev((2, 300, 4, 96), F32), dev((2, 200, 2, 96), F32), dev((2, 200, 2, 96), F32)),
+                      backward(*qkv(2, 300, 200, 4, 2, D))]
+            _env.setenv("ATTNEXT_BWD_F32_X3", "0")
             try:
-                for det in (True, False):
-                    got = backward(q, k, v, causal=True, deterministic=det)
-                    names = [g[0] for g in got]
-                    assert names == ["attn_bwd_pre", "attn_bwd_dkdv_x3", "attn_bwd_dq_x3", "attn_bwd_dead"], names
-                    for name, d, grid, block, smem, p in got[1:3]:
-                        assert d["ELEM_F32"] == d["ELEM_BF16"] == 1 and d["HEAD_DIM"] == d["HEAD_DIM_V"] == D, d
-                        assert block == (128, 1, 1) and smem == select.bwd_x3_smem_bytes(D)[name], (block, smem)
-                        assert not any(p["dq_accum"]), p["dq_accum"]
-                    assert got[1][2] == (4, 2, 2) and got[2][2] == (5, 4, 2), (got[1][2], got[2][2])
-                others = [backward(q, k, v, precision="tf32"), backward(q, k, v, score_mod=mod),
-                          backward(dev((2, 300, 4, 96), F32), dev((2, 200, 2, 96), F32), dev((2, 200, 2, 96), F32)),
-                          backward(*qkv(2, 300, 200, 4, 2, D))]
+                others.append(backward(q, k, v))
             finally:
                 _env.setenv("ATTNEXT_BWD_F32_X3", None)
-            others.append(backward(q, k, v))
             for got in others:
                 assert not any(g[0].endswith("_x3") for g in got), [g[0] for g in got]
         print("ok")
