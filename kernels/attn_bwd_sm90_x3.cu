@@ -51,35 +51,51 @@ DEV void split3(float lo, float hi, uint32_t (&w)[3])
     w[2] = pack2(l1 - bf16_to_f32((uint16_t)w[1]), h1 - bf16_to_f32((uint16_t)(w[1] >> 16)));
 }
 
-/* ROWS x COLS float32 elements from src (row r at src + r * row_stride, contiguous) split into
- * three SW128 bf16 planes at base, base + PLANE_BYTES, base + 2 PLANE_BYTES (wgmma.cuh's layout:
- * load_sw128's for 16-bit tiles); rows at or past valid are zero. Each thread converts 8 floats
- * (two 16-byte loads) into one 16-byte chunk a plane. */
+/* Two ROWS x COLS float32 tiles (row r of tile i at src[i] + r * stride[i], contiguous) split
+ * into three SW128 bf16 planes each, at base[i], + PLANE_BYTES, + 2 PLANE_BYTES (wgmma.cuh's
+ * layout: load_sw128's for 16-bit tiles); rows at or past valid are zero. Each thread converts
+ * 8 floats of a row (two 16-byte loads) into one 16-byte chunk a plane. The loads of BATCH rows
+ * of both tiles are issued before any of their stores (16 in flight a thread: the stores' asm
+ * keeps later loads behind them, so a loop of load, split, store would wait out each load). */
 template <int ROWS, int COLS>
-DEV void load_split_sw128(uint32_t base, const float *src, int64_t row_stride, int valid, int tid)
+DEV void load_split_sw128(const uint32_t (&base)[2], const float *const (&src)[2], const int64_t (&stride)[2],
+                          int valid, int tid)
 {
-    constexpr int CHUNKS = COLS / 8, STEP = X3_THREADS / CHUNKS;
-    static_assert(X3_THREADS % CHUNKS == 0 && ROWS % STEP == 0, "tile and block do not fit");
+    constexpr int CHUNKS = COLS / 8, STEP = X3_THREADS / CHUNKS, BATCH = 4;
+    static_assert(X3_THREADS % CHUNKS == 0 && ROWS % (STEP * BATCH) == 0, "tile and block do not fit");
     const int r0 = tid / CHUNKS, c = tid % CHUNKS;
-#pragma unroll 4
-    for (int j = 0; j < ROWS / STEP; j++) {
-        const int r = r0 + j * STEP;
-        float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
-        if (r < valid) {
-            const float *row = src + r * row_stride + c * 8;
-            a = __ldg((const float4 *)row);
-            b = __ldg((const float4 *)(row + 4));
-        }
-        uint32_t w0[3], w1[3], w2[3], w3[3];
-        split3(a.x, a.y, w0);
-        split3(a.z, a.w, w1);
-        split3(b.x, b.y, w2);
-        split3(b.z, b.w, w3);
-        const uint32_t at = base + sw128_offset<ROWS>(r, c);
+#pragma unroll 1
+    for (int j0 = 0; j0 < ROWS / STEP; j0 += BATCH) {
+        float4 x[BATCH][2][2];
 #pragma unroll
-        for (int x = 0; x < 3; x++)
-            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(at + x * PLANE_BYTES), "r"(w0[x]),
-                         "r"(w1[x]), "r"(w2[x]), "r"(w3[x]) : "memory");
+        for (int u = 0; u < BATCH; u++) {
+            const int r = r0 + (j0 + u) * STEP;
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                x[u][i][0] = x[u][i][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (r < valid) {
+                    const float *row = src[i] + r * stride[i] + c * 8;
+                    x[u][i][0] = __ldg((const float4 *)row);
+                    x[u][i][1] = __ldg((const float4 *)(row + 4));
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < BATCH; u++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const float4 a = x[u][i][0], b = x[u][i][1];
+                uint32_t w0[3], w1[3], w2[3], w3[3];
+                split3(a.x, a.y, w0);
+                split3(a.z, a.w, w1);
+                split3(b.x, b.y, w2);
+                split3(b.z, b.w, w3);
+                const uint32_t at = base[i] + sw128_offset<ROWS>(r0 + (j0 + u) * STEP, c);
+#pragma unroll
+                for (int x3 = 0; x3 < 3; x3++)
+                    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(at + x3 * PLANE_BYTES),
+                                 "r"(w0[x3]), "r"(w1[x3]), "r"(w2[x3]), "r"(w3[x3]) : "memory");
+            }
     }
 }
 
@@ -191,10 +207,11 @@ extern "C" __global__ void __launch_bounds__(X3_THREADS, 1) attn_bwd_dkdv_x3(con
     zero_acc(dk);
     zero_acc(dv);
     if (items > 0) {
-        load_split_sw128<64, HEAD_DIM>(sK, (const float *)p.k.ptr + sk.mem_b * p.k.s[0] + (sk.start + n0) * p.k.s[1]
-                                               + hk * p.k.s[2], p.k.s[1], Lk - n0, tid);
-        load_split_sw128<64, HEAD_DIM>(sV, (const float *)p.v.ptr + sk.mem_b * p.v.s[0] + (sk.start + n0) * p.v.s[1]
-                                               + hk * p.v.s[2], p.v.s[1], Lk - n0, tid);
+        load_split_sw128<64, HEAD_DIM>(
+            {sK, sV},
+            {(const float *)p.k.ptr + sk.mem_b * p.k.s[0] + (sk.start + n0) * p.k.s[1] + hk * p.k.s[2],
+             (const float *)p.v.ptr + sk.mem_b * p.v.s[0] + (sk.start + n0) * p.v.s[1] + hk * p.v.s[2]},
+            {p.k.s[1], p.v.s[1]}, Lk - n0, tid);
     }
     for (int j = 0; j < items; j++) {
         const int64_t h = hk * group + j / nm;
@@ -202,10 +219,10 @@ extern "C" __global__ void __launch_bounds__(X3_THREADS, 1) attn_bwd_dkdv_x3(con
         const int64_t row0 = sq.start + m0;
         __syncthreads();                  /* every warp is done with item j - 1's tiles */
         load_split_sw128<KV_BLOCK_M, HEAD_DIM>(
-            sQ, (const float *)p.q.ptr + sq.mem_b * p.q.s[0] + row0 * p.q.s[1] + h * p.q.s[2], p.q.s[1], Lq - m0, tid);
-        load_split_sw128<KV_BLOCK_M, HEAD_DIM>(
-            sdO, (const float *)p.dout.ptr + sq.mem_b * p.dout.s[0] + row0 * p.dout.s[1] + h * p.dout.s[2],
-            p.dout.s[1], Lq - m0, tid);
+            {sQ, sdO},
+            {(const float *)p.q.ptr + sq.mem_b * p.q.s[0] + row0 * p.q.s[1] + h * p.q.s[2],
+             (const float *)p.dout.ptr + sq.mem_b * p.dout.s[0] + row0 * p.dout.s[1] + h * p.dout.s[2]},
+            {p.q.s[1], p.dout.s[1]}, Lq - m0, tid);
         if (tid < KV_BLOCK_M) {
             float l = POS_INF, d = 0.f;
             if (m0 + tid < Lq) {
@@ -272,18 +289,18 @@ extern "C" __global__ void __launch_bounds__(X3_THREADS, 1) attn_bwd_dq_x3(const
     if (n_last >= n_first) {
         const int64_t row0 = sq.start + m0;
         load_split_sw128<Q_BLOCK_M, HEAD_DIM>(
-            sQ, (const float *)p.q.ptr + sq.mem_b * p.q.s[0] + row0 * p.q.s[1] + h * p.q.s[2], p.q.s[1], Lq - m0, tid);
-        load_split_sw128<Q_BLOCK_M, HEAD_DIM>(
-            sdO, (const float *)p.dout.ptr + sq.mem_b * p.dout.s[0] + row0 * p.dout.s[1] + h * p.dout.s[2],
-            p.dout.s[1], Lq - m0, tid);
+            {sQ, sdO},
+            {(const float *)p.q.ptr + sq.mem_b * p.q.s[0] + row0 * p.q.s[1] + h * p.q.s[2],
+             (const float *)p.dout.ptr + sq.mem_b * p.dout.s[0] + row0 * p.dout.s[1] + h * p.dout.s[2]},
+            {p.q.s[1], p.dout.s[1]}, Lq - m0, tid);
     }
     tile_sums sums;                       /* no array gradients here: an empty one */
     tile_sums_init(sums, nullptr);
     for (int n = n_first; n <= n_last; n++) {
         const int64_t c0 = n * Q_BLOCK_N;
         __syncthreads();                  /* every warp is done with tile n - 1 */
-        load_split_sw128<Q_BLOCK_N, HEAD_DIM>(sK, gk + c0 * p.k.s[1], p.k.s[1], Lk - (int)c0, tid);
-        load_split_sw128<Q_BLOCK_N, HEAD_DIM>(sV, gv + c0 * p.v.s[1], p.v.s[1], Lk - (int)c0, tid);
+        load_split_sw128<Q_BLOCK_N, HEAD_DIM>({sK, sV}, {gk + c0 * p.k.s[1], gv + c0 * p.v.s[1]},
+                                              {p.k.s[1], p.v.s[1]}, Lk - (int)c0, tid);
         fence_proxy_async();
         __syncthreads();
 

@@ -7,7 +7,7 @@ error printed beside its rate (the backward: the worst of dq, dk and dv).
 
     python bench/labs/lab_f32.py [--rows "4,2048,16,64;1,8192,16,128,causal"] [--tiles "128,64,4;64,64,4"]
                                  [--sm90 0|1] [--bwd] [--bwd-tiles "16,4,0,2,64,32,4,2;..."] [--atomic]
-                                 [--presplit] [--x3]
+                                 [--presplit] [--split-tf32]
 
 --tiles: attnext's float32 rows again under each forward tile (ATTNEXT_TILE_FWD), beside the default.
 --sm90: attnext's forward rows again with ATTNEXT_FWD_F32_SM90 set to this (the TF32 wgmma forward
@@ -20,13 +20,12 @@ by atomics in the dK/dV kernel where select.bwd_dq_mode takes it).
 --presplit: every attnext backward row twice, its shared tiles split once and at each use
 (ATTNEXT_BWD_F32_PRESPLIT=1 / 0: by default three passes split once, one pass not), labelled
 "split" and "unsplit".
---x3: attnext's float32 backward again on bfloat16 planes (ATTNEXT_BWD_F32_X3=1: attn_bwd_sm90_x3.cu,
-the lab's first version), labelled "x3".
+--split-tf32: attnext's float32 backward again on attn_bwd.cu's split TF32 (ATTNEXT_BWD_F32_X3=0:
+in place of Hopper's default there, the bfloat16 planes of attn_bwd_sm90_x3.cu), labelled "split tf32".
 The backward's peers: SDPA efficient, and math in float32 (cuBLAS SGEMM: on an H200 the fastest
 float32 backward at D128) and with TF32.
 """
 import argparse
-import math
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +73,7 @@ def main():
     ap.add_argument("--bwd-tiles", default="", help="ATTNEXT_TILE_BWD values separated by ';'")
     ap.add_argument("--atomic", action="store_true", help="the backward with atomic dQ too")
     ap.add_argument("--presplit", action="store_true", help="the backward split once and at each use, each")
-    ap.add_argument("--x3", action="store_true", help="the float32 backward on bfloat16 planes too")
+    ap.add_argument("--split-tf32", action="store_true", help="the float32 backward on split TF32 too")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'row':28} {'impl':16} {'ms':>8} {'TFLOP/s':>8} {'rel err':>9}")
@@ -118,12 +117,12 @@ def main():
                     _env.setenv(knob, None)
         if args.bwd:
             _backward(name, q, k, v, causal, flops * 2.5, list(filter(None, args.bwd_tiles.split(";"))), args.atomic,
-                      args.presplit, args.x3)
+                      args.presplit, args.split_tf32)
         del q, k, v, ref, out
         torch.cuda.empty_cache()
 
 
-def _backward(name, q, k, v, causal, flops, tiles=(), atomic=False, presplit=False, x3=False):
+def _backward(name, q, k, v, causal, flops, tiles=(), atomic=False, presplit=False, split_tf32=False):
     dout = torch.randn_like(q)
     qd, kd, vd = (x.double().transpose(1, 2).requires_grad_() for x in (q, k, v))
     ref = tuple(g.transpose(1, 2) for g in torch.autograd.grad(
@@ -150,16 +149,16 @@ def _backward(name, q, k, v, causal, flops, tiles=(), atomic=False, presplit=Fal
                         _env.setenv("ATTNEXT_BWD_F32_PRESPLIT", None)
                 label = f"attnext{' tf32' if precision else ''} bwd{mode}{({'0': ' unsplit', '1': ' split'}).get(split, '')}"
                 impls[label + (" " + tile if tile else "")] = (run, False)
-    if x3:
+    if split_tf32:
         out, lse = attnext.attention(q, k, v, causal=causal, return_lse=True)
 
-        def run_x3(out=out, lse=lse):
-            _env.setenv("ATTNEXT_BWD_F32_X3", "1")
+        def run_split(out=out, lse=lse):
+            _env.setenv("ATTNEXT_BWD_F32_X3", "0")
             try:
                 return attnext.attention_backward(dout, q, k, v, out, lse, causal=causal)[:3]
             finally:
                 _env.setenv("ATTNEXT_BWD_F32_X3", None)
-        impls["attnext bwd x3"] = (run_x3, False)
+        impls["attnext bwd split tf32"] = (run_split, False)
     for label, backend, tf32 in (("sdpa efficient bwd", SDPBackend.EFFICIENT_ATTENTION, False),
                                  ("sdpa math bwd", SDPBackend.MATH, False),
                                  ("sdpa math tf32 bwd", SDPBackend.MATH, True)):
