@@ -121,6 +121,8 @@ SETTINGS = {s.name: s for s in [
     Setting("ATTNEXT_BWD_F32_X3", "0 | 1", "1", LAB, CALL,
             "0 leaves float32's backward on Hopper as bfloat16 planes on wgmma (attn_bwd_sm90_x3.cu, the "
             "default where it applies: select.bwd_f32_x3) for attn_bwd.cu's split TF32"),
+    Setting("ATTNEXT_BWD_X3_KV_WARPS", "4 | 8", "select.bwd_x3_kv_warps", LAB, CALL,
+            "attn_bwd_dkdv_x3's warps: one warpgroup for every product, or two (dV's and dK's)"),
     Setting("ATTNEXT_BWD_DQ", "recompute | ordered | atomic", "select.bwd_dq_mode", LAB, CALL,
             "how the backward sums dQ"),
     Setting("ATTNEXT_BWD_DQ_WRITE", "0 | 1", "by the key count", LAB, CALL,

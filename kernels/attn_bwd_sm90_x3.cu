@@ -4,35 +4,41 @@
  * of order <= 2 (x0 y0, x0 y1, x1 y0, x0 y2, x2 y0, x1 y1; bench/labs/lab_split.py: 6.5e-9 against
  * NumPy float32's 5.7e-7), on the 16-bit kernels' wgmma and layouts, whose operands may be read
  * transposed (TF32's may not: attn_fwd_sm90_f32.cu). Hopper's float32 backward where it applies
- * (select.bwd_f32_x3; ATTNEXT_BWD_F32_X3=0 leaves it); one warpgroup a CTA, every tile split by
- * its 128 threads as it is loaded, no loads in flight under the products (bench/NOTES.md,
- * float32 backward x1, x2).
+ * (select.bwd_f32_x3; ATTNEXT_BWD_F32_X3=0 leaves it); every tile split by the CTA's threads as
+ * it is loaded, no loads in flight under the products (bench/NOTES.md, float32 backward x1-x3).
  *
  *   attn_bwd_dkdv_x3  one CTA per (64 keys, kv head, sequence): K's and V's planes stay; the
  *                     query tiles (64 rows) of every query head of the GQA group come past in
  *                     turn, Q's and dO's planes split into shared memory: S^T = K Q^T and dP^T
  *                     = V dO^T, P^T and dS^T (attn_bwd_tile.cuh's pt_tile, in float32), their
- *                     planes as register A fragments, dV += P^T dO and dK += dS^T Q.
+ *                     planes as register A fragments, dV += P^T dO and dK += dS^T Q; one
+ *                     warpgroup, or two (KV_WARPS 8: one for dV's products, one for dK's).
  *   attn_bwd_dq_x3    one CTA per (64 query rows, head, sequence) over its key tiles (64 keys):
- *                     S = Q K^T, dP = dO V^T, dS (ds_tile), dQ += dS K.
+ *                     S = Q K^T, dP = dO V^T, dS (ds_tile), dQ += dS K; one warpgroup (two,
+ *                     one for S and one for dP passing tiles through shared memory, measured
+ *                     8% slower at D = 128: bench/NOTES.md, float32 backward x3).
  * Deterministic: each output element is summed by the one CTA that owns its row, in order.
  * delta (attn_bwd_pre) and rows that keep no key (attn_bwd_dead) are attn_bwd.cu's float32
  * kernels'. Applies to float32 VEC_LOAD inputs with D = Dv in {64, 128}, every option of the
  * score hook and masks, no generated mods (select.bwd_f32_x3).
  *
  * Switches: ELEM_F32 and ELEM_BF16 both 1 (float32 in memory, bfloat16 planes on the tensor
- * cores), KV_BLOCK_M = Q_BLOCK_M = Q_BLOCK_N = 64, KV_WARPS = Q_WARPS = 4.
+ * cores), KV_BLOCK_M = Q_BLOCK_M = Q_BLOCK_N = 64, Q_WARPS = 4, KV_WARPS 4 or 8
+ * (select.bwd_x3_kv_warps).
  */
 #include "attn_bwd_tile.cuh"
+#include "sm90_pipe.cuh"
 #include "wgmma.cuh"
 
 #if !ELEM_F32 || !ELEM_BF16 || !(HEAD_DIM == 64 || HEAD_DIM == 128) || HEAD_DIM_V != HEAD_DIM || !VEC_LOAD \
-    || KV_BLOCK_M != 64 || KV_WARPS != 4 || Q_BLOCK_M != 64 || Q_BLOCK_N != 64 || Q_WARPS != 4 || HAS_SCORE_MOD \
+    || KV_BLOCK_M != 64 || (KV_WARPS != 4 && KV_WARPS != 8) || Q_BLOCK_M != 64 || Q_BLOCK_N != 64 || Q_WARPS != 4 || HAS_SCORE_MOD \
     || HAS_MASK_MOD
-#error "attn_bwd_sm90_x3: float32 (bf16 planes), D = Dv in {64, 128}, 16-byte loads, 64 x 64 tiles, one warpgroup"
+#error "attn_bwd_sm90_x3: float32 (bf16 planes), D = Dv in {64, 128}, 16-byte loads, 64 x 64 tiles, 4 or 8 dK/dV warps"
 #endif
 
-#define X3_THREADS 128
+#define X3_THREADS 128                    /* the dQ kernel's */
+#define KV_THREADS (KV_WARPS * 32)        /* the dK/dV kernel's: one warpgroup or two */
+#define XBUF_BYTES (KV_WARPS == 8 ? 64 * 64 * 4 : 0)   /* P^T score_grad from the first to the second */
 #define PLANE_BYTES (64 * HEAD_DIM * 2)   /* one bf16 plane of a 64-row tile */
 #define TILE_BYTES (3 * PLANE_BYTES)      /* a tile's three planes, one after another */
 #define NTD (HEAD_DIM / 8)                /* n8 column groups of dK, dV, dQ per warp */
@@ -57,12 +63,12 @@ DEV void split3(float lo, float hi, uint32_t (&w)[3])
  * 8 floats of a row (two 16-byte loads) into one 16-byte chunk a plane. The loads of BATCH rows
  * of both tiles are issued before any of their stores (16 in flight a thread: the stores' asm
  * keeps later loads behind them, so a loop of load, split, store would wait out each load). */
-template <int ROWS, int COLS>
+template <int ROWS, int COLS, int THREADS>
 DEV void load_split_sw128(const uint32_t (&base)[2], const float *const (&src)[2], const int64_t (&stride)[2],
                           int valid, int tid)
 {
-    constexpr int CHUNKS = COLS / 8, STEP = X3_THREADS / CHUNKS, BATCH = 4;
-    static_assert(X3_THREADS % CHUNKS == 0 && ROWS % (STEP * BATCH) == 0, "tile and block do not fit");
+    constexpr int CHUNKS = COLS / 8, STEP = THREADS / CHUNKS, BATCH = ROWS / STEP < 4 ? ROWS / STEP : 4;
+    static_assert(THREADS % CHUNKS == 0 && ROWS % (STEP * BATCH) == 0, "tile and block do not fit");
     const int r0 = tid / CHUNKS, c = tid % CHUNKS;
 #pragma unroll 1
     for (int j0 = 0; j0 < ROWS / STEP; j0 += BATCH) {
@@ -178,24 +184,30 @@ DEV void split_frag(uint32_t (&a)[3][4][4], const float (&f)[1][8][4])
 }
 
 #if ENTRY(attn_bwd_dkdv_x3)
-extern "C" __global__ void __launch_bounds__(X3_THREADS, 1) attn_bwd_dkdv_x3(const __grid_constant__ attn_params p)
+/* KV_WARPS 4: one warpgroup takes every product of an item. 8: two warpgroups over the same 64
+ * keys, each with one accumulator: the first S^T = K Q^T, P^T and dV += P^T dO, the second
+ * dP^T = V dO^T and dK += dS^T Q, P^T * score_grad passing from the first to the second through
+ * shared memory (each thread's fragment, the other warpgroup's thread of the same rank reading
+ * it: the fragments match) */
+extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_x3(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    /* K's, V's, Q's and dO's planes (TILE_BYTES each), then the tile's lse and delta rows */
+    /* K's, V's, Q's and dO's planes (TILE_BYTES each), the passed P^T (XBUF_BYTES), then the
+     * tile's lse and delta rows */
     const uint32_t sK = (smem_addr(smem_raw) + 1023) & ~1023u;
-    const uint32_t sV = sK + TILE_BYTES, sQ = sV + TILE_BYTES, sdO = sQ + TILE_BYTES;
-    float *sL = (float *)(smem_raw + (sdO + TILE_BYTES - smem_addr(smem_raw))), *sD = sL + KV_BLOCK_M;
+    const uint32_t sV = sK + TILE_BYTES, sQ = sV + TILE_BYTES, sdO = sQ + TILE_BYTES, sX = sdO + TILE_BYTES;
+    float *xbuf = (float *)(smem_raw + (sX - smem_addr(smem_raw))), *sL = xbuf + XBUF_BYTES / 4, *sD = sL + KV_BLOCK_M;
 
     const int tid = threadIdx.x, warp = tid >> 5;
     const int64_t hk = blockIdx.y, b = blockIdx.z;
     if (b == p.B) {                       /* packed rows after the last sequence */
         const int64_t first = packed_end_k(&p);
-        zero_rows((elem_t *)p.dk.ptr + hk * p.dk.s[2], p.dk.s[1], p.dk.s[3], first, p.Sk, HEAD_DIM, X3_THREADS);
-        zero_rows((elem_t *)p.dv.ptr + hk * p.dv.s[2], p.dv.s[1], p.dv.s[3], first, p.Sk, HEAD_DIM, X3_THREADS);
+        zero_rows((elem_t *)p.dk.ptr + hk * p.dk.s[2], p.dk.s[1], p.dk.s[3], first, p.Sk, HEAD_DIM, KV_THREADS);
+        zero_rows((elem_t *)p.dv.ptr + hk * p.dv.s[2], p.dv.s[1], p.dv.s[3], first, p.Sk, HEAD_DIM, KV_THREADS);
         return;
     }
     const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
-    const int n0 = blockIdx.x * 64, n0w = n0 + warp * 16;
+    const int n0 = blockIdx.x * 64, n0w = n0 + (warp & 3) * 16;
     if (n0 >= sk.rows)
         return;
     const int group = (int)(p.Hq / p.Hk), Lq = (int)sq.len, Lk = (int)sk.len;
@@ -203,11 +215,17 @@ extern "C" __global__ void __launch_bounds__(X3_THREADS, 1) attn_bwd_dkdv_x3(con
     kv_tile_rows(p, n0, 64, KV_BLOCK_M, n0w, Lq, Lk, m_first, nm, qlo, qhi);
     const int items = group * nm;
 
+#if KV_WARPS == 8
+    const int wg = warp >> 2;             /* 0: dV's, 1: dK's */
+    float acc[1][NTD][4];
+    zero_acc(acc);
+#else
     float dk[1][NTD][4], dv[1][NTD][4];
     zero_acc(dk);
     zero_acc(dv);
+#endif
     if (items > 0) {
-        load_split_sw128<64, HEAD_DIM>(
+        load_split_sw128<64, HEAD_DIM, KV_THREADS>(
             {sK, sV},
             {(const float *)p.k.ptr + sk.mem_b * p.k.s[0] + (sk.start + n0) * p.k.s[1] + hk * p.k.s[2],
              (const float *)p.v.ptr + sk.mem_b * p.v.s[0] + (sk.start + n0) * p.v.s[1] + hk * p.v.s[2]},
@@ -218,7 +236,7 @@ extern "C" __global__ void __launch_bounds__(X3_THREADS, 1) attn_bwd_dkdv_x3(con
         const int m0 = (m_first + j % nm) * KV_BLOCK_M;
         const int64_t row0 = sq.start + m0;
         __syncthreads();                  /* every warp is done with item j - 1's tiles */
-        load_split_sw128<KV_BLOCK_M, HEAD_DIM>(
+        load_split_sw128<KV_BLOCK_M, HEAD_DIM, KV_THREADS>(
             {sQ, sdO},
             {(const float *)p.q.ptr + sq.mem_b * p.q.s[0] + row0 * p.q.s[1] + h * p.q.s[2],
              (const float *)p.dout.ptr + sq.mem_b * p.dout.s[0] + row0 * p.dout.s[1] + h * p.dout.s[2]},
@@ -238,27 +256,63 @@ extern "C" __global__ void __launch_bounds__(X3_THREADS, 1) attn_bwd_dkdv_x3(con
         __syncthreads();
 
         const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
+        const bool need_mask = tile_maybe_masked(sc, m0, min(m0 + KV_BLOCK_M, Lq), n0, min(n0 + 64, Lk))
+                               || n0 + 64 > Lk || m0 + KV_BLOCK_M > Lq
+                               || !tile_inside_band(&p, m0, min(m0 + KV_BLOCK_M, Lq), n0, n0 + 64, Lq, Lk);
+        uint32_t a[3][4][4];
+#if KV_WARPS == 8
+        float s[1][KV_NT][4];             /* S^T, or dP^T */
+        wgmma_fence();
+        mma_ss3<KV_BLOCK_M>(s[0], wg ? sV : sK, wg ? sdO : sQ);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_acc(s[0]);
+        float *x = xbuf + (tid & 127);
+        if (wg == 0) {
+            cfrag<1, KV_NT / 2> pf;       /* P^T in float32 (ELEM_F32's fragments) */
+            pt_tile<KV_NT, false>(s, pf, p, sc, sL, n0w, m0, qlo, qhi, need_mask);   /* s: P^T score_grad */
+#pragma unroll
+            for (int nt = 0; nt < KV_NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    x[(nt * 4 + e) * 128] = s[0][nt][e];
+            named_arrive(1, KV_THREADS);
+            split_frag(a, pf);
+            mma_rs3_cols<64>(acc[0], a, sdO);   /* dV += P^T dO */
+        } else {
+            const int t = tid & 3;
+            named_sync(1, KV_THREADS);
+#pragma unroll
+            for (int nt = 0; nt < KV_NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)   /* dS^T: pt_pass's rule with DS */
+                    s[0][nt][e] = x[(nt * 4 + e) * 128] * (s[0][nt][e] - sD[nt * 8 + 2 * t + (e & 1)]);
+            split_frag(a, s);
+            mma_rs3_cols<64>(acc[0], a, sQ);    /* dK += dS^T Q */
+        }
+#else
         float s[1][KV_NT][4], dp[1][KV_NT][4];
         wgmma_fence();
         mma_ss3<KV_BLOCK_M>(s[0], sK, sQ);
         mma_ss3<KV_BLOCK_M>(dp[0], sV, sdO);
         wgmma_commit();
-        const bool need_mask = tile_maybe_masked(sc, m0, min(m0 + KV_BLOCK_M, Lq), n0, min(n0 + 64, Lk))
-                               || n0 + 64 > Lk || m0 + KV_BLOCK_M > Lq
-                               || !tile_inside_band(&p, m0, min(m0 + KV_BLOCK_M, Lq), n0, n0 + 64, Lq, Lk);
         wgmma_wait<0>();
         fence_acc(s[0]);
         fence_acc(dp[0]);
 
         cfrag<1, KV_NT / 2> pf;           /* P^T in float32 (ELEM_F32's fragments) */
         pt_tile<KV_NT, true>(s, pf, p, sc, sL, n0w, m0, qlo, qhi, need_mask, dp, sD);   /* dS^T into dp */
-        uint32_t a[3][4][4];
         split_frag(a, pf);
         mma_rs3_cols<64>(dv[0], a, sdO);  /* dV += P^T dO */
         split_frag(a, dp);
         mma_rs3_cols<64>(dk[0], a, sQ);   /* dK += dS^T Q */
+#endif
     }
+#if KV_WARPS == 8
+    store_dkdv(p, sk, hk, acc, acc, n0w, wg == 1, wg == 0);
+#else
     store_dkdv(p, sk, hk, dk, dv, n0w, true, true);
+#endif
 }
 #endif
 
@@ -288,7 +342,7 @@ extern "C" __global__ void __launch_bounds__(X3_THREADS, 1) attn_bwd_dq_x3(const
     zero_acc(dq);
     if (n_last >= n_first) {
         const int64_t row0 = sq.start + m0;
-        load_split_sw128<Q_BLOCK_M, HEAD_DIM>(
+        load_split_sw128<Q_BLOCK_M, HEAD_DIM, X3_THREADS>(
             {sQ, sdO},
             {(const float *)p.q.ptr + sq.mem_b * p.q.s[0] + row0 * p.q.s[1] + h * p.q.s[2],
              (const float *)p.dout.ptr + sq.mem_b * p.dout.s[0] + row0 * p.dout.s[1] + h * p.dout.s[2]},
@@ -299,8 +353,8 @@ extern "C" __global__ void __launch_bounds__(X3_THREADS, 1) attn_bwd_dq_x3(const
     for (int n = n_first; n <= n_last; n++) {
         const int64_t c0 = n * Q_BLOCK_N;
         __syncthreads();                  /* every warp is done with tile n - 1 */
-        load_split_sw128<Q_BLOCK_N, HEAD_DIM>({sK, sV}, {gk + c0 * p.k.s[1], gv + c0 * p.v.s[1]},
-                                              {p.k.s[1], p.v.s[1]}, Lk - (int)c0, tid);
+        load_split_sw128<Q_BLOCK_N, HEAD_DIM, X3_THREADS>({sK, sV}, {gk + c0 * p.k.s[1], gv + c0 * p.v.s[1]},
+                                                          {p.k.s[1], p.v.s[1]}, Lk - (int)c0, tid);
         fence_proxy_async();
         __syncthreads();
 
@@ -316,7 +370,7 @@ extern "C" __global__ void __launch_bounds__(X3_THREADS, 1) attn_bwd_dq_x3(const
         ds_tile<true, false>(s, dp, p, sc, ri, m0, (int)c0, need, Lq, Lk, tile_sums_for<false>(sums, sc, m0, (int)c0, Lq, Lk));
         uint32_t a[3][4][4];
         split_frag(a, s);
-        mma_rs3_cols<HEAD_DIM>(dq[0], a, sK);   /* dQ += dS K */
+        mma_rs3<HEAD_DIM>(dq[0], a, sK);  /* dQ += dS K */
     }
 
     /* dq = dQ * scale; padding rows (and rows that keep nothing) come out 0 */

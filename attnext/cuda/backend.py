@@ -1031,9 +1031,10 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
                 launch("attn_bwd_dq_sm90", (_query_tiles(q_rows, hopper["q_block_m"]), o.Hq, o.B + tail),
                        hopper["q_warps"], "attn_bwd_sm90", defs90, smem90)
         elif x3:                 # float32 as bfloat16 planes on wgmma (attn_bwd_sm90_x3.cu)
-            defs_x3, smem_x3 = select.bwd_x3_defines(defines), select.bwd_x3_smem_bytes(o.D)
-            launch("attn_bwd_dkdv_x3", (_query_tiles(k_rows, 64), o.Hk, o.B + tail), 4, "attn_bwd_sm90_x3",
-                   defs_x3, smem_x3)
+            defs_x3 = select.bwd_x3_defines(defines, o.D)
+            smem_x3 = select.bwd_x3_smem_bytes(o.D, defs_x3["KV_WARPS"])
+            launch("attn_bwd_dkdv_x3", (_query_tiles(k_rows, 64), o.Hk, o.B + tail), defs_x3["KV_WARPS"],
+                   "attn_bwd_sm90_x3", defs_x3, smem_x3)
             launch("attn_bwd_dq_x3", (_query_tiles(q_rows, 64), o.Hq, o.B + tail), 4, "attn_bwd_sm90_x3",
                    defs_x3, smem_x3)
         else:

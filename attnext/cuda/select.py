@@ -30,7 +30,7 @@ FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "
              "ATTNEXT_FWD_F32_SM90")
 BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_TMA", "ATTNEXT_BWD_DQ",
              "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_BWD_DQ_CHAINS", "ATTNEXT_TILE_SUMS", "ATTNEXT_BWD_F32_PRESPLIT",
-             "ATTNEXT_BWD_F32_X3")
+             "ATTNEXT_BWD_F32_X3", "ATTNEXT_BWD_X3_KV_WARPS")
 
 
 def knobs(names):
@@ -478,20 +478,33 @@ def bwd_f32_x3(arch, dtype, D, Dv, vec, passes, mods=None):
             and vec and D == Dv and D in (64, 128) and mods is None)
 
 
-def bwd_x3_defines(defines):
+def bwd_x3_kv_warps(D):
+    """attn_bwd_dkdv_x3's warps: 4 (one warpgroup takes every product of an item) or 8 (two, one
+    for dV's products and one for dK's); the lab's ATTNEXT_BWD_X3_KV_WARPS. 8 at D = 128, where the
+    kernel holds one CTA an SM (192 KB of planes) and one warpgroup left the tensor cores idle
+    through its loads, splits and softmax (H200, B2 S4k H16: 7.67 -> 6.16 ms, the backward 51.5 ->
+    57.4 TFLOP/s, causal 48.5 -> 53.4); 4 at D = 64, whose two CTAs an SM overlap already (6.5 ->
+    7.8 ms with 8). The dQ kernel stays one warpgroup: split the same way (S's and dP's, tiles
+    passed through shared memory) it ran 8% slower (bench/NOTES.md, float32 backward x3)."""
+    return int(_env.get("ATTNEXT_BWD_X3_KV_WARPS") or (8 if D == 128 else 4))
+
+
+def bwd_x3_defines(defines, D):
     """attn_bwd_sm90_x3.cu's switches from attn_bwd.cu's float32 ones: bfloat16 planes on the tensor
-    cores, its fixed tiles (one warpgroup, 64 x 64)."""
+    cores, its fixed tiles (64 x 64; the dQ kernel one warpgroup, the dK/dV kernel bwd_x3_kv_warps)."""
     d = {k: v for k, v in defines.items() if k != "F32_PRESPLIT"}
-    d.update(ELEM_BF16=1, KV_BLOCK_M=64, KV_WARPS=4, KV_SPLIT=0, KV_MINB=1, DQ_ATOMIC=0, DQ_ORDERED=0,
-             Q_BLOCK_M=64, Q_BLOCK_N=64, Q_WARPS=4, Q_MINB=1)
+    d.update(ELEM_BF16=1, KV_BLOCK_M=64, KV_WARPS=bwd_x3_kv_warps(D), KV_SPLIT=0, KV_MINB=1, DQ_ATOMIC=0,
+             DQ_ORDERED=0, Q_BLOCK_M=64, Q_BLOCK_N=64, Q_WARPS=4, Q_MINB=1)
     return d
 
 
-def bwd_x3_smem_bytes(D):
+def bwd_x3_smem_bytes(D, kv_warps):
     """attn_bwd_sm90_x3.cu's shared memory: four 64-row tiles of three bf16 planes (K, V, Q, dO), the
-    dK/dV kernel's lse and delta rows, the 1024-byte alignment's slack."""
-    return {"attn_bwd_dkdv_x3": 4 * 3 * 64 * D * 2 + 2 * 4 * 64 + 1024,
-            "attn_bwd_dq_x3": 4 * 3 * 64 * D * 2 + 1024}
+    dK/dV kernel's lse and delta rows (and with two warpgroups the 64 x 64 float32 tile one passes
+    the other), the 1024-byte alignment's slack."""
+    planes = 4 * 3 * 64 * D * 2 + 1024
+    return {"attn_bwd_dkdv_x3": planes + (64 * 64 * 4 if kv_warps == 8 else 0) + 2 * 4 * 64,
+            "attn_bwd_dq_x3": planes}
 
 
 def bwd_tile_config(D, Dv, dtype="bfloat16", atomic=False, planes=False):
@@ -887,7 +900,7 @@ def sm90_bwd_variants():
     for D in (64, 128):
         f32 = dict(dtype="float32", D=D, Dv=D, vec=True, softcap=False, bias_dtype=None, alibi_dtype=None,
                    mask=False, tf32=False)
-        out.append(("attn_bwd_sm90_x3", bwd_x3_defines(bwd_defines(**f32, tile=bwd_tile_config(D, D, "float32")))))
+        out.append(("attn_bwd_sm90_x3", bwd_x3_defines(bwd_defines(**f32, tile=bwd_tile_config(D, D, "float32")), D)))
     unique = {(k, tuple(sorted(d.items()))): (k, d) for k, d in out}
     return list(unique.values())
 

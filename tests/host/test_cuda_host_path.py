@@ -775,7 +775,10 @@ def test_the_float32_backward_on_bfloat16_planes_plan(fake_driver):
                 assert names == ["attn_bwd_pre", "attn_bwd_dkdv_x3", "attn_bwd_dq_x3", "attn_bwd_dead"], names
                 for name, d, grid, block, smem, p in got[1:3]:
                     assert d["ELEM_F32"] == d["ELEM_BF16"] == 1 and d["HEAD_DIM"] == d["HEAD_DIM_V"] == D, d
-                    assert block == (128, 1, 1) and smem == select.bwd_x3_smem_bytes(D)[name], (block, smem)
+                    threads = 32 * d["KV_WARPS"] if name == "attn_bwd_dkdv_x3" else 128
+                    assert threads == (256 if D == 128 and name == "attn_bwd_dkdv_x3" else 128), (name, threads)
+                    assert block == (threads, 1, 1) and smem == select.bwd_x3_smem_bytes(D, d["KV_WARPS"])[name], \
+                        (block, smem)
                     assert not any(p["dq_accum"]), p["dq_accum"]
                 assert got[1][2] == (4, 2, 2) and got[2][2] == (5, 4, 2), (got[1][2], got[2][2])
             others = [backward(q, k, v, precision="tf32"), backward(q, k, v, score_mod=mod),
