@@ -27,7 +27,6 @@
  * (select.bwd_x3_kv_warps).
  */
 #include "attn_bwd_tile.cuh"
-#include "sm90_pipe.cuh"
 #include "wgmma.cuh"
 
 #if !ELEM_F32 || !ELEM_BF16 || !(HEAD_DIM == 64 || HEAD_DIM == 128) || HEAD_DIM_V != HEAD_DIM || !VEC_LOAD \
@@ -267,21 +266,26 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_x3(con
         wgmma_commit();
         wgmma_wait<0>();
         fence_acc(s[0]);
+        /* P^T score_grad passes at a barrier of the whole CTA: a named barrier's arrive (the
+         * first) and sync (the second) measured the same but racecheck reported the next item's
+         * lse / delta stores against the second's reads, and a sync in each branch is two
+         * barrier instructions to synccheck */
         float *x = xbuf + (tid & 127);
+        cfrag<1, KV_NT / 2> pf;           /* the first's P^T in float32 (ELEM_F32's fragments) */
         if (wg == 0) {
-            cfrag<1, KV_NT / 2> pf;       /* P^T in float32 (ELEM_F32's fragments) */
             pt_tile<KV_NT, false>(s, pf, p, sc, sL, n0w, m0, qlo, qhi, need_mask);   /* s: P^T score_grad */
 #pragma unroll
             for (int nt = 0; nt < KV_NT; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++)
                     x[(nt * 4 + e) * 128] = s[0][nt][e];
-            named_arrive(1, KV_THREADS);
+        }
+        __syncthreads();
+        if (wg == 0) {
             split_frag(a, pf);
             mma_rs3_cols<64>(acc[0], a, sdO);   /* dV += P^T dO */
         } else {
             const int t = tid & 3;
-            named_sync(1, KV_THREADS);
 #pragma unroll
             for (int nt = 0; nt < KV_NT; nt++)
 #pragma unroll

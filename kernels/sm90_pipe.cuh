@@ -65,10 +65,8 @@ DEV void mbar_wait(uint32_t bar, int parity)
                  "@!done bra wait_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
 }
 
-/* Named barrier id (not 0: __syncthreads') across n threads, whole warps: wait there, or only
- * arrive (the threads that wait see what the arriving ones wrote before). */
+/* Named barrier id (not 0: __syncthreads') across n threads, whole warps. */
 DEV void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
-DEV void named_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory"); }
 
 /* The warpgroup's registers per thread raised or lowered to N (every thread of it calls). */
 template <int N>
