@@ -1,4 +1,5 @@
-"""float32 on the GPU: attnext's split TF32 (default) and single-pass TF32 (precision="tf32")
+"""float32 on the GPU: attnext's default (split TF32; Hopper's backward at D 64 / 128 on bfloat16
+planes) and single-pass TF32 (precision="tf32")
 against torch SDPA's float32 backends (efficient; math with and without TF32 matmuls), TFLOP/s,
 same run, forward and (--bwd) backward (2.5x the forward's FLOPs; attnext from a prior forward's
 out and lse, torch by autograd.grad on a graph built before timing). Every result is checked

@@ -1,8 +1,10 @@
-"""float32 on the GPU (`pytest -m gpu`): attn_fwd.cu's and attn_bwd.cu's TF32 tensor-core paths
-against the float64 reference, forward and backward. By default each product is split into TF32
-parts (3 products: float32 accuracy, held to the float32 rule and to a few times a plain NumPy
-float32 computation's error); precision="tf32" takes one TF32 product (float16's 10-bit mantissa:
-held to float16's rule, and shown to be the coarser of the two)."""
+"""float32 on the GPU (`pytest -m gpu`): attn_fwd.cu's and attn_bwd.cu's TF32 tensor-core paths,
+Hopper's TF32 wgmma forward and its backward on bfloat16 planes (attn_bwd_sm90_x3.cu) against the
+float64 reference, forward and backward. By default each product is split into TF32 parts (3
+products) or, in Hopper's backward at D 64 and 128, bfloat16 planes (6 products): float32
+accuracy, held to the float32 rule and to a few times a plain NumPy float32 computation's error;
+precision="tf32" takes one TF32 product (float16's 10-bit mantissa: held to float16's rule, and
+shown to be the coarser of the two)."""
 import numpy as np
 import pytest
 
