@@ -7,8 +7,9 @@ Sections, bf16 unless said:
   plain   B*S = 16384 tokens, H = 2048 / D heads, D = 64 and 128, S = 512 ... 16384, causal and
           not, forward and backward.
   float32, tf32  the plain rows at S = 4096 in float32: attnext's default (float32 accuracy:
-          split TF32 products; on Hopper the backward at D 64 and 128 on bfloat16 planes) against SDPA's float32 backends (efficient: cutlass's 3xTF32; math:
-          the attention matrix materialised, cuBLAS's products; these rows alone) and
+          split TF32 products; on Hopper the backward at D 64 and 128 on bfloat16 planes)
+          against SDPA's float32 backends (efficient: cutlass's 3xTF32; math: the attention
+          matrix materialised, cuBLAS's products; these rows alone) and
           FlexAttention; tf32: attnext's precision="tf32" against the same peers with TF32
           allowed in torch (torch.backends.cuda.matmul.allow_tf32, which Flex's and math's
           products follow).

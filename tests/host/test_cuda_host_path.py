@@ -752,7 +752,8 @@ def test_the_ordered_backward_runs_its_turns_in_chains(tmp_path):
 def test_the_float32_backward_on_bfloat16_planes_plan(fake_driver):
     """Hopper's float32 backward on bfloat16 planes (by default, select.bwd_f32_x3):
     attn_bwd_pre, then attn_bwd_sm90_x3.cu's attn_bwd_dkdv_x3 over 64-key blocks of each kv head
-    and attn_bwd_dq_x3 over 64-row query tiles of each head (128 threads; float32 in memory,
+    and attn_bwd_dq_x3 over 64-row query tiles of each head (128 threads, the dK/dV kernel's 256 at
+    D = 128: two warpgroups; float32 in memory,
     bfloat16 planes: ELEM_F32 and ELEM_BF16; their shared memory), then attn_bwd_dead; no
     dq_accum, deterministic or not. With ATTNEXT_BWD_F32_X3=0, precision="tf32", D = 96,
     bfloat16 inputs or a score_mod: attn_bwd.cu's kernels."""
