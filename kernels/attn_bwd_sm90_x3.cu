@@ -27,6 +27,7 @@
  * (select.bwd_x3_kv_warps).
  */
 #include "attn_bwd_tile.cuh"
+#include "sm90_pipe.cuh"
 #include "wgmma.cuh"
 
 #if !ELEM_F32 || !ELEM_BF16 || !(HEAD_DIM == 64 || HEAD_DIM == 128) || HEAD_DIM_V != HEAD_DIM || !VEC_LOAD \
@@ -34,10 +35,17 @@
     || HAS_MASK_MOD
 #error "attn_bwd_sm90_x3: float32 (bf16 planes), D = Dv in {64, 128}, 16-byte loads, 64 x 64 tiles, 4 or 8 dK/dV warps"
 #endif
+#if DQ_ATOMIC && (KV_WARPS != 8 || HEAD_DIM != 128)
+#error "attn_bwd_sm90_x3: DQ_ATOMIC (the lab's) at D = 128 with two dK/dV warpgroups"
+#endif
 
 #define X3_THREADS 128                    /* the dQ kernel's */
 #define KV_THREADS (KV_WARPS * 32)        /* the dK/dV kernel's: one warpgroup or two */
-#define XBUF_BYTES (KV_WARPS == 8 ? 64 * 64 * 4 : 0)   /* P^T score_grad from the first to the second */
+/* The dK/dV kernel's passing region: P^T score_grad from the first warpgroup to the second (a
+ * 64 x 64 float32 tile); DQ_ATOMIC also, in turn, dS^T's three planes (64 x 64 bf16 each) and the
+ * two warpgroups' dQ partials (64 rows x 64 floats each) */
+#define XBUF_BYTES (KV_WARPS == 8 ? (DQ_ATOMIC ? 2 * 64 * 64 * 4 : 64 * 64 * 4) : 0)
+#define DS_PLANE_BYTES (64 * 64 * 2)
 #define PLANE_BYTES (64 * HEAD_DIM * 2)   /* one bf16 plane of a 64-row tile */
 #define TILE_BYTES (3 * PLANE_BYTES)      /* a tile's three planes, one after another */
 #define NTD (HEAD_DIM / 8)                /* n8 column groups of dK, dV, dQ per warp */
@@ -182,6 +190,71 @@ DEV void split_frag(uint32_t (&a)[3][4][4], const float (&f)[1][8][4])
         }
 }
 
+#if DQ_ATOMIC
+/* dS^T's fragments (float32: rows the warp's 16 keys, columns the item's 64 query rows) as three
+ * bf16 planes at base, DS_PLANE_BYTES apart, each an SW128 tile of 64 key rows x 64 columns
+ * (wgmma.cuh's sw128_offset: a pair of columns a 4-byte store, the 8 rows of a store 8 chunks:
+ * no bank conflict) */
+DEV void store_ds_planes(uint32_t base, const float (&f)[1][KV_NT][4])
+{
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, r0 = ((threadIdx.x >> 5) & 3) * 16 + g;
+#pragma unroll
+    for (int nt = 0; nt < KV_NT; nt++)
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int r = r0 + half * 8;
+            uint32_t w[3];
+            split3(f[0][nt][2 * half], f[0][nt][2 * half + 1], w);
+            const uint32_t at = base + sw128_offset<64>(r, nt) + 4 * t;
+#pragma unroll
+            for (int x = 0; x < 3; x++)
+                asm volatile("st.shared.b32 [%0], %1;" ::"r"(at + x * DS_PLANE_BYTES), "r"(w[x]) : "memory");
+        }
+}
+
+/* deterministic=False (the lab's ATTNEXT_BWD_X3_DQ=atomic): the item's dQ partial for the CTA's
+ * 64 keys, dQ^T = K^T dS^T over the six plane products (both operands MN-major: K's planes as
+ * loaded, warpgroup wg's 64-column chunk of them; dS^T's planes at region, region_ptr its
+ * generic address), into a fresh
+ * accumulator; staged in the region (rows of 64 floats, warpgroup wg's half) once both
+ * warpgroups have read dS^T, then added into dq_accum's rows [m0, m0 + 64) x columns [64 wg,
+ * 64 wg + 64) by one bulk reduction a row (their order varies from run to run). The next item
+ * waits for the reads (bulk_wait_read) before writing the region again. */
+DEV void add_dq_partial(const attn_params &p, uint32_t sK, uint32_t region, float *region_ptr, int wg,
+                        const seq_t &sq, int64_t h, int m0, int Lq)
+{
+    float t[8][4];
+    wgmma_fence();
+#pragma unroll
+    for (int x = 0; x < 6; x++) {
+        const uint64_t da0 = uniform_desc(sw128_desc(sK + plane_a(x) * PLANE_BYTES + wg * (64 * 128), 64 * 128, 1024)),
+                       db0 = uniform_desc(sw128_desc(region + plane_b(x) * DS_PLANE_BYTES, 64 * 128, 1024));
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++)
+            wgmma_m64n64_ss_tt(t, da0 + desc_step(kk * 16 * 128), db0 + desc_step(kk * 16 * 128), x > 0 || kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(t);
+    __syncthreads();                      /* both warpgroups' reads of dS^T done: the partials take its place */
+    const int ctid = threadIdx.x & 127, lane = ctid & 31, g = lane >> 2, tq = lane & 3;
+    const int d0 = (ctid >> 5) * 16 + g;  /* the fragment's rows: columns d0, d0 + 8 of dQ's chunk */
+    float *stage = region_ptr + wg * (64 * 64);
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            stage[(nt * 8 + 2 * tq + (e & 1)) * 64 + d0 + (e >> 1) * 8] = t[nt][e];
+    fence_proxy_async();                  /* the stores, before the bulk engine reads them */
+    named_sync(2 + wg, 128);
+    if (ctid < 64 && m0 + ctid < Lq) {
+        float *row = (float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + (sq.start + m0 + ctid) * p.dq_accum.s[1]
+                     + h * p.dq_accum.s[2] + wg * 64;
+        bulk_add_f32(row, region + wg * (64 * 64 * 4) + ctid * 256, 256);
+    }
+}
+#endif
+
 #if ENTRY(attn_bwd_dkdv_x3)
 /* KV_WARPS 4: one warpgroup takes every product of an item. 8: two warpgroups over the same 64
  * keys, each with one accumulator: the first S^T = K Q^T, P^T and dV += P^T dO, the second
@@ -234,6 +307,9 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_x3(con
         const int64_t h = hk * group + j / nm;
         const int m0 = (m_first + j % nm) * KV_BLOCK_M;
         const int64_t row0 = sq.start + m0;
+#if DQ_ATOMIC
+        bulk_wait_read();                 /* item j - 1's dQ partial read out of the passing region */
+#endif
         __syncthreads();                  /* every warp is done with item j - 1's tiles */
         load_split_sw128<KV_BLOCK_M, HEAD_DIM, KV_THREADS>(
             {sQ, sdO},
@@ -291,9 +367,18 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_x3(con
 #pragma unroll
                 for (int e = 0; e < 4; e++)   /* dS^T: pt_pass's rule with DS */
                     s[0][nt][e] = x[(nt * 4 + e) * 128] * (s[0][nt][e] - sD[nt * 8 + 2 * t + (e & 1)]);
+#if DQ_ATOMIC
+            named_sync(1, 128);           /* every P^T read: dS^T's planes take its place */
+            store_ds_planes(sX, s);
+#endif
             split_frag(a, s);
             mma_rs3_cols<64>(acc[0], a, sQ);    /* dK += dS^T Q */
         }
+#if DQ_ATOMIC
+        fence_proxy_async();              /* dS^T's planes, before wgmma reads them */
+        __syncthreads();
+        add_dq_partial(p, sK, sX, xbuf, wg, sq, h, m0, Lq);
+#endif
 #else
         float s[1][KV_NT][4], dp[1][KV_NT][4];
         wgmma_fence();
@@ -312,6 +397,9 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_x3(con
         mma_rs3_cols<64>(dk[0], a, sQ);   /* dK += dS^T Q */
 #endif
     }
+#if DQ_ATOMIC
+    bulk_wait();                          /* the last partial's additions, before the CTA leaves */
+#endif
 #if KV_WARPS == 8
     store_dkdv(p, sk, hk, acc, acc, n0w, wg == 1, wg == 0);
 #else

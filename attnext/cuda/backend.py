@@ -985,7 +985,10 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     f32_passes = passes if arch == "sm_90a" else 0
     # float32 on bfloat16 planes (attn_bwd_sm90_x3.cu, Hopper's default): its dQ kernel recomputes
     x3 = select.bwd_f32_x3(arch, features["dtype"], o.D, o.Dv, features["vec"], passes, gen)
-    dq_mode = "recompute" if grads or x3 else select.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach, f32_passes)
+    if x3:
+        dq_mode = select.bwd_x3_dq_mode(o.D, deterministic)
+    else:
+        dq_mode = "recompute" if grads else select.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach, f32_passes)
     atomic = dq_mode != "recompute"
     presplit = select.bwd_f32_presplit(arch, features["dtype"], o.D, o.Dv, passes)
     planes = presplit and passes == 3
@@ -1032,11 +1035,12 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
                        hopper["q_warps"], "attn_bwd_sm90", defs90, smem90)
         elif x3:                 # float32 as bfloat16 planes on wgmma (attn_bwd_sm90_x3.cu)
             defs_x3 = select.bwd_x3_defines(defines, o.D)
-            smem_x3 = select.bwd_x3_smem_bytes(o.D, defs_x3["KV_WARPS"])
+            smem_x3 = select.bwd_x3_smem_bytes(o.D, defs_x3)
             launch("attn_bwd_dkdv_x3", (_query_tiles(k_rows, 64), o.Hk, o.B + tail), defs_x3["KV_WARPS"],
                    "attn_bwd_sm90_x3", defs_x3, smem_x3)
-            launch("attn_bwd_dq_x3", (_query_tiles(q_rows, 64), o.Hq, o.B + tail), 4, "attn_bwd_sm90_x3",
-                   defs_x3, smem_x3)
+            if not atomic:
+                launch("attn_bwd_dq_x3", (_query_tiles(q_rows, 64), o.Hq, o.B + tail), 4, "attn_bwd_sm90_x3",
+                       defs_x3, smem_x3)
         else:
             kv_grid = (_query_tiles(k_rows, 16 * tile["kv_warps"]), o.Hk, o.B + tail)
             for name in (("attn_bwd_dv", "attn_bwd_dk") if tile["kv_split"] else ("attn_bwd_dkdv",)):

@@ -30,7 +30,8 @@ FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "
              "ATTNEXT_FWD_F32_SM90")
 BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_TMA", "ATTNEXT_BWD_DQ",
              "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_BWD_DQ_CHAINS", "ATTNEXT_TILE_SUMS", "ATTNEXT_BWD_F32_PRESPLIT",
-             "ATTNEXT_BWD_F32_X3", "ATTNEXT_BWD_X3_KV_WARPS")
+             "ATTNEXT_BWD_F32_X3", "ATTNEXT_BWD_X3_KV_WARPS",
+             "ATTNEXT_BWD_X3_DQ")
 
 
 def knobs(names):
@@ -489,22 +490,32 @@ def bwd_x3_kv_warps(D):
     return int(_env.get("ATTNEXT_BWD_X3_KV_WARPS") or (8 if D == 128 else 4))
 
 
+def bwd_x3_dq_mode(D, deterministic):
+    """How attn_bwd_sm90_x3.cu gets dQ: "recompute" (its dQ kernel: S and dP again, 7 products a
+    pair), or for the lab (ATTNEXT_BWD_X3_DQ=atomic) with deterministic=False at D = 128 "atomic":
+    the dK/dV kernel adds each item's dS K into dq_accum by bulk reductions (5 products; written
+    in session 48, not yet run: bench/NOTES.md, float32 backward, open item 0)."""
+    atomic = _env.get("ATTNEXT_BWD_X3_DQ") == "atomic" and not deterministic and D == 128
+    return "atomic" if atomic and bwd_x3_kv_warps(D) == 8 else "recompute"
+
+
 def bwd_x3_defines(defines, D):
     """attn_bwd_sm90_x3.cu's switches from attn_bwd.cu's float32 ones: bfloat16 planes on the tensor
     cores, its fixed tiles (64 x 64; the dQ kernel one warpgroup, the dK/dV kernel bwd_x3_kv_warps)."""
     d = {k: v for k, v in defines.items() if k != "F32_PRESPLIT"}
-    d.update(ELEM_BF16=1, KV_BLOCK_M=64, KV_WARPS=bwd_x3_kv_warps(D), KV_SPLIT=0, KV_MINB=1, DQ_ATOMIC=0,
-             DQ_ORDERED=0, Q_BLOCK_M=64, Q_BLOCK_N=64, Q_WARPS=4, Q_MINB=1)
+    d.update(ELEM_BF16=1, KV_BLOCK_M=64, KV_WARPS=bwd_x3_kv_warps(D), KV_SPLIT=0, KV_MINB=1,
+             DQ_ATOMIC=defines.get("DQ_ATOMIC", 0), DQ_ORDERED=0, Q_BLOCK_M=64, Q_BLOCK_N=64, Q_WARPS=4, Q_MINB=1)
     return d
 
 
-def bwd_x3_smem_bytes(D, kv_warps):
+def bwd_x3_smem_bytes(D, defines):
     """attn_bwd_sm90_x3.cu's shared memory: four 64-row tiles of three bf16 planes (K, V, Q, dO), the
-    dK/dV kernel's lse and delta rows (and with two warpgroups the 64 x 64 float32 tile one passes
-    the other), the 1024-byte alignment's slack."""
+    dK/dV kernel's lse and delta rows and with two warpgroups its passing region (the 64 x 64
+    float32 tile one passes the other; with DQ_ATOMIC twice that, for the two dQ partials), the
+    1024-byte alignment's slack."""
     planes = 4 * 3 * 64 * D * 2 + 1024
-    return {"attn_bwd_dkdv_x3": planes + (64 * 64 * 4 if kv_warps == 8 else 0) + 2 * 4 * 64,
-            "attn_bwd_dq_x3": planes}
+    region = (2 if defines["DQ_ATOMIC"] else 1) * 64 * 64 * 4 if defines["KV_WARPS"] == 8 else 0
+    return {"attn_bwd_dkdv_x3": planes + region + 2 * 4 * 64, "attn_bwd_dq_x3": planes}
 
 
 def bwd_tile_config(D, Dv, dtype="bfloat16", atomic=False, planes=False):

@@ -395,6 +395,42 @@ def test_backward_on_bfloat16_planes(d, rng, monkeypatch):
     assert names and not any(n.endswith("_x3") for n in names), names
 
 
+def test_backward_on_bfloat16_planes_atomic_dq(rng, monkeypatch):
+    """The lab's atomic dQ on the bfloat16 planes (ATTNEXT_BWD_X3_DQ=atomic, deterministic=False,
+    D = 128): the dK/dV kernel adds each item's dQ^T = K^T dS^T into dq_accum by bulk reductions,
+    attn_bwd_dq_convert writes dq; the backward's cases against the reference at float32's rule,
+    each call planned without the dQ kernel."""
+    from attnext.cuda import backend
+    if backend.device_arch(0) != "sm_90a":
+        pytest.skip("attn_bwd_sm90_x3 is sm_90a's")
+    backend.clear_plans()
+    names = []
+    function = backend.nvrtc.function
+
+    def spy(kernel, name, *rest, **kw):
+        names.append(name)
+        return function(kernel, name, *rest, **kw)
+    monkeypatch.setattr(backend.nvrtc, "function", spy)
+    monkeypatch.setenv("ATTNEXT_BWD_X3_DQ", "atomic")
+
+    def check(q, k, v, varlen=None, **opts):
+        names.clear()
+        out, lse, r_out, _ = _forward(q, k, v, varlen=varlen, **opts)
+        dout = rng.standard_normal(out.shape).astype(np.float32)
+        lengths = varlen or {}
+        if varlen is None:
+            g = attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", deterministic=False, **opts)
+            rg = reference.attention_backward(dout, q, k, v, out, lse, **opts)
+        else:
+            g = attnext.varlen_attention_backward(dout, q, k, v, out, lse, **lengths, device="cuda",
+                                                  deterministic=False, **opts)
+            rg = reference.varlen_attention_backward(dout, q, k, v, out, lse, **lengths, **opts)
+        problems = compare_grads(g, rg, q, k, v, dout, out, r_out, varlen, opts)
+        assert not problems, "\n".join(problems)
+        assert "attn_bwd_dkdv_x3" in names and "attn_bwd_dq_x3" not in names, names
+    _backward_cases(rng, 128, check)
+
+
 @pytest.mark.parametrize("sq, hq, d", [(1, 32, 128), (3, 8, 64), (1, 8, 256)])
 def test_decode_split_kv_and_packed_heads(sq, hq, d, rng):
     q, k, v = make_qkv(rng, 1, sq, 5000, hq, 8 if hq == 32 else 2, d, d, F32)

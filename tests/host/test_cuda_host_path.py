@@ -778,10 +778,26 @@ def test_the_float32_backward_on_bfloat16_planes_plan(fake_driver):
                     assert d["ELEM_F32"] == d["ELEM_BF16"] == 1 and d["HEAD_DIM"] == d["HEAD_DIM_V"] == D, d
                     threads = 32 * d["KV_WARPS"] if name == "attn_bwd_dkdv_x3" else 128
                     assert threads == (256 if D == 128 and name == "attn_bwd_dkdv_x3" else 128), (name, threads)
-                    assert block == (threads, 1, 1) and smem == select.bwd_x3_smem_bytes(D, d["KV_WARPS"])[name], \
-                        (block, smem)
+                    assert block == (threads, 1, 1) and smem == select.bwd_x3_smem_bytes(D, d)[name], (block, smem)
                     assert not any(p["dq_accum"]), p["dq_accum"]
                 assert got[1][2] == (4, 2, 2) and got[2][2] == (5, 4, 2), (got[1][2], got[2][2])
+            # the lab's atomic dQ (deterministic=False at D = 128): the dK/dV kernel adds into
+            # dq_accum, which attn_bwd_pre zeroes and attn_bwd_dq_convert scales into dq
+            _env.setenv("ATTNEXT_BWD_X3_DQ", "atomic")
+            try:
+                for det in (True, False):
+                    got = backward(q, k, v, causal=True, deterministic=det)
+                    names = [g[0] for g in got]
+                    if det or D == 64:
+                        assert "attn_bwd_dq_x3" in names, names
+                        continue
+                    assert names == ["attn_bwd_pre", "attn_bwd_dkdv_x3", "attn_bwd_dq_convert", "attn_bwd_dead"], names
+                    name, d, grid, block, smem, p = got[1]
+                    assert d["DQ_ATOMIC"] == 1 and d["KV_WARPS"] == 8 and block == (256, 1, 1), (d, block)
+                    assert smem == select.bwd_x3_smem_bytes(D, d)[name] <= 227 * 1024, smem
+                    assert any(p["dq_accum"]) and got[0][1]["DQ_ATOMIC"] == 1, (p["dq_accum"], got[0][1])
+            finally:
+                _env.setenv("ATTNEXT_BWD_X3_DQ", None)
             others = [backward(q, k, v, precision="tf32"), backward(q, k, v, score_mod=mod),
                       backward(dev((2, 300, 4, 96), F32), dev((2, 200, 2, 96), F32), dev((2, 200, 2, 96), F32)),
                       backward(*qkv(2, 300, 200, 4, 2, D))]
