@@ -213,13 +213,13 @@ DEV void store_ds_planes(uint32_t base, const float (&f)[1][KV_NT][4])
 }
 
 /* deterministic=False (the lab's ATTNEXT_BWD_X3_DQ=atomic): the item's dQ partial for the CTA's
- * 64 keys, dQ^T = K^T dS^T over the six plane products (both operands MN-major: K's planes as
- * loaded, warpgroup wg's 64-column chunk of them; dS^T's planes at region, region_ptr its
- * generic address), into a fresh
- * accumulator; staged in the region (rows of 64 floats, warpgroup wg's half) once both
- * warpgroups have read dS^T, then added into dq_accum's rows [m0, m0 + 64) x columns [64 wg,
- * 64 wg + 64) by one bulk reduction a row (their order varies from run to run). The next item
- * waits for the reads (bulk_wait_read) before writing the region again. */
+ * 64 keys, dQ^T = K^T dS^T over the six plane products (both operands MN-major, as
+ * attn_bwd_sm90.cu's dS K: K's planes as loaded, warpgroup wg's 64-column chunk of them; dS^T's
+ * planes at region, region_ptr its generic address), into a fresh accumulator; staged in the
+ * region (rows of 64 floats, warpgroup wg's half) once both warpgroups have read dS^T, then
+ * added into dq_accum's rows [m0, m0 + 64) x columns [64 wg, 64 wg + 64) by one bulk reduction
+ * a row (their order varies from run to run). The next item waits for the reads
+ * (bulk_wait_read) before writing the region again. */
 DEV void add_dq_partial(const attn_params &p, uint32_t sK, uint32_t region, float *region_ptr, int wg,
                         const seq_t &sq, int64_t h, int m0, int Lq)
 {
