@@ -163,14 +163,13 @@ DEV void mma_rs3(float (&acc)[NJ][4], const uint32_t (&a)[3][4][4], uint32_t b_b
             acc[j][e] += t[j][e];
 }
 
-/* acc += A B (mma_rs3) over HEAD_DIM columns, COLS at a time (64: half the temporary registers
- * at D128, where the dK/dV kernel's are short) */
-template <int COLS>
-DEV void mma_rs3_cols(float (&acc)[NTD][4], const uint32_t (&a)[3][4][4], uint32_t b_base)
+/* acc += A B (mma_rs3) over HEAD_DIM columns, 64 at a time (at D128 half the temporary registers
+ * of one n128 product: the dK/dV kernel's are short) */
+DEV void mma_rs3_by64(float (&acc)[NTD][4], const uint32_t (&a)[3][4][4], uint32_t b_base)
 {
 #pragma unroll
-    for (int c = 0; c < HEAD_DIM / COLS; c++)
-        mma_rs3<COLS>(*(float (*)[COLS / 8][4])acc[c * COLS / 8], a, b_base + c * (64 * 128));
+    for (int c = 0; c < HEAD_DIM / 64; c++)
+        mma_rs3<64>(*(float (*)[8][4])acc[c * 8], a, b_base + c * (64 * 128));
 }
 
 /* The C fragments f of a 64 x 64 product (float32) as the three planes' A fragments of the next
@@ -359,7 +358,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_x3(con
         __syncthreads();
         if (wg == 0) {
             split_frag(a, pf);
-            mma_rs3_cols<64>(acc[0], a, sdO);   /* dV += P^T dO */
+            mma_rs3_by64(acc[0], a, sdO);   /* dV += P^T dO */
         } else {
             const int t = tid & 3;
 #pragma unroll
@@ -372,7 +371,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_x3(con
             store_ds_planes(sX, s);
 #endif
             split_frag(a, s);
-            mma_rs3_cols<64>(acc[0], a, sQ);    /* dK += dS^T Q */
+            mma_rs3_by64(acc[0], a, sQ);    /* dK += dS^T Q */
         }
 #if DQ_ATOMIC
         fence_proxy_async();              /* dS^T's planes, before wgmma reads them */
@@ -392,9 +391,9 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_x3(con
         cfrag<1, KV_NT / 2> pf;           /* P^T in float32 (ELEM_F32's fragments) */
         pt_tile<KV_NT, true>(s, pf, p, sc, sL, n0w, m0, qlo, qhi, need_mask, dp, sD);   /* dS^T into dp */
         split_frag(a, pf);
-        mma_rs3_cols<64>(dv[0], a, sdO);  /* dV += P^T dO */
+        mma_rs3_by64(dv[0], a, sdO);  /* dV += P^T dO */
         split_frag(a, dp);
-        mma_rs3_cols<64>(dk[0], a, sQ);   /* dK += dS^T Q */
+        mma_rs3_by64(dk[0], a, sQ);   /* dK += dS^T Q */
 #endif
     }
 #if DQ_ATOMIC

@@ -346,13 +346,11 @@ def test_backward_split_once(d, precision, rng, monkeypatch):
     assert splits and all(splits), splits
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_backward_on_bfloat16_planes(d, rng, monkeypatch):
-    """Hopper's float32 backward on bfloat16 planes (the default: attn_bwd_sm90_x3.cu,
-    six wgmma products a product) against the reference at float32's rule: bands, GQA, partial
-    tiles, score options, a mask with a row that keeps no key (attn_bwd_dead after it), varlen
-    with empty and unused rows; deterministic (the same bits twice); each call planned with its
-    kernels, and with ATTNEXT_BWD_F32_X3=0 the split-TF32 path's."""
+def _planes_backward(rng, monkeypatch, present, absent=(), deterministic=True):
+    """For the bfloat16 planes' tests (sm_90a only: skipped elsewhere): the kernels each plan loads
+    (names, a spy on nvrtc.function) and check(q, k, v, varlen=None, **opts), which runs the
+    forward and the backward (twice where deterministic: the same bits), holds the gradients to
+    the reference at float32's rule and the plan's kernels to present and absent."""
     from attnext.cuda import backend
     if backend.device_arch(0) != "sm_90a":
         pytest.skip("attn_bwd_sm90_x3 is sm_90a's")
@@ -371,20 +369,35 @@ def test_backward_on_bfloat16_planes(d, rng, monkeypatch):
         dout = rng.standard_normal(out.shape).astype(np.float32)
         lengths = varlen or {}
         got = []
-        for _ in range(2):
+        for _ in range(2 if deterministic else 1):
             if varlen is None:
-                got.append(attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", **opts))
+                got.append(attnext.attention_backward(dout, q, k, v, out, lse, device="cuda",
+                                                      deterministic=deterministic, **opts))
             else:
-                got.append(attnext.varlen_attention_backward(dout, q, k, v, out, lse, **lengths, device="cuda", **opts))
+                got.append(attnext.varlen_attention_backward(dout, q, k, v, out, lse, **lengths, device="cuda",
+                                                             deterministic=deterministic, **opts))
         if varlen is None:
             rg = reference.attention_backward(dout, q, k, v, out, lse, **opts)
         else:
             rg = reference.varlen_attention_backward(dout, q, k, v, out, lse, **lengths, **opts)
         problems = compare_grads(got[0], rg, q, k, v, dout, out, r_out, varlen, opts)
         assert not problems, "\n".join(problems)
-        for name, a, b in zip(("dq", "dk", "dv", "dbias"), got[0], got[1]):
-            assert a is None or np.array_equal(a, b), name
-        assert {"attn_bwd_dkdv_x3", "attn_bwd_dq_x3"} <= set(names), names
+        if deterministic:
+            for name, a, b in zip(("dq", "dk", "dv", "dbias"), got[0], got[1]):
+                assert a is None or np.array_equal(a, b), name
+        assert set(present) <= set(names) and not set(absent) & set(names), names
+    return names, check
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_on_bfloat16_planes(d, rng, monkeypatch):
+    """Hopper's float32 backward on bfloat16 planes (the default: attn_bwd_sm90_x3.cu,
+    six wgmma products a product) against the reference at float32's rule: bands, GQA, partial
+    tiles, score options, a mask with a row that keeps no key (attn_bwd_dead after it), varlen
+    with empty and unused rows; deterministic (the same bits twice); each call planned with its
+    kernels, and with ATTNEXT_BWD_F32_X3=0 the split-TF32 path's."""
+    from attnext.cuda import backend
+    names, check = _planes_backward(rng, monkeypatch, {"attn_bwd_dkdv_x3", "attn_bwd_dq_x3"})
     _backward_cases(rng, d, check)
     monkeypatch.setenv("ATTNEXT_BWD_F32_X3", "0")
     backend.clear_plans()
@@ -400,34 +413,8 @@ def test_backward_on_bfloat16_planes_atomic_dq(rng, monkeypatch):
     D = 128): the dK/dV kernel adds each item's dQ^T = K^T dS^T into dq_accum by bulk reductions,
     attn_bwd_dq_convert writes dq; the backward's cases against the reference at float32's rule,
     each call planned without the dQ kernel."""
-    from attnext.cuda import backend
-    if backend.device_arch(0) != "sm_90a":
-        pytest.skip("attn_bwd_sm90_x3 is sm_90a's")
-    backend.clear_plans()
-    names = []
-    function = backend.nvrtc.function
-
-    def spy(kernel, name, *rest, **kw):
-        names.append(name)
-        return function(kernel, name, *rest, **kw)
-    monkeypatch.setattr(backend.nvrtc, "function", spy)
     monkeypatch.setenv("ATTNEXT_BWD_X3_DQ", "atomic")
-
-    def check(q, k, v, varlen=None, **opts):
-        names.clear()
-        out, lse, r_out, _ = _forward(q, k, v, varlen=varlen, **opts)
-        dout = rng.standard_normal(out.shape).astype(np.float32)
-        lengths = varlen or {}
-        if varlen is None:
-            g = attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", deterministic=False, **opts)
-            rg = reference.attention_backward(dout, q, k, v, out, lse, **opts)
-        else:
-            g = attnext.varlen_attention_backward(dout, q, k, v, out, lse, **lengths, device="cuda",
-                                                  deterministic=False, **opts)
-            rg = reference.varlen_attention_backward(dout, q, k, v, out, lse, **lengths, **opts)
-        problems = compare_grads(g, rg, q, k, v, dout, out, r_out, varlen, opts)
-        assert not problems, "\n".join(problems)
-        assert "attn_bwd_dkdv_x3" in names and "attn_bwd_dq_x3" not in names, names
+    _, check = _planes_backward(rng, monkeypatch, {"attn_bwd_dkdv_x3"}, {"attn_bwd_dq_x3"}, deterministic=False)
     _backward_cases(rng, 128, check)
 
 
