@@ -215,7 +215,8 @@ DEV void store_ds_planes(uint32_t base, const float (&f)[1][KV_NT][4])
  * 64 keys, dQ^T = K^T dS^T over the six plane products (both operands MN-major, as
  * attn_bwd_sm90.cu's dS K: K's planes as loaded, warpgroup wg's 64-column chunk of them; dS^T's
  * planes at region, region_ptr its generic address), into a fresh accumulator; staged in the
- * region (rows of 64 floats, warpgroup wg's half) once both warpgroups have read dS^T, then
+ * region (rows of 64 floats in dq_accum's column order, dq_col: warpgroup wg's half) once both
+ * warpgroups have read dS^T, then
  * added into dq_accum's rows [m0, m0 + 64) x columns [64 wg, 64 wg + 64) by one bulk reduction
  * a row (their order varies from run to run). The next item waits for the reads
  * (bulk_wait_read) before writing the region again. */
@@ -242,8 +243,10 @@ DEV void add_dq_partial(const attn_params &p, uint32_t sK, uint32_t region, floa
 #pragma unroll
     for (int nt = 0; nt < 8; nt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++)
-            stage[(nt * 8 + 2 * tq + (e & 1)) * 64 + d0 + (e >> 1) * 8] = t[nt][e];
+        for (int e = 0; e < 4; e++) {
+            const int r = nt * 8 + 2 * tq + (e & 1);   /* m0 is a multiple of 64: dq_col's row bits */
+            stage[r * 64 + dq_col(r, d0 + (e >> 1) * 8)] = t[nt][e];
+        }
     fence_proxy_async();                  /* the stores, before the bulk engine reads them */
     named_sync(2 + wg, 128);
     if (ctid < 64 && m0 + ctid < Lq) {
