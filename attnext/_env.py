@@ -123,9 +123,9 @@ SETTINGS = {s.name: s for s in [
             "default where it applies: select.bwd_f32_x3) for attn_bwd.cu's split TF32"),
     Setting("ATTNEXT_BWD_X3_KV_WARPS", "4 | 8", "select.bwd_x3_kv_warps", LAB, CALL,
             "attn_bwd_dkdv_x3's warps: one warpgroup for every product, or two (dV's and dK's)"),
-    Setting("ATTNEXT_BWD_X3_DQ", "recompute | atomic", "recompute", LAB, CALL,
-            "attn_bwd_sm90_x3.cu's dQ: its dQ kernel, or (atomic: deterministic=False at D = 128, not yet run "
-            "on a GPU) added by its dK/dV kernel"),
+    Setting("ATTNEXT_BWD_X3_DQ", "recompute | adds", "recompute", LAB, CALL,
+            "attn_bwd_sm90_x3.cu's dQ: its dQ kernel, or (adds, at D = 128) added by its dK/dV kernel, in "
+            "the key blocks' turns where deterministic"),
     Setting("ATTNEXT_BWD_DQ", "recompute | ordered | atomic", "select.bwd_dq_mode", LAB, CALL,
             "how the backward sums dQ"),
     Setting("ATTNEXT_BWD_DQ_WRITE", "0 | 1", "by the key count", LAB, CALL,

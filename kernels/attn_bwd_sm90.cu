@@ -381,68 +381,6 @@ static_assert(KQ_BYTES >= KV_WARPS * 2048, "a Q stage holds every consumer warp'
 #if DQ_CHAINS > 1 && DQ_KEY_BLOCK != KV_BLOCK_N
 #error "attn_bwd_dkdv_ws_sm90: attn_bwd_dq_convert's DQ_KEY_BLOCK is this kernel's key block"
 #endif
-#if DQ_ORDERED
-/* The key blocks add into a query tile one at a time, in descending key-block order, so every
- * element of dq_accum sees the same additions in the same order on every run. dq_sem (B, Hq,
- * query tiles x SEM_WORDS; zeroed by attn_bwd_pre) holds a bit per key block and tile: set once
- * the block has added into the tile, or at the start for the tiles a mask_mod's block mask took
- * off its ends (mod_narrow: it adds nothing there). Block n adds into tile m once every block
- * of its chain (DQ_CHAINS) above it that sees m (up to kv_range's last) has set its bit. The
- * grid runs the key blocks in reverse (the last first), so a CTA only ever waits for CTAs
- * launched before it: those are running or done, whatever else shares the GPU. A wait that
- * outlasts SEM_SPINS polls (never expected) goes on unordered rather than hang where every turn
- * adds (a mask_mod); where the first turn stores (DQ_STORE_FIRST) a turn out of order would lose
- * sums, so the kernel traps: the call fails with the launch's error rather than return a wrong
- * dq. */
-#define SEM_SPINS (1 << 22)
-#define SEM_WORDS ((int)(gridDim.x + 31) >> 5)
-
-/* Tile m0's words, and the first and last key blocks that see it. */
-DEV int *sem_of(const attn_params &p, int64_t b, int64_t h, int m0, int Lq, int Lk, int &first, int &last)
-{
-    int64_t lo, hi;
-    kv_range(&p, m0, min(m0 + KV_BLOCK_M, Lq), Lq, Lk, &lo, &hi);
-    first = (int)(lo / KV_BLOCK_N);
-    last = (int)((hi - 1) / KV_BLOCK_N);
-    return (int *)p.dq_sem.ptr + b * p.dq_sem.s[0] + h * p.dq_sem.s[1] + (m0 / KV_BLOCK_M) * SEM_WORDS * p.dq_sem.s[2];
-}
-
-/* Until the bits of blocks n + DQ_CHAINS, n + 2 DQ_CHAINS, .. up to last (n's chain above it) are
- * all set. */
-DEV void sem_wait(const int *sem, int n, int last)
-{
-    /* the blocks of n's chain in a word: every DQ_CHAINS-th bit from n % DQ_CHAINS (two chains:
-     * 0x55555555, or 0xaaaaaaaa for odd n) */
-    const unsigned chain = (0xffffffffu / DQ_ALL_CHAINS) << (n % DQ_CHAINS);
-    for (int w = (n + 1) >> 5; w <= last >> 5; w++) {
-        const int lo = max(n + 1, w * 32) - w * 32, hi = min(last, w * 32 + 31) - w * 32;
-        const unsigned need = (hi == 31 ? ~0u : (2u << hi) - 1) & ~((1u << lo) - 1) & chain;
-        int spins = 0;
-        for (; spins < SEM_SPINS; spins++) {
-            unsigned v;
-            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(sem + w) : "memory");
-            if ((v & need) == need)
-                break;
-            if (spins >= 64)
-                __nanosleep(256);
-        }
-#if DQ_STORE_FIRST
-        if (spins == SEM_SPINS)
-            __trap();
-#endif
-    }
-}
-
-/* Block n's bit, released after its additions are complete (fenced), or at once where it adds
- * nothing (no fence: nothing to order). */
-template <bool FENCED>
-DEV void sem_set(int *sem, int n)
-{
-    if (FENCED)
-        asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    asm volatile("red.relaxed.gpu.global.or.b32 [%0], %1;" ::"l"(sem + (n >> 5)), "r"(1u << (n & 31)) : "memory");
-}
-#endif
 
 /* dq rows [m0, m0 + rows) of head h: the tile's dQ sum in the stage at st (float32 rows of
  * HEAD_DIM, columns in dq_col's order) times scale, by a writer warp's 32 lanes (lane). */
@@ -604,7 +542,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                 const int m = all_first + j % all_n;
                 if (m < m_first || m >= m_first + nm) {
                     int first, last;
-                    sem_set<false>(sem_of(p, b, hk * group + j / all_n, m * KV_BLOCK_M, Lq, Lk, first, last), n_block);
+                    sem_set<false>(sem_of<KV_BLOCK_N>(p, b, hk * group + j / all_n, m * KV_BLOCK_M, Lq, Lk, first, last), n_block);
                 }
             }
 #endif
@@ -623,7 +561,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                 const int rows = min(KV_BLOCK_M, Lq - m0), bytes = rows * HEAD_DIM * 4;
 #if DQ_ORDERED
                 int first, last;
-                int *sem = sem_of(p, b, h, m0, Lq, Lk, first, last);
+                int *sem = sem_of<KV_BLOCK_N>(p, b, h, m0, Lq, Lk, first, last);
 #endif
 #if DQ_STORE_FIRST
                 /* the tile's last turn writes dq where the host asks (short keys: beyond them this

@@ -36,14 +36,17 @@
 #error "attn_bwd_sm90_x3: float32 (bf16 planes), D = Dv in {64, 128}, 16-byte loads, 64 x 64 tiles, 4 or 8 dK/dV warps"
 #endif
 #if DQ_ATOMIC && (KV_WARPS != 8 || HEAD_DIM != 128)
-#error "attn_bwd_sm90_x3: DQ_ATOMIC (the lab's) at D = 128 with two dK/dV warpgroups"
+#error "attn_bwd_sm90_x3: DQ_ATOMIC at D = 128 with two dK/dV warpgroups"
+#endif
+#if DQ_ORDERED && DQ_TILE_M != 64 || DQ_CHAINS > 1 && DQ_KEY_BLOCK != 64
+#error "attn_bwd_sm90_x3: the ordered turns' query tiles and key blocks are this kernel's 64 rows"
 #endif
 
 #define X3_THREADS 128                    /* the dQ kernel's */
 #define KV_THREADS (KV_WARPS * 32)        /* the dK/dV kernel's: one warpgroup or two */
 /* The dK/dV kernel's passing region: P^T score_grad from the first warpgroup to the second (a
  * 64 x 64 float32 tile); DQ_ATOMIC also, in turn, dS^T's three planes (64 x 64 bf16 each) and the
- * two warpgroups' dQ partials (64 rows x 64 floats each) */
+ * item's dQ partial (64 rows x 128 floats) */
 #define XBUF_BYTES (KV_WARPS == 8 ? (DQ_ATOMIC ? 2 * 64 * 64 * 4 : 64 * 64 * 4) : 0)
 #define DS_PLANE_BYTES (64 * 64 * 2)
 #define PLANE_BYTES (64 * HEAD_DIM * 2)   /* one bf16 plane of a 64-row tile */
@@ -211,17 +214,13 @@ DEV void store_ds_planes(uint32_t base, const float (&f)[1][KV_NT][4])
         }
 }
 
-/* deterministic=False (the lab's ATTNEXT_BWD_X3_DQ=atomic): the item's dQ partial for the CTA's
- * 64 keys, dQ^T = K^T dS^T over the six plane products (both operands MN-major, as
- * attn_bwd_sm90.cu's dS K: K's planes as loaded, warpgroup wg's 64-column chunk of them; dS^T's
- * planes at region, region_ptr its generic address), into a fresh accumulator; staged in the
- * region (rows of 64 floats in dq_accum's column order, dq_col: warpgroup wg's half) once both
- * warpgroups have read dS^T, then
- * added into dq_accum's rows [m0, m0 + 64) x columns [64 wg, 64 wg + 64) by one bulk reduction
- * a row (their order varies from run to run). The next item waits for the reads
- * (bulk_wait_read) before writing the region again. */
-DEV void add_dq_partial(const attn_params &p, uint32_t sK, uint32_t region, float *region_ptr, int wg,
-                        const seq_t &sq, int64_t h, int m0, int Lq)
+/* The item's dQ partial for the CTA's 64 keys, dQ^T = K^T dS^T over the six plane products (both
+ * operands MN-major, as attn_bwd_sm90.cu's dS K: K's planes as loaded, warpgroup wg's 64-column
+ * chunk of them; dS^T's planes at region), into a fresh accumulator; staged in the region once
+ * both warpgroups have read dS^T (64 rows of HEAD_DIM floats in dq_accum's column order, dq_col:
+ * warpgroup wg's columns [64 wg, 64 wg + 64)), fenced for the bulk copy engine and the CTA
+ * synchronised: thread 0 then hands it on (dq_issue). */
+DEV void stage_dq_partial(uint32_t sK, uint32_t region, float *region_ptr, int wg)
 {
     float t[8][4];
     wgmma_fence();
@@ -236,24 +235,57 @@ DEV void add_dq_partial(const attn_params &p, uint32_t sK, uint32_t region, floa
     wgmma_commit();
     wgmma_wait<0>();
     fence_acc(t);
-    __syncthreads();                      /* both warpgroups' reads of dS^T done: the partials take its place */
+    __syncthreads();                      /* both warpgroups' reads of dS^T done: the partial takes its place */
     const int ctid = threadIdx.x & 127, lane = ctid & 31, g = lane >> 2, tq = lane & 3;
-    const int d0 = (ctid >> 5) * 16 + g;  /* the fragment's rows: columns d0, d0 + 8 of dQ's chunk */
-    float *stage = region_ptr + wg * (64 * 64);
+    const int d0 = wg * 64 + (ctid >> 5) * 16 + g;   /* the fragment's rows: dQ's columns d0, d0 + 8 */
 #pragma unroll
     for (int nt = 0; nt < 8; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int r = nt * 8 + 2 * tq + (e & 1);   /* m0 is a multiple of 64: dq_col's row bits */
-            stage[r * 64 + dq_col(r, d0 + (e >> 1) * 8)] = t[nt][e];
+            region_ptr[r * HEAD_DIM + dq_col(r, d0 + (e >> 1) * 8)] = t[nt][e];
         }
     fence_proxy_async();                  /* the stores, before the bulk engine reads them */
-    named_sync(2 + wg, 128);
-    if (ctid < 64 && m0 + ctid < Lq) {
-        float *row = (float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + (sq.start + m0 + ctid) * p.dq_accum.s[1]
-                     + h * p.dq_accum.s[2] + wg * 64;
-        bulk_add_f32(row, region + wg * (64 * 64 * 4) + ctid * 256, 256);
+    __syncthreads();
+}
+
+/* Thread 0: the staged partial (region) into dq_accum's rows [m0, m0 + 64) of head h by one bulk
+ * copy (a head's rows are one block: backend.py). DQ_ORDERED: at the key block's turn (sem_wait:
+ * attn_bwd_tile.cuh), its chain's first turn storing (DQ_STORE_FIRST), the others adding, the
+ * same order every run; otherwise added whenever it lands. */
+DEV void dq_issue(const attn_params &p, const seq_t &sq, int64_t b, int64_t h, int m0, int Lq, int Lk, int n_block,
+                  uint32_t region)
+{
+    float *dst = (float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + (sq.start + m0) * p.dq_accum.s[1]
+                 + h * p.dq_accum.s[2] + dq_chain_offset(p, n_block % DQ_CHAINS);
+    const int bytes = min(64, Lq - m0) * HEAD_DIM * 4;
+#if DQ_ORDERED
+    int first, last;
+    sem_wait(sem_of<64>(p, b, h, m0, Lq, Lk, first, last), n_block, last);
+    fence_proxy_async_global();
+#if DQ_STORE_FIRST
+    if (n_block + DQ_CHAINS > last) { /* its chain's first turn: into rows never zeroed */
+        bulk_store(dst, region, bytes);
+        return;
     }
+#endif
+#endif
+    bulk_add_f32(dst, region, bytes);
+}
+
+/* Thread 0, before the region is written again: dq_issue's copy read out of it; DQ_ORDERED, its
+ * writes complete and the block's bit for the tile set (the next turn's). Deferred to the next
+ * item's first write of the region, so that the copy lands under that item's loads and products. */
+DEV void dq_settle(const attn_params &p, int64_t b, int64_t h, int m0, int Lq, int Lk, int n_block)
+{
+#if DQ_ORDERED
+    bulk_wait();
+    fence_proxy_async_global();
+    int first, last;
+    sem_set<true>(sem_of<64>(p, b, h, m0, Lq, Lk, first, last), n_block);
+#else
+    bulk_wait_read();
+#endif
 }
 #endif
 
@@ -281,7 +313,9 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_x3(con
         return;
     }
     const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
-    const int n0 = blockIdx.x * 64, n0w = n0 + (warp & 3) * 16;
+    /* DQ_ORDERED: the key blocks in reverse, the last first (its turns come first: attn_bwd_tile.cuh) */
+    const int n_block = DQ_ORDERED ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+    const int n0 = n_block * 64, n0w = n0 + (warp & 3) * 16;
     if (n0 >= sk.rows)
         return;
     const int group = (int)(p.Hq / p.Hk), Lq = (int)sq.len, Lk = (int)sk.len;
@@ -309,9 +343,6 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_x3(con
         const int64_t h = hk * group + j / nm;
         const int m0 = (m_first + j % nm) * KV_BLOCK_M;
         const int64_t row0 = sq.start + m0;
-#if DQ_ATOMIC
-        bulk_wait_read();                 /* item j - 1's dQ partial read out of the passing region */
-#endif
         __syncthreads();                  /* every warp is done with item j - 1's tiles */
         load_split_sw128<KV_BLOCK_M, HEAD_DIM, KV_THREADS>(
             {sQ, sdO},
@@ -352,6 +383,13 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_x3(con
         cfrag<1, KV_NT / 2> pf;           /* the first's P^T in float32 (ELEM_F32's fragments) */
         if (wg == 0) {
             pt_tile<KV_NT, false>(s, pf, p, sc, sL, n0w, m0, qlo, qhi, need_mask);   /* s: P^T score_grad */
+#if DQ_ATOMIC
+            if (j > 0) {                  /* item j - 1's dQ copy out of the region first */
+                if (tid == 0)
+                    dq_settle(p, b, hk * group + (j - 1) / nm, (m_first + (j - 1) % nm) * KV_BLOCK_M, Lq, Lk, n_block);
+                named_sync(2, 128);
+            }
+#endif
 #pragma unroll
             for (int nt = 0; nt < KV_NT; nt++)
 #pragma unroll
@@ -379,7 +417,9 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_x3(con
 #if DQ_ATOMIC
         fence_proxy_async();              /* dS^T's planes, before wgmma reads them */
         __syncthreads();
-        add_dq_partial(p, sK, sX, xbuf, wg, sq, h, m0, Lq);
+        stage_dq_partial(sK, sX, xbuf, wg);
+        if (tid == 0)
+            dq_issue(p, sq, b, h, m0, Lq, Lk, n_block, sX);
 #endif
 #else
         float s[1][KV_NT][4], dp[1][KV_NT][4];
@@ -400,7 +440,10 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_x3(con
 #endif
     }
 #if DQ_ATOMIC
-    bulk_wait();                          /* the last partial's additions, before the CTA leaves */
+    if (tid == 0 && items > 0) {          /* the last item's copy, complete before the CTA leaves */
+        dq_settle(p, b, hk * group + (items - 1) / nm, (m_first + (items - 1) % nm) * KV_BLOCK_M, Lq, Lk, n_block);
+        bulk_wait();
+    }
 #endif
 #if KV_WARPS == 8
     store_dkdv(p, sk, hk, acc, acc, n0w, wg == 1, wg == 0);

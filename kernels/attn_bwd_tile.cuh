@@ -110,6 +110,72 @@ DEV int64_t dq_live_rows(const attn_params &p, const seq_t &sq, int64_t b, int64
     return sq.len;
 }
 
+#if DQ_ORDERED
+/* The ordered mode's turns (attn_bwd_sm90.cu's warp-specialised kernel, attn_bwd_sm90_x3.cu's
+ * dK/dV kernel). The key blocks add into a query tile one at a time, in descending key-block order, so every
+ * element of dq_accum sees the same additions in the same order on every run. dq_sem (B, Hq,
+ * query tiles x SEM_WORDS; zeroed by attn_bwd_pre) holds a bit per key block and tile: set once
+ * the block has added into the tile, or at the start for the tiles a mask_mod's block mask took
+ * off its ends (mod_narrow: it adds nothing there). Block n adds into tile m once every block
+ * of its chain (DQ_CHAINS) above it that sees m (up to kv_range's last) has set its bit. The
+ * grid runs the key blocks in reverse (the last first), so a CTA only ever waits for CTAs
+ * launched before it: those are running or done, whatever else shares the GPU. A wait that
+ * outlasts SEM_SPINS polls (never expected) goes on unordered rather than hang where every turn
+ * adds (a mask_mod); where the first turn stores (DQ_STORE_FIRST) a turn out of order would lose
+ * sums, so the kernel traps: the call fails with the launch's error rather than return a wrong
+ * dq. */
+#define SEM_SPINS (1 << 22)
+#define SEM_WORDS ((int)(gridDim.x + 31) >> 5)
+
+/* Query tile m0's words (DQ_TILE_M rows), and the first and last key blocks (KEY_BLOCK keys, the
+ * dK/dV kernel's grid's x) that see it. */
+template <int KEY_BLOCK>
+DEV int *sem_of(const attn_params &p, int64_t b, int64_t h, int m0, int Lq, int Lk, int &first, int &last)
+{
+    int64_t lo, hi;
+    kv_range(&p, m0, min(m0 + DQ_TILE_M, Lq), Lq, Lk, &lo, &hi);
+    first = (int)(lo / KEY_BLOCK);
+    last = (int)((hi - 1) / KEY_BLOCK);
+    return (int *)p.dq_sem.ptr + b * p.dq_sem.s[0] + h * p.dq_sem.s[1] + (m0 / DQ_TILE_M) * SEM_WORDS * p.dq_sem.s[2];
+}
+
+/* Until the bits of blocks n + DQ_CHAINS, n + 2 DQ_CHAINS, .. up to last (n's chain above it) are
+ * all set. */
+DEV void sem_wait(const int *sem, int n, int last)
+{
+    /* the blocks of n's chain in a word: every DQ_CHAINS-th bit from n % DQ_CHAINS (two chains:
+     * 0x55555555, or 0xaaaaaaaa for odd n) */
+    const unsigned chain = (0xffffffffu / DQ_ALL_CHAINS) << (n % DQ_CHAINS);
+    for (int w = (n + 1) >> 5; w <= last >> 5; w++) {
+        const int lo = max(n + 1, w * 32) - w * 32, hi = min(last, w * 32 + 31) - w * 32;
+        const unsigned need = (hi == 31 ? ~0u : (2u << hi) - 1) & ~((1u << lo) - 1) & chain;
+        int spins = 0;
+        for (; spins < SEM_SPINS; spins++) {
+            unsigned v;
+            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(sem + w) : "memory");
+            if ((v & need) == need)
+                break;
+            if (spins >= 64)
+                __nanosleep(256);
+        }
+#if DQ_STORE_FIRST
+        if (spins == SEM_SPINS)
+            __trap();
+#endif
+    }
+}
+
+/* Block n's bit, released after its additions are complete (fenced), or at once where it adds
+ * nothing (no fence: nothing to order). */
+template <bool FENCED>
+DEV void sem_set(int *sem, int n)
+{
+    if (FENCED)
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    asm volatile("red.relaxed.gpu.global.or.b32 [%0], %1;" ::"l"(sem + (n >> 5)), "r"(1u << (n & 31)) : "memory");
+}
+#endif
+
 /* Past this |lse|, exp2(s c - lse log2e) is off by more than P's float32 rounding (its error
  * grows with ulp(lse): 1.2e-4 relative at 1024) and, far past it, lse holds the scores' fill
  * alone (-1e10, not -1e10 + log n): such a row is lost. The main kernels take it for a row that

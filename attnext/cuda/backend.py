@@ -1000,12 +1000,14 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     # so then dq_accum starts zeroed and every turn adds; attn_bwd_dq_convert writes dq unless the
     # last turns do
     mask_mod = bool(gen is not None and gen.defines.get("HAS_MASK_MOD"))
-    write_last = select.bwd_dq_write_last(dq_mode, mask_mod, reach)
+    write_last = not x3 and select.bwd_dq_write_last(dq_mode, mask_mod, reach)   # x3: converted apart
     chains = select.bwd_dq_chains(dq_mode, mask_mod, write_last, _banded(o), reach)
-    defines = select.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen, chains=chains, presplit=presplit)
+    defines = select.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen, chains=chains, presplit=presplit,
+                                 key_block=64 if x3 else None)
     smem = select.bwd_smem_bytes(o.D, o.Dv, tile, atomic, defines.get("MOD_TILE_SLOTS", 0), features["dtype"], planes)
     hopper = select.bwd_sm90_tile(o.D, dq_mode) if sm90 else None
-    kv_blocks = _query_tiles(k_rows, 16 * hopper["kv_warps"]) if hopper else 0   # the dK/dV grid's x
+    # the dK/dV grid's x (its key blocks)
+    kv_blocks = _query_tiles(k_rows, 16 * hopper["kv_warps"]) if hopper else _query_tiles(k_rows, 64) if x3 else 0
     ns = types.SimpleNamespace(atomic=atomic, ordered=dq_mode == "ordered",
                                sem_words=-(-kv_blocks // 32) if dq_mode == "ordered" else 0,
                                mask_mod=mask_mod, write_last=write_last, chains=chains, grads=grads, wanted=[],
@@ -1036,7 +1038,7 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
         elif x3:                 # float32 as bfloat16 planes on wgmma (attn_bwd_sm90_x3.cu)
             defs_x3 = select.bwd_x3_defines(defines, o.D)
             smem_x3 = select.bwd_x3_smem_bytes(o.D, defs_x3)
-            launch("attn_bwd_dkdv_x3", (_query_tiles(k_rows, 64), o.Hk, o.B + tail), defs_x3["KV_WARPS"],
+            launch("attn_bwd_dkdv_x3", (kv_blocks, o.Hk, o.B + tail), defs_x3["KV_WARPS"],
                    "attn_bwd_sm90_x3", defs_x3, smem_x3)
             if not atomic:
                 launch("attn_bwd_dq_x3", (_query_tiles(q_rows, 64), o.Hq, o.B + tail), 4, "attn_bwd_sm90_x3",

@@ -492,19 +492,22 @@ def bwd_x3_kv_warps(D):
 
 def bwd_x3_dq_mode(D, deterministic):
     """How attn_bwd_sm90_x3.cu gets dQ: "recompute" (its dQ kernel: S and dP again, 7 products a
-    pair), or for the lab (ATTNEXT_BWD_X3_DQ=atomic) with deterministic=False at D = 128 "atomic":
-    the dK/dV kernel adds each item's dS K into dq_accum by bulk reductions (5 products; written
-    in session 48, not yet run: bench/NOTES.md, float32 backward, open item 0)."""
-    atomic = _env.get("ATTNEXT_BWD_X3_DQ") == "atomic" and not deterministic and D == 128
-    return "atomic" if atomic and bwd_x3_kv_warps(D) == 8 else "recompute"
+    pair), or for the lab (ATTNEXT_BWD_X3_DQ=adds) at D = 128 with two dK/dV warpgroups, the
+    dK/dV kernel adding each item's dS K into dq_accum by a bulk reduction (5 products): "ordered"
+    (the key blocks' turns, attn_bwd_tile.cuh: the same bits every run) or with
+    deterministic=False "atomic" (H200, B2 S4k H16: 12.0 -> 9.2 ms; bench/NOTES.md, float32
+    backward x4)."""
+    adds = _env.get("ATTNEXT_BWD_X3_DQ") == "adds" and D == 128 and bwd_x3_kv_warps(D) == 8
+    return "recompute" if not adds else "ordered" if deterministic else "atomic"
 
 
 def bwd_x3_defines(defines, D):
     """attn_bwd_sm90_x3.cu's switches from attn_bwd.cu's float32 ones: bfloat16 planes on the tensor
-    cores, its fixed tiles (64 x 64; the dQ kernel one warpgroup, the dK/dV kernel bwd_x3_kv_warps)."""
+    cores, its fixed tiles (64 x 64; the dQ kernel one warpgroup, the dK/dV kernel bwd_x3_kv_warps);
+    dQ's switches (DQ_ATOMIC, DQ_ORDERED, its chains) as defines has them, for 64-key blocks."""
     d = {k: v for k, v in defines.items() if k != "F32_PRESPLIT"}
     d.update(ELEM_BF16=1, KV_BLOCK_M=64, KV_WARPS=bwd_x3_kv_warps(D), KV_SPLIT=0, KV_MINB=1,
-             DQ_ATOMIC=defines.get("DQ_ATOMIC", 0), DQ_ORDERED=0, Q_BLOCK_M=64, Q_BLOCK_N=64, Q_WARPS=4, Q_MINB=1)
+             Q_BLOCK_M=64, Q_BLOCK_N=64, Q_WARPS=4, Q_MINB=1)
     return d
 
 
@@ -789,14 +792,14 @@ def bwd_sm90_smem_bytes(D, Dv, tile, slots=0):
 
 
 def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile, dq="recompute",
-                mods=None, tf32=False, tma=False, chains=1, presplit=False):
+                mods=None, tf32=False, tma=False, chains=1, presplit=False, key_block=None):
     """The #defines of one backward variant (kernels/attn_bwd.cu: every backward kernel of it;
     attn_bwd_sm90.cu the same); dq: bwd_dq_mode's answer ("recompute" whenever the mods have
     array gradients: the dQ kernels' ds_tile scatters them, MOD_TILE_SLOTS: through shared
     memory where it has tile terms); mods: as for fwd_defines; tma: bwd_tma's answer (the
     warp-specialised dK/dV kernel's Q and dO by bulk tensor copies, BWD_TMA); chains:
-    bwd_dq_chains' answer (DQ_CHAINS and the key block it counts, DQ_KEY_BLOCK, where above 1);
-    presplit: bwd_f32_presplit's (F32_PRESPLIT)."""
+    bwd_dq_chains' answer (DQ_CHAINS and the key block it counts, DQ_KEY_BLOCK, where above 1:
+    key_block, else attn_bwd_sm90.cu's); presplit: bwd_f32_presplit's (F32_PRESPLIT)."""
     d = {
         **dtype_defines(dtype, tf32), "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
         "HAS_SOFTCAP": int(softcap), "HAS_BIAS": int(bias_dtype is not None),
@@ -813,7 +816,7 @@ def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
     if presplit:
         d["F32_PRESPLIT"] = 1
     if chains > 1:
-        d.update(DQ_CHAINS=chains, DQ_KEY_BLOCK=16 * bwd_sm90_tile(D, dq)["kv_warps"])
+        d.update(DQ_CHAINS=chains, DQ_KEY_BLOCK=key_block or 16 * bwd_sm90_tile(D, dq)["kv_warps"])
     slots, admit, always = tile_sums(mods, tile["q_block_m"], tile["q_block_n"])
     if slots:
         d.update(MOD_TILE_SLOTS=slots, MOD_TILE_ADMIT=admit, MOD_TILE_ALWAYS=int(always))

@@ -408,13 +408,19 @@ def test_backward_on_bfloat16_planes(d, rng, monkeypatch):
     assert names and not any(n.endswith("_x3") for n in names), names
 
 
-def test_backward_on_bfloat16_planes_atomic_dq(rng, monkeypatch):
-    """The lab's atomic dQ on the bfloat16 planes (ATTNEXT_BWD_X3_DQ=atomic, deterministic=False,
-    D = 128): the dK/dV kernel adds each item's dQ^T = K^T dS^T into dq_accum by bulk reductions,
-    attn_bwd_dq_convert writes dq; the backward's cases against the reference at float32's rule,
-    each call planned without the dQ kernel."""
-    monkeypatch.setenv("ATTNEXT_BWD_X3_DQ", "atomic")
-    _, check = _planes_backward(rng, monkeypatch, {"attn_bwd_dkdv_x3"}, {"attn_bwd_dq_x3"}, deterministic=False)
+@pytest.mark.parametrize("deterministic, chains", [(False, None), (True, None), (True, "4")])
+def test_backward_on_bfloat16_planes_dq_added(deterministic, chains, rng, monkeypatch):
+    """The lab's dQ added by the planes' dK/dV kernel (ATTNEXT_BWD_X3_DQ=adds, D = 128): each
+    item's dQ^T = K^T dS^T into dq_accum by a bulk reduction, in the key blocks' turns where
+    deterministic (the same bits twice; in one chain of turns where the call is banded, else in
+    bwd_dq_chains' or ATTNEXT_BWD_DQ_CHAINS'), in whatever order otherwise; attn_bwd_dq_convert
+    writes dq. The backward's cases against the reference at float32's rule, each call planned
+    without the dQ kernel."""
+    monkeypatch.setenv("ATTNEXT_BWD_X3_DQ", "adds")
+    if chains:
+        monkeypatch.setenv("ATTNEXT_BWD_DQ_CHAINS", chains)
+    _, check = _planes_backward(rng, monkeypatch, {"attn_bwd_dkdv_x3", "attn_bwd_dq_convert"}, {"attn_bwd_dq_x3"},
+                                deterministic=deterministic)
     _backward_cases(rng, 128, check)
 
 

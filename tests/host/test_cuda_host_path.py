@@ -781,14 +781,16 @@ def test_the_float32_backward_on_bfloat16_planes_plan(fake_driver):
                     assert block == (threads, 1, 1) and smem == select.bwd_x3_smem_bytes(D, d)[name], (block, smem)
                     assert not any(p["dq_accum"]), p["dq_accum"]
                 assert got[1][2] == (4, 2, 2) and got[2][2] == (5, 4, 2), (got[1][2], got[2][2])
-            # the lab's atomic dQ (deterministic=False at D = 128): the dK/dV kernel adds into
-            # dq_accum, which attn_bwd_pre zeroes and attn_bwd_dq_convert scales into dq
-            _env.setenv("ATTNEXT_BWD_X3_DQ", "atomic")
+            # the lab's dQ added by the dK/dV kernel (D = 128): into dq_accum, which attn_bwd_pre
+            # zeroes (deterministic=False) or the turns' first stores (deterministic: dq_sem's
+            # words for the 64-key blocks, attn_bwd_pre zeroing them, in one chain where causal and
+            # in DQ_CHAINS of 64-key blocks where not); attn_bwd_dq_convert scales it into dq
+            _env.setenv("ATTNEXT_BWD_X3_DQ", "adds")
             try:
-                for det in (True, False):
-                    got = backward(q, k, v, causal=True, deterministic=det)
+                for det, causal in ((True, True), (True, False), (False, True)):
+                    got = backward(q, k, v, causal=causal, deterministic=det)
                     names = [g[0] for g in got]
-                    if det or D == 64:
+                    if D == 64:
                         assert "attn_bwd_dq_x3" in names, names
                         continue
                     assert names == ["attn_bwd_pre", "attn_bwd_dkdv_x3", "attn_bwd_dq_convert", "attn_bwd_dead"], names
@@ -796,6 +798,13 @@ def test_the_float32_backward_on_bfloat16_planes_plan(fake_driver):
                     assert d["DQ_ATOMIC"] == 1 and d["KV_WARPS"] == 8 and block == (256, 1, 1), (d, block)
                     assert smem == select.bwd_x3_smem_bytes(D, d)[name] <= 227 * 1024, smem
                     assert any(p["dq_accum"]) and got[0][1]["DQ_ATOMIC"] == 1, (p["dq_accum"], got[0][1])
+                    chains = 1 if causal or not det else select.DQ_CHAINS
+                    for _, dd, *_ in got:
+                        assert dd["DQ_ORDERED"] == det and dd.get("DQ_CHAINS", 1) == chains, dd
+                        assert dd.get("DQ_KEY_BLOCK", 64) == 64 and dd["DQ_TILE_M"] == (64 if det else 0), dd
+                    assert any(p["dq_sem"]) == det and p["dq_write_last"] == 0, (p["dq_sem"], p["dq_write_last"])
+                    if det:               # (B, Hq, query tiles x words): 5 tiles of 300 rows, a word
+                        assert grid[0] == 4 and p["dq_sem"][1] == 5, (p["dq_sem"], grid)
             finally:
                 _env.setenv("ATTNEXT_BWD_X3_DQ", None)
             others = [backward(q, k, v, precision="tf32"), backward(q, k, v, score_mod=mod),
