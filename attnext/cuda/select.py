@@ -491,13 +491,13 @@ def bwd_x3_kv_warps(D):
 
 
 def bwd_x3_dq_mode(D, deterministic):
-    """How attn_bwd_sm90_x3.cu gets dQ: "recompute" (its dQ kernel: S and dP again, 7 products a
-    pair), or for the lab (ATTNEXT_BWD_X3_DQ=adds) at D = 128 with two dK/dV warpgroups, the
-    dK/dV kernel adding each item's dS K into dq_accum by a bulk reduction (5 products): "ordered"
-    (the key blocks' turns, attn_bwd_tile.cuh: the same bits every run) or with
-    deterministic=False "atomic" (H200, B2 S4k H16: 12.0 -> 9.2 ms; bench/NOTES.md, float32
-    backward x4)."""
-    adds = _env.get("ATTNEXT_BWD_X3_DQ") == "adds" and D == 128 and bwd_x3_kv_warps(D) == 8
+    """How attn_bwd_sm90_x3.cu gets dQ: at D = 128 with two dK/dV warpgroups (bwd_x3_kv_warps) its
+    dK/dV kernel adds each item's dS K into dq_accum by a bulk reduction (5 products a pair):
+    "ordered" (the key blocks' turns, attn_bwd_tile.cuh: the same bits every run) or with
+    deterministic=False "atomic"; elsewhere, or with ATTNEXT_BWD_X3_DQ=recompute, "recompute" (its
+    dQ kernel: S and dP again, 7 products a pair). H200, B2 S4k H16 D128: 12.0 ms recomputing, 9.3
+    ordered, 8.6 atomic (bench/NOTES.md, float32 backward x4)."""
+    adds = (_env.get("ATTNEXT_BWD_X3_DQ") or "adds") == "adds" and D == 128 and bwd_x3_kv_warps(D) == 8
     return "recompute" if not adds else "ordered" if deterministic else "atomic"
 
 
@@ -910,11 +910,20 @@ def sm90_bwd_variants():
                 if mode == "ordered":
                     out.append(("attn_bwd", bwd_defines(**features, tile=bwd_tile_config(D, fd["HEAD_DIM_V"]),
                                                         dq=mode, chains=chains)))
-    # float32 on bfloat16 planes (bwd_f32_x3, the lab's), plain, at both head dims
+    # float32 on bfloat16 planes (bwd_f32_x3), plain, at both head dims in the dq modes a
+    # deterministic and a non-deterministic call choose (ordered: in one chain and in DQ_CHAINS), with
+    # attn_bwd.cu's row kernels (delta, dq_convert, dead) where dQ is added
     for D in (64, 128):
         f32 = dict(dtype="float32", D=D, Dv=D, vec=True, softcap=False, bias_dtype=None, alibi_dtype=None,
                    mask=False, tf32=False)
-        out.append(("attn_bwd_sm90_x3", bwd_x3_defines(bwd_defines(**f32, tile=bwd_tile_config(D, D, "float32")), D)))
+        for deterministic in (True, False):
+            mode = bwd_x3_dq_mode(D, deterministic)
+            tile = bwd_tile_config(D, D, "float32", mode != "recompute", True)
+            for chains in ((1, DQ_CHAINS) if mode == "ordered" else (1,)):
+                d = bwd_defines(**f32, tile=tile, dq=mode, chains=chains, presplit=True, key_block=64)
+                out.append(("attn_bwd_sm90_x3", bwd_x3_defines(d, D)))
+                if mode != "recompute":
+                    out.append(("attn_bwd", d))
     unique = {(k, tuple(sorted(d.items()))): (k, d) for k, d in out}
     return list(unique.values())
 

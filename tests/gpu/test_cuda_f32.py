@@ -395,9 +395,12 @@ def test_backward_on_bfloat16_planes(d, rng, monkeypatch):
     six wgmma products a product) against the reference at float32's rule: bands, GQA, partial
     tiles, score options, a mask with a row that keeps no key (attn_bwd_dead after it), varlen
     with empty and unused rows; deterministic (the same bits twice); each call planned with its
-    kernels, and with ATTNEXT_BWD_F32_X3=0 the split-TF32 path's."""
+    kernels (D = 64: the dQ kernel; D = 128: dQ added by the dK/dV kernel in its key blocks'
+    turns, attn_bwd_dq_convert writing dq), and with ATTNEXT_BWD_F32_X3=0 the split-TF32 path's."""
     from attnext.cuda import backend
-    names, check = _planes_backward(rng, monkeypatch, {"attn_bwd_dkdv_x3", "attn_bwd_dq_x3"})
+    dq = {"attn_bwd_dq_x3"} if d == 64 else {"attn_bwd_dq_convert"}
+    names, check = _planes_backward(rng, monkeypatch, {"attn_bwd_dkdv_x3"} | dq,
+                                    {"attn_bwd_dq_convert", "attn_bwd_dq_x3"} - dq)
     _backward_cases(rng, d, check)
     monkeypatch.setenv("ATTNEXT_BWD_F32_X3", "0")
     backend.clear_plans()
@@ -408,19 +411,20 @@ def test_backward_on_bfloat16_planes(d, rng, monkeypatch):
     assert names and not any(n.endswith("_x3") for n in names), names
 
 
-@pytest.mark.parametrize("deterministic, chains", [(False, None), (True, None), (True, "4")])
-def test_backward_on_bfloat16_planes_dq_added(deterministic, chains, rng, monkeypatch):
-    """The lab's dQ added by the planes' dK/dV kernel (ATTNEXT_BWD_X3_DQ=adds, D = 128): each
-    item's dQ^T = K^T dS^T into dq_accum by a bulk reduction, in the key blocks' turns where
-    deterministic (the same bits twice; in one chain of turns where the call is banded, else in
-    bwd_dq_chains' or ATTNEXT_BWD_DQ_CHAINS'), in whatever order otherwise; attn_bwd_dq_convert
-    writes dq. The backward's cases against the reference at float32's rule, each call planned
-    without the dQ kernel."""
-    monkeypatch.setenv("ATTNEXT_BWD_X3_DQ", "adds")
-    if chains:
-        monkeypatch.setenv("ATTNEXT_BWD_DQ_CHAINS", chains)
-    _, check = _planes_backward(rng, monkeypatch, {"attn_bwd_dkdv_x3", "attn_bwd_dq_convert"}, {"attn_bwd_dq_x3"},
-                                deterministic=deterministic)
+@pytest.mark.parametrize("how", ["atomic", "one chain", "recompute"])
+def test_backward_on_bfloat16_planes_dq_modes(how, rng, monkeypatch):
+    """The planes' other ways to dQ at D = 128, against the reference at float32's rule on the
+    backward's cases: added as they land (deterministic=False, the dK/dV kernel's bulk reductions
+    into a dq_accum attn_bwd_pre zeroed), in the key blocks' turns in one chain
+    (ATTNEXT_BWD_DQ_CHAINS=1; the default's are DQ_CHAINS: the same bits twice), or recomputed
+    by the dQ kernel (ATTNEXT_BWD_X3_DQ=recompute, deterministic)."""
+    if how == "one chain":
+        monkeypatch.setenv("ATTNEXT_BWD_DQ_CHAINS", "1")
+    if how == "recompute":
+        monkeypatch.setenv("ATTNEXT_BWD_X3_DQ", "recompute")
+    dq = {"attn_bwd_dq_x3"} if how == "recompute" else {"attn_bwd_dq_convert"}
+    _, check = _planes_backward(rng, monkeypatch, {"attn_bwd_dkdv_x3"} | dq,
+                                {"attn_bwd_dq_convert", "attn_bwd_dq_x3"} - dq, deterministic=how != "atomic")
     _backward_cases(rng, 128, check)
 
 

@@ -750,61 +750,65 @@ def test_the_ordered_backward_runs_its_turns_in_chains(tmp_path):
 
 
 def test_the_float32_backward_on_bfloat16_planes_plan(fake_driver):
-    """Hopper's float32 backward on bfloat16 planes (by default, select.bwd_f32_x3):
-    attn_bwd_pre, then attn_bwd_sm90_x3.cu's attn_bwd_dkdv_x3 over 64-key blocks of each kv head
-    and attn_bwd_dq_x3 over 64-row query tiles of each head (128 threads, the dK/dV kernel's 256 at
-    D = 128: two warpgroups; float32 in memory,
-    bfloat16 planes: ELEM_F32 and ELEM_BF16; their shared memory), then attn_bwd_dead; no
-    dq_accum, deterministic or not. With ATTNEXT_BWD_F32_X3=0, precision="tf32", D = 96,
-    bfloat16 inputs or a score_mod: attn_bwd.cu's kernels."""
+    """Hopper's float32 backward on bfloat16 planes (by default, select.bwd_f32_x3): attn_bwd_pre,
+    then attn_bwd_sm90_x3.cu's attn_bwd_dkdv_x3 over 64-key blocks of each kv head (float32 in
+    memory, bfloat16 planes: ELEM_F32 and ELEM_BF16; their shared memory), then attn_bwd_dead.
+    D = 64: one warpgroup, and attn_bwd_dq_x3 over 64-row query tiles of each head recomputes dQ
+    (no dq_accum), deterministic or not. D = 128: two warpgroups that add dQ into dq_accum,
+    attn_bwd_dq_convert writing dq: deterministic, in the key blocks' turns (DQ_ORDERED: dq_sem's
+    words for the 64-key blocks, which attn_bwd_pre zeroes; in DQ_CHAINS chains, causal too; the
+    first turns store, nothing zeroes dq_accum), else as they land (attn_bwd_pre zeroes dq_accum);
+    with ATTNEXT_BWD_X3_DQ=recompute, as at D = 64. Every launch among the variants warmup
+    compiles. With ATTNEXT_BWD_F32_X3=0, precision="tf32", D = 96, bfloat16 inputs or a
+    score_mod: attn_bwd.cu's kernels."""
     run_on_fake(fake_driver, r"""
         _C.cuda_launch_attention = lambda fn, *rest: launch(fn, *rest[:8])     # the mods' bytes dropped
         F32 = np.float32
+        warm = {(k, tuple(sorted(d.items()))) for k, d in select.variants("sm_90a")}
 
         def backward(q, k, v, deterministic=True, **kw):
             out, lse = attnext.attention(q, k, v, return_lse=True, **kw)
             n = len(LAUNCHES)
             attnext.attention_backward(dev(q.shape, q.dtype), q, k, v, out, lse, deterministic=deterministic, **kw)
-            return [(l[0][1], dict(l[0][2]), l[1], l[2], l[3], l[5]) for l in LAUNCHES[n:]]
+            return [(l[0][1], dict(l[0][2]), l[1], l[2], l[3], l[5], l[0][0]) for l in LAUNCHES[n:]]
+
+        def recomputes(got, D):
+            names = [g[0] for g in got]
+            assert names == ["attn_bwd_pre", "attn_bwd_dkdv_x3", "attn_bwd_dq_x3", "attn_bwd_dead"], names
+            for name, d, grid, block, smem, p, _ in got[1:3]:
+                assert d["ELEM_F32"] == d["ELEM_BF16"] == 1 and d["HEAD_DIM"] == d["HEAD_DIM_V"] == D, d
+                threads = 32 * d["KV_WARPS"] if name == "attn_bwd_dkdv_x3" else 128
+                assert threads == (256 if D == 128 and name == "attn_bwd_dkdv_x3" else 128), (name, threads)
+                assert block == (threads, 1, 1) and smem == select.bwd_x3_smem_bytes(D, d)[name], (block, smem)
+                assert not any(p["dq_accum"]) and d["DQ_ATOMIC"] == 0, (p["dq_accum"], d)
+            assert got[1][2] == (4, 2, 2) and got[2][2] == (5, 4, 2), (got[1][2], got[2][2])
 
         mod = lambda s, b, h, qi, ki: s * 0.5
         for D in (64, 128):
             q, k, v = dev((2, 300, 4, D), F32), dev((2, 200, 2, D), F32), dev((2, 200, 2, D), F32)
-            for det in (True, False):
-                got = backward(q, k, v, causal=True, deterministic=det)
+            for det, causal in ((True, True), (True, False), (False, True), (False, False)):
+                got = backward(q, k, v, causal=causal, deterministic=det)
+                assert all((g[6], tuple(sorted(g[1].items()))) in warm for g in got), [g[:2] for g in got]
+                if D == 64:
+                    recomputes(got, D)
+                    continue
                 names = [g[0] for g in got]
-                assert names == ["attn_bwd_pre", "attn_bwd_dkdv_x3", "attn_bwd_dq_x3", "attn_bwd_dead"], names
-                for name, d, grid, block, smem, p in got[1:3]:
-                    assert d["ELEM_F32"] == d["ELEM_BF16"] == 1 and d["HEAD_DIM"] == d["HEAD_DIM_V"] == D, d
-                    threads = 32 * d["KV_WARPS"] if name == "attn_bwd_dkdv_x3" else 128
-                    assert threads == (256 if D == 128 and name == "attn_bwd_dkdv_x3" else 128), (name, threads)
-                    assert block == (threads, 1, 1) and smem == select.bwd_x3_smem_bytes(D, d)[name], (block, smem)
-                    assert not any(p["dq_accum"]), p["dq_accum"]
-                assert got[1][2] == (4, 2, 2) and got[2][2] == (5, 4, 2), (got[1][2], got[2][2])
-            # the lab's dQ added by the dK/dV kernel (D = 128): into dq_accum, which attn_bwd_pre
-            # zeroes (deterministic=False) or the turns' first stores (deterministic: dq_sem's
-            # words for the 64-key blocks, attn_bwd_pre zeroing them, in one chain where causal and
-            # in DQ_CHAINS of 64-key blocks where not); attn_bwd_dq_convert scales it into dq
-            _env.setenv("ATTNEXT_BWD_X3_DQ", "adds")
+                assert names == ["attn_bwd_pre", "attn_bwd_dkdv_x3", "attn_bwd_dq_convert", "attn_bwd_dead"], names
+                name, d, grid, block, smem, p, _ = got[1]
+                assert d["DQ_ATOMIC"] == 1 and d["KV_WARPS"] == 8 and block == (256, 1, 1), (d, block)
+                assert smem == select.bwd_x3_smem_bytes(D, d)[name] <= 227 * 1024, smem
+                assert any(p["dq_accum"]) and got[0][1]["DQ_ATOMIC"] == 1, (p["dq_accum"], got[0][1])
+                chains = select.DQ_CHAINS if det else 1
+                for _, dd, *_ in got:
+                    assert dd["DQ_ORDERED"] == det and dd.get("DQ_CHAINS", 1) == chains, dd
+                    assert dd.get("DQ_KEY_BLOCK", 64) == 64 and dd["DQ_TILE_M"] == (64 if det else 0), dd
+                assert any(p["dq_sem"]) == det and p["dq_write_last"] == 0, (p["dq_sem"], p["dq_write_last"])
+                if det:                   # (B, Hq, query tiles x words): 5 tiles of 300 rows, a word
+                    assert grid == (4, 2, 2) and p["dq_sem"][1] == 5, (p["dq_sem"], grid)
+            _env.setenv("ATTNEXT_BWD_X3_DQ", "recompute")
             try:
-                for det, causal in ((True, True), (True, False), (False, True)):
-                    got = backward(q, k, v, causal=causal, deterministic=det)
-                    names = [g[0] for g in got]
-                    if D == 64:
-                        assert "attn_bwd_dq_x3" in names, names
-                        continue
-                    assert names == ["attn_bwd_pre", "attn_bwd_dkdv_x3", "attn_bwd_dq_convert", "attn_bwd_dead"], names
-                    name, d, grid, block, smem, p = got[1]
-                    assert d["DQ_ATOMIC"] == 1 and d["KV_WARPS"] == 8 and block == (256, 1, 1), (d, block)
-                    assert smem == select.bwd_x3_smem_bytes(D, d)[name] <= 227 * 1024, smem
-                    assert any(p["dq_accum"]) and got[0][1]["DQ_ATOMIC"] == 1, (p["dq_accum"], got[0][1])
-                    chains = 1 if causal or not det else select.DQ_CHAINS
-                    for _, dd, *_ in got:
-                        assert dd["DQ_ORDERED"] == det and dd.get("DQ_CHAINS", 1) == chains, dd
-                        assert dd.get("DQ_KEY_BLOCK", 64) == 64 and dd["DQ_TILE_M"] == (64 if det else 0), dd
-                    assert any(p["dq_sem"]) == det and p["dq_write_last"] == 0, (p["dq_sem"], p["dq_write_last"])
-                    if det:               # (B, Hq, query tiles x words): 5 tiles of 300 rows, a word
-                        assert grid[0] == 4 and p["dq_sem"][1] == 5, (p["dq_sem"], grid)
+                for det in (True, False):
+                    recomputes(backward(q, k, v, causal=True, deterministic=det), D)
             finally:
                 _env.setenv("ATTNEXT_BWD_X3_DQ", None)
             others = [backward(q, k, v, precision="tf32"), backward(q, k, v, score_mod=mod),
