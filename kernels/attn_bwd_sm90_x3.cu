@@ -13,11 +13,15 @@
  *                     = V dO^T, P^T and dS^T (attn_bwd_tile.cuh's pt_tile, in float32), their
  *                     planes as register A fragments, dV += P^T dO and dK += dS^T Q; one
  *                     warpgroup, or two (KV_WARPS 8: one for dV's products, one for dK's).
- *   attn_bwd_dq_x3    one CTA per (64 query rows, head, sequence) over its key tiles (64 keys):
- *                     S = Q K^T, dP = dO V^T, dS (ds_tile), dQ += dS K; one warpgroup (two,
- *                     one for S and one for dP passing tiles through shared memory, measured
- *                     8% slower at D = 128: bench/NOTES.md, float32 backward x3).
- * Deterministic: each output element is summed by the one CTA that owns its row, in order.
+ *                     DQ_ATOMIC (two warpgroups, D = 128): also each item's dQ partial
+ *                     dQ^T = K^T dS^T, added into dq_accum by a bulk reduction (DQ_ORDERED: in
+ *                     the key blocks' turns, attn_bwd_tile.cuh), attn_bwd_dq_convert writing dq.
+ *   attn_bwd_dq_x3    (without DQ_ATOMIC) one CTA per (64 query rows, head, sequence) over its
+ *                     key tiles (64 keys): S = Q K^T, dP = dO V^T, dS (ds_tile), dQ += dS K;
+ *                     one warpgroup (two, one for S and one for dP passing tiles through shared
+ *                     memory, measured 8% slower at D = 128: bench/NOTES.md, float32 backward x3).
+ * Deterministic: each dK, dV and recomputed dQ element is summed by the one CTA that owns its row,
+ * in order; dQ's additions in the ordered turns; deterministic=False only adds them as they land.
  * delta (attn_bwd_pre) and rows that keep no key (attn_bwd_dead) are attn_bwd.cu's float32
  * kernels'. Applies to float32 VEC_LOAD inputs with D = Dv in {64, 128}, every option of the
  * score hook and masks, no generated mods (select.bwd_f32_x3).

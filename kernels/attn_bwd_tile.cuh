@@ -112,14 +112,14 @@ DEV int64_t dq_live_rows(const attn_params &p, const seq_t &sq, int64_t b, int64
 
 #if DQ_ORDERED
 /* The ordered mode's turns (attn_bwd_sm90.cu's warp-specialised kernel, attn_bwd_sm90_x3.cu's
- * dK/dV kernel). The key blocks add into a query tile one at a time, in descending key-block order, so every
- * element of dq_accum sees the same additions in the same order on every run. dq_sem (B, Hq,
- * query tiles x SEM_WORDS; zeroed by attn_bwd_pre) holds a bit per key block and tile: set once
- * the block has added into the tile, or at the start for the tiles a mask_mod's block mask took
- * off its ends (mod_narrow: it adds nothing there). Block n adds into tile m once every block
- * of its chain (DQ_CHAINS) above it that sees m (up to kv_range's last) has set its bit. The
- * grid runs the key blocks in reverse (the last first), so a CTA only ever waits for CTAs
- * launched before it: those are running or done, whatever else shares the GPU. A wait that
+ * dK/dV kernel). The key blocks add into a query tile one at a time, in descending key-block
+ * order, so every element of dq_accum sees the same additions in the same order on every run.
+ * dq_sem (B, Hq, query tiles x SEM_WORDS; zeroed by attn_bwd_pre) holds a bit per key block and
+ * tile: set once the block has added into the tile, or at the start for the tiles a mask_mod's
+ * block mask took off its ends (mod_narrow: it adds nothing there). Block n adds into tile m once
+ * every block of its chain (DQ_CHAINS) above it that sees m (up to kv_range's last) has set its
+ * bit. The grid runs the key blocks in reverse (the last first), so a CTA only ever waits for
+ * CTAs launched before it: those are running or done, whatever else shares the GPU. A wait that
  * outlasts SEM_SPINS polls (never expected) goes on unordered rather than hang where every turn
  * adds (a mask_mod); where the first turn stores (DQ_STORE_FIRST) a turn out of order would lose
  * sums, so the kernel traps: the call fails with the launch's error rather than return a wrong
