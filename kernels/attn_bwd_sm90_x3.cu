@@ -3,9 +3,11 @@
  * x2 = bf16(x - x0 - x1): 24 bits, float32's), and each product taken as the six plane products
  * of order <= 2 (x0 y0, x0 y1, x1 y0, x0 y2, x2 y0, x1 y1; bench/labs/lab_split.py: 6.5e-9 against
  * NumPy float32's 5.7e-7), on the 16-bit kernels' wgmma and layouts, whose operands may be read
- * transposed (TF32's may not: attn_fwd_sm90_f32.cu). Hopper's float32 backward where it applies
- * (select.bwd_f32_x3; ATTNEXT_BWD_F32_X3=0 leaves it); every tile split by the CTA's threads as
- * it is loaded, no loads in flight under the products (bench/NOTES.md, float32 backward x1-x3).
+ * transposed (TF32's may not: attn_fwd_sm90_f32.cu). precision="tf32" (TF32_PASSES 1) takes two
+ * planes (16 bits, past TF32's 11) and the three products of order <= 1. Hopper's float32
+ * backward where it applies (select.bwd_f32_x3; ATTNEXT_BWD_F32_X3=0 leaves it); every tile split
+ * by the CTA's threads as it is loaded, no loads in flight under the products (bench/NOTES.md,
+ * float32 backward x1-x6).
  *
  *   attn_bwd_dkdv_x3  one CTA per (64 keys, kv head, sequence): K's and V's planes stay; the
  *                     query tiles (64 rows) of every query head of the GQA group come past in
@@ -39,6 +41,9 @@
     || HAS_MASK_MOD
 #error "attn_bwd_sm90_x3: float32 (bf16 planes), D = Dv in {64, 128}, 16-byte loads, 64 x 64 tiles, 4 or 8 dK/dV warps"
 #endif
+#if TF32_PASSES != 3 && TF32_PASSES != 1
+#error "attn_bwd_sm90_x3: three planes (TF32_PASSES 3) or two (1)"
+#endif
 #if DQ_ATOMIC && (KV_WARPS != 8 || HEAD_DIM != 128)
 #error "attn_bwd_sm90_x3: DQ_ATOMIC at D = 128 with two dK/dV warpgroups"
 #endif
@@ -54,10 +59,16 @@
 #define XBUF_BYTES (KV_WARPS == 8 ? (DQ_ATOMIC ? 2 * 64 * 64 * 4 : 64 * 64 * 4) : 0)
 #define DS_PLANE_BYTES (64 * 64 * 2)
 #define PLANE_BYTES (64 * HEAD_DIM * 2)   /* one bf16 plane of a 64-row tile */
-#define TILE_BYTES (3 * PLANE_BYTES)      /* a tile's three planes, one after another */
+/* Each float32 value as three bfloat16 planes (24 bits: float32's accuracy, TF32_PASSES 3) or two
+ * (16 bits, past TF32's 11: precision="tf32", TF32_PASSES 1), each product as the plane products
+ * of order < PLANES: products [FIRST_PRODUCT, 6) of plane_a / plane_b's list, six or three */
+#define PLANES (TF32_PASSES == 3 ? 3 : 2)
+#define FIRST_PRODUCT (PLANES == 3 ? 0 : 3)
+#define TILE_BYTES (PLANES * PLANE_BYTES) /* a tile's planes, one after another */
 #define NTD (HEAD_DIM / 8)                /* n8 column groups of dK, dV, dQ per warp */
 
-/* Product x of the six plane products of order <= 2, the small ones first: A's plane, B's plane. */
+/* Product x of the six plane products of order <= 2, the small ones first (the last three: those
+ * of order <= 1): A's plane, B's plane. */
 DEV constexpr int plane_a(int x) { return x == 1 || x == 3 || x == 5 ? 0 : x == 2 ? 2 : 1; }
 DEV constexpr int plane_b(int x) { return x == 2 || x == 4 || x == 5 ? 0 : x == 1 ? 2 : 1; }
 
@@ -112,7 +123,7 @@ DEV void load_split_sw128(const uint32_t (&base)[2], const float *const (&src)[2
                 split3(b.z, b.w, w3);
                 const uint32_t at = base[i] + sw128_offset<ROWS>(r0 + (j0 + u) * STEP, c);
 #pragma unroll
-                for (int x3 = 0; x3 < 3; x3++)
+                for (int x3 = 0; x3 < PLANES; x3++)
                     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(at + x3 * PLANE_BYTES),
                                  "r"(w0[x3]), "r"(w1[x3]), "r"(w2[x3]), "r"(w3[x3]) : "memory");
             }
@@ -125,13 +136,13 @@ template <int N>
 DEV void mma_ss3(float (&acc)[N / 8][4], uint32_t a_base, uint32_t b_base)
 {
 #pragma unroll
-    for (int x = 0; x < 6; x++) {
+    for (int x = FIRST_PRODUCT; x < 6; x++) {
         const uint64_t da0 = uniform_desc(sw128_desc(a_base + plane_a(x) * PLANE_BYTES, 16, 1024)),
                        db0 = uniform_desc(sw128_desc(b_base + plane_b(x) * PLANE_BYTES, 16, 1024));
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
             const uint32_t off = (kk >> 2) * (64 * 128) + (kk & 3) * 32;
-            wgmma_m64n64_ss(acc, da0 + desc_step(off), db0 + desc_step(off), x > 0 || kk > 0);
+            wgmma_m64n64_ss(acc, da0 + desc_step(off), db0 + desc_step(off), x > FIRST_PRODUCT || kk > 0);
         }
     }
 }
@@ -150,14 +161,14 @@ DEV void mma_rs3(float (&acc)[NJ][4], const uint32_t (&a)[3][4][4], uint32_t b_b
     float t[N / 8][4];
     wgmma_fence();
 #pragma unroll
-    for (int x = 0; x < 6; x++) {
+    for (int x = FIRST_PRODUCT; x < 6; x++) {
         const uint64_t db0 = uniform_desc(sw128_desc(b_base + plane_b(x) * PLANE_BYTES, 64 * 128, 1024));
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
             if constexpr (N == 128)
-                wgmma_m64n128_rs_t(t, a[plane_a(x)][kk], db0 + desc_step(kk * 16 * 128), x > 0 || kk > 0);
+                wgmma_m64n128_rs_t(t, a[plane_a(x)][kk], db0 + desc_step(kk * 16 * 128), x > FIRST_PRODUCT || kk > 0);
             else
-                wgmma_m64n64_rs_t(t, a[plane_a(x)][kk], db0 + desc_step(kk * 16 * 128), x > 0 || kk > 0);
+                wgmma_m64n64_rs_t(t, a[plane_a(x)][kk], db0 + desc_step(kk * 16 * 128), x > FIRST_PRODUCT || kk > 0);
         }
     }
     wgmma_commit();
@@ -191,7 +202,7 @@ DEV void split_frag(uint32_t (&a)[3][4][4], const float (&f)[1][8][4])
             uint32_t w[3];
             split3(c[(e & 1) * 2], c[(e & 1) * 2 + 1], w);
 #pragma unroll
-            for (int x = 0; x < 3; x++)
+            for (int x = 0; x < PLANES; x++)
                 a[x][kk][e] = w[x];
         }
 }
@@ -213,7 +224,7 @@ DEV void store_ds_planes(uint32_t base, const float (&f)[1][KV_NT][4])
             split3(f[0][nt][2 * half], f[0][nt][2 * half + 1], w);
             const uint32_t at = base + sw128_offset<64>(r, nt) + 4 * t;
 #pragma unroll
-            for (int x = 0; x < 3; x++)
+            for (int x = 0; x < PLANES; x++)
                 asm volatile("st.shared.b32 [%0], %1;" ::"r"(at + x * DS_PLANE_BYTES), "r"(w[x]) : "memory");
         }
 }
@@ -229,12 +240,12 @@ DEV void stage_dq_partial(uint32_t sK, uint32_t region, float *region_ptr, int w
     float t[8][4];
     wgmma_fence();
 #pragma unroll
-    for (int x = 0; x < 6; x++) {
+    for (int x = FIRST_PRODUCT; x < 6; x++) {
         const uint64_t da0 = uniform_desc(sw128_desc(sK + plane_a(x) * PLANE_BYTES + wg * (64 * 128), 64 * 128, 1024)),
                        db0 = uniform_desc(sw128_desc(region + plane_b(x) * DS_PLANE_BYTES, 64 * 128, 1024));
 #pragma unroll
         for (int kk = 0; kk < 4; kk++)
-            wgmma_m64n64_ss_tt(t, da0 + desc_step(kk * 16 * 128), db0 + desc_step(kk * 16 * 128), x > 0 || kk > 0);
+            wgmma_m64n64_ss_tt(t, da0 + desc_step(kk * 16 * 128), db0 + desc_step(kk * 16 * 128), x > FIRST_PRODUCT || kk > 0);
     }
     wgmma_commit();
     wgmma_wait<0>();

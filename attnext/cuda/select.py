@@ -6,6 +6,8 @@ choice is made in one function here (tile_config, fwd_kernel, bwd_dq_mode, ...) 
 the defines of one variant (fwd_defines, bwd_defines). A score_mod / mask_mod variant adds the
 switches of mod_defines; nvrtc.py compiles and loads what this module names.
 """
+import itertools
+
 import numpy as np
 
 from .. import _env
@@ -470,12 +472,12 @@ def bwd_f32_presplit(arch, dtype, D, Dv, passes):
 
 
 def bwd_f32_x3(arch, dtype, D, Dv, vec, passes, mods=None):
-    """Whether float32's backward runs attn_bwd_sm90_x3.cu (bfloat16 planes, six wgmma products a
-    product) instead of attn_bwd.cu's split TF32: the default where it applies (sm_90a, float32
-    accuracy: three passes, 16-byte loads, D = Dv in {64, 128}, no generated mods), 1.3-1.6x
-    attn_bwd.cu's rate and more accurate (bench/NOTES.md, float32 backward x2);
-    ATTNEXT_BWD_F32_X3=0 leaves it."""
-    return (_env.get("ATTNEXT_BWD_F32_X3") != "0" and arch == "sm_90a" and dtype == "float32" and passes == 3
+    """Whether float32's backward runs attn_bwd_sm90_x3.cu (bfloat16 planes: three and six wgmma
+    products a product at float32 accuracy, passes 3; two and three with precision="tf32", passes
+    1) instead of attn_bwd.cu's split TF32: the default where it applies (sm_90a, 16-byte loads,
+    D = Dv in {64, 128}, no generated mods); at float32 accuracy 1.3-1.6x attn_bwd.cu's rate and
+    more accurate (bench/NOTES.md, float32 backward x2). ATTNEXT_BWD_F32_X3=0 leaves it."""
+    return (_env.get("ATTNEXT_BWD_F32_X3") != "0" and arch == "sm_90a" and dtype == "float32" and passes in (1, 3)
             and vec and D == Dv and D in (64, 128) and mods is None)
 
 
@@ -512,11 +514,11 @@ def bwd_x3_defines(defines, D):
 
 
 def bwd_x3_smem_bytes(D, defines):
-    """attn_bwd_sm90_x3.cu's shared memory: four 64-row tiles of three bf16 planes (K, V, Q, dO), the
-    dK/dV kernel's lse and delta rows and with two warpgroups its passing region (the 64 x 64
-    float32 tile one passes the other; with DQ_ATOMIC twice that, for the two dQ partials), the
-    1024-byte alignment's slack."""
-    planes = 4 * 3 * 64 * D * 2 + 1024
+    """attn_bwd_sm90_x3.cu's shared memory: four 64-row tiles (K, V, Q, dO) of three bf16 planes
+    (two with one TF32 pass: precision="tf32"), the dK/dV kernel's lse and delta rows and with two
+    warpgroups its passing region (the 64 x 64 float32 tile one passes the other; with DQ_ATOMIC
+    twice that, for dS^T's planes and the item's dQ partial), the 1024-byte alignment's slack."""
+    planes = 4 * (3 if defines["TF32_PASSES"] == 3 else 2) * 64 * D * 2 + 1024
     region = (2 if defines["DQ_ATOMIC"] else 1) * 64 * 64 * 4 if defines["KV_WARPS"] == 8 else 0
     return {"attn_bwd_dkdv_x3": planes + region + 2 * 4 * 64, "attn_bwd_dq_x3": planes}
 
@@ -910,17 +912,18 @@ def sm90_bwd_variants():
                 if mode == "ordered":
                     out.append(("attn_bwd", bwd_defines(**features, tile=bwd_tile_config(D, fd["HEAD_DIM_V"]),
                                                         dq=mode, chains=chains)))
-    # float32 on bfloat16 planes (bwd_f32_x3), plain, at both head dims in the dq modes a
+    # float32 on bfloat16 planes (bwd_f32_x3), plain, at both head dims and precisions in the dq modes a
     # deterministic and a non-deterministic call choose (ordered: in one chain and in DQ_CHAINS), with
     # attn_bwd.cu's row kernels (delta, dq_convert, dead) where dQ is added
-    for D in (64, 128):
+    for D, tf32 in itertools.product((64, 128), (False, True)):
         f32 = dict(dtype="float32", D=D, Dv=D, vec=True, softcap=False, bias_dtype=None, alibi_dtype=None,
-                   mask=False, tf32=False)
+                   mask=False, tf32=tf32)
         for deterministic in (True, False):
             mode = bwd_x3_dq_mode(D, deterministic)
-            tile = bwd_tile_config(D, D, "float32", mode != "recompute", True)
+            presplit = bwd_f32_presplit("sm_90a", "float32", D, D, 1 if tf32 else 3)
+            tile = bwd_tile_config(D, D, "float32", mode != "recompute", presplit and not tf32)
             for chains in ((1, DQ_CHAINS) if mode == "ordered" else (1,)):
-                d = bwd_defines(**f32, tile=tile, dq=mode, chains=chains, presplit=True, key_block=64)
+                d = bwd_defines(**f32, tile=tile, dq=mode, chains=chains, presplit=presplit, key_block=64)
                 out.append(("attn_bwd_sm90_x3", bwd_x3_defines(d, D)))
                 if mode != "recompute":
                     out.append(("attn_bwd", d))

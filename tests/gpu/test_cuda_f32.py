@@ -346,11 +346,12 @@ def test_backward_split_once(d, precision, rng, monkeypatch):
     assert splits and all(splits), splits
 
 
-def _planes_backward(rng, monkeypatch, present, absent=(), deterministic=True):
+def _planes_backward(rng, monkeypatch, present, absent=(), deterministic=True, precision=None):
     """For the bfloat16 planes' tests (sm_90a only: skipped elsewhere): the kernels each plan loads
     (names, a spy on nvrtc.function) and check(q, k, v, varlen=None, **opts), which runs the
-    forward and the backward (twice where deterministic: the same bits), holds the gradients to
-    the reference at float32's rule and the plan's kernels to present and absent."""
+    forward and the backward at precision (twice where deterministic: the same bits), holds the
+    gradients to the reference at the precision's rule (compare_grads': float32's, or float16's
+    for "tf32") and the plan's kernels to present and absent."""
     from attnext.cuda import backend
     if backend.device_arch(0) != "sm_90a":
         pytest.skip("attn_bwd_sm90_x3 is sm_90a's")
@@ -365,22 +366,23 @@ def _planes_backward(rng, monkeypatch, present, absent=(), deterministic=True):
 
     def check(q, k, v, varlen=None, **opts):
         names.clear()
-        out, lse, r_out, _ = _forward(q, k, v, varlen=varlen, **opts)
+        out, lse, r_out, _ = _forward(q, k, v, varlen=varlen, precision=precision, **opts)
         dout = rng.standard_normal(out.shape).astype(np.float32)
         lengths = varlen or {}
         got = []
         for _ in range(2 if deterministic else 1):
             if varlen is None:
-                got.append(attnext.attention_backward(dout, q, k, v, out, lse, device="cuda",
+                got.append(attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", precision=precision,
                                                       deterministic=deterministic, **opts))
             else:
                 got.append(attnext.varlen_attention_backward(dout, q, k, v, out, lse, **lengths, device="cuda",
-                                                             deterministic=deterministic, **opts))
+                                                             precision=precision, deterministic=deterministic,
+                                                             **opts))
         if varlen is None:
             rg = reference.attention_backward(dout, q, k, v, out, lse, **opts)
         else:
             rg = reference.varlen_attention_backward(dout, q, k, v, out, lse, **lengths, **opts)
-        problems = compare_grads(got[0], rg, q, k, v, dout, out, r_out, varlen, opts)
+        problems = compare_grads(got[0], rg, q, k, v, dout, out, r_out, varlen, dict(opts, precision=precision))
         assert not problems, "\n".join(problems)
         if deterministic:
             for name, a, b in zip(("dq", "dk", "dv", "dbias"), got[0], got[1]):
@@ -426,6 +428,31 @@ def test_backward_on_bfloat16_planes_dq_modes(how, rng, monkeypatch):
     _, check = _planes_backward(rng, monkeypatch, {"attn_bwd_dkdv_x3"} | dq,
                                 {"attn_bwd_dq_convert", "attn_bwd_dq_x3"} - dq, deterministic=how != "atomic")
     _backward_cases(rng, 128, check)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_tf32_backward_on_two_bfloat16_planes(d, rng, monkeypatch):
+    """precision="tf32"'s backward on the planes' kernels with two planes (16 bits, three products
+    a product): the backward's cases against the reference at tf32's rule (float16's), the same
+    bits twice, the same kernels as at float32 accuracy; and within half the error of attn_bwd.cu's
+    single-pass TF32 (ATTNEXT_BWD_F32_X3=0) on the same inputs, which two planes of 16 bits must
+    beat (TF32 keeps 11)."""
+    from attnext.cuda import backend
+    dq = {"attn_bwd_dq_x3"} if d == 64 else {"attn_bwd_dq_convert"}
+    names, check = _planes_backward(rng, monkeypatch, {"attn_bwd_dkdv_x3"} | dq,
+                                    {"attn_bwd_dq_convert", "attn_bwd_dq_x3"} - dq, precision="tf32")
+    _backward_cases(rng, d, check)
+    q, k, v = make_qkv(rng, 2, 1000, 1000, 4, 2, d, d, F32)
+    out, lse, _, _ = _forward(q, k, v, precision="tf32", causal=True)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    want = reference.attention_backward(dout, q, k, v, out, lse, causal=True)
+    errs = []
+    for x3 in ("1", "0"):
+        monkeypatch.setenv("ATTNEXT_BWD_F32_X3", x3)
+        backend.clear_plans()
+        g = attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", precision="tf32", causal=True)
+        errs.append(max(np.abs(a - b).max() / np.abs(b).max() for a, b in zip(g[:3], want[:3])))
+    assert errs[0] < errs[1] / 2, f"two planes {errs[0]:.3g} against single-pass TF32's {errs[1]:.3g}"
 
 
 @pytest.mark.parametrize("sq, hq, d", [(1, 32, 128), (3, 8, 64), (1, 8, 256)])

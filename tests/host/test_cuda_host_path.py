@@ -758,10 +758,11 @@ def test_the_float32_backward_on_bfloat16_planes_plan(fake_driver):
     attn_bwd_dq_convert writing dq: deterministic, in the key blocks' turns (DQ_ORDERED: dq_sem's
     words for the 64-key blocks, which attn_bwd_pre zeroes; in DQ_CHAINS chains, causal too; the
     first turns store, nothing zeroes dq_accum), else as they land (attn_bwd_pre zeroes dq_accum);
-    with ATTNEXT_BWD_X3_DQ=recompute, as at D = 64. Every launch among the variants warmup
-    compiles. With ATTNEXT_BWD_F32_X3=0, precision="tf32", D = 96, bfloat16 inputs or a
-    score_mod: attn_bwd.cu's kernels."""
+    with ATTNEXT_BWD_X3_DQ=recompute, as at D = 64. precision="tf32": the same kernels on two
+    planes (TF32_PASSES 1). Every launch among the variants warmup compiles. With
+    ATTNEXT_BWD_F32_X3=0, D = 96, bfloat16 inputs or a score_mod: attn_bwd.cu's kernels."""
     run_on_fake(fake_driver, r"""
+        import itertools
         _C.cuda_launch_attention = lambda fn, *rest: launch(fn, *rest[:8])     # the mods' bytes dropped
         F32 = np.float32
         warm = {(k, tuple(sorted(d.items()))) for k, d in select.variants("sm_90a")}
@@ -786,9 +787,10 @@ def test_the_float32_backward_on_bfloat16_planes_plan(fake_driver):
         mod = lambda s, b, h, qi, ki: s * 0.5
         for D in (64, 128):
             q, k, v = dev((2, 300, 4, D), F32), dev((2, 200, 2, D), F32), dev((2, 200, 2, D), F32)
-            for det, causal in ((True, True), (True, False), (False, True), (False, False)):
-                got = backward(q, k, v, causal=causal, deterministic=det)
+            for det, causal, tf32 in itertools.product((True, False), (True, False), (False, True)):
+                got = backward(q, k, v, causal=causal, deterministic=det, precision="tf32" if tf32 else None)
                 assert all((g[6], tuple(sorted(g[1].items()))) in warm for g in got), [g[:2] for g in got]
+                assert all(g[1]["TF32_PASSES"] == (1 if tf32 else 3) for g in got), [g[1] for g in got]
                 if D == 64:
                     recomputes(got, D)
                     continue
@@ -811,12 +813,12 @@ def test_the_float32_backward_on_bfloat16_planes_plan(fake_driver):
                     recomputes(backward(q, k, v, causal=True, deterministic=det), D)
             finally:
                 _env.setenv("ATTNEXT_BWD_X3_DQ", None)
-            others = [backward(q, k, v, precision="tf32"), backward(q, k, v, score_mod=mod),
+            others = [backward(q, k, v, score_mod=mod),
                       backward(dev((2, 300, 4, 96), F32), dev((2, 200, 2, 96), F32), dev((2, 200, 2, 96), F32)),
                       backward(*qkv(2, 300, 200, 4, 2, D))]
             _env.setenv("ATTNEXT_BWD_F32_X3", "0")
             try:
-                others.append(backward(q, k, v))
+                others += [backward(q, k, v), backward(q, k, v, precision="tf32")]
             finally:
                 _env.setenv("ATTNEXT_BWD_F32_X3", None)
             for got in others:
