@@ -21,8 +21,9 @@ by atomics in the dK/dV kernel where select.bwd_dq_mode takes it).
 --presplit: every attnext backward row twice, its shared tiles split once and at each use
 (ATTNEXT_BWD_F32_PRESPLIT=1 / 0: by default three passes split once, one pass not), labelled
 "split" and "unsplit".
---split-tf32: attnext's float32 backward again on attn_bwd.cu's split TF32 (ATTNEXT_BWD_F32_X3=0:
-in place of Hopper's default there, the bfloat16 planes of attn_bwd_sm90_x3.cu), labelled "split tf32".
+--split-tf32: attnext's float32 backward (both precisions) again on attn_bwd.cu's split TF32
+(ATTNEXT_BWD_F32_X3=0: in place of Hopper's default there, the bfloat16 planes of
+attn_bwd_sm90_x3.cu), labelled "x3=0".
 The backward's peers: SDPA efficient, and math in float32 (cuBLAS SGEMM: on an H200 the fastest
 float32 backward at D128) and with TF32.
 """
@@ -150,16 +151,16 @@ def _backward(name, q, k, v, causal, flops, tiles=(), atomic=False, presplit=Fal
                         _env.setenv("ATTNEXT_BWD_F32_PRESPLIT", None)
                 label = f"attnext{' tf32' if precision else ''} bwd{mode}{({'0': ' unsplit', '1': ' split'}).get(split, '')}"
                 impls[label + (" " + tile if tile else "")] = (run, False)
-    if split_tf32:
-        out, lse = attnext.attention(q, k, v, causal=causal, return_lse=True)
+    for precision in (None, "tf32") if split_tf32 else ():
+        out, lse = attnext.attention(q, k, v, causal=causal, return_lse=True, precision=precision)
 
-        def run_split(out=out, lse=lse):
+        def run_split(out=out, lse=lse, precision=precision):
             _env.setenv("ATTNEXT_BWD_F32_X3", "0")
             try:
-                return attnext.attention_backward(dout, q, k, v, out, lse, causal=causal)[:3]
+                return attnext.attention_backward(dout, q, k, v, out, lse, causal=causal, precision=precision)[:3]
             finally:
                 _env.setenv("ATTNEXT_BWD_F32_X3", None)
-        impls["attnext bwd split tf32"] = (run_split, False)
+        impls[f"attnext{' tf32' if precision else ''} bwd x3=0"] = (run_split, False)
     for label, backend, tf32 in (("sdpa efficient bwd", SDPBackend.EFFICIENT_ATTENTION, False),
                                  ("sdpa math bwd", SDPBackend.MATH, False),
                                  ("sdpa math tf32 bwd", SDPBackend.MATH, True)):
