@@ -434,16 +434,17 @@ def test_backward_on_bfloat16_planes_dq_modes(how, rng, monkeypatch):
 def test_tf32_backward_on_two_bfloat16_planes(d, rng, monkeypatch):
     """precision="tf32"'s backward on the planes' kernels with two planes (16 bits, three products
     a product): the backward's cases against the reference at tf32's rule (float16's), the same
-    bits twice, the same kernels as at float32 accuracy; and within half the error of attn_bwd.cu's
-    single-pass TF32 (ATTNEXT_BWD_F32_X3=0) on the same inputs, which two planes of 16 bits must
-    beat (TF32 keeps 11)."""
+    bits twice, the same kernels as at float32 accuracy; and within a quarter of the error of
+    attn_bwd.cu's single-pass TF32 (ATTNEXT_BWD_F32_X3=0) on the same inputs, which two planes of
+    16 bits must beat (TF32 keeps 11): from a float32-accurate forward's out and lse, whose
+    TF32 error would otherwise dominate both (lse's enters P)."""
     from attnext.cuda import backend
     dq = {"attn_bwd_dq_x3"} if d == 64 else {"attn_bwd_dq_convert"}
     names, check = _planes_backward(rng, monkeypatch, {"attn_bwd_dkdv_x3"} | dq,
                                     {"attn_bwd_dq_convert", "attn_bwd_dq_x3"} - dq, precision="tf32")
     _backward_cases(rng, d, check)
     q, k, v = make_qkv(rng, 2, 1000, 1000, 4, 2, d, d, F32)
-    out, lse, _, _ = _forward(q, k, v, precision="tf32", causal=True)
+    out, lse, _, _ = _forward(q, k, v, causal=True)
     dout = rng.standard_normal(out.shape).astype(np.float32)
     want = reference.attention_backward(dout, q, k, v, out, lse, causal=True)
     errs = []
@@ -452,7 +453,7 @@ def test_tf32_backward_on_two_bfloat16_planes(d, rng, monkeypatch):
         backend.clear_plans()
         g = attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", precision="tf32", causal=True)
         errs.append(max(np.abs(a - b).max() / np.abs(b).max() for a, b in zip(g[:3], want[:3])))
-    assert errs[0] < errs[1] / 2, f"two planes {errs[0]:.3g} against single-pass TF32's {errs[1]:.3g}"
+    assert errs[0] < errs[1] / 4, f"two planes {errs[0]:.3g} against single-pass TF32's {errs[1]:.3g}"
 
 
 @pytest.mark.parametrize("sq, hq, d", [(1, 32, 128), (3, 8, 64), (1, 8, 256)])
