@@ -937,9 +937,12 @@ def merge_variants():
 
 
 def variants(arch=None):
-    """Every (kernel, defines) warmup compiles for arch (None: those of every architecture)."""
+    """Every (kernel, defines) warmup compiles for arch (None: those of every architecture), each
+    once (the lists overlap: attn_bwd.cu's row kernels of Hopper's float32 atomic dQ are both
+    bwd_variants' and sm90_bwd_variants')."""
     hopper = sm90_fwd_variants() + sm90_bwd_variants() if arch in (None, "sm_90a") else []
-    return fwd_variants() + bwd_variants(arch) + hopper + merge_variants()
+    every = fwd_variants() + bwd_variants(arch) + hopper + merge_variants()
+    return list({(k, tuple(sorted(d.items()))): (k, d) for k, d in every}.values())
 
 
 def mod_sample():

@@ -310,12 +310,13 @@ def test_float32_backward_split_once_where_asked(monkeypatch):
             assert split["attn_bwd_dkdv"] == select.bwd_smem_bytes(d, d, t, atomic, 0, "float32")["attn_bwd_dkdv"] + lo
             assert plain["attn_bwd_dkdv"] <= 113 * 1024
     # warmup's lists as calls run them: sm_90a's three-pass float32 backward variants all split
-    # (D64, D128 with both dQ modes, 59 / 40 on element loads), sm_80's none, every arch's both
+    # (D64, D128 with both dQ modes, 59 / 40 on element loads; the row kernels of the planes'
+    # ordered dQ at D128 in one chain and in two), sm_80's none, every arch's both
     monkeypatch.delenv("ATTNEXT_BWD_F32_PRESPLIT")
     f32 = {arch: [d for k, d in select.variants(arch) if k == "attn_bwd" and d.get("TF32_PASSES") == 3]
            for arch in ("sm_80", "sm_90a", None)}
     presplit = [d for d in f32["sm_90a"] if d.get("F32_PRESPLIT")]
-    assert len(presplit) == len(f32["sm_90a"]) == 5 and not any(d.get("F32_PRESPLIT") for d in f32["sm_80"])
+    assert len(presplit) == len(f32["sm_90a"]) == 7 and not any(d.get("F32_PRESPLIT") for d in f32["sm_80"])
     assert len(f32[None]) == len(f32["sm_80"]) + len(presplit)
     if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
         return
