@@ -54,7 +54,7 @@
 #define X3_THREADS 128                    /* the dQ kernel's */
 #define KV_THREADS (KV_WARPS * 32)        /* the dK/dV kernel's: one warpgroup or two */
 /* The dK/dV kernel's passing region: P^T score_grad from the first warpgroup to the second (a
- * 64 x 64 float32 tile); DQ_ATOMIC also, in turn, dS^T's three planes (64 x 64 bf16 each) and the
+ * 64 x 64 float32 tile); DQ_ATOMIC also, in turn, dS^T's planes (64 x 64 bf16 each) and the
  * item's dQ partial (64 rows x 128 floats) */
 #define XBUF_BYTES (KV_WARPS == 8 ? (DQ_ATOMIC ? 2 * 64 * 64 * 4 : 64 * 64 * 4) : 0)
 #define DS_PLANE_BYTES (64 * 64 * 2)
@@ -83,7 +83,7 @@ DEV void split3(float lo, float hi, uint32_t (&w)[3])
 }
 
 /* Two ROWS x COLS float32 tiles (row r of tile i at src[i] + r * stride[i], contiguous) split
- * into three SW128 bf16 planes each, at base[i], + PLANE_BYTES, + 2 PLANE_BYTES (wgmma.cuh's
+ * into PLANES SW128 bf16 planes each, at base[i], + PLANE_BYTES, .. (wgmma.cuh's
  * layout: load_sw128's for 16-bit tiles); rows at or past valid are zero. Each thread converts
  * 8 floats of a row (two 16-byte loads) into one 16-byte chunk a plane. The loads of BATCH rows
  * of both tiles are issued before any of their stores (16 in flight a thread: the stores' asm
@@ -130,8 +130,8 @@ DEV void load_split_sw128(const uint32_t (&base)[2], const float *const (&src)[2
     }
 }
 
-/* acc (+)= A B^T over the six plane products (A: 64 rows at a_base, B: N rows at b_base, both
- * three planes of K-major SW128 tiles over k = HEAD_DIM, 64-row planes). */
+/* acc (+)= A B^T over the plane products (A: 64 rows at a_base, B: N rows at b_base, both PLANES
+ * planes of K-major SW128 tiles over k = HEAD_DIM, 64-row planes). */
 template <int N>
 DEV void mma_ss3(float (&acc)[N / 8][4], uint32_t a_base, uint32_t b_base)
 {
@@ -147,8 +147,8 @@ DEV void mma_ss3(float (&acc)[N / 8][4], uint32_t a_base, uint32_t b_base)
     }
 }
 
-/* acc[0 .. N / 8) += A B over the six plane products: A's planes as register fragments
- * (a[plane][k16 step]), B N columns of a 64-row tile's three planes at b_base (a 64-column chunk
+/* acc[0 .. N / 8) += A B over the plane products: A's planes as register fragments
+ * (a[plane][k16 step]), B N columns of a 64-row tile's planes at b_base (a 64-column chunk
  * of them apart from the first: + 64 * 128 bytes each) read transposed (MN-major). The products
  * go into a fresh accumulator, the small ones first, added to acc in float32 once waited for:
  * the tensor cores add each product truncated (rounded toward zero), and errors of one sign
@@ -190,7 +190,7 @@ DEV void mma_rs3_by64(float (&acc)[NTD][4], const uint32_t (&a)[3][4][4], uint32
         mma_rs3<64>(*(float (*)[8][4])acc[c * 8], a, b_base + c * (64 * 128));
 }
 
-/* The C fragments f of a 64 x 64 product (float32) as the three planes' A fragments of the next
+/* The C fragments f of a 64 x 64 product (float32) as the planes' A fragments of the next
  * product (pack_frag's order, a plane at a time) */
 DEV void split_frag(uint32_t (&a)[3][4][4], const float (&f)[1][8][4])
 {
@@ -208,7 +208,7 @@ DEV void split_frag(uint32_t (&a)[3][4][4], const float (&f)[1][8][4])
 }
 
 #if DQ_ATOMIC
-/* dS^T's fragments (float32: rows the warp's 16 keys, columns the item's 64 query rows) as three
+/* dS^T's fragments (float32: rows the warp's 16 keys, columns the item's 64 query rows) as PLANES
  * bf16 planes at base, DS_PLANE_BYTES apart, each an SW128 tile of 64 key rows x 64 columns
  * (wgmma.cuh's sw128_offset: a pair of columns a 4-byte store, the 8 rows of a store 8 chunks:
  * no bank conflict) */
@@ -229,7 +229,7 @@ DEV void store_ds_planes(uint32_t base, const float (&f)[1][KV_NT][4])
         }
 }
 
-/* The item's dQ partial for the CTA's 64 keys, dQ^T = K^T dS^T over the six plane products (both
+/* The item's dQ partial for the CTA's 64 keys, dQ^T = K^T dS^T over the plane products (both
  * operands MN-major, as attn_bwd_sm90.cu's dS K: K's planes as loaded, warpgroup wg's 64-column
  * chunk of them; dS^T's planes at region), into a fresh accumulator; staged in the region once
  * both warpgroups have read dS^T (64 rows of HEAD_DIM floats in dq_accum's column order, dq_col:
@@ -245,7 +245,8 @@ DEV void stage_dq_partial(uint32_t sK, uint32_t region, float *region_ptr, int w
                        db0 = uniform_desc(sw128_desc(region + plane_b(x) * DS_PLANE_BYTES, 64 * 128, 1024));
 #pragma unroll
         for (int kk = 0; kk < 4; kk++)
-            wgmma_m64n64_ss_tt(t, da0 + desc_step(kk * 16 * 128), db0 + desc_step(kk * 16 * 128), x > FIRST_PRODUCT || kk > 0);
+            wgmma_m64n64_ss_tt(t, da0 + desc_step(kk * 16 * 128), db0 + desc_step(kk * 16 * 128),
+                               x > FIRST_PRODUCT || kk > 0);
     }
     wgmma_commit();
     wgmma_wait<0>();
