@@ -17,6 +17,11 @@ Hopper.
 memcheck, racecheck and synccheck over Hopper's float32 forward (attn_fwd_sm90_f32.cu: a splitter
 warpgroup writing each tile's TF32 parts into mbarrier stages, the computing warpgroup's wgmma
 reading them), at both head dims and precisions, dense, causal, windowed and varlen.
+
+memcheck, racecheck and synccheck over Hopper's float32 backward on bfloat16 planes
+(attn_bwd_sm90_x3.cu: two warpgroups passing tiles through shared memory, dQ staged there for bulk
+reductions in the key blocks' turns or as they land), at both head dims and precisions,
+deterministic or not, dense, causal and varlen with GQA.
 """
 import os
 import shutil
@@ -244,3 +249,63 @@ def test_hopper_float32_forward_under_the_sanitizers(gpu, torch, tool_name):
     if backend.device_arch(0) != "sm_90a":
         pytest.skip("attn_fwd_sm90_f32.cu is Hopper's")
     _clean_under(tool_name, F32_CHILD, [], {"ATTNEXT_FWD_F32_SM90": "1"})
+
+
+PLANES_CHILD = r'''
+import numpy as np
+import torch
+import attnext
+from attnext import reference
+from attnext.cuda import nvrtc
+
+torch.manual_seed(0)
+names = []
+function = nvrtc.function
+def spy(kernel, name, *rest):
+    names.append(name)
+    return function(kernel, name, *rest)
+nvrtc.function = spy
+worst = 0.0
+def check(got, want, tol):
+    global worst
+    for a, b in zip(got[:3], want[:3]):
+        a, b = a.cpu().numpy(), np.asarray(b, np.float32)
+        err = float(np.abs(a - b).max() / np.abs(b).max())
+        worst = max(worst, err / tol if np.isfinite(err) else np.inf)
+for D in (64, 128):
+    q, k, v = (torch.randn(2, n, h, D, device="cuda") for n, h in ((150, 4), (230, 2), (230, 2)))
+    qn, kn, vn = (x.cpu().numpy() for x in (q, k, v))
+    for precision, tol in ((None, 1e-5), ("tf32", 3e-3)):
+        for deterministic in (True, False):
+            for opts in (dict(), dict(causal=True)):
+                out, lse = attnext.attention(q, k, v, precision=precision, return_lse=True, **opts)
+                dout = torch.randn_like(out)
+                g = attnext.attention_backward(dout, q, k, v, out, lse, precision=precision,
+                                               deterministic=deterministic, **opts)
+                check(g, reference.attention_backward(dout.cpu().numpy(), qn, kn, vn, None, None, **opts), tol)
+        # varlen with GQA: a key block's items go from one sequence's query tiles to the next head's
+        cu_q = torch.tensor([0, 100, 150], dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0, 70, 230], dtype=torch.int32, device="cuda")
+        args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, precision=precision)
+        out, lse = attnext.varlen_attention(q[0], k[0], v[0], return_lse=True, **args)
+        dout = torch.randn_like(out)
+        g = attnext.varlen_attention_backward(dout, q[0], k[0], v[0], out, lse, **args)
+        for (a, b), (c, d) in zip(((0, 100), (100, 150)), ((0, 70), (70, 230))):
+            want = reference.attention_backward(dout[a:b].cpu().numpy()[None], qn[:1, a:b], kn[:1, c:d],
+                                                vn[:1, c:d], None, None, causal=True)
+            check((g[0][a:b], g[1][c:d], g[2][c:d]), tuple(w[0] for w in want[:3]), tol)
+torch.cuda.synchronize()
+assert "attn_bwd_dkdv_x3" in names and "attn_bwd_dq_x3" in names and "attn_bwd_dq_convert" in names, names
+print("worst", worst)
+raise SystemExit(0 if worst < 1 else 1)
+'''
+
+
+@pytest.mark.gpu
+@pytest.mark.sanitize
+@pytest.mark.parametrize("tool_name", ["memcheck", "racecheck", "synccheck"])
+def test_hopper_float32_backward_on_planes_under_the_sanitizers(gpu, torch, tool_name):
+    from attnext.cuda import backend
+    if backend.device_arch(0) != "sm_90a":
+        pytest.skip("attn_bwd_sm90_x3.cu is Hopper's")
+    _clean_under(tool_name, PLANES_CHILD, [], {})
