@@ -123,7 +123,7 @@ SETTINGS = {s.name: s for s in [
             "default where it applies: select.bwd_f32_x3) for attn_bwd.cu's split TF32"),
     Setting("ATTNEXT_BWD_X3_KV_WARPS", "4 | 8", "select.bwd_x3_kv_warps", LAB, CALL,
             "attn_bwd_dkdv_x3's warps: one warpgroup for every product, or two (dV's and dK's)"),
-    Setting("ATTNEXT_BWD_X3_DQ", "recompute | adds", "recompute", LAB, CALL,
+    Setting("ATTNEXT_BWD_X3_DQ", "recompute | adds", "adds (D = 128)", LAB, CALL,
             "attn_bwd_sm90_x3.cu's dQ: its dQ kernel, or (adds, at D = 128) added by its dK/dV kernel, in "
             "the key blocks' turns where deterministic"),
     Setting("ATTNEXT_BWD_DQ", "recompute | ordered | atomic", "select.bwd_dq_mode", LAB, CALL,

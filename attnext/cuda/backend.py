@@ -1002,7 +1002,7 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     mask_mod = bool(gen is not None and gen.defines.get("HAS_MASK_MOD"))
     write_last = not x3 and select.bwd_dq_write_last(dq_mode, mask_mod, reach)   # x3: converted apart
     # the planes' turns (x3) stall their CTA, so two chains measured faster banded too (H200, B2 S4k
-    # causal D128: 5.03 -> 4.86 ms; bench/NOTES.md, float32 backward x4)
+    # causal D128: 5.03 -> 4.86 ms; bench/NOTES.md, float32 backward x5)
     chains = select.bwd_dq_chains(dq_mode, mask_mod, write_last, _banded(o) and not x3, reach)
     defines = select.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen, chains=chains, presplit=presplit,
                                  key_block=64 if x3 else None)

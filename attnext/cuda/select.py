@@ -498,7 +498,7 @@ def bwd_x3_dq_mode(D, deterministic):
     "ordered" (the key blocks' turns, attn_bwd_tile.cuh: the same bits every run) or with
     deterministic=False "atomic"; elsewhere, or with ATTNEXT_BWD_X3_DQ=recompute, "recompute" (its
     dQ kernel: S and dP again, 7 products a pair). H200, B2 S4k H16 D128: 12.0 ms recomputing, 9.3
-    ordered, 8.6 atomic (bench/NOTES.md, float32 backward x4)."""
+    ordered, 8.6 atomic (bench/NOTES.md, float32 backward x4, x5)."""
     adds = (_env.get("ATTNEXT_BWD_X3_DQ") or "adds") == "adds" and D == 128 and bwd_x3_kv_warps(D) == 8
     return "recompute" if not adds else "ordered" if deterministic else "atomic"
 
@@ -927,8 +927,7 @@ def sm90_bwd_variants():
                 out.append(("attn_bwd_sm90_x3", bwd_x3_defines(d, D)))
                 if mode != "recompute":
                     out.append(("attn_bwd", d))
-    unique = {(k, tuple(sorted(d.items()))): (k, d) for k, d in out}
-    return list(unique.values())
+    return out                            # with repeats: variants() keeps each once
 
 
 def merge_variants():
