@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (the device tool): build the extension in place, compile the
 # kernels for this GPU, then run what was asked; logs land in $OUT.
-#   bash bench/run_gpu.sh [warmup|smoke|tests|suite0..suite4|sanitize|bench|mods|quick|register] ...   (in order)
-# suiteN reruns a fifth of the CPU test file on the GPU (a few minutes each, one per call).
+#   bash bench/run_gpu.sh [warmup|smoke|tests|sanitizers|suite0..suite4|sanitize|bench|mods|quick|register] ...
+# (in order). The whole GPU suite: tests, sanitizers (test_cuda_sanitize.py, apart: each test runs
+# a child under compute-sanitizer) and suite0..suite4; suiteN reruns a fifth of the CPU test file
+# on the GPU (a few minutes each, one per call).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 OUT=${OUT:-/tmp/attnext-out}
@@ -16,7 +18,10 @@ for step in "$@"; do
   case "$step" in
     warmup) python3 -m attnext.warmup 2>&1 | tail -3 ;;
     smoke) python3 -m pytest -m gpu -q --maxfail=20 tests/gpu/test_cuda.py tests/host/test_cuda_host.py -k "not cpu_suite" 2>&1 | tee "$OUT/smoke.log" | tail -25 ;;
-    tests) python3 -m pytest -m gpu -q -n 4 tests/ -k "not cpu_suite" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    tests) python3 -m pytest -m gpu -q -n 4 tests/ -k "not cpu_suite" --ignore=tests/gpu/test_cuda_sanitize.py 2>&1 \
+           | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    sanitizers) # test_cuda_sanitize.py: each test a child process under compute-sanitizer
+           python3 -m pytest -m gpu -q -n 3 tests/gpu/test_cuda_sanitize.py 2>&1 | tee "$OUT/sanitizer_tests.log" | tail -20 ;;
     suite[0-4]) python3 -m pytest -m gpu -q tests/gpu/test_cuda.py -k "cpu_suite and shard${step#suite}" 2>&1 \
                 | tee "$OUT/$step.log" | tail -30 ;;
     sanitize) # memcheck over the GPU tests of the kernels and the mods; racecheck (slow) over a
