@@ -248,16 +248,6 @@ raise SystemExit(0 if worst < 1 else 1)
 '''
 
 
-@pytest.mark.gpu
-@pytest.mark.sanitize
-@pytest.mark.parametrize("tool_name", ["memcheck", "racecheck", "synccheck"])
-def test_hopper_float32_forward_under_the_sanitizers(gpu, torch, tool_name):
-    from attnext.cuda import backend
-    if backend.device_arch(0) != "sm_90a":
-        pytest.skip("attn_fwd_sm90_f32.cu is Hopper's")
-    _clean_under(tool_name, F32_CHILD, [], {"ATTNEXT_FWD_F32_SM90": "1"})
-
-
 PLANES_CHILD = SPY_PRELUDE + r'''
 for D in (64, 128):
     q, k, v = (torch.randn(2, n, h, D, device="cuda") for n, h in ((150, 4), (230, 2), (230, 2)))
@@ -289,11 +279,18 @@ raise SystemExit(0 if worst < 1 else 1)
 '''
 
 
+# Hopper's float32 kernels: the forward (attn_fwd_sm90_f32.cu, its wgmma path asked for) and the
+# backward on bfloat16 planes (attn_bwd_sm90_x3.cu, the default)
+F32_KERNELS = {"forward": (F32_CHILD, {"ATTNEXT_FWD_F32_SM90": "1"}), "backward": (PLANES_CHILD, {})}
+
+
 @pytest.mark.gpu
 @pytest.mark.sanitize
 @pytest.mark.parametrize("tool_name", ["memcheck", "racecheck", "synccheck"])
-def test_hopper_float32_backward_on_planes_under_the_sanitizers(gpu, torch, tool_name):
+@pytest.mark.parametrize("kernel", sorted(F32_KERNELS))
+def test_hopper_float32_under_the_sanitizers(gpu, torch, kernel, tool_name):
     from attnext.cuda import backend
     if backend.device_arch(0) != "sm_90a":
-        pytest.skip("attn_bwd_sm90_x3.cu is Hopper's")
-    _clean_under(tool_name, PLANES_CHILD, [], {})
+        pytest.skip("the float32 wgmma kernels are Hopper's")
+    child, env = F32_KERNELS[kernel]
+    _clean_under(tool_name, child, [], env)
