@@ -1000,10 +1000,8 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     # so then dq_accum starts zeroed and every turn adds; attn_bwd_dq_convert writes dq unless the
     # last turns do
     mask_mod = bool(gen is not None and gen.defines.get("HAS_MASK_MOD"))
-    write_last = not x3 and select.bwd_dq_write_last(dq_mode, mask_mod, reach)   # x3: converted apart
-    # the planes' turns (x3) stall their CTA, so two chains measured faster banded too (H200, B2 S4k
-    # causal D128: 5.03 -> 4.86 ms; bench/NOTES.md, float32 backward x5)
-    chains = select.bwd_dq_chains(dq_mode, mask_mod, write_last, _banded(o) and not x3, reach)
+    write_last = select.bwd_dq_write_last(dq_mode, mask_mod, reach, x3)
+    chains = select.bwd_dq_chains(dq_mode, mask_mod, write_last, _banded(o), reach, x3)
     defines = select.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen, chains=chains, presplit=presplit,
                                  key_block=64 if x3 else None)
     smem = select.bwd_smem_bytes(o.D, o.Dv, tile, atomic, defines.get("MOD_TILE_SLOTS", 0), features["dtype"], planes)

@@ -684,12 +684,13 @@ def bwd_dq_mode(sm90, D, deterministic, Dv=None, k_rows=None, f32_passes=0):
     return mode
 
 
-def bwd_dq_write_last(mode, mask_mod, k_rows):
+def bwd_dq_write_last(mode, mask_mod, k_rows, planes=False):
     """Whether the ordered mode's last turn at each query tile writes dq (attn_bwd_sm90.cu:
     dq_write_last) instead of attn_bwd_dq_convert: with at most SHORT_KEYS keys a query row may
-    see (k_rows, as for bwd_dq_mode) and no mask_mod (whose key blocks may pass their turns).
+    see (k_rows, as for bwd_dq_mode) and no mask_mod (whose key blocks may pass their turns); never
+    on the planes (planes: attn_bwd_sm90_x3.cu, whose turns leave dq to the convert).
     ATTNEXT_BWD_DQ_WRITE=0|1 decides for the lab and the tests where the mode allows it."""
-    if mode != "ordered" or mask_mod:
+    if mode != "ordered" or mask_mod or planes:
         return False
     env = _env.get("ATTNEXT_BWD_DQ_WRITE")
     return env == "1" if env in ("0", "1") else k_rows <= SHORT_KEYS
@@ -706,11 +707,14 @@ DQ_CHAINS = 2
 CHAIN_KEYS = 8192        # past this many keys a row may see, one chain (and one copy of dq_accum)
 
 
-def bwd_dq_chains(mode, mask_mod, write_last, banded, k_rows):
+def bwd_dq_chains(mode, mask_mod, write_last, banded, k_rows, planes=False):
     """How many chains the ordered mode's turns run in (each into its own copy of dq_accum,
     attn_bwd_dq_convert adding them): DQ_CHAINS where the first turns store (no mask_mod), the
     convert writes dq (not write_last), no causal mask or window bands the keys (banded) and a
-    row sees at most CHAIN_KEYS keys (k_rows), else 1. ATTNEXT_BWD_DQ_CHAINS (a divisor of 32)
+    row sees at most CHAIN_KEYS keys (k_rows), else 1. On the planes (planes:
+    attn_bwd_sm90_x3.cu) banded calls take DQ_CHAINS too: their turns stall the CTA (no producer
+    warp takes them), and two chains measured faster there (H200, B2 S4k causal D128: 5.03 ->
+    4.86 ms; bench/NOTES.md, float32 backward x5). ATTNEXT_BWD_DQ_CHAINS (a divisor of 32)
     decides for the lab and the tests wherever the mode allows more than one (banded or long
     calls too)."""
     if mode != "ordered" or mask_mod or write_last:
@@ -718,7 +722,7 @@ def bwd_dq_chains(mode, mask_mod, write_last, banded, k_rows):
     env = _env.get("ATTNEXT_BWD_DQ_CHAINS")
     if env in ("1", "2", "4", "8", "16", "32"):
         return int(env)
-    return 1 if banded or k_rows > CHAIN_KEYS else DQ_CHAINS
+    return 1 if banded and not planes or k_rows > CHAIN_KEYS else DQ_CHAINS
 
 
 # attn_bwd_sm90.cu's tiles: one warpgroup (64 keys) per recomputing dK/dV CTA, two CTAs per SM at

@@ -366,6 +366,7 @@ def test_dq_mode(monkeypatch):
     write = select.bwd_dq_write_last   # the last turn writes dq: short keys, no mask_mod
     assert write("ordered", False, 1024) and not write("ordered", False, 1025)
     assert not write("ordered", True, 512) and not write("atomic", False, 512)
+    assert not write("ordered", False, 512, planes=True)    # the planes' turns leave dq to the convert
     monkeypatch.setenv("ATTNEXT_BWD_DQ_WRITE", "0")
     assert not write("ordered", False, 512)
     monkeypatch.setenv("ATTNEXT_BWD_DQ_WRITE", "1")
@@ -378,6 +379,9 @@ def test_dq_mode(monkeypatch):
     assert chains("ordered", False, False, False, 8193) == chains("ordered", False, False, True, 2048) == 1
     assert chains("ordered", True, False, False, 2048) == 1
     assert chains("ordered", False, True, False, 1024) == chains("atomic", False, False, False, 2048) == 1
+    # the planes' turns: two chains banded too, one past CHAIN_KEYS keys
+    assert chains("ordered", False, False, True, 2048, planes=True) == select.DQ_CHAINS
+    assert chains("ordered", False, False, True, 8193, planes=True) == 1
     monkeypatch.setenv("ATTNEXT_BWD_DQ_CHAINS", "4")
     assert chains("ordered", False, False, True, 16384) == 4 and chains("ordered", False, True, False, 512) == 1
     monkeypatch.setenv("ATTNEXT_BWD_DQ_CHAINS", "3")    # not a divisor of 32: the default
