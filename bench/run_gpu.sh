@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (the device tool): build the extension in place, compile the
 # kernels for this GPU, then run what was asked; logs land in $OUT.
-#   bash bench/run_gpu.sh [warmup|smoke|tests|sanitizers|suite0..suite4|sanitize|bench|mods|quick|register] ...
-# (in order). The whole GPU suite: tests, sanitizers (test_cuda_sanitize.py, apart: each test runs
-# a child under compute-sanitizer) and suite0..suite4; suiteN reruns a fifth of the CPU test file
-# on the GPU (a few minutes each, one per call).
+#   bash bench/run_gpu.sh [warmup|smoke|gpu|host|sanitizers|suite0..suite4|sanitize|bench|mods|quick|register] ...
+# (in order). The whole GPU suite: gpu, host, sanitizers (test_cuda_sanitize.py, apart: each test
+# runs a child under compute-sanitizer) and suite0..suite4; suiteN reruns a fifth of the CPU test
+# file on the GPU (a few minutes each, one per call). Every GPU test but the sanitizers' at once
+# ran past a 600 s call (session 50): gpu and host each stop at 580 s.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 OUT=${OUT:-/tmp/attnext-out}
@@ -18,8 +19,12 @@ for step in "$@"; do
   case "$step" in
     warmup) python3 -m attnext.warmup 2>&1 | tail -3 ;;
     smoke) python3 -m pytest -m gpu -q --maxfail=20 tests/gpu/test_cuda.py tests/host/test_cuda_host.py -k "not cpu_suite" 2>&1 | tee "$OUT/smoke.log" | tail -25 ;;
-    tests) python3 -m pytest -m gpu -q -n 4 tests/ -k "not cpu_suite" --ignore=tests/gpu/test_cuda_sanitize.py 2>&1 \
-           | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    gpu) # tests/gpu but the sanitizers' file and the CPU suite's shards
+         timeout 580 python3 -m pytest -m gpu -q -n 8 tests/gpu -k "not cpu_suite" \
+           --ignore=tests/gpu/test_cuda_sanitize.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    host) # every other folder's GPU tests
+          timeout 580 python3 -m pytest -m gpu -q -n 8 tests --ignore=tests/gpu 2>&1 \
+            | tee "$OUT/host_tests.log" | tail -40 ;;
     sanitizers) # test_cuda_sanitize.py: each test a child process under compute-sanitizer
            python3 -m pytest -m gpu -q -n 3 tests/gpu/test_cuda_sanitize.py 2>&1 | tee "$OUT/sanitizer_tests.log" | tail -20 ;;
     suite[0-4]) python3 -m pytest -m gpu -q tests/gpu/test_cuda.py -k "cpu_suite and shard${step#suite}" 2>&1 \

@@ -5,14 +5,16 @@
  *
  *   q (B, Sq, Hq, D)  k (B, Sk, Hk, D)  v (B, Sk, Hk, Dv)  ->  out (B, Sq, Hq, Dv), lse (B, Hq, Sq)
  *
- * Grid (query tiles, Hq, B [+1 under varlen]) as attn_fwd.cu. Block: two warpgroups.
- *   The splitter (warpgroup 0) reads Q's 64 rows, then each key tile's K and V (last to first,
+ * Grid (query tiles, Hq, B [+1 under varlen]) as attn_fwd.cu. Block: NUM_WARPS 8 (one splitter
+ * warpgroup, then the computing one) or 12 (two splitters, which lower their registers for the
+ * computing warpgroup's: select.SM90_TILE_F32).
+ *   The splitters (SPLITTERS threads) read Q's 64 rows, then each key tile's K and V (last to first,
  *   inside the causal / window band) from global memory into registers, the next tile's loads in
  *   flight while it writes this one's parts: Q and K as 128-byte swizzled K-major tiles (wgmma.cuh),
  *   V transposed (TF32 has no transposed B operand): row d of V^T holds the tile's 32 keys, keys
  *   2t, 2t + 1 of each 8 at k positions t, t + 4, the order in which S's C fragments hand P's
  *   values to the A operand of P V. Key rows past Lk are zeros. Stages: a ring of STAGES (full
- *   when the splitter's 128 threads have written and fenced a tile, empty when the computing
+ *   when the SPLITTERS threads have written and fenced a tile, empty when the computing
  *   warpgroup's P V of it is done).
  *   The computing warpgroup (64 rows) issues S = Q K^T for tile i, then P V of tile i - 1 (its
  *   parts from registers), runs tile i's softmax (attn_fwd_tile.cuh, the other kernels' code)
@@ -25,7 +27,7 @@
  *
  * Applies to VEC_LOAD inputs with D and Dv in {64, 128} (select.fwd_f32_sm90 chooses); every option
  * of the score hook, masks, causal / window and varlen as attn_fwd.cu. Switches beyond
- * attn_common.cuh's: BLOCK_M (64), BLOCK_N (32), STAGES.
+ * attn_common.cuh's: BLOCK_M (64), BLOCK_N (32), NUM_WARPS (8, 12), STAGES.
  */
 #include "attn_fwd_tile.cuh"
 #include "wgmma.cuh"
@@ -38,7 +40,20 @@
 #ifndef STAGES
 #define STAGES 2
 #endif
-#define THREADS 256                       /* the splitter warpgroup, then the computing one */
+#if NUM_WARPS != 8 && NUM_WARPS != 12
+#error "attn_fwd_sm90_f32: one or two splitter warpgroups, then the computing one (NUM_WARPS 8 or 12)"
+#endif
+#define THREADS (NUM_WARPS * 32)           /* the splitter warpgroups, then the computing one */
+#define SPLITTERS (THREADS - 128)          /* the splitters' threads */
+#define SPLIT_WG (SPLITTERS / 128)
+/* Two splitter warpgroups give registers to the computing one (setmaxnreg): a raise waits until
+ * the lowered ones free enough of the CTA's launch allocation (168 a thread for 384 threads), so
+ * the two sums must fit it, or the computing warpgroup waits forever. */
+#define SPLIT_REGS 128
+#define COMPUTE_REGS 248
+#if SPLIT_WG == 2 && SPLITTERS * SPLIT_REGS + 128 * COMPUTE_REGS > THREADS * 168
+#error "attn_fwd_sm90_f32: the warpgroups' registers exceed the launch allocation"
+#endif
 #define NT (BLOCK_N / 8)                  /* n8 column groups of S per warp; k8 steps of P V */
 #define OT (HEAD_DIM_V / 8)               /* n8 column groups of O per warp */
 #define PARTS (TF32_PASSES == 3 ? 2 : 1)  /* hi (and lo) tiles of each operand */
@@ -46,8 +61,8 @@
 #define KP_BYTES (BLOCK_N * HEAD_DIM * 4)
 #define VP_BYTES (BLOCK_N * HEAD_DIM_V * 4)
 #define STAGE_BYTES (PARTS * (KP_BYTES + VP_BYTES))
-#define KL (BLOCK_N * HEAD_DIM / 4 / 128)   /* a splitter thread's 16-byte loads of a K tile */
-#define VL (BLOCK_N * HEAD_DIM_V / 4 / 128) /* ... and of a V tile */
+#define KL (BLOCK_N * HEAD_DIM / 4 / SPLITTERS)   /* a splitter thread's 16-byte loads of a K tile */
+#define VL (BLOCK_N * HEAD_DIM_V / 4 / SPLITTERS) /* ... and of a V tile */
 
 /* F (+)= P V for one k8 step (8 keys), P's part from registers. */
 DEV void pv_step(float (&f)[OT][4], const uint32_t (&a)[4], uint64_t dv, int accumulate)
@@ -91,17 +106,17 @@ DEV float4 load4(const float *src, bool ok)
 }
 
 /* One key tile as a splitter thread holds it between its loads and its stores. K: 16-byte chunk
- * c = tid % (D / 4) of rows tid / (D / 4) + j * 128 / (D / 4). V: in units of 16 keys x 2 chunks
- * (a warp: lane & 15 the key, lane >> 4 the chunk; 32-byte runs of a row, a whole sector), unit
- * u = warp + 4 j: keys 16 (u % 2).., chunks 2 (u / 2).. . Each store of V^T then meets 32 banks:
- * 4 key columns a 16-byte chunk, 8 chunks by the swizzle of 2 rows' parities. */
+ * c = tid % (D / 4) of rows tid / (D / 4) + j * SPLITTERS / (D / 4). V: in units of 16 keys x 2
+ * chunks (a warp: lane & 15 the key, lane >> 4 the chunk; 32-byte runs of a row, a whole sector),
+ * unit u = warp + (SPLITTERS / 32) j: keys 16 (u % 2).., chunks 2 (u / 2).. . Each store of V^T
+ * then meets 32 banks: 4 key columns a 16-byte chunk, 8 chunks by the swizzle of 2 rows' parities. */
 struct kv_tile {
     float4 k[KL], v[VL];
 };
 
 DEV void load_kv(kv_tile &x, const float *gk, const float *gv, int64_t ks, int64_t vs, int c0, int Lk, int tid)
 {
-    constexpr int CH = HEAD_DIM / 4, RS = 128 / CH;
+    constexpr int CH = HEAD_DIM / 4, RS = SPLITTERS / CH;
 #pragma unroll
     for (int j = 0; j < KL; j++) {
         const int r = tid / CH + j * RS;
@@ -110,7 +125,7 @@ DEV void load_kv(kv_tile &x, const float *gk, const float *gv, int64_t ks, int64
     const int warp = tid >> 5, kl = tid & 15, cq = (tid >> 4) & 1;
 #pragma unroll
     for (int j = 0; j < VL; j++) {
-        const int u = warp + 4 * j, key = (u % 2) * 16 + kl, c = (u / 2) * 2 + cq;
+        const int u = warp + (SPLITTERS / 32) * j, key = (u % 2) * 16 + kl, c = (u / 2) * 2 + cq;
         x.v[j] = load4(gv + (c0 + key) * vs + c * 4, c0 + key < Lk);
     }
 }
@@ -118,7 +133,7 @@ DEV void load_kv(kv_tile &x, const float *gk, const float *gv, int64_t ks, int64
 /* The tile's parts into a stage at sK (K's hi, K's lo, V^T's hi, V^T's lo). */
 DEV void store_kv(const kv_tile &x, uint32_t sK, int tid)
 {
-    constexpr int CH = HEAD_DIM / 4, RS = 128 / CH;
+    constexpr int CH = HEAD_DIM / 4, RS = SPLITTERS / CH;
     const uint32_t sV = sK + PARTS * KP_BYTES;
 #pragma unroll
     for (int j = 0; j < KL; j++)
@@ -126,7 +141,8 @@ DEV void store_kv(const kv_tile &x, uint32_t sK, int tid)
     const int warp = tid >> 5, kl = tid & 15, cq = (tid >> 4) & 1;
 #pragma unroll
     for (int j = 0; j < VL; j++) {
-        const int u = warp + 4 * j, key = (u % 2) * 16 + kl, kp = (key & ~7) + ((key & 7) >> 1) + 4 * (key & 1);
+        const int u = warp + (SPLITTERS / 32) * j, key = (u % 2) * 16 + kl;
+        const int kp = (key & ~7) + ((key & 7) >> 1) + 4 * (key & 1);
         const int c = (u / 2) * 2 + cq;
         const float e[4] = {x.v[j].x, x.v[j].y, x.v[j].z, x.v[j].w};
 #pragma unroll
@@ -162,16 +178,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
     mod_narrow(sc, 1, true, m0, r_end, BLOCK_N, Lk, n_first, n_last);   /* mask_mod's empty end tiles */
 
     if (tid == 0) {
-        mbar_init(q_full, 128);
+        mbar_init(q_full, SPLITTERS);
         for (int st = 0; st < STAGES; st++) {
-            mbar_init(full + 8 * st, 128);
+            mbar_init(full + 8 * st, SPLITTERS);
             mbar_init(empty + 8 * st, 128);
         }
         mbar_init_fence();
     }
     __syncthreads();
 
-    if (wg == 0) {                                       /* the splitter */
+    if (wg < SPLIT_WG) {                                 /* the splitters */
+#if SPLIT_WG == 2
+        regs_lower<SPLIT_REGS>();
+#endif
         if (n_last < n_first)
             return;
         const float *gq = (const float *)p.q.ptr + sq.mem_b * p.q.s[0] + sq.start * p.q.s[1] + h * p.q.s[2];
@@ -181,7 +200,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
         kv_tile x;
         load_kv(x, gk, gv, ks, vs, n_last * BLOCK_N, Lk, tid);
         {   /* Q's 64 rows, rows past the real ones zero */
-            constexpr int CH = HEAD_DIM / 4, RS = 128 / CH;
+            constexpr int CH = HEAD_DIM / 4, RS = SPLITTERS / CH;
 #pragma unroll 4
             for (int j = 0; j < BLOCK_M / RS; j++) {
                 const int r = tid / CH + j * RS;
@@ -206,8 +225,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
         return;
     }
 
-    /* the computing warpgroup: warp w (of 4) owns rows 16w.. of the tile */
-    const int row0 = m0 + (warp - 4) * 16;
+    /* the computing warpgroup: its warp w (of 4) owns rows 16w.. of the tile */
+#if SPLIT_WG == 2
+    regs_raise<COMPUTE_REGS>();
+#endif
+    const int row0 = m0 + (warp - SPLITTERS / 32) * 16;
     float o[1][OT][4];
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
     zero_acc(o);
