@@ -13,12 +13,14 @@
  *   flight while it writes this one's parts: Q and K as 128-byte swizzled K-major tiles (wgmma.cuh),
  *   V transposed (TF32 has no transposed B operand): row d of V^T holds the tile's 32 keys, keys
  *   2t, 2t + 1 of each 8 at k positions t, t + 4, the order in which S's C fragments hand P's
- *   values to the A operand of P V. Key rows past Lk are zeros. Stages: a ring of STAGES (full
- *   when the SPLITTERS threads have written and fenced a tile, empty when the computing
- *   warpgroup's P V of it is done).
- *   The computing warpgroup (64 rows) issues S = Q K^T for tile i, then P V of tile i - 1 (its
- *   parts from registers), runs tile i's softmax (attn_fwd_tile.cuh, the other kernels' code)
- *   while P V runs, then adds P V's fresh accumulator to O.
+ *   values to the A operand of P V. Key rows past Lk are zeros. Two rings: K's parts in STAGES + 1
+ *   slots, V^T's in STAGES (full when the SPLITTERS threads have written and fenced a tile's K or
+ *   V; K's slot empty once the computing warpgroup's S of it is done, V's once its P V is), so
+ *   that the splitters write tile i + 1's K while tile i - 1's P V still reads V.
+ *   The computing warpgroup (64 rows) issues S = Q K^T of tile i first, which runs under the end
+ *   of tile i - 1 (O's rescale, P's parts), then P V of tile i - 1 (its parts from registers),
+ *   then runs tile i's softmax (attn_fwd_tile.cuh, the other kernels' code) while P V runs, and
+ *   adds P V's fresh accumulator to O.
  * Accuracy: the tensor cores add each product into the accumulator truncated, so errors of one
  * sign pile up in a large sum: S's small products are summed first, then the hi * hi steps meet
  * that sum once each (as many truncations as attn_fwd.cu's mma_abt_f32, whose small products
@@ -60,7 +62,9 @@
 #define QP_BYTES (BLOCK_M * HEAD_DIM * 4) /* one part of Q */
 #define KP_BYTES (BLOCK_N * HEAD_DIM * 4)
 #define VP_BYTES (BLOCK_N * HEAD_DIM_V * 4)
-#define STAGE_BYTES (PARTS * (KP_BYTES + VP_BYTES))
+#define K_STAGES (STAGES + 1)             /* K's ring: a slot more than V's, for S a tile ahead */
+#define K_SLOT (PARTS * KP_BYTES)
+#define V_SLOT (PARTS * VP_BYTES)
 #define KL (BLOCK_N * HEAD_DIM / 4 / SPLITTERS)   /* a splitter thread's 16-byte loads of a K tile */
 #define VL (BLOCK_N * HEAD_DIM_V / 4 / SPLITTERS) /* ... and of a V tile */
 
@@ -130,14 +134,18 @@ DEV void load_kv(kv_tile &x, const float *gk, const float *gv, int64_t ks, int64
     }
 }
 
-/* The tile's parts into a stage at sK (K's hi, K's lo, V^T's hi, V^T's lo). */
-DEV void store_kv(const kv_tile &x, uint32_t sK, int tid)
+/* The tile's K parts into a slot at sK (hi, then lo). */
+DEV void store_k(const kv_tile &x, uint32_t sK, int tid)
 {
     constexpr int CH = HEAD_DIM / 4, RS = SPLITTERS / CH;
-    const uint32_t sV = sK + PARTS * KP_BYTES;
 #pragma unroll
     for (int j = 0; j < KL; j++)
         store_parts4(sK + sw128_offset<BLOCK_N>(tid / CH + j * RS, tid % CH), KP_BYTES, x.k[j]);
+}
+
+/* The tile's V^T parts into a slot at sV (hi, then lo). */
+DEV void store_v(const kv_tile &x, uint32_t sV, int tid)
+{
     const int warp = tid >> 5, kl = tid & 15, cq = (tid >> 4) & 1;
 #pragma unroll
     for (int j = 0; j < VL; j++) {
@@ -157,11 +165,12 @@ DEV void store_kv(const kv_tile &x, uint32_t sK, int tid)
 extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const __grid_constant__ attn_params p)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    /* Q's parts, then STAGES stages (K hi, K lo, V^T hi, V^T lo), then the barriers: q_full, and
-     * full, empty STAGES each; 1024-byte aligned (select.fwd_smem_bytes adds the slack) */
+    /* Q's parts, K_STAGES slots of K's (hi, lo), STAGES of V^T's, then the barriers: q_full, and
+     * full and empty a slot; 1024-byte aligned (select.fwd_smem_bytes adds the slack) */
     const uint32_t sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
-    const uint32_t sS = sQ + PARTS * QP_BYTES, bars = sS + STAGES * STAGE_BYTES;
-    const uint32_t q_full = bars, full = bars + 8, empty = bars + 8 + 8 * STAGES;
+    const uint32_t sK = sQ + PARTS * QP_BYTES, sV = sK + K_STAGES * K_SLOT, bars = sV + STAGES * V_SLOT;
+    const uint32_t q_full = bars, k_full = bars + 8, k_empty = k_full + 8 * K_STAGES;
+    const uint32_t v_full = k_empty + 8 * K_STAGES, v_empty = v_full + 8 * STAGES;
 
     const int tid = threadIdx.x, warp = uniform_warp_index(), wg = warp >> 2;
     const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (p.Hq / p.Hk);
@@ -179,9 +188,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
 
     if (tid == 0) {
         mbar_init(q_full, SPLITTERS);
+        for (int st = 0; st < K_STAGES; st++) {
+            mbar_init(k_full + 8 * st, SPLITTERS);
+            mbar_init(k_empty + 8 * st, 128);
+        }
         for (int st = 0; st < STAGES; st++) {
-            mbar_init(full + 8 * st, SPLITTERS);
-            mbar_init(empty + 8 * st, 128);
+            mbar_init(v_full + 8 * st, SPLITTERS);
+            mbar_init(v_empty + 8 * st, 128);
         }
         mbar_init_fence();
     }
@@ -214,12 +227,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
             kv_tile next;
             if (n > n_first)
                 load_kv(next, gk, gv, ks, vs, (n - 1) * BLOCK_N, Lk, tid);
-            const int st = i % STAGES;
-            if (i >= STAGES)
-                mbar_wait(empty + 8 * st, (i / STAGES - 1) & 1);
-            store_kv(x, sS + st * STAGE_BYTES, tid);
+            const int kt = i % K_STAGES, vt = i % STAGES;
+            if (i >= K_STAGES)
+                mbar_wait(k_empty + 8 * kt, (i / K_STAGES - 1) & 1);
+            store_k(x, sK + kt * K_SLOT, tid);
             fence_proxy_async();
-            mbar_arrive(full + 8 * st);
+            mbar_arrive(k_full + 8 * kt);
+            if (i >= STAGES)
+                mbar_wait(v_empty + 8 * vt, (i / STAGES - 1) & 1);
+            store_v(x, sV + vt * V_SLOT, tid);
+            fence_proxy_async();
+            mbar_arrive(v_full + 8 * vt);
             x = next;
         }
         return;
@@ -237,11 +255,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
         write_out(p, sq, sc.to_natural, o, m, l, row0, b, h, 1, 0, Lq);
         return;
     }
-    const uint64_t dq0 = uniform_desc(sw128_desc(sQ, 16, 1024));
-    /* S = Q K^T of the stage's tile: the small products first, then hi * hi (the accumulator's
+    /* S = Q K^T of K's slot st: the small products first, then hi * hi (the accumulator's
      * truncating adds then meet the small sum once, not at every step) */
     auto issue_s = [&](float (&s)[1][NT][4], int st) {
-        const uint64_t dk0 = uniform_desc(sw128_desc(sS + st * STAGE_BYTES, 16, 1024));
+        const uint64_t dk0 = uniform_desc(sw128_desc(sK + st * K_SLOT, 16, 1024));
+        /* Q's base made opaque at each issue: from a loop-invariant one, ptxas hoists S's 48 Q
+         * descriptors out of the loop into vector registers (the uniform file cannot hold them),
+         * 140 B spilled at D128 against 88, and 22% slower (bench/NOTES.md, float32 forward w4) */
+        uint32_t q_at;
+        asm volatile("mov.b32 %0, %1;" : "=r"(q_at) : "r"(sQ));
+        const uint64_t dq0 = uniform_desc(sw128_desc(q_at, 16, 1024));
         /* k8 step kk of Q's part (q_part: 0 hi, QP_BYTES lo) times K's (k_part likewise) */
         auto step = [&](int kk, uint32_t q_part, uint32_t k_part, int accumulate) {
             const uint32_t qa = (kk >> 2) * (BLOCK_M * 128) + (kk & 3) * 32, ka = (kk >> 2) * (BLOCK_N * 128) + (kk & 3) * 32;
@@ -263,7 +286,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
     /* F = P V of the stage's tile, P's parts in registers (ph, pl): the small products first */
     float f[OT][4];
     auto issue_pv = [&](const uint32_t (&ph)[NT][4], const uint32_t (&pl)[NT][4], int st) {
-        const uint64_t dv0 = uniform_desc(sw128_desc(sS + st * STAGE_BYTES + PARTS * KP_BYTES, 16, 1024));
+        const uint64_t dv0 = uniform_desc(sw128_desc(sV + st * V_SLOT, 16, 1024));
         wgmma_fence();
 #if PARTS == 2
 #pragma unroll
@@ -303,34 +326,56 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
                 o[0][j][e] += f[j][e];
     };
 
-    mbar_wait(q_full, 0);
+    /* Tile i (S in sa or sb by i's parity): its S is issued first, and runs on the tensor cores
+     * under tile i - 1's end (O's rescale, P's parts); then tile i - 1's P V, under tile i's
+     * softmax, and O += F once it is done. Nothing is in flight across the loop's back edge (ptxas
+     * serialises every wgmma of a loop that a wgmma is in flight around). K's slot is free once S
+     * is done, V's once P V is. */
+    const int tiles = n_last - n_first + 1;
+    auto wait_k = [&](int i) { mbar_wait(k_full + 8 * (i % K_STAGES), (i / K_STAGES) & 1); };
+    auto wait_v = [&](int i) { mbar_wait(v_full + 8 * (i % STAGES), (i / STAGES) & 1); };
+    /* O rescaled for tile i - 1's maxima, P's parts of tile i - 1 */
+    auto end_tile = [&](const float (&prev)[1][NT][4], const float (&corrs)[2], uint32_t (&ph)[NT][4],
+                        uint32_t (&pl)[NT][4]) {
+        rescale_o(o, corrs);
+        p_parts(prev, ph, pl);
+    };
     uint32_t ph[NT][4], pl[NT][4];
-    {
-        float s[1][NT][4], corrs[2];
-        mbar_wait(full, 0);
-        issue_s(s, 0);
-        wgmma_wait<0>();
-        fence_acc(s[0]);
-        softmax(s, n_last, corrs);
-        p_parts(s, ph, pl);
-    }
-    for (int i = 1, n = n_last - 1; n >= n_first; i++, n--) {
-        const int st = i % STAGES, prev = (i - 1) % STAGES;
-        float s[1][NT][4], corrs[2];
-        mbar_wait(full + 8 * st, (i / STAGES) & 1);
-        issue_s(s, st);
-        issue_pv(ph, pl, prev);
+    float sa[1][NT][4], sb[1][NT][4], corrs[2];
+    mbar_wait(q_full, 0);
+    wait_k(0);
+    issue_s(sa, 0);
+    wgmma_wait<0>();
+    fence_acc(sa[0]);
+    mbar_arrive(k_empty);
+    softmax(sa, n_last, corrs);
+    corrs[0] = corrs[1] = 1.f;                           /* O is zero */
+    auto tile = [&](int i, float (&cur)[1][NT][4], const float (&prev)[1][NT][4]) {
+        wait_k(i);
+        issue_s(cur, i % K_STAGES);
+        end_tile(prev, corrs, ph, pl);
+        wait_v(i - 1);
+        issue_pv(ph, pl, (i - 1) % STAGES);
         wgmma_wait<1>();                                 /* S of tile i; P V of tile i - 1 may still run */
-        fence_acc(s[0]);
-        softmax(s, n, corrs);
+        fence_acc(cur[0]);
+        mbar_arrive(k_empty + 8 * (i % K_STAGES));
+        softmax(cur, n_last - i, corrs);
         wgmma_wait<0>();
         fence_acc(f);
-        mbar_arrive(empty + 8 * prev);
+        mbar_arrive(v_empty + 8 * ((i - 1) % STAGES));
         add_f();
-        rescale_o(o, corrs);
-        p_parts(s, ph, pl);
+    };
+    for (int i = 1; i < tiles; i += 2) {
+        tile(i, sb, sa);
+        if (i + 1 < tiles)
+            tile(i + 1, sa, sb);
     }
-    issue_pv(ph, pl, (n_last - n_first) % STAGES);
+    if ((tiles - 1) & 1)
+        end_tile(sb, corrs, ph, pl);
+    else
+        end_tile(sa, corrs, ph, pl);
+    wait_v(tiles - 1);
+    issue_pv(ph, pl, (tiles - 1) % STAGES);
     wgmma_wait<0>();
     fence_acc(f);
     add_f();

@@ -284,7 +284,7 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
 
 
 # attn_fwd_sm90_f32.cu's tile: 64 query rows, 32 keys, 12 warps (two splitter warpgroups and the
-# computing one; 8: one splitter, 2% slower at D128 on an H200), 2 stages of K and V parts
+# computing one; 8: one splitter, 2% slower at D128 on an H200), 2 slots of V's parts (K's: 3)
 SM90_TILE_F32 = (64, 32, 12, 2)
 
 
@@ -293,9 +293,9 @@ def fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32=False, plain=True)
     CTA in shared memory) where it applies: sm_90a, 16-byte-loadable rows, D and Dv in {64, 128},
     no decode path or paged cache. By default three passes at D = Dv = 128 for plain scores
     (plain: no score option and no generated mods; a causal mask or window may band them) (H200,
-    s44: 61.5 / 58.6 TFLOP/s full / causal against attn_fwd.cu's 54.9 / 46.6); at D = 64 the two
-    are within 2%, precision="tf32" runs attn_fwd.cu faster (122 against 94: bench/NOTES.md,
-    float32 forward w2), and the score options and mods, unmeasured there, spill 48-336 B more.
+    s44: 61.5 / 58.6 TFLOP/s full / causal against attn_fwd.cu's 54.9 / 46.6; s50, w4: 65.0 /
+    60.4); at D = 64 the two were within 2%, precision="tf32" runs attn_fwd.cu faster (122
+    against 94; w3's two splitters: 128 against 105; bench/NOTES.md, float32 forward w2-w4), and the score options and mods, unmeasured there, spill 48-336 B more.
     ATTNEXT_FWD_F32_SM90=1 takes it wherever it applies, 0 nowhere (the lab's and the tests')."""
     if not (arch == "sm_90a" and dtype == "float32" and vec and not decode and not paged
             and D in (64, 128) and Dv in (64, 128) and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
@@ -316,9 +316,9 @@ def sm90_staged_o_fits(D, Dv, tile):
 def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd", dtype="bfloat16", tma=False, ws=False, persist=False,
                    tf32=False):
     bm, bn = tile[:2]
-    if kernel == "attn_fwd_sm90_f32":  # Q's parts, then stages of K's and V^T's parts, 1024-aligned;
-        parts = 1 if tf32 else 2       # q_full, and full and empty a stage
-        return 4 * parts * (bm * D + tile[3] * bn * (D + Dv)) + 1024 + 8 * (1 + 2 * tile[3])
+    if kernel == "attn_fwd_sm90_f32":  # Q's parts, then STAGES + 1 slots of K's parts and STAGES of
+        parts = 1 if tf32 else 2       # V^T's, 1024-aligned; q_full, and full and empty a slot
+        return 4 * parts * (bm * D + (tile[3] + 1) * bn * D + tile[3] * bn * Dv) + 1024 + 8 * (1 + 4 * tile[3] + 2)
     if ws:            # Q, STAGES x K, STAGES x V swizzled, 1024-aligned, then 4 x STAGES + 1 mbarriers;
         # persist: a second Q, 8 more mbarriers and two int32 slots
         return 2 * ((1 + persist) * bm * D + tile[3] * bn * (D + Dv)) + 1024 + 32 * tile[3] + 8 + persist * 72
