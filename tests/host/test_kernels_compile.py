@@ -408,6 +408,30 @@ def test_dq_mode(monkeypatch):
     assert select.bwd_sm90_tile(128, "ordered")["kv_warps"] == 8   # the lab's override: recompute only
 
 
+def test_hopper_kernels_keep_their_wgmma_asynchronous():
+    """ptxas serialises every wgmma of a function (its -v log's "Potential Performance Loss",
+    C75xx) when it cannot prove that no other instruction reads or writes their registers while
+    they run: an accumulator read between issue and wait, a wgmma in flight around a loop's back
+    edge, the k loop not unrolled (bench/NOTES.md, float32 forward w4), or spilled accumulators.
+    The products then run one at a time. No Hopper wgmma variant that warmup compiles may be
+    serialised, but the one known: attn_bwd_dkdv_sm90 at D = 64, Dv = 128 (384 B spilled)."""
+    if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
+        pytest.skip("ATTNEXT_NO_NVRTC=1")
+    from attnext import _C
+    nvrtc.nvrtc()
+    serialised, checked = set(), 0
+    for kernel, d in select.variants("sm_90a"):
+        if kernel not in ("attn_fwd_sm90", "attn_fwd_sm90_f32", "attn_bwd_sm90", "attn_bwd_sm90_x3"):
+            continue
+        src, name, opts, headers = nvrtc.compile_args(kernel, d, "sm_90a")
+        log = _C.nvrtc_compile(src, name, opts + ["--ptxas-options=-v"], headers)[1]
+        checked += 1
+        for entry in re.findall(r"\(C75\d\d\) Potential Performance Loss: wgmma[^\n]*function '(\w+)'", log):
+            serialised.add((entry, d["HEAD_DIM"], d["HEAD_DIM_V"]))
+    assert checked >= 60
+    assert serialised == {("attn_bwd_dkdv_sm90", 64, 128)}, serialised
+
+
 def test_a_call_with_mods_compiles_its_entry_points_alone():
     """nvrtc.module_of: with mods, an entry point that reads none of them comes from the plain
     variant (warmup's), every other one is compiled alone (ATTN_ENTRY_ONLY); without mods, the
