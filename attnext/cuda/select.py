@@ -295,7 +295,8 @@ def fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32=False, plain=True)
     (plain: no score option and no generated mods; a causal mask or window may band them) (H200,
     s44: 61.5 / 58.6 TFLOP/s full / causal against attn_fwd.cu's 54.9 / 46.6; s50, w4: 65.0 /
     60.4); at D = 64 the two were within 2%, precision="tf32" runs attn_fwd.cu faster (122
-    against 94; w3's two splitters: 128 against 105; bench/NOTES.md, float32 forward w2-w4), and the score options and mods, unmeasured there, spill 48-336 B more.
+    against 94; w3's two splitters: 128 against 105; bench/NOTES.md, float32 forward w2-w4), and
+    the score options and mods, unmeasured there, spill 48-336 B more.
     ATTNEXT_FWD_F32_SM90=1 takes it wherever it applies, 0 nowhere (the lab's and the tests')."""
     if not (arch == "sm_90a" and dtype == "float32" and vec and not decode and not paged
             and D in (64, 128) and Dv in (64, 128) and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
