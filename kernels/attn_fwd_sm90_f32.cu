@@ -264,7 +264,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
         const uint64_t dk0 = uniform_desc(sw128_desc(sK + st * K_SLOT, 16, 1024));
         /* Q's base made opaque at each issue: from a loop-invariant one, ptxas hoists S's 48 Q
          * descriptors out of the loop into vector registers (the uniform file cannot hold them),
-         * 140 B spilled at D128 against 88, and 22% slower (bench/NOTES.md, float32 forward w4) */
+         * 140 B spilled at D128 against 88, and 29% less TFLOP/s (bench/NOTES.md, float32 w4) */
         uint32_t q_at;
         asm volatile("mov.b32 %0, %1;" : "=r"(q_at) : "r"(sQ));
         const uint64_t dq0 = uniform_desc(sw128_desc(q_at, 16, 1024));

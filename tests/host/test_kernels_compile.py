@@ -412,8 +412,8 @@ def test_hopper_kernels_keep_their_wgmma_asynchronous():
     """ptxas serialises every wgmma of a function (its -v log's "Potential Performance Loss",
     C75xx) when it cannot prove that no other instruction reads or writes their registers while
     they run: an accumulator read between issue and wait, a wgmma in flight around a loop's back
-    edge, the k loop not unrolled (bench/NOTES.md, float32 forward w4), or spilled accumulators.
-    The products then run one at a time. No Hopper wgmma variant that warmup compiles may be
+    edge, the k loop not unrolled (bench/NOTES.md, float32 forward w4). The products then run one
+    at a time. No Hopper wgmma variant that warmup compiles may be
     serialised, but the one known: attn_bwd_dkdv_sm90 at D = 64, Dv = 128 (384 B spilled)."""
     if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
         pytest.skip("ATTNEXT_NO_NVRTC=1")
