@@ -338,13 +338,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
     auto wait_k = [&](int i) { mbar_wait(k_full + 8 * (i % K_STAGES), (i / K_STAGES) & 1); };
     auto wait_v = [&](int i) { mbar_wait(v_full + 8 * (i % STAGES), (i / STAGES) & 1); };
     /* O rescaled for tile i - 1's maxima, P's parts of tile i - 1 */
-    auto end_tile = [&](const float (&prev)[1][NT][4], const float (&corrs)[2], uint32_t (&ph)[NT][4],
-                        uint32_t (&pl)[NT][4]) {
+    uint32_t ph[NT][4], pl[NT][4];
+    float sa[1][NT][4], sb[1][NT][4], corrs[2];
+    auto end_tile = [&](const float (&prev)[1][NT][4]) {
         rescale_o(o, corrs);
         p_parts(prev, ph, pl);
     };
-    uint32_t ph[NT][4], pl[NT][4];
-    float sa[1][NT][4], sb[1][NT][4], corrs[2];
     mbar_wait(q_full, 0);
     wait_k(0);
     issue_s(sa, 0);
@@ -356,7 +355,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
     auto tile = [&](int i, float (&cur)[1][NT][4], const float (&prev)[1][NT][4]) {
         wait_k(i);
         issue_s(cur, i % K_STAGES);
-        end_tile(prev, corrs, ph, pl);
+        end_tile(prev);
         wait_v(i - 1);
         issue_pv(ph, pl, (i - 1) % STAGES);
         wgmma_wait<1>();                                 /* S of tile i; P V of tile i - 1 may still run */
@@ -374,9 +373,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
             tile(i + 1, sa, sb);
     }
     if ((tiles - 1) & 1)
-        end_tile(sb, corrs, ph, pl);
+        end_tile(sb);
     else
-        end_tile(sa, corrs, ph, pl);
+        end_tile(sa);
     wait_v(tiles - 1);
     issue_pv(ph, pl, (tiles - 1) % STAGES);
     wgmma_wait<0>();

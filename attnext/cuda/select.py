@@ -42,6 +42,13 @@ def knobs(names):
     return _env.values(names)
 
 
+def _lab_tile(name):
+    """The kernel lab's tile override in setting `name` ("128,64,8": comma-separated ints) as a
+    tuple, or None when unset."""
+    env = _env.get(name)
+    return tuple(int(x) for x in env.split(",")) if env else None
+
+
 def _round_up(x, m):
     return (x + m - 1) // m * m
 
@@ -51,9 +58,9 @@ def tile_config(D, Dv, dtype="bfloat16"):
     chooses. Register budget (255 per thread, measured with -Xptxas -v): O holds
     BLOCK_M / NUM_WARPS * Dv floats per warp row group, S BLOCK_M / NUM_WARPS * BLOCK_N.
     float32 tiles take twice the shared memory: past D = 128, 64 x 32."""
-    env = _env.get("ATTNEXT_TILE_FWD")       # the kernel lab's override: "128,64,8"
-    if env:
-        m, n, w = (int(x) for x in env.split(","))
+    lab = _lab_tile("ATTNEXT_TILE_FWD")      # the kernel lab's override: "128,64,8"
+    if lab:
+        m, n, w = lab
         return m, n, w
     dvp = _round_up(Dv, 16)
     if dtype == "float32":     # H200, bench/labs/lab_f32.py (TFLOP/s at D64 / D128, S4k):
@@ -79,9 +86,9 @@ SM90_SHARED_BYTES = 233472   # Hopper's shared memory an SM (each CTA's share: i
 def decode_tile(D=0, Dv=0, dtype="bfloat16"):
     """attn_fwd.cu's tile for decode calls (float32 past D = 128: 64 x 32, for shared memory);
     the kernel lab's override: ATTNEXT_TILE_DECODE="16,64,1"."""
-    env = _env.get("ATTNEXT_TILE_DECODE")
-    if env:
-        return tuple(int(x) for x in env.split(","))
+    lab = _lab_tile("ATTNEXT_TILE_DECODE")
+    if lab:
+        return lab
     if dtype == "float32" and max(D, Dv) > 128:
         return 64, 32, 4
     return DECODE_TILE
@@ -105,8 +112,7 @@ def decode_tma(arch, D, Dv, vec, dtype, key_rows, page_size=0):
 
 def decode_tma_tile():
     """(BLOCK_M, BLOCK_N, NUM_WARPS, STAGES) of TMA_KV; the lab's ATTNEXT_TILE_DECODE_TMA."""
-    env = _env.get("ATTNEXT_TILE_DECODE_TMA")
-    return tuple(int(x) for x in env.split(",")) if env else DECODE_TMA_TILE
+    return _lab_tile("ATTNEXT_TILE_DECODE_TMA") or DECODE_TMA_TILE
 
 
 def decode_ctas_per_sm(tma_smem=0):
@@ -169,9 +175,9 @@ def fwd_ws_tile(score_mod=False, wide=False, ws3=False):
     """(BLOCK_M, BLOCK_N, computing warps, STAGES) of the WS forward (score_mod: a call with one;
     wide: the wide tile of a score_mod without per-score loads, SM90_TILE_WS; ws3: fwd_ws3's call,
     SM90_TILE_WS3); the lab's ATTNEXT_TILE_FWD_WS fixes it."""
-    env = _env.get("ATTNEXT_TILE_FWD_WS")
-    if env:
-        return tuple(int(x) for x in env.split(","))
+    lab = _lab_tile("ATTNEXT_TILE_FWD_WS")
+    if lab:
+        return lab
     if score_mod:
         return SM90_TILE_WS if wide else SM90_TILE_WS_MODS
     return SM90_TILE_WS3 if ws3 else SM90_TILE_WS
@@ -267,13 +273,12 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
         return "attn_fwd_sm90", fwd_ws_tile(mods is not None and bool(mods.defines.get("HAS_SCORE_MOD")),
                                             ws3=ws3)
     if fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32, not options and mods is None):
-        env = _env.get("ATTNEXT_TILE_F32_SM90")  # the kernel lab's override: "64,32,12,2"
-        return "attn_fwd_sm90_f32", tuple(int(x) for x in env.split(",")) if env else SM90_TILE_F32
+        return "attn_fwd_sm90_f32", _lab_tile("ATTNEXT_TILE_F32_SM90") or SM90_TILE_F32   # lab: "64,32,12,2"
     if (arch == "sm_90a" and not decode and not paged and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
             and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
-        env = _env.get("ATTNEXT_TILE_SM90")      # the kernel lab's override: "128,64,8"
-        if env:
-            return "attn_fwd_sm90", tuple(int(x) for x in env.split(","))
+        lab = _lab_tile("ATTNEXT_TILE_SM90")     # the kernel lab's override: "128,64,8"
+        if lab:
+            return "attn_fwd_sm90", lab
         short = max(D, Dv) <= 64 or rows <= SM90_SHORT_ROWS
         score_mod = mods is not None and bool(mods.defines.get("HAS_SCORE_MOD"))
         if short:
@@ -547,11 +552,11 @@ def bwd_tile_config(D, Dv, dtype="bfloat16", atomic=False, planes=False):
     KB dK/dV, 77 KB dQ: two CTAs an SM), at 256 the dK/dV kernel as 8 warps over 128 keys, one
     CTA an SM (182 / 192 KB: each split Q and dO element serves 8 warps; the same 8 warps an SM
     as two 4-warp CTAs), the dQ kernel's tiles as before (107 KB)."""
-    env = _env.get("ATTNEXT_TILE_BWD")   # the kernel lab's override: "32,4,0,2,64,64,4,2"
-    if env:
+    lab = _lab_tile("ATTNEXT_TILE_BWD")  # the kernel lab's override: "32,4,0,2,64,64,4,2"
+    if lab:
         keys = ("kv_block_m", "kv_warps", "kv_split", "kv_minb", "q_block_m", "q_block_n", "q_warps",
                 "q_minb")
-        return dict(zip(keys, (int(x) for x in env.split(","))))
+        return dict(zip(keys, lab))
     dp, dvp = _round_up(D, 16), _round_up(Dv, 16)
     if dtype == "float32" and dp + dvp > 256:
         return dict(kv_block_m=16, kv_warps=2, kv_split=1, kv_minb=2, q_block_m=32, q_block_n=16, q_warps=2,
@@ -747,9 +752,9 @@ def bwd_sm90_tile(D, mode):
         tile = SM90_BWD_TILE_DQ_D64 if D == 64 else SM90_BWD_TILE_DQ
     else:
         tile = SM90_BWD_TILE_D64 if D == 64 else SM90_BWD_TILE
-    env = _env.get("ATTNEXT_TILE_BWD_SM90")
-    if env and mode == "recompute":
-        kv, q, kv_minb, q_minb = ([int(x) for x in env.split(",")] + [1, 1])[:4]
+    lab = _lab_tile("ATTNEXT_TILE_BWD_SM90")
+    if lab and mode == "recompute":
+        kv, q, kv_minb, q_minb = (lab + (1, 1))[:4]
         tile = {**tile, "kv_warps": kv, "q_warps": q, "q_block_m": 16 * q, "kv_minb": kv_minb,
                 "q_minb": q_minb}
     return tile
