@@ -1005,7 +1005,7 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     defines = select.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen, chains=chains, presplit=presplit,
                                  key_block=64 if x3 else None)
     smem = select.bwd_smem_bytes(o.D, o.Dv, tile, atomic, defines.get("MOD_TILE_SLOTS", 0), features["dtype"], planes)
-    hopper = select.bwd_sm90_tile(o.D, dq_mode) if sm90 else None
+    hopper = select.bwd_sm90_tile(o.D, dq_mode, o.Dv) if sm90 else None
     # the dK/dV grid's x (its key blocks)
     kv_blocks = _query_tiles(k_rows, 16 * hopper["kv_warps"]) if hopper else _query_tiles(k_rows, 64) if x3 else 0
     ns = types.SimpleNamespace(atomic=atomic, ordered=dq_mode == "ordered",

@@ -743,15 +743,19 @@ SM90_BWD_TILE_DQ = {**SM90_BWD_TILE, "kv_warps": 8}
 SM90_BWD_TILE_DQ_D64 = {**SM90_BWD_TILE_DQ, "kv_block_m": 128}
 
 
-def bwd_sm90_tile(D, mode):
-    """The tile of attn_bwd_sm90.cu for head dim D and dq mode. ATTNEXT_TILE_BWD_SM90="KV,Q[,KV_MINB,
+def bwd_sm90_tile(D, mode, Dv=None):
+    """The tile of attn_bwd_sm90.cu for head dims D, Dv (D's when not given) and dq mode: D64's
+    (three CTAs an SM) only where Dv is 64 too, since Dv = 128's dV accumulator does not fit its
+    168 registers (ptxas spilled 384 B and serialised the wgmma: tests/host's
+    test_hopper_kernels_keep_their_wgmma_asynchronous). ATTNEXT_TILE_BWD_SM90="KV,Q[,KV_MINB,
     Q_MINB]" (warps of the recomputing dK/dV and the dQ kernels, CTAs per SM their registers
     allow) is the kernel lab's override; the kernel that adds dQ always has two consumer
     warpgroups."""
+    small = D == 64 and (Dv or D) == 64
     if mode != "recompute":
-        tile = SM90_BWD_TILE_DQ_D64 if D == 64 else SM90_BWD_TILE_DQ
+        tile = SM90_BWD_TILE_DQ_D64 if small else SM90_BWD_TILE_DQ
     else:
-        tile = SM90_BWD_TILE_D64 if D == 64 else SM90_BWD_TILE
+        tile = SM90_BWD_TILE_D64 if small else SM90_BWD_TILE
     lab = _lab_tile("ATTNEXT_TILE_BWD_SM90")
     if lab and mode == "recompute":
         kv, q, kv_minb, q_minb = (lab + (1, 1))[:4]
@@ -821,7 +825,7 @@ def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
     }
     d.update(KV_BLOCK_M=tile["kv_block_m"], KV_WARPS=tile["kv_warps"], KV_SPLIT=tile["kv_split"],
              KV_MINB=tile["kv_minb"], DQ_ATOMIC=int(dq != "recompute"), DQ_ORDERED=int(dq == "ordered"),
-             DQ_TILE_M=bwd_sm90_tile(D, dq)["kv_block_m"] if dq == "ordered" else 0,
+             DQ_TILE_M=bwd_sm90_tile(D, dq, Dv)["kv_block_m"] if dq == "ordered" else 0,
              Q_BLOCK_M=tile["q_block_m"],
              Q_BLOCK_N=tile["q_block_n"], Q_WARPS=tile["q_warps"], Q_MINB=tile["q_minb"])
     if tma:
@@ -829,7 +833,7 @@ def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
     if presplit:
         d["F32_PRESPLIT"] = 1
     if chains > 1:
-        d.update(DQ_CHAINS=chains, DQ_KEY_BLOCK=key_block or 16 * bwd_sm90_tile(D, dq)["kv_warps"])
+        d.update(DQ_CHAINS=chains, DQ_KEY_BLOCK=key_block or 16 * bwd_sm90_tile(D, dq, Dv)["kv_warps"])
     slots, admit, always = tile_sums(mods, tile["q_block_m"], tile["q_block_n"])
     if slots:
         d.update(MOD_TILE_SLOTS=slots, MOD_TILE_ADMIT=admit, MOD_TILE_ALWAYS=int(always))
@@ -914,7 +918,7 @@ def sm90_bwd_variants():
             alibi_dtype=names[fd["ALIBI_DT"]] if fd["HAS_ALIBI"] else None, mask=bool(fd["HAS_MASK"]))
         for deterministic in (True, False):
             mode = bwd_dq_mode(True, D, deterministic, fd["HEAD_DIM_V"])
-            tile = bwd_sm90_tile(D, mode)
+            tile = bwd_sm90_tile(D, mode, fd["HEAD_DIM_V"])
             tma = bwd_tma(mode, tile, tile["kv_block_m"], True, tensor_maps=True)
             # the ordered mode in one chain and in DQ_CHAINS (an unbanded call's), with attn_bwd.cu's
             # row kernels (delta, dq_convert) of each

@@ -413,8 +413,8 @@ def test_hopper_kernels_keep_their_wgmma_asynchronous():
     C75xx) when it cannot prove that no other instruction reads or writes their registers while
     they run: an accumulator read between issue and wait, a wgmma in flight around a loop's back
     edge, the k loop not unrolled (bench/NOTES.md, float32 forward w4). The products then run one
-    at a time. No Hopper wgmma variant that warmup compiles may be
-    serialised, but the one known: attn_bwd_dkdv_sm90 at D = 64, Dv = 128 (384 B spilled)."""
+    at a time. No Hopper wgmma variant that warmup compiles may be serialised (attn_bwd_dkdv_sm90
+    at D = 64, Dv = 128 was, on D64's tile, till select.bwd_sm90_tile took it by both head dims)."""
     if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
         pytest.skip("ATTNEXT_NO_NVRTC=1")
     from attnext import _C
@@ -429,7 +429,7 @@ def test_hopper_kernels_keep_their_wgmma_asynchronous():
         for entry in re.findall(r"\(C75\d\d\) Potential Performance Loss: wgmma[^\n]*function '(\w+)'", log):
             serialised.add((entry, d["HEAD_DIM"], d["HEAD_DIM_V"]))
     assert checked >= 60
-    assert serialised == {("attn_bwd_dkdv_sm90", 64, 128)}, serialised
+    assert not serialised, serialised
 
 
 def test_a_call_with_mods_compiles_its_entry_points_alone():
