@@ -95,7 +95,7 @@ SETTINGS = {s.name: s for s in [
             "attn_fwd.cu's TMA_KV decode tile: BLOCK_M,BLOCK_N,NUM_WARPS[,STAGES]"),
     Setting("ATTNEXT_FWD_SM90", "0 | 1", "1", LAB, CALL,
             "0 keeps Hopper's forward on attn_fwd.cu (no wgmma kernel)"),
-    Setting("ATTNEXT_FWD_F32_SM90", "0 | 1", "select.fwd_f32_sm90 (plain, three passes, D = Dv = 128)", LAB, CALL,
+    Setting("ATTNEXT_FWD_F32_SM90", "0 | 1", "select.fwd_f32_sm90 (plain, three passes, D = Dv in {64, 128})", LAB, CALL,
             "whether Hopper's float32 forward runs attn_fwd_sm90_f32.cu (TF32 wgmma) wherever it applies "
             "(1) or nowhere (0)"),
     Setting("ATTNEXT_TILE_F32_SM90", _TILE, "select.SM90_TILE_F32", LAB, CALL,

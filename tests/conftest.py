@@ -16,6 +16,10 @@ import zlib
 # workers wait passively, but cannot change OpenBLAS's). The reference's matrices are small, so
 # one BLAS thread costs it nothing. Must be set before NumPy loads OpenBLAS.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# JAX takes 75% of a GPU's memory at its first use by default: the xdist worker that runs the JAX
+# adapter's tests then holds ~105 GiB of an H200 for the rest of its run, and the other workers'
+# GPU tests fail for memory (session 51's `-n 8` run of tests/ outside tests/gpu: 253 of them).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -296,12 +296,12 @@ SM90_TILE_F32 = (64, 32, 12, 2)
 def fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32=False, plain=True):
     """Whether a float32 forward runs attn_fwd_sm90_f32.cu (TF32 wgmma, operands split once per
     CTA in shared memory) where it applies: sm_90a, 16-byte-loadable rows, D and Dv in {64, 128},
-    no decode path or paged cache. By default three passes at D = Dv = 128 for plain scores
-    (plain: no score option and no generated mods; a causal mask or window may band them) (H200,
-    s44: 61.5 / 58.6 TFLOP/s full / causal against attn_fwd.cu's 54.9 / 46.6; s50, w4: 65.0 /
-    60.4); at D = 64 the two were within 2%, precision="tf32" runs attn_fwd.cu faster (122
-    against 94; w3's two splitters: 128 against 105; bench/NOTES.md, float32 forward w2-w4), and
-    the score options and mods, unmeasured there, spill 48-336 B more.
+    no decode path or paged cache. By default three passes at D = Dv in {64, 128} for plain
+    scores (plain: no score option and no generated mods; a causal mask or window may band them)
+    (H200, s44: D128 61.5 / 58.6 TFLOP/s full / causal against attn_fwd.cu's 54.9 / 46.6; s50, w4:
+    65.0 / 60.4; s51, w4 at D64: 61.4 / 58.7 against 57.5 / 51.0); precision="tf32" runs
+    attn_fwd.cu faster (s51: 128 against 98.5 at D64, 128 against 104 at D128; bench/NOTES.md,
+    float32 forward w2-w4), and the score options and mods, unmeasured there, spill 48-336 B more.
     ATTNEXT_FWD_F32_SM90=1 takes it wherever it applies, 0 nowhere (the lab's and the tests')."""
     if not (arch == "sm_90a" and dtype == "float32" and vec and not decode and not paged
             and D in (64, 128) and Dv in (64, 128) and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
@@ -309,7 +309,7 @@ def fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32=False, plain=True)
     env = _env.get("ATTNEXT_FWD_F32_SM90")
     if env in ("0", "1"):
         return env == "1"
-    return D == Dv == 128 and not tf32 and plain
+    return D == Dv and not tf32 and plain
 
 
 def sm90_staged_o_fits(D, Dv, tile):
@@ -873,7 +873,7 @@ def sm90_fwd_variants():
     """attn_fwd_sm90's variants (sm_90a only): both dtypes, the head dims it takes (the WS kernel's
     too where D = Dv), and each feature on its own at D = 128 on the WS kernel, its plain tiles
     also as a persistent grid; attn_fwd.cu's TMA_KV decode (packed GQA, split or not, contiguous
-    or paged); and attn_fwd_sm90_f32.cu's float32 at D = Dv = 128."""
+    or paged); and attn_fwd_sm90_f32.cu's float32 at D = Dv in {64, 128}."""
     out = []
     for dtype in ("bfloat16", "float16"):
         for D, Dv in ((64, 64), (128, 128), (128, 64), (64, 128)):
@@ -896,10 +896,10 @@ def sm90_fwd_variants():
                    mask=False, tile=DECODE_TMA_TILE, pack_gqa=True, split_kv=split, tma=True)
               for dtype in ("bfloat16", "float16") for D in (64, 128) for split in (True, False)]
     decode += [{**decode[0], "paged": True}]
-    f32 = dict(dtype="float32", D=128, Dv=128, vec=True, softcap=False, bias_dtype=None, alibi_dtype=None,
-               mask=False, tile=SM90_TILE_F32, sm90_f32=True)      # the float32 forward fwd_f32_sm90 takes
+    f32 = [dict(dtype="float32", D=D, Dv=D, vec=True, softcap=False, bias_dtype=None, alibi_dtype=None,
+                mask=False, tile=SM90_TILE_F32, sm90_f32=True) for D in (64, 128)]   # fwd_f32_sm90's
     return ([("attn_fwd_sm90", fwd_defines(**v)) for v in out] + [("attn_fwd", fwd_defines(**v)) for v in decode]
-            + [("attn_fwd_sm90_f32", fwd_defines(**f32))])
+            + [("attn_fwd_sm90_f32", fwd_defines(**v)) for v in f32])
 
 
 def sm90_bwd_variants():

@@ -234,8 +234,8 @@ def test_sm90_forward_fits_shared_memory():
 
 def test_hopper_float32_wgmma_forward_where_it_applies(monkeypatch):
     """attn_fwd_sm90_f32.cu runs a float32 forward on sm_90a with 16-byte rows, D and Dv in
-    {64, 128}, no decode path or paged cache: by default with three passes at D = Dv = 128 for plain
-    scores only (bench/NOTES.md, float32 forward w2), wherever it applies under ATTNEXT_FWD_F32_SM90=1, nowhere
+    {64, 128}, no decode path or paged cache: by default with three passes at D = Dv for plain
+    scores only (bench/NOTES.md, float32 forward w2, w4), wherever it applies under ATTNEXT_FWD_F32_SM90=1, nowhere
     under 0 or ATTNEXT_FWD_SM90=0; it fits an SM's shared memory, compiles in both precisions and
     is among the variants warmup compiles."""
     ok = dict(arch="sm_90a", D=128, Dv=128, vec=True, decode=False, paged=False, dtype="float32")
@@ -244,7 +244,9 @@ def test_hopper_float32_wgmma_forward_where_it_applies(monkeypatch):
     assert select.fwd_kernel(*args, dtype="float32") == ("attn_fwd_sm90_f32", select.SM90_TILE_F32)
     assert select.fwd_kernel(*args, dtype="float32", tf32=True)[0] == "attn_fwd"
     assert select.fwd_kernel(*args, dtype="float32", options=True)[0] == "attn_fwd"
-    for change in (dict(D=64, Dv=64), dict(D=64), dict(Dv=64), dict(tf32=True), dict(plain=False)):
+    assert select.fwd_f32_sm90(**{**ok, "D": 64, "Dv": 64})
+    assert select.fwd_kernel("sm_90a", 64, 64, True, False, 4096, dtype="float32")[0] == "attn_fwd_sm90_f32"
+    for change in (dict(D=64), dict(Dv=64), dict(tf32=True), dict(plain=False)):
         assert not select.fwd_f32_sm90(**{**ok, **change}), change
     for change in (dict(arch="sm_80"), dict(D=96, Dv=96), dict(Dv=256), dict(vec=False), dict(decode=True),
                    dict(paged=True), dict(dtype="bfloat16")):
@@ -258,7 +260,8 @@ def test_hopper_float32_wgmma_forward_where_it_applies(monkeypatch):
     monkeypatch.delenv("ATTNEXT_FWD_F32_SM90")
     monkeypatch.setenv("ATTNEXT_FWD_SM90", "0")
     assert not select.fwd_f32_sm90(**ok)
-    assert any(k == "attn_fwd_sm90_f32" for k, _ in select.variants("sm_90a"))
+    assert {(d["HEAD_DIM"], d["HEAD_DIM_V"]) for k, d in select.variants("sm_90a")
+            if k == "attn_fwd_sm90_f32"} == {(64, 64), (128, 128)}
     assert not any(k == "attn_fwd_sm90_f32" for k, _ in select.variants("sm_80"))
     for tf32 in (False, True):
         for d in (64, 128):
