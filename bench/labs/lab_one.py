@@ -1,7 +1,9 @@
 """Kernel lab: one attnext forward (and with "bwd" its backward) call, for ncu /
 compute-sanitizer to look at.
 
-    python bench/labs/lab_one.py D S [causal] [bwd]
+    python bench/labs/lab_one.py D S [causal] [bwd] [f32]
+
+f32: float32 inputs (the default precision: three TF32 passes) in place of bfloat16.
 """
 import sys
 from pathlib import Path
@@ -14,7 +16,8 @@ import attnext  # noqa: E402
 D, S = int(sys.argv[1]), int(sys.argv[2])
 causal = "causal" in sys.argv[3:]
 B, H = 16384 // S, 2048 // D
-q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+dtype = torch.float32 if "f32" in sys.argv[3:] else torch.bfloat16
+q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=dtype) for _ in range(3))
 out = torch.empty_like(q)
 for _ in range(3):
     out, lse = attnext.attention(q, k, v, causal=causal, return_lse=True)
