@@ -323,9 +323,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_x3(con
     const int tid = threadIdx.x, warp = tid >> 5;
     const int64_t hk = blockIdx.y, b = blockIdx.z;
     if (b == p.B) {                       /* packed rows after the last sequence */
-        const int64_t first = packed_end_k(&p);
-        zero_rows((elem_t *)p.dk.ptr + hk * p.dk.s[2], p.dk.s[1], p.dk.s[3], first, p.Sk, HEAD_DIM, KV_THREADS);
-        zero_rows((elem_t *)p.dv.ptr + hk * p.dv.s[2], p.dv.s[1], p.dv.s[3], first, p.Sk, HEAD_DIM, KV_THREADS);
+        zero_dkdv_tail(p, hk, KV_THREADS);
         return;
     }
     const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
@@ -365,24 +363,12 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_x3(con
             {(const float *)p.q.ptr + sq.mem_b * p.q.s[0] + row0 * p.q.s[1] + h * p.q.s[2],
              (const float *)p.dout.ptr + sq.mem_b * p.dout.s[0] + row0 * p.dout.s[1] + h * p.dout.s[2]},
             {p.q.s[1], p.dout.s[1]}, Lq - m0, tid);
-        if (tid < KV_BLOCK_M) {
-            float l = POS_INF, d = 0.f;
-            if (m0 + tid < Lq) {
-                const int64_t row = row0 + tid;
-                l = lse_log2(bwd_lse(p, h, ((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1]
-                                                                     + row * p.lse.s[2]]));
-                d = ((const float *)p.delta.ptr)[sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + row * p.delta.s[2]];
-            }
-            sL[tid] = l;
-            sD[tid] = d;
-        }
+        load_lse_delta(p, sq, h, m0, KV_BLOCK_M, Lq, sL, sD);
         fence_proxy_async();              /* the planes' stores, before wgmma reads them */
         __syncthreads();
 
         const score_ctx sc = make_score_ctx(p, b, h, sq, sk);
-        const bool need_mask = tile_maybe_masked(sc, m0, min(m0 + KV_BLOCK_M, Lq), n0, min(n0 + 64, Lk))
-                               || n0 + 64 > Lk || m0 + KV_BLOCK_M > Lq
-                               || !tile_inside_band(&p, m0, min(m0 + KV_BLOCK_M, Lq), n0, n0 + 64, Lq, Lk);
+        const bool need_mask = item_needs_mask(p, sc, n0, 64, m0, KV_BLOCK_M, Lq, Lk);
         uint32_t a[3][4][4];
 #if KV_WARPS == 8
         float s[1][KV_NT][4];             /* S^T, or dP^T */
@@ -477,7 +463,7 @@ extern "C" __global__ void __launch_bounds__(X3_THREADS, 1) attn_bwd_dq_x3(const
     const uint32_t sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
     const uint32_t sdO = sQ + TILE_BYTES, sK = sdO + TILE_BYTES, sV = sK + TILE_BYTES;
 
-    const int tid = threadIdx.x, warp = tid >> 5, g = (tid & 31) >> 2, t = tid & 3;
+    const int tid = threadIdx.x;
     const int64_t h = blockIdx.y, b = blockIdx.z;
     dq_cta c;
     if (!dq_cta_begin(p, h, b, Q_BLOCK_M, Q_BLOCK_N, X3_THREADS, c))
@@ -526,21 +512,6 @@ extern "C" __global__ void __launch_bounds__(X3_THREADS, 1) attn_bwd_dq_x3(const
         mma_rs3<HEAD_DIM>(dq[0], a, sK);  /* dQ += dS K */
     }
 
-    /* dq = dQ * scale; padding rows (and rows that keep nothing) come out 0 */
-    const float scale = sc.scale;
-    float *gdq = (float *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int r = m0 + warp * 16 + g + i * 8;
-        if (r >= sq.rows)
-            continue;
-        float *row = gdq + (int64_t)r * p.dq.s[1];
-#pragma unroll
-        for (int nt = 0; nt < NTD; nt++) {
-            const int d = nt * 8 + 2 * t;
-            row[d * p.dq.s[3]] = dq[0][nt][2 * i] * scale;
-            row[(d + 1) * p.dq.s[3]] = dq[0][nt][2 * i + 1] * scale;
-        }
-    }
+    store_dq_f32(p, sq, h, m0, dq[0], sc.scale);   /* padding rows (and rows that keep nothing) come out 0 */
 }
 #endif

@@ -263,6 +263,15 @@ struct dq_cta {
     int m0, Lq, Lk, n_first, n_last;
 };
 
+/* A dK/dV CTA of the grid's extra sequence (b == p.B): dk's and dv's packed rows after the last
+ * sequence set to 0 for kv head hk. */
+DEV void zero_dkdv_tail(const attn_params &p, int64_t hk, int threads)
+{
+    const int64_t first = packed_end_k(&p);
+    zero_rows((elem_t *)p.dk.ptr + hk * p.dk.s[2], p.dk.s[1], p.dk.s[3], first, p.Sk, HEAD_DIM, threads);
+    zero_rows((elem_t *)p.dv.ptr + hk * p.dv.s[2], p.dv.s[1], p.dv.s[3], first, p.Sk, HEAD_DIM_V, threads);
+}
+
 DEV bool dq_cta_begin(const attn_params &p, int64_t h, int64_t b, int bm, int bn, int threads, dq_cta &c)
 {
     if (b == p.B) {
@@ -588,6 +597,55 @@ DEV bool ds_needs_mask(const attn_params &p, const score_ctx &sc, int m0, int c0
     return tile_maybe_masked(sc, m0, min(m0 + Q_BLOCK_M, Lq), c0, min(c0 + Q_BLOCK_N, Lk))
            || c0 + Q_BLOCK_N > Lk || m0 + Q_BLOCK_M > Lq
            || !tile_inside_band(&p, m0, min(m0 + Q_BLOCK_M, Lq), c0, c0 + Q_BLOCK_N, Lq, Lk);
+}
+
+/* Whether a dK/dV item (keys [n0, n0 + bn) x query rows [m0, m0 + bm)) needs pt_tile's per-pair
+ * tests (attn_bwd_sm90_x3.cu's and attn_bwd_sm90_tf32.cu's; ds_needs_mask's counterpart). */
+DEV bool item_needs_mask(const attn_params &p, const score_ctx &sc, int n0, int bn, int m0, int bm, int Lq, int Lk)
+{
+    return tile_maybe_masked(sc, m0, min(m0 + bm, Lq), n0, min(n0 + bn, Lk)) || n0 + bn > Lk || m0 + bm > Lq
+           || !tile_inside_band(&p, m0, min(m0 + bm, Lq), n0, n0 + bn, Lq, Lk);
+}
+
+/* A dK/dV item's lse (log2 units; rows past Lq +inf, so that P is 0 there) and delta rows for
+ * query rows [m0, m0 + bm) of head h into sL and sD, by the CTA's first bm threads. */
+DEV void load_lse_delta(const attn_params &p, const seq_t &sq, int64_t h, int m0, int bm, int Lq, float *sL, float *sD)
+{
+    const int tid = threadIdx.x;
+    if (tid < bm) {
+        float l = POS_INF, d = 0.f;
+        if (m0 + tid < Lq) {
+            const int64_t row = sq.start + m0 + tid;
+            l = lse_log2(bwd_lse(p, h, ((const float *)p.lse.ptr)[sq.mem_b * p.lse.s[0] + h * p.lse.s[1]
+                                                                 + row * p.lse.s[2]]));
+            d = ((const float *)p.delta.ptr)[sq.mem_b * p.delta.s[0] + h * p.delta.s[1] + row * p.delta.s[2]];
+        }
+        sL[tid] = l;
+        sD[tid] = d;
+    }
+}
+
+/* dq = dQ * scale from a warpgroup's C fragments (its warp w: rows m0 + 16 w + g (+ 8), float32
+ * dq) of head h; rows past the sequence's rows are not written, padding rows come out 0 (dQ is 0
+ * there). attn_bwd_sm90_x3.cu's and attn_bwd_sm90_tf32.cu's dQ kernels. */
+template <int NT>
+DEV void store_dq_f32(const attn_params &p, const seq_t &sq, int64_t h, int m0, const float (&dq)[NT][4], float scale)
+{
+    const int warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    float *gdq = (float *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int r = m0 + warp * 16 + g + i * 8;
+        if (r >= sq.rows)
+            continue;
+        float *row = gdq + (int64_t)r * p.dq.s[1];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const int d = nt * 8 + 2 * t;
+            row[d * p.dq.s[3]] = dq[nt][2 * i] * scale;
+            row[(d + 1) * p.dq.s[3]] = dq[nt][2 * i + 1] * scale;
+        }
+    }
 }
 
 /* The dQ kernels' scatter of the score_mod's array gradients through shared memory (attn_mods.cuh:

@@ -182,6 +182,16 @@ DEV void wgmma_m64n32k8_tf32_ss(float (&d)[4][4], uint64_t desc_a, uint64_t desc
                  : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
+/* d (+)= A B for m64n64k8 in TF32: A and B from shared memory, both K-major. */
+DEV void wgmma_m64n64k8_tf32_ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, int accumulate)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+                 : WGMMA_D8(d)
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
 /* d (+)= A B for m64n64k8 in TF32: A from registers (a0 (g, t), a1 (g + 8, t), a2 (g, t + 4),
  * a3 (g + 8, t + 4) of this warp's 16 rows, mma.m16n8k8's A fragment), B from shared memory,
  * K-major. */

@@ -33,7 +33,7 @@ FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "
 BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_TMA", "ATTNEXT_BWD_DQ",
              "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_BWD_DQ_CHAINS", "ATTNEXT_TILE_SUMS", "ATTNEXT_BWD_F32_PRESPLIT",
              "ATTNEXT_BWD_F32_X3", "ATTNEXT_BWD_X3_KV_WARPS",
-             "ATTNEXT_BWD_X3_DQ")
+             "ATTNEXT_BWD_X3_DQ", "ATTNEXT_BWD_TF32_WGMMA")
 
 
 def knobs(names):
@@ -528,6 +528,31 @@ def bwd_x3_smem_bytes(D, defines):
     planes = 4 * (3 if defines["TF32_PASSES"] == 3 else 2) * 64 * D * 2 + 1024
     region = (2 if defines["DQ_ATOMIC"] else 1) * 64 * 64 * 4 if defines["KV_WARPS"] == 8 else 0
     return {"attn_bwd_dkdv_x3": planes + region + 2 * 4 * 64, "attn_bwd_dq_x3": planes}
+
+
+def bwd_tf32_wgmma(x3, D, passes):
+    """Whether precision="tf32"'s backward on the planes' path (x3: bwd_f32_x3's answer) runs
+    attn_bwd_sm90_tf32.cu instead: one TF32 wgmma product a product (two bfloat16 planes take
+    three, at twice TF32's rate), reading transposed copies of Q, dO and K written beside the
+    plain ones; D = Dv = 64, where its tiles fit two CTAs an SM (96 KB). The kernel lab's
+    (ATTNEXT_BWD_TF32_WGMMA=1) until measured (bench/NOTES.md, float32 backward t1)."""
+    return bool(x3) and passes == 1 and D == 64 and _env.get("ATTNEXT_BWD_TF32_WGMMA") == "1"
+
+
+def bwd_tf32_defines(defines):
+    """attn_bwd_sm90_tf32.cu's switches: attn_bwd_sm90_x3.cu's one-warpgroup tiles, float32 on the
+    TF32 tensor cores (no bfloat16 planes), dQ recomputed."""
+    d = {k: v for k, v in bwd_x3_defines(defines, 64).items() if k != "ELEM_BF16"}
+    d.update(KV_WARPS=4)
+    return d
+
+
+def bwd_tf32_smem_bytes(D):
+    """attn_bwd_sm90_tf32.cu's shared memory: 64-row TF32 tiles (K, V, Q, dO, Q^T, dO^T and the
+    item's lse and delta rows for the dK/dV kernel; Q, dO, K, V, K^T for the dQ kernel), the
+    1024-byte alignment's slack."""
+    tile = 64 * D * 4
+    return {"attn_bwd_dkdv_tf32": 6 * tile + 2 * 4 * 64 + 1024, "attn_bwd_dq_tf32": 5 * tile + 1024}
 
 
 def bwd_tile_config(D, Dv, dtype="bfloat16", atomic=False, planes=False):

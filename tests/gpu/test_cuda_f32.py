@@ -456,6 +456,31 @@ def test_tf32_backward_on_two_bfloat16_planes(d, rng, monkeypatch):
     assert errs[0] < errs[1] / 4, f"two planes {errs[0]:.3g} against single-pass TF32's {errs[1]:.3g}"
 
 
+def test_single_pass_tf32_backward_on_wgmma(rng, monkeypatch):
+    """The kernel lab's single-pass TF32 backward (ATTNEXT_BWD_TF32_WGMMA=1: attn_bwd_sm90_tf32.cu,
+    precision="tf32" at D = 64, one TF32 wgmma product a product with transposed copies of Q, dO
+    and K): the backward's cases against the reference at tf32's rule (float16's), the same bits
+    twice, its kernels planned in place of the planes'; and on the same inputs within 1.5x the
+    error of attn_bwd.cu's single-pass TF32 (ATTNEXT_BWD_F32_X3=0), the same TF32 products whose
+    sums run over whole rows in one accumulator where this kernel's reach one tile."""
+    from attnext.cuda import backend
+    monkeypatch.setenv("ATTNEXT_BWD_TF32_WGMMA", "1")
+    _, check = _planes_backward(rng, monkeypatch, {"attn_bwd_dkdv_tf32", "attn_bwd_dq_tf32"},
+                                {"attn_bwd_dkdv_x3", "attn_bwd_dq_x3"}, precision="tf32")
+    _backward_cases(rng, 64, check)
+    q, k, v = make_qkv(rng, 2, 1000, 1000, 4, 2, 64, 64, F32)
+    out, lse, _, _ = _forward(q, k, v, causal=True)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    want = reference.attention_backward(dout, q, k, v, out, lse, causal=True)
+    errs = []
+    for x3 in ("1", "0"):
+        monkeypatch.setenv("ATTNEXT_BWD_F32_X3", x3)
+        backend.clear_plans()
+        g = attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", precision="tf32", causal=True)
+        errs.append(max(np.abs(a - b).max() / np.abs(b).max() for a, b in zip(g[:3], want[:3])))
+    assert errs[0] < 1.5 * errs[1], f"wgmma TF32 {errs[0]:.3g} against attn_bwd.cu's TF32 {errs[1]:.3g}"
+
+
 @pytest.mark.parametrize("sq, hq, d", [(1, 32, 128), (3, 8, 64), (1, 8, 256)])
 def test_decode_split_kv_and_packed_heads(sq, hq, d, rng):
     q, k, v = make_qkv(rng, 1, sq, 5000, hq, 8 if hq == 32 else 2, d, d, F32)

@@ -825,3 +825,47 @@ def test_the_float32_backward_on_bfloat16_planes_plan(fake_driver):
                 assert not any(g[0].endswith("_x3") for g in got), [g[0] for g in got]
         print("ok")
     """)
+
+
+def test_the_single_pass_tf32_backward_plan(fake_driver):
+    """The kernel lab's single-pass TF32 backward (ATTNEXT_BWD_TF32_WGMMA=1, select.bwd_tf32_wgmma):
+    precision="tf32" at D = Dv = 64 runs attn_bwd_sm90_tf32.cu's attn_bwd_dkdv_tf32 over 64-key
+    blocks of each kv head and attn_bwd_dq_tf32 over 64-row query tiles of each head (float32 in
+    TF32, no bfloat16 planes, dQ recomputed: no dq_accum; 128 threads; their shared memory) between
+    attn_bwd_pre and attn_bwd_dead, deterministic or not. Three passes, D = 128 and the knob unset
+    keep the planes (attn_bwd_sm90_x3.cu)."""
+    run_on_fake(fake_driver, r"""
+        _C.cuda_launch_attention = lambda fn, *rest: launch(fn, *rest[:8])
+        F32 = np.float32
+
+        def backward(q, k, v, deterministic=True, **kw):
+            out, lse = attnext.attention(q, k, v, return_lse=True, **kw)
+            n = len(LAUNCHES)
+            attnext.attention_backward(dev(q.shape, q.dtype), q, k, v, out, lse, deterministic=deterministic, **kw)
+            return [(l[0][1], dict(l[0][2]), l[1], l[2], l[3], l[5], l[0][0]) for l in LAUNCHES[n:]]
+
+        def qkv(D):
+            return dev((2, 300, 4, D), F32), dev((2, 200, 2, D), F32), dev((2, 200, 2, D), F32)
+
+        _env.setenv("ATTNEXT_BWD_TF32_WGMMA", "1")
+        try:
+            for det in (True, False):
+                for causal in (True, False):
+                    got = backward(*qkv(64), causal=causal, deterministic=det, precision="tf32")
+                    names = [g[0] for g in got]
+                    assert names == ["attn_bwd_pre", "attn_bwd_dkdv_tf32", "attn_bwd_dq_tf32", "attn_bwd_dead"], names
+                    for name, d, grid, block, smem, p, source in got[1:3]:
+                        assert source == "attn_bwd_sm90_tf32", source
+                        assert d["ELEM_F32"] == 1 and "ELEM_BF16" not in d and d["TF32_PASSES"] == 1, d
+                        assert d["HEAD_DIM"] == d["HEAD_DIM_V"] == 64 and d["KV_WARPS"] == 4 and d["DQ_ATOMIC"] == 0, d
+                        assert block == (128, 1, 1) and smem == select.bwd_tf32_smem_bytes(64)[name], (block, smem)
+                        assert not any(p["dq_accum"]), p["dq_accum"]
+                    assert got[1][2] == (4, 2, 2) and got[2][2] == (5, 4, 2), (got[1][2], got[2][2])
+            for got in (backward(*qkv(64)), backward(*qkv(128), precision="tf32")):
+                names = [g[0] for g in got]
+                assert "attn_bwd_dkdv_x3" in names and not any(n.endswith("_tf32") for n in names), names
+        finally:
+            _env.setenv("ATTNEXT_BWD_TF32_WGMMA", None)
+        assert "attn_bwd_dkdv_x3" in [g[0] for g in backward(*qkv(64), precision="tf32")]
+        print("ok")
+    """)

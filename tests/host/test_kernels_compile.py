@@ -435,6 +435,28 @@ def test_hopper_kernels_keep_their_wgmma_asynchronous():
     assert not serialised, serialised
 
 
+def test_the_single_pass_tf32_backward_compiles_without_spills():
+    """attn_bwd_sm90_tf32.cu (the kernel lab's precision="tf32" backward at D = Dv = 64:
+    select.bwd_tf32_wgmma) compiles for sm_90a, plain and with every score option, both entry
+    points without a spill or a serialised wgmma, its shared memory two CTAs an SM."""
+    if os.environ.get("ATTNEXT_NO_NVRTC") == "1":
+        pytest.skip("ATTNEXT_NO_NVRTC=1")
+    from attnext import _C
+    nvrtc.nvrtc()
+    plain = dict(dtype="float32", D=64, Dv=64, vec=True, softcap=False, bias_dtype=None, alibi_dtype=None, mask=False)
+    every = dict(plain, softcap=True, bias_dtype="float32", alibi_dtype="float32", mask=True)
+    for features in (plain, every):
+        d = select.bwd_tf32_defines(select.bwd_defines(**features, tile=select.bwd_tile_config(64, 64, "float32"),
+                                                        tf32=True))
+        src, name, opts, headers = nvrtc.compile_args("attn_bwd_sm90_tf32", d, "sm_90a")
+        log = _C.nvrtc_compile(src, name, opts + ["--ptxas-options=-v"], headers)[1]
+        entries = re.findall(r"Compiling entry function '(\w+)'", log)
+        assert sorted(entries) == ["attn_bwd_dkdv_tf32", "attn_bwd_dq_tf32"], entries
+        assert re.findall(r"(\d+) bytes spill stores", log) == ["0", "0"], log
+        assert "C75" not in log, log
+    assert 2 * max(select.bwd_tf32_smem_bytes(64).values()) <= 227 * 1024
+
+
 def test_a_call_with_mods_compiles_its_entry_points_alone():
     """nvrtc.module_of: with mods, an entry point that reads none of them comes from the plain
     variant (warmup's), every other one is compiled alone (ATTN_ENTRY_ONLY); without mods, the
