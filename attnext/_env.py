@@ -99,8 +99,8 @@ SETTINGS = {s.name: s for s in [
             "whether Hopper's float32 forward runs attn_fwd_sm90_f32.cu (TF32 wgmma) wherever it applies "
             "(1) or nowhere (0)"),
     Setting("ATTNEXT_TILE_F32_SM90", _TILE, "select.SM90_TILE_F32", LAB, CALL,
-            "attn_fwd_sm90_f32.cu's tile: BLOCK_M,BLOCK_N,WARPS,STAGES (8 warps: one splitter "
-            "warpgroup, 12: two)"),
+            "attn_fwd_sm90_f32.cu's tile: BLOCK_M,BLOCK_N,WARPS,STAGES[,K_STAGES] (8 warps: one "
+            "splitter warpgroup, 12: two; K_STAGES: K's slots, STAGES + 1 when not given)"),
     Setting("ATTNEXT_FWD_PERSIST", "0 | 1", "select.fwd_persist (short rows)", LAB, CALL,
             "whether the WS forward of a dense batch runs as a persistent grid (1) or a CTA a "
             "query tile (0)"),

@@ -32,7 +32,8 @@
  *
  * Applies to VEC_LOAD inputs with D and Dv in {64, 128} (select.fwd_f32_sm90 chooses); every option
  * of the score hook, masks, causal / window and varlen as attn_fwd.cu. Switches beyond
- * attn_common.cuh's: BLOCK_M (64), BLOCK_N (32), NUM_WARPS (8, 12), STAGES.
+ * attn_common.cuh's: BLOCK_M (64), BLOCK_N (32), NUM_WARPS (8, 12), STAGES, K_STAGES (the lab's;
+ * STAGES + 1 when not given: select.fwd_defines).
  */
 #include "attn_fwd_tile.cuh"
 #include "wgmma.cuh"
@@ -65,7 +66,9 @@
 #define QP_BYTES (BLOCK_M * HEAD_DIM * 4) /* one part of Q */
 #define KP_BYTES (BLOCK_N * HEAD_DIM * 4)
 #define VP_BYTES (BLOCK_N * HEAD_DIM_V * 4)
-#define K_STAGES (STAGES + 1)             /* K's ring (the header: the slot more is not needed) */
+#ifndef K_STAGES                          /* K's ring (the header: the slot more is not needed) */
+#define K_STAGES (STAGES + 1)
+#endif
 #define K_SLOT (PARTS * KP_BYTES)
 #define V_SLOT (PARTS * VP_BYTES)
 #define KL (BLOCK_N * HEAD_DIM / 4 / SPLITTERS)   /* a splitter thread's 16-byte loads of a K tile */

@@ -322,9 +322,10 @@ def sm90_staged_o_fits(D, Dv, tile):
 def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd", dtype="bfloat16", tma=False, ws=False, persist=False,
                    tf32=False):
     bm, bn = tile[:2]
-    if kernel == "attn_fwd_sm90_f32":  # Q's parts, then STAGES + 1 slots of K's parts and STAGES of
-        parts = 1 if tf32 else 2       # V^T's, 1024-aligned; q_full, and full and empty a slot
-        return 4 * parts * (bm * D + (tile[3] + 1) * bn * D + tile[3] * bn * Dv) + 1024 + 8 * (1 + 4 * tile[3] + 2)
+    if kernel == "attn_fwd_sm90_f32":  # Q's parts, then K_STAGES slots of K's parts (tile[4], else
+        parts = 1 if tf32 else 2       # STAGES + 1) and STAGES of V^T's, 1024-aligned; q_full, and
+        k_slots = tile[4] if len(tile) > 4 else tile[3] + 1                 # full and empty a slot
+        return 4 * parts * (bm * D + k_slots * bn * D + tile[3] * bn * Dv) + 1024 + 8 * (1 + 2 * k_slots + 2 * tile[3])
     if ws:            # Q, STAGES x K, STAGES x V swizzled, 1024-aligned, then 4 x STAGES + 1 mbarriers;
         # persist: a second Q, 8 more mbarriers and two int32 slots
         return 2 * ((1 + persist) * bm * D + tile[3] * bn * (D + Dv)) + 1024 + 32 * tile[3] + 8 + persist * 72
@@ -388,7 +389,8 @@ def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
     tf32: float32 in single-pass TF32 (precision="tf32"); paged: k and v are a paged cache.
     tile: (BLOCK_M, BLOCK_N, NUM_WARPS[, MIN_BLOCKS: CTAs per SM the registers must allow]), or
     with tma (TMA_KV: a producer warp's bulk tensor copies) or ws (attn_fwd_sm90.cu's WS kernel)
-    (BLOCK_M, BLOCK_N, NUM_WARPS, STAGES), as is sm90_f32's (attn_fwd_sm90_f32.cu); persist: the WS
+    (BLOCK_M, BLOCK_N, NUM_WARPS, STAGES), as is sm90_f32's (attn_fwd_sm90_f32.cu; a fifth, the
+    kernel lab's, its K_STAGES: K's slots, STAGES + 1 when not given); persist: the WS
     kernel as a persistent grid (fwd_persist). mods: the generated score_mod / mask_mod
     (codegen.Generated) or None."""
     bm, bn, w = tile[:3]
@@ -396,6 +398,7 @@ def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
     return mod_defines({
         "MIN_BLOCKS": 1 if staged or len(tile) < 4 else tile[3],
         **({"STAGES": tile[3]} if staged else {}),
+        **({"K_STAGES": tile[4]} if sm90_f32 and len(tile) > 4 else {}),
         **({"TMA_KV": 1} if tma else {}),
         **({"WS": 1} if ws else {}),
         **({"PERSIST": 1} if persist else {}),
