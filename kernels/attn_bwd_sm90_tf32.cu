@@ -3,9 +3,9 @@
  * loaded, each product one TF32 product, where attn_bwd_sm90_x3.cu takes three bfloat16 products
  * of two planes (16 bits; this kernel's 11 are TF32's own). TF32 has no transposed operand, so the
  * products over a tile's rows (dV += P^T dO, dK += dS^T Q, dQ += dS K) read a transposed copy of
- * dO, Q and K, written beside the plain one as the tile is loaded (load_tf32). The kernel lab's
- * (ATTNEXT_BWD_TF32_WGMMA=1: select.bwd_tf32_wgmma); not measured yet (bench/NOTES.md, float32
- * backward t1).
+ * dO, Q and K, written beside the plain one as the tile is loaded (load_tf32). Runs only where the
+ * kernel lab asks (ATTNEXT_BWD_TF32_WGMMA=1: select.bwd_tf32_wgmma) until measured (bench/NOTES.md,
+ * float32 backward t1).
  *
  *   attn_bwd_dkdv_tf32  one CTA per (64 keys, kv head, sequence), one warpgroup: K and V stay; the
  *                       query tiles (64 rows) of every query head of the GQA group come past in
@@ -20,7 +20,8 @@
  * inputs with D = Dv = 64, every option of the score hook and masks, no generated mods.
  *
  * Switches: ELEM_F32, TF32_PASSES 1, KV_BLOCK_M = Q_BLOCK_M = Q_BLOCK_N = 64, KV_WARPS =
- * Q_WARPS = 4. Shared memory: 96 KB (dK/dV: six 16 KB tiles, two CTAs an SM), 80 KB (dQ).
+ * Q_WARPS = 4. Shared memory: six 16 KB tiles and the lse / delta rows (dK/dV: two CTAs an SM),
+ * five tiles (dQ); select.bwd_tf32_smem_bytes adds the alignment's slack.
  */
 #include "attn_bwd_tile.cuh"
 #include "sm90_pipe.cuh"

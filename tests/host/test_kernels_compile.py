@@ -461,7 +461,7 @@ def test_the_single_pass_tf32_backward_compiles_without_spills():
         assert sorted(entries) == ["attn_bwd_dkdv_tf32", "attn_bwd_dq_tf32"], entries
         assert re.findall(r"(\d+) bytes spill stores", log) == ["0", "0"], log
         assert "C75" not in log, log
-    assert 2 * max(select.bwd_tf32_smem_bytes(64).values()) <= 227 * 1024
+    assert 2 * (max(select.bwd_tf32_smem_bytes(64).values()) + 1024) <= 228 * 1024   # and each CTA's reserved KB
 
 
 def test_a_call_with_mods_compiles_its_entry_points_alone():
