@@ -430,19 +430,12 @@ def test_backward_on_bfloat16_planes_dq_modes(how, rng, monkeypatch):
     _backward_cases(rng, 128, check)
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_tf32_backward_on_two_bfloat16_planes(d, rng, monkeypatch):
-    """precision="tf32"'s backward on the planes' kernels with two planes (16 bits, three products
-    a product): the backward's cases against the reference at tf32's rule (float16's), the same
-    bits twice, the same kernels as at float32 accuracy; and within a quarter of the error of
-    attn_bwd.cu's single-pass TF32 (ATTNEXT_BWD_F32_X3=0) on the same inputs, which two planes of
-    16 bits must beat (TF32 keeps 11): from a float32-accurate forward's out and lse, whose
-    TF32 error would otherwise dominate both (lse's enters P)."""
+def _tf32_errors(rng, monkeypatch, d):
+    """precision="tf32"'s backward error (the worst of dq, dk, dv: max|x - ref| / max|ref|) on
+    Hopper's default path (ATTNEXT_BWD_F32_X3=1) and on attn_bwd.cu's single-pass TF32 (0), on the
+    same causal inputs at head dim d, from a float32-accurate forward's out and lse (whose TF32
+    error would otherwise dominate both: lse's enters P)."""
     from attnext.cuda import backend
-    dq = {"attn_bwd_dq_x3"} if d == 64 else {"attn_bwd_dq_convert"}
-    _, check = _planes_backward(rng, monkeypatch, {"attn_bwd_dkdv_x3"} | dq,
-                                {"attn_bwd_dq_convert", "attn_bwd_dq_x3"} - dq, precision="tf32")
-    _backward_cases(rng, d, check)
     q, k, v = make_qkv(rng, 2, 1000, 1000, 4, 2, d, d, F32)
     out, lse, _, _ = _forward(q, k, v, causal=True)
     dout = rng.standard_normal(out.shape).astype(np.float32)
@@ -453,6 +446,22 @@ def test_tf32_backward_on_two_bfloat16_planes(d, rng, monkeypatch):
         backend.clear_plans()
         g = attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", precision="tf32", causal=True)
         errs.append(max(np.abs(a - b).max() / np.abs(b).max() for a, b in zip(g[:3], want[:3])))
+    return errs
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_tf32_backward_on_two_bfloat16_planes(d, rng, monkeypatch):
+    """precision="tf32"'s backward on the planes' kernels with two planes (16 bits, three products
+    a product): the backward's cases against the reference at tf32's rule (float16's), the same
+    bits twice, the same kernels as at float32 accuracy; and within a quarter of the error of
+    attn_bwd.cu's single-pass TF32 (ATTNEXT_BWD_F32_X3=0) on the same inputs, which two planes of
+    16 bits must beat (TF32 keeps 11): from a float32-accurate forward's out and lse, whose
+    TF32 error would otherwise dominate both (lse's enters P)."""
+    dq = {"attn_bwd_dq_x3"} if d == 64 else {"attn_bwd_dq_convert"}
+    _, check = _planes_backward(rng, monkeypatch, {"attn_bwd_dkdv_x3"} | dq,
+                                {"attn_bwd_dq_convert", "attn_bwd_dq_x3"} - dq, precision="tf32")
+    _backward_cases(rng, d, check)
+    errs = _tf32_errors(rng, monkeypatch, d)
     assert errs[0] < errs[1] / 4, f"two planes {errs[0]:.3g} against single-pass TF32's {errs[1]:.3g}"
 
 
@@ -463,21 +472,11 @@ def test_single_pass_tf32_backward_on_wgmma(rng, monkeypatch):
     twice, its kernels planned in place of the planes'; and on the same inputs within 1.5x the
     error of attn_bwd.cu's single-pass TF32 (ATTNEXT_BWD_F32_X3=0), the same TF32 products whose
     sums run over whole rows in one accumulator where this kernel's reach one tile."""
-    from attnext.cuda import backend
     monkeypatch.setenv("ATTNEXT_BWD_TF32_WGMMA", "1")
     _, check = _planes_backward(rng, monkeypatch, {"attn_bwd_dkdv_tf32", "attn_bwd_dq_tf32"},
                                 {"attn_bwd_dkdv_x3", "attn_bwd_dq_x3"}, precision="tf32")
     _backward_cases(rng, 64, check)
-    q, k, v = make_qkv(rng, 2, 1000, 1000, 4, 2, 64, 64, F32)
-    out, lse, _, _ = _forward(q, k, v, causal=True)
-    dout = rng.standard_normal(out.shape).astype(np.float32)
-    want = reference.attention_backward(dout, q, k, v, out, lse, causal=True)
-    errs = []
-    for x3 in ("1", "0"):
-        monkeypatch.setenv("ATTNEXT_BWD_F32_X3", x3)
-        backend.clear_plans()
-        g = attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", precision="tf32", causal=True)
-        errs.append(max(np.abs(a - b).max() / np.abs(b).max() for a, b in zip(g[:3], want[:3])))
+    errs = _tf32_errors(rng, monkeypatch, 64)
     assert errs[0] < 1.5 * errs[1], f"wgmma TF32 {errs[0]:.3g} against attn_bwd.cu's TF32 {errs[1]:.3g}"
 
 

@@ -250,7 +250,24 @@ raise SystemExit(0 if worst < 1 else 1)
 '''
 
 
-PLANES_CHILD = SPY_PRELUDE + r'''
+# The float32 backward children's varlen case with GQA (a key block's items go from one sequence's
+# query tiles to the next head's), at precision against the reference within tol
+VARLEN_BACKWARD = r'''
+def varlen_backward(q, k, v, qn, kn, vn, precision, tol):
+    cu_q = torch.tensor([0, 100, 150], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 70, 230], dtype=torch.int32, device="cuda")
+    args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, precision=precision)
+    out, lse = attnext.varlen_attention(q[0], k[0], v[0], return_lse=True, **args)
+    dout = torch.randn_like(out)
+    g = attnext.varlen_attention_backward(dout, q[0], k[0], v[0], out, lse, **args)
+    for (a, b), (c, d) in zip(((0, 100), (100, 150)), ((0, 70), (70, 230))):
+        want = reference.attention_backward(dout[a:b].cpu().numpy()[None], qn[:1, a:b], kn[:1, c:d],
+                                            vn[:1, c:d], None, None, causal=True)
+        check((g[0][a:b], g[1][c:d], g[2][c:d]), tuple(w[0] for w in want[:3]), tol)
+'''
+
+
+PLANES_CHILD = SPY_PRELUDE + VARLEN_BACKWARD + r'''
 for D in (64, 128):
     q, k, v = (torch.randn(2, n, h, D, device="cuda") for n, h in ((150, 4), (230, 2), (230, 2)))
     qn, kn, vn = (x.cpu().numpy() for x in (q, k, v))
@@ -263,17 +280,7 @@ for D in (64, 128):
                                                deterministic=deterministic, **opts)
                 want = reference.attention_backward(dout.cpu().numpy(), qn, kn, vn, None, None, **opts)
                 check(tuple(g[:3]), tuple(want[:3]), tol)
-        # varlen with GQA: a key block's items go from one sequence's query tiles to the next head's
-        cu_q = torch.tensor([0, 100, 150], dtype=torch.int32, device="cuda")
-        cu_k = torch.tensor([0, 70, 230], dtype=torch.int32, device="cuda")
-        args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, precision=precision)
-        out, lse = attnext.varlen_attention(q[0], k[0], v[0], return_lse=True, **args)
-        dout = torch.randn_like(out)
-        g = attnext.varlen_attention_backward(dout, q[0], k[0], v[0], out, lse, **args)
-        for (a, b), (c, d) in zip(((0, 100), (100, 150)), ((0, 70), (70, 230))):
-            want = reference.attention_backward(dout[a:b].cpu().numpy()[None], qn[:1, a:b], kn[:1, c:d],
-                                                vn[:1, c:d], None, None, causal=True)
-            check((g[0][a:b], g[1][c:d], g[2][c:d]), tuple(w[0] for w in want[:3]), tol)
+        varlen_backward(q, k, v, qn, kn, vn, precision, tol)
 torch.cuda.synchronize()
 assert "attn_bwd_dkdv_x3" in names and "attn_bwd_dq_x3" in names and "attn_bwd_dq_convert" in names, names
 print("worst", worst)
@@ -281,7 +288,7 @@ raise SystemExit(0 if worst < 1 else 1)
 '''
 
 
-TF32_WGMMA_CHILD = SPY_PRELUDE + r'''
+TF32_WGMMA_CHILD = SPY_PRELUDE + VARLEN_BACKWARD + r'''
 q, k, v = (torch.randn(2, n, h, 64, device="cuda") for n, h in ((150, 4), (230, 2), (230, 2)))
 qn, kn, vn = (x.cpu().numpy() for x in (q, k, v))
 for opts in (dict(), dict(causal=True), dict(window=(60, 9))):
@@ -290,16 +297,7 @@ for opts in (dict(), dict(causal=True), dict(window=(60, 9))):
     g = attnext.attention_backward(dout, q, k, v, out, lse, precision="tf32", **opts)
     want = reference.attention_backward(dout.cpu().numpy(), qn, kn, vn, None, None, **opts)
     check(tuple(g[:3]), tuple(want[:3]), 3e-3)
-cu_q = torch.tensor([0, 100, 150], dtype=torch.int32, device="cuda")
-cu_k = torch.tensor([0, 70, 230], dtype=torch.int32, device="cuda")
-args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, precision="tf32")
-out, lse = attnext.varlen_attention(q[0], k[0], v[0], return_lse=True, **args)
-dout = torch.randn_like(out)
-g = attnext.varlen_attention_backward(dout, q[0], k[0], v[0], out, lse, **args)
-for (a, b), (c, d) in zip(((0, 100), (100, 150)), ((0, 70), (70, 230))):
-    want = reference.attention_backward(dout[a:b].cpu().numpy()[None], qn[:1, a:b], kn[:1, c:d],
-                                        vn[:1, c:d], None, None, causal=True)
-    check((g[0][a:b], g[1][c:d], g[2][c:d]), tuple(w[0] for w in want[:3]), 3e-3)
+varlen_backward(q, k, v, qn, kn, vn, "tf32", 3e-3)
 torch.cuda.synchronize()
 assert "attn_bwd_dkdv_tf32" in names and "attn_bwd_dq_tf32" in names, names
 print("worst", worst)
