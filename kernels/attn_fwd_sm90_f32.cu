@@ -8,22 +8,23 @@
  * Grid (query tiles, Hq, B [+1 under varlen]) as attn_fwd.cu. Block: NUM_WARPS 8 (one splitter
  * warpgroup, then the computing one) or 12 (two splitters, which lower their registers for the
  * computing warpgroup's: select.SM90_TILE_F32).
- *   The splitters (SPLITTERS threads) read Q's 64 rows, then each key tile's K and V (last to first,
- *   inside the causal / window band) from global memory into registers, the next tile's loads in
- *   flight while it writes this one's parts: Q and K as 128-byte swizzled K-major tiles (wgmma.cuh),
- *   V transposed (TF32 has no transposed B operand): row d of V^T holds the tile's 32 keys, keys
- *   2t, 2t + 1 of each 8 at k positions t, t + 4, the order in which S's C fragments hand P's
- *   values to the A operand of P V. Key rows past Lk are zeros. Two rings: K's parts in STAGES + 1
- *   slots, V^T's in STAGES (full when the SPLITTERS threads have written and fenced a tile's K or
- *   V; K's slot empty once the computing warpgroup's S of it is done, V's once its P V is), so
- *   that the splitters write tile i + 1's K while tile i - 1's P V still reads V. (The rings
- *   apart do that; K's extra slot, as measured, is not needed: the splitters write V of tile i
- *   before K of tile i + 1, and by then S of tile i - 1 is done. STAGES slots of K would save
- *   32 KB at D128; unmeasured.)
- *   The computing warpgroup (64 rows) issues S = Q K^T of tile i first, which runs under the end
- *   of tile i - 1 (O's rescale, P's parts), then P V of tile i - 1 (its parts from registers),
- *   then runs tile i's softmax (attn_fwd_tile.cuh, the other kernels' code) while P V runs, and
- *   adds P V's fresh accumulator to O.
+ *   The splitters (SPLITTERS threads) read Q's 64 rows, then each 64-key tile's K and V (last to
+ *   first, inside the causal / window band) from global memory into registers as four 32-key
+ *   pieces (K0 K1 V0 V1), and write their parts: Q and K as 128-byte swizzled K-major tiles
+ *   (wgmma.cuh), V transposed (TF32 has no transposed B operand) in two panels of 32 keys: row d
+ *   of a panel holds its keys, keys 2t, 2t + 1 of each 8 at k positions t, t + 4, the order in
+ *   which S's C fragments hand P's values to the A operand of P V. Each piece is reloaded with
+ *   the next tile's as soon as it is stored, so the loads of tile i + 1 run while the splitters
+ *   wait for tile i's slots. Key rows past Lk are zeros. Two rings: K's parts in K_STAGES slots,
+ *   V^T's in STAGES (full when the SPLITTERS threads have written and fenced a tile's K or V; K's
+ *   slot empty once the computing warpgroup's S of it is done, V's once its P V is).
+ *   The computing warpgroup (64 rows) runs each tile in turn: S = Q K^T, the softmax
+ *   (attn_fwd_tile.cuh, the other kernels' code), O's rescale, P's parts, P V into a fresh
+ *   accumulator added to O. Nothing is in flight across the loop's back edge (ptxas serialises
+ *   every wgmma of a loop that a wgmma is in flight around), and the registers hold O, F and P's
+ *   parts at once (64 + 64 + 64 at D128), with no second S. This beat w4's 32-key tiles with S of
+ *   tile i under tile i - 1's end by 16% at D128 on an H200 (bench/NOTES.md, float32 forward w5):
+ *   the 64-key S reads Q's parts once per 64 keys, not per 32.
  * Accuracy: the tensor cores add each product into the accumulator truncated, so errors of one
  * sign pile up in a large sum: S's small products are summed first, then the hi * hi steps meet
  * that sum once each (as many truncations as attn_fwd.cu's mma_abt_f32, whose small products
@@ -32,19 +33,19 @@
  *
  * Applies to VEC_LOAD inputs with D and Dv in {64, 128} (select.fwd_f32_sm90 chooses); every option
  * of the score hook, masks, causal / window and varlen as attn_fwd.cu. Switches beyond
- * attn_common.cuh's: BLOCK_M (64), BLOCK_N (32), NUM_WARPS (8, 12), STAGES, K_STAGES (the lab's;
- * STAGES + 1 when not given: select.fwd_defines).
+ * attn_common.cuh's: BLOCK_M (64), BLOCK_N (64), NUM_WARPS (8, 12), STAGES, K_STAGES (STAGES when
+ * not given: select.fwd_defines).
  */
 #include "attn_fwd_tile.cuh"
 #include "wgmma.cuh"
 #include "sm90_pipe.cuh"
 
 #if !ELEM_F32 || !(HEAD_DIM == 64 || HEAD_DIM == 128) || !(HEAD_DIM_V == 64 || HEAD_DIM_V == 128) || !VEC_LOAD \
-    || PACK_GQA || SPLIT_KV || BLOCK_M != 64 || BLOCK_N != 32
-#error "attn_fwd_sm90_f32: float32, D and Dv in {64, 128}, 16-byte loads, 64 x 32 tiles, no decode switches"
+    || PACK_GQA || SPLIT_KV || BLOCK_M != 64 || BLOCK_N != 64
+#error "attn_fwd_sm90_f32: float32, D and Dv in {64, 128}, 16-byte loads, 64 x 64 tiles, no decode switches"
 #endif
 #ifndef STAGES
-#define STAGES 2
+#define STAGES 1
 #endif
 #if NUM_WARPS != 8 && NUM_WARPS != 12
 #error "attn_fwd_sm90_f32: one or two splitter warpgroups, then the computing one (NUM_WARPS 8 or 12)"
@@ -66,13 +67,13 @@
 #define QP_BYTES (BLOCK_M * HEAD_DIM * 4) /* one part of Q */
 #define KP_BYTES (BLOCK_N * HEAD_DIM * 4)
 #define VP_BYTES (BLOCK_N * HEAD_DIM_V * 4)
-#ifndef K_STAGES                          /* K's ring (the header: the slot more is not needed) */
-#define K_STAGES (STAGES + 1)
+#ifndef K_STAGES                          /* K's ring */
+#define K_STAGES STAGES
 #endif
 #define K_SLOT (PARTS * KP_BYTES)
 #define V_SLOT (PARTS * VP_BYTES)
-#define KL (BLOCK_N * HEAD_DIM / 4 / SPLITTERS)   /* a splitter thread's 16-byte loads of a K tile */
-#define VL (BLOCK_N * HEAD_DIM_V / 4 / SPLITTERS) /* ... and of a V tile */
+#define KL (32 * HEAD_DIM / 4 / SPLITTERS)   /* a splitter thread's 16-byte loads of a 32-key piece of K */
+#define VL (32 * HEAD_DIM_V / 4 / SPLITTERS) /* ... and of V */
 
 /* F (+)= P V for one k8 step (8 keys), P's part from registers. */
 DEV void pv_step(float (&f)[OT][4], const uint32_t (&a)[4], uint64_t dv, int accumulate)
@@ -115,50 +116,51 @@ DEV float4 load4(const float *src, bool ok)
     return ok ? __ldg((const float4 *)src) : make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
-/* One key tile as a splitter thread holds it between its loads and its stores. K: 16-byte chunk
- * c = tid % (D / 4) of rows tid / (D / 4) + j * SPLITTERS / (D / 4). V: in units of 16 keys x 2
- * chunks (a warp: lane & 15 the key, lane >> 4 the chunk; 32-byte runs of a row, a whole sector),
- * unit u = warp + (SPLITTERS / 32) j: keys 16 (u % 2).., chunks 2 (u / 2).. . Each store of V^T
+/* A 32-key half of a tile's K or V as a splitter thread holds it between its loads and its stores.
+ * K: 16-byte chunk c = tid % (D / 4) of rows tid / (D / 4) + j SPLITTERS / (D / 4). V: units of
+ * 16 keys x 2 chunks (lane & 15 the key, lane >> 4 the chunk), unit u = warp + (SPLITTERS / 32) j:
+ * keys 16 (u % 2).., chunks 2 (u / 2).. (32-byte runs of a row, a whole sector). Each store of V^T
  * then meets 32 banks: 4 key columns a 16-byte chunk, 8 chunks by the swizzle of 2 rows' parities. */
-struct kv_tile {
-    float4 k[KL], v[VL];
-};
-
-DEV void load_kv(kv_tile &x, const float *gk, const float *gv, int64_t ks, int64_t vs, int c0, int Lk, int tid)
+DEV void load_k(float4 (&x)[KL], const float *gk, int64_t ks, int c0, int Lk, int tid)
 {
     constexpr int CH = HEAD_DIM / 4, RS = SPLITTERS / CH;
 #pragma unroll
     for (int j = 0; j < KL; j++) {
         const int r = tid / CH + j * RS;
-        x.k[j] = load4(gk + (c0 + r) * ks + (tid % CH) * 4, c0 + r < Lk);
+        x[j] = load4(gk + (c0 + r) * ks + (tid % CH) * 4, c0 + r < Lk);
     }
+}
+
+DEV void load_v(float4 (&x)[VL], const float *gv, int64_t vs, int c0, int Lk, int tid)
+{
     const int warp = tid >> 5, kl = tid & 15, cq = (tid >> 4) & 1;
 #pragma unroll
     for (int j = 0; j < VL; j++) {
         const int u = warp + (SPLITTERS / 32) * j, key = (u % 2) * 16 + kl, c = (u / 2) * 2 + cq;
-        x.v[j] = load4(gv + (c0 + key) * vs + c * 4, c0 + key < Lk);
+        x[j] = load4(gv + (c0 + key) * vs + c * 4, c0 + key < Lk);
     }
 }
 
-/* The tile's K parts into a slot at sK (hi, then lo). */
-DEV void store_k(const kv_tile &x, uint32_t sK, int tid)
+/* Half `half` of a K slot's 64 rows at sK (hi, then lo). */
+DEV void store_k(const float4 (&x)[KL], uint32_t sK, int half, int tid)
 {
     constexpr int CH = HEAD_DIM / 4, RS = SPLITTERS / CH;
 #pragma unroll
     for (int j = 0; j < KL; j++)
-        store_parts4(sK + sw128_offset<BLOCK_N>(tid / CH + j * RS, tid % CH), KP_BYTES, x.k[j]);
+        store_parts4(sK + sw128_offset<BLOCK_N>(32 * half + tid / CH + j * RS, tid % CH), KP_BYTES, x[j]);
 }
 
-/* The tile's V^T parts into a slot at sV (hi, then lo). */
-DEV void store_v(const kv_tile &x, uint32_t sV, int tid)
+/* Half `half` of a V^T slot at sV: its panel of 32 keys (hi, then lo). */
+DEV void store_v(const float4 (&x)[VL], uint32_t sV, int half, int tid)
 {
     const int warp = tid >> 5, kl = tid & 15, cq = (tid >> 4) & 1;
+    sV += half * (HEAD_DIM_V * 128);
 #pragma unroll
     for (int j = 0; j < VL; j++) {
         const int u = warp + (SPLITTERS / 32) * j, key = (u % 2) * 16 + kl;
         const int kp = (key & ~7) + ((key & 7) >> 1) + 4 * (key & 1);
         const int c = (u / 2) * 2 + cq;
-        const float e[4] = {x.v[j].x, x.v[j].y, x.v[j].z, x.v[j].w};
+        const float e[4] = {x[j].x, x[j].y, x[j].z, x[j].w};
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int d = 4 * c + i;                     /* V^T's row: 128 bytes of 32 keys, swizzled */
@@ -216,8 +218,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
         const float *gk = (const float *)p.k.ptr + sk.mem_b * p.k.s[0] + sk.start * p.k.s[1] + hk * p.k.s[2];
         const float *gv = (const float *)p.v.ptr + sk.mem_b * p.v.s[0] + sk.start * p.v.s[1] + hk * p.v.s[2];
         const int64_t ks = p.k.s[1], vs = p.v.s[1];
-        kv_tile x;
-        load_kv(x, gk, gv, ks, vs, n_last * BLOCK_N, Lk, tid);
+        float4 k0[KL], k1[KL], v0[VL], v1[VL];
+        load_k(k0, gk, ks, n_last * BLOCK_N, Lk, tid);
+        load_k(k1, gk, ks, n_last * BLOCK_N + 32, Lk, tid);
+        load_v(v0, gv, vs, n_last * BLOCK_N, Lk, tid);
+        load_v(v1, gv, vs, n_last * BLOCK_N + 32, Lk, tid);
         {   /* Q's 64 rows, rows past the real ones zero */
             constexpr int CH = HEAD_DIM / 4, RS = SPLITTERS / CH;
 #pragma unroll 4
@@ -230,21 +235,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
             mbar_arrive(q_full);
         }
         for (int i = 0, n = n_last; n >= n_first; i++, n--) {
-            kv_tile next;
-            if (n > n_first)
-                load_kv(next, gk, gv, ks, vs, (n - 1) * BLOCK_N, Lk, tid);
-            const int kt = i % K_STAGES, vt = i % STAGES;
+            const int kt = i % K_STAGES, vt = i % STAGES, c1 = (n - 1) * BLOCK_N;
+            const bool more = n > n_first;
             if (i >= K_STAGES)
                 mbar_wait(k_empty + 8 * kt, (i / K_STAGES - 1) & 1);
-            store_k(x, sK + kt * K_SLOT, tid);
+            store_k(k0, sK + kt * K_SLOT, 0, tid);
+            if (more)
+                load_k(k0, gk, ks, c1, Lk, tid);
+            store_k(k1, sK + kt * K_SLOT, 1, tid);
+            if (more)
+                load_k(k1, gk, ks, c1 + 32, Lk, tid);
             fence_proxy_async();
             mbar_arrive(k_full + 8 * kt);
             if (i >= STAGES)
                 mbar_wait(v_empty + 8 * vt, (i / STAGES - 1) & 1);
-            store_v(x, sV + vt * V_SLOT, tid);
+            store_v(v0, sV + vt * V_SLOT, 0, tid);
+            if (more)
+                load_v(v0, gv, vs, c1, Lk, tid);
+            store_v(v1, sV + vt * V_SLOT, 1, tid);
+            if (more)
+                load_v(v1, gv, vs, c1 + 32, Lk, tid);
             fence_proxy_async();
             mbar_arrive(v_full + 8 * vt);
-            x = next;
         }
         return;
     }
@@ -274,7 +286,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
         /* k8 step kk of Q's part (q_part: 0 hi, QP_BYTES lo) times K's (k_part likewise) */
         auto step = [&](int kk, uint32_t q_part, uint32_t k_part, int accumulate) {
             const uint32_t qa = (kk >> 2) * (BLOCK_M * 128) + (kk & 3) * 32, ka = (kk >> 2) * (BLOCK_N * 128) + (kk & 3) * 32;
-            wgmma_m64n32k8_tf32_ss(s[0], dq0 + desc_step(q_part + qa), dk0 + desc_step(k_part + ka), accumulate);
+            wgmma_m64n64k8_tf32_ss(s[0], dq0 + desc_step(q_part + qa), dk0 + desc_step(k_part + ka), accumulate);
         };
         wgmma_fence();
 #if PARTS == 2
@@ -297,13 +309,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
 #if PARTS == 2
 #pragma unroll
         for (int kk = 0; kk < NT; kk++) {
-            pv_step(f, ph[kk], dv0 + desc_step(VP_BYTES + kk * 32), kk > 0);
-            pv_step(f, pl[kk], dv0 + desc_step(kk * 32), 1);
+            const uint32_t vo = (kk >> 2) * (HEAD_DIM_V * 128) + (kk & 3) * 32;
+            pv_step(f, ph[kk], dv0 + desc_step(VP_BYTES + vo), kk > 0);
+            pv_step(f, pl[kk], dv0 + desc_step(vo), 1);
         }
 #endif
 #pragma unroll
         for (int kk = 0; kk < NT; kk++)
-            pv_step(f, ph[kk], dv0 + desc_step(kk * 32), PARTS == 2 || kk > 0);
+            pv_step(f, ph[kk], dv0 + desc_step((kk >> 2) * (HEAD_DIM_V * 128) + (kk & 3) * 32), PARTS == 2 || kk > 0);
         wgmma_commit();
     };
     /* tile n's scores in s become P; corrs: O's factors */
@@ -332,58 +345,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
                 o[0][j][e] += f[j][e];
     };
 
-    /* Tile i (S in sa or sb by i's parity): its S is issued first, and runs on the tensor cores
-     * under tile i - 1's end (O's rescale, P's parts); then tile i - 1's P V, under tile i's
-     * softmax, and O += F once it is done. Nothing is in flight across the loop's back edge (ptxas
-     * serialises every wgmma of a loop that a wgmma is in flight around). K's slot is free once S
-     * is done, V's once P V is. */
     const int tiles = n_last - n_first + 1;
-    auto wait_k = [&](int i) { mbar_wait(k_full + 8 * (i % K_STAGES), (i / K_STAGES) & 1); };
-    auto wait_v = [&](int i) { mbar_wait(v_full + 8 * (i % STAGES), (i / STAGES) & 1); };
-    /* O rescaled for tile i - 1's maxima, P's parts of tile i - 1 */
     uint32_t ph[NT][4], pl[NT][4];
-    float sa[1][NT][4], sb[1][NT][4], corrs[2];
-    auto end_tile = [&](const float (&prev)[1][NT][4]) {
-        rescale_o(o, corrs);
-        p_parts(prev, ph, pl);
-    };
+    float sa[1][NT][4], corrs[2];
     mbar_wait(q_full, 0);
-    wait_k(0);
-    issue_s(sa, 0);
-    wgmma_wait<0>();
-    fence_acc(sa[0]);
-    mbar_arrive(k_empty);
-    softmax(sa, n_last, corrs);
-    corrs[0] = corrs[1] = 1.f;                           /* O is zero */
-    auto tile = [&](int i, float (&cur)[1][NT][4], const float (&prev)[1][NT][4]) {
-        wait_k(i);
-        issue_s(cur, i % K_STAGES);
-        end_tile(prev);
-        wait_v(i - 1);
-        issue_pv(ph, pl, (i - 1) % STAGES);
-        wgmma_wait<1>();                                 /* S of tile i; P V of tile i - 1 may still run */
-        fence_acc(cur[0]);
+    for (int i = 0; i < tiles; i++) {
+        mbar_wait(k_full + 8 * (i % K_STAGES), (i / K_STAGES) & 1);
+        issue_s(sa, i % K_STAGES);
+        wgmma_wait<0>();
+        fence_acc(sa[0]);
         mbar_arrive(k_empty + 8 * (i % K_STAGES));
-        softmax(cur, n_last - i, corrs);
+        softmax(sa, n_last - i, corrs);
+        rescale_o(o, corrs);
+        p_parts(sa, ph, pl);
+        mbar_wait(v_full + 8 * (i % STAGES), (i / STAGES) & 1);
+        issue_pv(ph, pl, i % STAGES);
         wgmma_wait<0>();
         fence_acc(f);
-        mbar_arrive(v_empty + 8 * ((i - 1) % STAGES));
+        mbar_arrive(v_empty + 8 * (i % STAGES));
         add_f();
-    };
-    for (int i = 1; i < tiles; i += 2) {
-        tile(i, sb, sa);
-        if (i + 1 < tiles)
-            tile(i + 1, sa, sb);
     }
-    if ((tiles - 1) & 1)
-        end_tile(sb);
-    else
-        end_tile(sa);
-    wait_v(tiles - 1);
-    issue_pv(ph, pl, (tiles - 1) % STAGES);
-    wgmma_wait<0>();
-    fence_acc(f);
-    add_f();
     write_out(p, sq, sc.to_natural, o, m, l, row0, b, h, 1, 0, Lq);
 }
 #endif

@@ -273,7 +273,7 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
         return "attn_fwd_sm90", fwd_ws_tile(mods is not None and bool(mods.defines.get("HAS_SCORE_MOD")),
                                             ws3=ws3)
     if fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32, not options and mods is None):
-        return "attn_fwd_sm90_f32", _lab_tile("ATTNEXT_TILE_F32_SM90") or SM90_TILE_F32   # lab: "64,32,12,2"
+        return "attn_fwd_sm90_f32", _lab_tile("ATTNEXT_TILE_F32_SM90") or SM90_TILE_F32   # lab: "64,64,12,1"
     if (arch == "sm_90a" and not decode and not paged and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
             and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
         lab = _lab_tile("ATTNEXT_TILE_SM90")     # the kernel lab's override: "128,64,8"
@@ -288,9 +288,10 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
     return "attn_fwd", decode_tile(D, Dv, dtype) if decode else tile_config(D, Dv, dtype)
 
 
-# attn_fwd_sm90_f32.cu's tile: 64 query rows, 32 keys, 12 warps (two splitter warpgroups and the
-# computing one; 8: one splitter, 2% slower at D128 on an H200), 2 slots of V's parts (K's: 3)
-SM90_TILE_F32 = (64, 32, 12, 2)
+# attn_fwd_sm90_f32.cu's tile: 64 query rows, 64 keys, 12 warps (two splitter warpgroups and the
+# computing one; 8: one splitter), one slot each of K's and V's parts (197,672 B of shared memory
+# at D128 with Q's: bench/NOTES.md, float32 forward w5)
+SM90_TILE_F32 = (64, 64, 12, 1)
 
 
 def fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32=False, plain=True):
@@ -323,8 +324,8 @@ def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd", dtype="bfloat16", tma=False, 
                    tf32=False):
     bm, bn = tile[:2]
     if kernel == "attn_fwd_sm90_f32":  # Q's parts, then K_STAGES slots of K's parts (tile[4], else
-        parts = 1 if tf32 else 2       # STAGES + 1) and STAGES of V^T's, 1024-aligned; q_full, and
-        k_slots = tile[4] if len(tile) > 4 else tile[3] + 1                 # full and empty a slot
+        parts = 1 if tf32 else 2       # STAGES) and STAGES of V^T's, 1024-aligned; q_full, and full
+        k_slots = tile[4] if len(tile) > 4 else tile[3]                     # and empty a slot
         return 4 * parts * (bm * D + k_slots * bn * D + tile[3] * bn * Dv) + 1024 + 8 * (1 + 2 * k_slots + 2 * tile[3])
     if ws:            # Q, STAGES x K, STAGES x V swizzled, 1024-aligned, then 4 x STAGES + 1 mbarriers;
         # persist: a second Q, 8 more mbarriers and two int32 slots
@@ -390,7 +391,7 @@ def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
     tile: (BLOCK_M, BLOCK_N, NUM_WARPS[, MIN_BLOCKS: CTAs per SM the registers must allow]), or
     with tma (TMA_KV: a producer warp's bulk tensor copies) or ws (attn_fwd_sm90.cu's WS kernel)
     (BLOCK_M, BLOCK_N, NUM_WARPS, STAGES), as is sm90_f32's (attn_fwd_sm90_f32.cu; a fifth, the
-    kernel lab's, its K_STAGES: K's slots, STAGES + 1 when not given); persist: the WS
+    kernel lab's, its K_STAGES: K's slots, STAGES when not given); persist: the WS
     kernel as a persistent grid (fwd_persist). mods: the generated score_mod / mask_mod
     (codegen.Generated) or None."""
     bm, bn, w = tile[:3]

@@ -263,12 +263,13 @@ def test_hopper_float32_wgmma_forward_where_it_applies(monkeypatch):
     assert {(d["HEAD_DIM"], d["HEAD_DIM_V"]) for k, d in select.variants("sm_90a")
             if k == "attn_fwd_sm90_f32"} == {(64, 64), (128, 128)}
     assert not any(k == "attn_fwd_sm90_f32" for k, _ in select.variants("sm_80"))
-    # the lab's fifth number: K's slots (one fewer here: a slot of both parts and its two barriers)
-    five = select.SM90_TILE_F32 + (select.SM90_TILE_F32[3],)
+    # the lab's fifth number: K's slots (one more here: a slot of both parts and its two barriers)
+    five = select.SM90_TILE_F32 + (select.SM90_TILE_F32[3] + 1,)
     assert select.fwd_defines(dtype="float32", D=128, Dv=128, vec=True, softcap=False, bias_dtype=None,
-                              alibi_dtype=None, mask=False, tile=five, sm90_f32=True)["K_STAGES"] == five[3]
-    assert select.fwd_smem_bytes(128, 128, select.SM90_TILE_F32, "attn_fwd_sm90_f32", "float32") \
-        - select.fwd_smem_bytes(128, 128, five, "attn_fwd_sm90_f32", "float32") == 2 * 32 * 128 * 4 + 16
+                              alibi_dtype=None, mask=False, tile=five, sm90_f32=True)["K_STAGES"] == five[4]
+    assert select.fwd_smem_bytes(128, 128, five, "attn_fwd_sm90_f32", "float32") \
+        - select.fwd_smem_bytes(128, 128, select.SM90_TILE_F32, "attn_fwd_sm90_f32", "float32") \
+        == 2 * select.SM90_TILE_F32[1] * 128 * 4 + 16
     for tf32 in (False, True):
         for d in (64, 128):
             assert select.fwd_smem_bytes(d, d, select.SM90_TILE_F32, "attn_fwd_sm90_f32", "float32",
@@ -277,7 +278,7 @@ def test_hopper_float32_wgmma_forward_where_it_applies(monkeypatch):
                                          alibi_dtype="float32", mask=True, tile=select.SM90_TILE_F32, tf32=tf32,
                                          sm90_f32=True)
             assert defines["STAGES"] == select.SM90_TILE_F32[3] and defines["MIN_BLOCKS"] == 1
-            assert "K_STAGES" not in defines    # the kernel's own: STAGES + 1
+            assert "K_STAGES" not in defines    # the kernel's own: STAGES
             if os.environ.get("ATTNEXT_NO_NVRTC") != "1":
                 assert nvrtc.cubin("attn_fwd_sm90_f32", defines, "sm_90a")
 
