@@ -129,9 +129,6 @@ SETTINGS = {s.name: s for s in [
     Setting("ATTNEXT_BWD_X3_DQ", "recompute | adds", "adds (D = 128)", LAB, CALL,
             "attn_bwd_sm90_x3.cu's dQ: its dQ kernel, or (adds, at D = 128) added by its dK/dV kernel, in "
             "the key blocks' turns where deterministic"),
-    Setting("ATTNEXT_BWD_TF32_WGMMA", "0 | 1", "0", LAB, CALL,
-            "1 runs precision=\"tf32\"'s backward at D = Dv = 64 on Hopper in single-pass TF32 wgmma "
-            "(attn_bwd_sm90_tf32.cu) in place of two bfloat16 planes (attn_bwd_sm90_x3.cu): unmeasured"),
     Setting("ATTNEXT_BWD_DQ", "recompute | ordered | atomic", "select.bwd_dq_mode", LAB, CALL,
             "how the backward sums dQ"),
     Setting("ATTNEXT_BWD_DQ_WRITE", "0 | 1", "by the key count", LAB, CALL,

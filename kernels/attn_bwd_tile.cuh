@@ -600,7 +600,7 @@ DEV bool ds_needs_mask(const attn_params &p, const score_ctx &sc, int m0, int c0
 }
 
 /* Whether a dK/dV item (keys [n0, n0 + bn) x query rows [m0, m0 + bm)) needs pt_tile's per-pair
- * tests (attn_bwd_sm90_x3.cu's and attn_bwd_sm90_tf32.cu's; ds_needs_mask's counterpart). */
+ * tests (attn_bwd_sm90_x3.cu's; ds_needs_mask's counterpart). */
 DEV bool item_needs_mask(const attn_params &p, const score_ctx &sc, int n0, int bn, int m0, int bm, int Lq, int Lk)
 {
     return tile_maybe_masked(sc, m0, min(m0 + bm, Lq), n0, min(n0 + bn, Lk)) || n0 + bn > Lk || m0 + bm > Lq
@@ -627,7 +627,7 @@ DEV void load_lse_delta(const attn_params &p, const seq_t &sq, int64_t h, int m0
 
 /* dq = dQ * scale from a warpgroup's C fragments (its warp w: rows m0 + 16 w + g (+ 8), float32
  * dq) of head h; rows past the sequence's rows are not written, padding rows come out 0 (dQ is 0
- * there). attn_bwd_sm90_x3.cu's and attn_bwd_sm90_tf32.cu's dQ kernels. */
+ * there). attn_bwd_sm90_x3.cu's dQ kernel. */
 template <int NT>
 DEV void store_dq_f32(const attn_params &p, const seq_t &sq, int64_t h, int m0, const float (&dq)[NT][4], float scale)
 {

@@ -637,7 +637,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     options = select.score_options(features)
     ws3 = select.fwd_ws3(o.D, rows, o.causal_code != 0, _windowed(o), options, gen)
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
-                                     features["dtype"], paged, tma, ws, ws3, features["tf32"], options)
+                                     features["dtype"], paged, tma, ws, ws3, features["tf32"])
     # the persistent grid: a dense batch whose q a tensor map can describe, in tiles an int32
     # counts, with a second Q beside the tile in shared memory
     row_tiles = _query_tiles(rows, tile[0])
@@ -985,7 +985,6 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     f32_passes = passes if arch == "sm_90a" else 0
     # float32 on bfloat16 planes (attn_bwd_sm90_x3.cu, Hopper's default): its dQ kernel recomputes
     x3 = select.bwd_f32_x3(arch, features["dtype"], o.D, o.Dv, features["vec"], passes, gen)
-    tf32_wgmma = select.bwd_tf32_wgmma(x3, o.D, passes)   # the lab's single-pass TF32 in its place
     if x3:
         dq_mode = select.bwd_x3_dq_mode(o.D, deterministic)
     else:
@@ -1036,12 +1035,6 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
             if not atomic:
                 launch("attn_bwd_dq_sm90", (_query_tiles(q_rows, hopper["q_block_m"]), o.Hq, o.B + tail),
                        hopper["q_warps"], "attn_bwd_sm90", defs90, smem90)
-        elif tf32_wgmma:         # precision="tf32" in single-pass TF32 on wgmma (attn_bwd_sm90_tf32.cu)
-            defs_t = select.bwd_tf32_defines(defines)
-            smem_t = select.bwd_tf32_smem_bytes(o.D)
-            launch("attn_bwd_dkdv_tf32", (kv_blocks, o.Hk, o.B + tail), 4, "attn_bwd_sm90_tf32", defs_t, smem_t)
-            launch("attn_bwd_dq_tf32", (_query_tiles(q_rows, 64), o.Hq, o.B + tail), 4, "attn_bwd_sm90_tf32",
-                   defs_t, smem_t)
         elif x3:                 # float32 as bfloat16 planes on wgmma (attn_bwd_sm90_x3.cu)
             defs_x3 = select.bwd_x3_defines(defines, o.D)
             smem_x3 = select.bwd_x3_smem_bytes(o.D, defs_x3)

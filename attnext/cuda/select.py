@@ -33,7 +33,7 @@ FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "
 BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_TMA", "ATTNEXT_BWD_DQ",
              "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_BWD_DQ_CHAINS", "ATTNEXT_TILE_SUMS", "ATTNEXT_BWD_F32_PRESPLIT",
              "ATTNEXT_BWD_F32_X3", "ATTNEXT_BWD_X3_KV_WARPS",
-             "ATTNEXT_BWD_X3_DQ", "ATTNEXT_BWD_TF32_WGMMA")
+             "ATTNEXT_BWD_X3_DQ")
 
 
 def knobs(names):
@@ -254,7 +254,7 @@ PERSIST_Q_ROWS = 64
 
 
 def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", paged=False, tma=False, ws=False,
-               ws3=False, tf32=False, options=False):
+               ws3=False, tf32=False):
     """(kernel source, tile) of the forward: kernels/attn_fwd_sm90.cu (wgmma) on sm_90a for
     16-byte-loadable inputs with D, Dv in {64, 128}, else kernels/attn_fwd.cu (mma.sync, every
     shape, and the decode paths). rows: the longest query sequence; mods: the generated
@@ -262,7 +262,7 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
     SM90_TILE_MODS where its staged output fits (sm90_staged_o_fits), a mask_mod alone the
     plain tiles. ATTNEXT_FWD_SM90=0 keeps Hopper on attn_fwd.cu (the lab's and the tests'
     comparison). float32 runs attn_fwd.cu (TF32 mma.sync), or on Hopper attn_fwd_sm90_f32.cu where
-    fwd_f32_sm90 says (tf32: precision="tf32"; options: score_options'); a paged cache runs
+    fwd_f32_sm90 says (tf32: precision="tf32"); a paged cache runs
     attn_fwd.cu (paged: its key rows are gathered through the page table, PAGED). tma
     (decode_tma): a decode takes TMA_KV's tile (4 ints: the stages last); ws (fwd_ws): the WS
     kernel's first tile (a score_mod's wide one, once compiled: fwd_ws_widens); ws3 (fwd_ws3):
@@ -272,7 +272,7 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
     if ws and not decode:
         return "attn_fwd_sm90", fwd_ws_tile(mods is not None and bool(mods.defines.get("HAS_SCORE_MOD")),
                                             ws3=ws3)
-    if fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32, not options and mods is None):
+    if fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32, mods is not None):
         return "attn_fwd_sm90_f32", _lab_tile("ATTNEXT_TILE_F32_SM90") or SM90_TILE_F32   # lab: "64,64,12,1"
     if (arch == "sm_90a" and not decode and not paged and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
             and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
@@ -294,15 +294,15 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
 SM90_TILE_F32 = (64, 64, 12, 1)
 
 
-def fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32=False, plain=True):
+def fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32=False, mods=False):
     """Whether a float32 forward runs attn_fwd_sm90_f32.cu (TF32 wgmma, operands split once per
     CTA in shared memory) where it applies: sm_90a, 16-byte-loadable rows, D and Dv in {64, 128},
-    no decode path or paged cache. By default three passes at D = Dv in {64, 128} for plain
-    scores (plain: no score option and no generated mods; a causal mask or window may band them)
-    (H200, s44: D128 61.5 / 58.6 TFLOP/s full / causal against attn_fwd.cu's 54.9 / 46.6; s50, w4:
-    65.0 / 60.4; s51, w4 at D64: 61.4 / 58.7 against 57.5 / 51.0); precision="tf32" runs
-    attn_fwd.cu faster (s51: 128 against 98.5 at D64, 128 against 104 at D128; bench/NOTES.md,
-    float32 forward w2-w4), and the score options and mods, unmeasured there, spill 48-336 B more.
+    no decode path or paged cache. By default three passes at D = Dv in {64, 128}, with every
+    score option but no generated mods (mods: a score_mod or mask_mod compiled in) (H200, s52,
+    w5: D128 75.1 / 69.8 TFLOP/s full / causal against attn_fwd.cu's ~53 / 41; D64 71.5 / 68.1;
+    softcap, ALiBi, a bias: 67-75 against 49-53 at D128); precision="tf32" runs attn_fwd.cu
+    faster (s52: 128.6 against 118 at D128, 128.3 against 108.7 at D64; bench/NOTES.md, float32
+    forward w2-w5).
     ATTNEXT_FWD_F32_SM90=1 takes it wherever it applies, 0 nowhere (the lab's and the tests')."""
     if not (arch == "sm_90a" and dtype == "float32" and vec and not decode and not paged
             and D in (64, 128) and Dv in (64, 128) and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
@@ -310,7 +310,7 @@ def fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32=False, plain=True)
     env = _env.get("ATTNEXT_FWD_F32_SM90")
     if env in ("0", "1"):
         return env == "1"
-    return D == Dv and not tf32 and plain
+    return D == Dv and not tf32 and not mods
 
 
 def sm90_staged_o_fits(D, Dv, tile):
@@ -532,31 +532,6 @@ def bwd_x3_smem_bytes(D, defines):
     planes = 4 * (3 if defines["TF32_PASSES"] == 3 else 2) * 64 * D * 2 + 1024
     region = (2 if defines["DQ_ATOMIC"] else 1) * 64 * 64 * 4 if defines["KV_WARPS"] == 8 else 0
     return {"attn_bwd_dkdv_x3": planes + region + 2 * 4 * 64, "attn_bwd_dq_x3": planes}
-
-
-def bwd_tf32_wgmma(x3, D, passes):
-    """Whether precision="tf32"'s backward on the planes' path (x3: bwd_f32_x3's answer) runs
-    attn_bwd_sm90_tf32.cu instead: one TF32 wgmma product a product (two bfloat16 planes take
-    three, at twice TF32's rate), reading transposed copies of Q, dO and K written beside the
-    plain ones; D = Dv = 64, where its tiles fit two CTAs an SM (96 KB). The kernel lab's
-    (ATTNEXT_BWD_TF32_WGMMA=1) until measured (bench/NOTES.md, float32 backward t1)."""
-    return bool(x3) and passes == 1 and D == 64 and _env.get("ATTNEXT_BWD_TF32_WGMMA") == "1"
-
-
-def bwd_tf32_defines(defines):
-    """attn_bwd_sm90_tf32.cu's switches: attn_bwd_sm90_x3.cu's one-warpgroup tiles, float32 on the
-    TF32 tensor cores (no bfloat16 planes), dQ recomputed."""
-    d = {k: v for k, v in bwd_x3_defines(defines, 64).items() if k != "ELEM_BF16"}
-    d.update(KV_WARPS=4)
-    return d
-
-
-def bwd_tf32_smem_bytes(D):
-    """attn_bwd_sm90_tf32.cu's shared memory: 64-row TF32 tiles (K, V, Q, dO, Q^T, dO^T and the
-    item's lse and delta rows for the dK/dV kernel; Q, dO, K, V, K^T for the dQ kernel), the
-    1024-byte alignment's slack."""
-    tile = 64 * D * 4
-    return {"attn_bwd_dkdv_tf32": 6 * tile + 2 * 4 * 64 + 1024, "attn_bwd_dq_tf32": 5 * tile + 1024}
 
 
 def bwd_tile_config(D, Dv, dtype="bfloat16", atomic=False, planes=False):

@@ -8,7 +8,7 @@ error printed beside its rate (the backward: the worst of dq, dk and dv).
 
     python bench/labs/lab_f32.py [--rows "4,2048,16,64;1,8192,16,128,causal"] [--tiles "128,64,4;64,64,4"]
                                  [--sm90 0|1] [--bwd] [--bwd-tiles "16,4,0,2,64,32,4,2;..."] [--atomic]
-                                 [--presplit] [--split-tf32] [--tf32-wgmma]
+                                 [--presplit] [--split-tf32]
 
 --tiles: attnext's float32 rows again under each forward tile (ATTNEXT_TILE_FWD), beside the default.
 --sm90: attnext's forward rows again with ATTNEXT_FWD_F32_SM90 set to this (the TF32 wgmma forward
@@ -24,9 +24,6 @@ by atomics in the dK/dV kernel where select.bwd_dq_mode takes it).
 --split-tf32: attnext's float32 backward (both precisions) again on attn_bwd.cu's split TF32
 (ATTNEXT_BWD_F32_X3=0: in place of Hopper's default there, the bfloat16 planes of
 attn_bwd_sm90_x3.cu), labelled "x3=0".
---tf32-wgmma: attnext's precision="tf32" backward again on the kernel lab's single-pass TF32 wgmma
-kernels (ATTNEXT_BWD_TF32_WGMMA=1: attn_bwd_sm90_tf32.cu at D = 64), labelled "wgmma", deterministic
-and not.
 The backward's peers: SDPA efficient, and math in float32 (cuBLAS SGEMM: on an H200 the fastest
 float32 backward at D128) and with TF32.
 """
@@ -79,7 +76,6 @@ def main():
     ap.add_argument("--atomic", action="store_true", help="the backward with atomic dQ too")
     ap.add_argument("--presplit", action="store_true", help="the backward split once and at each use, each")
     ap.add_argument("--split-tf32", action="store_true", help="the float32 backward on split TF32 too")
-    ap.add_argument("--tf32-wgmma", action="store_true", help="the tf32 backward on single-pass TF32 wgmma too")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'row':28} {'impl':16} {'ms':>8} {'TFLOP/s':>8} {'rel err':>9}")
@@ -123,13 +119,12 @@ def main():
                     _env.setenv(knob, None)
         if args.bwd:
             _backward(name, q, k, v, causal, flops * 2.5, list(filter(None, args.bwd_tiles.split(";"))), args.atomic,
-                      args.presplit, args.split_tf32, args.tf32_wgmma)
+                      args.presplit, args.split_tf32)
         del q, k, v, ref, out
         torch.cuda.empty_cache()
 
 
-def _backward(name, q, k, v, causal, flops, tiles=(), atomic=False, presplit=False, split_tf32=False,
-              tf32_wgmma=False):
+def _backward(name, q, k, v, causal, flops, tiles=(), atomic=False, presplit=False, split_tf32=False):
     dout = torch.randn_like(q)
     qd, kd, vd = (x.double().transpose(1, 2).requires_grad_() for x in (q, k, v))
     ref = tuple(g.transpose(1, 2) for g in torch.autograd.grad(
@@ -166,17 +161,6 @@ def _backward(name, q, k, v, causal, flops, tiles=(), atomic=False, presplit=Fal
             finally:
                 _env.setenv("ATTNEXT_BWD_F32_X3", None)
         impls[f"attnext{' tf32' if precision else ''} bwd x3=0"] = (run_split, False)
-    if tf32_wgmma:
-        out, lse = attnext.attention(q, k, v, causal=causal, return_lse=True, precision="tf32")
-        for deterministic in (True, False):
-            def run_wgmma(out=out, lse=lse, deterministic=deterministic):
-                _env.setenv("ATTNEXT_BWD_TF32_WGMMA", "1")
-                try:
-                    return attnext.attention_backward(dout, q, k, v, out, lse, causal=causal, precision="tf32",
-                                                      deterministic=deterministic)[:3]
-                finally:
-                    _env.setenv("ATTNEXT_BWD_TF32_WGMMA", None)
-            impls[f"attnext tf32 bwd wgmma{'' if deterministic else ' nodet'}"] = (run_wgmma, False)
     for label, backend, tf32 in (("sdpa efficient bwd", SDPBackend.EFFICIENT_ATTENTION, False),
                                  ("sdpa math bwd", SDPBackend.MATH, False),
                                  ("sdpa math tf32 bwd", SDPBackend.MATH, True)):

@@ -13,7 +13,8 @@ nothing is checked and nothing here is a measurement of attnext: only the rates 
   both      noload and noprod
 
 Session 44 ran this question by hand on w1 (59.9 TFLOP/s; 74.6 without loads, 82.7 without
-products: bench/NOTES.md, float32 forward).
+products), session 52 with this lab on w4 (65.1; 87.5, 103.9, both 227): bench/NOTES.md, float32
+forward.
 """
 import argparse
 import os
@@ -24,11 +25,11 @@ from stamping import ROOT, instrumented
 
 # (anchor, text, before): stamping.instrumented's edits. The loads' results overwritten (the loads
 # then go unissued: nothing reads them); the products behind a condition that is never true
-NOLOAD = [("x.k[j] = load4(gk + (c0 + r) * ks + (tid % CH) * 4, c0 + r < Lk);",
-           "\n        x.k[j] = make_float4(1e-3f * (tid & 7), 1e-3f * j, 2e-3f, 3e-3f);", False),
-          ("x.v[j] = load4(gv + (c0 + key) * vs + c * 4, c0 + key < Lk);",
-           "\n        x.v[j] = make_float4(1e-3f * (tid & 7), 1e-3f * j, 2e-3f, 3e-3f);", False)]
-NOPROD = [("wgmma_m64n32k8_tf32_ss(s[0],", "if (accumulate < 0) ", True),
+NOLOAD = [("x[j] = load4(gk + (c0 + r) * ks + (tid % CH) * 4, c0 + r < Lk);",
+           "\n        x[j] = make_float4(1e-3f * (tid & 7), 1e-3f * j, 2e-3f, 3e-3f);", False),
+          ("x[j] = load4(gv + (c0 + key) * vs + c * 4, c0 + key < Lk);",
+           "\n        x[j] = make_float4(1e-3f * (tid & 7), 1e-3f * j, 2e-3f, 3e-3f);", False)]
+NOPROD = [("wgmma_m64n64k8_tf32_ss(s[0],", "if (accumulate < 0) ", True),
           ("wgmma_m64n128k8_tf32_rs(f, a, dv, accumulate);", "if (accumulate < 0) ", True),
           ("wgmma_m64n64k8_tf32_rs(f, a, dv, accumulate);", "if (accumulate < 0) ", True)]
 PROBES = {"noload": NOLOAD, "noprod": NOPROD, "both": NOLOAD + NOPROD}

@@ -141,7 +141,8 @@ def test_varlen_with_padding(rng):
 @pytest.mark.parametrize("precision", [None, "tf32"])
 def test_wgmma_forward(precision, rng, monkeypatch):
     """attn_fwd_sm90_f32.cu (Hopper): TF32 wgmma with the operands split once per CTA. By default a
-    three-pass call with D = Dv takes it and the others keep attn_fwd.cu (select.fwd_f32_sm90);
+    three-pass call with D = Dv takes it, score options too, and the others keep attn_fwd.cu
+    (select.fwd_f32_sm90);
     then under ATTNEXT_FWD_F32_SM90=1 every head-dim pair it takes, causal and window bands, GQA,
     rows and keys past a tile, sinks, every score option, varlen with padding, against the
     reference; its error within 3x NumPy float32's, and each call it applies to planned on it."""
@@ -160,8 +161,9 @@ def test_wgmma_forward(precision, rng, monkeypatch):
     for d in (64, 128):
         q, k, v = make_qkv(rng, 1, 256, 256, 2, 2, d, d, F32)
         _forward(q, k, v, precision=precision)
+        _forward(q, k, v, precision=precision, softcap=5.0, alibi_slopes=rng.random(2).astype(np.float32))
     want = "attn_fwd_sm90_f32" if precision is None else "attn_fwd"
-    assert [k for k, _ in kernels] == [want, want], kernels
+    assert [k for k, _ in kernels] == [want] * 4, kernels
     kernels.clear()
     monkeypatch.setenv("ATTNEXT_FWD_F32_SM90", "1")
     rule = F16 if precision else F32
@@ -463,21 +465,6 @@ def test_tf32_backward_on_two_bfloat16_planes(d, rng, monkeypatch):
     _backward_cases(rng, d, check)
     errs = _tf32_errors(rng, monkeypatch, d)
     assert errs[0] < errs[1] / 4, f"two planes {errs[0]:.3g} against single-pass TF32's {errs[1]:.3g}"
-
-
-def test_single_pass_tf32_backward_on_wgmma(rng, monkeypatch):
-    """The kernel lab's single-pass TF32 backward (ATTNEXT_BWD_TF32_WGMMA=1: attn_bwd_sm90_tf32.cu,
-    precision="tf32" at D = 64, one TF32 wgmma product a product with transposed copies of Q, dO
-    and K): the backward's cases against the reference at tf32's rule (float16's), the same bits
-    twice, its kernels planned in place of the planes'; and on the same inputs within 1.5x the
-    error of attn_bwd.cu's single-pass TF32 (ATTNEXT_BWD_F32_X3=0), the same TF32 products whose
-    sums run over whole rows in one accumulator where this kernel's reach one tile."""
-    monkeypatch.setenv("ATTNEXT_BWD_TF32_WGMMA", "1")
-    _, check = _planes_backward(rng, monkeypatch, {"attn_bwd_dkdv_tf32", "attn_bwd_dq_tf32"},
-                                {"attn_bwd_dkdv_x3", "attn_bwd_dq_x3"}, precision="tf32")
-    _backward_cases(rng, 64, check)
-    errs = _tf32_errors(rng, monkeypatch, 64)
-    assert errs[0] < 1.5 * errs[1], f"wgmma TF32 {errs[0]:.3g} against attn_bwd.cu's TF32 {errs[1]:.3g}"
 
 
 @pytest.mark.parametrize("sq, hq, d", [(1, 32, 128), (3, 8, 64), (1, 8, 256)])

@@ -21,9 +21,7 @@ reading them), at both head dims and precisions, dense, causal, windowed and var
 memcheck, racecheck and synccheck over Hopper's float32 backward on bfloat16 planes
 (attn_bwd_sm90_x3.cu: two warpgroups passing tiles through shared memory, dQ staged there for bulk
 reductions in the key blocks' turns or as they land), at both head dims and precisions,
-deterministic or not, dense, causal and varlen with GQA; and over the kernel lab's single-pass TF32
-backward (attn_bwd_sm90_tf32.cu: Q, dO and K written plain and transposed before wgmma reads
-them) at head dim 64, dense, causal, windowed and varlen with GQA.
+deterministic or not, dense, causal and varlen with GQA.
 """
 import os
 import shutil
@@ -288,28 +286,9 @@ raise SystemExit(0 if worst < 1 else 1)
 '''
 
 
-TF32_WGMMA_CHILD = SPY_PRELUDE + VARLEN_BACKWARD + r'''
-q, k, v = (torch.randn(2, n, h, 64, device="cuda") for n, h in ((150, 4), (230, 2), (230, 2)))
-qn, kn, vn = (x.cpu().numpy() for x in (q, k, v))
-for opts in (dict(), dict(causal=True), dict(window=(60, 9))):
-    out, lse = attnext.attention(q, k, v, precision="tf32", return_lse=True, **opts)
-    dout = torch.randn_like(out)
-    g = attnext.attention_backward(dout, q, k, v, out, lse, precision="tf32", **opts)
-    want = reference.attention_backward(dout.cpu().numpy(), qn, kn, vn, None, None, **opts)
-    check(tuple(g[:3]), tuple(want[:3]), 3e-3)
-varlen_backward(q, k, v, qn, kn, vn, "tf32", 3e-3)
-torch.cuda.synchronize()
-assert "attn_bwd_dkdv_tf32" in names and "attn_bwd_dq_tf32" in names, names
-print("worst", worst)
-raise SystemExit(0 if worst < 1 else 1)
-'''
-
-
-# Hopper's float32 kernels: the forward (attn_fwd_sm90_f32.cu, its wgmma path asked for), the
-# backward on bfloat16 planes (attn_bwd_sm90_x3.cu, the default) and the kernel lab's single-pass
-# TF32 backward (attn_bwd_sm90_tf32.cu)
-F32_KERNELS = {"forward": (F32_CHILD, {"ATTNEXT_FWD_F32_SM90": "1"}), "backward": (PLANES_CHILD, {}),
-               "tf32-backward": (TF32_WGMMA_CHILD, {"ATTNEXT_BWD_TF32_WGMMA": "1"})}
+# Hopper's float32 kernels: the forward (attn_fwd_sm90_f32.cu, its wgmma path asked for) and the
+# backward on bfloat16 planes (attn_bwd_sm90_x3.cu, the default)
+F32_KERNELS = {"forward": (F32_CHILD, {"ATTNEXT_FWD_F32_SM90": "1"}), "backward": (PLANES_CHILD, {})}
 
 
 @pytest.mark.gpu
