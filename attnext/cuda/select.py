@@ -272,7 +272,7 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
     if ws and not decode:
         return "attn_fwd_sm90", fwd_ws_tile(mods is not None and bool(mods.defines.get("HAS_SCORE_MOD")),
                                             ws3=ws3)
-    if fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32, mods is not None):
+    if fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32):
         return "attn_fwd_sm90_f32", _lab_tile("ATTNEXT_TILE_F32_SM90") or SM90_TILE_F32   # lab: "64,64,12,1"
     if (arch == "sm_90a" and not decode and not paged and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
             and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
@@ -294,13 +294,14 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
 SM90_TILE_F32 = (64, 64, 12, 1)
 
 
-def fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32=False, mods=False):
+def fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32=False):
     """Whether a float32 forward runs attn_fwd_sm90_f32.cu (TF32 wgmma, operands split once per
     CTA in shared memory) where it applies: sm_90a, 16-byte-loadable rows, D and Dv in {64, 128},
     no decode path or paged cache. By default three passes at D = Dv in {64, 128}, with every
-    score option but no generated mods (mods: a score_mod or mask_mod compiled in) (H200, s52,
-    w5: D128 75.1 / 69.8 TFLOP/s full / causal against attn_fwd.cu's ~53 / 41; D64 71.5 / 68.1;
-    softcap, ALiBi, a bias: 67-75 against 49-53 at D128); precision="tf32" runs attn_fwd.cu
+    score option and the generated score_mod / mask_mod (H200, s52, w5: D128 75.1 / 69.8 TFLOP/s
+    full / causal against attn_fwd.cu's ~53 / 41; D64 71.5 / 68.1; softcap, ALiBi, a bias: 67-75
+    against 49-53 at D128; a softcap or table score_mod 70-73 against 47-48, a window mask_mod
+    286 against 185); precision="tf32" runs attn_fwd.cu
     faster (s52: 128.6 against 118 at D128, 128.3 against 108.7 at D64; bench/NOTES.md, float32
     forward w2-w5).
     ATTNEXT_FWD_F32_SM90=1 takes it wherever it applies, 0 nowhere (the lab's and the tests')."""
@@ -310,7 +311,7 @@ def fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32=False, mods=False)
     env = _env.get("ATTNEXT_FWD_F32_SM90")
     if env in ("0", "1"):
         return env == "1"
-    return D == Dv and not tf32 and not mods
+    return D == Dv and not tf32
 
 
 def sm90_staged_o_fits(D, Dv, tile):

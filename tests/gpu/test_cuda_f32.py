@@ -141,8 +141,8 @@ def test_varlen_with_padding(rng):
 @pytest.mark.parametrize("precision", [None, "tf32"])
 def test_wgmma_forward(precision, rng, monkeypatch):
     """attn_fwd_sm90_f32.cu (Hopper): TF32 wgmma with the operands split once per CTA. By default a
-    three-pass call with D = Dv takes it, score options too, and the others keep attn_fwd.cu
-    (select.fwd_f32_sm90);
+    three-pass call with D = Dv takes it, score options and mods too, and the others keep
+    attn_fwd.cu (select.fwd_f32_sm90);
     then under ATTNEXT_FWD_F32_SM90=1 every head-dim pair it takes, causal and window bands, GQA,
     rows and keys past a tile, sinks, every score option, varlen with padding, against the
     reference; its error within 3x NumPy float32's, and each call it applies to planned on it."""
@@ -162,8 +162,11 @@ def test_wgmma_forward(precision, rng, monkeypatch):
         q, k, v = make_qkv(rng, 1, 256, 256, 2, 2, d, d, F32)
         _forward(q, k, v, precision=precision)
         _forward(q, k, v, precision=precision, softcap=5.0, alibi_slopes=rng.random(2).astype(np.float32))
+        out, _, r_out, _ = _forward(q, k, v, precision=precision, score_mod=lambda s, b, h, qi, ki: s * 0.5 + np.tanh(s),
+                                    mask_mod=lambda b, h, qi, ki: (qi - ki) % 5 != 2)
+        assert_close("out", out, r_out, F16 if precision else F32)
     want = "attn_fwd_sm90_f32" if precision is None else "attn_fwd"
-    assert [k for k, _ in kernels] == [want] * 4, kernels
+    assert [k for k, _ in kernels] == [want] * 6, kernels
     kernels.clear()
     monkeypatch.setenv("ATTNEXT_FWD_F32_SM90", "1")
     rule = F16 if precision else F32

@@ -235,7 +235,7 @@ def test_sm90_forward_fits_shared_memory():
 def test_hopper_float32_wgmma_forward_where_it_applies(monkeypatch):
     """attn_fwd_sm90_f32.cu runs a float32 forward on sm_90a with 16-byte rows, D and Dv in
     {64, 128}, no decode path or paged cache: by default with three passes at D = Dv, score
-    options too but no generated mods (bench/NOTES.md, float32 forward w2-w5), wherever it applies under ATTNEXT_FWD_F32_SM90=1, nowhere
+    options and generated mods too (bench/NOTES.md, float32 forward w2-w5), wherever it applies under ATTNEXT_FWD_F32_SM90=1, nowhere
     under 0 or ATTNEXT_FWD_SM90=0; it fits an SM's shared memory, compiles in both precisions and
     is among the variants warmup compiles."""
     ok = dict(arch="sm_90a", D=128, Dv=128, vec=True, decode=False, paged=False, dtype="float32")
@@ -245,13 +245,13 @@ def test_hopper_float32_wgmma_forward_where_it_applies(monkeypatch):
     assert select.fwd_kernel(*args, dtype="float32", tf32=True)[0] == "attn_fwd"
     assert select.fwd_f32_sm90(**{**ok, "D": 64, "Dv": 64})
     assert select.fwd_kernel("sm_90a", 64, 64, True, False, 4096, dtype="float32")[0] == "attn_fwd_sm90_f32"
-    for change in (dict(D=64), dict(Dv=64), dict(tf32=True), dict(mods=True)):
+    for change in (dict(D=64), dict(Dv=64), dict(tf32=True)):
         assert not select.fwd_f32_sm90(**{**ok, **change}), change
     for change in (dict(arch="sm_80"), dict(D=96, Dv=96), dict(Dv=256), dict(vec=False), dict(decode=True),
                    dict(paged=True), dict(dtype="bfloat16")):
         assert not select.fwd_f32_sm90(**{**ok, **change}), change
     monkeypatch.setenv("ATTNEXT_FWD_F32_SM90", "1")
-    for change in (dict(D=64, Dv=64), dict(D=64), dict(Dv=64), dict(tf32=True), dict(mods=True)):
+    for change in (dict(D=64, Dv=64), dict(D=64), dict(Dv=64), dict(tf32=True)):
         assert select.fwd_f32_sm90(**{**ok, **change}), change
     assert not select.fwd_f32_sm90(**{**ok, "D": 96, "Dv": 96})
     monkeypatch.setenv("ATTNEXT_FWD_F32_SM90", "0")
