@@ -878,7 +878,8 @@ def sm90_fwd_variants():
     """attn_fwd_sm90's variants (sm_90a only): both dtypes, the head dims it takes (the WS kernel's
     too where D = Dv), and each feature on its own at D = 128 on the WS kernel, its plain tiles
     also as a persistent grid; attn_fwd.cu's TMA_KV decode (packed GQA, split or not, contiguous
-    or paged); and attn_fwd_sm90_f32.cu's float32 at D = Dv in {64, 128}."""
+    or paged); and attn_fwd_sm90_f32.cu's float32 at D = Dv in {64, 128}, each score option on its
+    own at D = 128 as on the WS kernel."""
     out = []
     for dtype in ("bfloat16", "float16"):
         for D, Dv in ((64, 64), (128, 128), (128, 64), (64, 128)):
@@ -903,6 +904,8 @@ def sm90_fwd_variants():
     decode += [{**decode[0], "paged": True}]
     f32 = [dict(dtype="float32", D=D, Dv=D, vec=True, softcap=False, bias_dtype=None, alibi_dtype=None,
                 mask=False, tile=SM90_TILE_F32, sm90_f32=True) for D in (64, 128)]   # fwd_f32_sm90's
+    f32 += [{**f32[1], "softcap": True}, {**f32[1], "bias_dtype": "float32"},         # and D = 128's options
+            {**f32[1], "bias_dtype": "float32", "mask": True, "alibi_dtype": "float32"}]
     return ([("attn_fwd_sm90", fwd_defines(**v)) for v in out] + [("attn_fwd", fwd_defines(**v)) for v in decode]
             + [("attn_fwd_sm90_f32", fwd_defines(**v)) for v in f32])
 
