@@ -95,12 +95,12 @@ SETTINGS = {s.name: s for s in [
             "attn_fwd.cu's TMA_KV decode tile: BLOCK_M,BLOCK_N,NUM_WARPS[,STAGES]"),
     Setting("ATTNEXT_FWD_SM90", "0 | 1", "1", LAB, CALL,
             "0 keeps Hopper's forward on attn_fwd.cu (no wgmma kernel)"),
-    Setting("ATTNEXT_FWD_F32_SM90", "0 | 1", "select.fwd_f32_sm90 (plain, three passes, D = Dv in {64, 128})", LAB, CALL,
+    Setting("ATTNEXT_FWD_F32_SM90", "0 | 1", "select.fwd_f32_sm90 (three passes, D = Dv in {64, 128})", LAB, CALL,
             "whether Hopper's float32 forward runs attn_fwd_sm90_f32.cu (TF32 wgmma) wherever it applies "
             "(1) or nowhere (0)"),
     Setting("ATTNEXT_TILE_F32_SM90", _TILE, "select.SM90_TILE_F32", LAB, CALL,
             "attn_fwd_sm90_f32.cu's tile: BLOCK_M,BLOCK_N,WARPS,STAGES[,K_STAGES] (8 warps: one "
-            "splitter warpgroup, 12: two; K_STAGES: K's slots, STAGES + 1 when not given)"),
+            "splitter warpgroup, 12: two; K_STAGES: K's slots, STAGES when not given)"),
     Setting("ATTNEXT_FWD_PERSIST", "0 | 1", "select.fwd_persist (short rows)", LAB, CALL,
             "whether the WS forward of a dense batch runs as a persistent grid (1) or a CTA a "
             "query tile (0)"),

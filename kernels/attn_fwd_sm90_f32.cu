@@ -336,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_sm90_f32(const
                 split_tf32(a[e], ph[kk][e], pl[kk][e]);
         }
     };
-    /* O += F, the last tile's P V */
+    /* O += F, this tile's P V */
     auto add_f = [&]() {
 #pragma unroll
         for (int j = 0; j < OT; j++)

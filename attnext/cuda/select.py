@@ -299,11 +299,11 @@ def fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32=False):
     CTA in shared memory) where it applies: sm_90a, 16-byte-loadable rows, D and Dv in {64, 128},
     no decode path or paged cache. By default three passes at D = Dv in {64, 128}, with every
     score option and the generated score_mod / mask_mod (H200, s52, w5: D128 75.1 / 69.8 TFLOP/s
-    full / causal against attn_fwd.cu's ~53 / 41; D64 71.5 / 68.1; softcap, ALiBi, a bias: 67-75
-    against 49-53 at D128; a softcap or table score_mod 70-73 against 47-48, a window mask_mod
-    286 against 185); precision="tf32" runs attn_fwd.cu
-    faster (s52: 128.6 against 118 at D128, 128.3 against 108.7 at D64; bench/NOTES.md, float32
-    forward w2-w5).
+    full / causal against attn_fwd.cu's 54.9 / 46.6 in s44; D64 71.5 / 68.1; softcap, ALiBi, a
+    bias: 67-75 against 49-53 at D128, 55-66 against 50-55 at D64; a softcap or table score_mod
+    70-73 against 47-48 at D128, a window mask_mod 286 against 185); precision="tf32" runs
+    attn_fwd.cu, faster but at D128 causal (s52: 128.6 against 118.0 at D128, 128.3 against
+    108.7 at D64; D128 causal 99.7 against 109.3; bench/NOTES.md, float32 forward w2-w5).
     ATTNEXT_FWD_F32_SM90=1 takes it wherever it applies, 0 nowhere (the lab's and the tests')."""
     if not (arch == "sm_90a" and dtype == "float32" and vec and not decode and not paged
             and D in (64, 128) and Dv in (64, 128) and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):

@@ -161,7 +161,9 @@ def test_wgmma_forward(precision, rng, monkeypatch):
     for d in (64, 128):
         q, k, v = make_qkv(rng, 1, 256, 256, 2, 2, d, d, F32)
         _forward(q, k, v, precision=precision)
-        _forward(q, k, v, precision=precision, softcap=5.0, alibi_slopes=rng.random(2).astype(np.float32))
+        out, _, r_out, _ = _forward(q, k, v, precision=precision, softcap=5.0,
+                                    alibi_slopes=rng.random(2).astype(np.float32))
+        assert_close("out", out, r_out, F16 if precision else F32)
         out, _, r_out, _ = _forward(q, k, v, precision=precision, score_mod=lambda s, b, h, qi, ki: s * 0.5 + np.tanh(s),
                                     mask_mod=lambda b, h, qi, ki: (qi - ki) % 5 != 2)
         assert_close("out", out, r_out, F16 if precision else F32)
@@ -184,6 +186,8 @@ def test_wgmma_forward(precision, rng, monkeypatch):
         check(q, k, v)
         check(q, k, v, causal=True)
         check(q, k, v, window=(50, 7), sinks=randn(rng, (4,), np.float32))
+        check(q, k, v, causal=True, score_mod=lambda s, b, h, qi, ki: s * 0.5 + np.tanh(s) + 0.01 * (qi - ki),
+              mask_mod=lambda b, h, qi, ki: (qi + 2 * ki) % 7 != 3)
     q, k, v = make_qkv(rng, 2, 77, 150, 6, 2, 128, 128, F32, layout="bhsd")
     check(q, k, v, layout="bhsd", bias=randn(rng, (6, 1, 150), np.float32), mask=rng.random((2, 1, 77, 150)) > 0.2,
           alibi_slopes=rng.random(6).astype(np.float32), softcap=5.0, window=(40, 3), causal=True)

@@ -16,7 +16,8 @@ Hopper.
 
 memcheck, racecheck and synccheck over Hopper's float32 forward (attn_fwd_sm90_f32.cu: a splitter
 warpgroup writing each tile's TF32 parts into mbarrier stages, the computing warpgroup's wgmma
-reading them), at both head dims and precisions, dense, causal, windowed and varlen.
+reading them), at both head dims and precisions, dense, causal, windowed and varlen, and with
+score options, a score_mod and a mask_mod.
 
 memcheck, racecheck and synccheck over Hopper's float32 backward on bfloat16 planes
 (attn_bwd_sm90_x3.cu: two warpgroups passing tiles through shared memory, dQ staged there for bulk
@@ -235,6 +236,15 @@ for D in (64, 128):
     for precision, tol in ((None, 1e-5), ("tf32", 3e-3)):
         for opts in (dict(), dict(causal=True), dict(window=(60, 9))):
             check(attnext.attention(q, k, v, precision=precision, **opts), reference.attention(qn, kn, vn, **opts), tol)
+    # score options and generated mods (the default there at float32 accuracy): a mask_mod's
+    # narrowed key range, a score_mod reading a captured table
+    table = torch.randn(2, 400, device="cuda")
+    slopes = torch.rand(2, device="cuda")
+    opts = dict(softcap=5.0, causal=True, mask_mod=lambda b, h, qi, ki: (qi - ki) % 5 != 2)
+    tn, sn = table.cpu().numpy(), slopes.cpu().numpy()
+    check(attnext.attention(q, k, v, alibi_slopes=slopes, score_mod=lambda s, b, h, qi, ki: s + table[h, qi - ki + 230], **opts),
+          reference.attention(qn, kn, vn, alibi_slopes=sn, score_mod=lambda s, b, h, qi, ki: s + tn[h, qi - ki + 230], **opts),
+          1e-5)
     # varlen: the first sequence's last key tile holds the next one's rows (the splitter zeroes them)
     cu_q = torch.tensor([0, 100, 150], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0, 70, 230], dtype=torch.int32, device="cuda")
@@ -242,7 +252,7 @@ for D in (64, 128):
     for (a, b), (c, d) in zip(((0, 100), (100, 150)), ((0, 70), (70, 230))):
         check(got[a:b], reference.attention(qn[:1, a:b], kn[:1, c:d], vn[:1, c:d], causal=True)[0], 1e-5)
 torch.cuda.synchronize()
-assert names.count("attn_fwd_sm90_f32") == 14, names
+assert names.count("attn_fwd_sm90_f32") == 16, names
 print("worst", worst)
 raise SystemExit(0 if worst < 1 else 1)
 '''
