@@ -825,3 +825,53 @@ def test_the_float32_backward_on_bfloat16_planes_plan(fake_driver):
                 assert not any(g[0].endswith("_x3") for g in got), [g[0] for g in got]
         print("ok")
     """)
+
+
+def test_the_float32_forward_on_hopper_plan(fake_driver):
+    """Hopper's float32 forward at D = Dv in {64, 128} at float32 accuracy (select.fwd_f32_sm90):
+    attn_fwd_sm90_f32.cu's entry over 64-row query tiles of each head and batch, 384 threads (two
+    splitter warpgroups, then the computing one), its tile's shared memory, for plain scores, a
+    causal band, every score option, and a score_mod with a mask_mod; the plain variants and at
+    D = 128 softcap's and the score arrays' among those warmup compiles. precision="tf32", D != Dv
+    and bfloat16 inputs take the other kernels."""
+    run_on_fake(fake_driver, r"""
+        _C.cuda_launch_attention = lambda fn, *rest: launch(fn, *rest[:8])     # the mods' bytes dropped
+        F32 = np.float32
+        warm = {(k, tuple(sorted(d.items()))) for k, d in select.variants("sm_90a")}
+
+        def forward(q, k, v, **kw):
+            n = len(LAUNCHES)
+            attnext.attention(q, k, v, **kw)
+            return [(l[0][0], l[0][1], dict(l[0][2]), l[1], l[2], l[3]) for l in LAUNCHES[n:]]
+
+        def qkv(D, Dv=None, dtype=F32):
+            return dev((2, 300, 4, D), dtype), dev((2, 200, 2, D), dtype), dev((2, 200, 2, Dv or D), dtype)
+
+        slopes = dev((4,), F32, zero=True)
+        arrays = dict(alibi_slopes=slopes, bias=dev((1, 4, 1, 200), F32), mask=dev((2, 1, 300, 200), np.bool_))
+        options = dict(softcap=5.0, **arrays)
+        mods = dict(score_mod=lambda s, b, h, qi, ki: s * 0.5, mask_mod=lambda b, h, qi, ki: (qi - ki) % 5 != 2)
+        tile = select.SM90_TILE_F32
+        for D in (64, 128):
+            plain, causal, softcap = dict(), dict(causal=True), dict(softcap=5.0)
+            for kw in (plain, causal, softcap, arrays, options, mods):
+                got = forward(*qkv(D), **kw)
+                assert [g[1] for g in got][-1:] == ["attn_fwd_sm90_f32"], [g[1] for g in got]
+                source, name, d, grid, block, smem = got[-1]
+                assert source == "attn_fwd_sm90_f32" and d["ELEM_F32"] == 1 and d["TF32_PASSES"] == 3, (source, d)
+                assert (d["BLOCK_M"], d["BLOCK_N"], d["NUM_WARPS"], d["STAGES"]) == tile, d
+                assert grid == (5, 4, 2) and block == (384, 1, 1), (grid, block)
+                assert smem == select.fwd_smem_bytes(D, D, tile, "attn_fwd_sm90_f32", "float32"), smem
+                if kw is mods:
+                    assert d["HAS_SCORE_MOD"] == d["HAS_MASK_MOD"] == 1, d
+                elif kw is options:
+                    assert d["HAS_SOFTCAP"] == d["HAS_ALIBI"] == d["HAS_BIAS"] == d["HAS_MASK"] == 1, d
+                if kw is plain or kw is causal or D == 128 and (kw is softcap or kw is arrays):
+                    assert (source, tuple(sorted(d.items()))) in warm, d
+            for kw in (dict(precision="tf32"), dict(precision="tf32", **options)):
+                assert [g[1] for g in forward(*qkv(D), **kw)] == ["attn_fwd"], kw
+        assert [g[1] for g in forward(*qkv(64, 128))] == ["attn_fwd"]
+        assert [g[1] for g in forward(*qkv(96))] == ["attn_fwd"]
+        assert [g[1] for g in forward(*qkv(128, dtype=BF16))][-1] == "attn_fwd_sm90"
+        print("ok")
+    """)
