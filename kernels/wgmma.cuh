@@ -171,18 +171,8 @@ DEV void wgmma_m64n64_ss_tt(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, 
 }
 
 #if ELEM_F32
-/* d (+)= A B for m64n32k8 in TF32: A and B from shared memory, both K-major (TF32 has no
+/* d (+)= A B for m64n64k8 in TF32: A and B from shared memory, both K-major (TF32 has no
  * transposed operand). */
-DEV void wgmma_m64n32k8_tf32_ss(float (&d)[4][4], uint64_t desc_a, uint64_t desc_b, int accumulate)
-{
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
-                 : WGMMA_D4(d)
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-/* d (+)= A B for m64n64k8 in TF32: A and B from shared memory, both K-major. */
 DEV void wgmma_m64n64k8_tf32_ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, int accumulate)
 {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
