@@ -117,9 +117,7 @@ DEV void kv_item(float (&dk)[1][NTK][4], float (&dv)[1][NTV][4], uint32_t (&pd)[
     mma_ss<KV_BLOCK_M, HEAD_DIM_V>(dp[0], sV + kw0 * 128, KV_BLOCK_N, dob, KV_BLOCK_M);
     wgmma_commit();
     /* asked while the products run (a mask_mod's block mask is a global load away) */
-    const bool need_mask = tile_maybe_masked(sc, m0, min(m0 + KV_BLOCK_M, Lq), n0, min(n0 + KV_BLOCK_N, Lk))
-                           || n0 + KV_BLOCK_N > Lk || m0 + KV_BLOCK_M > Lq
-                           || !tile_inside_band(&p, m0, min(m0 + KV_BLOCK_M, Lq), n0, n0 + KV_BLOCK_N, Lq, Lk);
+    const bool need_mask = item_needs_mask(p, sc, n0, KV_BLOCK_N, m0, KV_BLOCK_M, Lq, Lk);
     wgmma_wait<0>();
     fence_acc(s[0]);
     fence_acc(dp[0]);
@@ -152,15 +150,6 @@ DEV int kv_items(const attn_params &p, int64_t b, int64_t hk, const seq_t &sq, c
                m_first, m_last);
     nm = max(m_last - m_first + 1, 0);
     return group * nm;
-}
-
-/* dk and dv of kv head hk zeroed on the packed rows after the last sequence (the grid's extra
- * block row). */
-DEV void zero_tail_dkdv(const attn_params &p, int64_t hk, int threads)
-{
-    const int64_t first = packed_end_k(&p);
-    zero_rows((elem_t *)p.dk.ptr + hk * p.dk.s[2], p.dk.s[1], p.dk.s[3], first, p.Sk, HEAD_DIM, threads);
-    zero_rows((elem_t *)p.dv.ptr + hk * p.dv.s[2], p.dv.s[1], p.dv.s[3], first, p.Sk, HEAD_DIM_V, threads);
 }
 
 /* A warp's 16 rows from g of the mma C fragments acc (N n8 groups) times mul, rows < rows written,
@@ -232,7 +221,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv_
     const int tid = threadIdx.x, warp = tid >> 5, wg = tid >> 7;
     const int64_t hk = blockIdx.y, b = blockIdx.z;
     if (b == p.B) {                       /* packed rows after the last sequence */
-        zero_tail_dkdv(p, hk, KV_THREADS);
+        zero_dkdv_tail(p, hk, KV_THREADS);
         return;
     }
     const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
@@ -448,7 +437,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
     const int tid = threadIdx.x, warp = DQ_BY_ROWS ? tid >> 5 : uniform_warp_index(), wg = warp >> 2;
     const int64_t hk = blockIdx.y, b = blockIdx.z;
     if (b == p.B) {                       /* packed rows after the last sequence */
-        zero_tail_dkdv(p, hk, WS_THREADS);
+        zero_dkdv_tail(p, hk, WS_THREADS);
         return;
     }
     const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
@@ -761,7 +750,7 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq_sm90
     const uint32_t sV = sK + 2 * QK_BYTES;
     uint32_t *sSums = (uint32_t *)(smem_raw + (sV + 2 * QV_BYTES - smem_addr(smem_raw)));
 
-    const int tid = threadIdx.x, warp = tid >> 5, wg = tid >> 7, g = (tid & 31) >> 2, t = tid & 3;
+    const int tid = threadIdx.x, wg = tid >> 7;
     const int64_t h = blockIdx.y, b = blockIdx.z;
     if (b == p.B) {
         zero_rows((elem_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], packed_end_q(&p), p.Sq, HEAD_DIM,
@@ -812,21 +801,6 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq_sm90
                                                         Lq, Lk, dq, sums);
     cp_async_wait_all();
 
-    /* dq = dQ * scale; padding rows (and rows that keep nothing) come out 0 */
-    const float scale = sc.scale;
-    elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int r = m0 + warp * 16 + g + i * 8;
-        if (r >= sq.rows)
-            continue;
-        elem_t *row = gdq + (int64_t)r * p.dq.s[1];
-#pragma unroll
-        for (int nt = 0; nt < NTK; nt++) {
-            const int d = nt * 8 + 2 * t;
-            row[d * p.dq.s[3]] = f32_to_elem(dq[0][nt][2 * i] * scale);
-            row[(d + 1) * p.dq.s[3]] = f32_to_elem(dq[0][nt][2 * i + 1] * scale);
-        }
-    }
+    store_dq(p, sq, h, m0, dq[0], sc.scale);   /* padding rows (and rows that keep nothing) come out 0 */
 }
 #endif

@@ -590,21 +590,20 @@ DEV void load_row_info(const attn_params &p, const seq_t &sq, const seq_t &sk, i
     }
 }
 
-/* Whether the dQ / dbias tile of rows m0.. x the key tile at c0 needs ds_tile's per-element
- * tests (a kernel asks while the tile's products run). */
-DEV bool ds_needs_mask(const attn_params &p, const score_ctx &sc, int m0, int c0, int Lq, int Lk)
-{
-    return tile_maybe_masked(sc, m0, min(m0 + Q_BLOCK_M, Lq), c0, min(c0 + Q_BLOCK_N, Lk))
-           || c0 + Q_BLOCK_N > Lk || m0 + Q_BLOCK_M > Lq
-           || !tile_inside_band(&p, m0, min(m0 + Q_BLOCK_M, Lq), c0, c0 + Q_BLOCK_N, Lq, Lk);
-}
-
-/* Whether a dK/dV item (keys [n0, n0 + bn) x query rows [m0, m0 + bm)) needs pt_tile's per-pair
- * tests (attn_bwd_sm90_x3.cu's; ds_needs_mask's counterpart). */
+/* Whether the tile of keys [n0, n0 + bn) x query rows [m0, m0 + bm) needs per-element tests
+ * (pt_tile's in a dK/dV item, ds_tile's in a dQ tile): a mask may cut it, or it runs past the
+ * sequence's keys or rows, or out of the causal / window band. */
 DEV bool item_needs_mask(const attn_params &p, const score_ctx &sc, int n0, int bn, int m0, int bm, int Lq, int Lk)
 {
     return tile_maybe_masked(sc, m0, min(m0 + bm, Lq), n0, min(n0 + bn, Lk)) || n0 + bn > Lk || m0 + bm > Lq
            || !tile_inside_band(&p, m0, min(m0 + bm, Lq), n0, n0 + bn, Lq, Lk);
+}
+
+/* Whether the dQ / dbias tile of rows m0.. x the key tile at c0 needs ds_tile's per-element
+ * tests (a kernel asks while the tile's products run). */
+DEV bool ds_needs_mask(const attn_params &p, const score_ctx &sc, int m0, int c0, int Lq, int Lk)
+{
+    return item_needs_mask(p, sc, c0, Q_BLOCK_N, m0, Q_BLOCK_M, Lq, Lk);
 }
 
 /* A dK/dV item's lse (log2 units; rows past Lq +inf, so that P is 0 there) and delta rows for
@@ -625,25 +624,25 @@ DEV void load_lse_delta(const attn_params &p, const seq_t &sq, int64_t h, int m0
     }
 }
 
-/* dq = dQ * scale from a warpgroup's C fragments (its warp w: rows m0 + 16 w + g (+ 8), float32
- * dq) of head h; rows past the sequence's rows are not written, padding rows come out 0 (dQ is 0
- * there). attn_bwd_sm90_x3.cu's dQ kernel. */
+/* dq = dQ * scale from the CTA's wgmma C fragments (its warp w: rows m0 + 16 w + g (+ 8)) of head
+ * h; rows past the sequence's rows are not written, padding rows come out 0 (dQ is 0 there).
+ * attn_bwd_sm90.cu's and attn_bwd_sm90_x3.cu's dQ kernels. */
 template <int NT>
-DEV void store_dq_f32(const attn_params &p, const seq_t &sq, int64_t h, int m0, const float (&dq)[NT][4], float scale)
+DEV void store_dq(const attn_params &p, const seq_t &sq, int64_t h, int m0, const float (&dq)[NT][4], float scale)
 {
-    const int warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    float *gdq = (float *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
+    const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         const int r = m0 + warp * 16 + g + i * 8;
         if (r >= sq.rows)
             continue;
-        float *row = gdq + (int64_t)r * p.dq.s[1];
+        elem_t *row = gdq + (int64_t)r * p.dq.s[1];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
             const int d = nt * 8 + 2 * t;
-            row[d * p.dq.s[3]] = dq[nt][2 * i] * scale;
-            row[(d + 1) * p.dq.s[3]] = dq[nt][2 * i + 1] * scale;
+            row[d * p.dq.s[3]] = f32_to_elem(dq[nt][2 * i] * scale);
+            row[(d + 1) * p.dq.s[3]] = f32_to_elem(dq[nt][2 * i + 1] * scale);
         }
     }
 }
