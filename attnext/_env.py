@@ -124,6 +124,9 @@ SETTINGS = {s.name: s for s in [
     Setting("ATTNEXT_BWD_F32_X3", "0 | 1", "1", LAB, CALL,
             "0 leaves float32's backward on Hopper as bfloat16 planes on wgmma (attn_bwd_sm90_x3.cu, the "
             "default where it applies: select.bwd_f32_x3) for attn_bwd.cu's split TF32"),
+    Setting("ATTNEXT_BWD_TF32_F16", "0 | 1", "1", LAB, CALL,
+            "0 leaves precision=\"tf32\"'s float32 backward on Hopper on bfloat16 planes (attn_bwd_sm90_x3.cu) "
+            "instead of float16 products of copies scaled by powers of two (select.bwd_tf32_f16)"),
     Setting("ATTNEXT_BWD_X3_KV_WARPS", "4 | 8", "select.bwd_x3_kv_warps", LAB, CALL,
             "attn_bwd_dkdv_x3's warps: one warpgroup for every product, or two (dV's and dK's)"),
     Setting("ATTNEXT_BWD_X3_DQ", "recompute | adds", "adds (D = 128)", LAB, CALL,

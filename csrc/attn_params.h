@@ -176,6 +176,9 @@ typedef struct {
      * marks its (sequence, head) in dead; the kernels that redo such heads take P = exp2((s - m)
      * c - z) there (lost_p) */
     float *row_mz;
+    /* GPU backward of float32 under precision="tf32" on float16 products (F16_SCALED): the
+     * factors attn_scale16.cu writes: the scores' scale's, dq's, dk's and dv's, powers of two */
+    const double *grad_scales;
 
     int num_threads;             /* <= 0: the OpenMP default */
 

@@ -285,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
     const int64_t h = blockIdx.y, b = blockIdx.z;
 #if DQ_ORDERED
     if (b == p.B) {                       /* the grid has this block row only where p.dq_write_last */
-        zero_rows((elem_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], packed_end_q(&p), p.Sq, HEAD_DIM,
+        zero_rows((grad_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], packed_end_q(&p), p.Sq, HEAD_DIM,
                   PRE_THREADS);
         return;
     }
@@ -373,7 +373,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_pre(const __g
     }
 #if DQ_ORDERED
     if (p.dq_write_last) {
-        elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
+        grad_t *gdq = (grad_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
         const int64_t from = max(r_base, dq_live_rows(p, sq, b, r_base)), to = min(r_base + PRE_ROWS, sq.rows);
         for (int64_t i = threadIdx.x; i < (to - from) * HEAD_DIM; i += PRE_THREADS)
             gdq[(from + i / HEAD_DIM) * p.dq.s[1] + (i % HEAD_DIM) * p.dq.s[3]] = 0;
@@ -502,9 +502,9 @@ DEV void dkdv(const attn_params &p, unsigned char *smem_raw, int bx, int64_t hk,
     if (b == p.B) {                       /* packed rows after the last sequence */
         const int64_t first = packed_end_k(&p);
         if (DO_DK)
-            zero_rows((elem_t *)p.dk.ptr + hk * p.dk.s[2], p.dk.s[1], p.dk.s[3], first, p.Sk, HEAD_DIM, KV_THREADS);
+            zero_rows((grad_t *)p.dk.ptr + hk * p.dk.s[2], p.dk.s[1], p.dk.s[3], first, p.Sk, HEAD_DIM, KV_THREADS);
         if (DO_DV)
-            zero_rows((elem_t *)p.dv.ptr + hk * p.dv.s[2], p.dv.s[1], p.dv.s[3], first, p.Sk, HEAD_DIM_V, KV_THREADS);
+            zero_rows((grad_t *)p.dv.ptr + hk * p.dv.s[2], p.dv.s[1], p.dv.s[3], first, p.Sk, HEAD_DIM_V, KV_THREADS);
         return;
     }
     const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
@@ -752,7 +752,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dkdv(
  * lanes' columns. rows: the warp's HEAD_DIM + HEAD_DIM_V floats of shared memory (q's and dO's
  * rows). Scalar, as lost_row_stats. */
 DEV void lost_row_dq(const attn_params &p, const score_ctx &sc, const seq_t &sq, const seq_t &sk, int64_t h, int r,
-                     float *rows, elem_t *gdq)
+                     float *rows, grad_t *gdq)
 {
     constexpr int COLS = (HEAD_DIM + 31) / 32;
     const int lane = threadIdx.x & 31;
@@ -801,7 +801,7 @@ DEV void lost_row_dq(const attn_params &p, const score_ctx &sc, const seq_t &sq,
 #pragma unroll
     for (int x = 0; x < COLS; x++)
         if (lane + 32 * x < HEAD_DIM)
-            gdq[(lane + 32 * x) * p.dq.s[3]] = f32_to_elem(acc[x] * sc.scale);
+            gdq[(lane + 32 * x) * p.dq.s[3]] = f32_to_grad(acc[x] * dq_mul(p));
     __syncwarp();                         /* rows is the next row's */
 }
 
@@ -842,7 +842,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_MINB) attn_bwd_dead(
         const int64_t b = v / p.Hq, h = v % p.Hq;
         const seq_t sq = seq_q(&p, b);
         const float *gl = (const float *)p.lse.ptr + sq.mem_b * p.lse.s[0] + h * p.lse.s[1] + sq.start * p.lse.s[2];
-        elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
+        grad_t *gdq = (grad_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
         for (int64_t i = threadIdx.x; i < sq.len * HEAD_DIM; i += KV_THREADS) {
             const int64_t r = i / HEAD_DIM;
             if (bwd_lse(p, h, gl[r * p.lse.s[2]]) == NEG_INF)
@@ -931,7 +931,7 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(cons
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int64_t h = blockIdx.y, b = blockIdx.z;
     if (b == p.B) {
-        zero_rows((elem_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], packed_end_q(&p), p.Sq, HEAD_DIM,
+        zero_rows((grad_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], packed_end_q(&p), p.Sq, HEAD_DIM,
                   Q_THREADS);
         return;
     }
@@ -976,22 +976,22 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(cons
     cp_async_wait_all();
 
     /* dq = dQ * scale; padding rows (and rows that keep nothing) come out 0 */
-    const float scale = sc.scale;
-    elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
+    const float scale = dq_mul(p);
+    grad_t *gdq = (grad_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
 #pragma unroll
     for (int i = 0; i < 2 * Q_MT; i++) {
         const int mt = i / 2, e0 = (i % 2) * 2;
         const int r = m0 + warp * Q_WARP_M + mt * 16 + g + (i % 2) * 8;
         if (r >= sq.rows)
             continue;
-        elem_t *row = gdq + (int64_t)r * p.dq.s[1];
+        grad_t *row = gdq + (int64_t)r * p.dq.s[1];
 #pragma unroll
         for (int nt = 0; nt < DP / 8; nt++) {
             const int d = nt * 8 + 2 * t;
             if (d < HEAD_DIM)
-                row[d * p.dq.s[3]] = f32_to_elem(dq[mt][nt][e0] * scale);
+                row[d * p.dq.s[3]] = f32_to_grad(dq[mt][nt][e0] * scale);
             if (d + 1 < HEAD_DIM)
-                row[(d + 1) * p.dq.s[3]] = f32_to_elem(dq[mt][nt][e0 + 1] * scale);
+                row[(d + 1) * p.dq.s[3]] = f32_to_grad(dq[mt][nt][e0 + 1] * scale);
         }
     }
 }
@@ -1008,18 +1008,18 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_dq_convert(co
 {
     const int64_t h = blockIdx.y, b = blockIdx.z;
     if (b == p.B) {
-        zero_rows((elem_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], packed_end_q(&p), p.Sq, HEAD_DIM,
+        zero_rows((grad_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], packed_end_q(&p), p.Sq, HEAD_DIM,
                   PRE_THREADS);
         return;
     }
     const seq_t sq = seq_q(&p, b);
-    const float scale = (float)p.scale;
+    const float scale = dq_mul(p);
     unsigned chains;
     const int64_t r_base = (int64_t)blockIdx.x * PRE_ROWS, live = dq_live_rows(p, sq, b, r_base, &chains);
-    elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
+    grad_t *gdq = (grad_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
     const float *gacc = (const float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + sq.start * p.dq_accum.s[1]
                         + h * p.dq_accum.s[2];
-    if (!ELEM_F32 && HEAD_DIM % 8 == 0 && p.dq.s[3] == 1 && p.dq.s[1] % 8 == 0 && aligned16(gdq) && p.dq_accum.s[3] == 1
+    if (!ELEM_F32 && !F16_SCALED && HEAD_DIM % 8 == 0 && p.dq.s[3] == 1 && p.dq.s[1] % 8 == 0 && aligned16(gdq) && p.dq_accum.s[3] == 1
         && p.dq_accum.s[1] % 4 == 0 && aligned16(gacc)) {
         /* 8 columns a thread: two 16-byte loads (dq_col keeps 8-column groups whole), one store */
         constexpr int C = HEAD_DIM / 8, STEPS = (PRE_ROWS * C + PRE_THREADS - 1) / PRE_THREADS;
@@ -1058,7 +1058,7 @@ extern "C" __global__ void __launch_bounds__(PRE_THREADS) attn_bwd_dq_convert(co
             for (int ch = 0; ch < DQ_CHAINS; ch++)
                 if (chains >> ch & 1)
                     f += gacc[dq_chain_offset(p, ch) + r * p.dq_accum.s[1] + dq_col(r, d) * p.dq_accum.s[3]];
-        gdq[r * p.dq.s[1] + d * p.dq.s[3]] = r < live ? f32_to_elem(f * scale) : (elem_t)0;
+        gdq[r * p.dq.s[1] + d * p.dq.s[3]] = r < live ? f32_to_grad(f * scale) : (grad_t)0;
     }
 }
 #endif

@@ -154,12 +154,39 @@ DEV int kv_items(const attn_params &p, int64_t b, int64_t hk, const seq_t &sq, c
 
 /* A warp's 16 rows from g of the mma C fragments acc (N n8 groups) times mul, rows < rows written,
  * through the warp's 2 KB of shared memory at buf: 64 columns at a time, as bf16 / f16 pairs
- * (16-byte chunks swizzled by the row: no bank conflicts either way), then out in 16-byte stores.
+ * (16-byte chunks swizzled by the row: no bank conflicts either way), then out in 16-byte stores;
+ * float32 gradients (F16_SCALED) 32 columns at a time, as float pairs.
  * g is 16-byte aligned and s_row a multiple of 8 (store_dkdv_staged checks). */
 template <int N>
-DEV void store_rows_staged(const float (&acc)[1][N][4], float mul, elem_t *g, int64_t s_row, int rows, uint32_t buf)
+DEV void store_rows_staged(const float (&acc)[1][N][4], float mul, grad_t *g, int64_t s_row, int rows, uint32_t buf)
 {
     const int lane = threadIdx.x & 31, gr = lane >> 2, t = lane & 3;
+#if F16_SCALED
+#pragma unroll
+    for (int c = 0; c < N / 4; c++) {
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int r = gr + 8 * i;
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};"
+                             ::"r"(buf + r * 128 + (((2 * j + (t >> 1)) ^ (r & 7)) << 4) + (t & 1) * 8),
+                             "f"(acc[0][4 * c + j][2 * i] * mul), "f"(acc[0][4 * c + j][2 * i + 1] * mul));
+            }
+        __syncwarp();
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int piece = lane + 32 * k, r = piece >> 3, ch = piece & 7;
+            uint4 v;
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(buf + r * 128 + ((ch ^ (r & 7)) << 4)));
+            if (r < rows)
+                *(uint4 *)(g + r * s_row + c * 32 + ch * 4) = v;
+        }
+        __syncwarp();
+    }
+    return;
+#endif
 #pragma unroll
     for (int c = 0; c < N / 8; c++) {
 #pragma unroll
@@ -195,8 +222,8 @@ template <int NK, int NV>
 DEV void store_dkdv_staged(const attn_params &p, const seq_t &sk, int64_t hk, const float (&dk)[1][NK][4],
                            const float (&dv)[1][NV][4], int n0w, uint32_t buf)
 {
-    elem_t *gk = (elem_t *)p.dk.ptr + sk.mem_b * p.dk.s[0] + (sk.start + n0w) * p.dk.s[1] + hk * p.dk.s[2];
-    elem_t *gv = (elem_t *)p.dv.ptr + sk.mem_b * p.dv.s[0] + (sk.start + n0w) * p.dv.s[1] + hk * p.dv.s[2];
+    grad_t *gk = (grad_t *)p.dk.ptr + sk.mem_b * p.dk.s[0] + (sk.start + n0w) * p.dk.s[1] + hk * p.dk.s[2];
+    grad_t *gv = (grad_t *)p.dv.ptr + sk.mem_b * p.dv.s[0] + (sk.start + n0w) * p.dv.s[1] + hk * p.dv.s[2];
     const bool vec = p.dk.s[3] == 1 && p.dv.s[3] == 1 && p.dk.s[1] % 8 == 0 && p.dv.s[1] % 8 == 0
                      && ((uint64_t)gk & 15) == 0 && ((uint64_t)gv & 15) == 0;
     if (!vec) {
@@ -204,8 +231,8 @@ DEV void store_dkdv_staged(const attn_params &p, const seq_t &sk, int64_t hk, co
         return;
     }
     const int rows = (int)min((int64_t)16, sk.rows - n0w);
-    store_rows_staged(dk, (float)p.scale, gk, p.dk.s[1], rows, buf);
-    store_rows_staged(dv, 1.f, gv, p.dv.s[1], rows, buf);
+    store_rows_staged(dk, dk_mul(p), gk, p.dk.s[1], rows, buf);
+    store_rows_staged(dv, dv_mul(p), gv, p.dv.s[1], rows, buf);
 }
 
 #if ENTRY(attn_bwd_dkdv_sm90) && !DQ_ATOMIC
@@ -376,8 +403,8 @@ static_assert(KQ_BYTES >= KV_WARPS * 2048, "a Q stage holds every consumer warp'
 DEV void store_dq_tile(const attn_params &p, const seq_t &sq, int64_t h, int m0, int rows, uint32_t st, int lane)
 {
     constexpr int C = HEAD_DIM / 8;
-    const float scale = (float)p.scale;
-    elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + (sq.start + m0) * p.dq.s[1] + h * p.dq.s[2];
+    const float scale = dq_mul(p);
+    grad_t *gdq = (grad_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + (sq.start + m0) * p.dq.s[1] + h * p.dq.s[2];
     const bool vec = p.dq.s[3] == 1 && p.dq.s[1] % 8 == 0 && ((uint64_t)gdq & 15) == 0;
 #pragma unroll 1                          /* unrolled, it cost the consumers spills (D = 128: 198 B) */
     for (int i = lane; i < rows * C; i += 32) {
@@ -388,8 +415,14 @@ DEV void store_dq_tile(const attn_params &p, const seq_t &sq, int64_t h, int m0,
                      : "=f"(f[0]), "=f"(f[1]), "=f"(f[2]), "=f"(f[3]) : "r"(src));
         asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
                      : "=f"(f[4]), "=f"(f[5]), "=f"(f[6]), "=f"(f[7]) : "r"(src + 16));
+        grad_t *row = gdq + (int64_t)r * p.dq.s[1];
+#if F16_SCALED                            /* float32 dq: the host leaves this to attn_bwd_dq_convert */
+#pragma unroll
+        for (int e = 0; e < 8; e++)
+            row[(c + e) * p.dq.s[3]] = f[e] * scale;
+        continue;
+#endif
         const uint4 w = pack8(f, scale);
-        elem_t *row = gdq + (int64_t)r * p.dq.s[1];
         if (vec) {
             *(uint4 *)(row + c) = w;
         } else {
@@ -753,7 +786,7 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq_sm90
     const int tid = threadIdx.x, wg = tid >> 7;
     const int64_t h = blockIdx.y, b = blockIdx.z;
     if (b == p.B) {
-        zero_rows((elem_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], packed_end_q(&p), p.Sq, HEAD_DIM,
+        zero_rows((grad_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], packed_end_q(&p), p.Sq, HEAD_DIM,
                   Q_THREADS);
         return;
     }
@@ -801,6 +834,6 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq_sm90
                                                         Lq, Lk, dq, sums);
     cp_async_wait_all();
 
-    store_dq(p, sq, h, m0, dq[0], sc.scale);   /* padding rows (and rows that keep nothing) come out 0 */
+    store_dq(p, sq, h, m0, dq[0], dq_mul(p));   /* padding rows (and rows that keep nothing) come out 0 */
 }
 #endif

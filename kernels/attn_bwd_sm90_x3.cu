@@ -512,6 +512,6 @@ extern "C" __global__ void __launch_bounds__(X3_THREADS, 1) attn_bwd_dq_x3(const
         mma_rs3<HEAD_DIM>(dq[0], a, sK);  /* dQ += dS K */
     }
 
-    store_dq(p, sq, h, m0, dq[0], sc.scale);   /* padding rows (and rows that keep nothing) come out 0 */
+    store_dq(p, sq, h, m0, dq[0], dq_mul(p));   /* padding rows (and rows that keep nothing) come out 0 */
 }
 #endif

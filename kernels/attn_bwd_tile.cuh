@@ -236,7 +236,7 @@ DEV float lost_p(const attn_params &p, const score_ctx &sc, const float2 *mz, in
 
 /* Rows [first, rows) x cols [0, cols) of one head of a 16-bit tensor set to 0, rows spread over
  * blockIdx.x (the packed rows after the last sequence). */
-DEV void zero_rows(elem_t *base, int64_t s_row, int64_t s_col, int64_t first, int64_t rows, int cols,
+DEV void zero_rows(grad_t *base, int64_t s_row, int64_t s_col, int64_t first, int64_t rows, int cols,
                    int threads)
 {
     for (int64_t r = first + (int64_t)blockIdx.x * PRE_ROWS; r < rows; r += (int64_t)gridDim.x * PRE_ROWS)
@@ -268,14 +268,14 @@ struct dq_cta {
 DEV void zero_dkdv_tail(const attn_params &p, int64_t hk, int threads)
 {
     const int64_t first = packed_end_k(&p);
-    zero_rows((elem_t *)p.dk.ptr + hk * p.dk.s[2], p.dk.s[1], p.dk.s[3], first, p.Sk, HEAD_DIM, threads);
-    zero_rows((elem_t *)p.dv.ptr + hk * p.dv.s[2], p.dv.s[1], p.dv.s[3], first, p.Sk, HEAD_DIM_V, threads);
+    zero_rows((grad_t *)p.dk.ptr + hk * p.dk.s[2], p.dk.s[1], p.dk.s[3], first, p.Sk, HEAD_DIM, threads);
+    zero_rows((grad_t *)p.dv.ptr + hk * p.dv.s[2], p.dv.s[1], p.dv.s[3], first, p.Sk, HEAD_DIM_V, threads);
 }
 
 DEV bool dq_cta_begin(const attn_params &p, int64_t h, int64_t b, int bm, int bn, int threads, dq_cta &c)
 {
     if (b == p.B) {
-        zero_rows((elem_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], packed_end_q(&p), p.Sq, HEAD_DIM, threads);
+        zero_rows((grad_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], packed_end_q(&p), p.Sq, HEAD_DIM, threads);
         return false;
     }
     c.sq = seq_q(&p, b);
@@ -517,26 +517,26 @@ DEV void store_dkdv(const attn_params &p, const seq_t &sk, int64_t hk, const flo
         if (c >= sk.rows)
             continue;
         if (do_dk) {
-            const float scale = (float)p.scale;
-            elem_t *row = (elem_t *)p.dk.ptr + sk.mem_b * p.dk.s[0] + (sk.start + c) * p.dk.s[1] + hk * p.dk.s[2];
+            const float scale = dk_mul(p);
+            grad_t *row = (grad_t *)p.dk.ptr + sk.mem_b * p.dk.s[0] + (sk.start + c) * p.dk.s[1] + hk * p.dk.s[2];
 #pragma unroll
             for (int nt = 0; nt < NK; nt++) {
                 const int d = nt * 8 + 2 * t;
                 if (d < HEAD_DIM)
-                    row[d * p.dk.s[3]] = f32_to_elem(dk[0][nt][i * 2] * scale);
+                    row[d * p.dk.s[3]] = f32_to_grad(dk[0][nt][i * 2] * scale);
                 if (d + 1 < HEAD_DIM)
-                    row[(d + 1) * p.dk.s[3]] = f32_to_elem(dk[0][nt][i * 2 + 1] * scale);
+                    row[(d + 1) * p.dk.s[3]] = f32_to_grad(dk[0][nt][i * 2 + 1] * scale);
             }
         }
         if (do_dv) {
-            elem_t *row = (elem_t *)p.dv.ptr + sk.mem_b * p.dv.s[0] + (sk.start + c) * p.dv.s[1] + hk * p.dv.s[2];
+            grad_t *row = (grad_t *)p.dv.ptr + sk.mem_b * p.dv.s[0] + (sk.start + c) * p.dv.s[1] + hk * p.dv.s[2];
 #pragma unroll
             for (int nt = 0; nt < NV; nt++) {
                 const int d = nt * 8 + 2 * t;
                 if (d < HEAD_DIM_V)
-                    row[d * p.dv.s[3]] = f32_to_elem(dv[0][nt][i * 2]);
+                    row[d * p.dv.s[3]] = f32_to_grad(dv[0][nt][i * 2] * dv_mul(p));
                 if (d + 1 < HEAD_DIM_V)
-                    row[(d + 1) * p.dv.s[3]] = f32_to_elem(dv[0][nt][i * 2 + 1]);
+                    row[(d + 1) * p.dv.s[3]] = f32_to_grad(dv[0][nt][i * 2 + 1] * dv_mul(p));
             }
         }
     }
@@ -631,18 +631,18 @@ template <int NT>
 DEV void store_dq(const attn_params &p, const seq_t &sq, int64_t h, int m0, const float (&dq)[NT][4], float scale)
 {
     const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    elem_t *gdq = (elem_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
+    grad_t *gdq = (grad_t *)p.dq.ptr + sq.mem_b * p.dq.s[0] + sq.start * p.dq.s[1] + h * p.dq.s[2];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         const int r = m0 + warp * 16 + g + i * 8;
         if (r >= sq.rows)
             continue;
-        elem_t *row = gdq + (int64_t)r * p.dq.s[1];
+        grad_t *row = gdq + (int64_t)r * p.dq.s[1];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
             const int d = nt * 8 + 2 * t;
-            row[d * p.dq.s[3]] = f32_to_elem(dq[nt][2 * i] * scale);
-            row[(d + 1) * p.dq.s[3]] = f32_to_elem(dq[nt][2 * i + 1] * scale);
+            row[d * p.dq.s[3]] = f32_to_grad(dq[nt][2 * i] * scale);
+            row[(d + 1) * p.dq.s[3]] = f32_to_grad(dq[nt][2 * i + 1] * scale);
         }
     }
 }

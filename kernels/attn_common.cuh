@@ -8,6 +8,10 @@
  *   ELEM_F32       1: q/k/v/out are float32, multiplied on the tensor cores in TF32 (m16n8k8):
  *                  TF32_PASSES 3 splits each operand x = hi + lo into two TF32 values and adds
  *                  lo*hi + hi*lo + hi*hi (float32 accuracy), 1 takes hi*hi alone (precision="tf32")
+ *   F16_SCALED     1 (float16 only): the backward of float32 inputs under precision="tf32" on
+ *                  float16 products: q, k, v, out and dout are float16 copies scaled by powers of
+ *                  two (attn_scale16.cu), whose factors p.grad_scales undoes: the scores' scale
+ *                  times grad_scales[0], dq, dk, dv (float32: grad_t) times [1], [2], [3]
  *   HEAD_DIM, HEAD_DIM_V      D and Dv, any value 1..256
  *   VEC_LOAD       1: every q/k/v row is 16-byte aligned and its D elements contiguous, so tiles
  *                  load with 16-byte cp.async; 0: element loads (odd strides, odd D, misaligned)
@@ -125,6 +129,17 @@ typedef float elem_t;
 #else
 typedef uint16_t elem_t;                   /* the raw 16 bits of a bfloat16 or float16 */
 #endif
+#ifndef F16_SCALED
+#define F16_SCALED 0
+#endif
+#if F16_SCALED && (ELEM_F32 || ELEM_BF16)
+#error "F16_SCALED: float16 operands"
+#endif
+#if F16_SCALED
+typedef float grad_t;                      /* dq, dk, dv: the caller's float32 arrays */
+#else
+typedef elem_t grad_t;
+#endif
 
 /* ---------------------------------------------------------------- conversions */
 DEV float bf16_to_f32(uint16_t x) { return __uint_as_float(((uint32_t)x) << 16); }
@@ -161,6 +176,22 @@ DEV elem_t f32_to_elem(float f)
     return r;
 #endif
 }
+
+DEV grad_t f32_to_grad(float f)
+{
+#if F16_SCALED
+    return f;
+#else
+    return f32_to_elem(f);
+#endif
+}
+
+/* What the backward's stores multiply dQ, dK and dV by: the scale for dq and dk, 1 for dv, under
+ * F16_SCALED each times its factor in grad_scales (attn_scale16.cu: 1 / the powers of two that
+ * scaled the operands). */
+DEV float dq_mul(const attn_params &p) { return F16_SCALED ? (float)(p.scale * p.grad_scales[1]) : (float)p.scale; }
+DEV float dk_mul(const attn_params &p) { return F16_SCALED ? (float)(p.scale * p.grad_scales[2]) : (float)p.scale; }
+DEV float dv_mul(const attn_params &p) { return F16_SCALED ? (float)p.grad_scales[3] : 1.f; }
 
 /* Two floats to one register of two 16-bit elements, lo in the low half. */
 DEV uint32_t pack2(float lo, float hi)
@@ -553,7 +584,7 @@ struct score_ctx {
 DEV score_ctx make_score_ctx(const attn_params &p, int64_t b, int64_t h, const seq_t &sq, const seq_t &sk)
 {
     score_ctx s;
-    s.scale = (float)p.scale;
+    s.scale = F16_SCALED ? (float)(p.scale * p.grad_scales[0]) : (float)p.scale;
     s.softcap = (float)p.softcap;
     s.inv_softcap = p.softcap > 0 ? (float)(1.0 / p.softcap) : 0.f;
     s.bias = 0;

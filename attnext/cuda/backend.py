@@ -36,7 +36,7 @@ from .._layout import DTYPE_CODES, SLOT, KernelCall, dtype_name
 from ..lru import LRU
 from ..mods import bounds, codegen, grad, lower, trace
 from . import arrays as _device, lengths as lengths_check, mod_cache, mod_inputs as mod_arrays, nvrtc, process
-from . import repeat, select, staging
+from . import repeat, scale16, select, staging
 from .devview import DevView
 from .staging import host_result, to_host  # noqa: F401  (api.py's: results, lengths)
 
@@ -228,6 +228,7 @@ SLOT_O_ACCUM, SLOT_LSE_ACCUM, SLOT_DELTA, SLOT_DQ_ACCUM, SLOT_DQ_SEM, SLOT_DEAD,
 SLOT_SINKS = SLOT["sinks"]        # dsinks follows it
 SLOT_COUNTERS = SLOT["counters"]
 SLOT_BLOCK_TABLE = SLOT["block_table"]
+SLOT_GRAD_SCALES = SLOT["grad_scales"]
 
 
 def _at_slots(ptrs, at):
@@ -943,11 +944,12 @@ def _dbias_buffer(stage, o, host):
     return view.broadcast_to(tuple(o.bias4.shape)), res
 
 
-def _backward_plan(o, device, views, extra, deterministic, gen=None):
+def _backward_plan(o, device, views, extra, deterministic, gen=None, scaled16=False):
     """The backward's plan for this call (made on the first call of its key). views: q4, k4, v4,
     dout4, out4, lse3, dq4, dk4, dv4, dbias4, dlse3 (the kernels' views, dbias4 None without a
     bias, dlse3 without lse's gradient);
-    gen: the generated score_mod / mask_mod or None."""
+    gen: the generated score_mod / mask_mod or None; scaled16: q4, k4, v4, dout4 and out4 are
+    float16 copies of float32 arrays (scale16.copies), dq4, dk4, dv4 float32."""
     q_rows = _query_rows(o) if o.varlen else o.Sq
     k_rows = _key_rows(o) if o.varlen else o.Sk
     q4, k4, v4, dout4 = views[:4]
@@ -955,10 +957,10 @@ def _backward_plan(o, device, views, extra, deterministic, gen=None):
            o.window_right, o.softcap_value > 0, (q4.ptr | k4.ptr | v4.ptr | dout4.ptr) % 16 == 0,
            tuple(_desc(x) for x in views), _extras_key(o, extra), bool(deterministic),
            select.knobs(select.BWD_KNOBS), None if gen is None else gen.source, o.precision,
-           o.sink_values is not None)
+           o.sink_values is not None, scaled16)
     plan = _plans.get(key)
     if plan is None:
-        plan = _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, gen)
+        plan = _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, gen, scaled16)
         _plans.put(key, plan)
     return plan
 
@@ -1000,7 +1002,8 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     # so then dq_accum starts zeroed and every turn adds; attn_bwd_dq_convert writes dq unless the
     # last turns do
     mask_mod = bool(gen is not None and gen.defines.get("HAS_MASK_MOD"))
-    write_last = select.bwd_dq_write_last(dq_mode, mask_mod, reach, x3)
+    # float32 dq (scaled16) leaves the last turns' store (16-bit) to attn_bwd_dq_convert
+    write_last = select.bwd_dq_write_last(dq_mode, mask_mod, reach, x3) and not features.get("scaled16")
     chains = select.bwd_dq_chains(dq_mode, mask_mod, write_last, _banded(o), reach, x3)
     defines = select.bwd_defines(**features, tile=tile, dq=dq_mode, mods=gen, chains=chains, presplit=presplit,
                                  key_block=64 if x3 else None)
@@ -1077,9 +1080,12 @@ def _backward_specs(ns, gen):
             + ([DTENSORS_SPEC] if ns.grads else []))
 
 
-def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, gen):
+def _new_backward_plan(o, device, views, extra, deterministic, q_rows, k_rows, gen, scaled16=False):
     q4, k4, v4, dout4, out4, lse3, dq4, dk4, dv4, dbias4, dlse3 = views
     prob, features = _common(o, device, q4, k4, v4, extra)
+    if scaled16:                # the float16 kernels over float16 copies, float32 gradients
+        features.update(dtype="float16", tf32=False, scaled16=True)
+        prob.dtype = DTYPE_CODES["float16"]
     generated = None if gen is None else gen.source
     features["vec"] = features["vec"] and _vec_ok(dout4, o.Dv)
     arch = device_arch(device)
@@ -1169,19 +1175,31 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
         dsinks = dsinks_res = None
         if sinks is not None:
             dsinks, dsinks_res = _result(stage, host, (o.Hq,), np.float32)
+        arch = device_arch(stage.device)
+        scaled16 = select.bwd_tf32_f16(arch, dtype_name(o.q.dtype), o.precision == "tf32", o.D, o.Dv,
+                                       varlen=o.varlen, seqused=o.used_q is not None or o.used_k is not None,
+                                       bias=o.bias is not None, mods=mods is not None, sinks=sinks is not None,
+                                       dlse=dlse3 is not None)
+        grad_scales = held = None
+        if scaled16:            # float16 copies scaled by powers of two (scale16.py); held until enqueued
+            (q4, k4, v4, out4, dout4), grad_scales, held = scale16.copies((q4, k4, v4, out4, dout4), o.Dv, stage, arch)
         views = (q4, k4, v4, dout4, out4, lse3, dq4, dk4, dv4, dbias, dlse3)
-        plan = _backward_plan(ko, stage.device, views, extra, deterministic, None if mods is None else mods.gen)
+        plan = _backward_plan(ko, stage.device, views, extra, deterministic, None if mods is None else mods.gen,
+                              scaled16)
         ptrs = ((q4.ptr, k4.ptr, v4.ptr, out4.ptr, lse3.ptr, None, None)
                 + tuple(None if x is None else x.ptr for x in extra)
                 + (dout4.ptr, dq4.ptr, dk4.ptr, dv4.ptr, None if dbias is None else dbias.ptr,
                    None if dlse3 is None else dlse3.ptr, None, None, None, None, None))
         ptrs = _with_sinks(ptrs, sinks, dsinks)
+        if grad_scales is not None:
+            ptrs = _at_slots(ptrs, {SLOT_GRAD_SCALES: grad_scales.ptr})
         if mods is None:
             _launch(plan, stage.device, stage.stream, ptrs, o.scale_value, o.softcap_value)
         else:
             _build_block_mask(plan, stage, ptrs, o, mods, stage.device)
             _launch(plan, stage.device, stage.stream, ptrs, o.scale_value, o.softcap_value, mods.gmods)
             o.dtensors = _finish_mods(stage, mods)
+        del held                 # freed in the stream's order, after the launches
         if host:
             for view, dst in ((dq, dq_host), (dk, dk_host), (dv, dv_host)):
                 stage.download(view, dst)

@@ -33,7 +33,7 @@ FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "
 BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_TMA", "ATTNEXT_BWD_DQ",
              "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_BWD_DQ_CHAINS", "ATTNEXT_TILE_SUMS", "ATTNEXT_BWD_F32_PRESPLIT",
              "ATTNEXT_BWD_F32_X3", "ATTNEXT_BWD_X3_KV_WARPS",
-             "ATTNEXT_BWD_X3_DQ")
+             "ATTNEXT_BWD_X3_DQ", "ATTNEXT_BWD_TF32_F16")
 
 
 def knobs(names):
@@ -340,12 +340,15 @@ def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd", dtype="bfloat16", tma=False, 
     return size * (bm * (dp + pad) + bn * (dp + pad) + bn * (dvp + pad))
 
 
-def dtype_defines(dtype, tf32=False):
+def dtype_defines(dtype, tf32=False, scaled16=False):
     """The element type's switches (attn_common.cuh): ELEM_BF16, and for float32 ELEM_F32 and
-    TF32_PASSES (3: split TF32 products, float32 accuracy; 1: precision="tf32")."""
+    TF32_PASSES (3: split TF32 products, float32 accuracy; 1: precision="tf32"); scaled16: float16
+    copies of float32 arrays, F16_SCALED (bwd_tf32_f16)."""
     d = {"ELEM_BF16": int(dtype == "bfloat16")}
     if dtype == "float32":
         d.update(ELEM_F32=1, TF32_PASSES=1 if tf32 else 3)
+    if scaled16:
+        d["F16_SCALED"] = 1
     return d
 
 
@@ -491,6 +494,22 @@ def bwd_f32_x3(arch, dtype, D, Dv, vec, passes, mods=None):
     more accurate (bench/NOTES.md, float32 backward x2). ATTNEXT_BWD_F32_X3=0 leaves it."""
     return (_env.get("ATTNEXT_BWD_F32_X3") != "0" and arch == "sm_90a" and dtype == "float32" and passes in (1, 3)
             and vec and D == Dv and D in (64, 128) and mods is None)
+
+
+def bwd_tf32_f16(arch, dtype, tf32, D, Dv, *, varlen, seqused, bias, mods, sinks, dlse):
+    """Whether precision="tf32"'s float32 backward runs on float16 products of copies scaled by
+    powers of two (cuda/scale16.py; attn_bwd_sm90.cu's float16 kernels with F16_SCALED): sm_90a
+    where those take float16 (D, Dv in {64, 128}), in dense calls without seqused (every row is
+    read, so each array's maximum is its rows'), a bias, mods, sinks or lse's gradient (gradients
+    the factors do not undo). 4-5x the bfloat16 planes' rate (bench/NOTES.md, float32 backward
+    h1). ATTNEXT_BWD_TF32_F16=0 leaves such calls on the planes (bwd_f32_x3)."""
+    return (dtype == "float32" and tf32 and bwd_sm90_applies(arch, D, Dv, True, "float16")
+            and not (varlen or seqused or bias or mods or sinks or dlse)
+            and _env.get("ATTNEXT_BWD_TF32_F16") != "0")
+
+
+# kernels/attn_scale16.cu's entries (cuda/scale16.py launches them: prefetch's specs)
+SCALE16_SPECS = [("attn_scale16", name, {}, "") for name in ("attn_scale16_max", "attn_scale16_convert")]
 
 
 def bwd_x3_kv_warps(D):
@@ -814,16 +833,17 @@ def bwd_sm90_smem_bytes(D, Dv, tile, slots=0):
 
 
 def bwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile, dq="recompute",
-                mods=None, tf32=False, tma=False, chains=1, presplit=False, key_block=None):
+                mods=None, tf32=False, tma=False, chains=1, presplit=False, key_block=None, scaled16=False):
     """The #defines of one backward variant (kernels/attn_bwd.cu: every backward kernel of it;
     attn_bwd_sm90.cu the same); dq: bwd_dq_mode's answer ("recompute" whenever the mods have
     array gradients: the dQ kernels' ds_tile scatters them, MOD_TILE_SLOTS: through shared
     memory where it has tile terms); mods: as for fwd_defines; tma: bwd_tma's answer (the
     warp-specialised dK/dV kernel's Q and dO by bulk tensor copies, BWD_TMA); chains:
     bwd_dq_chains' answer (DQ_CHAINS and the key block it counts, DQ_KEY_BLOCK, where above 1:
-    key_block, else attn_bwd_sm90.cu's); presplit: bwd_f32_presplit's (F32_PRESPLIT)."""
+    key_block, else attn_bwd_sm90.cu's); presplit: bwd_f32_presplit's (F32_PRESPLIT); scaled16:
+    bwd_tf32_f16's (F16_SCALED)."""
     d = {
-        **dtype_defines(dtype, tf32), "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
+        **dtype_defines(dtype, tf32, scaled16), "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
         "HAS_SOFTCAP": int(softcap), "HAS_BIAS": int(bias_dtype is not None),
         "BIAS_DT": DTYPE_CODES[bias_dtype or "float32"], "HAS_ALIBI": int(alibi_dtype is not None),
         "ALIBI_DT": DTYPE_CODES[alibi_dtype or "float32"], "HAS_MASK": int(mask),
@@ -913,8 +933,10 @@ def sm90_fwd_variants():
 def sm90_bwd_variants():
     """attn_bwd_sm90's variants (sm_90a only): those of sm90_fwd_variants' features, each in the
     dq modes a deterministic and a non-deterministic call choose, and attn_bwd.cu's (its row
-    kernels) in the ordered mode, which only Hopper takes; attn_bwd_sm90_x3.cu's plain ones."""
-    out = []
+    kernels) in the ordered mode, which only Hopper takes; attn_bwd_sm90_x3.cu's plain ones; the
+    float16 ones without a bias again as precision="tf32"'s float32 backward takes them (bwd_tf32_f16:
+    F16_SCALED, attn_bwd.cu's row kernels in both modes, and attn_scale16.cu)."""
+    out = [(src, d) for src, _, d, _ in SCALE16_SPECS]
     names = {v: k for k, v in DTYPE_CODES.items()}
     for _, fd in sm90_fwd_variants():
         if (fd["BLOCK_M"], fd["BLOCK_N"]) != SM90_TILE_LONG[:2]:
@@ -924,17 +946,19 @@ def sm90_bwd_variants():
             dtype="bfloat16" if fd["ELEM_BF16"] else "float16", D=D, Dv=fd["HEAD_DIM_V"], vec=True,
             softcap=bool(fd["HAS_SOFTCAP"]), bias_dtype=names[fd["BIAS_DT"]] if fd["HAS_BIAS"] else None,
             alibi_dtype=names[fd["ALIBI_DT"]] if fd["HAS_ALIBI"] else None, mask=bool(fd["HAS_MASK"]))
-        for deterministic in (True, False):
+        scaled = (False, True) if features["dtype"] == "float16" and not fd["HAS_BIAS"] else (False,)
+        for deterministic, scaled16 in itertools.product((True, False), scaled):
             mode = bwd_dq_mode(True, D, deterministic, fd["HEAD_DIM_V"])
             tile = bwd_sm90_tile(D, mode, fd["HEAD_DIM_V"])
             tma = bwd_tma(mode, tile, tile["kv_block_m"], True, tensor_maps=True)
             # the ordered mode in one chain and in DQ_CHAINS (an unbanded call's), with attn_bwd.cu's
             # row kernels (delta, dq_convert) of each
             for chains in ((1, DQ_CHAINS) if mode == "ordered" else (1,)):
-                out.append(("attn_bwd_sm90", bwd_defines(**features, tile=tile, dq=mode, tma=tma, chains=chains)))
-                if mode == "ordered":
+                out.append(("attn_bwd_sm90", bwd_defines(**features, tile=tile, dq=mode, tma=tma, chains=chains,
+                                                         scaled16=scaled16)))
+                if mode == "ordered" or scaled16:
                     out.append(("attn_bwd", bwd_defines(**features, tile=bwd_tile_config(D, fd["HEAD_DIM_V"]),
-                                                        dq=mode, chains=chains)))
+                                                        dq=mode, chains=chains, scaled16=scaled16)))
     # float32 on bfloat16 planes (bwd_f32_x3), plain, at both head dims and precisions in the dq modes a
     # deterministic and a non-deterministic call choose (ordered: in one chain and in DQ_CHAINS), with
     # attn_bwd.cu's row kernels (delta, dq_convert, dead) where dQ is added

@@ -22,8 +22,9 @@ by atomics in the dK/dV kernel where select.bwd_dq_mode takes it).
 (ATTNEXT_BWD_F32_PRESPLIT=1 / 0: by default three passes split once, one pass not), labelled
 "split" and "unsplit".
 --split-tf32: attnext's float32 backward (both precisions) again on attn_bwd.cu's split TF32
-(ATTNEXT_BWD_F32_X3=0: in place of Hopper's default there, the bfloat16 planes of
-attn_bwd_sm90_x3.cu), labelled "x3=0".
+(ATTNEXT_BWD_F32_X3=0 and ATTNEXT_BWD_TF32_F16=0: in place of Hopper's defaults there, the
+bfloat16 planes of attn_bwd_sm90_x3.cu and, for precision="tf32", the scaled float16 copies),
+labelled "x3=0".
 The backward's peers: SDPA efficient, and math in float32 (cuBLAS SGEMM: on an H200 the fastest
 float32 backward at D128) and with TF32.
 """
@@ -156,10 +157,12 @@ def _backward(name, q, k, v, causal, flops, tiles=(), atomic=False, presplit=Fal
 
         def run_split(out=out, lse=lse, precision=precision):
             _env.setenv("ATTNEXT_BWD_F32_X3", "0")
+            _env.setenv("ATTNEXT_BWD_TF32_F16", "0")
             try:
                 return attnext.attention_backward(dout, q, k, v, out, lse, causal=causal, precision=precision)[:3]
             finally:
                 _env.setenv("ATTNEXT_BWD_F32_X3", None)
+                _env.setenv("ATTNEXT_BWD_TF32_F16", None)
         impls[f"attnext{' tf32' if precision else ''} bwd x3=0"] = (run_split, False)
     for label, backend, tf32 in (("sdpa efficient bwd", SDPBackend.EFFICIENT_ATTENTION, False),
                                  ("sdpa math bwd", SDPBackend.MATH, False),

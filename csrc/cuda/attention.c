@@ -108,7 +108,7 @@ typedef struct {
     X(seqused_k, seqused_k) X(dout, dout.ptr) X(dq, dq.ptr) X(dk, dk.ptr) X(dv, dv.ptr)           \
     X(dbias, dbias.ptr) X(dlse, dlse.ptr) X(delta, delta.ptr) X(dq_accum, dq_accum.ptr)           \
     X(dq_sem, dq_sem.ptr) X(dead, dead) X(row_mz, row_mz) X(sinks, sinks) X(dsinks, dsinks) \
-    X(block_table, block_table) X(counters, counters)
+    X(block_table, block_table) X(counters, counters) X(grad_scales, grad_scales)
 #define PTR_OFFSET(name, f) offsetof(attn_params, f),
 #define PTR_NAME(name, f) #name,
 static const size_t PTR_FIELDS[] = {PTR_FIELD_LIST(PTR_OFFSET)};

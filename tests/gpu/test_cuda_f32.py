@@ -218,9 +218,11 @@ def test_atomic_dq(d, precision, how, rng, monkeypatch):
     with three passes (select.bwd_dq_mode), with a 32-row dK/dV tile at D = 64, while
     deterministic=True recomputes. GQA, partial tiles and causal rows against the reference
     (precision="tf32" to its own rule, compare_grads'). attn_bwd.cu's path, which mods take: the
-    bfloat16 planes' kernels (the plain default at these head dims) left."""
+    bfloat16 planes' kernels (the plain default at these head dims) and tf32's scaled float16
+    copies left."""
     from attnext.cuda import backend, select
     monkeypatch.setenv("ATTNEXT_BWD_F32_X3", "0")
+    monkeypatch.setenv("ATTNEXT_BWD_TF32_F16", "0")
     backend.clear_plans()
     modes = []
     bwd_defines = select.bwd_defines
@@ -283,11 +285,12 @@ def test_backward_split_once(d, precision, rng, monkeypatch):
     a rounding too many or too few in one pass; on its own tiles,
     against the reference: every option, varlen with padding, dead rows, deterministic=False's
     added dQ; and each call planned with it. attn_bwd.cu's path, which mods take: the bfloat16
-    planes' kernels (the plain default at D 64 and 128) left."""
+    planes' kernels (the plain default at D 64 and 128) and tf32's scaled float16 copies left."""
     from attnext.cuda import backend, select
     if backend.device_arch(0) != "sm_90a":
         pytest.skip("F32_PRESPLIT is sm_90a's")
     monkeypatch.setenv("ATTNEXT_BWD_F32_X3", "0")
+    monkeypatch.setenv("ATTNEXT_BWD_TF32_F16", "0")
     backend.clear_plans()
     splits = []
     bwd_defines = select.bwd_defines
@@ -465,13 +468,61 @@ def test_tf32_backward_on_two_bfloat16_planes(d, rng, monkeypatch):
     bits twice, the same kernels as at float32 accuracy; and within a quarter of the error of
     attn_bwd.cu's single-pass TF32 (ATTNEXT_BWD_F32_X3=0) on the same inputs, which two planes of
     16 bits must beat (TF32 keeps 11): from a float32-accurate forward's out and lse, whose
-    TF32 error would otherwise dominate both (lse's enters P)."""
+    TF32 error would otherwise dominate both (lse's enters P). Dense calls take the scaled float16
+    copies by default (next test): ATTNEXT_BWD_TF32_F16=0 keeps them on the planes here."""
+    monkeypatch.setenv("ATTNEXT_BWD_TF32_F16", "0")
     dq = {"attn_bwd_dq_x3"} if d == 64 else {"attn_bwd_dq_convert"}
     _, check = _planes_backward(rng, monkeypatch, {"attn_bwd_dkdv_x3"} | dq,
                                 {"attn_bwd_dq_convert", "attn_bwd_dq_x3"} - dq, precision="tf32")
     _backward_cases(rng, d, check)
     errs = _tf32_errors(rng, monkeypatch, d)
     assert errs[0] < errs[1] / 4, f"two planes {errs[0]:.3g} against single-pass TF32's {errs[1]:.3g}"
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_tf32_backward_on_scaled_float16(d, deterministic, rng, monkeypatch):
+    """precision="tf32"'s backward of dense calls on Hopper: float16 copies scaled by powers of two
+    (attn_scale16.cu) through the float16 kernels with F16_SCALED, float32 gradients: against the
+    reference at tf32's rule on long keys (causal, GQA, partial tiles), every score option but a
+    bias with a row that keeps no key (attn_bwd_dead redoes it), inputs of very different sizes
+    (1e-6 .. 3e4: the powers of two), bhsd views; deterministic (the same bits twice) and
+    not; the plans' kernels (attn_scale16, no planes); the error within twice single-pass TF32's
+    (attn_bwd.cu, ATTNEXT_BWD_F32_X3=0 and this route off) on the same inputs; and calls it
+    leaves to the planes (varlen, a bias)."""
+    from attnext.cuda import backend
+    names, check = _planes_backward(rng, monkeypatch, {"attn_scale16_max", "attn_scale16_convert"},
+                                    {"attn_bwd_dkdv_x3", "attn_bwd_dq_x3"}, deterministic=deterministic,
+                                    precision="tf32")
+    q, k, v = make_qkv(rng, 2, 131, 1100, 4, 2, d, d, F32)
+    check(q, k, v, causal=True)
+    check(q * np.float32(3e-6), k * np.float32(2e4), v * np.float32(1e-6))
+    q, k, v = make_qkv(rng, 2, 77, 150, 6, 2, d, d, F32, layout="bhsd")
+    mask = rng.random((2, 1, 77, 150)) > 0.2
+    mask[1, 0, 5] = False                 # a row that keeps no key
+    check(q, k * np.float32(300), v * np.float32(3e4), mask=mask, alibi_slopes=rng.random(6).astype(np.float32),
+          softcap=5.0, window=(40, 3), layout="bhsd")
+    # left to the planes: a bias, varlen
+    names.clear()
+    q, k, v = make_qkv(rng, 1, 64, 64, 2, 2, d, d, F32)
+    out, lse = attnext.attention(q, k, v, device="cuda", return_lse=True, precision="tf32")
+    attnext.attention_backward(out, q, k, v, out, lse, device="cuda", precision="tf32",
+                               bias=randn(rng, (2, 64, 64), np.float32))
+    assert "attn_bwd_dkdv_x3" in names and "attn_scale16_convert" not in names, names
+    # the error against single-pass TF32's on the same inputs
+    errs = []
+    q, k, v = make_qkv(rng, 2, 1000, 1000, 4, 2, d, d, F32)
+    out, lse, _, _ = _forward(q, k, v, causal=True)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    want = reference.attention_backward(dout, q, k, v, out, lse, causal=True)
+    for knobs in ({}, {"ATTNEXT_BWD_F32_X3": "0", "ATTNEXT_BWD_TF32_F16": "0"}):
+        for name, value in knobs.items():
+            monkeypatch.setenv(name, value)
+        backend.clear_plans()
+        g = attnext.attention_backward(dout, q, k, v, out, lse, device="cuda", precision="tf32", causal=True,
+                                       deterministic=deterministic)
+        errs.append(max(np.abs(a - b).max() / np.abs(b).max() for a, b in zip(g[:3], want[:3])))
+    assert errs[0] < 2 * errs[1], f"scaled float16 {errs[0]:.3g} against single-pass TF32's {errs[1]:.3g}"
 
 
 @pytest.mark.parametrize("sq, hq, d", [(1, 32, 128), (3, 8, 64), (1, 8, 256)])

@@ -291,13 +291,15 @@ for D in (64, 128):
         varlen_backward(q, k, v, qn, kn, vn, precision, tol)
 torch.cuda.synchronize()
 assert "attn_bwd_dkdv_x3" in names and "attn_bwd_dq_x3" in names and "attn_bwd_dq_convert" in names, names
+assert "attn_scale16_max" in names and "attn_scale16_convert" in names, names    # tf32's dense calls
 print("worst", worst)
 raise SystemExit(0 if worst < 1 else 1)
 '''
 
 
 # Hopper's float32 kernels: the forward (attn_fwd_sm90_f32.cu, its wgmma path asked for) and the
-# backward on bfloat16 planes (attn_bwd_sm90_x3.cu, the default)
+# backward on bfloat16 planes (attn_bwd_sm90_x3.cu, the default; precision="tf32"'s dense calls on
+# scaled float16 copies: attn_scale16.cu and the float16 kernels with F16_SCALED)
 F32_KERNELS = {"forward": (F32_CHILD, {"ATTNEXT_FWD_F32_SM90": "1"}), "backward": (PLANES_CHILD, {})}
 
 

@@ -57,7 +57,8 @@ class AttnParams(ctypes.Structure):
                    ("softcap", _F64), ("causal", _INT), ("window_left", _I64), ("window_right", _I64)]
                 + [(n, Tensor4) for n in ("dout", "dq", "dk", "dv", "dbias", "delta", "dq_accum", "dq_sem")]
                 + [("o_accum", _PTR), ("lse_accum", _PTR), ("counters", _PTR), ("num_splits", _INT), ("dq_write_last", _INT),
-                   ("dead", _PTR), ("k_rows_max", _I64), ("row_mz", _PTR), ("num_threads", _INT),
+                   ("dead", _PTR), ("k_rows_max", _I64), ("row_mz", _PTR), ("grad_scales", _PTR),
+                   ("num_threads", _INT),
                    ("mods", _PTR), ("gmods", ctypes.c_uint64 * (GMODS_BYTES // 8))])
 
 
@@ -81,5 +82,5 @@ def params_dict(p):
             continue
         out[name] = (v.ptr or 0, tuple(v.s)) if isinstance(v, Tensor4) else (v or 0 if name in (
             "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "o_accum", "lse_accum", "counters", "mods",
-            "row_mz", "sinks", "dsinks", "block_table") else v)
+            "row_mz", "grad_scales", "sinks", "dsinks", "block_table") else v)
     return out

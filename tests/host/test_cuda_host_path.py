@@ -759,8 +759,9 @@ def test_the_float32_backward_on_bfloat16_planes_plan(fake_driver):
     words for the 64-key blocks, which attn_bwd_pre zeroes; in DQ_CHAINS chains, causal too; the
     first turns store, nothing zeroes dq_accum), else as they land (attn_bwd_pre zeroes dq_accum);
     with ATTNEXT_BWD_X3_DQ=recompute, as at D = 64. precision="tf32": the same kernels on two
-    planes (TF32_PASSES 1). Every launch among the variants warmup compiles. With
-    ATTNEXT_BWD_F32_X3=0, D = 96, bfloat16 inputs or a score_mod: attn_bwd.cu's kernels."""
+    planes (TF32_PASSES 1; ATTNEXT_BWD_TF32_F16=0: dense calls take float16 copies by default, next
+    test). Every launch among the variants warmup compiles. With ATTNEXT_BWD_F32_X3=0, D = 96,
+    bfloat16 inputs or a score_mod: attn_bwd.cu's kernels."""
     run_on_fake(fake_driver, r"""
         import itertools
         _C.cuda_launch_attention = lambda fn, *rest: launch(fn, *rest[:8])     # the mods' bytes dropped
@@ -823,6 +824,84 @@ def test_the_float32_backward_on_bfloat16_planes_plan(fake_driver):
                 _env.setenv("ATTNEXT_BWD_F32_X3", None)
             for got in others:
                 assert not any(g[0].endswith("_x3") for g in got), [g[0] for g in got]
+        print("ok")
+    """, ATTNEXT_BWD_TF32_F16="0")
+
+
+def test_the_tf32_backward_on_scaled_float16_plan(fake_driver):
+    """precision="tf32"'s backward of dense float32 calls on Hopper (select.bwd_tf32_f16): first
+    attn_scale16.cu's two launches (the maxima over (CTAs, 4) arrays, the copies over (CTAs, 5)),
+    then attn_bwd_pre, attn_bwd_sm90.cu's float16 kernels and attn_bwd.cu's row kernels with
+    F16_SCALED (float16 elements), reading the
+    copies (not the caller's q, k, v, out, dout), the factors in grad_scales, writing the
+    caller's float32 dq, dk, dv (among warmup's variants up to BWD_TMA: this driver makes no tensor
+    maps), with attn_bwd_dq_convert writing dq (no last turn's store),
+    deterministic or not, causal or not, at D = 64 and 128. Left to the planes: varlen, a bias,
+    seqused, sinks, float32 accuracy, and every call with ATTNEXT_BWD_TF32_F16=0."""
+    run_on_fake(fake_driver, r"""
+        import itertools
+        _C.cuda_launch_attention = lambda fn, *rest: launch(fn, *rest[:8])     # the mods' bytes dropped
+        OTHER = []
+        _plain = _C.launch
+
+        def plain(fn, grid, block, smem, stream, params):
+            OTHER.append((FN[id(fn)][1], grid, block))
+            _plain(fn, grid, block, smem, stream, params)
+        _C.launch = plain
+        F32 = np.float32
+        SLOT = cuda_backend.SLOT_GRAD_SCALES
+        # warmup's variants, up to BWD_TMA (this driver makes no tensor maps)
+        warm = {(k, tuple(sorted((n, x) for n, x in d.items() if n != "BWD_TMA"))) for k, d in select.variants("sm_90a")}
+
+        def backward(q, k, v, deterministic=True, precision="tf32", varlen=None, **kw):
+            if varlen:
+                out, lse = attnext.varlen_attention(q, k, v, **varlen, return_lse=True, precision=precision, **kw)
+            else:
+                out, lse = attnext.attention(q, k, v, return_lse=True, precision=precision, **kw)
+            n, m = len(LAUNCHES), len(OTHER)
+            dout = dev(q.shape, q.dtype)
+            if varlen:
+                attnext.varlen_attention_backward(dout, q, k, v, out, lse, **varlen, precision=precision, **kw)
+            else:
+                attnext.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, precision=precision,
+                                           **kw)
+            return [(l[0][1], dict(l[0][2]), l[5], l[6], l[0][0]) for l in LAUNCHES[n:]], OTHER[m:], (q, k, v, out, dout)
+
+        for D in (64, 128):
+            q, k, v = dev((2, 300, 4, D), F32), dev((2, 200, 2, D), F32), dev((2, 200, 2, D), F32)
+            for det, causal in itertools.product((True, False), (True, False)):
+                got, pre, arrays = backward(q, k, v, causal=causal, deterministic=det)
+                assert [x[0] for x in pre] == ["attn_scale16_max", "attn_scale16_convert"], pre
+                assert pre[0][1][1:] == (4, 1) and pre[1][1][1:] == (5, 1) and pre[0][2] == (256, 1, 1), pre
+                names = [g[0] for g in got]
+                assert names[0] == "attn_bwd_pre" and names[-2:] == ["attn_bwd_dq_convert", "attn_bwd_dead"], names
+                assert not any(n.endswith("_x3") for n in names), names
+                for name, d, p, ptrs, kernel in got:
+                    assert (kernel, tuple(sorted(d.items()))) in warm and "BWD_TMA" not in d, (kernel, d)
+                    assert d["F16_SCALED"] == 1 and d["ELEM_BF16"] == 0 and "ELEM_F32" not in d, (name, d)
+                    assert d["HEAD_DIM"] == D and p["dq_write_last"] == 0, (name, d, p["dq_write_last"])
+                    assert ptrs[SLOT] is not None, name
+                    assert not {ptrs[i] for i in (0, 1, 2, 3, cuda_backend.SLOT["dout"])} & {a.ptr for a in arrays}
+                    assert ptrs[cuda_backend.SLOT["dq"]] is not None
+                assert "attn_bwd_dkdv_ws_sm90" in names or "attn_bwd_dkdv_sm90" in names, names
+        # left to the planes
+        D = 128
+        q, k, v = dev((2, 300, 4, D), F32), dev((2, 200, 2, D), F32), dev((2, 200, 2, D), F32)
+        cu = np.array([0, 100, 300], np.int32)
+        qv, kv, vv = dev((300, 4, D), F32), dev((300, 2, D), F32), dev((300, 2, D), F32)
+        sinks = dev((4,), F32, zero=True)
+        others = [backward(q, k, v, bias=dev((4, 300, 200), F32, zero=True)),
+                  backward(q, k, v, precision=None),
+                  backward(q, k, v, seqlens_k=np.array([150, 200], np.int32)),
+                  backward(q, k, v, sinks=sinks),
+                  backward(qv, kv, vv, varlen=dict(cu_seqlens_q=cu, cu_seqlens_k=cu))]
+        _env.setenv("ATTNEXT_BWD_TF32_F16", "0")
+        try:
+            others.append(backward(q, k, v))
+        finally:
+            _env.setenv("ATTNEXT_BWD_TF32_F16", None)
+        for got, pre, _ in others:
+            assert not pre and not any(g[1].get("F16_SCALED") for g in got), ([g[0] for g in got], pre)
         print("ok")
     """)
 

@@ -1,0 +1,69 @@
+"""precision="tf32"'s backward of float32 on float16 products (Hopper): q, k, v, out and dout
+copied into float16, each scaled by a power of two (kernels/attn_scale16.cu), then the float16
+backward kernels with F16_SCALED (kernels/attn_common.cuh), which read the factors that undo the
+scaling from the device (attn_params.grad_scales) and write float32 dq, dk and dv. No host
+synchronisation: the maxima, the factors and the copies stay on the device.
+
+float16 carries TF32's 11-bit significand; the powers of two give it float32's range for each
+array's largest elements: every element within 2^-24 of its array's largest magnitude keeps
+TF32's rounding (smaller ones round to float16's subnormals or to 0, TF32 would keep them), and the
+tops below keep what the kernels round to float16 in range: P in [0, 1], and dS = P (dP - delta)
+with |dP|, |delta| <= Dv max|dout'| max|v'| < Dv 2^(TOP_DO + TOP_V), so |dS| < 2^15 (float16's
+largest finite value is 65504). q and k take 2^8 (scores up to D 2^16 in float32), v and out 2^4,
+dout the rest of 2^15 / (2 Dv).
+"""
+import math
+
+import numpy as np
+
+from .. import _C
+from . import arrays, nvrtc, select
+from .devview import DevView
+
+# kernels/attn_scale16.cu's scale16_params
+PARAMS = np.dtype([("src", "<u8", 5), ("dst", "<u8", 5), ("shape", "<i8", (5, 4)), ("strides", "<i8", (5, 4)),
+                   ("n", "<i8", 5), ("contig", "<i4", 5), ("top", "<i4", 5), ("maxima", "<u8"),
+                   ("scales", "<u8")])
+THREADS = 256
+CTAS = 1056                    # a grid-stride loop's CTAs an array at most (8 of 256 threads on each of 132 SMs)
+TOP_QK, TOP_V = 8, 4
+ALIGN = 256
+
+
+def top_dout(Dv):
+    """dout's top: 2 Dv 2^(top + TOP_V) <= 2^15 (module docstring)."""
+    return 15 - 1 - math.ceil(math.log2(Dv)) - TOP_V
+
+
+def _contiguous(view):
+    return arrays.is_contiguous(view.shape, view.strides) and view.ptr % 16 == 0
+
+
+def copies(views, Dv, stage, arch):
+    """The float16 copies of views (q4, k4, v4, out4, dout4: float32 DevViews) as C-contiguous
+    DevViews of the same shapes, and grad_scales (4 float64) on the device, enqueued on the call's
+    stream; the last item returned holds their memory (keep it until the launches are enqueued:
+    it is freed in the stream's order)."""
+    sizes = [math.prod(v.shape) for v in views]
+    offsets, total = [], 16 + 32          # maxima (4 uint32), grad_scales (4 double)
+    for n in sizes:
+        total = -(-total // ALIGN) * ALIGN
+        offsets.append(total)
+        total += 2 * n
+    mem = arrays.empty((total,), np.uint8, stage.device, stage.stream)
+    base = mem.ptr
+    _C.memset_d8(base, 0, 16, stage.stream, stage.device)
+    out = [DevView.contiguous(base + off, v.shape, np.float16, stage.device) for v, off in zip(views, offsets)]
+    p = np.zeros((), PARAMS)
+    for t, (v, c) in enumerate(zip(views, out)):
+        p["src"][t], p["dst"][t], p["n"][t] = v.ptr, c.ptr, sizes[t]
+        p["shape"][t], p["strides"][t] = v.shape, v.strides
+        p["contig"][t] = int(_contiguous(v))
+    p["top"] = (TOP_QK, TOP_QK, TOP_V, TOP_V, top_dout(Dv))
+    p["maxima"], p["scales"] = base, base + 16
+    fns = [nvrtc.function(src, name, d, stage.device, arch, 0) for src, name, d, _ in select.SCALE16_SPECS]
+    ctas = max(1, min(CTAS, -(-max(sizes) // (4 * THREADS))))
+    _C.launch(fns[0], (ctas, 4, 1), (THREADS, 1, 1), 0, stage.stream, p.tobytes())
+    _C.launch(fns[1], (ctas, 5, 1), (THREADS, 1, 1), 0, stage.stream, p.tobytes())
+    scales = DevView.contiguous(base + 16, (4,), np.float64, stage.device)
+    return out, scales, mem
