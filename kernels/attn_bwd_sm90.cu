@@ -153,49 +153,30 @@ DEV int kv_items(const attn_params &p, int64_t b, int64_t hk, const seq_t &sq, c
 }
 
 /* A warp's 16 rows from g of the mma C fragments acc (N n8 groups) times mul, rows < rows written,
- * through the warp's 2 KB of shared memory at buf: 64 columns at a time, as bf16 / f16 pairs
- * (16-byte chunks swizzled by the row: no bank conflicts either way), then out in 16-byte stores;
- * float32 gradients (F16_SCALED) 32 columns at a time, as float pairs.
+ * through the warp's 2 KB of shared memory at buf: 128 bytes of each row at a time (64 columns as
+ * bf16 / f16 pairs, or F16_SCALED's float32 gradients 32 columns as float pairs; 16-byte chunks
+ * swizzled by the row: no bank conflicts either way), then out in 16-byte stores.
  * g is 16-byte aligned and s_row a multiple of 8 (store_dkdv_staged checks). */
 template <int N>
 DEV void store_rows_staged(const float (&acc)[1][N][4], float mul, grad_t *g, int64_t s_row, int rows, uint32_t buf)
 {
+    constexpr int COLS = 128 / sizeof(grad_t), GROUPS = COLS / 8;   /* a pass's columns, n8 groups */
     const int lane = threadIdx.x & 31, gr = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int c = 0; c < N / GROUPS; c++) {
+#pragma unroll
+        for (int j = 0; j < GROUPS; j++)
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int r = gr + 8 * i;
+                const float x = acc[0][GROUPS * c + j][2 * i] * mul, y = acc[0][GROUPS * c + j][2 * i + 1] * mul;
 #if F16_SCALED
-#pragma unroll
-    for (int c = 0; c < N / 4; c++) {
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int r = gr + 8 * i;
                 asm volatile("st.shared.v2.f32 [%0], {%1, %2};"
-                             ::"r"(buf + r * 128 + (((2 * j + (t >> 1)) ^ (r & 7)) << 4) + (t & 1) * 8),
-                             "f"(acc[0][4 * c + j][2 * i] * mul), "f"(acc[0][4 * c + j][2 * i + 1] * mul));
-            }
-        __syncwarp();
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const int piece = lane + 32 * k, r = piece >> 3, ch = piece & 7;
-            uint4 v;
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(buf + r * 128 + ((ch ^ (r & 7)) << 4)));
-            if (r < rows)
-                *(uint4 *)(g + r * s_row + c * 32 + ch * 4) = v;
-        }
-        __syncwarp();
-    }
-    return;
-#endif
-#pragma unroll
-    for (int c = 0; c < N / 8; c++) {
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int r = gr + 8 * i;
+                             ::"r"(buf + r * 128 + (((2 * j + (t >> 1)) ^ (r & 7)) << 4) + (t & 1) * 8), "f"(x), "f"(y));
+#else
                 asm volatile("st.shared.b32 [%0], %1;" ::"r"(buf + r * 128 + ((j ^ (r & 7)) << 4) + t * 4),
-                             "r"(pack2(acc[0][8 * c + j][2 * i] * mul, acc[0][8 * c + j][2 * i + 1] * mul)));
+                             "r"(pack2(x, y)));
+#endif
             }
         __syncwarp();
 #pragma unroll
@@ -205,7 +186,7 @@ DEV void store_rows_staged(const float (&acc)[1][N][4], float mul, grad_t *g, in
             asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
                          : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(buf + r * 128 + ((ch ^ (r & 7)) << 4)));
             if (r < rows)
-                *(uint4 *)(g + r * s_row + c * 64 + ch * 8) = v;
+                *(uint4 *)(g + r * s_row + c * COLS + ch * (COLS / 8)) = v;
         }
         __syncwarp();
     }
