@@ -234,8 +234,8 @@ DEV float lost_p(const attn_params &p, const score_ctx &sc, const float2 *mz, in
     return fast_exp2(fminf((x - s.x) * c - s.y, 0.f));
 }
 
-/* Rows [first, rows) x cols [0, cols) of one head of a 16-bit tensor set to 0, rows spread over
- * blockIdx.x (the packed rows after the last sequence). */
+/* Rows [first, rows) x cols [0, cols) of one head of a gradient (dq, dk or dv: grad_t) set to 0, rows
+ * spread over blockIdx.x (the packed rows after the last sequence). */
 DEV void zero_rows(grad_t *base, int64_t s_row, int64_t s_col, int64_t first, int64_t rows, int cols,
                    int threads)
 {
