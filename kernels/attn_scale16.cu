@@ -1,19 +1,21 @@
 /* The float16 operands of precision="tf32"'s backward on Hopper (attnext/cuda/scale16.py): q, k,
  * v, out and dout (float32) copied into C-contiguous float16 arrays, each scaled by a power of
- * two that takes its largest magnitude under 2^top, so that float16's 11-bit significand (TF32's)
- * holds every element whose magnitude is within 2^-24 .. 2^0 of the array's largest, and the
- * backward's float16 roundings of P and dS stay in range (scale16.py sizes the tops). out takes
- * v's factor (out is an average of v's rows).
+ * two that takes its largest finite magnitude into [2^(top - 1), 2^top), so that float16's
+ * 11-bit significand (TF32's) holds every element down to 2^-(13 + top) of it (float16's
+ * smallest normal, 2^-14), and the backward's float16 roundings of P and dS stay in range
+ * (scale16.py sizes the tops). out takes v's factor (out is an average of v's rows).
  *
- *   attn_scale16_max      grid (CTAs, 4): the bits of max |x| of q, k, v, dout into maxima[0..3]
- *                         (zeroed by the host), by red.max on the bits (a NaN's are the largest)
+ *   attn_scale16_max      grid (CTAs, 4): the bits of the largest finite |x| of q, k, v, dout into
+ *                         maxima[0..3] (zeroed by the host), by red.max on the bits. NaN and inf
+ *                         count as 0: a row that keeps no key may hold them (docs/semantics.md),
+ *                         and must not set the scale of the rows that are read
  *   attn_scale16_convert  grid (CTAs, 5): the copies, x * 2^shift rounded to float16 (to nearest
  *                         even: one rounding, exact scaling); CTA (0, 0) writes grad_scales
  *                         (attn_params.h): the scores' factor 1 / (sq sk), dq's 1 / (sdo sv sk),
  *                         dk's 1 / (sdo sv sq), dv's 1 / sdo (double: their product of three
  *                         powers of two may leave float's range)
- * shift = top - e where max = f 2^e, f in [1/2, 1); 0 for a max of 0, inf or NaN (those pass
- * through as float16 would take them); within [-126, 126] (a power of two that float holds).
+ * shift = top - e where max = f 2^e, f in [1/2, 1); 0 for a max of 0 (NaN and inf pass through as
+ * float16 takes them); within [-126, 126] (a power of two that float holds).
  *
  * No compile-time switches; parameter: the struct below, by value (scale16.PARAMS).
  */
@@ -44,7 +46,11 @@ DEV int64_t offset_of(const scale16_params &p, int t, int64_t i)
     return off;
 }
 
-DEV uint32_t abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+DEV uint32_t abs_bits(float x)             /* |x|'s bits, 0 for NaN and inf */
+{
+    const uint32_t a = __float_as_uint(x) & 0x7fffffffu;
+    return a < 0x7f800000u ? a : 0u;
+}
 
 extern "C" __global__ void __launch_bounds__(256) attn_scale16_max(const __grid_constant__ scale16_params p)
 {

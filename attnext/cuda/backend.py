@@ -1176,10 +1176,12 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
         if sinks is not None:
             dsinks, dsinks_res = _result(stage, host, (o.Hq,), np.float32)
         arch = device_arch(stage.device)
+        # (a mask_mod lowered whole, to a band or documents, leaves mods None: still a call with mods)
         scaled16 = select.bwd_tf32_f16(arch, dtype_name(o.q.dtype), o.precision == "tf32", o.D, o.Dv,
-                                       varlen=o.varlen, seqused=o.used_q is not None or o.used_k is not None,
-                                       bias=o.bias is not None, mods=mods is not None, sinks=sinks is not None,
-                                       dlse=dlse3 is not None)
+                                       varlen=o.varlen or ko.varlen,
+                                       seqused=o.used_q is not None or o.used_k is not None, bias=o.bias is not None,
+                                       mods=mods is not None or getattr(o, "mods_lowered", False),
+                                       sinks=sinks is not None, dlse=dlse3 is not None)
         grad_scales = held = None
         if scaled16:            # float16 copies scaled by powers of two (scale16.py); held until enqueued
             (q4, k4, v4, out4, dout4), grad_scales, held = scale16.copies((q4, k4, v4, out4, dout4), o.Dv, stage, arch)

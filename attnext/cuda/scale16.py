@@ -4,13 +4,15 @@ backward kernels with F16_SCALED (kernels/attn_common.cuh), which read the facto
 scaling from the device (attn_params.grad_scales) and write float32 dq, dk and dv. No host
 synchronisation: the maxima, the factors and the copies stay on the device.
 
-float16 carries TF32's 11-bit significand; the powers of two give it float32's range for each
-array's largest elements: every element within 2^-24 of its array's largest magnitude keeps
-TF32's rounding (smaller ones round to float16's subnormals or to 0, TF32 would keep them), and the
-tops below keep what the kernels round to float16 in range: P in [0, 1], and dS = P (dP - delta)
-with |dP|, |delta| <= Dv max|dout'| max|v'| < Dv 2^(TOP_DO + TOP_V), so |dS| < 2^15 (float16's
-largest finite value is 65504). q and k take 2^8 (scores up to D 2^16 in float32), v and out 2^4,
-dout the rest of 2^15 / (2 Dv).
+float16 carries TF32's 11-bit significand down to 2^-14; the powers of two give it float32's
+range for each array's largest elements: each array's largest finite magnitude lands in
+[2^(top - 1), 2^top), so every element within 2^-(13 + top) of it keeps TF32's rounding (smaller
+ones round to float16's subnormals or to 0, where TF32 would keep them; NaN and inf, which rows
+that keep no key may hold, count as 0 in the maxima), and the tops below keep what the kernels
+round to float16 in range: P in [0, 1], and dS = P (dP - delta) with |dP|, |delta| <= Dv
+max|dout'| max|v'| < Dv 2^(top_dout + TOP_V), so |dS| < 2^15 (float16's largest finite value is
+65504). q and k take 2^8 (scores up to D 2^16 in float32), v and out 2^4, dout the rest of
+2^15 / (2 Dv).
 """
 import math
 

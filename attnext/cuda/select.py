@@ -499,10 +499,11 @@ def bwd_f32_x3(arch, dtype, D, Dv, vec, passes, mods=None):
 def bwd_tf32_f16(arch, dtype, tf32, D, Dv, *, varlen, seqused, bias, mods, sinks, dlse):
     """Whether precision="tf32"'s float32 backward runs on float16 products of copies scaled by
     powers of two (cuda/scale16.py; attn_bwd_sm90.cu's float16 kernels with F16_SCALED): sm_90a
-    where those take float16 (D, Dv in {64, 128}), in dense calls without seqused (every row is
-    read, so each array's maximum is its rows'), a bias, mods, sinks or lse's gradient (gradients
-    the factors do not undo). 4-5x the bfloat16 planes' rate (bench/NOTES.md, float32 backward
-    h1). ATTNEXT_BWD_TF32_F16=0 leaves such calls on the planes (bwd_f32_x3)."""
+    where those take float16 (D, Dv in {64, 128}), in dense calls without seqused or varlen
+    lengths (whose padding rows, which the copies' maxima would read, may hold anything), a bias,
+    sinks or lse's gradient (gradients the factors do not undo), or a score_mod / mask_mod (not
+    measured there). 3.5-9x the bfloat16 planes' rate (bench/NOTES.md, float32 backward h1).
+    ATTNEXT_BWD_TF32_F16=0 leaves such calls on the planes (bwd_f32_x3)."""
     return (dtype == "float32" and tf32 and bwd_sm90_applies(arch, D, Dv, True, "float16")
             and not (varlen or seqused or bias or mods or sinks or dlse)
             and _env.get("ATTNEXT_BWD_TF32_F16") != "0")

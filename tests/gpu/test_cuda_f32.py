@@ -525,6 +525,41 @@ def test_tf32_backward_on_scaled_float16(d, deterministic, rng, monkeypatch):
     assert errs[0] < 2 * errs[1], f"scaled float16 {errs[0]:.3g} against single-pass TF32's {errs[1]:.3g}"
 
 
+@pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
+def test_tf32_scaled_float16_rows_that_keep_no_key(value, rng, monkeypatch):
+    """The scaled float16 copies' maxima count NaN and inf as 0 (attn_scale16.cu), so that planted
+    in the q and dout of rows that keep no key and in the k and v of a kv head whose rows all keep
+    nothing they move no scale: every gradient bit as with those rows' dout 0, dq 0 there, and the
+    rest against the reference at tf32's rule (docs/semantics.md's rule for such rows,
+    tests/contract/test_no_key_rows.py's, on this path)."""
+    names, _ = _planes_backward(rng, monkeypatch, (), precision="tf32")
+    q, k, v = make_qkv(rng, 2, 130, 150, 4, 2, 64, 64, F32)
+    mask = rng.random((2, 4, 130, 150)) < 0.6
+    mask[0, :, 5] = False
+    mask[1, 2:4] = False                  # kv head 1 of batch 1: no row of it keeps a key
+    out, lse, r_out, _ = _forward(q, k, v, precision="tf32", mask=mask)
+    dead = np.isneginf(lse).transpose(0, 2, 1)          # (B, S, Hq), as q's rows
+    assert dead.any() and not dead.all()
+    qp, kp, vp = q.copy(), k.copy(), v.copy()
+    qp[dead] = value
+    kp[1, ::7, 1] = value
+    vp[1, 3::5, 1] = -value
+    dout0 = rng.standard_normal(out.shape).astype(np.float32)
+    dout0[dead] = 0
+    dout = dout0.copy()
+    dout[dead] = value
+    names.clear()
+    g, g0 = (attnext.attention_backward(x, qp, kp, vp, out, lse, mask=mask, device="cuda", precision="tf32")
+             for x in (dout, dout0))
+    assert "attn_scale16_convert" in names and "attn_bwd_dkdv_x3" not in names, names
+    for name, a, b in zip(("dq", "dk", "dv"), g[:3], g0[:3]):
+        assert np.array_equal(a, b), f"{name}: changed by the dout of rows that keep no key"
+    assert (g.dq[dead] == 0).all()
+    rg = reference.attention_backward(dout0, q, k, v, out, lse, mask=mask)
+    problems = compare_grads(g0, rg, q, k, v, dout0, out, r_out, None, dict(mask=mask, precision="tf32"))
+    assert not problems, "\n".join(problems)
+
+
 @pytest.mark.parametrize("sq, hq, d", [(1, 32, 128), (3, 8, 64), (1, 8, 256)])
 def test_decode_split_kv_and_packed_heads(sq, hq, d, rng):
     q, k, v = make_qkv(rng, 1, sq, 5000, hq, 8 if hq == 32 else 2, d, d, F32)

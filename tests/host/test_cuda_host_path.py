@@ -837,7 +837,8 @@ def test_the_tf32_backward_on_scaled_float16_plan(fake_driver):
     caller's float32 dq, dk, dv (among warmup's variants up to BWD_TMA: this driver makes no tensor
     maps), with attn_bwd_dq_convert writing dq (no last turn's store),
     deterministic or not, causal or not, at D = 64 and 128. Left to the planes: varlen, a bias,
-    seqused, sinks, float32 accuracy, and every call with ATTNEXT_BWD_TF32_F16=0."""
+    seqused, sinks, a mask_mod (here one lowered whole, to a band), float32 accuracy, and every
+    call with ATTNEXT_BWD_TF32_F16=0."""
     run_on_fake(fake_driver, r"""
         import itertools
         _C.cuda_launch_attention = lambda fn, *rest: launch(fn, *rest[:8])     # the mods' bytes dropped
@@ -894,6 +895,7 @@ def test_the_tf32_backward_on_scaled_float16_plan(fake_driver):
                   backward(q, k, v, precision=None),
                   backward(q, k, v, seqlens_k=np.array([150, 200], np.int32)),
                   backward(q, k, v, sinks=sinks),
+                  backward(q, k, v, mask_mod=lambda b, h, qi, ki: qi >= ki),     # lowered to a band
                   backward(qv, kv, vv, varlen=dict(cu_seqlens_q=cu, cu_seqlens_k=cu))]
         _env.setenv("ATTNEXT_BWD_TF32_F16", "0")
         try:
