@@ -937,7 +937,7 @@ def sm90_bwd_variants():
     kernels) in the ordered mode, which only Hopper takes; attn_bwd_sm90_x3.cu's plain ones; the
     float16 ones without a bias again as precision="tf32"'s float32 backward takes them (bwd_tf32_f16:
     F16_SCALED, attn_bwd.cu's row kernels in both modes, and attn_scale16.cu)."""
-    out = [(src, d) for src, _, d, _ in SCALE16_SPECS]
+    out = [("attn_scale16", {})]          # SCALE16_SPECS' two entries: one module
     names = {v: k for k, v in DTYPE_CODES.items()}
     for _, fd in sm90_fwd_variants():
         if (fd["BLOCK_M"], fd["BLOCK_N"]) != SM90_TILE_LONG[:2]:

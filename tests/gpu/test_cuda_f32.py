@@ -359,14 +359,15 @@ def test_backward_split_once(d, precision, rng, monkeypatch):
 
 
 def _planes_backward(rng, monkeypatch, present, absent=(), deterministic=True, precision=None):
-    """For the bfloat16 planes' tests (sm_90a only: skipped elsewhere): the kernels each plan loads
+    """For the tests of Hopper's float32 backward kernels, the bfloat16 planes and tf32's scaled
+    float16 copies (sm_90a only: skipped elsewhere): the kernels each plan loads
     (names, a spy on nvrtc.function) and check(q, k, v, varlen=None, **opts), which runs the
     forward and the backward at precision (twice where deterministic: the same bits), holds the
     gradients to the reference at the precision's rule (compare_grads': float32's, or float16's
     for "tf32") and the plan's kernels to present and absent."""
     from attnext.cuda import backend
     if backend.device_arch(0) != "sm_90a":
-        pytest.skip("attn_bwd_sm90_x3 is sm_90a's")
+        pytest.skip("attn_bwd_sm90_x3 and the scaled float16 copies are sm_90a's")
     backend.clear_plans()
     names = []
     function = backend.nvrtc.function
