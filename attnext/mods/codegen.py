@@ -142,6 +142,10 @@ _INPUT_NAMES = ("score", "b", "h", "q_idx", "kv_idx", "dout")
 
 # every op the tracer can produce (trace.py's _ARITH, _COMPARE, _BITWISE, _UNARY_FLOAT, ...) and
 # the derivative's own (dmul): tests/unit/test_codegen.py checks that this covers trace's list
+# a float quotient that only these ops read is computed by the divisor's reciprocal
+# (attn_mods.cuh: mod_fdiv_tanh): the hardware's tanh takes a far coarser error than its one
+# extra rounding (a softcap score_mod's s / cap)
+_LOOSE_DIV_READERS = {"tanh"}
 SUPPORTED_OPS = frozenset(_FLOAT_OPS) | frozenset(_INT_OPS) | frozenset(_BOOL_OPS) | {"load"}
 
 
@@ -198,11 +202,14 @@ class _Renderer:
         self.small = {i for i, r in bounds.ranges(roots, _STATIC_EXTENTS).items()
                       if r is not None and _INT32[0] <= r[0] and r[1] <= _INT32[1]}
         uses = {}
+        self.readers = {}                                   # id -> the ops that read it
         for n in order:
             for a in trace._children(n):
                 uses[id(a)] = uses.get(id(a), 0) + 1
+                self.readers.setdefault(id(a), set()).add(n.op)
         for r in roots:
             uses[id(r)] = uses.get(id(r), 0) + 2          # a root is always named
+            self.readers.setdefault(id(r), set()).add(None)
         depth = {}        # how deep an inlined value's expression nests
         for n in order:
             e = self._expr_of(n)
@@ -246,6 +253,8 @@ class _Renderer:
             # instruction that reads it
             return f"fabsf((float)((int)({self.expr[id(n.args[0].args[0])]})))"
         form = (self._small_op(n) and _SMALL_INT_OPS.get(op)) or _op_format(n)
+        if op == "truediv" and n.dtype == F and self.readers.get(id(n)) == _LOOSE_DIV_READERS:
+            form = "mod_fdiv_tanh({0}, {1})"
         if form is None:
             raise TypeError(f"the GPU code generator cannot render {op!r} ({n.dtype}): "
                             f"{trace.format_expr(n)}")

@@ -216,6 +216,21 @@ def test_int64_expressions_within_int32_convert_and_compare_as_int():
     assert "const int64_t v0 = mod_load_i(" in src and "((float)(v0))" in src
 
 
+def test_a_quotient_only_tanh_reads_divides_by_the_reciprocal():
+    """s / cap inside np.tanh renders as mod_fdiv_tanh (the divisor's reciprocal alone); a
+    quotient that anything else reads, or that is the score itself, keeps mod_fdiv (exact). Each
+    function decides alone: the score's derivative may read tanh(u) where the score read u too."""
+    def score_q(fn):
+        src = codegen.generate(trace.trace_score_mod(fn)).source
+        return src[src.index("DEV float mod_score_h("):src.index("DEV float mod_score_q(")]
+    assert "fast_tanh(mod_fdiv_tanh(score, m->f[0]))" in score_q(lambda s, b, h, q, kv: 30.0 * np.tanh(s / 30.0))
+    for fn in (lambda s, b, h, q, kv: s / 30.0,
+               lambda s, b, h, q, kv: np.exp(s / 30.0),
+               lambda s, b, h, q, kv: (lambda u: np.tanh(u) + u)(s / 30.0)):
+        src = score_q(fn)
+        assert "mod_fdiv(score, m->f[0])" in src and "mod_fdiv_tanh" not in src
+
+
 def test_same_structure_other_names_binds_its_own_arrays(rng):
     """Two functions of one structure share their Generated (named after the first), but each
     call binds and reports its own arrays by position."""
