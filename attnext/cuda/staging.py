@@ -9,7 +9,8 @@ direction, allocated on first use, kept for the process and freed at exit):
 Each slot has a DMA stream of its own (per device), and a slot is written again only after the
 host has synchronised that stream: its last DMA is done. A ring is locked by one copy at a time,
 so concurrent calls never share a slot in flight. The host copies run on a small pool of threads
-(NumPy releases the GIL for large copies) in runs of at least SHARE_BYTES; arrays of at most
+(NumPy releases the GIL for large copies) in runs of at least SHARE_BYTES (a copy of one
+chunk in one run is the calling thread's: a handoff costs more than it saves); arrays of at most
 SMALL_BYTES skip the ring and go straight from or to pageable memory on the call's stream,
 through a copy in pages of their own (_private).
 
@@ -330,7 +331,11 @@ def _upload(a, ptr, device, stream, after):
                 slot = ring.take(device, size * item)
                 dst = slot.raw[:size * item].view(src.dtype)
                 futures, s0 = [], 0
-                for run in shares(size, item, threads, SHARE_BYTES):
+                runs = shares(size, item, threads, SHARE_BYTES)
+                if len(runs) == 1 and size == n:     # one chunk, one run: no thread to hand it to
+                    _pack(dst, src, e0, e0 + size)
+                    runs = []
+                for run in runs:
                     futures.append(pool.submit(_pack, dst[s0:s0 + run], src, e0 + s0, e0 + s0 + run))
                     s0 += run
                 started += futures
@@ -391,7 +396,11 @@ def _download(ptr, dtype, dst, device, stream, after):
                 slot.settle()              # its DMA is done
                 src = slot.raw[:size * item].view(src_dtype)
                 futures, s0 = [], 0
-                for run in shares(size, item, threads, SHARE_BYTES):
+                runs = shares(size, item, threads, SHARE_BYTES)
+                if len(runs) == 1 and size == n:     # one chunk, one run: no thread to hand it to
+                    _unpack(src, out, e0, e0 + size)
+                    runs = []
+                for run in runs:
                     futures.append(pool.submit(_unpack, src[s0:s0 + run], out, e0 + s0, e0 + s0 + run))
                     s0 += run
                 started += futures
