@@ -142,11 +142,12 @@ _INPUT_NAMES = ("score", "b", "h", "q_idx", "kv_idx", "dout")
 
 # every op the tracer can produce (trace.py's _ARITH, _COMPARE, _BITWISE, _UNARY_FLOAT, ...) and
 # the derivative's own (dmul): tests/unit/test_codegen.py checks that this covers trace's list
+SUPPORTED_OPS = frozenset(_FLOAT_OPS) | frozenset(_INT_OPS) | frozenset(_BOOL_OPS) | {"load"}
+
 # a float quotient that only these ops read is computed by the divisor's reciprocal
 # (attn_mods.cuh: mod_fdiv_tanh): the hardware's tanh takes a far coarser error than its one
 # extra rounding (a softcap score_mod's s / cap)
 _LOOSE_DIV_READERS = {"tanh"}
-SUPPORTED_OPS = frozenset(_FLOAT_OPS) | frozenset(_INT_OPS) | frozenset(_BOOL_OPS) | {"load"}
 
 
 def _float_literal(x):

@@ -413,12 +413,14 @@ def test_division_cuda(c, dtype, rng, torch):
     """The generated code's division (attn_mods.cuh: mod_fdiv, by a reciprocal and one FMA step)
     against the reference, forward and backward: by a captured constant (scores from 1e-30 to
     about 100), by a table's elements of either sign, and into a constant by an index; and a
-    quotient only np.tanh reads (mod_fdiv_tanh, by the reciprocal alone; 1e38 takes its scaling)."""
+    quotient only np.tanh reads (mod_fdiv_tanh, by the reciprocal alone; 1e38, 1e-38 and the
+    subnormal 3e-39 take its scaling)."""
     q, k, v = make_qkv(rng, 2, 13, S, H, 2, 64, 64, dtype)
     table = (rng.uniform(0.5, 4.0, (H, S)) * rng.choice([-1.0, 1.0], (H, S))).astype(np.float32)
     run_gpu(torch, q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s / c)
     run_gpu(torch, q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s / table[h, kv_idx] + 1.0 / (1 + kv_idx))
-    run_gpu(torch, q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: c * np.tanh(s / c) + np.tanh(s / table[h, kv_idx]))
+    run_gpu(torch, q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: c * np.tanh(s / c) + np.tanh(s / table[h, kv_idx])
+            + np.tanh(s / 1e-38) + np.tanh(s / 3e-39))
 
 
 @pytest.mark.gpu
