@@ -14,6 +14,10 @@
  *                         (attn_params.h): the scores' factor 1 / (sq sk), dq's 1 / (sdo sv sk),
  *                         dk's 1 / (sdo sv sq), dv's 1 / sdo (double: their product of three
  *                         powers of two may leave float's range)
+ *   attn_scale16_unscale  grid (CTAs, 1), the forward's last step: the float16 output of the
+ *                         float16 forward over the copies of q, k and v (src[3], C-contiguous)
+ *                         into the caller's float32 out (dst[3]: shape[3], strides[3]), times
+ *                         1 / v's power of two (out is an average of v's rows)
  * shift = top - e where max = f 2^e, f in [1/2, 1); 0 for a max of 0 (NaN and inf pass through as
  * float16 takes them); within [-126, 126] (a power of two that float holds).
  *
@@ -25,10 +29,12 @@
 #define NT 5                                /* q, k, v, out, dout */
 
 struct scale16_params {
-    uint64_t src[NT], dst[NT];              /* float32 sources, float16 C-contiguous copies */
+    uint64_t src[NT], dst[NT];              /* float32 sources, float16 C-contiguous copies (unscale:
+                                             * slot 3 the other way) */
     int64_t shape[NT][4], strides[NT][4];   /* elements */
     int64_t n[NT];
-    int32_t contig[NT];                     /* 1: the source is C-contiguous and 16-byte aligned */
+    int32_t contig[NT];                     /* 1: the source (unscale: the destination) is
+                                             * C-contiguous and 16-byte aligned */
     int32_t top[NT];
     uint64_t maxima;                        /* 4 uint32: max |x| of q, k, v, dout as bits */
     uint64_t scales;                        /* 4 double: attn_params.grad_scales */
@@ -129,5 +135,33 @@ extern "C" __global__ void __launch_bounds__(256) attn_scale16_convert(const __g
     } else {
         for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += stride)
             dst[i] = to_f16(src[offset_of(p, t, i)] * s);
+    }
+}
+
+DEV float from_f16(uint16_t h)
+{
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+extern "C" __global__ void __launch_bounds__(256) attn_scale16_unscale(const __grid_constant__ scale16_params p)
+{
+    const float s = pow2f(-shift_of(((const uint32_t *)p.maxima)[2], p.top[2]));
+    const uint16_t *src = (const uint16_t *)p.src[3];
+    float *dst = (float *)p.dst[3];
+    const int64_t n = p.n[3], stride = (int64_t)gridDim.x * blockDim.x;
+    if (p.contig[3]) {
+        const int64_t n4 = n / 4;
+        for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n4; i += stride) {
+            const uint2 w = ((const uint2 *)src)[i];
+            ((float4 *)dst)[i] = make_float4(from_f16((uint16_t)w.x) * s, from_f16((uint16_t)(w.x >> 16)) * s,
+                                             from_f16((uint16_t)w.y) * s, from_f16((uint16_t)(w.y >> 16)) * s);
+        }
+        for (int64_t i = 4 * n4 + blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += stride)
+            dst[i] = from_f16(src[i]) * s;
+    } else {
+        for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += stride)
+            dst[offset_of(p, 3, i)] = from_f16(src[i]) * s;
     }
 }

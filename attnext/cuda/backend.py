@@ -587,21 +587,23 @@ def _tma_strides(*views):
     return all(s > 0 or n == 1 for x in views for n, s in zip(x.shape[:3], x.strides[:3]))
 
 
-def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None):
+def _forward_plan(o, device, q4, k4, v4, out4, lse3, extra, gen=None, scaled16=False):
     """The forward's plan for this call (made on the first call of its key); gen: the generated
-    score_mod / mask_mod (codegen.Generated) or None."""
+    score_mod / mask_mod (codegen.Generated) or None; scaled16: q4, k4 and v4 are float16 copies of
+    float32 arrays (scale16.copies), out4 a float16 out that scale16.unscale takes further."""
     rows = _query_rows(o) if o.varlen else o.Sq
     # the template clamps each key segment to the longest (attn_params.h: max_rows_k)
     key = ("fwd", device, o.B, o.Sq, o.Sk, rows, _key_rows(o) if o.varlen else o.Sk, o.varlen,
            getattr(o, "whole_rows", None), o.causal_code, o.window_left, o.window_right, o.softcap_value > 0,
            (q4.ptr | k4.ptr | v4.ptr) % 16 == 0, _desc(q4), _desc(k4), _desc(v4), _desc(out4), _desc(lse3), _extras_key(o, extra),
            select.knobs(select.FWD_KNOBS), None if gen is None else gen.source, o.precision,
-           None if o.block_table is None else o.block_table.shape)
+           None if o.block_table is None else o.block_table.shape, scaled16)
     plan = _plans.get(key)
     if plan is None or (plan.upgrade and all(f.done() for f in plan.upgrade)):
         if plan is not None and any(f.cancelled() or f.exception() for f in plan.upgrade):
             _failed_wide.add(gen.source)
-        plan = _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgrade=plan is None)
+        plan = _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgrade=plan is None,
+                                 scaled16=scaled16)
         _plans.put(key, plan)
     return plan
 
@@ -619,13 +621,16 @@ def _banded(o):
     return o.causal_code != 0 or _windowed(o)
 
 
-def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgrade=True):
+def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgrade=True, scaled16=False):
     """The plan _forward_plan keeps. A WS forward whose score_mod has a wider tile once compiled
     (select.fwd_ws_widens) takes it when a cache holds its cubin; else the narrow tile now and,
     where upgrade allows, the wide one compiled in the background (_Plan.upgrade: the next call
     after it is done plans again and finds it; a compile that failed leaves the narrow tile, and
     is not tried again for that source: _failed_wide)."""
     prob, features = _common(o, device, q4, k4, v4, extra)
+    if scaled16:                # the float16 kernels over float16 copies (fwd_tf32_f16)
+        features.update(dtype="float16", tf32=False, scaled16=True)
+        prob.dtype = DTYPE_CODES["float16"]
     generated = None if gen is None else gen.source
     pack, splits, tma = _decode_plan(o, features, device)
     arch = device_arch(device)
@@ -755,13 +760,28 @@ def forward(o, out_host, lse_host, stage=None):
         extra = _extras(ko, stage)
         if pin:
             stage.uploads_done()
-        plan = _forward_plan(ko, stage.device, q4, k4, v4, out4, lse3, extra, None if mods is None else mods.gen)
-        ptrs = (q4.ptr, k4.ptr, v4.ptr, out4.ptr, None if lse3 is None else lse3.ptr)
+        arch = device_arch(stage.device)
+        scaled16 = select.fwd_tf32_f16(arch, dtype_name(o.q.dtype), o.precision == "tf32", o.D, o.Dv, o.Sq,
+                                       varlen=o.varlen or ko.varlen,
+                                       seqused=o.used_q is not None or o.used_k is not None,
+                                       paged=o.block_table is not None,
+                                       mods=mods is not None or getattr(o, "mods_lowered", False))
+        kernel_out4, grad_scales, held = out4, None, None
+        if scaled16:            # float16 copies scaled by powers of two (scale16.py); held until enqueued
+            (q4, k4, v4), grad_scales, scaling, held = scale16.copies((q4, k4, v4), o.Dv, stage, arch)
+            out16 = empty(out4.shape, np.float16, stage.device, stage.stream)
+            kernel_out4 = DevView.contiguous(out16.ptr, out4.shape, np.float16, stage.device)
+            held = (held, out16)
+        plan = _forward_plan(ko, stage.device, q4, k4, v4, kernel_out4, lse3, extra,
+                             None if mods is None else mods.gen, scaled16)
+        ptrs = (q4.ptr, k4.ptr, v4.ptr, kernel_out4.ptr, None if lse3 is None else lse3.ptr)
         if extra is not _NO_EXTRAS:
             ptrs += (None, None) + tuple(None if x is None else x.ptr for x in extra)
         elif plan.scratch:
             ptrs += (None, None)
         ptrs = _with_sinks(ptrs, _sinks_view(o, stage))
+        if grad_scales is not None:
+            ptrs = _at_slots(ptrs, {SLOT_GRAD_SCALES: grad_scales.ptr})
         page_checks = ()
         if isinstance(o.block_table, DevView):   # read in place, checked on the stream first
             page_checks = (lengths_check.launch_pages(stage, o.block_table, None if extra is _NO_EXTRAS else extra[6],
@@ -775,6 +795,9 @@ def forward(o, out_host, lse_host, stage=None):
             _build_block_mask(plan, stage, ptrs, o, mods, stage.device)
             _launch(plan, stage.device, stage.stream, ptrs, o.scale_value, o.softcap_value, mods.gmods)
             _finish_mods(stage, mods)
+        if scaled16:
+            scale16.unscale(scaling, kernel_out4, out4, stage, arch)
+        del held                 # freed in the stream's order, after the launches
         if host:
             stage.download(out, out_host)
             if lse_host is not None:
@@ -785,7 +808,7 @@ def forward(o, out_host, lse_host, stage=None):
         # them afresh and check them afresh); a host table or host lengths are uploaded a call
         in_place = ((extra is _NO_EXTRAS or (isinstance(o.used_k, DevView) and all(x is None for x in extra[:6])))
                     and (o.block_table is None or page_checks))
-        if own_stage and mods is None and in_place and not plan.upgrade:
+        if own_stage and mods is None and in_place and not plan.upgrade and not scaled16:
             # what a repeat of this call needs (cuda/repeat.py; api.py files it under the call's key)
             o.recipe = Recipe(plan, ptrs, stage.device, stage.stream, o.scale_value, o.softcap_value,
                               out_res is not o.out, o.out_shape, o.q.dtype,
@@ -1184,7 +1207,8 @@ def backward(o, dout, out, lse, dq_host, dk_host, dv_host, dbias_host, determini
                                        sinks=sinks is not None, dlse=dlse3 is not None)
         grad_scales = held = None
         if scaled16:            # float16 copies scaled by powers of two (scale16.py); held until enqueued
-            (q4, k4, v4, out4, dout4), grad_scales, held = scale16.copies((q4, k4, v4, out4, dout4), o.Dv, stage, arch)
+            (q4, k4, v4, out4, dout4), grad_scales, _, held = scale16.copies((q4, k4, v4, out4, dout4), o.Dv,
+                                                                              stage, arch)
         views = (q4, k4, v4, dout4, out4, lse3, dq4, dk4, dv4, dbias, dlse3)
         plan = _backward_plan(ko, stage.device, views, extra, deterministic, None if mods is None else mods.gen,
                               scaled16)

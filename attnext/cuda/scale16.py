@@ -1,7 +1,8 @@
-"""precision="tf32"'s backward of float32 on float16 products (Hopper): q, k, v, out and dout
-copied into float16, each scaled by a power of two (kernels/attn_scale16.cu), then the float16
-backward kernels with F16_SCALED (kernels/attn_common.cuh), which read the factors that undo the
-scaling from the device (attn_params.grad_scales) and write float32 dq, dk and dv. No host
+"""precision="tf32" of float32 on float16 products (Hopper): q, k, v (and the backward's out and
+dout) copied into float16, each scaled by a power of two (kernels/attn_scale16.cu), then the
+float16 kernels with F16_SCALED (kernels/attn_common.cuh), which read the factors that undo the
+scaling from the device (attn_params.grad_scales): the backward writes float32 dq, dk and dv;
+the forward writes a float16 out, which unscale() takes into the caller's float32 out. No host
 synchronisation: the maxima, the factors and the copies stay on the device.
 
 float16 carries TF32's 11-bit significand down to 2^-14; the powers of two give it float32's
@@ -42,10 +43,10 @@ def _contiguous(view):
 
 
 def copies(views, Dv, stage, arch):
-    """The float16 copies of views (q4, k4, v4, out4, dout4: float32 DevViews) as C-contiguous
-    DevViews of the same shapes, and grad_scales (4 float64) on the device, enqueued on the call's
-    stream; the last item returned holds their memory (keep it until the launches are enqueued:
-    it is freed in the stream's order)."""
+    """The float16 copies of views (q4, k4, v4, out4, dout4, or the forward's q4, k4, v4: float32
+    DevViews) as C-contiguous DevViews of the same shapes, grad_scales (4 float64) on the device
+    and the params unscale() takes, enqueued on the call's stream; the last item returned holds
+    their memory (keep it until the launches are enqueued: it is freed in the stream's order)."""
     sizes = [math.prod(v.shape) for v in views]
     offsets, total = [], 16 + 32          # maxima (4 uint32), grad_scales (4 double)
     for n in sizes:
@@ -63,9 +64,30 @@ def copies(views, Dv, stage, arch):
         p["contig"][t] = int(_contiguous(v))
     p["top"] = (TOP_QK, TOP_QK, TOP_V, TOP_V, top_dout(Dv))
     p["maxima"], p["scales"] = base, base + 16
-    fns = [nvrtc.function(src, name, d, stage.device, arch, 0) for src, name, d, _ in select.SCALE16_SPECS]
     ctas = max(1, min(CTAS, -(-max(sizes) // (4 * THREADS))))
-    _C.launch(fns[0], (ctas, 4, 1), (THREADS, 1, 1), 0, stage.stream, p.tobytes())
-    _C.launch(fns[1], (ctas, 5, 1), (THREADS, 1, 1), 0, stage.stream, p.tobytes())
+    _C.launch(_function("attn_scale16_max", stage, arch), (ctas, 4, 1), (THREADS, 1, 1), 0, stage.stream,
+              p.tobytes())
+    _C.launch(_function("attn_scale16_convert", stage, arch), (ctas, 5, 1), (THREADS, 1, 1), 0, stage.stream,
+              p.tobytes())
     scales = DevView.contiguous(base + 16, (4,), np.float64, stage.device)
-    return out, scales, mem
+    return out, scales, p, mem
+
+
+def unscale(params, out16, out4, stage, arch):
+    """The forward's float16 out16 (C-contiguous, the kernels' output over copies() of q4, k4 and
+    v4, whose params those are) into the float32 DevView out4 (any strides), times 1 / v's power
+    of two, on the call's stream."""
+    p = params.copy()
+    n = math.prod(out4.shape)
+    p["src"][3], p["dst"][3], p["n"][3] = out16.ptr, out4.ptr, n
+    p["shape"][3], p["strides"][3] = out4.shape, out4.strides
+    p["contig"][3] = int(_contiguous(out4))
+    ctas = max(1, min(CTAS, -(-n // (4 * THREADS))))
+    if n:
+        _C.launch(_function("attn_scale16_unscale", stage, arch), (ctas, 1, 1), (THREADS, 1, 1), 0,
+                  stage.stream, p.tobytes())
+
+
+def _function(name, stage, arch):
+    src, _, d, _ = next(s for s in select.SCALE16_SPECS if s[1] == name)
+    return nvrtc.function(src, name, d, stage.device, arch, 0)

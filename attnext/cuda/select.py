@@ -29,7 +29,7 @@ MAX_SMEM_SM80 = 163 * 1024
 FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "ATTNEXT_FWD_SM90",
              "ATTNEXT_TILE_SM90", "ATTNEXT_DECODE_TMA", "ATTNEXT_TILE_DECODE_TMA", "ATTNEXT_FWD_WS",
              "ATTNEXT_TILE_FWD_WS", "ATTNEXT_DECODE_COMBINE", "ATTNEXT_DEPENDENT_LAUNCH", "ATTNEXT_FWD_PERSIST",
-             "ATTNEXT_FWD_F32_SM90")
+             "ATTNEXT_FWD_F32_SM90", "ATTNEXT_FWD_TF32_F16")
 BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_TMA", "ATTNEXT_BWD_DQ",
              "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_BWD_DQ_CHAINS", "ATTNEXT_TILE_SUMS", "ATTNEXT_BWD_F32_PRESPLIT",
              "ATTNEXT_BWD_F32_X3", "ATTNEXT_BWD_X3_KV_WARPS",
@@ -343,7 +343,7 @@ def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd", dtype="bfloat16", tma=False, 
 def dtype_defines(dtype, tf32=False, scaled16=False):
     """The element type's switches (attn_common.cuh): ELEM_BF16, and for float32 ELEM_F32 and
     TF32_PASSES (3: split TF32 products, float32 accuracy; 1: precision="tf32"); scaled16: float16
-    copies of float32 arrays, F16_SCALED (bwd_tf32_f16)."""
+    copies of float32 arrays, F16_SCALED (bwd_tf32_f16, fwd_tf32_f16)."""
     d = {"ELEM_BF16": int(dtype == "bfloat16")}
     if dtype == "float32":
         d.update(ELEM_F32=1, TF32_PASSES=1 if tf32 else 3)
@@ -389,15 +389,16 @@ def entry_defines(defines, name):
 
 def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile,
                 pack_gqa=False, split_kv=False, mods=None, tf32=False, paged=False, tma=False, ws=False,
-                persist=False, sm90_f32=False):
+                persist=False, sm90_f32=False, scaled16=False):
     """The #defines of one forward variant. bias_dtype / alibi_dtype: a dtype name or None;
     tf32: float32 in single-pass TF32 (precision="tf32"); paged: k and v are a paged cache.
     tile: (BLOCK_M, BLOCK_N, NUM_WARPS[, MIN_BLOCKS: CTAs per SM the registers must allow]), or
     with tma (TMA_KV: a producer warp's bulk tensor copies) or ws (attn_fwd_sm90.cu's WS kernel)
     (BLOCK_M, BLOCK_N, NUM_WARPS, STAGES), as is sm90_f32's (attn_fwd_sm90_f32.cu; a fifth, the
     kernel lab's, its K_STAGES: K's slots, STAGES when not given); persist: the WS
-    kernel as a persistent grid (fwd_persist). mods: the generated score_mod / mask_mod
-    (codegen.Generated) or None."""
+    kernel as a persistent grid (fwd_persist); scaled16: float16 copies of float32 arrays
+    (fwd_tf32_f16: F16_SCALED). mods: the generated score_mod / mask_mod (codegen.Generated) or
+    None."""
     bm, bn, w = tile[:3]
     staged = tma or ws or sm90_f32
     return mod_defines({
@@ -407,7 +408,7 @@ def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
         **({"TMA_KV": 1} if tma else {}),
         **({"WS": 1} if ws else {}),
         **({"PERSIST": 1} if persist else {}),
-        "PACK_GQA": int(pack_gqa), "SPLIT_KV": int(split_kv), **dtype_defines(dtype, tf32),
+        "PACK_GQA": int(pack_gqa), "SPLIT_KV": int(split_kv), **dtype_defines(dtype, tf32, scaled16),
         **({"PAGED": 1} if paged else {}),
         "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
         "HAS_SOFTCAP": int(softcap), "HAS_BIAS": int(bias_dtype is not None),
@@ -509,8 +510,30 @@ def bwd_tf32_f16(arch, dtype, tf32, D, Dv, *, varlen, seqused, bias, mods, sinks
             and _env.get("ATTNEXT_BWD_TF32_F16") != "0")
 
 
+# precision="tf32"'s forward on scaled float16 copies from this many query rows: the copies read
+# and write ~10 bytes an element of q, k and v (and ~6 of out), a cost that more query rows
+# amortise; with fewer, attn_fwd.cu reads k and v once (about even at 128 rows over long keys, by
+# the H200's 4.8 TB/s and attn_fwd.cu's ~120 TFLOP/s of TF32)
+SCALED16_FWD_ROWS = 256
+
+
+def fwd_tf32_f16(arch, dtype, tf32, D, Dv, rows, *, varlen, seqused, paged, mods):
+    """Whether precision="tf32"'s float32 forward runs the float16 kernels (attn_fwd_sm90.cu's,
+    the WS one where fwd_ws takes it) over float16 copies scaled by powers of two (cuda/scale16.py:
+    q, k and v; the kernels with F16_SCALED write a float16 out, which scale16.unscale takes into
+    the float32 out): sm_90a, D = Dv in {64, 128}, at least SCALED16_FWD_ROWS query rows, in dense
+    calls (varlen or seqused lengths leave rows the copies' maxima would read; a paged cache is
+    not copied) without a score_mod / mask_mod (kept on attn_fwd.cu, as the backward keeps them
+    on the planes). ATTNEXT_FWD_TF32_F16=1 takes it; off by default until it has run on a GPU
+    (attn_fwd.cu's single-pass TF32 otherwise)."""
+    return (dtype == "float32" and tf32 and arch == "sm_90a" and D == Dv and D in (64, 128)
+            and rows >= SCALED16_FWD_ROWS and not (varlen or seqused or paged or mods)
+            and _env.get("ATTNEXT_FWD_TF32_F16") == "1")
+
+
 # kernels/attn_scale16.cu's entries (cuda/scale16.py launches them: prefetch's specs)
-SCALE16_SPECS = [("attn_scale16", name, {}, "") for name in ("attn_scale16_max", "attn_scale16_convert")]
+SCALE16_SPECS = [("attn_scale16", name, {}, "")
+                 for name in ("attn_scale16_max", "attn_scale16_convert", "attn_scale16_unscale")]
 
 
 def bwd_x3_kv_warps(D):

@@ -526,6 +526,69 @@ def test_tf32_backward_on_scaled_float16(d, deterministic, rng, monkeypatch):
     assert errs[0] < 2 * errs[1], f"scaled float16 {errs[0]:.3g} against single-pass TF32's {errs[1]:.3g}"
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_tf32_forward_on_scaled_float16(d, rng, monkeypatch):
+    """precision="tf32"'s forward of dense calls on Hopper with ATTNEXT_FWD_TF32_F16=1 (off by
+    default until this has run on a GPU): float16 copies of q, k, v scaled by powers of two
+    (attn_scale16.cu), the float16 kernels with F16_SCALED, out back to float32
+    (attn_scale16_unscale): out and lse against the reference at tf32's rule (float16's) on the
+    WS tile's rows (1100: causal, GQA, partial tiles) and the short rows' tiles (300), inputs of
+    very different sizes (3e-6 .. 2e4), every score option with a row that keeps no key (out 0,
+    lse -inf), bhsd (out written through its strides); the plans' kernels; the error within twice
+    attn_fwd.cu's single-pass TF32 (the knob off) on the same inputs; and varlen left on
+    attn_fwd.cu."""
+    from attnext.cuda import backend
+    if backend.device_arch(0) != "sm_90a":
+        pytest.skip("the scaled float16 copies are sm_90a's")
+    monkeypatch.setenv("ATTNEXT_FWD_TF32_F16", "1")
+    backend.clear_plans()
+    names = []
+    function = backend.nvrtc.function
+
+    def spy(kernel, name, *rest, **kw):
+        names.append(name)
+        return function(kernel, name, *rest, **kw)
+    monkeypatch.setattr(backend.nvrtc, "function", spy)
+    scaled = {"attn_scale16_max", "attn_scale16_convert", "attn_scale16_unscale"}
+
+    def check(q, k, v, **opts):
+        names.clear()
+        out, lse, r_out, r_lse = _forward(q, k, v, precision="tf32", **opts)
+        assert_close("out (tf32, scaled float16)", out, r_out, F16)
+        assert_close("lse (tf32, scaled float16)", lse, r_lse, F16)
+        assert scaled <= set(names), names
+        return out, lse
+
+    for rows in (1100, 300):
+        q, k, v = make_qkv(rng, 2, rows, 1100, 4, 2, d, d, F32)
+        check(q, k, v, causal=True)
+        check(q * np.float32(3e-6), k * np.float32(2e4), v * np.float32(1e-6))
+    q, k, v = make_qkv(rng, 2, 300, 400, 6, 2, d, d, F32, layout="bhsd")
+    mask = rng.random((2, 1, 300, 400)) > 0.2
+    mask[1, 0, 5] = False                 # a row that keeps no key
+    out, lse = check(q, k * np.float32(300), v * np.float32(3e4), mask=mask,
+                     alibi_slopes=rng.random(6).astype(np.float32), bias=randn(rng, (6, 1, 400), np.float32),
+                     softcap=5.0, window=(40, 3), layout="bhsd")
+    assert (out[1, :, 5] == 0).all() and np.isneginf(lse[1, :, 5]).all()
+    # left on attn_fwd.cu: varlen
+    cu = np.array([0, 400, 700], np.int32)
+    q, k, v = make_varlen_qkv(rng, 700, 700, 4, 2, d, d, F32)
+    names.clear()
+    _forward(q, k, v, varlen=dict(cu_seqlens_q=cu, cu_seqlens_k=cu), precision="tf32")
+    assert not scaled & set(names), names
+    # the error against single-pass TF32's on the same inputs
+    q, k, v = make_qkv(rng, 2, 1000, 1000, 4, 2, d, d, F32)
+    errs = []
+    for knob in ("1", "0"):
+        monkeypatch.setenv("ATTNEXT_FWD_TF32_F16", knob)
+        backend.clear_plans()
+        names.clear()
+        out, _, r_out, _ = _forward(q, k, v, precision="tf32", causal=True)
+        assert (scaled <= set(names)) == (knob == "1"), names
+        errs.append(np.abs(out - r_out).max() / np.abs(r_out).max())
+    assert errs[0] < 2 * errs[1], f"scaled float16 {errs[0]:.3g} against single-pass TF32's {errs[1]:.3g}"
+
+
 @pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
 def test_tf32_scaled_float16_rows_that_keep_no_key(value, rng, monkeypatch):
     """The scaled float16 copies' maxima count NaN and inf as 0 (attn_scale16.cu), so that planted

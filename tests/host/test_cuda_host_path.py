@@ -908,6 +908,90 @@ def test_the_tf32_backward_on_scaled_float16_plan(fake_driver):
     """)
 
 
+def test_the_tf32_forward_on_scaled_float16_plan(fake_driver):
+    """precision="tf32"'s forward of dense float32 calls on Hopper with ATTNEXT_FWD_TF32_F16=1
+    (select.fwd_tf32_f16): attn_scale16.cu's maxima over (CTAs, 4) arrays and copies over (CTAs, 5)
+    (q, k and v; out's and dout's slots empty), one attn_fwd_sm90.cu launch with F16_SCALED
+    (float16 elements) reading the copies and the factors in grad_scales, writing a float16 out of
+    its own and the caller's lse, then attn_scale16_unscale from that out into the caller's out
+    (its strides: bhsd too); causal or not, D = 64 and 128, with out= or not. Left on attn_fwd.cu's
+    single-pass TF32: varlen, seqused, a mask_mod (lowered whole, to a band), D != Dv, fewer than
+    SCALED16_FWD_ROWS query rows, and every call without the knob. Repeated calls do not replay
+    (the copies are made afresh)."""
+    run_on_fake(fake_driver, r"""
+        from attnext.cuda import scale16
+        _C.cuda_launch_attention = lambda fn, *rest: launch(fn, *rest[:8])     # the mods' bytes dropped
+        OTHER = []
+        _plain = _C.launch
+
+        def plain(fn, grid, block, smem, stream, params):
+            OTHER.append((FN[id(fn)][1], grid, block, np.frombuffer(bytes(params), scale16.PARAMS)[0]))
+            _plain(fn, grid, block, smem, stream, params)
+        _C.launch = plain
+        F32 = np.float32
+        SLOT = cuda_backend.SLOT_GRAD_SCALES
+
+        def forward(q, k, v, varlen=None, **kw):
+            n, m = len(LAUNCHES), len(OTHER)
+            if varlen:
+                res = attnext.varlen_attention(q, k, v, **varlen, return_lse=True, precision="tf32", **kw)
+            else:
+                res = attnext.attention(q, k, v, return_lse=True, precision="tf32", **kw)
+            return [(l[0][1], dict(l[0][2]), l[6]) for l in LAUNCHES[n:]], OTHER[m:], res
+
+        for D in (64, 128):
+            q, k, v = dev((2, 300, 4, D), F32), dev((2, 200, 2, D), F32), dev((2, 200, 2, D), F32)
+            for causal, layout in ((False, "bshd"), (True, "bshd"), (True, "bhsd")):
+                if layout == "bhsd":
+                    qh, kh, vh = dev((2, 4, 300, D), F32), dev((2, 2, 200, D), F32), dev((2, 2, 200, D), F32)
+                    given = dev((2, 4, 300, D), F32)
+                    got, pre, (out, lse) = forward(qh, kh, vh, causal=causal, layout="bhsd", out=given)
+                    assert out is given
+                    inputs = (qh, kh, vh)
+                else:
+                    got, pre, (out, lse) = forward(q, k, v, causal=causal)
+                    inputs = (q, k, v)
+                assert [x[0] for x in pre] == ["attn_scale16_max", "attn_scale16_convert", "attn_scale16_unscale"], pre
+                assert [x[1][1:] for x in pre] == [(4, 1), (5, 1), (1, 1)], pre
+                assert list(pre[0][3]["n"][3:]) == [0, 0], pre[0][3]["n"]
+                (name, d, ptrs), = got
+                assert name.startswith("attn_fwd") and d["F16_SCALED"] == 1 and d["ELEM_BF16"] == 0, (name, d)
+                assert "ELEM_F32" not in d and d["HEAD_DIM"] == D, d
+                assert ptrs[SLOT] is not None and ptrs[SLOT] == pre[0][3]["scales"], (ptrs[SLOT], pre[0][3])
+                copies = [int(pre[1][3]["dst"][t]) for t in range(3)]
+                assert list(ptrs[:3]) == copies and not set(copies) & {a.ptr for a in inputs}, (ptrs[:3], copies)
+                assert ptrs[4] == lse.ptr and ptrs[3] != out.ptr, ptrs
+                un = pre[2][3]
+                assert (un["src"][3], un["dst"][3]) == (ptrs[3], out.ptr), un
+                assert un["n"][3] == out.size and un["maxima"] == pre[0][3]["maxima"], un
+                want = (4 * 300 * D, D, 300 * D, 1) if layout == "bhsd" else (300 * 4 * D, 4 * D, D, 1)
+                assert tuple(un["shape"][3]) == (2, 300, 4, D) and tuple(un["strides"][3]) == want, un
+                assert un["contig"][3] == (layout == "bshd"), un
+                got2, pre2, _ = forward(*inputs, causal=causal, **({"layout": "bhsd", "out": given}
+                                                                   if layout == "bhsd" else {}))
+                assert [x[0] for x in pre2] == [x[0] for x in pre], pre2      # not replayed: copies again
+        # left on attn_fwd.cu
+        D = 128
+        q, k, v = dev((2, 300, 4, D), F32), dev((2, 200, 2, D), F32), dev((2, 200, 2, D), F32)
+        cu = np.array([0, 100, 300], np.int32)
+        qv, kv, vv = dev((300, 4, D), F32), dev((300, 2, D), F32), dev((300, 2, D), F32)
+        others = [forward(q, k, v, seqlens_k=np.array([150, 200], np.int32)),
+                  forward(q, k, v, mask_mod=lambda b, h, qi, ki: qi >= ki),       # lowered to a band
+                  forward(q, k, dev((2, 200, 2, 64), F32)),
+                  forward(dev((2, select.SCALED16_FWD_ROWS - 1, 4, D), F32), k, v),
+                  forward(qv, kv, vv, varlen=dict(cu_seqlens_q=cu, cu_seqlens_k=cu))]
+        _env.setenv("ATTNEXT_FWD_TF32_F16", "0")
+        try:
+            others.append(forward(q, k, v))
+        finally:
+            _env.setenv("ATTNEXT_FWD_TF32_F16", "1")
+        for got, pre, _ in others:
+            assert not pre and not any(g[1].get("F16_SCALED") for g in got), ([g[0] for g in got], pre)
+            assert all(g[1].get("ELEM_F32") == 1 and g[1].get("TF32_PASSES") == 1 for g in got), got
+        print("ok")
+    """, ATTNEXT_FWD_TF32_F16="1")
+
+
 def test_the_float32_forward_on_hopper_plan(fake_driver):
     """Hopper's float32 forward at D = Dv in {64, 128} at float32 accuracy (select.fwd_f32_sm90):
     attn_fwd_sm90_f32.cu's entry over 64-row query tiles of each head and batch, 384 threads (two
