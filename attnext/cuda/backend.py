@@ -765,13 +765,17 @@ def forward(o, out_host, lse_host, stage=None):
                                        varlen=o.varlen or ko.varlen,
                                        seqused=o.used_q is not None or o.used_k is not None,
                                        paged=o.block_table is not None,
-                                       mods=mods is not None or getattr(o, "mods_lowered", False))
+                                       mods=mods is not None or getattr(o, "mods_lowered", False),
+                                       broadcast=any(s == 0 and n > 1 for x in (q4, k4, v4)
+                                                     for s, n in zip(x.strides, x.shape)))
         kernel_out4, grad_scales, held = out4, None, None
         if scaled16:            # float16 copies scaled by powers of two (scale16.py); held until enqueued
             (q4, k4, v4), grad_scales, scaling, held = scale16.copies((q4, k4, v4), o.Dv, stage, arch)
             out16 = empty(out4.shape, np.float16, stage.device, stage.stream)
             kernel_out4 = DevView.contiguous(out16.ptr, out4.shape, np.float16, stage.device)
             held = (held, out16)
+            ko = copy.copy(ko)  # the plan reads the copies' strides (tensor maps, the persistent grid)
+            ko.q4, ko.k4, ko.v4 = q4, k4, v4
         plan = _forward_plan(ko, stage.device, q4, k4, v4, kernel_out4, lse3, extra,
                              None if mods is None else mods.gen, scaled16)
         ptrs = (q4.ptr, k4.ptr, v4.ptr, kernel_out4.ptr, None if lse3 is None else lse3.ptr)

@@ -65,10 +65,11 @@ def copies(views, Dv, stage, arch):
     p["top"] = (TOP_QK, TOP_QK, TOP_V, TOP_V, top_dout(Dv))
     p["maxima"], p["scales"] = base, base + 16
     ctas = max(1, min(CTAS, -(-max(sizes) // (4 * THREADS))))
-    _C.launch(_function("attn_scale16_max", stage, arch), (ctas, 4, 1), (THREADS, 1, 1), 0, stage.stream,
-              p.tobytes())
-    _C.launch(_function("attn_scale16_convert", stage, arch), (ctas, 5, 1), (THREADS, 1, 1), 0, stage.stream,
-              p.tobytes())
+    # the maxima of q, k, v and dout (grid y 3: dout's), the copies of each view
+    _C.launch(_function("attn_scale16_max", stage, arch), (ctas, min(len(views), 4), 1), (THREADS, 1, 1), 0,
+              stage.stream, p.tobytes())
+    _C.launch(_function("attn_scale16_convert", stage, arch), (ctas, len(views), 1), (THREADS, 1, 1), 0,
+              stage.stream, p.tobytes())
     scales = DevView.contiguous(base + 16, (4,), np.float64, stage.device)
     return out, scales, p, mem
 

@@ -517,17 +517,18 @@ def bwd_tf32_f16(arch, dtype, tf32, D, Dv, *, varlen, seqused, bias, mods, sinks
 SCALED16_FWD_ROWS = 256
 
 
-def fwd_tf32_f16(arch, dtype, tf32, D, Dv, rows, *, varlen, seqused, paged, mods):
+def fwd_tf32_f16(arch, dtype, tf32, D, Dv, rows, *, varlen, seqused, paged, mods, broadcast):
     """Whether precision="tf32"'s float32 forward runs the float16 kernels (attn_fwd_sm90.cu's,
     the WS one where fwd_ws takes it) over float16 copies scaled by powers of two (cuda/scale16.py:
     q, k and v; the kernels with F16_SCALED write a float16 out, which scale16.unscale takes into
     the float32 out): sm_90a, D = Dv in {64, 128}, at least SCALED16_FWD_ROWS query rows, in dense
     calls (varlen or seqused lengths leave rows the copies' maxima would read; a paged cache is
     not copied) without a score_mod / mask_mod (kept on attn_fwd.cu, as the backward keeps them
-    on the planes). ATTNEXT_FWD_TF32_F16=1 takes it; off by default until it has run on a GPU
-    (attn_fwd.cu's single-pass TF32 otherwise)."""
+    on the planes) and without a broadcast q, k or v (a zero stride: the copies would repeat it).
+    ATTNEXT_FWD_TF32_F16=1 takes it; off by default until it has run on a GPU (attn_fwd.cu's
+    single-pass TF32 otherwise)."""
     return (dtype == "float32" and tf32 and arch == "sm_90a" and D == Dv and D in (64, 128)
-            and rows >= SCALED16_FWD_ROWS and not (varlen or seqused or paged or mods)
+            and rows >= SCALED16_FWD_ROWS and not (varlen or seqused or paged or mods or broadcast)
             and _env.get("ATTNEXT_FWD_TF32_F16") == "1")
 
 
@@ -960,7 +961,7 @@ def sm90_bwd_variants():
     kernels) in the ordered mode, which only Hopper takes; attn_bwd_sm90_x3.cu's plain ones; the
     float16 ones without a bias again as precision="tf32"'s float32 backward takes them (bwd_tf32_f16:
     F16_SCALED, attn_bwd.cu's row kernels in both modes, and attn_scale16.cu)."""
-    out = [("attn_scale16", {})]          # SCALE16_SPECS' two entries: one module
+    out = [("attn_scale16", {})]          # SCALE16_SPECS' entries: one module
     names = {v: k for k, v in DTYPE_CODES.items()}
     for _, fd in sm90_fwd_variants():
         if (fd["BLOCK_M"], fd["BLOCK_N"]) != SM90_TILE_LONG[:2]:

@@ -532,7 +532,8 @@ def test_tf32_forward_on_scaled_float16(d, rng, monkeypatch):
     default until this has run on a GPU): float16 copies of q, k, v scaled by powers of two
     (attn_scale16.cu), the float16 kernels with F16_SCALED, out back to float32
     (attn_scale16_unscale): out and lse against the reference at tf32's rule (float16's) on the
-    WS tile's rows (1100: causal, GQA, partial tiles) and the short rows' tiles (300), inputs of
+    WS tile's rows (1100: causal, GQA, partial tiles), the short rows' tiles (300) and split keys
+    (256 rows over 4096 keys: attn_fwd.cu's split kernel and attn_fwd_combine), inputs of
     very different sizes (3e-6 .. 2e4), every score option with a row that keeps no key (out 0,
     lse -inf), bhsd (out written through its strides); the plans' kernels; the error within twice
     attn_fwd.cu's single-pass TF32 (the knob off) on the same inputs; and varlen left on
@@ -563,6 +564,7 @@ def test_tf32_forward_on_scaled_float16(d, rng, monkeypatch):
         q, k, v = make_qkv(rng, 2, rows, 1100, 4, 2, d, d, F32)
         check(q, k, v, causal=True)
         check(q * np.float32(3e-6), k * np.float32(2e4), v * np.float32(1e-6))
+    check(*make_qkv(rng, 1, 256, 4096, 8, 2, d, d, F32))     # few query tiles: split keys and their combine
     q, k, v = make_qkv(rng, 2, 300, 400, 6, 2, d, d, F32, layout="bhsd")
     mask = rng.random((2, 1, 300, 400)) > 0.2
     mask[1, 0, 5] = False                 # a row that keeps no key

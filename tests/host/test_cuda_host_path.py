@@ -910,14 +910,14 @@ def test_the_tf32_backward_on_scaled_float16_plan(fake_driver):
 
 def test_the_tf32_forward_on_scaled_float16_plan(fake_driver):
     """precision="tf32"'s forward of dense float32 calls on Hopper with ATTNEXT_FWD_TF32_F16=1
-    (select.fwd_tf32_f16): attn_scale16.cu's maxima over (CTAs, 4) arrays and copies over (CTAs, 5)
-    (q, k and v; out's and dout's slots empty), one attn_fwd_sm90.cu launch with F16_SCALED
+    (select.fwd_tf32_f16): attn_scale16.cu's maxima and copies of q, k and v over (CTAs, 3) (out's
+    and dout's slots empty), one attn_fwd_sm90.cu launch with F16_SCALED
     (float16 elements) reading the copies and the factors in grad_scales, writing a float16 out of
     its own and the caller's lse, then attn_scale16_unscale from that out into the caller's out
     (its strides: bhsd too); causal or not, D = 64 and 128, with out= or not. Left on attn_fwd.cu's
     single-pass TF32: varlen, seqused, a mask_mod (lowered whole, to a band), D != Dv, fewer than
-    SCALED16_FWD_ROWS query rows, and every call without the knob. Repeated calls do not replay
-    (the copies are made afresh)."""
+    SCALED16_FWD_ROWS query rows, a batch-broadcast k (stride 0), and every call without the knob.
+    Repeated calls do not replay (the copies are made afresh)."""
     run_on_fake(fake_driver, r"""
         from attnext.cuda import scale16
         _C.cuda_launch_attention = lambda fn, *rest: launch(fn, *rest[:8])     # the mods' bytes dropped
@@ -952,7 +952,7 @@ def test_the_tf32_forward_on_scaled_float16_plan(fake_driver):
                     got, pre, (out, lse) = forward(q, k, v, causal=causal)
                     inputs = (q, k, v)
                 assert [x[0] for x in pre] == ["attn_scale16_max", "attn_scale16_convert", "attn_scale16_unscale"], pre
-                assert [x[1][1:] for x in pre] == [(4, 1), (5, 1), (1, 1)], pre
+                assert [x[1][1:] for x in pre] == [(3, 1), (3, 1), (1, 1)], pre
                 assert list(pre[0][3]["n"][3:]) == [0, 0], pre[0][3]["n"]
                 (name, d, ptrs), = got
                 assert name.startswith("attn_fwd") and d["F16_SCALED"] == 1 and d["ELEM_BF16"] == 0, (name, d)
@@ -979,6 +979,7 @@ def test_the_tf32_forward_on_scaled_float16_plan(fake_driver):
                   forward(q, k, v, mask_mod=lambda b, h, qi, ki: qi >= ki),       # lowered to a band
                   forward(q, k, dev((2, 200, 2, 64), F32)),
                   forward(dev((2, select.SCALED16_FWD_ROWS - 1, 4, D), F32), k, v),
+                  forward(q, device.DeviceArray(k.ptr, k.shape, F32, 0, (0,) + k.strides[1:], 0, k), v),
                   forward(qv, kv, vv, varlen=dict(cu_seqlens_q=cu, cu_seqlens_k=cu))]
         _env.setenv("ATTNEXT_FWD_TF32_F16", "0")
         try:
