@@ -65,7 +65,7 @@ def copies(views, Dv, stage, arch):
     p["top"] = (TOP_QK, TOP_QK, TOP_V, TOP_V, top_dout(Dv))
     p["maxima"], p["scales"] = base, base + 16
     ctas = max(1, min(CTAS, -(-max(sizes) // (4 * THREADS))))
-    # the maxima of q, k, v and dout (grid y 3: dout's), the copies of each view
+    # the maxima (grid y: q, k, v, then dout's, which the forward's three views leave out), a copy a view
     _C.launch(_function("attn_scale16_max", stage, arch), (ctas, min(len(views), 4), 1), (THREADS, 1, 1), 0,
               stage.stream, p.tobytes())
     _C.launch(_function("attn_scale16_convert", stage, arch), (ctas, len(views), 1), (THREADS, 1, 1), 0,
