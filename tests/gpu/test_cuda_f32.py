@@ -358,6 +358,20 @@ def test_backward_split_once(d, precision, rng, monkeypatch):
     assert splits and all(splits), splits
 
 
+def _kernel_spy(monkeypatch):
+    """The names of the entry points the plans load from now on (a spy on nvrtc.function): a list
+    the caller clears between calls."""
+    from attnext.cuda import backend
+    names = []
+    function = backend.nvrtc.function
+
+    def spy(kernel, name, *rest, **kw):
+        names.append(name)
+        return function(kernel, name, *rest, **kw)
+    monkeypatch.setattr(backend.nvrtc, "function", spy)
+    return names
+
+
 def _planes_backward(rng, monkeypatch, present, absent=(), deterministic=True, precision=None):
     """For the tests of Hopper's float32 backward kernels, the bfloat16 planes and tf32's scaled
     float16 copies (sm_90a only: skipped elsewhere): the kernels each plan loads
@@ -369,13 +383,7 @@ def _planes_backward(rng, monkeypatch, present, absent=(), deterministic=True, p
     if backend.device_arch(0) != "sm_90a":
         pytest.skip("attn_bwd_sm90_x3 and the scaled float16 copies are sm_90a's")
     backend.clear_plans()
-    names = []
-    function = backend.nvrtc.function
-
-    def spy(kernel, name, *rest, **kw):
-        names.append(name)
-        return function(kernel, name, *rest, **kw)
-    monkeypatch.setattr(backend.nvrtc, "function", spy)
+    names = _kernel_spy(monkeypatch)
 
     def check(q, k, v, varlen=None, **opts):
         names.clear()
@@ -543,13 +551,7 @@ def test_tf32_forward_on_scaled_float16(d, rng, monkeypatch):
         pytest.skip("the scaled float16 copies are sm_90a's")
     monkeypatch.setenv("ATTNEXT_FWD_TF32_F16", "1")
     backend.clear_plans()
-    names = []
-    function = backend.nvrtc.function
-
-    def spy(kernel, name, *rest, **kw):
-        names.append(name)
-        return function(kernel, name, *rest, **kw)
-    monkeypatch.setattr(backend.nvrtc, "function", spy)
+    names = _kernel_spy(monkeypatch)
     scaled = {"attn_scale16_max", "attn_scale16_convert", "attn_scale16_unscale"}
 
     def check(q, k, v, **opts):
