@@ -247,7 +247,7 @@ def _int_array(name, x, length):
 def _resolve_device(device, q, k, v):
     """The backend for this call. CUDA arrays run on the GPU. device=None (or ATTNEXT_DEVICE)
     picks the GPU for host arrays when it is usable and has kernels for their dtype (float16,
-    bfloat16), else the CPU."""
+    bfloat16, float32), else the CPU."""
     if device is not None and device not in _DEVICES:
         raise ValueError(f"device must be one of {_DEVICES} or None, got {device!r}")
     on_gpu = [isinstance(x, DevView) for x in (q, k, v)]
