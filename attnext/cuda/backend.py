@@ -761,13 +761,12 @@ def forward(o, out_host, lse_host, stage=None):
         if pin:
             stage.uploads_done()
         arch = device_arch(stage.device)
-        scaled16 = select.fwd_tf32_f16(arch, dtype_name(o.q.dtype), o.precision == "tf32", o.D, o.Dv, o.Sq,
-                                       varlen=o.varlen or ko.varlen,
-                                       seqused=o.used_q is not None or o.used_k is not None,
-                                       paged=o.block_table is not None,
-                                       mods=mods is not None or getattr(o, "mods_lowered", False),
-                                       broadcast=any(s == 0 and n > 1 for x in (q4, k4, v4)
-                                                     for s, n in zip(x.strides, x.shape)))
+        # (asked of tf32 calls only: every other call would scan the strides for nothing)
+        scaled16 = o.precision == "tf32" and select.fwd_tf32_f16(
+            arch, dtype_name(o.q.dtype), True, o.D, o.Dv, o.Sq, varlen=o.varlen or ko.varlen,
+            seqused=o.used_q is not None or o.used_k is not None, paged=o.block_table is not None,
+            mods=mods is not None or getattr(o, "mods_lowered", False),
+            broadcast=any(s == 0 and n > 1 for x in (q4, k4, v4) for s, n in zip(x.strides, x.shape)))
         kernel_out4, grad_scales, held = out4, None, None
         if scaled16:            # float16 copies scaled by powers of two (scale16.py); held until enqueued
             (q4, k4, v4), grad_scales, scaling, held = scale16.copies((q4, k4, v4), o.Dv, stage, arch)
