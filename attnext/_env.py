@@ -127,10 +127,9 @@ SETTINGS = {s.name: s for s in [
     Setting("ATTNEXT_BWD_TF32_F16", "0 | 1", "1", LAB, CALL,
             "0 leaves precision=\"tf32\"'s float32 backward on Hopper on bfloat16 planes (attn_bwd_sm90_x3.cu) "
             "instead of float16 products of copies scaled by powers of two (select.bwd_tf32_f16)"),
-    Setting("ATTNEXT_FWD_TF32_F16", "0 | 1", "0", LAB, CALL,
-            "1 runs precision=\"tf32\"'s float32 forward on Hopper as float16 products of copies scaled by "
-            "powers of two (select.fwd_tf32_f16) instead of attn_fwd.cu's single-pass TF32; off until it has "
-            "run on a GPU"),
+    Setting("ATTNEXT_FWD_TF32_F16", "0 | 1", "1", LAB, CALL,
+            "0 leaves precision=\"tf32\"'s float32 forward on Hopper on attn_fwd.cu's single-pass TF32 "
+            "instead of float16 products of copies scaled by powers of two (select.fwd_tf32_f16)"),
     Setting("ATTNEXT_BWD_X3_KV_WARPS", "4 | 8", "select.bwd_x3_kv_warps", LAB, CALL,
             "attn_bwd_dkdv_x3's warps: one warpgroup for every product, or two (dV's and dK's)"),
     Setting("ATTNEXT_BWD_X3_DQ", "recompute | adds", "adds (D = 128)", LAB, CALL,

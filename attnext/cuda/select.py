@@ -249,6 +249,23 @@ def fwd_persist(dense, q_tiles, options, tile, mods=None):
     return q_tiles <= PERSIST_TILES and not options and tuple(tile) == tuple(SM90_TILE_WS)
 
 
+# ... and its tile at D = 64: SM90_TILE_WS with three stages of K and V. A D = 64 key tile's K and V
+# (32 KB) land ~1.0-1.5 us after their copies are issued, about a key tile's time there (1.34 us,
+# B8 S2k causal), so two stages leave a tile's last V and the next tile's Q late (H200, session 55,
+# lab stamps: 0.7 us waiting for Q, 1.5 us from the key loop's end to O stored). Alternated twice,
+# D64 S2k causal 325 -> 337-339 TFLOP/s (+4%; four stages 328); the CTA-a-tile grid gains nothing
+# from the third stage (305-307 either way), so only the persistent grid takes it.
+SM90_TILE_WS_PERSIST64 = (128, 128, 8, 3)
+
+
+def fwd_persist_tile(D, tile):
+    """The tile a persistent WS forward runs, given the WS tile chosen: SM90_TILE_WS_PERSIST64 at
+    D = 64 where that is SM90_TILE_WS (the lab's ATTNEXT_TILE_FWD_WS keeps its own)."""
+    if D == 64 and tuple(tile) == tuple(SM90_TILE_WS) and not _lab_tile("ATTNEXT_TILE_FWD_WS"):
+        return SM90_TILE_WS_PERSIST64
+    return tile
+
+
 # The persistent WS forward's rows a bulk copy of Q brings: a computing warpgroup's
 PERSIST_Q_ROWS = 64
 
@@ -525,11 +542,11 @@ def fwd_tf32_f16(arch, dtype, tf32, D, Dv, rows, *, varlen, seqused, paged, mods
     calls (varlen or seqused lengths leave rows the copies' maxima would read; a paged cache is
     not copied) without a score_mod / mask_mod (kept on attn_fwd.cu, as the backward keeps them
     on the planes) and without a broadcast q, k or v (a zero stride: the copies would repeat it).
-    ATTNEXT_FWD_TF32_F16=1 takes it; off by default until it has run on a GPU (attn_fwd.cu's
-    single-pass TF32 otherwise)."""
+    2.8-5.7x attn_fwd.cu's single-pass TF32 at the same error (bench/NOTES.md, float32 table h2).
+    ATTNEXT_FWD_TF32_F16=0 leaves such calls on attn_fwd.cu."""
     return (dtype == "float32" and tf32 and arch == "sm_90a" and D == Dv and D in (64, 128)
             and rows >= SCALED16_FWD_ROWS and not (varlen or seqused or paged or mods or broadcast)
-            and _env.get("ATTNEXT_FWD_TF32_F16") == "1")
+            and _env.get("ATTNEXT_FWD_TF32_F16") != "0")
 
 
 # kernels/attn_scale16.cu's entries (cuda/scale16.py launches them: prefetch's specs)
@@ -941,8 +958,12 @@ def sm90_fwd_variants():
                 out.append({**ws, "softcap": True})
                 out.append({**ws, "bias_dtype": dtype})
                 out.append({**ws, "bias_dtype": "float32", "mask": True, "alibi_dtype": "float32"})
+    # precision="tf32"'s forward on scaled float16 copies (fwd_tf32_f16), on the plain float16 tiles
+    out += [{**v, "scaled16": True} for v in out
+            if v["dtype"] == "float16" and v["D"] == v["Dv"] and not score_options(v)]
     # the persistent grid (fwd_persist: short rows without score options), on the plain tiles
-    out += [{**v, "persist": True} for v in out if v.get("ws") and not score_options(v)]
+    out += [{**v, "persist": True, "tile": fwd_persist_tile(v["D"], v["tile"])}
+            for v in out if v.get("ws") and not score_options(v)]
     decode = [dict(dtype=dtype, D=D, Dv=D, vec=True, softcap=False, bias_dtype=None, alibi_dtype=None,
                    mask=False, tile=DECODE_TMA_TILE, pack_gqa=True, split_kv=split, tma=True)
               for dtype in ("bfloat16", "float16") for D in (64, 128) for split in (True, False)]

@@ -37,8 +37,8 @@ Gradients need two more terms, both from honest sources of error, not slack:
 * Single-pass TF32 (float32 with precision="tf32"). The tensor cores round every operand to
   TF32 (float16's 10-bit mantissa): unlike a float16 input, a float32 one is not exact there, so
   the scores move by eps |q| . |k| * scale, dP by eps |dout| . |v|, and the rounded P, V, dS and K
-  by eps of themselves. `tf32_out_allowance` and `rounded_out_allowance(precision="tf32")` carry
-  these to out, dq, dk and dbias, to first order, LOW_FACTOR times the root of the sum of their
+  by eps of themselves. `tf32_out_allowance`, `tf32_lse_allowance` and
+  `rounded_out_allowance(precision="tf32")` carry these to out, lse, dq, dk and dbias, to first order, LOW_FACTOR times the root of the sum of their
   squares (the roundings are independent; eps = float16's). dP's rounding matters most where dS
   cancels: with one key per row dq = dk = 0 exactly, but the kernel's dP and delta = dout . out
   differ by it. An emulated TF32 attention sits at 0.1-0.3 of this bound, one rounding to 6
@@ -223,6 +223,20 @@ def tf32_out_allowance(q, k, v, lengths, opts):
     products = 0.5 * EPS[F16] ** 2 * np.einsum("bhij,bhjd->bhid", p ** 2, vg ** 2)
     bound = LOW_FACTOR * np.sqrt(np.maximum(scores, 0) + products)
     return from_canonical(bound, is_varlen, layout)
+
+
+def tf32_lse_allowance(q, k, lengths, opts):
+    """Per-element bound on how far a single-pass TF32 forward's lse lands from the float64 one:
+    the scores' rounding through the softmax (sum_j P_ij dS_ij), the roundings independent:
+    LOW_FACTOR times the root of the sum of their squares (tf32_out_allowance's first term, with
+    v_j - out_i taken as 1). In lse's shape: (B, Hq, Sq), or (Hq, T) for varlen_attention."""
+    is_varlen, layout = lengths is not None, opts.get("layout", "bshd")
+    p = _probabilities(q, k, lengths, opts)
+    qc, kc = (canonical(np.asarray(x, np.float64), is_varlen, layout) for x in (q, k))
+    kg = np.repeat(kc, qc.shape[1] // kc.shape[1], axis=1)
+    ps = p * _product_rounding(qc, kg) * _softmax_scale(q, opts)
+    bound = LOW_FACTOR * np.sqrt((ps ** 2).sum(axis=-1))
+    return bound[0] if is_varlen else bound
 
 
 def rounded_out_allowance(q, k, v, dout, out, ref_out, lengths, opts, precision=None):

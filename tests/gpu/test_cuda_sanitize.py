@@ -297,10 +297,29 @@ raise SystemExit(0 if worst < 1 else 1)
 '''
 
 
-# Hopper's float32 kernels: the forward (attn_fwd_sm90_f32.cu, its wgmma path asked for) and the
-# backward on bfloat16 planes (attn_bwd_sm90_x3.cu, the default; precision="tf32"'s dense calls on
-# scaled float16 copies: attn_scale16.cu and the float16 kernels with F16_SCALED)
-F32_KERNELS = {"forward": (F32_CHILD, {"ATTNEXT_FWD_F32_SM90": "1"}), "backward": (PLANES_CHILD, {})}
+# precision="tf32"'s forward of dense calls from 256 query rows: attn_scale16.cu's copies, the float16
+# kernels with F16_SCALED (the short rows' tile at 300 rows; the WS kernel, persistent, at 1100),
+# attn_scale16_unscale
+SCALED16_FORWARD_CHILD = SPY_PRELUDE + r'''
+for D in (64, 128):
+    for rows in (300, 1100):
+        q, k, v = (torch.randn(2, rows, h, D, device="cuda") for h in (4, 2, 2))
+        qn, kn, vn = (x.cpu().numpy() for x in (q, k, v))
+        for opts in (dict(), dict(causal=True)):
+            check(attnext.attention(q, k, v, precision="tf32", **opts), reference.attention(qn, kn, vn, **opts), 3e-3)
+torch.cuda.synchronize()
+assert {"attn_scale16_max", "attn_scale16_convert", "attn_scale16_unscale"} <= set(names), names
+print("worst", worst)
+raise SystemExit(0 if worst < 1 else 1)
+'''
+
+
+# Hopper's float32 kernels: the forward (attn_fwd_sm90_f32.cu, its wgmma path asked for; precision=
+# "tf32"'s on scaled float16 copies) and the backward on bfloat16 planes (attn_bwd_sm90_x3.cu, the
+# default; precision="tf32"'s dense calls on scaled float16 copies: attn_scale16.cu and the float16
+# kernels with F16_SCALED)
+F32_KERNELS = {"forward": (F32_CHILD, {"ATTNEXT_FWD_F32_SM90": "1"}), "tf32 forward": (SCALED16_FORWARD_CHILD, {}),
+               "backward": (PLANES_CHILD, {})}
 
 
 @pytest.mark.gpu

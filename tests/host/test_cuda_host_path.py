@@ -851,6 +851,7 @@ def test_the_tf32_backward_on_scaled_float16_plan(fake_driver):
         _C.launch = plain
         F32 = np.float32
         SLOT = cuda_backend.SLOT_GRAD_SCALES
+        warm = {(k, tuple(sorted(d.items()))) for k, d in select.variants("sm_90a")}
         # warmup's variants, up to BWD_TMA (this driver makes no tensor maps)
         warm = {(k, tuple(sorted((n, x) for n, x in d.items() if n != "BWD_TMA"))) for k, d in select.variants("sm_90a")}
 
@@ -909,14 +910,15 @@ def test_the_tf32_backward_on_scaled_float16_plan(fake_driver):
 
 
 def test_the_tf32_forward_on_scaled_float16_plan(fake_driver):
-    """precision="tf32"'s forward of dense float32 calls on Hopper with ATTNEXT_FWD_TF32_F16=1
+    """precision="tf32"'s forward of dense float32 calls on Hopper by default
     (select.fwd_tf32_f16): attn_scale16.cu's maxima and copies of q, k and v over (CTAs, 3) (out's
     and dout's slots empty), one attn_fwd_sm90.cu launch with F16_SCALED
     (float16 elements) reading the copies and the factors in grad_scales, writing a float16 out of
-    its own and the caller's lse, then attn_scale16_unscale from that out into the caller's out
+    its own and the caller's lse (a variant warmup compiles), then attn_scale16_unscale from that out into the caller's out
     (its strides: bhsd too); causal or not, D = 64 and 128, with out= or not. Left on attn_fwd.cu's
     single-pass TF32: varlen, seqused, a mask_mod (lowered whole, to a band), D != Dv, fewer than
-    SCALED16_FWD_ROWS query rows, a batch-broadcast k (stride 0), and every call without the knob.
+    SCALED16_FWD_ROWS query rows, a batch-broadcast k (stride 0), and every call with
+    ATTNEXT_FWD_TF32_F16=0.
     Repeated calls do not replay (the copies are made afresh)."""
     run_on_fake(fake_driver, r"""
         from attnext.cuda import scale16
@@ -930,6 +932,7 @@ def test_the_tf32_forward_on_scaled_float16_plan(fake_driver):
         _C.launch = plain
         F32 = np.float32
         SLOT = cuda_backend.SLOT_GRAD_SCALES
+        warm = {(k, tuple(sorted(d.items()))) for k, d in select.variants("sm_90a")}
 
         def forward(q, k, v, varlen=None, **kw):
             n, m = len(LAUNCHES), len(OTHER)
@@ -937,7 +940,7 @@ def test_the_tf32_forward_on_scaled_float16_plan(fake_driver):
                 res = attnext.varlen_attention(q, k, v, **varlen, return_lse=True, precision="tf32", **kw)
             else:
                 res = attnext.attention(q, k, v, return_lse=True, precision="tf32", **kw)
-            return [(l[0][1], dict(l[0][2]), l[6]) for l in LAUNCHES[n:]], OTHER[m:], res
+            return [(l[0][1], dict(l[0][2]), l[6], l[0][0]) for l in LAUNCHES[n:]], OTHER[m:], res
 
         for D in (64, 128):
             q, k, v = dev((2, 300, 4, D), F32), dev((2, 200, 2, D), F32), dev((2, 200, 2, D), F32)
@@ -954,8 +957,9 @@ def test_the_tf32_forward_on_scaled_float16_plan(fake_driver):
                 assert [x[0] for x in pre] == ["attn_scale16_max", "attn_scale16_convert", "attn_scale16_unscale"], pre
                 assert [x[1][1:] for x in pre] == [(3, 1), (3, 1), (1, 1)], pre
                 assert list(pre[0][3]["n"][3:]) == [0, 0], pre[0][3]["n"]
-                (name, d, ptrs), = got
+                (name, d, ptrs, source), = got
                 assert name.startswith("attn_fwd") and d["F16_SCALED"] == 1 and d["ELEM_BF16"] == 0, (name, d)
+                assert (source, tuple(sorted(d.items()))) in warm, (source, d)
                 assert "ELEM_F32" not in d and d["HEAD_DIM"] == D, d
                 assert ptrs[SLOT] is not None and ptrs[SLOT] == pre[0][3]["scales"], (ptrs[SLOT], pre[0][3])
                 copies = [int(pre[1][3]["dst"][t]) for t in range(3)]
@@ -985,12 +989,12 @@ def test_the_tf32_forward_on_scaled_float16_plan(fake_driver):
         try:
             others.append(forward(q, k, v))
         finally:
-            _env.setenv("ATTNEXT_FWD_TF32_F16", "1")
+            _env.setenv("ATTNEXT_FWD_TF32_F16", None)
         for got, pre, _ in others:
             assert not pre and not any(g[1].get("F16_SCALED") for g in got), ([g[0] for g in got], pre)
             assert all(g[1].get("ELEM_F32") == 1 and g[1].get("TF32_PASSES") == 1 for g in got), got
         print("ok")
-    """, ATTNEXT_FWD_TF32_F16="1")
+    """)
 
 
 def test_the_float32_forward_on_hopper_plan(fake_driver):

@@ -168,6 +168,19 @@ def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
     assert three + 1024 <= select.SM90_SHARED_BYTES
     assert any(d.get("WS") for k, d in select.variants("sm_90a"))
     assert not any(d.get("WS") for k, d in select.variants("sm_80"))
+    # the persistent grid's tile: three stages at D = 64 on the two-warpgroup tile, compiled by warmup
+    assert select.fwd_persist_tile(64, tile) == select.SM90_TILE_WS_PERSIST64 == (128, 128, 8, 3)
+    assert [select.fwd_persist_tile(*a) for a in [(128, tile), (64, select.SM90_TILE_WS3)]] == [tile, select.SM90_TILE_WS3]
+    assert select.fwd_smem_bytes(64, 64, select.SM90_TILE_WS_PERSIST64, "attn_fwd_sm90", ws=True, persist=True) + 1024 \
+        <= select.SM90_SHARED_BYTES
+    persistent = [d for k, d in select.variants("sm_90a") if d.get("PERSIST")]
+    assert {(d["HEAD_DIM"], d["BLOCK_M"], d["STAGES"]) for d in persistent} >= {(64, 128, 3), (128, 128, 2)}
+    assert not any(d["HEAD_DIM"] == 64 and d["BLOCK_M"] == 128 and d["STAGES"] == 2 for d in persistent)
+    _env.setenv("ATTNEXT_TILE_FWD_WS", "128,128,8,2")
+    try:
+        assert select.fwd_persist_tile(64, tile) == tile
+    finally:
+        _env.setenv("ATTNEXT_TILE_FWD_WS", None)
 
 
 def test_hopper_takes_the_wgmma_forward_where_it_applies(monkeypatch):

@@ -124,22 +124,25 @@ def _emulated_attention(q, k, v, dout, bits, causal):
     if causal:
         sq, sk = s.shape[-2:]
         s = np.where(np.arange(sk)[None, :] > np.arange(sq)[:, None] + sk - sq, -np.inf, s)
-    p = np.exp(s - s.max(-1, keepdims=True))
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - m)
+    lse = (m + np.log(p.sum(-1, keepdims=True)))[..., 0].astype(np.float32)
     p /= p.sum(-1, keepdims=True)
     out = (r(p) @ r(vh)).astype(np.float32).astype(np.float64)
     ds = p * (r(dh) @ r(vh).swapaxes(-1, -2) - (dh * out).sum(-1, keepdims=True))
     back = lambda x: x.transpose(0, 2, 1, 3).astype(np.float32)  # noqa: E731
     grads = attnext.Grads(back(r(ds) @ r(kh) * scale), back(r(ds).swapaxes(-1, -2) @ r(qh) * scale),
                           back(r(p).swapaxes(-1, -2) @ r(dh)), None, {})
-    return back(out), grads
+    return back(out), grads, lse
 
 
 @pytest.mark.parametrize("sq, sk, d, causal", [(1, 1, 40, False), (239, 1, 40, False), (113, 203, 1, True),
                                               (64, 64, 64, True), (200, 300, 40, False)])
 def test_the_tf32_rule_passes_tf32_and_fails_a_coarser_product(sq, sk, d, causal):
     """precision="tf32" is held to float16's rule plus the effect of rounding float32 operands
-    (accuracy.tf32_out_allowance, rounded_out_allowance(precision="tf32")): an attention whose
-    products round to TF32 passes, one that rounds them to 6 mantissa bits (16x coarser) does not."""
+    (accuracy.tf32_out_allowance, tf32_lse_allowance, rounded_out_allowance(precision="tf32")): an
+    attention whose products round to TF32 passes, one that rounds them to 6 mantissa bits (16x
+    coarser) does not."""
     from attnext.testing import accuracy
     rng = np.random.default_rng()
     q, k, v = (rng.standard_normal((2, n, 3, d)).astype(np.float32) for n in (sq, sk, sk))
@@ -148,10 +151,12 @@ def test_the_tf32_rule_passes_tf32_and_fails_a_coarser_product(sq, sk, d, causal
     ref_out, ref_lse = attnext.reference.attention(q, k, v, causal=causal, return_lse=True)
 
     def problems(bits):
-        out, g = _emulated_attention(q, k, v, dout, bits, causal)
+        out, g, lse = _emulated_attention(q, k, v, dout, bits, causal)
         rg = attnext.reference.attention_backward(dout, q, k, v, out, ref_lse, causal=causal)
         found = [accuracy.compare("out", out, ref_out, accuracy.F16,
-                                  extra=lambda: accuracy.tf32_out_allowance(q, k, v, None, opts))]
+                                  extra=lambda: accuracy.tf32_out_allowance(q, k, v, None, opts)),
+                 accuracy.compare("lse", lse, ref_lse, accuracy.F16,
+                                  extra=lambda: accuracy.tf32_lse_allowance(q, k, None, opts))]
         return [p for p in found if p] + accuracy.compare_grads(g, rg, q, k, v, dout, out, ref_out,
                                                                  None, opts)
     assert not problems(10)
