@@ -1,70 +1,88 @@
-"""Kernel lab: where the warp-specialised forward's time goes, tile by tile, from globaltimer
-stamps (attn_fwd_sm90.cu's WS kernel; the persistent grid's rows above all: bench/NOTES.md,
-forward, "where the S2k rows' remaining time goes").
+"""Kernel lab: where the warp-specialised forward's time goes at a tile's boundary, from
+globaltimer stamps (attn_fwd_sm90.cu's WS kernel as a persistent grid: the short rows;
+bench/NOTES.md, forward v21-v23).
 
-    python3 bench/labs/lab_fwd_stamps.py [D:S[:causal] ...]   (default: 128:2048 64:2048:causal 128:8192)
+    python3 bench/labs/lab_fwd_stamps.py [D:S[:causal] ...]   (default: 64:2048:causal 128:2048)
 
 Writes an instrumented copy of kernels/ into a temporary folder (string edits of the WS kernel's
 part of attn_fwd_sm90.cu at fixed anchors: the lab stops if one is missing) and points
 ATTNEXT_KERNEL_DIR at it. The stamps go into the forward's o_accum slot (the split-KV scratch,
-unused by the WS kernel), 176 int64 per CTA, written by the first computing warpgroup's thread
-0: [0] the CTA's start, [1] its SM, [2] tiles done, [3] its end; for its turns j < 40:
-[8 + 4j] the tile taken, [9 + 4j] its Q landed, [10 + 4j] its first S waited for, [11 + 4j] its
-O stored. (A CTA a tile, without PERSIST, has no [8] / [9].) Prints medians over the CTAs' tiles
-(bf16, B*S = 16k tokens, H = 2048 / D, torch tensors in place), once the stamped call's out is
-checked against torch SDPA's, and the tail: how long SMs sit idle before the kernel's last CTA
-ends.
+unused by the WS kernel), 176 int64 per CTA: [0] the CTA's start, [1] its SM, [2] tiles done,
+[3] its end; for its turns j < 13, 12 slots at 8 + 12 j: the first computing warpgroup's thread 0
+writes c0 the tile taken, c1 its Q landed, c2 its first K landed, c3 its turn taken and first S
+issued, c4 its key loop done (the last P V next), c5 its O stored, c6 its key tiles; the producer
+thread writes p7 the tile's Q issued, p8 its first K and V issued, p9 its last V issued, p10 the
+next tile posted. The calls take the persistent grid only where select.fwd_persist does (short
+rows without score options; ATTNEXT_FWD_PERSIST=1 asks for it). Prints medians (and the 10th /
+90th percentiles) over the CTAs' tiles, in us (bf16, B*S = 16k tokens, H = 2048 / D, torch
+tensors in place), once the stamped call's out is checked against torch SDPA's, and the tail: how
+long SMs sit idle before the kernel's last CTA ends.
 """
 import sys
 
-from stamping import macros, med, shapes, start
+import numpy as np
 
-SLOTS, TURNS = 176, 40
+from stamping import macros, shapes, start
+
+SLOTS, TURNS, W = 176, 13, 12
 EDITS = [   # (anchor, text, whether the text goes before the anchor)
     ("#if ENTRY(attn_fwd_sm90) && WS\n",
-     macros(SLOTS) + f"#define TRJ(i) do {{ if (ctid == 0 && w == 0 && j < {TURNS}) TR(8 + 4 * j + (i), gtime()); }} while (0)\n"),
+     macros(SLOTS)
+     + f"#define TRJ(i) do {{ if (ctid == 0 && w == 0 && j < {TURNS}) TR(8 + {W} * j + (i), gtime()); }} while (0)\n"
+     + f"#define TRP(i) do {{ if (j < {TURNS}) TR(8 + {W} * j + (i), gtime()); }} while (0)\n"),
     ("    const int tid = threadIdx.x, warp = uniform_warp_index(), lane = tid & 31, wg = warp >> 2;"
      "   /* roles: uniform */\n",
      "    if (tid == 0) { TR(0, gtime()); unsigned sm; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(sm)); TR(1, sm); }\n"),
+    ("                qn++;\n#endif\n", "                TRP(7);\n"),
+    ("                load(0, empty_v, sV, &maps.v, V_BYTES, HEAD_DIM_V, full_v, tail_rows > 0);\n", "                TRP(8);\n"),
+    ("            kv += tiles;\n#if PERSIST\n", "            TRP(9);\n"),
+    ("            mbar_arrive(next_full + 8 * s);\n", "            TRP(10);\n"),
     ("        if (t >= total)\n            break;\n", "        TRJ(0);\n"),
     ("        mbar_wait(q_full + 8 * (qn & 1), (qn >> 1) & 1);\n", "        TRJ(1);\n"),
-    ("                turn_pass(w);\n                wgmma_wait<0>();\n", "                TRJ(2);\n"),
-    ("#if PERSIST\n        fence_proxy_async_shared();",
-     "        TRJ(3);\n        if (ctid == 0 && w == 0) TR(2, j + 1);\n", True),
+    ("            mbar_wait(full_k + 8 * st, (g / STAGES) & 1);\n", "            if (i == 0) TRJ(2);\n"),
+    ("            turn_wait(w);\n            issue_s(s[0], st);\n", "            if (i == 0) TRJ(3);\n"),
+    ("        {\n            const int g = kv + tiles - 1, pst = g % STAGES;\n",
+     f"        TRJ(4);\n        if (ctid == 0 && w == 0 && j < {TURNS}) TR(8 + {W} * j + 6, tiles);\n", True),
+    ("#if PERSIST\n        fence_proxy_async_shared();", "        TRJ(5);\n        if (ctid == 0 && w == 0) TR(2, j + 1);\n", True),
     ("    if (w == 0)\n        turn_wait(0);                                    /* the last warpgroup's last pass */\n",
      "    if (ctid == 0 && w == 0) TR(3, gtime());\n"),
 ]
+# (name, what it is) of the spans printed: c0..c10 as in the docstring, "next" the next turn's c0
+SPANS = [("Q wait", "c1 - c0"), ("K0 wait", "c2 - c1"), ("turn+S", "c3 - c2"), ("loop", "c4 - c3"),
+         ("per key", "(c4 - c3) / c6"), ("P V+O", "c5 - c4"), ("to next", "next - c5"),
+         ("Q issued", "p7 - c0"), ("K0 issued", "p8 - c0"), ("last V", "p9 - c5"), ("posted", "p10 - c5")]
 
 
-def spans(t, a, b):
-    """Stamp 8 + 4j + b - stamp 8 + 4j + a over every CTA's stamped turns j, None where either
-    is missing."""
-    out = []
+def boundary_spans(t):
+    """name -> the spans (ns) over every CTA's stamped turns that have the stamps they need."""
+    got = {name: [] for name, _ in SPANS}
     for r in t:
-        for j in range(min(int(r[2]), TURNS)):
-            x, y = r[8 + 4 * j + a], r[8 + 4 * j + b]
-            out.append(y - x if x and y else None)
-    return out
-
-
-def gaps(t):
-    """A tile's O stored -> the CTA's next tile taken."""
-    out = []
-    for r in t:
-        for j in range(min(int(r[2]), TURNS) - 1):
-            x, y = r[8 + 4 * j + 3], r[8 + 4 * (j + 1)]
-            out.append(y - x if x and y else None)
-    return out
+        n = min(int(r[2]), TURNS)
+        for j in range(n):
+            c = [r[8 + W * j + i] for i in range(11)]
+            if not all(c[:6]):
+                continue
+            got["Q wait"].append(c[1] - c[0])
+            got["K0 wait"].append(c[2] - c[1])
+            got["turn+S"].append(c[3] - c[2])
+            got["loop"].append(c[4] - c[3])
+            got["per key"].append((c[4] - c[3]) / max(1, c[6]))
+            got["P V+O"].append(c[5] - c[4])
+            if j + 1 < n and r[8 + W * (j + 1)]:
+                got["to next"].append(r[8 + W * (j + 1)] - c[5])
+            for name, i, at in (("Q issued", 7, c[0]), ("K0 issued", 8, c[0]), ("last V", 9, c[5]), ("posted", 10, c[5])):
+                if c[i]:
+                    got[name].append(c[i] - at)
+    return got
 
 
 def main():
     lend = start("attn_fwd_sm90.cu", EDITS, prefix="attnext-fwd-stamps-")
-    import numpy as np
     import torch
     import attnext
     import verify
 
-    for D, S, causal, B, H in shapes(sys.argv[1:], ["128:2048", "64:2048:causal", "128:8192"]):
+    for D, S, causal, B, H in shapes(sys.argv[1:], ["64:2048:causal", "128:2048"]):
         q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         for _ in range(3):
             attnext.attention(q, k, v, causal=causal)
@@ -76,20 +94,23 @@ def main():
         torch.cuda.synchronize()
         lend(None)
         t = buf.view(-1, SLOTS).cpu().numpy()
-        want = verify.sdpa(q, k, v, causal)
-        verify.check(f"D{D} S{S} stamped", {"out": (out, want)})
+        verify.check(f"D{D} S{S} stamped", {"out": (out, verify.sdpa(q, k, v, causal))})
         t = t[(t[:, 0] > 0) & (t[:, 2] > 0)]
         if not len(t):
-            print(f"== D{D} S{S}: no stamps (did the call take the WS kernel?)")
+            print(f"== D{D} S{S}: no stamps (did the call take the persistent WS grid?)")
             continue
         first, end = t[:, 0].min(), t[:, 3].max()
         print(f"== D{D} S{S} {'causal' if causal else 'full'}: {len(t)} CTAs, kernel {(end - first) / 1e3:.1f} us, "
               f"tiles a CTA median {np.median(t[:, 2]):.0f} (min {t[:, 2].min()}, max {t[:, 2].max()})")
-        print("  a tile: taken -> Q in", med(spans(t, 0, 1)), " Q in -> first S", med(spans(t, 1, 2)),
-              " first S -> O stored", med(spans(t, 2, 3)), " O stored -> next taken", med(gaps(t)))
-        q_in = [r[8 + 1] - r[0] if r[9] else None for r in t]
-        print("  CTA start -> its first Q in", med(q_in),
-              " CTA end -> kernel end: median", med(list(end - t[:, 3])), " max", med([end - t[:, 3].min()]))
+        got = boundary_spans(t)
+        print("  a tile (medians, us): " + "  ".join(f"{name} {np.median(got[name]) / 1e3:.2f}"
+                                                     for name, _ in SPANS if got[name]))
+        print("  10th / 90th: " + "  ".join(f"{name} {np.percentile(got[name], 10) / 1e3:.2f} / "
+                                            f"{np.percentile(got[name], 90) / 1e3:.2f}" for name, _ in SPANS if got[name]))
+        print("  " + ", ".join(f"{name}: {what}" for name, what in SPANS))
+        q_in = [r[9] - r[0] for r in t if r[9]]
+        print(f"  CTA start -> its first Q in {np.median(q_in) / 1e3:.2f}  CTA end -> kernel end: median "
+              f"{np.median(end - t[:, 3]) / 1e3:.2f}  max {(end - t[:, 3].min()) / 1e3:.2f}")
 
 
 if __name__ == "__main__":
