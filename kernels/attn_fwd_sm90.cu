@@ -15,7 +15,7 @@
  * option of the score hook, masks, causal / window and varlen as attn_fwd.cu. Switches beyond
  * attn_common.cuh's: BLOCK_M (64 or 128; WS: 128, or 192 at D = 64), BLOCK_N (64 or 128),
  * MIN_BLOCKS (CTAs per SM the registers must allow), WS (the warp-specialised kernel below) and
- * its STAGES.
+ * its STAGES (V's ring; K's too unless K_STAGES says).
  *
  * WS (FlashAttention-3's layout): a producer warpgroup and NUM_WG = BLOCK_M / 64 computing ones
  * (two, or three for 192-row tiles at D = 64). The producer gives up its registers (setmaxnreg)
@@ -295,6 +295,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
 #define WS_THREADS (THREADS + 128)        /* the producer warpgroup, then the NUM_WG that compute */
 #define QW_BYTES (64 * HEAD_DIM * 2)      /* one computing warpgroup's 64 rows of Q */
 #define Q_BUFS (1 + PERSIST)              /* PERSIST: the next tile's Q lands under this one's */
+#ifndef K_STAGES
+#define K_STAGES STAGES                   /* K's ring (the lab's fifth tile value), V's: STAGES */
+#endif
 /* 24 + 2 x 240 = 3 x 168, what 384 threads start with; 32 + 3 x 160 = 4 x 128 (512 threads) */
 #define PRODUCER_REGS (NUM_WG == 2 ? 24 : 32)
 #define CONSUMER_REGS (NUM_WG == 2 ? 240 : 160)
@@ -360,13 +363,13 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     attn_fwd_sm90(const __grid_constant__ attn_params p, const __grid_constant__ attn_tmaps maps)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    /* Q (Q_BUFS x NUM_WG blocks of 64 rows), then K[STAGES], V[STAGES], then the barriers: full_k,
-     * empty_k, full_v, empty_v, STAGES each, and tail_v; PERSIST: q_full, q_empty, next_full,
+    /* Q (Q_BUFS x NUM_WG blocks of 64 rows), then K[K_STAGES], V[STAGES], then the barriers:
+     * full_k, empty_k (K_STAGES each), full_v, empty_v (STAGES each), and tail_v; PERSIST: q_full, q_empty, next_full,
      * next_empty, two each, then the two slots of the next tile (int32) */
     const uint32_t sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
-    const uint32_t sK = sQ + Q_BUFS * Q_BYTES, sV = sK + STAGES * K_BYTES, bars = sV + STAGES * V_BYTES;
-    const uint32_t full_k = bars, empty_k = bars + 8 * STAGES, full_v = bars + 16 * STAGES,
-                   empty_v = bars + 24 * STAGES, tail_v = bars + 32 * STAGES;
+    const uint32_t sK = sQ + Q_BUFS * Q_BYTES, sV = sK + K_STAGES * K_BYTES, bars = sV + STAGES * V_BYTES;
+    const uint32_t full_k = bars, empty_k = bars + 8 * K_STAGES, full_v = bars + 16 * K_STAGES,
+                   empty_v = full_v + 8 * STAGES, tail_v = empty_v + 8 * STAGES;
     const int tid = threadIdx.x, warp = uniform_warp_index(), lane = tid & 31, wg = warp >> 2;   /* roles: uniform */
 #if PERSIST
     /* PERSIST (the host's choice for dense batches: no cu_seqlens or seqused): gridDim.x CTAs
@@ -400,9 +403,11 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 #endif
 
     if (tid == 0) {
-        for (int st = 0; st < STAGES; st++) {
+        for (int st = 0; st < K_STAGES; st++) {
             mbar_init(full_k + 8 * st, 1);
             mbar_init(empty_k + 8 * st, 4 * NUM_WG);     /* lane 0 of each computing warp */
+        }
+        for (int st = 0; st < STAGES; st++) {
             mbar_init(full_v + 8 * st, 1);
             mbar_init(empty_v + 8 * st, 4 * NUM_WG);
         }
@@ -424,8 +429,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
         if (warp != 0 || (PERSIST && lane != 0))
             return;
         /* Key tile i of a query tile's visit (n = n_last - i) goes to ring position kv + i (the
-         * CTA's key tiles so far, plus i): stage (kv + i) % STAGES, once every computing
-         * warpgroup has released that stage's previous tile. K runs a tile ahead of V (K[i + 1],
+         * CTA's key tiles so far, plus i): stage (kv + i) % K_STAGES (K) or % STAGES (V), once
+         * every computing warpgroup has released that stage's previous tile. K runs a tile ahead of V (K[i + 1],
          * then V[i]): a step needs the S of its tile before the P V of the last. Lane 0 issues;
          * without PERSIST the warp's lanes zero tail_rows of V[0] (its copy completes tail_v, and
          * the warp completes full_v's phase by a plain arrival once the rows are 0). */
@@ -447,13 +452,13 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
                                   ? max(0, (n_last + 1) * BLOCK_N - max(Lk, n_last * BLOCK_N)) : 0;
             /* key tile i into its stage, its bytes counted on full's barrier of that stage, or on
              * tail_v (tail: V[0]'s rows past Lk are zeroed before full_v completes) */
-            auto load = [&](int i, uint32_t empty, uint32_t dst, const void *map, int bytes, int cols, uint32_t full,
-                            bool tail = false) {
-                const int g = kv + i, st = g % STAGES;
+            auto load = [&](int i, int stages, uint32_t empty, uint32_t dst, const void *map, int bytes, int cols,
+                            uint32_t full, bool tail = false) {
+                const int g = kv + i, st = g % stages;
                 int64_t mb, at;
                 key_row(&p, &sk, b, (int64_t)(n_last - i) * BLOCK_N, &mb, &at);
-                if (g >= STAGES)
-                    mbar_wait(empty + 8 * st, (g / STAGES - 1) & 1);
+                if (g >= stages)
+                    mbar_wait(empty + 8 * st, (g / stages - 1) & 1);
                 const uint32_t landed = tail ? tail_v : full + 8 * st;
                 mbar_arrive_expect_tx(landed, bytes);
                 for (int hf = 0; hf < cols / 64; hf++)
@@ -471,10 +476,10 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
                                     tl.m0 + 64 * r, (int)b, q_full + 8 * qb);
                 qn++;
 #endif
-                load(0, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM, full_k);
+                load(0, K_STAGES, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM, full_k);
                 if (tiles > 1)
-                    load(1, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM, full_k);
-                load(0, empty_v, sV, &maps.v, V_BYTES, HEAD_DIM_V, full_v, tail_rows > 0);
+                    load(1, K_STAGES, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM, full_k);
+                load(0, STAGES, empty_v, sV, &maps.v, V_BYTES, HEAD_DIM_V, full_v, tail_rows > 0);
             }
             if (tail_rows) {              /* 128-byte rows of each 64-column panel: a block apiece */
                 __syncwarp();
@@ -493,8 +498,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
                 return;
             for (int i = 1; i < tiles; i++) {
                 if (i + 1 < tiles)
-                    load(i + 1, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM, full_k);
-                load(i, empty_v, sV, &maps.v, V_BYTES, HEAD_DIM_V, full_v);
+                    load(i + 1, K_STAGES, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM, full_k);
+                load(i, STAGES, empty_v, sV, &maps.v, V_BYTES, HEAD_DIM_V, full_v);
             }
             kv += tiles;
 #if PERSIST
@@ -601,9 +606,9 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
          * a last step only P V. Every turn is passed on; warpgroup 0 takes the last at the end. */
         const int tiles = n_last - n_first + 1;
         for (int i = 0; i < tiles; i++) {
-            const int n = n_last - i, g = kv + i, st = g % STAGES, pst = (g + STAGES - 1) % STAGES;
+            const int n = n_last - i, g = kv + i, st = g % K_STAGES, pst = (g + STAGES - 1) % STAGES;
             float s[1][NT][4], corrs[2];
-            mbar_wait(full_k + 8 * st, (g / STAGES) & 1);
+            mbar_wait(full_k + 8 * st, (g / K_STAGES) & 1);
             turn_wait(w);
             issue_s(s[0], st);
             const bool need = tile_needs_mask(p, sc, m0, BLOCK_M, r_end, n * BLOCK_N, BLOCK_N, 1, Lq, Lk);

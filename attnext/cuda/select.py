@@ -345,9 +345,11 @@ def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd", dtype="bfloat16", tma=False, 
         parts = 1 if tf32 else 2       # STAGES) and STAGES of V^T's, 1024-aligned; q_full, and full
         k_slots = tile[4] if len(tile) > 4 else tile[3]                     # and empty a slot
         return 4 * parts * (bm * D + k_slots * bn * D + tile[3] * bn * Dv) + 1024 + 8 * (1 + 2 * k_slots + 2 * tile[3])
-    if ws:            # Q, STAGES x K, STAGES x V swizzled, 1024-aligned, then 4 x STAGES + 1 mbarriers;
-        # persist: a second Q, 8 more mbarriers and two int32 slots
-        return 2 * ((1 + persist) * bm * D + tile[3] * bn * (D + Dv)) + 1024 + 32 * tile[3] + 8 + persist * 72
+    if ws:            # Q, K_STAGES x K (tile[4], else STAGES), STAGES x V swizzled, 1024-aligned, then
+        # 2 x (K_STAGES + STAGES) + 1 mbarriers; persist: a second Q, 8 more mbarriers and two int32 slots
+        k_stages = tile[4] if len(tile) > 4 else tile[3]
+        return (2 * ((1 + persist) * bm * D + k_stages * bn * D + tile[3] * bn * Dv) + 1024
+                + 16 * (k_stages + tile[3]) + 8 + persist * 72)
     if kernel == "attn_fwd_sm90":     # Q, K[2], V[2] in 128-byte swizzled rows, 1024-aligned
         return 2 * (bm * D + 2 * bn * D + 2 * bn * Dv) + 1024
     size = ITEMSIZE[dtype]
@@ -411,8 +413,8 @@ def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
     tf32: float32 in single-pass TF32 (precision="tf32"); paged: k and v are a paged cache.
     tile: (BLOCK_M, BLOCK_N, NUM_WARPS[, MIN_BLOCKS: CTAs per SM the registers must allow]), or
     with tma (TMA_KV: a producer warp's bulk tensor copies) or ws (attn_fwd_sm90.cu's WS kernel)
-    (BLOCK_M, BLOCK_N, NUM_WARPS, STAGES), as is sm90_f32's (attn_fwd_sm90_f32.cu; a fifth, the
-    kernel lab's, its K_STAGES: K's slots, STAGES when not given); persist: the WS
+    (BLOCK_M, BLOCK_N, NUM_WARPS, STAGES), as is sm90_f32's (attn_fwd_sm90_f32.cu; with it or ws a
+    fifth, the kernel lab's, K_STAGES: K's slots, STAGES when not given); persist: the WS
     kernel as a persistent grid (fwd_persist); scaled16: float16 copies of float32 arrays
     (fwd_tf32_f16: F16_SCALED). mods: the generated score_mod / mask_mod (codegen.Generated) or
     None."""
@@ -421,7 +423,7 @@ def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
     return mod_defines({
         "MIN_BLOCKS": 1 if staged or len(tile) < 4 else tile[3],
         **({"STAGES": tile[3]} if staged else {}),
-        **({"K_STAGES": tile[4]} if sm90_f32 and len(tile) > 4 else {}),
+        **({"K_STAGES": tile[4]} if (sm90_f32 or ws) and len(tile) > 4 else {}),
         **({"TMA_KV": 1} if tma else {}),
         **({"WS": 1} if ws else {}),
         **({"PERSIST": 1} if persist else {}),

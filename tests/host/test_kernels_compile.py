@@ -166,6 +166,14 @@ def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
     assert smem == 2 * (128 * 128 + tile[3] * 128 * 256) + 1024 + 32 * tile[3] + 8
     three = select.fwd_smem_bytes(128, 128, (128, 128, 8, 3), "attn_fwd_sm90", ws=True)
     assert three + 1024 <= select.SM90_SHARED_BYTES
+    # the lab's fifth value: K's stages apart from V's (K_STAGES), persistent D = 128 at 3 + 2
+    k3 = (128, 128, 8, 2, 3)
+    d = select.fwd_defines(dtype="bfloat16", D=128, Dv=128, vec=True, softcap=False, bias_dtype=None,
+                           alibi_dtype=None, mask=False, tile=k3, ws=True, persist=True)
+    assert (d["STAGES"], d["K_STAGES"], d["PERSIST"]) == (2, 3, 1), d
+    smem = select.fwd_smem_bytes(128, 128, k3, "attn_fwd_sm90", ws=True, persist=True)
+    assert smem == 2 * (2 * 128 * 128 + 3 * 128 * 128 + 2 * 128 * 128) + 1024 + 16 * 5 + 8 + 72
+    assert smem + 1024 <= select.SM90_SHARED_BYTES
     assert any(d.get("WS") for k, d in select.variants("sm_90a"))
     assert not any(d.get("WS") for k, d in select.variants("sm_80"))
     # the persistent grid's tile: three stages at D = 64 on the two-warpgroup tile, compiled by warmup
