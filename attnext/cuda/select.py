@@ -544,7 +544,7 @@ def fwd_tf32_f16(arch, dtype, tf32, D, Dv, rows, *, varlen, seqused, paged, mods
     calls (varlen or seqused lengths leave rows the copies' maxima would read; a paged cache is
     not copied) without a score_mod / mask_mod (kept on attn_fwd.cu, as the backward keeps them
     on the planes) and without a broadcast q, k or v (a zero stride: the copies would repeat it).
-    2.8-5.7x attn_fwd.cu's single-pass TF32 at the same error (bench/NOTES.md, float32 table h2).
+    2.3-3.5x attn_fwd.cu's single-pass TF32 at the same error (bench/NOTES.md, float32 table h2).
     ATTNEXT_FWD_TF32_F16=0 leaves such calls on attn_fwd.cu."""
     return (dtype == "float32" and tf32 and arch == "sm_90a" and D == Dv and D in (64, 128)
             and rows >= SCALED16_FWD_ROWS and not (varlen or seqused or paged or mods or broadcast)
@@ -961,6 +961,7 @@ def sm90_fwd_variants():
                 out.append({**ws, "bias_dtype": dtype})
                 out.append({**ws, "bias_dtype": "float32", "mask": True, "alibi_dtype": "float32"})
     # precision="tf32"'s forward on scaled float16 copies (fwd_tf32_f16), on the plain float16 tiles
+    # (a call of few query tiles over long keys, split over the keys, compiles its own at first use)
     out += [{**v, "scaled16": True} for v in out
             if v["dtype"] == "float16" and v["D"] == v["Dv"] and not score_options(v)]
     # the persistent grid (fwd_persist: short rows without score options), on the plain tiles

@@ -149,10 +149,11 @@ def assert_grads_close(grads: Grads | tuple, expected: Grads, *, q: Any, k: Any,
     by the effect of the rounded out; with options' precision="tf32", float32 is held to
     float16's rule plus TF32's rounding of its operands (`accuracy.rounded_out_allowance`; for
     out, pass `extra=lambda: accuracy.tf32_out_allowance(q, k, v, lengths, options)` to
-    assert_close, for lse `accuracy.tf32_lse_allowance(q, k, lengths, options)`). dtensors (a score_mod's captured float arrays) are checked
-    when `options` has the score_mod and expected has any, relative to the largest dq, dk, dv,
-    with the rounded out's effect and the round-off of their sums over pairs allowed (a central
-    difference of the reference's lse per array element: computed only when needed).
+    assert_close, for lse `accuracy.tf32_lse_allowance(q, k, lengths, options)`). dtensors (a
+    score_mod's captured float arrays) are checked when `options` has the score_mod and expected
+    has any, relative to the largest dq, dk, dv, with the rounded out's effect and the round-off
+    of their sums over pairs allowed (a central difference of the reference's lse per array
+    element: computed only when needed).
     """
     q, k, v, dout, out = (to_numpy(x) for x in (q, k, v, dout, out))
     fields = list(grads) + [None] * (5 - len(grads))

@@ -34,15 +34,16 @@ Gradients need two more terms, both from honest sources of error, not slack:
   limit above is exceeded, and it is the whole error where the exact gradient is 0, e.g. the
   dbias of a bias constant along the keys (the softmax ignores such a bias).
 
-* Single-pass TF32 (float32 with precision="tf32"). The tensor cores round every operand to
-  TF32 (float16's 10-bit mantissa): unlike a float16 input, a float32 one is not exact there, so
-  the scores move by eps |q| . |k| * scale, dP by eps |dout| . |v|, and the rounded P, V, dS and K
-  by eps of themselves. `tf32_out_allowance`, `tf32_lse_allowance` and
-  `rounded_out_allowance(precision="tf32")` carry these to out, lse, dq, dk and dbias, to first order, LOW_FACTOR times the root of the sum of their
-  squares (the roundings are independent; eps = float16's). dP's rounding matters most where dS
-  cancels: with one key per row dq = dk = 0 exactly, but the kernel's dP and delta = dout . out
-  differ by it. An emulated TF32 attention sits at 0.1-0.3 of this bound, one rounding to 6
-  mantissa bits (16x coarser) past it (tests/unit/test_testing.py).
+* Single-pass TF32 (float32 with precision="tf32"). The tensor cores round every operand to TF32
+  (float16's 10-bit mantissa): unlike a float16 input, a float32 one is not exact there, so the
+  scores move by eps |q| . |k| * scale, dP by eps |dout| . |v|, and the rounded P, V, dS and K by
+  eps of themselves. `tf32_out_allowance`, `tf32_lse_allowance` and
+  `rounded_out_allowance(precision="tf32")` carry these to out, lse, dq, dk and dbias, to first
+  order, LOW_FACTOR times the root of the sum of their squares (the roundings are independent;
+  eps is float16's), lse with its second-order term too (which never cancels). dP's rounding
+  matters most where dS cancels: with one key per row dq = dk = 0 exactly, but the kernel's dP
+  and delta = dout . out differ by it. An emulated TF32 attention sits at 0.1-0.3 of this bound,
+  one rounding to 6 mantissa bits (16x coarser) past it (tests/unit/test_testing.py).
 
 A gradient computed at q's dtype but stored in a finer one (a float32 dbias for float16 q) gets
 the coarser dtype's allowance. lse is float32 for float16 / bfloat16 / float32 inputs and is
@@ -226,16 +227,18 @@ def tf32_out_allowance(q, k, v, lengths, opts):
 
 
 def tf32_lse_allowance(q, k, lengths, opts):
-    """Per-element bound on how far a single-pass TF32 forward's lse lands from the float64 one:
-    the scores' rounding through the softmax (sum_j P_ij dS_ij), the roundings independent:
-    LOW_FACTOR times the root of the sum of their squares (tf32_out_allowance's first term, with
-    v_j - out_i taken as 1). In lse's shape: (B, Hq, Sq), or (Hq, T) for varlen_attention."""
+    """Per-element bound on how far a single-pass TF32 forward's lse lands from the float64 one,
+    the scores moved by their rounding dS: to first order sum_j P_ij dS_ij (the roundings
+    independent: the root of the sum of their squares), to second order the variance of dS under
+    P, at most 1/2 sum_j P_ij dS_ij^2 (lse is convex: it lifts lse whatever the signs; it leads
+    where the products cancel, q . k small beside |q| |k|); LOW_FACTOR times their sum. In lse's
+    shape: (B, Hq, Sq), or (Hq, T) for varlen_attention."""
     is_varlen, layout = lengths is not None, opts.get("layout", "bshd")
     p = _probabilities(q, k, lengths, opts)
     qc, kc = (canonical(np.asarray(x, np.float64), is_varlen, layout) for x in (q, k))
     kg = np.repeat(kc, qc.shape[1] // kc.shape[1], axis=1)
-    ps = p * _product_rounding(qc, kg) * _softmax_scale(q, opts)
-    bound = LOW_FACTOR * np.sqrt((ps ** 2).sum(axis=-1))
+    ds = _product_rounding(qc, kg) * _softmax_scale(q, opts)
+    bound = LOW_FACTOR * (np.sqrt(((p * ds) ** 2).sum(axis=-1)) + 0.5 * (p * ds ** 2).sum(axis=-1))
     return bound[0] if is_varlen else bound
 
 

@@ -108,7 +108,14 @@ def test_backward_within_a_few_times_numpy_float32(d, x3, rng, monkeypatch):
         assert err <= limit, f"{name}: cuda float32 error {err:.3g} against NumPy float32's {limit / 3:.3g}"
 
 
-def test_tf32_is_single_pass_and_within_its_bound(rng):
+@pytest.mark.parametrize("route", ["1", "0"], ids=["scaled_float16", "attn_fwd"])
+def test_tf32_is_single_pass_and_within_its_bound(route, rng, monkeypatch):
+    """precision="tf32"'s forward at float16's rule, coarser than the split products: on Hopper's
+    scaled float16 copies (dense calls from 256 rows, the default) and on attn_fwd.cu's single
+    pass (ATTNEXT_FWD_TF32_F16=0; elsewhere both are attn_fwd.cu's)."""
+    from attnext.cuda import backend
+    monkeypatch.setenv("ATTNEXT_FWD_TF32_F16", route)
+    backend.clear_plans()
     q, k, v = make_qkv(rng, 2, 300, 333, 4, 2, 128, 128, F32)
     out3, _, r_out, r_lse = _forward(q, k, v, causal=True)
     out1, lse1, _, _ = _forward(q, k, v, causal=True, precision="tf32")

@@ -298,8 +298,8 @@ raise SystemExit(0 if worst < 1 else 1)
 
 
 # precision="tf32"'s forward of dense calls from 256 query rows: attn_scale16.cu's copies, the float16
-# kernels with F16_SCALED (the short rows' tile at 300 rows; the WS kernel, persistent, at 1100),
-# attn_scale16_unscale
+# kernels with F16_SCALED (the short rows' tile at 300 rows; at 1100 the WS kernel, persistent but
+# at D = 64 without a causal mask, which takes the three-warpgroup tile), attn_scale16_unscale
 SCALED16_FORWARD_CHILD = SPY_PRELUDE + r'''
 for D in (64, 128):
     for rows in (300, 1100):

@@ -851,7 +851,6 @@ def test_the_tf32_backward_on_scaled_float16_plan(fake_driver):
         _C.launch = plain
         F32 = np.float32
         SLOT = cuda_backend.SLOT_GRAD_SCALES
-        warm = {(k, tuple(sorted(d.items()))) for k, d in select.variants("sm_90a")}
         # warmup's variants, up to BWD_TMA (this driver makes no tensor maps)
         warm = {(k, tuple(sorted((n, x) for n, x in d.items() if n != "BWD_TMA"))) for k, d in select.variants("sm_90a")}
 
@@ -912,14 +911,13 @@ def test_the_tf32_backward_on_scaled_float16_plan(fake_driver):
 def test_the_tf32_forward_on_scaled_float16_plan(fake_driver):
     """precision="tf32"'s forward of dense float32 calls on Hopper by default
     (select.fwd_tf32_f16): attn_scale16.cu's maxima and copies of q, k and v over (CTAs, 3) (out's
-    and dout's slots empty), one attn_fwd_sm90.cu launch with F16_SCALED
-    (float16 elements) reading the copies and the factors in grad_scales, writing a float16 out of
-    its own and the caller's lse (a variant warmup compiles), then attn_scale16_unscale from that out into the caller's out
-    (its strides: bhsd too); causal or not, D = 64 and 128, with out= or not. Left on attn_fwd.cu's
-    single-pass TF32: varlen, seqused, a mask_mod (lowered whole, to a band), D != Dv, fewer than
-    SCALED16_FWD_ROWS query rows, a batch-broadcast k (stride 0), and every call with
-    ATTNEXT_FWD_TF32_F16=0.
-    Repeated calls do not replay (the copies are made afresh)."""
+    and dout's slots empty), one attn_fwd_sm90.cu launch with F16_SCALED (float16 elements, a
+    variant warmup compiles) reading the copies and the factors in grad_scales, writing a float16
+    out of its own and the caller's lse, then attn_scale16_unscale from that out into the caller's
+    out (its strides: bhsd too); causal or not, D = 64 and 128, with out= or not. Left on
+    attn_fwd.cu's single-pass TF32: varlen, seqused, a mask_mod (lowered whole, to a band), D !=
+    Dv, fewer than SCALED16_FWD_ROWS query rows, a batch-broadcast k (stride 0), and every call
+    with ATTNEXT_FWD_TF32_F16=0. Repeated calls do not replay (the copies are made afresh)."""
     run_on_fake(fake_driver, r"""
         from attnext.cuda import scale16
         _C.cuda_launch_attention = lambda fn, *rest: launch(fn, *rest[:8])     # the mods' bytes dropped

@@ -161,3 +161,28 @@ def test_the_tf32_rule_passes_tf32_and_fails_a_coarser_product(sq, sk, d, causal
                                                                  None, opts)
     assert not problems(10)
     assert problems(6)
+
+
+def test_the_tf32_lse_rule_where_the_products_cancel():
+    """accuracy.tf32_lse_allowance where float16's rule alone is too tight for TF32: q . k small
+    beside |q| |k| (each k half the negated copy of its own first half, q both halves alike), so
+    that rounding the operands to TF32 moves the scores far more than lse's limit, and lifts lse
+    (its second-order term). An attention whose products round to TF32 passes with the allowance
+    (and not without it); one that rounds them to 6 mantissa bits does not."""
+    from attnext.testing import accuracy
+    rng = np.random.default_rng()
+    d, a = 64, 30.0
+    q, k = (rng.standard_normal((2, n, 2, d // 2)) * a for n in (150, 170))
+    q = np.concatenate([q, q], -1).astype(np.float32)
+    k = (np.concatenate([k, -k], -1) + rng.standard_normal((2, 170, 2, d)) * 0.01).astype(np.float32)
+    _, ref_lse = attnext.reference.attention(q, k, k, return_lse=True)
+    opts = dict(precision="tf32")
+
+    def lse_problem(bits, extra):
+        lse = _emulated_attention(q, k, k, np.zeros_like(q), bits, False)[2]
+        return accuracy.compare("lse", lse, ref_lse, accuracy.F16,
+                                extra=(lambda: accuracy.tf32_lse_allowance(q, k, None, opts)) if extra else None)
+    assert lse_problem(10, extra=False)
+    assert not lse_problem(10, extra=True)
+    assert lse_problem(6, extra=True)
+
