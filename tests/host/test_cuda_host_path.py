@@ -1001,7 +1001,9 @@ def test_the_float32_forward_on_hopper_plan(fake_driver):
     splitter warpgroups, then the computing one), its tile's shared memory, for plain scores, a
     causal band, every score option, and a score_mod with a mask_mod; the plain variants and at
     D = 128 softcap's and the score arrays' among those warmup compiles. precision="tf32", D != Dv
-    and bfloat16 inputs take the other kernels."""
+    and bfloat16 inputs take the other kernels (precision="tf32" with ATTNEXT_FWD_TF32_F16=0 here:
+    its dense calls take scaled float16 copies by default, as
+    test_the_tf32_forward_on_scaled_float16_plan checks)."""
     run_on_fake(fake_driver, r"""
         _C.cuda_launch_attention = lambda fn, *rest: launch(fn, *rest[:8])     # the mods' bytes dropped
         F32 = np.float32
@@ -1042,4 +1044,4 @@ def test_the_float32_forward_on_hopper_plan(fake_driver):
         assert [g[1] for g in forward(*qkv(96))] == ["attn_fwd"]
         assert [g[1] for g in forward(*qkv(128, dtype=BF16))][-1] == "attn_fwd_sm90"
         print("ok")
-    """)
+    """, ATTNEXT_FWD_TF32_F16="0")
