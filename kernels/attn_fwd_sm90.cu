@@ -364,8 +364,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     /* Q (Q_BUFS x NUM_WG blocks of 64 rows), then K[K_STAGES], V[STAGES], then the barriers:
-     * full_k, empty_k (K_STAGES each), full_v, empty_v (STAGES each), and tail_v; PERSIST: q_full, q_empty, next_full,
-     * next_empty, two each, then the two slots of the next tile (int32) */
+     * full_k, empty_k (K_STAGES each), full_v, empty_v (STAGES each), and tail_v; PERSIST:
+     * q_full, q_empty, next_full, next_empty, two each, then the two slots of the next tile (int32) */
     const uint32_t sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
     const uint32_t sK = sQ + Q_BUFS * Q_BYTES, sV = sK + K_STAGES * K_BYTES, bars = sV + STAGES * V_BYTES;
     const uint32_t full_k = bars, empty_k = bars + 8 * K_STAGES, full_v = bars + 16 * K_STAGES,
@@ -430,10 +430,11 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
             return;
         /* Key tile i of a query tile's visit (n = n_last - i) goes to ring position kv + i (the
          * CTA's key tiles so far, plus i): stage (kv + i) % K_STAGES (K) or % STAGES (V), once
-         * every computing warpgroup has released that stage's previous tile. K runs a tile ahead of V (K[i + 1],
-         * then V[i]): a step needs the S of its tile before the P V of the last. Lane 0 issues;
-         * without PERSIST the warp's lanes zero tail_rows of V[0] (its copy completes tail_v, and
-         * the warp completes full_v's phase by a plain arrival once the rows are 0). */
+         * every computing warpgroup has released that stage's previous tile. K runs a tile ahead
+         * of V (K[i + 1], then V[i]): a step needs the S of its tile before the P V of the last.
+         * Lane 0 issues; without PERSIST the warp's lanes zero tail_rows of V[0] (its copy
+         * completes tail_v, and the warp completes full_v's phase by a plain arrival once the rows
+         * are 0). */
         int kv = 0;
 #if PERSIST
         int qn = 0;                                      /* Q blocks brought */
