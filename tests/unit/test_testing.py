@@ -165,7 +165,7 @@ def test_the_tf32_rule_passes_tf32_and_fails_a_coarser_product(sq, sk, d, causal
 
 def test_the_tf32_lse_rule_where_the_products_cancel():
     """accuracy.tf32_lse_allowance where float16's rule alone is too tight for TF32: q . k small
-    beside |q| |k| (each k half the negated copy of its own first half, q both halves alike), so
+    beside |q| |k| (q's two halves alike, k's second half its first negated, plus noise), so
     that rounding the operands to TF32 moves the scores far more than lse's limit, and lifts lse
     (its second-order term). An attention whose products round to TF32 passes with the allowance
     (and not without it); one that rounds them to 6 mantissa bits does not."""
@@ -185,4 +185,3 @@ def test_the_tf32_lse_rule_where_the_products_cancel():
     assert lse_problem(10, extra=False)
     assert not lse_problem(10, extra=True)
     assert lse_problem(6, extra=True)
-
