@@ -205,17 +205,25 @@ def _product_rounding(a, b):
     return 0.5 * EPS[F16] * np.sqrt(2 * np.einsum("bhid,bhjd->bhij", a ** 2, b ** 2))
 
 
+def _score_rounding(q, k, lengths, opts):
+    """The reference's P and single-pass TF32's bound on each score's rounding (dS: the product's
+    rounding times the softmax scale), canonical (b, h, i, j), for the tf32 allowances."""
+    is_varlen, layout = lengths is not None, opts.get("layout", "bshd")
+    qc, kc = (canonical(np.asarray(x, np.float64), is_varlen, layout) for x in (q, k))
+    kg = np.repeat(kc, qc.shape[1] // kc.shape[1], axis=1)
+    return _probabilities(q, k, lengths, opts), _product_rounding(qc, kg) * _softmax_scale(q, opts)
+
+
 def tf32_out_allowance(q, k, v, lengths, opts):
     """Per-element bound on how far a single-pass TF32 forward's out lands from the float64 one
     (module docstring): the scores' rounding through the softmax (P_ij dS_ij (v_j - out_i)) and
     P's and V's own rounding (u sqrt(2) P_ij v_j), the roundings independent: LOW_FACTOR times
     the root of their sum of squares."""
     is_varlen, layout = lengths is not None, opts.get("layout", "bshd")
-    p = _probabilities(q, k, lengths, opts)
-    qc, kc, vc = (canonical(np.asarray(x, np.float64), is_varlen, layout) for x in (q, k, v))
-    group = qc.shape[1] // kc.shape[1]
-    kg, vg = np.repeat(kc, group, axis=1), np.repeat(vc, group, axis=1)
-    ps = p * _product_rounding(qc, kg) * _softmax_scale(q, opts)
+    p, ds = _score_rounding(q, k, lengths, opts)
+    vc = canonical(np.asarray(v, np.float64), is_varlen, layout)
+    vg = np.repeat(vc, p.shape[1] // vc.shape[1], axis=1)
+    ps = p * ds
     out = np.einsum("bhij,bhjd->bhid", p, vg)
     # sum_j (ps_ij (v_jd - out_id))^2, expanded so that no (b, h, i, j, d) array is formed
     scores = (np.einsum("bhij,bhjd->bhid", ps ** 2, vg ** 2)
@@ -233,13 +241,9 @@ def tf32_lse_allowance(q, k, lengths, opts):
     P, at most 1/2 sum_j P_ij dS_ij^2 (lse is convex: it lifts lse whatever the signs; it leads
     where the products cancel, q . k small beside |q| |k|); LOW_FACTOR times their sum. In lse's
     shape: (B, Hq, Sq), or (Hq, T) for varlen_attention."""
-    is_varlen, layout = lengths is not None, opts.get("layout", "bshd")
-    p = _probabilities(q, k, lengths, opts)
-    qc, kc = (canonical(np.asarray(x, np.float64), is_varlen, layout) for x in (q, k))
-    kg = np.repeat(kc, qc.shape[1] // kc.shape[1], axis=1)
-    ds = _product_rounding(qc, kg) * _softmax_scale(q, opts)
+    p, ds = _score_rounding(q, k, lengths, opts)
     bound = LOW_FACTOR * (np.sqrt(((p * ds) ** 2).sum(axis=-1)) + 0.5 * (p * ds ** 2).sum(axis=-1))
-    return bound[0] if is_varlen else bound
+    return bound[0] if lengths is not None else bound
 
 
 def rounded_out_allowance(q, k, v, dout, out, ref_out, lengths, opts, precision=None):
