@@ -650,7 +650,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     dense = (not o.varlen and o.used_q is None and o.used_k is None and _tma_strides(o.q4)
              and row_tiles * o.Hq * o.B < 2 ** 31)
     persist_tile = select.fwd_persist_tile(o.D, tile)
-    persist = (ws and select.fwd_persist(dense, row_tiles, options, tile, gen)
+    persist = (ws and select.fwd_persist(dense, row_tiles, options, tile, gen, o.causal_code != 0)
                and select.fwd_smem_bytes(o.D, o.Dv, persist_tile, kernel, features["dtype"], tma, ws, True) + 1024
                <= select.SM90_SHARED_BYTES)
     if persist:

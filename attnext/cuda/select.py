@@ -223,6 +223,11 @@ def fwd_ws(arch, D, Dv, vec, rows, key_rows, dtype="bfloat16", copyable=False, t
 # S2k full D128 +1.5%; S4k within 1% either way, S8k-16k 0-2% slower; the three-warpgroup D64
 # tile (plain calls) 1.5% slower at S2k (bench/NOTES.md, forward).
 PERSIST_TILES = 16
+# ... and with a causal mask, calls of at most this many: H200 (session 56, separate processes
+# alternated twice, cuDNN beside): D128 S4k causal 518.8 / 518.1 -> 532.2 / 532.2 TFLOP/s (+2.7%;
+# the triangle's long and short tiles even out over a CTA's turns), S8k 561 / 562 -> 566 / 559 and
+# S16k 594 / 588 -> 589 / 589 (even). Unmasked S4k D128 stays within 1% either way.
+PERSIST_TILES_CAUSAL = 32
 
 
 def score_options(features):
@@ -231,14 +236,15 @@ def score_options(features):
     return bool(features["softcap"] or features["bias_dtype"] or features["alibi_dtype"] or features["mask"])
 
 
-def fwd_persist(dense, q_tiles, options, tile, mods=None):
+def fwd_persist(dense, q_tiles, options, tile, mods=None, causal=False):
     """Whether the WS forward runs as a persistent grid (PERSIST: a CTA an SM taking query tiles in
     turn, each tile's Q by the producer's bulk tensor copies): for dense batches (no cu_seqlens or
     seqused: every query row such a copy brings is the call's, or past the tensor and zero) without
     generated mods (a mask_mod narrows each tile's key range by whole warps, which the producer's
     one thread cannot); by default for calls of at most PERSIST_TILES query tiles (q_tiles, the
-    longest sequence's) of the two-warpgroup tile (tile: the WS tile chosen) without score options
-    (options: score_options', whose variants warmup compiles for a CTA a tile alone).
+    longest sequence's; PERSIST_TILES_CAUSAL with a causal mask) of the two-warpgroup tile (tile:
+    the WS tile chosen) without score options (options: score_options', whose variants warmup
+    compiles for a CTA a tile alone).
     ATTNEXT_FWD_PERSIST=0 / 1 decides for the lab and the tests wherever a dense batch without
     mods allows it."""
     if not dense or mods is not None:
@@ -246,7 +252,8 @@ def fwd_persist(dense, q_tiles, options, tile, mods=None):
     env = _env.get("ATTNEXT_FWD_PERSIST")
     if env in ("0", "1"):
         return env == "1"
-    return q_tiles <= PERSIST_TILES and not options and tuple(tile) == tuple(SM90_TILE_WS)
+    most = PERSIST_TILES_CAUSAL if causal else PERSIST_TILES
+    return q_tiles <= most and not options and tuple(tile) == tuple(SM90_TILE_WS)
 
 
 # ... and its tile at D = 64: SM90_TILE_WS with three stages of K and V. A D = 64 key tile's K and V

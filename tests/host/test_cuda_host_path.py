@@ -634,8 +634,9 @@ def test_threads_on_their_own_streams_get_the_single_thread_bits(torch_cuda):
 
 
 def test_the_persistent_ws_forward_plan(tmp_path):
-    """A dense batch's WS forward of at most select.PERSIST_TILES query tiles without score options
-    is a persistent grid by default, and any dense one where the lab asks (ATTNEXT_FWD_PERSIST=1):
+    """A dense batch's WS forward of at most select.PERSIST_TILES query tiles
+    (select.PERSIST_TILES_CAUSAL with a causal mask) without score options is a persistent grid by
+    default, and any dense one where the lab asks (ATTNEXT_FWD_PERSIST=1):
     min(tiles, SMs) CTAs on one axis, three tensor maps (k, v, then q by boxes of PERSIST_Q_ROWS
     rows), the stream's counters in their slot and the second Q's shared memory; a varlen call
     and one with seqused_k keep a CTA a tile, as do longer rows, a call with a score option and
@@ -675,10 +676,16 @@ def test_the_persistent_ws_forward_plan(tmp_path):
             assert d["PERSIST"] == 1 and grid == (min(24 * 16 * 2, sms), 1, 1), (d, grid)
         finally:
             _env.setenv("ATTNEXT_FWD_PERSIST", None)
-        # by default: 16 query tiles a head, with or without a causal mask, but no score option
+        # by default: 16 query tiles a head, with or without a causal mask, 24 with one, but no
+        # score option
         for causal in (False, True):
             d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(q, k, v, causal=causal))
             assert d["PERSIST"] == 1 and grid == (min(16 * 16 * 2, sms), 1, 1) and n_maps == 3, (d, grid)
+        d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(qs, ks, vs, causal=True))
+        assert d["PERSIST"] == 1 and grid == (min(24 * 16 * 2, sms), 1, 1) and n_maps == 3, (d, grid)
+        ql, kl, vl = qkv(1, select.PERSIST_TILES_CAUSAL * 128 + 1, 4096, 2, 2, 128)   # one tile past
+        d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(ql, kl, vl, causal=True))
+        assert "PERSIST" not in d and grid == (select.PERSIST_TILES_CAUSAL + 1, 2, 1), (d, grid)
         bias, mask = dev((1, 16, 2048, 2048), np.float32), dev((2, 1, 2048, 2048), np.bool_)
         for call in (lambda: attnext.attention(qs, ks, vs), lambda: attnext.attention(q, k, v, softcap=30.0),
                      lambda: attnext.attention(q, k, v, bias=bias), lambda: attnext.attention(q, k, v, mask=mask),
