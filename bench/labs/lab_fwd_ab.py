@@ -1,0 +1,84 @@
+"""Kernel lab: forward configurations A / B, each in its own process, alternated, cuDNN beside.
+
+    python bench/labs/lab_fwd_ab.py --rows 128:2048 128:8192:causal \
+        --config default= --config n176=ATTNEXT_TILE_FWD_WS=128,176,8,2 [--rounds 2]
+
+A configuration is NAME=ENV: space-separated VAR=VALUE settings of the environment (the labs'
+knobs: ATTNEXT_TILE_FWD_WS, ATTNEXT_FWD_PERSIST, ATTNEXT_KERNEL_DIR for a copy of kernels/ ...),
+empty for the defaults. Each round runs every configuration once, in order, as a child process, so
+a kernel's first compile, the allocator and the clocks of one configuration do not carry into the
+next; rounds alternate them. A row D:S[:causal] is bf16, B * S = 16k tokens, H = 2048 / D heads;
+the child checks attnext's out against SDPA's cuDNN backend (verify.py) before timing both with
+triton.testing.do_bench medians (no L2 flush), and prints TFLOP/s (4 B H S^2 D, halved for
+causal), cuDNN's, their ratio and the error. Ratios, not absolute rates, carry between runs.
+"""
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def child(name, rows):
+    import torch
+    import triton
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sys.path.insert(0, str(ROOT))                        # the repository's attnext
+    import attnext
+    import verify
+
+    torch.manual_seed(0)
+    for row in rows:
+        D, S, *rest = row.split(":")
+        D, S, causal = int(D), int(S), rest == ["causal"]
+        B, H = 16384 // S, 2048 // D
+        q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        flops = 4 * B * H * S * S * D / (2 if causal else 1)
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+        def cudnn():
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        out = torch.empty_like(q)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            want = cudnn().transpose(1, 2)
+            t_cudnn = triton.testing.do_bench(cudnn, rep=300, return_mode="median")
+        attnext.attention(q, k, v, causal=causal, out=out)
+        label = f"{name:12s} D{D} S{S} B{B} {'causal' if causal else 'full  '}"
+        try:
+            err = verify.check(label, {"out": (out, want)})
+        except verify.WrongResult as e:
+            print(e, flush=True)
+            continue
+        t = triton.testing.do_bench(lambda: attnext.attention(q, k, v, causal=causal, out=out), rep=300,
+                                    return_mode="median")
+        print(f"{label}  attnext {flops / t / 1e9:6.1f}  cudnn {flops / t_cudnn / 1e9:6.1f}  "
+              f"({t_cudnn / t:.3f}x)  err {err:.1e}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", nargs="+", required=True, help="D:S[:causal] ...")
+    ap.add_argument("--config", action="append", default=[], help="NAME=VAR=VALUE VAR=VALUE ... (repeatable)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.rows)
+        return
+    if not args.config:
+        ap.error("at least one --config")
+    configs = []
+    for c in args.config:
+        name, _, env = c.partition("=")
+        configs.append((name, dict(kv.split("=", 1) for kv in env.split())))
+    for _ in range(args.rounds):
+        for name, env in configs:
+            subprocess.run([sys.executable, __file__, "--child", name, "--rows", *args.rows],
+                           env={**os.environ, **env}, check=False)
+
+
+if __name__ == "__main__":
+    main()
