@@ -676,8 +676,8 @@ def test_the_persistent_ws_forward_plan(tmp_path):
             assert d["PERSIST"] == 1 and grid == (min(24 * 16 * 2, sms), 1, 1), (d, grid)
         finally:
             _env.setenv("ATTNEXT_FWD_PERSIST", None)
-        # by default: 16 query tiles a head, with or without a causal mask, 24 with one, but no
-        # score option
+        # by default: 16 query tiles a head with or without a causal mask, and with one up to
+        # PERSIST_TILES_CAUSAL (24 here, then one tile past it), but no score option
         for causal in (False, True):
             d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(q, k, v, causal=causal))
             assert d["PERSIST"] == 1 and grid == (min(16 * 16 * 2, sms), 1, 1) and n_maps == 3, (d, grid)
