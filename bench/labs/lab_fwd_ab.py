@@ -41,6 +41,7 @@ def child(name, rows):
 
         def cudnn():
             return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
         out = torch.empty_like(q)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             want = cudnn().transpose(1, 2)
