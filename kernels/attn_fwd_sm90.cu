@@ -438,7 +438,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
         mbar_init_fence();
     }
 #if SUM_BY_MMA
-    const uint32_t ones = bars + 256;                    /* past the barriers' 208 bytes at most */
+    static_assert(16 * (K_STAGES + STAGES) + 8 + 72 * PERSIST <= 256, "the barriers reach the ones");
+    const uint32_t ones = bars + 256;                    /* past the barriers */
     if (tid < 128) {
         uint32_t end;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(end));
