@@ -448,6 +448,10 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
         asm volatile("st.shared.b32 [%0], %1;" ::"r"(ones + 4 * tid), "r"(ELEM_BF16 ? 0x3F803F80u : 0x3C003C00u));
         fence_proxy_async();
     }
+    /* B of the row sums: K-major without swizzle, both strides 128 bytes (all ones: the product
+     * reads 256 bytes of them whichever stride is which) */
+    const uint64_t ones_desc = uniform_desc((uint64_t)((ones & 0x3FFFF) >> 4) | ((uint64_t)(128 >> 4) << 16)
+                                            | ((uint64_t)(128 >> 4) << 32));
 #endif
     __syncthreads();
 
@@ -592,10 +596,6 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 #if SUM_BY_MMA
         float ls[1][1][4];                               /* each row's sum of P, in every column */
         zero_acc(ls);
-        /* B of the row sums: K-major without swizzle, both strides 128 bytes (all ones: the
-         * product reads 256 bytes of them whichever stride is which) */
-        const uint64_t ones_desc = uniform_desc((uint64_t)((ones & 0x3FFFF) >> 4) | ((uint64_t)(128 >> 4) << 16)
-                                                | ((uint64_t)(128 >> 4) << 32));
 #endif
         if (n_last < n_first) {
             write_out(p, sq, sc.to_natural, o, m, l, row0, b, h, 1, 0, Lq);
