@@ -45,16 +45,6 @@
 #ifndef WS
 #define WS 0
 #endif
-/* The kernel lab's (a copy of kernels/ with this set to 1; the WS kernel only): each row's sum of
- * P by the tensor cores, an m64n8 product of P and a tile of ones beside every P V step, rescaled
- * as O is, in place of softmax_update's addition a score. Its sum is of P as P V takes it (16-bit),
- * where softmax_update's is of P before that rounding: out's weights then sum to 1 exactly, but
- * lse moves by up to 2^-8 (the float32 rule it is held to fails), so a shipped form could take it
- * only for calls that ask no lse. The ones: 512 bytes past the barriers, in the 1024 the host adds
- * for the alignment (the kernel traps where they would not fit). */
-#ifndef SUM_BY_MMA
-#define SUM_BY_MMA 0
-#endif
 #define NUM_WG (BLOCK_M / 64)             /* warpgroups that compute */
 #define THREADS (NUM_WG * 128)
 #define NT (BLOCK_N / 8)                  /* n8 column groups of S per warp */
@@ -437,22 +427,6 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 #endif
         mbar_init_fence();
     }
-#if SUM_BY_MMA
-    static_assert(16 * (K_STAGES + STAGES) + 8 + 72 * PERSIST <= 256, "the barriers reach the ones");
-    const uint32_t ones = bars + 256;                    /* past the barriers */
-    if (tid < 128) {
-        uint32_t end;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(end));
-        if (ones + 512 > smem_addr(smem_raw) + end)
-            __trap();
-        asm volatile("st.shared.b32 [%0], %1;" ::"r"(ones + 4 * tid), "r"(ELEM_BF16 ? 0x3F803F80u : 0x3C003C00u));
-        fence_proxy_async();
-    }
-    /* B of the row sums: K-major without swizzle, both strides 128 bytes (all ones: the product
-     * reads 256 bytes of them whichever stride is which) */
-    const uint64_t ones_desc = uniform_desc((uint64_t)((ones & 0x3FFFF) >> 4) | ((uint64_t)(128 >> 4) << 16)
-                                            | ((uint64_t)(128 >> 4) << 32));
-#endif
     __syncthreads();
 
     if (wg == 0) {                                       /* the producer */
@@ -593,10 +567,6 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
         float o[1][OT][4];
         float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
         zero_acc(o);
-#if SUM_BY_MMA
-        float ls[1][1][4];                               /* each row's sum of P, in every column */
-        zero_acc(ls);
-#endif
         if (n_last < n_first) {
             write_out(p, sq, sc.to_natural, o, m, l, row0, b, h, 1, 0, Lq);
             continue;
@@ -632,12 +602,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
             const uint64_t dv0 = uniform_desc(sw128_desc(sV + st * V_BYTES, BLOCK_N * 128, 1024));
             wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < BLOCK_N / 16; kk++) {
+            for (int kk = 0; kk < BLOCK_N / 16; kk++)
                 o_step(o[0], pa[kk], dv0 + desc_step(kk * 16 * 128));
-#if SUM_BY_MMA
-                wgmma_m64n8_rs(ls[0], pa[kk], ones_desc);
-#endif
-            }
             wgmma_commit();
         };
 
@@ -664,16 +630,12 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
             release(empty_k + 8 * st);
             fence_acc(s[0]);
             score_tile(p, sc, s, row0, n * BLOCK_N, need, 1, Lq, Lk);
-            softmax_update<1, NT, !SUM_BY_MMA>(s, m, l, corrs, sc.to_log2);
+            softmax_update(s, m, l, corrs, sc.to_log2);
             if (i > 0) {
                 wgmma_wait<0>();
                 release(empty_v + 8 * pst);
                 fence_acc(o[0]);
                 rescale_o(o, corrs);
-#if SUM_BY_MMA
-                fence_acc(ls[0]);
-                rescale_o(ls, corrs);
-#endif
             }
 #pragma unroll
             for (int kk = 0; kk < BLOCK_N / 16; kk++)
@@ -686,11 +648,6 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
             wgmma_wait<0>();
             release(empty_v + 8 * pst);
             fence_acc(o[0]);
-#if SUM_BY_MMA
-            fence_acc(ls[0]);
-            l[0] = 0.25f * ls[0][0][0];                  /* finish_rows sums a quad's four */
-            l[1] = 0.25f * ls[0][0][2];
-#endif
         }
         kv += tiles;
         float inv[2];

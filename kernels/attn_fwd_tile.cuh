@@ -222,9 +222,8 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
  * differences into log2 units): new row maxima m (over the quad), l rescaled and summed, s
  * overwritten by P = exp2((S - max) to_log2), unnormalised; corrs[i] is the factor O's row i
  * must be multiplied by (1 when its maximum did not move). The maximum is subtracted before
- * the change of units: the maximum's p is then exactly 1 and no finite score overflows. !SUM
- * leaves l to the caller (the WS kernel lab's SUM_BY_MMA). */
-template <int MT, int NT, bool SUM = true>
+ * the change of units: the maximum's p is then exactly 1 and no finite score overflows. */
+template <int MT, int NT>
 DEV void softmax_update(float (&s)[MT][NT][4], float (&m)[2 * MT], float (&l)[2 * MT], float (&corrs)[2 * MT],
                         float to_log2)
 {
@@ -245,11 +244,9 @@ DEV void softmax_update(float (&s)[MT][NT][4], float (&m)[2 * MT], float (&l)[2 
         for (int nt = 0; nt < NT; nt++) {
             s[mt][nt][e0] = fast_exp2((s[mt][nt][e0] - base) * to_log2);
             s[mt][nt][e0 + 1] = fast_exp2((s[mt][nt][e0 + 1] - base) * to_log2);
-            if (SUM)
-                sum += s[mt][nt][e0] + s[mt][nt][e0 + 1];
+            sum += s[mt][nt][e0] + s[mt][nt][e0 + 1];
         }
-        if (SUM)
-            l[i] = l[i] * corr + sum;
+        l[i] = l[i] * corr + sum;
         corrs[i] = corr;
     }
 }

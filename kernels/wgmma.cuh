@@ -165,17 +165,6 @@ DEV void wgmma_m64n192_ss(float (&d)[24][4], uint64_t desc_a, uint64_t desc_b, i
                  : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-/* d += A B for m64n8k16: A from registers (as wgmma_m64n64_rs_t's), B from shared memory,
- * K-major (the kernel lab's row sums by the tensor cores: B all ones). */
-DEV void wgmma_m64n8_rs(float (&d)[1][4], const uint32_t (&a)[4], uint64_t desc_b)
-{
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n8k16.f32." WGMMA_AB " "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
-
 /* d (+)= A B for m64n64k16: A from registers (the m16n8k16 A fragment of this warp's 16 rows),
  * B from shared memory, MN-major (transposed: N contiguous). */
 DEV void wgmma_m64n64_rs_t(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b, int accumulate = 1)
