@@ -642,8 +642,10 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
                                       copyable)
     options = select.score_options(features)
     ws3 = select.fwd_ws3(o.D, rows, o.causal_code != 0, _windowed(o), options, gen)
+    wide_keys = select.fwd_wide_keys(o.D, _query_tiles(rows, select.SM90_TILE_WS[0]),
+                                     _key_rows(o) if o.varlen else o.Sk, o.causal_code != 0, _windowed(o), options, gen)
     kernel, tile = select.fwd_kernel(arch, o.D, o.Dv, features["vec"], decode, rows, gen,
-                                     features["dtype"], paged, tma, ws, ws3, features["tf32"])
+                                     features["dtype"], paged, tma, ws, ws3, features["tf32"], wide_keys)
     # the persistent grid: a dense batch whose q a tensor map can describe, in tiles an int32
     # counts, with a second Q beside the tile in shared memory
     row_tiles = _query_tiles(rows, tile[0])

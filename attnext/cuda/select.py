@@ -158,6 +158,15 @@ SM90_TILE_WS = (128, 128, 8, 2)
 # S4k 377 -> 380; S2k 326 -> 311, where the persistent grid of SM90_TILE_WS leads)
 SM90_TILE_WS3 = (192, 128, 12, 2)
 CAUSAL_WS3_ROWS = 2048
+# ... and at D = 128 for plain calls (no causal mask, window, score options or score_mod /
+# mask_mod) over keys of at least WIDE_KEYS rows (the longest key sequence's) that the persistent
+# grid does not take: 176 keys a tile (wgmma m64n176; FlashAttention-3's hdim-128 tile), so a key
+# tile's barriers, row maxima and turns serve 176 keys where they served 128. H200 (session 57,
+# separate processes alternated twice, cuDNN beside; TFLOP/s): S8k 601.6 / 602.9 -> 606.7 / 606.6,
+# S16k 609.5 / 614.5 -> 615.5 / 615.0 (+0.5-0.8%); S4k 0.7% and S2k 2.5% slower, S8k causal 0.5%
+# slower (those keep 128); 192 keys a tile within 0.5% of 176.
+SM90_TILE_WS_WIDE = (128, 176, 8, 2)
+WIDE_KEYS = 8192
 # ... and with a score_mod: 64 keys a tile, as SM90_TILE_MODS and for its
 # reason, the first call's compile (NVRTC 13.x on the dev machine, softcap, D128: 1.44 s at 128 x
 # 128 against 1.13 s here and 0.91 s for SM90_TILE_MODS' kernel)
@@ -171,16 +180,17 @@ SM90_TILE_WS_MODS = (128, 64, 8, 2)
 # _Plan.upgrade). A score_mod with per-score loads keeps 64 keys (their registers).
 
 
-def fwd_ws_tile(score_mod=False, wide=False, ws3=False):
+def fwd_ws_tile(score_mod=False, wide=False, ws3=False, wide_keys=False):
     """(BLOCK_M, BLOCK_N, computing warps, STAGES) of the WS forward (score_mod: a call with one;
     wide: the wide tile of a score_mod without per-score loads, SM90_TILE_WS; ws3: fwd_ws3's call,
-    SM90_TILE_WS3); the lab's ATTNEXT_TILE_FWD_WS fixes it."""
+    SM90_TILE_WS3; wide_keys: fwd_wide_keys' call, SM90_TILE_WS_WIDE); the lab's
+    ATTNEXT_TILE_FWD_WS fixes it."""
     lab = _lab_tile("ATTNEXT_TILE_FWD_WS")
     if lab:
         return lab
     if score_mod:
         return SM90_TILE_WS if wide else SM90_TILE_WS_MODS
-    return SM90_TILE_WS3 if ws3 else SM90_TILE_WS
+    return SM90_TILE_WS3 if ws3 else SM90_TILE_WS_WIDE if wide_keys else SM90_TILE_WS
 
 
 def fwd_ws3(D, rows, causal, window, options, mods):
@@ -189,6 +199,16 @@ def fwd_ws3(D, rows, causal, window, options, mods):
     with one past CAUSAL_WS3_ROWS query rows (rows: the longest sequence's)."""
     return (D == 64 and mods is None and not window and not options
             and (not causal or rows > CAUSAL_WS3_ROWS))
+
+
+def fwd_wide_keys(D, q_tiles, key_rows, causal, window, options, mods):
+    """Whether a WS forward takes SM90_TILE_WS_WIDE: D = 128 without a causal mask, window, score
+    options (score_options') or generated mods (codegen.Generated or None), over at least
+    WIDE_KEYS key rows (key_rows: the longest key sequence's), with more than PERSIST_TILES query
+    tiles (q_tiles: the longest sequence's at 128 rows), which the persistent grid leaves to a CTA
+    a tile."""
+    return (D == 128 and not causal and not window and not options and mods is None
+            and key_rows >= WIDE_KEYS and q_tiles > PERSIST_TILES)
 
 
 def fwd_ws_widens(mods):
@@ -278,7 +298,7 @@ PERSIST_Q_ROWS = 64
 
 
 def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", paged=False, tma=False, ws=False,
-               ws3=False, tf32=False):
+               ws3=False, tf32=False, wide_keys=False):
     """(kernel source, tile) of the forward: kernels/attn_fwd_sm90.cu (wgmma) on sm_90a for
     16-byte-loadable inputs with D, Dv in {64, 128}, else kernels/attn_fwd.cu (mma.sync, every
     shape, and the decode paths). rows: the longest query sequence; mods: the generated
@@ -290,12 +310,12 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
     attn_fwd.cu (paged: its key rows are gathered through the page table, PAGED). tma
     (decode_tma): a decode takes TMA_KV's tile (4 ints: the stages last); ws (fwd_ws): the WS
     kernel's first tile (a score_mod's wide one, once compiled: fwd_ws_widens); ws3 (fwd_ws3):
-    its 192-row tile."""
+    its 192-row tile; wide_keys (fwd_wide_keys): its 176-key tile."""
     if decode and tma:
         return "attn_fwd", decode_tma_tile()
     if ws and not decode:
         return "attn_fwd_sm90", fwd_ws_tile(mods is not None and bool(mods.defines.get("HAS_SCORE_MOD")),
-                                            ws3=ws3)
+                                            ws3=ws3, wide_keys=wide_keys)
     if fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32):
         return "attn_fwd_sm90_f32", _lab_tile("ATTNEXT_TILE_F32_SM90") or SM90_TILE_F32   # lab: "64,64,12,1"
     if (arch == "sm_90a" and not decode and not paged and vec and D in (64, 128) and Dv in (64, 128) and dtype != "float32"
@@ -948,7 +968,7 @@ def bwd_variants(arch=None):
 def sm90_fwd_variants():
     """attn_fwd_sm90's variants (sm_90a only): both dtypes, the head dims it takes (the WS kernel's
     too where D = Dv), and each feature on its own at D = 128 on the WS kernel, its plain tiles
-    also as a persistent grid; attn_fwd.cu's TMA_KV decode (packed GQA, split or not, contiguous
+    also as a persistent grid, and at D = 128 on the 176-key tile; attn_fwd.cu's TMA_KV decode (packed GQA, split or not, contiguous
     or paged); and attn_fwd_sm90_f32.cu's float32 at D = Dv in {64, 128}, each score option on its
     own at D = 128 as on the WS kernel."""
     out = []
@@ -974,6 +994,9 @@ def sm90_fwd_variants():
     # the persistent grid (fwd_persist: short rows without score options), on the plain tiles
     out += [{**v, "persist": True, "tile": fwd_persist_tile(v["D"], v["tile"])}
             for v in out if v.get("ws") and not score_options(v)]
+    # plain D = 128 calls over long keys (fwd_wide_keys: tf32's scaled copies too), a CTA a tile
+    out += [{**v, "tile": SM90_TILE_WS_WIDE} for v in out
+            if v.get("ws") and not v.get("persist") and v["D"] == v["Dv"] == 128 and not score_options(v)]
     decode = [dict(dtype=dtype, D=D, Dv=D, vec=True, softcap=False, bias_dtype=None, alibi_dtype=None,
                    mask=False, tile=DECODE_TMA_TILE, pack_gqa=True, split_kv=split, tma=True)
               for dtype in ("bfloat16", "float16") for D in (64, 128) for split in (True, False)]

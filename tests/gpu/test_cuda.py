@@ -194,6 +194,47 @@ def test_causal_d64_past_2048_rows_takes_three_warpgroups(rng, monkeypatch):
         assert ws_rows == [(192, True)] * three + [(128, False)] * 2, ws_rows
 
 
+def test_long_keys_take_the_wide_key_tile(rng, monkeypatch):
+    """A plain D = 128 call over WIDE_KEYS keys or more, past the persistent grid's query tiles,
+    runs the WS kernel's 176-key tile (select.fwd_wide_keys): keys past the last whole tile (8300 =
+    47 x 176 + 28), GQA, a query tile whose second warpgroup has no rows (2100 = 16 x 128 + 52),
+    bhsd in float16, sinks, a varlen batch whose longest key sequence is long (its others short,
+    one empty) with seqused_k rows holding inf and NaN; each against the reference, and on Hopper
+    each plan's key tile is the one asked for (a causal mask, or keys one short of WIDE_KEYS,
+    keep 128)."""
+    from attnext.cuda import select
+    blocks = []
+    fwd_kernel = select.fwd_kernel
+
+    def spy(*args, **kw):
+        kernel, tile = fwd_kernel(*args, **kw)
+        if kernel == "attn_fwd_sm90":
+            blocks.append(tile[1])
+        return kernel, tile
+    monkeypatch.setattr(select, "fwd_kernel", spy)
+    from attnext.cuda import backend
+    backend.clear_plans()
+    hopper = backend.device_arch(0) == "sm_90a"
+    wide = select.WIDE_KEYS
+    q, k, v = make_qkv(rng, 1, 2100, wide + 108, 4, 2, 128, 128, BF16)
+    _check_forward(q, k, v, BF16)
+    _check_forward(q, k, v, BF16, sinks=randn(rng, (4,), np.float32))
+    q, k, v = make_qkv(rng, 1, 2200, wide, 2, 2, 128, 128, F16, layout="bhsd")
+    _check_forward(q, k, v, F16, layout="bhsd")
+    cu_q = np.array([0, 2300, 2400, 2400], np.int32)
+    cu_k = np.array([0, wide + 40, wide + 340, wide + 400], np.int32)
+    used_k = np.array([wide + 1, 300, 0], np.int32)
+    q, k, v = make_varlen_qkv(rng, 2400, wide + 400, 2, 1, 128, 128, BF16)
+    k[wide + 1:wide + 40], v[wide + 1:wide + 40] = np.inf, np.nan
+    _check_forward(q, k, v, BF16, varlen=dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used_k))
+    many = len(blocks)
+    q, k, v = make_qkv(rng, 1, 2100, wide - 1, 2, 2, 128, 128, BF16)
+    _check_forward(q, k, v, BF16)
+    _check_forward(q, k, v, BF16, causal=True)
+    if hopper:
+        assert blocks == [176] * 4 + [128] * 2 and many == 4, blocks
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_score_mod_forward_takes_the_wide_tile_once_compiled(d, rng, monkeypatch, request):
     """A score_mod that loads from no array per score runs the WS forward's 64-key tile on its

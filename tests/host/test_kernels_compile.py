@@ -146,6 +146,24 @@ def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
         ("attn_fwd_sm90", select.SM90_TILE_WS3)
     assert select.fwd_kernel("sm_90a", 64, 64, True, False, 4096, ws=True) == ("attn_fwd_sm90", tile)
     assert select.fwd_smem_bytes(64, 64, select.SM90_TILE_WS3, "attn_fwd_sm90", ws=True) <= 227 * 1024
+    # D = 128 plain calls over WIDE_KEYS keys or more, past the persistent grid's query tiles: 176
+    # keys a tile, a CTA a tile; one short of either, a band, an option or a mod keep 128
+    many, keys = select.PERSIST_TILES + 1, select.WIDE_KEYS
+    assert select.fwd_wide_keys(128, many, keys, False, False, False, None)
+    assert not any(select.fwd_wide_keys(*args) for args in [
+        (64, many, keys, False, False, False, None), (128, many - 1, keys, False, False, False, None),
+        (128, many, keys - 1, False, False, False, None), (128, many, keys, True, False, False, None),
+        (128, many, keys, False, True, False, None), (128, many, keys, False, False, True, None),
+        (128, many, keys, False, False, False, window)])
+    assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, ws=True, wide_keys=True) == \
+        ("attn_fwd_sm90", select.SM90_TILE_WS_WIDE)
+    assert select.SM90_TILE_WS_WIDE[1] == 176
+    assert select.fwd_smem_bytes(128, 128, select.SM90_TILE_WS_WIDE, "attn_fwd_sm90", ws=True) + 1024 \
+        <= select.SM90_SHARED_BYTES
+    assert not select.fwd_persist(True, many - 1, False, select.SM90_TILE_WS_WIDE)
+    wide = [d for k, d in select.variants("sm_90a") if k == "attn_fwd_sm90" and d.get("BLOCK_N") == 176]
+    assert sorted((d["ELEM_BF16"], d.get("F16_SCALED", 0), d["HEAD_DIM"], d.get("PERSIST", 0)) for d in wide) == \
+        [(0, 0, 128, 0), (0, 1, 128, 0), (1, 0, 128, 0)], wide          # float16, tf32's scaled copies, bfloat16
     # the wide tile, once compiled, of a score_mod that loads from no array per score
     table, slopes = np.ones((2, 300), np.float32), np.ones(2, np.float32)
     alibi = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s - slopes[h] * np.abs(q - kv)), None)
