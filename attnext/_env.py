@@ -104,6 +104,9 @@ SETTINGS = {s.name: s for s in [
     Setting("ATTNEXT_FWD_PERSIST", "0 | 1", "select.fwd_persist (short rows)", LAB, CALL,
             "whether the WS forward of a dense batch runs as a persistent grid (1) or a CTA a "
             "query tile (0)"),
+    Setting("ATTNEXT_FWD_TMA_STORE", "0 | 1", "1", LAB, CALL,
+            "0: the persistent WS forward's O leaves by the computing threads' stores, not by "
+            "bulk tensor copies (the lab's comparison)"),
     Setting("ATTNEXT_TILE_SM90", _TILE, "select.fwd_kernel", LAB, CALL,
             "attn_fwd_sm90.cu's tile: BLOCK_M,BLOCK_N,WARPS"),
     Setting("ATTNEXT_FWD_WS", "0 | 1", "1", LAB, CALL,

@@ -116,3 +116,4 @@ class KernelCall:
     tma_rows: int = 0            # attn_fwd.cu TMA_KV: the rows of a tensor map's box (0: no maps)
     tma_rows_q: int = 0          # attn_bwd_sm90.cu BWD_TMA, the persistent WS forward: the rows of q's (and dout's) boxes (0: no maps)
     tma_read_once: int = 0       # 1: K and V stream past once (TMA_KV decode): their maps fill L2 by 128 B, not 256
+    tma_out: int = 0             # 1: the persistent WS forward's O leaves by bulk tensor copies where out's rows allow

@@ -116,6 +116,10 @@ typedef struct {
      * copy of q and dout (a query tile's); cuda_launch_attention then makes their maps
      * (attn_bwd_tmaps), the kernel's second parameter. 0: no maps */
     int64_t tma_rows_q;
+    /* the persistent WS forward: 1 where the launch made out's map (attn_tmaps.out: out's rows
+     * 16-byte aligned), so each tile's O leaves by bulk tensor copies from shared memory; 0: by
+     * the computing threads' stores */
+    int64_t tma_out;
 
     /* varlen: cu_seqlens_* (B + 1), seqused_* (B); non-varlen seqlens_* use seqused_* alone */
     const int32_t *cu_seqlens_q, *cu_seqlens_k;
@@ -197,7 +201,7 @@ typedef struct {
  * (cuTensorMapEncodeTiled's 128-byte, 64-byte-aligned CUtensorMap), 4-d (D, Hk, rows, batch or
  * pages), boxes of 64 columns (128 bytes, swizzled 128B) x 1 head x tma_rows rows x 1; and where
  * tma_rows_q is set too (the persistent WS forward), q's, 4-d (D, Hq, Sq, B), boxes of
- * tma_rows_q rows; else q is not made. */
+ * tma_rows_q rows, else q is not made; and where tma_out is set, out's likewise (Dv, Hq, Sq, B). */
 #ifdef __cplusplus
 #define ATTN_ALIGN64 alignas(64)
 #else
@@ -207,7 +211,7 @@ typedef struct {
     ATTN_ALIGN64 uint64_t opaque[16];
 } attn_tmap;
 typedef struct {
-    attn_tmap k, v, q;
+    attn_tmap k, v, q, out;
 } attn_tmaps;
 /* The backward dK/dV kernel's second parameter (tma_rows_q): the maps of q and dout, 4-d (D, Hq,
  * rows, batch), boxes of 64 columns x 1 head x tma_rows_q rows x 1. */
@@ -215,8 +219,8 @@ typedef struct {
     attn_tmap q, dout;
 } attn_bwd_tmaps;
 #if !defined(__CUDACC_RTC__) && !defined(__cplusplus)
-_Static_assert(sizeof(attn_tmaps) == 3 * sizeof(attn_tmap) && sizeof(attn_bwd_tmaps) == 2 * sizeof(attn_tmap),
-               "cuda_launch_attention passes three maps or two");
+_Static_assert(sizeof(attn_tmaps) == 4 * sizeof(attn_tmap) && sizeof(attn_bwd_tmaps) == 2 * sizeof(attn_tmap),
+               "cuda_launch_attention passes four maps or two");
 #endif
 
 #endif

@@ -37,7 +37,8 @@
  * score options by default): a grid of at most one CTA an SM, each taking query tiles in turn
  * (the next one from an atomic count, posted by the producer), Q by the producer's tensor copies
  * into two buffers, the K / V rings running on across tiles, so a tile's start and end run under
- * its neighbours' (bench/NOTES.md, forward v16).
+ * its neighbours' (bench/NOTES.md, forward v16); O leaves by bulk tensor copies from its Q block
+ * where the launch made out's map (p.tma_out: out's rows 16-byte aligned).
  */
 #include "attn_fwd_tile.cuh"
 #include "wgmma.cuh"
@@ -538,6 +539,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     int kv = 0;                                          /* key tiles through the rings so far */
 #if PERSIST
     int qn = 0;                                          /* Q blocks used */
+    int pend = -1;                                       /* a Q block whose O the bulk copies still read */
     for (int j = 0, t = blockIdx.x;; j++) {
         if (j > 0) {
             const int s = j & 1;
@@ -620,6 +622,14 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
             const bool need = tile_needs_mask(p, sc, m0, BLOCK_M, r_end, n * BLOCK_N, BLOCK_N, 1, Lq, Lk);
             if (i == 0) {
                 turn_pass(w);
+#if PERSIST
+                if (pend >= 0) {                         /* the last tile's block, once its O is read */
+                    if (ctid == 0)
+                        bulk_wait_read();
+                    release(q_empty + 8 * pend);
+                    pend = -1;
+                }
+#endif
                 wgmma_wait<0>();
             } else {
                 mbar_wait(full_v + 8 * pst, ((g - 1) / STAGES) & 1);
@@ -652,11 +662,17 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
         kv += tiles;
         float inv[2];
         finish_rows<1>(p, sq, sc.to_natural, m, l, row0, b, h, 1, 0, Lq, inv);
-        /* O through this warpgroup's Q block (its S products are done): 64 rows of Dv * 2 bytes,
-         * 16-byte chunk c of row r at c ^ (r & 7) (a warp's 8 rows of a store meet 8 chunks: no
-         * bank conflict), then out by rows: 16-byte stores where its rows allow (out_rows_16b),
-         * else an element at a time (store_o's registers in the tile loop would cost every key
-         * tile: ptxas then keeps the loop's predicates in general registers) */
+        /* O through this warpgroup's Q block (its S products are done), laid out as Q's copies
+         * bring it: 64-column panels of 64 rows of 128 bytes, 16-byte chunk c of a panel's row r
+         * at c ^ (r & 7) (a warp's 8 rows of a store meet 8 chunks: no bank conflict). PERSIST
+         * with out's map (p.tma_out): the block leaves by bulk tensor copies (rows past Sq
+         * clipped), and goes back to the producer once they have read it, at the next tile's
+         * first turn (pend). Else out by rows: 16-byte stores where its rows allow
+         * (out_rows_16b), else an element at a time (store_o's registers in the tile loop would
+         * cost every key tile: ptxas then keeps the loop's predicates in general registers). */
+        auto o_chunk = [&](int r, int c) {
+            return sQw + (c >> 3) * (64 * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+        };
         wg_sync(w);                                      /* every warp's S products read Q */
         {
             const int g = lane >> 2, t4 = lane & 3;
@@ -665,11 +681,22 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
                 const int r = (cw & 3) * 16 + g + i * 8;
 #pragma unroll
                 for (int nt = 0; nt < OT; nt++)
-                    asm volatile("st.shared.b32 [%0], %1;"
-                                 ::"r"(sQw + r * HEAD_DIM_V * 2 + ((nt ^ (r & 7)) << 4) + 4 * t4),
+                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(o_chunk(r, nt) + 4 * t4),
                                  "r"(pack2(scaled_o(o[0][nt][2 * i], inv[i]), scaled_o(o[0][nt][2 * i + 1], inv[i]))));
             }
         }
+#if PERSIST
+        if (p.tma_out) {
+            fence_proxy_async_shared();                  /* the block's writes before the copies read it */
+            wg_sync(w);
+            if (ctid == 0)
+                for (int hf = 0; hf < HEAD_DIM_V / 64; hf++)
+                    tma_store_4d(&maps.out, sQw + hf * (64 * 128), hf * 64, (int)h, m0 + 64 * w, (int)b);
+            pend = qn & 1;
+            qn++;
+            continue;
+        }
+#endif
         wg_sync(w);
         {
             constexpr int CH = HEAD_DIM_V / 8;
@@ -681,8 +708,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
                     const int r = x / CH, c = x % CH;
                     uint32_t x0, x1, x2, x3;
                     asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                                 : "=r"(x0), "=r"(x1), "=r"(x2), "=r"(x3)
-                                 : "r"(sQw + r * HEAD_DIM_V * 2 + ((c ^ (r & 7)) << 4)));
+                                 : "=r"(x0), "=r"(x1), "=r"(x2), "=r"(x3) : "r"(o_chunk(r, c)));
                     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(out + r * p.out.s[1] + c * 8),
                                  "r"(x0), "r"(x1), "r"(x2), "r"(x3) : "memory");
                 }
@@ -690,8 +716,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
                 for (int x = ctid; x < rows * HEAD_DIM_V; x += 128) {
                     const int r = x / HEAD_DIM_V, c = x % HEAD_DIM_V;
                     unsigned short e;
-                    asm volatile("ld.shared.u16 %0, [%1];"
-                                 : "=h"(e) : "r"(sQw + r * HEAD_DIM_V * 2 + (((c >> 3) ^ (r & 7)) << 4) + 2 * (c & 7)));
+                    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(e) : "r"(o_chunk(r, c >> 3) + 2 * (c & 7)));
                     *(unsigned short *)(out + r * p.out.s[1] + c * p.out.s[3]) = e;
                 }
             }
@@ -702,6 +727,10 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
         qn++;
 #endif
     }
+#if PERSIST
+    if (pend >= 0 && ctid == 0)
+        bulk_wait();                                     /* the last copies done before the CTA ends */
+#endif
     if (w == 0)
         turn_wait(0);                                    /* the last warpgroup's last pass */
 }

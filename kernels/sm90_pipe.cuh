@@ -107,6 +107,16 @@ DEV void tma_load_4d(uint32_t dst, const void *map, int col, int head, int row, 
                  ::"r"(dst), "l"(map), "r"(col), "r"(head), "r"(row), "r"(outer), "r"(bar) : "memory");
 }
 
+/* The box of a tensor map (a 4-d CUtensorMap in parameter or global memory) at coordinates (col,
+ * head, row, outer) = src (shared) by the bulk-copy engine, what lies past the tensor left
+ * unwritten; one bulk group per call. */
+DEV void tma_store_4d(const void *map, uint32_t src, int col, int head, int row, int outer)
+{
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+                 "cp.async.bulk.commit_group;" ::"l"(map), "r"(src), "r"(col), "r"(head), "r"(row), "r"(outer)
+                 : "memory");
+}
+
 /* Until this thread's bulk groups have read their shared memory (it may be rewritten). */
 DEV void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 

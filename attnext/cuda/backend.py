@@ -674,6 +674,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     if persist:     # a CTA an SM (one fits), taking the B x Hq x q_tiles tiles in turn
         grid = (min(q_tiles * o.Hq * o.B, device_info(device)["multiprocessor_count"]), 1, 1)
         prob.tma_rows_q = select.PERSIST_Q_ROWS
+        prob.tma_out = int(select.fwd_tma_store())
     prob.out, prob.lse, prob.num_splits = _t(out4), _t(lse3), splits
     if paged:
         prob.page_size, prob.bt_stride = o.page_size, o.block_table.shape[1]

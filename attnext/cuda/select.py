@@ -29,7 +29,7 @@ MAX_SMEM_SM80 = 163 * 1024
 FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "ATTNEXT_FWD_SM90",
              "ATTNEXT_TILE_SM90", "ATTNEXT_DECODE_TMA", "ATTNEXT_TILE_DECODE_TMA", "ATTNEXT_FWD_WS",
              "ATTNEXT_TILE_FWD_WS", "ATTNEXT_DECODE_COMBINE", "ATTNEXT_DEPENDENT_LAUNCH", "ATTNEXT_FWD_PERSIST",
-             "ATTNEXT_FWD_F32_SM90", "ATTNEXT_FWD_TF32_F16")
+             "ATTNEXT_FWD_F32_SM90", "ATTNEXT_FWD_TF32_F16", "ATTNEXT_FWD_TMA_STORE")
 BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_TMA", "ATTNEXT_BWD_DQ",
              "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_BWD_DQ_CHAINS", "ATTNEXT_TILE_SUMS", "ATTNEXT_BWD_F32_PRESPLIT",
              "ATTNEXT_BWD_F32_X3", "ATTNEXT_BWD_X3_KV_WARPS",
@@ -295,6 +295,12 @@ def fwd_persist_tile(D, tile):
 
 # The persistent WS forward's rows a bulk copy of Q brings: a computing warpgroup's
 PERSIST_Q_ROWS = 64
+
+
+def fwd_tma_store():
+    """Whether the persistent WS forward's O leaves by bulk tensor copies (out's map, made at launch
+    where out's rows are 16-byte aligned), unless the lab's ATTNEXT_FWD_TMA_STORE=0 says no."""
+    return (_env.get("ATTNEXT_FWD_TMA_STORE") or "1") != "0"
 
 
 def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", paged=False, tma=False, ws=False,

@@ -96,6 +96,7 @@ typedef struct {
     long long device;
     int q_empty, kv_empty;       /* an empty q, or k and v without a row: a NULL address is fine */
     int tma_read_once;           /* K and V maps of a decode: L2 fills of 128 B (encode_map) */
+    int tma_out;                 /* the persistent WS forward: out by its map where out's rows allow */
 } attn_template;
 
 /* The pointer fields a launch fills from its `ptrs`, in that tuple's order (the forward's first,
@@ -137,8 +138,8 @@ static PyObject *c_attn_template(PyObject *module, PyObject *prob)
     attn_template t;
     attn_params *p = &t.p;
     long long dtype, B, causal, wl, wr, bias_dtype, alibi_dtype, bias_heads, mask_heads, splits, write_last,
-        k_rows_max, max_rows_q, max_rows_k, page_size, bt_stride, tma_rows, tma_rows_q, read_once, qs[4], ks[4],
-        vs[4];
+        k_rows_max, max_rows_q, max_rows_k, page_size, bt_stride, tma_rows, tma_rows_q, read_once, tma_out, qs[4],
+        ks[4], vs[4];
     memset(&t, 0, sizeof t);
     if (attr_long(prob, "dtype", &dtype) || attr_long(prob, "B", &B) || attr_long(prob, "causal", &causal)
         || attr_long(prob, "window_left", &wl) || attr_long(prob, "window_right", &wr)
@@ -149,9 +150,10 @@ static PyObject *c_attn_template(PyObject *module, PyObject *prob)
         || attr_long(prob, "max_rows_q", &max_rows_q) || attr_long(prob, "max_rows_k", &max_rows_k)
         || attr_long(prob, "page_size", &page_size) || attr_long(prob, "bt_stride", &bt_stride)
         || attr_long(prob, "tma_rows", &tma_rows) || attr_long(prob, "tma_rows_q", &tma_rows_q)
-        || attr_long(prob, "tma_read_once", &read_once))
+        || attr_long(prob, "tma_read_once", &read_once) || attr_long(prob, "tma_out", &tma_out))
         return NULL;
     t.tma_read_once = read_once != 0;
+    t.tma_out = tma_out != 0;
     p->tma_rows = tma_rows;
     p->tma_rows_q = tma_rows_q;
     p->dtype = (attn_dtype)dtype;
@@ -276,11 +278,20 @@ static int encode_kv_map(attn_tmap *map, const attn_params *p, const tensor4 *t,
                       paged ? p->num_pages : p->cu_seqlens_k ? 1 : p->B, p->tma_rows, read_once);
 }
 
-/* The map of q or dout for the backward's dK/dV kernel, and of q for the persistent WS forward:
- * (d, Hq, Sq, B; varlen: the packed rows and 1), tma_rows_q rows a box. */
+/* The map of q or dout for the backward's dK/dV kernel, and of q and out for the persistent WS
+ * forward: (d, Hq, Sq, B; varlen: the packed rows and 1), tma_rows_q rows a box. */
 static int encode_q_map(attn_tmap *map, const attn_params *p, const tensor4 *t, int64_t d)
 {
     return encode_map(map, p, t, d, p->Hq, p->Sq, p->cu_seqlens_q ? 1 : p->B, p->tma_rows_q, 0);
+}
+
+/* Whether a map can describe out for bulk tensor stores (the persistent WS forward's O): rows of
+ * unit element stride, the address and every row, head and batch stride 16-byte aligned. */
+static int out_map_fits(const attn_params *p)
+{
+    const tensor4 *o = &p->out;
+    return o->ptr && o->s[3] == 1 && (((uintptr_t)o->ptr | (uintptr_t)(2 * (o->s[0] | o->s[1] | o->s[2]))) & 15) == 0
+           && o->s[0] > 0 && o->s[1] > 0 && o->s[2] > 0;
 }
 
 static PyObject *c_cuda_tensor_maps(PyObject *module, PyObject *unused)
@@ -356,12 +367,14 @@ static PyObject *c_cuda_launch_attention(PyObject *module, PyObject *const *args
     if (cuda_device_enter((int)t.device))
         return NULL;
     if (p->tma_rows > 0 || p->tma_rows_q > 0) {
-        /* the kernel's second parameter: attn_tmaps (k, v, and q where tma_rows_q is set too) or
-         * attn_bwd_tmaps (q, dout) */
-        attn_tmap maps[3] = {{{0}}};
+        /* the kernel's second parameter: attn_tmaps (k, v, and q where tma_rows_q is set too, out
+         * where the template asks and out_map_fits) or attn_bwd_tmaps (q, dout) */
+        attn_tmap maps[4] = {{{0}}};
+        p->tma_out = p->tma_rows > 0 && p->tma_rows_q > 0 && t.tma_out && out_map_fits(p);
         if (p->tma_rows > 0 ? encode_kv_map(&maps[0], p, &p->k, p->D, t.tma_read_once)
                                   || encode_kv_map(&maps[1], p, &p->v, p->Dv, t.tma_read_once)
                                   || (p->tma_rows_q > 0 && encode_q_map(&maps[2], p, &p->q, p->D))
+                                  || (p->tma_out && encode_q_map(&maps[3], p, &p->out, p->Dv))
                             : encode_q_map(&maps[0], p, &p->q, p->D) || encode_q_map(&maps[1], p, &p->dout, p->Dv))
             return NULL;
         CU_CHECK_RC("cuLaunchKernel (attention, tensor maps)",

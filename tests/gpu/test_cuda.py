@@ -347,8 +347,11 @@ def test_persistent_ws_forward(d, counters, rng, monkeypatch):
     tiles with no key (causal with Sq > Sk: their rows write zeros and an lse of -inf), a partial
     last tile, GQA, a window, ALiBi and softcap; each call twice (a count left anything but 0
     would skip tiles the second time), against the reference and bit for bit against a CTA a
-    tile (ATTNEXT_FWD_PERSIST=0). On Hopper every such plan takes the persistent grid where the
-    lab asks for it (ATTNEXT_FWD_PERSIST=1)."""
+    tile (ATTNEXT_FWD_PERSIST=0). O leaves by bulk tensor copies (out's map) or by the threads'
+    stores (ATTNEXT_FWD_TMA_STORE=0, or an out whose rows are not 16-byte aligned), into an out
+    whose rows are padded (the copies write no column past Dv) or not, the same bits every way. On
+    Hopper every such plan takes the persistent grid where the lab asks for it
+    (ATTNEXT_FWD_PERSIST=1)."""
     from attnext.cuda import process
     monkeypatch.setenv("ATTNEXT_FWD_PERSIST", "1")
     if counters == "none":
@@ -367,13 +370,18 @@ def test_persistent_ws_forward(d, counters, rng, monkeypatch):
         # the same counts, then a CTA a tile
         tq, tk, tv = (to_gpu(torch, x) for x in (q, k, v))
         topts = {n: to_gpu(torch, x) if isinstance(x, np.ndarray) else x for n, x in opts.items()}
-        for mode in ("1", "1", "0"):
+        for mode, tma_store, pad in (("1", "1", 0), ("1", "1", 0), ("1", "1", 8), ("1", "1", 1), ("1", "0", 8),
+                                     ("0", "1", 0)):
             monkeypatch.setenv("ATTNEXT_FWD_PERSIST", mode)
-            dst = torch.full_like(tq, float("nan"))
+            monkeypatch.setenv("ATTNEXT_FWD_TMA_STORE", tma_store)
+            whole = torch.full((*tq.shape[:3], d + pad), float("nan"), dtype=tq.dtype, device=tq.device)
+            dst = whole[..., :d]
             _, lse_got = attnext.attention(tq, tk, tv, out=dst, return_lse=True, **topts)
-            np.testing.assert_array_equal(to_host(torch, dst), out)
+            np.testing.assert_array_equal(to_host(torch, dst.contiguous()), out)
             np.testing.assert_array_equal(lse_got.cpu().numpy(), lse)
+            assert torch.isnan(whole[..., d:]).all(), (mode, tma_store, pad)     # the padding untouched
         monkeypatch.setenv("ATTNEXT_FWD_PERSIST", "1")
+        monkeypatch.setenv("ATTNEXT_FWD_TMA_STORE", "1")
     if hopper:
         assert chosen and all(chosen), chosen
         assert persisted and all(chose == (knob == "1") for knob, chose in persisted), persisted

@@ -637,11 +637,12 @@ def test_the_persistent_ws_forward_plan(tmp_path):
     """A dense batch's WS forward of at most select.PERSIST_TILES query tiles
     (select.PERSIST_TILES_CAUSAL with a causal mask) without score options is a persistent grid by
     default, and any dense one where the lab asks (ATTNEXT_FWD_PERSIST=1):
-    min(tiles, SMs) CTAs on one axis, three tensor maps (k, v, then q by boxes of PERSIST_Q_ROWS
-    rows), the stream's counters in their slot and the second Q's shared memory; a varlen call
-    and one with seqused_k keep a CTA a tile, as do longer rows, a call with a score option and
-    every call under ATTNEXT_FWD_PERSIST=0. On the fake driver built with tensor maps (WS needs
-    them)."""
+    min(tiles, SMs) CTAs on one axis, four tensor maps (k, v, then q and out by boxes of
+    PERSIST_Q_ROWS rows; out's only where its address and strides are 16-byte aligned, and not
+    under ATTNEXT_FWD_TMA_STORE=0), the stream's counters in their slot and the second Q's shared
+    memory; a varlen call and one with seqused_k keep a CTA a tile, as do longer rows, a call with
+    a score option and every call under ATTNEXT_FWD_PERSIST=0. On the fake driver built with
+    tensor maps (WS needs them)."""
     if fake_cuda.compiler() is None:
         pytest.skip("no C compiler for the fake libcuda")
     run_on_fake(fake_cuda.build(tmp_path, "tma", ["-DTENSOR_MAPS"]), r"""
@@ -662,7 +663,7 @@ def test_the_persistent_ws_forward_plan(tmp_path):
             for causal in (False, True):
                 d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(q, k, v, causal=causal))
                 assert d["WS"] == 1 and d["PERSIST"] == 1 and grid == (min(16 * 16 * 2, sms), 1, 1), (d, grid)
-                assert n_maps == 3 and box[(maps.value - 1) % 4][2] == select.PERSIST_Q_ROWS, (n_maps, list(box[0]))
+                assert n_maps == 4 and box[(maps.value - 1) % 4][2] == select.PERSIST_Q_ROWS, (n_maps, list(box[0]))
                 assert ptrs[at] and ptrs[at] == process._counters[(0, 0)][0], ptrs
                 assert smem == select.fwd_smem_bytes(128, 128, ws_tile, "attn_fwd_sm90", ws=True, persist=True)
             qp, kp, vp = dev((4096, 16, 128)), dev((4096, 16, 128)), dev((4096, 16, 128))
@@ -674,15 +675,27 @@ def test_the_persistent_ws_forward_plan(tmp_path):
             qs, ks, vs = qkv(2, 1024 + 16 * 128, 4096, 16, 16, 128)     # 24 query tiles
             d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(qs, ks, vs))
             assert d["PERSIST"] == 1 and grid == (min(24 * 16 * 2, sms), 1, 1), (d, grid)
+            # out's map: an out 16 bytes off takes one, 2 bytes off none (its O leaves by the
+            # threads' stores), nor any out under ATTNEXT_FWD_TMA_STORE=0
+            for offset, want in ((8, 4), (1, 3)):
+                dst = dev((2, 2048, 16, 128), offset=offset)
+                d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(q, k, v, out=dst))
+                assert d["PERSIST"] == 1 and n_maps == want, (offset, n_maps)
+            _env.setenv("ATTNEXT_FWD_TMA_STORE", "0")
+            try:
+                d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(q, k, v))
+                assert d["PERSIST"] == 1 and n_maps == 3, n_maps
+            finally:
+                _env.setenv("ATTNEXT_FWD_TMA_STORE", None)
         finally:
             _env.setenv("ATTNEXT_FWD_PERSIST", None)
         # by default: 16 query tiles a head with or without a causal mask, and with one up to
         # PERSIST_TILES_CAUSAL (24 here, then one tile past it), but no score option
         for causal in (False, True):
             d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(q, k, v, causal=causal))
-            assert d["PERSIST"] == 1 and grid == (min(16 * 16 * 2, sms), 1, 1) and n_maps == 3, (d, grid)
+            assert d["PERSIST"] == 1 and grid == (min(16 * 16 * 2, sms), 1, 1) and n_maps == 4, (d, grid)
         d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(qs, ks, vs, causal=True))
-        assert d["PERSIST"] == 1 and grid == (min(24 * 16 * 2, sms), 1, 1) and n_maps == 3, (d, grid)
+        assert d["PERSIST"] == 1 and grid == (min(24 * 16 * 2, sms), 1, 1) and n_maps == 4, (d, grid)
         ql, kl, vl = qkv(1, select.PERSIST_TILES_CAUSAL * 128 + 1, 4096, 2, 2, 128)   # one tile past
         d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(ql, kl, vl, causal=True))
         assert "PERSIST" not in d and grid == (select.PERSIST_TILES_CAUSAL + 1, 2, 1), (d, grid)
