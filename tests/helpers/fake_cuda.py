@@ -49,7 +49,7 @@ class AttnParams(ctypes.Structure):
     _fields_ = ([(n, _I64) for n in ("B", "Sq", "Sk", "Hq", "Hk", "D", "Dv")] + [("dtype", _INT)]
                 + [(n, Tensor4) for n in ("q", "k", "v", "out", "lse", "dlse")] + [("sinks", _PTR), ("dsinks", _PTR)]
                 + [("block_table", _PTR), ("bt_stride", _I64), ("page_size", _I64), ("num_pages", _I64),
-                   ("tma_rows", _I64), ("tma_rows_q", _I64)]
+                   ("tma_rows", _I64), ("tma_rows_q", _I64), ("tma_out", _I64)]
                 + [(n, _PTR) for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")]
                 + [("max_rows_q", _I64), ("max_rows_k", _I64)]
                 + [("bias", Tensor4), ("bias_dtype", _INT), ("bias_heads", _I64), ("mask", Tensor4),

@@ -512,7 +512,7 @@ def _prob(**changes):
     prob = types.SimpleNamespace(
         device=0, dtype=1, B=2, causal=0, window_left=-1, window_right=-1, bias_dtype=2, alibi_dtype=2,
         bias_heads=1, mask_heads=1, num_splits=1, dq_write_last=0, k_rows_max=0, max_rows_q=0, max_rows_k=9, page_size=0,
-        bt_stride=0, tma_rows=0, tma_rows_q=0, tma_read_once=0,
+        bt_stride=0, tma_rows=0, tma_rows_q=0, tma_read_once=0, tma_out=0,
         q=t, k=t, v=t, out=t, lse=None, bias=None, mask=None,
         alibi=None, dout=None, dq=None, dk=None, dv=None, dbias=None, dlse=None, delta=None, dq_accum=None, dq_sem=None)
     vars(prob).update(changes)
