@@ -232,7 +232,7 @@ def test_long_keys_take_the_wide_key_tile(rng, monkeypatch):
     _check_forward(q, k, v, BF16)
     _check_forward(q, k, v, BF16, causal=True)
     if hopper:
-        assert blocks == [176] * 4 + [128] * 2 and many == 4, blocks
+        assert blocks == [176] * 3 + [128] * 2 and many == 3, blocks     # sinks: the first plan again
 
 
 @pytest.mark.parametrize("d", [64, 128])
