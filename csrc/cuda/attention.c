@@ -371,10 +371,13 @@ static PyObject *c_cuda_launch_attention(PyObject *module, PyObject *const *args
          * where the template asks and out_map_fits) or attn_bwd_tmaps (q, dout) */
         attn_tmap maps[4] = {{{0}}};
         p->tma_out = p->tma_rows > 0 && p->tma_rows_q > 0 && t.tma_out && out_map_fits(p);
+        if (p->tma_out && encode_q_map(&maps[3], p, &p->out, p->Dv)) {
+            PyErr_Clear();                                /* a map the driver refuses: the threads' stores */
+            p->tma_out = 0;
+        }
         if (p->tma_rows > 0 ? encode_kv_map(&maps[0], p, &p->k, p->D, t.tma_read_once)
                                   || encode_kv_map(&maps[1], p, &p->v, p->Dv, t.tma_read_once)
                                   || (p->tma_rows_q > 0 && encode_q_map(&maps[2], p, &p->q, p->D))
-                                  || (p->tma_out && encode_q_map(&maps[3], p, &p->out, p->Dv))
                             : encode_q_map(&maps[0], p, &p->q, p->D) || encode_q_map(&maps[1], p, &p->dout, p->Dv))
             return NULL;
         CU_CHECK_RC("cuLaunchKernel (attention, tensor maps)",
