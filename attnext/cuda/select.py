@@ -974,9 +974,9 @@ def bwd_variants(arch=None):
 def sm90_fwd_variants():
     """attn_fwd_sm90's variants (sm_90a only): both dtypes, the head dims it takes (the WS kernel's
     too where D = Dv), and each feature on its own at D = 128 on the WS kernel, its plain tiles
-    also as a persistent grid, and at D = 128 on the 176-key tile; attn_fwd.cu's TMA_KV decode (packed GQA, split or not, contiguous
-    or paged); and attn_fwd_sm90_f32.cu's float32 at D = Dv in {64, 128}, each score option on its
-    own at D = 128 as on the WS kernel."""
+    also as a persistent grid, and at D = 128 on the 176-key tile; attn_fwd.cu's TMA_KV decode
+    (packed GQA, split or not, contiguous or paged); and attn_fwd_sm90_f32.cu's float32 at D = Dv
+    in {64, 128}, each score option on its own at D = 128 as on the WS kernel."""
     out = []
     for dtype in ("bfloat16", "float16"):
         for D, Dv in ((64, 64), (128, 128), (128, 64), (64, 128)):
