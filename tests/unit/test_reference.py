@@ -612,3 +612,25 @@ def test_score_mod_derivative_near_a_kink(gap):
     ds0 = p[0] * (dp[0] - p @ dp)
     want = 0.0 if gap > 0 else ds0 * -1.5
     assert abs(g.dk[0, 0, 0, 0] - want) < 1e-9 * max(1.0, abs(want))
+
+
+def test_score_mod_derivative_far_from_zero():
+    """Scores of a few hundred through a smooth, oscillating score_mod (sin, as the fuzzer's
+    "trig"): the big step (relative to |s|, ~0.2 there) truncates by ~5e-6, so the derivative
+    comes from the small step, which agrees with half of itself; dq and dk match the closed form
+    to float64's rounding (the one-sided differences a kink would take were off by up to 1e-7)."""
+    rng = np.random.default_rng(1)
+    q, k = (30 * rng.standard_normal((1, n, 1, 4)) for n in (96, 80))
+    v, dout = rng.standard_normal((1, 80, 1, 3)), rng.standard_normal((1, 96, 1, 3))
+    opts = dict(score_mod=lambda s, b, h, qi, ki: np.sin(s) + np.cos(0.5 * s) * 0.25)
+    out, lse = ref.attention(q, k, v, return_lse=True, **opts)
+    g = ref.attention_backward(dout, q, k, v, out, lse, **opts)
+    s = (q[0, :, 0] @ k[0, :, 0].T) / 2.0
+    assert np.abs(s).max() > 200
+    t = np.sin(s) + np.cos(0.5 * s) * 0.25
+    p = np.exp(t - t.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    dp = dout[0, :, 0] @ v[0, :, 0].T
+    ds = p * (dp - (p * dp).sum(1, keepdims=True)) * (np.cos(s) - 0.125 * np.sin(0.5 * s))
+    for got, want in ((g.dq[0, :, 0], ds @ k[0, :, 0] / 2.0), (g.dk[0, :, 0], ds.T @ q[0, :, 0] / 2.0)):
+        assert np.abs(got - want).max() < 1e-9 * np.abs(want).max(), np.abs(got - want).max() / np.abs(want).max()
