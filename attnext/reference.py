@@ -305,19 +305,17 @@ def _derivative(quotient, x, fmag=None):
 
     with np.errstate(all="ignore"):
         big, small = refined(_FD_BIG * scale), refined(_FD_SMALL * scale)
-        agree = _FD_AGREE * np.maximum(1.0, np.abs(small))
-        if fmag is not None:
-            agree = agree + 8 * np.finfo(np.float64).eps * np.abs(fmag) / (_FD_SMALL * scale)
-        smooth = np.abs(big - small) <= agree
+        rounding = 0.0 if fmag is None else 8 * np.finfo(np.float64).eps * np.abs(fmag) / (_FD_SMALL * scale)
+        close = np.abs(big - small) <= _FD_AGREE * np.maximum(1.0, np.abs(small)) + rounding
+        smooth = close.copy()
         if not smooth.all():
             # where only the big step's truncation disagrees (~h**4, h relative to |x|: sin's
             # derivative at |x| ~ 300 is off by ~5e-6 there), the small step agrees with half of
             # itself and its estimate stands; a kink within the small step moves a straddling
             # quotient by O(1) of the slopes' jump as the step halves
             half = refined(_FD_SMALL * scale / 2)
-            rounding = agree - _FD_AGREE * np.maximum(1.0, np.abs(small))      # f's, as above
             smooth |= np.abs(small - half) <= _FD_HALF_AGREE * np.maximum(1.0, np.abs(small)) + 2 * rounding
-        return np.where(np.abs(big - small) <= agree, big, small), smooth
+        return np.where(close, big, small), smooth
 
 
 def _one_sided(f, x, central):

@@ -13,8 +13,8 @@
  *
  * Applies to VEC_LOAD inputs with D and Dv multiples of 64 (kernels.fwd_kernel chooses); every
  * option of the score hook, masks, causal / window and varlen as attn_fwd.cu. Switches beyond
- * attn_common.cuh's: BLOCK_M (64 or 128; WS: 128, or 192 at D = 64), BLOCK_N (64 or 128; the
- * kernel lab's 176 and 192, FlashAttention-3's widths at D = 128), MIN_BLOCKS (CTAs per SM the
+ * attn_common.cuh's: BLOCK_M (64 or 128; WS: 128, or 192 at D = 64), BLOCK_N (64, 128, or 176:
+ * the WS kernel's plain D = 128 calls over long keys, FlashAttention-3's width), MIN_BLOCKS (CTAs per SM the
  * registers must allow), WS (the warp-specialised kernel below) and its STAGES (V's ring; K's
  * too unless K_STAGES says).
  *
@@ -78,10 +78,10 @@ DEV void s_step(float (&s)[NT][4], uint64_t dq, uint64_t dk, int accumulate)
     wgmma_m64n128_ss(s, dq, dk, accumulate);
 #elif BLOCK_N == 176
     wgmma_m64n176_ss(s, dq, dk, accumulate);
-#elif BLOCK_N == 192
-    wgmma_m64n192_ss(s, dq, dk, accumulate);
-#else
+#elif BLOCK_N == 64
     wgmma_m64n64_ss(s, dq, dk, accumulate);
+#else
+#error "attn_fwd_sm90: key tiles of 64, 128 or 176"
 #endif
 }
 
