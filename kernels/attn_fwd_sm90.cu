@@ -357,11 +357,17 @@ DEV int section_tile(const attn_params &p, int t, int tiles_x, int sec, int *hb)
 }
 
 #if PERSIST
-DEV ws_tile ws_tile_of(const attn_params &p, int t, int tiles_x, int sec)
+/* Tile t's place in that order: its x, query head and sequence (int32 divisions: the persistent
+ * grid's tiles number under 2^31) */
+struct ws_place {
+    int x, h, b;
+};
+
+DEV ws_place ws_place_of(const attn_params &p, int t, int tiles_x, int sec)
 {
     int hb;
-    const int x = section_tile(p, t, tiles_x, sec, &hb);
-    return ws_tile_at(p, x, tiles_x, hb % p.Hq, hb / p.Hq);
+    const int x = section_tile(p, t, tiles_x, sec, &hb), hq = (int)p.Hq;
+    return {x, hb % hq, hb / hq};
 }
 #endif
 
@@ -371,7 +377,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     /* Q (Q_BUFS x NUM_WG blocks of 64 rows), then K[K_STAGES], V[STAGES], then the barriers:
      * full_k, empty_k (K_STAGES each), full_v, empty_v (STAGES each), and tail_v; PERSIST:
-     * q_full, q_empty, next_full, next_empty, two each, then the two slots of the next tile (int32) */
+     * q_full, q_empty, next_full, next_empty, two each, then, 16-byte aligned, the two slots of
+     * the next tile (int32 t and its ws_place) */
     const uint32_t sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
     const uint32_t sK = sQ + Q_BUFS * Q_BYTES, sV = sK + K_STAGES * K_BYTES, bars = sV + STAGES * V_BYTES;
     const uint32_t full_k = bars, empty_k = bars + 8 * K_STAGES, full_v = bars + 16 * K_STAGES,
@@ -379,12 +386,13 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     const int tid = threadIdx.x, warp = uniform_warp_index(), lane = tid & 31, wg = warp >> 2;   /* roles: uniform */
 #if PERSIST
     /* PERSIST (the host's choice for dense batches: no cu_seqlens or seqused): gridDim.x CTAs
-     * take the call's tiles in ws_tile_of's order, blockIdx.x first; the next one by
+     * take the call's tiles in ws_place_of's order, blockIdx.x first; the next one by
      * p.counters[0] (an atomic count of the tiles taken past the grid's first; its last taker
      * sets it back to 0) where the host lent it, else every gridDim.x-th. The producer takes it
-     * a tile ahead and posts it in a slot; every Q comes by its bulk tensor copies (maps.q). */
+     * a tile ahead and posts it in a slot with its place (the computing warps, the tile switch's
+     * critical path, then divide nothing); every Q comes by its bulk tensor copies (maps.q). */
     const uint32_t q_full = tail_v + 8, q_empty = q_full + 16, next_full = q_empty + 16, next_empty = next_full + 16,
-                   next_slot = next_empty + 16;
+                   next_slot = (next_empty + 16 + 15) & ~15u;
     const int tiles_x = (int)((p.Sq + BLOCK_M - 1) / BLOCK_M), total = tiles_x * (int)p.Hq * (int)p.B,
               sec = ws_section(p, tiles_x);
 #else
@@ -442,17 +450,19 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
          * completes tail_v, and the warp completes full_v's phase by a plain arrival once the rows
          * are 0). */
         int kv = 0;
+        const int group = (int)(p.Hq / p.Hk);            /* query heads a K / V head */
 #if PERSIST
         int qn = 0;                                      /* Q blocks brought */
+        ws_place pl = ws_place_of(p, blockIdx.x, tiles_x, sec);
         for (int j = 0, t = blockIdx.x; t < total; j++) {
-            const ws_tile tl = ws_tile_of(p, t, tiles_x, sec);
+            const ws_tile tl = ws_tile_at(p, pl.x, tiles_x, pl.h, pl.b);
 #else
         for (int j = 0; j < 1; j++) {                    /* the one tile: the loop's body shared */
             const ws_tile tl = tile;
 #endif
             const seq_t sk = tl.sk;
             const int n_last = tl.n_last, tiles = tl.live ? max(0, n_last - tl.n_first + 1) : 0;
-            const int64_t b = tl.b, hk = tl.h / (p.Hq / p.Hk);
+            const int64_t b = tl.b, hk = (int)tl.h / group;
             /* rows of the visit's first tile past Lk that the copy brings from inside the tensor */
             const int Lk = (int)sk.len;
             const int tail_rows = !PERSIST && (p.cu_seqlens_k || p.seqused_k) && tiles > 0
@@ -515,9 +525,12 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
              * computing warps have read that slot's last */
             const int taken = p.counters ? atomicAdd(p.counters, 1) : 0;
             const int next = p.counters ? (int)gridDim.x + taken : t + (int)gridDim.x, s = (j + 1) & 1;
+            if (next < total)
+                pl = ws_place_of(p, next, tiles_x, sec);
             if (j >= 2)
                 mbar_wait(next_empty + 8 * s, ((j >> 1) - 1) & 1);
-            asm volatile("st.shared.b32 [%0], %1;" ::"r"(next_slot + 4 * s), "r"(next) : "memory");
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
+                         ::"r"(next_slot + 16 * s), "r"(next), "r"(pl.x), "r"(pl.h), "r"(pl.b) : "memory");
             mbar_arrive(next_full + 8 * s);
             if (p.counters && taken == total - 1)         /* every CTA has taken its last */
                 atomicExch(p.counters, 0);
@@ -540,19 +553,24 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 #if PERSIST
     int qn = 0;                                          /* Q blocks used */
     int pend = -1;                                       /* a Q block whose O the bulk copies still read */
+    ws_place pl = ws_place_of(p, blockIdx.x, tiles_x, sec);
     for (int j = 0, t = blockIdx.x;; j++) {
         if (j > 0) {
             const int s = j & 1;
             mbar_wait(next_full + 8 * s, ((j - 1) >> 1) & 1);
-            asm volatile("ld.shared.b32 %0, [%1];" : "=r"(t) : "r"(next_slot + 4 * s) : "memory");
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(t), "=r"(pl.x), "=r"(pl.h), "=r"(pl.b) : "r"(next_slot + 16 * s) : "memory");
             t = __shfl_sync(0xffffffffu, t, 0);          /* warp-uniform to ptxas: the tile's values
                                                           * stay on the uniform datapath, its branches
                                                           * uniform (else +19% instructions a key tile) */
+            pl.x = __shfl_sync(0xffffffffu, pl.x, 0);
+            pl.h = __shfl_sync(0xffffffffu, pl.h, 0);
+            pl.b = __shfl_sync(0xffffffffu, pl.b, 0);
             release(next_empty + 8 * s);
         }
         if (t >= total)
             break;
-        const ws_tile tl = ws_tile_of(p, t, tiles_x, sec);
+        const ws_tile tl = ws_tile_at(p, pl.x, tiles_x, pl.h, pl.b);
         if (!tl.live)
             continue;
         const score_ctx sc = make_score_ctx(p, tl.b, tl.h, tl.sq, tl.sk);

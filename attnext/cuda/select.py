@@ -379,10 +379,10 @@ def fwd_smem_bytes(D, Dv, tile, kernel="attn_fwd", dtype="bfloat16", tma=False, 
         k_slots = tile[4] if len(tile) > 4 else tile[3]                     # and empty a slot
         return 4 * parts * (bm * D + k_slots * bn * D + tile[3] * bn * Dv) + 1024 + 8 * (1 + 2 * k_slots + 2 * tile[3])
     if ws:            # Q, K_STAGES x K (tile[4], else STAGES), STAGES x V swizzled, 1024-aligned, then
-        # 2 x (K_STAGES + STAGES) + 1 mbarriers; persist: a second Q, 8 more mbarriers and two int32 slots
-        k_stages = tile[4] if len(tile) > 4 else tile[3]
+        # 2 x (K_STAGES + STAGES) + 1 mbarriers; persist: a second Q, 8 more mbarriers, then two
+        k_stages = tile[4] if len(tile) > 4 else tile[3]    # 16-byte slots, 16-byte aligned
         return (2 * ((1 + persist) * bm * D + k_stages * bn * D + tile[3] * bn * Dv) + 1024
-                + 16 * (k_stages + tile[3]) + 8 + persist * 72)
+                + 16 * (k_stages + tile[3]) + 8 + persist * 104)
     if kernel == "attn_fwd_sm90":     # Q, K[2], V[2] in 128-byte swizzled rows, 1024-aligned
         return 2 * (bm * D + 2 * bn * D + 2 * bn * Dv) + 1024
     size = ITEMSIZE[dtype]
