@@ -389,8 +389,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
      * take the call's tiles in ws_place_of's order, blockIdx.x first; the next one by
      * p.counters[0] (an atomic count of the tiles taken past the grid's first; its last taker
      * sets it back to 0) where the host lent it, else every gridDim.x-th. The producer takes it
-     * a tile ahead and posts it in a slot with its place (the computing warps, the tile switch's
-     * critical path, then divide nothing); every Q comes by its bulk tensor copies (maps.q). */
+     * a tile ahead and posts it in a slot with its place, so that the computing warps divide
+     * nothing at a tile switch; every Q comes by its bulk tensor copies (maps.q). */
     const uint32_t q_full = tail_v + 8, q_empty = q_full + 16, next_full = q_empty + 16, next_empty = next_full + 16,
                    next_slot = (next_empty + 16 + 15) & ~15u;
     const int tiles_x = (int)((p.Sq + BLOCK_M - 1) / BLOCK_M), total = tiles_x * (int)p.Hq * (int)p.B,
