@@ -356,9 +356,8 @@ DEV int section_tile(const attn_params &p, int t, int tiles_x, int sec, int *hb)
     return r / in;
 }
 
-#if PERSIST
-/* Tile t's place in that order: its x, query head and sequence (int32 divisions: the persistent
- * grid's tiles number under 2^31) */
+/* Tile t's place in that order: its x, query head and sequence (int32 divisions: ws_section
+ * takes sections of one pair where a tile's place would not fit an int) */
 struct ws_place {
     int x, h, b;
 };
@@ -369,7 +368,6 @@ DEV ws_place ws_place_of(const attn_params &p, int t, int tiles_x, int sec)
     const int x = section_tile(p, t, tiles_x, sec, &hb), hq = (int)p.Hq;
     return {x, hb % hq, hb / hq};
 }
-#endif
 
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     attn_fwd_sm90(const __grid_constant__ attn_params p, const __grid_constant__ attn_tmaps maps)
@@ -401,15 +399,10 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
         return;
     }
     /* the one tile, by every thread (mod_narrow takes whole warps) */
-    int x = blockIdx.x;
-    int64_t h = blockIdx.y, b = blockIdx.z;
-    if (const int sec = ws_section(p, gridDim.x); sec > 1) {
-        int hb;
-        x = section_tile(p, (int)(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)), gridDim.x, sec, &hb);
-        h = hb % p.Hq;
-        b = hb / p.Hq;
-    }
-    ws_tile tile = ws_tile_at(p, x, gridDim.x, h, b);
+    ws_place pl = {(int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z};
+    if (const int sec = ws_section(p, gridDim.x); sec > 1)
+        pl = ws_place_of(p, (int)(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)), gridDim.x, sec);
+    ws_tile tile = ws_tile_at(p, pl.x, gridDim.x, pl.h, pl.b);
     if (!tile.live)
         return;
     const score_ctx tile_sc = make_score_ctx(p, tile.b, tile.h, tile.sq, tile.sk);
