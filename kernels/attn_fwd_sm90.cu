@@ -39,6 +39,14 @@
  * into two buffers, the K / V rings running on across tiles, so a tile's start and end run under
  * its neighbours' (bench/NOTES.md, forward v16); O leaves by bulk tensor copies from its Q block
  * where the launch made out's map (p.tma_out: out's rows 16-byte aligned).
+ *
+ * CLUSTER = 2 (the WS kernel a CTA a tile, D = 128, every CTA pair of one (head, sequence) over the
+ * same key tiles: select.fwd_cluster's calls, with an even number of query tiles): the CTAs of
+ * blockIdx.x 2i and 2i + 1 form a cluster, and each one's producer brings one 64-column panel of
+ * every K and V tile into both CTAs at once (multicast), so that L2 serves each key tile once a
+ * pair (FlashAttention-3's ClusterShape). A stage is empty once both CTAs' computing warps have
+ * released it (each warp arrives on the stage's barrier in both), and a producer stays until
+ * the last such arrivals into its CTA are made.
  */
 #include "attn_fwd_tile.cuh"
 #include "wgmma.cuh"
@@ -69,6 +77,12 @@
 #endif
 #if defined(PERSIST) && PERSIST && (!WS || HAS_MASK_MOD)
 #error "attn_fwd_sm90 PERSIST: the WS kernel, no mask_mod (its producer thread narrows no key range)"
+#endif
+#ifndef CLUSTER
+#define CLUSTER 1
+#endif
+#if CLUSTER != 1 && (CLUSTER != 2 || !WS || (defined(PERSIST) && PERSIST) || HEAD_DIM != 128 || HAS_MASK_MOD)
+#error "attn_fwd_sm90 CLUSTER: pairs of CTAs a tile in the WS kernel at D = 128 (a K / V panel each), no mask_mod"
 #endif
 
 /* S (+)= Q K^T for one k16 step of this warpgroup's 64 rows. */
@@ -369,7 +383,7 @@ DEV ws_place ws_place_of(const attn_params &p, int t, int tiles_x, int sec)
     return {x, hb % hq, hb / hq};
 }
 
-extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) __cluster_dims__(CLUSTER, 1, 1)
     attn_fwd_sm90(const __grid_constant__ attn_params p, const __grid_constant__ attn_tmaps maps)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -412,11 +426,11 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     if (tid == 0) {
         for (int st = 0; st < K_STAGES; st++) {
             mbar_init(full_k + 8 * st, 1);
-            mbar_init(empty_k + 8 * st, 4 * NUM_WG);     /* lane 0 of each computing warp */
+            mbar_init(empty_k + 8 * st, 4 * NUM_WG * CLUSTER);   /* lane 0 of each computing warp */
         }
         for (int st = 0; st < STAGES; st++) {
             mbar_init(full_v + 8 * st, 1);
-            mbar_init(empty_v + 8 * st, 4 * NUM_WG);
+            mbar_init(empty_v + 8 * st, 4 * NUM_WG * CLUSTER);
         }
         mbar_init(tail_v, 1);
 #if PERSIST
@@ -429,7 +443,11 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 #endif
         mbar_init_fence();
     }
+#if CLUSTER > 1
+    cluster_sync();                                      /* both CTAs' barriers made before any copy */
+#else
     __syncthreads();
+#endif
 
     if (wg == 0) {                                       /* the producer */
         regs_lower<PRODUCER_REGS>();
@@ -471,8 +489,14 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
                     mbar_wait(empty + 8 * st, (g / stages - 1) & 1);
                 const uint32_t landed = tail ? tail_v : full + 8 * st;
                 mbar_arrive_expect_tx(landed, bytes);
+#if CLUSTER > 1
+                const int hf = cluster_rank();           /* this CTA's panel, into both */
+                tma_load_4d_multicast(dst + st * bytes + hf * BLOCK_N * 128, map, hf * 64, (int)hk, (int)at, (int)mb,
+                                      landed, (1 << CLUSTER) - 1);
+#else
                 for (int hf = 0; hf < cols / 64; hf++)
                     tma_load_4d(dst + st * bytes + hf * BLOCK_N * 128, map, hf * 64, (int)hk, (int)at, (int)mb, landed);
+#endif
             };
             if (tiles > 0 && lane == 0) {
 #if PERSIST
@@ -530,6 +554,15 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
             t = next;
 #endif
         }
+#if CLUSTER > 1
+        /* the CTA's shared memory stays until both CTAs' last releases of every stage have come */
+        for (int g = kv; g < kv + K_STAGES; g++)
+            if (g >= K_STAGES)
+                mbar_wait(empty_k + 8 * (g % K_STAGES), (g / K_STAGES - 1) & 1);
+        for (int g = kv; g < kv + STAGES; g++)
+            if (g >= STAGES)
+                mbar_wait(empty_v + 8 * (g % STAGES), (g / STAGES - 1) & 1);
+#endif
         return;
     }
 
@@ -539,6 +572,16 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
         __syncwarp();
         if (lane == 0)
             mbar_arrive(bar);
+    };
+    auto release_kv = [&](uint32_t bar) {              /* a K / V stage: in every CTA its copies fill */
+#if CLUSTER > 1
+        __syncwarp();
+        if (lane == 0)
+            for (int r = 0; r < CLUSTER; r++)
+                mbar_arrive_at(bar, r);
+#else
+        release(bar);
+#endif
     };
     if (w == NUM_WG - 1)
         turn_pass(w);                                    /* warpgroup 0 goes first */
@@ -648,13 +691,13 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
                 turn_pass(w);
                 wgmma_wait<1>();                         /* S; P V may still run */
             }
-            release(empty_k + 8 * st);
+            release_kv(empty_k + 8 * st);
             fence_acc(s[0]);
             score_tile(p, sc, s, row0, n * BLOCK_N, need, 1, Lq, Lk);
             softmax_update(s, m, l, corrs, sc.to_log2);
             if (i > 0) {
                 wgmma_wait<0>();
-                release(empty_v + 8 * pst);
+                release_kv(empty_v + 8 * pst);
                 fence_acc(o[0]);
                 rescale_o(o, corrs);
             }
@@ -667,7 +710,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
             mbar_wait(full_v + 8 * pst, (g / STAGES) & 1);
             issue_pv(pst);
             wgmma_wait<0>();
-            release(empty_v + 8 * pst);
+            release_kv(empty_v + 8 * pst);
             fence_acc(o[0]);
         }
         kv += tiles;

@@ -65,6 +65,32 @@ DEV void mbar_wait(uint32_t bar, int parity)
                  "@!done bra wait_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
 }
 
+/* This CTA's rank in its cluster. */
+DEV int cluster_rank()
+{
+    int r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+/* Every thread of every CTA of the cluster meets here (whole warps); what each wrote before,
+ * mbarrier inits included (mbar_init_fence), is seen by all after. */
+DEV void cluster_sync()
+{
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+/* One arrival (release, cluster scope) on the mbarrier at `bar` in the shared memory of the
+ * cluster's CTA of rank `rank` (this one's included). */
+DEV void mbar_arrive_at(uint32_t bar, int rank)
+{
+    asm volatile("{\n.reg .b32 at;\n"
+                 "mapa.shared::cluster.u32 at, %0, %1;\n"
+                 "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [at];\n}" ::"r"(bar), "r"(rank)
+                 : "memory");
+}
+
 /* Named barrier id (not 0: __syncthreads') across n threads, whole warps. */
 DEV void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
 
@@ -105,6 +131,16 @@ DEV void tma_load_4d(uint32_t dst, const void *map, int col, int head, int row, 
     asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
                  " [%0], [%1, {%2, %3, %4, %5}], [%6];"
                  ::"r"(dst), "l"(map), "r"(col), "r"(head), "r"(row), "r"(outer), "r"(bar) : "memory");
+}
+
+/* tma_load_4d into the same place (dst, and bar's bytes) of every CTA of the cluster whose bit
+ * is set in `ctas` (bit r: rank r): one read of global memory for all of them. */
+DEV void tma_load_4d_multicast(uint32_t dst, const void *map, int col, int head, int row, int outer, uint32_t bar,
+                               uint16_t ctas)
+{
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6], %7;"
+                 ::"r"(dst), "l"(map), "r"(col), "r"(head), "r"(row), "r"(outer), "r"(bar), "h"(ctas) : "memory");
 }
 
 /* The box of a tensor map (a 4-d CUtensorMap in parameter or global memory) at coordinates (col,

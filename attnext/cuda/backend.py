@@ -657,10 +657,12 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
                <= select.SM90_SHARED_BYTES)
     if persist:
         tile = persist_tile
+    cluster = ws and select.fwd_cluster(o.D, row_tiles, dense, o.causal_code != 0, _windowed(o), options, gen, persist)
 
     def defines_of(tile):
         return select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen, paged=paged,
-                                  tma=tma, ws=ws, persist=persist, sm90_f32=kernel == "attn_fwd_sm90_f32")
+                                  tma=tma, ws=ws, persist=persist, sm90_f32=kernel == "attn_fwd_sm90_f32",
+                                  cluster=cluster)
     wide_specs = ()
     if ws and select.fwd_ws_widens(gen) and generated not in _failed_wide:
         wide = select.fwd_ws_tile(True, wide=True)

@@ -29,7 +29,7 @@ MAX_SMEM_SM80 = 163 * 1024
 FWD_KNOBS = ("ATTNEXT_TILE_FWD", "ATTNEXT_TILE_DECODE", "ATTNEXT_DECODE_CTAS", "ATTNEXT_FWD_SM90",
              "ATTNEXT_TILE_SM90", "ATTNEXT_DECODE_TMA", "ATTNEXT_TILE_DECODE_TMA", "ATTNEXT_FWD_WS",
              "ATTNEXT_TILE_FWD_WS", "ATTNEXT_DECODE_COMBINE", "ATTNEXT_DEPENDENT_LAUNCH", "ATTNEXT_FWD_PERSIST",
-             "ATTNEXT_FWD_F32_SM90", "ATTNEXT_FWD_TF32_F16", "ATTNEXT_FWD_TMA_STORE")
+             "ATTNEXT_FWD_F32_SM90", "ATTNEXT_FWD_TF32_F16", "ATTNEXT_FWD_TMA_STORE", "ATTNEXT_FWD_CLUSTER")
 BWD_KNOBS = ("ATTNEXT_TILE_BWD", "ATTNEXT_BWD_SM90", "ATTNEXT_TILE_BWD_SM90", "ATTNEXT_BWD_TMA", "ATTNEXT_BWD_DQ",
              "ATTNEXT_BWD_DQ_WRITE", "ATTNEXT_BWD_DQ_CHAINS", "ATTNEXT_TILE_SUMS", "ATTNEXT_BWD_F32_PRESPLIT",
              "ATTNEXT_BWD_F32_X3", "ATTNEXT_BWD_X3_KV_WARPS",
@@ -297,6 +297,23 @@ def fwd_persist_tile(D, tile):
 PERSIST_Q_ROWS = 64
 
 
+def fwd_cluster(D, q_tiles, dense, causal, window, options, mods, persist):
+    """Whether a WS forward a CTA a tile runs its CTAs in pairs (CLUSTER = 2: each K / V tile read
+    from L2 once a pair, a 64-column panel by each CTA's copies into both): D = 128, a dense batch
+    (no cu_seqlens or seqused: both CTAs of a pair see the same keys and both have rows) with an even
+    number of query tiles (q_tiles: a sequence's), no causal mask, window or mask_mod (mods: a
+    codegen.Generated or None), where every query tile of a head reads the same key tiles; by
+    default for plain calls (no score options or generated mods). ATTNEXT_FWD_CLUSTER=0 / 1 decides
+    for the lab and the tests wherever such a call allows it."""
+    if (D != 128 or persist or not dense or q_tiles % 2 or causal or window
+            or (mods is not None and mods.defines.get("HAS_MASK_MOD"))):
+        return False
+    env = _env.get("ATTNEXT_FWD_CLUSTER")
+    if env in ("0", "1"):
+        return env == "1"
+    return not options and mods is None
+
+
 def fwd_tma_store():
     """Whether the persistent WS forward's O leaves by bulk tensor copies (out's map, made at launch
     where out's rows are 16-byte aligned), unless the lab's ATTNEXT_FWD_TMA_STORE=0 says no."""
@@ -441,14 +458,14 @@ def entry_defines(defines, name):
 
 def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, tile,
                 pack_gqa=False, split_kv=False, mods=None, tf32=False, paged=False, tma=False, ws=False,
-                persist=False, sm90_f32=False, scaled16=False):
+                persist=False, sm90_f32=False, scaled16=False, cluster=False):
     """The #defines of one forward variant. bias_dtype / alibi_dtype: a dtype name or None;
     tf32: float32 in single-pass TF32 (precision="tf32"); paged: k and v are a paged cache.
     tile: (BLOCK_M, BLOCK_N, NUM_WARPS[, MIN_BLOCKS: CTAs per SM the registers must allow]), or
     with tma (TMA_KV: a producer warp's bulk tensor copies) or ws (attn_fwd_sm90.cu's WS kernel)
     (BLOCK_M, BLOCK_N, NUM_WARPS, STAGES), as is sm90_f32's (attn_fwd_sm90_f32.cu; with it or ws a
     fifth, the kernel lab's, K_STAGES: K's slots, STAGES when not given); persist: the WS
-    kernel as a persistent grid (fwd_persist); scaled16: float16 copies of float32 arrays
+    kernel as a persistent grid (fwd_persist); cluster: the WS kernel's CTAs in pairs (fwd_cluster); scaled16: float16 copies of float32 arrays
     (fwd_tf32_f16: F16_SCALED). mods: the generated score_mod / mask_mod (codegen.Generated) or
     None."""
     bm, bn, w = tile[:3]
@@ -460,6 +477,7 @@ def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
         **({"TMA_KV": 1} if tma else {}),
         **({"WS": 1} if ws else {}),
         **({"PERSIST": 1} if persist else {}),
+        **({"CLUSTER": 2} if cluster else {}),
         "PACK_GQA": int(pack_gqa), "SPLIT_KV": int(split_kv), **dtype_defines(dtype, tf32, scaled16),
         **({"PAGED": 1} if paged else {}),
         "HEAD_DIM": D, "HEAD_DIM_V": Dv, "VEC_LOAD": int(vec),
@@ -1002,6 +1020,9 @@ def sm90_fwd_variants():
             for v in out if v.get("ws") and not score_options(v)]
     # plain D = 128 calls over long keys (fwd_wide_keys: tf32's scaled copies too), a CTA a tile
     out += [{**v, "tile": SM90_TILE_WS_WIDE} for v in out
+            if v.get("ws") and not v.get("persist") and v["D"] == v["Dv"] == 128 and not score_options(v)]
+    # ... and both D = 128 tiles in pairs of CTAs (fwd_cluster: plain calls, an even number of query tiles)
+    out += [{**v, "cluster": True} for v in out
             if v.get("ws") and not v.get("persist") and v["D"] == v["Dv"] == 128 and not score_options(v)]
     decode = [dict(dtype=dtype, D=D, Dv=D, vec=True, softcap=False, bias_dtype=None, alibi_dtype=None,
                    mask=False, tile=DECODE_TMA_TILE, pack_gqa=True, split_kv=split, tma=True)

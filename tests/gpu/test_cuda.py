@@ -388,6 +388,57 @@ def test_persistent_ws_forward(d, counters, rng, monkeypatch):
         assert {knob for knob, _ in persisted} == {"0", "1"}, persisted
 
 
+def test_ws_forward_in_cta_pairs(rng, monkeypatch):
+    """A D = 128 WS forward a CTA a tile over a dense batch with an even number of query tiles runs
+    its CTAs in pairs (select.fwd_cluster: a cluster of two, whose copies each bring one 64-column
+    panel of every K and V tile into both CTAs): the reference's answer and the same bits as the
+    CTAs alone (ATTNEXT_FWD_CLUSTER=0), over keys past the last whole tile, GQA, bhsd, fewer keys
+    than rows, the 176-key tile over long keys, and under the lab's ATTNEXT_FWD_CLUSTER=1 a bias,
+    mask, ALiBi and softcap, sinks and a generated score_mod. By default a plain call pairs its
+    CTAs; an odd number of query tiles, a causal mask, a window or seqused_k keep them alone."""
+    from attnext.cuda import select
+    monkeypatch.setenv("ATTNEXT_FWD_PERSIST", "0")
+    paired = []
+    fwd_cluster = select.fwd_cluster
+
+    def spy(*args, **kw):
+        paired.append(fwd_cluster(*args, **kw))
+        return paired[-1]
+    monkeypatch.setattr(select, "fwd_cluster", spy)
+    chosen, hopper = _spy_ws(monkeypatch)
+    c = 3 + int.from_bytes(os.urandom(2), "little") % 1000
+    cases = [((2, 1280, 1333, 8, 2, "bshd"), {}),                 # 10 query tiles a head
+             ((2, 1500, 700, 4, 2, "bhsd"), {}),                  # 12, over 6 key tiles
+             ((1, 2304, 8300, 4, 4, "bshd"), {}),                 # the 176-key tile
+             ((2, 1280, 1333, 8, 2, "bshd"), dict(bias=randn(rng, (1, 8, 1280, 1), np.float32),
+                                                  mask=rng.random((2, 1, 1280, 1333)) > 0.1,
+                                                  alibi_slopes=rng.random(8).astype(np.float32), softcap=5.0)),
+             ((2, 1280, 1333, 8, 2, "bshd"), dict(sinks=randn(rng, (8,), np.float32),
+                                                  score_mod=lambda s, b, h, qi, ki: s - 0.01 * ((qi - ki) % c)))]
+    for (b, sq, sk, hq, hk, layout), opts in cases:
+        q, k, v = make_qkv(rng, b, sq, sk, hq, hk, 128, 128, BF16, layout=layout)
+        monkeypatch.setenv("ATTNEXT_FWD_CLUSTER", "1")
+        del paired[:]
+        out, lse = _check_forward(q, k, v, BF16, layout=layout, **opts)
+        assert not hopper or paired == [True], (sq, paired)
+        monkeypatch.setenv("ATTNEXT_FWD_CLUSTER", "0")
+        alone, alone_lse = attnext.attention(q, k, v, layout=layout, device="cuda", return_lse=True, **opts)
+        np.testing.assert_array_equal(out, alone)
+        np.testing.assert_array_equal(lse, alone_lse)
+    monkeypatch.delenv("ATTNEXT_FWD_CLUSTER")
+    q, k, v = make_qkv(rng, 2, 1280, 1333, 8, 2, 128, 128, BF16)
+    del paired[:]
+    _check_forward(q, k, v, BF16)
+    assert not hopper or paired == [True], paired
+    odd = make_qkv(rng, 2, 1100, 1333, 8, 2, 128, 128, BF16)           # 9 query tiles
+    for qkv, opts in ((odd, {}), ((q, k, v), dict(causal=True)), ((q, k, v), dict(window=(300, 20))),
+                      ((q, k, v), dict(seqlens_k=np.array([1333, 900])))):
+        del paired[:]
+        _check_forward(*qkv, BF16, **opts)
+        assert not any(paired), (opts, paired)
+    assert not hopper or (chosen and all(chosen)), chosen
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_causal_tiles_in_sections(d, rng, monkeypatch):
     """A causal WS forward takes its tiles longest first in sections of (sequence, head) pairs

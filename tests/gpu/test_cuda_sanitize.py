@@ -123,7 +123,7 @@ tiles, bulk = [], []
 function = nvrtc.function
 def spy(kernel, name, defines, *rest):
     if name == "attn_fwd_sm90":
-        tiles.append((defines.get("WS", 0), defines["BLOCK_N"], defines["BLOCK_M"]))
+        tiles.append((defines.get("WS", 0), defines["BLOCK_N"], defines["BLOCK_M"], defines.get("CLUSTER", 1)))
     if name == "attn_bwd_dkdv_ws_sm90":
         bulk.append(defines.get("BWD_TMA", 0))
     return function(kernel, name, defines, *rest)
@@ -186,6 +186,15 @@ kd, vd = (torch.randn(1, 4096, 2, D, device="cuda", dtype=torch.bfloat16) for _ 
 want = reference.attention(*(x.float().cpu().numpy() for x in (qd, kd, vd)))
 for _ in range(2):
     check(attnext.attention(qd, kd, vd), want)
+if D == 128:
+    # CTAs in pairs (a CTA a tile: 10 query tiles a head), each bringing a panel of every K and V
+    # tile into both, over keys past the last whole tile
+    from attnext import _env
+    _env.setenv("ATTNEXT_FWD_PERSIST", "0")
+    qp = torch.randn(B, 1280, H, D, device="cuda", dtype=torch.bfloat16)
+    del tiles[:]
+    check(attnext.attention(qp, k, v), reference.attention(qp.float().cpu().numpy(), kn, vn))
+    assert tiles == [(1, 128, 128, 2)], tiles
 torch.cuda.synchronize()
 print("worst", worst)
 raise SystemExit(0 if worst < 2e-2 else 1)

@@ -699,12 +699,17 @@ def test_the_persistent_ws_forward_plan(tmp_path):
         ql, kl, vl = qkv(1, select.PERSIST_TILES_CAUSAL * 128 + 1, 4096, 2, 2, 128)   # one tile past
         d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(ql, kl, vl, causal=True))
         assert "PERSIST" not in d and grid == (select.PERSIST_TILES_CAUSAL + 1, 2, 1), (d, grid)
+        # ... and its CTAs in pairs (select.fwd_cluster: a plain D = 128 call, an even number of tiles)
+        d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(qs, ks, vs))
+        assert d["CLUSTER"] == 2 and grid == (24, 16, 2) and n_maps == 2, (d, grid)
         bias, mask = dev((1, 16, 2048, 2048), np.float32), dev((2, 1, 2048, 2048), np.bool_)
-        for call in (lambda: attnext.attention(qs, ks, vs), lambda: attnext.attention(q, k, v, softcap=30.0),
+        first = lambda: attnext.attention(qs, ks, vs)
+        for call in (first, lambda: attnext.attention(q, k, v, softcap=30.0),
                      lambda: attnext.attention(q, k, v, bias=bias), lambda: attnext.attention(q, k, v, mask=mask),
                      lambda: attnext.attention(q, k, v, alibi_slopes=dev((16,), np.float32, zero=True))):
             d, grid, smem, ptrs, n_maps = launched(call)
             assert d["WS"] == 1 and "PERSIST" not in d and grid[1:] == (16, 2) and n_maps == 2, (d, grid)
+            assert d.get("CLUSTER") == (2 if call is first else None), d     # score options: alone
         # the three-warpgroup tile (a plain D = 64 call) keeps a CTA a tile: 11 of its 192-row tiles
         d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(*qkv(2, 2048, 2048, 16, 16, 64)))
         assert d["BLOCK_M"] == 192 and "PERSIST" not in d and grid == (11, 16, 2), (d, grid)
