@@ -73,22 +73,27 @@ DEV int cluster_rank()
     return r;
 }
 
-/* Every thread of every CTA of the cluster meets here (whole warps); what each wrote before,
- * mbarrier inits included (mbar_init_fence), is seen by all after. */
+/* Every thread of every CTA of the cluster meets here (whole warps): the mbarriers one CTA made
+ * before it (mbar_init_fence: a release at cluster scope) are there for the others' arrivals and
+ * copies after it. The arrival is relaxed (CUTLASS's cluster_arrive_relaxed): what else a thread
+ * wrote before is not ordered for the other CTA (a release here is a MEMBAR.GPU a thread). */
 DEV void cluster_sync()
 {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n"
+                 "barrier.cluster.wait.aligned;" ::: "memory");
 }
 
-/* One arrival (release, cluster scope) on the mbarrier at `bar` in the shared memory of the
- * cluster's CTA of rank `rank` (this one's included). */
+/* One arrival on the mbarrier at `bar` in the shared memory of the cluster's CTA of rank `rank`
+ * (this one's included), release at CTA scope: for a consumer whose reads of a stage have
+ * completed (wgmma_wait) telling the producers that the stage may be overwritten, as CUTLASS's
+ * ClusterBarrier::arrive does. At cluster scope the release is a MEMBAR.GPU before each arrival
+ * (ptxas: MEMBAR.ALL.GPU, ERRBAR, CGAERRBAR), which made the paired forward 20-35% slower (H200,
+ * bench/NOTES.md, forward v28). */
 DEV void mbar_arrive_at(uint32_t bar, int rank)
 {
     asm volatile("{\n.reg .b32 at;\n"
                  "mapa.shared::cluster.u32 at, %0, %1;\n"
-                 "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [at];\n}" ::"r"(bar), "r"(rank)
-                 : "memory");
+                 "mbarrier.arrive.shared::cluster.b64 _, [at];\n}" ::"r"(bar), "r"(rank) : "memory");
 }
 
 /* Named barrier id (not 0: __syncthreads') across n threads, whole warps. */

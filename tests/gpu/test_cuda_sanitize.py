@@ -151,7 +151,7 @@ nvrtc.finish_ahead()                           # the score_mod's 128-key tile, c
 del tiles[:]
 out = attnext.attention(q, k, v, causal=True, score_mod=alibi)
 check(out, reference.attention(qn, kn, vn, causal=True, score_mod=alibi))
-assert tiles == [(1, 128, 128)], tiles
+assert tiles == [(1, 128, 128, 1)], tiles
 cu = torch.tensor([0, 1050, 1100], dtype=torch.int32, device="cuda")
 qv, kv, vv = (x[0] for x in (q, k, v))
 # a plain varlen call (D = 64: three warpgroups), whose first sequence's last key tile brings
@@ -159,7 +159,7 @@ qv, kv, vv = (x[0] for x in (q, k, v))
 del tiles[:]
 out = attnext.varlen_attention(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1050, max_seqlen_k=1050)
 check(out, reference.varlen_attention(qn[0], kn[0], vn[0], cu_seqlens_q=cu.cpu().numpy(), cu_seqlens_k=cu.cpu().numpy()))
-assert tiles == [(1, 128, 192 if D == 64 else 128)], tiles
+assert tiles == [(1, 128, 192 if D == 64 else 128, 1)], tiles
 out = attnext.varlen_attention(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1050, max_seqlen_k=1050,
                                causal=True)
 check(out[:1050], reference.attention(qn[:1, :1050], kn[:1, :1050], vn[:1, :1050], causal=True)[0])
