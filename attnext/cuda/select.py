@@ -297,6 +297,12 @@ def fwd_persist_tile(D, tile):
 PERSIST_Q_ROWS = 64
 
 
+# The WS forward a CTA a tile in pairs of CTAs (CLUSTER = 2, each K / V tile by multicast copies
+# into both: half the L2 reads) for plain D = 128 calls. H200 (session 59, separate processes
+# alternated twice, cuDNN beside; TFLOP/s, alone / paired): S4k 571.5, 576.5 / 583.9, 581.0; S8k
+# (176 keys) 605.2, 601.3 / 609.7, 615.4; S16k 622.9, 607.9 / 630.5, 630.5 (+1-2.5%); S2k paired a
+# CTA a tile 549 against the persistent grid's 564-570 (that grid stays). Half a tile's rows a
+# CTA (so D = 64 could pair) measured the same at D = 128 and 0-3% slower at D = 64 (192-row tile).
 def fwd_cluster(D, q_tiles, dense, causal, window, options, mods, persist):
     """Whether a WS forward a CTA a tile runs its CTAs in pairs (CLUSTER = 2: each K / V tile read
     from L2 once a pair, a 64-column panel by each CTA's copies into both): D = 128, a dense batch
