@@ -105,8 +105,8 @@ SETTINGS = {s.name: s for s in [
             "whether the WS forward of a dense batch runs as a persistent grid (1) or a CTA a "
             "query tile (0)"),
     Setting("ATTNEXT_FWD_CLUSTER", "0 | 1", "select.fwd_cluster (D = 128 plain calls)", LAB, CALL,
-            "whether the WS forward a CTA a tile runs its CTAs in pairs that share each K / V tile's "
-            "copy (1) or alone (0), wherever a call allows it"),
+            "whether the WS forward runs its CTAs in pairs that share each K / V tile's copy (1) "
+            "or alone (0), wherever a call allows it"),
     Setting("ATTNEXT_FWD_TMA_STORE", "0 | 1", "1", LAB, CALL,
             "0: the persistent WS forward's O leaves by the computing threads' stores, not by "
             "bulk tensor copies (the lab's comparison)"),

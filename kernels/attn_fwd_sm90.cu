@@ -44,11 +44,12 @@
  * tiles: select.fwd_cluster's calls, with an even number of query tiles): the CTAs of blockIdx.x
  * 2i and 2i + 1 form a cluster, and each one's producer brings one 64-column panel of every K and
  * V tile into both CTAs at once (multicast), so that L2 serves each key tile once a pair
- * (FlashAttention-3's ClusterShape). PERSIST with CLUSTER takes every gridDim.x-th tile (an even
- * grid, no atomic count), so the two CTAs of a pair take tiles t and t + 1 of one head at once. The CTAs may not return early
- * (no zero_tail, every tile live): the other would wait at cluster_sync. A stage is empty once both CTAs' computing warps have
- * released it (each warp arrives on the stage's barrier in both), and a producer stays until
- * the last such arrivals into its CTA are made.
+ * (FlashAttention-3's ClusterShape). A stage is empty once both CTAs' computing warps have
+ * released it (each warp arrives on the stage's barrier in both), and a producer stays until the
+ * last such arrivals into its CTA are made. PERSIST with CLUSTER takes every gridDim.x-th tile
+ * (an even grid, no atomic count), so that the two CTAs of a pair take tiles t and t + 1 of one
+ * head together. Neither CTA may return early (zero_tail, a tile past the rows): the other would
+ * wait at cluster_sync.
  */
 #include "attn_fwd_tile.cuh"
 #include "wgmma.cuh"

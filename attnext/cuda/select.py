@@ -472,9 +472,9 @@ def fwd_defines(*, dtype, D, Dv, vec, softcap, bias_dtype, alibi_dtype, mask, ti
     with tma (TMA_KV: a producer warp's bulk tensor copies) or ws (attn_fwd_sm90.cu's WS kernel)
     (BLOCK_M, BLOCK_N, NUM_WARPS, STAGES), as is sm90_f32's (attn_fwd_sm90_f32.cu; with it or ws a
     fifth, the kernel lab's, K_STAGES: K's slots, STAGES when not given); persist: the WS
-    kernel as a persistent grid (fwd_persist); cluster: the WS kernel's CTAs in pairs (fwd_cluster); scaled16: float16 copies of float32 arrays
-    (fwd_tf32_f16: F16_SCALED). mods: the generated score_mod / mask_mod (codegen.Generated) or
-    None."""
+    kernel as a persistent grid (fwd_persist); cluster: the WS kernel's CTAs in pairs
+    (fwd_cluster); scaled16: float16 copies of float32 arrays (fwd_tf32_f16: F16_SCALED). mods:
+    the generated score_mod / mask_mod (codegen.Generated) or None."""
     bm, bn, w = tile[:3]
     staged = tma or ws or sm90_f32
     return mod_defines({
