@@ -187,14 +187,15 @@ want = reference.attention(*(x.float().cpu().numpy() for x in (qd, kd, vd)))
 for _ in range(2):
     check(attnext.attention(qd, kd, vd), want)
 if D == 128:
-    # CTAs in pairs (a CTA a tile: 10 query tiles a head), each bringing a panel of every K and V
-    # tile into both, over keys past the last whole tile
+    # CTAs in pairs (10 query tiles a head), each bringing a panel of every K and V tile into
+    # both, over keys past the last whole tile: a CTA a tile, and the persistent grid
     from attnext import _env
-    _env.setenv("ATTNEXT_FWD_PERSIST", "0")
     qp = torch.randn(B, 1280, H, D, device="cuda", dtype=torch.bfloat16)
-    del tiles[:]
-    check(attnext.attention(qp, k, v), reference.attention(qp.float().cpu().numpy(), kn, vn))
-    assert tiles == [(1, 128, 128, 2)], tiles
+    for persist in ("0", "1"):
+        _env.setenv("ATTNEXT_FWD_PERSIST", persist)
+        del tiles[:]
+        check(attnext.attention(qp, k, v), reference.attention(qp.float().cpu().numpy(), kn, vn))
+        assert tiles == [(1, 128, 128, 2)], tiles
 torch.cuda.synchronize()
 print("worst", worst)
 raise SystemExit(0 if worst < 2e-2 else 1)
