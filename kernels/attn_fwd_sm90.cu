@@ -631,6 +631,29 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) __cluster_dims__(CLU
             write_out(p, sq, sc.to_natural, o, m, l, row0, b, h, 1, 0, Lq);
             continue;
         }
+        const int tiles = n_last - n_first + 1;
+#if !PERSIST
+        if (m0 + 64 * w >= (int)sq.rows) {
+            /* no row of this warpgroup's is the call's (the last tile of 192-row tiles over 2048 or
+             * 4096 rows: a third of it): it computes nothing, and only takes its turns and
+             * releases each stage once filled, so that the others' turns and the rings run on */
+            for (int i = 0; i <= tiles; i++) {
+                const int g = kv + i, st = g % K_STAGES, pst = (g + STAGES - 1) % STAGES;
+                if (i < tiles) {
+                    mbar_wait(full_k + 8 * st, (g / K_STAGES) & 1);
+                    turn_wait(w);
+                    turn_pass(w);
+                    release_kv(empty_k + 8 * st);
+                }
+                if (i > 0) {
+                    mbar_wait(full_v + 8 * pst, ((g - 1) / STAGES) & 1);
+                    release_kv(empty_v + 8 * pst);
+                }
+            }
+            kv += tiles;
+            continue;
+        }
+#endif
 #if PERSIST
         const uint32_t sQw = sQ + (qn & 1) * Q_BYTES + w * QW_BYTES;   /* this warpgroup's Q, later its O */
         mbar_wait(q_full + 8 * (qn & 1), (qn >> 1) & 1);
@@ -670,7 +693,6 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) __cluster_dims__(CLU
         /* Step i: S of tile i (n = n_last - i, ring position kv + i) and P V of tile i - 1
          * issued in this warpgroup's turn, then tile i's softmax beside P V; step 0 has no P V,
          * a last step only P V. Every turn is passed on; warpgroup 0 takes the last at the end. */
-        const int tiles = n_last - n_first + 1;
         for (int i = 0; i < tiles; i++) {
             const int n = n_last - i, g = kv + i, st = g % K_STAGES, pst = (g + STAGES - 1) % STAGES;
             float s[1][NT][4], corrs[2];

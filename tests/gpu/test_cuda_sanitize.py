@@ -186,10 +186,16 @@ kd, vd = (torch.randn(1, 4096, 2, D, device="cuda", dtype=torch.bfloat16) for _ 
 want = reference.attention(*(x.float().cpu().numpy() for x in (qd, kd, vd)))
 for _ in range(2):
     check(attnext.attention(qd, kd, vd), want)
+# a CTA a tile whose last tile leaves its last warpgroup no row (1050 = 8 x 128 + 26 = 5 x 192 +
+# 90): that warpgroup only takes its turns and releases the stages
+from attnext import _env
+_env.setenv("ATTNEXT_FWD_PERSIST", "0")
+q1 = torch.randn(B, 1050, H, D, device="cuda", dtype=torch.bfloat16)
+for opts in (dict(), dict(causal=True)):
+    check(attnext.attention(q1, k, v, **opts), reference.attention(q1.float().cpu().numpy(), kn, vn, **opts))
 if D == 128:
     # CTAs in pairs (10 query tiles a head), each bringing a panel of every K and V tile into
     # both, over keys past the last whole tile: a CTA a tile, and the persistent grid
-    from attnext import _env
     qp = torch.randn(B, 1280, H, D, device="cuda", dtype=torch.bfloat16)
     for persist in ("0", "1"):
         _env.setenv("ATTNEXT_FWD_PERSIST", persist)
