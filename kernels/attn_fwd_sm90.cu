@@ -40,16 +40,14 @@
  * its neighbours' (bench/NOTES.md, forward v16); O leaves by bulk tensor copies from its Q block
  * where the launch made out's map (p.tma_out: out's rows 16-byte aligned).
  *
- * CLUSTER = 2 (the WS kernel at D = 128, every CTA pair of one (head, sequence) over the same key
- * tiles: select.fwd_cluster's calls, with an even number of query tiles): the CTAs of blockIdx.x
- * 2i and 2i + 1 form a cluster, and each one's producer brings one 64-column panel of every K and
- * V tile into both CTAs at once (multicast), so that L2 serves each key tile once a pair
- * (FlashAttention-3's ClusterShape). A stage is empty once both CTAs' computing warps have
+ * CLUSTER = 2 (the WS kernel a CTA a tile, D = 128, every CTA pair of one (head, sequence) over the
+ * same key tiles: select.fwd_cluster's calls, with an even number of query tiles): the CTAs of
+ * blockIdx.x 2i and 2i + 1 form a cluster, and each one's producer brings one 64-column panel of
+ * every K and V tile into both CTAs at once (multicast), so that L2 serves each key tile once a
+ * pair (FlashAttention-3's ClusterShape). A stage is empty once both CTAs' computing warps have
  * released it (each warp arrives on the stage's barrier in both), and a producer stays until the
- * last such arrivals into its CTA are made. PERSIST with CLUSTER takes every gridDim.x-th tile
- * (an even grid, no atomic count), so that the two CTAs of a pair take tiles t and t + 1 of one
- * head together. Neither CTA may return early (zero_tail, a tile past the rows): the other would
- * wait at cluster_sync.
+ * last such arrivals into its CTA are made. Neither CTA may return early (zero_tail, a tile past
+ * the rows): the other would wait at cluster_sync.
  */
 #include "attn_fwd_tile.cuh"
 #include "wgmma.cuh"
@@ -84,8 +82,8 @@
 #ifndef CLUSTER
 #define CLUSTER 1
 #endif
-#if CLUSTER != 1 && (CLUSTER != 2 || !WS || HEAD_DIM != 128 || HAS_MASK_MOD)
-#error "attn_fwd_sm90 CLUSTER: pairs of CTAs in the WS kernel at D = 128 (a K / V panel each), no mask_mod"
+#if CLUSTER != 1 && (CLUSTER != 2 || !WS || (defined(PERSIST) && PERSIST) || HEAD_DIM != 128 || HAS_MASK_MOD)
+#error "attn_fwd_sm90 CLUSTER: pairs of CTAs a tile in the WS kernel at D = 128 (a K / V panel each), no mask_mod"
 #endif
 
 /* S (+)= Q K^T for one k16 step of this warpgroup's 64 rows. */
@@ -543,9 +541,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) __cluster_dims__(CLU
             /* the next tile, taken now that this one's loads are issued (taken earlier, a CTA would
              * hold a tile it cannot start while others run out), into slot (j + 1) & 1 once the
              * computing warps have read that slot's last */
-            const bool count = CLUSTER == 1 && p.counters;   /* a pair's tiles go together: every gridDim.x-th */
-            const int taken = count ? atomicAdd(p.counters, 1) : 0;
-            const int next = count ? (int)gridDim.x + taken : t + (int)gridDim.x, s = (j + 1) & 1;
+            const int taken = p.counters ? atomicAdd(p.counters, 1) : 0;
+            const int next = p.counters ? (int)gridDim.x + taken : t + (int)gridDim.x, s = (j + 1) & 1;
             if (next < total)
                 pl = ws_place_of(p, next, tiles_x, sec);
             if (j >= 2)
@@ -553,7 +550,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) __cluster_dims__(CLU
             asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
                          ::"r"(next_slot + 16 * s), "r"(next), "r"(pl.x), "r"(pl.h), "r"(pl.b) : "memory");
             mbar_arrive(next_full + 8 * s);
-            if (count && taken == total - 1)             /* every CTA has taken its last */
+            if (p.counters && taken == total - 1)         /* every CTA has taken its last */
                 atomicExch(p.counters, 0);
             t = next;
 #endif

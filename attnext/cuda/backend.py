@@ -657,7 +657,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
                <= select.SM90_SHARED_BYTES)
     if persist:
         tile = persist_tile
-    cluster = ws and select.fwd_cluster(o.D, row_tiles, dense, o.causal_code != 0, _windowed(o), options, gen)
+    cluster = ws and select.fwd_cluster(o.D, row_tiles, dense, o.causal_code != 0, _windowed(o), options, gen, persist)
 
     def defines_of(tile):
         return select.fwd_defines(**features, tile=tile, pack_gqa=pack, split_kv=splits > 1, mods=gen, paged=paged,
@@ -673,8 +673,8 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     smem = select.fwd_smem_bytes(o.D, o.Dv, tile, kernel, features["dtype"], tma, ws, persist, features["tf32"])
     q_tiles = math.ceil(o.Sq * (o.Hq // o.Hk) / tile[0]) if pack else _query_tiles(rows, tile[0])
     grid = (q_tiles * splits, o.Hk if pack else o.Hq, o.B + (1 if o.varlen else 0))
-    if persist:     # a CTA an SM (one fits), taking the B x Hq x q_tiles tiles in turn; an even grid in pairs
-        grid = (min(q_tiles * o.Hq * o.B, device_info(device)["multiprocessor_count"] & ~int(cluster)), 1, 1)
+    if persist:     # a CTA an SM (one fits), taking the B x Hq x q_tiles tiles in turn
+        grid = (min(q_tiles * o.Hq * o.B, device_info(device)["multiprocessor_count"]), 1, 1)
         prob.tma_rows_q = select.PERSIST_Q_ROWS
         prob.tma_out = int(select.fwd_tma_store())
     prob.out, prob.lse, prob.num_splits = _t(out4), _t(lse3), splits
@@ -686,7 +686,7 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     template = _C.attn_template(prob)
     if not all(grid):                       # an empty grid (no heads, rows or batch) has nothing to write
         return _Plan(template, ())
-    counters = 1 if persist and not cluster else 0     # the persistent grid's count of tiles taken
+    counters = 1 if persist else 0          # the persistent grid's count of tiles taken
     names = [kernel] if splits == 1 else [kernel, "attn_fwd_combine"]
     specs = [(kernel, name, defines, generated) for name in names] + select.block_mask_specs(gen)
     if o.return_lse and (gen is not None or getattr(o, "mods_lowered", False)):

@@ -303,16 +303,15 @@ PERSIST_Q_ROWS = 64
 # (176 keys) 605.2, 601.3 / 609.7, 615.4; S16k 622.9, 607.9 / 630.5, 630.5 (+1-2.5%); S2k paired a
 # CTA a tile 549 against the persistent grid's 564-570 (that grid stays). Half a tile's rows a
 # CTA (so D = 64 could pair) measured the same at D = 128 and 0-3% slower at D = 64 (192-row tile).
-def fwd_cluster(D, q_tiles, dense, causal, window, options, mods):
-    """Whether a WS forward (a CTA a tile, or the persistent grid, then taking every gridDim.x-th
-    tile) runs its CTAs in pairs on neighbouring query tiles (CLUSTER = 2: each K / V tile read
+def fwd_cluster(D, q_tiles, dense, causal, window, options, mods, persist):
+    """Whether a WS forward a CTA a tile runs its CTAs in pairs (CLUSTER = 2: each K / V tile read
     from L2 once a pair, a 64-column panel by each CTA's copies into both): D = 128, a dense batch
     (no cu_seqlens or seqused: both CTAs of a pair see the same keys and both have rows) with an even
     number of query tiles (q_tiles: a sequence's), no causal mask, window or mask_mod (mods: a
     codegen.Generated or None), where every query tile of a head reads the same key tiles; by
     default for plain calls (no score options or generated mods). ATTNEXT_FWD_CLUSTER=0 / 1 decides
     for the lab and the tests wherever such a call allows it."""
-    if (D != 128 or not dense or q_tiles % 2 or causal or window
+    if (D != 128 or persist or not dense or q_tiles % 2 or causal or window
             or (mods is not None and mods.defines.get("HAS_MASK_MOD"))):
         return False
     env = _env.get("ATTNEXT_FWD_CLUSTER")
@@ -1028,10 +1027,9 @@ def sm90_fwd_variants():
     # plain D = 128 calls over long keys (fwd_wide_keys: tf32's scaled copies too), a CTA a tile
     out += [{**v, "tile": SM90_TILE_WS_WIDE} for v in out
             if v.get("ws") and not v.get("persist") and v["D"] == v["Dv"] == 128 and not score_options(v)]
-    # ... and D = 128's tiles and persistent grid in pairs of CTAs (fwd_cluster: plain calls, an even
-    # number of query tiles)
+    # ... and both D = 128 tiles in pairs of CTAs (fwd_cluster: plain calls, an even number of query tiles)
     out += [{**v, "cluster": True} for v in out
-            if v.get("ws") and v["D"] == v["Dv"] == 128 and not score_options(v)]
+            if v.get("ws") and not v.get("persist") and v["D"] == v["Dv"] == 128 and not score_options(v)]
     decode = [dict(dtype=dtype, D=D, Dv=D, vec=True, softcap=False, bias_dtype=None, alibi_dtype=None,
                    mask=False, tile=DECODE_TMA_TILE, pack_gqa=True, split_kv=split, tma=True)
               for dtype in ("bfloat16", "float16") for D in (64, 128) for split in (True, False)]

@@ -388,18 +388,16 @@ def test_persistent_ws_forward(d, counters, rng, monkeypatch):
         assert {knob for knob, _ in persisted} == {"0", "1"}, persisted
 
 
-@pytest.mark.parametrize("persist", ["0", "1"], ids=["a_cta_a_tile", "persistent"])
-def test_ws_forward_in_cta_pairs(persist, rng, monkeypatch):
-    """A D = 128 WS forward over a dense batch with an even number of query tiles runs its CTAs in
-    pairs, a CTA a tile or as a persistent grid (ATTNEXT_FWD_PERSIST; a call with a score_mod
-    keeps a CTA a tile) (select.fwd_cluster: a cluster of two, whose copies each bring one
-    64-column panel of every K and V tile into both CTAs): the reference's answer and the same bits as the
+def test_ws_forward_in_cta_pairs(rng, monkeypatch):
+    """A D = 128 WS forward a CTA a tile over a dense batch with an even number of query tiles runs
+    its CTAs in pairs (select.fwd_cluster: a cluster of two, whose copies each bring one 64-column
+    panel of every K and V tile into both CTAs): the reference's answer and the same bits as the
     CTAs alone (ATTNEXT_FWD_CLUSTER=0), over keys past the last whole tile, GQA, bhsd, fewer keys
     than rows, the 176-key tile over long keys, and under the lab's ATTNEXT_FWD_CLUSTER=1 a bias,
     mask, ALiBi and softcap, sinks and a generated score_mod. By default a plain call pairs its
     CTAs; an odd number of query tiles, a causal mask, a window or seqused_k keep them alone."""
     from attnext.cuda import select
-    monkeypatch.setenv("ATTNEXT_FWD_PERSIST", persist)
+    monkeypatch.setenv("ATTNEXT_FWD_PERSIST", "0")
     paired = []
     fwd_cluster = select.fwd_cluster
 

@@ -168,10 +168,10 @@ def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
     # D = 128 calls a CTA a tile over a dense batch with an even number of query tiles and the same
     # keys for every tile of a head (no causal mask, window or mask_mod): CTAs in pairs, by default
     # for plain calls; the lab's ATTNEXT_FWD_CLUSTER decides for the rest
-    ok = dict(D=128, q_tiles=32, dense=True, causal=False, window=False, options=False, mods=None)
+    ok = dict(D=128, q_tiles=32, dense=True, causal=False, window=False, options=False, mods=None, persist=False)
     assert select.fwd_cluster(**ok)
     for bad in (dict(D=64), dict(q_tiles=33), dict(dense=False), dict(causal=True), dict(window=True),
-                dict(mods=window), dict(options=True), dict(mods=softcap)):
+                dict(persist=True), dict(mods=window), dict(options=True), dict(mods=softcap)):
         assert not select.fwd_cluster(**{**ok, **bad}), bad
     _env.setenv("ATTNEXT_FWD_CLUSTER", "1")
     try:
@@ -184,9 +184,9 @@ def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
     finally:
         _env.setenv("ATTNEXT_FWD_CLUSTER", None)
     paired = [d for k, d in select.variants("sm_90a") if k == "attn_fwd_sm90" and d.get("CLUSTER")]
-    assert sorted((d["BLOCK_N"], d.get("PERSIST", 0), d["ELEM_BF16"], d.get("F16_SCALED", 0)) for d in paired) == \
-        [(bn, *e) for bn, pe in ((128, 0), (128, 1), (176, 0)) for e in ((pe, 0, 0), (pe, 0, 1), (pe, 1, 0))], paired
-    assert all(d["HEAD_DIM"] == 128 and not d["HAS_BIAS"] for d in paired), paired
+    assert sorted((d["BLOCK_N"], d["ELEM_BF16"], d.get("F16_SCALED", 0)) for d in paired) == \
+        [(bn, *e) for bn in (128, 176) for e in ((0, 0), (0, 1), (1, 0))], paired
+    assert all(d["HEAD_DIM"] == 128 and not d.get("PERSIST") and not d["HAS_BIAS"] for d in paired), paired
     # the wide tile, once compiled, of a score_mod that loads from no array per score
     table, slopes = np.ones((2, 300), np.float32), np.ones(2, np.float32)
     alibi = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: s - slopes[h] * np.abs(q - kv)), None)
