@@ -1,10 +1,11 @@
 """Kernel lab: the backward's kernels side by side on one GPU, each validated first.
 
-    python bench/labs/lab_bwd.py mma sm90 "sm90:8,8" ...
+    python bench/labs/lab_bwd.py mma sm90 "sm90:8,8" ... [64:16384 128:2048:causal ...]
 
 A configuration is "mma" (attn_bwd.cu; ATTNEXT_BWD_SM90=0) or "sm90" / "sm90:KV_WARPS,Q_WARPS"
 (attn_bwd_sm90.cu; ATTNEXT_TILE_BWD_SM90), with "+recompute", "+ordered" or "+atomic" (deterministic=False)
-naming the dq mode (ATTNEXT_BWD_DQ; none: the default's). For each head dim / causal case: attnext's backward
+naming the dq mode (ATTNEXT_BWD_DQ; none: the default's); an argument D:S[:causal] names a case in place of
+CASES. A configuration may be named twice, to alternate. For each head dim / causal case: attnext's backward
 (from a forward's out and lse) against PyTorch SDPA's flash backend (autograd), bf16,
 triton.testing.do_bench medians, B*S = 16k tokens, TFLOP/s counting 2.5x the forward's FLOPs.
 """
@@ -23,10 +24,10 @@ CASES = [(64, 512, False), (64, 2048, False), (64, 2048, True), (128, 512, False
          (128, 2048, True), (128, 8192, True)]
 
 
-def main(configs):
+def main(configs, cases=CASES):
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  configs {configs}")
-    for D, S, causal in CASES:
+    for D, S, causal in cases:
         B, H = 16384 // S, 2048 // D
         q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
@@ -66,4 +67,6 @@ def main(configs):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["mma", "sm90", "sm90+atomic"])
+    args = sys.argv[1:]
+    cases = [(int(a.split(":")[0]), int(a.split(":")[1]), a.endswith(":causal")) for a in args if a[0].isdigit()]
+    main([a for a in args if not a[0].isdigit()] or ["mma", "sm90", "sm90+atomic"], cases or CASES)
