@@ -1024,7 +1024,8 @@ def _backward_kernels(o, device, features, deterministic, q_rows, k_rows, gen, d
     if x3:
         dq_mode = select.bwd_x3_dq_mode(o.D, deterministic)
     else:
-        dq_mode = "recompute" if grads else select.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach, f32_passes)
+        dq_mode = "recompute" if grads else select.bwd_dq_mode(sm90, o.D, deterministic, o.Dv, reach, f32_passes,
+                                                                     o.causal_code != 0)
     atomic = dq_mode != "recompute"
     presplit = select.bwd_f32_presplit(arch, features["dtype"], o.D, o.Dv, passes)
     planes = presplit and passes == 3

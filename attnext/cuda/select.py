@@ -774,9 +774,15 @@ DQ_MODES = ("recompute", "atomic", "ordered")
 # that last turn's extra work (the tile's sum read back and converted) holds up its key block's
 # consumers: the main kernel measured 2.23 against 2.06 ms at D128 S2k (bench/NOTES.md, session 14)
 SHORT_KEYS = 1024
+# ... and at D = Dv = 64 without a causal mask over more than this many keys, where the atomic
+# additions' rate is bimodal from process to process (H200, B1 S16k H32, eight readings of the
+# bench row and lab_bwd: 406-488 TFLOP/s, three of them under cuDNN's 453) while the ordered
+# mode's stays at 466-478 (bench/NOTES.md, backward s60): deterministic=False takes ordered there.
+# At 8192 keys and with a causal mask the atomic mode measured steady (473-476, 481-488) and the faster.
+LONG_KEYS_64 = 8192
 
 
-def bwd_dq_mode(sm90, D, deterministic, Dv=None, k_rows=None, f32_passes=0):
+def bwd_dq_mode(sm90, D, deterministic, Dv=None, k_rows=None, f32_passes=0, causal=False):
     """How the backward gets dQ:
       "recompute"  the dQ kernel recomputes S and dP per query tile and owns its rows (7 products;
                    the same bits every run);
@@ -791,7 +797,8 @@ def bwd_dq_mode(sm90, D, deterministic, Dv=None, k_rows=None, f32_passes=0):
     measured no faster). Dv: D's when not given. ATTNEXT_BWD_DQ names a mode for the lab and the
     tests; a mode a call does not allow falls back to the nearest it does. k_rows: the most keys
     a query row may see (the longest key sequence, or a narrower window's width: cuda_backend);
-    deterministic=False with at most SHORT_KEYS of them takes ordered too. f32_passes: a float32
+    deterministic=False with at most SHORT_KEYS of them takes ordered too, as it does at D = Dv =
+    64 with more than LONG_KEYS_64 and no causal mask (causal: the call's). f32_passes: a float32
     call's TF32 passes on sm_90a (3; 1 for precision="tf32"), else 0: deterministic=False past
     SHORT_KEYS keys then takes attn_bwd.cu's atomic float32 path where it measured faster, at D =
     Dv = 128 and, with three passes, D = Dv = 64 (H200, lab_f32 s43, B4 / B2 S4k H16, against the
@@ -806,7 +813,8 @@ def bwd_dq_mode(sm90, D, deterministic, Dv=None, k_rows=None, f32_passes=0):
         if f32_adds:
             mode = "recompute" if deterministic or short else "atomic"
         else:
-            mode = "recompute" if not adds else "ordered" if deterministic or short else "atomic"
+            long64 = D == (Dv or D) == 64 and not causal and k_rows is not None and k_rows > LONG_KEYS_64
+            mode = "recompute" if not adds else "ordered" if deterministic or short or long64 else "atomic"
     if mode == "atomic" and deterministic:
         mode = "ordered"
     if mode == "ordered" and not adds:
