@@ -392,10 +392,11 @@ def test_ws_forward_in_cta_pairs(rng, monkeypatch):
     """A D = 128 WS forward a CTA a tile over a dense batch with an even number of query tiles runs
     its CTAs in pairs (select.fwd_cluster: a cluster of two, whose copies each bring one 64-column
     panel of every K and V tile into both CTAs): the reference's answer and the same bits as the
-    CTAs alone (ATTNEXT_FWD_CLUSTER=0), over keys past the last whole tile, GQA, bhsd, fewer keys
-    than rows, the 176-key tile over long keys, and under the lab's ATTNEXT_FWD_CLUSTER=1 a bias,
-    mask, ALiBi and softcap, sinks and a generated score_mod. By default a plain call pairs its
-    CTAs; an odd number of query tiles, a causal mask, a window or seqused_k keep them alone."""
+    CTAs alone (ATTNEXT_FWD_CLUSTER=0), over keys past the last whole tile, a last query tile whose
+    second warpgroup has no row, GQA, bhsd, fewer keys than rows, the 176-key tile over long keys,
+    and under the lab's ATTNEXT_FWD_CLUSTER=1 a bias, mask, ALiBi and softcap, sinks and a
+    generated score_mod. By default a plain call pairs its CTAs; an odd number of query tiles, a
+    causal mask, a window or seqused_k keep them alone."""
     from attnext.cuda import select
     monkeypatch.setenv("ATTNEXT_FWD_PERSIST", "0")
     paired = []
@@ -408,7 +409,8 @@ def test_ws_forward_in_cta_pairs(rng, monkeypatch):
     chosen, hopper = _spy_ws(monkeypatch)
     c = 3 + int.from_bytes(os.urandom(2), "little") % 1000
     cases = [((2, 1280, 1333, 8, 2, "bshd"), {}),                 # 10 query tiles a head
-             ((2, 1500, 700, 4, 2, "bhsd"), {}),                  # 12, over 6 key tiles
+             ((2, 1460, 700, 4, 2, "bhsd"), {}),                  # 12, over 6 key tiles; the last
+                                                                  # tile's second warpgroup has no row
              ((1, 2304, 8300, 4, 4, "bshd"), {}),                 # the 176-key tile
              ((2, 1280, 1333, 8, 2, "bshd"), dict(bias=randn(rng, (1, 8, 1280, 1), np.float32),
                                                   mask=rng.random((2, 1, 1280, 1333)) > 0.1,
