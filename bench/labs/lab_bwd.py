@@ -4,10 +4,10 @@
 
 A configuration is "mma" (attn_bwd.cu; ATTNEXT_BWD_SM90=0) or "sm90" / "sm90:KV_WARPS,Q_WARPS"
 (attn_bwd_sm90.cu; ATTNEXT_TILE_BWD_SM90), with "+recompute", "+ordered" or "+atomic" (deterministic=False)
-naming the dq mode (ATTNEXT_BWD_DQ; none: the default's); an argument D:S[:causal] names a case in place of
+naming the dq mode (ATTNEXT_BWD_DQ; none: the default's), "+ordered@4" its chains too (ATTNEXT_BWD_DQ_CHAINS); an argument D:S[:causal] names a case in place of
 CASES. A configuration may be named twice, to alternate. For each head dim / causal case: attnext's backward
 (from a forward's out and lse) against PyTorch SDPA's flash backend (autograd), bf16,
-triton.testing.do_bench medians, B*S = 16k tokens, TFLOP/s counting 2.5x the forward's FLOPs.
+triton.testing.do_bench medians, B*S = 16k tokens (B = 1 past S16k), TFLOP/s counting 2.5x the forward's FLOPs.
 """
 import sys
 from pathlib import Path
@@ -28,7 +28,7 @@ def main(configs, cases=CASES):
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  configs {configs}")
     for D, S, causal in cases:
-        B, H = 16384 // S, 2048 // D
+        B, H = max(1, 16384 // S), 2048 // D
         q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         flops = 2.5 * 4 * B * H * S * S * D / (2 if causal else 1)
@@ -45,8 +45,10 @@ def main(configs, cases=CASES):
         for cfg in configs:
             base, _, mode = cfg.partition("+")
             kind, _, tile = base.partition(":")
+            mode, _, chains = mode.partition("@")
             det = mode != "atomic"
             _env.setenv("ATTNEXT_BWD_DQ", mode)
+            _env.setenv("ATTNEXT_BWD_DQ_CHAINS", chains or None)
             _env.setenv("ATTNEXT_BWD_SM90", "1" if kind == "sm90" else "0")
             _env.setenv("ATTNEXT_TILE_BWD_SM90", tile or None)
             try:
