@@ -8,9 +8,11 @@ attn_bwd_sm90.cu at fixed anchors: the lab stops if one is missing) and points
 ATTNEXT_KERNEL_DIR at it. The stamps go into the backward's unused o_accum slot, 64 int64 per CTA:
 [0] start, [1] K and V in, [2] the consumers' end (dK, dV stored), [3] the writer's end, [4] the
 SM, [5] items; for items j < 8: [8 + j] the consumers start it, [24 + j] its dq_full, [40 + j]
-the writer's turn granted, [56 + j] the writer done with it. Prints medians over the CTAs (bf16,
-B*S = 16k tokens, H = 2048 / D, deterministic), once the stamped call's dq, dk, dv are checked
-against torch SDPA's.
+the writer's turn granted, [56 + j] the writer done with it; over all the CTA's items, summed:
+[16] the writers' waits for their turns (ordered mode), [17] their additions' issue to landing,
+[18] consumer thread 0's waits for a free dQ stage, [19] its waits for Q and dO. Prints medians
+over the CTAs (bf16, B*S = 16k tokens and B = 1 past S16k, H = 2048 / D, deterministic), once the
+stamped call's dq, dk, dv are checked against torch SDPA's.
 """
 import sys
 
@@ -21,15 +23,27 @@ EDITS = [   # (anchor, text inserted after it)
     ("    const int tid = threadIdx.x, warp = DQ_BY_ROWS ? tid >> 5 : uniform_warp_index(), wg = warp >> 2;\n"
      "    const int64_t hk = blockIdx.y, b = blockIdx.z;\n",
      "    if (tid == 0) { TR(0, gtime()); unsigned sm; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(sm)); TR(4, sm); }\n"),
+    ("                if (wl == 0 && !alone) {\n",
+     "                    const long long w0 = gtime();\n"),
     ("                    sem_wait(sem, n_block, last);\n                    fence_proxy_async_global();\n#endif\n",
-     "                    if (j < 8) TR(40 + j, gtime());\n"),
+     "                    const long long w1 = gtime();\n                    if (j < 8) TR(40 + j, w1);\n"
+     "                    if (p.o_accum) atomicAdd(SUM(16), (unsigned long long)(w1 - w0));\n"),
+    ("                    bulk_wait();\n                    fence_proxy_async_global();\n",
+     "                    if (p.o_accum) atomicAdd(SUM(17), (unsigned long long)(gtime() - w1));\n"),
     ("                __syncwarp();\n                mbar_arrive(dq_empty + 8 * x);\n",
      "                if (wl == 0 && j < 8) TR(56 + j, gtime());\n"),
     ("            if (wl == 0)\n                bulk_wait();\n", "            if (wl == 0) TR(3, gtime());\n"),
     ("    named_sync(1, KV_THREADS);            /* K and V in */\n",
      "    if (ctid == 0) { TR(1, gtime()); TR(5, items); }\n"),
     ("        mbar_wait(q_full + 8 * x, (j >> 1) & 1);\n",
-     "        if (ctid == 0 && j < 8) TR(8 + j, gtime());\n"),
+     "        if (ctid == 0 && j < 8) TR(8 + j, gtime());\n"
+     "        if (ctid == 0 && p.o_accum) atomicAdd(SUM(19), (unsigned long long)(gtime() - c0));\n"),
+    ("        const score_ctx sc = make_score_ctx(p, b, h, sq, sk);\n",
+     "        const long long c0 = gtime();\n"),
+    ("        if (j >= 2)\n            mbar_wait(dq_empty + 8 * x, ((j >> 1) - 1) & 1);\n",
+     "        if (ctid == 0 && p.o_accum) atomicAdd(SUM(18), (unsigned long long)(gtime() - c1));\n"),
+    ("        fence_acc(acc);\n\n",
+     "        const long long c1 = gtime();\n"),
     ("        mbar_arrive(dq_full + 8 * x);\n", "        if (ctid == 0 && j < 8) TR(24 + j, gtime());\n"),
     ("    store_dkdv_staged(p, sk, hk, dk, dv, n0w, sQ + (items & 1) * KQ_BYTES + cwarp * 2048);\n",
      "    if (ctid == 0) TR(2, gtime());\n"),
@@ -90,6 +104,9 @@ def main():
                 gaps.append(r[0] - ends[r[4]])
             ends[r[4]] = e
         print("  a CTA's end -> the next's start on its SM", med(gaps))
+        per = lambda i: med([r[i] / r[5] for r in t])   # noqa: E731  (a sum over the CTA's items, per item)
+        print(f"  per item, over all items: writer's turn wait {per(16)}  its addition to landing {per(17)}"
+              f"  consumers wait for a dQ stage {per(18)}, for Q / dO {per(19)}")
 
 
 if __name__ == "__main__":

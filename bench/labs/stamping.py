@@ -19,10 +19,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def macros(slots):
-    """gtime() (the globaltimer, ns) and TR(i, v): int64 i of the block's slots in p.o_accum."""
+    """gtime() (the globaltimer, ns), TR(i, v): int64 i of the block's slots in p.o_accum := v,
+    and SUM(i): its address (for atomicAdd)."""
     return ("DEV long long gtime() { long long t; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t)); return t; }\n"
             f"#define TR(i, v) do {{ if (p.o_accum) ((long long *)p.o_accum)[((blockIdx.z * gridDim.y + blockIdx.y)"
-            f" * gridDim.x + blockIdx.x) * {slots} + (i)] = (v); }} while (0)\n")
+            f" * gridDim.x + blockIdx.x) * {slots} + (i)] = (v); }} while (0)\n"
+            f"#define SUM(i) ((unsigned long long *)p.o_accum + ((blockIdx.z * gridDim.y + blockIdx.y)"
+            f" * gridDim.x + blockIdx.x) * {slots} + (i))\n")
 
 
 def instrumented(kernel_file, edits, prefix):
@@ -54,10 +57,10 @@ def start(kernel_file, edits, prefix):
 
 def shapes(specs, default):
     """(D, S, causal, B, H) of each "D:S[:causal]" (default's where specs is empty): B * S = 16k
-    tokens, H = 2048 / D."""
+    tokens (B = 1 past S16k), H = 2048 / D."""
     for spec in specs or default:
         D, S, *c = spec.split(":")
-        yield int(D), int(S), bool(c), 16384 // int(S), 2048 // int(D)
+        yield int(D), int(S), bool(c), max(1, 16384 // int(S)), 2048 // int(D)
 
 
 def into_o_accum():
