@@ -581,9 +581,12 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attn_bwd_dkdv_ws_sm9
                  * the consumers refill the stage only once all 32 have, so a parity wait can
                  * neither skip a phase nor lag two */
                 mbar_wait(dq_full + 8 * x, (j >> 1) & 1);
+#if DQ_ORDERED
+                if (!alone)
+                    sem_wait(sem, n_block, last, wl);
+#endif
                 if (wl == 0 && !alone) {
 #if DQ_ORDERED
-                    sem_wait(sem, n_block, last);
                     fence_proxy_async_global();
 #endif
 #if DQ_STORE_FIRST

@@ -234,7 +234,7 @@ DEV void store_ds_planes(uint32_t base, const float (&f)[1][KV_NT][4])
  * chunk of them; dS^T's planes at region), into a fresh accumulator; staged in the region once
  * both warpgroups have read dS^T (64 rows of HEAD_DIM floats in dq_accum's column order, dq_col:
  * warpgroup wg's columns [64 wg, 64 wg + 64)), fenced for the bulk copy engine and the CTA
- * synchronised: thread 0 then hands it on (dq_issue). */
+ * synchronised: warp 0 then hands it on (dq_issue). */
 DEV void stage_dq_partial(uint32_t sK, uint32_t region, float *region_ptr, int wg)
 {
     float t[8][4];
@@ -265,19 +265,23 @@ DEV void stage_dq_partial(uint32_t sK, uint32_t region, float *region_ptr, int w
     __syncthreads();
 }
 
-/* Thread 0: the staged partial (region) into dq_accum's rows [m0, m0 + 64) of head h by one bulk
- * copy (a head's rows are one block: backend.py). DQ_ORDERED: at the key block's turn (sem_wait:
- * attn_bwd_tile.cuh), its chain's first turn storing (DQ_STORE_FIRST), the others adding, the
- * same order every run; otherwise added whenever it lands. */
+/* Warp 0 (lane 0 issues): the staged partial (region) into dq_accum's rows [m0, m0 + 64) of head
+ * h by one bulk copy (a head's rows are one block: backend.py). DQ_ORDERED: at the key block's
+ * turn (sem_wait: attn_bwd_tile.cuh), its chain's first turn storing (DQ_STORE_FIRST), the others
+ * adding, the same order every run; otherwise added whenever it lands. */
 DEV void dq_issue(const attn_params &p, const seq_t &sq, int64_t b, int64_t h, int m0, int Lq, int Lk, int n_block,
-                  uint32_t region)
+                  uint32_t region, int lane)
 {
     float *dst = (float *)p.dq_accum.ptr + sq.mem_b * p.dq_accum.s[0] + (sq.start + m0) * p.dq_accum.s[1]
                  + h * p.dq_accum.s[2] + dq_chain_offset(p, n_block % DQ_CHAINS);
     const int bytes = min(64, Lq - m0) * HEAD_DIM * 4;
 #if DQ_ORDERED
     int first, last;
-    sem_wait(sem_of<64>(p, b, h, m0, Lq, Lk, first, last), n_block, last);
+    sem_wait(sem_of<64>(p, b, h, m0, Lq, Lk, first, last), n_block, last, lane);
+#endif
+    if (lane != 0)
+        return;
+#if DQ_ORDERED
     fence_proxy_async_global();
 #if DQ_STORE_FIRST
     if (n_block + DQ_CHAINS > last) { /* its chain's first turn: into rows never zeroed */
@@ -420,8 +424,8 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 1) attn_bwd_dkdv_x3(con
         fence_proxy_async();              /* dS^T's planes, before wgmma reads them */
         __syncthreads();
         stage_dq_partial(sK, sX, xbuf, wg);
-        if (tid == 0)
-            dq_issue(p, sq, b, h, m0, Lq, Lk, n_block, sX);
+        if (tid < 32)
+            dq_issue(p, sq, b, h, m0, Lq, Lk, n_block, sX, tid);
 #endif
 #else
         float s[1][KV_NT][4], dp[1][KV_NT][4];

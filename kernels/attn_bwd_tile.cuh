@@ -140,20 +140,29 @@ DEV int *sem_of(const attn_params &p, int64_t b, int64_t h, int m0, int Lq, int 
 }
 
 /* Until the bits of blocks n + DQ_CHAINS, n + 2 DQ_CHAINS, .. up to last (n's chain above it) are
- * all set. */
-DEV void sem_wait(const int *sem, int n, int last)
+ * all set. A whole warp calls it, lane i polling the range's i-th word, so a wait over many words
+ * (a word holds 32 key blocks: up to 64 words at S 256k) costs one round trip to L2, not one a
+ * word (one polling thread had made the writers' turn waits 8x longer there: bench/NOTES item
+ * 10). __syncwarp orders the lanes' acquires before the warp's later operations (the vote does
+ * not promise to), and the fence makes that gpu-wide for lane 0's bulk copies. */
+DEV void sem_wait(const int *sem, int n, int last, int lane)
 {
     /* the blocks of n's chain in a word: every DQ_CHAINS-th bit from n % DQ_CHAINS (two chains:
      * 0x55555555, or 0xaaaaaaaa for odd n) */
     const unsigned chain = (0xffffffffu / DQ_ALL_CHAINS) << (n % DQ_CHAINS);
-    for (int w = (n + 1) >> 5; w <= last >> 5; w++) {
-        const int lo = max(n + 1, w * 32) - w * 32, hi = min(last, w * 32 + 31) - w * 32;
-        const unsigned need = (hi == 31 ? ~0u : (2u << hi) - 1) & ~((1u << lo) - 1) & chain;
+    for (int w0 = (n + 1) >> 5; w0 <= last >> 5; w0 += 32) {
+        const int w = w0 + lane;
+        unsigned need = 0;
+        if (w <= last >> 5) {
+            const int lo = max(n + 1, w * 32) - w * 32, hi = min(last, w * 32 + 31) - w * 32;
+            need = (hi == 31 ? ~0u : (2u << hi) - 1) & ~((1u << lo) - 1) & chain;
+        }
         int spins = 0;
         for (; spins < SEM_SPINS; spins++) {
-            unsigned v;
-            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(sem + w) : "memory");
-            if ((v & need) == need)
+            unsigned v = 0;
+            if (need)
+                asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(sem + w) : "memory");
+            if (__all_sync(0xffffffffu, (v & need) == need))
                 break;
             if (spins >= 64)
                 __nanosleep(256);
@@ -163,6 +172,8 @@ DEV void sem_wait(const int *sem, int n, int last)
             __trap();
 #endif
     }
+    __syncwarp();
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
 /* Block n's bit, released after its additions are complete (fenced), or at once where it adds

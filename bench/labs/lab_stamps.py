@@ -23,9 +23,9 @@ EDITS = [   # (anchor, text inserted after it)
     ("    const int tid = threadIdx.x, warp = DQ_BY_ROWS ? tid >> 5 : uniform_warp_index(), wg = warp >> 2;\n"
      "    const int64_t hk = blockIdx.y, b = blockIdx.z;\n",
      "    if (tid == 0) { TR(0, gtime()); unsigned sm; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(sm)); TR(4, sm); }\n"),
-    ("                if (wl == 0 && !alone) {\n",
-     "                    const long long w0 = gtime();\n"),
-    ("                    sem_wait(sem, n_block, last);\n                    fence_proxy_async_global();\n#endif\n",
+    ("                mbar_wait(dq_full + 8 * x, (j >> 1) & 1);\n",
+     "                const long long w0 = gtime();\n"),
+    ("                if (wl == 0 && !alone) {\n#if DQ_ORDERED\n                    fence_proxy_async_global();\n#endif\n",
      "                    const long long w1 = gtime();\n                    if (j < 8) TR(40 + j, w1);\n"
      "                    if (p.o_accum) atomicAdd(SUM(16), (unsigned long long)(w1 - w0));\n"),
     ("                    bulk_wait();\n                    fence_proxy_async_global();\n",
