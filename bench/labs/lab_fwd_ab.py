@@ -12,11 +12,10 @@ the child checks attnext's out against SDPA's cuDNN backend (verify.py) before t
 triton.testing.do_bench medians (no L2 flush), and prints TFLOP/s (4 B H S^2 D, halved for
 causal), cuDNN's, their ratio and the error. Ratios, not absolute rates, carry between runs.
 """
-import argparse
-import os
-import subprocess
 import sys
 from pathlib import Path
+
+import alternate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,27 +58,5 @@ def child(name, rows):
               f"({t_cudnn / t:.3f}x)  err {err:.1e}", flush=True)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", nargs="+", required=True, help="D:S[:causal] ...")
-    ap.add_argument("--config", action="append", default=[], help="NAME=VAR=VALUE VAR=VALUE ... (repeatable)")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        child(args.child, args.rows)
-        return
-    if not args.config:
-        ap.error("at least one --config")
-    configs = []
-    for c in args.config:
-        name, _, env = c.partition("=")
-        configs.append((name, dict(kv.split("=", 1) for kv in env.split())))
-    for _ in range(args.rounds):
-        for name, env in configs:
-            subprocess.run([sys.executable, __file__, "--child", name, "--rows", *args.rows],
-                           env={**os.environ, **env}, check=False)
-
-
 if __name__ == "__main__":
-    main()
+    alternate.main(__doc__, __file__, child)
