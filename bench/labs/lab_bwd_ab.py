@@ -31,13 +31,11 @@ def child(name, rows):
     sys.path.insert(0, str(ROOT))                        # the repository's attnext
     import attnext
     import verify
+    from stamping import shapes
 
     torch.manual_seed(0)
     det = os.environ.get("ATTNEXT_BWD_DQ") != "atomic"
-    for row in rows:
-        D, S, *rest = row.split(":")
-        D, S, causal = int(D), int(S), rest == ["causal"]
-        B, H = max(1, 16384 // S), 2048 // D
+    for D, S, causal, B, H in shapes(rows, []):
         q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         flops = 2.5 * 4 * B * H * S * S * D / (2 if causal else 1)
         dout = torch.randn_like(q)

@@ -7,7 +7,7 @@ A configuration is NAME=ENV: space-separated VAR=VALUE settings of the environme
 knobs: ATTNEXT_TILE_FWD_WS, ATTNEXT_FWD_PERSIST, ATTNEXT_KERNEL_DIR for a copy of kernels/ ...),
 empty for the defaults. Each round runs every configuration once, in order, as a child process, so
 a kernel's first compile, the allocator and the clocks of one configuration do not carry into the
-next; rounds alternate them. A row D:S[:causal] is bf16, B * S = 16k tokens, H = 2048 / D heads;
+next; rounds alternate them. A row D:S[:causal] is bf16, B * S = 16k tokens (B = 1 past S16k), H = 2048 / D heads;
 the child checks attnext's out against SDPA's cuDNN backend (verify.py) before timing both with
 triton.testing.do_bench medians (no L2 flush), and prints TFLOP/s (4 B H S^2 D, halved for
 causal), cuDNN's, their ratio and the error. Ratios, not absolute rates, carry between runs.
@@ -28,12 +28,10 @@ def child(name, rows):
     sys.path.insert(0, str(ROOT))                        # the repository's attnext
     import attnext
     import verify
+    from stamping import shapes
 
     torch.manual_seed(0)
-    for row in rows:
-        D, S, *rest = row.split(":")
-        D, S, causal = int(D), int(S), rest == ["causal"]
-        B, H = 16384 // S, 2048 // D
+    for D, S, causal, B, H in shapes(rows, []):
         q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         flops = 4 * B * H * S * S * D / (2 if causal else 1)
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))

@@ -1,6 +1,7 @@
 """The stamp labs' harness (not a lab): globaltimer stamps written by an instrumented copy of
 kernels/ into the o_accum slot of every launch while a buffer is lent (lab_stamps.py: the
-backward's dK/dV CTA; lab_fwd_stamps.py: the WS forward's tiles).
+backward's dK/dV CTA; lab_fwd_stamps.py: the WS forward's tiles). `shapes`, the labs' D:S[:causal]
+rows, serves lab_fwd_ab.py and lab_bwd_ab.py as well.
 
     lend = start("attn_bwd_sm90.cu", EDITS, prefix="attnext-stamps-")   # lend(buf) ... lend(None)
     for D, S, causal, B, H in shapes(sys.argv[1:], ["64:512", ...]): ...
