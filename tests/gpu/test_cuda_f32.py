@@ -461,6 +461,16 @@ def test_backward_on_bfloat16_planes_dq_modes(how, rng, monkeypatch):
     _backward_cases(rng, 128, check)
 
 
+def test_backward_on_bfloat16_planes_turns_past_32_sem_words(rng, monkeypatch):
+    """The planes' ordered dQ at D = 128 with a query tile seen by 1100 key blocks of 64 keys
+    (70,000 keys): its turn bits span 35 of dq_sem's words, more than warp 0 polls in one round
+    (attn_bwd_tile.cuh: sem_wait, called by dq_issue); against the reference at float32's rule,
+    the same bits twice."""
+    _, check = _planes_backward(rng, monkeypatch, {"attn_bwd_dkdv_x3", "attn_bwd_dq_convert"}, {"attn_bwd_dq_x3"})
+    check(*make_qkv(rng, 1, 70, 70_000, 1, 1, 128, 128, F32))
+    check(*make_qkv(rng, 1, 70, 70_000, 1, 1, 128, 128, F32), causal="bottom_right")
+
+
 def _tf32_errors(rng, monkeypatch, d):
     """precision="tf32"'s backward error (the worst of dq, dk, dv: max|x - ref| / max|ref|) on
     Hopper's default path (ATTNEXT_BWD_F32_X3=1) and on attn_bwd.cu's single-pass TF32 (0), on the
