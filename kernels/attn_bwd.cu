@@ -930,21 +930,13 @@ extern "C" __global__ void __launch_bounds__(Q_THREADS, Q_MINB) attn_bwd_dq(cons
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int64_t h = blockIdx.y, b = blockIdx.z;
-    if (b == p.B) {
-        zero_rows((grad_t *)p.dq.ptr + h * p.dq.s[2], p.dq.s[1], p.dq.s[3], packed_end_q(&p), p.Sq, HEAD_DIM,
-                  Q_THREADS);
+    dq_cta c;
+    if (!dq_cta_begin(p, h, b, Q_BLOCK_M, Q_BLOCK_N, Q_THREADS, c))
         return;
-    }
-    const seq_t sq = seq_q(&p, b), sk = seq_k(&p, b);
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * Q_BLOCK_M;     /* the longest causal rows first */
-    if (m0 >= sq.rows)
-        return;
-    const int64_t hk = h / (p.Hq / p.Hk);
-    const int Lq = (int)sq.len, Lk = (int)sk.len;
-    int64_t lo = 0, hi = 0;
-    if (m0 < Lq)
-        kv_range(&p, m0, min(m0 + Q_BLOCK_M, Lq), Lq, Lk, &lo, &hi);
-    int n_first = (int)(lo / Q_BLOCK_N), n_last = hi > lo ? (int)((hi - 1) / Q_BLOCK_N) : -1;
+    const seq_t &sq = c.sq, &sk = c.sk;
+    const int m0 = c.m0, Lq = c.Lq, Lk = c.Lk;
+    int n_first = c.n_first, n_last = c.n_last;     /* mod_narrow may narrow them */
+    const int64_t hk = c.hk;
     row_info ri;
     load_row_info(p, sq, sk, h, m0, ri);
 

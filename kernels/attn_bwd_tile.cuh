@@ -266,8 +266,8 @@ DEV int dq_col(int64_t r, int d) { return HEAD_DIM % 32 ? d : d ^ (((int)r & 3) 
 /* A dQ CTA's start: query tile m0 of head h of sequence b (the grid's x counted from the last: the
  * longest causal rows first), bm rows, and the key tiles [n_first, n_last] of bn keys its rows see
  * (none: n_last < n_first). False where the CTA has no rows; the grid's extra sequence (b == p.B)
- * zeroes dq's packed rows after the last sequence and gives false. attn_bwd_sm90_x3.cu's; the
- * other dQ kernels still spell it out (bench/NOTES.md, open item 9). */
+ * zeroes dq's packed rows after the last sequence and gives false. Every dQ kernel's (attn_bwd.cu,
+ * attn_bwd_sm90.cu, attn_bwd_sm90_x3.cu). */
 struct dq_cta {
     seq_t sq, sk;
     int64_t hk;
