@@ -126,6 +126,8 @@ DEV int64_t dq_live_rows(const attn_params &p, const seq_t &sq, int64_t b, int64
  * dq. */
 #define SEM_SPINS (1 << 22)
 #define SEM_WORDS ((int)(gridDim.x + 31) >> 5)
+/* sem_wait's ranges of fewer words than this are polled by lane 0 alone */
+#define SEM_LANE_WORDS 2
 
 /* Query tile m0's words (DQ_TILE_M rows), and the first and last key blocks (KEY_BLOCK keys, the
  * dK/dV kernel's grid's x) that see it. */
@@ -144,12 +146,38 @@ DEV int *sem_of(const attn_params &p, int64_t b, int64_t h, int m0, int Lq, int 
  * (a word holds 32 key blocks: up to 64 words at S 256k) costs one round trip to L2, not one a
  * word (one polling thread had made the writers' turn waits 8x longer there: bench/NOTES item
  * 10). __syncwarp orders the lanes' acquires before the warp's later operations (the vote does
- * not promise to), and the fence makes that gpu-wide for lane 0's bulk copies. */
+ * not promise to), and the fence makes that gpu-wide for lane 0's bulk copies. A range of fewer
+ * than SEM_LANE_WORDS words (short rows) lane 0 polls alone, as the thread that issues the
+ * copies needs no fence after its own acquires (the warp and its fence had cost the float32
+ * planes' backward 3% at S4k). */
 DEV void sem_wait(const int *sem, int n, int last, int lane)
 {
     /* the blocks of n's chain in a word: every DQ_CHAINS-th bit from n % DQ_CHAINS (two chains:
      * 0x55555555, or 0xaaaaaaaa for odd n) */
     const unsigned chain = (0xffffffffu / DQ_ALL_CHAINS) << (n % DQ_CHAINS);
+    if ((last >> 5) - ((n + 1) >> 5) < SEM_LANE_WORDS) {
+        /* a few words: lane 0, which issues the addition, acquires them itself (no fence) */
+        if (lane == 0)
+            for (int w = (n + 1) >> 5; w <= last >> 5; w++) {
+                const int lo = max(n + 1, w * 32) - w * 32, hi = min(last, w * 32 + 31) - w * 32;
+                const unsigned need = (hi == 31 ? ~0u : (2u << hi) - 1) & ~((1u << lo) - 1) & chain;
+                int spins = 0;
+                for (; spins < SEM_SPINS; spins++) {
+                    unsigned v;
+                    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(sem + w) : "memory");
+                    if ((v & need) == need)
+                        break;
+                    if (spins >= 64)
+                        __nanosleep(256);
+                }
+#if DQ_STORE_FIRST
+                if (spins == SEM_SPINS)
+                    __trap();
+#endif
+            }
+        __syncwarp();
+        return;
+    }
     for (int w0 = (n + 1) >> 5; w0 <= last >> 5; w0 += 32) {
         const int w = w0 + lane;
         unsigned need = 0;
