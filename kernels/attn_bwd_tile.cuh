@@ -126,7 +126,7 @@ DEV int64_t dq_live_rows(const attn_params &p, const seq_t &sq, int64_t b, int64
  * dq. */
 #define SEM_SPINS (1 << 22)
 #define SEM_WORDS ((int)(gridDim.x + 31) >> 5)
-/* sem_wait's ranges of fewer words than this are polled by lane 0 alone */
+/* sem_wait: a range of at most this many words is polled by lane 0 alone */
 #define SEM_LANE_WORDS 2
 
 /* Query tile m0's words (DQ_TILE_M rows), and the first and last key blocks (KEY_BLOCK keys, the
@@ -146,10 +146,10 @@ DEV int *sem_of(const attn_params &p, int64_t b, int64_t h, int m0, int Lq, int 
  * (a word holds 32 key blocks: up to 64 words at S 256k) costs one round trip to L2, not one a
  * word (one polling thread had made the writers' turn waits 8x longer there: bench/NOTES item
  * 10). __syncwarp orders the lanes' acquires before the warp's later operations (the vote does
- * not promise to), and the fence makes that gpu-wide for lane 0's bulk copies. A range of fewer
- * than SEM_LANE_WORDS words (short rows) lane 0 polls alone, as the thread that issues the
+ * not promise to), and the fence makes that gpu-wide for lane 0's bulk copies. A range of at
+ * most SEM_LANE_WORDS words (short rows) lane 0 polls alone, as the thread that issues the
  * copies needs no fence after its own acquires (the warp and its fence had cost the float32
- * planes' backward 3% at S4k). */
+ * planes' backward 2-3% at S4k: bench/NOTES.md, backward v20b). */
 DEV void sem_wait(const int *sem, int n, int last, int lane)
 {
     /* the blocks of n's chain in a word: every DQ_CHAINS-th bit from n % DQ_CHAINS (two chains:

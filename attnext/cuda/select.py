@@ -775,9 +775,10 @@ DQ_MODES = ("recompute", "atomic", "ordered")
 # consumers: the main kernel measured 2.23 against 2.06 ms at D128 S2k (bench/NOTES.md, session 14)
 SHORT_KEYS = 1024
 # ... and at D = Dv = 64 without a causal mask over more than this many keys, where the atomic
-# additions' rate is bimodal from process to process (H200, B1 S16k H32, eight readings of the
-# bench row and lab_bwd: 406-488 TFLOP/s, three of them under cuDNN's 453) while the ordered
-# mode's stays at 466-478 (bench/NOTES.md, backward s60): deterministic=False takes ordered there.
+# additions ran no faster than the turns (H200, B1 S16k H32, per call in one process: medians
+# 452-456 against the turns' 461-467 TFLOP/s); both move with the GPU's clock, the turns' do_bench
+# medians 423-475 in one process (bench/NOTES.md, backward s60, open item 0 s63):
+# deterministic=False takes ordered there.
 # At 8192 keys and with a causal mask the atomic mode measured steady (473-476, 481-488) and the faster.
 LONG_KEYS_64 = 8192
 

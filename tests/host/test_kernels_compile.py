@@ -426,7 +426,7 @@ def test_dq_mode(monkeypatch):
     assert mode(True, 64, False, 64, 1024) == mode(True, 128, False, 128, 512) == "ordered"
     assert mode(True, 64, False, 64, 1025) == mode(True, 128, False, 128, 16384) == "atomic"
     assert mode(False, 64, False, 64, 512) == "recompute"
-    # ... and at D = Dv = 64 past 8192 keys without a causal mask, where the atomic rate is bimodal
+    # ... and at D = Dv = 64 past 8192 keys without a causal mask, where atomics ran no faster
     assert mode(True, 64, False, 64, 8193) == mode(True, 64, True, 64, 16384) == "ordered"
     assert mode(True, 64, False, 64, 8192) == mode(True, 64, False, 64, 16384, causal=True) == "atomic"
     assert mode(True, 128, False, 128, 16384) == "atomic" and mode(True, 64, False, 128, 16384) == "recompute"
