@@ -292,8 +292,8 @@ def test_ordered_dq_chains_across_sem_words(d, chains, rng, monkeypatch):
 def test_ordered_dq_turns_past_32_sem_words(d, causal, rng):
     """A query tile seen by 1100 key blocks of 128 keys (140,000 keys): its turn bits span 35 of
     dq_sem's words, more than the writer's warp polls in one round (a lane a word,
-    attn_bwd_tile.cuh: sem_wait), so each turn past the first 32 words' blocks waits in two
-    rounds; dq against the reference and the same bits on a second run."""
+    attn_bwd_tile.cuh: sem_wait), so the turns of the blocks more than 32 words under the last
+    poll in two rounds; dq against the reference and the same bits on a second run."""
     q, k, v = make_qkv(rng, 1, 70, 140_000, 1, 1, d, d, BF16)
     g, _, (dout, out, lse) = _grads(q, k, v, rng, causal=causal)
     again = attnext.attention_backward(dout, q, k, v, out, lse, causal=causal, device="cuda")
