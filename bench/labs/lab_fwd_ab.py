@@ -7,8 +7,8 @@ A configuration is NAME=ENV: space-separated VAR=VALUE settings of the environme
 knobs: ATTNEXT_TILE_FWD_WS, ATTNEXT_FWD_PERSIST, ATTNEXT_KERNEL_DIR for a copy of kernels/ ...),
 empty for the defaults. Each round runs every configuration once, in order, as a child process, so
 a kernel's first compile, the allocator and the clocks of one configuration do not carry into the
-next; rounds alternate them. A row D:S[:causal] is bf16, B * S = 16k tokens (B = 1 past S16k), H = 2048 / D heads;
-the child checks attnext's out against SDPA's cuDNN backend (verify.py) before timing both with
+next; rounds alternate them. A row D:S[:causal] is bf16, B * S = 16k tokens (B = 1 past S16k),
+H = 2048 / D heads; the child checks attnext's out against SDPA's cuDNN backend (verify.py) before timing both with
 triton.testing.do_bench medians (no L2 flush), and prints TFLOP/s (4 B H S^2 D, halved for
 causal), cuDNN's, their ratio and the error. Ratios, not absolute rates, carry between runs.
 """
