@@ -3,13 +3,13 @@
     python bench/labs/lab_fwd_ab.py --rows 128:2048 128:8192:causal \
         --config default= --config n176=ATTNEXT_TILE_FWD_WS=128,176,8,2 [--rounds 2]
 
-A configuration is NAME=ENV: space-separated VAR=VALUE settings of the environment (the labs'
-knobs: ATTNEXT_TILE_FWD_WS, ATTNEXT_FWD_PERSIST, ATTNEXT_KERNEL_DIR for a copy of kernels/ ...),
-empty for the defaults. Each round runs every configuration once, in order, as a child process, so
-a kernel's first compile, the allocator and the clocks of one configuration do not carry into the
-next; rounds alternate them. A row D:S[:causal] is bf16, B * S = 16k tokens (B = 1 past S16k),
-H = 2048 / D heads; the child checks attnext's out against SDPA's cuDNN backend (verify.py) before timing both with
-triton.testing.do_bench medians (no L2 flush), and prints TFLOP/s (4 B H S^2 D, halved for
+A configuration is NAME=ENV: space-separated VAR=VALUE settings of the environment (the labs' knobs:
+ATTNEXT_TILE_FWD_WS, ATTNEXT_FWD_PERSIST, ATTNEXT_KERNEL_DIR for a copy of kernels/ ...), empty for
+the defaults. Each round runs every configuration once, in order, as a child process, so a kernel's
+first compile, the allocator and the clocks of one configuration do not carry into the next; rounds
+alternate them. A row D:S[:causal] is bf16, B * S = 16k tokens (B = 1 past S16k), H = 2048 / D
+heads; the child checks attnext's out against SDPA's cuDNN backend (verify.py) before timing both
+with triton.testing.do_bench medians (no L2 flush), and prints TFLOP/s (4 B H S^2 D, halved for
 causal), cuDNN's, their ratio and the error. Ratios, not absolute rates, carry between runs.
 """
 import sys
