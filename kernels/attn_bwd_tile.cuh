@@ -149,7 +149,8 @@ DEV int *sem_of(const attn_params &p, int64_t b, int64_t h, int m0, int Lq, int 
  * not promise to), and the fence makes that gpu-wide for lane 0's bulk copies. A range of at
  * most SEM_LANE_WORDS words (short rows) lane 0 polls alone, as the thread that issues the
  * copies needs no fence after its own acquires (the warp and its fence had cost the float32
- * planes' backward 2-3% at S4k: bench/NOTES.md, backward v20b). */
+ * planes' backward 2-3% at S4k: bench/NOTES.md, backward v20b). The two polls stay apart: one
+ * loop for both measured 1.5-1.7% slower (backward table, tried (s64)). */
 DEV void sem_wait(const int *sem, int n, int last, int lane)
 {
     /* the blocks of n's chain in a word: every DQ_CHAINS-th bit from n % DQ_CHAINS (two chains:

@@ -12,8 +12,11 @@ the writer's turn granted, [56 + j] the writer done with it; over all the CTA's 
 [16] the writers' waits for their turns (ordered mode), [17] their additions' issue to landing,
 [18] consumer thread 0's waits for a free dQ stage, [19] its waits for Q and dO. Prints medians
 over the CTAs (bf16, B*S = 16k tokens and B = 1 past S16k, H = 2048 / D, deterministic), once the
-stamped call's dq, dk, dv are checked against torch SDPA's.
+stamped call's dq, dk, dv are checked against torch SDPA's. With ATTNEXT_BWD_DQ=atomic the calls
+run deterministic=False (dQ by atomics: no turns, so no writer's waits), for a stamped run beside
+the ordered one.
 """
+import os
 import sys
 
 from stamping import macros, med, shapes, start
@@ -62,6 +65,7 @@ def main():
     import attnext
     import verify
 
+    det = os.environ.get("ATTNEXT_BWD_DQ") != "atomic"
     for D, S, causal, B, H in shapes(sys.argv[1:], ["64:512", "64:512:causal", "128:512"]):
         q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out, lse = attnext.attention(q, k, v, causal=causal, return_lse=True)
@@ -69,10 +73,10 @@ def main():
         ctas = -(-S // 128) * H * B           # the grid: key blocks of 128 x kv heads x sequences
         buf = torch.zeros(64 * ctas, dtype=torch.int64, device="cuda")
         for _ in range(3):
-            attnext.attention_backward(dout, q, k, v, out, lse, causal=causal)
+            attnext.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=det)
         torch.cuda.synchronize()
         lend(buf)
-        g = attnext.attention_backward(dout, q, k, v, out, lse, causal=causal)
+        g = attnext.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=det)
         torch.cuda.synchronize()
         lend(None)
         _, want = verify.sdpa(q, k, v, causal, dout=dout)    # the stamped kernel's answer, checked
