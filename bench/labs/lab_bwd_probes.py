@@ -21,11 +21,8 @@ than the atomic mode's at S256k, the consumers waiting longer for Q and dO; thes
 whether the turns' order, or the writers' wait for their additions, is what costs it.
 """
 import argparse
-import os
-import subprocess
-import sys
 
-from stamping import ROOT, instrumented, shapes
+from stamping import run_probes, shapes
 
 KERNEL = "attn_bwd_sm90.cu"
 NEVER = "if (last < 0) "              # last >= 0 always: what follows is skipped
@@ -36,12 +33,13 @@ NOLAND = [("bulk_wait();\n                    fence_proxy_async_global();\n     
 PROBES = {"noturn": NOTURN, "noland": NOLAND, "both": NOTURN + NOLAND}
 
 TIME = r"""
+import os
 import sys
 import torch
 from triton.testing import do_bench
 sys.path.insert(0, sys.argv[1])
 import attnext
-det = sys.argv[3] == "1"
+det = os.environ.get("ATTNEXT_BWD_DQ") != "atomic"
 for spec in sys.argv[2].split(";"):
     B, S, H, D, causal = (int(x) for x in spec.split(","))
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -60,25 +58,10 @@ def main():
     args = ap.parse_args()
     rows = ";".join(f"{B},{S},{H},{D},{int(c)}" for D, S, c, B, H in
                     shapes(args.rows, ["128:16384:causal", "128:262144:causal"]))
-    src = (ROOT / "kernels" / KERNEL).read_text()
     print(f"{'probe':8} {'row (B,S,H,D,causal)':24} {'ms':>9} {'TFLOP/s':>8}")
-    for name in ["as is", "atomic", *args.probes.split(",")]:
-        env = dict(os.environ)
-        if name in PROBES:
-            edits = sorted(PROBES[name], key=lambda e: src.index(e[0]))
-            kernels = instrumented(KERNEL, edits, f"attnext-bwd-{name}-")
-            env.update(ATTNEXT_KERNEL_DIR=str(kernels), ATTNEXT_CACHE_DIR=str(kernels.parent / "cache"))
-        if name == "atomic":
-            env["ATTNEXT_BWD_DQ"] = "atomic"
-        r = subprocess.run([sys.executable, "-c", TIME, str(ROOT), rows, "0" if name == "atomic" else "1"],
-                           env=env, capture_output=True, text=True)
-        if r.returncode:
-            print(f"{name:8} failed: {r.stderr.strip()[-800:]}")
-            continue
-        for line in r.stdout.split("\n"):
-            if line:
-                row, ms, rate = line.split("\t")
-                print(f"{name:8} {row:24} {ms:>9} {rate:>8}")
+    names = ["as is", "atomic", *args.probes.split(",")]
+    run_probes(KERNEL, PROBES, names, TIME, [rows],
+               lambda name: {"ATTNEXT_BWD_DQ": "atomic"} if name == "atomic" else {})
 
 
 if __name__ == "__main__":

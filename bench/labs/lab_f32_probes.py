@@ -17,11 +17,8 @@ products), session 52 with this lab on w4 (65.1; 87.5, 103.9, both 227): bench/N
 forward.
 """
 import argparse
-import os
-import subprocess
-import sys
 
-from stamping import ROOT, instrumented
+from stamping import run_probes
 
 # (anchor, text, before): stamping.instrumented's edits. The loads' results overwritten (the loads
 # then go unissued: nothing reads them); the products behind a condition that is never true
@@ -34,13 +31,6 @@ NOPROD = [("wgmma_m64n64k8_tf32_ss(s[0],", "if (accumulate < 0) ", True),
           ("wgmma_m64n64k8_tf32_rs(f, a, dv, accumulate);", "if (accumulate < 0) ", True)]
 PROBES = {"noload": NOLOAD, "noprod": NOPROD, "both": NOLOAD + NOPROD}
 KERNEL = "attn_fwd_sm90_f32.cu"
-
-
-def edits(name):
-    """The probe's edits in the order their anchors occur in the kernel's file, as
-    stamping.instrumented takes them."""
-    src = (ROOT / "kernels" / KERNEL).read_text()
-    return sorted(PROBES[name], key=lambda e: src.index(e[0]))
 
 TIME = r"""
 import sys
@@ -63,20 +53,8 @@ def main():
     ap.add_argument("--rows", default="4,4096,16,128;4,4096,16,128,causal", help="B,S,H,D[,causal] separated by ';'")
     ap.add_argument("--probes", default="noload,noprod,both")
     args = ap.parse_args()
-    print(f"{'probe':8} {'row':24} {'ms':>8} {'TFLOP/s':>8}")
-    for name in ["as is", *args.probes.split(",")]:
-        env = dict(os.environ)
-        if name != "as is":
-            kernels = instrumented(KERNEL, edits(name), f"attnext-f32-{name}-")
-            env.update(ATTNEXT_KERNEL_DIR=str(kernels), ATTNEXT_CACHE_DIR=str(kernels.parent / "cache"))
-        r = subprocess.run([sys.executable, "-c", TIME, str(ROOT), args.rows], env=env, capture_output=True, text=True)
-        if r.returncode:
-            print(f"{name:8} failed: {r.stderr.strip()[-800:]}")
-            continue
-        for line in r.stdout.split("\n"):
-            if line:
-                row, ms, rate = line.split("\t")
-                print(f"{name:8} {row:24} {ms:>8} {rate:>8}")
+    print(f"{'probe':8} {'row':24} {'ms':>9} {'TFLOP/s':>8}")
+    run_probes(KERNEL, PROBES, ["as is", *args.probes.split(",")], TIME, [args.rows])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The stamp labs' harness (not a lab): globaltimer stamps written by an instrumented copy of
 kernels/ into the o_accum slot of every launch while a buffer is lent (lab_stamps.py: the
 backward's dK/dV CTA; lab_fwd_stamps.py: the WS forward's tiles). `shapes`, the labs' D:S[:causal]
-rows, serves lab_fwd_ab.py and lab_bwd_ab.py as well.
+rows, serves lab_fwd_ab.py and lab_bwd_ab.py as well; `run_probes`, the probe labs'
+(lab_f32_probes.py, lab_bwd_probes.py) runs of copies of kernels/ with parts taken away.
 
     lend = start("attn_bwd_sm90.cu", EDITS, prefix="attnext-stamps-")   # lend(buf) ... lend(None)
     for D, S, causal, B, H in shapes(sys.argv[1:], ["64:512", ...]): ...
@@ -12,6 +13,7 @@ from the first edit's anchor on (each anchor must occur there once: the lab stop
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -44,6 +46,29 @@ def instrumented(kernel_file, edits, prefix):
         part = part.replace(anchor, text + anchor if before and before[0] else anchor + text)
     (out / kernel_file).write_text(head + part)
     return out
+
+
+def run_probes(kernel_file, probes, names, script, args, env_of=lambda name: {}):
+    """The probe labs' runs (lab_f32_probes.py, lab_bwd_probes.py): for each of names, a process of
+    its own runs `python -c script ROOT *args` on the kernels as they are, or, for a name in probes
+    (name: its edits), on a copy of kernels/ with those edits made in kernel_file (in the order
+    their anchors occur there) and a cache of its own; env_of(name) adds settings. Each line the
+    script prints (row, ms and rate, tab-separated) is printed after the name."""
+    src = (ROOT / "kernels" / kernel_file).read_text()
+    for name in names:
+        env = {**os.environ, **env_of(name)}
+        if name in probes:
+            kernels = instrumented(kernel_file, sorted(probes[name], key=lambda e: src.index(e[0])),
+                                   f"attnext-probe-{name}-")
+            env.update(ATTNEXT_KERNEL_DIR=str(kernels), ATTNEXT_CACHE_DIR=str(kernels.parent / "cache"))
+        r = subprocess.run([sys.executable, "-c", script, str(ROOT), *args], env=env, capture_output=True, text=True)
+        if r.returncode:
+            print(f"{name:8} failed: {r.stderr.strip()[-800:]}")
+            continue
+        for line in r.stdout.split("\n"):
+            if line:
+                row, ms, rate = line.split("\t")
+                print(f"{name:8} {row:24} {ms:>9} {rate:>8}")
 
 
 def start(kernel_file, edits, prefix):
