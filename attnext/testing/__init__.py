@@ -144,7 +144,9 @@ def assert_grads_close(grads: Grads | tuple, expected: Grads, *, q: Any, k: Any,
     cond: as in assert_close.
 
     dq, dk and dbias are held relative to the largest of the reference's dq, dk, dv (the
-    softmax's gradient cancels, so round-off scales with dP, not with the result); for float16 /
+    softmax's gradient cancels, so round-off scales with dP, not with the result), and a dbias
+    also relative to the size of the terms it sums before they cancel (a broadcast bias's dbias
+    can be exactly 0: `accuracy.dbias_terms`); for float16 /
     bfloat16 the allowance grows by the rounding of P and dS to 16 bits before the products and
     by the effect of the rounded out; with options' precision="tf32", float32 is held to
     float16's rule plus TF32's rounding of its operands (`accuracy.rounded_out_allowance`; for

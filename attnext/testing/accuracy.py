@@ -22,7 +22,11 @@ Gradients need two more terms, both from honest sources of error, not slack:
 
 * Cancellation. dS = P * (dP - delta) cancels (exactly, with one key per row: dq = dk = 0), so
   round-off in dq, dk and dbias is relative to the size of dP, not of the result. For them
-  (and dv) the float32 term is relative to the largest gradient of the call (`floor`).
+  (and dv) the float32 term is relative to the largest gradient of the call (`floor`). A
+  broadcast bias's dbias sums many dS (over heads, rows or keys), whose total can be 0 exactly
+  (a bias constant along the keys, a zero softmax scale) while every gradient is small: it gets
+  the float32 term relative to the sum of the terms before they cancel as well,
+  F32_RTOL * sum P_ij (|dP_ij| + |delta_i|) over the scores it sums (`dbias_terms`).
 * 16-bit products. Tensor cores multiply 16-bit operands, so a GPU backward rounds P and dS to
   q's dtype before dS K and dS^T Q: each term is off by up to eps |dS k|, however much the terms
   cancel; `rounded_out_allowance` adds LOW_FACTOR * eps * scale * sqrt(sum (dS k)^2) (the
@@ -148,7 +152,7 @@ def compare(name, actual, expected, dtype=None, floor=0.0, extra=None, cond=1.0,
     if extra is not None:
         allowance = np.broadcast_to(extra(), err.shape) * (1 + LOW_FACTOR * 0.5 * EPS[dtype])
         excess = excess - allowance
-        note = " + the rounded-out allowance"
+        note = " + the per-element allowance"
     worst = _where(excess == excess.max())
     if excess.max() <= 0:
         return None
@@ -297,17 +301,42 @@ def rounded_out_allowance(q, k, v, dout, out, ref_out, lengths, opts, precision=
     if bias is None:
         return a_dq, a_dk, None, a_dv
     pe = p * e[..., None] + LOW_FACTOR * np.sqrt(moved2)
-    if is_varlen:
+    return a_dq, a_dk, _to_bias(pe, lengths if is_varlen else None, np.shape(bias)), a_dv
+
+
+def _to_bias(x, lengths, bias_shape):
+    """A canonical (b, h, i, j) array of per-score terms summed as dbias sums dS: to the bias's
+    shape, varlen_attention's packed scores (lengths: its length arguments, else None) first
+    laid out per sequence, padded to the longest."""
+    if lengths is not None:
         cu_q, cu_k = (np.asarray(lengths[n]) for n in ("cu_seqlens_q", "cu_seqlens_k"))
         lq = np.diff(cu_q) if lengths.get("seqused_q") is None else np.asarray(lengths["seqused_q"])
         lk = np.diff(cu_k) if lengths.get("seqused_k") is None else np.asarray(lengths["seqused_k"])
         mq = max(int(lengths.get("max_seqlen_q") or 0), int(lq.max(initial=0)))
         mk = max(int(lengths.get("max_seqlen_k") or 0), int(lk.max(initial=0)))
-        full = np.zeros((len(lq), pe.shape[1], mq, mk))
+        full = np.zeros((len(lq), x.shape[1], mq, mk))
         for b in range(len(lq)):
-            full[b, :, :lq[b], :lk[b]] = pe[0, :, cu_q[b]:cu_q[b] + lq[b], cu_k[b]:cu_k[b] + lk[b]]
-        pe = full
-    return a_dq, a_dk, sum_to_bias_shape(pe, np.shape(bias)), a_dv
+            full[b, :, :lq[b], :lk[b]] = x[0, :, cu_q[b]:cu_q[b] + lq[b], cu_k[b]:cu_k[b] + lk[b]]
+        x = full
+    return sum_to_bias_shape(x, bias_shape)
+
+
+def dbias_terms(q, k, v, dout, ref_out, lengths, opts):
+    """Per-element size of the terms a dbias entry sums before they cancel: sum over its scores
+    of P_ij (|dP_ij| + |delta_i|), dS_ij = P_ij (dP_ij - delta_i) (module docstring,
+    "Cancellation"). A bias broadcast over heads, rows or keys sums many dS whose total may be 0
+    exactly (a bias constant along the keys, a zero softmax scale), while their float32
+    round-off is relative to this size, not to any gradient's. lengths: None for attention(),
+    else varlen_attention's length arguments."""
+    layout = opts.get("layout", "bshd")
+    is_varlen = lengths is not None
+    p = _probabilities(q, k, lengths, opts)
+    do = canonical(np.asarray(dout, np.float64), is_varlen, layout)
+    vc = canonical(np.asarray(v, np.float64), is_varlen, layout)
+    vg = np.repeat(vc, do.shape[1] // vc.shape[1], axis=1)
+    delta = np.abs(np.sum(do * canonical(ref_out, is_varlen, layout), axis=-1))
+    terms = p * (np.abs(np.einsum("bhid,bhjd->bhij", do, vg)) + delta[..., None])
+    return _to_bias(terms, lengths, np.shape(opts["bias"]))
 
 
 # --- score_mods and mask_mods (after tests/helpers/mods.py) -------------------------------------
@@ -351,8 +380,14 @@ def compare_grads(g, rg, q, k, v, dout, out, ref_out, lengths, opts, cond=1.0, d
         got = (None, None) if g.dbias is None else (g.dbias.shape, g.dbias.dtype)
         problems.append(f"dbias: {got[0]} {got[1]}, expected {np.shape(bias)} {bias.dtype}")
     else:
+        low = extra(2)
+
+        def dbias_extra():      # the summed terms' float32 (float64) round-off, then low's
+            rtol = F64_RTOL if rule == F64 else F32_RTOL
+            terms = rtol * dbias_terms(q, k, v, dout, ref_out, lengths, opts)
+            return terms if low is None else terms + low()
         problems.append(compare("dbias", g.dbias, rg.dbias, coarser(rule, bias.dtype), floor,
-                                extra(2), cond if dbias_cond is None else dbias_cond))
+                                dbias_extra, cond if dbias_cond is None else dbias_cond))
     return [p for p in problems if p]
 
 

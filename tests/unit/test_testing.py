@@ -77,6 +77,32 @@ def test_grads_with_a_bias_and_a_captured_table():
         at.assert_grads_close(wrong, rg, q=q, k=k, v=v, dout=dout, out=out, **opts)
 
 
+def test_a_broadcast_dbias_that_cancels_is_held_to_the_size_of_its_terms():
+    """A dbias summed over heads, rows and keys whose exact value is 0 (softmax scale 0: P is
+    uniform, so each row's dS sums to 0; every dq and dk is 0 too): float32's round-off there is
+    relative to the terms summed (accuracy.dbias_terms), not to the gradients, and an error well
+    past that still fails."""
+    from attnext.testing import accuracy
+
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((2, 96, 3, 8)).astype(np.float32) for _ in range(3))
+    opts = dict(scale=0.0, bias=rng.standard_normal((2, 1, 1, 1)).astype(np.float32))
+    out, lse = attnext.attention(q, k, v, return_lse=True, **opts)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    g = attnext.attention_backward(dout, q, k, v, out, lse, **opts)
+    rg = attnext.reference.attention_backward(dout, q, k, v, out, lse, **opts)
+    assert np.abs(rg.dbias).max() < 1e-12
+    at.assert_grads_close(g, rg, q=q, k=k, v=v, dout=dout, out=out, **opts)
+    terms = accuracy.dbias_terms(q, k, v, dout, attnext.reference.attention(q, k, v, **opts), None, opts)
+    floor = max(np.abs(x).max() for x in rg[:3])
+    rounded = (rg.dbias + 2 * np.finfo(np.float32).eps * terms).astype(np.float32)
+    assert (np.abs(rounded) > accuracy.allowed_error(np.float32, 0.0, floor)).all()   # past the old rule
+    at.assert_grads_close(g._replace(dbias=rounded), rg, q=q, k=k, v=v, dout=dout, out=out, **opts)
+    wrong = (rg.dbias + 10 * accuracy.F32_RTOL * terms).astype(np.float32)
+    with pytest.raises(AssertionError, match="dbias"):
+        at.assert_grads_close(g._replace(dbias=wrong), rg, q=q, k=k, v=v, dout=dout, out=out, **opts)
+
+
 def test_tf32_precision_is_held_to_float16s_rule():
     """Gradients of float32 inputs with precision="tf32" in the options are held to float16's
     rule (TF32's 10-bit mantissa): an error of 2^-12 relative passes there and fails the float32
