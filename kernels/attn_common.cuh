@@ -561,8 +561,9 @@ struct score_ctx {
     /* The units the forward's softmax and the backward's P take scores in (score_units): q.k
      * itself where the score is plain and scale > 0 (its order is the scores'), else the
      * natural-log score. to_log2 turns a difference of them into log2 units, to_natural a value
-     * into the natural score: exp2((s - max) * to_log2) never overflows, and the maximum's p
-     * is 1 exactly (s * log2e - max * log2e, fused by an FMA, is 2^(+-512) at 1e10). */
+     * into the natural score: exp2((s - m) * to_log2), m a running maximum at most
+     * STALE_MAX_LOG2 behind (softmax_update), never overflows, and is exact at huge scores
+     * (s * log2e - max * log2e, fused by an FMA, is 2^(+-512) at 1e10). */
     bool raw;
     float to_log2, to_natural;
     float softcap, inv_softcap;

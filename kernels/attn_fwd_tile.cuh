@@ -218,11 +218,21 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
 #endif
 }
 
+/* How far (log2 units) a row's running maximum may lag behind its scores' before it moves:
+ * P <= 2^STALE_MAX_LOG2 then, a bf16 / fp16 / float32 value as exact as a P <= 1 (FlashAttention-4's
+ * rescale threshold). */
+#define STALE_MAX_LOG2 8.f
+
 /* The online softmax over one tile of scores (the units of score_tile; to_log2 turns their
- * differences into log2 units): new row maxima m (over the quad), l rescaled and summed, s
- * overwritten by P = exp2((S - max) to_log2), unnormalised; corrs[i] is the factor O's row i
- * must be multiplied by (1 when its maximum did not move). The maximum is subtracted before
- * the change of units: the maximum's p is then exactly 1 and no finite score overflows. */
+ * differences into log2 units): row maxima m (over the quad), l rescaled and summed, s
+ * overwritten by P = exp2((S - m) to_log2), unnormalised; corrs[i] is the factor O's row i
+ * must be multiplied by (1 when its maximum did not move). A row's m moves only when the tile
+ * holds a score more than STALE_MAX_LOG2 above it (or m is still -inf): the sums and O stay
+ * in step with the m they were taken against, so O / l and lse = m + log l are the same, and
+ * after a row's first tiles its O is rarely rescaled (rescale_o: the warp skips when no row
+ * moved). The maximum is subtracted before the change of units: no finite score overflows
+ * (p <= 2^STALE_MAX_LOG2), and at huge magnitudes, where distinct scores differ by more than
+ * the threshold, m moves to each new maximum, whose p is then exactly 1. */
 template <int MT, int NT>
 DEV void softmax_update(float (&s)[MT][NT][4], float (&m)[2 * MT], float (&l)[2 * MT], float (&corrs)[2 * MT],
                         float to_log2)
@@ -236,6 +246,8 @@ DEV void softmax_update(float (&s)[MT][NT][4], float (&m)[2 * MT], float (&l)[2 
             mx = fmaxf(mx, fmaxf(s[mt][nt][e0], s[mt][nt][e0 + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        if ((mx - m[i]) * to_log2 <= STALE_MAX_LOG2)   /* false while m is -inf (NaN, +inf) */
+            mx = m[i];
         const float base = mx == NEG_INF ? 0.f : mx;   /* a row with nothing kept yet stays 0 */
         const float corr = fast_exp2((m[i] - base) * to_log2);
         m[i] = mx;

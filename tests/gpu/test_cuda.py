@@ -324,6 +324,36 @@ def test_long_forward_with_every_option(kernel, d, rng, monkeypatch):
     assert chosen == [False], chosen
 
 
+@pytest.mark.parametrize("kernel", ["ws", "two_warpgroups", "mma_sync"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_rising_maxima_lag_behind_their_rows(kernel, d, rng, monkeypatch):
+    """softmax_update lets a row's running maximum lag up to STALE_MAX_LOG2 (2^8) behind its
+    scores, moving it (and rescaling O) only past that: rows whose scores rise along the keys
+    by about 1, 3, 10 and 40 log2 units a 128-key tile (m lags by up to 2^8, P reaching ~2^8
+    before it moves; or m moves every tile), fall, or stay level, through the WS kernel (three
+    and two computing warpgroups), the two-warpgroup kernel (ATTNEXT_FWD_WS=0) and the mma.sync
+    one (64-key tiles), and a split-KV decode row, in bf16 and fp16, then float32 (Hopper's TF32
+    kernel there) on the gentler slopes, whose scores' float32 rounding the rule allows for."""
+    if kernel == "two_warpgroups":
+        monkeypatch.setenv("ATTNEXT_FWD_WS", "0")
+    if kernel == "mma_sync":
+        monkeypatch.setenv("ATTNEXT_FWD_SM90", "0")
+    sq, sk, scale = 1100, 1333, 1 / np.sqrt(d)
+    # score (r, j) = a_r t_j: t_j rises by ln 2 / 128 a key (1 log2 unit a 128-key tile) with a
+    # little noise, a_r the row's slope in those units
+    t = np.log(2) / 128 * np.arange(sk) + 0.05 * rng.standard_normal(sk)
+    for dtypes, slopes in (((BF16, F16), [1, 3, 10, 40, -3, 0]), ((np.float32,), [0.5, 1, 3, -1, 0])):
+        a = np.array(slopes)[np.arange(sq) % len(slopes)] * (1 + 0.01 * rng.standard_normal(sq))
+        q = np.ones((2, sq, 4, d)) * a[None, :, None, None] + 0.01 * rng.standard_normal((2, sq, 4, d))
+        k = np.ones((2, sk, 2, d)) * (t / (scale * d))[None, :, None, None]
+        v = rng.standard_normal((2, sk, 2, d))
+        for dtype in dtypes:
+            qd, kd, vd = (x.astype(dtype) for x in (q, k, v))
+            _check_forward(qd, kd, vd, dtype)
+            _check_forward(qd, kd, vd, dtype, causal=True)
+            _check_forward(qd[:, -1:], kd, vd, dtype)             # one query row: split-KV decode
+
+
 def _spy_persist(monkeypatch):
     """The (ATTNEXT_FWD_PERSIST, whether the plan took the persistent grid) of each forward plan
     made from here on."""
