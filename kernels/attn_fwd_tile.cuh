@@ -218,9 +218,10 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
 #endif
 }
 
-/* How far (log2 units) a row's running maximum may lag behind its scores' before it moves:
- * P <= 2^STALE_MAX_LOG2 then, a bf16 / fp16 / float32 value as exact as a P <= 1 (FlashAttention-4's
- * rescale threshold). */
+/* How far (log2 units) a row's running maximum may lag behind its scores' before it moves
+ * (FlashAttention-4's rescale threshold): P <= 2^STALE_MAX_LOG2 then, held in bf16 / fp16 /
+ * float32 at the same relative precision as a P <= 1, though the largest P is no longer 1
+ * exactly (bf16 out: ~3% more RMS error against float64; bench/NOTES.md, forward v30). */
 #define STALE_MAX_LOG2 8.f
 
 /* The online softmax over one tile of scores (the units of score_tile; to_log2 turns their
