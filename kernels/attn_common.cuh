@@ -562,8 +562,8 @@ struct score_ctx {
      * itself where the score is plain and scale > 0 (its order is the scores'), else the
      * natural-log score. to_log2 turns a difference of them into log2 units, to_natural a value
      * into the natural score: exp2((s - m) * to_log2), m a running maximum at most
-     * STALE_MAX_LOG2 behind (softmax_update), never overflows, and is exact at huge scores
-     * (s * log2e - max * log2e, fused by an FMA, is 2^(+-512) at 1e10). */
+     * STALE_MAX_LOG2 behind (softmax_update), never overflows, and stays exact at huge scores,
+     * where s * log2e - m * log2e fused by an FMA would be off by 2^(+-512) at 1e10. */
     bool raw;
     float to_log2, to_natural;
     float softcap, inv_softcap;

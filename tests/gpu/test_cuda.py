@@ -332,8 +332,8 @@ def test_rising_maxima_lag_behind_their_rows(kernel, d, rng, monkeypatch):
     by about 1, 3, 10 and 40 log2 units a 128-key tile (m lags by up to 2^8, P reaching ~2^8
     before it moves; or m moves every tile), fall, or stay level, through the WS kernel (three
     and two computing warpgroups), the two-warpgroup kernel (ATTNEXT_FWD_WS=0) and the mma.sync
-    one (64-key tiles), and a split-KV decode row, in bf16 and fp16, then float32 (Hopper's TF32
-    kernel there) on the gentler slopes, whose scores' float32 rounding the rule allows for."""
+    one (64-key tiles), and a split-KV decode row, in bf16 and fp16; then float32 (Hopper's TF32
+    kernel there) on gentler slopes, as scores of a few hundred round past float32's rule."""
     if kernel == "two_warpgroups":
         monkeypatch.setenv("ATTNEXT_FWD_WS", "0")
     if kernel == "mma_sync":
