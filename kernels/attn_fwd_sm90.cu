@@ -324,6 +324,52 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
 #define CONSUMER_REGS (NUM_WG == 2 ? 240 : 160)
 static_assert(64 * HEAD_DIM_V * 2 <= QW_BYTES, "the staged O tile does not fit its Q block");
 
+/* LAZY_MAX (plain scores: no generated mods, score options or mask array; causal and windows
+ * alike): a key tile's softmax first tries softmax_lazy (P against the rows' m, no maxima, one
+ * FMNMX a score fewer on a softmax bound by its instruction issue) once every row of the warp has
+ * a finite m, and where a partial sum says some score lies more than STALE_MAX_LOG2 above its m,
+ * gets the scores back (scores_from_p, or s_again where a p overflowed) and runs softmax_update
+ * with m moved to the tile's maximum itself, so that a row whose scores sit just above its m does
+ * not take this path tile after tile (bench/NOTES.md, forward v31). With score options the rare
+ * paths' registers spill in the key loop: those keep softmax_update alone. */
+#ifndef LAZY_MAX
+#define LAZY_MAX (!ATTN_GMODS && SCORE_IS_PLAIN && !HAS_MASK)
+#endif
+
+#if LAZY_MAX
+/* The raw q.k of a warp's S fragment again, in float32 by FMAs: LAZY_MAX's rarest path, a tile
+ * with a score more than 128 log2 units above its row's m (inputs of magnitude ~100), whose P
+ * overflowed and holds the score no more. Q from this warpgroup's block in shared memory (sw128:
+ * 16-byte chunk c of a 64-column panel's row r at c ^ (r & 7)), K from global memory by sk's rows
+ * (the WS kernel reads no page table; a key from Lk on reads key Lk - 1's row, which score_tile
+ * then masks). r0: the warp's first row in the block; c0: the tile's first key. A key at a time,
+ * its loop over D rolled: the rare path's code stays small. */
+DEV void s_again(const attn_params &p, int64_t b, int hk, uint32_t sQw, int r0, int c0, int Lk, float (&s)[NT][4])
+{
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, r = r0 + g;
+    const seq_t sk = seq_k(&p, b);                   /* (again: nothing held for this path) */
+    const elem_t *k0 = (const elem_t *)p.k.ptr + sk.mem_b * p.k.s[0] + sk.start * p.k.s[1] + hk * p.k.s[2];
+#pragma unroll
+    for (int j = 0; j < 2 * NT; j++) {
+        const int c = c0 + (j >> 1) * 8 + 2 * t + (j & 1);
+        const elem_t *k = k0 + (int64_t)max(min(c, Lk - 1), 0) * p.k.s[1];
+        float lo = 0.f, hi = 0.f;
+#pragma unroll 1
+        for (int d = 0; d < HEAD_DIM; d++) {
+            const uint32_t at = sQw + (d >> 6) * (64 * 128) + ((((d & 63) >> 3) ^ (r & 7)) << 4) + (d & 7) * 2;
+            unsigned short q0, q1;
+            asm volatile("ld.shared.u16 %0, [%1];" : "=h"(q0) : "r"(at + r * 128));
+            asm volatile("ld.shared.u16 %0, [%1];" : "=h"(q1) : "r"(at + (r + 8) * 128));
+            const float kd = elem_to_f32(k[d * p.k.s[3]]);
+            lo = fmaf(elem_to_f32(q0), kd, lo);
+            hi = fmaf(elem_to_f32(q1), kd, hi);
+        }
+        s[j >> 1][j & 1] = lo;
+        s[j >> 1][2 + (j & 1)] = hi;
+    }
+}
+#endif
+
 /* Ping-pong: a computing warpgroup waits for its turn (named barrier 4 + w), and hands the
  * tensor cores to the next (4 + (w + 1) % NUM_WG) once its products are issued; 256 threads
  * each. Barriers 1 + w: warpgroup w's own (its Q and O blocks). */
@@ -717,12 +763,34 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) __cluster_dims__(CLU
             release_kv(empty_k + 8 * st);
             fence_acc(s[0]);
             score_tile(p, sc, s, row0, n * BLOCK_N, need, 1, Lq, Lk);
+            bool kept = false;                           /* LAZY_MAX: softmax_lazy kept the tile */
+#if LAZY_MAX
+            float stale = STALE_MAX_LOG2;
+            if (__all_sync(0xffffffffu, m[0] != NEG_INF && m[1] != NEG_INF)) {
+                float sums[2];
+                kept = softmax_lazy(s, m, l, sums, sc.to_log2);
+                if (!kept) {
+                    if (__any_sync(0xffffffffu, sums[0] == POS_INF || sums[1] == POS_INF)) {
+                        wgmma_wait<0>();                 /* P V read pa: its registers free */
+                        s_again(p, b, (int)h / (int)(p.Hq / p.Hk), sQw, (cw & 3) * 16, n * BLOCK_N, Lk, s[0]);
+                        score_tile(p, sc, s, row0, n * BLOCK_N, need, 1, Lq, Lk);
+                    } else {
+                        scores_from_p(s, m, sc.to_log2);
+                    }
+                    stale = 0.f;
+                }
+            }
+            if (!kept)
+                softmax_update(s, m, l, corrs, sc.to_log2, stale);
+#else
             softmax_update(s, m, l, corrs, sc.to_log2);
+#endif
             if (i > 0) {
                 wgmma_wait<0>();
                 release_kv(empty_v + 8 * pst);
                 fence_acc(o[0]);
-                rescale_o(o, corrs);
+                if (!kept)
+                    rescale_o(o, corrs);
             }
 #pragma unroll
             for (int kk = 0; kk < BLOCK_N / 16; kk++)

@@ -236,7 +236,7 @@ DEV void score_tile(const attn_params &p, const score_ctx &sc, float (&s)[MT][NT
  * the threshold, m moves to each new maximum, whose p is then exactly 1. */
 template <int MT, int NT>
 DEV void softmax_update(float (&s)[MT][NT][4], float (&m)[2 * MT], float (&l)[2 * MT], float (&corrs)[2 * MT],
-                        float to_log2)
+                        float to_log2, float stale_log2 = STALE_MAX_LOG2)
 {
 #pragma unroll
     for (int i = 0; i < 2 * MT; i++) {
@@ -247,7 +247,7 @@ DEV void softmax_update(float (&s)[MT][NT][4], float (&m)[2 * MT], float (&l)[2 
             mx = fmaxf(mx, fmaxf(s[mt][nt][e0], s[mt][nt][e0 + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        if ((mx - m[i]) * to_log2 <= STALE_MAX_LOG2)   /* false while m is -inf (NaN, +inf) */
+        if ((mx - m[i]) * to_log2 <= stale_log2)       /* false while m is -inf (NaN, +inf) */
             mx = m[i];
         const float base = mx == NEG_INF ? 0.f : mx;   /* a row with nothing kept yet stays 0 */
         const float corr = fast_exp2((m[i] - base) * to_log2);
@@ -262,6 +262,55 @@ DEV void softmax_update(float (&s)[MT][NT][4], float (&m)[2 * MT], float (&l)[2 
         l[i] = l[i] * corr + sum;
         corrs[i] = corr;
     }
+}
+
+/* softmax_update's common case without the row maxima, for a warp whose rows all have a finite m
+ * (LAZY_MAX: attn_fwd_sm90.cu's WS kernel at D = 64, whose softmax is bound by its instruction
+ * issue): s becomes P = exp2((S - m) to_log2) against m as it stands, and the tile is kept where
+ * every thread's partial sum of each of its rows is at most 2^STALE_MAX_LOG2. Then so is every p:
+ * the tile holds no score that softmax_update would move m for, and P and l are what it makes, to
+ * the bit (O needs no rescale). Else (a sum larger, inf or NaN in any lane: warp-uniform) it
+ * returns false with l as it was and s holding the P it took, sums[i] each row's partial sum. */
+template <int MT, int NT>
+DEV bool softmax_lazy(float (&s)[MT][NT][4], const float (&m)[2 * MT], float (&l)[2 * MT], float (&sums)[2 * MT],
+                      float to_log2)
+{
+    bool kept = true;
+#pragma unroll
+    for (int i = 0; i < 2 * MT; i++) {
+        const int mt = i / 2, e0 = (i % 2) * 2;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            s[mt][nt][e0] = fast_exp2((s[mt][nt][e0] - m[i]) * to_log2);
+            s[mt][nt][e0 + 1] = fast_exp2((s[mt][nt][e0 + 1] - m[i]) * to_log2);
+            sum += s[mt][nt][e0] + s[mt][nt][e0 + 1];
+        }
+        sums[i] = sum;
+        kept &= sum <= (float)(1 << (int)STALE_MAX_LOG2);   /* false for NaN */
+    }
+    if (!__all_sync(0xffffffffu, kept))
+        return false;
+#pragma unroll
+    for (int i = 0; i < 2 * MT; i++)
+        l[i] += sums[i];
+    return true;
+}
+
+/* The scores back from softmax_lazy's P where no p overflowed: s = m + log2(p) / to_log2 (lg2's
+ * error ~2^-22 of the log2 units; p = 0, a score under m by more than 126 log2 units or masked,
+ * gives -inf, which the m it moves to maps to 0 again). */
+template <int MT, int NT>
+DEV void scores_from_p(float (&s)[MT][NT][4], const float (&m)[2 * MT], float to_log2)
+{
+    const float to_units = 1.f / to_log2;
+#pragma unroll
+    for (int i = 0; i < 2 * MT; i++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = (i % 2) * 2; e < (i % 2) * 2 + 2; e++)
+                s[i / 2][nt][e] = m[i] + fast_log2(s[i / 2][nt][e]) * to_units;
 }
 
 /* O's rows times corrs, skipped when no row of the warp moved (after the first tiles the

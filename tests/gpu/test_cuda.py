@@ -330,10 +330,14 @@ def test_rising_maxima_lag_behind_their_rows(kernel, d, rng, monkeypatch):
     """softmax_update lets a row's running maximum lag up to STALE_MAX_LOG2 (2^8) behind its
     scores, moving it (and rescaling O) only past that: rows whose scores rise along the keys
     by about 1, 3, 10 and 40 log2 units a 128-key tile (m lags by up to 2^8, P reaching ~2^8
-    before it moves; or m moves every tile), fall, or stay level, through the WS kernel (three
-    and two computing warpgroups), the two-warpgroup kernel (ATTNEXT_FWD_WS=0) and the mma.sync
-    one (64-key tiles), and a split-KV decode row, in bf16 and fp16; then float32 (Hopper's TF32
-    kernel there) on gentler slopes, as scores of a few hundred round past float32's rule."""
+    before it moves; or m moves every tile), fall by 3 or 40 (the kernels take key tiles last to
+    first: rising scores to them), or stay level, and in a band of rows one in four falling by
+    200, through the WS kernel (three and two computing warpgroups; at D = 64 its LAZY_MAX
+    softmax: P against m without the tile's maxima, the scores back by lg2 where a sum says m
+    must move, and by s_again's products in the band's warps, where a p overflows), the
+    two-warpgroup kernel (ATTNEXT_FWD_WS=0) and the mma.sync one (64-key tiles), and split-KV
+    decode rows of each slope, in bf16 and fp16; then float32 (Hopper's TF32 kernel there) on
+    gentler slopes, as scores of a few hundred round past float32's rule."""
     if kernel == "two_warpgroups":
         monkeypatch.setenv("ATTNEXT_FWD_WS", "0")
     if kernel == "mma_sync":
@@ -342,8 +346,11 @@ def test_rising_maxima_lag_behind_their_rows(kernel, d, rng, monkeypatch):
     # score (r, j) = a_r t_j: t_j rises by ln 2 / 128 a key (1 log2 unit a 128-key tile) with a
     # little noise, a_r the row's slope in those units
     t = np.log(2) / 128 * np.arange(sk) + 0.05 * rng.standard_normal(sk)
-    for dtypes, slopes in (((BF16, F16), [1, 3, 10, 40, -3, 0]), ((np.float32,), [0.5, 1, 3, -1, 0])):
-        a = np.array(slopes)[np.arange(sq) % len(slopes)] * (1 + 0.01 * rng.standard_normal(sq))
+    for dtypes, slopes, steep in (((BF16, F16), [1, 3, 10, 40, -3, -40, 0], -200),
+                                  ((np.float32,), [0.5, 1, 3, -1, 0], -1)):
+        a = np.array(slopes, dtype=np.float64)[np.arange(sq) % len(slopes)]
+        a[sq // 2:sq // 2 + 64:4] = steep                   # s_again's warps; the others' m moves by lg2
+        a *= 1 + 0.01 * rng.standard_normal(sq)
         q = np.ones((2, sq, 4, d)) * a[None, :, None, None] + 0.01 * rng.standard_normal((2, sq, 4, d))
         k = np.ones((2, sk, 2, d)) * (t / (scale * d))[None, :, None, None]
         v = rng.standard_normal((2, sk, 2, d))
@@ -351,7 +358,8 @@ def test_rising_maxima_lag_behind_their_rows(kernel, d, rng, monkeypatch):
             qd, kd, vd = (x.astype(dtype) for x in (q, k, v))
             _check_forward(qd, kd, vd, dtype)
             _check_forward(qd, kd, vd, dtype, causal=True)
-            _check_forward(qd[:, -1:], kd, vd, dtype)             # one query row: split-KV decode
+            for r in range(sq - len(slopes), sq):                # one query row: split-KV decode
+                _check_forward(qd[:, r:r + 1], kd, vd, dtype)
 
 
 def _spy_persist(monkeypatch):
