@@ -265,8 +265,8 @@ DEV void softmax_update(float (&s)[MT][NT][4], float (&m)[2 * MT], float (&l)[2 
 }
 
 /* softmax_update's common case without the row maxima, for a warp whose rows all have a finite m
- * (LAZY_MAX: attn_fwd_sm90.cu's WS kernel at D = 64, whose softmax is bound by its instruction
- * issue): s becomes P = exp2((S - m) to_log2) against m as it stands, and the tile is kept where
+ * (LAZY_MAX: attn_fwd_sm90.cu's WS kernel on plain calls, whose softmax is bound by its
+ * instruction issue): s becomes P = exp2((S - m) to_log2) against m as it stands, and the tile is kept where
  * every thread's partial sum of each of its rows is at most 2^STALE_MAX_LOG2. Then so is every p:
  * the tile holds no score that softmax_update would move m for, and P and l are what it makes, to
  * the bit (O needs no rescale). Else (a sum larger, inf or NaN in any lane: warp-uniform) it

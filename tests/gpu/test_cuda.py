@@ -332,9 +332,9 @@ def test_rising_maxima_lag_behind_their_rows(kernel, d, rng, monkeypatch):
     by about 1, 3, 10 and 40 log2 units a 128-key tile (m lags by up to 2^8, P reaching ~2^8
     before it moves; or m moves every tile), fall by 3 or 40 (the kernels take key tiles last to
     first: rising scores to them), or stay level, and in a band of rows one in four falling by
-    200, through the WS kernel (three and two computing warpgroups; at D = 64 its LAZY_MAX
-    softmax: P against m without the tile's maxima, the scores back by lg2 where a sum says m
-    must move, and by s_again's products in the band's warps, where a p overflows), the
+    200, through the WS kernel (three and two computing warpgroups; on these plain calls its
+    LAZY_MAX softmax: P against m without the tile's maxima, the scores back by lg2 where a sum
+    says m must move, and by s_again's products in the band's warps, where a p overflows), the
     two-warpgroup kernel (ATTNEXT_FWD_WS=0) and the mma.sync one (64-key tiles), and split-KV
     decode rows of each slope, in bf16 and fp16; then float32 (Hopper's TF32 kernel there) on
     gentler slopes, as scores of a few hundred round past float32's rule."""
