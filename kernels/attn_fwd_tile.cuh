@@ -266,11 +266,12 @@ DEV void softmax_update(float (&s)[MT][NT][4], float (&m)[2 * MT], float (&l)[2 
 
 /* softmax_update's common case without the row maxima, for a warp whose rows all have a finite m
  * (LAZY_MAX: attn_fwd_sm90.cu's WS kernel on plain calls, whose softmax is bound by its
- * instruction issue): s becomes P = exp2((S - m) to_log2) against m as it stands, and the tile is kept where
- * every thread's partial sum of each of its rows is at most 2^STALE_MAX_LOG2. Then so is every p:
- * the tile holds no score that softmax_update would move m for, and P and l are what it makes, to
- * the bit (O needs no rescale). Else (a sum larger, inf or NaN in any lane: warp-uniform) it
- * returns false with l as it was and s holding the P it took, sums[i] each row's partial sum. */
+ * instruction issue): s becomes P = exp2((S - m) to_log2) against m as it stands, and the tile is
+ * kept where every thread's partial sum of each of its rows is at most 2^STALE_MAX_LOG2. Then so
+ * is every p: the tile holds no score that softmax_update would move m for, and P and l are what
+ * it makes, to the bit (O needs no rescale). Else (a sum larger, inf or NaN in any lane:
+ * warp-uniform) it returns false with l as it was and s holding the P it took, sums[i] each
+ * row's partial sum. */
 template <int MT, int NT>
 DEV bool softmax_lazy(float (&s)[MT][NT][4], const float (&m)[2 * MT], float (&l)[2 * MT], float (&sums)[2 * MT],
                       float to_log2)
