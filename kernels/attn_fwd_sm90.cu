@@ -325,9 +325,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
 static_assert(64 * HEAD_DIM_V * 2 <= QW_BYTES, "the staged O tile does not fit its Q block");
 
 /* LAZY_MAX (plain scores: no generated mods, score options or mask array; causal and windows
- * alike): a key tile's softmax first tries softmax_lazy (P against the rows' m, no maxima, one
- * FMNMX a score fewer on a softmax bound by its instruction issue) once every row of the warp has
- * a finite m, and where a partial sum says some score lies more than STALE_MAX_LOG2 above its m,
+ * alike): a key tile's softmax first tries softmax_lazy (P against the rows' m, no maxima: an
+ * FMNMX and an FADD a score fewer on a softmax bound by its instruction issue) once every row of
+ * the warp has an m of moderate size (lazy_rows), and where a partial sum says some score lies more than STALE_MAX_LOG2 above its m,
  * gets the scores back (scores_from_p, or s_again where a p overflowed) and runs softmax_update
  * with m moved to the tile's maximum itself, so that a row whose scores sit just above its m does
  * not take this path tile after tile (bench/NOTES.md, forward v31). With score options the rare
@@ -766,13 +766,13 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) __cluster_dims__(CLU
             bool kept = false;                           /* LAZY_MAX: softmax_lazy kept the tile */
 #if LAZY_MAX
             float stale = STALE_MAX_LOG2;
-            if (__all_sync(0xffffffffu, m[0] != NEG_INF && m[1] != NEG_INF)) {
+            if (lazy_rows<1>(m, sc.to_log2)) {
                 float sums[2];
                 kept = softmax_lazy(s, m, l, sums, sc.to_log2);
                 if (!kept) {
                     if (__any_sync(0xffffffffu, sums[0] == POS_INF || sums[1] == POS_INF)) {
                         wgmma_wait<0>();                 /* P V read pa: its registers free */
-                        s_again(p, b, (int)h / (int)(p.Hq / p.Hk), sQw, (cw & 3) * 16, n * BLOCK_N, Lk, s[0]);
+                        s_again(p, b, (int)h / ((int)p.Hq / (int)p.Hk), sQw, (cw & 3) * 16, n * BLOCK_N, Lk, s[0]);
                         score_tile(p, sc, s, row0, n * BLOCK_N, need, 1, Lq, Lk);
                     } else {
                         scores_from_p(s, m, sc.to_log2);

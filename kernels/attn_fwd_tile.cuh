@@ -264,14 +264,29 @@ DEV void softmax_update(float (&s)[MT][NT][4], float (&m)[2 * MT], float (&l)[2 
     }
 }
 
-/* softmax_update's common case without the row maxima, for a warp whose rows all have a finite m
+/* softmax_lazy's rows: every row of the warp has a maximum m with |m to_log2| < LAZY_MC_MAX (not
+ * -inf: a row's first tiles; not huge, where m to_log2's rounding would move P by more than a few
+ * float32 ulps, or s to_log2 overflow). A warp vote: the others take softmax_update. */
+#define LAZY_MC_MAX 256.f
+template <int MT>
+DEV bool lazy_rows(const float (&m)[2 * MT], float to_log2)
+{
+    bool ok = true;
+#pragma unroll
+    for (int i = 0; i < 2 * MT; i++)
+        ok &= fabsf(m[i] * to_log2) < LAZY_MC_MAX;          /* false for -inf and NaN */
+    return __all_sync(0xffffffffu, ok);
+}
+
+/* softmax_update's common case without the row maxima, for a warp whose rows all pass lazy_rows
  * (LAZY_MAX: attn_fwd_sm90.cu's WS kernel on plain calls, whose softmax is bound by its
- * instruction issue): s becomes P = exp2((S - m) to_log2) against m as it stands, and the tile is
- * kept where every thread's partial sum of each of its rows is at most 2^STALE_MAX_LOG2. Then so
- * is every p: the tile holds no score that softmax_update would move m for, and P and l are what
- * it makes, to the bit (O needs no rescale). Else (a sum larger, inf or NaN in any lane:
- * warp-uniform) it returns false with l as it was and s holding the P it took, sums[i] each
- * row's partial sum. */
+ * instruction issue): s becomes P = exp2(S to_log2 - m to_log2) against m as it stands, one FFMA
+ * and an exp2 a score, and the tile is kept where every thread's partial sum of each of its rows
+ * is at most 2^STALE_MAX_LOG2. Then so is every p (to the FFMA's rounding): the tile holds no
+ * score that softmax_update would move m for, and O needs no rescale. m to_log2 is rounded once
+ * a row (at most 2^-17 log2 units under LAZY_MC_MAX): a factor common to the row's P and l while
+ * m stands, which O / l cancels. Else (a sum larger, inf or NaN in any lane: warp-uniform) it
+ * returns false with l as it was and s holding the P it took, sums[i] each row's partial sum. */
 template <int MT, int NT>
 DEV bool softmax_lazy(float (&s)[MT][NT][4], const float (&m)[2 * MT], float (&l)[2 * MT], float (&sums)[2 * MT],
                       float to_log2)
@@ -280,11 +295,12 @@ DEV bool softmax_lazy(float (&s)[MT][NT][4], const float (&m)[2 * MT], float (&l
 #pragma unroll
     for (int i = 0; i < 2 * MT; i++) {
         const int mt = i / 2, e0 = (i % 2) * 2;
+        const float mc = m[i] * to_log2;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
-            s[mt][nt][e0] = fast_exp2((s[mt][nt][e0] - m[i]) * to_log2);
-            s[mt][nt][e0 + 1] = fast_exp2((s[mt][nt][e0 + 1] - m[i]) * to_log2);
+            s[mt][nt][e0] = fast_exp2(fmaf(s[mt][nt][e0], to_log2, -mc));
+            s[mt][nt][e0 + 1] = fast_exp2(fmaf(s[mt][nt][e0 + 1], to_log2, -mc));
             sum += s[mt][nt][e0] + s[mt][nt][e0 + 1];
         }
         sums[i] = sum;
