@@ -327,10 +327,11 @@ static_assert(64 * HEAD_DIM_V * 2 <= QW_BYTES, "the staged O tile does not fit i
 /* LAZY_MAX (plain scores: no generated mods, score options or mask array; causal and windows
  * alike): a key tile's softmax first tries softmax_lazy (P against the rows' m, no maxima: an
  * FMNMX and an FADD a score fewer on a softmax bound by its instruction issue) once every row of
- * the warp has an m of moderate size (lazy_rows), and where a partial sum says some score lies more than STALE_MAX_LOG2 above its m,
- * gets the scores back (scores_from_p, or s_again where a p overflowed) and runs softmax_update
- * with m moved to the tile's maximum itself, so that a row whose scores sit just above its m does
- * not take this path tile after tile (bench/NOTES.md, forward v31). With score options the rare
+ * the warp has an m of moderate size (lazy_rows), and where a partial sum says some score lies
+ * more than STALE_MAX_LOG2 above its m, gets the scores back (scores_from_p, or s_again where a p
+ * overflowed) and runs softmax_update with m moved to the tile's maximum itself, so that a row
+ * whose scores sit just above its m does not take this path tile after tile (bench/NOTES.md,
+ * forward v31, v32). With score options the rare
  * paths' registers spill in the key loop: those keep softmax_update alone. */
 #ifndef LAZY_MAX
 #define LAZY_MAX (!ATTN_GMODS && SCORE_IS_PLAIN && !HAS_MASK)

@@ -266,7 +266,8 @@ DEV void softmax_update(float (&s)[MT][NT][4], float (&m)[2 * MT], float (&l)[2 
 
 /* softmax_lazy's rows: every row of the warp has a maximum m with |m to_log2| < LAZY_MC_MAX (not
  * -inf: a row's first tiles; not huge, where m to_log2's rounding would move P by more than a few
- * float32 ulps, or s to_log2 overflow). A warp vote: the others take softmax_update. */
+ * float32 ulps, and past 2^31 by whole tiles' weights). A warp vote: the others take
+ * softmax_update. */
 #define LAZY_MC_MAX 256.f
 template <int MT>
 DEV bool lazy_rows(const float (&m)[2 * MT], float to_log2)
