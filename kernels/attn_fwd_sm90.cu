@@ -331,8 +331,8 @@ static_assert(64 * HEAD_DIM_V * 2 <= QW_BYTES, "the staged O tile does not fit i
  * more than STALE_MAX_LOG2 above its m, gets the scores back (scores_from_p, or s_again where a p
  * overflowed) and runs softmax_update with m moved to the tile's maximum itself, so that a row
  * whose scores sit just above its m does not take this path tile after tile (bench/NOTES.md,
- * forward v31, v32). With score options the rare
- * paths' registers spill in the key loop: those keep softmax_update alone. */
+ * forward v31, v32). With score options the rare paths' registers spill in the key loop: those
+ * keep softmax_update alone. */
 #ifndef LAZY_MAX
 #define LAZY_MAX (!ATTN_GMODS && SCORE_IS_PLAIN && !HAS_MASK)
 #endif
