@@ -116,6 +116,13 @@ DEV float fast_log2(float x)
     return y;
 }
 
+DEV float fast_rcp(float x)
+{
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 /* tanh by the hardware's approximation (relative error 2^-10.99, below the rounding of the
  * 16-bit inputs and of P; FlashAttention-3's softcap takes it too): softcap and score_mod's
  * np.tanh (the generated code calls it; attn_mods.cuh gives host C tanhf under this name) */

@@ -319,9 +319,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
 #ifndef K_STAGES
 #define K_STAGES STAGES                   /* K's ring (the lab's fifth tile value), V's: STAGES */
 #endif
-/* 24 + 2 x 240 = 3 x 168, what 384 threads start with; 32 + 3 x 160 = 4 x 128 (512 threads) */
-#define PRODUCER_REGS (NUM_WG == 2 ? 24 : 32)
-#define CONSUMER_REGS (NUM_WG == 2 ? 240 : 160)
+/* 24 + 2 x 240 = 3 x 168, what 384 threads start with; 32 + 3 x 160 = 4 x 128 (512 threads). The
+ * persistent D = 128 kernel gives its producer 56 (+ 2 x 224): at 24 its tile switch (the next
+ * tile taken, its place decoded and posted) spilled, and the early take below then bought nothing
+ * (D = 64's, with a third stage, gains from neither). */
+#define WIDE_PRODUCER (NUM_WG == 2 && PERSIST && HEAD_DIM == 128)
+#define PRODUCER_REGS (WIDE_PRODUCER ? 56 : NUM_WG == 2 ? 24 : 32)
+#define CONSUMER_REGS (WIDE_PRODUCER ? 224 : NUM_WG == 2 ? 240 : 160)
 static_assert(64 * HEAD_DIM_V * 2 <= QW_BYTES, "the staged O tile does not fit its Q block");
 
 /* LAZY_MAX (plain scores: no generated mods, score options or mask array; causal and windows
@@ -578,17 +582,27 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) __cluster_dims__(CLU
             }
             if (lane != 0)
                 return;
+            /* PERSIST: the next tile is taken (p.counters' atomic) before the last V's wait for
+             * its stage, so that the atomic's round trip runs under that wait, not between this
+             * tile's last load and the next one's Q (the last V issued to the next tile posted:
+             * 0.83 us in session 68's stamps, D64 S2k causal); taken any earlier, a CTA would hold
+             * a tile it cannot start while others run out */
+            int taken = -1;
             for (int i = 1; i < tiles; i++) {
                 if (i + 1 < tiles)
                     load(i + 1, K_STAGES, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM, full_k);
+#if PERSIST
+                else if (p.counters)
+                    taken = atomicAdd(p.counters, 1);
+#endif
                 load(i, STAGES, empty_v, sV, &maps.v, V_BYTES, HEAD_DIM_V, full_v);
             }
             kv += tiles;
 #if PERSIST
-            /* the next tile, taken now that this one's loads are issued (taken earlier, a CTA would
-             * hold a tile it cannot start while others run out), into slot (j + 1) & 1 once the
-             * computing warps have read that slot's last */
-            const int taken = p.counters ? atomicAdd(p.counters, 1) : 0;
+            /* (a tile of one key tile takes it here), into slot (j + 1) & 1 once the computing
+             * warps have read that slot's last */
+            if (taken < 0)
+                taken = p.counters ? atomicAdd(p.counters, 1) : 0;
             const int next = p.counters ? (int)gridDim.x + taken : t + (int)gridDim.x, s = (j + 1) & 1;
             if (next < total)
                 pl = ws_place_of(p, next, tiles_x, sec);

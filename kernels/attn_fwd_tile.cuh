@@ -395,8 +395,13 @@ DEV void finish_rows(const attn_params &p, const seq_t &sq, float to_natural, co
         const int r = pr / G;
         const int64_t hr = h + pr % G;
         const bool live = r < Lq && li != 0.f;          /* l is a sum of exp2 >= 0; NaN stays NaN */
-        inv[i] = live ? 1.f / li : 0.f;
-        float lse_r = live ? m[i] * to_natural + log2f(li) * LN2 : NEG_INF;
+        /* by the hardware's approximations (MUFU.RCP, MUFU.LG2: within an ulp of 1 / l, within
+         * 2^-22 of log2 l), where IEEE division and log2f took a range test, a slow-path call and a
+         * polynomial each: a serial chain at every tile's end, when both computing warpgroups
+         * finish together and the tensor cores idle. A live l is at least 1 (the row's maximum
+         * keeps p = 1 or more) and at most Sk 2^8, so neither meets its edge cases. */
+        inv[i] = live ? fast_rcp(li) : 0.f;
+        float lse_r = live ? m[i] * to_natural + fast_log2(li) * LN2 : NEG_INF;
 #if !SPLIT_KV
         if (p.sinks && r < Lq) {
             const float sink = ((const float *)p.sinks)[hr];

@@ -10,9 +10,9 @@ ATTNEXT_KERNEL_DIR at it. The stamps go into the forward's o_accum slot (the spl
 unused by the WS kernel), 176 int64 per CTA: [0] the CTA's start, [1] its SM, [2] tiles done,
 [3] its end; for its turns j < 13, 12 slots at 8 + 12 j: the first computing warpgroup's thread 0
 writes c0 the tile taken, c1 its Q landed, c2 its first K landed, c3 its turn taken and first S
-issued, c4 its key loop done (the last P V next), c5 its O stored, c6 its key tiles; the producer
-thread writes p7 the tile's Q issued, p8 its first K and V issued, p9 its last V issued, p10 the
-next tile posted. The calls take the persistent grid only where select.fwd_persist does (short
+issued, c4 its key loop done (the last P V next), c5 its O stored (its bulk copies issued, where
+out has a map), c6 its key tiles; the producer thread writes p7 the tile's Q issued, p8 its first
+K and V issued, p9 its last V issued, p10 the next tile posted. The calls take the persistent grid only where select.fwd_persist does (short
 rows without score options; ATTNEXT_FWD_PERSIST=1 asks for it). Prints medians (and the 10th /
 90th percentiles) over the CTAs' tiles, in us (bf16, B*S = 16k tokens, H = 2048 / D, torch
 tensors in place), once the stamped call's out is checked against torch SDPA's, and the tail: how
@@ -39,10 +39,12 @@ EDITS = [   # (anchor, text, whether the text goes before the anchor)
     ("            mbar_arrive(next_full + 8 * s);\n", "            TRP(10);\n"),
     ("        if (t >= total)\n            break;\n", "        TRJ(0);\n"),
     ("        mbar_wait(q_full + 8 * (qn & 1), (qn >> 1) & 1);\n", "        TRJ(1);\n"),
-    ("            mbar_wait(full_k + 8 * st, (g / K_STAGES) & 1);\n", "            if (i == 0) TRJ(2);\n"),
+    ("            float s[1][NT][4], corrs[2];\n            mbar_wait(full_k + 8 * st, (g / K_STAGES) & 1);\n",
+     "            if (i == 0) TRJ(2);\n"),
     ("            turn_wait(w);\n            issue_s(s[0], st);\n", "            if (i == 0) TRJ(3);\n"),
     ("        {\n            const int g = kv + tiles - 1, pst = g % STAGES;\n",
      f"        TRJ(4);\n        if (ctid == 0 && w == 0 && j < {TURNS}) TR(8 + {W} * j + 6, tiles);\n", True),
+    ("            pend = qn & 1;\n", "            TRJ(5);\n            if (ctid == 0 && w == 0) TR(2, j + 1);\n", True),
     ("#if PERSIST\n        fence_proxy_async_shared();", "        TRJ(5);\n        if (ctid == 0 && w == 0) TR(2, j + 1);\n", True),
     ("    if (w == 0)\n        turn_wait(0);                                    /* the last warpgroup's last pass */\n",
      "    if (ctid == 0 && w == 0) TR(3, gtime());\n"),
