@@ -395,8 +395,8 @@ DEV void finish_rows(const attn_params &p, const seq_t &sq, float to_natural, co
         const int r = pr / G;
         const int64_t hr = h + pr % G;
         const bool live = r < Lq && li != 0.f;          /* l is a sum of exp2 >= 0; NaN stays NaN */
-        /* by the hardware's approximations (MUFU.RCP, MUFU.LG2: within an ulp of 1 / l, within
-         * 2^-22 of log2 l), where IEEE division and log2f took a range test, a slow-path call and a
+        /* by the hardware's approximations (MUFU.RCP, MUFU.LG2: within a few float32 ulps of 1 / l
+         * and log2 l), where IEEE division and log2f took a range test, a slow-path call and a
          * polynomial each: a serial chain at every tile's end, when both computing warpgroups
          * finish together and the tensor cores idle. A live l is at least 1 (the row's maximum
          * keeps p = 1 or more) and at most Sk 2^8, so neither meets its edge cases. */
