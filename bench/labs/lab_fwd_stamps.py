@@ -12,11 +12,11 @@ unused by the WS kernel), 176 int64 per CTA: [0] the CTA's start, [1] its SM, [2
 writes c0 the tile taken, c1 its Q landed, c2 its first K landed, c3 its turn taken and first S
 issued, c4 its key loop done (the last P V next), c5 its O stored (its bulk copies issued, where
 out has a map), c6 its key tiles; the producer thread writes p7 the tile's Q issued, p8 its first
-K and V issued, p9 its last V issued, p10 the next tile posted. The calls take the persistent grid only where select.fwd_persist does (short
-rows without score options; ATTNEXT_FWD_PERSIST=1 asks for it). Prints medians (and the 10th /
-90th percentiles) over the CTAs' tiles, in us (bf16, B*S = 16k tokens, H = 2048 / D, torch
-tensors in place), once the stamped call's out is checked against torch SDPA's, and the tail: how
-long SMs sit idle before the kernel's last CTA ends.
+K and V issued, p9 its last V issued, p10 the next tile posted. The calls take the persistent
+grid only where select.fwd_persist does (short rows without score options; ATTNEXT_FWD_PERSIST=1
+asks for it). Prints medians (and the 10th / 90th percentiles) over the CTAs' tiles, in us (bf16,
+B*S = 16k tokens, H = 2048 / D, torch tensors in place), once the stamped call's out is checked
+against torch SDPA's, and the tail: how long SMs sit idle before the kernel's last CTA ends.
 """
 import sys
 
