@@ -587,7 +587,9 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) __cluster_dims__(CLU
              * tile's last load and the next one's Q (the last V issued to the next tile posted:
              * 0.83 us in session 68's stamps, D64 S2k causal); taken any earlier, a CTA would hold
              * a tile it cannot start while others run out */
-            int taken = -1;
+#if PERSIST
+            int taken = -1;                              /* none yet */
+#endif
             for (int i = 1; i < tiles; i++) {
                 if (i + 1 < tiles)
                     load(i + 1, K_STAGES, empty_k, sK, &maps.k, K_BYTES, HEAD_DIM, full_k);
@@ -599,8 +601,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) __cluster_dims__(CLU
             }
             kv += tiles;
 #if PERSIST
-            /* (a tile of one key tile takes it here), into slot (j + 1) & 1 once the computing
-             * warps have read that slot's last */
+            /* (a tile of at most one key tile, or a grid without counters, takes it here), posted
+             * in slot (j + 1) & 1 once the computing warps have read that slot's last */
             if (taken < 0)
                 taken = p.counters ? atomicAdd(p.counters, 1) : 0;
             const int next = p.counters ? (int)gridDim.x + taken : t + (int)gridDim.x, s = (j + 1) & 1;
