@@ -382,8 +382,8 @@ DEV void turn_wait(int w) { named_sync(4 + w, 256); }
 DEV void turn_pass(int w) { asm volatile("bar.arrive %0, 256;" ::"r"(4 + (w + 1) % NUM_WG) : "memory"); }
 DEV void wg_sync(int w) { named_sync(1 + w, 128); }
 
-/* One query tile of the WS kernel: query_tile's answer for tile x of (h, b); live false where it
- * lies past the sequence's rows. */
+/* One query tile of the WS kernel: query_tile's answer for tile x of (h, b) (PERSIST: of a dense
+ * batch); live false where it lies past the sequence's rows. */
 struct ws_tile {
     int64_t b, h;
     seq_t sq, sk;
@@ -396,7 +396,7 @@ DEV ws_tile ws_tile_at(const attn_params &p, int x, int tiles_x, int64_t h, int6
     ws_tile t;
     t.b = b;
     t.h = h;
-    t.live = query_tile(p, b, x, tiles_x, t.sq, t.sk, t.m0, t.r_end, t.n_first, t.n_last);
+    t.live = query_tile<PERSIST>(p, b, x, tiles_x, t.sq, t.sk, t.m0, t.r_end, t.n_first, t.n_last);
     return t;
 }
 

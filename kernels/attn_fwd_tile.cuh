@@ -48,12 +48,20 @@ DEV void zero_tail(const attn_params &p, int64_t h)
 /* Query tile x of the tiles_x of sequence b in the Hopper kernels' BLOCK_M x BLOCK_N tiles: the
  * sequences' extents, rows [m0, r_end) (r_end: the end of the real rows) and the key tiles
  * n_first..n_last it visits (kv_range: the causal / window band; none: n_last < n_first). False
- * when the tile lies past the sequence's rows. */
+ * when the tile lies past the sequence's rows. DENSE: a batch without cu_seqlens or seqused (the
+ * persistent grid's: select.fwd_persist), whose sequences are the tensors' whole rows, known
+ * without seq_q / seq_k's reads and clamps (half the producer's serial path to a tile's Q copy). */
+template <bool DENSE = false>
 DEV bool query_tile(const attn_params &p, int64_t b, int x, int tiles_x, seq_t &sq, seq_t &sk, int &m0, int &r_end,
                     int &n_first, int &n_last)
 {
-    sq = seq_q(&p, b);
-    sk = seq_k(&p, b);
+    if (DENSE) {
+        sq = {0, p.Sq, p.Sq, b};
+        sk = {0, p.Sk, p.Sk, b};
+    } else {
+        sq = seq_q(&p, b);
+        sk = seq_k(&p, b);
+    }
     m0 = (tiles_x - 1 - x) * BLOCK_M;                   /* x = 0: the last rows (the most keys under causal) */
     if (m0 >= sq.rows)
         return false;
