@@ -11,8 +11,10 @@ unused by the WS kernel), 176 int64 per CTA: [0] the CTA's start, [1] its SM, [2
 [3] its end; for its turns j < 13, 12 slots at 8 + 12 j: the first computing warpgroup's thread 0
 writes c0 the tile taken, c1 its Q landed, c2 its first K landed, c3 its turn taken and first S
 issued, c4 its key loop done (the last P V next), c5 its O stored (its bulk copies issued, where
-out has a map), c6 its key tiles; the producer thread writes p7 the tile's Q issued, p8 its first
-K and V issued, p9 its last V issued, p10 the next tile posted. The calls take the persistent
+out has a map), c6 its key tiles, and within c4..c5: c11 the last V landed, c12 the last P V
+done, c13 finish_rows done (lse stored), c14 O in the Q block (its warpgroup synced); the second
+warpgroup's thread 0 writes c15 its c5; the producer thread writes p7 the tile's Q issued, p8 its
+first K and V issued, p9 its last V issued, p10 the next tile posted. The calls take the persistent
 grid only where select.fwd_persist does (short rows without score options; ATTNEXT_FWD_PERSIST=1
 asks for it). Prints medians (and the 10th / 90th percentiles) over the CTAs' tiles, in us (bf16,
 B*S = 16k tokens, H = 2048 / D, torch tensors in place), once the stamped call's out is checked
@@ -24,12 +26,13 @@ import numpy as np
 
 from stamping import macros, shapes, start
 
-SLOTS, TURNS, W = 176, 13, 12
+SLOTS, TURNS, W = 216, 13, 16
 EDITS = [   # (anchor, text, whether the text goes before the anchor)
     ("#if ENTRY(attn_fwd_sm90) && WS\n",
      macros(SLOTS)
      + f"#define TRJ(i) do {{ if (ctid == 0 && w == 0 && j < {TURNS}) TR(8 + {W} * j + (i), gtime()); }} while (0)\n"
-     + f"#define TRP(i) do {{ if (j < {TURNS}) TR(8 + {W} * j + (i), gtime()); }} while (0)\n"),
+     + f"#define TRP(i) do {{ if (j < {TURNS}) TR(8 + {W} * j + (i), gtime()); }} while (0)\n"
+     + f"#define TRJ1(i) do {{ if (ctid == 0 && w == 1 && j < {TURNS}) TR(8 + {W} * j + (i), gtime()); }} while (0)\n"),
     ("    const int tid = threadIdx.x, warp = uniform_warp_index(), lane = tid & 31, wg = warp >> 2;"
      "   /* roles: uniform */\n",
      "    if (tid == 0) { TR(0, gtime()); unsigned sm; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(sm)); TR(1, sm); }\n"),
@@ -44,7 +47,12 @@ EDITS = [   # (anchor, text, whether the text goes before the anchor)
     ("            turn_wait(w);\n            issue_s(s[0], st);\n", "            if (i == 0) TRJ(3);\n"),
     ("        {\n            const int g = kv + tiles - 1, pst = g % STAGES;\n",
      f"        TRJ(4);\n        if (ctid == 0 && w == 0 && j < {TURNS}) TR(8 + {W} * j + 6, tiles);\n", True),
-    ("            pend = qn & 1;\n", "            TRJ(5);\n            if (ctid == 0 && w == 0) TR(2, j + 1);\n", True),
+    ("            issue_pv(pst);\n            wgmma_wait<0>();\n", "            TRJ(11);\n", True),
+    ("        kv += tiles;\n        float inv[2];\n", "        TRJ(12);\n", True),
+    ("        finish_rows<1>(p, sq, sc.to_natural, m, l, row0, b, h, 1, 0, Lq, inv);\n", "        TRJ(13);\n"),
+    ("            fence_proxy_async_shared();                  /* the block's writes before the copies read it */\n",
+     "            TRJ(14);\n", True),
+    ("            pend = qn & 1;\n", "            TRJ(5);\n            TRJ1(15);\n            if (ctid == 0 && w == 0) TR(2, j + 1);\n", True),
     ("#if PERSIST\n        fence_proxy_async_shared();", "        TRJ(5);\n        if (ctid == 0 && w == 0) TR(2, j + 1);\n", True),
     ("    if (w == 0)\n        turn_wait(0);                                    /* the last warpgroup's last pass */\n",
      "    if (ctid == 0 && w == 0) TR(3, gtime());\n"),
@@ -52,7 +60,9 @@ EDITS = [   # (anchor, text, whether the text goes before the anchor)
 # (name, what it is) of the spans printed: c0..c10 as in the docstring, "next" the next turn's c0
 SPANS = [("Q wait", "c1 - c0"), ("K0 wait", "c2 - c1"), ("turn+S", "c3 - c2"), ("loop", "c4 - c3"),
          ("per key", "(c4 - c3) / c6"), ("P V+O", "c5 - c4"), ("to next", "next - c5"),
-         ("Q issued", "p7 - c0"), ("K0 issued", "p8 - c0"), ("last V", "p9 - c5"), ("posted", "p10 - c5")]
+         ("Q issued", "p7 - c0"), ("K0 issued", "p8 - c0"), ("last V", "p9 - c5"), ("posted", "p10 - c5"),
+         ("V in", "c11 - c4"), ("last PV", "c12 - c11"), ("finish", "c13 - c12"), ("O smem", "c14 - c13"),
+         ("copies", "c5 - c14"), ("WG1 end", "c15 - c5")]
 
 
 def boundary_spans(t):
@@ -61,7 +71,7 @@ def boundary_spans(t):
     for r in t:
         n = min(int(r[2]), TURNS)
         for j in range(n):
-            c = [r[8 + W * j + i] for i in range(11)]
+            c = [r[8 + W * j + i] for i in range(16)]
             if not all(c[:6]):
                 continue
             got["Q wait"].append(c[1] - c[0])
@@ -74,6 +84,10 @@ def boundary_spans(t):
                 got["to next"].append(r[8 + W * (j + 1)] - c[5])
             for name, i, at in (("Q issued", 7, c[0]), ("K0 issued", 8, c[0]), ("last V", 9, c[5]), ("posted", 10, c[5])):
                 if c[i]:
+                    got[name].append(c[i] - at)
+            if all(c[11:16]):
+                for name, i, at in (("V in", 11, c[4]), ("last PV", 12, c[11]), ("finish", 13, c[12]),
+                                    ("O smem", 14, c[13]), ("copies", 5, c[14]), ("WG1 end", 15, c[5])):
                     got[name].append(c[i] - at)
     return got
 
