@@ -7,12 +7,13 @@ bench/NOTES.md, forward v21-v23).
 Writes an instrumented copy of kernels/ into a temporary folder (string edits of the WS kernel's
 part of attn_fwd_sm90.cu at fixed anchors: the lab stops if one is missing) and points
 ATTNEXT_KERNEL_DIR at it. The stamps go into the forward's o_accum slot (the split-KV scratch,
-unused by the WS kernel), 176 int64 per CTA: [0] the CTA's start, [1] its SM, [2] tiles done,
-[3] its end; for its turns j < 13, 12 slots at 8 + 12 j: the first computing warpgroup's thread 0
+unused by the WS kernel), 216 int64 per CTA: [0] the CTA's start, [1] its SM, [2] tiles done,
+[3] its end; for its turns j < 13, 16 slots at 8 + 16 j: the first computing warpgroup's thread 0
 writes c0 the tile taken, c1 its Q landed, c2 its first K landed, c3 its turn taken and first S
 issued, c4 its key loop done (the last P V next), c5 its O stored (its bulk copies issued, where
 out has a map), c6 its key tiles, and within c4..c5: c11 the last V landed, c12 the last P V
-done, c13 finish_rows done (lse stored), c14 O in the Q block (its warpgroup synced); the second
+done, c13 finish_rows done (inv taken, lse stored), c14 O in the Q block (its warpgroup synced);
+the stamps clobber memory (no load or store moves across one); the second
 warpgroup's thread 0 writes c15 its c5; the producer thread writes p7 the tile's Q issued, p8 its
 first K and V issued, p9 its last V issued, p10 the next tile posted. The calls take the persistent
 grid only where select.fwd_persist does (short rows without score options; ATTNEXT_FWD_PERSIST=1
@@ -29,7 +30,7 @@ from stamping import macros, shapes, start
 SLOTS, TURNS, W = 216, 13, 16
 EDITS = [   # (anchor, text, whether the text goes before the anchor)
     ("#if ENTRY(attn_fwd_sm90) && WS\n",
-     macros(SLOTS)
+     macros(SLOTS, pinned=True)
      + f"#define TRJ(i) do {{ if (ctid == 0 && w == 0 && j < {TURNS}) TR(8 + {W} * j + (i), gtime()); }} while (0)\n"
      + f"#define TRP(i) do {{ if (j < {TURNS}) TR(8 + {W} * j + (i), gtime()); }} while (0)\n"
      + f"#define TRJ1(i) do {{ if (ctid == 0 && w == 1 && j < {TURNS}) TR(8 + {W} * j + (i), gtime()); }} while (0)\n"),
@@ -49,7 +50,8 @@ EDITS = [   # (anchor, text, whether the text goes before the anchor)
      f"        TRJ(4);\n        if (ctid == 0 && w == 0 && j < {TURNS}) TR(8 + {W} * j + 6, tiles);\n", True),
     ("            issue_pv(pst);\n            wgmma_wait<0>();\n", "            TRJ(11);\n", True),
     ("        kv += tiles;\n        float inv[2];\n", "        TRJ(12);\n", True),
-    ("        finish_rows<1>(p, sq, sc.to_natural, m, l, row0, b, h, 1, 0, Lq, inv);\n", "        TRJ(13);\n"),
+    ("        finish_rows<1>(p, sq, sc.to_natural, m, l, row0, b, h, 1, 0, Lq, inv);\n",
+     "        asm volatile(\"\" ::\"f\"(inv[0]), \"f\"(inv[1]) : \"memory\");\n        TRJ(13);\n"),
     ("            fence_proxy_async_shared();                  /* the block's writes before the copies read it */\n",
      "            TRJ(14);\n", True),
     ("            pend = qn & 1;\n", "            TRJ(5);\n            TRJ1(15);\n            if (ctid == 0 && w == 0) TR(2, j + 1);\n", True),
