@@ -7,15 +7,17 @@ bench/NOTES.md, forward v21-v23).
 Writes an instrumented copy of kernels/ into a temporary folder (string edits of the WS kernel's
 part of attn_fwd_sm90.cu at fixed anchors: the lab stops if one is missing) and points
 ATTNEXT_KERNEL_DIR at it. The stamps go into the forward's o_accum slot (the split-KV scratch,
-unused by the WS kernel), 216 int64 per CTA: [0] the CTA's start, [1] its SM, [2] tiles done,
-[3] its end; for its turns j < 13, 16 slots at 8 + 16 j: the first computing warpgroup's thread 0
+unused by the WS kernel), 268 int64 per CTA: [0] the CTA's start, [1] its SM, [2] tiles done,
+[3] its end; for its turns j < 13, 20 slots at 8 + 20 j: the first computing warpgroup's thread 0
 writes c0 the tile taken, c1 its Q landed, c2 its first K landed, c3 its turn taken and first S
 issued, c4 its key loop done (the last P V next), c5 its O stored (its bulk copies issued, where
 out has a map), c6 its key tiles, and within c4..c5: c11 the last V landed, c12 the last P V
 done, c13 finish_rows done (inv taken, lse stored), c14 O in the Q block (its warpgroup synced);
 the stamps clobber memory (no load or store moves across one); the second
 warpgroup's thread 0 writes c15 its c5; the producer thread writes p7 the tile's Q issued, p8 its
-first K and V issued, p9 its last V issued, p10 the next tile posted. The calls take the persistent
+first K and V issued, p9 its last V issued, p10 the next tile posted, and between p9 and the next
+tile's p7: p16 the next tile's number known (the atomic's answer), p17 its place decoded, p18 its
+slot free, p19 (the next tile's) its extents decoded. The calls take the persistent
 grid only where select.fwd_persist does (short rows without score options; ATTNEXT_FWD_PERSIST=1
 asks for it). Prints medians (and the 10th / 90th percentiles) over the CTAs' tiles, in us (bf16,
 B*S = 16k tokens, H = 2048 / D, torch tensors in place), once the stamped call's out is checked
@@ -27,7 +29,7 @@ import numpy as np
 
 from stamping import macros, shapes, start
 
-SLOTS, TURNS, W = 216, 13, 16
+SLOTS, TURNS, W = 268, 13, 20
 EDITS = [   # (anchor, text, whether the text goes before the anchor)
     ("#if ENTRY(attn_fwd_sm90) && WS\n",
      macros(SLOTS, pinned=True)
@@ -40,6 +42,14 @@ EDITS = [   # (anchor, text, whether the text goes before the anchor)
     ("                qn++;\n#endif\n", "                TRP(7);\n"),
     ("                load(0, STAGES, empty_v, sV, &maps.v, V_BYTES, HEAD_DIM_V, full_v, tail_rows > 0);\n", "                TRP(8);\n"),
     ("            kv += tiles;\n#if PERSIST\n", "            TRP(9);\n"),
+    ("            const ws_tile tl = ws_tile_at(p, pl.x, tiles_x, pl.h, pl.b);\n",
+     "            asm volatile(\"\" ::\"r\"(tl.n_last), \"r\"(tl.m0) : \"memory\");\n            TRP(19);\n"),
+    ("                taken = p.counters ? atomicAdd(p.counters, 1) : 0;\n",
+     "            asm volatile(\"\" ::\"r\"(taken) : \"memory\");\n            TRP(16);\n"),
+    ("                pl = ws_place_of(p, next, tiles_x, sec);\n",
+     "            asm volatile(\"\" ::\"r\"(pl.x), \"r\"(pl.h), \"r\"(pl.b) : \"memory\");\n            TRP(17);\n"),
+    ("            asm volatile(\"st.shared.v4.b32 [%0], {%1, %2, %3, %4};\"\n                         ::\"r\"(next_slot",
+     "            TRP(18);\n", True),
     ("            mbar_arrive(next_full + 8 * s);\n", "            TRP(10);\n"),
     ("        if (t >= total)\n            break;\n", "        TRJ(0);\n"),
     ("        mbar_wait(q_full + 8 * (qn & 1), (qn >> 1) & 1);\n", "        TRJ(1);\n"),
@@ -64,7 +74,9 @@ SPANS = [("Q wait", "c1 - c0"), ("K0 wait", "c2 - c1"), ("turn+S", "c3 - c2"), (
          ("per key", "(c4 - c3) / c6"), ("P V+O", "c5 - c4"), ("to next", "next - c5"),
          ("Q issued", "p7 - c0"), ("K0 issued", "p8 - c0"), ("last V", "p9 - c5"), ("posted", "p10 - c5"),
          ("V in", "c11 - c4"), ("last PV", "c12 - c11"), ("finish", "c13 - c12"), ("O smem", "c14 - c13"),
-         ("copies", "c5 - c14"), ("WG1 end", "c15 - c5")]
+         ("copies", "c5 - c14"), ("WG1 end", "c15 - c5"),
+         ("atomic", "p16 - p9"), ("place", "p17 - p16"), ("slot", "p18 - p17"), ("post", "p10 - p18"),
+         ("decode", "next p19 - p10"), ("Q issue", "next p7 - next p19")]
 
 
 def boundary_spans(t):
@@ -73,7 +85,7 @@ def boundary_spans(t):
     for r in t:
         n = min(int(r[2]), TURNS)
         for j in range(n):
-            c = [r[8 + W * j + i] for i in range(16)]
+            c = [r[8 + W * j + i] for i in range(20)]
             if not all(c[:6]):
                 continue
             got["Q wait"].append(c[1] - c[0])
@@ -87,6 +99,13 @@ def boundary_spans(t):
             for name, i, at in (("Q issued", 7, c[0]), ("K0 issued", 8, c[0]), ("last V", 9, c[5]), ("posted", 10, c[5])):
                 if c[i]:
                     got[name].append(c[i] - at)
+            if all(c[16:19]) and c[9] and c[10]:
+                for name, i, at in (("atomic", 16, c[9]), ("place", 17, c[16]), ("slot", 18, c[17]),
+                                    ("post", 10, c[18])):
+                    got[name].append(c[i] - at)
+                if j + 1 < n and r[8 + W * (j + 1) + 19] and r[8 + W * (j + 1) + 7]:
+                    got["decode"].append(r[8 + W * (j + 1) + 19] - c[10])
+                    got["Q issue"].append(r[8 + W * (j + 1) + 7] - r[8 + W * (j + 1) + 19])
             if all(c[11:16]):
                 for name, i, at in (("V in", 11, c[4]), ("last PV", 12, c[11]), ("finish", 13, c[12]),
                                     ("O smem", 14, c[13]), ("copies", 5, c[14]), ("WG1 end", 15, c[5])):
