@@ -12,14 +12,14 @@ unused by the WS kernel), 268 int64 per CTA: [0] the CTA's start, [1] its SM, [2
 writes c0 the tile taken, c1 its Q landed, c2 its first K landed, c3 its turn taken and first S
 issued, c4 its key loop done (the last P V next), c5 its O stored (its bulk copies issued, where
 out has a map), c6 its key tiles, and within c4..c5: c11 the last V landed, c12 the last P V
-done, c13 finish_rows done (inv taken, lse stored), c14 O in the Q block (its warpgroup synced);
-the stamps clobber memory (no load or store moves across one); the second
-warpgroup's thread 0 writes c15 its c5; the producer thread writes p7 the tile's Q issued, p8 its
-first K and V issued, p9 its last V issued, p10 the next tile posted, and between p9 and the next
-tile's p7: p16 the next tile's number known (the atomic's answer), p17 its place decoded, p18 its
-slot free, p19 (the next tile's) its extents decoded. The calls take the persistent
-grid only where select.fwd_persist does (short rows without score options; ATTNEXT_FWD_PERSIST=1
-asks for it). Prints medians (and the 10th / 90th percentiles) over the CTAs' tiles, in us (bf16,
+done, c13 finish_rows done (inv taken, lse stored), c14 O in the Q block (its warpgroup synced;
+where out has a map); the second warpgroup's thread 0 writes c15 its c5; the producer thread
+writes p7 the tile's Q issued, p8 its first K and V issued, p9 its last V issued, p10 the next
+tile posted, and between p9 and the next tile's p7: p16 the next tile's number known (the
+atomic's answer), p17 its place decoded, p18 its slot free, p19 (the next tile's) its extents
+decoded. The stamps are pinned (stamping.macros): no load or store moves across one. The calls
+take the persistent grid only where select.fwd_persist does (short rows without score options;
+ATTNEXT_FWD_PERSIST=1 asks for it). Prints medians (and the 10th / 90th percentiles) over the CTAs' tiles, in us (bf16,
 B*S = 16k tokens, H = 2048 / D, torch tensors in place), once the stamped call's out is checked
 against torch SDPA's, and the tail: how long SMs sit idle before the kernel's last CTA ends.
 """
@@ -69,7 +69,7 @@ EDITS = [   # (anchor, text, whether the text goes before the anchor)
     ("    if (w == 0)\n        turn_wait(0);                                    /* the last warpgroup's last pass */\n",
      "    if (ctid == 0 && w == 0) TR(3, gtime());\n"),
 ]
-# (name, what it is) of the spans printed: c0..c10 as in the docstring, "next" the next turn's c0
+# (name, what it is) of the spans printed: c0..c15 and p7..p19 as in the docstring, "next" the next turn's
 SPANS = [("Q wait", "c1 - c0"), ("K0 wait", "c2 - c1"), ("turn+S", "c3 - c2"), ("loop", "c4 - c3"),
          ("per key", "(c4 - c3) / c6"), ("P V+O", "c5 - c4"), ("to next", "next - c5"),
          ("Q issued", "p7 - c0"), ("K0 issued", "p8 - c0"), ("last V", "p9 - c5"), ("posted", "p10 - c5"),

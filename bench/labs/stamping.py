@@ -25,7 +25,7 @@ def macros(slots, pinned=False):
     """gtime() (the globaltimer, ns), TR(i, v): int64 i of the block's slots in p.o_accum := v,
     and SUM(i): its address (for atomicAdd). pinned: the timer's read clobbers memory, so that
     ptxas moves no load or store across a stamp (arithmetic may still move)."""
-    clobber = ' :: \"memory\"' if pinned else ""
+    clobber = ' :: "memory"' if pinned else ""
     return ("DEV long long gtime() { long long t; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t)"
             + clobber + "); return t; }\n"
             f"#define TR(i, v) do {{ if (p.o_accum) ((long long *)p.o_accum)[((blockIdx.z * gridDim.y + blockIdx.y)"
