@@ -19,9 +19,10 @@ tile posted, and between p9 and the next tile's p7: p16 the next tile's number k
 atomic's answer), p17 its place decoded, p18 its slot free, p19 (the next tile's) its extents
 decoded. The stamps are pinned (stamping.macros): no load or store moves across one. The calls
 take the persistent grid only where select.fwd_persist does (short rows without score options;
-ATTNEXT_FWD_PERSIST=1 asks for it). Prints medians (and the 10th / 90th percentiles) over the CTAs' tiles, in us (bf16,
-B*S = 16k tokens, H = 2048 / D, torch tensors in place), once the stamped call's out is checked
-against torch SDPA's, and the tail: how long SMs sit idle before the kernel's last CTA ends.
+ATTNEXT_FWD_PERSIST=1 asks for it). Prints medians (and the 10th / 90th percentiles) over the
+CTAs' tiles, in us (bf16, B*S = 16k tokens, H = 2048 / D, torch tensors in place), once the
+stamped call's out is checked against torch SDPA's, and the tail: how long SMs sit idle before the
+kernel's last CTA ends.
 """
 import sys
 
@@ -84,8 +85,9 @@ def boundary_spans(t):
     got = {name: [] for name, _ in SPANS}
     for r in t:
         n = min(int(r[2]), TURNS)
-        for j in range(n):
-            c = [r[8 + W * j + i] for i in range(20)]
+        turns = [[r[8 + W * j + i] for i in range(W)] for j in range(n)]
+        for j, c in enumerate(turns):
+            nxt = turns[j + 1] if j + 1 < n else [0] * W    # the next turn's stamps (0: none)
             if not all(c[:6]):
                 continue
             got["Q wait"].append(c[1] - c[0])
@@ -94,8 +96,8 @@ def boundary_spans(t):
             got["loop"].append(c[4] - c[3])
             got["per key"].append((c[4] - c[3]) / max(1, c[6]))
             got["P V+O"].append(c[5] - c[4])
-            if j + 1 < n and r[8 + W * (j + 1)]:
-                got["to next"].append(r[8 + W * (j + 1)] - c[5])
+            if nxt[0]:
+                got["to next"].append(nxt[0] - c[5])
             for name, i, at in (("Q issued", 7, c[0]), ("K0 issued", 8, c[0]), ("last V", 9, c[5]), ("posted", 10, c[5])):
                 if c[i]:
                     got[name].append(c[i] - at)
@@ -103,9 +105,9 @@ def boundary_spans(t):
                 for name, i, at in (("atomic", 16, c[9]), ("place", 17, c[16]), ("slot", 18, c[17]),
                                     ("post", 10, c[18])):
                     got[name].append(c[i] - at)
-                if j + 1 < n and r[8 + W * (j + 1) + 19] and r[8 + W * (j + 1) + 7]:
-                    got["decode"].append(r[8 + W * (j + 1) + 19] - c[10])
-                    got["Q issue"].append(r[8 + W * (j + 1) + 7] - r[8 + W * (j + 1) + 19])
+                if nxt[19] and nxt[7]:
+                    got["decode"].append(nxt[19] - c[10])
+                    got["Q issue"].append(nxt[7] - nxt[19])
             if all(c[11:16]):
                 for name, i, at in (("V in", 11, c[4]), ("last PV", 12, c[11]), ("finish", 13, c[12]),
                                     ("O smem", 14, c[13]), ("copies", 5, c[14]), ("WG1 end", 15, c[5])):
