@@ -259,6 +259,15 @@ DEV void ldmatrix_x4_trans(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
 }
 
+/* ldmatrix_x4's inverse (sm_90): register j of every lane (16-bit pairs, an mma fragment's
+ * layout: lane l holds row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1) into 8 x 8 matrix j, whose
+ * row i lies at the address lane 8 j + i gives. */
+DEV void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3)
+{
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                 ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
 #if ELEM_F32
 /* x rounded to TF32 (to nearest, ties away: cvt.rna.tf32.f32's result), in a float's bits, by
  * integer operations: half of the 13 dropped bits added to the magnitude, then cut off (inf and

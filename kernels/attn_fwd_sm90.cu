@@ -835,17 +835,14 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) __cluster_dims__(CLU
         auto o_chunk = [&](int r, int c) {
             return sQw + (c >> 3) * (64 * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
         };
+        normalize_o<1, OT>(o, inv);
         wg_sync(w);                                      /* every warp's S products read Q */
-        {
-            const int g = lane >> 2, t4 = lane & 3;
+        {   /* the warp's 16 rows, 16 columns a stmatrix: lane l gives row l % 16 of chunk nt + l / 16 */
+            const int r = (cw & 3) * 16 + (lane & 15), hi = lane >> 4;
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int r = (cw & 3) * 16 + g + i * 8;
-#pragma unroll
-                for (int nt = 0; nt < OT; nt++)
-                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(o_chunk(r, nt) + 4 * t4),
-                                 "r"(pack2(scaled_o(o[0][nt][2 * i], inv[i]), scaled_o(o[0][nt][2 * i + 1], inv[i]))));
-            }
+            for (int nt = 0; nt < OT; nt += 2)
+                stmatrix_x4(o_chunk(r, nt + hi), pack2(o[0][nt][0], o[0][nt][1]), pack2(o[0][nt][2], o[0][nt][3]),
+                            pack2(o[0][nt + 1][0], o[0][nt + 1][1]), pack2(o[0][nt + 1][2], o[0][nt + 1][3]));
         }
 #if PERSIST
         if (p.tma_out) {

@@ -394,11 +394,16 @@ DEV void finish_rows(const attn_params &p, const seq_t &sq, float to_natural, co
                      float (&inv)[2 * MT])
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float ls[2 * MT];                                    /* every row's quad sum first: the */
+#pragma unroll                                           /* shuffles of all rows in flight at once */
+    for (int i = 0; i < 2 * MT; i++)
+        ls[i] = l[i] + __shfl_xor_sync(0xffffffffu, l[i], 1);
+#pragma unroll
+    for (int i = 0; i < 2 * MT; i++)
+        ls[i] += __shfl_xor_sync(0xffffffffu, ls[i], 2);
 #pragma unroll
     for (int i = 0; i < 2 * MT; i++) {
-        float li = l[i];
-        li += __shfl_xor_sync(0xffffffffu, li, 1);
-        li += __shfl_xor_sync(0xffffffffu, li, 2);
+        const float li = ls[i];
         const int pr = row0 + (i / 2) * 16 + g + (i % 2) * 8;
         const int r = pr / G;
         const int64_t hr = h + pr % G;
@@ -442,6 +447,35 @@ DEV void finish_rows(const attn_params &p, const seq_t &sq, float to_natural, co
 /* O * inv of one element: exactly 0 where inv is 0, a row that keeps no key (an unkept NaN or inf
  * value may sit in its O as 0 * NaN). */
 DEV float scaled_o(float o, float inv) { return inv != 0.f ? o * inv : 0.f; }
+
+/* O = scaled_o(O, inv) in place for a warp's rows: one multiply an element, and before it, only
+ * where a row of the warp keeps no key (inv 0: rare), that row's O set to 0 (0 * 0: the same bits
+ * as scaled_o's, with no test an element on the common path). */
+template <int MT, int OT>
+DEV void normalize_o(float (&o)[MT][OT][4], const float (&inv)[2 * MT])
+{
+    bool dead = false;
+#pragma unroll
+    for (int i = 0; i < 2 * MT; i++)
+        dead |= inv[i] == 0.f;
+    if (__any_sync(0xffffffffu, dead)) {
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < OT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    o[mt][nt][e] = inv[2 * mt + e / 2] != 0.f ? o[mt][nt][e] : 0.f;
+        asm volatile("");                                /* a branch, not a select an element */
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < OT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                o[mt][nt][e] *= inv[2 * mt + e / 2];
+}
 
 /* out = O * inv for a warp's rows, element by element through out's strides (under SPLIT_KV: the
  * float32 partial into this split's o_accum slot). */

@@ -25,7 +25,7 @@ KERNEL = "attn_fwd_sm90.cu"
 NEVER = "        if (n_first < 0)\n"   # n_first >= 0 always: the statement after it is skipped
 NOFIN = [("        finish_rows<1>(p, sq, sc.to_natural, m, l, row0, b, h, 1, 0, Lq, inv);\n",
           "        inv[0] = inv[1] = 1.f;\n" + NEVER, True)]
-NOO = [("        {\n            const int g = lane >> 2, t4 = lane & 3;\n", NEVER, True)]
+NOO = [("        {   /* the warp's 16 rows, 16 columns a stmatrix", NEVER, True)]
 PROBES = {"nofin": NOFIN, "noo": NOO, "noend": NOFIN + NOO}
 
 TIME = r"""
