@@ -117,15 +117,15 @@ DEV bool out_rows_16b(const attn_params &p)
 }
 
 #if !WS
-/* out = O * inv through shared memory at sO (the Q and K buffers: free once every S product is
- * done): each warp's rows as 16-bit pairs into a padded tile (row stride OS: conflict-free),
- * then whole rows out with 16-byte stores. For outputs whose rows are contiguous and 16-byte
+/* out = O (normalize_o's) through shared memory at sO (the Q and K buffers: free once every S
+ * product is done): each warp's rows as 16-bit pairs into a padded tile (row stride OS:
+ * conflict-free), then whole rows out with 16-byte stores. For outputs whose rows are contiguous and 16-byte
  * aligned; store_o (attn_fwd_tile.cuh) serves the others. */
 #define OS (HEAD_DIM_V + 8)
 static_assert(BLOCK_M * OS * 2 <= Q_BYTES + 2 * K_BYTES, "the staged O tile does not fit");
 
-DEV void store_o_staged(const attn_params &p, const seq_t &sq, const float (&o)[OT][4], const float (&inv)[2],
-                        uint32_t sO, int m0, int64_t h)
+DEV void store_o_staged(const attn_params &p, const seq_t &sq, const float (&o)[OT][4], uint32_t sO, int m0,
+                        int64_t h)
 {
     const int tid = threadIdx.x, warp = tid >> 5, g = (tid & 31) >> 2, t = tid & 3;
     __syncthreads();                                     /* every warp is past its last S product */
@@ -135,7 +135,7 @@ DEV void store_o_staged(const attn_params &p, const seq_t &sq, const float (&o)[
 #pragma unroll
         for (int nt = 0; nt < OT; nt++)
             asm volatile("st.shared.b32 [%0], %1;" ::"r"(row + 2 * (nt * 8 + 2 * t)),
-                         "r"(pack2(scaled_o(o[nt][2 * i], inv[i]), scaled_o(o[nt][2 * i + 1], inv[i]))));
+                         "r"(pack2(o[nt][2 * i], o[nt][2 * i + 1])));
     }
     __syncthreads();
     constexpr int CH = HEAD_DIM_V / 8;
@@ -299,11 +299,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) attn_fwd_sm90(
     fence_acc(o[0]);
     float inv[2];
     finish_rows<1>(p, sq, sc.to_natural, m, l, row0, b, h, 1, 0, Lq, inv);
+    normalize_o<1, OT>(o, inv);
     const bool rows_16b = out_rows_16b(p);
     if (rows_16b)
-        store_o_staged(p, sq, o[0], inv, sQ, m0, h);
+        store_o_staged(p, sq, o[0], sQ, m0, h);
     else
-        store_o(p, sq, o, inv, row0, b, h, 1, 0);
+        store_o(p, sq, o, row0, b, h, 1, 0);
 }
 #endif
 

@@ -444,13 +444,10 @@ DEV void finish_rows(const attn_params &p, const seq_t &sq, float to_natural, co
     }
 }
 
-/* O * inv of one element: exactly 0 where inv is 0, a row that keeps no key (an unkept NaN or inf
- * value may sit in its O as 0 * NaN). */
-DEV float scaled_o(float o, float inv) { return inv != 0.f ? o * inv : 0.f; }
-
-/* O = scaled_o(O, inv) in place for a warp's rows: one multiply an element, and before it, only
- * where a row of the warp keeps no key (inv 0: rare), that row's O set to 0 (0 * 0: the same bits
- * as scaled_o's, with no test an element on the common path). */
+/* O = O * inv in place for a warp's rows (finish_rows' inv), exactly 0 where inv is 0, a row that
+ * keeps no key (an unkept NaN or inf value may sit in its O as 0 * NaN): one multiply an element,
+ * and before it, only where a row of the warp keeps no key (rare), that row's O set to 0 (then
+ * 0 * 0 = +0; no test an element on the common path). */
 template <int MT, int OT>
 DEV void normalize_o(float (&o)[MT][OT][4], const float (&inv)[2 * MT])
 {
@@ -477,11 +474,11 @@ DEV void normalize_o(float (&o)[MT][OT][4], const float (&inv)[2 * MT])
                 o[mt][nt][e] *= inv[2 * mt + e / 2];
 }
 
-/* out = O * inv for a warp's rows, element by element through out's strides (under SPLIT_KV: the
- * float32 partial into this split's o_accum slot). */
+/* out = O (normalize_o's) for a warp's rows, element by element through out's strides (under
+ * SPLIT_KV: the float32 partial into this split's o_accum slot). */
 template <int MT, int OT>
-DEV void store_o(const attn_params &p, const seq_t &sq, const float (&o)[MT][OT][4],
-                 const float (&inv)[2 * MT], int row0, int64_t b, int64_t h, int G, int split)
+DEV void store_o(const attn_params &p, const seq_t &sq, const float (&o)[MT][OT][4], int row0, int64_t b,
+                 int64_t h, int G, int split)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -498,9 +495,9 @@ DEV void store_o(const attn_params &p, const seq_t &sq, const float (&o)[MT][OT]
         for (int nt = 0; nt < OT; nt++) {
             const int d = nt * 8 + 2 * t;
             if (d < HEAD_DIM_V)
-                orow[d] = scaled_o(o[mt][nt][e0], inv[i]);
+                orow[d] = o[mt][nt][e0];
             if (d + 1 < HEAD_DIM_V)
-                orow[d + 1] = scaled_o(o[mt][nt][e0 + 1], inv[i]);
+                orow[d + 1] = o[mt][nt][e0 + 1];
         }
 #else
         elem_t *orow = (elem_t *)p.out.ptr + sq.mem_b * p.out.s[0] + (sq.start + r) * p.out.s[1] + hr * p.out.s[2];
@@ -508,23 +505,24 @@ DEV void store_o(const attn_params &p, const seq_t &sq, const float (&o)[MT][OT]
         for (int nt = 0; nt < OT; nt++) {
             const int d = nt * 8 + 2 * t;
             if (d < HEAD_DIM_V)
-                orow[d * p.out.s[3]] = f32_to_elem(scaled_o(o[mt][nt][e0], inv[i]));
+                orow[d * p.out.s[3]] = f32_to_elem(o[mt][nt][e0]);
             if (d + 1 < HEAD_DIM_V)
-                orow[(d + 1) * p.out.s[3]] = f32_to_elem(scaled_o(o[mt][nt][e0 + 1], inv[i]));
+                orow[(d + 1) * p.out.s[3]] = f32_to_elem(o[mt][nt][e0 + 1]);
         }
 #endif
     }
 }
 
-/* finish_rows, then store_o. */
+/* finish_rows, normalize_o (O in place), then store_o. */
 template <int MT, int OT>
-DEV void write_out(const attn_params &p, const seq_t &sq, float to_natural, const float (&o)[MT][OT][4],
+DEV void write_out(const attn_params &p, const seq_t &sq, float to_natural, float (&o)[MT][OT][4],
                    const float (&m)[2 * MT], const float (&l)[2 * MT], int row0, int64_t b, int64_t h,
                    int G, int split, int Lq)
 {
     float inv[2 * MT];
     finish_rows<MT>(p, sq, to_natural, m, l, row0, b, h, G, split, Lq, inv);
-    store_o(p, sq, o, inv, row0, b, h, G, split);
+    normalize_o(o, inv);
+    store_o(p, sq, o, row0, b, h, G, split);
 }
 
 #endif
