@@ -119,8 +119,8 @@ DEV bool out_rows_16b(const attn_params &p)
 #if !WS
 /* out = O (normalize_o's) through shared memory at sO (the Q and K buffers: free once every S
  * product is done): each warp's rows as 16-bit pairs into a padded tile (row stride OS:
- * conflict-free), then whole rows out with 16-byte stores. For outputs whose rows are contiguous and 16-byte
- * aligned; store_o (attn_fwd_tile.cuh) serves the others. */
+ * conflict-free), then whole rows out with 16-byte stores. For outputs whose rows are contiguous
+ * and 16-byte aligned; store_o (attn_fwd_tile.cuh) serves the others. */
 #define OS (HEAD_DIM_V + 8)
 static_assert(BLOCK_M * OS * 2 <= Q_BYTES + 2 * K_BYTES, "the staged O tile does not fit");
 
