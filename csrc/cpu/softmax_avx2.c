@@ -25,7 +25,7 @@
 #define TAIL_MASK(n) _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
 #define V_LOAD_N(p, n) _mm256_maskload_ps(p, TAIL_MASK(n))
 #define V_STORE_N(p, v, n) _mm256_maskstore_ps(p, TAIL_MASK(n), v)
-#define EXP2_ROWS 8
+#define EXP2_ROWS 4
 #define EXP2_NONPOS_N exp2_nonpos_rows
 
 SOFTMAX_TARGET static inline void exp2_nonpos_rows(__m256 *x);
@@ -50,12 +50,13 @@ SOFTMAX_TARGET static inline __m256 exp2_v(__m256 x)
 }
 
 /* exp2_v for EXP2_ROWS vectors of x <= 0 (scores less their column's maximum), in place, step
- * by step across the vectors, each row summed apart in softmax_cols: the out-of-order window
- * alone overlaps too few rows' chains of dependent FMAs (Zen 2, one core, 64 x 64 tile: 0.58 ns
- * a score one row at a time, 0.49 with 4 rows, 0.47 with 8). Two operations fewer than exp2_v:
- * no cap at 127, and x floored at -127 instead of compared with -126: r = -127 puts 0 in 2^r's
- * exponent field, so the product is 0 (for -inf too), and x in (-126.5, -126) gives 2^x as a
- * subnormal rather than 0. NaN survives the floor (max's second operand). */
+ * by step across the vectors: the out-of-order window alone overlaps too few rows' chains of
+ * dependent FMAs (Zen 2, one core, 64 x 64 tile: 0.58 ns a score one row at a time, 0.49 with 4
+ * rows, 0.47 with 8, each row's sum in memory then). With the sums in two registers and the rows
+ * walked by pointer, 8 rows spill and 4 do not (Zen 5: 0.26 and 0.22 ns a score). Two operations
+ * fewer than exp2_v: no cap at 127, and x floored at -127 instead of compared with -126: r = -127
+ * puts 0 in 2^r's exponent field, so the product is 0 (for -inf too), and x in (-126.5, -126)
+ * gives 2^x as a subnormal rather than 0. NaN survives the floor (max's second operand). */
 SOFTMAX_TARGET static inline void exp2_nonpos_rows(__m256 *x)
 {
     __m256 t[EXP2_ROWS], f[EXP2_ROWS], p[EXP2_ROWS];

@@ -12,7 +12,7 @@
  *   V_LOAD_N(p, n), V_STORE_N(p, v, n)   the first n < VL lanes, touching no memory past them
  *   EXP2_ROWS, EXP2_NONPOS_N(x)   (optional) x[u] <- 2^x[u] for the EXP2_ROWS vectors of x, each
  *                       lane <= 0, -inf or NaN (softmax_cols' exponents of a group of rows), where
- *                       several polynomials at once keep the FMA units busy; 1 and exp2_v if not
+ *                       several polynomials at once keep the FMA units busy; 2 and exp2_v if not
  * and, after including it, exp2_v (below).
  */
 #include <math.h>
@@ -42,62 +42,68 @@ SOFTMAX_TARGET static inline V exp2_poly(V f)
 SOFTMAX_TARGET static inline V exp2_v(V x);
 
 #ifndef EXP2_NONPOS_N
-#define EXP2_ROWS 1
-#define EXP2_NONPOS_N(x) ((x)[0] = exp2_v((x)[0]))
+#define EXP2_ROWS 2
+#define EXP2_NONPOS_N(x) ((x)[0] = exp2_v((x)[0]), (x)[1] = exp2_v((x)[1]))
 #endif
 
-/* p[0] + ... + p[EXP2_ROWS - 1] by pairs (p is overwritten) */
-SOFTMAX_TARGET static inline V sum_rows(V *p)
+/* a row of St times scale, stored rounded (scale 1: the row as it is) */
+SOFTMAX_TARGET static inline V scaled_row(float *s, float scale, V vscale)
 {
-    for (int w = 1; w < EXP2_ROWS; w *= 2)
-        for (int u = 0; u + w < EXP2_ROWS; u += 2 * w)
-            p[u] = V_ADD(p[u], p[u + w]);
-    return p[0];
+    V t = V_LOAD(s);
+    if (scale != 1) {
+        t = V_MUL(t, vscale);
+        V_STORE(s, t);
+    }
+    return t;
 }
 
-/* simd.h's softmax_cols, VL queries at a time (cols is a multiple of SIMD_N_ALIGN, of VL). */
+/* simd.h's softmax_cols, VL queries at a time (cols is a multiple of SIMD_N_ALIGN, of VL). Rows
+ * are walked by pointer, and the maximum and the sum each run in two chains (even and odd rows),
+ * so that neither a max's nor an add's latency sets the pace. */
 SOFTMAX_TARGET void SOFTMAX_FN(softmax_cols_f32)(int n, int cols, int64_t ld, float *St, float scale,
                                                   float *m, float *l, float *alpha)
 {
     const V vscale = V_SET1(scale), log2e = V_SET1((float)SIMD_LOG2E);
     for (int c = 0; c < cols; c += VL) {
-        V mx = V_LOAD(m + c);
-        for (int j = 0; j < n; j++) {
-            float *s = St + (int64_t)j * ld + c;
-            V t = V_LOAD(s);
-            if (scale != 1) {
-                t = V_MUL(t, vscale);
-                V_STORE(s, t);
-            }
-            mx = V_MAX(mx, t);
+        const V m_old = V_LOAD(m + c);
+        V mx0 = m_old, mx1 = m_old;
+        float *s = St + c;
+        int j = 0;
+        for (; j + 2 <= n; j += 2, s += 2 * ld) {
+            mx0 = V_MAX(mx0, scaled_row(s, scale, vscale));
+            mx1 = V_MAX(mx1, scaled_row(s + ld, scale, vscale));
         }
+        if (j < n)
+            mx0 = V_MAX(mx0, scaled_row(s, scale, vscale));
+        const V m_new = V_MAX(mx0, mx1);
         /* a query with no finite score yet keeps m = -inf; 0 stands in for it so that its p and
          * alpha come out 0 rather than NaN */
-        V safe = V_NEG_INF_TO_ZERO(mx);
-        V a = exp2_v(V_MUL(V_SUB(V_LOAD(m + c), safe), log2e));
-        V sum[EXP2_ROWS];
-        for (int u = 0; u < EXP2_ROWS; u++)
-            sum[u] = V_ZERO;
-        int j = 0;
-        for (; j + EXP2_ROWS <= n; j += EXP2_ROWS) {
+        const V safe = V_NEG_INF_TO_ZERO(m_new);
+        const V a = exp2_v(V_MUL(V_SUB(m_old, safe), log2e));
+        V sum0 = V_ZERO, sum1 = V_ZERO;
+        s = St + c;
+        j = 0;
+        for (; j + EXP2_ROWS <= n; j += EXP2_ROWS, s += EXP2_ROWS * ld) {
             V p[EXP2_ROWS];
             for (int u = 0; u < EXP2_ROWS; u++)
-                p[u] = V_MUL(V_SUB(V_LOAD(St + (int64_t)(j + u) * ld + c), safe), log2e);
+                p[u] = V_MUL(V_SUB(V_LOAD(s + u * ld), safe), log2e);
             EXP2_NONPOS_N(p);
             for (int u = 0; u < EXP2_ROWS; u++) {
-                V_STORE(St + (int64_t)(j + u) * ld + c, p[u]);
-                sum[u] = V_ADD(sum[u], p[u]);
+                V_STORE(s + u * ld, p[u]);
+                if (u & 1)
+                    sum1 = V_ADD(sum1, p[u]);
+                else
+                    sum0 = V_ADD(sum0, p[u]);
             }
         }
-        for (; j < n; j++) {   /* the rows after the last group of EXP2_ROWS */
-            float *s = St + (int64_t)j * ld + c;
+        for (; j < n; j++, s += ld) {   /* the rows after the last group of EXP2_ROWS */
             V p = exp2_v(V_MUL(V_SUB(V_LOAD(s), safe), log2e));
             V_STORE(s, p);
-            sum[0] = V_ADD(sum[0], p);
+            sum1 = V_ADD(sum1, p);
         }
         V_STORE(alpha + c, a);
-        V_STORE(l + c, V_FMADD(V_LOAD(l + c), a, sum_rows(sum)));
-        V_STORE(m + c, mx);
+        V_STORE(l + c, V_FMADD(V_LOAD(l + c), a, V_ADD(sum0, sum1)));
+        V_STORE(m + c, m_new);
     }
 }
 
