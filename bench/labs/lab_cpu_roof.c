@@ -1,6 +1,6 @@
 /* lab_cpu_roof.py's driver (see there): one core's FMA roof per vector width, the SIMD table's
- * products (csrc/cpu/simd.c) at the CPU tiles' shapes and its softmax_cols. Built with the
- * extension's flags. */
+ * products (csrc/cpu/simd.c) at the CPU tiles' shapes, its softmax_cols, and the forward's
+ * key-tile step built from them. Built with the extension's flags. */
 #define _POSIX_C_SOURCE 200112L
 #include <stdio.h>
 #include <stdlib.h>
@@ -128,6 +128,48 @@ int main(int argc, char **argv)
         printf("softmax_cols n%d cols%d: %.3f ns a score\n", N, COLS, fastest / 200 / (N * COLS) * 1e9);
         free(St);
         free(S0);
+    }
+    /* the forward's key-tile step as cpu_impl.h's online_softmax runs it (St = K Q^T,
+     * softmax_cols, O = alpha O + P V), 16 query tiles each over a head's 16 packed K / V tiles
+     * (S1024: 1 MiB of K and V at D128), without the call's packing, Q tiles and output: what
+     * the forward would run at if those cost nothing */
+    for (int D = 64; D <= 128; D += 64) {
+        enum { B = 64, TILES = 16 };
+        float *kr = aligned_alloc(64, (size_t)TILES * B * D * 4), *vr = aligned_alloc(64, (size_t)TILES * B * D * 4);
+        float *Qt = aligned_alloc(64, (size_t)D * B * 4), *St = aligned_alloc(64, B * B * 4);
+        float *O = aligned_alloc(64, (size_t)B * D * 4), m[B], l[B], alpha[B];
+        for (int i = 0; i < TILES * B * D; i++) {
+            kr[i] = (float)((i * 7919L) % 1000) / 1000.f - .5f;
+            vr[i] = (float)((i * 7907L) % 1000) / 1000.f - .5f;
+        }
+        for (int i = 0; i < D * B; i++)
+            Qt[i] = (float)((i * 31) % 1000) / 1000.f - .5f;
+        double fastest = 1e30;
+        for (int r = 0; r < reps; r++) {
+            const double t = now();
+            for (int task = 0; task < TILES; task++) {
+                memset(O, 0, (size_t)B * D * 4);
+                for (int i = 0; i < B; i++) {
+                    m[i] = -1e30f;
+                    l[i] = 0;
+                }
+                for (int kb = 0; kb < TILES; kb++) {
+                    o->gemm(B, B, D, kr + (size_t)kb * B * D, D, Qt, B, St, B, 0);
+                    o->softmax_cols(B, B, B, St, 0.088f, m, l, alpha);
+                    o->gemm_tn_scaled(B, D, B, St, B, vr + (size_t)kb * B * D, D, O, D, alpha);
+                }
+            }
+            const double dt = now() - t;
+            fastest = dt < fastest ? dt : fastest;
+        }
+        sink = O[0] + l[0];
+        printf("step D%d (K Q^T, softmax_cols, P V; K / V cycled through %d tiles): %.2f us, %.1f GF/s\n", D,
+               TILES, fastest / (TILES * TILES) * 1e6, 4.0 * B * B * D * TILES * TILES / fastest / 1e9);
+        free(kr);
+        free(vr);
+        free(Qt);
+        free(St);
+        free(O);
     }
     return 0;
 }

@@ -2,9 +2,11 @@
 extension's flags (setup.py's CFLAGS as tests/helpers reads them, `omp simd` without the OpenMP
 runtime), prints a pure FMA loop's rate per vector width (x86: 256-bit, and 512-bit where the CPU
 has AVX-512), the SIMD table's gemm / gemm_tn at the CPU tiles' shapes (the best of --reps runs
-of 200 calls) and its softmax_cols on a 64 x 64 tile (ns a score); then one thread's forward
-(ATTNEXT_NUM_THREADS=1, float32, B1 H8, the p10 of --calls calls, after a check against
-attnext.reference) in a fresh process per row, as GF/s and as a share of the table's gemm rate.
+of 200 calls), its softmax_cols on a 64 x 64 tile (ns a score) and the forward's key-tile step
+(K Q^T, softmax_cols, P V over a head's 16 K / V tiles at D64 and D128: the forward less its
+packing, Q tiles and output); then one thread's forward (ATTNEXT_NUM_THREADS=1, float32, B1 H8,
+the p10 of --calls calls, after a check against attnext.reference) in a fresh process per row,
+as GF/s and as a share of the table's gemm rate.
 No GPU, no torch.
 
     python bench/labs/lab_cpu_roof.py [--rows 64:1024 128:1024 64:2048:causal] [--reps 30] [--calls 15]
