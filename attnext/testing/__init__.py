@@ -22,10 +22,10 @@ accuracy check: a float64 reference, the same computation at the kernel's dtype,
 * NaN always fails; -inf must sit exactly where the reference has -inf (the lse of a row that
   keeps no key); a finite reference needs a finite result.
 
-`assert_grads_close` applies the rule to a backward's gradients, with the two allowances a
-16-bit backward needs (dS = P (dP - delta) cancels, so round-off is relative to the largest
-gradient of the call; tensor cores round P and dS to 16 bits; the backward reads the forward's
-rounded `out`). `examples/test_my_attention.py` is a complete pytest file using both.
+`assert_grads_close` applies the rule to a backward's gradients, with the allowances a backward
+needs (dS = P (dP - delta) cancels, so round-off is relative to the largest gradient of the
+call; the backward reads the forward's rounded `out`; a 16-bit backward's tensor cores round P
+and dS to 16 bits). `examples/test_my_attention.py` is a complete pytest file using both.
 
 Arrays may be NumPy arrays, anything `np.asarray` reads (JAX, `attnext.DeviceArray`), PyTorch
 tensors on any device (bfloat16 included) or CuPy arrays; they are copied to the host.
@@ -135,7 +135,7 @@ def assert_grads_close(grads: Grads | tuple, expected: Grads, *, q: Any, k: Any,
     q, k, v, dout: the inputs both were given (NumPy arrays or tensors, q's dtype).
     out: the forward output the implementation's backward read (it is stored at q's dtype; an
         exact backward fed that rounded out lands off the float64 gradients by a bounded amount,
-        which is allowed for float16 / bfloat16).
+        which is allowed).
     lengths: None for attention(); for varlen_attention, its length arguments (cu_seqlens_q,
         cu_seqlens_k, and max_seqlen_*, seqused_* where given).
     options: the keyword options of the call (causal, window, scale, bias, layout, score_mod,
@@ -146,9 +146,9 @@ def assert_grads_close(grads: Grads | tuple, expected: Grads, *, q: Any, k: Any,
     dq, dk and dbias are held relative to the largest of the reference's dq, dk, dv (the
     softmax's gradient cancels, so round-off scales with dP, not with the result), and a dbias
     also relative to the size of the terms it sums before they cancel (a broadcast bias's dbias
-    can be exactly 0: `accuracy.dbias_terms`); for float16 /
-    bfloat16 the allowance grows by the rounding of P and dS to 16 bits before the products and
-    by the effect of the rounded out; with options' precision="tf32", float32 is held to
+    can be exactly 0: `accuracy.dbias_terms`); the allowance grows by the effect of the rounded
+    out (every dtype), and for float16 / bfloat16 by the rounding of P and dS to 16 bits before
+    the products; with options' precision="tf32", float32 is held to
     float16's rule plus TF32's rounding of its operands (`accuracy.rounded_out_allowance`; for
     out, pass `extra=lambda: accuracy.tf32_out_allowance(q, k, v, lengths, options)` to
     assert_close, for lse `accuracy.tf32_lse_allowance(q, k, lengths, options)`). dtensors (a
