@@ -69,11 +69,14 @@ def test_known_cases_replay():
 
 
 def test_found_cases():
-    """Cases the fuzzer once reported, each rerun here (they pass now): seed 7272's case 34892, a
+    """Cases the fuzzer once reported, each rerun here (they pass now). Seed 7272's case 34892: a
     packed causal softcap backward whose keys and values are alike along each sequence (views
     broadcast over the tokens), so dS cancels exactly and the exact dq is 0, while float32's
     rounded out and its dP, delta products left dq 1.26e-5 off, past float32's term relative to
-    the largest gradient (4.95e-6): testing.accuracy's rounded-out bound now holds it."""
+    the largest gradient (4.95e-6): testing.accuracy's rounded-out bound now holds it. Seed
+    7273's case 33874: a zero scale puts the scores on a bfloat16 bias's values, three of them
+    on the clamp score_mod's kinks, where the reference averages the slopes and attnext takes
+    one (dbias 2x): the fuzzer's clamp now has its kinks where no 16-bit value lies."""
     found = [{"seed": 23012055, "api": "varlen", "backward": True, "dtype": "float32",
               "seg_q": [26, 41, 0], "seg_k": [218, 66, 32], "used_q": [18, 0, 0],
               "used_k": [98, 54, 18], "pad_q": 0, "pad_k": 0, "max_q": 18, "max_k": 98,
@@ -84,7 +87,17 @@ def test_found_cases():
               "bias": {"shape": (1, 1, 18, 1), "dtype": "bfloat16", "view": "flip", "mag": 1.0,
                        "neginf": False},
               "mask": None, "score_mod": None, "mask_mod": None, "mod_dtype": None, "out": None,
-              "deterministic": False}]
+              "deterministic": False},
+             {"seed": 34028301, "api": "attention", "backward": True, "dtype": "bfloat16",
+              "layout": "bshd", "seqlens_q": None, "seqlens_k": None, "B": 4, "Sq": 90, "Sk": 26,
+              "Hq": 12, "Hk": 3, "D": 34, "Dv": 3,
+              "views": {"q": ("contig",), "k": ("step", 1), "v": ("bcast", 2)},
+              "readonly": False, "mag": 1.0, "causal": "top_left", "window": (-1, 2),
+              "softcap": None, "scale": 0.0, "alibi": None,
+              "bias": {"shape": (4, 12, 1, 26), "dtype": "bfloat16", "view": "bcast", "mag": 4.0,
+                       "neginf": False},
+              "mask": None, "score_mod": "clamp", "mask_mod": "causal", "mod_dtype": "float32",
+              "out": "step", "deterministic": True}]
     for spec in found:
         assert fuzz.run_case(spec) == []
 
