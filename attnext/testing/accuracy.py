@@ -360,9 +360,10 @@ def dbias_terms(q, k, v, dout, ref_out, lengths, opts):
 def compare_grads(g, rg, q, k, v, dout, out, ref_out, lengths, opts, cond=1.0, dbias_cond=None):
     """The checks of a backward's dq, dk, dv and dbias (shapes, dtypes, values) against the
     reference's gradients rg, with the rounded-out allowance (every dtype; TF32's roundings too
-    for precision="tf32"; computed once, only when the plain limit is exceeded). lengths: None, or varlen_attention's length
-    arguments; opts: the shared keyword options (bias included); dbias_cond: cond for dbias
-    (default cond). Returns what is wrong, an empty list when everything passes."""
+    for precision="tf32"; computed once, only when the plain limit is exceeded). lengths: None,
+    or varlen_attention's length arguments; opts: the shared keyword options (bias included);
+    dbias_cond: cond for dbias (default cond). Returns what is wrong, an empty list when
+    everything passes."""
     dtype = np.dtype(q.dtype)
     precision = opts.get("precision")
     rule = product_dtype(dtype, precision)      # float16's for precision="tf32"

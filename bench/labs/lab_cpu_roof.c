@@ -135,7 +135,8 @@ int main(int argc, char **argv)
      * the forward would run at if those cost nothing */
     for (int D = 64; D <= 128; D += 64) {
         enum { B = 64, TILES = 16 };
-        float *kr = aligned_alloc(64, (size_t)TILES * B * D * 4), *vr = aligned_alloc(64, (size_t)TILES * B * D * 4);
+        const size_t kv_bytes = (size_t)TILES * B * D * 4;
+        float *kr = aligned_alloc(64, kv_bytes), *vr = aligned_alloc(64, kv_bytes);
         float *Qt = aligned_alloc(64, (size_t)D * B * 4), *St = aligned_alloc(64, B * B * 4);
         float *O = aligned_alloc(64, (size_t)B * D * 4), m[B], l[B], alpha[B];
         for (int i = 0; i < TILES * B * D; i++) {
@@ -163,8 +164,9 @@ int main(int argc, char **argv)
             fastest = dt < fastest ? dt : fastest;
         }
         sink = O[0] + l[0];
-        printf("step D%d (K Q^T, softmax_cols, P V; K / V cycled through %d tiles): %.2f us, %.1f GF/s\n", D,
-               TILES, fastest / (TILES * TILES) * 1e6, 4.0 * B * B * D * TILES * TILES / fastest / 1e9);
+        printf("step D%d (K Q^T, softmax_cols, P V; K / V cycled through %d tiles): %.2f us, "
+               "%.1f GF/s\n", D, TILES, fastest / (TILES * TILES) * 1e6,
+               4.0 * B * B * D * TILES * TILES / fastest / 1e9);
         free(kr);
         free(vr);
         free(Qt);

@@ -126,7 +126,7 @@ def test_float32s_rounded_out_is_allowed_where_alike_keys_cancel():
     e = np.sum(dout.astype(np.float64) * (v0.astype(np.float64) - out), axis=-1, keepdims=True)
     fed = (e * k0 / np.sqrt(32)).astype(np.float32)
     floor = max(np.abs(x).max() for x in rg[:3])
-    assert np.abs(fed).max() > 3 * accuracy.allowed_error(np.float32, 0.0, floor)   # past the plain rule
+    assert np.abs(fed).max() > 3 * accuracy.allowed_error(np.float32, 0.0, floor)   # past the rule
     g = attnext.attention_backward(dout, q, k, v, out, lse)
     at.assert_grads_close(g, rg, q=q, k=k, v=v, dout=dout, out=out)
     at.assert_grads_close(g._replace(dq=fed), rg, q=q, k=k, v=v, dout=dout, out=out)
