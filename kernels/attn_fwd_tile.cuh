@@ -339,6 +339,19 @@ DEV void scores_from_p(float (&s)[MT][NT][4], const float (&m)[2 * MT], float to
                 s[i / 2][nt][e] = m[i] + fast_log2(s[i / 2][nt][e]) * to_units;
 }
 
+/* O's rows (a thread's 2 * MT) times their factors f, in place. */
+template <int MT, int OT>
+DEV void scale_rows(float (&o)[MT][OT][4], const float (&f)[2 * MT])
+{
+#pragma unroll
+    for (int i = 0; i < 2 * MT; i++)
+#pragma unroll
+        for (int nt = 0; nt < OT; nt++) {
+            o[i / 2][nt][(i % 2) * 2] *= f[i];
+            o[i / 2][nt][(i % 2) * 2 + 1] *= f[i];
+        }
+}
+
 /* O's rows times corrs, skipped when no row of the warp moved (after the first tiles the
  * maxima rarely do). */
 template <int MT, int OT>
@@ -348,15 +361,8 @@ DEV void rescale_o(float (&o)[MT][OT][4], const float (&corrs)[2 * MT])
 #pragma unroll
     for (int i = 0; i < 2 * MT; i++)
         moved |= corrs[i] != 1.f;
-    if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-        for (int i = 0; i < 2 * MT; i++)
-#pragma unroll
-            for (int nt = 0; nt < OT; nt++) {
-                o[i / 2][nt][(i % 2) * 2] *= corrs[i];
-                o[i / 2][nt][(i % 2) * 2 + 1] *= corrs[i];
-            }
-    }
+    if (__any_sync(0xffffffffu, moved))
+        scale_rows(o, corrs);
 }
 
 /* One key tile of the online softmax for a warp's rows: score_tile, softmax_update, rescale_o. */
@@ -465,13 +471,7 @@ DEV void normalize_o(float (&o)[MT][OT][4], const float (&inv)[2 * MT])
                     o[mt][nt][e] = inv[2 * mt + e / 2] != 0.f ? o[mt][nt][e] : 0.f;
         asm volatile("");                                /* a branch, not a select an element */
     }
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int nt = 0; nt < OT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                o[mt][nt][e] *= inv[2 * mt + e / 2];
+    scale_rows(o, inv);
 }
 
 /* out = O (normalize_o's) for a warp's rows, element by element through out's strides (under
