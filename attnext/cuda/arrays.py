@@ -355,3 +355,8 @@ def to_caller(devarr, like):
         return devarr.numpy()
     from_dlpack = interop.from_dlpack(like)
     return devarr if from_dlpack is None else from_dlpack(devarr)
+
+
+# The module's last statement: sys.modules holds this module from its first line on, while another
+# thread's import may still be running it; repeat.key reads it only once LOADED is set.
+LOADED = True

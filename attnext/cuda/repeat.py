@@ -51,8 +51,8 @@ def key(args, options):
     """The key of an attention() call (args: its array arguments, None where absent; options: its
     scalar options as a tuple), or None where the call cannot replay."""
     arrays_module = sys.modules.get("attnext.cuda.arrays")
-    if arrays_module is None:       # no GPU call yet (import attnext leaves the CUDA host side unloaded)
-        return None
+    if not getattr(arrays_module, "LOADED", False):     # no GPU call yet (import attnext leaves the
+        return None                                      # CUDA host side unloaded), or its import under way
     arrays = []
     for x in args:
         if x is None:

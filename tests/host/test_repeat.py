@@ -3,7 +3,7 @@ an attention() call equal to an earlier one in its arrays (library, address, sha
 dtype, device, stream) and options enqueues the launches the whole path gave the first, without
 the checks; any difference takes the whole path again. `-m gpu` checks results on a device
 (tests/gpu/test_cuda.py::test_repeated_calls_read_their_arrays_afresh)."""
-from helpers.driver import run_on_fake
+from helpers.driver import run_fresh, run_on_fake
 
 
 def test_an_equal_call_replays_the_launches_of_the_first(fake_driver):
@@ -192,3 +192,62 @@ def test_a_paged_call_replays_with_its_table_checked_again(fake_driver):
         assert len(CHECKS) == n + 2 and CHECKS[-1][4] not in (0, lens.ptr)
         print("ok")
     """)
+
+
+
+def test_a_call_beside_another_threads_first_import_of_the_cuda_side():
+    """A thread's first call imports the CUDA host side (checks.gpu_modules, even for a CPU call);
+    sys.modules holds attnext.cuda.arrays from its first line. Another thread calling attention()
+    meanwhile must not read that module half-made (session 73: a ring of threads on the CPU
+    raised AttributeError, 'partially initialized module ... has no attribute DeviceArray', from
+    repeat.key). The import is held half-made here until the second call has begun."""
+    out = run_fresh(r"""
+        import importlib.abc, importlib.util, sys, threading
+        import numpy as np
+        import attnext
+        from attnext import reference
+        from attnext.testing import assert_close
+        assert "attnext.cuda.arrays" not in sys.modules     # import attnext leaves it unloaded
+
+        begun, release = threading.Event(), threading.Event()
+
+        class Held(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+            def find_spec(self, name, path, target=None):
+                if name != "attnext.cuda.arrays":
+                    return None
+                sys.meta_path.remove(self)
+                spec = importlib.util.find_spec(name)
+                self.real = spec.loader
+                spec.loader = self
+                return spec
+
+            def create_module(self, spec):
+                return None
+
+            def exec_module(self, module):                  # in sys.modules, still empty
+                begun.set()
+                release.wait(30)
+                self.real.exec_module(module)
+        sys.meta_path.insert(0, Held())
+
+        rng = np.random.default_rng(0)
+        q, k, v = (rng.standard_normal((2, 33, 4, 32)).astype(np.float32) for _ in range(3))
+        results = {}
+
+        def call(who):
+            try:
+                results[who] = attnext.attention(q, k, v, device="cpu")
+            except Exception as e:
+                results[who] = e
+        first = threading.Thread(target=call, args=("first",))
+        first.start()
+        assert begun.wait(30)
+        threading.Timer(0.5, release.set).start()         # the second call reads the key before
+        call("second")
+        first.join(60)
+        for who in ("first", "second"):
+            assert not isinstance(results[who], Exception), f"{who}: {results[who]!r}"
+            assert_close(results[who], reference.attention(q, k, v), name=who)
+        print("ok")
+    """)
+    assert out.strip() == "ok"
