@@ -279,6 +279,22 @@ process.at_exit(reset)
 process.at_fork(before=pinning.forget_kept, after_in_child=_forget_after_fork)
 
 
+def _spread(pool, copy, flat, array, e0, size, whole, item, threads):
+    """copy(flat's part, array, its first element, its end) for a chunk of size elements from
+    array's element e0, flat the chunk's slot, in runs of SHARE_BYTES or more on the pool; the
+    futures. One chunk of one run (whole: the array in one chunk) is copied here, with no thread
+    to hand it to."""
+    runs = shares(size, item, threads, SHARE_BYTES)
+    if len(runs) == 1 and whole:
+        copy(flat, array, e0, e0 + size)
+        return []
+    futures, s0 = [], 0
+    for run in runs:
+        futures.append(pool.submit(copy, flat[s0:s0 + run], array, e0 + s0, e0 + s0 + run))
+        s0 += run
+    return futures
+
+
 def _wait(futures):
     for f in futures:
         f.result()
@@ -330,14 +346,7 @@ def _upload(a, ptr, device, stream, after):
             for size in chunk_sizes(n, max(1, ring.chunk_bytes // item)):
                 slot = ring.take(device, size * item)
                 dst = slot.raw[:size * item].view(src.dtype)
-                futures, s0 = [], 0
-                runs = shares(size, item, threads, SHARE_BYTES)
-                if len(runs) == 1 and size == n:     # one chunk, one run: no thread to hand it to
-                    _pack(dst, src, e0, e0 + size)
-                    runs = []
-                for run in runs:
-                    futures.append(pool.submit(_pack, dst[s0:s0 + run], src, e0 + s0, e0 + s0 + run))
-                    s0 += run
+                futures = _spread(pool, _pack, dst, src, e0, size, size == n, item, threads)
                 started += futures
                 if filling is not None:
                     send(*filling)
@@ -395,14 +404,7 @@ def _download(ptr, dtype, dst, device, stream, after):
                 slot, e0, size = inflight.popleft()
                 slot.settle()              # its DMA is done
                 src = slot.raw[:size * item].view(src_dtype)
-                futures, s0 = [], 0
-                runs = shares(size, item, threads, SHARE_BYTES)
-                if len(runs) == 1 and size == n:     # one chunk, one run: no thread to hand it to
-                    _unpack(src, out, e0, e0 + size)
-                    runs = []
-                for run in runs:
-                    futures.append(pool.submit(_unpack, src[s0:s0 + run], out, e0 + s0, e0 + s0 + run))
-                    s0 += run
+                futures = _spread(pool, _unpack, src, out, e0, size, size == n, item, threads)
                 started += futures
                 if previous is not None:
                     _wait(previous)        # the slot before this one is free again
