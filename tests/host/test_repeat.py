@@ -194,7 +194,6 @@ def test_a_paged_call_replays_with_its_table_checked_again(fake_driver):
     """)
 
 
-
 def test_a_call_beside_another_threads_first_import_of_the_cuda_side():
     """A thread's first call imports the CUDA host side (checks.gpu_modules, even for a CPU call);
     sys.modules holds attnext.cuda.arrays from its first line. Another thread calling attention()
