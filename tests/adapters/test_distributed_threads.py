@@ -15,6 +15,7 @@ pytest.importorskip("torch.distributed")
 import attnext.distributed as axd  # noqa: E402
 from attnext import reference  # noqa: E402
 from attnext.testing import assert_close, assert_grads_close, to_numpy  # noqa: E402
+from helpers import mods as named_mods  # noqa: E402
 from test_distributed import _part  # noqa: E402  (the parts as the API's docstring defines them)
 
 
@@ -46,13 +47,6 @@ class _Member:
         pass
 
 
-def _alibi(slopes):
-    """An ALiBi score_mod reading slopes (a tensor, or NumPy's array for the reference)."""
-    def alibi(s, b, h, q, kv):
-        return s - slopes[h] * abs(q - kv)
-    return alibi
-
-
 def _unpart(parts, world, dim, causal):
     """The whole x from its ranks' parts along dim: _part's inverse."""
     if not causal:
@@ -78,7 +72,7 @@ def test_ring_of_threads_matches_the_whole(monkeypatch, device, world, causal, m
     slopes = torch.linspace(0.05, 0.4, Hq, device=device, requires_grad=True)
     opts = {}
     if mods:
-        opts = dict(score_mod=_alibi(slopes), mask_mod=lambda b, h, q, kv: (q - kv) % 5 != 2, window=(3 * S // 4, -1))
+        opts = dict(score_mod=named_mods.alibi(slopes), mask_mod=lambda b, h, q, kv: (q - kv) % 5 != 2, window=(3 * S // 4, -1))
     boxes = {(a, b): queue.Queue() for a in range(world) for b in range(world)}
     shared = (boxes, threading.Barrier(world, timeout=120), [None] * world)
     got, errors = [None] * world, []
@@ -114,7 +108,7 @@ def test_ring_of_threads_matches_the_whole(monkeypatch, device, world, causal, m
     whole = [_unpart([got[r][i] for r in range(world)], world, 1, causal) for i in range(4)]
     ropts = dict(causal=causal and "top_left")
     if mods:
-        ropts.update(opts, score_mod=_alibi(slopes.detach().cpu().numpy()))
+        ropts.update(opts, score_mod=named_mods.alibi(slopes.detach().cpu().numpy()))
     qn, kn, vn, dn = (to_numpy(x) for x in (Q, K, V, dO))
     ref_out, ref_lse = reference.attention(qn, kn, vn, return_lse=True, **ropts)
     expected = reference.attention_backward(dn, qn, kn, vn, ref_out, ref_lse, **ropts)

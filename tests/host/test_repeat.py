@@ -2,7 +2,8 @@
 an attention() call equal to an earlier one in its arrays (library, address, shape, strides,
 dtype, device, stream) and options enqueues the launches the whole path gave the first, without
 the checks; any difference takes the whole path again. `-m gpu` checks results on a device
-(tests/gpu/test_cuda.py::test_repeated_calls_read_their_arrays_afresh)."""
+(tests/gpu/test_cuda.py::test_repeated_calls_read_their_arrays_afresh). Last, the key read while
+another thread's first call is still importing the CUDA host side (a fresh interpreter, no driver)."""
 from helpers.driver import run_fresh, run_on_fake
 
 
