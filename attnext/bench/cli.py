@@ -15,6 +15,8 @@ import time
 
 from . import cpu, cuda, mods
 
+SECTIONS = (*cuda.SECTION_TITLES, "mods")       # --sections' names, in table order
+
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
@@ -31,6 +33,15 @@ def _peer_list(text):
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown peers {sorted(unknown)}; choose from {cuda.PEERS}")
     return peers
+
+
+def _section_list(text):
+    sections = tuple(s for s in text.split(",") if s)
+    unknown = set(sections) - set(SECTIONS)
+    if unknown or not sections:
+        raise argparse.ArgumentTypeError(f"unknown sections {sorted(unknown)} in {text!r}; choose from "
+                                         f"{','.join(SECTIONS)}")
+    return sections
 
 
 def _ms(text):
@@ -56,6 +67,8 @@ def cuda_parser():
                         "and the document causal+mask row): a smoke run")
     p.add_argument("--rows", metavar="TEXT", help="only the cases whose name contains this text (or one of the "
                                   "texts between '|'s: 'softcap|relbias')")
+    p.add_argument("--sections", type=_section_list, metavar="LIST", default=SECTIONS,
+                   help=f"comma-separated sections to run (default: all, {','.join(SECTIONS)})")
     p.add_argument("--peers", type=_peer_list, metavar="LIST", default=cuda.PEERS,
                    help=f"comma-separated peers to run (default: {','.join(cuda.PEERS)})")
     p.add_argument("--warmup", type=_ms, default=25, metavar="MS",
@@ -105,7 +118,7 @@ def cuda_main(argv=None):
     t_start = time.perf_counter()
     rows, section = [], None
     for case in cuda.cases(args.quick):
-        if not _chosen(case, args.rows):
+        if case.kind not in args.sections or not _chosen(case, args.rows):
             continue
         if case.kind != section:
             section = case.kind
@@ -118,7 +131,7 @@ def cuda_main(argv=None):
         for row in new:
             print(cuda.format_row(row), flush=True)
     rows += mods.sections(
-        run, [c for c in mods.cases(args.quick) if _chosen(c, args.rows)],
+        run, [c for c in mods.cases(args.quick) if "mods" in args.sections and _chosen(c, args.rows)],
         args.first_call)
     total_s = time.perf_counter() - t_start
     print()

@@ -498,6 +498,27 @@ def test_main_rows_filter_reaches_the_mods_sections(monkeypatch, tmp_path, capsy
     assert seen == [TINY_MODS[1]]
 
 
+def test_main_sections_picks_whole_sections(monkeypatch, tmp_path, capsys):
+    """--sections runs only the sections named (mods among them), each whole; a name that is not
+    a section is an argparse error that lists the names."""
+    from attnext.bench import mods as bench_mods
+    _main_on_cpu(monkeypatch)
+    path = tmp_path / "rows.json"
+    assert cli.main(["--device", "cuda", "--peers", "flash", "--sections", "packed,mods",
+                    "--json", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert bc.SECTION_TITLES["packed"] in text and bench_mods.MODS_TITLE in text
+    assert bc.SECTION_TITLES["plain"] not in text and bc.SECTION_TITLES["float32"] not in text
+    rows = json.loads(path.read_text())["rows"]
+    assert {r["section"] for r in rows} == {"packed", "mods"}
+    assert cli.main(["--device", "cuda", "--peers", "flash", "--sections", "float32",
+                    "--json", str(path)]) == 0
+    assert {r["section"] for r in json.loads(path.read_text())["rows"]} == {"float32"}
+    with pytest.raises(SystemExit):
+        cli.main(["--device", "cuda", "--sections", "plain,nope"])
+    assert "unknown sections ['nope']" in capsys.readouterr().err
+
+
 def test_rows_takes_texts_between_bars():
     """--rows: a case is picked when its name holds one of the texts between '|'s; empty ones
     are left out (a trailing '|' picks nothing extra)."""
