@@ -176,8 +176,10 @@ def _forward_on_gpu(o, inputs):
     if o.out is not None:
         o.out = checks.check_device_out("out", o.out, o.out_shape, o.q.dtype, inputs)
     out, lse = cuda_backend.forward(o, None, None)
-    if o.repeat_key is not None and o.recipe is not None:    # attention()'s next equal call replays it
-        repeat.remember(o.repeat_key, o.recipe._replace(from_dlpack=interop.from_dlpack(o.like)))
+    if o.repeat_key is not None and o.recipe is not None:    # the next equal call replays it
+        repeat.remember(o.repeat_key, o.recipe._replace(
+            from_dlpack=interop.from_dlpack(o.like),
+            captured=tuple((name, np.array(a, copy=True)) for name, a in (o.repeat_captured or {}).items())))
     out = user_out if user_out is not None else device.to_caller(out, o.like)
     return (out, device.to_caller(lse, o.like)) if o.return_lse else out
 
@@ -315,21 +317,44 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool | str = False,
         >>> out = attnext.attention(q, k, v, causal=True)            # q (B, Sq, Hq, D)
         >>> out = attnext.attention(q, k, v, layout="bhsd")          # torch SDPA's layout
     """
-    key = None
-    if (score_mod is None and mask_mod is None and alibi_slopes is None and bias is None and mask is None
-            and seqlens_q is None and sinks is None and (seqlens_k is None or block_table is not None)
+    key = captured = None
+    if (score_mod is None and alibi_slopes is None and bias is None and mask is None and sinks is None
             and _env.get("ATTNEXT_REPEAT") != "0"):
-        key = repeat.key((q, k, v, out, seqlens_k, block_table),
-                         (causal, window, scale, softcap, layout, return_lse, device, precision))
-        if key is not None and (recipe := repeat.lookup(key)) is not None:
-            return checks.gpu_modules()[0].replay(recipe, out)
+        key, captured, replayed = _repeat((q, k, v, out, seqlens_q, seqlens_k, block_table), mask_mod,
+                                          (causal, window, scale, softcap, layout, return_lse, device, precision),
+                                          out)
+        if replayed is not None:
+            return replayed
     o = checks.normalise(q, k, v, dict(
         causal=causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
         bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, seqlens_q=seqlens_q,
         seqlens_k=seqlens_k, layout=layout, return_lse=return_lse, device=device, out=out,
         precision=precision, sinks=sinks, block_table=block_table))
-    o.repeat_key = key
+    o.repeat_key, o.repeat_captured = key, captured
     return _forward(o)
+
+
+def _repeat(args, mask_mod, options, out):
+    """(key, captured, result) of a call that may replay (cuda/repeat.py): its key (None: it
+    cannot), the host arrays its mask_mod captures now ({name: array}), and the replay's result
+    where an earlier call left a recipe under the key and the mask_mod's arrays hold what they
+    held then, else None. A mask_mod enters the key by its fingerprint (mods/fingerprint.py),
+    only where every array it captures is a host array (a CUDA array's contents are never read
+    here)."""
+    captured = {}
+    if mask_mod is not None:
+        found = fingerprint.fingerprint(mask_mod)
+        if found is None or not all(isinstance(a, np.ndarray) for a in found[1].values()):
+            return None, None, None
+        options += (found[0],)
+        captured = found[1]
+    key = repeat.key(args, options)
+    if key is None:
+        return None, None, None
+    recipe = repeat.lookup(key)
+    if recipe is None or not all(np.array_equal(captured[name], kept) for name, kept in recipe.captured):
+        return key, captured, None
+    return key, captured, checks.gpu_modules()[0].replay(recipe, out)
 
 
 @checks.flex_keywords
@@ -375,12 +400,21 @@ def varlen_attention(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
 
     {PRECISION}
     """
+    key = captured = None
+    if (score_mod is None and alibi_slopes is None and bias is None and mask is None and sinks is None
+            and block_table is None and _env.get("ATTNEXT_REPEAT") != "0"):
+        key, captured, replayed = _repeat((q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
+                                          mask_mod, ("varlen", max_seqlen_q, max_seqlen_k, causal, window, scale,
+                                                     softcap, return_lse, device, precision), out)
+        if replayed is not None:
+            return replayed
     o = checks.normalise(q, k, v, dict(
         causal=causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
         bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, seqlens_q=None,
         seqlens_k=None, layout="thd", return_lse=return_lse, device=device, out=out,
         precision=precision, sinks=sinks, block_table=block_table), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, seqused_q, seqused_k, varlen=True)
+    o.repeat_key, o.repeat_captured = key, captured
     return _forward(o)
 
 

@@ -100,7 +100,8 @@ class Problem:
     mods_lowered: bool = False      # the mask_mod went into the call's own features
     dtensors: Optional[dict] = None # the captured arrays' gradients of a GPU backward
     dtensors_asked: Optional[frozenset] = None   # the backward's dtensors= (None: every array)
-    repeat_key: Any = None          # attention()'s key of a call that may replay (cuda/repeat.py)
+    repeat_key: Any = None          # the key of a call that may replay (cuda/repeat.py)
+    repeat_captured: Any = None     # {name: host array} its mask_mod captures (api.py: _repeat)
     recipe: Any = None              # a GPU forward's launches, for a replay (cuda/backend.py)
     whole_rows: Optional[int] = None   # a row slice of a longer sequence (cuda/backend.py)
     lse_rows: Any = None

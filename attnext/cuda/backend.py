@@ -182,10 +182,13 @@ def _launch(plan, device, stream, ptrs, scale, softcap, gmods=None):
 # (_C.cuda_launch_attention's addresses; slots 3 and 4 out's and lse's), device and stream, the
 # launch's scale and softcap values, and for results the replay allocates (no out= given, an lse
 # asked for): out_new, their shapes and dtypes, the caller's library's from_dlpack (None:
-# DeviceArrays back), and the checks enqueued before the launches (a CUDA block table's
-# attn_pages: lengths.PagesCheck)
+# DeviceArrays back), the checks enqueued before the launches (a CUDA block table's
+# attn_pages: lengths.PagesCheck), keep: what the first call uploaded that ptrs address (host
+# lengths, whose contents are in the key), captured: (name, copy) of each host array a lowered
+# mask_mod captured (api.py fills it; a replay first finds them unchanged)
 Recipe = collections.namedtuple("Recipe", "plan ptrs device stream scale_value softcap_value out_new out_shape "
-                                          "out_dtype lse_shape lse_dtype from_dlpack checks")
+                                          "out_dtype lse_shape lse_dtype from_dlpack checks keep captured",
+                                defaults=((), ()))
 
 
 def replay(r, out):
@@ -814,16 +817,22 @@ def forward(o, out_host, lse_host, stage=None):
             if lse_host is not None:
                 stage.download(lse, lse_host)
             return out_host, lse_host
-        # repeatable where nothing was uploaded for this call alone: no optional array, or a paged
-        # call's CUDA table and lengths, which lie where the caller keeps them (its repeats read
-        # them afresh and check them afresh); a host table or host lengths are uploaded a call
-        in_place = ((extra is _NO_EXTRAS or (isinstance(o.used_k, DevView) and all(x is None for x in extra[:6])))
-                    and (o.block_table is None or page_checks))
+        # repeatable where nothing but host lengths was uploaded for this call alone: no optional
+        # array; a paged call's CUDA table and lengths, which lie where the caller keeps them (its
+        # repeats read them afresh and check them afresh); or lengths from the host (or a
+        # document mask_mod's, mods/lower.py), whose contents the key holds: the recipe keeps
+        # this call's upload. A host table, bias, mask or alibi are uploaded a call
+        host_lengths = (extra is not _NO_EXTRAS and not o.device_lengths and o.block_table is None
+                        and all(x is None for x in extra[:3]))
+        paged_in_place = (o.block_table is not None and isinstance(o.used_k, DevView)
+                          and all(x is None for x in extra[:6]))
+        in_place = (extra is _NO_EXTRAS or host_lengths or paged_in_place) and (o.block_table is None or page_checks)
         if own_stage and mods is None and in_place and not plan.upgrade and not scaled16:
             # what a repeat of this call needs (cuda/repeat.py; api.py files it under the call's key)
             o.recipe = Recipe(plan, ptrs, stage.device, stage.stream, o.scale_value, o.softcap_value,
                               out_res is not o.out, o.out_shape, o.q.dtype,
-                              None if lse_res is None else o.lse_shape, np.float32, None, page_checks)
+                              None if lse_res is None else o.lse_shape, np.float32, None, page_checks,
+                              extra if host_lengths else ())
         return out_res, lse_res
 
 

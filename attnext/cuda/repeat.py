@@ -17,29 +17,42 @@ difference is a miss, which takes the whole path; clear() (backend's clear_plans
 forget every recipe. No array is kept alive here: arrays freed and made again at the same
 addresses with the same layout make the same call, and replay it correctly.
 
-Taken by attention() with q, k, v (and out) plain CUDA torch tensors or attnext DeviceArrays, a
-paged cache's block_table and seqlens_k likewise or absent, no other array argument and no
-score_mod / mask_mod (api.py's cheap test first; backend.forward leaves a recipe only where its
-call had nothing else: a paged call only with its table and lengths read in place, whose check,
-attn_pages, the replay enqueues again), once a GPU call has loaded the CUDA host side. A call
-that raised left no recipe. This module is part of `import attnext` (api.py asks it for every
-call's key): it imports no other part of the CUDA host side.
+Taken by attention() and varlen_attention() with q, k, v (and out) plain CUDA torch tensors or
+attnext DeviceArrays; lengths (seqlens, cu_seqlens, seqused) as small NumPy integer arrays, keyed
+by their contents (the whole path uploads them; the recipe keeps that upload, `keep`), or a
+paged cache's block_table and seqlens_k as CUDA arrays; no score_mod, bias, mask, alibi or sinks;
+a mask_mod only where its fingerprint is known (mods/fingerprint.py: the key holds it) and every
+array it captures is a host array, whose contents the recipe keeps a copy of (`captured`:
+api.py compares them before a replay). backend.forward leaves a recipe only where its call had
+nothing else: no generated code (a mask_mod lowered whole into causal / window / documents:
+mods/lower.py), lengths uploaded from the host or a paged call's table and lengths read in
+place, whose check, attn_pages, the replay enqueues again; once a GPU call has loaded the CUDA
+host side. A call that raised left no recipe. This module is part of `import attnext` (api.py
+asks it for every call's key): it imports no other part of the CUDA host side.
 """
 import sys
+
+import numpy as np
 
 from .. import _env
 from ..lru import LRU
 
 CAPACITY = 64              # recipes kept (each holds its plan and so its loaded kernels)
+HOST_KEY_BYTES = 4096      # a host integer array up to this size is keyed by its contents
 
 _recipes = LRU(CAPACITY)
 
 
 def _array_key(x, arrays_module):
-    """What the whole path reads of a CUDA array, as a hashable tuple; None for anything else
-    (a host array, another library's, a torch tensor arrays.plain_cuda_tensor refuses: the whole
+    """What the whole path reads of an array, as a hashable tuple: a CUDA array's place and
+    layout, a small NumPy integer array's contents; None for anything else (a larger or float
+    host array, another library's, a torch tensor arrays.plain_cuda_tensor refuses: the whole
     path decides about those)."""
     t = type(x)
+    if t is np.ndarray:         # lengths: the whole path uploads their contents, which the key holds
+        if x.dtype.kind in "iu" and x.nbytes <= HOST_KEY_BYTES:
+            return t, x.dtype.str, x.shape, x.tobytes()
+        return None
     if t is arrays_module.DeviceArray:
         return t, x.ptr, x.shape, x.strides, x.dtype, x.device, x.stream
     if not arrays_module.plain_cuda_tensor(x):

@@ -195,6 +195,88 @@ def test_a_paged_call_replays_with_its_table_checked_again(fake_driver):
     """)
 
 
+def test_host_lengths_and_lowered_mask_mods_replay_by_their_contents(fake_driver):
+    """Lengths given as NumPy arrays (varlen_attention's cu_seqlens, attention()'s seqlens_k) and
+    a document mask_mod lowered to varlen (mods/lower.py) over a captured NumPy array replay: the
+    key holds the lengths' contents, the recipe keeps the first call's upload (the replays address
+    it, and it holds those lengths) and a copy of the mask_mod's array, compared before each
+    replay. Lengths or a document array changed in place take the whole path, whose upload holds
+    the new values; the old lengths again replay the old recipe (another key), the old document
+    array the whole path once (the same key: one recipe, the last). A mask_mod that leaves
+    generated code, or captures a CUDA array, takes the whole path each time."""
+    run_on_fake(fake_driver, r"""
+        from attnext._layout import SLOT
+        from helpers.spies import whole_path_calls
+        _C.cuda_launch_attention = lambda fn, *rest: launch(fn, *rest[:8])
+        spy = whole_path_calls()
+        whole = spy.__enter__()
+
+        def call(fn, *args, **kw):
+            n, w = len(LAUNCHES), len(whole)
+            res = fn(*args, **kw)
+            return res, LAUNCHES[n:], len(whole) > w
+
+        def lengths(launches, slot, n):
+            # the int32 lengths the launch reads at that address slot
+            return device.DeviceArray(launches[0][6][SLOT[slot]], (n,), np.int32, 0, None, 0, None).numpy().tolist()
+
+        T = 700
+        q, k, v, out = (dev((T, 8, 128)) for _ in range(4))
+        cu = np.array([0, 130, 400, 700], np.int32)
+        varlen = lambda: call(attnext.varlen_attention, q, k, v, cu, cu, causal=True, out=out)
+        res, first, took = varlen()
+        assert took and res is out and lengths(first, "cu_seqlens_q", 4) == [0, 130, 400, 700]
+        for _ in range(3):
+            res, again, took = varlen()
+            assert not took and res is out and repr(again) == repr(first), (again, first)
+        assert lengths(again, "cu_seqlens_k", 4) == [0, 130, 400, 700]
+        cu[1] = 200                                        # changed in place: the whole path, once
+        res, moved, took = varlen()
+        assert took and lengths(moved, "cu_seqlens_q", 4) == [0, 200, 400, 700]
+        assert not varlen()[2]
+        cu = np.array([0, 130, 400, 700], np.int32)        # the first contents: the first recipe
+        res, again, took = varlen()
+        assert not took and repr(again) == repr(first) and lengths(again, "cu_seqlens_q", 4) == [0, 130, 400, 700]
+        assert call(attnext.varlen_attention, q, k, v, cu, cu, out=out)[2]       # another option
+
+        # attention()'s seqlens_k from the host
+        q4, k4, v4 = qkv(3, 64, 300, 8, 8, 128)
+        out4 = dev(q4.shape)
+        used = np.array([300, 17, 120], np.int32)
+        padded = lambda: call(attnext.attention, q4, k4, v4, out=out4, seqlens_k=used)
+        res, first, took = padded()
+        assert took and not padded()[2] and lengths(first, "seqused_k", 3) == [300, 17, 120]
+        used[1] = 18
+        res, moved, took = padded()
+        assert took and lengths(moved, "seqused_k", 3) == [300, 18, 120] and not padded()[2]
+
+        # a document mask_mod over a NumPy array: lowered to varlen over its runs
+        q1, k1, v1 = qkv(1, T, T, 8, 8, 128)
+        out1 = dev(q1.shape)
+        doc = np.repeat(np.arange(3), [130, 270, 300])
+        same_doc = lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[kv_idx]
+        documents = lambda: call(attnext.attention, q1, k1, v1, out=out1, causal=True, mask_mod=same_doc)
+        res, first, took = documents()
+        assert took and lengths(first, "cu_seqlens_q", 4) == [0, 130, 400, 700]
+        for _ in range(3):
+            res, again, took = documents()
+            assert not took and repr(again) == repr(first), (again, first)
+        doc[130:200] = 0                                   # the first document grows, in place
+        res, moved, took = documents()
+        assert took and lengths(moved, "cu_seqlens_q", 4) == [0, 200, 400, 700] and not documents()[2]
+        doc = np.repeat(np.arange(3), [130, 270, 300])     # the first contents again: one recipe a
+        res, back, took = documents()                      # key (the last), so the whole path once
+        assert took and lengths(back, "cu_seqlens_q", 4) == [0, 130, 400, 700] and not documents()[2]
+
+        # a mask_mod left as generated code, or capturing a CUDA array: the whole path each time
+        gdoc = dev((T,), np.int64, zero=True)
+        for mm in (lambda b, h, q_idx, kv_idx: (q_idx + kv_idx) % 3 != 0,
+                   lambda b, h, q_idx, kv_idx: gdoc[q_idx] == gdoc[kv_idx]):
+            assert all(call(attnext.attention, q1, k1, v1, out=out1, mask_mod=mm)[2] for _ in range(2))
+        print("ok")
+    """)
+
+
 def test_a_call_beside_another_threads_first_import_of_the_cuda_side():
     """A thread's first call imports the CUDA host side (checks.gpu_modules, even for a CPU call);
     sys.modules holds attnext.cuda.arrays from its first line. Another thread calling attention()
