@@ -636,6 +636,42 @@ def test_repeated_calls_read_their_arrays_afresh(sq, sk, rng, torch):
         assert len(whole) - n == 2 and repeat.count() > 0
 
 
+def test_repeated_calls_with_host_lengths_and_document_masks_follow_their_contents(rng, torch):
+    """Calls with NumPy lengths (varlen cu_seqlens) and with a document mask_mod over a NumPy array
+    (lowered to varlen) replay after their first call, reading q as it is now; lengths or the
+    document array rewritten in place take the whole path with the new values. Every result
+    matches the reference."""
+    from attnext.cuda import backend
+    from helpers.gpu import to_gpu
+    from helpers.spies import whole_path_calls
+    backend.clear_plans()
+    T, H, D = 700, 4, 128
+    t = lambda x: to_gpu(torch, x)
+    q, k, v = make_varlen_qkv(rng, T, T, H, H, D, dtype=BF16)
+    tq, tk, tv = t(q), t(k), t(v)
+    cu = np.array([0, 130, 400, T], np.int32)
+    doc = np.repeat(np.arange(3), np.diff(cu))
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+    with whole_path_calls() as whole:
+        for step in range(4):
+            if step == 2:                 # new lengths and documents, in place
+                cu[1] = 200
+                doc[130:200] = 0
+            if step:                      # new values in the same memory
+                q = make_varlen_qkv(rng, T, T, H, H, D, dtype=BF16)[0]
+                tq.copy_(t(q))
+            n = len(whole)
+            got = attnext.varlen_attention(tq, tk, tv, cu, cu, causal=True)
+            assert_close("varlen", got.float().cpu().numpy().astype(BF16),
+                         reference.varlen_attention(q, k, v, cu, cu, causal=True), BF16)
+            got = attnext.attention(tq[None], tk[None], tv[None], causal=True, mask_mod=same_doc)
+            assert_close("documents", got[0].float().cpu().numpy().astype(BF16),
+                         reference.varlen_attention(q, k, v, cu, cu, causal=True), BF16)
+            assert len(whole) - n == (2 if step in (0, 2) else 0), (step, len(whole) - n)
+
+
 def test_repeated_paged_calls_read_their_table_and_lengths_afresh(rng, torch):
     """A paged decode whose CUDA block_table and seqlens_k are read in place replays (after the
     first call, none takes the whole path): each replay reads the table and lengths as they are
