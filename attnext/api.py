@@ -318,8 +318,11 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool | str = False,
         >>> out = attnext.attention(q, k, v, layout="bhsd")          # torch SDPA's layout
     """
     key = captured = None
+    # lengths from the host (keyed by their contents), or a paged cache's CUDA seqlens_k (read in
+    # place); CUDA seqlens elsewhere are read back to the host, which a key by address cannot follow
+    lengths = (_all_host(seqlens_q, seqlens_k) or (seqlens_q is None and block_table is not None))
     if (score_mod is None and alibi_slopes is None and bias is None and mask is None and sinks is None
-            and _env.get("ATTNEXT_REPEAT") != "0"):
+            and lengths and _env.get("ATTNEXT_REPEAT") != "0"):
         key, captured, replayed = _repeat((q, k, v, out, seqlens_q, seqlens_k, block_table), mask_mod,
                                           (causal, window, scale, softcap, layout, return_lse, device, precision),
                                           out)
@@ -332,6 +335,11 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool | str = False,
         precision=precision, sinks=sinks, block_table=block_table))
     o.repeat_key, o.repeat_captured = key, captured
     return _forward(o)
+
+
+def _all_host(*arrays):
+    """Whether every one of these arrays given is a NumPy array."""
+    return all(x is None or isinstance(x, np.ndarray) for x in arrays)
 
 
 def _repeat(args, mask_mod, options, out):
@@ -401,8 +409,14 @@ def varlen_attention(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
     {PRECISION}
     """
     key = captured = None
+    # lengths from the host (keyed by their contents), or on the GPU where they stay there (read
+    # in place and checked by each replay: max_seqlen_* given); CUDA lengths without them are read
+    # back to the host, which a key by address cannot follow
+    lens = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    lengths = _all_host(*lens) or (max_seqlen_q is not None and max_seqlen_k is not None
+                                   and not any(isinstance(x, np.ndarray) for x in lens))
     if (score_mod is None and alibi_slopes is None and bias is None and mask is None and sinks is None
-            and block_table is None and _env.get("ATTNEXT_REPEAT") != "0"):
+            and block_table is None and lengths and _env.get("ATTNEXT_REPEAT") != "0"):
         key, captured, replayed = _repeat((q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
                                           mask_mod, ("varlen", max_seqlen_q, max_seqlen_k, causal, window, scale,
                                                      softcap, return_lse, device, precision), out)

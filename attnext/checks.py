@@ -102,6 +102,7 @@ class Problem:
     dtensors_asked: Optional[frozenset] = None   # the backward's dtensors= (None: every array)
     repeat_key: Any = None          # the key of a call that may replay (cuda/repeat.py)
     repeat_captured: Any = None     # {name: host array} its mask_mod captures (api.py: _repeat)
+    lengths_check: Any = None       # the device lengths' check launch (cuda/lengths.py: Check)
     recipe: Any = None              # a GPU forward's launches, for a replay (cuda/backend.py)
     whole_rows: Optional[int] = None   # a row slice of a longer sequence (cuda/backend.py)
     lse_rows: Any = None

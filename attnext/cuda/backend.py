@@ -182,8 +182,8 @@ def _launch(plan, device, stream, ptrs, scale, softcap, gmods=None):
 # (_C.cuda_launch_attention's addresses; slots 3 and 4 out's and lse's), device and stream, the
 # launch's scale and softcap values, and for results the replay allocates (no out= given, an lse
 # asked for): out_new, their shapes and dtypes, the caller's library's from_dlpack (None:
-# DeviceArrays back), the checks enqueued before the launches (a CUDA block table's
-# attn_pages: lengths.PagesCheck), keep: what the first call uploaded that ptrs address (host
+# DeviceArrays back), the checks enqueued before the launches (device lengths' attn_lengths, a
+# CUDA block table's attn_pages: lengths.Check), keep: what the first call uploaded that ptrs address (host
 # lengths, whose contents are in the key), captured: (name, copy) of each host array a lowered
 # mask_mod captured (api.py fills it; a replay first finds them unchanged)
 Recipe = collections.namedtuple("Recipe", "plan ptrs device stream scale_value softcap_value out_new out_shape "
@@ -208,7 +208,7 @@ def replay(r, out):
             ptrs[4] = lse.ptr
         ptrs = tuple(ptrs)
     for check in r.checks:
-        lengths_check.relaunch_pages(check, r.stream)
+        lengths_check.relaunch(check, r.stream)
     _launch(r.plan, r.device, r.stream, ptrs, r.scale_value, r.softcap_value)
     result = out if new_out is None else _caller(new_out, r.from_dlpack)
     return result if lse is None else (result, _caller(lse, r.from_dlpack))
@@ -297,7 +297,8 @@ _NO_EXTRAS = (None,) * 7
 
 def _extras(o, stage):
     """(bias4, mask4, alibi, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) as DevViews (NumPy
-    ones uploaded), None where absent."""
+    ones uploaded), None where absent. Device lengths are checked on the stream first (their
+    launch left in o.lengths_check for a repeat of the call)."""
     if (o.bias4 is None and o.mask4 is None and o.alibi is None and o.cu_q is None
             and o.used_q is None and o.used_k is None):
         return _NO_EXTRAS
@@ -306,7 +307,7 @@ def _extras(o, stage):
     alibi = None if o.alibi is None else stage.upload(np.ascontiguousarray(o.alibi, np.float32))
     lengths = (o.cu_q, o.cu_k, o.used_q, o.used_k)
     if o.device_lengths:          # CUDA int32 arrays, read in place (checks._device_lengths)
-        lengths_check.launch(stage, o, device_arch(stage.device))
+        o.lengths_check = lengths_check.launch(stage, o, device_arch(stage.device))
         return (bias4, mask4, alibi) + lengths
     return (bias4, mask4, alibi) + _lengths(stage, lengths)
 
@@ -822,16 +823,19 @@ def forward(o, out_host, lse_host, stage=None):
         # repeats read them afresh and check them afresh); or lengths from the host (or a
         # document mask_mod's, mods/lower.py), whose contents the key holds: the recipe keeps
         # this call's upload. A host table, bias, mask or alibi are uploaded a call
-        host_lengths = (extra is not _NO_EXTRAS and not o.device_lengths and o.block_table is None
-                        and all(x is None for x in extra[:3]))
+        no_arrays = extra is not _NO_EXTRAS and o.block_table is None and all(x is None for x in extra[:3])
+        host_lengths = no_arrays and not o.device_lengths
+        device_lengths = no_arrays and o.device_lengths       # checked again by each replay
         paged_in_place = (o.block_table is not None and isinstance(o.used_k, DevView)
                           and all(x is None for x in extra[:6]))
-        in_place = (extra is _NO_EXTRAS or host_lengths or paged_in_place) and (o.block_table is None or page_checks)
+        in_place = ((extra is _NO_EXTRAS or host_lengths or device_lengths or paged_in_place)
+                    and (o.block_table is None or page_checks))
+        checks_again = page_checks + ((ko.lengths_check,) if device_lengths else ())
         if own_stage and mods is None and in_place and not plan.upgrade and not scaled16:
             # what a repeat of this call needs (cuda/repeat.py; api.py files it under the call's key)
             o.recipe = Recipe(plan, ptrs, stage.device, stage.stream, o.scale_value, o.softcap_value,
                               out_res is not o.out, o.out_shape, o.q.dtype,
-                              None if lse_res is None else o.lse_shape, np.float32, None, page_checks,
+                              None if lse_res is None else o.lse_shape, np.float32, None, checks_again,
                               extra if host_lengths else ())
         return out_res, lse_res
 

@@ -38,8 +38,8 @@ PAGE_OUT_OF_RANGE, SEQLENS_K_OUTSIDE = 7, 8
 PAGES_THREADS = 256     # attn_pages: one table entry a thread; grid (columns / 256, rows)
 MAX_GRID_Y = 65535      # rows past it loop in the kernel
 _page_calls = itertools.count(1)    # attn_pages' launch numbers: one CTA a call reports a fault
-# an attn_pages launch as launch_pages made it: relaunch_pages enqueues it again (a replayed call)
-PagesCheck = collections.namedtuple("PagesCheck", "fn grid params")
+# a check's launch as launch / launch_pages made it: relaunch enqueues it again (a replayed call)
+Check = collections.namedtuple("Check", "fn grid block params")
 
 _lock = threading.Lock()
 _record = None          # (PinnedBuffer, its int64 view), made by the first call with device lengths
@@ -66,7 +66,8 @@ process.at_fork(after_in_child=_forget_after_fork)
 
 def launch(stage, o, arch):
     """Enqueues attn_lengths.cu on the call's stream for o's device lengths (DevViews); arch:
-    NVRTC's name for the device's architecture."""
+    NVRTC's name for the device's architecture. Returns the launch (Check) for a repeat of the
+    call."""
     buf, _ = _the_record(stage.device)
     params = np.zeros((), PARAMS)
     params["cu"] = (o.cu_q.ptr, o.cu_k.ptr)
@@ -77,13 +78,15 @@ def launch(stage, o, arch):
     params["max_len"] = (o.max_q, o.max_k)
     kernel, name, defines, generated = SPEC
     fn = nvrtc.function(kernel, name, defines, stage.device, arch, 0, generated)
-    _C.launch(fn, (1, 1, 1), (256, 1, 1), 0, stage.stream, params.tobytes())
+    check = Check(fn, (1, 1, 1), (256, 1, 1), params)
+    relaunch(check, stage.stream)
+    return check
 
 
 def launch_pages(stage, table, used, B, page_size, num_pages, arch):
     """Enqueues attn_pages on the call's stream for a paged cache's CUDA block table (a DevView,
     int32 (B, max_pages), rows contiguous); used: the keys' lengths on the device (a DevView) or
-    None (every page of a row). Returns the launch (PagesCheck) for a repeat of the call."""
+    None (every page of a row). Returns the launch (Check) for a repeat of the call."""
     buf, _ = _the_record(stage.device)
     params = np.zeros((), PAGES_PARAMS)
     params["table"], params["used"], params["record"] = table.ptr, 0 if used is None else used.ptr, buf.ptr
@@ -92,18 +95,20 @@ def launch_pages(stage, table, used, B, page_size, num_pages, arch):
     params["page_size"], params["num_pages"] = page_size, num_pages
     kernel, name, defines, generated = PAGES_SPEC
     fn = nvrtc.function(kernel, name, defines, stage.device, arch, 0, generated)
-    check = PagesCheck(fn, (-(-table.shape[1] // PAGES_THREADS), min(B, MAX_GRID_Y), 1), params)
-    relaunch_pages(check, stage.stream)
+    check = Check(fn, (-(-table.shape[1] // PAGES_THREADS), min(B, MAX_GRID_Y), 1), (PAGES_THREADS, 1, 1), params)
+    relaunch(check, stage.stream)
     return check
 
 
-def relaunch_pages(check, stream):
-    """Enqueues launch_pages' check on stream under a new launch number: the table's and the
-    lengths' values as they are when it runs."""
+def relaunch(check, stream):
+    """Enqueues a check (launch's or launch_pages') on stream, attn_pages under a new launch
+    number: the arrays' values as they are when it runs."""
     if all(check.grid):
-        params = check.params.copy()
-        params["call"] = next(_page_calls)
-        _C.launch(check.fn, check.grid, (PAGES_THREADS, 1, 1), 0, stream, params.tobytes())
+        params = check.params
+        if params.dtype == PAGES_PARAMS:
+            params = params.copy()
+            params["call"] = next(_page_calls)
+        _C.launch(check.fn, check.grid, check.block, 0, stream, params.tobytes())
 
 
 def _describe(code, array, index, value, bound):

@@ -195,7 +195,7 @@ def test_a_paged_call_replays_with_its_table_checked_again(fake_driver):
     """)
 
 
-def test_host_lengths_and_lowered_mask_mods_replay_by_their_contents(fake_driver):
+def test_lengths_and_lowered_mask_mods_replay_as_their_contents_allow(fake_driver):
     """Lengths given as NumPy arrays (varlen_attention's cu_seqlens, attention()'s seqlens_k) and
     a document mask_mod lowered to varlen (mods/lower.py) over a captured NumPy array replay: the
     key holds the lengths' contents, the recipe keeps the first call's upload (the replays address
@@ -203,7 +203,8 @@ def test_host_lengths_and_lowered_mask_mods_replay_by_their_contents(fake_driver
     replay. Lengths or a document array changed in place take the whole path, whose upload holds
     the new values; the old lengths again replay the old recipe (another key), the old document
     array the whole path once (the same key: one recipe, the last). A mask_mod that leaves
-    generated code, or captures a CUDA array, takes the whole path each time."""
+    generated code, or captures a CUDA array, takes the whole path each time. CUDA lengths with
+    max_seqlen_* replay too, their device check enqueued again each time."""
     run_on_fake(fake_driver, r"""
         from attnext._layout import SLOT
         from helpers.spies import whole_path_calls
@@ -238,6 +239,30 @@ def test_host_lengths_and_lowered_mask_mods_replay_by_their_contents(fake_driver
         res, again, took = varlen()
         assert not took and repr(again) == repr(first) and lengths(again, "cu_seqlens_q", 4) == [0, 130, 400, 700]
         assert call(attnext.varlen_attention, q, k, v, cu, cu, out=out)[2]       # another option
+
+        # CUDA lengths with max_seqlen_*: read in place, attn_lengths' check enqueued by each replay
+        # before the same launches; a fault it finds is raised by the next call. Without max_seqlen_*
+        # they are read back to the host: the whole path each time
+        from attnext.cuda import lengths as device_lengths
+        CHECKS = []
+        _C.launch = lambda fn, grid, block, smem, stream, params: CHECKS.append((FN[id(fn)][1], tuple(grid), params))
+        cu_d = dev((4,), np.int32, zero=True)
+        on_gpu = lambda **kw: call(attnext.varlen_attention, q, k, v, cu_d, cu_d, causal=True, out=out, **kw)
+        res, first, took = on_gpu(max_seqlen_q=300, max_seqlen_k=300)
+        assert took and [c[0] for c in CHECKS] == ["attn_lengths"]
+        for i in range(3):
+            res, again, took = on_gpu(max_seqlen_q=300, max_seqlen_k=300)
+            assert not took and repr(again) == repr(first) and len(CHECKS) == 2 + i and CHECKS[-1] == CHECKS[0]
+        words = device_lengths._record[1]
+        words[[device_lengths.CODE, device_lengths.ARRAY, device_lengths.INDEX, device_lengths.VALUE]] = (1, 0, 0, 5)
+        try:
+            on_gpu(max_seqlen_q=300, max_seqlen_k=300)
+        except ValueError as e:
+            assert "cu_seqlens_q[0] = 5" in str(e), e
+        else:
+            raise AssertionError("the check's fault was not raised")
+        assert not on_gpu(max_seqlen_q=300, max_seqlen_k=300)[2]
+        assert on_gpu()[2] and on_gpu()[2]
 
         # attention()'s seqlens_k from the host
         q4, k4, v4 = qkv(3, 64, 300, 8, 8, 128)
