@@ -639,8 +639,9 @@ def test_repeated_calls_read_their_arrays_afresh(sq, sk, rng, torch):
 def test_repeated_calls_with_host_lengths_and_document_masks_follow_their_contents(rng, torch):
     """Calls with NumPy lengths (varlen cu_seqlens) and with a document mask_mod over a NumPy array
     (lowered to varlen) replay after their first call, reading q as it is now; lengths or the
-    document array rewritten in place take the whole path with the new values. Every result
-    matches the reference."""
+    document array rewritten in place take the whole path with the new values. CUDA lengths with
+    max_seqlen_* replay throughout, rewritten in place included. Every result matches the
+    reference."""
     from attnext.cuda import backend
     from helpers.gpu import to_gpu
     from helpers.spies import whole_path_calls
@@ -651,6 +652,7 @@ def test_repeated_calls_with_host_lengths_and_document_masks_follow_their_conten
     tq, tk, tv = t(q), t(k), t(v)
     cu = np.array([0, 130, 400, T], np.int32)
     doc = np.repeat(np.arange(3), np.diff(cu))
+    cu_t = torch.from_numpy(cu.copy()).cuda()
 
     def same_doc(b, h, q_idx, kv_idx):
         return doc[q_idx] == doc[kv_idx]
@@ -659,6 +661,7 @@ def test_repeated_calls_with_host_lengths_and_document_masks_follow_their_conten
             if step == 2:                 # new lengths and documents, in place
                 cu[1] = 200
                 doc[130:200] = 0
+                cu_t.copy_(torch.from_numpy(cu.copy()))
             if step:                      # new values in the same memory
                 q = make_varlen_qkv(rng, T, T, H, H, D, dtype=BF16)[0]
                 tq.copy_(t(q))
@@ -669,7 +672,10 @@ def test_repeated_calls_with_host_lengths_and_document_masks_follow_their_conten
             got = attnext.attention(tq[None], tk[None], tv[None], causal=True, mask_mod=same_doc)
             assert_close("documents", got[0].float().cpu().numpy().astype(BF16),
                          reference.varlen_attention(q, k, v, cu, cu, causal=True), BF16)
-            assert len(whole) - n == (2 if step in (0, 2) else 0), (step, len(whole) - n)
+            got = attnext.varlen_attention(tq, tk, tv, cu_t, cu_t, max_seqlen_q=300, max_seqlen_k=300, causal=True)
+            assert_close("CUDA lengths", got.float().cpu().numpy().astype(BF16),
+                         reference.varlen_attention(q, k, v, cu, cu, causal=True), BF16)
+            assert len(whole) - n == {0: 3, 2: 2}.get(step, 0), (step, len(whole) - n)
 
 
 def test_repeated_paged_calls_read_their_table_and_lengths_afresh(rng, torch):
