@@ -179,7 +179,7 @@ def _forward_on_gpu(o, inputs):
     if o.repeat_key is not None and o.recipe is not None:    # the next equal call replays it
         repeat.remember(o.repeat_key, o.recipe._replace(
             from_dlpack=interop.from_dlpack(o.like),
-            captured=tuple((name, np.array(a, copy=True)) for name, a in (o.repeat_captured or {}).items())))
+            captured=(o.documents_read,) if o.documents_read is not None else ()))
     out = user_out if user_out is not None else device.to_caller(out, o.like)
     return (out, device.to_caller(lse, o.like)) if o.return_lse else out
 
@@ -317,15 +317,15 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool | str = False,
         >>> out = attnext.attention(q, k, v, causal=True)            # q (B, Sq, Hq, D)
         >>> out = attnext.attention(q, k, v, layout="bhsd")          # torch SDPA's layout
     """
-    key = captured = None
+    key = None
     # lengths from the host (keyed by their contents), or a paged cache's CUDA seqlens_k (read in
     # place); CUDA seqlens elsewhere are read back to the host, which a key by address cannot follow
     lengths = (_all_host(seqlens_q, seqlens_k) or (seqlens_q is None and block_table is not None))
     if (score_mod is None and alibi_slopes is None and bias is None and mask is None and sinks is None
             and lengths and _env.get("ATTNEXT_REPEAT") != "0"):
-        key, captured, replayed = _repeat((q, k, v, out, seqlens_q, seqlens_k, block_table), mask_mod,
-                                          (causal, window, scale, softcap, layout, return_lse, device, precision),
-                                          out)
+        seqlens_q, seqlens_k = _held(seqlens_q), _held(seqlens_k)
+        key, replayed = _repeat((q, k, v, out, seqlens_q, seqlens_k, block_table), mask_mod,
+                                (causal, window, scale, softcap, layout, return_lse, device, precision), out)
         if replayed is not None:
             return replayed
     o = checks.normalise(q, k, v, dict(
@@ -333,7 +333,7 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool | str = False,
         bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, seqlens_q=seqlens_q,
         seqlens_k=seqlens_k, layout=layout, return_lse=return_lse, device=device, out=out,
         precision=precision, sinks=sinks, block_table=block_table))
-    o.repeat_key, o.repeat_captured = key, captured
+    o.repeat_key = key
     return _forward(o)
 
 
@@ -342,27 +342,37 @@ def _all_host(*arrays):
     return all(x is None or isinstance(x, np.ndarray) for x in arrays)
 
 
+def _held(x):
+    """A small NumPy lengths array as a copy of its own: the key, the checks and the upload of a
+    call that may replay all read the same values, whatever another thread writes meanwhile."""
+    return x.copy() if isinstance(x, np.ndarray) and x.nbytes <= repeat.HOST_KEY_BYTES else x
+
+
 def _repeat(args, mask_mod, options, out):
-    """(key, captured, result) of a call that may replay (cuda/repeat.py): its key (None: it
-    cannot), the host arrays its mask_mod captures now ({name: array}), and the replay's result
-    where an earlier call left a recipe under the key and the mask_mod's arrays hold what they
-    held then, else None. A mask_mod enters the key by its fingerprint (mods/fingerprint.py),
-    only where every array it captures is a host array (a CUDA array's contents are never read
-    here)."""
+    """(key, result) of a call that may replay (cuda/repeat.py): its key (None: it cannot) and
+    the replay's result where an earlier call left a recipe under the key, else None. A mask_mod
+    enters the key by its fingerprint (mods/fingerprint.py), only where every array it captures
+    is a host array; a recipe whose mask_mod was lowered to documents replays only while the
+    array it read them from holds the values it read (Recipe.captured)."""
+    key = repeat.key(args, options)
     captured = {}
-    if mask_mod is not None:
+    if key is not None and mask_mod is not None:
         found = fingerprint.fingerprint(mask_mod)
         if found is None or not all(isinstance(a, np.ndarray) for a in found[1].values()):
-            return None, None, None
-        options += (found[0],)
-        captured = found[1]
-    key = repeat.key(args, options)
+            return None, None
+        key, captured = (key, found[0]), found[1]
     if key is None:
-        return None, None, None
+        return None, None
     recipe = repeat.lookup(key)
-    if recipe is None or not all(np.array_equal(captured[name], kept) for name, kept in recipe.captured):
-        return key, captured, None
-    return key, captured, checks.gpu_modules()[0].replay(recipe, out)
+    if recipe is None or not all(name in captured and _starts_with(captured[name], kept)
+                                 for name, kept in recipe.captured):
+        return key, None
+    return key, checks.gpu_modules()[0].replay(recipe, out)
+
+
+def _starts_with(a, values):
+    """Whether the 1-D array a begins with these values."""
+    return a.ndim == 1 and a.shape[0] >= values.shape[0] and np.array_equal(a[:values.shape[0]], values)
 
 
 @checks.flex_keywords
@@ -408,7 +418,7 @@ def varlen_attention(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
 
     {PRECISION}
     """
-    key = captured = None
+    key = None
     # lengths from the host (keyed by their contents), or on the GPU where they stay there (read
     # in place and checked by each replay: max_seqlen_* given); CUDA lengths without them are read
     # back to the host, which a key by address cannot follow
@@ -417,9 +427,10 @@ def varlen_attention(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
                                    and not any(isinstance(x, np.ndarray) for x in lens))
     if (score_mod is None and alibi_slopes is None and bias is None and mask is None and sinks is None
             and block_table is None and lengths and _env.get("ATTNEXT_REPEAT") != "0"):
-        key, captured, replayed = _repeat((q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
-                                          mask_mod, ("varlen", max_seqlen_q, max_seqlen_k, causal, window, scale,
-                                                     softcap, return_lse, device, precision), out)
+        cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = (_held(x) for x in lens)
+        key, replayed = _repeat((q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), mask_mod,
+                                ("varlen", max_seqlen_q, max_seqlen_k, causal, window, scale, softcap, return_lse,
+                                 device, precision), out)
         if replayed is not None:
             return replayed
     o = checks.normalise(q, k, v, dict(
@@ -428,7 +439,7 @@ def varlen_attention(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
         seqlens_k=None, layout="thd", return_lse=return_lse, device=device, out=out,
         precision=precision, sinks=sinks, block_table=block_table), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, seqused_q, seqused_k, varlen=True)
-    o.repeat_key, o.repeat_captured = key, captured
+    o.repeat_key = key
     return _forward(o)
 
 

@@ -96,12 +96,12 @@ class Problem:
     bias_heads: int = 1
     mask_heads: int = 1
     documents: Optional[np.ndarray] = None   # mods/lower.py: cu_seqlens of a document mask_mod
+    documents_read: Any = None      # (captured array's name, the values documents were read from)
     # set by the backends
     mods_lowered: bool = False      # the mask_mod went into the call's own features
     dtensors: Optional[dict] = None # the captured arrays' gradients of a GPU backward
     dtensors_asked: Optional[frozenset] = None   # the backward's dtensors= (None: every array)
     repeat_key: Any = None          # the key of a call that may replay (cuda/repeat.py)
-    repeat_captured: Any = None     # {name: host array} its mask_mod captures (api.py: _repeat)
     lengths_check: Any = None       # the device lengths' check launch (cuda/lengths.py: Check)
     recipe: Any = None              # a GPU forward's launches, for a replay (cuda/backend.py)
     whole_rows: Optional[int] = None   # a row slice of a longer sequence (cuda/backend.py)

@@ -14,8 +14,9 @@ library, address, shape, strides, dtype and device (a DeviceArray's stream too; 
 are read on the legacy stream), every option, and the generation of attnext's settings
 (_env.generation), each option with its type (True and 1 are told apart by the checks). Any
 difference is a miss, which takes the whole path; clear() (backend's clear_plans) and a fork
-forget every recipe. No array is kept alive here: arrays freed and made again at the same
-addresses with the same layout make the same call, and replay it correctly.
+forget every recipe. No caller's array is kept alive here (a recipe keeps only attnext's own
+upload of host lengths): arrays freed and made again at the same addresses with the same layout
+make the same call, and replay it correctly.
 
 Taken by attention() and varlen_attention() with q, k, v (and out) plain CUDA torch tensors or
 attnext DeviceArrays; lengths (seqlens, cu_seqlens, seqused) as small NumPy integer arrays, keyed
@@ -23,8 +24,8 @@ by their contents (the whole path uploads them; the recipe keeps that upload, `k
 lengths as CUDA arrays with max_seqlen_* (read in place), or a paged cache's block_table and
 seqlens_k as CUDA arrays; no score_mod, bias, mask, alibi or sinks;
 a mask_mod only where its fingerprint is known (mods/fingerprint.py: the key holds it) and every
-array it captures is a host array, whose contents the recipe keeps a copy of (`captured`:
-api.py compares them before a replay). backend.forward leaves a recipe only where its call had
+array it captures is a host array; one lowered to documents keeps a copy of the values they were
+read from (`captured`: api.py compares them before a replay). backend.forward leaves a recipe only where its call had
 nothing else: no generated code (a mask_mod lowered whole into causal / window / documents:
 mods/lower.py), lengths uploaded from the host, or CUDA lengths or a paged call's table and
 lengths read in place, whose check (attn_lengths, attn_pages) the replay enqueues again; once a

@@ -21,8 +21,8 @@ def lower_mask(o, ts, tm):
     causal_code / window_left / window_right (lower_band) and, without a score_mod (ts None),
     documents into o.documents (documents; kernel_problem then runs o as varlen)."""
     tm = lower_band(o, tm)
-    if ts is None and tm is not None and (cu := documents(o, tm)) is not None:
-        o.documents, tm = cu, None
+    if ts is None and tm is not None and (found := _documents(o, tm)) is not None:
+        o.documents, o.documents_read, tm = found[0], found[1:], None
     return tm
 
 
@@ -86,6 +86,13 @@ def documents(o, tm):
     position: B = 1, Sq == Sk, no score_mod (the caller's test), bias, mask, alibi or lengths;
     the array must reach Sq (else the lookup's IndexError is mask_mod's to raise). None
     otherwise."""
+    found = _documents(o, tm)
+    return None if found is None else found[0]
+
+
+def _documents(o, tm):
+    """(cu_seqlens, name, values) of documents(): the captured array's name and a copy of the
+    values the runs were read from (its first Sq), or None."""
     if (o.varlen or o.B != 1 or o.Sq != o.Sk or not o.Sq or o.used_q is not None or o.used_k is not None
             or o.bias4 is not None or o.mask4 is not None or o.alibi is not None):
         return None
@@ -98,11 +105,11 @@ def documents(o, tm):
     doc = interop.host_view(arr.args[0], tm.arrays[arr.args[0]])     # None for a CUDA array
     if doc is None or doc.ndim != 1 or doc.dtype.kind not in "iub" or doc.shape[0] < o.Sq:
         return None
-    d = doc[:o.Sq]
+    d = np.array(doc[:o.Sq])          # a copy: what the runs are read from, for a replay's check
     cu = np.concatenate(([0], np.flatnonzero(d[1:] != d[:-1]) + 1, [o.Sq]))
     if len(set(d[cu[:-1]].tolist())) != cu.size - 1:      # a value in two runs: not documents
         return None
-    return cu.astype(np.int32)
+    return cu.astype(np.int32), arr.args[0], d
 
 
 def kernel_problem(o):

@@ -203,8 +203,10 @@ def test_lengths_and_lowered_mask_mods_replay_as_their_contents_allow(fake_drive
     replay. Lengths or a document array changed in place take the whole path, whose upload holds
     the new values; the old lengths again replay the old recipe (another key), the old document
     array the whole path once (the same key: one recipe, the last). A mask_mod that leaves
-    generated code, or captures a CUDA array, takes the whole path each time. CUDA lengths with
-    max_seqlen_* replay too, their device check enqueued again each time."""
+    generated code, or captures a CUDA array, takes the whole path each time. Lengths rewritten
+    while a call runs (another thread) leave a recipe of the values its key holds; on the
+    per-thread default stream no upload is kept (no replay). CUDA lengths with max_seqlen_*
+    replay too, their device check enqueued again each time."""
     run_on_fake(fake_driver, r"""
         from attnext._layout import SLOT
         from helpers.spies import whole_path_calls
@@ -239,6 +241,25 @@ def test_lengths_and_lowered_mask_mods_replay_as_their_contents_allow(fake_drive
         res, again, took = varlen()
         assert not took and repr(again) == repr(first) and lengths(again, "cu_seqlens_q", 4) == [0, 130, 400, 700]
         assert call(attnext.varlen_attention, q, k, v, cu, cu, out=out)[2]       # another option
+        # lengths another thread rewrites while a call runs: its key, checks and upload read one copy
+        from attnext import checks as checks_module
+        inner, raced_cu = checks_module.normalise, np.array([0, 100, 300, 700], np.int32)
+
+        def racing(*a, **kw):
+            raced_cu[1] = 650
+            return inner(*a, **kw)
+        checks_module.normalise = racing
+        try:
+            res, raced, took = call(attnext.varlen_attention, q, k, v, raced_cu, raced_cu, out=out)
+        finally:
+            checks_module.normalise = inner
+        assert took and lengths(raced, "cu_seqlens_q", 4) == [0, 100, 300, 700]
+        raced_cu[1] = 100
+        res, again, took = call(attnext.varlen_attention, q, k, v, raced_cu, raced_cu, out=out)
+        assert not took and lengths(again, "cu_seqlens_q", 4) == [0, 100, 300, 700]
+        # on the per-thread default stream (another stream in each thread) no upload is kept
+        per_thread = [dev((T, 8, 128), stream=device.PER_THREAD_STREAM) for _ in range(4)]
+        assert all(call(attnext.varlen_attention, *per_thread[:3], cu, cu, out=per_thread[3])[2] for _ in range(2))
 
         # CUDA lengths with max_seqlen_*: read in place, attn_lengths' check enqueued by each replay
         # before the same launches; a fault it finds is raised by the next call. Without max_seqlen_*

@@ -264,7 +264,7 @@ def _spy(monkeypatch, name):
 def test_lowered_on_the_cpu(name, opts, rng, monkeypatch):
     """The CPU backend lowers as the CUDA one does (api._cpu_mods): bands into causal / window,
     documents over contiguous runs into varlen; forward and backward against the reference."""
-    bands, found = _spy(monkeypatch, "lower_band"), _spy(monkeypatch, "documents")
+    bands, found = _spy(monkeypatch, "lower_band"), _spy(monkeypatch, "_documents")
     mask_mod = _named_mask(name)
     q, k, v = make_qkv(rng, 1, 60, 60, 4, 2, 16, 16, np.float32, opts.get("layout", "bshd"))
     check_backend(q, k, v, rng, mask_mod=mask_mod, **opts)
@@ -314,7 +314,7 @@ def test_documents_on_the_gpu(name, opts, d, gpu, rng, torch, monkeypatch):
     """Document masks over contiguous runs (run as varlen) and over a repeated value (kept as a
     mask_mod), with causal, window and bhsd: forward and backward against the reference."""
     from helpers.gpu import run_gpu
-    found = _spy(monkeypatch, "documents")
+    found = _spy(monkeypatch, "_documents")
     mask_mod = _named_mask(name)
     layout = opts.get("layout", "bshd")
     q, k, v = make_qkv(rng, 1, 60, 60, 4, 2, d, d, BF16, layout)
