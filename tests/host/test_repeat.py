@@ -323,6 +323,86 @@ def test_lengths_and_lowered_mask_mods_replay_as_their_contents_allow(fake_drive
     """)
 
 
+def test_replays_launch_what_the_whole_path_launches(fake_driver):
+    """Random sequences of calls (varlen with NumPy lengths, a document mask_mod, attention() with
+    NumPy seqlens_k), their lengths and document arrays rewritten in place, replaced or left alone
+    between calls: each call, replayed or not, launches what the whole path (no recipe looked up
+    or filed) launches for the same arrays as they are then: the same kernels, grids and parameters, and
+    lengths of the same values at every lengths address."""
+    run_on_fake(fake_driver, r"""
+        from attnext._layout import SLOT
+        from attnext.cuda import repeat
+        _C.cuda_launch_attention = lambda fn, *rest: launch(fn, *rest[:8])
+        rng = np.random.default_rng(7401)
+        T = 512
+        q, k, v, out = (dev((T, 4, 64)) for _ in range(4))
+        q1, k1, v1 = qkv(1, T, T, 4, 4, 64)
+        out1 = dev(q1.shape)
+        qb, kb, vb = qkv(3, 64, 256, 4, 4, 64)
+        outb = dev(qb.shape)
+        state = {"cu": np.array([0, 100, 300, T], np.int32), "doc": np.repeat(np.arange(3), [100, 200, T - 300]),
+                 "used": np.array([256, 17, 120], np.int32)}
+
+        doc = state["doc"]
+
+        def same_doc(b, h, q_idx, kv_idx):
+            return doc[q_idx] == doc[kv_idx]
+
+        def new_cuts(n):
+            return np.sort(rng.choice(np.arange(1, n), 2, replace=False))
+
+        def seen(launches):
+            # what a launch does, without addresses: its record, and the values at its lengths slots
+            found = []
+            for l in launches:
+                lens = {}
+                for name, n in (("cu_seqlens_q", 4), ("cu_seqlens_k", 4), ("seqused_k", 3)):
+                    ptr = l[6][SLOT[name]] if len(l[6]) > SLOT[name] else None
+                    if ptr:
+                        lens[name] = device.DeviceArray(ptr, (n,), np.int32, 0, None, 0, None).numpy().tolist()
+                found.append((repr(l[:6]), lens))
+            return found
+
+        calls = {
+            "varlen": lambda: attnext.varlen_attention(q, k, v, state["cu"], state["cu"], causal=True, out=out),
+            "documents": lambda: attnext.attention(q1, k1, v1, out=out1, causal=True, mask_mod=same_doc),
+            "seqlens": lambda: attnext.attention(qb, kb, vb, out=outb, seqlens_k=state["used"]),
+        }
+        from helpers.spies import whole_path_calls
+        spy = whole_path_calls()
+        whole = spy.__enter__()
+        replayed = {name: 0 for name in calls}
+        for step in range(150):
+            name = rng.choice(list(calls))
+            what = rng.integers(4)
+            if name == "varlen" and what == 0:
+                state["cu"][1:3] = new_cuts(T)
+            elif name == "varlen" and what == 1:
+                state["cu"] = np.concatenate(([0], new_cuts(T), [T])).astype(np.int32)
+            elif name == "documents" and what == 0:
+                doc[:] = np.repeat(np.arange(3), np.diff(np.concatenate(([0], new_cuts(T), [T]))))
+            elif name == "documents" and what == 1:
+                doc = np.repeat(np.arange(3), np.diff(np.concatenate(([0], new_cuts(T), [T]))))
+            elif name == "seqlens" and what == 0:
+                state["used"][rng.integers(3)] = rng.integers(0, 257)
+            n, w = len(LAUNCHES), len(whole)
+            calls[name]()
+            got = seen(LAUNCHES[n:])
+            replayed[name] += len(whole) == w
+            lookup, remember = repeat.lookup, repeat.remember     # the whole path, filing nothing
+            repeat.lookup, repeat.remember = (lambda key: None), (lambda key, recipe: None)
+            try:
+                n = len(LAUNCHES)
+                calls[name]()
+                want = seen(LAUNCHES[n:])
+            finally:
+                repeat.lookup, repeat.remember = lookup, remember
+            assert got == want, (step, name, what, got, want)
+        assert all(n >= 10 for n in replayed.values()), replayed      # the replays were exercised
+        print("ok")
+    """)
+
+
 def test_a_call_beside_another_threads_first_import_of_the_cuda_side():
     """A thread's first call imports the CUDA host side (checks.gpu_modules, even for a CPU call);
     sys.modules holds attnext.cuda.arrays from its first line. Another thread calling attention()
