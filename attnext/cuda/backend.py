@@ -183,9 +183,10 @@ def _launch(plan, device, stream, ptrs, scale, softcap, gmods=None):
 # launch's scale and softcap values, and for results the replay allocates (no out= given, an lse
 # asked for): out_new, their shapes and dtypes, the caller's library's from_dlpack (None:
 # DeviceArrays back), the checks enqueued before the launches (device lengths' attn_lengths, a
-# CUDA block table's attn_pages: lengths.Check), keep: what the first call uploaded that ptrs address (host
-# lengths, whose contents are in the key), captured: (name, copy) of each host array a lowered
-# mask_mod captured (api.py fills it; a replay first finds them unchanged)
+# CUDA block table's attn_pages: lengths.Check), keep: what the first call uploaded that ptrs
+# address (host lengths, whose contents are in the key), captured: (name, values) of the array a
+# mask_mod lowered to documents read its runs from (api.py fills it; a replay first finds the
+# array still beginning with those values)
 Recipe = collections.namedtuple("Recipe", "plan ptrs device stream scale_value softcap_value out_new out_shape "
                                           "out_dtype lse_shape lse_dtype from_dlpack checks keep captured",
                                 defaults=((), ()))

@@ -22,15 +22,16 @@ Taken by attention() and varlen_attention() with q, k, v (and out) plain CUDA to
 attnext DeviceArrays; lengths (seqlens, cu_seqlens, seqused) as small NumPy integer arrays, keyed
 by their contents (the whole path uploads them; the recipe keeps that upload, `keep`), varlen
 lengths as CUDA arrays with max_seqlen_* (read in place), or a paged cache's block_table and
-seqlens_k as CUDA arrays; no score_mod, bias, mask, alibi or sinks;
-a mask_mod only where its fingerprint is known (mods/fingerprint.py: the key holds it) and every
-array it captures is a host array; one lowered to documents keeps a copy of the values they were
-read from (`captured`: api.py compares them before a replay). backend.forward leaves a recipe only where its call had
-nothing else: no generated code (a mask_mod lowered whole into causal / window / documents:
-mods/lower.py), lengths uploaded from the host, or CUDA lengths or a paged call's table and
-lengths read in place, whose check (attn_lengths, attn_pages) the replay enqueues again; once a
-GPU call has loaded the CUDA host side. A call that raised left no recipe. This module is part of `import attnext` (api.py
-asks it for every call's key): it imports no other part of the CUDA host side.
+seqlens_k as CUDA arrays; no score_mod, bias, mask, alibi or sinks; a mask_mod only where its
+fingerprint is known (mods/fingerprint.py: the key holds it) and every array it captures is a
+host array (one lowered to documents: the recipe keeps the values the runs were read from,
+`captured`, which api.py compares before a replay). backend.forward leaves a recipe only where
+its call had nothing else: no generated code (a mask_mod lowered whole into causal / window /
+documents: mods/lower.py), lengths uploaded from the host, or CUDA lengths or a paged call's
+table and lengths read in place, whose check (attn_lengths, attn_pages) the replay enqueues
+again; once a GPU call has loaded the CUDA host side. A call that raised left no recipe. This
+module is part of `import attnext` (api.py asks it for every call's key): it imports no other
+part of the CUDA host side.
 """
 import sys
 
