@@ -1,9 +1,13 @@
 """Repeated GPU calls replayed (attnext/cuda/repeat.py) on the fake driver (helpers/fake_libcuda.c):
 an attention() call equal to an earlier one in its arrays (library, address, shape, strides,
 dtype, device, stream) and options enqueues the launches the whole path gave the first, without
-the checks; any difference takes the whole path again. `-m gpu` checks results on a device
-(tests/gpu/test_cuda.py::test_repeated_calls_read_their_arrays_afresh). Last, the key read while
-another thread's first call is still importing the CUDA host side (a fresh interpreter, no driver)."""
+the checks; any difference takes the whole path again. So do varlen and padded calls with
+lengths from the host (by their contents) or CUDA lengths read in place, and calls whose mask_mod
+lowers whole (a document mask: while its array holds the runs it was lowered from); random
+sequences of such calls launch what the whole path launches. `-m gpu` checks results on a device
+(tests/gpu/test_cuda.py::test_repeated_calls_read_their_arrays_afresh and the tests beside it).
+Last, the key read while another thread's first call is still importing the CUDA host side (a
+fresh interpreter, no driver)."""
 from helpers.driver import run_fresh, run_on_fake
 
 
@@ -199,8 +203,8 @@ def test_lengths_and_lowered_mask_mods_replay_as_their_contents_allow(fake_drive
     """Lengths given as NumPy arrays (varlen_attention's cu_seqlens, attention()'s seqlens_k) and
     a document mask_mod lowered to varlen (mods/lower.py) over a captured NumPy array replay: the
     key holds the lengths' contents, the recipe keeps the first call's upload (the replays address
-    it, and it holds those lengths) and a copy of the mask_mod's array, compared before each
-    replay. Lengths or a document array changed in place take the whole path, whose upload holds
+    it, and it holds those lengths) and the values the documents were read from, compared with the
+    array before each replay. Lengths or a document array changed in place take the whole path, whose upload holds
     the new values; the old lengths again replay the old recipe (another key), the old document
     array the whole path once (the same key: one recipe, the last). A mask_mod that leaves
     generated code, or captures a CUDA array, takes the whole path each time. Lengths rewritten
