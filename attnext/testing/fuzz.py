@@ -132,6 +132,12 @@ def _grad_elements(name, hq, sq, sk):
 
 SLOPE = {"times_two": 2.0, "trig": 1.125, "head_gain": 2.2}     # the others: at most 1
 
+# The score_mods' kinks (where their derivative jumps). A kept score within the backends' rounding
+# of one may fall on either side of it in the backend and in the float64 reference: its gradient
+# is then defined by neither (seed 7305's case 18972: a float32 score 4e-9 from clamp's -0.9, dq
+# off by the slope's jump), and such a case's gradients are not compared (_near_kink).
+KINKS = {"clamp": (-0.9, 0.45, 1.9)}
+
 
 def _mask_mods(sq=1, sk=1, rng=None):
     rng = np.random.default_rng(0) if rng is None else rng
@@ -636,15 +642,19 @@ def _check_one(case, backend, fwd, bwd, r_out, r_lse, dout, rfwd, rbwd, cond, st
     if on_gpu:
         g = type(g)(*(None if x is None else get(x) for x in g[:4]), g.dtensors)
     rg = rbwd(dout, case.q, case.k, case.v, res, lse, **lengths, **o)
-    bias = o.get("bias")
-    dbias_cond = None if bias is None else cond * np.sqrt(_reduced(bias, spec))
-    problems += compare_grads(g, rg, case.q, case.k, case.v, dout, res, r_out,
-                              lengths if case.varlen else None, o, cond, dbias_cond)
-    extra = (dtensors_allowance(case.q, case.k, case.v, dout, res, r_out, lengths, o, cond)
-             if rg.dtensors else None)
-    problems += compare_dtensors(g, rg, o.get("score_mod"), dtype, cond, extra)
-    if stats is not None and rg.dtensors:
-        stats["dtensors"] += 1
+    if _near_kink(case, rfwd):
+        if stats is not None:
+            stats["near a kink"] += 1
+    else:
+        bias = o.get("bias")
+        dbias_cond = None if bias is None else cond * np.sqrt(_reduced(bias, spec))
+        problems += compare_grads(g, rg, case.q, case.k, case.v, dout, res, r_out,
+                                  lengths if case.varlen else None, o, cond, dbias_cond)
+        extra = (dtensors_allowance(case.q, case.k, case.v, dout, res, r_out, lengths, o, cond)
+                 if rg.dtensors else None)
+        problems += compare_dtensors(g, rg, o.get("score_mod"), dtype, cond, extra)
+        if stats is not None and rg.dtensors:
+            stats["dtensors"] += 1
     if g.dq.shape == case.q.shape and not (g.dq[dead] == 0).all():
         problems.append("dq: a row that keeps no key is not exactly 0")
     if case.varlen:
@@ -657,6 +667,27 @@ def _check_one(case, backend, fwd, bwd, r_out, r_lse, dout, rfwd, rbwd, cond, st
             if got.shape[0] == real_k.size and not (got[~real_k] == 0).all():
                 problems.append(f"{name}: a packed row outside every sequence is not exactly 0")
     return problems
+
+
+def _near_kink(case, rfwd):
+    """Whether a kept score lies within the backends' rounding of one of its score_mod's kinks
+    (KINKS): the scores as the reference computes them, read by a score_mod that records them,
+    against 4 D eps of the accumulation (scale q . k sums D products) times max(1, |s|)."""
+    kinks = KINKS.get(case.spec["score_mod"])
+    if kinks is None:
+        return False
+    seen = []
+
+    def record(s, b, h, q, kv):
+        seen.append(np.array(s, dtype=np.float64).ravel())
+        return s
+    rfwd(case.q, case.k, case.v, **case.lengths, **{**case.opts, "score_mod": record})
+    if not seen:
+        return False
+    s = np.concatenate(seen)
+    s = s[np.isfinite(s)]
+    tol = 4 * case.q.shape[-1] * float(np.finfo(acc_dtype(case.dtype)).eps) * np.maximum(1.0, np.abs(s))
+    return bool(any((np.abs(s - kink) <= tol).any() for kink in kinks))
 
 
 # --- the driver -------------------------------------------------------------------------------
@@ -679,10 +710,12 @@ def describe(spec):
 
 
 def describe_stats(stats):
-    """"cpu 120 (41 with mods), dtensors 18" from run_case's counter."""
+    """"cpu 120 (41 with mods), dtensors 18" from run_case's counter (and ", gradients near a
+    kink 2" where some were left uncompared)."""
     parts = [f"{b} {stats[b] + stats[b + '+mods']} ({stats[b + '+mods']} with mods)"
              for b in ("cpu", "cuda") if stats[b] + stats[b + "+mods"]]
-    return ", ".join(parts + [f"dtensors {stats['dtensors']}"])
+    kinks = [f"gradients near a kink {stats['near a kink']}"] if stats["near a kink"] else []
+    return ", ".join(parts + [f"dtensors {stats['dtensors']}"] + kinks)
 
 
 def fuzz(seconds, seed=0, backends=("cpu",), verbose=False, log=print, max_examples=10**9,
