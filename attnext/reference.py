@@ -411,7 +411,21 @@ def _add_dtensors(score_mod, arrays, ds3, sc, dtensors):
                 hi, lo = x0 + h, x0 - h
                 # pair by pair first: the pairs that do not read element e cancel exactly
                 return np.sum(d * (at(hi) - at(lo))) / (hi - lo)
-            acc[e] += _derivative(quotient, x0)[0]
+            acc[e] += _derivative(quotient, x0, fmag=_reader_size(at, x0, d))[0]
+
+
+def _reader_size(at, x0, d):
+    """The size of the sum that element x0's difference quotient takes apart: sum |d * at(x0)|
+    over the pairs that read the element (those that move when it moves by the big step; the
+    others cancel exactly). Each read pair's numerator rounds to about eps times its value,
+    which the two steps' estimates may then differ by with no kink between them (_derivative's
+    fmag). None where it is not finite (the quotient is then judged without it)."""
+    h = _FD_BIG * max(1.0, abs(float(x0))) if np.isfinite(x0) else 0.0
+    with np.errstate(all="ignore"):
+        a0 = at(x0)
+        reads = (at(x0 + h) != a0) | (at(x0 - h) != a0)
+        size = float(np.sum(np.abs(d * a0)[reads]))
+    return size if np.isfinite(size) else None
 
 
 def _live(s3):
