@@ -825,10 +825,9 @@ def forward(o, out_host, lse_host, stage=None):
         # document mask_mod's, mods/lower.py), whose contents the key holds: the recipe keeps
         # this call's upload. A host table, bias, mask or alibi are uploaded a call
         no_arrays = extra is not _NO_EXTRAS and o.block_table is None and all(x is None for x in extra[:3])
-        # a kept upload is ordered on its own stream only: not on the per-thread default stream
-        # (another stream in each thread) nor from a graph's capture (process.borrow_counters)
-        host_lengths = (no_arrays and not o.device_lengths and stage.stream != _device.PER_THREAD_STREAM
-                        and not _C.stream_capturing(stage.stream, stage.device))
+        # a kept upload is ordered on its own stream only (process.keeps_across_calls)
+        host_lengths = (no_arrays and not o.device_lengths
+                        and process.keeps_across_calls(stage.stream, stage.device))
         device_lengths = no_arrays and o.device_lengths       # checked again by each replay
         paged_in_place = (o.block_table is not None and isinstance(o.used_k, DevView)
                           and all(x is None for x in extra[:6]))

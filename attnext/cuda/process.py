@@ -208,12 +208,20 @@ def _forget_scratch_after_fork():
 # (the persistent grid takes every gridDim.x-th tile).
 
 
+def keeps_across_calls(stream, device):
+    """Whether device memory a call fills on `stream` may be kept for later calls on it to read
+    (launch counters, a replay's upload): not on the per-thread default stream (a different
+    stream in each thread, so a later call is not ordered after it), nor while the stream
+    captures a CUDA graph (a replay of the graph beside later calls would share it)."""
+    return _legacy(stream) != PER_THREAD_STREAM and not _C.stream_capturing(stream, device)
+
+
 def borrow_counters(count, device, stream):
     """(ptr, n): n >= count zeroed int32 counters for launches on `stream` until
     give_back_counters(), or None (above)."""
-    key = (device, _legacy(stream))
-    if key[1] == PER_THREAD_STREAM or _C.stream_capturing(stream, device):
+    if not keeps_across_calls(stream, device):
         return None
+    key = (device, _legacy(stream))
     with _scratch_lock:
         buf = _counters.pop(key, None)
     if buf is not None and buf[1] >= count:
