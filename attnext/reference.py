@@ -64,12 +64,16 @@ _FAR = 2 ** 62
 # while the side across it does not (a central difference gave a slope between the pieces').
 # Far from 0 the big step's own truncation may exceed _FD_AGREE on a smooth function (sin at
 # |x| ~ 300: h ~ 0.2); where the small step then agrees with half of itself to _FD_HALF_AGREE,
-# the point is smooth and the small step's estimate is taken.
+# the point is smooth and the small step's estimate is taken. Where neither settles (a steep
+# function: log, sqrt, cbrt within ~1e-3 of 0; or a kink within the small step), the steps
+# shrink fourfold, up to _FD_SHRINK times, until two in a row agree (_shrinking); only where
+# none do is the score's derivative taken from one side.
 _FD_BIG = np.finfo(np.float64).eps ** (1 / 5)
 _FD_SMALL = np.finfo(np.float64).eps ** (1 / 3)
 _FD_AGREE = 1e-11
 _FD_HALF_AGREE = 1e-9
 _FD_SIDED_AGREE = 1e-7
+_FD_SHRINK = 8
 
 
 def _bhsd(x, layout):
@@ -318,6 +322,37 @@ def _derivative(quotient, x, fmag=None):
         return np.where(close, big, small), smooth
 
 
+def _shrinking(quotient, x, fmag):
+    """(derivative, settled) at the finite points x where _derivative's steps did not settle,
+    from quotient(h) as there: central differences refined as there, at steps shrinking
+    fourfold from _FD_SMALL's quarter (relative to max(1, |x|)) for _FD_SHRINK steps, settled
+    at the first step whose estimate agrees with the step before it to _FD_HALF_AGREE, beside
+    the steps' rounding (eps |fmag| / h; fmag: None, or |f| near x). A steep smooth function
+    (log, sqrt, cbrt at 1e-5) settles once the step is small beside |x|; a kink settles once
+    the step no longer crosses it, else (x on the kink, within rounding) the caller takes one
+    side."""
+    scale = np.maximum(1.0, np.abs(x))
+    with np.errstate(all="ignore"):
+        size = 0.0 if fmag is None else 8 * np.finfo(np.float64).eps * np.abs(fmag)
+
+        def refined(h):
+            coarse, fine = quotient(h), quotient(h / 2)
+            return fine + (fine - coarse) / 3
+
+        h = _FD_SMALL * scale
+        before = refined(h)
+        found, settled = np.zeros_like(before), np.zeros(np.shape(x), dtype=bool)
+        for _ in range(_FD_SHRINK):
+            h = h / 4
+            now = refined(h)
+            agree = ~settled & (np.abs(now - before) <= _FD_HALF_AGREE * np.maximum(1.0, np.abs(now)) + 2 * size / h)
+            found, settled = np.where(agree, now, found), settled | agree
+            if settled.all():
+                break
+            before = now
+    return found, settled & np.isfinite(found)
+
+
 def _one_sided(f, x, central):
     """The derivative of f (an elementwise function of an array) at the points x near a kink:
     from the side whose one-sided differences (refined by one Richardson step, at steps h, h / 2
@@ -378,9 +413,18 @@ def _through_score_mod(score_mod, ds3, sc):
     with np.errstate(invalid="ignore", over="ignore"):
         deriv, smooth = _derivative(quotient, s, fmag=np.where(np.isfinite(s), _call_score_mod(score_mod, s, pairs), 0.0))
         rough = np.flatnonzero(~smooth & np.isfinite(s))
-        if rough.size:                    # near a kink: the side that does not cross it
+        if rough.size:
             sub = tuple(p[rough] for p in pairs)
-            deriv[rough] = _one_sided(lambda t: _call_score_mod(score_mod, t, sub), s[rough], deriv[rough])
+
+            def f(t):
+                return _call_score_mod(score_mod, t, sub)
+
+            def sub_quotient(h):
+                return (f(s[rough] + h) - f(s[rough] - h)) / _step(s[rough], h)
+            # steep (log, cbrt near 0) or near a kink: steps that shrink until they settle,
+            # else the side that does not cross the kink
+            fine, settled = _shrinking(sub_quotient, s[rough], f(s[rough]))
+            deriv[rough] = np.where(settled, fine, _one_sided(f, s[rough], deriv[rough]))
         ds2.ravel()[where] = d * deriv
     return ds2
 
@@ -411,7 +455,12 @@ def _add_dtensors(score_mod, arrays, ds3, sc, dtensors):
                 hi, lo = x0 + h, x0 - h
                 # pair by pair first: the pairs that do not read element e cancel exactly
                 return np.sum(d * (at(hi) - at(lo))) / (hi - lo)
-            acc[e] += _derivative(quotient, x0, fmag=_reader_size(at, x0, d))[0]
+            size = _reader_size(at, x0, d)
+            deriv, smooth = _derivative(quotient, x0, fmag=size)
+            if not smooth and np.isfinite(x0):     # steep, or near a kink: smaller steps
+                fine, settled = _shrinking(quotient, x0, size)
+                deriv = fine if settled else deriv
+            acc[e] += deriv
 
 
 def _reader_size(at, x0, d):
