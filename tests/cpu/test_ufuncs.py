@@ -41,7 +41,7 @@ DOMAINS = {
     "small": lambda x: 0.02 * x,                     # rad2deg: x * 57.3
     "unit": lambda x: 0.9 * np.tanh(x),              # arcsin, arccos, arctanh: (-0.9, 0.9)
     "angle": lambda x: np.tanh(x),                   # tan: inside (-pi/2, pi/2)
-    "pos": lambda x: np.exp(0.5 * x),                # log, sqrt, reciprocal: (0, inf)
+    "pos": lambda x: np.exp(0.5 * x),                # log, sqrt, reciprocal, cbrt: (0, inf)
     "above1": lambda x: 1.05 + np.exp(0.5 * x),      # arccosh: (1, inf)
 }
 
@@ -51,7 +51,7 @@ UNARY = {
     "arctan": (np.arctan, "real"), "sinh": (np.sinh, "half"), "cosh": (np.cosh, "half"),
     "arcsinh": (np.arcsinh, "real"), "arccosh": (np.arccosh, "above1"),
     "arctanh": (np.arctanh, "unit"), "expm1": (np.expm1, "half"), "log1p": (np.log1p, "pos"),
-    "log10": (np.log10, "pos"), "cbrt": (np.cbrt, "real"), "floor": (np.floor, "wide"),
+    "log10": (np.log10, "pos"), "cbrt": (np.cbrt, "pos"), "floor": (np.floor, "wide"),
     "ceil": (np.ceil, "wide"), "rint": (np.rint, "wide"), "trunc": (np.trunc, "wide"),
     "square": (np.square, "real"), "reciprocal": (np.reciprocal, "pos"),
     "sign": (np.sign, "real"), "fabs": (np.fabs, "real"), "absolute": (np.absolute, "real"),
