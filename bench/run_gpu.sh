@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (the device tool): build the extension in place, compile the
 # kernels for this GPU, then run what was asked; logs land in $OUT.
-#   bash bench/run_gpu.sh [warmup|smoke|gpu|host|sanitizers|suite0..suite4|sanitize|bench|mods|quick|register] ...
+#   bash bench/run_gpu.sh [warmup|smoke|gpu|host|sanitizers|suite0..suite4|sanitize|bench|mods|quick|register|short] ...
 # (in order). The whole GPU suite: gpu, host, sanitizers (test_cuda_sanitize.py, apart: each test
 # runs a child under compute-sanitizer) and suite0..suite4; suiteN reruns a fifth of the CPU test
 # file on the GPU (a few minutes each, one per call). Every GPU test but the sanitizers' at once
@@ -52,6 +52,12 @@ for step in "$@"; do
     mods) # the score_mod / mask_mod rows and their first calls (~6 minutes on a fresh machine)
           python3 -m attnext.bench --device cuda --rows "softcap|relbias|doc7 |window" --first-call \
             --json "$OUT/mods.json" 2>&1 | grep -v "Warning\|^  return" | tee "$OUT/mods.log" | tail -30 ;;
+    short) # the S512 / S1k forward rows (two-warpgroup kernel) against the WS kernel there
+           # (ATTNEXT_FWD_WS=all; ws128: D = 64's plain calls on the persistent 128-row tile too)
+           python3 bench/labs/lab_fwd_ab.py --rows 64:512 64:1024 128:512 128:1024 64:512:causal \
+             64:1024:causal 128:512:causal 128:1024:causal --rounds 2 --config default= \
+             --config ws=ATTNEXT_FWD_WS=all --config "ws128=ATTNEXT_FWD_WS=all ATTNEXT_TILE_FWD_WS=128,128,8,2" \
+             2>&1 | tee "$OUT/short.log" | tail -60 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

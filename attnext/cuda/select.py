@@ -226,10 +226,12 @@ def fwd_ws(arch, D, Dv, vec, rows, key_rows, dtype="bfloat16", copyable=False, t
     rows past Lk inside the tensor, whose V rows the kernel zeroes), in a tensor of at least a
     tile's rows (key_rows: a copy's box is a whole tile), and a driver that makes tensor maps
     (tensor_maps: None asks this process's driver; the compile lab, with none, says True).
-    ATTNEXT_FWD_WS=0 says no (the lab's comparison)."""
+    ATTNEXT_FWD_WS=0 says no, =all yes at SM90_SHORT_ROWS rows and under as well (the lab's
+    comparisons)."""
+    knob = _env.get("ATTNEXT_FWD_WS") or "1"
     if not (arch == "sm_90a" and vec and D == Dv and D in (64, 128) and dtype != "float32"
-            and copyable and rows > SM90_SHORT_ROWS and key_rows >= fwd_ws_tile()[1]
-            and (_env.get("ATTNEXT_FWD_WS") or "1") != "0" and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
+            and copyable and (rows > SM90_SHORT_ROWS or knob == "all") and key_rows >= fwd_ws_tile()[1]
+            and knob != "0" and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
         return False
     if tensor_maps is not None:
         return tensor_maps

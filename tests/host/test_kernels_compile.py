@@ -107,7 +107,7 @@ def test_hopper_decode_by_tensor_copies_where_it_applies(monkeypatch):
 def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
     """attn_fwd_sm90.cu's WS kernel: Hopper, 16-bit, D = Dv in {64, 128}, rows past SM90_SHORT_ROWS,
     keys a bulk copy can read (never a page table's or a zero stride's) of at least a tile's rows,
-    a driver with tensor maps, ATTNEXT_FWD_WS not 0; its tile (64 keys with a score_mod, 128 once
+    a driver with tensor maps, ATTNEXT_FWD_WS not 0 (all: at the short rows too); its tile (64 keys with a score_mod, 128 once
     compiled for one that loads from no array per score), defines and shared memory (three stages of K and V still fit an SM)."""
     from attnext import _C, _env
     from attnext.mods import codegen, trace
@@ -126,6 +126,14 @@ def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
             assert not select.fwd_ws(**ok), name
         finally:
             _env.setenv(name, None)
+    # the lab's all: the short rows too, where the rest allows
+    short = {**ok, "rows": select.SM90_SHORT_ROWS, "key_rows": 512}
+    _env.setenv("ATTNEXT_FWD_WS", "all")
+    try:
+        assert select.fwd_ws(**short) and select.fwd_ws(**{**short, "rows": 1})
+        assert not select.fwd_ws(**{**short, "key_rows": 127}) and not select.fwd_ws(**{**short, "D": 96, "Dv": 96})
+    finally:
+        _env.setenv("ATTNEXT_FWD_WS", None)
     tile = select.fwd_ws_tile()
     assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, ws=True) == ("attn_fwd_sm90", tile)
     softcap = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: 20 * np.tanh(s / 20)), None)
