@@ -74,6 +74,7 @@ _FD_AGREE = 1e-11
 _FD_HALF_AGREE = 1e-9
 _FD_SIDED_AGREE = 1e-7
 _FD_SHRINK = 8
+_FD_READ = 1e-7
 
 
 def _bhsd(x, layout):
@@ -326,11 +327,14 @@ def _shrinking(quotient, x, fmag):
     """(derivative, settled) at the finite points x where _derivative's steps did not settle,
     from quotient(h) as there: central differences refined as there, at steps shrinking
     fourfold from _FD_SMALL's quarter (relative to max(1, |x|)) for _FD_SHRINK steps, settled
-    at the first step whose estimate agrees with the step before it to _FD_HALF_AGREE, beside
-    the steps' rounding (eps |fmag| / h; fmag: None, or |f| near x). A steep smooth function
-    (log, sqrt, cbrt at 1e-5) settles once the step is small beside |x|; a kink settles once
-    the step no longer crosses it, else (x on the kink, within rounding) the caller takes one
-    side."""
+    at the first step whose estimate agrees with the step before it to _FD_HALF_AGREE and whose
+    rounding (8 eps |fmag| / h; fmag: |f| near x, or None) is under _FD_READ. A steep smooth
+    function (log, sqrt, cbrt at 1e-5) settles once the step is small beside |x|. Near a kink or
+    a jump, the steps that straddle it disagree, and those past it are small, so they settle
+    only where f is small enough to be read at that step (two numerators rounded to 0 would
+    agree); elsewhere the caller takes one side. No allowance for rounding in the agreement
+    itself, unlike _derivative's: it let two straddling estimates (both near the slopes' mean)
+    pass."""
     scale = np.maximum(1.0, np.abs(x))
     with np.errstate(all="ignore"):
         size = 0.0 if fmag is None else 8 * np.finfo(np.float64).eps * np.abs(fmag)
@@ -345,7 +349,8 @@ def _shrinking(quotient, x, fmag):
         for _ in range(_FD_SHRINK):
             h = h / 4
             now = refined(h)
-            agree = ~settled & (np.abs(now - before) <= _FD_HALF_AGREE * np.maximum(1.0, np.abs(now)) + 2 * size / h)
+            big = np.maximum(1.0, np.abs(now))
+            agree = ~settled & (np.abs(now - before) <= _FD_HALF_AGREE * big) & (size / h <= _FD_READ * big)
             found, settled = np.where(agree, now, found), settled | agree
             if settled.all():
                 break

@@ -591,11 +591,21 @@ def test_cpu_backend_where_a_score_mod_revives_minus_inf(name, dtype, rng):
     assert not problems, problems
 
 
-@pytest.mark.parametrize("gap", [3e-6, 1e-7, -3e-6, -1e-7], ids=["left3e-6", "left1e-7", "right3e-6", "right1e-7"])
-def test_score_mod_derivative_near_a_kink(gap):
+GAPS = {"left3e-6": 3e-6, "left1e-7": 1e-7, "left1e-9": 1e-9, "left3e-12": 3e-12, "right3e-6": -3e-6,
+        "right1e-7": -1e-7, "right1e-9": -1e-9, "right3e-12": -3e-12}
+
+
+@pytest.mark.parametrize("gap, lift", [(g, 0.0) for g in GAPS.values()] + [(g, 1e3) for g in GAPS.values() if g != 3e-12],
+                         ids=[f"{n}-lift0" for n in GAPS] + [f"{n}-lift1e3" for n, g in GAPS.items() if g != 3e-12])
+def test_score_mod_derivative_near_a_kink(gap, lift):
     """A score within the central difference's step (6e-6) of a kink takes its derivative from
-    the side that does not cross it: np.maximum(s, -1) has slope 0 below -1 and 1 above, exactly,
-    however close (the central difference gave the slope in between)."""
+    the side that does not cross it: np.maximum(s, -1) + lift has slope 0 below -1 and 1 above,
+    exactly, however close (the central difference gave the slope in between). Lifted by 1e3, the
+    scores' differences carry 1e3 times the rounding (the bound with them), and shrinking steps
+    (reference._shrinking) cannot read the score past a kink 1e-9 or closer: it is left to the
+    side (a first cut let two steps agree within their rounding, or both straddle the kink:
+    0.9987 at 1e-9, 0.5 at 3e-12). 3e-12 under the kink, lifted, is within the lifted score's
+    rounding: the reference reads both sides as smooth there and takes their mean."""
     rng = np.random.default_rng(0)
     q = np.ones((1, 1, 1, 1))
     k = np.array([(1.0 + gap) / 1.5, rng.uniform(0.1, 0.5)]).reshape(1, 2, 1, 1)
@@ -603,15 +613,15 @@ def test_score_mod_derivative_near_a_kink(gap):
     dout = rng.standard_normal((1, 1, 1, 3))
     s0 = -1.5 * float(k[0, 0, 0, 0])
     assert (s0 < -1.0) == (gap > 0) and 0 < abs(s0 + 1.0) < 4e-6
-    opts = dict(scale=-1.5, score_mod=lambda s, b, h, qi, ki: np.maximum(s, -1.0))
+    opts = dict(scale=-1.5, score_mod=lambda s, b, h, qi, ki: np.maximum(s, -1.0) + lift)
     out, lse = ref.attention(q, k, v, return_lse=True, **opts)
     g = ref.attention_backward(dout, q, k, v, out, lse, **opts)
     # dk of key 0 is dS * slope * scale * q: 0 below the kink, nonzero above it
-    p = np.exp(np.array([max(s0, -1.0), -1.5 * k[0, 1, 0, 0]]) - lse[0, 0, 0])
+    p = np.exp(np.array([max(s0, -1.0), -1.5 * k[0, 1, 0, 0]]) + lift - lse[0, 0, 0])
     dp = v[0, :, 0] @ dout[0, 0, 0]
     ds0 = p[0] * (dp[0] - p @ dp)
     want = 0.0 if gap > 0 else ds0 * -1.5
-    assert abs(g.dk[0, 0, 0, 0] - want) < 1e-9 * max(1.0, abs(want))
+    assert abs(g.dk[0, 0, 0, 0] - want) < 1e-9 * (1.0 + lift) * max(1.0, abs(want))
 
 
 def test_score_mod_derivative_far_from_zero():
