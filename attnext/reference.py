@@ -349,8 +349,8 @@ def _shrinking(quotient, x, fmag):
         for _ in range(_FD_SHRINK):
             h = h / 4
             now = refined(h)
-            big = np.maximum(1.0, np.abs(now))
-            agree = ~settled & (np.abs(now - before) <= _FD_HALF_AGREE * big) & (size / h <= _FD_READ * big)
+            unit = np.maximum(1.0, np.abs(now))
+            agree = ~settled & (np.abs(now - before) <= _FD_HALF_AGREE * unit) & (size / h <= _FD_READ * unit)
             found, settled = np.where(agree, now, found), settled | agree
             if settled.all():
                 break
@@ -419,17 +419,17 @@ def _through_score_mod(score_mod, ds3, sc):
         deriv, smooth = _derivative(quotient, s, fmag=np.where(np.isfinite(s), _call_score_mod(score_mod, s, pairs), 0.0))
         rough = np.flatnonzero(~smooth & np.isfinite(s))
         if rough.size:
-            sub = tuple(p[rough] for p in pairs)
+            sub, sr = tuple(p[rough] for p in pairs), s[rough]
 
             def f(t):
                 return _call_score_mod(score_mod, t, sub)
 
             def sub_quotient(h):
-                return (f(s[rough] + h) - f(s[rough] - h)) / _step(s[rough], h)
+                return (f(sr + h) - f(sr - h)) / _step(sr, h)
             # steep (log, cbrt near 0) or near a kink: steps that shrink until they settle,
             # else the side that does not cross the kink
-            fine, settled = _shrinking(sub_quotient, s[rough], f(s[rough]))
-            deriv[rough] = np.where(settled, fine, _one_sided(f, s[rough], deriv[rough]))
+            fine, settled = _shrinking(sub_quotient, sr, f(sr))
+            deriv[rough] = np.where(settled, fine, _one_sided(f, sr, deriv[rough]))
         ds2.ravel()[where] = d * deriv
     return ds2
 
