@@ -107,8 +107,9 @@ def test_hopper_decode_by_tensor_copies_where_it_applies(monkeypatch):
 def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
     """attn_fwd_sm90.cu's WS kernel: Hopper, 16-bit, D = Dv in {64, 128}, rows past SM90_SHORT_ROWS,
     keys a bulk copy can read (never a page table's or a zero stride's) of at least a tile's rows,
-    a driver with tensor maps, ATTNEXT_FWD_WS not 0 (all: at the short rows too); its tile (64 keys with a score_mod, 128 once
-    compiled for one that loads from no array per score), defines and shared memory (three stages of K and V still fit an SM)."""
+    a driver with tensor maps, ATTNEXT_FWD_WS not 0 (all: at the short rows too); its tile (64
+    keys with a score_mod, 128 once compiled for one that loads from no array per score),
+    defines and shared memory (three stages of K and V still fit an SM)."""
     from attnext import _C, _env
     from attnext.mods import codegen, trace
     monkeypatch.setattr(_C, "cuda_tensor_maps", lambda: True)
