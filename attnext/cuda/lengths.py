@@ -101,11 +101,11 @@ def launch_pages(stage, table, used, B, page_size, num_pages, arch):
 
 
 def relaunch(check, stream):
-    """Enqueues a check (launch's or launch_pages') on stream, attn_pages under a new launch
-    number: the arrays' values as they are when it runs."""
+    """Enqueues a check (launch's or launch_pages') on stream, under a new launch number where
+    its parameters hold one (attn_pages'): the arrays' values as they are when it runs."""
     if all(check.grid):
         params = check.params
-        if params.dtype == PAGES_PARAMS:
+        if "call" in params.dtype.names:
             params = params.copy()
             params["call"] = next(_page_calls)
         _C.launch(check.fn, check.grid, check.block, 0, stream, params.tobytes())
