@@ -174,6 +174,9 @@ SETTINGS = {s.name: s for s in [
     Setting("ATTNEXT_FUZZ_SECONDS", "float", "100", TEST, IMPORT,
             "the differential fuzzer's budget in tests/cpu/test_fuzz.py"),
     Setting("ATTNEXT_FUZZ_SEED", "int", "0", TEST, IMPORT, "the fuzzer's hypothesis seed"),
+    Setting("ATTNEXT_TEST_SEED", "int", "0", TEST, IMPORT,
+            "mixed into every test's seed (tests/conftest.py's seed_of) where not 0: the suite on "
+            "other random data, to find tests that pass on their own data alone"),
     Setting("ATTNEXT_SANITIZE_TESTS", "test paths, space-separated", "a subset", TEST, CALL,
             "what tests/cpu/test_sanitizers.py runs under the sanitizers ('tests': all)"),
     Setting("ATTNEXT_SANITIZED_CHILD", "1", "unset", TEST, CALL,

@@ -77,11 +77,18 @@ def dtype_id(dt):
 
 # --- random data ---
 
+# ATTNEXT_TEST_SEED: mixed into every seed where not 0, so the suite runs on other data (a test
+# that passes on its own data alone is fragile: tests/README.md)
+TEST_SEED = int(os.environ.get("ATTNEXT_TEST_SEED") or 0)
+
+
 def seed_of(nodeid):
     """A test's seed: its node id with its file named as tests/<file> whatever its folder, so a
-    file moved between tests/'s folders keeps its data (the ids of the flat tests/ it grew in)."""
+    file moved between tests/'s folders keeps its data (the ids of the flat tests/ it grew in);
+    ATTNEXT_TEST_SEED, where not 0, before it."""
     path, _, test = nodeid.partition("::")
-    return zlib.crc32(f"tests/{os.path.basename(path)}::{test}".encode())
+    salt = f"{TEST_SEED}:" if TEST_SEED else ""
+    return zlib.crc32(f"{salt}tests/{os.path.basename(path)}::{test}".encode())
 
 
 @pytest.fixture
