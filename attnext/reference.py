@@ -294,6 +294,13 @@ def _softmax(s3, sink=-np.inf):
     return e / np.where(total > 0, total, 1.0), lse
 
 
+def _refined(quotient, h):
+    """quotient(h) refined by one Richardson step: the central difference's h**2 term cancels
+    between steps h and h / 2."""
+    coarse, fine = quotient(h), quotient(h / 2)
+    return fine + (fine - coarse) / 3
+
+
 def _derivative(quotient, x, fmag=None):
     """A derivative at x (an array, or a scalar) from quotient(h), the central difference
     quotient with steps h (an array like x), as the module's _FD_* constants say, and where it
@@ -304,12 +311,8 @@ def _derivative(quotient, x, fmag=None):
     x = np.asarray(x, dtype=np.float64)
     scale = np.where(np.isfinite(x), np.maximum(1.0, np.abs(x)), 1.0)
 
-    def refined(h):
-        coarse, fine = quotient(h), quotient(h / 2)
-        return fine + (fine - coarse) / 3
-
     with np.errstate(all="ignore"):
-        big, small = refined(_FD_BIG * scale), refined(_FD_SMALL * scale)
+        big, small = _refined(quotient, _FD_BIG * scale), _refined(quotient, _FD_SMALL * scale)
         rounding = 0.0 if fmag is None else 8 * np.finfo(np.float64).eps * np.abs(fmag) / (_FD_SMALL * scale)
         close = np.abs(big - small) <= _FD_AGREE * np.maximum(1.0, np.abs(small)) + rounding
         smooth = close.copy()
@@ -318,7 +321,7 @@ def _derivative(quotient, x, fmag=None):
             # derivative at |x| ~ 300 is off by ~5e-6 there), the small step agrees with half of
             # itself and its estimate stands; a kink within the small step moves a straddling
             # quotient by O(1) of the slopes' jump as the step halves
-            half = refined(_FD_SMALL * scale / 2)
+            half = _refined(quotient, _FD_SMALL * scale / 2)
             smooth |= np.abs(small - half) <= _FD_HALF_AGREE * np.maximum(1.0, np.abs(small)) + 2 * rounding
         return np.where(close, big, small), smooth
 
@@ -338,17 +341,12 @@ def _shrinking(quotient, x, fmag):
     scale = np.maximum(1.0, np.abs(x))
     with np.errstate(all="ignore"):
         size = 0.0 if fmag is None else 8 * np.finfo(np.float64).eps * np.abs(fmag)
-
-        def refined(h):
-            coarse, fine = quotient(h), quotient(h / 2)
-            return fine + (fine - coarse) / 3
-
         h = _FD_SMALL * scale
-        before = refined(h)
+        before = _refined(quotient, h)
         found, settled = np.zeros_like(before), np.zeros(np.shape(x), dtype=bool)
         for _ in range(_FD_SHRINK):
             h = h / 4
-            now = refined(h)
+            now = _refined(quotient, h)
             unit = np.maximum(1.0, np.abs(now))
             agree = ~settled & (np.abs(now - before) <= _FD_HALF_AGREE * unit) & (size / h <= _FD_READ * unit)
             found, settled = np.where(agree, now, found), settled | agree
@@ -358,14 +356,13 @@ def _shrinking(quotient, x, fmag):
     return found, settled & np.isfinite(found)
 
 
-def _one_sided(f, x, central):
-    """The derivative of f (an elementwise function of an array) at the points x near a kink:
+def _one_sided(f, x, f0, central):
+    """The derivative of f (an elementwise function of an array; f0 = f(x)) at the points x near a kink:
     from the side whose one-sided differences (refined by one Richardson step, at steps h, h / 2
     and h / 4 relative to max(1, |x|)) agree with themselves, the other side's straddling the
     kink; `central` (the central difference) where both sides or neither agree (x on the kink
     itself, or no kink at all)."""
     h = _FD_SMALL * np.maximum(1.0, np.abs(x))
-    f0 = f(x)
 
     def side(sign):
         q = [sign * (f(x + sign * t) - f0) / (sign * ((x + sign * t) - x)) for t in (h, h / 2, h / 4)]
@@ -428,8 +425,9 @@ def _through_score_mod(score_mod, ds3, sc):
                 return (f(sr + h) - f(sr - h)) / _step(sr, h)
             # steep (log, cbrt near 0) or near a kink: steps that shrink until they settle,
             # else the side that does not cross the kink
-            fine, settled = _shrinking(sub_quotient, sr, f(sr))
-            deriv[rough] = np.where(settled, fine, _one_sided(f, sr, deriv[rough]))
+            f0 = f(sr)
+            fine, settled = _shrinking(sub_quotient, sr, f0)
+            deriv[rough] = np.where(settled, fine, _one_sided(f, sr, f0, deriv[rough]))
         ds2.ravel()[where] = d * deriv
     return ds2
 
