@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import _C, interop
-from .devview import DevView
+from .devview import DevView, Shaped
 
 KDL_CUDA = 2
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
@@ -87,7 +87,7 @@ def _free(ptr, stream, device, streams):
         pass
 
 
-class DeviceArray:
+class DeviceArray(Shaped):
     """An array in GPU memory: attnext's results when the caller's library cannot take a
     DLPack capsule. Exposes `__cuda_array_interface__` (v3) and `__dlpack__`, so CuPy, PyTorch,
     JAX and Numba read it in place; `numpy()` (or `np.asarray`) copies it to the host.
@@ -109,22 +109,6 @@ class DeviceArray:
         self.device = int(device)
         self.stream = int(stream)
         self.owner = owner
-
-    @property
-    def ndim(self):
-        return len(self.shape)
-
-    @property
-    def size(self):
-        return math.prod(self.shape)
-
-    @property
-    def itemsize(self):
-        return self.dtype.itemsize
-
-    @property
-    def nbytes(self):
-        return self.size * self.itemsize
 
     def is_contiguous(self):
         """C-contiguous (strides of size-1 dims do not matter)."""

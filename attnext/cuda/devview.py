@@ -25,7 +25,29 @@ def may_be_device_array(x):
     return not isinstance(x, (np.ndarray, type)) and (_has(x, "__cuda_array_interface__") or _has(x, "__dlpack__"))
 
 
-class DevView:
+class Shaped:
+    """ndim, size, itemsize and nbytes from a class's shape and dtype, as NumPy names them:
+    DevView's and attnext.cuda.arrays.DeviceArray's."""
+    __slots__ = ()
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def size(self):
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self):
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self):
+        return self.size * self.itemsize
+
+
+class DevView(Shaped):
     __slots__ = ("ptr", "shape", "strides", "dtype", "device", "stream", "keep", "readonly", "_span")
 
     def __init__(self, ptr, shape, strides, dtype, device, stream=0, keep=None, readonly=False):
@@ -59,18 +81,6 @@ class DevView:
     def _like(self, ptr, shape, strides):
         return DevView._made(ptr, tuple(shape), tuple(strides), self.dtype, self.device, self.stream,
                              self.keep, self.readonly)
-
-    @property
-    def ndim(self):
-        return len(self.shape)
-
-    @property
-    def size(self):
-        return math.prod(self.shape)
-
-    @property
-    def itemsize(self):
-        return self.dtype.itemsize
 
     def transpose(self, *axes):
         shape, strides = self.shape, self.strides
