@@ -112,9 +112,8 @@ SETTINGS = {s.name: s for s in [
             "bulk tensor copies (the lab's comparison)"),
     Setting("ATTNEXT_TILE_SM90", _TILE, "select.fwd_kernel", LAB, CALL,
             "attn_fwd_sm90.cu's tile: BLOCK_M,BLOCK_N,WARPS"),
-    Setting("ATTNEXT_FWD_WS", "0 | 1 | all", "1", LAB, CALL,
-            "0 keeps Hopper's long forward on attn_fwd_sm90.cu's two-warpgroup kernel (no WS); "
-            "all takes the WS kernel for the short rows too (select.SM90_SHORT_ROWS and under)"),
+    Setting("ATTNEXT_FWD_WS", "0 | 1", "1", LAB, CALL,
+            "0 keeps Hopper's forward on attn_fwd_sm90.cu's two-warpgroup kernel (no WS)"),
     Setting("ATTNEXT_TILE_FWD_WS", _TILE, "select.fwd_ws_tile", LAB, CALL,
             "attn_fwd_sm90.cu's WS tile: BLOCK_M,BLOCK_N,WARPS,STAGES"),
     Setting("ATTNEXT_TILE_BWD", _TILE, "select.bwd_tile_config", LAB, CALL,

@@ -156,7 +156,11 @@ SM90_TILE_WS = (128, 128, 8, 2)
 # first) a causal mask alone takes it too past CAUSAL_WS3_ROWS query rows (H200, session 43,
 # alternated twice, against SM90_TILE_WS: B2 S8k 417 -> 440, B1 S16k 439 -> 467 TFLOP/s, +5-6.5%;
 # S4k 377 -> 380; S2k 326 -> 311, where the persistent grid of SM90_TILE_WS leads)
+# At WS3_ROWS query rows and under it is no better than the persistent grid of SM90_TILE_WS (H200,
+# session 76, lab_fwd_ab alternated twice, cuDNN beside; TFLOP/s, 192-row tile / SM90_TILE_WS:
+# B64 S256 178 / 298, B32 S512 304 / 353, B16 S1k 406-410 / 415-417), whose 512-row call is 4 tiles
 SM90_TILE_WS3 = (192, 128, 12, 2)
+WS3_ROWS = 1024
 CAUSAL_WS3_ROWS = 2048
 # ... and at D = 128 for plain calls (no causal mask, window, score options or score_mod /
 # mask_mod) over keys of at least WIDE_KEYS rows (the longest key sequence's) that the persistent
@@ -195,10 +199,10 @@ def fwd_ws_tile(score_mod=False, wide=False, ws3=False, wide_keys=False):
 
 def fwd_ws3(D, rows, causal, window, options, mods):
     """Whether a WS forward takes SM90_TILE_WS3: D = 64 without generated mods (mods: a
-    codegen.Generated or None), window or score options (score_options'), with no causal mask, or
-    with one past CAUSAL_WS3_ROWS query rows (rows: the longest sequence's)."""
+    codegen.Generated or None), window or score options (score_options'), past WS3_ROWS query rows
+    (rows: the longest sequence's) with no causal mask, or past CAUSAL_WS3_ROWS with one."""
     return (D == 64 and mods is None and not window and not options
-            and (not causal or rows > CAUSAL_WS3_ROWS))
+            and rows > (CAUSAL_WS3_ROWS if causal else WS3_ROWS))
 
 
 def fwd_wide_keys(D, q_tiles, key_rows, causal, window, options, mods):
@@ -219,19 +223,23 @@ def fwd_ws_widens(mods):
     return score_mod and not mods.pair_loads and fwd_ws_tile(True) != fwd_ws_tile(True, True)
 
 
-def fwd_ws(arch, D, Dv, vec, rows, key_rows, dtype="bfloat16", copyable=False, tensor_maps=None):
+# The WS kernel at every length since session 76: the short rows (SM90_SHORT_ROWS and under) had
+# kept the two-warpgroup kernel since session 30, before the persistent grid and the lazy maxima.
+# H200, lab_fwd_ab alternated twice, cuDNN beside, TFLOP/s two-warpgroup / WS (16k tokens a row):
+# D128 S256 257 / 411-415, S512 335-337 / 513-517, S1k 373 / 583-595, S512 causal 237 / 321-323,
+# S1k causal 307-309 / 450-452; D64 S256 229 / 297-299, S512 291 / 352-353, S1k 320-321 /
+# 415-417, S512 causal 205 / 229, S1k causal 258-259 / 310-311 (0.61-0.79x cuDNN -> 0.86-1.07x)
+def fwd_ws(arch, D, Dv, vec, key_rows, dtype="bfloat16", copyable=False, tensor_maps=None):
     """Whether a (non-decode) forward runs attn_fwd_sm90.cu's warp-specialised kernel (WS): D = Dv
-    in {64, 128} past SM90_SHORT_ROWS rows, with or without a score_mod / mask_mod, over keys a
-    bulk copy can read (copyable: no page table or zero stride; varlen and seqused_k keys have
-    rows past Lk inside the tensor, whose V rows the kernel zeroes), in a tensor of at least a
-    tile's rows (key_rows: a copy's box is a whole tile), and a driver that makes tensor maps
-    (tensor_maps: None asks this process's driver; the compile lab, with none, says True).
-    ATTNEXT_FWD_WS=0 says no, =all yes at SM90_SHORT_ROWS rows and under as well (the lab's
-    comparisons)."""
-    knob = _env.get("ATTNEXT_FWD_WS") or "1"
+    in {64, 128}, with or without a score_mod / mask_mod, over keys a bulk copy can read
+    (copyable: no page table or zero stride; varlen and seqused_k keys have rows past Lk inside
+    the tensor, whose V rows the kernel zeroes), in a tensor of at least a tile's rows (key_rows:
+    a copy's box is a whole tile), and a driver that makes tensor maps (tensor_maps: None asks
+    this process's driver; the compile lab, with none, says True). ATTNEXT_FWD_WS=0 says no (the
+    lab's comparisons)."""
     if not (arch == "sm_90a" and vec and D == Dv and D in (64, 128) and dtype != "float32"
-            and copyable and (rows > SM90_SHORT_ROWS or knob == "all") and key_rows >= fwd_ws_tile()[1]
-            and knob != "0" and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
+            and copyable and key_rows >= fwd_ws_tile()[1]
+            and (_env.get("ATTNEXT_FWD_WS") or "1") != "0" and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
         return False
     if tensor_maps is not None:
         return tensor_maps

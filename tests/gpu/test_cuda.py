@@ -85,19 +85,19 @@ def _check_every_option(q, k, v, rng, windows):
                    window=windows[1], causal=True)
 
 
-@pytest.mark.parametrize("kernel", ["default", "mma_sync", "ws_short"])
+@pytest.mark.parametrize("kernel", ["default", "mma_sync", "two_warpgroups"])
 @pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (128, 64), (64, 128)],
                          ids=["d64", "d128", "d128_dv64", "d64_dv128"])
 def test_forward_kernels_with_every_option(kernel, d, dv, rng, monkeypatch):
-    """On Hopper these head dims run attn_fwd_sm90 (wgmma) by default; "mma_sync" forces
-    attn_fwd.cu, and "ws_short" (the lab's ATTNEXT_FWD_WS=all) the warp-specialised kernel at
-    these short rows where D = Dv (on Hopper every such plan is WS, else none), so each kernel
-    meets every option on tile edges (300 x 333: neither length a multiple of 64) and on a
-    packed batch."""
+    """On Hopper these head dims run attn_fwd_sm90 (wgmma) by default, the warp-specialised
+    kernel where D = Dv (on Hopper every such plan is WS, else none); "mma_sync" forces
+    attn_fwd.cu, and "two_warpgroups" (ATTNEXT_FWD_WS=0) attn_fwd_sm90's kernel without WS, so
+    each kernel meets every option on tile edges (300 x 333: neither length a multiple of 64) and
+    on a packed batch."""
     if kernel == "mma_sync":
         monkeypatch.setenv("ATTNEXT_FWD_SM90", "0")
-    if kernel == "ws_short":
-        monkeypatch.setenv("ATTNEXT_FWD_WS", "all")
+    if kernel == "two_warpgroups":
+        monkeypatch.setenv("ATTNEXT_FWD_WS", "0")
     chosen, hopper = _spy_ws(monkeypatch)
     q, k, v = make_qkv(rng, 2, 300, 333, 4, 2, d, dv, BF16)
     _check_every_option(q, k, v, rng, windows=((70, 0), (100, 7)))
@@ -107,7 +107,7 @@ def test_forward_kernels_with_every_option(kernel, d, dv, rng, monkeypatch):
     varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=np.array([150, 0, 129, 33], np.int32))
     out, lse = _check_forward(q, k, v, F16, varlen=varlen, causal=True)
     assert (out[400:] == 0).all() and np.isneginf(lse[:, 400:]).all()
-    assert chosen and set(chosen) == {kernel == "ws_short" and hopper and d == dv}, chosen
+    assert chosen and set(chosen) == {kernel == "default" and hopper and d == dv}, chosen
 
 
 def _spy_ws(monkeypatch, rows=None):

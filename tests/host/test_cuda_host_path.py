@@ -641,8 +641,9 @@ def test_the_persistent_ws_forward_plan(tmp_path):
     PERSIST_Q_ROWS rows; out's only where its address and strides are 16-byte aligned, and not
     under ATTNEXT_FWD_TMA_STORE=0), the stream's counters in their slot and the second Q's shared
     memory; a varlen call and one with seqused_k keep a CTA a tile, as do longer rows, a call with
-    a score option and every call under ATTNEXT_FWD_PERSIST=0. Calls of 1024 query rows and under
-    run the two-warpgroup kernel, but for the lab's ATTNEXT_FWD_WS=all. On the fake driver built
+    a score option and every call under ATTNEXT_FWD_PERSIST=0. Short calls (512 query rows) run the
+    persistent grid too, D = 64's plain ones on the 128-row tile with three stages, not the 192-row
+    one (select.WS3_ROWS); ATTNEXT_FWD_WS=0 keeps the two-warpgroup kernel. On the fake driver built
     with tensor maps (WS needs them)."""
     if fake_cuda.compiler() is None:
         pytest.skip("no C compiler for the fake libcuda")
@@ -721,17 +722,19 @@ def test_the_persistent_ws_forward_plan(tmp_path):
             _env.setenv("ATTNEXT_FWD_PERSIST", None)
         assert "PERSIST" not in d and grid == (16, 16, 2) and n_maps == 2 and not any(ptrs[at:at + 1]), (d, grid, ptrs)
         assert smem == select.fwd_smem_bytes(128, 128, ws_tile, "attn_fwd_sm90", ws=True)
-        # 1024 query rows and under keep the two-warpgroup kernel, but for the lab's
-        # ATTNEXT_FWD_WS=all, where a 512-row call runs the persistent WS grid
+        # a 512-row call: the persistent grid, 4 query tiles a head; at D = 64 three stages of
+        # the 128-row tile, not the 192-row one (3 tiles, 64 rows of them idle)
         short = qkv(32, 512, 512, 16, 16, 128)
         d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(*short))
-        assert "WS" not in d and d["BLOCK_M"] == select.SM90_TILE_SHORT[0], d
-        _env.setenv("ATTNEXT_FWD_WS", "all")
+        assert d["WS"] == 1 and d["PERSIST"] == 1 and grid == (min(4 * 16 * 32, sms), 1, 1) and n_maps == 4, (d, grid)
+        d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(*qkv(32, 512, 512, 16, 16, 64)))
+        assert d["PERSIST"] == 1 and (d["BLOCK_M"], d["STAGES"]) == (128, 3) and grid == (min(4 * 16 * 32, sms), 1, 1), d
+        _env.setenv("ATTNEXT_FWD_WS", "0")
         try:
             d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(*short))
         finally:
             _env.setenv("ATTNEXT_FWD_WS", None)
-        assert d["WS"] == 1 and d["PERSIST"] == 1 and grid == (min(4 * 16 * 32, sms), 1, 1) and n_maps == 4, (d, grid)
+        assert "WS" not in d and d["BLOCK_M"] == select.SM90_TILE_SHORT[0], d
         print("ok")
     """)
 

@@ -105,18 +105,18 @@ def test_hopper_decode_by_tensor_copies_where_it_applies(monkeypatch):
 
 
 def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
-    """attn_fwd_sm90.cu's WS kernel: Hopper, 16-bit, D = Dv in {64, 128}, rows past SM90_SHORT_ROWS,
-    keys a bulk copy can read (never a page table's or a zero stride's) of at least a tile's rows,
-    a driver with tensor maps, ATTNEXT_FWD_WS not 0 (all: at the short rows too); its tile (64
-    keys with a score_mod, 128 once compiled for one that loads from no array per score),
-    defines and shared memory (three stages of K and V still fit an SM)."""
+    """attn_fwd_sm90.cu's WS kernel: Hopper, 16-bit, D = Dv in {64, 128}, keys a bulk copy can
+    read (never a page table's or a zero stride's) of at least a tile's rows, a driver with tensor
+    maps, ATTNEXT_FWD_WS not 0, at any number of query rows; its tile (64 keys with a score_mod,
+    128 once compiled for one that loads from no array per score), defines and shared memory
+    (three stages of K and V still fit an SM)."""
     from attnext import _C, _env
     from attnext.mods import codegen, trace
     monkeypatch.setattr(_C, "cuda_tensor_maps", lambda: True)
-    ok = dict(arch="sm_90a", D=128, Dv=128, vec=True, rows=4096, key_rows=4096, dtype="bfloat16", copyable=True)
+    ok = dict(arch="sm_90a", D=128, Dv=128, vec=True, key_rows=4096, dtype="bfloat16", copyable=True)
     assert select.fwd_ws(**ok) and select.fwd_ws(**{**ok, "dtype": "float16"}) and select.fwd_ws(**{**ok, "D": 64, "Dv": 64})
     for change in (dict(arch="sm_80"), dict(D=96, Dv=96), dict(Dv=64), dict(vec=False), dict(dtype="float32"),
-                   dict(rows=select.SM90_SHORT_ROWS), dict(key_rows=127), dict(copyable=False)):
+                   dict(key_rows=127), dict(copyable=False)):
         assert not select.fwd_ws(**{**ok, **change}), change
     monkeypatch.setattr(_C, "cuda_tensor_maps", lambda: False)
     assert not select.fwd_ws(**ok)
@@ -127,14 +127,7 @@ def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
             assert not select.fwd_ws(**ok), name
         finally:
             _env.setenv(name, None)
-    # the lab's all: the short rows too, where the rest allows
-    short = {**ok, "rows": select.SM90_SHORT_ROWS, "key_rows": 512}
-    _env.setenv("ATTNEXT_FWD_WS", "all")
-    try:
-        assert select.fwd_ws(**short) and select.fwd_ws(**{**short, "rows": 1})
-        assert not select.fwd_ws(**{**short, "key_rows": 127}) and not select.fwd_ws(**{**short, "D": 96, "Dv": 96})
-    finally:
-        _env.setenv("ATTNEXT_FWD_WS", None)
+    assert select.fwd_ws(**{**ok, "key_rows": select.fwd_ws_tile()[1]})
     tile = select.fwd_ws_tile()
     assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, ws=True) == ("attn_fwd_sm90", tile)
     softcap = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: 20 * np.tanh(s / 20)), None)
@@ -143,11 +136,12 @@ def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
         ("attn_fwd_sm90", select.SM90_TILE_WS_MODS)
     assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, window, ws=True) == ("attn_fwd_sm90", tile)
     assert select.fwd_kernel("sm_90a", 128, 128, True, True, 1, ws=True)[0] == "attn_fwd"   # decode: never WS
-    # D = 64 with no window, bias, mask, ALiBi, softcap or mods, and no causal mask or one past
-    # CAUSAL_WS3_ROWS rows: three computing warpgroups (192 rows); the others keep 128
+    # D = 64 with no window, bias, mask, ALiBi, softcap or mods, past WS3_ROWS rows with no causal
+    # mask or past CAUSAL_WS3_ROWS with one: three computing warpgroups (192 rows); the others keep 128
     long = select.CAUSAL_WS3_ROWS + 1
-    assert select.fwd_ws3(64, 1025, False, False, False, None) and select.fwd_ws3(64, long, True, False, False, None)
+    assert select.fwd_ws3(64, select.WS3_ROWS + 1, False, False, False, None) and select.fwd_ws3(64, long, True, False, False, None)
     assert not select.fwd_ws3(64, select.CAUSAL_WS3_ROWS, True, False, False, None)
+    assert not select.fwd_ws3(64, select.WS3_ROWS, False, False, False, None)
     assert not any(select.fwd_ws3(*args) for args in [(128, long, False, False, False, None), (64, long, False, True, False, None),
                                                       (64, long, False, False, True, None), (64, long, False, False, False, window),
                                                       (64, long, True, False, False, softcap)])
