@@ -357,10 +357,10 @@ def _shrinking(quotient, x, fmag):
 
 
 def _one_sided(f, x, f0, central):
-    """The derivative of f (an elementwise function of an array; f0 = f(x)) at the points x near a kink:
-    from the side whose one-sided differences (refined by one Richardson step, at steps h, h / 2
-    and h / 4 relative to max(1, |x|)) agree with themselves, the other side's straddling the
-    kink; `central` (the central difference) where both sides or neither agree (x on the kink
+    """The derivative of f (an elementwise function of an array; f0 = f(x)) at the points x near
+    a kink: from the side whose one-sided differences (refined by one Richardson step, at steps h,
+    h / 2 and h / 4 relative to max(1, |x|)) agree with themselves, the other side's straddling
+    the kink; `central` (the central difference) where both sides or neither agree (x on the kink
     itself, or no kink at all)."""
     h = _FD_SMALL * np.maximum(1.0, np.abs(x))
 
