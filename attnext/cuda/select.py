@@ -228,17 +228,24 @@ def fwd_ws_widens(mods):
 # H200, lab_fwd_ab alternated twice, cuDNN beside, TFLOP/s two-warpgroup / WS (16k tokens a row):
 # D128 S256 257 / 411-415, S512 335-337 / 513-517, S1k 373 / 583-595, S512 causal 237 / 321-323,
 # S1k causal 307-309 / 450-452; D64 S256 229 / 297-299, S512 291 / 352-353, S1k 320-321 /
-# 415-417, S512 causal 205 / 229, S1k causal 258-259 / 310-311 (0.61-0.79x cuDNN -> 0.86-1.07x)
-def fwd_ws(arch, D, Dv, vec, key_rows, dtype="bfloat16", copyable=False, tensor_maps=None):
+# 415-417, S512 causal 205 / 229, S1k causal 258-259 / 310-311 (0.61-0.79x cuDNN -> 0.86-1.07x).
+# But at D = 64 a softcap or a score_mod over SM90_SHORT_ROWS rows and under runs faster on the
+# two-warpgroup kernel's one-warpgroup tile, two CTAs an SM (H200, one run a side, us: B16 S1k H32
+# softcap 526 / 576, causal softcap score_mod 339 / 423; D128 S512's 229 / 208 and 341 / 222, and
+# D64's bias 1152 / 973 and window 171 / 165 gain from WS): those keep it
+def fwd_ws(arch, D, Dv, vec, key_rows, dtype="bfloat16", copyable=False, tensor_maps=None, rows=None,
+           costly_scores=False):
     """Whether a (non-decode) forward runs attn_fwd_sm90.cu's warp-specialised kernel (WS): D = Dv
     in {64, 128}, with or without a score_mod / mask_mod, over keys a bulk copy can read
     (copyable: no page table or zero stride; varlen and seqused_k keys have rows past Lk inside
     the tensor, whose V rows the kernel zeroes), in a tensor of at least a tile's rows (key_rows:
     a copy's box is a whole tile), and a driver that makes tensor maps (tensor_maps: None asks
-    this process's driver; the compile lab, with none, says True). ATTNEXT_FWD_WS=0 says no (the
-    lab's comparisons)."""
+    this process's driver; the compile lab, with none, says True); not at D = 64 where a call of
+    SM90_SHORT_ROWS query rows or under (rows: the longest sequence's) has costly_scores (a softcap
+    or a generated score_mod). ATTNEXT_FWD_WS=0 says no (the lab's comparisons)."""
     if not (arch == "sm_90a" and vec and D == Dv and D in (64, 128) and dtype != "float32"
             and copyable and key_rows >= fwd_ws_tile()[1]
+            and not (D == 64 and costly_scores and rows is not None and rows <= SM90_SHORT_ROWS)
             and (_env.get("ATTNEXT_FWD_WS") or "1") != "0" and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
         return False
     if tensor_maps is not None:

@@ -643,7 +643,8 @@ def test_the_persistent_ws_forward_plan(tmp_path):
     memory; a varlen call and one with seqused_k keep a CTA a tile, as do longer rows, a call with
     a score option and every call under ATTNEXT_FWD_PERSIST=0. Short calls (512 query rows) run the
     persistent grid too, D = 64's plain ones on the 128-row tile with three stages, not the 192-row
-    one (select.WS3_ROWS); ATTNEXT_FWD_WS=0 keeps the two-warpgroup kernel. On the fake driver built
+    one (select.WS3_ROWS), but for D = 64's with a softcap or a score_mod, which keep the
+    two-warpgroup kernel, as every call does under ATTNEXT_FWD_WS=0. On the fake driver built
     with tensor maps (WS needs them)."""
     if fake_cuda.compiler() is None:
         pytest.skip("no C compiler for the fake libcuda")
@@ -727,8 +728,14 @@ def test_the_persistent_ws_forward_plan(tmp_path):
         short = qkv(32, 512, 512, 16, 16, 128)
         d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(*short))
         assert d["WS"] == 1 and d["PERSIST"] == 1 and grid == (min(4 * 16 * 32, sms), 1, 1) and n_maps == 4, (d, grid)
-        d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(*qkv(32, 512, 512, 16, 16, 64)))
+        short64 = qkv(32, 512, 512, 16, 16, 64)
+        d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(*short64))
         assert d["PERSIST"] == 1 and (d["BLOCK_M"], d["STAGES"]) == (128, 3) and grid == (min(4 * 16 * 32, sms), 1, 1), d
+        # ... but D = 64's with a softcap (or a score_mod: select.fwd_ws) keep the two-warpgroup kernel
+        d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(*short64, softcap=30.0))
+        assert "WS" not in d and d["BLOCK_M"] == select.SM90_TILE_SHORT[0], d
+        d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(*short, softcap=30.0))
+        assert d["WS"] == 1, d
         _env.setenv("ATTNEXT_FWD_WS", "0")
         try:
             d, grid, smem, ptrs, n_maps = launched(lambda: attnext.attention(*short))

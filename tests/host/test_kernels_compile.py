@@ -107,7 +107,8 @@ def test_hopper_decode_by_tensor_copies_where_it_applies(monkeypatch):
 def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
     """attn_fwd_sm90.cu's WS kernel: Hopper, 16-bit, D = Dv in {64, 128}, keys a bulk copy can
     read (never a page table's or a zero stride's) of at least a tile's rows, a driver with tensor
-    maps, ATTNEXT_FWD_WS not 0, at any number of query rows; its tile (64 keys with a score_mod,
+    maps, ATTNEXT_FWD_WS not 0, at any number of query rows (but D = 64's short ones with a
+    softcap or a score_mod); its tile (64 keys with a score_mod,
     128 once compiled for one that loads from no array per score), defines and shared memory
     (three stages of K and V still fit an SM)."""
     from attnext import _C, _env
@@ -128,6 +129,11 @@ def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
         finally:
             _env.setenv(name, None)
     assert select.fwd_ws(**{**ok, "key_rows": select.fwd_ws_tile()[1]})
+    # ... but for D = 64's short calls with a softcap or a score_mod (the two-warpgroup kernel there)
+    d64 = {**ok, "D": 64, "Dv": 64, "rows": select.SM90_SHORT_ROWS}
+    assert select.fwd_ws(**d64) and select.fwd_ws(**{**ok, "rows": 1, "costly_scores": True})
+    assert not select.fwd_ws(**d64, costly_scores=True) and not select.fwd_ws(**{**d64, "rows": 1}, costly_scores=True)
+    assert select.fwd_ws(**{**d64, "rows": select.SM90_SHORT_ROWS + 1}, costly_scores=True)
     tile = select.fwd_ws_tile()
     assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, ws=True) == ("attn_fwd_sm90", tile)
     softcap = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: 20 * np.tanh(s / 20)), None)
