@@ -226,9 +226,9 @@ def fwd_ws_widens(mods):
 # The WS kernel at every length since session 76: the short rows (SM90_SHORT_ROWS and under) had
 # kept the two-warpgroup kernel since session 30, before the persistent grid and the lazy maxima.
 # H200, lab_fwd_ab alternated twice, cuDNN beside, TFLOP/s two-warpgroup / WS (16k tokens a row):
-# D128 S256 257 / 411-415, S512 335-337 / 513-517, S1k 373 / 583-595, S512 causal 237 / 321-323,
-# S1k causal 307-309 / 450-452; D64 S256 229 / 297-299, S512 291 / 352-353, S1k 320-321 /
-# 415-417, S512 causal 205 / 229, S1k causal 258-259 / 310-311 (0.61-0.79x cuDNN -> 0.86-1.07x).
+# D128 S256 258 / 412-413, S512 324-332 / 510-512, S1k 370-371 / 587-589, S512 causal 236-237 /
+# 318-319, S1k causal 305-306 / 444; D64 S256 227-228 / 300-301, S512 287 / 366, S1k 315-319 /
+# 410-415, S512 causal 203-204 / 229, S1k causal 259-260 / 310-311 (0.62-0.79x cuDNN -> 0.89-1.07x).
 # But at D = 64 a softcap or a score_mod over SM90_SHORT_ROWS rows and under runs faster on the
 # two-warpgroup kernel's one-warpgroup tile, two CTAs an SM (H200, one run a side, us: B16 S1k H32
 # softcap 526 / 576, causal softcap score_mod 339 / 423; D128 S512's 229 / 208 and 341 / 222, and

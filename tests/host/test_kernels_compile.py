@@ -108,9 +108,9 @@ def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
     """attn_fwd_sm90.cu's WS kernel: Hopper, 16-bit, D = Dv in {64, 128}, keys a bulk copy can
     read (never a page table's or a zero stride's) of at least a tile's rows, a driver with tensor
     maps, ATTNEXT_FWD_WS not 0, at any number of query rows (but D = 64's short ones with a
-    softcap or a score_mod); its tile (64 keys with a score_mod,
-    128 once compiled for one that loads from no array per score), defines and shared memory
-    (three stages of K and V still fit an SM)."""
+    softcap or a score_mod); its tile (64 keys with a score_mod, 128 once compiled for one that
+    loads from no array per score), defines and shared memory (three stages of K and V still fit
+    an SM)."""
     from attnext import _C, _env
     from attnext.mods import codegen, trace
     monkeypatch.setattr(_C, "cuda_tensor_maps", lambda: True)
