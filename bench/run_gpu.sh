@@ -52,8 +52,8 @@ for step in "$@"; do
     mods) # the score_mod / mask_mod rows and their first calls (~6 minutes on a fresh machine)
           python3 -m attnext.bench --device cuda --rows "softcap|relbias|doc7 |window" --first-call \
             --json "$OUT/mods.json" 2>&1 | grep -v "Warning\|^  return" | tee "$OUT/mods.log" | tail -30 ;;
-    short) # the S256 / S512 / S1k forward rows: the
-           # WS kernel (default) against the two-warpgroup kernel they ran until session 76
+    short) # the S256 / S512 / S1k forward rows: the WS kernel (default) against the
+           # two-warpgroup kernel they ran until session 76
            python3 bench/labs/lab_fwd_ab.py --rows 64:256 128:256 64:512 64:1024 128:512 128:1024 \
              64:512:causal 64:1024:causal 128:512:causal 128:1024:causal --rounds 2 \
              --config default= --config two_wg=ATTNEXT_FWD_WS=0 2>&1 | tee "$OUT/short.log" | tail -60 ;;

@@ -643,9 +643,8 @@ def _new_forward_plan(o, device, q4, k4, v4, out4, lse3, extra, rows, gen, upgra
     decode = pack or splits > 1
     copyable = not paged and getattr(o, "whole_rows", None) is None and _tma_strides(o.k4, o.v4)
     # key_rows: the rows of k's tensor (varlen: the packed rows), which a copy's box may not exceed
-    costly = bool(features["softcap"]) or (gen is not None and bool(gen.defines.get("HAS_SCORE_MOD")))
-    ws = not decode and select.fwd_ws(arch, o.D, o.Dv, features["vec"], o.k4.shape[1], features["dtype"], copyable,
-                                      rows=rows, costly_scores=costly)
+    ws = not decode and select.fwd_ws(arch, o.D, o.Dv, features["vec"], rows, o.k4.shape[1], features["dtype"],
+                                      copyable, softcap=bool(features["softcap"]), mods=gen)
     options = select.score_options(features)
     ws3 = select.fwd_ws3(o.D, rows, o.causal_code != 0, _windowed(o), options, gen)
     wide_keys = select.fwd_wide_keys(o.D, _query_tiles(rows, select.SM90_TILE_WS[0]),

@@ -215,12 +215,16 @@ def fwd_wide_keys(D, q_tiles, key_rows, causal, window, options, mods):
             and key_rows >= WIDE_KEYS and q_tiles > PERSIST_TILES)
 
 
+def has_score_mod(mods):
+    """Whether generated mods (codegen.Generated or None) hold a score_mod."""
+    return mods is not None and bool(mods.defines.get("HAS_SCORE_MOD"))
+
+
 def fwd_ws_widens(mods):
     """Whether a WS forward with these generated mods (codegen.Generated or None) has a wider
     tile to move to once compiled: a score_mod without per-score loads (SM90_TILE_WS_MODS ->
     SM90_TILE_WS), unless ATTNEXT_TILE_FWD_WS fixes the tile."""
-    score_mod = mods is not None and bool(mods.defines.get("HAS_SCORE_MOD"))
-    return score_mod and not mods.pair_loads and fwd_ws_tile(True) != fwd_ws_tile(True, True)
+    return has_score_mod(mods) and not mods.pair_loads and fwd_ws_tile(True) != fwd_ws_tile(True, True)
 
 
 # The WS kernel at every length since session 76: the short rows (SM90_SHORT_ROWS and under) had
@@ -233,19 +237,19 @@ def fwd_ws_widens(mods):
 # two-warpgroup kernel's one-warpgroup tile, two CTAs an SM (H200, one run a side, us: B16 S1k H32
 # softcap 526 / 576, causal softcap score_mod 339 / 423; D128 S512's 229 / 208 and 341 / 222, and
 # D64's bias 1152 / 973 and window 171 / 165 gain from WS): those keep it
-def fwd_ws(arch, D, Dv, vec, key_rows, dtype="bfloat16", copyable=False, tensor_maps=None, rows=None,
-           costly_scores=False):
+def fwd_ws(arch, D, Dv, vec, rows, key_rows, dtype="bfloat16", copyable=False, tensor_maps=None,
+           softcap=False, mods=None):
     """Whether a (non-decode) forward runs attn_fwd_sm90.cu's warp-specialised kernel (WS): D = Dv
     in {64, 128}, with or without a score_mod / mask_mod, over keys a bulk copy can read
     (copyable: no page table or zero stride; varlen and seqused_k keys have rows past Lk inside
     the tensor, whose V rows the kernel zeroes), in a tensor of at least a tile's rows (key_rows:
     a copy's box is a whole tile), and a driver that makes tensor maps (tensor_maps: None asks
     this process's driver; the compile lab, with none, says True); not at D = 64 where a call of
-    SM90_SHORT_ROWS query rows or under (rows: the longest sequence's) has costly_scores (a softcap
-    or a generated score_mod). ATTNEXT_FWD_WS=0 says no (the lab's comparisons)."""
+    SM90_SHORT_ROWS query rows or under (rows: the longest sequence's) has a softcap or a
+    score_mod (mods: codegen.Generated or None). ATTNEXT_FWD_WS=0 says no (the lab's comparisons)."""
     if not (arch == "sm_90a" and vec and D == Dv and D in (64, 128) and dtype != "float32"
             and copyable and key_rows >= fwd_ws_tile()[1]
-            and not (D == 64 and costly_scores and rows is not None and rows <= SM90_SHORT_ROWS)
+            and not (D == 64 and rows <= SM90_SHORT_ROWS and (softcap or has_score_mod(mods)))
             and (_env.get("ATTNEXT_FWD_WS") or "1") != "0" and (_env.get("ATTNEXT_FWD_SM90") or "1") != "0"):
         return False
     if tensor_maps is not None:
@@ -360,7 +364,7 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
     if decode and tma:
         return "attn_fwd", decode_tma_tile()
     if ws and not decode:
-        return "attn_fwd_sm90", fwd_ws_tile(mods is not None and bool(mods.defines.get("HAS_SCORE_MOD")),
+        return "attn_fwd_sm90", fwd_ws_tile(has_score_mod(mods),
                                             ws3=ws3, wide_keys=wide_keys)
     if fwd_f32_sm90(arch, D, Dv, vec, decode, paged, dtype, tf32):
         return "attn_fwd_sm90_f32", _lab_tile("ATTNEXT_TILE_F32_SM90") or SM90_TILE_F32   # lab: "64,64,12,1"
@@ -370,7 +374,7 @@ def fwd_kernel(arch, D, Dv, vec, decode, rows, mods=None, dtype="bfloat16", page
         if lab:
             return "attn_fwd_sm90", lab
         short = max(D, Dv) <= 64 or rows <= SM90_SHORT_ROWS
-        score_mod = mods is not None and bool(mods.defines.get("HAS_SCORE_MOD"))
+        score_mod = has_score_mod(mods)
         if short:
             return "attn_fwd_sm90", SM90_TILE_SHORT
         mods_tile = score_mod and sm90_staged_o_fits(D, Dv, SM90_TILE_MODS)

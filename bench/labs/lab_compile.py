@@ -97,8 +97,7 @@ def forward_specs(arch, gen, rows=S, generic=False):
     the block-mask kernel last when there is a mask_mod."""
     from attnext.cuda import nvrtc, select
     # the WS kernel where a Hopper driver takes it (dense keys of a tile's rows at least)
-    ws = not generic and select.fwd_ws(arch, D, D, True, rows, "bfloat16", True, tensor_maps=True, rows=rows,
-                                       costly_scores=bool(gen.defines.get("HAS_SCORE_MOD")))
+    ws = not generic and select.fwd_ws(arch, D, D, True, rows, rows, "bfloat16", True, tensor_maps=True, mods=gen)
     kernel, tile = select.fwd_kernel(arch, D, D, True, False, rows, gen, ws=ws)
     if generic:
         kernel, tile = "attn_fwd", select.tile_config(D, D)

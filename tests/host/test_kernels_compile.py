@@ -114,7 +114,7 @@ def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
     from attnext import _C, _env
     from attnext.mods import codegen, trace
     monkeypatch.setattr(_C, "cuda_tensor_maps", lambda: True)
-    ok = dict(arch="sm_90a", D=128, Dv=128, vec=True, key_rows=4096, dtype="bfloat16", copyable=True)
+    ok = dict(arch="sm_90a", D=128, Dv=128, vec=True, rows=1, key_rows=4096, dtype="bfloat16", copyable=True)
     assert select.fwd_ws(**ok) and select.fwd_ws(**{**ok, "dtype": "float16"}) and select.fwd_ws(**{**ok, "D": 64, "Dv": 64})
     for change in (dict(arch="sm_80"), dict(D=96, Dv=96), dict(Dv=64), dict(vec=False), dict(dtype="float32"),
                    dict(key_rows=127), dict(copyable=False)):
@@ -128,16 +128,18 @@ def test_hopper_long_forward_is_warp_specialised_where_it_applies(monkeypatch):
             assert not select.fwd_ws(**ok), name
         finally:
             _env.setenv(name, None)
-    assert select.fwd_ws(**{**ok, "key_rows": select.fwd_ws_tile()[1]})
+    assert select.fwd_ws(**{**ok, "key_rows": select.fwd_ws_tile()[1]}) and select.fwd_ws(**{**ok, "rows": 4096})
     # ... but for D = 64's short calls with a softcap or a score_mod (the two-warpgroup kernel there)
-    d64 = {**ok, "D": 64, "Dv": 64, "rows": select.SM90_SHORT_ROWS}
-    assert select.fwd_ws(**d64) and select.fwd_ws(**{**ok, "rows": 1, "costly_scores": True})
-    assert not select.fwd_ws(**d64, costly_scores=True) and not select.fwd_ws(**{**d64, "rows": 1}, costly_scores=True)
-    assert select.fwd_ws(**{**d64, "rows": select.SM90_SHORT_ROWS + 1}, costly_scores=True)
-    tile = select.fwd_ws_tile()
-    assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, ws=True) == ("attn_fwd_sm90", tile)
     softcap = codegen.generate(trace.trace_score_mod(lambda s, b, h, q, kv: 20 * np.tanh(s / 20)), None)
     window = codegen.generate(None, trace.trace_mask_mod(lambda b, h, q, kv: q - kv < 100))
+    d64 = {**ok, "D": 64, "Dv": 64, "rows": select.SM90_SHORT_ROWS}
+    assert select.fwd_ws(**d64) and select.fwd_ws(**d64, mods=window)
+    assert select.fwd_ws(**ok, softcap=True) and select.fwd_ws(**ok, mods=softcap)
+    for costly in (dict(softcap=True), dict(mods=softcap)):
+        assert not select.fwd_ws(**d64, **costly) and not select.fwd_ws(**{**d64, "rows": 1}, **costly), costly
+        assert select.fwd_ws(**{**d64, "rows": select.SM90_SHORT_ROWS + 1}, **costly), costly
+    tile = select.fwd_ws_tile()
+    assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, ws=True) == ("attn_fwd_sm90", tile)
     assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, softcap, ws=True) == \
         ("attn_fwd_sm90", select.SM90_TILE_WS_MODS)
     assert select.fwd_kernel("sm_90a", 128, 128, True, False, 4096, window, ws=True) == ("attn_fwd_sm90", tile)
